@@ -1,0 +1,23 @@
+# Two entry points (see README): `make demo` and `make test`. Both build .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch from this machine's wheel cache; a bare `torch` would pull CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check ckptstore loaders bench tests examples
+	$(BIN)/python -m pytest -q
+
+demo: $(BIN)/.installed
+	$(BIN)/python examples/kill_and_resume.py
+
+.PHONY: install test demo

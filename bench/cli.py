@@ -1,0 +1,45 @@
+"""``ckptbench``: storage and checkpoint benchmarks. Each workload lives in its own module with
+``add_parser(subparsers)`` registering a subcommand whose ``func(args) -> int`` runs it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Modules of bench/ that define a subcommand, in the order --help lists them.
+WORKLOADS = ("save", "restore", "loader", "storage", "plan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckptbench",
+        description="Stress and benchmark checkpoint storage. Timings are medians and "
+        "percentiles; comparisons are ratios measured side by side in one run.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in WORKLOADS:
+        importlib.import_module(f"bench.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as exc:
+        print(f"ckptbench {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Object-store access over fsspec: the one place where bytes leave or enter storage.
+
+Every request runs on a worker thread under a deadline and is retried with exponential backoff
+and full jitter when its error is transient (timeouts, connection resets, 5xx, SlowDown). Puts are
+write-once: local files are written to a temporary name, fsynced and hard-linked into place
+(atomic, fails if the name exists); S3 uses ``If-None-Match: *``; memory uses exclusive create.
+A hung request is abandoned after its deadline (its daemon thread is left to finish on its own),
+so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ckptstore.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageAccessError,
+    StorageError,
+    StorageTimeoutError,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Backends whose exclusive create is enforced by the backend itself.
+_ENFORCED_CREATE_PROTOCOLS = {"file", "local", "memory", "s3", "s3a"}
+_TRANSIENT_ERRNOS = {
+    errno.EBUSY,
+    errno.EAGAIN,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.EPIPE,
+    errno.EREMOTEIO,
+}
+_TRANSIENT_NAME_HINTS = ("Timeout", "Connection", "ServerDisconnected", "SlowDown", "Throttl")
+
+
+@dataclass(kw_only=True)
+class RetryPolicy:
+    """How a request is retried and how long each attempt may take."""
+
+    attempts: int = 5
+    """Attempts per request, the first included."""
+    base_delay_s: float = 0.05
+    """Backoff before the second attempt; doubles each time, with full jitter."""
+    max_delay_s: float = 2.0
+    """Upper bound of one backoff."""
+    timeout_s: float = 30.0
+    """Deadline of one attempt of a small request."""
+    min_bytes_per_s: float = 2 * 2**20
+    """Large transfers get ``size / min_bytes_per_s`` more seconds of deadline."""
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"RetryPolicy.timeout_s must be > 0, got {self.timeout_s}")
+
+    def deadline_s(self, nbytes: int = 0) -> float:
+        return self.timeout_s + nbytes / self.min_bytes_per_s
+
+    def backoff_s(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
+
+
+class ElasticPool:
+    """Daemon worker threads that grow on demand and retire when idle.
+
+    Unlike ``concurrent.futures.ThreadPoolExecutor`` a worker stuck in a hung call never blocks
+    interpreter exit, and never starves later calls: a new worker starts when none is idle.
+    """
+
+    def __init__(self, name: str, idle_timeout_s: float = 10.0) -> None:
+        self._name = name
+        self._idle_timeout_s = idle_timeout_s
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._count = 0
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        future: Future[R] = Future()
+        with self._lock:
+            self._tasks.put((future, fn, args))
+            if self._idle > 0:
+                self._idle -= 1
+                return future
+            self._count += 1
+            index = self._count
+        threading.Thread(target=self._work, name=f"{self._name}-{index}", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._tasks.get(timeout=self._idle_timeout_s)
+            except queue.Empty:
+                with self._lock:
+                    # A task may have been queued for us after the timeout fired.
+                    if not self._tasks.empty():
+                        continue
+                    self._idle -= 1
+                    return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: timeouts, resets, throttling, server errors."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
+            return False
+        if isinstance(exc, (TimeoutError, ConnectionError)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        name = type(exc).__name__
+        if name == "NoCredentialsError":
+            return False
+        if any(hint in name for hint in _TRANSIENT_NAME_HINTS):
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            code = str(response.get("Error", {}).get("Code", ""))
+            if status >= 500 or code in {"SlowDown", "Throttling", "RequestTimeout"}:
+                return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def _is_access_error(exc: BaseException) -> bool:
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, PermissionError) or type(exc).__name__ in {
+            "NoCredentialsError",
+            "PartialCredentialsError",
+            "InvalidAccessKeyId",
+        }:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+class Backend:
+    """Raw single-attempt access to one fsspec filesystem; paths are absolute for that fs."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self.fs = fs
+        self.is_local = isinstance(fs, LocalFileSystem)
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        self.enforces_create = any(p in _ENFORCED_CREATE_PROTOCOLS for p in protocols)
+
+    def put_once(self, path: str, data: bytes | memoryview) -> None:
+        if self.is_local:
+            self._put_local(path, data)
+        else:
+            self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data,
+                              mode="create")
+
+    def _put_local(self, path: str, data: bytes | memoryview) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic, fails with EEXIST: never clobbers
+        finally:
+            os.unlink(tmp)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        if self.is_local:
+            with open(path, "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - (start or 0))
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def size(self, path: str) -> int:
+        if self.is_local:
+            return os.stat(path).st_size
+        return int(self.fs.size(path))
+
+    def exists(self, path: str) -> bool:
+        if self.is_local:
+            return os.path.exists(path)
+        return self.fs.exists(path)
+
+    def list(self, path: str) -> list[str]:
+        """Every object below ``path`` (recursive), as absolute fs paths."""
+        try:
+            if self.is_local:
+                out = []
+                for dirpath, _, files in os.walk(path):
+                    out.extend(os.path.join(dirpath, f) for f in files if ".tmp-" not in f)
+                return out
+            self.fs.invalidate_cache(path)
+            return list(self.fs.find(path, withdirs=False))
+        except FileNotFoundError:
+            return []
+
+    def delete(self, path: str) -> None:
+        if self.is_local:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        else:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+
+class Store:
+    """A prefix in an object store, addressed by relative keys such as ``chunks/ab/abcd...``.
+
+    ``uri`` is a local path, ``file://``, ``memory://``, ``s3://bucket/prefix`` or anything else
+    fsspec resolves. Credentials and endpoints come from ``storage_options`` or the standard
+    environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        max_concurrency: int = 16,
+        faults: Any = None,
+    ) -> None:
+        uri = os.fspath(uri)
+        if not uri:
+            raise ValueError("store URI is empty")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        try:
+            fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        except (ValueError, ImportError) as exc:
+            raise ValueError(f"cannot open store {uri!r}: {exc}") from exc
+        self.uri = uri
+        self.root = root.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self.max_concurrency = max_concurrency
+        backend = Backend(fs)
+        if faults is not None:
+            from ckptstore.faults import FaultyBackend
+
+            backend = FaultyBackend(backend, faults)
+        self.backend = backend
+        self._workers = ElasticPool(f"ckptstore-io[{uri}]")
+        self._callers = ElasticPool(f"ckptstore-req[{uri}]")
+
+    def __repr__(self) -> str:
+        return f"Store({self.uri!r})"
+
+    @property
+    def is_local(self) -> bool:
+        return self.backend.is_local
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def url(self, key: str) -> str:
+        """A readable name of ``key`` for messages."""
+        return f"{self.uri.rstrip('/')}/{key}"
+
+    # -- the request loop -------------------------------------------------------------------
+
+    def _request(self, op: str, key: str, fn: Callable[..., R], *args: Any, nbytes: int = 0) -> R:
+        policy = self.retry
+        last: BaseException | None = None
+        for attempt in range(policy.attempts):
+            if attempt:
+                time.sleep(policy.backoff_s(attempt - 1))
+            future = self._workers.submit(fn, *args)
+            deadline = policy.deadline_s(nbytes)
+            try:
+                return future.result(timeout=deadline)
+            except TimeoutError as exc:
+                if future.done() and future.exception() is exc:
+                    last = exc  # the request itself raised a timeout
+                else:
+                    future.cancel()
+                    last = StorageTimeoutError(
+                        f"{op} {self.url(key)}: no answer within {deadline:.1f}s"
+                    )
+                logger.warning("%s %s: attempt %d timed out", op, self.url(key), attempt + 1)
+            except BaseException as exc:
+                if not is_transient(exc):
+                    raise self._translate(op, key, exc) from exc
+                last = exc
+                logger.warning(
+                    "%s %s: attempt %d failed (%s), retrying", op, self.url(key), attempt + 1, exc
+                )
+        if isinstance(last, StorageTimeoutError):
+            raise StorageTimeoutError(f"{last} ({policy.attempts} attempts)") from last
+        raise StorageError(
+            f"{op} {self.url(key)} failed after {policy.attempts} attempts: {_describe(last)}"
+        ) from last
+
+    def _translate(self, op: str, key: str, exc: BaseException) -> BaseException:
+        where = self.url(key)
+        if isinstance(exc, FileExistsError) or (
+            isinstance(exc, OSError) and exc.errno == errno.EEXIST
+        ):
+            return ObjectExistsError(f"{where} already exists (objects are write-once)")
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFoundError(f"{where} does not exist")
+        if _is_access_error(exc):
+            return StorageAccessError(f"{op} {where}: access denied or no credentials ({_describe(exc)})")
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return StorageError(f"{op} {where}: no space left on device")
+        if isinstance(exc, StorageError):
+            return exc
+        return StorageError(f"{op} {where} failed: {_describe(exc)}")
+
+    # -- single requests --------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | memoryview, *, verify_readback: bool = False) -> None:
+        """Write ``key`` once; :class:`ObjectExistsError` if it is already there.
+
+        Durable when it returns (fsynced on local paths). With ``verify_readback`` (or on a
+        backend that does not enforce exclusive create) the object is read back and compared,
+        so a writer that lost a race to another is told so rather than believing it won.
+        """
+        enforced = self.backend.enforces_create
+        if not enforced and self.exists(key):
+            raise ObjectExistsError(f"{self.url(key)} already exists (objects are write-once)")
+        self._request("put", key, self.backend.put_once, self.path(key), data, nbytes=len(data))
+        if verify_readback or not enforced:
+            if self.get(key) != bytes(data):
+                raise ObjectExistsError(
+                    f"{self.url(key)} was written concurrently by another writer"
+                )
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The bytes of ``key``, or of ``[start, end)`` of it."""
+        nbytes = (end - (start or 0)) if end is not None else 0
+        return self._request("get", key, self.backend.get, self.path(key), start, end,
+                             nbytes=nbytes)
+
+    def size(self, key: str) -> int:
+        return self._request("size", key, self.backend.size, self.path(key))
+
+    def exists(self, key: str) -> bool:
+        return self._request("exists", key, self.backend.exists, self.path(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys of every object below ``prefix``, sorted."""
+        base = self.path(prefix.rstrip("/"))
+        paths = self._request("list", prefix, self.backend.list, base)
+        cut = len(self.root) + 1
+        return sorted(p[cut:] if p.startswith(self.root + "/") else p for p in paths)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a key that is already gone is not an error."""
+        self._request("delete", key, self.backend.delete, self.path(key))
+
+    # -- many requests ----------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """Run a blocking store call such as ``store.get`` in the background."""
+        return self._callers.submit(fn, *args)
+
+    def map(
+        self, fn: Callable[[T], R], items: Iterable[T], *, max_concurrency: int | None = None
+    ) -> Iterator[R]:
+        """``fn`` over ``items`` with at most ``max_concurrency`` calls in flight, in order.
+
+        A sliding window: the next call starts as soon as the oldest completes. The first error
+        cancels what has not started and is raised.
+        """
+        window = max_concurrency or self.max_concurrency
+        pending: list[Future[R]] = []
+        try:
+            for item in items:
+                pending.append(self._callers.submit(fn, item))
+                if len(pending) >= window:
+                    yield pending.pop(0).result()
+            while pending:
+                yield pending.pop(0).result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def check_reachable(self) -> None:
+        """Raise a clear error now if the store cannot be listed (bad bucket, credentials)."""
+        self.list("")
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
