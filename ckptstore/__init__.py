@@ -1,0 +1,43 @@
+"""ckptstore: sharded, verified, asynchronous checkpoints on append-only object storage."""
+
+from ckptstore.checkpointer import Checkpointer, SaveHandle
+from ckptstore.codec import CodecConfig
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StepExistsError,
+    StorageAccessError,
+    StorageError,
+    StorageTimeoutError,
+    UnsupportedStateError,
+)
+from ckptstore.faults import Faults, Fixed, LogNormal
+from ckptstore.store import RetryPolicy, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "SaveHandle",
+    "Store",
+    "RetryPolicy",
+    "CodecConfig",
+    "Faults",
+    "Fixed",
+    "LogNormal",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointNotFoundError",
+    "FormatVersionError",
+    "StepExistsError",
+    "UnsupportedStateError",
+    "StorageError",
+    "StorageAccessError",
+    "StorageTimeoutError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+]

@@ -87,9 +87,11 @@ def hash_bytes(raw) -> str:
 
 
 def _as_u8(raw) -> np.ndarray:
-    return np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.view(
-        np.uint8
-    ).reshape(-1)
+    return (
+        np.frombuffer(raw, dtype=np.uint8)
+        if not isinstance(raw, np.ndarray)
+        else raw.view(np.uint8).reshape(-1)
+    )
 
 
 def encode(raw, itemsize: int, config: CodecConfig) -> bytes:
@@ -143,9 +145,7 @@ def decode(obj, *, expected_hash: str, name: str, out: np.ndarray | None = None)
     if out is None:
         out = np.empty(raw_len, dtype=np.uint8)
     elif out.nbytes != raw_len:
-        raise CheckpointCorruptError(
-            f"chunk {name}: holds {raw_len} bytes, expected {out.nbytes}"
-        )
+        raise CheckpointCorruptError(f"chunk {name}: holds {raw_len} bytes, expected {out.nbytes}")
     out = out.view(np.uint8).reshape(-1)
     plane_len = raw_len // nplanes
     grid = out.reshape(-1, nplanes) if nplanes > 1 else None

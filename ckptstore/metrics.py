@@ -50,8 +50,9 @@ class LatencyHistogram:
             h = self._hist
             n = h.get_total_count()
             if not n:
-                return dict.fromkeys(("mean_s", "p50_s", "p90_s", "p99_s", "p999_s", "max_s"),
-                                     0.0) | {"count": 0}
+                return dict.fromkeys(
+                    ("mean_s", "p50_s", "p90_s", "p99_s", "p999_s", "max_s"), 0.0
+                ) | {"count": 0}
             return {
                 "count": n,
                 "mean_s": h.get_mean_value() / _US,

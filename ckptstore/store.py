@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptstore.errors import (
     ObjectExistsError,
@@ -169,21 +170,32 @@ def _is_access_error(exc: BaseException) -> bool:
     return False
 
 
+_MEMORY_LOCK = threading.Lock()
+
+
 class Backend:
     """Raw single-attempt access to one fsspec filesystem; paths are absolute for that fs."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        self.is_memory = isinstance(fs, MemoryFileSystem)
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         self.enforces_create = any(p in _ENFORCED_CREATE_PROTOCOLS for p in protocols)
 
     def put_once(self, path: str, data: bytes | memoryview) -> None:
         if self.is_local:
             self._put_local(path, data)
+        elif self.is_memory:
+            # fsspec's own exclusive create scans every key; the store is one dict in-process.
+            with _MEMORY_LOCK:
+                if self.fs._strip_protocol(path) in self.fs.store:
+                    raise FileExistsError(path)
+                self.fs.pipe_file(path, bytes(data))
         else:
-            self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data,
-                              mode="create")
+            self.fs.pipe_file(
+                path, bytes(data) if isinstance(data, memoryview) else data, mode="create"
+            )
 
     def _put_local(self, path: str, data: bytes | memoryview) -> None:
         directory = os.path.dirname(path)
@@ -348,7 +360,9 @@ class Store:
         if isinstance(exc, FileNotFoundError):
             return ObjectNotFoundError(f"{where} does not exist")
         if _is_access_error(exc):
-            return StorageAccessError(f"{op} {where}: access denied or no credentials ({_describe(exc)})")
+            return StorageAccessError(
+                f"{op} {where}: access denied or no credentials ({_describe(exc)})"
+            )
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return StorageError(f"{op} {where}: no space left on device")
         if isinstance(exc, StorageError):
@@ -377,8 +391,9 @@ class Store:
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The bytes of ``key``, or of ``[start, end)`` of it."""
         nbytes = (end - (start or 0)) if end is not None else 0
-        return self._request("get", key, self.backend.get, self.path(key), start, end,
-                             nbytes=nbytes)
+        return self._request(
+            "get", key, self.backend.get, self.path(key), start, end, nbytes=nbytes
+        )
 
     def size(self, key: str) -> int:
         return self._request("size", key, self.backend.size, self.path(key))

@@ -1,0 +1,278 @@
+"""The on-storage layout (docs/FORMAT.md is the prose version of this module).
+
+::
+
+    chunks/<h[:2]>/<h>                         encoded chunk, h = xxh3-128 of its raw bytes
+    steps/<step:020d>/<attempt>/rank-<r>.json  per-rank index of one save attempt
+    steps/<step:020d>/<attempt>/dcp.metadata   DCP Metadata (pickled), DCP saves only
+    pending/<step:020d>-<attempt>-<r>.json     marker of a save in flight (deleted after commit)
+    commits/<step:020d>.json                   the manifest; its existence is the commit
+
+Every object is written once. A step is visible exactly when its manifest exists; the manifest
+is written after every object it references is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptstore.codec import hash_bytes
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    ObjectNotFoundError,
+)
+from ckptstore.store import Store
+
+FORMAT_NAME = "ckptstore"
+FORMAT_VERSION = 1
+STEP_DIGITS = 20
+
+KIND_STATE = "state"  # saved by Checkpointer: a tree per rank
+KIND_DCP = "dcp"  # saved through torch.distributed.checkpoint
+
+
+def chunk_key(digest: str) -> str:
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+def commit_key(step: int) -> str:
+    return f"commits/{step:0{STEP_DIGITS}d}.json"
+
+
+def attempt_prefix(step: int, attempt: str) -> str:
+    return f"steps/{step:0{STEP_DIGITS}d}/{attempt}"
+
+
+def rank_index_key(step: int, attempt: str, rank: int) -> str:
+    return f"{attempt_prefix(step, attempt)}/rank-{rank:05d}.json"
+
+
+def dcp_metadata_key(step: int, attempt: str) -> str:
+    return f"{attempt_prefix(step, attempt)}/dcp.metadata"
+
+
+def pending_key(step: int, attempt: str, rank: int) -> str:
+    return f"pending/{step:0{STEP_DIGITS}d}-{attempt}-{rank:05d}.json"
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or step >= 10**STEP_DIGITS:
+        raise ValueError(f"step must be an int in [0, 1e{STEP_DIGITS}), got {step!r}")
+    return step
+
+
+@dataclass
+class Segment:
+    """``nbytes`` raw bytes at ``offset`` inside chunk ``chunk`` (its xxh3 hex digest)."""
+
+    chunk: str
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class TensorEntry:
+    """One saved tensor: its dtype, shape, and where its bytes are (in order)."""
+
+    dtype: str
+    shape: list[int]
+    segments: list[Segment] = field(default_factory=list)
+    numpy: bool = False  # saved from a numpy array; restored as one
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass
+class ChunkInfo:
+    raw: int
+    stored: int
+
+
+@dataclass
+class ObjectRef:
+    """A small object (index, metadata) named by key, with its size and xxh3."""
+
+    key: str
+    nbytes: int
+    xxh3: str
+
+
+@dataclass
+class RankIndex:
+    rank: int
+    tensors: list[TensorEntry]
+    chunks: dict[str, ChunkInfo]
+    tree: Any = None  # KIND_STATE: the JSON tree of the rank's state (see state.py)
+    items: dict[str, int] | None = None  # KIND_DCP: DCP storage key -> index in tensors
+
+
+@dataclass
+class Manifest:
+    step: int
+    attempt: str
+    kind: str
+    world_size: int
+    ranks: list[ObjectRef]
+    created_at: float = field(default_factory=time.time)
+    dcp_metadata: ObjectRef | None = None
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    user: dict[str, Any] = field(default_factory=dict)
+
+
+def _dump(kind: str, body: dict) -> bytes:
+    return json.dumps(
+        {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "type": kind, **body},
+        separators=(",", ":"),
+        allow_nan=False,
+    ).encode()
+
+
+def _load(data: bytes, kind: str, name: str) -> dict:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"{name}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{name}: not a {FORMAT_NAME} {kind}")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{name}: format version {version!r}; this ckptstore reads version {FORMAT_VERSION} "
+            "only (upgrade ckptstore to read it)"
+        )
+    if doc.get("type") != kind:
+        raise CheckpointCorruptError(f"{name}: expected a {kind}, found {doc.get('type')!r}")
+    return doc
+
+
+def encode_rank_index(index: RankIndex) -> bytes:
+    body = asdict(index)
+    body["tensors"] = [
+        {**t, "segments": [[s["chunk"], s["offset"], s["nbytes"]] for s in t["segments"]]}
+        for t in body["tensors"]
+    ]
+    body["chunks"] = {h: [c["raw"], c["stored"]] for h, c in body["chunks"].items()}
+    return _dump("rank-index", body)
+
+
+def decode_rank_index(data: bytes, name: str) -> RankIndex:
+    doc = _load(data, "rank-index", name)
+    try:
+        tensors = [
+            TensorEntry(
+                dtype=t["dtype"],
+                shape=list(t["shape"]),
+                segments=[Segment(c, o, n) for c, o, n in t["segments"]],
+                numpy=bool(t.get("numpy", False)),
+            )
+            for t in doc["tensors"]
+        ]
+        chunks = {h: ChunkInfo(raw, stored) for h, (raw, stored) in doc["chunks"].items()}
+        return RankIndex(
+            rank=int(doc["rank"]),
+            tensors=tensors,
+            chunks=chunks,
+            tree=doc.get("tree"),
+            items=doc.get("items"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{name}: malformed rank index ({exc!r})") from exc
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return _dump("manifest", asdict(m))
+
+
+def decode_manifest(data: bytes, name: str) -> Manifest:
+    doc = _load(data, "manifest", name)
+    try:
+        meta = doc.get("dcp_metadata")
+        return Manifest(
+            step=int(doc["step"]),
+            attempt=str(doc["attempt"]),
+            kind=str(doc["kind"]),
+            world_size=int(doc["world_size"]),
+            ranks=[ObjectRef(**r) for r in doc["ranks"]],
+            created_at=float(doc["created_at"]),
+            dcp_metadata=ObjectRef(**meta) if meta else None,
+            raw_bytes=int(doc.get("raw_bytes", 0)),
+            stored_bytes=int(doc.get("stored_bytes", 0)),
+            user=dict(doc.get("user") or {}),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
+
+
+# -- reading committed steps -------------------------------------------------------------------
+
+
+def list_steps(store: Store) -> list[int]:
+    """Committed steps, ascending. Uncommitted attempts are never listed."""
+    steps = []
+    for key in store.list("commits"):
+        name = key.rsplit("/", 1)[-1]
+        if name.endswith(".json") and name[:-5].isdigit():
+            steps.append(int(name[:-5]))
+    return sorted(steps)
+
+
+def resolve_step(store: Store, step: int | str | None) -> int:
+    """``step`` as an int; ``None`` or ``"latest"`` is the newest committed step."""
+    if step is None or step == "latest":
+        steps = list_steps(store)
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
+        return steps[-1]
+    if isinstance(step, str):
+        if not step.isdigit():
+            raise ValueError(f"step must be an integer or 'latest', got {step!r}")
+        step = int(step)
+    return check_step(step)
+
+
+def read_object(store: Store, ref: ObjectRef, what: str) -> bytes:
+    """A small object referenced by a manifest, checked against its recorded size and hash."""
+    try:
+        data = store.get(ref.key)
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{what} {store.url(ref.key)} is missing") from exc
+    if len(data) != ref.nbytes or hash_bytes(data) != ref.xxh3:
+        raise CheckpointCorruptError(
+            f"{what} {store.url(ref.key)}: size or xxh3 does not match the manifest"
+        )
+    return data
+
+
+def load_manifest(store: Store, step: int) -> Manifest:
+    key = commit_key(step)
+    try:
+        data = store.get(key)
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
+    manifest = decode_manifest(data, store.url(key))
+    if manifest.step != step:
+        raise CheckpointCorruptError(f"{store.url(key)}: manifest says step {manifest.step}")
+    return manifest
+
+
+def load_rank_index(store: Store, manifest: Manifest, rank: int) -> RankIndex:
+    refs = [r for r in manifest.ranks if r.key.endswith(f"/rank-{rank:05d}.json")]
+    if not refs:
+        raise CheckpointNotFoundError(f"step {manifest.step} has no index for rank {rank}")
+    ref = refs[0]
+    index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
+    if index.rank != rank:
+        raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
+    return index
+
+
+def object_ref(key: str, data: bytes) -> ObjectRef:
+    return ObjectRef(key=key, nbytes=len(data), xxh3=hash_bytes(data))

@@ -1,0 +1,258 @@
+"""The save and restore pipelines shared by Checkpointer and the DCP backend.
+
+Save: the caller's tensors are laid out in one staging buffer so that every chunk is a
+contiguous slice of it (large tensors split into ``chunk_bytes`` pieces, small tensors of the
+same element width packed together), then copied in (stage). In the background each chunk is
+hashed, skipped if the store already has it (content addressing), encoded and put; at most
+``encode_threads`` chunks are in flight, so the memory beyond the staging buffer is bounded by
+``encode_threads * chunk_bytes``.
+
+Restore: the chunks a set of tensors needs are fetched with ranged-free whole-object gets,
+``max_concurrency`` at a time, decoded and hash-verified on the fetching thread, then copied into
+the destination tensors; a chunk's bytes reach a tensor only after its hash checked out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ckptstore.codec import CodecConfig, decode, encode, hash_bytes
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+)
+from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
+from ckptstore.staging import align
+from ckptstore.store import Store
+
+logger = logging.getLogger(__name__)
+
+MiB = 2**20
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How state is cut into chunks, encoded and moved."""
+
+    chunk_bytes: int = 32 * MiB
+    """Target size of a chunk: large tensors are split into pieces this big."""
+    pack_below_bytes: int = 1 * MiB
+    """Tensors smaller than this are packed together into shared chunks."""
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    encode_threads: int = max(2, os.cpu_count() or 2)
+    """Chunks hashed, encoded and uploaded at once during a save."""
+    read_concurrency: int = 8
+    """Chunks fetched and decoded at once during a restore."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
+            raise ValueError(
+                f"chunk_bytes must be >= 4096 and a multiple of 64, got {self.chunk_bytes}"
+            )
+        if not 0 <= self.pack_below_bytes <= self.chunk_bytes:
+            raise ValueError("pack_below_bytes must be within [0, chunk_bytes]")
+        if self.encode_threads < 1 or self.read_concurrency < 1:
+            raise ValueError("encode_threads and read_concurrency must be >= 1")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorruptError(f"unknown dtype {name!r} in checkpoint")
+    return dtype
+
+
+def codec_itemsize(dtype: torch.dtype) -> int:
+    """Byte-grouping width: the element size for floats, 1 (no grouping) otherwise."""
+    return dtype.itemsize if (dtype.is_floating_point or dtype.is_complex) else 1
+
+
+@dataclass
+class ChunkSpan:
+    start: int
+    end: int
+    itemsize: int
+
+
+@dataclass
+class Layout:
+    """Where each tensor sits in the staging buffer and which chunks cut that buffer."""
+
+    total_bytes: int
+    offsets: list[int]  # per tensor, start in the buffer
+    chunks: list[ChunkSpan]
+
+
+def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> Layout:
+    offsets = [0] * len(tensors)
+    chunks: list[ChunkSpan] = []
+    cursor = 0
+    packs: dict[int, list[int]] = defaultdict(list)
+    large: list[int] = []
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        (packs[codec_itemsize(t.dtype)] if n < cfg.pack_below_bytes else large).append(i)
+    for itemsize, members in packs.items():
+        start = cursor
+        for i in members:
+            n = tensors[i].numel() * tensors[i].element_size()
+            if cursor > start and cursor + n > start + cfg.chunk_bytes:
+                chunks.append(ChunkSpan(start, cursor, itemsize))
+                start = cursor
+            offsets[i] = cursor
+            cursor = align(cursor + n)
+        if cursor > start:
+            chunks.append(ChunkSpan(start, cursor, itemsize))
+    for i in large:
+        t = tensors[i]
+        n = t.numel() * t.element_size()
+        offsets[i] = cursor
+        for piece in range(cursor, cursor + n, cfg.chunk_bytes):
+            chunks.append(
+                ChunkSpan(piece, min(piece + cfg.chunk_bytes, cursor + n), codec_itemsize(t.dtype))
+            )
+        cursor = align(cursor + n)
+    return Layout(total_bytes=cursor, offsets=offsets, chunks=chunks)
+
+
+def tensor_entries(
+    tensors: list[torch.Tensor], layout: Layout, digests: list[str]
+) -> list[TensorEntry]:
+    """Each tensor's dtype, shape and segments, given the digests of the layout's chunks."""
+    starts = [c.start for c in layout.chunks]
+    entries = []
+    for t, offset in zip(tensors, layout.offsets):
+        n = t.numel() * t.element_size()
+        segments = []
+        position, end = offset, offset + n
+        c = int(np.searchsorted(starts, position, side="right")) - 1 if n else 0
+        while position < end:
+            span = layout.chunks[c]
+            take = min(end, span.end) - position
+            segments.append(Segment(digests[c], position - span.start, take))
+            position += take
+            c += 1
+        entries.append(
+            TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), segments=segments)
+        )
+    return entries
+
+
+def put_chunk(store: Store, raw, itemsize: int, codec: CodecConfig) -> tuple[str, ChunkInfo]:
+    """Hash ``raw``; encode and put it unless the store already holds that chunk."""
+    digest = hash_bytes(raw)
+    key = chunk_key(digest)
+    try:
+        return digest, ChunkInfo(len(raw), store.size(key))
+    except ObjectNotFoundError:
+        pass
+    data = encode(raw, itemsize, codec)
+    try:
+        store.put(key, data)
+    except ObjectExistsError:  # another rank or save wrote the same content first
+        pass
+    return digest, ChunkInfo(len(raw), len(data))
+
+
+def write_chunks(
+    store: Store, buffer: np.ndarray, layout: Layout, cfg: PipelineConfig
+) -> tuple[list[str], dict[str, ChunkInfo]]:
+    """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
+    with ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="ckptstore-encode") as pool:
+        results = list(
+            pool.map(
+                lambda span: put_chunk(
+                    store, buffer[span.start : span.end], span.itemsize, cfg.codec
+                ),
+                layout.chunks,
+            )
+        )
+    return [d for d, _ in results], {d: info for d, info in results}
+
+
+def fetch_chunk(store: Store, digest: str, info: ChunkInfo | None = None) -> np.ndarray:
+    """A chunk's raw bytes, decoded and verified against its digest."""
+    key = chunk_key(digest)
+    try:
+        data = store.get(key)
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(f"chunk {store.url(key)} is missing") from exc
+    if info is not None and len(data) != info.stored:
+        raise CheckpointCorruptError(
+            f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
+        )
+    return decode(data, expected_hash=digest, name=store.url(key))
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def read_tensors(
+    store: Store,
+    index: RankIndex,
+    wanted: dict[int, torch.Tensor | None],
+    cfg: PipelineConfig,
+    *,
+    on_chunk: Callable[[int], None] | None = None,
+) -> dict[int, torch.Tensor]:
+    """Load the tensors ``wanted`` (index -> destination, or None for a new tensor).
+
+    A destination that is CPU and contiguous is filled in place; any other is filled through
+    a temporary and ``copy_``. ``on_chunk(raw_bytes)`` is called after each chunk (progress).
+    """
+    out: dict[int, torch.Tensor] = {}
+    fill: dict[int, torch.Tensor] = {}
+    by_chunk: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for i, dest in wanted.items():
+        entry = index.tensors[i]
+        dtype, shape = parse_dtype(entry.dtype), entry.shape
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if entry.nbytes != expected:
+            raise CheckpointCorruptError(
+                f"tensor {i} of rank {index.rank}: {entry.nbytes} bytes for {dtype} {shape}"
+            )
+        if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
+            target = dest
+        else:
+            target = torch.empty(shape, dtype=dtype)
+        out[i] = dest if dest is not None else target
+        fill[i] = target
+        position = 0
+        for seg in entry.segments:
+            by_chunk[seg.chunk].append((i, seg.offset, seg.nbytes, position))
+            position += seg.nbytes
+    views = {i: _byte_view(t) for i, t in fill.items() if t.numel()}
+
+    def load(digest: str) -> int:
+        raw = fetch_chunk(store, digest, index.chunks.get(digest))
+        for i, offset, nbytes, position in by_chunk[digest]:
+            if offset + nbytes > raw.size:
+                raise CheckpointCorruptError(
+                    f"chunk {digest}: segment [{offset}, {offset + nbytes}) past its end "
+                    f"({raw.size} bytes)"
+                )
+            views[i][position : position + nbytes] = raw[offset : offset + nbytes]
+        return raw.size
+
+    for nbytes in store.map(load, list(by_chunk), max_concurrency=cfg.read_concurrency):
+        if on_chunk is not None:
+            on_chunk(nbytes)
+    for i, dest in wanted.items():
+        if dest is not None and fill[i] is not dest:
+            dest.copy_(fill[i])
+    return out

@@ -1,0 +1,237 @@
+"""How a training state maps to a JSON tree plus a list of tensors, and back, in place.
+
+A state is nested dicts, lists and tuples of tensors, numpy arrays, Python scalars, strings,
+bytes, and objects with ``state_dict()`` / ``load_state_dict()``. The tree is JSON; tensors become
+``{"$t": i}`` (``$np`` for numpy arrays) and other non-JSON values are tagged the same way::
+
+    {"$t": 3}  {"$np": 4}  {"$tuple": [...]}  {"$dict": [[key, value], ...]}
+    {"$bytes": "<base64>"}  {"$float": "nan"}  {"$stateful": <tree of its state_dict()>}
+
+Nothing is pickled: loading a checkpoint never runs code from storage.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptstore.errors import UnsupportedStateError
+
+_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful")
+_MISSING = object()
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _check_tensor(t: torch.Tensor, path: tuple) -> None:
+    if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
+        raise UnsupportedStateError(
+            f"{_path_str(path)}: DTensor state is saved through ckptstore.dcp (DCP), "
+            "not Checkpointer"
+        )
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise UnsupportedStateError(
+            f"{_path_str(path)}: unsupported tensor ({t.layout}, {t.device}, dtype {t.dtype})"
+        )
+
+
+def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The JSON tree of ``state`` and its tensors (numpy arrays as tensors), in tree order."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any, path: tuple) -> Any:
+        if isinstance(value, torch.Tensor):
+            _check_tensor(value, path)
+            tensors.append(value.detach())
+            return {"$t": len(tensors) - 1}
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject:
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: numpy object arrays can't be saved"
+                )
+            tensors.append(torch.from_numpy(np.ascontiguousarray(value)))
+            return {"$np": len(tensors) - 1}
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"$float": repr(value)}
+        if isinstance(value, np.generic):
+            return walk(value.item(), path)
+        if isinstance(value, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(value)).decode()}
+        if isinstance(value, dict):
+            keys = list(value)
+            if all(isinstance(k, str) and not k.startswith("$") for k in keys):
+                return {k: walk(value[k], (*path, k)) for k in keys}
+            for k in keys:
+                if not (k is None or isinstance(k, (bool, int, float, str))):
+                    raise UnsupportedStateError(
+                        f"{_path_str(path)}: dict key {k!r} of type {type(k).__name__} "
+                        "(keys must be str, int, float, bool or None)"
+                    )
+            return {"$dict": [[walk(k, path), walk(value[k], (*path, k))] for k in keys]}
+        if isinstance(value, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(value)]
+        if isinstance(value, tuple):  # also torch.Size and namedtuples (saved as tuples)
+            return {"$tuple": [walk(v, (*path, i)) for i, v in enumerate(value)]}
+        if is_stateful(value):
+            return {"$stateful": walk(value.state_dict(), path)}
+        raise UnsupportedStateError(
+            f"{_path_str(path)}: cannot save a value of type {type(value).__module__}."
+            f"{type(value).__qualname__} (supported: tensors, numpy arrays, numbers, str, bytes, "
+            "None, dict/list/tuple, and objects with state_dict()/load_state_dict())"
+        )
+
+    return walk(state, ()), tensors
+
+
+def _tag(node: Any) -> str | None:
+    if isinstance(node, dict) and len(node) == 1:
+        (key,) = node
+        if key in _TAGS:
+            return key
+    return None
+
+
+def _scalar(node: Any) -> Any:
+    tag = _tag(node)
+    if tag == "$float":
+        return float(node["$float"])
+    if tag == "$bytes":
+        return base64.b64decode(node["$bytes"])
+    return node
+
+
+class _Loader:
+    """Two passes over (target, saved tree): ``match`` finds, before any I/O, which saved
+    tensor lands in which existing tensor (checking shapes and dtypes); ``build`` then puts
+    the loaded values in place and calls ``load_state_dict`` on stateful objects."""
+
+    def __init__(self, describe: Callable[[int], tuple[torch.dtype, list[int]]]) -> None:
+        self.describe = describe
+        self.dests: dict[int, torch.Tensor] = {}
+        self.templates: dict[tuple, Any] = {}
+
+    def match(self, target: Any, node: Any, path: tuple) -> None:
+        tag = _tag(node)
+        if tag == "$t":
+            if target is _MISSING or target is None:
+                return
+            if not isinstance(target, torch.Tensor):
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
+                )
+            dtype, shape = self.describe(node["$t"])
+            if list(target.shape) != shape or target.dtype != dtype:
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
+                    f"{target.dtype} {tuple(target.shape)}"
+                )
+            self.dests[node["$t"]] = target
+        elif tag == "$stateful":
+            if target is _MISSING or not is_stateful(target):
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: checkpoint has a stateful object; pass an object with "
+                    "load_state_dict() to load it into"
+                )
+            template = target.state_dict()
+            self.templates[path] = template
+            self.match(template, node["$stateful"], path)
+        elif tag == "$tuple" or isinstance(node, list):
+            items = node["$tuple"] if tag else node
+            seq = target if isinstance(target, (list, tuple)) else None
+            if seq is not None and len(seq) != len(items):
+                seq = None  # rebuilt from the checkpoint (e.g. a list that grew)
+            for i, item in enumerate(items):
+                self.match(seq[i] if seq is not None else _MISSING, item, (*path, i))
+        elif tag == "$dict" or (isinstance(node, dict) and tag is None):
+            pairs = [(_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+            container = target if isinstance(target, dict) else None
+            if container is not None and path == ():
+                extra = set(container) - {k for k, _ in pairs}
+                if extra:
+                    raise UnsupportedStateError(
+                        f"state keys not in the checkpoint: {sorted(map(str, extra))}"
+                    )
+            for key, value in pairs:
+                sub = container.get(key, _MISSING) if container is not None else _MISSING
+                self.match(sub, value, (*path, key))
+
+    def build(self, target: Any, node: Any, path: tuple, tensors: dict[int, Any]) -> Any:
+        tag = _tag(node)
+        if tag in ("$t", "$np"):
+            return tensors[node[tag]]
+        if tag == "$stateful":
+            template = self.templates[path]
+            target.load_state_dict(self.build(template, node["$stateful"], path, tensors))
+            return target
+        if tag == "$tuple":
+            seq = target if isinstance(target, (list, tuple)) else ()
+            return tuple(
+                self.build(seq[i] if i < len(seq) else _MISSING, v, (*path, i), tensors)
+                for i, v in enumerate(node["$tuple"])
+            )
+        if isinstance(node, list):
+            seq = target if isinstance(target, (list, tuple)) and len(target) == len(node) else None
+            values = [
+                self.build(seq[i] if seq is not None else _MISSING, v, (*path, i), tensors)
+                for i, v in enumerate(node)
+            ]
+            if isinstance(target, list):
+                target[:] = values
+                return target
+            return values
+        if tag == "$dict" or (isinstance(node, dict) and tag is None):
+            pairs = [(_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+            out = target if isinstance(target, dict) else {}
+            for key, value in pairs:
+                out[key] = self.build(out.get(key, _MISSING), value, (*path, key), tensors)
+            return out
+        return _scalar(node)
+
+
+def plan_load(
+    target: Any, tree: Any, describe: Callable[[int], tuple[torch.dtype, list[int]]]
+) -> _Loader:
+    """Check ``target`` against the saved ``tree``; the result's ``dests`` maps saved tensor
+    indexes to the tensors of ``target`` they are loaded into (in place)."""
+    loader = _Loader(describe)
+    loader.match(target, tree, ())
+    return loader
+
+
+def finish_load(loader: _Loader, target: Any, tree: Any, tensors: dict[int, Any]) -> Any:
+    """Put loaded values into ``target`` (in place where it can) and return it."""
+    return loader.build(target, tree, (), tensors)
+
+
+def tensor_indexes(tree: Any) -> dict[int, bool]:
+    """Every tensor index in ``tree`` and whether it was a numpy array."""
+    found: dict[int, bool] = {}
+
+    def walk(node: Any) -> None:
+        tag = _tag(node)
+        if tag in ("$t", "$np"):
+            found[node[tag]] = tag == "$np"
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(tree)
+    return found
