@@ -313,20 +313,8 @@ class Checkpointer:
         marker = pending_key(job.step, job.attempt, self.rank)
         ref: Any
         try:
-            store.put(
-                marker,
-                json.dumps(
-                    {
-                        "step": job.step,
-                        "attempt": job.attempt,
-                        "rank": self.rank,
-                        "created_at": time.time(),
-                        "host": socket.gethostname(),
-                        "pid": os.getpid(),
-                    }
-                ).encode(),
-            )
             try:
+                store.put(marker, self._marker(job))
                 job.staged.wait()
                 digests, chunks = write_chunks(
                     store, job.staged.buffer.numpy(), job.layout, self.config
@@ -368,6 +356,18 @@ class Checkpointer:
             raise ref
         if isinstance(outcome, BaseException):
             raise outcome
+
+    def _marker(self, job: _Job) -> bytes:
+        return json.dumps(
+            {
+                "step": job.step,
+                "attempt": job.attempt,
+                "rank": self.rank,
+                "created_at": time.time(),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            }
+        ).encode()
 
     def _commit(self, job: _Job, refs: list) -> BaseException | None:
         manifest = Manifest(

@@ -46,8 +46,9 @@ class PipelineConfig:
 
     chunk_bytes: int = 32 * MiB
     """Target size of a chunk: large tensors are split into pieces this big."""
-    pack_below_bytes: int = 1 * MiB
-    """Tensors smaller than this are packed together into shared chunks."""
+    pack_below_bytes: int | None = None
+    """Tensors smaller than this are packed together into shared chunks (default: the
+    smaller of 1 MiB and a quarter of ``chunk_bytes``)."""
     codec: CodecConfig = field(default_factory=CodecConfig)
     encode_threads: int = max(2, os.cpu_count() or 2)
     """Chunks hashed, encoded and uploaded at once during a save."""
@@ -59,6 +60,8 @@ class PipelineConfig:
             raise ValueError(
                 f"chunk_bytes must be >= 4096 and a multiple of 64, got {self.chunk_bytes}"
             )
+        if self.pack_below_bytes is None:
+            self.pack_below_bytes = min(MiB, self.chunk_bytes // 4)
         if not 0 <= self.pack_below_bytes <= self.chunk_bytes:
             raise ValueError("pack_below_bytes must be within [0, chunk_bytes]")
         if self.encode_threads < 1 or self.read_concurrency < 1:

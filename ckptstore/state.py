@@ -140,7 +140,8 @@ class _Loader:
                     f"{_path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
                     f"{target.dtype} {tuple(target.shape)}"
                 )
-            self.dests[node["$t"]] = target
+            if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
+                self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
         elif tag == "$stateful":
             if target is _MISSING or not is_stateful(target):
                 raise UnsupportedStateError(

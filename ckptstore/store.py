@@ -248,7 +248,9 @@ class Backend:
                 return out
             self.fs.invalidate_cache(path)
             return list(self.fs.find(path, withdirs=False))
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise
             return []
 
     def delete(self, path: str) -> None:
@@ -358,6 +360,8 @@ class Store:
         ):
             return ObjectExistsError(f"{where} already exists (objects are write-once)")
         if isinstance(exc, FileNotFoundError):
+            if "bucket" in str(exc).lower():
+                return ObjectNotFoundError(f"{op} {where}: the bucket does not exist")
             return ObjectNotFoundError(f"{where} does not exist")
         if _is_access_error(exc):
             return StorageAccessError(

@@ -1,0 +1,304 @@
+"""Checkpointer: exact round trips, dedup, retention, async behaviour, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptstore import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointNotFoundError,
+    Faults,
+    FormatVersionError,
+    RetryPolicy,
+    StepExistsError,
+    StorageError,
+    Store,
+    UnsupportedStateError,
+)
+from ckptstore.format import commit_key, list_steps
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 16, generator=g)).sum().backward()
+    opt.step()
+    base = torch.randn(40, 30, generator=g)
+    return {
+        "model": model,
+        "optim": opt,
+        "tensors": {
+            "f32": torch.randn(1000, generator=g),
+            "f64": torch.randn(7, 3, generator=g, dtype=torch.float64),
+            "bf16": torch.randn(33, 17, generator=g).bfloat16(),
+            "f16": torch.randn(5, generator=g).half(),
+            "i64": torch.randint(-(2**40), 2**40, (9,), generator=g),
+            "i8": torch.randint(-128, 127, (13,), generator=g, dtype=torch.int8),
+            "u8": torch.randint(0, 255, (11,), generator=g, dtype=torch.uint8),
+            "bool": torch.rand(23, generator=g) > 0.5,
+            "c64": torch.randn(4, generator=g, dtype=torch.complex64),
+            "scalar": torch.tensor(3.25),
+            "empty": torch.empty(0, 5),
+            "transposed": base.t(),
+            "strided": base[::3, 1::2],
+            "view": base[5:9],
+            "expanded": torch.randn(1, 6, generator=g).expand(4, 6),
+        },
+        "numpy": np.arange(12, dtype=np.int32).reshape(3, 4) * (seed + 1),
+        "step": 41 + seed,
+        "lr": 0.5,
+        "inf": float("inf"),
+        "name": "run-é",
+        "none": None,
+        "blob": b"\x00\xffraw",
+        "pair": (1, "two", [3.0]),
+        "int_keys": {0: "a", 7: "b"},
+        "nested": [{"a": [1, 2, {"b": torch.ones(2)}]}],
+        "rng": torch.get_rng_state(),
+        "py_rng": random.Random(seed).getstate(),
+        "np_rng": np.random.RandomState(seed).get_state(),
+    }
+
+
+def blank_state() -> dict:
+    state = make_state(seed=99)
+    for t in state["tensors"].values():
+        if t.numel() and not t.is_complex() and t.dtype != torch.bool:
+            t.zero_() if t.is_contiguous() or t._base is None else None
+    return state
+
+
+def assert_same(a, b, path="state"):
+    if isinstance(a, torch.nn.Module) or isinstance(a, torch.optim.Optimizer):
+        assert_same(a.state_dict(), b.state_dict(), path)
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def test_round_trip_is_exact(store_uri):
+    saved = make_state()
+    with Checkpointer(store_uri) as ckpt:
+        ckpt.save(10, saved).wait()
+        assert ckpt.steps() == [10] and ckpt.latest() == 10
+    target = make_state(seed=5)
+    model_weight = target["model"][0].weight
+    with Checkpointer(store_uri) as ckpt:
+        assert ckpt.load(target) == 10
+    assert_same(saved, target)
+    assert target["model"][0].weight is model_weight  # loaded in place
+
+
+def test_large_tensors_split_and_small_ones_packed(tmp_path):
+    state = {"big": torch.randn(300_000), "small": [torch.randn(10) for _ in range(50)]}
+    with Checkpointer(tmp_path, chunk_bytes=64 * 1024) as ckpt:
+        ckpt.save(1, state).wait()
+    chunks = list((tmp_path / "chunks").rglob("*"))
+    n_chunks = len([c for c in chunks if c.is_file()])
+    # 1.2 MB in 64 KiB pieces, plus one pack for the 50 small tensors
+    assert n_chunks == -(-300_000 * 4 // (64 * 1024)) + 1
+    target = {"big": torch.zeros(300_000), "small": [torch.zeros(10) for _ in range(50)]}
+    Checkpointer(tmp_path).load(target)
+    assert_same(state, target)
+
+
+def test_unchanged_chunks_are_not_written_again(tmp_path):
+    state = {"frozen": torch.randn(100_000), "moving": torch.randn(100_000)}
+    with Checkpointer(tmp_path, chunk_bytes=64 * 1024) as ckpt:
+        ckpt.save(1, state).wait()
+        before = {p for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
+        state["moving"] += 1
+        ckpt.save(2, state).wait()
+        after = {p for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
+    new = after - before
+    assert 0 < len(new) <= len(before) // 2 + 1  # only the moving tensor's chunks
+
+
+def test_save_copies_state_before_returning(tmp_path):
+    state = {"w": torch.ones(1000)}
+    with Checkpointer(tmp_path) as ckpt:
+        handle = ckpt.save(1, state)
+        state["w"].fill_(7.0)  # the training loop moves on
+        handle.wait()
+    target = {"w": torch.zeros(1000)}
+    Checkpointer(tmp_path).load(target)
+    assert torch.equal(target["w"], torch.ones(1000))
+
+
+def test_staging_buffer_is_reused(tmp_path):
+    state = {"w": torch.randn(50_000)}
+    with Checkpointer(tmp_path) as ckpt:
+        for step in range(4):
+            ckpt.save(step, state)
+        ckpt.wait()
+        assert ckpt.pool.allocations == 1
+        assert ckpt.pool.allocated_bytes < 50_000 * 4 + 4096
+
+
+def test_when_busy_skip_never_doubles_memory(tmp_path):
+    faults = Faults(latency=None, slow_rate=1.0, slow_s=0.3, ops=frozenset({"put"}))
+    store = Store(tmp_path, faults=faults)
+    state = {"w": torch.randn(10_000)}
+    with Checkpointer(tmp_path, store=store, when_busy="skip") as ckpt:
+        first = ckpt.save(1, state)
+        second = ckpt.save(2, state)
+        assert second.skipped and not first.skipped
+        first.wait()
+        assert ckpt.pool.allocations == 1
+        assert ckpt.steps() == [1]
+
+
+def test_staging_budget_is_enforced(tmp_path):
+    with Checkpointer(tmp_path, staging_budget_bytes=1000) as ckpt:
+        with pytest.raises(ValueError, match="staging_budget_bytes"):
+            ckpt.save(1, {"w": torch.randn(10_000)})
+
+
+def test_keep_last_deletes_old_steps_and_their_chunks(tmp_path):
+    with Checkpointer(tmp_path, keep_last=2) as ckpt:
+        for step in range(5):
+            ckpt.save(step, {"w": torch.full((20_000,), float(step))})
+        ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+    chunk_files = [p for p in (tmp_path / "chunks").rglob("*") if p.is_file()]
+    assert len(chunk_files) == 2
+    assert not list((tmp_path / "pending").glob("*"))
+    for step in (3, 4):
+        target = {"w": torch.zeros(20_000)}
+        Checkpointer(tmp_path).load(target, step=step)
+        assert torch.equal(target["w"], torch.full((20_000,), float(step)))
+
+
+def test_background_error_surfaces_and_leaves_no_step():
+    faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
+    store = Store(
+        "memory://failing-saves", faults=faults, retry=RetryPolicy(attempts=2, base_delay_s=0.001)
+    )
+    ckpt = Checkpointer("memory://failing-saves", store=store)
+    handle = ckpt.save(1, {"w": torch.randn(100)})
+    with pytest.raises(StorageError, match="failed after 2 attempts"):
+        handle.wait(timeout_s=60)
+    with pytest.raises(StorageError):  # and again at the next save
+        ckpt.save(2, {"w": torch.randn(100)})
+    faults.error_rate = 0.0
+    assert ckpt.steps() == []
+    ckpt.save(3, {"w": torch.randn(100)}).wait()
+    assert ckpt.steps() == [3]
+    ckpt.close()
+
+
+def test_two_writers_of_one_step(tmp_path):
+    a, b = Checkpointer(tmp_path), Checkpointer(tmp_path)
+    a.save(5, {"w": torch.ones(10)}).wait()
+    with pytest.raises(StepExistsError, match="step 5 is already committed"):
+        b.save(5, {"w": torch.zeros(10)}).wait()
+    target = {"w": torch.zeros(10)}
+    a.load(target)
+    assert torch.equal(target["w"], torch.ones(10))
+    a.close()
+    with pytest.raises(StepExistsError):
+        b.close()
+
+
+def test_load_errors_are_clear(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+            ckpt.load({"w": torch.zeros(3)})
+        ckpt.save(1, {"w": torch.zeros(3), "n": 1}).wait()
+        with pytest.raises(UnsupportedStateError, match=r"w: checkpoint has torch.float32 \(3,\)"):
+            ckpt.load({"w": torch.zeros(4), "n": 0})
+        with pytest.raises(UnsupportedStateError, match="float32"):
+            ckpt.load({"w": torch.zeros(3, dtype=torch.float64), "n": 0})
+        with pytest.raises(UnsupportedStateError, match="not in the checkpoint: \\['extra'\\]"):
+            ckpt.load({"w": torch.zeros(3), "n": 0, "extra": 1})
+        with pytest.raises(CheckpointNotFoundError, match="step 7 is not committed"):
+            ckpt.load({"w": torch.zeros(3), "n": 0}, step=7)
+
+
+def test_unsupported_state_is_refused_by_name(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match="opt/fn: cannot save a value of type"):
+            ckpt.save(1, {"opt": {"fn": lambda x: x}})
+        with pytest.raises(ValueError, match="step must be"):
+            ckpt.save(-1, {})
+    with pytest.raises(ValueError, match="keep_last"):
+        Checkpointer(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="unknown compression"):
+        Checkpointer(tmp_path, compression="lz5")
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
+
+
+def test_corrupt_chunk_is_refused_on_load(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.randn(5000)}).wait()
+    (chunk,) = _chunk_files(tmp_path)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.chmod(0o644)
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=chunk.name):
+        Checkpointer(tmp_path).load({"w": torch.zeros(5000)})
+    chunk.write_bytes(bytes(data[:-10]))
+    with pytest.raises(CheckpointCorruptError, match=chunk.name):
+        Checkpointer(tmp_path).load({"w": torch.zeros(5000)})
+    chunk.unlink()
+    with pytest.raises(CheckpointNotFoundError, match=chunk.name):
+        Checkpointer(tmp_path).load({"w": torch.zeros(5000)})
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.randn(10)}).wait()
+    path = tmp_path / commit_key(1)
+    doc = json.loads(path.read_text())
+    doc["format_version"] = 99
+    path.unlink()
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatVersionError, match="format version 99"):
+        Checkpointer(tmp_path).load({"w": torch.zeros(10)})
+
+
+def test_only_committed_steps_are_listed(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.randn(10)}).wait()
+    # an attempt that died before its commit: chunks and index exist, no manifest
+    (tmp_path / "steps" / f"{2:020d}" / "deadbeef").mkdir(parents=True)
+    (tmp_path / "steps" / f"{2:020d}" / "deadbeef" / "rank-00000.json").write_text("{}")
+    assert list_steps(Store(tmp_path)) == [1]
+
+
+def test_nonexistent_store_path_lists_nothing_and_loads_clearly(tmp_path):
+    ckpt = Checkpointer(tmp_path / "does-not-exist")
+    assert ckpt.steps() == [] and ckpt.latest() is None
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        ckpt.load({})
+    ckpt.close()
+    assert not os.path.exists(tmp_path / "does-not-exist")

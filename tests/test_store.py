@@ -1,0 +1,178 @@
+"""One storage suite, run against memory://, a local directory and S3 on a moto server."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ckptstore.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
+from ckptstore.faults import Faults, Fixed, InjectedFaultError, parse_latency
+from ckptstore.store import RetryPolicy, Store, is_transient
+
+
+def test_put_get_ranges_list_delete(store_uri):
+    store = Store(store_uri)
+    store.put("a/one", b"0123456789")
+    store.put("a/b/two", b"xy")
+    assert store.get("a/one") == b"0123456789"
+    assert store.get("a/one", 2, 5) == b"234"
+    assert store.get("a/one", 7) == b"789"
+    assert store.size("a/one") == 10
+    assert store.exists("a/b/two") and not store.exists("a/none")
+    assert store.list("a") == ["a/b/two", "a/one"]
+    assert store.list("") == ["a/b/two", "a/one"]
+    assert store.list("nothing-here") == []
+    store.delete("a/one")
+    store.delete("a/one")  # already gone: not an error
+    assert store.list("a") == ["a/b/two"]
+
+
+def test_put_is_write_once(store_uri):
+    store = Store(store_uri)
+    store.put("k", b"first")
+    with pytest.raises(ObjectExistsError, match="already exists"):
+        store.put("k", b"second")
+    assert store.get("k") == b"first"
+
+
+def test_concurrent_writers_one_wins(store_uri):
+    store = Store(store_uri)
+    outcomes: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def write(i: int) -> None:
+        barrier.wait(timeout=10)
+        try:
+            store.put("race", f"writer-{i}".encode(), verify_readback=True)
+            outcomes.append(f"won-{i}")
+        except ObjectExistsError:
+            outcomes.append("lost")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(outcomes) == 4 and len(winners) == 1
+    assert store.get("race") == f"writer-{winners[0][4:]}".encode()
+
+
+def test_missing_object_is_named(store_uri):
+    store = Store(store_uri)
+    with pytest.raises(ObjectNotFoundError, match="nope"):
+        store.get("nope")
+    with pytest.raises(ObjectNotFoundError):
+        store.size("nope")
+
+
+def test_map_is_ordered_and_bounded(store_uri):
+    store = Store(store_uri)
+    list(store.map(lambda i: store.put(f"m/{i:03d}", bytes([i])), range(40), max_concurrency=4))
+    assert list(store.map(lambda i: store.get(f"m/{i:03d}"), range(40))) == [
+        bytes([i]) for i in range(40)
+    ]
+
+
+def test_large_object_round_trip(store_uri):
+    store = Store(store_uri)
+    data = bytes(range(256)) * (3 * 4096 + 7)
+    store.put("big", data)
+    assert store.get("big") == data
+    assert store.get("big", 1000, 1000 + 4096) == data[1000:5096]
+
+
+def test_local_put_leaves_no_temporary_files(tmp_path):
+    store = Store(tmp_path)
+    store.put("x/y", b"1")
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["y"]
+
+
+def test_transient_errors_are_retried():
+    faults = Faults(error_rate=0.5, seed=3)
+    store = Store(
+        "memory://retry-test", faults=faults, retry=RetryPolicy(attempts=30, base_delay_s=0.001)
+    )
+    for i in range(20):
+        store.put(f"k{i}", b"v")
+    assert faults.counts["errors"] > 0
+    assert [store.get(f"k{i}") for i in range(20)] == [b"v"] * 20
+
+
+def test_errors_exhaust_retries_with_clear_message():
+    store = Store(
+        "memory://retry-fail",
+        faults=Faults(error_rate=1.0),
+        retry=RetryPolicy(attempts=3, base_delay_s=0.001),
+    )
+    with pytest.raises(StorageError, match=r"put memory://retry-fail/k failed after 3 attempts"):
+        store.put("k", b"v")
+
+
+def test_hung_request_hits_deadline():
+    faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
+    store = Store(
+        "memory://hang",
+        faults=faults,
+        retry=RetryPolicy(attempts=2, timeout_s=0.2, base_delay_s=0.001),
+    )
+    store.put("k", b"v")
+    try:
+        with pytest.raises(StorageTimeoutError, match="no answer within"):
+            store.get("k")
+    finally:
+        faults.release()
+    assert store.get("k") == b"v"  # released: no more hangs
+
+
+def test_latency_injection_and_specs():
+    store = Store("memory://lat", faults=Faults(latency=Fixed(0.01)))
+    store.put("k", b"v")
+    assert store.get("k") == b"v"
+    assert parse_latency("none") is None
+    assert parse_latency("lognormal:0.01:0.3").median_s == 0.01
+    with pytest.raises(ValueError, match="bad latency spec"):
+        parse_latency("gaussian:1")
+    with pytest.raises(ValueError, match="error_rate"):
+        Faults(error_rate=2.0)
+
+
+def test_is_transient_classification():
+    assert is_transient(InjectedFaultError("x"))
+    assert is_transient(TimeoutError())
+    assert is_transient(OSError(16, "SlowDown"))  # s3fs maps SlowDown/503 to EBUSY
+    assert not is_transient(FileNotFoundError("x"))
+    assert not is_transient(PermissionError("x"))
+    assert not is_transient(ValueError("x"))
+
+
+def test_unknown_scheme_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot open store 'nosuch://x'"):
+        Store("nosuch://x")
+
+
+def test_missing_bucket_is_a_clear_error(s3_endpoint):
+    store = Store("s3://no-such-bucket-ckptstore/x", retry=RetryPolicy(attempts=1))
+    with pytest.raises(StorageError):
+        store.put("k", b"v")
+
+
+def test_missing_credentials_is_a_clear_error(s3_endpoint, monkeypatch, tmp_path):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    store = Store(
+        "s3://some-bucket/x",
+        storage_options={"skip_instance_cache": True},
+        retry=RetryPolicy(attempts=1, timeout_s=20),
+    )
+    with pytest.raises(StorageError, match="(?i)credential|access"):
+        store.put("k", b"v")
