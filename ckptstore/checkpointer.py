@@ -332,9 +332,8 @@ class Checkpointer:
             data = encode_rank_index(index)
             key = rank_index_key(job.step, job.attempt, self.rank)
             store.put(key, data)
-            raw = sum(c.raw for c in chunks.values())
-            stored = sum(c.stored for c in chunks.values())
-            ref = (object_ref(key, data), raw, stored)
+            sizes = {d: (c.raw, c.stored) for d, c in chunks.items()}
+            ref = (object_ref(key, data), sizes)
         except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
             ref = exc
         refs = self._group.gather(ref)
@@ -370,14 +369,17 @@ class Checkpointer:
         ).encode()
 
     def _commit(self, job: _Job, refs: list) -> BaseException | None:
+        unique: dict[str, tuple[int, int]] = {}
+        for _, sizes in refs:
+            unique.update(sizes)
         manifest = Manifest(
             step=job.step,
             attempt=job.attempt,
             kind=KIND_STATE,
             world_size=self._group.world_size,
             ranks=[r[0] for r in refs],
-            raw_bytes=sum(r[1] for r in refs),
-            stored_bytes=sum(r[2] for r in refs),
+            raw_bytes=sum(raw for raw, _ in unique.values()),
+            stored_bytes=sum(stored for _, stored in unique.values()),
             user=job.user,
         )
         try:

@@ -167,7 +167,7 @@ def put_chunk(store: Store, raw, itemsize: int, codec: CodecConfig) -> tuple[str
     try:
         store.put(key, data)
     except ObjectExistsError:  # another rank or save wrote the same content first
-        pass
+        return digest, ChunkInfo(len(raw), store.size(key))
     return digest, ChunkInfo(len(raw), len(data))
 
 

@@ -1,0 +1,710 @@
+"""PyTorch Distributed Checkpoint (DCP) storage backend on top of a ckptstore store.
+
+``StoreWriter`` / ``StoreReader`` implement DCP's ``StorageWriter`` / ``StorageReader`` so that
+``torch.distributed.checkpoint.save / async_save / load`` write and read the ckptstore format:
+content-addressed, verified chunks, one index per rank and a commit manifest of kind ``dcp``
+that also references the pickled DCP ``Metadata``. DCP's planner does the rest (deduplication of
+replicated items, resharding of DTensor / ShardedTensor state at load time).
+
+A save goes through these calls (all ranks unless noted)::
+
+    prepare_global_plan  (coordinator) pick the step (given, or latest committed + 1) and a
+                         fresh attempt id; hand both to every rank in SavePlan.storage_data
+    write_data           pending marker -> resolve + stage the items -> chunks -> rank index;
+                         each WriteResult carries (rank, tensor index) plus the index's ObjectRef
+    finish               (coordinator) pickle the Metadata, write it, commit the manifest (the
+                         step becomes visible), delete the ranks' pending markers, retention
+
+Each DCP item becomes one entry of its rank's index: ``RankIndex.items`` maps the item's storage
+key (``fqn`` or ``fqn@o0,o1,...`` for a shard at offset ``(o0, o1, ...)``) to its position in
+``RankIndex.tensors``. Non-tensor items (``BYTE_IO``, pickled by DCP) are stored as ``uint8``
+tensors of shape ``[n]`` in the same chunks. ``Metadata.storage_data`` maps each DCP
+``MetadataIndex`` to the ``(rank, tensor index)`` pair that locates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore.codec import CodecConfig
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ObjectExistsError,
+    StepExistsError,
+    UnsupportedStateError,
+)
+from ckptstore.format import (
+    KIND_DCP,
+    Manifest,
+    ObjectRef,
+    RankIndex,
+    check_step,
+    commit_key,
+    dcp_metadata_key,
+    encode_manifest,
+    encode_rank_index,
+    list_steps,
+    load_manifest,
+    load_rank_index,
+    object_ref,
+    pending_key,
+    rank_index_key,
+    read_object,
+    resolve_step,
+)
+from ckptstore.pipeline import (
+    PipelineConfig,
+    parse_dtype,
+    plan_layout,
+    read_tensors,
+    tensor_entries,
+    write_chunks,
+)
+from ckptstore.retention import collect
+from ckptstore.staging import Stager, StagingPool
+from ckptstore.store import RetryPolicy, Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StoreWriter", "StoreReader", "load_full_state_dict", "storage_key"]
+
+# Metadata.version as written by torch's own FileSystemWriter (the DCP layout version we mimic).
+_DCP_VERSION = "1.0.0"
+
+
+def storage_key(index: MetadataIndex) -> str:
+    """The key of a DCP item in ``RankIndex.items``: ``fqn``, or ``fqn@o0,o1`` for a shard."""
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+def _open_store(
+    uri: str | os.PathLike,
+    storage_options: dict[str, Any] | None,
+    max_concurrency: int,
+    timeout_s: float,
+) -> Store:
+    return Store(
+        uri,
+        storage_options=storage_options,
+        retry=RetryPolicy(timeout_s=timeout_s),
+        max_concurrency=max_concurrency,
+    )
+
+
+def _validate_uri(checkpoint_id: str | os.PathLike) -> bool:
+    try:
+        fsspec.core.url_to_fs(os.fspath(checkpoint_id))
+    except Exception:  # noqa: BLE001 - any failure means "not ours to handle"
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _SaveTarget:
+    """What the coordinator decided for one save; travels in ``SavePlan.storage_data``."""
+
+    step: int
+    attempt: str
+
+
+@dataclass(frozen=True)
+class _Written:
+    """``WriteResult.storage_data`` as it crosses from a rank to the coordinator.
+
+    ``finish`` keeps only ``(rank, tensor)`` in the persisted Metadata; the index reference and
+    byte counts are for the manifest.
+    """
+
+    step: int
+    attempt: str
+    rank: int
+    tensor: int
+    index_ref: ObjectRef
+    raw_bytes: int
+    stored_bytes: int
+
+
+class StoreWriter(StorageWriter):
+    """DCP ``StorageWriter`` that commits a ckptstore step of kind ``dcp``.
+
+    Use as ``dcp.save(state, storage_writer=StoreWriter("s3://bucket/run"))`` (or ``async_save``).
+
+    Args:
+        uri: the store (local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, ...).
+            A ``checkpoint_id`` passed to ``dcp.save`` is a store URI too and replaces ``uri``.
+        step: the step to commit; ``None`` means the latest committed step + 1 (0 in an empty
+            store), decided once by the coordinator so every rank agrees. Steps are write-once:
+            saving an existing step fails with ``StepExistsError`` (wrapped by DCP in a
+            ``CheckpointException``) and leaves the committed step untouched. With a fixed
+            ``step`` the writer can therefore be used for one save only.
+        compression / chunk_bytes / encode_threads: how chunks are cut and encoded (see
+            ``PipelineConfig``).
+        keep_last: after a commit, the coordinator keeps this many newest steps and sweeps
+            unreferenced objects (``retention.collect``); ``None`` keeps everything.
+        store: an already open ``Store`` (then ``uri`` only names it and ``storage_options``
+            is ignored).
+
+    After a save, ``saved_step`` holds the step written (on every rank). ``use_collectives=False``
+    is refused: one manifest commits all ranks, so the ranks must coordinate. DCP plan caching
+    (``DefaultSavePlanner(enable_plan_caching=True)``) is refused too: a cached plan would carry
+    the previous save's step.
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        compression: str | int | None = "zstd",
+        chunk_bytes: int = 32 * 2**20,
+        encode_threads: int | None = None,
+        keep_last: int | None = None,
+        max_concurrency: int = 16,
+        timeout_s: float = 60.0,
+        store: Store | None = None,
+    ) -> None:
+        super().__init__()
+        if step is not None:
+            check_step(step)
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.step = step
+        self.keep_last = keep_last
+        self.storage_options = storage_options
+        self._max_concurrency = max_concurrency
+        self._timeout_s = timeout_s
+        self.store = store or _open_store(uri, storage_options, max_concurrency, timeout_s)
+        cfg = PipelineConfig(chunk_bytes=chunk_bytes, codec=CodecConfig.parse(compression))
+        if encode_threads is not None:
+            cfg.encode_threads = encode_threads
+            cfg.__post_init__()
+        self.config = cfg
+        self.pool = StagingPool(pin_memory=torch.cuda.is_available())
+        self._stager = Stager()
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id = uuid.uuid4().hex
+        self._target: _SaveTarget | None = None
+        self.saved_step: int | None = None
+
+    # -- StorageWriter ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a new save; a ``checkpoint_id`` is a store URI that replaces the current one."""
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
+            self.store = _open_store(
+                checkpoint_id, self.storage_options, self._max_concurrency, self._timeout_s
+            )
+        self.save_id = uuid.uuid4().hex
+        self._target = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """True when ``checkpoint_id`` is a URI fsspec can resolve to a filesystem."""
+        return _validate_uri(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.store.uri
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.store.uri, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError(
+                "ckptstore.dcp.StoreWriter needs use_collectives=True: one manifest commits "
+                "every rank's data"
+            )
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.step is None:
+            steps = list_steps(self.store)
+            step = steps[-1] + 1 if steps else 0
+        else:
+            step = self.step
+            if self.store.exists(commit_key(step)):
+                raise StepExistsError(
+                    f"step {step} is already committed in {self.store.uri}; steps are write-once"
+                )
+        target = _SaveTarget(step=step, attempt=uuid.uuid4().hex)
+        self._target = target
+        logger.debug(
+            "rank %d: DCP save to %s as step %d, attempt %s",
+            self.rank,
+            self.store.uri,
+            step,
+            target.attempt,
+        )
+        return [dataclasses.replace(p, storage_data=target) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target = plan.storage_data
+        if not isinstance(target, _SaveTarget):
+            raise RuntimeError(
+                "SavePlan.storage_data was not set by StoreWriter.prepare_global_plan "
+                f"(got {type(target).__name__}); was the plan cached from another writer?"
+            )
+        if self.store.exists(commit_key(target.step)):
+            raise StepExistsError(
+                f"rank {self.rank}: step {target.step} is already committed in {self.store.uri} "
+                "(another writer committed it meanwhile, or DCP plan caching reused an old "
+                "plan: enable_plan_caching is not supported by StoreWriter)"
+            )
+        self._target = target
+        results = self._write(plan.items, planner, target) if plan.items else []
+        self.saved_step = target.step
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        store = self.store
+        storage_data: dict[MetadataIndex, tuple[int, int]] = {}
+        refs: dict[int, _Written] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                loc = wr.storage_data
+                assert isinstance(loc, _Written), f"unexpected storage_data {loc!r}"
+                storage_data[wr.index] = (loc.rank, loc.tensor)
+                refs.setdefault(loc.rank, loc)
+        # The results say which save they belong to, so a writer shared by overlapping
+        # async saves still commits each one under its own step.
+        targets = {_SaveTarget(w.step, w.attempt) for w in refs.values()}
+        assert len(targets) <= 1, f"ranks wrote different saves: {targets}"
+        target = targets.pop() if targets else self._target
+        assert target is not None, "finish() before prepare_global_plan()"
+        try:
+            metadata.version = _DCP_VERSION
+            metadata.storage_data = storage_data
+            metadata.storage_meta = StorageMeta(checkpoint_id=store.uri, save_id=target.attempt)
+            blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+            meta_key = dcp_metadata_key(target.step, target.attempt)
+            store.put(meta_key, blob)
+            manifest = Manifest(
+                step=target.step,
+                attempt=target.attempt,
+                kind=KIND_DCP,
+                world_size=len(results),
+                ranks=[refs[r].index_ref for r in sorted(refs)],
+                dcp_metadata=object_ref(meta_key, blob),
+                raw_bytes=sum(w.raw_bytes for w in refs.values()),
+                stored_bytes=sum(w.stored_bytes for w in refs.values()),
+            )
+            try:
+                store.put(commit_key(target.step), encode_manifest(manifest), verify_readback=True)
+            except ObjectExistsError as exc:
+                raise StepExistsError(
+                    f"step {target.step} is already committed in {store.uri} (by another writer "
+                    "or an earlier run); steps are write-once"
+                ) from exc
+        finally:
+            for rank in refs:
+                try:
+                    store.delete(pending_key(target.step, target.attempt, rank))
+                except CheckpointError as exc:
+                    logger.warning("rank %d: could not delete pending marker: %s", rank, exc)
+        logger.info(
+            "rank %d: committed DCP step %d to %s (%d ranks, %d bytes raw, %d stored)",
+            self.rank,
+            target.step,
+            store.uri,
+            len(results),
+            manifest.raw_bytes,
+            manifest.stored_bytes,
+        )
+        self.saved_step = target.step
+        if self.keep_last is not None:
+            try:
+                collect(store, keep_last=self.keep_last, ignore_attempts={target.attempt})
+            except Exception as exc:  # noqa: BLE001 - the step is committed; gc can wait
+                logger.warning("retention in %s failed (will retry next save): %s", store.uri, exc)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _write(
+        self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
+    ) -> list[WriteResult]:
+        store, rank = self.store, self.rank
+        marker = pending_key(target.step, target.attempt, rank)
+        store.put(
+            marker,
+            json.dumps(
+                {
+                    "step": target.step,
+                    "attempt": target.attempt,
+                    "rank": rank,
+                    "created_at": time.time(),
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "kind": KIND_DCP,
+                }
+            ).encode(),
+        )
+        try:
+            tensors = [_resolve(item, planner) for item in items]
+            layout = plan_layout(tensors, self.config)
+            buffer = self.pool.acquire(layout.total_bytes)
+            try:
+                staged = self._stager.copy(buffer, tensors, layout.offsets)
+                staged.wait()
+                digests, chunks = write_chunks(store, buffer.numpy(), layout, self.config)
+            finally:
+                self.pool.release(buffer)
+            index = RankIndex(
+                rank=rank,
+                tensors=tensor_entries(tensors, layout, digests),
+                chunks=chunks,
+                items={storage_key(item.index): i for i, item in enumerate(items)},
+            )
+            data = encode_rank_index(index)
+            key = rank_index_key(target.step, target.attempt, rank)
+            store.put(key, data)
+        except BaseException:
+            # The coordinator will not commit; drop the marker so gc is not held back by it.
+            try:
+                store.delete(marker)
+            except CheckpointError as exc:
+                logger.warning("rank %d: could not delete %s: %s", rank, marker, exc)
+            raise
+        ref = object_ref(key, data)
+        raw = sum(c.raw for c in chunks.values())
+        stored = sum(c.stored for c in chunks.values())
+        logger.debug(
+            "rank %d: wrote %d DCP items of step %d (%d chunks)",
+            rank,
+            len(items),
+            target.step,
+            len(chunks),
+        )
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=t.numel() * t.element_size(),
+                storage_data=_Written(target.step, target.attempt, rank, i, ref, raw, stored),
+            )
+            for i, (item, t) in enumerate(zip(items, tensors))
+        ]
+
+
+def _resolve(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+    """The bytes DCP wants written for ``item``, as a tensor (uint8 ``[n]`` for BYTE_IO)."""
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        if isinstance(data, io.BytesIO):
+            raw = data.getvalue()
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+        else:
+            raise UnsupportedStateError(
+                f"DCP item {item.index.fqn!r}: BYTE_IO data is {type(data).__name__}, "
+                "expected io.BytesIO"
+            )
+        if not raw:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if not isinstance(data, torch.Tensor):
+        raise UnsupportedStateError(
+            f"DCP item {item.index.fqn!r}: expected a tensor, got {type(data).__name__}"
+        )
+    return data.detach()
+
+
+class StoreReader(StorageReader):
+    """DCP ``StorageReader`` for steps committed by :class:`StoreWriter`.
+
+    Use as ``dcp.load(state, storage_reader=StoreReader("s3://bucket/run", step=7))``. Every
+    chunk is hash-verified before its bytes reach a tensor; DCP's planner reshards (a step saved
+    by N ranks loads into M ranks, or into one process with ``no_dist=True``).
+
+    Args:
+        uri: the store. A ``checkpoint_id`` passed to ``dcp.load`` is a store URI too.
+        step: the step to load, or ``"latest"``. The step is resolved once per load (at the
+            first ``read_metadata``); if ranks resolve different steps (one was committed while
+            they started) the load fails clearly: pass an explicit step to avoid that.
+        read_concurrency: chunks fetched and decoded at once.
+        read_batch_bytes: stored items are read in batches of about this many bytes, which
+            bounds the temporary memory of a load.
+        store: an already open ``Store``.
+
+    Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
+    ``UnsupportedStateError``: load them with ``Checkpointer.load``.
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        step: int | str = "latest",
+        storage_options: dict[str, Any] | None = None,
+        read_concurrency: int = 8,
+        read_batch_bytes: int = 1 << 30,
+        max_concurrency: int = 16,
+        timeout_s: float = 60.0,
+        store: Store | None = None,
+    ) -> None:
+        super().__init__()
+        if read_batch_bytes < 1:
+            raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
+        if isinstance(step, str):
+            if step != "latest" and not step.isdigit():
+                raise ValueError(f"step must be an integer or 'latest', got {step!r}")
+        else:
+            check_step(step)
+        self.step = step
+        self.storage_options = storage_options
+        self._max_concurrency = max_concurrency
+        self._timeout_s = timeout_s
+        self.store = store or _open_store(uri, storage_options, max_concurrency, timeout_s)
+        self.config = PipelineConfig(read_concurrency=read_concurrency)
+        self.read_batch_bytes = read_batch_bytes
+        self.rank = 0
+        self.load_id = uuid.uuid4().hex
+        self.manifest: Manifest | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self._indexes: dict[int, RankIndex] = {}
+
+    # -- StorageReader ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a new load; a ``checkpoint_id`` is a store URI that replaces the current one."""
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
+            self.store = _open_store(
+                checkpoint_id, self.storage_options, self._max_concurrency, self._timeout_s
+            )
+        self.load_id = uuid.uuid4().hex
+        self.manifest = None
+        self.storage_data = {}
+        self._indexes = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """True when ``checkpoint_id`` is a URI fsspec can resolve to a filesystem."""
+        return _validate_uri(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.store.uri
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if "rank" in kwargs:
+            # DCP's fallback to rank-local metadata after the global read failed: there is none.
+            raise CheckpointError(f"{self.store.uri} has no rank-local DCP metadata")
+        self.manifest = None  # each load resolves "latest" afresh
+        self._indexes = {}
+        manifest = self._load_manifest()
+        assert manifest.dcp_metadata is not None
+        blob = read_object(self.store, manifest.dcp_metadata, "DCP metadata")
+        try:
+            metadata = pickle.loads(blob)
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"DCP metadata {self.store.url(manifest.dcp_metadata.key)} does not unpickle: {exc}"
+            ) from exc
+        if not isinstance(metadata, Metadata):
+            raise CheckpointCorruptError(
+                f"DCP metadata of step {manifest.step}: found {type(metadata).__name__}"
+            )
+        meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=self.store.uri, save_id=meta.save_id, load_id=self.load_id
+        )
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise CheckpointCorruptError(
+                f"DCP metadata in {self.store.uri} has no storage_data (not written by StoreWriter)"
+            )
+        self.storage_data = metadata.storage_data
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        manifest = self._load_manifest()
+        chosen = (manifest.step, manifest.attempt)
+        return [dataclasses.replace(p, storage_data=chosen) for p in plans]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        manifest = self._load_manifest()
+        if plan.storage_data is not None and tuple(plan.storage_data) != (
+            manifest.step,
+            manifest.attempt,
+        ):
+            raise CheckpointError(
+                f"rank {self.rank} resolved step {manifest.step} of {self.store.uri} but the "
+                f"coordinator resolved step {plan.storage_data[0]} (a step was committed during "
+                "the load); pass StoreReader(step=N) explicitly"
+            )
+        batch: list[ReadItem] = []
+        batch_bytes = 0
+        seen: set[tuple[int, int]] = set()
+        for item in plan.items:
+            loc = self._locate(item.storage_index)
+            if loc not in seen:
+                nbytes = self._index(loc[0]).tensors[loc[1]].nbytes
+                if batch and batch_bytes + nbytes > self.read_batch_bytes:
+                    self._read_batch(batch, planner)
+                    batch, batch_bytes, seen = [], 0, set()
+                seen.add(loc)
+                batch_bytes += nbytes
+            batch.append(item)
+        if batch:
+            self._read_batch(batch, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _load_manifest(self) -> Manifest:
+        if self.manifest is not None:
+            return self.manifest
+        step = resolve_step(self.store, self.step)
+        manifest = load_manifest(self.store, step)
+        if manifest.kind != KIND_DCP or manifest.dcp_metadata is None:
+            raise UnsupportedStateError(
+                f"step {step} in {self.store.uri} was saved by ckptstore.Checkpointer "
+                f"(kind {manifest.kind!r}), not through DCP; load it with Checkpointer.load"
+            )
+        self.manifest = manifest
+        logger.debug("rank %d: DCP load of step %d from %s", self.rank, step, self.store.uri)
+        return manifest
+
+    def _index(self, rank: int) -> RankIndex:
+        index = self._indexes.get(rank)
+        if index is None:
+            index = load_rank_index(self.store, self._load_manifest(), rank)
+            self._indexes[rank] = index
+        return index
+
+    def _locate(self, storage_index: MetadataIndex) -> tuple[int, int]:
+        try:
+            rank, tensor = self.storage_data[storage_index]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(
+                f"DCP item {storage_key(storage_index)!r} has no location in the metadata of "
+                f"{self.store.uri}"
+            ) from exc
+        index = self._index(rank)
+        key = storage_key(storage_index)
+        if index.items is None or index.items.get(key) != tensor or tensor >= len(index.tensors):
+            raise CheckpointCorruptError(
+                f"DCP item {key!r}: the index of rank {rank} does not hold it at {tensor}"
+            )
+        return rank, tensor
+
+    def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Read the stored items ``items`` need (each chunk once) and hand them to DCP."""
+        locs = [self._locate(item.storage_index) for item in items]
+        uses = Counter(locs)
+        slots: dict[tuple[int, int], int] = {}
+        merged = RankIndex(rank=-1, tensors=[], chunks={})
+        for loc in uses:
+            index = self._index(loc[0])
+            entry = index.tensors[loc[1]]
+            slots[loc] = len(merged.tensors)
+            merged.tensors.append(entry)
+            for seg in entry.segments:
+                if seg.chunk in index.chunks:
+                    merged.chunks.setdefault(seg.chunk, index.chunks[seg.chunk])
+        # A stored tensor read whole, once, into a destination of its dtype and shape is
+        # decoded straight into it; every other one goes through a temporary and is narrowed.
+        wanted: dict[int, torch.Tensor | None] = {slot: None for slot in slots.values()}
+        dests: dict[int, torch.Tensor] = {}
+        for pos, item in enumerate(items):
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            dest = planner.resolve_tensor(item).detach()
+            dests[pos] = dest
+            entry = merged.tensors[slots[locs[pos]]]
+            if (
+                uses[locs[pos]] == 1
+                and not any(item.storage_offsets)
+                and list(item.lengths) == entry.shape
+                and list(dest.shape) == entry.shape
+                and dest.dtype == parse_dtype(entry.dtype)
+            ):
+                wanted[slots[locs[pos]]] = dest
+        loaded = read_tensors(self.store, merged, wanted, self.config)
+        for pos, item in enumerate(items):
+            slot = slots[locs[pos]]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(loaded[slot].numpy().tobytes()))
+                continue
+            dest = dests[pos]
+            if wanted[slot] is not dest:
+                source = narrow_tensor_by_index(loaded[slot], item.storage_offsets, item.lengths)
+                if dest.size() != source.size():
+                    raise UnsupportedStateError(
+                        f"DCP item {storage_key(item.storage_index)!r}: destination shape "
+                        f"{tuple(dest.size())} does not match the stored {tuple(source.size())}"
+                    )
+                dest.copy_(source)
+            planner.commit_tensor(item, dest)
+
+
+def load_full_state_dict(store: Store, step: int) -> dict[str, Any]:
+    """The whole state of DCP step ``step`` as a nested dict of full tensors and objects.
+
+    Runs in this process alone (no process group needed): sharded tensors are assembled from
+    every rank's pieces, like torch's ``dcp_to_torch_save``.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = StoreReader(store.uri, step=check_step(step), store=store)
+    reader.read_metadata()  # raises missing / wrong-kind / corrupt metadata errors unwrapped
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
+    except CheckpointException as exc:
+        errors = [error for error, _ in exc.failures.values()]
+        if len(errors) == 1 and isinstance(errors[0], CheckpointError):
+            raise errors[0] from None
+        raise
+    return state

@@ -1,0 +1,78 @@
+"""Crash consistency: a writer saving in a loop is SIGKILLed at many moments."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer, Store
+from ckptstore.format import list_steps, load_manifest, load_rank_index
+from ckptstore.pipeline import fetch_chunk
+
+WRITER = r"""
+import sys, torch
+from ckptstore import Checkpointer
+ckpt = Checkpointer(sys.argv[1], chunk_bytes=256 * 1024, keep_last=int(sys.argv[2]) or None)
+step = (ckpt.latest() or 0) + 1
+while True:
+    state = {"w": [torch.full((100_000,), float(step) + i) for i in range(6)], "step": step}
+    ckpt.save(step, state).wait()
+    print(step, flush=True)
+    step += 1
+"""
+
+
+def _check_store(root) -> list[int]:
+    store = Store(root)
+    steps = list_steps(store)
+    for step in steps:
+        manifest = load_manifest(store, step)
+        index = load_rank_index(store, manifest, 0)
+        for digest, info in index.chunks.items():
+            fetch_chunk(store, digest, info)  # raises if missing or corrupt
+        state = {"w": [torch.zeros(100_000) for _ in range(6)], "step": -1}
+        Checkpointer(root).load(state, step=step)
+        assert state["step"] == step
+        for i, t in enumerate(state["w"]):
+            assert torch.equal(t, torch.full((100_000,), float(step) + i))
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_last", [0, 2])
+def test_kill_at_random_moments_leaves_only_whole_steps(tmp_path, keep_last):
+    rng = random.Random(1234 + keep_last)
+    committed_before = 0
+    for _round in range(5):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(keep_last)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            # wait until it has started saving, then kill after a random delay
+            first = proc.stdout.readline()
+            assert first.strip().isdigit(), f"writer did not start: {first!r}"
+            time.sleep(rng.uniform(0.0, 0.4))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        steps = _check_store(tmp_path)
+        assert steps, "no committed step survived"
+        assert steps[-1] >= committed_before
+        committed_before = steps[-1]
+        if keep_last:
+            assert len(steps) <= keep_last + 1  # +1: killed between commit and retention
+    # the store can be saved into again after all of that
+    with Checkpointer(tmp_path) as ckpt:
+        next_step = ckpt.latest() + 1
+        ckpt.save(next_step, {"w": [torch.ones(3)], "step": next_step}).wait()
+        assert ckpt.latest() == next_step
