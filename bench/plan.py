@@ -1,0 +1,431 @@
+"""``ckptbench plan``: how often to checkpoint a job, and what checkpoints and failures cost it.
+
+A first-order model (docs/plan.md derives and discusses it). Training blocks for ``blocked_s``
+per save while each node stages its shard of the state to host memory; the shard is then written
+to storage in the background, so a save is durable ``persist_s`` after it starts. Failures
+arrive at random (Poisson) with the job's mean time between failures ``mtbf_s``. The interval is
+Daly's higher-order optimum (Young's first-order one is reported alongside), raised when the
+previous save would not yet be durable when the next one starts. A failure loses the work since
+the last durable save and the time to restore it, from storage or from a peer's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.report import (
+    format_bytes,
+    format_rate,
+    format_seconds,
+    load_json_object,
+    parse_count,
+    parse_rate,
+    print_json,
+    table,
+)
+
+DAY_S = 86400.0
+
+
+def _bytes(n: float) -> str:
+    return format_bytes(n, si=True)
+
+
+def _rate(n: float) -> str:
+    return format_rate(n, si=True)
+
+
+# Llama 3 (Meta, 2024): 419 unexpected interruptions in a 54-day snapshot of pre-training on
+# 16,384 H100s; Tectonic sustained 2 TB/s of checkpoint writes (7 TB/s peak).
+LLAMA3_FAILURES = 419
+LLAMA3_DAYS = 54.0
+LLAMA3_ACCELERATORS = 16384
+
+
+def young_interval_s(blocked_s: float, mtbf_s: float) -> float:
+    """Young (1974): compute time between checkpoints, ``sqrt(2 * delta * M)``."""
+    _check_positive(blocked_s=blocked_s, mtbf_s=mtbf_s)
+    return math.sqrt(2.0 * blocked_s * mtbf_s)
+
+
+def daly_interval_s(blocked_s: float, mtbf_s: float) -> float:
+    """Daly (2006), higher order: for ``delta < 2M``,
+    ``sqrt(2 delta M) * (1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9) - delta``, else ``M``."""
+    _check_positive(blocked_s=blocked_s, mtbf_s=mtbf_s)
+    if blocked_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = blocked_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * blocked_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - blocked_s
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive number, got {value}")
+
+
+@dataclass(kw_only=True)
+class PlanInputs:
+    """What the plan is computed from. Defaults describe Llama 3 405B on 16,384 H100s."""
+
+    params: float = 405e9
+    """Model parameters."""
+    weight_bytes_per_param: float = 2.0
+    """Bytes of weights per parameter in the checkpoint (bf16: 2, fp32: 4)."""
+    optimizer_bytes_per_param: float = 12.0
+    """Bytes of optimizer state per parameter (Adam with fp32 master weights, m and v: 12)."""
+    accelerators: int = LLAMA3_ACCELERATORS
+    ranks_per_node: int = 8
+    failures: float = LLAMA3_FAILURES
+    """Failures observed in ``failure_days`` on ``failure_accelerators``; scaled linearly."""
+    failure_days: float = LLAMA3_DAYS
+    failure_accelerators: int = LLAMA3_ACCELERATORS
+    mtbf_s: float | None = None
+    """The job's mean time between failures; overrides the three fields above."""
+    write_bw_bytes_s: float = 2e12
+    """Aggregate storage write bandwidth available to the job's checkpoints."""
+    read_bw_bytes_s: float = 2e12
+    """Aggregate storage read bandwidth for a restore."""
+    node_storage_bw_bytes_s: float = 25e9
+    """One node's bandwidth to storage (front-end network); caps its share of a save."""
+    staging_bw_bytes_s: float = 100e9
+    """One node's device-to-host (and host-to-device) copy bandwidth."""
+    peer_bw_bytes_s: float = 50e9
+    """One node's bandwidth to a peer node's memory (restore from a peer replica)."""
+    blocked_overhead_s: float = 0.0
+    """Fixed time training blocks per save beyond staging (planning, barriers)."""
+    restart_s: float = 0.0
+    """Time per failure to detect it, reschedule and re-initialise, before the restore."""
+    interval_s: float | None = None
+    """Evaluate this interval (compute seconds between saves) instead of the optimum."""
+    sync: bool = False
+    """Saves block training until durable (no asynchronous persist)."""
+    max_write_duty: float = 1.0
+    """Most of the time storage may spend writing checkpoints (raises the interval if needed)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each input came from: default, flag, or a file name."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "params", "accelerators", "ranks_per_node", "failures", "failure_days",
+            "failure_accelerators", "write_bw_bytes_s", "read_bw_bytes_s",
+            "node_storage_bw_bytes_s", "staging_bw_bytes_s", "peer_bw_bytes_s",
+        )  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_flag(name)} must be positive, got {value}")
+        for name in (
+            "weight_bytes_per_param",
+            "optimizer_bytes_per_param",
+            "blocked_overhead_s",
+            "restart_s",
+        ):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{_flag(name)} must be >= 0, got {value}")
+        if self.weight_bytes_per_param + self.optimizer_bytes_per_param <= 0:
+            raise ValueError("the checkpoint is empty: give --weight-bytes-per-param > 0")
+        if not 0 < self.max_write_duty <= 1:
+            raise ValueError(f"--max-write-duty must be within (0, 1], got {self.max_write_duty}")
+        for name in ("mtbf_s", "interval_s"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{_flag(name)} must be positive, got {value}")
+        if self.accelerators % self.ranks_per_node:
+            raise ValueError(
+                f"--accelerators {self.accelerators} is not a multiple of "
+                f"--ranks-per-node {self.ranks_per_node}"
+            )
+
+
+def _flag(name: str) -> str:
+    flag = name.replace("_bytes_s", "").replace("_", "-")
+    return f"--{flag}"
+
+
+def plan(inputs: PlanInputs) -> dict[str, Any]:
+    """The plan for ``inputs``, as a JSON-ready dict (all times in seconds)."""
+    i = inputs
+    checkpoint_bytes = i.params * (i.weight_bytes_per_param + i.optimizer_bytes_per_param)
+    nodes = i.accelerators // i.ranks_per_node
+    node_bytes = checkpoint_bytes / nodes
+    stage_s = node_bytes / i.staging_bw_bytes_s
+    # Every node writes its shard at once: the aggregate or the node's own link limits.
+    write_s = max(checkpoint_bytes / i.write_bw_bytes_s, node_bytes / i.node_storage_bw_bytes_s)
+    persist_s = stage_s + write_s  # from the start of a save until it is durable
+    blocked_s = i.blocked_overhead_s + (persist_s if i.sync else stage_s)
+    if i.mtbf_s is not None:
+        mtbf_s = i.mtbf_s
+    else:
+        rate_per_accelerator_s = i.failures / (i.failure_days * DAY_S * i.failure_accelerators)
+        mtbf_s = 1.0 / (rate_per_accelerator_s * i.accelerators)
+
+    young_s = young_interval_s(blocked_s, mtbf_s)
+    daly_s = daly_interval_s(blocked_s, mtbf_s)
+    interval_s, interval_source = (i.interval_s, "given") if i.interval_s else (daly_s, "daly")
+    # The next save may only start once the previous one is durable (one save in flight).
+    # A save that would start earlier waits for it, which is the same as a longer interval.
+    persist_fits = persist_s <= interval_s + blocked_s
+    if not persist_fits:
+        interval_s, interval_source = persist_s - blocked_s, "persist"
+    # Storage serves the job's reads too: cap the share of time it spends on checkpoint writes.
+    if write_s / (interval_s + blocked_s) > i.max_write_duty:
+        interval_s, interval_source = write_s / i.max_write_duty - blocked_s, "duty"
+    period_s = interval_s + blocked_s
+
+    # A failure at a uniform time within a period loses the work since the last durable save:
+    # period/2 on average, plus a whole period when it strikes before the newest save is durable
+    # (probability persist/period), so period/2 + persist.
+    lost_storage_s = period_s / 2.0 + persist_s
+    peer_copy_s = node_bytes / i.peer_bw_bytes_s
+    lost_peer_s = period_s / 2.0 + min(stage_s + peer_copy_s, period_s)
+    h2d_s = node_bytes / i.staging_bw_bytes_s
+    restore_storage_s = (
+        max(checkpoint_bytes / i.read_bw_bytes_s, node_bytes / i.node_storage_bw_bytes_s) + h2d_s
+    )
+    restore_peer_s = peer_copy_s + h2d_s
+    efficiency = interval_s / period_s
+
+    def goodput(lost_s: float, restore_s: float) -> float:
+        return max(0.0, efficiency * (1.0 - (lost_s + restore_s + i.restart_s) / mtbf_s))
+
+    return {
+        "bench": "plan",
+        "inputs": {k: v for k, v in asdict(i).items() if k != "sources"},
+        "sources": dict(i.sources),
+        "checkpoint_bytes": checkpoint_bytes,
+        "nodes": nodes,
+        "bytes_per_node": node_bytes,
+        "stage_s": stage_s,
+        "write_s": write_s,
+        "blocked_s": blocked_s,
+        "persist_s": persist_s,
+        "mtbf_s": mtbf_s,
+        "failures_per_day": DAY_S / mtbf_s,
+        "young_interval_s": young_s,
+        "daly_interval_s": daly_s,
+        "interval_s": interval_s,
+        "interval_source": interval_source,
+        "period_s": period_s,
+        "persist_fits": persist_fits,
+        "checkpoints_per_day": DAY_S / period_s,
+        "bytes_written_per_day": checkpoint_bytes * DAY_S / period_s,
+        "storage_write_duty": min(1.0, write_s / period_s),
+        "lost_work_per_failure_s": lost_storage_s,
+        "lost_work_per_failure_peer_s": lost_peer_s,
+        "restore_from_storage_s": restore_storage_s,
+        "restore_from_peer_s": restore_peer_s,
+        "checkpoint_efficiency": efficiency,
+        "goodput": goodput(lost_storage_s, restore_storage_s),
+        "goodput_peer": goodput(lost_peer_s, restore_peer_s),
+    }
+
+
+# -- measured inputs ---------------------------------------------------------------------------
+
+
+def apply_storage_json(inputs: dict[str, Any], sources: dict[str, str], path: str) -> None:
+    """Take bandwidths from ``ckptbench storage --json`` output: the burst's aggregate write
+    throughput (else the puts'), and the gets' throughput unless they were burst background
+    reads (small, paced: not a bandwidth)."""
+    obj = load_json_object(path, what="--from-storage file")
+    if obj.get("bench") != "storage":
+        raise ValueError(f"--from-storage {path!r} is not `ckptbench storage --json` output")
+    burst = obj.get("burst") or {}
+    write = burst.get("write_throughput_bytes_s") or (obj.get("put") or {}).get(
+        "throughput_bytes_s"
+    )
+    read = None if burst else (obj.get("get") or {}).get("throughput_bytes_s")
+    if not write and not read:
+        raise ValueError(f"--from-storage {path!r} measured no put or get throughput")
+    if write:
+        inputs["write_bw_bytes_s"] = float(write)
+        sources["write_bw_bytes_s"] = path
+    if read:
+        inputs["read_bw_bytes_s"] = float(read)
+        sources["read_bw_bytes_s"] = path
+
+
+# -- command line ------------------------------------------------------------------------------
+
+_RATE_FLAGS = {
+    "write_bw": "write_bw_bytes_s",
+    "read_bw": "read_bw_bytes_s",
+    "node_storage_bw": "node_storage_bw_bytes_s",
+    "staging_bw": "staging_bw_bytes_s",
+    "peer_bw": "peer_bw_bytes_s",
+}
+_NUMBER_FLAGS = (
+    "weight_bytes_per_param", "optimizer_bytes_per_param", "accelerators", "ranks_per_node",
+    "failures", "failure_days", "failure_accelerators", "mtbf_s", "blocked_overhead_s",
+    "restart_s", "interval_s", "max_write_duty",
+)  # fmt: skip
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    d = PlanInputs()
+    p = sub.add_parser(
+        "plan",
+        help="checkpoint interval, blocked time, lost work, restore time and goodput",
+        description="Plan checkpointing for a training job: blocked time per save, time to "
+        "persist, the interval maximising goodput (Young/Daly), expected lost work per failure, "
+        "restore time from storage and from peer memory, and goodput. Defaults describe Llama 3 "
+        "405B on 16,384 H100s; see docs/plan.md for the model and its assumptions.",
+    )
+    model = p.add_argument_group("model and job")
+    model.add_argument("--params", default="405B", help="parameters, e.g. 7B, 70B, 405e9")
+    model.add_argument(
+        "--weight-bytes-per-param",
+        type=float,
+        help=f"bytes of weights per parameter (default {d.weight_bytes_per_param:g})",
+    )
+    model.add_argument(
+        "--optimizer-bytes-per-param",
+        type=float,
+        help="bytes of optimizer state per parameter "
+        f"(default {d.optimizer_bytes_per_param:g}: Adam m, v, fp32 master)",
+    )
+    model.add_argument("--accelerators", type=int, help=f"accelerators (default {d.accelerators})")
+    model.add_argument("--ranks-per-node", type=int, help=f"default {d.ranks_per_node}")
+    model.add_argument("--sync", action="store_true", help="saves block until durable")
+    fail = p.add_argument_group("failures (default: Llama 3, 419 in 54 days on 16,384 GPUs)")
+    fail.add_argument("--failures", type=float, help="failures observed ...")
+    fail.add_argument("--failure-days", type=float, help="... in this many days ...")
+    fail.add_argument("--failure-accelerators", type=int, help="... on this many accelerators")
+    fail.add_argument("--mtbf-s", type=float, help="the job's mean time between failures")
+    fail.add_argument("--restart-s", type=float, help="detect + reschedule + init per failure")
+    bw = p.add_argument_group("bandwidths (e.g. 2TB/s, 500GiB/s)")
+    bw.add_argument(
+        "--from-storage",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="`ckptbench storage --json` output to take write/read bandwidth from "
+        "(repeatable: a burst run for writes, a read run for reads)",
+    )
+    bw.add_argument("--write-bw", help="aggregate storage write bandwidth (default 2TB/s)")
+    bw.add_argument("--read-bw", help="aggregate storage read bandwidth (default 2TB/s)")
+    bw.add_argument("--node-storage-bw", help="per-node bandwidth to storage (default 25GB/s)")
+    bw.add_argument("--staging-bw", help="per-node device<->host bandwidth (default 100GB/s)")
+    bw.add_argument("--peer-bw", help="per-node bandwidth to a peer's memory (default 50GB/s)")
+    p.add_argument("--blocked-overhead-s", type=float, help="fixed blocked time per save")
+    p.add_argument("--interval-s", type=float, help="evaluate this interval, not the optimum")
+    p.add_argument(
+        "--max-write-duty",
+        type=float,
+        help="most of the time storage may spend writing checkpoints, 0-1 (default 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for path in args.from_storage:
+        apply_storage_json(values, sources, path)
+    values["params"] = parse_count(args.params, what="--params")
+    if args.params != "405B":
+        sources["params"] = "flag"
+    for name in _NUMBER_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            values[name] = value
+            sources[name] = "flag"
+    for flag, name in _RATE_FLAGS.items():
+        text = getattr(args, flag)
+        if text is not None:
+            values[name] = parse_rate(text, what=f"--{flag.replace('_', '-')}")
+            sources[name] = "flag"
+    if args.sync:
+        values["sync"] = True
+    for name in PlanInputs.__dataclass_fields__:
+        if name not in ("sources", "sync", "mtbf_s", "interval_s"):
+            sources.setdefault(name, "default")
+    return PlanInputs(**values, sources=sources)
+
+
+def print_table(result: dict[str, Any], out=None) -> None:
+    out = out or sys.stdout
+    i, src = result["inputs"], result["sources"]
+
+    def s(name: str) -> str:
+        return src.get(name, "")
+
+    failures = (
+        f"MTBF {format_seconds(i['mtbf_s'])}"
+        if i["mtbf_s"]
+        else f"{i['failures']:g} in {i['failure_days']:g} d on {i['failure_accelerators']}"
+    )
+    rows = [
+        ["parameters", f"{i['params']:.4g}", s("params")],
+        ["bytes/param (weights + optimizer)",
+         f"{i['weight_bytes_per_param']:g} + {i['optimizer_bytes_per_param']:g}",
+         s("weight_bytes_per_param")],
+        ["accelerators / per node", f"{i['accelerators']} / {i['ranks_per_node']}",
+         s("accelerators")],
+        ["failures", failures, s("mtbf_s") or s("failures")],
+        ["storage write / read", f"{_rate(i['write_bw_bytes_s'])} / "
+         f"{_rate(i['read_bw_bytes_s'])}", f"{s('write_bw_bytes_s')} / {s('read_bw_bytes_s')}"],
+        ["per node: storage / staging / peer",
+         " / ".join(_rate(i[k]) for k in ("node_storage_bw_bytes_s", "staging_bw_bytes_s",
+                                                 "peer_bw_bytes_s")),
+         s("staging_bw_bytes_s")],
+        ["restart per failure", format_seconds(i["restart_s"]), s("restart_s")],
+    ]  # fmt: skip
+    print("inputs", file=out)
+    table(["input", "value", "from"], rows, out=out)
+    r = result
+    interval_note = {
+        "daly": "Daly's optimum",
+        "given": "given",
+        "persist": "raised so that each save is durable before the next starts",
+        "duty": f"raised to keep checkpoint writes under {i['max_write_duty']:.0%} of the time",
+    }[r["interval_source"]]
+    rows = [
+        ["checkpoint size", _bytes(r["checkpoint_bytes"]),
+         f"{_bytes(r['bytes_per_node'])} per node x {r['nodes']} nodes"],
+        ["blocked per save", format_seconds(r["blocked_s"]),
+         "synchronous" if i["sync"] else "staging to host memory"],
+        ["time to persist", format_seconds(r["persist_s"]),
+         f"write {format_seconds(r['write_s'])} after staging"],
+        ["job MTBF", format_seconds(r["mtbf_s"]), f"{r['failures_per_day']:.3g} failures/day"],
+        ["interval (Young)", format_seconds(r["young_interval_s"]), "sqrt(2 blocked MTBF)"],
+        ["interval (Daly)", format_seconds(r["daly_interval_s"]), "higher-order"],
+        ["interval used", format_seconds(r["interval_s"]), interval_note],
+        ["persist fits in interval", "yes" if r["persist_fits"] else "NO",
+         f"storage busy {r['storage_write_duty']:.1%} of the time"],
+        ["checkpoints per day", f"{r['checkpoints_per_day']:.4g}",
+         f"{_bytes(r['bytes_written_per_day'])}/day written"],
+        ["lost work per failure", format_seconds(r["lost_work_per_failure_s"]),
+         f"{format_seconds(r['lost_work_per_failure_peer_s'])} with a peer replica"],
+        ["restore from storage", format_seconds(r["restore_from_storage_s"]), ""],
+        ["restore from peer memory", format_seconds(r["restore_from_peer_s"]), ""],
+        ["goodput (restore from storage)", f"{r['goodput']:.2%}",
+         f"checkpoint efficiency {r['checkpoint_efficiency']:.2%}"],
+        ["goodput (restore from peer)", f"{r['goodput_peer']:.2%}", ""],
+    ]  # fmt: skip
+    print("\nplan", file=out)
+    table(["quantity", "value", "note"], rows, out=out)
+    if not r["persist_fits"]:
+        wanted = i["interval_s"] or r["daly_interval_s"]
+        print(
+            f"warning: persisting a save takes {format_seconds(r['persist_s'])}, longer than "
+            f"the {format_seconds(wanted)} interval; planned with the persist time instead",
+            file=out,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    result = plan(inputs_from_args(args))
+    if args.json:
+        print_json(result)
+    else:
+        print_table(result)
+    return 0

@@ -1,0 +1,149 @@
+"""Shared helpers of ``ckptbench`` workloads: parsing sizes and rates, printing tables and JSON.
+
+Sizes accept SI (``kB``, ``MB``, ``GB``, ``TB``: powers of 1000) and binary (``KiB``, ``MiB``,
+``GiB``, ``TiB``: powers of 1024) units; rates are sizes followed by ``/s``. Bad input raises
+``ValueError`` naming the text, which ``ckptbench`` prints as one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "p": 10**15,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
+    """``"4KiB"`` -> 4096, ``"1.5GB"`` -> 1500000000, ``"512"`` -> 512. Must be positive."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = _NUMBER.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"bad {what} {text!r}: expected a number with an optional unit "
+                "such as 4096, 4KiB, 16MiB, 1.5GB"
+            )
+        value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"bad {what} {text!r}: must be at least 1 byte")
+    return int(round(value))
+
+
+def parse_rate(text: str | int | float, *, what: str = "bandwidth") -> float:
+    """``"2TB/s"`` -> 2e12 bytes per second; a bare number is bytes per second."""
+    raw = str(text).strip()
+    if raw.lower().endswith("/s"):
+        raw = raw[:-2]
+    return float(parse_bytes(raw, what=what))
+
+
+def parse_count(text: str | int | float, *, what: str = "count") -> float:
+    """``"405B"`` -> 405e9, ``"70b"`` -> 70e9, ``"1.3T"`` -> 1.3e12, ``"7e9"`` -> 7e9."""
+    match = _NUMBER.match(str(text))
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in scale:
+        raise ValueError(f"bad {what} {text!r}: expected a number such as 7e9, 70B or 1.3T")
+    value = float(match.group(1)) * scale[unit]
+    if value <= 0:
+        raise ValueError(f"bad {what} {text!r}: must be positive")
+    return value
+
+
+def format_bytes(n: float, *, si: bool = False) -> str:
+    """Three significant figures, binary units (``1.5 MiB``) or with ``si`` decimal (``2 TB``)."""
+    n = float(n)
+    base, units = (1000, ("B", "kB", "MB", "GB", "TB", "PB")) if si else (
+        1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"))  # fmt: skip
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= base
+    raise AssertionError("unreachable")
+
+
+def format_rate(bytes_per_s: float, *, si: bool = False) -> str:
+    return f"{format_bytes(bytes_per_s, si=si)}/s"
+
+
+def format_seconds(s: float) -> str:
+    """``850 us``, ``12.3 ms``, ``4.56 s``, ``12.5 min``, ``3.09 h``."""
+    if s == 0:
+        return "0"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 2 * 3600:
+        return f"{s / 60:.3g} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.3g} h"
+    return f"{s / 86400:.3g} d"
+
+
+def table(
+    header: Sequence[str], rows: Iterable[Sequence[Any]], *, out: TextIO | None = None
+) -> None:
+    """Print an aligned text table; the first column left-aligned, the others right-aligned."""
+    out = out or sys.stdout
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        return "  ".join(parts).rstrip()
+
+    print(line(cells[0]), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for row in cells[1:]:
+        print(line(row), file=out)
+
+
+def print_json(obj: Any, *, out: TextIO | None = None) -> None:
+    """One JSON object on one line, keys in insertion order."""
+    print(json.dumps(obj, allow_nan=False), file=out or sys.stdout)
+
+
+def load_json_object(path: str, *, what: str) -> dict[str, Any]:
+    """Read a JSON object written by ``ckptbench ... --json``; one-line errors for bad files."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from exc
+    # The object may be preceded by other output (a table); take the last line that parses.
+    for candidate in [text, *reversed(text.strip().splitlines())]:
+        try:
+            obj = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    raise ValueError(f"{what} {path!r} holds no JSON object")

@@ -1,0 +1,199 @@
+"""``ckptbench plan``: the checkpoint-interval model against closed forms and hand computations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import uuid
+
+import pytest
+
+from bench import plan, storage
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ckptbench")
+    plan.add_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", *argv])
+
+
+def _run_json(capsys, *argv: str) -> dict:
+    args = _parse(*argv, "--json")
+    assert args.func(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_young_and_daly_on_textbook_inputs():
+    # 5 minutes to checkpoint, a failure a day: Young gives sqrt(2 * 300 * 86400) = 2 hours;
+    # Daly with delta / 2M = 1/576: 7200 * (1 + 1/72 + 1/5184) - 300 = 7001 + 7/18 seconds.
+    assert plan.young_interval_s(300, 86400) == pytest.approx(7200)
+    assert plan.daly_interval_s(300, 86400) == pytest.approx(7001 + 7 / 18)
+    # Beyond delta >= 2M Daly's interval is the MTBF itself.
+    assert plan.daly_interval_s(500, 200) == 200
+    with pytest.raises(ValueError):
+        plan.young_interval_s(0, 100)
+
+
+def _textbook_inputs(**overrides) -> plan.PlanInputs:
+    """One node, 2 GB of state staged at 2e9/300 B/s: 300 s blocked, MTBF one day."""
+    values = dict(
+        params=1e9, weight_bytes_per_param=2, optimizer_bytes_per_param=0, accelerators=8,
+        ranks_per_node=8, mtbf_s=86400, staging_bw_bytes_s=2e9 / 300, write_bw_bytes_s=1e9,
+        read_bw_bytes_s=1e9, node_storage_bw_bytes_s=1e12, peer_bw_bytes_s=1e9,
+    )  # fmt: skip
+    values.update(overrides)
+    return plan.PlanInputs(**values)
+
+
+def test_planner_interval_is_dalys_closed_form():
+    result = plan.plan(_textbook_inputs())
+    assert result["blocked_s"] == pytest.approx(300)
+    assert result["young_interval_s"] == pytest.approx(7200)
+    assert result["daly_interval_s"] == pytest.approx(7001 + 7 / 18)
+    assert result["interval_s"] == result["daly_interval_s"]
+    assert result["interval_source"] == "daly" and result["persist_fits"]
+
+
+def test_lost_work_restore_and_goodput_by_hand():
+    # 2 GB; blocked 300 s staging; write 2 s; MTBF 86400 s; interval given 9700 s.
+    result = plan.plan(_textbook_inputs(interval_s=9700, restart_s=98))
+    period = 10_000
+    persist = 300 + 2
+    assert result["period_s"] == pytest.approx(period)
+    assert result["persist_s"] == pytest.approx(persist)
+    assert result["lost_work_per_failure_s"] == pytest.approx(period / 2 + persist)
+    restore = 2 + 300  # read 2 GB at 1 GB/s, then copy back to the device at the staging rate
+    assert result["restore_from_storage_s"] == pytest.approx(restore)
+    expected = 0.97 * (1 - (period / 2 + persist + restore + 98) / 86400)
+    assert result["goodput"] == pytest.approx(expected)
+    assert result["checkpoints_per_day"] == pytest.approx(8.64)
+
+
+def test_interval_is_raised_when_persist_does_not_fit():
+    # Writing 2 GB at 100 kB/s takes 20,000 s, longer than Daly's ~7,000 s interval.
+    result = plan.plan(_textbook_inputs(write_bw_bytes_s=1e5))
+    assert not result["persist_fits"]
+    assert result["interval_source"] == "persist"
+    assert result["period_s"] == pytest.approx(result["persist_s"])
+    assert result["period_s"] > result["daly_interval_s"]
+
+
+def test_write_duty_cap_raises_the_interval():
+    result = plan.plan(_textbook_inputs(write_bw_bytes_s=1e6, max_write_duty=0.1))
+    assert result["interval_source"] == "duty"
+    assert result["storage_write_duty"] == pytest.approx(0.1)
+
+
+def test_failure_rate_scales_llama3_with_the_accelerator_count():
+    full = plan.plan(plan.PlanInputs())
+    assert full["mtbf_s"] == pytest.approx(54 * 86400 / 419)  # ~3.09 h on 16,384 GPUs
+    half = plan.plan(plan.PlanInputs(accelerators=8192))
+    assert half["mtbf_s"] == pytest.approx(2 * full["mtbf_s"])
+
+
+def test_llama3_405b_defaults_are_sane():
+    r = plan.plan(plan.PlanInputs())
+    assert r["checkpoint_bytes"] == pytest.approx(405e9 * 14)
+    assert r["nodes"] == 2048
+    assert r["write_s"] == pytest.approx(405e9 * 14 / 2e12)  # aggregate-limited, ~2.8 s
+    assert r["persist_fits"]
+    assert 0.99 < r["goodput"] < 1.0
+
+
+def test_peer_restore_is_faster_than_storage_restore_at_scale():
+    r = plan.plan(plan.PlanInputs())
+    assert r["restore_from_peer_s"] < r["restore_from_storage_s"]
+
+
+def test_sync_saves_block_until_durable():
+    r = plan.plan(_textbook_inputs(sync=True))
+    assert r["blocked_s"] == pytest.approx(r["persist_s"])
+
+
+def test_cli_flags_and_sources(capsys):
+    r = _run_json(
+        capsys, "--params", "70B", "--weight-bytes-per-param", "4", "--optimizer-bytes-per-param",
+        "8", "--accelerators", "1856", "--write-bw", "500GB/s", "--staging-bw", "4.6GB/s",
+    )  # fmt: skip
+    assert r["checkpoint_bytes"] == pytest.approx(70e9 * 12)
+    assert r["nodes"] == 232
+    assert r["inputs"]["write_bw_bytes_s"] == 500e9
+    assert r["sources"]["write_bw_bytes_s"] == "flag"
+    assert r["sources"]["read_bw_bytes_s"] == "default"
+    assert r["blocked_s"] == pytest.approx(70e9 * 12 / 232 / 4.6e9)
+
+
+def test_table_output(capsys):
+    args = _parse("--params", "7B")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "interval (Daly)" in out and "goodput" in out
+
+
+def test_bandwidth_from_a_real_storage_run(capsys, tmp_path):
+    sargs = argparse.ArgumentParser()
+    storage.add_parser(sargs.add_subparsers())
+    bench_args = sargs.parse_args(
+        ["storage", "--uri", f"memory://plan-{uuid.uuid4().hex[:8]}", "--sizes", "64KiB",
+         "--count", "200", "--json"]
+    )  # fmt: skip
+    assert bench_args.func(bench_args) == 0
+    measured = json.loads(capsys.readouterr().out)
+    path = tmp_path / "storage.json"
+    path.write_text(json.dumps(measured))
+    r = _run_json(capsys, "--from-storage", str(path))
+    assert r["inputs"]["write_bw_bytes_s"] == pytest.approx(measured["put"]["throughput_bytes_s"])
+    assert r["inputs"]["read_bw_bytes_s"] == pytest.approx(measured["get"]["throughput_bytes_s"])
+    assert r["sources"]["write_bw_bytes_s"] == str(path)
+    # A flag given as well wins over the file.
+    r = _run_json(capsys, "--from-storage", str(path), "--read-bw", "1TB/s")
+    assert r["inputs"]["read_bw_bytes_s"] == 1e12
+
+
+def test_burst_json_gives_write_bandwidth_only(tmp_path, capsys):
+    path = tmp_path / "burst.json"
+    path.write_text(json.dumps({
+        "bench": "storage", "mode": "burst", "put": {"throughput_bytes_s": 1.0},
+        "get": {"throughput_bytes_s": 5.0}, "burst": {"write_throughput_bytes_s": 3e9},
+    }))  # fmt: skip
+    r = _run_json(capsys, "--from-storage", str(path))
+    assert r["inputs"]["write_bw_bytes_s"] == 3e9
+    assert r["sources"]["read_bw_bytes_s"] == "default"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params", "lots"], "bad --params"),
+        (["--params=-5B"], "bad --params"),
+        (["--accelerators", "10"], "not a multiple of --ranks-per-node"),
+        (["--write-bw", "fast"], "bad --write-bw"),
+        (["--staging-bw", "0GB/s"], "bad --staging-bw"),
+        (["--mtbf-s", "-1"], "--mtbf-s must be positive"),
+        (["--max-write-duty", "1.5"], "--max-write-duty"),
+        (["--from-storage", "/nonexistent/storage.json"], "cannot read --from-storage"),
+    ],
+)
+def test_bad_input_is_one_clear_error(argv, message):
+    args = _parse(*argv)
+    with pytest.raises(ValueError, match=message) as info:
+        args.func(args)
+    assert "\n" not in str(info.value)
+
+
+def test_from_storage_rejects_other_json(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"bench": "save"}')
+    args = _parse("--from-storage", str(path))
+    with pytest.raises(ValueError, match="is not `ckptbench storage --json` output"):
+        args.func(args)
+
+
+def test_goodput_is_maximal_near_the_chosen_interval():
+    base = _textbook_inputs()
+    best = plan.plan(base)
+    for factor in (0.5, 2.0):
+        other = plan.plan(_textbook_inputs(interval_s=best["interval_s"] * factor))
+        assert other["goodput"] < best["goodput"]
+    assert math.isfinite(best["goodput"])
