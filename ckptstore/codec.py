@@ -38,7 +38,9 @@ class CodecConfig:
     """How chunks are encoded."""
 
     level: int | None = 1
-    """zstd level (1 is fast and already gets most of the gain), or None to store raw."""
+    """zstd level, or None to store raw. Levels <= 1 use parameters tuned for byte planes
+    (fast strategy, 64 KiB window, 7-byte minimum match): on float exponent planes they
+    compress better than zstd's level 1 at about twice its speed."""
     byte_grouping: bool = True
     """Split multi-byte elements into byte planes before compressing."""
 
@@ -65,13 +67,34 @@ class CodecConfig:
 _local = threading.local()
 
 
+_PLANE_PARAMS = dict(
+    window_log=16, hash_log=6, min_match=7, search_log=1, strategy=zstandard.STRATEGY_FAST
+)
+# A plane bigger than this is first tried on a sample; if zstd can't shrink the sample, the
+# whole plane is stored raw without spending a pass of zstd on it.
+_SAMPLE_ABOVE = 1 << 20
+_SAMPLE = 64 << 10
+
+
 def _compressor(level: int) -> zstandard.ZstdCompressor:
     cache = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
+        if level <= 1:
+            params = zstandard.ZstdCompressionParameters(**_PLANE_PARAMS)
+            cache[level] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level] = zstandard.ZstdCompressor(level=level)
     return cache[level]
+
+
+def _compressible(compressor: zstandard.ZstdCompressor, plane: np.ndarray) -> bool:
+    if plane.size <= _SAMPLE_ABOVE:
+        return True
+    middle = plane.size // 2
+    sample = plane[middle : middle + _SAMPLE]
+    return len(compressor.compress(sample)) < 0.95 * sample.size
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -96,6 +119,12 @@ def _as_u8(raw) -> np.ndarray:
 
 def encode(raw, itemsize: int, config: CodecConfig) -> bytes:
     """Encode ``raw`` (a buffer of elements ``itemsize`` bytes wide) into a chunk object."""
+    return b"".join(encode_parts(raw, itemsize, config))
+
+
+def encode_parts(raw, itemsize: int, config: CodecConfig) -> list:
+    """:func:`encode` as a list of buffers (header first) whose concatenation is the object,
+    so a local write can skip joining them."""
     data = _as_u8(raw)
     n = data.size
     if config.level is None:
@@ -109,16 +138,17 @@ def encode(raw, itemsize: int, config: CodecConfig) -> bytes:
         itemsize = 1
     parts: list = [b""]  # header placeholder
     table = []
+    compressor = _compressor(config.level) if config.level is not None else None
     for plane in planes:
         method, body = RAW, plane
-        if config.level is not None and plane.size:
-            packed = _compressor(config.level).compress(plane)
+        if compressor is not None and plane.size and _compressible(compressor, plane):
+            packed = compressor.compress(plane)
             if len(packed) < _WORTH_IT * plane.size:
                 method, body = ZSTD, packed
         table.append(_PLANE.pack(method, len(body) if method == ZSTD else plane.size))
         parts.append(body)
     parts[0] = _HEADER.pack(MAGIC, CODEC_VERSION, itemsize, len(planes), n) + b"".join(table)
-    return b"".join(parts)
+    return parts
 
 
 def decode(obj, *, expected_hash: str, name: str, out: np.ndarray | None = None) -> np.ndarray:

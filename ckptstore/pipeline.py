@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ckptstore.codec import CodecConfig, decode, encode, hash_bytes
+from ckptstore.codec import CodecConfig, decode, encode_parts, hash_bytes
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -163,12 +164,12 @@ def put_chunk(store: Store, raw, itemsize: int, codec: CodecConfig) -> tuple[str
         return digest, ChunkInfo(len(raw), store.size(key))
     except ObjectNotFoundError:
         pass
-    data = encode(raw, itemsize, codec)
+    parts = encode_parts(raw, itemsize, codec)
     try:
-        store.put(key, data)
+        store.put(key, parts)
     except ObjectExistsError:  # another rank or save wrote the same content first
         return digest, ChunkInfo(len(raw), store.size(key))
-    return digest, ChunkInfo(len(raw), len(data))
+    return digest, ChunkInfo(len(raw), sum(map(len, parts)))
 
 
 def write_chunks(
@@ -187,8 +188,24 @@ def write_chunks(
     return [d for d, _ in results], {d: info for d, info in results}
 
 
-def fetch_chunk(store: Store, digest: str, info: ChunkInfo | None = None) -> np.ndarray:
-    """A chunk's raw bytes, decoded and verified against its digest."""
+_scratch = threading.local()
+
+
+def _scratch_buffer(nbytes: int) -> np.ndarray:
+    """A per-thread buffer reused across chunks (no fresh pages to fault in per chunk)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _scratch.buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def fetch_chunk(
+    store: Store, digest: str, info: ChunkInfo | None = None, *, scratch: bool = False
+) -> np.ndarray:
+    """A chunk's raw bytes, decoded and verified against its digest.
+
+    With ``scratch`` the bytes land in a per-thread buffer that the thread's next fetch
+    overwrites: copy them out before fetching again."""
     key = chunk_key(digest)
     try:
         data = store.get(key)
@@ -198,7 +215,8 @@ def fetch_chunk(store: Store, digest: str, info: ChunkInfo | None = None) -> np.
         raise CheckpointCorruptError(
             f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
         )
-    return decode(data, expected_hash=digest, name=store.url(key))
+    out = _scratch_buffer(info.raw) if scratch and info is not None else None
+    return decode(data, expected_hash=digest, name=store.url(key), out=out)
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
@@ -242,7 +260,7 @@ def read_tensors(
     views = {i: _byte_view(t) for i, t in fill.items() if t.numel()}
 
     def load(digest: str) -> int:
-        raw = fetch_chunk(store, digest, index.chunks.get(digest))
+        raw = fetch_chunk(store, digest, index.chunks.get(digest), scratch=True)
         for i, offset, nbytes, position in by_chunk[digest]:
             if offset + nbytes > raw.size:
                 raise CheckpointCorruptError(

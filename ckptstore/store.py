@@ -183,10 +183,13 @@ class Backend:
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         self.enforces_create = any(p in _ENFORCED_CREATE_PROTOCOLS for p in protocols)
 
-    def put_once(self, path: str, data: bytes | memoryview) -> None:
+    def put_once(self, path: str, data: bytes | memoryview | list) -> None:
         if self.is_local:
-            self._put_local(path, data)
-        elif self.is_memory:
+            self._put_local(path, data if isinstance(data, list) else [data])
+            return
+        if isinstance(data, list):
+            data = b"".join(data)
+        if self.is_memory:
             # fsspec's own exclusive create scans every key; the store is one dict in-process.
             with _MEMORY_LOCK:
                 if self.fs._strip_protocol(path) in self.fs.store:
@@ -197,16 +200,17 @@ class Backend:
                 path, bytes(data) if isinstance(data, memoryview) else data, mode="create"
             )
 
-    def _put_local(self, path: str, data: bytes | memoryview) -> None:
+    def _put_local(self, path: str, parts: list) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -375,9 +379,12 @@ class Store:
 
     # -- single requests --------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | memoryview, *, verify_readback: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes | memoryview | list, *, verify_readback: bool = False
+    ) -> None:
         """Write ``key`` once; :class:`ObjectExistsError` if it is already there.
 
+        ``data`` may be a list of buffers, written as their concatenation.
         Durable when it returns (fsynced on local paths). With ``verify_readback`` (or on a
         backend that does not enforce exclusive create) the object is read back and compared,
         so a writer that lost a race to another is told so rather than believing it won.
@@ -385,9 +392,11 @@ class Store:
         enforced = self.backend.enforces_create
         if not enforced and self.exists(key):
             raise ObjectExistsError(f"{self.url(key)} already exists (objects are write-once)")
-        self._request("put", key, self.backend.put_once, self.path(key), data, nbytes=len(data))
+        nbytes = sum(map(len, data)) if isinstance(data, list) else len(data)
+        self._request("put", key, self.backend.put_once, self.path(key), data, nbytes=nbytes)
         if verify_readback or not enforced:
-            if self.get(key) != bytes(data):
+            expected = b"".join(data) if isinstance(data, list) else bytes(data)
+            if self.get(key) != expected:
                 raise ObjectExistsError(
                     f"{self.url(key)} was written concurrently by another writer"
                 )
