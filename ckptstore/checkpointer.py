@@ -53,6 +53,7 @@ from ckptstore.format import (
     rank_index_key,
     resolve_step,
 )
+from ckptstore.hedge import Hedger
 from ckptstore.pipeline import (
     PipelineConfig,
     parse_dtype,
@@ -139,7 +140,24 @@ class _Group:
 
 
 class Checkpointer:
-    """Asynchronous, verified, deduplicated checkpoints of a training state in ``uri``."""
+    """Asynchronous, verified, deduplicated checkpoints of a training state in ``uri``.
+
+    Args:
+        uri: where the checkpoints live: a path, ``file://``, ``memory://``, ``s3://b/prefix``.
+        storage_options: passed to fsspec (credentials, endpoint, ...).
+        keep_last: after each commit keep only the newest this many steps (None: keep all).
+        compression: ``"zstd"`` (byte-grouping + zstd tuned for it), ``"zstd:N"``, ``"none"``.
+        chunk_bytes: large tensors are cut into chunks of this size; small ones are packed.
+        staging_budget_bytes: host memory for staged copies (None: one buffer, state-sized).
+        when_busy: a save requested while the previous one still holds the staging memory
+            ``"wait"``s for it, or is ``"skip"``ped with a warning.
+        encode_threads: chunks hashed/encoded/uploaded at once (default: cores, at least 2).
+        max_concurrency: storage requests in flight at once.
+        timeout_s: deadline of one storage request (large transfers get more).
+        hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
+        process_group: the ranks that save together (default: the whole world, if any).
+        store: use this :class:`Store` instead of opening ``uri`` (e.g. with fault injection).
+    """
 
     def __init__(
         self,
@@ -154,6 +172,7 @@ class Checkpointer:
         encode_threads: int | None = None,
         max_concurrency: int = 16,
         timeout_s: float = 60.0,
+        hedge_uploads: bool | None = None,
         process_group: Any = None,
         store: Store | None = None,
     ) -> None:
@@ -169,6 +188,9 @@ class Checkpointer:
         )
         self.keep_last = keep_last
         self.when_busy = when_busy
+        if hedge_uploads is None:
+            hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
+        self.hedger = Hedger() if hedge_uploads else None
         cfg = PipelineConfig(chunk_bytes=chunk_bytes, codec=CodecConfig.parse(compression))
         if encode_threads is not None:
             cfg.encode_threads = encode_threads
@@ -317,7 +339,7 @@ class Checkpointer:
                 store.put(marker, self._marker(job))
                 job.staged.wait()
                 digests, chunks = write_chunks(
-                    store, job.staged.buffer.numpy(), job.layout, self.config
+                    store, job.staged.buffer.numpy(), job.layout, self.config, self.hedger
                 )
             finally:
                 self.pool.release(job.staged.buffer)

@@ -33,6 +33,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
 )
 from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
+from ckptstore.hedge import Hedger
 from ckptstore.staging import align
 from ckptstore.store import Store
 
@@ -156,8 +157,14 @@ def tensor_entries(
     return entries
 
 
-def put_chunk(store: Store, raw, itemsize: int, codec: CodecConfig) -> tuple[str, ChunkInfo]:
-    """Hash ``raw``; encode and put it unless the store already holds that chunk."""
+def put_chunk(
+    store: Store, raw, itemsize: int, codec: CodecConfig, hedger: Hedger | None = None
+) -> tuple[str, ChunkInfo]:
+    """Hash ``raw``; encode and put it unless the store already holds that chunk.
+
+    With a ``hedger`` a slow put is duplicated; both are exclusive creates of the same
+    content-addressed key, so whichever lands second finds the object there and nothing is
+    written twice."""
     digest = hash_bytes(raw)
     key = chunk_key(digest)
     try:
@@ -165,22 +172,31 @@ def put_chunk(store: Store, raw, itemsize: int, codec: CodecConfig) -> tuple[str
     except ObjectNotFoundError:
         pass
     parts = encode_parts(raw, itemsize, codec)
-    try:
-        store.put(key, parts)
-    except ObjectExistsError:  # another rank or save wrote the same content first
-        return digest, ChunkInfo(len(raw), store.size(key))
-    return digest, ChunkInfo(len(raw), sum(map(len, parts)))
+
+    def put() -> int:
+        try:
+            store.put(key, parts)
+            return sum(map(len, parts))
+        except ObjectExistsError:  # another rank, save or hedge wrote the same content first
+            return store.size(key)
+
+    stored = hedger.call(put, store.submit) if hedger is not None else put()
+    return digest, ChunkInfo(len(raw), stored)
 
 
 def write_chunks(
-    store: Store, buffer: np.ndarray, layout: Layout, cfg: PipelineConfig
+    store: Store,
+    buffer: np.ndarray,
+    layout: Layout,
+    cfg: PipelineConfig,
+    hedger: Hedger | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
     with ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="ckptstore-encode") as pool:
         results = list(
             pool.map(
                 lambda span: put_chunk(
-                    store, buffer[span.start : span.end], span.itemsize, cfg.codec
+                    store, buffer[span.start : span.end], span.itemsize, cfg.codec, hedger
                 ),
                 layout.chunks,
             )

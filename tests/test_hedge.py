@@ -1,0 +1,88 @@
+"""Hedged requests and hedged chunk uploads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer, Faults, Store
+from ckptstore.format import list_steps, load_manifest, load_rank_index
+from ckptstore.hedge import HedgePolicy, Hedger
+from ckptstore.pipeline import fetch_chunk
+from ckptstore.store import ElasticPool
+
+
+def test_slow_call_is_hedged_and_the_fast_one_wins():
+    pool = ElasticPool("test-hedge")
+    calls = []
+    lock = threading.Lock()
+
+    def fn():
+        with lock:
+            calls.append(len(calls))
+            first = len(calls) == 1
+        time.sleep(2.0 if first else 0.0)
+        return "first" if first else "hedge"
+
+    hedger = Hedger(HedgePolicy(initial_delay_s=0.05, min_delay_s=0.01, burst=1))
+    assert hedger.call(fn, pool.submit) == "hedge"
+    assert hedger.stats() == {"requests": 1, "hedges": 1, "hedges_won": 1}
+
+
+def test_hedge_budget_caps_extra_requests():
+    pool = ElasticPool("test-budget")
+    policy = HedgePolicy(
+        initial_delay_s=0.001, min_delay_s=0.001, max_extra_fraction=0.05, burst=1.0
+    )
+    hedger = Hedger(policy)
+    for _ in range(60):
+        hedger.call(lambda: time.sleep(0.005), pool.submit)
+    # one token to start with plus 5% of the requests made
+    assert hedger.hedges <= 1 + 0.05 * 60
+    assert hedger.requests == 60
+
+
+def test_an_error_in_one_attempt_waits_for_the_other():
+    pool = ElasticPool("test-err")
+    count = iter(range(10))
+
+    def fn():
+        if next(count) == 0:
+            time.sleep(0.2)
+            raise ConnectionError("first attempt fails late")
+        time.sleep(0.5)
+        return 42
+
+    hedger = Hedger(HedgePolicy(initial_delay_s=0.05, min_delay_s=0.01))
+    assert hedger.call(fn, pool.submit) == 42
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_hedged_uploads_do_not_duplicate_objects(tmp_path, backend):
+    uri = str(tmp_path / "s") if backend == "local" else "memory://hedged-uploads"
+    faults = Faults(slow_rate=0.3, slow_s=1.0, ops=frozenset({"put"}), seed=7)
+    store = Store(uri, faults=faults)
+    ckpt = Checkpointer(
+        uri, store=store, chunk_bytes=64 * 1024, hedge_uploads=True, encode_threads=4
+    )
+    ckpt.hedger.policy = HedgePolicy(
+        initial_delay_s=0.1, min_delay_s=0.05, burst=50, max_extra_fraction=1.0
+    )
+    state = {"w": torch.randn(400_000)}  # 25 chunks
+    ckpt.save(1, state).wait()
+    assert ckpt.hedger.hedges > 0
+    manifest = load_manifest(store, 1)
+    index = load_rank_index(store, manifest, 0)
+    chunk_keys = store.list("chunks")
+    assert len(chunk_keys) == len(index.chunks) == len(set(chunk_keys))
+    for digest, info in index.chunks.items():
+        fetch_chunk(store, digest, info)
+    if backend == "local":
+        assert not [p for p in (tmp_path / "s").rglob("*.tmp-*")]
+    target = {"w": torch.zeros(400_000)}
+    ckpt.load(target)
+    assert torch.equal(target["w"], state["w"]) and list_steps(store) == [1]
+    ckpt.close()
