@@ -55,6 +55,7 @@ from ckptstore.format import (
 )
 from ckptstore.hedge import Hedger
 from ckptstore.pipeline import (
+    CompressionGovernor,
     PipelineConfig,
     parse_dtype,
     plan_layout,
@@ -146,7 +147,8 @@ class Checkpointer:
         uri: where the checkpoints live: a path, ``file://``, ``memory://``, ``s3://b/prefix``.
         storage_options: passed to fsspec (credentials, endpoint, ...).
         keep_last: after each commit keep only the newest this many steps (None: keep all).
-        compression: ``"zstd"`` (byte-grouping + zstd tuned for it), ``"zstd:N"``, ``"none"``.
+        compression: ``"auto"`` (byte-grouping + zstd for as long as compressing a chunk is
+            faster than uploading what it saves), ``"zstd"`` (always), ``"zstd:N"``, ``"none"``.
         chunk_bytes: large tensors are cut into chunks of this size; small ones are packed.
         staging_budget_bytes: host memory for staged copies (None: one buffer, state-sized).
         when_busy: a save requested while the previous one still holds the staging memory
@@ -165,7 +167,7 @@ class Checkpointer:
         *,
         storage_options: dict[str, Any] | None = None,
         keep_last: int | None = None,
-        compression: str | int | None = "zstd",
+        compression: str | int | None = "auto",
         chunk_bytes: int = 32 * 2**20,
         staging_budget_bytes: int | None = None,
         when_busy: str = "wait",
@@ -196,6 +198,7 @@ class Checkpointer:
             cfg.encode_threads = encode_threads
             cfg.__post_init__()
         self.config = cfg
+        self.governor = CompressionGovernor() if cfg.codec.adaptive else None
         self.pool = StagingPool(
             budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
         )
@@ -339,7 +342,12 @@ class Checkpointer:
                 store.put(marker, self._marker(job))
                 job.staged.wait()
                 digests, chunks = write_chunks(
-                    store, job.staged.buffer.numpy(), job.layout, self.config, self.hedger
+                    store,
+                    job.staged.buffer.numpy(),
+                    job.layout,
+                    self.config,
+                    self.hedger,
+                    self.governor,
                 )
             finally:
                 self.pool.release(job.staged.buffer)

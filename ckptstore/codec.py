@@ -43,6 +43,9 @@ class CodecConfig:
     compress better than zstd's level 1 at about twice its speed."""
     byte_grouping: bool = True
     """Split multi-byte elements into byte planes before compressing."""
+    adaptive: bool = False
+    """Compress a chunk only while that is faster than uploading the bytes it saves
+    (see ``pipeline.CompressionGovernor``); the format is the same either way."""
 
     def __post_init__(self) -> None:
         if self.level is not None and not -7 <= self.level <= 22:
@@ -50,14 +53,18 @@ class CodecConfig:
 
     @classmethod
     def parse(cls, spec: str | int | None) -> CodecConfig:
-        """``"none"``, ``"zstd"``, ``"zstd:3"``, an int level, or None (raw)."""
+        """``"auto"``, ``"none"``, ``"zstd"``, ``"zstd:3"``, an int level, or None (raw)."""
+        if isinstance(spec, str) and spec.lower() == "auto":
+            return cls(level=1, adaptive=True)
         if spec is None or (isinstance(spec, str) and spec.lower() in ("none", "raw")):
             return cls(level=None)
         if isinstance(spec, int):
             return cls(level=spec)
         name, _, level = spec.lower().partition(":")
         if name != "zstd":
-            raise ValueError(f"unknown compression {spec!r}: expected none, zstd or zstd:LEVEL")
+            raise ValueError(
+                f"unknown compression {spec!r}: expected auto, none, zstd or zstd:LEVEL"
+            )
         try:
             return cls(level=int(level) if level else 1)
         except ValueError as exc:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -157,8 +158,63 @@ def tensor_entries(
     return entries
 
 
+class CompressionGovernor:
+    """Decides chunk by chunk whether compressing pays for itself.
+
+    It pays while encoding a byte takes less time than uploading the bytes compression saves:
+    ``encode_s_per_byte < put_s_per_byte * (1 - stored/raw)``. Both rates are moving averages
+    of what the save threads observe; every ``probe_every``-th chunk is compressed regardless,
+    so the estimate follows the storage as it speeds up or slows down.
+    """
+
+    def __init__(self, probe_every: int = 8, smoothing: float = 0.2) -> None:
+        self.probe_every = probe_every
+        self.smoothing = smoothing
+        self._lock = threading.Lock()
+        self._n = 0
+        self.encode_s_per_byte: float | None = None
+        self.put_s_per_byte: float | None = None
+        self.ratio: float | None = None
+        self.compressed = 0
+        self.raw = 0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def should_compress(self) -> bool:
+        with self._lock:
+            self._n += 1
+            known = None not in (self.encode_s_per_byte, self.put_s_per_byte, self.ratio)
+            if not known or self._n % self.probe_every == 0:
+                return True
+            saved = self.put_s_per_byte * max(0.0, 1.0 - self.ratio)
+            return self.encode_s_per_byte < saved
+
+    def observe(
+        self, *, raw: int, stored: int, encode_s: float, put_s: float, compressed: bool
+    ) -> None:
+        if raw <= 0 or stored <= 0:
+            return
+        with self._lock:
+            self.put_s_per_byte = self._ema(self.put_s_per_byte, put_s / stored)
+            if compressed:
+                self.compressed += 1
+                self.encode_s_per_byte = self._ema(self.encode_s_per_byte, encode_s / raw)
+                self.ratio = self._ema(self.ratio, stored / raw)
+            else:
+                self.raw += 1
+
+
+_RAW = CodecConfig(level=None)
+
+
 def put_chunk(
-    store: Store, raw, itemsize: int, codec: CodecConfig, hedger: Hedger | None = None
+    store: Store,
+    raw,
+    itemsize: int,
+    codec: CodecConfig,
+    hedger: Hedger | None = None,
+    governor: CompressionGovernor | None = None,
 ) -> tuple[str, ChunkInfo]:
     """Hash ``raw``; encode and put it unless the store already holds that chunk.
 
@@ -171,7 +227,10 @@ def put_chunk(
         return digest, ChunkInfo(len(raw), store.size(key))
     except ObjectNotFoundError:
         pass
-    parts = encode_parts(raw, itemsize, codec)
+    compress = codec.level is not None and (governor is None or governor.should_compress())
+    t0 = time.perf_counter()
+    parts = encode_parts(raw, itemsize, codec if compress else _RAW)
+    t1 = time.perf_counter()
 
     def put() -> int:
         try:
@@ -181,6 +240,14 @@ def put_chunk(
             return store.size(key)
 
     stored = hedger.call(put, store.submit) if hedger is not None else put()
+    if governor is not None:
+        governor.observe(
+            raw=len(raw),
+            stored=sum(map(len, parts)),
+            encode_s=t1 - t0,
+            put_s=time.perf_counter() - t1,
+            compressed=compress,
+        )
     return digest, ChunkInfo(len(raw), stored)
 
 
@@ -190,13 +257,19 @@ def write_chunks(
     layout: Layout,
     cfg: PipelineConfig,
     hedger: Hedger | None = None,
+    governor: CompressionGovernor | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
     with ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="ckptstore-encode") as pool:
         results = list(
             pool.map(
                 lambda span: put_chunk(
-                    store, buffer[span.start : span.end], span.itemsize, cfg.codec, hedger
+                    store,
+                    buffer[span.start : span.end],
+                    span.itemsize,
+                    cfg.codec,
+                    hedger,
+                    governor,
                 ),
                 layout.chunks,
             )
