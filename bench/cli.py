@@ -9,7 +9,7 @@ import logging
 import sys
 
 # Modules of bench/ that define a subcommand, in the order --help lists them.
-WORKLOADS = ("save", "restore", "loader", "storage", "plan")
+WORKLOADS = ("save", "restore", "interference", "loader", "storage", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

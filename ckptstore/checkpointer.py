@@ -207,6 +207,7 @@ class Checkpointer:
         self.rank = self._group.rank
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
+        self.skipped_saves = 0
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._error: BaseException | None = None
         self._last: SaveHandle | None = None
@@ -229,7 +230,8 @@ class Checkpointer:
         buffer = self.pool.acquire(layout.total_bytes, block=self.when_busy == "wait")
         self._saves += 1
         if buffer is None:
-            logger.warning(
+            self.skipped_saves += 1
+            logger.info(
                 "rank %d: skipping save of step %d: the previous save is still persisting",
                 self.rank,
                 step,

@@ -349,7 +349,12 @@ class Store:
                     raise self._translate(op, key, exc) from exc
                 last = exc
                 logger.warning(
-                    "%s %s: attempt %d failed (%s), retrying", op, self.url(key), attempt + 1, exc
+                    "%s %s: attempt %d failed (%s)%s",
+                    op,
+                    self.url(key),
+                    attempt + 1,
+                    exc,
+                    ", retrying" if attempt + 1 < policy.attempts else "",
                 )
         if isinstance(last, StorageTimeoutError):
             raise StorageTimeoutError(f"{last} ({policy.attempts} attempts)") from last

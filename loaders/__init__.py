@@ -1,0 +1,40 @@
+"""Tail-latency-aware data loading: MDS, WebDataset and token-file shards read through
+``ckptstore.store`` with replica fan-out, hedged reads, a bounded prefetch window and exact
+resume. See docs/loaders.md."""
+
+from loaders.config import LoaderConfig, ReplicaConfig
+from loaders.dataset import ShardDataset, StatefulLoader
+from loaders.errors import (
+    LoaderError,
+    ReadFailedError,
+    ReadTimeoutError,
+    ReplicaMismatchError,
+    ShardCorruptError,
+    ShardNotFoundError,
+    UnknownFormatError,
+)
+from loaders.mds import MDS
+from loaders.order import EpochOrder, Reader
+from loaders.replicas import ReplicaSet
+from loaders.tokens import TokenFiles
+from loaders.wds import WebDataset
+
+__all__ = [
+    "MDS",
+    "EpochOrder",
+    "LoaderConfig",
+    "LoaderError",
+    "ReadFailedError",
+    "ReadTimeoutError",
+    "Reader",
+    "ReplicaConfig",
+    "ReplicaMismatchError",
+    "ReplicaSet",
+    "ShardCorruptError",
+    "ShardDataset",
+    "ShardNotFoundError",
+    "StatefulLoader",
+    "TokenFiles",
+    "UnknownFormatError",
+    "WebDataset",
+]

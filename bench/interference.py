@@ -1,0 +1,156 @@
+"""``ckptbench interference``: how much background saving slows the training loop's own steps.
+
+A loop of fixed steps runs twice side by side in one process: without checkpointing, then
+calling ``Checkpointer.save`` every step (``when_busy="skip"``: a save requested while the last
+one still persists is skipped, so the loop never waits for storage). The loss of step rate is
+what the background stages (encode threads, uploads, the GIL) cost the loop. Step kinds:
+
+- ``gpu``: the host mostly waits, as it does while a GPU computes (a sleep plus a small op);
+- ``cpu``: a CPU matmul (this machine has no GPU: the loop and the save share the cores);
+- ``python``: pure-Python work, which only runs while it holds the GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from bench.report import parse_bytes
+from ckptstore import Checkpointer
+
+KINDS = ("gpu", "cpu", "python")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "interference",
+        help="training-loop slowdown caused by background saves",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--uri", default=None, help="store to save into (default: a temp dir)")
+    p.add_argument("--size", default="256MiB", help="state size (default 256MiB)")
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
+    p.add_argument("--step-s", type=float, default=0.05, help="target step time (default 0.05)")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"step kinds, of {', '.join(KINDS)}")
+    p.add_argument("--compression", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _step_fn(kind: str, step_s: float):
+    if kind == "gpu":
+        a = torch.randn(64, 64)
+
+        def step() -> None:
+            time.sleep(step_s)
+            a.mul_(1.0)
+
+        return step
+    if kind == "cpu":
+        n = 256
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        reps = max(1, int(step_s / ((time.perf_counter() - t0) / 5)))
+        return lambda: [a @ b for _ in range(reps)]
+    if kind == "python":
+        t0 = time.perf_counter()
+        sum(i * i for i in range(20_000))
+        reps = max(1, int(step_s / (time.perf_counter() - t0)))
+
+        def step() -> None:
+            for _ in range(reps):
+                sum(i * i for i in range(20_000))
+
+        return step
+    raise ValueError(f"unknown step kind {kind!r}: expected {', '.join(KINDS)}")
+
+
+def _loop(step, steps: int, ckpt: Checkpointer | None, state: dict) -> dict:
+    blocked, skipped, times = [], 0, []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step()
+        for t in state.values():
+            t.add_(1.0)  # the state changes every step, as training's does
+        if ckpt is not None:
+            s0 = time.perf_counter()
+            handle = ckpt.save(i, state)
+            if handle.skipped:
+                skipped += 1
+            else:
+                blocked.append(time.perf_counter() - s0)
+        times.append(time.perf_counter() - t0)
+    out = {"steps_per_s": len(times) / sum(times), "median_step_s": statistics.median(times)}
+    if ckpt is not None:
+        ckpt.wait()
+        out |= {
+            "saves_committed": steps - skipped,
+            "saves_skipped": skipped,
+            "blocked_s_median": statistics.median(blocked),
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    size = parse_bytes(args.size)
+    if args.steps < 2 or args.tensors < 1 or args.step_s <= 0:
+        raise ValueError("--steps must be >= 2, --tensors >= 1, --step-s > 0")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown step kind(s) {unknown}: expected some of {', '.join(KINDS)}")
+    per = max(1, size // 4 // args.tensors)
+    state = {f"t{i}": torch.randn(per) for i in range(args.tensors)}
+    results = {}
+    for kind in kinds:
+        step = _step_fn(kind, args.step_s)
+        with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
+            uri = args.uri or tmp
+            baseline = _loop(step, args.steps, None, state)
+            with Checkpointer(
+                uri, compression=args.compression, when_busy="skip", keep_last=1
+            ) as ckpt:
+                saving = _loop(step, args.steps, ckpt, state)
+            again = _loop(step, args.steps, None, state)  # baseline after, for drift
+        base_rate = statistics.mean([baseline["steps_per_s"], again["steps_per_s"]])
+        results[kind] = {
+            "baseline_steps_per_s": base_rate,
+            "saving_steps_per_s": saving["steps_per_s"],
+            "loss_fraction": 1.0 - saving["steps_per_s"] / base_rate,
+            "saves_committed": saving["saves_committed"],
+            "saves_skipped": saving["saves_skipped"],
+            "blocked_s_median": saving["blocked_s_median"],
+        }
+    out = {
+        "state_bytes": per * 4 * args.tensors,
+        "steps": args.steps,
+        "step_s": args.step_s,
+        "kinds": results,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(
+            f"state {out['state_bytes'] / 2**20:.0f} MiB, {args.steps} steps of ~{args.step_s}s,"
+            " a save requested every step (skipped while one persists)"
+        )
+        print(
+            f"{'kind':8} {'base steps/s':>12} {'saving':>8} {'loss':>7} {'saved':>6} "
+            f"{'skipped':>8} {'blocked':>9}"
+        )
+        for kind, r in results.items():
+            print(
+                f"{kind:8} {r['baseline_steps_per_s']:12.2f} {r['saving_steps_per_s']:8.2f} "
+                f"{r['loss_fraction']:7.1%} {r['saves_committed']:6d} {r['saves_skipped']:8d} "
+                f"{r['blocked_s_median']:8.3f}s"
+            )
+    return 0

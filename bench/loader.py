@@ -1,0 +1,402 @@
+"""``ckptbench loader``: read latency of the data loader under injected storage faults (healthy,
+unhedged and hedged reads of the same dataset in one run) and, with ``--throughput``, delivered
+bytes/s of token files, MDS and WebDataset shards against a raw sequential read of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import statistics
+import struct
+import tarfile
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from bench.report import format_rate, format_seconds, print_json, table
+from ckptstore.faults import Faults, parse_latency
+from ckptstore.store import Store
+from loaders import MDS, LoaderConfig, ReplicaConfig, ShardDataset, TokenFiles, WebDataset
+from loaders.replicas import replica_retry_policy
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_TOKENS = 2048
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "loader",
+        help="loader read latency under faults (healthy / unhedged / hedged) and throughput",
+        description="Reads a generated token dataset from several replicas with injected "
+        "latency and faults, three ways in one run: all healthy, unhedged, hedged.",
+    )
+    p.add_argument("--replicas", type=int, default=3, help="replicas of the dataset (3)")
+    p.add_argument(
+        "--latency",
+        default="lognormal:0.01:0.5",
+        help="per-read latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA]",
+    )
+    p.add_argument(
+        "--slow-rate",
+        type=float,
+        default=0.05,
+        help="fraction of each replica's reads delayed (0.05)",
+    )
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=20.0,
+        help="a delayed read takes this many times the median more (20)",
+    )
+    p.add_argument(
+        "--slow-replica",
+        type=int,
+        default=None,
+        metavar="I",
+        help="replica I delays every one of its reads",
+    )
+    p.add_argument("--error-rate", type=float, default=0.0, help="fraction of reads that fail")
+    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of reads that hang")
+    p.add_argument("--reads", type=int, default=4000, help="reads (one 4 KiB sample each)")
+    p.add_argument("--concurrency", type=int, default=16, help="reads in flight (16)")
+    p.add_argument("--hedge-budget", type=float, default=0.1, help="hedges per read (0.1)")
+    p.add_argument(
+        "--attempt-timeout",
+        type=float,
+        default=1.0,
+        help="deadline of one attempt in seconds (1.0)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--throughput",
+        action="store_true",
+        help="instead: delivered bytes/s of token files, MDS and WebDataset "
+        "against a raw sequential read, from local files",
+    )
+    p.add_argument(
+        "--size-mib",
+        type=int,
+        default=256,
+        help="token data for --throughput, MiB (256; MDS and tar get a quarter)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="runs per --throughput case (median)")
+    p.add_argument("--dir", default=None, help="where --throughput writes its files (a tmp dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.throughput:
+        result = throughput(args)
+        if args.json:
+            print_json(result)
+        else:
+            rows = [
+                (
+                    name,
+                    format_rate(r["bytes_per_s"]),
+                    f"{r['samples_per_s']:.0f}",
+                    f"{r['vs_raw']:.2f}",
+                )
+                for name, r in result["cases"].items()
+            ]
+            table(["case", "delivered", "samples/s", "vs raw"], rows)
+        return 0
+    result = latency(args)
+    if args.json:
+        print_json(result)
+    else:
+        rows = [
+            (
+                mode,
+                format_seconds(r["p50_s"]),
+                format_seconds(r["p99_s"]),
+                format_seconds(r["p999_s"]),
+                r["requests"],
+                f"{100 * r['extra_requests']:.1f}%",
+                f"{r['samples_per_s']:.0f}",
+            )
+            for mode, r in result.items()
+            if isinstance(r, dict) and "p50_s" in r
+        ]
+        table(["mode", "p50", "p99", "p99.9", "requests", "extra", "samples/s"], rows)
+        print(
+            f"hedged p99 / unhedged p99 = {result['hedged_vs_unhedged_p99']:.3f}, "
+            f"hedged p99 / healthy p99 = {result['hedged_vs_healthy_p99']:.3f}"
+        )
+    return 0
+
+
+# -- latency under faults -------------------------------------------------------------------
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.reads < 1 or args.concurrency < 1:
+        raise ValueError("--reads and --concurrency must be >= 1")
+    if args.slow_replica is not None and not 0 <= args.slow_replica < args.replicas:
+        raise ValueError(
+            f"--slow-replica {args.slow_replica} is not one of the {args.replicas} replicas"
+        )
+    for name in ("slow_rate", "error_rate", "hang_rate"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1]")
+
+
+def latency(args: argparse.Namespace) -> dict[str, Any]:
+    _check(args)
+    dist = parse_latency(args.latency)
+    base = f"memory://ckptbench-loader-{uuid.uuid4().hex[:10]}"
+    data = (
+        np.random.default_rng(args.seed)
+        .integers(0, 50_000, args.reads * SAMPLE_TOKENS, dtype=np.uint16)
+        .tobytes()
+    )
+    uris = [f"{base}/r{i}" for i in range(args.replicas)]
+    for uri in uris:
+        Store(uri).put("tokens.bin", data)
+    out: dict[str, Any] = {
+        "scenario": {
+            "replicas": args.replicas,
+            "latency": args.latency,
+            "slow_rate": args.slow_rate,
+            "slow_factor": args.slow_factor,
+            "slow_replica": args.slow_replica,
+            "error_rate": args.error_rate,
+            "hang_rate": args.hang_rate,
+            "reads": args.reads,
+            "concurrency": args.concurrency,
+            "hedge_budget": args.hedge_budget,
+        }
+    }
+    for mode in ("healthy", "unhedged", "hedged"):
+        out[mode] = _latency_run(args, uris, dist, mode)
+        logger.info("loader bench %s: %s", mode, out[mode])
+    out["hedged_vs_unhedged_p99"] = out["hedged"]["p99_s"] / max(out["unhedged"]["p99_s"], 1e-9)
+    out["hedged_vs_healthy_p99"] = out["hedged"]["p99_s"] / max(out["healthy"]["p99_s"], 1e-9)
+    return out
+
+
+def _latency_run(args: argparse.Namespace, uris: list[str], dist: Any, mode: str) -> dict:
+    config = ReplicaConfig(
+        hedge=mode == "hedged",
+        hedge_budget=args.hedge_budget,
+        attempt_timeout_s=args.attempt_timeout,
+        read_deadline_s=30.0,
+        verify_replicas=False,
+    )
+    stores, all_faults = [], []
+    for i, uri in enumerate(uris):
+        healthy = mode == "healthy"
+        slow_rate = 0.0 if healthy else (1.0 if i == args.slow_replica else args.slow_rate)
+        faults = Faults(
+            latency=dist,
+            slow_rate=slow_rate,
+            slow_factor=args.slow_factor,
+            error_rate=0.0 if healthy else args.error_rate,
+            hang_rate=0.0 if healthy else args.hang_rate,
+            hang_s=60.0,
+            ops=frozenset({"get"}),
+            seed=args.seed * 1000 + i,
+        )
+        all_faults.append(faults)
+        stores.append(Store(uri, faults=faults, retry=replica_retry_policy(config)))
+    loader_config = LoaderConfig(
+        seed=args.seed, shuffle_block_units=64, window_reads=args.concurrency, log_interval_s=0
+    )
+    fmt = TokenFiles(
+        files=["tokens.bin"], sample_tokens=SAMPLE_TOKENS, read_bytes=SAMPLE_TOKENS * 2
+    )
+    try:
+        ds = ShardDataset(stores, fmt, config=loader_config, replica_config=config)
+        t0 = time.perf_counter()
+        samples = sum(1 for _ in ds)
+        elapsed = time.perf_counter() - t0
+    finally:
+        for f in all_faults:
+            f.release()
+    m = ds.metrics()
+    reads = m["reads"]["reads"]
+    requests = sum(r["requests"] for r in m["replicas"].values())
+    # Requests before the timed reads (sizes at open) are not reads of samples.
+    get_requests = sum(f.counts["requests"] for f in all_faults)
+    lat = ds.replicas.stats.latency.summary()
+    return {
+        "p50_s": lat["p50_s"],
+        "p99_s": lat["p99_s"],
+        "p999_s": lat["p999_s"],
+        "max_s": lat["max_s"],
+        "reads": reads,
+        "requests": get_requests,
+        "extra_requests": (get_requests - reads) / max(reads, 1),
+        "hedges": m["reads"]["hedges"],
+        "hedges_won": sum(r["hedges_won"] for r in m["replicas"].values()),
+        "failovers": m["reads"]["failovers"],
+        "all_requests": requests,
+        "samples_per_s": samples / elapsed,
+        "consumer_wait_s": m["consumer"]["wait_s"],
+        "hedge_delay_s": m["hedge_delay_s"],
+        "per_replica": {
+            uri.rsplit("/", 1)[-1]: {
+                "requests": r["requests"],
+                "wins": r["wins"],
+                "p99_s": r["p99_s"],
+            }
+            for uri, r in m["replicas"].items()
+        },
+    }
+
+
+# -- throughput from local files ------------------------------------------------------------
+
+
+def _write_mds(root: str, samples: np.ndarray, per_shard: int) -> None:
+    """MDS v2 shards of one fixed-size ``ndarray:uint16:2048`` column, with xxh64 hashes."""
+    import xxhash
+
+    os.makedirs(root, exist_ok=True)
+    shards = []
+    for s, lo in enumerate(range(0, len(samples), per_shard)):
+        chunk = samples[lo : lo + per_shard]
+        head = 4 + 4 * (len(chunk) + 1)
+        offsets = head + np.arange(len(chunk) + 1, dtype=np.int64) * chunk.shape[1] * 2
+        blob = struct.pack("<I", len(chunk)) + offsets.astype("<u4").tobytes() + chunk.tobytes()
+        name = f"shard.{s:05d}.mds"
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(blob)
+        shards.append(
+            {
+                "column_encodings": [f"ndarray:uint16:{chunk.shape[1]}"],
+                "column_names": ["tokens"],
+                "column_sizes": [chunk.shape[1] * 2],
+                "compression": None,
+                "format": "mds",
+                "hashes": ["xxh64"],
+                "raw_data": {
+                    "basename": name,
+                    "bytes": len(blob),
+                    "hashes": {"xxh64": xxhash.xxh64(blob).hexdigest()},
+                },
+                "samples": len(chunk),
+                "size_limit": 1 << 26,
+                "version": 2,
+                "zip_data": None,
+            }
+        )
+    with open(os.path.join(root, "index.json"), "w") as f:
+        json.dump({"shards": shards, "version": 2}, f)
+
+
+def _write_tar(root: str, samples: np.ndarray, per_shard: int) -> None:
+    os.makedirs(root, exist_ok=True)
+    for s, lo in enumerate(range(0, len(samples), per_shard)):
+        with tarfile.open(os.path.join(root, f"shard-{s:05d}.tar"), "w") as tar:
+            for i in range(lo, min(lo + per_shard, len(samples))):
+                data = samples[i].tobytes()
+                info = tarfile.TarInfo(f"{i:09d}.tokens.bin")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _raw_read(root: str, keys: list[str], chunk: int = 8 << 20) -> int:
+    store = Store(root)
+    total = 0
+    for key in keys:
+        size = store.size(key)
+        for lo in range(0, size, chunk):
+            total += len(store.get(key, lo, min(size, lo + chunk)))
+    return total
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    if args.size_mib < 4 or args.repeat < 1:
+        raise ValueError("--size-mib must be >= 4 and --repeat >= 1")
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="ckptbench-loader-") as tmp:
+        rng = np.random.default_rng(args.seed)
+        n_files = 4
+        per_file = args.size_mib * 2**20 // n_files // (SAMPLE_TOKENS * 2)
+        tok_root = os.path.join(tmp, "tokens")
+        os.makedirs(tok_root)
+        keys = []
+        for f in range(n_files):
+            rng.integers(0, 50_000, per_file * SAMPLE_TOKENS, dtype=np.uint16).tofile(
+                os.path.join(tok_root, f"part{f}.bin")
+            )
+            keys.append(f"part{f}.bin")
+        small = rng.integers(0, 50_000, (per_file * n_files // 4, SAMPLE_TOKENS), dtype=np.uint16)
+        _write_mds(os.path.join(tmp, "mds"), small, per_shard=1024)
+        _write_tar(os.path.join(tmp, "wds"), small, per_shard=1024)
+        token_bytes = per_file * n_files * SAMPLE_TOKENS * 2
+        cases = {
+            "raw sequential read": lambda: (_raw_read(tok_root, keys), 0),
+            "tokens, in order, batches of 64": lambda: _tokens(tok_root, False),
+            "tokens, shuffled, batches of 64": lambda: _tokens(tok_root, True),
+            "MDS (xxh64 verified), samples": lambda: _samples(os.path.join(tmp, "mds"), MDS()),
+            "WebDataset tar, samples": lambda: _samples(os.path.join(tmp, "wds"), WebDataset()),
+        }
+        _raw_read(tok_root, keys)  # warm the page cache
+        runs: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cases}
+        for _ in range(args.repeat):  # interleaved, so drift hits every case alike
+            for name, fn in cases.items():
+                t0 = time.perf_counter()
+                nbytes, nsamples = fn()
+                runs[name].append((time.perf_counter() - t0, nbytes, nsamples))
+        out: dict[str, Any] = {}
+        for name, rs in runs.items():
+            seconds = statistics.median(r[0] for r in rs)
+            nbytes, nsamples = rs[0][1], rs[0][2] or rs[0][1] // (SAMPLE_TOKENS * 2)
+            out[name] = {
+                "seconds": seconds,
+                "bytes": nbytes,
+                "bytes_per_s": nbytes / seconds,
+                "samples_per_s": nsamples / seconds,
+            }
+        raw = out["raw sequential read"]["bytes_per_s"]
+        for r in out.values():
+            r["vs_raw"] = r["bytes_per_s"] / raw
+        return {
+            "token_bytes": token_bytes,
+            "sample_bytes": SAMPLE_TOKENS * 2,
+            "repeat": args.repeat,
+            "cases": out,
+        }
+
+
+def _tokens(root: str, shuffle: bool) -> tuple[int, int]:
+    config = LoaderConfig(
+        shuffle=shuffle,
+        shuffle_block_units=4,
+        window_reads=4,
+        window_bytes=64 << 20,
+        log_interval_s=0,
+    )
+    ds = ShardDataset(
+        root, TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=4 << 20), config=config
+    )
+    nbytes = nsamples = 0
+    for batch in ds.iter_batches(64):
+        nbytes += batch["tokens"].nbytes
+        nsamples += len(batch["__index__"])
+    return nbytes, nsamples
+
+
+def _samples(root: str, fmt: Any) -> tuple[int, int]:
+    config = LoaderConfig(
+        shuffle=True, shuffle_block_units=4, window_reads=4, window_bytes=64 << 20, log_interval_s=0
+    )
+    ds = ShardDataset(root, fmt, config=config)
+    nbytes = nsamples = 0
+    for sample in ds:
+        value = sample.get("tokens", sample.get("tokens.bin"))
+        nbytes += len(value) if isinstance(value, bytes) else value.nbytes
+        nsamples += 1
+    return nbytes, nsamples

@@ -1,0 +1,115 @@
+"""Configuration of the loader: order and prefetch (:class:`LoaderConfig`), replicas and hedging
+(:class:`ReplicaConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class ReplicaConfig:
+    """How reads are spread over replicas, hedged, failed over and bounded in time."""
+
+    hedge: bool = True
+    """Send a duplicate of a slow read to another replica after the hedge delay."""
+    hedge_quantile: float = 92.0
+    """The hedge delay is this percentile of recent first-attempt latencies of the size class
+    (below the 95th so that a few percent of uniformly slow reads cannot pull it past them,
+    above ``100 * (1 - hedge_budget)`` so that hedges stay within the budget)."""
+    hedge_min_delay_s: float = 0.002
+    """Floor of the hedge delay."""
+    hedge_initial_delay_s: float = 0.05
+    """Hedge delay used until ``hedge_min_samples`` latencies of a size class are known."""
+    hedge_min_samples: int = 20
+    """Latencies of a size class needed before its percentile is trusted."""
+    hedge_budget: float = 0.1
+    """Hedges allowed per read, on average (token bucket refill per read): 0.1 = at most 10%
+    extra requests in the long run."""
+    hedge_burst: float = 32.0
+    """Capacity of the hedge token bucket (hedges that may fire back to back)."""
+    max_hedges: int = 2
+    """Duplicates one read may send (to distinct replicas), the n-th after n hedge delays; a
+    second or later one only while the hedge bucket is more than half full."""
+    attempt_timeout_s: float = 10.0
+    """Deadline of one attempt on one replica (the replica Store's per-attempt deadline)."""
+    read_deadline_s: float = 60.0
+    """Overall deadline of one read, over every attempt, hedge and failover."""
+    max_attempts: int = 6
+    """Attempts of one read after errors (hedges not counted), across replicas."""
+    bench_after_errors: int = 3
+    """Consecutive errors after which a replica is benched (sent no reads)."""
+    bench_s: float = 5.0
+    """First bench duration; doubles each time a probe fails, up to ``max_bench_s``."""
+    max_bench_s: float = 60.0
+    """Longest bench."""
+    probe_interval_s: float = 2.0
+    """A replica not used for this long gets the next read, to refresh its latency estimate."""
+    latency_ewma_alpha: float = 0.1
+    """Weight of a new latency in a replica's moving average."""
+    verify_replicas: bool = True
+    """At open, compare the index and every shard's size across replicas."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.hedge_quantile < 100.0:
+            raise ValueError(f"hedge_quantile must be in (0, 100), got {self.hedge_quantile}")
+        for name in (
+            "hedge_min_delay_s",
+            "hedge_initial_delay_s",
+            "attempt_timeout_s",
+            "read_deadline_s",
+            "bench_s",
+            "max_bench_s",
+            "probe_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.hedge_budget < 0:
+            raise ValueError(f"hedge_budget must be >= 0, got {self.hedge_budget}")
+        if self.hedge_burst < 1:
+            raise ValueError(f"hedge_burst must be >= 1, got {self.hedge_burst}")
+        if self.max_hedges < 0:
+            raise ValueError(f"max_hedges must be >= 0, got {self.max_hedges}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.bench_after_errors < 1:
+            raise ValueError(f"bench_after_errors must be >= 1, got {self.bench_after_errors}")
+        if self.hedge_min_samples < 1:
+            raise ValueError(f"hedge_min_samples must be >= 1, got {self.hedge_min_samples}")
+        if not 0.0 < self.latency_ewma_alpha <= 1.0:
+            raise ValueError(f"latency_ewma_alpha must be in (0, 1], got {self.latency_ewma_alpha}")
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """Sample order, sharding over ranks and workers, and the prefetch window."""
+
+    seed: int = 0
+    """Seed of the shuffle; the order is a function of (seed, epoch) only."""
+    shuffle: bool = True
+    """Shuffle units (read pieces), then samples within blocks of ``shuffle_block_units`` units."""
+    shuffle_block_units: int = 8
+    """Units whose samples are shuffled together; all of a block's units are held in memory at
+    once, so ``window_bytes`` must hold the largest block."""
+    batch_size: int = 1
+    """Consecutive samples a DataLoader worker takes in turn: set it to the DataLoader's
+    ``batch_size`` so that its round-robin over workers yields the rank's order."""
+    window_reads: int = 16
+    """Reads in flight at most (hedges not counted)."""
+    window_bytes: int = 256 * 2**20
+    """Bytes of reads in flight plus read and not yet delivered, at most."""
+    log_interval_s: float = 60.0
+    """Log the metrics at INFO this often while iterating; 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.shuffle_block_units < 1:
+            raise ValueError(f"shuffle_block_units must be >= 1, got {self.shuffle_block_units}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.window_reads < 1:
+            raise ValueError(f"window_reads must be >= 1, got {self.window_reads}")
+        if self.window_bytes < 1:
+            raise ValueError(f"window_bytes must be >= 1, got {self.window_bytes}")
+        if self.log_interval_s < 0:
+            raise ValueError(f"log_interval_s must be >= 0, got {self.log_interval_s}")

@@ -1,0 +1,470 @@
+"""The dataset a training loop iterates: formats + replicas + order + prefetch + exact resume.
+
+:class:`ShardDataset` is a ``torch.utils.data.IterableDataset``; iterated directly (or by a
+DataLoader with ``num_workers=0``) it counts what it hands out. Under ``num_workers=N`` wrap it
+in :class:`StatefulLoader`, which counts the samples the consumer received. Either one's
+``state_dict()`` holds the global sample position of the epoch, so a resumed run reads exactly
+the samples not yet seen, in the same order, also with another ``num_workers`` or world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ckptstore.store import Store
+from loaders.config import LoaderConfig, ReplicaConfig
+from loaders.layout import Format, Unit, unit_samples
+from loaders.metrics import ConsumerStats
+from loaders.order import BlockPlan, EpochOrder, Reader
+from loaders.prefetch import Window
+from loaders.replicas import ReplicaSet, replica_retry_policy
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+def _spec(replica: str | os.PathLike | Store) -> tuple[str, Any, Any]:
+    """What reopens a replica in another process: its URI, retry policy and injected faults."""
+    if isinstance(replica, Store):
+        return replica.uri, replica.retry, getattr(replica.backend, "faults", None)
+    return os.fspath(replica), None, None
+
+
+class ShardDataset(IterableDataset):
+    """A sharded dataset on one or more replicas, read with prefetch, hedging and exact resume.
+
+    ``replicas``: URIs (or :class:`ckptstore.Store` objects) holding the same dataset.
+    ``format``: :class:`~loaders.MDS`, :class:`~loaders.WebDataset` or
+    :class:`~loaders.TokenFiles`. ``rank``/``world_size`` default to torch.distributed's.
+    ``transform`` runs on each sample in the process that reads it.
+    """
+
+    def __init__(
+        self,
+        replicas: str | os.PathLike | Store | Sequence[str | os.PathLike | Store],
+        format: Format,
+        *,
+        config: LoaderConfig | None = None,
+        replica_config: ReplicaConfig | None = None,
+        storage_options: dict[str, Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if not hasattr(format, "open"):
+            raise ValueError(
+                f"unknown dataset format {format!r}: expected MDS(), WebDataset() or TokenFiles()"
+            )
+        if isinstance(replicas, (str, os.PathLike, Store)):
+            replicas = [replicas]
+        self.config = config or LoaderConfig()
+        self.replica_config = replica_config or ReplicaConfig()
+        self._storage_options = storage_options
+        self._specs = [_spec(r) for r in replicas]
+        self._replicas: ReplicaSet | None = ReplicaSet(
+            list(replicas), config=self.replica_config, storage_options=storage_options
+        )
+        self._pid = os.getpid()
+        self.format = format
+        self.layout = format.open(self._replicas)
+        self.units: Sequence[Unit] = self.layout.units
+        self._unit_samples = unit_samples(self.units)
+        self.num_samples = int(self._unit_samples.sum())
+        if world_size is None:
+            world_size = (
+                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            )
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        Reader(rank=rank, world_size=world_size)  # checks them
+        self.rank, self.world_size = rank, world_size
+        self.transform = transform
+        self._check_window()
+        self._epoch = 0
+        self._position = 0  # global position the current pass started at
+        self._consumed = 0  # samples this rank's consumer received since _position
+        self._external_count = False  # a StatefulLoader counts instead
+        self.stats = ConsumerStats()
+        self._orders: dict[int, EpochOrder] = {}
+
+    def _check_window(self) -> None:
+        k = self.config.shuffle_block_units if self.config.shuffle else 1
+        largest = sorted((u.mem_bytes for u in self.units), reverse=True)[:k]
+        if sum(largest) > self.config.window_bytes and len(largest) > 1:
+            raise ValueError(
+                f"a shuffle block of {k} units may take {sum(largest)} bytes, more than "
+                f"window_bytes={self.config.window_bytes}: lower shuffle_block_units or raise "
+                "window_bytes"
+            )
+
+    # -- pickling into DataLoader workers ----------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_replicas"] = None
+        state["stats"] = None
+        state["_orders"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.stats = ConsumerStats()
+
+    @property
+    def replicas(self) -> ReplicaSet:
+        if self._replicas is None or self._pid != os.getpid():
+            policy = replica_retry_policy(self.replica_config)
+            stores = [
+                Store(
+                    uri, storage_options=self._storage_options, retry=retry or policy, faults=faults
+                )
+                for uri, retry, faults in self._specs
+            ]
+            self._replicas = ReplicaSet(stores, config=self.replica_config)
+            self._pid = os.getpid()
+        return self._replicas
+
+    # -- order and state ---------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next iteration."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._epoch, self._position, self._consumed = epoch, 0, 0
+
+    def order(self, epoch: int | None = None) -> EpochOrder:
+        epoch = self._epoch if epoch is None else epoch
+        if epoch not in self._orders:
+            self._orders = {
+                epoch: EpochOrder(
+                    self._unit_samples,
+                    seed=self.config.seed,
+                    epoch=epoch,
+                    shuffle=self.config.shuffle,
+                    block_units=self.config.shuffle_block_units,
+                )
+            }
+        return self._orders[epoch]
+
+    @property
+    def position(self) -> int:
+        """Global position of the next sample this rank's consumer will receive, in the epoch
+        order (every rank has received the samples before it, in lock step)."""
+        return self._position + self._consumed * self.world_size
+
+    def _rebase(self) -> None:
+        self._position, self._consumed = self.position, 0
+
+    def _next_epoch(self) -> None:
+        self._epoch, self._position, self._consumed = self._epoch + 1, 0, 0
+
+    def rank_length(self) -> int:
+        """Samples this rank still reads in the current epoch."""
+        return self.order().rank_length(self.position, self.world_size)
+
+    def __len__(self) -> int:
+        return self.rank_length()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values: the epoch and the global position of the next unseen sample."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self.position,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.config.seed,
+            "shuffle": self.config.shuffle,
+            "shuffle_block_units": self.config.shuffle_block_units,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``, possibly saved with another world size or worker count."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state version {state.get('version') if isinstance(state, dict) else state!r}"
+                f" is not {STATE_VERSION}"
+            )
+        for key, mine in (
+            ("num_samples", self.num_samples),
+            ("seed", self.config.seed),
+            ("shuffle", self.config.shuffle),
+            ("shuffle_block_units", self.config.shuffle_block_units),
+        ):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"loader state has {key}={state.get(key)!r} but this dataset "
+                    f"has {mine!r}: it was saved for another dataset or order"
+                )
+        position = int(state["position"])
+        if not 0 <= position <= self.num_samples:
+            raise ValueError(
+                f"loader state position {position} is outside the dataset (0..{self.num_samples})"
+            )
+        self._epoch, self._position, self._consumed = int(state["epoch"]), position, 0
+        if state.get("world_size") != self.world_size:
+            logger.info(
+                "rank %d: resuming at global position %d saved with world size %s, now %d",
+                self.rank,
+                position,
+                state.get("world_size"),
+                self.world_size,
+            )
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _reader(self) -> tuple[Reader, bool]:
+        info = get_worker_info()
+        if info is None:
+            return Reader(rank=self.rank, world_size=self.world_size), True
+        return Reader(
+            rank=self.rank,
+            world_size=self.world_size,
+            worker=info.id,
+            num_workers=info.num_workers,
+            batch_size=self.config.batch_size,
+        ), False
+
+    def _fetch(self, unit_id: int) -> Any:
+        unit = self.units[unit_id]
+        decode = self.layout.decode
+        data = self.replicas.read(
+            unit.key,
+            unit.start,
+            unit.end,
+            size_hint=unit.nbytes,
+            decode=lambda raw, replica: decode(unit, raw, replica),
+        )
+        self.stats.bytes_read += unit.nbytes
+        return data
+
+    def _blocks(self, reader: Reader) -> Iterator[tuple[BlockPlan, Window]]:
+        """Each block of this reader's plan with the window that fetches its units."""
+        order = self.order()
+        plans = order.plan(reader, self._position)
+        queued: deque[BlockPlan] = deque()
+
+        def schedule() -> Iterator[tuple[int, int]]:
+            for plan in plans:
+                queued.append(plan)
+                for u in plan.needed:
+                    yield u, self.units[u].mem_bytes
+
+        window = Window(
+            schedule(),
+            self._fetch,
+            window_reads=self.config.window_reads,
+            window_bytes=self.config.window_bytes,
+            stats=self.stats,
+        )
+        last_log = time.monotonic()
+        try:
+            while True:
+                if not queued:
+                    window.top_up()
+                    if not queued:
+                        return
+                yield queued.popleft(), window
+                interval = self.config.log_interval_s
+                if interval and time.monotonic() - last_log >= interval:
+                    last_log = time.monotonic()
+                    logger.info(
+                        "loader rank %d worker %d: %s", reader.rank, reader.worker, self.metrics()
+                    )
+        finally:
+            window.close()
+
+    def __iter__(self) -> Iterator[Any]:
+        reader, in_process = self._reader()
+        count = in_process and not self._external_count
+        if count:
+            self._rebase()
+        transform = self.transform
+        for plan, window in self._blocks(reader):
+            units, local = plan.units.tolist(), plan.local.tolist()
+            last = {u: j for j, u in enumerate(units)}
+            for j, (u, k) in enumerate(zip(units, local)):
+                data = window.get(u)
+                if isinstance(data, np.ndarray):
+                    sample: Any = {
+                        "tokens": data[k].copy(),
+                        "__index__": self.units[u].first_id + k,
+                    }
+                else:
+                    sample = data[k]
+                if last[u] == j:
+                    window.release(u)
+                if transform is not None:
+                    sample = transform(sample)
+                self.stats.samples += 1
+                if count:
+                    self._consumed += 1
+                yield sample
+        if count:
+            self._next_epoch()
+
+    def iter_batches(self, batch_size: int) -> Iterator[Any]:
+        """Batches of ``batch_size`` samples in this rank's order, in this process.
+
+        Token files give ``{"tokens": uint array (B, sample_tokens), "__index__": (B,)}`` cut
+        from the read buffers with one copy (none for consecutive rows); other formats give
+        lists of samples. The consumer count advances by each batch's length.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        reader = Reader(rank=self.rank, world_size=self.world_size)
+        self._rebase()
+        first_ids = np.fromiter((u.first_id for u in self.units), np.int64, len(self.units))
+        pending: list[tuple[np.ndarray, np.ndarray]] = []
+        pending_n = 0
+        for plan, window in self._blocks(reader):
+            arrays = [window.get(u) for u in plan.needed]
+            if not isinstance(arrays[0], np.ndarray):
+                samples = [
+                    arrays[plan.needed.index(u)][k]
+                    for u, k in zip(plan.units.tolist(), plan.local.tolist())
+                ]
+                for u in plan.needed:
+                    window.release(u)
+                for i in range(0, len(samples), batch_size):
+                    batch = samples[i : i + batch_size]
+                    self._consumed += len(batch)
+                    self.stats.samples += len(batch)
+                    yield batch
+                continue
+            slot = {u: i for i, u in enumerate(plan.needed)}
+            unit_slots = np.fromiter(
+                (slot[u] for u in plan.units.tolist()), np.int64, len(plan.units)
+            )
+            local = plan.local
+            ids = first_ids[plan.units] + local
+            block = None  # the block's units concatenated, made only when a batch mixes units
+            i, n = 0, len(local)
+            while i < n:
+                take = min(batch_size - pending_n, n - i)
+                j = i + take
+                first = int(unit_slots[i])
+                if (
+                    unit_slots[j - 1] == first
+                    and local[j - 1] - local[i] == take - 1
+                    and (take < 3 or np.all(np.diff(local[i:j]) == 1))
+                ):
+                    piece = arrays[first][local[i] : local[i] + take]  # a view, no copy
+                else:
+                    if block is None:
+                        starts = np.cumsum([0] + [len(a) for a in arrays[:-1]])
+                        block = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+                        rows = starts[unit_slots] + local
+                    piece = block[rows[i:j]]
+                pending.append((piece, ids[i:j]))
+                pending_n += take
+                i = j
+                if pending_n == batch_size:
+                    yield self._emit_tokens(pending)
+                    pending, pending_n = [], 0
+            for u in plan.needed:
+                window.release(u)
+        if pending:
+            yield self._emit_tokens(pending)
+        self._next_epoch()
+
+    def _emit_tokens(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+        if len(pieces) == 1:
+            tokens, ids = pieces[0]
+        else:
+            tokens = np.concatenate([p for p, _ in pieces])
+            ids = np.concatenate([i for _, i in pieces])
+        self._consumed += len(ids)
+        self.stats.samples += len(ids)
+        return {"tokens": tokens, "__index__": ids}
+
+    def metrics(self) -> dict[str, Any]:
+        """Consumer wait and window figures, and per-replica request figures, of this process."""
+        return {"consumer": self.stats.as_dict(), **self.replicas.metrics()}
+
+
+class StatefulLoader:
+    """A ``torch.utils.data.DataLoader`` over a :class:`ShardDataset` that counts the samples its
+    consumer received, so ``state_dict()`` is exact under any ``num_workers``."""
+
+    def __init__(
+        self,
+        dataset: ShardDataset,
+        *,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        for bad in ("sampler", "batch_sampler", "shuffle"):
+            if dataloader_kwargs.get(bad):
+                raise ValueError(f"StatefulLoader orders samples itself: do not pass {bad}")
+        if dataloader_kwargs.get("persistent_workers"):
+            raise ValueError(
+                "StatefulLoader needs fresh workers each pass "
+                "(persistent_workers=False) to hand them the resume position"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        dataset.config = replace(dataset.config, batch_size=batch_size)
+        dataset._external_count = True
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self._loader = DataLoader(
+            dataset, batch_size=batch_size, num_workers=num_workers, **dataloader_kwargs
+        )
+        self.stats = ConsumerStats()
+
+    def __len__(self) -> int:
+        return -(-self.dataset.rank_length() // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        ds._rebase()
+        length = ds.rank_length()
+        it = iter(self._loader)
+        while True:
+            t0 = time.monotonic()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            waited = time.monotonic() - t0
+            self.stats.wait.record(waited)
+            self.stats.wait_s += waited
+            n = min(self.batch_size, length - ds._consumed)
+            ds._consumed += n
+            self.stats.samples += n
+            yield batch
+        ds._next_epoch()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def metrics(self) -> dict[str, Any]:
+        """The consumer's wait for batches (this process); readers run in the workers."""
+        return {"consumer": self.stats.as_dict(), "workers": self._loader.num_workers}
+
+
+__all__ = ["ShardDataset", "StatefulLoader"]

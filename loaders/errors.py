@@ -1,0 +1,33 @@
+"""Exceptions raised by the loader. Each names the shard, offset and replica involved."""
+
+from __future__ import annotations
+
+from ckptstore.errors import CheckpointError
+
+
+class LoaderError(CheckpointError):
+    """Base class of every error the loader raises on purpose."""
+
+
+class ShardCorruptError(LoaderError, ValueError):
+    """A shard's bytes do not match its index (hash, size, header, encoding)."""
+
+
+class ShardNotFoundError(LoaderError, FileNotFoundError):
+    """A shard (or the dataset index) is missing from every replica."""
+
+
+class ReplicaMismatchError(LoaderError, ValueError):
+    """Two replicas of one dataset hold different contents."""
+
+
+class ReadTimeoutError(LoaderError, TimeoutError):
+    """A read did not complete on any replica within its overall deadline."""
+
+
+class ReadFailedError(LoaderError, OSError):
+    """A read failed on every replica it was tried on."""
+
+
+class UnknownFormatError(LoaderError, ValueError):
+    """The dataset format, a column encoding or a compression is not supported."""

@@ -1,0 +1,50 @@
+"""What every format produces: a dataset cut into units, each one storage read of whole samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One read: ``[start, end)`` of object ``key`` (the whole object when ``start`` is None)."""
+
+    key: str
+    start: int | None
+    end: int | None
+    nbytes: int
+    """Bytes the read returns."""
+    mem_bytes: int
+    """Bytes the unit takes once decoded (what the prefetch window accounts)."""
+    num_samples: int
+    first_id: int
+    """Dataset-wide index of the unit's first sample."""
+
+    def describe(self) -> str:
+        return self.key if self.start is None else f"{self.key}[{self.start}:{self.end}]"
+
+
+class Layout(Protocol):
+    """A dataset as opened by a format: its units, and how to decode a unit's bytes."""
+
+    units: Sequence[Unit]
+
+    def decode(self, unit: Unit, data: bytes, replica: str) -> Sequence[Any]:
+        """The unit's samples, in order (``replica`` is named in errors)."""
+        ...
+
+
+class Format(Protocol):
+    """A dataset format: reads its index through the replicas and lays the dataset out."""
+
+    name: str
+
+    def open(self, replicas: Any) -> Layout: ...
+
+
+def unit_samples(units: Sequence[Unit]) -> np.ndarray:
+    return np.fromiter((u.num_samples for u in units), dtype=np.int64, count=len(units))

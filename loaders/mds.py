@@ -1,0 +1,317 @@
+"""MosaicML Streaming MDS datasets (``index.json`` version 2), read whole shard by whole shard.
+
+A shard is ``uint32 n``, ``uint32 offsets[n + 1]`` (absolute byte offsets of each sample), the
+writer's JSON config, then the samples. A sample is the ``uint32`` sizes of its variable-size columns, then every column's
+bytes in index order. Compressed shards (``zip_data``) are decompressed after the read; the hashes
+the index lists (sha1, xxh64, ...) are checked on the compressed and on the raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+
+from loaders._codecs import decompress, hasher
+from loaders.errors import ShardCorruptError, UnknownFormatError
+from loaders.layout import Unit
+
+logger = logging.getLogger(__name__)
+
+_SCALARS = {
+    n: np.dtype(n)
+    for n in (
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+# Array element types and shape widths as MDS ``ndarray`` encodes them in a sample.
+_NDARRAY_DTYPES = {
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
+}
+_SHAPE_DTYPES = {0: "uint8", 1: "uint16", 2: "uint32", 3: "uint64"}
+_IMAGE_ENCODINGS = {"pil", "jpeg", "png", "jpeg_array", "jpegarray", "jpeg_array_hwc"}
+
+
+def _ndarray_decoder(spec: str) -> Callable[[bytes], np.ndarray]:
+    parts = spec.split(":")[1:]
+    dtype = np.dtype(parts[0]) if parts and parts[0] else None
+    shape = tuple(int(x) for x in parts[1].split(",")) if len(parts) > 1 else None
+
+    def decode(b: bytes) -> np.ndarray:
+        i = 0
+        dt = dtype
+        if dt is None:
+            dt = np.dtype(_NDARRAY_DTYPES[b[0]])
+            i = 1
+        shp = shape
+        if shp is None:
+            ndim, width = b[i] >> 2, np.dtype(_SHAPE_DTYPES[b[i] & 3])
+            i += 1
+            shp = tuple(int(x) for x in np.frombuffer(b, width, ndim, i))
+            i += ndim * width.itemsize
+        return np.frombuffer(b, dt, offset=i).reshape(shp)
+
+    return decode
+
+
+def column_decoder(encoding: str, *, allow_pickle: bool = False) -> Callable[[bytes], Any]:
+    """Bytes -> value for one MDS column encoding; :class:`UnknownFormatError` if unsupported."""
+    if encoding == "bytes":
+        return bytes
+    if encoding == "str":
+        return lambda b: b.decode("utf-8")
+    if encoding == "int":
+        return lambda b: int(np.frombuffer(b, np.int64)[0])
+    if encoding in _SCALARS:
+        dt = _SCALARS[encoding]
+        return lambda b: np.frombuffer(b, dt)[0]
+    if encoding == "str_int":
+        return lambda b: int(b.decode())
+    if encoding == "str_float":
+        return lambda b: float(b.decode())
+    if encoding == "str_decimal":
+        return lambda b: Decimal(b.decode())
+    if encoding == "json":
+        return lambda b: json.loads(b.decode("utf-8"))
+    if encoding == "pkl":
+        if not allow_pickle:
+            raise UnknownFormatError(
+                "MDS column encoding 'pkl' runs code when read: pass "
+                "MDS(allow_pickle=True) if the dataset is trusted"
+            )
+        return pickle.loads
+    if encoding == "ndarray" or encoding.startswith("ndarray:"):
+        return _ndarray_decoder(encoding)
+    if encoding in _IMAGE_ENCODINGS:
+        raise UnknownFormatError(
+            f"MDS image column encoding {encoding!r} is not supported; "
+            "decode it from 'bytes' in a transform"
+        )
+    raise UnknownFormatError(f"unknown MDS column encoding {encoding!r}")
+
+
+@dataclass(kw_only=True)
+class MDS:
+    """A MosaicML MDS dataset: ``index.json`` (version 2) and its shards."""
+
+    index: str = "index.json"
+    """Key of the index, relative to each replica's root; shards are named relative to it."""
+    allow_pickle: bool = False
+    """Decode ``pkl`` columns (runs code from the dataset: only for trusted data)."""
+    verify_hashes: bool = True
+    """Check the hashes the index lists for each shard, on every read."""
+    name: str = field(default="mds", init=False)
+
+    def open(self, replicas: Any) -> MDSLayout:
+        raw = replicas.read_same(self.index)
+        try:
+            index = json.loads(raw)
+        except ValueError as exc:
+            raise ShardCorruptError(f"{self.index} is not JSON: {exc}") from exc
+        if not isinstance(index, dict) or index.get("version") != 2:
+            raise UnknownFormatError(
+                f"{self.index}: MDS index version "
+                f"{index.get('version') if isinstance(index, dict) else '?'}"
+                " is not supported (only version 2)"
+            )
+        base = posixpath.dirname(self.index)
+        units, shards = [], []
+        first = 0
+        for i, info in enumerate(index.get("shards", [])):
+            if info.get("format") != "mds":
+                raise UnknownFormatError(
+                    f"{self.index}: shard {i} has format "
+                    f"{info.get('format')!r}, only 'mds' is supported"
+                )
+            shard = _Shard.from_index(
+                info, base, allow_pickle=self.allow_pickle, verify=self.verify_hashes
+            )
+            units.append(
+                Unit(
+                    key=shard.key,
+                    start=None,
+                    end=None,
+                    nbytes=shard.nbytes,
+                    mem_bytes=shard.raw_bytes,
+                    num_samples=shard.samples,
+                    first_id=first,
+                )
+            )
+            shards.append(shard)
+            first += shard.samples
+        return MDSLayout(units=units, shards=shards)
+
+
+@dataclass
+class _Shard:
+    key: str
+    raw_name: str
+    samples: int
+    nbytes: int
+    raw_bytes: int
+    compression: str | None
+    zip_hashes: dict[str, str]
+    raw_hashes: dict[str, str]
+    names: list[str]
+    sizes: list[int | None]
+    encodings: list[str]
+    allow_pickle: bool
+
+    @classmethod
+    def from_index(cls, info: dict, base: str, *, allow_pickle: bool, verify: bool) -> _Shard:
+        raw, zipped = info["raw_data"], info.get("zip_data")
+        compression = info.get("compression")
+        data = zipped if compression else raw
+        names, encodings = list(info["column_names"]), list(info["column_encodings"])
+        for enc in encodings:
+            column_decoder(enc, allow_pickle=allow_pickle)  # unsupported: fail at open
+        listed = set(info.get("hashes") or [])
+        return cls(
+            key=posixpath.join(base, data["basename"]),
+            raw_name=raw["basename"],
+            samples=int(info["samples"]),
+            nbytes=int(data["bytes"]),
+            raw_bytes=int(raw["bytes"]),
+            compression=compression,
+            zip_hashes={
+                k: v for k, v in (zipped or {}).get("hashes", {}).items() if verify and k in listed
+            }
+            if compression
+            else {},
+            raw_hashes={k: v for k, v in raw.get("hashes", {}).items() if verify and k in listed},
+            names=names,
+            sizes=list(info["column_sizes"]),
+            encodings=encodings,
+            allow_pickle=allow_pickle,
+        )
+
+
+def _check_hashes(data: bytes, expected: dict[str, str], what: str, replica: str) -> None:
+    for algo, digest in expected.items():
+        fn = hasher(algo)
+        if fn is None:
+            logger.warning("%s: hash %r is unknown, not checked", what, algo)
+            continue
+        got = fn(data)
+        if got != digest:
+            raise ShardCorruptError(
+                f"shard {what} on replica {replica}: {algo} is {got}, the index says {digest}"
+            )
+
+
+@dataclass
+class MDSLayout:
+    units: list[Unit]
+    shards: list[_Shard]
+
+    def __post_init__(self) -> None:
+        self._by_key = {s.key: s for s in self.shards}
+
+    def decode(self, unit: Unit, data: bytes, replica: str) -> list[dict[str, Any]]:
+        return self.decode_shard(self._by_key[unit.key], data, replica, unit.first_id)
+
+    def decode_shard(self, shard: _Shard, data: bytes, replica: str, first_id: int) -> list:
+        what = shard.key
+        if len(data) != shard.nbytes:
+            raise ShardCorruptError(
+                f"shard {what} on replica {replica} is {len(data)} bytes, "
+                f"the index says {shard.nbytes}"
+            )
+        if shard.compression:
+            _check_hashes(data, shard.zip_hashes, what, replica)
+            try:
+                data = decompress(shard.compression, data, what=what)
+            except Exception as exc:  # noqa: BLE001 - any codec error means corrupt bytes
+                if isinstance(exc, UnknownFormatError):
+                    raise
+                raise ShardCorruptError(
+                    f"shard {what} on replica {replica}: cannot decompress "
+                    f"{shard.compression}: {exc}"
+                ) from exc
+        _check_hashes(data, shard.raw_hashes, shard.raw_name, replica)
+        return parse_shard(data, shard, replica, first_id)
+
+
+def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list[dict[str, Any]]:
+    """Every sample of one raw MDS shard; :class:`ShardCorruptError` names shard and offset."""
+    what = f"shard {shard.raw_name} on replica {replica}"
+    n = len(data)
+    if n < 4:
+        raise ShardCorruptError(f"{what}: {n} bytes, shorter than its 4-byte header (offset 0)")
+    count = int(np.frombuffer(data, np.uint32, 1)[0])
+    if count != shard.samples:
+        raise ShardCorruptError(
+            f"{what}: header at offset 0 says {count} samples, the index says {shard.samples}"
+        )
+    table_end = 4 + 4 * (count + 1)
+    if n < table_end:
+        raise ShardCorruptError(
+            f"{what}: offset table runs to byte {table_end}, past the end of the shard ({n} bytes)"
+        )
+    offsets = np.frombuffer(data, np.uint32, count + 1, 4).astype(np.int64)
+    bad = np.flatnonzero((np.diff(offsets) < 0) | (offsets[1:] > n))
+    if offsets[0] < table_end or len(bad):
+        i = 0 if offsets[0] < table_end else int(bad[0]) + 1
+        raise ShardCorruptError(
+            f"{what}: offset table entry {i} (at byte {4 + 4 * i}) is "
+            f"{int(offsets[i])}, outside [{table_end}, {n}] or out of order"
+        )
+    decoders = [column_decoder(e, allow_pickle=shard.allow_pickle) for e in shard.encodings]
+    variable = [i for i, s in enumerate(shard.sizes) if s is None]
+    head = 4 * len(variable)
+    bounds = offsets.tolist()
+    out = []
+    view = memoryview(data)
+    for j in range(count):
+        begin, end = bounds[j], bounds[j + 1]
+        sample_id = first_id + j
+        try:
+            sizes = list(shard.sizes)
+            if head:
+                if end - begin < head:
+                    raise ValueError("shorter than its column sizes")
+                for i, size in zip(variable, np.frombuffer(data, np.uint32, len(variable), begin)):
+                    sizes[i] = int(size)
+            pos = begin + head
+            if pos + sum(sizes) != end:
+                raise ValueError(
+                    f"columns take {head + sum(sizes)} bytes, the sample has {end - begin}"
+                )
+            sample: dict[str, Any] = {}
+            for name, size, dec in zip(shard.names, sizes, decoders):
+                sample[name] = dec(bytes(view[pos : pos + size]))
+                pos += size
+        except (ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+            raise ShardCorruptError(
+                f"{what}: sample {j} at offset {begin} cannot be decoded: {exc}"
+            ) from exc
+        sample["__index__"] = sample_id
+        out.append(sample)
+    return out

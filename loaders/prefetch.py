@@ -1,0 +1,104 @@
+"""The prefetch window: reads in flight (bounded by count and bytes) that complete out of order,
+handed to the consumer in plan order (a reorder buffer keyed by unit).
+
+Reads are started in the order the consumer will first need them. The window admits the next
+read while fewer than ``window_reads`` are in flight and the bytes in flight plus the bytes read
+and not yet released stay within ``window_bytes`` (one read is always admitted when the window is
+empty, so a unit larger than the window still makes progress). While the consumer waits for the
+read it needs, every other completion tops the window up, so a slow read never holds back the
+reads behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from loaders.metrics import ConsumerStats
+
+
+class Window:
+    """Starts reads of ``schedule`` (units with their byte cost) through ``fetch``."""
+
+    def __init__(
+        self,
+        schedule: Iterator[tuple[int, int]],
+        fetch: Callable[[int], Any],
+        *,
+        window_reads: int,
+        window_bytes: int,
+        stats: ConsumerStats,
+    ) -> None:
+        self._schedule = schedule
+        self._next: tuple[int, int] | None = None
+        self._fetch = fetch
+        self._max_reads = window_reads
+        self._max_bytes = window_bytes
+        self._stats = stats
+        self._pool = ThreadPoolExecutor(window_reads, thread_name_prefix="loaders-prefetch")
+        self._futures: dict[int, Future] = {}
+        self._cost: dict[int, int] = {}
+        self._held = 0  # bytes in flight plus read and not released
+
+    def _inflight(self) -> int:
+        return sum(1 for f in self._futures.values() if not f.done())
+
+    def top_up(self) -> None:
+        try:
+            self._admit()
+        finally:
+            stats = self._stats
+            stats.max_inflight_reads = max(stats.max_inflight_reads, self._inflight())
+            stats.max_resident_bytes = max(stats.max_resident_bytes, self._held)
+
+    def _admit(self, force: bool = False) -> None:
+        inflight = self._inflight()
+        while force or inflight < self._max_reads:
+            if self._next is None:
+                self._next = next(self._schedule, None)
+                if self._next is None:
+                    return
+            unit, cost = self._next
+            if not force and self._held and self._held + cost > self._max_bytes:
+                return
+            force = False
+            self._next = None
+            self._futures[unit] = self._pool.submit(self._fetch, unit)
+            self._cost[unit] = cost
+            self._held += cost
+            inflight += 1
+
+    def get(self, unit: int) -> Any:
+        """The decoded unit; waits (and counts the wait) only if its read has not completed."""
+        self.top_up()
+        while unit not in self._futures:  # only when a block outgrows the window: progress first
+            self._admit(force=True)
+        future = self._futures[unit]
+        if not future.done():
+            t0 = time.monotonic()
+            while not future.done():
+                running = [f for f in self._futures.values() if not f.done()]
+                wait(running, return_when=FIRST_COMPLETED)
+                self.top_up()
+            waited = time.monotonic() - t0
+            self._stats.wait.record(waited)
+            self._stats.wait_s += waited
+            self._stats.waits += 1
+        return future.result()
+
+    def ready(self, unit: int) -> bool:
+        future = self._futures.get(unit)
+        return future is not None and future.done()
+
+    def release(self, unit: int) -> None:
+        """The consumer is done with ``unit``: its bytes leave the window."""
+        self._futures.pop(unit)
+        self._held -= self._cost.pop(unit)
+        self.top_up()
+
+    def close(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,388 @@
+"""Reads over replicas of one dataset: fastest replica first, failover, benching, hedged reads.
+
+A read goes to the replica with the lowest observed latency (a moving average of log latency,
+weighted by the reads it has in flight). An error or a timeout fails over to another replica at
+once; ``bench_after_errors`` consecutive errors bench a replica for ``bench_s`` (doubling while
+probes fail). When a read has not completed after the hedge delay (about the p95 of recent reads
+of its size class), a duplicate goes to the next-best replica if the hedge budget allows; the
+first answer wins and the others are cancelled: not started if still queued, otherwise their
+result is discarded. Every attempt is bounded by the replica Store's per-attempt deadline and the
+whole read by ``read_deadline_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any, TypeVar
+
+from ckptstore.errors import ObjectNotFoundError, StorageError
+from ckptstore.store import RetryPolicy, Store
+from loaders.config import ReplicaConfig
+from loaders.errors import (
+    ReadFailedError,
+    ReadTimeoutError,
+    ReplicaMismatchError,
+    ShardCorruptError,
+    ShardNotFoundError,
+)
+from loaders.hedge import HedgeBudget, HedgeDelay
+from loaders.metrics import ReadStats, ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+def replica_retry_policy(config: ReplicaConfig) -> RetryPolicy:
+    """One attempt per replica request (the replica set fails over itself), under its deadline."""
+    return RetryPolicy(attempts=1, timeout_s=config.attempt_timeout_s)
+
+
+class _Replica:
+    def __init__(self, store: Store, config: ReplicaConfig) -> None:
+        self.store = store
+        self.name = store.uri
+        self.stats = ReplicaStats(store.uri)
+        self.log_latency: float | None = None
+        self.inflight = 0
+        self.last_used = 0.0
+        self.consecutive_errors = 0
+        self.benched_until = 0.0
+        self.bench_s = config.bench_s
+
+
+class ReplicaSet:
+    """Several stores holding the same objects, read as one."""
+
+    def __init__(
+        self,
+        replicas: Sequence[str | os.PathLike | Store],
+        *,
+        config: ReplicaConfig | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if isinstance(replicas, (str, os.PathLike, Store)):
+            replicas = [replicas]
+        if not replicas:
+            raise ValueError("a dataset needs at least one replica URI")
+        self.config = config or ReplicaConfig()
+        policy = replica_retry_policy(self.config)
+        stores = [
+            r if isinstance(r, Store) else Store(r, storage_options=storage_options, retry=policy)
+            for r in replicas
+        ]
+        names = [s.uri for s in stores]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica URIs repeat: {names}")
+        self._replicas = [_Replica(s, self.config) for s in stores]
+        self._lock = threading.Lock()
+        self.delay = HedgeDelay(self.config)
+        self.budget = HedgeBudget(self.config.hedge_budget, self.config.hedge_burst)
+        self.stats = ReadStats()
+
+    @property
+    def uris(self) -> list[str]:
+        return [r.name for r in self._replicas]
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    # -- choosing a replica -----------------------------------------------------------------
+
+    def _choose(self, exclude: Sequence[_Replica]) -> _Replica | None:
+        now = time.monotonic()
+        with self._lock:
+            candidates = [r for r in self._replicas if r not in exclude]
+            if not candidates:
+                return None
+            ready = [r for r in candidates if r.benched_until <= now]
+            if not ready:  # every candidate benched: the one back soonest
+                choice = min(candidates, key=lambda r: r.benched_until)
+            else:
+                stale = [r for r in ready if now - r.last_used >= self.config.probe_interval_s]
+                if stale and len(ready) > 1:
+                    choice = min(stale, key=lambda r: r.last_used)
+                else:
+                    choice = min(ready, key=self._score)
+            choice.inflight += 1
+            choice.last_used = now
+            return choice
+
+    @staticmethod
+    def _score(r: _Replica) -> float:
+        if r.log_latency is None:
+            return -1.0 + r.inflight * 1e-3  # never measured: try it
+        return math.exp(r.log_latency) * (1 + r.inflight)
+
+    def _finished(self, r: _Replica, seconds: float, nbytes: int, error: BaseException | None):
+        cfg = self.config
+        with self._lock:
+            r.inflight -= 1
+            if error is None:
+                sample = math.log(max(seconds, 1e-6))
+                r.log_latency = (
+                    sample
+                    if r.log_latency is None
+                    else (1 - cfg.latency_ewma_alpha) * r.log_latency
+                    + cfg.latency_ewma_alpha * sample
+                )
+                r.consecutive_errors = 0
+                r.bench_s = cfg.bench_s
+                r.benched_until = 0.0
+                benched = False
+            else:
+                r.consecutive_errors += 1
+                benched = r.consecutive_errors >= cfg.bench_after_errors
+                if benched:
+                    r.benched_until = time.monotonic() + r.bench_s
+                    bench_s = r.bench_s
+                    r.bench_s = min(r.bench_s * 2, cfg.max_bench_s)
+        if error is None:
+            r.stats.latency.record(seconds)
+            r.stats.add(bytes=nbytes)
+        else:
+            r.stats.add(errors=1, benched=int(benched))
+            if benched:
+                logger.warning(
+                    "replica %s benched for %.1fs after %d consecutive errors (%s)",
+                    r.name,
+                    bench_s,
+                    r.consecutive_errors,
+                    error,
+                )
+
+    def _start(
+        self,
+        r: _Replica,
+        fn: Callable[[Store], Any],
+        post: Callable[[Any, str], Any] | None,
+        primary_nbytes: int | None,
+    ) -> Future:
+        """Run ``fn(store)`` on replica ``r``, then ``post(result, replica)`` (a decode that may
+        find the bytes corrupt); the outcome updates r's statistics. The latency of a read's
+        first attempt (``primary_nbytes`` given), won or not, feeds the hedge delay."""
+
+        def attempt() -> Any:
+            r.stats.add(requests=1)
+            t0 = time.monotonic()
+            try:
+                data = fn(r.store)
+                seconds = time.monotonic() - t0
+                out = post(data, r.name) if post is not None else data
+            except BaseException as exc:
+                self._finished(r, time.monotonic() - t0, 0, exc)
+                raise
+            self._finished(r, seconds, len(data) if isinstance(data, bytes) else 0, None)
+            if primary_nbytes is not None:
+                self.delay.record(primary_nbytes, seconds)
+            return out
+
+        future = r.store.submit(attempt)
+
+        def on_cancel(f: Future) -> None:
+            if f.cancelled():
+                with self._lock:
+                    r.inflight -= 1
+
+        future.add_done_callback(on_cancel)
+        return future
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read(
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        decode: Callable[[bytes, str], Any] | None = None,
+        size_hint: int = 0,
+    ) -> Any:
+        """The bytes of ``key`` (or ``[start, end)`` of it) from whichever replica answers first,
+        passed through ``decode(data, replica)`` when given. A decode error (corrupt bytes) counts
+        as that replica's error and fails over to another replica."""
+        what = key if start is None else f"{key}[{start}:{end}]"
+        nbytes = (end - (start or 0)) if end is not None else size_hint
+        return self._hedged(
+            what, nbytes, lambda store: store.get(key, start, end), decode, hedge=True, count=True
+        )
+
+    def call(self, what: str, fn: Callable[[Store], R]) -> R:
+        """``fn(store)`` on the best replica, failing over on errors (never hedged)."""
+        return self._hedged(what, 0, fn, None, hedge=False, count=False)
+
+    def _hedged(
+        self,
+        what: str,
+        nbytes: int,
+        fn: Callable[[Store], Any],
+        post: Callable[[Any, str], Any] | None,
+        *,
+        hedge: bool,
+        count: bool,
+    ) -> Any:
+        cfg = self.config
+        t0 = time.monotonic()
+        deadline = t0 + cfg.read_deadline_s
+        hedge = hedge and cfg.hedge and cfg.max_hedges > 0 and len(self._replicas) > 1
+        if hedge:
+            self.budget.on_read()
+        pending: dict[Future, tuple[_Replica, bool]] = {}
+        tried: list[_Replica] = []
+        errors: list[str] = []
+        gone: list[_Replica] = []
+        last_exc: BaseException | None = None
+        attempts = hedges = 0
+
+        def launch(is_hedge: bool) -> bool:
+            busy = [r for r, _ in pending.values()] + gone
+            r = self._choose(busy + [t for t in tried if t not in busy])
+            if r is None and not is_hedge:
+                r = self._choose(busy)  # every replica tried: retry one not in flight
+            if r is None:
+                return False
+            tried.append(r)
+            if is_hedge:
+                r.stats.add(hedges_fired=1)
+            first = nbytes if hedge and not tried[:-1] else None
+            pending[self._start(r, fn, post, first)] = (r, is_hedge)
+            return True
+
+        launch(False)
+        attempts = 1
+        next_hedge = t0 + self.delay.delay_s(nbytes) if hedge else math.inf
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    self.stats.add(failed=1)
+                    raise ReadTimeoutError(
+                        f"read {what}: no replica answered within {cfg.read_deadline_s:.1f}s "
+                        f"(tried {', '.join(r.name for r in tried)})"
+                    )
+                done, _ = wait(
+                    list(pending),
+                    timeout=min(deadline, next_hedge) - now,
+                    return_when=FIRST_COMPLETED,
+                )
+                for future in done:
+                    r, is_hedge = pending.pop(future)
+                    exc = future.exception()
+                    if exc is None:
+                        data = future.result()
+                        elapsed = time.monotonic() - t0
+                        r.stats.add(wins=1, hedges_won=int(is_hedge))
+                        if count:
+                            self.stats.latency.record(elapsed)
+                            self.stats.add(reads=1)
+                        return data
+                    if isinstance(exc, (ObjectNotFoundError, FileNotFoundError)):
+                        gone.append(r)
+                    errors.append(f"{r.name}: {exc}")
+                    last_exc = exc
+                    logger.debug("read %s failed on %s: %s", what, r.name, exc)
+                if done and not pending:
+                    if len(set(gone)) == len(self._replicas):
+                        self.stats.add(failed=1)
+                        raise ShardNotFoundError(
+                            f"{what} is missing from every replica ({', '.join(self.uris)})"
+                        )
+                    if attempts >= cfg.max_attempts or (
+                        isinstance(last_exc, ShardCorruptError) and len(set(tried)) == len(self)
+                    ):
+                        self.stats.add(failed=1)
+                        if isinstance(last_exc, ShardCorruptError):
+                            raise ShardCorruptError(
+                                f"{last_exc} (and on every other replica tried)"
+                                if len(self) > 1
+                                else str(last_exc)
+                            ) from last_exc
+                        raise ReadFailedError(
+                            f"read {what} failed after {attempts} attempts: {'; '.join(errors[-3:])}"
+                        ) from last_exc
+                    if not launch(False):
+                        self.stats.add(failed=1)
+                        raise ReadFailedError(f"read {what} failed: {'; '.join(errors[-3:])}")
+                    attempts += 1
+                    self.stats.add(failovers=1)
+                if now >= next_hedge or time.monotonic() >= next_hedge:
+                    spare = len(pending) + len(set(gone)) < len(self._replicas)
+                    reserve = cfg.hedge_burst / 2 if hedges else 0.0
+                    delay = self.delay.delay_s(nbytes)
+                    if hedges >= cfg.max_hedges:
+                        next_hedge = math.inf
+                    elif spare and self.budget.try_take(reserve=reserve) and launch(True):
+                        hedges += 1
+                        self.stats.add(hedges=1)
+                        next_hedge = time.monotonic() + delay
+                    else:  # no token or no free replica yet: look again soon
+                        self.stats.add(hedges_refused=1)
+                        next_hedge = time.monotonic() + delay / 4
+        finally:
+            for future, (r, _) in pending.items():
+                if future.cancel():
+                    r.stats.add(cancelled=1)
+                else:
+                    r.stats.add(discarded=1)
+
+    # -- whole-dataset checks ---------------------------------------------------------------
+
+    def read_same(self, key: str) -> bytes:
+        """``key`` from every replica; :class:`ReplicaMismatchError` if any two differ."""
+        first = self.read(key)
+        if len(self._replicas) > 1 and self.config.verify_replicas:
+            for r in self._replicas:
+                try:
+                    other = r.store.get(key)
+                except ObjectNotFoundError as exc:
+                    raise ReplicaMismatchError(f"replica {r.name} lacks {key}") from exc
+                except StorageError as exc:
+                    logger.warning("replica %s not verified, unreachable: %s", r.name, exc)
+                    continue
+                if other != first:
+                    raise ReplicaMismatchError(
+                        f"replica {r.name} holds a different {key} than the others "
+                        f"({len(other)} vs {len(first)} bytes)"
+                    )
+        return first
+
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """Every replica holds each key with the expected size, else one clear error."""
+        if not self.config.verify_replicas:
+            return
+        keys = list(sizes)
+        for r in self._replicas:
+
+            def size(key: str, store: Store = r.store) -> int:
+                try:
+                    return store.size(key)
+                except ObjectNotFoundError:
+                    return -1
+
+            try:
+                got_sizes = list(r.store.map(size, keys, max_concurrency=16))
+            except StorageError as exc:  # down now: its reads are still checked when decoded
+                logger.warning("replica %s not verified, unreachable: %s", r.name, exc)
+                continue
+            for key, got in zip(keys, got_sizes):
+                if got < 0:
+                    raise ShardNotFoundError(f"shard {key} is missing from replica {r.name}")
+                if got != sizes[key]:
+                    raise ReplicaMismatchError(
+                        f"shard {key} is {got} bytes on replica {r.name}, expected {sizes[key]}: "
+                        "replicas differ"
+                    )
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "reads": self.stats.as_dict(),
+            "hedge_tokens": self.budget.tokens,
+            "hedge_delay_s": self.delay.snapshot(),
+            "replicas": {r.name: r.stats.as_dict() for r in self._replicas},
+        }

@@ -1,0 +1,97 @@
+"""Flat token files (nanoGPT ``train.bin``, Megatron-style pipelines): a binary array of uint16 or
+uint32 token ids, cut into samples of ``sample_tokens`` tokens; a trailing partial sample is
+dropped. Each unit is one ranged read of whole samples, about ``read_bytes`` long."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loaders.errors import ShardCorruptError
+from loaders.layout import Unit
+
+
+@dataclass(kw_only=True)
+class TokenFiles:
+    """Token files (keys relative to each replica's root)."""
+
+    files: list[str] | None = None
+    """File keys in dataset order; None: every ``*.bin`` below the root, sorted."""
+    dtype: str = "uint16"
+    """Token id type: ``uint16`` or ``uint32``."""
+    sample_tokens: int = 2048
+    """Tokens per sample (use block size + 1 for shifted inputs and targets)."""
+    header_bytes: int = 0
+    """Bytes to skip at the start of each file (e.g. 1024 for llm.c's header)."""
+    read_bytes: int = 4 * 2**20
+    """Bytes per read, rounded down to whole samples (at least one)."""
+    name: str = field(default="tokens", init=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("uint16", "uint32"):
+            raise ValueError(f"TokenFiles.dtype must be uint16 or uint32, got {self.dtype!r}")
+        if self.sample_tokens < 1:
+            raise ValueError(f"TokenFiles.sample_tokens must be >= 1, got {self.sample_tokens}")
+        if self.header_bytes < 0:
+            raise ValueError(f"TokenFiles.header_bytes must be >= 0, got {self.header_bytes}")
+        if self.read_bytes < 1:
+            raise ValueError(f"TokenFiles.read_bytes must be >= 1, got {self.read_bytes}")
+
+    def open(self, replicas: Any) -> TokenLayout:
+        files = self.files
+        if files is None:
+            files = [k for k in replicas.call("list", lambda s: s.list("")) if k.endswith(".bin")]
+            if not files:
+                raise ValueError(f"no .bin token files found in {replicas.uris[0]}")
+        with ThreadPoolExecutor(8) as pool:
+            sizes = list(pool.map(lambda k: replicas.call(f"size {k}", lambda s: s.size(k)), files))
+        replicas.check_sizes(dict(zip(files, sizes)))
+        itemsize = np.dtype(self.dtype).itemsize
+        sample_bytes = self.sample_tokens * itemsize
+        per_unit = max(1, self.read_bytes // sample_bytes)
+        units, first = [], 0
+        for key, size in zip(files, sizes):
+            body = size - self.header_bytes
+            if body < 0 or body % itemsize:
+                raise ShardCorruptError(
+                    f"token file {key}: {size} bytes is not a {self.header_bytes}-byte header plus "
+                    f"whole {self.dtype} tokens (partial token at offset {size - body % itemsize})"
+                    if body >= 0
+                    else f"token file {key}: {size} bytes, shorter than its header"
+                )
+            samples = body // sample_bytes
+            for j in range(0, samples, per_unit):
+                n = min(per_unit, samples - j)
+                start = self.header_bytes + j * sample_bytes
+                units.append(
+                    Unit(
+                        key=key,
+                        start=start,
+                        end=start + n * sample_bytes,
+                        nbytes=n * sample_bytes,
+                        mem_bytes=n * sample_bytes,
+                        num_samples=n,
+                        first_id=first + j,
+                    )
+                )
+            first += samples
+        return TokenLayout(units=units, dtype=self.dtype, sample_tokens=self.sample_tokens)
+
+
+@dataclass
+class TokenLayout:
+    units: list[Unit]
+    dtype: str
+    sample_tokens: int
+
+    def decode(self, unit: Unit, data: bytes, replica: str) -> np.ndarray:
+        if len(data) != unit.nbytes:
+            raise ShardCorruptError(
+                f"token file {unit.key} on replica {replica}: read "
+                f"[{unit.start}:{unit.end}] returned {len(data)} bytes "
+                f"(truncated at offset {unit.start + len(data)})"
+            )
+        return np.frombuffer(data, self.dtype).reshape(unit.num_samples, self.sample_tokens)

@@ -1,0 +1,111 @@
+"""The prefetch window: bounded by reads and bytes, out-of-order completion, in-order delivery."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ckptstore import Faults, LogNormal, Store
+from loaders import LoaderConfig, ShardCorruptError, ShardDataset, TokenFiles
+from loaders.metrics import ConsumerStats
+from loaders.prefetch import Window
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_slow_read_does_not_block_the_reads_behind_it():
+    gates = {u: threading.Event() for u in range(6)}
+    started: list[int] = []
+
+    def fetch(unit: int) -> str:
+        started.append(unit)
+        assert gates[unit].wait(10)
+        return f"unit{unit}"
+
+    stats = ConsumerStats()
+    window = Window(
+        iter([(u, 10) for u in range(6)]), fetch, window_reads=3, window_bytes=1000, stats=stats
+    )
+    try:
+        window.top_up()
+        result: dict[str, str] = {}
+        consumer = threading.Thread(target=lambda: result.update(v=window.get(0)))
+        consumer.start()
+        # unit 0 is slow; 1 and 2 complete, and their slots go to 3 and 4 while 0 is awaited
+        gates[1].set()
+        gates[2].set()
+        for _ in range(500):
+            if window.ready(1) and window.ready(2) and len(started) >= 5:
+                break
+            threading.Event().wait(0.01)
+        assert len(started) == 5  # 3 and 4 started before unit 0 completed
+        assert consumer.is_alive()
+        gates[0].set()
+        consumer.join(10)
+        assert result["v"] == "unit0"
+        assert stats.waits == 1
+        # ready units are handed over without waiting
+        assert window.get(1) == "unit1" and window.get(2) == "unit2"
+        assert stats.waits == 1
+        for u in (3, 4, 5):
+            gates[u].set()
+        for u in range(6):
+            assert window.get(u) == f"unit{u}"
+            window.release(u)
+        assert stats.max_inflight_reads <= 3
+    finally:
+        for g in gates.values():
+            g.set()
+        window.close()
+
+
+def test_window_bytes_bound_what_is_held():
+    stats = ConsumerStats()
+    window = Window(
+        iter([(u, 40) for u in range(10)]),
+        lambda u: u,
+        window_reads=8,
+        window_bytes=100,
+        stats=stats,
+    )
+    try:
+        for u in range(10):
+            assert window.get(u) == u
+            window.release(u)
+        assert stats.max_resident_bytes <= 100
+        assert stats.max_inflight_reads <= 2
+    finally:
+        window.close()
+
+
+def test_dataset_stays_within_its_window_under_latency(tmp_path):
+    np.arange(64 * 200, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    store = Store(str(tmp_path), faults=Faults(latency=LogNormal(0.002, 0.5), seed=1))
+    config = LoaderConfig(seed=1, shuffle_block_units=2, window_reads=3, window_bytes=4 * 640)
+    ds = ShardDataset(store, TokenFiles(sample_tokens=64, read_bytes=640), config=config)
+    ids = [s["__index__"] for s in ds]
+    assert sorted(ids) == list(range(200))
+    consumer = ds.metrics()["consumer"]
+    assert 0 < consumer["max_resident_bytes"] <= 4 * 640
+    assert consumer["max_inflight_reads"] <= 3
+    assert consumer["bytes_read"] == 200 * 128
+
+
+def test_window_must_hold_a_shuffle_block(tmp_path):
+    np.arange(64 * 200, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    config = LoaderConfig(shuffle_block_units=8, window_bytes=1000)
+    with pytest.raises(ValueError, match="shuffle block of 8 units.*window_bytes=1000"):
+        ShardDataset(str(tmp_path), TokenFiles(sample_tokens=64, read_bytes=640), config=config)
+
+
+def test_read_error_surfaces_to_the_consumer(tmp_path):
+    np.arange(64 * 20, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    store = Store(str(tmp_path))
+    ds = ShardDataset(
+        store, TokenFiles(sample_tokens=64, read_bytes=640), config=LoaderConfig(shuffle=False)
+    )
+    (tmp_path / "t.bin").write_bytes(b"\0" * 1000)  # truncated after open
+    with pytest.raises(ShardCorruptError, match=r"t\.bin.*\[640:1280\].*truncated at offset 1000"):
+        list(ds)

@@ -1,0 +1,204 @@
+"""Replica choice, failover, benching, deadlines and hedged reads, with faults injected through
+the storage layer (``ckptstore.faults``) on real local, memory and S3 stores."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from ckptstore import Faults, Fixed, Store
+from loaders import (
+    LoaderConfig,
+    ReadTimeoutError,
+    ReplicaConfig,
+    ReplicaSet,
+    ShardDataset,
+    TokenFiles,
+)
+from loaders.replicas import replica_retry_policy
+
+pytestmark = pytest.mark.timeout(60)
+
+PAYLOAD = bytes(range(256)) * 16
+
+
+def _replicas(tmp_path, faults: list[Faults | None], **cfg) -> tuple[ReplicaSet, list[Store]]:
+    config = ReplicaConfig(**cfg)
+    stores = []
+    for i, f in enumerate(faults):
+        root = tmp_path / f"r{i}"
+        root.mkdir()
+        (root / "obj").write_bytes(PAYLOAD)
+        stores.append(Store(str(root), faults=f, retry=replica_retry_policy(config)))
+    return ReplicaSet(stores, config=config), stores
+
+
+def _release(stores):
+    for s in stores:
+        faults = getattr(s.backend, "faults", None)
+        if faults is not None:
+            faults.release()
+
+
+def test_failover_when_a_replica_errors_and_it_is_benched(tmp_path):
+    rs, stores = _replicas(
+        tmp_path, [Faults(error_rate=1.0), None], hedge=False, bench_after_errors=2, bench_s=30.0
+    )
+    for _ in range(20):
+        assert rs.read("obj", 10, 20) == PAYLOAD[10:20]
+    m = rs.metrics()["replicas"]
+    bad, good = m[stores[0].uri], m[stores[1].uri]
+    assert bad["errors"] == bad["requests"] == 2
+    assert bad["benched"] == 1
+    assert good["wins"] == 20
+    assert rs.metrics()["reads"]["failovers"] == 2
+
+
+def test_failover_when_a_replica_hangs_bounded_by_attempt_deadline(tmp_path):
+    rs, stores = _replicas(
+        tmp_path,
+        [Faults(hang_rate=1.0, hang_s=30), None],
+        hedge=False,
+        attempt_timeout_s=0.2,
+        read_deadline_s=10,
+    )
+    try:
+        assert rs.read("obj") == PAYLOAD
+        m = rs.metrics()["replicas"]
+        assert m[stores[0].uri]["errors"] == 1
+        assert m[stores[1].uri]["wins"] == 1
+    finally:
+        _release(stores)
+
+
+def test_every_replica_hanging_hits_the_overall_deadline(tmp_path):
+    hang = [Faults(hang_rate=1.0, hang_s=30), Faults(hang_rate=1.0, hang_s=30)]
+    rs, stores = _replicas(
+        tmp_path, hang, attempt_timeout_s=5, read_deadline_s=0.3, hedge_initial_delay_s=0.05
+    )
+    try:
+        with pytest.raises(ReadTimeoutError, match=r"obj\[0:8\].*0\.3s.*tried .*r0.*r1|r1.*r0"):
+            rs.read("obj", 0, 8)
+    finally:
+        _release(stores)
+
+
+def test_hedge_goes_to_another_replica_and_the_loser_is_cancelled(tmp_path):
+    slow = Faults(latency=Fixed(2.0))
+    rs, stores = _replicas(
+        tmp_path, [slow, None], hedge_initial_delay_s=0.02, hedge_min_delay_s=0.01
+    )
+    try:
+        assert rs.read("obj", 0, 100) == PAYLOAD[:100]  # first read goes to r0 (unmeasured)
+        m = rs.metrics()
+        loser, winner = m["replicas"][stores[0].uri], m["replicas"][stores[1].uri]
+        assert m["reads"]["hedges"] == 1
+        assert winner["hedges_fired"] == winner["hedges_won"] == 1
+        assert loser["wins"] == 0
+        assert loser["cancelled"] + loser["discarded"] == 1
+    finally:
+        _release(stores)
+
+
+def test_hedge_budget_caps_extra_requests(tmp_path):
+    every = [Faults(latency=Fixed(0.01)) for _ in range(3)]
+    rs, stores = _replicas(
+        tmp_path,
+        every,
+        hedge_initial_delay_s=0.001,
+        hedge_min_delay_s=0.001,
+        hedge_budget=0.1,
+        hedge_burst=2,
+        max_hedges=2,
+    )
+    reads = 60
+    for _ in range(reads):
+        rs.read("obj", 0, 64)
+    m = rs.metrics()
+    hedges = m["reads"]["hedges"]
+    assert 1 <= hedges <= 2 + 0.1 * reads
+    assert m["reads"]["hedges_refused"] > 0
+    assert sum(r["hedges_fired"] for r in m["replicas"].values()) == hedges
+
+
+def test_no_hedge_without_budget(tmp_path):
+    every = [Faults(latency=Fixed(0.01)) for _ in range(2)]
+    rs, _ = _replicas(
+        tmp_path,
+        every,
+        hedge_initial_delay_s=0.001,
+        hedge_min_delay_s=0.001,
+        hedge_budget=0.0,
+        hedge_burst=1,
+    )
+    for _ in range(10):
+        rs.read("obj", 0, 64)
+    assert rs.metrics()["reads"]["hedges"] <= 1  # the initial burst only
+
+
+def test_reads_route_around_a_slow_replica(tmp_path):
+    faults = [
+        Faults(latency=Fixed(0.05)),
+        Faults(latency=Fixed(0.002)),
+        Faults(latency=Fixed(0.002)),
+    ]
+    rs, stores = _replicas(tmp_path, faults, hedge=False, probe_interval_s=60)
+    for _ in range(60):
+        rs.read("obj", 0, 32)
+    m = rs.metrics()["replicas"]
+    assert m[stores[0].uri]["requests"] <= 2
+    assert m[stores[1].uri]["requests"] + m[stores[2].uri]["requests"] >= 58
+
+
+def test_benched_replica_is_probed_again(tmp_path):
+    faults = Faults(error_rate=1.0)
+    rs, stores = _replicas(
+        tmp_path,
+        [faults, None],
+        hedge=False,
+        bench_after_errors=1,
+        bench_s=0.05,
+        probe_interval_s=0.05,
+    )
+    rs.read("obj")
+    faults.error_rate = 0.0  # the replica recovers
+    recovered = False
+    for _ in range(200):  # bounded: ~10 ms a read
+        rs.read("obj")
+        if rs.metrics()["replicas"][stores[0].uri]["wins"]:
+            recovered = True
+            break
+        Faults(latency=Fixed(0.005)).inject("get")  # let the bench expire
+    assert recovered
+
+
+def test_dataset_over_s3_and_local_replicas_with_a_failing_replica(tmp_path, s3_uri):
+    tokens = np.arange(4000, dtype=np.uint16)
+    (tmp_path / "t.bin").write_bytes(tokens.tobytes())
+    Store(s3_uri).put("t.bin", tokens.tobytes())
+    mem = f"memory://loaders-{uuid.uuid4().hex[:8]}"
+    Store(mem).put("t.bin", tokens.tobytes())
+    config = ReplicaConfig(bench_after_errors=2)
+    broken = Store(mem, faults=Faults(error_rate=1.0), retry=replica_retry_policy(config))
+    ds = ShardDataset(
+        [broken, s3_uri, str(tmp_path)],
+        TokenFiles(sample_tokens=100, read_bytes=1000),
+        config=LoaderConfig(shuffle=False),
+        replica_config=config,
+    )
+    got = np.concatenate([s["tokens"] for s in ds])
+    np.testing.assert_array_equal(got, tokens)
+    m = ds.metrics()["replicas"]
+    assert m[broken.uri]["bytes"] == 0 and m[broken.uri]["errors"] >= 1
+    assert m[s3_uri]["bytes"] + m[str(tmp_path)]["bytes"] >= tokens.nbytes
+
+
+def test_replica_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="hedge_quantile"):
+        ReplicaConfig(hedge_quantile=100)
+    with pytest.raises(ValueError, match="hedge_budget"):
+        ReplicaConfig(hedge_budget=-1)
+    with pytest.raises(ValueError, match="at least one replica"):
+        ReplicaSet([])
