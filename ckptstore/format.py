@@ -127,12 +127,16 @@ class Manifest:
     user: dict[str, Any] = field(default_factory=dict)
 
 
+def _canonical(doc: dict) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()  # keeps key order
+
+
 def _dump(kind: str, body: dict) -> bytes:
-    return json.dumps(
-        {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "type": kind, **body},
-        separators=(",", ":"),
-        allow_nan=False,
-    ).encode()
+    """JSON with a ``checksum`` field: the xxh3-128 of the canonical JSON of everything else,
+    so any flipped byte of a manifest or index is detected on its own."""
+    doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "type": kind, **body}
+    doc["checksum"] = hash_bytes(_canonical(doc))
+    return _canonical(doc)
 
 
 def _load(data: bytes, kind: str, name: str) -> dict:
@@ -150,6 +154,9 @@ def _load(data: bytes, kind: str, name: str) -> dict:
         )
     if doc.get("type") != kind:
         raise CheckpointCorruptError(f"{name}: expected a {kind}, found {doc.get('type')!r}")
+    checksum = doc.pop("checksum", None)
+    if checksum != hash_bytes(_canonical(doc)):
+        raise CheckpointCorruptError(f"{name}: checksum mismatch (the {kind} is corrupt)")
     return doc
 
 
