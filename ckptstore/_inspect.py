@@ -1,0 +1,523 @@
+"""Reading a committed step for the ``ckptstore`` command: summaries, verification, rebuild.
+
+Nothing here writes to the store. Tensor names of a ``state`` step are their paths in the rank's
+JSON tree (``model/0.weight``, ``optim/state/0/exp_avg``); those of a ``dcp`` step are the DCP
+storage keys of the rank index (``fqn`` or ``fqn@o0,o1`` for a shard).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    StorageError,
+)
+from ckptstore.format import (
+    KIND_DCP,
+    KIND_STATE,
+    ChunkInfo,
+    Manifest,
+    RankIndex,
+    chunk_key,
+    commit_key,
+    decode_rank_index,
+    load_manifest,
+    read_object,
+)
+from ckptstore.pipeline import PipelineConfig, fetch_chunk, parse_dtype, read_tensors
+from ckptstore.store import Store
+
+logger = logging.getLogger(__name__)
+
+_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful")
+
+
+# -- the JSON tree of a state step (tags documented in state.py) ---------------------------------
+
+
+def _tag(node: Any) -> str | None:
+    if isinstance(node, dict) and len(node) == 1:
+        (key,) = node
+        if key in _TAGS:
+            return key
+    return None
+
+
+def _scalar(node: Any) -> Any:
+    tag = _tag(node)
+    if tag == "$float":
+        return float(node["$float"])
+    if tag == "$bytes":
+        return base64.b64decode(node["$bytes"])
+    return node
+
+
+def tree_tensor_names(tree: Any) -> dict[int, str]:
+    """Tensor index -> its path in ``tree`` (``a/b/0``; ``<root>`` for a bare tensor)."""
+    names: dict[int, str] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        tag = _tag(node)
+        if tag in ("$t", "$np"):
+            names.setdefault(int(node[tag]), "/".join(map(str, path)) or "<root>")
+        elif tag == "$stateful":
+            walk(node["$stateful"], path)
+        elif tag == "$tuple":
+            for i, item in enumerate(node["$tuple"]):
+                walk(item, (*path, i))
+        elif tag == "$dict":
+            for key, value in node["$dict"]:
+                walk(value, (*path, _scalar(key)))
+        elif tag is None and isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, (*path, key))
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, (*path, i))
+
+    walk(tree, ())
+    return names
+
+
+def rebuild_tree(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    """The saved state as plain Python objects: tensor refs replaced by ``tensors``, numpy refs
+    by numpy arrays, stateful objects by their state dicts."""
+    tag = _tag(tree)
+    if tag == "$t":
+        return tensors[int(tree["$t"])]
+    if tag == "$np":
+        return tensors[int(tree["$np"])].numpy()
+    if tag == "$stateful":
+        return rebuild_tree(tree["$stateful"], tensors)
+    if tag == "$tuple":
+        return tuple(rebuild_tree(v, tensors) for v in tree["$tuple"])
+    if tag == "$dict":
+        return {_scalar(k): rebuild_tree(v, tensors) for k, v in tree["$dict"]}
+    if tag in ("$bytes", "$float"):
+        return _scalar(tree)
+    if isinstance(tree, dict):
+        return {k: rebuild_tree(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [rebuild_tree(v, tensors) for v in tree]
+    return tree
+
+
+# -- one step ------------------------------------------------------------------------------------
+
+
+def rank_of(key: str) -> int:
+    """The rank of a ``.../rank-00003.json`` key."""
+    name = key.rsplit("/", 1)[-1]
+    if not (name.startswith("rank-") and name.endswith(".json") and name[5:-5].isdigit()):
+        raise CheckpointCorruptError(f"manifest references {key!r}, not a rank index key")
+    return int(name[5:-5])
+
+
+def load_indexes(store: Store, manifest: Manifest) -> list[RankIndex]:
+    """Every rank index of ``manifest`` (each checked against the manifest's size and xxh3)."""
+    out = []
+    for ref in manifest.ranks:
+        index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
+        if index.rank != rank_of(ref.key):
+            raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
+        out.append(index)
+    return out
+
+
+def dcp_items(index: RankIndex) -> dict[int, tuple[str, list[int] | None]]:
+    """Tensor index -> (fqn, offsets) of a DCP rank index; offsets is None for an object DCP
+    pickled (a ``BYTE_IO`` item, stored as uint8 bytes), else the shard's offsets (all zero
+    for a whole tensor)."""
+    out: dict[int, tuple[str, list[int] | None]] = {}
+    for key, i in (index.items or {}).items():
+        fqn, sep, offsets = key.rpartition("@")
+        if not sep:
+            out[int(i)] = (key, None)
+        else:
+            try:
+                out[int(i)] = (fqn, [int(o) for o in offsets.split(",")] if offsets else [])
+            except ValueError:
+                out[int(i)] = (key, None)
+    return out
+
+
+def tensor_names(manifest: Manifest, index: RankIndex) -> dict[int, str]:
+    """Tensor index -> name, for every tensor of ``index`` (unnamed ones as ``<tensor i>``).
+
+    DCP items are named by their fqn, with ``@offsets`` added for a shard that does not start
+    at the origin."""
+    if manifest.kind == KIND_DCP and index.items is not None:
+        names = {
+            i: fqn if not offsets or not any(offsets) else f"{fqn}@{','.join(map(str, offsets))}"
+            for i, (fqn, offsets) in dcp_items(index).items()
+        }
+    elif index.tree is not None:
+        names = tree_tensor_names(index.tree)
+    else:
+        names = {}
+    return {i: names.get(i, f"<tensor {i}>") for i in range(len(index.tensors))}
+
+
+def ratio(raw: int, stored: int) -> float | None:
+    return round(raw / stored, 4) if stored else None
+
+
+def summarize(store: Store, manifest: Manifest, indexes: list[RankIndex]) -> dict[str, Any]:
+    """What ``inspect`` shows of a step, as a JSON-ready dict."""
+    chunks: dict[str, ChunkInfo] = {}
+    ranks = []
+    tensors = []
+    for ref, index in zip(manifest.ranks, indexes):
+        chunks.update(index.chunks)
+        names = tensor_names(manifest, index)
+        items = dcp_items(index) if manifest.kind == KIND_DCP else {}
+        raw_total = stored_total = 0
+        for i, entry in enumerate(index.tensors):
+            raw = entry.nbytes
+            # A packed chunk holds several tensors: each gets its share of the stored bytes.
+            stored = 0.0
+            for seg in entry.segments:
+                info = index.chunks.get(seg.chunk)
+                if info is not None and info.raw:
+                    stored += seg.nbytes * info.stored / info.raw
+            raw_total += raw
+            stored_total += round(stored)
+            digests = list(dict.fromkeys(seg.chunk for seg in entry.segments))
+            tensors.append(
+                {
+                    "name": names[i],
+                    "rank": index.rank,
+                    "index": i,
+                    "dtype": entry.dtype,
+                    "shape": list(entry.shape),
+                    "numel": _numel(entry.shape),
+                    "raw_bytes": raw,
+                    "stored_bytes": round(stored),
+                    "numpy": entry.numpy,
+                    # DCP only: the shard's offsets in the full tensor (None: a pickled object)
+                    "offset": items[i][1] if i in items else None,
+                    "object": i in items and items[i][1] is None,
+                    "chunks": digests,
+                }
+            )
+        ranks.append(
+            {
+                "rank": index.rank,
+                "index": ref.key,
+                "tensors": len(index.tensors),
+                "chunks": len(index.chunks),
+                "raw_bytes": raw_total,
+                "stored_bytes": stored_total,
+            }
+        )
+    raw = sum(c.raw for c in chunks.values())
+    stored = sum(c.stored for c in chunks.values())
+    return {
+        **manifest_summary(store, manifest),
+        "attempt": manifest.attempt,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "compression_ratio": ratio(raw, stored),
+        "num_chunks": len(chunks),
+        "num_tensors": len(tensors),
+        "tensor_bytes": sum(t["raw_bytes"] for t in tensors),
+        "dcp_metadata": manifest.dcp_metadata.key if manifest.dcp_metadata else None,
+        "ranks": ranks,
+        "tensors": tensors,
+    }
+
+
+def manifest_summary(store: Store, manifest: Manifest) -> dict[str, Any]:
+    """One line of ``ls``: the step as its manifest describes it."""
+    from datetime import datetime, timezone
+
+    created = datetime.fromtimestamp(manifest.created_at, tz=timezone.utc)
+    return {
+        "step": manifest.step,
+        "kind": manifest.kind,
+        "world_size": manifest.world_size,
+        "created_at": manifest.created_at,
+        "created": created.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "raw_bytes": manifest.raw_bytes,
+        "stored_bytes": manifest.stored_bytes,
+        "compression_ratio": ratio(manifest.raw_bytes, manifest.stored_bytes),
+        "user": manifest.user,
+        "manifest": commit_key(manifest.step),
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# -- verification --------------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """One object of a step that is missing, corrupt or unreadable."""
+
+    step: int
+    object: str  # the key, relative to the store
+    what: str  # manifest | rank-index | dcp-metadata | chunk
+    problem: str  # missing | corrupt | unreadable
+    error: str
+    tensors: list[str] = field(default_factory=list)  # names of tensors whose bytes it holds
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "object": self.object,
+            "what": self.what,
+            "problem": self.problem,
+            "error": self.error,
+            "tensors": self.tensors,
+        }
+
+
+def classify(exc: BaseException) -> str:
+    """missing | unsupported (a format version this reader does not know) | corrupt |
+    unreadable (the storage failed: network, permissions)."""
+    if isinstance(exc, FileNotFoundError):  # CheckpointNotFoundError, ObjectNotFoundError
+        return "missing"
+    if isinstance(exc, FormatVersionError):
+        return "unsupported"
+    if isinstance(exc, CheckpointCorruptError):
+        return "corrupt"
+    if isinstance(exc, (CheckpointError, OSError)):
+        return "unreadable"
+    return "corrupt"  # a decoder tripping over bytes it did not expect
+
+
+@dataclass
+class StepCheck:
+    """What ``verify`` found for one step."""
+
+    step: int
+    kind: str | None = None
+    world_size: int | None = None
+    ranks: int = 0
+    tensors: int = 0
+    chunks: int = 0
+    raw_bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    # chunk digest -> what reading it found (None: fine); filled once the chunks are checked.
+    chunk_refs: dict[str, ChunkInfo | None] = field(default_factory=dict)
+    users: dict[str, list[str]] = field(default_factory=dict)  # digest -> tensor names
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ok": self.ok,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "ranks": self.ranks,
+            "tensors": self.tensors,
+            "chunks": self.chunks,
+            "raw_bytes": self.raw_bytes,
+            "problems": [p.as_dict() for p in self.problems],
+        }
+
+
+def check_step_objects(store: Store, step: int) -> StepCheck:
+    """Check the manifest, rank indexes and DCP metadata of ``step`` and the structure of the
+    indexes; list the chunks to re-hash in ``chunk_refs`` (done by :func:`check_chunks`)."""
+    check = StepCheck(step=step)
+    try:
+        manifest = load_manifest(store, step)
+    except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
+        check.problems.append(
+            Problem(step, commit_key(step), "manifest", classify(exc), message(exc))
+        )
+        return check
+    check.kind, check.world_size = manifest.kind, manifest.world_size
+    if manifest.kind not in (KIND_STATE, KIND_DCP):
+        check.problems.append(
+            Problem(
+                step,
+                commit_key(step),
+                "manifest",
+                "corrupt",
+                f"unknown checkpoint kind {manifest.kind!r}",
+            )
+        )
+    if manifest.kind == KIND_DCP:
+        if manifest.dcp_metadata is None:
+            check.problems.append(
+                Problem(
+                    step,
+                    commit_key(step),
+                    "manifest",
+                    "corrupt",
+                    "a dcp step without DCP metadata",
+                )
+            )
+        else:
+            try:
+                read_object(store, manifest.dcp_metadata, "DCP metadata")
+            except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
+                check.problems.append(
+                    Problem(
+                        step,
+                        manifest.dcp_metadata.key,
+                        "dcp-metadata",
+                        classify(exc),
+                        message(exc),
+                    )
+                )
+    for ref in manifest.ranks:
+        try:
+            index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
+            if index.rank != rank_of(ref.key):
+                raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
+        except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
+            check.problems.append(Problem(step, ref.key, "rank-index", classify(exc), message(exc)))
+            continue
+        check.ranks += 1
+        check.tensors += len(index.tensors)
+        names = tensor_names(manifest, index)
+        for i, entry in enumerate(index.tensors):
+            label = names[i] if manifest.world_size == 1 else f"{names[i]} (rank {index.rank})"
+            error = _entry_error(entry, index, i)
+            if error:
+                check.problems.append(
+                    Problem(
+                        step, ref.key, "rank-index", "corrupt", f"{store.url(ref.key)}: {error}"
+                    )
+                )
+            for seg in entry.segments:
+                users = check.users.setdefault(seg.chunk, [])
+                if not users or users[-1] != label:
+                    users.append(label)
+        for digest, info in index.chunks.items():
+            check.chunk_refs.setdefault(digest, info)
+        for digest in check.users:
+            check.chunk_refs.setdefault(digest, None)
+    check.chunks = len(check.chunk_refs)
+    check.raw_bytes = sum(info.raw for info in check.chunk_refs.values() if info is not None)
+    return check
+
+
+def _entry_error(entry: Any, index: RankIndex, i: int) -> str | None:
+    try:
+        itemsize = parse_dtype(entry.dtype).itemsize
+    except CheckpointCorruptError as exc:
+        return f"tensor {i}: {exc}"
+    if entry.nbytes != _numel(entry.shape) * itemsize:
+        return f"tensor {i}: {entry.nbytes} bytes for {entry.dtype} {entry.shape}"
+    for seg in entry.segments:
+        info = index.chunks.get(seg.chunk)
+        if info is None:
+            return f"tensor {i}: chunk {seg.chunk} is not listed in the index"
+        if seg.offset < 0 or seg.nbytes < 0 or seg.offset + seg.nbytes > info.raw:
+            end = seg.offset + seg.nbytes
+            return (
+                f"tensor {i}: segment [{seg.offset}, {end}) past the end of chunk {seg.chunk} "
+                f"({info.raw} bytes)"
+            )
+    return None
+
+
+def check_chunks(
+    store: Store,
+    chunks: dict[str, ChunkInfo | None],
+    *,
+    read_concurrency: int = 8,
+    on_chunk: Callable[[int], None] | None = None,
+) -> Iterator[tuple[str, BaseException | None]]:
+    """Fetch, decode and re-hash every chunk; yields ``(digest, error or None)`` for each,
+    never stopping at the first bad one."""
+
+    def one(item: tuple[str, ChunkInfo | None]) -> tuple[str, BaseException | None, int]:
+        digest, info = item
+        try:
+            raw = fetch_chunk(store, digest, info, scratch=info is not None)
+            if info is not None and raw.size != info.raw:
+                raise CheckpointCorruptError(
+                    f"chunk {store.url(chunk_key(digest))}: {raw.size} raw bytes, "
+                    f"the index says {info.raw}"
+                )
+            return digest, None, int(raw.size)
+        except Exception as exc:  # noqa: BLE001 - reported; verification goes on
+            return digest, exc, info.raw if info is not None else 0
+
+    for digest, error, nbytes in store.map(
+        one, list(chunks.items()), max_concurrency=read_concurrency
+    ):
+        if on_chunk is not None:
+            on_chunk(nbytes)
+        yield digest, error
+
+
+def message(exc: BaseException) -> str:
+    """The first line of an error, for a one-line report."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, (CheckpointError, OSError)) and first:
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+# -- rebuilding a whole step -------------------------------------------------------------------
+
+
+def load_step_state(
+    store: Store,
+    manifest: Manifest,
+    *,
+    on_chunk: Callable[[int], None] | None = None,
+) -> Any:
+    """The full state of a committed step as plain Python objects.
+
+    ``state`` steps: the saved tree of rank 0 for a world size of 1, else
+    ``{"rank0": ..., "rank1": ...}``. ``dcp`` steps: the full (unsharded) state dict.
+    """
+    if manifest.kind == KIND_DCP:
+        from ckptstore import dcp  # imported here: heavy, and only needed for DCP steps
+
+        if not hasattr(dcp, "load_full_state_dict"):
+            raise CheckpointError(
+                "this ckptstore cannot restore DCP steps yet (ckptstore.dcp.load_full_state_dict "
+                "is missing)"
+            )
+        return dcp.load_full_state_dict(store, manifest.step)
+    if manifest.kind != KIND_STATE:
+        raise CheckpointCorruptError(
+            f"step {manifest.step}: unknown checkpoint kind {manifest.kind!r}"
+        )
+    states = {}
+    for index in load_indexes(store, manifest):
+        wanted: dict[int, torch.Tensor | None] = {i: None for i in range(len(index.tensors))}
+        tensors = read_tensors(store, index, wanted, PipelineConfig(), on_chunk=on_chunk)
+        states[index.rank] = rebuild_tree(index.tree, tensors)
+    if manifest.world_size == 1 and list(states) == [0]:
+        return states[0]
+    missing = sorted(set(range(manifest.world_size)) - set(states))
+    if missing:
+        raise CheckpointNotFoundError(f"step {manifest.step}: no index for ranks {missing}")
+    return {f"rank{r}": states[r] for r in sorted(states)}
+
+
+def step_raw_bytes(store: Store, manifest: Manifest) -> int:
+    """Raw bytes a restore of ``manifest`` reads (for a progress bar); 0 when unknown."""
+    try:
+        return sum(c.raw for index in load_indexes(store, manifest) for c in index.chunks.values())
+    except (CheckpointError, StorageError):
+        return 0
