@@ -57,10 +57,12 @@ def _step_fn(kind: str, step_s: float):
     if kind == "cpu":
         n = 256
         a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(20):
+            a @ b  # warm up before timing
         t0 = time.perf_counter()
-        for _ in range(5):
+        for _ in range(20):
             a @ b
-        reps = max(1, int(step_s / ((time.perf_counter() - t0) / 5)))
+        reps = max(1, int(step_s / ((time.perf_counter() - t0) / 20)))
         return lambda: [a @ b for _ in range(reps)]
     if kind == "python":
         t0 = time.perf_counter()
