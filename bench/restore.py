@@ -1,0 +1,283 @@
+"""``ckptbench restore``: how long a restore takes, ckptstore vs DCP vs torch.load.
+
+The state is saved once with each method, then loaded ``--warmup`` + ``--repeat`` times into
+preallocated tensors; every round loads with each method once and checks (untimed) that the
+tensors equal the saved state.
+
+- ``ckptstore``: ``Checkpointer(uri).load(state, step)``; every chunk is hash-verified.
+- ``dcp``: ``torch.distributed.checkpoint.load`` with ``FileSystemReader`` on local paths,
+  ``FsspecReader`` otherwise (single process); no checksums.
+- ``torch_load``: ``torch.load`` of one file (``weights_only=True``), then ``copy_`` into the
+  preallocated tensors, for reference; no checksums.
+
+The page cache cannot be dropped without root, so on local disk every load after the first is
+a warm-cache read of files this run just wrote: the figures measure decode, verification and
+copy paths, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench import _ckpt_common as common
+from bench.report import format_bytes, format_seconds, print_json, table
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("ckptstore", "dcp", "torch_load")
+WARM_CACHE_NOTE = (
+    "warm page cache: the files were just written and the cache cannot be dropped without root"
+)
+
+
+class _Method:
+    name = ""
+
+    def __init__(self, ws: common.Workspace, compression: str) -> None:
+        self.ws = ws
+        self.compression = compression
+
+    def save(self, state: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def load(self, dest: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class _Ckptstore(_Method):
+    name = "ckptstore"
+
+    def save(self, state):
+        from ckptstore import Checkpointer
+
+        with Checkpointer(self.ws.child(self.name), compression=self.compression) as ckpt:
+            ckpt.save(0, state).wait()
+
+    def load(self, dest):
+        from ckptstore import Checkpointer
+
+        with Checkpointer(self.ws.child(self.name), compression=self.compression) as ckpt:
+            ckpt.load(dest, step=0)
+
+
+class _Dcp(_Method):
+    name = "dcp"
+
+    def save(self, state):
+        import torch.distributed.checkpoint as dcp
+
+        if self.ws.is_local:
+            writer = dcp.FileSystemWriter(self.ws.path(self.name))
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            writer = FsspecWriter(self.ws.child(self.name))
+        with common.quiet_dcp():
+            dcp.save(state, storage_writer=writer, no_dist=True)
+
+    def load(self, dest):
+        import torch.distributed.checkpoint as dcp
+
+        if self.ws.is_local:
+            reader = dcp.FileSystemReader(self.ws.path(self.name))
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader = FsspecReader(self.ws.child(self.name))
+        with common.quiet_dcp():
+            dcp.load(dest, storage_reader=reader, no_dist=True)
+
+
+class _TorchLoad(_Method):
+    name = "torch_load"
+
+    def _path(self) -> str:
+        return self.ws.path(self.name, "state.pt")
+
+    def save(self, state):
+        if self.ws.is_local:
+            os.makedirs(self.ws.path(self.name), exist_ok=True)
+            with open(self._path(), "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with self.ws.fs.open(self._path(), "wb") as f:
+                torch.save(state, f)
+
+    def load(self, dest):
+        opener = open if self.ws.is_local else self.ws.fs.open
+        with opener(self._path(), "rb") as f:
+            loaded = torch.load(f, map_location="cpu", weights_only=True)
+        for k, t in loaded.items():
+            dest[k].copy_(t)
+
+
+_CLASSES: dict[str, Callable[..., _Method]] = {c.name: c for c in (_Ckptstore, _Dcp, _TorchLoad)}
+
+
+def run_restore(
+    *,
+    uri: str | None,
+    spec: common.StateSpec,
+    repeat: int = 3,
+    warmup: int = 1,
+    compression: str = "auto",
+    methods: list[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; returns the report as a JSON-ready dict."""
+    from ckptstore.codec import CodecConfig
+
+    CodecConfig.parse(compression)
+    methods = list(METHODS) if methods is None else methods
+    say = progress or (lambda _msg: None)
+    date = common.now_iso()
+    say(f"building the {spec.state} state")
+    state = common.build_state(spec)
+    raw = common.state_bytes(state)
+    probe = common.MemoryProbe()
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    stored: dict[str, int] = {}
+    with common.Workspace(uri, command="restore") as ws:
+        is_local = ws.is_local
+        chosen = [_CLASSES[name](ws, compression) for name in methods]
+        for method in chosen:
+            say(f"{method.name}: saving")
+            method.save(state)
+            stored[method.name] = ws.bytes_under(method.name)
+        dest = common.zeros_like_state(state)
+        for r in range(warmup + repeat):
+            for method in chosen:
+                for t in dest.values():
+                    t.zero_()
+                rss_before = probe.reset()
+                t0 = time.perf_counter()
+                method.load(dest)
+                restore_s = time.perf_counter() - t0
+                peak = probe.peak()
+                if not common.same_state(dest, state):
+                    raise RuntimeError(f"{method.name} restored tensors that differ from the save")
+                if r < warmup:
+                    continue
+                runs[method.name].append(
+                    {
+                        "restore_s": restore_s,
+                        "peak_rss_bytes": None if peak is None else max(0, peak - rss_before),
+                    }
+                )
+                say(f"round {r + 1 - warmup}/{repeat} {method.name}: {format_seconds(restore_s)}")
+    report: dict[str, Any] = {
+        "command": "restore",
+        "date": date,
+        "uri": uri or "(temporary local directory)",
+        "config": {
+            "state": spec.state,
+            "dtype": spec.dtype,
+            "size_bytes": spec.size_bytes if spec.state == "synthetic" else None,
+            "tensors": spec.tensors if spec.state == "synthetic" else None,
+            "repeat": repeat,
+            "warmup": warmup,
+            "compression": compression,
+            "methods": methods,
+            **common.describe_state(state),
+            **({"model": common.TRAINED_MODEL} if spec.state == "trained" else {}),
+            "host": common.host_info(),
+        },
+    }
+    for name in methods:
+        rs = runs[name]
+        restore_s = common.median([r["restore_s"] for r in rs])
+        peaks = [r["peak_rss_bytes"] for r in rs if r["peak_rss_bytes"] is not None]
+        report[name] = {
+            "restore_s": restore_s,
+            "bytes_per_s": raw / restore_s,
+            "bytes_stored": stored[name],
+            "stored_vs_raw": stored[name] / raw,
+            "peak_rss_bytes": int(common.median(peaks)) if peaks else None,
+            "verified": name == "ckptstore",
+            "runs": rs,
+        }
+    ratios: dict[str, float | None] = {}
+    if "ckptstore" in methods:
+        for base in ("dcp", "torch_load"):
+            if base in methods:
+                ratios[f"ckptstore_vs_{base}"] = common.ratio(
+                    report["ckptstore"]["restore_s"], report[base]["restore_s"]
+                )
+    report["ratios"] = ratios
+    report["notes"] = [
+        "medians over rounds; each round loads with every method once into preallocated "
+        "tensors and checks the result (untimed)",
+        "verified: whether the method itself checks every byte against a stored hash",
+    ]
+    if is_local:
+        report["notes"].append(WARM_CACHE_NOTE)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(
+        f"ckptbench restore  {report['date']}  {cfg['state']} {'/'.join(cfg['dtypes'])} state, "
+        f"{format_bytes(cfg['raw_bytes'])} in {cfg['n_tensors']} tensors <- {report['uri']}"
+    )
+    print(f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up)")
+    rows = []
+    for name in cfg["methods"]:
+        m = report[name]
+        peak = m["peak_rss_bytes"]
+        rows.append(
+            [
+                name,
+                format_seconds(m["restore_s"]),
+                f"{m['bytes_per_s'] / 1e9:.2f} GB/s",
+                format_bytes(m["bytes_stored"]),
+                "yes" if m["verified"] else "no",
+                "n/a" if peak is None else format_bytes(peak),
+            ]
+        )
+    table(["method", "restore", "rate", "stored", "verified", "peak RSS"], rows)
+    if report["ratios"]:
+        print(", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items() if v))
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
+def run(args: argparse.Namespace) -> int:
+    common.check_counts(args)
+    report = run_restore(
+        uri=args.uri,
+        spec=common.state_spec_from_args(args),
+        repeat=args.repeat,
+        warmup=args.warmup,
+        compression=args.compression,
+        methods=common.parse_methods(args.methods, METHODS),
+        progress=logger.info,
+    )
+    if args.json:
+        print_json(report)
+    else:
+        print_table(report)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "restore",
+        help="time restores: ckptstore (verified) vs DCP load vs torch.load",
+        description="Save a state once with ckptstore, DCP and torch.save, then time loads "
+        "into preallocated tensors, side by side in one run. On local disk the page cache is "
+        "warm (it cannot be dropped without root). Works under a fresh ckptbench-<random>/ "
+        "directory and deletes it.",
+    )
+    common.add_common_args(p)
+    p.set_defaults(func=run)
+    return p

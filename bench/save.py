@@ -1,0 +1,401 @@
+"""``ckptbench save``: how long a save blocks the training loop, how long until it is durable,
+what it stores and what memory it takes, for ckptstore and the PyTorch baselines side by side.
+
+Methods, each timed from the call on the caller's thread:
+
+- ``ckptstore``: ``Checkpointer.save()`` returns once the state is staged (``blocked_s``);
+  ``handle.wait()`` returns once the step is committed (``commit_s``, from the call).
+- ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (thread executor, single process,
+  ``FileSystemWriter`` on local paths, ``FsspecWriter`` otherwise); blocked until it returns the
+  future, committed when ``future.result()`` returns.
+- ``dcp_sync``: ``torch.distributed.checkpoint.save``; blocked = commit.
+- ``torch_save``: ``torch.save`` into one file (``fsync``-ed on local disk, as the others are;
+  through ``fsspec.open`` for remote URIs); blocked = commit.
+
+``memcpy_s`` is a plain ``copy_`` of the same state into preallocated tensors (median of three
+copies), timed in every round right before the first method's save: the floor for staging.
+Every round runs memcpy then each method once, so drift of this shared machine hits all of
+them alike; medians over ``--repeat`` rounds are reported, ratios are
+ratios of those medians.
+
+Between any two saves every tensor is rotated by one element, so no save can deduplicate
+against an earlier one (same statistics, new bytes); ``--incremental`` rotates only the first
+tensor, showing what content addressing saves. Each method keeps its output under its own
+directory; ``bytes_stored`` is what that directory grew by during the save (files walked on
+local disk, objects listed on S3).
+
+``peak_rss_bytes`` is the peak resident memory during the save above the resident memory just
+before it (high-water mark reset through ``/proc/self/clear_refs``, read from ``VmHWM``), plus
+``held_rss_bytes``: memory the method keeps resident between saves (ckptstore's reusable staging
+buffer), measured across its setup and warm-up saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench import _ckpt_common as common
+from bench.report import format_bytes, format_seconds, print_json, table
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("ckptstore", "dcp_async", "dcp_sync", "torch_save")
+
+
+class _Method:
+    """One way of saving; ``save`` returns (blocked_s, commit_s)."""
+
+    name = ""
+
+    def __init__(self, ws: common.Workspace, compression: str) -> None:
+        self.ws = ws
+        self.compression = compression
+
+    def open(self) -> None:
+        pass
+
+    def save(self, state: dict[str, torch.Tensor], n: int) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def discard(self, n: int) -> None:
+        """Delete save ``n`` (after it was measured) to bound disk use; no-op if unsafe."""
+
+    def close(self) -> None:
+        pass
+
+
+class _Ckptstore(_Method):
+    name = "ckptstore"
+
+    def open(self) -> None:
+        from ckptstore import Checkpointer
+
+        self.ckpt = Checkpointer(self.ws.child(self.name), compression=self.compression)
+
+    def save(self, state, n):
+        t0 = time.perf_counter()
+        handle = self.ckpt.save(n, state)
+        t1 = time.perf_counter()
+        handle.wait()
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t0
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def _dcp_writer(ws: common.Workspace, path_parts: tuple[str, ...]):
+    if ws.is_local:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(ws.path(*path_parts))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(ws.child(*path_parts))
+
+
+class _DcpAsync(_Method):
+    name = "dcp_async"
+
+    def save(self, state, n):
+        import torch.distributed.checkpoint as dcp
+
+        writer = _dcp_writer(self.ws, (self.name, f"save-{n:04d}"))
+        with common.quiet_dcp():
+            t0 = time.perf_counter()
+            future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+            t1 = time.perf_counter()
+            future.result()
+            t2 = time.perf_counter()
+        return t1 - t0, t2 - t0
+
+    def discard(self, n: int) -> None:
+        self.ws.remove(self.name, f"save-{n:04d}")
+
+
+class _DcpSync(_Method):
+    name = "dcp_sync"
+
+    def save(self, state, n):
+        import torch.distributed.checkpoint as dcp
+
+        writer = _dcp_writer(self.ws, (self.name, f"save-{n:04d}"))
+        with common.quiet_dcp():
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=writer, no_dist=True)
+            t1 = time.perf_counter()
+        return t1 - t0, t1 - t0
+
+    def discard(self, n: int) -> None:
+        self.ws.remove(self.name, f"save-{n:04d}")
+
+
+class _TorchSave(_Method):
+    name = "torch_save"
+
+    def save(self, state, n):
+        name = f"save-{n:04d}.pt"
+        if self.ws.is_local:
+            os.makedirs(self.ws.path(self.name), exist_ok=True)
+            path = self.ws.path(self.name, name)
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            t1 = time.perf_counter()
+        else:
+            path = self.ws.path(self.name, name)
+            t0 = time.perf_counter()
+            with self.ws.fs.open(path, "wb") as f:
+                torch.save(state, f)
+            t1 = time.perf_counter()
+        return t1 - t0, t1 - t0
+
+    def discard(self, n: int) -> None:
+        self.ws.remove(self.name, f"save-{n:04d}.pt")
+
+
+_CLASSES: dict[str, Callable[..., _Method]] = {
+    c.name: c for c in (_Ckptstore, _DcpAsync, _DcpSync, _TorchSave)
+}
+
+
+def _memcpy_s(dest: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for k, t in state.items():
+        dest[k].copy_(t)
+    return time.perf_counter() - t0
+
+
+def run_save(
+    *,
+    uri: str | None,
+    spec: common.StateSpec,
+    repeat: int = 3,
+    warmup: int = 1,
+    compression: str = "auto",
+    methods: list[str] | None = None,
+    incremental: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; returns the report as a JSON-ready dict."""
+    from ckptstore.codec import CodecConfig
+
+    CodecConfig.parse(compression)  # a bad --compression fails before any work
+    methods = list(METHODS) if methods is None else methods
+    say = progress or (lambda _msg: None)
+    date = common.now_iso()
+    say(f"building the {spec.state} state")
+    state = common.build_state(spec)
+    raw = common.state_bytes(state)
+    probe = common.MemoryProbe()
+    dest = common.zeros_like_state(state)
+    _memcpy_s(dest, state)  # warm: fault in the destination pages
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    memcpy_runs: list[float] = []
+    held: dict[str, int] = {}
+    save_no = 0
+    with common.Workspace(uri, command="save") as ws:
+        is_local = ws.is_local
+        opened: list[_Method] = []
+        try:
+            for name in methods:
+                method = _CLASSES[name](ws, compression)
+                before = probe.rss()
+                method.open()
+                opened.append(method)
+                for _ in range(warmup):
+                    common.perturb(state, only_first=incremental and save_no > 0)
+                    say(f"{name}: warm-up save")
+                    method.save(state, save_no)
+                    if not incremental:
+                        method.discard(save_no)
+                    save_no += 1
+                held[name] = max(0, probe.rss() - before)
+            for r in range(repeat):
+                for i, method in enumerate(opened):
+                    common.perturb(state, only_first=incremental and save_no > 0)
+                    if i == 0:  # right before the first save, in the same conditions
+                        memcpy_runs.append(
+                            common.median([_memcpy_s(dest, state) for _ in range(3)])
+                        )
+                    bytes_before = ws.bytes_under(method.name)
+                    rss_before = probe.reset()
+                    blocked_s, commit_s = method.save(state, save_no)
+                    peak = probe.peak()
+                    stored = ws.bytes_under(method.name) - bytes_before
+                    if not incremental:
+                        method.discard(save_no)
+                    save_no += 1
+                    run = {
+                        "blocked_s": blocked_s,
+                        "commit_s": commit_s,
+                        "bytes_stored": stored,
+                        "peak_rss_bytes": None
+                        if peak is None
+                        else max(0, peak - rss_before) + held[method.name],
+                    }
+                    runs[method.name].append(run)
+                    say(
+                        f"round {r + 1}/{repeat} {method.name}: blocked "
+                        f"{format_seconds(blocked_s)}, committed {format_seconds(commit_s)}, "
+                        f"{format_bytes(stored)} stored"
+                    )
+        finally:
+            for method in opened:
+                method.close()
+    del dest
+    memcpy_s = common.median(memcpy_runs)
+    report: dict[str, Any] = {
+        "command": "save",
+        "date": date,
+        "uri": uri or "(temporary local directory)",
+        "config": {
+            "state": spec.state,
+            "dtype": spec.dtype,
+            "size_bytes": spec.size_bytes if spec.state == "synthetic" else None,
+            "tensors": spec.tensors if spec.state == "synthetic" else None,
+            "repeat": repeat,
+            "warmup": warmup,
+            "compression": compression,
+            "incremental": incremental,
+            "methods": methods,
+            **common.describe_state(state),
+            **({"model": common.TRAINED_MODEL} if spec.state == "trained" else {}),
+            "host": common.host_info(),
+        },
+        "memcpy_s": memcpy_s,
+        "memcpy_runs": memcpy_runs,
+    }
+    for name in methods:
+        rs = runs[name]
+        peaks = [r["peak_rss_bytes"] for r in rs if r["peak_rss_bytes"] is not None]
+        blocked = common.median([r["blocked_s"] for r in rs])
+        stored = int(common.median([r["bytes_stored"] for r in rs]))
+        report[name] = {
+            "blocked_s": blocked,
+            "commit_s": common.median([r["commit_s"] for r in rs]),
+            "bytes_stored": stored,
+            "stored_vs_raw": stored / raw,
+            "peak_rss_bytes": int(common.median(peaks)) if peaks else None,
+            "held_rss_bytes": held[name],
+            "blocked_vs_memcpy": common.ratio(blocked, memcpy_s),
+            "runs": rs,
+        }
+    report["ratios"] = _ratios(report)
+    report["notes"] = _notes(report, ws_local=is_local)
+    return report
+
+
+def _ratios(report: dict[str, Any]) -> dict[str, float | None]:
+    ours = report.get("ckptstore")
+    if ours is None:
+        return {}
+    out: dict[str, float | None] = {
+        "blocked_vs_memcpy": common.ratio(ours["blocked_s"], report["memcpy_s"])
+    }
+    for base in ("dcp_async", "dcp_sync", "torch_save"):
+        other = report.get(base)
+        if other is None:
+            continue
+        if base == "dcp_async":
+            out["blocked_vs_dcp_async"] = common.ratio(ours["blocked_s"], other["blocked_s"])
+        out[f"commit_vs_{base}"] = common.ratio(ours["commit_s"], other["commit_s"])
+        out[f"stored_vs_{base}"] = common.ratio(ours["bytes_stored"], other["bytes_stored"])
+    return out
+
+
+def _notes(report: dict[str, Any], *, ws_local: bool) -> list[str]:
+    notes = [
+        "medians over rounds; each round times memcpy then every method once",
+        "state rotated by one element before every save: no save can dedupe against another"
+        if not report["config"]["incremental"]
+        else "incremental: only the first tensor changes between saves",
+        "peak_rss_bytes: VmHWM after clear_refs, above RSS before the save, plus held_rss_bytes",
+    ]
+    if ws_local:
+        notes.append("torch_save is fsync-ed; DCP FileSystemWriter and ckptstore fsync too")
+    return notes
+
+
+def print_table(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(
+        f"ckptbench save  {report['date']}  {cfg['state']} {'/'.join(cfg['dtypes'])} state, "
+        f"{format_bytes(cfg['raw_bytes'])} in {cfg['n_tensors']} tensors -> {report['uri']}"
+    )
+    print(
+        f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up); ckptstore "
+        f"compression {cfg['compression']}; memcpy {format_seconds(report['memcpy_s'])}"
+    )
+    rows = []
+    for name in cfg["methods"]:
+        m = report[name]
+        peak = m["peak_rss_bytes"]
+        rows.append(
+            [
+                name,
+                format_seconds(m["blocked_s"]),
+                f"{m['blocked_vs_memcpy']:.1f}x",
+                format_seconds(m["commit_s"]),
+                format_bytes(m["bytes_stored"]),
+                f"{m['stored_vs_raw']:.3f}",
+                "n/a" if peak is None else format_bytes(peak),
+            ]
+        )
+    table(
+        ["method", "blocked", "vs memcpy", "committed", "stored", "stored/raw", "peak RSS"],
+        rows,
+    )
+    if report["ratios"]:
+        print("ckptstore: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items() if v))
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
+def run(args: argparse.Namespace) -> int:
+    common.check_counts(args)
+    spec = common.state_spec_from_args(args)
+    methods = common.parse_methods(args.methods, METHODS)
+    report = run_save(
+        uri=args.uri,
+        spec=spec,
+        repeat=args.repeat,
+        warmup=args.warmup,
+        compression=args.compression,
+        methods=methods,
+        incremental=args.incremental,
+        progress=logger.info,
+    )
+    if args.json:
+        print_json(report)
+    else:
+        print_table(report)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "save",
+        help="time checkpoint saves: ckptstore vs DCP async/sync vs torch.save, vs memcpy",
+        description="Blocked time, time to commit, bytes stored and peak memory of one save, "
+        "for ckptstore, DCP async_save, DCP save and torch.save side by side in one run, with "
+        "a memcpy of the same state as the floor. Works under a fresh ckptbench-<random>/ "
+        "directory and deletes it.",
+    )
+    common.add_common_args(p)
+    p.add_argument(
+        "--incremental",
+        action="store_true",
+        help="change only the first tensor between saves (shows deduplication)",
+    )
+    p.set_defaults(func=run)
+    return p
