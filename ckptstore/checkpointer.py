@@ -54,6 +54,7 @@ from ckptstore.format import (
     resolve_step,
 )
 from ckptstore.hedge import Hedger
+from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import (
     CompressionGovernor,
     PipelineConfig,
@@ -157,6 +158,12 @@ class Checkpointer:
         max_concurrency: storage requests in flight at once.
         timeout_s: deadline of one storage request (large transfers get more).
         hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
+        staging: ``"host"`` (staged copies in this process's memory), or ``"peer"``: each rank
+            also sends its staged state to a guard rank one node over, which keeps the latest
+            replica; ``load`` takes a rank's state from its guard when the guard holds the step
+            asked for (verified), else from storage. Needs ``torch.distributed``.
+        ranks_per_node: for ``staging="peer"``: the guard of rank r is r + ranks_per_node
+            (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1).
         process_group: the ranks that save together (default: the whole world, if any).
         store: use this :class:`Store` instead of opening ``uri`` (e.g. with fault injection).
     """
@@ -175,6 +182,8 @@ class Checkpointer:
         max_concurrency: int = 16,
         timeout_s: float = 60.0,
         hedge_uploads: bool | None = None,
+        staging: str = "host",
+        ranks_per_node: int | None = None,
         process_group: Any = None,
         store: Store | None = None,
     ) -> None:
@@ -182,6 +191,8 @@ class Checkpointer:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        if staging not in ("host", "peer"):
+            raise ValueError(f"staging must be 'host' or 'peer', got {staging!r}")
         self.store = store or Store(
             uri,
             storage_options=storage_options,
@@ -205,6 +216,21 @@ class Checkpointer:
         self._stager = Stager()
         self._group = _Group(process_group, timeout_s=max(timeout_s * 10, 600.0))
         self.rank = self._group.rank
+        if self._group.active and when_busy == "skip":
+            raise ValueError(
+                "when_busy='skip' is single-process only: ranks could disagree "
+                "on which saves to skip"
+            )
+        self._peers = None
+        if staging == "peer":
+            if not self._group.active:
+                raise ValueError("staging='peer' needs torch.distributed with 2 or more ranks")
+            if ranks_per_node is None:
+                ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            if ranks_per_node >= self._group.world_size:
+                ranks_per_node = 1  # one node: the next rank guards
+            self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
+        self.last_load_source: str | None = None
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
@@ -283,6 +309,23 @@ class Checkpointer:
                 f"step {chosen} was saved by {manifest.world_size} rank(s), loading with "
                 f"{self._group.world_size}: resharding is done through ckptstore.dcp"
             )
+        if self._peers is not None:
+            replica = self._peers.fetch(chosen)
+            if replica is not None:
+                buffer, meta = replica
+                tensors = tensors_from_replica(buffer, meta)
+                loader = plan_load(
+                    state, meta["tree"], lambda i: (tensors[i].dtype, list(tensors[i].shape))
+                )
+                kinds = tensor_indexes(meta["tree"])
+                for i, dest in loader.dests.items():
+                    dest.copy_(tensors[i])
+                    tensors[i] = dest
+                values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items()}
+                finish_load(loader, state, meta["tree"], values)
+                self.last_load_source = "peer"
+                logger.info("rank %d: loaded step %d from its guard's memory", self.rank, chosen)
+                return chosen
         index = load_rank_index(self.store, manifest, self.rank)
 
         def describe(i: int):
@@ -296,6 +339,7 @@ class Checkpointer:
         )
         values = {i: (t.numpy() if kinds[i] else t) for i, t in loaded.items()}
         finish_load(loader, state, index.tree, values)
+        self.last_load_source = "storage"
         logger.info("rank %d: loaded step %d from %s", self.rank, chosen, self.store.uri)
         return chosen
 
@@ -341,8 +385,11 @@ class Checkpointer:
         ref: Any
         try:
             try:
-                store.put(marker, self._marker(job))
                 job.staged.wait()
+                if self._peers is not None:
+                    meta = replica_meta(job.tensors, job.layout.offsets, job.tree)
+                    self._peers.exchange(job.step, job.staged.buffer, meta)
+                store.put(marker, self._marker(job))
                 digests, chunks = write_chunks(
                     store,
                     job.staged.buffer.numpy(),
