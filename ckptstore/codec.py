@@ -159,7 +159,8 @@ def encode_parts(raw, itemsize: int, config: CodecConfig) -> list:
 
 
 def decode(obj, *, expected_hash: str, name: str, out: np.ndarray | None = None) -> np.ndarray:
-    """Decode a chunk object into raw bytes (into ``out`` if given) and verify its hash.
+    """Decode a chunk object into raw bytes (into ``out`` if given; a chunk stored as one raw
+    plane comes back as a read-only view of ``obj`` instead) and verify its hash.
 
     Raises :class:`CheckpointCorruptError` naming ``name`` when the object is truncated,
     malformed, or its bytes do not hash to ``expected_hash``.
@@ -179,6 +180,16 @@ def decode(obj, *, expected_hash: str, name: str, out: np.ndarray | None = None)
     if offset > len(view):
         raise CheckpointCorruptError(f"chunk {name}: truncated plane table")
     table = [_PLANE.unpack_from(view, _HEADER.size + i * _PLANE.size) for i in range(nplanes)]
+    if nplanes == 1 and table[0] == (RAW, raw_len) and len(view) == offset + raw_len:
+        # One raw plane: verify the object's own bytes and hand out a view of them, no copy.
+        body = np.frombuffer(view[offset:], dtype=np.uint8)
+        actual = hash_bytes(body)
+        if actual != expected_hash:
+            raise CheckpointCorruptError(
+                f"chunk {name}: xxh3 mismatch (stored bytes hash to {actual}, expected "
+                f"{expected_hash})"
+            )
+        return body
     if out is None:
         out = np.empty(raw_len, dtype=np.uint8)
     elif out.nbytes != raw_len:

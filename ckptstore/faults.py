@@ -144,6 +144,10 @@ class FaultyBackend:
         self.faults.inject("get")
         return self.inner.get(path, start, end)
 
+    def get_view(self, path):
+        self.faults.inject("get")
+        return self.inner.get_view(path)
+
     def size(self, path):
         self.faults.inject("size")
         return self.inner.size(path)

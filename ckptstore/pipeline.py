@@ -53,7 +53,7 @@ class PipelineConfig:
     """Tensors smaller than this are packed together into shared chunks (default: the
     smaller of 1 MiB and a quarter of ``chunk_bytes``)."""
     codec: CodecConfig = field(default_factory=CodecConfig)
-    encode_threads: int = max(2, os.cpu_count() or 2)
+    encode_threads: int = max(4, os.cpu_count() or 4)
     """Chunks hashed, encoded and uploaded at once during a save."""
     read_concurrency: int = 8
     """Chunks fetched and decoded at once during a restore."""
@@ -280,11 +280,12 @@ def write_chunks(
 _scratch = threading.local()
 
 
-def _scratch_buffer(nbytes: int) -> np.ndarray:
+def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
     """A per-thread buffer reused across chunks (no fresh pages to fault in per chunk)."""
-    buf = getattr(_scratch, "buf", None)
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.size < nbytes:
-        buf = _scratch.buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        setattr(_scratch, name, buf)
     return buf[:nbytes]
 
 
@@ -297,14 +298,15 @@ def fetch_chunk(
     overwrites: copy them out before fetching again."""
     key = chunk_key(digest)
     try:
-        data = store.get(key)
+        # A memory map on local paths: no copy, no fresh pages to fault in.
+        data = store.get_view(key) if scratch else store.get(key)
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"chunk {store.url(key)} is missing") from exc
     if info is not None and len(data) != info.stored:
         raise CheckpointCorruptError(
             f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
         )
-    out = _scratch_buffer(info.raw) if scratch and info is not None else None
+    out = _thread_buffer("decoded", info.raw) if scratch and info is not None else None
     return decode(data, expected_hash=digest, name=store.url(key), out=out)
 
 
