@@ -7,7 +7,6 @@ storage keys of the rank index (``fqn`` or ``fqn@o0,o1`` for a shard).
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,31 +34,10 @@ from ckptstore.format import (
     read_object,
 )
 from ckptstore.pipeline import PipelineConfig, fetch_chunk, parse_dtype, read_tensors
+from ckptstore.state import decode_scalar, tag_of
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
-
-_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful")
-
-
-# -- the JSON tree of a state step (tags documented in state.py) ---------------------------------
-
-
-def _tag(node: Any) -> str | None:
-    if isinstance(node, dict) and len(node) == 1:
-        (key,) = node
-        if key in _TAGS:
-            return key
-    return None
-
-
-def _scalar(node: Any) -> Any:
-    tag = _tag(node)
-    if tag == "$float":
-        return float(node["$float"])
-    if tag == "$bytes":
-        return base64.b64decode(node["$bytes"])
-    return node
 
 
 def tree_tensor_names(tree: Any) -> dict[int, str]:
@@ -67,7 +45,7 @@ def tree_tensor_names(tree: Any) -> dict[int, str]:
     names: dict[int, str] = {}
 
     def walk(node: Any, path: tuple) -> None:
-        tag = _tag(node)
+        tag = tag_of(node)
         if tag in ("$t", "$np"):
             names.setdefault(int(node[tag]), "/".join(map(str, path)) or "<root>")
         elif tag == "$stateful":
@@ -77,7 +55,7 @@ def tree_tensor_names(tree: Any) -> dict[int, str]:
                 walk(item, (*path, i))
         elif tag == "$dict":
             for key, value in node["$dict"]:
-                walk(value, (*path, _scalar(key)))
+                walk(value, (*path, decode_scalar(key)))
         elif tag is None and isinstance(node, dict):
             for key, value in node.items():
                 walk(value, (*path, key))
@@ -92,7 +70,7 @@ def tree_tensor_names(tree: Any) -> dict[int, str]:
 def rebuild_tree(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
     """The saved state as plain Python objects: tensor refs replaced by ``tensors``, numpy refs
     by numpy arrays, stateful objects by their state dicts."""
-    tag = _tag(tree)
+    tag = tag_of(tree)
     if tag == "$t":
         return tensors[int(tree["$t"])]
     if tag == "$np":
@@ -102,9 +80,9 @@ def rebuild_tree(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
     if tag == "$tuple":
         return tuple(rebuild_tree(v, tensors) for v in tree["$tuple"])
     if tag == "$dict":
-        return {_scalar(k): rebuild_tree(v, tensors) for k, v in tree["$dict"]}
+        return {decode_scalar(k): rebuild_tree(v, tensors) for k, v in tree["$dict"]}
     if tag in ("$bytes", "$float"):
-        return _scalar(tree)
+        return decode_scalar(tree)
     if isinstance(tree, dict):
         return {k: rebuild_tree(v, tensors) for k, v in tree.items()}
     if isinstance(tree, list):

@@ -98,7 +98,8 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(state, ()), tensors
 
 
-def _tag(node: Any) -> str | None:
+def tag_of(node: Any) -> str | None:
+    """The ``$`` tag of a tree node, or None for plain JSON."""
     if isinstance(node, dict) and len(node) == 1:
         (key,) = node
         if key in _TAGS:
@@ -106,8 +107,9 @@ def _tag(node: Any) -> str | None:
     return None
 
 
-def _scalar(node: Any) -> Any:
-    tag = _tag(node)
+def decode_scalar(node: Any) -> Any:
+    """A leaf of the tree as its Python value (``$float``, ``$bytes`` decoded)."""
+    tag = tag_of(node)
     if tag == "$float":
         return float(node["$float"])
     if tag == "$bytes":
@@ -126,7 +128,7 @@ class _Loader:
         self.templates: dict[tuple, Any] = {}
 
     def match(self, target: Any, node: Any, path: tuple) -> None:
-        tag = _tag(node)
+        tag = tag_of(node)
         if tag == "$t":
             if target is _MISSING or target is None:
                 return
@@ -159,7 +161,7 @@ class _Loader:
             for i, item in enumerate(items):
                 self.match(seq[i] if seq is not None else _MISSING, item, (*path, i))
         elif tag == "$dict" or (isinstance(node, dict) and tag is None):
-            pairs = [(_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
             container = target if isinstance(target, dict) else None
             if container is not None and path == ():
                 extra = set(container) - {k for k, _ in pairs}
@@ -172,7 +174,7 @@ class _Loader:
                 self.match(sub, value, (*path, key))
 
     def build(self, target: Any, node: Any, path: tuple, tensors: dict[int, Any]) -> Any:
-        tag = _tag(node)
+        tag = tag_of(node)
         if tag in ("$t", "$np"):
             return tensors[node[tag]]
         if tag == "$stateful":
@@ -196,12 +198,12 @@ class _Loader:
                 return target
             return values
         if tag == "$dict" or (isinstance(node, dict) and tag is None):
-            pairs = [(_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
             out = target if isinstance(target, dict) else {}
             for key, value in pairs:
                 out[key] = self.build(out.get(key, _MISSING), value, (*path, key), tensors)
             return out
-        return _scalar(node)
+        return decode_scalar(node)
 
 
 def plan_load(
@@ -224,7 +226,7 @@ def tensor_indexes(tree: Any) -> dict[int, bool]:
     found: dict[int, bool] = {}
 
     def walk(node: Any) -> None:
-        tag = _tag(node)
+        tag = tag_of(node)
         if tag in ("$t", "$np"):
             found[node[tag]] = tag == "$np"
         elif isinstance(node, dict):

@@ -118,7 +118,8 @@ def test_hedge_budget_caps_extra_requests(tmp_path):
         rs.read("obj", 0, 64)
     m = rs.metrics()
     hedges = m["reads"]["hedges"]
-    assert 1 <= hedges <= 2 + 0.1 * reads
+    assert hedges >= 1
+    assert hedges <= 2 + 0.1 * reads
     assert m["reads"]["hedges_refused"] > 0
     assert sum(r["hedges_fired"] for r in m["replicas"].values()) == hedges
 
