@@ -230,6 +230,8 @@ def put_chunk(
     compress = codec.level is not None and (governor is None or governor.should_compress())
     t0 = time.perf_counter()
     parts = encode_parts(raw, itemsize, codec if compress else _RAW)
+    if not store.is_local:
+        parts = [b"".join(parts)]  # remote puts need one buffer: don't hold both copies
     t1 = time.perf_counter()
 
     def put() -> int:
