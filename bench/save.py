@@ -27,7 +27,10 @@ local disk, objects listed on S3).
 ``peak_rss_bytes`` is the peak resident memory during the save above the resident memory just
 before it (high-water mark reset through ``/proc/self/clear_refs``, read from ``VmHWM``), plus
 ``held_rss_bytes``: memory the method keeps resident between saves (ckptstore's reusable staging
-buffer), measured across its setup and warm-up saves.
+buffer), measured across its setup and warm-up saves (so 0 with ``--warmup 0``: then the
+first round counts the buffer and later rounds do not). It is not updated after measured
+saves: DCP's thread frees its staged copy a moment after ``future.result()`` returns, so an
+RSS reading right then would count that copy as held.
 """
 
 from __future__ import annotations
@@ -231,6 +234,9 @@ def run_save(
                     rss_before = probe.reset()
                     blocked_s, commit_s = method.save(state, save_no)
                     peak = probe.peak()
+                    peak_rss = (
+                        None if peak is None else max(0, peak - rss_before) + held[method.name]
+                    )
                     stored = ws.bytes_under(method.name) - bytes_before
                     if not incremental:
                         method.discard(save_no)
@@ -239,9 +245,7 @@ def run_save(
                         "blocked_s": blocked_s,
                         "commit_s": commit_s,
                         "bytes_stored": stored,
-                        "peak_rss_bytes": None
-                        if peak is None
-                        else max(0, peak - rss_before) + held[method.name],
+                        "peak_rss_bytes": peak_rss,
                     }
                     runs[method.name].append(run)
                     say(

@@ -174,3 +174,18 @@ def test_trained_state_is_the_packaged_model():
     assert common.state_bytes(bf16) * 2 == common.state_bytes(fp32) > 80 * 2**20
     w = fp32["encoder.layer.0.attention.self.query.weight"]
     assert w.shape == (384, 384) and 0.01 < w.std() < 1  # trained, not N(0, 1)
+
+
+@pytest.mark.s3
+def test_save_and_restore_on_s3_clean_up_their_prefix(capsys, s3_uri):
+    from ckptstore.store import Store
+
+    report = _run_json(capsys, save, "save", *TINY, "--warmup", "0", "--uri", s3_uri)
+    for name in save.METHODS:
+        assert report[name]["bytes_stored"] > 0.5 * report["config"]["raw_bytes"]
+    report = _run_json(
+        capsys, restore, "restore", *TINY, "--warmup", "0", "--uri", s3_uri,
+        "--methods", "ckptstore,dcp",
+    )  # fmt: skip
+    assert report["ratios"]["ckptstore_vs_dcp"] > 0
+    assert Store(s3_uri).list("") == []
