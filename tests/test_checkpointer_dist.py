@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import run_ranks
 
 from ckptstore import Checkpointer, Store
 from ckptstore.format import list_steps, load_manifest
 from ckptstore.staging import align
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_state(rank: int, step: int) -> dict:
@@ -28,38 +20,26 @@ def _rank_state(rank: int, step: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        with Checkpointer(root, keep_last=2) as ckpt:
-            for step in (1, 2, 3):
-                ckpt.save(step, _rank_state(rank, step))
-                dist.barrier()  # the training loop's own collectives go on meanwhile
-            ckpt.wait()
-        with Checkpointer(root) as ckpt:
-            assert ckpt.steps() == [2, 3]
-            target = {"shard": torch.zeros(5000), "replicated": torch.zeros(300_000), "rank": -1}
-            assert ckpt.load(target) == 3
-            expected = _rank_state(rank, 3)
-            assert target["rank"] == rank
-            assert torch.equal(target["shard"], expected["shard"])
-            assert torch.equal(target["replicated"], expected["replicated"])
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root, keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _rank_state(rank, step))
+            dist.barrier()  # the training loop's own collectives go on meanwhile
+        ckpt.wait()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [2, 3]
+        target = {"shard": torch.zeros(5000), "replicated": torch.zeros(300_000), "rank": -1}
+        assert ckpt.load(target) == 3
+        expected = _rank_state(rank, 3)
+        assert target["rank"] == rank
+        assert torch.equal(target["shard"], expected["shard"])
+        assert torch.equal(target["replicated"], expected["replicated"])
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_writes_one_commit(tmp_path, world):
-    mp.start_processes(
-        _worker,
-        args=(world, _free_port(), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
+    run_ranks(_worker, world, str(tmp_path))
     store = Store(tmp_path)
     assert list_steps(store) == [2, 3]
     manifest = load_manifest(store, 3)
@@ -70,27 +50,13 @@ def test_every_rank_writes_one_commit(tmp_path, world):
     assert manifest.raw_bytes == 300_000 * 4 + world * align(5000 * 4)  # distinct chunks only
 
 
-def _load_at_other_world(rank: int, world: int, port: int, root: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        with Checkpointer(root) as ckpt:
-            with pytest.raises(Exception, match="saved by 2 rank"):
-                ckpt.load({"shard": torch.zeros(5000)})
-    finally:
-        dist.destroy_process_group()
+def _load_at_other_world(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(Exception, match="saved by 2 rank"):
+            ckpt.load({"shard": torch.zeros(5000)})
 
 
 @pytest.mark.dist
 def test_world_size_change_is_refused_clearly(tmp_path):
-    mp.start_processes(
-        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-    )
-    mp.start_processes(
-        _load_at_other_world,
-        args=(1, _free_port(), str(tmp_path)),
-        nprocs=1,
-        join=True,
-        start_method="spawn",
-    )
+    run_ranks(_worker, 2, str(tmp_path))
+    run_ranks(_load_at_other_world, 1, str(tmp_path))

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _dist import run_ranks
 
 from ckptstore import Checkpointer
 from ckptstore.cli import main
@@ -656,39 +657,19 @@ def test_debug_shows_the_real_exception(tmp_path: Path, capsys) -> None:
 # -- several ranks -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_state(rank: int) -> dict:
     return {"w": torch.full((40, 40), float(rank)), "shared": torch.arange(100.0), "rank": rank}
 
 
-def _save_as_rank(rank: int, world: int, port: int, root: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        with Checkpointer(root) as ckpt:
-            ckpt.save(3, _rank_state(rank)).wait()
-    finally:
-        dist.destroy_process_group()
+def _save_as_rank(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root) as ckpt:
+        ckpt.save(3, _rank_state(rank)).wait()
 
 
 @pytest.mark.dist
 def test_two_ranks_inspect_verify_restore(tmp_path: Path, capsys) -> None:
-    import torch.multiprocessing as mp
-
     root = tmp_path / "store"
-    mp.start_processes(
-        _save_as_rank, args=(2, _free_port(), str(root)), nprocs=2, join=True, start_method="spawn"
-    )
+    run_ranks(_save_as_rank, 2, str(root))
     code, doc = run_json(capsys, "inspect", root)
     assert code == 0 and doc["world_size"] == 2 and [r["rank"] for r in doc["ranks"]] == [0, 1]
     assert sorted((t["rank"], t["name"]) for t in doc["tensors"]) == [

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import socket
-import time
 import uuid
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from _dist import run_ranks
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -309,37 +304,6 @@ def test_storage_key():
 # -- multi-process (gloo) ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, *args, timeout_s: float = 120.0) -> None:
-    port = _free_port()
-    ctx = mp.spawn(fn, args=(world, port, *args), nprocs=world, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"{world}-process DCP test did not finish within {timeout_s}s")
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-
-
 def _full() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return {
@@ -355,63 +319,55 @@ def _sharded(mesh, full: dict[str, torch.Tensor], dims: dict[str, int]) -> dict:
     return {k: distribute_tensor(v, mesh, [Shard(dims[k])]) for k, v in full.items()}
 
 
-def _save_worker(rank: int, world: int, port: int, uri: str, dims: dict, use_async: bool):
+def _save_worker(rank: int, world: int, uri: str, dims: dict, use_async: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
-    _init(rank, world, port)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = _full()
-        state = {
-            "model": _sharded(mesh, full, dims),
-            "replicated": torch.arange(5.0),
-            "rank_count": world,
-        }
-        for expected_step in (0, 1):
-            writer = StoreWriter(uri, chunk_bytes=4096)
-            if use_async:
-                dcp.async_save(state, storage_writer=writer).result(timeout=60)
-            else:
-                dcp.save(state, storage_writer=writer)
-            steps = [None] * world
-            dist.all_gather_object(steps, writer.saved_step)
-            assert steps == [expected_step] * world, f"rank {rank}: steps {steps}"
-        # read back at the same world size, in place into zeroed DTensors
-        target = {
-            "model": _sharded(mesh, {k: torch.zeros_like(v) for k, v in full.items()}, dims),
-            "replicated": torch.zeros(5),
-            "rank_count": 0,
-        }
-        dcp.load(target, storage_reader=StoreReader(uri, step=1))
-        for k, v in full.items():
-            assert torch.equal(target["model"][k].full_tensor(), v), f"rank {rank}: {k}"
-        assert torch.equal(target["replicated"], torch.arange(5.0))
-        assert target["rank_count"] == world
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    state = {
+        "model": _sharded(mesh, full, dims),
+        "replicated": torch.arange(5.0),
+        "rank_count": world,
+    }
+    for expected_step in (0, 1):
+        writer = StoreWriter(uri, chunk_bytes=4096)
+        if use_async:
+            dcp.async_save(state, storage_writer=writer).result(timeout=60)
+        else:
+            dcp.save(state, storage_writer=writer)
+        steps = [None] * world
+        dist.all_gather_object(steps, writer.saved_step)
+        assert steps == [expected_step] * world, f"rank {rank}: steps {steps}"
+    # read back at the same world size, in place into zeroed DTensors
+    target = {
+        "model": _sharded(mesh, {k: torch.zeros_like(v) for k, v in full.items()}, dims),
+        "replicated": torch.zeros(5),
+        "rank_count": 0,
+    }
+    dcp.load(target, storage_reader=StoreReader(uri, step=1))
+    for k, v in full.items():
+        assert torch.equal(target["model"][k].full_tensor(), v), f"rank {rank}: {k}"
+    assert torch.equal(target["replicated"], torch.arange(5.0))
+    assert target["rank_count"] == world
 
 
-def _load_worker(rank: int, world: int, port: int, uri: str, dims: dict):
+def _load_worker(rank: int, world: int, uri: str, dims: dict):
     from torch.distributed.device_mesh import init_device_mesh
 
-    _init(rank, world, port)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = _full()
-        target = {
-            "model": _sharded(mesh, {k: torch.zeros_like(v) for k, v in full.items()}, dims),
-            "replicated": torch.zeros(5),
-            "rank_count": 0,
-        }
-        dcp.load(target, storage_reader=StoreReader(uri))
-        for k, v in full.items():
-            local = target["model"][k].to_local()
-            want = torch.tensor_split(v, world, dim=dims[k])[rank]
-            assert torch.equal(local, want), f"rank {rank}: {k} local shard differs"
-            assert torch.equal(target["model"][k].full_tensor(), v), f"rank {rank}: {k}"
-        assert torch.equal(target["replicated"], torch.arange(5.0))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    target = {
+        "model": _sharded(mesh, {k: torch.zeros_like(v) for k, v in full.items()}, dims),
+        "replicated": torch.zeros(5),
+        "rank_count": 0,
+    }
+    dcp.load(target, storage_reader=StoreReader(uri))
+    for k, v in full.items():
+        local = target["model"][k].to_local()
+        want = torch.tensor_split(v, world, dim=dims[k])[rank]
+        assert torch.equal(local, want), f"rank {rank}: {k} local shard differs"
+        assert torch.equal(target["model"][k].full_tensor(), v), f"rank {rank}: {k}"
+    assert torch.equal(target["replicated"], torch.arange(5.0))
 
 
 def _check_single_process(uri: str, world: int) -> None:
@@ -443,14 +399,14 @@ def _check_single_process(uri: str, world: int) -> None:
 @pytest.mark.dist
 def test_two_ranks_async_save_then_one_process_load(tmp_path):
     uri = str(tmp_path / "s")
-    _spawn(_save_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0}, True)
+    run_ranks(_save_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0}, True)
     _check_single_process(uri, 2)
 
 
 @pytest.mark.dist
 def test_four_ranks_save_then_reshard_to_two(tmp_path):
     uri = str(tmp_path / "s")
-    _spawn(_save_worker, 4, uri, {"rows": 0, "cols": 0, "ids": 0}, False)
+    run_ranks(_save_worker, 4, uri, {"rows": 0, "cols": 0, "ids": 0}, False)
     # loaded at 2 ranks, with "cols" now sharded along the other dimension
-    _spawn(_load_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0})
+    run_ranks(_load_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0})
     _check_single_process(uri, 4)

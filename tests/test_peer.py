@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import run_ranks
 
 from ckptstore import Checkpointer
 from ckptstore.peer import PeerReplicas, guard_of, ward_of
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank: int, step: int) -> dict:
@@ -31,62 +22,50 @@ def _blank() -> dict:
     return {"w": torch.zeros(3000), "b": torch.zeros(7, dtype=torch.int64), "meta": {}}
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        ckpt = Checkpointer(root, staging="peer", ranks_per_node=1)
-        assert ckpt._peers.guard == (rank + 1) % world
-        for step in (1, 2):
-            ckpt.save(step, _state(rank, step))
-        ckpt.wait()
-        assert ckpt._peers.held.step == 2
+def _worker(rank: int, world: int, root: str) -> None:
+    ckpt = Checkpointer(root, staging="peer", ranks_per_node=1)
+    assert ckpt._peers.guard == (rank + 1) % world
+    for step in (1, 2):
+        ckpt.save(step, _state(rank, step))
+    ckpt.wait()
+    assert ckpt._peers.held.step == 2
 
-        # a rank that lost its state gets it back from its guard's memory
-        state = _blank()
-        assert ckpt.load(state) == 2 and ckpt.last_load_source == "peer"
-        assert torch.equal(state["w"], _state(rank, 2)["w"])
-        assert torch.equal(state["b"], _state(rank, 2)["b"]) and state["meta"]["rank"] == rank
+    # a rank that lost its state gets it back from its guard's memory
+    state = _blank()
+    assert ckpt.load(state) == 2 and ckpt.last_load_source == "peer"
+    assert torch.equal(state["w"], _state(rank, 2)["w"])
+    assert torch.equal(state["b"], _state(rank, 2)["b"]) and state["meta"]["rank"] == rank
 
-        # a stale replica (step 1 asked, step 2 held): storage
-        state = _blank()
-        assert ckpt.load(state, step=1) == 1 and ckpt.last_load_source == "storage"
-        assert torch.equal(state["w"], _state(rank, 1)["w"])
+    # a stale replica (step 1 asked, step 2 held): storage
+    state = _blank()
+    assert ckpt.load(state, step=1) == 1 and ckpt.last_load_source == "storage"
+    assert torch.equal(state["w"], _state(rank, 1)["w"])
 
-        # rank 0 restarted: it lost the replica it guarded, so its ward falls back to storage;
-        # everyone else, rank 0 included, restores from memory
-        if rank == 0:
-            ckpt._peers = PeerReplicas(ckpt._group.group, ranks_per_node=1)
-        state = _blank()
-        ckpt.load(state)
-        ward_of_0 = ward_of(0, world)
-        assert ckpt.last_load_source == ("storage" if rank == ward_of_0 else "peer")
-        assert torch.equal(state["w"], _state(rank, 2)["w"])
+    # rank 0 restarted: it lost the replica it guarded, so its ward falls back to storage;
+    # everyone else, rank 0 included, restores from memory
+    if rank == 0:
+        ckpt._peers = PeerReplicas(ckpt._group.group, ranks_per_node=1)
+    state = _blank()
+    ckpt.load(state)
+    ward_of_0 = ward_of(0, world)
+    assert ckpt.last_load_source == ("storage" if rank == ward_of_0 else "peer")
+    assert torch.equal(state["w"], _state(rank, 2)["w"])
 
-        # a corrupted replica is detected by its hash and the ward reads storage instead
-        ckpt.save(3, _state(rank, 3)).wait()
-        if rank == 1:
-            ckpt._peers.held.buffer[5] ^= 0xFF
-        state = _blank()
-        ckpt.load(state)
-        assert ckpt.last_load_source == ("storage" if rank == ward_of(1, world) else "peer")
-        assert torch.equal(state["w"], _state(rank, 3)["w"])
-        ckpt.close()
-    finally:
-        dist.destroy_process_group()
+    # a corrupted replica is detected by its hash and the ward reads storage instead
+    ckpt.save(3, _state(rank, 3)).wait()
+    if rank == 1:
+        ckpt._peers.held.buffer[5] ^= 0xFF
+    state = _blank()
+    ckpt.load(state)
+    assert ckpt.last_load_source == ("storage" if rank == ward_of(1, world) else "peer")
+    assert torch.equal(state["w"], _state(rank, 3)["w"])
+    ckpt.close()
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_restore_from_guard_memory_and_fallbacks(tmp_path, world):
-    mp.start_processes(
-        _worker,
-        args=(world, _free_port(), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
+    run_ranks(_worker, world, str(tmp_path))
 
 
 def test_guard_is_one_node_over():

@@ -1,0 +1,36 @@
+"""``ckptbench interference`` on a tiny state: the loss is split into time in save() and the rest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cli import main
+
+
+def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
+    code = main(
+        [
+            "interference",
+            "--uri", str(tmp_path / "store"),
+            "--size", "2MiB", "--tensors", "2", "--steps", "6", "--step-s", "0.01",
+            "--kinds", "gpu,python", "--json",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"] == 6 and set(report["kinds"]) == {"gpu", "python"}
+    for r in report["kinds"].values():
+        assert r["saves_committed"] + r["saves_skipped"] == 6
+        assert r["saves_committed"] >= 1  # the first save always starts
+        assert 0.0 < r["blocked_fraction"] < 1.0 and r["blocked_s_median"] > 0
+        assert r["loss_fraction"] < 1.0 and r["background_loss_fraction"] < 1.0
+        assert r["baseline_steps_per_s"] > 0 and r["saving_steps_per_s"] > 0
+
+
+@pytest.mark.parametrize("bad", [["--kinds", "tpu"], ["--steps", "1"]])
+def test_interference_rejects_bad_flags(capsys, bad):
+    assert main(["interference", "--size", "1MiB", *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ckptbench interference: error:") and "\n" not in err
