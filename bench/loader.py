@@ -88,6 +88,13 @@ def add_parser(sub: Any) -> None:
         help="token data for --throughput, MiB (256; MDS and tar get a quarter)",
     )
     p.add_argument("--repeat", type=int, default=3, help="runs per --throughput case (median)")
+    p.add_argument(
+        "--cache",
+        choices=("warm", "cold", "both"),
+        default="both",
+        help="--throughput from the page cache (warm), from the disk (cold: every file's cached "
+        "pages are dropped before each case), or both (default)",
+    )
     p.add_argument("--dir", default=None, help="where --throughput writes its files (a tmp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -101,14 +108,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             rows = [
                 (
+                    cache,
                     name,
                     format_rate(r["bytes_per_s"]),
                     f"{r['samples_per_s']:.0f}",
                     f"{r['vs_raw']:.2f}",
                 )
-                for name, r in result["cases"].items()
+                for cache, cases in result["cache"].items()
+                for name, r in cases.items()
             ]
-            table(["case", "delivered", "samples/s", "vs raw"], rows)
+            table(["cache", "case", "delivered", "samples/s", "vs raw"], rows)
         return 0
     result = latency(args)
     if args.json:
@@ -307,6 +316,19 @@ def _write_tar(root: str, samples: np.ndarray, per_shard: int) -> None:
                 tar.addfile(info, io.BytesIO(data))
 
 
+def _evict(root: str) -> None:
+    """Drop the cached pages of every file below ``root`` (``POSIX_FADV_DONTNEED``: no root
+    needed), so that the next read of them comes from the disk."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _raw_read(root: str, keys: list[str], chunk: int = 8 << 20) -> int:
     store = Store(root)
     total = 0
@@ -343,32 +365,42 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             "MDS (xxh64 verified), samples": lambda: _samples(os.path.join(tmp, "mds"), MDS()),
             "WebDataset tar, samples": lambda: _samples(os.path.join(tmp, "wds"), WebDataset()),
         }
-        _raw_read(tok_root, keys)  # warm the page cache
-        runs: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cases}
-        for _ in range(args.repeat):  # interleaved, so drift hits every case alike
-            for name, fn in cases.items():
-                t0 = time.perf_counter()
-                nbytes, nsamples = fn()
-                runs[name].append((time.perf_counter() - t0, nbytes, nsamples))
-        out: dict[str, Any] = {}
-        for name, rs in runs.items():
-            seconds = statistics.median(r[0] for r in rs)
-            nbytes, nsamples = rs[0][1], rs[0][2] or rs[0][1] // (SAMPLE_TOKENS * 2)
-            out[name] = {
-                "seconds": seconds,
-                "bytes": nbytes,
-                "bytes_per_s": nbytes / seconds,
-                "samples_per_s": nsamples / seconds,
-            }
-        raw = out["raw sequential read"]["bytes_per_s"]
-        for r in out.values():
-            r["vs_raw"] = r["bytes_per_s"] / raw
+        caches = ["warm", "cold"] if args.cache == "both" else [args.cache]
         return {
             "token_bytes": token_bytes,
             "sample_bytes": SAMPLE_TOKENS * 2,
             "repeat": args.repeat,
-            "cases": out,
+            "cache": {cache: _measure(cases, tmp, args.repeat, cache) for cache in caches},
         }
+
+
+def _measure(cases: dict[str, Any], root: str, repeat: int, cache: str) -> dict[str, Any]:
+    """Each case ``repeat`` times, interleaved so that drift hits every case alike; medians."""
+    runs: dict[str, list[tuple[float, int, int]]] = {k: [] for k in cases}
+    if cache == "warm":
+        for fn in cases.values():
+            fn()  # read everything once, so that the page cache holds what it can
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            if cache == "cold":
+                _evict(root)
+            t0 = time.perf_counter()
+            nbytes, nsamples = fn()
+            runs[name].append((time.perf_counter() - t0, nbytes, nsamples))
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        seconds = statistics.median(r[0] for r in rs)
+        nbytes, nsamples = rs[0][1], rs[0][2] or rs[0][1] // (SAMPLE_TOKENS * 2)
+        out[name] = {
+            "seconds": seconds,
+            "bytes": nbytes,
+            "bytes_per_s": nbytes / seconds,
+            "samples_per_s": nsamples / seconds,
+        }
+    raw = out["raw sequential read"]["bytes_per_s"]
+    for r in out.values():
+        r["vs_raw"] = r["bytes_per_s"] / raw
+    return out
 
 
 def _tokens(root: str, shuffle: bool) -> tuple[int, int]:

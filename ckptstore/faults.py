@@ -144,9 +144,9 @@ class FaultyBackend:
         self.faults.inject("get")
         return self.inner.get(path, start, end)
 
-    def get_view(self, path):
+    def get_view(self, path, start=None, end=None):
         self.faults.inject("get")
-        return self.inner.get_view(path)
+        return self.inner.get_view(path, start, end)
 
     def size(self, path):
         self.faults.inject("size")

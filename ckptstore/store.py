@@ -233,16 +233,22 @@ class Backend:
                 return f.read() if end is None else f.read(end - (start or 0))
         return self.fs.cat_file(path, start=start, end=end)
 
-    def get_view(self, path: str):
-        """The whole object as a buffer: on local paths a read-only, pre-faulted memory map of
-        the file (no copy and no fresh pages), elsewhere the bytes."""
-        if self.is_local:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size == 0:
-                    return b""
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-        return self.get(path)
+    def get_view(self, path: str, start: int | None = None, end: int | None = None):
+        """The object (or ``[start, end)`` of it) as a read-only buffer: on local paths a
+        pre-faulted memory map of the file's pages (no copy and no fresh pages), elsewhere the
+        bytes. Like ``get``, a range past the end of the object is cut short."""
+        if not self.is_local:
+            return self.get(path, start, end)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            lo = min(start or 0, size)
+            hi = size if end is None else max(lo, min(end, size))
+            if hi == lo:
+                return b""
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(f.fileno(), hi - base, flags=flags, prot=mmap.PROT_READ, offset=base)
+        return memoryview(m)[lo - base :]
 
     def size(self, path: str) -> int:
         if self.is_local:
@@ -425,9 +431,13 @@ class Store:
             "get", key, self.backend.get, self.path(key), start, end, nbytes=nbytes
         )
 
-    def get_view(self, key: str):
-        """All of ``key`` as a read-only buffer; on local paths a memory map (no copy)."""
-        return self._request("get", key, self.backend.get_view, self.path(key))
+    def get_view(self, key: str, start: int | None = None, end: int | None = None):
+        """``key`` (or ``[start, end)`` of it) as a read-only buffer; on local paths a memory
+        map of the file's pages (no copy), elsewhere the bytes, as ``get`` returns them."""
+        nbytes = (end - (start or 0)) if end is not None else 0
+        return self._request(
+            "get", key, self.backend.get_view, self.path(key), start, end, nbytes=nbytes
+        )
 
     def size(self, key: str) -> int:
         return self._request("size", key, self.backend.size, self.path(key))

@@ -250,6 +250,7 @@ class ShardDataset(IterableDataset):
             unit.end,
             size_hint=unit.nbytes,
             decode=lambda raw, replica: decode(unit, raw, replica),
+            view=self.layout.reads_views,
         )
         self.stats.bytes_read += unit.nbytes
         return data
@@ -333,6 +334,9 @@ class ShardDataset(IterableDataset):
         first_ids = np.fromiter((u.first_id for u in self.units), np.int64, len(self.units))
         pending: list[tuple[np.ndarray, np.ndarray]] = []
         pending_n = 0
+        # Batches that mix units are gathered (copied) out of the block's units laid end to end
+        # in this buffer, reused from block to block: no fresh pages to fault in per block.
+        joined: np.ndarray | None = None
         for plan, window in self._blocks(reader):
             arrays = [window.get(u) for u in plan.needed]
             if not isinstance(arrays[0], np.ndarray):
@@ -348,29 +352,41 @@ class ShardDataset(IterableDataset):
                     self.stats.samples += len(batch)
                     yield batch
                 continue
-            slot = {u: i for i, u in enumerate(plan.needed)}
-            unit_slots = np.fromiter(
-                (slot[u] for u in plan.units.tolist()), np.int64, len(plan.units)
-            )
+            needed = np.asarray(plan.needed, dtype=np.int64)
+            by_id = np.argsort(needed)
+            unit_slots = by_id[np.searchsorted(needed[by_id], plan.units)]
             local = plan.local
             ids = first_ids[plan.units] + local
-            block = None  # the block's units concatenated, made only when a batch mixes units
-            i, n = 0, len(local)
+            n = len(local)
+            # Samples k-1 and k share a run when they are consecutive rows of one unit; a batch
+            # within one run is a view of that unit's rows.
+            breaks = np.ones(n, dtype=np.int64)
+            breaks[1:] = (unit_slots[1:] != unit_slots[:-1]) | (local[1:] != local[:-1] + 1)
+            run_of = np.cumsum(breaks).tolist()
+            slots, rows_in_unit = unit_slots.tolist(), local.tolist()
+            block = rows = None  # the block's units end to end, made only when a batch mixes
+            i = 0
             while i < n:
                 take = min(batch_size - pending_n, n - i)
                 j = i + take
-                first = int(unit_slots[i])
-                if (
-                    unit_slots[j - 1] == first
-                    and local[j - 1] - local[i] == take - 1
-                    and (take < 3 or np.all(np.diff(local[i:j]) == 1))
-                ):
-                    piece = arrays[first][local[i] : local[i] + take]  # a view, no copy
+                if run_of[i] == run_of[j - 1]:
+                    row = rows_in_unit[i]
+                    piece = arrays[slots[i]][row : row + take]  # a view, no copy
                 else:
                     if block is None:
-                        starts = np.cumsum([0] + [len(a) for a in arrays[:-1]])
-                        block = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-                        rows = starts[unit_slots] + local
+                        lengths = [len(a) for a in arrays]
+                        total = sum(lengths)
+                        if len(arrays) == 1:
+                            block = arrays[0]
+                        else:
+                            if (
+                                joined is None
+                                or len(joined) < total
+                                or joined.dtype != arrays[0].dtype
+                            ):
+                                joined = np.empty((total, *arrays[0].shape[1:]), arrays[0].dtype)
+                            block = np.concatenate(arrays, out=joined[:total])
+                        rows = np.cumsum([0] + lengths[:-1])[unit_slots] + local
                     piece = block[rows[i:j]]
                 pending.append((piece, ids[i:j]))
                 pending_n += take

@@ -32,6 +32,8 @@ class Layout(Protocol):
     """A dataset as opened by a format: its units, and how to decode a unit's bytes."""
 
     units: Sequence[Unit]
+    reads_views: bool
+    """``decode`` takes any read-only buffer (a memory map of a local file), not only bytes."""
 
     def decode(self, unit: Unit, data: bytes, replica: str) -> Sequence[Any]:
         """The unit's samples, in order (``replica`` is named in errors)."""

@@ -230,6 +230,7 @@ def _check_hashes(data: bytes, expected: dict[str, str], what: str, replica: str
 class MDSLayout:
     units: list[Unit]
     shards: list[_Shard]
+    reads_views: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self._by_key = {s.key: s for s in self.shards}

@@ -178,7 +178,8 @@ class ReplicaSet:
             except BaseException as exc:
                 self._finished(r, time.monotonic() - t0, 0, exc)
                 raise
-            self._finished(r, seconds, len(data) if isinstance(data, bytes) else 0, None)
+            nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
+            self._finished(r, seconds, nbytes, None)
             if primary_nbytes is not None:
                 self.delay.record(primary_nbytes, seconds)
             return out
@@ -203,14 +204,18 @@ class ReplicaSet:
         *,
         decode: Callable[[bytes, str], Any] | None = None,
         size_hint: int = 0,
+        view: bool = False,
     ) -> Any:
         """The bytes of ``key`` (or ``[start, end)`` of it) from whichever replica answers first,
         passed through ``decode(data, replica)`` when given. A decode error (corrupt bytes) counts
-        as that replica's error and fails over to another replica."""
+        as that replica's error and fails over to another replica. With ``view`` the data may be
+        a read-only buffer instead of bytes: on a local replica, a memory map of the file's pages
+        (``Store.get_view``)."""
         what = key if start is None else f"{key}[{start}:{end}]"
         nbytes = (end - (start or 0)) if end is not None else size_hint
+        get = Store.get_view if view else Store.get
         return self._hedged(
-            what, nbytes, lambda store: store.get(key, start, end), decode, hedge=True, count=True
+            what, nbytes, lambda store: get(store, key, start, end), decode, hedge=True, count=True
         )
 
     def call(self, what: str, fn: Callable[[Store], R]) -> R:

@@ -86,8 +86,9 @@ class TokenLayout:
     units: list[Unit]
     dtype: str
     sample_tokens: int
+    reads_views: bool = field(default=True, init=False)
 
-    def decode(self, unit: Unit, data: bytes, replica: str) -> np.ndarray:
+    def decode(self, unit: Unit, data, replica: str) -> np.ndarray:
         if len(data) != unit.nbytes:
             raise ShardCorruptError(
                 f"token file {unit.key} on replica {replica}: read "

@@ -123,6 +123,7 @@ def _size_of(replicas: Any):
 @dataclass
 class WdsLayout:
     units: list[Unit]
+    reads_views: bool = field(default=False, init=False)
 
     def decode(self, unit: Unit, data: bytes, replica: str) -> list[dict[str, Any]]:
         samples = parse_tar(data, unit.key, replica)

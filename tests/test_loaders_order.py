@@ -178,9 +178,11 @@ def test_dataloader_batches_collate_to_tensors(token_dir):
     assert batch["__index__"].tolist() == list(range(8))
 
 
-def test_iter_batches_matches_sample_order(token_dir):
-    samples = _ids(_dataset(token_dir, rank=1, world_size=3))
-    ds = _dataset(token_dir, rank=1, world_size=3)
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_iter_batches_matches_sample_order(token_dir, shuffle):
+    # every batch is held to the end: views of read buffers and gathered copies must stay intact
+    samples = _ids(_dataset(token_dir, rank=1, world_size=3, shuffle=shuffle))
+    ds = _dataset(token_dir, rank=1, world_size=3, shuffle=shuffle)
     batches = list(ds.iter_batches(16))
     assert all(len(b["__index__"]) == 16 for b in batches[:-1])
     assert _ids(batches) == samples

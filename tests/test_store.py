@@ -33,6 +33,19 @@ def test_put_get_ranges_list_delete(store_uri):
     assert store.list("a") == ["a/b/two"]
 
 
+def test_get_view_matches_get_on_every_range(store_uri):
+    store = Store(store_uri)
+    data = bytes(range(256)) * 64  # 16 KiB: ranges cross page boundaries
+    store.put("blob", data)
+    store.put("empty", b"")
+    for start, end in [(None, None), (0, 1), (5, 4100), (4096, 8192), (8000, None), (16000, 99999)]:
+        view = store.get_view("blob", start, end)
+        assert bytes(view) == store.get("blob", start, end) == data[start:end], (start, end)
+    assert bytes(store.get_view("empty")) == b""
+    with pytest.raises(ObjectNotFoundError):
+        store.get_view("missing", 0, 10)
+
+
 def test_put_is_write_once(store_uri):
     store = Store(store_uri)
     store.put("k", b"first")

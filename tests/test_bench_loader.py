@@ -1,0 +1,63 @@
+"""``ckptbench loader``: the latency scenario and the throughput cases on tiny inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bench.cli import main
+
+
+def _json(capsys, *argv: str) -> dict:
+    assert main(["loader", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_latency_runs_healthy_unhedged_hedged_on_the_same_reads(capsys):
+    report = _json(
+        capsys, "--reads", "300", "--latency", "fixed:0.002", "--slow-rate", "0.05",
+        "--slow-factor", "10", "--seed", "3",
+    )  # fmt: skip
+    assert report["scenario"]["reads"] == 300 and report["scenario"]["replicas"] == 3
+    for mode in ("healthy", "unhedged", "hedged"):
+        r = report[mode]
+        assert r["p50_s"] <= r["p99_s"] <= r["p999_s"]
+        assert r["requests"] >= 300 and r["samples_per_s"] > 0
+    assert report["healthy"]["extra_requests"] == report["unhedged"]["extra_requests"] == 0
+    assert 0 < report["hedged"]["extra_requests"] <= 0.25  # hedges fired, within the budget
+    assert report["hedged_vs_unhedged_p99"] == pytest.approx(
+        report["hedged"]["p99_s"] / report["unhedged"]["p99_s"]
+    )
+
+
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_throughput_cases_deliver_every_byte_and_clean_up(capsys, tmp_path, cache):
+    report = _json(
+        capsys, "--throughput", "--size-mib", "4", "--repeat", "1", "--cache", cache,
+        "--dir", str(tmp_path),
+    )  # fmt: skip
+    cases = report["cache"][cache]
+    assert set(report["cache"]) == {cache}
+    raw = cases["raw sequential read"]
+    assert raw["bytes"] == report["token_bytes"] and raw["vs_raw"] == 1.0
+    for name in ("tokens, in order, batches of 64", "tokens, shuffled, batches of 64"):
+        assert cases[name]["bytes"] == report["token_bytes"]  # every sample delivered once
+    for name in ("MDS (xxh64 verified), samples", "WebDataset tar, samples"):
+        assert cases[name]["bytes"] == report["token_bytes"] // 4
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--slow-replica", "5"], "--slow-replica 5 is not one of the 3 replicas"),
+        (["--throughput", "--size-mib", "1"], "--size-mib must be >= 4"),
+    ],
+)
+def test_bad_flags_are_one_clear_error(capsys, argv, message):
+    assert main(["loader", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ckptbench loader: error:") and message in err and "\n" not in err
