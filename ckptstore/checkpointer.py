@@ -15,6 +15,7 @@ each writes its own chunks and index and rank 0 commits once all have succeeded.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -154,7 +155,7 @@ class Checkpointer:
         staging_budget_bytes: host memory for staged copies (None: one buffer, state-sized).
         when_busy: a save requested while the previous one still holds the staging memory
             ``"wait"``s for it, or is ``"skip"``ped with a warning.
-        encode_threads: chunks hashed/encoded/uploaded at once (default: cores, at least 2).
+        encode_threads: chunks hashed/encoded/uploaded at once (default: cores, at least 4).
         max_concurrency: storage requests in flight at once.
         timeout_s: deadline of one storage request (large transfers get more).
         hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
@@ -240,6 +241,8 @@ class Checkpointer:
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._worker.start()
         self._closed = False
+        # A script that ends right after save() must not lose that save.
+        atexit.register(self._close_at_exit)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -348,9 +351,16 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         self._jobs.put(None)
         self._worker.join()
         self._raise_background_error()
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - nothing is left to raise to at exit
+            logger.error("rank %d: a save to %s failed at exit: %s", self.rank, self.store.uri, exc)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -20,7 +20,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -262,20 +261,15 @@ def write_chunks(
     governor: CompressionGovernor | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
-    with ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="ckptstore-encode") as pool:
-        results = list(
-            pool.map(
-                lambda span: put_chunk(
-                    store,
-                    buffer[span.start : span.end],
-                    span.itemsize,
-                    cfg.codec,
-                    hedger,
-                    governor,
-                ),
-                layout.chunks,
-            )
+    results = list(
+        store.map(
+            lambda span: put_chunk(
+                store, buffer[span.start : span.end], span.itemsize, cfg.codec, hedger, governor
+            ),
+            layout.chunks,
+            max_concurrency=cfg.encode_threads,
         )
+    )
     return [d for d, _ in results], {d: info for d, info in results}
 
 

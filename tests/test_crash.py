@@ -76,3 +76,44 @@ def test_kill_at_random_moments_leaves_only_whole_steps(tmp_path, keep_last):
         next_step = ckpt.latest() + 1
         ckpt.save(next_step, {"w": [torch.ones(3)], "step": next_step}).wait()
         assert ckpt.latest() == next_step
+
+
+EXITER = r"""
+import sys, torch
+from ckptstore import Checkpointer
+ckpt = Checkpointer(sys.argv[1], compression="zstd", chunk_bytes=4 * 2**20)
+if sys.argv[2] == "break":  # every write of the save's background stages fails
+    def put(*args, **kwargs):
+        raise OSError("disk gone")
+    ckpt.store.put = put
+ckpt.save(7, {"w": torch.arange(16 * 2**20, dtype=torch.float32)})
+print("save returned", flush=True)
+"""
+
+
+def test_a_save_still_persisting_at_exit_is_committed(tmp_path):
+    """A script whose last act is save() (no wait, no close) still gets its step committed."""
+    root = tmp_path / "store"
+    done = subprocess.run(
+        [sys.executable, "-c", EXITER, str(root), "ok"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "save returned"
+    assert list_steps(Store(root)) == [7]
+    target = {"w": torch.zeros(16 * 2**20)}
+    assert Checkpointer(root).load(target) == 7
+    assert torch.equal(target["w"], torch.arange(16 * 2**20, dtype=torch.float32))
+
+
+def test_a_save_failing_at_exit_says_so_in_one_line(tmp_path):
+    root = tmp_path / "store"
+    done = subprocess.run(
+        [sys.executable, "-c", EXITER, str(root), "break"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in done.stderr.splitlines() if "failed at exit" in line]
+    assert len(errors) == 1 and str(root) in errors[0] and "disk gone" in errors[0]
+    assert "Traceback" not in done.stderr
+    assert list_steps(Store(root)) == []  # nothing half-written is visible
