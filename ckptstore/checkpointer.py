@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptstore.codec import CodecConfig
 from ckptstore.errors import (
     CheckpointError,
     ObjectExistsError,
@@ -151,7 +150,8 @@ class Checkpointer:
         keep_last: after each commit keep only the newest this many steps (None: keep all).
         compression: ``"auto"`` (byte-grouping + zstd for as long as compressing a chunk is
             faster than uploading what it saves), ``"zstd"`` (always), ``"zstd:N"``, ``"none"``.
-        chunk_bytes: large tensors are cut into chunks of this size; small ones are packed.
+        chunk_bytes: large tensors are cut into chunks of this size (default 32 MiB); small
+            ones are packed.
         staging_budget_bytes: host memory for staged copies (None: one buffer, state-sized).
         when_busy: a save requested while the previous one still holds the staging memory
             ``"wait"``s for it, or is ``"skip"``ped with a warning.
@@ -176,7 +176,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         keep_last: int | None = None,
         compression: str | int | None = "auto",
-        chunk_bytes: int = 32 * 2**20,
+        chunk_bytes: int | None = None,
         staging_budget_bytes: int | None = None,
         when_busy: str = "wait",
         encode_threads: int | None = None,
@@ -205,12 +205,12 @@ class Checkpointer:
         if hedge_uploads is None:
             hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
         self.hedger = Hedger() if hedge_uploads else None
-        cfg = PipelineConfig(chunk_bytes=chunk_bytes, codec=CodecConfig.parse(compression))
-        if encode_threads is not None:
-            cfg.encode_threads = encode_threads
-            cfg.__post_init__()
-        self.config = cfg
-        self.governor = CompressionGovernor() if cfg.codec.adaptive else None
+        self.config = PipelineConfig.from_args(
+            chunk_bytes=chunk_bytes,
+            compression=compression,
+            encode_threads=encode_threads,
+        )
+        self.governor = CompressionGovernor() if self.config.codec.adaptive else None
         self.pool = StagingPool(
             budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
         )

@@ -55,7 +55,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptstore.codec import CodecConfig
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -189,7 +188,7 @@ class StoreWriter(StorageWriter):
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
         compression: str | int | None = "zstd",
-        chunk_bytes: int = 32 * 2**20,
+        chunk_bytes: int | None = None,
         encode_threads: int | None = None,
         keep_last: int | None = None,
         max_concurrency: int = 16,
@@ -207,11 +206,11 @@ class StoreWriter(StorageWriter):
         self._max_concurrency = max_concurrency
         self._timeout_s = timeout_s
         self.store = store or _open_store(uri, storage_options, max_concurrency, timeout_s)
-        cfg = PipelineConfig(chunk_bytes=chunk_bytes, codec=CodecConfig.parse(compression))
-        if encode_threads is not None:
-            cfg.encode_threads = encode_threads
-            cfg.__post_init__()
-        self.config = cfg
+        self.config = PipelineConfig.from_args(
+            chunk_bytes=chunk_bytes,
+            compression=compression,
+            encode_threads=encode_threads,
+        )
         self.pool = StagingPool(pin_memory=torch.cuda.is_available())
         self._stager = Stager()
         self.rank = 0

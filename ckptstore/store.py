@@ -127,6 +127,8 @@ class ElasticPool:
                     future.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                     future.set_exception(exc)
+            # An idle worker must not keep its last task's arguments (a chunk's bytes) alive.
+            del future, fn, args
             with self._lock:
                 self._idle += 1
 

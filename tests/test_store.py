@@ -189,3 +189,26 @@ def test_missing_credentials_is_a_clear_error(s3_endpoint, monkeypatch, tmp_path
     )
     with pytest.raises(StorageError, match="(?i)credential|access"):
         store.put("k", b"v")
+
+
+def test_an_idle_worker_keeps_nothing_of_its_last_task():
+    """A chunk's bytes must not stay alive in an idle worker thread until it retires."""
+    import gc
+    import time
+    import weakref
+
+    from ckptstore.store import ElasticPool
+
+    class Payload:
+        pass
+
+    pool = ElasticPool("test", idle_timeout_s=60.0)
+    payload = Payload()
+    alive = weakref.ref(payload)
+    assert pool.submit(lambda p: p is not None, payload).result(timeout=10)
+    del payload
+    deadline = time.monotonic() + 5.0
+    while alive() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert alive() is None
