@@ -260,7 +260,7 @@ class Checkpointer:
         self._saves += 1
         if buffer is None:
             self.skipped_saves += 1
-            logger.info(
+            logger.warning(
                 "rank %d: skipping save of step %d: the previous save is still persisting",
                 self.rank,
                 step,

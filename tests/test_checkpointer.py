@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -160,14 +161,16 @@ def test_staging_buffer_is_reused(tmp_path):
         assert ckpt.pool.allocated_bytes < 50_000 * 4 + 4096
 
 
-def test_when_busy_skip_never_doubles_memory(tmp_path):
+def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
     faults = Faults(latency=None, slow_rate=1.0, slow_s=0.3, ops=frozenset({"put"}))
     store = Store(tmp_path, faults=faults)
     state = {"w": torch.randn(10_000)}
     with Checkpointer(tmp_path, store=store, when_busy="skip") as ckpt:
         first = ckpt.save(1, state)
-        second = ckpt.save(2, state)
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            second = ckpt.save(2, state)
         assert second.skipped and not first.skipped
+        assert any("skipping save of step 2" in r.getMessage() for r in caplog.records)
         first.wait()
         assert ckpt.pool.allocations == 1
         assert ckpt.steps() == [1]
