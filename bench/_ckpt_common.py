@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import statistics
@@ -31,6 +30,7 @@ import fsspec
 import torch
 
 from bench.report import parse_bytes
+from ckptstore.pipeline import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -353,10 +353,6 @@ class MemoryProbe:
 
     def __init__(self) -> None:
         self.available = _status_bytes("VmHWM") is not None and self._can_reset()
-        try:
-            self._libc = ctypes.CDLL("libc.so.6")
-        except OSError:
-            self._libc = None
 
     @staticmethod
     def _can_reset() -> bool:
@@ -372,8 +368,7 @@ class MemoryProbe:
         import gc
 
         gc.collect()
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
+        release_free_memory()
 
     def rss(self) -> int:
         self.trim()
