@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from bench._ckpt_common import drop_page_cache
 from bench.report import format_rate, format_seconds, print_json, table
 from ckptstore.faults import Faults, parse_latency
 from ckptstore.store import Store
@@ -316,19 +317,6 @@ def _write_tar(root: str, samples: np.ndarray, per_shard: int) -> None:
                 tar.addfile(info, io.BytesIO(data))
 
 
-def _evict(root: str) -> None:
-    """Drop the cached pages of every file below ``root`` (``POSIX_FADV_DONTNEED``: no root
-    needed), so that the next read of them comes from the disk."""
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages cannot be dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _raw_read(root: str, keys: list[str], chunk: int = 8 << 20) -> int:
     store = Store(root)
     total = 0
@@ -383,7 +371,7 @@ def _measure(cases: dict[str, Any], root: str, repeat: int, cache: str) -> dict[
     for _ in range(repeat):
         for name, fn in cases.items():
             if cache == "cold":
-                _evict(root)
+                drop_page_cache(root)
             t0 = time.perf_counter()
             nbytes, nsamples = fn()
             runs[name].append((time.perf_counter() - t0, nbytes, nsamples))

@@ -10,9 +10,9 @@ tensors equal the saved state.
 - ``torch_load``: ``torch.load`` of one file (``weights_only=True``), then ``copy_`` into the
   preallocated tensors, for reference; no checksums.
 
-The page cache cannot be dropped without root, so on local disk every load after the first is
-a warm-cache read of files this run just wrote: the figures measure decode, verification and
-copy paths, not the disk.
+On local disk ``--cache warm`` (the default) loads files this run just wrote from the page
+cache: the figures measure decode, verification and copy paths. ``--cache cold`` drops every
+file's cached pages (``POSIX_FADV_DONTNEED``) before each timed load, so each load reads the disk.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from bench.report import format_bytes, format_seconds, print_json, table
 logger = logging.getLogger(__name__)
 
 METHODS = ("ckptstore", "dcp", "torch_load")
-WARM_CACHE_NOTE = (
-    "warm page cache: the files were just written and the cache cannot be dropped without root"
-)
+CACHE_NOTES = {
+    "warm": "warm page cache: the files were just written and are read from memory",
+    "cold": "cold page cache: every file's cached pages were dropped before each timed load",
+}
 
 
 class _Method:
@@ -131,9 +132,12 @@ def run_restore(
     warmup: int = 1,
     compression: str = "auto",
     methods: list[str] | None = None,
+    cache: str = "warm",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns the report as a JSON-ready dict."""
+    if cache not in CACHE_NOTES:
+        raise ValueError(f"cache must be one of {', '.join(CACHE_NOTES)}, got {cache!r}")
     from ckptstore.codec import CodecConfig
 
     CodecConfig.parse(compression)
@@ -148,6 +152,8 @@ def run_restore(
     stored: dict[str, int] = {}
     with common.Workspace(uri, command="restore") as ws:
         is_local = ws.is_local
+        if cache == "cold" and not is_local:
+            raise ValueError("--cache cold needs a local --uri: only local files have a page cache")
         chosen = [_CLASSES[name](ws, compression) for name in methods]
         for method in chosen:
             say(f"{method.name}: saving")
@@ -158,6 +164,8 @@ def run_restore(
             for method in chosen:
                 for t in dest.values():
                     t.zero_()
+                if cache == "cold":
+                    common.drop_page_cache(ws.root)
                 rss_before = probe.reset()
                 t0 = time.perf_counter()
                 method.load(dest)
@@ -187,6 +195,7 @@ def run_restore(
             "warmup": warmup,
             "compression": compression,
             "methods": methods,
+            "cache": cache if is_local else None,
             **common.describe_state(state),
             **({"model": common.TRAINED_MODEL} if spec.state == "trained" else {}),
             "host": common.host_info(),
@@ -219,7 +228,7 @@ def run_restore(
         "verified: whether the method itself checks every byte against a stored hash",
     ]
     if is_local:
-        report["notes"].append(WARM_CACHE_NOTE)
+        report["notes"].append(CACHE_NOTES[cache])
     return report
 
 
@@ -260,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         compression=args.compression,
         methods=common.parse_methods(args.methods, METHODS),
+        cache=args.cache,
         progress=logger.info,
     )
     if args.json:
@@ -274,10 +284,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "restore",
         help="time restores: ckptstore (verified) vs DCP load vs torch.load",
         description="Save a state once with ckptstore, DCP and torch.save, then time loads "
-        "into preallocated tensors, side by side in one run. On local disk the page cache is "
-        "warm (it cannot be dropped without root). Works under a fresh ckptbench-<random>/ "
-        "directory and deletes it.",
+        "into preallocated tensors, side by side in one run. Works under a fresh "
+        "ckptbench-<random>/ directory and deletes it.",
     )
     common.add_common_args(p)
+    p.add_argument(
+        "--cache",
+        choices=tuple(CACHE_NOTES),
+        default="warm",
+        help="local disk: load from the page cache (warm, default) or drop every file's cached "
+        "pages before each timed load (cold)",
+    )
     p.set_defaults(func=run)
     return p

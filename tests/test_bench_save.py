@@ -114,7 +114,20 @@ def test_restore_reports_verified_loads(capsys, tmpdir_isolated):
     assert report["ratios"]["ckptstore_vs_dcp"] == pytest.approx(
         report["ckptstore"]["restore_s"] / report["dcp"]["restore_s"]
     )
-    assert restore.WARM_CACHE_NOTE in report["notes"]
+    assert report["config"]["cache"] == "warm" and restore.CACHE_NOTES["warm"] in report["notes"]
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_restore_cold_drops_the_page_cache_before_each_load(capsys, tmpdir_isolated, monkeypatch):
+    from bench import _ckpt_common as common
+
+    dropped: list[str] = []
+    real = common.drop_page_cache
+    monkeypatch.setattr(common, "drop_page_cache", lambda root: (dropped.append(root), real(root)))
+    report = _run_json(capsys, restore, "restore", *TINY, "--warmup", "0", "--cache", "cold")
+    assert report["config"]["cache"] == "cold" and restore.CACHE_NOTES["cold"] in report["notes"]
+    assert len(dropped) == len(restore.METHODS)  # one round: before every method's load
+    assert all(report[name]["restore_s"] > 0 for name in restore.METHODS)
     assert _workspaces(tmpdir_isolated) == set()
 
 
@@ -174,6 +187,12 @@ def test_trained_state_is_the_packaged_model():
     assert common.state_bytes(bf16) * 2 == common.state_bytes(fp32) > 80 * 2**20
     w = fp32["encoder.layer.0.attention.self.query.weight"]
     assert w.shape == (384, 384) and 0.01 < w.std() < 1  # trained, not N(0, 1)
+
+
+@pytest.mark.s3
+def test_cold_restore_needs_a_local_store(s3_uri):
+    with pytest.raises(ValueError, match="--cache cold needs a local --uri"):
+        restore.run_restore(uri=s3_uri, spec=common.StateSpec(size_bytes=2**20), cache="cold")
 
 
 @pytest.mark.s3
