@@ -279,16 +279,20 @@ def write_chunks(
     governor: CompressionGovernor | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
-    try:
-        results = list(
-            store.map(
-                lambda span: put_chunk(
-                    store, buffer[span.start : span.end], span.itemsize, cfg.codec, hedger, governor
-                ),
-                layout.chunks,
-                max_concurrency=cfg.encode_threads,
-            )
+
+    def put(span: ChunkSpan) -> tuple[str, ChunkInfo]:
+        result = put_chunk(
+            store, buffer[span.start : span.end], span.itemsize, cfg.codec, hedger, governor
         )
+        if not store.is_local:
+            # A remote chunk's body lives for its whole upload and is freed into the arena of
+            # whichever thread allocated it; trimmed only per save, those arenas hold several
+            # chunks' worth of freed bodies at once (~200 MiB at 4 in flight).
+            release_free_memory()
+        return result
+
+    try:
+        results = list(store.map(put, layout.chunks, max_concurrency=cfg.encode_threads))
     finally:
         release_free_memory()
     return [d for d, _ in results], {d: info for d, info in results}

@@ -11,6 +11,7 @@ so no caller waits forever.
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import mmap
 import os
@@ -176,6 +177,39 @@ def _is_access_error(exc: BaseException) -> bool:
 _MEMORY_LOCK = threading.Lock()
 
 
+class _SharedBody(io.BytesIO):
+    """An S3 request body that reads a bytes object in place.
+
+    botocore turns a bytes body into a ``BytesIO`` sharing it, and aiohttp sizes that through
+    ``getbuffer()``, which makes the BytesIO copy the buffer it shares: one full copy of each
+    chunk for as long as its upload runs. This body answers ``getbuffer()`` with a read-only
+    view of the bytes instead; reads are small copies, as before."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._data = data
+
+    def getbuffer(self) -> memoryview:
+        return memoryview(self._data)
+
+
+def _share_bytes_body(params: dict, **_: Any) -> None:
+    if type(params.get("Body")) is bytes:
+        params["Body"] = _SharedBody(params["Body"])
+
+
+def _share_s3_bodies(fs: fsspec.AbstractFileSystem) -> None:
+    """Have the s3fs client send bytes bodies without copying them (idempotent per client)."""
+    try:
+        events = fs.s3.meta.events
+    except Exception:  # noqa: BLE001 - not an s3fs client: bodies are sent as the fs sends them
+        return
+    for op in ("PutObject", "UploadPart"):
+        events.register_first(
+            f"before-parameter-build.s3.{op}", _share_bytes_body, unique_id=f"ckptstore-body-{op}"
+        )
+
+
 class Backend:
     """Raw single-attempt access to one fsspec filesystem; paths are absolute for that fs."""
 
@@ -185,6 +219,8 @@ class Backend:
         self.is_memory = isinstance(fs, MemoryFileSystem)
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         self.enforces_create = any(p in _ENFORCED_CREATE_PROTOCOLS for p in protocols)
+        self._is_s3 = any(p in ("s3", "s3a") for p in protocols)
+        self._s3_client = None
 
     def put_once(self, path: str, data: bytes | memoryview | list) -> None:
         if self.is_local:
@@ -199,6 +235,9 @@ class Backend:
                     raise FileExistsError(path)
                 self.fs.pipe_file(path, bytes(data))
         else:
+            if self._is_s3 and self.fs.s3 is not self._s3_client:  # s3fs may renew its client
+                _share_s3_bodies(self.fs)
+                self._s3_client = self.fs.s3
             self.fs.pipe_file(
                 path, bytes(data) if isinstance(data, memoryview) else data, mode="create"
             )
@@ -354,28 +393,31 @@ class Store:
             future = self._workers.submit(fn, *args)
             deadline = policy.deadline_s(nbytes)
             try:
-                return future.result(timeout=deadline)
-            except TimeoutError as exc:
-                if future.done() and future.exception() is exc:
-                    last = exc  # the request itself raised a timeout
-                else:
-                    future.cancel()
-                    last = StorageTimeoutError(
-                        f"{op} {self.url(key)}: no answer within {deadline:.1f}s"
-                    )
-                logger.warning("%s %s: attempt %d timed out", op, self.url(key), attempt + 1)
-            except BaseException as exc:
-                if not is_transient(exc):
-                    raise self._translate(op, key, exc) from exc
-                last = exc
-                logger.warning(
-                    "%s %s: attempt %d failed (%s)%s",
-                    op,
-                    self.url(key),
-                    attempt + 1,
-                    exc,
-                    ", retrying" if attempt + 1 < policy.attempts else "",
+                # exception(), not result(): re-raising the worker's error here would add this
+                # thread's frames to its traceback, and with them the caller's locals (a chunk's
+                # bytes) to any reference cycle that traceback is part of (fsspec's sync() makes
+                # one for every error), to be freed only by the cyclic GC.
+                error = future.exception(timeout=deadline)
+            except TimeoutError:
+                future.cancel()
+                last = StorageTimeoutError(
+                    f"{op} {self.url(key)}: no answer within {deadline:.1f}s"
                 )
+                logger.warning("%s %s: attempt %d timed out", op, self.url(key), attempt + 1)
+                continue
+            if error is None:
+                return future.result()
+            if not is_transient(error):
+                raise self._translate(op, key, error) from error
+            last = error
+            logger.warning(
+                "%s %s: attempt %d failed (%s)%s",
+                op,
+                self.url(key),
+                attempt + 1,
+                error,
+                ", retrying" if attempt + 1 < policy.attempts else "",
+            )
         if isinstance(last, StorageTimeoutError):
             raise StorageTimeoutError(f"{last} ({policy.attempts} attempts)") from last
         raise StorageError(

@@ -212,3 +212,49 @@ def test_an_idle_worker_keeps_nothing_of_its_last_task():
         gc.collect()
         time.sleep(0.01)
     assert alive() is None
+
+
+def test_a_failed_request_leaves_no_cycle_holding_the_callers_locals(s3_uri):
+    """fsspec's sync() puts every error it raises in a reference cycle; the caller's frames
+    (and a chunk's bytes in them) must not join it, or they live until the cyclic GC runs."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    store = Store(s3_uri)
+
+    def probe() -> weakref.ref:
+        payload = Payload()
+        with pytest.raises(ObjectNotFoundError):
+            store.size("absent")
+        return weakref.ref(payload)
+
+    gc.disable()
+    try:
+        alive = probe()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_s3_put_streams_the_callers_bytes_without_a_copy(s3_uri, monkeypatch):
+    """aiohttp sizes a BytesIO body with getbuffer(), which copies a BytesIO that shares a
+    bytes object: the body it is handed must expose the caller's bytes themselves."""
+    import aiohttp.payload
+
+    seen = []
+    init = aiohttp.payload.BytesIOPayload.__init__
+
+    def spy(self, value, *args, **kwargs):
+        with value.getbuffer() as view:
+            seen.append(view.obj)
+        init(self, value, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.payload.BytesIOPayload, "__init__", spy)
+    store = Store(s3_uri)
+    data = bytes(range(256)) * 4096
+    store.put("big", data)
+    assert store.get("big") == data
+    assert any(obj is data for obj in seen), [type(obj).__name__ for obj in seen]
