@@ -3,7 +3,8 @@
 The buffers are allocated once and reused across saves, so a save costs a copy, not fresh
 allocations and page faults. With CUDA they are pinned and filled by non-blocking copies on a
 dedicated stream; ``StagedCopy.wait()`` blocks the background encoder (never the training loop)
-until the copy has landed.
+until the copy has landed. The loop's own stream is made to wait for that copy on the device, so
+an in-place update it enqueues next cannot tear the staged state.
 """
 
 from __future__ import annotations
@@ -136,4 +137,7 @@ class Stager:
         if on_device:
             event = torch.cuda.Event()
             event.record(self._stream)
+            # The loop's next kernels (its optimizer step updates these tensors in place) wait
+            # on the device for the copy to have read them; the host does not wait.
+            torch.cuda.current_stream().wait_event(event)
         return StagedCopy(buffer=buffer, event=event)
