@@ -5,7 +5,8 @@ contiguous slice of it (large tensors split into ``chunk_bytes`` pieces, small t
 same element width packed together), then copied in (stage). In the background each chunk is
 hashed, skipped if the store already has it (content addressing), encoded and put; at most
 ``encode_threads`` chunks are in flight, so the memory beyond the staging buffer is bounded by
-``encode_threads * chunk_bytes``.
+about ``2 * encode_threads * chunk_bytes`` (a chunk's byte planes while it is encoded, its encoded
+body while it is put; a remote put sends that body without copying it, see ``store``).
 
 Restore: the chunks a set of tensors needs are fetched with ranged-free whole-object gets,
 ``max_concurrency`` at a time, decoded and hash-verified on the fetching thread, then copied into

@@ -198,6 +198,9 @@ def _share_bytes_body(params: dict, **_: Any) -> None:
         params["Body"] = _SharedBody(params["Body"])
 
 
+_HOOK_LOCK = threading.Lock()
+
+
 def _share_s3_bodies(fs: fsspec.AbstractFileSystem) -> None:
     """Have the s3fs client send bytes bodies without copying them (idempotent per client)."""
     try:
@@ -236,8 +239,9 @@ class Backend:
                 self.fs.pipe_file(path, bytes(data))
         else:
             if self._is_s3 and self.fs.s3 is not self._s3_client:  # s3fs may renew its client
-                _share_s3_bodies(self.fs)
-                self._s3_client = self.fs.s3
+                with _HOOK_LOCK:
+                    _share_s3_bodies(self.fs)
+                    self._s3_client = self.fs.s3
             self.fs.pipe_file(
                 path, bytes(data) if isinstance(data, memoryview) else data, mode="create"
             )
