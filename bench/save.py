@@ -5,6 +5,8 @@ Methods, each timed from the call on the caller's thread:
 
 - ``ckptstore``: ``Checkpointer.save()`` returns once the state is staged (``blocked_s``);
   ``handle.wait()`` returns once the step is committed (``commit_s``, from the call).
+- ``ckptstore_dcp``: ``torch.distributed.checkpoint.async_save`` through ckptstore's DCP backend
+  (``ckptstore.dcp.StoreWriter``, which also stages the state for DCP); timed like ``dcp_async``.
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (thread executor, single process,
   ``FileSystemWriter`` on local paths, ``FsspecWriter`` otherwise); blocked until it returns the
   future, committed when ``future.result()`` returns.
@@ -49,7 +51,7 @@ from bench.report import format_bytes, format_seconds, print_json, table
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("ckptstore", "dcp_async", "dcp_sync", "torch_save")
+METHODS = ("ckptstore", "ckptstore_dcp", "dcp_async", "dcp_sync", "torch_save")
 
 
 class _Method:
@@ -92,6 +94,26 @@ class _Ckptstore(_Method):
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class _CkptstoreDcp(_Method):
+    name = "ckptstore_dcp"
+
+    def open(self) -> None:
+        from ckptstore.dcp import StoreWriter
+
+        self.writer = StoreWriter(self.ws.child(self.name), compression=self.compression)
+
+    def save(self, state, n):
+        import torch.distributed.checkpoint as dcp
+
+        with common.quiet_dcp():
+            t0 = time.perf_counter()
+            future = dcp.async_save(state, storage_writer=self.writer, no_dist=True)
+            t1 = time.perf_counter()
+            future.result()
+            t2 = time.perf_counter()
+        return t1 - t0, t2 - t0
 
 
 def _dcp_writer(ws: common.Workspace, path_parts: tuple[str, ...]):
@@ -167,7 +189,7 @@ class _TorchSave(_Method):
 
 
 _CLASSES: dict[str, Callable[..., _Method]] = {
-    c.name: c for c in (_Ckptstore, _DcpAsync, _DcpSync, _TorchSave)
+    c.name: c for c in (_Ckptstore, _CkptstoreDcp, _DcpAsync, _DcpSync, _TorchSave)
 }
 
 
@@ -314,6 +336,14 @@ def _ratios(report: dict[str, Any]) -> dict[str, float | None]:
             out["blocked_vs_dcp_async"] = common.ratio(ours["blocked_s"], other["blocked_s"])
         out[f"commit_vs_{base}"] = common.ratio(ours["commit_s"], other["commit_s"])
         out[f"stored_vs_{base}"] = common.ratio(ours["bytes_stored"], other["bytes_stored"])
+    through_dcp, dcp_async = report.get("ckptstore_dcp"), report.get("dcp_async")
+    if through_dcp is not None and dcp_async is not None:
+        out["dcp_backend_blocked_vs_dcp_async"] = common.ratio(
+            through_dcp["blocked_s"], dcp_async["blocked_s"]
+        )
+        out["dcp_backend_commit_vs_dcp_async"] = common.ratio(
+            through_dcp["commit_s"], dcp_async["commit_s"]
+        )
     return out
 
 

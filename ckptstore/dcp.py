@@ -10,6 +10,8 @@ A save goes through these calls (all ranks unless noted)::
 
     prepare_global_plan  (coordinator) pick the step (given, or latest committed + 1) and a
                          fresh attempt id; hand both to every rank in SavePlan.storage_data
+    stage                (dcp.async_save only, on the caller's thread) copy the state's tensors
+                         into the writer's pooled staging buffer and hand DCP that copy
     write_data           pending marker -> resolve + stage the items -> chunks -> rank index;
                          each WriteResult carries (rank, tensor index) plus the index's ObjectRef
     finish               (coordinator) pickle the Metadata, write it, commit the manifest (the
@@ -24,15 +26,19 @@ tensors of shape ``[n]`` in the same chunks. ``Metadata.storage_data`` maps each
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import gc
 import io
 import json
 import logging
 import os
 import pickle
 import socket
+import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +58,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckptstore.errors import (
@@ -82,6 +90,8 @@ from ckptstore.format import (
     resolve_step,
 )
 from ckptstore.pipeline import (
+    CompressionGovernor,
+    Layout,
     PipelineConfig,
     parse_dtype,
     plan_layout,
@@ -90,7 +100,7 @@ from ckptstore.pipeline import (
     write_chunks,
 )
 from ckptstore.retention import collect
-from ckptstore.staging import Stager, StagingPool
+from ckptstore.staging import StagedCopy, Stager, StagingPool
 from ckptstore.store import RetryPolicy, Store
 
 logger = logging.getLogger(__name__)
@@ -155,10 +165,14 @@ class _Written:
     stored_bytes: int
 
 
-class StoreWriter(StorageWriter):
+class StoreWriter(StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` that commits a ckptstore step of kind ``dcp``.
 
     Use as ``dcp.save(state, storage_writer=StoreWriter("s3://bucket/run"))`` (or ``async_save``).
+    It is also DCP's ``AsyncStager``: ``dcp.async_save`` stages through ``stage()``, one copy into
+    a staging buffer allocated once and reused (pinned, filled on a side stream, with CUDA), and
+    the background save encodes from that buffer without copying again. A second ``async_save``
+    waits in ``stage()`` while the previous one still holds the buffer.
 
     Args:
         uri: the store (local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, ...).
@@ -169,7 +183,8 @@ class StoreWriter(StorageWriter):
             ``CheckpointException``) and leaves the committed step untouched. With a fixed
             ``step`` the writer can therefore be used for one save only.
         compression / chunk_bytes / encode_threads: how chunks are cut and encoded (see
-            ``PipelineConfig``).
+            ``PipelineConfig``); ``"auto"`` compresses while that is faster than storing the
+            bytes it saves, as ``Checkpointer`` does.
         keep_last: after a commit, the coordinator keeps this many newest steps and sweeps
             unreferenced objects (``retention.collect``); ``None`` keeps everything.
         store: an already open ``Store`` (then ``uri`` only names it and ``storage_options``
@@ -187,7 +202,7 @@ class StoreWriter(StorageWriter):
         *,
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        compression: str | int | None = "zstd",
+        compression: str | int | None = "auto",
         chunk_bytes: int | None = None,
         encode_threads: int | None = None,
         keep_last: int | None = None,
@@ -211,13 +226,68 @@ class StoreWriter(StorageWriter):
             compression=compression,
             encode_threads=encode_threads,
         )
+        self.governor = CompressionGovernor() if self.config.codec.adaptive else None
         self.pool = StagingPool(pin_memory=torch.cuda.is_available())
         self._stager = Stager()
+        self._staged: dict[int, _Staged] = {}  # by the staging buffer's data_ptr
         self.rank = 0
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
         self._target: _SaveTarget | None = None
         self.saved_step: int | None = None
+
+    # -- AsyncStager (dcp.async_save) --------------------------------------------------------
+
+    _synchronize_after_execute = False  # stage() returns a finished (or device-fenced) copy
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state dict over a copy of its tensors in the writer's staging buffer.
+
+        Plain tensors and DTensors (their local shards) are copied; other values are kept as
+        they are, as DCP's own stager does. A state holding other tensor subclasses
+        (ShardedTensor) is staged by DCP's ``DefaultStager`` instead."""
+        leaves: list[torch.Tensor] = []
+        if not _collect_tensors(state_dict, leaves):
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)
+            finally:
+                stager.close()
+        layout = plan_layout(leaves, self.config)
+        buffer = self.pool.acquire(layout.total_bytes, block=False)
+        if buffer is None:
+            gc.collect()  # a failed save's staged state may be waiting in a reference cycle
+            buffer = self.pool.acquire(layout.total_bytes, timeout_s=self._timeout_s)
+        pool: StagingPool | None = self.pool
+        if buffer is None:
+            logger.warning(
+                "rank %d: the previous async save still holds the staging buffer after %.0fs; "
+                "staging this one in a new buffer",
+                self.rank,
+                self._timeout_s,
+            )
+            pool = None
+            buffer = torch.empty(
+                max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=self.pool.pin_memory
+            )
+        copy = self._stager.copy(buffer, leaves, layout.offsets)
+        views = iter(
+            buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, offset in zip(leaves, layout.offsets)
+        )
+        staged = _Staged(buffer, layout, copy, pool, self._staged)
+        self._staged[buffer.data_ptr()] = staged
+        out = _StagedState(_replace_tensors(state_dict, views))
+        # write_data hands the buffer back once it is written; a save that fails before, or a
+        # rank left with nothing to write, hands it back when DCP lets go of the staged state.
+        weakref.finalize(out, staged.release)
+        return out
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage()`` returns once the copy is done or fenced."""
+
+    def close(self) -> None:
+        """Nothing to release: the staging buffer goes with the writer."""
 
     # -- StorageWriter ----------------------------------------------------------------------
 
@@ -380,17 +450,15 @@ class StoreWriter(StorageWriter):
         )
         try:
             tensors = [_resolve(item, planner) for item in items]
-            layout = plan_layout(tensors, self.config)
-            buffer = self.pool.acquire(layout.total_bytes)
-            try:
-                staged = self._stager.copy(buffer, tensors, layout.offsets)
-                staged.wait()
-                digests, chunks = write_chunks(store, buffer.numpy(), layout, self.config)
-            finally:
-                self.pool.release(buffer)
+            staged = self._take_staged(tensors)
+            entries, chunks = (
+                self._write_staged(staged, tensors)
+                if staged is not None
+                else self._write_copied(tensors, pooled=True)
+            )
             index = RankIndex(
                 rank=rank,
-                tensors=tensor_entries(tensors, layout, digests),
+                tensors=entries,
                 chunks=chunks,
                 items={storage_key(item.index): i for i, item in enumerate(items)},
             )
@@ -422,6 +490,150 @@ class StoreWriter(StorageWriter):
             )
             for i, (item, t) in enumerate(zip(items, tensors))
         ]
+
+    def _write_copied(self, tensors: list[torch.Tensor], *, pooled: bool):
+        """Copy ``tensors`` into a staging buffer and write its chunks; (entries, chunks)."""
+        layout = plan_layout(tensors, self.config)
+        if pooled:
+            buffer = self.pool.acquire(layout.total_bytes)
+        else:
+            buffer = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8)
+        try:
+            self._stager.copy(buffer, tensors, layout.offsets).wait()
+            digests, chunks = write_chunks(
+                self.store, buffer.numpy(), layout, self.config, governor=self.governor
+            )
+        finally:
+            if pooled:
+                self.pool.release(buffer)
+        return tensor_entries(tensors, layout, digests), chunks
+
+    def _take_staged(self, tensors: list[torch.Tensor]) -> _Staged | None:
+        """The staging of ``stage()`` these tensors live in, if any (it is this save's)."""
+        for t in tensors:
+            if t.numel():
+                found = self._staged.pop(t.untyped_storage().data_ptr(), None)
+                if found is not None:
+                    return found
+        return None
+
+    def _write_staged(self, staged: _Staged, tensors: list[torch.Tensor]):
+        """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
+        such as DCP's pickled values, through a buffer of its own); (entries, chunks)."""
+        base, size = staged.buffer.data_ptr(), staged.buffer.numel()
+        inside, outside = [], []
+        for i, t in enumerate(tensors):
+            n = t.numel() * t.element_size()
+            offset = t.data_ptr() - base
+            in_buffer = (
+                n > 0
+                and t.is_contiguous()
+                and 0 <= offset
+                and offset + n <= size
+                and t.untyped_storage().data_ptr() == staged.buffer.untyped_storage().data_ptr()
+            )
+            (inside if in_buffer else outside).append((i, offset))
+        try:
+            staged.copy.wait()
+            starts = [c.start for c in staged.layout.chunks]
+            needed: set[int] = set()
+            for i, offset in inside:
+                end = offset + tensors[i].numel() * tensors[i].element_size()
+                c = bisect.bisect_right(starts, offset) - 1
+                while c < len(starts) and starts[c] < end:
+                    needed.add(c)
+                    c += 1
+            layout = Layout(
+                total_bytes=size,
+                offsets=[offset for _, offset in inside],
+                chunks=[staged.layout.chunks[c] for c in sorted(needed)],
+            )
+            digests, chunks = write_chunks(
+                self.store, staged.buffer.numpy(), layout, self.config, governor=self.governor
+            )
+        finally:
+            staged.release()
+        entries: list = [None] * len(tensors)
+        for (i, _), entry in zip(
+            inside, tensor_entries([tensors[i] for i, _ in inside], layout, digests)
+        ):
+            entries[i] = entry
+        if outside:
+            rest = [tensors[i] for i, _ in outside]
+            rest_entries, rest_chunks = self._write_copied(rest, pooled=False)
+            for (i, _), entry in zip(outside, rest_entries):
+                entries[i] = entry
+            chunks = {**chunks, **rest_chunks}
+        return entries, chunks
+
+
+class _Staged:
+    """What ``StoreWriter.stage()`` copied, until its save has written it."""
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        layout: Layout,
+        copy: StagedCopy,
+        pool: StagingPool | None,
+        registry: dict[int, _Staged],
+    ) -> None:
+        self.buffer = buffer
+        self.layout = layout
+        self.copy = copy
+        self._pool = pool
+        self._registry = registry
+        self._released = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Hand the buffer back (once; later calls do nothing)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        key = self.buffer.data_ptr()
+        if self._registry.get(key) is self:
+            del self._registry[key]
+        if self._pool is not None:
+            self._pool.release(self.buffer)
+
+
+class _StagedState(dict):
+    """The state dict ``stage()`` returns (a dict that can be weakly referenced)."""
+
+
+def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> bool:
+    """Append the tensors (local shards of DTensors) of a state dict to ``out``, in a fixed
+    order; False if it holds a tensor subclass ``stage()`` cannot rebuild."""
+    if isinstance(obj, dict):
+        return all(_collect_tensors(v, out) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_collect_tensors(v, out) for v in obj)
+    if isinstance(obj, DTensor):
+        out.append(obj.to_local().detach())
+        return True
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return False
+        out.append(obj.detach())
+    return True
+
+
+def _replace_tensors(obj: Any, views) -> Any:
+    """``obj`` with its tensors replaced, in ``_collect_tensors`` order, by ``views``."""
+    if isinstance(obj, dict):
+        return {k: _replace_tensors(v, views) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace_tensors(v, views) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_replace_tensors(v, views) for v in obj)
+    if isinstance(obj, DTensor):
+        # Not DTensor.from_local: it would move the local copy back to the mesh's device.
+        return DTensor(next(views), obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return next(views)
+    return obj
 
 
 def _resolve(item: WriteItem, planner: SavePlanner) -> torch.Tensor:

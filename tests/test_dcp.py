@@ -122,6 +122,59 @@ def test_async_save(tmp_path):
     _assert_same(target, state)
 
 
+def _scaled(state: dict, factor: float) -> None:
+    """Update every float tensor of ``state`` in place, as an optimizer step would."""
+    for value in state.values():
+        if isinstance(value, dict):
+            _scaled(value, factor)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            value.mul_(factor)
+
+
+def test_async_save_stages_once_into_the_writers_reused_buffer(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    def not_this_one(self, state_dict):
+        raise AssertionError("DCP's DefaultStager staged the state; StoreWriter.stage should")
+
+    monkeypatch.setattr(DefaultStager, "stage", not_this_one)
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    state = _state()
+    saved = []
+    for _ in range(3):
+        future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+        saved.append(pickle.loads(pickle.dumps(state)))  # what that save must hold
+        _scaled(state, -2.0)  # the loop goes on while the save persists
+        future.result(timeout=60)
+    assert writer.pool.allocations == 1
+    assert list_steps(Store(uri)) == [0, 1, 2]
+    for step, want in enumerate(saved):
+        target = _blank(want)
+        dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
+        _assert_same(target, want)
+
+
+def test_a_save_failing_before_its_write_hands_the_staging_buffer_back(tmp_path):
+    uri = str(tmp_path / "s")
+    dcp.save({"x": torch.ones(4)}, storage_writer=StoreWriter(uri), no_dist=True)
+    writer = StoreWriter(uri, step=0, timeout_s=5.0)
+    with pytest.raises(CheckpointException, match="already committed"):
+        dcp.async_save({"x": torch.zeros(4)}, storage_writer=writer, no_dist=True).result(
+            timeout=60
+        )
+    writer.step = None  # the next save picks the step after the latest
+    dcp.async_save({"x": torch.full((4,), 5.0)}, storage_writer=writer, no_dist=True).result(
+        timeout=60
+    )
+    # Neither save keeps the pool's one buffer: the failed one handed it back.
+    assert writer.pool.allocations == 1
+    assert writer.pool.acquire(1, block=False) is not None
+    target = {"x": torch.empty(4)}
+    dcp.load(target, storage_reader=StoreReader(uri, step=1), no_dist=True)
+    assert torch.equal(target["x"], torch.full((4,), 5.0))
+
+
 def test_saved_step_is_listed_and_every_object_verifies(tmp_path):
     uri = str(tmp_path / "s")
     state = _state()
