@@ -58,3 +58,22 @@ def test_cuda_state_restores_into_cpu_tensors(tmp_path):
         ck.load(restored)
     for key, value in state.items():
         assert torch.equal(restored[key], value.cpu()), key
+
+
+def test_dcp_async_save_stages_cuda_state_before_it_changes(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import StoreReader, StoreWriter
+
+    state = _state()
+    expected = {k: v.cpu() for k, v in state.items()}
+    writer = StoreWriter(str(tmp_path / "s"))
+    future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    for _ in range(20):
+        state["w"].mul_(-1.5).add_(1.0)
+    future.result(timeout=120)
+    assert writer.pool.pin_memory
+    restored = {k: torch.empty_like(v) for k, v in expected.items()}
+    dcp.load(restored, storage_reader=StoreReader(str(tmp_path / "s")), no_dist=True)
+    for key, value in expected.items():
+        assert torch.equal(restored[key], value), key
