@@ -177,40 +177,57 @@ def _is_access_error(exc: BaseException) -> bool:
 _MEMORY_LOCK = threading.Lock()
 
 
-class _SharedBody(io.BytesIO):
-    """An S3 request body that reads a bytes object in place.
+class _BufferBody(io.BytesIO):
+    """An S3 request body that reads a buffer in place.
 
-    botocore turns a bytes body into a ``BytesIO`` sharing it, and aiohttp sizes that through
-    ``getbuffer()``, which makes the BytesIO copy the buffer it shares: one full copy of each
-    chunk for as long as its upload runs. This body answers ``getbuffer()`` with a read-only
-    view of the bytes instead; reads are small copies, as before."""
+    botocore wraps a bytes body in a ``BytesIO``, and aiohttp sizes that through
+    ``getbuffer()``, which makes the BytesIO copy the whole body (under the GIL) for as long as
+    the upload runs; a bytes body also has to be made first, another copy under the GIL. This
+    body serves any buffer (a chunk's numpy array) with small reads: ``getbuffer()`` is a view,
+    ``len()`` and slices are what s3fs asks of a body."""
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
-        self._data = data
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def __getitem__(self, key: slice) -> memoryview:
+        return self._view[key]
 
     def getbuffer(self) -> memoryview:
-        return memoryview(self._data)
+        return self._view[:]  # a new view: callers release theirs
 
+    def getvalue(self) -> bytes:
+        return self._view.tobytes()
 
-def _share_bytes_body(params: dict, **_: Any) -> None:
-    if type(params.get("Body")) is bytes:
-        params["Body"] = _SharedBody(params["Body"])
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else self._pos + size
+        out = self._view[self._pos : end].tobytes()
+        self._pos += len(out)
+        return out
 
+    def read1(self, size: int | None = -1) -> bytes:
+        return self.read(size)
 
-_HOOK_LOCK = threading.Lock()
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = min(out.nbytes, self._view.nbytes - self._pos)
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
 
-def _share_s3_bodies(fs: fsspec.AbstractFileSystem) -> None:
-    """Have the s3fs client send bytes bodies without copying them (idempotent per client)."""
-    try:
-        events = fs.s3.meta.events
-    except Exception:  # noqa: BLE001 - not an s3fs client: bodies are sent as the fs sends them
-        return
-    for op in ("PutObject", "UploadPart"):
-        events.register_first(
-            f"before-parameter-build.s3.{op}", _share_bytes_body, unique_id=f"ckptstore-body-{op}"
-        )
+    def tell(self) -> int:
+        return self._pos
 
 
 class Backend:
@@ -223,28 +240,23 @@ class Backend:
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         self.enforces_create = any(p in _ENFORCED_CREATE_PROTOCOLS for p in protocols)
         self._is_s3 = any(p in ("s3", "s3a") for p in protocols)
-        self._s3_client = None
 
     def put_once(self, path: str, data: bytes | memoryview | list) -> None:
         if self.is_local:
             self._put_local(path, data if isinstance(data, list) else [data])
             return
         if isinstance(data, list):
-            data = b"".join(data)
+            data = data[0] if len(data) == 1 else b"".join(data)
         if self.is_memory:
             # fsspec's own exclusive create scans every key; the store is one dict in-process.
             with _MEMORY_LOCK:
                 if self.fs._strip_protocol(path) in self.fs.store:
                     raise FileExistsError(path)
                 self.fs.pipe_file(path, bytes(data))
+        elif self._is_s3:
+            self.fs.pipe_file(path, _BufferBody(data), mode="create")
         else:
-            if self._is_s3 and self.fs.s3 is not self._s3_client:  # s3fs may renew its client
-                with _HOOK_LOCK:
-                    _share_s3_bodies(self.fs)
-                    self._s3_client = self.fs.s3
-            self.fs.pipe_file(
-                path, bytes(data) if isinstance(data, memoryview) else data, mode="create"
-            )
+            self.fs.pipe_file(path, data if isinstance(data, bytes) else bytes(data), mode="create")
 
     def _put_local(self, path: str, parts: list) -> None:
         directory = os.path.dirname(path)

@@ -239,10 +239,13 @@ def test_a_failed_request_leaves_no_cycle_holding_the_callers_locals(s3_uri):
         gc.enable()
 
 
-def test_s3_put_streams_the_callers_bytes_without_a_copy(s3_uri, monkeypatch):
-    """aiohttp sizes a BytesIO body with getbuffer(), which copies a BytesIO that shares a
-    bytes object: the body it is handed must expose the caller's bytes themselves."""
+@pytest.mark.parametrize("kind", ["bytes", "ndarray"])
+def test_s3_put_streams_the_callers_buffer_without_a_copy(s3_uri, monkeypatch, kind):
+    """aiohttp sizes a BytesIO body with getbuffer(), which copies a BytesIO sharing a bytes
+    object: the body it is handed must expose the caller's buffer itself (bytes, or the numpy
+    array a chunk is encoded into)."""
     import aiohttp.payload
+    import numpy as np
 
     seen = []
     init = aiohttp.payload.BytesIOPayload.__init__
@@ -254,7 +257,26 @@ def test_s3_put_streams_the_callers_bytes_without_a_copy(s3_uri, monkeypatch):
 
     monkeypatch.setattr(aiohttp.payload.BytesIOPayload, "__init__", spy)
     store = Store(s3_uri)
-    data = bytes(range(256)) * 4096
+    raw = bytes(range(256)) * 4096
+    data = raw if kind == "bytes" else np.frombuffer(raw, dtype=np.uint8).copy()
     store.put("big", data)
-    assert store.get("big") == data
+    assert store.get("big") == raw
     assert any(obj is data for obj in seen), [type(obj).__name__ for obj in seen]
+
+
+def test_buffer_body_reads_seeks_and_slices_like_a_file():
+    from ckptstore.store import _BufferBody
+
+    body = _BufferBody(bytearray(b"0123456789"))
+    assert len(body) == 10 and body.read(4) == b"0123" and body.tell() == 4
+    out = bytearray(3)
+    assert body.readinto(out) == 3 and bytes(out) == b"456"
+    assert body.read() == b"789" and body.read(5) == b""
+    assert body.seek(-2, 2) == 8 and body.read() == b"89"
+    assert body.seek(0) == 0 and body.read(-1) == b"0123456789"
+    assert bytes(body[2:5]) == b"234" and body.getvalue() == b"0123456789"
+    with body.getbuffer() as view:
+        assert view.nbytes == 10
+    assert body.seek(0) == 0 and body.read(2) == b"01"  # a released getbuffer() view is its own
+    with pytest.raises(ValueError):
+        body.seek(-1)
