@@ -463,3 +463,25 @@ def test_four_ranks_save_then_reshard_to_two(tmp_path):
     # loaded at 2 ranks, with "cols" now sharded along the other dimension
     run_ranks(_load_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0})
     _check_single_process(uri, 4)
+
+
+def _replicated_async_worker(rank: int, world: int, uri: str):
+    writer = StoreWriter(uri, timeout_s=10.0)
+    state = {"r": torch.arange(10.0)}  # replicated: DCP has one rank write it, the other nothing
+    for step in range(3):
+        dcp.async_save(state, storage_writer=writer).result(timeout=60)
+        state["r"].add_(1.0)
+        assert writer.saved_step == step
+    # A rank DCP left nothing to write must not keep its staging buffer (the next stage()
+    # would wait timeout_s for it, then stage into a new one).
+    assert writer.pool.allocations == 1, f"rank {rank}: {writer.pool.allocations} buffers"
+    assert writer.pool.acquire(1, block=False) is not None, f"rank {rank}: buffer still held"
+
+
+@pytest.mark.dist
+def test_async_save_of_replicated_state_frees_every_ranks_staging(tmp_path):
+    uri = str(tmp_path / "s")
+    run_ranks(_replicated_async_worker, 2, uri)
+    target = {"r": torch.empty(10)}
+    dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
+    assert torch.equal(target["r"], torch.arange(10.0) + 2)
