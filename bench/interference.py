@@ -44,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-s", type=float, default=0.2, help="target step time (default 0.2)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"step kinds, of {', '.join(KINDS)}")
     p.add_argument("--compression", default="auto")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="Checkpointer(background_nice=...): lower the save threads' priority (default 0)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -131,7 +137,11 @@ def run(args: argparse.Namespace) -> int:
             uri = args.uri or tmp
             baseline = _loop(step, args.steps, None, state)
             with Checkpointer(
-                uri, compression=args.compression, when_busy="skip", keep_last=1
+                uri,
+                compression=args.compression,
+                when_busy="skip",
+                keep_last=1,
+                background_nice=args.nice,
             ) as ckpt:
                 saving = _loop(step, args.steps, ckpt, state)
             again = _loop(step, args.steps, None, state)  # baseline after, for drift
@@ -151,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         "state_bytes": per * 4 * args.tensors,
         "steps": args.steps,
         "step_s": args.step_s,
+        "nice": args.nice,
         "kinds": results,
     }
     if args.json:

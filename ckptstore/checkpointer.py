@@ -67,7 +67,7 @@ from ckptstore.pipeline import (
 from ckptstore.retention import collect
 from ckptstore.staging import Stager, StagingPool
 from ckptstore.state import finish_load, flatten, plan_load, tensor_indexes
-from ckptstore.store import RetryPolicy, Store
+from ckptstore.store import RetryPolicy, Store, niced, set_thread_nice
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,10 @@ class Checkpointer:
             (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1).
         process_group: the ranks that save together (default: the whole world, if any).
         store: use this :class:`Store` instead of opening ``uri`` (e.g. with fault injection).
+        background_nice: added to the nice value of the threads that encode and upload (and of
+            the store's threads, when the checkpointer opens the store), so that where the
+            training loop's own threads need the cores they get them first and saves take
+            longer (Linux; 0, the default, leaves priorities alone).
     """
 
     def __init__(
@@ -187,6 +191,7 @@ class Checkpointer:
         ranks_per_node: int | None = None,
         process_group: Any = None,
         store: Store | None = None,
+        background_nice: int = 0,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -194,12 +199,16 @@ class Checkpointer:
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if staging not in ("host", "peer"):
             raise ValueError(f"staging must be 'host' or 'peer', got {staging!r}")
+        if not 0 <= background_nice <= 19:
+            raise ValueError(f"background_nice must be within [0, 19], got {background_nice}")
         self.store = store or Store(
             uri,
             storage_options=storage_options,
             retry=RetryPolicy(timeout_s=timeout_s),
             max_concurrency=max_concurrency,
+            thread_nice=background_nice,
         )
+        self._save_thread_nice = niced(background_nice)
         self.keep_last = keep_last
         self.when_busy = when_busy
         if hedge_uploads is None:
@@ -376,6 +385,7 @@ class Checkpointer:
             raise error
 
     def _run(self) -> None:
+        set_thread_nice(self._save_thread_nice)
         while True:
             job = self._jobs.get()
             if job is None:

@@ -92,9 +92,10 @@ class ElasticPool:
     interpreter exit, and never starves later calls: a new worker starts when none is idle.
     """
 
-    def __init__(self, name: str, idle_timeout_s: float = 10.0) -> None:
+    def __init__(self, name: str, idle_timeout_s: float = 10.0, nice: int = 0) -> None:
         self._name = name
         self._idle_timeout_s = idle_timeout_s
+        self._nice = niced(nice)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
@@ -113,6 +114,7 @@ class ElasticPool:
         return future
 
     def _work(self) -> None:
+        set_thread_nice(self._nice)
         while True:
             try:
                 future, fn, args = self._tasks.get(timeout=self._idle_timeout_s)
@@ -132,6 +134,28 @@ class ElasticPool:
             del future, fn, args
             with self._lock:
                 self._idle += 1
+
+
+def niced(nice: int) -> int | None:
+    """The nice value ``nice`` above the calling thread's, for threads to be started later
+    (None where there is nothing to change or no way to)."""
+    if not nice:
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+    except (AttributeError, OSError):
+        return None
+
+
+def set_thread_nice(value: int | None) -> None:
+    """Give the calling thread nice value ``value`` (Linux schedules threads apart), so that it
+    yields the cores to the training loop's threads when they compete; None does nothing."""
+    if value is None:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
+    except OSError as exc:
+        logger.debug("cannot set the nice value of %s: %s", threading.current_thread(), exc)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -361,6 +385,7 @@ class Store:
         retry: RetryPolicy | None = None,
         max_concurrency: int = 16,
         faults: Any = None,
+        thread_nice: int = 0,
     ) -> None:
         uri = os.fspath(uri)
         if not uri:
@@ -381,8 +406,10 @@ class Store:
 
             backend = FaultyBackend(backend, faults)
         self.backend = backend
-        self._workers = ElasticPool(f"ckptstore-io[{uri}]")
-        self._callers = ElasticPool(f"ckptstore-req[{uri}]")
+        if not 0 <= thread_nice <= 19:
+            raise ValueError(f"thread_nice must be within [0, 19], got {thread_nice}")
+        self._workers = ElasticPool(f"ckptstore-io[{uri}]", nice=thread_nice)
+        self._callers = ElasticPool(f"ckptstore-req[{uri}]", nice=thread_nice)
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"

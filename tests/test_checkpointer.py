@@ -176,6 +176,27 @@ def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
         assert ckpt.steps() == [1]
 
 
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs os.setpriority")
+def test_background_nice_lowers_only_the_save_threads(tmp_path):
+    import threading
+
+    def nice_of(native_id: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, native_id)
+
+    mine = nice_of(threading.get_native_id())
+    if mine > 14:
+        pytest.skip(f"this process already runs at nice {mine}")
+    with Checkpointer(tmp_path / "ck", background_nice=5) as ck:
+        ck.save(0, {"x": torch.arange(1000.0)}).wait()
+        encode = ck.store.submit(lambda: nice_of(threading.get_native_id())).result(timeout=10)
+        request = ck.store._request("probe", "", lambda: nice_of(threading.get_native_id()))
+        assert nice_of(ck._worker.native_id) == mine + 5
+        assert encode == mine + 5 and request == mine + 5
+    assert nice_of(threading.get_native_id()) == mine  # the loop's thread keeps its priority
+    with pytest.raises(ValueError, match="background_nice"):
+        Checkpointer(tmp_path / "bad", background_nice=25)
+
+
 def test_staging_budget_is_enforced(tmp_path):
     with Checkpointer(tmp_path, staging_budget_bytes=1000) as ckpt:
         with pytest.raises(ValueError, match="staging_budget_bytes"):
