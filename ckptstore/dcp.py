@@ -271,13 +271,9 @@ class StoreWriter(StorageWriter, AsyncStager):
                 max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=self.pool.pin_memory
             )
         copy = self._stager.copy(buffer, leaves, layout.offsets)
-        views = iter(
-            buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for t, offset in zip(leaves, layout.offsets)
-        )
         staged = _Staged(buffer, layout, copy, pool, self._staged)
         self._staged[buffer.data_ptr()] = staged
-        out = _StagedState(_replace_tensors(state_dict, views))
+        out = _StagedState(_replace_tensors(state_dict, iter(copy.views)))
         # write_data hands the buffer back once it is written; a save that fails before, or a
         # rank left with nothing to write, hands it back when DCP lets go of the staged state.
         weakref.finalize(out, staged.release)

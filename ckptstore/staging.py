@@ -101,6 +101,8 @@ class StagedCopy:
     """Tensors copied into ``buffer``; on CUDA the copy may still be in flight until wait()."""
 
     buffer: torch.Tensor
+    views: list[torch.Tensor]
+    """Each tensor's copy: a view of ``buffer`` with its dtype and shape."""
     event: object = None
 
     def wait(self) -> None:
@@ -122,11 +124,13 @@ class Stager:
             self._stream = torch.cuda.Stream()
         if on_device:
             self._stream.wait_stream(torch.cuda.current_stream())
+        views = []
         for t, offset in zip(tensors, offsets):
             n = t.numel() * t.element_size()
+            dest = buffer[offset : offset + n].view(t.dtype).view(t.shape)
+            views.append(dest)
             if n == 0:
                 continue
-            dest = buffer[offset : offset + n].view(t.dtype).view(t.shape)
             if t.device.type == "cuda":
                 with torch.cuda.stream(self._stream):
                     dest.copy_(t, non_blocking=True)
@@ -140,4 +144,4 @@ class Stager:
             # The loop's next kernels (its optimizer step updates these tensors in place) wait
             # on the device for the copy to have read them; the host does not wait.
             torch.cuda.current_stream().wait_event(event)
-        return StagedCopy(buffer=buffer, event=event)
+        return StagedCopy(buffer=buffer, views=views, event=event)
