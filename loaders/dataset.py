@@ -78,6 +78,7 @@ class ShardDataset(IterableDataset):
         self._pid = os.getpid()
         self.format = format
         self.layout = format.open(self._replicas)
+        self._missing = dict(self._replicas.missing)  # shards some replicas lack, found at open
         self.units: Sequence[Unit] = self.layout.units
         self._unit_samples = unit_samples(self.units)
         self.num_samples = int(self._unit_samples.sum())
@@ -131,7 +132,7 @@ class ShardDataset(IterableDataset):
                 )
                 for uri, retry, faults in self._specs
             ]
-            self._replicas = ReplicaSet(stores, config=self.replica_config)
+            self._replicas = ReplicaSet(stores, config=self.replica_config, missing=self._missing)
             self._pid = os.getpid()
         return self._replicas
 

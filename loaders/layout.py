@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from loaders.errors import ShardCorruptError
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,21 @@ class Format(Protocol):
 
 def unit_samples(units: Sequence[Unit]) -> np.ndarray:
     return np.fromiter((u.num_samples for u in units), dtype=np.int64, count=len(units))
+
+
+def read_manifest(replicas: Any, key: str) -> list[str]:
+    """The shard keys a manifest lists, one per line (blank lines and ``#`` comments skipped);
+    the manifest must be the same on every replica (:meth:`ReplicaSet.read_same`)."""
+    raw = replicas.read_same(key)
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ShardCorruptError(f"manifest {key} is not UTF-8 text: {exc}") from exc
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise ValueError(f"manifest {key} lists no shards")
+    repeated = sorted(k for k, n in Counter(keys).items() if n > 1)
+    if repeated:
+        raise ValueError(f"manifest {key} lists shards more than once: {', '.join(repeated)}")
+    return keys

@@ -17,8 +17,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from ckptstore.errors import ObjectNotFoundError, StorageError
@@ -37,6 +37,8 @@ from loaders.metrics import ReadStats, ReplicaStats
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+_NAMED = 50  # shards named at most in one warning line
 
 
 def replica_retry_policy(config: ReplicaConfig) -> RetryPolicy:
@@ -58,7 +60,10 @@ class _Replica:
 
 
 class ReplicaSet:
-    """Several stores holding the same objects, read as one."""
+    """Several stores holding the same objects, read as one.
+
+    ``missing`` maps a shard key to the URIs of replicas known to lack it (what
+    :meth:`find_shards` found); reads of that key skip them."""
 
     def __init__(
         self,
@@ -66,6 +71,7 @@ class ReplicaSet:
         *,
         config: ReplicaConfig | None = None,
         storage_options: dict[str, Any] | None = None,
+        missing: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         if isinstance(replicas, (str, os.PathLike, Store)):
             replicas = [replicas]
@@ -85,6 +91,9 @@ class ReplicaSet:
         self.delay = HedgeDelay(self.config)
         self.budget = HedgeBudget(self.config.hedge_budget, self.config.hedge_burst)
         self.stats = ReadStats()
+        self.missing: dict[str, frozenset[str]] = {
+            key: frozenset(uris) for key, uris in (missing or {}).items()
+        }
 
     @property
     def uris(self) -> list[str]:
@@ -215,12 +224,24 @@ class ReplicaSet:
         nbytes = (end - (start or 0)) if end is not None else size_hint
         get = Store.get_view if view else Store.get
         return self._hedged(
-            what, nbytes, lambda store: get(store, key, start, end), decode, hedge=True, count=True
+            what,
+            nbytes,
+            lambda store: get(store, key, start, end),
+            decode,
+            hedge=True,
+            count=True,
+            key=key,
         )
 
     def call(self, what: str, fn: Callable[[Store], R]) -> R:
         """``fn(store)`` on the best replica, failing over on errors (never hedged)."""
         return self._hedged(what, 0, fn, None, hedge=False, count=False)
+
+    def size(self, key: str) -> int:
+        """The size of ``key`` on the best replica not known to lack it (never hedged)."""
+        return self._hedged(
+            f"size {key}", 0, lambda store: store.size(key), None, hedge=False, count=False, key=key
+        )
 
     def _hedged(
         self,
@@ -231,17 +252,24 @@ class ReplicaSet:
         *,
         hedge: bool,
         count: bool,
+        key: str | None = None,
     ) -> Any:
         cfg = self.config
         t0 = time.monotonic()
         deadline = t0 + cfg.read_deadline_s
-        hedge = hedge and cfg.hedge and cfg.max_hedges > 0 and len(self._replicas) > 1
+        lacking = self.missing.get(key, frozenset()) if key is not None else frozenset()
+        gone: list[_Replica] = [r for r in self._replicas if r.name in lacking]
+        if len(gone) == len(self._replicas):
+            self.stats.add(failed=1)
+            raise ShardNotFoundError(
+                f"{what} is missing from every replica ({', '.join(self.uris)})"
+            )
+        hedge = hedge and cfg.hedge and cfg.max_hedges > 0 and len(self._replicas) - len(gone) > 1
         if hedge:
             self.budget.on_read()
         pending: dict[Future, tuple[_Replica, bool]] = {}
         tried: list[_Replica] = []
         errors: list[str] = []
-        gone: list[_Replica] = []
         last_exc: BaseException | None = None
         attempts = hedges = 0
 
@@ -299,7 +327,8 @@ class ReplicaSet:
                             f"{what} is missing from every replica ({', '.join(self.uris)})"
                         )
                     if attempts >= cfg.max_attempts or (
-                        isinstance(last_exc, ShardCorruptError) and len(set(tried)) == len(self)
+                        isinstance(last_exc, ShardCorruptError)
+                        and len(set(tried) | set(gone)) == len(self)
                     ):
                         self.stats.add(failed=1)
                         if isinstance(last_exc, ShardCorruptError):
@@ -356,6 +385,98 @@ class ReplicaSet:
                         f"({len(other)} vs {len(first)} bytes)"
                     )
         return first
+
+    def find_shards(self, keys: Sequence[str] | None = None, *, suffix: str = "") -> dict[str, int]:
+        """The dataset's shards and their sizes, in dataset order, asked of every replica.
+
+        ``keys`` is the declared shard list (the authority): a key no replica holds raises
+        :class:`ShardNotFoundError`. Without it every replica is listed and the shard set is
+        the union of the keys ending in ``suffix``, sorted (a shard missing from every replica
+        cannot be seen that way: declare the list). A replica lacking shards that others hold
+        gets one WARNING naming them and is not read for them (:attr:`missing`); sizes that
+        differ between replicas raise :class:`ReplicaMismatchError`. An unreachable replica
+        is skipped with a warning. With ``verify_replicas`` off, declared keys are not asked
+        of every replica (only listings are compared) and sizes come from one replica each.
+        """
+        verify = self.config.verify_replicas
+        if keys is not None and not verify:
+            return dict(zip(keys, self._sizes(keys)))
+        with ThreadPoolExecutor(len(self._replicas)) as pool:
+            found = list(pool.map(lambda r: self._survey(r, keys, suffix, verify), self._replicas))
+        answered = {r: f for r, f in zip(self._replicas, found) if isinstance(f, dict)}
+        if not answered:
+            raise ReadFailedError(
+                f"no replica answered a listing or size request: {found[-1]}"
+            ) from found[-1]
+        if keys is None:
+            keys = sorted(set().union(*answered.values()))
+        tried = ", ".join(r.name for r in answered)
+        down = [r.name for r in self._replicas if r not in answered]
+        sizes: dict[str, int | None] = {}
+        for key in keys:
+            have = [(r, f[key]) for r, f in answered.items() if key in f]
+            if not have:
+                raise ShardNotFoundError(
+                    f"shard {key} is missing from every replica (tried {tried}"
+                    + (f"; unreachable: {', '.join(down)})" if down else ")")
+                )
+            (first, size), *others = have
+            for r, got in others:
+                if got is not None and size is not None and got != size:
+                    raise ReplicaMismatchError(
+                        f"shard {key} is {got} bytes on replica {r.name}, {size} on replica "
+                        f"{first.name}: replicas differ"
+                    )
+            sizes[key] = size
+        lacking: dict[str, set[str]] = {}
+        for r, f in answered.items():
+            absent = [key for key in keys if key not in f]
+            if absent:
+                shown = ", ".join(absent[:_NAMED]) + (
+                    f" (+{len(absent) - _NAMED} more)" if len(absent) > _NAMED else ""
+                )
+                logger.warning(
+                    "replica %s lacks %d of %d shards, read from the other replicas: %s",
+                    r.name,
+                    len(absent),
+                    len(keys),
+                    shown,
+                )
+                for key in absent:
+                    lacking.setdefault(key, set()).add(r.name)
+        for key, uris in lacking.items():
+            self.missing[key] = self.missing.get(key, frozenset()) | uris
+        unknown = [key for key, size in sizes.items() if size is None]
+        asked = dict(zip(unknown, self._sizes(unknown)))
+        return {key: asked[key] if size is None else size for key, size in sizes.items()}
+
+    def _sizes(self, keys: Sequence[str]) -> list[int]:
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(self.size, keys))
+
+    @staticmethod
+    def _survey(
+        r: _Replica, keys: Sequence[str] | None, suffix: str, sizes: bool
+    ) -> dict[str, int | None] | StorageError:
+        """Replica ``r``'s shards (``keys`` it holds, or its listing) with their sizes (None
+        when not ``sizes``), or the error that made it unreachable."""
+        try:
+            if keys is None:
+                keys = [k for k in r.store.list("") if k.endswith(suffix)]
+                if not sizes:
+                    return dict.fromkeys(keys)
+
+            def size(key: str) -> int:
+                try:
+                    return r.store.size(key)
+                except ObjectNotFoundError:
+                    return -1
+
+            got = list(r.store.map(size, keys, max_concurrency=16))
+        except StorageError as exc:
+            logger.warning("replica %s not checked, unreachable: %s", r.name, exc)
+            return exc
+        return {key: n for key, n in zip(keys, got) if n >= 0}
 
     def check_sizes(self, sizes: dict[str, int]) -> None:
         """Every replica holds each key with the expected size, else one clear error."""

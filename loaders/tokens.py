@@ -4,14 +4,13 @@ dropped. Each unit is one ranged read of whole samples, about ``read_bytes`` lon
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from loaders.errors import ShardCorruptError
-from loaders.layout import Unit
+from loaders.layout import Unit, read_manifest
 
 
 @dataclass(kw_only=True)
@@ -19,7 +18,12 @@ class TokenFiles:
     """Token files (keys relative to each replica's root)."""
 
     files: list[str] | None = None
-    """File keys in dataset order; None: every ``*.bin`` below the root, sorted."""
+    """File keys in dataset order; None: ``manifest``'s, or else every ``*.bin`` below the root
+    of any replica, sorted (a file missing from every replica goes unnoticed that way: declare
+    the files to have that checked)."""
+    manifest: str | None = None
+    """Key of a text file on the replicas listing the file keys in dataset order, one a line
+    (``#`` comments and blank lines skipped); it must be the same on every replica."""
     dtype: str = "uint16"
     """Token id type: ``uint16`` or ``uint32``."""
     sample_tokens: int = 2048
@@ -39,16 +43,18 @@ class TokenFiles:
             raise ValueError(f"TokenFiles.header_bytes must be >= 0, got {self.header_bytes}")
         if self.read_bytes < 1:
             raise ValueError(f"TokenFiles.read_bytes must be >= 1, got {self.read_bytes}")
+        if self.files is not None and self.manifest is not None:
+            raise ValueError("TokenFiles takes files or a manifest, not both")
 
     def open(self, replicas: Any) -> TokenLayout:
         files = self.files
-        if files is None:
-            files = [k for k in replicas.call("list", lambda s: s.list("")) if k.endswith(".bin")]
-            if not files:
-                raise ValueError(f"no .bin token files found in {replicas.uris[0]}")
-        with ThreadPoolExecutor(8) as pool:
-            sizes = list(pool.map(lambda k: replicas.call(f"size {k}", lambda s: s.size(k)), files))
-        replicas.check_sizes(dict(zip(files, sizes)))
+        if files is None and self.manifest is not None:
+            files = read_manifest(replicas, self.manifest)
+        found = replicas.find_shards(files, suffix=".bin")
+        if not found:
+            raise ValueError(f"no .bin token files found in {', '.join(replicas.uris)}")
+        files = list(found) if files is None else files
+        sizes = [found[k] for k in files]
         itemsize = np.dtype(self.dtype).itemsize
         sample_bytes = self.sample_tokens * itemsize
         per_unit = max(1, self.read_bytes // sample_bytes)

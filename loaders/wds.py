@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loaders.errors import ShardCorruptError
-from loaders.layout import Unit
+from loaders.layout import Unit, read_manifest
 
 
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
@@ -63,12 +63,19 @@ class WebDataset:
     """WebDataset ``.tar`` shards (keys relative to each replica's root)."""
 
     shards: list[str] | None = None
-    """Shard keys in dataset order; None: every ``*.tar`` below the root, sorted."""
+    """Shard keys in dataset order; None: ``manifest``'s, or else every ``*.tar`` below the root
+    of any replica, sorted (a shard missing from every replica goes unnoticed that way: declare
+    the shards to have that checked)."""
+    manifest: str | None = None
+    """Key of a text file on the replicas listing the shard keys in dataset order, one a line
+    (``#`` comments and blank lines skipped); it must be the same on every replica."""
     sample_counts: list[int] | None = None
     """Samples per shard, if known; otherwise every shard is read once at open to count them."""
     name: str = field(default="webdataset", init=False)
 
     def __post_init__(self) -> None:
+        if self.shards is not None and self.manifest is not None:
+            raise ValueError("WebDataset takes shards or a manifest, not both")
         if self.sample_counts is not None:
             if self.shards is None or len(self.sample_counts) != len(self.shards):
                 raise ValueError("WebDataset.sample_counts needs shards, one count per shard")
@@ -77,15 +84,13 @@ class WebDataset:
 
     def open(self, replicas: Any) -> WdsLayout:
         shards = self.shards
-        if shards is None:
-            shards = [k for k in replicas.call("list", lambda s: s.list("")) if k.endswith(".tar")]
-            if not shards:
-                raise ValueError(f"no .tar shards found in {replicas.uris[0]}")
-        sizes = {}
+        if shards is None and self.manifest is not None:
+            shards = read_manifest(replicas, self.manifest)
+        sizes = replicas.find_shards(shards, suffix=".tar")
+        if not sizes:
+            raise ValueError(f"no .tar shards found in {', '.join(replicas.uris)}")
+        shards = list(sizes) if shards is None else shards
         with ThreadPoolExecutor(8) as pool:
-            for key, size in zip(shards, pool.map(_size_of(replicas), shards)):
-                sizes[key] = size
-            replicas.check_sizes(sizes)
             counts = self.sample_counts
             if counts is None:
                 counts = list(
@@ -111,13 +116,6 @@ class WebDataset:
             )
             first += count
         return WdsLayout(units=units)
-
-
-def _size_of(replicas: Any):
-    def size(key: str) -> int:
-        return replicas.call(f"size {key}", lambda s: s.size(key))
-
-    return size
 
 
 @dataclass
