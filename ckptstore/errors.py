@@ -15,6 +15,23 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The requested step, or an object a committed step references, does not exist."""
 
 
+class PartialLoadError(CheckpointCorruptError):
+    """A load failed after bytes of the checkpoint had reached some of the caller's tensors.
+
+    ``written`` lists the state paths of those tensors (e.g. ``model/0.weight``): each may hold
+    a mix of the checkpoint's bytes and its previous ones. Nothing else in the state was
+    changed: no non-tensor value was set and no ``load_state_dict`` called. ``__cause__`` is
+    what made the load fail (a corrupt or missing chunk, a storage error, another rank's
+    failure)."""
+
+    def __init__(self, message: str, written: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.written = list(written or [])
+
+    def __reduce__(self):
+        return type(self), (str(self), self.written)
+
+
 class StepExistsError(CheckpointError, FileExistsError):
     """A step is already committed; steps are write-once."""
 

@@ -375,11 +375,17 @@ def read_tensors(
     cfg: PipelineConfig,
     *,
     on_chunk: Callable[[int], None] | None = None,
+    written: set[int] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Load the tensors ``wanted`` (index -> destination, or None for a new tensor).
 
-    A destination that is CPU and contiguous is filled in place; any other is filled through
-    a temporary and ``copy_``. ``on_chunk(raw_bytes)`` is called after each chunk (progress).
+    A destination that is CPU and contiguous is filled in place, chunk by chunk, each chunk's
+    bytes only once it verified; any other is filled through a temporary and ``copy_``, once
+    every chunk verified. ``on_chunk(raw_bytes)`` is called after each chunk (progress).
+
+    When this raises, nothing more is written to a destination (chunks still in flight are
+    dropped), and ``written``, if given, holds the indexes of the destinations that received
+    bytes (it is filled on success too).
     """
     out: dict[int, torch.Tensor] = {}
     fill: dict[int, torch.Tensor] = {}
@@ -403,22 +409,52 @@ def read_tensors(
             by_chunk[seg.chunk].append((i, seg.offset, seg.nbytes, position))
             position += seg.nbytes
     views = {i: _byte_view(t) for i, t in fill.items() if t.numel()}
+    in_place = {i for i, dest in wanted.items() if dest is not None and fill[i] is dest}
+    touched = written if written is not None else set()
+    gate = threading.Condition()
+    writers = 0  # chunks being copied into their tensors right now
+    stopped = False  # the read failed: copy nothing more
 
     def load(digest: str) -> int:
+        nonlocal writers
         raw = fetch_chunk(store, digest, index.chunks.get(digest), scratch=True)
-        for i, offset, nbytes, position in by_chunk[digest]:
+        segments = by_chunk[digest]
+        for _, offset, nbytes, _ in segments:
             if offset + nbytes > raw.size:
                 raise CheckpointCorruptError(
                     f"chunk {digest}: segment [{offset}, {offset + nbytes}) past its end "
                     f"({raw.size} bytes)"
                 )
-            views[i][position : position + nbytes] = raw[offset : offset + nbytes]
+        with gate:
+            if stopped:
+                return 0
+            writers += 1
+        try:
+            for i, offset, nbytes, position in segments:
+                if i in in_place:
+                    touched.add(i)
+                views[i][position : position + nbytes] = raw[offset : offset + nbytes]
+        finally:
+            with gate:
+                writers -= 1
+                gate.notify_all()
         return raw.size
 
-    for nbytes in store.map(load, list(by_chunk), max_concurrency=cfg.read_concurrency):
-        if on_chunk is not None:
-            on_chunk(nbytes)
+    results = store.map(load, list(by_chunk), max_concurrency=cfg.read_concurrency)
+    try:
+        for nbytes in results:
+            if on_chunk is not None:
+                on_chunk(nbytes)
+    except BaseException:
+        results.close()  # cancels the fetches not yet started
+        # Chunks in flight must not write into the caller's tensors after this returns: the
+        # caller is told which tensors were written, and may load them again right away.
+        with gate:
+            stopped = True
+            gate.wait_for(lambda: writers == 0)
+        raise
     for i, dest in wanted.items():
         if dest is not None and fill[i] is not dest:
+            touched.add(i)
             dest.copy_(fill[i])
     return out

@@ -51,8 +51,24 @@ def _check_tensor(t: torch.Tensor, path: tuple) -> None:
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """The JSON tree of ``state`` and its tensors (numpy arrays as tensors), in tree order."""
     tensors: list[torch.Tensor] = []
+    active: dict[int, tuple] = {}  # id of each container being walked -> its path
 
     def walk(value: Any, path: tuple) -> Any:
+        if not (isinstance(value, (dict, list, tuple)) or is_stateful(value)):
+            return convert(value, path)
+        # A container inside itself would be walked forever (RecursionError): name the cycle.
+        seen = active.get(id(value))
+        if seen is not None:
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: the state refers to itself (a cycle back to {_path_str(seen)})"
+            )
+        active[id(value)] = path
+        try:
+            return convert(value, path)
+        finally:
+            del active[id(value)]
+
+    def convert(value: Any, path: tuple) -> Any:
         if isinstance(value, torch.Tensor):
             _check_tensor(value, path)
             tensors.append(value.detach())
@@ -125,6 +141,7 @@ class _Loader:
     def __init__(self, describe: Callable[[int], tuple[torch.dtype, list[int]]]) -> None:
         self.describe = describe
         self.dests: dict[int, torch.Tensor] = {}
+        self.paths: dict[int, str] = {}  # of each index in dests: where it is in the state
         self.templates: dict[tuple, Any] = {}
 
     def match(self, target: Any, node: Any, path: tuple) -> None:
@@ -144,6 +161,19 @@ class _Loader:
                 )
             if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
                 self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
+                self.paths[node["$t"]] = _path_str(path)
+        elif tag == "$np":
+            # Loaded as a new array, never in place; but an array of another shape or dtype
+            # is refused as a tensor is (any other target, None say, is simply replaced).
+            if isinstance(target, np.ndarray):
+                dtype, shape = self.describe(node["$np"])
+                saved = _numpy_dtype(dtype)
+                if list(target.shape) != shape or target.dtype != saved:
+                    raise UnsupportedStateError(
+                        f"{_path_str(path)}: checkpoint has a numpy array of "
+                        f"{saved if saved is not None else dtype} {tuple(shape)}, state has "
+                        f"{target.dtype} {tuple(target.shape)}"
+                    )
         elif tag == "$stateful":
             if target is _MISSING or not is_stateful(target):
                 raise UnsupportedStateError(
@@ -206,11 +236,20 @@ class _Loader:
         return decode_scalar(node)
 
 
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """The numpy dtype a saved tensor of ``dtype`` loads as (None: numpy has none)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
+
+
 def plan_load(
     target: Any, tree: Any, describe: Callable[[int], tuple[torch.dtype, list[int]]]
 ) -> _Loader:
     """Check ``target`` against the saved ``tree``; the result's ``dests`` maps saved tensor
-    indexes to the tensors of ``target`` they are loaded into (in place)."""
+    indexes to the tensors of ``target`` they are loaded into (in place), ``paths`` the same
+    indexes to where those tensors are in ``target`` (``model/0.weight``)."""
     loader = _Loader(describe)
     loader.match(target, tree, ())
     return loader

@@ -3,6 +3,7 @@
     python examples/train_gpt.py                         # trains, checkpoints to ./runs/gpt
     python examples/train_gpt.py --crash-at 130          # dies (SIGKILL) at step 130
     python examples/train_gpt.py                         # resumes from the latest commit
+                                                         # (an older one if it is corrupt)
 
 Every step prints ``step N loss L`` with the loss as an exact hex float, so two runs can be
 compared bit for bit. The checkpoint holds the model, the optimizer, every RNG and the step.
@@ -133,12 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last)
+    unloadable: list[int] = []
     if ckpt.latest() is not None:
-        step = ckpt.load(state)
+        # A newest step that is corrupt or misses chunks is skipped (with a warning) for the
+        # newest one that loads.
+        step = ckpt.load(state, fallback=True)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         print(f"resumed from step {step} ({args.ckpt})", flush=True)
+        # Steps are write-once: the ones skipped stay committed and are not saved again.
+        unloadable = [s for s in ckpt.steps() if s > step]
+        if unloadable:
+            print(f"steps {unloadable} could not be loaded and will not be saved again", flush=True)
     start = time.perf_counter()
     model.train()
     while progress["step"] < args.steps:
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.crash_at is not None and step == args.crash_at:
             print(f"crashing at step {step} (SIGKILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if step % args.every == 0:
+        if step % args.every == 0 and step not in unloadable:
             state["rng"] = {
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),
