@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import textwrap
 import uuid
@@ -20,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError
-from ckptstore.store import Store
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageAccessError
+from ckptstore.store import RetryPolicy, Store
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,16 @@ def _pos_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _storage_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -79,12 +90,15 @@ def _storage_option(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+_DEFAULT_TIMEOUT = RetryPolicy.total_s
 _URI_HELP = "the store: a local path, file://, memory://, s3://bucket/prefix, ..."
 
 _EPILOG_COMMON = """\
 Every command: --json prints one JSON object on stdout; --storage-option KEY=VALUE (repeatable,
 VALUE parsed as JSON when it is valid JSON) is passed to fsspec; S3 endpoints and credentials
-otherwise come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...).
+otherwise come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...);
+--timeout SECONDS bounds each storage request, retries included (default 30; large transfers
+get 1 s more per 2 MiB), so an endpoint that never answers fails the command, naming it.
 Exit status: 0 ok, 1 corrupt / missing / unreadable checkpoint or store, 2 usage error."""
 
 
@@ -101,7 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)",
     )
-    common.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    common.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"deadline of one storage request, retries included (default: {_DEFAULT_TIMEOUT:g})",
+    )
+    common.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress (INFO) and retried requests"
+    )
     common.add_argument(
         "--debug", action="store_true", help="log everything and show tracebacks of errors"
     )
@@ -299,23 +321,33 @@ def open_store(args: argparse.Namespace) -> Store:
     """The store of ``args.uri``; an error unless it exists (a missing local directory or
     bucket is "no checkpoints there", never an empty listing)."""
     options = dict(args.storage_options)
+    timeout = getattr(args, "timeout", None)
+    retry = RetryPolicy.within(timeout) if timeout else None
     try:
-        store = Store(args.uri, storage_options=options or None)
+        store = Store(args.uri, storage_options=options or None, retry=retry)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     except ImportError as exc:  # an fsspec backend whose package is not installed
         raise UsageError(f"cannot open store {args.uri!r}: {exc}") from exc
     if store.is_local:
-        if not os.path.exists(store.root):
-            raise CheckpointNotFoundError(f"no ckptstore checkpoints at {args.uri} (no such path)")
-        if not os.path.isdir(store.root):
+        try:
+            is_dir = stat.S_ISDIR(os.stat(store.root).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(
+                f"no ckptstore checkpoints at {args.uri} (no such path)"
+            ) from None
+        except PermissionError as exc:
+            raise StorageAccessError(
+                f"cannot open store {args.uri}: permission denied on {exc.filename or store.root}"
+            ) from exc
+        if not is_dir:
             raise CheckpointNotFoundError(
                 f"no ckptstore checkpoints at {args.uri} (a file, not a store directory)"
             )
-    else:
-        # A missing bucket or bad credentials fail here, clearly (listing only commits/: the
-        # whole prefix may hold millions of chunks).
-        store.list("commits")
+    # A missing bucket, bad credentials, an unreadable directory or an endpoint that does not
+    # answer fail here, clearly (listing only commits/: the whole prefix may hold millions of
+    # chunks).
+    store.list("commits")
     return store
 
 
@@ -790,6 +822,10 @@ def _setup_logging(args: argparse.Namespace) -> tuple[logging.Handler, int]:
         handler.addFilter(
             lambda r: r.levelno >= logging.WARNING or r.name.split(".")[0] == "ckptstore"
         )
+    if not (debug or verbose):
+        # Each failed attempt of a retried request: the command's error, if it comes to that,
+        # says how many were made (one line), and a request that succeeded needs no warning.
+        handler.addFilter(lambda r: not getattr(r, "ckptstore_retry", False))
     root = logging.getLogger()
     old_level = root.level
     root.addHandler(handler)

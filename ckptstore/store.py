@@ -4,8 +4,10 @@ Every request runs on a worker thread under a deadline and is retried with expon
 and full jitter when its error is transient (timeouts, connection resets, 5xx, SlowDown). Puts are
 write-once: local files are written to a temporary name, fsynced and hard-linked into place
 (atomic, fails if the name exists); S3 uses ``If-None-Match: *``; memory uses exclusive create.
-A hung request is abandoned after its deadline (its daemon thread is left to finish on its own),
-so no caller waits forever.
+A hung attempt is abandoned after its deadline (its daemon thread is left to finish on its own),
+and a whole request, retries included, ends within ``RetryPolicy.total_s`` (30 s by default, more
+for large transfers) with an error naming the endpoint, so no caller waits long for a store that
+does not answer.
 """
 
 from __future__ import annotations
@@ -54,12 +56,24 @@ _TRANSIENT_ERRNOS = {
     errno.EPIPE,
     errno.EREMOTEIO,
 }
+TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<uuid>`` and link it into place
+_MUTATING_OPS = frozenset({"put", "delete"})
+# No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
+_MIN_ATTEMPT_S = 0.5
+# Marks the log record of one failed attempt: the request's own error, if it comes to that, tells
+# the outcome (``ckptstore`` shows these only with -v).
+_RETRY_LOG = {"ckptstore_retry": True}
+_S3_PROTOCOLS = ("s3", "s3a")
 _TRANSIENT_NAME_HINTS = ("Timeout", "Connection", "ServerDisconnected", "SlowDown", "Throttl")
 
 
 @dataclass(kw_only=True)
 class RetryPolicy:
-    """How a request is retried and how long each attempt may take."""
+    """How a request is retried, how long each attempt may take and how long all of them may.
+
+    With the defaults a request to an endpoint that never answers fails after 30 s (three
+    attempts of 10 s), a request that fails quickly and transiently is tried up to 5 times.
+    """
 
     attempts: int = 5
     """Attempts per request, the first included."""
@@ -67,19 +81,40 @@ class RetryPolicy:
     """Backoff before the second attempt; doubles each time, with full jitter."""
     max_delay_s: float = 2.0
     """Upper bound of one backoff."""
-    timeout_s: float = 30.0
+    timeout_s: float = 10.0
     """Deadline of one attempt of a small request."""
+    total_s: float | None = 30.0
+    """Deadline of a whole small request: all its attempts, backoffs included, end within this
+    (None: only ``attempts`` bounds it). No attempt starts once it has passed, and the last
+    one is cut short to end by it."""
     min_bytes_per_s: float = 2 * 2**20
-    """Large transfers get ``size / min_bytes_per_s`` more seconds of deadline."""
+    """Large transfers get ``size / min_bytes_per_s`` more seconds, per attempt and in total."""
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
         if self.timeout_s <= 0:
             raise ValueError(f"RetryPolicy.timeout_s must be > 0, got {self.timeout_s}")
+        if self.total_s is not None and self.total_s <= 0:
+            raise ValueError(f"RetryPolicy.total_s must be > 0 or None, got {self.total_s}")
+
+    @classmethod
+    def within(cls, total_s: float, **kwargs: Any) -> RetryPolicy:
+        """The default policy with every request ending within ``total_s`` (large transfers
+        get more); an attempt may take the default ``timeout_s`` or ``total_s`` if less."""
+        kwargs.setdefault("timeout_s", min(cls.timeout_s, total_s))
+        return cls(total_s=total_s, **kwargs)
 
     def deadline_s(self, nbytes: int = 0) -> float:
+        """Deadline of one attempt of a request moving ``nbytes``."""
         return self.timeout_s + nbytes / self.min_bytes_per_s
+
+    def budget_s(self, nbytes: int = 0) -> float:
+        """The longest a request moving ``nbytes`` takes, all attempts and backoffs included."""
+        extra = nbytes / self.min_bytes_per_s
+        if self.total_s is not None:
+            return self.total_s + extra
+        return self.attempts * (self.timeout_s + extra) + (self.attempts - 1) * self.max_delay_s
 
     def backoff_s(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
@@ -198,6 +233,17 @@ def _is_access_error(exc: BaseException) -> bool:
     return False
 
 
+def _is_precondition_failed(exc: BaseException) -> bool:
+    """True if ``exc`` (or its cause) is an S3 ``412 PreconditionFailed`` answer."""
+    cause = exc.__cause__
+    response = getattr(cause, "response", None) if cause is not None else None
+    if not isinstance(response, dict):
+        return False
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return code == "PreconditionFailed" or status == 412
+
+
 _MEMORY_LOCK = threading.Lock()
 
 
@@ -254,6 +300,13 @@ class _BufferBody(io.BytesIO):
         return self._pos
 
 
+def _raise_unless_gone(exc: OSError) -> None:
+    """``os.walk``'s error handler: a directory that does not exist (or was removed while
+    walking) holds nothing; any other error (permission denied, I/O) is raised."""
+    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        raise exc
+
+
 class Backend:
     """Raw single-attempt access to one fsspec filesystem; paths are absolute for that fs."""
 
@@ -278,27 +331,35 @@ class Backend:
                     raise FileExistsError(path)
                 self.fs.pipe_file(path, bytes(data))
         elif self._is_s3:
-            self.fs.pipe_file(path, _BufferBody(data), mode="create")
+            try:
+                self.fs.pipe_file(path, _BufferBody(data), mode="create")
+            except OSError as exc:
+                # If-None-Match is the put's only condition; s3fs knows its failure as
+                # FileExistsError only when the server names the condition (SeaweedFS does not).
+                if not isinstance(exc, FileExistsError) and _is_precondition_failed(exc):
+                    raise FileExistsError(errno.EEXIST, f"{path} already exists") from exc
+                raise
         else:
             self.fs.pipe_file(path, data if isinstance(data, bytes) else bytes(data), mode="create")
 
     def _put_local(self, path: str, parts: list) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.link(tmp, path)  # atomic, fails with EEXIST: never clobbers
         finally:
+            # Also after a failed write (a full disk): a temporary left behind keeps it full.
             os.unlink(tmp)
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
@@ -338,16 +399,21 @@ class Backend:
 
     def exists(self, path: str) -> bool:
         if self.is_local:
-            return os.path.exists(path)
+            try:
+                os.stat(path)  # not os.path.exists: that says False where access is denied
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
         return self.fs.exists(path)
 
     def list(self, path: str) -> list[str]:
-        """Every object below ``path`` (recursive), as absolute fs paths."""
+        """Every object below ``path`` (recursive), as absolute fs paths; an error where a
+        directory cannot be read (a store that only looks empty would be worse)."""
         try:
             if self.is_local:
                 out = []
-                for dirpath, _, files in os.walk(path):
-                    out.extend(os.path.join(dirpath, f) for f in files if ".tmp-" not in f)
+                for dirpath, _, files in os.walk(path, onerror=_raise_unless_gone):
+                    out.extend(os.path.join(dirpath, f) for f in files if TMP_MARK not in f)
                 return out
             self.fs.invalidate_cache(path)
             return list(self.fs.find(path, withdirs=False))
@@ -392,13 +458,19 @@ class Store:
             raise ValueError("store URI is empty")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.retry = retry or RetryPolicy()
+        options = dict(storage_options or {})
+        if fsspec.core.split_protocol(uri)[0] in _S3_PROTOCOLS:
+            options = _bounded_s3_options(options, self.retry)
         try:
-            fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+            fs, root = fsspec.core.url_to_fs(uri, **options)
         except (ValueError, ImportError) as exc:
             raise ValueError(f"cannot open store {uri!r}: {exc}") from exc
         self.uri = uri
         self.root = root.rstrip("/")
-        self.retry = retry or RetryPolicy()
+        # Where requests go, for messages: the S3 endpoint URL, the directory of a local store.
+        self.endpoint = describe_endpoint(fs, self.root)
+        self._remote = not isinstance(fs, (LocalFileSystem, MemoryFileSystem))
         self.max_concurrency = max_concurrency
         backend = Backend(fs)
         if faults is not None:
@@ -408,6 +480,8 @@ class Store:
         self.backend = backend
         if not 0 <= thread_nice <= 19:
             raise ValueError(f"thread_nice must be within [0, 19], got {thread_nice}")
+        self._abandoned: set[Future] = set()
+        self._abandoned_lock = threading.Condition()
         self._workers = ElasticPool(f"ckptstore-io[{uri}]", nice=thread_nice)
         self._callers = ElasticPool(f"ckptstore-req[{uri}]", nice=thread_nice)
 
@@ -430,11 +504,21 @@ class Store:
     def _request(self, op: str, key: str, fn: Callable[..., R], *args: Any, nbytes: int = 0) -> R:
         policy = self.retry
         last: BaseException | None = None
+        budget = policy.budget_s(nbytes)
+        end = time.monotonic() + budget
+        floor = min(_MIN_ATTEMPT_S, policy.timeout_s / 4)
+        made = 0
         for attempt in range(policy.attempts):
             if attempt:
-                time.sleep(policy.backoff_s(attempt - 1))
+                delay = policy.backoff_s(attempt - 1)
+                if time.monotonic() + delay + floor >= end:
+                    break  # no time left for another attempt: the request's deadline is near
+                time.sleep(delay)
+            deadline = min(policy.deadline_s(nbytes), end - time.monotonic())
+            if made and deadline < floor:
+                break
+            made += 1
             future = self._workers.submit(fn, *args)
-            deadline = policy.deadline_s(nbytes)
             try:
                 # exception(), not result(): re-raising the worker's error here would add this
                 # thread's frames to its traceback, and with them the caller's locals (a chunk's
@@ -442,11 +526,20 @@ class Store:
                 # one for every error), to be freed only by the cyclic GC.
                 error = future.exception(timeout=deadline)
             except TimeoutError:
-                future.cancel()
+                if not future.cancel() and op in _MUTATING_OPS:
+                    self._track_abandoned(future)
                 last = StorageTimeoutError(
-                    f"{op} {self.url(key)}: no answer within {deadline:.1f}s"
+                    f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
                 )
-                logger.warning("%s %s: attempt %d timed out", op, self.url(key), attempt + 1)
+                logger.warning(
+                    "%s %s: attempt %d timed out after %.1fs%s",
+                    op,
+                    self.url(key),
+                    made,
+                    deadline,
+                    self._from(),
+                    extra=_RETRY_LOG,
+                )
                 continue
             if error is None:
                 return future.result()
@@ -454,18 +547,49 @@ class Store:
                 raise self._translate(op, key, error) from error
             last = error
             logger.warning(
-                "%s %s: attempt %d failed (%s)%s",
+                "%s %s: attempt %d failed (%s)",
                 op,
                 self.url(key),
-                attempt + 1,
+                made,
                 error,
-                ", retrying" if attempt + 1 < policy.attempts else "",
+                extra=_RETRY_LOG,
             )
+        tries = f"{made} attempt{'s' if made != 1 else ''}"
         if isinstance(last, StorageTimeoutError):
-            raise StorageTimeoutError(f"{last} ({policy.attempts} attempts)") from last
+            waited = budget - max(0.0, end - time.monotonic())
+            raise StorageTimeoutError(
+                f"{op} {self.url(key)}: no answer within {waited:.1f}s{self._from()} ({tries})"
+            ) from last
+        where = f" (endpoint {self.endpoint})" if self._remote else ""
         raise StorageError(
-            f"{op} {self.url(key)} failed after {policy.attempts} attempts: {_describe(last)}"
+            f"{op} {self.url(key)} failed after {tries}{where}: {_describe(last)}"
         ) from last
+
+    def _from(self) -> str:
+        """`` from <endpoint>`` for a remote store (messages about requests with no answer)."""
+        return f" from {self.endpoint}" if self._remote else ""
+
+    def _track_abandoned(self, future: Future) -> None:
+        """Remember a put or delete that outlived its deadline: it may still land."""
+        with self._abandoned_lock:
+            self._abandoned.add(future)
+        future.add_done_callback(self._forget_abandoned)
+
+    def _forget_abandoned(self, future: Future) -> None:
+        with self._abandoned_lock:
+            self._abandoned.discard(future)
+            if not self._abandoned:
+                self._abandoned_lock.notify_all()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every put or delete this store gave up on has really ended; False if
+        some are still running after ``timeout_s``.
+
+        A request abandoned at its deadline keeps running and may land later. Garbage
+        collection calls this before it lets savers reuse chunks again, so that a delete it
+        issued cannot land after a new save referenced the chunk."""
+        with self._abandoned_lock:
+            return self._abandoned_lock.wait_for(lambda: not self._abandoned, timeout=timeout_s)
 
     def _translate(self, op: str, key: str, exc: BaseException) -> BaseException:
         where = self.url(key)
@@ -478,8 +602,15 @@ class Store:
                 return ObjectNotFoundError(f"{op} {where}: the bucket does not exist")
             return ObjectNotFoundError(f"{where} does not exist")
         if _is_access_error(exc):
+            if self._remote:
+                return StorageAccessError(
+                    f"{op} {where}: access denied or no credentials at {self.endpoint} "
+                    f"({_describe(exc)})"
+                )
+            denied = getattr(exc, "filename", None)
+            on = f" on {denied}" if denied and denied != where else ""
             return StorageAccessError(
-                f"{op} {where}: access denied or no credentials ({_describe(exc)})"
+                f"{op} {where}: permission denied{on} (running as {_whoami()})"
             )
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return StorageError(f"{op} {where}: no space left on device")
@@ -539,6 +670,26 @@ class Store:
         cut = len(self.root) + 1
         return sorted(p[cut:] if p.startswith(self.root + "/") else p for p in paths)
 
+    def stale_temporaries(self, *, older_than_s: float) -> list[str]:
+        """Keys of local put temporaries (``<key>.tmp-<uuid>``) not modified for
+        ``older_than_s``: left by a writer that died mid-put. Always empty elsewhere."""
+        if not self.is_local:
+            return []
+        cut = len(self.root) + 1
+        now = time.time()
+        out = []
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                if TMP_MARK not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if now - os.stat(path).st_mtime >= older_than_s:
+                        out.append(path[cut:])
+                except FileNotFoundError:
+                    continue
+        return sorted(out)
+
     def delete(self, key: str) -> None:
         """Remove ``key``; a key that is already gone is not an error."""
         self._request("delete", key, self.backend.delete, self.path(key))
@@ -573,6 +724,50 @@ class Store:
     def check_reachable(self) -> None:
         """Raise a clear error now if the store cannot be listed (bad bucket, credentials)."""
         self.list("")
+
+
+def describe_endpoint(fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """A readable name of where ``fs``'s requests go: the endpoint URL of an S3 filesystem
+    (from its options or ``AWS_ENDPOINT_URL[_S3]``; ``AWS S3`` if none), a local directory."""
+    if isinstance(fs, LocalFileSystem):
+        return root
+    if isinstance(fs, MemoryFileSystem):
+        return "memory"
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if any(p in _S3_PROTOCOLS for p in protocols):
+        client_kwargs = getattr(fs, "client_kwargs", None) or {}
+        return (
+            getattr(fs, "endpoint_url", None)
+            or client_kwargs.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "AWS S3"
+        )
+    return f"{protocols[0]}://"
+
+
+def _bounded_s3_options(options: dict[str, Any], policy: RetryPolicy) -> dict[str, Any]:
+    """``options`` with botocore's connect and read timeouts no longer than an attempt's
+    deadline and botocore's own retries off (this module retries), where the caller set none.
+
+    Otherwise botocore waits 60 s per read and retries 4 times, inside each attempt and inside
+    s3fs's own 5 retries: an attempt abandoned at its deadline would go on in the background
+    for many minutes, holding a pooled connection. Bounded, it ends within about 5 x
+    (connect + read timeout)."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", min(5.0, policy.timeout_s))
+    config.setdefault("read_timeout", policy.timeout_s)
+    config.setdefault("retries", {"total_max_attempts": 1})
+    return {**options, "config_kwargs": config}
+
+
+def _whoami() -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(os.geteuid()).pw_name!r}"
+    except (ImportError, KeyError, AttributeError):
+        return f"uid {os.geteuid()}" if hasattr(os, "geteuid") else "this user"
 
 
 def _describe(exc: BaseException | None) -> str:
