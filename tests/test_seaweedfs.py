@@ -94,11 +94,12 @@ def test_listing_an_emptied_prefix_finds_nothing(seaweed_uri, seaweed_storage_op
 # test_crash's writer, with a lease ttl of its own: a writer killed during retention leaves a
 # live gc lease, which holds the next writer's saves until it lapses (120 s by default).
 WRITER = r"""
-import sys, torch
+import inspect, sys, torch
 from ckptstore import Checkpointer
+leases = "lease_ttl_s" in inspect.signature(Checkpointer).parameters
 ckpt = Checkpointer(
     sys.argv[1], chunk_bytes=256 * 1024, keep_last=int(sys.argv[2]) or None,
-    lease_ttl_s=float(sys.argv[3]),
+    **({"lease_ttl_s": float(sys.argv[3])} if leases else {}),
 )
 step = (ckpt.latest() or 0) + 1
 while True:
