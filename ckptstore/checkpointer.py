@@ -8,6 +8,9 @@ One save goes through these stages; only the first runs on the caller's thread::
     put      write-once upload of new chunks, then the rank's index     (store concurrency)
     commit   ranks exchange index refs; rank 0 writes the manifest last, then applies retention
 
+Each rank holds a save lease from before it looks for stored chunks until the step's commit is
+decided, so garbage collection never deletes a chunk the save reuses (``ckptstore.commit``).
+
 Errors of the background stages are raised by ``handle.wait()``, ``wait()`` and the next
 ``save()``. With ``torch.distributed`` initialised, every rank calls ``save`` with the same step;
 each writes its own chunks and index and rank 0 commits once all have succeeded.
@@ -15,15 +18,15 @@ each writes its own chunks and index and rank 0 commits once all have succeeded.
 
 from __future__ import annotations
 
-import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import json
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptstore.commit import DEFAULT_GC_WAIT_S, begin_save, commit_step, retain
 from ckptstore.errors import (
     CheckpointError,
-    ObjectExistsError,
-    StepExistsError,
     UnsupportedStateError,
 )
 from ckptstore.format import (
@@ -42,18 +44,16 @@ from ckptstore.format import (
     Manifest,
     RankIndex,
     check_step,
-    commit_key,
-    encode_manifest,
     encode_rank_index,
     list_steps,
     load_manifest,
     load_rank_index,
     object_ref,
-    pending_key,
     rank_index_key,
     resolve_step,
 )
 from ckptstore.hedge import Hedger
+from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import (
     CompressionGovernor,
@@ -64,7 +64,6 @@ from ckptstore.pipeline import (
     tensor_entries,
     write_chunks,
 )
-from ckptstore.retention import collect
 from ckptstore.staging import Stager, StagingPool
 from ckptstore.state import finish_load, flatten, plan_load, tensor_indexes
 from ckptstore.store import RetryPolicy, Store, niced, set_thread_nice
@@ -157,7 +156,8 @@ class Checkpointer:
             ``"wait"``s for it, or is ``"skip"``ped with a warning.
         encode_threads: chunks hashed/encoded/uploaded at once (default: cores, at least 4).
         max_concurrency: storage requests in flight at once.
-        timeout_s: deadline of one storage request (large transfers get more).
+        timeout_s: deadline of one storage request, its retries included (large transfers get
+            1 s more per 2 MiB): a store that never answers fails the call after about this long.
         hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
         staging: ``"host"`` (staged copies in this process's memory), or ``"peer"``: each rank
             also sends its staged state to a guard rank one node over, which keeps the latest
@@ -171,6 +171,11 @@ class Checkpointer:
             the store's threads, when the checkpointer opens the store), so that where the
             training loop's own threads need the cores they get them first and saves take
             longer (Linux; 0, the default, leaves priorities alone).
+        lease_ttl_s: a save in flight renews its lease every ``lease_ttl_s / 4``; a lease not
+            renewed for ``lease_ttl_s`` marks a dead writer, whose leftovers gc then removes.
+            A save whose lease could not be renewed for half of it is not committed.
+        gc_wait_s: how long a save waits for a garbage collection of the store to finish
+            before failing.
     """
 
     def __init__(
@@ -185,14 +190,18 @@ class Checkpointer:
         when_busy: str = "wait",
         encode_threads: int | None = None,
         max_concurrency: int = 16,
-        timeout_s: float = 60.0,
+        timeout_s: float = 30.0,
         hedge_uploads: bool | None = None,
         staging: str = "host",
         ranks_per_node: int | None = None,
         process_group: Any = None,
         store: Store | None = None,
         background_nice: int = 0,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+        gc_wait_s: float = DEFAULT_GC_WAIT_S,
     ) -> None:
+        if lease_ttl_s <= 0 or gc_wait_s < 0:
+            raise ValueError("lease_ttl_s must be > 0 and gc_wait_s >= 0")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if when_busy not in ("wait", "skip"):
@@ -204,13 +213,15 @@ class Checkpointer:
         self.store = store or Store(
             uri,
             storage_options=storage_options,
-            retry=RetryPolicy(timeout_s=timeout_s),
+            retry=RetryPolicy.within(timeout_s),
             max_concurrency=max_concurrency,
             thread_nice=background_nice,
         )
         self._save_thread_nice = niced(background_nice)
         self.keep_last = keep_last
         self.when_busy = when_busy
+        self.lease_ttl_s = lease_ttl_s
+        self.gc_wait_s = gc_wait_s
         if hedge_uploads is None:
             hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
         self.hedger = Hedger() if hedge_uploads else None
@@ -224,7 +235,7 @@ class Checkpointer:
             budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
         )
         self._stager = Stager()
-        self._group = _Group(process_group, timeout_s=max(timeout_s * 10, 600.0))
+        self._group = _Group(process_group, timeout_s=max(timeout_s * 20, 600.0))
         self.rank = self._group.rank
         if self._group.active and when_busy == "skip":
             raise ValueError(
@@ -245,13 +256,16 @@ class Checkpointer:
         self._saves = 0
         self.skipped_saves = 0
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._error: BaseException | None = None
+        self._error: tuple[int, BaseException] | None = None  # (step, error) of a failed save
         self._last: SaveHandle | None = None
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._worker.start()
         self._closed = False
-        # A script that ends right after save() must not lose that save.
-        atexit.register(self._close_at_exit)
+        # A script that ends right after save() must not lose that save. Threading's exit hooks
+        # run before atexit's, last registered first: this one runs while concurrent.futures
+        # still accepts work (s3fs resolves hosts through an executor).
+        this = weakref.ref(self)
+        threading._register_atexit(lambda: (c := this()) is not None and c._close_at_exit())
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -259,8 +273,8 @@ class Checkpointer:
         """Stage ``state`` and return; it is persisted and committed in the background."""
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
-        self._raise_background_error()
         check_step(step)
+        self._raise_background_error(f"step {step} was not saved")
         t0 = time.perf_counter()
         tree, tensors = flatten(state)
         user = json.loads(json.dumps(metadata or {}))
@@ -298,74 +312,241 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def load(self, state: Any, step: int | str = "latest") -> int:
+    def load(self, state: Any, step: int | str = "latest", *, fallback: bool = False) -> int:
         """Load ``step`` into ``state`` in place (tensors copied into, stateful objects
-        given ``load_state_dict``); returns the step loaded."""
-        chosen: Any = None
+        given ``load_state_dict``); returns the step loaded.
+
+        With ``fallback=True`` (``step`` must be ``"latest"``) a committed step that cannot be
+        loaded because it is corrupt or misses objects (``CheckpointCorruptError`` or
+        ``CheckpointNotFoundError``, also when raised as ``PartialLoadError``) is skipped, with
+        one warning naming it and why, and the next older committed step is tried. If none
+        loads, the error names every step and why (``CheckpointNotFoundError`` when each missed
+        objects, else ``CheckpointCorruptError``). Any other error (a state that does not match
+        the checkpoint, storage that cannot be reached) is raised at once, as without fallback.
+
+        With ``torch.distributed`` initialised every rank calls ``load`` and the ranks agree on
+        the outcome: a step is loaded only if it loads on every rank; otherwise every rank
+        raises (naming the ranks that failed and why) or, with fallback, every rank goes on to
+        the same older step.
+
+        A failed load: tensors are filled in place as their chunks arrive, each chunk once its
+        hash checked out; non-tensor values are set and ``load_state_dict`` called only after
+        every tensor of the step loaded, on every rank. A load that fails before any byte
+        reached the state raises its error and leaves the state untouched; one that fails after
+        raises ``PartialLoadError``, whose ``written`` names the tensors that received bytes
+        (each may hold a mix of two steps) while nothing else was changed: load again (with
+        ``fallback=True`` an older step overwrites them) or rebuild the state before going on.
+        (Verifying every chunk before writing any would take a second state-sized buffer or a
+        second read of every chunk.)
+        """
+        from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError
+
+        if fallback and step not in (None, "latest"):
+            raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
+        candidates: Any = None
         if self.rank == 0:
             try:
-                chosen = resolve_step(self.store, step)
-            except CheckpointError as exc:
-                chosen = exc
-        chosen = self._group.broadcast(chosen)
-        if isinstance(chosen, BaseException):
-            raise chosen
-        manifest = load_manifest(self.store, chosen)
-        if manifest.kind != KIND_STATE:
-            raise UnsupportedStateError(
-                f"step {chosen} in {self.store.uri} was saved through DCP; load it with "
-                "torch.distributed.checkpoint.load(..., storage_reader=ckptstore.dcp.StoreReader(...))"
+                if fallback:
+                    candidates = list_steps(self.store)[::-1]
+                    if not candidates:
+                        raise CheckpointNotFoundError(
+                            f"no committed checkpoint in {self.store.uri}"
+                        )
+                else:
+                    candidates = [resolve_step(self.store, step)]
+            except (CheckpointError, ValueError) as exc:
+                candidates = exc
+        candidates = self._group.broadcast(candidates)
+        if isinstance(candidates, BaseException):
+            raise candidates
+        dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it last received
+        skipped: list[tuple[int, BaseException]] = []
+        for chosen in candidates:
+            error, skippable, written = self._load_step(state, chosen, dirty)
+            if error is None:
+                return chosen
+            dirty.update(dict.fromkeys(written, chosen))
+            if not (fallback and skippable):
+                raise self._load_failed(error, dirty)
+            skipped.append((chosen, error))
+            logger.warning(
+                "rank %d: step %d in %s cannot be loaded, trying an older step: %s",
+                self.rank,
+                chosen,
+                self.store.uri,
+                self._one_line(error),
             )
-        if manifest.world_size != self._group.world_size:
-            raise UnsupportedStateError(
-                f"step {chosen} was saved by {manifest.world_size} rank(s), loading with "
-                f"{self._group.world_size}: resharding is done through ckptstore.dcp"
-            )
-        if self._peers is not None:
-            replica = self._peers.fetch(chosen)
-            if replica is not None:
-                buffer, meta = replica
-                tensors = tensors_from_replica(buffer, meta)
-                loader = plan_load(
-                    state, meta["tree"], lambda i: (tensors[i].dtype, list(tensors[i].shape))
+        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
+        missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
+        error = (CheckpointNotFoundError if missing else CheckpointCorruptError)(
+            f"no committed step in {self.store.uri} could be loaded, every one failed: {every}"
+        )
+        raise self._load_failed(error, dirty)
+
+    def _load_step(
+        self, state: Any, step: int, dirty: dict[str, int]
+    ) -> tuple[BaseException | None, bool, list[str]]:
+        """One attempt at loading ``step`` into ``state``, its outcome agreed by every rank:
+        the error this rank raises (None: loaded), whether every rank's failure was corrupt or
+        missing data (then an older step may load), and the paths of the tensors it wrote."""
+        error: BaseException | None = None
+        try:
+            manifest = load_manifest(self.store, step)
+            if manifest.kind != KIND_STATE:
+                raise UnsupportedStateError(
+                    f"step {step} in {self.store.uri} was saved through DCP; load it with "
+                    "torch.distributed.checkpoint.load(..., "
+                    "storage_reader=ckptstore.dcp.StoreReader(...))"
                 )
-                kinds = tensor_indexes(meta["tree"])
+            if manifest.world_size != self._group.world_size:
+                raise UnsupportedStateError(
+                    f"step {step} was saved by {manifest.world_size} rank(s), loading with "
+                    f"{self._group.world_size}: resharding is done through ckptstore.dcp"
+                )
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
+            error = exc
+        replica = None
+        if self._peers is not None:
+            agreed = self._agree(step, error)  # fetching a replica is collective
+            if agreed is not None:
+                return (*agreed, [])
+            replica = self._peers.fetch(step)
+        # Plan: which saved tensor lands in which tensor of the state. Nothing is written yet.
+        if error is None:
+            try:
+                if replica is not None:
+                    buffer, meta = replica
+                    tensors = tensors_from_replica(buffer, meta)
+                    tree = meta["tree"]
+
+                    def describe(i: int):
+                        return tensors[i].dtype, list(tensors[i].shape)
+                else:
+                    index = load_rank_index(self.store, manifest, self.rank)
+                    tree = index.tree
+
+                    def describe(i: int):
+                        entry = index.tensors[i]
+                        return parse_dtype(entry.dtype), entry.shape
+
+                loader = plan_load(state, tree, describe)
+                kinds = tensor_indexes(tree)
+                stale = sorted(set(dirty) - set(loader.paths.values()))
+                if stale:
+                    failed = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
+                    raise UnsupportedStateError(
+                        f"step {step} has no tensor for {self._some(stale)}, which the failed load "
+                        f"of step {failed} wrote into: loading it cannot make the state whole"
+                    )
+            except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
+                error = exc
+        agreed = self._agree(step, error)
+        if agreed is not None:
+            return (*agreed, [])
+        # Read: the state's tensors are filled in place, chunk by verified chunk.
+        written: set[int] = set()
+        try:
+            if replica is not None:
                 for i, dest in loader.dests.items():
+                    written.add(i)
                     dest.copy_(tensors[i])
                     tensors[i] = dest
-                values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items()}
-                finish_load(loader, state, meta["tree"], values)
-                self.last_load_source = "peer"
-                logger.info("rank %d: loaded step %d from its guard's memory", self.rank, chosen)
-                return chosen
-        index = load_rank_index(self.store, manifest, self.rank)
+            else:
+                wanted = {i: loader.dests.get(i) for i in kinds}
+                tensors = read_tensors(self.store, index, wanted, self.config, written=written)
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
+            error = exc
+        paths = sorted(loader.paths[i] for i in written)
+        agreed = self._agree(step, error)
+        if agreed is not None:
+            return (*agreed, paths)
+        # Every rank has every tensor: only now are values set and load_state_dict called.
+        values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items()}
+        finish_load(loader, state, tree, values)
+        if replica is not None:
+            self.last_load_source = "peer"
+            logger.info("rank %d: loaded step %d from its guard's memory", self.rank, step)
+        else:
+            self.last_load_source = "storage"
+            logger.info("rank %d: loaded step %d from %s", self.rank, step, self.store.uri)
+        return None, True, paths
 
-        def describe(i: int):
-            entry = index.tensors[i]
-            return parse_dtype(entry.dtype), entry.shape
+    def _agree(self, step: int, error: BaseException | None) -> tuple[BaseException, bool] | None:
+        """Every rank's outcome of a phase of loading ``step``: None if it went well on every
+        rank, else the error this rank raises and whether every failure was corrupt or missing
+        data (both the same on every rank)."""
+        from ckptstore import errors
 
-        loader = plan_load(state, index.tree, describe)
-        kinds = tensor_indexes(index.tree)
-        loaded = read_tensors(
-            self.store, index, {i: loader.dests.get(i) for i in kinds}, self.config
+        def missing_or_corrupt(exc: BaseException) -> bool:
+            return isinstance(exc, (errors.CheckpointCorruptError, errors.CheckpointNotFoundError))
+
+        if not self._group.active:
+            return None if error is None else (error, missing_or_corrupt(error))
+        mine = None
+        if error is not None:
+            kind = next(
+                (c for c in type(error).__mro__ if c.__module__ == errors.__name__),
+                errors.CheckpointError,
+            )
+            mine = (kind, self._one_line(error), missing_or_corrupt(error))
+        failed = [(r, o) for r, o in enumerate(self._group.gather(mine)) if o is not None]
+        if not failed:
+            return None
+        skippable = all(o[2] for _, o in failed)
+        if error is not None and not isinstance(error, Exception):
+            return error, skippable  # KeyboardInterrupt and the like stay what they are
+        why = "; ".join(f"rank {r}: {o[1]}" for r, o in failed[:4])
+        if len(failed) > 4:
+            why += f"; and {len(failed) - 4} more rank(s)"
+        message = (
+            f"step {step} failed to load on {len(failed)} of {self._group.world_size} "
+            f"rank(s): {why}"
         )
-        values = {i: (t.numpy() if kinds[i] else t) for i, t in loaded.items()}
-        finish_load(loader, state, index.tree, values)
-        self.last_load_source = "storage"
-        logger.info("rank %d: loaded step %d from %s", self.rank, chosen, self.store.uri)
-        return chosen
+        try:
+            agreed = failed[0][1][0](message)
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            agreed = errors.CheckpointError(message)
+        agreed.__cause__ = error
+        return agreed, skippable
+
+    def _load_failed(self, error: BaseException, dirty: dict[str, int]) -> BaseException:
+        """``error``, or, if a failed load wrote into tensors of the state, a PartialLoadError
+        naming them."""
+        if not dirty or not isinstance(error, Exception):
+            return error
+        from ckptstore.errors import PartialLoadError
+
+        steps = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
+        partial = PartialLoadError(
+            f"{error} -- the state is partly overwritten: {self._some(sorted(dirty))} received bytes "
+            f"of step {steps} before the load failed (no non-tensor value was set and no "
+            "load_state_dict() called); load again or rebuild the state before going on",
+            written=sorted(dirty),
+        )
+        partial.__cause__ = error
+        return partial
+
+    @staticmethod
+    def _one_line(error: BaseException) -> str:
+        return " ".join(str(error).split()) or type(error).__name__
+
+    @staticmethod
+    def _some(paths: list[str], shown: int = 8) -> str:
+        more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+        return ", ".join(paths[:shown]) + more
 
     def close(self) -> None:
         """Wait for pending saves and stop the background thread."""
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._close_at_exit)
         self._jobs.put(None)
         self._worker.join()
         self._raise_background_error()
 
     def _close_at_exit(self) -> None:
+        if self._closed:
+            return
         try:
             self.close()
         except Exception as exc:  # noqa: BLE001 - nothing is left to raise to at exit
@@ -379,10 +560,14 @@ class Checkpointer:
 
     # -- background ---------------------------------------------------------------------------
 
-    def _raise_background_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+    def _raise_background_error(self, consequence: str | None = None) -> None:
+        if self._error is None:
+            return
+        (step, error), self._error = self._error, None
+        if consequence is None:
             raise error
+        kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        raise kind(f"{consequence}: the save of step {step} failed: {error}") from error
 
     def _run(self) -> None:
         set_thread_nice(self._save_thread_nice)
@@ -396,12 +581,12 @@ class Checkpointer:
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
                 logger.error("rank %d: save of step %d failed: %s", self.rank, job.step, exc)
                 if self._error is None:
-                    self._error = exc
+                    self._error = (job.step, exc)
                 job.handle._future.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
         store = self.store
-        marker = pending_key(job.step, job.attempt, self.rank)
+        lease = None
         ref: Any
         try:
             try:
@@ -409,7 +594,15 @@ class Checkpointer:
                 if self._peers is not None:
                     meta = replica_meta(job.tensors, job.layout.offsets, job.tree)
                     self._peers.exchange(job.step, job.staged.buffer, meta)
-                store.put(marker, self._marker(job))
+                lease = begin_save(
+                    store,
+                    step=job.step,
+                    attempt=job.attempt,
+                    rank=self.rank,
+                    kind=KIND_STATE,
+                    ttl_s=self.lease_ttl_s,
+                    gc_wait_s=self.gc_wait_s,
+                )
                 digests, chunks = write_chunks(
                     store,
                     job.staged.buffer.numpy(),
@@ -431,6 +624,7 @@ class Checkpointer:
             data = encode_rank_index(index)
             key = rank_index_key(job.step, job.attempt, self.rank)
             store.put(key, data)
+            lease.check()
             sizes = {d: (c.raw, c.stored) for d, c in chunks.items()}
             ref = (object_ref(key, data), sizes)
         except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
@@ -444,30 +638,18 @@ class Checkpointer:
                 outcome = CheckpointError(f"step {job.step}: rank {rank} failed: {error}")
                 outcome.__cause__ = error
             else:
-                outcome = self._commit(job, refs)
+                outcome = self._commit(job, refs, lease)
         outcome = self._group.broadcast(outcome)
-        try:
-            store.delete(marker)
-        except CheckpointError as exc:
-            logger.warning("rank %d: could not delete %s: %s", self.rank, marker, exc)
+        if lease is not None:
+            lease.release()
         if isinstance(ref, BaseException):
             raise ref
         if isinstance(outcome, BaseException):
             raise outcome
+        if self.rank == 0:
+            retain(store, keep_last=self.keep_last, attempt=job.attempt, ttl_s=self.lease_ttl_s)
 
-    def _marker(self, job: _Job) -> bytes:
-        return json.dumps(
-            {
-                "step": job.step,
-                "attempt": job.attempt,
-                "rank": self.rank,
-                "created_at": time.time(),
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-            }
-        ).encode()
-
-    def _commit(self, job: _Job, refs: list) -> BaseException | None:
+    def _commit(self, job: _Job, refs: list, lease: Any) -> BaseException | None:
         unique: dict[str, tuple[int, int]] = {}
         for _, sizes in refs:
             unique.update(sizes)
@@ -482,12 +664,8 @@ class Checkpointer:
             user=job.user,
         )
         try:
-            self.store.put(commit_key(job.step), encode_manifest(manifest), verify_readback=True)
-        except ObjectExistsError:
-            return StepExistsError(
-                f"step {job.step} is already committed in {self.store.uri} (by another writer "
-                "or an earlier run); steps are write-once"
-            )
+            lease.check()
+            commit_step(self.store, manifest)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank
             return exc
         logger.info(
@@ -497,13 +675,6 @@ class Checkpointer:
             manifest.raw_bytes,
             manifest.stored_bytes,
         )
-        if self.keep_last is not None:
-            try:
-                collect(self.store, keep_last=self.keep_last, ignore_attempts={job.attempt})
-            except BaseException as exc:  # noqa: BLE001 - the step is committed; gc can wait
-                logger.warning(
-                    "retention in %s failed (will retry next save): %s", self.store.uri, exc
-                )
         return None
 
 

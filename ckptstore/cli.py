@@ -265,9 +265,10 @@ examples:
         """
         Keep the newest K committed steps; delete the older ones (their manifests first, so
         each disappears atomically), then the indexes and chunks nothing kept references.
-        While another save is in flight (a pending marker younger than 6 h exists) the sweep of
-        chunks is skipped, and the command says so: run it again later. Markers older than that
-        are a crashed writer's and are removed. --dry-run lists what would go, deleting nothing.
+        While another save is in flight (it holds a lease it renews every 30 s) the sweep of
+        chunks is skipped, and the command says so: run it again later. A lease not renewed for
+        its ttl (2 min by default) is a dead writer's: its leftovers are removed. Saves that start
+        during the sweep wait for it. --dry-run lists what would go, deleting nothing.
         """,
         """
           ckptstore gc /ckpt/run7 --keep-last 3 --dry-run
@@ -356,7 +357,9 @@ def _looks_like_store(store: Store) -> bool:
     keys = store.list("")
     if not keys:
         return True
-    return any(k.split("/", 1)[0] in ("commits", "chunks", "steps", "pending") for k in keys)
+    return any(
+        k.split("/", 1)[0] in ("commits", "chunks", "steps", "leases", "pending") for k in keys
+    )
 
 
 @contextmanager
@@ -398,7 +401,6 @@ def _resolve(store: Store, step: int | None) -> int:
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     from ckptstore._inspect import manifest_summary, message
     from ckptstore.format import list_steps, load_manifest
-    from ckptstore.retention import DEFAULT_PENDING_GRACE_S
 
     steps = list_steps(store)
 
@@ -409,7 +411,7 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
             return {"step": step, "error": message(exc)}
 
     rows = list(store.map(one, steps))
-    pending = _pending(store, DEFAULT_PENDING_GRACE_S)
+    pending = _pending(store)
     bad = [r for r in rows if "error" in r]
     if args.json:
         _emit_json(
@@ -448,42 +450,61 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 )
             )
         for p in pending:
-            state = "stale (crashed writer?)" if p["stale"] else "in flight"
-            age = f"started {p['age_s']:.0f}s ago" if p["age_s"] is not None else "unreadable"
-            print(
-                f"pending: step {p['step']} rank {p['rank']} attempt {p['attempt']}: save "
-                f"{state}, {age} ({p['key']})"
-            )
+            if p["kind"] == "gc":
+                what = "gc"
+            else:
+                what = f"step {p['step']} rank {p['rank']} attempt {p['attempt']}: save"
+            state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"
+            age = f"renewed {p['age_s']:.0f}s ago" if p["age_s"] is not None else "unreadable"
+            print(f"pending: {what} {state}, {age} ({p['key']})")
     if bad:
         raise _Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
     return 0
 
 
-def _pending(store: Store, grace_s: float) -> list[dict[str, Any]]:
+def _pending(store: Store) -> list[dict[str, Any]]:
+    """Saves and gcs in flight (live leases) and dead ones (stale leases)."""
     import time
 
+    from ckptstore.leases import find_leases
+    from ckptstore.retention import LEGACY_PENDING_GRACE_S
+
     out = []
-    now = time.time()
-    for key in store.list("pending"):
-        info: dict[str, Any] = {}
+    for lease in sorted(find_leases(store), key=lambda lease: lease.key):
+        age = lease.age_s
+        out.append(
+            {
+                "key": lease.key,
+                "kind": lease.kind,
+                "step": lease.doc.get("step"),
+                "attempt": lease.doc.get("attempt"),
+                "rank": lease.doc.get("rank"),
+                "host": lease.doc.get("host"),
+                "renewed_at": lease.doc.get("renewed_at"),
+                "age_s": round(age, 1) if age is not None else None,
+                "stale": not lease.live,
+            }
+        )
+    for key in store.list("pending"):  # markers of ckptstore versions before leases
+        info: Any = {}
         try:
             info = json.loads(store.get(key))
         except (CheckpointError, OSError, ValueError):
             pass
-        if not isinstance(info, dict):
-            info = {}
+        info = info if isinstance(info, dict) else {}
         created = info.get("created_at")
-        age = now - float(created) if isinstance(created, (int, float)) else None
+        age = time.time() - float(created) if isinstance(created, (int, float)) else None
         out.append(
             {
                 "key": key,
+                "kind": "save",
                 "step": info.get("step"),
                 "attempt": info.get("attempt"),
                 "rank": info.get("rank"),
                 "host": info.get("host"),
-                "created_at": created,
+                "renewed_at": created,
                 "age_s": round(age, 1) if age is not None else None,
-                "stale": age is None or age >= grace_s,
+                "stale": age is None or age >= LEGACY_PENDING_GRACE_S,
             }
         )
     return out
@@ -803,7 +824,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         print(
             f"{verb} {report.deleted_chunks} unreferenced chunk(s) "
             f"({human_bytes(report.deleted_chunk_bytes)}) and {report.deleted_other} other "
-            "object(s) (old indexes, stale pending markers)"
+            "object(s) (indexes of old or failed saves, dead writers' leases and temporaries)"
         )
     return 0
 

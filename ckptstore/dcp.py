@@ -8,8 +8,12 @@ replicated items, resharding of DTensor / ShardedTensor state at load time).
 
 A save goes through these calls (all ranks unless noted)::
 
-    prepare_global_plan  (coordinator) pick the step (given, or latest committed + 1) and a
-                         fresh attempt id; hand both to every rank in SavePlan.storage_data
+    reset                (only when DCP is given a checkpoint_id) this save's step, or a store
+                         URI that replaces the store
+    prepare_global_plan  (coordinator) pick the step (this save's, else the writer's ``step``,
+                         else the next free one: after the latest committed step and after
+                         every step this writer planned) and a fresh attempt id; hand both
+                         to every rank in SavePlan.storage_data
     stage                (dcp.async_save only, on the caller's thread) copy the state's tensors
                          into the writer's pooled staging buffer and hand DCP that copy
     write_data           pending marker -> resolve + stage the items -> chunks -> rank index;
@@ -30,13 +34,10 @@ import bisect
 import dataclasses
 import gc
 import io
-import json
 import logging
 import os
 import pickle
-import socket
 import threading
-import time
 import uuid
 import weakref
 from collections import Counter
@@ -63,10 +64,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from ckptstore.commit import begin_save, commit_step, retain
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    ObjectExistsError,
     StepExistsError,
     UnsupportedStateError,
 )
@@ -78,17 +79,16 @@ from ckptstore.format import (
     check_step,
     commit_key,
     dcp_metadata_key,
-    encode_manifest,
     encode_rank_index,
     list_steps,
     load_manifest,
     load_rank_index,
     object_ref,
-    pending_key,
     rank_index_key,
     read_object,
     resolve_step,
 )
+from ckptstore.leases import DEFAULT_TTL_S, Lease
 from ckptstore.pipeline import (
     CompressionGovernor,
     Layout,
@@ -99,7 +99,6 @@ from ckptstore.pipeline import (
     tensor_entries,
     write_chunks,
 )
-from ckptstore.retention import collect
 from ckptstore.staging import StagedCopy, Stager, StagingPool
 from ckptstore.store import RetryPolicy, Store
 
@@ -109,6 +108,8 @@ __all__ = ["StoreWriter", "StoreReader", "load_full_state_dict", "storage_key"]
 
 # Metadata.version as written by torch's own FileSystemWriter (the DCP layout version we mimic).
 _DCP_VERSION = "1.0.0"
+# How long stage() waits for the previous async save to hand the staging buffer back.
+_STAGING_WAIT_S = 60.0
 
 
 def storage_key(index: MetadataIndex) -> str:
@@ -127,7 +128,7 @@ def _open_store(
     return Store(
         uri,
         storage_options=storage_options,
-        retry=RetryPolicy(timeout_s=timeout_s),
+        retry=RetryPolicy.within(timeout_s),
         max_concurrency=max_concurrency,
     )
 
@@ -138,6 +139,21 @@ def _validate_uri(checkpoint_id: str | os.PathLike) -> bool:
     except Exception:  # noqa: BLE001 - any failure means "not ours to handle"
         return False
     return True
+
+
+def _checkpoint_step(checkpoint_id: Any) -> int | None:
+    """The step a DCP ``checkpoint_id`` names for ``StoreWriter``, or None for a store URI.
+
+    An ``int`` or a ``str`` of ASCII digits (``"1000"``) is a step; any other ``str`` or
+    ``os.PathLike`` is a store URI (name a local directory called ``1000`` as ``"./1000"`` or
+    ``Path("1000")``). Anything else, or a step out of range, is a ``ValueError``."""
+    if isinstance(checkpoint_id, str):
+        if checkpoint_id.isascii() and checkpoint_id.isdigit():
+            return check_step(int(checkpoint_id))
+        return None
+    if isinstance(checkpoint_id, os.PathLike):
+        return None
+    return check_step(checkpoint_id)  # an int (bools and negative ints are refused)
 
 
 @dataclass(frozen=True)
@@ -172,16 +188,32 @@ class StoreWriter(StorageWriter, AsyncStager):
     It is also DCP's ``AsyncStager``: ``dcp.async_save`` stages through ``stage()``, one copy into
     a staging buffer allocated once and reused (pinned, filled on a side stream, with CUDA), and
     the background save encodes from that buffer without copying again. A second ``async_save``
-    waits in ``stage()`` while the previous one still holds the buffer.
+    waits in ``stage()`` while the previous one still holds the buffer. Keep one writer for
+    every save of a run: back-to-back ``async_save`` calls need not wait for each other's
+    futures, and each save can name its own step.
+
+    The step of each save is, in this order:
+
+    * the ``checkpoint_id`` given to ``dcp.save`` / ``dcp.async_save`` when it is an ``int`` or
+      a ``str`` of digits: ``dcp.async_save(sd, storage_writer=writer, checkpoint_id=1000)``
+      commits step 1000 in the writer's store (a ``checkpoint_id`` applies to that save only);
+    * else the writer's ``step`` (the constructor argument; an attribute);
+    * else the next free step: the latest committed step + 1, and after every step this
+      writer has planned, so saves still in flight get distinct increasing steps (0 in an
+      empty store). The coordinator decides, so every rank agrees.
+
+    Any other ``checkpoint_id`` (a ``str`` that is not all digits, or an ``os.PathLike``) is a
+    store URI, as for torch's own writers: it replaces the writer's store, and the step is
+    chosen as if no ``checkpoint_id`` were given. A local directory named ``1000`` is therefore
+    passed as ``"./1000"`` or ``Path("1000")``. Steps are write-once: saving a committed step
+    fails with ``StepExistsError`` (wrapped by DCP in a ``CheckpointException``) and leaves
+    the committed step untouched.
 
     Args:
         uri: the store (local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, ...).
-            A ``checkpoint_id`` passed to ``dcp.save`` is a store URI too and replaces ``uri``.
-        step: the step to commit; ``None`` means the latest committed step + 1 (0 in an empty
-            store), decided once by the coordinator so every rank agrees. Steps are write-once:
-            saving an existing step fails with ``StepExistsError`` (wrapped by DCP in a
-            ``CheckpointException``) and leaves the committed step untouched. With a fixed
-            ``step`` the writer can therefore be used for one save only.
+        step: the step of every save that names none through its ``checkpoint_id``; ``None``
+            (the default) means the next free step. Saves without a ``checkpoint_id`` on a
+            writer with a fixed ``step`` all target that step, so only the first can commit.
         compression / chunk_bytes / encode_threads: how chunks are cut and encoded (see
             ``PipelineConfig``); ``"auto"`` compresses while that is faster than storing the
             bytes it saves, as ``Checkpointer`` does.
@@ -207,10 +239,13 @@ class StoreWriter(StorageWriter, AsyncStager):
         encode_threads: int | None = None,
         keep_last: int | None = None,
         max_concurrency: int = 16,
-        timeout_s: float = 60.0,
+        timeout_s: float = 30.0,
         store: Store | None = None,
+        lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         super().__init__()
+        self.lease_ttl_s = lease_ttl_s
+        self._leases: dict[str, Lease] = {}  # coordinator: by attempt, until its commit
         if step is not None:
             check_step(step)
         if keep_last is not None and keep_last < 1:
@@ -235,6 +270,14 @@ class StoreWriter(StorageWriter, AsyncStager):
         self.save_id = uuid.uuid4().hex
         self._target: _SaveTarget | None = None
         self.saved_step: int | None = None
+        # The step a save's checkpoint_id named, set by reset() and taken by the same save's
+        # prepare_global_plan. DCP calls both on the thread running that save (each async_save
+        # has a thread of its own), so overlapping saves cannot take each other's step.
+        self._requested = threading.local()
+        # Per store URI, the highest step this writer planned (coordinator): a step=None save
+        # goes after it even while the save that planned it has not committed yet.
+        self._planned: dict[str, int] = {}
+        self._plan_lock = threading.Lock()
 
     # -- AsyncStager (dcp.async_save) --------------------------------------------------------
 
@@ -257,14 +300,14 @@ class StoreWriter(StorageWriter, AsyncStager):
         buffer = self.pool.acquire(layout.total_bytes, block=False)
         if buffer is None:
             gc.collect()  # a failed save's staged state may be waiting in a reference cycle
-            buffer = self.pool.acquire(layout.total_bytes, timeout_s=self._timeout_s)
+            buffer = self.pool.acquire(layout.total_bytes, timeout_s=_STAGING_WAIT_S)
         pool: StagingPool | None = self.pool
         if buffer is None:
             logger.warning(
                 "rank %d: the previous async save still holds the staging buffer after %.0fs; "
                 "staging this one in a new buffer",
                 self.rank,
-                self._timeout_s,
+                _STAGING_WAIT_S,
             )
             pool = None
             buffer = torch.empty(
@@ -287,22 +330,43 @@ class StoreWriter(StorageWriter, AsyncStager):
 
     # -- StorageWriter ----------------------------------------------------------------------
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Start a new save; a ``checkpoint_id`` is a store URI that replaces the current one."""
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
+    def reset(self, checkpoint_id: int | str | os.PathLike | None = None) -> None:
+        """Start a new save. DCP calls this only when given a ``checkpoint_id``: an ``int`` or a
+        ``str`` of digits is this save's step (same store); another ``str`` or an
+        ``os.PathLike`` is a store URI that replaces the current store."""
+        try:
+            step = None if checkpoint_id is None else _checkpoint_step(checkpoint_id)
+        except ValueError as exc:
+            raise ValueError(
+                f"StoreWriter: checkpoint_id {checkpoint_id!r} is neither a step (an int or a "
+                f"string of digits) nor a store URI: {exc}"
+            ) from None
+        if (
+            step is None
+            and checkpoint_id is not None
+            and os.fspath(checkpoint_id) != self.store.uri
+        ):
             self.store = _open_store(
                 checkpoint_id, self.storage_options, self._max_concurrency, self._timeout_s
             )
+        self._requested.step = step
         self.save_id = uuid.uuid4().hex
         self._target = None
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True when ``checkpoint_id`` is a URI fsspec can resolve to a filesystem."""
+    def validate_checkpoint_id(cls, checkpoint_id: int | str | os.PathLike) -> bool:
+        """True when ``checkpoint_id`` is a step (an ``int`` or a ``str`` of digits) or a URI
+        fsspec can resolve to a filesystem."""
+        try:
+            if _checkpoint_step(checkpoint_id) is not None:
+                return True
+        except (TypeError, ValueError):
+            return False
         return _validate_uri(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str:
+        """The store's URI (DCP logs it); the step of the last save is ``saved_step``."""
         return self.store.uri
 
     def storage_meta(self) -> StorageMeta | None:
@@ -321,17 +385,25 @@ class StoreWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.step is None:
-            steps = list_steps(self.store)
-            step = steps[-1] + 1 if steps else 0
-        else:
+        # This save's checkpoint_id step (taken, so a later save that names none on this
+        # thread does not inherit it), else the writer's fixed step, else the next free one.
+        step = getattr(self._requested, "step", None)
+        self._requested.step = None
+        if step is None:
             step = self.step
-            if self.store.exists(commit_key(step)):
+        uri = self.store.uri
+        with self._plan_lock:
+            if step is None:
+                steps = list_steps(self.store)
+                step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
+            elif self.store.exists(commit_key(step)):
                 raise StepExistsError(
-                    f"step {step} is already committed in {self.store.uri}; steps are write-once"
+                    f"step {step} is already committed in {uri}; steps are write-once"
                 )
+            self._planned[uri] = max(step, self._planned.get(uri, -1))
         target = _SaveTarget(step=step, attempt=uuid.uuid4().hex)
         self._target = target
+        self._begin_lease(target)
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
             self.rank,
@@ -351,7 +423,8 @@ class StoreWriter(StorageWriter, AsyncStager):
         if self.store.exists(commit_key(target.step)):
             raise StepExistsError(
                 f"rank {self.rank}: step {target.step} is already committed in {self.store.uri} "
-                "(another writer committed it meanwhile, or DCP plan caching reused an old "
+                "(another writer, or another save naming the same step, committed it "
+                "meanwhile; or DCP plan caching reused an old "
                 "plan: enable_plan_caching is not supported by StoreWriter)"
             )
         self._target = target
@@ -394,19 +467,12 @@ class StoreWriter(StorageWriter, AsyncStager):
                 raw_bytes=sum(w.raw_bytes for w in refs.values()),
                 stored_bytes=sum(w.stored_bytes for w in refs.values()),
             )
-            try:
-                store.put(commit_key(target.step), encode_manifest(manifest), verify_readback=True)
-            except ObjectExistsError as exc:
-                raise StepExistsError(
-                    f"step {target.step} is already committed in {store.uri} (by another writer "
-                    "or an earlier run); steps are write-once"
-                ) from exc
+            lease = self._leases.get(target.attempt)
+            if lease is not None:
+                lease.check()
+            commit_step(store, manifest)
         finally:
-            for rank in refs:
-                try:
-                    store.delete(pending_key(target.step, target.attempt, rank))
-                except CheckpointError as exc:
-                    logger.warning("rank %d: could not delete pending marker: %s", rank, exc)
+            self._release_lease(target.attempt)
         logger.info(
             "rank %d: committed DCP step %d to %s (%d ranks, %d bytes raw, %d stored)",
             self.rank,
@@ -417,11 +483,28 @@ class StoreWriter(StorageWriter, AsyncStager):
             manifest.stored_bytes,
         )
         self.saved_step = target.step
-        if self.keep_last is not None:
-            try:
-                collect(store, keep_last=self.keep_last, ignore_attempts={target.attempt})
-            except Exception as exc:  # noqa: BLE001 - the step is committed; gc can wait
-                logger.warning("retention in %s failed (will retry next save): %s", store.uri, exc)
+        retain(store, keep_last=self.keep_last, attempt=target.attempt, ttl_s=self.lease_ttl_s)
+
+    # -- the save lease (coordinator) --------------------------------------------------------
+
+    def _begin_lease(self, target: _SaveTarget) -> None:
+        """Take the save's lease before any rank looks for stored chunks (prepare_global_plan
+        runs before DCP hands the ranks their plans); it covers every rank until the commit.
+        A save that fails on another rank never reaches ``finish``: its lease is held until
+        this process ends, which delays sweeps but never endangers a step."""
+        self._leases[target.attempt] = begin_save(
+            self.store,
+            step=target.step,
+            attempt=target.attempt,
+            rank=self.rank,
+            kind=KIND_DCP,
+            ttl_s=self.lease_ttl_s,
+        )
+
+    def _release_lease(self, attempt: str) -> None:
+        lease = self._leases.pop(attempt, None)
+        if lease is not None:
+            lease.release()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -429,21 +512,6 @@ class StoreWriter(StorageWriter, AsyncStager):
         self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
     ) -> list[WriteResult]:
         store, rank = self.store, self.rank
-        marker = pending_key(target.step, target.attempt, rank)
-        store.put(
-            marker,
-            json.dumps(
-                {
-                    "step": target.step,
-                    "attempt": target.attempt,
-                    "rank": rank,
-                    "created_at": time.time(),
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "kind": KIND_DCP,
-                }
-            ).encode(),
-        )
         try:
             tensors = [_resolve(item, planner) for item in items]
             staged = self._take_staged(tensors)
@@ -462,11 +530,7 @@ class StoreWriter(StorageWriter, AsyncStager):
             key = rank_index_key(target.step, target.attempt, rank)
             store.put(key, data)
         except BaseException:
-            # The coordinator will not commit; drop the marker so gc is not held back by it.
-            try:
-                store.delete(marker)
-            except CheckpointError as exc:
-                logger.warning("rank %d: could not delete %s: %s", rank, marker, exc)
+            self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise
         ref = object_ref(key, data)
         raw = sum(c.raw for c in chunks.values())
@@ -490,9 +554,14 @@ class StoreWriter(StorageWriter, AsyncStager):
     def _write_copied(self, tensors: list[torch.Tensor], *, pooled: bool):
         """Copy ``tensors`` into a staging buffer and write its chunks; (entries, chunks)."""
         layout = plan_layout(tensors, self.config)
-        if pooled:
-            buffer = self.pool.acquire(layout.total_bytes)
-        else:
+        buffer = self.pool.acquire(layout.total_bytes, block=False) if pooled else None
+        if pooled and buffer is None:
+            gc.collect()  # a failed async save's staged state may hold the buffer in a cycle
+            buffer = self.pool.acquire(layout.total_bytes, block=False)
+        # The pool saves allocations; with its buffer still held (a caller keeping a failed
+        # async save's error alive), waiting could be forever: use a buffer of this save's own.
+        pooled = buffer is not None
+        if buffer is None:
             buffer = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8)
         try:
             self._stager.copy(buffer, tensors, layout.offsets).wait()
@@ -685,7 +754,7 @@ class StoreReader(StorageReader):
         read_concurrency: int = 8,
         read_batch_bytes: int = 1 << 30,
         max_concurrency: int = 16,
-        timeout_s: float = 60.0,
+        timeout_s: float = 30.0,
         store: Store | None = None,
     ) -> None:
         super().__init__()

@@ -62,3 +62,8 @@ class StorageTimeoutError(StorageError, TimeoutError):
 
 class StorageAccessError(StorageError, PermissionError):
     """Credentials are missing or do not grant access."""
+
+
+class CommitUnknownError(StorageError):
+    """A step's commit failed ambiguously and reading it back failed too: whether the step is
+    committed is unknown until the store answers (``ckptstore ls`` tells)."""

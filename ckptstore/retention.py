@@ -1,31 +1,31 @@
 """Retention and garbage collection: drop old steps, then chunks no kept step references.
 
 Order matters for crash safety: a step's manifest is deleted first (the step disappears
-atomically), then its indexes, then unreferenced chunks. Chunks are swept only when no other
-save is in flight: every save writes a ``pending/`` marker before it looks at existing chunks and
-deletes it after its commit, and the sweep is skipped while a marker younger than
-``pending_grace_s`` exists (an older one is a crashed writer's and is removed).
+atomically), then its indexes, then unreferenced chunks. Chunks are swept under a ``gc`` lease
+and only while no live ``save`` lease exists (``leases`` explains why that is safe against a
+concurrent save); stale leases, objects of attempts that never committed and, on local paths,
+temporaries of dead writers go in the same sweep.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from ckptstore.errors import CheckpointError
-from ckptstore.format import (
-    commit_key,
-    list_steps,
-    load_manifest,
-    load_rank_index,
-)
+from ckptstore.format import commit_key, list_steps, load_manifest, load_rank_index
+from ckptstore.leases import DEFAULT_TTL_S, GC, SAVE, Lease, delete_stale, find_leases
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PENDING_GRACE_S = 6 * 3600.0
+LEGACY_PENDING_GRACE_S = 6 * 3600.0
+"""``pending/`` markers were written by ckptstore before leases; one younger than this may be
+an older writer's save in flight."""
 
 
 @dataclass
@@ -40,53 +40,57 @@ class GcReport:
     dry_run: bool = False
 
 
-def live_pending(
-    store: Store, grace_s: float, ignore: set[str] = frozenset()
-) -> tuple[list[str], list[str]]:
-    """Keys of pending markers (live, stale), leaving out attempts in ``ignore``."""
-    live, stale = [], []
-    now = time.time()
-    for key in store.list("pending"):
-        if any(a in key for a in ignore):
-            continue
-        try:
-            created = float(json.loads(store.get(key)).get("created_at", 0))
-        except (CheckpointError, ValueError, AttributeError):
-            created = 0.0
-        (live if now - created < grace_s else stale).append(key)
-    return live, stale
-
-
 def collect(
     store: Store,
     *,
     keep_last: int | None,
     dry_run: bool = False,
-    pending_grace_s: float = DEFAULT_PENDING_GRACE_S,
     ignore_attempts: set[str] = frozenset(),
+    lease_ttl_s: float = DEFAULT_TTL_S,
+    settle_timeout_s: float = 60.0,
 ) -> GcReport:
-    """Keep the newest ``keep_last`` steps (all if None); sweep what nothing kept references."""
+    """Keep the newest ``keep_last`` steps (all if None); sweep what nothing kept references.
+
+    ``ignore_attempts``: save leases of these attempts do not block the sweep (the caller's own
+    save, committed already)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     steps = list_steps(store)
-    doomed = steps[:-keep_last] if keep_last is not None else []
-    report.kept_steps = [s for s in steps if s not in doomed]
-    report.deleted_steps = list(doomed)
-    kept = [load_manifest(store, s) for s in report.kept_steps]
-    kept_attempts = {m.attempt for m in kept}
-
+    doomed = set(steps[:-keep_last] if keep_last is not None else [])
+    report.deleted_steps = sorted(doomed)
     if not dry_run:
-        for step in doomed:
+        for step in report.deleted_steps:
             store.delete(commit_key(step))  # the step is gone from here on
             logger.info("gc %s: deleted step %d", store.uri, step)
+    lease = None
+    if not dry_run:
+        lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
+    try:
+        _sweep(store, report, doomed, ignore_attempts, lease_ttl_s)
+    finally:
+        if lease is not None:
+            _release_after_settling(store, lease, settle_timeout_s)
+    return report
 
-    live, stale = live_pending(store, pending_grace_s, ignore_attempts)
+
+def _sweep(
+    store: Store,
+    report: GcReport,
+    doomed: set[int],
+    ignore_attempts: set[str],
+    lease_ttl_s: float,
+) -> None:
+    saves = find_leases(store, SAVE)
+    live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
+    live += _legacy_pending(store)
+    # Listed after the save leases: a save that committed before that look is kept.
+    report.kept_steps = [s for s in list_steps(store) if s not in doomed]
     if live:
         report.blocked_by = live
         logger.info("gc %s: %d save(s) in flight, chunks not swept", store.uri, len(live))
-        return report
-
+        return
+    kept = [load_manifest(store, s) for s in report.kept_steps]
     referenced: set[str] = set()
     for manifest in kept:
         for rank in range(manifest.world_size):
@@ -97,28 +101,58 @@ def collect(
                     raise
                 continue  # DCP ranks that wrote nothing have no index
             referenced.update(index.chunks)
-    protected = kept_attempts | set(ignore_attempts)
-    victims = []
-    for key in store.list("steps"):
-        parts = key.split("/")
-        if len(parts) >= 3 and parts[2] not in protected:
-            victims.append(key)
+    protected = {m.attempt for m in kept} | set(ignore_attempts)
+    victims = [k for k in store.list("steps") if _attempt_of(k) not in protected]
     chunk_victims = [k for k in store.list("chunks") if k.rsplit("/", 1)[-1] not in referenced]
+    stale_leases = [s for s in saves if not s.live]
+    temporaries = store.stale_temporaries(older_than_s=lease_ttl_s)
     report.swept = True
     report.deleted_chunks = len(chunk_victims)
-    report.deleted_other = len(victims) + len(stale)
-    if dry_run:
+    report.deleted_other = len(victims) + sum(len(s.keys) for s in stale_leases) + len(temporaries)
+    if report.dry_run:
         report.deleted_chunk_bytes = sum(store.map(store.size, chunk_victims))
-        return report
-    # Last look before deleting: a save that started meanwhile keeps its chunks.
-    if live_pending(store, pending_grace_s, ignore_attempts)[0]:
-        report.swept = False
-        report.deleted_chunks = 0
-        return report
-    sizes = list(store.map(_delete_sized(store), chunk_victims))
-    report.deleted_chunk_bytes = sum(sizes)
-    list(store.map(store.delete, victims + stale))
-    return report
+        return
+    report.deleted_chunk_bytes = sum(store.map(_delete_sized(store), chunk_victims))
+    list(store.map(store.delete, victims + temporaries))
+    delete_stale(store, stale_leases)
+    delete_stale(store, [g for g in find_leases(store, GC) if not g.live])
+
+
+def _attempt_of(key: str) -> str | None:
+    parts = key.split("/")  # steps/<step>/<attempt>/...
+    return parts[2] if len(parts) >= 3 else None
+
+
+def _legacy_pending(store: Store) -> list[str]:
+    live = []
+    for key in store.list("pending"):
+        try:
+            created = float(json.loads(store.get(key)).get("created_at", 0))
+        except (CheckpointError, ValueError, AttributeError):
+            created = 0.0
+        if time.time() - created < LEGACY_PENDING_GRACE_S:
+            live.append(key)
+        else:
+            store.delete(key)
+    return live
+
+
+def _release_after_settling(store: Store, lease: Lease, timeout_s: float) -> None:
+    """Release the gc lease once no delete it issued can still land; if some are still
+    running after ``timeout_s``, the lease is kept (and renewed) until they end."""
+    if store.settle(timeout_s):
+        lease.release()
+        return
+    logger.warning(
+        "gc %s: deletes abandoned at their deadline are still running; saves wait until they end",
+        store.uri,
+    )
+
+    def release_later() -> None:
+        store.settle(None)
+        lease.release()
+
+    threading.Thread(target=release_later, name="ckptstore-gc-settle", daemon=True).start()
 
 
 def _delete_sized(store: Store):

@@ -416,7 +416,10 @@ class Backend:
                     out.extend(os.path.join(dirpath, f) for f in files if TMP_MARK not in f)
                 return out
             self.fs.invalidate_cache(path)
-            return list(self.fs.find(path, withdirs=False))
+            # Some stores (SeaweedFS) keep a directory after its last object is deleted, and
+            # s3fs's find() of an emptied prefix returns that directory despite withdirs=False.
+            found = self.fs.find(path, withdirs=False, detail=True)
+            return [name for name, info in found.items() if info.get("type") != "directory"]
         except FileNotFoundError as exc:
             if "bucket" in str(exc).lower():
                 raise

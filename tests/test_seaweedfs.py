@@ -75,13 +75,9 @@ def test_second_writer_of_a_committed_step_fails(seaweed_uri, seaweed_storage_op
     assert torch.equal(target["w"], torch.ones(10))
 
 
-@pytest.mark.xfail(
-    reason="SeaweedFS keeps a prefix as a directory after its last object is deleted; s3fs's "
-    "find() of a prefix with no objects falls back to info(), which finds that directory, and "
-    "returns it even with withdirs=False, so Store.list lists the prefix itself as a key",
-    strict=True,
-)
 def test_listing_an_emptied_prefix_finds_nothing(seaweed_uri, seaweed_storage_options):
+    """SeaweedFS keeps a prefix as a directory after its last object is deleted, and s3fs's
+    find() of an emptied prefix returns that directory despite withdirs=False."""
     store = Store(seaweed_uri, storage_options=seaweed_storage_options)
     store.put("d/x", b"1")
     store.put("e", b"2")

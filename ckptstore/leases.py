@@ -1,0 +1,268 @@
+"""Leases: how saves and garbage collection see each other on a store that has no locks.
+
+A lease is a small object a process renews while it works::
+
+    leases/<kind>/<holder>/<seq:012d>.json   {"kind", "holder", "renewed_at", "ttl_s", "host", ...}
+
+``kind`` is ``save`` (one per rank of a save in flight) or ``gc`` (a sweep of unreferenced
+chunks). Objects are write-once, so renewing writes sequence number ``seq + 1`` and then deletes
+``seq``; readers take the newest sequence of each holder. A lease whose ``renewed_at`` is older
+than its ``ttl_s`` is *stale*: its holder died (``kill -9``, a lost node) or lost the store. The
+lease of a process of this machine (same boot, same pid namespace) that no longer exists is stale
+at once.
+
+Both sides write their own lease first and look for the other's second (docs/FORMAT.md gives
+the argument), so a gc never deletes a chunk that a live save may reference:
+
+- a save, after acquiring its lease, waits while a live ``gc`` lease exists;
+- a gc, after acquiring its lease, sweeps nothing while a live ``save`` lease exists, and holds
+  its lease until every delete it issued has ended (a delete abandoned at its deadline may land
+  late, see ``Store.settle``).
+
+A holder whose renewals fail for ``ttl_s / 2`` considers its lease lost (readers on other hosts
+may judge it stale by then, allowing for clock skew below ``ttl_s / 4``); a save refuses to
+commit on a lost lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.errors import CheckpointError, StorageError
+from ckptstore.store import Store
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "leases"
+SAVE = "save"
+GC = "gc"
+DEFAULT_TTL_S = 120.0
+SEQ_DIGITS = 12
+
+
+class LeaseLostError(StorageError):
+    """A lease could not be renewed for long enough that others may consider it stale."""
+
+
+def _key(kind: str, holder: str, seq: int) -> str:
+    return f"{PREFIX}/{kind}/{holder}/{seq:0{SEQ_DIGITS}d}.json"
+
+
+class Lease:
+    """A lease held by this process, renewed by a background thread until ``release()``."""
+
+    def __init__(
+        self,
+        store: Store,
+        kind: str,
+        holder: str,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl_s must be > 0, got {ttl_s}")
+        self.store = store
+        self.kind = kind
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.info = dict(info or {})
+        self._seq = 0
+        self._renewed = 0.0  # monotonic time of the last successful write
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def key(self) -> str:
+        return _key(self.kind, self.holder, self._seq)
+
+    def _body(self) -> bytes:
+        doc = {
+            "kind": self.kind,
+            "holder": self.holder,
+            "renewed_at": time.time(),
+            "ttl_s": self.ttl_s,
+            **_process_identity(),
+            **self.info,
+        }
+        return json.dumps(doc).encode()
+
+    def acquire(self) -> Lease:
+        """Write the lease and start renewing it every ``ttl_s / 4``."""
+        t0 = time.monotonic()
+        self.store.put(self.key, self._body())
+        self._renewed = t0
+        self._thread = threading.Thread(
+            target=self._keep, name=f"ckptstore-lease-{self.kind}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.renew()
+            except CheckpointError as exc:
+                logger.warning("lease %s in %s not renewed: %s", self.key, self.store.uri, exc)
+
+    def renew(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            t0 = time.monotonic()
+            old = self.key
+            self.store.put(_key(self.kind, self.holder, self._seq + 1), self._body())
+            self._seq += 1
+            self._renewed = t0
+        try:
+            self.store.delete(old)
+        except CheckpointError as exc:  # readers take the newest sequence anyway
+            logger.debug("old lease %s not deleted: %s", old, exc)
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless the lease was renewed within ``ttl_s / 2``."""
+        age = time.monotonic() - self._renewed
+        if age > self.ttl_s / 2:
+            raise LeaseLostError(
+                f"lease {self.store.url(self.key)} not renewed for {age:.0f}s (ttl "
+                f"{self.ttl_s:g}s): garbage collection may consider this {self.kind} dead"
+            )
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease (a lease that can't be deleted goes stale)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.store.retry.deadline_s() * self.store.retry.attempts)
+        with self._lock:
+            try:
+                self.store.delete(self.key)
+            except CheckpointError as exc:
+                logger.warning(
+                    "lease %s not deleted (it goes stale in %.0fs): %s",
+                    self.store.url(self.key),
+                    self.ttl_s,
+                    exc,
+                )
+
+
+@dataclass
+class LeaseInfo:
+    """A lease found in the store: its newest object and whether its holder looks alive."""
+
+    kind: str
+    holder: str
+    key: str
+    keys: list[str]  # every sequence object of the holder (the newest last)
+    doc: dict[str, Any]
+    live: bool
+
+    @property
+    def age_s(self) -> float | None:
+        renewed = self.doc.get("renewed_at")
+        return time.time() - float(renewed) if isinstance(renewed, (int, float)) else None
+
+
+def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
+    """Every lease of ``kind`` (all kinds if None) in ``store``, live or stale.
+
+    A lease object that can't be read or parsed counts as live: better to sweep nothing than
+    to sweep under a save; it is named in ``ckptstore ls`` for an operator to judge."""
+    prefix = f"{PREFIX}/{kind}" if kind else PREFIX
+    holders: dict[tuple[str, str], list[str]] = {}
+    for key in store.list(prefix):
+        parts = key.split("/")
+        if len(parts) != 4 or not parts[3].endswith(".json"):
+            continue
+        holders.setdefault((parts[1], parts[2]), []).append(key)
+    return list(store.map(lambda item: _read(store, *item), holders.items()))
+
+
+def _read(store: Store, kind_holder: tuple[str, str], keys: list[str]) -> LeaseInfo:
+    kind, holder = kind_holder
+    keys = sorted(keys)
+    newest = keys[-1]
+    try:
+        doc = json.loads(store.get(newest))
+        live = time.time() - float(doc["renewed_at"]) < float(doc["ttl_s"])
+        live = live and not _holder_is_dead(doc)
+    except CheckpointError as exc:
+        if isinstance(exc, FileNotFoundError):  # renewed or released while we listed
+            doc, live = {"error": "gone"}, False
+        else:
+            raise
+    except (ValueError, KeyError, TypeError) as exc:
+        doc, live = {"error": f"unreadable lease: {exc}"}, True
+    return LeaseInfo(kind, holder, newest, keys, doc, live)
+
+
+def _boot_and_pid_namespace() -> tuple[str, int]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return "", 0
+
+
+def _process_identity() -> dict[str, Any]:
+    boot, pidns = _boot_and_pid_namespace()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot, "pidns": pidns}
+
+
+def _holder_is_dead(doc: dict[str, Any]) -> bool:
+    """True when the holder ran on this machine, in this boot and pid namespace, and its
+    process is gone: no need to wait out its ttl (a writer killed during gc, say)."""
+    boot, pidns = _boot_and_pid_namespace()
+    same_place = (
+        boot
+        and doc.get("boot_id") == boot
+        and doc.get("pidns") == pidns
+        and doc.get("host") == socket.gethostname()
+    )
+    if not same_place or not isinstance(doc.get("pid"), int):
+        return False
+    try:
+        os.kill(doc["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, owned by someone else
+        return False
+    return False
+
+
+def delete_stale(store: Store, leases: Iterable[LeaseInfo]) -> int:
+    """Delete the objects of stale leases; how many were deleted."""
+    keys = [k for lease in leases if not lease.live for k in lease.keys]
+    list(store.map(store.delete, keys))
+    return len(keys)
+
+
+def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
+    """Block while a live gc lease exists in ``store`` (a sweep in progress), at most
+    ``timeout_s``; the wait backs off from 50 ms to 2 s between looks."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        live = [lease for lease in find_leases(store, GC) if lease.live]
+        if not live:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            doc = live[0].doc
+            raise StorageError(
+                f"{what}: garbage collection by {doc.get('host', '?')} pid {doc.get('pid', '?')} "
+                f"has held {store.uri} for over {timeout_s:g}s ({store.url(live[0].key)}); "
+                "not saving while it may delete chunks"
+            )
+        logger.info("%s waits for garbage collection in %s to finish", what, store.uri)
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 2.0)
