@@ -444,6 +444,40 @@ def check_chunks(
         yield digest, error
 
 
+def verify_steps(
+    store: Store,
+    steps: list[int],
+    *,
+    read_concurrency: int = 8,
+    on_chunk: Callable[[int], None] | None = None,
+) -> list[StepCheck]:
+    """Re-check ``steps`` completely: manifests, rank indexes, DCP metadata, and every chunk
+    fetched, decoded and re-hashed once however many steps share it. Never stops at the first
+    problem; each :class:`StepCheck` lists its own."""
+    checks = [check_step_objects(store, step) for step in steps]
+    chunks: dict[str, ChunkInfo | None] = {}
+    for check in checks:
+        for digest, info in check.chunk_refs.items():
+            if chunks.get(digest) is None:
+                chunks[digest] = info
+    errors = dict(check_chunks(store, chunks, read_concurrency=read_concurrency, on_chunk=on_chunk))
+    for check in checks:
+        for digest in check.chunk_refs:
+            error = errors[digest]
+            if error is not None:
+                check.problems.append(
+                    Problem(
+                        check.step,
+                        chunk_key(digest),
+                        "chunk",
+                        classify(error),
+                        message(error),
+                        tensors=check.users.get(digest, []),
+                    )
+                )
+    return checks
+
+
 def message(exc: BaseException) -> str:
     """The first line of an error, for a one-line report."""
     text = str(exc).strip()

@@ -36,7 +36,10 @@ import torch.distributed as dist
 
 from ckptstore.commit import DEFAULT_GC_WAIT_S, begin_save, commit_step, retain
 from ckptstore.errors import (
+    CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
+    PartialLoadError,
     UnsupportedStateError,
 )
 from ckptstore.format import (
@@ -339,7 +342,6 @@ class Checkpointer:
         (Verifying every chunk before writing any would take a second state-sized buffer or a
         second read of every chunk.)
         """
-        from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError
 
         if fallback and step not in (None, "latest"):
             raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
@@ -475,18 +477,17 @@ class Checkpointer:
         """Every rank's outcome of a phase of loading ``step``: None if it went well on every
         rank, else the error this rank raises and whether every failure was corrupt or missing
         data (both the same on every rank)."""
-        from ckptstore import errors
 
         def missing_or_corrupt(exc: BaseException) -> bool:
-            return isinstance(exc, (errors.CheckpointCorruptError, errors.CheckpointNotFoundError))
+            return isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
 
         if not self._group.active:
             return None if error is None else (error, missing_or_corrupt(error))
         mine = None
         if error is not None:
             kind = next(
-                (c for c in type(error).__mro__ if c.__module__ == errors.__name__),
-                errors.CheckpointError,
+                (c for c in type(error).__mro__ if c.__module__ == CheckpointError.__module__),
+                CheckpointError,
             )
             mine = (kind, self._one_line(error), missing_or_corrupt(error))
         failed = [(r, o) for r, o in enumerate(self._group.gather(mine)) if o is not None]
@@ -505,7 +506,7 @@ class Checkpointer:
         try:
             agreed = failed[0][1][0](message)
         except Exception:  # noqa: BLE001 - an error class with another signature
-            agreed = errors.CheckpointError(message)
+            agreed = CheckpointError(message)
         agreed.__cause__ = error
         return agreed, skippable
 
@@ -514,8 +515,6 @@ class Checkpointer:
         naming them."""
         if not dirty or not isinstance(error, Exception):
             return error
-        from ckptstore.errors import PartialLoadError
-
         steps = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
         partial = PartialLoadError(
             f"{error} -- the state is partly overwritten: {self._some(sorted(dirty))} received bytes "
@@ -534,6 +533,30 @@ class Checkpointer:
     def _some(paths: list[str], shown: int = 8) -> str:
         more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
         return ", ".join(paths[:shown]) + more
+
+    def verify(self, step: int | str = "latest") -> None:
+        """Re-check ``step`` (``"all"``: every committed step) in full, as ``ckptstore verify``
+        does: every object read back and every chunk re-hashed. Raises
+        :class:`CheckpointCorruptError` (or :class:`CheckpointNotFoundError` when objects are
+        only missing) naming each problem; returns quietly when all is intact."""
+        from ckptstore._inspect import verify_steps
+
+        steps = list_steps(self.store) if step == "all" else [resolve_step(self.store, step)]
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
+        problems = [p for c in verify_steps(self.store, steps) for p in c.problems]
+        if not problems:
+            return
+        shown = "; ".join(
+            f"step {p.step}: {p.object} {p.problem} ({p.error})" for p in problems[:5]
+        )
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        kind = (
+            CheckpointNotFoundError
+            if all(p.problem == "missing" for p in problems)
+            else CheckpointCorruptError
+        )
+        raise kind(f"{len(problems)} problem(s) in {self.store.uri}: {shown}{more}")
 
     def close(self) -> None:
         """Wait for pending saves and stop the background thread."""

@@ -363,9 +363,10 @@ def _looks_like_store(store: Store) -> bool:
 
 
 @contextmanager
-def _progress(total: int, desc: str) -> Iterator[Callable[[int], Any]]:
-    """A byte progress bar on stderr when it is a terminal; otherwise a no-op callback."""
-    if total > 0 and sys.stderr.isatty():
+def _progress(total: int | None, desc: str) -> Iterator[Callable[[int], Any]]:
+    """A byte progress bar on stderr when it is a terminal (``total`` None: not known
+    ahead); otherwise a no-op callback."""
+    if (total is None or total > 0) and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(
@@ -560,8 +561,8 @@ def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, store: Store) -> int:
-    from ckptstore._inspect import Problem, check_chunks, check_step_objects, classify, message
-    from ckptstore.format import chunk_key, list_steps
+    from ckptstore._inspect import verify_steps
+    from ckptstore.format import list_steps
 
     if args.all:
         steps = list_steps(store)
@@ -569,35 +570,12 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
     else:
         steps = [_resolve(store, args.step)]
-    checks = [check_step_objects(store, step) for step in steps]
-    chunks: dict[str, Any] = {}
-    for check in checks:
-        for digest, info in check.chunk_refs.items():
-            if chunks.get(digest) is None:
-                chunks[digest] = info
-    errors: dict[str, BaseException | None] = {}
+    with _progress(None, "verify") as advance:
+        checks = verify_steps(
+            store, steps, read_concurrency=args.read_concurrency, on_chunk=advance
+        )
+    chunks = {d: i for c in checks for d, i in c.chunk_refs.items()}
     total = sum(info.raw for info in chunks.values() if info is not None)
-    with _progress(total, "verify") as advance:
-        for digest, error in check_chunks(
-            store, chunks, read_concurrency=args.read_concurrency, on_chunk=advance
-        ):
-            errors[digest] = error
-            if error is not None:
-                logger.info("chunk %s: %s", digest, error)
-    for check in checks:
-        for digest in check.chunk_refs:
-            error = errors[digest]
-            if error is not None:
-                check.problems.append(
-                    Problem(
-                        check.step,
-                        chunk_key(digest),
-                        "chunk",
-                        classify(error),
-                        message(error),
-                        tensors=check.users.get(digest, []),
-                    )
-                )
     problems = [p for c in checks for p in c.problems]
     if args.json:
         _emit_json(

@@ -326,3 +326,28 @@ def test_nonexistent_store_path_lists_nothing_and_loads_clearly(tmp_path):
         ckpt.load({})
     ckpt.close()
     assert not os.path.exists(tmp_path / "does-not-exist")
+
+
+def test_verify_checks_every_chunk_and_names_what_is_wrong(tmp_path):
+    ckpt = Checkpointer(tmp_path, chunk_bytes=4096, compression="none")
+    ckpt.save(1, {"w": torch.randn(4096)}).wait()
+    ckpt.save(2, {"w": torch.randn(4096)}).wait()
+    ckpt.verify()
+    ckpt.verify("all")
+    store = ckpt.store
+    from ckptstore.format import load_manifest, load_rank_index
+
+    index = load_rank_index(store, load_manifest(store, 2), 0)
+    first, second = sorted(index.chunks)[:2]
+    path = tmp_path / "chunks" / first[:2] / first
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ckpt.verify(1)  # step 1 shares no chunk with step 2
+    with pytest.raises(CheckpointCorruptError, match=f"step 2: chunks/{first[:2]}/{first} corrupt"):
+        ckpt.verify("all")
+    path.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF]))  # mended
+    (tmp_path / "chunks" / second[:2] / second).unlink()
+    with pytest.raises(CheckpointNotFoundError, match=f"{second} missing"):
+        ckpt.verify(2)
+    ckpt.close()
