@@ -77,10 +77,17 @@ GC_LOOP = textwrap.dedent(
 )
 
 
-def test_gc_in_another_process_never_removes_what_a_save_uses(tmp_path):
+@pytest.mark.parametrize(
+    "backend", ["local", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)]
+)
+def test_gc_in_another_process_never_removes_what_a_save_uses(tmp_path, request, backend):
     """Issue item 1: `gc --keep-last 5` in a loop beside a saver. The saver alternates between
     three contents, so most saves reuse chunks of steps that gc is deleting."""
-    uri = str(tmp_path / "store")
+    if backend == "seaweedfs":
+        request.getfixturevalue("seaweed_env")  # the gc subprocess inherits the environment
+        uri = request.getfixturevalue("seaweed_uri")
+    else:
+        uri = str(tmp_path / "store")
     contents = [torch.randn(65536, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     ckpt = Checkpointer(uri, chunk_bytes=16 << 10, compression="none")
     for step in range(30):  # a store with history
