@@ -350,6 +350,8 @@ class StoreWriter(StorageWriter, AsyncStager):
                 checkpoint_id, self.storage_options, self._max_concurrency, self._timeout_s
             )
         self._requested.step = step
+        self._requested.store = self.store
+        self._requested.fresh = True
         self.save_id = uuid.uuid4().hex
         self._target = None
 
@@ -370,7 +372,7 @@ class StoreWriter(StorageWriter, AsyncStager):
         return self.store.uri
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.store.uri, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -379,6 +381,12 @@ class StoreWriter(StorageWriter, AsyncStager):
                 "every rank's data"
             )
         self.is_coordinator = is_coordinator
+        if not getattr(self._requested, "fresh", False):
+            # No reset() for this save: a step named by an earlier save on this thread that
+            # failed before planning must not carry over.
+            self._requested.step = None
+            self._requested.store = None
+        self._requested.fresh = False
         self.rank = int(kwargs.get("rank", 0) or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -391,12 +399,12 @@ class StoreWriter(StorageWriter, AsyncStager):
         self._requested.step = None
         if step is None:
             step = self.step
-        uri = self.store.uri
+        uri = self._save_store().uri
         with self._plan_lock:
             if step is None:
-                steps = list_steps(self.store)
+                steps = list_steps(self._save_store())
                 step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
-            elif self.store.exists(commit_key(step)):
+            elif self._save_store().exists(commit_key(step)):
                 raise StepExistsError(
                     f"step {step} is already committed in {uri}; steps are write-once"
                 )
@@ -407,7 +415,7 @@ class StoreWriter(StorageWriter, AsyncStager):
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
             self.rank,
-            self.store.uri,
+            self._save_store().uri,
             step,
             target.attempt,
         )
@@ -420,9 +428,9 @@ class StoreWriter(StorageWriter, AsyncStager):
                 "SavePlan.storage_data was not set by StoreWriter.prepare_global_plan "
                 f"(got {type(target).__name__}); was the plan cached from another writer?"
             )
-        if self.store.exists(commit_key(target.step)):
+        if self._save_store().exists(commit_key(target.step)):
             raise StepExistsError(
-                f"rank {self.rank}: step {target.step} is already committed in {self.store.uri} "
+                f"rank {self.rank}: step {target.step} is already committed in {self._save_store().uri} "
                 "(another writer, or another save naming the same step, committed it "
                 "meanwhile; or DCP plan caching reused an old "
                 "plan: enable_plan_caching is not supported by StoreWriter)"
@@ -435,7 +443,7 @@ class StoreWriter(StorageWriter, AsyncStager):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        store = self.store
+        store = self._save_store()
         storage_data: dict[MetadataIndex, tuple[int, int]] = {}
         refs: dict[int, _Written] = {}
         for rank_results in results:
@@ -485,6 +493,11 @@ class StoreWriter(StorageWriter, AsyncStager):
         self.saved_step = target.step
         retain(store, keep_last=self.keep_last, attempt=target.attempt, ttl_s=self.lease_ttl_s)
 
+    def _save_store(self) -> Store:
+        """The store of the save running on this thread: the one its ``reset()`` named, so an
+        overlapping save that switches stores cannot redirect this one; else ``self.store``."""
+        return getattr(self._requested, "store", None) or self.store
+
     # -- the save lease (coordinator) --------------------------------------------------------
 
     def _begin_lease(self, target: _SaveTarget) -> None:
@@ -493,7 +506,7 @@ class StoreWriter(StorageWriter, AsyncStager):
         A save that fails on another rank never reaches ``finish``: its lease is held until
         this process ends, which delays sweeps but never endangers a step."""
         self._leases[target.attempt] = begin_save(
-            self.store,
+            self._save_store(),
             step=target.step,
             attempt=target.attempt,
             rank=self.rank,
@@ -511,7 +524,7 @@ class StoreWriter(StorageWriter, AsyncStager):
     def _write(
         self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
     ) -> list[WriteResult]:
-        store, rank = self.store, self.rank
+        store, rank = self._save_store(), self.rank
         try:
             tensors = [_resolve(item, planner) for item in items]
             staged = self._take_staged(tensors)
@@ -566,7 +579,7 @@ class StoreWriter(StorageWriter, AsyncStager):
         try:
             self._stager.copy(buffer, tensors, layout.offsets).wait()
             digests, chunks = write_chunks(
-                self.store, buffer.numpy(), layout, self.config, governor=self.governor
+                self._save_store(), buffer.numpy(), layout, self.config, governor=self.governor
             )
         finally:
             if pooled:
@@ -614,7 +627,11 @@ class StoreWriter(StorageWriter, AsyncStager):
                 chunks=[staged.layout.chunks[c] for c in sorted(needed)],
             )
             digests, chunks = write_chunks(
-                self.store, staged.buffer.numpy(), layout, self.config, governor=self.governor
+                self._save_store(),
+                staged.buffer.numpy(),
+                layout,
+                self.config,
+                governor=self.governor,
             )
         finally:
             staged.release()

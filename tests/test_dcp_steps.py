@@ -253,3 +253,17 @@ def test_two_ranks_overlapping_async_saves(tmp_path):
     full = torch.arange(48.0).reshape(8, 6)
     for step, factor in [(0, 1), (1, 2), (100, 1), (200, 2)]:
         _assert_step_holds(uri, step, {"w": full * factor, "tag": factor - 1})
+
+
+def test_overlapping_saves_to_different_stores_each_commit_where_they_were_aimed(tmp_path):
+    """A second async_save naming another store must not redirect the first, still writing."""
+    uri_a, uri_b = str(tmp_path / "a"), str(tmp_path / "b")
+    writer = _SlowFirstCommit(uri_a, chunk_bytes=4096)
+    first, second = _state(1), _state(2)
+    f1 = dcp.async_save(first, storage_writer=writer, checkpoint_id=uri_a, no_dist=True)
+    f2 = dcp.async_save(second, storage_writer=writer, checkpoint_id=uri_b, no_dist=True)
+    f1.result(timeout=60)
+    f2.result(timeout=60)
+    assert list_steps(Store(uri_a)) == [0] and list_steps(Store(uri_b)) == [0]
+    _assert_step_holds(uri_a, 0, first)
+    _assert_step_holds(uri_b, 0, second)
