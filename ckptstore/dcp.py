@@ -141,6 +141,16 @@ def _validate_uri(checkpoint_id: str | os.PathLike) -> bool:
     return True
 
 
+def _valid_checkpoint_id(checkpoint_id: Any) -> bool:
+    """A step (an ``int`` or a ``str`` of digits) or a URI fsspec resolves."""
+    try:
+        if _checkpoint_step(checkpoint_id) is not None:
+            return True
+    except (TypeError, ValueError):
+        return False
+    return _validate_uri(checkpoint_id)
+
+
 def _checkpoint_step(checkpoint_id: Any) -> int | None:
     """The step a DCP ``checkpoint_id`` names for ``StoreWriter``, or None for a store URI.
 
@@ -359,12 +369,7 @@ class StoreWriter(StorageWriter, AsyncStager):
     def validate_checkpoint_id(cls, checkpoint_id: int | str | os.PathLike) -> bool:
         """True when ``checkpoint_id`` is a step (an ``int`` or a ``str`` of digits) or a URI
         fsspec can resolve to a filesystem."""
-        try:
-            if _checkpoint_step(checkpoint_id) is not None:
-                return True
-        except (TypeError, ValueError):
-            return False
-        return _validate_uri(checkpoint_id)
+        return _valid_checkpoint_id(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str:
@@ -797,9 +802,13 @@ class StoreReader(StorageReader):
 
     # -- StorageReader ----------------------------------------------------------------------
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Start a new load; a ``checkpoint_id`` is a store URI that replaces the current one."""
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
+    def reset(self, checkpoint_id: int | str | os.PathLike | None = None) -> None:
+        """Start a new load. A ``checkpoint_id`` that is an ``int`` or a ``str`` of digits is the
+        step to load (same store); any other is a store URI that replaces the current one."""
+        step = None if checkpoint_id is None else _checkpoint_step(checkpoint_id)
+        if step is not None:
+            self.step = step
+        elif checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
             self.store = _open_store(
                 checkpoint_id, self.storage_options, self._max_concurrency, self._timeout_s
             )
@@ -809,9 +818,9 @@ class StoreReader(StorageReader):
         self._indexes = {}
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True when ``checkpoint_id`` is a URI fsspec can resolve to a filesystem."""
-        return _validate_uri(checkpoint_id)
+    def validate_checkpoint_id(cls, checkpoint_id: int | str | os.PathLike) -> bool:
+        """True when ``checkpoint_id`` is a step or a URI fsspec can resolve to a filesystem."""
+        return _valid_checkpoint_id(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str:

@@ -267,3 +267,16 @@ def test_overlapping_saves_to_different_stores_each_commit_where_they_were_aimed
     assert list_steps(Store(uri_a)) == [0] and list_steps(Store(uri_b)) == [0]
     _assert_step_holds(uri_a, 0, first)
     _assert_step_holds(uri_b, 0, second)
+
+
+def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    states = {100: _state(1), 200: _state(2)}
+    for step, state in states.items():
+        dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True)
+    reader = StoreReader(uri)
+    for step in (100, "200"):
+        target = _blank(states[int(step)])
+        dcp.load(target, storage_reader=reader, checkpoint_id=step, no_dist=True)
+        _assert_same(target, states[int(step)], f"step {step}")
