@@ -1,5 +1,10 @@
 """``ckptbench``: storage and checkpoint benchmarks. Each workload lives in its own module with
-``add_parser(subparsers)`` registering a subcommand whose ``func(args) -> int`` runs it."""
+``add_parser(subparsers)`` registering a subcommand whose ``func(args) -> int`` runs it.
+
+Exit status: 0 success (also when the reader of stdout goes away: ``ckptbench plan | head -1``);
+1 the run failed; 2 a usage error (bad flags, a missing --dir, an unwritable --plot). Errors are
+one line on stderr (``ckptbench plan: error: ...``), usage errors as ``ckptstore``'s.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ import importlib
 import logging
 import sys
 
+from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
+
 # Modules of bench/ that define a subcommand, in the order --help lists them.
 WORKLOADS = ("save", "restore", "interference", "loader", "storage", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = UsageParser(
         prog="ckptbench",
         description="Stress and benchmark checkpoint storage. Timings are medians and "
         "percentiles; comparisons are ratios measured side by side in one run.",
@@ -33,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        flush_stdout()
+        return status
+    except BrokenPipeError:  # `ckptbench plan | head -1`: the reader went away; a normal end
+        stdout_gone()
+        return 0
     except (ValueError, OSError) as exc:
         print(f"ckptbench {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1

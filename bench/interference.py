@@ -34,16 +34,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "interference",
         help="training-loop slowdown caused by background saves",
-        description=__doc__,
+        description=__doc__.replace("``", ""),  # reST literals read as plain text in --help
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--uri", default=None, help="store to save into (default: a temp dir)")
     p.add_argument("--size", default="256MiB", help="state size (default 256MiB)")
-    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument(
+        "--tensors", type=int, default=16, help="equal float32 tensors of the state (default 16)"
+    )
     p.add_argument("--steps", type=int, default=80, help="steps per run (default 80)")
     p.add_argument("--step-s", type=float, default=0.2, help="target step time (default 0.2)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"step kinds, of {', '.join(KINDS)}")
-    p.add_argument("--compression", default="auto")
+    p.add_argument(
+        "--compression",
+        default="auto",
+        help="ckptstore codec: auto (the Checkpointer's default), zstd, zstd:LEVEL, none "
+        "(default auto)",
+    )
     p.add_argument(
         "--nice",
         type=int,

@@ -6,22 +6,26 @@ bytes/s of token files, MDS and WebDataset shards against a raw sequential read 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
 import os
 import statistics
 import struct
+import sys
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from bench._ckpt_common import drop_page_cache
-from bench.report import format_rate, format_seconds, print_json, table
+from bench.report import check_directory, format_rate, format_seconds, print_json, table
 from ckptstore.faults import Faults, parse_latency
 from ckptstore.store import Store
 from loaders import MDS, LoaderConfig, ReplicaConfig, ShardDataset, TokenFiles, WebDataset
@@ -75,7 +79,9 @@ def add_parser(sub: Any) -> None:
         default=1.0,
         help="deadline of one attempt in seconds (1.0)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the data and of the faults (default 0)"
+    )
     p.add_argument(
         "--throughput",
         action="store_true",
@@ -102,6 +108,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dir is not None:
+        check_directory(args.dir, flag="--dir")
     if args.throughput:
         result = throughput(args)
         if args.json:
@@ -120,7 +128,15 @@ def run(args: argparse.Namespace) -> int:
             ]
             table(["cache", "case", "delivered", "samples/s", "vs raw"], rows)
         return 0
+    # The per-event warnings of injected faults are held back for the whole run, output
+    # included: a hedge's loser can still fail after the reads are done.
+    with _held_back_fault_warnings(getattr(args, "verbose", False)) as held:
+        return _run_latency(args, held)
+
+
+def _run_latency(args: argparse.Namespace, held: dict[str, int]) -> int:
     result = latency(args)
+    result["held_back_warnings"] = dict(held)
     if args.json:
         print_json(result)
     else:
@@ -142,7 +158,32 @@ def run(args: argparse.Namespace) -> int:
             f"hedged p99 / unhedged p99 = {result['hedged_vs_unhedged_p99']:.3f}, "
             f"hedged p99 / healthy p99 = {result['hedged_vs_healthy_p99']:.3f}"
         )
+    summary = fault_summary(result, held, verbose=getattr(args, "verbose", False))
+    if summary:
+        print(summary, file=sys.stderr)
     return 0
+
+
+def fault_summary(
+    result: dict[str, Any], held: dict[str, int], *, verbose: bool = False
+) -> str | None:
+    """One line of the errors and hangs injected per run, and of the failed attempts and
+    replica benchings they caused (whose one warning each is held back unless -v), from the
+    bench's own counters; None when no fault was injected and none failed."""
+    modes = [
+        f"{mode} {f['errors']} injected errors, {f['hangs']} hangs"
+        for mode in ("unhedged", "hedged")
+        if (f := result.get(mode, {}).get("faults")) and (f["errors"] or f["hangs"])
+    ]
+    if not modes and not held["failed_attempts"] and not held["benched"]:
+        return None
+    shown = "shown above" if verbose else "one warning each with -v"
+    return (
+        "ckptbench loader: faults: "
+        + ("; ".join(modes) or "none injected")
+        + f"; {held['failed_attempts']} failed attempts (retried or failed over), "
+        + f"{held['benched']} replica benchings ({shown})"
+    )
 
 
 # -- latency under faults -------------------------------------------------------------------
@@ -160,6 +201,41 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("slow_rate", "error_rate", "hang_rate"):
         if not 0 <= getattr(args, name) <= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1]")
+
+
+@contextlib.contextmanager
+def _held_back_fault_warnings(show: bool) -> Iterator[dict[str, int]]:
+    """Count, and unless ``show`` drop, the warnings each injected fault causes: the store's
+    one per failed attempt (records marked ``ckptstore_retry``) and the replica set's one per
+    replica benched. The run reports the totals instead of hundreds of lines."""
+    counts = {"failed_attempts": 0, "benched": 0}
+    lock = threading.Lock()
+
+    def store_filter(record: logging.LogRecord) -> bool:
+        if not getattr(record, "ckptstore_retry", False):
+            return True
+        with lock:
+            counts["failed_attempts"] += 1
+        return show
+
+    def replicas_filter(record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("replica %s benched"):
+            return True
+        with lock:
+            counts["benched"] += 1
+        return show
+
+    loggers = [
+        (logging.getLogger("ckptstore.store"), store_filter),
+        (logging.getLogger("loaders.replicas"), replicas_filter),
+    ]
+    for lg, fn in loggers:
+        lg.addFilter(fn)
+    try:
+        yield counts
+    finally:
+        for lg, fn in loggers:
+            lg.removeFilter(fn)
 
 
 def latency(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,6 +331,11 @@ def _latency_run(args: argparse.Namespace, uris: list[str], dist: Any, mode: str
         "samples_per_s": samples / elapsed,
         "consumer_wait_s": m["consumer"]["wait_s"],
         "hedge_delay_s": m["hedge_delay_s"],
+        "faults": {
+            "errors": sum(f.counts["errors"] for f in all_faults),
+            "hangs": sum(f.counts["hangs"] for f in all_faults),
+            "slow": sum(f.counts["slow"] for f in all_faults),
+        },
         "per_replica": {
             uri.rsplit("/", 1)[-1]: {
                 "requests": r["requests"],

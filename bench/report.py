@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -129,6 +130,32 @@ def table(
 def print_json(obj: Any, *, out: TextIO | None = None) -> None:
     """One JSON object on one line, keys in insertion order."""
     print(json.dumps(obj, allow_nan=False), file=out or sys.stdout)
+
+
+def check_output_file(path: str, *, flag: str) -> None:
+    """Fail now, before a run, with one line, unless a file can be written at ``path`` (its
+    directory exists and is writable; it is not a directory itself)."""
+    target = os.path.abspath(os.path.expanduser(path))
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        os.path.exists(target) and not os.access(target, os.W_OK)
+    ):
+        raise ValueError(f"{flag} {path}: permission denied")
+
+
+def check_directory(path: str, *, flag: str) -> None:
+    """Fail now, with one line naming it, unless ``path`` is an existing writable directory."""
+    target = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(target):
+        raise ValueError(f"{flag} {path}: no such directory")
+    if not os.path.isdir(target):
+        raise ValueError(f"{flag} {path}: not a directory")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: permission denied (cannot write there)")
 
 
 def load_json_object(path: str, *, what: str) -> dict[str, Any]:

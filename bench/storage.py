@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from bench.report import (
+    check_output_file,
     format_bytes,
     format_rate,
     format_seconds,
@@ -497,7 +498,19 @@ class StorageBench:
             logger.warning(
                 "cleanup: %d objects left under %s", len(left), self.admin.url(self.prefix)
             )
+        elif self.admin.is_local:
+            self._remove_empty_dirs()
         return {"deleted": deleted, "left": len(left)}
+
+    def _remove_empty_dirs(self) -> None:
+        """Local disk: the run's now empty ``ckptbench-<random>/`` directory (and any empty
+        directory below it). ``rmdir`` removes only empty ones: nothing else can go."""
+        top = self.admin.path(self.prefix)
+        for dirpath, _, _ in os.walk(top, topdown=False):
+            try:
+                os.rmdir(dirpath)
+            except OSError as exc:  # not empty (something appeared meanwhile), or gone
+                logger.info("cleanup: %s not removed: %s", dirpath, exc)
 
     # -- runs -------------------------------------------------------------------------------
 
@@ -1095,9 +1108,11 @@ def config_from_args(args: argparse.Namespace) -> StorageBenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:  # fail before the run, not after it
+        check_output_file(args.plot, flag="--plot")
     config = config_from_args(args)
     if args.plot:
-        _require_matplotlib()  # fail before the run, not after it
+        _require_matplotlib()
     bench = StorageBench(config)
     result = bench.run()
     if args.plot:

@@ -40,11 +40,24 @@ class _Failed(Exception):
 # -- argument parsing ----------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (plus where to find help), exit 2."""
+class UsageParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (plus where to find help), exit 2.
+    Subcommand parsers inherit it; ``ckptbench`` uses it too."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        # argparse reports an unknown option of a subcommand as the top parser's; name the
+        # subcommand (`ckptbench plan: error: unrecognized arguments: ...`).
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = None
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            (chosen or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -128,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="log everything and show tracebacks of errors"
     )
 
-    parser = _Parser(
+    parser = UsageParser(
         prog=PROG,
         formatter_class=_Formatter,
         description="Inspect, verify, restore and garbage-collect ckptstore checkpoints.",
@@ -363,10 +376,9 @@ def _looks_like_store(store: Store) -> bool:
 
 
 @contextmanager
-def _progress(total: int | None, desc: str) -> Iterator[Callable[[int], Any]]:
-    """A byte progress bar on stderr when it is a terminal (``total`` None: not known
-    ahead); otherwise a no-op callback."""
-    if (total is None or total > 0) and sys.stderr.isatty():
+def _progress(total: int, desc: str) -> Iterator[Callable[[int], Any]]:
+    """A byte progress bar on stderr when it is a terminal; otherwise a no-op callback."""
+    if total > 0 and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(
@@ -561,7 +573,7 @@ def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, store: Store) -> int:
-    from ckptstore._inspect import verify_steps
+    from ckptstore._inspect import check_all_chunks, check_step_objects, chunks_to_check
     from ckptstore.format import list_steps
 
     if args.all:
@@ -570,12 +582,11 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
     else:
         steps = [_resolve(store, args.step)]
-    with _progress(None, "verify") as advance:
-        checks = verify_steps(
-            store, steps, read_concurrency=args.read_concurrency, on_chunk=advance
-        )
-    chunks = {d: i for c in checks for d, i in c.chunk_refs.items()}
+    checks = [check_step_objects(store, step) for step in steps]
+    chunks = chunks_to_check(checks)
     total = sum(info.raw for info in chunks.values() if info is not None)
+    with _progress(total, "verify") as advance:
+        check_all_chunks(store, checks, read_concurrency=args.read_concurrency, on_chunk=advance)
     problems = [p for c in checks for p in c.problems]
     if args.json:
         _emit_json(
@@ -836,11 +847,26 @@ def _teardown_logging(handler: logging.Handler, old_level: int) -> None:
     root = logging.getLogger()
     root.removeHandler(handler)
     root.setLevel(old_level)
+    flush_stdout()
+
+
+def stdout_gone() -> None:
+    """The reader of stdout went away (EPIPE: ``ckptstore ls ... | head -1``): a normal end.
+    Point stdout at /dev/null so that the interpreter's final flush of what is still buffered
+    does not fail again (it would print "Exception ignored ... BrokenPipeError" and exit 120)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def flush_stdout() -> None:
+    """Flush stdout now; a reader that went away is :func:`stdout_gone`, not an error."""
     try:
         sys.stdout.flush()
-    except BrokenPipeError:  # `ckptstore ls ... | head`: the reader went away
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    except BrokenPipeError:
+        stdout_gone()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -864,6 +890,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return func(args, open_store(args))
         except _Failed as exc:
             return fail(1, str(exc))
+        except BrokenPipeError:  # `ckptstore ls URI | head`: the reader went away
+            stdout_gone()
+            return 0
         finally:
             _teardown_logging(handler, old_level)
     try:
@@ -874,8 +903,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(2, str(exc))
     except CheckpointError as exc:  # before ValueError: corrupt / version errors are ValueErrors
         return fail(1, str(exc))
-    except BrokenPipeError:  # `ckptstore ls URI | head`: the reader went away; say nothing
-        return 1
+    except BrokenPipeError:  # `ckptstore ls URI | head`: the reader went away; a normal end
+        stdout_gone()
+        return 0
     except FileNotFoundError as exc:
         return fail(1, f"not found: {exc}")
     except OSError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -34,3 +35,21 @@ def test_interference_rejects_bad_flags(capsys, bad):
     assert main(["interference", "--size", "1MiB", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ckptbench interference: error:") and "\n" not in err
+
+
+def test_help_is_plain_text_and_every_option_is_explained(capsys):
+    """No reST ``literals`` in any subcommand's --help, and no option without a help text."""
+    from bench.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert "``" not in command.format_help(), name
+        bare = [a.option_strings for a in command._actions if a.option_strings and not a.help]
+        assert bare == [], name
+    with pytest.raises(SystemExit) as exc:
+        main(["interference", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and 'when_busy="skip"' in out
+    assert "equal float32 tensors" in out and "ckptstore codec" in out

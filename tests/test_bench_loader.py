@@ -61,3 +61,44 @@ def test_bad_flags_are_one_clear_error(capsys, argv, message):
     assert main(["loader", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ckptbench loader: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("what", ["missing", "file"])
+def test_dir_that_is_not_a_directory_is_one_line_naming_it(capsys, tmp_path, what):
+    path = tmp_path / "nope"
+    if what == "file":
+        path.write_text("x")
+    assert main(["loader", "--throughput", "--size-mib", "4", "--dir", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    expected = "no such directory" if what == "missing" else "not a directory"
+    assert err == f"ckptbench loader: error: --dir {path}: {expected}"
+
+
+def test_injected_faults_are_summarised_not_warned_one_by_one():
+    """Hundreds of injected faults: one summary line on stderr, no warning per fault (they
+    come back with -v)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "bench.cli", *extra, "loader", "--error-rate", "0.1",
+             "--reads", "600", "--latency", "fixed:0.001", "--slow-rate", "0", "--json"],
+            capture_output=True, text=True, timeout=300,
+            cwd=Path(__file__).resolve().parents[1],
+        )  # fmt: skip
+
+    done = run()
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    injected = report["unhedged"]["faults"]["errors"] + report["hedged"]["faults"]["errors"]
+    assert injected > 50 and report["healthy"]["faults"]["errors"] == 0
+    assert report["held_back_warnings"]["failed_attempts"] >= injected - 5
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("ckptbench loader: faults: unhedged ") and "failed attempts" in line
+    assert "WARNING" not in done.stderr
+
+    loud = run("-v")
+    assert loud.returncode == 0
+    assert loud.stderr.count("attempt 1 failed (injected fault in get)") > 50

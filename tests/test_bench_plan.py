@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +202,57 @@ def test_goodput_is_maximal_near_the_chosen_interval():
         other = plan.plan(_textbook_inputs(interval_s=best["interval_s"] * factor))
         assert other["goodput"] < best["goodput"]
     assert math.isfinite(best["goodput"])
+
+
+# -- as a real process ---------------------------------------------------------------------------
+
+
+def _ckptbench(*argv: str, stdout: Any = subprocess.PIPE, unbuffered: bool = True):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "bench.cli", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("argv", [[], ["--json"]], ids=["table", "json"])
+def test_reader_of_stdout_gone_is_a_normal_end(argv, unbuffered):
+    """`ckptbench plan | head -1`: with the read end of stdout closed before the command
+    writes (deterministically what head does after its line), exit 0 and say nothing."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = _ckptbench("plan", *argv, stdout=write_end, unbuffered=unbuffered)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--accelerators", "abc"], "argument --accelerators: invalid int value: 'abc'"),
+        (["plan", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["storage"], "the following arguments are required: --uri"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(argv, message):
+    done = _ckptbench(*argv)
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"ckptbench {argv[0]}: error: ") and message in line
+
+
+def test_missing_command_is_one_line_exit_2():
+    done = _ckptbench()
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("ckptbench: error: ")

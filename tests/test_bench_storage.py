@@ -315,3 +315,53 @@ def test_burst_plot_is_written(capsys, tmp_path):
     )  # fmt: skip
     assert rc == 0 and result["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- output paths and cleanup of a local run -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        (
+            "/nonexistent/x.png",
+            "--plot /nonexistent/x.png: the directory /nonexistent does not exist",
+        ),
+        (".", "--plot .: is a directory; give a file name"),
+    ],
+)
+def test_unwritable_plot_fails_before_the_run(monkeypatch, capsys, plot, message):
+    from bench.cli import main
+
+    def must_not_run(self):
+        raise AssertionError("the bench ran before its --plot path was checked")
+
+    monkeypatch.setattr(storage.StorageBench, "run", must_not_run)
+    assert main(["storage", "--uri", _memory_uri(), "--count", "5", "--plot", plot]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"ckptbench storage: error: {message}"
+
+
+def test_unwritable_plot_exits_2_as_a_process():
+    import subprocess
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cli", "storage", "--uri", _memory_uri(),
+         "--count", "5", "--plot", "/nonexistent/x.png"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("ckptbench storage: error: --plot /nonexistent/x.png")
+
+
+def test_local_run_leaves_nothing_behind(capsys, tmp_path):
+    rc, result = _run_json(capsys, "--uri", str(tmp_path), "--count", "10", "--seed", "1")
+    assert rc == 0 and result["cleanup"]["left"] == 0
+    assert os.listdir(tmp_path) == []  # not even the empty ckptbench-<random>/ directory
+
+
+def test_local_run_with_keep_keeps_its_directory(capsys, tmp_path):
+    rc, result = _run_json(capsys, "--uri", str(tmp_path), "--count", "10", "--keep")
+    assert rc == 0 and os.listdir(tmp_path) == [result["prefix"]]

@@ -704,3 +704,52 @@ def test_unknown_format_version_is_reported(store: Path, capsys) -> None:
     ]
     code, doc = run_json(capsys, "ls", store)
     assert code == 1 and "format version 2" in doc["steps"][1]["error"]
+
+
+# -- the reader of stdout goes away (`ckptstore ... | head -1`) ---------------------------------
+
+
+def _cli_reader_gone(*argv: Any, unbuffered: bool) -> subprocess.CompletedProcess:
+    """Run the command with stdout a pipe whose read end is already closed: every write to it
+    fails with EPIPE, as after `| head -1` has read its line (deterministically)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "ckptstore.cli", *map(str, argv)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    "argv",
+    [["inspect"], ["ls"], ["inspect", "--json"], ["inspect", "--debug"]],
+    ids=["inspect", "ls", "inspect-json", "inspect-debug"],
+)
+def test_reader_of_stdout_gone_is_a_normal_end(store: Path, argv: list, unbuffered: bool):
+    done = _cli_reader_gone(argv[0], store, *argv[1:], unbuffered=unbuffered)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_head_of_inspect_is_a_normal_end(store: Path) -> None:
+    done = subprocess.run(
+        f"set -o pipefail; {sys.executable} -m ckptstore.cli inspect {store} | head -1",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("step 30")
