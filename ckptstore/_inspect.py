@@ -455,11 +455,30 @@ def verify_steps(
     fetched, decoded and re-hashed once however many steps share it. Never stops at the first
     problem; each :class:`StepCheck` lists its own."""
     checks = [check_step_objects(store, step) for step in steps]
+    check_all_chunks(store, checks, read_concurrency=read_concurrency, on_chunk=on_chunk)
+    return checks
+
+
+def chunks_to_check(checks: list[StepCheck]) -> dict[str, ChunkInfo | None]:
+    """Every chunk the ``checks`` reference, once (with its sizes where an index gave them)."""
     chunks: dict[str, ChunkInfo | None] = {}
     for check in checks:
         for digest, info in check.chunk_refs.items():
             if chunks.get(digest) is None:
                 chunks[digest] = info
+    return chunks
+
+
+def check_all_chunks(
+    store: Store,
+    checks: list[StepCheck],
+    *,
+    read_concurrency: int = 8,
+    on_chunk: Callable[[int], None] | None = None,
+) -> None:
+    """Re-hash every chunk the ``checks`` reference once; add a problem to each step that
+    uses a bad one."""
+    chunks = chunks_to_check(checks)
     errors = dict(check_chunks(store, chunks, read_concurrency=read_concurrency, on_chunk=on_chunk))
     for check in checks:
         for digest in check.chunk_refs:
@@ -475,7 +494,6 @@ def verify_steps(
                         tensors=check.users.get(digest, []),
                     )
                 )
-    return checks
 
 
 def message(exc: BaseException) -> str:

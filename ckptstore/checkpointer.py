@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptstore.commit import DEFAULT_GC_WAIT_S, begin_save, commit_step, retain
+from ckptstore.commit import DEFAULT_GC_WAIT_S
+from ckptstore.engine import SaveEngine, Staged, open_store
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -47,29 +48,19 @@ from ckptstore.format import (
     Manifest,
     RankIndex,
     check_step,
-    encode_rank_index,
     list_steps,
     load_manifest,
     load_rank_index,
-    object_ref,
-    rank_index_key,
     resolve_step,
 )
-from ckptstore.hedge import Hedger
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import (
-    CompressionGovernor,
-    PipelineConfig,
     parse_dtype,
-    plan_layout,
     read_tensors,
-    tensor_entries,
-    write_chunks,
 )
-from ckptstore.staging import Stager, StagingPool
 from ckptstore.state import finish_load, flatten, plan_load, tensor_indexes
-from ckptstore.store import RetryPolicy, Store, niced, set_thread_nice
+from ckptstore.store import Store, niced, set_thread_nice
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +94,8 @@ class _Job:
     step: int
     attempt: str
     tree: Any
-    tensors: list[torch.Tensor]
-    layout: Any
-    staged: Any
+    tensors: list[_TensorMeta]
+    staged: Staged
     user: dict
     handle: SaveHandle
 
@@ -203,41 +193,33 @@ class Checkpointer:
         lease_ttl_s: float = DEFAULT_TTL_S,
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
     ) -> None:
-        if lease_ttl_s <= 0 or gc_wait_s < 0:
-            raise ValueError("lease_ttl_s must be > 0 and gc_wait_s >= 0")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if staging not in ("host", "peer"):
             raise ValueError(f"staging must be 'host' or 'peer', got {staging!r}")
         if not 0 <= background_nice <= 19:
             raise ValueError(f"background_nice must be within [0, 19], got {background_nice}")
-        self.store = store or Store(
+        self.store = store or open_store(
             uri,
             storage_options=storage_options,
-            retry=RetryPolicy.within(timeout_s),
+            timeout_s=timeout_s,
             max_concurrency=max_concurrency,
             thread_nice=background_nice,
         )
         self._save_thread_nice = niced(background_nice)
-        self.keep_last = keep_last
         self.when_busy = when_busy
-        self.lease_ttl_s = lease_ttl_s
-        self.gc_wait_s = gc_wait_s
         if hedge_uploads is None:
             hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
-        self.hedger = Hedger() if hedge_uploads else None
-        self.config = PipelineConfig.from_args(
+        self.engine = SaveEngine(
             chunk_bytes=chunk_bytes,
             compression=compression,
             encode_threads=encode_threads,
+            hedge_uploads=hedge_uploads,
+            staging_budget_bytes=staging_budget_bytes,
+            keep_last=keep_last,
+            lease_ttl_s=lease_ttl_s,
+            gc_wait_s=gc_wait_s,
         )
-        self.governor = CompressionGovernor() if self.config.codec.adaptive else None
-        self.pool = StagingPool(
-            budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
-        )
-        self._stager = Stager()
         self._group = _Group(process_group, timeout_s=max(timeout_s * 20, 600.0))
         self.rank = self._group.rank
         if self._group.active and when_busy == "skip":
@@ -281,10 +263,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         tree, tensors = flatten(state)
         user = json.loads(json.dumps(metadata or {}))
-        layout = plan_layout(tensors, self.config)
-        buffer = self.pool.acquire(layout.total_bytes, block=self.when_busy == "wait")
+        staged = self.engine.stage(tensors, block=self.when_busy == "wait")
         self._saves += 1
-        if buffer is None:
+        if staged is None:
             self.skipped_saves += 1
             logger.warning(
                 "rank %d: skipping save of step %d: the previous save is still persisting",
@@ -292,11 +273,10 @@ class Checkpointer:
                 step,
             )
             return SaveHandle(step, skipped=True)
-        staged = self._stager.copy(buffer, tensors, layout.offsets)
         handle = SaveHandle(step)
         attempt = f"{self._session}-{self._saves:06d}"
         meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
-        self._jobs.put(_Job(step, attempt, tree, meta, layout, staged, user, handle))
+        self._jobs.put(_Job(step, attempt, tree, meta, staged, user, handle))
         self._last = handle
         logger.debug("rank %d: step %d staged in %.3fs", self.rank, step, time.perf_counter() - t0)
         return handle
@@ -455,7 +435,9 @@ class Checkpointer:
                     tensors[i] = dest
             else:
                 wanted = {i: loader.dests.get(i) for i in kinds}
-                tensors = read_tensors(self.store, index, wanted, self.config, written=written)
+                tensors = read_tensors(
+                    self.store, index, wanted, self.engine.config, written=written
+                )
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
             error = exc
         paths = sorted(loader.paths[i] for i in written)
@@ -608,48 +590,27 @@ class Checkpointer:
                 job.handle._future.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
-        store = self.store
+        store, engine, staged = self.store, self.engine, job.staged
         lease = None
         ref: Any
         try:
             try:
-                job.staged.wait()
+                staged.copy.wait()
                 if self._peers is not None:
-                    meta = replica_meta(job.tensors, job.layout.offsets, job.tree)
-                    self._peers.exchange(job.step, job.staged.buffer, meta)
-                lease = begin_save(
-                    store,
-                    step=job.step,
-                    attempt=job.attempt,
-                    rank=self.rank,
-                    kind=KIND_STATE,
-                    ttl_s=self.lease_ttl_s,
-                    gc_wait_s=self.gc_wait_s,
+                    meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
+                    self._peers.exchange(job.step, staged.buffer, meta)
+                lease = engine.begin(
+                    store, step=job.step, attempt=job.attempt, rank=self.rank, kind=KIND_STATE
                 )
-                digests, chunks = write_chunks(
-                    store,
-                    job.staged.buffer.numpy(),
-                    job.layout,
-                    self.config,
-                    self.hedger,
-                    self.governor,
-                )
+                entries, chunks = engine.write(store, staged.buffer, staged.layout, job.tensors)
             finally:
-                self.pool.release(job.staged.buffer)
-            index = RankIndex(
-                rank=self.rank,
-                tensors=tensor_entries(job.tensors, job.layout, digests),
-                chunks=chunks,
-                tree=job.tree,
-            )
+                engine.release(staged)
             for i, was_numpy in tensor_indexes(job.tree).items():
-                index.tensors[i].numpy = was_numpy
-            data = encode_rank_index(index)
-            key = rank_index_key(job.step, job.attempt, self.rank)
-            store.put(key, data)
+                entries[i].numpy = was_numpy
+            index = RankIndex(rank=self.rank, tensors=entries, chunks=chunks, tree=job.tree)
+            index_ref = engine.put_index(store, step=job.step, attempt=job.attempt, index=index)
             lease.check()
-            sizes = {d: (c.raw, c.stored) for d, c in chunks.items()}
-            ref = (object_ref(key, data), sizes)
+            ref = (index_ref, {d: (c.raw, c.stored) for d, c in chunks.items()})
         except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
             ref = exc
         refs = self._group.gather(ref)
@@ -664,13 +625,15 @@ class Checkpointer:
                 outcome = self._commit(job, refs, lease)
         outcome = self._group.broadcast(outcome)
         if lease is not None:
-            lease.release()
+            # A put abandoned at its deadline (the manifest's, after an unknown commit) may
+            # still land: until it has, gc must not sweep what it references.
+            lease.release_when_settled(0.0)
         if isinstance(ref, BaseException):
             raise ref
         if isinstance(outcome, BaseException):
             raise outcome
         if self.rank == 0:
-            retain(store, keep_last=self.keep_last, attempt=job.attempt, ttl_s=self.lease_ttl_s)
+            engine.retain(store, attempt=job.attempt)
 
     def _commit(self, job: _Job, refs: list, lease: Any) -> BaseException | None:
         unique: dict[str, tuple[int, int]] = {}
@@ -687,8 +650,7 @@ class Checkpointer:
             user=job.user,
         )
         try:
-            lease.check()
-            commit_step(self.store, manifest)
+            self.engine.commit(self.store, manifest, lease)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank
             return exc
         logger.info(

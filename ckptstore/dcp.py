@@ -30,7 +30,6 @@ tensors of shape ``[n]`` in the same chunks. ``Metadata.storage_data`` maps each
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import gc
 import io
@@ -64,7 +63,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckptstore.commit import begin_save, commit_step, retain
+from ckptstore.engine import SaveEngine, Staged, open_store
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -79,28 +78,21 @@ from ckptstore.format import (
     check_step,
     commit_key,
     dcp_metadata_key,
-    encode_rank_index,
     list_steps,
     load_manifest,
     load_rank_index,
     object_ref,
-    rank_index_key,
     read_object,
     resolve_step,
 )
 from ckptstore.leases import DEFAULT_TTL_S, Lease
 from ckptstore.pipeline import (
-    CompressionGovernor,
-    Layout,
     PipelineConfig,
+    chunks_holding,
     parse_dtype,
-    plan_layout,
     read_tensors,
-    tensor_entries,
-    write_chunks,
 )
-from ckptstore.staging import StagedCopy, Stager, StagingPool
-from ckptstore.store import RetryPolicy, Store
+from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +117,10 @@ def _open_store(
     max_concurrency: int,
     timeout_s: float,
 ) -> Store:
-    return Store(
+    return open_store(
         uri,
         storage_options=storage_options,
-        retry=RetryPolicy.within(timeout_s),
+        timeout_s=timeout_s,
         max_concurrency=max_concurrency,
     )
 
@@ -254,26 +246,22 @@ class StoreWriter(StorageWriter, AsyncStager):
         lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         super().__init__()
-        self.lease_ttl_s = lease_ttl_s
         self._leases: dict[str, Lease] = {}  # coordinator: by attempt, until its commit
         if step is not None:
             check_step(step)
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.step = step
-        self.keep_last = keep_last
         self.storage_options = storage_options
         self._max_concurrency = max_concurrency
         self._timeout_s = timeout_s
         self.store = store or _open_store(uri, storage_options, max_concurrency, timeout_s)
-        self.config = PipelineConfig.from_args(
+        self.engine = SaveEngine(
             chunk_bytes=chunk_bytes,
             compression=compression,
             encode_threads=encode_threads,
+            hedge_uploads=not self.store.is_local,
+            keep_last=keep_last,
+            lease_ttl_s=lease_ttl_s,
         )
-        self.governor = CompressionGovernor() if self.config.codec.adaptive else None
-        self.pool = StagingPool(pin_memory=torch.cuda.is_available())
-        self._stager = Stager()
         self._staged: dict[int, _Staged] = {}  # by the staging buffer's data_ptr
         self.rank = 0
         self.is_coordinator = True
@@ -306,27 +294,21 @@ class StoreWriter(StorageWriter, AsyncStager):
                 return stager.stage(state_dict)
             finally:
                 stager.close()
-        layout = plan_layout(leaves, self.config)
-        buffer = self.pool.acquire(layout.total_bytes, block=False)
-        if buffer is None:
+        copied = self.engine.stage(leaves, block=False)
+        if copied is None:
             gc.collect()  # a failed save's staged state may be waiting in a reference cycle
-            buffer = self.pool.acquire(layout.total_bytes, timeout_s=_STAGING_WAIT_S)
-        pool: StagingPool | None = self.pool
-        if buffer is None:
+            copied = self.engine.stage(leaves, timeout_s=_STAGING_WAIT_S)
+        if copied is None:
             logger.warning(
                 "rank %d: the previous async save still holds the staging buffer after %.0fs; "
                 "staging this one in a new buffer",
                 self.rank,
                 _STAGING_WAIT_S,
             )
-            pool = None
-            buffer = torch.empty(
-                max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=self.pool.pin_memory
-            )
-        copy = self._stager.copy(buffer, leaves, layout.offsets)
-        staged = _Staged(buffer, layout, copy, pool, self._staged)
-        self._staged[buffer.data_ptr()] = staged
-        out = _StagedState(_replace_tensors(state_dict, iter(copy.views)))
+            copied = self.engine.stage_unpooled(leaves)
+        staged = _Staged(copied, self.engine, self._staged)
+        self._staged[copied.buffer.data_ptr()] = staged
+        out = _StagedState(_replace_tensors(state_dict, iter(copied.copy.views)))
         # write_data hands the buffer back once it is written; a save that fails before, or a
         # rank left with nothing to write, hands it back when DCP lets go of the staged state.
         weakref.finalize(out, staged.release)
@@ -434,6 +416,7 @@ class StoreWriter(StorageWriter, AsyncStager):
                 f"(got {type(target).__name__}); was the plan cached from another writer?"
             )
         if self._save_store().exists(commit_key(target.step)):
+            self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise StepExistsError(
                 f"rank {self.rank}: step {target.step} is already committed in {self._save_store().uri} "
                 "(another writer, or another save naming the same step, committed it "
@@ -480,10 +463,7 @@ class StoreWriter(StorageWriter, AsyncStager):
                 raw_bytes=sum(w.raw_bytes for w in refs.values()),
                 stored_bytes=sum(w.stored_bytes for w in refs.values()),
             )
-            lease = self._leases.get(target.attempt)
-            if lease is not None:
-                lease.check()
-            commit_step(store, manifest)
+            self.engine.commit(store, manifest, self._leases.get(target.attempt))
         finally:
             self._release_lease(target.attempt)
         logger.info(
@@ -496,7 +476,7 @@ class StoreWriter(StorageWriter, AsyncStager):
             manifest.stored_bytes,
         )
         self.saved_step = target.step
-        retain(store, keep_last=self.keep_last, attempt=target.attempt, ttl_s=self.lease_ttl_s)
+        self.engine.retain(store, attempt=target.attempt)
 
     def _save_store(self) -> Store:
         """The store of the save running on this thread: the one its ``reset()`` named, so an
@@ -510,19 +490,18 @@ class StoreWriter(StorageWriter, AsyncStager):
         runs before DCP hands the ranks their plans); it covers every rank until the commit.
         A save that fails on another rank never reaches ``finish``: its lease is held until
         this process ends, which delays sweeps but never endangers a step."""
-        self._leases[target.attempt] = begin_save(
+        self._leases[target.attempt] = self.engine.begin(
             self._save_store(),
             step=target.step,
             attempt=target.attempt,
             rank=self.rank,
             kind=KIND_DCP,
-            ttl_s=self.lease_ttl_s,
         )
 
     def _release_lease(self, attempt: str) -> None:
         lease = self._leases.pop(attempt, None)
         if lease is not None:
-            lease.release()
+            lease.release_when_settled(0.0)  # a late manifest put must not find its chunks gone
 
     # -- internals --------------------------------------------------------------------------
 
@@ -536,7 +515,7 @@ class StoreWriter(StorageWriter, AsyncStager):
             entries, chunks = (
                 self._write_staged(staged, tensors)
                 if staged is not None
-                else self._write_copied(tensors, pooled=True)
+                else self._write_copied(tensors)
             )
             index = RankIndex(
                 rank=rank,
@@ -544,13 +523,12 @@ class StoreWriter(StorageWriter, AsyncStager):
                 chunks=chunks,
                 items={storage_key(item.index): i for i, item in enumerate(items)},
             )
-            data = encode_rank_index(index)
-            key = rank_index_key(target.step, target.attempt, rank)
-            store.put(key, data)
+            ref = self.engine.put_index(
+                store, step=target.step, attempt=target.attempt, index=index
+            )
         except BaseException:
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise
-        ref = object_ref(key, data)
         raw = sum(c.raw for c in chunks.values())
         stored = sum(c.stored for c in chunks.values())
         logger.debug(
@@ -569,27 +547,23 @@ class StoreWriter(StorageWriter, AsyncStager):
             for i, (item, t) in enumerate(zip(items, tensors))
         ]
 
-    def _write_copied(self, tensors: list[torch.Tensor], *, pooled: bool):
-        """Copy ``tensors`` into a staging buffer and write its chunks; (entries, chunks)."""
-        layout = plan_layout(tensors, self.config)
-        buffer = self.pool.acquire(layout.total_bytes, block=False) if pooled else None
-        if pooled and buffer is None:
+    def _write_copied(self, tensors: list[torch.Tensor], *, pooled: bool = True):
+        """Copy ``tensors`` into a staging buffer (the pool's, if ``pooled`` and one is free)
+        and write its chunks; (entries, chunks)."""
+        engine = self.engine
+        copied = engine.stage(tensors, block=False) if pooled else None
+        if pooled and copied is None:
             gc.collect()  # a failed async save's staged state may hold the buffer in a cycle
-            buffer = self.pool.acquire(layout.total_bytes, block=False)
-        # The pool saves allocations; with its buffer still held (a caller keeping a failed
-        # async save's error alive), waiting could be forever: use a buffer of this save's own.
-        pooled = buffer is not None
-        if buffer is None:
-            buffer = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8)
+            copied = engine.stage(tensors, block=False)
+        if copied is None:
+            # The pool saves allocations; with its buffer still held (a caller keeping a failed
+            # async save's error alive) waiting could be forever: use a buffer of this save's.
+            copied = engine.stage_unpooled(tensors)
         try:
-            self._stager.copy(buffer, tensors, layout.offsets).wait()
-            digests, chunks = write_chunks(
-                self._save_store(), buffer.numpy(), layout, self.config, governor=self.governor
-            )
+            copied.copy.wait()
+            return engine.write(self._save_store(), copied.buffer, copied.layout, tensors)
         finally:
-            if pooled:
-                self.pool.release(buffer)
-        return tensor_entries(tensors, layout, digests), chunks
+            engine.release(copied)
 
     def _take_staged(self, tensors: list[torch.Tensor]) -> _Staged | None:
         """The staging of ``stage()`` these tensors live in, if any (it is this save's)."""
@@ -603,7 +577,8 @@ class StoreWriter(StorageWriter, AsyncStager):
     def _write_staged(self, staged: _Staged, tensors: list[torch.Tensor]):
         """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
         such as DCP's pickled values, through a buffer of its own); (entries, chunks)."""
-        base, size = staged.buffer.data_ptr(), staged.buffer.numel()
+        copied = staged.copied
+        base, size = copied.buffer.data_ptr(), copied.buffer.numel()
         inside, outside = [], []
         for i, t in enumerate(tensors):
             n = t.numel() * t.element_size()
@@ -613,37 +588,21 @@ class StoreWriter(StorageWriter, AsyncStager):
                 and t.is_contiguous()
                 and 0 <= offset
                 and offset + n <= size
-                and t.untyped_storage().data_ptr() == staged.buffer.untyped_storage().data_ptr()
+                and t.untyped_storage().data_ptr() == copied.buffer.untyped_storage().data_ptr()
             )
             (inside if in_buffer else outside).append((i, offset))
+        mine = [tensors[i] for i, _ in inside]
         try:
-            staged.copy.wait()
-            starts = [c.start for c in staged.layout.chunks]
-            needed: set[int] = set()
-            for i, offset in inside:
-                end = offset + tensors[i].numel() * tensors[i].element_size()
-                c = bisect.bisect_right(starts, offset) - 1
-                while c < len(starts) and starts[c] < end:
-                    needed.add(c)
-                    c += 1
-            layout = Layout(
-                total_bytes=size,
-                offsets=[offset for _, offset in inside],
-                chunks=[staged.layout.chunks[c] for c in sorted(needed)],
+            copied.copy.wait()
+            layout = chunks_holding(
+                copied.layout,
+                [(offset, t.numel() * t.element_size()) for (_, offset), t in zip(inside, mine)],
             )
-            digests, chunks = write_chunks(
-                self._save_store(),
-                staged.buffer.numpy(),
-                layout,
-                self.config,
-                governor=self.governor,
-            )
+            found, chunks = self.engine.write(self._save_store(), copied.buffer, layout, mine)
         finally:
             staged.release()
         entries: list = [None] * len(tensors)
-        for (i, _), entry in zip(
-            inside, tensor_entries([tensors[i] for i, _ in inside], layout, digests)
-        ):
+        for (i, _), entry in zip(inside, found):
             entries[i] = entry
         if outside:
             rest = [tensors[i] for i, _ in outside]
@@ -657,18 +616,9 @@ class StoreWriter(StorageWriter, AsyncStager):
 class _Staged:
     """What ``StoreWriter.stage()`` copied, until its save has written it."""
 
-    def __init__(
-        self,
-        buffer: torch.Tensor,
-        layout: Layout,
-        copy: StagedCopy,
-        pool: StagingPool | None,
-        registry: dict[int, _Staged],
-    ) -> None:
-        self.buffer = buffer
-        self.layout = layout
-        self.copy = copy
-        self._pool = pool
+    def __init__(self, copied: Staged, engine: SaveEngine, registry: dict[int, _Staged]) -> None:
+        self.copied = copied
+        self._engine = engine
         self._registry = registry
         self._released = False
         self._lock = threading.Lock()
@@ -679,11 +629,10 @@ class _Staged:
             if self._released:
                 return
             self._released = True
-        key = self.buffer.data_ptr()
+        key = self.copied.buffer.data_ptr()
         if self._registry.get(key) is self:
             del self._registry[key]
-        if self._pool is not None:
-            self._pool.release(self.buffer)
+        self._engine.release(self.copied)
 
 
 class _StagedState(dict):

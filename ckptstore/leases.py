@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.errors import CheckpointError, StorageError
+from ckptstore.errors import CheckpointError, ObjectExistsError, ObjectNotFoundError, StorageError
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class Lease:
         self.info = dict(info or {})
         self._seq = 0
         self._renewed = 0.0  # monotonic time of the last successful write
+        self._lapsed = False  # a renewal came more than ttl_s / 2 after the one before
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -120,7 +121,12 @@ class Lease:
                 return
             t0 = time.monotonic()
             old = self.key
-            self.store.put(_key(self.kind, self.holder, self._seq + 1), self._body())
+            try:
+                self.store.put(_key(self.kind, self.holder, self._seq + 1), self._body())
+            except ObjectExistsError:
+                pass  # an attempt of ours abandoned at its deadline landed: holders are unique
+            if time.monotonic() - self._renewed > self.ttl_s / 2:
+                self._lapsed = True  # others may have judged it stale meanwhile
             self._seq += 1
             self._renewed = t0
         try:
@@ -129,7 +135,13 @@ class Lease:
             logger.debug("old lease %s not deleted: %s", old, exc)
 
     def check(self) -> None:
-        """Raise :class:`LeaseLostError` unless the lease was renewed within ``ttl_s / 2``."""
+        """Raise :class:`LeaseLostError` unless the lease was renewed every ``ttl_s / 2`` since
+        it was acquired (a lapse that renewals later recovered from counts too)."""
+        if self._lapsed:
+            raise LeaseLostError(
+                f"lease {self.store.url(self.key)} went unrenewed for over half its ttl "
+                f"({self.ttl_s:g}s): garbage collection may have considered this {self.kind} dead"
+            )
         age = time.monotonic() - self._renewed
         if age > self.ttl_s / 2:
             raise LeaseLostError(
@@ -152,6 +164,26 @@ class Lease:
                     self.ttl_s,
                     exc,
                 )
+
+    def release_when_settled(self, timeout_s: float) -> None:
+        """Release once every put or delete the store abandoned at its deadline has ended (one
+        may still land); if some still run after ``timeout_s``, the lease is kept, and renewed,
+        until they end."""
+        if self.store.settle(timeout_s):
+            self.release()
+            return
+        logger.warning(
+            "%s: requests abandoned at their deadline are still running; %s lease kept until "
+            "they end",
+            self.store.uri,
+            self.kind,
+        )
+
+        def release_later() -> None:
+            self.store.settle(None)
+            self.release()
+
+        threading.Thread(target=release_later, name="ckptstore-lease-settle", daemon=True).start()
 
 
 @dataclass
@@ -188,20 +220,26 @@ def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
 
 def _read(store: Store, kind_holder: tuple[str, str], keys: list[str]) -> LeaseInfo:
     kind, holder = kind_holder
-    keys = sorted(keys)
-    newest = keys[-1]
-    try:
-        doc = json.loads(store.get(newest))
-        live = time.time() - float(doc["renewed_at"]) < float(doc["ttl_s"])
-        live = live and not _holder_is_dead(doc)
-    except CheckpointError as exc:
-        if isinstance(exc, FileNotFoundError):  # renewed or released while we listed
-            doc, live = {"error": "gone"}, False
-        else:
-            raise
-    except (ValueError, KeyError, TypeError) as exc:
-        doc, live = {"error": f"unreadable lease: {exc}"}, True
-    return LeaseInfo(kind, holder, newest, keys, doc, live)
+    for _ in range(5):
+        keys = sorted(keys)
+        newest = keys[-1]
+        try:
+            doc = json.loads(store.get(newest))
+        except ObjectNotFoundError:
+            # Renewed (a newer sequence replaced it) or released while we listed: look again.
+            keys = store.list(f"{PREFIX}/{kind}/{holder}")
+            if not keys:
+                return LeaseInfo(kind, holder, newest, [], {"error": "released"}, False)
+            continue
+        except ValueError as exc:
+            return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
+        try:
+            live = time.time() - float(doc["renewed_at"]) < float(doc["ttl_s"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
+        return LeaseInfo(kind, holder, newest, keys, doc, live and not _holder_is_dead(doc))
+    # Renewed under us five times in a row: its holder is clearly alive.
+    return LeaseInfo(kind, holder, newest, keys, {"error": "renewing"}, True)
 
 
 def _boot_and_pid_namespace() -> tuple[str, int]:

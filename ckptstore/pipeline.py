@@ -15,6 +15,7 @@ the destination tensors; a chunk's bytes reach a tensor only after its hash chec
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import logging
@@ -151,6 +152,24 @@ def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> Layout:
             )
         cursor = align(cursor + n)
     return Layout(total_bytes=cursor, offsets=offsets, chunks=chunks)
+
+
+def chunks_holding(layout: Layout, spans: list[tuple[int, int]]) -> Layout:
+    """The part of ``layout`` that holds the byte ranges ``spans`` (``(offset, nbytes)`` in
+    its buffer, one per tensor): those tensors at those offsets, and only the chunks they
+    touch (a rank writes only the staged chunks that hold its own items)."""
+    starts = [c.start for c in layout.chunks]
+    needed: set[int] = set()
+    for offset, nbytes in spans:
+        c = bisect.bisect_right(starts, offset) - 1
+        while c < len(starts) and starts[c] < offset + nbytes:
+            needed.add(c)
+            c += 1
+    return Layout(
+        total_bytes=layout.total_bytes,
+        offsets=[offset for offset, _ in spans],
+        chunks=[layout.chunks[c] for c in sorted(needed)],
+    )
 
 
 def tensor_entries(
@@ -305,7 +324,11 @@ def write_chunks(
         return result
 
     try:
-        results = list(store.map(put, layout.chunks, max_concurrency=cfg.encode_threads))
+        # drain: a failed save's other puts end before its error is raised (nothing of it is
+        # still writing, a full disk's temporaries included, when wait() raises).
+        results = list(
+            store.map(put, layout.chunks, max_concurrency=cfg.encode_threads, drain=True)
+        )
     finally:
         release_free_memory()
     return [d for d, _ in results], {d: info for d, info in results}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -67,10 +66,10 @@ def collect(
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
-        _sweep(store, report, doomed, ignore_attempts, lease_ttl_s)
+        _sweep(store, report, doomed, ignore_attempts, lease_ttl_s, lease)
     finally:
         if lease is not None:
-            _release_after_settling(store, lease, settle_timeout_s)
+            lease.release_when_settled(settle_timeout_s)
     return report
 
 
@@ -80,6 +79,7 @@ def _sweep(
     doomed: set[int],
     ignore_attempts: set[str],
     lease_ttl_s: float,
+    lease: Lease | None,
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -112,7 +112,9 @@ def _sweep(
     if report.dry_run:
         report.deleted_chunk_bytes = sum(store.map(store.size, chunk_victims))
         return
-    report.deleted_chunk_bytes = sum(store.map(_delete_sized(store), chunk_victims))
+    # Saves go on once our lease looks stale: never delete after it may have looked so.
+    lease.check()
+    report.deleted_chunk_bytes = sum(store.map(_delete_sized(store, lease), chunk_victims))
     list(store.map(store.delete, victims + temporaries))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC) if not g.live])
@@ -137,26 +139,9 @@ def _legacy_pending(store: Store) -> list[str]:
     return live
 
 
-def _release_after_settling(store: Store, lease: Lease, timeout_s: float) -> None:
-    """Release the gc lease once no delete it issued can still land; if some are still
-    running after ``timeout_s``, the lease is kept (and renewed) until they end."""
-    if store.settle(timeout_s):
-        lease.release()
-        return
-    logger.warning(
-        "gc %s: deletes abandoned at their deadline are still running; saves wait until they end",
-        store.uri,
-    )
-
-    def release_later() -> None:
-        store.settle(None)
-        lease.release()
-
-    threading.Thread(target=release_later, name="ckptstore-gc-settle", daemon=True).start()
-
-
-def _delete_sized(store: Store):
+def _delete_sized(store: Store, lease: Lease):
     def delete(key: str) -> int:
+        lease.check()
         try:
             size = store.size(key)
         except FileNotFoundError:

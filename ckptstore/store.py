@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -395,6 +396,8 @@ class Backend:
     def size(self, path: str) -> int:
         if self.is_local:
             return os.stat(path).st_size
+        # Not from s3fs's listing cache: a chunk another process deleted must not look stored.
+        self.fs.invalidate_cache(path)
         return int(self.fs.size(path))
 
     def exists(self, path: str) -> bool:
@@ -404,6 +407,7 @@ class Backend:
             except (FileNotFoundError, NotADirectoryError):
                 return False
             return True
+        self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
     def list(self, path: str) -> list[str]:
@@ -704,12 +708,19 @@ class Store:
         return self._callers.submit(fn, *args)
 
     def map(
-        self, fn: Callable[[T], R], items: Iterable[T], *, max_concurrency: int | None = None
+        self,
+        fn: Callable[[T], R],
+        items: Iterable[T],
+        *,
+        max_concurrency: int | None = None,
+        drain: bool = False,
     ) -> Iterator[R]:
         """``fn`` over ``items`` with at most ``max_concurrency`` calls in flight, in order.
 
         A sliding window: the next call starts as soon as the oldest completes. The first error
-        cancels what has not started and is raised.
+        cancels what has not started and is raised; with ``drain``, only once the calls already
+        running have ended (each bounded by its requests' deadlines), so that a failed batch of
+        writes leaves nothing writing.
         """
         window = max_concurrency or self.max_concurrency
         pending: list[Future[R]] = []
@@ -721,8 +732,9 @@ class Store:
             while pending:
                 yield pending.pop(0).result()
         finally:
-            for future in pending:
-                future.cancel()
+            running = [future for future in pending if not future.cancel()]
+            if drain:
+                futures_wait(running)
 
     def check_reachable(self) -> None:
         """Raise a clear error now if the store cannot be listed (bad bucket, credentials)."""

@@ -157,8 +157,8 @@ def test_staging_buffer_is_reused(tmp_path):
         for step in range(4):
             ckpt.save(step, state)
         ckpt.wait()
-        assert ckpt.pool.allocations == 1
-        assert ckpt.pool.allocated_bytes < 50_000 * 4 + 4096
+        assert ckpt.engine.pool.allocations == 1
+        assert ckpt.engine.pool.allocated_bytes < 50_000 * 4 + 4096
 
 
 def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
@@ -172,7 +172,7 @@ def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
         assert second.skipped and not first.skipped
         assert any("skipping save of step 2" in r.getMessage() for r in caplog.records)
         first.wait()
-        assert ckpt.pool.allocations == 1
+        assert ckpt.engine.pool.allocations == 1
         assert ckpt.steps() == [1]
 
 

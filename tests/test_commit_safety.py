@@ -398,3 +398,73 @@ def test_gc_removes_temporaries_of_dead_writers(tmp_path):
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     collect(store, keep_last=1)
     assert not old.exists() and fresh.exists()  # fresh: a live writer's put in progress
+
+
+# -- found in review: lease reads racing renewals, lapses, lost answers, stale caches ------------
+
+
+def test_a_lease_read_while_its_holder_renews_it_is_still_live(tmp_path):
+    store = Store(tmp_path)
+    lease = Lease(store, SAVE, "holder", ttl_s=60).acquire()
+    reader = Store(tmp_path)
+    get = reader.get
+    renewed = []
+
+    def get_after_a_renewal(key, *args, **kwargs):  # listed seq N; the holder writes N+1 now
+        if key.startswith("leases/") and not renewed:
+            renewed.append(key)
+            lease.renew()
+        return get(key, *args, **kwargs)
+
+    reader.get = get_after_a_renewal
+    [found] = find_leases(reader, SAVE)
+    assert renewed and found.live and found.key != renewed[0]
+    lease.release()
+
+
+def test_a_lease_that_lapsed_stays_lost_after_renewals_recover(tmp_path):
+    store = Store(tmp_path)
+    lease = Lease(store, SAVE, "holder", ttl_s=0.4).acquire()
+    lease._stop.set()  # no background renewals: this test renews by hand
+    time.sleep(0.3)  # longer than ttl/2 without a renewal: gc elsewhere may have swept
+    lease._stop.clear()
+    lease.renew()
+    with pytest.raises(StorageError, match="went unrenewed"):
+        lease.check()
+    lease.release()
+
+
+def test_a_renewal_whose_answer_was_lost_moves_on(tmp_path):
+    """An abandoned renewal put that landed makes the retry find the object: the lease must
+    advance past it, not retry the same sequence for ever."""
+    store = Store(tmp_path)
+    lease = Lease(store, SAVE, "holder", ttl_s=60).acquire()
+    lease._stop.set()
+    store.put("leases/save/holder/000000000001.json", lease._body())  # the late landing
+    lease._stop.clear()
+    lease.renew()
+    lease.renew()
+    assert lease.key.endswith("000000000002.json") and store.exists(lease.key)
+    lease.check()
+    lease.release()
+
+
+@pytest.mark.s3
+def test_a_chunk_deleted_by_another_process_is_not_taken_as_stored(s3_uri):
+    """s3fs answers size() from its listing cache: a chunk gc deleted elsewhere must be
+    written again, not referenced."""
+    a, b = torch.randn(4096), torch.randn(4096)
+    ckpt = Checkpointer(s3_uri, compression="none")
+    ckpt.save(0, {"w": a}).wait()
+    ckpt.save(1, {"w": b}).wait()
+    ckpt.store.list("chunks")  # fills the listing cache with step 0's chunk
+    gc = subprocess.run(
+        [PY, "-m", "ckptstore.cli", "gc", s3_uri, "--keep-last", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert gc.returncode == 0 and "deleted 1 unreferenced chunk" in gc.stdout, gc.stdout + gc.stderr
+    ckpt.save(2, {"w": a}).wait()
+    ckpt.verify(2)
+    ckpt.close()

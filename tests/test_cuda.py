@@ -38,7 +38,7 @@ def test_in_place_updates_after_save_do_not_tear_the_staged_state(tmp_path):
     state = _state()
     expected = {k: v.clone() for k, v in state.items()}
     with Checkpointer(tmp_path / "ck") as ck:
-        assert ck.pool.pin_memory
+        assert ck.engine.pool.pin_memory
         handle = ck.save(1, state)
         for _ in range(20):  # enqueued right behind the side-stream copy, on the loop's stream
             state["w"].mul_(-1.5).add_(1.0)
@@ -72,7 +72,7 @@ def test_dcp_async_save_stages_cuda_state_before_it_changes(tmp_path):
     for _ in range(20):
         state["w"].mul_(-1.5).add_(1.0)
     future.result(timeout=120)
-    assert writer.pool.pin_memory
+    assert writer.engine.pool.pin_memory
     restored = {k: torch.empty_like(v) for k, v in expected.items()}
     dcp.load(restored, storage_reader=StoreReader(str(tmp_path / "s")), no_dist=True)
     for key, value in expected.items():

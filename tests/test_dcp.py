@@ -147,7 +147,7 @@ def test_async_save_stages_once_into_the_writers_reused_buffer(tmp_path, monkeyp
         saved.append(pickle.loads(pickle.dumps(state)))  # what that save must hold
         _scaled(state, -2.0)  # the loop goes on while the save persists
         future.result(timeout=60)
-    assert writer.pool.allocations == 1
+    assert writer.engine.pool.allocations == 1
     assert list_steps(Store(uri)) == [0, 1, 2]
     for step, want in enumerate(saved):
         target = _blank(want)
@@ -168,8 +168,8 @@ def test_a_save_failing_before_its_write_hands_the_staging_buffer_back(tmp_path)
         timeout=60
     )
     # Neither save keeps the pool's one buffer: the failed one handed it back.
-    assert writer.pool.allocations == 1
-    assert writer.pool.acquire(1, block=False) is not None
+    assert writer.engine.pool.allocations == 1
+    assert writer.engine.pool.acquire(1, block=False) is not None
     target = {"x": torch.empty(4)}
     dcp.load(target, storage_reader=StoreReader(uri, step=1), no_dist=True)
     assert torch.equal(target["x"], torch.full((4,), 5.0))
@@ -474,8 +474,10 @@ def _replicated_async_worker(rank: int, world: int, uri: str):
         assert writer.saved_step == step
     # A rank DCP left nothing to write must not keep its staging buffer (the next stage()
     # would wait timeout_s for it, then stage into a new one).
-    assert writer.pool.allocations == 1, f"rank {rank}: {writer.pool.allocations} buffers"
-    assert writer.pool.acquire(1, block=False) is not None, f"rank {rank}: buffer still held"
+    assert writer.engine.pool.allocations == 1, (
+        f"rank {rank}: {writer.engine.pool.allocations} buffers"
+    )
+    assert writer.engine.pool.acquire(1, block=False) is not None, f"rank {rank}: buffer still held"
 
 
 @pytest.mark.dist

@@ -78,9 +78,9 @@ class _SlowFirstCommit(StoreWriter):
 
 
 def _record_staging(writer: StoreWriter) -> list[int]:
-    """The storage address of every staging buffer ``writer.pool`` hands out, in order."""
+    """The storage address of every staging buffer ``writer.engine.pool`` hands out, in order."""
     seen: list[int] = []
-    acquire = writer.pool.acquire
+    acquire = writer.engine.pool.acquire
 
     def recording(*args, **kwargs):
         buf = acquire(*args, **kwargs)
@@ -88,7 +88,7 @@ def _record_staging(writer: StoreWriter) -> list[int]:
             seen.append(buf.untyped_storage().data_ptr())
         return buf
 
-    writer.pool.acquire = recording
+    writer.engine.pool.acquire = recording
     return seen
 
 
@@ -105,7 +105,7 @@ def test_back_to_back_async_saves_get_distinct_steps(tmp_path):
     _assert_step_holds(uri, 0, first)
     _assert_step_holds(uri, 1, second)
     # both saves staged into the one buffer the writer keeps
-    assert writer.pool.allocations == 1
+    assert writer.engine.pool.allocations == 1
     assert len(buffers) == 2 and buffers[0] == buffers[1], buffers
     # the next save (awaited or not) goes on after them
     dcp.save(_state(3), storage_writer=writer, no_dist=True)
@@ -130,7 +130,7 @@ def test_saves_named_by_training_step_through_checkpoint_id(tmp_path):
     assert list_steps(Store(uri)) == [100, 200, 300]
     for step, want in saved.items():
         _assert_step_holds(uri, step, want)
-    assert writer.pool.allocations == 1 and len(set(buffers)) == 1, buffers
+    assert writer.engine.pool.allocations == 1 and len(set(buffers)) == 1, buffers
     # a save naming no step goes after the steps named so far; its own checkpoint_id did not
     # stick to the writer
     dcp.async_save(_state(4), storage_writer=writer, no_dist=True).result(timeout=60)
@@ -242,7 +242,9 @@ def _overlapping_worker(rank: int, world: int, uri: str):
             )
         for future in futures:  # neither awaited before the other was started
             future.result(timeout=60)
-    assert writer.pool.allocations == 1, f"rank {rank}: {writer.pool.allocations} buffers"
+    assert writer.engine.pool.allocations == 1, (
+        f"rank {rank}: {writer.engine.pool.allocations} buffers"
+    )
 
 
 @pytest.mark.dist

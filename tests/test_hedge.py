@@ -68,12 +68,12 @@ def test_hedged_uploads_do_not_duplicate_objects(tmp_path, backend):
     ckpt = Checkpointer(
         uri, store=store, chunk_bytes=64 * 1024, hedge_uploads=True, encode_threads=4
     )
-    ckpt.hedger.policy = HedgePolicy(
+    ckpt.engine.hedger.policy = HedgePolicy(
         initial_delay_s=0.1, min_delay_s=0.05, burst=50, max_extra_fraction=1.0
     )
     state = {"w": torch.randn(400_000)}  # 25 chunks
     ckpt.save(1, state).wait()
-    assert ckpt.hedger.hedges > 0
+    assert ckpt.engine.hedger.hedges > 0
     manifest = load_manifest(store, 1)
     index = load_rank_index(store, manifest, 0)
     chunk_keys = store.list("chunks")

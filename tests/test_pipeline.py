@@ -30,7 +30,7 @@ def _save_chunks(store: Store, n: int) -> CompressionGovernor:
     state = {f"t{i}": torch.randn(16 * 1024) * 0.01 for i in range(n)}
     ckpt.save(1, state).wait()
     ckpt.close()
-    return ckpt.governor
+    return ckpt.engine.governor
 
 
 def test_governor_stops_compressing_when_storage_outruns_the_encoder():
