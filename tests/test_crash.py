@@ -47,12 +47,20 @@ def _check_store(root) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("keep_last", [0, 2])
-def test_kill_at_random_moments_leaves_only_whole_steps(tmp_path, keep_last):
+@pytest.mark.parametrize(
+    "backend", ["local", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)]
+)
+def test_kill_at_random_moments_leaves_only_whole_steps(tmp_path, request, backend, keep_last):
+    if backend == "seaweedfs":
+        request.getfixturevalue("seaweed_env")  # the writer inherits the endpoint and keys
+        root = request.getfixturevalue("seaweed_uri")
+    else:
+        root = str(tmp_path)
     rng = random.Random(1234 + keep_last)
     committed_before = 0
     for _round in range(5):
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(tmp_path), str(keep_last)],
+            [sys.executable, "-c", WRITER, root, str(keep_last)],
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -65,14 +73,14 @@ def test_kill_at_random_moments_leaves_only_whole_steps(tmp_path, keep_last):
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
-        steps = _check_store(tmp_path)
+        steps = _check_store(root)
         assert steps, "no committed step survived"
         assert steps[-1] >= committed_before
         committed_before = steps[-1]
         if keep_last:
             assert len(steps) <= keep_last + 1  # +1: killed between commit and retention
     # the store can be saved into again after all of that
-    with Checkpointer(tmp_path) as ckpt:
+    with Checkpointer(root) as ckpt:
         next_step = ckpt.latest() + 1
         ckpt.save(next_step, {"w": [torch.ones(3)], "step": next_step}).wait()
         assert ckpt.latest() == next_step

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import run_ranks
+from test_dcp import _assert_same, _blank
 from torch.distributed.checkpoint import CheckpointException
 
 from ckptstore.dcp import StoreReader, StoreWriter
@@ -36,29 +37,6 @@ def _state(seed: int) -> dict:
         "ids": torch.randint(-1000, 1000, (50,), generator=g),
         "step": seed,
     }
-
-
-def _blank(state: dict) -> dict:
-    out: dict = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out[k] = _blank(v)
-        elif isinstance(v, torch.Tensor):
-            out[k] = torch.zeros_like(v)
-        else:
-            out[k] = None
-    return out
-
-
-def _assert_same(got: dict, want: dict, path: str = "") -> None:
-    assert set(got) == set(want), f"{path}: keys {sorted(got)} != {sorted(want)}"
-    for k, v in want.items():
-        if isinstance(v, dict):
-            _assert_same(got[k], v, f"{path}.{k}")
-        elif isinstance(v, torch.Tensor):
-            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{path}.{k} differs"
-        else:
-            assert got[k] == v, f"{path}.{k}: {got[k]!r} != {v!r}"
 
 
 def _assert_step_holds(uri: str, step: int, want: dict) -> None:

@@ -7,15 +7,9 @@ crash test, whose writer subprocesses find it through the environment (``seaweed
 from __future__ import annotations
 
 import os
-import random
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-from test_crash import _check_store
 
 from ckptstore import Checkpointer, StepExistsError, Store
 from ckptstore.errors import ObjectExistsError
@@ -89,51 +83,3 @@ def test_listing_an_emptied_prefix_finds_nothing(seaweed_uri, seaweed_storage_op
 
 # test_crash's writer, with a lease ttl of its own: a writer killed during retention leaves a
 # live gc lease, which holds the next writer's saves until it lapses (120 s by default).
-WRITER = r"""
-import inspect, sys, torch
-from ckptstore import Checkpointer
-leases = "lease_ttl_s" in inspect.signature(Checkpointer).parameters
-ckpt = Checkpointer(
-    sys.argv[1], chunk_bytes=256 * 1024, keep_last=int(sys.argv[2]) or None,
-    **({"lease_ttl_s": float(sys.argv[3])} if leases else {}),
-)
-step = (ckpt.latest() or 0) + 1
-while True:
-    state = {"w": [torch.full((100_000,), float(step) + i) for i in range(6)], "step": step}
-    ckpt.save(step, state).wait()
-    print(step, flush=True)
-    step += 1
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("keep_last", [0, 2])
-def test_kill_at_random_moments_leaves_only_whole_steps(seaweed_uri, seaweed_env, keep_last):
-    """A writer saving to SeaweedFS in a loop, SIGKILLed at random moments, five times: every
-    committed step verifies (test_crash's check), and the store takes saves again."""
-    rng = random.Random(4321 + keep_last)
-    committed_before = 0
-    for _round in range(5):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, seaweed_uri, str(keep_last), "4"],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # seaweed_env: the endpoint and keys
-        )
-        try:
-            first = proc.stdout.readline()
-            assert first.strip().isdigit(), f"writer did not start: {first!r}"
-            time.sleep(rng.uniform(0.0, 0.4))
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        steps = _check_store(seaweed_uri)
-        assert steps, "no committed step survived"
-        assert steps[-1] >= committed_before
-        committed_before = steps[-1]
-        if keep_last:
-            assert len(steps) <= keep_last + 1  # +1: killed between commit and retention
-    with Checkpointer(seaweed_uri) as ckpt:
-        next_step = ckpt.latest() + 1
-        ckpt.save(next_step, {"w": [torch.ones(3)], "step": next_step}).wait()
-        assert ckpt.latest() == next_step
