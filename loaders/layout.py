@@ -55,6 +55,20 @@ def unit_samples(units: Sequence[Unit]) -> np.ndarray:
     return np.fromiter((u.num_samples for u in units), dtype=np.int64, count=len(units))
 
 
+def shard_sizes(
+    replicas: Any, declared: list[str] | None, manifest: str | None, suffix: str
+) -> tuple[list[str], list[int]]:
+    """The dataset's shards, in order, and their sizes: the ``declared`` list, else the
+    ``manifest``'s, else every replica's listing of ``*suffix`` (``ReplicaSet.find_shards``)."""
+    if declared is None and manifest is not None:
+        declared = read_manifest(replicas, manifest)
+    found = replicas.find_shards(declared, suffix=suffix)
+    if not found:
+        raise ValueError(f"no {suffix} shards found in {', '.join(replicas.uris)}")
+    keys = list(found) if declared is None else list(declared)
+    return keys, [found[k] for k in keys]
+
+
 def read_manifest(replicas: Any, key: str) -> list[str]:
     """The shard keys a manifest lists, one per line (blank lines and ``#`` comments skipped);
     the manifest must be the same on every replica (:meth:`ReplicaSet.read_same`)."""

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ShardCorruptError
-from loaders.layout import Unit, read_manifest
+from loaders.layout import Unit, shard_sizes
 
 
 @dataclass(kw_only=True)
@@ -47,14 +47,7 @@ class TokenFiles:
             raise ValueError("TokenFiles takes files or a manifest, not both")
 
     def open(self, replicas: Any) -> TokenLayout:
-        files = self.files
-        if files is None and self.manifest is not None:
-            files = read_manifest(replicas, self.manifest)
-        found = replicas.find_shards(files, suffix=".bin")
-        if not found:
-            raise ValueError(f"no .bin token files found in {', '.join(replicas.uris)}")
-        files = list(found) if files is None else files
-        sizes = [found[k] for k in files]
+        files, sizes = shard_sizes(replicas, self.files, self.manifest, ".bin")
         itemsize = np.dtype(self.dtype).itemsize
         sample_bytes = self.sample_tokens * itemsize
         per_unit = max(1, self.read_bytes // sample_bytes)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loaders.errors import ShardCorruptError
-from loaders.layout import Unit, read_manifest
+from loaders.layout import Unit, shard_sizes
 
 
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
@@ -83,13 +83,8 @@ class WebDataset:
                 raise ValueError("WebDataset.sample_counts must be >= 0")
 
     def open(self, replicas: Any) -> WdsLayout:
-        shards = self.shards
-        if shards is None and self.manifest is not None:
-            shards = read_manifest(replicas, self.manifest)
-        sizes = replicas.find_shards(shards, suffix=".tar")
-        if not sizes:
-            raise ValueError(f"no .tar shards found in {', '.join(replicas.uris)}")
-        shards = list(sizes) if shards is None else shards
+        shards, nbytes = shard_sizes(replicas, self.shards, self.manifest, ".tar")
+        sizes = dict(zip(shards, nbytes))
         with ThreadPoolExecutor(8) as pool:
             counts = self.sample_counts
             if counts is None:
