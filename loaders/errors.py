@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from ckptstore.errors import CheckpointError
 
-
-class LoaderError(CheckpointError):
-    """Base class of every error the loader raises on purpose."""
+class LoaderError(Exception):
+    """Base class of every error the loader raises on purpose (not a ``CheckpointError``: the
+    loader reads datasets, not checkpoints)."""
 
 
 class ShardCorruptError(LoaderError, ValueError):
