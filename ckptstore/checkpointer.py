@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptstore import telemetry
 from ckptstore.commit import DEFAULT_GC_WAIT_S
 from ckptstore.engine import SaveEngine, Staged, open_store
 from ckptstore.errors import (
@@ -267,6 +268,10 @@ class Checkpointer:
         self._saves += 1
         if staged is None:
             self.skipped_saves += 1
+            telemetry.saves_total.inc(frontend="checkpointer", outcome="skipped")
+            telemetry.save_blocked_seconds.observe(
+                time.perf_counter() - t0, frontend="checkpointer"
+            )
             logger.warning(
                 "rank %d: skipping save of step %d: the previous save is still persisting",
                 self.rank,
@@ -278,7 +283,9 @@ class Checkpointer:
         meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
         self._jobs.put(_Job(step, attempt, tree, meta, staged, user, handle))
         self._last = handle
-        logger.debug("rank %d: step %d staged in %.3fs", self.rank, step, time.perf_counter() - t0)
+        blocked = time.perf_counter() - t0
+        telemetry.save_blocked_seconds.observe(blocked, frontend="checkpointer")
+        logger.debug("rank %d: step %d staged in %.3fs", self.rank, step, blocked)
         return handle
 
     def wait(self) -> None:
@@ -580,10 +587,16 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
+            t0 = time.perf_counter()
             try:
                 self._persist(job)
+                telemetry.save_persist_seconds.observe(
+                    time.perf_counter() - t0, frontend="checkpointer"
+                )
+                telemetry.saves_total.inc(frontend="checkpointer", outcome="committed")
                 job.handle._future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
+                telemetry.saves_total.inc(frontend="checkpointer", outcome="failed")
                 logger.error("rank %d: save of step %d failed: %s", self.rank, job.step, exc)
                 if self._error is None:
                     self._error = (job.step, exc)
