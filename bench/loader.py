@@ -26,8 +26,8 @@ import numpy as np
 
 from bench._ckpt_common import drop_page_cache
 from bench.report import check_directory, format_rate, format_seconds, print_json, table
-from ckptstore.faults import Faults, parse_latency
 from ckptstore.store import Store
+from ckptstore.testing.faults import Faults, parse_latency, with_faults
 from loaders import MDS, LoaderConfig, ReplicaConfig, ShardDataset, TokenFiles, WebDataset
 from loaders.replicas import replica_retry_policy
 
@@ -295,7 +295,7 @@ def _latency_run(args: argparse.Namespace, uris: list[str], dist: Any, mode: str
             seed=args.seed * 1000 + i,
         )
         all_faults.append(faults)
-        stores.append(Store(uri, faults=faults, retry=replica_retry_policy(config)))
+        stores.append(with_faults(Store(uri, retry=replica_retry_policy(config)), faults))
     loader_config = LoaderConfig(
         seed=args.seed, shuffle_block_units=64, window_reads=args.concurrency, log_interval_s=0
     )

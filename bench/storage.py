@@ -48,9 +48,9 @@ from bench.report import (
     print_json,
     table,
 )
-from ckptstore.faults import ALL_OPS, Faults, parse_latency
 from ckptstore.metrics import LatencyHistogram
 from ckptstore.store import RetryPolicy, Store
+from ckptstore.testing.faults import ALL_OPS, Faults, parse_latency, with_faults
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,6 @@ class _OpStats:
         self.hist = LatencyHistogram()
         self.ops = 0
         self.bytes = 0
-        self.retries = 0
         self.errors: Counter[str] = Counter()
         self.first_error: str | None = None
 
@@ -206,11 +205,11 @@ class _OpStats:
         self.hist.merge(other.hist)
         self.ops += other.ops
         self.bytes += other.bytes
-        self.retries += other.retries
         self.errors.update(other.errors)
         self.first_error = self.first_error or other.first_error
 
-    def to_dict(self, elapsed_s: float) -> dict[str, Any]:
+    def to_dict(self, elapsed_s: float, *, retries: int = 0) -> dict[str, Any]:
+        """The figures, with ``retries`` (attempts after a failed one) from the store."""
         summary = self.hist.summary()
         return {
             "ops": self.ops,
@@ -225,56 +224,24 @@ class _OpStats:
             "max_s": summary["max_s"],
             "errors": sum(self.errors.values()),
             "errors_by_type": dict(self.errors),
-            "retries": self.retries,
+            "retries": retries,
         }
 
 
-class _RetryCounter(logging.Filter):
-    """Counts the store's per-attempt failure warnings raised while this thread times a request.
-
-    ``Store._request`` runs in the calling thread and logs ``"... attempt N failed/timed out"``
-    once per failed attempt, so the count for one request is its failed attempts. Matching
-    records are dropped unless ``passthrough`` (the run reports the totals instead).
-    """
-
-    def __init__(self, *, passthrough: bool) -> None:
-        super().__init__()
-        self._passthrough = passthrough
-        self._local = threading.local()
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        self._local.count = 0
-        self._local.active = True
-        try:
-            yield
-        finally:
-            self._local.active = False
-
-    @property
-    def count(self) -> int:
-        return getattr(self._local, "count", 0)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(self._local, "active", False) and "attempt" in str(record.msg):
-            self._local.count += 1
-            return self._passthrough
-        return True
-
-
 @contextlib.contextmanager
-def _count_retries(passthrough: bool) -> Iterator[_RetryCounter]:
+def _quiet_retries(show: bool) -> Iterator[None]:
+    """Unless ``show``, drop the store's warning per failed attempt (marked ``ckptstore_retry``):
+    the run reports the totals from the store's counters instead."""
     store_logger = logging.getLogger(_STORE_LOGGER)
-    counter = _RetryCounter(passthrough=passthrough)
-    saved_level = store_logger.level
-    if not store_logger.isEnabledFor(logging.WARNING):
-        store_logger.setLevel(logging.WARNING)
-    store_logger.addFilter(counter)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return show or not getattr(record, "ckptstore_retry", False)
+
+    store_logger.addFilter(drop)
     try:
-        yield counter
+        yield
     finally:
-        store_logger.removeFilter(counter)
-        store_logger.setLevel(saved_level)
+        store_logger.removeFilter(drop)
 
 
 def _error_name(exc: BaseException) -> str:
@@ -310,11 +277,9 @@ class StorageBench:
         self.config = config
         self.prefix = f"ckptbench-{uuid.uuid4().hex[:12]}"
         # The store under test, and a plain one for setup and cleanup.
-        self.store = Store(
-            config.uri,
-            storage_options=config.storage_options,
-            retry=config.retry,
-            faults=config.faults,
+        self.store = with_faults(
+            Store(config.uri, storage_options=config.storage_options, retry=config.retry),
+            config.faults,
         )
         self.admin = Store(config.uri, storage_options=config.storage_options, retry=config.retry)
         self._stop = threading.Event()
@@ -325,7 +290,6 @@ class StorageBench:
         self._attempted: list[str] = []  # every key a put was attempted on (list.append is atomic)
         self._readable: list[tuple[str, int]] = []  # (key, size) that readers may get
         self._stats: list[tuple[str, _OpStats]] = []
-        self._retries: _RetryCounter | None = None
         self._t0 = 0.0
         max_size = max(s for s, _ in config.sizes)
         self._payload = memoryview(os.urandom(max(max_size, config.read_bytes or 0, 1)))
@@ -367,21 +331,16 @@ class StorageBench:
 
     def _timed(self, stats: _OpStats, fn: Callable[[], int]) -> float | None:
         """Run one request; record its latency and bytes, or its error. Returns the latency."""
-        assert self._retries is not None
-        with self._retries.counting():
-            start = time.perf_counter()
-            try:
-                nbytes = fn()
-            except Exception as exc:  # noqa: BLE001 - counted by type, the run goes on
-                failed = self._retries.count
-                stats.retries += failed - 1 if failed >= self.config.retry.attempts else failed
-                stats.errors[_error_name(exc)] += 1
-                if stats.first_error is None:
-                    stats.first_error = _first_line(exc)
-                logger.debug("request failed: %s", exc)
-                return None
-            latency = time.perf_counter() - start
-            stats.retries += self._retries.count
+        start = time.perf_counter()
+        try:
+            nbytes = fn()
+        except Exception as exc:  # noqa: BLE001 - counted by type, the run goes on
+            stats.errors[_error_name(exc)] += 1
+            if stats.first_error is None:
+                stats.first_error = _first_line(exc)
+            logger.debug("request failed: %s", exc)
+            return None
+        latency = time.perf_counter() - start
         stats.hist.record(latency)
         stats.ops += 1
         stats.bytes += nbytes
@@ -523,8 +482,7 @@ class StorageBench:
         else:
             self.admin.check_reachable()
         cleanup = None
-        with _count_retries(cfg.verbose_retries) as retries:
-            self._retries = retries
+        with _quiet_retries(cfg.verbose_retries):
             try:
                 if cfg.mode == "steady":
                     result = self._run_steady()
@@ -634,11 +592,15 @@ class StorageBench:
 
     def _ops_result(self, elapsed_s: float, ops: tuple[str, ...] = ("put", "get")):
         self._merged_stats = {op: self._merged(op) for op in ops}
-        out = {op: s.to_dict(elapsed_s) for op, s in self._merged_stats.items()}
+        out = {op: self._op_result(op, elapsed_s) for op in ops}
         for op, s in self._merged_stats.items():
             if s.first_error:
                 out[op]["first_error"] = s.first_error
         return out
+
+    def _op_result(self, op: str, elapsed_s: float) -> dict[str, Any]:
+        retries = self.store.counters.snapshot()["retries"].get(op, 0)
+        return self._merged_stats[op].to_dict(elapsed_s, retries=retries)
 
     def _run_steady(self) -> dict[str, Any]:
         cfg = self.config
@@ -757,7 +719,7 @@ class StorageBench:
         burst_s = marks["burst_end"] - marks["burst_start"]
         result = self._ops_result(burst_s)
         # Reads ran for the whole run, not only the burst: rate them over the run.
-        result["get"] = self._merged_stats["get"].to_dict(elapsed) | (
+        result["get"] = self._op_result("get", elapsed) | (
             {"first_error": self._merged_stats["get"].first_error}
             if self._merged_stats["get"].first_error
             else {}

@@ -17,7 +17,6 @@ from ckptstore.errors import (
     StorageTimeoutError,
     UnsupportedStateError,
 )
-from ckptstore.faults import Faults, Fixed, LogNormal
 from ckptstore.store import RetryPolicy, Store
 
 __version__ = "0.1.0"
@@ -28,9 +27,6 @@ __all__ = [
     "Store",
     "RetryPolicy",
     "CodecConfig",
-    "Faults",
-    "Fixed",
-    "LogNormal",
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointNotFoundError",

@@ -32,11 +32,10 @@ from ckptstore.format import (
     object_ref,
     rank_index_key,
 )
-from ckptstore.hedge import Hedger
 from ckptstore.leases import DEFAULT_TTL_S, Lease
 from ckptstore.pipeline import (
+    ChunkLayout,
     CompressionGovernor,
-    Layout,
     PipelineConfig,
     plan_layout,
     tensor_entries,
@@ -69,7 +68,7 @@ class Staged:
     """Tensors copied into a staging buffer (the copy may still run: ``copy.wait()``)."""
 
     buffer: torch.Tensor
-    layout: Layout
+    layout: ChunkLayout
     copy: StagedCopy
     pooled: bool  # the buffer goes back to the engine's pool once written
 
@@ -81,7 +80,7 @@ class SaveEngine:
         chunk_bytes / compression / encode_threads: how chunks are cut, encoded and how many
             are in flight (``PipelineConfig``); ``"auto"`` compression is governed chunk by
             chunk (``CompressionGovernor``).
-        hedge_uploads: duplicate slow chunk puts.
+        hedge_uploads: duplicate slow chunk puts (the store's hedging, ``Store.hedger``).
         staging_budget_bytes: host memory for staging buffers (None: one, state-sized).
         keep_last: retention after each commit (None: keep everything).
         lease_ttl_s / gc_wait_s: the save lease's ttl, and how long a save waits for a gc.
@@ -107,7 +106,7 @@ class SaveEngine:
             chunk_bytes=chunk_bytes, compression=compression, encode_threads=encode_threads
         )
         self.governor = CompressionGovernor() if self.config.codec.adaptive else None
-        self.hedger = Hedger() if hedge_uploads else None
+        self.hedge_uploads = hedge_uploads
         self.pool = StagingPool(
             budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
         )
@@ -155,12 +154,17 @@ class SaveEngine:
         )
 
     def write(
-        self, store: Store, buffer: torch.Tensor, layout: Layout, tensors: list[Any]
+        self, store: Store, buffer: torch.Tensor, layout: ChunkLayout, tensors: list[Any]
     ) -> tuple[list[TensorEntry], dict[str, ChunkInfo]]:
         """Put the chunks of ``layout`` (slices of ``buffer``, whose copy is done); the entries
         of ``tensors`` (laid out at ``layout.offsets``) and the chunks written or found."""
         digests, chunks = write_chunks(
-            store, buffer.numpy(), layout, self.config, self.hedger, self.governor
+            store,
+            buffer.numpy(),
+            layout,
+            self.config,
+            hedged=self.hedge_uploads,
+            governor=self.governor,
         )
         return tensor_entries(tensors, layout, digests), chunks
 

@@ -37,7 +37,6 @@ from ckptstore.errors import (
     ObjectNotFoundError,
 )
 from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
-from ckptstore.hedge import Hedger
 from ckptstore.staging import align
 from ckptstore.store import Store
 
@@ -114,7 +113,7 @@ class ChunkSpan:
 
 
 @dataclass
-class Layout:
+class ChunkLayout:
     """Where each tensor sits in the staging buffer and which chunks cut that buffer."""
 
     total_bytes: int
@@ -122,7 +121,7 @@ class Layout:
     chunks: list[ChunkSpan]
 
 
-def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> Layout:
+def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> ChunkLayout:
     offsets = [0] * len(tensors)
     chunks: list[ChunkSpan] = []
     cursor = 0
@@ -151,10 +150,10 @@ def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> Layout:
                 ChunkSpan(piece, min(piece + cfg.chunk_bytes, cursor + n), codec_itemsize(t.dtype))
             )
         cursor = align(cursor + n)
-    return Layout(total_bytes=cursor, offsets=offsets, chunks=chunks)
+    return ChunkLayout(total_bytes=cursor, offsets=offsets, chunks=chunks)
 
 
-def chunks_holding(layout: Layout, spans: list[tuple[int, int]]) -> Layout:
+def chunks_holding(layout: ChunkLayout, spans: list[tuple[int, int]]) -> ChunkLayout:
     """The part of ``layout`` that holds the byte ranges ``spans`` (``(offset, nbytes)`` in
     its buffer, one per tensor): those tensors at those offsets, and only the chunks they
     touch (a rank writes only the staged chunks that hold its own items)."""
@@ -165,7 +164,7 @@ def chunks_holding(layout: Layout, spans: list[tuple[int, int]]) -> Layout:
         while c < len(starts) and starts[c] < offset + nbytes:
             needed.add(c)
             c += 1
-    return Layout(
+    return ChunkLayout(
         total_bytes=layout.total_bytes,
         offsets=[offset for offset, _ in spans],
         chunks=[layout.chunks[c] for c in sorted(needed)],
@@ -173,7 +172,7 @@ def chunks_holding(layout: Layout, spans: list[tuple[int, int]]) -> Layout:
 
 
 def tensor_entries(
-    tensors: list[torch.Tensor], layout: Layout, digests: list[str]
+    tensors: list[torch.Tensor], layout: ChunkLayout, digests: list[str]
 ) -> list[TensorEntry]:
     """Each tensor's dtype, shape and segments, given the digests of the layout's chunks."""
     starts = [c.start for c in layout.chunks]
@@ -250,12 +249,13 @@ def put_chunk(
     raw,
     itemsize: int,
     codec: CodecConfig,
-    hedger: Hedger | None = None,
+    *,
+    hedged: bool = False,
     governor: CompressionGovernor | None = None,
 ) -> tuple[str, ChunkInfo]:
     """Hash ``raw``; encode and put it unless the store already holds that chunk.
 
-    With a ``hedger`` a slow put is duplicated; both are exclusive creates of the same
+    ``hedged``: a slow put is duplicated by the store; both are exclusive creates of the same
     content-addressed key, so whichever lands second finds the object there and nothing is
     written twice."""
     digest = hash_bytes(raw)
@@ -271,14 +271,11 @@ def put_chunk(
         parts = [_joined(parts)]  # remote puts need one buffer: don't hold both copies
     t1 = time.perf_counter()
 
-    def put() -> int:
-        try:
-            store.put(key, parts)
-            return sum(map(len, parts))
-        except ObjectExistsError:  # another rank, save or hedge wrote the same content first
-            return store.size(key)
-
-    stored = hedger.call(put, store.submit) if hedger is not None else put()
+    try:
+        store.put(key, parts, hedged=hedged)
+        stored = sum(map(len, parts))
+    except ObjectExistsError:  # another rank or save wrote the same content first
+        stored = store.size(key)
     if governor is not None:
         governor.observe(
             raw=len(raw),
@@ -305,16 +302,22 @@ def _joined(parts: list) -> np.ndarray:
 def write_chunks(
     store: Store,
     buffer: np.ndarray,
-    layout: Layout,
+    layout: ChunkLayout,
     cfg: PipelineConfig,
-    hedger: Hedger | None = None,
+    *,
+    hedged: bool = False,
     governor: CompressionGovernor | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
 
     def put(span: ChunkSpan) -> tuple[str, ChunkInfo]:
         result = put_chunk(
-            store, buffer[span.start : span.end], span.itemsize, cfg.codec, hedger, governor
+            store,
+            buffer[span.start : span.end],
+            span.itemsize,
+            cfg.codec,
+            hedged=hedged,
+            governor=governor,
         )
         if not store.is_local:
             # A remote chunk's body lives for its whole upload and is freed into the arena of

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckptstore.store import HedgePolicy
+
 
 @dataclass(kw_only=True)
 class ReplicaConfig:
@@ -77,6 +79,17 @@ class ReplicaConfig:
             raise ValueError(f"hedge_min_samples must be >= 1, got {self.hedge_min_samples}")
         if not 0.0 < self.latency_ewma_alpha <= 1.0:
             raise ValueError(f"latency_ewma_alpha must be in (0, 1], got {self.latency_ewma_alpha}")
+
+    def hedge_policy(self) -> HedgePolicy:
+        """The store's hedging settings these options make (when and how often to hedge)."""
+        return HedgePolicy(
+            quantile=self.hedge_quantile,
+            min_delay_s=self.hedge_min_delay_s,
+            initial_delay_s=self.hedge_initial_delay_s,
+            min_samples=self.hedge_min_samples,
+            max_extra_fraction=self.hedge_budget,
+            burst=self.hedge_burst,
+        )
 
 
 @dataclass(kw_only=True)

@@ -34,13 +34,6 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-def _spec(replica: str | os.PathLike | Store) -> tuple[str, Any, Any]:
-    """What reopens a replica in another process: its URI, retry policy and injected faults."""
-    if isinstance(replica, Store):
-        return replica.uri, replica.retry, getattr(replica.backend, "faults", None)
-    return os.fspath(replica), None, None
-
-
 class ShardDataset(IterableDataset):
     """A sharded dataset on one or more replicas, read with prefetch, hedging and exact resume.
 
@@ -71,7 +64,9 @@ class ShardDataset(IterableDataset):
         self.config = config or LoaderConfig()
         self.replica_config = replica_config or ReplicaConfig()
         self._storage_options = storage_options
-        self._specs = [_spec(r) for r in replicas]
+        # What reopens each replica in another process: a Store reopens itself (its settings
+        # and backend, wrappers included); a URI opens with the replica retry policy.
+        self._specs = [r if isinstance(r, Store) else os.fspath(r) for r in replicas]
         self._replicas: ReplicaSet | None = ReplicaSet(
             list(replicas), config=self.replica_config, storage_options=storage_options
         )
@@ -127,10 +122,10 @@ class ShardDataset(IterableDataset):
         if self._replicas is None or self._pid != os.getpid():
             policy = replica_retry_policy(self.replica_config)
             stores = [
-                Store(
-                    uri, storage_options=self._storage_options, retry=retry or policy, faults=faults
-                )
-                for uri, retry, faults in self._specs
+                spec.reopen()
+                if isinstance(spec, Store)
+                else Store(spec, storage_options=self._storage_options, retry=policy)
+                for spec in self._specs
             ]
             self._replicas = ReplicaSet(stores, config=self.replica_config, missing=self._missing)
             self._pid = os.getpid()

@@ -4,7 +4,8 @@ A read goes to the replica with the lowest observed latency (a moving average of
 weighted by the reads it has in flight). An error or a timeout fails over to another replica at
 once; ``bench_after_errors`` consecutive errors bench a replica for ``bench_s`` (doubling while
 probes fail). When a read has not completed after the hedge delay (about the p95 of recent reads
-of its size class), a duplicate goes to the next-best replica if the hedge budget allows; the
+of its size class), a duplicate goes to the next-best replica if the hedge budget allows (the
+store's :class:`~ckptstore.store.Hedger` decides when and whether; this set decides where); the
 first answer wins and the others are cancelled: not started if still queued, otherwise their
 result is discarded. Every attempt is bounded by the replica Store's per-attempt deadline and the
 whole read by ``read_deadline_s``.
@@ -22,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from ckptstore.errors import ObjectNotFoundError, StorageError
-from ckptstore.store import RetryPolicy, Store
+from ckptstore.store import Hedger, RetryPolicy, Store
 from loaders.config import ReplicaConfig
 from loaders.errors import (
     ReadFailedError,
@@ -31,7 +32,6 @@ from loaders.errors import (
     ShardCorruptError,
     ShardNotFoundError,
 )
-from loaders.hedge import HedgeBudget, HedgeDelay
 from loaders.metrics import ReadStats, ReplicaStats
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ class ReplicaSet:
             raise ValueError(f"replica URIs repeat: {names}")
         self._replicas = [_Replica(s, self.config) for s in stores]
         self._lock = threading.Lock()
-        self.delay = HedgeDelay(self.config)
-        self.budget = HedgeBudget(self.config.hedge_budget, self.config.hedge_burst)
+        self.hedger = Hedger(self.config.hedge_policy())
         self.stats = ReadStats()
         self.missing: dict[str, frozenset[str]] = {
             key: frozenset(uris) for key, uris in (missing or {}).items()
@@ -190,7 +189,7 @@ class ReplicaSet:
             nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
             self._finished(r, seconds, nbytes, None)
             if primary_nbytes is not None:
-                self.delay.record(primary_nbytes, seconds)
+                self.hedger.record(primary_nbytes, seconds)
             return out
 
         future = r.store.submit(attempt)
@@ -266,7 +265,7 @@ class ReplicaSet:
             )
         hedge = hedge and cfg.hedge and cfg.max_hedges > 0 and len(self._replicas) - len(gone) > 1
         if hedge:
-            self.budget.on_read()
+            self.hedger.admit()
         pending: dict[Future, tuple[_Replica, bool]] = {}
         tried: list[_Replica] = []
         errors: list[str] = []
@@ -289,7 +288,7 @@ class ReplicaSet:
 
         launch(False)
         attempts = 1
-        next_hedge = t0 + self.delay.delay_s(nbytes) if hedge else math.inf
+        next_hedge = t0 + self.hedger.delay_s(nbytes) if hedge else math.inf
         try:
             while True:
                 now = time.monotonic()
@@ -311,6 +310,8 @@ class ReplicaSet:
                         data = future.result()
                         elapsed = time.monotonic() - t0
                         r.stats.add(wins=1, hedges_won=int(is_hedge))
+                        if is_hedge:
+                            self.hedger.won("get")
                         if count:
                             self.stats.latency.record(elapsed)
                             self.stats.add(reads=1)
@@ -348,10 +349,10 @@ class ReplicaSet:
                 if now >= next_hedge or time.monotonic() >= next_hedge:
                     spare = len(pending) + len(set(gone)) < len(self._replicas)
                     reserve = cfg.hedge_burst / 2 if hedges else 0.0
-                    delay = self.delay.delay_s(nbytes)
+                    delay = self.hedger.delay_s(nbytes)
                     if hedges >= cfg.max_hedges:
                         next_hedge = math.inf
-                    elif spare and self.budget.try_take(reserve=reserve) and launch(True):
+                    elif spare and self.hedger.try_hedge("get", reserve=reserve) and launch(True):
                         hedges += 1
                         self.stats.add(hedges=1)
                         next_hedge = time.monotonic() + delay
@@ -508,7 +509,7 @@ class ReplicaSet:
     def metrics(self) -> dict[str, Any]:
         return {
             "reads": self.stats.as_dict(),
-            "hedge_tokens": self.budget.tokens,
-            "hedge_delay_s": self.delay.snapshot(),
+            "hedge_tokens": self.hedger.tokens,
+            "hedge_delay_s": self.hedger.delays(),
             "replicas": {r.name: r.stats.as_dict() for r in self._replicas},
         }

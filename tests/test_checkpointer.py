@@ -16,7 +16,6 @@ from ckptstore import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointNotFoundError,
-    Faults,
     FormatVersionError,
     RetryPolicy,
     StepExistsError,
@@ -25,6 +24,7 @@ from ckptstore import (
     UnsupportedStateError,
 )
 from ckptstore.format import commit_key, list_steps
+from ckptstore.testing.faults import Faults, with_faults
 
 
 def make_state(seed: int = 0) -> dict:
@@ -163,7 +163,7 @@ def test_staging_buffer_is_reused(tmp_path):
 
 def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
     faults = Faults(latency=None, slow_rate=1.0, slow_s=0.3, ops=frozenset({"put"}))
-    store = Store(tmp_path, faults=faults)
+    store = with_faults(Store(tmp_path), faults)
     state = {"w": torch.randn(10_000)}
     with Checkpointer(tmp_path, store=store, when_busy="skip") as ckpt:
         first = ckpt.save(1, state)
@@ -220,8 +220,8 @@ def test_keep_last_deletes_old_steps_and_their_chunks(tmp_path):
 
 def test_background_error_surfaces_and_leaves_no_step():
     faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
-    store = Store(
-        "memory://failing-saves", faults=faults, retry=RetryPolicy(attempts=2, base_delay_s=0.001)
+    store = with_faults(
+        Store("memory://failing-saves", retry=RetryPolicy(attempts=2, base_delay_s=0.001)), faults
     )
     ckpt = Checkpointer("memory://failing-saves", store=store)
     handle = ckpt.save(1, {"w": torch.randn(100)})

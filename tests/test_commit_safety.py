@@ -24,11 +24,11 @@ from ckptstore import (
     Store,
 )
 from ckptstore.errors import CommitUnknownError
-from ckptstore.faults import Faults
 from ckptstore.format import list_steps, load_manifest, load_rank_index
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
+from ckptstore.testing.faults import Faults, with_faults
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -151,7 +151,7 @@ def test_a_delete_abandoned_at_its_deadline_cannot_remove_a_newer_commit(tmp_pat
     (A) is collected after step 2 (B); step 3 saves A again, reusing or rewriting A's chunks
     while deletes of them may still be running."""
     faults = Faults(ops=frozenset({"delete"}), hang_rate=0.5, hang_s=2.0, seed=seed)
-    store = Store(tmp_path, faults=faults, retry=RetryPolicy(attempts=8, timeout_s=0.3))
+    store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=8, timeout_s=0.3)), faults)
     ckpt = Checkpointer(tmp_path, store=store, keep_last=1, compression="none")
     a, b = torch.randn(50_000), torch.randn(50_000)
     ckpt.save(1, {"w": a}).wait()
@@ -166,7 +166,7 @@ def test_a_delete_abandoned_at_its_deadline_cannot_remove_a_newer_commit(tmp_pat
 
 def test_settle_waits_for_an_abandoned_delete(tmp_path):
     faults = Faults(ops=frozenset({"delete"}), hang_rate=1.0, hang_s=1.0)
-    store = Store(tmp_path, faults=faults, retry=RetryPolicy(attempts=1, timeout_s=0.1))
+    store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=1, timeout_s=0.1)), faults)
     store.put("x", b"1")
     with pytest.raises(StorageError):
         store.delete("x")
@@ -198,8 +198,8 @@ SLOW_WRITER = textwrap.dedent(
     """
     import sys, torch
     from ckptstore import Checkpointer, Store
-    from ckptstore.faults import Faults, Fixed
-    store = Store(sys.argv[1], faults=Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
+    from ckptstore.testing.faults import Faults, Fixed, with_faults
+    store = with_faults(Store(sys.argv[1]), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
     ckpt = Checkpointer(sys.argv[1], store=store, chunk_bytes=4096, compression="none",
                         lease_ttl_s=2.0)
     ckpt.save(int(sys.argv[2]), {"w": torch.randn(200_000)})
@@ -301,9 +301,9 @@ def test_gc_does_not_sweep_under_a_live_save_lease(tmp_path):
 def test_a_save_whose_lease_lapsed_is_not_committed(tmp_path):
     """If the lease could not be renewed for ttl/2 (the store unreachable for its renewals),
     gc elsewhere may think the writer dead and sweep: the save must not commit."""
-    from ckptstore.faults import Fixed
+    from ckptstore.testing.faults import Fixed
 
-    store = Store(tmp_path, faults=Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
+    store = with_faults(Store(tmp_path), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
     ckpt = Checkpointer(tmp_path, store=store, lease_ttl_s=0.4, chunk_bytes=4096)
     original = store.put
 
@@ -328,7 +328,7 @@ def test_wait_tells_the_truth_about_each_commit_under_errors(tmp_path):
     """Issue item 10: with 70% of requests failing, wait() raising means the step is not
     committed (or says the outcome is unknown); wait() returning means it is."""
     faults = Faults(error_rate=0.7, seed=11)
-    store = Store(tmp_path, faults=faults, retry=RetryPolicy(attempts=3, base_delay_s=0.001))
+    store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=3, base_delay_s=0.001)), faults)
     ckpt = Checkpointer(tmp_path, store=store, compression="none", lease_ttl_s=600)
     outcomes = {}
     for step in range(40):

@@ -15,8 +15,9 @@ import pytest
 
 from ckptstore.cli import build_parser, main
 from ckptstore.errors import StorageError, StorageTimeoutError
-from ckptstore.faults import Faults
-from ckptstore.store import RetryPolicy, Store, _bounded_s3_options, describe_endpoint
+from ckptstore.store import RetryPolicy, Store, describe_endpoint
+from ckptstore.store.backends import bounded_s3_options
+from ckptstore.testing.faults import Faults, with_faults
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,10 +200,12 @@ def test_policy_defaults_bound_a_request():
 
 def test_a_hung_request_stops_retrying_at_its_budget():
     faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
-    store = Store(
-        "memory://deadline-hang",
-        faults=faults,
-        retry=RetryPolicy(attempts=50, timeout_s=0.2, total_s=0.7, base_delay_s=0.001),
+    store = with_faults(
+        Store(
+            "memory://deadline-hang",
+            retry=RetryPolicy(attempts=50, timeout_s=0.2, total_s=0.7, base_delay_s=0.001),
+        ),
+        faults,
     )
     store.put("k", b"v")
     try:
@@ -214,10 +217,12 @@ def test_a_hung_request_stops_retrying_at_its_budget():
 
 
 def test_quick_transient_errors_still_use_every_attempt():
-    store = Store(
-        "memory://deadline-errors",
-        faults=Faults(error_rate=1.0),
-        retry=RetryPolicy(attempts=4, base_delay_s=0.001, total_s=30),
+    store = with_faults(
+        Store(
+            "memory://deadline-errors",
+            retry=RetryPolicy(attempts=4, base_delay_s=0.001, total_s=30),
+        ),
+        Faults(error_rate=1.0),
     )
     with pytest.raises(StorageError, match="failed after 4 attempts"):
         store.put("k", b"v")
@@ -234,7 +239,7 @@ def test_s3_client_timeouts_follow_the_attempt_deadline(monkeypatch):
     finally:
         _clear_s3fs_instances()
     mine = {"config_kwargs": {"read_timeout": 99, "retries": {"max_attempts": 3}}, "anon": True}
-    merged = _bounded_s3_options(mine, RetryPolicy())
+    merged = bounded_s3_options(mine, RetryPolicy())
     assert merged["config_kwargs"] == {
         "read_timeout": 99,
         "retries": {"max_attempts": 3},

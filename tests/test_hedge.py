@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from ckptstore import Checkpointer, Faults, Store
+from ckptstore import Checkpointer, Store
 from ckptstore.format import list_steps, load_manifest, load_rank_index
-from ckptstore.hedge import HedgePolicy, Hedger
 from ckptstore.pipeline import fetch_chunk
-from ckptstore.store import ElasticPool
+from ckptstore.store import ElasticPool, HedgePolicy, Hedger
+from ckptstore.testing.faults import Faults, with_faults
 
 
 def test_slow_call_is_hedged_and_the_fast_one_wins():
@@ -64,16 +64,16 @@ def test_an_error_in_one_attempt_waits_for_the_other():
 def test_hedged_uploads_do_not_duplicate_objects(tmp_path, backend):
     uri = str(tmp_path / "s") if backend == "local" else "memory://hedged-uploads"
     faults = Faults(slow_rate=0.3, slow_s=1.0, ops=frozenset({"put"}), seed=7)
-    store = Store(uri, faults=faults)
+    store = with_faults(Store(uri), faults)
     ckpt = Checkpointer(
         uri, store=store, chunk_bytes=64 * 1024, hedge_uploads=True, encode_threads=4
     )
-    ckpt.engine.hedger.policy = HedgePolicy(
+    store.hedger.policy = HedgePolicy(
         initial_delay_s=0.1, min_delay_s=0.05, burst=50, max_extra_fraction=1.0
     )
     state = {"w": torch.randn(400_000)}  # 25 chunks
     ckpt.save(1, state).wait()
-    assert ckpt.engine.hedger.hedges > 0
+    assert store.hedger.hedges > 0
     manifest = load_manifest(store, 1)
     index = load_rank_index(store, manifest, 0)
     chunk_keys = store.list("chunks")

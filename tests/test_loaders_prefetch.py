@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from ckptstore import Faults, LogNormal, Store
+from ckptstore import Store
+from ckptstore.testing.faults import Faults, LogNormal, with_faults
 from loaders import LoaderConfig, ShardCorruptError, ShardDataset, TokenFiles
 from loaders.metrics import ConsumerStats
 from loaders.prefetch import Window
@@ -82,7 +83,7 @@ def test_window_bytes_bound_what_is_held():
 
 def test_dataset_stays_within_its_window_under_latency(tmp_path):
     np.arange(64 * 200, dtype=np.uint16).tofile(tmp_path / "t.bin")
-    store = Store(str(tmp_path), faults=Faults(latency=LogNormal(0.002, 0.5), seed=1))
+    store = with_faults(Store(str(tmp_path)), Faults(latency=LogNormal(0.002, 0.5), seed=1))
     config = LoaderConfig(seed=1, shuffle_block_units=2, window_reads=3, window_bytes=4 * 640)
     ds = ShardDataset(store, TokenFiles(sample_tokens=64, read_bytes=640), config=config)
     ids = [s["__index__"] for s in ds]

@@ -1,5 +1,5 @@
 """Replica choice, failover, benching, deadlines and hedged reads, with faults injected through
-the storage layer (``ckptstore.faults``) on real local, memory and S3 stores."""
+the storage layer (``ckptstore.testing.faults``) on real local, memory and S3 stores."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import uuid
 import numpy as np
 import pytest
 
-from ckptstore import Faults, Fixed, Store
+from ckptstore import Store
+from ckptstore.testing.faults import Faults, Fixed, faults_of, with_faults
 from loaders import (
     LoaderConfig,
     ReadTimeoutError,
@@ -31,13 +32,13 @@ def _replicas(tmp_path, faults: list[Faults | None], **cfg) -> tuple[ReplicaSet,
         root = tmp_path / f"r{i}"
         root.mkdir()
         (root / "obj").write_bytes(PAYLOAD)
-        stores.append(Store(str(root), faults=f, retry=replica_retry_policy(config)))
+        stores.append(with_faults(Store(str(root), retry=replica_retry_policy(config)), f))
     return ReplicaSet(stores, config=config), stores
 
 
 def _release(stores):
     for s in stores:
-        faults = getattr(s.backend, "faults", None)
+        faults = faults_of(s)
         if faults is not None:
             faults.release()
 
@@ -182,7 +183,7 @@ def test_dataset_over_s3_and_local_replicas_with_a_failing_replica(tmp_path, s3_
     mem = f"memory://loaders-{uuid.uuid4().hex[:8]}"
     Store(mem).put("t.bin", tokens.tobytes())
     config = ReplicaConfig(bench_after_errors=2)
-    broken = Store(mem, faults=Faults(error_rate=1.0), retry=replica_retry_policy(config))
+    broken = with_faults(Store(mem, retry=replica_retry_policy(config)), Faults(error_rate=1.0))
     ds = ShardDataset(
         [broken, s3_uri, str(tmp_path)],
         TokenFiles(sample_tokens=100, read_bytes=1000),

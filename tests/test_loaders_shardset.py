@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptstore import Faults, Store
+from ckptstore import Store
+from ckptstore.testing.faults import Faults, with_faults
 from loaders import (
     MDS,
     LoaderConfig,
@@ -233,7 +234,7 @@ def test_unreachable_replica_is_named_when_a_declared_shard_is_missing(tmp_path,
     mem = f"memory://shardset-{tmp_path.name}"
     for shard in SHARDS:
         Store(mem).put(shard, (a / SHARDS[0]).read_bytes())
-    broken = Store(mem, faults=Faults(error_rate=1.0), retry=replica_retry_policy(config))
+    broken = with_faults(Store(mem, retry=replica_retry_policy(config)), Faults(error_rate=1.0))
     with caplog.at_level(logging.WARNING, logger="loaders"):
         with pytest.raises(ShardNotFoundError, match=rf"shard-0001\.bin .*unreachable: {mem}"):
             ShardDataset([broken, str(a)], _tokens(files=SHARDS), replica_config=config)

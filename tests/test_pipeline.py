@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ckptstore import Checkpointer, Faults, Fixed, Store
+from ckptstore import Checkpointer, Store
 from ckptstore.format import load_manifest
 from ckptstore.pipeline import CompressionGovernor, PipelineConfig, plan_layout
+from ckptstore.testing.faults import Faults, Fixed, with_faults
 
 
 def test_layout_packs_small_tensors_by_width_and_splits_large_ones():
@@ -39,8 +40,8 @@ def test_governor_stops_compressing_when_storage_outruns_the_encoder():
 
 
 def test_governor_keeps_compressing_when_storage_is_slow():
-    store = Store(
-        "memory://governor-slow", faults=Faults(latency=Fixed(0.02), ops=frozenset({"put"}))
+    store = with_faults(
+        Store("memory://governor-slow"), Faults(latency=Fixed(0.02), ops=frozenset({"put"}))
     )
     governor = _save_chunks(store, 24)
     assert governor.compressed == 24 and governor.raw == 0

@@ -26,10 +26,11 @@ WRITER = textwrap.dedent(
     f"""
     import sys, torch
     from ckptstore import Checkpointer, CheckpointError, RetryPolicy, Store
-    from ckptstore.faults import Faults
+    from ckptstore.testing.faults import Faults, with_faults
     faults = Faults(error_rate=0.03, hang_rate=0.02, hang_s=1.0, seed=int(sys.argv[2]))
-    store = Store(sys.argv[1], faults=faults,
-                  retry=RetryPolicy(attempts=6, timeout_s=0.3, base_delay_s=0.01))
+    store = with_faults(Store(sys.argv[1],
+                              retry=RetryPolicy(attempts=6, timeout_s=0.3, base_delay_s=0.01)),
+                        faults)
     ckpt = Checkpointer(sys.argv[1], store=store, keep_last={KEEP}, chunk_bytes=16 << 10,
                         compression="none", lease_ttl_s={TTL_S})
     contents = [torch.randn(32768, generator=torch.Generator().manual_seed(i)) for i in range(3)]

@@ -12,8 +12,8 @@ from ckptstore.errors import (
     StorageError,
     StorageTimeoutError,
 )
-from ckptstore.faults import Faults, Fixed, InjectedFaultError, parse_latency
 from ckptstore.store import RetryPolicy, Store, is_transient
+from ckptstore.testing.faults import Faults, Fixed, InjectedFaultError, parse_latency, with_faults
 
 
 def test_put_get_ranges_list_delete(store_uri):
@@ -109,8 +109,8 @@ def test_local_put_leaves_no_temporary_files(tmp_path):
 
 def test_transient_errors_are_retried():
     faults = Faults(error_rate=0.5, seed=3)
-    store = Store(
-        "memory://retry-test", faults=faults, retry=RetryPolicy(attempts=30, base_delay_s=0.001)
+    store = with_faults(
+        Store("memory://retry-test", retry=RetryPolicy(attempts=30, base_delay_s=0.001)), faults
     )
     for i in range(20):
         store.put(f"k{i}", b"v")
@@ -119,10 +119,9 @@ def test_transient_errors_are_retried():
 
 
 def test_errors_exhaust_retries_with_clear_message():
-    store = Store(
-        "memory://retry-fail",
-        faults=Faults(error_rate=1.0),
-        retry=RetryPolicy(attempts=3, base_delay_s=0.001),
+    store = with_faults(
+        Store("memory://retry-fail", retry=RetryPolicy(attempts=3, base_delay_s=0.001)),
+        Faults(error_rate=1.0),
     )
     with pytest.raises(StorageError, match=r"put memory://retry-fail/k failed after 3 attempts"):
         store.put("k", b"v")
@@ -130,10 +129,9 @@ def test_errors_exhaust_retries_with_clear_message():
 
 def test_hung_request_hits_deadline():
     faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
-    store = Store(
-        "memory://hang",
-        faults=faults,
-        retry=RetryPolicy(attempts=2, timeout_s=0.2, base_delay_s=0.001),
+    store = with_faults(
+        Store("memory://hang", retry=RetryPolicy(attempts=2, timeout_s=0.2, base_delay_s=0.001)),
+        faults,
     )
     store.put("k", b"v")
     try:
@@ -145,7 +143,7 @@ def test_hung_request_hits_deadline():
 
 
 def test_latency_injection_and_specs():
-    store = Store("memory://lat", faults=Faults(latency=Fixed(0.01)))
+    store = with_faults(Store("memory://lat"), Faults(latency=Fixed(0.01)))
     store.put("k", b"v")
     assert store.get("k") == b"v"
     assert parse_latency("none") is None
@@ -265,7 +263,7 @@ def test_s3_put_streams_the_callers_buffer_without_a_copy(s3_uri, monkeypatch, k
 
 
 def test_buffer_body_reads_seeks_and_slices_like_a_file():
-    from ckptstore.store import _BufferBody
+    from ckptstore.store.backends import _BufferBody
 
     body = _BufferBody(bytearray(b"0123456789"))
     assert len(body) == 10 and body.read(4) == b"0123" and body.tell() == 4

@@ -1,9 +1,10 @@
-"""Fault injection for the storage layer: latency, slow requests, errors and hangs.
+"""Fault injection for the storage layer: latency, slow requests, errors and hangs. Not public
+API (tests and ``ckptbench`` only).
 
-Used by tests and by ``ckptbench`` to make a fast local store behave like a remote one::
+A backend wrapper that makes a fast local store behave like a remote one::
 
-    Store(uri, faults=Faults(latency=LogNormal(median_s=0.01, sigma=0.5), slow_rate=0.05,
-                             slow_factor=20, error_rate=0.01))
+    store = with_faults(Store(uri), Faults(latency=LogNormal(median_s=0.01, sigma=0.5),
+                                           slow_rate=0.05, slow_factor=20, error_rate=0.01))
 
 Injected errors are transient (``InjectedFaultError`` is a ``ConnectionError``) so the store's
 retry loop handles them like real resets; hangs last until ``hang_s`` or ``Faults.release()``.
@@ -17,6 +18,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.store import Backend, Store
+from ckptstore.store.backends import Data
 
 ALL_OPS = frozenset({"put", "get", "size", "exists", "list", "delete"})
 
@@ -98,6 +103,15 @@ class Faults:
         self._lock = threading.Lock()
         self._released = threading.Event()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into another process: the same settings, with a lock and state of its own.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_released")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+
     def release(self) -> None:
         """End every hang now and inject no more hangs."""
         self._released.set()
@@ -126,40 +140,61 @@ class Faults:
             raise InjectedFaultError(f"injected fault in {op}")
 
 
-class FaultyBackend:
-    """A storage backend with :class:`Faults` injected before each request."""
+class FaultyBackend(Backend):
+    """A storage backend with :class:`Faults` injected before each request to ``inner``."""
 
-    def __init__(self, inner, faults: Faults) -> None:
+    def __init__(self, inner: Backend, faults: Faults) -> None:
         self.inner = inner
         self.faults = faults
-        self.fs = inner.fs
+        self.root = inner.root
         self.is_local = inner.is_local
+        self.remote = inner.remote
         self.enforces_create = inner.enforces_create
+        self.endpoint = inner.endpoint
 
-    def put_once(self, path, data):
+    def reopen(self) -> Backend:
+        return FaultyBackend(self.inner.reopen(), self.faults)
+
+    def put_once(self, path: str, data: Data) -> None:
         self.faults.inject("put")
         return self.inner.put_once(path, data)
 
-    def get(self, path, start=None, end=None):
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         self.faults.inject("get")
         return self.inner.get(path, start, end)
 
-    def get_view(self, path, start=None, end=None):
+    def get_view(self, path: str, start: int | None = None, end: int | None = None) -> Any:
         self.faults.inject("get")
         return self.inner.get_view(path, start, end)
 
-    def size(self, path):
+    def size(self, path: str) -> int:
         self.faults.inject("size")
         return self.inner.size(path)
 
-    def exists(self, path):
+    def exists(self, path: str) -> bool:
         self.faults.inject("exists")
         return self.inner.exists(path)
 
-    def list(self, path):
+    def list(self, path: str) -> list[str]:
         self.faults.inject("list")
         return self.inner.list(path)
 
-    def delete(self, path):
+    def delete(self, path: str) -> None:
         self.faults.inject("delete")
         return self.inner.delete(path)
+
+    def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
+        return self.inner.stale_temporaries(root, older_than_s=older_than_s)
+
+
+def with_faults(store: Store, faults: Faults | None) -> Store:
+    """``store`` with ``faults`` injected into its backend from now on (None: unchanged)."""
+    if faults is not None:
+        store.backend = FaultyBackend(store.backend, faults)
+    return store
+
+
+def faults_of(store: Store) -> Faults | None:
+    """The faults injected into ``store``, if any."""
+    backend = store.backend
+    return backend.faults if isinstance(backend, FaultyBackend) else None

@@ -1,0 +1,395 @@
+"""Storage backends: single-attempt access to the objects of one store, one class per URL scheme.
+
+A backend knows how its scheme stores bytes (write-once puts, ranged reads, listing); it neither
+retries nor waits: :class:`~ckptstore.store.Store` runs every call under a deadline and retries
+it. Paths are absolute for the backend (``<root>/<key>``). :func:`open_backend` picks the class
+from the URL's scheme: local paths and ``file://``, ``memory://``, ``s3://`` (and ``s3a://``),
+and any other fsspec protocol through its generic filesystem interface.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any
+
+import fsspec
+
+from ckptstore.store.retry import RetryPolicy, is_precondition_failed
+
+TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<uuid>`` and link it into place
+S3_PROTOCOLS = ("s3", "s3a")
+
+Data = bytes | memoryview | list
+"""What a put writes: one buffer, or a list of buffers written as their concatenation."""
+
+
+class Backend(ABC):
+    """The operations a :class:`~ckptstore.store.Store` needs of a storage service."""
+
+    enforces_create: bool = True
+    """A put of an existing path fails (rather than overwriting it) by the service's own rule."""
+    is_local: bool = False
+    """Paths are files of this machine's file system."""
+    remote: bool = True
+    """Requests leave the process (messages name the endpoint)."""
+    endpoint: str = ""
+    """Where requests go, for messages: an S3 endpoint URL, a local directory."""
+
+    @abstractmethod
+    def put_once(self, path: str, data: Data) -> None:
+        """Write ``path`` once; ``FileExistsError`` if it exists. Durable when it returns."""
+
+    @abstractmethod
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The bytes of ``path`` (or ``[start, end)`` of it, cut short at its end)."""
+
+    def get_view(self, path: str, start: int | None = None, end: int | None = None) -> Any:
+        """Like :meth:`get`, as any read-only buffer (a backend may map it without a copy)."""
+        return self.get(path, start, end)
+
+    @abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, path: str) -> list[str]:
+        """Every object below ``path`` (recursive), as absolute paths; [] if there is none."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove ``path``; one already gone is not an error."""
+
+    def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
+        """Paths below ``root`` of put temporaries left by a writer that died mid-put."""
+        return []
+
+    @abstractmethod
+    def reopen(self) -> Backend:
+        """The same backend opened afresh, as a new process must (no shared clients)."""
+
+
+class FsspecBackend(Backend):
+    """Any fsspec filesystem; exclusive create as far as the filesystem offers it (the store
+    reads a put back where it does not)."""
+
+    enforces_create = False
+
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, *, uri: str, root: str, options: dict[str, Any]
+    ) -> None:
+        self.fs = fs
+        self.uri = uri
+        self.root = root
+        self.options = options
+        self.endpoint = self._endpoint()
+
+    def _endpoint(self) -> str:
+        return f"{_protocols(self.fs)[0]}://"
+
+    def reopen(self) -> Backend:
+        fs, _ = fsspec.core.url_to_fs(self.uri, **self.options)
+        return type(self)(fs, uri=self.uri, root=self.root, options=self.options)
+
+    def put_once(self, path: str, data: Data) -> None:
+        data = _one_buffer(data)
+        self.fs.pipe_file(path, data if isinstance(data, bytes) else bytes(data), mode="create")
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def size(self, path: str) -> int:
+        # Not from a listing cache: a chunk another process deleted must not look stored.
+        self.fs.invalidate_cache(path)
+        return int(self.fs.size(path))
+
+    def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
+    def list(self, path: str) -> list[str]:
+        try:
+            self.fs.invalidate_cache(path)
+            # Some stores (SeaweedFS) keep a directory after its last object is deleted, and
+            # s3fs's find() of an emptied prefix returns that directory despite withdirs=False.
+            found = self.fs.find(path, withdirs=False, detail=True)
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise
+            return []
+        return [name for name, info in found.items() if info.get("type") != "directory"]
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+
+class S3Backend(FsspecBackend):
+    """S3 and S3-compatible services through s3fs; puts are ``If-None-Match: *`` creates."""
+
+    enforces_create = True
+
+    def _endpoint(self) -> str:
+        client_kwargs = getattr(self.fs, "client_kwargs", None) or {}
+        return (
+            getattr(self.fs, "endpoint_url", None)
+            or client_kwargs.get("endpoint_url")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "AWS S3"
+        )
+
+    def put_once(self, path: str, data: Data) -> None:
+        try:
+            self.fs.pipe_file(path, _BufferBody(_one_buffer(data)), mode="create")
+        except OSError as exc:
+            # If-None-Match is the put's only condition; s3fs knows its failure as
+            # FileExistsError only when the server names the condition (SeaweedFS does not).
+            if not isinstance(exc, FileExistsError) and is_precondition_failed(exc):
+                raise FileExistsError(errno.EEXIST, f"{path} already exists") from exc
+            raise
+
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class MemoryBackend(FsspecBackend):
+    """fsspec's process-wide memory filesystem (tests, benchmarks)."""
+
+    enforces_create = True
+    remote = False
+
+    def _endpoint(self) -> str:
+        return "memory"
+
+    def put_once(self, path: str, data: Data) -> None:
+        data = _one_buffer(data)
+        # fsspec's own exclusive create scans every key; the store is one dict in-process.
+        with _MEMORY_LOCK:
+            if self.fs._strip_protocol(path) in self.fs.store:
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, bytes(data))
+
+
+class LocalBackend(FsspecBackend):
+    """Files of a local directory: puts are written to a temporary name, fsynced and hard-linked
+    into place (atomic, fails if the name exists); reads may be memory maps."""
+
+    enforces_create = True
+    is_local = True
+    remote = False
+
+    def _endpoint(self) -> str:
+        return self.root
+
+    def put_once(self, path: str, data: Data) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                for part in data if isinstance(data, list) else [data]:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.link(tmp, path)  # atomic, fails with EEXIST: never clobbers
+        finally:
+            # Also after a failed write (a full disk): a temporary left behind keeps it full.
+            os.unlink(tmp)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        with open(path, "rb") as f:
+            if start:
+                f.seek(start)
+            return f.read() if end is None else f.read(end - (start or 0))
+
+    def get_view(self, path: str, start: int | None = None, end: int | None = None) -> Any:
+        """A pre-faulted memory map of the file's pages (no copy and no fresh pages)."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            lo = min(start or 0, size)
+            hi = size if end is None else max(lo, min(end, size))
+            if hi == lo:
+                return b""
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(f.fileno(), hi - base, flags=flags, prot=mmap.PROT_READ, offset=base)
+        return memoryview(m)[lo - base :]
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def exists(self, path: str) -> bool:
+        try:
+            os.stat(path)  # not os.path.exists: that says False where access is denied
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def list(self, path: str) -> list[str]:
+        """An error where a directory cannot be read (a store that only looks empty would be
+        worse)."""
+        out = []
+        for dirpath, _, files in os.walk(path, onerror=_raise_unless_gone):
+            out.extend(os.path.join(dirpath, f) for f in files if TMP_MARK not in f)
+        return out
+
+    def delete(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
+        now = time.time()
+        out = []
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                if TMP_MARK not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if now - os.stat(path).st_mtime >= older_than_s:
+                        out.append(path)
+                except FileNotFoundError:
+                    continue
+        return out
+
+
+_BACKENDS: dict[str, type[FsspecBackend]] = {
+    "file": LocalBackend,
+    "local": LocalBackend,
+    "memory": MemoryBackend,
+    "s3": S3Backend,
+    "s3a": S3Backend,
+}
+
+
+def open_backend(
+    uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> tuple[FsspecBackend, str]:
+    """The backend of ``uri``'s scheme and the root path of ``uri`` in it."""
+    options = dict(storage_options or {})
+    if fsspec.core.split_protocol(uri)[0] in S3_PROTOCOLS:
+        options = bounded_s3_options(options, retry or RetryPolicy())
+    try:
+        fs, root = fsspec.core.url_to_fs(uri, **options)
+    except (ValueError, ImportError) as exc:
+        raise ValueError(f"cannot open store {uri!r}: {exc}") from exc
+    root = root.rstrip("/")
+    return _backend_class(fs)(fs, uri=uri, root=root, options=options), root
+
+
+def describe_endpoint(fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """A readable name of where ``fs``'s requests go: the endpoint URL of an S3 filesystem
+    (from its options or ``AWS_ENDPOINT_URL[_S3]``; ``AWS S3`` if none), a local directory."""
+    return _backend_class(fs)(fs, uri=root, root=root, options={}).endpoint
+
+
+def bounded_s3_options(options: dict[str, Any], policy: RetryPolicy) -> dict[str, Any]:
+    """``options`` with botocore's connect and read timeouts no longer than an attempt's
+    deadline and botocore's own retries off (the store retries), where the caller set none.
+
+    Otherwise botocore waits 60 s per read and retries 4 times, inside each attempt and inside
+    s3fs's own 5 retries: an attempt abandoned at its deadline would go on in the background
+    for many minutes, holding a pooled connection. Bounded, it ends within about 5 x
+    (connect + read timeout)."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", min(5.0, policy.timeout_s))
+    config.setdefault("read_timeout", policy.timeout_s)
+    config.setdefault("retries", {"total_max_attempts": 1})
+    return {**options, "config_kwargs": config}
+
+
+def _backend_class(fs: fsspec.AbstractFileSystem) -> type[FsspecBackend]:
+    return next((_BACKENDS[p] for p in _protocols(fs) if p in _BACKENDS), FsspecBackend)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def _one_buffer(data: Data) -> bytes | memoryview:
+    if isinstance(data, list):
+        return data[0] if len(data) == 1 else b"".join(data)
+    return data
+
+
+def _raise_unless_gone(exc: OSError) -> None:
+    """``os.walk``'s error handler: a directory that does not exist (or was removed while
+    walking) holds nothing; any other error (permission denied, I/O) is raised."""
+    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        raise exc
+
+
+class _BufferBody(io.BytesIO):
+    """An S3 request body that reads a buffer in place.
+
+    botocore wraps a bytes body in a ``BytesIO``, and aiohttp sizes that through
+    ``getbuffer()``, which makes the BytesIO copy the whole body (under the GIL) for as long as
+    the upload runs; a bytes body also has to be made first, another copy under the GIL. This
+    body serves any buffer (a chunk's numpy array) with small reads: ``getbuffer()`` is a view,
+    ``len()`` and slices are what s3fs asks of a body."""
+
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def __getitem__(self, key: slice) -> memoryview:
+        return self._view[key]
+
+    def getbuffer(self) -> memoryview:
+        return self._view[:]  # a new view: callers release theirs
+
+    def getvalue(self) -> bytes:
+        return self._view.tobytes()
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else self._pos + size
+        out = self._view[self._pos : end].tobytes()
+        self._pos += len(out)
+        return out
+
+    def read1(self, size: int | None = -1) -> bytes:
+        return self.read(size)
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = min(out.nbytes, self._view.nbytes - self._pos)
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos

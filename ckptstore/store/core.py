@@ -1,0 +1,413 @@
+"""The store: every request to a backend runs here, under a deadline, retried, counted, and on
+request hedged.
+
+Every request runs on a worker thread under a deadline and is retried with exponential backoff
+and full jitter when its error is transient (timeouts, connection resets, 5xx, SlowDown). A hung
+attempt is abandoned after its deadline (its daemon thread is left to finish on its own), and a
+whole request, retries included, ends within ``RetryPolicy.total_s`` (30 s by default, more for
+large transfers) with an error naming the endpoint, so no caller waits long for a store that
+does not answer. Puts are write-once (see :mod:`ckptstore.store.backends`).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ckptstore.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageAccessError,
+    StorageError,
+    StorageTimeoutError,
+)
+from ckptstore.store.backends import Backend, Data, open_backend
+from ckptstore.store.counters import OK, StoreCounters
+from ckptstore.store.hedge import HedgePolicy, Hedger
+from ckptstore.store.pool import ElasticPool
+from ckptstore.store.retry import RetryPolicy, describe, is_access_error, is_transient, whoami
+
+logger = logging.getLogger("ckptstore.store")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_MUTATING_OPS = frozenset({"put", "delete"})
+# No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
+_MIN_ATTEMPT_S = 0.5
+# Marks the log record of one failed attempt: the request's own error, if it comes to that, tells
+# the outcome (``ckptstore`` shows these only with -v).
+_RETRY_LOG = {"ckptstore_retry": True}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One storage request, as the retry loop, its messages and the counters see it."""
+
+    op: str
+    key: str
+    nbytes: int = 0
+    """Bytes the request moves, where known: more bytes get a longer deadline."""
+
+
+class Store:
+    """A prefix in an object store, addressed by relative keys such as ``chunks/ab/abcd...``.
+
+    ``uri`` is a local path, ``file://``, ``memory://``, ``s3://bucket/prefix`` or anything else
+    fsspec resolves. Credentials and endpoints come from ``storage_options`` or the standard
+    environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). ``backend`` replaces the one
+    ``uri``'s scheme opens (it must serve ``uri``; tests wrap one to inject faults).
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        max_concurrency: int = 16,
+        thread_nice: int = 0,
+        backend: Backend | None = None,
+        hedge: HedgePolicy | None = None,
+    ) -> None:
+        uri = os.fspath(uri)
+        if not uri:
+            raise ValueError("store URI is empty")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not 0 <= thread_nice <= 19:
+            raise ValueError(f"thread_nice must be within [0, 19], got {thread_nice}")
+        self.retry = retry or RetryPolicy()
+        if backend is None:
+            backend, _ = open_backend(uri, storage_options=storage_options, retry=self.retry)
+        self.backend = backend
+        self.uri = uri
+        self.root = backend.root
+        self._storage_options = storage_options
+        self.max_concurrency = max_concurrency
+        self._thread_nice = thread_nice
+        self.counters = StoreCounters()
+        self.hedger = Hedger(hedge, counters=self.counters)
+        self._abandoned: set[Future] = set()
+        self._abandoned_lock = threading.Condition()
+        self._workers = ElasticPool(f"ckptstore-io[{uri}]", nice=thread_nice)
+        self._callers = ElasticPool(f"ckptstore-req[{uri}]", nice=thread_nice)
+
+    def __repr__(self) -> str:
+        return f"Store({self.uri!r})"
+
+    def reopen(self) -> Store:
+        """This store opened afresh with the same settings and backend (wrappers included), as
+        another process needs it: no clients, threads or counts shared."""
+        return self._opener(self.backend.reopen())(self.uri)
+
+    def __reduce__(self) -> tuple[Callable[[str], Store], tuple[str]]:
+        # Pickled (into a spawned worker) as its settings and backend: unpickling reopens it.
+        return self._opener(self.backend), (self.uri,)
+
+    def _opener(self, backend: Backend) -> Callable[[str], Store]:
+        return functools.partial(
+            Store,
+            storage_options=self._storage_options,
+            retry=self.retry,
+            max_concurrency=self.max_concurrency,
+            thread_nice=self._thread_nice,
+            backend=backend,
+            hedge=self.hedger.policy,
+        )
+
+    @property
+    def is_local(self) -> bool:
+        return self.backend.is_local
+
+    @property
+    def endpoint(self) -> str:
+        """Where requests go, for messages: the S3 endpoint URL, the directory of a local store."""
+        return self.backend.endpoint
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def url(self, key: str) -> str:
+        """A readable name of ``key`` for messages."""
+        return f"{self.uri.rstrip('/')}/{key}"
+
+    # -- the request loop -------------------------------------------------------------------
+
+    def _request(self, op: str, key: str, fn: Callable[..., R], *args: Any, nbytes: int = 0) -> R:
+        """``fn(*args)`` as one request: retried, under deadlines, counted."""
+        request = Request(op, key, nbytes)
+        try:
+            result = self._attempts(request, fn, args)
+        except BaseException as exc:
+            self.counters.request(op, _error_kind(exc))
+            raise
+        moved = nbytes if op == "put" else len(result) if op == "get" else 0
+        self.counters.request(op, OK, moved)
+        return result
+
+    def _attempts(self, request: Request, fn: Callable[..., R], args: tuple) -> R:
+        op, key, policy = request.op, request.key, self.retry
+        last: BaseException | None = None
+        budget = policy.budget_s(request.nbytes)
+        end = time.monotonic() + budget
+        floor = min(_MIN_ATTEMPT_S, policy.timeout_s / 4)
+        made = 0
+        for attempt in range(policy.attempts):
+            if attempt:
+                delay = policy.backoff_s(attempt - 1)
+                if time.monotonic() + delay + floor >= end:
+                    break  # no time left for another attempt: the request's deadline is near
+                time.sleep(delay)
+            deadline = min(policy.deadline_s(request.nbytes), end - time.monotonic())
+            if made and deadline < floor:
+                break
+            if made:
+                self.counters.retry(op)
+            made += 1
+            future = self._workers.submit(fn, *args)
+            try:
+                # exception(), not result(): re-raising the worker's error here would add this
+                # thread's frames to its traceback, and with them the caller's locals (a chunk's
+                # bytes) to any reference cycle that traceback is part of (fsspec's sync() makes
+                # one for every error), to be freed only by the cyclic GC.
+                error = future.exception(timeout=deadline)
+            except TimeoutError:
+                if not future.cancel() and op in _MUTATING_OPS:
+                    self._track_abandoned(future)
+                last = StorageTimeoutError(
+                    f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
+                )
+                logger.warning(
+                    "%s %s: attempt %d timed out after %.1fs%s",
+                    op,
+                    self.url(key),
+                    made,
+                    deadline,
+                    self._from(),
+                    extra=_RETRY_LOG,
+                )
+                continue
+            if error is None:
+                return future.result()
+            if not is_transient(error):
+                raise self._translate(op, key, error) from error
+            last = error
+            logger.warning(
+                "%s %s: attempt %d failed (%s)",
+                op,
+                self.url(key),
+                made,
+                error,
+                extra=_RETRY_LOG,
+            )
+        tries = f"{made} attempt{'s' if made != 1 else ''}"
+        if isinstance(last, StorageTimeoutError):
+            waited = budget - max(0.0, end - time.monotonic())
+            raise StorageTimeoutError(
+                f"{op} {self.url(key)}: no answer within {waited:.1f}s{self._from()} ({tries})"
+            ) from last
+        where = f" (endpoint {self.endpoint})" if self.backend.remote else ""
+        raise StorageError(
+            f"{op} {self.url(key)} failed after {tries}{where}: {describe(last)}"
+        ) from last
+
+    def _from(self) -> str:
+        """`` from <endpoint>`` for a remote store (messages about requests with no answer)."""
+        return f" from {self.endpoint}" if self.backend.remote else ""
+
+    def _track_abandoned(self, future: Future) -> None:
+        """Remember a put or delete that outlived its deadline: it may still land."""
+        with self._abandoned_lock:
+            self._abandoned.add(future)
+        future.add_done_callback(self._forget_abandoned)
+
+    def _forget_abandoned(self, future: Future) -> None:
+        with self._abandoned_lock:
+            self._abandoned.discard(future)
+            if not self._abandoned:
+                self._abandoned_lock.notify_all()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every put or delete this store gave up on has really ended; False if
+        some are still running after ``timeout_s``.
+
+        A request abandoned at its deadline keeps running and may land later. Garbage
+        collection calls this before it lets savers reuse chunks again, so that a delete it
+        issued cannot land after a new save referenced the chunk."""
+        with self._abandoned_lock:
+            return self._abandoned_lock.wait_for(lambda: not self._abandoned, timeout=timeout_s)
+
+    def _translate(self, op: str, key: str, exc: BaseException) -> BaseException:
+        where = self.url(key)
+        if isinstance(exc, FileExistsError) or (
+            isinstance(exc, OSError) and exc.errno == errno.EEXIST
+        ):
+            return ObjectExistsError(f"{where} already exists (objects are write-once)")
+        if isinstance(exc, FileNotFoundError):
+            if "bucket" in str(exc).lower():
+                return ObjectNotFoundError(f"{op} {where}: the bucket does not exist")
+            return ObjectNotFoundError(f"{where} does not exist")
+        if is_access_error(exc):
+            if self.backend.remote:
+                return StorageAccessError(
+                    f"{op} {where}: access denied or no credentials at {self.endpoint} "
+                    f"({describe(exc)})"
+                )
+            denied = getattr(exc, "filename", None)
+            on = f" on {denied}" if denied and denied != where else ""
+            return StorageAccessError(
+                f"{op} {where}: permission denied{on} (running as {whoami()})"
+            )
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return StorageError(f"{op} {where}: no space left on device")
+        if isinstance(exc, StorageError):
+            return exc
+        return StorageError(f"{op} {where} failed: {describe(exc)}")
+
+    # -- single requests --------------------------------------------------------------------
+
+    def put(
+        self, key: str, data: Data, *, verify_readback: bool = False, hedged: bool = False
+    ) -> None:
+        """Write ``key`` once; :class:`ObjectExistsError` if it is already there.
+
+        ``data`` may be a list of buffers, written as their concatenation.
+        Durable when it returns (fsynced on local paths). With ``verify_readback`` (or on a
+        backend that does not enforce exclusive create) the object is read back and compared,
+        so a writer that lost a race to another is told so rather than believing it won.
+        ``hedged``: a put still running after the hedge delay is duplicated (both are exclusive
+        creates of the same key: the one that lands second finds the object there).
+        """
+        nbytes = sum(map(len, data)) if isinstance(data, list) else len(data)
+        if hedged:
+            self._hedged("put", nbytes, lambda: self._put(key, data, nbytes, verify_readback))
+        else:
+            self._put(key, data, nbytes, verify_readback)
+
+    def _put(self, key: str, data: Data, nbytes: int, verify_readback: bool) -> None:
+        enforced = self.backend.enforces_create
+        if not enforced and self.exists(key):
+            raise ObjectExistsError(f"{self.url(key)} already exists (objects are write-once)")
+        self._request("put", key, self.backend.put_once, self.path(key), data, nbytes=nbytes)
+        if verify_readback or not enforced:
+            expected = b"".join(data) if isinstance(data, list) else bytes(data)
+            if self.get(key) != expected:
+                raise ObjectExistsError(
+                    f"{self.url(key)} was written concurrently by another writer"
+                )
+
+    def get(
+        self, key: str, start: int | None = None, end: int | None = None, *, hedged: bool = False
+    ) -> bytes:
+        """The bytes of ``key``, or of ``[start, end)`` of it; ``hedged``: duplicated when slow."""
+        return self._get(self.backend.get, key, start, end, hedged)
+
+    def get_view(
+        self, key: str, start: int | None = None, end: int | None = None, *, hedged: bool = False
+    ):
+        """``key`` (or ``[start, end)`` of it) as a read-only buffer; on local paths a memory
+        map of the file's pages (no copy), elsewhere the bytes, as ``get`` returns them."""
+        return self._get(self.backend.get_view, key, start, end, hedged)
+
+    def _get(self, read: Callable, key: str, start: int | None, end: int | None, hedged: bool):
+        nbytes = (end - (start or 0)) if end is not None else 0
+
+        def get() -> Any:
+            return self._request("get", key, read, self.path(key), start, end, nbytes=nbytes)
+
+        return self._hedged("get", nbytes, get) if hedged else get()
+
+    def _hedged(self, op: str, nbytes: int, fn: Callable[[], R]) -> R:
+        return self.hedger.call(fn, self._callers.submit, op=op, nbytes=nbytes)
+
+    def size(self, key: str) -> int:
+        return self._request("size", key, self.backend.size, self.path(key))
+
+    def exists(self, key: str) -> bool:
+        return self._request("exists", key, self.backend.exists, self.path(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys of every object below ``prefix``, sorted."""
+        base = self.path(prefix.rstrip("/"))
+        paths = self._request("list", prefix, self.backend.list, base)
+        return sorted(self._key(p) for p in paths)
+
+    def _key(self, path: str) -> str:
+        return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
+
+    def stale_temporaries(self, *, older_than_s: float) -> list[str]:
+        """Keys of put temporaries (local: ``<key>.tmp-<uuid>``) not modified for
+        ``older_than_s``: left by a writer that died mid-put. Empty where puts leave none."""
+        paths = self.backend.stale_temporaries(self.root, older_than_s=older_than_s)
+        return sorted(self._key(p) for p in paths)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a key that is already gone is not an error."""
+        self._request("delete", key, self.backend.delete, self.path(key))
+
+    # -- many requests ----------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """Run a blocking store call such as ``store.get`` in the background."""
+        return self._callers.submit(fn, *args)
+
+    def map(
+        self,
+        fn: Callable[[T], R],
+        items: Iterable[T],
+        *,
+        max_concurrency: int | None = None,
+        drain: bool = False,
+    ) -> Iterator[R]:
+        """``fn`` over ``items`` with at most ``max_concurrency`` calls in flight, in order.
+
+        A sliding window: the next call starts as soon as the oldest completes. The first error
+        cancels what has not started and is raised; with ``drain``, only once the calls already
+        running have ended (each bounded by its requests' deadlines), so that a failed batch of
+        writes leaves nothing writing.
+        """
+        window = max_concurrency or self.max_concurrency
+        pending: list[Future[R]] = []
+        try:
+            for item in items:
+                pending.append(self._callers.submit(fn, item))
+                if len(pending) >= window:
+                    yield pending.pop(0).result()
+            while pending:
+                yield pending.pop(0).result()
+        finally:
+            running = [future for future in pending if not future.cancel()]
+            if drain:
+                futures_wait(running)
+
+    def check_reachable(self) -> None:
+        """Raise a clear error now if the store cannot be listed (bad bucket, credentials)."""
+        self.list("")
+
+
+def _error_kind(exc: BaseException) -> str:
+    """The outcome label of a request that raised ``exc``."""
+    for cls, kind in (
+        (ObjectNotFoundError, "not_found"),
+        (ObjectExistsError, "exists"),
+        (StorageTimeoutError, "timeout"),
+        (StorageAccessError, "access"),
+    ):
+        if isinstance(exc, cls):
+            return kind
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return "no_space"
+    if cause is not None and is_transient(cause):
+        return "transient"  # failed after its last retry
+    return "error"

@@ -1,0 +1,142 @@
+"""How a storage request is retried: the policy, and which errors are worth another attempt."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+_TRANSIENT_ERRNOS = {
+    errno.EBUSY,
+    errno.EAGAIN,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.EPIPE,
+    errno.EREMOTEIO,
+}
+_TRANSIENT_NAME_HINTS = ("Timeout", "Connection", "ServerDisconnected", "SlowDown", "Throttl")
+
+
+@dataclass(kw_only=True)
+class RetryPolicy:
+    """How a request is retried, how long each attempt may take and how long all of them may.
+
+    With the defaults a request to an endpoint that never answers fails after 30 s (three
+    attempts of 10 s), a request that fails quickly and transiently is tried up to 5 times.
+    """
+
+    attempts: int = 5
+    """Attempts per request, the first included."""
+    base_delay_s: float = 0.05
+    """Backoff before the second attempt; doubles each time, with full jitter."""
+    max_delay_s: float = 2.0
+    """Upper bound of one backoff."""
+    timeout_s: float = 10.0
+    """Deadline of one attempt of a small request."""
+    total_s: float | None = 30.0
+    """Deadline of a whole small request: all its attempts, backoffs included, end within this
+    (None: only ``attempts`` bounds it). No attempt starts once it has passed, and the last
+    one is cut short to end by it."""
+    min_bytes_per_s: float = 2 * 2**20
+    """Large transfers get ``size / min_bytes_per_s`` more seconds, per attempt and in total."""
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"RetryPolicy.timeout_s must be > 0, got {self.timeout_s}")
+        if self.total_s is not None and self.total_s <= 0:
+            raise ValueError(f"RetryPolicy.total_s must be > 0 or None, got {self.total_s}")
+
+    @classmethod
+    def within(cls, total_s: float, **kwargs: Any) -> RetryPolicy:
+        """The default policy with every request ending within ``total_s`` (large transfers
+        get more); an attempt may take the default ``timeout_s`` or ``total_s`` if less."""
+        kwargs.setdefault("timeout_s", min(cls.timeout_s, total_s))
+        return cls(total_s=total_s, **kwargs)
+
+    def deadline_s(self, nbytes: int = 0) -> float:
+        """Deadline of one attempt of a request moving ``nbytes``."""
+        return self.timeout_s + nbytes / self.min_bytes_per_s
+
+    def budget_s(self, nbytes: int = 0) -> float:
+        """The longest a request moving ``nbytes`` takes, all attempts and backoffs included."""
+        extra = nbytes / self.min_bytes_per_s
+        if self.total_s is not None:
+            return self.total_s + extra
+        return self.attempts * (self.timeout_s + extra) + (self.attempts - 1) * self.max_delay_s
+
+    def backoff_s(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: timeouts, resets, throttling, server errors."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
+            return False
+        if isinstance(exc, (TimeoutError, ConnectionError)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        name = type(exc).__name__
+        if name == "NoCredentialsError":
+            return False
+        if any(hint in name for hint in _TRANSIENT_NAME_HINTS):
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            code = str(response.get("Error", {}).get("Code", ""))
+            if status >= 500 or code in {"SlowDown", "Throttling", "RequestTimeout"}:
+                return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def is_access_error(exc: BaseException) -> bool:
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, PermissionError) or type(exc).__name__ in {
+            "NoCredentialsError",
+            "PartialCredentialsError",
+            "InvalidAccessKeyId",
+        }:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """True if ``exc`` (or its cause) is an S3 ``412 PreconditionFailed`` answer."""
+    cause = exc.__cause__
+    response = getattr(cause, "response", None) if cause is not None else None
+    if not isinstance(response, dict):
+        return False
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return code == "PreconditionFailed" or status == 412
+
+
+def whoami() -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(os.geteuid()).pw_name!r}"
+    except (ImportError, KeyError, AttributeError):
+        return f"uid {os.geteuid()}" if hasattr(os, "geteuid") else "this user"
+
+
+def describe(exc: BaseException | None) -> str:
+    """``Type: first line of the message`` of ``exc``."""
+    if exc is None:
+        return "unknown error"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
