@@ -1,0 +1,216 @@
+"""``ckptbench storage``: its argument parser and the run it starts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.report import (
+    check_output_file,
+    parse_bytes,
+    print_json,
+)
+from bench.storage.config import (
+    DEFAULT_SIZES,
+    MODES,
+    StorageBenchConfig,
+    parse_sizes,
+)
+from bench.storage.report import _require_matplotlib, plot, print_table
+from bench.storage.run import StorageBench
+from ckptstore.store import RetryPolicy
+from ckptstore.testing.faults import ALL_OPS, Faults, parse_latency
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "storage",
+        help="load-generate against a store: steady put/get, checkpoint bursts, ranged reads",
+        description="Load generator for any store ckptstore reaches (local path, memory://, "
+        "s3://...), through the same storage layer the checkpointer uses. Works under a fresh "
+        "ckptbench-<random>/ prefix and deletes what it wrote.",
+    )
+    p.add_argument(
+        "--uri", required=True, help="store URI: a path, memory://..., s3://bucket/prefix"
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="steady",
+        help="steady: mixed put/get; burst: all writers write a checkpoint at once while "
+        "a background reader measures read latency; read: ranged gets (default steady)",
+    )
+    p.add_argument("--writers", type=int, help="concurrent writers (steady 4, burst 8)")
+    p.add_argument("--readers", type=int, help="concurrent readers (steady 4, burst 1, read 4)")
+    p.add_argument(
+        "--sizes",
+        help="object-size mix SIZE[:WEIGHT],... "
+        f"(steady {DEFAULT_SIZES['steady']}; burst and read {DEFAULT_SIZES['burst']})",
+    )
+    p.add_argument("--count", type=int, help="steady/read: stop after this many requests")
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        help="steady/read: stop after this long (default "
+        "5 unless --count); burst: cap on the burst (default 30)",
+    )
+    p.add_argument(
+        "--max-write-bytes",
+        default="512MiB",
+        help="steady: stop after writing this much (default 512MiB)",
+    )
+    p.add_argument(
+        "--checkpoint-bytes",
+        default="32MiB",
+        help="burst: bytes each writer writes (default 32MiB)",
+    )
+    p.add_argument("--queue-depth", type=int, default=4, help="burst: puts in flight per writer")
+    p.add_argument(
+        "--read-bytes", help="burst: background read size (4KiB); read: range size (1MiB)"
+    )
+    p.add_argument(
+        "--read-interval-s",
+        type=float,
+        default=0.002,
+        help="burst: pause between background reads (default 0.002)",
+    )
+    p.add_argument("--baseline-s", type=float, default=1.0, help="burst: reads before the burst")
+    p.add_argument("--after-s", type=float, default=1.0, help="burst: reads after the burst")
+    p.add_argument(
+        "--objects",
+        type=int,
+        default=16,
+        help="read: objects to write and read; burst: small objects read in background",
+    )
+    p.add_argument(
+        "--read-prefix",
+        help="read: read the existing objects under this prefix (nothing is written or deleted)",
+    )
+    faults = p.add_argument_group("fault injection (into the store under test)")
+    faults.add_argument(
+        "--latency",
+        default="none",
+        help="added latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA]",
+    )
+    faults.add_argument(
+        "--error-rate",
+        type=float,
+        default=0.0,
+        help="fraction of requests failing with a transient error",
+    )
+    faults.add_argument("--slow-rate", type=float, default=0.0, help="fraction of slow requests")
+    faults.add_argument(
+        "--slow-factor",
+        type=float,
+        default=20.0,
+        help="a slow request takes this many times the median latency",
+    )
+    faults.add_argument(
+        "--hang-rate", type=float, default=0.0, help="fraction of requests that hang"
+    )
+    faults.add_argument("--hang-s", type=float, default=3600.0, help="how long a hang lasts")
+    faults.add_argument(
+        "--fault-ops", default="put,get", help="operations faults apply to (default put,get)"
+    )
+    retry = p.add_argument_group("retries")
+    retry.add_argument(
+        "--attempts",
+        type=int,
+        default=RetryPolicy.attempts,
+        help="attempts per request (default %(default)s)",
+    )
+    retry.add_argument(
+        "--timeout-s",
+        type=float,
+        default=RetryPolicy.timeout_s,
+        help="deadline of one attempt (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, help="seed for sizes, keys and faults")
+    p.add_argument("--keep", action="store_true", help="do not delete what the bench wrote")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="PNG", help="write latency CDFs (and the burst timeline) here")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> StorageBenchConfig:
+    latency = parse_latency(args.latency)
+    fault_ops = frozenset(op.strip() for op in args.fault_ops.split(",") if op.strip())
+    unknown = fault_ops - ALL_OPS
+    if unknown:
+        raise ValueError(f"--fault-ops: unknown operations {sorted(unknown)}")
+    for name in ("error_rate", "slow_rate", "hang_rate"):
+        value = getattr(args, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be within 0 and 1, got {value}")
+    if args.hang_s <= 0 or args.slow_factor < 0:
+        raise ValueError("--hang-s must be > 0 and --slow-factor >= 0")
+    inject = latency is not None or args.error_rate or args.slow_rate or args.hang_rate
+    faults = (
+        Faults(
+            latency=latency,
+            error_rate=args.error_rate,
+            slow_rate=args.slow_rate,
+            slow_factor=args.slow_factor,
+            hang_rate=args.hang_rate,
+            hang_s=args.hang_s,
+            ops=fault_ops,
+            seed=args.seed,
+        )
+        if inject
+        else None
+    )
+    return StorageBenchConfig(
+        uri=args.uri,
+        mode=args.mode,
+        writers=args.writers,
+        readers=args.readers,
+        sizes=parse_sizes(args.sizes) if args.sizes else None,
+        count=args.count,
+        duration_s=args.duration_s,
+        max_write_bytes=parse_bytes(args.max_write_bytes, what="--max-write-bytes"),
+        checkpoint_bytes=parse_bytes(args.checkpoint_bytes, what="--checkpoint-bytes"),
+        queue_depth=args.queue_depth,
+        read_bytes=parse_bytes(args.read_bytes, what="--read-bytes") if args.read_bytes else None,
+        read_interval_s=args.read_interval_s,
+        baseline_s=args.baseline_s,
+        after_s=args.after_s,
+        objects=args.objects,
+        read_prefix=args.read_prefix,
+        faults=faults,
+        retry=RetryPolicy(attempts=args.attempts, timeout_s=args.timeout_s),
+        seed=args.seed,
+        keep=args.keep,
+        progress=sys.stderr.isatty(),
+        verbose_retries=getattr(args, "verbose", False),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot:  # fail before the run, not after it
+        check_output_file(args.plot, flag="--plot")
+    config = config_from_args(args)
+    if args.plot:
+        _require_matplotlib()
+    bench = StorageBench(config)
+    result = bench.run()
+    if args.plot:
+        plot(bench, result, args.plot)
+        result["plot"] = args.plot
+    if args.json:
+        print_json(result)
+    else:
+        print_table(result)
+        if args.plot:
+            print(f"plot: {args.plot}")
+    ops = sum(result[op]["ops"] for op in ("put", "get") if op in result)
+    errors = sum(result[op]["errors"] for op in ("put", "get") if op in result)
+    if ops == 0 and errors:
+        first = next(
+            result[op].get("first_error")
+            for op in ("put", "get")
+            if op in result and result[op]["errors"]
+        )
+        print(f"ckptbench storage: error: every request failed, first: {first}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,168 @@
+"""The output of a storage bench run: the table and the plot."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from bench.report import (
+    format_bytes,
+    format_rate,
+    format_seconds,
+    table,
+)
+from bench.storage.run import StorageBench
+from ckptstore.metrics import LatencyHistogram
+
+
+def print_table(result: dict[str, Any], out=None) -> None:
+    out = out or sys.stdout
+    print(
+        f"ckptbench storage {result['mode']} on {result['uri']} "
+        f"({result['writers']} writers, {result['readers']} readers, "
+        f"{format_seconds(result['duration_s'])}, stopped by {result['stop_reason']})",
+        file=out,
+    )
+    rows = []
+    for op in ("put", "get"):
+        if op not in result:
+            continue
+        r = result[op]
+        idle = result["writers" if op == "put" else "readers"] == 0
+        if idle and not r["ops"] and not r["errors"]:
+            continue
+        rows.append(
+            [op, r["ops"], f"{r['ops_s']:.0f}", format_rate(r["throughput_bytes_s"])]
+            + [format_seconds(r[k]) for k in ("p50_s", "p90_s", "p99_s", "p999_s", "max_s")]
+            + [r["errors"], r["retries"]]
+        )
+    table(
+        [
+            "op",
+            "ops",
+            "ops/s",
+            "throughput",
+            "p50",
+            "p90",
+            "p99",
+            "p99.9",
+            "max",
+            "errors",
+            "retries",
+        ],
+        rows,
+        out=out,
+    )
+    for op in ("put", "get"):
+        if op in result and result[op]["errors_by_type"]:
+            kinds = ", ".join(f"{k}: {v}" for k, v in result[op]["errors_by_type"].items())
+            print(f"{op} errors: {kinds}", file=out)
+    burst = result.get("burst")
+    if burst:
+        print(
+            f"\nburst: {burst['writers']} writers x {format_bytes(burst['checkpoint_bytes'])} "
+            f"in {format_seconds(burst['burst_s'])} = "
+            f"{format_rate(burst['write_throughput_bytes_s'])}"
+            + (" (truncated by --duration-s)" if burst["truncated"] else ""),
+            file=out,
+        )
+        rows = [
+            [phase, s["count"]]
+            + [format_seconds(s[k]) for k in ("p50_s", "p90_s", "p99_s", "p999_s", "max_s")]
+            for phase, s in burst["read"].items()
+        ]
+        print(f"background reads of {format_bytes(burst['read_bytes'])}:", file=out)
+        table(["phase", "reads", "p50", "p90", "p99", "p99.9", "max"], rows, out=out)
+        ratio = burst["read_p99_during_over_before"]
+        if ratio is not None:
+            print(f"read p99 during / before the burst: {ratio:.2f}x", file=out)
+    if "faults" in result:
+        injected = ", ".join(f"{k}: {v}" for k, v in sorted(result["faults"]["injected"].items()))
+        print(f"injected: {injected or 'nothing'}", file=out)
+    cleanup = result.get("cleanup", {})
+    if cleanup.get("kept"):
+        print(f"kept {result['uri'].rstrip('/')}/{result['prefix']}/", file=out)
+    elif cleanup:
+        print(f"cleanup: deleted {cleanup['deleted']} objects, {cleanup['left']} left", file=out)
+
+
+def _cdf_points(hist: LatencyHistogram) -> tuple[list[float], list[float]]:
+    """(latency_s, fraction) pairs from the histogram, dense in the tail."""
+    fractions = [q / 1000 for q in range(1, 1000)]
+    fractions += [1 - 10 ** (-k / 20) for k in range(61, 101)]  # 0.999 .. 0.99999
+    return [hist.percentile_s(f * 100) for f in fractions], fractions
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install 'ckptstore[plot]'"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(bench: StorageBench, result: dict[str, Any], path: str) -> None:
+    """Latency CDFs per operation; for burst, background read latency over time as well."""
+    plt = _require_matplotlib()
+    burst = result.get("burst")
+    ncols = 2 if burst else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.6), squeeze=False)
+    ax = axes[0][0]
+    curves = {op: s.hist for op, s in bench._merged_stats.items() if s.ops}
+    if burst:
+        curves = {"put (burst)": curves.get("put")} if "put" in curves else {}
+        curves |= {f"get {name}": h for name, h in bench._phases.items() if h.count}
+    for label, hist in curves.items():
+        xs, ys = _cdf_points(hist)
+        ax.step(xs, ys, where="post", label=f"{label} (n={hist.count})")
+    ax.set_xscale("log")
+    ax.set_yscale("logit")
+    ax.set_ylim(0.001, 0.99999)
+    ticks = [0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 0.9999, 0.99999]
+    ax.set_yticks(ticks, [f"p{100 * t:.5g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("latency (s)")
+    ax.set_ylabel("percentile")
+    ax.set_title("latency CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    if burst:
+        import numpy as np
+
+        ax = axes[0][1]
+        t = np.frombuffer(bench._timeline.t_s, dtype=np.float64)
+        lat = np.frombuffer(bench._timeline.latency_s, dtype=np.float64)
+        ax.scatter(t, lat, s=3, alpha=0.35, color="tab:blue", label="read", linewidths=0)
+        if len(t):
+            width = max(0.05, (t.max() - t.min()) / 60)
+            edges = np.arange(t.min(), t.max() + width, width)
+            idx = np.digitize(t, edges)
+            centers, p99 = [], []
+            for b in np.unique(idx):
+                sel = lat[idx == b]
+                if len(sel) >= 5:
+                    centers.append(edges[b - 1] + width / 2)
+                    p99.append(np.percentile(sel, 99))
+            ax.plot(centers, p99, color="tab:red", lw=1.5, label=f"p99 per {width:.2g} s")
+        ax.axvspan(
+            burst["start_s"],
+            burst["end_s"],
+            color="tab:orange",
+            alpha=0.2,
+            label=f"burst: {burst['writers']} writers",
+        )
+        ax.set_yscale("log")
+        ax.set_xlabel("time since start (s)")
+        ax.set_ylabel("read latency (s)")
+        ax.set_title(f"{format_bytes(burst['read_bytes'])} reads during a checkpoint burst")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"ckptbench storage {result['mode']}: {result['uri']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""Figures of a storage bench run: per-operation histograms and error counts."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from array import array
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.metrics import LatencyHistogram
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+class _OpStats:
+    """One worker's figures for one operation; merged at the end of the run."""
+
+    def __init__(self) -> None:
+        self.hist = LatencyHistogram()
+        self.ops = 0
+        self.bytes = 0
+        self.errors: Counter[str] = Counter()
+        self.first_error: str | None = None
+
+    def merge(self, other: _OpStats) -> None:
+        self.hist.merge(other.hist)
+        self.ops += other.ops
+        self.bytes += other.bytes
+        self.errors.update(other.errors)
+        self.first_error = self.first_error or other.first_error
+
+    def to_dict(self, elapsed_s: float, *, retries: int = 0) -> dict[str, Any]:
+        """The figures, with ``retries`` (attempts after a failed one) from the store."""
+        summary = self.hist.summary()
+        return {
+            "ops": self.ops,
+            "bytes": self.bytes,
+            "ops_s": self.ops / elapsed_s if elapsed_s > 0 else 0.0,
+            "throughput_bytes_s": self.bytes / elapsed_s if elapsed_s > 0 else 0.0,
+            "mean_s": summary["mean_s"],
+            "p50_s": summary["p50_s"],
+            "p90_s": summary["p90_s"],
+            "p99_s": summary["p99_s"],
+            "p999_s": summary["p999_s"],
+            "max_s": summary["max_s"],
+            "errors": sum(self.errors.values()),
+            "errors_by_type": dict(self.errors),
+            "retries": retries,
+        }
+
+
+@contextlib.contextmanager
+def _quiet_retries(show: bool) -> Iterator[None]:
+    """Unless ``show``, drop the store's warning per failed attempt (marked ``ckptstore_retry``):
+    the run reports the totals from the store's counters instead."""
+    store_logger = logging.getLogger("ckptstore.store")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return show or not getattr(record, "ckptstore_retry", False)
+
+    store_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        store_logger.removeFilter(drop)
+
+
+def _error_name(exc: BaseException) -> str:
+    """``StorageError`` or, when it wraps another error, ``StorageError(InjectedFaultError)``."""
+    name = type(exc).__name__
+    cause = exc.__cause__
+    if cause is not None and type(cause).__name__ != name:
+        return f"{name}({type(cause).__name__})"
+    return name
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass(kw_only=True)
+class _Timeline:
+    """Background-read samples for the burst plot: start time since the run began, latency."""
+
+    t_s: array = field(default_factory=lambda: array("d"))
+    latency_s: array = field(default_factory=lambda: array("d"))
+    dropped: int = 0
