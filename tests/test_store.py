@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -278,3 +279,87 @@ def test_buffer_body_reads_seeks_and_slices_like_a_file():
     assert body.seek(0) == 0 and body.read(2) == b"01"  # a released getbuffer() view is its own
     with pytest.raises(ValueError):
         body.seek(-1)
+
+
+# -- backends, counters, hedging, reopening -----------------------------------------------------
+
+
+def test_the_backend_class_follows_the_url_scheme(tmp_path, s3_uri):
+    from ckptstore.store import FsspecBackend, LocalBackend, MemoryBackend, S3Backend
+
+    cases = {
+        str(tmp_path): LocalBackend,
+        f"file://{tmp_path}": LocalBackend,
+        "memory://schemes": MemoryBackend,
+        s3_uri: S3Backend,
+        "http://127.0.0.1:9/data": FsspecBackend,
+    }
+    for uri, cls in cases.items():
+        assert type(Store(uri).backend) is cls, uri
+    assert not FsspecBackend.enforces_create and LocalBackend.is_local
+
+
+def test_counters_count_requests_by_outcome_retries_and_bytes():
+    store = Store("memory://counters")
+    store.put("a", b"12345")
+    assert store.get("a") == b"12345"
+    with pytest.raises(ObjectExistsError):
+        store.put("a", b"x")
+    with pytest.raises(ObjectNotFoundError):
+        store.get("missing")
+    faulty = with_faults(
+        Store("memory://counters-faulty", retry=RetryPolicy(attempts=3, base_delay_s=0.001)),
+        Faults(error_rate=1.0),
+    )
+    with pytest.raises(StorageError):
+        faulty.put("b", b"1")
+    assert store.counters.snapshot() == {
+        "requests": {"get": {"not_found": 1, "ok": 1}, "put": {"exists": 1, "ok": 1}},
+        "retries": {},
+        "hedges": {},
+        "bytes": {"get": 5, "put": 5},
+    }
+    assert faulty.counters.snapshot()["requests"] == {"put": {"transient": 1}}
+    assert faulty.counters.snapshot()["retries"] == {"put": 2}
+    assert faulty.counters.errors() == {"put": {"transient": 1}}
+
+
+def test_a_slow_get_is_hedged_by_the_store_and_counted():
+    from ckptstore.store import HedgePolicy
+
+    store = Store("memory://hedged-get")
+    store.put("k", b"v")
+    slow_first = Faults(slow_rate=1.0, slow_s=2.0, ops=frozenset({"get"}))
+    with_faults(store, slow_first)
+    store.hedger.policy = HedgePolicy(initial_delay_s=0.05, min_delay_s=0.01, burst=1)
+    original = slow_first.inject
+
+    def only_the_first_is_slow(op: str) -> None:
+        slow_first.inject = lambda op: None  # the duplicate answers at once
+        original(op)
+
+    slow_first.inject = only_the_first_is_slow
+    try:
+        started = time.monotonic()
+        assert store.get("k", hedged=True) == b"v"
+        assert time.monotonic() - started < 1.5
+    finally:
+        slow_first.release()
+    assert store.counters.snapshot()["hedges"] == {"get": {"fired": 1, "won": 1}}
+    assert store.hedger.stats() == {"requests": 1, "hedges": 1, "hedges_won": 1}
+
+
+def test_a_store_reopens_and_pickles_with_its_settings_and_faults(tmp_path):
+    import pickle
+
+    from ckptstore.testing.faults import faults_of
+
+    faults = Faults(error_rate=0.25, ops=frozenset({"get"}), seed=1)
+    policy = RetryPolicy(attempts=7)
+    store = with_faults(Store(tmp_path, retry=policy, max_concurrency=3), faults)
+    store.put("k", b"v")
+    for other in (store.reopen(), pickle.loads(pickle.dumps(store))):
+        assert other is not store and other.uri == store.uri and other.max_concurrency == 3
+        assert other.retry == policy
+        assert faults_of(other).error_rate == 0.25 and faults_of(other).ops == {"get"}
+        assert other.get("k") == b"v"
