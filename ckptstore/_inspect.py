@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -158,14 +158,7 @@ class Problem:
     tensors: list[str] = field(default_factory=list)  # names of tensors whose bytes it holds
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "object": self.object,
-            "what": self.what,
-            "problem": self.problem,
-            "error": self.error,
-            "tensors": self.tensors,
-        }
+        return asdict(self)
 
 
 def classify(exc: BaseException) -> str:
