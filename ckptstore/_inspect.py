@@ -221,27 +221,15 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
         )
         return check
     check.kind, check.world_size = manifest.kind, manifest.world_size
+
+    def corrupt_manifest(why: str) -> None:
+        check.problems.append(Problem(step, commit_key(step), "manifest", "corrupt", why))
+
     if manifest.kind not in (KIND_STATE, KIND_DCP):
-        check.problems.append(
-            Problem(
-                step,
-                commit_key(step),
-                "manifest",
-                "corrupt",
-                f"unknown checkpoint kind {manifest.kind!r}",
-            )
-        )
+        corrupt_manifest(f"unknown checkpoint kind {manifest.kind!r}")
     if manifest.kind == KIND_DCP:
         if manifest.dcp_metadata is None:
-            check.problems.append(
-                Problem(
-                    step,
-                    commit_key(step),
-                    "manifest",
-                    "corrupt",
-                    "a dcp step without DCP metadata",
-                )
-            )
+            corrupt_manifest("a dcp step without DCP metadata")
         else:
             try:
                 read_object(store, manifest.dcp_metadata, "DCP metadata")
