@@ -1,4 +1,5 @@
-"""Shared helpers of ``ckptbench`` workloads: parsing sizes and rates, printing tables and JSON.
+"""Shared helpers of ``ckptbench`` workloads: parsing sizes and rates, printing tables and JSON
+(the text itself is ``ckptstore.render``'s, shared with the ``ckptstore`` command).
 
 Sizes accept SI (``kB``, ``MB``, ``GB``, ``TB``: powers of 1000) and binary (``KiB``, ``MiB``,
 ``GiB``, ``TiB``: powers of 1024) units; rates are sizes followed by ``/s``. Bad input raises
@@ -14,6 +15,23 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
+
+from ckptstore import render
+from ckptstore.render import format_rate, format_seconds, human_bytes
+
+__all__ = [
+    "check_directory",
+    "check_output_file",
+    "format_bytes",
+    "format_rate",
+    "format_seconds",
+    "load_json_object",
+    "parse_bytes",
+    "parse_count",
+    "parse_rate",
+    "print_json",
+    "table",
+]
 
 _UNITS = {
     "": 1,
@@ -78,53 +96,15 @@ def parse_count(text: str | int | float, *, what: str = "count") -> float:
 
 def format_bytes(n: float, *, si: bool = False) -> str:
     """Three significant figures, binary units (``1.5 MiB``) or with ``si`` decimal (``2 TB``)."""
-    n = float(n)
-    base, units = (1000, ("B", "kB", "MB", "GB", "TB", "PB")) if si else (
-        1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"))  # fmt: skip
-    for unit in units:
-        if abs(n) < base or unit == units[-1]:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= base
-    raise AssertionError("unreachable")
-
-
-def format_rate(bytes_per_s: float, *, si: bool = False) -> str:
-    return f"{format_bytes(bytes_per_s, si=si)}/s"
-
-
-def format_seconds(s: float) -> str:
-    """``850 us``, ``12.3 ms``, ``4.56 s``, ``12.5 min``, ``3.09 h``."""
-    if s == 0:
-        return "0"
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} us"
-    if s < 1:
-        return f"{s * 1e3:.3g} ms"
-    if s < 120:
-        return f"{s:.3g} s"
-    if s < 2 * 3600:
-        return f"{s / 60:.3g} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.3g} h"
-    return f"{s / 86400:.3g} d"
+    return human_bytes(n, si=si, figures=3)
 
 
 def table(
     header: Sequence[str], rows: Iterable[Sequence[Any]], *, out: TextIO | None = None
 ) -> None:
-    """Print an aligned text table; the first column left-aligned, the others right-aligned."""
-    out = out or sys.stdout
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        return "  ".join(parts).rstrip()
-
-    print(line(cells[0]), file=out)
-    print("  ".join("-" * w for w in widths), file=out)
-    for row in cells[1:]:
-        print(line(row), file=out)
+    """Print an aligned text table under a rule; the first column left-aligned, the others
+    right-aligned."""
+    print(render.table(header, rows, rule=True), file=out or sys.stdout)
 
 
 def print_json(obj: Any, *, out: TextIO | None = None) -> None:

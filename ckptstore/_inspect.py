@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from ckptstore.catalog import (
+    dcp_items,
+    load_manifest,
+    load_rank_indexes,
+    read_object,
+    read_rank_index,
+    tensor_names,
+)
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -29,121 +37,15 @@ from ckptstore.format import (
     RankIndex,
     chunk_key,
     commit_key,
-    decode_rank_index,
-    load_manifest,
-    read_object,
 )
 from ckptstore.pipeline import PipelineConfig, fetch_chunk, parse_dtype, read_tensors
-from ckptstore.state import decode_scalar, tag_of
+from ckptstore.state import to_plain
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
 
 
-def tree_tensor_names(tree: Any) -> dict[int, str]:
-    """Tensor index -> its path in ``tree`` (``a/b/0``; ``<root>`` for a bare tensor)."""
-    names: dict[int, str] = {}
-
-    def walk(node: Any, path: tuple) -> None:
-        tag = tag_of(node)
-        if tag in ("$t", "$np"):
-            names.setdefault(int(node[tag]), "/".join(map(str, path)) or "<root>")
-        elif tag == "$stateful":
-            walk(node["$stateful"], path)
-        elif tag == "$tuple":
-            for i, item in enumerate(node["$tuple"]):
-                walk(item, (*path, i))
-        elif tag == "$dict":
-            for key, value in node["$dict"]:
-                walk(value, (*path, decode_scalar(key)))
-        elif tag is None and isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, (*path, key))
-        elif isinstance(node, list):
-            for i, item in enumerate(node):
-                walk(item, (*path, i))
-
-    walk(tree, ())
-    return names
-
-
-def rebuild_tree(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
-    """The saved state as plain Python objects: tensor refs replaced by ``tensors``, numpy refs
-    by numpy arrays, stateful objects by their state dicts."""
-    tag = tag_of(tree)
-    if tag == "$t":
-        return tensors[int(tree["$t"])]
-    if tag == "$np":
-        return tensors[int(tree["$np"])].numpy()
-    if tag == "$stateful":
-        return rebuild_tree(tree["$stateful"], tensors)
-    if tag == "$tuple":
-        return tuple(rebuild_tree(v, tensors) for v in tree["$tuple"])
-    if tag == "$dict":
-        return {decode_scalar(k): rebuild_tree(v, tensors) for k, v in tree["$dict"]}
-    if tag in ("$bytes", "$float"):
-        return decode_scalar(tree)
-    if isinstance(tree, dict):
-        return {k: rebuild_tree(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [rebuild_tree(v, tensors) for v in tree]
-    return tree
-
-
 # -- one step ------------------------------------------------------------------------------------
-
-
-def rank_of(key: str) -> int:
-    """The rank of a ``.../rank-00003.json`` key."""
-    name = key.rsplit("/", 1)[-1]
-    if not (name.startswith("rank-") and name.endswith(".json") and name[5:-5].isdigit()):
-        raise CheckpointCorruptError(f"manifest references {key!r}, not a rank index key")
-    return int(name[5:-5])
-
-
-def load_indexes(store: Store, manifest: Manifest) -> list[RankIndex]:
-    """Every rank index of ``manifest`` (each checked against the manifest's size and xxh3)."""
-    out = []
-    for ref in manifest.ranks:
-        index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
-        if index.rank != rank_of(ref.key):
-            raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
-        out.append(index)
-    return out
-
-
-def dcp_items(index: RankIndex) -> dict[int, tuple[str, list[int] | None]]:
-    """Tensor index -> (fqn, offsets) of a DCP rank index; offsets is None for an object DCP
-    pickled (a ``BYTE_IO`` item, stored as uint8 bytes), else the shard's offsets (all zero
-    for a whole tensor)."""
-    out: dict[int, tuple[str, list[int] | None]] = {}
-    for key, i in (index.items or {}).items():
-        fqn, sep, offsets = key.rpartition("@")
-        if not sep:
-            out[int(i)] = (key, None)
-        else:
-            try:
-                out[int(i)] = (fqn, [int(o) for o in offsets.split(",")] if offsets else [])
-            except ValueError:
-                out[int(i)] = (key, None)
-    return out
-
-
-def tensor_names(manifest: Manifest, index: RankIndex) -> dict[int, str]:
-    """Tensor index -> name, for every tensor of ``index`` (unnamed ones as ``<tensor i>``).
-
-    DCP items are named by their fqn, with ``@offsets`` added for a shard that does not start
-    at the origin."""
-    if manifest.kind == KIND_DCP and index.items is not None:
-        names = {
-            i: fqn if not offsets or not any(offsets) else f"{fqn}@{','.join(map(str, offsets))}"
-            for i, (fqn, offsets) in dcp_items(index).items()
-        }
-    elif index.tree is not None:
-        names = tree_tensor_names(index.tree)
-    else:
-        names = {}
-    return {i: names.get(i, f"<tensor {i}>") for i in range(len(index.tensors))}
 
 
 def ratio(raw: int, stored: int) -> float | None:
@@ -256,14 +158,7 @@ class Problem:
     tensors: list[str] = field(default_factory=list)  # names of tensors whose bytes it holds
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "object": self.object,
-            "what": self.what,
-            "problem": self.problem,
-            "error": self.error,
-            "tensors": self.tensors,
-        }
+        return asdict(self)
 
 
 def classify(exc: BaseException) -> str:
@@ -326,27 +221,15 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
         )
         return check
     check.kind, check.world_size = manifest.kind, manifest.world_size
+
+    def corrupt_manifest(why: str) -> None:
+        check.problems.append(Problem(step, commit_key(step), "manifest", "corrupt", why))
+
     if manifest.kind not in (KIND_STATE, KIND_DCP):
-        check.problems.append(
-            Problem(
-                step,
-                commit_key(step),
-                "manifest",
-                "corrupt",
-                f"unknown checkpoint kind {manifest.kind!r}",
-            )
-        )
+        corrupt_manifest(f"unknown checkpoint kind {manifest.kind!r}")
     if manifest.kind == KIND_DCP:
         if manifest.dcp_metadata is None:
-            check.problems.append(
-                Problem(
-                    step,
-                    commit_key(step),
-                    "manifest",
-                    "corrupt",
-                    "a dcp step without DCP metadata",
-                )
-            )
+            corrupt_manifest("a dcp step without DCP metadata")
         else:
             try:
                 read_object(store, manifest.dcp_metadata, "DCP metadata")
@@ -362,9 +245,7 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
                 )
     for ref in manifest.ranks:
         try:
-            index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
-            if index.rank != rank_of(ref.key):
-                raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
+            index = read_rank_index(store, ref)
         except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
             check.problems.append(Problem(step, ref.key, "rank-index", classify(exc), message(exc)))
             continue
@@ -520,23 +401,18 @@ def load_step_state(
     ``{"rank0": ..., "rank1": ...}``. ``dcp`` steps: the full (unsharded) state dict.
     """
     if manifest.kind == KIND_DCP:
-        from ckptstore import dcp  # imported here: heavy, and only needed for DCP steps
+        from ckptstore.dcp import load_full_state_dict  # heavy, and only needed for DCP steps
 
-        if not hasattr(dcp, "load_full_state_dict"):
-            raise CheckpointError(
-                "this ckptstore cannot restore DCP steps yet (ckptstore.dcp.load_full_state_dict "
-                "is missing)"
-            )
-        return dcp.load_full_state_dict(store, manifest.step)
+        return load_full_state_dict(store, manifest.step)
     if manifest.kind != KIND_STATE:
         raise CheckpointCorruptError(
             f"step {manifest.step}: unknown checkpoint kind {manifest.kind!r}"
         )
     states = {}
-    for index in load_indexes(store, manifest):
+    for index in load_rank_indexes(store, manifest):
         wanted: dict[int, torch.Tensor | None] = {i: None for i in range(len(index.tensors))}
         tensors = read_tensors(store, index, wanted, PipelineConfig(), on_chunk=on_chunk)
-        states[index.rank] = rebuild_tree(index.tree, tensors)
+        states[index.rank] = to_plain(index.tree, tensors)
     if manifest.world_size == 1 and list(states) == [0]:
         return states[0]
     missing = sorted(set(range(manifest.world_size)) - set(states))
@@ -548,6 +424,8 @@ def load_step_state(
 def step_raw_bytes(store: Store, manifest: Manifest) -> int:
     """Raw bytes a restore of ``manifest`` reads (for a progress bar); 0 when unknown."""
     try:
-        return sum(c.raw for index in load_indexes(store, manifest) for c in index.chunks.values())
+        return sum(
+            c.raw for index in load_rank_indexes(store, manifest) for c in index.chunks.values()
+        )
     except (CheckpointError, StorageError):
         return 0

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import telemetry
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index, resolve_step
 from ckptstore.commit import DEFAULT_GC_WAIT_S
 from ckptstore.engine import SaveEngine, Staged, open_store
 from ckptstore.errors import (
@@ -44,16 +45,7 @@ from ckptstore.errors import (
     PartialLoadError,
     UnsupportedStateError,
 )
-from ckptstore.format import (
-    KIND_STATE,
-    Manifest,
-    RankIndex,
-    check_step,
-    list_steps,
-    load_manifest,
-    load_rank_index,
-    resolve_step,
-)
+from ckptstore.format import KIND_STATE, Manifest, RankIndex, check_step
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import (

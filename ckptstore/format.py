@@ -9,24 +9,20 @@
     commits/<step:020d>.json                   the manifest; its existence is the commit
 
 Every object is written once. A step is visible exactly when its manifest exists; the manifest
-is written after every object it references is durable.
+is written after every object it references is durable. This module names objects and encodes
+and decodes them; ``catalog`` finds and reads them, ``commit`` writes the manifest.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptstore.codec import hash_bytes
-from ckptstore.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    FormatVersionError,
-    ObjectNotFoundError,
-)
-from ckptstore.store import Store
+from ckptstore.errors import CheckpointCorruptError, FormatVersionError
 
 FORMAT_NAME = "ckptstore"
 FORMAT_VERSION = 1
@@ -58,6 +54,26 @@ def dcp_metadata_key(step: int, attempt: str) -> str:
 
 def pending_key(step: int, attempt: str, rank: int) -> str:
     return f"pending/{step:0{STEP_DIGITS}d}-{attempt}-{rank:05d}.json"
+
+
+def dcp_item_key(fqn: str, offset: Sequence[int] | None) -> str:
+    """The key of a DCP item in ``RankIndex.items``: ``fqn`` for an object DCP pickled (no
+    offset), ``fqn@o0,o1`` for a tensor or a shard of one at ``offset``."""
+    if offset is None:
+        return fqn
+    return f"{fqn}@{','.join(str(int(o)) for o in offset)}"
+
+
+def split_dcp_item_key(key: str) -> tuple[str, list[int] | None]:
+    """``(fqn, offsets)`` of a ``RankIndex.items`` key; offsets is None for a pickled object
+    (or a key whose offsets do not parse)."""
+    fqn, sep, offsets = key.rpartition("@")
+    if not sep:
+        return key, None
+    try:
+        return fqn, [int(o) for o in offsets.split(",")] if offsets else []
+    except ValueError:
+        return key, None
 
 
 def check_step(step: Any) -> int:
@@ -216,69 +232,6 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
-
-
-# -- reading committed steps -------------------------------------------------------------------
-
-
-def list_steps(store: Store) -> list[int]:
-    """Committed steps, ascending. Uncommitted attempts are never listed."""
-    steps = []
-    for key in store.list("commits"):
-        name = key.rsplit("/", 1)[-1]
-        if name.endswith(".json") and name[:-5].isdigit():
-            steps.append(int(name[:-5]))
-    return sorted(steps)
-
-
-def resolve_step(store: Store, step: int | str | None) -> int:
-    """``step`` as an int; ``None`` or ``"latest"`` is the newest committed step."""
-    if step is None or step == "latest":
-        steps = list_steps(store)
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
-        return steps[-1]
-    if isinstance(step, str):
-        if not step.isdigit():
-            raise ValueError(f"step must be an integer or 'latest', got {step!r}")
-        step = int(step)
-    return check_step(step)
-
-
-def read_object(store: Store, ref: ObjectRef, what: str) -> bytes:
-    """A small object referenced by a manifest, checked against its recorded size and hash."""
-    try:
-        data = store.get(ref.key)
-    except ObjectNotFoundError as exc:
-        raise CheckpointNotFoundError(f"{what} {store.url(ref.key)} is missing") from exc
-    if len(data) != ref.nbytes or hash_bytes(data) != ref.xxh3:
-        raise CheckpointCorruptError(
-            f"{what} {store.url(ref.key)}: size or xxh3 does not match the manifest"
-        )
-    return data
-
-
-def load_manifest(store: Store, step: int) -> Manifest:
-    key = commit_key(step)
-    try:
-        data = store.get(key)
-    except ObjectNotFoundError as exc:
-        raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
-    manifest = decode_manifest(data, store.url(key))
-    if manifest.step != step:
-        raise CheckpointCorruptError(f"{store.url(key)}: manifest says step {manifest.step}")
-    return manifest
-
-
-def load_rank_index(store: Store, manifest: Manifest, rank: int) -> RankIndex:
-    refs = [r for r in manifest.ranks if r.key.endswith(f"/rank-{rank:05d}.json")]
-    if not refs:
-        raise CheckpointNotFoundError(f"step {manifest.step} has no index for rank {rank}")
-    ref = refs[0]
-    index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
-    if index.rank != rank:
-        raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
-    return index
 
 
 def object_ref(key: str, data: bytes) -> ObjectRef:

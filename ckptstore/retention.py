@@ -9,22 +9,16 @@ temporaries of dead writers go in the same sweep.
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 
-from ckptstore.errors import CheckpointError
-from ckptstore.format import commit_key, list_steps, load_manifest, load_rank_index
+from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
+from ckptstore.format import commit_key
 from ckptstore.leases import DEFAULT_TTL_S, GC, SAVE, Lease, delete_stale, find_leases
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
-
-LEGACY_PENDING_GRACE_S = 6 * 3600.0
-"""``pending/`` markers were written by ckptstore before leases; one younger than this may be
-an older writer's save in flight."""
 
 
 @dataclass
@@ -83,7 +77,7 @@ def _sweep(
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
-    live += _legacy_pending(store)
+    live += _legacy_saves(store)
     # Listed after the save leases: a save that committed before that look is kept.
     report.kept_steps = [s for s in list_steps(store) if s not in doomed]
     if live:
@@ -93,13 +87,7 @@ def _sweep(
     kept = [load_manifest(store, s) for s in report.kept_steps]
     referenced: set[str] = set()
     for manifest in kept:
-        for rank in range(manifest.world_size):
-            try:
-                index = load_rank_index(store, manifest, rank)
-            except CheckpointError:
-                if any(r.key.endswith(f"/rank-{rank:05d}.json") for r in manifest.ranks):
-                    raise
-                continue  # DCP ranks that wrote nothing have no index
+        for index in load_rank_indexes(store, manifest):
             referenced.update(index.chunks)
     protected = {m.attempt for m in kept} | set(ignore_attempts)
     victims = [k for k in store.list("steps") if _attempt_of(k) not in protected]
@@ -125,17 +113,15 @@ def _attempt_of(key: str) -> str | None:
     return parts[2] if len(parts) >= 3 else None
 
 
-def _legacy_pending(store: Store) -> list[str]:
+def _legacy_saves(store: Store) -> list[str]:
+    """Keys of young legacy ``pending/`` markers (saves that may be in flight); stale ones
+    are deleted."""
     live = []
-    for key in store.list("pending"):
-        try:
-            created = float(json.loads(store.get(key)).get("created_at", 0))
-        except (CheckpointError, ValueError, AttributeError):
-            created = 0.0
-        if time.time() - created < LEGACY_PENDING_GRACE_S:
-            live.append(key)
+    for marker in legacy_markers(store):
+        if marker.stale:
+            store.delete(marker.key)
         else:
-            store.delete(key)
+            live.append(marker.key)
     return live
 
 

@@ -260,6 +260,52 @@ def finish_load(loader: _Loader, target: Any, tree: Any, tensors: dict[int, Any]
     return loader.build(target, tree, (), tensors)
 
 
+def tensor_paths(tree: Any) -> dict[int, str]:
+    """Tensor index -> where it is in the saved state (``model/0.weight``; ``<root>`` for a
+    bare tensor); a tensor referenced twice is named by its first place."""
+    paths: dict[int, str] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        tag = tag_of(node)
+        if tag in ("$t", "$np"):
+            paths.setdefault(int(node[tag]), _path_str(path))
+        elif tag == "$stateful":
+            walk(node["$stateful"], path)
+        elif tag == "$tuple" or isinstance(node, list):
+            for i, item in enumerate(node["$tuple"] if tag else node):
+                walk(item, (*path, i))
+        elif tag == "$dict" or (isinstance(node, dict) and tag is None):
+            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else node.items()
+            for key, value in pairs:
+                walk(value, (*path, key))
+
+    walk(tree, ())
+    return paths
+
+
+def to_plain(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    """The saved state as plain Python objects, without a state to load into: tensor refs
+    replaced by ``tensors``, numpy refs by numpy arrays, stateful objects by their state dicts."""
+    tag = tag_of(tree)
+    if tag == "$t":
+        return tensors[int(tree["$t"])]
+    if tag == "$np":
+        return tensors[int(tree["$np"])].numpy()
+    if tag == "$stateful":
+        return to_plain(tree["$stateful"], tensors)
+    if tag == "$tuple":
+        return tuple(to_plain(v, tensors) for v in tree["$tuple"])
+    if tag == "$dict":
+        return {decode_scalar(k): to_plain(v, tensors) for k, v in tree["$dict"]}
+    if tag in ("$bytes", "$float"):
+        return decode_scalar(tree)
+    if isinstance(tree, dict):
+        return {k: to_plain(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [to_plain(v, tensors) for v in tree]
+    return tree
+
+
 def tensor_indexes(tree: Any) -> dict[int, bool]:
     """Every tensor index in ``tree`` and whether it was a numpy array."""
     found: dict[int, bool] = {}

@@ -23,7 +23,8 @@ from ckptstore import (
     Store,
     UnsupportedStateError,
 )
-from ckptstore.format import commit_key, list_steps
+from ckptstore.catalog import list_steps
+from ckptstore.format import commit_key
 from ckptstore.testing.faults import Faults, with_faults
 
 
@@ -335,7 +336,7 @@ def test_verify_checks_every_chunk_and_names_what_is_wrong(tmp_path):
     ckpt.verify()
     ckpt.verify("all")
     store = ckpt.store
-    from ckptstore.format import load_manifest, load_rank_index
+    from ckptstore.catalog import load_manifest, load_rank_index
 
     index = load_rank_index(store, load_manifest(store, 2), 0)
     first, second = sorted(index.chunks)[:2]

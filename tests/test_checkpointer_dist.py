@@ -8,7 +8,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 from ckptstore import Checkpointer, Store
-from ckptstore.format import list_steps, load_manifest
+from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.staging import align
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptstore import Checkpointer, Store
-from ckptstore.format import list_steps, load_manifest, load_rank_index
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.pipeline import fetch_chunk
 
 WRITER = r"""

@@ -16,17 +16,10 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckptstore import Checkpointer
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index, read_object
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict, storage_key
 from ckptstore.errors import CheckpointCorruptError, StepExistsError, UnsupportedStateError
-from ckptstore.format import (
-    KIND_DCP,
-    chunk_key,
-    commit_key,
-    list_steps,
-    load_manifest,
-    load_rank_index,
-    read_object,
-)
+from ckptstore.format import KIND_DCP, chunk_key, commit_key
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
 

@@ -19,9 +19,10 @@ from _dist import run_ranks
 from test_dcp import _assert_same, _blank
 from torch.distributed.checkpoint import CheckpointException
 
+from ckptstore.catalog import list_steps
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import StepExistsError
-from ckptstore.format import commit_key, list_steps
+from ckptstore.format import commit_key
 from ckptstore.store import Store
 
 pytestmark = pytest.mark.filterwarnings(

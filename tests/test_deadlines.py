@@ -165,7 +165,7 @@ def test_bad_timeout_is_a_usage_error(value: str, capsys):
 
 
 def test_timeout_reaches_the_store(tmp_path: Path, monkeypatch):
-    from ckptstore import cli
+    from ckptstore.cli import common as cli
 
     seen = []
     real = cli.Store

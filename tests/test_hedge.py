@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptstore import Checkpointer, Store
-from ckptstore.format import list_steps, load_manifest, load_rank_index
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import ElasticPool, HedgePolicy, Hedger
 from ckptstore.testing.faults import Faults, with_faults

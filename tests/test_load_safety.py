@@ -23,8 +23,9 @@ from ckptstore import (
     Store,
     UnsupportedStateError,
 )
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.errors import PartialLoadError
-from ckptstore.format import chunk_key, list_steps, load_manifest, load_rank_index
+from ckptstore.format import chunk_key
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 16 * 1024  # float32 elements: 16 chunks of 4096 bytes each

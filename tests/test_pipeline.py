@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ckptstore import Checkpointer, Store
-from ckptstore.format import load_manifest
+from ckptstore.catalog import load_manifest
 from ckptstore.pipeline import CompressionGovernor, PipelineConfig, plan_layout
 from ckptstore.testing.faults import Faults, Fixed, with_faults
 

@@ -1,0 +1,254 @@
+"""The read side of a store: committed steps, their manifests, rank indexes and tensor names,
+and the saves in flight.
+
+``format`` names objects and encodes and decodes them; this module finds and reads them (it
+never writes, except that it is where a step's absence is reported). Used by
+``Checkpointer.load`` / ``verify``, the DCP ``StoreReader``, retention, ``_inspect`` and the
+CLI::
+
+    list_steps(store)                      committed steps, ascending
+    parse_step(step)                       "latest" / None -> None; a number -> an int
+    resolve_step(store, step)              "latest" / None / a number -> a committed step
+    load_manifest(store, step)             the manifest of a committed step
+    open_step(store, step)                 both: the manifest of "latest" or of a number
+    load_rank_index(store, manifest, r)    rank r's index, checked against the manifest
+    load_rank_indexes(store, manifest)     every rank's index, in the manifest's order
+    tensor_names(manifest, index)          tensor index -> name, for state and DCP steps
+    saves_in_flight(store)                 leases of saves and gcs, and legacy pending markers
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.codec import hash_bytes
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ObjectNotFoundError,
+)
+from ckptstore.format import (
+    KIND_DCP,
+    Manifest,
+    ObjectRef,
+    RankIndex,
+    check_step,
+    commit_key,
+    decode_manifest,
+    decode_rank_index,
+    split_dcp_item_key,
+)
+from ckptstore.leases import find_leases
+from ckptstore.state import tensor_paths
+from ckptstore.store import Store
+
+LEGACY_PENDING_GRACE_S = 6 * 3600.0
+"""``pending/`` markers were written by ckptstore before leases; one younger than this may be
+an older writer's save in flight."""
+
+# -- steps ---------------------------------------------------------------------------------------
+
+
+def list_steps(store: Store) -> list[int]:
+    """Committed steps, ascending. Uncommitted attempts are never listed."""
+    steps = []
+    for key in store.list("commits"):
+        name = key.rsplit("/", 1)[-1]
+        if name.endswith(".json") and name[:-5].isdigit():
+            steps.append(int(name[:-5]))
+    return sorted(steps)
+
+
+def parse_step(step: int | str | None) -> int | None:
+    """A step as a user names it: ``None`` for ``"latest"`` (or None), else the int of an int
+    or a string of digits; ``ValueError`` for anything else."""
+    if step is None or step == "latest":
+        return None
+    if isinstance(step, str):
+        if not step.isdigit():
+            raise ValueError(f"step must be an integer or 'latest', got {step!r}")
+        step = int(step)
+    return check_step(step)
+
+
+def resolve_step(store: Store, step: int | str | None = "latest") -> int:
+    """A committed step: ``None`` or ``"latest"`` is the newest one; an int or a string of
+    digits must be committed. :class:`CheckpointNotFoundError` otherwise, naming the latest
+    steps; ``ValueError`` for a step that is neither."""
+    step = parse_step(step)
+    if step is None:
+        steps = list_steps(store)
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
+        return steps[-1]
+    if not store.exists(commit_key(step)):
+        near = ", ".join(map(str, list_steps(store)[-5:])) or "none"
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed in {store.uri} (latest steps: {near})"
+        )
+    return step
+
+
+def load_manifest(store: Store, step: int) -> Manifest:
+    """The manifest of ``step``; :class:`CheckpointNotFoundError` if it is not committed."""
+    key = commit_key(step)
+    try:
+        data = store.get(key)
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
+    manifest = decode_manifest(data, store.url(key))
+    if manifest.step != step:
+        raise CheckpointCorruptError(f"{store.url(key)}: manifest says step {manifest.step}")
+    return manifest
+
+
+def open_step(store: Store, step: int | str | None = "latest") -> Manifest:
+    """The manifest of ``step`` as :func:`resolve_step` resolves it."""
+    return load_manifest(store, resolve_step(store, step))
+
+
+# -- objects a manifest references ---------------------------------------------------------------
+
+
+def read_object(store: Store, ref: ObjectRef, what: str) -> bytes:
+    """A small object referenced by a manifest, checked against its recorded size and hash."""
+    try:
+        data = store.get(ref.key)
+    except ObjectNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{what} {store.url(ref.key)} is missing") from exc
+    if len(data) != ref.nbytes or hash_bytes(data) != ref.xxh3:
+        raise CheckpointCorruptError(
+            f"{what} {store.url(ref.key)}: size or xxh3 does not match the manifest"
+        )
+    return data
+
+
+def rank_of(key: str) -> int:
+    """The rank of a ``.../rank-00003.json`` key."""
+    name = key.rsplit("/", 1)[-1]
+    if not (name.startswith("rank-") and name.endswith(".json") and name[5:-5].isdigit()):
+        raise CheckpointCorruptError(f"manifest references {key!r}, not a rank index key")
+    return int(name[5:-5])
+
+
+def read_rank_index(store: Store, ref: ObjectRef) -> RankIndex:
+    """The rank index ``ref`` names, checked against its size, xxh3 and rank."""
+    index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
+    if index.rank != rank_of(ref.key):
+        raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
+    return index
+
+
+def load_rank_index(store: Store, manifest: Manifest, rank: int) -> RankIndex:
+    """Rank ``rank``'s index of ``manifest`` (a DCP rank that wrote nothing has none:
+    :class:`CheckpointNotFoundError`)."""
+    for ref in manifest.ranks:
+        if ref.key.endswith(f"/rank-{rank:05d}.json"):
+            return read_rank_index(store, ref)
+    raise CheckpointNotFoundError(f"step {manifest.step} has no index for rank {rank}")
+
+
+def load_rank_indexes(store: Store, manifest: Manifest) -> list[RankIndex]:
+    """Every rank index of ``manifest``, in the order the manifest lists them."""
+    return [read_rank_index(store, ref) for ref in manifest.ranks]
+
+
+# -- tensor names --------------------------------------------------------------------------------
+
+
+def dcp_items(index: RankIndex) -> dict[int, tuple[str, list[int] | None]]:
+    """Tensor index -> (fqn, offsets) of a DCP rank index; offsets is None for an object DCP
+    pickled (a ``BYTE_IO`` item, stored as uint8 bytes), else the shard's offsets (all zero
+    for a whole tensor)."""
+    return {int(i): split_dcp_item_key(key) for key, i in (index.items or {}).items()}
+
+
+def tensor_names(manifest: Manifest, index: RankIndex) -> dict[int, str]:
+    """Tensor index -> name, for every tensor of ``index`` (unnamed ones as ``<tensor i>``).
+
+    Tensors of a state step are named by their path in the saved state (``model/0.weight``);
+    DCP items by their fqn, with ``@offsets`` added for a shard that does not start at the
+    origin."""
+    if manifest.kind == KIND_DCP and index.items is not None:
+        names = {
+            i: fqn if not offsets or not any(offsets) else f"{fqn}@{','.join(map(str, offsets))}"
+            for i, (fqn, offsets) in dcp_items(index).items()
+        }
+    elif index.tree is not None:
+        names = tensor_paths(index.tree)
+    else:
+        names = {}
+    return {i: names.get(i, f"<tensor {i}>") for i in range(len(index.tensors))}
+
+
+# -- saves in flight -----------------------------------------------------------------------------
+
+
+@dataclass
+class LegacyMarker:
+    """A ``pending/`` marker of a ckptstore version before leases."""
+
+    key: str
+    info: dict[str, Any]
+    age_s: float | None  # None: unreadable
+
+    @property
+    def stale(self) -> bool:
+        return self.age_s is None or self.age_s >= LEGACY_PENDING_GRACE_S
+
+
+def legacy_markers(store: Store) -> list[LegacyMarker]:
+    """Every ``pending/`` marker with its age (an unreadable one counts as stale)."""
+    out = []
+    for key in store.list("pending"):
+        info: Any = {}
+        try:
+            info = json.loads(store.get(key))
+        except (CheckpointError, OSError, ValueError):
+            pass
+        info = info if isinstance(info, dict) else {}
+        created = info.get("created_at")
+        age = time.time() - float(created) if isinstance(created, (int, float)) else None
+        out.append(LegacyMarker(key, info, age))
+    return out
+
+
+def saves_in_flight(store: Store) -> list[dict[str, Any]]:
+    """Saves and gcs in flight (live leases, young legacy markers) and dead ones (stale), as
+    JSON-ready dicts: key, kind (save | gc), step, attempt, rank, host, renewed_at, age_s,
+    stale."""
+    out = []
+    for lease in sorted(find_leases(store), key=lambda lease: lease.key):
+        age = lease.age_s
+        out.append(
+            {
+                "key": lease.key,
+                "kind": lease.kind,
+                "step": lease.doc.get("step"),
+                "attempt": lease.doc.get("attempt"),
+                "rank": lease.doc.get("rank"),
+                "host": lease.doc.get("host"),
+                "renewed_at": lease.doc.get("renewed_at"),
+                "age_s": round(age, 1) if age is not None else None,
+                "stale": not lease.live,
+            }
+        )
+    for marker in legacy_markers(store):
+        out.append(
+            {
+                "key": marker.key,
+                "kind": "save",
+                "step": marker.info.get("step"),
+                "attempt": marker.info.get("attempt"),
+                "rank": marker.info.get("rank"),
+                "host": marker.info.get("host"),
+                "renewed_at": marker.info.get("created_at"),
+                "age_s": round(marker.age_s, 1) if marker.age_s is not None else None,
+                "stale": marker.stale,
+            }
+        )
+    return out

@@ -1,0 +1,57 @@
+"""``ckptstore inspect``: one step and its tensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ckptstore._inspect import summarize
+from ckptstore.catalog import load_rank_indexes, open_step
+from ckptstore.cli.common import emit_json
+from ckptstore.render import format_ratio, human_bytes, table
+from ckptstore.store import Store
+
+
+def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
+    manifest = open_step(store, args.step)
+    doc = {"uri": store.uri, **summarize(store, manifest, load_rank_indexes(store, manifest))}
+    if args.json:
+        emit_json(doc)
+        return 0
+    print(f"step {doc['step']} of {store.uri}")
+    fields = [
+        ("kind", f"{doc['kind']}"),
+        ("world size", str(doc["world_size"])),
+        ("created", f"{doc['created']} (UTC)"),
+        ("attempt", doc["attempt"]),
+        ("tensors", f"{doc['num_tensors']} ({human_bytes(doc['tensor_bytes'])})"),
+        (
+            "chunks",
+            f"{doc['num_chunks']}: {human_bytes(doc['raw_bytes'])} raw, "
+            f"{human_bytes(doc['stored_bytes'])} stored, ratio {format_ratio(doc['compression_ratio'])}",
+        ),
+        ("user metadata", json.dumps(doc["user"]) if doc["user"] else "-"),
+    ]
+    if doc["dcp_metadata"]:
+        fields.append(("dcp metadata", doc["dcp_metadata"]))
+    for name, value in fields:
+        print(f"  {name + ':':15}{value}")
+    multi = doc["world_size"] > 1
+    header = ["NAME", *(["RANK"] if multi else []), "DTYPE", "SHAPE", "RAW", "STORED", "CHUNKS"]
+    rows = [
+        [
+            t["name"] + (" (numpy)" if t["numpy"] else " (pickled object)" if t["object"] else ""),
+            *([str(t["rank"])] if multi else []),
+            t["dtype"],
+            "[" + ", ".join(map(str, t["shape"])) + "]",
+            human_bytes(t["raw_bytes"]),
+            human_bytes(t["stored_bytes"]),
+            str(len(t["chunks"])),
+        ]
+        for t in doc["tensors"]
+    ]
+    if rows:
+        print()
+        offset = 1 if multi else 0
+        print(table(header, rows, right={offset + 3, offset + 4, offset + 5}))
+    return 0

@@ -1,0 +1,69 @@
+"""``ckptstore verify``: re-check steps in full, every object by name."""
+
+from __future__ import annotations
+
+import argparse
+
+from ckptstore._inspect import check_all_chunks, check_step_objects, chunks_to_check
+from ckptstore.catalog import list_steps, resolve_step
+from ckptstore.cli.common import Failed, emit_json, progress
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.render import human_bytes
+from ckptstore.store import Store
+
+
+def cmd_verify(args: argparse.Namespace, store: Store) -> int:
+    if args.all:
+        steps = list_steps(store)
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
+    else:
+        steps = [resolve_step(store, args.step)]
+    checks = [check_step_objects(store, step) for step in steps]
+    chunks = chunks_to_check(checks)
+    total = sum(info.raw for info in chunks.values() if info is not None)
+    with progress(total, "verify") as advance:
+        check_all_chunks(store, checks, read_concurrency=args.read_concurrency, on_chunk=advance)
+    problems = [p for c in checks for p in c.problems]
+    if args.json:
+        emit_json(
+            {
+                "uri": store.uri,
+                "ok": not problems,
+                "steps": [c.as_dict() for c in checks],
+                "problems": [p.as_dict() for p in problems],
+                "chunks_checked": len(chunks),
+                "bytes_checked": total,
+            }
+        )
+    else:
+        for c in checks:
+            shape = (
+                f"{c.kind}, {c.ranks}/{c.world_size} rank(s), {c.tensors} tensors, "
+                f"{c.chunks} chunks, {human_bytes(c.raw_bytes)}"
+                if c.kind
+                else "manifest unreadable"
+            )
+            status = "OK" if c.ok else f"FAILED ({len(c.problems)} problem(s))"
+            print(f"step {c.step}: {status}  [{shape}]")
+            for p in c.problems:
+                used = ""
+                if p.tensors:
+                    shown = ", ".join(p.tensors[:5])
+                    more = f" and {len(p.tensors) - 5} more" if len(p.tensors) > 5 else ""
+                    used = f"\n      holds bytes of: {shown}{more}"
+                print(f"  {p.problem.upper():10} {p.what} {p.object}\n      {p.error}{used}")
+        bad_steps = sum(1 for c in checks if not c.ok)
+        print(
+            f"verified {len(checks)} step(s), {len(chunks)} chunk(s), {human_bytes(total)}: "
+            + ("all OK" if not problems else f"{bad_steps} step(s) FAILED")
+        )
+    if problems:
+        objects = list(dict.fromkeys(p.object for p in problems))
+        kinds = "/".join(sorted({p.problem for p in problems}))
+        failed = ", ".join(str(c.step) for c in checks if not c.ok)
+        raise Failed(
+            f"{len(objects)} {kinds} object(s) (first: {objects[0]}) in step(s) {failed} "
+            f"of {store.uri}"
+        )
+    return 0

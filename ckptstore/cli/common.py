@@ -1,0 +1,110 @@
+"""What every ``ckptstore`` command shares: its errors, opening the store, JSON and progress
+output, and a reader of stdout that goes away."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ckptstore.errors import CheckpointNotFoundError, StorageAccessError
+from ckptstore.store import RetryPolicy, Store
+
+PROG = "ckptstore"
+
+
+class UsageError(ValueError):
+    """Bad input on the command line: exit status 2."""
+
+
+class Failed(Exception):
+    """The command ran and found problems it already reported: exit status 1."""
+
+
+def emit_json(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc, indent=2, default=str))
+
+
+def open_store(args: argparse.Namespace) -> Store:
+    """The store of ``args.uri``; an error unless it exists (a missing local directory or
+    bucket is "no checkpoints there", never an empty listing)."""
+    options = dict(args.storage_options)
+    timeout = getattr(args, "timeout", None)
+    retry = RetryPolicy.within(timeout) if timeout else None
+    try:
+        store = Store(args.uri, storage_options=options or None, retry=retry)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    except ImportError as exc:  # an fsspec backend whose package is not installed
+        raise UsageError(f"cannot open store {args.uri!r}: {exc}") from exc
+    if store.is_local:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(store.root).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(
+                f"no ckptstore checkpoints at {args.uri} (no such path)"
+            ) from None
+        except PermissionError as exc:
+            raise StorageAccessError(
+                f"cannot open store {args.uri}: permission denied on {exc.filename or store.root}"
+            ) from exc
+        if not is_dir:
+            raise CheckpointNotFoundError(
+                f"no ckptstore checkpoints at {args.uri} (a file, not a store directory)"
+            )
+    # A missing bucket, bad credentials, an unreadable directory or an endpoint that does not
+    # answer fail here, clearly (listing only commits/: the whole prefix may hold millions of
+    # chunks).
+    store.list("commits")
+    return store
+
+
+def looks_like_store(store: Store) -> bool:
+    """True unless the location holds objects but none of a ckptstore store's."""
+    keys = store.list("")
+    if not keys:
+        return True
+    return any(
+        k.split("/", 1)[0] in ("commits", "chunks", "steps", "leases", "pending") for k in keys
+    )
+
+
+@contextmanager
+def progress(total: int, desc: str) -> Iterator[Callable[[int], Any]]:
+    """A byte progress bar on stderr when it is a terminal; otherwise a no-op callback."""
+    if total > 0 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+        )
+        try:
+            yield bar.update
+        finally:
+            bar.close()
+    else:
+        yield lambda n: None
+
+
+def stdout_gone() -> None:
+    """The reader of stdout went away (EPIPE: ``ckptstore ls ... | head -1``): a normal end.
+    Point stdout at /dev/null so that the interpreter's final flush of what is still buffered
+    does not fail again (it would print "Exception ignored ... BrokenPipeError" and exit 120)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def flush_stdout() -> None:
+    """Flush stdout now; a reader that went away is :func:`stdout_gone`, not an error."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        stdout_gone()

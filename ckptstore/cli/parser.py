@@ -1,0 +1,276 @@
+"""The ``ckptstore`` command line: one parser, a subparser per command with its help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from typing import Any, NoReturn
+
+from ckptstore.cli.cmd_gc import cmd_gc
+from ckptstore.cli.cmd_inspect import cmd_inspect
+from ckptstore.cli.cmd_ls import cmd_ls
+from ckptstore.cli.cmd_restore import cmd_restore
+from ckptstore.cli.cmd_verify import cmd_verify
+from ckptstore.cli.common import PROG
+from ckptstore.store import RetryPolicy
+
+
+class UsageParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (plus where to find help), exit 2.
+    Subcommand parsers inherit it; ``ckptbench`` uses it too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        # argparse reports an unknown option of a subcommand as the top parser's; name the
+        # subcommand (`ckptbench plan: error: unrecognized arguments: ...`).
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = None
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            (chosen or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=100)
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _pos_int(text: str) -> int:
+    value = _nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)  # true, 3, {"endpoint_url": ...}
+    except json.JSONDecodeError:
+        parsed = value  # a plain string
+    return key.strip(), parsed
+
+
+_DEFAULT_TIMEOUT = RetryPolicy.total_s
+_URI_HELP = "the store: a local path, file://, memory://, s3://bucket/prefix, ..."
+
+_EPILOG_COMMON = """\
+Every command: --json prints one JSON object on stdout; --storage-option KEY=VALUE (repeatable,
+VALUE parsed as JSON when it is valid JSON) is passed to fsspec; S3 endpoints and credentials
+otherwise come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ...);
+--timeout SECONDS bounds each storage request, retries included (default 30; large transfers
+get 1 s more per 2 MiB), so an endpoint that never answers fails the command, naming it.
+Exit status: 0 ok, 1 corrupt / missing / unreadable checkpoint or store, 2 usage error."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    common.add_argument(
+        "--storage-option",
+        "-o",
+        dest="storage_options",
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)",
+    )
+    common.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"deadline of one storage request, retries included (default: {_DEFAULT_TIMEOUT:g})",
+    )
+    common.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress (INFO) and retried requests"
+    )
+    common.add_argument(
+        "--debug", action="store_true", help="log everything and show tracebacks of errors"
+    )
+
+    parser = UsageParser(
+        prog=PROG,
+        formatter_class=_Formatter,
+        description="Inspect, verify, restore and garbage-collect ckptstore checkpoints.",
+        epilog=_EPILOG_COMMON
+        + """
+
+examples:
+  ckptstore ls /ckpt/run7
+  ckptstore inspect s3://bucket/run7 --step 1200
+  ckptstore verify s3://bucket/run7 --all
+  ckptstore restore /ckpt/run7 --to model.pt
+  ckptstore gc s3://bucket/run7 --keep-last 3 --dry-run""",
+    )
+    from ckptstore import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_: str, description: str, examples: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=textwrap.dedent(description).strip(),
+            epilog=_EPILOG_COMMON
+            + "\n\nexamples:\n"
+            + textwrap.indent(textwrap.dedent(examples).strip("\n"), "  "),
+            formatter_class=_Formatter,
+            parents=[common],
+        )
+        p.add_argument("uri", metavar="URI", help=_URI_HELP)
+        return p
+
+    p = add(
+        "ls",
+        "list committed steps",
+        """
+        List the committed steps of a store, oldest first: kind (state = ckptstore.Checkpointer,
+        dcp = torch.distributed.checkpoint), world size, creation time (UTC), raw and stored
+        bytes of the chunks the step references, compression ratio (raw / stored) and the user
+        metadata of the save. Saves in flight (pending markers) are listed after the steps.
+        """,
+        """
+          ckptstore ls /ckpt/run7
+          ckptstore ls s3://bucket/run7 --json | jq '.latest'
+        """,
+    )
+    p.set_defaults(func=cmd_ls)
+
+    p = add(
+        "inspect",
+        "show the tensors of a step",
+        """
+        Show a step (the latest unless --step): kind, world size, creation time, user metadata,
+        bytes and compression ratio, and every tensor with its name, rank, dtype, shape, raw
+        bytes, stored bytes and chunks. Names of a state step are paths in the saved state
+        (model/0.weight, optim/state/0/exp_avg); those of a dcp step are DCP storage keys
+        (fqn, or fqn@offsets for a shard not at the origin; "pickled object" marks a non-tensor
+        value DCP stored as bytes). Stored bytes of tensors packed into a shared chunk
+        are their proportional share of that chunk.
+        """,
+        """
+          ckptstore inspect /ckpt/run7
+          ckptstore inspect s3://bucket/run7 --step 1200 --json
+        """,
+    )
+    p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = add(
+        "verify",
+        "re-hash every object of a step",
+        """
+        Verify a step (the latest unless --step, every step with --all): the manifest's own
+        checksum, each rank index against the size and xxh3 the manifest records, the DCP
+        metadata object when there is one, and every chunk (fetched, decoded and re-hashed with
+        xxh3). Every missing or corrupt object is reported by name, with the tensors whose bytes
+        it holds; verification goes on past the first one. Exit status 1 if any was found.
+        """,
+        """
+          ckptstore verify /ckpt/run7
+          ckptstore verify s3://bucket/run7 --all --json
+        """,
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    which.add_argument("--all", action="store_true", help="verify every committed step")
+    p.add_argument(
+        "--read-concurrency",
+        type=_pos_int,
+        default=8,
+        metavar="N",
+        help="chunks fetched at once (default: 8)",
+    )
+    p.set_defaults(func=cmd_verify)
+
+    p = add(
+        "restore",
+        "write a step out as a torch.save file or a plain DCP directory",
+        """
+        Restore a step (the latest unless --step) to a local PATH, verifying every chunk.
+
+        --format torch (default): one file for torch.load(PATH). A Checkpointer step becomes
+        the saved state as plain objects (modules and optimizers as their state dicts); with
+        a world size of 1 that is the state itself, with N ranks {"rank0": ..., "rank1": ...}.
+        A DCP step becomes its full (unsharded) state dict. Loads with weights_only=True unless
+        the state holds numpy arrays (the command says so).
+
+        --format dcp: a directory that stock torch.distributed.checkpoint reads:
+        dcp.load(state, storage_reader=FileSystemReader(PATH)). The top of the state must be a
+        dict (it is for DCP steps and for the rank0/rank1 layout of multi-rank steps).
+
+        The result is written under a temporary name and moved into place when complete. An
+        existing non-empty PATH is refused unless --force (which replaces it).
+        """,
+        """
+          ckptstore restore /ckpt/run7 --to /tmp/run7.pt
+          ckptstore restore s3://bucket/run7 --step 1200 --to /tmp/run7-dcp --format dcp
+        """,
+    )
+    p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    p.add_argument("--to", required=True, metavar="PATH", help="local file or directory to write")
+    p.add_argument(
+        "--format",
+        choices=("torch", "dcp"),
+        default="torch",
+        help="torch: a torch.save file (default); dcp: a DCP FileSystemWriter directory",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty PATH")
+    p.set_defaults(func=cmd_restore)
+
+    p = add(
+        "gc",
+        "delete old steps and the chunks no kept step references",
+        """
+        Keep the newest K committed steps; delete the older ones (their manifests first, so
+        each disappears atomically), then the indexes and chunks nothing kept references.
+        While another save is in flight (it holds a lease it renews every 30 s) the sweep of
+        chunks is skipped, and the command says so: run it again later. A lease not renewed for
+        its ttl (2 min by default) is a dead writer's: its leftovers are removed. Saves that start
+        during the sweep wait for it. --dry-run lists what would go, deleting nothing.
+        """,
+        """
+          ckptstore gc /ckpt/run7 --keep-last 3 --dry-run
+          ckptstore gc s3://bucket/run7 --keep-last 3
+        """,
+    )
+    p.add_argument(
+        "--keep-last",
+        type=_pos_int,
+        required=True,
+        metavar="K",
+        help="number of newest steps to keep (>= 1)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted")
+    p.set_defaults(func=cmd_gc)
+    return parser

@@ -1,0 +1,98 @@
+"""Writing a restored state to a local path: a torch.save file or a DCP directory, under a
+temporary name first, so a crash never leaves a partial file under the target's name."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any
+
+from ckptstore.cli.common import UsageError
+
+
+def count_values(state: Any) -> dict[str, int]:
+    import numpy as np
+    import torch
+
+    stats = {"tensors": 0, "bytes": 0, "numpy": 0, "other": 0}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            stats["tensors"] += 1
+            stats["bytes"] += value.numel() * value.element_size()
+        elif isinstance(value, np.ndarray):
+            stats["tensors"] += 1
+            stats["numpy"] += 1
+            stats["bytes"] += value.nbytes
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k)
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif not (value is None or isinstance(value, (bool, int, float, str, bytes))):
+            stats["other"] += 1  # e.g. an object DCP unpickled: weights_only may refuse it
+
+    walk(state)
+    return stats
+
+
+def check_target(target: str, fmt: str, force: bool) -> None:
+    if not os.path.lexists(target):
+        parent = os.path.dirname(target)
+        if not os.path.isdir(parent):
+            raise UsageError(f"--to {target}: the directory {parent} does not exist")
+        return
+    if fmt == "torch" and os.path.isdir(target):
+        raise UsageError(
+            f"--to {target} is a directory; --format torch writes a file (give a file name)"
+        )
+    if fmt == "dcp" and not os.path.isdir(target):
+        raise UsageError(f"--to {target} exists and is not a directory (--format dcp)")
+    empty = not os.listdir(target) if os.path.isdir(target) else os.path.getsize(target) == 0
+    if not empty and not force:
+        raise UsageError(f"--to {target} exists and is not empty; pass --force to replace it")
+
+
+def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
+    """Write ``state`` to a temporary sibling of ``target``, then move it into place; a crash
+    or error never leaves a partial file under the target's name."""
+    import torch
+
+    tmp = os.path.join(
+        os.path.dirname(target), f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}"
+    )
+    try:
+        if fmt == "torch":
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if force or os.path.lexists(target):  # --force, or an empty file (checked)
+                os.replace(tmp, target)
+            else:
+                try:
+                    os.link(tmp, target)  # fails if something appeared there meanwhile
+                except FileExistsError:
+                    raise UsageError(
+                        f"--to {target} appeared during the restore; pass --force to replace it"
+                    ) from None
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+            if os.path.isdir(target):
+                if os.listdir(target):
+                    assert force  # checked by _check_target
+                    shutil.rmtree(target)
+                else:
+                    os.rmdir(target)
+            os.rename(tmp, target)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,142 @@
+"""Staging for ``dcp.async_save``: one copy of the state into a pooled buffer, handed to the
+save that writes it."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+
+from ckptstore.engine import SaveEngine, Staged
+
+logger = logging.getLogger(__name__)
+
+# How long stage() waits for the previous async save to hand the staging buffer back.
+_STAGING_WAIT_S = 60.0
+
+
+class PooledStager(AsyncStager):
+    """DCP's ``AsyncStager`` over a ``SaveEngine``'s staging pool: ``stage()`` copies the
+    state's tensors into one pooled buffer and ``write_data`` of the same save finds them
+    there (``_take_staged``). The writer sets ``engine``, ``rank`` and ``_staged``."""
+
+    engine: SaveEngine
+    rank: int
+    _staged: dict[int, HeldStaging]  # by the staging buffer's data_ptr
+
+    _synchronize_after_execute = False  # stage() returns a finished (or device-fenced) copy
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state dict over a copy of its tensors in the writer's staging buffer.
+
+        Plain tensors and DTensors (their local shards) are copied; other values are kept as
+        they are, as DCP's own stager does. A state holding other tensor subclasses
+        (ShardedTensor) is staged by DCP's ``DefaultStager`` instead."""
+        leaves: list[torch.Tensor] = []
+        if not _collect_tensors(state_dict, leaves):
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)
+            finally:
+                stager.close()
+        copied = self.engine.stage(leaves, block=False)
+        if copied is None:
+            gc.collect()  # a failed save's staged state may be waiting in a reference cycle
+            copied = self.engine.stage(leaves, timeout_s=_STAGING_WAIT_S)
+        if copied is None:
+            logger.warning(
+                "rank %d: the previous async save still holds the staging buffer after %.0fs; "
+                "staging this one in a new buffer",
+                self.rank,
+                _STAGING_WAIT_S,
+            )
+            copied = self.engine.stage_unpooled(leaves)
+        staged = HeldStaging(copied, self.engine, self._staged)
+        self._staged[copied.buffer.data_ptr()] = staged
+        out = _StagedState(_replace_tensors(state_dict, iter(copied.copy.views)))
+        # write_data hands the buffer back once it is written; a save that fails before, or a
+        # rank left with nothing to write, hands it back when DCP lets go of the staged state.
+        weakref.finalize(out, staged.release)
+        return out
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage()`` returns once the copy is done or fenced."""
+
+    def close(self) -> None:
+        """Nothing to release: the staging buffer goes with the writer."""
+
+    def _take_staged(self, tensors: list[torch.Tensor]) -> HeldStaging | None:
+        """The staging of ``stage()`` these tensors live in, if any (it is this save's)."""
+        for t in tensors:
+            if t.numel():
+                found = self._staged.pop(t.untyped_storage().data_ptr(), None)
+                if found is not None:
+                    return found
+        return None
+
+
+class HeldStaging:
+    """What ``StoreWriter.stage()`` copied, until its save has written it."""
+
+    def __init__(
+        self, copied: Staged, engine: SaveEngine, registry: dict[int, HeldStaging]
+    ) -> None:
+        self.copied = copied
+        self._engine = engine
+        self._registry = registry
+        self._released = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Hand the buffer back (once; later calls do nothing)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        key = self.copied.buffer.data_ptr()
+        if self._registry.get(key) is self:
+            del self._registry[key]
+        self._engine.release(self.copied)
+
+
+class _StagedState(dict):
+    """The state dict ``stage()`` returns (a dict that can be weakly referenced)."""
+
+
+def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> bool:
+    """Append the tensors (local shards of DTensors) of a state dict to ``out``, in a fixed
+    order; False if it holds a tensor subclass ``stage()`` cannot rebuild."""
+    if isinstance(obj, dict):
+        return all(_collect_tensors(v, out) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_collect_tensors(v, out) for v in obj)
+    if isinstance(obj, DTensor):
+        out.append(obj.to_local().detach())
+        return True
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return False
+        out.append(obj.detach())
+    return True
+
+
+def _replace_tensors(obj: Any, views) -> Any:
+    """``obj`` with its tensors replaced, in ``_collect_tensors`` order, by ``views``."""
+    if isinstance(obj, dict):
+        return {k: _replace_tensors(v, views) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace_tensors(v, views) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_replace_tensors(v, views) for v in obj)
+    if isinstance(obj, DTensor):
+        # Not DTensor.from_local: it would move the local copy back to the mesh's device.
+        return DTensor(next(views), obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return next(views)
+    return obj

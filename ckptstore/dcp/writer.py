@@ -1,0 +1,470 @@
+"""The DCP ``StorageWriter``: a DCP save committed as a ckptstore step of kind ``dcp``, through
+the save engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import logging
+import os
+import pickle
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore.catalog import list_steps
+from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
+from ckptstore.dcp.stager import HeldStaging, PooledStager
+from ckptstore.engine import SaveEngine
+from ckptstore.errors import StepExistsError, UnsupportedStateError
+from ckptstore.format import (
+    KIND_DCP,
+    Manifest,
+    ObjectRef,
+    RankIndex,
+    check_step,
+    commit_key,
+    dcp_metadata_key,
+    object_ref,
+)
+from ckptstore.leases import DEFAULT_TTL_S, Lease
+from ckptstore.pipeline import chunks_holding
+from ckptstore.store import Store
+
+logger = logging.getLogger(__name__)
+
+# Metadata.version as written by torch's own FileSystemWriter (the DCP layout version we mimic).
+_DCP_VERSION = "1.0.0"
+
+
+@dataclass(frozen=True)
+class _SaveTarget:
+    """What the coordinator decided for one save; travels in ``SavePlan.storage_data``."""
+
+    step: int
+    attempt: str
+
+
+@dataclass(frozen=True)
+class _Written:
+    """``WriteResult.storage_data`` as it crosses from a rank to the coordinator.
+
+    ``finish`` keeps only ``(rank, tensor)`` in the persisted Metadata; the index reference and
+    byte counts are for the manifest.
+    """
+
+    step: int
+    attempt: str
+    rank: int
+    tensor: int
+    index_ref: ObjectRef
+    raw_bytes: int
+    stored_bytes: int
+
+
+class StoreWriter(StorageWriter, PooledStager):
+    """DCP ``StorageWriter`` that commits a ckptstore step of kind ``dcp``.
+
+    Use as ``dcp.save(state, storage_writer=StoreWriter("s3://bucket/run"))`` (or ``async_save``).
+    It is also DCP's ``AsyncStager``: ``dcp.async_save`` stages through ``stage()``, one copy into
+    a staging buffer allocated once and reused (pinned, filled on a side stream, with CUDA), and
+    the background save encodes from that buffer without copying again. A second ``async_save``
+    waits in ``stage()`` while the previous one still holds the buffer. Keep one writer for
+    every save of a run: back-to-back ``async_save`` calls need not wait for each other's
+    futures, and each save can name its own step.
+
+    The step of each save is, in this order:
+
+    * the ``checkpoint_id`` given to ``dcp.save`` / ``dcp.async_save`` when it is an ``int`` or
+      a ``str`` of digits: ``dcp.async_save(sd, storage_writer=writer, checkpoint_id=1000)``
+      commits step 1000 in the writer's store (a ``checkpoint_id`` applies to that save only);
+    * else the writer's ``step`` (the constructor argument; an attribute);
+    * else the next free step: the latest committed step + 1, and after every step this
+      writer has planned, so saves still in flight get distinct increasing steps (0 in an
+      empty store). The coordinator decides, so every rank agrees.
+
+    Any other ``checkpoint_id`` (a ``str`` that is not all digits, or an ``os.PathLike``) is a
+    store URI, as for torch's own writers: it replaces the writer's store, and the step is
+    chosen as if no ``checkpoint_id`` were given. A local directory named ``1000`` is therefore
+    passed as ``"./1000"`` or ``Path("1000")``. Steps are write-once: saving a committed step
+    fails with ``StepExistsError`` (wrapped by DCP in a ``CheckpointException``) and leaves
+    the committed step untouched.
+
+    Args:
+        uri: the store (local path, ``file://``, ``memory://``, ``s3://bucket/prefix``, ...).
+        step: the step of every save that names none through its ``checkpoint_id``; ``None``
+            (the default) means the next free step. Saves without a ``checkpoint_id`` on a
+            writer with a fixed ``step`` all target that step, so only the first can commit.
+        compression / chunk_bytes / encode_threads: how chunks are cut and encoded (see
+            ``PipelineConfig``); ``"auto"`` compresses while that is faster than storing the
+            bytes it saves, as ``Checkpointer`` does.
+        keep_last: after a commit, the coordinator keeps this many newest steps and sweeps
+            unreferenced objects (``retention.collect``); ``None`` keeps everything.
+        store: an already open ``Store`` (then ``uri`` only names it and ``storage_options``
+            is ignored).
+
+    After a save, ``saved_step`` holds the step written (on every rank). ``use_collectives=False``
+    is refused: one manifest commits all ranks, so the ranks must coordinate. DCP plan caching
+    (``DefaultSavePlanner(enable_plan_caching=True)``) is refused too: a cached plan would carry
+    the previous save's step.
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        compression: str | int | None = "auto",
+        chunk_bytes: int | None = None,
+        encode_threads: int | None = None,
+        keep_last: int | None = None,
+        max_concurrency: int = 16,
+        timeout_s: float = 30.0,
+        store: Store | None = None,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+    ) -> None:
+        super().__init__()
+        self._leases: dict[str, Lease] = {}  # coordinator: by attempt, until its commit
+        if step is not None:
+            check_step(step)
+        self.step = step
+        self.storage_options = storage_options
+        self._open_store = store_opener(
+            storage_options, timeout_s=timeout_s, max_concurrency=max_concurrency
+        )
+        self.store = store or self._open_store(uri)
+        self.engine = SaveEngine(
+            chunk_bytes=chunk_bytes,
+            compression=compression,
+            encode_threads=encode_threads,
+            hedge_uploads=not self.store.is_local,
+            keep_last=keep_last,
+            lease_ttl_s=lease_ttl_s,
+        )
+        self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id = uuid.uuid4().hex
+        self._target: _SaveTarget | None = None
+        self.saved_step: int | None = None
+        # The step a save's checkpoint_id named, set by reset() and taken by the same save's
+        # prepare_global_plan. DCP calls both on the thread running that save (each async_save
+        # has a thread of its own), so overlapping saves cannot take each other's step.
+        self._requested = threading.local()
+        # Per store URI, the highest step this writer planned (coordinator): a step=None save
+        # goes after it even while the save that planned it has not committed yet.
+        self._planned: dict[str, int] = {}
+        self._plan_lock = threading.Lock()
+
+    # -- StorageWriter ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: int | str | os.PathLike | None = None) -> None:
+        """Start a new save. DCP calls this only when given a ``checkpoint_id``: an ``int`` or a
+        ``str`` of digits is this save's step (same store); another ``str`` or an
+        ``os.PathLike`` is a store URI that replaces the current store."""
+        try:
+            step = None if checkpoint_id is None else checkpoint_step(checkpoint_id)
+        except ValueError as exc:
+            raise ValueError(
+                f"StoreWriter: checkpoint_id {checkpoint_id!r} is neither a step (an int or a "
+                f"string of digits) nor a store URI: {exc}"
+            ) from None
+        if (
+            step is None
+            and checkpoint_id is not None
+            and os.fspath(checkpoint_id) != self.store.uri
+        ):
+            self.store = self._open_store(checkpoint_id)
+        self._requested.step = step
+        self._requested.store = self.store
+        self._requested.fresh = True
+        self.save_id = uuid.uuid4().hex
+        self._target = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: int | str | os.PathLike) -> bool:
+        """True when ``checkpoint_id`` is a step (an ``int`` or a ``str`` of digits) or a URI
+        fsspec can resolve to a filesystem."""
+        return valid_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The store's URI (DCP logs it); the step of the last save is ``saved_step``."""
+        return self.store.uri
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError(
+                "ckptstore.dcp.StoreWriter needs use_collectives=True: one manifest commits "
+                "every rank's data"
+            )
+        self.is_coordinator = is_coordinator
+        if not getattr(self._requested, "fresh", False):
+            # No reset() for this save: a step named by an earlier save on this thread that
+            # failed before planning must not carry over.
+            self._requested.step = None
+            self._requested.store = None
+        self._requested.fresh = False
+        self.rank = int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # This save's checkpoint_id step (taken, so a later save that names none on this
+        # thread does not inherit it), else the writer's fixed step, else the next free one.
+        step = getattr(self._requested, "step", None)
+        self._requested.step = None
+        if step is None:
+            step = self.step
+        uri = self._save_store().uri
+        with self._plan_lock:
+            if step is None:
+                steps = list_steps(self._save_store())
+                step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
+            elif self._save_store().exists(commit_key(step)):
+                raise StepExistsError(
+                    f"step {step} is already committed in {uri}; steps are write-once"
+                )
+            self._planned[uri] = max(step, self._planned.get(uri, -1))
+        target = _SaveTarget(step=step, attempt=uuid.uuid4().hex)
+        self._target = target
+        self._begin_lease(target)
+        logger.debug(
+            "rank %d: DCP save to %s as step %d, attempt %s",
+            self.rank,
+            self._save_store().uri,
+            step,
+            target.attempt,
+        )
+        return [dataclasses.replace(p, storage_data=target) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target = plan.storage_data
+        if not isinstance(target, _SaveTarget):
+            raise RuntimeError(
+                "SavePlan.storage_data was not set by StoreWriter.prepare_global_plan "
+                f"(got {type(target).__name__}); was the plan cached from another writer?"
+            )
+        if self._save_store().exists(commit_key(target.step)):
+            self._release_lease(target.attempt)  # on the coordinator: it will not commit
+            raise StepExistsError(
+                f"rank {self.rank}: step {target.step} is already committed in {self._save_store().uri} "
+                "(another writer, or another save naming the same step, committed it "
+                "meanwhile; or DCP plan caching reused an old "
+                "plan: enable_plan_caching is not supported by StoreWriter)"
+            )
+        self._target = target
+        results = self._write(plan.items, planner, target) if plan.items else []
+        self.saved_step = target.step
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        store = self._save_store()
+        storage_data: dict[MetadataIndex, tuple[int, int]] = {}
+        refs: dict[int, _Written] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                loc = wr.storage_data
+                assert isinstance(loc, _Written), f"unexpected storage_data {loc!r}"
+                storage_data[wr.index] = (loc.rank, loc.tensor)
+                refs.setdefault(loc.rank, loc)
+        # The results say which save they belong to, so a writer shared by overlapping
+        # async saves still commits each one under its own step.
+        targets = {_SaveTarget(w.step, w.attempt) for w in refs.values()}
+        assert len(targets) <= 1, f"ranks wrote different saves: {targets}"
+        target = targets.pop() if targets else self._target
+        assert target is not None, "finish() before prepare_global_plan()"
+        try:
+            metadata.version = _DCP_VERSION
+            metadata.storage_data = storage_data
+            metadata.storage_meta = StorageMeta(checkpoint_id=store.uri, save_id=target.attempt)
+            blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+            meta_key = dcp_metadata_key(target.step, target.attempt)
+            store.put(meta_key, blob)
+            manifest = Manifest(
+                step=target.step,
+                attempt=target.attempt,
+                kind=KIND_DCP,
+                world_size=len(results),
+                ranks=[refs[r].index_ref for r in sorted(refs)],
+                dcp_metadata=object_ref(meta_key, blob),
+                raw_bytes=sum(w.raw_bytes for w in refs.values()),
+                stored_bytes=sum(w.stored_bytes for w in refs.values()),
+            )
+            self.engine.commit(store, manifest, self._leases.get(target.attempt))
+        finally:
+            self._release_lease(target.attempt)
+        logger.info(
+            "rank %d: committed DCP step %d to %s (%d ranks, %d bytes raw, %d stored)",
+            self.rank,
+            target.step,
+            store.uri,
+            len(results),
+            manifest.raw_bytes,
+            manifest.stored_bytes,
+        )
+        self.saved_step = target.step
+        self.engine.retain(store, attempt=target.attempt)
+
+    def _save_store(self) -> Store:
+        """The store of the save running on this thread: the one its ``reset()`` named, so an
+        overlapping save that switches stores cannot redirect this one; else ``self.store``."""
+        return getattr(self._requested, "store", None) or self.store
+
+    # -- the save lease (coordinator) --------------------------------------------------------
+
+    def _begin_lease(self, target: _SaveTarget) -> None:
+        """Take the save's lease before any rank looks for stored chunks (prepare_global_plan
+        runs before DCP hands the ranks their plans); it covers every rank until the commit.
+        A save that fails on another rank never reaches ``finish``: its lease is held until
+        this process ends, which delays sweeps but never endangers a step."""
+        self._leases[target.attempt] = self.engine.begin(
+            self._save_store(),
+            step=target.step,
+            attempt=target.attempt,
+            rank=self.rank,
+            kind=KIND_DCP,
+        )
+
+    def _release_lease(self, attempt: str) -> None:
+        lease = self._leases.pop(attempt, None)
+        if lease is not None:
+            lease.release_when_settled(0.0)  # a late manifest put must not find its chunks gone
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _write(
+        self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
+    ) -> list[WriteResult]:
+        store, rank = self._save_store(), self.rank
+        try:
+            tensors = [_item_tensor(item, planner) for item in items]
+            staged = self._take_staged(tensors)
+            entries, chunks = (
+                self._write_staged(staged, tensors)
+                if staged is not None
+                else self._write_copied(tensors)
+            )
+            index = RankIndex(
+                rank=rank,
+                tensors=entries,
+                chunks=chunks,
+                items={storage_key(item.index): i for i, item in enumerate(items)},
+            )
+            ref = self.engine.put_index(
+                store, step=target.step, attempt=target.attempt, index=index
+            )
+        except BaseException:
+            self._release_lease(target.attempt)  # on the coordinator: it will not commit
+            raise
+        raw = sum(c.raw for c in chunks.values())
+        stored = sum(c.stored for c in chunks.values())
+        logger.debug(
+            "rank %d: wrote %d DCP items of step %d (%d chunks)",
+            rank,
+            len(items),
+            target.step,
+            len(chunks),
+        )
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=t.numel() * t.element_size(),
+                storage_data=_Written(target.step, target.attempt, rank, i, ref, raw, stored),
+            )
+            for i, (item, t) in enumerate(zip(items, tensors))
+        ]
+
+    def _write_copied(self, tensors: list[torch.Tensor], *, pooled: bool = True):
+        """Copy ``tensors`` into a staging buffer (the pool's, if ``pooled`` and one is free)
+        and write its chunks; (entries, chunks)."""
+        engine = self.engine
+        copied = engine.stage(tensors, block=False) if pooled else None
+        if pooled and copied is None:
+            gc.collect()  # a failed async save's staged state may hold the buffer in a cycle
+            copied = engine.stage(tensors, block=False)
+        if copied is None:
+            # The pool saves allocations; with its buffer still held (a caller keeping a failed
+            # async save's error alive) waiting could be forever: use a buffer of this save's.
+            copied = engine.stage_unpooled(tensors)
+        try:
+            copied.copy.wait()
+            return engine.write(self._save_store(), copied.buffer, copied.layout, tensors)
+        finally:
+            engine.release(copied)
+
+    def _write_staged(self, staged: HeldStaging, tensors: list[torch.Tensor]):
+        """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
+        such as DCP's pickled values, through a buffer of its own); (entries, chunks)."""
+        copied = staged.copied
+        base, size = copied.buffer.data_ptr(), copied.buffer.numel()
+        inside, outside = [], []
+        for i, t in enumerate(tensors):
+            n = t.numel() * t.element_size()
+            offset = t.data_ptr() - base
+            in_buffer = (
+                n > 0
+                and t.is_contiguous()
+                and 0 <= offset
+                and offset + n <= size
+                and t.untyped_storage().data_ptr() == copied.buffer.untyped_storage().data_ptr()
+            )
+            (inside if in_buffer else outside).append((i, offset))
+        mine = [tensors[i] for i, _ in inside]
+        try:
+            copied.copy.wait()
+            layout = chunks_holding(
+                copied.layout,
+                [(offset, t.numel() * t.element_size()) for (_, offset), t in zip(inside, mine)],
+            )
+            found, chunks = self.engine.write(self._save_store(), copied.buffer, layout, mine)
+        finally:
+            staged.release()
+        entries: list = [None] * len(tensors)
+        for (i, _), entry in zip(inside, found):
+            entries[i] = entry
+        if outside:
+            rest = [tensors[i] for i, _ in outside]
+            rest_entries, rest_chunks = self._write_copied(rest, pooled=False)
+            for (i, _), entry in zip(outside, rest_entries):
+                entries[i] = entry
+            chunks = {**chunks, **rest_chunks}
+        return entries, chunks
+
+
+def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+    """The bytes DCP wants written for ``item``, as a tensor (uint8 ``[n]`` for BYTE_IO)."""
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        if isinstance(data, io.BytesIO):
+            raw = data.getvalue()
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+        else:
+            raise UnsupportedStateError(
+                f"DCP item {item.index.fqn!r}: BYTE_IO data is {type(data).__name__}, "
+                "expected io.BytesIO"
+            )
+        if not raw:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if not isinstance(data, torch.Tensor):
+        raise UnsupportedStateError(
+            f"DCP item {item.index.fqn!r}: expected a tensor, got {type(data).__name__}"
+        )
+    return data.detach()
