@@ -25,7 +25,6 @@ from ckptstore import (
 )
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.errors import CommitUnknownError
-from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
