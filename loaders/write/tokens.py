@@ -34,6 +34,9 @@ class TokenWriter(ShardWriter):
     file's trailing partial sample. ``header="llmc"`` writes llm.c's header, None none (as
     nanoGPT's ``train.bin`` and Megatron's ``.bin``)."""
 
+    HEADER_BYTES = {None: 0, "llmc": LLMC_HEADER_BYTES}
+    """Bytes each file's header takes, by ``header`` (the reader's ``header_bytes``)."""
+
     def __init__(
         self,
         uri: Target | Sequence[Target],
@@ -47,12 +50,12 @@ class TokenWriter(ShardWriter):
     ) -> None:
         if dtype not in ("uint16", "uint32"):
             raise ValueError(f"TokenWriter dtype must be uint16 or uint32, got {dtype!r}")
-        if header not in (None, "llmc"):
+        if header not in self.HEADER_BYTES:
             raise ValueError(f"TokenWriter header must be None or 'llmc', got {header!r}")
         if file_tokens < 1:
             raise ValueError(f"TokenWriter file_tokens must be >= 1, got {file_tokens}")
         self.dtype, self.header, self.file_tokens, self.prefix = dtype, header, file_tokens, prefix
-        self.header_bytes = LLMC_HEADER_BYTES if header else 0
+        self.header_bytes = self.HEADER_BYTES[header]
         self.sink = DatasetSink(uri, index=manifest, storage_options=storage_options)
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
