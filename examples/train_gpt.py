@@ -96,8 +96,14 @@ def prepare_data(replicas: list[str]) -> None:
     missing = [uri for uri in replicas if not Store(uri).exists(MANIFEST)]
     if not missing:
         return
-    with TokenWriter(missing, dtype="uint16", header="llmc", file_tokens=2**15) as writer:
-        writer.write(corpus())
+    try:
+        with TokenWriter(missing, dtype="uint16", header="llmc", file_tokens=2**15) as writer:
+            writer.write(corpus())
+    except FileExistsError as exc:
+        raise SystemExit(
+            f"{exc}: a replica holds token files without their {MANIFEST} (a first run was "
+            "killed while writing them?); delete them and run again"
+        ) from exc
     print(
         f"wrote {writer.num_tokens} tokens in {len(writer.shards)} files to {', '.join(missing)}",
         flush=True,

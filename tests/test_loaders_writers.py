@@ -79,6 +79,11 @@ def test_mds_writer_output_matches_streaming_writer(tmp_path, name):
         assert got["raw_data"]["bytes"] == want["raw_data"]["bytes"]
         if want["hashes"]:
             assert got["raw_data"]["hashes"] == want["raw_data"]["hashes"]
+        if not want["zip_data"]:
+            basename = want["raw_data"]["basename"]
+            assert (tmp_path / "ds" / basename).read_bytes() == (
+                FIXTURES / name / basename
+            ).read_bytes()
         if want["zip_data"]:
             stored = tmp_path / "ds" / got["zip_data"]["basename"]
             assert stored.stat().st_size == got["zip_data"]["bytes"]
@@ -364,3 +369,14 @@ def test_a_killed_writer_leaves_no_index(tmp_path):
         ShardDataset(str(tmp_path / "mds"), MDS())
     with pytest.raises(ShardNotFoundError, match="manifest.txt"):
         ShardDataset(str(tmp_path / "wds"), WebDataset(manifest="manifest.txt"))
+
+
+def test_an_aborted_writer_deletes_only_what_it_wrote(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tokens.00001.bin").write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError, match="tokens.00001.bin"):
+        with TokenWriter([tmp_path / "a", tmp_path / "b"], file_tokens=4) as writer:
+            writer.write(np.arange(12))  # the second file collides on replica b
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
+    assert (tmp_path / "b" / "tokens.00001.bin").read_bytes() == b"someone else's"
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["tokens.00001.bin"]

@@ -41,6 +41,7 @@ class DatasetSink:
                     "write to an empty location"
                 )
         self.written: list[str] = []
+        self._put: list[tuple[Store, str]] = []  # what abort deletes: only objects we wrote
         self.closed = False
 
     def check_open(self) -> None:
@@ -50,9 +51,10 @@ class DatasetSink:
     def put(self, key: str, data: bytes | memoryview | list) -> None:
         """Write ``key`` to every replica (durable when it returns)."""
         self.check_open()
-        self.written.append(key)
         for store in self.stores:
             store.put(key, data)
+            self._put.append((store, key))
+        self.written.append(key)
 
     def finish(self, index_bytes: bytes) -> None:
         """Write the index after every shard: only now is the dataset readable."""
@@ -63,12 +65,11 @@ class DatasetSink:
         """Leave no index; delete the shards written so far (best effort: a killed process
         leaves them, but without an index they are not a dataset)."""
         self.closed = True
-        for store in self.stores:
-            for key in self.written:
-                try:
-                    store.delete(key)
-                except OSError as exc:
-                    logger.warning("could not delete %s of an aborted dataset: %s", key, exc)
+        for store, key in self._put:
+            try:
+                store.delete(key)
+            except OSError as exc:
+                logger.warning("could not delete %s of an aborted dataset: %s", store.url(key), exc)
 
 
 class ShardWriter:
