@@ -1,15 +1,19 @@
 """The README's main job: train, get killed mid-run, resume, and match an uninterrupted run.
 
-1. trains examples/train_gpt.py uninterrupted into runs/demo/reference;
+1. trains examples/train_gpt.py uninterrupted into runs/demo/reference; its first run writes
+   the token files to two replica directories, runs/demo/data-a and runs/demo/data-b, and every
+   run reads them through the loader;
 2. trains it again into runs/demo/crashy and SIGKILLs it at --crash-at (mid-interval, so
    work since the last commit is lost and a save may still be in flight);
-3. runs it again on runs/demo/crashy: it resumes from the latest committed step;
-4. checks that every loss after the resume equals the uninterrupted run's, bit for bit.
+3. runs it again on runs/demo/crashy: it resumes model and loader from the latest committed step;
+4. checks that every step after the resume has the uninterrupted run's loss and batch (a hash of
+   its tokens), bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -17,10 +21,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LOSS = re.compile(r"^step (\d+) loss (\S+)")
+LOSS = re.compile(r"^step (\d+) loss (\S+) .*\bdata (\w+)$")
 
 
-def train(ckpt: str, *extra: str) -> tuple[int, dict[int, str], str]:
+def train(ckpt: str, *extra: str) -> tuple[int, dict[int, tuple[str, str]], str]:
+    """Runs train_gpt.py; its exit code, ``{step: (loss, batch hash)}`` and its output."""
     cmd = [sys.executable, str(HERE / "train_gpt.py"), "--ckpt", ckpt, *extra]
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -28,7 +33,7 @@ def train(ckpt: str, *extra: str) -> tuple[int, dict[int, str], str]:
     for line in proc.stdout.splitlines():
         m = LOSS.match(line)
         if m:
-            losses[int(m.group(1))] = m.group(2)
+            losses[int(m.group(1))] = (m.group(2), m.group(3))
     tail = [ln for ln in proc.stdout.splitlines() if not LOSS.match(ln)]
     for line in tail:
         print("   ", line)
@@ -43,10 +48,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--crash-at", type=int, default=160)
+    p.add_argument("--report", help="write every run's {step: [loss, batch hash]} here (JSON)")
     args = p.parse_args()
-    common = ["--steps", str(args.steps), "--every", str(args.every)]
     root = Path(args.root)
-    for sub in ("reference", "crashy"):
+    common = ["--steps", str(args.steps), "--every", str(args.every)]
+    common += ["--data", str(root / "data-a"), "--data", str(root / "data-b")]
+    for sub in ("reference", "crashy", "data-a", "data-b"):
         shutil.rmtree(root / sub, ignore_errors=True)
 
     rc, reference, _ = train(str(root / "reference"), *common)
@@ -66,13 +73,17 @@ def main() -> int:
         f"killed at step {args.crash_at}, resumed from committed step {resumed}; "
         f"{args.crash_at - resumed} steps of work redone"
     )
-    mismatched = [s for s in after if after[s] != reference.get(s)]
-    mismatched += [s for s in before if before[s] != reference.get(s)]
-    if mismatched or not after:
-        print(f"MISMATCH at steps {sorted(mismatched)[:10]}")
-        return 1
+    if args.report:
+        runs = {"reference": reference, "before": before, "after": after, "resumed": resumed}
+        Path(args.report).write_text(json.dumps(runs))
+    for what, i in (("losses", 0), ("batches", 1)):
+        mismatched = [s for s in after if after[s][i] != reference.get(s, ("", ""))[i]]
+        mismatched += [s for s in before if before[s][i] != reference.get(s, ("", ""))[i]]
+        if mismatched or not after:
+            print(f"MISMATCH of {what} at steps {sorted(mismatched)[:10]}")
+            return 1
     print(
-        f"OK: losses of steps 1-{args.crash_at} (before the kill) and {resumed + 1}-"
+        f"OK: losses and batches of steps 1-{args.crash_at} (before the kill) and {resumed + 1}-"
         f"{args.steps} (after resume) equal the uninterrupted run bit for bit"
     )
     return 0

@@ -1,17 +1,24 @@
-"""A small GPT trained on CPU that checkpoints with ckptstore and resumes exactly.
+"""A small GPT trained on CPU that reads its tokens through ``loaders`` and checkpoints with
+ckptstore, resuming model and data order exactly.
 
     python examples/train_gpt.py                         # trains, checkpoints to ./runs/gpt
     python examples/train_gpt.py --crash-at 130          # dies (SIGKILL) at step 130
     python examples/train_gpt.py                         # resumes from the latest commit
                                                          # (an older one if it is corrupt)
+    python examples/train_gpt.py --data runs/data/a --data runs/data/b   # two replicas
 
-Every step prints ``step N loss L`` with the loss as an exact hex float, so two runs can be
-compared bit for bit. The checkpoint holds the model, the optimizer, every RNG and the step.
+On first use the toy corpus is written as llm.c-style token files (``loaders.TokenWriter``) to
+every ``--data`` replica that lacks it; the job reads them with ``ShardDataset`` (shuffled,
+hedged across replicas) through a ``StatefulLoader`` with worker processes. Every step prints
+``step N loss L (...) data H``: the loss as an exact hex float and a hash of the batch's tokens, so
+two runs can be compared bit for bit, data order included. The checkpoint holds the model, the
+optimizer, every RNG, the loader's position and the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import random
@@ -25,6 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ckptstore import Checkpointer
+from ckptstore.store import Store
+from loaders import LoaderConfig, ShardDataset, StatefulLoader, TokenFiles, TokenWriter
+
+MANIFEST = "manifest.txt"
 
 
 class Block(nn.Module):
@@ -68,7 +79,7 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def corpus(n_chars: int = 200_000) -> torch.Tensor:
+def corpus(n_chars: int = 200_000) -> np.ndarray:
     """A deterministic toy corpus: sentences from a tiny grammar (no download needed)."""
     rng = random.Random(0)
     nouns = ["cat", "model", "rank", "shard", "chunk", "step", "store", "loss", "node", "bucket"]
@@ -76,27 +87,58 @@ def corpus(n_chars: int = 200_000) -> torch.Tensor:
     words = []
     while sum(map(len, words)) < n_chars:
         words += ["the", rng.choice(nouns), rng.choice(verbs), "a", rng.choice(nouns) + "."]
-    return torch.tensor(list(" ".join(words).encode()[:n_chars]), dtype=torch.long)
+    return np.frombuffer(" ".join(words).encode()[:n_chars], np.uint8)
 
 
-class Batches:
-    """Random windows of the corpus from its own generator, so the data order is resumable."""
+def prepare_data(replicas: list[str]) -> None:
+    """Write the corpus as token files (byte-level tokens, llm.c header) to every replica that
+    has no complete copy (its manifest is written last)."""
+    missing = [uri for uri in replicas if not Store(uri).exists(MANIFEST)]
+    if not missing:
+        return
+    try:
+        with TokenWriter(missing, dtype="uint16", header="llmc", file_tokens=2**15) as writer:
+            writer.write(corpus())
+    except FileExistsError as exc:
+        raise SystemExit(
+            f"{exc}: a replica holds token files without their {MANIFEST} (a first run was "
+            "killed while writing them?); delete them and run again"
+        ) from exc
+    print(
+        f"wrote {writer.num_tokens} tokens in {len(writer.shards)} files to {', '.join(missing)}",
+        flush=True,
+    )
 
-    def __init__(self, data: torch.Tensor, block: int, batch: int, seed: int) -> None:
-        self.data, self.block, self.batch = data, block, batch
-        self.gen = torch.Generator().manual_seed(seed)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(self.data) - self.block - 1, (self.batch,), generator=self.gen)
-        x = torch.stack([self.data[i : i + self.block] for i in ix])
-        y = torch.stack([self.data[i + 1 : i + 1 + self.block] for i in ix])
-        return x, y
+def make_loader(args: argparse.Namespace) -> StatefulLoader:
+    """Samples of block + 1 tokens (inputs and shifted targets), shuffled by the loader."""
+    dataset = ShardDataset(
+        args.data,
+        TokenFiles(
+            dtype="uint16",
+            sample_tokens=args.block + 1,
+            manifest=MANIFEST,
+            header_bytes=TokenWriter.HEADER_BYTES["llmc"],
+            read_bytes=16 * 1024,
+        ),
+        config=LoaderConfig(seed=args.seed, shuffle_block_units=4),
+        rank=0,
+        world_size=1,
+    )
+    return StatefulLoader(
+        dataset,
+        batch_size=args.batch,
+        num_workers=args.workers,
+        drop_last=True,  # every step sees a full batch; an epoch's last partial one is skipped
+        # Worker seeds come from this generator, not the global RNG that dropout draws from.
+        generator=torch.Generator(),
+    )
 
-    def state_dict(self) -> dict:
-        return {"generator": self.gen.get_state()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.gen.set_state(state["generator"])
+def endless(loader: StatefulLoader):
+    """The loader's batches, epoch after epoch (it moves to the next epoch by itself)."""
+    while True:
+        yield from loader
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument(
+        "--data",
+        action="append",
+        help="a replica of the token files (path or s3://...); repeat for more replicas "
+        "(default: runs/data/corpus)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="loader worker processes")
     args = p.parse_args(argv)
+    args.data = args.data or ["runs/data/corpus"]
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -119,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
 
     model = GPT(vocab=256, block=args.block)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    batches = Batches(corpus(), args.block, args.batch, seed=args.seed)
+    prepare_data(args.data)
+    loader = make_loader(args)
     progress = {"step": 0}
     state = {
         "model": model,
         "optim": opt,
-        "data": batches,
+        "loader": loader,
         "progress": progress,
         "rng": {
             "torch": torch.get_rng_state(),
@@ -149,15 +200,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steps {unloadable} could not be loaded and will not be saved again", flush=True)
     start = time.perf_counter()
     model.train()
+    batches = endless(loader)  # after the load: it starts at the loader's restored position
     while progress["step"] < args.steps:
-        x, y = batches.next()
+        tokens = next(batches)["tokens"].long()
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        digest = hashlib.sha1(tokens.numpy().tobytes()).hexdigest()[:12]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         progress["step"] += 1
         step = progress["step"]
-        print(f"step {step} loss {loss.item().hex()} ({loss.item():.4f})", flush=True)
+        print(f"step {step} loss {loss.item().hex()} ({loss.item():.4f}) data {digest}", flush=True)
         if args.crash_at is not None and step == args.crash_at:
             print(f"crashing at step {step} (SIGKILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -18,9 +18,11 @@ from loaders.order import EpochOrder, Reader
 from loaders.replicas import ReplicaSet
 from loaders.tokens import TokenFiles
 from loaders.wds import WebDataset
+from loaders.write import MDSWriter, TokenWriter, WebDatasetWriter
 
 __all__ = [
     "MDS",
+    "MDSWriter",
     "EpochOrder",
     "LoaderConfig",
     "LoaderError",
@@ -35,6 +37,8 @@ __all__ = [
     "ShardNotFoundError",
     "StatefulLoader",
     "TokenFiles",
+    "TokenWriter",
     "UnknownFormatError",
     "WebDataset",
+    "WebDatasetWriter",
 ]

@@ -297,7 +297,7 @@ def test_train_gpt_resumes_from_the_previous_step_when_the_latest_is_corrupt(tmp
 
     def train(steps: int) -> subprocess.CompletedProcess:
         cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--ckpt", str(ckpt)]
-        cmd += ["--steps", str(steps), "--every", "2"]
+        cmd += ["--steps", str(steps), "--every", "2", "--data", str(tmp_path / "data")]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
     first = train(4)

@@ -1,0 +1,103 @@
+"""WebDataset tar shards as ``WebDataset`` (and the upstream ``webdataset`` package) read them:
+each sample's fields stored as consecutive members ``{key}.{field}``."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Sequence
+from typing import Any
+
+from loaders.write._sink import DatasetSink, ShardWriter, Target, manifest_bytes
+
+_BLOCK = tarfile.BLOCKSIZE
+
+
+def field_bytes(name: str, value: Any) -> bytes:
+    """A field's file contents: bytes as they are, text as UTF-8, numbers as their decimal
+    text, dicts and lists as JSON."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bool, int, float)):
+        return str(value).encode()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True).encode("utf-8")
+    raise ValueError(
+        f"WebDataset field {name!r}: cannot store a {type(value).__name__} "
+        "(give bytes, str, a number, a dict or a list)"
+    )
+
+
+class WebDatasetWriter(ShardWriter):
+    """Writes samples (``{"__key__": "abc", "txt": ..., "cls": ...}``) into tar shards
+    ``{prefix}.00000.tar``, ... of at most ``max_count`` samples and about ``max_bytes`` bytes
+    (a larger sample gets a shard of its own), then ``manifest`` listing them; read them back
+    with ``WebDataset(manifest=...)``."""
+
+    def __init__(
+        self,
+        uri: Target | Sequence[Target],
+        *,
+        max_count: int = 10_000,
+        max_bytes: int = 1 << 28,
+        prefix: str = "shard",
+        manifest: str = "manifest.txt",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if max_count < 1 or max_bytes < 1:
+            raise ValueError(
+                f"WebDatasetWriter max_count and max_bytes must be >= 1, got {max_count}, "
+                f"{max_bytes}"
+            )
+        self.max_count, self.max_bytes, self.prefix = max_count, max_bytes, prefix
+        self.sink = DatasetSink(uri, index=manifest, storage_options=storage_options)
+        self._samples: list[list[tuple[str, bytes]]] = []
+        self._bytes = 2 * _BLOCK  # the end-of-archive blocks
+        self._last_key: str | None = None
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Append one sample: ``__key__`` (a name without a dot in its last path part) and
+        one or more fields (other ``__`` keys are ignored)."""
+        self.sink.check_open()
+        key = sample.get("__key__")
+        if not isinstance(key, str) or not key:
+            raise ValueError("WebDataset sample needs a non-empty string '__key__'")
+        base = key.rpartition("/")[2]
+        if "." in base or not base:
+            raise ValueError(f"WebDataset key {key!r}: its last part must be non-empty, no dot")
+        if key == self._last_key:
+            raise ValueError(f"WebDataset key {key!r} repeats the previous sample's")
+        members = [
+            (f"{key}.{name}", field_bytes(name, value))
+            for name, value in sample.items()
+            if not name.startswith("__")
+        ]
+        if not members:
+            raise ValueError(f"WebDataset sample {key!r} has no fields")
+        size = sum(_BLOCK + -(-len(data) // _BLOCK) * _BLOCK for _, data in members)
+        if self._samples and (
+            len(self._samples) >= self.max_count or self._bytes + size > self.max_bytes
+        ):
+            self._flush()
+        self._samples.append(members)
+        self._bytes += size
+        self._last_key = key
+
+    def _flush(self) -> None:
+        if not self._samples:
+            return
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for members in self._samples:
+                for name, data in members:
+                    info = tarfile.TarInfo(name)  # mtime 0, no owner: replicas are identical
+                    info.size, info.mode = len(data), 0o444
+                    tar.addfile(info, io.BytesIO(data))
+        self.sink.put(f"{self.prefix}.{len(self.shards):05d}.tar", buf.getbuffer())
+        self._samples, self._bytes = [], 2 * _BLOCK
+
+    def _index_bytes(self) -> bytes:
+        return manifest_bytes(self.shards)

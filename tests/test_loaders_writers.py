@@ -1,0 +1,382 @@
+"""Writers: every format written by loaders.write reads back exactly through the loader's reader
+(and through the upstream webdataset package); MDS output is byte for byte what MosaicML
+Streaming's own writer made of the same samples (tests/fixtures/mds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_loaders_formats import _expected
+
+from loaders import (
+    MDS,
+    LoaderConfig,
+    MDSWriter,
+    ShardDataset,
+    ShardNotFoundError,
+    TokenFiles,
+    TokenWriter,
+    WebDataset,
+    WebDatasetWriter,
+)
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mds"
+ROOT = Path(__file__).resolve().parents[1]
+IN_ORDER = LoaderConfig(shuffle=False)
+SHUFFLED = LoaderConfig(seed=3, shuffle_block_units=2)
+
+
+def _fixture_samples(name: str) -> list[dict]:
+    lines = (FIXTURES / name / "expected.jsonl").read_text().splitlines()
+    return [{k: _expected(v) for k, v in json.loads(line).items()} for line in lines]
+
+
+def _assert_same_sample(got: dict, want: dict, where) -> None:
+    for column, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[column].dtype == value.dtype, (where, column)
+            np.testing.assert_array_equal(got[column], value)
+        else:
+            assert got[column] == value, (where, column)
+
+
+def _by_index(samples) -> list:
+    return sorted(samples, key=lambda s: s["__index__"])
+
+
+# -- MDS ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tokens-zstd", "mixed-raw"])
+def test_mds_writer_output_matches_streaming_writer(tmp_path, name):
+    ref = json.loads((FIXTURES / name / "index.json").read_text())
+    first = ref["shards"][0]
+    columns = dict(zip(first["column_names"], first["column_encodings"]))
+    samples = _fixture_samples(name)
+    with MDSWriter(
+        tmp_path / "ds",
+        columns=columns,
+        compression=first["compression"],
+        hashes=first["hashes"],
+        size_limit=first["size_limit"],
+    ) as writer:
+        for sample in samples:
+            writer.write(sample)
+    mine = json.loads((tmp_path / "ds" / "index.json").read_text())
+    assert mine["version"] == 2
+    assert len(mine["shards"]) == len(ref["shards"])
+    for got, want in zip(mine["shards"], ref["shards"]):
+        assert sorted(got) == sorted(want)
+        # Same cut into shards and the same raw bytes (hashes) as Streaming's MDSWriter.
+        for key in ("samples", "column_names", "column_encodings", "column_sizes", "hashes"):
+            assert got[key] == want[key], key
+        assert got["raw_data"]["bytes"] == want["raw_data"]["bytes"]
+        if want["hashes"]:
+            assert got["raw_data"]["hashes"] == want["raw_data"]["hashes"]
+        if not want["zip_data"]:
+            basename = want["raw_data"]["basename"]
+            assert (tmp_path / "ds" / basename).read_bytes() == (
+                FIXTURES / name / basename
+            ).read_bytes()
+        if want["zip_data"]:
+            stored = tmp_path / "ds" / got["zip_data"]["basename"]
+            assert stored.stat().st_size == got["zip_data"]["bytes"]
+            assert not (tmp_path / "ds" / got["raw_data"]["basename"]).exists()
+    read = list(ShardDataset(str(tmp_path / "ds"), MDS(), config=IN_ORDER))
+    assert len(read) == len(samples)
+    for i, (got, want) in enumerate(zip(read, samples)):
+        _assert_same_sample(got, want, i)
+
+
+def _mds_samples(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "tokens": rng.integers(0, 50_000, rng.integers(1, 300)).astype(np.uint32),
+            "img": rng.random((2, 3)).astype(np.float16),
+            "any": rng.integers(-9, 9, (i % 3 + 1, 2)).astype(np.int64),
+            "label": int(rng.integers(-(2**40), 2**40)),
+            "score": float(rng.random()),
+            "text": f"sample {i} ümlaut",
+            "meta": {"i": i, "tags": ["a"] * (i % 3)},
+            "raw": bytes(rng.integers(0, 256, i % 17, dtype=np.uint8)),
+            "n": str(i),
+        }
+        for i in range(n)
+    ]
+
+
+MDS_COLUMNS = {
+    "tokens": "ndarray:uint32",
+    "img": "ndarray:float16:2,3",
+    "any": "ndarray",
+    "label": "int",
+    "score": "float64",
+    "text": "str",
+    "meta": "json",
+    "raw": "bytes",
+    "n": "str_int",
+}
+
+
+@pytest.mark.parametrize("compression", ["zstd", "zstd:9", "gz", "bz2", None])
+def test_mds_round_trips_every_column_kind_on_two_replicas(tmp_path, compression):
+    samples = _mds_samples(120)
+    replicas = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with MDSWriter(
+        replicas,
+        columns=MDS_COLUMNS,
+        compression=compression,
+        hashes=["sha1", "xxh64", "xxh3_64"],
+        size_limit=8192,
+    ) as writer:
+        for sample in samples:
+            writer.write(sample)
+    assert len(writer.shards) > 3
+    index = json.loads((tmp_path / "a" / "index.json").read_text())
+    assert all(s["raw_data"]["bytes"] <= 8192 for s in index["shards"])
+    assert (tmp_path / "b" / "index.json").read_bytes() == (
+        tmp_path / "a" / "index.json"
+    ).read_bytes()
+    got = _by_index(ShardDataset(replicas, MDS(), config=SHUFFLED))
+    assert [s["__index__"] for s in got] == list(range(len(samples)))
+    for i, (g, want) in enumerate(zip(got, samples)):
+        want = dict(want, n=i)  # str_int reads back as an int
+        _assert_same_sample(g, want, i)
+
+
+def test_mds_writer_refuses_values_its_column_cannot_hold(tmp_path):
+    with pytest.raises(ValueError, match="unknown_enc"):
+        MDSWriter(tmp_path / "x", columns={"a": "unknown_enc"})
+    with MDSWriter(tmp_path / "ds", columns={"v": "ndarray:float32:4", "i": "uint8"}) as writer:
+        with pytest.raises(ValueError, match="shape"):
+            writer.write({"v": np.zeros(3, np.float32), "i": 1})
+        with pytest.raises(ValueError, match="float32"):
+            writer.write({"v": np.zeros(4, np.float64), "i": 1})
+        with pytest.raises(ValueError, match="lacks columns"):
+            writer.write({"v": np.zeros(4, np.float32)})
+        writer.write({"v": np.arange(4, dtype=np.float32), "i": 7})
+    (sample,) = ShardDataset(str(tmp_path / "ds"), MDS())
+    assert sample["i"] == 7 and sample["v"].tolist() == [0, 1, 2, 3]
+
+
+# -- token files -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "header"), [("uint16", None), ("uint32", "llmc")])
+def test_token_files_round_trip_on_two_replicas(tmp_path, dtype, header):
+    sample_tokens = 33
+    rng = np.random.default_rng(1)
+    high = 65_535 if dtype == "uint16" else 200_000
+    tokens = rng.integers(0, high + 1, 33 * 250 + 7)
+    replicas = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with TokenWriter(replicas, dtype=dtype, header=header, file_tokens=33 * 40) as writer:
+        for piece in np.array_split(tokens, 9):  # writes that straddle file boundaries
+            writer.write(piece)
+    assert writer.num_tokens == len(tokens)
+    assert len(writer.shards) == 7
+    manifest = (tmp_path / "b" / "manifest.txt").read_text().split()
+    assert manifest == writer.shards
+    first = (tmp_path / "a" / writer.shards[0]).read_bytes()
+    if header:
+        assert writer.header_bytes == 1024
+        assert np.frombuffer(first[:12], "<i4").tolist() == [20240801, 7, 33 * 40]
+    assert len(first) == writer.header_bytes + 33 * 40 * np.dtype(dtype).itemsize
+    fmt = TokenFiles(
+        dtype=dtype,
+        sample_tokens=sample_tokens,
+        manifest="manifest.txt",
+        header_bytes=writer.header_bytes,
+        read_bytes=512,
+    )
+    in_order = list(ShardDataset(replicas, fmt, config=IN_ORDER))
+    whole = len(tokens) // sample_tokens  # the last file's partial sample is dropped
+    assert len(in_order) == whole
+    np.testing.assert_array_equal(
+        np.concatenate([s["tokens"] for s in in_order]), tokens[: whole * sample_tokens]
+    )
+    shuffled = list(ShardDataset(replicas, fmt, config=SHUFFLED))
+    assert [s["__index__"] for s in shuffled] != list(range(whole))
+    for s in shuffled:
+        i = s["__index__"]
+        np.testing.assert_array_equal(
+            s["tokens"], tokens[i * sample_tokens : (i + 1) * sample_tokens]
+        )
+
+
+def test_token_writer_llmc_uint16_header_and_bad_ids(tmp_path):
+    with TokenWriter(tmp_path / "ds", header="llmc") as writer:
+        writer.write(np.arange(10))
+        with pytest.raises(ValueError, match=r"within \[0, 65535\]"):
+            writer.write([1, 70_000])
+        with pytest.raises(ValueError, match="integer token ids"):
+            writer.write(np.zeros((2, 2), np.int32))
+    data = (tmp_path / "ds" / "tokens.00000.bin").read_bytes()
+    assert np.frombuffer(data[:12], "<i4").tolist() == [20240520, 1, 10]
+    assert np.frombuffer(data[1024:], "<u2").tolist() == list(range(10))
+
+
+# -- WebDataset --------------------------------------------------------------------------------
+
+
+def _wds_samples(n: int) -> list[dict]:
+    return [
+        {
+            "__key__": f"part{i % 2}/s{i:04d}",
+            "txt": f"caption {i} é",
+            "cls": i % 7,
+            "json": {"i": i},
+            "bin": bytes(range(i % 256)) * 3,
+        }
+        for i in range(n)
+    ]
+
+
+def _wds_expected(sample: dict) -> dict:
+    return {
+        "__key__": sample["__key__"],
+        "txt": sample["txt"].encode(),
+        "cls": str(sample["cls"]).encode(),
+        "json": json.dumps(sample["json"]).encode(),
+        "bin": sample["bin"],
+    }
+
+
+def test_webdataset_round_trips_on_two_replicas_and_upstream_reads_it(tmp_path):
+    samples = _wds_samples(95)
+    replicas = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with WebDatasetWriter(replicas, max_count=20, max_bytes=1 << 20) as writer:
+        for sample in samples:
+            writer.write(sample)
+    assert len(writer.shards) == 5  # 20 samples a shard
+    expected = [_wds_expected(s) for s in samples]
+    got = _by_index(ShardDataset(replicas, WebDataset(manifest="manifest.txt"), config=SHUFFLED))
+    assert len(got) == len(expected)
+    for g, want in zip(got, expected):
+        assert {k: g[k] for k in want} == want
+
+    import webdataset
+
+    urls = [str(tmp_path / "a" / key) for key in writer.shards]
+    upstream = list(webdataset.WebDataset(urls, shardshuffle=False))
+    assert [{k: s[k] for k in want} for s, want in zip(upstream, expected)] == expected
+    assert len(upstream) == len(expected)
+
+
+def test_webdataset_byte_limit_cuts_shards(tmp_path):
+    samples = [{"__key__": f"k{i}", "bin": bytes(3000)} for i in range(10)]
+    with WebDatasetWriter(tmp_path / "ds", max_bytes=16 * 1024) as writer:
+        for sample in samples:
+            writer.write(sample)
+    sizes = [(tmp_path / "ds" / k).stat().st_size for k in writer.shards]
+    assert len(sizes) > 2
+    assert all(size <= 20 * 1024 for size in sizes)  # the limit, plus tar's record padding
+    got = list(ShardDataset(str(tmp_path / "ds"), WebDataset(manifest="manifest.txt")))
+    assert sorted(s["__key__"] for s in got) == sorted(s["__key__"] for s in samples)
+
+
+def test_webdataset_writer_refuses_bad_keys(tmp_path):
+    with WebDatasetWriter(tmp_path / "ds") as writer:
+        with pytest.raises(ValueError, match="no dot"):
+            writer.write({"__key__": "a.b", "txt": "x"})
+        with pytest.raises(ValueError, match="no fields"):
+            writer.write({"__key__": "a"})
+        writer.write({"__key__": "a", "txt": "x"})
+        with pytest.raises(ValueError, match="repeats"):
+            writer.write({"__key__": "a", "txt": "y"})
+
+
+# -- stores, write-once, interruption ----------------------------------------------------------
+
+
+def test_writers_write_to_s3_and_read_back(s3_uri):
+    with TokenWriter(f"{s3_uri}/tok", file_tokens=100) as writer:
+        writer.write(np.arange(250))
+    got = list(
+        ShardDataset(
+            f"{s3_uri}/tok",
+            TokenFiles(sample_tokens=50, manifest="manifest.txt"),
+            config=IN_ORDER,
+        )
+    )
+    assert np.concatenate([s["tokens"] for s in got]).tolist() == list(range(250))
+    with MDSWriter(f"{s3_uri}/mds", columns={"x": "int"}, size_limit=64) as writer:
+        for i in range(30):
+            writer.write({"x": i})
+    assert [s["x"] for s in ShardDataset(f"{s3_uri}/mds", MDS(), config=IN_ORDER)] == list(
+        range(30)
+    )
+
+
+def test_a_dataset_is_written_once(tmp_path):
+    with MDSWriter(tmp_path / "ds", columns={"x": "int"}) as writer:
+        writer.write({"x": 1})
+    with pytest.raises(FileExistsError, match="index.json already exists"):
+        MDSWriter(tmp_path / "ds", columns={"x": "int"})
+    with pytest.raises(ValueError, match="closed"):
+        writer.write({"x": 2})
+
+
+def test_an_exception_in_the_block_leaves_no_dataset(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with TokenWriter(tmp_path / "ds", file_tokens=10) as writer:
+            writer.write(np.arange(35))  # three files written
+            assert len(writer.shards) == 3
+            raise RuntimeError("boom")
+    assert list((tmp_path / "ds").iterdir()) == []
+    with pytest.raises(ShardNotFoundError):
+        ShardDataset(str(tmp_path / "ds"), TokenFiles(sample_tokens=5, manifest="manifest.txt"))
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    from loaders import MDSWriter, WebDatasetWriter
+    root = sys.argv[1]
+    mds = MDSWriter(root + "/mds", columns={"x": "int"}, size_limit=64)
+    wds = WebDatasetWriter(root + "/wds", max_count=2)
+    for i in range(20):
+        mds.write({"x": i})
+        wds.write({"__key__": f"k{i}", "txt": "t"})
+    print(len(mds.shards), len(wds.shards), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_killed_writer_leaves_no_index(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == -9, proc.stderr
+    mds_shards, wds_shards = map(int, proc.stdout.split())
+    assert mds_shards > 1 and wds_shards > 1  # shards were on disk when it died
+    assert len(list((tmp_path / "mds").glob("shard.*"))) == mds_shards
+    assert not (tmp_path / "mds" / "index.json").exists()
+    assert not (tmp_path / "wds" / "manifest.txt").exists()
+    with pytest.raises(ShardNotFoundError, match="index.json"):
+        ShardDataset(str(tmp_path / "mds"), MDS())
+    with pytest.raises(ShardNotFoundError, match="manifest.txt"):
+        ShardDataset(str(tmp_path / "wds"), WebDataset(manifest="manifest.txt"))
+
+
+def test_an_aborted_writer_deletes_only_what_it_wrote(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tokens.00001.bin").write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError, match="tokens.00001.bin"):
+        with TokenWriter([tmp_path / "a", tmp_path / "b"], file_tokens=4) as writer:
+            writer.write(np.arange(12))  # the second file collides on replica b
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
+    assert (tmp_path / "b" / "tokens.00001.bin").read_bytes() == b"someone else's"
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["tokens.00001.bin"]
