@@ -201,16 +201,19 @@ class ShardCache:
         logger.warning(
             "shard cache entry %s is corrupt (%s): dropped, fetching again", path, problem
         )
-        with self._locked() as lock:
-            try:
+        try:
+            with self._locked() as lock:
                 st = os.stat(path)
                 if st.st_ino == unit.inode:
                     os.unlink(path)
                     total = _read_total(lock)
                     if total is not None:
                         _write_total(lock, max(0, total - st.st_size))
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.stats.add(errors=1)
+            logger.warning("shard cache %s: cannot drop %s: %s", self.directory, path, exc)
 
     # -- filling and eviction ---------------------------------------------------------------
 
