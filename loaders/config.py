@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ckptstore.store import HedgePolicy
@@ -112,6 +113,11 @@ class LoaderConfig:
     """Bytes of reads in flight plus read and not yet delivered, at most."""
     log_interval_s: float = 60.0
     """Log the metrics at INFO this often while iterating; 0 turns it off."""
+    cache_dir: str | os.PathLike | None = None
+    """Directory of a local cache of units read from remote replicas (see loaders/cache.py),
+    shared by workers and processes; None: no cache. Local replicas are never cached."""
+    cache_bytes: int | None = None
+    """Byte budget of ``cache_dir`` (entry files, least recently used evicted); needed with it."""
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -126,3 +132,5 @@ class LoaderConfig:
             raise ValueError(f"window_bytes must be >= 1, got {self.window_bytes}")
         if self.log_interval_s < 0:
             raise ValueError(f"log_interval_s must be >= 0, got {self.log_interval_s}")
+        if self.cache_dir is not None and (self.cache_bytes is None or self.cache_bytes < 1):
+            raise ValueError(f"cache_bytes must be >= 1 with cache_dir, got {self.cache_bytes}")

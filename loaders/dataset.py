@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ckptstore.store import Store
+from loaders.cache import open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
 from loaders.layout import Format, Unit, unit_samples
 from loaders.metrics import ConsumerStats
@@ -74,6 +75,9 @@ class ShardDataset(IterableDataset):
         self.format = format
         self.layout = format.open(self._replicas)
         self._missing = dict(self._replicas.missing)  # shards some replicas lack, found at open
+        self._cache = open_cache(
+            self.config.cache_dir, self.config.cache_bytes, self._replicas.uris
+        )
         self.units: Sequence[Unit] = self.layout.units
         self._unit_samples = unit_samples(self.units)
         self.num_samples = int(self._unit_samples.sum())
@@ -240,14 +244,21 @@ class ShardDataset(IterableDataset):
     def _fetch(self, unit_id: int) -> Any:
         unit = self.units[unit_id]
         decode = self.layout.decode
-        data = self.replicas.read(
-            unit.key,
-            unit.start,
-            unit.end,
-            size_hint=unit.nbytes,
-            decode=lambda raw, replica: decode(unit, raw, replica),
-            view=self.layout.reads_views,
-        )
+
+        def fetch(post: Callable[[Any, str], Any]) -> Any:
+            return self.replicas.read(
+                unit.key,
+                unit.start,
+                unit.end,
+                size_hint=unit.nbytes,
+                decode=post,
+                view=self.layout.reads_views,
+            )
+
+        if self._cache is None:
+            data = fetch(lambda raw, replica: decode(unit, raw, replica))
+        else:
+            data = read_unit(self._cache, unit, fetch, decode)
         self.stats.bytes_read += unit.nbytes
         return data
 
@@ -408,7 +419,8 @@ class ShardDataset(IterableDataset):
 
     def metrics(self) -> dict[str, Any]:
         """Consumer wait and window figures, and per-replica request figures, of this process."""
-        return {"consumer": self.stats.as_dict(), **self.replicas.metrics()}
+        cache = {} if self._cache is None else {"cache": self._cache.metrics()}
+        return {"consumer": self.stats.as_dict(), **self.replicas.metrics(), **cache}
 
 
 class StatefulLoader:
