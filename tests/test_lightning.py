@@ -22,6 +22,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from ckptstore import (  # noqa: E402
     Checkpointer,
     CheckpointNotFoundError,
+    Faults,
+    RetryPolicy,
     StepExistsError,
     Store,
     UnsupportedStateError,
@@ -180,6 +182,21 @@ def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_p
     for step, checkpoint in kept.items():
         _assert_identical(reopened.load_checkpoint(f"{uri}/epoch=0-step={step}.ckpt"), checkpoint)
     reopened.close()
+
+
+def test_teardown_raises_a_failed_background_save(tmp_path):
+    uri = str(tmp_path / "store")
+    failing = Store(
+        uri,
+        faults=Faults(error_rate=1.0, ops=frozenset({"put"})),
+        retry=RetryPolicy(attempts=2, base_delay_s=0.01),
+    )
+    io = CkptstoreCheckpointIO(uri, store=failing)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, f"{uri}/a.ckpt")
+    with pytest.raises(Exception, match="injected"):
+        io.teardown()
+    assert list_steps(Store(uri)) == []
+    io.close()
 
 
 class Mode(enum.Enum):
