@@ -1,0 +1,1 @@
+"""Adapters that plug ckptstore into training frameworks (each imports its framework itself)."""

@@ -1,0 +1,127 @@
+"""Values a ckptstore state cannot represent, kept as pickled blobs beside their tensors.
+
+``ckptstore.state`` saves tensors, numbers, strings, bytes and containers of them, and never
+pickles. Framework checkpoints (Lightning's hyper-parameters, callbacks' state) may hold other
+objects: enums, dataclasses, paths. ``wrap`` replaces each such value by a marker::
+
+    {"__ckptstore_pickled__": <pickle bytes>, "tensors": [<tensor>, ...]}
+
+where every tensor inside the value is pulled out of the pickle (a persistent id) and saved as a
+state tensor: chunked, deduplicated and verified like any other. ``unwrap`` rebuilds the values.
+Unpickling runs code named in the blob, so by default (``weights_only=True``) only globals that
+torch itself treats as safe are resolved (``torch.serialization.add_safe_globals`` adds more);
+``weights_only=False`` resolves any, for checkpoints from a trusted source.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptstore.errors import UnsupportedStateError
+
+MARKER = "__ckptstore_pickled__"
+
+_PLAIN = (type(None), bool, int, float, str, bytes, bytearray)  # exact types: an IntEnum is pickled
+_SAFE_BUILTINS = {
+    ("builtins", name) for name in ("set", "frozenset", "complex", "slice", "range", "bytearray")
+} | {("collections", "OrderedDict"), ("collections", "defaultdict"), ("pathlib", "PosixPath")}
+
+
+def wrap(value: Any) -> Any:
+    """``value`` with every part ``ckptstore.state`` refuses replaced by a pickled marker."""
+    if isinstance(value, (torch.Tensor, np.generic)) or type(value) in _PLAIN:
+        return value
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        return value
+    if isinstance(value, dict) and all(_plain_key(k) for k in value):
+        return {k: wrap(v) for k, v in value.items()}
+    if type(value) is list:
+        return [wrap(v) for v in value]
+    if type(value) is tuple:
+        return tuple(wrap(v) for v in value)
+    return _pickle(value)
+
+
+def unwrap(value: Any, *, weights_only: bool) -> Any:
+    """The values ``wrap`` pickled, rebuilt around their loaded tensors."""
+    if isinstance(value, dict):
+        if MARKER in value and set(value) == {MARKER, "tensors"}:
+            return _unpickle(value[MARKER], value["tensors"], weights_only=weights_only)
+        return {k: unwrap(v, weights_only=weights_only) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unwrap(v, weights_only=weights_only) for v in value]
+    if isinstance(value, tuple):
+        return tuple(unwrap(v, weights_only=weights_only) for v in value)
+    return value
+
+
+def _plain_key(key: Any) -> bool:
+    if isinstance(key, str):
+        return not key.startswith("$") and key != MARKER
+    return key is None or type(key) in (bool, int) or (type(key) is float and math.isfinite(key))
+
+
+class _TensorPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj.detach())
+            return len(self.tensors) - 1
+        return None
+
+
+def _pickle(value: Any) -> dict:
+    buffer = io.BytesIO()
+    pickler = _TensorPickler(buffer)
+    try:
+        pickler.dump(value)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise UnsupportedStateError(
+            f"cannot save a value of type {type(value).__qualname__}: it is neither a state "
+            f"value nor picklable ({exc})"
+        ) from exc
+    return {MARKER: buffer.getvalue(), "tensors": pickler.tensors}
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, tensors: list, *, weights_only: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self.tensors = tensors
+        self.weights_only = weights_only
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self.tensors[pid]
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.weights_only and (module, name) not in _SAFE_BUILTINS:
+            if (module, name) not in _torch_safe_globals():
+                raise UnsupportedStateError(
+                    f"the checkpoint holds a pickled {module}.{name}, which weights_only=True "
+                    "does not load: pass weights_only=False (trusted checkpoints only) or "
+                    f"torch.serialization.add_safe_globals([{name}])"
+                )
+        return super().find_class(module, name)
+
+
+def _torch_safe_globals() -> set[tuple[str, str]]:
+    safe = set()
+    for entry in torch.serialization.get_safe_globals():
+        obj, qualname = entry if isinstance(entry, tuple) else (entry, None)
+        module, _, name = (qualname or "").rpartition(".")
+        if qualname is None:
+            module, name = obj.__module__, obj.__qualname__
+        safe.add((module, name))
+    return safe
+
+
+def _unpickle(data: bytes, tensors: list, *, weights_only: bool) -> Any:
+    return _TensorUnpickler(bytes(data), list(tensors), weights_only=weights_only).load()

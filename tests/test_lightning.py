@@ -1,0 +1,295 @@
+"""ckptstore.integrations.lightning with the real Lightning Trainer and ModelCheckpoint."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+from ckptstore import (  # noqa: E402
+    Checkpointer,
+    CheckpointNotFoundError,
+    Faults,
+    RetryPolicy,
+    StepExistsError,
+    Store,
+    UnsupportedStateError,
+)
+from ckptstore.format import list_steps  # noqa: E402
+from ckptstore.integrations._pickled import MARKER, wrap  # noqa: E402
+from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TinyModel(L.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(width, 1)
+        # Never trained: its chunks are the same in every step (deduplicated, shared).
+        self.register_buffer("frozen", torch.randn(256 * 1024 // 4))
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _loader(width: int = 8) -> torch.utils.data.DataLoader:
+    data = torch.utils.data.TensorDataset(torch.randn(64, width, generator=torch.Generator()))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _trainer(io, dirpath: str, *, max_steps: int, callbacks=(), **checkpoint) -> L.Trainer:
+    every = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, **checkpoint)
+    return L.Trainer(
+        max_steps=max_steps,
+        plugins=[io],
+        callbacks=[every, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+
+
+def _snapshot(trainer: L.Trainer) -> dict:
+    return {
+        "model": copy.deepcopy(trainer.lightning_module.state_dict()),
+        "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+        "global_step": trainer.global_step,
+    }
+
+
+class Capture(Callback):
+    """The model and optimizer state after step ``at`` (0: when training starts)."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self.state: dict | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.at == 0:
+            self.state = _snapshot(trainer)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.at and trainer.global_step == self.at:
+            self.state = _snapshot(trainer)
+
+
+def _assert_identical(actual, expected, path: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert torch.equal(_bytes(actual), _bytes(expected)), path
+    elif isinstance(expected, dict):
+        assert sorted(map(str, actual)) == sorted(map(str, expected)), path
+        for key in expected:
+            _assert_identical(actual[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_identical(a, e, f"{path}/{i}")
+    else:
+        assert actual == expected, path
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path):
+    if request.param == "s3":
+        return request.getfixturevalue("s3_uri")
+    return str(tmp_path / "store")
+
+
+def test_fit_saves_steps_and_resume_restores_them_bit_for_bit(uri):
+    io = CkptstoreCheckpointIO(uri)
+    at_six = Capture(at=6)
+    _trainer(io, uri, max_steps=6, callbacks=[at_six], save_top_k=-1).fit(TinyModel(), _loader())
+    saved = io.steps()
+    assert list(saved) == [2, 4, 6]
+    assert saved[6] == f"{uri}/epoch=0-step=6.ckpt"
+
+    resumed = CkptstoreCheckpointIO(uri)
+    at_start = Capture()
+    trainer = _trainer(resumed, uri, max_steps=8, callbacks=[at_start], save_top_k=-1)
+    trainer.fit(TinyModel(), _loader(), ckpt_path=saved[6])
+    _assert_identical(at_start.state, at_six.state)
+    assert list(resumed.steps()) == [2, 4, 6, 8]
+
+    by_step = resumed.load_checkpoint(6)
+    assert resumed.load_checkpoint("latest")["global_step"] == 8
+    _assert_identical(by_step["state_dict"], at_six.state["model"])
+    _assert_identical(by_step["optimizer_states"][0], at_six.state["optimizer"])
+    resumed.close()
+
+
+def test_a_step_is_named_by_every_path_saved_at_it_and_never_rewritten(tmp_path):
+    uri = str(tmp_path / "store")
+    io = CkptstoreCheckpointIO(uri)
+    _trainer(io, uri, max_steps=4, save_top_k=1, save_last=True).fit(TinyModel(), _loader())
+    # save_top_k=1 removed step 2; last.ckpt names step 4 as its top-k file does.
+    assert list(io.steps()) == [4]
+    last = io.load_checkpoint(f"{uri}/last.ckpt")
+    assert last["global_step"] == 4
+    io.remove_checkpoint(f"{uri}/last.ckpt")
+    assert list(io.steps()) == [4], "epoch=0-step=4.ckpt still names step 4"
+
+    again = CkptstoreCheckpointIO(uri)
+    with pytest.raises(StepExistsError, match="step 4 is already committed"):
+        again.save_checkpoint({"global_step": 4}, f"{uri}/other.ckpt")
+    with pytest.raises(CheckpointNotFoundError, match="no step .* was saved as .*missing.ckpt"):
+        again.load_checkpoint(f"{uri}/missing.ckpt")
+    io.close()
+    again.close()
+
+
+def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_path):
+    uri = str(tmp_path / "store")
+    io = CkptstoreCheckpointIO(uri, chunk_bytes=64 * 1024)
+    _trainer(io, uri, max_steps=6, save_top_k=-1).fit(TinyModel(), _loader())
+    chunks_before = set(io.checkpointer.store.list("chunks"))
+    kept = {s: io.load_checkpoint(s) for s in (2, 6)}
+
+    io.remove_checkpoint(f"{uri}/epoch=0-step=4.ckpt")
+    assert list_steps(io.checkpointer.store) == [2, 6]
+    io.teardown()  # waits for the chunk sweep
+    chunks_after = set(io.checkpointer.store.list("chunks"))
+    assert chunks_after < chunks_before, "step 4's own chunks are swept"
+    io.close()
+
+    Checkpointer(uri).verify("all")
+    reopened = CkptstoreCheckpointIO(uri)
+    for step, checkpoint in kept.items():
+        _assert_identical(reopened.load_checkpoint(f"{uri}/epoch=0-step={step}.ckpt"), checkpoint)
+    reopened.close()
+
+
+def test_teardown_raises_a_failed_background_save(tmp_path):
+    uri = str(tmp_path / "store")
+    failing = Store(
+        uri,
+        faults=Faults(error_rate=1.0, ops=frozenset({"put"})),
+        retry=RetryPolicy(attempts=2, base_delay_s=0.01),
+    )
+    io = CkptstoreCheckpointIO(uri, store=failing)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, f"{uri}/a.ckpt")
+    with pytest.raises(Exception, match="injected"):
+        io.teardown()
+    assert list_steps(Store(uri)) == []
+    io.close()
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@dataclasses.dataclass
+class Config:
+    mode: Mode
+    scale: torch.Tensor
+    root: Path
+
+
+def test_values_the_state_refuses_are_pickled_beside_verified_tensors(tmp_path):
+    uri = str(tmp_path / "store")
+    config = Config(Mode.FAST, torch.arange(6.0), Path("/data"))
+    checkpoint = {"global_step": 3, "hyper_parameters": {"config": config, "modes": {Mode.FAST: 1}}}
+    io = CkptstoreCheckpointIO(uri)
+    io.save_checkpoint(checkpoint, f"{uri}/manual.ckpt")
+    io.teardown()
+
+    with pytest.raises(UnsupportedStateError, match=r"pickled .*Config.*weights_only=False"):
+        io.load_checkpoint(3)
+    loaded = io.load_checkpoint(3, weights_only=False)["hyper_parameters"]
+    assert loaded["modes"] == {Mode.FAST: 1}
+    assert loaded["config"].mode is Mode.FAST and loaded["config"].root == Path("/data")
+    assert torch.equal(loaded["config"].scale, config.scale)
+    with torch.serialization.safe_globals([Config, Mode]):
+        assert io.load_checkpoint(3)["hyper_parameters"]["config"].mode is Mode.FAST
+    io.close()
+    # The tensor inside the dataclass is saved as a state tensor, not as bytes of the pickle.
+    marker = wrap(config)
+    assert torch.equal(marker["tensors"][0], config.scale)
+    assert config.scale.numpy().tobytes() not in marker[MARKER]
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_lightning import CkptstoreCheckpointIO, TinyModel, _loader, _trainer
+io = CkptstoreCheckpointIO({uri!r})
+_trainer(io, {uri!r}, max_steps=100_000, save_top_k=-1).fit(TinyModel(), _loader())
+"""
+
+
+def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
+    uri = str(tmp_path / "store")
+    script = CHILD.format(tests=str(ROOT / "tests"), uri=uri)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "child.log"
+    store = Store(uri)
+    with open(log, "wb") as out:
+        child = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=out)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list_steps(store)) < 2:
+            assert child.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "no step committed within 120 s"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    steps = list_steps(store)
+    assert steps and all(s % 2 == 0 for s in steps)
+    Checkpointer(uri).verify("all")
+    io = CkptstoreCheckpointIO(uri)
+    for step in steps:
+        assert io.load_checkpoint(step)["global_step"] == step
+    io.close()
+
+
+def test_importing_ckptstore_does_not_import_lightning_and_a_missing_lightning_is_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    quiet = subprocess.run(
+        [sys.executable, "-c", "import ckptstore, sys; print('lightning' in sys.modules)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert quiet.stdout.strip() == "False", quiet.stderr
+    blocked = (
+        "import sys\n"
+        "sys.modules.update(lightning=None, lightning_fabric=None)\n"
+        "import ckptstore.integrations.lightning\n"
+    )
+    missing = subprocess.run(
+        [sys.executable, "-c", blocked], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines()[-1] == (
+        "ImportError: ckptstore.integrations.lightning needs Lightning: pip install lightning"
+    )
