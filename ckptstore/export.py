@@ -192,7 +192,7 @@ def export_safetensors(
     dtype: str | torch.dtype | None = None,
     rank: int = 0,
     overwrite: bool = False,
-    read_batch_bytes: int = 128 * 2**20,
+    read_batch_bytes: int = 64 * 2**20,
     read_concurrency: int = 4,
     storage_options: dict[str, Any] | None = None,
     timeout_s: float = 30.0,
