@@ -1,0 +1,574 @@
+"""Export a committed step as Hugging Face safetensors, streamed.
+
+The output is the layout ``transformers`` loads: ``model.safetensors`` when everything fits in
+one shard of ``max_shard_size``, else ``model-00001-of-0000N.safetensors`` ... plus
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``). Tensors are named by
+their dotted state paths (``model.layers.0.weight``): a Checkpointer step's tree paths joined
+with ``.``, a DCP step's fqns as DCP flattened them.
+
+Memory is bounded: tensors are read in batches of at most ``min(read_batch_bytes,
+max_shard_size)`` bytes (a larger tensor is a batch of its own), each batch assembled from its
+chunks (fetched, decoded and hash-verified by ``pipeline.read_tensors``; the shards of a DCP
+tensor from every rank's index), written to the shard file, and dropped. Every shard's header is
+known up front, so it is written first and the tensors streamed after it.
+
+Each file is written under a temporary name; only when every shard is complete are they moved
+into place, the index last. A failed export leaves no final file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import struct
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptstore._inspect import rebuild_tree
+from ckptstore.engine import open_store
+from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
+from ckptstore.format import (
+    KIND_DCP,
+    KIND_STATE,
+    ChunkInfo,
+    Manifest,
+    RankIndex,
+    TensorEntry,
+    load_manifest,
+    load_rank_index,
+    resolve_step,
+)
+from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
+from ckptstore.store import Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ExportResult", "export_safetensors", "parse_size"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+# torch dtype -> safetensors dtype code
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+_CAST_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_safetensors` wrote."""
+
+    out_dir: str
+    step: int
+    kind: str  # "state" (Checkpointer) or "dcp"
+    files: list[str]  # shard file names, in order
+    index_file: str | None  # model.safetensors.index.json, or None for a single file
+    tensors: int
+    total_bytes: int  # tensor bytes written (the index's metadata.total_size)
+    skipped: list[str] = field(default_factory=list)  # non-tensor values left out, by name
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "out_dir": self.out_dir,
+            "step": self.step,
+            "kind": self.kind,
+            "files": self.files,
+            "index_file": self.index_file,
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "skipped": self.skipped,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class _Piece:
+    """Stored tensor ``tensor`` of rank ``rank``: the block at ``offsets`` of an output tensor."""
+
+    rank: int
+    tensor: int
+    offsets: list[int]
+    shape: list[int]
+
+
+@dataclass
+class _Item:
+    """One output tensor and the stored pieces it is assembled from."""
+
+    name: str
+    dtype: torch.dtype  # as stored
+    out_dtype: torch.dtype  # as written
+    shape: list[int]
+    pieces: list[_Piece]
+
+    @property
+    def out_bytes(self) -> int:
+        return math.prod(self.shape) * self.out_dtype.itemsize
+
+    @property
+    def read_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB`` (10^9, as Hugging Face), ``500MiB`` (2^20), or a number of bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"bad max_shard_size {size!r}: expected e.g. 5GB, 500MiB or 1048576")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"bad max_shard_size {size!r}: must be at least 1 byte")
+    return value
+
+
+def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and dtype not in _CAST_DTYPES.values():
+            raise ValueError(f"bad dtype {dtype}: expected one of {', '.join(_CAST_DTYPES)}")
+        return dtype
+    cast = _CAST_DTYPES.get(str(dtype).removeprefix("torch.").lower())
+    if cast is None:
+        raise ValueError(f"bad dtype {dtype!r}: expected one of {', '.join(_CAST_DTYPES)}")
+    return cast
+
+
+def export_safetensors(
+    uri: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | str = "latest",
+    max_shard_size: int | str = "5GB",
+    only: str | None = None,
+    strip_prefix: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    rank: int = 0,
+    overwrite: bool = False,
+    read_batch_bytes: int = 64 * 2**20,
+    read_concurrency: int = 4,
+    storage_options: dict[str, Any] | None = None,
+    timeout_s: float = 30.0,
+) -> ExportResult:
+    """Write a committed step to OUT_DIR as Hugging Face safetensors (sharded like
+    ``save_pretrained``), reading and hash-verifying every chunk on the way.
+
+    Args:
+        uri: the store (``path``, ``file://``, ``memory://``, ``s3://bucket/prefix``).
+        out_dir: a local directory; created if missing, refused if not empty (see
+            ``overwrite``).
+        step: the step to export, or ``"latest"``.
+        max_shard_size: the largest shard, e.g. ``5GB`` (the default, 10^9 bytes as Hugging
+            Face counts) or ``500MiB``; a tensor larger than it gets a shard of its own. All
+            in one shard: a single ``model.safetensors`` and no index.
+        only: export only the tensors whose name starts with this prefix (``model.``).
+        strip_prefix: removed from the front of every exported name. Default: ``only`` (so
+            ``only="model."`` writes ``layers.0.weight``); ``""`` keeps the names whole.
+        dtype: cast floating-point tensors to this dtype (``bfloat16``, ``float16``,
+            ``float32``, ``float64``); integer and bool tensors keep theirs.
+        rank: which rank's state to export from a Checkpointer step saved by several ranks
+            (DCP steps are always assembled from every rank).
+        overwrite: allow a non-empty OUT_DIR; model shards and an index of an earlier export
+            there that this one does not rewrite are removed once it has succeeded.
+        read_batch_bytes: tensors are assembled in memory at most this many bytes at a time
+            (never more than ``max_shard_size``, except for one larger tensor).
+        read_concurrency: chunks fetched and decoded at once.
+        storage_options: fsspec options of the store.
+        timeout_s: the deadline of each storage request.
+
+    Values that are not tensors (step counters, strings, pickled DCP objects) are skipped and
+    listed in ``ExportResult.skipped``.
+    """
+    max_bytes = parse_size(max_shard_size)
+    cast = _cast_dtype(dtype)
+    if read_batch_bytes < 1 or read_concurrency < 1:
+        raise ValueError("read_batch_bytes and read_concurrency must be >= 1")
+    out = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out} exists and is not a directory")
+    if not overwrite and os.path.isdir(out) and os.listdir(out):
+        raise ValueError(f"{out} is not empty (pass overwrite=True to export into it anyway)")
+
+    store = open_store(
+        uri, storage_options=storage_options, timeout_s=timeout_s, max_concurrency=read_concurrency
+    )
+    manifest = load_manifest(store, resolve_step(store, step))
+    indexes = _Indexes(store, manifest)
+    if manifest.kind == KIND_STATE:
+        named, skipped = _state_tensors(indexes, rank)
+    elif manifest.kind == KIND_DCP:
+        named, skipped = _dcp_tensors(store, indexes)
+    else:
+        raise CheckpointCorruptError(
+            f"step {manifest.step}: unknown checkpoint kind {manifest.kind!r}"
+        )
+    items = _select(named, only, only if strip_prefix is None else strip_prefix, cast)
+    skipped = [name for name in skipped if only is None or name.startswith(only)]
+    if not items:
+        available = ", ".join(sorted(name for name, *_ in named)[:5]) or "none"
+        raise ValueError(
+            f"no tensor of step {manifest.step} in {store.uri} matches only={only!r} "
+            f"(names start like: {available})"
+        )
+    shards = _split(items, max_bytes)
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    notes = []
+    if manifest.kind == KIND_STATE and manifest.world_size > 1:
+        notes.append(f"step saved by {manifest.world_size} ranks: exported rank {rank}'s state")
+    if skipped:
+        notes.append(f"{len(skipped)} non-tensor value(s) skipped")
+    cfg = PipelineConfig(read_concurrency=read_concurrency)
+    batch_bytes = min(read_batch_bytes, max_bytes)
+
+    os.makedirs(out, exist_ok=True)
+    temporaries: list[str] = []
+    try:
+        for name, shard in zip(names, shards):
+            temporaries.append(_temporary(out, name))
+            _write_shard(temporaries[-1], shard, indexes, cfg, batch_bytes)
+            logger.info("export of step %d: %s written", manifest.step, name)
+        index_doc = None
+        if len(shards) > 1:
+            weight_map = {item.name: name for name, shard in zip(names, shards) for item in shard}
+            index_doc = {
+                "metadata": {"total_size": sum(i.out_bytes for i in items)},
+                "weight_map": weight_map,
+            }
+            temporaries.append(_temporary(out, INDEX_FILE))
+            _write_file(temporaries[-1], json.dumps(index_doc, indent=2).encode() + b"\n")
+        # Every file is complete: move them into place, the index last.
+        finals = [*names, INDEX_FILE] if index_doc is not None else names
+        for temporary, name in zip(temporaries, finals):
+            os.replace(temporary, os.path.join(out, name))
+        temporaries = []
+        _fsync_dir(out)
+    finally:
+        for temporary in temporaries:
+            _remove(temporary)
+    if overwrite:
+        _remove_stale(out, keep=set(finals))
+    return ExportResult(
+        out_dir=out,
+        step=manifest.step,
+        kind=manifest.kind,
+        files=names,
+        index_file=INDEX_FILE if index_doc is not None else None,
+        tensors=len(items),
+        total_bytes=sum(i.out_bytes for i in items),
+        skipped=skipped,
+        notes=notes,
+    )
+
+
+# -- what to export ------------------------------------------------------------------------------
+
+
+class _Indexes:
+    """The rank indexes of a step, each loaded (and checked) once, when first needed."""
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._loaded: dict[int, RankIndex] = {}
+
+    def __getitem__(self, rank: int) -> RankIndex:
+        if rank not in self._loaded:
+            self._loaded[rank] = load_rank_index(self.store, self.manifest, rank)
+        return self._loaded[rank]
+
+
+class _TensorRef:
+    """Stands for stored tensor ``i`` while a state tree is rebuilt without its bytes."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def numpy(self) -> _TensorRef:  # a numpy leaf ($np) is exported like a tensor
+        return self
+
+
+class _Refs(dict):
+    def __missing__(self, i: int) -> _TensorRef:
+        return _TensorRef(i)
+
+
+_Named = tuple[str, torch.dtype, list[int], list[_Piece]]
+
+
+def _state_tensors(indexes: _Indexes, rank: int) -> tuple[list[_Named], list[str]]:
+    """The tensors of a Checkpointer step's rank, named by their dotted tree paths."""
+    index = indexes[rank]
+    named: list[_Named] = []
+    skipped: list[str] = []
+    for path, value in _leaves(rebuild_tree(index.tree, _Refs()), ()):
+        name = ".".join(map(str, path)) or "<root>"
+        if not isinstance(value, _TensorRef):
+            skipped.append(name)
+            continue
+        if not 0 <= value.i < len(index.tensors):
+            raise CheckpointCorruptError(f"rank {rank}: the tree references tensor {value.i}")
+        entry = index.tensors[value.i]
+        piece = _Piece(rank, value.i, [0] * len(entry.shape), list(entry.shape))
+        named.append((name, parse_dtype(entry.dtype), list(entry.shape), [piece]))
+    return named, skipped
+
+
+def _leaves(node: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _leaves(value, (*path, i))
+    else:
+        yield path, node
+
+
+def _dcp_tensors(store: Store, indexes: _Indexes) -> tuple[list[_Named], list[str]]:
+    """The tensors of a DCP step, whole: each the union of its shards, wherever they are."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    from ckptstore.dcp import StoreReader, storage_key
+
+    manifest = indexes.manifest
+    metadata = StoreReader(store.uri, step=manifest.step, store=store).read_metadata()
+    locations = metadata.storage_data
+    if not isinstance(locations, dict):
+        raise CheckpointCorruptError(f"DCP metadata of step {manifest.step} has no storage_data")
+    named: list[_Named] = []
+    skipped: list[str] = []
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            skipped.append(fqn)
+            continue
+        pieces = []
+        for chunk in meta.chunks:
+            where = MetadataIndex(fqn, chunk.offsets)
+            try:
+                rank, tensor = locations[where]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointCorruptError(
+                    f"DCP item {storage_key(where)!r} of step {manifest.step} has no location"
+                ) from exc
+            held = indexes[rank].items or {}
+            if held.get(storage_key(where)) != tensor:
+                raise CheckpointCorruptError(
+                    f"DCP item {storage_key(where)!r}: the index of rank {rank} does not hold it"
+                )
+            pieces.append(_Piece(rank, tensor, list(chunk.offsets), list(chunk.sizes)))
+        named.append((fqn, meta.properties.dtype, list(meta.size), pieces))
+    return named, skipped
+
+
+def _select(
+    named: list[_Named], only: str | None, strip: str | None, cast: torch.dtype | None
+) -> list[_Item]:
+    items = []
+    seen: dict[str, str] = {}
+    for name, dtype, shape, pieces in named:
+        if only is not None and not name.startswith(only):
+            continue
+        out_name = name[len(strip) :] if strip and name.startswith(strip) else name
+        if out_name in seen:
+            raise ValueError(f"tensors {seen[out_name]!r} and {name!r} both export as {out_name!r}")
+        seen[out_name] = name
+        out_dtype = cast if cast is not None and dtype.is_floating_point else dtype
+        if out_dtype not in _ST_DTYPES:
+            raise UnsupportedStateError(
+                f"tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, which "
+                "safetensors cannot store (leave it out with only=, or cast it with dtype=)"
+            )
+        items.append(_Item(out_name, dtype, out_dtype, shape, pieces))
+    return items
+
+
+def _split(items: list[_Item], max_bytes: int) -> list[list[_Item]]:
+    """Consecutive items in shards of at most ``max_bytes`` (a larger item alone), as
+    Hugging Face shards a state dict."""
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for item in items:
+        if shards[-1] and size + item.out_bytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.out_bytes
+    return shards
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def _header(shard: list[_Item]) -> bytes:
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for item in shard:
+        doc[item.name] = {
+            "dtype": _ST_DTYPES[item.out_dtype],
+            "shape": item.shape,
+            "data_offsets": [offset, offset + item.out_bytes],
+        }
+        offset += item.out_bytes
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)  # tensor data starts 8-byte aligned, as safetensors writes
+    return struct.pack("<Q", len(body)) + body
+
+
+def _batches(shard: list[_Item], budget: int) -> Iterator[list[_Item]]:
+    batch: list[_Item] = []
+    size = 0
+    for item in shard:
+        if batch and size + item.read_bytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item.read_bytes
+    if batch:
+        yield batch
+
+
+def _write_shard(
+    path: str, shard: list[_Item], indexes: _Indexes, cfg: PipelineConfig, batch_bytes: int
+) -> None:
+    header = _header(shard)
+    with open(path, "xb") as f:
+        f.write(header)
+        for batch in _batches(shard, batch_bytes):
+            for item, tensor in zip(batch, _assemble(batch, indexes, cfg)):
+                out = tensor if tensor.dtype == item.out_dtype else tensor.to(item.out_dtype)
+                if out.numel():
+                    f.write(out.reshape(-1).view(torch.uint8).numpy().data)
+                del out, tensor
+            release_free_memory()
+        expected = len(header) + sum(item.out_bytes for item in shard)
+        assert f.tell() == expected, f"{path}: wrote {f.tell()} bytes, expected {expected}"
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _assemble(batch: list[_Item], indexes: _Indexes, cfg: PipelineConfig) -> list[torch.Tensor]:
+    """The whole tensors of ``batch``, each piece read into its block (chunks verified)."""
+    merged = RankIndex(rank=-1, tensors=[], chunks={})
+    wanted: dict[int, torch.Tensor | None] = {}
+    fulls = []
+    for item in batch:
+        full = torch.empty(item.shape, dtype=item.dtype)
+        fulls.append(full)
+        covered = 0
+        for piece in item.pieces:
+            index = indexes[piece.rank]
+            entry = _entry(index, piece, item)
+            block = full
+            for dim, (start, length) in enumerate(zip(piece.offsets, piece.shape)):
+                block = block.narrow(dim, start, length)
+            wanted[len(merged.tensors)] = block
+            merged.tensors.append(entry)
+            for seg in entry.segments:
+                info = index.chunks.get(seg.chunk)
+                if info is not None:
+                    merged.chunks.setdefault(seg.chunk, ChunkInfo(info.raw, info.stored))
+            covered += math.prod(piece.shape)
+        if covered != full.numel():
+            raise CheckpointCorruptError(
+                f"tensor {item.name!r}: its stored pieces hold {covered} of {full.numel()} elements"
+            )
+    read_tensors(indexes.store, merged, wanted, cfg)
+    return fulls
+
+
+def _entry(index: RankIndex, piece: _Piece, item: _Item) -> TensorEntry:
+    if not 0 <= piece.tensor < len(index.tensors):
+        raise CheckpointCorruptError(f"rank {piece.rank} has no tensor {piece.tensor}")
+    entry = index.tensors[piece.tensor]
+    if parse_dtype(entry.dtype) != item.dtype or list(entry.shape) != piece.shape:
+        raise CheckpointCorruptError(
+            f"tensor {item.name!r}: rank {piece.rank} stores {entry.dtype} {entry.shape}, "
+            f"expected {str(item.dtype).removeprefix('torch.')} {piece.shape}"
+        )
+    return entry
+
+
+def _temporary(out: str, name: str) -> str:
+    return os.path.join(out, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_stale(out: str, *, keep: set[str]) -> None:
+    """Model files of an earlier export in ``out`` that this one did not rewrite."""
+    for name in os.listdir(out):
+        if name in keep:
+            continue
+        if name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name):
+            _remove(os.path.join(out, name))
