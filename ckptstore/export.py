@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ckptstore._inspect import rebuild_tree
+from ckptstore.catalog import load_manifest, load_rank_index, resolve_step
 from ckptstore.engine import open_store
 from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
 from ckptstore.format import (
@@ -41,11 +41,9 @@ from ckptstore.format import (
     Manifest,
     RankIndex,
     TensorEntry,
-    load_manifest,
-    load_rank_index,
-    resolve_step,
 )
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
+from ckptstore.state import to_plain
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -351,7 +349,7 @@ def _state_tensors(indexes: _Indexes, rank: int) -> tuple[list[_Named], list[str
     index = indexes[rank]
     named: list[_Named] = []
     skipped: list[str] = []
-    for path, value in _leaves(rebuild_tree(index.tree, _Refs()), ()):
+    for path, value in _leaves(to_plain(index.tree, _Refs()), ()):
         name = ".".join(map(str, path)) or "<root>"
         if not isinstance(value, _TensorRef):
             skipped.append(name)

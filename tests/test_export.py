@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckptstore import Checkpointer
+from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreWriter
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -25,7 +26,7 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.export import export_safetensors, parse_size
-from ckptstore.format import chunk_key, load_manifest, load_rank_index
+from ckptstore.format import chunk_key
 from ckptstore.store import Store
 
 MiB = 2**20

@@ -22,15 +22,15 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from ckptstore import (  # noqa: E402
     Checkpointer,
     CheckpointNotFoundError,
-    Faults,
     RetryPolicy,
     StepExistsError,
     Store,
     UnsupportedStateError,
 )
-from ckptstore.format import list_steps  # noqa: E402
+from ckptstore.catalog import list_steps  # noqa: E402
 from ckptstore.integrations._pickled import MARKER, wrap  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
+from ckptstore.testing.faults import Faults, with_faults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,10 +186,9 @@ def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_p
 
 def test_teardown_raises_a_failed_background_save(tmp_path):
     uri = str(tmp_path / "store")
-    failing = Store(
-        uri,
-        faults=Faults(error_rate=1.0, ops=frozenset({"put"})),
-        retry=RetryPolicy(attempts=2, base_delay_s=0.01),
+    failing = with_faults(
+        Store(uri, retry=RetryPolicy(attempts=2, base_delay_s=0.01)),
+        Faults(error_rate=1.0, ops=frozenset({"put"})),
     )
     io = CkptstoreCheckpointIO(uri, store=failing)
     io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, f"{uri}/a.ckpt")

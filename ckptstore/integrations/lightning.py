@@ -44,9 +44,10 @@ except ImportError:
 import torch
 import torch.distributed as dist
 
+from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.checkpointer import Checkpointer, SaveHandle
 from ckptstore.errors import CheckpointNotFoundError, StepExistsError
-from ckptstore.format import commit_key, list_steps, load_manifest
+from ckptstore.format import commit_key
 from ckptstore.integrations._pickled import unwrap, wrap
 from ckptstore.retention import collect
 
