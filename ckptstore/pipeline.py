@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ckptstore import telemetry
 from ckptstore.codec import CodecConfig, decode, encode_parts, hash_bytes
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -274,6 +275,8 @@ def put_chunk(
     try:
         store.put(key, parts, hedged=hedged)
         stored = sum(map(len, parts))
+        telemetry.bytes_total.inc(len(raw), kind="raw")
+        telemetry.bytes_total.inc(stored, kind="stored")
     except ObjectExistsError:  # another rank or save wrote the same content first
         stored = store.size(key)
     if governor is not None:

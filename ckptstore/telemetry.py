@@ -161,7 +161,8 @@ saves_total = METRICS.add(
 bytes_total = METRICS.add(
     Counter(
         "ckptstore_bytes_total",
-        "Checkpoint bytes written: raw (before encoding) and stored (encoded, as put).",
+        "Chunk bytes written (chunks already stored are not counted): raw (before encoding) and "
+        "stored (encoded, as put).",
         ["kind"],
     )
 )
@@ -170,6 +171,13 @@ storage_requests_total = METRICS.add(
         "ckptstore_storage_requests_total",
         "Storage requests by operation and outcome (ok, or the error kind).",
         ["op", "outcome"],
+    )
+)
+storage_bytes_total = METRICS.add(
+    Counter(
+        "ckptstore_storage_bytes_total",
+        "Bytes moved by storage requests that answered, by operation.",
+        ["op"],
     )
 )
 storage_retries_total = METRICS.add(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ckptstore import telemetry
 from ckptstore.metrics import LatencyHistogram
 
 
@@ -29,6 +30,16 @@ class ReplicaStats:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+        for result in ("fired", "won"):
+            if counts.get(f"hedges_{result}"):
+                telemetry.loader_hedges_total.inc(
+                    counts[f"hedges_{result}"], replica=self.name, result=result
+                )
+
+    def record_latency(self, seconds: float) -> None:
+        """One attempt on this replica answered after ``seconds``."""
+        self.latency.record(seconds)
+        telemetry.loader_read_seconds.observe(seconds, replica=self.name)
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -64,6 +75,8 @@ class ReadStats:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+        if counts.get("failovers"):
+            telemetry.loader_failovers_total.inc(counts["failovers"])
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:

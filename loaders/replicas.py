@@ -152,7 +152,7 @@ class ReplicaSet:
                     bench_s = r.bench_s
                     r.bench_s = min(r.bench_s * 2, cfg.max_bench_s)
         if error is None:
-            r.stats.latency.record(seconds)
+            r.stats.record_latency(seconds)
             r.stats.add(bytes=nbytes)
         else:
             r.stats.add(errors=1, benched=int(benched))

@@ -308,3 +308,33 @@ def test_export_memory_is_bounded_by_a_shard_not_the_state(tmp_path):
     # A load-everything export grows by the whole state (160 MiB) at least.
     assert grew < 3 * max_shard + 24 * MiB, f"peak RSS grew by {grew / MiB:.0f} MiB"
     assert grew < state_bytes / 4
+
+
+def test_the_restore_command_exports_safetensors(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "model": {"emb": torch.randn(300, 16, generator=g), "head": torch.randn(16, 4)},
+        "optim": {"lr": 0.1, "m": torch.zeros(8)},
+    }
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(3, state).wait()
+    out = tmp_path / "hf"
+    argv = ["restore", uri, "--to", str(out), "--format", "safetensors", "--only", "model."]
+    assert main([*argv, "--dtype", "bfloat16", "--max-shard-size", "4KB"]) == 0
+    printed = capsys.readouterr().out
+    assert "exported step 3 (state, 2 tensors" in printed
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got = {}
+    for name, file in index["weight_map"].items():
+        with safe_open(str(out / file), "pt") as f:
+            got[name] = f.get_tensor(name)
+    assert set(got) == {"emb", "head"}
+    for name in got:
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], state["model"][name].to(torch.bfloat16))
+    # a second export into the same directory is refused in the command's own words
+    assert main(argv) == 2
+    assert "pass --force" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""``ckptstore restore``: a step written out as a torch.save file or a DCP directory."""
+"""``ckptstore restore``: a step written out as a torch.save file, a DCP directory, or Hugging
+Face safetensors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ckptstore._inspect import load_step_state, step_raw_bytes
 from ckptstore.catalog import open_step
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import check_target, count_values, write_atomically
+from ckptstore.export import export_safetensors
 from ckptstore.format import KIND_DCP
 from ckptstore.render import human_bytes
 from ckptstore.store import Store
@@ -21,6 +23,8 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
         raise UsageError(f"--to must be a local path, got {args.to!r}")
     if args.to.startswith("file://"):
         target = os.path.abspath(args.to[len("file://") :])
+    if args.format == "safetensors":
+        return _export_safetensors(args, store, target)
     check_target(target, args.format, args.force)
     manifest = open_step(store, args.step)
     step = manifest.step
@@ -70,4 +74,39 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
             f"  load with: torch.distributed.checkpoint.load(state, "
             f"storage_reader=FileSystemReader({target!r}))"
         )
+    return 0
+
+
+def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> int:
+    try:
+        result = export_safetensors(
+            store.uri,
+            target,
+            step="latest" if args.step is None else args.step,
+            max_shard_size=args.max_shard_size,
+            only=args.only,
+            strip_prefix=args.strip_prefix,
+            dtype=args.dtype,
+            rank=args.rank,
+            overwrite=args.force,
+            storage_options=dict(args.storage_options) or None,
+            timeout_s=args.timeout or 30.0,
+        )
+    except (FileExistsError, ValueError) as exc:  # in the words of the command's flags
+        message = str(exc).replace("overwrite=True", "--force").replace("only=", "--only ")
+        raise UsageError(message) from exc
+    if args.json:
+        emit_json(result.as_dict())
+        return 0
+    shards = len(result.files)
+    print(
+        f"exported step {result.step} ({result.kind}, {result.tensors} tensors, "
+        f"{human_bytes(result.total_bytes)}) from {store.uri} to {target} "
+        f"in {shards} shard{'s' if shards != 1 else ''}"
+    )
+    if result.skipped:
+        print(
+            f"  skipped {len(result.skipped)} non-tensor value(s): {', '.join(result.skipped[:5])}"
+        )
+    print(f"  load with: transformers' from_pretrained({target!r}) or safetensors.safe_open")
     return 0

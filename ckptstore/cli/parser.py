@@ -215,7 +215,7 @@ examples:
 
     p = add(
         "restore",
-        "write a step out as a torch.save file or a plain DCP directory",
+        "write a step out as a torch.save file, a plain DCP directory or safetensors",
         """
         Restore a step (the latest unless --step) to a local PATH, verifying every chunk.
 
@@ -229,23 +229,55 @@ examples:
         dcp.load(state, storage_reader=FileSystemReader(PATH)). The top of the state must be a
         dict (it is for DCP steps and for the rank0/rank1 layout of multi-rank steps).
 
+        --format safetensors: a Hugging Face directory (model-00001-of-0000N.safetensors ...
+        and model.safetensors.index.json; one model.safetensors when it fits one shard), streamed
+        shard by shard in bounded memory. Names are the dotted state paths (model.layer.weight);
+        a DCP step's tensors are assembled whole from every rank.
+
         The result is written under a temporary name and moved into place when complete. An
         existing non-empty PATH is refused unless --force (which replaces it).
         """,
         """
           ckptstore restore /ckpt/run7 --to /tmp/run7.pt
           ckptstore restore s3://bucket/run7 --step 1200 --to /tmp/run7-dcp --format dcp
+          ckptstore restore /ckpt/run7 --to /tmp/hf --format safetensors --only model. \\
+              --dtype bfloat16
         """,
     )
     p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
     p.add_argument("--to", required=True, metavar="PATH", help="local file or directory to write")
     p.add_argument(
         "--format",
-        choices=("torch", "dcp"),
+        choices=("torch", "dcp", "safetensors"),
         default="torch",
-        help="torch: a torch.save file (default); dcp: a DCP FileSystemWriter directory",
+        help="torch: a torch.save file (default); dcp: a DCP FileSystemWriter directory; "
+        "safetensors: a Hugging Face safetensors directory",
     )
     p.add_argument("--force", action="store_true", help="replace an existing non-empty PATH")
+    hf = p.add_argument_group("--format safetensors")
+    hf.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest output shard, e.g. 5GB (default, as Hugging Face) or 500MiB",
+    )
+    hf.add_argument(
+        "--only", metavar="PREFIX", help="export only tensors named PREFIX... (e.g. model.)"
+    )
+    hf.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help="removed from every name (default: --only's prefix; '' keeps names whole)",
+    )
+    hf.add_argument(
+        "--dtype", help="cast floating-point tensors to this dtype (bfloat16, float16, ...)"
+    )
+    hf.add_argument(
+        "--rank",
+        type=_nonneg_int,
+        default=0,
+        help="the rank whose state a multi-rank Checkpointer step exports (default: 0)",
+    )
     p.set_defaults(func=cmd_restore)
 
     p = add(

@@ -11,6 +11,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from ckptstore import telemetry
+
 OK = "ok"
 """The outcome of a request that answered; any other outcome is an error kind."""
 ERROR_KINDS = ("not_found", "exists", "timeout", "access", "no_space", "transient", "error")
@@ -19,7 +21,10 @@ HEDGE_RESULTS = ("fired", "won")
 
 
 class StoreCounters:
-    """Thread-safe counts of one store's requests (each request once, whatever its attempts)."""
+    """Thread-safe counts of one store's requests (each request once, whatever its attempts).
+
+    Every count is also added to the process-wide metrics of ``ckptstore.telemetry``.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -35,17 +40,22 @@ class StoreCounters:
             self._requests[op, outcome] += 1
             if nbytes:
                 self._bytes[op] += nbytes
+        telemetry.storage_requests_total.inc(op=op, outcome=outcome)
+        if nbytes:
+            telemetry.storage_bytes_total.inc(nbytes, op=op)
 
     def retry(self, op: str) -> None:
         """An attempt of ``op`` failed transiently or timed out (another may follow)."""
         with self._lock:
             self._retries[op] += 1
+        telemetry.storage_retries_total.inc(op=op)
 
     def hedge(self, op: str, result: str) -> None:
         """A duplicate of ``op`` was sent (``fired``) or answered first (``won``)."""
         assert result in HEDGE_RESULTS, result
         with self._lock:
             self._hedges[op, result] += 1
+        telemetry.storage_hedges_total.inc(op=op, result=result)
 
     def snapshot(self) -> dict[str, Any]:
         """The counts as plain nested dicts::

@@ -1,0 +1,159 @@
+"""Operational metrics: plain numbers from the Python API, and a real Prometheus scrape."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer, telemetry
+
+
+def test_counter_counts_per_label_set_and_refuses_bad_use():
+    c = telemetry.Counter("t_things_total", "things", ["kind"])
+    c.inc(kind="a")
+    c.inc(2.5, kind="a")
+    c.inc(kind="b")
+    assert c.value(kind="a") == 3.5
+    assert c.samples() == {("a",): 3.5, ("b",): 1.0}
+    with pytest.raises(ValueError, match="cannot decrease"):
+        c.inc(-1, kind="a")
+    with pytest.raises(ValueError, match=r"takes labels \['kind'\]"):
+        c.inc(op="x")
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    h = telemetry.Histogram("t_latency_seconds", "latency", buckets=[0.1, 1.0])
+    for v in (0.05, 0.1, 0.5, 2.0):
+        h.observe(v)
+    (series,) = h.series().values()
+    assert series["count"] == 4
+    assert series["sum"] == pytest.approx(2.65)
+    assert series["buckets"] == [(0.1, 2), (1.0, 3), (math.inf, 4)]
+
+
+def _value(name, **labels):
+    metric = telemetry.METRICS.get(name)
+    key = tuple(str(labels[k]) for k in metric.labels)
+    if isinstance(metric, telemetry.Counter):
+        return metric.samples().get(key, 0.0)
+    return metric.series().get(key, {"count": 0})["count"]
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 64, generator=g), "step": seed}
+
+
+def test_a_save_is_counted_in_plain_numbers(tmp_path):
+    before = {
+        "committed": _value("ckptstore_saves_total", frontend="checkpointer", outcome="committed"),
+        "blocked": _value("ckptstore_save_blocked_seconds", frontend="checkpointer"),
+        "persist": _value("ckptstore_save_persist_seconds", frontend="checkpointer"),
+        "raw": _value("ckptstore_bytes_total", kind="raw"),
+        "stored": _value("ckptstore_bytes_total", kind="stored"),
+        "puts": _value("ckptstore_storage_requests_total", op="put", outcome="ok"),
+    }
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(1, _state(1)).wait()
+    assert _value("ckptstore_saves_total", frontend="checkpointer", outcome="committed") == (
+        before["committed"] + 1
+    )
+    assert _value("ckptstore_save_blocked_seconds", frontend="checkpointer") == (
+        before["blocked"] + 1
+    )
+    assert _value("ckptstore_save_persist_seconds", frontend="checkpointer") == (
+        before["persist"] + 1
+    )
+    assert _value("ckptstore_bytes_total", kind="raw") - before["raw"] >= 256 * 64 * 4
+    assert _value("ckptstore_bytes_total", kind="stored") > before["stored"]
+    # at least: one chunk, the rank index, the manifest
+    assert _value("ckptstore_storage_requests_total", op="put", outcome="ok") >= before["puts"] + 3
+
+
+def _scrape(port: int) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+@pytest.fixture
+def prometheus_port():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    server, thread = telemetry.serve_prometheus(0, registry=registry)
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_a_scrape_shows_what_the_python_api_counts(tmp_path, prometheus_port):
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(1, _state(1)).wait()
+        ckpt.save(2, _state(2)).wait()
+        scraped = _scrape(prometheus_port)
+    key = ("ckptstore_saves_total", (("frontend", "checkpointer"), ("outcome", "committed")))
+    assert scraped[key] == _value(
+        "ckptstore_saves_total", frontend="checkpointer", outcome="committed"
+    )
+    assert scraped[key] >= 2
+    count = ("ckptstore_save_blocked_seconds_count", (("frontend", "checkpointer"),))
+    assert scraped[count] == _value("ckptstore_save_blocked_seconds", frontend="checkpointer")
+    inf = ("ckptstore_save_blocked_seconds_bucket", (("frontend", "checkpointer"), ("le", "+Inf")))
+    assert scraped[inf] == scraped[count]
+    raw = ("ckptstore_bytes_total", (("kind", "raw"),))
+    assert scraped[raw] == _value("ckptstore_bytes_total", kind="raw") > 0
+    put_ok = ("ckptstore_storage_requests_total", (("op", "put"), ("outcome", "ok")))
+    assert scraped[put_ok] >= 6
+
+
+def test_register_twice_in_one_registry_is_harmless():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    assert telemetry.register_prometheus(registry) is registry
+    assert telemetry.register_prometheus(registry) is registry
+
+
+def test_a_scrape_during_a_loader_run_shows_reads_per_replica(tmp_path, prometheus_port):
+    import numpy as np
+
+    from loaders import LoaderConfig, ShardDataset, TokenFiles, TokenWriter
+
+    replicas = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with TokenWriter(replicas, file_tokens=32 * 50) as writer:
+        writer.write(np.arange(32 * 200) % 50_000)
+    fmt = TokenFiles(dtype="uint16", sample_tokens=32, manifest="manifest.txt", read_bytes=256)
+    dataset = ShardDataset(replicas, fmt, config=LoaderConfig(shuffle=False))
+    samples = iter(dataset)
+    for _ in range(50):
+        next(samples)
+    during = _scrape(prometheus_port)  # mid-epoch
+    rest = sum(1 for _ in samples)
+    after = _scrape(prometheus_port)
+    assert 50 + rest == 200
+
+    def reads(scraped):
+        return {
+            dict(labels)["replica"]: value
+            for (name, labels), value in scraped.items()
+            if name == "ckptstore_loader_read_seconds_count"
+        }
+
+    assert sum(reads(during).values()) > 0
+    assert sum(reads(after).values()) > sum(reads(during).values())
+    # every replica that answered a read is a label, counted at least once per answer it won
+    served = {uri: s for uri, s in dataset.metrics()["replicas"].items() if s["wins"]}
+    assert served and set(served) <= set(reads(after))
+    for uri, stats in served.items():
+        assert reads(after)[uri] >= stats["wins"]
