@@ -14,7 +14,6 @@ from loaders.errors import (
     UnknownFormatError,
 )
 from loaders.mds import MDS
-from loaders.order import EpochOrder, Reader
 from loaders.replicas import ReplicaSet
 from loaders.tokens import TokenFiles
 from loaders.wds import WebDataset
@@ -23,12 +22,10 @@ from loaders.write import MDSWriter, TokenWriter, WebDatasetWriter
 __all__ = [
     "MDS",
     "MDSWriter",
-    "EpochOrder",
     "LoaderConfig",
     "LoaderError",
     "ReadFailedError",
     "ReadTimeoutError",
-    "Reader",
     "ReplicaConfig",
     "ReplicaMismatchError",
     "ReplicaSet",
