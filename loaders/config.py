@@ -44,12 +44,12 @@ class ReplicaConfig:
     bench_slow_factor: float = 3.0
     """A replica whose latency average exceeds this many times the best other healthy
     replica's is benched too, like one that errs."""
-    bench_min_samples: int = 3
+    bench_min_samples: int = 10
     """Latencies a replica needs before it can be benched for being slow (its average is a
     plain mean until ``1 / latency_ewma_alpha`` latencies are known)."""
     max_benched_slow: float = 0.5
-    """Fraction of the replicas that may be benched for being slow at once (at least one of
-    two or more); replicas benched for errors are not limited."""
+    """Fraction of the replicas that may be benched for being slow at once, rounded up (the
+    fastest is never benched for latency); replicas benched for errors are not limited."""
     bench_s: float = 5.0
     """First bench duration; doubles each time a replica is benched again before it has
     recovered, up to ``max_bench_s``."""

@@ -231,7 +231,7 @@ class ReplicaSet:
 
     def _may_bench_slow(self) -> bool:
         n = len(self._replicas)
-        cap = max(1, int(n * self.config.max_benched_slow)) if self.config.max_benched_slow else 0
+        cap = math.ceil(n * self.config.max_benched_slow)
         return n > 1 and sum(r.benched and r.benched_slow for r in self._replicas) < cap
 
     def _bench(self, r: _Replica, now: float, *, slow: bool) -> None:

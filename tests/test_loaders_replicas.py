@@ -193,7 +193,7 @@ def test_persistently_slow_replica_is_benched_within_bounded_reads(tmp_path):
     # 6x slower: by speed alone it would still get about 1 first attempt in 13
     faults = [Faults(latency=Fixed(0.024)), Faults(latency=Fixed(0.004)), None]
     faults[2] = Faults(latency=Fixed(0.004))
-    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_s=60.0)
+    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_s=60.0, bench_min_samples=4)
     _read_until_benched(rs, stores[0], bound=300)
     before = _requests(rs, stores[0])
     for _ in range(100):
@@ -208,7 +208,13 @@ def test_recovered_replica_gets_traffic_back_within_bounded_reads(tmp_path):
     slow = Faults(latency=Fixed(0.024))
     faults = [slow, Faults(latency=Fixed(0.004)), Faults(latency=Fixed(0.004))]
     rs, stores = _replicas(
-        tmp_path, faults, hedge=False, bench_s=0.05, probation_share=0.1, recover_after=3
+        tmp_path,
+        faults,
+        hedge=False,
+        bench_s=0.05,
+        probation_share=0.1,
+        recover_after=3,
+        bench_min_samples=4,
     )
     _read_until_benched(rs, stores[0], bound=300)
     slow.latency = Fixed(0.004)  # the replica recovers
@@ -227,7 +233,9 @@ def test_recovered_replica_gets_traffic_back_within_bounded_reads(tmp_path):
 def test_replica_still_slow_on_probation_is_benched_again_for_longer(tmp_path):
     faults = [Faults(latency=Fixed(0.024)), Faults(latency=Fixed(0.004)), None]
     faults[2] = Faults(latency=Fixed(0.004))
-    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_s=0.05, probation_share=0.5)
+    rs, stores = _replicas(
+        tmp_path, faults, hedge=False, bench_s=0.05, probation_share=0.5, bench_min_samples=4
+    )
     _read_until_benched(rs, stores[0], bound=300)
     for _ in range(300):
         rs.read("obj", 0, 32)
