@@ -40,13 +40,28 @@ class ReplicaConfig:
     max_attempts: int = 6
     """Attempts of one read after errors (hedges not counted), across replicas."""
     bench_after_errors: int = 3
-    """Consecutive errors after which a replica is benched (sent no reads)."""
+    """Consecutive errors after which a replica is benched (ejected: sent no reads)."""
+    bench_slow_factor: float = 3.0
+    """A replica whose latency average exceeds this many times the best other healthy
+    replica's is benched too, like one that errs."""
+    bench_min_samples: int = 10
+    """Latencies a replica needs before it can be benched for being slow (its average is a
+    plain mean until ``1 / latency_ewma_alpha`` latencies are known)."""
+    max_benched_slow: float = 0.5
+    """Fraction of the replicas that may be benched for being slow at once, rounded up (the
+    fastest is never benched for latency); replicas benched for errors are not limited."""
     bench_s: float = 5.0
-    """First bench duration; doubles each time a probe fails, up to ``max_bench_s``."""
+    """First bench duration; doubles each time a replica is benched again before it has
+    recovered, up to ``max_bench_s``."""
     max_bench_s: float = 60.0
     """Longest bench."""
-    probe_interval_s: float = 2.0
-    """A replica not used for this long gets the next read, to refresh its latency estimate."""
+    probation_share: float = 0.01
+    """After its bench a replica is on probation: it gets one first attempt in every
+    ``1 / probation_share`` (never a hedge while a healthy replica is free)."""
+    recover_after: int = 3
+    """Consecutive probation reads, each without error and no slower than ``bench_slow_factor``
+    times the best healthy replica's average, that restore a replica to full traffic; a failed
+    probation read benches it again for twice as long."""
     latency_ewma_alpha: float = 0.1
     """Weight of a new latency in a replica's moving average."""
     verify_replicas: bool = True
@@ -62,7 +77,6 @@ class ReplicaConfig:
             "read_deadline_s",
             "bench_s",
             "max_bench_s",
-            "probe_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -76,6 +90,16 @@ class ReplicaConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.bench_after_errors < 1:
             raise ValueError(f"bench_after_errors must be >= 1, got {self.bench_after_errors}")
+        if self.bench_slow_factor <= 1:
+            raise ValueError(f"bench_slow_factor must be > 1, got {self.bench_slow_factor}")
+        if self.bench_min_samples < 1:
+            raise ValueError(f"bench_min_samples must be >= 1, got {self.bench_min_samples}")
+        if not 0.0 <= self.max_benched_slow < 1.0:
+            raise ValueError(f"max_benched_slow must be in [0, 1), got {self.max_benched_slow}")
+        if not 0.0 < self.probation_share <= 1.0:
+            raise ValueError(f"probation_share must be in (0, 1], got {self.probation_share}")
+        if self.recover_after < 1:
+            raise ValueError(f"recover_after must be >= 1, got {self.recover_after}")
         if self.hedge_min_samples < 1:
             raise ValueError(f"hedge_min_samples must be >= 1, got {self.hedge_min_samples}")
         if not 0.0 < self.latency_ewma_alpha <= 1.0:

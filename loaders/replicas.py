@@ -1,14 +1,19 @@
-"""Reads over replicas of one dataset: fastest replica first, failover, benching, hedged reads.
+"""Reads over replicas of one dataset: healthy replicas first, failover, benching, hedged reads.
 
-A read goes to the replica with the lowest observed latency (a moving average of log latency,
-weighted by the reads it has in flight). An error or a timeout fails over to another replica at
-once; ``bench_after_errors`` consecutive errors bench a replica for ``bench_s`` (doubling while
-probes fail). When a read has not completed after the hedge delay (about the p95 of recent reads
-of its size class), a duplicate goes to the next-best replica if the hedge budget allows (the
-store's :class:`~ckptstore.store.Hedger` decides when and whether; this set decides where); the
-first answer wins and the others are cancelled: not started if still queued, otherwise their
-result is discarded. Every attempt is bounded by the replica Store's per-attempt deadline and the
-whole read by ``read_deadline_s``.
+A read's first attempt goes to a healthy replica at random, weighted by speed and load (the
+inverse of its moving average of log latency times one plus its reads in flight). A replica is
+benched (ejected: sent no reads) for ``bench_s`` after ``bench_after_errors`` consecutive errors,
+or when its average latency exceeds ``bench_slow_factor`` times the best other healthy replica's
+(at most ``max_benched_slow`` of the replicas at once). After its bench it is on probation: one
+first attempt in every ``1 / probation_share``; ``recover_after`` good probation reads in a row
+restore it, a slow or failed one benches it again for twice as long (up to ``max_bench_s``).
+An error or a timeout fails over to another replica at once. When a read has not completed
+after the hedge delay (about the p92 of recent first attempts of its size class), a duplicate
+goes to the best healthy replica if the hedge budget allows (the store's
+:class:`~ckptstore.store.Hedger` decides when and whether; this set decides where); the first
+answer wins and the others are cancelled: not started if still queued, otherwise their result
+is discarded. Every attempt is bounded by the replica Store's per-attempt deadline and the whole
+read by ``read_deadline_s``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,11 +58,22 @@ class _Replica:
         self.name = store.uri
         self.stats = ReplicaStats(store.uri)
         self.log_latency: float | None = None
+        self.samples = 0
         self.inflight = 0
-        self.last_used = 0.0
         self.consecutive_errors = 0
+        self.benched = False  # benched until benched_until, then on probation until recovered
+        self.benched_slow = False  # benched for its latency rather than for errors
         self.benched_until = 0.0
         self.bench_s = config.bench_s
+        self.probation_ok = 0
+        self.probe_due = 0  # the first attempt (counted by the set) from which it may be probed
+
+    @property
+    def latency(self) -> float:
+        return math.inf if self.log_latency is None else math.exp(self.log_latency)
+
+    def score(self) -> float:
+        return self.latency * (1 + self.inflight)
 
 
 class ReplicaSet:
@@ -88,6 +105,8 @@ class ReplicaSet:
             raise ValueError(f"replica URIs repeat: {names}")
         self._replicas = [_Replica(s, self.config) for s in stores]
         self._lock = threading.Lock()
+        self._random = random.Random()
+        self._firsts = 0  # first attempts of reads so far (the clock of probation)
         self.hedger = Hedger(self.config.hedge_policy())
         self.stats = ReadStats()
         self.missing: dict[str, frozenset[str]] = {
@@ -103,67 +122,132 @@ class ReplicaSet:
 
     # -- choosing a replica -----------------------------------------------------------------
 
-    def _choose(self, exclude: Sequence[_Replica]) -> _Replica | None:
+    def _choose(
+        self, exclude: Sequence[_Replica], *, first: bool, hedge: bool = False
+    ) -> _Replica | None:
+        """A replica for a read's ``first`` attempt (a healthy one at random, weighted by speed
+        and load, or a replica on probation whose turn it is), or for a hedge or failover (the
+        best healthy one). A replica on its bench only when no other is left, never for a
+        hedge."""
         now = time.monotonic()
+        share = round(1 / self.config.probation_share)
         with self._lock:
             candidates = [r for r in self._replicas if r not in exclude]
             if not candidates:
                 return None
-            ready = [r for r in candidates if r.benched_until <= now]
-            if not ready:  # every candidate benched: the one back soonest
-                choice = min(candidates, key=lambda r: r.benched_until)
+            if first:
+                self._firsts += 1
+            healthy = [r for r in candidates if not r.benched]
+            probation = [r for r in candidates if r.benched and r.benched_until <= now]
+            due = [r for r in probation if r.inflight == 0 and self._firsts >= r.probe_due]
+            if first and due:
+                choice = due[0]
+                choice.probe_due = self._firsts + share
+            elif healthy:
+                choice = self._pick(healthy) if first else min(healthy, key=_Replica.score)
+            elif probation:
+                choice = min(probation, key=_Replica.score)
+            elif hedge:
+                return None
             else:
-                stale = [r for r in ready if now - r.last_used >= self.config.probe_interval_s]
-                if stale and len(ready) > 1:
-                    choice = min(stale, key=lambda r: r.last_used)
-                else:
-                    choice = min(ready, key=self._score)
+                choice = min(candidates, key=lambda r: r.benched_until)
             choice.inflight += 1
-            choice.last_used = now
             return choice
 
-    @staticmethod
-    def _score(r: _Replica) -> float:
-        if r.log_latency is None:
-            return -1.0 + r.inflight * 1e-3  # never measured: try it
-        return math.exp(r.log_latency) * (1 + r.inflight)
+    def _pick(self, healthy: list[_Replica]) -> _Replica:
+        idle_unmeasured = [r for r in healthy if r.log_latency is None and not r.inflight]
+        if idle_unmeasured:
+            return idle_unmeasured[0]
+        healthy = [r for r in healthy if r.log_latency is not None] or healthy
+        if healthy[0].log_latency is None:  # none measured yet, all busy
+            return min(healthy, key=lambda r: r.inflight)
+        weights = [1 / r.score() for r in healthy]
+        return self._random.choices(healthy, weights)[0]
 
-    def _finished(self, r: _Replica, seconds: float, nbytes: int, error: BaseException | None):
+    def _finished(
+        self, r: _Replica, seconds: float, nbytes: int, error: BaseException | None, *, read: bool
+    ):
+        """Account an attempt on ``r``; the latencies of data reads (``read``), not of metadata
+        requests, judge its health."""
         cfg = self.config
+        benched_for: str | None = None
         with self._lock:
             r.inflight -= 1
+            now = time.monotonic()
+            on_probation = r.benched and r.benched_until <= now
+            others = [o.latency for o in self._replicas if o is not r and not o.benched]
+            best = min(others, default=math.inf)
             if error is None:
-                sample = math.log(max(seconds, 1e-6))
-                r.log_latency = (
-                    sample
-                    if r.log_latency is None
-                    else (1 - cfg.latency_ewma_alpha) * r.log_latency
-                    + cfg.latency_ewma_alpha * sample
-                )
                 r.consecutive_errors = 0
-                r.bench_s = cfg.bench_s
-                r.benched_until = 0.0
-                benched = False
-            else:
+            if error is None and read and (on_probation or not r.benched):
+                sample = math.log(max(seconds, 1e-6))
+                a = max(cfg.latency_ewma_alpha, 1 / (r.samples + 1))  # a mean while few
+                r.log_latency = (
+                    sample if r.log_latency is None else (1 - a) * r.log_latency + a * sample
+                )
+                r.samples += 1
+                if on_probation:
+                    if seconds <= cfg.bench_slow_factor * best or best == math.inf:
+                        r.probation_ok += 1
+                        if r.probation_ok >= cfg.recover_after:
+                            self._restore(r)
+                    else:
+                        benched_for = f"a probation read took {seconds * 1e3:.1f} ms"
+                        self._bench(r, now, slow=True)
+                elif (
+                    not r.benched
+                    and r.samples >= cfg.bench_min_samples
+                    and r.latency > cfg.bench_slow_factor * best
+                    and self._may_bench_slow()
+                ):
+                    benched_for = (
+                        f"latency {r.latency * 1e3:.1f} ms is {r.latency / best:.1f}x the best "
+                        "healthy replica's"
+                    )
+                    self._bench(r, now, slow=True)
+            elif error is not None:
                 r.consecutive_errors += 1
-                benched = r.consecutive_errors >= cfg.bench_after_errors
-                if benched:
-                    r.benched_until = time.monotonic() + r.bench_s
-                    bench_s = r.bench_s
-                    r.bench_s = min(r.bench_s * 2, cfg.max_bench_s)
+                if on_probation or (
+                    not r.benched and r.consecutive_errors >= cfg.bench_after_errors
+                ):
+                    benched_for = f"after {r.consecutive_errors} consecutive errors ({error})"
+                    self._bench(r, now, slow=False)
+            bench_s = r.benched_until - now
         if error is None:
             r.stats.record_latency(seconds)
             r.stats.add(bytes=nbytes)
         else:
-            r.stats.add(errors=1, benched=int(benched))
-            if benched:
-                logger.warning(
-                    "replica %s benched for %.1fs after %d consecutive errors (%s)",
-                    r.name,
-                    bench_s,
-                    r.consecutive_errors,
-                    error,
-                )
+            r.stats.add(errors=1)
+        if benched_for is not None:
+            r.stats.add(benched=1)
+            logger.warning("replica %s benched for %.1fs: %s", r.name, bench_s, benched_for)
+
+    @staticmethod
+    def _health(r: _Replica) -> str:
+        """``healthy``, ``benched`` (sent no reads) or ``probation`` (a share of first attempts)."""
+        if not r.benched:
+            return "healthy"
+        return "benched" if r.benched_until > time.monotonic() else "probation"
+
+    def _may_bench_slow(self) -> bool:
+        n = len(self._replicas)
+        cap = math.ceil(n * self.config.max_benched_slow)
+        return n > 1 and sum(r.benched and r.benched_slow for r in self._replicas) < cap
+
+    def _bench(self, r: _Replica, now: float, *, slow: bool) -> None:
+        r.benched = True
+        r.benched_slow = slow
+        r.benched_until = now + r.bench_s
+        r.bench_s = min(r.bench_s * 2, self.config.max_bench_s)
+        r.probation_ok = 0
+        r.probe_due = self._firsts
+        r.log_latency, r.samples = None, 0  # probation measures it afresh
+
+    def _restore(self, r: _Replica) -> None:
+        r.benched = r.benched_slow = False
+        r.bench_s = self.config.bench_s
+        r.probation_ok = 0
+        logger.info("replica %s recovered: back to full traffic", r.name)
 
     def _start(
         self,
@@ -171,6 +255,7 @@ class ReplicaSet:
         fn: Callable[[Store], Any],
         post: Callable[[Any, str], Any] | None,
         primary_nbytes: int | None,
+        read: bool,
     ) -> Future:
         """Run ``fn(store)`` on replica ``r``, then ``post(result, replica)`` (a decode that may
         find the bytes corrupt); the outcome updates r's statistics. The latency of a read's
@@ -184,10 +269,10 @@ class ReplicaSet:
                 seconds = time.monotonic() - t0
                 out = post(data, r.name) if post is not None else data
             except BaseException as exc:
-                self._finished(r, time.monotonic() - t0, 0, exc)
+                self._finished(r, time.monotonic() - t0, 0, exc, read=read)
                 raise
             nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
-            self._finished(r, seconds, nbytes, None)
+            self._finished(r, seconds, nbytes, None, read=read)
             if primary_nbytes is not None:
                 self.hedger.record(primary_nbytes, seconds)
             return out
@@ -272,18 +357,26 @@ class ReplicaSet:
         last_exc: BaseException | None = None
         attempts = hedges = 0
 
-        def launch(is_hedge: bool) -> bool:
+        def launch(is_hedge: bool, reserve: float = 0.0) -> bool:
+            """Start an attempt; a hedge only with a replica free for it and a budget token."""
             busy = [r for r, _ in pending.values()] + gone
-            r = self._choose(busy + [t for t in tried if t not in busy])
+            initial = not tried
+            r = self._choose(
+                busy + [t for t in tried if t not in busy], first=initial, hedge=is_hedge
+            )
             if r is None and not is_hedge:
-                r = self._choose(busy)  # every replica tried: retry one not in flight
+                r = self._choose(busy, first=False)  # every replica tried: retry one not in flight
             if r is None:
+                return False
+            if is_hedge and not self.hedger.try_hedge("get", reserve=reserve):
+                with self._lock:
+                    r.inflight -= 1
                 return False
             tried.append(r)
             if is_hedge:
                 r.stats.add(hedges_fired=1)
-            first = nbytes if hedge and not tried[:-1] else None
-            pending[self._start(r, fn, post, first)] = (r, is_hedge)
+            first = nbytes if hedge and initial and not r.benched else None
+            pending[self._start(r, fn, post, first, count)] = (r, is_hedge)
             return True
 
         launch(False)
@@ -352,7 +445,7 @@ class ReplicaSet:
                     delay = self.hedger.delay_s(nbytes)
                     if hedges >= cfg.max_hedges:
                         next_hedge = math.inf
-                    elif spare and self.hedger.try_hedge("get", reserve=reserve) and launch(True):
+                    elif spare and launch(True, reserve):
                         hedges += 1
                         self.stats.add(hedges=1)
                         next_hedge = time.monotonic() + delay
@@ -511,5 +604,7 @@ class ReplicaSet:
             "reads": self.stats.as_dict(),
             "hedge_tokens": self.hedger.tokens,
             "hedge_delay_s": self.hedger.delays(),
-            "replicas": {r.name: r.stats.as_dict() for r in self._replicas},
+            "replicas": {
+                r.name: {**r.stats.as_dict(), "health": self._health(r)} for r in self._replicas
+            },
         }

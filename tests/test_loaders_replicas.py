@@ -146,7 +146,7 @@ def test_reads_route_around_a_slow_replica(tmp_path):
         Faults(latency=Fixed(0.002)),
         Faults(latency=Fixed(0.002)),
     ]
-    rs, stores = _replicas(tmp_path, faults, hedge=False, probe_interval_s=60)
+    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_min_samples=2)
     for _ in range(60):
         rs.read("obj", 0, 32)
     m = rs.metrics()["replicas"]
@@ -162,7 +162,7 @@ def test_benched_replica_is_probed_again(tmp_path):
         hedge=False,
         bench_after_errors=1,
         bench_s=0.05,
-        probe_interval_s=0.05,
+        probation_share=0.1,
     )
     rs.read("obj")
     faults.error_rate = 0.0  # the replica recovers
@@ -174,6 +174,87 @@ def test_benched_replica_is_probed_again(tmp_path):
             break
         Faults(latency=Fixed(0.005)).inject("get")  # let the bench expire
     assert recovered
+
+
+def _requests(rs: ReplicaSet, store: Store) -> int:
+    return rs.metrics()["replicas"][store.uri]["requests"]
+
+
+def _read_until_benched(rs: ReplicaSet, store: Store, bound: int) -> int:
+    """Reads until ``store``'s replica is benched; how many it took (at most ``bound``)."""
+    for n in range(1, bound + 1):
+        rs.read("obj", 0, 32)
+        if rs.metrics()["replicas"][store.uri]["health"] == "benched":
+            return n
+    raise AssertionError(f"replica {store.uri} not benched within {bound} reads")
+
+
+def test_persistently_slow_replica_is_benched_within_bounded_reads(tmp_path):
+    # 6x slower: by speed alone it would still get about 1 first attempt in 13
+    faults = [Faults(latency=Fixed(0.024)), Faults(latency=Fixed(0.004)), None]
+    faults[2] = Faults(latency=Fixed(0.004))
+    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_s=60.0, bench_min_samples=4)
+    _read_until_benched(rs, stores[0], bound=300)
+    before = _requests(rs, stores[0])
+    for _ in range(100):
+        rs.read("obj", 0, 32)
+    assert _requests(rs, stores[0]) - before == 0
+    m = rs.metrics()["replicas"]
+    assert m[stores[0].uri]["benched"] == 1
+    assert m[stores[1].uri]["health"] == m[stores[2].uri]["health"] == "healthy"
+
+
+def test_recovered_replica_gets_traffic_back_within_bounded_reads(tmp_path):
+    slow = Faults(latency=Fixed(0.024))
+    faults = [slow, Faults(latency=Fixed(0.004)), Faults(latency=Fixed(0.004))]
+    rs, stores = _replicas(
+        tmp_path,
+        faults,
+        hedge=False,
+        bench_s=0.05,
+        probation_share=0.1,
+        recover_after=3,
+        bench_min_samples=4,
+    )
+    _read_until_benched(rs, stores[0], bound=300)
+    slow.latency = Fixed(0.004)  # the replica recovers
+    for _ in range(300):  # bench (~13 reads of 4 ms), then 3 probation reads 1 in 10
+        rs.read("obj", 0, 32)
+        if rs.metrics()["replicas"][stores[0].uri]["health"] == "healthy":
+            break
+    else:
+        raise AssertionError("the recovered replica was not restored within 300 reads")
+    before = _requests(rs, stores[0])
+    for _ in range(150):
+        rs.read("obj", 0, 32)
+    assert _requests(rs, stores[0]) - before >= 20  # a third expected
+
+
+def test_replica_still_slow_on_probation_is_benched_again_for_longer(tmp_path):
+    faults = [Faults(latency=Fixed(0.024)), Faults(latency=Fixed(0.004)), None]
+    faults[2] = Faults(latency=Fixed(0.004))
+    rs, stores = _replicas(
+        tmp_path, faults, hedge=False, bench_s=0.05, probation_share=0.5, bench_min_samples=4
+    )
+    _read_until_benched(rs, stores[0], bound=300)
+    for _ in range(300):
+        rs.read("obj", 0, 32)
+        if rs.metrics()["replicas"][stores[0].uri]["benched"] >= 2:
+            break
+    else:
+        raise AssertionError("a replica still slow on probation was not benched again")
+    r0 = next(r for r in rs._replicas if r.store is stores[0])
+    assert r0.bench_s >= 0.2  # served 0.05, then 0.1 (at least), next 0.2 (at least)
+
+
+def test_all_healthy_replicas_share_traffic(tmp_path):
+    rs, stores = _replicas(tmp_path, [Faults(latency=Fixed(0.003)) for _ in range(3)], hedge=False)
+    for _ in range(150):
+        rs.read("obj", 0, 32)
+    m = rs.metrics()["replicas"]
+    for s in stores:
+        assert m[s.uri]["requests"] >= 20  # 50 expected
+        assert m[s.uri]["health"] == "healthy" and m[s.uri]["benched"] == 0
 
 
 def test_dataset_over_s3_and_local_replicas_with_a_failing_replica(tmp_path, s3_uri):
@@ -202,5 +283,9 @@ def test_replica_config_rejects_bad_values():
         ReplicaConfig(hedge_quantile=100)
     with pytest.raises(ValueError, match="hedge_budget"):
         ReplicaConfig(hedge_budget=-1)
+    with pytest.raises(ValueError, match="bench_slow_factor"):
+        ReplicaConfig(bench_slow_factor=1.0)
+    with pytest.raises(ValueError, match="probation_share"):
+        ReplicaConfig(probation_share=0)
     with pytest.raises(ValueError, match="at least one replica"):
         ReplicaSet([])
