@@ -73,6 +73,25 @@ def test_a_save_is_counted_in_plain_numbers(tmp_path):
     assert _value("ckptstore_storage_requests_total", op="put", outcome="ok") >= before["puts"] + 3
 
 
+def test_a_dcp_async_save_is_counted_under_its_front_end(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import StoreWriter
+
+    def counts():
+        return (
+            _value("ckptstore_saves_total", frontend="dcp", outcome="committed"),
+            _value("ckptstore_save_blocked_seconds", frontend="dcp"),
+            _value("ckptstore_save_persist_seconds", frontend="dcp"),
+        )
+
+    before = counts()
+    writer = StoreWriter(str(tmp_path / "dcp"))
+    for seed in (1, 2):
+        dcp.async_save(_state(seed), storage_writer=writer, no_dist=True).result(timeout=60)
+    assert counts() == tuple(n + 2 for n in before)
+
+
 def _scrape(port: int) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from ckptstore import telemetry
 from ckptstore.engine import SaveEngine, Staged
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class PooledStager(AsyncStager):
                 return stager.stage(state_dict)
             finally:
                 stager.close()
+        t0 = time.perf_counter()
         copied = self.engine.stage(leaves, block=False)
         if copied is None:
             gc.collect()  # a failed save's staged state may be waiting in a reference cycle
@@ -63,6 +66,7 @@ class PooledStager(AsyncStager):
         # write_data hands the buffer back once it is written; a save that fails before, or a
         # rank left with nothing to write, hands it back when DCP lets go of the staged state.
         weakref.finalize(out, staged.release)
+        telemetry.save_blocked_seconds.observe(time.perf_counter() - t0, frontend="dcp")
         return out
 
     def synchronize_staging(self) -> None:

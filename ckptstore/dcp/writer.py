@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckptstore import telemetry
 from ckptstore.catalog import list_steps
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.stager import HeldStaging, PooledStager
@@ -134,6 +136,7 @@ class StoreWriter(StorageWriter, PooledStager):
     ) -> None:
         super().__init__()
         self._leases: dict[str, Lease] = {}  # coordinator: by attempt, until its commit
+        self._started: dict[str, float] = {}  # coordinator: by attempt, for its persist time
         if step is not None:
             check_step(step)
         self.step = step
@@ -241,6 +244,7 @@ class StoreWriter(StorageWriter, PooledStager):
             self._planned[uri] = max(step, self._planned.get(uri, -1))
         target = _SaveTarget(step=step, attempt=uuid.uuid4().hex)
         self._target = target
+        self._started[target.attempt] = time.perf_counter()
         self._begin_lease(target)
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
@@ -307,8 +311,16 @@ class StoreWriter(StorageWriter, PooledStager):
                 stored_bytes=sum(w.stored_bytes for w in refs.values()),
             )
             self.engine.commit(store, manifest, self._leases.get(target.attempt))
+        except BaseException:
+            self._started.pop(target.attempt, None)
+            telemetry.saves_total.inc(frontend="dcp", outcome="failed")
+            raise
         finally:
             self._release_lease(target.attempt)
+        started = self._started.pop(target.attempt, None)
+        if started is not None:
+            telemetry.save_persist_seconds.observe(time.perf_counter() - started, frontend="dcp")
+        telemetry.saves_total.inc(frontend="dcp", outcome="committed")
         logger.info(
             "rank %d: committed DCP step %d to %s (%d ranks, %d bytes raw, %d stored)",
             self.rank,
