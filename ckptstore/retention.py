@@ -33,6 +33,13 @@ class GcReport:
     dry_run: bool = False
 
 
+def drop_step(store: Store, step: int) -> None:
+    """Unlist committed ``step``: its manifest goes, so it is gone from here on; the objects only
+    it referenced are swept by the next ``collect``."""
+    store.delete(commit_key(step))
+    logger.info("gc %s: deleted step %d", store.uri, step)
+
+
 def collect(
     store: Store,
     *,
@@ -54,8 +61,7 @@ def collect(
     report.deleted_steps = sorted(doomed)
     if not dry_run:
         for step in report.deleted_steps:
-            store.delete(commit_key(step))  # the step is gone from here on
-            logger.info("gc %s: deleted step %d", store.uri, step)
+            drop_step(store, step)
     lease = None
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()

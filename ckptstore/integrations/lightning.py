@@ -47,9 +47,8 @@ import torch.distributed as dist
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.checkpointer import Checkpointer, SaveHandle
 from ckptstore.errors import CheckpointNotFoundError, StepExistsError
-from ckptstore.format import commit_key
 from ckptstore.integrations._pickled import unwrap, wrap
-from ckptstore.retention import collect
+from ckptstore.retention import collect, drop_step
 
 __all__ = ["CkptstoreCheckpointIO"]
 
@@ -213,7 +212,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         if step not in list_steps(store):
             logger.warning("remove_checkpoint: step %d is not in %s", step, self.uri)
             return
-        store.delete(commit_key(step))  # as retention does: the step is gone from here on
+        drop_step(store, step)
         self._own_steps.discard(step)
         self._paths.pop(step, None)
         logger.info("removed step %d from %s", step, self.uri)
