@@ -15,15 +15,20 @@ class ReplicaConfig:
 
     hedge: bool = True
     """Send a duplicate of a slow read to another replica after the hedge delay."""
-    hedge_quantile: float = 92.0
-    """The hedge delay is this percentile of recent first-attempt latencies of the size class
-    (below the 95th so that a few percent of uniformly slow reads cannot pull it past them,
-    above ``100 * (1 - hedge_budget)`` so that hedges stay within the budget)."""
+    hedge_quantile: float = 96.0
+    """The hedge delay is this percentile of recent first-attempt latencies of the size class,
+    leaving out outliers over ``hedge_outlier_factor`` times their median (so that a few
+    percent of slow reads cannot pull the delay up among themselves). With nothing slow,
+    about ``100 - hedge_quantile`` percent of reads are hedged: 4% extra requests."""
+    hedge_outlier_factor: float = 5.0
+    """Latencies over this many times the median are outliers to hedge, not part of the
+    distribution whose percentile sets the delay."""
     hedge_min_delay_s: float = 0.002
     """Floor of the hedge delay."""
     hedge_initial_delay_s: float = 0.05
-    """Hedge delay used until ``hedge_min_samples`` latencies of a size class are known."""
-    hedge_min_samples: int = 20
+    """Hedge delay used until ``hedge_min_samples`` latencies of a size class are known (reads
+    started before then hedge at the learnt delay as soon as there is one)."""
+    hedge_min_samples: int = 10
     """Latencies of a size class needed before its percentile is trusted."""
     hedge_budget: float = 0.1
     """Hedges allowed per read, on average (token bucket refill per read): 0.1 = at most 10%
@@ -70,6 +75,8 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.hedge_quantile < 100.0:
             raise ValueError(f"hedge_quantile must be in (0, 100), got {self.hedge_quantile}")
+        if self.hedge_outlier_factor <= 1:
+            raise ValueError(f"hedge_outlier_factor must be > 1, got {self.hedge_outlier_factor}")
         for name in (
             "hedge_min_delay_s",
             "hedge_initial_delay_s",
@@ -109,6 +116,7 @@ class ReplicaConfig:
         """The store's hedging settings these options make (when and how often to hedge)."""
         return HedgePolicy(
             quantile=self.hedge_quantile,
+            outlier_factor=self.hedge_outlier_factor,
             min_delay_s=self.hedge_min_delay_s,
             initial_delay_s=self.hedge_initial_delay_s,
             min_samples=self.hedge_min_samples,

@@ -39,11 +39,16 @@ class Window:
         self._stats = stats
         self._pool = ThreadPoolExecutor(window_reads, thread_name_prefix="loaders-prefetch")
         self._futures: dict[int, Future] = {}
+        self._running: set[Future] = set()  # of _futures, those not known to be done
         self._cost: dict[int, int] = {}
         self._held = 0  # bytes in flight plus read and not released
 
     def _inflight(self) -> int:
-        return sum(1 for f in self._futures.values() if not f.done())
+        # Only reads still in flight are looked at: the window may hold thousands of completed
+        # small reads, and scanning them at every top-up made the loader's CPU time per read
+        # grow with the window.
+        self._running = {f for f in self._running if not f.done()}
+        return len(self._running)
 
     def top_up(self) -> None:
         try:
@@ -65,7 +70,9 @@ class Window:
                 return
             force = False
             self._next = None
-            self._futures[unit] = self._pool.submit(self._fetch, unit)
+            future = self._pool.submit(self._fetch, unit)
+            self._futures[unit] = future
+            self._running.add(future)
             self._cost[unit] = cost
             self._held += cost
             inflight += 1
@@ -79,8 +86,8 @@ class Window:
         if not future.done():
             t0 = time.monotonic()
             while not future.done():
-                running = [f for f in self._futures.values() if not f.done()]
-                wait(running, return_when=FIRST_COMPLETED)
+                self._inflight()
+                wait(self._running, return_when=FIRST_COMPLETED)
                 self.top_up()
             waited = time.monotonic() - t0
             self._stats.wait.record(waited)

@@ -8,8 +8,9 @@ or when its average latency exceeds ``bench_slow_factor`` times the best other h
 first attempt in every ``1 / probation_share``; ``recover_after`` good probation reads in a row
 restore it, a slow or failed one benches it again for twice as long (up to ``max_bench_s``).
 An error or a timeout fails over to another replica at once. When a read has not completed
-after the hedge delay (about the p92 of recent first attempts of its size class), a duplicate
-goes to the best healthy replica if the hedge budget allows (the store's
+after the hedge delay (the p96 of recent first attempts of its size class, outliers left out;
+learnt within the first reads), a duplicate goes to the best healthy replica if the hedge
+budget allows (the store's
 :class:`~ckptstore.store.Hedger` decides when and whether; this set decides where); the first
 answer wins and the others are cancelled: not started if still queued, otherwise their result
 is discarded. Every attempt is bounded by the replica Store's per-attempt deadline and the whole
@@ -382,6 +383,10 @@ class ReplicaSet:
         launch(False)
         attempts = 1
         next_hedge = t0 + self.hedger.delay_s(nbytes) if hedge else math.inf
+        # Until the delay is learnt, a read looks again now and then so that it hedges at the
+        # learnt delay as soon as one is known, not at the initial guess.
+        guessing = hedge and not self.hedger.learnt(nbytes)
+        poll = cfg.hedge_initial_delay_s / 8
         try:
             while True:
                 now = time.monotonic()
@@ -391,11 +396,15 @@ class ReplicaSet:
                         f"read {what}: no replica answered within {cfg.read_deadline_s:.1f}s "
                         f"(tried {', '.join(r.name for r in tried)})"
                     )
-                done, _ = wait(
-                    list(pending),
-                    timeout=min(deadline, next_hedge) - now,
-                    return_when=FIRST_COMPLETED,
-                )
+                if guessing and not hedges:
+                    if self.hedger.learnt(nbytes):
+                        guessing = False
+                        next_hedge = t0 + self.hedger.delay_s(nbytes)
+                        continue
+                    wake = min(deadline, next_hedge, now + poll)
+                else:
+                    wake = min(deadline, next_hedge)
+                done, _ = wait(list(pending), timeout=wake - now, return_when=FIRST_COMPLETED)
                 for future in done:
                     r, is_hedge = pending.pop(future)
                     exc = future.exception()

@@ -15,18 +15,20 @@ def _json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_latency_runs_healthy_unhedged_hedged_on_the_same_reads(capsys):
+def test_latency_runs_healthy_and_faulty_unhedged_and_hedged_on_the_same_reads(capsys):
     report = _json(
         capsys, "--reads", "300", "--latency", "fixed:0.002", "--slow-rate", "0.05",
         "--slow-factor", "10", "--seed", "3",
     )  # fmt: skip
     assert report["scenario"]["reads"] == 300 and report["scenario"]["replicas"] == 3
-    for mode in ("healthy", "unhedged", "hedged"):
+    for mode in ("healthy", "healthy_hedged", "unhedged", "hedged"):
         r = report[mode]
         assert r["p50_s"] <= r["p99_s"] <= r["p999_s"]
         assert r["requests"] >= 300 and r["samples_per_s"] > 0
     assert report["healthy"]["extra_requests"] == report["unhedged"]["extra_requests"] == 0
     assert 0 < report["hedged"]["extra_requests"] <= 0.25  # hedges fired, within the budget
+    assert report["healthy"]["faults"]["slow"] == report["healthy_hedged"]["faults"]["slow"] == 0
+    assert report["healthy_hedged"]["extra_requests"] <= 0.25
     assert report["hedged_vs_unhedged_p99"] == pytest.approx(
         report["hedged"]["p99_s"] / report["unhedged"]["p99_s"]
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,3 +87,29 @@ def test_hedged_uploads_do_not_duplicate_objects(tmp_path, backend):
     ckpt.load(target)
     assert torch.equal(target["w"], state["w"]) and list_steps(store) == [1]
     ckpt.close()
+
+
+def test_hedge_delay_leaves_out_the_slow_requests_it_exists_to_cut():
+    """5% of requests 20x slow: the 96th percentile of all latencies lies among the slow ones,
+    so a delay taken from it would never hedge them; the delay is the body's percentile."""
+    rng = np.random.default_rng(0)
+    body = 0.010 * np.exp(0.5 * rng.standard_normal(480))
+    latencies = np.concatenate([body, np.full(24, 0.210)])
+    rng.shuffle(latencies)
+    hedger = Hedger(HedgePolicy(quantile=96, min_samples=10, min_delay_s=0.001))
+    assert not hedger.learnt(4096)
+    for seconds in latencies:
+        hedger.record(4096, float(seconds))
+    assert hedger.learnt(4096)
+    assert np.percentile(latencies, 96) > 0.2  # the plain percentile: among the slow requests
+    assert np.percentile(body, 94) <= hedger.delay_s(4096) <= np.percentile(body, 98)
+
+
+def test_hedge_delay_without_outliers_is_the_plain_percentile():
+    rng = np.random.default_rng(1)
+    latencies = 0.010 * np.exp(0.5 * rng.standard_normal(500))
+    hedger = Hedger(HedgePolicy(quantile=96, min_samples=10, min_delay_s=0.001))
+    for seconds in latencies:
+        hedger.record(4096, float(seconds))
+    assert hedger.delay_s(4096) == pytest.approx(np.percentile(latencies, 96), rel=0.02)
+    assert hedger.delay_s(1 << 30) == hedger.policy.initial_delay_s  # another size class

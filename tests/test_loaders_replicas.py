@@ -3,6 +3,7 @@ the storage layer (``ckptstore.testing.faults``) on real local, memory and S3 st
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import numpy as np
@@ -289,3 +290,43 @@ def test_replica_config_rejects_bad_values():
         ReplicaConfig(probation_share=0)
     with pytest.raises(ValueError, match="at least one replica"):
         ReplicaSet([])
+
+
+def test_a_read_started_before_the_delay_is_learnt_hedges_once_it_is(tmp_path):
+    """The first read goes to r0, which hangs. The initial guess of the hedge delay (10 s) is
+    past the read's deadline (5 s); reads that complete meanwhile on r1 teach the delay, and the
+    hung read hedges at it instead of failing at its deadline."""
+    rs, stores = _replicas(
+        tmp_path,
+        [Faults(hang_rate=1.0, hang_s=30), None],
+        hedge_initial_delay_s=10.0,
+        hedge_min_delay_s=0.001,
+        hedge_min_samples=5,
+        attempt_timeout_s=20,
+        read_deadline_s=5,
+    )
+    result: dict[str, object] = {}
+
+    def first_read() -> None:
+        try:
+            result["data"] = rs.read("obj", 0, 64)
+        except ReadTimeoutError as exc:  # reported by the assertion below
+            result["error"] = exc
+
+    reader = threading.Thread(target=first_read)
+    try:
+        reader.start()
+        for _ in range(500):  # the first read has picked r0
+            if rs.metrics()["replicas"][stores[0].uri]["requests"]:
+                break
+            threading.Event().wait(0.01)
+        for _ in range(10):
+            assert rs.read("obj", 0, 64) == PAYLOAD[:64]
+        reader.join(30)
+        assert not reader.is_alive()
+        assert result.get("data") == PAYLOAD[:64], result.get("error")
+        m = rs.metrics()
+        assert m["replicas"][stores[1].uri]["hedges_won"] == 1
+        assert m["replicas"][stores[0].uri]["wins"] == 0
+    finally:
+        _release(stores)

@@ -35,7 +35,12 @@ class HedgePolicy:
 
     quantile: float = 95.0
     """Hedge a request still running after this percentile of recent first-attempt latencies
-    of its size class."""
+    of its size class (outliers left out: see ``outlier_factor``)."""
+    outlier_factor: float = 5.0
+    """Latencies over this many times the class's median are left out of the percentile: they
+    are the slow requests hedging exists to cut, and counting them would pull the delay up
+    into the very tail it is meant to cut (5% of requests 20x slow put the 95th percentile
+    of all latencies among the slow ones)."""
     min_delay_s: float = 0.05
     """Never hedge sooner than this."""
     initial_delay_s: float = 2.0
@@ -50,6 +55,8 @@ class HedgePolicy:
     def __post_init__(self) -> None:
         if not 0 < self.quantile < 100:
             raise ValueError(f"HedgePolicy.quantile must be within (0, 100), got {self.quantile}")
+        if self.outlier_factor <= 1:
+            raise ValueError(f"HedgePolicy.outlier_factor must be > 1, got {self.outlier_factor}")
         if self.max_extra_fraction < 0:
             raise ValueError(
                 f"HedgePolicy.max_extra_fraction must be >= 0, got {self.max_extra_fraction}"
@@ -65,6 +72,13 @@ class HedgePolicy:
 def size_class(nbytes: int) -> int:
     """Requests within a factor of 4 of each other share a class (0 for unknown or tiny)."""
     return max(int(nbytes).bit_length() - 12, 0) // 2
+
+
+def _trimmed_percentile(values: deque[float], q: float, outlier_factor: float) -> float:
+    """The ``q``-th percentile of ``values`` no greater than ``outlier_factor`` x their median."""
+    a = np.fromiter(values, dtype=np.float64, count=len(values))
+    body = a[a <= outlier_factor * float(np.median(a))]
+    return float(np.percentile(body, q))
 
 
 class Hedger:
@@ -119,9 +133,16 @@ class Hedger:
             if recent is None or len(recent) < p.min_samples:
                 return max(p.initial_delay_s, p.min_delay_s)
             if cls not in self._cached or self._new.get(cls, 0) >= _REFRESH:
-                self._cached[cls] = float(np.percentile(recent, p.quantile))
+                self._cached[cls] = _trimmed_percentile(recent, p.quantile, p.outlier_factor)
                 self._new[cls] = 0
             return max(self._cached[cls], p.min_delay_s)
+
+    def learnt(self, nbytes: int = 0) -> bool:
+        """Whether the delay of ``nbytes`` requests comes from their latencies (not the initial
+        guess)."""
+        with self._lock:
+            recent = self._recent.get(size_class(nbytes))
+            return recent is not None and len(recent) >= self._policy.min_samples
 
     def delays(self) -> dict[str, float]:
         """The current delay of each size class seen, keyed by its upper bound in bytes."""
