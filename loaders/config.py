@@ -47,14 +47,15 @@ class ReplicaConfig:
     bench_after_errors: int = 3
     """Consecutive errors after which a replica is benched (ejected: sent no reads)."""
     bench_slow_factor: float = 3.0
-    """A replica whose latency average exceeds this many times the best other healthy
-    replica's is benched too, like one that errs."""
-    bench_min_samples: int = 10
-    """Latencies a replica needs before it can be benched for being slow (its average is a
-    plain mean until ``1 / latency_ewma_alpha`` latencies are known)."""
+    """A replica whose latency (median of its last ``latency_window`` reads) exceeds this many
+    times the best other healthy replica's is benched too, like one that errs."""
+    bench_min_samples: int = 5
+    """Latencies a replica needs before it can be benched for being slow (the median of 5
+    is over 3x only if 3 of them are: with 5% slow reads, about 1 chance in 1,000)."""
     max_benched_slow: float = 0.5
-    """Fraction of the replicas that may be benched for being slow at once, rounded up (the
-    fastest is never benched for latency); replicas benched for errors are not limited."""
+    """Fraction of the replicas that may be benched for being slow at once, rounded down but at
+    least one (so three replicas keep two to hedge between; the fastest is never benched for
+    latency); replicas benched for errors are not limited."""
     bench_s: float = 5.0
     """First bench duration; doubles each time a replica is benched again before it has
     recovered, up to ``max_bench_s``."""
@@ -67,8 +68,9 @@ class ReplicaConfig:
     """Consecutive probation reads, each without error and no slower than ``bench_slow_factor``
     times the best healthy replica's average, that restore a replica to full traffic; a failed
     probation read benches it again for twice as long."""
-    latency_ewma_alpha: float = 0.1
-    """Weight of a new latency in a replica's moving average."""
+    latency_window: int = 20
+    """Recent reads whose median latency is a replica's latency: robust to the few slow reads
+    every store has (hedging's job), quick to follow one that turns slow on every read."""
     verify_replicas: bool = True
     """At open, compare the index and every shard's size across replicas."""
 
@@ -109,8 +111,11 @@ class ReplicaConfig:
             raise ValueError(f"recover_after must be >= 1, got {self.recover_after}")
         if self.hedge_min_samples < 1:
             raise ValueError(f"hedge_min_samples must be >= 1, got {self.hedge_min_samples}")
-        if not 0.0 < self.latency_ewma_alpha <= 1.0:
-            raise ValueError(f"latency_ewma_alpha must be in (0, 1], got {self.latency_ewma_alpha}")
+        if self.latency_window < self.bench_min_samples:
+            raise ValueError(
+                f"latency_window must be >= bench_min_samples ({self.bench_min_samples}), "
+                f"got {self.latency_window}"
+            )
 
     def hedge_policy(self) -> HedgePolicy:
         """The store's hedging settings these options make (when and how often to hedge)."""

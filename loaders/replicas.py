@@ -1,10 +1,13 @@
 """Reads over replicas of one dataset: healthy replicas first, failover, benching, hedged reads.
 
 A read's first attempt goes to a healthy replica at random, weighted by speed and load (the
-inverse of its moving average of log latency times one plus its reads in flight). A replica is
-benched (ejected: sent no reads) for ``bench_s`` after ``bench_after_errors`` consecutive errors,
-or when its average latency exceeds ``bench_slow_factor`` times the best other healthy replica's
-(at most ``max_benched_slow`` of the replicas at once). After its bench it is on probation: one
+inverse of its latency, the median of its last ``latency_window`` reads, times one plus its reads
+in flight). A replica is benched (ejected: sent no reads) for ``bench_s`` after
+``bench_after_errors`` consecutive errors, or when its latency exceeds ``bench_slow_factor``
+times the best other healthy replica's (at most ``max_benched_slow`` of the replicas at once).
+The median judges what a typical read costs: a replica slow on every read is benched within
+``bench_min_samples`` reads, while a few slow reads on a healthy one, which hedging cuts, do not
+bench it. After its bench it is on probation: one
 first attempt in every ``1 / probation_share``; ``recover_after`` good probation reads in a row
 restore it, a slow or failed one benches it again for twice as long (up to ``max_bench_s``).
 An error or a timeout fails over to another replica at once. When a read has not completed
@@ -23,8 +26,10 @@ import logging
 import math
 import os
 import random
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -58,7 +63,8 @@ class _Replica:
         self.store = store
         self.name = store.uri
         self.stats = ReplicaStats(store.uri)
-        self.log_latency: float | None = None
+        self.recent: deque[float] = deque(maxlen=config.latency_window)
+        self.latency = math.inf  # median of recent: what a typical read costs (inf: unknown)
         self.samples = 0
         self.inflight = 0
         self.consecutive_errors = 0
@@ -69,9 +75,15 @@ class _Replica:
         self.probation_ok = 0
         self.probe_due = 0  # the first attempt (counted by the set) from which it may be probed
 
-    @property
-    def latency(self) -> float:
-        return math.inf if self.log_latency is None else math.exp(self.log_latency)
+    def measured(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self.latency = statistics.median(self.recent)
+        self.samples += 1
+
+    def forget(self) -> None:
+        self.recent.clear()
+        self.latency = math.inf
+        self.samples = 0
 
     def score(self) -> float:
         return self.latency * (1 + self.inflight)
@@ -156,11 +168,11 @@ class ReplicaSet:
             return choice
 
     def _pick(self, healthy: list[_Replica]) -> _Replica:
-        idle_unmeasured = [r for r in healthy if r.log_latency is None and not r.inflight]
+        idle_unmeasured = [r for r in healthy if not r.samples and not r.inflight]
         if idle_unmeasured:
             return idle_unmeasured[0]
-        healthy = [r for r in healthy if r.log_latency is not None] or healthy
-        if healthy[0].log_latency is None:  # none measured yet, all busy
+        healthy = [r for r in healthy if r.samples] or healthy
+        if not healthy[0].samples:  # none measured yet, all busy
             return min(healthy, key=lambda r: r.inflight)
         weights = [1 / r.score() for r in healthy]
         return self._random.choices(healthy, weights)[0]
@@ -181,12 +193,7 @@ class ReplicaSet:
             if error is None:
                 r.consecutive_errors = 0
             if error is None and read and (on_probation or not r.benched):
-                sample = math.log(max(seconds, 1e-6))
-                a = max(cfg.latency_ewma_alpha, 1 / (r.samples + 1))  # a mean while few
-                r.log_latency = (
-                    sample if r.log_latency is None else (1 - a) * r.log_latency + a * sample
-                )
-                r.samples += 1
+                r.measured(seconds)
                 if on_probation:
                     if seconds <= cfg.bench_slow_factor * best or best == math.inf:
                         r.probation_ok += 1
@@ -232,7 +239,7 @@ class ReplicaSet:
 
     def _may_bench_slow(self) -> bool:
         n = len(self._replicas)
-        cap = math.ceil(n * self.config.max_benched_slow)
+        cap = max(1, math.floor(n * self.config.max_benched_slow))
         return n > 1 and sum(r.benched and r.benched_slow for r in self._replicas) < cap
 
     def _bench(self, r: _Replica, now: float, *, slow: bool) -> None:
@@ -242,7 +249,7 @@ class ReplicaSet:
         r.bench_s = min(r.bench_s * 2, self.config.max_bench_s)
         r.probation_ok = 0
         r.probe_due = self._firsts
-        r.log_latency, r.samples = None, 0  # probation measures it afresh
+        r.forget()  # probation measures it afresh
 
     def _restore(self, r: _Replica) -> None:
         r.benched = r.benched_slow = False
@@ -260,7 +267,9 @@ class ReplicaSet:
     ) -> Future:
         """Run ``fn(store)`` on replica ``r``, then ``post(result, replica)`` (a decode that may
         find the bytes corrupt); the outcome updates r's statistics. The latency of a read's
-        first attempt (``primary_nbytes`` given), won or not, feeds the hedge delay."""
+        first attempt (``primary_nbytes`` given), won or not, feeds the hedge delay, timed from
+        here as the read's hedge timer is (a hand-over to a busy thread counts in both)."""
+        launched = time.monotonic()
 
         def attempt() -> Any:
             r.stats.add(requests=1)
@@ -275,7 +284,7 @@ class ReplicaSet:
             nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
             self._finished(r, seconds, nbytes, None, read=read)
             if primary_nbytes is not None:
-                self.hedger.record(primary_nbytes, seconds)
+                self.hedger.record(primary_nbytes, t0 + seconds - launched)
             return out
 
         future = r.store.submit(attempt)

@@ -330,3 +330,27 @@ def test_a_read_started_before_the_delay_is_learnt_hedges_once_it_is(tmp_path):
         assert m["replicas"][stores[0].uri]["wins"] == 0
     finally:
         _release(stores)
+
+
+def test_a_few_slow_reads_never_bench_a_healthy_replica(tmp_path):
+    """Every store has a tail: 10% of each replica's reads 30x slow. Hedging is for those; a
+    replica is benched for what a typical read costs, so none of the three is."""
+    faults = [Faults(latency=Fixed(0.002), slow_rate=0.1, slow_s=0.06, seed=s) for s in range(3)]
+    rs, stores = _replicas(tmp_path, faults, hedge=False)
+    for _ in range(300):
+        assert rs.read("obj", 0, 32) == PAYLOAD[:32]
+    m = rs.metrics()["replicas"]
+    assert sum(faults_of(s).counts["slow"] for s in stores) >= 15  # the tail was there
+    assert [m[s.uri]["benched"] for s in stores] == [0, 0, 0]
+
+
+def test_of_three_replicas_two_stay_to_hedge_between(tmp_path):
+    """Two of three replicas slow: only one is benched for latency at a time, so reads keep a
+    second healthy replica to hedge to."""
+    faults = [Faults(latency=Fixed(0.024)), Faults(latency=Fixed(0.024))]
+    faults.append(Faults(latency=Fixed(0.004)))
+    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_s=60.0, bench_min_samples=4)
+    for _ in range(300):
+        rs.read("obj", 0, 32)
+    health = [rs.metrics()["replicas"][s.uri]["health"] for s in stores]
+    assert sorted(health[:2]) == ["benched", "healthy"] and health[2] == "healthy"
