@@ -210,9 +210,9 @@ def _check(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def _held_back_fault_warnings(show: bool) -> Iterator[dict[str, int]]:
-    """Count, and unless ``show`` drop, the warnings each injected fault causes: the store's
-    one per failed attempt (records marked ``ckptstore_retry``) and the replica set's one per
-    replica benched. The run reports the totals instead of hundreds of lines."""
+    """Count, and unless ``show`` drop, the warnings each injected fault causes: one per failed
+    attempt (the store's, marked ``ckptstore_retry``, and the replica set's for a read attempt
+    given up at its deadline) and the replica set's one per replica benched. The run reports the totals instead of hundreds of lines."""
     counts = {"failed_attempts": 0, "benched": 0}
     lock = threading.Lock()
 
@@ -224,10 +224,11 @@ def _held_back_fault_warnings(show: bool) -> Iterator[dict[str, int]]:
         return show
 
     def replicas_filter(record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("replica %s benched"):
+        timeout = getattr(record, "loaders_attempt_timeout", False)
+        if not timeout and not str(record.msg).startswith("replica %s benched"):
             return True
         with lock:
-            counts["benched"] += 1
+            counts["failed_attempts" if timeout else "benched"] += 1
         return show
 
     loggers = [

@@ -49,6 +49,9 @@ class ReplicaConfig:
     bench_slow_factor: float = 3.0
     """A replica whose latency (median of its last ``latency_window`` reads) exceeds this many
     times the best other healthy replica's is benched too, like one that errs."""
+    bench_slow_margin_s: float = 0.01
+    """...and is at least this much slower than it: a few milliseconds of thread scheduling on
+    fast local reads are noise, not a slow replica."""
     bench_min_samples: int = 5
     """Latencies a replica needs before it can be benched for being slow (the median of 5
     is over 3x only if 3 of them are: with 5% slow reads, about 1 chance in 1,000)."""
@@ -101,6 +104,8 @@ class ReplicaConfig:
             raise ValueError(f"bench_after_errors must be >= 1, got {self.bench_after_errors}")
         if self.bench_slow_factor <= 1:
             raise ValueError(f"bench_slow_factor must be > 1, got {self.bench_slow_factor}")
+        if self.bench_slow_margin_s < 0:
+            raise ValueError(f"bench_slow_margin_s must be >= 0, got {self.bench_slow_margin_s}")
         if self.bench_min_samples < 1:
             raise ValueError(f"bench_min_samples must be >= 1, got {self.bench_min_samples}")
         if not 0.0 <= self.max_benched_slow < 1.0:

@@ -32,9 +32,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ckptstore.errors import ObjectNotFoundError, StorageError
+from ckptstore.errors import ObjectNotFoundError, StorageError, StorageTimeoutError
 from ckptstore.store import Hedger, RetryPolicy, Store
 from loaders.config import ReplicaConfig
 from loaders.errors import (
@@ -87,6 +88,18 @@ class _Replica:
 
     def score(self) -> float:
         return self.latency * (1 + self.inflight)
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """One request of a read to one replica, settled (accounted for) once: at its end, or when
+    the read gives it up at ``deadline``."""
+
+    replica: _Replica
+    hedge: bool
+    deadline: float
+    launched: float
+    settled: bool = False
 
 
 class ReplicaSet:
@@ -195,7 +208,7 @@ class ReplicaSet:
             if error is None and read and (on_probation or not r.benched):
                 r.measured(seconds)
                 if on_probation:
-                    if seconds <= cfg.bench_slow_factor * best or best == math.inf:
+                    if seconds <= max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s):
                         r.probation_ok += 1
                         if r.probation_ok >= cfg.recover_after:
                             self._restore(r)
@@ -205,7 +218,8 @@ class ReplicaSet:
                 elif (
                     not r.benched
                     and r.samples >= cfg.bench_min_samples
-                    and r.latency > cfg.bench_slow_factor * best
+                    and r.latency
+                    > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
                     and self._may_bench_slow()
                 ):
                     benched_for = (
@@ -264,12 +278,20 @@ class ReplicaSet:
         post: Callable[[Any, str], Any] | None,
         primary_nbytes: int | None,
         read: bool,
-    ) -> Future:
-        """Run ``fn(store)`` on replica ``r``, then ``post(result, replica)`` (a decode that may
-        find the bytes corrupt); the outcome updates r's statistics. The latency of a read's
-        first attempt (``primary_nbytes`` given), won or not, feeds the hedge delay, timed from
-        here as the read's hedge timer is (a hand-over to a busy thread counts in both)."""
+        nbytes: int,
+        is_hedge: bool,
+    ) -> tuple[Future, _Attempt]:
+        """Run ``fn(store)`` on replica ``r`` in a thread of its store, then ``post(result,
+        replica)`` (a decode that may find the bytes corrupt); the outcome updates r's
+        statistics, unless the read gave the attempt up at its deadline first. The latency of a
+        read's first attempt (``primary_nbytes`` given), won or not, feeds the hedge delay,
+        timed from here as the read's hedge timer is (a hand-over to a busy thread counts in
+        both)."""
         launched = time.monotonic()
+        # A data read runs in this thread with no deadline of the store's own (in_thread):
+        # the read gives it up at the deadline the store would have set.
+        bound = launched + r.store.retry.deadline_s(nbytes) if read else math.inf
+        a = _Attempt(r, is_hedge, bound, launched)
 
         def attempt() -> Any:
             r.stats.add(requests=1)
@@ -279,23 +301,44 @@ class ReplicaSet:
                 seconds = time.monotonic() - t0
                 out = post(data, r.name) if post is not None else data
             except BaseException as exc:
-                self._finished(r, time.monotonic() - t0, 0, exc, read=read)
+                if self._settle(a):
+                    self._finished(r, time.monotonic() - t0, 0, exc, read=read)
                 raise
-            nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
-            self._finished(r, seconds, nbytes, None, read=read)
-            if primary_nbytes is not None:
-                self.hedger.record(primary_nbytes, t0 + seconds - launched)
+            if self._settle(a):
+                nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
+                self._finished(r, seconds, nbytes, None, read=read)
+                if primary_nbytes is not None:
+                    self.hedger.record(primary_nbytes, t0 + seconds - launched)
             return out
 
         future = r.store.submit(attempt)
 
         def on_cancel(f: Future) -> None:
-            if f.cancelled():
+            if f.cancelled() and self._settle(a):
                 with self._lock:
                     r.inflight -= 1
 
         future.add_done_callback(on_cancel)
-        return future
+        return future, a
+
+    def _settle(self, a: _Attempt) -> bool:
+        """Whether the caller is first to account for attempt ``a`` (its end, or its deadline)."""
+        with self._lock:
+            first, a.settled = not a.settled, True
+            return first
+
+    def _expire(self, a: _Attempt, now: float, what: str, read: bool) -> StorageTimeoutError | None:
+        """Give up attempt ``a`` at its deadline (it runs on, ignored): counted as an error of
+        its replica, like a Store attempt past its deadline; None if it ended first."""
+        if not self._settle(a):
+            return None
+        r = a.replica
+        error = StorageTimeoutError(
+            f"read {what} from {r.name}: no answer within {now - a.launched:.1f}s"
+        )
+        self._finished(r, now - a.launched, 0, error, read=read)
+        logger.warning("replica %s: %s", r.name, error, extra={"loaders_attempt_timeout": True})
+        return error
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -320,7 +363,7 @@ class ReplicaSet:
         return self._hedged(
             what,
             nbytes,
-            lambda store: get(store, key, start, end),
+            lambda store: get(store, key, start, end, in_thread=True),
             decode,
             hedge=True,
             count=True,
@@ -361,7 +404,7 @@ class ReplicaSet:
         hedge = hedge and cfg.hedge and cfg.max_hedges > 0 and len(self._replicas) - len(gone) > 1
         if hedge:
             self.hedger.admit()
-        pending: dict[Future, tuple[_Replica, bool]] = {}
+        pending: dict[Future, _Attempt] = {}
         tried: list[_Replica] = []
         errors: list[str] = []
         last_exc: BaseException | None = None
@@ -369,7 +412,7 @@ class ReplicaSet:
 
         def launch(is_hedge: bool, reserve: float = 0.0) -> bool:
             """Start an attempt; a hedge only with a replica free for it and a budget token."""
-            busy = [r for r, _ in pending.values()] + gone
+            busy = [a.replica for a in pending.values()] + gone
             initial = not tried
             r = self._choose(
                 busy + [t for t in tried if t not in busy], first=initial, hedge=is_hedge
@@ -386,7 +429,8 @@ class ReplicaSet:
             if is_hedge:
                 r.stats.add(hedges_fired=1)
             first = nbytes if hedge and initial and not r.benched else None
-            pending[self._start(r, fn, post, first, count)] = (r, is_hedge)
+            future, attempt = self._start(r, fn, post, first, count, nbytes, is_hedge)
+            pending[future] = attempt
             return True
 
         launch(False)
@@ -413,9 +457,11 @@ class ReplicaSet:
                     wake = min(deadline, next_hedge, now + poll)
                 else:
                     wake = min(deadline, next_hedge)
+                wake = min(wake, *(a.deadline for a in pending.values()))
                 done, _ = wait(list(pending), timeout=wake - now, return_when=FIRST_COMPLETED)
                 for future in done:
-                    r, is_hedge = pending.pop(future)
+                    a = pending.pop(future)
+                    r, is_hedge = a.replica, a.hedge
                     exc = future.exception()
                     if exc is None:
                         data = future.result()
@@ -432,7 +478,14 @@ class ReplicaSet:
                     errors.append(f"{r.name}: {exc}")
                     last_exc = exc
                     logger.debug("read %s failed on %s: %s", what, r.name, exc)
-                if done and not pending:
+                expired = False
+                now = time.monotonic()
+                for future, a in list(pending.items()):
+                    if now >= a.deadline and (error := self._expire(a, now, what, count)):
+                        del pending[future]
+                        errors.append(f"{a.replica.name}: {error}")
+                        last_exc, expired = error, True
+                if (done or expired) and not pending:
                     if len(set(gone)) == len(self._replicas):
                         self.stats.add(failed=1)
                         raise ShardNotFoundError(
@@ -471,11 +524,11 @@ class ReplicaSet:
                         self.stats.add(hedges_refused=1)
                         next_hedge = time.monotonic() + delay / 4
         finally:
-            for future, (r, _) in pending.items():
+            for future, a in pending.items():
                 if future.cancel():
-                    r.stats.add(cancelled=1)
+                    a.replica.stats.add(cancelled=1)
                 else:
-                    r.stats.add(discarded=1)
+                    a.replica.stats.add(discarded=1)
 
     # -- whole-dataset checks ---------------------------------------------------------------
 

@@ -354,3 +354,28 @@ def test_of_three_replicas_two_stay_to_hedge_between(tmp_path):
         rs.read("obj", 0, 32)
     health = [rs.metrics()["replicas"][s.uri]["health"] for s in stores]
     assert sorted(health[:2]) == ["benched", "healthy"] and health[2] == "healthy"
+
+
+def test_an_attempt_given_up_at_its_deadline_is_counted_once_when_it_ends(tmp_path):
+    """Data reads run in the replica's thread without a deadline of the store's own; the read
+    gives a slow attempt up at the store's deadline (an error of that replica, failover), and
+    the attempt's late answer is neither counted again nor returned."""
+    rs, stores = _replicas(
+        tmp_path,
+        [Faults(latency=Fixed(0.6)), None],
+        hedge=False,
+        attempt_timeout_s=0.1,
+        read_deadline_s=10,
+    )
+    assert rs.read("obj", 0, 16) == PAYLOAD[:16]  # the first read goes to r0, unmeasured
+    r0 = next(r for r in rs._replicas if r.store is stores[0])
+    for _ in range(300):  # r0's attempt ends after 0.6 s
+        if faults_of(stores[0]).counts["requests"] == 1 and r0.inflight == 0:
+            threading.Event().wait(0.7)
+            break
+        threading.Event().wait(0.01)
+    m = rs.metrics()
+    assert m["replicas"][stores[0].uri]["errors"] == 1
+    assert m["replicas"][stores[0].uri]["wins"] == 0 and r0.samples == 0
+    assert m["replicas"][stores[1].uri]["wins"] == 1
+    assert r0.inflight == 0 and m["reads"]["failovers"] == 1

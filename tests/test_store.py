@@ -128,6 +128,31 @@ def test_errors_exhaust_retries_with_clear_message():
         store.put("k", b"v")
 
 
+def test_an_in_thread_get_runs_in_the_callers_thread_retried_and_translated(tmp_path):
+    store = Store(str(tmp_path), retry=RetryPolicy(attempts=3, base_delay_s=0.001))
+    store.put("k", b"0123456789")
+    threads = []
+    read = store.backend.get
+
+    def spy(*args):
+        threads.append(threading.get_ident())
+        return read(*args)
+
+    store.backend.get = spy
+    assert store.get("k", 2, 5, in_thread=True) == b"234"
+    assert store.get("k", 2, 5) == b"234"
+    assert threads[0] == threading.get_ident() != threads[1]  # no hand-over, then a worker's
+    with pytest.raises(ObjectNotFoundError, match="does not exist"):
+        store.get("missing", in_thread=True)
+    flaky = with_faults(
+        Store(str(tmp_path), retry=RetryPolicy(attempts=3, base_delay_s=0.001)),
+        Faults(error_rate=1.0, ops=frozenset({"get"})),
+    )
+    with pytest.raises(StorageError, match=r"get .*/k failed after 3 attempts"):
+        flaky.get("k", in_thread=True)
+    assert flaky.counters.snapshot()["retries"]["get"] == 2
+
+
 def test_hung_request_hits_deadline():
     faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
     store = with_faults(

@@ -143,11 +143,20 @@ class Store:
 
     # -- the request loop -------------------------------------------------------------------
 
-    def _request(self, op: str, key: str, fn: Callable[..., R], *args: Any, nbytes: int = 0) -> R:
-        """``fn(*args)`` as one request: retried, under deadlines, counted."""
+    def _request(
+        self,
+        op: str,
+        key: str,
+        fn: Callable[..., R],
+        *args: Any,
+        nbytes: int = 0,
+        in_thread: bool = False,
+    ) -> R:
+        """``fn(*args)`` as one request: retried, under deadlines, counted. ``in_thread``: each
+        attempt runs in the calling thread, with no deadline of its own (the caller bounds it)."""
         request = Request(op, key, nbytes)
         try:
-            result = self._attempts(request, fn, args)
+            result = self._attempts(request, fn, args, in_thread)
         except BaseException as exc:
             self.counters.request(op, _error_kind(exc))
             raise
@@ -155,7 +164,9 @@ class Store:
         self.counters.request(op, OK, moved)
         return result
 
-    def _attempts(self, request: Request, fn: Callable[..., R], args: tuple) -> R:
+    def _attempts(
+        self, request: Request, fn: Callable[..., R], args: tuple, in_thread: bool = False
+    ) -> R:
         op, key, policy = request.op, request.key, self.retry
         last: BaseException | None = None
         budget = policy.budget_s(request.nbytes)
@@ -174,31 +185,37 @@ class Store:
             if made:
                 self.counters.retry(op)
             made += 1
-            future = self._workers.submit(fn, *args)
-            try:
-                # exception(), not result(): re-raising the worker's error here would add this
-                # thread's frames to its traceback, and with them the caller's locals (a chunk's
-                # bytes) to any reference cycle that traceback is part of (fsspec's sync() makes
-                # one for every error), to be freed only by the cyclic GC.
-                error = future.exception(timeout=deadline)
-            except TimeoutError:
-                if not future.cancel() and op in _MUTATING_OPS:
-                    self._track_abandoned(future)
-                last = StorageTimeoutError(
-                    f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
-                )
-                logger.warning(
-                    "%s %s: attempt %d timed out after %.1fs%s",
-                    op,
-                    self.url(key),
-                    made,
-                    deadline,
-                    self._from(),
-                    extra=_RETRY_LOG,
-                )
-                continue
-            if error is None:
-                return future.result()
+            if in_thread:
+                try:
+                    return fn(*args)
+                except Exception as exc:  # noqa: BLE001 - classified below, as a worker's is
+                    error = exc
+            else:
+                future = self._workers.submit(fn, *args)
+                try:
+                    # exception(), not result(): re-raising the worker's error here would add
+                    # this thread's frames to its traceback, and with them the caller's locals
+                    # (a chunk's bytes) to any reference cycle that traceback is part of
+                    # (fsspec's sync() makes one for every error), freed only by the cyclic GC.
+                    error = future.exception(timeout=deadline)
+                except TimeoutError:
+                    if not future.cancel() and op in _MUTATING_OPS:
+                        self._track_abandoned(future)
+                    last = StorageTimeoutError(
+                        f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
+                    )
+                    logger.warning(
+                        "%s %s: attempt %d timed out after %.1fs%s",
+                        op,
+                        self.url(key),
+                        made,
+                        deadline,
+                        self._from(),
+                        extra=_RETRY_LOG,
+                    )
+                    continue
+                if error is None:
+                    return future.result()
             if not is_transient(error):
                 raise self._translate(op, key, error) from error
             last = error
@@ -307,23 +324,48 @@ class Store:
                 )
 
     def get(
-        self, key: str, start: int | None = None, end: int | None = None, *, hedged: bool = False
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        hedged: bool = False,
+        in_thread: bool = False,
     ) -> bytes:
-        """The bytes of ``key``, or of ``[start, end)`` of it; ``hedged``: duplicated when slow."""
-        return self._get(self.backend.get, key, start, end, hedged)
+        """The bytes of ``key``, or of ``[start, end)`` of it; ``hedged``: duplicated when slow.
+        ``in_thread``: the request runs in the calling thread with no per-attempt deadline, for
+        a caller that runs it in a thread of its own and bounds it itself (the loader's replica
+        reads): one thread hand-over less per request."""
+        return self._get(self.backend.get, key, start, end, hedged, in_thread)
 
     def get_view(
-        self, key: str, start: int | None = None, end: int | None = None, *, hedged: bool = False
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        hedged: bool = False,
+        in_thread: bool = False,
     ):
         """``key`` (or ``[start, end)`` of it) as a read-only buffer; on local paths a memory
         map of the file's pages (no copy), elsewhere the bytes, as ``get`` returns them."""
-        return self._get(self.backend.get_view, key, start, end, hedged)
+        return self._get(self.backend.get_view, key, start, end, hedged, in_thread)
 
-    def _get(self, read: Callable, key: str, start: int | None, end: int | None, hedged: bool):
+    def _get(
+        self,
+        read: Callable,
+        key: str,
+        start: int | None,
+        end: int | None,
+        hedged: bool,
+        in_thread: bool,
+    ):
         nbytes = (end - (start or 0)) if end is not None else 0
 
         def get() -> Any:
-            return self._request("get", key, read, self.path(key), start, end, nbytes=nbytes)
+            return self._request(
+                "get", key, read, self.path(key), start, end, nbytes=nbytes, in_thread=in_thread
+            )
 
         return self._hedged("get", nbytes, get) if hedged else get()
 
