@@ -1,5 +1,5 @@
-"""``ckptbench loader``: read latency of the data loader under injected storage faults (healthy,
-unhedged and hedged reads of the same dataset in one run) and, with ``--throughput``, delivered
+"""``ckptbench loader``: read latency of the data loader, healthy and under injected storage
+faults, unhedged and hedged (the same dataset, four runs in one process) and, with ``--throughput``, delivered
 bytes/s of token files, MDS and WebDataset shards against a raw sequential read of the same bytes.
 """
 
@@ -43,7 +43,7 @@ when nothing is wrong), then the faults unhedged and hedged."""
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "loader",
-        help="loader read latency under faults (healthy / unhedged / hedged) and throughput",
+        help="loader read latency, healthy and under faults, unhedged and hedged; throughput",
         description="Reads a generated token dataset from several replicas with injected "
         "latency and faults, four ways in one run: all healthy (unhedged, then hedged), and "
         "with the faults unhedged, then hedged.",
