@@ -1,6 +1,7 @@
 """``ckptbench loader``: read latency of the data loader, healthy and under injected storage
-faults, unhedged and hedged (the same dataset, four runs in one process) and, with ``--throughput``, delivered
-bytes/s of token files, MDS and WebDataset shards against a raw sequential read of the same bytes.
+faults, unhedged and hedged (the same dataset, four runs in one process) and, with
+``--throughput``, delivered bytes/s of token files, MDS and WebDataset shards against a raw
+sequential read of the same bytes.
 """
 
 from __future__ import annotations
