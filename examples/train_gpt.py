@@ -118,7 +118,7 @@ def make_loader(args: argparse.Namespace) -> StatefulLoader:
             dtype="uint16",
             sample_tokens=args.block + 1,
             manifest=MANIFEST,
-            header_bytes=TokenWriter.HEADER_BYTES["llmc"],
+            header="llmc",
             read_bytes=16 * 1024,
         ),
         config=LoaderConfig(seed=args.seed, shuffle_block_units=4),

@@ -1,6 +1,7 @@
-"""Flat token files (nanoGPT ``train.bin``, Megatron-style pipelines): a binary array of uint16 or
-uint32 token ids, cut into samples of ``sample_tokens`` tokens; a trailing partial sample is
-dropped. Each unit is one ranged read of whole samples, about ``read_bytes`` long."""
+"""Flat token files (nanoGPT ``train.bin``, Megatron-style pipelines, llm.c): a binary array of
+uint16 or uint32 token ids, optionally behind llm.c's 1024-byte header (256 int32: magic,
+version, token count), cut into samples of ``sample_tokens`` tokens; a trailing partial sample
+is dropped. Each unit is one ranged read of whole samples, about ``read_bytes`` long."""
 
 from __future__ import annotations
 
@@ -11,6 +12,41 @@ import numpy as np
 
 from loaders.errors import ShardCorruptError
 from loaders.layout import Unit, shard_sizes
+
+LLMC_HEADER_BYTES = 1024
+# llm.c's dev/data/data_common.py: GPT-2 files hold uint16 tokens, Llama 3 files uint32.
+_LLMC_MAGIC = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
+
+
+def llmc_header(dtype: str, num_tokens: int) -> bytes:
+    """llm.c's header of a file of ``num_tokens`` tokens of ``dtype``."""
+    if num_tokens >= 2**31:
+        raise ValueError(f"an llm.c token file holds < 2**31 tokens, got {num_tokens}")
+    magic, version = _LLMC_MAGIC[dtype]
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, num_tokens
+    return header.tobytes()
+
+
+def check_llmc_header(data: bytes, dtype: str, key: str, size: int) -> None:
+    """:class:`ShardCorruptError` unless ``data`` is the llm.c header of a ``size``-byte file of
+    ``dtype`` tokens."""
+    magic, version, tokens = (int(v) for v in np.frombuffer(data[:12], "<i4"))
+    want = _LLMC_MAGIC[dtype]
+    if (magic, version) != want:
+        known = {m: d for d, (m, _) in _LLMC_MAGIC.items()}
+        what = f"{known[magic]} tokens" if magic in known else "not an llm.c token file"
+        raise ShardCorruptError(
+            f"token file {key}: llm.c header magic {magic} version {version} ({what}), "
+            f"expected {want[0]} version {want[1]} for {dtype}"
+        )
+    body = size - LLMC_HEADER_BYTES
+    itemsize = np.dtype(dtype).itemsize
+    if tokens * itemsize != body:
+        raise ShardCorruptError(
+            f"token file {key}: its llm.c header says {tokens} tokens, the file holds "
+            f"{body // itemsize} ({size} bytes)"
+        )
 
 
 @dataclass(kw_only=True)
@@ -28,8 +64,12 @@ class TokenFiles:
     """Token id type: ``uint16`` or ``uint32``."""
     sample_tokens: int = 2048
     """Tokens per sample (use block size + 1 for shifted inputs and targets)."""
+    header: str | None = None
+    """``"llmc"``: each file starts with llm.c's 1024-byte header, checked at open (its magic
+    and version must match ``dtype``, its token count the file's size); None: no header, or an
+    unchecked one of ``header_bytes``."""
     header_bytes: int = 0
-    """Bytes to skip at the start of each file (e.g. 1024 for llm.c's header)."""
+    """Bytes to skip at the start of each file (1024 with ``header="llmc"``)."""
     read_bytes: int = 4 * 2**20
     """Bytes per read, rounded down to whole samples (at least one)."""
     name: str = field(default="tokens", init=False)
@@ -39,6 +79,15 @@ class TokenFiles:
             raise ValueError(f"TokenFiles.dtype must be uint16 or uint32, got {self.dtype!r}")
         if self.sample_tokens < 1:
             raise ValueError(f"TokenFiles.sample_tokens must be >= 1, got {self.sample_tokens}")
+        if self.header not in (None, "llmc"):
+            raise ValueError(f"TokenFiles.header must be None or 'llmc', got {self.header!r}")
+        if self.header == "llmc":
+            if self.header_bytes not in (0, LLMC_HEADER_BYTES):
+                raise ValueError(
+                    f"TokenFiles.header_bytes is {LLMC_HEADER_BYTES} with header='llmc', "
+                    f"got {self.header_bytes}"
+                )
+            self.header_bytes = LLMC_HEADER_BYTES
         if self.header_bytes < 0:
             raise ValueError(f"TokenFiles.header_bytes must be >= 0, got {self.header_bytes}")
         if self.read_bytes < 1:
@@ -61,6 +110,8 @@ class TokenFiles:
                     if body >= 0
                     else f"token file {key}: {size} bytes, shorter than its header"
                 )
+            if self.header == "llmc":
+                check_llmc_header(replicas.read(key, 0, LLMC_HEADER_BYTES), self.dtype, key, size)
             samples = body // sample_bytes
             for j in range(0, samples, per_unit):
                 n = min(per_unit, samples - j)

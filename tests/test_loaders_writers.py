@@ -18,6 +18,7 @@ from loaders import (
     MDS,
     LoaderConfig,
     MDSWriter,
+    ShardCorruptError,
     ShardDataset,
     ShardNotFoundError,
     TokenFiles,
@@ -192,7 +193,7 @@ def test_token_files_round_trip_on_two_replicas(tmp_path, dtype, header):
         dtype=dtype,
         sample_tokens=sample_tokens,
         manifest="manifest.txt",
-        header_bytes=writer.header_bytes,
+        header=writer.header,
         read_bytes=512,
     )
     in_order = list(ShardDataset(replicas, fmt, config=IN_ORDER))
@@ -380,3 +381,21 @@ def test_an_aborted_writer_deletes_only_what_it_wrote(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
     assert (tmp_path / "b" / "tokens.00001.bin").read_bytes() == b"someone else's"
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["tokens.00001.bin"]
+
+
+def test_llmc_header_is_checked_against_dtype_and_size_at_open(tmp_path):
+    with TokenWriter(tmp_path / "ds", dtype="uint16", header="llmc", file_tokens=64) as writer:
+        writer.write(np.arange(128, dtype=np.uint16))
+    root = tmp_path / "ds"
+    ok = TokenFiles(dtype="uint16", sample_tokens=16, manifest="manifest.txt", header="llmc")
+    assert len(list(ShardDataset(str(root), ok, config=IN_ORDER))) == 8
+    as_u32 = TokenFiles(dtype="uint32", sample_tokens=8, manifest="manifest.txt", header="llmc")
+    with pytest.raises(ShardCorruptError, match=r"magic 20240520 version 1 \(uint16 tokens\)"):
+        ShardDataset(str(root), as_u32, config=IN_ORDER)
+    first = root / writer.shards[0]
+    first.write_bytes(first.read_bytes()[:-2])  # one token short
+    with pytest.raises(ShardCorruptError, match=r"header says 64 tokens, the file holds 63"):
+        ShardDataset(str(root), ok, config=IN_ORDER)
+    first.write_bytes(b"\0" * 1024 + b"\1\0" * 64)
+    with pytest.raises(ShardCorruptError, match="not an llm.c token file"):
+        ShardDataset(str(root), ok, config=IN_ORDER)

@@ -8,27 +8,14 @@ from typing import Any
 
 import numpy as np
 
+from loaders.tokens import LLMC_HEADER_BYTES, llmc_header
 from loaders.write._sink import DatasetSink, ShardWriter, Target, manifest_bytes
-
-LLMC_HEADER_BYTES = 1024
-# llm.c's dev/data/data_common.py: GPT-2 files hold uint16 tokens, Llama 3 files uint32.
-_LLMC_MAGIC = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
-
-
-def llmc_header(dtype: str, num_tokens: int) -> bytes:
-    """llm.c's header of a file of ``num_tokens`` tokens of ``dtype``."""
-    if num_tokens >= 2**31:
-        raise ValueError(f"an llm.c token file holds < 2**31 tokens, got {num_tokens}")
-    magic, version = _LLMC_MAGIC[dtype]
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = magic, version, num_tokens
-    return header.tobytes()
 
 
 class TokenWriter(ShardWriter):
     """Writes token ids into files of at most ``file_tokens`` tokens (``{prefix}.00000.bin``,
     ...) and, last, ``manifest`` listing them; read them back with
-    ``TokenFiles(dtype=..., manifest=..., header_bytes=writer.header_bytes)``.
+    ``TokenFiles(dtype=..., manifest=..., header=writer.header)``.
 
     Make ``file_tokens`` a multiple of the reader's ``sample_tokens``: the reader drops each
     file's trailing partial sample. ``header="llmc"`` writes llm.c's header, None none (as
