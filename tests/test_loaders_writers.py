@@ -399,3 +399,40 @@ def test_llmc_header_is_checked_against_dtype_and_size_at_open(tmp_path):
     first.write_bytes(b"\0" * 1024 + b"\1\0" * 64)
     with pytest.raises(ShardCorruptError, match="not an llm.c token file"):
         ShardDataset(str(root), ok, config=IN_ORDER)
+
+
+def test_megatron_index_is_read_by_megatrons_own_indexed_dataset(tmp_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 65_536, n) for n in (5, 300, 1, 77, 1200, 40, 0, 378)]
+    with TokenWriter(tmp_path / "ds", megatron_index=True, file_tokens=1000) as writer:
+        for doc in docs:
+            writer.write(doc)
+    # Each file holds the pieces of the documents that fall in it, one sequence each.
+    expected: list[list[np.ndarray]] = [[]]
+    room = 1000
+    for doc in docs:
+        while doc.size:
+            piece, doc = doc[:room], doc[room:]
+            expected[-1].append(piece)
+            room -= piece.size
+            if not room:
+                expected.append([])
+                room = 1000
+    expected = [pieces for pieces in expected if pieces]
+    assert len(writer.shards) == len(expected) == 3  # 2001 tokens
+    for key, pieces in zip(writer.shards, expected):
+        ds = indexed.IndexedDataset(str(tmp_path / "ds" / key.removesuffix(".bin")))
+        assert len(ds) == len(pieces)
+        assert ds.index.dtype == np.uint16
+        np.testing.assert_array_equal(ds.document_indices, np.arange(len(pieces) + 1))
+        for j, piece in enumerate(pieces):
+            np.testing.assert_array_equal(ds[j], piece)
+    # the same files through the loader
+    fmt = TokenFiles(sample_tokens=1, manifest="manifest.txt")
+    got = np.concatenate(
+        [s["tokens"] for s in ShardDataset(str(tmp_path / "ds"), fmt, config=IN_ORDER)]
+    )
+    np.testing.assert_array_equal(got, np.concatenate(docs))
+    with pytest.raises(ValueError, match="megatron_index takes uint16 tokens without a header"):
+        TokenWriter(tmp_path / "other", megatron_index=True, header="llmc")

@@ -1,8 +1,10 @@
 """Token files as ``TokenFiles`` reads them: flat uint16/uint32 arrays of token ids, optionally
-behind llm.c's 1024-byte header (256 int32: magic, version, token count)."""
+behind llm.c's 1024-byte header (256 int32: magic, version, token count), or with Megatron's
+``.idx`` index beside each ``.bin``."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +12,30 @@ import numpy as np
 
 from loaders.tokens import LLMC_HEADER_BYTES, llmc_header
 from loaders.write._sink import DatasetSink, ShardWriter, Target, manifest_bytes
+
+# Megatron-LM's indexed dataset (megatron/core/datasets/indexed_dataset.py): "MMIDIDX\0\0",
+# version 1 (<Q), a dtype code (<B), then sequence and document counts (<Q each), the sequence
+# lengths (int32), their byte offsets in the .bin (int64) and the document boundaries (int64,
+# sequence indices starting at 0).
+_MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+_MEGATRON_DTYPE = {"uint16": 8}
+
+
+def megatron_index(dtype: str, lengths: Sequence[int]) -> bytes:
+    """The ``.idx`` of a ``.bin`` holding ``lengths`` tokens of ``dtype`` in turn, each run one
+    sequence and one document (as Megatron's ``preprocess_data.py`` writes whole documents)."""
+    itemsize = np.dtype(dtype).itemsize
+    n = np.asarray(lengths, dtype=np.int64)
+    pointers = np.concatenate(([0], np.cumsum(n[:-1]))) * itemsize if len(n) else n
+    return b"".join(
+        [
+            _MEGATRON_MAGIC,
+            struct.pack("<QBQQ", 1, _MEGATRON_DTYPE[dtype], len(n), len(n) + 1),
+            n.astype("<i4").tobytes(),
+            np.asarray(pointers, dtype="<i8").tobytes(),
+            np.arange(len(n) + 1, dtype="<i8").tobytes(),
+        ]
+    )
 
 
 class TokenWriter(ShardWriter):
@@ -19,7 +45,10 @@ class TokenWriter(ShardWriter):
 
     Make ``file_tokens`` a multiple of the reader's ``sample_tokens``: the reader drops each
     file's trailing partial sample. ``header="llmc"`` writes llm.c's header, None none (as
-    nanoGPT's ``train.bin`` and Megatron's ``.bin``)."""
+    nanoGPT's ``train.bin`` and Megatron's ``.bin``). ``megatron_index`` (uint16, no header)
+    also writes Megatron's ``.idx`` beside each ``.bin`` (``{prefix}.00000.idx``, before its
+    ``.bin``), each ``write`` one document, so that Megatron's ``IndexedDataset`` reads the
+    files too (a document that spans two files is two documents there)."""
 
     HEADER_BYTES = {None: 0, "llmc": LLMC_HEADER_BYTES}
     """Bytes each file's header takes, by ``header`` (the reader's ``header_bytes``)."""
@@ -34,7 +63,13 @@ class TokenWriter(ShardWriter):
         prefix: str = "tokens",
         manifest: str = "manifest.txt",
         storage_options: dict[str, Any] | None = None,
+        megatron_index: bool = False,
     ) -> None:
+        if megatron_index and (header or dtype != "uint16"):
+            raise ValueError(
+                "TokenWriter megatron_index takes uint16 tokens without a header (Megatron's "
+                f".bin), got dtype={dtype!r} header={header!r}"
+            )
         if dtype not in ("uint16", "uint32"):
             raise ValueError(f"TokenWriter dtype must be uint16 or uint32, got {dtype!r}")
         if header not in self.HEADER_BYTES:
@@ -44,6 +79,7 @@ class TokenWriter(ShardWriter):
         self.dtype, self.header, self.file_tokens, self.prefix = dtype, header, file_tokens, prefix
         self.header_bytes = self.HEADER_BYTES[header]
         self.sink = DatasetSink(uri, index=manifest, storage_options=storage_options)
+        self.megatron_index = megatron_index
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
         self.num_tokens = 0
@@ -75,13 +111,21 @@ class TokenWriter(ShardWriter):
     def _flush(self) -> None:
         if not self._pending_tokens:
             return
-        key = f"{self.prefix}.{len(self.shards):05d}.bin"
+        stem = f"{self.prefix}.{len(self.shards):05d}"
         parts: list = [np.ascontiguousarray(p).data for p in self._pending]
         if self.header:
             parts.insert(0, llmc_header(self.dtype, self._pending_tokens))
-        self.sink.put(key, parts)
+        if self.megatron_index:
+            lengths = [len(p) for p in self._pending if len(p)]
+            self.sink.put(f"{stem}.idx", megatron_index(self.dtype, lengths))
+        self.sink.put(f"{stem}.bin", parts)
         self.num_tokens += self._pending_tokens
         self._pending, self._pending_tokens = [], 0
+
+    @property
+    def shards(self) -> list[str]:
+        """Keys of the ``.bin`` files written so far, in order."""
+        return [k for k in super().shards if k.endswith(".bin")]
 
     def _index_bytes(self) -> bytes:
         return manifest_bytes(self.shards)
