@@ -457,7 +457,7 @@ class ReplicaSet:
                     wake = min(deadline, next_hedge, now + poll)
                 else:
                     wake = min(deadline, next_hedge)
-                wake = min(wake, *(a.deadline for a in pending.values()))
+                wake = min([wake, *(a.deadline for a in pending.values())])
                 done, _ = wait(list(pending), timeout=wake - now, return_when=FIRST_COMPLETED)
                 for future in done:
                     a = pending.pop(future)
