@@ -92,13 +92,15 @@ class _Replica:
 
 @dataclass(eq=False)
 class _Attempt:
-    """One request of a read to one replica, settled (accounted for) once: at its end, or when
-    the read gives it up at ``deadline``."""
+    """One request of a read to one replica, settled (accounted for) once: at its end, or at
+    ``deadline``, when the read (or, for a loser still running after its read returned, the
+    next read) gives it up."""
 
     replica: _Replica
     hedge: bool
     deadline: float
     launched: float
+    what: str
     settled: bool = False
 
 
@@ -133,6 +135,7 @@ class ReplicaSet:
         self._lock = threading.Lock()
         self._random = random.Random()
         self._firsts = 0  # first attempts of reads so far (the clock of probation)
+        self._orphans: list[_Attempt] = []  # losers of returned reads, still running
         self.hedger = Hedger(self.config.hedge_policy())
         self.stats = ReadStats()
         self.missing: dict[str, frozenset[str]] = {
@@ -253,7 +256,8 @@ class ReplicaSet:
 
     def _may_bench_slow(self) -> bool:
         n = len(self._replicas)
-        cap = max(1, math.floor(n * self.config.max_benched_slow))
+        share = self.config.max_benched_slow
+        cap = max(1, math.floor(n * share)) if share > 0 else 0
         return n > 1 and sum(r.benched and r.benched_slow for r in self._replicas) < cap
 
     def _bench(self, r: _Replica, now: float, *, slow: bool) -> None:
@@ -280,6 +284,7 @@ class ReplicaSet:
         read: bool,
         nbytes: int,
         is_hedge: bool,
+        what: str,
     ) -> tuple[Future, _Attempt]:
         """Run ``fn(store)`` on replica ``r`` in a thread of its store, then ``post(result,
         replica)`` (a decode that may find the bytes corrupt); the outcome updates r's
@@ -291,7 +296,7 @@ class ReplicaSet:
         # A data read runs in this thread with no deadline of the store's own (in_thread):
         # the read gives it up at the deadline the store would have set.
         bound = launched + r.store.retry.deadline_s(nbytes) if read else math.inf
-        a = _Attempt(r, is_hedge, bound, launched)
+        a = _Attempt(r, is_hedge, bound, launched, what)
 
         def attempt() -> Any:
             r.stats.add(requests=1)
@@ -321,22 +326,32 @@ class ReplicaSet:
         future.add_done_callback(on_cancel)
         return future, a
 
+    def _sweep_orphans(self, now: float) -> None:
+        """Give up the losers of earlier reads that are past their deadline: a hung one counts
+        as its replica's error and stops holding a slot in flight, as a store attempt would."""
+        with self._lock:
+            due = [a for a in self._orphans if a.settled or now >= a.deadline]
+            if due:
+                self._orphans = [a for a in self._orphans if not (a.settled or now >= a.deadline)]
+        for a in due:
+            self._expire(a, now)
+
     def _settle(self, a: _Attempt) -> bool:
         """Whether the caller is first to account for attempt ``a`` (its end, or its deadline)."""
         with self._lock:
             first, a.settled = not a.settled, True
             return first
 
-    def _expire(self, a: _Attempt, now: float, what: str, read: bool) -> StorageTimeoutError | None:
+    def _expire(self, a: _Attempt, now: float) -> StorageTimeoutError | None:
         """Give up attempt ``a`` at its deadline (it runs on, ignored): counted as an error of
         its replica, like a Store attempt past its deadline; None if it ended first."""
         if not self._settle(a):
             return None
         r = a.replica
         error = StorageTimeoutError(
-            f"read {what} from {r.name}: no answer within {now - a.launched:.1f}s"
+            f"read {a.what} from {r.name}: no answer within {now - a.launched:.1f}s"
         )
-        self._finished(r, now - a.launched, 0, error, read=read)
+        self._finished(r, now - a.launched, 0, error, read=True)
         logger.warning("replica %s: %s", r.name, error, extra={"loaders_attempt_timeout": True})
         return error
 
@@ -393,6 +408,8 @@ class ReplicaSet:
     ) -> Any:
         cfg = self.config
         t0 = time.monotonic()
+        if self._orphans:
+            self._sweep_orphans(t0)
         deadline = t0 + cfg.read_deadline_s
         lacking = self.missing.get(key, frozenset()) if key is not None else frozenset()
         gone: list[_Replica] = [r for r in self._replicas if r.name in lacking]
@@ -429,7 +446,7 @@ class ReplicaSet:
             if is_hedge:
                 r.stats.add(hedges_fired=1)
             first = nbytes if hedge and initial and not r.benched else None
-            future, attempt = self._start(r, fn, post, first, count, nbytes, is_hedge)
+            future, attempt = self._start(r, fn, post, first, count, nbytes, is_hedge, what)
             pending[future] = attempt
             return True
 
@@ -481,7 +498,7 @@ class ReplicaSet:
                 expired = False
                 now = time.monotonic()
                 for future, a in list(pending.items()):
-                    if now >= a.deadline and (error := self._expire(a, now, what, count)):
+                    if now >= a.deadline and (error := self._expire(a, now)):
                         del pending[future]
                         errors.append(f"{a.replica.name}: {error}")
                         last_exc, expired = error, True
@@ -524,11 +541,17 @@ class ReplicaSet:
                         self.stats.add(hedges_refused=1)
                         next_hedge = time.monotonic() + delay / 4
         finally:
+            orphans = []
             for future, a in pending.items():
                 if future.cancel():
                     a.replica.stats.add(cancelled=1)
                 else:
                     a.replica.stats.add(discarded=1)
+                    if a.deadline < math.inf:
+                        orphans.append(a)
+            if orphans:
+                with self._lock:
+                    self._orphans.extend(orphans)
 
     # -- whole-dataset checks ---------------------------------------------------------------
 

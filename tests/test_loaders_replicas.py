@@ -379,3 +379,42 @@ def test_an_attempt_given_up_at_its_deadline_is_counted_once_when_it_ends(tmp_pa
     assert m["replicas"][stores[0].uri]["wins"] == 0 and r0.samples == 0
     assert m["replicas"][stores[1].uri]["wins"] == 1
     assert r0.inflight == 0 and m["reads"]["failovers"] == 1
+
+
+def test_a_hung_loser_of_a_hedged_read_is_still_given_up_at_its_deadline(tmp_path):
+    """r0 starts hanging on every read; hedges to r1 win them. The losers keep running after
+    their reads return; later reads give them up at their deadline, so each counts as r0's
+    error (r0 is benched) and none keeps holding a slot in flight."""
+    hang = Faults(hang_s=30, ops=frozenset({"get"}))
+    rs, stores = _replicas(
+        tmp_path,
+        [hang, None],
+        hedge_initial_delay_s=0.02,
+        hedge_min_delay_s=0.005,
+        attempt_timeout_s=0.2,
+        read_deadline_s=10,
+        bench_s=60,
+    )
+    r0 = next(r for r in rs._replicas if r.store is stores[0])
+    try:
+        for _ in range(50):
+            assert rs.read("obj", 0, 16) == PAYLOAD[:16]
+        hang.hang_rate = 1.0
+        for _ in range(2000):  # bounded: about 0.2 s of hung reads are enough
+            assert rs.read("obj", 0, 16) == PAYLOAD[:16]
+            if r0.benched and r0.inflight == 0:
+                break
+            threading.Event().wait(0.002)
+        m = rs.metrics()["replicas"][stores[0].uri]
+        assert r0.benched and m["benched"] == 1, m
+        assert r0.inflight == 0 and m["errors"] >= 3  # bench_after_errors
+    finally:
+        _release(stores)
+
+
+def test_max_benched_slow_zero_never_benches_for_latency(tmp_path):
+    faults = [Faults(latency=Fixed(0.024)), Faults(latency=Fixed(0.004))]
+    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_min_samples=4, max_benched_slow=0)
+    for _ in range(100):
+        rs.read("obj", 0, 32)
+    assert rs.metrics()["replicas"][stores[0].uri]["benched"] == 0

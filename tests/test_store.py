@@ -151,6 +151,8 @@ def test_an_in_thread_get_runs_in_the_callers_thread_retried_and_translated(tmp_
     with pytest.raises(StorageError, match=r"get .*/k failed after 3 attempts"):
         flaky.get("k", in_thread=True)
     assert flaky.counters.snapshot()["retries"]["get"] == 2
+    with pytest.raises(ValueError, match="hedged or in_thread, not both"):
+        store.get("k", hedged=True, in_thread=True)
 
 
 def test_hung_request_hits_deadline():

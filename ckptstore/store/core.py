@@ -361,6 +361,8 @@ class Store:
         in_thread: bool,
     ):
         nbytes = (end - (start or 0)) if end is not None else 0
+        if hedged and in_thread:
+            raise ValueError("a get is hedged or in_thread, not both (a hedge needs a deadline)")
 
         def get() -> Any:
             return self._request(
