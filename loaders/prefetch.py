@@ -11,9 +11,10 @@ reads behind it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from loaders.metrics import ConsumerStats
@@ -39,28 +40,33 @@ class Window:
         self._stats = stats
         self._pool = ThreadPoolExecutor(window_reads, thread_name_prefix="loaders-prefetch")
         self._futures: dict[int, Future] = {}
-        self._running: set[Future] = set()  # of _futures, those not known to be done
         self._cost: dict[int, int] = {}
         self._held = 0  # bytes in flight plus read and not released
+        # Reads count themselves out as they end (a done-callback), so that neither a top-up
+        # nor a wait looks at the reads themselves: the window may hold thousands of completed
+        # small reads, and polling futures cost the consumer more CPU than the reads did.
+        self._ended = threading.Condition()
+        self._inflight = 0
+        self._completions = 0
+        self._seen = 0  # completions when the window was last topped up
 
-    def _inflight(self) -> int:
-        # Only reads still in flight are looked at: the window may hold thousands of completed
-        # small reads, and scanning them at every top-up made the loader's CPU time per read
-        # grow with the window.
-        self._running = {f for f in self._running if not f.done()}
-        return len(self._running)
+    def _read_ended(self, _: Future) -> None:
+        with self._ended:
+            self._inflight -= 1
+            self._completions += 1
+            self._ended.notify_all()
 
     def top_up(self) -> None:
+        self._seen = self._completions
         try:
             self._admit()
         finally:
             stats = self._stats
-            stats.max_inflight_reads = max(stats.max_inflight_reads, self._inflight())
+            stats.max_inflight_reads = max(stats.max_inflight_reads, self._inflight)
             stats.max_resident_bytes = max(stats.max_resident_bytes, self._held)
 
     def _admit(self, force: bool = False) -> None:
-        inflight = self._inflight()
-        while force or inflight < self._max_reads:
+        while force or self._inflight < self._max_reads:
             if self._next is None:
                 self._next = next(self._schedule, None)
                 if self._next is None:
@@ -70,12 +76,13 @@ class Window:
                 return
             force = False
             self._next = None
+            with self._ended:
+                self._inflight += 1
             future = self._pool.submit(self._fetch, unit)
+            future.add_done_callback(self._read_ended)
             self._futures[unit] = future
-            self._running.add(future)
             self._cost[unit] = cost
             self._held += cost
-            inflight += 1
 
     def get(self, unit: int) -> Any:
         """The decoded unit; waits (and counts the wait) only if its read has not completed."""
@@ -86,8 +93,8 @@ class Window:
         if not future.done():
             t0 = time.monotonic()
             while not future.done():
-                self._inflight()
-                wait(self._running, return_when=FIRST_COMPLETED)
+                with self._ended:  # until it ends, or another read does: then top up
+                    self._ended.wait_for(lambda: future.done() or self._completions != self._seen)
                 self.top_up()
             waited = time.monotonic() - t0
             self._stats.wait.record(waited)
