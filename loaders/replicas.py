@@ -4,14 +4,15 @@ A read's first attempt goes to a healthy replica at random, weighted by speed an
 inverse of its latency, the median of its last ``latency_window`` reads, times one plus its reads
 in flight). A replica is benched (ejected: sent no reads) for ``bench_s`` after
 ``bench_after_errors`` consecutive errors, or when its latency exceeds ``bench_slow_factor``
-times the best other healthy replica's (at most ``max_benched_slow`` of the replicas at once).
+times the best other healthy replica's (at most ``max_benched_slow`` of the replicas at once,
+the slowest: one benched at a lower latency goes back to full traffic when a slower one turns up).
 The median judges what a typical read costs: a replica slow on every read is benched within
 ``bench_min_samples`` reads, while a few slow reads on a healthy one, which hedging cuts, do not
 bench it. After its bench it is on probation: one
 first attempt in every ``1 / probation_share``; ``recover_after`` good probation reads in a row
 restore it, a slow or failed one benches it again for twice as long (up to ``max_bench_s``).
 An error or a timeout fails over to another replica at once. When a read has not completed
-after the hedge delay (the p96 of recent first attempts of its size class, outliers left out;
+after the hedge delay (the p96.5 of recent first attempts of its size class, outliers left out;
 learnt within the first reads), a duplicate goes to the best healthy replica if the hedge
 budget allows (the store's
 :class:`~ckptstore.store.Hedger` decides when and whether; this set decides where); the first
@@ -72,6 +73,7 @@ class _Replica:
         self.benched = False  # benched until benched_until, then on probation until recovered
         self.benched_slow = False  # benched for its latency rather than for errors
         self.benched_until = 0.0
+        self.benched_latency = 0.0  # its latency when benched for being slow
         self.bench_s = config.bench_s
         self.probation_ok = 0
         self.probe_due = 0  # the first attempt (counted by the set) from which it may be probed
@@ -200,6 +202,8 @@ class ReplicaSet:
         requests, judge its health."""
         cfg = self.config
         benched_for: str | None = None
+        displaced: _Replica | None = None
+        recovered = False
         with self._lock:
             r.inflight -= 1
             now = time.monotonic()
@@ -215,6 +219,7 @@ class ReplicaSet:
                         r.probation_ok += 1
                         if r.probation_ok >= cfg.recover_after:
                             self._restore(r)
+                            recovered = True
                     else:
                         benched_for = f"a probation read took {seconds * 1e3:.1f} ms"
                         self._bench(r, now, slow=True)
@@ -223,7 +228,7 @@ class ReplicaSet:
                     and r.samples >= cfg.bench_min_samples
                     and r.latency
                     > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
-                    and self._may_bench_slow()
+                    and (self._may_bench_slow() or (displaced := self._displace_for(r)))
                 ):
                     benched_for = (
                         f"latency {r.latency * 1e3:.1f} ms is {r.latency / best:.1f}x the best "
@@ -246,6 +251,14 @@ class ReplicaSet:
         if benched_for is not None:
             r.stats.add(benched=1)
             logger.warning("replica %s benched for %.1fs: %s", r.name, bench_s, benched_for)
+        if recovered:
+            logger.info("replica %s recovered: back to full traffic", r.name)
+        if displaced is not None:
+            logger.info(
+                "replica %s back to full traffic: %s is slower and takes its place on the bench",
+                displaced.name,
+                r.name,
+            )
 
     @staticmethod
     def _health(r: _Replica) -> str:
@@ -260,9 +273,23 @@ class ReplicaSet:
         cap = max(1, math.floor(n * share)) if share > 0 else 0
         return n > 1 and sum(r.benched and r.benched_slow for r in self._replicas) < cap
 
+    def _displace_for(self, r: _Replica) -> _Replica | None:
+        """With as many replicas benched for latency as may be, the one benched at the lowest
+        latency if ``r`` is slower: it goes back to full traffic so that ``r`` takes its place
+        (a stall that benched a healthy replica must not keep a slow one serving)."""
+        if not self.config.max_benched_slow:
+            return None
+        benched = [o for o in self._replicas if o.benched and o.benched_slow]
+        faster = min(benched, key=lambda o: o.benched_latency, default=None)
+        if faster is None or faster.benched_latency >= r.latency:
+            return None
+        self._restore(faster)
+        return faster
+
     def _bench(self, r: _Replica, now: float, *, slow: bool) -> None:
         r.benched = True
         r.benched_slow = slow
+        r.benched_latency = r.latency
         r.benched_until = now + r.bench_s
         r.bench_s = min(r.bench_s * 2, self.config.max_bench_s)
         r.probation_ok = 0
@@ -273,7 +300,6 @@ class ReplicaSet:
         r.benched = r.benched_slow = False
         r.bench_s = self.config.bench_s
         r.probation_ok = 0
-        logger.info("replica %s recovered: back to full traffic", r.name)
 
     def _start(
         self,

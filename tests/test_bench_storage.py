@@ -61,6 +61,22 @@ def test_histogram_percentiles_match_exact_ones_within_three_digits():
         assert hist.percentile_s(q) == pytest.approx(exact, rel=1e-3, abs=1e-6), q
 
 
+def test_histogram_mean_is_the_mean_of_what_was_recorded_also_after_a_merge():
+    rng = random.Random(11)
+    first = [rng.lognormvariate(-5, 1) for _ in range(3000)]
+    second = [rng.uniform(0.1, 0.3) for _ in range(1000)]
+    a, b = LatencyHistogram(), LatencyHistogram()
+    for s in first:
+        a.record(s)
+    for s in second:
+        b.record(s)
+    assert a.summary()["mean_s"] == pytest.approx(sum(first) / len(first), abs=1e-6)
+    a.merge(b)
+    both = first + second
+    assert a.summary()["mean_s"] == pytest.approx(sum(both) / len(both), abs=1e-6)
+    assert a.summary()["count"] == len(both)
+
+
 def test_op_stats_merge_reports_percentiles_of_all_workers():
     rng = random.Random(3)
     a, b = storage._OpStats(), storage._OpStats()

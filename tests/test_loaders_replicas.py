@@ -356,6 +356,45 @@ def test_of_three_replicas_two_stay_to_hedge_between(tmp_path):
     assert sorted(health[:2]) == ["benched", "healthy"] and health[2] == "healthy"
 
 
+def test_a_slower_replica_takes_the_bench_from_one_a_stall_benched(tmp_path):
+    """r1 is benched for a burst of slow reads (a stall of the process at start, say), using
+    the one bench for latency that three replicas allow; then r0 turns slow on every read. r0
+    takes r1's place on the bench and r1 goes back to full traffic, instead of r0 serving its
+    share of reads for the length of r1's bench."""
+    faults = [Faults(latency=Fixed(0.002)), Faults(latency=Fixed(0.03))]
+    faults.append(Faults(latency=Fixed(0.002)))
+    rs, stores = _replicas(
+        tmp_path, faults, hedge=False, bench_s=60.0, bench_min_samples=4, latency_window=5
+    )
+    _read_until_benched(rs, stores[1], bound=600)
+    faults[1].latency = Fixed(0.002)
+    faults[0].latency = Fixed(0.1)
+    _read_until_benched(rs, stores[0], bound=300)
+    health = [rs.metrics()["replicas"][s.uri]["health"] for s in stores]
+    assert health == ["benched", "healthy", "healthy"]
+    before = _requests(rs, stores[1])
+    for _ in range(50):
+        rs.read("obj", 0, 32)
+    assert _requests(rs, stores[1]) > before  # back in use, not left out as unmeasured
+    assert rs.metrics()["replicas"][stores[0].uri]["health"] == "benched"
+
+
+def test_a_replica_benched_for_latency_keeps_its_place_against_a_faster_one(tmp_path):
+    """The other way round: with r0 benched for being very slow, r1 turning a little slow
+    (over the bench threshold, but faster than r0) does not take r0's place: the slowest stays benched."""
+    faults = [Faults(latency=Fixed(0.04)), Faults(latency=Fixed(0.002))]
+    faults.append(Faults(latency=Fixed(0.002)))
+    rs, stores = _replicas(
+        tmp_path, faults, hedge=False, bench_s=60.0, bench_min_samples=4, latency_window=5
+    )
+    _read_until_benched(rs, stores[0], bound=600)
+    faults[1].latency = Fixed(0.015)  # benchable (7x and 13 ms slower), but faster than r0
+    for _ in range(100):
+        rs.read("obj", 0, 32)
+    health = [rs.metrics()["replicas"][s.uri]["health"] for s in stores]
+    assert health == ["benched", "healthy", "healthy"]
+
+
 def test_an_attempt_given_up_at_its_deadline_is_counted_once_when_it_ends(tmp_path):
     """Data reads run in the replica's thread without a deadline of the store's own; the read
     gives a slow attempt up at the store's deadline (an error of that replica, failover), and
