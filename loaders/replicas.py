@@ -563,9 +563,12 @@ class ReplicaSet:
                         hedges += 1
                         self.stats.add(hedges=1)
                         next_hedge = time.monotonic() + delay
-                    else:  # no token or no free replica yet: look again soon
+                    else:
+                        # No token or no free replica yet: a first hedge looks again soon, a
+                        # later one (doubly slow, often with every healthy replica tried) after
+                        # another delay, not in a loop of wake-ups for the rest of the read.
                         self.stats.add(hedges_refused=1)
-                        next_hedge = time.monotonic() + delay / 4
+                        next_hedge = time.monotonic() + (delay if hedges else delay / 4)
         finally:
             orphans = []
             for future, a in pending.items():

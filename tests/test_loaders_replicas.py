@@ -126,6 +126,23 @@ def test_hedge_budget_caps_extra_requests(tmp_path):
     assert sum(r["hedges_fired"] for r in m["replicas"].values()) == hedges
 
 
+def test_a_later_hedge_with_no_replica_left_looks_again_after_a_delay_not_in_a_loop(tmp_path):
+    """Both replicas slow: the read's first hedge goes at once, its second has no replica left
+    to go to. It looks again once per hedge delay (10 ms over a 200 ms read: ~19 times), not every
+    quarter delay (~75 times) for the rest of the read."""
+    rs, stores = _replicas(
+        tmp_path,
+        [Faults(latency=Fixed(0.2)), Faults(latency=Fixed(0.2))],
+        hedge_initial_delay_s=0.01,
+        hedge_min_delay_s=0.01,
+        max_hedges=2,
+    )
+    assert rs.read("obj", 0, 64) == PAYLOAD[:64]
+    m = rs.metrics()["reads"]
+    assert m["hedges"] == 1
+    assert 2 <= m["hedges_refused"] <= 30
+
+
 def test_no_hedge_without_budget(tmp_path):
     every = [Faults(latency=Fixed(0.01)) for _ in range(2)]
     rs, _ = _replicas(
