@@ -401,11 +401,21 @@ def test_llmc_header_is_checked_against_dtype_and_size_at_open(tmp_path):
         ShardDataset(str(root), ok, config=IN_ORDER)
 
 
-def test_megatron_index_is_read_by_megatrons_own_indexed_dataset(tmp_path):
+@pytest.mark.parametrize(
+    ("dtype", "vocab", "megatron_dtype"),
+    [
+        ("uint16", 65_536, np.uint16),
+        ("uint32", 2**31, np.int32),  # Megatron keeps large vocabularies as int32
+    ],
+)
+def test_megatron_index_is_read_by_megatrons_own_indexed_dataset(
+    tmp_path, dtype, vocab, megatron_dtype
+):
     indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
     rng = np.random.default_rng(2)
-    docs = [rng.integers(0, 65_536, n) for n in (5, 300, 1, 77, 1200, 40, 0, 378)]
-    with TokenWriter(tmp_path / "ds", megatron_index=True, file_tokens=1000) as writer:
+    docs = [rng.integers(0, vocab, n) for n in (5, 300, 1, 77, 1200, 40, 0, 378)]
+    docs[1][0] = vocab - 1
+    with TokenWriter(tmp_path / "ds", dtype=dtype, megatron_index=True, file_tokens=1000) as writer:
         for doc in docs:
             writer.write(doc)
     # Each file holds the pieces of the documents that fall in it, one sequence each.
@@ -424,15 +434,22 @@ def test_megatron_index_is_read_by_megatrons_own_indexed_dataset(tmp_path):
     for key, pieces in zip(writer.shards, expected):
         ds = indexed.IndexedDataset(str(tmp_path / "ds" / key.removesuffix(".bin")))
         assert len(ds) == len(pieces)
-        assert ds.index.dtype == np.uint16
+        assert ds.index.dtype == megatron_dtype
         np.testing.assert_array_equal(ds.document_indices, np.arange(len(pieces) + 1))
         for j, piece in enumerate(pieces):
             np.testing.assert_array_equal(ds[j], piece)
     # the same files through the loader
-    fmt = TokenFiles(sample_tokens=1, manifest="manifest.txt")
+    fmt = TokenFiles(dtype=dtype, sample_tokens=1, manifest="manifest.txt")
     got = np.concatenate(
         [s["tokens"] for s in ShardDataset(str(tmp_path / "ds"), fmt, config=IN_ORDER)]
     )
     np.testing.assert_array_equal(got, np.concatenate(docs))
-    with pytest.raises(ValueError, match="megatron_index takes uint16 tokens without a header"):
+    with pytest.raises(ValueError, match="megatron_index takes tokens without a header"):
         TokenWriter(tmp_path / "other", megatron_index=True, header="llmc")
+
+
+def test_megatron_index_of_uint32_refuses_ids_int32_cannot_hold(tmp_path):
+    with TokenWriter(tmp_path / "ds", dtype="uint32", megatron_index=True) as writer:
+        with pytest.raises(ValueError, match=r"within \[0, 2147483647\] for uint32"):
+            writer.write([1, 2**31])
+        writer.write([1, 2**31 - 1])

@@ -18,7 +18,9 @@ from loaders.write._sink import DatasetSink, ShardWriter, Target, manifest_bytes
 # lengths (int32), their byte offsets in the .bin (int64) and the document boundaries (int64,
 # sequence indices starting at 0).
 _MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-_MEGATRON_DTYPE = {"uint16": 8}
+_MEGATRON_DTYPE = {"uint16": 8, "uint32": 4}
+"""Megatron's dtype codes: uint16, and int32 for uint32 ids (Megatron's own choice for vocabularies
+over 65,500; the bytes are the same for ids below 2**31, which the writer checks)."""
 
 
 def megatron_index(dtype: str, lengths: Sequence[int]) -> bytes:
@@ -45,8 +47,8 @@ class TokenWriter(ShardWriter):
 
     Make ``file_tokens`` a multiple of the reader's ``sample_tokens``: the reader drops each
     file's trailing partial sample. ``header="llmc"`` writes llm.c's header, None none (as
-    nanoGPT's ``train.bin`` and Megatron's ``.bin``). ``megatron_index`` (uint16, no header)
-    also writes Megatron's ``.idx`` beside each ``.bin`` (``{prefix}.00000.idx``, before its
+    nanoGPT's ``train.bin`` and Megatron's ``.bin``). ``megatron_index`` (no header; uint32
+    ids below 2**31, which Megatron reads as int32) also writes Megatron's ``.idx`` beside each ``.bin`` (``{prefix}.00000.idx``, before its
     ``.bin``), each ``write`` one document, so that Megatron's ``IndexedDataset`` reads the
     files too (a document that spans two files is two documents there)."""
 
@@ -65,10 +67,10 @@ class TokenWriter(ShardWriter):
         storage_options: dict[str, Any] | None = None,
         megatron_index: bool = False,
     ) -> None:
-        if megatron_index and (header or dtype != "uint16"):
+        if megatron_index and header:
             raise ValueError(
-                "TokenWriter megatron_index takes uint16 tokens without a header (Megatron's "
-                f".bin), got dtype={dtype!r} header={header!r}"
+                f"TokenWriter megatron_index takes tokens without a header (Megatron's .bin), "
+                f"got header={header!r}"
             )
         if dtype not in ("uint16", "uint32"):
             raise ValueError(f"TokenWriter dtype must be uint16 or uint32, got {dtype!r}")
@@ -93,7 +95,8 @@ class TokenWriter(ShardWriter):
                 f"TokenWriter.write takes a 1-D array of integer token ids, got shape "
                 f"{arr.shape} of {arr.dtype}"
             )
-        limit = np.iinfo(self.dtype).max
+        limit = np.iinfo("int32" if self.megatron_index else self.dtype).max
+        limit = min(limit, np.iinfo(self.dtype).max)
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > limit):
             raise ValueError(
                 f"token ids must be within [0, {limit}] for {self.dtype}, got "
