@@ -20,8 +20,8 @@ class ReplicaConfig:
     leaving out outliers over ``hedge_outlier_factor`` times their median (so that a few
     percent of slow reads cannot pull the delay up among themselves). With nothing slow,
     about ``100 - hedge_quantile`` percent of reads are hedged: 3.5% extra requests, which
-    keeps a 5% target with room for the noise of a few thousand reads (at 96, 5 runs in 20 of
-    ``ckptbench loader`` over seeds 1-21 went past 5%)."""
+    keeps a 5% target with room for the noise of a few thousand reads (at 96, about one run in
+    five of ``ckptbench loader`` over fault seeds 1-21 went past 5%: docs/BENCHMARKS.md)."""
     hedge_outlier_factor: float = 5.0
     """Latencies over this many times the median are outliers to hedge, not part of the
     distribution whose percentile sets the delay."""
