@@ -450,6 +450,8 @@ def test_megatron_index_is_read_by_megatrons_own_indexed_dataset(
 
 def test_megatron_index_of_uint32_refuses_ids_int32_cannot_hold(tmp_path):
     with TokenWriter(tmp_path / "ds", dtype="uint32", megatron_index=True) as writer:
-        with pytest.raises(ValueError, match=r"within \[0, 2147483647\] for uint32"):
+        with pytest.raises(
+            ValueError, match=r"within \[0, 2147483647\] for uint32 with a Megatron index"
+        ):
             writer.write([1, 2**31])
         writer.write([1, 2**31 - 1])

@@ -95,11 +95,12 @@ class TokenWriter(ShardWriter):
                 f"TokenWriter.write takes a 1-D array of integer token ids, got shape "
                 f"{arr.shape} of {arr.dtype}"
             )
-        limit = np.iinfo("int32" if self.megatron_index else self.dtype).max
-        limit = min(limit, np.iinfo(self.dtype).max)
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > limit):
+        # Megatron reads a uint32 .bin as int32 (a uint16 one as uint16).
+        limit = np.iinfo("int32" if self.dtype == "uint32" and self.megatron_index else self.dtype)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > limit.max):
             raise ValueError(
-                f"token ids must be within [0, {limit}] for {self.dtype}, got "
+                f"token ids must be within [0, {limit.max}] for {self.dtype}"
+                f"{' with a Megatron index' if self.megatron_index else ''}, got "
                 f"[{int(arr.min())}, {int(arr.max())}]"
             )
         arr = arr.astype(f"<{np.dtype(self.dtype).str[1:]}")  # a copy: the caller may reuse arr
