@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--latency",
         default="lognormal:0.01:0.5",
-        help="per-read latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA]",
+        help="per-read latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA] (lognormal:0.01:0.5)",
     )
     p.add_argument(
         "--slow-rate",
@@ -76,7 +76,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--error-rate", type=float, default=0.0, help="fraction of reads that fail")
     p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of reads that hang")
-    p.add_argument("--reads", type=int, default=4000, help="reads (one 4 KiB sample each)")
+    p.add_argument("--reads", type=int, default=4000, help="reads, one 4 KiB sample each (4000)")
     p.add_argument("--concurrency", type=int, default=16, help="reads in flight (16)")
     p.add_argument("--hedge-budget", type=float, default=0.1, help="hedges per read (0.1)")
     p.add_argument(
@@ -323,6 +323,8 @@ def _latency_run(args: argparse.Namespace, uris: list[str], dist: Any, mode: str
     )
     try:
         ds = ShardDataset(stores, fmt, config=loader_config, replica_config=config)
+        # Requests at open (the first file's head) are not reads of samples.
+        opening = sum(f.counts["requests"] for f in all_faults)
         t0 = time.perf_counter()
         samples = sum(1 for _ in ds)
         elapsed = time.perf_counter() - t0
@@ -332,8 +334,7 @@ def _latency_run(args: argparse.Namespace, uris: list[str], dist: Any, mode: str
     m = ds.metrics()
     reads = m["reads"]["reads"]
     requests = sum(r["requests"] for r in m["replicas"].values())
-    # Requests before the timed reads (sizes at open) are not reads of samples.
-    get_requests = sum(f.counts["requests"] for f in all_faults)
+    get_requests = sum(f.counts["requests"] for f in all_faults) - opening
     lat = ds.replicas.stats.latency.summary()
     return {
         "p50_s": lat["p50_s"],

@@ -29,6 +29,15 @@ class LatencyHistogram:
             self._hist.record_value(value)
             self._sum_us += value
 
+    def __getstate__(self) -> dict[str, object]:
+        with self._lock:
+            return {"encoded": self._hist.encode(), "sum_us": self._sum_us}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()
+        self._hist.decode_and_add(state["encoded"])
+        self._sum_us = state["sum_us"]
+
     def merge(self, other: LatencyHistogram) -> None:
         with other._lock:
             encoded = other._hist.encode()

@@ -228,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{ckpt.steps()}",
         flush=True,
     )
+    m = loader.metrics()
+    reads, waited = m["reads"], m["consumer"]
+    print(
+        f"loader: {reads['reads']} reads in {m['workers']} workers (p50 "
+        f"{reads['p50_s'] * 1e3:.2f} ms, p99 {reads['p99_s'] * 1e3:.2f} ms, {reads['hedges']} "
+        f"hedged, {reads['failovers']} failed over); the loop waited {waited['wait_s']:.2f}s "
+        f"for {waited['batches']} batches",
+        flush=True,
+    )
     return 0
 
 

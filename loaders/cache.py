@@ -57,6 +57,7 @@ import xxhash
 
 from loaders.errors import ShardCorruptError
 from loaders.layout import Unit
+from loaders.metrics import CacheStats
 
 logger = logging.getLogger(__name__)
 
@@ -67,30 +68,6 @@ _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".lock"
 _STALE_TMP_S = 3600.0  # a temporary this old was left by a process that died while filling
 _LOCAL_PROTOCOLS = {None, "file", "local", "memory"}
-
-
-class CacheStats:
-    """What this process's reads got from the cache. Thread-safe."""
-
-    _FIELDS = ("hits", "misses", "fills", "evictions", "corrupt", "skipped", "errors")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts = dict.fromkeys(self._FIELDS, 0)
-        self.bytes_hit = 0
-        self.bytes_filled = 0
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                if name in self.counts:
-                    self.counts[name] += value
-                else:
-                    setattr(self, name, getattr(self, name) + value)
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {**self.counts, "bytes_hit": self.bytes_hit, "bytes_filled": self.bytes_filled}
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ckptstore.store import Store
 from loaders.cache import open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
+from loaders.errors import ShardNotFoundError
 from loaders.layout import Format, Unit, unit_samples
-from loaders.metrics import ConsumerStats
+from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports, ReadStats
 from loaders.order import BlockPlan, EpochOrder, Reader
 from loaders.prefetch import Window
 from loaders.replicas import ReplicaSet, replica_retry_policy
@@ -33,6 +34,7 @@ from loaders.replicas import ReplicaSet, replica_retry_policy
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+_REPORT_S = 1.0  # a worker leaves a report of its figures this often, and at its end
 
 
 class ShardDataset(IterableDataset):
@@ -62,6 +64,11 @@ class ShardDataset(IterableDataset):
             )
         if isinstance(replicas, (str, os.PathLike, Store)):
             replicas = [replicas]
+        for r in replicas:
+            if isinstance(r, (str, os.PathLike)):
+                path = os.fspath(r).removeprefix("file://")
+                if "://" not in path and not os.path.isdir(path):
+                    raise ShardNotFoundError(f"replica {os.fspath(r)}: no such directory")
         self.config = config or LoaderConfig()
         self.replica_config = replica_config or ReplicaConfig()
         self._storage_options = storage_options
@@ -95,6 +102,8 @@ class ShardDataset(IterableDataset):
         self._position = 0  # global position the current pass started at
         self._consumed = 0  # samples this rank's consumer received since _position
         self._external_count = False  # a StatefulLoader counts instead
+        self._reports_dir: str | None = None  # where workers leave reports (a StatefulLoader's)
+        self._report_pass = 0
         self.stats = ConsumerStats()
         self._orders: dict[int, EpochOrder] = {}
 
@@ -267,6 +276,16 @@ class ShardDataset(IterableDataset):
         order = self.order()
         plans = order.plan(reader, self._position)
         queued: deque[BlockPlan] = deque()
+        # Opened here, before the window's threads start: in a new process each of them
+        # would otherwise open a replica set of its own, and all but one would be dropped
+        # (their health and figures with them).
+        self.replicas  # noqa: B018
+        worker = get_worker_info()
+        reports = self._reports_dir if worker is not None else None
+        if reports is not None:  # a worker reports this pass only, whatever it inherited
+            self.stats = ConsumerStats()
+            if self._cache is not None:
+                self._cache.stats = CacheStats()
 
         def schedule() -> Iterator[tuple[int, int]]:
             for plan in plans:
@@ -281,13 +300,17 @@ class ShardDataset(IterableDataset):
             window_bytes=self.config.window_bytes,
             stats=self.stats,
         )
-        last_log = time.monotonic()
+        last_log = last_report = time.monotonic()
         try:
             while True:
                 if not queued:
                     window.top_up()
                     if not queued:
                         return
+                now = time.monotonic()
+                if reports is not None and now - last_report >= _REPORT_S:
+                    last_report = now  # before the yield, which may suspend this worker
+                    ReaderReports.write(reports, self._report_pass, worker.id, self.report())
                 yield queued.popleft(), window
                 interval = self.config.log_interval_s
                 if interval and time.monotonic() - last_log >= interval:
@@ -297,6 +320,8 @@ class ShardDataset(IterableDataset):
                     )
         finally:
             window.close()
+            if reports is not None:
+                ReaderReports.write(reports, self._report_pass, worker.id, self.report(final=True))
 
     def __iter__(self) -> Iterator[Any]:
         reader, in_process = self._reader()
@@ -422,6 +447,18 @@ class ShardDataset(IterableDataset):
         cache = {} if self._cache is None else {"cache": self._cache.metrics()}
         return {"consumer": self.stats.as_dict(), **self.replicas.metrics(), **cache}
 
+    def report(self, *, final: bool = False) -> ReaderReport:
+        """This process's figures (live objects: pickle to keep them as they are now)."""
+        replicas = self.replicas
+        return ReaderReport(
+            consumer=self.stats,
+            reads=replicas.stats,
+            replicas=replicas.replica_stats(),
+            health=replicas.health(),
+            cache=None if self._cache is None else self._cache.stats,
+            final=final,
+        )
+
 
 class StatefulLoader:
     """A ``torch.utils.data.DataLoader`` over a :class:`ShardDataset` that counts the samples its
@@ -453,6 +490,8 @@ class StatefulLoader:
             dataset, batch_size=batch_size, num_workers=num_workers, **dataloader_kwargs
         )
         self.stats = ConsumerStats()
+        self._reports = ReaderReports() if num_workers else None
+        dataset._reports_dir = self._reports.directory if self._reports else None
 
     def __len__(self) -> int:
         return -(-self.dataset.rank_length() // self.batch_size)
@@ -460,6 +499,7 @@ class StatefulLoader:
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
         ds._rebase()
+        ds._report_pass += 1
         length = ds.rank_length()
         it = iter(self._loader)
         while True:
@@ -471,6 +511,7 @@ class StatefulLoader:
             waited = time.monotonic() - t0
             self.stats.wait.record(waited)
             self.stats.wait_s += waited
+            self.stats.waits += 1
             n = min(self.batch_size, length - ds._consumed)
             ds._consumed += n
             self.stats.samples += n
@@ -487,8 +528,42 @@ class StatefulLoader:
         self.dataset.load_state_dict(state)
 
     def metrics(self) -> dict[str, Any]:
-        """The consumer's wait for batches (this process); readers run in the workers."""
-        return {"consumer": self.stats.as_dict(), "workers": self._loader.num_workers}
+        """The consumer's wait for batches (``consumer``: this process's), and the figures of
+        the processes that read, summed over every worker of every pass so far (the latest
+        report of each, about a second old at most while it runs): ``readers`` (their wait for
+        reads and their window), ``reads``, ``replicas`` (with ``health``: how many workers of
+        the newest pass last saw the replica in each state) and ``cache``. Without workers,
+        this process's figures. See docs/loaders.md, "Metrics"."""
+        if self._reports is None:
+            report = self.dataset.report()
+            health = {uri: {state: 1} for uri, state in report.health.items()}
+        else:
+            report, health = self._reports.collect()
+            report = report or ReaderReport(ConsumerStats(), ReadStats(), {}, {})
+        waited = self.stats.as_dict()
+        out: dict[str, Any] = {
+            "consumer": {
+                "samples": waited["samples"],
+                "batches": waited["waits"],
+                "wait_s": waited["wait_s"],
+                "wait_p99_s": waited["wait_p99_s"],
+            },
+            "workers": self._loader.num_workers,
+            "readers": report.consumer.as_dict(),
+            "reads": report.reads.as_dict(),
+            "replicas": {
+                uri: {**stats.as_dict(), "health": health.get(uri, {})}
+                for uri, stats in report.replicas.items()
+            },
+        }
+        cache = self.dataset._cache
+        if cache is not None:
+            out["cache"] = {
+                **(report.cache or CacheStats()).as_dict(),
+                "cached_bytes": cache.cached_bytes(),
+                "budget_bytes": cache.budget_bytes,
+            }
+        return out
 
 
 __all__ = ["ShardDataset", "StatefulLoader"]

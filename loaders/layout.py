@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loaders.errors import ShardCorruptError
+from loaders.errors import ShardCorruptError, ShardNotFoundError
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def shard_sizes(
         declared = read_manifest(replicas, manifest)
     found = replicas.find_shards(declared, suffix=suffix)
     if not found:
-        raise ValueError(f"no {suffix} shards found in {', '.join(replicas.uris)}")
+        raise ShardNotFoundError(f"no {suffix} shards found in {', '.join(replicas.uris)}")
     keys = list(found) if declared is None else list(declared)
     return keys, [found[k] for k in keys]
 

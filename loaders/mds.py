@@ -76,7 +76,8 @@ def _ndarray_decoder(spec: str) -> Callable[[bytes], np.ndarray]:
             i += 1
             shp = tuple(int(x) for x in np.frombuffer(b, width, ndim, i))
             i += ndim * width.itemsize
-        return np.frombuffer(b, dt, offset=i).reshape(shp)
+        # A copy: writable (torch warns on read-only arrays), and not a view of the shard.
+        return np.frombuffer(b, dt, offset=i).reshape(shp).copy()
 
     return decode
 

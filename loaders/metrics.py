@@ -1,35 +1,93 @@
-"""Counters and latency histograms of the loader: per replica, per read, and for the consumer."""
+"""Counters and latency histograms of the loader: per replica, per read, for the consumer and
+for the cache, and the reports that carry them out of DataLoader worker processes.
+
+Every stats object pickles (its histograms travel encoded) and merges into another of its kind:
+counts add up, histograms merge, high-water marks take the maximum.
+"""
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+import tempfile
 import threading
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore import telemetry
 from ckptstore.metrics import LatencyHistogram
 
 
-class ReplicaStats:
-    """What one replica was asked and how it answered. Thread-safe."""
+class _Stats:
+    """Counters (``_COUNTS``, added), high-water marks (``_MAXIMA``) and latency histograms
+    (``_HISTOGRAMS``) that pickle and merge."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.latency = LatencyHistogram()
+    _COUNTS: tuple[str, ...] = ()
+    _MAXIMA: tuple[str, ...] = ()
+    _HISTOGRAMS: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.requests = 0
-        self.bytes = 0
-        self.errors = 0
-        self.hedges_fired = 0
-        self.hedges_won = 0
-        self.wins = 0
-        self.cancelled = 0
-        self.discarded = 0
-        self.benched = 0
+        for name in self._COUNTS + self._MAXIMA:
+            setattr(self, name, 0)
+        for name in self._HISTOGRAMS:
+            setattr(self, name, LatencyHistogram())
 
-    def add(self, **counts: int) -> None:
+    def _add(self, counts: dict[str, int]) -> None:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+
+    def _counts(self) -> dict[str, Any]:
+        with self._lock:
+            return {name: getattr(self, name) for name in self._COUNTS + self._MAXIMA}
+
+    def merge(self, other: _Stats) -> None:
+        """Add ``other``'s figures (of the same kind) to these."""
+        theirs = other._counts()
+        with self._lock:
+            for name in self._COUNTS:
+                setattr(self, name, getattr(self, name) + theirs[name])
+            for name in self._MAXIMA:
+                setattr(self, name, max(getattr(self, name), theirs[name]))
+        for name in self._HISTOGRAMS:
+            getattr(self, name).merge(getattr(other, name))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class ReplicaStats(_Stats):
+    """What one replica was asked and how it answered. Thread-safe."""
+
+    _COUNTS = (
+        "requests",
+        "bytes",
+        "errors",
+        "corrupt",
+        "wins",
+        "hedges_fired",
+        "hedges_won",
+        "cancelled",
+        "discarded",
+        "benched",
+    )
+    _HISTOGRAMS = ("latency",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def add(self, **counts: int) -> None:
+        self._add(counts)
         for result in ("fired", "won"):
             if counts.get(f"hedges_{result}"):
                 telemetry.loader_hedges_total.inc(
@@ -42,74 +100,155 @@ class ReplicaStats:
         telemetry.loader_read_seconds.observe(seconds, replica=self.name)
 
     def as_dict(self) -> dict[str, Any]:
-        with self._lock:
-            out: dict[str, Any] = {
-                "requests": self.requests,
-                "bytes": self.bytes,
-                "errors": self.errors,
-                "wins": self.wins,
-                "hedges_fired": self.hedges_fired,
-                "hedges_won": self.hedges_won,
-                "cancelled": self.cancelled,
-                "discarded": self.discarded,
-                "benched": self.benched,
-            }
+        out = self._counts()
         lat = self.latency.summary()
         out.update({k: lat[k] for k in ("p50_s", "p90_s", "p99_s", "max_s")})
         return out
 
 
-class ReadStats:
+class ReadStats(_Stats):
     """End-to-end reads (over every attempt and hedge) of one replica set. Thread-safe."""
 
-    def __init__(self) -> None:
-        self.latency = LatencyHistogram()
-        self._lock = threading.Lock()
-        self.reads = 0
-        self.failed = 0
-        self.hedges = 0
-        self.hedges_refused = 0
-        self.failovers = 0
+    _COUNTS = ("reads", "failed", "hedges", "hedges_refused", "failovers")
+    _HISTOGRAMS = ("latency",)
 
     def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
+        self._add(counts)
         if counts.get("failovers"):
             telemetry.loader_failovers_total.inc(counts["failovers"])
 
     def as_dict(self) -> dict[str, Any]:
-        with self._lock:
-            out: dict[str, Any] = {
-                "reads": self.reads,
-                "failed": self.failed,
-                "hedges": self.hedges,
-                "hedges_refused": self.hedges_refused,
-                "failovers": self.failovers,
-            }
-        out.update(self.latency.summary())
-        return out
+        return self._counts() | self.latency.summary()
 
 
-class ConsumerStats:
-    """How long the consumer waited for data, and how much the prefetch window held."""
+class ConsumerStats(_Stats):
+    """How long the consumer waited for data, and how much the prefetch window held. Updated
+    from the consumer's thread only (its fields directly)."""
+
+    _COUNTS = ("samples", "bytes_read", "waits", "wait_s")
+    _MAXIMA = ("max_resident_bytes", "max_inflight_reads")
+    _HISTOGRAMS = ("wait",)
 
     def __init__(self) -> None:
-        self.wait = LatencyHistogram()
+        super().__init__()
         self.wait_s = 0.0
-        self.waits = 0
-        self.samples = 0
-        self.bytes_read = 0
-        self.max_resident_bytes = 0
-        self.max_inflight_reads = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "samples": self.samples,
-            "bytes_read": self.bytes_read,
-            "wait_s": self.wait_s,
-            "waits": self.waits,
-            "wait_p99_s": self.wait.percentile_s(99),
-            "max_resident_bytes": self.max_resident_bytes,
-            "max_inflight_reads": self.max_inflight_reads,
-        }
+        return self._counts() | {"wait_p99_s": self.wait.percentile_s(99)}
+
+
+class CacheStats(_Stats):
+    """What this process's reads got from the cache. Thread-safe."""
+
+    _COUNTS = (
+        "hits",
+        "misses",
+        "fills",
+        "evictions",
+        "corrupt",
+        "skipped",
+        "errors",
+        "bytes_hit",
+        "bytes_filled",
+    )
+
+    def add(self, **counts: int) -> None:
+        self._add(counts)
+
+    def as_dict(self) -> dict[str, int]:
+        return self._counts()
+
+
+# -- reports of reader processes --------------------------------------------------------------
+
+
+@dataclass
+class ReaderReport:
+    """What one reading process (a DataLoader worker, or the main process) read in one pass
+    over the data, from its start: picklable, merged by :class:`ReaderReports`."""
+
+    consumer: ConsumerStats
+    reads: ReadStats
+    replicas: dict[str, ReplicaStats]
+    health: dict[str, str]
+    cache: CacheStats | None = None
+    final: bool = False
+
+    def merge(self, other: ReaderReport) -> None:
+        self.consumer.merge(other.consumer)
+        self.reads.merge(other.reads)
+        for uri, stats in other.replicas.items():
+            self.replicas.setdefault(uri, ReplicaStats(uri)).merge(stats)
+        if other.cache is not None:
+            self.cache = self.cache or CacheStats()
+            self.cache.merge(other.cache)
+
+
+@dataclass
+class ReaderReports:
+    """A private directory where DataLoader workers leave their latest :class:`ReaderReport`
+    (one file per pass and worker, replaced atomically), and the sum of them all.
+
+    A worker's final report (its pass ended) is folded into the running total and its file
+    removed; a worker killed before its end counts with its last report."""
+
+    directory: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="loaders-reports-"))
+    _total: ReaderReport | None = None
+    _running: dict[str, ReaderReport] = field(default_factory=dict)
+    _newest_pass: int = -1
+    _health: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+
+    @staticmethod
+    def write(directory: str, pass_number: int, worker: int, report: ReaderReport) -> None:
+        """Leave ``report`` for the reader process: the latest of ``worker`` in that pass."""
+        path = os.path.join(directory, f"pass{pass_number:08d}-worker{worker:04d}.report")
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+
+    def collect(self) -> tuple[ReaderReport | None, dict[str, dict[str, int]]]:
+        """The sum of every report so far, and per replica how many workers of the newest pass
+        last saw it in each health state."""
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".report"))
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path, "rb") as f:
+                    report = pickle.load(f)
+            except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+                continue  # replaced or removed while read: the next collect sees it
+            pass_number = int(name[len("pass") : name.index("-")])
+            if pass_number > self._newest_pass:
+                self._newest_pass, self._health = pass_number, {}
+            if pass_number == self._newest_pass:
+                self._health[name] = report.health
+            if report.final:
+                self._total = _merged(self._total, report)
+                self._running.pop(name, None)
+                os.unlink(path)
+            else:
+                self._running[name] = report
+        total = _merged(None, self._total) if self._total is not None else None
+        for report in self._running.values():
+            total = _merged(total, report)
+        health: dict[str, dict[str, int]] = {}
+        for seen in self._health.values():
+            for uri, state in seen.items():
+                states = health.setdefault(uri, {})
+                states[state] = states.get(state, 0) + 1
+        return total, health
+
+
+def _merged(into: ReaderReport | None, report: ReaderReport) -> ReaderReport:
+    """``into`` with ``report`` added (a copy of ``report`` when ``into`` is None)."""
+    if into is None:
+        return pickle.loads(pickle.dumps(report))
+    into.merge(report)
+    return into

@@ -260,13 +260,6 @@ class ReplicaSet:
                 r.name,
             )
 
-    @staticmethod
-    def _health(r: _Replica) -> str:
-        """``healthy``, ``benched`` (sent no reads) or ``probation`` (a share of first attempts)."""
-        if not r.benched:
-            return "healthy"
-        return "benched" if r.benched_until > time.monotonic() else "probation"
-
     def _may_bench_slow(self) -> bool:
         n = len(self._replicas)
         share = self.config.max_benched_slow
@@ -520,7 +513,12 @@ class ReplicaSet:
                         gone.append(r)
                     errors.append(f"{r.name}: {exc}")
                     last_exc = exc
-                    logger.debug("read %s failed on %s: %s", what, r.name, exc)
+                    if isinstance(exc, ShardCorruptError):
+                        # Bad bytes on one replica stay bad: its owner must hear of it.
+                        r.stats.add(corrupt=1)
+                        logger.warning("replica %s returned corrupt data: %s", r.name, exc)
+                    else:
+                        logger.debug("read %s failed on %s: %s", what, r.name, exc)
                 expired = False
                 now = time.monotonic()
                 for future, a in list(pending.items()):
@@ -722,12 +720,28 @@ class ReplicaSet:
                         "replicas differ"
                     )
 
+    def replica_stats(self) -> dict[str, ReplicaStats]:
+        return {r.name: r.stats for r in self._replicas}
+
+    def health(self) -> dict[str, str]:
+        """Each replica's state: ``healthy``, ``benched`` (sent no reads) or ``probation`` (a
+        share of first attempts)."""
+        now = time.monotonic()
+        states = {}
+        for r in self._replicas:
+            if not r.benched:
+                states[r.name] = "healthy"
+            else:
+                states[r.name] = "benched" if r.benched_until > now else "probation"
+        return states
+
     def metrics(self) -> dict[str, Any]:
+        health = self.health()
         return {
             "reads": self.stats.as_dict(),
             "hedge_tokens": self.hedger.tokens,
             "hedge_delay_s": self.hedger.delays(),
             "replicas": {
-                r.name: {**r.stats.as_dict(), "health": self._health(r)} for r in self._replicas
+                r.name: {**r.stats.as_dict(), "health": health[r.name]} for r in self._replicas
             },
         }

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.errors import ShardCorruptError
+from loaders.errors import ShardCorruptError, UnknownFormatError
 from loaders.layout import Unit, shard_sizes
 
 LLMC_HEADER_BYTES = 1024
@@ -47,6 +47,25 @@ def check_llmc_header(data: bytes, dtype: str, key: str, size: int) -> None:
             f"token file {key}: its llm.c header says {tokens} tokens, the file holds "
             f"{body // itemsize} ({size} bytes)"
         )
+
+
+def _head(replicas: Any, key: str, nbytes: int) -> bytes:
+    """The first ``nbytes`` of ``key``: a metadata request (not a data read the loader's read
+    figures, hedge delay and replica health count)."""
+    return replicas.call(f"header of {key}", lambda store: store.get(key, 0, nbytes))
+
+
+def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:
+    """:class:`UnknownFormatError` if a file read as headerless starts with an llm.c header
+    whose token count fits the file: its header would be read as tokens."""
+    magic, version, tokens = (int(v) for v in np.frombuffer(head, "<i4"))
+    for dtype, known in _LLMC_MAGIC.items():
+        fits = tokens * np.dtype(dtype).itemsize == size - LLMC_HEADER_BYTES
+        if (magic, version) == known and fits:
+            raise UnknownFormatError(
+                f"token file {key} starts with an llm.c header ({tokens} {dtype} tokens): "
+                f"read it with TokenFiles(dtype={dtype!r}, header='llmc')"
+            )
 
 
 @dataclass(kw_only=True)
@@ -111,7 +130,9 @@ class TokenFiles:
                     else f"token file {key}: {size} bytes, shorter than its header"
                 )
             if self.header == "llmc":
-                check_llmc_header(replicas.read(key, 0, LLMC_HEADER_BYTES), self.dtype, key, size)
+                check_llmc_header(_head(replicas, key, LLMC_HEADER_BYTES), self.dtype, key, size)
+            elif not self.header_bytes and not units and size >= 12:
+                _refuse_unexpected_llmc_header(_head(replicas, key, 12), key, size)
             samples = body // sample_bytes
             for j in range(0, samples, per_unit):
                 n = min(per_unit, samples - j)

@@ -15,6 +15,7 @@ import pytest
 from loaders import (
     MDS,
     LoaderConfig,
+    ReplicaConfig,
     ReplicaMismatchError,
     ShardCorruptError,
     ShardDataset,
@@ -71,6 +72,33 @@ def test_mds_hash_mismatch_names_shard_and_replica(tmp_path):
         ShardCorruptError, match=r"shard\.00002\.mds\.zstd on replica .*: (sha1|xxh64)"
     ):
         list(ShardDataset(str(tmp_path / "ds"), MDS(), config=IN_ORDER))
+
+
+def test_a_corrupt_shard_on_one_replica_is_read_from_the_other_and_reported(tmp_path, caplog):
+    src = _fixture("tokens-zstd")
+    shutil.copytree(src, tmp_path / "bad")
+    shutil.copytree(src, tmp_path / "good")
+    for shard in (tmp_path / "bad").glob("shard.*"):  # every shard: the first read goes there
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    expected = list(ShardDataset(str(tmp_path / "good"), MDS(), config=IN_ORDER))
+    ds = ShardDataset(
+        [str(tmp_path / "bad"), str(tmp_path / "good")],
+        MDS(),
+        config=IN_ORDER,
+        replica_config=ReplicaConfig(hedge=False),
+    )
+    with caplog.at_level("WARNING", logger="loaders.replicas"):
+        got = list(ds)
+    assert [s["__index__"] for s in got] == [s["__index__"] for s in expected]
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    bad = ds.metrics()["replicas"][ds.replicas.uris[0]]
+    corrupt = [r.getMessage() for r in caplog.records if "corrupt data" in r.getMessage()]
+    # A new set's first read goes to its first replica; later ones until it is benched.
+    assert bad["corrupt"] == len(corrupt) >= 1
+    assert all(f"replica {ds.replicas.uris[0]}" in m and ".mds.zstd" in m for m in corrupt)
 
 
 def test_mds_truncated_shard_names_offset(tmp_path):

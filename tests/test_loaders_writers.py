@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,10 @@ from loaders import (
     ShardCorruptError,
     ShardDataset,
     ShardNotFoundError,
+    StatefulLoader,
     TokenFiles,
     TokenWriter,
+    UnknownFormatError,
     WebDataset,
     WebDatasetWriter,
 )
@@ -150,6 +153,17 @@ def test_mds_round_trips_every_column_kind_on_two_replicas(tmp_path, compression
     for i, (g, want) in enumerate(zip(got, samples)):
         want = dict(want, n=i)  # str_int reads back as an int
         _assert_same_sample(g, want, i)
+
+
+def test_mds_ndarray_columns_collate_into_tensors_without_a_warning(tmp_path):
+    with MDSWriter(tmp_path / "ds", columns={"tokens": "ndarray:uint16:4"}) as writer:
+        for i in range(8):
+            writer.write({"tokens": np.arange(i, i + 4, dtype=np.uint16)})
+    ds = ShardDataset(str(tmp_path / "ds"), MDS(), config=IN_ORDER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of read-only arrays it is handed
+        batches = list(StatefulLoader(ds, batch_size=4))
+    assert [b["tokens"].tolist()[0] for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_mds_writer_refuses_values_its_column_cannot_hold(tmp_path):
@@ -399,6 +413,29 @@ def test_llmc_header_is_checked_against_dtype_and_size_at_open(tmp_path):
     first.write_bytes(b"\0" * 1024 + b"\1\0" * 64)
     with pytest.raises(ShardCorruptError, match="not an llm.c token file"):
         ShardDataset(str(root), ok, config=IN_ORDER)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_llmc_files_read_without_header_llmc_are_refused_not_read_as_tokens(tmp_path, dtype):
+    with TokenWriter(tmp_path / "ds", dtype=dtype, header="llmc", file_tokens=64) as writer:
+        writer.write(np.arange(128, dtype=dtype))
+    root = str(tmp_path / "ds")
+    bare = TokenFiles(dtype="uint16", sample_tokens=16, manifest="manifest.txt")
+    with pytest.raises(
+        UnknownFormatError,
+        match=rf"{writer.shards[0]} starts with an llm.c header \(64 {dtype} tokens\): "
+        rf"read it with TokenFiles\(dtype='{dtype}', header='llmc'\)",
+    ):
+        ShardDataset(root, bare, config=IN_ORDER)
+    # Skipping the header by its size reads the tokens, as header="llmc" does.
+    skip = TokenFiles(
+        dtype=dtype,
+        sample_tokens=16,
+        manifest="manifest.txt",
+        header_bytes=TokenWriter.HEADER_BYTES["llmc"],
+    )
+    got = np.concatenate([s["tokens"] for s in ShardDataset(root, skip, config=IN_ORDER)])
+    np.testing.assert_array_equal(got, np.arange(128, dtype=dtype))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,137 @@
+"""StatefulLoader.metrics(): the figures of the processes that read, summed over DataLoader
+workers and passes, checked against what the epoch plan says each worker must fetch."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import loaders.dataset
+from ckptstore.metrics import LatencyHistogram
+from loaders import LoaderConfig, ReplicaConfig, ShardDataset, StatefulLoader, TokenFiles
+from loaders.metrics import ReadStats
+from loaders.order import Reader
+
+pytestmark = pytest.mark.timeout(120)
+
+SAMPLE_TOKENS = 8
+UNIT_SAMPLES = 10
+UNITS = 24
+BATCH = 4
+
+
+def _replicas(tmp_path) -> list[str]:
+    tokens = np.arange(UNITS * UNIT_SAMPLES * SAMPLE_TOKENS, dtype=np.uint16)
+    roots = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        tokens.tofile(tmp_path / name / "tokens.bin")
+        roots.append(str(tmp_path / name))
+    return roots
+
+
+def _loader(roots, workers: int) -> StatefulLoader:
+    ds = ShardDataset(
+        roots,
+        TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=UNIT_SAMPLES * SAMPLE_TOKENS * 2),
+        config=LoaderConfig(seed=3, shuffle_block_units=2),
+        # No hedges: every read is then one request, so the replicas' counts must add up to it.
+        replica_config=ReplicaConfig(hedge=False),
+    )
+    return StatefulLoader(ds, batch_size=BATCH, num_workers=workers)
+
+
+def _fetches(ds: ShardDataset, epoch: int, workers: int) -> int:
+    """Units the plan of ``epoch`` has its readers fetch (each worker reads its blocks' units)."""
+    readers = [
+        Reader(worker=w, num_workers=max(workers, 1), batch_size=BATCH)
+        for w in range(max(workers, 1))
+    ]
+    return sum(len(plan.needed) for r in readers for plan in ds.order(epoch).plan(r, 0))
+
+
+def _check_sums(m: dict, reads: int, samples: int, opening: dict | None = None) -> None:
+    """``opening``: the replicas' figures after the dataset opened in this process (its
+    metadata requests are not reads)."""
+    assert m["reads"]["reads"] == reads and m["reads"]["count"] == reads
+    assert m["reads"]["failed"] == 0 and m["reads"]["p50_s"] > 0
+    assert m["readers"]["samples"] == samples
+    assert m["readers"]["bytes_read"] == reads * UNIT_SAMPLES * SAMPLE_TOKENS * 2
+
+    def total(field: str) -> int:
+        before = sum(r[field] for r in (opening or {}).values())
+        return sum(r[field] for r in m["replicas"].values()) - before
+
+    assert total("requests") == reads and total("wins") == reads
+    assert total("bytes") == m["readers"]["bytes_read"]
+
+
+def test_metrics_sum_the_reads_of_every_worker_over_passes(tmp_path):
+    loader = _loader(_replicas(tmp_path), workers=2)
+    ds = loader.dataset
+    expected = [_fetches(ds, epoch, 2) for epoch in (0, 1)]
+    assert expected[0] > UNITS  # workers share blocks: more fetches than units
+
+    batches = sum(1 for _ in loader)
+    assert batches == UNITS * UNIT_SAMPLES // BATCH
+    m = loader.metrics()
+    _check_sums(m, expected[0], UNITS * UNIT_SAMPLES)
+    assert m["workers"] == 2 and m["consumer"]["samples"] == UNITS * UNIT_SAMPLES
+    assert m["consumer"]["batches"] == batches and m["consumer"]["wait_s"] > 0
+    for uri in ds.replicas.uris:
+        assert m["replicas"][uri]["health"] == {"healthy": 2}
+
+    sum(1 for _ in loader)  # the next epoch, in new worker processes
+    m = loader.metrics()
+    _check_sums(m, sum(expected), 2 * UNITS * UNIT_SAMPLES)
+    # Final reports are folded into the total and their files removed.
+    assert os.listdir(loader._reports.directory) == []
+    assert loader.metrics()["reads"]["reads"] == sum(expected)
+
+
+def test_a_workers_figures_show_before_its_pass_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(loaders.dataset, "_REPORT_S", 0.0)  # a report before every block
+    loader = _loader(_replicas(tmp_path), workers=2)
+    it = iter(loader)
+    batches = UNITS * UNIT_SAMPLES // BATCH
+    for _ in range(batches * 3 // 4):
+        next(it)
+    # Both workers went on to later blocks, each having reported the reads of earlier ones.
+    during = loader.metrics()
+    assert 0 < during["reads"]["reads"] <= _fetches(loader.dataset, 0, 2)
+    assert [n for n in os.listdir(loader._reports.directory) if n.endswith(".report")]
+    assert during["readers"]["samples"] > 0
+    for _ in it:
+        pass
+    _check_sums(loader.metrics(), _fetches(loader.dataset, 0, 2), UNITS * UNIT_SAMPLES)
+
+
+def test_without_workers_metrics_are_this_processes(tmp_path):
+    loader = _loader(_replicas(tmp_path), workers=0)
+    opening = loader.metrics()["replicas"]
+    sum(1 for _ in loader)
+    m = loader.metrics()
+    _check_sums(m, _fetches(loader.dataset, 0, 0), UNITS * UNIT_SAMPLES, opening)
+    assert m["workers"] == 0
+    assert {r["health"]["healthy"] for r in m["replicas"].values()} == {1}
+
+
+def test_stats_pickle_and_merge():
+    a, b = ReadStats(), ReadStats()
+    a.add(reads=2, hedges=1)
+    b.add(reads=3, failed=1)
+    for s in (0.010, 0.020):
+        a.latency.record(s)
+    b.latency.record(0.400)
+    copy = pickle.loads(pickle.dumps(a))
+    copy.merge(b)
+    got = copy.as_dict()
+    assert (got["reads"], got["hedges"], got["failed"], got["count"]) == (5, 1, 1, 3)
+    assert got["max_s"] == pytest.approx(0.400, rel=1e-3)
+    assert got["mean_s"] == pytest.approx((0.010 + 0.020 + 0.400) / 3, rel=1e-3)
+    assert a.as_dict()["reads"] == 2  # the original is untouched
+    h = pickle.loads(pickle.dumps(LatencyHistogram()))
+    assert h.summary()["count"] == 0
