@@ -7,6 +7,7 @@ counts add up, histograms merge, high-water marks take the maximum.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import shutil
@@ -18,6 +19,8 @@ from typing import Any
 
 from ckptstore import telemetry
 from ckptstore.metrics import LatencyHistogram
+
+logger = logging.getLogger(__name__)
 
 
 class _Stats:
@@ -203,12 +206,17 @@ class ReaderReports:
 
     @staticmethod
     def write(directory: str, pass_number: int, worker: int, report: ReaderReport) -> None:
-        """Leave ``report`` for the reader process: the latest of ``worker`` in that pass."""
+        """Leave ``report`` for the training process: the latest of ``worker`` in that pass.
+        Figures are never worth a failed read: a report that cannot be written (the directory
+        gone with its loader, a full disk) is skipped."""
         path = os.path.join(directory, f"pass{pass_number:08d}-worker{worker:04d}.report")
         tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump(report, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.debug("loader figures not reported to %s: %s", directory, exc)
 
     def collect(self) -> tuple[ReaderReport | None, dict[str, dict[str, int]]]:
         """The sum of every report so far, and per replica how many workers of the newest pass

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
+from torch.utils.data import DataLoader
 
 import loaders.dataset
 from ckptstore.metrics import LatencyHistogram
@@ -135,3 +137,14 @@ def test_stats_pickle_and_merge():
     assert a.as_dict()["reads"] == 2  # the original is untouched
     h = pickle.loads(pickle.dumps(LatencyHistogram()))
     assert h.summary()["count"] == 0
+
+
+def test_workers_read_on_when_their_report_directory_is_gone(tmp_path):
+    loader = _loader(_replicas(tmp_path), workers=2)
+    ds = loader.dataset
+    shutil.rmtree(loader._reports.directory)  # as when the loader was collected
+    assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
+    assert loader.metrics()["reads"]["reads"] == 0  # nothing reported, nothing invented
+    # A plain DataLoader over the same dataset reads too.
+    plain = DataLoader(ds, batch_size=BATCH, num_workers=2)
+    assert sum(len(b["__index__"]) for b in plain) == UNITS * UNIT_SAMPLES
