@@ -26,7 +26,7 @@ from loaders.cache import open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
 from loaders.errors import ShardNotFoundError
 from loaders.layout import Format, Unit, unit_samples
-from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports, ReadStats
+from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
 from loaders.prefetch import Window
 from loaders.replicas import ReplicaSet, replica_retry_policy
@@ -102,7 +102,7 @@ class ShardDataset(IterableDataset):
         self._position = 0  # global position the current pass started at
         self._consumed = 0  # samples this rank's consumer received since _position
         self._external_count = False  # a StatefulLoader counts instead
-        self._reports_dir: str | None = None  # where workers leave reports (a StatefulLoader's)
+        self._reports_dir: str | None = None  # set by a StatefulLoader as it starts workers
         self._report_pass = 0
         self.stats = ConsumerStats()
         self._orders: dict[int, EpochOrder] = {}
@@ -319,9 +319,17 @@ class ShardDataset(IterableDataset):
                         "loader rank %d worker %d: %s", reader.rank, reader.worker, self.metrics()
                     )
         finally:
-            window.close()
-            if reports is not None:
-                ReaderReports.write(reports, self._report_pass, worker.id, self.report(final=True))
+            if reports is None:
+                window.close()
+            else:
+                # Reads still in flight (the pass broken off) count in the final report, written
+                # when the last one ends; until then (or if this worker is killed first) the
+                # figures so far stand.
+                n, w = self._report_pass, worker.id
+                ReaderReports.write(reports, n, w, self.report())
+                window.close(
+                    then=lambda: ReaderReports.write(reports, n, w, self.report(final=True))
+                )
 
     def __iter__(self) -> Iterator[Any]:
         reader, in_process = self._reader()
@@ -491,7 +499,7 @@ class StatefulLoader:
         )
         self.stats = ConsumerStats()
         self._reports = ReaderReports() if num_workers else None
-        dataset._reports_dir = self._reports.directory if self._reports else None
+        self._passes = 0
 
     def __len__(self) -> int:
         return -(-self.dataset.rank_length() // self.batch_size)
@@ -499,9 +507,16 @@ class StatefulLoader:
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
         ds._rebase()
-        ds._report_pass += 1
         length = ds.rank_length()
-        it = iter(self._loader)
+        self._passes += 1
+        # The workers take the dataset with them as iter() starts them; only they report here
+        # (not a DataLoader of the user's over the same dataset, nor another StatefulLoader's).
+        ds._reports_dir = self._reports.directory if self._reports else None
+        ds._report_pass = self._passes
+        try:
+            it = iter(self._loader)
+        finally:
+            ds._reports_dir = None
         while True:
             t0 = time.monotonic()
             try:
@@ -534,12 +549,14 @@ class StatefulLoader:
         reads and their window), ``reads``, ``replicas`` (with ``health``: how many workers of
         the newest pass last saw the replica in each state) and ``cache``. Without workers,
         this process's figures. See docs/loaders.md, "Metrics"."""
+        # This process's figures count too: its requests at open, its reads without workers.
+        here = self.dataset.report()
         if self._reports is None:
-            report = self.dataset.report()
-            health = {uri: {state: 1} for uri, state in report.health.items()}
+            report = ReaderReports.merged(None, here)
+            health = {uri: {state: 1} for uri, state in here.health.items()}
         else:
-            report, health = self._reports.collect()
-            report = report or ReaderReport(ConsumerStats(), ReadStats(), {}, {})
+            workers, health = self._reports.collect()
+            report = ReaderReports.merged(workers, here)
         waited = self.stats.as_dict()
         out: dict[str, Any] = {
             "consumer": {

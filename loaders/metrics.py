@@ -192,14 +192,15 @@ class ReaderReports:
     """A private directory where DataLoader workers leave their latest :class:`ReaderReport`
     (one file per pass and worker, replaced atomically), and the sum of them all.
 
-    A worker's final report (its pass ended) is folded into the running total and its file
-    removed; a worker killed before its end counts with its last report."""
+    A worker's final report (its pass ended, its reads in flight too) is folded into the
+    running total and its file removed; a worker killed before its end counts with its last
+    report, read again at each :meth:`collect`."""
 
     directory: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="loaders-reports-"))
     _total: ReaderReport | None = None
-    _running: dict[str, ReaderReport] = field(default_factory=dict)
     _newest_pass: int = -1
     _health: dict[str, dict[str, str]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
@@ -221,42 +222,39 @@ class ReaderReports:
     def collect(self) -> tuple[ReaderReport | None, dict[str, dict[str, int]]]:
         """The sum of every report so far, and per replica how many workers of the newest pass
         last saw it in each health state."""
-        try:
-            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".report"))
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            path = os.path.join(self.directory, name)
+        with self._lock:
             try:
-                with open(path, "rb") as f:
-                    report = pickle.load(f)
-            except (FileNotFoundError, EOFError, pickle.UnpicklingError):
-                continue  # replaced or removed while read: the next collect sees it
-            pass_number = int(name[len("pass") : name.index("-")])
-            if pass_number > self._newest_pass:
-                self._newest_pass, self._health = pass_number, {}
-            if pass_number == self._newest_pass:
-                self._health[name] = report.health
-            if report.final:
-                self._total = _merged(self._total, report)
-                self._running.pop(name, None)
-                os.unlink(path)
-            else:
-                self._running[name] = report
-        total = _merged(None, self._total) if self._total is not None else None
-        for report in self._running.values():
-            total = _merged(total, report)
-        health: dict[str, dict[str, int]] = {}
-        for seen in self._health.values():
-            for uri, state in seen.items():
-                states = health.setdefault(uri, {})
-                states[state] = states.get(state, 0) + 1
-        return total, health
+                names = sorted(n for n in os.listdir(self.directory) if n.endswith(".report"))
+            except FileNotFoundError:
+                names = []
+            total = self.merged(None, self._total) if self._total is not None else None
+            for name in names:
+                path = os.path.join(self.directory, name)
+                try:
+                    with open(path, "rb") as f:
+                        report = pickle.load(f)
+                except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+                    continue  # replaced while read: the next collect sees the new one
+                pass_number = int(name[len("pass") : name.index("-")])
+                if pass_number > self._newest_pass:
+                    self._newest_pass, self._health = pass_number, {}
+                if pass_number == self._newest_pass:
+                    self._health[name] = report.health
+                if report.final:
+                    os.unlink(path)
+                    self._total = self.merged(self._total, report)
+                total = self.merged(total, report)
+            health: dict[str, dict[str, int]] = {}
+            for seen in self._health.values():
+                for uri, state in seen.items():
+                    states = health.setdefault(uri, {})
+                    states[state] = states.get(state, 0) + 1
+            return total, health
 
-
-def _merged(into: ReaderReport | None, report: ReaderReport) -> ReaderReport:
-    """``into`` with ``report`` added (a copy of ``report`` when ``into`` is None)."""
-    if into is None:
-        return pickle.loads(pickle.dumps(report))
-    into.merge(report)
-    return into
+    @staticmethod
+    def merged(into: ReaderReport | None, report: ReaderReport) -> ReaderReport:
+        """``into`` with ``report`` added (a copy of ``report`` when ``into`` is None)."""
+        if into is None:
+            return pickle.loads(pickle.dumps(report))
+        into.merge(report)
+        return into

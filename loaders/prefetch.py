@@ -47,6 +47,7 @@ class Window:
         # small reads, and polling futures cost the consumer more CPU than the reads did.
         self._ended = threading.Condition()
         self._inflight = 0
+        self._then: Callable[[], None] | None = None  # what close() left to the last read
         self._completions = 0
         self._seen = 0  # completions when the window was last topped up
 
@@ -55,6 +56,9 @@ class Window:
             self._inflight -= 1
             self._completions += 1
             self._ended.notify_all()
+            then, self._then = (self._then, None) if not self._inflight else (None, self._then)
+        if then is not None:
+            then()
 
     def top_up(self) -> None:
         self._seen = self._completions
@@ -112,7 +116,15 @@ class Window:
         self._held -= self._cost.pop(unit)
         self.top_up()
 
-    def close(self) -> None:
+    def close(self, then: Callable[[], None] | None = None) -> None:
+        """Cancel the reads not started; ``then()`` runs once none is in flight: now, or at the
+        end of the last one (in its thread)."""
         for future in self._futures.values():
             future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if then is not None:
+            with self._ended:
+                if self._inflight:
+                    self._then = then
+                    return
+            then()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from torch.utils.data import DataLoader
 
 import loaders.dataset
 from ckptstore.metrics import LatencyHistogram
+from ckptstore.store import Store
+from ckptstore.testing.faults import Faults, parse_latency, with_faults
 from loaders import LoaderConfig, ReplicaConfig, ShardDataset, StatefulLoader, TokenFiles
 from loaders.metrics import ReadStats
 from loaders.order import Reader
@@ -76,11 +79,13 @@ def test_metrics_sum_the_reads_of_every_worker_over_passes(tmp_path):
     ds = loader.dataset
     expected = [_fetches(ds, epoch, 2) for epoch in (0, 1)]
     assert expected[0] > UNITS  # workers share blocks: more fetches than units
+    opening = loader.metrics()["replicas"]  # this process's requests at open count too
+    assert sum(r["requests"] for r in opening.values()) > 0
 
     batches = sum(1 for _ in loader)
     assert batches == UNITS * UNIT_SAMPLES // BATCH
     m = loader.metrics()
-    _check_sums(m, expected[0], UNITS * UNIT_SAMPLES)
+    _check_sums(m, expected[0], UNITS * UNIT_SAMPLES, opening)
     assert m["workers"] == 2 and m["consumer"]["samples"] == UNITS * UNIT_SAMPLES
     assert m["consumer"]["batches"] == batches and m["consumer"]["wait_s"] > 0
     for uri in ds.replicas.uris:
@@ -88,15 +93,21 @@ def test_metrics_sum_the_reads_of_every_worker_over_passes(tmp_path):
 
     sum(1 for _ in loader)  # the next epoch, in new worker processes
     m = loader.metrics()
-    _check_sums(m, sum(expected), 2 * UNITS * UNIT_SAMPLES)
+    _check_sums(m, sum(expected), 2 * UNITS * UNIT_SAMPLES, opening)
     # Final reports are folded into the total and their files removed.
     assert os.listdir(loader._reports.directory) == []
+    assert loader.metrics()["reads"]["reads"] == sum(expected)
+
+    # A DataLoader of the user's over the same dataset does not report into this loader.
+    plain = DataLoader(ds, batch_size=BATCH, num_workers=2)
+    assert sum(len(b["__index__"]) for b in plain) == UNITS * UNIT_SAMPLES
     assert loader.metrics()["reads"]["reads"] == sum(expected)
 
 
 def test_a_workers_figures_show_before_its_pass_ends(tmp_path, monkeypatch):
     monkeypatch.setattr(loaders.dataset, "_REPORT_S", 0.0)  # a report before every block
     loader = _loader(_replicas(tmp_path), workers=2)
+    opening = loader.metrics()["replicas"]
     it = iter(loader)
     batches = UNITS * UNIT_SAMPLES // BATCH
     for _ in range(batches * 3 // 4):
@@ -108,7 +119,36 @@ def test_a_workers_figures_show_before_its_pass_ends(tmp_path, monkeypatch):
     assert during["readers"]["samples"] > 0
     for _ in it:
         pass
-    _check_sums(loader.metrics(), _fetches(loader.dataset, 0, 2), UNITS * UNIT_SAMPLES)
+    _check_sums(loader.metrics(), _fetches(loader.dataset, 0, 2), UNITS * UNIT_SAMPLES, opening)
+
+
+def test_reads_in_flight_when_a_pass_is_broken_off_are_counted(tmp_path):
+    # Each read takes 50 ms, so reads are in flight when the consumer stops after two batches.
+    faults = Faults(latency=parse_latency("fixed:0.05"), ops=frozenset({"get"}))
+    stores = [with_faults(Store(root), faults) for root in _replicas(tmp_path)]
+    ds = ShardDataset(
+        stores,
+        TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=UNIT_SAMPLES * SAMPLE_TOKENS * 2),
+        config=LoaderConfig(seed=3, shuffle_block_units=2),
+        replica_config=ReplicaConfig(hedge=False),
+    )
+    loader = StatefulLoader(ds, batch_size=BATCH, num_workers=2)
+    opening = loader.metrics()["replicas"]
+    it = iter(loader)
+    next(it), next(it)
+    it.close()  # the DataLoader shuts its workers down; their reads in flight end first
+    m = loader.metrics()
+    reads = m["reads"]["reads"]
+    assert reads > 0 and m["readers"]["bytes_read"] == reads * UNIT_SAMPLES * SAMPLE_TOKENS * 2
+
+    def total(field: str) -> int:
+        return sum(r[field] for r in m["replicas"].values()) - sum(
+            r[field] for r in opening.values()
+        )
+
+    # Every request a worker made is in its final report, with its answer.
+    assert total("requests") == total("wins") == reads
+    assert os.listdir(loader._reports.directory) == []
 
 
 def test_without_workers_metrics_are_this_processes(tmp_path):
@@ -148,3 +188,11 @@ def test_workers_read_on_when_their_report_directory_is_gone(tmp_path):
     # A plain DataLoader over the same dataset reads too.
     plain = DataLoader(ds, batch_size=BATCH, num_workers=2)
     assert sum(len(b["__index__"]) for b in plain) == UNITS * UNIT_SAMPLES
+
+
+def test_metrics_from_several_threads_at_once_count_each_report_once(tmp_path):
+    loader = _loader(_replicas(tmp_path), workers=2)
+    sum(1 for _ in loader)  # the workers' final reports wait in the directory
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: loader.metrics()["reads"]["reads"], range(8)))
+    assert got == [_fetches(loader.dataset, 0, 2)] * 8
