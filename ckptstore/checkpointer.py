@@ -97,8 +97,8 @@ class _Group:
     """Coordination of ranks on a dedicated gloo group, so the background thread's
     collectives never interleave with the training loop's."""
 
-    def __init__(self, process_group: Any, timeout_s: float) -> None:
-        self.active = dist.is_available() and dist.is_initialized()
+    def __init__(self, process_group: Any, timeout_s: float, *, no_dist: bool = False) -> None:
+        self.active = not no_dist and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
         self.group = None
@@ -152,6 +152,9 @@ class Checkpointer:
         ranks_per_node: for ``staging="peer"``: the guard of rank r is r + ranks_per_node
             (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1).
         process_group: the ranks that save together (default: the whole world, if any).
+        no_dist: this process saves and loads alone, as rank 0 of 1, even under
+            ``torch.distributed`` (as DCP's ``no_dist``): for a state every rank holds whole,
+            saved by one rank (Lightning's DDP) and loaded by each rank on its own.
         store: use this :class:`Store` instead of opening ``uri`` (e.g. with fault injection).
         background_nice: added to the nice value of the threads that encode and upload (and of
             the store's threads, when the checkpointer opens the store), so that where the
@@ -181,6 +184,7 @@ class Checkpointer:
         staging: str = "host",
         ranks_per_node: int | None = None,
         process_group: Any = None,
+        no_dist: bool = False,
         store: Store | None = None,
         background_nice: int = 0,
         lease_ttl_s: float = DEFAULT_TTL_S,
@@ -213,7 +217,7 @@ class Checkpointer:
             lease_ttl_s=lease_ttl_s,
             gc_wait_s=gc_wait_s,
         )
-        self._group = _Group(process_group, timeout_s=max(timeout_s * 20, 600.0))
+        self._group = _Group(process_group, timeout_s=max(timeout_s * 20, 600.0), no_dist=no_dist)
         self.rank = self._group.rank
         if self._group.active and when_busy == "skip":
             raise ValueError(

@@ -270,6 +270,31 @@ def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
     io.close()
 
 
+def _ddp_fit(tmp_path, out: str, *args: str) -> None:
+    (tmp_path / out).mkdir()
+    cmd = [sys.executable, str(ROOT / "tests" / "_lightning_ddp.py"), "--out", str(tmp_path / out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*cmd, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_ddp_rank_0_saves_and_every_rank_resumes_the_same_state(tmp_path):
+    uri = str(tmp_path / "store")
+    _ddp_fit(tmp_path, "first", "--uri", uri, "--max-steps", "4", "--at", "4")
+    assert list_steps(Store(uri)) == [2, 4]
+    saved = [torch.load(tmp_path / "first" / f"step-rank{r}.pt") for r in (0, 1)]
+    _assert_identical(saved[1], saved[0])  # DDP: the ranks hold the same state
+
+    _ddp_fit(tmp_path, "resumed", "--uri", uri, "--max-steps", "6", "--resume", "latest")
+    assert list_steps(Store(uri)) == [2, 4, 6]
+    for rank in (0, 1):
+        loaded = torch.load(tmp_path / "resumed" / f"start-rank{rank}.pt")
+        assert loaded["global_step"] == 4
+        _assert_identical(loaded, saved[0])
+
+
 def test_importing_ckptstore_does_not_import_lightning_and_a_missing_lightning_is_one_line():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     quiet = subprocess.run(

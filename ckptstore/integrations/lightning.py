@@ -20,8 +20,10 @@ Values a ckptstore state cannot represent (enums, dataclasses, paths in hyper-pa
 saved as pickled blobs with their tensors pulled out and stored as verified chunks; loading them
 follows ``weights_only`` as ``torch.load`` does (``ckptstore.integrations._pickled``).
 
-One process saves (Lightning's single-device strategies); with ``torch.distributed`` initialised
-over several ranks the plugin refuses to start, as ``Checkpointer`` would wait for every rank.
+Single-device strategies and DDP are supported: under DDP global rank 0 saves the whole state
+(as Lightning has it) and every rank loads the step on its own, verified. FSDP and DeepSpeed
+read their checkpoints with their own code, not through a ``CheckpointIO``: use
+``ckptstore.dcp`` for those.
 """
 
 from __future__ import annotations
@@ -89,12 +91,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
     @property
     def checkpointer(self) -> Checkpointer:
         if self._checkpointer is None:
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                raise RuntimeError(
-                    "CkptstoreCheckpointIO saves from one process; multi-process training "
-                    f"({dist.get_world_size()} ranks) is not supported yet"
-                )
-            self._checkpointer = Checkpointer(self.uri, **self._options)
+            # Under DDP Lightning saves the whole state from global rank 0 only and loads it
+            # on every rank: each process checkpoints on its own (DCP's no_dist).
+            several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            self._checkpointer = Checkpointer(self.uri, no_dist=several, **self._options)
         return self._checkpointer
 
     # -- CheckpointIO -----------------------------------------------------------------------
