@@ -56,7 +56,9 @@ class Window:
             self._inflight -= 1
             self._completions += 1
             self._ended.notify_all()
-            then, self._then = (self._then, None) if not self._inflight else (None, self._then)
+            then = None
+            if not self._inflight:
+                then, self._then = self._then, None
         if then is not None:
             then()
 

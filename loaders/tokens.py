@@ -131,7 +131,7 @@ class TokenFiles:
                 )
             if self.header == "llmc":
                 check_llmc_header(_head(replicas, key, LLMC_HEADER_BYTES), self.dtype, key, size)
-            elif not self.header_bytes and not units and size >= 12:
+            elif not self.header_bytes and not units and size >= 12:  # the first file's head
                 _refuse_unexpected_llmc_header(_head(replicas, key, 12), key, size)
             samples = body // sample_bytes
             for j in range(0, samples, per_unit):
