@@ -11,8 +11,9 @@ One save goes through these stages; only the first runs on the caller's thread::
 Each rank holds a save lease from before it looks for stored chunks until the step's commit is
 decided, so garbage collection never deletes a chunk the save reuses (``ckptstore.commit``).
 
-Errors of the background stages are raised by ``handle.wait()``, ``wait()`` and the next
-``save()``. With ``torch.distributed`` initialised, every rank calls ``save`` with the same step;
+A failed save's error is reported once: by its ``handle.wait()``; if nobody waited for it, by the
+next ``wait()``, ``save()`` (that step is then not saved) or ``close()``. After that the
+Checkpointer saves again. With ``torch.distributed`` initialised, every rank calls ``save`` with the same step;
 each writes its own chunks and index and rank 0 commits once all have succeeded.
 """
 
@@ -65,11 +66,17 @@ class SaveHandle:
         self.step = step
         self.skipped = skipped
         self._future: Future[None] = Future()
+        self._reported = False  # its error reached the caller: not raised again by save()
         if skipped:
             self._future.set_result(None)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        self._future.result(timeout=timeout_s)
+        """Block until the save is committed (``TimeoutError`` after ``timeout_s``); raise its
+        error if it failed."""
+        error = self._future.exception(timeout=timeout_s)
+        if error is not None:
+            self._reported = True
+            raise error
 
     def done(self) -> bool:
         return self._future.done()
@@ -238,7 +245,8 @@ class Checkpointer:
         self._saves = 0
         self.skipped_saves = 0
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._error: tuple[int, BaseException] | None = None  # (step, error) of a failed save
+        self._failed: list[SaveHandle] = []  # failed saves whose error may not be reported yet
+        self._failed_lock = threading.Lock()
         self._last: SaveHandle | None = None
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._worker.start()
@@ -285,7 +293,8 @@ class Checkpointer:
         return handle
 
     def wait(self) -> None:
-        """Block until every save so far is committed; raise the first background error."""
+        """Block until every save so far is committed; raise the error of the first failed
+        save that no ``wait()`` raised yet."""
         if self._last is not None:
             self._last._future.exception()  # blocks until the last save is done
         self._raise_background_error()
@@ -569,13 +578,27 @@ class Checkpointer:
     # -- background ---------------------------------------------------------------------------
 
     def _raise_background_error(self, consequence: str | None = None) -> None:
-        if self._error is None:
+        """Raise the error of the first failed save whose error no ``wait()`` has raised yet;
+        every such save counts as reported from here on, so it is raised once."""
+        with self._failed_lock:
+            unreported = [h for h in self._failed if not h._reported]
+            self._failed.clear()
+            for handle in unreported:
+                handle._reported = True
+        if not unreported:
             return
-        (step, error), self._error = self._error, None
-        if consequence is None:
+        first, error = unreported[0], unreported[0].exception()
+        others = [h.step for h in unreported[1:]]
+        also = f" (the saves of steps {', '.join(map(str, others))} failed too)" if others else ""
+        if consequence is None and not also:
             raise error
         kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
-        raise kind(f"{consequence}: the save of step {step} failed: {error}") from error
+        lead = f"{consequence}: the" if consequence else "The"
+        try:
+            raised = kind(f"{lead} save of step {first.step} failed: {error}{also}")
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            raised = CheckpointError(f"{lead} save of step {first.step} failed: {error}{also}")
+        raise raised from error
 
     def _run(self) -> None:
         set_thread_nice(self._save_thread_nice)
@@ -594,8 +617,8 @@ class Checkpointer:
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
                 telemetry.saves_total.inc(frontend="checkpointer", outcome="failed")
                 logger.error("rank %d: save of step %d failed: %s", self.rank, job.step, exc)
-                if self._error is None:
-                    self._error = (job.step, exc)
+                with self._failed_lock:
+                    self._failed.append(job.handle)
                 job.handle._future.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
