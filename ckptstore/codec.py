@@ -111,6 +111,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
+def max_encoded_size(raw_len: int) -> int:
+    """The largest object :func:`encode` makes of ``raw_len`` bytes: its header, a plane table
+    of at most 255 planes, and the planes stored raw (zstd is kept only when it shrinks one)."""
+    return raw_len + _HEADER.size + 255 * _PLANE.size
+
+
 def hash_bytes(raw) -> str:
     """xxh3-128 of ``raw`` as 32 lowercase hex digits."""
     return xxhash.xxh3_128_hexdigest(raw)
@@ -158,14 +164,52 @@ def encode_parts(raw, itemsize: int, config: CodecConfig) -> list:
     return parts
 
 
-def decode(obj, *, expected_hash: str, name: str, out: np.ndarray | None = None) -> np.ndarray:
+def decode(
+    obj,
+    *,
+    expected_hash: str,
+    name: str,
+    out: np.ndarray | None = None,
+    raw_len: int | None = None,
+) -> np.ndarray:
     """Decode a chunk object into raw bytes (into ``out`` if given; a chunk stored as one raw
     plane comes back as a read-only view of ``obj`` instead) and verify its hash.
+
+    ``raw_len`` (or ``out``'s size) is the raw size the rank index declares: a header that
+    says otherwise is refused before anything is decompressed, and no plane decompresses to
+    more than its share of it, so decoding never takes more memory than the index declares.
 
     Raises :class:`CheckpointCorruptError` naming ``name`` when the object is truncated,
     malformed, or its bytes do not hash to ``expected_hash``.
     """
     view = memoryview(obj)
+    nplanes, declared, table, offset = _read_header(view, name)
+    expected = out.nbytes if out is not None else raw_len
+    if expected is not None and declared != expected:
+        raise CheckpointCorruptError(
+            f"chunk {name}: header says {declared} raw bytes, the index says {expected}"
+        )
+    if nplanes == 1 and table[0] == (RAW, declared) and len(view) == offset + declared:
+        # One raw plane: verify the object's own bytes and hand out a view of them, no copy.
+        return _verified(np.frombuffer(view[offset:], dtype=np.uint8), expected_hash, name)
+    if out is None:
+        out = np.empty(declared, dtype=np.uint8)
+    out = out.view(np.uint8).reshape(-1)
+    plane_len = declared // nplanes
+    grid = out.reshape(-1, nplanes) if nplanes > 1 else None
+    for k, (method, stored) in enumerate(table):
+        plane = _decode_plane(view[offset : offset + stored], method, plane_len, name, k)
+        offset += stored
+        if grid is None:
+            out[:] = plane
+        else:
+            grid[:, k] = plane
+    return _verified(out, expected_hash, name)
+
+
+def _read_header(view: memoryview, name: str) -> tuple[int, int, list, int]:
+    """``(nplanes, raw_len, plane table, body offset)`` of a chunk object, checked
+    against the object's length before any plane is touched."""
     try:
         magic, version, itemsize, nplanes, raw_len = _HEADER.unpack_from(view, 0)
     except struct.error as exc:
@@ -176,56 +220,52 @@ def decode(obj, *, expected_hash: str, name: str, out: np.ndarray | None = None)
         raise CheckpointCorruptError(f"chunk {name}: unknown codec version {version}")
     if nplanes < 1 or itemsize < 1 or (nplanes > 1 and nplanes != itemsize):
         raise CheckpointCorruptError(f"chunk {name}: bad plane layout {nplanes}x{itemsize}")
+    if raw_len % nplanes:
+        raise CheckpointCorruptError(
+            f"chunk {name}: {raw_len} raw bytes do not split into {nplanes} planes"
+        )
     offset = _HEADER.size + nplanes * _PLANE.size
     if offset > len(view):
         raise CheckpointCorruptError(f"chunk {name}: truncated plane table")
     table = [_PLANE.unpack_from(view, _HEADER.size + i * _PLANE.size) for i in range(nplanes)]
-    if nplanes == 1 and table[0] == (RAW, raw_len) and len(view) == offset + raw_len:
-        # One raw plane: verify the object's own bytes and hand out a view of them, no copy.
-        body = np.frombuffer(view[offset:], dtype=np.uint8)
-        actual = hash_bytes(body)
-        if actual != expected_hash:
-            raise CheckpointCorruptError(
-                f"chunk {name}: xxh3 mismatch (stored bytes hash to {actual}, expected "
-                f"{expected_hash})"
-            )
-        return body
-    if out is None:
-        out = np.empty(raw_len, dtype=np.uint8)
-    elif out.nbytes != raw_len:
-        raise CheckpointCorruptError(f"chunk {name}: holds {raw_len} bytes, expected {out.nbytes}")
-    out = out.view(np.uint8).reshape(-1)
-    plane_len = raw_len // nplanes
-    grid = out.reshape(-1, nplanes) if nplanes > 1 else None
-    try:
-        for k, (method, stored) in enumerate(table):
-            body = view[offset : offset + stored]
-            if len(body) != stored:
-                raise CheckpointCorruptError(f"chunk {name}: truncated (plane {k})")
-            offset += stored
-            if method == RAW:
-                plane = np.frombuffer(body, dtype=np.uint8)
-            elif method == ZSTD:
-                plane = np.frombuffer(
-                    _decompressor().decompress(body, max_output_size=plane_len), dtype=np.uint8
-                )
-            else:
-                raise CheckpointCorruptError(f"chunk {name}: unknown plane method {method}")
-            if plane.size != plane_len:
+    body = sum(stored for _, stored in table)
+    if offset + body != len(view):
+        raise CheckpointCorruptError(
+            f"chunk {name}: its planes take {body} bytes, the object holds {len(view) - offset}"
+        )
+    return nplanes, raw_len, table, offset
+
+
+def _decode_plane(body: memoryview, method: int, plane_len: int, name: str, k: int) -> np.ndarray:
+    """Plane ``k``'s bytes, never more than ``plane_len`` of them."""
+    if method == RAW:
+        plane = np.frombuffer(body, dtype=np.uint8)
+    elif method == ZSTD:
+        # With a content size in the frame zstd allocates that size whatever max_output_size
+        # says: a frame must declare exactly the plane's length, or none (then the limit holds).
+        try:
+            claimed = zstandard.frame_content_size(body)
+            if claimed not in (-1, plane_len):
                 raise CheckpointCorruptError(
-                    f"chunk {name}: plane {k} has {plane.size} bytes, expected {plane_len}"
+                    f"chunk {name}: plane {k} claims {claimed} bytes, expected {plane_len}"
                 )
-            if grid is None:
-                out[:] = plane
-            else:
-                grid[:, k] = plane
-    except zstandard.ZstdError as exc:
-        raise CheckpointCorruptError(f"chunk {name}: zstd cannot decode it ({exc})") from exc
-    if offset != len(view):
-        raise CheckpointCorruptError(f"chunk {name}: {len(view) - offset} trailing bytes")
-    actual = hash_bytes(out)
+            decoded = _decompressor().decompress(body, max_output_size=plane_len)
+        except zstandard.ZstdError as exc:
+            raise CheckpointCorruptError(f"chunk {name}: zstd cannot decode it ({exc})") from exc
+        plane = np.frombuffer(decoded, dtype=np.uint8)
+    else:
+        raise CheckpointCorruptError(f"chunk {name}: unknown plane method {method}")
+    if plane.size != plane_len:
+        raise CheckpointCorruptError(
+            f"chunk {name}: plane {k} has {plane.size} bytes, expected {plane_len}"
+        )
+    return plane
+
+
+def _verified(raw: np.ndarray, expected_hash: str, name: str) -> np.ndarray:
+    actual = hash_bytes(raw)
     if actual != expected_hash:
         raise CheckpointCorruptError(
             f"chunk {name}: xxh3 mismatch (stored bytes hash to {actual}, expected {expected_hash})"
         )
-    return out
+    return raw

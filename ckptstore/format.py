@@ -15,14 +15,17 @@ and decodes them; ``catalog`` finds and reads them, ``commit`` writes the manife
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptstore.codec import hash_bytes
+from ckptstore.codec import hash_bytes, max_encoded_size
 from ckptstore.errors import CheckpointCorruptError, FormatVersionError
+from ckptstore.staging import ALIGN
 
 FORMAT_NAME = "ckptstore"
 FORMAT_VERSION = 1
@@ -33,6 +36,8 @@ KIND_DCP = "dcp"  # saved through torch.distributed.checkpoint
 
 
 def chunk_key(digest: str) -> str:
+    if not is_digest(digest):
+        raise CheckpointCorruptError(f"chunk digest {digest!r} is not 32 lowercase hex digits")
     return f"chunks/{digest[:2]}/{digest}"
 
 
@@ -187,6 +192,7 @@ def encode_rank_index(index: RankIndex) -> bytes:
 
 
 def decode_rank_index(data: bytes, name: str) -> RankIndex:
+    """A rank index, checked as restore will use it (see :func:`check_rank_index`)."""
     doc = _load(data, "rank-index", name)
     try:
         tensors = [
@@ -199,15 +205,17 @@ def decode_rank_index(data: bytes, name: str) -> RankIndex:
             for t in doc["tensors"]
         ]
         chunks = {h: ChunkInfo(raw, stored) for h, (raw, stored) in doc["chunks"].items()}
-        return RankIndex(
-            rank=int(doc["rank"]),
+        index = RankIndex(
+            rank=doc["rank"],
             tensors=tensors,
             chunks=chunks,
             tree=doc.get("tree"),
             items=doc.get("items"),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed rank index ({exc!r})") from exc
+    check_rank_index(index, name)
+    return index
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -215,14 +223,16 @@ def encode_manifest(m: Manifest) -> bytes:
 
 
 def decode_manifest(data: bytes, name: str) -> Manifest:
+    """A manifest whose keys all name objects of its own step and attempt (checked before any
+    of them is read: a hostile manifest cannot point a reader outside the store)."""
     doc = _load(data, "manifest", name)
     try:
         meta = doc.get("dcp_metadata")
-        return Manifest(
-            step=int(doc["step"]),
-            attempt=str(doc["attempt"]),
+        manifest = Manifest(
+            step=doc["step"],
+            attempt=doc["attempt"],
             kind=str(doc["kind"]),
-            world_size=int(doc["world_size"]),
+            world_size=doc["world_size"],
             ranks=[ObjectRef(**r) for r in doc["ranks"]],
             created_at=float(doc["created_at"]),
             dcp_metadata=ObjectRef(**meta) if meta else None,
@@ -232,6 +242,150 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
+    check_manifest(manifest, name)
+    return manifest
+
+
+# -- what a reader checks before it trusts a decoded object (docs/FORMAT.md) -----------------
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # xxh3-128, lowercase hex
+_ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+INT64_MAX = 2**63 - 1
+MAX_RANKS = 2**20
+
+
+def _is_count(value: Any, limit: int = INT64_MAX) -> bool:
+    """A non-negative int (not a bool) no greater than ``limit``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
+
+
+def is_digest(value: Any) -> bool:
+    """True for a chunk digest: 32 lowercase hex digits (xxh3-128)."""
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def is_attempt(value: Any) -> bool:
+    """True for an attempt id a writer could have made: letters, digits, ``_`` and ``-``."""
+    return isinstance(value, str) and _ATTEMPT.fullmatch(value) is not None
+
+
+def check_manifest(m: Manifest, name: str) -> None:
+    """:class:`CheckpointCorruptError` naming ``name`` unless every key of ``m`` is the key its
+    own step and attempt give that object, and every size and hash is well formed."""
+
+    def bad(why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{name}: {why}")
+
+    if not _is_count(m.step, 10**STEP_DIGITS - 1):
+        raise bad(f"step {m.step!r} is not an int in [0, 1e{STEP_DIGITS})")
+    if not is_attempt(m.attempt):
+        raise bad(f"attempt {m.attempt!r} is not an attempt id")
+    if not _is_count(m.world_size, MAX_RANKS) or m.world_size < 1:
+        raise bad(f"world size {m.world_size!r} is not an int in [1, {MAX_RANKS}]")
+    allowed = {rank_index_key(m.step, m.attempt, r) for r in range(m.world_size)}
+    seen: set[str] = set()
+    for ref in m.ranks:
+        if ref.key not in allowed or ref.key in seen:
+            raise bad(
+                f"rank index key {ref.key!r} is not one of this step's ranks "
+                f"({rank_index_key(m.step, m.attempt, 0)!r} ...) or is listed twice"
+            )
+        seen.add(ref.key)
+        _check_ref(ref, bad)
+    if m.dcp_metadata is not None:
+        if m.dcp_metadata.key != dcp_metadata_key(m.step, m.attempt):
+            raise bad(f"DCP metadata key {m.dcp_metadata.key!r} is not this step's")
+        _check_ref(m.dcp_metadata, bad)
+
+
+def _check_ref(ref: ObjectRef, bad) -> None:
+    if not _is_count(ref.nbytes) or not is_digest(ref.xxh3):
+        raise bad(f"{ref.key}: size {ref.nbytes!r} or xxh3 {ref.xxh3!r} is malformed")
+
+
+@functools.cache
+def _dtype_itemsizes() -> dict[str, int]:
+    """Every name restore accepts as a dtype (``getattr(torch, name)`` is a torch.dtype)."""
+    import torch
+
+    return {
+        name: value.itemsize
+        for name, value in vars(torch).items()
+        if isinstance(value, torch.dtype)
+    }
+
+
+def dtype_itemsize(name: Any) -> int | None:
+    """The element size of the torch dtype called ``name``; None if there is no such dtype."""
+    return _dtype_itemsizes().get(name) if isinstance(name, str) else None
+
+
+def check_rank_index(index: RankIndex, name: str) -> None:
+    """:class:`CheckpointCorruptError` naming ``name`` unless ``index`` is exactly what restore
+    can load: digests well formed, every tensor a known dtype and a shape whose byte count fits
+    int64 and equals its segments', every segment inside a listed chunk's raw bytes, and every
+    chunk's raw size no larger than its tensors need (plus alignment, for Checkpointer saves)
+    and its stored size no larger than the codec can make of it."""
+
+    def bad(why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{name}: {why}")
+
+    if not _is_count(index.rank, MAX_RANKS):
+        raise bad(f"rank {index.rank!r} is not a rank")
+    for digest, info in index.chunks.items():
+        if not is_digest(digest):
+            raise bad(f"chunk digest {digest!r} is not 32 lowercase hex digits")
+        if not _is_count(info.raw) or not _is_count(info.stored):
+            raise bad(f"chunk {digest}: sizes {info.raw!r}, {info.stored!r} are not counts")
+        if info.stored > max_encoded_size(info.raw):
+            raise bad(f"chunk {digest}: {info.stored} bytes stored for {info.raw} raw")
+    needed = dict.fromkeys(index.chunks, 0)  # digest -> end of the last byte a tensor uses
+    for i, entry in enumerate(index.tensors):
+        _check_tensor(entry, index.chunks, needed, lambda why, i=i: bad(f"tensor {i}: {why}"))
+    if index.items is None:  # a Checkpointer save: each chunk is its tensors, then alignment
+        for digest, end in needed.items():
+            if index.chunks[digest].raw >= end + ALIGN:
+                raise bad(
+                    f"chunk {digest}: {index.chunks[digest].raw} raw bytes, its tensors use {end}"
+                )
+    elif not isinstance(index.items, dict) or not all(
+        isinstance(k, str) and _is_count(v, len(index.tensors) - 1) for k, v in index.items.items()
+    ):
+        raise bad("items do not map DCP keys to tensors of this index")
+
+
+def _check_tensor(
+    entry: TensorEntry, chunks: dict[str, ChunkInfo], needed: dict[str, int], bad
+) -> None:
+    itemsize = dtype_itemsize(entry.dtype)
+    if itemsize is None:
+        raise bad(f"unknown dtype {entry.dtype!r}")
+    if not all(_is_count(n) for n in entry.shape):
+        raise bad(f"shape {entry.shape} is not a list of non-negative ints")
+    nbytes = itemsize
+    for n in entry.shape:
+        nbytes *= n
+    if nbytes > INT64_MAX:
+        raise bad(f"shape {entry.shape} of {entry.dtype} takes more than 2**63 bytes")
+    total = 0
+    for seg in entry.segments:
+        if not is_digest(seg.chunk):
+            raise bad(f"segment chunk {seg.chunk!r} is not 32 lowercase hex digits")
+        info = chunks.get(seg.chunk)
+        if info is None:
+            raise bad(f"chunk {seg.chunk} is not listed in the index")
+        if not (_is_count(seg.offset) and _is_count(seg.nbytes)):
+            raise bad(f"segment [{seg.offset!r}, +{seg.nbytes!r}) is not a byte range")
+        end = seg.offset + seg.nbytes
+        if end > info.raw:
+            raise bad(
+                f"segment [{seg.offset}, {end}) past the end of chunk {seg.chunk} "
+                f"({info.raw} bytes)"
+            )
+        needed[seg.chunk] = max(needed[seg.chunk], end)
+        total += seg.nbytes
+    if total != nbytes:
+        raise bad(f"{total} bytes in segments for {entry.dtype} {entry.shape} ({nbytes} bytes)")
 
 
 def object_ref(key: str, data: bytes) -> ObjectRef:

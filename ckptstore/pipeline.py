@@ -390,7 +390,8 @@ def fetch_chunk(
             f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
         )
     out = _thread_buffer("decoded", info.raw) if scratch and info is not None else None
-    return decode(data, expected_hash=digest, name=store.url(key), out=out)
+    raw_len = info.raw if info is not None else None
+    return decode(data, expected_hash=digest, name=store.url(key), out=out, raw_len=raw_len)
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:

@@ -5,27 +5,52 @@ from __future__ import annotations
 import bz2
 import gzip
 import hashlib
+import io
 from collections.abc import Callable
 
 import xxhash
 import zstandard
 
-from loaders.errors import UnknownFormatError
+from loaders.errors import ShardCorruptError, UnknownFormatError
 
 
-def decompress(algo: str, data: bytes, *, what: str) -> bytes:
-    """Undo an MDS shard compression such as ``zstd`` or ``zstd:7`` (the level is ignored)."""
+def decompress(algo: str, data: bytes, *, what: str, limit: int) -> bytes:
+    """Undo an MDS shard compression such as ``zstd`` or ``zstd:7`` (the level is ignored),
+    decoding at most ``limit + 1`` bytes: :class:`ShardCorruptError` if there are more (a
+    shard that the index says is ``limit`` bytes raw cannot grow the reader past that)."""
     name = algo.split(":", 1)[0]
+    source = io.BytesIO(data)
     if name == "zstd":
-        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    if name == "gz":
-        return gzip.decompress(data)
-    if name == "bz2":
-        return bz2.decompress(data)
-    raise UnknownFormatError(
-        f"{what}: shard compression {algo!r} is not supported (supported: zstd, gz, bz2)"
-    )
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
+    elif name == "gz":
+        reader = gzip.GzipFile(fileobj=source)
+    elif name == "bz2":
+        reader = bz2.BZ2File(source)
+    else:
+        raise UnknownFormatError(
+            f"{what}: shard compression {algo!r} is not supported (supported: zstd, gz, bz2)"
+        )
+    with reader:
+        out = _read_at_most(reader, limit + 1)
+    if len(out) > limit:
+        raise ShardCorruptError(
+            f"{what}: decompresses to more than the {limit} raw bytes its index declares"
+        )
+    return bytes(out)
 
+
+def _read_at_most(reader, nbytes: int) -> bytearray:
+    """Up to ``nbytes`` from ``reader``, fewer only at its end."""
+    out = bytearray()
+    while len(out) < nbytes:
+        piece = reader.read(min(nbytes - len(out), _READ_PIECE))
+        if not piece:
+            break
+        out += piece
+    return out
+
+
+_READ_PIECE = 4 << 20
 
 _XXH: dict[str, Callable[[bytes], str]] = {
     "xxh32": lambda b: xxhash.xxh32(b).hexdigest(),

@@ -51,6 +51,21 @@ class Format(Protocol):
     def open(self, replicas: Any) -> Layout: ...
 
 
+def check_shard_key(key: object, what: str) -> str:
+    """``key`` if it names an object inside the dataset root: a relative, normalised path
+    (no ``..`` or ``.`` or empty component, no leading ``/``, no scheme, no backslash);
+    :class:`ShardCorruptError` naming ``what`` (the index or manifest) otherwise."""
+    parts = key.split("/") if isinstance(key, str) else [""]
+    if (
+        not all(part and part not in (".", "..") for part in parts)
+        or "\\" in key
+        or ":" in parts[0]
+        or any(ord(c) < 32 for c in key)
+    ):
+        raise ShardCorruptError(f"{what} names shard {key!r}, which is not inside the dataset")
+    return key
+
+
 def unit_samples(units: Sequence[Unit]) -> np.ndarray:
     return np.fromiter((u.num_samples for u in units), dtype=np.int64, count=len(units))
 
@@ -78,7 +93,7 @@ def read_manifest(replicas: Any, key: str) -> list[str]:
     except UnicodeDecodeError as exc:
         raise ShardCorruptError(f"manifest {key} is not UTF-8 text: {exc}") from exc
     keys = [line.strip() for line in text.splitlines()]
-    keys = [k for k in keys if k and not k.startswith("#")]
+    keys = [check_shard_key(k, f"manifest {key}") for k in keys if k and not k.startswith("#")]
     if not keys:
         raise ValueError(f"manifest {key} lists no shards")
     repeated = sorted(k for k, n in Counter(keys).items() if n > 1)

@@ -21,7 +21,7 @@ import numpy as np
 
 from loaders._codecs import decompress, hasher
 from loaders.errors import ShardCorruptError, UnknownFormatError
-from loaders.layout import Unit
+from loaders.layout import Unit, check_shard_key
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,11 @@ class MDS:
                     f"{info.get('format')!r}, only 'mds' is supported"
                 )
             shard = _Shard.from_index(
-                info, base, allow_pickle=self.allow_pickle, verify=self.verify_hashes
+                info,
+                base,
+                index=f"{self.index} (shard {i})",
+                allow_pickle=self.allow_pickle,
+                verify=self.verify_hashes,
             )
             units.append(
                 Unit(
@@ -195,7 +199,9 @@ class _Shard:
     allow_pickle: bool
 
     @classmethod
-    def from_index(cls, info: dict, base: str, *, allow_pickle: bool, verify: bool) -> _Shard:
+    def from_index(
+        cls, info: dict, base: str, *, index: str, allow_pickle: bool, verify: bool
+    ) -> _Shard:
         raw, zipped = info["raw_data"], info.get("zip_data")
         compression = info.get("compression")
         data = zipped if compression else raw
@@ -204,11 +210,11 @@ class _Shard:
             column_decoder(enc, allow_pickle=allow_pickle)  # unsupported: fail at open
         listed = set(info.get("hashes") or [])
         return cls(
-            key=posixpath.join(base, data["basename"]),
-            raw_name=raw["basename"],
-            samples=int(info["samples"]),
-            nbytes=int(data["bytes"]),
-            raw_bytes=int(raw["bytes"]),
+            key=posixpath.join(base, check_shard_key(data["basename"], index)),
+            raw_name=check_shard_key(raw["basename"], index),
+            samples=_count(info["samples"], "samples", index),
+            nbytes=_count(data["bytes"], "bytes", index),
+            raw_bytes=_count(raw["bytes"], "raw bytes", index),
             compression=compression,
             zip_hashes={
                 k: v for k, v in (zipped or {}).get("hashes", {}).items() if verify and k in listed
@@ -221,6 +227,12 @@ class _Shard:
             encodings=encodings,
             allow_pickle=allow_pickle,
         )
+
+
+def _count(value: object, what: str, index: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ShardCorruptError(f"{index}: {what} {value!r} is not a non-negative int")
+    return value
 
 
 def _check_hashes(data: bytes, expected: dict[str, str], what: str, replica: str) -> None:
@@ -258,9 +270,14 @@ class MDSLayout:
         if shard.compression:
             _check_hashes(data, shard.zip_hashes, what, replica)
             try:
-                data = decompress(shard.compression, data, what=what)
+                data = decompress(
+                    shard.compression,
+                    data,
+                    what=f"shard {what} on replica {replica}",
+                    limit=shard.raw_bytes,
+                )
             except Exception as exc:  # noqa: BLE001 - any codec error means corrupt bytes
-                if isinstance(exc, UnknownFormatError):
+                if isinstance(exc, (UnknownFormatError, ShardCorruptError)):
                     raise
                 raise ShardCorruptError(
                     f"shard {what} on replica {replica}: cannot decompress "
