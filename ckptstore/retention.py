@@ -5,6 +5,10 @@ atomically), then its indexes, then unreferenced chunks. Chunks are swept under 
 and only while no live ``save`` lease exists (``leases`` explains why that is safe against a
 concurrent save); stale leases, objects of attempts that never committed and, on local paths,
 temporaries of dead writers go in the same sweep.
+
+Retention counts only steps that can be read (manifest and rank indexes decode): a damaged
+step is never what keeps a loadable one from deletion, is never deleted by ``keep_last`` (only
+on request), and stops the sweep while it is kept, since the chunks it references are unknown.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
-from ckptstore.format import commit_key
+from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
+from ckptstore.format import Manifest, commit_key
 from ckptstore.leases import DEFAULT_TTL_S, GC, SAVE, Lease, delete_stale, find_leases
 from ckptstore.store import Store
 
@@ -25,6 +30,10 @@ logger = logging.getLogger(__name__)
 class GcReport:
     kept_steps: list[int] = field(default_factory=list)
     deleted_steps: list[int] = field(default_factory=list)
+    unreadable_steps: dict[int, str] = field(default_factory=dict)
+    """Committed steps whose manifest or a rank index does not decode -> why: never counted
+    as kept, never deleted by ``keep_last``; while one is kept, nothing is swept."""
+    removed_corrupt: list[int] = field(default_factory=list)
     deleted_chunks: int = 0
     deleted_chunk_bytes: int = 0
     deleted_other: int = 0
@@ -45,38 +54,94 @@ def collect(
     *,
     keep_last: int | None,
     dry_run: bool = False,
+    remove_corrupt: bool = False,
     ignore_attempts: set[str] = frozenset(),
     lease_ttl_s: float = DEFAULT_TTL_S,
     settle_timeout_s: float = 60.0,
 ) -> GcReport:
-    """Keep the newest ``keep_last`` steps (all if None); sweep what nothing kept references.
+    """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
+    references.
 
-    ``ignore_attempts``: save leases of these attempts do not block the sweep (the caller's own
-    save, committed already)."""
+    A step whose manifest or rank index does not decode is neither counted nor deleted
+    (``remove_corrupt`` deletes the corrupt ones); while one is kept, nothing is swept: the
+    chunks it references are unknown. ``ignore_attempts``: save leases of these attempts do
+    not block the sweep (the caller's own save, committed already)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
-    steps = list_steps(store)
+    readable = _read_steps(store, list_steps(store), report)
+    steps = sorted(readable)
     doomed = set(steps[:-keep_last] if keep_last is not None else [])
     report.deleted_steps = sorted(doomed)
+    if remove_corrupt:
+        report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
     if not dry_run:
-        for step in report.deleted_steps:
+        for step in report.deleted_steps + report.removed_corrupt:
             drop_step(store, step)
+    gone = doomed | set(report.removed_corrupt)
     lease = None
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
-        _sweep(store, report, doomed, ignore_attempts, lease_ttl_s, lease)
+        _sweep(store, report, gone, readable, ignore_attempts, lease_ttl_s, lease)
     finally:
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
     return report
 
 
+@dataclass
+class _Step:
+    manifest: Manifest
+    chunks: set[str]
+
+
+_CORRUPT = "corrupt: "
+
+
+def _corrupt(why: str) -> bool:
+    return why.startswith(_CORRUPT)
+
+
+def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _Step]:
+    """The steps whose manifest and rank indexes decode; the others go to
+    ``report.unreadable_steps`` (a step deleted meanwhile is skipped; a storage error is
+    raised: it says nothing of the step)."""
+
+    def read(step: int) -> _Step | str | None:
+        try:
+            manifest = load_manifest(store, step)
+        except CheckpointNotFoundError:
+            return None
+        except (CheckpointCorruptError, FormatVersionError) as exc:
+            return _why(exc)
+        try:
+            chunks = {d for index in load_rank_indexes(store, manifest) for d in index.chunks}
+        except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
+            return _why(exc)
+        return _Step(manifest, chunks)
+
+    readable = {}
+    for step, found in zip(steps, store.map(read, steps), strict=True):
+        if isinstance(found, str):
+            report.unreadable_steps[step] = found
+            logger.warning("gc %s: step %d is %s; it is kept", store.uri, step, found)
+        elif found is not None:
+            readable[step] = found
+    return readable
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, FormatVersionError):
+        return f"unreadable: {exc}"  # a newer writer's, not damaged: never removed
+    return f"{_CORRUPT}{exc}"
+
+
 def _sweep(
     store: Store,
     report: GcReport,
-    doomed: set[int],
+    gone: set[int],
+    readable: dict[int, _Step],
     ignore_attempts: set[str],
     lease_ttl_s: float,
     lease: Lease | None,
@@ -85,17 +150,20 @@ def _sweep(
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
     live += _legacy_saves(store)
     # Listed after the save leases: a save that committed before that look is kept.
-    report.kept_steps = [s for s in list_steps(store) if s not in doomed]
+    listed = [s for s in list_steps(store) if s not in gone]
+    new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
+    readable.update(_read_steps(store, new, report))
+    report.kept_steps = [s for s in listed if s in readable]
     if live:
         report.blocked_by = live
         logger.info("gc %s: %d save(s) in flight, chunks not swept", store.uri, len(live))
         return
-    kept = [load_manifest(store, s) for s in report.kept_steps]
-    referenced: set[str] = set()
-    for manifest in kept:
-        for index in load_rank_indexes(store, manifest):
-            referenced.update(index.chunks)
-    protected = {m.attempt for m in kept} | set(ignore_attempts)
+    if report.unreadable_steps.keys() - gone:
+        logger.warning("gc %s: a kept step cannot be read, nothing swept", store.uri)
+        return
+    kept = [readable[s] for s in report.kept_steps]
+    referenced = {d for step in kept for d in step.chunks}
+    protected = {step.manifest.attempt for step in kept} | set(ignore_attempts)
     victims = [k for k in store.list("steps") if _attempt_of(k) not in protected]
     chunk_victims = [k for k in store.list("chunks") if k.rsplit("/", 1)[-1] not in referenced]
     stale_leases = [s for s in saves if not s.live]

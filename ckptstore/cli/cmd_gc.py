@@ -6,41 +6,66 @@ import argparse
 
 from ckptstore.cli.common import emit_json
 from ckptstore.render import human_bytes
-from ckptstore.retention import collect
+from ckptstore.retention import GcReport, collect
 from ckptstore.store import Store
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
-    report = collect(store, keep_last=args.keep_last, dry_run=args.dry_run)
-    doc = {
+    report = collect(
+        store, keep_last=args.keep_last, dry_run=args.dry_run, remove_corrupt=args.remove_corrupt
+    )
+    if args.json:
+        emit_json(_doc(args, store, report))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{'dry run: ' if args.dry_run else ''}kept steps: {_steps(report.kept_steps)}")
+    print(f"{verb} steps: {_steps(report.deleted_steps)}")
+    removed = set(report.removed_corrupt)
+    for step, why in sorted(report.unreadable_steps.items()):
+        fate = f"{verb} (--remove-corrupt)" if step in removed else "kept, not counted"
+        print(f"unreadable step {step}: {fate}: {why}")
+    print(_sweep_line(report, verb))
+    return 0
+
+
+def _doc(args: argparse.Namespace, store: Store, report: GcReport) -> dict:
+    return {
         "uri": store.uri,
         "dry_run": report.dry_run,
         "keep_last": args.keep_last,
         "kept_steps": report.kept_steps,
         "deleted_steps": report.deleted_steps,
+        "unreadable_steps": [
+            {"step": step, "error": why, "removed": step in report.removed_corrupt}
+            for step, why in sorted(report.unreadable_steps.items())
+        ],
+        "removed_corrupt": report.removed_corrupt,
         "deleted_chunks": report.deleted_chunks,
         "deleted_chunk_bytes": report.deleted_chunk_bytes,
         "deleted_other": report.deleted_other,
         "swept": report.swept,
         "blocked_by": report.blocked_by,
     }
-    if args.json:
-        emit_json(doc)
-        return 0
-    verb = "would delete" if args.dry_run else "deleted"
-    kept = ", ".join(map(str, report.kept_steps)) or "none"
-    gone = ", ".join(map(str, report.deleted_steps)) or "none"
-    print(f"{'dry run: ' if args.dry_run else ''}kept steps: {kept}")
-    print(f"{verb} steps: {gone}")
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) or "none"
+
+
+def _sweep_line(report: GcReport, verb: str) -> str:
     if report.blocked_by:
-        print(
+        return (
             f"chunk sweep skipped: {len(report.blocked_by)} save(s) in flight "
             f"({', '.join(report.blocked_by)}); unreferenced chunks stay until a later gc"
         )
-    elif report.swept:
-        print(
-            f"{verb} {report.deleted_chunks} unreferenced chunk(s) "
-            f"({human_bytes(report.deleted_chunk_bytes)}) and {report.deleted_other} other "
-            "object(s) (indexes of old or failed saves, dead writers' leases and temporaries)"
+    if not report.swept:
+        kept = sorted(report.unreadable_steps.keys() - set(report.removed_corrupt))
+        return (
+            f"chunk sweep skipped: step(s) {_steps(kept)} cannot be read, so the chunks they "
+            "reference are unknown; repair them or remove them with --remove-corrupt"
         )
-    return 0
+    return (
+        f"{verb} {report.deleted_chunks} unreferenced chunk(s) "
+        f"({human_bytes(report.deleted_chunk_bytes)}) and {report.deleted_other} other "
+        "object(s) (indexes of old or failed saves, dead writers' leases and temporaries)"
+    )

@@ -290,10 +290,14 @@ examples:
         chunks is skipped, and the command says so: run it again later. A lease not renewed for
         its ttl (2 min by default) is a dead writer's: its leftovers are removed. Saves that start
         during the sweep wait for it. --dry-run lists what would go, deleting nothing.
+        Only steps that can be read count towards K: a step whose manifest or rank index does not
+        decode is listed as unreadable, kept, and no chunk is swept while it is there (the chunks
+        it references are unknown); --remove-corrupt deletes such steps.
         """,
         """
           ckptstore gc /ckpt/run7 --keep-last 3 --dry-run
           ckptstore gc s3://bucket/run7 --keep-last 3
+          ckptstore gc /ckpt/run7 --keep-last 3 --remove-corrupt
         """,
     )
     p.add_argument(
@@ -304,5 +308,10 @@ examples:
         help="number of newest steps to keep (>= 1)",
     )
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted")
+    p.add_argument(
+        "--remove-corrupt",
+        action="store_true",
+        help="also delete steps whose manifest or rank index is corrupt (they are kept otherwise)",
+    )
     p.set_defaults(func=cmd_gc)
     return parser
