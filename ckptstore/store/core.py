@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptstore.errors import (
+    CheckpointCorruptError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageAccessError,
@@ -135,6 +136,8 @@ class Store:
         return self.backend.endpoint
 
     def path(self, key: str) -> str:
+        if key.startswith("/") or ".." in key.split("/"):  # a second line behind format's checks
+            raise CheckpointCorruptError(f"key {key!r} leads outside the store {self.uri}")
         return f"{self.root}/{key}" if key else self.root
 
     def url(self, key: str) -> str:
