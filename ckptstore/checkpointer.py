@@ -53,6 +53,7 @@ from ckptstore.pipeline import (
     parse_dtype,
     read_tensors,
 )
+from ckptstore.preemption import SigtermGuard
 from ckptstore.state import finish_load, flatten, plan_load, tensor_indexes
 from ckptstore.store import Store, niced, set_thread_nice
 
@@ -172,6 +173,12 @@ class Checkpointer:
             A save whose lease could not be renewed for half of it is not committed.
         gc_wait_s: how long a save waits for a garbage collection of the store to finish
             before failing.
+        handle_sigterm: install a SIGTERM handler (main thread only): on SIGTERM
+            ``preempted`` becomes true, pending saves finish within ``sigterm_grace_s``, one
+            log line per save says committed or abandoned, then the process exits as SIGTERM
+            would have (after the handler installed before ours). A loop that reads
+            ``preempted`` may save its current step and leave first (``ckptstore.preemption``).
+        sigterm_grace_s: how long pending saves may take after SIGTERM.
     """
 
     def __init__(
@@ -196,6 +203,8 @@ class Checkpointer:
         background_nice: int = 0,
         lease_ttl_s: float = DEFAULT_TTL_S,
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
+        handle_sigterm: bool = False,
+        sigterm_grace_s: float = 25.0,
     ) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
@@ -203,6 +212,8 @@ class Checkpointer:
             raise ValueError(f"staging must be 'host' or 'peer', got {staging!r}")
         if not 0 <= background_nice <= 19:
             raise ValueError(f"background_nice must be within [0, 19], got {background_nice}")
+        if handle_sigterm:
+            SigtermGuard.check_installable(sigterm_grace_s)
         self.store = store or open_store(
             uri,
             storage_options=storage_options,
@@ -248,6 +259,16 @@ class Checkpointer:
         self._failed: list[SaveHandle] = []  # failed saves whose error may not be reported yet
         self._failed_lock = threading.Lock()
         self._last: SaveHandle | None = None
+        self._closed_event = threading.Event()
+        self._sigterm = (
+            SigtermGuard(
+                grace_s=sigterm_grace_s,
+                ckpt=f"rank {self.rank} checkpointer of {self.store.uri}",
+                closed=self._closed_event,
+            )
+            if handle_sigterm
+            else None
+        )
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._worker.start()
         self._closed = False
@@ -287,6 +308,8 @@ class Checkpointer:
         meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
         self._jobs.put(_Job(step, attempt, tree, meta, staged, user, handle))
         self._last = handle
+        if self._sigterm is not None:
+            self._sigterm.watch(handle)
         blocked = time.perf_counter() - t0
         telemetry.save_blocked_seconds.observe(blocked, frontend="checkpointer")
         logger.debug("rank %d: step %d staged in %.3fs", self.rank, step, blocked)
@@ -298,6 +321,17 @@ class Checkpointer:
         if self._last is not None:
             self._last._future.exception()  # blocks until the last save is done
         self._raise_background_error()
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived (``handle_sigterm=True``): save the current step and
+        leave the loop; the process then exits as SIGTERM would have once the Checkpointer
+        closes (at the latest ``sigterm_grace_s`` after the signal)."""
+        if self._sigterm is None:
+            return False
+        if not self._sigterm.signalled.is_set():
+            self._sigterm.aware = True
+        return self._sigterm.signalled.is_set()
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -559,6 +593,12 @@ class Checkpointer:
         self._closed = True
         self._jobs.put(None)
         self._worker.join()
+        self._closed_event.set()
+        if self._sigterm is not None:
+            if self._sigterm.signalled.is_set():
+                self._sigterm.report()  # the process ends at exit, as SIGTERM would have
+            else:
+                self._sigterm.uninstall()
         self._raise_background_error()
 
     def _close_at_exit(self) -> None:

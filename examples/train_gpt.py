@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
 
-    ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last)
+    # On SIGTERM (a scheduler's notice before the kill) ckpt.preempted turns true: the loop
+    # saves its step and leaves; pending saves are committed before the process exits (143).
+    ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last, handle_sigterm=True)
     unloadable: list[int] = []
     if ckpt.latest() is not None:
         # A newest step that is corrupt or misses chunks is skipped (with a warning) for the
@@ -215,16 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.crash_at is not None and step == args.crash_at:
             print(f"crashing at step {step} (SIGKILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if step % args.every == 0 and step not in unloadable:
+        preempted = ckpt.preempted
+        if (step % args.every == 0 or preempted) and step not in unloadable:
             state["rng"] = {
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
             }
             ckpt.save(step, state)  # returns once staged; persists in the background
+        if preempted:
+            print(f"preempted (SIGTERM) at step {step}: leaving", flush=True)
+            break
     ckpt.close()
     print(
-        f"done: {args.steps} steps in {time.perf_counter() - start:.1f}s, committed steps "
+        f"done: {progress['step']} steps in {time.perf_counter() - start:.1f}s, committed steps "
         f"{ckpt.steps()}",
         flush=True,
     )
