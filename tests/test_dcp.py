@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import io
+import json
 import pickle
 import uuid
 from pathlib import Path
@@ -179,8 +179,7 @@ def test_saved_step_is_listed_and_every_object_verifies(tmp_path):
     assert manifest.kind == KIND_DCP and manifest.world_size == 1
     assert manifest.dcp_metadata is not None
     blob = read_object(store, manifest.dcp_metadata, "dcp metadata")
-    modules = _pickled_modules(blob)  # plain torch + builtins: readable without ckptstore
-    assert modules and not any(m.startswith("ckptstore") for m in modules), modules
+    assert json.loads(blob)["type"] == "dcp_metadata"  # plain JSON: nothing to unpickle
     index = load_rank_index(store, manifest, 0)
     assert index.tree is None
     assert "model.w@0,0" in index.items and "step" in index.items
@@ -191,18 +190,6 @@ def test_saved_step_is_listed_and_every_object_verifies(tmp_path):
     for digest, info in index.chunks.items():
         raw += fetch_chunk(store, digest, info).size
     assert raw == manifest.raw_bytes
-
-
-def _pickled_modules(blob: bytes) -> set[str]:
-    seen: set[str] = set()
-
-    class Recorder(pickle.Unpickler):
-        def find_class(self, module, name):
-            seen.add(module)
-            return super().find_class(module, name)
-
-    Recorder(io.BytesIO(blob)).load()
-    return seen
 
 
 class _CachingPlanner(DefaultSavePlanner):

@@ -2,32 +2,51 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ckptstore.dcp.reader import StoreReader
+from ckptstore.dcp.reader import StoreReader, load_pickled_value
 from ckptstore.errors import CheckpointError
 from ckptstore.format import check_step
 from ckptstore.store import Store
+
+
+class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's planner for loading into an empty state dict, whose pickled values are loaded by
+    torch's weights-only unpickler instead of ``torch.load(weights_only=False)``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = load_pickled_value(value.getvalue(), f"{fqn!r} of {self.where}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def load_full_state_dict(store: Store, step: int) -> dict[str, Any]:
     """The whole state of DCP step ``step`` as a nested dict of full tensors and objects.
 
     Runs in this process alone (no process group needed): sharded tensors are assembled from
-    every rank's pieces, like torch's ``dcp_to_torch_save``.
+    every rank's pieces, like torch's ``dcp_to_torch_save``. Values DCP pickled are loaded by
+    torch's weights-only unpickler; one that needs more is refused (``CheckpointCorruptError``).
     """
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     reader = StoreReader(store.uri, step=check_step(step), store=store)
     reader.read_metadata()  # raises missing / wrong-kind / corrupt metadata errors unwrapped
+    planner = _WeightsOnlyPlanner(f"step {step} in {store.uri}")
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(
-            state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True
-        )
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as exc:
         errors = [error for error, _ in exc.failures.values()]
         if len(errors) == 1 and isinstance(errors[0], CheckpointError):

@@ -7,7 +7,6 @@ import dataclasses
 import io
 import logging
 import os
-import pickle
 import uuid
 from collections import Counter
 from typing import Any
@@ -21,12 +20,43 @@ from torch.futures import Future
 
 from ckptstore.catalog import load_rank_index, open_step, parse_step, read_object
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
+from ckptstore.dcp.metadata import decode_metadata
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
 from ckptstore.format import KIND_DCP, Manifest, RankIndex
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
+
+
+def read_dcp_metadata(store: Store, manifest: Manifest) -> Metadata:
+    """The DCP ``Metadata`` of ``manifest``'s step, checked against the manifest and decoded
+    without running code (``ckptstore.dcp.metadata``)."""
+    if manifest.dcp_metadata is None:
+        raise CheckpointCorruptError(f"step {manifest.step} of {store.uri} has no DCP metadata")
+    blob = read_object(store, manifest.dcp_metadata, "DCP metadata")
+    return decode_metadata(blob, store.url(manifest.dcp_metadata.key))
+
+
+def load_pickled_value(data: bytes, name: str) -> Any:
+    """A value DCP pickled (a ``BYTE_IO`` item), loaded by torch's weights-only unpickler:
+    tensors, containers and plain scalars, never code. Anything that needs more is refused."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure is a refused value
+        raise CheckpointCorruptError(
+            f"DCP item {name}: refused, its pickled value needs more than torch's weights-only "
+            f"unpickler ({_unpickling_reason(exc)})"
+        ) from None
+
+
+def _unpickling_reason(exc: Exception) -> str:
+    text = str(exc)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        text = text.split(marker, 1)[1]
+        return text.split(". ", 1)[0].splitlines()[0]
+    return (text.splitlines() or [type(exc).__name__])[0][:200]
 
 
 class StoreReader(StorageReader):
@@ -45,6 +75,12 @@ class StoreReader(StorageReader):
         read_batch_bytes: stored items are read in batches of about this many bytes, which
             bounds the temporary memory of a load.
         store: an already open ``Store``.
+        trust_pickled_objects: values DCP pickled (``BYTE_IO`` items, such as a step counter
+            or a dataclass) reach the load planner only after torch's weights-only unpickler
+            accepted them; a value that needs more (a class of yours, or code) is refused with
+            ``CheckpointCorruptError``. ``True`` hands every value to the planner unchecked: DCP's
+            default planner then unpickles it with ``weights_only=False``, which runs whatever
+            code the stored bytes name. Pass it only for stores whose writers you trust.
 
     Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
     ``UnsupportedStateError``: load them with ``Checkpointer.load``.
@@ -61,8 +97,10 @@ class StoreReader(StorageReader):
         max_concurrency: int = 16,
         timeout_s: float = 30.0,
         store: Store | None = None,
+        trust_pickled_objects: bool = False,
     ) -> None:
         super().__init__()
+        self.trust_pickled_objects = trust_pickled_objects
         if read_batch_bytes < 1:
             raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
         parse_step(step)  # refuses a step that is neither a number nor "latest"
@@ -111,18 +149,7 @@ class StoreReader(StorageReader):
         self.manifest = None  # each load resolves "latest" afresh
         self._indexes = {}
         manifest = self._load_manifest()
-        assert manifest.dcp_metadata is not None
-        blob = read_object(self.store, manifest.dcp_metadata, "DCP metadata")
-        try:
-            metadata = pickle.loads(blob)
-        except Exception as exc:
-            raise CheckpointCorruptError(
-                f"DCP metadata {self.store.url(manifest.dcp_metadata.key)} does not unpickle: {exc}"
-            ) from exc
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorruptError(
-                f"DCP metadata of step {manifest.step}: found {type(metadata).__name__}"
-            )
+        metadata = read_dcp_metadata(self.store, manifest)
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = StorageMeta(
             checkpoint_id=self.store.uri, save_id=meta.save_id, load_id=self.load_id
@@ -216,6 +243,10 @@ class StoreReader(StorageReader):
             )
         return rank, tensor
 
+    def _item_name(self, item: ReadItem) -> str:
+        manifest = self._load_manifest()
+        return f"{storage_key(item.storage_index)!r} of step {manifest.step} in {self.store.uri}"
+
     def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         """Read the stored items ``items`` need (each chunk once) and hand them to DCP."""
         locs = [self._locate(item.storage_index) for item in items]
@@ -252,7 +283,10 @@ class StoreReader(StorageReader):
         for pos, item in enumerate(items):
             slot = slots[locs[pos]]
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(loaded[slot].numpy().tobytes()))
+                data = loaded[slot].numpy().tobytes()
+                if not self.trust_pickled_objects:
+                    load_pickled_value(data, self._item_name(item))
+                planner.load_bytes(item, io.BytesIO(data))
                 continue
             dest = dests[pos]
             if wanted[slot] is not dest:

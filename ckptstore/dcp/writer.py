@@ -8,7 +8,6 @@ import gc
 import io
 import logging
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ from torch.futures import Future
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
+from ckptstore.dcp.metadata import encode_metadata
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.engine import SaveEngine
 from ckptstore.errors import StepExistsError, UnsupportedStateError
@@ -297,7 +297,7 @@ class StoreWriter(StorageWriter, PooledStager):
             metadata.version = _DCP_VERSION
             metadata.storage_data = storage_data
             metadata.storage_meta = StorageMeta(checkpoint_id=store.uri, save_id=target.attempt)
-            blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+            blob = encode_metadata(metadata)
             meta_key = dcp_metadata_key(target.step, target.attempt)
             store.put(meta_key, blob)
             manifest = Manifest(
