@@ -1,0 +1,85 @@
+"""What the CLI does with damaged stores and full disks (issue 21, item 9): corrupt data exits 1
+(never 2, the usage status), a failed restore leaves no empty ``--to`` behind, a full disk is
+named, and a verifier that runs out of memory does not call good data corrupt."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstore._inspect
+from ckptstore import Checkpointer, Store
+from ckptstore.catalog import load_manifest, load_rank_index
+from ckptstore.cli import main
+from ckptstore.format import chunk_key
+
+
+def saved_store(root: Path) -> str:
+    uri = str(root / "store")
+    with Checkpointer(uri, compression="none") as ckpt:
+        ckpt.save(1, {"model": {"w": torch.arange(1 << 16, dtype=torch.float32)}}).wait()
+    return uri
+
+
+def flip_a_chunk_byte(uri: str) -> None:
+    store = Store(uri)
+    index = load_rank_index(store, load_manifest(store, 1), 0)
+    path = Path(store.path(chunk_key(next(iter(index.chunks)))))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return code, lines[0]
+
+
+def test_safetensors_restore_of_corrupt_data_exits_1_and_leaves_no_directory(tmp_path, capsys):
+    uri = saved_store(tmp_path)
+    flip_a_chunk_byte(uri)
+    target = tmp_path / "export"
+    code, line = run(capsys, "restore", uri, "--to", target, "--format", "safetensors")
+    assert code == 1, line
+    assert line.startswith("ckptstore restore: error: ") and "chunk" in line
+    assert not target.exists()
+
+
+def test_a_failed_export_keeps_a_directory_that_was_there(tmp_path, capsys):
+    uri = saved_store(tmp_path)
+    flip_a_chunk_byte(uri)
+    target = tmp_path / "export"
+    target.mkdir()
+    code, _ = run(capsys, "restore", uri, "--to", target, "--format", "safetensors")
+    assert code == 1 and target.is_dir()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_a_restore_onto_a_full_disk_names_the_path(tmp_path, small_disk, capsys, fmt):
+    uri = saved_store(tmp_path)
+    (small_disk / "filler").write_bytes(b"\0" * ((4 << 20) - (64 << 10)))
+    target = small_disk / "restored"
+    code, line = run(capsys, "restore", uri, "--to", target, "--format", fmt)
+    assert code == 1
+    assert f"cannot write {target}" in line and "No space left" in line
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no temporary left
+
+
+def test_verify_running_out_of_memory_does_not_call_the_chunk_corrupt(tmp_path, monkeypatch):
+    uri = saved_store(tmp_path)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(ckptstore._inspect, "fetch_chunk", no_memory)
+    [check] = ckptstore._inspect.verify_steps(Store(uri), [1])
+    assert check.problems
+    assert {p.problem for p in check.problems} == {"unreadable"}
+    assert all("out of memory" in p.error for p in check.problems)
