@@ -18,7 +18,6 @@ from ckptstore.catalog import (
     dcp_items,
     load_manifest,
     load_rank_indexes,
-    read_object,
     read_rank_index,
     tensor_names,
 )
@@ -166,6 +165,8 @@ def classify(exc: BaseException) -> str:
     unreadable (the storage failed: network, permissions)."""
     if isinstance(exc, FileNotFoundError):  # CheckpointNotFoundError, ObjectNotFoundError
         return "missing"
+    if isinstance(exc, MemoryError):  # the verifier's memory, not the data, ran out
+        return "unreadable"
     if isinstance(exc, FormatVersionError):
         return "unsupported"
     if isinstance(exc, CheckpointCorruptError):
@@ -232,7 +233,9 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
             corrupt_manifest("a dcp step without DCP metadata")
         else:
             try:
-                read_object(store, manifest.dcp_metadata, "DCP metadata")
+                from ckptstore.dcp.reader import read_dcp_metadata  # heavy: DCP steps only
+
+                read_dcp_metadata(store, manifest)  # decoded as restore will, nothing unpickled
             except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
                 check.problems.append(
                     Problem(
@@ -379,6 +382,8 @@ def check_all_chunks(
 
 def message(exc: BaseException) -> str:
     """The first line of an error, for a one-line report."""
+    if isinstance(exc, MemoryError):
+        return "out of memory while checking it (the data itself was not judged)"
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     if isinstance(exc, (CheckpointError, OSError)) and first:

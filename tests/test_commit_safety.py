@@ -351,22 +351,6 @@ def test_wait_tells_the_truth_about_each_commit_under_errors(tmp_path):
 # -- full disks ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs (needs root; skipped where mounting is not allowed)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_full_disk_leaves_no_temporaries_and_the_next_save_says_what_failed(small_disk):
     """Issue item 11."""
     uri = str(small_disk / "store")

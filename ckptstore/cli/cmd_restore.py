@@ -10,7 +10,13 @@ import warnings
 from ckptstore._inspect import load_step_state, step_raw_bytes
 from ckptstore.catalog import open_step
 from ckptstore.cli.common import UsageError, emit_json, progress
-from ckptstore.cli.restore_file import check_target, count_values, write_atomically
+from ckptstore.cli.restore_file import (
+    check_target,
+    count_values,
+    remove_if_empty_dir,
+    write_atomically,
+)
+from ckptstore.errors import CheckpointError
 from ckptstore.export import export_safetensors
 from ckptstore.format import KIND_DCP
 from ckptstore.render import human_bytes
@@ -24,7 +30,13 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
     if args.to.startswith("file://"):
         target = os.path.abspath(args.to[len("file://") :])
     if args.format == "safetensors":
-        return _export_safetensors(args, store, target)
+        existed = os.path.lexists(target)
+        try:
+            return _export_safetensors(args, store, target)
+        except BaseException:
+            if not existed:
+                remove_if_empty_dir(target)  # the export made it; nothing went in
+            raise
     check_target(target, args.format, args.force)
     manifest = open_step(store, args.step)
     step = manifest.step
@@ -92,6 +104,8 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
             storage_options=dict(args.storage_options) or None,
             timeout_s=args.timeout or 30.0,
         )
+    except CheckpointError:
+        raise  # corrupt or missing data (a ValueError too): exit 1, not a usage error
     except (FileExistsError, ValueError) as exc:  # in the words of the command's flags
         message = str(exc).replace("overwrite=True", "--force").replace("only=", "--only ")
         raise UsageError(message) from exc

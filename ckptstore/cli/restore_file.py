@@ -56,43 +56,79 @@ def check_target(target: str, fmt: str, force: bool) -> None:
         raise UsageError(f"--to {target} exists and is not empty; pass --force to replace it")
 
 
+def remove_if_empty_dir(path: str) -> None:
+    try:
+        os.rmdir(path)  # fails unless it is an empty directory
+    except OSError:
+        pass
+
+
 def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
     """Write ``state`` to a temporary sibling of ``target``, then move it into place; a crash
-    or error never leaves a partial file under the target's name."""
-    import torch
-
+    or error never leaves a partial file under the target's name. A failed write (a full
+    disk) is an ``OSError`` naming the target."""
     tmp = os.path.join(
         os.path.dirname(target), f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}"
     )
     try:
-        if fmt == "torch":
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if force or os.path.lexists(target):  # --force, or an empty file (checked)
-                os.replace(tmp, target)
-            else:
-                try:
-                    os.link(tmp, target)  # fails if something appeared there meanwhile
-                except FileExistsError:
-                    raise UsageError(
-                        f"--to {target} appeared during the restore; pass --force to replace it"
-                    ) from None
-        else:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint import FileSystemWriter
-
-            dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
-            if os.path.isdir(target):
-                if os.listdir(target):
-                    assert force  # checked by _check_target
-                    shutil.rmtree(target)
-                else:
-                    os.rmdir(target)
-            os.rename(tmp, target)
+        _write(target, tmp, fmt, force, state)
+    except UsageError:
+        raise
+    except BaseException as exc:
+        failed = _write_failure(exc)
+        if failed is None:
+            raise
+        raise OSError(f"cannot write {target}: {failed}") from exc
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         elif os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """Why writing failed, in one line, if ``exc`` is a failed write: an ``OSError``, torch.save's
+    ``RuntimeError``, or DCP's ``CheckpointException`` around either."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        causes = [e[0] if isinstance(e, tuple) else e for e in exc.failures.values()]
+        inner = [_write_failure(c) for c in causes if isinstance(c, BaseException)]
+        return next((why for why in inner if why), " ".join(str(exc).split())[:300])
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if isinstance(exc, RuntimeError):  # torch.save's writer; the OSError it met is its context
+        inner = exc.__context__
+        return _write_failure(inner) if isinstance(inner, OSError) else " ".join(str(exc).split())
+    return None
+
+
+def _write(target: str, tmp: str, fmt: str, force: bool, state: Any) -> None:
+    import torch
+
+    if fmt == "torch":
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if force or os.path.lexists(target):  # --force, or an empty file (checked)
+            os.replace(tmp, target)
+        else:
+            try:
+                os.link(tmp, target)  # fails if something appeared there meanwhile
+            except FileExistsError:
+                raise UsageError(
+                    f"--to {target} appeared during the restore; pass --force to replace it"
+                ) from None
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        if os.path.isdir(target):
+            if os.listdir(target):
+                assert force  # checked by _check_target
+                shutil.rmtree(target)
+            else:
+                os.rmdir(target)
+        os.rename(tmp, target)
