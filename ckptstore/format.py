@@ -362,11 +362,12 @@ def _check_tensor(
         raise bad(f"unknown dtype {entry.dtype!r}")
     if not all(_is_count(n) for n in entry.shape):
         raise bad(f"shape {entry.shape} is not a list of non-negative ints")
-    nbytes = itemsize
+    nbytes = span = itemsize  # span: what torch's stride and size arithmetic must fit
     for n in entry.shape:
         nbytes *= n
-    if nbytes > INT64_MAX:
-        raise bad(f"shape {entry.shape} of {entry.dtype} takes more than 2**63 bytes")
+        span *= max(n, 1)
+    if span > INT64_MAX:
+        raise bad(f"shape {entry.shape} of {entry.dtype} overflows int64 byte counts")
     total = 0
     for seg in entry.segments:
         if not is_digest(seg.chunk):
