@@ -20,7 +20,6 @@ from torch.distributed.checkpoint import CheckpointException
 from ckptstore.catalog import load_manifest, read_object
 from ckptstore.cli import main
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
-from ckptstore.dcp.reader import read_dcp_metadata
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.export import export_safetensors
 from ckptstore.store import Store
@@ -67,13 +66,13 @@ def _metadata_key(store: Store) -> str:
 
 def _old_writer_blob(store: Store) -> bytes:
     """The metadata of step 0 pickled as ckptstore's writer did before the JSON encoding."""
-    metadata = read_dcp_metadata(store, load_manifest(store, 0))
+    metadata = StoreReader(store.uri, step=0, store=store).read_metadata()
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _hostile_blob(store: Store, marker: Path) -> bytes:
     """A real step's Metadata, pickled with a value whose unpickling opens ``marker``."""
-    metadata = read_dcp_metadata(store, load_manifest(store, 0))
+    metadata = StoreReader(store.uri, step=0, store=store).read_metadata()
     metadata.planner_data = _OpensMarker(marker)
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
