@@ -3,9 +3,9 @@
 ``StoreWriter`` / ``StoreReader`` implement DCP's ``StorageWriter`` / ``StorageReader`` so that
 ``torch.distributed.checkpoint.save / async_save / load`` write and read the ckptstore format:
 content-addressed, verified chunks, one index per rank and a commit manifest of kind ``dcp``
-that also references DCP's ``Metadata``, stored as JSON (``metadata``: nothing on a load path
-is unpickled). DCP's planner does the rest (deduplication of
-replicated items, resharding of DTensor / ShardedTensor state at load time).
+that also references DCP's ``Metadata``, stored as JSON (nothing on a load path is unpickled).
+DCP's planner does the rest (deduplication of replicated items, resharding of DTensor /
+ShardedTensor state at load time).
 
 A save goes through these calls (all ranks unless noted)::
 
@@ -19,14 +19,15 @@ A save goes through these calls (all ranks unless noted)::
                          into the writer's pooled staging buffer and hand DCP that copy
     write_data           the items as tensors -> their staged chunks -> rank index;
                          each WriteResult carries (rank, tensor index) plus the index's ObjectRef
-    finish               (coordinator) encode the Metadata as JSON, write it, commit the manifest (the
-                         step becomes visible), release the lease, retention
+    finish               (coordinator) encode the Metadata as JSON, write it, commit the
+                         manifest (the step becomes visible), release the lease, retention
 
 Each DCP item becomes one entry of its rank's index: ``RankIndex.items`` maps the item's storage
 key (``fqn`` or ``fqn@o0,o1,...`` for a shard at offset ``(o0, o1, ...)``) to its position in
 ``RankIndex.tensors``. Non-tensor items (``BYTE_IO``, pickled by DCP) are stored as ``uint8``
-tensors of shape ``[n]`` in the same chunks; readers load them weights-only. ``Metadata.storage_data`` maps each DCP
-``MetadataIndex`` to the ``(rank, tensor index)`` pair that locates it.
+tensors of shape ``[n]`` in the same chunks (readers load them weights-only).
+``Metadata.storage_data`` maps each DCP ``MetadataIndex`` to the ``(rank, tensor index)`` pair
+that locates it.
 
 Modules: ``writer`` (``StoreWriter``), ``stager`` (its ``AsyncStager`` half), ``reader``
 (``StoreReader``), ``load`` (a whole step in one process), ``ids`` (checkpoint ids, item keys),
