@@ -6,10 +6,13 @@ A lease is a small object a process renews while it works::
 
 ``kind`` is ``save`` (one per rank of a save in flight) or ``gc`` (a sweep of unreferenced
 chunks). Objects are write-once, so renewing writes sequence number ``seq + 1`` and then deletes
-``seq``; readers take the newest sequence of each holder. A lease whose ``renewed_at`` is older
-than its ``ttl_s`` is *stale*: its holder died (``kill -9``, a lost node) or lost the store. The
-lease of a process of this machine (same boot, same pid namespace) that no longer exists is stale
-at once.
+``seq``; readers take the newest sequence of each holder. Ages are the *store's*: a reader
+writes a probe object, and a lease's age is the probe's modification time minus that of the
+lease's newest object, both stamped by the store's clock (no host's clock is compared with
+another's). A lease older than its ``ttl_s`` is *stale*: its holder died (``kill -9``, a lost
+node) or lost the store. The save lease of a process of this machine (same boot, same pid
+namespace) that no longer exists is stale at once; a dead gc's lease only once it is older than
+its ``settle_s``: by then every delete the gc could have issued has ended.
 
 Both sides write their own lease first and look for the other's second (docs/FORMAT.md gives
 the argument), so a gc never deletes a chunk that a live save may reference:
@@ -19,9 +22,9 @@ the argument), so a gc never deletes a chunk that a live save may reference:
   its lease until every delete it issued has ended (a delete abandoned at its deadline may land
   late, see ``Store.settle``).
 
-A holder whose renewals fail for ``ttl_s / 2`` considers its lease lost (readers on other hosts
-may judge it stale by then, allowing for clock skew below ``ttl_s / 4``); a save refuses to
-commit on a lost lease.
+A holder whose renewals fail for ``ttl_s / 2`` considers its lease lost (a reader judges it
+stale only after ``ttl_s``, by the store's clock); a save refuses to commit on a lost lease, a
+gc issues no delete on it.
 """
 
 from __future__ import annotations
@@ -32,16 +35,24 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.errors import CheckpointError, ObjectExistsError, ObjectNotFoundError, StorageError
+from ckptstore.errors import (
+    CheckpointError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageAccessError,
+    StorageError,
+)
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "leases"
+PROBES = f"{PREFIX}/clock"  # a reader's probe objects: their modification time is the store's now
 SAVE = "save"
 GC = "gc"
 DEFAULT_TTL_S = 120.0
@@ -75,6 +86,9 @@ class Lease:
         self.holder = holder
         self.ttl_s = ttl_s
         self.info = dict(info or {})
+        # A request is issued at most ttl_s / 2 after the renewal before it (``check``) and
+        # ends within the store's request budget (retries included).
+        self.settle_s = ttl_s / 2 + store.retry.budget_s()
         self._seq = 0
         self._renewed = 0.0  # monotonic time of the last successful write
         self._lapsed = False  # a renewal came more than ttl_s / 2 after the one before
@@ -92,6 +106,7 @@ class Lease:
             "holder": self.holder,
             "renewed_at": time.time(),
             "ttl_s": self.ttl_s,
+            "settle_s": self.settle_s,
             **_process_identity(),
             **self.info,
         }
@@ -196,11 +211,7 @@ class LeaseInfo:
     keys: list[str]  # every sequence object of the holder (the newest last)
     doc: dict[str, Any]
     live: bool
-
-    @property
-    def age_s(self) -> float | None:
-        renewed = self.doc.get("renewed_at")
-        return time.time() - float(renewed) if isinstance(renewed, (int, float)) else None
+    age_s: float | None = None  # by the store's clock; None: unreadable
 
 
 def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
@@ -209,22 +220,66 @@ def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
     A lease object that can't be read or parsed counts as live: better to sweep nothing than
     to sweep under a save; it is named in ``ckptstore ls`` for an operator to judge."""
     prefix = f"{PREFIX}/{kind}" if kind else PREFIX
+    if not _lease_holders(store, prefix):
+        return []
+    # The store's now, taken before the listing the leases are judged by: a renewal missing
+    # from it landed after the probe, so the age of the renewal before it is not overstated.
+    now = store_now(store)
+    holders = _lease_holders(store, prefix)
+    return list(store.map(lambda item: _read(store, *item, now), holders.items()))
+
+
+def _lease_holders(store: Store, prefix: str) -> dict[tuple[str, str], list[str]]:
     holders: dict[tuple[str, str], list[str]] = {}
     for key in store.list(prefix):
         parts = key.split("/")
         if len(parts) != 4 or not parts[3].endswith(".json"):
             continue
         holders.setdefault((parts[1], parts[2]), []).append(key)
-    return list(store.map(lambda item: _read(store, *item), holders.items()))
+    return holders
 
 
-def _read(store: Store, kind_holder: tuple[str, str], keys: list[str]) -> LeaseInfo:
+def store_now(store: Store) -> float:
+    """The store's current time: the modification time of a probe object written now (then
+    deleted). Where the probe cannot be written (read-only credentials), this host's clock."""
+    key = f"{PROBES}/{uuid.uuid4().hex}"
+    try:
+        store.put(key, b"")
+    except StorageAccessError as exc:
+        logger.debug("%s: no clock probe (%s); ages by this host's clock", store.uri, exc)
+        return time.time()
+    try:
+        return store.modified(key)
+    finally:
+        try:
+            store.delete(key)
+        except CheckpointError as exc:  # gc removes old probes
+            logger.debug("clock probe %s not deleted: %s", store.url(key), exc)
+
+
+def stale_probes(store: Store, older_than_s: float) -> list[str]:
+    """Keys of probe objects older than ``older_than_s`` (their reader died before deleting
+    them)."""
+    keys = store.list(PROBES)
+    now = store_now(store) if keys else 0.0
+
+    def old(key: str) -> bool:
+        try:
+            return now - store.modified(key) > older_than_s
+        except ObjectNotFoundError:
+            return False
+
+    return [key for key, is_old in zip(keys, store.map(old, keys), strict=True) if is_old]
+
+
+def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: float) -> LeaseInfo:
     kind, holder = kind_holder
     for _ in range(5):
         keys = sorted(keys)
         newest = keys[-1]
         try:
             doc = json.loads(store.get(newest))
+            age = now - store.modified(newest)
         except ObjectNotFoundError:
             # Renewed (a newer sequence replaced it) or released while we listed: look again.
             keys = store.list(f"{PREFIX}/{kind}/{holder}")
@@ -234,12 +289,35 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str]) -> LeaseI
         except ValueError as exc:
             return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
         try:
-            live = time.time() - float(doc["renewed_at"]) < float(doc["ttl_s"])
+            if not isinstance(doc, dict):
+                raise TypeError(f"a lease is a JSON object, not {type(doc).__name__}")
+            live = age < _lifetime(kind, doc) + store.clock_resolution_s
         except (KeyError, TypeError, ValueError) as exc:
             return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
-        return LeaseInfo(kind, holder, newest, keys, doc, live and not _holder_is_dead(doc))
+        return LeaseInfo(kind, holder, newest, keys, doc, live, age)
     # Renewed under us five times in a row: its holder is clearly alive.
     return LeaseInfo(kind, holder, newest, keys, {"error": "renewing"}, True)
+
+
+def _lifetime(kind: str, doc: dict[str, Any]) -> float:
+    """How old (by the store's clock) the newest object of a lease may be while it is live.
+
+    A save lease: ``ttl_s``, or 0 once its holder is known dead. A gc lease: until every
+    delete it may have issued has ended (``settle_s``, ``ttl_s`` for a gc that recorded none),
+    and no sooner than ``ttl_s`` unless its holder is known dead."""
+    ttl = _duration(doc, "ttl_s", None)
+    dead = _holder_is_dead(doc)
+    if kind != GC:
+        return 0.0 if dead else ttl
+    settle = _duration(doc, "settle_s", ttl)
+    return settle if dead else max(ttl, settle)
+
+
+def _duration(doc: dict[str, Any], name: str, default: float | None) -> float:
+    value = float(doc[name] if default is None else doc.get(name, default))
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} {value} is not a positive number of seconds")
+    return value
 
 
 def _boot_and_pid_namespace() -> tuple[str, int]:

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
 from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
 from ckptstore.format import Manifest, commit_key
-from ckptstore.leases import DEFAULT_TTL_S, GC, SAVE, Lease, delete_stale, find_leases
+from ckptstore.leases import (
+    DEFAULT_TTL_S,
+    GC,
+    SAVE,
+    Lease,
+    delete_stale,
+    find_leases,
+    stale_probes,
+)
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -168,6 +176,7 @@ def _sweep(
     chunk_victims = [k for k in store.list("chunks") if k.rsplit("/", 1)[-1] not in referenced]
     stale_leases = [s for s in saves if not s.live]
     temporaries = store.stale_temporaries(older_than_s=lease_ttl_s)
+    temporaries += stale_probes(store, older_than_s=lease_ttl_s)
     report.swept = True
     report.deleted_chunks = len(chunk_victims)
     report.deleted_other = len(victims) + sum(len(s.keys) for s in stale_leases) + len(temporaries)
@@ -177,7 +186,7 @@ def _sweep(
     # Saves go on once our lease looks stale: never delete after it may have looked so.
     lease.check()
     report.deleted_chunk_bytes = sum(store.map(_delete_sized(store, lease), chunk_victims))
-    list(store.map(store.delete, victims + temporaries))
+    list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC) if not g.live])
 
@@ -199,14 +208,24 @@ def _legacy_saves(store: Store) -> list[str]:
     return live
 
 
+def _checked_delete(store: Store, lease: Lease):
+    """``store.delete`` issued only while ``lease`` holds: a dead gc's lease records how long
+    after its last renewal its deletes may go on (``Lease.settle_s``), so none may start later."""
+
+    def delete(key: str) -> None:
+        lease.check()
+        store.delete(key)
+
+    return delete
+
+
 def _delete_sized(store: Store, lease: Lease):
     def delete(key: str) -> int:
-        lease.check()
         try:
             size = store.size(key)
         except FileNotFoundError:
             return 0
-        store.delete(key)
+        _checked_delete(store, lease)(key)
         return size
 
     return delete

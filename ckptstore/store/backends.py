@@ -41,6 +41,8 @@ class Backend(ABC):
     """Requests leave the process (messages name the endpoint)."""
     endpoint: str = ""
     """Where requests go, for messages: an S3 endpoint URL, a local directory."""
+    clock_resolution_s: float = 0.0
+    """How coarse :meth:`modified` times are (S3's ``LastModified``: whole seconds)."""
 
     @abstractmethod
     def put_once(self, path: str, data: Data) -> None:
@@ -59,6 +61,11 @@ class Backend(ABC):
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def modified(self, path: str) -> float:
+        """When ``path`` was written, in seconds since the epoch by the storage's own clock
+        (not this host's): leases compare such times only with each other."""
 
     @abstractmethod
     def list(self, path: str) -> list[str]:
@@ -115,6 +122,10 @@ class FsspecBackend(Backend):
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
+    def modified(self, path: str) -> float:
+        self.fs.invalidate_cache(path)
+        return self.fs.modified(path).timestamp()
+
     def list(self, path: str) -> list[str]:
         try:
             self.fs.invalidate_cache(path)
@@ -138,6 +149,7 @@ class S3Backend(FsspecBackend):
     """S3 and S3-compatible services through s3fs; puts are ``If-None-Match: *`` creates."""
 
     enforces_create = True
+    clock_resolution_s = 1.0
 
     def _endpoint(self) -> str:
         client_kwargs = getattr(self.fs, "client_kwargs", None) or {}
@@ -238,6 +250,9 @@ class LocalBackend(FsspecBackend):
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def modified(self, path: str) -> float:
+        return os.stat(path).st_mtime  # set by the file system (an NFS server's clock)
 
     def exists(self, path: str) -> bool:
         try:

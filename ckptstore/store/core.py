@@ -383,6 +383,15 @@ class Store:
     def exists(self, key: str) -> bool:
         return self._request("exists", key, self.backend.exists, self.path(key))
 
+    def modified(self, key: str) -> float:
+        """When ``key`` was written, by the store's clock (seconds since the epoch, as coarse
+        as ``clock_resolution_s``); for leases, which never compare it with a host's clock."""
+        return self._request("modified", key, self.backend.modified, self.path(key))
+
+    @property
+    def clock_resolution_s(self) -> float:
+        return self.backend.clock_resolution_s
+
     def list(self, prefix: str = "") -> list[str]:
         """Keys of every object below ``prefix``, sorted."""
         base = self.path(prefix.rstrip("/"))

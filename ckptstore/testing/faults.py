@@ -23,7 +23,7 @@ from typing import Any
 from ckptstore.store import Backend, Store
 from ckptstore.store.backends import Data
 
-ALL_OPS = frozenset({"put", "get", "size", "exists", "list", "delete"})
+ALL_OPS = frozenset({"put", "get", "size", "exists", "modified", "list", "delete"})
 
 
 class InjectedFaultError(ConnectionError):
@@ -151,6 +151,7 @@ class FaultyBackend(Backend):
         self.remote = inner.remote
         self.enforces_create = inner.enforces_create
         self.endpoint = inner.endpoint
+        self.clock_resolution_s = inner.clock_resolution_s
 
     def reopen(self) -> Backend:
         return FaultyBackend(self.inner.reopen(), self.faults)
@@ -174,6 +175,10 @@ class FaultyBackend(Backend):
     def exists(self, path: str) -> bool:
         self.faults.inject("exists")
         return self.inner.exists(path)
+
+    def modified(self, path: str) -> float:
+        self.faults.inject("modified")
+        return self.inner.modified(path)
 
     def list(self, path: str) -> list[str]:
         self.faults.inject("list")
