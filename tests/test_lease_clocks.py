@@ -17,11 +17,13 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.format import commit_key
+from ckptstore.leases import SAVE, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 
@@ -174,8 +176,23 @@ def test_lease_age_is_the_stores_not_the_writers_clock(tmp_path):
     old = time.time() - 120
     os.utime(tmp_path / behind, (old, old))
     ahead = put_lease(store, "ahead", time.time() + 300, ttl_s=60)
-    os.utime(tmp_path / ahead, (old, old))
+    probe = "leases/clock/of-a-reader-that-died"  # gc removes it once older than a ttl
+    store.put(probe, b"")
+    for key in (ahead, probe):
+        os.utime(tmp_path / key, (old, old))
     report = collect(store, keep_last=5)
     assert report.swept and report.blocked_by == []
     assert not store.exists(orphan) and store.list("leases") == []
     assert verify_all(uri) == [1]
+
+
+@pytest.mark.s3
+def test_on_s3_a_lease_ages_by_last_modified(s3_uri):
+    store = Store(s3_uri)
+    key = put_lease(store, "behind", time.time() - 300, ttl_s=1.0)
+    [lease] = find_leases(store, SAVE)
+    assert lease.live and lease.age_s < 2  # LastModified has whole seconds
+    time.sleep(3.5)  # past the ttl plus that second
+    [lease] = find_leases(store, SAVE)
+    assert not lease.live and lease.age_s >= 2
+    assert store.list("leases") == [key]  # the reader's probes are gone
