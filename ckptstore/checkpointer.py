@@ -252,6 +252,7 @@ class Checkpointer:
                 ranks_per_node = 1  # one node: the next rank guards
             self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
         self.last_load_source: str | None = None
+        self.last_load_left_out: list[str] = []
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
@@ -341,7 +342,9 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def load(self, state: Any, step: int | str = "latest", *, fallback: bool = False) -> int:
+    def load(
+        self, state: Any, step: int | str = "latest", *, fallback: bool = False, strict: bool = True
+    ) -> int:
         """Load ``step`` into ``state`` in place (tensors copied into, stateful objects
         given ``load_state_dict``); returns the step loaded.
 
@@ -367,6 +370,11 @@ class Checkpointer:
         ``fallback=True`` an older step overwrites them) or rebuild the state before going on.
         (Verifying every chunk before writing any would take a second state-sized buffer or a
         second read of every chunk.)
+
+        ``strict=False`` loads the part of the step the state asks for: saved keys that the
+        state's dicts do not have are left out and not read, and keys of the state that the
+        step lacks are left alone (a stateful object still gets its whole saved state dict); ``last_load_left_out`` lists both
+        (``load({"model": model}, strict=False)`` from a step that also holds the optimizer).
         """
 
         if fallback and step not in (None, "latest"):
@@ -390,7 +398,7 @@ class Checkpointer:
         dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it last received
         skipped: list[tuple[int, BaseException]] = []
         for chosen in candidates:
-            error, skippable, written = self._load_step(state, chosen, dirty)
+            error, skippable, written = self._load_step(state, chosen, dirty, strict)
             if error is None:
                 return chosen
             dirty.update(dict.fromkeys(written, chosen))
@@ -412,7 +420,7 @@ class Checkpointer:
         raise self._load_failed(error, dirty)
 
     def _load_step(
-        self, state: Any, step: int, dirty: dict[str, int]
+        self, state: Any, step: int, dirty: dict[str, int], strict: bool = True
     ) -> tuple[BaseException | None, bool, list[str]]:
         """One attempt at loading ``step`` into ``state``, its outcome agreed by every rank:
         the error this rank raises (None: loaded), whether every rank's failure was corrupt or
@@ -457,8 +465,8 @@ class Checkpointer:
                         entry = index.tensors[i]
                         return parse_dtype(entry.dtype), entry.shape
 
-                loader = plan_load(state, tree, describe)
-                kinds = tensor_indexes(tree)
+                loader = plan_load(state, tree, describe, strict=strict)
+                kinds = {i: k for i, k in tensor_indexes(tree).items() if i in loader.needed}
                 stale = sorted(set(dirty) - set(loader.paths.values()))
                 if stale:
                     failed = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
@@ -491,8 +499,17 @@ class Checkpointer:
         if agreed is not None:
             return (*agreed, paths)
         # Every rank has every tensor: only now are values set and load_state_dict called.
-        values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items()}
+        values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items() if i in kinds}
         finish_load(loader, state, tree, values)
+        self.last_load_left_out = [f"{p} (not in the state)" for p in loader.left_out]
+        self.last_load_left_out += [f"{p} (not in step {step})" for p in loader.not_saved]
+        if self.last_load_left_out:
+            logger.info(
+                "rank %d: step %d loaded with strict=False; left out: %s",
+                self.rank,
+                step,
+                self._some(self.last_load_left_out),
+            )
         if replica is not None:
             self.last_load_source = "peer"
             logger.info("rank %d: loaded step %d from its guard's memory", self.rank, step)

@@ -138,14 +138,32 @@ class _Loader:
     tensor lands in which existing tensor (checking shapes and dtypes); ``build`` then puts
     the loaded values in place and calls ``load_state_dict`` on stateful objects."""
 
-    def __init__(self, describe: Callable[[int], tuple[torch.dtype, list[int]]]) -> None:
+    def __init__(
+        self, describe: Callable[[int], tuple[torch.dtype, list[int]]], *, strict: bool = True
+    ) -> None:
         self.describe = describe
+        self.strict = strict
         self.dests: dict[int, torch.Tensor] = {}
         self.paths: dict[int, str] = {}  # of each index in dests: where it is in the state
         self.templates: dict[tuple, Any] = {}
+        self.needed: set[int] = set()  # saved tensors the state takes (strict: all of them)
+        self.left_out: list[str] = []  # strict=False: saved values the state has no place for
+        self.not_saved: list[str] = []  # strict=False: state keys the checkpoint does not hold
+        self._in_stateful = 0
+
+    def skips(self, target: Any, key: Any) -> bool:
+        """strict=False: a saved key that a dict of the state does not have is left out. Not
+        inside a stateful object: its ``load_state_dict`` gets all it saved (an optimizer's
+        state dict grows from empty)."""
+        return self.loose() and isinstance(target, dict) and key not in target
+
+    def loose(self) -> bool:
+        return not self.strict and self._in_stateful == 0
 
     def match(self, target: Any, node: Any, path: tuple) -> None:
         tag = tag_of(node)
+        if tag in ("$t", "$np"):
+            self.needed.add(node[tag])
         if tag == "$t":
             if target is _MISSING or target is None:
                 return
@@ -182,7 +200,11 @@ class _Loader:
                 )
             template = target.state_dict()
             self.templates[path] = template
-            self.match(template, node["$stateful"], path)
+            self._in_stateful += 1
+            try:
+                self.match(template, node["$stateful"], path)
+            finally:
+                self._in_stateful -= 1
         elif tag == "$tuple" or isinstance(node, list):
             items = node["$tuple"] if tag else node
             seq = target if isinstance(target, (list, tuple)) else None
@@ -193,13 +215,19 @@ class _Loader:
         elif tag == "$dict" or (isinstance(node, dict) and tag is None):
             pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
             container = target if isinstance(target, dict) else None
-            if container is not None and path == ():
-                extra = set(container) - {k for k, _ in pairs}
-                if extra:
+            if container is not None:
+                extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
+                if extra and self.loose():
+                    self.not_saved += [_path_str((*path, k)) for k in extra]
+                elif extra and path == ():
                     raise UnsupportedStateError(
-                        f"state keys not in the checkpoint: {sorted(map(str, extra))}"
+                        f"state keys not in the checkpoint: {extra} (load(..., strict=False) "
+                        "loads what the checkpoint holds and leaves them alone)"
                     )
             for key, value in pairs:
+                if self.skips(container, key):
+                    self.left_out.append(_path_str((*path, key)))
+                    continue
                 sub = container.get(key, _MISSING) if container is not None else _MISSING
                 self.match(sub, value, (*path, key))
 
@@ -209,7 +237,12 @@ class _Loader:
             return tensors[node[tag]]
         if tag == "$stateful":
             template = self.templates[path]
-            target.load_state_dict(self.build(template, node["$stateful"], path, tensors))
+            self._in_stateful += 1
+            try:
+                saved = self.build(template, node["$stateful"], path, tensors)
+            finally:
+                self._in_stateful -= 1
+            target.load_state_dict(saved)
             return target
         if tag == "$tuple":
             seq = target if isinstance(target, (list, tuple)) else ()
@@ -231,6 +264,8 @@ class _Loader:
             pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
             out = target if isinstance(target, dict) else {}
             for key, value in pairs:
+                if self.skips(target, key):
+                    continue
                 out[key] = self.build(out.get(key, _MISSING), value, (*path, key), tensors)
             return out
         return decode_scalar(node)
@@ -245,12 +280,23 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 
 
 def plan_load(
-    target: Any, tree: Any, describe: Callable[[int], tuple[torch.dtype, list[int]]]
+    target: Any,
+    tree: Any,
+    describe: Callable[[int], tuple[torch.dtype, list[int]]],
+    *,
+    strict: bool = True,
 ) -> _Loader:
     """Check ``target`` against the saved ``tree``; the result's ``dests`` maps saved tensor
     indexes to the tensors of ``target`` they are loaded into (in place), ``paths`` the same
-    indexes to where those tensors are in ``target`` (``model/0.weight``)."""
-    loader = _Loader(describe)
+    indexes to where those tensors are in ``target`` (``model/0.weight``), ``needed`` every
+    saved tensor the load uses.
+
+    ``strict=False``: a saved key that a dict of ``target`` lacks is left out (``left_out``),
+    and keys of ``target`` the checkpoint lacks are left alone (``not_saved``); a stateful
+    object still gets its whole saved state dict. With ``strict`` (the default) every top-level key of ``target`` must
+    be saved, and saved values under keys the state lacks are added to it (a stateful object's
+    are an error: there is nothing to call ``load_state_dict`` on)."""
+    loader = _Loader(describe, strict=strict)
     loader.match(target, tree, ())
     return loader
 

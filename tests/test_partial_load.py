@@ -1,0 +1,73 @@
+"""``Checkpointer.load(state, strict=False)``: the part of a step the state asks for (issue 25,
+item 4): evaluating weights without building the optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from ckptstore import Checkpointer, Store, UnsupportedStateError
+from ckptstore.catalog import load_manifest, load_rank_index
+from ckptstore.format import chunk_key
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+
+
+def saved_step(uri: str) -> torch.nn.Module:
+    net = model()
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    with Checkpointer(uri, compression="none", chunk_bytes=64 << 10) as ckpt:
+        ckpt.save(7, {"model": net, "optim": opt, "step": 7}).wait()
+    return net
+
+
+def test_a_model_alone_loads_from_a_step_that_also_holds_the_optimizer(tmp_path):
+    uri = str(tmp_path)
+    net = saved_step(uri)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    ckpt = Checkpointer(uri)
+    try:
+        ckpt.load({"model": fresh})
+    except UnsupportedStateError as exc:
+        assert "strict=False" in str(exc) or "optim" in str(exc)
+    else:
+        raise AssertionError("a strict load of a part of the step must fail")
+    assert ckpt.load({"model": fresh}, strict=False) == 7
+    for a, b in zip(fresh.state_dict().values(), net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert sorted(ckpt.last_load_left_out) == [
+        "optim (not in the state)",
+        "step (not in the state)",
+    ]
+    ckpt.close()
+
+
+def test_what_is_left_out_is_not_read(tmp_path):
+    uri = str(tmp_path)
+    net = saved_step(uri)
+    store = Store(uri)
+    index = load_rank_index(store, load_manifest(store, 7), 0)
+    model_chunks = {seg.chunk for t in index.tensors[: len(net.state_dict())] for seg in t.segments}
+    optimizer_only = set(index.chunks) - model_chunks
+    assert optimizer_only
+    for digest in optimizer_only:
+        store.delete(chunk_key(digest))
+    fresh = {"model": model()}
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(fresh, strict=False) == 7
+
+
+def test_state_keys_the_step_lacks_are_left_alone(tmp_path):
+    uri = str(tmp_path)
+    net = saved_step(uri)
+    ema = torch.full((3,), 5.0)
+    state = {"model": model(), "optim": torch.optim.AdamW(net.parameters()), "ema": ema}
+    state["step"] = 0
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(state, strict=False) == 7
+        assert ckpt.last_load_left_out == ["ema (not in step 7)"]
+    assert state["step"] == 7 and state["ema"] is ema and torch.equal(ema, torch.full((3,), 5.0))
