@@ -13,6 +13,7 @@ import pytest
 
 from bench import storage
 from bench.report import parse_bytes
+from bench.storage.stats import _Timeline
 from ckptstore.metrics import LatencyHistogram
 from ckptstore.store import Store
 
@@ -381,3 +382,53 @@ def test_local_run_leaves_nothing_behind(capsys, tmp_path):
 def test_local_run_with_keep_keeps_its_directory(capsys, tmp_path):
     rc, result = _run_json(capsys, "--uri", str(tmp_path), "--count", "10", "--keep")
     assert rc == 0 and os.listdir(tmp_path) == [result["prefix"]]
+
+
+def _burst_timeline() -> _Timeline:
+    """Dense 1 ms reads before and after a burst from 2 s to 4 s, in which 4 reads start, each
+    taking 400 ms: each lies alone in its window (about 83 ms wide)."""
+    timeline = _Timeline()
+    samples = [(i * 0.002, 0.001) for i in range(1000)]
+    samples += [(2.25 + i * 0.5, 0.4) for i in range(4)]
+    samples += [(4.0 + i * 0.002, 0.001) for i in range(1000)]
+    for t, latency in samples:
+        timeline.t_s.append(t)
+        timeline.latency_s.append(latency)
+    return timeline
+
+
+def test_burst_plot_draws_the_sparse_slow_windows_of_the_burst(monkeypatch, tmp_path):
+    """The p99 line rises through the burst the table reports, and marks its sparse windows."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from bench.storage.report import plot
+
+    saved: list[Figure] = []
+    real_savefig = Figure.savefig
+
+    def keep_figure(fig, *args, **kwargs):
+        saved.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_figure)
+    burst = {"start_s": 2.0, "end_s": 4.0, "writers": 8, "read_bytes": 4096}
+    timeline = _burst_timeline()
+    phases = {name: LatencyHistogram() for name in ("before", "during", "after")}
+    for t, latency in zip(timeline.t_s, timeline.latency_s):
+        phase = "before" if t < 2.0 else "during" if t < 4.0 else "after"
+        phases[phase].record(latency)
+    bench = argparse.Namespace(_merged_stats={}, _phases=phases, _timeline=timeline)
+    plot(bench, {"mode": "burst", "uri": "memory://x", "burst": burst}, str(tmp_path / "b.png"))
+
+    timeline_axes = saved[0].axes[1]
+    lines = {line.get_label(): line for line in timeline_axes.get_lines()}
+    (p99_label,) = [label for label in lines if label.startswith("p99 per")]
+    p99_in_burst = [
+        y for x, y in zip(*lines[p99_label].get_data()) if burst["start_s"] <= x <= burst["end_s"]
+    ]
+    assert p99_in_burst and min(p99_in_burst) == pytest.approx(0.4)
+    (sparse_label,) = [label for label in lines if label.startswith("sparse window")]
+    sparse_x = lines[sparse_label].get_xdata()
+    assert len(sparse_x) == 4 and all(2.0 <= x <= 4.0 for x in sparse_x)
+    assert sparse_label in [t.get_text() for t in timeline_axes.get_legend().get_texts()]
