@@ -17,6 +17,7 @@ from ckptstore.errors import (
     StorageTimeoutError,
     UnsupportedStateError,
 )
+from ckptstore.rng import RNGState
 from ckptstore.store import RetryPolicy, Store
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "Store",
     "RetryPolicy",
     "CodecConfig",
+    "RNGState",
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointNotFoundError",

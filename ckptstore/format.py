@@ -15,6 +15,7 @@ and decodes them; ``catalog`` finds and reads them, ``commit`` writes the manife
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import re
@@ -165,6 +166,8 @@ def _load(data: bytes, kind: str, name: str) -> dict:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointCorruptError(f"{name}: not valid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise CheckpointCorruptError(f"{name}: JSON nested too deeply to read") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{name}: not a {FORMAT_NAME} {kind}")
     version = doc.get("format_version")
@@ -343,6 +346,7 @@ def check_rank_index(index: RankIndex, name: str) -> None:
     for i, entry in enumerate(index.tensors):
         _check_tensor(entry, index.chunks, needed, lambda why, i=i: bad(f"tensor {i}: {why}"))
     if index.items is None:  # a Checkpointer save: each chunk is its tensors, then alignment
+        check_tree(index.tree, len(index.tensors), bad)
         for digest, end in needed.items():
             if index.chunks[digest].raw >= end + ALIGN:
                 raise bad(
@@ -352,6 +356,61 @@ def check_rank_index(index: RankIndex, name: str) -> None:
         isinstance(k, str) and _is_count(v, len(index.tensors) - 1) for k, v in index.items.items()
     ):
         raise bad("items do not map DCP keys to tensors of this index")
+
+
+# The tags of a Checkpointer save's state tree (docs/FORMAT.md, "State tree"; ckptstore.state
+# writes and reads them).
+TREE_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful", "$generator")
+_FLOATS = ("nan", "inf", "-inf")
+
+
+def check_tree(tree: Any, ntensors: int, bad) -> None:
+    """Raise ``bad(why)`` unless ``tree`` is a state tree whose tags are well formed and whose
+    tensor references name tensors ``0 .. ntensors - 1``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            if not (node is None or isinstance(node, (bool, int, float, str))):
+                raise bad(f"state tree holds {type(node).__name__}")
+            continue
+        tag = next(iter(node)) if len(node) == 1 else None
+        if tag not in TREE_TAGS:
+            stack.extend(node.values())
+            continue
+        value = node[tag]
+        if tag in ("$t", "$np"):
+            ok = _is_count(value, ntensors - 1)
+        elif tag == "$tuple":
+            ok = isinstance(value, list)
+            stack.extend(value if ok else [])
+        elif tag == "$dict":
+            ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
+            stack.extend(value if ok else [])
+        elif tag == "$bytes":
+            ok = isinstance(value, str) and _is_base64(value)
+        elif tag == "$float":
+            ok = value in _FLOATS
+        elif tag == "$stateful":
+            ok = True
+            stack.append(value)
+        else:  # $generator
+            ok = isinstance(value, dict) and set(value) == {"device", "state"}
+            ok = ok and isinstance(value["device"], str)
+            stack.append(value["state"] if ok else None)
+        if not ok:
+            raise bad(f"state tree: malformed {tag} node {json.dumps(node)[:80]}")
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error
+        return False
+    return True
 
 
 def _check_tensor(

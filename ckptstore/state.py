@@ -6,6 +6,7 @@ bytes, and objects with ``state_dict()`` / ``load_state_dict()``. The tree is JS
 
     {"$t": 3}  {"$np": 4}  {"$tuple": [...]}  {"$dict": [[key, value], ...]}
     {"$bytes": "<base64>"}  {"$float": "nan"}  {"$stateful": <tree of its state_dict()>}
+    {"$generator": {"device": "cpu", "state": {"$t": 5}}}   (a torch.Generator)
 
 Nothing is pickled: loading a checkpoint never runs code from storage.
 """
@@ -21,8 +22,9 @@ import numpy as np
 import torch
 
 from ckptstore.errors import UnsupportedStateError
+from ckptstore.format import TREE_TAGS
 
-_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful")
+_TAGS = TREE_TAGS
 _MISSING = object()
 
 
@@ -105,10 +107,13 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
             return {"$tuple": [walk(v, (*path, i)) for i, v in enumerate(value)]}
         if is_stateful(value):
             return {"$stateful": walk(value.state_dict(), path)}
+        if isinstance(value, torch.Generator):
+            state = walk(value.get_state(), path)
+            return {"$generator": {"device": str(value.device), "state": state}}
         raise UnsupportedStateError(
             f"{_path_str(path)}: cannot save a value of type {type(value).__module__}."
             f"{type(value).__qualname__} (supported: tensors, numpy arrays, numbers, str, bytes, "
-            "None, dict/list/tuple, and objects with state_dict()/load_state_dict())"
+            "None, dict/list/tuple, torch.Generator, and objects with state_dict()/load_state_dict())"
         )
 
     return walk(state, ()), tensors
@@ -205,6 +210,16 @@ class _Loader:
                 self.match(template, node["$stateful"], path)
             finally:
                 self._in_stateful -= 1
+        elif tag == "$generator":
+            target = _MISSING if target is None else target
+            if target is not _MISSING and not isinstance(target, torch.Generator):
+                raise UnsupportedStateError(
+                    f"{_path_str(path)}: checkpoint has a torch.Generator, state has "
+                    f"{type(target).__name__}"
+                )
+            template = target.get_state() if target is not _MISSING else _MISSING
+            self.templates[path] = template
+            self.match(template, node["$generator"]["state"], path)
         elif tag == "$tuple" or isinstance(node, list):
             items = node["$tuple"] if tag else node
             seq = target if isinstance(target, (list, tuple)) else None
@@ -243,6 +258,12 @@ class _Loader:
             finally:
                 self._in_stateful -= 1
             target.load_state_dict(saved)
+            return target
+        if tag == "$generator":
+            saved = self.build(self.templates[path], node["$generator"]["state"], path, tensors)
+            if not isinstance(target, torch.Generator):
+                target = torch.Generator(device=node["$generator"]["device"])
+            target.set_state(saved)
             return target
         if tag == "$tuple":
             seq = target if isinstance(target, (list, tuple)) else ()
@@ -317,6 +338,8 @@ def tensor_paths(tree: Any) -> dict[int, str]:
             paths.setdefault(int(node[tag]), _path_str(path))
         elif tag == "$stateful":
             walk(node["$stateful"], path)
+        elif tag == "$generator":
+            walk(node["$generator"]["state"], path)
         elif tag == "$tuple" or isinstance(node, list):
             for i, item in enumerate(node["$tuple"] if tag else node):
                 walk(item, (*path, i))
@@ -339,6 +362,8 @@ def to_plain(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
         return tensors[int(tree["$np"])].numpy()
     if tag == "$stateful":
         return to_plain(tree["$stateful"], tensors)
+    if tag == "$generator":  # its state, as torch.Generator.get_state() gives it
+        return to_plain(tree["$generator"]["state"], tensors)
     if tag == "$tuple":
         return tuple(to_plain(v, tensors) for v in tree["$tuple"])
     if tag == "$dict":

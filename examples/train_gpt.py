@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, RNGState
 from ckptstore.store import Store
 from loaders import LoaderConfig, ShardDataset, StatefulLoader, TokenFiles, TokenWriter
 
@@ -177,11 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "optim": opt,
         "loader": loader,
         "progress": progress,
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-        },
+        "rng": RNGState(),  # Python, numpy, torch (and CUDA) generators, read at each save
     }
 
     # On SIGTERM (a scheduler's notice before the kill) ckpt.preempted turns true: the loop
@@ -192,9 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         # A newest step that is corrupt or misses chunks is skipped (with a warning) for the
         # newest one that loads.
         step = ckpt.load(state, fallback=True)
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
         print(f"resumed from step {step} ({args.ckpt})", flush=True)
         # Steps are write-once: the ones skipped stay committed and are not saved again.
         unloadable = [s for s in ckpt.steps() if s > step]
@@ -219,11 +212,6 @@ def main(argv: list[str] | None = None) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         preempted = ckpt.preempted
         if (step % args.every == 0 or preempted) and step not in unloadable:
-            state["rng"] = {
-                "torch": torch.get_rng_state(),
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-            }
             ckpt.save(step, state)  # returns once staged; persists in the background
         if preempted:
             print(f"preempted (SIGTERM) at step {step}: leaving", flush=True)
