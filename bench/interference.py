@@ -11,15 +11,22 @@ against the same steps without saving). Step kinds:
 - ``gpu``: the host mostly waits, as it does while a GPU computes (a sleep plus a small op);
 - ``cpu``: a CPU matmul (this machine has no GPU: the loop and the save share the cores);
 - ``python``: pure-Python work, which only runs while it holds the GIL.
+
+The Checkpointer's warning for each skipped save is counted (the table's ``skipped`` column),
+not printed, and its other log lines are printed to stderr after the table (``-v``: all of them
+as they come).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -127,7 +134,51 @@ def _loop(step, steps: int, ckpt: Checkpointer | None, state: dict) -> dict:
     return out
 
 
+class _HoldRecords(logging.Handler):
+    def __init__(self, held: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.held = held
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.held.append(record)
+
+
+@contextlib.contextmanager
+def _library_logs_held(held: list[logging.LogRecord], *, hold: bool) -> Iterator[None]:
+    """While the loops run, ckptstore's log records go to ``held`` instead of stderr, so that
+    none lands between the lines of the table."""
+    if not hold:
+        yield
+        return
+    library = logging.getLogger("ckptstore")
+    handler, propagate = _HoldRecords(held), library.propagate
+    library.addHandler(handler)
+    library.propagate = False
+    try:
+        yield
+    finally:
+        library.removeHandler(handler)
+        library.propagate = propagate
+
+
+def _is_skipped_save(record: logging.LogRecord) -> bool:
+    return record.name == "ckptstore.checkpointer" and "skipping save" in record.getMessage()
+
+
 def run(args: argparse.Namespace) -> int:
+    held: list[logging.LogRecord] = []
+    try:
+        with _library_logs_held(held, hold=not getattr(args, "verbose", False)):
+            out = _measure(args)
+        _print(out, as_json=args.json)
+    finally:  # after the table (or the error), the records it does not already count
+        for record in held:
+            if not _is_skipped_save(record):
+                logging.getLogger(record.name).handle(record)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> dict:
     size = parse_bytes(args.size)
     if args.steps < 2 or args.tensors < 1 or args.step_s <= 0:
         raise ValueError("--steps must be >= 2, --tensors >= 1, --step-s > 0")
@@ -164,29 +215,31 @@ def run(args: argparse.Namespace) -> int:
             "saves_skipped": saving["saves_skipped"],
             "blocked_s_median": saving["blocked_s_median"],
         }
-    out = {
+    return {
         "state_bytes": per * 4 * args.tensors,
         "steps": args.steps,
         "step_s": args.step_s,
         "nice": args.nice,
         "kinds": results,
     }
-    if args.json:
+
+
+def _print(out: dict, *, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(out))
     else:
         print(
-            f"state {out['state_bytes'] / 2**20:.0f} MiB, {args.steps} steps of ~{args.step_s}s,"
-            " a save requested every step (skipped while one persists)"
+            f"state {out['state_bytes'] / 2**20:.0f} MiB, {out['steps']} steps of "
+            f"~{out['step_s']}s, a save requested every step (skipped while one persists)"
         )
         print(
             f"{'kind':8} {'base steps/s':>12} {'saving':>8} {'loss':>7} {'in save':>8} "
             f"{'bg':>6} {'saved':>6} {'skipped':>8} {'blocked':>9}"
         )
-        for kind, r in results.items():
+        for kind, r in out["kinds"].items():
             print(
                 f"{kind:8} {r['baseline_steps_per_s']:12.2f} {r['saving_steps_per_s']:8.2f} "
                 f"{r['loss_fraction']:7.1%} {r['blocked_fraction']:8.1%} "
                 f"{r['background_loss_fraction']:6.1%} {r['saves_committed']:6d} "
                 f"{r['saves_skipped']:8d} {r['blocked_s_median']:8.3f}s"
             )
-    return 0

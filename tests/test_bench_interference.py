@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +57,45 @@ def test_help_is_plain_text_and_every_option_is_explained(capsys):
     out = capsys.readouterr().out
     assert "``" not in out and 'when_busy="skip"' in out
     assert "equal float32 tensors" in out and "ckptstore codec" in out
+
+
+def test_skipped_save_warnings_stay_out_of_the_table(tmp_path):
+    """As a process, the way a user runs it: stdout is the table alone, and the Checkpointer's
+    warning per skipped save (which the table counts) is not printed on stderr either."""
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "bench.cli", "interference",
+            "--uri", str(tmp_path / "store"),
+            "--size", "8MiB", "--tensors", "2", "--steps", "8", "--step-s", "0.001",
+            "--kinds", "gpu",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    title, header, row = done.stdout.splitlines()
+    assert title.startswith("state 8 MiB, 8 steps") and header.split()[:2] == ["kind", "base"]
+    kind, *_, saved, skipped, _blocked = row.split()
+    assert kind == "gpu" and int(saved) + int(skipped) == 8
+    assert int(skipped) > 0  # a save of 8 MiB outlasts a 1 ms step: there were warnings to keep
+    assert "skipping save" not in done.stderr
+
+
+def test_other_library_warnings_still_reach_the_log(caplog, monkeypatch, tmp_path):
+    """Only the skipped-save warnings are left out (counted); any other ckptstore warning is
+    logged once the run is over."""
+    import bench.interference as interference
+
+    class SlowStoreCheckpointer(interference.Checkpointer):
+        def save(self, step, state, **kwargs):
+            logging.getLogger("ckptstore.store").warning("store answered slowly (step %d)", step)
+            return super().save(step, state, **kwargs)
+
+    monkeypatch.setattr(interference, "Checkpointer", SlowStoreCheckpointer)
+    args = argparse.Namespace(
+        uri=str(tmp_path / "store"), size="8MiB", tensors=2, steps=4, step_s=0.001,
+        kinds="gpu", compression="auto", nice=0, json=True,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert interference.run(args) == 0
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("ckptstore")]
+    assert messages == [f"store answered slowly (step {i})" for i in range(4)]
