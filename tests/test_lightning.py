@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import enum
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,6 @@ from ckptstore import (  # noqa: E402
     Checkpointer,
     CheckpointNotFoundError,
     RetryPolicy,
-    StepExistsError,
     Store,
     UnsupportedStateError,
 )
@@ -143,24 +143,92 @@ def test_fit_saves_steps_and_resume_restores_them_bit_for_bit(uri):
     resumed.close()
 
 
-def test_a_step_is_named_by_every_path_saved_at_it_and_never_rewritten(tmp_path):
-    uri = str(tmp_path / "store")
+def test_every_save_is_its_own_step_and_each_path_loads_what_was_saved_there(tmp_path):
+    uri, ckpts = str(tmp_path / "store"), tmp_path / "ckpts"
     io = CkptstoreCheckpointIO(uri)
-    _trainer(io, uri, max_steps=4, save_top_k=1, save_last=True).fit(TinyModel(), _loader())
-    # save_top_k=1 removed step 2; last.ckpt names step 4 as its top-k file does.
-    assert list(io.steps()) == [4]
-    last = io.load_checkpoint(f"{uri}/last.ckpt")
-    assert last["global_step"] == 4
-    io.remove_checkpoint(f"{uri}/last.ckpt")
-    assert list(io.steps()) == [4], "epoch=0-step=4.ckpt still names step 4"
+    first = Capture(at=4)
+    fit = {"max_steps": 4, "save_top_k": 1, "save_last": True}
+    _trainer(io, str(ckpts), callbacks=[first], **fit).fit(TinyModel(), _loader())
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    # last.ckpt, saved at global steps 2 and 4 beside the top-k file, is step 3, then step 5;
+    # step 2 went with epoch=0-step=2.ckpt, step 3 when last.ckpt was overwritten.
+    assert io.steps() == {4: str(ckpts / "epoch=0-step=4.ckpt"), 5: str(ckpts / "last.ckpt")}
 
-    again = CkptstoreCheckpointIO(uri)
-    with pytest.raises(StepExistsError, match="step 4 is already committed"):
-        again.save_checkpoint({"global_step": 4}, f"{uri}/other.ckpt")
-    with pytest.raises(CheckpointNotFoundError, match="no step .* was saved as .*missing.ckpt"):
-        again.load_checkpoint(f"{uri}/missing.ckpt")
+    # A second fit through the same plugin into the same directory, other weights, same steps.
+    second, model = Capture(at=4), TinyModel()
+    with torch.no_grad():
+        model.layer.weight.add_(1.0)
+    _trainer(io, str(ckpts), callbacks=[second], **fit).fit(model, _loader())
+    assert sorted(os.listdir(ckpts)) == [
+        "epoch=0-step=4-v1.ckpt",
+        "epoch=0-step=4.ckpt",
+        "last-v1.ckpt",
+        "last.ckpt",
+    ]
+    assert list(io.steps()) == [4, 5, 8, 9]
+    for name, saved in [
+        ("epoch=0-step=4.ckpt", first),
+        ("last.ckpt", first),
+        ("epoch=0-step=4-v1.ckpt", second),
+        ("last-v1.ckpt", second),
+    ]:
+        loaded = io.load_checkpoint(str(ckpts / name))
+        assert loaded["global_step"] == 4, name
+        _assert_identical(loaded["state_dict"], saved.state["model"], name)
+        _assert_identical(loaded["optimizer_states"][0], saved.state["optimizer"], name)
     io.close()
+
+
+def test_ckpt_path_last_resumes_from_the_newest_save(tmp_path):
+    uri, ckpts = str(tmp_path / "store"), str(tmp_path / "ckpts")
+    at_four = Capture(at=4)
+    io = CkptstoreCheckpointIO(uri)
+    _trainer(io, ckpts, max_steps=4, callbacks=[at_four], save_last=True).fit(
+        TinyModel(), _loader()
+    )
+    io.close()
+
+    resumed, at_start = CkptstoreCheckpointIO(uri), Capture()
+    trainer = _trainer(resumed, ckpts, max_steps=6, callbacks=[at_start], save_last=True)
+    trainer.fit(TinyModel(), _loader(), ckpt_path="last")
+    _assert_identical(at_start.state, at_four.state)
+    assert resumed.load_checkpoint("last")["global_step"] == 6
+    assert resumed.load_checkpoint(f"{ckpts}/last.ckpt")["global_step"] == 6
+    resumed.close()
+
+
+def test_a_pointer_is_refused_once_its_save_is_gone(tmp_path):
+    uri = str(tmp_path / "store")
+    saved, kept = str(tmp_path / "saved.ckpt"), str(tmp_path / "copy.ckpt")
+    io = CkptstoreCheckpointIO(uri)
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, saved)
+    io.teardown()
+    shutil.copy(saved, kept)
+    io.remove_checkpoint(saved)
+    assert not os.path.exists(saved) and list(io.steps()) == []
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"copy.ckpt points to step 3 of .*not committed"
+    ):
+        io.load_checkpoint(kept)
+    io.close()
+
+    again = CkptstoreCheckpointIO(uri)  # saves global step 3 as step 3 again, other weights
+    again.save_checkpoint({"global_step": 3, "w": torch.zeros(4)}, str(tmp_path / "new.ckpt"))
+    with pytest.raises(CheckpointNotFoundError, match=r"copy.ckpt .* now holds another save"):
+        again.load_checkpoint(kept)
+    assert torch.equal(again.load_checkpoint(str(tmp_path / "new.ckpt"))["w"], torch.zeros(4))
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at .*missing.ckpt"):
+        again.load_checkpoint(str(tmp_path / "missing.ckpt"))
     again.close()
+
+
+def test_a_torch_checkpoint_file_loads_through_the_plugin(tmp_path):
+    path = tmp_path / "torch.ckpt"
+    torch.save({"global_step": 7, "w": torch.arange(3.0)}, path)
+    io = CkptstoreCheckpointIO(str(tmp_path / "store"))
+    loaded = io.load_checkpoint(str(path))
+    assert loaded["global_step"] == 7 and torch.equal(loaded["w"], torch.arange(3.0))
+    io.close()
 
 
 def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_path):
@@ -267,6 +335,15 @@ def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
     io = CkptstoreCheckpointIO(uri)
     for step in steps:
         assert io.load_checkpoint(step)["global_step"] == step
+    pointers = sorted(Path(uri).glob("*.ckpt"))
+    assert len(pointers) >= len(steps)
+    for pointer in pointers:
+        try:
+            loaded = io.load_checkpoint(str(pointer))
+        except CheckpointNotFoundError as exc:  # the save the kill interrupted
+            assert "not committed" in str(exc)
+        else:
+            assert pointer.name.endswith(f"-step={loaded['global_step']}.ckpt")
     io.close()
 
 

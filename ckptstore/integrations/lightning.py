@@ -1,20 +1,27 @@
 """Lightning checkpoints in a ckptstore URI: ``Trainer(plugins=[CkptstoreCheckpointIO(uri)])``.
 
-Each checkpoint Lightning saves becomes the ckptstore step ``checkpoint["global_step"]``, saved
-through a :class:`ckptstore.Checkpointer`: ``save_checkpoint`` returns once the state is staged
-in host memory, encoding, upload and commit run in the background, ``teardown`` (end of
-``fit``) waits for them and raises a failed save's error. The path Lightning saves to is a
-label: it is recorded in the step's metadata (``user["lightning"]["path"]``), and
-``load_checkpoint`` / ``remove_checkpoint`` find the step by it. Give ``ModelCheckpoint``
-``dirpath=`` the store's path or URI (a plain path for a local store: Lightning expands local
-dirpaths itself); nothing is written there except through this plugin, so its ``exists`` and
-listing calls find no ``.ckpt`` files, and ``ckpt_path="last"`` (resolved by Lightning from such
-files) finds nothing: resume with ``ckpt_path=`` a saved path, a step number or ``"latest"``.
+Each checkpoint Lightning saves is two things:
 
-A second save at a global step already saved or resumed from by this process (``save_last=True``
-saves ``last.ckpt`` at the step its top-k checkpoint was saved at) is not written again: the new
-path names that step for the rest of the process. Steps are write-once: a step committed by an
-earlier run is not overwritten (:class:`ckptstore.StepExistsError`).
+- the data: a new step of the store ``uri``, saved through a :class:`ckptstore.Checkpointer`
+  (``save_checkpoint`` returns once the state is staged in host memory; encoding, upload and
+  commit run in the background; ``teardown``, at the end of ``fit``, waits for them and raises a
+  failed save's error). The step is ``checkpoint["global_step"]``, or one past the newest step
+  of the store when that one is not newer (``last.ckpt`` saved at the step of its top-k file,
+  a second ``fit`` into the same store): every save gets its own step, a newer save a higher
+  one, so ``"latest"`` is the newest save, as Lightning's ``"last"`` is.
+- a pointer file at the path Lightning names (in ``ModelCheckpoint(dirpath=...)``, a local
+  path or any fsspec URL): a small JSON document naming the store, the step and the save's id
+  (also kept in the step's metadata). Lightning lists, versions (``-v1``), links, resolves
+  (``ckpt_path="last"``) and removes these files as it does its own checkpoint files.
+
+Loading a pointer checks that its step still holds the save it names: a pointer whose save did
+not commit (the process was killed mid-save) or was removed is refused with
+:class:`ckptstore.CheckpointNotFoundError`, never loaded from another save. ``remove_checkpoint``
+deletes the pointer and unlists the step it names; so does overwriting a pointer (``last.ckpt``),
+once the new save has committed; the chunks no remaining step uses are swept in the background.
+``load_checkpoint`` also takes a step number, ``"latest"`` or ``"last"`` (the newest step), a
+torch checkpoint file (loaded by Lightning's ``TorchCheckpointIO``), and, for stores written
+before pointer files, a path recorded in a step's metadata.
 
 Values a ckptstore state cannot represent (enums, dataclasses, paths in hyper-parameters) are
 saved as pickled blobs with their tensors pulled out and stored as verified chunks; loading them
@@ -30,14 +37,15 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 try:
-    from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 except ImportError:
     try:
-        from lightning_fabric.plugins import CheckpointIO
+        from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
     except ImportError:
         raise ImportError(
             "ckptstore.integrations.lightning needs Lightning: pip install lightning"
@@ -48,23 +56,29 @@ import torch.distributed as dist
 
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.checkpointer import Checkpointer, SaveHandle
-from ckptstore.errors import CheckpointNotFoundError, StepExistsError
+from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError
+from ckptstore.integrations import _pointer
 from ckptstore.integrations._pickled import unwrap, wrap
+from ckptstore.integrations._pointer import Pointer
 from ckptstore.retention import collect, drop_step
+from ckptstore.store import Store
 
 __all__ = ["CkptstoreCheckpointIO"]
 
 logger = logging.getLogger(__name__)
 
 META_KEY = "lightning"
+STEP_WORDS = ("latest", "last")
 
 
 class CkptstoreCheckpointIO(CheckpointIO):
-    """A Lightning ``CheckpointIO`` that saves into the ckptstore ``uri``.
+    """A Lightning ``CheckpointIO`` that saves into the ckptstore ``uri``, leaving a pointer
+    file at each path Lightning names.
 
     Args:
         uri: the store: a path, ``file://``, ``memory://``, ``s3://bucket/prefix``.
-        storage_options: passed to fsspec (credentials, endpoint, ...).
+        storage_options: passed to fsspec for the store (credentials, endpoint, ...); pointer
+            files are reached as Lightning reaches its checkpoint directory.
         **checkpointer_options: passed to :class:`ckptstore.Checkpointer` (``compression``,
             ``staging_budget_bytes``, ...). Leave ``keep_last`` unset to let
             ``ModelCheckpoint(save_top_k=...)`` decide which steps go.
@@ -78,13 +92,14 @@ class CkptstoreCheckpointIO(CheckpointIO):
         **checkpointer_options: Any,
     ) -> None:
         self.uri = str(uri)
+        self._store_id = _pointer.store_id(self.uri)
+        self._storage_options = storage_options
         self._options = {"storage_options": storage_options, **checkpointer_options}
         self._checkpointer: Checkpointer | None = None
         self._pending: dict[int, SaveHandle] = {}
-        self._own_steps: set[int] = set()  # saved or resumed from by this process
-        self._names: dict[str, int] = {}  # every path this process saved or loaded -> its step
+        self._newest = -1  # the highest step this process saved
+        self._replaced: list[tuple[SaveHandle, Pointer]] = []  # overwritten pointers, by save
         self._paths: dict[int, str] = {}  # committed step -> the path it was saved as (cache)
-        self._doomed: set[int] = set()  # removal asked for, kept while another path names it
         self._sweeper: ThreadPoolExecutor | None = None
         self._sweeps: list[Future] = []
 
@@ -102,67 +117,74 @@ class CkptstoreCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Stage ``checkpoint`` as step ``checkpoint["global_step"]`` and return; the commit
+        """Stage ``checkpoint`` as a new step and write the pointer at ``path``; the commit
         runs in the background."""
         if storage_options is not None:
             raise TypeError(
                 "CkptstoreCheckpointIO takes storage options in its constructor, not per save"
             )
-        step = checkpoint.get("global_step")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"{path}: the checkpoint has no integer 'global_step' ({step!r})")
-        path = str(path)
-        if step in self._own_steps:
-            logger.info("%s names step %d of %s, already saved", path, step, self.uri)
-            self._name(path, step)
-            return
-        if step in self.checkpointer.steps():
-            raise StepExistsError(
-                f"{path}: step {step} is already committed in {self.uri} by an earlier run; "
-                "steps are write-once: resume from it with ckpt_path= or use a new store"
+        global_step = checkpoint.get("global_step")
+        if isinstance(global_step, bool) or not isinstance(global_step, int):
+            raise ValueError(
+                f"{path}: the checkpoint has no integer 'global_step' ({global_step!r})"
             )
-        metadata = {META_KEY: {"path": path}}
-        self._pending[step] = self.checkpointer.save(step, wrap(checkpoint), metadata=metadata)
-        self._own_steps.add(step)
-        self._name(path, step)
+        path = str(path)
+        self._drop_replaced(block=False)
+        step = self._next_step(global_step)
+        save_id = uuid.uuid4().hex
+        replaced = self._own_pointer_at(path)
+        meta = {META_KEY: {"path": path, "global_step": global_step, "save_id": save_id}}
+        handle = self.checkpointer.save(step, wrap(checkpoint), metadata=meta)
+        if handle.skipped:
+            logger.warning(
+                "%s: not saved, the previous save of %s is still running", path, self.uri
+            )
+            return
+        self._pending[step] = handle
+        self._newest = max(self._newest, step)
+        _pointer.write(path, Pointer(self._store_id, step, save_id, global_step))
+        if replaced is not None:
+            self._replaced.append((handle, replaced))
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """The checkpoint saved as ``path`` (also a step number, or ``"latest"``), verified;
-        tensors on the CPU unless ``map_location`` says otherwise."""
+        """The checkpoint whose pointer is at ``path`` (also a step number, ``"latest"``,
+        ``"last"`` or a torch checkpoint file), verified; tensors on the CPU unless
+        ``map_location`` says otherwise."""
         self._wait_saves()
-        step = self._resolve(path)
-        if step is None:
-            raise CheckpointNotFoundError(
-                f"no step in {self.uri} was saved as {str(path)!r} (steps: {self._steps_shown()}); "
-                "pass a path saved through this plugin, a step number or 'latest'"
-            )
-        state: dict[str, Any] = {}
-        self.checkpointer.load(state, step)
-        state = _map_tensors(state, map_location)
-        checkpoint = unwrap(state, weights_only=weights_only is not False)
-        self._own_steps.add(step)
-        if not _is_step_word(path):
-            self._name(str(path), step)
+        if _is_step_word(path):
+            state = self._load_step(self.checkpointer, self._step_of_word(path))
+        else:
+            data = _pointer.read(str(path))
+            if data is not None and not _pointer.is_pointer(data):
+                options = {} if map_location is None else {"map_location": map_location}
+                return TorchCheckpointIO().load_checkpoint(
+                    path, weights_only=weights_only, **options
+                )
+            if data is None:
+                state = self._load_step(self.checkpointer, self._labelled(str(path)))
+            else:
+                state = self._load_pointer(_pointer.decode(data, str(path)), str(path))
+        checkpoint = unwrap(
+            _map_tensors(state, map_location), weights_only=weights_only is not False
+        )
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop the step saved as ``path`` once no other path names it: it stops being listed
-        at once; its chunks that no other step references are swept by ckptstore's garbage
-        collection in the background."""
+        """Delete the pointer at ``path`` and unlist the step it names: its chunks that no other
+        step references are swept by ckptstore's garbage collection in the background."""
         path = str(path)
-        step = self._resolve(path)
-        if step is None:
-            logger.warning("remove_checkpoint: no step in %s was saved as %s", self.uri, path)
-            return
-        self._names.pop(path, None)
-        self._doomed.add(step)
-        self._drop_if_unnamed(step)
+        pointer = self._own_pointer_at(path)
+        if not _pointer.remove(path):
+            logger.warning("remove_checkpoint: there is no checkpoint at %s", path)
+        if pointer is not None:
+            self._drop(pointer)
 
     def teardown(self) -> None:
         """Wait for every pending save and chunk sweep; raise the first that failed."""
         self._wait_saves()
+        self._drop_replaced(block=True)
         sweeps, self._sweeps = self._sweeps, []
         for sweep in sweeps:
             sweep.result()
@@ -185,57 +207,117 @@ class CkptstoreCheckpointIO(CheckpointIO):
                 self._checkpointer.close()
                 self._checkpointer = None
 
-    # -- internals --------------------------------------------------------------------------
+    # -- saving -----------------------------------------------------------------------------
+
+    def _next_step(self, global_step: int) -> int:
+        """``global_step`` unless the store (or a save in flight) already has it or a later
+        step: then one past the newest."""
+        newest = max([self._newest, *list_steps(self.checkpointer.store)])
+        return max(global_step, newest + 1)
 
     def _wait_saves(self) -> None:
         self._pending.clear()
         if self._checkpointer is not None:
             self._checkpointer.wait()
 
-    def _name(self, path: str, step: int) -> None:
-        previous = self._names.get(path)
-        self._names[path] = step
-        if previous is not None and previous != step:
-            self._drop_if_unnamed(previous)
+    def _own_pointer_at(self, path: str) -> Pointer | None:
+        """The pointer at ``path`` if it names a step of this store (anything else there, a
+        damaged pointer included, is not ours to drop)."""
+        data = _pointer.read(path)
+        if data is None or not _pointer.is_pointer(data):
+            return None
+        try:
+            pointer = _pointer.decode(data, path)
+        except CheckpointCorruptError as exc:
+            logger.warning("%s", exc)
+            return None
+        return pointer if pointer.store == self._store_id else None
 
-    def _drop_if_unnamed(self, step: int) -> None:
-        names = sorted(p for p, s in self._names.items() if s == step)
-        if step not in self._doomed or names:
-            if names:
-                logger.info("step %d of %s is kept: %s names it", step, self.uri, names[0])
-            return
-        self._doomed.discard(step)
-        handle = self._pending.pop(step, None)
-        if handle is not None:
-            handle.wait()
+    def _drop_replaced(self, *, block: bool) -> None:
+        """Drop the saves whose pointers were overwritten, once the save that replaced each
+        has committed (if it failed, the replaced save stays)."""
+        kept = []
+        for handle, old in self._replaced:
+            if not (block or handle.done()):
+                kept.append((handle, old))
+            elif handle.exception() is None:
+                self._drop(old)
+        self._replaced = kept
+
+    def _drop(self, pointer: Pointer) -> None:
+        """Unlist ``pointer``'s step if it still holds that save, and sweep in the background."""
+        pending = self._pending.pop(pointer.step, None)
+        if pending is not None:
+            pending.wait()
         store = self.checkpointer.store
-        if step not in list_steps(store):
-            logger.warning("remove_checkpoint: step %d is not in %s", step, self.uri)
+        try:
+            saved = _pointer.user_save_id(load_manifest(store, pointer.step).user, META_KEY)
+        except CheckpointNotFoundError:
+            saved = None
+        if saved != pointer.save_id:
+            logger.info(
+                "step %d of %s no longer holds save %s", pointer.step, self.uri, pointer.save_id
+            )
             return
-        drop_step(store, step)
-        self._own_steps.discard(step)
-        self._paths.pop(step, None)
-        logger.info("removed step %d from %s", step, self.uri)
+        drop_step(store, pointer.step)
+        self._paths.pop(pointer.step, None)
+        logger.info("removed step %d from %s", pointer.step, self.uri)
         if self._sweeper is None:
             self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-lightning-gc")
         self._sweeps.append(self._sweeper.submit(collect, store, keep_last=None))
 
-    def _resolve(self, path: Any) -> int | None:
-        """The committed or pending step ``path`` names, or None."""
-        if _is_step_word(path):
-            return self.checkpointer.latest() if path == "latest" else int(path)
-        text = str(path)
-        if text in self._names:
-            return self._names[text]
-        steps = list_steps(self.checkpointer.store)[::-1]
-        for step in steps:
-            if self._saved_path(step) == text:
+    # -- loading ----------------------------------------------------------------------------
+
+    def _load_pointer(self, pointer: Pointer, path: str) -> dict[str, Any]:
+        if pointer.store == self._store_id:
+            self._check(pointer, path, self.checkpointer.store)
+            return self._load_step(self.checkpointer, pointer.step, pointer, path)
+        with Checkpointer(pointer.store, storage_options=self._storage_options) as other:
+            self._check(pointer, path, other.store)
+            return self._load_step(other, pointer.step, pointer, path)
+
+    def _load_step(
+        self, checkpointer: Checkpointer, step: int, pointer: Pointer | None = None, path: str = ""
+    ) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        checkpointer.load(state, step)
+        if pointer is not None:  # the step could have been replaced while it loaded
+            self._check(pointer, path, checkpointer.store)
+        return state
+
+    @staticmethod
+    def _check(pointer: Pointer, path: str, store: Store) -> None:
+        """Raise unless ``pointer``'s step is committed and holds the save it names."""
+        where = f"{path} points to step {pointer.step} of {pointer.store}"
+        try:
+            manifest = load_manifest(store, pointer.step)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{where}, which is not committed: its save did not finish or was removed"
+            ) from None
+        if _pointer.user_save_id(manifest.user, META_KEY) != pointer.save_id:
+            raise CheckpointNotFoundError(
+                f"{where}, which now holds another save: the save it names "
+                f"({pointer.save_id}) was removed"
+            )
+
+    def _step_of_word(self, word: Any) -> int:
+        if word not in STEP_WORDS:
+            return int(word)
+        latest = self.checkpointer.latest()
+        if latest is None:
+            raise CheckpointNotFoundError(f"{self.uri} has no committed step")
+        return latest
+
+    def _labelled(self, path: str) -> int:
+        """The newest step saved as ``path`` (stores written before pointer files)."""
+        for step in list_steps(self.checkpointer.store)[::-1]:
+            if self._saved_path(step) == path:
                 return step
-        name = os.path.basename(text)
-        for step in steps:
-            if os.path.basename(self._saved_path(step)) == name:
-                return step
-        return None
+        raise CheckpointNotFoundError(
+            f"there is no checkpoint at {path}, and no step in {self.uri} was saved as it "
+            f"(steps: {self._steps_shown()}); pass a pointer file, a step number or 'latest'"
+        )
 
     def _saved_path(self, step: int) -> str:
         if step not in self._paths:
@@ -250,10 +332,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
 
 
 def _is_step_word(path: Any) -> bool:
-    """Whether ``path`` is a step number or ``"latest"`` rather than a saved path."""
+    """Whether ``path`` is a step number, ``"latest"`` or ``"last"`` rather than a file."""
     if isinstance(path, int):
         return not isinstance(path, bool)
-    return isinstance(path, str) and (path.isdigit() or path == "latest")
+    return isinstance(path, str) and (path.isdigit() or path in STEP_WORDS)
 
 
 def _map_tensors(value: Any, map_location: Any) -> Any:
