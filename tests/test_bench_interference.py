@@ -99,3 +99,13 @@ def test_other_library_warnings_still_reach_the_log(caplog, monkeypatch, tmp_pat
         assert interference.run(args) == 0
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("ckptstore")]
     assert messages == [f"store answered slowly (step {i})" for i in range(4)]
+
+
+def test_readme_lists_every_bench_command_and_how_buckets_are_created():
+    from bench.cli import WORKLOADS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (listing,) = [line for line in readme.splitlines() if line.startswith("ckptbench save")]
+    listed = listing.split("#")[0].removeprefix("ckptbench").split("|")
+    assert [name.strip() for name in listed] == list(WORKLOADS)
+    assert "S3 buckets are not created by ckptstore or ckptbench" in readme
