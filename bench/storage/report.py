@@ -190,4 +190,4 @@ def _plot_read_timeline(ax, timeline, burst: dict[str, Any]) -> None:
     ax.set_ylabel("read latency (s)")
     ax.set_title(f"{format_bytes(burst['read_bytes'])} reads during a checkpoint burst")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="best")
