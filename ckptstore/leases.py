@@ -107,6 +107,7 @@ class Lease:
             "renewed_at": time.time(),
             "ttl_s": self.ttl_s,
             "settle_s": self.settle_s,
+            "deleting": False,
             **_process_identity(),
             **self.info,
         }
@@ -148,6 +149,13 @@ class Lease:
             self.store.delete(old)
         except CheckpointError as exc:  # readers take the newest sequence anyway
             logger.debug("old lease %s not deleted: %s", old, exc)
+
+    def mark_deleting(self) -> None:
+        """Record in the lease (a renewal) that its holder may issue deletes from now on: a gc
+        that dies before this is over at once, one that dies after only once ``settle_s`` has
+        passed since its last renewal."""
+        self.info["deleting"] = True
+        self.renew()
 
     def check(self) -> None:
         """Raise :class:`LeaseLostError` unless the lease was renewed every ``ttl_s / 2`` since
@@ -212,6 +220,7 @@ class LeaseInfo:
     doc: dict[str, Any]
     live: bool
     age_s: float | None = None  # by the store's clock; None: unreadable
+    expires_in_s: float | None = None  # live: when it goes stale unless renewed; None: unknown
 
 
 def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
@@ -293,10 +302,19 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
         try:
             if not isinstance(doc, dict):
                 raise TypeError(f"a lease is a JSON object, not {type(doc).__name__}")
-            live = age < _lifetime(kind, doc) + store.clock_resolution_s
+            lifetime = _lifetime(kind, doc)
+            live = age < lifetime + store.clock_resolution_s
         except (KeyError, TypeError, ValueError) as exc:
             return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
-        return LeaseInfo(kind, holder, newest, keys, doc, live, age)
+        if lifetime == 0.0 and sorted(store.list(f"{PREFIX}/{kind}/{holder}"))[-1:] != [newest]:
+            # Dead at once, judged on an object its holder may have renewed (a gc marking
+            # itself deleting) after our listing and before it died: judge the newer one.
+            keys = store.list(f"{PREFIX}/{kind}/{holder}")
+            if not keys:
+                return LeaseInfo(kind, holder, newest, [], {"error": "released"}, False)
+            continue
+        expires = lifetime + store.clock_resolution_s - age if live else None
+        return LeaseInfo(kind, holder, newest, keys, doc, live, age, expires)
     # Renewed under us five times in a row: its holder is clearly alive.
     return LeaseInfo(kind, holder, newest, keys, {"error": "renewing"}, True)
 
@@ -312,7 +330,9 @@ def _lifetime(kind: str, doc: dict[str, Any]) -> float:
     if kind != GC:
         return 0.0 if dead else ttl
     settle = _duration(doc, "settle_s", ttl)
-    return settle if dead else max(ttl, settle)
+    if dead:
+        return settle if doc.get("deleting") is not False else 0.0
+    return max(ttl, settle)
 
 
 def _duration(doc: dict[str, Any], name: str, default: float | None) -> float:
@@ -366,7 +386,8 @@ def delete_stale(store: Store, leases: Iterable[LeaseInfo]) -> int:
 
 def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
     """Block while a live gc lease exists in ``store`` (a sweep in progress), at most
-    ``timeout_s``; the wait backs off from 50 ms to 2 s between looks."""
+    ``timeout_s``; the wait backs off from 50 ms to 2 s between looks, and looks again as soon
+    as the first live lease would go stale (a dead gc's, once its deletes have ended)."""
     deadline = time.monotonic() + timeout_s
     delay = 0.05
     while True:
@@ -382,5 +403,7 @@ def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
                 "not saving while it may delete chunks"
             )
         logger.info("%s waits for garbage collection in %s to finish", what, store.uri)
-        time.sleep(min(delay, left))
+        expiries = [lease.expires_in_s for lease in live if lease.expires_in_s is not None]
+        soonest = min(expiries) + 0.01 if len(expiries) == len(live) else delay
+        time.sleep(max(0.01, min(delay, left, soonest)))
         delay = min(delay * 2, 2.0)

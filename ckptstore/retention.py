@@ -185,6 +185,8 @@ def _sweep(
         return
     # Saves go on once our lease looks stale: never delete after it may have looked so.
     lease.check()
+    if chunk_victims or victims or temporaries:
+        lease.mark_deleting()
     report.deleted_chunk_bytes = sum(store.map(_delete_sized(store, lease), chunk_victims))
     list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)

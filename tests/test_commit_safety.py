@@ -315,8 +315,7 @@ def test_a_save_whose_lease_lapsed_is_not_committed(tmp_path):
     handle = ckpt.save(1, {"w": torch.randn(50 * 1024)})  # 50 chunks x 50 ms
     with pytest.raises(StorageError, match="not renewed"):
         handle.wait()
-    with pytest.raises(StorageError, match="not renewed"):
-        ckpt.close()
+    ckpt.close()  # reported once, by wait()
     assert list_steps(store) == []
 
 
@@ -338,8 +337,7 @@ def test_wait_tells_the_truth_about_each_commit_under_errors(tmp_path):
             outcomes[step] = "unknown"
         except CheckpointError:
             outcomes[step] = "failed"
-            with pytest.raises(CheckpointError):
-                ckpt.wait()  # raises the same error once more, then the next save is clean
+            ckpt.wait()  # the error was reported once, by the handle's wait()
     faults.error_rate = 0.0
     committed = set(list_steps(store))
     assert {s for s, o in outcomes.items() if o == "ok"} <= committed

@@ -196,3 +196,26 @@ def test_on_s3_a_lease_ages_by_last_modified(s3_uri):
     [lease] = find_leases(store, SAVE)
     assert not lease.live and lease.age_s >= 2
     assert store.list("leases") == [key]  # the reader's probes are gone
+
+
+DEAD_GC = """
+import os, sys
+from ckptstore import Store
+from ckptstore.leases import GC, Lease
+lease = Lease(Store(sys.argv[1]), GC, "dead-gc", ttl_s=600).acquire()
+if sys.argv[2] == "deleting":
+    lease.mark_deleting()
+os._exit(0)  # dies holding the lease
+"""
+
+
+@pytest.mark.parametrize("phase", ["looking", "deleting"])
+def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(tmp_path, phase):
+    """A gc killed before its first delete cannot have a delete in flight: saves go on at
+    once. One killed after ``mark_deleting`` holds them back for its ``settle_s``."""
+    subprocess.run([PY, "-c", DEAD_GC, str(tmp_path), phase], check=True, timeout=120)
+    [lease] = find_leases(Store(tmp_path), "gc")
+    assert lease.doc["deleting"] is (phase == "deleting")
+    assert lease.live is (phase == "deleting")
+    if lease.live:
+        assert 0 < lease.expires_in_s <= lease.doc["settle_s"] + 1

@@ -29,7 +29,8 @@ WRITER = textwrap.dedent(
     from ckptstore.testing.faults import Faults, with_faults
     faults = Faults(error_rate=0.03, hang_rate=0.02, hang_s=1.0, seed=int(sys.argv[2]))
     store = with_faults(Store(sys.argv[1],
-                              retry=RetryPolicy(attempts=6, timeout_s=0.3, base_delay_s=0.01)),
+                              retry=RetryPolicy(attempts=6, timeout_s=0.3, base_delay_s=0.01,
+                                                max_delay_s=0.05)),
                         faults)
     ckpt = Checkpointer(sys.argv[1], store=store, keep_last={KEEP}, chunk_bytes=16 << 10,
                         compression="none", lease_ttl_s={TTL_S})
@@ -51,11 +52,12 @@ WRITER = textwrap.dedent(
 
 GC_LOOP = textwrap.dedent(
     f"""
-    import sys, time
+    import os, sys, time
     from ckptstore import CheckpointError, Store
     from ckptstore.retention import collect
-    store, end = Store(sys.argv[1]), time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < end:
+    store, stop = Store(sys.argv[1]), sys.argv[2]
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not os.path.exists(stop):
         try:
             collect(store, keep_last={KEEP}, lease_ttl_s={TTL_S})
         except CheckpointError as exc:
@@ -69,15 +71,19 @@ GC_LOOP = textwrap.dedent(
 def test_soak_saves_gc_kills_and_faults(tmp_path):
     uri = str(tmp_path / "store")
     rng = random.Random(7)
-    duration_s = 20.0
+    # At least 20 s of kills, and on until 10 saves were waited for (a kill while the writer's
+    # retention deletes holds the next writer back until those deletes may have ended), at
+    # most 90 s.
+    start = time.monotonic()
+    end, hard_end = start + 20.0, start + 90.0
+    stop = tmp_path / "stop-gc"
     gc_proc = subprocess.Popen(
-        [sys.executable, "-c", GC_LOOP, uri, str(duration_s)], stderr=subprocess.DEVNULL
+        [sys.executable, "-c", GC_LOOP, uri, str(stop)], stderr=subprocess.DEVNULL
     )
     waited: list[int] = []
-    end = time.monotonic() + duration_s
     rounds = 0
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < end or (len(waited) < 10 and time.monotonic() < hard_end):
             rounds += 1
             writer = subprocess.Popen(
                 [sys.executable, "-c", WRITER, uri, str(rounds)],
@@ -89,7 +95,7 @@ def test_soak_saves_gc_kills_and_faults(tmp_path):
             kill_at = time.monotonic() + rng.uniform(1.5, 4.0)
             try:
                 os.set_blocking(writer.stdout.fileno(), False)
-                while time.monotonic() < min(kill_at, end) and writer.poll() is None:
+                while time.monotonic() < min(kill_at, hard_end) and writer.poll() is None:
                     line = writer.stdout.readline()
                     if line.strip().isdigit():
                         waited.append(int(line))
@@ -101,6 +107,7 @@ def test_soak_saves_gc_kills_and_faults(tmp_path):
             rest = writer.stdout.read() or ""
             waited += [int(x) for x in rest.split() if x.isdigit()]
     finally:
+        stop.touch()
         gc_proc.wait(timeout=120)
     assert rounds >= 3 and len(waited) >= 10
     steps = verify_all(uri)
@@ -108,8 +115,14 @@ def test_soak_saves_gc_kills_and_faults(tmp_path):
     # killed before it printed them: every waited step at least as new is there.
     assert len(steps) >= KEEP and max(waited) in steps
     assert {s for s in waited if s >= steps[-KEEP]} <= set(steps)
-    time.sleep(TTL_S + 0.5)  # every dead writer's lease is stale now
-    report = collect(Store(uri), keep_last=KEEP)
+    # Dead writers' leases go stale: a save's after TTL_S, a gc's killed while deleting once its
+    # deletes may have ended (TTL_S / 2 + the writer's request budget, about 3 s).
+    deadline = time.monotonic() + 60
+    while True:
+        report = collect(Store(uri), keep_last=KEEP)
+        if (report.swept and find_leases(Store(uri)) == []) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert report.swept
     assert chunk_files(tmp_path / "store") == referenced_chunks(uri)
     assert find_leases(Store(uri)) == []
