@@ -1,6 +1,7 @@
 """ckptstore: sharded, verified, asynchronous checkpoints on append-only object storage."""
 
-from ckptstore.checkpointer import Checkpointer, SaveHandle
+from typing import TYPE_CHECKING, Any
+
 from ckptstore.codec import CodecConfig
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -17,8 +18,28 @@ from ckptstore.errors import (
     StorageTimeoutError,
     UnsupportedStateError,
 )
-from ckptstore.rng import RNGState
 from ckptstore.store import RetryPolicy, Store
+
+if TYPE_CHECKING:
+    from ckptstore.checkpointer import Checkpointer, SaveHandle
+    from ckptstore.rng import RNGState
+
+# Imported on first use: they need torch, which the CLI's ls, inspect and --help do without.
+_LAZY = {
+    "Checkpointer": "ckptstore.checkpointer",
+    "SaveHandle": "ckptstore.checkpointer",
+    "RNGState": "ckptstore.rng",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

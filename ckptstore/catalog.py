@@ -43,8 +43,8 @@ from ckptstore.format import (
     split_dcp_item_key,
 )
 from ckptstore.leases import find_leases
-from ckptstore.state import tensor_paths
 from ckptstore.store import Store
+from ckptstore.tree import tensor_paths
 
 LEGACY_PENDING_GRACE_S = 6 * 3600.0
 """``pending/`` markers were written by ckptstore before leases; one younger than this may be

@@ -54,8 +54,9 @@ from ckptstore.pipeline import (
     read_tensors,
 )
 from ckptstore.preemption import SigtermGuard
-from ckptstore.state import finish_load, flatten, plan_load, tensor_indexes
+from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.store import Store, niced, set_thread_nice
+from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
 

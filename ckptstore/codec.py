@@ -17,12 +17,17 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 import zstandard
 
 from ckptstore.errors import CheckpointCorruptError
+
+if TYPE_CHECKING:
+    import numpy as np
+# Elsewhere numpy is imported by the functions that use it: ``ckptstore ls`` and ``inspect``,
+# which only hash, start faster without it.
 
 MAGIC = b"CKC1"
 CODEC_VERSION = 1
@@ -123,6 +128,7 @@ def hash_bytes(raw) -> str:
 
 
 def _as_u8(raw) -> np.ndarray:
+    import numpy as np
     return (
         np.frombuffer(raw, dtype=np.uint8)
         if not isinstance(raw, np.ndarray)
@@ -138,6 +144,7 @@ def encode(raw, itemsize: int, config: CodecConfig) -> bytes:
 def encode_parts(raw, itemsize: int, config: CodecConfig) -> list:
     """:func:`encode` as a list of buffers (header first) whose concatenation is the object,
     so a local write can skip joining them."""
+    import numpy as np
     data = _as_u8(raw)
     n = data.size
     if config.level is None:
@@ -182,6 +189,7 @@ def decode(
     Raises :class:`CheckpointCorruptError` naming ``name`` when the object is truncated,
     malformed, or its bytes do not hash to ``expected_hash``.
     """
+    import numpy as np
     view = memoryview(obj)
     nplanes, declared, table, offset = _read_header(view, name)
     expected = out.nbytes if out is not None else raw_len
@@ -238,6 +246,7 @@ def _read_header(view: memoryview, name: str) -> tuple[int, int, list, int]:
 
 def _decode_plane(body: memoryview, method: int, plane_len: int, name: str, k: int) -> np.ndarray:
     """Plane ``k``'s bytes, never more than ``plane_len`` of them."""
+    import numpy as np
     if method == RAW:
         plane = np.frombuffer(body, dtype=np.uint8)
     elif method == ZSTD:

@@ -15,7 +15,6 @@ and decodes them; ``catalog`` finds and reads them, ``commit`` writes the manife
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import re
@@ -26,7 +25,7 @@ from typing import Any
 
 from ckptstore.codec import hash_bytes, max_encoded_size
 from ckptstore.errors import CheckpointCorruptError, FormatVersionError
-from ckptstore.staging import ALIGN
+from ckptstore.tree import check_tree
 
 FORMAT_NAME = "ckptstore"
 FORMAT_VERSION = 1
@@ -34,6 +33,8 @@ STEP_DIGITS = 20
 
 KIND_STATE = "state"  # saved by Checkpointer: a tree per rank
 KIND_DCP = "dcp"  # saved through torch.distributed.checkpoint
+
+ALIGN = 64  # every tensor starts at a multiple of this inside a chunk (and a staging buffer)
 
 
 def chunk_key(digest: str) -> str:
@@ -306,6 +307,15 @@ def _check_ref(ref: ObjectRef, bad) -> None:
         raise bad(f"{ref.key}: size {ref.nbytes!r} or xxh3 {ref.xxh3!r} is malformed")
 
 
+# The element sizes of the dtypes a state is usually made of, so that reading an index needs no
+# torch (the CLI's ls and inspect); any other name is looked up in torch.
+_COMMON_ITEMSIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}  # fmt: skip
+
+
 @functools.cache
 def _dtype_itemsizes() -> dict[str, int]:
     """Every name restore accepts as a dtype (``getattr(torch, name)`` is a torch.dtype)."""
@@ -320,7 +330,9 @@ def _dtype_itemsizes() -> dict[str, int]:
 
 def dtype_itemsize(name: Any) -> int | None:
     """The element size of the torch dtype called ``name``; None if there is no such dtype."""
-    return _dtype_itemsizes().get(name) if isinstance(name, str) else None
+    if not isinstance(name, str):
+        return None
+    return _COMMON_ITEMSIZES.get(name) or _dtype_itemsizes().get(name)
 
 
 def check_rank_index(index: RankIndex, name: str) -> None:
@@ -356,61 +368,6 @@ def check_rank_index(index: RankIndex, name: str) -> None:
         isinstance(k, str) and _is_count(v, len(index.tensors) - 1) for k, v in index.items.items()
     ):
         raise bad("items do not map DCP keys to tensors of this index")
-
-
-# The tags of a Checkpointer save's state tree (docs/FORMAT.md, "State tree"; ckptstore.state
-# writes and reads them).
-TREE_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful", "$generator")
-_FLOATS = ("nan", "inf", "-inf")
-
-
-def check_tree(tree: Any, ntensors: int, bad) -> None:
-    """Raise ``bad(why)`` unless ``tree`` is a state tree whose tags are well formed and whose
-    tensor references name tensors ``0 .. ntensors - 1``."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            if not (node is None or isinstance(node, (bool, int, float, str))):
-                raise bad(f"state tree holds {type(node).__name__}")
-            continue
-        tag = next(iter(node)) if len(node) == 1 else None
-        if tag not in TREE_TAGS:
-            stack.extend(node.values())
-            continue
-        value = node[tag]
-        if tag in ("$t", "$np"):
-            ok = _is_count(value, ntensors - 1)
-        elif tag == "$tuple":
-            ok = isinstance(value, list)
-            stack.extend(value if ok else [])
-        elif tag == "$dict":
-            ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
-            stack.extend(value if ok else [])
-        elif tag == "$bytes":
-            ok = isinstance(value, str) and _is_base64(value)
-        elif tag == "$float":
-            ok = value in _FLOATS
-        elif tag == "$stateful":
-            ok = True
-            stack.append(value)
-        else:  # $generator
-            ok = isinstance(value, dict) and set(value) == {"device", "state"}
-            ok = ok and isinstance(value["device"], str)
-            stack.append(value["state"] if ok else None)
-        if not ok:
-            raise bad(f"state tree: malformed {tag} node {json.dumps(node)[:80]}")
-
-
-def _is_base64(text: str) -> bool:
-    try:
-        base64.b64decode(text, validate=True)
-    except ValueError:  # binascii.Error
-        return False
-    return True
 
 
 def _check_tensor(

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from ckptstore.format import ALIGN
 
-ALIGN = 64  # every tensor starts at a multiple of this inside a buffer
+logger = logging.getLogger(__name__)
 
 
 def align(n: int) -> int:

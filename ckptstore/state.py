@@ -22,14 +22,9 @@ import numpy as np
 import torch
 
 from ckptstore.errors import UnsupportedStateError
-from ckptstore.format import TREE_TAGS
+from ckptstore.tree import decode_scalar, path_str, tag_of
 
-_TAGS = TREE_TAGS
 _MISSING = object()
-
-
-def _path_str(path: tuple) -> str:
-    return "/".join(str(p) for p in path) or "<root>"
 
 
 def is_stateful(obj: Any) -> bool:
@@ -41,12 +36,12 @@ def is_stateful(obj: Any) -> bool:
 def _check_tensor(t: torch.Tensor, path: tuple) -> None:
     if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
         raise UnsupportedStateError(
-            f"{_path_str(path)}: DTensor state is saved through ckptstore.dcp (DCP), "
+            f"{path_str(path)}: DTensor state is saved through ckptstore.dcp (DCP), "
             "not Checkpointer"
         )
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         raise UnsupportedStateError(
-            f"{_path_str(path)}: unsupported tensor ({t.layout}, {t.device}, dtype {t.dtype})"
+            f"{path_str(path)}: unsupported tensor ({t.layout}, {t.device}, dtype {t.dtype})"
         )
 
 
@@ -62,7 +57,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
         seen = active.get(id(value))
         if seen is not None:
             raise UnsupportedStateError(
-                f"{_path_str(path)}: the state refers to itself (a cycle back to {_path_str(seen)})"
+                f"{path_str(path)}: the state refers to itself (a cycle back to {path_str(seen)})"
             )
         active[id(value)] = path
         try:
@@ -77,9 +72,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
             return {"$t": len(tensors) - 1}
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
-                raise UnsupportedStateError(
-                    f"{_path_str(path)}: numpy object arrays can't be saved"
-                )
+                raise UnsupportedStateError(f"{path_str(path)}: numpy object arrays can't be saved")
             tensors.append(torch.from_numpy(np.ascontiguousarray(value)))
             return {"$np": len(tensors) - 1}
         if value is None or isinstance(value, (bool, int, str)):
@@ -97,7 +90,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
             for k in keys:
                 if not (k is None or isinstance(k, (bool, int, float, str))):
                     raise UnsupportedStateError(
-                        f"{_path_str(path)}: dict key {k!r} of type {type(k).__name__} "
+                        f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} "
                         "(keys must be str, int, float, bool or None)"
                     )
             return {"$dict": [[walk(k, path), walk(value[k], (*path, k))] for k in keys]}
@@ -111,31 +104,12 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
             state = walk(value.get_state(), path)
             return {"$generator": {"device": str(value.device), "state": state}}
         raise UnsupportedStateError(
-            f"{_path_str(path)}: cannot save a value of type {type(value).__module__}."
+            f"{path_str(path)}: cannot save a value of type {type(value).__module__}."
             f"{type(value).__qualname__} (supported: tensors, numpy arrays, numbers, str, bytes, "
             "None, dict/list/tuple, torch.Generator, and objects with state_dict()/load_state_dict())"
         )
 
     return walk(state, ()), tensors
-
-
-def tag_of(node: Any) -> str | None:
-    """The ``$`` tag of a tree node, or None for plain JSON."""
-    if isinstance(node, dict) and len(node) == 1:
-        (key,) = node
-        if key in _TAGS:
-            return key
-    return None
-
-
-def decode_scalar(node: Any) -> Any:
-    """A leaf of the tree as its Python value (``$float``, ``$bytes`` decoded)."""
-    tag = tag_of(node)
-    if tag == "$float":
-        return float(node["$float"])
-    if tag == "$bytes":
-        return base64.b64decode(node["$bytes"])
-    return node
 
 
 class _Loader:
@@ -174,17 +148,17 @@ class _Loader:
                 return
             if not isinstance(target, torch.Tensor):
                 raise UnsupportedStateError(
-                    f"{_path_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
+                    f"{path_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
                 )
             dtype, shape = self.describe(node["$t"])
             if list(target.shape) != shape or target.dtype != dtype:
                 raise UnsupportedStateError(
-                    f"{_path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
+                    f"{path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
                     f"{target.dtype} {tuple(target.shape)}"
                 )
             if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
                 self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
-                self.paths[node["$t"]] = _path_str(path)
+                self.paths[node["$t"]] = path_str(path)
         elif tag == "$np":
             # Loaded as a new array, never in place; but an array of another shape or dtype
             # is refused as a tensor is (any other target, None say, is simply replaced).
@@ -193,14 +167,14 @@ class _Loader:
                 saved = _numpy_dtype(dtype)
                 if list(target.shape) != shape or target.dtype != saved:
                     raise UnsupportedStateError(
-                        f"{_path_str(path)}: checkpoint has a numpy array of "
+                        f"{path_str(path)}: checkpoint has a numpy array of "
                         f"{saved if saved is not None else dtype} {tuple(shape)}, state has "
                         f"{target.dtype} {tuple(target.shape)}"
                     )
         elif tag == "$stateful":
             if target is _MISSING or not is_stateful(target):
                 raise UnsupportedStateError(
-                    f"{_path_str(path)}: checkpoint has a stateful object; pass an object with "
+                    f"{path_str(path)}: checkpoint has a stateful object; pass an object with "
                     "load_state_dict() to load it into"
                 )
             template = target.state_dict()
@@ -214,7 +188,7 @@ class _Loader:
             target = _MISSING if target is None else target
             if target is not _MISSING and not isinstance(target, torch.Generator):
                 raise UnsupportedStateError(
-                    f"{_path_str(path)}: checkpoint has a torch.Generator, state has "
+                    f"{path_str(path)}: checkpoint has a torch.Generator, state has "
                     f"{type(target).__name__}"
                 )
             template = target.get_state() if target is not _MISSING else _MISSING
@@ -233,7 +207,7 @@ class _Loader:
             if container is not None:
                 extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
                 if extra and self.loose():
-                    self.not_saved += [_path_str((*path, k)) for k in extra]
+                    self.not_saved += [path_str((*path, k)) for k in extra]
                 elif extra and path == ():
                     raise UnsupportedStateError(
                         f"state keys not in the checkpoint: {extra} (load(..., strict=False) "
@@ -241,7 +215,7 @@ class _Loader:
                     )
             for key, value in pairs:
                 if self.skips(container, key):
-                    self.left_out.append(_path_str((*path, key)))
+                    self.left_out.append(path_str((*path, key)))
                     continue
                 sub = container.get(key, _MISSING) if container is not None else _MISSING
                 self.match(sub, value, (*path, key))
@@ -327,31 +301,6 @@ def finish_load(loader: _Loader, target: Any, tree: Any, tensors: dict[int, Any]
     return loader.build(target, tree, (), tensors)
 
 
-def tensor_paths(tree: Any) -> dict[int, str]:
-    """Tensor index -> where it is in the saved state (``model/0.weight``; ``<root>`` for a
-    bare tensor); a tensor referenced twice is named by its first place."""
-    paths: dict[int, str] = {}
-
-    def walk(node: Any, path: tuple) -> None:
-        tag = tag_of(node)
-        if tag in ("$t", "$np"):
-            paths.setdefault(int(node[tag]), _path_str(path))
-        elif tag == "$stateful":
-            walk(node["$stateful"], path)
-        elif tag == "$generator":
-            walk(node["$generator"]["state"], path)
-        elif tag == "$tuple" or isinstance(node, list):
-            for i, item in enumerate(node["$tuple"] if tag else node):
-                walk(item, (*path, i))
-        elif tag == "$dict" or (isinstance(node, dict) and tag is None):
-            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else node.items()
-            for key, value in pairs:
-                walk(value, (*path, key))
-
-    walk(tree, ())
-    return paths
-
-
 def to_plain(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
     """The saved state as plain Python objects, without a state to load into: tensor refs
     replaced by ``tensors``, numpy refs by numpy arrays, stateful objects by their state dicts."""
@@ -375,22 +324,3 @@ def to_plain(tree: Any, tensors: dict[int, torch.Tensor]) -> Any:
     if isinstance(tree, list):
         return [to_plain(v, tensors) for v in tree]
     return tree
-
-
-def tensor_indexes(tree: Any) -> dict[int, bool]:
-    """Every tensor index in ``tree`` and whether it was a numpy array."""
-    found: dict[int, bool] = {}
-
-    def walk(node: Any) -> None:
-        tag = tag_of(node)
-        if tag in ("$t", "$np"):
-            found[node[tag]] = tag == "$np"
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(tree)
-    return found

@@ -182,12 +182,36 @@ def test_ls_lists_committed_steps(store: Path, capsys) -> None:
     )
 
 
-def test_ls_existing_empty_store_is_not_an_error(tmp_path: Path, capsys) -> None:
+def test_a_location_without_ckptstore_data_is_an_error_everywhere(tmp_path: Path, capsys) -> None:
+    """An empty directory (a mistyped path) is "no ckptstore data here": exit 1, for every
+    command, with the error also as JSON on stdout under --json."""
     (tmp_path / "empty").mkdir()
-    code, out, _ = run(capsys, "ls", tmp_path / "empty")
+    extra = {"restore": ["--to", tmp_path / "x.pt"], "gc": ["--keep-last", "1"]}
+    for command in ("ls", "inspect", "verify", "restore", "gc"):
+        code, out, err = run(capsys, command, tmp_path / "empty", *extra.get(command, []))
+        assert code == 1 and "no ckptstore data at" in one_line_error(err, command)
+        code, out, err = run(capsys, command, tmp_path / "empty", *extra.get(command, []), "--json")
+        assert code == 1 and json.loads(out) == {
+            "error": one_line_error(err, command).split("error: ", 1)[1],
+            "code": 1,
+        }
+
+
+def test_a_store_with_no_committed_step_lists_empty(tmp_path: Path, capsys) -> None:
+    uri = tmp_path / "store"
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    (uri / "commits" / f"{1:020d}.json").unlink()  # its steps/ and chunks/ stay
+    code, out, _ = run(capsys, "ls", uri)
     assert code == 0 and "no committed steps" in out
-    code, doc = run_json(capsys, "ls", tmp_path / "empty")
+    code, doc = run_json(capsys, "ls", uri)
     assert code == 0 and doc["steps"] == [] and doc["latest"] is None
+
+
+def test_usage_errors_under_json_are_json_too(capsys) -> None:
+    code, out, err = run(capsys, "restore", "X", "--json")
+    assert code == 2 and json.loads(out)["code"] == 2
+    assert "--to" in json.loads(out)["error"] and "--to" in err
 
 
 def test_ls_shows_saves_in_flight(store: Path, capsys) -> None:
@@ -545,7 +569,7 @@ def test_unknown_scheme_and_empty_store(tmp_path: Path, capsys) -> None:
     assert code == 2 and "nosuchscheme" in one_line_error(err, "ls")
     (tmp_path / "empty").mkdir()
     code, _, err = run(capsys, "verify", tmp_path / "empty")
-    assert code == 1 and "no committed checkpoint" in one_line_error(err, "verify")
+    assert code == 1 and "no ckptstore data at" in one_line_error(err, "verify")
 
 
 def test_unreadable_manifest_in_ls_exits_1(store: Path, capsys) -> None:

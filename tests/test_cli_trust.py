@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckptstore._inspect
+import ckptstore.pipeline
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
@@ -78,7 +79,7 @@ def test_verify_running_out_of_memory_does_not_call_the_chunk_corrupt(tmp_path, 
     def no_memory(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(ckptstore._inspect, "fetch_chunk", no_memory)
+    monkeypatch.setattr(ckptstore.pipeline, "fetch_chunk", no_memory)
     [check] = ckptstore._inspect.verify_steps(Store(uri), [1])
     assert check.problems
     assert {p.problem for p in check.problems} == {"unreadable"}

@@ -49,27 +49,52 @@ def _teardown_logging(handler: logging.Handler, old_level: int) -> None:
     flush_stdout()
 
 
+def _command(name: str) -> Callable[[argparse.Namespace, Store], int]:
+    """The function of subcommand ``name``, imported only now: ``--help`` and usage errors
+    answer without importing what the commands need (torch, for restore and verify)."""
+    import importlib
+
+    return getattr(importlib.import_module(f"ckptstore.cli.cmd_{name}"), f"cmd_{name}")
+
+
+def _json_error(message: str, status: int) -> None:
+    """With ``--json``, an error is also one JSON object on stdout."""
+    import json
+
+    try:
+        print(json.dumps({"error": message, "code": status}))
+    except BrokenPipeError:
+        stdout_gone()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 checkpoint problem, 2 usage)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+        status = int(exc.code or 0) if not isinstance(exc.code, str) else 2
+        if status and "--json" in argv:
+            _json_error(UsageParser.last_error or "usage error", status)
+        return status
     prog = f"{PROG} {args.command}"
     handler, old_level = _setup_logging(args)
-    func: Callable[[argparse.Namespace, Store], int] = args.func
+    func = _command(args.func)
 
-    def fail(status: int, message: str) -> int:
+    def fail(status: int, message: str, *, reported: bool = False) -> int:
+        """``reported``: the command printed its own document (``verify``'s problems)."""
         first = message.strip().splitlines()[0] if message.strip() else "failed"
         print(f"{prog}: error: {first}", file=sys.stderr)
+        if getattr(args, "json", False) and not reported:
+            _json_error(first, status)
         return status
 
     if args.debug:  # tracebacks for developers
         try:
             return func(args, open_store(args))
         except Failed as exc:
-            return fail(1, str(exc))
+            return fail(1, str(exc), reported=True)
         except BrokenPipeError:  # `ckptstore ls URI | head`: the reader went away
             stdout_gone()
             return 0
@@ -78,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args, open_store(args))
     except Failed as exc:
-        return fail(1, str(exc))
+        return fail(1, str(exc), reported=True)
     except UsageError as exc:
         return fail(2, str(exc))
     except CheckpointError as exc:  # before ValueError: corrupt / version errors are ValueErrors

@@ -8,7 +8,7 @@ from typing import Any
 
 from ckptstore._inspect import manifest_summary, message
 from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
-from ckptstore.cli.common import Failed, emit_json, looks_like_store
+from ckptstore.cli.common import Failed, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.store import Store
@@ -37,8 +37,7 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
         )
     else:
         if not rows:
-            note = "" if looks_like_store(store) else " (this location holds no ckptstore data)"
-            print(f"no committed steps in {store.uri}{note}")
+            print(f"no committed steps in {store.uri}")
         else:
             rows_text = [
                 [

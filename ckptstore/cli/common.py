@@ -60,18 +60,18 @@ def open_store(args: argparse.Namespace) -> Store:
     # A missing bucket, bad credentials, an unreadable directory or an endpoint that does not
     # answer fail here, clearly (listing only commits/: the whole prefix may hold millions of
     # chunks).
-    store.list("commits")
+    if not store.list("commits") and not holds_store_data(store):
+        raise CheckpointNotFoundError(
+            f"no ckptstore data at {args.uri} (nothing under commits/, steps/, leases/ or "
+            "chunks/: a mistyped path or prefix?)"
+        )
     return store
 
 
-def looks_like_store(store: Store) -> bool:
-    """True unless the location holds objects but none of a ckptstore store's."""
-    keys = store.list("")
-    if not keys:
-        return True
-    return any(
-        k.split("/", 1)[0] in ("commits", "chunks", "steps", "leases", "pending") for k in keys
-    )
+def holds_store_data(store: Store) -> bool:
+    """True if anything a save writes is there (a store whose steps were all removed, or whose
+    first save is under way, still holds chunks, attempts or leases)."""
+    return any(store.list(prefix) for prefix in ("leases", "steps", "pending", "chunks"))
 
 
 @contextmanager

@@ -7,11 +7,6 @@ import json
 import textwrap
 from typing import Any, NoReturn
 
-from ckptstore.cli.cmd_gc import cmd_gc
-from ckptstore.cli.cmd_inspect import cmd_inspect
-from ckptstore.cli.cmd_ls import cmd_ls
-from ckptstore.cli.cmd_restore import cmd_restore
-from ckptstore.cli.cmd_verify import cmd_verify
 from ckptstore.cli.common import PROG
 from ckptstore.store import RetryPolicy
 
@@ -20,8 +15,11 @@ class UsageParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (plus where to find help), exit 2.
     Subcommand parsers inherit it; ``ckptbench`` uses it too."""
 
+    last_error: str | None = None  # the last usage error's line (``--json`` repeats it)
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        UsageParser.last_error = f"{message} (see '{self.prog} --help')"
+        self.exit(2, f"{self.prog}: error: {UsageParser.last_error}\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
         # argparse reports an unknown option of a subcommand as the top parser's; name the
@@ -164,7 +162,7 @@ examples:
           ckptstore ls s3://bucket/run7 --json | jq '.latest'
         """,
     )
-    p.set_defaults(func=cmd_ls)
+    p.set_defaults(func="ls")
 
     p = add(
         "inspect",
@@ -184,7 +182,7 @@ examples:
         """,
     )
     p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func="inspect")
 
     p = add(
         "verify",
@@ -211,7 +209,7 @@ examples:
         metavar="N",
         help="chunks fetched at once (default: 8)",
     )
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func="verify")
 
     p = add(
         "restore",
@@ -278,7 +276,7 @@ examples:
         default=0,
         help="the rank whose state a multi-rank Checkpointer step exports (default: 0)",
     )
-    p.set_defaults(func=cmd_restore)
+    p.set_defaults(func="restore")
 
     p = add(
         "gc",
@@ -313,5 +311,5 @@ examples:
         action="store_true",
         help="also delete steps whose manifest or rank index is corrupt (they are kept otherwise)",
     )
-    p.set_defaults(func=cmd_gc)
+    p.set_defaults(func="gc")
     return parser

@@ -206,9 +206,15 @@ class LocalBackend(FsspecBackend):
 
     def put_once(self, path: str, data: Data) -> None:
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
         tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for tries_left in range(2, -1, -1):
+            os.makedirs(directory, exist_ok=True)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileNotFoundError:  # a delete pruned the directory as it emptied
+                if not tries_left:
+                    raise
         try:
             try:
                 for part in data if isinstance(data, list) else [data]:
@@ -274,6 +280,18 @@ class LocalBackend(FsspecBackend):
             os.unlink(path)
         except FileNotFoundError:
             pass
+        self._prune(os.path.dirname(path))
+
+    def _prune(self, directory: str) -> None:
+        """Remove ``directory`` and its parents below the root while they are empty (a store
+        keeps no empty directories behind its deletes; a put recreates what it needs)."""
+        root = self.root.rstrip(os.sep)
+        while directory.startswith(root + os.sep):
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty (or already gone): its parents are not either
+                return
+            directory = os.path.dirname(directory)
 
     def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
         now = time.time()

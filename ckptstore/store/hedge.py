@@ -19,8 +19,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
-import numpy as np
-
 from ckptstore.store.counters import StoreCounters
 
 R = TypeVar("R")
@@ -76,6 +74,8 @@ def size_class(nbytes: int) -> int:
 
 def _trimmed_percentile(values: deque[float], q: float, outlier_factor: float) -> float:
     """The ``q``-th percentile of ``values`` no greater than ``outlier_factor`` x their median."""
+    import numpy as np  # only once latencies are measured: not on every import of the store
+
     a = np.fromiter(values, dtype=np.float64, count=len(values))
     body = a[a <= outlier_factor * float(np.median(a))]
     return float(np.percentile(body, q))

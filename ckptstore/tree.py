@@ -1,0 +1,129 @@
+"""The saved state tree of a Checkpointer step, without torch: its tags, the checks a decoder
+runs on it, and walks that name its tensors (docs/FORMAT.md, "State tree"). ``state`` builds and
+loads trees; this is what reading one for names and checks needs (the CLI's ``ls`` and
+``inspect`` run without importing torch)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+TREE_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful", "$generator")
+_FLOATS = ("nan", "inf", "-inf")
+
+
+def check_tree(tree: Any, ntensors: int, bad) -> None:
+    """Raise ``bad(why)`` unless ``tree`` is a state tree whose tags are well formed and whose
+    tensor references name tensors ``0 .. ntensors - 1``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            if not (node is None or isinstance(node, (bool, int, float, str))):
+                raise bad(f"state tree holds {type(node).__name__}")
+            continue
+        tag = next(iter(node)) if len(node) == 1 else None
+        if tag not in TREE_TAGS:
+            stack.extend(node.values())
+            continue
+        value = node[tag]
+        if tag in ("$t", "$np"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < ntensors
+        elif tag == "$tuple":
+            ok = isinstance(value, list)
+            stack.extend(value if ok else [])
+        elif tag == "$dict":
+            ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
+            stack.extend(value if ok else [])
+        elif tag == "$bytes":
+            ok = isinstance(value, str) and _is_base64(value)
+        elif tag == "$float":
+            ok = value in _FLOATS
+        elif tag == "$stateful":
+            ok = True
+            stack.append(value)
+        else:  # $generator
+            ok = isinstance(value, dict) and set(value) == {"device", "state"}
+            ok = ok and isinstance(value["device"], str)
+            stack.append(value["state"] if ok else None)
+        if not ok:
+            raise bad(f"state tree: malformed {tag} node {json.dumps(node)[:80]}")
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error
+        return False
+    return True
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def tag_of(node: Any) -> str | None:
+    """The ``$`` tag of a tree node, or None for plain JSON."""
+    if isinstance(node, dict) and len(node) == 1:
+        (key,) = node
+        if key in TREE_TAGS:
+            return key
+    return None
+
+
+def decode_scalar(node: Any) -> Any:
+    """A leaf of the tree as its Python value (``$float``, ``$bytes`` decoded)."""
+    tag = tag_of(node)
+    if tag == "$float":
+        return float(node["$float"])
+    if tag == "$bytes":
+        return base64.b64decode(node["$bytes"])
+    return node
+
+
+def tensor_paths(tree: Any) -> dict[int, str]:
+    """Tensor index -> where it is in the saved state (``model/0.weight``; ``<root>`` for a
+    bare tensor); a tensor referenced twice is named by its first place."""
+    paths: dict[int, str] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        tag = tag_of(node)
+        if tag in ("$t", "$np"):
+            paths.setdefault(int(node[tag]), path_str(path))
+        elif tag == "$stateful":
+            walk(node["$stateful"], path)
+        elif tag == "$generator":
+            walk(node["$generator"]["state"], path)
+        elif tag == "$tuple" or isinstance(node, list):
+            for i, item in enumerate(node["$tuple"] if tag else node):
+                walk(item, (*path, i))
+        elif tag == "$dict" or (isinstance(node, dict) and tag is None):
+            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else node.items()
+            for key, value in pairs:
+                walk(value, (*path, key))
+
+    walk(tree, ())
+    return paths
+
+
+def tensor_indexes(tree: Any) -> dict[int, bool]:
+    """Every tensor index in ``tree`` and whether it was a numpy array."""
+    found: dict[int, bool] = {}
+
+    def walk(node: Any) -> None:
+        tag = tag_of(node)
+        if tag in ("$t", "$np"):
+            found[node[tag]] = tag == "$np"
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(tree)
+    return found
