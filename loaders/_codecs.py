@@ -6,6 +6,8 @@ import bz2
 import gzip
 import hashlib
 import io
+import lzma
+import zlib
 from collections.abc import Callable
 
 import xxhash
@@ -13,29 +15,34 @@ import zstandard
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
 
+_READERS = {
+    "zstd": lambda f: zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True),
+    "gz": lambda f: gzip.GzipFile(fileobj=f),
+    "bz2": bz2.BZ2File,
+    "xz": lambda f: lzma.LZMAFile(f, format=lzma.FORMAT_XZ),
+}
 
-def decompress(algo: str, data: bytes, *, what: str, limit: int) -> bytes:
-    """Undo an MDS shard compression such as ``zstd`` or ``zstd:7`` (the level is ignored),
-    decoding at most ``limit + 1`` bytes: :class:`ShardCorruptError` if there are more (a
-    shard that the index says is ``limit`` bytes raw cannot grow the reader past that)."""
+
+def decompress(
+    algo: str, data: bytes, *, what: str, limit: int, bound: str = "raw bytes its index declares"
+) -> bytes:
+    """Undo a shard compression such as ``zstd`` or ``zstd:7`` (the level is ignored), decoding
+    at most ``limit + 1`` bytes: :class:`ShardCorruptError` if there are more (a shard that may
+    be ``limit`` bytes raw, ``bound`` says why, cannot grow the reader past that), or if the
+    stream is damaged; :class:`UnknownFormatError` for a compression not read here."""
     name = algo.split(":", 1)[0]
-    source = io.BytesIO(data)
-    if name == "zstd":
-        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
-    elif name == "gz":
-        reader = gzip.GzipFile(fileobj=source)
-    elif name == "bz2":
-        reader = bz2.BZ2File(source)
-    else:
+    if name not in _READERS:
         raise UnknownFormatError(
-            f"{what}: shard compression {algo!r} is not supported (supported: zstd, gz, bz2)"
+            f"{what}: shard compression {algo!r} is not supported (supported: "
+            f"{', '.join(_READERS)})"
         )
-    with reader:
-        out = _read_at_most(reader, limit + 1)
+    try:
+        with _READERS[name](io.BytesIO(data)) as reader:
+            out = _read_at_most(reader, limit + 1)
+    except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, zstandard.ZstdError) as exc:
+        raise ShardCorruptError(f"{what}: cannot decompress {algo}: {exc}") from exc
     if len(out) > limit:
-        raise ShardCorruptError(
-            f"{what}: decompresses to more than the {limit} raw bytes its index declares"
-        )
+        raise ShardCorruptError(f"{what}: decompresses to more than the {limit} {bound}")
     return bytes(out)
 
 

@@ -111,11 +111,19 @@ def column_decoder(encoding: str, *, allow_pickle: bool = False) -> Callable[[by
     if encoding == "ndarray" or encoding.startswith("ndarray:"):
         return _ndarray_decoder(encoding)
     if encoding in _IMAGE_ENCODINGS:
-        raise UnknownFormatError(
-            f"MDS image column encoding {encoding!r} is not supported; "
-            "decode it from 'bytes' in a transform"
-        )
+        raise UnknownFormatError(f"MDS image column encoding {encoding!r} is not decoded here")
     raise UnknownFormatError(f"unknown MDS column encoding {encoding!r}")
+
+
+def _named_decoder(name: str, encoding: str, allow_pickle: bool) -> Callable[[bytes], Any]:
+    """:func:`column_decoder` for column ``name``, whose errors say how to read it raw."""
+    try:
+        return column_decoder(encoding, allow_pickle=allow_pickle)
+    except UnknownFormatError as exc:
+        raise UnknownFormatError(
+            f"MDS column {name!r}: {exc}; MDS(raw_columns=({name!r},)) reads its stored bytes "
+            "for a transform to decode"
+        ) from exc
 
 
 @dataclass(kw_only=True)
@@ -128,7 +136,19 @@ class MDS:
     """Decode ``pkl`` columns (runs code from the dataset: only for trusted data)."""
     verify_hashes: bool = True
     """Check the hashes the index lists for each shard, on every read."""
+    raw_columns: tuple[str, ...] = ()
+    """Columns handed out as the bytes stored for them, whatever their encoding: image columns
+    (``jpeg``, ``png``: the image file; ``pil``: ``uint32`` width, height, mode length, the
+    mode, then ``Image.tobytes()``), ``pkl`` without unpickling, or encodings not read here.
+    Decoding them is left to the dataset's ``transform``."""
     name: str = field(default="mds", init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.raw_columns, str):
+            raise ValueError(
+                f"MDS raw_columns takes a tuple of column names, got the string {self.raw_columns!r}"
+            )
+        self.raw_columns = tuple(self.raw_columns)
 
     def open(self, replicas: Any) -> MDSLayout:
         raw = replicas.read_same(self.index)
@@ -157,6 +177,7 @@ class MDS:
                 index=f"{self.index} (shard {i})",
                 allow_pickle=self.allow_pickle,
                 verify=self.verify_hashes,
+                raw=frozenset(self.raw_columns),
             )
             units.append(
                 Unit(
@@ -197,36 +218,60 @@ class _Shard:
     sizes: list[int | None]
     encodings: list[str]
     allow_pickle: bool
+    raw_columns: frozenset[str]
 
     @classmethod
     def from_index(
-        cls, info: dict, base: str, *, index: str, allow_pickle: bool, verify: bool
+        cls,
+        info: dict,
+        base: str,
+        *,
+        index: str,
+        allow_pickle: bool,
+        verify: bool,
+        raw: frozenset[str],
     ) -> _Shard:
-        raw, zipped = info["raw_data"], info.get("zip_data")
+        raw_data, zipped = info["raw_data"], info.get("zip_data")
         compression = info.get("compression")
-        data = zipped if compression else raw
+        data = zipped if compression else raw_data
         names, encodings = list(info["column_names"]), list(info["column_encodings"])
-        for enc in encodings:
-            column_decoder(enc, allow_pickle=allow_pickle)  # unsupported: fail at open
+        unknown = sorted(raw.difference(names))
+        if unknown:
+            raise ValueError(
+                f"MDS raw_columns names {', '.join(map(repr, unknown))}, which {index} does not "
+                f"have (columns: {', '.join(names)})"
+            )
         listed = set(info.get("hashes") or [])
-        return cls(
+        shard = cls(
             key=posixpath.join(base, check_shard_key(data["basename"], index)),
-            raw_name=check_shard_key(raw["basename"], index),
+            raw_name=check_shard_key(raw_data["basename"], index),
             samples=_count(info["samples"], "samples", index),
             nbytes=_count(data["bytes"], "bytes", index),
-            raw_bytes=_count(raw["bytes"], "raw bytes", index),
+            raw_bytes=_count(raw_data["bytes"], "raw bytes", index),
             compression=compression,
             zip_hashes={
                 k: v for k, v in (zipped or {}).get("hashes", {}).items() if verify and k in listed
             }
             if compression
             else {},
-            raw_hashes={k: v for k, v in raw.get("hashes", {}).items() if verify and k in listed},
+            raw_hashes={
+                k: v for k, v in raw_data.get("hashes", {}).items() if verify and k in listed
+            },
             names=names,
             sizes=list(info["column_sizes"]),
             encodings=encodings,
             allow_pickle=allow_pickle,
+            raw_columns=raw,
         )
+        shard.decoders()  # an encoding not read here fails at open
+        return shard
+
+    def decoders(self) -> list[Callable[[bytes], Any]]:
+        """Bytes -> value for each column, in order (``bytes`` for the raw columns)."""
+        return [
+            bytes if name in self.raw_columns else _named_decoder(name, enc, self.allow_pickle)
+            for name, enc in zip(self.names, self.encodings)
+        ]
 
 
 def _count(value: object, what: str, index: str) -> int:
@@ -269,20 +314,12 @@ class MDSLayout:
             )
         if shard.compression:
             _check_hashes(data, shard.zip_hashes, what, replica)
-            try:
-                data = decompress(
-                    shard.compression,
-                    data,
-                    what=f"shard {what} on replica {replica}",
-                    limit=shard.raw_bytes,
-                )
-            except Exception as exc:  # noqa: BLE001 - any codec error means corrupt bytes
-                if isinstance(exc, (UnknownFormatError, ShardCorruptError)):
-                    raise
-                raise ShardCorruptError(
-                    f"shard {what} on replica {replica}: cannot decompress "
-                    f"{shard.compression}: {exc}"
-                ) from exc
+            data = decompress(
+                shard.compression,
+                data,
+                what=f"shard {what} on replica {replica}",
+                limit=shard.raw_bytes,
+            )
         _check_hashes(data, shard.raw_hashes, shard.raw_name, replica)
         return parse_shard(data, shard, replica, first_id)
 
@@ -311,7 +348,7 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list
             f"{what}: offset table entry {i} (at byte {4 + 4 * i}) is "
             f"{int(offsets[i])}, outside [{table_end}, {n}] or out of order"
         )
-    decoders = [column_decoder(e, allow_pickle=shard.allow_pickle) for e in shard.encodings]
+    decoders = shard.decoders()
     variable = [i for i, s in enumerate(shard.sizes) if s is None]
     head = 4 * len(variable)
     bounds = offsets.tolist()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -44,7 +45,7 @@ def _expected(value):
     return value
 
 
-@pytest.mark.parametrize("name", ["mixed-raw", "tokens-zstd"])
+@pytest.mark.parametrize("name", ["mixed-raw", "tokens-zstd", "json-order"])
 def test_mds_matches_upstream_writer(name):
     path = _fixture(name)
     expected = [json.loads(line) for line in (path / "expected.jsonl").read_text().splitlines()]
@@ -59,6 +60,49 @@ def test_mds_matches_upstream_writer(name):
                 np.testing.assert_array_equal(sample[column], value)
             else:
                 assert sample[column] == value, (i, column)
+
+
+IMAGE_COLUMNS = ("jpg", "png", "pil")
+
+
+def test_mds_image_columns_refused_by_name_unless_read_raw():
+    path = _fixture("images")  # jpeg, png and pil columns, by Streaming's own MDSWriter
+    with pytest.raises(UnknownFormatError, match=r"column 'jpg'.*raw_columns=\('jpg',\)"):
+        ShardDataset(str(path), MDS(), config=IN_ORDER)
+    with pytest.raises(ValueError, match=r"raw_columns names 'img'.*columns: id, jpg"):
+        ShardDataset(str(path), MDS(raw_columns=("img", *IMAGE_COLUMNS)), config=IN_ORDER)
+
+
+def _decode_images(sample: dict) -> dict:
+    """A user's transform: the raw columns decoded with Pillow, as Streaming's reader does."""
+    from PIL import Image
+
+    width, height, mode_bytes = np.frombuffer(sample["pil"], np.uint32, 3)
+    mode = sample["pil"][12 : 12 + mode_bytes].decode()
+    pixels = sample["pil"][12 + mode_bytes :]
+    return {
+        **sample,
+        "jpg": np.asarray(Image.open(io.BytesIO(sample["jpg"]))),
+        "png": np.asarray(Image.open(io.BytesIO(sample["png"]))),
+        "pil": np.asarray(Image.frombytes(mode, (int(width), int(height)), pixels)),
+    }
+
+
+def test_mds_image_columns_read_raw_and_decoded_in_a_transform():
+    path = _fixture("images")
+    expected = [json.loads(line) for line in (path / "expected.jsonl").read_text().splitlines()]
+    fmt = MDS(raw_columns=IMAGE_COLUMNS)
+    raw = list(ShardDataset(str(path), fmt, config=IN_ORDER))
+    decoded = list(ShardDataset(str(path), fmt, config=IN_ORDER, transform=_decode_images))
+    assert len(raw) == len(decoded) == len(expected) == 6
+    for i, (stored, image, want) in enumerate(zip(raw, decoded, expected)):
+        assert (stored["id"], stored["label"]) == (want["id"], want["label"]), i
+        for column in IMAGE_COLUMNS:
+            assert stored[column] == bytes.fromhex(want[column]["hex"]), (i, column)
+            # Pixels as Streaming's own reader decodes them (recorded when it read the fixture).
+            assert list(image[column].shape) == want[column]["decoded_shape"], (i, column)
+            digest = hashlib.sha256(image[column].tobytes()).hexdigest()
+            assert digest == want[column]["decoded_sha256"], (i, column)
 
 
 def test_mds_hash_mismatch_names_shard_and_replica(tmp_path):

@@ -57,7 +57,7 @@ def _by_index(samples) -> list:
 # -- MDS ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tokens-zstd", "mixed-raw"])
+@pytest.mark.parametrize("name", ["tokens-zstd", "mixed-raw", "json-order"])
 def test_mds_writer_output_matches_streaming_writer(tmp_path, name):
     ref = json.loads((FIXTURES / name / "index.json").read_text())
     first = ref["shards"][0]
@@ -179,6 +179,32 @@ def test_mds_writer_refuses_values_its_column_cannot_hold(tmp_path):
         writer.write({"v": np.arange(4, dtype=np.float32), "i": 7})
     (sample,) = ShardDataset(str(tmp_path / "ds"), MDS())
     assert sample["i"] == 7 and sample["v"].tolist() == [0, 1, 2, 3]
+
+
+def test_mds_writer_refuses_arrays_streamings_writer_refuses(tmp_path):
+    with pytest.raises(ValueError, match="every dimension must be >= 1"):
+        MDSWriter(tmp_path / "x", columns={"v": "ndarray:float32:4,0"})
+    with MDSWriter(tmp_path / "ds", columns={"a": "ndarray", "u": "ndarray:uint8"}) as writer:
+        for bad in (np.float32(1.5), np.array(3, np.uint8), np.zeros((2, 0), np.uint8)):
+            with pytest.raises(ValueError, match=r"0-d array|no elements"):
+                writer.write({"a": bad, "u": np.ones(2, np.uint8)})
+            with pytest.raises(ValueError, match=r"column 'u'.*(0-d array|no elements)"):
+                writer.write({"a": np.ones(2, np.uint8), "u": bad.astype(np.uint8)})
+        writer.write({"a": np.ones((1, 1), np.int16), "u": np.arange(3, dtype=np.uint8)})
+    (sample,) = ShardDataset(str(tmp_path / "ds"), MDS())
+    assert sample["a"].tolist() == [[1]] and sample["u"].tolist() == [0, 1, 2]
+
+
+def test_mds_json_keeps_insertion_order_and_takes_arrays(tmp_path):
+    meta = {"z": 1, "a": {"y": 2, "b": [3]}}
+    with MDSWriter(tmp_path / "ds", columns={"m": "json"}, compression=None) as writer:
+        writer.write({"m": meta})
+        writer.write({"m": np.arange(3)})
+    shard = (tmp_path / "ds" / "shard.00000.mds").read_bytes()
+    assert json.dumps(meta).encode() in shard
+    first, second = ShardDataset(str(tmp_path / "ds"), MDS(), config=IN_ORDER)
+    assert list(first["m"]) == ["z", "a"] and list(first["m"]["a"]) == ["y", "b"]
+    assert second["m"] == [0, 1, 2]
 
 
 # -- token files -------------------------------------------------------------------------------

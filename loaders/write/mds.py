@@ -44,6 +44,8 @@ def _ndarray_encoder(encoding: str) -> tuple[Callable[[Any], bytes], int | None]
     shape = tuple(int(x) for x in parts[1].split(",")) if len(parts) > 1 else None
     if dtype is not None and dtype not in _DTYPE_CODES:
         raise ValueError(f"MDS ndarray element type {dtype} is not supported")
+    if shape is not None and min(shape, default=0) < 1:
+        raise ValueError(f"MDS column {encoding!r}: every dimension must be >= 1 (as Streaming's)")
 
     def encode(value: Any) -> bytes:
         arr = np.asarray(value)
@@ -51,6 +53,11 @@ def _ndarray_encoder(encoding: str) -> tuple[Callable[[Any], bytes], int | None]
             raise ValueError(f"column {encoding!r} takes {dtype} arrays, got {arr.dtype}")
         if shape is not None and arr.shape != shape:
             raise ValueError(f"column {encoding!r} takes shape {shape}, got {arr.shape}")
+        # Streaming's writer refuses both: its reader would need a shape of zeros or none.
+        if arr.ndim == 0:
+            raise ValueError("a 0-d array: give it a scalar column such as 'float32' or 'int'")
+        if arr.size == 0:
+            raise ValueError(f"an array of shape {arr.shape} has no elements")
         head = b""
         if dtype is None:
             if arr.dtype not in _DTYPE_CODES:
@@ -70,6 +77,13 @@ def _ndarray_encoder(encoding: str) -> tuple[Callable[[Any], bytes], int | None]
     return encode, fixed
 
 
+def _json_bytes(value: Any) -> bytes:
+    """JSON as Streaming writes it: keys in insertion order, arrays as lists."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    return json.dumps(value).encode("utf-8")
+
+
 def column_encoder(encoding: str) -> tuple[Callable[[Any], bytes], int | None]:
     """Value -> bytes for one MDS column encoding, and the column's fixed size (None if it
     varies); ``ValueError`` if the encoding is not one the reader decodes."""
@@ -85,7 +99,7 @@ def column_encoder(encoding: str) -> tuple[Callable[[Any], bytes], int | None]:
     if encoding in ("str_int", "str_float", "str_decimal"):
         return lambda v: str(v).encode(), None
     if encoding == "json":
-        return lambda v: json.dumps(v, sort_keys=True).encode("utf-8"), None
+        return _json_bytes, None
     if encoding == "pkl":
         return pickle.dumps, None
     if encoding == "ndarray" or encoding.startswith("ndarray:"):
