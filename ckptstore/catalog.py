@@ -33,6 +33,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import (
     KIND_DCP,
+    MAX_MANIFEST_BYTES,
     Manifest,
     ObjectRef,
     RankIndex,
@@ -97,9 +98,13 @@ def load_manifest(store: Store, step: int) -> Manifest:
     """The manifest of ``step``; :class:`CheckpointNotFoundError` if it is not committed."""
     key = commit_key(step)
     try:
-        data = store.get(key)
+        data = store.get(key, 0, MAX_MANIFEST_BYTES + 1)  # never more: a damaged store
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(
+            f"{store.url(key)}: over {MAX_MANIFEST_BYTES} bytes, larger than any manifest"
+        )
     manifest = decode_manifest(data, store.url(key))
     if manifest.step != step:
         raise CheckpointCorruptError(f"{store.url(key)}: manifest says step {manifest.step}")
@@ -117,7 +122,7 @@ def open_step(store: Store, step: int | str | None = "latest") -> Manifest:
 def read_object(store: Store, ref: ObjectRef, what: str) -> bytes:
     """A small object referenced by a manifest, checked against its recorded size and hash."""
     try:
-        data = store.get(ref.key)
+        data = store.get(ref.key, 0, ref.nbytes + 1)  # one byte more tells a longer object
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"{what} {store.url(ref.key)} is missing") from exc
     if len(data) != ref.nbytes or hash_bytes(data) != ref.xxh3:

@@ -34,6 +34,10 @@ STEP_DIGITS = 20
 KIND_STATE = "state"  # saved by Checkpointer: a tree per rank
 KIND_DCP = "dcp"  # saved through torch.distributed.checkpoint
 
+# A manifest lists one small reference per rank: 64 MiB is hundreds of thousands of ranks. A
+# reader reads no more of an object at a manifest's key.
+MAX_MANIFEST_BYTES = 64 << 20
+
 ALIGN = 64  # every tensor starts at a multiple of this inside a chunk (and a staging buffer)
 
 

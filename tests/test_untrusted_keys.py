@@ -13,7 +13,7 @@ from _child import run_script
 from _crafted import manifest_doc, put_manifest, put_rank_index, rank_index_doc
 
 from ckptstore import CheckpointCorruptError, Checkpointer, Store
-from ckptstore.catalog import load_manifest
+from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
 
 N = 4096  # float32 elements: 4 chunks of 4096 bytes
@@ -178,3 +178,27 @@ def test_the_store_refuses_a_key_that_leaves_its_root(tmp_path: Path) -> None:
     for key in ("../secret", "chunks/../../secret", "/etc/hostname"):
         with pytest.raises(CheckpointCorruptError, match="outside the store"):
             store.get(key)
+
+
+def test_an_object_longer_than_its_manifest_says_is_read_no_further(tmp_path):
+    """A rank index padded to 64 MiB behind the manifest's back: the reader reads the declared
+    size and one byte more, and refuses it; a manifest over 64 MiB is refused the same way."""
+    from ckptstore.format import MAX_MANIFEST_BYTES
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}).wait()
+    store = Store(tmp_path)
+    ref = load_manifest(store, 1).ranks[0]
+    path = tmp_path / ref.key
+    padded = path.read_bytes() + b" " * (64 << 20)
+    os.chmod(path, 0o644)
+    path.write_bytes(padded)
+    before = store.counters.snapshot()["bytes"].get("get", 0)
+    with pytest.raises(CheckpointCorruptError, match="size or xxh3 does not match"):
+        load_rank_index(store, load_manifest(store, 1), 0)
+    assert store.counters.snapshot()["bytes"].get("get", 0) - before < ref.nbytes + 4096
+    manifest = tmp_path / "commits" / f"{1:020d}.json"
+    os.chmod(manifest, 0o644)
+    manifest.write_bytes(manifest.read_bytes() + b" " * MAX_MANIFEST_BYTES)
+    with pytest.raises(CheckpointCorruptError, match="larger than any manifest"):
+        load_manifest(store, 1)
