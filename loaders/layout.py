@@ -71,15 +71,17 @@ def unit_samples(units: Sequence[Unit]) -> np.ndarray:
 
 
 def shard_sizes(
-    replicas: Any, declared: list[str] | None, manifest: str | None, suffix: str
+    replicas: Any, declared: list[str] | None, manifest: str | None, suffix: str | tuple[str, ...]
 ) -> tuple[list[str], list[int]]:
     """The dataset's shards, in order, and their sizes: the ``declared`` list, else the
-    ``manifest``'s, else every replica's listing of ``*suffix`` (``ReplicaSet.find_shards``)."""
+    ``manifest``'s, else every replica's listing of keys ending in ``suffix`` (one, or any of
+    several: ``ReplicaSet.find_shards``)."""
     if declared is None and manifest is not None:
         declared = read_manifest(replicas, manifest)
     found = replicas.find_shards(declared, suffix=suffix)
     if not found:
-        raise ShardNotFoundError(f"no {suffix} shards found in {', '.join(replicas.uris)}")
+        names = " / ".join((suffix,) if isinstance(suffix, str) else suffix)
+        raise ShardNotFoundError(f"no {names} shards found in {', '.join(replicas.uris)}")
     keys = list(found) if declared is None else list(declared)
     return keys, [found[k] for k in keys]
 

@@ -45,6 +45,7 @@ from loaders.errors import (
     ReplicaMismatchError,
     ShardCorruptError,
     ShardNotFoundError,
+    UnknownFormatError,
 )
 from loaders.metrics import ReadStats, ReplicaStats
 
@@ -317,6 +318,13 @@ class ReplicaSet:
         bound = launched + r.store.retry.deadline_s(nbytes) if read else math.inf
         a = _Attempt(r, is_hedge, bound, launched, what)
 
+        def answered(data: Any, t0: float, seconds: float) -> None:
+            if self._settle(a):
+                nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
+                self._finished(r, seconds, nbytes, None, read=read)
+                if primary_nbytes is not None:
+                    self.hedger.record(primary_nbytes, t0 + seconds - launched)
+
         def attempt() -> Any:
             r.stats.add(requests=1)
             t0 = time.monotonic()
@@ -324,15 +332,16 @@ class ReplicaSet:
                 data = fn(r.store)
                 seconds = time.monotonic() - t0
                 out = post(data, r.name) if post is not None else data
+            except UnknownFormatError:
+                # Raised by post, never by a store request: good bytes in a format not read
+                # here, which is no fault of the replica's.
+                answered(data, t0, seconds)
+                raise
             except BaseException as exc:
                 if self._settle(a):
                     self._finished(r, time.monotonic() - t0, 0, exc, read=read)
                 raise
-            if self._settle(a):
-                nbytes = len(data) if isinstance(data, (bytes, memoryview)) else 0
-                self._finished(r, seconds, nbytes, None, read=read)
-                if primary_nbytes is not None:
-                    self.hedger.record(primary_nbytes, t0 + seconds - launched)
+            answered(data, t0, seconds)
             return out
 
         future = r.store.submit(attempt)
@@ -509,6 +518,9 @@ class ReplicaSet:
                             self.stats.latency.record(elapsed)
                             self.stats.add(reads=1)
                         return data
+                    if isinstance(exc, UnknownFormatError):
+                        self.stats.add(failed=1)
+                        raise exc  # every replica holds the same bytes: no failover
                     if isinstance(exc, (ObjectNotFoundError, FileNotFoundError)):
                         gone.append(r)
                     errors.append(f"{r.name}: {exc}")
@@ -601,12 +613,14 @@ class ReplicaSet:
                     )
         return first
 
-    def find_shards(self, keys: Sequence[str] | None = None, *, suffix: str = "") -> dict[str, int]:
+    def find_shards(
+        self, keys: Sequence[str] | None = None, *, suffix: str | tuple[str, ...] = ""
+    ) -> dict[str, int]:
         """The dataset's shards and their sizes, in dataset order, asked of every replica.
 
         ``keys`` is the declared shard list (the authority): a key no replica holds raises
         :class:`ShardNotFoundError`. Without it every replica is listed and the shard set is
-        the union of the keys ending in ``suffix``, sorted (a shard missing from every replica
+        the union of the keys ending in ``suffix`` (or any of a tuple of them), sorted (a shard missing from every replica
         cannot be seen that way: declare the list). A replica lacking shards that others hold
         gets one WARNING naming them and is not read for them (:attr:`missing`); sizes that
         differ between replicas raise :class:`ReplicaMismatchError`. An unreachable replica
@@ -671,7 +685,7 @@ class ReplicaSet:
 
     @staticmethod
     def _survey(
-        r: _Replica, keys: Sequence[str] | None, suffix: str, sizes: bool
+        r: _Replica, keys: Sequence[str] | None, suffix: str | tuple[str, ...], sizes: bool
     ) -> dict[str, int | None] | StorageError:
         """Replica ``r``'s shards (``keys`` it holds, or its listing) with their sizes (None
         when not ``sizes``), or the error that made it unreachable."""

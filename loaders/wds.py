@@ -2,6 +2,8 @@
 
 A member ``dir/abc.cls.txt`` belongs to sample ``dir/abc`` under field ``cls.txt`` (lower case);
 consecutive members with one key form one sample. Samples carry ``__key__`` and ``__url__``.
+A shard is a plain tar or one compressed with gzip, bzip2, xz or zstd (told by its first bytes,
+as upstream's ``tarfile`` mode ``r|*`` does), decompressed up to ``max_shard_bytes``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,70 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from loaders.errors import ShardCorruptError
+from loaders._codecs import decompress
+from loaders.errors import ShardCorruptError, UnknownFormatError
 from loaders.layout import Unit, shard_sizes
+
+# What ``webdataset.TarWriter`` writes: a name ending in "gz" is gzip-compressed.
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+_COMPRESSIONS = {  # leading bytes -> loaders._codecs name
+    b"\x1f\x8b": "gz",
+    b"BZh": "bz2",
+    b"\xfd7zXZ\x00": "xz",
+    b"\x28\xb5\x2f\xfd": "zstd",
+}
+_NOT_TARS = {  # leading bytes of files that are valid, and not tar shards
+    b"PK\x03\x04": "a zip archive",
+    b"PK\x05\x06": "an empty zip archive",
+    b"7z\xbc\xaf\x27\x1c": "a 7z archive",
+    b"Rar!\x1a\x07": "a RAR archive",
+    b"PAR1": "a Parquet file",
+    b"\x93NUMPY": "a NumPy .npy file",
+}
+
+
+def shard_tar(data: bytes, key: str, replica: str, max_bytes: int) -> bytes:
+    """The tar archive a shard holds: the shard itself, or decompressed (at most ``max_bytes``).
+    :class:`UnknownFormatError` for a file of another kind; :class:`ShardCorruptError` for a
+    damaged compressed stream or one that decompresses to more than ``max_bytes``."""
+    what = f"shard {key} on replica {replica}"
+    head = bytes(data[:8])
+    if _starts_tar(data):
+        return data
+    for magic, kind in _NOT_TARS.items():
+        if head.startswith(magic):
+            raise UnknownFormatError(
+                f"{what} is {kind}, not a tar: WebDataset reads tar shards, plain or "
+                "compressed with gzip, bzip2, xz or zstd"
+            )
+    algo = next((a for magic, a in _COMPRESSIONS.items() if head.startswith(magic)), None)
+    if algo is None:
+        return data  # no tar header: parse_tar says where it is damaged
+    tar = decompress(
+        algo, data, what=what, limit=max_bytes, bound="bytes WebDataset.max_shard_bytes allows"
+    )
+    if not _starts_tar(tar):
+        raise UnknownFormatError(f"{what} is {algo}-compressed but holds no tar archive")
+    return tar
+
+
+def _starts_tar(data: bytes) -> bool:
+    """Whether ``data`` begins with a tar header (or the zero block of an empty archive)."""
+    block = bytes(data[: tarfile.BLOCKSIZE])
+    if len(block) < tarfile.BLOCKSIZE:
+        return False
+    if block == bytes(tarfile.BLOCKSIZE):
+        return True
+    try:
+        tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
 
 
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
-    """The samples of one tar shard; :class:`ShardCorruptError` names shard and byte offset."""
+    """The samples of one tar archive; :class:`ShardCorruptError` names shard and byte offset
+    (of the decompressed archive, for a compressed shard)."""
     what = f"shard {key} on replica {replica}"
     samples: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
@@ -60,17 +120,24 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
 
 @dataclass(kw_only=True)
 class WebDataset:
-    """WebDataset ``.tar`` shards (keys relative to each replica's root)."""
+    """WebDataset tar shards (keys relative to each replica's root), plain or compressed."""
 
     shards: list[str] | None = None
-    """Shard keys in dataset order; None: ``manifest``'s, or else every ``*.tar`` below the root
-    of any replica, sorted (a shard missing from every replica goes unnoticed that way: declare
-    the shards to have that checked)."""
+    """Shard keys in dataset order; None: ``manifest``'s, or else every ``*.tar``,
+    ``*.tar.gz``, ``*.tgz``, ``*.tar.bz2`` and ``*.tar.xz`` below the root of any replica,
+    sorted (a shard missing from every replica goes unnoticed that way: declare the shards to
+    have that checked)."""
     manifest: str | None = None
     """Key of a text file on the replicas listing the shard keys in dataset order, one a line
     (``#`` comments and blank lines skipped); it must be the same on every replica."""
     sample_counts: list[int] | None = None
-    """Samples per shard, if known; otherwise every shard is read once at open to count them."""
+    """Samples per shard, if known; otherwise every shard is read once at open to count them
+    (and a compressed shard's decompressed size is learnt for the prefetch window, which
+    otherwise counts its compressed size)."""
+    max_shard_bytes: int = 1 << 32
+    """Most bytes a compressed shard may decompress to: one that decompresses to more is
+    :class:`ShardCorruptError`, found in that much memory (a gzip bomb stops here). The
+    default holds upstream ``ShardWriter``'s largest shards (3 GB)."""
     name: str = field(default="webdataset", init=False)
 
     def __post_init__(self) -> None:
@@ -81,45 +148,52 @@ class WebDataset:
                 raise ValueError("WebDataset.sample_counts needs shards, one count per shard")
             if any(c < 0 for c in self.sample_counts):
                 raise ValueError("WebDataset.sample_counts must be >= 0")
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"WebDataset.max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
 
     def open(self, replicas: Any) -> WdsLayout:
-        shards, nbytes = shard_sizes(replicas, self.shards, self.manifest, ".tar")
-        sizes = dict(zip(shards, nbytes))
-        with ThreadPoolExecutor(8) as pool:
-            counts = self.sample_counts
-            if counts is None:
-                counts = list(
-                    pool.map(
-                        lambda k: len(
-                            replicas.read(k, decode=lambda d, r, k=k: parse_tar(d, k, r))
-                        ),
-                        shards,
-                    )
-                )
+        shards, nbytes = shard_sizes(replicas, self.shards, self.manifest, SHARD_SUFFIXES)
+        if self.sample_counts is None:
+            with ThreadPoolExecutor(8) as pool:
+                surveyed = list(pool.map(lambda key: self._survey(replicas, key), shards))
+            counts, mem_bytes = [c for c, _ in surveyed], [m for _, m in surveyed]
+        else:
+            counts, mem_bytes = self.sample_counts, nbytes
         units, first = [], 0
-        for key, count in zip(shards, counts):
+        for key, size, count, mem in zip(shards, nbytes, counts, mem_bytes):
             units.append(
                 Unit(
                     key=key,
                     start=None,
                     end=None,
-                    nbytes=sizes[key],
-                    mem_bytes=sizes[key],
+                    nbytes=size,
+                    mem_bytes=mem,
                     num_samples=count,
                     first_id=first,
                 )
             )
             first += count
-        return WdsLayout(units=units)
+        return WdsLayout(units=units, max_shard_bytes=self.max_shard_bytes)
+
+    def _survey(self, replicas: Any, key: str) -> tuple[int, int]:
+        """Shard ``key``'s sample count and the size of its tar archive."""
+
+        def count(data: bytes, replica: str) -> tuple[int, int]:
+            tar = shard_tar(data, key, replica, self.max_shard_bytes)
+            return len(parse_tar(tar, key, replica)), len(tar)
+
+        return replicas.read(key, decode=count)
 
 
 @dataclass
 class WdsLayout:
     units: list[Unit]
+    max_shard_bytes: int
     reads_views: bool = field(default=False, init=False)
 
     def decode(self, unit: Unit, data: bytes, replica: str) -> list[dict[str, Any]]:
-        samples = parse_tar(data, unit.key, replica)
+        tar = shard_tar(data, unit.key, replica, self.max_shard_bytes)
+        samples = parse_tar(tar, unit.key, replica)
         if len(samples) != unit.num_samples:
             raise ShardCorruptError(
                 f"shard {unit.key} on replica {replica} holds "
