@@ -272,7 +272,7 @@ def _wds_samples(n: int) -> list[dict]:
             "__key__": f"part{i % 2}/s{i:04d}",
             "txt": f"caption {i} é",
             "cls": i % 7,
-            "json": {"i": i},
+            "json": {"i": i, "a": [i]},  # not sorted: kept in order, as upstream's writer does
             "bin": bytes(range(i % 256)) * 3,
         }
         for i in range(n)

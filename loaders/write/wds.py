@@ -16,7 +16,7 @@ _BLOCK = tarfile.BLOCKSIZE
 
 def field_bytes(name: str, value: Any) -> bytes:
     """A field's file contents: bytes as they are, text as UTF-8, numbers as their decimal
-    text, dicts and lists as JSON."""
+    text, dicts and lists as JSON (keys in insertion order, as upstream's writer has them)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
@@ -24,7 +24,7 @@ def field_bytes(name: str, value: Any) -> bytes:
     if isinstance(value, (bool, int, float)):
         return str(value).encode()
     if isinstance(value, (dict, list)):
-        return json.dumps(value, sort_keys=True).encode("utf-8")
+        return json.dumps(value).encode("utf-8")
     raise ValueError(
         f"WebDataset field {name!r}: cannot store a {type(value).__name__} "
         "(give bytes, str, a number, a dict or a list)"
