@@ -28,6 +28,9 @@ def check_tree(tree: Any, ntensors: int, bad) -> None:
             continue
         tag = next(iter(node)) if len(node) == 1 else None
         if tag not in TREE_TAGS:
+            odd = [k for k in node if not isinstance(k, str) or k.startswith("$")]
+            if odd:  # such keys are saved under $dict: a plain node never has them
+                raise bad(f"state tree: unknown tag {str(odd[0])[:40]!r}")
             stack.extend(node.values())
             continue
         value = node[tag]

@@ -67,6 +67,8 @@ def test_a_generator_is_not_loaded_into_something_else(tmp_path):
         {"w": {"$float": "1e400"}},
         {"w": {"$bytes": "not base64!"}},
         {"w": {"$dict": [["a"]]}},
+        {"w": {"$pickle": "gASV"}},
+        {"w": {"$t": 0, "other": 1}, "$x": 2},
     ],
 )
 def test_a_damaged_state_tree_is_refused_before_any_load(tmp_path, tree):

@@ -207,12 +207,12 @@ class LocalBackend(FsspecBackend):
     def put_once(self, path: str, data: Data) -> None:
         directory = os.path.dirname(path)
         tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
-        for tries_left in range(2, -1, -1):
-            os.makedirs(directory, exist_ok=True)
+        for tries_left in range(4, -1, -1):
             try:
+                os.makedirs(directory, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 break
-            except FileNotFoundError:  # a delete pruned the directory as it emptied
+            except FileNotFoundError:  # a delete pruned a directory of the path as it emptied
                 if not tries_left:
                     raise
         try:
@@ -229,7 +229,10 @@ class LocalBackend(FsspecBackend):
         finally:
             # Also after a failed write (a full disk): a temporary left behind keeps it full.
             os.unlink(tmp)
-        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # the object was deleted already and its directory pruned
         try:
             os.fsync(dir_fd)
         finally:
