@@ -129,6 +129,7 @@ def hash_bytes(raw) -> str:
 
 def _as_u8(raw) -> np.ndarray:
     import numpy as np
+
     return (
         np.frombuffer(raw, dtype=np.uint8)
         if not isinstance(raw, np.ndarray)
@@ -145,6 +146,7 @@ def encode_parts(raw, itemsize: int, config: CodecConfig) -> list:
     """:func:`encode` as a list of buffers (header first) whose concatenation is the object,
     so a local write can skip joining them."""
     import numpy as np
+
     data = _as_u8(raw)
     n = data.size
     if config.level is None:
@@ -190,6 +192,7 @@ def decode(
     malformed, or its bytes do not hash to ``expected_hash``.
     """
     import numpy as np
+
     view = memoryview(obj)
     nplanes, declared, table, offset = _read_header(view, name)
     expected = out.nbytes if out is not None else raw_len
@@ -206,13 +209,52 @@ def decode(
     plane_len = declared // nplanes
     grid = out.reshape(-1, nplanes) if nplanes > 1 else None
     for k, (method, stored) in enumerate(table):
-        plane = _decode_plane(view[offset : offset + stored], method, plane_len, name, k)
+        body = view[offset : offset + stored]
         offset += stored
+        if grid is None and method == ZSTD:
+            _decompress_into(body, out, name)  # no second buffer of the chunk's size
+            continue
+        plane = _decode_plane(body, method, plane_len, name, k)
         if grid is None:
             out[:] = plane
         else:
             grid[:, k] = plane
     return _verified(out, expected_hash, name)
+
+
+def _decompress_into(body: memoryview, out: np.ndarray, name: str) -> None:
+    """Decompress the zstd frame ``body`` into ``out``, which it must fill exactly."""
+    _check_frame_size(body, out.nbytes, name, 0)
+    target = memoryview(out).cast("B")
+    filled = 0
+    try:
+        with _decompressor().stream_reader(body, read_across_frames=True) as reader:
+            while filled < len(target):
+                n = reader.readinto(target[filled:])
+                if not n:
+                    break
+                filled += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise CheckpointCorruptError(f"chunk {name}: zstd cannot decode it ({exc})") from exc
+    if filled != len(target) or extra:
+        raise CheckpointCorruptError(
+            f"chunk {name}: decodes to {'more than ' if extra else ''}{filled} bytes, "
+            f"expected {len(target)}"
+        )
+
+
+def _check_frame_size(body: memoryview, plane_len: int, name: str, k: int) -> None:
+    """With a content size in the frame zstd allocates that size whatever limit it is given: a
+    frame must declare exactly the plane's length, or none (then the limit holds)."""
+    try:
+        claimed = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as exc:
+        raise CheckpointCorruptError(f"chunk {name}: zstd cannot decode it ({exc})") from exc
+    if claimed not in (-1, plane_len):
+        raise CheckpointCorruptError(
+            f"chunk {name}: plane {k} claims {claimed} bytes, expected {plane_len}"
+        )
 
 
 def _read_header(view: memoryview, name: str) -> tuple[int, int, list, int]:
@@ -247,17 +289,12 @@ def _read_header(view: memoryview, name: str) -> tuple[int, int, list, int]:
 def _decode_plane(body: memoryview, method: int, plane_len: int, name: str, k: int) -> np.ndarray:
     """Plane ``k``'s bytes, never more than ``plane_len`` of them."""
     import numpy as np
+
     if method == RAW:
         plane = np.frombuffer(body, dtype=np.uint8)
     elif method == ZSTD:
-        # With a content size in the frame zstd allocates that size whatever max_output_size
-        # says: a frame must declare exactly the plane's length, or none (then the limit holds).
+        _check_frame_size(body, plane_len, name, k)
         try:
-            claimed = zstandard.frame_content_size(body)
-            if claimed not in (-1, plane_len):
-                raise CheckpointCorruptError(
-                    f"chunk {name}: plane {k} claims {claimed} bytes, expected {plane_len}"
-                )
             decoded = _decompressor().decompress(body, max_output_size=plane_len)
         except zstandard.ZstdError as exc:
             raise CheckpointCorruptError(f"chunk {name}: zstd cannot decode it ({exc})") from exc

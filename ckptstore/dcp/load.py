@@ -51,5 +51,10 @@ def load_full_state_dict(store: Store, step: int) -> dict[str, Any]:
         errors = [error for error, _ in exc.failures.values()]
         if len(errors) == 1 and isinstance(errors[0], CheckpointError):
             raise errors[0] from None
-        raise
+        # DCP's own text holds every rank's traceback: one line, the cause chained.
+        first = errors[0] if errors else exc
+        raise CheckpointError(
+            f"step {step} in {store.uri} did not load: {type(first).__name__}: "
+            f"{' '.join(str(first).split())[:300] or 'no message'}"
+        ) from exc
     return state
