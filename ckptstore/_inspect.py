@@ -16,6 +16,7 @@ from ckptstore.catalog import (
     dcp_items,
     load_manifest,
     load_rank_indexes,
+    rank_of,
     read_rank_index,
     tensor_names,
 )
@@ -224,6 +225,8 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
 
     if manifest.kind not in (KIND_STATE, KIND_DCP):
         corrupt_manifest(f"unknown checkpoint kind {manifest.kind!r}")
+    metadata = None
+    indexes: dict[int, RankIndex] = {}
     if manifest.kind == KIND_DCP:
         if manifest.dcp_metadata is None:
             corrupt_manifest("a dcp step without DCP metadata")
@@ -231,7 +234,7 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
             try:
                 from ckptstore.dcp.reader import read_dcp_metadata  # heavy: DCP steps only
 
-                read_dcp_metadata(store, manifest)  # decoded as restore will, nothing unpickled
+                metadata = read_dcp_metadata(store, manifest)  # as restore decodes it
             except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
                 check.problems.append(
                     Problem(
@@ -250,6 +253,7 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
             continue
         check.ranks += 1
         check.tensors += len(index.tensors)
+        indexes[index.rank] = index
         names = tensor_names(manifest, index)
         for i, entry in enumerate(index.tensors):
             label = names[i] if manifest.world_size == 1 else f"{names[i]} (rank {index.rank})"
@@ -263,7 +267,30 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
             check.chunk_refs.setdefault(digest, None)
     check.chunks = len(check.chunk_refs)
     check.raw_bytes = sum(info.raw for info in check.chunk_refs.values() if info is not None)
+    if metadata is not None:
+        missing = _dcp_items_not_held(metadata, indexes, {rank_of(r.key) for r in manifest.ranks})
+        if missing:
+            check.problems.append(
+                Problem(step, manifest.dcp_metadata.key, "dcp-metadata", "corrupt", missing)
+            )
     return check
+
+
+def _dcp_items_not_held(metadata: Any, indexes: dict[int, RankIndex], ranks: set[int]) -> str:
+    """Why the DCP metadata's item locations are not what the rank indexes hold ("" if they
+    are): restore reads each item at ``storage_data[item] = (rank, tensor)``."""
+    from ckptstore.dcp.ids import storage_key
+
+    for item, (rank, tensor) in metadata.storage_data.items():
+        key = storage_key(item)
+        if rank not in ranks:
+            return f"DCP item {key!r} is stored by rank {rank}, which has no index"
+        index = indexes.get(rank)
+        if index is None:
+            continue  # its index is unreadable: reported already
+        if (index.items or {}).get(key) != tensor or not 0 <= tensor < len(index.tensors):
+            return f"DCP item {key!r}: the index of rank {rank} does not hold it at {tensor}"
+    return ""
 
 
 def check_chunks(

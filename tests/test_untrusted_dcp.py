@@ -284,3 +284,17 @@ def test_damaged_json_metadata_is_a_one_line_error_naming_the_object(tmp_path, d
     with pytest.raises(CheckpointCorruptError, match=message) as caught:
         load_full_state_dict(store, 0)
     assert key in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_verify_refuses_metadata_that_places_an_item_where_no_index_holds_it(tmp_path, capsys):
+    """verify OK means restore loads: an item the metadata locates at a tensor its rank's index
+    does not hold is found by verify, as restore would find it (the trial's storage_oob)."""
+    uri = str(tmp_path / "s")
+    store = _save(uri)
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    doc["storage_data"][0][-1] = 1000000
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    code = main(["verify", uri])
+    out, err = capsys.readouterr()
+    assert code == 1 and "dcp.metadata" in err and "does not hold it at 1000000" in out
