@@ -32,8 +32,11 @@ from typing import Any
 import torch
 
 from ckptstore.catalog import load_manifest, load_rank_index, resolve_step
-from ckptstore.engine import open_store
-from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    UnsupportedStateError,
+)
 from ckptstore.format import (
     KIND_DCP,
     KIND_STATE,
@@ -44,7 +47,7 @@ from ckptstore.format import (
 )
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
 from ckptstore.state import to_plain
-from ckptstore.store import Store
+from ckptstore.store import Store, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +252,10 @@ def export_safetensors(
         )
     items = _select(named, only, only if strip_prefix is None else strip_prefix, cast)
     skipped = [name for name in skipped if only is None or name.startswith(only)]
+    if not items and not named:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} in {store.uri} holds no tensor to export as safetensors"
+        )
     if not items:
         available = ", ".join(sorted(name for name, *_ in named)[:5]) or "none"
         raise ValueError(

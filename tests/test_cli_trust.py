@@ -84,3 +84,13 @@ def test_verify_running_out_of_memory_does_not_call_the_chunk_corrupt(tmp_path, 
     assert check.problems
     assert {p.problem for p in check.problems} == {"unreadable"}
     assert all("out of memory" in p.error for p in check.problems)
+
+
+def test_exporting_a_step_without_tensors_is_not_a_usage_error(tmp_path, capsys):
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"step": 1, "note": "no tensors"}).wait()
+    target = tmp_path / "export"
+    code, line = run(capsys, "restore", uri, "--to", target, "--format", "safetensors")
+    assert code == 1 and "holds no tensor to export" in line
+    assert not target.exists()
