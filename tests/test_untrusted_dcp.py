@@ -217,6 +217,10 @@ def test_a_pickled_value_that_needs_code_is_refused_on_ckptstores_load_paths(tmp
     for fmt, out in (("torch", "out.pt"), ("dcp", "out-dcp")):
         code, err = _cli(capsys, "restore", store.uri, "--to", tmp_path / out, "--format", fmt)
         assert code == 1 and "'evil'" in err, err
+    # verify finds what restore refuses, and runs nothing either
+    assert main(["verify", store.uri]) == 1
+    out, _ = capsys.readouterr()
+    assert "'evil'" in out and "refused" in out and "trust_pickled_objects" in out
     assert not marker.exists()
 
 
