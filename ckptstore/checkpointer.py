@@ -9,7 +9,7 @@ One save goes through these stages; only the first runs on the caller's thread::
     commit   ranks exchange index refs; rank 0 writes the manifest last, then applies retention
 
 Each rank holds a save lease from before it looks for stored chunks until the step's commit is
-decided, so garbage collection never deletes a chunk the save reuses (``ckptstore.commit``).
+decided, so garbage collection never deletes a chunk the save reuses (``ckptstore.save``).
 
 A failed save's error is reported once: by its ``handle.wait()``; if nobody waited for it, by the
 next ``wait()``, ``save()`` (that step is then not saved) or ``close()``. After that the
@@ -37,8 +37,6 @@ import torch.distributed as dist
 
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index, resolve_step
-from ckptstore.commit import DEFAULT_GC_WAIT_S
-from ckptstore.engine import SaveEngine, Staged, open_store
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -46,7 +44,7 @@ from ckptstore.errors import (
     PartialLoadError,
     UnsupportedStateError,
 )
-from ckptstore.format import KIND_STATE, Manifest, RankIndex, check_step
+from ckptstore.format import KIND_STATE, check_step
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import (
@@ -54,8 +52,16 @@ from ckptstore.pipeline import (
     read_tensors,
 )
 from ckptstore.preemption import SigtermGuard
+from ckptstore.save import (
+    DEFAULT_GC_WAIT_S,
+    RankWritten,
+    SaveEngine,
+    SaveSession,
+    Staged,
+    check_background_nice,
+)
 from ckptstore.state import finish_load, flatten, plan_load
-from ckptstore.store import Store, niced, set_thread_nice
+from ckptstore.store import Store, niced, open_store, set_thread_nice
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
@@ -211,8 +217,7 @@ class Checkpointer:
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if staging not in ("host", "peer"):
             raise ValueError(f"staging must be 'host' or 'peer', got {staging!r}")
-        if not 0 <= background_nice <= 19:
-            raise ValueError(f"background_nice must be within [0, 19], got {background_nice}")
+        check_background_nice(background_nice)
         if handle_sigterm:
             SigtermGuard.check_installable(sigterm_grace_s)
         self.store = store or open_store(
@@ -680,76 +685,50 @@ class Checkpointer:
                 job.handle._future.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
-        store, engine, staged = self.store, self.engine, job.staged
-        lease = None
-        ref: Any
+        engine, staged = self.engine, job.staged
+        session = SaveSession(
+            engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
+        )
+        written: RankWritten | BaseException
         try:
             try:
                 staged.copy.wait()
                 if self._peers is not None:
                     meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
                     self._peers.exchange(job.step, staged.buffer, meta)
-                lease = engine.begin(
-                    store, step=job.step, attempt=job.attempt, rank=self.rank, kind=KIND_STATE
-                )
-                entries, chunks = engine.write(store, staged.buffer, staged.layout, job.tensors)
+                session.begin(self.rank)
+                entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
             finally:
                 engine.release(staged)
-            for i, was_numpy in tensor_indexes(job.tree).items():
-                entries[i].numpy = was_numpy
-            index = RankIndex(rank=self.rank, tensors=entries, chunks=chunks, tree=job.tree)
-            index_ref = engine.put_index(store, step=job.step, attempt=job.attempt, index=index)
-            lease.check()
-            ref = (index_ref, {d: (c.raw, c.stored) for d, c in chunks.items()})
+            written = session.put_index(self.rank, entries, chunks, tree=job.tree)
         except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
-            ref = exc
-        refs = self._group.gather(ref)
+            written = exc
+        ranks = self._group.gather(written)
         outcome: Any = None
         if self.rank == 0:
-            failed = [(r, e) for r, e in enumerate(refs) if isinstance(e, BaseException)]
+            failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
             if failed:
                 rank, error = failed[0]
                 outcome = CheckpointError(f"step {job.step}: rank {rank} failed: {error}")
                 outcome.__cause__ = error
             else:
-                outcome = self._commit(job, refs, lease)
+                outcome = self._commit(session, ranks, job.user)
         outcome = self._group.broadcast(outcome)
-        if lease is not None:
-            # A put abandoned at its deadline (the manifest's, after an unknown commit) may
-            # still land: until it has, gc must not sweep what it references.
-            lease.release_when_settled(0.0)
-        if isinstance(ref, BaseException):
-            raise ref
+        session.release()
+        if isinstance(written, BaseException):
+            raise written
         if isinstance(outcome, BaseException):
             raise outcome
         if self.rank == 0:
-            engine.retain(store, attempt=job.attempt)
+            session.retain()
 
-    def _commit(self, job: _Job, refs: list, lease: Any) -> BaseException | None:
-        unique: dict[str, tuple[int, int]] = {}
-        for _, sizes in refs:
-            unique.update(sizes)
-        manifest = Manifest(
-            step=job.step,
-            attempt=job.attempt,
-            kind=KIND_STATE,
-            world_size=self._group.world_size,
-            ranks=[r[0] for r in refs],
-            raw_bytes=sum(raw for raw, _ in unique.values()),
-            stored_bytes=sum(stored for _, stored in unique.values()),
-            user=job.user,
-        )
+    def _commit(
+        self, session: SaveSession, ranks: list[RankWritten], user: dict
+    ) -> BaseException | None:
         try:
-            self.engine.commit(self.store, manifest, lease)
+            session.commit(ranks, world_size=self._group.world_size, user=user)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank
             return exc
-        logger.info(
-            "rank 0: committed step %d to %s (%d bytes raw, %d stored)",
-            job.step,
-            self.store.uri,
-            manifest.raw_bytes,
-            manifest.stored_bytes,
-        )
         return None
 
 

@@ -11,9 +11,8 @@ from typing import Any
 import fsspec
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptstore.engine import open_store
 from ckptstore.format import check_step, dcp_item_key
-from ckptstore.store import Store
+from ckptstore.store import Store, open_store
 
 
 def storage_key(index: MetadataIndex) -> str:
@@ -22,7 +21,11 @@ def storage_key(index: MetadataIndex) -> str:
 
 
 def store_opener(
-    storage_options: dict[str, Any] | None, *, timeout_s: float, max_concurrency: int
+    storage_options: dict[str, Any] | None,
+    *,
+    timeout_s: float,
+    max_concurrency: int,
+    thread_nice: int = 0,
 ) -> Callable[[str | os.PathLike], Store]:
     """How a writer or reader opens its store, and another one a ``checkpoint_id`` names."""
     return functools.partial(
@@ -30,6 +33,7 @@ def store_opener(
         storage_options=storage_options,
         timeout_s=timeout_s,
         max_concurrency=max_concurrency,
+        thread_nice=thread_nice,
     )
 
 

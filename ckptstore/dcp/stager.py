@@ -3,8 +3,6 @@ save that writes it."""
 
 from __future__ import annotations
 
-import gc
-import logging
 import threading
 import time
 import weakref
@@ -15,9 +13,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 from torch.distributed.tensor import DTensor
 
 from ckptstore import telemetry
-from ckptstore.engine import SaveEngine, Staged
-
-logger = logging.getLogger(__name__)
+from ckptstore.save import SaveEngine, Staged
 
 # How long stage() waits for the previous async save to hand the staging buffer back.
 _STAGING_WAIT_S = 60.0
@@ -48,18 +44,7 @@ class PooledStager(AsyncStager):
             finally:
                 stager.close()
         t0 = time.perf_counter()
-        copied = self.engine.stage(leaves, block=False)
-        if copied is None:
-            gc.collect()  # a failed save's staged state may be waiting in a reference cycle
-            copied = self.engine.stage(leaves, timeout_s=_STAGING_WAIT_S)
-        if copied is None:
-            logger.warning(
-                "rank %d: the previous async save still holds the staging buffer after %.0fs; "
-                "staging this one in a new buffer",
-                self.rank,
-                _STAGING_WAIT_S,
-            )
-            copied = self.engine.stage_unpooled(leaves)
+        copied = self.engine.stage_somewhere(leaves, wait_s=_STAGING_WAIT_S, rank=self.rank)
         staged = HeldStaging(copied, self.engine, self._staged)
         self._staged[copied.buffer.data_ptr()] = staged
         out = _StagedState(_replace_tensors(state_dict, iter(copied.copy.views)))

@@ -1,10 +1,9 @@
-"""The DCP ``StorageWriter``: a DCP save committed as a ckptstore step of kind ``dcp``, through
-the save engine."""
+"""The DCP ``StorageWriter``: a DCP save committed as a ckptstore step of kind ``dcp``, walked
+through a ``SaveSession`` as ``Checkpointer``'s saves are."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import io
 import logging
 import os
@@ -25,20 +24,17 @@ from ckptstore.catalog import list_steps
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.metadata import encode_metadata
 from ckptstore.dcp.stager import HeldStaging, PooledStager
-from ckptstore.engine import SaveEngine
 from ckptstore.errors import StepExistsError, UnsupportedStateError
-from ckptstore.format import (
-    KIND_DCP,
-    Manifest,
-    ObjectRef,
-    RankIndex,
-    check_step,
-    commit_key,
-    dcp_metadata_key,
-    object_ref,
-)
-from ckptstore.leases import DEFAULT_TTL_S, Lease
+from ckptstore.format import KIND_DCP, check_step, commit_key
+from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.pipeline import chunks_holding
+from ckptstore.save import (
+    DEFAULT_GC_WAIT_S,
+    RankWritten,
+    SaveEngine,
+    SaveSession,
+    check_background_nice,
+)
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -59,17 +55,14 @@ class _SaveTarget:
 class _Written:
     """``WriteResult.storage_data`` as it crosses from a rank to the coordinator.
 
-    ``finish`` keeps only ``(rank, tensor)`` in the persisted Metadata; the index reference and
-    byte counts are for the manifest.
+    ``finish`` keeps only ``(rank, tensor)`` in the persisted Metadata; ``written`` (one object
+    shared by a rank's results, so pickled once) is for the manifest.
     """
 
     step: int
     attempt: str
-    rank: int
     tensor: int
-    index_ref: ObjectRef
-    raw_bytes: int
-    stored_bytes: int
+    written: RankWritten
 
 
 class StoreWriter(StorageWriter, PooledStager):
@@ -113,6 +106,18 @@ class StoreWriter(StorageWriter, PooledStager):
         store: an already open ``Store`` (then ``uri`` only names it and ``storage_options``
             is ignored).
 
+        As for ``Checkpointer``:
+
+        hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
+        staging_budget_bytes: host memory for ``async_save``'s staging buffers (None: one,
+            state-sized).
+        background_nice: added to the nice value of the store's threads, which encode and
+            upload, when the writer opens its stores (Linux; 0, the default, leaves priorities
+            alone).
+        lease_ttl_s: the save lease's ttl (renewed every ``lease_ttl_s / 4``).
+        gc_wait_s: how long a save waits for a garbage collection of the store to finish
+            before failing.
+
     After a save, ``saved_step`` holds the step written (on every rank). ``use_collectives=False``
     is refused: one manifest commits all ranks, so the ranks must coordinate. DCP plan caching
     (``DefaultSavePlanner(enable_plan_caching=True)``) is refused too: a cached plan would carry
@@ -132,26 +137,38 @@ class StoreWriter(StorageWriter, PooledStager):
         max_concurrency: int = 16,
         timeout_s: float = 30.0,
         store: Store | None = None,
+        hedge_uploads: bool | None = None,
+        staging_budget_bytes: int | None = None,
+        background_nice: int = 0,
         lease_ttl_s: float = DEFAULT_TTL_S,
+        gc_wait_s: float = DEFAULT_GC_WAIT_S,
     ) -> None:
         super().__init__()
-        self._leases: dict[str, Lease] = {}  # coordinator: by attempt, until its commit
+        check_background_nice(background_nice)
+        self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
         self._started: dict[str, float] = {}  # coordinator: by attempt, for its persist time
         if step is not None:
             check_step(step)
         self.step = step
         self.storage_options = storage_options
         self._open_store = store_opener(
-            storage_options, timeout_s=timeout_s, max_concurrency=max_concurrency
+            storage_options,
+            timeout_s=timeout_s,
+            max_concurrency=max_concurrency,
+            thread_nice=background_nice,
         )
         self.store = store or self._open_store(uri)
+        if hedge_uploads is None:
+            hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
         self.engine = SaveEngine(
             chunk_bytes=chunk_bytes,
             compression=compression,
             encode_threads=encode_threads,
-            hedge_uploads=not self.store.is_local,
+            hedge_uploads=hedge_uploads,
+            staging_budget_bytes=staging_budget_bytes,
             keep_last=keep_last,
             lease_ttl_s=lease_ttl_s,
+            gc_wait_s=gc_wait_s,
         )
         self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
         self.rank = 0
@@ -280,37 +297,29 @@ class StoreWriter(StorageWriter, PooledStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self._save_store()
         storage_data: dict[MetadataIndex, tuple[int, int]] = {}
-        refs: dict[int, _Written] = {}
+        ranks: dict[int, _Written] = {}
         for rank_results in results:
             for wr in rank_results:
                 loc = wr.storage_data
                 assert isinstance(loc, _Written), f"unexpected storage_data {loc!r}"
-                storage_data[wr.index] = (loc.rank, loc.tensor)
-                refs.setdefault(loc.rank, loc)
+                storage_data[wr.index] = (loc.written.rank, loc.tensor)
+                ranks.setdefault(loc.written.rank, loc)
         # The results say which save they belong to, so a writer shared by overlapping
         # async saves still commits each one under its own step.
-        targets = {_SaveTarget(w.step, w.attempt) for w in refs.values()}
+        targets = {_SaveTarget(w.step, w.attempt) for w in ranks.values()}
         assert len(targets) <= 1, f"ranks wrote different saves: {targets}"
         target = targets.pop() if targets else self._target
         assert target is not None, "finish() before prepare_global_plan()"
+        session = self._session(target)
         try:
             metadata.version = _DCP_VERSION
             metadata.storage_data = storage_data
             metadata.storage_meta = StorageMeta(checkpoint_id=store.uri, save_id=target.attempt)
-            blob = encode_metadata(metadata)
-            meta_key = dcp_metadata_key(target.step, target.attempt)
-            store.put(meta_key, blob)
-            manifest = Manifest(
-                step=target.step,
-                attempt=target.attempt,
-                kind=KIND_DCP,
+            session.commit(
+                [w.written for w in ranks.values()],
                 world_size=len(results),
-                ranks=[refs[r].index_ref for r in sorted(refs)],
-                dcp_metadata=object_ref(meta_key, blob),
-                raw_bytes=sum(w.raw_bytes for w in refs.values()),
-                stored_bytes=sum(w.stored_bytes for w in refs.values()),
+                dcp_metadata=encode_metadata(metadata),
             )
-            self.engine.commit(store, manifest, self._leases.get(target.attempt))
         except BaseException:
             self._started.pop(target.attempt, None)
             telemetry.saves_total.inc(frontend="dcp", outcome="failed")
@@ -321,17 +330,8 @@ class StoreWriter(StorageWriter, PooledStager):
         if started is not None:
             telemetry.save_persist_seconds.observe(time.perf_counter() - started, frontend="dcp")
         telemetry.saves_total.inc(frontend="dcp", outcome="committed")
-        logger.info(
-            "rank %d: committed DCP step %d to %s (%d ranks, %d bytes raw, %d stored)",
-            self.rank,
-            target.step,
-            store.uri,
-            len(results),
-            manifest.raw_bytes,
-            manifest.stored_bytes,
-        )
         self.saved_step = target.step
-        self.engine.retain(store, attempt=target.attempt)
+        session.retain()
 
     def _save_store(self) -> Store:
         """The store of the save running on this thread: the one its ``reset()`` named, so an
@@ -340,55 +340,51 @@ class StoreWriter(StorageWriter, PooledStager):
 
     # -- the save lease (coordinator) --------------------------------------------------------
 
+    def _session(self, target: _SaveTarget) -> SaveSession:
+        """The coordinator's session of ``target`` (holding its lease), else a session of this
+        rank's own, without a lease: the coordinator's covers every rank."""
+        return self._sessions.get(target.attempt) or SaveSession(
+            self.engine, self._save_store(), step=target.step, attempt=target.attempt, kind=KIND_DCP
+        )
+
     def _begin_lease(self, target: _SaveTarget) -> None:
         """Take the save's lease before any rank looks for stored chunks (prepare_global_plan
         runs before DCP hands the ranks their plans); it covers every rank until the commit.
         A save that fails on another rank never reaches ``finish``: its lease is held until
         this process ends, which delays sweeps but never endangers a step."""
-        self._leases[target.attempt] = self.engine.begin(
-            self._save_store(),
-            step=target.step,
-            attempt=target.attempt,
-            rank=self.rank,
-            kind=KIND_DCP,
-        )
+        self._sessions[target.attempt] = self._session(target).begin(self.rank)
 
     def _release_lease(self, attempt: str) -> None:
-        lease = self._leases.pop(attempt, None)
-        if lease is not None:
-            lease.release_when_settled(0.0)  # a late manifest put must not find its chunks gone
+        session = self._sessions.pop(attempt, None)
+        if session is not None:
+            session.release()
 
     # -- internals --------------------------------------------------------------------------
 
     def _write(
         self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
     ) -> list[WriteResult]:
-        store, rank = self._save_store(), self.rank
+        session = self._session(target)
         try:
             tensors = [_item_tensor(item, planner) for item in items]
             staged = self._take_staged(tensors)
             entries, chunks = (
-                self._write_staged(staged, tensors)
+                self._write_staged(session, staged, tensors)
                 if staged is not None
-                else self._write_copied(tensors)
+                else self._write_copied(session, tensors)
             )
-            index = RankIndex(
-                rank=rank,
-                tensors=entries,
-                chunks=chunks,
+            written = session.put_index(
+                self.rank,
+                entries,
+                chunks,
                 items={storage_key(item.index): i for i, item in enumerate(items)},
-            )
-            ref = self.engine.put_index(
-                store, step=target.step, attempt=target.attempt, index=index
             )
         except BaseException:
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise
-        raw = sum(c.raw for c in chunks.values())
-        stored = sum(c.stored for c in chunks.values())
         logger.debug(
             "rank %d: wrote %d DCP items of step %d (%d chunks)",
-            rank,
+            self.rank,
             len(items),
             target.step,
             len(chunks),
@@ -397,30 +393,24 @@ class StoreWriter(StorageWriter, PooledStager):
             WriteResult(
                 index=item.index,
                 size_in_bytes=t.numel() * t.element_size(),
-                storage_data=_Written(target.step, target.attempt, rank, i, ref, raw, stored),
+                storage_data=_Written(target.step, target.attempt, i, written),
             )
             for i, (item, t) in enumerate(zip(items, tensors))
         ]
 
-    def _write_copied(self, tensors: list[torch.Tensor], *, pooled: bool = True):
+    def _write_copied(
+        self, session: SaveSession, tensors: list[torch.Tensor], *, pooled: bool = True
+    ):
         """Copy ``tensors`` into a staging buffer (the pool's, if ``pooled`` and one is free)
         and write its chunks; (entries, chunks)."""
-        engine = self.engine
-        copied = engine.stage(tensors, block=False) if pooled else None
-        if pooled and copied is None:
-            gc.collect()  # a failed async save's staged state may hold the buffer in a cycle
-            copied = engine.stage(tensors, block=False)
-        if copied is None:
-            # The pool saves allocations; with its buffer still held (a caller keeping a failed
-            # async save's error alive) waiting could be forever: use a buffer of this save's.
-            copied = engine.stage_unpooled(tensors)
+        copied = self.engine.stage_somewhere(tensors, wait_s=0.0, rank=self.rank, pooled=pooled)
         try:
             copied.copy.wait()
-            return engine.write(self._save_store(), copied.buffer, copied.layout, tensors)
+            return session.write(copied.buffer, copied.layout, tensors)
         finally:
-            engine.release(copied)
+            self.engine.release(copied)
 
-    def _write_staged(self, staged: HeldStaging, tensors: list[torch.Tensor]):
+    def _write_staged(self, session: SaveSession, staged: HeldStaging, tensors: list[torch.Tensor]):
         """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
         such as DCP's pickled values, through a buffer of its own); (entries, chunks)."""
         copied = staged.copied
@@ -444,7 +434,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 copied.layout,
                 [(offset, t.numel() * t.element_size()) for (_, offset), t in zip(inside, mine)],
             )
-            found, chunks = self.engine.write(self._save_store(), copied.buffer, layout, mine)
+            found, chunks = session.write(copied.buffer, layout, mine)
         finally:
             staged.release()
         entries: list = [None] * len(tensors)
@@ -452,7 +442,7 @@ class StoreWriter(StorageWriter, PooledStager):
             entries[i] = entry
         if outside:
             rest = [tensors[i] for i, _ in outside]
-            rest_entries, rest_chunks = self._write_copied(rest, pooled=False)
+            rest_entries, rest_chunks = self._write_copied(session, rest, pooled=False)
             for (i, _), entry in zip(outside, rest_entries):
                 entries[i] = entry
             chunks = {**chunks, **rest_chunks}

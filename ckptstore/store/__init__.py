@@ -18,11 +18,13 @@ from ckptstore.store.backends import (
 from ckptstore.store.core import Request, Store
 from ckptstore.store.counters import StoreCounters
 from ckptstore.store.hedge import HedgePolicy, Hedger
+from ckptstore.store.opener import open_store
 from ckptstore.store.pool import ElasticPool, niced, set_thread_nice
 from ckptstore.store.retry import RetryPolicy, is_transient
 
 __all__ = [
     "Store",
+    "open_store",
     "RetryPolicy",
     "Request",
     "StoreCounters",

@@ -1,9 +1,8 @@
-"""The commit protocol shared by ``Checkpointer`` and the DCP ``StoreWriter``.
-
-One save, per rank and then once for the step::
+"""The commit protocol under ``SaveSession``: how a save and a gc stay apart, and how a step
+becomes visible exactly once.
 
     begin_save      write the rank's save lease, wait while a gc sweeps (leases.py)
-    ...             the pipeline stages, encodes and puts chunks, then the rank index
+    ...             the session writes chunks, then the rank index
     lease.check()   the lease never lapsed: no gc can have swept chunks this save reuses
     commit_step     (one rank) write the manifest once; an ambiguous outcome is read back
     lease.release() every rank, after the commit's outcome is known
