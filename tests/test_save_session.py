@@ -105,3 +105,24 @@ def test_only_the_save_package_builds_manifests_and_rank_indexes_to_write():
         offenders += [f"ckptstore/{name}:{line} builds a {kind}" for kind, line in found]
     assert not offenders, offenders
     assert built_by_save == {"Manifest", "RankIndex"}
+
+
+def test_dcp_writer_takes_the_checkpointers_save_settings(tmp_path):
+    from ckptstore.dcp import StoreWriter
+
+    writer = StoreWriter(
+        tmp_path,
+        hedge_uploads=True,
+        staging_budget_bytes=1 << 20,
+        gc_wait_s=5.0,
+        background_nice=3,
+    )
+    engine = writer.engine
+    assert (engine.hedge_uploads, engine.pool.budget_bytes, engine.gc_wait_s) == (
+        True,
+        1 << 20,
+        5.0,
+    )
+    assert StoreWriter(tmp_path).engine.hedge_uploads is False  # a local store: not hedged
+    with pytest.raises(ValueError, match="background_nice"):
+        StoreWriter(tmp_path, background_nice=20)
