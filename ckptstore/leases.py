@@ -251,21 +251,27 @@ def _lease_holders(store: Store, prefix: str) -> dict[tuple[str, str], list[str]
 def store_now(store: Store) -> float:
     """The store's current time: the modification time of a probe object written now (then
     deleted). Where the probe cannot be written (read-only credentials), this host's clock."""
-    key = f"{PROBES}/{uuid.uuid4().hex}"
-    try:
-        store.put(key, b"")
-    except ObjectExistsError:
-        pass  # an attempt abandoned at its deadline landed: an earlier now is the safe side
-    except StorageAccessError as exc:
-        logger.debug("%s: no clock probe (%s); ages by this host's clock", store.uri, exc)
-        return time.time()
-    try:
-        return store.modified(key)
-    finally:
+    for tries_left in range(2, -1, -1):
+        key = f"{PROBES}/{uuid.uuid4().hex}"
         try:
-            store.delete(key)
-        except CheckpointError as exc:  # gc removes old probes
-            logger.debug("clock probe %s not deleted: %s", store.url(key), exc)
+            store.put(key, b"")
+        except ObjectExistsError:
+            pass  # an attempt abandoned at its deadline landed: an earlier now is the safe side
+        except StorageAccessError as exc:
+            logger.debug("%s: no clock probe (%s); ages by this host's clock", store.uri, exc)
+            return time.time()
+        try:
+            return store.modified(key)
+        except ObjectNotFoundError:
+            # Seen once in a local-store race test and not explained: a new probe is as good.
+            if not tries_left:
+                raise
+        finally:
+            try:
+                store.delete(key)
+            except CheckpointError as exc:  # gc removes old probes
+                logger.debug("clock probe %s not deleted: %s", store.url(key), exc)
+    raise AssertionError("unreachable")
 
 
 def stale_probes(store: Store, older_than_s: float) -> list[str]:

@@ -175,7 +175,8 @@ def test_timeout_reaches_the_store(tmp_path: Path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cli, "Store", spy)
-    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "commits").mkdir(parents=True)
+    (tmp_path / "s" / "commits" / f"{1:020d}.json").write_text("{}")
     args = build_parser().parse_args(["ls", str(tmp_path / "s"), "--timeout", "4"])
     cli.open_store(args)
     assert seen[-1] == RetryPolicy.within(4.0)

@@ -62,8 +62,7 @@ def test_second_writer_of_a_committed_step_fails(seaweed_uri, seaweed_storage_op
     with pytest.raises(StepExistsError, match="step 5 is already committed"):
         b.save(5, {"w": torch.zeros(10)}).wait()
     a.close()
-    with pytest.raises(StepExistsError):
-        b.close()
+    b.close()  # its error was reported once, by wait()
     target = {"w": torch.zeros(10)}
     assert Checkpointer(seaweed_uri, storage_options=seaweed_storage_options).load(target) == 5
     assert torch.equal(target["w"], torch.ones(10))
