@@ -71,3 +71,19 @@ def test_state_keys_the_step_lacks_are_left_alone(tmp_path):
         assert ckpt.load(state, strict=False) == 7
         assert ckpt.last_load_left_out == ["ema (not in step 7)"]
     assert state["step"] == 7 and state["ema"] is ema and torch.equal(ema, torch.full((3,), 5.0))
+
+
+def test_restore_only_writes_the_part_asked_for(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    uri = str(tmp_path / "store")
+    net = saved_step(uri)
+    out = tmp_path / "model.pt"
+    assert main(["restore", uri, "--to", str(out), "--only", "model"]) == 0
+    restored = torch.load(out, weights_only=True)
+    assert list(restored) == ["model"]
+    for a, b in zip(restored["model"].values(), net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    capsys.readouterr()
+    assert main(["restore", uri, "--to", str(tmp_path / "x.pt"), "--only", "nothing"]) == 2
+    assert "nothing in step 7 is named nothing..." in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+from typing import Any
 
 from ckptstore._inspect import load_step_state, step_raw_bytes
 from ckptstore.catalog import open_step
@@ -45,6 +46,8 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         state = load_step_state(store, manifest, on_chunk=advance)
+        if args.only:
+            state = _only(state, args.only, step)
         if args.format == "dcp" and not isinstance(state, dict):
             raise UsageError(
                 f"step {step} holds a {type(state).__name__} at the top, not a dict: "
@@ -87,6 +90,27 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
             f"storage_reader=FileSystemReader({target!r}))"
         )
     return 0
+
+
+def _only(state: Any, prefix: str, step: int) -> dict:
+    """The values of ``state`` whose name starts with ``prefix``: a name is the path of dict
+    keys joined by "/" (``model/0.weight``, as ``inspect`` shows a state step) or by "."
+    (``model.0.weight``, a DCP step's keys)."""
+
+    def keep(value: Any, path: tuple) -> Any:
+        names = ("/".join(path), ".".join(path))
+        if path and any(name.startswith(prefix) for name in names):
+            return value
+        if not isinstance(value, dict):
+            return None
+        kept = {k: keep(v, (*path, str(k))) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v is not None} or None
+
+    chosen = keep(state, ())
+    if not chosen:
+        top = ", ".join(map(str, list(state)[:8])) if isinstance(state, dict) else "none"
+        raise UsageError(f"nothing in step {step} is named {prefix}... (top-level keys: {top})")
+    return chosen
 
 
 def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> int:

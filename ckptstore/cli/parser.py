@@ -259,8 +259,11 @@ examples:
         metavar="SIZE",
         help="largest output shard, e.g. 5GB (default, as Hugging Face) or 500MiB",
     )
-    hf.add_argument(
-        "--only", metavar="PREFIX", help="export only tensors named PREFIX... (e.g. model.)"
+    p.add_argument(
+        "--only",
+        metavar="PREFIX",
+        help="restore only the values named PREFIX... (e.g. model, or model. for a DCP step's "
+        "keys; names as inspect shows them)",
     )
     hf.add_argument(
         "--strip-prefix",
