@@ -379,7 +379,8 @@ class Checkpointer:
 
         ``strict=False`` loads the part of the step the state asks for: saved keys that the
         state's dicts do not have are left out and not read, and keys of the state that the
-        step lacks are left alone (a stateful object still gets its whole saved state dict); ``last_load_left_out`` lists both
+        step lacks are left alone; a module loads the parameters both have (with ``strict``, a
+        module whose keys differ from the step's is refused before any I/O); ``last_load_left_out`` lists both
         (``load({"model": model}, strict=False)`` from a step that also holds the optimizer).
         """
 

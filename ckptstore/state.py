@@ -129,12 +129,14 @@ class _Loader:
         self.left_out: list[str] = []  # strict=False: saved values the state has no place for
         self.not_saved: list[str] = []  # strict=False: state keys the checkpoint does not hold
         self._in_stateful = 0
+        self._lenient: set[int] = set()  # strict=False: state dicts of modules (ids)
 
     def skips(self, target: Any, key: Any) -> bool:
         """strict=False: a saved key that a dict of the state does not have is left out. Not
         inside a stateful object: its ``load_state_dict`` gets all it saved (an optimizer's
         state dict grows from empty)."""
-        return self.loose() and isinstance(target, dict) and key not in target
+        lenient = self.loose() or id(target) in self._lenient
+        return lenient and isinstance(target, dict) and key not in target
 
     def loose(self) -> bool:
         return not self.strict and self._in_stateful == 0
@@ -179,6 +181,11 @@ class _Loader:
                 )
             template = target.state_dict()
             self.templates[path] = template
+            if isinstance(target, torch.nn.Module):
+                if self.strict:
+                    self._check_module_keys(template, node["$stateful"], path)
+                else:
+                    self._lenient.add(id(template))  # a module's state dict is flat
             self._in_stateful += 1
             try:
                 self.match(template, node["$stateful"], path)
@@ -206,7 +213,7 @@ class _Loader:
             container = target if isinstance(target, dict) else None
             if container is not None:
                 extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
-                if extra and self.loose():
+                if extra and not self.strict:
                     self.not_saved += [path_str((*path, k)) for k in extra]
                 elif extra and path == ():
                     raise UnsupportedStateError(
@@ -219,6 +226,25 @@ class _Loader:
                     continue
                 sub = container.get(key, _MISSING) if container is not None else _MISSING
                 self.match(sub, value, (*path, key))
+
+    def _check_module_keys(self, template: dict, saved: Any, path: tuple) -> None:
+        """A module whose parameters or buffers the step lacks would keep their current
+        values: refused before any I/O, as ``Module.load_state_dict`` refuses it."""
+        if tag_of(saved) == "$dict":
+            keys = {decode_scalar(k) for k, _ in saved["$dict"]}
+        else:
+            keys = set(saved) if isinstance(saved, dict) else set()
+        for names, what in (
+            (set(template) - keys, "the checkpoint lacks {} of this module"),
+            (keys - set(template), "the checkpoint has {}, which this module lacks"),
+        ):
+            odd = sorted(map(str, names))
+            if odd:
+                more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
+                raise UnsupportedStateError(
+                    f"{path_str(path)}: {what.format(', '.join(odd[:5]) + more)} (load(..., "
+                    "strict=False) loads the keys both have and lists the others)"
+                )
 
     def build(self, target: Any, node: Any, path: tuple, tensors: dict[int, Any]) -> Any:
         tag = tag_of(node)

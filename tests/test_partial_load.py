@@ -3,6 +3,9 @@ item 4): evaluating weights without building the optimizer."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 from ckptstore import Checkpointer, Store, UnsupportedStateError
@@ -87,3 +90,27 @@ def test_restore_only_writes_the_part_asked_for(tmp_path, capsys):
     capsys.readouterr()
     assert main(["restore", uri, "--to", str(tmp_path / "x.pt"), "--only", "nothing"]) == 2
     assert "nothing in step 7 is named nothing..." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grown", ["model", "checkpoint"])
+def test_a_module_whose_keys_differ_from_the_step_is_refused_unless_not_strict(tmp_path, grown):
+    """A layer the step lacks would silently keep its initial weights (the module got its own
+    values for the keys the step lacks): refused before any I/O; strict=False loads the keys
+    both have and lists the others."""
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    big = torch.nn.Sequential(*small, torch.nn.Linear(2, 2))
+    saved, into = (small, copy.deepcopy(big)) if grown == "model" else (big, copy.deepcopy(small))
+    for p in into.parameters():
+        torch.nn.init.zeros_(p)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": saved}).wait()
+        with pytest.raises(UnsupportedStateError, match="3.bias, 3.weight"):
+            ckpt.load({"model": into})
+        assert all(not p.any() for p in into.parameters())  # nothing was written
+        ckpt.load({"model": into}, strict=False)
+        assert torch.equal(into[2].weight, saved[2].weight)
+        assert sorted(ckpt.last_load_left_out) == (
+            ["model/3.bias (not in step 1)", "model/3.weight (not in step 1)"]
+            if grown == "model"
+            else ["model/3.bias (not in the state)", "model/3.weight (not in the state)"]
+        )
