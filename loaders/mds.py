@@ -268,6 +268,17 @@ class _Shard:
 
     def decoders(self) -> list[Callable[[bytes], Any]]:
         """Bytes -> value for each column, in order (``bytes`` for the raw columns)."""
+        images = [
+            name
+            for name, enc in zip(self.names, self.encodings)
+            if enc in _IMAGE_ENCODINGS and name not in self.raw_columns
+        ]
+        if len(images) > 1:  # name them all at once, not one per try
+            raise UnknownFormatError(
+                f"MDS image columns {', '.join(map(repr, images))} are not decoded here; "
+                f"MDS(raw_columns={tuple(images)!r}) reads their stored bytes for a transform "
+                "to decode"
+            )
         return [
             bytes if name in self.raw_columns else _named_decoder(name, enc, self.allow_pickle)
             for name, enc in zip(self.names, self.encodings)

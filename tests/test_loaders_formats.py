@@ -67,8 +67,10 @@ IMAGE_COLUMNS = ("jpg", "png", "pil")
 
 def test_mds_image_columns_refused_by_name_unless_read_raw():
     path = _fixture("images")  # jpeg, png and pil columns, by Streaming's own MDSWriter
-    with pytest.raises(UnknownFormatError, match=r"column 'jpg'.*raw_columns=\('jpg',\)"):
-        ShardDataset(str(path), MDS(), config=IN_ORDER)
+    with pytest.raises(UnknownFormatError, match=r"columns 'jpg', 'pil', 'png'.*raw_columns="):
+        ShardDataset(str(path), MDS(), config=IN_ORDER)  # every image column named at once
+    with pytest.raises(UnknownFormatError, match=r"column 'pil'.*raw_columns=\('pil',\)"):
+        ShardDataset(str(path), MDS(raw_columns=("jpg", "png")), config=IN_ORDER)
     with pytest.raises(ValueError, match=r"raw_columns names 'img'.*columns: id, jpg"):
         ShardDataset(str(path), MDS(raw_columns=("img", *IMAGE_COLUMNS)), config=IN_ORDER)
 
