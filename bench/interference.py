@@ -44,7 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.replace("``", ""),  # reST literals read as plain text in --help
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--uri", default=None, help="store to save into (default: a temp dir)")
+    p.add_argument(
+        "--uri",
+        default=None,
+        help="store to save into, each step kind below it in URI/KIND (default: a temp dir)",
+    )
     p.add_argument("--size", default="256MiB", help="state size (default 256MiB)")
     p.add_argument(
         "--tensors", type=int, default=16, help="equal float32 tensors of the state (default 16)"
@@ -192,7 +196,8 @@ def _measure(args: argparse.Namespace) -> dict:
     for kind in kinds:
         step = _step_fn(kind, args.step_s)
         with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
-            uri = args.uri or tmp
+            # Each kind saves steps 0.. again: into a store of its own (below --uri if given).
+            uri = f"{args.uri.rstrip('/')}/{kind}" if args.uri else tmp
             baseline = _loop(step, args.steps, None, state)
             with Checkpointer(
                 uri,

@@ -26,6 +26,8 @@ def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["steps"] == 6 and set(report["kinds"]) == {"gpu", "python"}
+    # each kind saved steps 0.. into its own store: none collided with the other's
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["gpu", "python"]
     for r in report["kinds"].values():
         assert r["saves_committed"] + r["saves_skipped"] == 6
         assert r["saves_committed"] >= 1  # the first save always starts
