@@ -290,26 +290,29 @@ def _refused_pickled_values(
     from ckptstore.pipeline import PipelineConfig, read_tensors
 
     keys = {rank_of(ref.key): ref.key for ref in manifest.ranks}
-    problems = []
+    pickled: dict[int, dict[int, str]] = {}  # rank -> tensor -> item key
     for item, (rank, tensor) in metadata.storage_data.items():
         described = metadata.state_dict_metadata.get(item.fqn)
-        if not isinstance(described, BytesStorageMetadata) or rank not in indexes:
-            continue
-        try:
-            value = read_tensors(store, indexes[rank], {tensor: None}, PipelineConfig())[tensor]
-            load_pickled_value(value.numpy().tobytes(), repr(storage_key(item)))
-        except Exception as exc:  # noqa: BLE001 - reported as a problem of this item
-            problems.append(
-                Problem(
-                    manifest.step,
-                    keys[rank],
-                    "dcp-item",
-                    classify(exc),
-                    message(exc)
-                    + " (StoreReader(trust_pickled_objects=True) loads it if you trust its writer)",
-                )
-            )
+        if isinstance(described, BytesStorageMetadata) and rank in indexes:
+            pickled.setdefault(rank, {})[tensor] = repr(storage_key(item))
+    problems = []
+    for rank, items in pickled.items():
+        try:  # one read per rank: a chunk holding several values is fetched once
+            wanted = dict.fromkeys(items)
+            values = read_tensors(store, indexes[rank], wanted, PipelineConfig())
+            for tensor, name in items.items():
+                try:
+                    load_pickled_value(values[tensor].numpy().tobytes(), name)
+                except CheckpointError as exc:
+                    problems.append(_refused(manifest.step, keys[rank], exc))
+        except Exception as exc:  # noqa: BLE001 - reported as a problem of this rank's items
+            problems.append(_refused(manifest.step, keys[rank], exc))
     return problems
+
+
+def _refused(step: int, key: str, exc: BaseException) -> Problem:
+    hint = " (StoreReader(trust_pickled_objects=True) loads it if you trust its writer)"
+    return Problem(step, key, "dcp-item", classify(exc), message(exc) + hint)
 
 
 def _dcp_items_not_held(metadata: Any, indexes: dict[int, RankIndex], ranks: set[int]) -> str:

@@ -271,7 +271,6 @@ def store_now(store: Store) -> float:
                 store.delete(key)
             except CheckpointError as exc:  # gc removes old probes
                 logger.debug("clock probe %s not deleted: %s", store.url(key), exc)
-    raise AssertionError("unreachable")
 
 
 def stale_probes(store: Store, older_than_s: float) -> list[str]:

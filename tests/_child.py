@@ -37,3 +37,30 @@ def growth_and_outcome(lines: list[str]) -> tuple[int, str]:
     growth = [int(line.split()[1]) for line in lines if line.startswith("GROWTH")]
     assert growth, f"the child printed no GROWTH line: {lines[-5:]}"
     return growth[0], lines[-1]
+
+
+_MEASURED = """
+import resource
+resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
+{setup}
+def _peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+_before = _peak()
+try:
+{action}
+except Exception as exc:
+    outcome = type(exc).__name__ + " " + str(exc).replace("\\n", " ")
+print("GROWTH", _peak() - _before)
+print(outcome)
+"""
+
+
+def growth_in_child(setup: str, action: str, timeout_s: float) -> tuple[int, str]:
+    """Run ``setup``, then ``action`` (which sets ``outcome``), in a child process limited to
+    4 GiB of data: how much its peak RSS grew during ``action``, in bytes, and its outcome (or
+    the exception it raised, as one line)."""
+    script = _MEASURED.format(
+        setup=textwrap.dedent(setup).strip(),
+        action=textwrap.indent(textwrap.dedent(action).strip(), "    "),
+    )
+    return growth_and_outcome(run_script(script, timeout_s))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from _child import growth_and_outcome, run_script
+from _child import growth_in_child
 from _crafted import put_rank_index, rank_index_doc, rewrite
 
 from ckptstore import CheckpointCorruptError, Checkpointer, Store
@@ -65,28 +65,21 @@ def plant_bomb(uri: str, frame: bytes, *, declared_raw: int | None = None) -> st
 def in_child(uri: str, action: str) -> tuple[int, str]:
     """``action`` (restore | verify) on ``uri`` in a child process: how much its peak RSS grew
     during the action, in bytes, and its outcome."""
-    script = f"""
-        import resource, sys, torch
-        resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
+    setup = f"""
+        import torch
         from ckptstore import Checkpointer
         from ckptstore.cli import main
-        def peak():
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         target = {{"w": torch.zeros({N})}}
         ckpt = Checkpointer({uri!r})
-        before = peak()
-        try:
-            if {action!r} == "restore":
-                ckpt.load(target)
-                outcome = "LOADED"
-            else:
-                outcome = f"verify exit {{main(['verify', {uri!r}])}}"
-        except Exception as exc:
-            outcome = type(exc).__name__ + " " + str(exc).replace("\\n", " ")
-        print("GROWTH", peak() - before)
-        print(outcome)
         """
-    return growth_and_outcome(run_script(script, CHILD_TIMEOUT_S))
+    action = f"""
+        if {action!r} == "restore":
+            ckpt.load(target)
+            outcome = "LOADED"
+        else:
+            outcome = f"verify exit {{main(['verify', {uri!r}])}}"
+        """
+    return growth_in_child(setup, action, CHILD_TIMEOUT_S)
 
 
 def test_a_frame_claiming_more_than_its_plane_is_refused_in_bounded_memory(

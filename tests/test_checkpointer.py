@@ -219,12 +219,16 @@ def test_keep_last_deletes_old_steps_and_their_chunks(tmp_path):
         assert torch.equal(target["w"], torch.full((20_000,), float(step)))
 
 
-def test_background_error_surfaces_and_leaves_no_step():
+def failing_checkpointer(uri: str) -> tuple[Checkpointer, Faults]:
+    """A Checkpointer on ``uri`` whose every put fails (twice: then the save fails) until
+    ``faults.error_rate`` is set back to 0."""
     faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
-    store = with_faults(
-        Store("memory://failing-saves", retry=RetryPolicy(attempts=2, base_delay_s=0.001)), faults
-    )
-    ckpt = Checkpointer("memory://failing-saves", store=store)
+    store = with_faults(Store(uri, retry=RetryPolicy(attempts=2, base_delay_s=0.001)), faults)
+    return Checkpointer(uri, store=store), faults
+
+
+def test_background_error_surfaces_and_leaves_no_step():
+    ckpt, faults = failing_checkpointer("memory://failing-saves")
     handle = ckpt.save(1, {"w": torch.randn(100)})
     with pytest.raises(StorageError, match="failed after 2 attempts"):
         handle.wait(timeout_s=60)
@@ -236,11 +240,7 @@ def test_background_error_surfaces_and_leaves_no_step():
 
 
 def test_an_unwaited_save_error_is_raised_once_by_the_next_save():
-    faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
-    store = with_faults(
-        Store("memory://unwaited", retry=RetryPolicy(attempts=2, base_delay_s=0.001)), faults
-    )
-    ckpt = Checkpointer("memory://unwaited", store=store)
+    ckpt, faults = failing_checkpointer("memory://unwaited")
     handle = ckpt.save(1, {"w": torch.randn(100)})
     assert handle._future.exception(timeout=60) is not None  # failed; nobody called wait()
     faults.error_rate = 0.0
@@ -253,11 +253,7 @@ def test_an_unwaited_save_error_is_raised_once_by_the_next_save():
 
 
 def test_an_unwaited_save_error_is_raised_by_close():
-    faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
-    store = with_faults(
-        Store("memory://unwaited-close", retry=RetryPolicy(attempts=2, base_delay_s=0.001)), faults
-    )
-    ckpt = Checkpointer("memory://unwaited-close", store=store)
+    ckpt, _ = failing_checkpointer("memory://unwaited-close")
     ckpt.save(1, {"w": torch.randn(100)})
     with pytest.raises(StorageError, match="failed after 2 attempts"):
         ckpt.close()
