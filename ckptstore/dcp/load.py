@@ -5,19 +5,21 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from ckptstore.dcp._torch_private import (
+    EmptyStateDictLoadPlanner,
+    load_in_this_process,
+    set_element,
+)
 from ckptstore.dcp.reader import StoreReader, load_pickled_value
 from ckptstore.errors import CheckpointError
 from ckptstore.format import check_step
 from ckptstore.store import Store
 
 
-class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+class _WeightsOnlyPlanner(EmptyStateDictLoadPlanner):
     """DCP's planner for loading into an empty state dict, whose pickled values are loaded by
     torch's weights-only unpickler instead of ``torch.load(weights_only=False)``."""
 
@@ -46,7 +48,7 @@ def load_full_state_dict(store: Store, step: int) -> dict[str, Any]:
     planner = _WeightsOnlyPlanner(f"step {step} in {store.uri}")
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        load_in_this_process(state, reader=reader, planner=planner)
     except CheckpointException as exc:
         errors = [error for error, _ in exc.failures.values()]
         if len(errors) == 1 and isinstance(errors[0], CheckpointError):

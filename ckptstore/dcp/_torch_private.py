@@ -1,0 +1,35 @@
+"""Every private name of ``torch.distributed`` that ckptstore uses, and only here.
+
+DCP has no public way to load a whole checkpoint into an empty state dict in one process without
+a process group (its ``dcp_to_torch_save`` does that for a directory only), nor to narrow a
+stored shard to the slice a read asks for. Checked against torch 2.13.0 (`make test`) and 2.14.1
+(`make test-torch-next`); when a torch release moves one of these, this file is the one to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.storage import StorageReader
+
+__all__ = [
+    "EmptyStateDictLoadPlanner",
+    "load_in_this_process",
+    "narrow_tensor_by_index",
+    "set_element",
+]
+
+# Rebuilds the state dict from the step's metadata (the state dict it is given must be empty).
+EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
+
+
+def load_in_this_process(
+    state: dict[str, Any], *, reader: StorageReader, planner: LoadPlanner
+) -> None:
+    """DCP's load, run by this process alone: no process group, this process the coordinator."""
+    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
