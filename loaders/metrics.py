@@ -1,8 +1,8 @@
 """Counters and latency histograms of the loader: per replica, per read, for the consumer and
 for the cache, and the reports that carry them out of DataLoader worker processes.
 
-Every stats object pickles (its histograms travel encoded) and merges into another of its kind:
-counts add up, histograms merge, high-water marks take the maximum.
+Every stats object pickles (its counts and histograms travel as data) and merges into another
+of its kind: counts add up, histograms merge, high-water marks take the maximum.
 """
 
 from __future__ import annotations
@@ -14,45 +14,80 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore import telemetry
-from ckptstore.metrics import LatencyHistogram
+from ckptstore.telemetry import Counts
+from ckptstore.telemetry.latency import LatencyHistogram
 
 logger = logging.getLogger(__name__)
 
 
+def _count(name: str) -> property:
+    def get(self: _Stats) -> float:
+        return self.counts[name]
+
+    def set(self: _Stats, value: float) -> None:
+        self.counts.set(name, value)
+
+    return property(get, set, doc=f"The count {name!r} (in ``counts``).")
+
+
 class _Stats:
-    """Counters (``_COUNTS``, added), high-water marks (``_MAXIMA``) and latency histograms
-    (``_HISTOGRAMS``) that pickle and merge."""
+    """Counts (``_COUNTS``, in ``counts``, each readable as an attribute), high-water marks
+    (``_MAXIMA``) and latency histograms (``_HISTOGRAMS``) that pickle and merge.
+
+    The process-wide series a kind feeds (``_series``) are attached to its counts once it
+    records in this process: a copy that only carries figures (a worker's report) feeds none.
+    """
 
     _COUNTS: tuple[str, ...] = ()
     _MAXIMA: tuple[str, ...] = ()
     _HISTOGRAMS: tuple[str, ...] = ()
 
+    def __init_subclass__(cls) -> None:
+        for name in cls._COUNTS:
+            setattr(cls, name, _count(name))
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        for name in self._COUNTS + self._MAXIMA:
+        self._attached = False
+        self.counts = Counts()
+        for name in self._MAXIMA:
             setattr(self, name, 0)
         for name in self._HISTOGRAMS:
             setattr(self, name, LatencyHistogram())
 
-    def _add(self, counts: dict[str, int]) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
+    def _series(
+        self,
+    ) -> list[tuple[telemetry.Counter, Callable[[Hashable], telemetry.Labels | None]]]:
+        """The process-wide counters these counts feed, each with its labels of a count's name
+        (which must not refer to ``self``)."""
+        return []
+
+    def add(self, **counts: float) -> None:
+        """Add these counts, all at once."""
+        if not self._attached:
+            with self._lock:
+                if not self._attached:
+                    for series, labels_of in self._series():
+                        series.attach(self, self.counts, labels_of)
+                    self._attached = True
+        self.counts.add_many(counts)
 
     def _counts(self) -> dict[str, Any]:
+        counts = self.counts.snapshot()
+        out = {name: counts.get(name, 0) for name in self._COUNTS}
         with self._lock:
-            return {name: getattr(self, name) for name in self._COUNTS + self._MAXIMA}
+            return out | {name: getattr(self, name) for name in self._MAXIMA}
 
     def merge(self, other: _Stats) -> None:
         """Add ``other``'s figures (of the same kind) to these."""
+        self.counts.merge(other.counts)
         theirs = other._counts()
         with self._lock:
-            for name in self._COUNTS:
-                setattr(self, name, getattr(self, name) + theirs[name])
             for name in self._MAXIMA:
                 setattr(self, name, max(getattr(self, name), theirs[name]))
         for name in self._HISTOGRAMS:
@@ -60,12 +95,13 @@ class _Stats:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"]
+        del state["_lock"], state["_attached"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._attached = False
 
 
 class ReplicaStats(_Stats):
@@ -89,13 +125,9 @@ class ReplicaStats(_Stats):
         super().__init__()
         self.name = name
 
-    def add(self, **counts: int) -> None:
-        self._add(counts)
-        for result in ("fired", "won"):
-            if counts.get(f"hedges_{result}"):
-                telemetry.loader_hedges_total.inc(
-                    counts[f"hedges_{result}"], replica=self.name, result=result
-                )
+    def _series(self) -> list:
+        hedges = {f"hedges_{result}": (self.name, result) for result in ("fired", "won")}
+        return [(telemetry.loader_hedges_total, hedges.get)]
 
     def record_latency(self, seconds: float) -> None:
         """One attempt on this replica answered after ``seconds``."""
@@ -115,10 +147,8 @@ class ReadStats(_Stats):
     _COUNTS = ("reads", "failed", "hedges", "hedges_refused", "failovers")
     _HISTOGRAMS = ("latency",)
 
-    def add(self, **counts: int) -> None:
-        self._add(counts)
-        if counts.get("failovers"):
-            telemetry.loader_failovers_total.inc(counts["failovers"])
+    def _series(self) -> list:
+        return [(telemetry.loader_failovers_total, {"failovers": ()}.get)]
 
     def as_dict(self) -> dict[str, Any]:
         return self._counts() | self.latency.summary()
@@ -154,9 +184,6 @@ class CacheStats(_Stats):
         "bytes_hit",
         "bytes_filled",
     )
-
-    def add(self, **counts: int) -> None:
-        self._add(counts)
 
     def as_dict(self) -> dict[str, int]:
         return self._counts()

@@ -13,11 +13,12 @@ import pytest
 from torch.utils.data import DataLoader
 
 import loaders.dataset
-from ckptstore.metrics import LatencyHistogram
+from ckptstore import telemetry
 from ckptstore.store import Store
+from ckptstore.telemetry import LatencyHistogram
 from ckptstore.testing.faults import Faults, parse_latency, with_faults
 from loaders import LoaderConfig, ReplicaConfig, ShardDataset, StatefulLoader, TokenFiles
-from loaders.metrics import ReadStats
+from loaders.metrics import ConsumerStats, ReaderReport, ReaderReports, ReadStats, ReplicaStats
 from loaders.order import Reader
 
 pytestmark = pytest.mark.timeout(120)
@@ -177,6 +178,31 @@ def test_stats_pickle_and_merge():
     assert a.as_dict()["reads"] == 2  # the original is untouched
     h = pickle.loads(pickle.dumps(LatencyHistogram()))
     assert h.summary()["count"] == 0
+
+
+def test_stats_are_counted_once_in_this_processes_series():
+    """A replica's hedges and a replica set's failovers count in the process-wide series by
+    being the stats' own counts: a report's copy, merged, adds nothing; a copy that reads on
+    (as in a spawned worker) adds only what it counts there."""
+
+    def hedges(result: str) -> float:
+        return telemetry.loader_hedges_total.value(replica="r-once", result=result)
+
+    fired, failovers = hedges("fired"), telemetry.loader_failovers_total.value()
+    replica, reads = ReplicaStats("r-once"), ReadStats()
+    replica.add(requests=3, hedges_fired=2, hedges_won=1)
+    reads.add(reads=3, failovers=1)
+    assert hedges("fired") - fired == 2 and telemetry.loader_failovers_total.value() == (
+        failovers + 1
+    )
+    report = ReaderReport(ConsumerStats(), reads, {"r-once": replica}, health={})
+    total = ReaderReports.merged(None, report)
+    total.merge(report)
+    assert total.replicas["r-once"].hedges_fired == 4
+    assert hedges("fired") - fired == 2  # figures carried and summed are not counted again
+    worker = pickle.loads(pickle.dumps(replica))
+    worker.add(hedges_fired=5)
+    assert hedges("fired") - fired == 7 and worker.hedges_fired == 7
 
 
 def test_workers_read_on_when_their_report_directory_is_gone(tmp_path):

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import pickle
+import threading
 import urllib.request
 
 import pytest
 import torch
 
 from ckptstore import Checkpointer, telemetry
+from ckptstore.errors import ObjectNotFoundError
+from ckptstore.store import Store
 
 
 def test_counter_counts_per_label_set_and_refuses_bad_use():
@@ -32,6 +37,110 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert series["count"] == 4
     assert series["sum"] == pytest.approx(2.65)
     assert series["buckets"] == [(0.1, 2), (1.0, 3), (math.inf, 4)]
+
+
+def test_counts_add_merge_and_pickle_across_threads():
+    a = telemetry.Counts()
+
+    def count():
+        for _ in range(1000):
+            a.add(("get", "ok"))
+            a.add_many({("put", "ok"): 1, "bytes": 3})
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert a.snapshot() == {("get", "ok"): 4000, ("put", "ok"): 4000, "bytes": 12000}
+    b = pickle.loads(pickle.dumps(a))
+    b.merge(a)
+    b.set("waits", 2)
+    assert b.snapshot() == {("get", "ok"): 8000, ("put", "ok"): 8000, "bytes": 24000, "waits": 2}
+    assert a["bytes"] == 12000 and a["missing"] == 0  # the original is untouched
+
+
+class _Owner:
+    pass
+
+
+def test_attached_counts_are_the_counters_number_while_their_owner_lives_and_after():
+    c = telemetry.Counter("t_requests_total", "requests", ["op"])
+    c.inc(op="get")
+    owner, counts = _Owner(), telemetry.Counts({("requests", "get"): 5})
+    # what the counts held when attached was counted elsewhere (another process, say)
+    c.attach(owner, counts, lambda key: key[1:] if key[0] == "requests" else None)
+    counts.add_many({("requests", "get"): 2, ("requests", "put"): 1, ("retries", "get"): 9})
+    assert c.samples() == {("get",): 3.0, ("put",): 1.0}
+    del owner
+    gc.collect()
+    assert c.samples() == {("get",): 3.0, ("put",): 1.0}  # its owner gone, its counts stay
+    counts.add(("requests", "get"), 100)  # settled: read no more
+    assert c.samples() == {("get",): 3.0, ("put",): 1.0}
+
+
+def _storage(op: str, outcome: str = "ok") -> float:
+    return telemetry.storage_requests_total.value(op=op, outcome=outcome)
+
+
+def test_each_store_request_is_counted_once(tmp_path):
+    store = Store(str(tmp_path / "s"))
+    before = {
+        "put": _storage("put"),
+        "get": _storage("get"),
+        "missing": _storage("get", "not_found"),
+        "bytes": telemetry.storage_bytes_total.value(op="put"),
+    }
+    for i in range(7):
+        store.put(f"k{i}", b"x" * 10)
+    for i in range(3):
+        store.get(f"k{i}")
+    with pytest.raises(ObjectNotFoundError):
+        store.get("nothing")
+    ours = store.counters.snapshot()
+    assert ours["requests"] == {"put": {"ok": 7}, "get": {"ok": 3, "not_found": 1}}
+    # the process-wide series read the store's counts: counted twice, these would be 14, 6, ...
+    assert _storage("put") - before["put"] == 7
+    assert _storage("get") - before["get"] == 3
+    assert _storage("get", "not_found") - before["missing"] == 1
+    assert telemetry.storage_bytes_total.value(op="put") - before["bytes"] == 70
+    del store
+    gc.collect()  # a store gone keeps its requests in the process's numbers
+    assert _storage("put") - before["put"] == 7
+
+
+def test_process_numbers_never_drop_nor_double_while_stores_come_and_go():
+    """Stores are made, used and dropped on several threads while another reads the series:
+    every reading is at least the previous one, and the last is exactly what was done."""
+    before = _storage("put")
+    threads, stores_each, puts_each = 4, 15, 4
+    done = threading.Event()
+    readings: list[float] = []
+
+    def read():
+        while not done.is_set():
+            readings.append(_storage("put"))
+
+    def work(t: int) -> None:
+        for s in range(stores_each):
+            store = Store(f"memory://telemetry-churn/{t}/{s}")
+            for i in range(puts_each):
+                store.put(f"k{i}", b"x")
+            del store
+            gc.collect()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    done.set()
+    reader.join()
+    readings.append(_storage("put"))
+    assert all(a <= b for a, b in zip(readings, readings[1:]))
+    assert readings[-1] - before == threads * stores_each * puts_each
 
 
 def _value(name, **labels):

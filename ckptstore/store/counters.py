@@ -7,11 +7,11 @@ Shaped like the Prometheus metrics they become (``ckptstore_storage_requests_tot
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ckptstore import telemetry
+from ckptstore.telemetry import Counts
 
 OK = "ok"
 """The outcome of a request that answered; any other outcome is an error kind."""
@@ -19,43 +19,43 @@ ERROR_KINDS = ("not_found", "exists", "timeout", "access", "no_space", "transien
 """Outcomes of failed requests: ``transient`` is one that failed after its last retry."""
 HEDGE_RESULTS = ("fired", "won")
 
+# The store's counts are keyed (what, *label values); each is the process-wide series of `what`.
+_SERIES = {
+    "requests": telemetry.storage_requests_total,
+    "retries": telemetry.storage_retries_total,
+    "hedges": telemetry.storage_hedges_total,
+    "bytes": telemetry.storage_bytes_total,
+}
+
 
 class StoreCounters:
     """Thread-safe counts of one store's requests (each request once, whatever its attempts).
 
-    Every count is also added to the process-wide metrics of ``ckptstore.telemetry``.
+    They are the only count: the process-wide series of ``ckptstore.telemetry`` are the sum of
+    every store's counters (attached to them), not counted again.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: Counter[tuple[str, str]] = Counter()
-        self._retries: Counter[str] = Counter()
-        self._hedges: Counter[tuple[str, str]] = Counter()
-        self._bytes: Counter[str] = Counter()
+        self._counts = Counts()
+        for what, series in _SERIES.items():
+            series.attach(self, self._counts, _labels_of(what))
 
     def request(self, op: str, outcome: str, nbytes: int = 0) -> None:
         """One request of ``op`` ended with ``outcome`` (``OK`` or an error kind), moving
         ``nbytes`` when it answered."""
-        with self._lock:
-            self._requests[op, outcome] += 1
-            if nbytes:
-                self._bytes[op] += nbytes
-        telemetry.storage_requests_total.inc(op=op, outcome=outcome)
+        counted: dict[Hashable, int] = {("requests", op, outcome): 1}
         if nbytes:
-            telemetry.storage_bytes_total.inc(nbytes, op=op)
+            counted["bytes", op] = nbytes
+        self._counts.add_many(counted)
 
     def retry(self, op: str) -> None:
         """An attempt of ``op`` failed transiently or timed out (another may follow)."""
-        with self._lock:
-            self._retries[op] += 1
-        telemetry.storage_retries_total.inc(op=op)
+        self._counts.add(("retries", op))
 
     def hedge(self, op: str, result: str) -> None:
         """A duplicate of ``op`` was sent (``fired``) or answered first (``won``)."""
         assert result in HEDGE_RESULTS, result
-        with self._lock:
-            self._hedges[op, result] += 1
-        telemetry.storage_hedges_total.inc(op=op, result=result)
+        self._counts.add(("hedges", op, result))
 
     def snapshot(self) -> dict[str, Any]:
         """The counts as plain nested dicts::
@@ -63,15 +63,13 @@ class StoreCounters:
         {"requests": {op: {outcome: n}}, "retries": {op: n},
          "hedges": {op: {"fired": n, "won": n}}, "bytes": {op: n}}
         """
-        with self._lock:
-            requests, hedges = dict(self._requests), dict(self._hedges)
-            retries, nbytes = dict(self._retries), dict(self._bytes)
-        return {
-            "requests": _nest(requests),
-            "retries": retries,
-            "hedges": _nest(hedges),
-            "bytes": nbytes,
-        }
+        out: dict[str, dict] = {what: {} for what in _SERIES}
+        for (what, op, *label), n in sorted(self._counts.snapshot().items()):  # type: ignore[misc]
+            if label:
+                out[what].setdefault(op, {})[label[0]] = n
+            else:
+                out[what][op] = n
+        return out
 
     def errors(self) -> dict[str, dict[str, int]]:
         """Failed requests by operation and error kind."""
@@ -82,8 +80,8 @@ class StoreCounters:
         }
 
 
-def _nest(counts: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for (op, label), n in sorted(counts.items()):
-        out.setdefault(op, {})[label] = n
-    return out
+def _labels_of(what: str) -> Callable[[Hashable], tuple[str, ...] | None]:
+    def labels(key: Hashable) -> tuple[str, ...] | None:
+        return key[1:] if key[0] == what else None  # type: ignore[index]
+
+    return labels
