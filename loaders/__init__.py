@@ -13,11 +13,10 @@ from loaders.errors import (
     ShardNotFoundError,
     UnknownFormatError,
 )
-from loaders.mds import MDS
+from loaders.formats.mds import MDS, MDSWriter
+from loaders.formats.tokens import TokenFiles, TokenWriter
+from loaders.formats.wds import WebDataset, WebDatasetWriter
 from loaders.replicas import ReplicaSet
-from loaders.tokens import TokenFiles
-from loaders.wds import WebDataset
-from loaders.write import MDSWriter, TokenWriter, WebDatasetWriter
 
 __all__ = [
     "MDS",

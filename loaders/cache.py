@@ -56,7 +56,7 @@ import fsspec
 import xxhash
 
 from loaders.errors import ShardCorruptError
-from loaders.layout import Unit
+from loaders.formats.layout import Unit
 from loaders.metrics import CacheStats
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from ckptstore.store import Store
 from loaders.cache import open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
 from loaders.errors import ShardNotFoundError
-from loaders.layout import Format, Unit, unit_samples
+from loaders.formats.layout import Format, Unit, unit_samples
 from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
 from loaders.prefetch import Window

@@ -15,9 +15,16 @@ import pytest
 import zstandard
 from _child import growth_in_child
 
-from loaders import MDS, LoaderConfig, ShardCorruptError, ShardDataset, TokenFiles, WebDataset
-from loaders._codecs import hasher
-from loaders.write.mds import MDSWriter
+from loaders import (
+    MDS,
+    LoaderConfig,
+    MDSWriter,
+    ShardCorruptError,
+    ShardDataset,
+    TokenFiles,
+    WebDataset,
+)
+from loaders.formats._codecs import hasher
 
 IN_ORDER = LoaderConfig(shuffle=False)
 BOMB = 1 << 30

@@ -1,6 +1,6 @@
-"""Writers: every format written by loaders.write reads back exactly through the loader's reader
-(and through the upstream webdataset package); MDS output is byte for byte what MosaicML
-Streaming's own writer made of the same samples (tests/fixtures/mds)."""
+"""Writers: every format written by its writer (loaders/formats/*/writer.py) reads back exactly
+through the loader's reader (and through the upstream webdataset package); MDS output is byte for
+byte what MosaicML Streaming's own writer made of the same samples (tests/fixtures/mds)."""
 
 from __future__ import annotations
 

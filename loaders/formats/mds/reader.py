@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from loaders._codecs import decompress, hasher
 from loaders.errors import ShardCorruptError, UnknownFormatError
-from loaders.layout import Unit, check_shard_key
+from loaders.formats._codecs import decompress, hasher
+from loaders.formats.layout import Unit, check_shard_key
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from loaders._codecs import hasher
-from loaders.mds import _NDARRAY_DTYPES, _SCALARS, _SHAPE_DTYPES
-from loaders.write._sink import DatasetSink, ShardWriter, Target
+from loaders.formats._codecs import hasher
+from loaders.formats._writing import DatasetSink, ShardWriter, Target
+from loaders.formats.mds.reader import _NDARRAY_DTYPES, _SCALARS, _SHAPE_DTYPES
 
 _DTYPE_CODES = {np.dtype(v): k for k, v in _NDARRAY_DTYPES.items()}
 _SHAPE_CODES = [(k, np.dtype(v)) for k, v in sorted(_SHAPE_DTYPES.items())]

@@ -9,7 +9,8 @@ import tarfile
 from collections.abc import Sequence
 from typing import Any
 
-from loaders.write._sink import DatasetSink, ShardWriter, Target, manifest_bytes
+from loaders.formats._writing import DatasetSink, ShardWriter, Target
+from loaders.formats.manifest import manifest_bytes
 
 _BLOCK = tarfile.BLOCKSIZE
 

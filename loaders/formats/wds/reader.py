@@ -14,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from loaders._codecs import decompress
 from loaders.errors import ShardCorruptError, UnknownFormatError
-from loaders.layout import Unit, shard_sizes
+from loaders.formats._codecs import decompress
+from loaders.formats.layout import Unit
+from loaders.formats.manifest import shard_sizes
 
 # What ``webdataset.TarWriter`` writes: a name ending in "gz" is gzip-compressed.
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
-_COMPRESSIONS = {  # leading bytes -> loaders._codecs name
+_COMPRESSIONS = {  # leading bytes -> loaders.formats._codecs name
     b"\x1f\x8b": "gz",
     b"BZh": "bz2",
     b"\xfd7zXZ\x00": "xz",

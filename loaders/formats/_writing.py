@@ -107,8 +107,3 @@ class ShardWriter:
 
     def _index_bytes(self) -> bytes:
         raise NotImplementedError
-
-
-def manifest_bytes(keys: list[str]) -> bytes:
-    """A manifest as ``TokenFiles(manifest=...)`` and ``WebDataset(manifest=...)`` read it."""
-    return "".join(f"{k}\n" for k in keys).encode("utf-8")

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from loaders.tokens import LLMC_HEADER_BYTES, llmc_header
-from loaders.write._sink import DatasetSink, ShardWriter, Target, manifest_bytes
+from loaders.formats._writing import DatasetSink, ShardWriter, Target
+from loaders.formats.manifest import manifest_bytes
+from loaders.formats.tokens.reader import LLMC_HEADER_BYTES, llmc_header
 
 # Megatron-LM's indexed dataset (megatron/core/datasets/indexed_dataset.py): "MMIDIDX\0\0",
 # version 1 (<Q), a dtype code (<B), then sequence and document counts (<Q each), the sequence

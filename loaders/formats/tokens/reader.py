@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
-from loaders.layout import Unit, shard_sizes
+from loaders.formats.layout import Unit
+from loaders.formats.manifest import shard_sizes
 
 LLMC_HEADER_BYTES = 1024
 # llm.c's dev/data/data_common.py: GPT-2 files hold uint16 tokens, Llama 3 files uint32.
