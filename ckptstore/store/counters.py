@@ -1,8 +1,8 @@
 """What a store did, as numbers: requests by operation and outcome, retries, hedges, bytes.
 
-Shaped like the Prometheus metrics they become (``ckptstore_storage_requests_total{op,outcome}``,
-``ckptstore_storage_retries_total{op}``, ``ckptstore_storage_hedges_total{op,result}``,
-``ckptstore_storage_bytes_total{op}``): each count is keyed by its label values.
+Shaped like the Prometheus metrics they are read into (``ckptstore_storage_requests_total{op,
+outcome}``, ``ckptstore_storage_retries_total{op}``, ``ckptstore_storage_hedges_total{op,result}``,
+``ckptstore_storage_bytes_total{op}``): each count is keyed by the metric and its label values.
 """
 
 from __future__ import annotations
