@@ -12,30 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptstore.catalog import (
-    dcp_items,
-    load_manifest,
-    load_rank_indexes,
-    rank_of,
-    read_rank_index,
-    tensor_names,
-)
+from ckptstore.catalog import load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
     FormatVersionError,
-    StorageError,
 )
-from ckptstore.format import (
-    KIND_DCP,
-    KIND_STATE,
-    ChunkInfo,
-    Manifest,
-    RankIndex,
-    chunk_key,
-    commit_key,
-)
+from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
+from ckptstore.steps import StepView
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -48,15 +32,16 @@ def ratio(raw: int, stored: int) -> float | None:
     return round(raw / stored, 4) if stored else None
 
 
-def summarize(store: Store, manifest: Manifest, indexes: list[RankIndex]) -> dict[str, Any]:
+def summarize(view: StepView) -> dict[str, Any]:
     """What ``inspect`` shows of a step, as a JSON-ready dict."""
+    manifest = view.manifest
     chunks: dict[str, ChunkInfo] = {}
     ranks = []
     tensors = []
-    for ref, index in zip(manifest.ranks, indexes):
+    for ref, index in zip(manifest.ranks, view.indexes()):
         chunks.update(index.chunks)
-        names = tensor_names(manifest, index)
-        items = dcp_items(index) if manifest.kind == KIND_DCP else {}
+        names = view.tensor_names(index)
+        offsets = view.shard_offsets(index)
         raw_total = stored_total = 0
         for i, entry in enumerate(index.tensors):
             raw = entry.nbytes
@@ -81,8 +66,8 @@ def summarize(store: Store, manifest: Manifest, indexes: list[RankIndex]) -> dic
                     "stored_bytes": round(stored),
                     "numpy": entry.numpy,
                     # DCP only: the shard's offsets in the full tensor (None: a pickled object)
-                    "offset": items[i][1] if i in items else None,
-                    "object": i in items and items[i][1] is None,
+                    "offset": offsets.get(i),
+                    "object": i in offsets and offsets[i] is None,
                     "chunks": digests,
                 }
             )
@@ -99,7 +84,7 @@ def summarize(store: Store, manifest: Manifest, indexes: list[RankIndex]) -> dic
     raw = sum(c.raw for c in chunks.values())
     stored = sum(c.stored for c in chunks.values())
     return {
-        **manifest_summary(store, manifest),
+        **manifest_summary(view.store, manifest),
         "attempt": manifest.attempt,
         "raw_bytes": raw,
         "stored_bytes": stored,
@@ -219,32 +204,12 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
         )
         return check
     check.kind, check.world_size = manifest.kind, manifest.world_size
-
-    def corrupt_manifest(why: str) -> None:
-        check.problems.append(Problem(step, commit_key(step), "manifest", "corrupt", why))
-
-    if manifest.kind not in (KIND_STATE, KIND_DCP):
-        corrupt_manifest(f"unknown checkpoint kind {manifest.kind!r}")
-    metadata = None
+    try:
+        view = StepView(store, manifest)
+    except CheckpointError as exc:
+        check.problems.append(Problem(step, commit_key(step), "manifest", "corrupt", message(exc)))
+        return check
     indexes: dict[int, RankIndex] = {}
-    if manifest.kind == KIND_DCP:
-        if manifest.dcp_metadata is None:
-            corrupt_manifest("a dcp step without DCP metadata")
-        else:
-            try:
-                from ckptstore.dcp.reader import read_dcp_metadata  # heavy: DCP steps only
-
-                metadata = read_dcp_metadata(store, manifest)  # as restore decodes it
-            except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
-                check.problems.append(
-                    Problem(
-                        step,
-                        manifest.dcp_metadata.key,
-                        "dcp-metadata",
-                        classify(exc),
-                        message(exc),
-                    )
-                )
     for ref in manifest.ranks:
         try:
             index = read_rank_index(store, ref)
@@ -253,8 +218,8 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
             continue
         check.ranks += 1
         check.tensors += len(index.tensors)
-        indexes[index.rank] = index
-        names = tensor_names(manifest, index)
+        indexes[rank_of(ref.key)] = index
+        names = view.tensor_names(index)
         for i, entry in enumerate(index.tensors):
             label = names[i] if manifest.world_size == 1 else f"{names[i]} (rank {index.rank})"
             for seg in entry.segments:
@@ -267,69 +232,17 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
             check.chunk_refs.setdefault(digest, None)
     check.chunks = len(check.chunk_refs)
     check.raw_bytes = sum(info.raw for info in check.chunk_refs.values() if info is not None)
-    if metadata is not None:
-        missing = _dcp_items_not_held(metadata, indexes, {rank_of(r.key) for r in manifest.ranks})
-        if missing:
-            check.problems.append(
-                Problem(step, manifest.dcp_metadata.key, "dcp-metadata", "corrupt", missing)
+    for found in view.problems(indexes):
+        check.problems.append(
+            Problem(
+                step,
+                found.key,
+                found.what,
+                classify(found.error),
+                message(found.error) + found.hint,
             )
-        else:
-            check.problems += _refused_pickled_values(store, manifest, metadata, indexes)
+        )
     return check
-
-
-def _refused_pickled_values(
-    store: Store, manifest: Manifest, metadata: Any, indexes: dict[int, RankIndex]
-) -> list[Problem]:
-    """Values DCP pickled that restore refuses (torch's weights-only unpickler would need a
-    class or code): a problem each, so that verify OK means restore loads."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from ckptstore.dcp.ids import storage_key
-    from ckptstore.dcp.reader import load_pickled_value
-    from ckptstore.pipeline import PipelineConfig, read_tensors
-
-    keys = {rank_of(ref.key): ref.key for ref in manifest.ranks}
-    pickled: dict[int, dict[int, str]] = {}  # rank -> tensor -> item key
-    for item, (rank, tensor) in metadata.storage_data.items():
-        described = metadata.state_dict_metadata.get(item.fqn)
-        if isinstance(described, BytesStorageMetadata) and rank in indexes:
-            pickled.setdefault(rank, {})[tensor] = repr(storage_key(item))
-    problems = []
-    for rank, items in pickled.items():
-        try:  # one read per rank: a chunk holding several values is fetched once
-            wanted = dict.fromkeys(items)
-            values = read_tensors(store, indexes[rank], wanted, PipelineConfig())
-            for tensor, name in items.items():
-                try:
-                    load_pickled_value(values[tensor].numpy().tobytes(), name)
-                except CheckpointError as exc:
-                    problems.append(_refused(manifest.step, keys[rank], exc))
-        except Exception as exc:  # noqa: BLE001 - reported as a problem of this rank's items
-            problems.append(_refused(manifest.step, keys[rank], exc))
-    return problems
-
-
-def _refused(step: int, key: str, exc: BaseException) -> Problem:
-    hint = " (StoreReader(trust_pickled_objects=True) loads it if you trust its writer)"
-    return Problem(step, key, "dcp-item", classify(exc), message(exc) + hint)
-
-
-def _dcp_items_not_held(metadata: Any, indexes: dict[int, RankIndex], ranks: set[int]) -> str:
-    """Why the DCP metadata's item locations are not what the rank indexes hold ("" if they
-    are): restore reads each item at ``storage_data[item] = (rank, tensor)``."""
-    from ckptstore.dcp.ids import storage_key
-
-    for item, (rank, tensor) in metadata.storage_data.items():
-        key = storage_key(item)
-        if rank not in ranks:
-            return f"DCP item {key!r} is stored by rank {rank}, which has no index"
-        index = indexes.get(rank)
-        if index is None:
-            continue  # its index is unreadable: reported already
-        if (index.items or {}).get(key) != tensor or not 0 <= tensor < len(index.tensors):
-            return f"DCP item {key!r}: the index of rank {rank} does not hold it at {tensor}"
-    return ""
 
 
 def check_chunks(
@@ -425,51 +338,3 @@ def message(exc: BaseException) -> str:
     if isinstance(exc, (CheckpointError, OSError)) and first:
         return first
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
-# -- rebuilding a whole step -------------------------------------------------------------------
-
-
-def load_step_state(
-    store: Store,
-    manifest: Manifest,
-    *,
-    on_chunk: Callable[[int], None] | None = None,
-) -> Any:
-    """The full state of a committed step as plain Python objects.
-
-    ``state`` steps: the saved tree of rank 0 for a world size of 1, else
-    ``{"rank0": ..., "rank1": ...}``. ``dcp`` steps: the full (unsharded) state dict.
-    """
-    if manifest.kind == KIND_DCP:
-        from ckptstore.dcp import load_full_state_dict  # heavy, and only needed for DCP steps
-
-        return load_full_state_dict(store, manifest.step)
-    if manifest.kind != KIND_STATE:
-        raise CheckpointCorruptError(
-            f"step {manifest.step}: unknown checkpoint kind {manifest.kind!r}"
-        )
-    from ckptstore.pipeline import PipelineConfig, read_tensors
-    from ckptstore.state import to_plain
-
-    states = {}
-    for index in load_rank_indexes(store, manifest):
-        wanted: dict[int, Any] = {i: None for i in range(len(index.tensors))}
-        tensors = read_tensors(store, index, wanted, PipelineConfig(), on_chunk=on_chunk)
-        states[index.rank] = to_plain(index.tree, tensors)
-    if manifest.world_size == 1 and list(states) == [0]:
-        return states[0]
-    missing = sorted(set(range(manifest.world_size)) - set(states))
-    if missing:
-        raise CheckpointNotFoundError(f"step {manifest.step}: no index for ranks {missing}")
-    return {f"rank{r}": states[r] for r in sorted(states)}
-
-
-def step_raw_bytes(store: Store, manifest: Manifest) -> int:
-    """Raw bytes a restore of ``manifest`` reads (for a progress bar); 0 when unknown."""
-    try:
-        return sum(
-            c.raw for index in load_rank_indexes(store, manifest) for c in index.chunks.values()
-        )
-    except (CheckpointError, StorageError):
-        return 0

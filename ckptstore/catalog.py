@@ -1,5 +1,5 @@
-"""The read side of a store: committed steps, their manifests, rank indexes and tensor names,
-and the saves in flight.
+"""The read side of a store: committed steps, their manifests and rank indexes, and the saves
+in flight (what a step holds, whichever front-end wrote it: ``steps.StepView``).
 
 ``format`` names objects and encodes and decodes them; this module finds and reads them (it
 never writes, except that it is where a step's absence is reported). Used by
@@ -13,7 +13,6 @@ CLI::
     open_step(store, step)                 both: the manifest of "latest" or of a number
     load_rank_index(store, manifest, r)    rank r's index, checked against the manifest
     load_rank_indexes(store, manifest)     every rank's index, in the manifest's order
-    tensor_names(manifest, index)          tensor index -> name, for state and DCP steps
     saves_in_flight(store)                 leases of saves and gcs, and legacy pending markers
 """
 
@@ -32,7 +31,6 @@ from ckptstore.errors import (
     ObjectNotFoundError,
 )
 from ckptstore.format import (
-    KIND_DCP,
     MAX_MANIFEST_BYTES,
     Manifest,
     ObjectRef,
@@ -41,11 +39,9 @@ from ckptstore.format import (
     commit_key,
     decode_manifest,
     decode_rank_index,
-    split_dcp_item_key,
 )
 from ckptstore.leases import find_leases
 from ckptstore.store import Store
-from ckptstore.tree import tensor_paths
 
 LEGACY_PENDING_GRACE_S = 6 * 3600.0
 """``pending/`` markers were written by ckptstore before leases; one younger than this may be
@@ -160,34 +156,6 @@ def load_rank_index(store: Store, manifest: Manifest, rank: int) -> RankIndex:
 def load_rank_indexes(store: Store, manifest: Manifest) -> list[RankIndex]:
     """Every rank index of ``manifest``, in the order the manifest lists them."""
     return [read_rank_index(store, ref) for ref in manifest.ranks]
-
-
-# -- tensor names --------------------------------------------------------------------------------
-
-
-def dcp_items(index: RankIndex) -> dict[int, tuple[str, list[int] | None]]:
-    """Tensor index -> (fqn, offsets) of a DCP rank index; offsets is None for an object DCP
-    pickled (a ``BYTE_IO`` item, stored as uint8 bytes), else the shard's offsets (all zero
-    for a whole tensor)."""
-    return {int(i): split_dcp_item_key(key) for key, i in (index.items or {}).items()}
-
-
-def tensor_names(manifest: Manifest, index: RankIndex) -> dict[int, str]:
-    """Tensor index -> name, for every tensor of ``index`` (unnamed ones as ``<tensor i>``).
-
-    Tensors of a state step are named by their path in the saved state (``model/0.weight``);
-    DCP items by their fqn, with ``@offsets`` added for a shard that does not start at the
-    origin."""
-    if manifest.kind == KIND_DCP and index.items is not None:
-        names = {
-            i: fqn if not offsets or not any(offsets) else f"{fqn}@{','.join(map(str, offsets))}"
-            for i, (fqn, offsets) in dcp_items(index).items()
-        }
-    elif index.tree is not None:
-        names = tensor_paths(index.tree)
-    else:
-        names = {}
-    return {i: names.get(i, f"<tensor {i}>") for i in range(len(index.tensors))}
 
 
 # -- saves in flight -----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import telemetry
-from ckptstore.catalog import list_steps, load_manifest, load_rank_index, resolve_step
+from ckptstore.catalog import list_steps, load_manifest, resolve_step
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -61,6 +61,7 @@ from ckptstore.save import (
     check_background_nice,
 )
 from ckptstore.state import finish_load, flatten, plan_load
+from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store, niced, open_store, set_thread_nice
 from ckptstore.tree import tensor_indexes
 
@@ -434,13 +435,9 @@ class Checkpointer:
         missing data (then an older step may load), and the paths of the tensors it wrote."""
         error: BaseException | None = None
         try:
-            manifest = load_manifest(self.store, step)
-            if manifest.kind != KIND_STATE:
-                raise UnsupportedStateError(
-                    f"step {step} in {self.store.uri} was saved through DCP; load it with "
-                    "torch.distributed.checkpoint.load(..., "
-                    "storage_reader=ckptstore.dcp.StoreReader(...))"
-                )
+            view = StepView(self.store, load_manifest(self.store, step))
+            view.require(CHECKPOINTER)
+            manifest = view.manifest
             if manifest.world_size != self._group.world_size:
                 raise UnsupportedStateError(
                     f"step {step} was saved by {manifest.world_size} rank(s), loading with "
@@ -465,7 +462,7 @@ class Checkpointer:
                     def describe(i: int):
                         return tensors[i].dtype, list(tensors[i].shape)
                 else:
-                    index = load_rank_index(self.store, manifest, self.rank)
+                    index = view.index(self.rank)
                     tree = index.tree
 
                     def describe(i: int):

@@ -31,23 +31,15 @@ from typing import Any
 
 import torch
 
-from ckptstore.catalog import load_manifest, load_rank_index, resolve_step
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     UnsupportedStateError,
 )
-from ckptstore.format import (
-    KIND_DCP,
-    KIND_STATE,
-    ChunkInfo,
-    Manifest,
-    RankIndex,
-    TensorEntry,
-)
+from ckptstore.format import ChunkInfo, RankIndex, TensorEntry
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
-from ckptstore.state import to_plain
-from ckptstore.store import Store, open_store
+from ckptstore.steps import Piece, StepView, WholeTensor
+from ckptstore.store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -128,16 +120,6 @@ class ExportResult:
 
 
 @dataclass
-class _Piece:
-    """Stored tensor ``tensor`` of rank ``rank``: the block at ``offsets`` of an output tensor."""
-
-    rank: int
-    tensor: int
-    offsets: list[int]
-    shape: list[int]
-
-
-@dataclass
 class _Item:
     """One output tensor and the stored pieces it is assembled from."""
 
@@ -145,7 +127,7 @@ class _Item:
     dtype: torch.dtype  # as stored
     out_dtype: torch.dtype  # as written
     shape: list[int]
-    pieces: list[_Piece]
+    pieces: list[Piece]
 
     @property
     def out_bytes(self) -> int:
@@ -240,16 +222,9 @@ def export_safetensors(
     store = open_store(
         uri, storage_options=storage_options, timeout_s=timeout_s, max_concurrency=read_concurrency
     )
-    manifest = load_manifest(store, resolve_step(store, step))
-    indexes = _Indexes(store, manifest)
-    if manifest.kind == KIND_STATE:
-        named, skipped = _state_tensors(indexes, rank)
-    elif manifest.kind == KIND_DCP:
-        named, skipped = _dcp_tensors(store, indexes)
-    else:
-        raise CheckpointCorruptError(
-            f"step {manifest.step}: unknown checkpoint kind {manifest.kind!r}"
-        )
+    view = StepView.open(store, step)
+    manifest = view.manifest
+    named, skipped = view.whole_tensors(rank)
     items = _select(named, only, only if strip_prefix is None else strip_prefix, cast)
     skipped = [name for name in skipped if only is None or name.startswith(only)]
     if not items and not named:
@@ -257,7 +232,7 @@ def export_safetensors(
             f"step {manifest.step} in {store.uri} holds no tensor to export as safetensors"
         )
     if not items:
-        available = ", ".join(sorted(name for name, *_ in named)[:5]) or "none"
+        available = ", ".join(sorted(t.name for t in named)[:5]) or "none"
         raise ValueError(
             f"no tensor of step {manifest.step} in {store.uri} matches only={only!r} "
             f"(names start like: {available})"
@@ -269,7 +244,7 @@ def export_safetensors(
         else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
     notes = []
-    if manifest.kind == KIND_STATE and manifest.world_size > 1:
+    if view.per_rank:
         notes.append(f"step saved by {manifest.world_size} ranks: exported rank {rank}'s state")
     if skipped:
         notes.append(f"{len(skipped)} non-tensor value(s) skipped")
@@ -281,7 +256,7 @@ def export_safetensors(
     try:
         for name, shard in zip(names, shards):
             temporaries.append(_temporary(out, name))
-            _write_shard(temporaries[-1], shard, indexes, cfg, batch_bytes)
+            _write_shard(temporaries[-1], shard, view, cfg, batch_bytes)
             logger.info("export of step %d: %s written", manifest.step, name)
         index_doc = None
         if len(shards) > 1:
@@ -319,109 +294,18 @@ def export_safetensors(
 # -- what to export ------------------------------------------------------------------------------
 
 
-class _Indexes:
-    """The rank indexes of a step, each loaded (and checked) once, when first needed."""
-
-    def __init__(self, store: Store, manifest: Manifest) -> None:
-        self.store = store
-        self.manifest = manifest
-        self._loaded: dict[int, RankIndex] = {}
-
-    def __getitem__(self, rank: int) -> RankIndex:
-        if rank not in self._loaded:
-            self._loaded[rank] = load_rank_index(self.store, self.manifest, rank)
-        return self._loaded[rank]
-
-
-class _TensorRef:
-    """Stands for stored tensor ``i`` while a state tree is rebuilt without its bytes."""
-
-    def __init__(self, i: int) -> None:
-        self.i = i
-
-    def numpy(self) -> _TensorRef:  # a numpy leaf ($np) is exported like a tensor
-        return self
-
-
-class _Refs(dict):
-    def __missing__(self, i: int) -> _TensorRef:
-        return _TensorRef(i)
-
-
-_Named = tuple[str, torch.dtype, list[int], list[_Piece]]
-
-
-def _state_tensors(indexes: _Indexes, rank: int) -> tuple[list[_Named], list[str]]:
-    """The tensors of a Checkpointer step's rank, named by their dotted tree paths."""
-    index = indexes[rank]
-    named: list[_Named] = []
-    skipped: list[str] = []
-    for path, value in _leaves(to_plain(index.tree, _Refs()), ()):
-        name = ".".join(map(str, path)) or "<root>"
-        if not isinstance(value, _TensorRef):
-            skipped.append(name)
-            continue
-        if not 0 <= value.i < len(index.tensors):
-            raise CheckpointCorruptError(f"rank {rank}: the tree references tensor {value.i}")
-        entry = index.tensors[value.i]
-        piece = _Piece(rank, value.i, [0] * len(entry.shape), list(entry.shape))
-        named.append((name, parse_dtype(entry.dtype), list(entry.shape), [piece]))
-    return named, skipped
-
-
-def _leaves(node: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _leaves(value, (*path, key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from _leaves(value, (*path, i))
-    else:
-        yield path, node
-
-
-def _dcp_tensors(store: Store, indexes: _Indexes) -> tuple[list[_Named], list[str]]:
-    """The tensors of a DCP step, whole: each the union of its shards, wherever they are."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    from ckptstore.dcp import StoreReader, storage_key
-
-    manifest = indexes.manifest
-    metadata = StoreReader(store.uri, step=manifest.step, store=store).read_metadata()
-    locations = metadata.storage_data
-    if not isinstance(locations, dict):
-        raise CheckpointCorruptError(f"DCP metadata of step {manifest.step} has no storage_data")
-    named: list[_Named] = []
-    skipped: list[str] = []
-    for fqn, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            skipped.append(fqn)
-            continue
-        pieces = []
-        for chunk in meta.chunks:
-            where = MetadataIndex(fqn, chunk.offsets)
-            try:
-                rank, tensor = locations[where]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointCorruptError(
-                    f"DCP item {storage_key(where)!r} of step {manifest.step} has no location"
-                ) from exc
-            held = indexes[rank].items or {}
-            if held.get(storage_key(where)) != tensor:
-                raise CheckpointCorruptError(
-                    f"DCP item {storage_key(where)!r}: the index of rank {rank} does not hold it"
-                )
-            pieces.append(_Piece(rank, tensor, list(chunk.offsets), list(chunk.sizes)))
-        named.append((fqn, meta.properties.dtype, list(meta.size), pieces))
-    return named, skipped
-
-
 def _select(
-    named: list[_Named], only: str | None, strip: str | None, cast: torch.dtype | None
+    named: list[WholeTensor], only: str | None, strip: str | None, cast: torch.dtype | None
 ) -> list[_Item]:
     items = []
     seen: dict[str, str] = {}
-    for name, dtype, shape, pieces in named:
+    for tensor in named:
+        name, dtype, shape, pieces = (
+            tensor.name,
+            parse_dtype(tensor.dtype),
+            tensor.shape,
+            tensor.pieces,
+        )
         if only is not None and not name.startswith(only):
             continue
         out_name = name[len(strip) :] if strip and name.startswith(strip) else name
@@ -484,13 +368,13 @@ def _batches(shard: list[_Item], budget: int) -> Iterator[list[_Item]]:
 
 
 def _write_shard(
-    path: str, shard: list[_Item], indexes: _Indexes, cfg: PipelineConfig, batch_bytes: int
+    path: str, shard: list[_Item], view: StepView, cfg: PipelineConfig, batch_bytes: int
 ) -> None:
     header = _header(shard)
     with open(path, "xb") as f:
         f.write(header)
         for batch in _batches(shard, batch_bytes):
-            for item, tensor in zip(batch, _assemble(batch, indexes, cfg)):
+            for item, tensor in zip(batch, _assemble(batch, view, cfg)):
                 out = tensor if tensor.dtype == item.out_dtype else tensor.to(item.out_dtype)
                 if out.numel():
                     f.write(out.reshape(-1).view(torch.uint8).numpy().data)
@@ -502,7 +386,7 @@ def _write_shard(
         os.fsync(f.fileno())
 
 
-def _assemble(batch: list[_Item], indexes: _Indexes, cfg: PipelineConfig) -> list[torch.Tensor]:
+def _assemble(batch: list[_Item], view: StepView, cfg: PipelineConfig) -> list[torch.Tensor]:
     """The whole tensors of ``batch``, each piece read into its block (chunks verified)."""
     merged = RankIndex(rank=-1, tensors=[], chunks={})
     wanted: dict[int, torch.Tensor | None] = {}
@@ -512,7 +396,7 @@ def _assemble(batch: list[_Item], indexes: _Indexes, cfg: PipelineConfig) -> lis
         fulls.append(full)
         covered = 0
         for piece in item.pieces:
-            index = indexes[piece.rank]
+            index = view.index(piece.rank)
             entry = _entry(index, piece, item)
             block = full
             for dim, (start, length) in enumerate(zip(piece.offsets, piece.shape)):
@@ -528,11 +412,11 @@ def _assemble(batch: list[_Item], indexes: _Indexes, cfg: PipelineConfig) -> lis
             raise CheckpointCorruptError(
                 f"tensor {item.name!r}: its stored pieces hold {covered} of {full.numel()} elements"
             )
-    read_tensors(indexes.store, merged, wanted, cfg)
+    read_tensors(view.store, merged, wanted, cfg)
     return fulls
 
 
-def _entry(index: RankIndex, piece: _Piece, item: _Item) -> TensorEntry:
+def _entry(index: RankIndex, piece: Piece, item: _Item) -> TensorEntry:
     if not 0 <= piece.tensor < len(index.tensors):
         raise CheckpointCorruptError(f"rank {piece.rank} has no tensor {piece.tensor}")
     entry = index.tensors[piece.tensor]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from typing import Any
 
 TREE_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful", "$generator")
@@ -88,28 +89,43 @@ def decode_scalar(node: Any) -> Any:
     return node
 
 
-def tensor_paths(tree: Any) -> dict[int, str]:
-    """Tensor index -> where it is in the saved state (``model/0.weight``; ``<root>`` for a
-    bare tensor); a tensor referenced twice is named by its first place."""
-    paths: dict[int, str] = {}
-
-    def walk(node: Any, path: tuple) -> None:
+def leaves(tree: Any) -> Iterator[tuple[tuple, Any]]:
+    """Every leaf of a saved state, in order, as ``(path, node)``: a tensor or numpy array
+    (``$t`` / ``$np`` node), a generator (``$generator``), bytes, a float tag or a JSON scalar.
+    Containers are walked into; an empty one is no leaf."""
+    stack: list[tuple[tuple, Any]] = [((), tree)]
+    while stack:
+        path, node = stack.pop()
         tag = tag_of(node)
-        if tag in ("$t", "$np"):
-            paths.setdefault(int(node[tag]), path_str(path))
-        elif tag == "$stateful":
-            walk(node["$stateful"], path)
-        elif tag == "$generator":
-            walk(node["$generator"]["state"], path)
-        elif tag == "$tuple" or isinstance(node, list):
-            for i, item in enumerate(node["$tuple"] if tag else node):
-                walk(item, (*path, i))
+        if tag == "$stateful":
+            stack.append((path, node["$stateful"]))
+        elif tag == "$tuple" or (isinstance(node, list) and tag is None):
+            items = node["$tuple"] if tag else node
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(items))))
         elif tag == "$dict" or (isinstance(node, dict) and tag is None):
             pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else node.items()
-            for key, value in pairs:
-                walk(value, (*path, key))
+            stack.extend(((*path, key), value) for key, value in reversed(list(pairs)))
+        else:
+            yield path, node
 
-    walk(tree, ())
+
+def tensor_of(node: Any) -> int | None:
+    """The tensor index of a ``$t`` / ``$np`` leaf (None for any other)."""
+    tag = tag_of(node)
+    return int(node[tag]) if tag in ("$t", "$np") else None
+
+
+def tensor_paths(tree: Any) -> dict[int, str]:
+    """Tensor index -> where it is in the saved state (``model/0.weight``; ``<root>`` for a
+    bare tensor); a tensor referenced twice is named by its first place, a generator's state
+    by the generator's."""
+    paths: dict[int, str] = {}
+    for path, node in leaves(tree):
+        if tag_of(node) == "$generator":
+            node = node["$generator"]["state"]
+        tensor = tensor_of(node)
+        if tensor is not None:
+            paths.setdefault(tensor, path_str(path))
     return paths
 
 

@@ -22,11 +22,11 @@ from ckptstore.catalog import (
     parse_step,
     resolve_step,
     saves_in_flight,
-    tensor_names,
 )
 from ckptstore.dcp import StoreWriter
 from ckptstore.format import KIND_DCP, KIND_STATE
 from ckptstore.retention import collect
+from ckptstore.steps import tensor_names
 from ckptstore.store import Store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

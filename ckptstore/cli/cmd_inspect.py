@@ -6,15 +6,14 @@ import argparse
 import json
 
 from ckptstore._inspect import summarize
-from ckptstore.catalog import load_rank_indexes, open_step
 from ckptstore.cli.common import emit_json
 from ckptstore.render import format_ratio, human_bytes, table
+from ckptstore.steps import StepView
 from ckptstore.store import Store
 
 
 def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
-    manifest = open_step(store, args.step)
-    doc = {"uri": store.uri, **summarize(store, manifest, load_rank_indexes(store, manifest))}
+    doc = {"uri": store.uri, **summarize(StepView.open(store, args.step))}
     if args.json:
         emit_json(doc)
         return 0

@@ -8,8 +8,6 @@ import os
 import warnings
 from typing import Any
 
-from ckptstore._inspect import load_step_state, step_raw_bytes
-from ckptstore.catalog import open_step
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import (
     check_target,
@@ -19,8 +17,8 @@ from ckptstore.cli.restore_file import (
 )
 from ckptstore.errors import CheckpointError
 from ckptstore.export import export_safetensors
-from ckptstore.format import KIND_DCP
 from ckptstore.render import human_bytes
+from ckptstore.steps import StepView
 from ckptstore.store import Store
 
 
@@ -39,13 +37,13 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
                 remove_if_empty_dir(target)  # the export made it; nothing went in
             raise
     check_target(target, args.format, args.force)
-    manifest = open_step(store, args.step)
-    step = manifest.step
-    total = step_raw_bytes(store, manifest) if manifest.kind != KIND_DCP else 0
+    view = StepView.open(store, args.step)
+    manifest, step = view.manifest, view.step
+    total = view.progress_bytes()
     with progress(total, f"restore step {step}") as advance, warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        state = load_step_state(store, manifest, on_chunk=advance)
+        state = view.load_plain(on_chunk=advance)
         if args.only:
             state = _only(state, args.only, step)
         if args.format == "dcp" and not isinstance(state, dict):
@@ -67,7 +65,7 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
         "tensor_bytes": stats["bytes"],
         "numpy_arrays": stats["numpy"],
         "weights_only": weights_only,
-        "layout": "ranks" if manifest.kind != KIND_DCP and manifest.world_size > 1 else "state",
+        "layout": "ranks" if view.per_rank else "state",
     }
     if args.json:
         emit_json(doc)

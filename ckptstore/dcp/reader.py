@@ -17,25 +17,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstore.catalog import load_rank_index, open_step, parse_step, read_object
+from ckptstore.catalog import parse_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
-from ckptstore.dcp.metadata import decode_metadata
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
-from ckptstore.format import KIND_DCP, Manifest, RankIndex
+from ckptstore.format import RankIndex
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors
+from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
-
-
-def read_dcp_metadata(store: Store, manifest: Manifest) -> Metadata:
-    """The DCP ``Metadata`` of ``manifest``'s step, checked against the manifest and decoded
-    without running code (``ckptstore.dcp.metadata``)."""
-    if manifest.dcp_metadata is None:
-        raise CheckpointCorruptError(f"step {manifest.step} of {store.uri} has no DCP metadata")
-    blob = read_object(store, manifest.dcp_metadata, "DCP metadata")
-    return decode_metadata(blob, store.url(manifest.dcp_metadata.key))
 
 
 def load_pickled_value(data: bytes, name: str) -> Any:
@@ -114,9 +105,7 @@ class StoreReader(StorageReader):
         self.read_batch_bytes = read_batch_bytes
         self.rank = 0
         self.load_id = uuid.uuid4().hex
-        self.manifest: Manifest | None = None
-        self.storage_data: dict[MetadataIndex, Any] = {}
-        self._indexes: dict[int, RankIndex] = {}
+        self.view: StepView | None = None
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -129,9 +118,7 @@ class StoreReader(StorageReader):
         elif checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
             self.store = self._open_store(checkpoint_id)
         self.load_id = uuid.uuid4().hex
-        self.manifest = None
-        self.storage_data = {}
-        self._indexes = {}
+        self.view = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: int | str | os.PathLike) -> bool:
@@ -146,10 +133,8 @@ class StoreReader(StorageReader):
         if "rank" in kwargs:
             # DCP's fallback to rank-local metadata after the global read failed: there is none.
             raise CheckpointError(f"{self.store.uri} has no rank-local DCP metadata")
-        self.manifest = None  # each load resolves "latest" afresh
-        self._indexes = {}
-        manifest = self._load_manifest()
-        metadata = read_dcp_metadata(self.store, manifest)
+        self.view = None  # each load resolves "latest" afresh
+        metadata = self._view().dcp_metadata()
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = StorageMeta(
             checkpoint_id=self.store.uri, save_id=meta.save_id, load_id=self.load_id
@@ -163,19 +148,19 @@ class StoreReader(StorageReader):
             raise CheckpointCorruptError(
                 f"DCP metadata in {self.store.uri} has no storage_data (not written by StoreWriter)"
             )
-        self.storage_data = metadata.storage_data
+        self._view().adopt_metadata(metadata)  # the coordinator's, read once
         self.rank = int(kwargs.get("rank", 0) or 0)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        manifest = self._load_manifest()
+        manifest = self._view().manifest
         chosen = (manifest.step, manifest.attempt)
         return [dataclasses.replace(p, storage_data=chosen) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        manifest = self._load_manifest()
+        manifest = self._view().manifest
         if plan.storage_data is not None and tuple(plan.storage_data) != (
             manifest.step,
             manifest.attempt,
@@ -206,46 +191,26 @@ class StoreReader(StorageReader):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _load_manifest(self) -> Manifest:
-        if self.manifest is not None:
-            return self.manifest
-        manifest = open_step(self.store, self.step)
-        step = manifest.step
-        if manifest.kind != KIND_DCP or manifest.dcp_metadata is None:
-            raise UnsupportedStateError(
-                f"step {step} in {self.store.uri} was saved by ckptstore.Checkpointer "
-                f"(kind {manifest.kind!r}), not through DCP; load it with Checkpointer.load"
+    def _view(self) -> StepView:
+        if self.view is None:
+            view = StepView.open(self.store, self.step)
+            view.require(DCP)
+            self.view = view
+            logger.debug(
+                "rank %d: DCP load of step %d from %s", self.rank, view.step, self.store.uri
             )
-        self.manifest = manifest
-        logger.debug("rank %d: DCP load of step %d from %s", self.rank, step, self.store.uri)
-        return manifest
+        return self.view
 
     def _index(self, rank: int) -> RankIndex:
-        index = self._indexes.get(rank)
-        if index is None:
-            index = load_rank_index(self.store, self._load_manifest(), rank)
-            self._indexes[rank] = index
-        return index
+        return self._view().index(rank)
 
     def _locate(self, storage_index: MetadataIndex) -> tuple[int, int]:
-        try:
-            rank, tensor = self.storage_data[storage_index]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(
-                f"DCP item {storage_key(storage_index)!r} has no location in the metadata of "
-                f"{self.store.uri}"
-            ) from exc
-        index = self._index(rank)
-        key = storage_key(storage_index)
-        if index.items is None or index.items.get(key) != tensor or tensor >= len(index.tensors):
-            raise CheckpointCorruptError(
-                f"DCP item {key!r}: the index of rank {rank} does not hold it at {tensor}"
-            )
-        return rank, tensor
+        return self._view().locate(storage_index)
 
     def _item_name(self, item: ReadItem) -> str:
-        manifest = self._load_manifest()
-        return f"{storage_key(item.storage_index)!r} of step {manifest.step} in {self.store.uri}"
+        return (
+            f"{storage_key(item.storage_index)!r} of step {self._view().step} in {self.store.uri}"
+        )
 
     def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         """Read the stored items ``items`` need (each chunk once) and hand them to DCP."""

@@ -11,10 +11,11 @@ import torch
 
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.pipeline import ChunkLayout, CompressionGovernor, PipelineConfig, plan_layout
-from ckptstore.save.protocol import DEFAULT_GC_WAIT_S
 from ckptstore.staging import StagedCopy, Stager, StagingPool
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_GC_WAIT_S = 600.0
 
 
 def check_background_nice(background_nice: int) -> None:

@@ -1,11 +1,16 @@
-"""One save, as every front-end walks it::
+"""One save, as every front-end walks it: the commit protocol::
 
-    begin      the rank's save lease, once no gc sweeps             (protocol.begin_save)
+    begin      the rank's save lease, once no gc sweeps (leases.py): from here until release
+               no gc deletes a chunk, so chunks found stored may be referenced, not rewritten
     write      a rank's chunks hashed, deduplicated, encoded, put (encode_threads at once)
     index      the rank's index built and put once; what it wrote, for the committing rank
-    commit     (one rank) the lease still held -> the manifest, once (protocol.commit_step)
+    commit     (one rank) the lease still held -> the manifest written once; an ambiguous
+               outcome is read back
     release    every rank that took a lease, once the commit's outcome is known
-    retain     (one rank) keep_last under a gc lease                   (protocol.retain)
+    retain     (one rank) keep_last under a gc lease
+
+A crash anywhere leaves the previous steps intact and the new one invisible or complete; a
+dead rank's lease goes stale after its ttl and the next gc removes what it left.
 
 The front-ends decide *when* each step runs (``Checkpointer``'s background thread; DCP's
 ``prepare_global_plan`` / ``write_data`` / ``finish``) and how ranks hand their
@@ -21,21 +26,30 @@ from typing import Any
 
 import torch
 
+from ckptstore.errors import (
+    CheckpointError,
+    CommitUnknownError,
+    ObjectNotFoundError,
+    StepExistsError,
+    StorageError,
+)
 from ckptstore.format import (
     ChunkInfo,
     Manifest,
     ObjectRef,
     RankIndex,
     TensorEntry,
+    commit_key,
     dcp_metadata_key,
+    encode_manifest,
     encode_rank_index,
     object_ref,
     rank_index_key,
 )
-from ckptstore.leases import Lease
+from ckptstore.leases import SAVE, Lease, wait_for_gc
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
+from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
-from ckptstore.save.protocol import begin_save, commit_step, retain
 from ckptstore.store import Store
 from ckptstore.tree import tensor_indexes
 
@@ -68,18 +82,26 @@ class SaveSession:
         self.lease: Lease | None = None
 
     def begin(self, rank: int) -> SaveSession:
-        """Take the save lease: from here until ``release()`` no gc deletes a chunk, so chunks
-        found stored may be referenced instead of written again."""
-        engine = self.engine
-        self.lease = begin_save(
+        """Take the rank's save lease and wait while a gc sweeps: from here until
+        ``release()`` no gc deletes a chunk, so chunks found stored may be referenced instead
+        of written again."""
+        lease = Lease(
             self.store,
-            step=self.step,
-            attempt=self.attempt,
-            rank=rank,
-            kind=self.kind,
-            ttl_s=engine.lease_ttl_s,
-            gc_wait_s=engine.gc_wait_s,
-        )
+            SAVE,
+            f"{self.step:020d}-{self.attempt}-{rank:05d}",
+            ttl_s=self.engine.lease_ttl_s,
+            info={"step": self.step, "attempt": self.attempt, "rank": rank, "save_kind": self.kind},
+        ).acquire()
+        try:
+            wait_for_gc(
+                self.store,
+                timeout_s=self.engine.gc_wait_s,
+                what=f"rank {rank}: save of step {self.step}",
+            )
+        except BaseException:
+            lease.release()
+            raise
+        self.lease = lease
         return self
 
     def write(
@@ -151,9 +173,10 @@ class SaveSession:
             stored_bytes=sum(stored for _, stored in unique.values()),
             user=user or {},
         )
+        data = encode_manifest(manifest)
         if self.lease is not None:
             self.lease.check()
-        commit_step(self.store, manifest)
+        self._put_manifest(manifest.step, data)
         logger.info(
             "committed %s step %d to %s (%d ranks, %d bytes raw, %d stored)",
             self.kind,
@@ -172,10 +195,60 @@ class SaveSession:
             self.lease.release_when_settled(0.0)
             self.lease = None
 
+    def _put_manifest(self, step: int, data: bytes, *, settle_timeout_s: float = 60.0) -> None:
+        """Make the step visible by writing its manifest, once.
+
+        :class:`StepExistsError` if another writer committed the step first. When the put
+        fails ambiguously (a timeout, a lost answer), the manifest is read back once every
+        abandoned put has ended: ours in place means committed; absent means not committed
+        (the put's error is raised); unreadable is :class:`CommitUnknownError`."""
+        store, key = self.store, commit_key(step)
+        try:
+            # Read back only where exclusive create is not enforced: elsewhere a put that
+            # returned is the commit, and a read-back could find the step already retained away.
+            store.put(key, data)
+            return
+        except StorageError as exc:  # ObjectExistsError included: a retry may find its own put
+            error = exc
+        if not store.settle(settle_timeout_s):
+            raise CommitUnknownError(
+                f"step {step}: writing {store.url(key)} failed ({error}) and the put may "
+                f"still land; run `ckptstore ls {store.uri}` to see whether it is committed"
+            ) from error
+        try:
+            found = store.get(key)
+        except ObjectNotFoundError:
+            raise StorageError(f"step {step} not committed: {error}") from error
+        except CheckpointError as exc:
+            raise CommitUnknownError(
+                f"step {step}: writing {store.url(key)} failed ({error}) and reading it back "
+                f"failed ({exc}); run `ckptstore ls {store.uri}` to see whether it is committed"
+            ) from error
+        if found == data:
+            logger.warning(
+                "step %d: the commit reported an error (%s) but its manifest is in place: "
+                "committed",
+                step,
+                error,
+            )
+            return
+        raise StepExistsError(
+            f"step {step} is already committed in {store.uri} (by another writer or an "
+            "earlier run); steps are write-once"
+        ) from error
+
     def retain(self) -> None:
-        retain(
-            self.store,
-            keep_last=self.engine.keep_last,
-            attempt=self.attempt,
-            ttl_s=self.engine.lease_ttl_s,
-        )
+        """Apply ``keep_last`` after a commit; a failure is logged (the next save retries)."""
+        if self.engine.keep_last is None:
+            return
+        try:
+            collect(
+                self.store,
+                keep_last=self.engine.keep_last,
+                ignore_attempts={self.attempt},
+                lease_ttl_s=self.engine.lease_ttl_s,
+            )
+        except CheckpointError as exc:
+            logger.warning(
+                "retention in %s failed (will retry after the next save): %s", self.store.uri, exc
+            )
