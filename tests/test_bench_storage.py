@@ -14,8 +14,8 @@ import pytest
 from bench import storage
 from bench.report import parse_bytes
 from bench.storage.stats import _Timeline
-from ckptstore.metrics import LatencyHistogram
 from ckptstore.store import Store
+from ckptstore.telemetry import LatencyHistogram
 
 
 def _parse(*argv: str) -> argparse.Namespace:

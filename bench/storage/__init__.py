@@ -13,7 +13,7 @@ Three modes:
 - ``read``: ranged gets over objects written in a setup step (or existing objects under
   ``read_prefix``, which are never written or deleted).
 
-Latencies go to HDR histograms (:class:`ckptstore.metrics.LatencyHistogram`) of successful
+Latencies go to HDR histograms (:class:`ckptstore.telemetry.LatencyHistogram`) of successful
 requests, retries included in their latency; failed requests are counted by error type, retries
 are read from the store's counters (``Store.counters``). Everything the bench writes lies under
 ``ckptbench-<random>/`` and is deleted at the end, by key, unless ``keep`` is set.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.storage.config import MAX_TIMELINE_POINTS
 from bench.storage.stats import _Timeline
-from ckptstore.metrics import LatencyHistogram
+from ckptstore.telemetry import LatencyHistogram
 
 if TYPE_CHECKING:
     from bench.storage.run import StorageBench

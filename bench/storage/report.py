@@ -12,7 +12,7 @@ from bench.report import (
     table,
 )
 from bench.storage.run import StorageBench
-from ckptstore.metrics import LatencyHistogram
+from ckptstore.telemetry import LatencyHistogram
 
 
 def print_table(result: dict[str, Any], out=None) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.metrics import LatencyHistogram
+from ckptstore.telemetry import LatencyHistogram
 
 # -- figures ----------------------------------------------------------------------------------
 
