@@ -157,11 +157,11 @@ def test_a_delete_abandoned_at_its_deadline_cannot_remove_a_newer_commit(tmp_pat
     ckpt.save(1, {"w": a}).wait()
     ckpt.save(2, {"w": b}).wait()
     ckpt.save(3, {"w": a}).wait()
-    time.sleep(3)  # every hung delete has landed by now
+    ckpt.close()  # its retention after step 3 has run
+    assert store.settle(30.0)  # every delete abandoned at its deadline has ended
     assert verify_all(str(tmp_path)) == [3]
     target = {"w": torch.zeros(50_000)}
     assert Checkpointer(tmp_path).load(target) == 3 and torch.equal(target["w"], a)
-    ckpt.close()
 
 
 def test_settle_waits_for_an_abandoned_delete(tmp_path):
@@ -255,12 +255,16 @@ def test_a_writer_on_another_host_is_dead_once_its_lease_expires(tmp_path, capsy
         "attempt": "a",
         "rank": 3,
     }
-    store.put("leases/save/x/000000000000.json", json.dumps(doc).encode())
+    lease = "leases/save/x/000000000000.json"
+    store.put(lease, json.dumps(doc).encode())
     store.put("chunks/00/00" + "0" * 30, b"written by the save on node-17")
     assert main(["ls", uri]) == 0
     assert "step 2 rank 3 attempt a: save in flight" in capsys.readouterr().out
     assert collect(store, keep_last=5).swept is False
-    time.sleep(2.5)
+    # node-17 renews no more: a minute later by the store's clock (which alone ages leases),
+    # the store's stamp on the lease is a minute old.
+    stamped = time.time() - 60
+    os.utime(tmp_path / lease, (stamped, stamped))
     assert main(["ls", uri]) == 0
     assert "stale (dead writer" in capsys.readouterr().out
     assert collect(store, keep_last=5).swept
@@ -403,9 +407,11 @@ def test_a_lease_read_while_its_holder_renews_it_is_still_live(tmp_path):
 
 def test_a_lease_that_lapsed_stays_lost_after_renewals_recover(tmp_path):
     store = Store(tmp_path)
-    lease = Lease(store, SAVE, "holder", ttl_s=0.4).acquire()
+    lease = Lease(store, SAVE, "holder", ttl_s=0.1).acquire()
     lease._stop.set()  # no background renewals: this test renews by hand
-    time.sleep(0.3)  # longer than ttl/2 without a renewal: gc elsewhere may have swept
+    # The lapse under test is one of the holder's own clock: just over ttl/2 without a
+    # renewal (gc elsewhere may have swept meanwhile).
+    time.sleep(0.06)
     lease._stop.clear()
     lease.renew()
     with pytest.raises(StorageError, match="went unrenewed"):

@@ -8,7 +8,7 @@ any other ``checkpoint_id`` is still a store URI), and the writer's staging buff
 from __future__ import annotations
 
 import pickle
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,13 +46,27 @@ def _assert_step_holds(uri: str, step: int, want: dict) -> None:
     _assert_same(target, want, f"step {step}")
 
 
-class _SlowFirstCommit(StoreWriter):
-    """Its first save commits only after a pause, so the next save is planned meanwhile."""
+class _CommitsAfterTwoPlans(StoreWriter):
+    """Commits no save before two were planned: the second save is planned while the first
+    is still in flight."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._plans_lock = threading.Lock()
+        self._plans = 0
+        self.two_planned = threading.Event()
+
+    def prepare_global_plan(self, plans):
+        planned = super().prepare_global_plan(plans)
+        with self._plans_lock:
+            self._plans += 1
+            if self._plans == 2:
+                self.two_planned.set()
+        return planned
 
     def finish(self, metadata, results):
-        if not getattr(self, "_paused", False):
-            self._paused = True
-            time.sleep(0.5)
+        if not self.two_planned.wait(timeout=60):
+            raise AssertionError("the second save was not planned while the first was in flight")
         super().finish(metadata, results)
 
 
@@ -73,7 +87,7 @@ def _record_staging(writer: StoreWriter) -> list[int]:
 
 def test_back_to_back_async_saves_get_distinct_steps(tmp_path):
     uri = str(tmp_path / "s")
-    writer = _SlowFirstCommit(uri, chunk_bytes=4096)
+    writer = _CommitsAfterTwoPlans(uri, chunk_bytes=4096)
     buffers = _record_staging(writer)
     first, second = _state(1), _state(2)
     f1 = dcp.async_save(first, storage_writer=writer, no_dist=True)
@@ -239,7 +253,7 @@ def test_two_ranks_overlapping_async_saves(tmp_path):
 def test_overlapping_saves_to_different_stores_each_commit_where_they_were_aimed(tmp_path):
     """A second async_save naming another store must not redirect the first, still writing."""
     uri_a, uri_b = str(tmp_path / "a"), str(tmp_path / "b")
-    writer = _SlowFirstCommit(uri_a, chunk_bytes=4096)
+    writer = _CommitsAfterTwoPlans(uri_a, chunk_bytes=4096)
     first, second = _state(1), _state(2)
     f1 = dcp.async_save(first, storage_writer=writer, checkpoint_id=uri_a, no_dist=True)
     f2 = dcp.async_save(second, storage_writer=writer, checkpoint_id=uri_b, no_dist=True)

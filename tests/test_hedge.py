@@ -20,16 +20,21 @@ def test_slow_call_is_hedged_and_the_fast_one_wins():
     pool = ElasticPool("test-hedge")
     calls = []
     lock = threading.Lock()
+    first_may_answer = threading.Event()
 
     def fn():
         with lock:
             calls.append(len(calls))
             first = len(calls) == 1
-        time.sleep(2.0 if first else 0.0)
+        if first:  # hangs until the hedge has won
+            first_may_answer.wait(timeout=60)
         return "first" if first else "hedge"
 
     hedger = Hedger(HedgePolicy(initial_delay_s=0.05, min_delay_s=0.01, burst=1))
-    assert hedger.call(fn, pool.submit) == "hedge"
+    try:
+        assert hedger.call(fn, pool.submit) == "hedge"
+    finally:
+        first_may_answer.set()
     assert hedger.stats() == {"requests": 1, "hedges": 1, "hedges_won": 1}
 
 
@@ -49,12 +54,15 @@ def test_hedge_budget_caps_extra_requests():
 def test_an_error_in_one_attempt_waits_for_the_other():
     pool = ElasticPool("test-err")
     count = iter(range(10))
+    hedge_started, first_failed = threading.Event(), threading.Event()
 
     def fn():
-        if next(count) == 0:
-            time.sleep(0.2)
-            raise ConnectionError("first attempt fails late")
-        time.sleep(0.5)
+        if next(count) == 0:  # fails once the hedge is running
+            assert hedge_started.wait(timeout=60)
+            first_failed.set()
+            raise ConnectionError("first attempt fails while the hedge runs")
+        hedge_started.set()
+        assert first_failed.wait(timeout=60)  # answers only after the first attempt's error
         return 42
 
     hedger = Hedger(HedgePolicy(initial_delay_s=0.05, min_delay_s=0.01))

@@ -19,11 +19,12 @@ import time
 
 import pytest
 import torch
+from _wait import wait_until
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.format import commit_key
-from ckptstore.leases import SAVE, find_leases
+from ckptstore.leases import SAVE, LeaseInfo, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 
@@ -39,13 +40,6 @@ def verify_all(uri: str) -> list[int]:
             for digest, info in load_rank_index(store, manifest, rank).chunks.items():
                 fetch_chunk(store, digest, info)
     return list_steps(store)
-
-
-def wait_for_file(path, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return os.path.exists(path)
 
 
 # -- item 2: a gc that dies with a delete in flight ----------------------------------------------
@@ -98,7 +92,7 @@ def test_a_save_after_a_gc_killed_with_a_delete_in_flight_waits_for_that_delete(
     # Saving `a` again reuses its chunk only if it is still there once the save may look.
     ckpt.save(3, {"w": a}).wait()
     waited = landed.exists()  # the save waited until the dead gc's delete had landed
-    assert wait_for_file(landed, 30)
+    assert wait_until(landed.exists, timeout_s=30)
     assert verify_all(uri) == [2, 3]
     assert waited
     target = {"w": torch.zeros(50_000)}
@@ -192,9 +186,14 @@ def test_on_s3_a_lease_ages_by_last_modified(s3_uri):
     key = put_lease(store, "behind", time.time() - 300, ttl_s=1.0)
     [lease] = find_leases(store, SAVE)
     assert lease.live and lease.age_s < 2  # LastModified has whole seconds
-    time.sleep(3.5)  # past the ttl plus that second
-    [lease] = find_leases(store, SAVE)
-    assert not lease.live and lease.age_s >= 2
+    # It goes stale as the server's clock passes the ttl plus that second: real time under test.
+
+    def stale() -> LeaseInfo | None:
+        [lease] = find_leases(store, SAVE)
+        return None if lease.live else lease
+
+    lease = wait_until(stale, timeout_s=30, interval_s=0.25)
+    assert lease is not None and lease.age_s >= 2
     assert store.list("leases") == [key]  # the reader's probes are gone
 
 

@@ -7,7 +7,6 @@ import logging
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +106,7 @@ def test_failed_load_names_the_tensors_it_overwrote_and_applies_nothing_else(tmp
     bad = flip_byte(tmp_path, b_chunks[8])
     # The chunks after the corrupt one arrive late, once load() has raised: they must not land.
     late = set(b_chunks[9:])
-    late_begun, release, arrived = threading.Event(), threading.Event(), threading.Semaphore(0)
+    late_begun, release, ended = threading.Event(), threading.Event(), threading.Semaphore(0)
     started: list[str] = []  # late fetches begun (the others are cancelled once load() fails)
     fetch = ckptstore.pipeline.fetch_chunk
 
@@ -119,12 +118,22 @@ def test_failed_load_names_the_tensors_it_overwrote_and_applies_nothing_else(tmp
         started.append(digest)
         late_begun.set()
         assert release.wait(timeout=30)
-        try:
-            return fetch(store, digest, *args, **kwargs)
-        finally:
-            arrived.release()
+        return fetch(store, digest, *args, **kwargs)
+
+    store_map = Store.map
+
+    def map_telling_when_a_late_chunk_ended(self, fn, items, **kwargs):
+        def one(item):  # a chunk's whole read: its fetch, then its copy into the tensors
+            try:
+                return fn(item)
+            finally:
+                if item in late:
+                    ended.release()
+
+        return store_map(self, one, items, **kwargs)
 
     monkeypatch.setattr(ckptstore.pipeline, "fetch_chunk", late_fetch)
+    monkeypatch.setattr(Store, "map", map_telling_when_a_late_chunk_ended)
     target = blank_state()
     with pytest.raises(PartialLoadError) as info:
         Checkpointer(tmp_path).load(target)
@@ -144,8 +153,7 @@ def test_failed_load_names_the_tensors_it_overwrote_and_applies_nothing_else(tmp
     assert not target["b"][8 * 1024 :].any()  # the corrupt chunk and the late ones: not yet
     release.set()
     for _ in started:
-        assert arrived.acquire(timeout=30)
-    time.sleep(0.3)  # what the late chunks would copy, they copy right after their fetch
+        assert ended.acquire(timeout=30)
     assert torch.equal(target["b"], after_raise)  # nothing written after load() raised
 
 

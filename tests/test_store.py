@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from _wait import wait_until
 
 from ckptstore.errors import (
     ObjectExistsError,
@@ -220,7 +220,6 @@ def test_missing_credentials_is_a_clear_error(s3_endpoint, monkeypatch, tmp_path
 def test_an_idle_worker_keeps_nothing_of_its_last_task():
     """A chunk's bytes must not stay alive in an idle worker thread until it retires."""
     import gc
-    import time
     import weakref
 
     from ckptstore.store import ElasticPool
@@ -233,11 +232,12 @@ def test_an_idle_worker_keeps_nothing_of_its_last_task():
     alive = weakref.ref(payload)
     assert pool.submit(lambda p: p is not None, payload).result(timeout=10)
     del payload
-    deadline = time.monotonic() + 5.0
-    while alive() is not None and time.monotonic() < deadline:
+
+    def freed() -> bool:
         gc.collect()
-        time.sleep(0.01)
-    assert alive() is None
+        return alive() is None
+
+    assert wait_until(freed, timeout_s=10)
 
 
 def test_a_failed_request_leaves_no_cycle_holding_the_callers_locals(s3_uri):
@@ -356,22 +356,27 @@ def test_a_slow_get_is_hedged_by_the_store_and_counted():
 
     store = Store("memory://hedged-get")
     store.put("k", b"v")
-    slow_first = Faults(slow_rate=1.0, slow_s=2.0, ops=frozenset({"get"}))
-    with_faults(store, slow_first)
+    faults = Faults(ops=frozenset({"get"}))
+    with_faults(store, faults)
     store.hedger.policy = HedgePolicy(initial_delay_s=0.05, min_delay_s=0.01, burst=1)
-    original = slow_first.inject
+    lock, calls = threading.Lock(), []
+    first_may_answer, first_answered = threading.Event(), threading.Event()
 
-    def only_the_first_is_slow(op: str) -> None:
-        slow_first.inject = lambda op: None  # the duplicate answers at once
-        original(op)
+    def the_first_hangs(op: str) -> None:  # the duplicate answers at once
+        with lock:
+            calls.append(op)
+            first = len(calls) == 1
+        if first:
+            first_may_answer.wait(timeout=60)
+            first_answered.set()
 
-    slow_first.inject = only_the_first_is_slow
+    faults.inject = the_first_hangs
     try:
-        started = time.monotonic()
         assert store.get("k", hedged=True) == b"v"
-        assert time.monotonic() - started < 1.5
+        assert not first_answered.is_set()  # the hedge answered while the first still hung
     finally:
-        slow_first.release()
+        first_may_answer.set()
+    assert calls == ["get", "get"]
     assert store.counters.snapshot()["hedges"] == {"get": {"fired": 1, "won": 1}}
     assert store.hedger.stats() == {"requests": 1, "hedges": 1, "hedges_won": 1}
 

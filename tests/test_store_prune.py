@@ -4,8 +4,9 @@ lease directory created while its parent is being removed) still succeed."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
+
+from _wait import wait_until
 
 from ckptstore import Store
 
@@ -13,30 +14,42 @@ from ckptstore import Store
 def test_puts_racing_the_pruning_of_their_parent_directories_succeed(tmp_path):
     store = Store(tmp_path)
     errors: list[BaseException] = []
-    puts = [0]
+    lock = threading.Lock()
+    puts, prunes = [0], [0]  # puts that succeeded; cleaner rounds that emptied leases/save
     stop = threading.Event()
 
     def putter() -> None:
         while not stop.is_set():
             try:
                 store.put(f"leases/save/{uuid.uuid4().hex}/0.json", b"x")
-                puts[0] += 1
+                with lock:
+                    puts[0] += 1
             except Exception as exc:  # noqa: BLE001 - counted and asserted below
                 errors.append(exc)
 
     def cleaner() -> None:  # empties leases/save again and again, so it is pruned
         while not stop.is_set():
-            for key in store.list("leases/save"):
+            keys = store.list("leases/save")
+            for key in keys:
                 store.delete(key)
+            if keys:
+                with lock:
+                    prunes[0] += 1
+
+    def raced_enough() -> bool:
+        with lock:
+            return errors != [] or (puts[0] >= 2000 and prunes[0] >= 200)
 
     threads = [threading.Thread(target=f) for f in (putter, putter, cleaner)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
-    stop.set()
-    for t in threads:
-        t.join(timeout=30)
-    assert puts[0] > 50 and errors == []
+    try:
+        assert wait_until(raced_enough, timeout_s=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert errors == []
     for key in store.list("leases"):
         store.delete(key)
     assert list(tmp_path.iterdir()) == []
