@@ -83,3 +83,13 @@ def test_a_local_store_keeps_no_empty_directories(tmp_path: Path) -> None:
     assert empty == []
     assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
     assert [d for d, dirs, files in os.walk(tmp_path) if not dirs and not files] == []
+
+
+def test_options_every_command_takes_may_come_before_it(store: Path, capsys) -> None:
+    """``ckptstore --json ls URI`` as ``ckptstore ls URI --json`` (it used to be refused,
+    naming --json as unknown)."""
+    assert main(["--json", "--timeout", "5", "ls", str(store)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["steps"][0]["step"] == 1
+    assert main(["--jsn", "ls", str(store)]) == 2  # a typo is still a usage error
+    assert "--jsn" in capsys.readouterr().err

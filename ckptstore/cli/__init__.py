@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ckptstore.cli.common import PROG, Failed, UsageError, flush_stdout, open_store, stdout_gone
-from ckptstore.cli.parser import UsageParser, build_parser
+from ckptstore.cli.parser import UsageParser, build_parser, common_options_after_command
 from ckptstore.errors import CheckpointError
 from ckptstore.store import Store
 
@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 checkpoint problem, 2 usage)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = common_options_after_command(argv, set(parser.commands))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors

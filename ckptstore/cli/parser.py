@@ -89,6 +89,31 @@ get 1 s more per 2 MiB), so an endpoint that never answers fails the command, na
 Exit status: 0 ok, 1 corrupt / missing / unreadable checkpoint or store, 2 usage error."""
 
 
+_COMMON_FLAGS = {"--json", "-v", "--verbose", "--debug"}
+_COMMON_WITH_VALUE = {"--storage-option", "-o", "--timeout"}
+
+
+def common_options_after_command(argv: list[str], commands: set[str]) -> list[str]:
+    """``ckptstore --json ls URI`` as ``ckptstore ls --json URI``: the options every command
+    takes are accepted before the command too."""
+    moved: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i] not in commands:
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if arg in _COMMON_FLAGS or (name in _COMMON_WITH_VALUE and "=" in arg):
+            moved.append(arg)
+            i += 1
+        elif arg in _COMMON_WITH_VALUE and i + 1 < len(argv):
+            moved += argv[i : i + 2]
+            i += 2
+        else:
+            return argv  # --help, --version, a typo: argparse says what is wrong
+    if i == len(argv) or not moved:
+        return argv
+    return [argv[i], *moved, *argv[i + 1 :]]
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -315,4 +340,5 @@ examples:
         help="also delete steps whose manifest or rank index is corrupt (they are kept otherwise)",
     )
     p.set_defaults(func="gc")
+    parser.commands = list(sub.choices)
     return parser
