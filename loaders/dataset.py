@@ -14,7 +14,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,14 +21,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ckptstore.store import Store
-from loaders.cache import open_cache, read_unit
+from loaders.cache import ShardCache, open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
 from loaders.errors import ShardNotFoundError
 from loaders.formats.layout import Format, Unit, unit_samples
 from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
 from loaders.prefetch import Window
-from loaders.replicas import ReplicaSet, replica_retry_policy
+from loaders.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +100,6 @@ class ShardDataset(IterableDataset):
         self._epoch = 0
         self._position = 0  # global position the current pass started at
         self._consumed = 0  # samples this rank's consumer received since _position
-        self._external_count = False  # a StatefulLoader counts instead
-        self._reports_dir: str | None = None  # set by a StatefulLoader as it starts workers
-        self._report_pass = 0
         self.stats = ConsumerStats()
         self._orders: dict[int, EpochOrder] = {}
 
@@ -133,16 +129,26 @@ class ShardDataset(IterableDataset):
     @property
     def replicas(self) -> ReplicaSet:
         if self._replicas is None or self._pid != os.getpid():
-            policy = replica_retry_policy(self.replica_config)
-            stores = [
-                spec.reopen()
-                if isinstance(spec, Store)
-                else Store(spec, storage_options=self._storage_options, retry=policy)
-                for spec in self._specs
-            ]
-            self._replicas = ReplicaSet(stores, config=self.replica_config, missing=self._missing)
+            self._replicas = ReplicaSet(
+                [spec.reopen() if isinstance(spec, Store) else spec for spec in self._specs],
+                config=self.replica_config,
+                storage_options=self._storage_options,
+                missing=self._missing,
+            )
             self._pid = os.getpid()
         return self._replicas
+
+    @property
+    def cache(self) -> ShardCache | None:
+        """The local cache of units read from remote replicas (``LoaderConfig.cache_dir``)."""
+        return self._cache
+
+    def feed(self, *, batch_size: int, reports_dir: str | None = None) -> LoaderFeed:
+        """What one DataLoader of ``batch_size`` iterates for a :class:`StatefulLoader`: this
+        dataset's samples, its workers taking ``batch_size`` of them in turn, not counted
+        here (the StatefulLoader counts what its consumer receives). With ``reports_dir``
+        each worker leaves its figures there (:class:`ReaderReports`)."""
+        return LoaderFeed(self, batch_size=batch_size, reports_dir=reports_dir)
 
     # -- order and state ---------------------------------------------------------------------
 
@@ -176,10 +182,16 @@ class ShardDataset(IterableDataset):
         order (every rank has received the samples before it, in lock step)."""
         return self._position + self._consumed * self.world_size
 
-    def _rebase(self) -> None:
+    def begin_pass(self) -> None:
+        """Start a pass over the epoch at the consumer's :attr:`position`."""
         self._position, self._consumed = self.position, 0
 
-    def _next_epoch(self) -> None:
+    def received(self, n: int) -> None:
+        """The consumer received ``n`` more samples of this pass."""
+        self._consumed += n
+
+    def end_pass(self) -> None:
+        """The pass read the epoch to its end: the next pass starts the next epoch."""
         self._epoch, self._position, self._consumed = self._epoch + 1, 0, 0
 
     def rank_length(self) -> int:
@@ -238,7 +250,7 @@ class ShardDataset(IterableDataset):
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _reader(self) -> tuple[Reader, bool]:
+    def _reader(self, batch_size: int) -> tuple[Reader, bool]:
         info = get_worker_info()
         if info is None:
             return Reader(rank=self.rank, world_size=self.world_size), True
@@ -247,7 +259,7 @@ class ShardDataset(IterableDataset):
             world_size=self.world_size,
             worker=info.id,
             num_workers=info.num_workers,
-            batch_size=self.config.batch_size,
+            batch_size=batch_size,
         ), False
 
     def _fetch(self, unit_id: int) -> Any:
@@ -271,8 +283,12 @@ class ShardDataset(IterableDataset):
         self.stats.bytes_read += unit.nbytes
         return data
 
-    def _blocks(self, reader: Reader) -> Iterator[tuple[BlockPlan, Window]]:
-        """Each block of this reader's plan with the window that fetches its units."""
+    def _blocks(
+        self, reader: Reader, reports: tuple[str, int] | None = None
+    ) -> Iterator[tuple[BlockPlan, Window]]:
+        """Each block of this reader's plan with the window that fetches its units. In a
+        DataLoader worker, ``reports`` (a directory and the pass number) is where it leaves its
+        figures (:class:`ReaderReports`)."""
         order = self.order()
         plans = order.plan(reader, self._position)
         queued: deque[BlockPlan] = deque()
@@ -281,7 +297,8 @@ class ShardDataset(IterableDataset):
         # (their health and figures with them).
         self.replicas  # noqa: B018
         worker = get_worker_info()
-        reports = self._reports_dir if worker is not None else None
+        if worker is None:
+            reports = None
         if reports is not None:  # a worker reports this pass only, whatever it inherited
             self.stats = ConsumerStats()
             if self._cache is not None:
@@ -310,7 +327,7 @@ class ShardDataset(IterableDataset):
                 now = time.monotonic()
                 if reports is not None and now - last_report >= _REPORT_S:
                     last_report = now  # before the yield, which may suspend this worker
-                    ReaderReports.write(reports, self._report_pass, worker.id, self.report())
+                    ReaderReports.write(*reports, worker.id, self.report())
                 yield queued.popleft(), window
                 interval = self.config.log_interval_s
                 if interval and time.monotonic() - last_log >= interval:
@@ -325,19 +342,28 @@ class ShardDataset(IterableDataset):
                 # Reads still in flight (the pass broken off) count in the final report, written
                 # when the last one ends; until then (or if this worker is killed first) the
                 # figures so far stand.
-                n, w = self._report_pass, worker.id
-                ReaderReports.write(reports, n, w, self.report())
+                directory, n = reports
+                w = worker.id
+                ReaderReports.write(directory, n, w, self.report())
                 window.close(
-                    then=lambda: ReaderReports.write(reports, n, w, self.report(final=True))
+                    then=lambda: ReaderReports.write(directory, n, w, self.report(final=True))
                 )
 
     def __iter__(self) -> Iterator[Any]:
-        reader, in_process = self._reader()
-        count = in_process and not self._external_count
+        return self._samples(self.config.batch_size, counted=True)
+
+    def _samples(
+        self, batch_size: int, *, counted: bool, reports: tuple[str, int] | None = None
+    ) -> Iterator[Any]:
+        """The samples of this pass for this process: the rank's, or a DataLoader worker's
+        share of them (in turns of ``batch_size``). In the process itself (not in a worker) and
+        ``counted``, each sample counts as received by the consumer."""
+        reader, in_process = self._reader(batch_size)
+        count = counted and in_process
         if count:
-            self._rebase()
+            self.begin_pass()
         transform = self.transform
-        for plan, window in self._blocks(reader):
+        for plan, window in self._blocks(reader, reports):
             units, local = plan.units.tolist(), plan.local.tolist()
             last = {u: j for j, u in enumerate(units)}
             for j, (u, k) in enumerate(zip(units, local)):
@@ -355,10 +381,10 @@ class ShardDataset(IterableDataset):
                     sample = transform(sample)
                 self.stats.samples += 1
                 if count:
-                    self._consumed += 1
+                    self.received(1)
                 yield sample
         if count:
-            self._next_epoch()
+            self.end_pass()
 
     def iter_batches(self, batch_size: int) -> Iterator[Any]:
         """Batches of ``batch_size`` samples in this rank's order, in this process.
@@ -370,7 +396,7 @@ class ShardDataset(IterableDataset):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         reader = Reader(rank=self.rank, world_size=self.world_size)
-        self._rebase()
+        self.begin_pass()
         first_ids = np.fromiter((u.first_id for u in self.units), np.int64, len(self.units))
         pending: list[tuple[np.ndarray, np.ndarray]] = []
         pending_n = 0
@@ -388,7 +414,7 @@ class ShardDataset(IterableDataset):
                     window.release(u)
                 for i in range(0, len(samples), batch_size):
                     batch = samples[i : i + batch_size]
-                    self._consumed += len(batch)
+                    self.received(len(batch))
                     self.stats.samples += len(batch)
                     yield batch
                 continue
@@ -438,7 +464,7 @@ class ShardDataset(IterableDataset):
                 window.release(u)
         if pending:
             yield self._emit_tokens(pending)
-        self._next_epoch()
+        self.end_pass()
 
     def _emit_tokens(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
         if len(pieces) == 1:
@@ -446,7 +472,7 @@ class ShardDataset(IterableDataset):
         else:
             tokens = np.concatenate([p for p, _ in pieces])
             ids = np.concatenate([i for _, i in pieces])
-        self._consumed += len(ids)
+        self.received(len(ids))
         self.stats.samples += len(ids)
         return {"tokens": tokens, "__index__": ids}
 
@@ -466,6 +492,24 @@ class ShardDataset(IterableDataset):
             cache=None if self._cache is None else self._cache.stats,
             final=final,
         )
+
+
+class LoaderFeed(IterableDataset):
+    """A :class:`ShardDataset` as one DataLoader iterates it (:meth:`ShardDataset.feed`); the
+    workers take it, dataset included, as each pass starts them."""
+
+    def __init__(self, dataset: ShardDataset, *, batch_size: int, reports_dir: str | None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.reports_dir = reports_dir
+        self.report_pass = 0
+        """The pass the workers report for: set before each pass starts them."""
+
+    def __iter__(self) -> Iterator[Any]:
+        reports = None if self.reports_dir is None else (self.reports_dir, self.report_pass)
+        return self.dataset._samples(self.batch_size, counted=False, reports=reports)
 
 
 class StatefulLoader:
@@ -490,33 +534,28 @@ class StatefulLoader:
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        dataset.config = replace(dataset.config, batch_size=batch_size)
-        dataset._external_count = True
         self.dataset = dataset
         self.batch_size = batch_size
+        # Only this loader's workers report here (not a DataLoader of the user's over the same
+        # dataset, nor another StatefulLoader's).
+        self._reports = ReaderReports() if num_workers else None
+        self._feed = dataset.feed(
+            batch_size=batch_size, reports_dir=self._reports.directory if self._reports else None
+        )
         self._loader = DataLoader(
-            dataset, batch_size=batch_size, num_workers=num_workers, **dataloader_kwargs
+            self._feed, batch_size=batch_size, num_workers=num_workers, **dataloader_kwargs
         )
         self.stats = ConsumerStats()
-        self._reports = ReaderReports() if num_workers else None
-        self._passes = 0
 
     def __len__(self) -> int:
         return -(-self.dataset.rank_length() // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
-        ds._rebase()
-        length = ds.rank_length()
-        self._passes += 1
-        # The workers take the dataset with them as iter() starts them; only they report here
-        # (not a DataLoader of the user's over the same dataset, nor another StatefulLoader's).
-        ds._reports_dir = self._reports.directory if self._reports else None
-        ds._report_pass = self._passes
-        try:
-            it = iter(self._loader)
-        finally:
-            ds._reports_dir = None
+        ds.begin_pass()
+        left = ds.rank_length()
+        self._feed.report_pass += 1
+        it = iter(self._loader)  # starts the workers, which take the dataset as it is now
         while True:
             t0 = time.monotonic()
             try:
@@ -527,11 +566,12 @@ class StatefulLoader:
             self.stats.wait.record(waited)
             self.stats.wait_s += waited
             self.stats.waits += 1
-            n = min(self.batch_size, length - ds._consumed)
-            ds._consumed += n
+            n = min(self.batch_size, left)
+            left -= n
+            ds.received(n)
             self.stats.samples += n
             yield batch
-        ds._next_epoch()
+        ds.end_pass()
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -573,7 +613,7 @@ class StatefulLoader:
                 for uri, stats in report.replicas.items()
             },
         }
-        cache = self.dataset._cache
+        cache = self.dataset.cache
         if cache is not None:
             out["cache"] = {
                 **(report.cache or CacheStats()).as_dict(),
@@ -583,4 +623,4 @@ class StatefulLoader:
         return out
 
 
-__all__ = ["ShardDataset", "StatefulLoader"]
+__all__ = ["LoaderFeed", "ShardDataset", "StatefulLoader"]

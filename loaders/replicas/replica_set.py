@@ -1,0 +1,166 @@
+"""Several stores holding the same dataset, read as one: replica health (:mod:`.health`), the read
+race (:mod:`.race`) and the shard survey (:mod:`.survey`) behind one :class:`ReplicaSet`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ckptstore.store import Hedger, RetryPolicy, Store
+from loaders.config import ReplicaConfig
+from loaders.metrics import ReadStats, ReplicaStats
+from loaders.replicas import survey
+from loaders.replicas.health import Replica, ReplicaHealth
+from loaders.replicas.race import ReplicaReads
+
+R = TypeVar("R")
+
+Spec = str | os.PathLike | Store
+
+
+def replica_retry_policy(config: ReplicaConfig) -> RetryPolicy:
+    """One attempt per replica request (the replica set fails over itself), under its deadline."""
+    return RetryPolicy(attempts=1, timeout_s=config.attempt_timeout_s)
+
+
+class ReplicaSet:
+    """Several stores holding the same objects, read as one.
+
+    ``replicas``: :class:`~ckptstore.Store` objects, used as they are, or URIs, opened with
+    :func:`replica_retry_policy` and ``storage_options``. ``missing`` maps a shard key to the
+    URIs of replicas known to lack it (what :meth:`find_shards` found); reads of that key skip
+    them."""
+
+    def __init__(
+        self,
+        replicas: Spec | Sequence[Spec],
+        *,
+        config: ReplicaConfig | None = None,
+        storage_options: dict[str, Any] | None = None,
+        missing: Mapping[str, Iterable[str]] | None = None,
+    ) -> None:
+        if isinstance(replicas, (str, os.PathLike, Store)):
+            replicas = [replicas]
+        if not replicas:
+            raise ValueError("a dataset needs at least one replica URI")
+        self.config = config or ReplicaConfig()
+        policy = replica_retry_policy(self.config)
+        stores = [
+            r if isinstance(r, Store) else Store(r, storage_options=storage_options, retry=policy)
+            for r in replicas
+        ]
+        names = [s.uri for s in stores]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica URIs repeat: {names}")
+        self._health = ReplicaHealth(stores, self.config)
+        self._replicas = self._health.replicas
+        self.hedger = Hedger(self.config.hedge_policy())
+        self.stats = ReadStats()
+        self._reads = ReplicaReads(self._health, self.hedger, self.stats, self.config)
+        self.missing: dict[str, frozenset[str]] = {
+            key: frozenset(uris) for key, uris in (missing or {}).items()
+        }
+
+    @property
+    def uris(self) -> list[str]:
+        return [r.name for r in self._replicas]
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def _lacking(self, key: str) -> list[Replica]:
+        uris = self.missing.get(key, frozenset())
+        return [r for r in self._replicas if r.name in uris]
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read(
+        self,
+        key: str,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        decode: Callable[[bytes, str], Any] | None = None,
+        size_hint: int = 0,
+        view: bool = False,
+    ) -> Any:
+        """The bytes of ``key`` (or ``[start, end)`` of it) from whichever replica answers first,
+        passed through ``decode(data, replica)`` when given. A decode error (corrupt bytes) counts
+        as that replica's error and fails over to another replica. With ``view`` the data may be
+        a read-only buffer instead of bytes: on a local replica, a memory map of the file's pages
+        (``Store.get_view``)."""
+        what = key if start is None else f"{key}[{start}:{end}]"
+        nbytes = (end - (start or 0)) if end is not None else size_hint
+        get = Store.get_view if view else Store.get
+        return self._reads.read(
+            what,
+            nbytes,
+            lambda store: get(store, key, start, end, in_thread=True),
+            decode,
+            self._lacking(key),
+        )
+
+    def call(self, what: str, fn: Callable[[Store], R]) -> R:
+        """``fn(store)`` on the best replica, failing over on errors (never hedged)."""
+        return self._reads.call(what, fn, [])
+
+    def size(self, key: str) -> int:
+        """The size of ``key`` on the best replica not known to lack it (never hedged)."""
+        return self._reads.call(f"size {key}", lambda store: store.size(key), self._lacking(key))
+
+    # -- whole-dataset checks ---------------------------------------------------------------
+
+    def read_same(self, key: str) -> bytes:
+        """``key`` from every replica; :class:`ReplicaMismatchError` if any two differ."""
+        first = self.read(key)
+        if len(self) > 1 and self.config.verify_replicas:
+            survey.check_same(self._replicas, key, first)
+        return first
+
+    def find_shards(
+        self, keys: Sequence[str] | None = None, *, suffix: str | tuple[str, ...] = ""
+    ) -> dict[str, int]:
+        """The dataset's shards and their sizes, in dataset order, asked of every replica.
+
+        ``keys`` is the declared shard list (the authority): a key no replica holds raises
+        :class:`ShardNotFoundError`. Without it every replica is listed and the shard set is
+        the union of the keys ending in ``suffix`` (or any of a tuple of them), sorted (a shard
+        missing from every replica cannot be seen that way: declare the list). A replica lacking
+        shards that others hold gets one WARNING naming them and is not read for them
+        (:attr:`missing`); sizes that differ between replicas raise
+        :class:`ReplicaMismatchError`. An unreachable replica is skipped with a warning. With
+        ``verify_replicas`` off, declared keys are not asked of every replica (only listings
+        are compared) and sizes come from one replica each.
+        """
+        found, lacking = survey.find_shards(
+            self._replicas, keys, suffix, verify=self.config.verify_replicas
+        )
+        for key, uris in lacking.items():
+            self.missing[key] = self.missing.get(key, frozenset()) | uris
+        unknown = [key for key, size in found.items() if size is None]
+        with ThreadPoolExecutor(8) as pool:
+            asked = dict(zip(unknown, pool.map(self.size, unknown)))
+        return {key: asked[key] if size is None else size for key, size in found.items()}
+
+    # -- figures ----------------------------------------------------------------------------
+
+    def replica_stats(self) -> dict[str, ReplicaStats]:
+        return {r.name: r.stats for r in self._replicas}
+
+    def health(self) -> dict[str, str]:
+        """Each replica's state: ``healthy``, ``benched`` (sent no reads) or ``probation`` (a
+        share of first attempts)."""
+        return self._health.states()
+
+    def metrics(self) -> dict[str, Any]:
+        health = self.health()
+        return {
+            "reads": self.stats.as_dict(),
+            "hedge_tokens": self.hedger.tokens,
+            "hedge_delay_s": self.hedger.delays(),
+            "replicas": {
+                r.name: {**r.stats.as_dict(), "health": health[r.name]} for r in self._replicas
+            },
+        }
