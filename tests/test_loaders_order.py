@@ -171,6 +171,26 @@ def test_dataloader_workers_yield_the_rank_order_and_resume_exactly(token_dir):
     assert resumed.dataset.epoch == 1
 
 
+@pytest.mark.timeout(120)
+def test_stateful_loaders_of_two_batch_sizes_share_one_dataset_and_leave_its_config(token_dir):
+    """Each StatefulLoader hands its own batch size to its workers; the dataset's config stays
+    the caller's, and the position the loaders count is the dataset's."""
+    full = _ids(_dataset(token_dir))
+    ds = _dataset(token_dir)
+    config = ds.config
+    small = StatefulLoader(ds, batch_size=3, num_workers=2, collate_fn=_collate)
+    large = StatefulLoader(ds, batch_size=8, num_workers=2, collate_fn=_collate)
+    assert ds.config is config and config.batch_size == 1
+    it = iter(large)
+    assert _ids(next(it) for _ in range(4)) == full[:32]
+    del it
+    assert ds.state_dict()["position"] == 32
+    assert _ids(small) == full[32:]
+    epoch1 = _dataset(token_dir)
+    epoch1.set_epoch(1)
+    assert ds.epoch == 1 and _ids(large) == _ids(epoch1)
+
+
 def test_dataloader_batches_collate_to_tensors(token_dir):
     loader = StatefulLoader(_dataset(token_dir, shuffle=False), batch_size=8, num_workers=0)
     batch = next(iter(loader))
