@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from _wait import wait_until
 from test_commit_safety import chunk_files, referenced_chunks, verify_all
 
 from ckptstore import Store
@@ -121,15 +122,13 @@ def test_soak_saves_gc_kills_and_faults(tmp_path):
     # killed before it printed them: every waited step at least as new is there.
     assert len(steps) >= KEEP and max(waited) in steps
     assert {s for s in waited if s >= steps[-KEEP]} <= set(steps)
+
     # Dead writers' leases go stale: a save's after TTL_S, a gc's killed while deleting once its
     # deletes may have ended (TTL_S / 2 + the writer's request budget, about 3 s).
-    deadline = time.monotonic() + 60
-    while True:
-        report = collect(Store(uri), keep_last=KEEP)
-        if (report.swept and find_leases(Store(uri)) == []) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert report.swept
+    def swept_with_no_lease_left() -> bool:
+        return collect(Store(uri), keep_last=KEEP).swept and find_leases(Store(uri)) == []
+
+    assert wait_until(swept_with_no_lease_left, timeout_s=60, interval_s=0.5)
     assert chunk_files(tmp_path / "store") == referenced_chunks(uri)
     assert find_leases(Store(uri)) == []
     assert verify_all(uri) == steps[-KEEP:]
