@@ -63,10 +63,6 @@ def dcp_metadata_key(step: int, attempt: str) -> str:
     return f"{attempt_prefix(step, attempt)}/dcp.metadata"
 
 
-def pending_key(step: int, attempt: str, rank: int) -> str:
-    return f"pending/{step:0{STEP_DIGITS}d}-{attempt}-{rank:05d}.json"
-
-
 def dcp_item_key(fqn: str, offset: Sequence[int] | None) -> str:
     """The key of a DCP item in ``RankIndex.items``: ``fqn`` for an object DCP pickled (no
     offset), ``fqn@o0,o1`` for a tensor or a shard of one at ``offset``."""
