@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
+from ckptstore.device_load import read_into
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -47,10 +48,7 @@ from ckptstore.errors import (
 from ckptstore.format import KIND_STATE, check_step
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
-from ckptstore.pipeline import (
-    parse_dtype,
-    read_tensors,
-)
+from ckptstore.pipeline import parse_dtype
 from ckptstore.preemption import SigtermGuard
 from ckptstore.save import (
     DEFAULT_GC_WAIT_S,
@@ -161,10 +159,19 @@ class Checkpointer:
         timeout_s: deadline of one storage request, its retries included (large transfers get
             1 s more per 2 MiB): a store that never answers fails the call after about this long.
         hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
-        staging: ``"host"`` (staged copies in this process's memory), or ``"peer"``: each rank
-            also sends its staged state to a guard rank one node over, which keeps the latest
-            replica; ``load`` takes a rank's state from its guard when the guard holds the step
-            asked for (verified), else from storage. Needs ``torch.distributed``.
+        staging: where ``save()`` copies the state before it returns. ``"auto"`` (default):
+            like ``"device"`` for a state on an accelerator that fits the device budget, else
+            like ``"host"``. ``"host"``: into a pooled host buffer (pinned with an accelerator;
+            the loop's stream waits for that device-to-host copy). ``"device"``: into a pooled
+            buffer on the state's device (the loop's stream waits only for that
+            device-to-device copy), copied to a pooled host buffer in the background; a state
+            over the device budget is staged through the host, with one log line. ``"peer"``:
+            host staging, and each rank also sends its staged state to a guard rank one node
+            over, which keeps the latest replica; ``load`` takes a rank's state from its guard
+            when the guard holds the step asked for (verified), else from storage. Needs
+            ``torch.distributed``.
+        device_staging_budget_bytes: device memory for device staging buffers (None: one
+            buffer, used while the state fits half of the device's free memory).
         ranks_per_node: for ``staging="peer"``: the guard of rank r is r + ranks_per_node
             (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1).
         process_group: the ranks that save together (default: the whole world, if any).
@@ -203,7 +210,8 @@ class Checkpointer:
         max_concurrency: int = 16,
         timeout_s: float = 30.0,
         hedge_uploads: bool | None = None,
-        staging: str = "host",
+        staging: str = "auto",
+        device_staging_budget_bytes: int | None = None,
         ranks_per_node: int | None = None,
         process_group: Any = None,
         no_dist: bool = False,
@@ -216,8 +224,8 @@ class Checkpointer:
     ) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        if staging not in ("host", "peer"):
-            raise ValueError(f"staging must be 'host' or 'peer', got {staging!r}")
+        if staging not in ("auto", "device", "host", "peer"):
+            raise ValueError(f"staging must be 'auto', 'device', 'host' or 'peer', got {staging!r}")
         check_background_nice(background_nice)
         if handle_sigterm:
             SigtermGuard.check_installable(sigterm_grace_s)
@@ -241,6 +249,8 @@ class Checkpointer:
             keep_last=keep_last,
             lease_ttl_s=lease_ttl_s,
             gc_wait_s=gc_wait_s,
+            staging="host" if staging == "peer" else staging,
+            device_staging_budget_bytes=device_staging_budget_bytes,
         )
         self._group = _Group(process_group, timeout_s=max(timeout_s * 20, 600.0), no_dist=no_dist)
         self.rank = self._group.rank
@@ -297,7 +307,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         tree, tensors = flatten(state)
         user = json.loads(json.dumps(metadata or {}))
-        staged = self.engine.stage(tensors, block=self.when_busy == "wait")
+        staged = self.engine.stage(tensors, block=self.when_busy == "wait", rank=self.rank)
         self._saves += 1
         if staged is None:
             self.skipped_saves += 1
@@ -322,6 +332,21 @@ class Checkpointer:
         telemetry.save_blocked_seconds.observe(blocked, frontend="checkpointer")
         logger.debug("rank %d: step %d staged in %.3fs", self.rank, step, blocked)
         return handle
+
+    def reserve(self, state_or_nbytes: Any) -> Future[None]:
+        """Allocate the host staging memory for saves of ``state_or_nbytes`` (a state as
+        ``save`` takes it, or a byte count) ahead, on a background thread, a bounded slab at
+        a time (pinned with an accelerator), so that the first save does not allocate it on
+        the loop's thread. Returns a future, done once the memory is reserved (its error
+        re-raised by ``result()``); a save started before waits for it instead of allocating
+        a second buffer."""
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+        if isinstance(state_or_nbytes, int) and not isinstance(state_or_nbytes, bool):
+            nbytes = state_or_nbytes
+        else:
+            nbytes = self.engine.staged_bytes(flatten(state_or_nbytes)[1])
+        return self.engine.reserve(nbytes)
 
     def wait(self) -> None:
         """Block until every save so far is committed; raise the error of the first failed
@@ -493,9 +518,7 @@ class Checkpointer:
                     tensors[i] = dest
             else:
                 wanted = {i: loader.dests.get(i) for i in kinds}
-                tensors = read_tensors(
-                    self.store, index, wanted, self.engine.config, written=written
-                )
+                tensors = read_into(self.store, index, wanted, self.engine.config, written=written)
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
             error = exc
         paths = sorted(loader.paths[i] for i in written)
@@ -614,6 +637,7 @@ class Checkpointer:
         self._closed = True
         self._jobs.put(None)
         self._worker.join()
+        self.engine.close()
         self._closed_event.set()
         if self._sigterm is not None:
             if self._sigterm.signalled.is_set():

@@ -1,20 +1,30 @@
-"""Device -> host staging into a bounded pool of reusable buffers.
+"""Staging: the state's tensors copied into reused buffers, so that a save costs a copy, not
+fresh allocations and page faults, and the training loop goes on while the copy is written.
 
-The buffers are allocated once and reused across saves, so a save costs a copy, not fresh
-allocations and page faults. With CUDA they are pinned and filled by non-blocking copies on a
-dedicated stream; ``StagedCopy.wait()`` blocks the background encoder (never the training loop)
-until the copy has landed. The loop's own stream is made to wait for that copy on the device, so
-an in-place update it enqueues next cannot tear the staged state.
+Two ways, on any device (``ckptstore.device``):
+
+- host staging: the tensors are copied into a pooled host buffer (pinned with an accelerator)
+  on a side stream; the loop's stream waits on the device for that copy, the host does not.
+- device staging: the tensors are copied into a pooled *device* buffer (a device-to-device copy,
+  the only one the loop's stream waits for), then ``Drainer`` copies that buffer into a pooled
+  host buffer in the background (a host buffer held by an earlier save is waited for there,
+  not on the loop's thread).
+
+``StagedCopy.wait()`` / ``DrainedCopy.wait()`` block the background writer (never the training
+loop) until the bytes have landed in host memory.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from ckptstore.device import HOST_SLAB_BYTES, Device, allocate_host
 from ckptstore.format import ALIGN
 
 logger = logging.getLogger(__name__)
@@ -25,22 +35,34 @@ def align(n: int) -> int:
 
 
 class StagingPool:
-    """Host buffers for staged state, at most ``budget_bytes`` in all.
+    """Buffers for staged state, at most ``budget_bytes`` in all, on the host (pinned if
+    ``pin_memory``) or on ``device``.
 
     With ``budget_bytes=None`` the pool holds a single buffer, grown to the largest state
     seen: one save can persist while the training loop runs, and a second waits for it.
+    Buffers are allocated outside the pool's lock, host buffers ``slab_bytes`` at a time.
     """
 
-    def __init__(self, *, budget_bytes: int | None = None, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        budget_bytes: int | None = None,
+        pin_memory: bool = False,
+        device: Device | None = None,
+        slab_bytes: int = HOST_SLAB_BYTES,
+    ) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"staging_budget_bytes must be > 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
+        self.device = device
+        self.slab_bytes = slab_bytes
         self._free: list[torch.Tensor] = []
         self._allocated_bytes = 0
         self._buffers = 0
         self._cond = threading.Condition()
         self.allocations = 0  # how many buffers were ever allocated (tests check reuse)
+        self.peak_allocated_bytes = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -51,9 +73,17 @@ class StagingPool:
             return self._buffers - (1 if dropping else 0) == 0
         return self._allocated_bytes - dropping + nbytes <= self.budget_bytes
 
-    def acquire(self, nbytes: int, *, block: bool = True, timeout_s: float | None = None):
+    def acquire(
+        self,
+        nbytes: int,
+        *,
+        block: bool = True,
+        timeout_s: float | None = None,
+        prefault: bool = False,
+    ) -> torch.Tensor | None:
         """A 1-D uint8 tensor of ``nbytes`` backed by a pooled buffer, or None when
-        ``block`` is false (or ``timeout_s`` passes) and no buffer is free."""
+        ``block`` is false (or ``timeout_s`` passes) and no buffer is free. ``prefault``: a
+        new host buffer has its pages touched before it is returned."""
         if self.budget_bytes is not None and nbytes > self.budget_bytes:
             raise ValueError(
                 f"state needs {nbytes} bytes of staging but staging_budget_bytes is "
@@ -68,26 +98,49 @@ class StagingPool:
                     self._free.remove(buf)
                     return buf[:nbytes]
                 if self._fits(nbytes):
-                    return self._allocate(nbytes)
+                    break
                 if self._free:
                     small = min(self._free, key=torch.Tensor.numel)
                     if self._fits(nbytes, dropping=small.numel()):
                         self._free.remove(small)
                         self._allocated_bytes -= small.numel()
                         self._buffers -= 1
-                        return self._allocate(nbytes)
+                        break
                 if not block:
                     return None
                 if not self._cond.wait(timeout_s) and timeout_s is not None:
                     return None
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        self._allocated_bytes += nbytes
-        self._buffers += 1
-        self.allocations += 1
-        logger.debug("staging: allocated %d bytes (pinned=%s)", nbytes, self.pin_memory)
+            self._allocated_bytes += nbytes
+            self._buffers += 1
+            self.allocations += 1
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated_bytes)
+        try:
+            buf = self._allocate(nbytes, prefault=prefault)
+        except BaseException:
+            with self._cond:
+                self._allocated_bytes -= nbytes
+                self._buffers -= 1
+                self._cond.notify_all()
+            raise
         return buf[:nbytes]
+
+    def _allocate(self, nbytes: int, *, prefault: bool) -> torch.Tensor:
+        if self.device is not None:
+            buf = self.device.empty(nbytes)
+        elif self.pin_memory or prefault:
+            buf = allocate_host(nbytes, pin=self.pin_memory, slab_bytes=self.slab_bytes)
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        where = self.device.device if self.device is not None else "host"
+        logger.debug(
+            "staging: allocated %d bytes on %s (pinned=%s)", nbytes, where, self.pin_memory
+        )
+        return buf
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate (and fault in) a buffer of ``nbytes`` now, so that a save of that size
+        finds it; waits while the pool's buffers are held."""
+        self.release(self.acquire(nbytes, prefault=True))
 
     def release(self, view: torch.Tensor) -> None:
         base = view._base if view._base is not None else view
@@ -98,7 +151,7 @@ class StagingPool:
 
 @dataclass
 class StagedCopy:
-    """Tensors copied into ``buffer``; on CUDA the copy may still be in flight until wait()."""
+    """Tensors copied into ``buffer``; on an accelerator the copy may still run until wait()."""
 
     buffer: torch.Tensor
     views: list[torch.Tensor]
@@ -110,38 +163,120 @@ class StagedCopy:
             self.event.synchronize()
 
 
-class Stager:
-    """Copies tensors into a buffer at given offsets; device copies go on their own stream."""
+def _views(
+    buffer: torch.Tensor, like: list[torch.Tensor], offsets: list[int]
+) -> list[torch.Tensor]:
+    """Views of ``buffer`` at ``offsets`` with the dtypes and shapes of ``like``."""
+    return [
+        buffer[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        for t, o in zip(like, offsets)
+    ]
+
+
+class SideStreams:
+    """One stream per device, made on first use (None on the cpu)."""
 
     def __init__(self) -> None:
-        self._stream = None
+        self._streams: dict[torch.device, object] = {}
+
+    def get(self, device: Device):
+        if device.device not in self._streams:
+            self._streams[device.device] = device.new_stream()
+        return self._streams[device.device]
+
+
+class Stager:
+    """Copies tensors into a buffer at given offsets, on a side stream of their device."""
+
+    def __init__(self) -> None:
+        self.streams = SideStreams()
 
     def copy(
         self, buffer: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]
     ) -> StagedCopy:
-        on_device = any(t.device.type == "cuda" for t in tensors)
-        if on_device and self._stream is None:
-            self._stream = torch.cuda.Stream()
-        if on_device:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        views = []
-        for t, offset in zip(tensors, offsets):
-            n = t.numel() * t.element_size()
-            dest = buffer[offset : offset + n].view(t.dtype).view(t.shape)
-            views.append(dest)
-            if n == 0:
-                continue
-            if t.device.type == "cuda":
-                with torch.cuda.stream(self._stream):
-                    dest.copy_(t, non_blocking=True)
-                    t.record_stream(self._stream)
-            else:
-                dest.copy_(t)
-        event = None
-        if on_device:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            # The loop's next kernels (its optimizer step updates these tensors in place) wait
-            # on the device for the copy to have read them; the host does not wait.
-            torch.cuda.current_stream().wait_event(event)
-        return StagedCopy(buffer=buffer, views=views, event=event)
+        # Tensors on several accelerators: every copy synchronous (the cpu stand-in's way).
+        device = Device.of(tensors) or Device("cpu")
+        stream = self.streams.get(device)
+        # The copy starts after the loop's work enqueued so far (its last update of the state).
+        device.wait(device.record(), stream)
+        views = _views(buffer, tensors, offsets)
+        with device.on(stream):
+            for t, dest in zip(tensors, views):
+                if dest.numel():
+                    dest.copy_(t, non_blocking=device.is_accelerator)
+                    device.keep_alive(t, stream)
+        event = device.record(stream)
+        # The loop's next kernels (its optimizer step updates these tensors in place) wait on
+        # the device for the copy to have read them; the host does not wait.
+        device.wait(event)
+        return StagedCopy(
+            buffer=buffer, views=views, event=event if device.is_accelerator else None
+        )
+
+
+class DrainedCopy:
+    """A device-staged copy on its way to a host buffer: ``wait()`` until it has landed (and
+    re-raise what failed), then ``buffer`` and ``views`` are the host copy's."""
+
+    def __init__(self, future: Future[StagedCopy]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._future.result().buffer
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        return self._future.result().views
+
+    def landed(self) -> StagedCopy | None:
+        """The host copy once the drain ended (waiting for it), None if it failed."""
+        return None if self._future.exception() is not None else self._future.result()
+
+
+class Drainer:
+    """One background thread that empties device staging buffers into pooled host buffers,
+    in the order saves were staged; it also reserves host buffers ahead (``submit``)."""
+
+    def __init__(self, host_pool: StagingPool) -> None:
+        self._pool = host_pool
+        # Not the stager's: a save's device copy must not queue behind an earlier drain.
+        self._streams = SideStreams()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-drain")
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
+        return self._executor.submit(fn, *args)
+
+    def drain(
+        self, staged: StagedCopy, device: Device, release: Callable[[torch.Tensor], None]
+    ) -> DrainedCopy:
+        """Copy ``staged`` (in a device buffer) to a host buffer; ``release(staged.buffer)``
+        once it is copied (or the copy failed)."""
+        return DrainedCopy(self._executor.submit(self._drain, staged, device, release))
+
+    def _drain(
+        self, staged: StagedCopy, device: Device, release: Callable[[torch.Tensor], None]
+    ) -> StagedCopy:
+        try:
+            source = staged.buffer
+            host = self._pool.acquire(source.numel())
+            try:
+                stream = self._streams.get(device)
+                if staged.event is not None:
+                    device.wait(staged.event, stream)  # after the device copy, not before
+                with device.on(stream):
+                    host.copy_(source, non_blocking=device.is_accelerator)
+                device.record(stream).synchronize()
+            except BaseException:
+                self._pool.release(host)
+                raise
+            offsets = [v.data_ptr() - source.data_ptr() if v.numel() else 0 for v in staged.views]
+            return StagedCopy(buffer=host, views=_views(host, staged.views, offsets))
+        finally:
+            release(staged.buffer)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

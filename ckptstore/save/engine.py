@@ -1,21 +1,34 @@
-"""What stays the same from save to save: how chunks are cut and encoded, and the staging pool
-tensors are copied into before a save writes them (``SaveSession`` walks one save)."""
+"""What stays the same from save to save: how chunks are cut and encoded, and the staging pools
+tensors are copied into before a save writes them (``SaveSession`` walks one save).
+
+Where a save stages (``staging``): ``"host"``, a pooled host buffer; ``"device"``, a pooled
+buffer on the state's device first, drained to a host buffer in the background
+(``ckptstore.staging``); ``"auto"``, the device where the state lives on an accelerator and
+fits the device budget, else the host. A state that does not fit the budget is staged through
+the host, with one log line each time that starts happening."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from ckptstore.device import Device
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.pipeline import ChunkLayout, CompressionGovernor, PipelineConfig, plan_layout
-from ckptstore.staging import StagedCopy, Stager, StagingPool
+from ckptstore.staging import DrainedCopy, Drainer, StagedCopy, Stager, StagingPool
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GC_WAIT_S = 600.0
+STAGING_MODES = ("host", "device", "auto")
+# Without a device budget: the share of the device's free memory a staging buffer may take.
+# Not all of it: the loop may not have reached its peak memory yet when it first saves.
+DEVICE_FREE_SHARE = 0.5
 
 
 def check_background_nice(background_nice: int) -> None:
@@ -25,12 +38,16 @@ def check_background_nice(background_nice: int) -> None:
 
 @dataclass
 class Staged:
-    """Tensors copied into a staging buffer (the copy may still run: ``copy.wait()``)."""
+    """Tensors copied into a staging buffer (the copy may still run: ``copy.wait()``, after
+    which ``buffer`` is the host buffer holding them)."""
 
-    buffer: torch.Tensor
     layout: ChunkLayout
-    copy: StagedCopy
+    copy: StagedCopy | DrainedCopy
     pooled: bool  # the buffer goes back to the engine's pool once written
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.copy.buffer
 
 
 class SaveEngine:
@@ -42,6 +59,10 @@ class SaveEngine:
             chunk (``CompressionGovernor``).
         hedge_uploads: duplicate slow chunk puts (the store's hedging, ``Store.hedger``).
         staging_budget_bytes: host memory for staging buffers (None: one, state-sized).
+        staging: ``"host"``, ``"device"`` or ``"auto"`` (module docstring).
+        device_staging_budget_bytes: device memory for device staging buffers (None: one
+            buffer, staged into while the state fits ``DEVICE_FREE_SHARE`` of the device's free
+            memory, its own buffer counted as free).
         keep_last: retention after each commit (None: keep everything).
         lease_ttl_s / gc_wait_s: the save lease's ttl, and how long a save waits for a gc.
     """
@@ -57,7 +78,15 @@ class SaveEngine:
         keep_last: int | None = None,
         lease_ttl_s: float = DEFAULT_TTL_S,
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
+        staging: str = "host",
+        device_staging_budget_bytes: int | None = None,
     ) -> None:
+        if staging not in STAGING_MODES:
+            raise ValueError(f"staging must be one of {', '.join(STAGING_MODES)}, got {staging!r}")
+        if device_staging_budget_bytes is not None and device_staging_budget_bytes <= 0:
+            raise ValueError(
+                f"device_staging_budget_bytes must be > 0, got {device_staging_budget_bytes}"
+            )
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if lease_ttl_s <= 0 or gc_wait_s < 0:
@@ -71,20 +100,89 @@ class SaveEngine:
             budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
         )
         self.stager = Stager()
+        self.staging = staging
+        self.device_staging_budget_bytes = device_staging_budget_bytes
+        self.device_pool: StagingPool | None = None  # on the device of the last device staging
+        self._drainer: Drainer | None = None
+        self._drainer_lock = threading.Lock()
+        self._fallback_logged = False
         self.keep_last = keep_last
         self.lease_ttl_s = lease_ttl_s
         self.gc_wait_s = gc_wait_s
 
     def stage(
-        self, tensors: list[torch.Tensor], *, block: bool = True, timeout_s: float | None = None
+        self,
+        tensors: list[torch.Tensor],
+        *,
+        block: bool = True,
+        timeout_s: float | None = None,
+        rank: int = 0,
     ) -> Staged | None:
-        """Copy ``tensors`` into a pooled buffer; None when none is free (``block=False``, or
-        after ``timeout_s``)."""
+        """Copy ``tensors`` into a pooled buffer (on their device first, by ``staging``); None
+        when none is free (``block=False``, or after ``timeout_s``)."""
         layout = plan_layout(tensors, self.config)
-        buffer = self.pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
+        device = self._staging_device(tensors, layout.total_bytes, rank)
+        pool = self.pool if device is None else self._device_pool(device)
+        buffer = pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
         if buffer is None:
             return None
-        return Staged(buffer, layout, self.stager.copy(buffer, tensors, layout.offsets), True)
+        copied = self.stager.copy(buffer, tensors, layout.offsets)
+        if device is None:
+            return Staged(layout, copied, True)
+        return Staged(layout, self.drainer().drain(copied, device, pool.release), True)
+
+    def _staging_device(self, tensors: list[torch.Tensor], nbytes: int, rank: int):
+        """The device to stage ``tensors`` on first, or None to stage them on the host."""
+        if self.staging == "host":
+            return None
+        device = Device.of(tensors)
+        if device is None:
+            why = "the state spans several devices"
+        elif self.staging == "auto" and not device.is_accelerator:
+            return None
+        else:
+            budget = self._device_budget(device)
+            if nbytes <= budget:
+                self._fallback_logged = False
+                return device
+            why = f"{nbytes} bytes of state exceed the device staging budget of {budget} bytes"
+        if not self._fallback_logged:
+            self._fallback_logged = True
+            logger.warning("rank %d: staging through host memory: %s", rank, why)
+        return None
+
+    def _device_budget(self, device: Device) -> int:
+        if self.device_staging_budget_bytes is not None:
+            return self.device_staging_budget_bytes
+        held = 0
+        if self.device_pool is not None and self.device_pool.device.device == device.device:
+            held = self.device_pool.allocated_bytes
+        return int(device.free_bytes() * DEVICE_FREE_SHARE) + held
+
+    def _device_pool(self, device: Device) -> StagingPool:
+        if self.device_pool is None or self.device_pool.device.device != device.device:
+            self.device_pool = StagingPool(
+                budget_bytes=self.device_staging_budget_bytes, device=device
+            )
+        return self.device_pool
+
+    def drainer(self) -> Drainer:
+        """The background thread of device staging and host reservations (started on use)."""
+        with self._drainer_lock:
+            if self._drainer is None:
+                self._drainer = Drainer(self.pool)
+            return self._drainer
+
+    def staged_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """The size of the staging buffer a save of ``tensors`` takes."""
+        return plan_layout(tensors, self.config).total_bytes
+
+    def reserve(self, nbytes: int) -> Future:
+        """Allocate the host staging buffer for a state of ``nbytes`` in the background, slab
+        by slab; the future is done once it is."""
+        if nbytes <= 0:
+            raise ValueError(f"reserve needs a positive number of bytes, got {nbytes}")
+        return self.drainer().submit(self.pool.reserve, nbytes)
 
     def stage_somewhere(
         self, tensors: list[torch.Tensor], *, wait_s: float, rank: int, pooled: bool = True
@@ -110,8 +208,20 @@ class SaveEngine:
         buffer = torch.empty(
             max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=self.pool.pin_memory
         )
-        return Staged(buffer, layout, self.stager.copy(buffer, tensors, layout.offsets), False)
+        return Staged(layout, self.stager.copy(buffer, tensors, layout.offsets), False)
 
     def release(self, staged: Staged) -> None:
-        if staged.pooled:
-            self.pool.release(staged.buffer)
+        """Hand the host buffer of ``staged`` back to the pool (a device-staged copy's once its
+        drain ended; a failed drain holds none)."""
+        if not staged.pooled:
+            return
+        copied = staged.copy.landed() if isinstance(staged.copy, DrainedCopy) else staged.copy
+        if copied is not None:
+            self.pool.release(copied.buffer)
+
+    def close(self) -> None:
+        """Stop the drain thread once it has drained what was staged."""
+        with self._drainer_lock:
+            drainer, self._drainer = self._drainer, None
+        if drainer is not None:
+            drainer.close()

@@ -1,0 +1,178 @@
+"""The few device calls that staging and restore make, one code path for every device.
+
+On an accelerator these are torch's device-generic streams and events (``torch.Stream``,
+``torch.Event``, ``torch.accelerator``). The CPU has streams in name only and no events, so on
+the CPU a copy enqueued on a stream has run when the call returns and an event recorded after
+it is already complete (``_DoneEvent``). Everything above this module (which copy waits for
+which, when a buffer may be reused, budgets, fallbacks) is the same code on both.
+
+Host buffers are reserved in bounded slabs (``allocate_host``): the pages of each slab are
+touched and, for a CUDA device, page-locked with ``cudaHostRegister`` one slab at a time, so no
+single call holds the host for the whole buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+HOST_SLAB_BYTES = 256 * 2**20
+
+
+class _DoneEvent:
+    """The CPU's event: the work before it ran when it was recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class Device:
+    """Streams, events and memory of one device (``cpu`` runs every call synchronously)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.is_accelerator = self.device.type != "cpu"
+        if self.is_accelerator and self.device.index is None:
+            self.device = torch.device(self.device.type, torch.accelerator.current_device_index())
+
+    def __repr__(self) -> str:
+        return f"Device({self.device})"
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> Device | None:
+        """The one accelerator the tensors live on (cpu if none does); None if several."""
+        found = {t.device for t in tensors if t.device.type != "cpu"}
+        if len(found) > 1:
+            return None
+        return cls(found.pop() if found else "cpu")
+
+    def new_stream(self):
+        return torch.Stream(device=self.device) if self.is_accelerator else None
+
+    def current_stream(self):
+        if not self.is_accelerator:
+            return None
+        return torch.accelerator.current_stream(self.device)
+
+    @contextlib.contextmanager
+    def on(self, stream) -> Iterator[None]:
+        """Work enqueued inside goes on ``stream``."""
+        if stream is None:
+            yield
+            return
+        with stream:
+            yield
+
+    def record(self, stream=None):
+        """An event that completes once the work enqueued on ``stream`` so far has run."""
+        if not self.is_accelerator:
+            return _DoneEvent()
+        event = torch.Event(device=self.device)
+        event.record(stream if stream is not None else self.current_stream())
+        return event
+
+    def wait(self, event, stream=None) -> None:
+        """Make ``stream`` (the current one by default) wait on the device for ``event``; the
+        host does not wait."""
+        if self.is_accelerator:
+            (stream if stream is not None else self.current_stream()).wait_event(event)
+
+    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
+        """``tensor``'s memory is not reused before the work on ``stream`` so far has run."""
+        if self.is_accelerator and tensor.device.type != "cpu":
+            tensor.record_stream(stream)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def free_bytes(self) -> int:
+        """Memory a new buffer could take now: free device memory plus what torch's caching
+        allocator holds unused; on the CPU, the kernel's MemAvailable."""
+        if not self.is_accelerator:
+            return _host_available_bytes()
+        free, _total = torch.accelerator.get_memory_info(self.device)
+        cached = torch.accelerator.memory_reserved(self.device)
+        used = torch.accelerator.memory_allocated(self.device)
+        return int(free + max(0, cached - used))
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return torch.iinfo(torch.int64).max
+
+
+def host_pins_in_slabs() -> bool:
+    """Whether pinned host memory is page-locked slab by slab (CUDA), rather than by one
+    ``pin_memory`` allocation."""
+    return torch.cuda.is_available()
+
+
+def allocate_host(
+    nbytes: int,
+    *,
+    pin: bool,
+    slab_bytes: int = HOST_SLAB_BYTES,
+    on_slab: Callable[[int, int], None] | None = None,
+) -> torch.Tensor:
+    """A 1-D uint8 host tensor of ``nbytes``, its pages touched (and page-locked if ``pin``)
+    ``slab_bytes`` at a time; ``on_slab(start, length)`` after each slab."""
+    if slab_bytes < PAGE_BYTES or slab_bytes % PAGE_BYTES:
+        raise ValueError(f"slab_bytes must be a positive multiple of {PAGE_BYTES}")
+    if pin and (nbytes <= slab_bytes or not host_pins_in_slabs()):
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if on_slab is not None:
+            on_slab(0, nbytes)
+        return buf
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    # A buffer this large is a mapping of its own, so whole pages are ours to lock: each slab
+    # is registered from the page it starts in, slabs split at page boundaries (a page locked
+    # twice would fail).
+    base = buf.data_ptr()
+    first_page = base - base % PAGE_BYTES
+    registered: list[int] = []
+    try:
+        for offset in range(0, nbytes, slab_bytes):
+            slab = buf[offset : offset + slab_bytes]
+            slab.zero_()  # fault the pages in now, not during the first save's copy
+            if pin:
+                start = first_page + offset
+                end = min(first_page + offset + slab_bytes, base + nbytes)
+                _register(start, end - start)
+                registered.append(start)
+            if on_slab is not None:
+                on_slab(offset, slab.numel())
+    except BaseException:
+        _unregister(registered)
+        raise
+    if registered:
+        weakref.finalize(buf, _unregister, registered)
+    return buf
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    error = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {error}")
+
+
+def _unregister(pointers: list[int]) -> None:
+    for ptr in pointers:
+        error = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if error != 0:
+            logger.warning("cudaHostUnregister failed with cudaError %d", error)
