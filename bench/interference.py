@@ -12,6 +12,14 @@ against the same steps without saving). Step kinds:
 - ``cpu``: a CPU matmul (this machine has no GPU: the loop and the save share the cores);
 - ``python``: pure-Python work, which only runs while it holds the GIL.
 
+With ``--device cuda`` the loop is a real GPU training step instead (an MLP of ``--tensors``
+square layers holding ``--size`` of float32 weights, AdamW, a batch of ``--batch`` rows), run
+three ways side by side: no saves, ``Checkpointer.save`` of the model and optimizer every
+``--every`` steps (staging auto: through a device buffer where it fits), and DCP ``async_save``
+of the same state every ``--every`` steps (each waiting for the one before, as DCP asks). The
+step rate counts every step until the GPU finished it; the loss of each is reported against no
+saves (measured before and after).
+
 The Checkpointer's warning for each skipped save is counted (the table's ``skipped`` column),
 not printed, and its other log lines are printed to stderr after the table (``-v``: all of them
 as they come).
@@ -23,6 +31,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import statistics
 import tempfile
 import time
@@ -30,6 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
+from bench import _ckpt_common as common
 from bench.report import parse_bytes
 from ckptstore import Checkpointer
 
@@ -67,6 +77,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="Checkpointer(background_nice=...): lower the save threads' priority (default 0)",
+    )
+    common.add_device_arg(p)
+    p.add_argument(
+        "--every", type=int, default=40, help="--device cuda: save every N steps (default 40)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=8192, help="--device cuda: rows per step (default 8192)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -173,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
     held: list[logging.LogRecord] = []
     try:
         with _library_logs_held(held, hold=not getattr(args, "verbose", False)):
+            if common.check_device(getattr(args, "device", "cpu")).type == "cuda":
+                out = _measure_gpu_training(args)
+                _print_gpu(out, as_json=args.json)
+                return 0
             out = _measure(args)
         _print(out, as_json=args.json)
     finally:  # after the table (or the error), the records it does not already count
@@ -248,3 +269,120 @@ def _print(out: dict, *, as_json: bool) -> None:
                 f"{r['background_loss_fraction']:6.1%} {r['saves_committed']:6d} "
                 f"{r['saves_skipped']:8d} {r['blocked_s_median']:8.3f}s"
             )
+
+
+# -- --device cuda: a real training step -----------------------------------------------------------
+
+
+def _gpu_training(args: argparse.Namespace, device: torch.device):
+    """The model, its optimizer and one training step, the step's state already built."""
+    size = parse_bytes(args.size)
+    width = max(8, int(math.sqrt(size / 4 / args.tensors)))
+    layers = [torch.nn.Linear(width, width, bias=False) for _ in range(args.tensors)]
+    model = torch.nn.Sequential(*layers).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = torch.randn(args.batch, width, device=device)
+
+    def step() -> None:
+        model(batch).square().mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+
+    for _ in range(3):  # AdamW's moments exist from the first step on
+        step()
+    torch.accelerator.synchronize(device)
+    return model, optim, step
+
+
+def _dcp_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
+    moments = {
+        f"{i}.{name}": value
+        for i, per_param in optim.state_dict()["state"].items()
+        for name, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    }
+    return {"model": model.state_dict(), "optim": moments}
+
+
+def _gpu_loop(step, steps: int, every: int, save, device: torch.device) -> float:
+    """Steps per second of ``steps`` steps, ``save(i)`` after every ``every``-th."""
+    torch.accelerator.synchronize(device)
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        step()
+        if save is not None and i % every == 0:
+            save(i)
+    torch.accelerator.synchronize(device)
+    return steps / (time.perf_counter() - t0)
+
+
+def _measure_gpu_training(args: argparse.Namespace) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    device = common.check_device("cuda")
+    if args.steps < 2 or args.tensors < 1 or args.every < 1 or args.batch < 1:
+        raise ValueError("--steps must be >= 2, --tensors, --every and --batch >= 1")
+    model, optim, step = _gpu_training(args, device)
+    state_bytes = sum(
+        t.numel() * t.element_size() for t in _dcp_state(model, optim)["optim"].values()
+    )
+    state_bytes += sum(p.numel() * p.element_size() for p in model.parameters())
+    rates: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
+        root = args.uri.rstrip("/") if args.uri else tmp
+        rates["none_before"] = _gpu_loop(step, args.steps, args.every, None, device)
+        with Checkpointer(
+            f"{root}/ckptstore",
+            compression=args.compression,
+            keep_last=1,
+            background_nice=args.nice,
+        ) as ckpt:
+            rates["ckptstore"] = _gpu_loop(
+                step,
+                args.steps,
+                args.every,
+                lambda i: ckpt.save(i, {"model": model, "optim": optim}),
+                device,
+            )
+        pending = []
+
+        def dcp_save(i: int) -> None:
+            if pending:
+                pending.pop().result()
+            writer = dcp.FileSystemWriter(f"{root}/dcp/step-{i}")
+            with common.quiet_dcp():
+                pending.append(
+                    dcp.async_save(_dcp_state(model, optim), storage_writer=writer, no_dist=True)
+                )
+
+        rates["dcp_async"] = _gpu_loop(step, args.steps, args.every, dcp_save, device)
+        for future in pending:
+            future.result()
+        rates["none_after"] = _gpu_loop(step, args.steps, args.every, None, device)
+    base = statistics.mean([rates["none_before"], rates["none_after"]])
+    return {
+        "device": common.device_info(device),
+        "state_bytes": state_bytes,
+        "steps": args.steps,
+        "every": args.every,
+        "baseline_steps_per_s": base,
+        "methods": {
+            name: {"steps_per_s": rates[name], "loss_fraction": 1.0 - rates[name] / base}
+            for name in ("ckptstore", "dcp_async")
+        },
+        "runs": rates,
+    }
+
+
+def _print_gpu(out: dict, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out))
+        return
+    print(
+        f"{out['device']['device']}: model + AdamW state {out['state_bytes'] / 2**20:.0f} MiB, "
+        f"{out['steps']} steps, a save every {out['every']}; no saves "
+        f"{out['baseline_steps_per_s']:.2f} steps/s"
+    )
+    print(f"{'method':10} {'steps/s':>8} {'loss':>7}")
+    for name, r in out["methods"].items():
+        print(f"{name:10} {r['steps_per_s']:8.2f} {r['loss_fraction']:7.1%}")

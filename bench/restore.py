@@ -10,6 +10,10 @@ tensors equal the saved state.
 - ``torch_load``: ``torch.load`` of one file (``weights_only=True``), then ``copy_`` into the
   preallocated tensors, for reference; no checksums.
 
+With ``--device cuda`` the state is saved from the GPU and loaded into preallocated GPU
+tensors (each timed load ends once the device has the bytes); ``ckptstore_host`` loads the same
+step into host tensors, the speed a GPU restore is measured against.
+
 On local disk ``--cache warm`` (the default) loads files this run just wrote from the page
 cache: the figures measure decode, verification and copy paths. ``--cache cold`` drops every
 file's cached pages (``POSIX_FADV_DONTNEED``) before each timed load, so each load reads the disk.
@@ -32,6 +36,7 @@ from bench.report import format_bytes, format_seconds, print_json, table
 logger = logging.getLogger(__name__)
 
 METHODS = ("ckptstore", "dcp", "torch_load")
+CUDA_METHODS = ("ckptstore", "ckptstore_host", "dcp", "torch_load")
 CACHE_NOTES = {
     "warm": "warm page cache: the files were just written and are read from memory",
     "cold": "cold page cache: every file's cached pages were dropped before each timed load",
@@ -40,6 +45,12 @@ CACHE_NOTES = {
 
 class _Method:
     name = ""
+    into_host = False  # loads into host tensors even when the state is on a device
+
+    @property
+    def directory(self) -> str:
+        """Where under the workspace its save is stored."""
+        return self.name
 
     def __init__(self, ws: common.Workspace, compression: str) -> None:
         self.ws = ws
@@ -64,8 +75,20 @@ class _Ckptstore(_Method):
     def load(self, dest):
         from ckptstore import Checkpointer
 
-        with Checkpointer(self.ws.child(self.name), compression=self.compression) as ckpt:
+        with Checkpointer(self.ws.child(self.directory), compression=self.compression) as ckpt:
             ckpt.load(dest, step=0)
+
+
+class _CkptstoreHost(_Ckptstore):
+    name = "ckptstore_host"
+    into_host = True
+
+    @property
+    def directory(self) -> str:
+        return _Ckptstore.name
+
+    def save(self, state):
+        """Nothing: it loads the step ``ckptstore`` saved."""
 
 
 class _Dcp(_Method):
@@ -121,7 +144,13 @@ class _TorchLoad(_Method):
             dest[k].copy_(t)
 
 
-_CLASSES: dict[str, Callable[..., _Method]] = {c.name: c for c in (_Ckptstore, _Dcp, _TorchLoad)}
+_CLASSES: dict[str, Callable[..., _Method]] = {
+    c.name: c for c in (_Ckptstore, _CkptstoreHost, _Dcp, _TorchLoad)
+}
+
+
+def methods_for(device: str) -> tuple[str, ...]:
+    return CUDA_METHODS if device == "cuda" else METHODS
 
 
 def run_restore(
@@ -133,6 +162,7 @@ def run_restore(
     compression: str = "auto",
     methods: list[str] | None = None,
     cache: str = "warm",
+    device: str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns the report as a JSON-ready dict."""
@@ -141,11 +171,14 @@ def run_restore(
     from ckptstore.codec import CodecConfig
 
     CodecConfig.parse(compression)
-    methods = list(METHODS) if methods is None else methods
+    dev = common.check_device(device)
+    methods = list(methods_for(device)) if methods is None else methods
+    if "ckptstore_host" in methods and "ckptstore" not in methods:
+        raise ValueError("--methods ckptstore_host reads the step ckptstore saves: name both")
     say = progress or (lambda _msg: None)
     date = common.now_iso()
-    say(f"building the {spec.state} state")
-    state = common.build_state(spec)
+    say(f"building the {spec.state} state on {dev}")
+    state = common.build_state(spec, dev)
     raw = common.state_bytes(state)
     probe = common.MemoryProbe()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
@@ -158,17 +191,21 @@ def run_restore(
         for method in chosen:
             say(f"{method.name}: saving")
             method.save(state)
-            stored[method.name] = ws.bytes_under(method.name)
-        dest = common.zeros_like_state(state)
+            stored[method.name] = ws.bytes_under(method.directory)
+        on_device = common.zeros_like_state(state)
+        on_host = {k: torch.zeros_like(t, device="cpu") for k, t in state.items()}
         for r in range(warmup + repeat):
             for method in chosen:
+                dest = on_host if method.into_host else on_device
                 for t in dest.values():
                     t.zero_()
                 if cache == "cold":
                     common.drop_page_cache(ws.root)
                 rss_before = probe.reset()
+                common.settle(dev)
                 t0 = time.perf_counter()
                 method.load(dest)
+                common.settle(dev)
                 restore_s = time.perf_counter() - t0
                 peak = probe.peak()
                 if not common.same_state(dest, state):
@@ -196,6 +233,7 @@ def run_restore(
             "compression": compression,
             "methods": methods,
             "cache": cache if is_local else None,
+            "device": common.device_info(dev),
             **common.describe_state(state),
             **({"model": common.TRAINED_MODEL} if spec.state == "trained" else {}),
             "host": common.host_info(),
@@ -211,12 +249,12 @@ def run_restore(
             "bytes_stored": stored[name],
             "stored_vs_raw": stored[name] / raw,
             "peak_rss_bytes": int(common.median(peaks)) if peaks else None,
-            "verified": name == "ckptstore",
+            "verified": name.startswith("ckptstore"),
             "runs": rs,
         }
     ratios: dict[str, float | None] = {}
     if "ckptstore" in methods:
-        for base in ("dcp", "torch_load"):
+        for base in ("ckptstore_host", "dcp", "torch_load"):
             if base in methods:
                 ratios[f"ckptstore_vs_{base}"] = common.ratio(
                     report["ckptstore"]["restore_s"], report[base]["restore_s"]
@@ -262,14 +300,16 @@ def print_table(report: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     common.check_counts(args)
+    common.check_device(args.device)
     report = run_restore(
         uri=args.uri,
         spec=common.state_spec_from_args(args),
         repeat=args.repeat,
         warmup=args.warmup,
         compression=args.compression,
-        methods=common.parse_methods(args.methods, METHODS),
+        methods=common.parse_methods(args.methods, methods_for(args.device)),
         cache=args.cache,
+        device=args.device,
         progress=logger.info,
     )
     if args.json:

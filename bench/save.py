@@ -20,6 +20,14 @@ Every round runs memcpy then each method once, so drift of this shared machine h
 them alike; medians over ``--repeat`` rounds are reported, ratios are
 ratios of those medians.
 
+With ``--device cuda`` the state lives on the GPU, and each method also reports ``stall_s``:
+from the call until a kernel enqueued on the training stream right after the call returned has
+run (the host's blocked time included; the device-to-device ``memcpy_s`` is its floor, and
+``d2h_s``, a copy into pinned host memory, the floor of staging through the host).
+``ckptstore`` then stages through a device buffer (``staging="auto"``) and ``ckptstore_host``
+through pinned host memory; ``first_blocked_s`` / ``first_stall_s`` are each method's first
+save (a warm-up save unless ``--warmup 0``), which allocates the staging memory.
+
 Between any two saves every tensor is rotated by one element, so no save can deduplicate
 against an earlier one (same statistics, new bytes); ``--incremental`` rotates only the first
 tensor, showing what content addressing saves. Each method keeps its output under its own
@@ -52,16 +60,23 @@ from bench.report import format_bytes, format_seconds, print_json, table
 logger = logging.getLogger(__name__)
 
 METHODS = ("ckptstore", "ckptstore_dcp", "dcp_async", "dcp_sync", "torch_save")
+CUDA_METHODS = ("ckptstore", "ckptstore_host", *METHODS[1:])
 
 
 class _Method:
-    """One way of saving; ``save`` returns (blocked_s, commit_s)."""
+    """One way of saving; ``save`` returns (blocked_s, stall_s, commit_s), stall_s None on
+    the cpu."""
 
     name = ""
 
-    def __init__(self, ws: common.Workspace, compression: str) -> None:
+    def __init__(self, ws: common.Workspace, compression: str, device: torch.device) -> None:
         self.ws = ws
         self.compression = compression
+        self.device = device
+
+    def stall(self, t0: float) -> float | None:
+        """The training stream's stall of a save called at ``t0`` (right after it returned)."""
+        return None if self.device.type == "cpu" else common.stall_s(t0, self.device)
 
     def open(self) -> None:
         pass
@@ -78,22 +93,31 @@ class _Method:
 
 class _Ckptstore(_Method):
     name = "ckptstore"
+    staging = "auto"
 
     def open(self) -> None:
         from ckptstore import Checkpointer
 
-        self.ckpt = Checkpointer(self.ws.child(self.name), compression=self.compression)
+        self.ckpt = Checkpointer(
+            self.ws.child(self.name), compression=self.compression, staging=self.staging
+        )
 
     def save(self, state, n):
         t0 = time.perf_counter()
         handle = self.ckpt.save(n, state)
         t1 = time.perf_counter()
+        stall = self.stall(t0)
         handle.wait()
         t2 = time.perf_counter()
-        return t1 - t0, t2 - t0
+        return t1 - t0, stall, t2 - t0
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class _CkptstoreHost(_Ckptstore):
+    name = "ckptstore_host"
+    staging = "host"
 
 
 class _CkptstoreDcp(_Method):
@@ -111,9 +135,10 @@ class _CkptstoreDcp(_Method):
             t0 = time.perf_counter()
             future = dcp.async_save(state, storage_writer=self.writer, no_dist=True)
             t1 = time.perf_counter()
+            stall = self.stall(t0)
             future.result()
             t2 = time.perf_counter()
-        return t1 - t0, t2 - t0
+        return t1 - t0, stall, t2 - t0
 
 
 def _dcp_writer(ws: common.Workspace, path_parts: tuple[str, ...]):
@@ -137,9 +162,10 @@ class _DcpAsync(_Method):
             t0 = time.perf_counter()
             future = dcp.async_save(state, storage_writer=writer, no_dist=True)
             t1 = time.perf_counter()
+            stall = self.stall(t0)
             future.result()
             t2 = time.perf_counter()
-        return t1 - t0, t2 - t0
+        return t1 - t0, stall, t2 - t0
 
     def discard(self, n: int) -> None:
         self.ws.remove(self.name, f"save-{n:04d}")
@@ -156,7 +182,7 @@ class _DcpSync(_Method):
             t0 = time.perf_counter()
             dcp.save(state, storage_writer=writer, no_dist=True)
             t1 = time.perf_counter()
-        return t1 - t0, t1 - t0
+        return t1 - t0, self.stall(t0), t1 - t0
 
     def discard(self, n: int) -> None:
         self.ws.remove(self.name, f"save-{n:04d}")
@@ -182,21 +208,29 @@ class _TorchSave(_Method):
             with self.ws.fs.open(path, "wb") as f:
                 torch.save(state, f)
             t1 = time.perf_counter()
-        return t1 - t0, t1 - t0
+        return t1 - t0, self.stall(t0), t1 - t0
 
     def discard(self, n: int) -> None:
         self.ws.remove(self.name, f"save-{n:04d}.pt")
 
 
 _CLASSES: dict[str, Callable[..., _Method]] = {
-    c.name: c for c in (_Ckptstore, _CkptstoreDcp, _DcpAsync, _DcpSync, _TorchSave)
+    c.name: c for c in (_Ckptstore, _CkptstoreHost, _CkptstoreDcp, _DcpAsync, _DcpSync, _TorchSave)
 }
 
 
+def methods_for(device: str) -> tuple[str, ...]:
+    return CUDA_METHODS if device == "cuda" else METHODS
+
+
 def _memcpy_s(dest: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> float:
+    """One copy of ``state`` into ``dest``, finished (on the device too)."""
+    device = next(iter(state.values())).device
+    common.settle(device)
     t0 = time.perf_counter()
     for k, t in state.items():
-        dest[k].copy_(t)
+        dest[k].copy_(t, non_blocking=True)
+    common.settle(device)
     return time.perf_counter() - t0
 
 
@@ -209,23 +243,33 @@ def run_save(
     compression: str = "auto",
     methods: list[str] | None = None,
     incremental: bool = False,
+    device: str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns the report as a JSON-ready dict."""
     from ckptstore.codec import CodecConfig
 
     CodecConfig.parse(compression)  # a bad --compression fails before any work
-    methods = list(METHODS) if methods is None else methods
+    dev = common.check_device(device)
+    on_gpu = dev.type != "cpu"
+    methods = list(methods_for(device)) if methods is None else methods
     say = progress or (lambda _msg: None)
     date = common.now_iso()
-    say(f"building the {spec.state} state")
-    state = common.build_state(spec)
+    say(f"building the {spec.state} state on {dev}")
+    state = common.build_state(spec, dev)
     raw = common.state_bytes(state)
     probe = common.MemoryProbe()
     dest = common.zeros_like_state(state)
     _memcpy_s(dest, state)  # warm: fault in the destination pages
+    pinned = (
+        {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in state.items()}
+        if on_gpu
+        else None
+    )
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     memcpy_runs: list[float] = []
+    d2h_runs: list[float] = []
+    first: dict[str, tuple[float, float | None]] = {}
     held: dict[str, int] = {}
     save_no = 0
     with common.Workspace(uri, command="save") as ws:
@@ -233,14 +277,16 @@ def run_save(
         opened: list[_Method] = []
         try:
             for name in methods:
-                method = _CLASSES[name](ws, compression)
+                method = _CLASSES[name](ws, compression, dev)
                 before = probe.rss()
                 method.open()
                 opened.append(method)
                 for _ in range(warmup):
                     common.perturb(state, only_first=incremental and save_no > 0)
                     say(f"{name}: warm-up save")
-                    method.save(state, save_no)
+                    common.settle(dev)
+                    blocked_s, stall, _ = method.save(state, save_no)
+                    first.setdefault(name, (blocked_s, stall))
                     if not incremental:
                         method.discard(save_no)
                     save_no += 1
@@ -252,9 +298,15 @@ def run_save(
                         memcpy_runs.append(
                             common.median([_memcpy_s(dest, state) for _ in range(3)])
                         )
+                        if pinned is not None:
+                            d2h_runs.append(
+                                common.median([_memcpy_s(pinned, state) for _ in range(3)])
+                            )
                     bytes_before = ws.bytes_under(method.name)
                     rss_before = probe.reset()
-                    blocked_s, commit_s = method.save(state, save_no)
+                    common.settle(dev)
+                    blocked_s, stall, commit_s = method.save(state, save_no)
+                    first.setdefault(method.name, (blocked_s, stall))
                     peak = probe.peak()
                     peak_rss = (
                         None if peak is None else max(0, peak - rss_before) + held[method.name]
@@ -269,6 +321,8 @@ def run_save(
                         "bytes_stored": stored,
                         "peak_rss_bytes": peak_rss,
                     }
+                    if on_gpu:
+                        run["stall_s"] = stall
                     runs[method.name].append(run)
                     say(
                         f"round {r + 1}/{repeat} {method.name}: blocked "
@@ -278,7 +332,7 @@ def run_save(
         finally:
             for method in opened:
                 method.close()
-    del dest
+    del dest, pinned
     memcpy_s = common.median(memcpy_runs)
     report: dict[str, Any] = {
         "command": "save",
@@ -294,6 +348,7 @@ def run_save(
             "compression": compression,
             "incremental": incremental,
             "methods": methods,
+            "device": common.device_info(dev),
             **common.describe_state(state),
             **({"model": common.TRAINED_MODEL} if spec.state == "trained" else {}),
             "host": common.host_info(),
@@ -301,6 +356,8 @@ def run_save(
         "memcpy_s": memcpy_s,
         "memcpy_runs": memcpy_runs,
     }
+    if on_gpu:
+        report["d2h_s"] = common.median(d2h_runs)
     for name in methods:
         rs = runs[name]
         peaks = [r["peak_rss_bytes"] for r in rs if r["peak_rss_bytes"] is not None]
@@ -316,6 +373,15 @@ def run_save(
             "blocked_vs_memcpy": common.ratio(blocked, memcpy_s),
             "runs": rs,
         }
+        if on_gpu:
+            stall = common.median([r["stall_s"] for r in rs])
+            report[name] |= {
+                "stall_s": stall,
+                "stall_vs_memcpy": common.ratio(stall, memcpy_s),
+                "first_blocked_s": first[name][0],
+                "first_stall_s": first[name][1],
+                "first_stall_vs_stall": common.ratio(first[name][1], stall),
+            }
     report["ratios"] = _ratios(report)
     report["notes"] = _notes(report, ws_local=is_local)
     return report
@@ -328,6 +394,14 @@ def _ratios(report: dict[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {
         "blocked_vs_memcpy": common.ratio(ours["blocked_s"], report["memcpy_s"])
     }
+    if "stall_s" in ours:
+        out["stall_vs_memcpy"] = ours["stall_vs_memcpy"]
+        out["first_stall_vs_stall"] = ours["first_stall_vs_stall"]
+        out["first_blocked_vs_blocked"] = common.ratio(ours["first_blocked_s"], ours["blocked_s"])
+        if "dcp_async" in report:
+            out["stall_vs_dcp_async"] = common.ratio(
+                ours["stall_s"], report["dcp_async"]["stall_s"]
+            )
     for base in ("dcp_async", "dcp_sync", "torch_save"):
         other = report.get(base)
         if other is None:
@@ -355,6 +429,11 @@ def _notes(report: dict[str, Any], *, ws_local: bool) -> list[str]:
         else "incremental: only the first tensor changes between saves",
         "peak_rss_bytes: VmHWM after clear_refs, above RSS before the save, plus held_rss_bytes",
     ]
+    if "d2h_s" in report:
+        notes.append(
+            "stall: from the call until a kernel enqueued on the training stream right after it "
+            "ran; memcpy_s device to device, d2h_s device to pinned host"
+        )
     if ws_local:
         notes.append("torch_save is fsync-ed; DCP FileSystemWriter and ckptstore fsync too")
     return notes
@@ -366,27 +445,47 @@ def print_table(report: dict[str, Any]) -> None:
         f"ckptbench save  {report['date']}  {cfg['state']} {'/'.join(cfg['dtypes'])} state, "
         f"{format_bytes(cfg['raw_bytes'])} in {cfg['n_tensors']} tensors -> {report['uri']}"
     )
+    on_gpu = "d2h_s" in report
+    floors = f"memcpy {format_seconds(report['memcpy_s'])}"
+    if on_gpu:
+        floors = (
+            f"on {cfg['device']['device']}: device-to-device {format_seconds(report['memcpy_s'])}"
+            f", device-to-pinned-host {format_seconds(report['d2h_s'])}"
+        )
     print(
         f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up); ckptstore "
-        f"compression {cfg['compression']}; memcpy {format_seconds(report['memcpy_s'])}"
+        f"compression {cfg['compression']}; {floors}"
     )
     rows = []
     for name in cfg["methods"]:
         m = report[name]
         peak = m["peak_rss_bytes"]
-        rows.append(
-            [
-                name,
-                format_seconds(m["blocked_s"]),
-                f"{m['blocked_vs_memcpy']:.1f}x",
-                format_seconds(m["commit_s"]),
-                format_bytes(m["bytes_stored"]),
-                f"{m['stored_vs_raw']:.3f}",
-                "n/a" if peak is None else format_bytes(peak),
+        row = [name, format_seconds(m["blocked_s"]), f"{m['blocked_vs_memcpy']:.1f}x"]
+        if on_gpu:
+            row += [
+                format_seconds(m["stall_s"]),
+                format_seconds(m["first_blocked_s"]),
+                format_seconds(m["first_stall_s"]),
             ]
-        )
+        row += [
+            format_seconds(m["commit_s"]),
+            format_bytes(m["bytes_stored"]),
+            f"{m['stored_vs_raw']:.3f}",
+            "n/a" if peak is None else format_bytes(peak),
+        ]
+        rows.append(row)
+    gpu_columns = ["stall", "1st blocked", "1st stall"] if on_gpu else []
     table(
-        ["method", "blocked", "vs memcpy", "committed", "stored", "stored/raw", "peak RSS"],
+        [
+            "method",
+            "blocked",
+            "vs memcpy",
+            *gpu_columns,
+            "committed",
+            "stored",
+            "stored/raw",
+            "peak RSS",
+        ],
         rows,
     )
     if report["ratios"]:
@@ -397,8 +496,9 @@ def print_table(report: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     common.check_counts(args)
+    common.check_device(args.device)
     spec = common.state_spec_from_args(args)
-    methods = common.parse_methods(args.methods, METHODS)
+    methods = common.parse_methods(args.methods, methods_for(args.device))
     report = run_save(
         uri=args.uri,
         spec=spec,
@@ -407,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
         compression=args.compression,
         methods=methods,
         incremental=args.incremental,
+        device=args.device,
         progress=logger.info,
     )
     if args.json:

@@ -1,13 +1,24 @@
-"""GPU staging: pinned buffers, copies on a side stream, and a state that stays exact when the
-loop updates its tensors in place right after save() returns. Skipped without CUDA."""
+"""GPU staging and restore: pinned buffers, copies on side streams, device staging through a
+reused device buffer, reserved pinned memory, and a state that stays exact when the loop
+updates its tensors in place right after save() returns. The same behaviours as
+tests/test_device_staging.py, on CUDA. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
+from _staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
+import ckptstore.device_load as device_load
+import ckptstore.staging as staging
 from ckptstore import Checkpointer
+from ckptstore.catalog import load_manifest
+from ckptstore.device import Device, allocate_host
 from ckptstore.staging import Stager, StagingPool
+from ckptstore.steps import StepView
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,6 +30,13 @@ def _state(device: str = "cuda") -> dict[str, torch.Tensor]:
         "b": torch.randn(4096, generator=g, device=device).to(torch.bfloat16),
         "step": torch.tensor(7, device=device),
     }
+
+
+def _step(state: dict[str, torch.Tensor]) -> None:
+    """The loop's next update, enqueued on its stream right behind save()."""
+    for _ in range(20):
+        state["w"].mul_(-1.5).add_(1.0)
+    state["step"].add_(1)
 
 
 def test_staging_buffers_are_pinned_and_reused():
@@ -34,20 +52,128 @@ def test_staging_buffers_are_pinned_and_reused():
     assert pool.allocations == 1 and again.data_ptr() == buf.data_ptr()
 
 
-def test_in_place_updates_after_save_do_not_tear_the_staged_state(tmp_path):
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_in_place_updates_after_save_do_not_tear_the_staged_state(tmp_path, mode):
     state = _state()
-    expected = {k: v.clone() for k, v in state.items()}
-    with Checkpointer(tmp_path / "ck") as ck:
+    expected = snapshot(state)
+    with Checkpointer(tmp_path / "ck", staging=mode) as ck:
         assert ck.engine.pool.pin_memory
         handle = ck.save(1, state)
-        for _ in range(20):  # enqueued right behind the side-stream copy, on the loop's stream
-            state["w"].mul_(-1.5).add_(1.0)
+        _step(state)
         handle.wait()
-        restored = {k: torch.zeros_like(v) for k, v in state.items()}
-        assert ck.load(restored, step=1) == 1
-    for key, value in expected.items():
-        assert restored[key].device.type == "cuda"
-        assert torch.equal(restored[key], value), key
+        assert_loads(ck, 1, expected)
+        assert (ck.engine.device_pool is not None) == (mode == "device")
+
+
+def test_auto_staging_puts_a_cuda_state_that_fits_on_the_device(tmp_path):
+    state = _state()
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, state).wait()
+        assert ck.engine.device_pool is not None
+        assert ck.engine.device_pool.device.device.type == "cuda"
+
+
+def test_device_and_host_buffers_are_reused_across_saves(tmp_path):
+    state = _state()
+    expected = []
+    with Checkpointer(tmp_path / "ck", staging="device") as ck:
+        for step in range(3):
+            expected.append(snapshot(state))
+            ck.save(step, state).wait()
+            _step(state)
+        assert ck.engine.device_pool.allocations == 1 and ck.engine.pool.allocations == 1
+        held = ck.engine.pool.acquire(1)
+        assert held.is_pinned()
+        ck.engine.pool.release(held)
+        for step, values in enumerate(expected):
+            assert_loads(ck, step, values)
+
+
+def test_the_device_copy_alone_fences_the_loop_and_the_state_stays_exact(tmp_path):
+    state = _state()
+    expected = snapshot(state)
+    with Checkpointer(tmp_path / "ck", staging="device") as ck:
+        nbytes = ck.engine.staged_bytes(list(state.values()))
+        held = ck.engine.pool.acquire(nbytes)  # the drain to host memory cannot start yet
+        handle = ck.save(1, state)
+        _step(state)
+        torch.cuda.current_stream().synchronize()  # the loop's stream runs on, drain or not
+        assert not handle.done()
+        ck.engine.pool.release(held)
+        handle.wait()
+        assert_loads(ck, 1, expected)
+
+
+def test_back_to_back_saves_stay_within_both_budgets(tmp_path):
+    saves_back_to_back_within_budgets(tmp_path / "ck", _state(), _step)
+
+
+def test_a_state_over_the_device_budget_is_staged_through_the_host(tmp_path, caplog):
+    state = _state()
+    with Checkpointer(tmp_path / "ck", staging="auto", device_staging_budget_bytes=2**20) as ck:
+        with caplog.at_level(logging.WARNING, logger="ckptstore.save.engine"):
+            for step in range(3):
+                ck.save(step, state).wait()
+        assert ck.engine.device_pool is None
+        assert sum("staging through host memory" in r.getMessage() for r in caplog.records) == 1
+        assert_loads(ck, 2, state)
+
+
+def test_reserve_pins_the_host_buffer_ahead_in_slabs(tmp_path, monkeypatch):
+    slabs: list[tuple[int, int]] = []
+
+    def recording(nbytes, *, pin, slab_bytes, **kwargs):
+        assert threading.current_thread() is not threading.main_thread()
+        return allocate_host(
+            nbytes, pin=pin, slab_bytes=slab_bytes, on_slab=lambda *s: slabs.append(s)
+        )
+
+    monkeypatch.setattr(staging, "allocate_host", recording)
+    state = _state()
+    with Checkpointer(tmp_path / "ck", staging="host") as ck:
+        ck.engine.pool.slab_bytes = 8 * 2**20
+        ck.reserve(state).result(timeout=120)
+        assert len(slabs) > 1 and all(length <= 8 * 2**20 for _, length in slabs)
+        held = ck.engine.pool.acquire(1)
+        assert held.is_pinned()
+        ck.engine.pool.release(held)
+        expected = snapshot(state)
+        handle = ck.save(1, state)  # into the reserved buffer, with a non-blocking copy
+        _step(state)
+        handle.wait()
+        assert ck.engine.pool.allocations == 1
+        assert_loads(ck, 1, expected)
+
+
+def test_restore_into_cuda_tensors_goes_through_pinned_batches(tmp_path, monkeypatch):
+    calls = []
+    original = device_load.read_to_device
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["device"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(device_load, "read_to_device", counting)
+    state = _state()
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, state).wait()
+        assert_loads(ck, 1, state)
+        assert [d.device.type for d in calls] == ["cuda"]
+        index = StepView(ck.store, load_manifest(ck.store, 1)).index(0)
+        dests = {i: torch.zeros_like(t) for i, t in enumerate(state.values())}
+        written: set[int] = set()
+        original(
+            ck.store,
+            index,
+            dests,
+            ck.engine.config,
+            device=Device("cuda"),
+            written=written,
+            batch_bytes=2**20,
+        )
+        assert written == set(dests)
+        for i, value in enumerate(state.values()):
+            assert torch.equal(dests[i], value), i
 
 
 def test_cuda_state_restores_into_cpu_tensors(tmp_path):
@@ -69,8 +195,7 @@ def test_dcp_async_save_stages_cuda_state_before_it_changes(tmp_path):
     expected = {k: v.cpu() for k, v in state.items()}
     writer = StoreWriter(str(tmp_path / "s"))
     future = dcp.async_save(state, storage_writer=writer, no_dist=True)
-    for _ in range(20):
-        state["w"].mul_(-1.5).add_(1.0)
+    _step(state)
     future.result(timeout=120)
     assert writer.engine.pool.pin_memory
     restored = {k: torch.empty_like(v) for k, v in expected.items()}

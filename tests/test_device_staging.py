@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
 import ckptstore.staging as staging
 from ckptstore import Checkpointer
@@ -33,17 +34,6 @@ def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in state.items()}
-
-
-def assert_loads(ck: Checkpointer, step: int, expected: dict[str, torch.Tensor]) -> None:
-    restored = {k: torch.zeros_like(v) for k, v in expected.items()}
-    assert ck.load(restored, step=step) == step
-    for key, value in expected.items():
-        assert torch.equal(restored[key], value), f"step {step}: {key}"
-
-
 def test_device_buffer_and_host_buffer_are_reused_across_saves(tmp_path):
     state = make_state()
     with Checkpointer(tmp_path / "ck", staging="device") as ck:
@@ -61,27 +51,10 @@ def test_device_buffer_and_host_buffer_are_reused_across_saves(tmp_path):
 
 
 def test_back_to_back_saves_stay_within_both_budgets(tmp_path):
-    state = make_state()
-    with Checkpointer(tmp_path / "ck", staging="device") as ck:
-        nbytes = ck.engine.staged_bytes(list(state.values()))
-    budget = int(nbytes * 2.5)  # room for two buffers, not three
-    expected = []
-    with Checkpointer(
-        tmp_path / "ck",
-        staging="device",
-        device_staging_budget_bytes=budget,
-        staging_budget_bytes=budget,
-    ) as ck:
-        for step in range(8):  # never waited for: each save may find every buffer held
-            expected.append(snapshot(state))
-            ck.save(step, state)
-            state["w"].mul_(-1.0).add_(0.5)
-        ck.wait()
-        assert 1 <= ck.engine.device_pool.allocations <= 2
-        assert ck.engine.device_pool.peak_allocated_bytes <= budget
-        assert ck.engine.pool.peak_allocated_bytes <= budget
-        for step, values in enumerate(expected):
-            assert_loads(ck, step, values)
+    def update(state):
+        state["w"].mul_(-1.0).add_(0.5)
+
+    saves_back_to_back_within_budgets(tmp_path / "ck", make_state(), update)
 
 
 def test_a_state_over_the_device_budget_is_staged_through_the_host_with_one_log_line(
@@ -301,3 +274,20 @@ def test_checkpointer_load_into_cpu_tensors_keeps_the_host_path(tmp_path, monkey
     ck, _ = saved_index(tmp_path, state)
     with ck:
         assert_loads(ck, 1, state)
+
+
+# -- ckptbench --device ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the flag is accepted")
+@pytest.mark.parametrize("command", ["save", "restore", "interference"])
+def test_bench_refuses_device_cuda_in_one_line_without_cuda(command, capsys, tmp_path):
+    from bench.cli import main
+
+    assert main([command, "--device", "cuda", "--size", "1MiB", "--uri", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"ckptbench {command}: error: --device cuda: no CUDA device is available "
+        f"(torch {torch.__version__})"
+    )
+    assert list(tmp_path.iterdir()) == []  # refused before any work
