@@ -3,13 +3,14 @@
 Save: the caller's tensors are laid out in one staging buffer so that every chunk is a
 contiguous slice of it (large tensors split into ``chunk_bytes`` pieces, small tensors of the
 same element width packed together), then copied in (stage). In the background each chunk is
-hashed, skipped if the store already has it (content addressing), encoded and put; at most
-``encode_threads`` chunks are in flight, so the memory beyond the staging buffer is bounded by
-about ``2 * encode_threads * chunk_bytes`` (a chunk's byte planes while it is encoded, its encoded
-body while it is put; a remote put sends that body without copying it, see ``store``).
+hashed, skipped if the save knows it is stored (content addressing: ``put_chunk``), else
+encoded and put as one exclusive create; at most ``encode_threads`` chunks are in flight, so the
+memory beyond the staging buffer is bounded by about ``2 * encode_threads * chunk_bytes`` (a
+chunk's byte planes while it is encoded, its encoded body while it is put; a remote put sends
+that body without copying it, see ``store``).
 
-Restore: the chunks a set of tensors needs are fetched with ranged-free whole-object gets,
-``max_concurrency`` at a time, decoded and hash-verified on the fetching thread, then copied into
+Restore: the chunks a set of tensors needs are fetched with one get each (sized by the index),
+``read_concurrency`` at a time, decoded and hash-verified on the fetching thread, then copied into
 the destination tensors; a chunk's bytes reach a tensor only after its hash checked out.
 """
 
@@ -253,18 +254,46 @@ def put_chunk(
     *,
     hedged: bool = False,
     governor: CompressionGovernor | None = None,
+    known: dict[str, ChunkInfo] | None = None,
 ) -> tuple[str, ChunkInfo]:
     """Hash ``raw``; encode and put it unless the store already holds that chunk.
+
+    ``known``: chunks the save may reference without asking the store (``SaveSession.begin``
+    says which are safe); a chunk found there costs no request, and every chunk put or found
+    is added to it. A chunk not in it is most likely new: it is put at once, as one exclusive
+    create whose "already exists" answer is the dedup. Without ``known``, or on a backend
+    that does not enforce exclusive create (an overwrite could change the stored size another
+    step's index records), the store is asked for the chunk's size first.
 
     ``hedged``: a slow put is duplicated by the store; both are exclusive creates of the same
     content-addressed key, so whichever lands second finds the object there and nothing is
     written twice."""
     digest = hash_bytes(raw)
     key = chunk_key(digest)
-    try:
-        return digest, ChunkInfo(len(raw), store.size(key))
-    except ObjectNotFoundError:
-        pass
+    if known is not None and (info := known.get(digest)) is not None:
+        return digest, info
+    info = None
+    if known is None or not store.backend.enforces_create:
+        try:
+            info = ChunkInfo(len(raw), store.size(key))
+        except ObjectNotFoundError:
+            pass
+    if info is None:
+        info = _encode_and_put(store, key, raw, itemsize, codec, hedged, governor)
+    if known is not None:
+        known[digest] = info  # a dict's item assignment is atomic: put threads share it
+    return digest, info
+
+
+def _encode_and_put(
+    store: Store,
+    key: str,
+    raw,
+    itemsize: int,
+    codec: CodecConfig,
+    hedged: bool,
+    governor: CompressionGovernor | None,
+) -> ChunkInfo:
     compress = codec.level is not None and (governor is None or governor.should_compress())
     t0 = time.perf_counter()
     parts = encode_parts(raw, itemsize, codec if compress else _RAW)
@@ -287,7 +316,7 @@ def put_chunk(
             put_s=time.perf_counter() - t1,
             compressed=compress,
         )
-    return digest, ChunkInfo(len(raw), stored)
+    return ChunkInfo(len(raw), stored)
 
 
 def _joined(parts: list) -> np.ndarray:
@@ -310,8 +339,10 @@ def write_chunks(
     *,
     hedged: bool = False,
     governor: CompressionGovernor | None = None,
+    known: dict[str, ChunkInfo] | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
-    """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order."""
+    """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order.
+    ``known``: see :func:`put_chunk`."""
 
     def put(span: ChunkSpan) -> tuple[str, ChunkInfo]:
         result = put_chunk(
@@ -321,6 +352,7 @@ def write_chunks(
             cfg.codec,
             hedged=hedged,
             governor=governor,
+            known=known,
         )
         if not store.is_local:
             # A remote chunk's body lives for its whole upload and is freed into the arena of
@@ -380,9 +412,12 @@ def fetch_chunk(
     With ``scratch`` the bytes land in a per-thread buffer that the thread's next fetch
     overwrites: copy them out before fetching again."""
     key = chunk_key(digest)
+    # A memory map on local paths: no copy, no fresh pages to fault in.
+    read = store.get_view if scratch else store.get
     try:
-        # A memory map on local paths: no copy, no fresh pages to fault in.
-        data = store.get_view(key) if scratch else store.get(key)
+        # With the stored size from the index: one ranged GET (a plain one is sized by a HEAD
+        # first on S3), one byte longer than the chunk so that a longer object shows.
+        data = read(key) if info is None else read(key, 0, info.stored + 1)
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"chunk {store.url(key)} is missing") from exc
     if info is not None and len(data) != info.stored:

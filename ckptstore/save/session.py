@@ -1,8 +1,11 @@
 """One save, as every front-end walks it: the commit protocol::
 
     begin      the rank's save lease, once no gc sweeps (leases.py): from here until release
-               no gc deletes a chunk, so chunks found stored may be referenced, not rewritten
-    write      a rank's chunks hashed, deduplicated, encoded, put (encode_threads at once)
+               no gc deletes a chunk, so chunks found stored may be referenced, not rewritten;
+               then the chunks of the rank's index in the latest committed step, read under
+               the lease: the chunks this save knows are stored
+    write      a rank's chunks hashed, deduplicated, encoded, put (encode_threads at once): a
+               known chunk costs no request, an unknown one a single exclusive-create put
     index      the rank's index built and put once; what it wrote, for the committing rank
     commit     (one rank) the lease still held -> the manifest written once; an ambiguous
                outcome is read back
@@ -26,9 +29,13 @@ from typing import Any
 
 import torch
 
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.errors import (
+    CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     CommitUnknownError,
+    FormatVersionError,
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
@@ -69,7 +76,9 @@ class SaveSession:
     """One save of ``step`` (``attempt``) of ``kind`` to ``store`` (see the module docstring).
 
     A rank that takes no lease (DCP's ranks other than the coordinator, whose lease covers
-    them) writes through a session on which ``begin`` is never called."""
+    them) writes through a session on which ``begin`` is never called: it knows no chunks
+    (``known`` stays None) and asks the store for each chunk's size before putting it, as
+    it read nothing under a lease of its own (docs/FORMAT.md, "Known chunks")."""
 
     def __init__(
         self, engine: SaveEngine, store: Store, *, step: int, attempt: str, kind: str
@@ -80,11 +89,15 @@ class SaveSession:
         self.attempt = attempt
         self.kind = kind
         self.lease: Lease | None = None
+        self.known: dict[str, ChunkInfo] | None = None
+        """Chunks this save may reference without asking the store (set by ``begin``): those
+        of the rank's index in the latest committed step, and those this save wrote."""
 
     def begin(self, rank: int) -> SaveSession:
         """Take the rank's save lease and wait while a gc sweeps: from here until
         ``release()`` no gc deletes a chunk, so chunks found stored may be referenced instead
-        of written again."""
+        of written again. Then read which chunks the latest committed step's index of
+        ``rank`` holds: they are stored, and stay so under the lease."""
         lease = Lease(
             self.store,
             SAVE,
@@ -98,11 +111,32 @@ class SaveSession:
                 timeout_s=self.engine.gc_wait_s,
                 what=f"rank {rank}: save of step {self.step}",
             )
+            self.known = self._chunks_of_latest_step(rank)
         except BaseException:
             lease.release()
             raise
         self.lease = lease
         return self
+
+    def _chunks_of_latest_step(self, rank: int) -> dict[str, ChunkInfo]:
+        """The chunks of ``rank``'s index in the newest committed step (read under this
+        save's lease: none of them is deleted before ``release``); none if there is no such
+        index or it cannot be read (then each chunk is put, and one found stored is kept)."""
+        steps = list_steps(self.store)
+        if not steps:
+            return {}
+        try:
+            manifest = load_manifest(self.store, steps[-1])
+            return dict(load_rank_index(self.store, manifest, rank).chunks)
+        except (CheckpointNotFoundError, CheckpointCorruptError, FormatVersionError) as exc:
+            logger.info(
+                "rank %d: save of step %d knows no stored chunks (step %d: %s)",
+                rank,
+                self.step,
+                steps[-1],
+                exc,
+            )
+            return {}
 
     def write(
         self, buffer: torch.Tensor, layout: ChunkLayout, tensors: list[Any]
@@ -117,6 +151,7 @@ class SaveSession:
             engine.config,
             hedged=engine.hedge_uploads,
             governor=engine.governor,
+            known=self.known,
         )
         return tensor_entries(tensors, layout, digests), chunks
 

@@ -1,0 +1,317 @@
+"""Requests per chunk (issue 23): a save puts each new chunk with one request and asks nothing
+of a chunk the previous step holds; a restore GETs each chunk once.
+
+Counted where they leave the process: on S3 (the moto server) each API call the S3 client
+sends, so that a HEAD s3fs makes on its own counts too; on a local store each call into the
+backend. Hedged uploads are off: a hedge adds a duplicate put only when a put is slow.
+
+``python tests/test_requests.py`` prints the figures recorded in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.save import SaveEngine, SaveSession
+from ckptstore.store import Store
+
+CHUNK_BYTES = 64 * 1024
+N_CHUNKS = 64
+SAVE_FIXED = 12
+"""Requests of a save besides its chunks: 10 on S3 today (the lease's put and delete, the
+gc-lease listing, which s3fs makes a LIST, a HEAD and a LIST of an empty prefix; the listing
+of committed steps, the latest manifest and this rank's index in it; this step's index and
+manifest), 6 on a local store; 2 spare for lease bookkeeping."""
+RESTORE_FIXED = 3
+"""Requests of a restore besides its chunks: the listing of committed steps, the manifest, the
+rank's index."""
+# S3 API calls by the kind of request they are.
+_S3_KINDS = {
+    "PutObject": "put",
+    "GetObject": "get",
+    "HeadObject": "head",
+    "ListObjectsV2": "list",
+    "DeleteObject": "delete",
+}
+# Backend calls by the kind of request they are.
+_BACKEND_KINDS = {
+    "put_once": "put",
+    "get": "get",
+    "get_view": "get",
+    "size": "head",
+    "exists": "head",
+    "modified": "head",
+    "list": "list",
+    "delete": "delete",
+}
+
+
+class Tally:
+    """Requests by kind (put, get, head, list, delete), apart for chunks and for the rest."""
+
+    def __init__(self) -> None:
+        self.chunks: Counter[str] = Counter()
+        self.others: Counter[str] = Counter()
+
+    def add(self, kind: str, path: str) -> None:
+        (self.chunks if "/chunks/" in path else self.others)[kind] += 1
+
+    @property
+    def total(self) -> int:
+        return self.chunks.total() + self.others.total()
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.others.clear()
+
+
+class CountingBackend:
+    """A store's backend, forwarded call for call, each request added to a ``Tally``."""
+
+    def __init__(self, inner: Any, tally: Tally, **overrides: Any) -> None:
+        self._inner = inner
+        self._tally = tally
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        kind = _BACKEND_KINDS.get(name)
+        if kind is None:
+            return value
+
+        def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+            self._tally.add(kind, path)
+            return value(path, *args, **kwargs)
+
+        return counted
+
+
+@contextmanager
+def counted_s3(store: Store, tally: Tally):
+    """Every S3 API call ``store``'s client sends, added to ``tally`` while this is open."""
+    fs = store.backend.fs
+    fs.connect()
+    events = fs.s3.meta.events
+
+    def count(model, params, **_: Any) -> None:
+        tally.add(_S3_KINDS.get(model.name, model.name), params.get("url_path", ""))
+
+    events.register("before-call.s3", count)
+    try:
+        yield
+    finally:
+        events.unregister("before-call.s3", count)
+
+
+@contextmanager
+def counted_checkpointer(uri: str, tally: Tally, **kwargs: Any):
+    """A Checkpointer of ``uri`` whose requests are counted into ``tally``."""
+    settings = dict(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    if uri.startswith("s3://"):
+        with Checkpointer(uri, **settings, **kwargs) as ckpt, counted_s3(ckpt.store, tally):
+            yield ckpt
+        return
+    store = Store(uri)
+    store.backend = CountingBackend(store.backend, tally)
+    with Checkpointer(uri, store=store, **settings, **kwargs) as ckpt:
+        yield ckpt
+
+
+def state(seed: int, n_chunks: int = N_CHUNKS) -> dict[str, torch.Tensor]:
+    """One tensor of ``n_chunks`` chunks of fresh bytes for each seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.rand(n_chunks * CHUNK_BYTES // 4, generator=generator)}
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path) -> str:
+    if request.param == "s3":
+        return request.getfixturevalue("s3_uri")
+    return str(tmp_path / "ckpt")
+
+
+def test_a_save_of_fresh_chunks_puts_each_once(uri):
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        for step in (1, 2):  # with no earlier step, then with one whose index it reads
+            tally.clear()
+            ckpt.save(step, state(step)).wait()
+            assert tally.chunks == {"put": N_CHUNKS}, f"step {step}"
+            assert tally.total <= 1.05 * N_CHUNKS + SAVE_FIXED, (step, tally.others)
+
+
+def test_a_save_of_an_unchanged_state_sends_no_chunk_request(uri):
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        tally.clear()
+        ckpt.save(2, state(1)).wait()
+        assert tally.chunks == {}
+        assert tally.total <= SAVE_FIXED, tally.others
+        ckpt.verify(2)
+
+
+def test_a_restore_gets_each_chunk_once(uri):
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        tally.clear()
+        into = state(0)
+        assert ckpt.load(into) == 1
+        assert torch.equal(into["w"], state(1)["w"])
+        assert tally.chunks == {"get": N_CHUNKS}
+        assert tally.total <= N_CHUNKS + RESTORE_FIXED, tally.others
+
+
+def test_requests_per_chunk_beyond_a_fixed_overhead(s3_uri):
+    """Marginal requests per chunk, on S3: (requests at 2N chunks - at N chunks) / N."""
+    n_chunks = N_CHUNKS // 2
+    for what, (at_n, at_2n) in request_totals(s3_uri, n_chunks).items():
+        assert (at_2n - at_n) / n_chunks <= 1.05, what
+
+
+def request_totals(uri: str, n_chunks: int) -> dict[str, tuple[int, int]]:
+    """Requests of a save and of a restore of ``n_chunks`` and of ``2 * n_chunks`` chunks
+    (fresh bytes in every save; each save follows a committed one)."""
+    tally = Tally()
+    totals: dict[str, list[int]] = {"save": [], "restore": []}
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1, n_chunks)).wait()
+        for step, n in ((2, n_chunks), (3, 2 * n_chunks)):
+            tally.clear()
+            ckpt.save(step, state(step, n)).wait()
+            totals["save"].append(tally.total)
+            tally.clear()
+            ckpt.load(state(0, n), step)
+            totals["restore"].append(tally.total)
+    return {what: (at_n, at_2n) for what, (at_n, at_2n) in totals.items()}
+
+
+def test_a_gc_between_saves_makes_the_next_save_write_the_chunks_again(tmp_path):
+    """The chunks a save knows come from the latest step, read under its lease, never from an
+    earlier save of this process: those of a step retained away are swept between saves."""
+    tally = Tally()
+    with counted_checkpointer(str(tmp_path), tally, keep_last=1) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        ckpt.save(2, state(2)).wait()  # retention drops step 1 and sweeps its chunks
+        assert len(ckpt.store.list("chunks")) == N_CHUNKS
+        tally.clear()
+        ckpt.save(3, state(1)).wait()  # its own retention then sweeps step 2's
+        assert tally.chunks["put"] == N_CHUNKS
+        ckpt.verify(3)
+
+
+def _delete_behind_the_stores_back(uri: str, key: str) -> None:
+    if uri.startswith("s3://"):
+        import boto3
+
+        bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+        boto3.client("s3").delete_object(Bucket=bucket, Key=f"{prefix}/{key}")
+    else:
+        os.remove(os.path.join(uri, key))
+
+
+def test_a_chunk_deleted_behind_the_stores_back_is_referenced_and_verify_reports_it(uri):
+    """Deleting objects outside ckptstore breaks the format's contract: the next save trusts
+    the latest step's index, references the chunk without writing it, and ``verify`` (and a
+    restore) name it missing."""
+    with counted_checkpointer(uri, Tally()) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        victim = next(iter(ckpt.store.list("chunks")))
+        _delete_behind_the_stores_back(uri, victim)
+        ckpt.save(2, state(1)).wait()
+        assert not ckpt.store.exists(victim)
+        digest = victim.rsplit("/", 1)[-1]
+        with pytest.raises(CheckpointNotFoundError, match=digest):
+            ckpt.verify(2)
+        with pytest.raises(CheckpointError, match=f"{digest} is missing"):
+            ckpt.load(state(0), 2)
+
+
+def _leaseless_write(store: Store, tensor: torch.Tensor, step: int) -> None:
+    engine = SaveEngine(chunk_bytes=CHUNK_BYTES, compression="none")
+    session = SaveSession(engine, store, step=step, attempt=f"a{step}", kind="state")
+    staged = engine.stage_somewhere([tensor], wait_s=0.0, rank=0)
+    staged.copy.wait()
+    try:
+        session.write(staged.buffer, staged.layout, [tensor])
+    finally:
+        engine.release(staged)
+
+
+def test_a_session_without_a_lease_asks_for_each_chunk_first(tmp_path):
+    """A DCP rank other than the coordinator writes through a session on which ``begin`` is
+    never called: it read nothing under a lease of its own, so it knows no chunk, asks for
+    each one's size, and writes one that is missing."""
+    tally = Tally()
+    store = Store(str(tmp_path))
+    store.backend = CountingBackend(store.backend, tally)
+    tensor = state(1)["w"]
+    _leaseless_write(store, tensor, 1)
+    assert tally.chunks == {"head": N_CHUNKS, "put": N_CHUNKS}
+    victim = store.list("chunks")[0]
+    store.delete(victim)
+    tally.clear()
+    _leaseless_write(store, tensor, 2)
+    assert tally.chunks == {"head": N_CHUNKS, "put": 1}
+    assert store.exists(victim)
+
+
+def test_a_backend_without_exclusive_create_is_asked_before_each_new_chunk(tmp_path):
+    """Where a put could overwrite, a new chunk is looked for first (an overwrite could change
+    the stored size another step's index records); known chunks still cost nothing."""
+    tally = Tally()
+    store = Store(str(tmp_path))
+    store.backend = CountingBackend(store.backend, tally, enforces_create=False)
+    settings = dict(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    with Checkpointer(str(tmp_path), store=store, **settings) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        # The size first, then the put's own existence check and its read-back.
+        assert tally.chunks == {"head": 2 * N_CHUNKS, "put": N_CHUNKS, "get": N_CHUNKS}
+        tally.clear()
+        ckpt.save(2, state(1)).wait()
+        assert tally.chunks == {}
+
+
+def _print_figures() -> None:
+    """Requests per chunk on a moto server, for docs/BENCHMARKS.md."""
+    import logging
+    import uuid
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        for n_chunks in (32, 128):
+            bucket = f"requests-{uuid.uuid4().hex[:12]}"
+            boto3.client("s3").create_bucket(Bucket=bucket)
+            for what, (at_n, at_2n) in request_totals(f"s3://{bucket}/ckpt", n_chunks).items():
+                per_chunk = (at_2n - at_n) / n_chunks
+                print(
+                    f"{what} of {n_chunks} / {2 * n_chunks} chunks: {at_n} / {at_2n} requests, "
+                    f"{per_chunk:.2f} per chunk + {at_n - per_chunk * n_chunks:.0f}"
+                )
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    _print_figures()
