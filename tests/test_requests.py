@@ -26,10 +26,10 @@ from ckptstore.store import Store
 CHUNK_BYTES = 64 * 1024
 N_CHUNKS = 64
 SAVE_FIXED = 12
-"""Requests of a save besides its chunks: 10 on S3 today (the lease's put and delete, the
-gc-lease listing, which s3fs makes a LIST, a HEAD and a LIST of an empty prefix; the listing
-of committed steps, the latest manifest and this rank's index in it; this step's index and
-manifest), 6 on a local store; 2 spare for lease bookkeeping."""
+"""Requests of a save besides its chunks, 10 on S3 today: the lease's put and delete; the
+gc-lease listing (on S3 a LIST, then s3fs's HEAD and LIST of the empty prefix); the listing of
+committed steps, the latest manifest and this rank's index in it; this step's index and
+manifest (8 on a local store). 2 spare for lease bookkeeping."""
 RESTORE_FIXED = 3
 """Requests of a restore besides its chunks: the listing of committed steps, the manifest, the
 rank's index."""
