@@ -336,6 +336,7 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
             compression=args.compression,
             keep_last=1,
             background_nice=args.nice,
+            staging="auto",
         ) as ckpt:
             rates["ckptstore"] = _gpu_loop(
                 step,

@@ -84,7 +84,9 @@ def test_a_state_over_the_device_budget_is_staged_through_the_host_with_one_log_
 
 def test_auto_staging_keeps_a_cpu_state_on_the_host(tmp_path, caplog):
     state = make_state()
-    with Checkpointer(tmp_path / "ck") as ck:
+    with Checkpointer(tmp_path / "ck") as default:
+        assert default.engine.staging == "host"  # device staging stays opt-in until run on a GPU
+    with Checkpointer(tmp_path / "ck", staging="auto") as ck:
         assert ck.engine.staging == "auto"
         with caplog.at_level(logging.WARNING, logger="ckptstore.save.engine"):
             ck.save(1, state).wait()
