@@ -67,7 +67,7 @@ def test_in_place_updates_after_save_do_not_tear_the_staged_state(tmp_path, mode
 
 def test_auto_staging_puts_a_cuda_state_that_fits_on_the_device(tmp_path):
     state = _state()
-    with Checkpointer(tmp_path / "ck") as ck:
+    with Checkpointer(tmp_path / "ck", staging="auto") as ck:
         ck.save(1, state).wait()
         assert ck.engine.device_pool is not None
         assert ck.engine.device_pool.device.device.type == "cuda"
