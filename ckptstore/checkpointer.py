@@ -8,8 +8,10 @@ One save goes through these stages; only the first runs on the caller's thread::
     put      write-once upload of new chunks, then the rank's index     (store concurrency)
     commit   ranks exchange index refs; rank 0 writes the manifest last, then applies retention
 
-Each rank holds a save lease from before it looks for stored chunks until the step's commit is
-decided, so garbage collection never deletes a chunk the save reuses (``ckptstore.save``).
+Rank 0 holds the save's one lease from before any rank looks for stored chunks until the step's
+commit is decided, so garbage collection never deletes a chunk the save reuses; it alone lists
+the committed steps, and hands each rank where its own index of the latest one is
+(``ckptstore.save``).
 
 A failed save's error is reported once: by its ``handle.wait()``; if nobody waited for it, by the
 next ``wait()``, ``save()`` (that step is then not saved) or ``close()``. After that the
@@ -45,7 +47,7 @@ from ckptstore.errors import (
     PartialLoadError,
     UnsupportedStateError,
 )
-from ckptstore.format import KIND_STATE, check_step
+from ckptstore.format import KIND_STATE, ChunkInfo, check_step
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import parse_dtype
@@ -57,6 +59,14 @@ from ckptstore.save import (
     SaveSession,
     Staged,
     check_background_nice,
+)
+from ckptstore.save.session import LatestIndex
+from ckptstore.shared_read import (
+    DEFAULT_BUDGET_BYTES,
+    ExchangeStats,
+    SharedChunks,
+    needed_chunks,
+    plan_shared_read,
 )
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
@@ -132,6 +142,15 @@ class _Group:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def scatter(self, values: list[Any] | None) -> Any:
+        """``values[r]`` of rank 0 on each rank r (``values`` is read on rank 0 only)."""
+        if not self.active:
+            assert values is not None
+            return values[0]
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, values, src=0, group=self.group)
+        return box[0]
+
     def gather(self, value: Any) -> list[Any]:
         if not self.active:
             return [value]
@@ -196,6 +215,11 @@ class Checkpointer:
             would have (after the handler installed before ours). A loop that reads
             ``preempted`` may save its current step and leave first (``ckptstore.preemption``).
         sigterm_grace_s: how long pending saves may take after SIGTERM.
+        shared_read_budget_bytes: with ``torch.distributed``, a chunk that several ranks load
+            (replicated state) is fetched by one of them and sent to the others over the
+            process group, in rounds of at most this many bytes (a larger chunk alone): the
+            memory a load takes beyond its tensors (``ckptstore.shared_read``). 0: every rank
+            reads all its chunks from storage.
     """
 
     def __init__(
@@ -223,12 +247,18 @@ class Checkpointer:
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
         handle_sigterm: bool = False,
         sigterm_grace_s: float = 25.0,
+        shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if staging not in ("auto", "device", "host", "peer"):
             raise ValueError(f"staging must be 'auto', 'device', 'host' or 'peer', got {staging!r}")
         check_background_nice(background_nice)
+        if shared_read_budget_bytes < 0:
+            raise ValueError(
+                f"shared_read_budget_bytes must be >= 0, got {shared_read_budget_bytes}"
+            )
+        self.shared_read_budget_bytes = shared_read_budget_bytes
         if handle_sigterm:
             SigtermGuard.check_installable(sigterm_grace_s)
         self.store = store or open_store(
@@ -272,6 +302,7 @@ class Checkpointer:
             self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
+        self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
@@ -510,9 +541,11 @@ class Checkpointer:
         agreed = self._agree(step, error)
         if agreed is not None:
             return (*agreed, [])
-        # Read: the state's tensors are filled in place, chunk by verified chunk.
+        # Read: the state's tensors are filled in place, chunk by verified chunk; a chunk other
+        # ranks also need is fetched by one of them and sent to the others.
         written: set[int] = set()
         try:
+            source = self._shared_source({} if replica is not None else needed_chunks(index, kinds))
             if replica is not None:
                 for i, dest in loader.dests.items():
                     written.add(i)
@@ -520,7 +553,9 @@ class Checkpointer:
                     tensors[i] = dest
             else:
                 wanted = {i: loader.dests.get(i) for i in kinds}
-                tensors = read_into(self.store, index, wanted, self.engine.config, written=written)
+                tensors = read_into(
+                    self.store, index, wanted, self.engine.config, written=written, source=source
+                )
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
             error = exc
         paths = sorted(loader.paths[i] for i in written)
@@ -546,6 +581,23 @@ class Checkpointer:
             self.last_load_source = "storage"
             logger.info("rank %d: loaded step %d from %s", self.rank, step, self.store.uri)
         return None, True, paths
+
+    def _shared_source(self, needs: dict[str, ChunkInfo]) -> SharedChunks | None:
+        """Where this rank's chunks come from when other ranks need some of them too (None:
+        from storage alone). Collective: every rank calls it in each load's read."""
+        self.last_load_exchange = None
+        if not self._group.active:
+            return None
+        source = plan_shared_read(
+            self.store,
+            needs,
+            self.engine.config,
+            group=self._group.group,
+            budget_bytes=self.shared_read_budget_bytes,
+        )
+        if source is not None:
+            self.last_load_exchange = source.stats
+        return source
 
     def _agree(self, step: int, error: BaseException | None) -> tuple[BaseException, bool] | None:
         """Every rank's outcome of a phase of loading ``step``: None if it went well on every
@@ -709,42 +761,67 @@ class Checkpointer:
                 job.handle._future.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
-        engine, staged = self.engine, job.staged
         session = SaveSession(
-            engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
+            self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
         )
-        written: RankWritten | BaseException
         try:
-            try:
-                staged.copy.wait()
-                if self._peers is not None:
-                    meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
-                    self._peers.exchange(job.step, staged.buffer, meta)
-                session.begin(self.rank)
-                entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
-            finally:
-                engine.release(staged)
-            written = session.put_index(self.rank, entries, chunks, tree=job.tree)
-        except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
-            written = exc
-        ranks = self._group.gather(written)
-        outcome: Any = None
-        if self.rank == 0:
-            failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
-            if failed:
-                rank, error = failed[0]
-                outcome = CheckpointError(f"step {job.step}: rank {rank} failed: {error}")
-                outcome.__cause__ = error
-            else:
-                outcome = self._commit(session, ranks, job.user)
-        outcome = self._group.broadcast(outcome)
-        session.release()
+            written = self._write_rank(session, job)
+            ranks = self._group.gather(written)  # fails when a rank is lost
+            outcome: Any = None
+            if self.rank == 0:
+                failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
+                if failed:
+                    rank, error = failed[0]
+                    outcome = CheckpointError(f"step {job.step}: rank {rank} failed: {error}")
+                    outcome.__cause__ = error
+                else:
+                    outcome = self._commit(session, ranks, job.user)
+            outcome = self._group.broadcast(outcome)
+        finally:
+            session.release()  # rank 0's lease: the commit's outcome is known, or never will be
         if isinstance(written, BaseException):
             raise written
         if isinstance(outcome, BaseException):
             raise outcome
         if self.rank == 0:
             session.retain()
+
+    def _write_rank(self, session: SaveSession, job: _Job) -> RankWritten | BaseException:
+        """This rank's chunks and index under rank 0's lease; an error is returned, so that
+        every rank reaches each collective of the save."""
+        latest = self._begin(session)
+        staged = job.staged
+        try:
+            try:
+                staged.copy.wait()
+                if self._peers is not None:
+                    meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
+                    self._peers.exchange(job.step, staged.buffer, meta)
+                if isinstance(latest, BaseException):
+                    raise latest
+                session.learn(self.rank, latest)
+                entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
+            finally:
+                self.engine.release(staged)
+            return session.put_index(self.rank, entries, chunks, tree=job.tree)
+        except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
+            return exc
+
+    def _begin(self, session: SaveSession) -> LatestIndex | BaseException | None:
+        """Rank 0 begins the save (its lease, the gc check, the committed steps listed once)
+        and hands each rank where its index of the latest step is; or, if that failed, the
+        error this rank fails the save with. Every rank calls it, first in a save."""
+        if self.rank != 0:
+            return self._group.scatter(None)
+        try:
+            latest = session.begin(self.rank)
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+            told = CheckpointError(
+                f"step {session.step}: rank 0 could not begin the save: {self._one_line(exc)}"
+            )
+            self._group.scatter([None] + [told] * (self._group.world_size - 1))
+            return exc
+        return self._group.scatter([latest.get(r) for r in range(self._group.world_size)])
 
     def _commit(
         self, session: SaveSession, ranks: list[RankWritten], user: dict

@@ -248,9 +248,8 @@ def _leaseless_write(store: Store, tensor: torch.Tensor, step: int) -> None:
 
 
 def test_a_session_without_a_lease_asks_for_each_chunk_first(tmp_path):
-    """A DCP rank other than the coordinator writes through a session on which ``begin`` is
-    never called: it read nothing under a lease of its own, so it knows no chunk, asks for
-    each one's size, and writes one that is missing."""
+    """A session on which neither ``begin`` nor ``learn`` is called read no index under a
+    lease, so it knows no chunk, asks for each one's size, and writes one that is missing."""
     tally = Tally()
     store = Store(str(tmp_path))
     store.backend = CountingBackend(store.backend, tally)
@@ -281,8 +280,10 @@ def test_a_backend_without_exclusive_create_is_asked_before_each_new_chunk(tmp_p
         assert tally.chunks == {}
 
 
-def _print_figures() -> None:
-    """Requests per chunk on a moto server, for docs/BENCHMARKS.md."""
+@contextmanager
+def moto_server():
+    """Outside pytest: a moto server that this process's environment names (child processes
+    inherit it); yields a function that creates a new bucket and returns its name."""
     import logging
     import uuid
 
@@ -299,18 +300,29 @@ def _print_figures() -> None:
         AWS_SECRET_ACCESS_KEY="testing",
         AWS_DEFAULT_REGION="us-east-1",
     )
+
+    def new_bucket() -> str:
+        bucket = f"figures-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        return bucket
+
     try:
+        yield new_bucket
+    finally:
+        server.stop()
+
+
+def _print_figures() -> None:
+    """Requests per chunk on a moto server, for docs/BENCHMARKS.md."""
+    with moto_server() as new_bucket:
         for n_chunks in (32, 128):
-            bucket = f"requests-{uuid.uuid4().hex[:12]}"
-            boto3.client("s3").create_bucket(Bucket=bucket)
-            for what, (at_n, at_2n) in request_totals(f"s3://{bucket}/ckpt", n_chunks).items():
+            uri = f"s3://{new_bucket()}/ckpt"
+            for what, (at_n, at_2n) in request_totals(uri, n_chunks).items():
                 per_chunk = (at_2n - at_n) / n_chunks
                 print(
                     f"{what} of {n_chunks} / {2 * n_chunks} chunks: {at_n} / {at_2n} requests, "
                     f"{per_chunk:.2f} per chunk + {at_n - per_chunk * n_chunks:.0f}"
                 )
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

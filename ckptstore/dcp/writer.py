@@ -35,6 +35,7 @@ from ckptstore.save import (
     SaveSession,
     check_background_nice,
 )
+from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,12 @@ _DCP_VERSION = "1.0.0"
 
 @dataclass(frozen=True)
 class _SaveTarget:
-    """What the coordinator decided for one save; travels in ``SavePlan.storage_data``."""
+    """What the coordinator decided for one save; travels in ``SavePlan.storage_data``, each
+    rank's plan with where that rank's index of the latest committed step is (``known``)."""
 
     step: int
     attempt: str
+    known: LatestIndex | None = None
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ class StoreWriter(StorageWriter, PooledStager):
         target = _SaveTarget(step=step, attempt=uuid.uuid4().hex)
         self._target = target
         self._started[target.attempt] = time.perf_counter()
-        self._begin_lease(target)
+        latest = self._begin_lease(target)
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
             self.rank,
@@ -270,7 +273,11 @@ class StoreWriter(StorageWriter, PooledStager):
             step,
             target.attempt,
         )
-        return [dataclasses.replace(p, storage_data=target) for p in plans]
+        # DCP hands plans[r] to rank r.
+        return [
+            dataclasses.replace(p, storage_data=dataclasses.replace(target, known=latest.get(r)))
+            for r, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target = plan.storage_data
@@ -342,17 +349,22 @@ class StoreWriter(StorageWriter, PooledStager):
 
     def _session(self, target: _SaveTarget) -> SaveSession:
         """The coordinator's session of ``target`` (holding its lease), else a session of this
-        rank's own, without a lease: the coordinator's covers every rank."""
+        rank's own, without a lease: the coordinator's covers every rank, and the chunks its
+        plan says this rank's latest index holds stay stored under it."""
         return self._sessions.get(target.attempt) or SaveSession(
             self.engine, self._save_store(), step=target.step, attempt=target.attempt, kind=KIND_DCP
         )
 
-    def _begin_lease(self, target: _SaveTarget) -> None:
+    def _begin_lease(self, target: _SaveTarget) -> dict[int, LatestIndex]:
         """Take the save's lease before any rank looks for stored chunks (prepare_global_plan
         runs before DCP hands the ranks their plans); it covers every rank until the commit.
-        A save that fails on another rank never reaches ``finish``: its lease is held until
-        this process ends, which delays sweeps but never endangers a step."""
-        self._sessions[target.attempt] = self._session(target).begin(self.rank)
+        Where each rank's index of the latest committed step is, by rank. A save that fails
+        on another rank never reaches ``finish``: its lease is held until this process ends,
+        which delays sweeps but never endangers a step."""
+        session = self._session(target)
+        latest = session.begin(self.rank)
+        self._sessions[target.attempt] = session
+        return latest
 
     def _release_lease(self, attempt: str) -> None:
         session = self._sessions.pop(attempt, None)
@@ -366,6 +378,7 @@ class StoreWriter(StorageWriter, PooledStager):
     ) -> list[WriteResult]:
         session = self._session(target)
         try:
+            session.learn(self.rank, target.known)
             tensors = [_item_tensor(item, planner) for item in items]
             staged = self._take_staged(tensors)
             entries, chunks = (

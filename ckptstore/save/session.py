@@ -1,24 +1,30 @@
 """One save, as every front-end walks it: the commit protocol::
 
-    begin      the rank's save lease, once no gc sweeps (leases.py): from here until release
-               no gc deletes a chunk, so chunks found stored may be referenced, not rewritten;
-               then the chunks of the rank's index in the latest committed step, read under
-               the lease: the chunks this save knows are stored
+    begin      (the coordinator) the save's one lease, once no gc sweeps (leases.py): from here
+               until release no gc deletes a chunk, so chunks found stored may be referenced,
+               not rewritten; then the committed steps, listed once, and the newest one's
+               manifest: where each rank's index of it is
+    learn      (every rank) its own index of that step, one read: the chunks this save knows
+               are stored, and they stay so under the coordinator's lease
     write      a rank's chunks hashed, deduplicated, encoded, put (encode_threads at once): a
                known chunk costs no request, an unknown one a single exclusive-create put
-    index      the rank's index built and put once; what it wrote, for the committing rank
-    commit     (one rank) the lease still held -> the manifest written once; an ambiguous
-               outcome is read back
-    release    every rank that took a lease, once the commit's outcome is known
-    retain     (one rank) keep_last under a gc lease
+    index      the rank's index built and put once; what it wrote, for the coordinator
+    commit     (the coordinator) the lease still held -> the manifest written once; an
+               ambiguous outcome is read back
+    release    (the coordinator) the lease, once the commit's outcome is known or a rank is lost
+    retain     (the coordinator) keep_last under a gc lease
 
-A crash anywhere leaves the previous steps intact and the new one invisible or complete; a
-dead rank's lease goes stale after its ttl and the next gc removes what it left.
+Every rank works under the coordinator's lease, so the requests a save makes besides its chunks
+do not grow with ranks: one lease, one gc check and one listing per save, and per rank one read
+and one put of an index. A crash anywhere leaves the previous steps intact and the new one
+invisible or complete: a dead rank ends the save before its commit (the front-end's exchange
+fails), a dead coordinator commits nothing, and the next gc removes what they left once the
+lease is released or stale.
 
 The front-ends decide *when* each step runs (``Checkpointer``'s background thread; DCP's
-``prepare_global_plan`` / ``write_data`` / ``finish``) and how ranks hand their
-``RankWritten`` to the committing rank (gloo objects; DCP's write results). Every
-``RankIndex`` and ``Manifest`` a save writes is built here.
+``prepare_global_plan`` / ``write_data`` / ``finish``) and how ranks exchange what ``begin``
+found and what they wrote (gloo objects; DCP's plans and write results). Every ``RankIndex``
+and ``Manifest`` a save writes is built here.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.catalog import list_steps, load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -72,13 +78,22 @@ class RankWritten:
     chunk_bytes: dict[str, tuple[int, int]]  # digest -> (raw, stored)
 
 
+@dataclass(frozen=True)
+class LatestIndex:
+    """Where a rank finds the chunks it knows: its index in the newest committed step, as the
+    coordinator's ``begin`` found it in that step's manifest."""
+
+    step: int
+    index: ObjectRef
+
+
 class SaveSession:
     """One save of ``step`` (``attempt``) of ``kind`` to ``store`` (see the module docstring).
 
-    A rank that takes no lease (DCP's ranks other than the coordinator, whose lease covers
-    them) writes through a session on which ``begin`` is never called: it knows no chunks
-    (``known`` stays None) and asks the store for each chunk's size before putting it, as
-    it read nothing under a lease of its own (docs/FORMAT.md, "Known chunks")."""
+    The coordinator's session calls ``begin`` (it holds the save's lease); every rank's session,
+    the coordinator's included, then calls ``learn`` with what ``begin`` found for that rank.
+    A session on which neither is called knows no chunks (``known`` stays None) and asks the
+    store for each chunk's size before putting it (docs/FORMAT.md, "Known chunks")."""
 
     def __init__(
         self, engine: SaveEngine, store: Store, *, step: int, attempt: str, kind: str
@@ -90,14 +105,15 @@ class SaveSession:
         self.kind = kind
         self.lease: Lease | None = None
         self.known: dict[str, ChunkInfo] | None = None
-        """Chunks this save may reference without asking the store (set by ``begin``): those
+        """Chunks this save may reference without asking the store (set by ``learn``): those
         of the rank's index in the latest committed step, and those this save wrote."""
 
-    def begin(self, rank: int) -> SaveSession:
-        """Take the rank's save lease and wait while a gc sweeps: from here until
-        ``release()`` no gc deletes a chunk, so chunks found stored may be referenced instead
-        of written again. Then read which chunks the latest committed step's index of
-        ``rank`` holds: they are stored, and stay so under the lease."""
+    def begin(self, rank: int = 0) -> dict[int, LatestIndex]:
+        """On the coordinator (``rank``): take the save's lease, which covers every rank, and
+        wait while a gc sweeps: from here until ``release()`` no gc deletes a chunk, so chunks
+        found stored may be referenced instead of written again. Then list the committed steps
+        and read the newest one's manifest: by rank, where each rank's index of it is (empty
+        when there is no step, or its manifest cannot be read)."""
         lease = Lease(
             self.store,
             SAVE,
@@ -109,34 +125,48 @@ class SaveSession:
             wait_for_gc(
                 self.store,
                 timeout_s=self.engine.gc_wait_s,
-                what=f"rank {rank}: save of step {self.step}",
+                what=f"save of step {self.step}",
             )
-            self.known = self._chunks_of_latest_step(rank)
+            latest = self._latest_indexes()
         except BaseException:
             lease.release()
             raise
         self.lease = lease
-        return self
+        return latest
 
-    def _chunks_of_latest_step(self, rank: int) -> dict[str, ChunkInfo]:
-        """The chunks of ``rank``'s index in the newest committed step (read under this
-        save's lease: none of them is deleted before ``release``); none if there is no such
-        index or it cannot be read (then each chunk is put, and one found stored is kept)."""
+    def _latest_indexes(self) -> dict[int, LatestIndex]:
         steps = list_steps(self.store)
         if not steps:
             return {}
         try:
             manifest = load_manifest(self.store, steps[-1])
-            return dict(load_rank_index(self.store, manifest, rank).chunks)
+            return {rank_of(ref.key): LatestIndex(steps[-1], ref) for ref in manifest.ranks}
+        except (CheckpointNotFoundError, CheckpointCorruptError, FormatVersionError) as exc:
+            logger.info(
+                "save of step %d knows no stored chunks (step %d: %s)", self.step, steps[-1], exc
+            )
+            return {}
+
+    def learn(self, rank: int, latest: LatestIndex | None) -> SaveSession:
+        """Know the chunks of ``latest``, ``rank``'s index in the newest committed step as the
+        coordinator's ``begin`` found it (None: there is none, then no chunk is known): one
+        read, checked against the size and hash its manifest records. The chunks are stored,
+        and stay so while the coordinator holds its lease, whichever rank reads them; an index
+        that cannot be read leaves none known (each chunk is put, one found stored is kept)."""
+        self.known = {}
+        if latest is None:
+            return self
+        try:
+            self.known = dict(read_rank_index(self.store, latest.index).chunks)
         except (CheckpointNotFoundError, CheckpointCorruptError, FormatVersionError) as exc:
             logger.info(
                 "rank %d: save of step %d knows no stored chunks (step %d: %s)",
                 rank,
                 self.step,
-                steps[-1],
+                latest.step,
                 exc,
             )
-            return {}
+        return self
 
     def write(
         self, buffer: torch.Tensor, layout: ChunkLayout, tensors: list[Any]
@@ -165,7 +195,8 @@ class SaveSession:
         items: dict[str, int] | None = None,
     ) -> RankWritten:
         """Put the rank's index: a state save's ``tree`` (numpy arrays marked in their
-        entries) or a DCP save's ``items``. Fails if this session's lease lapsed."""
+        entries) or a DCP save's ``items``. Fails if this session holds the lease and it
+        lapsed."""
         if tree is not None:
             for i, was_numpy in tensor_indexes(tree).items():
                 entries[i].numpy = was_numpy
