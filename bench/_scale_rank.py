@@ -1,0 +1,227 @@
+"""What one rank of ``ckptbench scale`` does, as a thread (``bench._thread_ranks``) or as a
+process on gloo: a few saves of a small fresh state, then one restore, counting its store's
+requests; and what the coordinator spends on each save, timed where it happens.
+
+The coordinator's time in a save is its own work, never its wait for other ranks: the save
+protocol's steps it runs alone (``SaveSession.begin``, ``commit``, ``release``, ``retain``:
+the lease, the listings, the manifest; timed by wrapping those methods) plus, for each
+collective of the save, its time from the last rank's arrival to its own return (the exchange
+itself: pickling, the transfer, unpickling what it gathered).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from bench._ckpt_common import MemoryProbe
+from bench._thread_ranks import CollectiveCall
+from ckptstore import Checkpointer
+from ckptstore.save import SaveSession
+
+PHASES = ("begin", "commit", "release", "retain")
+"""The steps of a save the coordinator runs alone (``SaveSession``'s methods)."""
+RECORDED = (
+    "barrier", "broadcast_object_list", "scatter_object_list", "all_gather_object",
+    "gather_object", "broadcast", "all_reduce",
+)  # fmt: skip
+"""The collectives recorded on gloo ranks."""
+
+
+@dataclass(kw_only=True)
+class RankPlan:
+    """What every rank of one run does."""
+
+    uri: str
+    storage_options: dict[str, Any] | None = None
+    state_bytes: int
+    chunk_bytes: int
+    saves: int
+    encode_threads: int = 2
+    max_concurrency: int = 4
+
+
+def rank_state(rank: int, step: int, nbytes: int) -> dict[str, torch.Tensor]:
+    """Fresh bytes for each rank and step: every chunk of every save is new."""
+    generator = torch.Generator().manual_seed(step * 1_000_003 + rank)
+    return {"w": torch.rand(max(1, nbytes // 4), generator=generator)}
+
+
+def requests_of(ckpt: Checkpointer) -> dict[str, int]:
+    """The requests its store sent so far, by operation (every outcome)."""
+    counted = ckpt.store.counters.snapshot()["requests"]
+    return {op: sum(outcomes.values()) for op, outcomes in counted.items()}
+
+
+def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
+
+
+def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str, Any]:
+    """The saves and the restore of ``rank``; what each took and sent (perf_counter times)."""
+    probe = MemoryProbe() if rank == 0 else None
+    ckpt = Checkpointer(
+        plan.uri,
+        storage_options=plan.storage_options,
+        chunk_bytes=plan.chunk_bytes,
+        compression="none",
+        hedge_uploads=False,  # on a loaded machine every put is slow: hedges would double them
+        encode_threads=plan.encode_threads,
+        max_concurrency=plan.max_concurrency,
+    )
+    saves = []
+    try:
+        for step in range(1, plan.saves + 1):
+            state = rank_state(rank, step, plan.state_bytes)
+            barrier()
+            before = requests_of(ckpt)
+            if probe is not None:
+                probe.reset()
+            start = time.perf_counter()
+            ckpt.save(step, state).wait()
+            end = time.perf_counter()
+            saves.append(
+                {
+                    "step": step,
+                    "start": start,
+                    "end": end,
+                    "requests": _minus(requests_of(ckpt), before),
+                    "peak_rss_bytes": probe.peak() if probe is not None else None,
+                }
+            )
+        barrier()
+        into = {k: torch.zeros_like(t) for k, t in state.items()}
+        before = requests_of(ckpt)
+        start = time.perf_counter()
+        loaded = ckpt.load(into)
+        end = time.perf_counter()
+        restore = {
+            "step": loaded,
+            "start": start,
+            "end": end,
+            "requests": _minus(requests_of(ckpt), before),
+            "equal": all(torch.equal(into[k], state[k]) for k in state),
+        }
+    finally:
+        ckpt.close()
+    return {"rank": rank, "saves": saves, "restore": restore}
+
+
+# -- the coordinator's phases ---------------------------------------------------------------
+
+
+class PhaseTimes:
+    """Seconds the coordinator spent in each of ``PHASES``, by step, while :meth:`timing`."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[str, float]] = {}
+        self._coordinating: weakref.WeakSet[SaveSession] = weakref.WeakSet()
+
+    def _add(self, step: int, phase: str, seconds: float) -> None:
+        phases = self.by_step.setdefault(step, dict.fromkeys(PHASES, 0.0))
+        phases[phase] += seconds
+
+    @contextmanager
+    def timing(self) -> Iterator[PhaseTimes]:
+        saved = {name: getattr(SaveSession, name) for name in PHASES}
+
+        def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(method)
+            def run(session: SaveSession, *args: Any, **kwargs: Any) -> Any:
+                rank = args[0] if args else kwargs.get("rank")
+                if name == "commit" or (name == "begin" and rank == 0):
+                    self._coordinating.add(session)
+                if session not in self._coordinating:
+                    return method(session, *args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return method(session, *args, **kwargs)
+                finally:
+                    self._add(session.step, name, time.perf_counter() - t0)
+
+            return run
+
+        for name, method in saved.items():
+            setattr(SaveSession, name, timed(name, method))
+        try:
+            yield self
+        finally:
+            for name, method in saved.items():
+                setattr(SaveSession, name, method)
+
+
+# -- ranks as processes on gloo ---------------------------------------------------------------
+
+
+@contextmanager
+def recording_collectives(calls: list[CollectiveCall]) -> Iterator[None]:
+    """``torch.distributed``'s collectives in ``RECORDED`` timed into ``calls`` (when each was
+    entered and returned; when the last rank arrived is found later, from every rank's)."""
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in RECORDED}
+
+    def recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            enter = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls.append(CollectiveCall(name, enter, None, time.perf_counter()))
+
+        return run
+
+    for name, fn in saved.items():
+        setattr(dist, name, recorded(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def process_main(rank: int, plan: RankPlan, world: int, port: int, out_dir: str) -> None:
+    """One rank as a process (``torch.multiprocessing.spawn``): its report, its collectives
+    and (rank 0) the coordinator's phases into ``out_dir/rank-<r>.json``."""
+    import json
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
+    calls: list[CollectiveCall] = []
+    try:
+        with PhaseTimes().timing() as phases, recording_collectives(calls):
+            report = run_rank(plan, rank, dist.barrier)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    report["calls"] = [asdict(c) for c in calls]
+    report["phases"] = {str(step): p for step, p in phases.by_step.items()}
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    # As tests/_dist.py: leave without interpreter finalization, which a gloo thread still
+    # dropping a finished collective can turn into SIGABRT (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

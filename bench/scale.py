@@ -1,0 +1,420 @@
+"""``ckptbench scale``: many ranks on one machine, each saving a small state a few times and
+restoring it once, counting requests by kind at each rank's store (``StoreCounters``, summed
+over ranks) and timing the coordinator's own work per save (its lease and listings, the
+exchanges with the other ranks, the manifest and its commit; ``bench._scale_rank``).
+
+Ranks run as processes on gloo (as many as the machine's memory allows: each holds a torch) or,
+with ``--threads``, as threads of one process (``bench._thread_ranks``), which reaches 1,024.
+The growth of the coordinator's time and of the requests per rank with the rank count is fitted
+as ``y ~ ranks^k`` by least squares on their logarithms; ``ckptbench plan --scale-json`` turns
+the request counts into the request-bound floor of a save and a restore at 16,384 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from bench._ckpt_common import Workspace, host_info, now_iso
+from bench._scale_rank import PHASES, PhaseTimes, RankPlan, process_main, run_rank
+from bench._thread_ranks import CollectiveCall, ThreadWorld
+from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
+from ckptstore.catalog import list_steps
+from ckptstore.cli.parser import _storage_option
+from ckptstore.format import commit_key
+from ckptstore.store import Store
+
+MAX_PROCESSES = 16
+"""Most ranks run as processes (each imports torch: ~0.3 GB); more need --threads."""
+HEAD_OPS = ("size", "exists", "modified")
+"""Store operations that are HEAD requests on S3."""
+BUCKET = "ckptbench-scale"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "scale",
+        help="requests and coordinator time per save as the rank count grows",
+        description="Run N ranks on this machine (processes on gloo, or threads with "
+        "--threads), each saving a small fresh state --saves times and restoring it once; "
+        "print per rank count the requests by kind (summed over the ranks' stores), the "
+        "coordinator's time per save (lease, listings, exchanges, manifest, commit) and the "
+        "growth of both fitted as ranks^k.",
+    )
+    p.add_argument(
+        "--ranks",
+        default="1,2,4,8",
+        help="comma-separated rank counts (default 1,2,4,8); above "
+        f"{MAX_PROCESSES} needs --threads",
+    )
+    p.add_argument("--threads", action="store_true", help="ranks as threads of one process")
+    p.add_argument(
+        "--uri",
+        help="the store: a local directory or s3://bucket/prefix (default: a moto S3 server "
+        "started on 127.0.0.1); the bench works under <uri>/ckptbench-scale-<random>/ and "
+        "deletes it",
+    )
+    p.add_argument(
+        "--storage-option",
+        "-o",
+        dest="storage_options",
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        help="fsspec storage option for --uri, e.g. endpoint_url=http://127.0.0.1:9000 "
+        "(repeatable)",
+    )
+    p.add_argument("--state-bytes", default="256KiB", help="state of each rank (default 256KiB)")
+    p.add_argument("--chunk-bytes", default="64KiB", help="chunk size (default 64KiB)")
+    p.add_argument("--saves", type=int, default=3, help="saves per rank count (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+    return p
+
+
+def parse_ranks(text: str, *, threads: bool) -> list[int]:
+    try:
+        counts = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"bad --ranks {text!r}: expected comma-separated counts") from None
+    if not counts or counts[0] < 1:
+        raise ValueError(f"bad --ranks {text!r}: counts must be 1 or more")
+    if not threads and counts[-1] > MAX_PROCESSES:
+        raise ValueError(
+            f"--ranks {counts[-1]}: at most {MAX_PROCESSES} ranks run as processes here; "
+            "add --threads"
+        )
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = parse_ranks(args.ranks, threads=args.threads)
+    state_bytes = parse_bytes(args.state_bytes, what="--state-bytes")
+    chunk_bytes = parse_bytes(args.chunk_bytes, what="--chunk-bytes")
+    if state_bytes < 4 or chunk_bytes < 1:
+        raise ValueError("--state-bytes must be 4 or more and --chunk-bytes 1 or more")
+    if args.saves < 1:
+        raise ValueError(f"bad --saves {args.saves}: must be at least 1")
+    options = dict(args.storage_options) or None
+    with _store_uri(args.uri) as (uri, store_kind):
+        result = scale(
+            counts,
+            uri=uri,
+            storage_options=options,
+            threads=args.threads,
+            state_bytes=state_bytes,
+            chunk_bytes=chunk_bytes,
+            saves=args.saves,
+        )
+    result["store"] = store_kind
+    if args.json:
+        print_json(result)
+    else:
+        print_tables(result)
+    return 0
+
+
+def scale(
+    counts: list[int],
+    *,
+    uri: str,
+    storage_options: dict[str, Any] | None = None,
+    threads: bool,
+    state_bytes: int,
+    chunk_bytes: int,
+    saves: int,
+) -> dict[str, Any]:
+    """Every rank count in ``counts`` run against a fresh directory under ``uri``."""
+    runs = []
+    with Workspace(uri, command="scale") as ws:
+        for n in counts:
+            plan = RankPlan(
+                uri=ws.child(f"ranks-{n}"),
+                storage_options=storage_options,
+                state_bytes=state_bytes,
+                chunk_bytes=chunk_bytes,
+                saves=saves,
+            )
+            reports = _run_threads(plan, n) if threads else _run_processes(plan, n)
+            runs.append(summarize(plan, reports))
+    nbytes = state_bytes // 4 * 4
+    return {
+        "bench": "scale",
+        "date": now_iso(),
+        "mode": "threads" if threads else "processes",
+        "state_bytes_per_rank": nbytes,
+        "chunk_bytes": chunk_bytes,
+        "chunks_per_rank": math.ceil(nbytes / chunk_bytes),
+        "saves": saves,
+        "host": host_info(),
+        "runs": runs,
+        "growth": {
+            "coordinator_s": growth_exponent(
+                [r["ranks"] for r in runs], [r["coordinator_s"] for r in runs]
+            ),
+            "requests_per_rank": growth_exponent(
+                [r["ranks"] for r in runs], [r["save_requests_per_rank"] for r in runs]
+            ),
+        },
+    }
+
+
+# -- running ranks ------------------------------------------------------------------------------
+
+
+def _run_threads(plan: RankPlan, n: int) -> list[dict[str, Any]]:
+    world = ThreadWorld(n)
+    phases = PhaseTimes()
+
+    def rank_main(rank: int) -> dict[str, Any]:
+        return run_rank(plan, rank, world.barrier)
+
+    with phases.timing():
+        reports = world.run(rank_main)
+    for rank, report in enumerate(reports):
+        report["calls"] = world.calls[rank]
+    reports[0]["phases"] = phases.by_step
+    return reports
+
+
+def _run_processes(plan: RankPlan, n: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="ckptbench-scale-") as out:
+        port = _free_port()
+        mp.spawn(process_main, args=(plan, n, port, out), nprocs=n, join=True)
+        reports = []
+        for rank in range(n):
+            with open(os.path.join(out, f"rank-{rank}.json")) as f:
+                report = json.load(f)
+            report["calls"] = [CollectiveCall(**c) for c in report["calls"]]
+            report["phases"] = {int(step): p for step, p in report["phases"].items()}
+            reports.append(report)
+    return reports
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- what the ranks reported ------------------------------------------------------------------
+
+
+def summarize(plan: RankPlan, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank count's figures from its ranks' reports."""
+    n = len(reports)
+    admin = Store(plan.uri, storage_options=plan.storage_options)
+    committed = list_steps(admin)
+    saves = []
+    for i, save in enumerate(reports[0]["saves"]):
+        step = save["step"]
+        phases = dict(reports[0]["phases"].get(step, dict.fromkeys(PHASES, 0.0)))
+        phases["exchange"] = exchange_s(
+            [r["saves"][i] for r in reports], [r["calls"] for r in reports]
+        )
+        saves.append(
+            {
+                "step": step,
+                "committed": step in committed,
+                "wall_s": max(r["saves"][i]["end"] for r in reports)
+                - min(r["saves"][i]["start"] for r in reports),
+                "coordinator_s": sum(phases.values()),
+                "phases_s": phases,
+                "manifest_bytes": admin.size(commit_key(step)) if step in committed else None,
+                "requests": sum_requests(r["saves"][i]["requests"] for r in reports),
+                "peak_rss_bytes": save["peak_rss_bytes"],
+            }
+        )
+    steady = saves[1:] or saves  # the first save finds no earlier step to read
+    last = saves[-1]["requests"]
+    restore = [r["restore"] for r in reports]
+    restore_requests = sum_requests(r["requests"] for r in restore)
+    return {
+        "ranks": n,
+        "saves": saves,
+        "coordinator_s": statistics.median(s["coordinator_s"] for s in steady),
+        "save_requests": last,
+        "save_requests_per_rank": sum(last.values()) / n,
+        "restore": {
+            "wall_s": max(r["end"] for r in restore) - min(r["start"] for r in restore),
+            "requests": restore_requests,
+            "requests_per_rank": sum(restore_requests.values()) / n,
+            "equal_on_every_rank": all(r["equal"] for r in restore),
+        },
+    }
+
+
+def sum_requests(per_rank: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for requests in per_rank:
+        for op, count in requests.items():
+            total[op] = total.get(op, 0) + count
+    return dict(sorted(total.items()))
+
+
+def exchange_s(windows: list[dict[str, Any]], calls: list[list[CollectiveCall]]) -> float:
+    """Rank 0's time in the collectives of one save (``windows[r]``: rank r's start and end),
+    each from the last rank's arrival to rank 0's return. Where a rank did not record the
+    arrival (gloo), it is the latest entry among the ranks' matching calls."""
+
+    def within(rank: int) -> list[CollectiveCall]:
+        start, end = windows[rank]["start"], windows[rank]["end"]
+        return [c for c in calls[rank] if start <= c.enter <= end]
+
+    ranks = [within(r) for r in range(len(windows))]
+    total = 0.0
+    for k, call in enumerate(ranks[0]):
+        ready = call.ready
+        if ready is None:
+            ready = max(r[k].enter for r in ranks if k < len(r))
+        total += max(0.0, call.exit - ready)
+    return total
+
+
+def growth_exponent(ranks: list[int], values: list[float]) -> float | None:
+    """``k`` of ``value ~ ranks^k``, least squares on logarithms; None without two rank
+    counts that have a positive value."""
+    points = [(math.log(n), math.log(v)) for n, v in zip(ranks, values, strict=True) if v > 0]
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+# -- the store under test -----------------------------------------------------------------------
+
+_MOTO = (
+    "import sys\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
+    "server.start()\n"
+    "print(server.get_host_and_port()[1], flush=True)\n"
+    "sys.stdin.read()\n"
+    "server.stop()\n"
+)
+_AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+@contextlib.contextmanager
+def _store_uri(uri: str | None) -> Iterator[tuple[str, str]]:
+    """``uri`` as given, or a bucket on a moto S3 server of our own, in a process of its own
+    (so the ranks' threads do not slow it down); its endpoint is in the environment the ranks
+    inherit while this is open."""
+    if uri is not None:
+        yield uri, "s3" if uri.startswith("s3://") else "local"
+        return
+    server = subprocess.Popen(
+        [sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    saved = {k: os.environ.get(k) for k in _AWS_ENV}
+    try:
+        port = int(server.stdout.readline())
+        os.environ.update(
+            AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        import fsspec
+
+        fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
+        yield f"s3://{BUCKET}", "moto"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def _kinds(requests: dict[str, int]) -> list[int]:
+    """put, delete, get, head, list counts of ``requests`` (by store operation)."""
+    head = sum(requests.get(op, 0) for op in HEAD_OPS)
+    return [requests.get("put", 0), requests.get("delete", 0), requests.get("get", 0), head,
+            requests.get("list", 0)]  # fmt: skip
+
+
+def print_tables(result: dict[str, Any], out: Any = None) -> None:
+    out = out or sys.stdout
+    print(
+        f"ckptbench scale: ranks as {result['mode']} on {result['store']}; each rank saves "
+        f"{format_bytes(result['state_bytes_per_rank'])} in {result['chunks_per_rank']} chunks "
+        f"of {format_bytes(result['chunk_bytes'])}, {result['saves']} times (a fresh state "
+        "each time), then restores it",
+        file=out,
+    )
+    rows = []
+    for r in result["runs"]:
+        steady = r["saves"][1:] or r["saves"]
+        phase = {
+            p: statistics.median(s["phases_s"][p] for s in steady) for p in (*PHASES, "exchange")
+        }
+        manifest = r["saves"][-1]["manifest_bytes"]
+        peak = r["saves"][-1]["peak_rss_bytes"]
+        rows.append(
+            [r["ranks"], format_seconds(r["coordinator_s"]), format_seconds(phase["begin"]),
+             format_seconds(phase["exchange"]), format_seconds(phase["commit"]),
+             format_seconds(phase["release"] + phase["retain"]),
+             format_bytes(manifest) if manifest is not None else "-",
+             format_seconds(statistics.median(s["wall_s"] for s in steady)),
+             format_bytes(peak) if peak else "-"]
+        )  # fmt: skip
+    print("\ncoordinator per save (median of saves 2..n)", file=out)
+    table(
+        ["ranks", "coordinator", "begin", "exchange", "commit", "release", "manifest",
+         "save wall", "peak RSS"],
+        rows,
+        out=out,
+    )  # fmt: skip
+    rows = []
+    for r in result["runs"]:
+        rs = r["restore"]
+        rows.append(
+            [r["ranks"], sum(r["save_requests"].values()), f"{r['save_requests_per_rank']:.2f}",
+             *_kinds(r["save_requests"]), sum(rs["requests"].values()),
+             f"{rs['requests_per_rank']:.2f}", *_kinds(rs["requests"])[2:],
+             "yes" if rs["equal_on_every_rank"] else "NO"]
+        )  # fmt: skip
+    print("\nrequests (summed over ranks): the last save, and the restore", file=out)
+    table(
+        ["ranks", "save", "per rank", "put", "delete", "get", "head", "list", "restore",
+         "per rank", "get", "head", "list", "restored equal"],
+        rows,
+        out=out,
+    )  # fmt: skip
+    g = result["growth"]
+    print(
+        "\ngrowth with ranks (least squares on logs): coordinator time ~ ranks^"
+        f"{_exponent(g['coordinator_s'])}, save requests per rank ~ ranks^"
+        f"{_exponent(g['requests_per_rank'])}",
+        file=out,
+    )
+
+
+def _exponent(k: float | None) -> str:
+    return "? (one rank count)" if k is None else f"{k:.2f}"
