@@ -4,8 +4,8 @@ A lease is a small object a process renews while it works::
 
     leases/<kind>/<holder>/<seq:012d>.json   {"kind", "holder", "renewed_at", "ttl_s", "host", ...}
 
-``kind`` is ``save`` (one per rank of a save in flight) or ``gc`` (a sweep of unreferenced
-chunks). Objects are write-once, so renewing writes sequence number ``seq + 1`` and then deletes
+``kind`` is ``save`` (one per save in flight, held by its coordinator) or ``gc`` (a sweep of
+unreferenced chunks). Objects are write-once, so renewing writes sequence number ``seq + 1`` and then deletes
 ``seq``; readers take the newest sequence of each holder. Ages are the *store's*: a reader
 writes a probe object, and a lease's age is the probe's modification time minus that of the
 lease's newest object, both stamped by the store's clock (no host's clock is compared with
