@@ -266,7 +266,9 @@ class Checkpointer:
             staging="host" if staging == "peer" else staging,
             device_staging_budget_bytes=device_staging_budget_bytes,
         )
-        self._group = _Group(process_group, timeout_s=max(timeout_s * 20, 600.0), no_dist=no_dist)
+        # The other ranks wait in a collective while rank 0 waits for a gc (up to gc_wait_s).
+        group_timeout_s = max(timeout_s * 20, 600.0) + gc_wait_s
+        self._group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
         self.rank = self._group.rank
         if self._group.active and when_busy == "skip":
             raise ValueError(

@@ -12,7 +12,7 @@ import torch
 
 from ckptstore.device import Device
 from ckptstore.format import RankIndex
-from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors
+from ckptstore.pipeline import ChunkSource, PipelineConfig, parse_dtype, read_tensors
 from ckptstore.staging import align
 from ckptstore.store import Store
 
@@ -26,13 +26,16 @@ def read_into(
     cfg: PipelineConfig,
     *,
     written: set[int] | None = None,
+    source: ChunkSource | None = None,
 ) -> dict[int, torch.Tensor]:
     """``pipeline.read_tensors``, with the destinations that live on one accelerator filled
-    through ``read_to_device``; same contract (``written`` included)."""
+    through ``read_to_device``; same contract (``written`` included). With a ``source`` (one
+    pass over every chunk, e.g. ranks that share them) every destination is filled by one
+    ``read_tensors``: those on an accelerator through a host temporary each."""
     on_device = {i: d for i, d in wanted.items() if d is not None and d.device.type != "cpu"}
     device = Device.of(list(on_device.values()))
-    if not on_device or device is None:
-        return read_tensors(store, index, wanted, cfg, written=written)
+    if not on_device or device is None or source is not None:
+        return read_tensors(store, index, wanted, cfg, written=written, source=source)
     rest = {i: d for i, d in wanted.items() if i not in on_device}
     out = read_tensors(store, index, rest, cfg, written=written) if rest else {}
     out.update(read_to_device(store, index, on_device, cfg, device=device, written=written))

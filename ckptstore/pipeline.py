@@ -11,7 +11,9 @@ that body without copying it, see ``store``).
 
 Restore: the chunks a set of tensors needs are fetched with one get each (sized by the index),
 ``read_concurrency`` at a time, decoded and hash-verified on the fetching thread, then copied into
-the destination tensors; a chunk's bytes reach a tensor only after its hash checked out.
+the destination tensors; a chunk's bytes reach a tensor only after its hash checked out. Where the
+verified bytes come from is a ``ChunkSource``: the store by default, or ranks that share the
+chunks (``ckptstore.shared_read``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -429,6 +431,29 @@ def fetch_chunk(
     return decode(data, expected_hash=digest, name=store.url(key), out=out, raw_len=raw_len)
 
 
+ChunkSource = Callable[[list[str], Callable[[str, np.ndarray], int]], Iterator[int]]
+"""Where a restore's chunks come from: ``source(digests, deliver)`` calls ``deliver(digest, raw)``
+once per digest with its raw bytes, verified against the digest (the bytes may be overwritten
+once ``deliver`` returns), and yields what each call returned; closing the iterator stops it
+(what it left undelivered is not delivered), and its first error is raised by the iteration."""
+
+
+def chunks_from_store(
+    store: Store, chunks: dict[str, ChunkInfo], cfg: PipelineConfig
+) -> ChunkSource:
+    """The plain ``ChunkSource``: each chunk fetched from ``store`` with one get (sized by
+    ``chunks``, the index's sizes), ``cfg.read_concurrency`` at a time, and delivered on the
+    fetching thread."""
+
+    def read(digests: list[str], deliver: Callable[[str, np.ndarray], int]) -> Iterator[int]:
+        def load(digest: str) -> int:
+            return deliver(digest, fetch_chunk(store, digest, chunks.get(digest), scratch=True))
+
+        return store.map(load, digests, max_concurrency=cfg.read_concurrency)
+
+    return read
+
+
 def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
@@ -441,8 +466,10 @@ def read_tensors(
     *,
     on_chunk: Callable[[int], None] | None = None,
     written: set[int] | None = None,
+    source: ChunkSource | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Load the tensors ``wanted`` (index -> destination, or None for a new tensor).
+    """Load the tensors ``wanted`` (index -> destination, or None for a new tensor), their
+    chunks from ``source`` (default: ``chunks_from_store``).
 
     A destination that is CPU and contiguous is filled in place, chunk by chunk, each chunk's
     bytes only once it verified; any other is filled through a temporary and ``copy_``, once
@@ -480,9 +507,8 @@ def read_tensors(
     writers = 0  # chunks being copied into their tensors right now
     stopped = False  # the read failed: copy nothing more
 
-    def load(digest: str) -> int:
+    def deliver(digest: str, raw: np.ndarray) -> int:
         nonlocal writers
-        raw = fetch_chunk(store, digest, index.chunks.get(digest), scratch=True)
         segments = by_chunk[digest]
         for _, offset, nbytes, _ in segments:
             if offset + nbytes > raw.size:
@@ -505,7 +531,9 @@ def read_tensors(
                 gate.notify_all()
         return raw.size
 
-    results = store.map(load, list(by_chunk), max_concurrency=cfg.read_concurrency)
+    if source is None:
+        source = chunks_from_store(store, index.chunks, cfg)
+    results = source(list(by_chunk), deliver)
     try:
         for nbytes in results:
             if on_chunk is not None:
