@@ -47,7 +47,7 @@ from ckptstore.errors import (
     PartialLoadError,
     UnsupportedStateError,
 )
-from ckptstore.format import KIND_STATE, check_step
+from ckptstore.format import KIND_STATE, ChunkInfo, check_step
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import parse_dtype
@@ -61,6 +61,13 @@ from ckptstore.save import (
     check_background_nice,
 )
 from ckptstore.save.session import LatestIndex
+from ckptstore.shared_read import (
+    DEFAULT_BUDGET_BYTES,
+    ExchangeStats,
+    SharedChunks,
+    needed_chunks,
+    plan_shared_read,
+)
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store, niced, open_store, set_thread_nice
@@ -208,6 +215,11 @@ class Checkpointer:
             would have (after the handler installed before ours). A loop that reads
             ``preempted`` may save its current step and leave first (``ckptstore.preemption``).
         sigterm_grace_s: how long pending saves may take after SIGTERM.
+        shared_read_budget_bytes: with ``torch.distributed``, a chunk that several ranks load
+            (replicated state) is fetched by one of them and sent to the others over the
+            process group, in rounds of at most this many bytes (a larger chunk alone): the
+            memory a load takes beyond its tensors (``ckptstore.shared_read``). 0: every rank
+            reads all its chunks from storage.
     """
 
     def __init__(
@@ -235,12 +247,18 @@ class Checkpointer:
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
         handle_sigterm: bool = False,
         sigterm_grace_s: float = 25.0,
+        shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if staging not in ("auto", "device", "host", "peer"):
             raise ValueError(f"staging must be 'auto', 'device', 'host' or 'peer', got {staging!r}")
         check_background_nice(background_nice)
+        if shared_read_budget_bytes < 0:
+            raise ValueError(
+                f"shared_read_budget_bytes must be >= 0, got {shared_read_budget_bytes}"
+            )
+        self.shared_read_budget_bytes = shared_read_budget_bytes
         if handle_sigterm:
             SigtermGuard.check_installable(sigterm_grace_s)
         self.store = store or open_store(
@@ -286,6 +304,7 @@ class Checkpointer:
             self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
+        self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
@@ -524,9 +543,11 @@ class Checkpointer:
         agreed = self._agree(step, error)
         if agreed is not None:
             return (*agreed, [])
-        # Read: the state's tensors are filled in place, chunk by verified chunk.
+        # Read: the state's tensors are filled in place, chunk by verified chunk; a chunk other
+        # ranks also need is fetched by one of them and sent to the others.
         written: set[int] = set()
         try:
+            source = self._shared_source({} if replica is not None else needed_chunks(index, kinds))
             if replica is not None:
                 for i, dest in loader.dests.items():
                     written.add(i)
@@ -534,7 +555,9 @@ class Checkpointer:
                     tensors[i] = dest
             else:
                 wanted = {i: loader.dests.get(i) for i in kinds}
-                tensors = read_into(self.store, index, wanted, self.engine.config, written=written)
+                tensors = read_into(
+                    self.store, index, wanted, self.engine.config, written=written, source=source
+                )
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
             error = exc
         paths = sorted(loader.paths[i] for i in written)
@@ -560,6 +583,23 @@ class Checkpointer:
             self.last_load_source = "storage"
             logger.info("rank %d: loaded step %d from %s", self.rank, step, self.store.uri)
         return None, True, paths
+
+    def _shared_source(self, needs: dict[str, ChunkInfo]) -> SharedChunks | None:
+        """Where this rank's chunks come from when other ranks need some of them too (None:
+        from storage alone). Collective: every rank calls it in each load's read."""
+        self.last_load_exchange = None
+        if not self._group.active:
+            return None
+        source = plan_shared_read(
+            self.store,
+            needs,
+            self.engine.config,
+            group=self._group.group,
+            budget_bytes=self.shared_read_budget_bytes,
+        )
+        if source is not None:
+            self.last_load_exchange = source.stats
+        return source
 
     def _agree(self, step: int, error: BaseException | None) -> tuple[BaseException, bool] | None:
         """Every rank's outcome of a phase of loading ``step``: None if it went well on every
