@@ -50,6 +50,9 @@ class RankPlan:
     saves: int
     encode_threads: int = 2
     max_concurrency: int = 4
+    timeout_s: float = 300.0
+    """Deadline of one storage request: generous, as a thousand thread ranks share one
+    interpreter and a request may wait long for its thread to run."""
 
 
 def rank_state(rank: int, step: int, nbytes: int) -> dict[str, torch.Tensor]:
@@ -79,6 +82,7 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
         hedge_uploads=False,  # on a loaded machine every put is slow: hedges would double them
         encode_threads=plan.encode_threads,
         max_concurrency=plan.max_concurrency,
+        timeout_s=plan.timeout_s,
     )
     saves = []
     try:
@@ -179,7 +183,7 @@ def recording_collectives(calls: list[CollectiveCall]) -> Iterator[None]:
             try:
                 return fn(*args, **kwargs)
             finally:
-                calls.append(CollectiveCall(name, enter, None, time.perf_counter()))
+                calls.append(CollectiveCall(name, enter, time.perf_counter()))
 
         return run
 

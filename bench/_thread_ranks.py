@@ -31,13 +31,24 @@ import torch.distributed as dist
 
 @dataclass
 class CollectiveCall:
-    """One rank's call of a collective: when it entered, when the last rank arrived (the
-    collective could start), when it returned; seconds of ``time.perf_counter``."""
+    """One rank's call of a collective, in seconds of ``time.perf_counter``: when it entered
+    and returned; on thread ranks also when the last rank arrived (``ready``), when the result
+    was complete (``done``) and when this rank's thread ran again (``woke``)."""
 
     name: str
     enter: float
-    ready: float | None
     exit: float
+    ready: float | None = None
+    done: float | None = None
+    woke: float | None = None
+
+    def work_s(self) -> float | None:
+        """The collective's own time on thread ranks: the result computed, then this rank's
+        part of it, not the wait for its thread to be scheduled again among all the ranks'
+        (an artifact of n ranks sharing one interpreter); None on gloo."""
+        if self.ready is None or self.done is None or self.woke is None:
+            return None
+        return (self.done - self.ready) + (self.exit - self.woke)
 
 
 class _Meeting:
@@ -48,6 +59,7 @@ class _Meeting:
         self.result: Any = None
         self.error: BaseException | None = None
         self.ready = 0.0
+        self.finished = 0.0
         self.aborted = False
 
 
@@ -135,10 +147,15 @@ class ThreadWorld:
     # -- collectives ---------------------------------------------------------------------------
 
     def meet(
-        self, group: ThreadGroup, name: str, part: Any, combine: Callable[[list[Any]], Any]
-    ) -> Any:
+        self,
+        group: ThreadGroup,
+        name: str,
+        part: Any,
+        combine: Callable[[list[Any]], Any],
+        then: Callable[[Any], None] | None = None,
+    ) -> None:
         """Hand ``part`` to the ``name`` collective; ``combine(parts)`` (run once, by the last
-        rank to arrive) is every rank's result."""
+        rank to arrive) is every rank's result, which ``then`` takes on each rank."""
         enter = time.perf_counter()
         rank = group.rank()
         with self._lock:
@@ -158,17 +175,20 @@ class ThreadWorld:
                 meeting.result = combine(meeting.parts)
             except BaseException as exc:  # noqa: BLE001 - every rank raises it
                 meeting.error = exc
+            meeting.finished = time.perf_counter()
             meeting.done.set()
         elif not meeting.done.wait(self.timeout_s):
             raise TimeoutError(f"rank {group.global_rank}: {name} waited {self.timeout_s:g} s")
+        woke = time.perf_counter()
         if meeting.aborted:
             raise RuntimeError(f"rank {group.global_rank}: {name}: another rank failed")
         if meeting.error is not None:
             raise meeting.error
+        if then is not None:
+            then(meeting.result)
         self.calls[group.global_rank].append(
-            CollectiveCall(name, enter, meeting.ready, time.perf_counter())
+            CollectiveCall(name, enter, time.perf_counter(), meeting.ready, meeting.finished, woke)
         )
-        return meeting.result
 
     # -- torch.distributed, as ckptstore calls it ----------------------------------------------
 
@@ -209,9 +229,12 @@ class ThreadWorld:
     ) -> None:
         g = self._group(group)
         mine = pickle.dumps(object_list) if g.global_rank == src else None
-        sent = self.meet(g, "broadcast_object_list", mine, lambda parts: parts[g.ranks.index(src)])
-        if g.global_rank != src:
-            object_list[:] = pickle.loads(sent)
+
+        def take(sent: bytes) -> None:
+            if g.global_rank != src:
+                object_list[:] = pickle.loads(sent)
+
+        self.meet(g, "broadcast_object_list", mine, lambda ps: ps[g.ranks.index(src)], take)
 
     def scatter_object_list(
         self,
@@ -226,25 +249,30 @@ class ThreadWorld:
         if g.global_rank == src:
             assert scatter_object_input_list is not None
             mine = [pickle.dumps(obj) for obj in scatter_object_input_list]
-        sent = self.meet(g, "scatter_object_list", mine, lambda parts: parts[g.ranks.index(src)])
-        scatter_object_output_list[0] = pickle.loads(sent[g.rank()])
+
+        def take(sent: list[bytes]) -> None:
+            scatter_object_output_list[0] = pickle.loads(sent[g.rank()])
+
+        self.meet(g, "scatter_object_list", mine, lambda ps: ps[g.ranks.index(src)], take)
 
     def all_gather_object(self, object_list: list[Any], obj: Any, group: Any = None) -> None:
         g = self._group(group)
-        gathered = self.meet(
-            g, "all_gather_object", pickle.dumps(obj), lambda ps: [pickle.loads(p) for p in ps]
-        )
-        object_list[:] = gathered
+
+        def take(gathered: list[Any]) -> None:
+            object_list[:] = gathered
+
+        self.meet(g, "all_gather_object", pickle.dumps(obj), _unpickle_all, take)
 
     def gather_object(
         self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
     ) -> None:
         g = self._group(group)
-        gathered = self.meet(
-            g, "gather_object", pickle.dumps(obj), lambda ps: [pickle.loads(p) for p in ps]
-        )
-        if g.global_rank == dst and object_gather_list is not None:
-            object_gather_list[:] = gathered
+
+        def take(gathered: list[Any]) -> None:
+            if g.global_rank == dst and object_gather_list is not None:
+                object_gather_list[:] = gathered
+
+        self.meet(g, "gather_object", pickle.dumps(obj), _unpickle_all, take)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False
@@ -303,6 +331,10 @@ SERVED = (
 )  # fmt: skip
 """The ``torch.distributed`` functions thread ranks serve (besides ``is_available`` and
 ``is_initialized``); ckptstore code that calls another fails naming it."""
+
+
+def _unpickle_all(parts: list[bytes]) -> list[Any]:
+    return [pickle.loads(p) for p in parts]
 
 
 class _Done:

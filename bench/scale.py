@@ -267,9 +267,9 @@ def sum_requests(per_rank: Any) -> dict[str, int]:
 
 
 def exchange_s(windows: list[dict[str, Any]], calls: list[list[CollectiveCall]]) -> float:
-    """Rank 0's time in the collectives of one save (``windows[r]``: rank r's start and end),
-    each from the last rank's arrival to rank 0's return. Where a rank did not record the
-    arrival (gloo), it is the latest entry among the ranks' matching calls."""
+    """Rank 0's time in the collectives of one save (``windows[r]``: rank r's start and end):
+    on thread ranks each collective's own work (``CollectiveCall.work_s``); on gloo from the
+    last rank's arrival (the latest entry among the ranks' matching calls) to rank 0's return."""
 
     def within(rank: int) -> list[CollectiveCall]:
         start, end = windows[rank]["start"], windows[rank]["end"]
@@ -278,10 +278,10 @@ def exchange_s(windows: list[dict[str, Any]], calls: list[list[CollectiveCall]])
     ranks = [within(r) for r in range(len(windows))]
     total = 0.0
     for k, call in enumerate(ranks[0]):
-        ready = call.ready
-        if ready is None:
-            ready = max(r[k].enter for r in ranks if k < len(r))
-        total += max(0.0, call.exit - ready)
+        work = call.work_s()
+        if work is None:
+            work = call.exit - max(r[k].enter for r in ranks if k < len(r))
+        total += max(0.0, work)
     return total
 
 
@@ -320,11 +320,20 @@ def _store_uri(uri: str | None) -> Iterator[tuple[str, str]]:
         yield uri, "s3" if uri.startswith("s3://") else "local"
         return
     server = subprocess.Popen(
-        [sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _MOTO],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # a line per request
+        text=True,
     )
     saved = {k: os.environ.get(k) for k in _AWS_ENV}
     try:
-        port = int(server.stdout.readline())
+        line = server.stdout.readline().strip()
+        if not line.isdigit():
+            raise OSError(
+                "the moto S3 server did not start (pip install 'moto[server]'), or give --uri"
+            )
+        port = int(line)
         os.environ.update(
             AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
             AWS_ACCESS_KEY_ID="testing",
