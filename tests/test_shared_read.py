@@ -206,5 +206,5 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
         run_ranks(_count_restore, world, root, out)
         gets = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
-    print(f"{world} ranks, 8 distinct chunks: chunk GETs per rank {gets}, total {sum(gets)}, ")
+    print(f"{world} ranks, 8 distinct chunks: chunk GETs per rank {gets}, total {sum(gets)}")
     print(f"GETs per distinct chunk {sum(gets) / 8:.2f}")
