@@ -191,9 +191,11 @@ def export_safetensors(
         max_shard_size: the largest shard, e.g. ``5GB`` (the default, 10^9 bytes as Hugging
             Face counts) or ``500MiB``; a tensor larger than it gets a shard of its own. All
             in one shard: a single ``model.safetensors`` and no index.
-        only: export only the tensors whose name starts with this prefix (``model.``).
-        strip_prefix: removed from the front of every exported name. Default: ``only`` (so
-            ``only="model."`` writes ``layers.0.weight``); ``""`` keeps the names whole.
+        only: export only the tensors named this or under it (``model`` covers ``model.*``,
+            not ``model_ema.*``; a prefix ending in ``.`` covers what starts with it).
+        strip_prefix: removed from the front of every exported name with the ``.`` after it.
+            Default: ``only`` (so ``only="model"`` writes ``layers.0.weight``); ``""`` keeps
+            the names whole.
         dtype: cast floating-point tensors to this dtype (``bfloat16``, ``float16``,
             ``float32``, ``float64``); integer and bool tensors keep theirs.
         rank: which rank's state to export from a Checkpointer step saved by several ranks
@@ -226,7 +228,7 @@ def export_safetensors(
     manifest = view.manifest
     named, skipped = view.whole_tensors(rank)
     items = _select(named, only, only if strip_prefix is None else strip_prefix, cast)
-    skipped = [name for name in skipped if only is None or name.startswith(only)]
+    skipped = [name for name in skipped if only is None or name_under(name, only)]
     if not items and not named:
         raise CheckpointNotFoundError(
             f"step {manifest.step} in {store.uri} holds no tensor to export as safetensors"
@@ -294,6 +296,23 @@ def export_safetensors(
 # -- what to export ------------------------------------------------------------------------------
 
 
+def name_under(name: str, prefix: str, separators: str = ".") -> bool:
+    """Whether ``name`` is ``prefix`` or under it: ``model`` covers ``model`` and ``model.w``
+    (or ``model/w`` with ``/`` a separator), not ``model_ema.w``; a prefix that ends with a
+    separator (``model.``) covers what starts with it."""
+    if not prefix or prefix[-1] in separators:
+        return name.startswith(prefix)
+    return name == prefix or any(name.startswith(prefix + sep) for sep in separators)
+
+
+def _strip(name: str, prefix: str) -> str:
+    """``name`` without ``prefix`` and the separator after it (``model.w`` -> ``w``)."""
+    if not prefix or not name_under(name, prefix):
+        return name
+    rest = name[len(prefix) :]
+    return rest[1:] if rest[:1] == "." and prefix[-1] != "." else rest
+
+
 def _select(
     named: list[WholeTensor], only: str | None, strip: str | None, cast: torch.dtype | None
 ) -> list[_Item]:
@@ -306,9 +325,9 @@ def _select(
             tensor.shape,
             tensor.pieces,
         )
-        if only is not None and not name.startswith(only):
+        if only is not None and not name_under(name, only):
             continue
-        out_name = name[len(strip) :] if strip and name.startswith(strip) else name
+        out_name = _strip(name, strip) if strip else name
         if out_name in seen:
             raise ValueError(f"tensors {seen[out_name]!r} and {name!r} both export as {out_name!r}")
         seen[out_name] = name

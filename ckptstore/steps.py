@@ -304,8 +304,10 @@ class StepView:
                 values = read_tensors(
                     self.store, indexes[rank], dict.fromkeys(items), PipelineConfig()
                 )
+            except CheckpointError:
+                continue  # a chunk that is missing or corrupt: the chunk check names it
             except Exception as exc:  # noqa: BLE001 - reported as a problem of this rank's items
-                yield Found(keys[rank], "dcp-item", exc, _TRUST_HINT)
+                yield Found(keys[rank], "dcp-item", exc)
                 continue
             for tensor, name in items.items():
                 try:

@@ -777,3 +777,22 @@ def test_head_of_inspect_is_a_normal_end(store: Path) -> None:
     )
     assert done.returncode == 0 and done.stderr == ""
     assert done.stdout.startswith("step 30")
+
+
+def test_restore_only_takes_whole_name_segments(tmp_path: Path, capsys) -> None:
+    uri = tmp_path / "store"
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"model": {"w": torch.ones(2)}, "model_ema": {"w": torch.zeros(2)}}).wait()
+    out = tmp_path / "model.pt"
+    assert run(capsys, "restore", str(uri), "--to", str(out), "--only", "model")[0] == 0
+    assert list(torch.load(out, weights_only=True)) == ["model"]
+    code, _, err = run(capsys, "restore", str(uri), "--to", str(out) + "x", "--only", "model/w")
+    assert code == 0 and list(torch.load(str(out) + "x", weights_only=True)) == ["model"]
+
+
+def test_restore_refuses_safetensors_options_for_other_formats(store: Path, tmp_path: Path, capsys):
+    code, _, err = run(
+        capsys, "restore", str(store), "--to", str(tmp_path / "a.pt"), "--dtype", "bfloat16"
+    )
+    assert code == 2 and "--dtype: only with --format safetensors" in err
+    assert not (tmp_path / "a.pt").exists()

@@ -338,3 +338,15 @@ def test_the_restore_command_exports_safetensors(tmp_path, capsys):
     # a second export into the same directory is refused in the command's own words
     assert main(argv) == 2
     assert "pass --force" in capsys.readouterr().err
+
+
+def test_only_matches_whole_name_segments(tmp_path):
+    """``only="model"`` covers ``model.*`` and strips ``model.``; ``model_ema`` is not under it
+    (it was exported as ``_ema.w``, and every name began with ``.``)."""
+    state = {"model": {"w": torch.ones(2)}, "model_ema": {"w": torch.zeros(2)}}
+    store = str(tmp_path / "store")
+    _save(store, state)
+    export_safetensors(store, tmp_path / "a", only="model")
+    assert set(load_file(str(tmp_path / "a" / "model.safetensors"))) == {"w"}
+    export_safetensors(store, tmp_path / "b", only="model_ema", strip_prefix="")
+    assert set(load_file(str(tmp_path / "b" / "model.safetensors"))) == {"model_ema.w"}

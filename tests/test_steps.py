@@ -110,3 +110,40 @@ def test_only_the_step_view_switches_on_the_kind():
             ):
                 offenders.append(f"ckptstore/{name}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_a_corrupt_chunk_of_a_pickled_dcp_value_is_reported_once_as_the_chunk(both):
+    """verify named the intact rank index as a refused pickled value (with a trust hint that
+    cannot help) besides the chunk."""
+    from ckptstore._inspect import verify_steps
+    from ckptstore.format import chunk_key
+
+    _, view = both
+    index = view.index(0)
+    (tensor,) = [i for i, offsets in view.shard_offsets(index).items() if offsets is None]
+    digest = index.tensors[tensor].segments[0].chunk
+    path = Path(view.store.path(chunk_key(digest)))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    (check,) = verify_steps(view.store, [view.step])
+    assert [(p.what, p.object) for p in check.problems] == [("chunk", chunk_key(digest))]
+    assert "trust_pickled_objects" not in check.problems[0].error
+
+
+def test_dcp_load_of_a_checkpointer_step_ends_with_the_one_cause(both):
+    """DCP wraps a reader's error; its last line names the loader to use, and no refused
+    rank-local fallback stands beside it (StoreReader.read_metadata took **kwargs)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptstore.dcp import StoreReader
+
+    state_view, _ = both
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(
+            {"x": torch.zeros(1)}, storage_reader=StoreReader(state_view.store.uri), no_dist=True
+        )
+    text = str(raised.value)
+    assert text.strip().splitlines()[-1].endswith("load it with Checkpointer.load")
+    assert "rank local" not in text

@@ -16,7 +16,7 @@ from ckptstore.cli.restore_file import (
     write_atomically,
 )
 from ckptstore.errors import CheckpointError
-from ckptstore.export import export_safetensors
+from ckptstore.export import export_safetensors, name_under
 from ckptstore.render import human_bytes
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -28,6 +28,18 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
         raise UsageError(f"--to must be a local path, got {args.to!r}")
     if args.to.startswith("file://"):
         target = os.path.abspath(args.to[len("file://") :])
+    given = [
+        flag
+        for flag, value in (
+            ("--max-shard-size", args.max_shard_size),
+            ("--strip-prefix", args.strip_prefix),
+            ("--dtype", args.dtype),
+            ("--rank", args.rank),
+        )
+        if value is not None
+    ]
+    if given and args.format != "safetensors":
+        raise UsageError(f"{', '.join(given)}: only with --format safetensors")
     if args.format == "safetensors":
         existed = os.path.lexists(target)
         try:
@@ -91,13 +103,13 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
 
 
 def _only(state: Any, prefix: str, step: int) -> dict:
-    """The values of ``state`` whose name starts with ``prefix``: a name is the path of dict
-    keys joined by "/" (``model/0.weight``, as ``inspect`` shows a state step) or by "."
-    (``model.0.weight``, a DCP step's keys)."""
+    """The values of ``state`` named ``prefix`` or under it (``export.name_under``): a name is
+    the path of dict keys joined by "/" (``model/0.weight``, as ``inspect`` shows a state step)
+    or by "." (``model.0.weight``, a DCP step's keys)."""
 
     def keep(value: Any, path: tuple) -> Any:
         names = ("/".join(path), ".".join(path))
-        if path and any(name.startswith(prefix) for name in names):
+        if path and any(name_under(name, prefix, "./") for name in names):
             return value
         if not isinstance(value, dict):
             return None
@@ -117,11 +129,11 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
             store.uri,
             target,
             step="latest" if args.step is None else args.step,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=args.max_shard_size or "5GB",
             only=args.only,
             strip_prefix=args.strip_prefix,
             dtype=args.dtype,
-            rank=args.rank,
+            rank=args.rank or 0,
             overwrite=args.force,
             storage_options=dict(args.storage_options) or None,
             timeout_s=args.timeout or 30.0,

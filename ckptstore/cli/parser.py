@@ -280,20 +280,20 @@ examples:
     hf = p.add_argument_group("--format safetensors")
     hf.add_argument(
         "--max-shard-size",
-        default="5GB",
         metavar="SIZE",
         help="largest output shard, e.g. 5GB (default, as Hugging Face) or 500MiB",
     )
     p.add_argument(
         "--only",
         metavar="PREFIX",
-        help="restore only the values named PREFIX... (e.g. model, or model. for a DCP step's "
-        "keys; names as inspect shows them)",
+        help="restore only the values named PREFIX or under it (model covers model.* and "
+        "model/*, not model_ema; names as inspect shows them)",
     )
     hf.add_argument(
         "--strip-prefix",
         metavar="PREFIX",
-        help="removed from every name (default: --only's prefix; '' keeps names whole)",
+        help="removed from every name with the '.' after it (default: --only's prefix; '' keeps "
+        "names whole)",
     )
     hf.add_argument(
         "--dtype", help="cast floating-point tensors to this dtype (bfloat16, float16, ...)"
@@ -301,7 +301,6 @@ examples:
     hf.add_argument(
         "--rank",
         type=_nonneg_int,
-        default=0,
         help="the rank whose state a multi-rank Checkpointer step exports (default: 0)",
     )
     p.set_defaults(func="restore")

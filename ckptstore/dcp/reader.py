@@ -129,10 +129,9 @@ class StoreReader(StorageReader):
     def checkpoint_id(self) -> str:
         return self.store.uri
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if "rank" in kwargs:
-            # DCP's fallback to rank-local metadata after the global read failed: there is none.
-            raise CheckpointError(f"{self.store.uri} has no rank-local DCP metadata")
+    def read_metadata(self) -> Metadata:
+        # No **kwargs: DCP then never tries a rank-local fallback (there is none), whose
+        # refusal would stand beside the real error in what dcp.load raises.
         self.view = None  # each load resolves "latest" afresh
         metadata = self._view().dcp_metadata()
         meta = metadata.storage_meta or StorageMeta()
