@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
+import xxhash
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ckptstore.store import Store
@@ -87,6 +88,10 @@ class ShardDataset(IterableDataset):
         self.units: Sequence[Unit] = self.layout.units
         self._unit_samples = unit_samples(self.units)
         self.num_samples = int(self._unit_samples.sum())
+        # What a saved position means depends on which samples are where: the units, in order.
+        self.fingerprint = xxhash.xxh3_64_hexdigest(
+            "\n".join(f"{u.describe()}:{u.num_samples}" for u in self.units).encode()
+        )
         if world_size is None:
             world_size = (
                 dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -213,6 +218,7 @@ class ShardDataset(IterableDataset):
             "shuffle": self.config.shuffle,
             "shuffle_block_units": self.config.shuffle_block_units,
             "num_samples": self.num_samples,
+            "dataset": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -233,6 +239,12 @@ class ShardDataset(IterableDataset):
                     f"loader state has {key}={state.get(key)!r} but this dataset "
                     f"has {mine!r}: it was saved for another dataset or order"
                 )
+        saved_for = state.get("dataset")  # absent in states saved before it was recorded
+        if saved_for is not None and saved_for != self.fingerprint:
+            raise ValueError(
+                f"loader state was saved for another dataset (its shards and their sample "
+                f"counts differ: fingerprint {saved_for}, this dataset's {self.fingerprint})"
+            )
         position = int(state["position"])
         if not 0 <= position <= self.num_samples:
             raise ValueError(

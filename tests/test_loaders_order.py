@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,22 @@ def test_load_state_rejects_another_dataset(token_dir):
         _dataset(token_dir, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         _dataset(token_dir).load_state_dict({"version": 99})
+
+
+def test_load_state_rejects_a_dataset_of_the_same_size_laid_out_otherwise(token_dir, tmp_path):
+    """Seed, shuffle and sample count alike, the shards differ: a saved position would name
+    other samples (it was accepted)."""
+    import shutil
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, new in (("a.bin", "x.bin"), ("b.bin", "y.bin"), ("c.bin", "z.bin")):
+        shutil.copy(os.path.join(token_dir, name), other / new)
+    state = _dataset(token_dir).state_dict()
+    assert _dataset(str(other)).num_samples == state["num_samples"]
+    with pytest.raises(ValueError, match="another dataset"):
+        _dataset(str(other)).load_state_dict(state)
+    _dataset(token_dir).load_state_dict({k: v for k, v in state.items() if k != "dataset"})
 
 
 def _collate(batch):
