@@ -18,11 +18,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench import request_floor
 from bench.report import (
     format_bytes,
     format_rate,
     format_seconds,
     load_json_object,
+    parse_bytes,
     parse_count,
     parse_rate,
     print_json,
@@ -332,9 +334,51 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=float,
         help="most of the time storage may spend writing checkpoints, 0-1 (default 1)",
     )
+    req = p.add_argument_group(
+        "request-bound floor on S3 (a save and a restore at --accelerators ranks)"
+    )
+    req.add_argument(
+        "--scale-json",
+        metavar="JSON",
+        help="`ckptbench scale --json` output to take the requests per save and per rank from "
+        "(default: the counts recorded in docs/BENCHMARKS.md)",
+    )
+    req.add_argument("--chunk-bytes", default="32MiB", help="chunk size (default 32MiB)")
+    for flag, kind, default, text in (
+        ("--s3-writes-per-prefix", float, request_floor.S3_WRITES_PER_PREFIX_S,
+         "PUT/DELETE per second per prefix"),
+        ("--s3-reads-per-prefix", float, request_floor.S3_READS_PER_PREFIX_S,
+         "GET/HEAD/LIST per second per prefix"),
+        ("--chunk-prefixes", int, request_floor.CHUNK_PREFIXES,
+         "prefixes chunk keys spread over (chunks/<h[:2]>/)"),
+        ("--hot-prefixes", int, 1, "prefixes the other requests (indexes, manifest) spread over"),
+    ):  # fmt: skip
+        req.add_argument(flag, type=kind, default=default, help=f"{text} (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
     return p
+
+
+def request_floor_from_args(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    """The request-bound floor at the plan's accelerators (one rank each) and checkpoint size."""
+    if args.scale_json:
+        scale = load_json_object(args.scale_json, what="--scale-json file")
+        counts = request_floor.counts_from_scale(scale, source=args.scale_json)
+    else:
+        counts = request_floor.RequestCounts()
+    limits = request_floor.Limits(
+        writes_per_prefix_s=args.s3_writes_per_prefix,
+        reads_per_prefix_s=args.s3_reads_per_prefix,
+        chunk_prefixes=args.chunk_prefixes,
+        hot_prefixes=args.hot_prefixes,
+    )
+    return request_floor.floor(
+        counts,
+        limits,
+        ranks=result["inputs"]["accelerators"],
+        state_bytes=result["checkpoint_bytes"],
+        chunk_bytes=parse_bytes(args.chunk_bytes, what="--chunk-bytes"),
+    )
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
@@ -435,10 +479,34 @@ def print_table(result: dict[str, Any], out=None) -> None:
         )
 
 
+def print_request_floor(floor: dict[str, Any], out=None) -> None:
+    out = out or sys.stdout
+    rows = []
+    for name in ("save", "restore"):
+        f = floor[name]
+        other = f["other_requests"]
+        rows.append(
+            [name, f"{f['chunk_requests']:,.0f}", f"{other['write']:,.0f} / {other['read']:,.0f}",
+             format_seconds(f["floor_s"]), f["bound_by"]]
+        )  # fmt: skip
+    lim = floor["limits"]
+    print(
+        f"\nrequest-bound floor on S3: {floor['ranks']:,} ranks, {_bytes(floor['state_bytes'])} "
+        f"in {floor['chunks']:,} chunks of {format_bytes(floor['chunk_bytes'])}; per prefix "
+        f"{lim['writes_per_prefix_s']:g} writes/s and {lim['reads_per_prefix_s']:g} reads/s, "
+        f"chunks over {lim['chunk_prefixes']} prefixes, the rest over {lim['hot_prefixes']} "
+        f"(counts: {floor['counts']['source']})",
+        file=out,
+    )
+    table(["", "chunk requests", "other writes / reads", "floor", "bound by"], rows, out=out)
+
+
 def run(args: argparse.Namespace) -> int:
     result = plan(inputs_from_args(args))
+    result["request_floor"] = request_floor_from_args(args, result)
     if args.json:
         print_json(result)
     else:
         print_table(result)
+        print_request_floor(result["request_floor"])
     return 0

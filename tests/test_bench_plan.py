@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import plan, storage
+from bench import plan, request_floor, storage
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -206,11 +206,12 @@ def test_bad_input_is_one_clear_error(argv, message):
     assert "\n" not in str(info.value)
 
 
-def test_from_storage_rejects_other_json(tmp_path):
+@pytest.mark.parametrize("flag, bench", [("--from-storage", "storage"), ("--scale-json", "scale")])
+def test_input_json_of_another_bench_is_refused(tmp_path, flag, bench):
     path = tmp_path / "x.json"
     path.write_text('{"bench": "save"}')
-    args = _parse("--from-storage", str(path))
-    with pytest.raises(ValueError, match="is not `ckptbench storage --json` output"):
+    args = _parse(flag, str(path))
+    with pytest.raises(ValueError, match=f"is not `ckptbench {bench} --json` output"):
         args.func(args)
 
 
@@ -275,3 +276,70 @@ def test_missing_command_is_one_line_exit_2():
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("ckptbench: error: ")
+
+
+# -- the request-bound floor ---------------------------------------------------------------------
+
+
+def _floor_of_10_chunks_on_1000_ranks(limits: request_floor.Limits) -> dict:
+    counts = request_floor.RequestCounts()
+    return request_floor.floor(
+        counts, limits, ranks=1000, state_bytes=1000 * 10 * 2**20, chunk_bytes=2**20
+    )
+
+
+def test_request_floor_by_hand():
+    """1,000 ranks, 10 chunks each. Save: 10,000 chunk puts over 256 prefixes take
+    10,000 / (256 * 3,500) s; the 1,003 other writes (an index per rank, the lease, its
+    delete and the manifest) share one prefix: 1,003 / 3,500 = 0.2866 s, the floor. Restore:
+    2,001 other reads (a manifest and an index per rank, one listing) / 5,500 = 0.3638 s."""
+    floor = _floor_of_10_chunks_on_1000_ranks(request_floor.Limits())
+    assert floor["chunks"] == 10_000
+    save, restore = floor["save"], floor["restore"]
+    assert save["bounds_s"]["chunks (write)"] == pytest.approx(10_000 / (256 * 3500))
+    assert save["other_requests"] == {"write": 1003, "read": 1003}
+    assert save["floor_s"] == pytest.approx(1003 / 3500) and save["bound_by"] == "other (write)"
+    assert (
+        restore["floor_s"] == pytest.approx(2001 / 5500) and restore["bound_by"] == "other (read)"
+    )
+    # Spread the rest over 1,000 prefixes and keep the chunks under one: the chunks bind.
+    spread = _floor_of_10_chunks_on_1000_ranks(
+        request_floor.Limits(chunk_prefixes=1, hot_prefixes=1000)
+    )
+    assert spread["save"]["floor_s"] == pytest.approx(10_000 / 3500)
+    assert spread["restore"]["floor_s"] == pytest.approx(10_000 / 5500)
+
+
+def _scale_json(tmp_path) -> Path:
+    """What `ckptbench scale --json` reports for 4 chunks per rank at 1 and 4 ranks: per save
+    4 chunk puts and an index per rank, a lease put, its delete and the manifest; a read of
+    the latest index per rank, the manifest and 2 listings."""
+    runs = []
+    for n in (1, 4):
+        save = {"put": 4 * n + n + 2, "delete": 1, "get": n + 1, "list": 2}
+        restore = {"get": 4 * n + 2 * n, "list": 1}
+        runs.append({"ranks": n, "save_requests": save, "restore": {"requests": restore}})
+    path = tmp_path / "scale.json"
+    path.write_text(json.dumps({"bench": "scale", "chunks_per_rank": 4, "runs": runs}))
+    return path
+
+
+def test_request_counts_fitted_from_a_scale_run(tmp_path, capsys):
+    counts = request_floor.counts_from_scale(
+        json.loads(_scale_json(tmp_path).read_text()), source="x"
+    )
+    assert counts.save_fixed == pytest.approx({"write": 3, "read": 3})
+    assert counts.save_per_rank == pytest.approx({"write": 1, "read": 1})
+    assert counts.restore_fixed == pytest.approx({"write": 0, "read": 1})
+    assert counts.restore_per_rank == pytest.approx({"write": 0, "read": 2})
+    r = _run_json(capsys, "--scale-json", str(_scale_json(tmp_path)), "--chunk-bytes", "32MiB")
+    floor = r["request_floor"]
+    assert floor["ranks"] == 16384 and floor["counts"]["source"] == str(_scale_json(tmp_path))
+    assert floor["save"]["floor_s"] == pytest.approx((16384 + 3) / 3500)
+
+
+def test_request_floor_in_the_table(capsys):
+    args = _parse("--hot-prefixes", "64")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "request-bound floor on S3: 16,384 ranks" in out and "the rest over 64" in out
