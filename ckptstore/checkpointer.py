@@ -112,6 +112,7 @@ class _Job:
     attempt: str
     tree: Any
     tensors: list[_TensorMeta]
+    numpy: set[int]  # which tensors were numpy arrays
     staged: Staged
     user: dict
     handle: SaveHandle
@@ -340,7 +341,7 @@ class Checkpointer:
         check_step(step)
         self._raise_background_error(f"step {step} was not saved")
         t0 = time.perf_counter()
-        tree, tensors = flatten(state)
+        tree, tensors, numpy = flatten(state)
         user = json.loads(json.dumps(metadata or {}))
         staged = self.engine.stage(tensors, block=self.when_busy == "wait", rank=self.rank)
         self._saves += 1
@@ -359,7 +360,7 @@ class Checkpointer:
         handle = SaveHandle(step)
         attempt = f"{self._session}-{self._saves:06d}"
         meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
-        self._jobs.put(_Job(step, attempt, tree, meta, staged, user, handle))
+        self._jobs.put(_Job(step, attempt, tree, meta, numpy, staged, user, handle))
         self._last = handle
         if self._sigterm is not None:
             self._sigterm.watch(handle)
@@ -805,7 +806,7 @@ class Checkpointer:
                 entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
             finally:
                 self.engine.release(staged)
-            return session.put_index(self.rank, entries, chunks, tree=job.tree)
+            return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)
         except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
             return exc
 

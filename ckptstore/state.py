@@ -45,9 +45,11 @@ def _check_tensor(t: torch.Tensor, path: tuple) -> None:
         )
 
 
-def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """The JSON tree of ``state`` and its tensors (numpy arrays as tensors), in tree order."""
+def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
+    """The JSON tree of ``state``, its tensors (numpy arrays as tensors) in tree order, and
+    which of them were numpy arrays."""
     tensors: list[torch.Tensor] = []
+    numpy: set[int] = set()
     active: dict[int, tuple] = {}  # id of each container being walked -> its path
 
     def walk(value: Any, path: tuple) -> Any:
@@ -74,6 +76,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
             if value.dtype.hasobject:
                 raise UnsupportedStateError(f"{path_str(path)}: numpy object arrays can't be saved")
             tensors.append(torch.from_numpy(np.ascontiguousarray(value)))
+            numpy.add(len(tensors) - 1)
             return {"$np": len(tensors) - 1}
         if value is None or isinstance(value, (bool, int, str)):
             return value
@@ -109,7 +112,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
             "None, dict/list/tuple, torch.Generator, and objects with state_dict()/load_state_dict())"
         )
 
-    return walk(state, ()), tensors
+    return walk(state, ()), tensors, numpy
 
 
 class _Loader:

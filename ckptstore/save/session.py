@@ -64,7 +64,6 @@ from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
 from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
 from ckptstore.store import Store
-from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,8 @@ class SaveSession:
         wait while a gc sweeps: from here until ``release()`` no gc deletes a chunk, so chunks
         found stored may be referenced instead of written again. Then list the committed steps
         and read the newest one's manifest: by rank, where each rank's index of it is (empty
-        when there is no step, or its manifest cannot be read)."""
+        when there is no step, or its manifest cannot be read); the coordinator's own chunks
+        are learnt here."""
         lease = Lease(
             self.store,
             SAVE,
@@ -128,6 +128,7 @@ class SaveSession:
                 what=f"save of step {self.step}",
             )
             latest = self._latest_indexes()
+            self.learn(rank, latest.get(rank))
         except BaseException:
             lease.release()
             raise
@@ -152,7 +153,10 @@ class SaveSession:
         coordinator's ``begin`` found it (None: there is none, then no chunk is known): one
         read, checked against the size and hash its manifest records. The chunks are stored,
         and stay so while the coordinator holds its lease, whichever rank reads them; an index
-        that cannot be read leaves none known (each chunk is put, one found stored is kept)."""
+        that cannot be read leaves none known (each chunk is put, one found stored is kept).
+        The coordinator learns in ``begin``; a second call changes nothing."""
+        if self.known is not None:
+            return self
         self.known = {}
         if latest is None:
             return self
@@ -192,20 +196,18 @@ class SaveSession:
         chunks: dict[str, ChunkInfo],
         *,
         tree: Any = None,
+        numpy: set[int] = frozenset(),
         items: dict[str, int] | None = None,
     ) -> RankWritten:
-        """Put the rank's index: a state save's ``tree`` (numpy arrays marked in their
-        entries) or a DCP save's ``items``. Fails if this session holds the lease and it
-        lapsed."""
-        if tree is not None:
-            for i, was_numpy in tensor_indexes(tree).items():
-                entries[i].numpy = was_numpy
+        """Put the rank's index: a state save's ``tree`` (``numpy``: the tensors that were
+        numpy arrays, marked in their entries) or a DCP save's ``items``. A lapsed lease is
+        found by ``commit``, before anything references the index."""
+        for i in numpy:
+            entries[i].numpy = True
         index = RankIndex(rank=rank, tensors=entries, chunks=chunks, tree=tree, items=items)
         data = encode_rank_index(index)
         key = rank_index_key(self.step, self.attempt, rank)
         self.store.put(key, data)
-        if self.lease is not None:
-            self.lease.check()
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
         return RankWritten(rank, object_ref(key, data), sizes)
 
