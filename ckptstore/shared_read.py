@@ -4,7 +4,7 @@ Data-parallel replicas restore the same state; read alone, every replica would G
 (storage reads = ranks x chunks). Instead the ranks of a process group say which chunks they
 need (one ``all_gather_object`` per load), and each chunk that two or more ranks need gets one
 owner among them: the owner fetches it, verifies its hash and sends the raw bytes to the other
-ranks that need it, point to point over the group (gloo here; the exchange buffer lives on the
+ranks that need it (which hash them again: a chunk is verified wherever it came from), point to point over the group (gloo here; the exchange buffer lives on the
 ``device`` given, so the same code runs on NCCL with GPU buffers). Owners are chosen by bytes:
 largest chunk first, each to the rank that needs it with the fewest bytes to fetch so far (its
 own chunks counted), so the fetches spread over ranks. A rank that shares no chunk reads its own
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ckptstore.codec import hash_bytes
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckptstore.format import ChunkInfo, RankIndex, chunk_key
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, fetch_chunk
@@ -206,10 +207,17 @@ class SharedChunks:
         yield from chunks_from_store(self.store, self.chunks, self.cfg)(rest, deliver)
 
     def _slots(self, round_: list[str], buffer: torch.Tensor) -> Iterator[tuple[str, np.ndarray]]:
-        """Each chunk of ``round_`` with its bytes, as numpy on the host."""
+        """Each chunk of ``round_`` with its bytes, as numpy on the host; one received from
+        another rank is hashed again (a chunk is verified wherever it came from)."""
         for digest, slot in self._layout(round_, buffer):
-            data = slot[:-1] if self.device.type == "cpu" else slot[:-1].cpu()
-            yield digest, data.numpy()
+            data = (slot[:-1] if self.device.type == "cpu" else slot[:-1].cpu()).numpy()
+            owner = self.plan.owners[digest]
+            if owner != self.plan.rank and hash_bytes(data) != digest:
+                raise CheckpointCorruptError(
+                    f"chunk {self.store.url(chunk_key(digest))} as received from rank {owner} "
+                    "does not match its xxh3: the exchange corrupted it"
+                )
+            yield digest, data
 
     def _layout(self, round_: list[str], buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Where each chunk of ``round_`` sits in ``buffer``: its raw bytes, then its status."""
