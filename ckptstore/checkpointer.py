@@ -758,7 +758,14 @@ class Checkpointer:
                 job.handle._future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
                 telemetry.saves_total.inc(frontend="checkpointer", outcome="failed")
-                logger.error("rank %d: save of step %d failed: %s", self.rank, job.step, exc)
+                # Reported once, to the caller (wait(), the next save() or close()): here only
+                # the moment it failed, for logs at INFO.
+                logger.info(
+                    "rank %d: save of step %d failed (raised at the next wait, save or close): %s",
+                    self.rank,
+                    job.step,
+                    exc,
+                )
                 with self._failed_lock:
                     self._failed.append(job.handle)
                 job.handle._future.set_exception(exc)

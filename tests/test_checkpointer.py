@@ -252,6 +252,19 @@ def test_an_unwaited_save_error_is_raised_once_by_the_next_save():
     assert ckpt.steps() == [3]
 
 
+def test_a_failed_save_is_reported_once_not_also_logged_as_an_error(caplog):
+    """The error reaches the caller once; the background thread logged it at ERROR too."""
+    ckpt, _ = failing_checkpointer("memory://logged-once")
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        with pytest.raises(StorageError):
+            ckpt.save(1, {"w": torch.randn(100)}).wait()
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.WARNING and "step 1" in r.getMessage()
+    ]
+    assert any("save of step 1 failed" in r.getMessage() for r in caplog.records)  # at INFO
+    ckpt.close()
+
+
 def test_an_unwaited_save_error_is_raised_by_close():
     ckpt, _ = failing_checkpointer("memory://unwaited-close")
     ckpt.save(1, {"w": torch.randn(100)})
