@@ -214,6 +214,33 @@ class ReaderReport:
             self.cache.merge(other.cache)
 
 
+_REPORTS_PREFIX = "loaders-reports-"
+
+
+def _reports_directory() -> str:
+    """A new private directory named after this process; those of processes that are gone (a
+    SIGKILL runs no cleanup) are removed first."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for name in names:
+        pid = name[len(_REPORTS_PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(_REPORTS_PREFIX) and pid.isdigit()):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user, or not ours to look at
+            continue
+    return tempfile.mkdtemp(prefix=f"{_REPORTS_PREFIX}{os.getpid()}-")
+
+
 @dataclass
 class ReaderReports:
     """A private directory where DataLoader workers leave their latest :class:`ReaderReport`
@@ -223,7 +250,7 @@ class ReaderReports:
     running total and its file removed; a worker killed before its end counts with its last
     report, read again at each :meth:`collect`."""
 
-    directory: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="loaders-reports-"))
+    directory: str = field(default_factory=lambda: _reports_directory())
     _total: ReaderReport | None = None
     _newest_pass: int = -1
     _health: dict[str, dict[str, str]] = field(default_factory=dict)

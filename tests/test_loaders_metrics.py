@@ -222,3 +222,26 @@ def test_metrics_from_several_threads_at_once_count_each_report_once(tmp_path):
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda _: loader.metrics()["reads"]["reads"], range(8)))
     assert got == [_fetches(loader.dataset, 0, 2)] * 8
+
+
+def test_report_directories_of_killed_processes_are_removed(tmp_path, monkeypatch):
+    """A SIGKILLed loader runs no cleanup: the next one removes what it left behind."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = tmp_path / f"loaders-reports-{int(child.stdout)}-abc"
+    mine = tmp_path / f"loaders-reports-{os.getpid()}-def"
+    dead.mkdir()
+    mine.mkdir()
+    reports = ReaderReports()
+    assert not dead.exists() and mine.exists()
+    assert os.path.basename(reports.directory).startswith(f"loaders-reports-{os.getpid()}-")
