@@ -71,6 +71,21 @@ from ckptstore.shared_read import (
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store, niced, open_store, set_thread_nice
+from ckptstore.tiers import (
+    TIER_KEY,
+    LoadReport,
+    LocalTier,
+    TierPolicy,
+    Topology,
+    Transfer,
+    TransferStats,
+    drain_rank,
+    node_identity,
+    plan_sources,
+    transfer,
+)
+from ckptstore.tiers.policy import DEFAULT_LOCAL_KEEP_LAST, DEFAULT_PEER_BUDGET_BYTES
+from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
@@ -83,6 +98,10 @@ class SaveHandle:
         self.step = step
         self.skipped = skipped
         self._future: Future[None] = Future()
+        self.durable: Future[None] | None = None
+        """With tiers (``local_dir``): done once the step is committed to durable storage
+        (None while the save is not bound for it); ``wait()`` returns once the step is
+        committed to the first tier that took it."""
         self._reported = False  # its error reached the caller: not raised again by save()
         if skipped:
             self._future.set_result(None)
@@ -116,6 +135,7 @@ class _Job:
     staged: Staged
     user: dict
     handle: SaveHandle
+    durable: bool = True  # also committed to durable storage (always, without tiers)
 
 
 class _Group:
@@ -249,6 +269,12 @@ class Checkpointer:
         handle_sigterm: bool = False,
         sigterm_grace_s: float = 25.0,
         shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        local_dir: str | os.PathLike | None = None,
+        peer_copies: int = 0,
+        durable_every: int = 1,
+        node_rank: int | None = None,
+        local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST,
+        peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES,
     ) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
@@ -262,6 +288,15 @@ class Checkpointer:
         self.shared_read_budget_bytes = shared_read_budget_bytes
         if handle_sigterm:
             SigtermGuard.check_installable(sigterm_grace_s)
+        self._policy = TierPolicy.build(
+            local_dir,
+            peer_copies=peer_copies,
+            durable_every=durable_every,
+            local_keep_last=local_keep_last,
+            peer_budget_bytes=peer_budget_bytes,
+        )
+        if self._policy is not None and staging == "peer":
+            raise ValueError("staging='peer' and local_dir are two ways of peer copies: pick one")
         self.store = store or open_store(
             uri,
             storage_options=storage_options,
@@ -303,6 +338,30 @@ class Checkpointer:
             if ranks_per_node >= self._group.world_size:
                 ranks_per_node = 1  # one node: the next rank guards
             self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
+        self._local: LocalTier | None = None
+        self._topology: Topology | None = None
+        self._drain_group: _Group | None = None
+        self.last_peer_copy: TransferStats | None = None
+        self.last_load = LoadReport()
+        if self._policy is not None:
+            self._local = LocalTier(
+                self._policy,
+                self.engine,
+                rank=self.rank,
+                world_size=self._group.world_size,
+                durable_uri=self.store.uri,
+                timeout_s=timeout_s,
+            )
+            if self._policy.peer_copies:
+                if not self._group.active:
+                    raise ValueError("peer_copies needs torch.distributed with 2 or more nodes")
+                nodes = self._group.gather(node_identity(node_rank, self.rank))
+                self._topology = Topology.build(nodes, self._policy.peer_copies)
+            # Drains run collectives of their own while the save thread runs the next save's.
+            self._drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
+        self._drains: queue.Queue[tuple[_Job, Future[None]] | None] = queue.Queue()
+        self._last_drain: Future[None] | None = None
+        self._local_failure_logged = False
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
@@ -325,6 +384,12 @@ class Checkpointer:
         )
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._worker.start()
+        self._drainer: threading.Thread | None = None
+        if self._local is not None:
+            self._drainer = threading.Thread(
+                target=self._drain_loop, name="ckptstore-drain", daemon=True
+            )
+            self._drainer.start()
         self._closed = False
         # A script that ends right after save() must not lose that save. Threading's exit hooks
         # run before atexit's, last registered first: this one runs while concurrent.futures
@@ -360,7 +425,8 @@ class Checkpointer:
         handle = SaveHandle(step)
         attempt = f"{self._session}-{self._saves:06d}"
         meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
-        self._jobs.put(_Job(step, attempt, tree, meta, numpy, staged, user, handle))
+        durable = self._policy is None or self._policy.is_durable(self._saves - self.skipped_saves)
+        self._jobs.put(_Job(step, attempt, tree, meta, numpy, staged, user, handle, durable))
         self._last = handle
         if self._sigterm is not None:
             self._sigterm.watch(handle)
@@ -389,6 +455,9 @@ class Checkpointer:
         save that no ``wait()`` raised yet."""
         if self._last is not None:
             self._last._future.exception()  # blocks until the last save is done
+        drain = self._last_drain
+        if drain is not None:
+            drain.exception()  # and its drain to durable storage
         self._raise_background_error()
 
     @property
@@ -448,6 +517,8 @@ class Checkpointer:
 
         if fallback and step not in (None, "latest"):
             raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
+        if self._local is not None:
+            return self._load_tiered(state, step, fallback, strict)
         candidates: Any = None
         if self.rank == 0:
             try:
@@ -585,6 +656,231 @@ class Checkpointer:
             logger.info("rank %d: loaded step %d from %s", self.rank, step, self.store.uri)
         return None, True, paths
 
+    def _load_tiered(self, state: Any, step: int | str, fallback: bool, strict: bool) -> int:
+        """``load`` with tiers: the newest save every rank can get from some tier (or ``step``),
+        each rank's state from the first of its sources that verifies."""
+        assert self._local is not None
+        t0 = time.perf_counter()
+        wanted = None if step in (None, "latest") else int(step)
+        wards = [self.rank] + (self._topology.wards(self.rank) if self._topology else [])
+        held = {w: self._local.copies(w) for w in wards}
+        durable: Any = None
+        if self.rank == 0:
+            try:
+                durable = list_steps(self.store)
+            except CheckpointError as exc:
+                durable = exc
+        everything = self._group.gather((held, durable))
+        plan: Any = None
+        if self.rank == 0:
+            try:
+                plan = self._plan_tiered([h for h, _ in everything], durable, wanted)
+            except CheckpointError as exc:
+                plan = exc
+        plan = self._group.broadcast(plan)
+        if isinstance(plan, BaseException):
+            raise plan
+        if not fallback:
+            plan = plan[:1]
+        dirty: dict[str, int] = {}
+        skipped: list[tuple[int, BaseException]] = []
+        for candidate in plan:
+            self.last_load = LoadReport(step=candidate.step)
+            error, skippable, written = self._load_candidate(state, candidate, strict)
+            self.last_load.seconds = time.perf_counter() - t0
+            if error is None:
+                for ward in wards:
+                    if ward == self.rank:
+                        continue
+                    self._local.drop_newer(ward, candidate.step)
+                if candidate.step not in self._local.protected:
+                    self._local.drop_newer(self.rank, candidate.step)
+                return candidate.step
+            dirty.update(dict.fromkeys(written, candidate.step))
+            if not (fallback and skippable):
+                raise self._load_failed(error, dirty)
+            skipped.append((candidate.step, error))
+            logger.warning(
+                "rank %d: step %d cannot be loaded from any tier, trying an older step: %s",
+                self.rank,
+                candidate.step,
+                self._one_line(error),
+            )
+        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
+        error = CheckpointCorruptError(
+            f"no step in {self._policy.local_dir if self._policy else ''} or {self.store.uri} "
+            f"could be loaded, every one failed: {every}"
+        )
+        raise self._load_failed(error, dirty)
+
+    def _plan_tiered(
+        self, held: list[dict[int, dict[int, str]]], durable: Any, step: int | None
+    ) -> list[Candidate]:
+        if isinstance(durable, BaseException):
+            logger.warning("durable store %s cannot be listed: %s", self.store.uri, durable)
+            durable = []
+
+        def attempt(s: int) -> str | None:
+            try:
+                return load_manifest(self.store, s).attempt
+            except CheckpointError as exc:
+                logger.warning("durable step %d in %s unreadable: %s", s, self.store.uri, exc)
+                return None
+
+        plan = plan_sources(held, durable, attempt, step=step)
+        if not plan:
+            where = f"step {step}" if step is not None else "any step"
+            raise CheckpointNotFoundError(
+                f"no tier holds {where} for every rank: local {self._policy.local_dir if self._policy else ''}"
+                f", peers, durable {self.store.uri} (durable steps: "
+                f"{', '.join(map(str, durable[-5:])) or 'none'})"
+            )
+        return plan
+
+    def _load_candidate(
+        self, state: Any, candidate: Candidate, strict: bool
+    ) -> tuple[BaseException | None, bool, list[str]]:
+        """Load ``candidate`` into ``state``: each rank tries its sources in turn, every rank
+        taking part in the peer transfers of each turn; the outcome agreed by every rank."""
+        assert self._local is not None and self._policy is not None
+        world = self._group.world_size
+        pending = set(range(world))
+        turn = dict.fromkeys(range(world), 0)
+        mine = candidate.sources[self.rank]
+        written: set[int] = set()
+        paths: list[str] = []
+        error: BaseException | None = None
+        loaded = None
+        for _ in range(max(len(s) for s in candidate.sources)):
+            transfers = [
+                Transfer(src.holder, r, r, candidate.step, candidate.attempt)
+                for r in sorted(pending)
+                if turn[r] < len(candidate.sources[r])
+                and (src := candidate.sources[r][turn[r]]).tier == PEER
+            ]
+            outcomes: dict[Transfer, str | None] = {}
+            if transfers:
+                t0 = time.perf_counter()
+                outcomes, stats = transfer(
+                    transfers,
+                    group=self._group.group,
+                    local=self._local,
+                    budget_bytes=self._policy.peer_budget_bytes,
+                )
+                if any(t.dst == self.rank for t in transfers):
+                    self.last_load.add(
+                        PEER, stats.received_bytes, time.perf_counter() - t0, stats.chunks_received
+                    )
+            error = None
+            if self.rank in pending:
+                source = mine[turn[self.rank]] if turn[self.rank] < len(mine) else None
+                try:
+                    loaded = self._read_from(state, candidate, source, outcomes, strict, written)
+                except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
+                    error = exc
+            paths = sorted(loaded[0].paths[i] for i in written) if loaded else paths
+            results = self._group.gather(
+                None
+                if error is None
+                else (
+                    isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)),
+                    self._one_line(error),
+                )
+            )
+            failed = {r: o for r, o in enumerate(results) if o is not None}
+            if not failed:
+                break
+            if not all(skippable for skippable, _ in failed.values()):
+                break  # a state that does not match, not a bad copy: no tier helps
+            for r, (_, why) in failed.items():
+                source = (
+                    candidate.sources[r][turn[r]] if turn[r] < len(candidate.sources[r]) else None
+                )
+                if r == self.rank:
+                    logger.warning(
+                        "rank %d: step %d from %s failed, trying the next tier: %s",
+                        r,
+                        candidate.step,
+                        source,
+                        why,
+                    )
+                turn[r] += 1
+            pending = set(failed)
+            if all(turn[r] >= len(candidate.sources[r]) for r in pending):
+                break
+        agreed = self._agree(candidate.step, error)
+        if agreed is not None:
+            return (*agreed, paths)
+        loader, tree, kinds, tensors = loaded
+        values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items() if i in kinds}
+        finish_load(loader, state, tree, values)
+        self.last_load_left_out = [f"{p} (not in the state)" for p in loader.left_out]
+        self.last_load_left_out += [f"{p} (not in step {candidate.step})" for p in loader.not_saved]
+        self.last_load_source = self.last_load.source
+        logger.info(
+            "rank %d: loaded step %d from %s", self.rank, candidate.step, self.last_load.source
+        )
+        return None, True, paths
+
+    def _read_from(
+        self,
+        state: Any,
+        candidate: Candidate,
+        source: Any,
+        outcomes: dict[Transfer, str | None],
+        strict: bool,
+        written: set[int],
+    ) -> tuple[Any, Any, dict[int, bool], dict[int, torch.Tensor]]:
+        """This rank's tensors of ``candidate`` from ``source``, verified chunk by chunk."""
+        assert self._local is not None
+        step = candidate.step
+        if source is None:
+            raise CheckpointNotFoundError(f"rank {self.rank}: no tier holds a copy of step {step}")
+        if source.tier == PEER:
+            outcome = outcomes.get(
+                Transfer(source.holder, self.rank, self.rank, step, candidate.attempt)
+            )
+            if outcome is not None:
+                raise CheckpointCorruptError(f"peer copy from rank {source.holder}: {outcome}")
+        t0 = time.perf_counter()
+        store = self.store if source.tier == DURABLE else self._local.store(self.rank)
+        view = StepView(store, load_manifest(store, step))
+        view.require(CHECKPOINTER)
+        manifest = view.manifest
+        if manifest.attempt != candidate.attempt:
+            raise CheckpointNotFoundError(
+                f"{store.uri} holds another save of step {step} ({manifest.attempt})"
+            )
+        if source.tier == DURABLE:
+            if manifest.world_size != self._group.world_size:
+                raise UnsupportedStateError(
+                    f"step {step} was saved by {manifest.world_size} rank(s), loading with "
+                    f"{self._group.world_size}: resharding is done through ckptstore.dcp"
+                )
+            index = view.index(self.rank)
+        else:
+            if not self._local.belongs(manifest, self.rank):
+                raise CheckpointNotFoundError(f"{store.uri}: step {step} is not this job's copy")
+            index = view.index(0)
+
+        def describe(i: int):
+            entry = index.tensors[i]
+            return parse_dtype(entry.dtype), entry.shape
+
+        loader = plan_load(state, index.tree, describe, strict=strict)
+        kinds = {i: k for i, k in tensor_indexes(index.tree).items() if i in loader.needed}
+        wanted = {i: loader.dests.get(i) for i in kinds}
+        tensors = read_into(store, index, wanted, self.engine.config, written=written)
+        digests = {seg.chunk for i in kinds for seg in index.tensors[i].segments}
+        nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
+        tier = LOCAL if source.tier == LOCAL else source.tier
+        if source.tier == PEER:
+            self.last_load.add(PEER, 0, time.perf_counter() - t0)
+        else:
+            self.last_load.add(tier, nbytes, time.perf_counter() - t0, len(digests))
+        self.last_load.source = source.tier
+        return loader, index.tree, kinds, tensors
+
     def _shared_source(self, needs: dict[str, ChunkInfo]) -> SharedChunks | None:
         """Where this rank's chunks come from when other ranks need some of them too (None:
         from storage alone). Collective: every rank calls it in each load's read."""
@@ -694,6 +990,9 @@ class Checkpointer:
         self._closed = True
         self._jobs.put(None)
         self._worker.join()
+        if self._drainer is not None:
+            self._drains.put(None)
+            self._drainer.join()
         self.engine.close()
         self._closed_event.set()
         if self._sigterm is not None:
@@ -771,22 +1070,41 @@ class Checkpointer:
                 job.handle._future.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
+        if self._local is not None and self._persist_local(job):
+            self._after_local(job)
+            return
         session = SaveSession(
             self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
         )
+        self._save_collective(
+            session, self._group, lambda: self._write_rank(session, job), job.user
+        )
+        if self._local is not None:  # a tiered save that went to durable storage directly
+            job.handle.durable = Future()
+            job.handle.durable.set_result(None)
+
+    def _save_collective(
+        self,
+        session: SaveSession,
+        group: _Group,
+        write: Any,
+        user: dict,
+    ) -> None:
+        """Every rank writes its part (``write()``: a ``RankWritten``, or the error it failed
+        with); rank 0 commits once all have, and every rank learns the outcome."""
         try:
-            written = self._write_rank(session, job)
-            ranks = self._group.gather(written)  # fails when a rank is lost
+            written = write()
+            ranks = group.gather(written)  # fails when a rank is lost
             outcome: Any = None
             if self.rank == 0:
                 failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
                 if failed:
                     rank, error = failed[0]
-                    outcome = CheckpointError(f"step {job.step}: rank {rank} failed: {error}")
+                    outcome = CheckpointError(f"step {session.step}: rank {rank} failed: {error}")
                     outcome.__cause__ = error
                 else:
-                    outcome = self._commit(session, ranks, job.user)
-            outcome = self._group.broadcast(outcome)
+                    outcome = self._commit(session, ranks, user, group.world_size)
+            outcome = group.broadcast(outcome)
         finally:
             session.release()  # rank 0's lease: the commit's outcome is known, or never will be
         if isinstance(written, BaseException):
@@ -796,10 +1114,141 @@ class Checkpointer:
         if self.rank == 0:
             session.retain()
 
+    # -- tiers ----------------------------------------------------------------------------------
+
+    def _persist_local(self, job: _Job) -> bool:
+        """Commit the step to every rank's local tier; False (the staged state still held, for
+        a save to durable storage instead) if a rank could not."""
+        assert self._local is not None
+        session: SaveSession | None = None
+        error: BaseException | None = None
+        try:
+            try:
+                session = SaveSession(
+                    self.engine,
+                    self._local.store(self.rank),
+                    step=job.step,
+                    attempt=job.attempt,
+                    kind=KIND_STATE,
+                )
+                session.begin(0)
+                job.staged.copy.wait()
+                entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
+                written = session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                error = exc
+            failed = self._failures(error)
+            if not failed:
+                try:
+                    user = {**job.user, TIER_KEY: self._local.info(self.rank)}
+                    session.commit([written], world_size=1, user=user)
+                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                    error = exc
+                failed = self._failures(error)
+        finally:
+            if session is not None:
+                session.release()
+        if failed:
+            why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+            level = logging.INFO if self._local_failure_logged else logging.WARNING
+            self._local_failure_logged = True
+            logger.log(
+                level,
+                "rank %d: step %d not committed to the local tier (%s); saving it to %s instead",
+                self.rank,
+                job.step,
+                why,
+                self.store.uri,
+            )
+            return False
+        self._local_failure_logged = False
+        self.engine.release(job.staged)
+        self._local.retain(self.rank)
+        return True
+
+    def _failures(self, error: BaseException | None) -> list[tuple[int, str]]:
+        mine = None if error is None else self._one_line(error)
+        return [(r, e) for r, e in enumerate(self._group.gather(mine)) if e is not None]
+
+    def _after_local(self, job: _Job) -> None:
+        """A step committed to the local tier: copies to peers, then a drain to durable storage
+        if the step is bound for it."""
+        assert self._local is not None and self._policy is not None
+        if self._topology is not None:
+            transfers = [
+                Transfer(r, h, r, job.step, job.attempt)
+                for r in range(self._group.world_size)
+                for h in self._topology.holders(r)
+            ]
+            outcomes, self.last_peer_copy = transfer(
+                transfers,
+                group=self._group.group,
+                local=self._local,
+                budget_bytes=self._policy.peer_budget_bytes,
+            )
+            failed = [(t, e) for t, e in outcomes.items() if e is not None]
+            if failed and self.rank == 0:
+                logger.warning(
+                    "step %d: %d of %d peer copies failed (restore falls back to other tiers): %s",
+                    job.step,
+                    len(failed),
+                    len(transfers),
+                    failed[0][1],
+                )
+        if job.durable:
+            future: Future[None] = Future()
+            job.handle.durable = future
+            self._local.protected.add(job.step)
+            self._last_drain = future
+            self._drains.put((job, future))
+
+    def _drain_loop(self) -> None:
+        set_thread_nice(self._save_thread_nice)
+        while True:
+            item = self._drains.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                self._drain(job)
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - reported on the handle's future
+                logger.warning(
+                    "rank %d: step %d was not drained to %s (its local copies stay): %s",
+                    self.rank,
+                    job.step,
+                    self.store.uri,
+                    self._one_line(exc),
+                )
+                future.set_exception(exc)
+            finally:
+                assert self._local is not None
+                self._local.protected.discard(job.step)
+
+    def _drain(self, job: _Job) -> None:
+        """Commit ``job``'s step to durable storage from every rank's local copy."""
+        assert self._local is not None and self._drain_group is not None
+        local, group = self._local, self._drain_group
+        session = SaveSession(
+            self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
+        )
+
+        def write() -> RankWritten | BaseException:
+            latest = self._begin(session, group)
+            try:
+                if isinstance(latest, BaseException):
+                    raise latest
+                session.learn(self.rank, latest)
+                return drain_rank(session, local, self.rank)[0]
+            except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
+                return exc
+
+        self._save_collective(session, group, write, job.user)
+
     def _write_rank(self, session: SaveSession, job: _Job) -> RankWritten | BaseException:
         """This rank's chunks and index under rank 0's lease; an error is returned, so that
         every rank reaches each collective of the save."""
-        latest = self._begin(session)
+        latest = self._begin(session, self._group)
         staged = job.staged
         try:
             try:
@@ -817,27 +1266,27 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
             return exc
 
-    def _begin(self, session: SaveSession) -> LatestIndex | BaseException | None:
+    def _begin(self, session: SaveSession, group: _Group) -> LatestIndex | BaseException | None:
         """Rank 0 begins the save (its lease, the gc check, the committed steps listed once)
         and hands each rank where its index of the latest step is; or, if that failed, the
         error this rank fails the save with. Every rank calls it, first in a save."""
         if self.rank != 0:
-            return self._group.scatter(None)
+            return group.scatter(None)
         try:
             latest = session.begin(self.rank)
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
             told = CheckpointError(
                 f"step {session.step}: rank 0 could not begin the save: {self._one_line(exc)}"
             )
-            self._group.scatter([None] + [told] * (self._group.world_size - 1))
+            group.scatter([None] + [told] * (group.world_size - 1))
             return exc
-        return self._group.scatter([latest.get(r) for r in range(self._group.world_size)])
+        return group.scatter([latest.get(r) for r in range(group.world_size)])
 
     def _commit(
-        self, session: SaveSession, ranks: list[RankWritten], user: dict
+        self, session: SaveSession, ranks: list[RankWritten], user: dict, world_size: int
     ) -> BaseException | None:
         try:
-            session.commit(ranks, world_size=self._group.world_size, user=user)
+            session.commit(ranks, world_size=world_size, user=user)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank
             return exc
         return None

@@ -64,6 +64,7 @@ def collect(
     dry_run: bool = False,
     remove_corrupt: bool = False,
     ignore_attempts: set[str] = frozenset(),
+    keep_steps: set[int] = frozenset(),
     lease_ttl_s: float = DEFAULT_TTL_S,
     settle_timeout_s: float = 60.0,
 ) -> GcReport:
@@ -73,13 +74,14 @@ def collect(
     A step whose manifest or rank index does not decode is neither counted nor deleted
     (``remove_corrupt`` deletes the corrupt ones); while one is kept, nothing is swept: the
     chunks it references are unknown. ``ignore_attempts``: save leases of these attempts do
-    not block the sweep (the caller's own save, committed already)."""
+    not block the sweep (the caller's own save, committed already). ``keep_steps``: kept
+    whatever ``keep_last`` says (a node-local copy not yet drained to durable storage)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     readable = _read_steps(store, list_steps(store), report)
     steps = sorted(readable)
-    doomed = set(steps[:-keep_last] if keep_last is not None else [])
+    doomed = set(steps[:-keep_last] if keep_last is not None else []) - set(keep_steps)
     report.deleted_steps = sorted(doomed)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]

@@ -256,6 +256,13 @@ class SaveSession:
         )
         return manifest
 
+    def commit_copy(self, manifest: bytes) -> None:
+        """Commit a tier copy: ``manifest``, the bytes of the same step's manifest in another
+        store, written once here after the objects it references (``ckptstore.tiers``)."""
+        if self.lease is not None:
+            self.lease.check()
+        self._put_manifest(self.step, manifest)
+
     def release(self) -> None:
         """Give the lease up once every put that may still land has (a manifest put abandoned
         at its deadline must not find its chunks swept)."""

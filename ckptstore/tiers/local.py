@@ -1,0 +1,124 @@
+"""The node-local tier: one store per rank whose copies this node keeps (``policy`` says where).
+
+A copy is a one-rank step of its rank's state, written by the same ``SaveSession`` as any save
+(chunks, index, manifest last), its manifest recording whose copy it is (``tier_info``). A copy
+that belongs to another job (another durable store, rank or world size) is never offered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.errors import CheckpointError
+from ckptstore.format import Manifest
+from ckptstore.retention import collect, drop_step
+from ckptstore.save.engine import SaveEngine
+from ckptstore.store import Store, open_store
+from ckptstore.tiers.policy import TIER_KEY, TierPolicy, tier_info
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed tier copy: which save of which step."""
+
+    step: int
+    attempt: str
+
+
+class LocalTier:
+    """The stores of ``local_dir`` this rank reads and writes (its own, and its wards')."""
+
+    def __init__(
+        self,
+        policy: TierPolicy,
+        engine: SaveEngine,
+        *,
+        rank: int,
+        world_size: int,
+        durable_uri: str,
+        timeout_s: float,
+    ) -> None:
+        self.policy = policy
+        self.engine = engine
+        self.rank = rank
+        self.world_size = world_size
+        self.durable_uri = durable_uri
+        self.timeout_s = timeout_s
+        self._stores: dict[int, Store] = {}
+        self._lock = threading.Lock()
+        self.protected: set[int] = set()  # steps a drain still has to copy from here
+
+    def store(self, ward: int) -> Store:
+        """The store of ``ward``'s copies on this node (created on first use)."""
+        with self._lock:
+            store = self._stores.get(ward)
+            if store is None:
+                path = self.policy.rank_dir(ward)
+                path.mkdir(parents=True, exist_ok=True)
+                store = open_store(path, timeout_s=self.timeout_s)
+                self._stores[ward] = store
+            return store
+
+    def info(self, ward: int) -> dict:
+        return tier_info(ward, self.world_size, self.durable_uri)
+
+    def belongs(self, manifest: Manifest, ward: int) -> bool:
+        """Whether ``manifest`` is a copy of ``ward``'s state in this job."""
+        return manifest.world_size == 1 and manifest.user.get(TIER_KEY) == self.info(ward)
+
+    def copies(self, ward: int) -> dict[int, str]:
+        """``ward``'s committed copies here: step -> attempt (unreadable or foreign ones left
+        out, with one log line)."""
+        if not self.policy.rank_dir(ward).is_dir():
+            return {}
+        store = self.store(ward)
+        out = {}
+        for step in list_steps(store):
+            try:
+                manifest = load_manifest(store, step)
+            except CheckpointError as exc:
+                logger.warning("rank %d: local copy %s unreadable: %s", self.rank, store.uri, exc)
+                continue
+            if self.belongs(manifest, ward):
+                out[step] = manifest.attempt
+            else:
+                logger.warning(
+                    "rank %d: step %d in %s is not rank %d's copy for this job (%s); ignored",
+                    self.rank,
+                    step,
+                    store.uri,
+                    ward,
+                    manifest.user.get(TIER_KEY),
+                )
+        return out
+
+    def drop_newer(self, ward: int, step: int) -> list[int]:
+        """Unlist ``ward``'s copies of steps after ``step``: a job that resumed from ``step``
+        will save those steps again, as other saves."""
+        if not self.policy.rank_dir(ward).is_dir():
+            return []
+        store = self.store(ward)
+        dropped = [s for s in list_steps(store) if s > step]
+        for s in dropped:
+            drop_step(store, s)
+        return dropped
+
+    def retain(self, ward: int) -> None:
+        """``local_keep_last`` for ``ward``'s copies; a step still to be drained is kept."""
+        store = self.store(ward)
+        try:
+            collect(
+                store,
+                keep_last=self.policy.local_keep_last,
+                keep_steps=self.protected if ward == self.rank else frozenset(),
+                lease_ttl_s=self.engine.lease_ttl_s,
+            )
+        except CheckpointError as exc:
+            logger.warning(
+                "retention in %s failed (retried after the next save): %s", store.uri, exc
+            )

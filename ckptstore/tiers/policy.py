@@ -1,0 +1,121 @@
+"""Which tiers a save goes to, and where each rank's copies live.
+
+A node-local directory (``local_dir``) holds one store per rank whose copies it keeps:
+``<local_dir>/rank-<r>/``, an ordinary ckptstore store (chunks, indexes, manifests, leases) in
+which every step is a one-rank step of rank r's state. A node keeps the stores of its own ranks
+and, with ``peer_copies=K``, those of the ranks whose *holder* it is: rank r's copies go to the
+rank of the same position on each of the K nodes after r's (a ring by node). Every tier copy of
+a save carries the save's attempt, so ranks agree on one save, not only on one step number.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_LOCAL_KEEP_LAST = 2
+DEFAULT_PEER_BUDGET_BYTES = 64 * 2**20
+TIER_KEY = "ckptstore_tier"  # in a local copy's manifest.user: whose copy it is
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """``Checkpointer(local_dir=..., peer_copies=K, durable_every=M)``."""
+
+    local_dir: Path
+    peer_copies: int = 0
+    durable_every: int = 1
+    local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST
+    peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES
+
+    @classmethod
+    def build(
+        cls,
+        local_dir: str | os.PathLike | None,
+        *,
+        peer_copies: int,
+        durable_every: int,
+        local_keep_last: int,
+        peer_budget_bytes: int,
+    ) -> TierPolicy | None:
+        if local_dir is None:
+            if peer_copies or durable_every != 1:
+                raise ValueError("peer_copies and durable_every need local_dir")
+            return None
+        if str(local_dir).startswith(("s3://", "memory://", "gs://")):
+            raise ValueError(f"local_dir must be a node-local path, got {local_dir!r}")
+        if peer_copies < 0:
+            raise ValueError(f"peer_copies must be >= 0, got {peer_copies}")
+        if durable_every < 1:
+            raise ValueError(f"durable_every must be >= 1, got {durable_every}")
+        if local_keep_last < 1:
+            raise ValueError(f"local_keep_last must be >= 1, got {local_keep_last}")
+        if peer_budget_bytes < 1:
+            raise ValueError(f"peer_budget_bytes must be >= 1, got {peer_budget_bytes}")
+        path = Path(str(local_dir).removeprefix("file://")).expanduser().absolute()
+        return cls(path, peer_copies, durable_every, local_keep_last, peer_budget_bytes)
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.local_dir / f"rank-{rank:05d}"
+
+    def is_durable(self, save_number: int) -> bool:
+        """Whether the ``save_number``-th save (1-based) also goes to durable storage: the first
+        save and every ``durable_every``-th after it."""
+        return (save_number - 1) % self.durable_every == 0
+
+
+def tier_info(rank: int, world_size: int, durable_uri: str) -> dict[str, Any]:
+    """What a local copy's manifest records of whose copy it is."""
+    return {"rank": rank, "world_size": world_size, "durable": durable_uri}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Nodes and who holds whose copies, the same on every rank (built from every rank's node)."""
+
+    nodes: list[list[int]]  # node -> its ranks, ascending; nodes ordered by their smallest rank
+    node_of: dict[int, int]  # rank -> index into nodes
+    peer_copies: int
+
+    @classmethod
+    def build(cls, node_ids: list[Any], peer_copies: int) -> Topology:
+        """``node_ids[r]``: the node rank r runs on (any value ranks on one node share)."""
+        members: dict[Any, list[int]] = {}
+        for rank, node in enumerate(node_ids):
+            members.setdefault(node, []).append(rank)
+        nodes = sorted(members.values(), key=lambda ranks: ranks[0])
+        if peer_copies >= len(nodes):
+            raise ValueError(
+                f"peer_copies={peer_copies} needs at least {peer_copies + 1} nodes; the job "
+                f"runs on {len(nodes)} (give node_rank= or set GROUP_RANK / LOCAL_WORLD_SIZE)"
+            )
+        node_of = {rank: n for n, ranks in enumerate(nodes) for rank in ranks}
+        return cls(nodes, node_of, peer_copies)
+
+    def holders(self, rank: int) -> list[int]:
+        """The ranks that keep ``rank``'s peer copies, nearest node first."""
+        n = self.node_of[rank]
+        position = self.nodes[n].index(rank)
+        out = []
+        for k in range(1, self.peer_copies + 1):
+            ranks = self.nodes[(n + k) % len(self.nodes)]
+            out.append(ranks[position % len(ranks)])
+        return out
+
+    def wards(self, rank: int) -> list[int]:
+        """The ranks whose peer copies ``rank`` keeps."""
+        return [r for r in sorted(self.node_of) if rank in self.holders(r)]
+
+
+def node_identity(node_rank: int | None, rank: int) -> Any:
+    """This rank's node: ``node_rank`` if given, else torchrun's ``GROUP_RANK``, else the rank
+    over ``LOCAL_WORLD_SIZE``, else the host name."""
+    if node_rank is not None:
+        return int(node_rank)
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return rank // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return os.uname().nodename

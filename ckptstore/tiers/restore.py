@@ -1,0 +1,110 @@
+"""Which save every rank restores, and from which tiers.
+
+Every rank reports the copies its node keeps (its own and its wards', step -> attempt); the
+coordinator adds the durable steps (their attempts read from their manifests) and picks the
+newest save, a (step, attempt) pair, that every rank can get from some tier. Each rank then
+tries its sources in order: its own local copy, the copies its holders keep (nearest node
+first), durable storage. Matching attempts, not only step numbers, is what keeps a rank from
+loading a copy of another save of the same step (a job that resumed from an older step and
+saved that step number again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+LOCAL, PEER, DURABLE = "local", "peer", "durable"
+
+
+@dataclass(frozen=True)
+class Source:
+    tier: str  # LOCAL, PEER or DURABLE
+    holder: int | None = None  # PEER: the rank whose node keeps the copy
+
+    def __str__(self) -> str:
+        return f"peer rank {self.holder}" if self.tier == PEER else self.tier
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    attempt: str
+    sources: list[list[Source]]  # by rank, in the order to try
+
+
+@dataclass
+class SourceStats:
+    bytes: int = 0  # stored bytes read (or received from a peer)
+    seconds: float = 0.0
+    chunks: int = 0
+
+
+@dataclass
+class LoadReport:
+    """``Checkpointer.last_load``: what this rank's last load read, per tier."""
+
+    step: int | None = None
+    source: str | None = None  # the tier the rank's state came from
+    sources: dict[str, SourceStats] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def add(self, tier: str, nbytes: int, seconds: float, chunks: int = 0) -> None:
+        stats = self.sources.setdefault(tier, SourceStats())
+        stats.bytes += nbytes
+        stats.seconds += seconds
+        stats.chunks += chunks
+
+
+def plan_sources(
+    held: list[dict[int, dict[int, str]]],
+    durable_steps: list[int],
+    durable_attempt: Callable[[int], str | None],
+    *,
+    step: int | None = None,
+) -> list[Candidate]:
+    """The saves every rank can restore, newest first. ``held[h]``: rank h's node's copies, by
+    ward, step -> attempt; ``durable_attempt(step)``: the attempt of a durable step (None when
+    its manifest cannot be read). ``step``: only that step."""
+    world = len(held)
+    by_save: dict[tuple[int, str], dict[int, list[Source]]] = {}
+    for h, wards in enumerate(held):
+        for ward, copies in wards.items():
+            if not 0 <= ward < world:
+                continue
+            for s, attempt in copies.items():
+                source = Source(LOCAL) if ward == h else Source(PEER, h)
+                by_save.setdefault((s, attempt), {}).setdefault(ward, []).append(source)
+    steps = {s for s, _ in by_save} | set(durable_steps)
+    if step is not None:
+        steps &= {step}
+    out: list[Candidate] = []
+    for s in sorted(steps, reverse=True):
+        attempts = {a for (t, a) in by_save if t == s}
+        durable = durable_attempt(s) if s in durable_steps else None
+        if durable is not None:
+            attempts.add(durable)
+        found = []
+        for attempt in sorted(attempts):
+            tiers = by_save.get((s, attempt), {})
+            sources = []
+            for r in range(world):
+                mine = sorted(
+                    tiers.get(r, []),
+                    key=lambda src: (src.tier != LOCAL, _distance(src.holder, r, world)),
+                )
+                if attempt == durable:
+                    mine.append(Source(DURABLE))
+                sources.append(mine)
+            if all(sources):
+                local = sum(any(src.tier == LOCAL for src in mine) for mine in sources)
+                found.append((local, attempt, sources))
+        if found:
+            _, attempt, sources = max(found, key=lambda f: (f[0], f[1]))
+            out.append(Candidate(s, attempt, sources))
+    return out
+
+
+def _distance(holder: Any, rank: int, world: int) -> int:
+    return 0 if holder is None else (holder - rank) % world

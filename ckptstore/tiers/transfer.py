@@ -1,0 +1,417 @@
+"""Tier copies between nodes over the process group, never through storage.
+
+A ``Transfer`` copies one committed copy (a step of one rank's state, ``ward``) from the local
+tier of rank ``src`` into the local tier of rank ``dst``: after a save, each rank's copy to its
+holders; on restore, a holder's copy back to a rank whose node lost it. Every rank of the group
+calls ``transfer`` with the same list (it is collective); a rank takes part in the transfers
+that name it. The destination ends with a byte-identical copy: the same chunks, index and
+manifest, the manifest written last, under a save lease of its store.
+
+Per transfer: the source sends the manifest and index; the destination answers with the chunks
+it lacks (those of its newest copy of that ward are known stored: ``SaveSession.begin``); the
+source sends those in rounds of at most ``budget_bytes`` (a larger chunk alone), each chunk
+followed by a status byte; the destination decodes and hashes every chunk before it writes it
+(a bad byte never enters a tier, where later saves would reuse it), then writes index and
+manifest. Memory: one round buffer per transfer a rank takes part in, at most ``budget_bytes``
+plus one chunk each. A failure (unreadable source, bad chunk, full disk) fails that transfer
+alone, after every rank finished the exchange; the outcomes are agreed by every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ckptstore.catalog import load_manifest, read_rank_index
+from ckptstore.codec import decode
+from ckptstore.errors import CheckpointError, ObjectExistsError
+from ckptstore.format import (
+    KIND_STATE,
+    ChunkInfo,
+    RankIndex,
+    chunk_key,
+    commit_key,
+    decode_manifest,
+    decode_rank_index,
+    object_ref,
+)
+from ckptstore.leases import SAVE, Lease
+from ckptstore.save.session import SaveSession
+from ckptstore.tiers.local import LocalTier
+
+logger = logging.getLogger(__name__)
+
+_OK = 1
+_BAD = 2
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    ward: int
+    step: int
+    attempt: str
+
+
+@dataclass
+class TransferStats:
+    """What one rank's transfers moved."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    chunks_sent: int = 0
+    chunks_received: int = 0
+    chunks_already_held: int = 0
+    buffer_bytes: int = 0  # the most round-buffer bytes held at once
+    seconds: float = 0.0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Outgoing:
+    t: Transfer
+    header: bytes = b""  # manifest + index
+    sizes: tuple[int, int, int] = (0, 0, 0)  # manifest, index, chunk count
+    index: RankIndex | None = None
+    lease: Lease | None = None
+    error: str | None = None
+    send: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Incoming:
+    t: Transfer
+    session: SaveSession | None = None
+    manifest: bytes = b""
+    index_bytes: bytes = b""
+    index: RankIndex | None = None
+    index_key: str = ""
+    error: str | None = None
+    held: bool = False  # the step is already there, this very save
+    want: list[str] = field(default_factory=list)
+
+
+def _rounds(digests: list[str], chunks: dict[str, ChunkInfo], budget: int) -> list[list[str]]:
+    rounds: list[list[str]] = []
+    total = 0
+    for digest in digests:
+        nbytes = chunks[digest].stored + 1
+        if not rounds or total + nbytes > budget:
+            rounds.append([])
+            total = 0
+        rounds[-1].append(digest)
+        total += nbytes
+    return rounds
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class _Exchange:
+    def __init__(self, group: Any, local: LocalTier, budget_bytes: int) -> None:
+        self.group = group
+        self.local = local
+        self.budget = budget_bytes
+        self.rank = dist.get_rank(group)
+        self.stats = TransferStats()
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
+        ops = [dist.P2POp(dist.isend, t, self._global(peer), self.group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global(peer), self.group) for t, peer in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    # -- the source side ----------------------------------------------------------------------
+
+    def open_source(self, t: Transfer) -> _Outgoing:
+        out = _Outgoing(t)
+        store = self.local.store(t.ward)
+        try:
+            # Under a save lease no sweep removes the chunks while they are sent.
+            out.lease = Lease(
+                store,
+                SAVE,
+                f"{t.step:020d}-{t.attempt}-copy{t.dst:05d}",
+                ttl_s=self.local.engine.lease_ttl_s,
+                info={"step": t.step, "attempt": t.attempt, "copy_to": t.dst},
+            ).acquire()
+            manifest = load_manifest(store, t.step)
+            if manifest.attempt != t.attempt or not self.local.belongs(manifest, t.ward):
+                raise CheckpointError(
+                    f"{store.uri} holds another save of step {t.step} ({manifest.attempt})"
+                )
+            ref = manifest.ranks[0]
+            index = read_rank_index(store, ref)
+            manifest_bytes = store.get(commit_key(t.step))
+            index_bytes = store.get(ref.key)
+            out.index = index
+            out.header = manifest_bytes + index_bytes
+            out.sizes = (len(manifest_bytes), len(index_bytes), len(index.chunks))
+        except (CheckpointError, OSError) as exc:
+            out.error = f"rank {self.rank} cannot read its copy of rank {t.ward}: {_one_line(exc)}"
+        return out
+
+    def fill(self, out: _Outgoing, round_: list[str], buffer: torch.Tensor) -> None:
+        store = self.local.store(out.t.ward)
+        view = buffer.numpy()
+        position = 0
+        for digest in round_:
+            info = out.index.chunks[digest]
+            try:
+                data = store.get_view(chunk_key(digest), 0, info.stored + 1)
+                if len(data) != info.stored:
+                    raise CheckpointError(f"chunk {digest}: {len(data)} bytes, not {info.stored}")
+                view[position : position + info.stored] = np.frombuffer(data, dtype=np.uint8)
+                view[position + info.stored] = _OK
+                self.stats.chunks_sent += 1
+                self.stats.sent_bytes += info.stored
+            except (CheckpointError, OSError) as exc:
+                view[position + info.stored] = _BAD
+                out.error = out.error or f"rank {self.rank} cannot read chunk {digest}: {exc}"
+            position += info.stored + 1
+
+    # -- the destination side -----------------------------------------------------------------
+
+    def open_destination(self, t: Transfer) -> _Incoming:
+        inc = _Incoming(t)
+        store = self.local.store(t.ward)
+        try:
+            existing = self.local.copies(t.ward).get(t.step)
+            if existing == t.attempt:
+                inc.held = True
+                return inc
+            if existing is not None:
+                raise CheckpointError(f"{store.uri} holds another save of step {t.step}")
+            inc.session = SaveSession(
+                self.local.engine, store, step=t.step, attempt=t.attempt, kind=KIND_STATE
+            )
+            inc.session.begin(0)
+        except (CheckpointError, OSError) as exc:
+            inc.error = f"rank {self.rank} cannot take rank {t.ward}'s copy: {_one_line(exc)}"
+        return inc
+
+    def take_header(self, inc: _Incoming, header: bytes, sizes: tuple[int, int, int]) -> None:
+        if inc.error or inc.held:
+            return
+        t, store = inc.t, self.local.store(inc.t.ward)
+        try:
+            manifest = decode_manifest(
+                header[: sizes[0]], f"copy of {store.url(commit_key(t.step))}"
+            )
+            if (
+                manifest.step != t.step
+                or manifest.attempt != t.attempt
+                or not self.local.belongs(manifest, t.ward)
+                or len(manifest.ranks) != 1
+            ):
+                raise CheckpointError(f"rank {t.src} sent another save than step {t.step}")
+            ref = manifest.ranks[0]
+            index_bytes = header[sizes[0] : sizes[0] + sizes[1]]
+            if object_ref(ref.key, index_bytes) != ref:
+                raise CheckpointError(f"rank {t.src} sent an index that its manifest does not name")
+            inc.index = decode_rank_index(index_bytes, store.url(ref.key))
+            inc.manifest, inc.index_bytes, inc.index_key = header[: sizes[0]], index_bytes, ref.key
+            known = inc.session.known or {}
+            inc.want = [d for d in sorted(inc.index.chunks) if d not in known]
+            self.stats.chunks_already_held += len(inc.index.chunks) - len(inc.want)
+        except (CheckpointError, OSError, ValueError) as exc:
+            inc.error = (
+                f"rank {self.rank}: the copy of rank {t.ward} from rank {t.src}: {_one_line(exc)}"
+            )
+
+    def store_round(self, inc: _Incoming, round_: list[str], buffer: torch.Tensor) -> None:
+        store = self.local.store(inc.t.ward)
+        view = buffer.numpy()
+        position = 0
+        items = []
+        for digest in round_:
+            info = inc.index.chunks[digest]
+            items.append((digest, info, position))
+            position += info.stored + 1
+        if inc.error:
+            return
+
+        def put(item: tuple[str, ChunkInfo, int]) -> None:
+            digest, info, start = item
+            if view[start + info.stored] != _OK:
+                raise CheckpointError(f"rank {inc.t.src} could not read chunk {digest}")
+            data = view[start : start + info.stored]
+            name = f"chunk {digest} of rank {inc.t.ward} from rank {inc.t.src}"
+            decode(data, expected_hash=digest, name=name, raw_len=info.raw)
+            try:
+                store.put(chunk_key(digest), data)
+            except ObjectExistsError:
+                if store.size(chunk_key(digest)) != info.stored:
+                    raise CheckpointError(
+                        f"{store.url(chunk_key(digest))} holds chunk {digest} encoded otherwise"
+                    ) from None
+            self.stats.chunks_received += 1
+            self.stats.received_bytes += info.stored
+
+        try:
+            for _ in store.map(put, items, drain=True):
+                pass
+        except (CheckpointError, OSError) as exc:
+            inc.error = f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}: {_one_line(exc)}"
+
+    def commit(self, inc: _Incoming) -> None:
+        if inc.held:
+            return
+        session = inc.session
+        try:
+            if inc.error is None:
+                store = session.store
+                try:
+                    store.put(inc.index_key, inc.index_bytes)
+                except ObjectExistsError:
+                    if store.get(inc.index_key) != inc.index_bytes:
+                        raise
+                session.commit_copy(inc.manifest)
+        except (CheckpointError, OSError) as exc:
+            inc.error = (
+                f"rank {self.rank}: committing the copy of rank {inc.t.ward}: {_one_line(exc)}"
+            )
+        finally:
+            if session is not None:
+                session.release()
+        if inc.error is None:
+            self.local.retain(inc.t.ward)
+
+
+def transfer(
+    transfers: list[Transfer], *, group: Any, local: LocalTier, budget_bytes: int
+) -> tuple[dict[Transfer, str | None], TransferStats]:
+    """Run ``transfers`` (collective over ``group``: same list on every rank); each one's
+    outcome (None: the destination holds the copy, committed) as every rank sees it, and what
+    this rank moved."""
+    t0 = time.perf_counter()
+    ex = _Exchange(group, local, budget_bytes)
+    me = ex.rank
+    outgoing = [ex.open_source(t) for t in transfers if t.src == me]
+    incoming = [ex.open_destination(t) for t in transfers if t.dst == me]
+    try:
+        # Headers: sizes (or an error) of what each source sends; then the bytes point to point.
+        headers = ex._gather({o.t: (o.sizes if o.error is None else o.error) for o in outgoing})
+        told = {t: h for part in headers for t, h in part.items()}
+        sends = [
+            (torch.frombuffer(bytearray(o.header), dtype=torch.uint8), o.t.dst)
+            for o in outgoing
+            if o.error is None
+        ]
+        recvs = []
+        for inc in incoming:
+            h = told[inc.t]
+            if isinstance(h, str):
+                inc.error = inc.error or h
+            else:
+                recvs.append((torch.empty(h[0] + h[1], dtype=torch.uint8), inc.t.src, inc, h))
+        ex._p2p(sends, [(buf, src) for buf, src, _, _ in recvs])
+        for buf, _, inc, h in recvs:
+            ex.take_header(inc, bytes(buf.numpy()), h)
+        # Which chunks each destination lacks: a mask over the index's chunks, sorted.
+        masks_out = []
+        for inc in incoming:
+            if isinstance(told[inc.t], str):
+                continue
+            n = told[inc.t][2]
+            mask = torch.zeros(max(n, 1), dtype=torch.uint8)
+            if inc.index is not None and inc.error is None:
+                wanted = set(inc.want)
+                for i, digest in enumerate(sorted(inc.index.chunks)):
+                    mask[i] = digest in wanted
+            masks_out.append((mask, inc.t.src))
+        masks_in = []
+        for o in outgoing:
+            if o.error is None:
+                masks_in.append((torch.zeros(max(len(o.index.chunks), 1), dtype=torch.uint8), o))
+        ex._p2p(masks_out, [(m, o.t.dst) for m, o in masks_in])
+        for mask, o in masks_in:
+            digests = sorted(o.index.chunks)
+            o.send = [d for i, d in enumerate(digests) if mask[i]]
+        # Chunks, in rounds of at most budget_bytes per transfer.
+        plans_out = {
+            o.t: _rounds(o.send, o.index.chunks, budget_bytes) for o in outgoing if o.error is None
+        }
+        plans_in = {
+            inc.t: _rounds(inc.want, inc.index.chunks, budget_bytes)
+            for inc in incoming
+            if inc.index is not None and inc.error is None
+        }
+        # Both ends must agree on every transfer's rounds, whatever failed on either side.
+        counts = ex._gather(
+            {t: len(r) for t, r in plans_out.items()}
+            | {("in", t): len(r) for t, r in plans_in.items()}
+        )
+        agreed: dict[Transfer, int] = {}
+        for part in counts:
+            for key, n in part.items():
+                t = key[1] if isinstance(key, tuple) and key and key[0] == "in" else key
+                agreed[t] = min(agreed.get(t, n), n)
+        for t in transfers:
+            agreed.setdefault(t, 0)
+        total_rounds = max([agreed[t] for t in transfers if me in (t.src, t.dst)] or [0])
+        for i in range(total_rounds):
+            sends, recvs, held = [], [], 0
+            for o in outgoing:
+                if o.t in plans_out and i < agreed[o.t]:
+                    round_ = plans_out[o.t][i]
+                    buf = torch.zeros(
+                        sum(o.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
+                    )
+                    ex.fill(o, round_, buf)
+                    sends.append((buf, o.t.dst))
+                    held += buf.numel()
+            takes = []
+            for inc in incoming:
+                if inc.t in plans_in and i < agreed[inc.t]:
+                    round_ = plans_in[inc.t][i]
+                    buf = torch.empty(
+                        sum(inc.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
+                    )
+                    recvs.append((buf, inc.t.src))
+                    takes.append((inc, round_, buf))
+                    held += buf.numel()
+            ex.stats.buffer_bytes = max(ex.stats.buffer_bytes, held)
+            ex._p2p(sends, recvs)
+            for inc, round_, buf in takes:
+                ex.store_round(inc, round_, buf)
+        for inc in incoming:
+            if inc.t in plans_in and agreed[inc.t] < len(plans_in[inc.t]):
+                inc.error = inc.error or f"rank {inc.t.src} sent fewer chunks than asked"
+            ex.commit(inc)
+    finally:
+        for o in outgoing:
+            if o.lease is not None:
+                o.lease.release()
+        for inc in incoming:
+            if inc.session is not None and inc.session.lease is not None:
+                inc.session.release()
+    mine = {inc.t: inc.error for inc in incoming}
+    mine.update({o.t: o.error for o in outgoing if o.error is not None})
+    outcomes: dict[Transfer, str | None] = {t: None for t in transfers}
+    for part in ex._gather(mine):
+        for t, error in part.items():
+            if error is not None:
+                outcomes[t] = outcomes[t] or error
+    for t, error in outcomes.items():
+        if error is not None and me in (t.src, t.dst):
+            ex.stats.failed[f"rank {t.ward} step {t.step} {t.src}->{t.dst}"] = error
+    ex.stats.seconds = time.perf_counter() - t0
+    return outcomes, ex.stats

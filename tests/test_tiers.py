@@ -1,0 +1,234 @@
+"""Tiers: every save to a node-local directory, copies on peer nodes over gloo, durable storage
+every M saves; restore from the fastest tier that verifies (ckptstore.tiers)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ckptstore import Checkpointer
+from ckptstore.catalog import list_steps
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.store import Store
+from ckptstore.tiers import Topology
+from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
+from tests._dist import run_ranks
+from tests.test_requests import CountingBackend, Tally
+
+RANKS_PER_NODE = 2
+SETTINGS = {"chunk_bytes": 1 << 16, "compression": "zstd", "timeout_s": 20.0}
+
+
+def _state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    return {
+        "w": torch.randn(64, 1024, generator=g),  # 4 chunks
+        "shared": torch.full((256,), float(step)),  # the same on every rank
+        "step": step,
+    }
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(64, 1024), "shared": torch.zeros(256), "step": -1}
+
+
+def _ckpt(root: Path, rank: int, store: Store | None = None, **kw) -> Checkpointer:
+    node = rank // RANKS_PER_NODE
+    return Checkpointer(
+        root / "durable",
+        local_dir=root / f"node{node}",
+        node_rank=node,
+        store=store,
+        **{**SETTINGS, **kw},
+    )
+
+
+def _save_steps(rank: int, world: int, root: str, steps: list[int], kw: dict) -> None:
+    abandon = kw.pop("abandon", False)
+    ckpt = _ckpt(Path(root), rank, **kw)
+    for step in steps:
+        ckpt.save(step, _state(rank, step)).wait()
+    ckpt.wait()  # drains too
+    if abandon:
+        dist.barrier()
+        os._exit(0)  # a crash: no close, leases left behind
+    ckpt.close()
+
+
+def _gathered(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _load(rank: int, world: int, root: str, out: str, kw: dict) -> None:
+    fallback = kw.pop("fallback", False)
+    tally = Tally()
+    store = Store(str(Path(root) / "durable"))
+    store.backend = CountingBackend(store.backend, tally)
+    ckpt = _ckpt(Path(root), rank, store=store, **kw)
+    state = _blank()
+    step = ckpt.load(state, fallback=fallback)
+    expected = _state(rank, step)
+    ok = torch.equal(state["w"], expected["w"]) and torch.equal(state["shared"], expected["shared"])
+    report = {
+        "rank": rank,
+        "step": step,
+        "state_step": state["step"],
+        "equal": ok,
+        "source": ckpt.last_load.source,
+        "sources": {k: v.bytes for k, v in ckpt.last_load.sources.items()},
+        "durable_chunk_gets": tally.chunks["get"],
+    }
+    reports = _gathered(report)
+    ckpt.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(reports))
+
+
+def _run_load(tmp_path: Path, **kw) -> list[dict]:
+    out = tmp_path / "reports.json"
+    run_ranks(_load, 4, str(tmp_path), str(out), kw, timeout_s=150)
+    return json.loads(out.read_text())
+
+
+def test_all_ranks_killed_restore_from_their_local_copies(tmp_path):
+    kw = {"peer_copies": 1, "durable_every": 2, "abandon": True}
+    run_ranks(_save_steps, 4, str(tmp_path), [10, 20, 30], kw, timeout_s=150)
+    assert list_steps(Store(str(tmp_path / "durable"))) == [10, 30]
+    reports = _run_load(tmp_path, peer_copies=1, durable_every=2)
+    assert [r["step"] for r in reports] == [30] * 4
+    assert all(r["equal"] and r["state_step"] == 30 for r in reports)
+    assert [r["source"] for r in reports] == [LOCAL] * 4
+    assert all(r["durable_chunk_gets"] == 0 for r in reports)
+
+
+def test_a_wiped_node_restores_from_its_peers_without_durable_reads(tmp_path):
+    kw = {"peer_copies": 1, "durable_every": 3}
+    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    assert list_steps(Store(str(tmp_path / "durable"))) == [10]
+    shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3: a replaced node
+    reports = _run_load(tmp_path, peer_copies=1, durable_every=3)
+    assert [r["step"] for r in reports] == [20] * 4  # 20 exists only on local tiers
+    assert all(r["equal"] for r in reports)
+    assert [r["source"] for r in reports] == [LOCAL, LOCAL, PEER, PEER]
+    assert reports[2]["sources"][PEER] > 0
+    assert sum(r["durable_chunk_gets"] for r in reports) == 0
+    # The node's tier holds the step again, from which the next restore reads locally.
+    assert (tmp_path / "node1" / "rank-00002" / "commits").is_dir()
+
+
+def _flip_a_chunk(store_dir: Path) -> None:
+    chunks = sorted(p for p in (store_dir / "chunks").rglob("*") if p.is_file())
+    target = max(chunks, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    target.write_bytes(bytes(data))
+
+
+def test_a_corrupt_peer_copy_falls_back_to_durable_for_the_same_step(tmp_path, caplog):
+    kw = {"peer_copies": 1, "durable_every": 1}
+    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    shutil.rmtree(tmp_path / "node1")
+    _flip_a_chunk(tmp_path / "node0" / "rank-00002")  # node 0 keeps rank 2's copies
+    reports = _run_load(tmp_path, peer_copies=1, durable_every=1)
+    assert [r["step"] for r in reports] == [20] * 4
+    assert all(r["equal"] for r in reports)
+    assert [r["source"] for r in reports] == [LOCAL, LOCAL, DURABLE, PEER]
+    assert reports[2]["durable_chunk_gets"] > 0 and reports[3]["durable_chunk_gets"] == 0
+
+
+def test_with_no_durable_copy_a_corrupt_peer_copy_means_an_older_step(tmp_path):
+    kw = {"peer_copies": 1, "durable_every": 2}
+    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    shutil.rmtree(tmp_path / "node1")
+    # Step 20 of rank 2 lives only in node 0's copy: spoil a chunk only it has.
+    held = tmp_path / "node0" / "rank-00002"
+    index = json.loads(next((held / "steps" / f"{20:020d}").rglob("rank-*.json")).read_text())
+    older = json.loads(next((held / "steps" / f"{10:020d}").rglob("rank-*.json")).read_text())
+    fresh = sorted(set(index["chunks"]) - set(older["chunks"]))
+    path = held / "chunks" / fresh[0][:2] / fresh[0]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    reports = _run_load(tmp_path, peer_copies=1, durable_every=2, fallback=True)
+    assert [r["step"] for r in reports] == [10] * 4  # every rank agrees on the older save
+    assert all(r["equal"] for r in reports)
+
+
+def test_local_tier_and_durable_every_in_one_process(tmp_path):
+    root = tmp_path
+    with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
+        handles = [ckpt.save(step, _state(0, step)) for step in (1, 2, 3, 4, 5)]
+        for h in handles:
+            h.wait()
+        ckpt.wait()
+        assert [h.durable is not None for h in handles] == [True, False, True, False, True]
+        assert all(h.durable.result(timeout=60) is None for h in handles if h.durable)
+    assert list_steps(Store(str(root / "durable"))) == [1, 3, 5]
+    assert list_steps(Store(str(root / "local" / "rank-00000"))) == [4, 5]  # local_keep_last=2
+    with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
+        state = _blank()
+        assert ckpt.load(state) == 5 and ckpt.last_load.source == LOCAL
+        assert torch.equal(state["w"], _state(0, 5)["w"])
+        assert ckpt.last_load.sources[LOCAL].bytes > 0
+    shutil.rmtree(root / "local")
+    with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
+        state = _blank()
+        assert ckpt.load(state) == 5 and ckpt.last_load.source == DURABLE
+        assert torch.equal(state["w"], _state(0, 5)["w"])
+
+
+def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, caplog):
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "rank-00000").write_text("not a directory")  # every local write fails
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    with Checkpointer(tmp_path / "durable", local_dir=local, durable_every=5) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(0, step)).wait()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 2, 3]  # every save, not 1 in 5
+    warnings = [r for r in caplog.records if "not committed to the local tier" in r.message]
+    assert len(warnings) == 1
+
+
+def test_a_local_copy_of_another_job_is_never_loaded(tmp_path):
+    with Checkpointer(tmp_path / "a", local_dir=tmp_path / "local") as ckpt:
+        ckpt.save(7, _state(0, 7)).wait()
+    with Checkpointer(tmp_path / "b", local_dir=tmp_path / "local") as ckpt:
+        with pytest.raises(CheckpointNotFoundError, match="no tier holds"):
+            ckpt.load(_blank())
+
+
+def test_a_resumed_job_never_mixes_two_saves_of_one_step(tmp_path):
+    """Rank 0's node kept step 20 of a save the job never finished; the job resumed from 10
+    and saved 20 again, durably: the old local 20 is another attempt, never loaded."""
+    held = [
+        {0: {10: "a", 20: "old"}},
+        {1: {10: "a"}},
+    ]
+    plan = plan_sources(held, [10, 20], lambda s: {10: "a", 20: "new"}[s])
+    assert [(c.step, c.attempt) for c in plan] == [(20, "new"), (10, "a")]
+    assert plan[0].sources == [[_src(DURABLE)], [_src(DURABLE)]]
+    assert [s.tier for s in plan[1].sources[0]] == [LOCAL, DURABLE]
+
+
+def _src(tier):
+    from ckptstore.tiers.restore import Source
+
+    return Source(tier)
+
+
+def test_holders_are_on_other_nodes():
+    topo = Topology.build([0, 0, 1, 1, 2, 2], peer_copies=2)
+    assert topo.holders(0) == [2, 4] and topo.holders(3) == [5, 1]
+    assert topo.wards(0) == [2, 4]
+    with pytest.raises(ValueError, match="at least 3 nodes"):
+        Topology.build([0, 0, 1, 1], peer_copies=2)
