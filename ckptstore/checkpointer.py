@@ -84,7 +84,11 @@ from ckptstore.tiers import (
     plan_sources,
     transfer,
 )
-from ckptstore.tiers.policy import DEFAULT_LOCAL_KEEP_LAST, DEFAULT_PEER_BUDGET_BYTES
+from ckptstore.tiers.policy import (
+    DEFAULT_LOCAL_KEEP_LAST,
+    DEFAULT_PEER_BUDGET_BYTES,
+    store_identity,
+)
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate
 from ckptstore.tree import tensor_indexes
 
@@ -349,7 +353,7 @@ class Checkpointer:
                 self.engine,
                 rank=self.rank,
                 world_size=self._group.world_size,
-                durable_uri=self.store.uri,
+                durable_uri=store_identity(self.store),
                 timeout_s=timeout_s,
             )
             if self._policy.peer_copies:
@@ -689,12 +693,9 @@ class Checkpointer:
             error, skippable, written = self._load_candidate(state, candidate, strict)
             self.last_load.seconds = time.perf_counter() - t0
             if error is None:
-                for ward in wards:
-                    if ward == self.rank:
-                        continue
-                    self._local.drop_newer(ward, candidate.step)
-                if candidate.step not in self._local.protected:
-                    self._local.drop_newer(self.rank, candidate.step)
+                if wanted is None:  # resumed from the newest step every rank could load
+                    for ward in wards:
+                        self._local.drop_newer(ward, candidate.step)
                 return candidate.step
             dirty.update(dict.fromkeys(written, candidate.step))
             if not (fallback and skippable):
@@ -1198,7 +1199,7 @@ class Checkpointer:
         if job.durable:
             future: Future[None] = Future()
             job.handle.durable = future
-            self._local.protected.add(job.step)
+            self._local.protect(job.step)
             self._last_drain = future
             self._drains.put((job, future))
 
@@ -1223,7 +1224,7 @@ class Checkpointer:
                 future.set_exception(exc)
             finally:
                 assert self._local is not None
-                self._local.protected.discard(job.step)
+                self._local.unprotect(job.step)
 
     def _drain(self, job: _Job) -> None:
         """Commit ``job``'s step to durable storage from every rank's local copy."""

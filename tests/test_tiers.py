@@ -232,3 +232,95 @@ def test_holders_are_on_other_nodes():
     assert topo.wards(0) == [2, 4]
     with pytest.raises(ValueError, match="at least 3 nodes"):
         Topology.build([0, 0, 1, 1], peer_copies=2)
+
+
+def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with Checkpointer(durable, local_dir=local, durable_every=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(0, step))
+    with Checkpointer(tmp_path / "other", local_dir=local / "x") as ckpt:
+        ckpt.save(9, _state(0, 9))  # another job's copies: not this store's
+    assert main(["ls", f"file://{durable}/", "--local-dir", str(local), "--json"]) == 0
+    rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows == {
+        1: {"durable": True, "local": {}},
+        3: {"durable": True, "local": {str(local): [0]}},
+        4: {"durable": False, "local": {str(local): [0]}},
+    }
+    assert main(["ls", str(durable), "--local-dir", str(tmp_path / "missing")]) == 1
+    assert "no local tier directory" in capsys.readouterr().err
+
+
+def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, small_disk, caplog):
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    durable = tmp_path / "durable"
+
+    def big(step: int) -> dict:  # 1.5 MiB of incompressible bytes: two fit on the 4 MiB disk
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randint(0, 2**31, (384 * 1024,), generator=g, dtype=torch.int32)}
+
+    with Checkpointer(
+        durable, local_dir=small_disk, durable_every=100, local_keep_last=5, compression="none"
+    ) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(step, big(step)).wait()
+    local_steps = list_steps(Store(str(small_disk / "rank-00000")))
+    durable_steps = list_steps(Store(str(durable)))
+    assert local_steps and durable_steps[0] == 1  # the first save is durable
+    assert sorted(set(local_steps) | set(durable_steps)) == [1, 2, 3, 4, 5]
+    assert len([r for r in caplog.records if "not committed to the local tier" in r.message]) == 1
+    for step in range(1, 6):  # every step committed somewhere loads, bit for bit
+        state = {"w": torch.zeros(384 * 1024, dtype=torch.int32)}
+        with Checkpointer(durable, local_dir=small_disk) as ckpt:
+            assert ckpt.load(state, step=step) == step
+        assert torch.equal(state["w"], big(step)["w"])
+
+
+def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
+    import threading
+
+    from ckptstore.retention import collect
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def gc_loop(root: Path) -> None:
+        while not stop.is_set():
+            try:
+                if (root / "commits").is_dir():
+                    collect(Store(str(root)), keep_last=1)
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+    with Checkpointer(
+        durable, local_dir=local, durable_every=2, keep_last=2, local_keep_last=2
+    ) as ckpt:
+        ckpt.save(0, _state(0, 0)).wait()
+        threads = [
+            threading.Thread(target=gc_loop, args=(root,), daemon=True)
+            for root in (durable, local / "rank-00000")
+        ]
+        for t in threads:
+            t.start()
+        try:
+            for step in range(1, 9):
+                ckpt.save(step, _state(0, step)).wait()
+            ckpt.wait()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+    assert not errors
+    for root in (durable, local / "rank-00000"):
+        steps = list_steps(Store(str(root)))
+        assert steps, root
+        for step in steps:  # what each tier kept is whole
+            state = _blank()
+            with Checkpointer(root) as ckpt:
+                ckpt.load(state, step=step)
+            assert torch.equal(state["w"], _state(0, step)["w"])
+    assert 8 in list_steps(Store(str(local / "rank-00000")))

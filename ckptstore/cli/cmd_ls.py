@@ -12,6 +12,8 @@ from ckptstore.cli.common import Failed, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.store import Store
+from ckptstore.tiers.local import tier_copies
+from ckptstore.tiers.policy import store_identity
 
 
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:
@@ -24,6 +26,9 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
             return {"step": step, "error": message(exc)}
 
     rows = list(store.map(one, steps))
+    local = {d: tier_copies(d, store_identity(store)) for d in args.local_dir}
+    if local:
+        rows = _with_tiers(rows, local)
     pending = saves_in_flight(store)
     bad = [r for r in rows if "error" in r]
     if args.json:
@@ -50,17 +55,25 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                     format_ratio(r["compression_ratio"]),
                     json.dumps(r["user"]) if r["user"] else "",
                 ]
-                if "error" not in r
-                else [str(r["step"]), "ERROR", "", "", "", "", "", r["error"]]
+                if "error" not in r and "kind" in r
+                else [
+                    str(r["step"]),
+                    "ERROR" if "error" in r else "-",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    r.get("error", ""),
+                ]
                 for r in rows
             ]
-            print(
-                table(
-                    ["STEP", "KIND", "RANKS", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"],
-                    rows_text,
-                    right={0, 2, 4, 5, 6},
-                )
-            )
+            header = ["STEP", "KIND", "RANKS", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"]
+            if local:
+                header.insert(1, "TIERS")
+                for r, text in zip(rows, rows_text):
+                    text.insert(1, _tiers_text(r["tiers"]))
+            print(table(header, rows_text, right={0, 3, 5, 6, 7} if local else {0, 2, 4, 5, 6}))
         for p in pending:
             if p["kind"] == "gc":
                 what = "gc"
@@ -72,3 +85,39 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     if bad:
         raise Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
     return 0
+
+
+def _with_tiers(rows: list[dict[str, Any]], local: dict[str, dict[int, list[int]]]) -> list[dict]:
+    """``rows`` with a ``tiers`` entry each (durable, and the ranks each local dir holds a copy
+    of), plus rows for steps held only in local dirs."""
+    by_step = {r["step"]: r for r in rows}
+    for held in local.values():
+        for step in held:
+            by_step.setdefault(step, {"step": step, "durable": False})
+    out = []
+    for step in sorted(by_step):
+        row = by_step[step]
+        durable = row.pop("durable", True)
+        row["tiers"] = {
+            "durable": durable,
+            "local": {d: held[step] for d, held in local.items() if step in held},
+        }
+        out.append(row)
+    return out
+
+
+def _tiers_text(tiers: dict[str, Any]) -> str:
+    parts = ["durable"] if tiers["durable"] else []
+    for directory, ranks in tiers["local"].items():
+        parts.append(f"{directory}: rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}")
+    return "; ".join(parts) or "-"
+
+
+def _ranges(ranks: list[int]) -> str:
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)

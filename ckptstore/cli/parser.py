@@ -185,7 +185,17 @@ examples:
         """
           ckptstore ls /ckpt/run7
           ckptstore ls s3://bucket/run7 --json | jq '.latest'
+          ckptstore ls s3://bucket/run7 --local-dir /dev/shm/run7   # which tiers hold each step
         """,
+    )
+    p.add_argument(
+        "--local-dir",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a node-local tier directory of this job (Checkpointer(local_dir=...)); repeat for "
+        "several nodes' directories. Adds a TIERS column: durable, and the ranks whose copy of "
+        "each step a directory holds (steps held only there are listed too)",
     )
     p.set_defaults(func="ls")
 

@@ -8,11 +8,12 @@ that belongs to another job (another durable store, rank or world size) is never
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
 from ckptstore.catalog import list_steps, load_manifest
-from ckptstore.errors import CheckpointError
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import Manifest
 from ckptstore.retention import collect, drop_step
 from ckptstore.save.engine import SaveEngine
@@ -51,7 +52,21 @@ class LocalTier:
         self.timeout_s = timeout_s
         self._stores: dict[int, Store] = {}
         self._lock = threading.Lock()
-        self.protected: set[int] = set()  # steps a drain still has to copy from here
+        self._to_drain: set[int] = set()  # steps a drain still has to copy from here
+
+    def protect(self, step: int) -> None:
+        """Keep this rank's copy of ``step`` whatever ``local_keep_last`` says, until
+        ``unprotect``: a drain to durable storage still has to read it."""
+        with self._lock:
+            self._to_drain.add(step)
+
+    def unprotect(self, step: int) -> None:
+        with self._lock:
+            self._to_drain.discard(step)
+
+    def to_drain(self) -> set[int]:
+        with self._lock:
+            return set(self._to_drain)
 
     def store(self, ward: int) -> Store:
         """The store of ``ward``'s copies on this node (created on first use)."""
@@ -98,12 +113,14 @@ class LocalTier:
         return out
 
     def drop_newer(self, ward: int, step: int) -> list[int]:
-        """Unlist ``ward``'s copies of steps after ``step``: a job that resumed from ``step``
-        will save those steps again, as other saves."""
-        if not self.policy.rank_dir(ward).is_dir():
+        """Unlist ``ward``'s copies (of this job) of steps after ``step``, the newest step every
+        rank could load: a job that resumed from it saves those step numbers again, as other
+        saves. Steps still to be drained are kept."""
+        store = self.store(ward) if self.policy.rank_dir(ward).is_dir() else None
+        if store is None:
             return []
-        store = self.store(ward)
-        dropped = [s for s in list_steps(store) if s > step]
+        pending = self.to_drain() if ward == self.rank else set()
+        dropped = [s for s in self.copies(ward) if s > step and s not in pending]
         for s in dropped:
             drop_step(store, s)
         return dropped
@@ -115,10 +132,36 @@ class LocalTier:
             collect(
                 store,
                 keep_last=self.policy.local_keep_last,
-                keep_steps=self.protected if ward == self.rank else frozenset(),
+                keep_steps=self.to_drain() if ward == self.rank else frozenset(),
                 lease_ttl_s=self.engine.lease_ttl_s,
             )
         except CheckpointError as exc:
             logger.warning(
                 "retention in %s failed (retried after the next save): %s", store.uri, exc
             )
+
+
+def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> dict[int, list[int]]:
+    """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri``: step ->
+    the ranks (for ``ckptstore ls``; the store of each ``rank-<r>`` read without writing)."""
+    from pathlib import Path
+
+    out: dict[int, set[int]] = {}
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"no local tier directory at {root}")
+    for sub in sorted(root.glob("rank-*")):
+        if not (sub.is_dir() and sub.name[5:].isdigit()):
+            continue
+        rank = int(sub.name[5:])
+        store = open_store(sub)
+        for step in list_steps(store):
+            try:
+                manifest = load_manifest(store, step)
+            except CheckpointError:
+                continue
+            info = manifest.user.get(TIER_KEY)
+            if manifest.world_size == 1 and isinstance(info, dict) and info.get("rank") == rank:
+                if info.get("durable") == durable_uri:
+                    out.setdefault(step, set()).add(rank)
+    return {step: sorted(ranks) for step, ranks in out.items()}

@@ -66,6 +66,14 @@ class TierPolicy:
         return (save_number - 1) % self.durable_every == 0
 
 
+def store_identity(store: Any) -> str:
+    """The durable store a copy belongs to, the same however its URI was spelled (a relative
+    path, ``file://``, a trailing slash)."""
+    if store.is_local:
+        return os.path.realpath(store.root)
+    return store.uri.rstrip("/")
+
+
 def tier_info(rank: int, world_size: int, durable_uri: str) -> dict[str, Any]:
     """What a local copy's manifest records of whose copy it is."""
     return {"rank": rank, "world_size": world_size, "durable": durable_uri}
