@@ -31,12 +31,18 @@ def _state(rank: int, step: int) -> dict:
     return {
         "w": torch.randn(64, 1024, generator=g),  # 4 chunks
         "shared": torch.full((256,), float(step)),  # the same on every rank
+        "frozen": torch.arange(16384, dtype=torch.float32),  # the same at every step
         "step": step,
     }
 
 
 def _blank() -> dict:
-    return {"w": torch.zeros(64, 1024), "shared": torch.zeros(256), "step": -1}
+    return {
+        "w": torch.zeros(64, 1024),
+        "shared": torch.zeros(256),
+        "frozen": torch.zeros(16384),
+        "step": -1,
+    }
 
 
 def _ckpt(root: Path, rank: int, store: Store | None = None, **kw) -> Checkpointer:
@@ -52,10 +58,19 @@ def _ckpt(root: Path, rank: int, store: Store | None = None, **kw) -> Checkpoint
 
 def _save_steps(rank: int, world: int, root: str, steps: list[int], kw: dict) -> None:
     abandon = kw.pop("abandon", False)
+    report = kw.pop("report", None)
     ckpt = _ckpt(Path(root), rank, **kw)
+    copies = []
     for step in steps:
         ckpt.save(step, _state(rank, step)).wait()
+        if ckpt.last_peer_copy is not None:
+            stats = ckpt.last_peer_copy
+            copies.append([stats.buffer_bytes, stats.chunks_sent, stats.chunks_already_held])
     ckpt.wait()  # drains too
+    if report is not None:
+        reports = _gathered(copies)
+        if rank == 0:
+            Path(report).write_text(json.dumps(reports))
     if abandon:
         dist.barrier()
         os._exit(0)  # a crash: no close, leases left behind
@@ -324,3 +339,16 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
                 ckpt.load(state, step=step)
             assert torch.equal(state["w"], _state(0, step)["w"])
     assert 8 in list_steps(Store(str(local / "rank-00000")))
+
+
+def test_peer_copies_hold_at_most_their_budget_and_send_only_new_chunks(tmp_path):
+    budget = 100_000  # a round: one 64 KiB chunk and its status byte, the next waits
+    out = tmp_path / "copies.json"
+    kw = {"peer_copies": 1, "peer_budget_bytes": budget, "report": str(out), "compression": "none"}
+    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    for rank, copies in enumerate(json.loads(out.read_text())):
+        (first, sent1, held1), (second, sent2, held2) = copies
+        # One transfer out and one in per rank, each round at most the budget and one chunk.
+        chunk = SETTINGS["chunk_bytes"]
+        assert 0 < max(first, second) <= 2 * (budget + chunk + 1), rank
+        assert held1 == 0 and held2 > 0 and sent2 < sent1, rank  # "frozen" is not sent again
