@@ -140,6 +140,7 @@ class _Job:
     user: dict
     handle: SaveHandle
     durable: bool = True  # also committed to durable storage (always, without tiers)
+    wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
 
 
 class _Group:
@@ -245,6 +246,28 @@ class Checkpointer:
             process group, in rounds of at most this many bytes (a larger chunk alone): the
             memory a load takes beyond its tensors (``ckptstore.shared_read``). 0: every rank
             reads all its chunks from storage.
+        local_dir: tiers (docs/FORMAT.md, "Tiers"): a node-local directory (a RAM disk such as
+            ``/dev/shm/run7`` survives a process crash, an NVMe path a reboot) to which every
+            save is committed first, each rank into ``local_dir/rank-<r>/``; ``wait()`` of a
+            save returns once every rank's copy is committed there (a rank that cannot write
+            it sends the save to ``uri`` instead, with one warning). ``load`` then takes the
+            newest save every rank can get from some tier, each rank from its own copy, a
+            peer's, or ``uri``, whichever verifies first. ``steps()``/``latest()`` list ``uri``.
+        peer_copies: each rank's copy is also sent, after the local commit and over the
+            process group (never through storage), to the ranks at its position on the next K
+            nodes, which keep it in their ``local_dir``: a replaced node restores from them.
+            Needs K + 1 nodes.
+        durable_every: the first save and every M-th after it also go to ``uri``, drained in a
+            background thread from the local copies (the loop never waits for it);
+            ``handle.durable`` is done once the step is committed there. After SIGTERM
+            (``handle_sigterm``) every save goes to ``uri`` and its handle waits for that.
+        node_rank: this rank's node, for ``peer_copies`` (default: torchrun's ``GROUP_RANK``,
+            else ``rank // LOCAL_WORLD_SIZE``, else the host name).
+        local_keep_last: retention of each store in ``local_dir`` (a step still to be drained
+            is kept); ``keep_last`` stays the retention of ``uri``.
+        peer_budget_bytes: a peer copy moves chunks in rounds of at most this many bytes per
+            transfer (a larger chunk alone); a rank holds one round buffer per transfer it
+            takes part in (2K with ``peer_copies=K``).
     """
 
     def __init__(
@@ -429,8 +452,17 @@ class Checkpointer:
         handle = SaveHandle(step)
         attempt = f"{self._session}-{self._saves:06d}"
         meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
-        durable = self._policy is None or self._policy.is_durable(self._saves - self.skipped_saves)
-        self._jobs.put(_Job(step, attempt, tree, meta, numpy, staged, user, handle, durable))
+        # After SIGTERM a node may not come back: a save then goes to durable storage too, and
+        # its handle (which the SIGTERM grace waits for) is done once it is there.
+        preempted = self._sigterm is not None and self._sigterm.signalled.is_set()
+        durable = (
+            self._policy is None
+            or self._policy.is_durable(self._saves - self.skipped_saves)
+            or preempted
+        )
+        self._jobs.put(
+            _Job(step, attempt, tree, meta, numpy, staged, user, handle, durable, preempted)
+        )
         self._last = handle
         if self._sigterm is not None:
             self._sigterm.watch(handle)
@@ -709,7 +741,7 @@ class Checkpointer:
             )
         every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
         error = CheckpointCorruptError(
-            f"no step in {self._policy.local_dir if self._policy else ''} or {self.store.uri} "
+            f"no step in the tiers ({self._local.policy.local_dir}, peers) or {self.store.uri} "
             f"could be loaded, every one failed: {every}"
         )
         raise self._load_failed(error, dirty)
@@ -732,7 +764,7 @@ class Checkpointer:
         if not plan:
             where = f"step {step}" if step is not None else "any step"
             raise CheckpointNotFoundError(
-                f"no tier holds {where} for every rank: local {self._policy.local_dir if self._policy else ''}"
+                f"no tier holds {where} for every rank: local {self._local.policy.local_dir}"
                 f", peers, durable {self.store.uri} (durable steps: "
                 f"{', '.join(map(str, durable[-5:])) or 'none'})"
             )
@@ -1202,6 +1234,8 @@ class Checkpointer:
             self._local.protect(job.step)
             self._last_drain = future
             self._drains.put((job, future))
+            if job.wait_durable:
+                future.result()  # its error fails the save: it is not durable
 
     def _drain_loop(self) -> None:
         set_thread_nice(self._save_thread_nice)

@@ -352,3 +352,54 @@ def test_peer_copies_hold_at_most_their_budget_and_send_only_new_chunks(tmp_path
         chunk = SETTINGS["chunk_bytes"]
         assert 0 < max(first, second) <= 2 * (budget + chunk + 1), rank
         assert held1 == 0 and held2 > 0 and sent2 < sent1, rank  # "frozen" is not sent again
+
+
+PREEMPTED_LOOP = """
+import sys, time
+import torch
+from ckptstore import Checkpointer
+durable, local = sys.argv[1], sys.argv[2]
+ckpt = Checkpointer(durable, local_dir=local, durable_every=1000, handle_sigterm=True)
+step = 0
+while step < 3000:
+    step += 1
+    state = {"w": torch.full((4096,), float(step))}
+    if step % 5 == 0 or ckpt.preempted:
+        ckpt.save(step, state)
+    if step == 10:
+        print("training", flush=True)
+    if ckpt.preempted:
+        print(f"left at step {step}", flush=True)
+        break
+    time.sleep(0.01)
+"""
+
+
+def test_after_sigterm_a_save_reaches_durable_storage_before_the_process_ends(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREEMPTED_LOOP, str(durable), str(local)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "training"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode in (-signal.SIGTERM, 143), err
+    left = int(out.split("left at step ")[1].split()[0])
+    steps = list_steps(Store(str(durable)))
+    assert steps[0] == 5 and steps[-1] == left  # the first save, and the one after SIGTERM
+    assert len(steps) == 2
+    state = {"w": torch.zeros(4096)}
+    with Checkpointer(durable) as ckpt:
+        assert ckpt.load(state) == left
+    assert torch.equal(state["w"], torch.full((4096,), float(left)))
