@@ -145,7 +145,26 @@ def plan_shared_read(
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (budget_bytes, needs), group=group)
     budget = min(b for b, _ in gathered)
-    plan = ExchangePlan.build(dist.get_rank(group), [n for _, n in gathered], budget)
+    return shared_source(
+        store, needs, [n for _, n in gathered], cfg, group=group, budget_bytes=budget, device=device
+    )
+
+
+def shared_source(
+    store: Store,
+    needs: dict[str, ChunkInfo],
+    every_need: list[dict[str, ChunkInfo]],
+    cfg: PipelineConfig,
+    *,
+    group: dist.ProcessGroup,
+    budget_bytes: int,
+    device: torch.device | str = "cpu",
+) -> SharedChunks | None:
+    """``plan_shared_read`` for a caller that gathered the ranks' needs itself (in a collective
+    that carries more, such as its ranks' failures): ``every_need[r]`` is what group rank r
+    needs, ``needs`` this rank's, ``budget_bytes`` the same on every rank. No collective here;
+    the source returned, if any, exchanges over ``group`` when run."""
+    plan = ExchangePlan.build(dist.get_rank(group), every_need, budget_bytes)
     if not any(plan.mine(round_) for round_ in plan.rounds):
         return None
     return SharedChunks(store, needs, plan, cfg, group=group, device=torch.device(device))
@@ -154,7 +173,8 @@ def plan_shared_read(
 class SharedChunks:
     """A ``ChunkSource`` for one rank's read: its chunks of the plan through the exchange, the
     rest from storage. Every rank of the plan's group must run its source to the end (the
-    others wait for its sends): it does, even when closed early or failing."""
+    others wait for its sends): it does, even when closed early or failing. A rank that fails
+    before it runs its source (or may have) calls :meth:`finish` instead."""
 
     def __init__(
         self,
@@ -178,14 +198,37 @@ class SharedChunks:
         self._tags = {d: t for t, d in enumerate(sorted(plan.owners))}
         sizes = [sum(plan.sizes[d].raw + 1 for d in r) for r in self._rounds]
         self.stats.buffer_bytes = max(sizes, default=0)
+        self._started = 0  # rounds this rank has begun
 
     def __call__(
         self, digests: list[str], deliver: Callable[[str, np.ndarray], int]
     ) -> Iterator[int]:
+        return self._run(digests, deliver, None)
+
+    def finish(self, error: BaseException) -> None:
+        """Take part in the rounds this source has not run, reading nothing: for a rank whose
+        load failed with ``error`` before it ran the source, or after a run of it ended (closed
+        or failed: nothing is left then). Its chunks are sent marked "not read" (of
+        ``error``'s kind), so the ranks that need them fail alike; what it receives is dropped."""
+        try:
+            for _ in self._run([], lambda digest, raw: 0, error):
+                pass
+        except BaseException as exc:
+            if exc is not error:
+                raise
+
+    def _run(
+        self,
+        digests: list[str],
+        deliver: Callable[[str, np.ndarray], int],
+        failure: BaseException | None,
+    ) -> Iterator[int]:
         wanted = set(digests)
-        buffer = torch.empty(self.stats.buffer_bytes, dtype=torch.uint8, device=self.device)
-        failure: BaseException | None = None
-        for round_ in self._rounds:
+        size = self.stats.buffer_bytes if self._started < len(self._rounds) else 0
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        while self._started < len(self._rounds):
+            round_ = self._rounds[self._started]
+            self._started += 1
             delivered: list[int] = []
             try:
                 failure = self._exchange(round_, buffer, failure)

@@ -1,5 +1,6 @@
 """The DCP ``StorageReader``: loads steps committed by ``StoreWriter``, every chunk verified,
-resharded by DCP's planner."""
+resharded by DCP's planner. With several ranks, a chunk that two or more of them need is read
+from storage once and sent to the others (``ckptstore.shared_read``, batch by batch)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import logging
 import os
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -23,10 +26,46 @@ from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
 from ckptstore.format import RankIndex
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors
+from ckptstore.shared_read import (
+    DEFAULT_BUDGET_BYTES,
+    ExchangeStats,
+    SharedChunks,
+    needed_chunks,
+    shared_source,
+)
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
+
+Location = tuple[int, int]  # (stored rank, tensor index in its index)
+
+
+@dataclass(frozen=True)
+class _LoadTarget:
+    """What the coordinator decided for one load; travels to every rank in
+    ``LoadPlan.storage_data``."""
+
+    step: int
+    attempt: str
+    world: int
+    """Ranks of DCP's load (the plans the coordinator saw)."""
+    shared_budget: int
+    """Bytes per round of the shared read, the least any rank asked for (0: off)."""
+
+
+@dataclass
+class _Batch:
+    """The items of one batch, ready to read: the stored tensors they need (``merged``, each
+    once) and where each goes."""
+
+    items: list[ReadItem]
+    locs: list[Location]
+    uses: Counter[Location]
+    slots: dict[Location, int]
+    merged: RankIndex
+    wanted: dict[int, torch.Tensor | None]
+    dests: dict[int, torch.Tensor]
 
 
 def load_pickled_value(data: bytes, name: str) -> Any:
@@ -72,6 +111,16 @@ class StoreReader(StorageReader):
             ``CheckpointCorruptError``. ``True`` hands every value to the planner unchecked: DCP's
             default planner then unpickles it with ``weights_only=False``, which runs whatever
             code the stored bytes name. Pass it only for stores whose writers you trust.
+        shared_read_budget_bytes: when ``dcp.load`` runs on several ranks (over all ranks of
+            the default process group), a chunk that two or more of them need (replicated
+            state) is fetched and verified by one of them and sent to the others, who verify it
+            again (``ckptstore.shared_read``), in rounds of at most this many bytes: the memory
+            this takes beyond a batch's tensors. Ranks agree on the batches, so each distinct
+            chunk is read from storage once per load. The exchange runs over the default group
+            when it is gloo, else over a gloo group of all ranks made once per process group.
+            0 (on any rank): every rank reads its own items, as a load by one rank, over a
+            subgroup, or with ``no_dist=True`` always does. ``last_load_exchange`` tells what
+            this rank's last load shared (None: nothing).
 
     Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
     ``UnsupportedStateError``: load them with ``Checkpointer.load``.
@@ -89,11 +138,18 @@ class StoreReader(StorageReader):
         timeout_s: float = 30.0,
         store: Store | None = None,
         trust_pickled_objects: bool = False,
+        shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         super().__init__()
         self.trust_pickled_objects = trust_pickled_objects
         if read_batch_bytes < 1:
             raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
+        if shared_read_budget_bytes < 0:
+            raise ValueError(
+                f"shared_read_budget_bytes must be >= 0, got {shared_read_budget_bytes}"
+            )
+        self.shared_read_budget_bytes = shared_read_budget_bytes
+        self.last_load_exchange: ExchangeStats | None = None
         parse_step(step)  # refuses a step that is neither a number nor "latest"
         self.step = step
         self.storage_options = storage_options
@@ -151,24 +207,50 @@ class StoreReader(StorageReader):
         self.rank = int(kwargs.get("rank", 0) or 0)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # The coordinator agrees the shared read's budget from every rank's.
+        return dataclasses.replace(plan, storage_data=self.shared_read_budget_bytes)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         manifest = self._view().manifest
-        chosen = (manifest.step, manifest.attempt)
-        return [dataclasses.replace(p, storage_data=chosen) for p in plans]
+        budgets = [p.storage_data for p in plans if type(p.storage_data) is int]
+        target = _LoadTarget(
+            step=manifest.step,
+            attempt=manifest.attempt,
+            world=len(plans),
+            shared_budget=max(0, min([self.shared_read_budget_bytes, *budgets])),
+        )
+        return [dataclasses.replace(p, storage_data=target) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.last_load_exchange = None
+        target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
+        group = _exchange_group(target)
+        if group is None:
+            self._check_step(target)
+            self._read_alone(plan, planner)
+        else:
+            assert target is not None
+            self._read_shared(plan, planner, target, group)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_step(self, target: _LoadTarget | None) -> None:
         manifest = self._view().manifest
-        if plan.storage_data is not None and tuple(plan.storage_data) != (
+        if target is not None and (target.step, target.attempt) != (
             manifest.step,
             manifest.attempt,
         ):
             raise CheckpointError(
                 f"rank {self.rank} resolved step {manifest.step} of {self.store.uri} but the "
-                f"coordinator resolved step {plan.storage_data[0]} (a step was committed during "
+                f"coordinator resolved step {target.step} (a step was committed during "
                 "the load); pass StoreReader(step=N) explicitly"
             )
+
+    def _read_alone(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """This rank's items from storage, in batches of about ``read_batch_bytes``."""
         batch: list[ReadItem] = []
         batch_bytes = 0
         seen: set[tuple[int, int]] = set()
@@ -184,11 +266,86 @@ class StoreReader(StorageReader):
             batch.append(item)
         if batch:
             self._read_batch(batch, planner)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
-    # -- internals --------------------------------------------------------------------------
+    def _read_shared(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        target: _LoadTarget,
+        group: dist.ProcessGroup,
+    ) -> None:
+        """This rank's items, read with the other ranks of ``group`` (every rank of the load
+        calls this): one collective for the stored tensors each rank needs, from which every
+        rank cuts the same batches (a stored tensor in one batch, at most ``read_batch_bytes``
+        of any rank's in each); then per batch one collective for the chunks each rank needs,
+        and the exchange of those two or more need. A rank's failure reaches the others at the
+        next collective, and every rank stops there; a failure in the exchange itself (a chunk
+        missing or corrupt) fails each rank that needed the chunk."""
+        failure: BaseException | None = None
+        locs: list[Location] = []
+        sizes: dict[Location, int] = {}
+        try:
+            self._check_step(target)
+            locs = [self._locate(item.storage_index) for item in plan.items]
+            for loc in locs:
+                if loc not in sizes:
+                    sizes[loc] = self._index(loc[0]).tensors[loc[1]].nbytes
+        except BaseException as exc:  # noqa: BLE001 - the other ranks wait for this rank
+            failure = exc
+        every = self._gather(group, failure, sorted(sizes.items()), target.step)
+        stats = ExchangeStats()
+        for batch in _batches([dict(pairs) for pairs in every], self.read_batch_bytes):
+            items = [item for item, loc in zip(plan.items, locs, strict=True) if loc in batch]
+            prepared: _Batch | None = None
+            needs: dict = {}
+            try:
+                if items and failure is None:
+                    prepared = self._prepare_batch(items, planner)
+                    needs = needed_chunks(prepared.merged, range(len(prepared.merged.tensors)))
+            except BaseException as exc:  # noqa: BLE001 - the other ranks wait for this rank
+                failure = exc
+            every_need = self._gather(group, failure, needs, target.step)
+            source = shared_source(
+                self.store,
+                needs,
+                every_need,
+                self.config,
+                group=group,
+                budget_bytes=target.shared_budget,
+            )
+            try:
+                if prepared is not None:
+                    self._finish_batch(prepared, planner, self._read(prepared, source))
+            except BaseException as exc:  # noqa: BLE001 - reported at the next collective
+                failure = exc
+                if source is not None:
+                    source.finish(exc)  # what it has not exchanged yet, marked "not read"
+            if source is not None:
+                _add_stats(stats, source.stats)
+                self.last_load_exchange = stats
+        if failure is not None:
+            raise failure
+
+    def _gather(
+        self, group: dist.ProcessGroup, failure: BaseException | None, payload: Any, step: int
+    ) -> list[Any]:
+        """Every rank's ``payload`` (collective over ``group``), unless a rank has failed:
+        then every rank raises, this one its own error or one naming the ranks that failed."""
+        note = None if failure is None else _one_line(failure)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (note, payload if failure is None else None), group=group)
+        if failure is not None:
+            raise failure
+        failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]
+        if failed:
+            why = "; ".join(f"rank {r}: {n}" for r, n in failed[:4])
+            if len(failed) > 4:
+                why += f"; and {len(failed) - 4} more rank(s)"
+            raise CheckpointError(
+                f"rank {self.rank} stopped reading step {step} of {self.store.uri}: the DCP load "
+                f"failed on {len(failed)} other rank(s): {why}"
+            )
+        return [p for _, p in gathered]
 
     def _view(self) -> StepView:
         if self.view is None:
@@ -213,6 +370,14 @@ class StoreReader(StorageReader):
 
     def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         """Read the stored items ``items`` need (each chunk once) and hand them to DCP."""
+        batch = self._prepare_batch(items, planner)
+        self._finish_batch(batch, planner, self._read(batch, None))
+
+    def _read(self, batch: _Batch, source: SharedChunks | None) -> dict[int, torch.Tensor]:
+        return read_tensors(self.store, batch.merged, batch.wanted, self.config, source=source)
+
+    def _prepare_batch(self, items: list[ReadItem], planner: LoadPlanner) -> _Batch:
+        """The stored tensors ``items`` need, each once, and where each one goes."""
         locs = [self._locate(item.storage_index) for item in items]
         uses = Counter(locs)
         slots: dict[tuple[int, int], int] = {}
@@ -243,9 +408,15 @@ class StoreReader(StorageReader):
                 and dest.dtype == parse_dtype(entry.dtype)
             ):
                 wanted[slots[locs[pos]]] = dest
-        loaded = read_tensors(self.store, merged, wanted, self.config)
-        for pos, item in enumerate(items):
-            slot = slots[locs[pos]]
+        return _Batch(items, locs, uses, slots, merged, wanted, dests)
+
+    def _finish_batch(
+        self, batch: _Batch, planner: LoadPlanner, loaded: dict[int, torch.Tensor]
+    ) -> None:
+        """Hand what ``batch``'s items read to DCP: values checked, tensors narrowed."""
+        wanted, dests = batch.wanted, batch.dests
+        for pos, item in enumerate(batch.items):
+            slot = batch.slots[batch.locs[pos]]
             if item.type == LoadItemType.BYTE_IO:
                 data = loaded[slot].numpy().tobytes()
                 if not self.trust_pickled_objects:
@@ -262,3 +433,67 @@ class StoreReader(StorageReader):
                     )
                 dest.copy_(source)
             planner.commit_tensor(item, dest)
+
+
+def _batches(every: list[dict[Location, int]], limit: int) -> list[set[Location]]:
+    """The batches of a shared read, the same on every rank: the stored tensors the ranks need
+    (``every[r]``: rank r's, with their sizes) in one order, cut wherever one rank's bytes in
+    the batch would pass ``limit`` (a larger tensor alone). A stored tensor is in one batch, so
+    the ranks that need its chunks read them in the same exchange."""
+    users: dict[Location, list[int]] = {}
+    size: dict[Location, int] = {}
+    for r, mine in enumerate(every):
+        for loc, nbytes in mine.items():
+            users.setdefault(loc, []).append(r)
+            size[loc] = max(size.get(loc, 0), nbytes)
+    batches: list[set[Location]] = []
+    held = [0] * len(every)
+    for loc in sorted(users):
+        nbytes = size[loc]
+        if not batches or any(held[r] and held[r] + nbytes > limit for r in users[loc]):
+            batches.append(set())
+            held = [0] * len(every)
+        batches[-1].add(loc)
+        for r in users[loc]:
+            held[r] += nbytes
+    return batches
+
+
+def _add_stats(total: ExchangeStats, more: ExchangeStats) -> None:
+    total.fetched += more.fetched
+    total.received += more.received
+    total.sent += more.sent
+    total.rounds += more.rounds
+    total.buffer_bytes = max(total.buffer_bytes, more.buffer_bytes)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+_gloo_group: list[Any] = []  # [(the default group, a gloo group of all its ranks)]
+
+
+def _exchange_group(target: _LoadTarget | None) -> dist.ProcessGroup | None:
+    """The group a load's shared read exchanges over, the same decision on every rank (all
+    from the coordinator's ``target``); None: each rank reads its own items. Only a load over
+    every rank of the default group shares (DCP's group is not known to a storage reader: one
+    of as many ranks is the default group)."""
+    if target is None or target.world < 2 or target.shared_budget <= 0:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() != target.world:
+        return None
+    if _reaches_cpu(str(dist.get_backend())):
+        return dist.group.WORLD
+    if not _gloo_group or _gloo_group[0][0] is not dist.group.WORLD:
+        # Collective over all ranks, which are all here (in read_data) with the same target.
+        _gloo_group[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
+    return _gloo_group[0][1]
+
+
+def _reaches_cpu(backend: str) -> bool:
+    """Whether a group of ``backend`` sends CPU tensors (gloo, alone or beside NCCL)."""
+    return "gloo" in backend
