@@ -6,6 +6,9 @@ ckptstore, resuming model and data order exactly.
     python examples/train_gpt.py                         # resumes from the latest commit
                                                          # (an older one if it is corrupt)
     python examples/train_gpt.py --data runs/data/a --data runs/data/b   # two replicas
+    python examples/train_gpt.py --local-dir /dev/shm/gpt --durable-every 4   # tiers: every
+        # save to the node-local directory first, every 4th also to --ckpt in the background;
+        # a rerun resumes from the newest save any tier holds (printing which tier)
 
 On first use the toy corpus is written as llm.c-style token files (``loaders.TokenWriter``) to
 every ``--data`` replica that lacks it; the job reads them with ``ShardDataset`` (shuffled,
@@ -28,10 +31,12 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ckptstore import Checkpointer, RNGState
+from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.store import Store
 from loaders import LoaderConfig, ShardDataset, StatefulLoader, TokenFiles, TokenWriter
 
@@ -141,6 +146,39 @@ def endless(loader: StatefulLoader):
         yield from loader
 
 
+def resume(ckpt: Checkpointer, state: dict, args: argparse.Namespace) -> int | None:
+    """Load the newest checkpoint into ``state`` and say where from; None when there is none.
+
+    A newest step that is corrupt or misses chunks is skipped (with a warning) for the newest
+    one that loads. With tiers ``ckpt.latest()`` lists durable steps only, while the newest save
+    may be in the local directory alone: the load itself says whether any tier holds one.
+    """
+    if args.local_dir is None:
+        if ckpt.latest() is None:
+            return None
+        step = ckpt.load(state, fallback=True)
+        print(f"resumed from step {step} ({args.ckpt})", flush=True)
+        return step
+    try:
+        step = ckpt.load(state, fallback=True)
+    except CheckpointNotFoundError:
+        if ckpt.steps():  # durable steps, none of them loadable: not a fresh start
+            raise
+        return None
+    report = ckpt.last_load
+    read = ", ".join(
+        f"{s.bytes / 1e6:.2f} MB in {s.seconds:.3f}s from {tier}"
+        for tier, s in report.sources.items()
+    )
+    where = args.local_dir if report.source == "local" else args.ckpt
+    print(
+        f"resumed from step {step} (source {report.source}: {where}; read {read}; durable steps "
+        f"{ckpt.steps()})",
+        flush=True,
+    )
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ckpt", default="runs/gpt", help="checkpoint URI (path, s3://..., memory://)")
@@ -158,8 +196,40 @@ def main(argv: list[str] | None = None) -> int:
         "(default: runs/data/corpus)",
     )
     p.add_argument("--workers", type=int, default=2, help="loader worker processes")
+    p.add_argument(
+        "--local-dir",
+        help="tiers: commit every save to this node-local directory first (a RAM disk such as "
+        "/dev/shm/... or an NVMe path), drain some to --ckpt in the background, and resume from "
+        "the newest save any tier holds",
+    )
+    p.add_argument(
+        "--durable-every",
+        type=int,
+        default=1,
+        help="with --local-dir: also commit the first save and every Nth after it to --ckpt "
+        "(default 1: every save)",
+    )
+    p.add_argument(
+        "--peer-copies",
+        type=int,
+        default=0,
+        help="with --local-dir: copy each save to K other nodes' local dirs; needs a "
+        "torch.distributed job on K+1 nodes, and this example trains in one process, so only 0 "
+        "is accepted here (peers: tests/test_tiers.py)",
+    )
     args = p.parse_args(argv)
     args.data = args.data or ["runs/data/corpus"]
+    if args.local_dir is None and (args.durable_every != 1 or args.peer_copies):
+        p.error("--durable-every and --peer-copies need --local-dir")
+    if args.durable_every < 1:
+        p.error(f"--durable-every must be >= 1, got {args.durable_every}")
+    if args.peer_copies < 0:
+        p.error(f"--peer-copies must be >= 0, got {args.peer_copies}")
+    if args.peer_copies and not (dist.is_available() and dist.is_initialized()):
+        p.error(
+            f"--peer-copies {args.peer_copies} needs torch.distributed on "
+            f"{args.peer_copies + 1}+ nodes; this example trains in one process (use 0)"
+        )
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -182,13 +252,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # On SIGTERM (a scheduler's notice before the kill) ckpt.preempted turns true: the loop
     # saves its step and leaves; pending saves are committed before the process exits (143).
-    ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last, handle_sigterm=True)
+    tiers = {}
+    if args.local_dir is not None:
+        tiers = {
+            "local_dir": args.local_dir,
+            "durable_every": args.durable_every,
+            "peer_copies": args.peer_copies,
+        }
+    ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last, handle_sigterm=True, **tiers)
     unloadable: list[int] = []
-    if ckpt.latest() is not None:
-        # A newest step that is corrupt or misses chunks is skipped (with a warning) for the
-        # newest one that loads.
-        step = ckpt.load(state, fallback=True)
-        print(f"resumed from step {step} ({args.ckpt})", flush=True)
+    step = resume(ckpt, state, args)
+    if step is not None:
         # Steps are write-once: the ones skipped stay committed and are not saved again.
         unloadable = [s for s in ckpt.steps() if s > step]
         if unloadable:
@@ -216,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         if preempted:
             print(f"preempted (SIGTERM) at step {step}: leaving", flush=True)
             break
-    ckpt.close()
+    ckpt.close()  # waits for the saves, and for their drains to --ckpt with tiers
+    committed = "durable steps" if args.local_dir is not None else "committed steps"
     print(
-        f"done: {progress['step']} steps in {time.perf_counter() - start:.1f}s, committed steps "
+        f"done: {progress['step']} steps in {time.perf_counter() - start:.1f}s, {committed} "
         f"{ckpt.steps()}",
         flush=True,
     )
