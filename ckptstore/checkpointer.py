@@ -71,25 +71,19 @@ from ckptstore.shared_read import (
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store, niced, open_store, set_thread_nice
-from ckptstore.tiers import (
-    TIER_KEY,
-    LoadReport,
-    LocalTier,
-    TierPolicy,
-    Topology,
-    Transfer,
-    TransferStats,
-    drain_rank,
-    node_identity,
-    plan_sources,
-    transfer,
-)
+from ckptstore.tiers.drain import drain_rank
+from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
     DEFAULT_LOCAL_KEEP_LAST,
     DEFAULT_PEER_BUDGET_BYTES,
+    TIER_KEY,
+    TierPolicy,
+    Topology,
+    node_identity,
     store_identity,
 )
-from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate
+from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport, plan_sources
+from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)

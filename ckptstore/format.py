@@ -3,7 +3,10 @@
 ::
 
     chunks/<h[:2]>/<h>                         encoded chunk, h = xxh3-128 of its raw bytes
-    steps/<step:020d>/<attempt>/rank-<r>.json  per-rank index of one save attempt
+    indexes/<x[:2]>/<step:020d>/<attempt>/rank-<r>.json
+                                               per-rank index of one save attempt (version 2;
+                                               x = xxh3-128 of "<step:020d>/<attempt>/<r:05d>")
+    steps/<step:020d>/<attempt>/rank-<r>.json  the same, in version 1 steps
     steps/<step:020d>/<attempt>/dcp.metadata   DCP Metadata (pickled), DCP saves only
     pending/<step:020d>-<attempt>-<r>.json     marker of a save in flight (deleted after commit)
     commits/<step:020d>.json                   the manifest; its existence is the commit
@@ -28,7 +31,10 @@ from ckptstore.errors import CheckpointCorruptError, FormatVersionError
 from ckptstore.tree import check_tree
 
 FORMAT_NAME = "ckptstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 2 moved rank indexes from one prefix per save (``steps/<step>/<attempt>/``) to 256
+hash prefixes (``indexes/``): nothing else changed, so version 1 steps are read as before."""
 STEP_DIGITS = 20
 
 KIND_STATE = "state"  # saved by Checkpointer: a tree per rank
@@ -55,8 +61,26 @@ def attempt_prefix(step: int, attempt: str) -> str:
     return f"steps/{step:0{STEP_DIGITS}d}/{attempt}"
 
 
-def rank_index_key(step: int, attempt: str, rank: int) -> str:
-    return f"{attempt_prefix(step, attempt)}/rank-{rank:05d}.json"
+def rank_index_key(step: int, attempt: str, rank: int, version: int = FORMAT_VERSION) -> str:
+    """Where rank ``rank``'s index of a save is: under one of 256 hash prefixes (version 1:
+    under the save's own prefix), so a save's thousands of indexes spread over S3 partitions
+    as its chunks do."""
+    name = f"{step:0{STEP_DIGITS}d}/{attempt}/rank-{rank:05d}.json"
+    if version == 1:
+        return f"steps/{name}"
+    spread = hash_bytes(f"{step:0{STEP_DIGITS}d}/{attempt}/{rank:05d}".encode())[:2]
+    return f"indexes/{spread}/{name}"
+
+
+def attempt_of_key(key: str) -> str | None:
+    """The attempt an index or metadata key belongs to (``steps/<step>/<attempt>/...`` or
+    ``indexes/<xx>/<step>/<attempt>/...``), None for another key."""
+    parts = key.split("/")
+    if parts[0] == "steps" and len(parts) >= 3:
+        return parts[2]
+    if parts[0] == "indexes" and len(parts) >= 4:
+        return parts[3]
+    return None
 
 
 def dcp_metadata_key(step: int, attempt: str) -> str:
@@ -172,10 +196,10 @@ def _load(data: bytes, kind: str, name: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{name}: not a {FORMAT_NAME} {kind}")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise FormatVersionError(
-            f"{name}: format version {version!r}; this ckptstore reads version {FORMAT_VERSION} "
-            "only (upgrade ckptstore to read it)"
+            f"{name}: format version {version!r}; this ckptstore reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} only (upgrade ckptstore to read it)"
         )
     if doc.get("type") != kind:
         raise CheckpointCorruptError(f"{name}: expected a {kind}, found {doc.get('type')!r}")
@@ -246,7 +270,7 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
-    check_manifest(manifest, name)
+    check_manifest(manifest, name, version=doc["format_version"])
     return manifest
 
 
@@ -273,9 +297,10 @@ def is_attempt(value: Any) -> bool:
     return isinstance(value, str) and _ATTEMPT.fullmatch(value) is not None
 
 
-def check_manifest(m: Manifest, name: str) -> None:
+def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> None:
     """:class:`CheckpointCorruptError` naming ``name`` unless every key of ``m`` is the key its
-    own step and attempt give that object, and every size and hash is well formed."""
+    own step and attempt give that object in its format ``version``, and every size and hash
+    is well formed."""
 
     def bad(why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{name}: {why}")
@@ -286,13 +311,13 @@ def check_manifest(m: Manifest, name: str) -> None:
         raise bad(f"attempt {m.attempt!r} is not an attempt id")
     if not _is_count(m.world_size, MAX_RANKS) or m.world_size < 1:
         raise bad(f"world size {m.world_size!r} is not an int in [1, {MAX_RANKS}]")
-    allowed = {rank_index_key(m.step, m.attempt, r) for r in range(m.world_size)}
+    allowed = {rank_index_key(m.step, m.attempt, r, version) for r in range(m.world_size)}
     seen: set[str] = set()
     for ref in m.ranks:
         if ref.key not in allowed or ref.key in seen:
             raise bad(
                 f"rank index key {ref.key!r} is not one of this step's ranks "
-                f"({rank_index_key(m.step, m.attempt, 0)!r} ...) or is listed twice"
+                f"({rank_index_key(m.step, m.attempt, 0, version)!r} ...) or is listed twice"
             )
         seen.add(ref.key)
         _check_ref(ref, bad)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
 from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
-from ckptstore.format import Manifest, commit_key
+from ckptstore.format import Manifest, attempt_of_key, commit_key
 from ckptstore.leases import (
     DEFAULT_TTL_S,
     GC,
@@ -174,7 +174,12 @@ def _sweep(
     kept = [readable[s] for s in report.kept_steps]
     referenced = {d for step in kept for d in step.chunks}
     protected = {step.manifest.attempt for step in kept} | set(ignore_attempts)
-    victims = [k for k in store.list("steps") if _attempt_of(k) not in protected]
+    victims = [
+        k
+        for prefix in ("steps", "indexes")
+        for k in store.list(prefix)
+        if attempt_of_key(k) not in protected
+    ]
     chunk_victims = [k for k in store.list("chunks") if k.rsplit("/", 1)[-1] not in referenced]
     stale_leases = [s for s in saves if not s.live]
     temporaries = store.stale_temporaries(older_than_s=lease_ttl_s)
@@ -193,11 +198,6 @@ def _sweep(
     list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC) if not g.live])
-
-
-def _attempt_of(key: str) -> str | None:
-    parts = key.split("/")  # steps/<step>/<attempt>/...
-    return parts[2] if len(parts) >= 3 else None
 
 
 def _legacy_saves(store: Store) -> list[str]:

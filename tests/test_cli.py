@@ -140,11 +140,11 @@ def flip_byte(path: Path, where: float = 0.5) -> None:
     path.write_bytes(bytes(data))
 
 
-def key_of(store: Path, prefix: str) -> str:
-    (found,) = [
-        p for p in store.rglob("*") if p.is_file() and str(p).startswith(str(store / prefix))
-    ]
-    return str(found.relative_to(store))
+def index_of(store: Path, step: int) -> str:
+    """The key of the (only) rank index of ``step``, as its manifest names it."""
+    doc = json.loads((store / f"commits/{step:020d}.json").read_text())
+    (ref,) = doc["ranks"]
+    return ref["key"]
 
 
 # -- ls ------------------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def test_verify_reports_every_problem(store: Path, capsys) -> None:
     missing = chunk_of(capsys, store, "optim/state/0/exp_avg")
     flip_byte(store / flipped, 0.9)
     (store / missing).unlink()
-    index = key_of(store, "steps/00000000000000000020")
+    index = index_of(store, 20)
     flip_byte(store / index)
     manifest = f"commits/{10:020d}.json"
     flip_byte(store / manifest, 0.3)
@@ -330,7 +330,7 @@ def test_verify_reports_every_problem(store: Path, capsys) -> None:
 
 
 def test_verify_missing_rank_index_and_manifest_step_only(store: Path, capsys) -> None:
-    index = key_of(store, "steps/00000000000000000030")
+    index = index_of(store, 30)
     (store / index).unlink()
     code, doc = run_json(capsys, "verify", store, "--step", "30")
     assert code == 1
@@ -717,8 +717,8 @@ def test_two_ranks_inspect_verify_restore(tmp_path: Path, capsys) -> None:
 def test_unknown_format_version_is_reported(store: Path, capsys) -> None:
     path = store / f"commits/{20:020d}.json"
     text = path.read_text()
-    assert '"format_version":1,' in text
-    path.write_text(text.replace('"format_version":1,', '"format_version":2,'))
+    assert '"format_version":2,' in text
+    path.write_text(text.replace('"format_version":2,', '"format_version":99,'))
     code, _, err = run(capsys, "inspect", store, "--step", "20")
     assert code == 1 and "upgrade ckptstore" in one_line_error(err, "inspect")
     code, doc = run_json(capsys, "verify", store, "--step", "20")
@@ -727,7 +727,7 @@ def test_unknown_format_version_is_reported(store: Path, capsys) -> None:
         (f"commits/{20:020d}.json", "unsupported")
     ]
     code, doc = run_json(capsys, "ls", store)
-    assert code == 1 and "format version 2" in doc["steps"][1]["error"]
+    assert code == 1 and "format version 99" in doc["steps"][1]["error"]
 
 
 # -- the reader of stdout goes away (`ckptstore ... | head -1`) ---------------------------------

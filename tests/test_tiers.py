@@ -17,7 +17,7 @@ from ckptstore import Checkpointer
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.store import Store
-from ckptstore.tiers import Topology
+from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
 from tests._dist import run_ranks
 from tests.test_requests import CountingBackend, Tally

@@ -62,7 +62,7 @@ def open_store(args: argparse.Namespace) -> Store:
     # chunks).
     if not store.list("commits") and not holds_store_data(store):
         raise CheckpointNotFoundError(
-            f"no ckptstore data at {args.uri} (nothing under commits/, steps/, leases/ or "
+            f"no ckptstore data at {args.uri} (nothing under commits/, steps/, indexes/, leases/ or "
             "chunks/: a mistyped path or prefix?)"
         )
     return store
@@ -71,7 +71,7 @@ def open_store(args: argparse.Namespace) -> Store:
 def holds_store_data(store: Store) -> bool:
     """True if anything a save writes is there (a store whose steps were all removed, or whose
     first save is under way, still holds chunks, attempts or leases)."""
-    return any(store.list(prefix) for prefix in ("leases", "steps", "pending", "chunks"))
+    return any(store.list(prefix) for prefix in ("leases", "steps", "indexes", "pending", "chunks"))
 
 
 @contextmanager

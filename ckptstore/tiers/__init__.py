@@ -1,25 +1,12 @@
 """Tiers: every save to a node-local directory first, copies on peer nodes over the process
 group, durable storage every M saves drained in the background; restore from the fastest tier
-whose hashes check out (docs/FORMAT.md, "Tiers")."""
+whose hashes check out (docs/FORMAT.md, "Tiers").
 
-from ckptstore.tiers.drain import drain_rank
-from ckptstore.tiers.local import Copy, LocalTier
-from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity
-from ckptstore.tiers.restore import LoadReport, SourceStats, plan_sources
-from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
+    policy     TierPolicy, Topology (nodes, holders, wards), store_identity   (no torch)
+    local      LocalTier: the stores of a local_dir, their copies, retention  (no torch)
+    transfer   a committed copy sent between ranks' local tiers over gloo
+    drain      a rank's part of a durable save from its local copy
+    restore    plan_sources: the save every rank restores, each rank's sources; LoadReport
 
-__all__ = [
-    "TIER_KEY",
-    "Copy",
-    "LoadReport",
-    "LocalTier",
-    "SourceStats",
-    "TierPolicy",
-    "Topology",
-    "Transfer",
-    "TransferStats",
-    "drain_rank",
-    "node_identity",
-    "plan_sources",
-    "transfer",
-]
+The submodules are imported by name (``ckptstore ls`` reads ``local`` without torch).
+"""

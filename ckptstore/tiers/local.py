@@ -11,14 +11,17 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import Manifest
 from ckptstore.retention import collect, drop_step
-from ckptstore.save.engine import SaveEngine
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, tier_info
+
+if TYPE_CHECKING:
+    from ckptstore.save.engine import SaveEngine
 
 logger = logging.getLogger(__name__)
 
