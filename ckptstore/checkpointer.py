@@ -242,7 +242,7 @@ class Checkpointer:
             reads all its chunks from storage.
         local_dir: tiers (docs/FORMAT.md, "Tiers"): a node-local directory (a RAM disk such as
             ``/dev/shm/run7`` survives a process crash, an NVMe path a reboot) to which every
-            save is committed first, each rank into ``local_dir/rank-<r>/``; ``wait()`` of a
+            save is committed first, each rank into ``local_dir/job-<j>/rank-<r>/``; ``wait()`` of a
             save returns once every rank's copy is committed there (a rank that cannot write
             it sends the save to ``uri`` instead, with one warning). ``load`` then takes the
             newest save every rank can get from some tier, each rank from its own copy, a
@@ -382,6 +382,7 @@ class Checkpointer:
             self._drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
         self._drains: queue.Queue[tuple[_Job, Future[None]] | None] = queue.Queue()
         self._last_drain: Future[None] | None = None
+        self._drain_failures: list[tuple[int, BaseException]] = []  # raised once by wait/close
         self._local_failure_logged = False
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
@@ -489,6 +490,7 @@ class Checkpointer:
         if drain is not None:
             drain.exception()  # and its drain to durable storage
         self._raise_background_error()
+        self._raise_drain_error()
 
     @property
     def preempted(self) -> bool:
@@ -1022,12 +1024,20 @@ class Checkpointer:
             self._drainer.join()
         self.engine.close()
         self._closed_event.set()
+        try:
+            self._raise_drain_error()
+        except CheckpointError as exc:
+            drain_error: CheckpointError | None = exc
+        else:
+            drain_error = None
         if self._sigterm is not None:
             if self._sigterm.signalled.is_set():
                 self._sigterm.report()  # the process ends at exit, as SIGTERM would have
             else:
                 self._sigterm.uninstall()
         self._raise_background_error()
+        if drain_error is not None:
+            raise drain_error
 
     def _close_at_exit(self) -> None:
         if self._closed:
@@ -1067,6 +1077,19 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - an error class with another signature
             raised = CheckpointError(f"{lead} save of step {first.step} failed: {error}{also}")
         raise raised from error
+
+    def _raise_drain_error(self) -> None:
+        """Raise, once, that steps committed to the local tier did not reach durable storage."""
+        with self._failed_lock:
+            failures, self._drain_failures = self._drain_failures, []
+        if not failures:
+            return
+        steps = ", ".join(str(step) for step, _ in failures)
+        first = failures[-1][1]
+        raise CheckpointError(
+            f"step(s) {steps} committed to the local tier but not to durable storage "
+            f"{self.store.uri} (the next durable save tries again): {self._one_line(first)}"
+        ) from first
 
     def _run(self) -> None:
         set_thread_nice(self._save_thread_nice)
@@ -1250,6 +1273,8 @@ class Checkpointer:
                     self._one_line(exc),
                 )
                 future.set_exception(exc)
+                with self._failed_lock:
+                    self._drain_failures.append((job.step, exc))
             finally:
                 assert self._local is not None
                 self._local.unprotect(job.step)

@@ -36,6 +36,12 @@ def _state(rank: int, step: int) -> dict:
     }
 
 
+def _copies(local_dir: Path, rank: int) -> Path:
+    """The store of ``rank``'s copies in ``local_dir`` (one job per test)."""
+    (found,) = Path(local_dir).glob(f"job-*/rank-{rank:05d}")
+    return found
+
+
 def _blank() -> dict:
     return {
         "w": torch.zeros(64, 1024),
@@ -137,7 +143,12 @@ def test_a_wiped_node_restores_from_its_peers_without_durable_reads(tmp_path):
     assert reports[2]["sources"][PEER] > 0
     assert sum(r["durable_chunk_gets"] for r in reports) == 0
     # The node's tier holds the step again, from which the next restore reads locally.
-    assert (tmp_path / "node1" / "rank-00002" / "commits").is_dir()
+    assert (_copies(tmp_path / "node1", 2) / "commits").is_dir()
+
+
+def _index_doc(store_dir: Path, step: int) -> dict:
+    manifest = json.loads((store_dir / "commits" / f"{step:020d}.json").read_text())
+    return json.loads((store_dir / manifest["ranks"][0]["key"]).read_text())
 
 
 def _flip_a_chunk(store_dir: Path) -> None:
@@ -152,7 +163,7 @@ def test_a_corrupt_peer_copy_falls_back_to_durable_for_the_same_step(tmp_path, c
     kw = {"peer_copies": 1, "durable_every": 1}
     run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     shutil.rmtree(tmp_path / "node1")
-    _flip_a_chunk(tmp_path / "node0" / "rank-00002")  # node 0 keeps rank 2's copies
+    _flip_a_chunk(_copies(tmp_path / "node0", 2))  # node 0 keeps rank 2's copies
     reports = _run_load(tmp_path, peer_copies=1, durable_every=1)
     assert [r["step"] for r in reports] == [20] * 4
     assert all(r["equal"] for r in reports)
@@ -165,9 +176,8 @@ def test_with_no_durable_copy_a_corrupt_peer_copy_means_an_older_step(tmp_path):
     run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     shutil.rmtree(tmp_path / "node1")
     # Step 20 of rank 2 lives only in node 0's copy: spoil a chunk only it has.
-    held = tmp_path / "node0" / "rank-00002"
-    index = json.loads(next((held / "steps" / f"{20:020d}").rglob("rank-*.json")).read_text())
-    older = json.loads(next((held / "steps" / f"{10:020d}").rglob("rank-*.json")).read_text())
+    held = _copies(tmp_path / "node0", 2)
+    index, older = (_index_doc(held, step) for step in (20, 10))
     fresh = sorted(set(index["chunks"]) - set(older["chunks"]))
     path = held / "chunks" / fresh[0][:2] / fresh[0]
     data = bytearray(path.read_bytes())
@@ -188,7 +198,7 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
         assert [h.durable is not None for h in handles] == [True, False, True, False, True]
         assert all(h.durable.result(timeout=60) is None for h in handles if h.durable)
     assert list_steps(Store(str(root / "durable"))) == [1, 3, 5]
-    assert list_steps(Store(str(root / "local" / "rank-00000"))) == [4, 5]  # local_keep_last=2
+    assert list_steps(Store(str(_copies(root / "local", 0)))) == [4, 5]  # local_keep_last=2
     with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
         state = _blank()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == LOCAL
@@ -203,8 +213,7 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
 
 def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, caplog):
     local = tmp_path / "local"
-    local.mkdir()
-    (local / "rank-00000").write_text("not a directory")  # every local write fails
+    local.write_text("not a directory")  # every local write fails
     caplog.set_level(logging.WARNING, logger="ckptstore")
     with Checkpointer(tmp_path / "durable", local_dir=local, durable_every=5) as ckpt:
         for step in (1, 2, 3):
@@ -282,7 +291,7 @@ def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, sm
     ) as ckpt:
         for step in range(1, 6):
             ckpt.save(step, big(step)).wait()
-    local_steps = list_steps(Store(str(small_disk / "rank-00000")))
+    local_steps = list_steps(Store(str(_copies(small_disk, 0))))
     durable_steps = list_steps(Store(str(durable)))
     assert local_steps and durable_steps[0] == 1  # the first save is durable
     assert sorted(set(local_steps) | set(durable_steps)) == [1, 2, 3, 4, 5]
@@ -317,7 +326,7 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
         ckpt.save(0, _state(0, 0)).wait()
         threads = [
             threading.Thread(target=gc_loop, args=(root,), daemon=True)
-            for root in (durable, local / "rank-00000")
+            for root in (durable, _copies(local, 0))
         ]
         for t in threads:
             t.start()
@@ -330,7 +339,7 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
             for t in threads:
                 t.join(timeout=60)
     assert not errors
-    for root in (durable, local / "rank-00000"):
+    for root in (durable, _copies(local, 0)):
         steps = list_steps(Store(str(root)))
         assert steps, root
         for step in steps:  # what each tier kept is whole
@@ -338,7 +347,7 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
             with Checkpointer(root) as ckpt:
                 ckpt.load(state, step=step)
             assert torch.equal(state["w"], _state(0, step)["w"])
-    assert 8 in list_steps(Store(str(local / "rank-00000")))
+    assert 8 in list_steps(Store(str(_copies(local, 0))))
 
 
 def test_peer_copies_hold_at_most_their_budget_and_send_only_new_chunks(tmp_path):
@@ -403,3 +412,37 @@ def test_after_sigterm_a_save_reaches_durable_storage_before_the_process_ends(tm
     with Checkpointer(durable) as ckpt:
         assert ckpt.load(state) == left
     assert torch.equal(state["w"], torch.full((4096,), float(left)))
+
+
+def test_two_jobs_share_a_local_dir_without_getting_in_each_others_way(tmp_path):
+    local = tmp_path / "shm"
+    for job in ("a", "b"):  # the same step numbers, one RAM disk
+        with Checkpointer(tmp_path / job, local_dir=local, durable_every=100) as ckpt:
+            for step in (10, 20):
+                ckpt.save(step, _state(0, step + ord(job))).wait()
+    for job in ("a", "b"):
+        assert list_steps(Store(str(tmp_path / job))) == [10]  # 20 went to the local tier only
+        with Checkpointer(tmp_path / job, local_dir=local) as ckpt:
+            state = _blank()
+            assert ckpt.load(state) == 20 and ckpt.last_load.source == LOCAL
+            assert torch.equal(state["w"], _state(0, 20 + ord(job))["w"])
+    assert len(list(local.glob("job-*/rank-00000"))) == 2
+
+
+def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path):
+    from ckptstore.errors import CheckpointError
+    from ckptstore.testing.faults import Faults, with_faults
+
+    faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
+    durable = with_faults(Store(str(tmp_path / "durable")), faults)
+    with Checkpointer(
+        tmp_path / "durable", store=durable, local_dir=tmp_path / "local", timeout_s=2.0
+    ) as ckpt:
+        handle = ckpt.save(1, _state(0, 1))
+        handle.wait()  # committed to the local tier
+        with pytest.raises(CheckpointError, match="step.s. 1 committed to the local tier but not"):
+            ckpt.wait()
+        ckpt.wait()  # reported once
+        assert handle.durable.exception(timeout=60) is not None
+    assert list_steps(Store(str(_copies(tmp_path / "local", 0)))) == [1]
+    assert list_steps(Store(str(tmp_path / "durable"))) == []

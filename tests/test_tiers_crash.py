@@ -51,6 +51,11 @@ def _check(store_root: Path) -> list[int]:
     return steps
 
 
+def _copies(local: Path) -> Path:
+    (found,) = local.glob("job-*/rank-00000")
+    return found
+
+
 def _load(root: Path, state: dict, step: int) -> None:
     with Checkpointer(root) as ckpt:
         ckpt.load(state, step=step)
@@ -73,15 +78,15 @@ def test_kills_leave_every_tier_whole_and_later_drains_complete(tmp_path):
         out, _ = proc.communicate(timeout=60)
         resumed_from_local += "local" in out.split("\n", 1)[0]
         _check(durable)
-        _check(local / "rank-00000")
+        _check(_copies(local))
     assert resumed_from_local >= 1  # the tier was used, not only durable storage
     before = list_steps(Store(str(durable)))
     # A last run to a few steps past the newest: it drains, and every tier stays whole.
-    newest = max(list_steps(Store(str(local / "rank-00000"))) + before + [0])
+    newest = max(list_steps(Store(str(_copies(local)))) + before + [0])
     proc = subprocess.run(
         cmd + [str(newest + 4)], capture_output=True, text=True, timeout=300, check=True
     )
     assert "closed" in proc.stdout
     after = _check(durable)
     assert max(after) > max(before + [0])  # a drain after the kills completed
-    assert _check(local / "rank-00000")
+    assert _check(_copies(local))

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore.catalog import list_steps, load_manifest
@@ -18,7 +19,7 @@ from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import Manifest
 from ckptstore.retention import collect, drop_step
 from ckptstore.store import Store, open_store
-from ckptstore.tiers.policy import TIER_KEY, TierPolicy, tier_info
+from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
 
 if TYPE_CHECKING:
     from ckptstore.save.engine import SaveEngine
@@ -76,11 +77,14 @@ class LocalTier:
         with self._lock:
             store = self._stores.get(ward)
             if store is None:
-                path = self.policy.rank_dir(ward)
+                path = self.rank_dir(ward)
                 path.mkdir(parents=True, exist_ok=True)
                 store = open_store(path, timeout_s=self.timeout_s)
                 self._stores[ward] = store
             return store
+
+    def rank_dir(self, ward: int) -> Path:
+        return rank_dir(self.policy.local_dir, self.durable_uri, ward)
 
     def info(self, ward: int) -> dict:
         return tier_info(ward, self.world_size, self.durable_uri)
@@ -92,7 +96,7 @@ class LocalTier:
     def copies(self, ward: int) -> dict[int, str]:
         """``ward``'s committed copies here: step -> attempt (unreadable or foreign ones left
         out, with one log line)."""
-        if not self.policy.rank_dir(ward).is_dir():
+        if not self.rank_dir(ward).is_dir():
             return {}
         store = self.store(ward)
         out = {}
@@ -119,7 +123,7 @@ class LocalTier:
         """Unlist ``ward``'s copies (of this job) of steps after ``step``, the newest step every
         rank could load: a job that resumed from it saves those step numbers again, as other
         saves. Steps still to be drained are kept."""
-        store = self.store(ward) if self.policy.rank_dir(ward).is_dir() else None
+        store = self.store(ward) if self.rank_dir(ward).is_dir() else None
         if store is None:
             return []
         pending = self.to_drain() if ward == self.rank else set()
@@ -147,13 +151,10 @@ class LocalTier:
 def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> dict[int, list[int]]:
     """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri``: step ->
     the ranks (for ``ckptstore ls``; the store of each ``rank-<r>`` read without writing)."""
-    from pathlib import Path
-
     out: dict[int, set[int]] = {}
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"no local tier directory at {root}")
-    for sub in sorted(root.glob("rank-*")):
+    if not Path(local_dir).is_dir():
+        raise CheckpointNotFoundError(f"no local tier directory at {local_dir}")
+    for sub in sorted((Path(local_dir) / job_dir_name(durable_uri)).glob("rank-*")):
         if not (sub.is_dir() and sub.name[5:].isdigit()):
             continue
         rank = int(sub.name[5:])

@@ -1,7 +1,8 @@
 """Which tiers a save goes to, and where each rank's copies live.
 
 A node-local directory (``local_dir``) holds one store per rank whose copies it keeps:
-``<local_dir>/rank-<r>/``, an ordinary ckptstore store (chunks, indexes, manifests, leases) in
+``<local_dir>/job-<j>/rank-<r>/`` (j: a hash of the durable store, so jobs may share a RAM disk),
+an ordinary ckptstore store (chunks, indexes, manifests, leases) in
 which every step is a one-rank step of rank r's state. A node keeps the stores of its own ranks
 and, with ``peer_copies=K``, those of the ranks whose *holder* it is: rank r's copies go to the
 rank of the same position on each of the K nodes after r's (a ring by node). Every tier copy of
@@ -57,9 +58,6 @@ class TierPolicy:
         path = Path(str(local_dir).removeprefix("file://")).expanduser().absolute()
         return cls(path, peer_copies, durable_every, local_keep_last, peer_budget_bytes)
 
-    def rank_dir(self, rank: int) -> Path:
-        return self.local_dir / f"rank-{rank:05d}"
-
     def is_durable(self, save_number: int) -> bool:
         """Whether the ``save_number``-th save (1-based) also goes to durable storage: the first
         save and every ``durable_every``-th after it."""
@@ -72,6 +70,18 @@ def store_identity(store: Any) -> str:
     if store.is_local:
         return os.path.realpath(store.root)
     return store.uri.rstrip("/")
+
+
+def rank_dir(local_dir: str | os.PathLike, durable: str, rank: int) -> Path:
+    """Where rank ``rank``'s copies for the job whose durable store is ``durable``
+    (``store_identity``) live in ``local_dir``."""
+    return Path(local_dir) / job_dir_name(durable) / f"rank-{rank:05d}"
+
+
+def job_dir_name(durable: str) -> str:
+    from ckptstore.codec import hash_bytes
+
+    return f"job-{hash_bytes(durable.encode())[:12]}"
 
 
 def tier_info(rank: int, world_size: int, durable_uri: str) -> dict[str, Any]:
