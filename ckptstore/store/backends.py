@@ -229,6 +229,11 @@ class LocalBackend(FsspecBackend):
         finally:
             # Also after a failed write (a full disk): a temporary left behind keeps it full.
             os.unlink(tmp)
+        if not os.path.lexists(path):
+            # Deleted between the link and the unlink: that delete found our temporary in the
+            # directory and left it; prune it now that it may be empty.
+            self._prune(directory)
+            return
         try:
             dir_fd = os.open(directory, os.O_RDONLY)
         except FileNotFoundError:
