@@ -47,7 +47,7 @@ from ckptstore.errors import (
     PartialLoadError,
     UnsupportedStateError,
 )
-from ckptstore.format import KIND_STATE, ChunkInfo, check_step
+from ckptstore.format import KIND_STATE, ChunkInfo, Manifest, check_step
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import parse_dtype
@@ -599,7 +599,7 @@ class Checkpointer:
         missing data (then an older step may load), and the paths of the tensors it wrote."""
         error: BaseException | None = None
         try:
-            view = StepView(self.store, load_manifest(self.store, step))
+            view = StepView(self.store, self._shared_manifest(step))
             view.require(CHECKPOINTER)
             manifest = view.manifest
             if manifest.world_size != self._group.world_size:
@@ -909,6 +909,28 @@ class Checkpointer:
             self.last_load.add(tier, nbytes, time.perf_counter() - t0, len(digests))
         self.last_load.source = source.tier
         return loader, index.tree, kinds, tensors
+
+    def _shared_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``, read by rank 0 and broadcast: one GET of ``commits/`` per
+        load however many ranks (it is one prefix). Collective; raises on every rank if rank 0
+        could not read it."""
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = load_manifest(self.store, step)
+            except CheckpointError as exc:
+                found = exc
+        found = self._group.broadcast(found)
+        if isinstance(found, BaseException):
+            if self.rank == 0:
+                raise found
+            message = f"rank 0 could not read the manifest: {self._one_line(found)}"
+            try:
+                raised = type(found)(message)
+            except Exception:  # noqa: BLE001 - an error class with another signature
+                raised = CheckpointError(message)
+            raise raised
+        return found
 
     def _shared_source(self, needs: dict[str, ChunkInfo]) -> SharedChunks | None:
         """Where this rank's chunks come from when other ranks need some of them too (None:

@@ -207,3 +207,29 @@ def _print_figures() -> None:
 
 if __name__ == "__main__":
     _print_figures()
+
+
+def _count_a_restore(rank: int, world: int, uri: str, out: str) -> None:
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, _rank_state(rank, 1)).wait()
+        state = {"w": torch.zeros(N_CHUNKS * CHUNK_BYTES // 4)}
+        tally.clear()
+        assert ckpt.load(state) == 1
+        assert torch.equal(state["w"], _rank_state(rank, 1)["w"])
+        counts = {"chunks": dict(tally.chunks), "others": dict(tally.others)}
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(counts))
+
+
+def test_a_restore_reads_the_manifest_once_whatever_the_ranks(tmp_path):
+    """``commits/`` is one prefix: rank 0 reads the manifest and sends it to the others, which
+    read only their own index (spread over hash prefixes) and their chunks."""
+    out = tmp_path / "counts"
+    out.mkdir()
+    run_ranks(_count_a_restore, 4, str(tmp_path / "ckpt"), str(out), timeout_s=300)
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    for rank, sent in enumerate(ranks):
+        assert sent["chunks"] == {"get": N_CHUNKS}, rank
+        if rank:
+            assert sent["others"] == {"get": 1}, (rank, sent)  # its index alone
+    assert ranks[0]["others"]["get"] == 2  # the manifest and its index
