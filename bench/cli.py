@@ -16,7 +16,17 @@ import sys
 from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
 
 # Modules of bench/ that define a subcommand, in the order --help lists them.
-WORKLOADS = ("save", "restore", "export", "interference", "loader", "storage", "scale", "plan")
+WORKLOADS = (
+    "save",
+    "restore",
+    "export",
+    "interference",
+    "loader",
+    "storage",
+    "scale",
+    "recover",
+    "plan",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -343,3 +343,73 @@ def test_request_floor_in_the_table(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "request-bound floor on S3: 16,384 ranks" in out and "the rest over 64" in out
+
+
+def test_goodput_with_and_without_tiers_by_hand():
+    # One node, 2 GB at 2e9/300 B/s staging: 300 s blocked per save. A save every 1,000 s, one
+    # in 4 durable; restores: local 10 s, peer 40 s, durable 200 s; restarts 60 s.
+    result = plan.plan(
+        _textbook_inputs(
+            save_every_s=1000, durable_every=4, local_restore_s=10, peer_restore_s=40,
+            durable_restore_s=200, restart_s=60,
+        )
+    )  # fmt: skip
+    t = result["tiers"]
+    assert (t["save_every_s"], t["durable_interval_s"]) == (1000, 4000)
+    assert t["restore_s"] == {"local": 10, "peer": 40, "durable": 200}
+    llama, cluster, own = t["rates"]  # the plan's own MTBF differs from both: a third row
+    assert llama["mtbf_s"] == pytest.approx(54 * 86400 / 419 * 16384 / 8)
+    assert cluster["mtbf_s"] == pytest.approx(1.8 * 3600 * 16384 / 8)
+    assert own["mtbf_s"] == 86400 and own["failure_rate"] == "this plan's MTBF"
+    # without tiers: every 4,000 s to durable storage, restored from it
+    without = (1 - 300 / 4000) * (1 - (4000 / 2 + 200 + 60) / 86400)
+    # with tiers: every 1,000 s; the replaced node reads its peer's copy (40 s > 10 s)
+    peer = (1 - 300 / 1000) * (1 - (1000 / 2 + 40 + 60) / 86400)
+    local = (1 - 300 / 1000) * (1 - (1000 / 2 + 10 + 60) / 86400)
+    assert own["without_tiers"]["goodput"] == pytest.approx(without)
+    assert own["with_tiers"]["goodput"] == pytest.approx(peer)
+    assert own["with_tiers_local"]["goodput"] == pytest.approx(local)
+    assert own["without_tiers"]["lost_s"] == pytest.approx(2000 + 200)
+    assert own["with_tiers"]["lost_s"] == pytest.approx(500 + 40)
+    assert own["gain"] == pytest.approx(peer - without)
+    assert llama["with_tiers"]["goodput"] == pytest.approx(
+        (1 - 300 / 1000) * (1 - 600 / llama["mtbf_s"])
+    )
+
+
+def test_tier_defaults_follow_the_plan(capsys):
+    r = _run_json(capsys)
+    t = r["tiers"]
+    assert t["save_every_s"] == pytest.approx(r["period_s"])
+    assert t["durable_every"] == 1 and t["save_every_source"] == "the plan's period"
+    assert t["restore_s"]["durable"] == pytest.approx(r["restore_from_storage_s"])
+    assert t["restore_s"]["peer"] == pytest.approx(r["restore_from_peer_s"])
+    assert t["restore_s"]["local"] == pytest.approx(r["bytes_per_node"] / 100e9)
+    # Llama 3's rate at 16,384 GPUs is the plan's own: two rows, no third
+    assert [x["mtbf_s"] for x in t["rates"]] == [pytest.approx(r["mtbf_s"]), 1.8 * 3600]
+    # every save durable: tiers change only the restore, which is faster
+    assert all(x["gain"] > 0 for x in t["rates"])
+    flags = _run_json(capsys, "--save-every-min", "1", "--durable-every", "30")
+    assert flags["tiers"]["durable_interval_s"] == pytest.approx(1800)
+    assert flags["sources"]["save_every_s"] == "flag"
+    assert flags["sources"]["durable_every"] == "flag"
+    args = _parse("--save-every-min", "1", "--durable-every", "30")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "one in 30 to durable storage" in out
+    assert "Llama 3: 419 in 54 d on 16,384" in out and "MTTF 1.8 h at 16,384" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--durable-every", "0"], "--durable-every must be 1 or more"),
+        (["--save-every-min", "-1"], "--save-every-min must be positive"),
+        (["--peer-restore-s", "-2"], "--peer-restore-s must be >= 0"),
+        (["--save-every-min", "0.0001"], "give a longer --save-every-min"),
+    ],
+)
+def test_bad_tier_input_is_one_line_exit_2(argv, message):
+    proc = _ckptbench("plan", *argv)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr

@@ -1,0 +1,831 @@
+"""``ckptbench recover``: time back to a loaded state after a failure, from node-local and peer
+copies (tiers) vs DCP's ``load`` from durable storage, in one run.
+
+N ranks run on this machine as gloo processes, simulated as nodes of ``--ranks-per-node`` ranks
+each (``Checkpointer(node_rank=rank // ranks_per_node)``, one local directory per node under
+``--local-root``). Each rank holds a deterministic state (``--size`` split over the ranks, in
+``--tensors`` float32 tensors each, seeded by rank and step).
+
+1. The save job saves ``--repeat`` fresh states twice per step, alternating which goes first:
+   with tiers (``local_dir``, ``peer_copies=1``, ``durable_every=1``: every save is in the
+   durable store too) and without (a plain ``Checkpointer`` on a sibling prefix of the durable
+   store). Each save starts with no save in flight (the last one's copies and drain finished)
+   and the staging memory reserved ahead, so ``save()``'s blocked time is its own. The last
+   state is also saved once with DCP's own ``FileSystemWriter`` (``FsspecWriter`` on S3) to
+   another sibling prefix. The processes then exit without closing their Checkpointers
+   (``os._exit`` after ``ckpt.wait()``): the job is killed, every save committed.
+2. The last node's local directory is wiped (a replaced node).
+3. A fresh job restores, ``--repeat`` rounds, wiping that node again before each: with tiers
+   (a new ``Checkpointer``, then ``load``: the time from before the ``Checkpointer`` is built
+   until the state is loaded) and with DCP's ``load`` and its own reader from the durable store,
+   alternating which goes first. Every rank checks its state against the saved one; a
+   mismatch fails the run (exit 1). The durable store's reads during the tiered restore are
+   counted at its backend (chunks apart from the rest) and by its ``StoreCounters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+from bench import _ckpt_common as common
+from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
+
+logger = logging.getLogger(__name__)
+
+MAX_RANKS = 16
+"""Ranks run as processes, each with its own torch (~0.3 GB) and state."""
+DEFAULT_BUCKET = "ckptbench-recover"
+METHODS = ("tiers", "plain")
+"""Save methods: with tiers, and a plain Checkpointer on the durable store."""
+_BACKEND_OPS = {"get": "get", "get_view": "get", "size": "head", "exists": "head"}
+_BACKEND_OPS |= {"modified": "head", "list": "list", "put_once": "put", "delete": "delete"}
+
+
+class RankFailed(OSError):
+    """A rank of the run failed, or the ranks did not finish in time (exit status 1)."""
+
+
+@dataclass(kw_only=True)
+class RecoverPlan:
+    """What every rank of both jobs does."""
+
+    durable_uri: str
+    plain_uri: str
+    dcp_path: str
+    dcp_is_local: bool
+    local_root: str
+    ranks_per_node: int
+    nodes: int
+    bytes_per_rank: int
+    tensors: int
+    repeat: int
+    peer_budget_bytes: int
+    seed: int = 0
+    background_nice: int = 0
+    """``Checkpointer(background_nice=)`` of the save job's Checkpointers, both."""
+    timeout_s: float = 300.0
+    """Deadline of one storage request (moto is slow under four ranks' uploads)."""
+    group_timeout_s: float = 1800.0
+
+    @property
+    def wiped_node(self) -> int:
+        return self.nodes - 1
+
+    def node_dir(self, node: int) -> str:
+        return os.path.join(self.local_root, f"node{node}")
+
+
+# -- the state ----------------------------------------------------------------------------------
+
+
+def rank_state(rank: int, tensors: int, nbytes: int) -> dict[str, torch.Tensor]:
+    """``tensors`` zeroed float32 tensors holding ``nbytes`` between them, named by rank (so
+    DCP, which merges every rank's keys into one checkpoint, keeps each rank's apart)."""
+    numel = max(1, nbytes // tensors // 4)
+    return {f"rank{rank:02d}.layer{i:02d}": torch.zeros(numel) for i in range(tensors)}
+
+
+def fill(state: dict[str, torch.Tensor], rank: int, step: int, seed: int) -> None:
+    """The state of ``rank`` at ``step``: normal values, the same for the same arguments."""
+    for i, t in enumerate(state.values()):
+        g = torch.Generator().manual_seed(((seed * 1009 + rank) * 1009 + step) * 1009 + i)
+        t.normal_(generator=g)
+
+
+# -- counting the durable store's reads ---------------------------------------------------------
+
+
+class CountingBackend:
+    """A store's backend, forwarded call for call; each request counted by kind, chunk
+    objects (``chunks/``) apart from the rest, with the bytes each read returned."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.requests: dict[str, dict[str, int]] = {"chunks": {}, "other": {}}
+        self.read_bytes = {"chunks": 0, "other": 0}
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        kind = _BACKEND_OPS.get(name)
+        if kind is None:
+            return value
+
+        def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+            out = value(path, *args, **kwargs)
+            what = "chunks" if "/chunks/" in f"/{path}" else "other"
+            nbytes = memoryview(out).nbytes if kind == "get" else 0
+            with self._lock:
+                self.requests[what][kind] = self.requests[what].get(kind, 0) + 1
+                self.read_bytes[what] += nbytes
+            return out
+
+        return counted
+
+
+# -- the ranks ----------------------------------------------------------------------------------
+
+
+def _tiered(plan: RecoverPlan, rank: int, **kwargs: Any) -> Any:
+    from ckptstore import Checkpointer
+
+    node = rank // plan.ranks_per_node
+    return Checkpointer(
+        plan.durable_uri,
+        local_dir=plan.node_dir(node),
+        peer_copies=1,
+        durable_every=1,
+        node_rank=node,
+        peer_budget_bytes=plan.peer_budget_bytes,
+        timeout_s=plan.timeout_s,
+        **kwargs,
+    )
+
+
+def _timed_save(ckpt: Any, step: int, state: Any, timeout_s: float) -> dict[str, Any]:
+    """One save from a quiet start: how long ``save()`` blocked, until ``wait()`` returned
+    (with tiers: committed locally and copied to the peers) and until durable."""
+    t0 = time.perf_counter()
+    handle = ckpt.save(step, state)
+    blocked = time.perf_counter() - t0
+    handle.wait(timeout_s)
+    committed = time.perf_counter() - t0
+    durable = committed
+    if handle.durable is not None:
+        handle.durable.result(timeout=timeout_s)
+        durable = time.perf_counter() - t0
+    ckpt.wait()  # nothing in flight when the next save starts
+    return {"step": step, "blocked_s": blocked, "committed_s": committed, "durable_s": durable}
+
+
+def _dcp_writer(plan: RecoverPlan) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if plan.dcp_is_local:
+        return dcp.FileSystemWriter(plan.dcp_path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(plan.dcp_path)
+
+
+def _dcp_reader(plan: RecoverPlan) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if plan.dcp_is_local:
+        return dcp.FileSystemReader(plan.dcp_path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(plan.dcp_path)
+
+
+def save_job(plan: RecoverPlan, rank: int) -> dict[str, Any]:
+    """The job that saves: ``repeat`` steps with tiers and without, then DCP's save of the last
+    state. Its Checkpointers are left open: the caller exits without closing them."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore import Checkpointer
+
+    state = rank_state(rank, plan.tensors, plan.bytes_per_rank)
+    tiered = _tiered(plan, rank, background_nice=plan.background_nice)
+    plain = Checkpointer(
+        plan.plain_uri, timeout_s=plan.timeout_s, background_nice=plan.background_nice
+    )
+    for ckpt in (tiered, plain):  # steady-state saves: no first-save allocation timed
+        ckpt.reserve(state).result(timeout=plan.timeout_s)
+    saves: list[dict[str, Any]] = []
+    for i in range(plan.repeat):
+        step = i + 1
+        fill(state, rank, step, plan.seed)
+        order = METHODS if i % 2 == 0 else METHODS[::-1]
+        for name in order:
+            ckpt = tiered if name == "tiers" else plain
+            dist.barrier()
+            record = {"method": name, **_timed_save(ckpt, step, state, plan.group_timeout_s)}
+            copy = tiered.last_peer_copy if name == "tiers" else None
+            if copy is not None:
+                record["peer_copy"] = {
+                    "sent_bytes": copy.sent_bytes,
+                    "received_bytes": copy.received_bytes,
+                    "buffer_bytes": copy.buffer_bytes,
+                    "seconds": copy.seconds,
+                    "failed": dict(copy.failed),
+                }
+            saves.append(record)
+    dist.barrier()
+    t0 = time.perf_counter()
+    with common.quiet_dcp():
+        dcp.save(state, storage_writer=_dcp_writer(plan))
+    dcp_save_s = time.perf_counter() - t0
+    return {
+        "rank": rank,
+        "node": rank // plan.ranks_per_node,
+        "state_bytes": common.state_bytes(state),
+        "saves": saves,
+        "dcp_save_s": dcp_save_s,
+    }
+
+
+def _restore_tiers(plan: RecoverPlan, rank: int, dest: dict[str, torch.Tensor]) -> dict:
+    from ckptstore.store import open_store
+
+    t0 = time.perf_counter()
+    store = open_store(plan.durable_uri, timeout_s=plan.timeout_s)
+    counted = CountingBackend(store.backend)
+    store.backend = counted
+    ckpt = _tiered(plan, rank, store=store)
+    built = time.perf_counter()
+    try:
+        step = ckpt.load(dest)
+        end = time.perf_counter()
+        report = ckpt.last_load
+    finally:
+        ckpt.close()
+    counters = store.counters.snapshot()
+    return {
+        "start": t0,
+        "end": end,
+        "seconds": end - t0,
+        "construct_s": built - t0,
+        "load_s": report.seconds,
+        "step": step,
+        "source": report.source,
+        "sources": {tier: asdict(stats) for tier, stats in report.sources.items()},
+        "durable": {
+            "requests": {op: sum(n.values()) for op, n in counters["requests"].items()},
+            "bytes": counters["bytes"],
+            "chunk_requests": counted.requests["chunks"],
+            "chunk_bytes": counted.read_bytes["chunks"],
+            "other_requests": counted.requests["other"],
+            "other_bytes": counted.read_bytes["other"],
+        },
+    }
+
+
+def _restore_dcp(plan: RecoverPlan, dest: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    with common.quiet_dcp():
+        dcp.load(dest, storage_reader=_dcp_reader(plan))
+    end = time.perf_counter()
+    return {"start": t0, "end": end, "seconds": end - t0}
+
+
+def restore_job(plan: RecoverPlan, rank: int) -> dict[str, Any]:
+    """The fresh job: ``repeat`` rounds, each wiping the last node's local directory, then
+    restoring with tiers and with DCP (alternating which goes first), each checked."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401 - both libraries imported before timing
+
+    from ckptstore import Checkpointer  # noqa: F401
+    from ckptstore.store import open_store  # noqa: F401
+
+    expected = rank_state(rank, plan.tensors, plan.bytes_per_rank)
+    fill(expected, rank, plan.repeat, plan.seed)
+    dest = {k: torch.zeros_like(t) for k, t in expected.items()}
+    rounds = []
+    for i in range(plan.repeat):
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(plan.node_dir(plan.wiped_node), ignore_errors=True)
+        dist.barrier()
+        done: dict[str, Any] = {}
+        for name in ("tiers", "dcp") if i % 2 == 0 else ("dcp", "tiers"):
+            for t in dest.values():
+                t.zero_()
+            dist.barrier()
+            if name == "tiers":
+                done[name] = _restore_tiers(plan, rank, dest)
+            else:
+                done[name] = _restore_dcp(plan, dest)
+            done[name]["equal"] = common.same_state(dest, expected)
+        rounds.append(done)
+    return {"rank": rank, "node": rank // plan.ranks_per_node, "rounds": rounds}
+
+
+def rank_main(rank: int, plan: RecoverPlan, world: int, port: int, out: str, job: str) -> None:
+    """One rank of one job (``torch.multiprocessing.spawn``): its report into ``out``."""
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=plan.group_timeout_s),
+    )
+    report = (save_job if job == "save" else restore_job)(plan, rank)
+    dist.barrier()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
+    if job == "restore":
+        dist.destroy_process_group()
+    # The save job is killed here: no close(), no teardown. Either way, leave without
+    # interpreter finalization, which a gloo thread can turn into SIGABRT (tests/_dist.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_job(plan: RecoverPlan, world: int, job: str, *, timeout_s: float) -> list[dict]:
+    """``job`` on ``world`` spawned ranks; their reports, by rank. Raises ``RankFailed`` when a
+    rank fails or they are not all done within ``timeout_s``."""
+    import torch.multiprocessing as mp
+
+    from bench.scale import _free_port
+
+    # torch logs a line per rank it terminates once one failed; the error says which failed
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="ckptbench-recover-") as out:
+        ctx = mp.spawn(
+            rank_main, args=(plan, world, _free_port(), out, job), nprocs=world, join=False
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise RankFailed(f"the {job} job did not finish within {timeout_s:.0f} s")
+        except mp.ProcessRaisedException as exc:
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            raise RankFailed(
+                f"the {job} job: rank {exc.error_index} failed: {lines[-1].strip()}"
+            ) from None
+        except mp.ProcessExitedException as exc:
+            raise RankFailed(f"the {job} job: {exc}") from None
+        return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+# -- the durable store --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def durable_store(uri: str | None, *, moto: bool) -> Iterator[tuple[str | None, str]]:
+    """``uri`` and what kind of store it is; with ``moto`` a moto S3 server on 127.0.0.1 in
+    this process (the ranks, which inherit its endpoint, run in their own), its bucket made."""
+    if not moto:
+        kind = "s3" if uri and uri.startswith("s3://") else "local"
+        yield uri, kind
+        return
+    uri = uri or f"s3://{DEFAULT_BUCKET}"
+    if not uri.startswith("s3://"):
+        raise ValueError(f"--moto serves S3: give --durable s3://bucket/prefix, not {uri!r}")
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        raise ValueError("--moto needs moto's server (pip install 'moto[server]')") from None
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request under -v
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        with mock.patch.dict(os.environ, env):
+            import fsspec
+
+            bucket = uri.removeprefix("s3://").split("/", 1)[0]
+            fsspec.filesystem("s3", skip_instance_cache=True).mkdir(bucket)
+            yield uri, "moto"
+    finally:
+        server.stop()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def check_layout(ranks: int, ranks_per_node: int) -> int:
+    """The node count of ``ranks`` over nodes of ``ranks_per_node``; ValueError unless at
+    least two nodes of equal size (a node's ranks need peers on another node)."""
+    if not 2 <= ranks <= MAX_RANKS:
+        raise ValueError(f"bad --ranks {ranks}: must be within 2..{MAX_RANKS}")
+    if ranks_per_node < 1 or ranks % ranks_per_node:
+        raise ValueError(f"bad --ranks-per-node {ranks_per_node}: must divide --ranks {ranks}")
+    nodes = ranks // ranks_per_node
+    if nodes < 2:
+        raise ValueError(
+            f"--ranks {ranks} --ranks-per-node {ranks_per_node} is one node: peer copies "
+            "need 2 or more"
+        )
+    return nodes
+
+
+def run_recover(
+    *,
+    ranks: int = 4,
+    ranks_per_node: int = 2,
+    size_bytes: int = 2**30,
+    tensors: int = 4,
+    durable: str | None = None,
+    moto: bool = False,
+    repeat: int = 3,
+    peer_budget_bytes: int = 64 * 2**20,
+    local_root: str | None = None,
+    timeout_s: float = 3600.0,
+    seed: int = 0,
+    background_nice: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; the report as a JSON-ready dict."""
+    nodes = check_layout(ranks, ranks_per_node)
+    if repeat < 1:
+        raise ValueError(f"bad --repeat {repeat}: must be at least 1")
+    if tensors < 1 or size_bytes // ranks // tensors < 4:
+        raise ValueError(f"bad --size/--tensors: each of {ranks * tensors} tensors needs 4 bytes")
+    if local_root is None:
+        local_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    if not 0 <= background_nice <= 19:
+        raise ValueError(f"bad --background-nice {background_nice}: must be within 0..19")
+    if not os.path.isdir(local_root):
+        raise ValueError(f"--local-root {local_root!r} is not a directory")
+    say = progress or (lambda _msg: None)
+    date = common.now_iso()
+    with (
+        durable_store(durable, moto=moto) as (durable_uri, kind),
+        common.Workspace(durable_uri, command="recover") as ws,
+    ):
+        local = tempfile.mkdtemp(prefix="ckptbench-recover-", dir=local_root)
+        try:
+            plan = RecoverPlan(
+                durable_uri=ws.child("durable"),
+                plain_uri=ws.child("plain"),
+                dcp_path=ws.path("dcp") if ws.is_local else ws.child("dcp"),
+                dcp_is_local=ws.is_local,
+                local_root=local,
+                ranks_per_node=ranks_per_node,
+                nodes=nodes,
+                bytes_per_rank=size_bytes // ranks,
+                tensors=tensors,
+                repeat=repeat,
+                peer_budget_bytes=peer_budget_bytes,
+                seed=seed,
+                background_nice=background_nice,
+            )
+            say(f"save job: {ranks} ranks, {repeat} saves with tiers and without, DCP once")
+            saved = run_job(plan, ranks, "save", timeout_s=timeout_s)
+            stored = {name: ws.bytes_under(name) for name in ("durable", "plain", "dcp")}
+            say(f"node {plan.wiped_node} wiped; restore job: {repeat} rounds")
+            restored = run_job(plan, ranks, "restore", timeout_s=timeout_s)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+    config = {
+        "ranks": ranks,
+        "ranks_per_node": ranks_per_node,
+        "nodes": nodes,
+        "size_bytes": saved[0]["state_bytes"] * ranks,
+        "bytes_per_rank": saved[0]["state_bytes"],
+        "tensors_per_rank": tensors,
+        "repeat": repeat,
+        "durable": durable_uri or "(a temporary local directory)",
+        "store": kind,
+        "local_root": local_root,
+        "peer_copies": 1,
+        "durable_every": 1,
+        "peer_budget_bytes": peer_budget_bytes,
+        "background_nice": background_nice,
+        "wiped_node": plan.wiped_node,
+        "wiped_ranks": [r for r in range(ranks) if r // ranks_per_node == plan.wiped_node],
+        "stored_bytes": stored,
+        "host": common.host_info(),
+    }
+    return {"bench": "recover", "date": date, "config": config, **summarize(saved, restored)}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _wall(runs: list[dict[str, Any]]) -> float:
+    """From the first rank's start to the last rank's end (one clock: CLOCK_MONOTONIC)."""
+    return max(r["end"] for r in runs) - min(r["start"] for r in runs)
+
+
+def _add(total: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    for key, n in counts.items():
+        total[key] = total.get(key, 0) + n
+    return total
+
+
+def summarize(saved: list[dict], restored: list[dict]) -> dict[str, Any]:
+    """The run's figures from every rank's reports of both jobs."""
+    n_rounds = len(restored[0]["rounds"])
+    rounds = [[r["rounds"][i] for r in restored] for i in range(n_rounds)]
+    restore: dict[str, Any] = {}
+    for name in ("tiers", "dcp"):
+        restore[name] = {
+            "seconds": _median([_wall([rank[name] for rank in rnd]) for rnd in rounds]),
+            "rounds_s": [_wall([rank[name] for rank in rnd]) for rnd in rounds],
+            "per_rank_s": [_median([x[name]["seconds"] for x in r["rounds"]]) for r in restored],
+            "equal": all(rank[name]["equal"] for rnd in rounds for rank in rnd),
+        }
+    tiers = restore["tiers"]
+    tiers["steps"] = sorted({rank["tiers"]["step"] for rnd in rounds for rank in rnd})
+    tiers["sources"] = [r["rounds"][0]["tiers"]["source"] for r in restored]
+    by_tier: list[dict[str, int]] = []
+    durable_rounds = []
+    for rnd in rounds:
+        per_tier: dict[str, int] = {}
+        reads = {"chunk_bytes": 0, "chunk_requests": {}, "other_bytes": 0, "other_requests": {}}
+        reads["requests"], reads["bytes"] = {}, {}
+        for rank in rnd:
+            t = rank["tiers"]
+            _add(per_tier, {tier: s["bytes"] for tier, s in t["sources"].items()})
+            d = t["durable"]
+            reads["chunk_bytes"] += d["chunk_bytes"]
+            reads["other_bytes"] += d["other_bytes"]
+            for key in ("chunk_requests", "other_requests", "requests", "bytes"):
+                _add(reads[key], d[key])
+        by_tier.append(per_tier)
+        durable_rounds.append(reads)
+    tiers["bytes_by_source"] = by_tier[0]
+    tiers["bytes_by_source_rounds"] = by_tier
+    tiers["durable_reads"] = durable_rounds
+    tiers["durable_chunk_bytes"] = max(d["chunk_bytes"] for d in durable_rounds)
+    tiers["durable_chunk_requests"] = max(sum(d["chunk_requests"].values()) for d in durable_rounds)
+    restore["dcp_over_tiers"] = common.ratio(restore["dcp"]["seconds"], tiers["seconds"])
+
+    save: dict[str, Any] = {}
+    for name in METHODS:
+        per_step: dict[int, list[dict]] = {}
+        for r in saved:
+            for s in r["saves"]:
+                if s["method"] == name:
+                    per_step.setdefault(s["step"], []).append(s)
+        steps = [per_step[k] for k in sorted(per_step)]
+        slowest = [max(s["blocked_s"] for s in step) for step in steps]
+        save[name] = {
+            # each rank's loop: every save of every rank
+            "blocked_s": _median([s["blocked_s"] for step in steps for s in step]),
+            # a synchronous job waits for its slowest rank
+            "blocked_slowest_s": _median(slowest),
+            "blocked_slowest_rounds_s": slowest,
+            "committed_s": _median([max(s["committed_s"] for s in step) for step in steps]),
+            "durable_s": _median([max(s["durable_s"] for s in step) for step in steps]),
+        }
+    save["tiers_over_plain"] = common.ratio(save["tiers"]["blocked_s"], save["plain"]["blocked_s"])
+    save["tiers_over_plain_slowest"] = common.ratio(
+        save["tiers"]["blocked_slowest_s"], save["plain"]["blocked_slowest_s"]
+    )
+    save["dcp_save_s"] = max(r["dcp_save_s"] for r in saved)
+    copies = [s["peer_copy"] for r in saved for s in r["saves"] if "peer_copy" in s]
+    peer = {
+        "buffer_bytes_peak": max((c["buffer_bytes"] for c in copies), default=0),
+        "sent_bytes_per_save": _median([c["sent_bytes"] for c in copies]) if copies else 0,
+        "seconds": _median([c["seconds"] for c in copies]) if copies else None,
+        "failed": sorted({k for c in copies for k in c["failed"]}),
+    }
+    equal = restore["tiers"]["equal"] and restore["dcp"]["equal"]
+    speedup = restore["dcp_over_tiers"]
+    return {
+        "restore": restore,
+        "save": save,
+        "peer_copy": peer,
+        "equal": equal,
+        "targets": {
+            "restore_5x_faster_than_dcp": speedup is not None and speedup >= 5,
+            "zero_durable_chunk_bytes": tiers["durable_chunk_bytes"] == 0,
+            "save_blocking_within_1_1x": save["tiers_over_plain"] is not None
+            and save["tiers_over_plain"] <= 1.1,
+        },
+        "ranks": [
+            {
+                "rank": r["rank"],
+                "node": r["node"],
+                "restore": r["rounds"],
+                "saves": s["saves"],
+                "dcp_save_s": s["dcp_save_s"],
+            }
+            for r, s in zip(restored, saved, strict=True)
+        ],
+        "notes": [
+            "restore: from before the Checkpointer is built (tiers) or before dcp.load (DCP) "
+            "until the state is loaded, first rank's start to last rank's end; medians of the "
+            "rounds; each round wipes the node's local directory again",
+            "save: blocked = time in save() with no save in flight and staging reserved, "
+            "median over every rank's saves (slowest: the slowest rank per save, median over "
+            "saves); wait() returned: tiers, committed locally and copied to the peers; "
+            "without, committed to the durable store",
+            "the save job's processes exit without close() after ckpt.wait() (os._exit): "
+            "killed with every save committed and drained",
+        ],
+    }
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value else "-"
+
+
+def print_table(result: dict[str, Any], out: Any = None) -> None:
+    out = out or sys.stdout
+    cfg, restore, save, peer = (result[k] for k in ("config", "restore", "save", "peer_copy"))
+    print(
+        f"ckptbench recover  {result['date']}  {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
+        f"{format_bytes(cfg['size_bytes'])} ({format_bytes(cfg['bytes_per_rank'])} per rank in "
+        f"{cfg['tensors_per_rank']} tensors); durable {cfg['durable']} ({cfg['store']}); local "
+        f"dirs under {cfg['local_root']}",
+        file=out,
+    )
+    print(
+        f"saved with peer_copies=1, durable_every=1, background_nice={cfg['background_nice']}; "
+        "the job killed (exit without close); "
+        f"node {cfg['wiped_node']}'s local dir wiped (ranks "
+        f"{', '.join(map(str, cfg['wiped_ranks']))}); medians of {cfg['repeat']} rounds",
+        file=out,
+    )
+    tiers, dcp = restore["tiers"], restore["dcp"]
+    rows = []
+    for i, r in enumerate(result["ranks"]):
+        first = r["restore"][0]["tiers"]
+        src = {t: s["bytes"] for t, s in first["sources"].items()}
+        rows.append(
+            [f"rank {r['rank']} (node {r['node']})", first["source"],
+             format_bytes(src.get("local", 0)), format_bytes(src.get("peer", 0)),
+             format_bytes(first["durable"]["chunk_bytes"]),
+             format_seconds(tiers["per_rank_s"][i]), format_seconds(dcp["per_rank_s"][i]),
+             _ratio(common.ratio(dcp["per_rank_s"][i], tiers["per_rank_s"][i]))]
+        )  # fmt: skip
+    by = tiers["bytes_by_source"]
+    rows.append(
+        ["job (all ranks)", "", format_bytes(by.get("local", 0)), format_bytes(by.get("peer", 0)),
+         format_bytes(tiers["durable_chunk_bytes"]), format_seconds(tiers["seconds"]),
+         format_seconds(dcp["seconds"]), _ratio(restore["dcp_over_tiers"])]
+    )  # fmt: skip
+    print("\nback to a loaded state: tiers vs DCP load from the durable store", file=out)
+    table(
+        ["", "source", "local", "peer", "durable chunks", "tiers", "DCP load", "DCP / tiers"],
+        rows,
+        out=out,
+    )
+    reads = tiers["durable_reads"][0]
+    ops = ", ".join(f"{op} {n}" for op, n in sorted(reads["requests"].items())) or "none"
+    print(
+        f"durable store during the tiered restore (round 1, all ranks): {ops}; "
+        f"{format_bytes(sum(reads['bytes'].values()))} read, of which chunks "
+        f"{format_bytes(reads['chunk_bytes'])} in {sum(reads['chunk_requests'].values())} "
+        "requests",
+        file=out,
+    )
+    rows = []
+    for name, label in (("tiers", "with tiers"), ("plain", "without (durable store)")):
+        s = save[name]
+        rows.append(
+            [label, format_seconds(s["blocked_s"]), format_seconds(s["blocked_slowest_s"]),
+             format_seconds(s["committed_s"]), format_seconds(s["durable_s"])]
+        )  # fmt: skip
+    print("\nsave: time save() blocks the loop (medians)", file=out)
+    table(["", "blocked", "slowest rank", "wait() returned", "durable"], rows, out=out)
+    print(
+        f"blocked with / without tiers: {_ratio(save['tiers_over_plain'])} (slowest rank "
+        f"{_ratio(save['tiers_over_plain_slowest'])}); DCP's save of the last state: "
+        f"{format_seconds(save['dcp_save_s'])}",
+        file=out,
+    )
+    budget = cfg["peer_budget_bytes"]
+    print(
+        f"peer copy: peak round buffer {format_bytes(peer['buffer_bytes_peak'])} per rank "
+        f"(peer_budget_bytes {format_bytes(budget)}, state per rank "
+        f"{format_bytes(cfg['bytes_per_rank'])}); {format_bytes(peer['sent_bytes_per_save'])} "
+        "sent per rank per save",
+        file=out,
+    )
+    met = result["targets"]
+    print(
+        "\ntargets (issue 22): restore >= 5x faster than DCP "
+        f"{'met' if met['restore_5x_faster_than_dcp'] else 'NOT met'}; 0 durable chunk bytes "
+        f"{'met' if met['zero_durable_chunk_bytes'] else 'NOT met'}; save blocking <= 1.1x "
+        f"{'met' if met['save_blocking_within_1_1x'] else 'NOT met'}",
+        file=out,
+    )
+    for note in result["notes"]:
+        print(f"note: {note}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    size = parse_bytes(args.size, what="--size")
+    budget = parse_bytes(args.peer_budget, what="--peer-budget")
+    if args.timeout <= 0:
+        raise ValueError(f"bad --timeout {args.timeout}: must be positive")
+    result = run_recover(
+        ranks=args.ranks,
+        ranks_per_node=args.ranks_per_node,
+        size_bytes=size,
+        tensors=args.tensors,
+        durable=args.durable,
+        moto=args.moto,
+        repeat=args.repeat,
+        peer_budget_bytes=budget,
+        local_root=args.local_root,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        background_nice=args.background_nice,
+        progress=logger.info,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        print_table(result)
+    if not result["equal"]:
+        bad = [
+            f"rank {r['rank']} ({name})"
+            for r in result["ranks"]
+            for rnd in r["restore"]
+            for name in ("tiers", "dcp")
+            if not rnd[name]["equal"]
+        ]
+        print(
+            f"ckptbench recover: error: restored state differs from the saved one: "
+            f"{', '.join(sorted(set(bad)))}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "recover",
+        help="time back to a loaded state from local and peer copies vs DCP load",
+        description="Save a state on N gloo ranks simulated as nodes, with tiers (node-local "
+        "copies, one peer copy, every save drained to the durable store) and without; kill "
+        "the job, wipe one node's local directory, and restore in a fresh job: time back to a "
+        "loaded state and bytes per source (local, peer, durable) side by side with DCP's "
+        "load of the same state from the durable store, and save() blocking with and without "
+        "tiers. Every restored state is checked against the saved one. Works under a fresh "
+        "ckptbench-recover-<random>/ directory of the durable store and deletes it.",
+    )
+    p.add_argument("--ranks", type=int, default=4, help="ranks (processes; default 4)")
+    p.add_argument(
+        "--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)"
+    )
+    p.add_argument("--size", default="1GiB", help="the whole state, split over the ranks")
+    p.add_argument("--tensors", type=int, default=4, help="tensors per rank (default 4)")
+    p.add_argument(
+        "--durable",
+        metavar="DIR_OR_S3_URI",
+        help="the durable store: a directory or s3://bucket/prefix (default: a temporary "
+        f"directory; with --moto s3://{DEFAULT_BUCKET})",
+    )
+    p.add_argument(
+        "--moto",
+        action="store_true",
+        help="start a moto S3 server on 127.0.0.1 and make --durable's bucket there",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="saves per method and restore rounds")
+    p.add_argument(
+        "--peer-budget",
+        default="64MiB",
+        help="peer_budget_bytes: most bytes per peer-copy round (default 64MiB)",
+    )
+    p.add_argument(
+        "--local-root",
+        help="where the nodes' local directories go (default /dev/shm, a RAM disk, else the "
+        "temporary directory)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds each job (save, restore) may take before its ranks are killed (default 3600)",
+    )
+    p.add_argument(
+        "--background-nice",
+        type=int,
+        default=0,
+        help="background_nice of the save job's Checkpointers, with tiers and without: their "
+        "background threads yield the cores to the loops (default 0)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the state (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+    return p
