@@ -44,6 +44,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    FormatVersionError,
     PartialLoadError,
     UnsupportedStateError,
 )
@@ -372,6 +373,7 @@ class Checkpointer:
                 world_size=self._group.world_size,
                 durable_uri=store_identity(self.store),
                 timeout_s=timeout_s,
+                thread_nice=background_nice,
             )
             if self._policy.peer_copies:
                 if not self._group.active:
@@ -695,7 +697,17 @@ class Checkpointer:
         t0 = time.perf_counter()
         wanted = None if step in (None, "latest") else int(step)
         wards = [self.rank] + (self._topology.wards(self.rank) if self._topology else [])
-        held = {w: self._local.copies(w) for w in wards}
+        held: dict[int, dict[int, str]] = {}
+        for ward in wards:
+            try:
+                held[ward] = self._local.copies(ward)
+            except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
+                logger.warning(
+                    "rank %d: the local tier of rank %d cannot be read, not offered: %s",
+                    self.rank,
+                    ward,
+                    self._one_line(exc),
+                )
         durable: Any = None
         if self.rank == 0:
             try:
@@ -706,8 +718,10 @@ class Checkpointer:
         plan: Any = None
         if self.rank == 0:
             try:
-                plan = self._plan_tiered([h for h, _ in everything], durable, wanted)
-            except CheckpointError as exc:
+                plan = self._plan_tiered(
+                    [h for h, _ in everything], durable, wanted, None if fallback else 1
+                )
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
                 plan = exc
         plan = self._group.broadcast(plan)
         if isinstance(plan, BaseException):
@@ -721,9 +735,7 @@ class Checkpointer:
             error, skippable, written = self._load_candidate(state, candidate, strict)
             self.last_load.seconds = time.perf_counter() - t0
             if error is None:
-                if wanted is None:  # resumed from the newest step every rank could load
-                    for ward in wards:
-                        self._local.drop_newer(ward, candidate.step)
+                self._local.resumed_from = candidate.step  # newer copies go at the next save
                 return candidate.step
             dirty.update(dict.fromkeys(written, candidate.step))
             if not (fallback and skippable):
@@ -736,27 +748,39 @@ class Checkpointer:
                 self._one_line(error),
             )
         every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
-        error = CheckpointCorruptError(
+        missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
+        error = (CheckpointNotFoundError if missing else CheckpointCorruptError)(
             f"no step in the tiers ({self._local.policy.local_dir}, peers) or {self.store.uri} "
             f"could be loaded, every one failed: {every}"
         )
         raise self._load_failed(error, dirty)
 
     def _plan_tiered(
-        self, held: list[dict[int, dict[int, str]]], durable: Any, step: int | None
+        self,
+        held: list[dict[int, dict[int, str]]],
+        durable: Any,
+        step: int | None,
+        limit: int | None,
     ) -> list[Candidate]:
-        if isinstance(durable, BaseException):
-            logger.warning("durable store %s cannot be listed: %s", self.store.uri, durable)
+        unlisted = durable if isinstance(durable, BaseException) else None
+        if unlisted is not None:
+            logger.warning(
+                "durable store %s cannot be listed, only local and peer copies are considered: %s",
+                self.store.uri,
+                self._one_line(unlisted),
+            )
             durable = []
 
         def attempt(s: int) -> str | None:
             try:
                 return load_manifest(self.store, s).attempt
-            except CheckpointError as exc:
+            except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
                 logger.warning("durable step %d in %s unreadable: %s", s, self.store.uri, exc)
-                return None
+                return None  # a storage error is raised: the step may be fine
 
-        plan = plan_sources(held, durable, attempt, step=step)
+        plan = plan_sources(held, durable, attempt, step=step, limit=limit)
+        if not plan and unlisted is not None:
+            raise unlisted
         if not plan:
             where = f"step {step}" if step is not None else "any step"
             raise CheckpointNotFoundError(
@@ -782,7 +806,7 @@ class Checkpointer:
         loaded = None
         for _ in range(max(len(s) for s in candidate.sources)):
             transfers = [
-                Transfer(src.holder, r, r, candidate.step, candidate.attempt)
+                Transfer(src.holder, r, r, candidate.step, candidate.attempt, repair=True)
                 for r in sorted(pending)
                 if turn[r] < len(candidate.sources[r])
                 and (src := candidate.sources[r][turn[r]]).tier == PEER
@@ -795,6 +819,9 @@ class Checkpointer:
                     group=self._group.group,
                     local=self._local,
                     budget_bytes=self._policy.peer_budget_bytes,
+                )
+                self.last_load.peer_buffer_bytes = max(
+                    self.last_load.peer_buffer_bytes, stats.buffer_bytes
                 )
                 if any(t.dst == self.rank for t in transfers):
                     self.last_load.add(
@@ -867,7 +894,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"rank {self.rank}: no tier holds a copy of step {step}")
         if source.tier == PEER:
             outcome = outcomes.get(
-                Transfer(source.holder, self.rank, self.rank, step, candidate.attempt)
+                Transfer(source.holder, self.rank, self.rank, step, candidate.attempt, repair=True)
             )
             if outcome is not None:
                 raise CheckpointCorruptError(f"peer copy from rank {source.holder}: {outcome}")
@@ -1194,8 +1221,10 @@ class Checkpointer:
         assert self._local is not None
         session: SaveSession | None = None
         error: BaseException | None = None
+        wards = [self.rank] + (self._topology.wards(self.rank) if self._topology else [])
         try:
             try:
+                self._local.roll_back(wards)
                 session = SaveSession(
                     self.engine,
                     self._local.store(self.rank),
@@ -1204,12 +1233,15 @@ class Checkpointer:
                     kind=KIND_STATE,
                 )
                 session.begin(0)
+                for digest in self._local.take_bad():  # removed by a drain: written again
+                    if session.known is not None:
+                        session.known.pop(digest, None)
                 job.staged.copy.wait()
                 entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
                 written = session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it
                 error = exc
-            failed = self._failures(error)
+            failed = self._failures(error, job)
             if not failed:
                 try:
                     user = {**job.user, TIER_KEY: self._local.info(self.rank)}
@@ -1235,12 +1267,23 @@ class Checkpointer:
             return False
         self._local_failure_logged = False
         self.engine.release(job.staged)
-        self._local.retain(self.rank)
+        if job.durable:
+            self._local.protect(job.step)  # until drained (_drain_loop)
+        self._local.retain(self.rank, keep={job.step})
         return True
 
-    def _failures(self, error: BaseException | None) -> list[tuple[int, str]]:
+    def _failures(
+        self, error: BaseException | None, job: _Job | None = None
+    ) -> list[tuple[int, str]]:
+        """Every rank's error (one line) of a phase of a local save; with ``job``, the ranks
+        also agree on whether it goes to durable storage (SIGTERM may reach one node only)."""
         mine = None if error is None else self._one_line(error)
-        return [(r, e) for r, e in enumerate(self._group.gather(mine)) if e is not None]
+        flags = (job.durable, job.wait_durable) if job is not None else (False, False)
+        everything = self._group.gather((mine, flags))
+        if job is not None:
+            job.durable = any(f[0] for _, f in everything)
+            job.wait_durable = any(f[1] for _, f in everything)
+        return [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
 
     def _after_local(self, job: _Job) -> None:
         """A step committed to the local tier: copies to peers, then a drain to durable storage
@@ -1252,12 +1295,15 @@ class Checkpointer:
                 for r in range(self._group.world_size)
                 for h in self._topology.holders(r)
             ]
-            outcomes, self.last_peer_copy = transfer(
-                transfers,
-                group=self._group.group,
-                local=self._local,
-                budget_bytes=self._policy.peer_budget_bytes,
-            )
+            try:
+                outcomes, self.last_peer_copy = transfer(
+                    transfers,
+                    group=self._group.group,
+                    local=self._local,
+                    budget_bytes=self._policy.peer_budget_bytes,
+                )
+            except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
+                outcomes = {t: self._one_line(exc) for t in transfers}
             failed = [(t, e) for t, e in outcomes.items() if e is not None]
             if failed and self.rank == 0:
                 logger.warning(
@@ -1270,7 +1316,6 @@ class Checkpointer:
         if job.durable:
             future: Future[None] = Future()
             job.handle.durable = future
-            self._local.protect(job.step)
             self._last_drain = future
             self._drains.put((job, future))
             if job.wait_durable:

@@ -446,3 +446,16 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
         assert handle.durable.exception(timeout=60) is not None
     assert list_steps(Store(str(_copies(tmp_path / "local", 0)))) == [1]
     assert list_steps(Store(str(tmp_path / "durable"))) == []
+
+
+def test_a_load_reads_only_the_durable_manifests_it_considers(tmp_path):
+    with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local") as ckpt:
+        for step in range(1, 7):  # every save durable
+            ckpt.save(step, _state(0, step)).wait()
+    tally = Tally()
+    store = Store(str(tmp_path / "durable"))
+    store.backend = CountingBackend(store.backend, tally)
+    with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local", store=store) as ckpt:
+        assert ckpt.load(_blank()) == 6 and ckpt.last_load.source == LOCAL
+    assert tally.others["get"] == 1  # step 6's manifest (for its attempt), not all six
+    assert tally.chunks.total() == 0

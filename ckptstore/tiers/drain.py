@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ckptstore.catalog import load_manifest, read_rank_index
 from ckptstore.codec import decode
-from ckptstore.errors import CheckpointError, ObjectExistsError
+from ckptstore.errors import CheckpointCorruptError, CheckpointError, ObjectExistsError
 from ckptstore.format import ChunkInfo, chunk_key
 from ckptstore.leases import SAVE, Lease
 from ckptstore.pipeline import release_free_memory
@@ -54,7 +54,11 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> tuple[RankW
                 raise CheckpointError(
                     f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
                 )
-            decode(data, expected_hash=digest, name=store.url(key), raw_len=info.raw)
+            try:
+                decode(data, expected_hash=digest, name=store.url(key), raw_len=info.raw)
+            except CheckpointCorruptError:
+                local.forget_bad_chunk(digest)
+                raise
             try:
                 durable.put(key, data, hedged=session.engine.hedge_uploads)
             except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise

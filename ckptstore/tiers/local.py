@@ -47,6 +47,7 @@ class LocalTier:
         world_size: int,
         durable_uri: str,
         timeout_s: float,
+        thread_nice: int = 0,
     ) -> None:
         self.policy = policy
         self.engine = engine
@@ -54,9 +55,14 @@ class LocalTier:
         self.world_size = world_size
         self.durable_uri = durable_uri
         self.timeout_s = timeout_s
+        self.thread_nice = thread_nice
         self._stores: dict[int, Store] = {}
         self._lock = threading.Lock()
         self._to_drain: set[int] = set()  # steps a drain still has to copy from here
+        self._bad: set[str] = set()  # own chunks found corrupt, removed: the next save rewrites
+        self.resumed_from: int | None = None
+        """The step the last load resumed from: copies of later steps belong to a run the job
+        left, and are unlisted before its next save (``roll_back``)."""
 
     def protect(self, step: int) -> None:
         """Keep this rank's copy of ``step`` whatever ``local_keep_last`` says, until
@@ -79,7 +85,7 @@ class LocalTier:
             if store is None:
                 path = self.rank_dir(ward)
                 path.mkdir(parents=True, exist_ok=True)
-                store = open_store(path, timeout_s=self.timeout_s)
+                store = open_store(path, timeout_s=self.timeout_s, thread_nice=self.thread_nice)
                 self._stores[ward] = store
             return store
 
@@ -132,14 +138,53 @@ class LocalTier:
             drop_step(store, s)
         return dropped
 
-    def retain(self, ward: int) -> None:
-        """``local_keep_last`` for ``ward``'s copies; a step still to be drained is kept."""
+    def roll_back(self, wards: list[int]) -> None:
+        """Before the first save after a load: unlist the copies of steps after the one
+        loaded (``drop_newer``), which the job will save again as other saves."""
+        if self.resumed_from is None:
+            return
+        for ward in wards:
+            dropped = self.drop_newer(ward, self.resumed_from)
+            if dropped:
+                logger.info(
+                    "rank %d: unlisted rank %d's local copies of steps %s (the job resumed from "
+                    "step %d)",
+                    self.rank,
+                    ward,
+                    dropped,
+                    self.resumed_from,
+                )
+        self.resumed_from = None
+
+    def forget_bad_chunk(self, digest: str) -> None:
+        """A chunk of this rank's own store failed its hash check: remove it, so that the next
+        save writes it again instead of referencing it (``take_bad``)."""
+        from ckptstore.format import chunk_key
+
+        with self._lock:
+            self._bad.add(digest)
+        self.store(self.rank).delete(chunk_key(digest))
+        logger.warning(
+            "rank %d: chunk %s of the local tier failed its hash check; removed, the next save "
+            "writes it again",
+            self.rank,
+            digest,
+        )
+
+    def take_bad(self) -> set[str]:
+        with self._lock:
+            bad, self._bad = self._bad, set()
+        return bad
+
+    def retain(self, ward: int, keep: set[int] = frozenset()) -> None:
+        """``local_keep_last`` for ``ward``'s copies; ``keep`` and a step still to be drained
+        are kept."""
         store = self.store(ward)
         try:
             collect(
                 store,
                 keep_last=self.policy.local_keep_last,
-                keep_steps=self.to_drain() if ward == self.rank else frozenset(),
+                keep_steps=(self.to_drain() if ward == self.rank else set()) | set(keep),
                 lease_ttl_s=self.engine.lease_ttl_s,
             )
         except CheckpointError as exc:

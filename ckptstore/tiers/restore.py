@@ -49,6 +49,7 @@ class LoadReport:
     source: str | None = None  # the tier the rank's state came from
     sources: dict[str, SourceStats] = field(default_factory=dict)
     seconds: float = 0.0
+    peer_buffer_bytes: int = 0  # the most round-buffer bytes its peer transfers held at once
 
     def add(self, tier: str, nbytes: int, seconds: float, chunks: int = 0) -> None:
         stats = self.sources.setdefault(tier, SourceStats())
@@ -63,10 +64,12 @@ def plan_sources(
     durable_attempt: Callable[[int], str | None],
     *,
     step: int | None = None,
+    limit: int | None = None,
 ) -> list[Candidate]:
     """The saves every rank can restore, newest first. ``held[h]``: rank h's node's copies, by
     ward, step -> attempt; ``durable_attempt(step)``: the attempt of a durable step (None when
-    its manifest cannot be read). ``step``: only that step."""
+    its manifest cannot be read), asked only of the steps considered. ``step``: only that step;
+    ``limit``: at most that many saves (a load without fallback needs one)."""
     world = len(held)
     by_save: dict[tuple[int, str], dict[int, list[Source]]] = {}
     for h, wards in enumerate(held):
@@ -103,6 +106,8 @@ def plan_sources(
         if found:
             _, attempt, sources = max(found, key=lambda f: (f[0], f[1]))
             out.append(Candidate(s, attempt, sources))
+            if limit is not None and len(out) >= limit:
+                break
     return out
 
 

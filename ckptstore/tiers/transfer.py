@@ -42,6 +42,7 @@ from ckptstore.format import (
     object_ref,
 )
 from ckptstore.leases import SAVE, Lease
+from ckptstore.retention import drop_step
 from ckptstore.save.session import SaveSession
 from ckptstore.tiers.local import LocalTier
 
@@ -58,6 +59,9 @@ class Transfer:
     ward: int
     step: int
     attempt: str
+    repair: bool = False
+    """A restore's transfer: the destination's own copy of this save failed, so whatever it
+    holds of it (manifest, index, chunks) is checked or replaced, never trusted."""
 
 
 @dataclass
@@ -109,6 +113,18 @@ def _rounds(digests: list[str], chunks: dict[str, ChunkInfo], budget: int) -> li
         rounds[-1].append(digest)
         total += nbytes
     return rounds
+
+
+def _intact(store, key: str, digest: str, info: ChunkInfo) -> bool:
+    """Whether the chunk stored at ``key`` has the size and hash it should."""
+    try:
+        data = store.get_view(key, 0, info.stored + 1)
+        if len(data) != info.stored:
+            return False
+        decode(data, expected_hash=digest, name=store.url(key), raw_len=info.raw)
+    except (CheckpointError, OSError):
+        return False
+    return True
 
 
 def _one_line(exc: BaseException) -> str:
@@ -184,7 +200,9 @@ class _Exchange:
                 self.stats.sent_bytes += info.stored
             except (CheckpointError, OSError) as exc:
                 view[position + info.stored] = _BAD
-                out.error = out.error or f"rank {self.rank} cannot read chunk {digest}: {exc}"
+                out.error = out.error or (
+                    f"rank {self.rank} cannot read chunk {digest}: {_one_line(exc)}"
+                )
             position += info.stored + 1
 
     # -- the destination side -----------------------------------------------------------------
@@ -193,6 +211,8 @@ class _Exchange:
         inc = _Incoming(t)
         store = self.local.store(t.ward)
         try:
+            if t.repair and store.exists(commit_key(t.step)):
+                drop_step(store, t.step)  # unlisted until the repaired copy is committed
             existing = self.local.copies(t.ward).get(t.step)
             if existing == t.attempt:
                 inc.held = True
@@ -203,6 +223,8 @@ class _Exchange:
                 self.local.engine, store, step=t.step, attempt=t.attempt, kind=KIND_STATE
             )
             inc.session.begin(0)
+            if t.repair:
+                inc.session.known = {}  # what this store holds of the save may be bad
         except (CheckpointError, OSError) as exc:
             inc.error = f"rank {self.rank} cannot take rank {t.ward}'s copy: {_one_line(exc)}"
         return inc
@@ -255,12 +277,16 @@ class _Exchange:
             data = view[start : start + info.stored]
             name = f"chunk {digest} of rank {inc.t.ward} from rank {inc.t.src}"
             decode(data, expected_hash=digest, name=name, raw_len=info.raw)
+            key = chunk_key(digest)
             try:
-                store.put(chunk_key(digest), data)
+                store.put(key, data)
             except ObjectExistsError:
-                if store.size(chunk_key(digest)) != info.stored:
+                if inc.t.repair and not _intact(store, key, digest, info):
+                    store.delete(key)  # a bad byte in this tier: the verified bytes replace it
+                    store.put(key, data)
+                elif store.size(key) != info.stored:
                     raise CheckpointError(
-                        f"{store.url(chunk_key(digest))} holds chunk {digest} encoded otherwise"
+                        f"{store.url(key)} holds chunk {digest} encoded otherwise"
                     ) from None
             self.stats.chunks_received += 1
             self.stats.received_bytes += info.stored
@@ -282,7 +308,10 @@ class _Exchange:
                     store.put(inc.index_key, inc.index_bytes)
                 except ObjectExistsError:
                     if store.get(inc.index_key) != inc.index_bytes:
-                        raise
+                        if not inc.t.repair:
+                            raise
+                        store.delete(inc.index_key)
+                        store.put(inc.index_key, inc.index_bytes)
                 session.commit_copy(inc.manifest)
         except (CheckpointError, OSError) as exc:
             inc.error = (
