@@ -523,7 +523,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          "GET/HEAD/LIST per second per prefix"),
         ("--chunk-prefixes", int, request_floor.CHUNK_PREFIXES,
          "prefixes chunk keys spread over (chunks/<h[:2]>/)"),
-        ("--hot-prefixes", int, 1, "prefixes the other requests (indexes, manifest) spread over"),
+        ("--index-prefixes", int, request_floor.CHUNK_PREFIXES,
+         "prefixes rank indexes spread over (indexes/<x[:2]>/ since format version 2; "
+         "1 for a version 1 store)"),
+        ("--hot-prefixes", int, 1,
+         "prefixes the coordinator's requests (lease, listings, manifest) spread over"),
     ):  # fmt: skip
         req.add_argument(flag, type=kind, default=default, help=f"{text} (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -542,6 +546,7 @@ def request_floor_from_args(args: argparse.Namespace, result: dict[str, Any]) ->
         writes_per_prefix_s=args.s3_writes_per_prefix,
         reads_per_prefix_s=args.s3_reads_per_prefix,
         chunk_prefixes=args.chunk_prefixes,
+        index_prefixes=args.index_prefixes,
         hot_prefixes=args.hot_prefixes,
     )
     return request_floor.floor(
@@ -702,7 +707,8 @@ def print_request_floor(floor: dict[str, Any], out=None) -> None:
         f"\nrequest-bound floor on S3: {floor['ranks']:,} ranks, {_bytes(floor['state_bytes'])} "
         f"in {floor['chunks']:,} chunks of {format_bytes(floor['chunk_bytes'])}; per prefix "
         f"{lim['writes_per_prefix_s']:g} writes/s and {lim['reads_per_prefix_s']:g} reads/s, "
-        f"chunks over {lim['chunk_prefixes']} prefixes, the rest over {lim['hot_prefixes']} "
+        f"chunks over {lim['chunk_prefixes']} prefixes, indexes over {lim['index_prefixes']}, "
+        f"the rest over {lim['hot_prefixes']} "
         f"(counts: {floor['counts']['source']})",
         file=out,
     )

@@ -6,9 +6,11 @@ answers 503 SlowDown. A save or restore cannot end sooner than its busiest prefi
 requests, whatever the bandwidth: that time is the floor.
 
 Where the requests go (docs/FORMAT.md): chunk keys ``chunks/<h[:2]>/<h>`` spread by hash over
-256 prefixes; a rank's other requests (its index ``steps/<step>/<attempt>/rank-<r>``, the
-manifest every rank reads on restore) land on a few prefixes that every rank shares, counted
-here as ``hot_prefixes`` (1 by default: one step's indexes sit under one prefix).
+256 prefixes, and so do rank indexes since format version 2 (``indexes/<x[:2]>/...``: a rank's
+requests besides its chunks, its index put and read, ``index_prefixes``; 1 models a version 1
+store, whose indexes of one save sit under one prefix). The coordinator's requests (lease,
+listings, the manifest, read once per restore and broadcast) land on a few prefixes that every
+save shares, counted here as ``hot_prefixes``.
 
 The counts: a save writes each new chunk with one request and a restore reads each chunk with
 one (tests/test_requests.py holds the code to that), plus requests per rank and per save that
@@ -33,14 +35,15 @@ WRITE_OPS = ("put", "delete")
 class RequestCounts:
     """Requests besides the chunks' own, as ``{"write": n, "read": n}``: of a save and of a
     restore, fixed (the coordinator's) and per rank. Defaults: ``ckptbench scale`` on
-    2026-11-25 (moto and local alike): a save writes the lease, the manifest and a lease delete, reads two
-    listings and the latest manifest, and per rank puts its index and reads its index of the
-    latest step; a restore lists once and per rank reads the manifest and its index."""
+    2026-11-25 (moto and local alike): a save writes the lease, the manifest and a lease delete,
+    reads two listings and the latest manifest, and per rank puts its index and reads its index
+    of the latest step; a restore lists once and reads the manifest once (rank 0, broadcast since
+    2026-11-26; every rank read it before), and per rank reads its index."""
 
     save_fixed: dict[str, float] = field(default_factory=lambda: {"write": 3.0, "read": 3.0})
     save_per_rank: dict[str, float] = field(default_factory=lambda: {"write": 1.0, "read": 1.0})
-    restore_fixed: dict[str, float] = field(default_factory=lambda: {"write": 0.0, "read": 1.0})
-    restore_per_rank: dict[str, float] = field(default_factory=lambda: {"write": 0.0, "read": 2.0})
+    restore_fixed: dict[str, float] = field(default_factory=lambda: {"write": 0.0, "read": 2.0})
+    restore_per_rank: dict[str, float] = field(default_factory=lambda: {"write": 0.0, "read": 1.0})
     source: str = "default"
 
 
@@ -49,8 +52,10 @@ class Limits:
     writes_per_prefix_s: float = S3_WRITES_PER_PREFIX_S
     reads_per_prefix_s: float = S3_READS_PER_PREFIX_S
     chunk_prefixes: int = CHUNK_PREFIXES
+    index_prefixes: int = CHUNK_PREFIXES
+    """Prefixes a rank's requests besides its chunks (its index) spread over."""
     hot_prefixes: int = 1
-    """Prefixes the requests besides chunks spread over."""
+    """Prefixes the coordinator's requests (fixed per save) spread over."""
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -116,7 +121,11 @@ def floor(
         bounds = {
             f"chunks ({chunk_kind})": chunks / (limits.chunk_prefixes * rate[chunk_kind]),
             **{
-                f"other ({k})": other[k] / (limits.hot_prefixes * rate[k])
+                f"indexes ({k})": per_rank[k] * ranks / (limits.index_prefixes * rate[k])
+                for k in ("write", "read")
+            },
+            **{
+                f"other ({k})": fixed[k] / (limits.hot_prefixes * rate[k])
                 for k in ("write", "read")
             },
         }

@@ -290,24 +290,26 @@ def _floor_of_10_chunks_on_1000_ranks(limits: request_floor.Limits) -> dict:
 
 def test_request_floor_by_hand():
     """1,000 ranks, 10 chunks each. Save: 10,000 chunk puts over 256 prefixes take
-    10,000 / (256 * 3,500) s; the 1,003 other writes (an index per rank, the lease, its
-    delete and the manifest) share one prefix: 1,003 / 3,500 = 0.2866 s, the floor. Restore:
-    2,001 other reads (a manifest and an index per rank, one listing) / 5,500 = 0.3638 s."""
+    10,000 / (256 * 3,500) s, the floor; the 1,000 index puts spread over 256 prefixes as well
+    (format version 2) and the coordinator's 3 writes (lease, its delete, the manifest) share
+    one. Restore: 10,000 chunk gets over 256 prefixes; 1,000 index reads, 2 on one prefix (one
+    listing, the manifest read once). A version 1 store (indexes under one prefix) is bound by
+    its 1,000 index puts: 1,000 / 3,500 = 0.2857 s."""
     floor = _floor_of_10_chunks_on_1000_ranks(request_floor.Limits())
     assert floor["chunks"] == 10_000
     save, restore = floor["save"], floor["restore"]
-    assert save["bounds_s"]["chunks (write)"] == pytest.approx(10_000 / (256 * 3500))
     assert save["other_requests"] == {"write": 1003, "read": 1003}
-    assert save["floor_s"] == pytest.approx(1003 / 3500) and save["bound_by"] == "other (write)"
-    assert (
-        restore["floor_s"] == pytest.approx(2001 / 5500) and restore["bound_by"] == "other (read)"
-    )
-    # Spread the rest over 1,000 prefixes and keep the chunks under one: the chunks bind.
-    spread = _floor_of_10_chunks_on_1000_ranks(
-        request_floor.Limits(chunk_prefixes=1, hot_prefixes=1000)
-    )
-    assert spread["save"]["floor_s"] == pytest.approx(10_000 / 3500)
-    assert spread["restore"]["floor_s"] == pytest.approx(10_000 / 5500)
+    assert save["bounds_s"]["indexes (write)"] == pytest.approx(1000 / (256 * 3500))
+    assert save["bounds_s"]["other (write)"] == pytest.approx(3 / 3500)
+    assert save["floor_s"] == pytest.approx(10_000 / (256 * 3500))
+    assert save["bound_by"] == "chunks (write)"
+    assert restore["other_requests"] == {"write": 0, "read": 1002}
+    assert restore["floor_s"] == pytest.approx(10_000 / (256 * 5500))
+    assert restore["bound_by"] == "chunks (read)"
+    v1 = _floor_of_10_chunks_on_1000_ranks(request_floor.Limits(index_prefixes=1))
+    assert v1["save"]["floor_s"] == pytest.approx(1000 / 3500)
+    assert v1["save"]["bound_by"] == "indexes (write)"
+    assert v1["restore"]["floor_s"] == pytest.approx(1000 / 5500)
 
 
 def _scale_json(tmp_path) -> Path:
@@ -335,7 +337,8 @@ def test_request_counts_fitted_from_a_scale_run(tmp_path, capsys):
     r = _run_json(capsys, "--scale-json", str(_scale_json(tmp_path)), "--chunk-bytes", "32MiB")
     floor = r["request_floor"]
     assert floor["ranks"] == 16384 and floor["counts"]["source"] == str(_scale_json(tmp_path))
-    assert floor["save"]["floor_s"] == pytest.approx((16384 + 3) / 3500)
+    assert floor["save"]["bounds_s"]["indexes (write)"] == pytest.approx(16384 / (256 * 3500))
+    assert floor["save"]["bounds_s"]["other (write)"] == pytest.approx(3 / 3500)
 
 
 def test_request_floor_in_the_table(capsys):
@@ -343,6 +346,7 @@ def test_request_floor_in_the_table(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "request-bound floor on S3: 16,384 ranks" in out and "the rest over 64" in out
+    assert "indexes over 256" in out
 
 
 def test_goodput_with_and_without_tiers_by_hand():
