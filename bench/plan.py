@@ -14,12 +14,14 @@ seconds to each node's local tier and a peer's, every M-th also to durable stora
 costs the work since the last save of the tier the job restores from, half that tier's save
 interval on average, plus the restore and the restart; goodput is
 
-    (1 - blocked / T) * (1 - (T_tier / 2 + R_tier + S) / MTBF)
+    (1 - blocked / T) * (1 - (T_tier / 2 + P_tier + R_tier + S) / MTBF)
 
 with T_tier = T and R_tier = the slower of the local and the peer restore (a node replaced: its
 ranks read a peer's copy while the others read their own) with tiers; without them the job saves
 to durable storage only, every M * T (the cadence its durable storage takes), and restores from
-it: T_tier = M * T, R_tier = the durable restore. Shown at Llama 3's failure rate and at the
+it: T_tier = M * T, R_tier = the durable restore. P_tier is the time a save takes to commit
+to that tier (a failure before it does loses one more interval): the staging and the peer copy
+with tiers, the durable persist without. Shown at Llama 3's failure rate and at the
 MTTF of 1.8 h that Meta's cluster study projects for 16,384 GPUs, each scaled per accelerator.
 """
 
@@ -280,24 +282,33 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
             blocked_s=blocked_s,
             mtbf_s=mtbf_s,
             restore_s={"local": h2d_s, "peer": restore_peer_s, "durable": restore_storage_s},
+            persist_s={"durable": persist_s, "local": stage_s + peer_copy_s},
         ),
     }
 
 
 def tier_goodput(
-    *, interval_s: float, restore_s: float, restart_s: float, blocked_s: float, mtbf_s: float
+    *,
+    interval_s: float,
+    persist_s: float,
+    restore_s: float,
+    restart_s: float,
+    blocked_s: float,
+    mtbf_s: float,
 ) -> dict[str, float]:
     """One failure's cost and the goodput when saves come every ``interval_s`` seconds (each
-    blocking ``blocked_s``) and a failure falls back to the last of them: half an interval of
-    work lost on average, then the restore and the restart,
-    ``(1 - blocked / T) * (1 - (T / 2 + R + S) / M)``."""
+    blocking ``blocked_s``, committed to the tier ``persist_s`` after it starts) and a failure
+    falls back to the last of them: half an interval of work lost on average plus the persist
+    time (a failure before the newest save is committed loses one more interval, with
+    probability persist/T), then the restore and the restart,
+    ``(1 - blocked / T) * (1 - (T / 2 + P + R + S) / M)``, as the plan's own goodput."""
     _check_positive(interval_s=interval_s, mtbf_s=mtbf_s)
     if blocked_s >= interval_s:
         raise ValueError(
             f"a save every {format_seconds(interval_s)} but each blocks "
             f"{format_seconds(blocked_s)}: give a longer --save-every-min"
         )
-    lost_s = interval_s / 2.0 + restore_s
+    lost_s = interval_s / 2.0 + persist_s + restore_s
     efficiency = 1.0 - blocked_s / interval_s
     return {
         "interval_s": interval_s,
@@ -315,10 +326,13 @@ def tiers(
     blocked_s: float,
     mtbf_s: float,
     restore_s: dict[str, float],
+    persist_s: dict[str, float],
 ) -> dict[str, Any]:
     """Goodput with tiers and without, at Llama 3's failure rate, at Meta's projected 1.8 h
     MTTF for 16,384 GPUs (both scaled per accelerator to ``i.accelerators``) and, when it
-    differs, at the plan's own MTBF. ``restore_s``: the defaults of each tier's restore."""
+    differs, at the plan's own MTBF. ``restore_s``: the defaults of each tier's restore;
+    ``persist_s``: from the start of a save until it is committed to durable storage
+    (``durable``) and to the local tier with its peer copy (``local``)."""
     every = i.save_every_s or period_s
     given = {"local": i.local_restore_s, "peer": i.peer_restore_s}
     given["durable"] = i.durable_restore_s
@@ -333,16 +347,21 @@ def tiers(
     if all(not math.isclose(mtbf_s, m, rel_tol=1e-9) for _, m in rates):
         rates.append(("this plan's MTBF", mtbf_s))
     common = {"restart_s": i.restart_s, "blocked_s": blocked_s}
+    durable_persist = {"persist_s": persist_s["durable"]}
+    local_persist = {"persist_s": min(persist_s["local"], every)}
     out = []
     for name, mtbf in rates:
         without = tier_goodput(
-            interval_s=every * i.durable_every, restore_s=restore["durable"], mtbf_s=mtbf, **common
-        )
+            interval_s=every * i.durable_every, restore_s=restore["durable"], mtbf_s=mtbf,
+            **durable_persist, **common,
+        )  # fmt: skip
         node_lost = tier_goodput(
             interval_s=every, restore_s=max(restore["local"], restore["peer"]), mtbf_s=mtbf,
-            **common,
+            **local_persist, **common,
         )  # fmt: skip
-        local = tier_goodput(interval_s=every, restore_s=restore["local"], mtbf_s=mtbf, **common)
+        local = tier_goodput(
+            interval_s=every, restore_s=restore["local"], mtbf_s=mtbf, **local_persist, **common
+        )
         out.append(
             {
                 "failure_rate": name,
@@ -362,9 +381,10 @@ def tiers(
         "restore_sources": {t: "default" if given[t] is None else "flag" for t in given},
         "restart_s": i.restart_s,
         "blocked_s": blocked_s,
-        "formula": "goodput = (1 - blocked/T) * (1 - (T/2 + R + S) / MTBF); with tiers T = the "
-        "save interval, R = max(local, peer restore); without, T = durable_every x the save "
-        "interval, R = the durable restore",
+        "persist_s": {"durable": persist_s["durable"], "local": local_persist["persist_s"]},
+        "formula": "goodput = (1 - blocked/T) * (1 - (T/2 + P + R + S) / MTBF); with tiers T = "
+        "the save interval, P = staging + the peer copy, R = max(local, peer restore); without, "
+        "T = durable_every x the save interval, P = the durable persist, R = the durable restore",
         "rates": out,
     }
 
@@ -473,11 +493,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "tiers (Checkpointer local_dir, peer_copies, durable_every)",
         "Goodput with and without tiers at Llama 3's failure rate and at an MTTF of 1.8 h for "
         f"16,384 GPUs ({CLUSTER_SOURCE}), each scaled per accelerator. A failure costs half "
-        "the save interval of the tier restored from, the restore and the restart: goodput = "
-        "(1 - blocked/T) (1 - (T/2 + R + S) / MTBF). With tiers T is the save interval and R "
+        "the save interval of the tier restored from, the time a save takes to commit there, "
+        "the restore and the restart: goodput = (1 - blocked/T) (1 - (T/2 + P + R + S) / MTBF), "
+        "as the plan's own goodput. With tiers T is the save interval, P the staging and the "
+        "peer copy, and R "
         "the slower of the local and peer restores (a node replaced); without, the job saves "
         "to durable storage only, every --durable-every saves (T = durable-every x the "
-        "interval), and R is the durable restore.",
+        "interval), P is the durable persist and R the durable restore.",
     )
     tier.add_argument(
         "--save-every-min",
@@ -673,8 +695,10 @@ def print_tiers(t: dict[str, Any], out=None) -> None:
         file=out,
     )
     print(
-        "goodput = (1 - blocked/T) (1 - (T/2 + R + S) / MTBF): T the save interval of the tier "
-        "restored from, R its restore, S the restart",
+        "goodput = (1 - blocked/T) (1 - (T/2 + P + R + S) / MTBF): T the save interval of the "
+        "tier restored from, P the time a save takes to commit there, R its restore, S the "
+        "restart; node replaced: R = the slower of local and peer restore; processes restarted "
+        "(nodes kept): R = the local restore",
         file=out,
     )
     rows = []

@@ -788,7 +788,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)"
     )
-    p.add_argument("--size", default="1GiB", help="the whole state, split over the ranks")
+    p.add_argument(
+        "--size", default="1GiB", help="the whole state, split over the ranks (default 1GiB)"
+    )
     p.add_argument("--tensors", type=int, default=4, help="tensors per rank (default 4)")
     p.add_argument(
         "--durable",
@@ -801,7 +803,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="start a moto S3 server on 127.0.0.1 and make --durable's bucket there",
     )
-    p.add_argument("--repeat", type=int, default=3, help="saves per method and restore rounds")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="saves per method and restore rounds (default 3)"
+    )
     p.add_argument(
         "--peer-budget",
         default="64MiB",

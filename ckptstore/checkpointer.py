@@ -98,9 +98,11 @@ class SaveHandle:
         self.skipped = skipped
         self._future: Future[None] = Future()
         self.durable: Future[None] | None = None
-        """With tiers (``local_dir``): done once the step is committed to durable storage
-        (None while the save is not bound for it); ``wait()`` returns once the step is
-        committed to the first tier that took it."""
+        """With tiers (``local_dir``): done once the step is committed to durable storage, or
+        failed with the error that kept it from there; None for a save not bound for it
+        (known from ``save()``; after SIGTERM on another rank a save may become bound for it
+        once ``wait()`` returns). ``wait()`` returns once the step is committed to the first
+        tier that took it."""
         self._reported = False  # its error reached the caller: not raised again by save()
         if skipped:
             self._future.set_result(None)
@@ -457,6 +459,8 @@ class Checkpointer:
             or self._policy.is_durable(self._saves - self.skipped_saves)
             or preempted
         )
+        if self._policy is not None and durable:
+            handle.durable = Future()
         self._jobs.put(
             _Job(step, attempt, tree, meta, numpy, staged, user, handle, durable, preempted)
         )
@@ -1167,6 +1171,9 @@ class Checkpointer:
                 with self._failed_lock:
                     self._failed.append(job.handle)
                 job.handle._future.set_exception(exc)
+                durable = job.handle.durable
+                if durable is not None and not durable.done():
+                    durable.set_exception(exc)
 
     def _persist(self, job: _Job) -> None:
         if self._local is not None and self._persist_local(job):
@@ -1179,7 +1186,7 @@ class Checkpointer:
             session, self._group, lambda: self._write_rank(session, job), job.user
         )
         if self._local is not None:  # a tiered save that went to durable storage directly
-            job.handle.durable = Future()
+            job.handle.durable = job.handle.durable or Future()
             job.handle.durable.set_result(None)
 
     def _save_collective(
@@ -1314,7 +1321,7 @@ class Checkpointer:
                     failed[0][1],
                 )
         if job.durable:
-            future: Future[None] = Future()
+            future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
             job.handle.durable = future
             self._last_drain = future
             self._drains.put((job, future))

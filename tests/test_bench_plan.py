@@ -365,25 +365,31 @@ def test_goodput_with_and_without_tiers_by_hand():
     assert llama["mtbf_s"] == pytest.approx(54 * 86400 / 419 * 16384 / 8)
     assert cluster["mtbf_s"] == pytest.approx(1.8 * 3600 * 16384 / 8)
     assert own["mtbf_s"] == 86400 and own["failure_rate"] == "this plan's MTBF"
+    # persist: durable = staging + the write, local = staging + the peer copy (capped at T)
+    durable_p, local_p = result["persist_s"], min(result["stage_s"] + 2e9 / 1e9, 1000)
+    assert t["persist_s"] == pytest.approx({"durable": durable_p, "local": local_p})
     # without tiers: every 4,000 s to durable storage, restored from it
-    without = (1 - 300 / 4000) * (1 - (4000 / 2 + 200 + 60) / 86400)
+    without = (1 - 300 / 4000) * (1 - (4000 / 2 + durable_p + 200 + 60) / 86400)
     # with tiers: every 1,000 s; the replaced node reads its peer's copy (40 s > 10 s)
-    peer = (1 - 300 / 1000) * (1 - (1000 / 2 + 40 + 60) / 86400)
-    local = (1 - 300 / 1000) * (1 - (1000 / 2 + 10 + 60) / 86400)
+    peer = (1 - 300 / 1000) * (1 - (1000 / 2 + local_p + 40 + 60) / 86400)
+    local = (1 - 300 / 1000) * (1 - (1000 / 2 + local_p + 10 + 60) / 86400)
     assert own["without_tiers"]["goodput"] == pytest.approx(without)
     assert own["with_tiers"]["goodput"] == pytest.approx(peer)
     assert own["with_tiers_local"]["goodput"] == pytest.approx(local)
-    assert own["without_tiers"]["lost_s"] == pytest.approx(2000 + 200)
-    assert own["with_tiers"]["lost_s"] == pytest.approx(500 + 40)
+    assert own["without_tiers"]["lost_s"] == pytest.approx(2000 + durable_p + 200)
+    assert own["with_tiers"]["lost_s"] == pytest.approx(500 + local_p + 40)
     assert own["gain"] == pytest.approx(peer - without)
     assert llama["with_tiers"]["goodput"] == pytest.approx(
-        (1 - 300 / 1000) * (1 - 600 / llama["mtbf_s"])
+        (1 - 300 / 1000) * (1 - (600 + local_p) / llama["mtbf_s"])
     )
 
 
 def test_tier_defaults_follow_the_plan(capsys):
     r = _run_json(capsys)
     t = r["tiers"]
+    # Every save durable, at the plan's period and MTBF: "without tiers" is the plan's goodput.
+    assert t["rates"][0]["mtbf_s"] == pytest.approx(r["mtbf_s"])
+    assert t["rates"][0]["without_tiers"]["goodput"] == pytest.approx(r["goodput"])
     assert t["save_every_s"] == pytest.approx(r["period_s"])
     assert t["durable_every"] == 1 and t["save_every_source"] == "the plan's period"
     assert t["restore_s"]["durable"] == pytest.approx(r["restore_from_storage_s"])

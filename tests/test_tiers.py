@@ -276,6 +276,13 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     }
     assert main(["ls", str(durable), "--local-dir", str(tmp_path / "missing")]) == 1
     assert "no local tier directory" in capsys.readouterr().err
+    manifest = _copies(local, 0) / "commits" / f"{4:020d}.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])  # a local copy gone bad is not hidden
+    assert main(["ls", str(durable), "--local-dir", str(local)]) == 1
+    out, err = capsys.readouterr()
+    assert "local copy unreadable: " in out and "step 4 of rank 0" in out
+    assert "unreadable manifest" in err
+    assert f"ckptstore inspect {_copies(local, 0)} --step N" in out
 
 
 def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, small_disk, caplog):

@@ -26,7 +26,9 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
             return {"step": step, "error": message(exc)}
 
     rows = list(store.map(one, steps))
-    local = {d: tier_copies(d, store_identity(store)) for d in args.local_dir}
+    listings = {d: tier_copies(d, store_identity(store)) for d in args.local_dir}
+    local = {d: listing.copies for d, listing in listings.items()}
+    local_problems = [f"{d}: {p}" for d, listing in listings.items() for p in listing.problems]
     if local:
         rows = _with_tiers(rows, local)
     pending = saves_in_flight(store)
@@ -38,6 +40,16 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 "steps": rows,
                 "latest": steps[-1] if steps else None,
                 "pending": pending,
+                **(
+                    {
+                        "local_dirs": {
+                            d: {"job_dir": str(listing.job_dir), "problems": listing.problems}
+                            for d, listing in listings.items()
+                        }
+                    }
+                    if listings
+                    else {}
+                ),
             }
         )
     else:
@@ -82,8 +94,20 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
             state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"
             age = f"renewed {p['age_s']:.0f}s ago" if p["age_s"] is not None else "unreadable"
             print(f"pending: {what} {state}, {age} ({p['key']})")
+        for d, listing in listings.items():
+            if listing.copies:
+                print(
+                    f"local copies in {d}: each rank's under {listing.job_dir}/rank-<r>/, a store "
+                    f"of its own (ckptstore inspect {listing.job_dir}/rank-00000 --step N)"
+                )
+            else:
+                print(f"local copies in {d}: none of this store's job")
+        for problem in local_problems:
+            print(f"local copy unreadable: {problem}")
     if bad:
         raise Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
+    if local_problems:
+        raise Failed(f"{len(local_problems)} local copy(ies) have an unreadable manifest")
     return 0
 
 

@@ -193,13 +193,24 @@ class LocalTier:
             )
 
 
-def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> dict[int, list[int]]:
-    """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri``: step ->
-    the ranks (for ``ckptstore ls``; the store of each ``rank-<r>`` read without writing)."""
-    out: dict[int, set[int]] = {}
+@dataclass
+class TierListing:
+    """What ``ckptstore ls --local-dir`` shows of one local directory for one job."""
+
+    job_dir: Path  # <local_dir>/job-<j>: each rank-<r>/ in it is a store of its own
+    copies: dict[int, list[int]]  # step -> the ranks whose copy it holds
+    problems: list[str]  # copies that cannot be read, one line each
+
+
+def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> TierListing:
+    """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri`` (for
+    ``ckptstore ls``; the store of each ``rank-<r>`` read without writing)."""
     if not Path(local_dir).is_dir():
         raise CheckpointNotFoundError(f"no local tier directory at {local_dir}")
-    for sub in sorted((Path(local_dir) / job_dir_name(durable_uri)).glob("rank-*")):
+    job_dir = Path(local_dir) / job_dir_name(durable_uri)
+    out: dict[int, set[int]] = {}
+    problems: list[str] = []
+    for sub in sorted(job_dir.glob("rank-*")):
         if not (sub.is_dir() and sub.name[5:].isdigit()):
             continue
         rank = int(sub.name[5:])
@@ -207,10 +218,12 @@ def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> dict[int, lis
         for step in list_steps(store):
             try:
                 manifest = load_manifest(store, step)
-            except CheckpointError:
+            except CheckpointError as exc:
+                problems.append(f"step {step} of rank {rank}: {' '.join(str(exc).split())}")
                 continue
             info = manifest.user.get(TIER_KEY)
             if manifest.world_size == 1 and isinstance(info, dict) and info.get("rank") == rank:
                 if info.get("durable") == durable_uri:
                     out.setdefault(step, set()).add(rank)
-    return {step: sorted(ranks) for step, ranks in out.items()}
+    copies = {step: sorted(ranks) for step, ranks in out.items()}
+    return TierListing(job_dir, copies, problems)
