@@ -417,6 +417,11 @@ def durable_store(uri: str | None, *, moto: bool) -> Iterator[tuple[str | None, 
             yield uri, "moto"
     finally:
         server.stop()
+        # fsspec keeps S3 clients by their arguments, not by AWS_ENDPOINT_URL: one made here
+        # would point at this stopped server for the rest of the process.
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 # -- the run ------------------------------------------------------------------------------------
