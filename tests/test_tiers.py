@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, telemetry
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.store import Store
@@ -199,11 +199,16 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
         assert all(h.durable.result(timeout=60) is None for h in handles if h.durable)
     assert list_steps(Store(str(root / "durable"))) == [1, 3, 5]
     assert list_steps(Store(str(_copies(root / "local", 0)))) == [4, 5]  # local_keep_last=2
+    loads_before = telemetry.tier_loads_total.value(tier=LOCAL)
+    bytes_before = telemetry.tier_load_bytes_total.value(tier=LOCAL)
     with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
         state = _blank()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == LOCAL
         assert torch.equal(state["w"], _state(0, 5)["w"])
         assert ckpt.last_load.sources[LOCAL].bytes > 0
+    assert telemetry.tier_loads_total.value(tier=LOCAL) == loads_before + 1
+    read = telemetry.tier_load_bytes_total.value(tier=LOCAL) - bytes_before
+    assert read == ckpt.last_load.sources[LOCAL].bytes
     shutil.rmtree(root / "local")
     with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
         state = _blank()

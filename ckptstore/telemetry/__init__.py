@@ -115,6 +115,23 @@ loader_failovers_total = METRICS.add(
     )
 )
 
+tier_loads_total = METRICS.add(
+    Counter(
+        "ckptstore_tier_loads_total",
+        "Ranks' loads with tiers (Checkpointer local_dir) by the tier the state came from: local, "
+        "peer or durable.",
+        ["tier"],
+    )
+)
+tier_load_bytes_total = METRICS.add(
+    Counter(
+        "ckptstore_tier_load_bytes_total",
+        "Stored bytes a load with tiers read (or received from a peer), by tier, failed tries "
+        "included.",
+        ["tier"],
+    )
+)
+
 
 def snapshot() -> dict[str, dict[Labels, Any]]:
     """Every metric of this process as plain numbers (see ``Registry.snapshot``)."""
