@@ -15,17 +15,16 @@ import functools
 import os
 import sys
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from bench._ckpt_common import MemoryProbe
+from bench._gloo import join_loopback_group
 from bench._thread_ranks import CollectiveCall
 from ckptstore import Checkpointer
 from ckptstore.save import SaveSession
@@ -203,16 +202,7 @@ def process_main(rank: int, plan: RankPlan, world: int, port: int, out_dir: str)
 
     import torch.distributed as dist
 
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
+    join_loopback_group(rank, world, port, timeout_s=600)
     calls: list[CollectiveCall] = []
     try:
         with PhaseTimes().timing() as phases, recording_collectives(calls):

@@ -36,10 +36,8 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -47,6 +45,7 @@ from unittest import mock
 import torch
 
 from bench import _ckpt_common as common
+from bench._gloo import free_port, join_loopback_group
 from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
 
 logger = logging.getLogger(__name__)
@@ -327,16 +326,7 @@ def rank_main(rank: int, plan: RecoverPlan, world: int, port: int, out: str, job
     """One rank of one job (``torch.multiprocessing.spawn``): its report into ``out``."""
     import torch.distributed as dist
 
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=plan.group_timeout_s),
-    )
+    join_loopback_group(rank, world, port, timeout_s=plan.group_timeout_s)
     report = (save_job if job == "save" else restore_job)(plan, rank)
     dist.barrier()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
@@ -354,13 +344,11 @@ def run_job(plan: RecoverPlan, world: int, job: str, *, timeout_s: float) -> lis
     rank fails or they are not all done within ``timeout_s``."""
     import torch.multiprocessing as mp
 
-    from bench.scale import _free_port
-
     # torch logs a line per rank it terminates once one failed; the error says which failed
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="ckptbench-recover-") as out:
         ctx = mp.spawn(
-            rank_main, args=(plan, world, _free_port(), out, job), nprocs=world, join=False
+            rank_main, args=(plan, world, free_port(), out, job), nprocs=world, join=False
         )
         deadline = time.monotonic() + timeout_s
         try:

@@ -27,6 +27,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from bench._ckpt_common import Workspace, host_info, now_iso
+from bench._gloo import free_port
 from bench._scale_rank import PHASES, PhaseTimes, RankPlan, process_main, run_rank
 from bench._thread_ranks import CollectiveCall, ThreadWorld
 from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
@@ -191,7 +192,7 @@ def _run_threads(plan: RankPlan, n: int) -> list[dict[str, Any]]:
 
 def _run_processes(plan: RankPlan, n: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="ckptbench-scale-") as out:
-        port = _free_port()
+        port = free_port()
         mp.spawn(process_main, args=(plan, n, port, out), nprocs=n, join=True)
         reports = []
         for rank in range(n):
@@ -201,14 +202,6 @@ def _run_processes(plan: RankPlan, n: int) -> list[dict[str, Any]]:
             report["phases"] = {int(step): p for step, p in report["phases"].items()}
             reports.append(report)
     return reports
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- what the ranks reported ------------------------------------------------------------------

@@ -92,6 +92,11 @@ def resolve_step(store: Store, step: int | str | None = "latest") -> int:
 
 def load_manifest(store: Store, step: int) -> Manifest:
     """The manifest of ``step``; :class:`CheckpointNotFoundError` if it is not committed."""
+    return load_manifest_bytes(store, step)[0]
+
+
+def load_manifest_bytes(store: Store, step: int) -> tuple[Manifest, bytes]:
+    """The manifest of ``step`` and the bytes it was decoded from (a tier copies them)."""
     key = commit_key(step)
     try:
         data = store.get(key, 0, MAX_MANIFEST_BYTES + 1)  # never more: a damaged store
@@ -104,7 +109,7 @@ def load_manifest(store: Store, step: int) -> Manifest:
     manifest = decode_manifest(data, store.url(key))
     if manifest.step != step:
         raise CheckpointCorruptError(f"{store.url(key)}: manifest says step {manifest.step}")
-    return manifest
+    return manifest, data
 
 
 def open_step(store: Store, step: int | str | None = "latest") -> Manifest:
@@ -138,10 +143,16 @@ def rank_of(key: str) -> int:
 
 def read_rank_index(store: Store, ref: ObjectRef) -> RankIndex:
     """The rank index ``ref`` names, checked against its size, xxh3 and rank."""
-    index = decode_rank_index(read_object(store, ref, "rank index"), store.url(ref.key))
+    return read_rank_index_bytes(store, ref)[0]
+
+
+def read_rank_index_bytes(store: Store, ref: ObjectRef) -> tuple[RankIndex, bytes]:
+    """``read_rank_index`` and the bytes it was decoded from."""
+    data = read_object(store, ref, "rank index")
+    index = decode_rank_index(data, store.url(ref.key))
     if index.rank != rank_of(ref.key):
         raise CheckpointCorruptError(f"{store.url(ref.key)}: index says rank {index.rank}")
-    return index
+    return index, data
 
 
 def load_rank_index(store: Store, manifest: Manifest, rank: int) -> RankIndex:

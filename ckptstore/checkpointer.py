@@ -83,7 +83,7 @@ from ckptstore.tiers.policy import (
     node_identity,
     store_identity,
 )
-from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport, plan_sources
+from ckptstore.tiers.restore import DURABLE, PEER, Candidate, LoadReport, plan_sources
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
 from ckptstore.tree import tensor_indexes
 
@@ -936,11 +936,9 @@ class Checkpointer:
         tensors = read_into(store, index, wanted, self.engine.config, written=written)
         digests = {seg.chunk for i in kinds for seg in index.tensors[i].segments}
         nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
-        tier = LOCAL if source.tier == LOCAL else source.tier
-        if source.tier == PEER:
-            self.last_load.add(PEER, 0, time.perf_counter() - t0)
-        else:
-            self.last_load.add(tier, nbytes, time.perf_counter() - t0, len(digests))
+        if source.tier == PEER:  # its bytes were counted as the transfer received them
+            nbytes, digests = 0, set()
+        self.last_load.add(source.tier, nbytes, time.perf_counter() - t0, len(digests))
         self.last_load.source = source.tier
         return loader, index.tree, kinds, tensors
 

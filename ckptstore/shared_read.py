@@ -99,15 +99,7 @@ class ExchangePlan:
                 owner = min(needers[digest], key=lambda r: (load[r], r))
                 owners[digest] = owner
                 load[owner] += sizes[digest].stored
-        rounds: list[list[str]] = []
-        total = 0
-        for digest in sorted(owners):
-            nbytes = sizes[digest].raw + 1
-            if not rounds or total + nbytes > budget_bytes:
-                rounds.append([])
-                total = 0
-            rounds[-1].append(digest)
-            total += nbytes
+        rounds = cut_rounds([(d, sizes[d].raw + 1) for d in sorted(owners)], budget_bytes)
         return cls(
             rank=rank,
             needers={d: needers[d] for d in owners},
@@ -119,6 +111,20 @@ class ExchangePlan:
     def mine(self, digests: list[str]) -> list[str]:
         """Those of ``digests`` this rank takes part in exchanging."""
         return [d for d in digests if self.rank in self.needers[d]]
+
+
+def cut_rounds(items: list[tuple[str, int]], budget_bytes: int) -> list[list[str]]:
+    """``(digest, bytes)`` in order, cut into runs of at most ``budget_bytes`` (an item larger
+    than the budget alone)."""
+    rounds: list[list[str]] = []
+    total = 0
+    for digest, nbytes in items:
+        if not rounds or total + nbytes > budget_bytes:
+            rounds.append([])
+            total = 0
+        rounds[-1].append(digest)
+        total += nbytes
+    return rounds
 
 
 def needed_chunks(index: RankIndex, tensors: Iterable[int]) -> dict[str, ChunkInfo]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
-from ckptstore.format import Manifest
+from ckptstore.format import Manifest, chunk_key
 from ckptstore.retention import collect, drop_step
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
@@ -129,9 +129,9 @@ class LocalTier:
         """Unlist ``ward``'s copies (of this job) of steps after ``step``, the newest step every
         rank could load: a job that resumed from it saves those step numbers again, as other
         saves. Steps still to be drained are kept."""
-        store = self.store(ward) if self.rank_dir(ward).is_dir() else None
-        if store is None:
+        if not self.rank_dir(ward).is_dir():
             return []
+        store = self.store(ward)
         pending = self.to_drain() if ward == self.rank else set()
         dropped = [s for s in self.copies(ward) if s > step and s not in pending]
         for s in dropped:
@@ -159,8 +159,6 @@ class LocalTier:
     def forget_bad_chunk(self, digest: str) -> None:
         """A chunk of this rank's own store failed its hash check: remove it, so that the next
         save writes it again instead of referencing it (``take_bad``)."""
-        from ckptstore.format import chunk_key
-
         with self._lock:
             self._bad.add(digest)
         self.store(self.rank).delete(chunk_key(digest))

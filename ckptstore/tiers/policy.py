@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptstore.codec import hash_bytes
+
 DEFAULT_LOCAL_KEEP_LAST = 2
 DEFAULT_PEER_BUDGET_BYTES = 64 * 2**20
 TIER_KEY = "ckptstore_tier"  # in a local copy's manifest.user: whose copy it is
@@ -79,8 +81,6 @@ def rank_dir(local_dir: str | os.PathLike, durable: str, rank: int) -> Path:
 
 
 def job_dir_name(durable: str) -> str:
-    from ckptstore.codec import hash_bytes
-
     return f"job-{hash_bytes(durable.encode())[:12]}"
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckptstore.catalog import load_manifest, read_rank_index
+from ckptstore.catalog import load_manifest_bytes, read_rank_index_bytes
 from ckptstore.codec import decode
 from ckptstore.errors import CheckpointError, ObjectExistsError
 from ckptstore.format import (
@@ -42,8 +42,10 @@ from ckptstore.format import (
     object_ref,
 )
 from ckptstore.leases import SAVE, Lease
+from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import drop_step
 from ckptstore.save.session import SaveSession
+from ckptstore.shared_read import cut_rounds
 from ckptstore.tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -103,25 +105,14 @@ class _Incoming:
 
 
 def _rounds(digests: list[str], chunks: dict[str, ChunkInfo], budget: int) -> list[list[str]]:
-    rounds: list[list[str]] = []
-    total = 0
-    for digest in digests:
-        nbytes = chunks[digest].stored + 1
-        if not rounds or total + nbytes > budget:
-            rounds.append([])
-            total = 0
-        rounds[-1].append(digest)
-        total += nbytes
-    return rounds
+    """Stored chunks and their status bytes, in rounds of at most ``budget`` bytes."""
+    return cut_rounds([(d, chunks[d].stored + 1) for d in digests], budget)
 
 
-def _intact(store, key: str, digest: str, info: ChunkInfo) -> bool:
-    """Whether the chunk stored at ``key`` has the size and hash it should."""
+def _intact(store, digest: str, info: ChunkInfo) -> bool:
+    """Whether the stored chunk ``digest`` has the size and hash it should."""
     try:
-        data = store.get_view(key, 0, info.stored + 1)
-        if len(data) != info.stored:
-            return False
-        decode(data, expected_hash=digest, name=store.url(key), raw_len=info.raw)
+        fetch_chunk(store, digest, info, scratch=True)
     except (CheckpointError, OSError):
         return False
     return True
@@ -168,15 +159,12 @@ class _Exchange:
                 ttl_s=self.local.engine.lease_ttl_s,
                 info={"step": t.step, "attempt": t.attempt, "copy_to": t.dst},
             ).acquire()
-            manifest = load_manifest(store, t.step)
+            manifest, manifest_bytes = load_manifest_bytes(store, t.step)
             if manifest.attempt != t.attempt or not self.local.belongs(manifest, t.ward):
                 raise CheckpointError(
                     f"{store.uri} holds another save of step {t.step} ({manifest.attempt})"
                 )
-            ref = manifest.ranks[0]
-            index = read_rank_index(store, ref)
-            manifest_bytes = store.get(commit_key(t.step))
-            index_bytes = store.get(ref.key)
+            index, index_bytes = read_rank_index_bytes(store, manifest.ranks[0])
             out.index = index
             out.header = manifest_bytes + index_bytes
             out.sizes = (len(manifest_bytes), len(index_bytes), len(index.chunks))
@@ -281,7 +269,7 @@ class _Exchange:
             try:
                 store.put(key, data)
             except ObjectExistsError:
-                if inc.t.repair and not _intact(store, key, digest, info):
+                if inc.t.repair and not _intact(store, digest, info):
                     store.delete(key)  # a bad byte in this tier: the verified bytes replace it
                     store.put(key, data)
                 elif store.size(key) != info.stored:
