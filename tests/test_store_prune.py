@@ -1,5 +1,6 @@
 """A local store prunes the directories its deletes empty; puts racing those prunes (a fresh
-lease directory created while its parent is being removed) still succeed."""
+lease directory created while its parent is being removed, an object put into a directory that
+is being removed) still succeed."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ def test_puts_racing_the_pruning_of_their_parent_directories_succeed(tmp_path):
     puts, prunes = [0], [0]  # puts that succeeded; cleaner rounds that emptied leases/save
     stop = threading.Event()
 
-    def putter() -> None:
+    def putter(fresh_directory: bool) -> None:
         while not stop.is_set():
+            # Into a fresh directory under leases/save, or into leases/save itself, which may
+            # exist when the put looks and be pruned before its file is created.
+            name = f"{uuid.uuid4().hex}/0.json" if fresh_directory else f"{uuid.uuid4().hex}.json"
             try:
-                store.put(f"leases/save/{uuid.uuid4().hex}/0.json", b"x")
+                store.put(f"leases/save/{name}", b"x")
                 with lock:
                     puts[0] += 1
             except Exception as exc:  # noqa: BLE001 - counted and asserted below
@@ -40,7 +44,8 @@ def test_puts_racing_the_pruning_of_their_parent_directories_succeed(tmp_path):
         with lock:
             return errors != [] or (puts[0] >= 2000 and prunes[0] >= 200)
 
-    threads = [threading.Thread(target=f) for f in (putter, putter, cleaner)]
+    threads = [threading.Thread(target=putter, args=(fresh,)) for fresh in (True, False)]
+    threads.append(threading.Thread(target=cleaner))
     for t in threads:
         t.start()
     try:

@@ -209,7 +209,7 @@ class LocalBackend(FsspecBackend):
         tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
         for tries_left in range(4, -1, -1):
             try:
-                os.makedirs(directory, exist_ok=True)
+                _make_directories(directory)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 break
             except FileNotFoundError:  # a delete pruned a directory of the path as it emptied
@@ -315,6 +315,20 @@ class LocalBackend(FsspecBackend):
                 except FileNotFoundError:
                     continue
         return out
+
+
+def _make_directories(directory: str) -> None:
+    """``os.makedirs(directory, exist_ok=True)``, where a directory pruned between its ``mkdir``
+    (EEXIST) and its check is :class:`FileNotFoundError` (the put tries again), never the
+    :class:`FileExistsError` that would read as "the object already exists"."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        if os.path.isdir(directory):
+            return  # pruned and created again meanwhile
+        if os.path.lexists(directory):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", directory) from None
+        raise FileNotFoundError(errno.ENOENT, "pruned as it was created", directory) from None
 
 
 _BACKENDS: dict[str, type[FsspecBackend]] = {
