@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
@@ -73,6 +72,7 @@ from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store, niced, open_store, set_thread_nice
 from ckptstore.tiers.drain import drain_rank
+from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
     DEFAULT_LOCAL_KEEP_LAST,
@@ -138,48 +138,6 @@ class _Job:
     handle: SaveHandle
     durable: bool = True  # also committed to durable storage (always, without tiers)
     wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
-
-
-class _Group:
-    """Coordination of ranks on a dedicated gloo group, so the background thread's
-    collectives never interleave with the training loop's."""
-
-    def __init__(self, process_group: Any, timeout_s: float, *, no_dist: bool = False) -> None:
-        self.active = not no_dist and dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.active else 0
-        self.world_size = dist.get_world_size() if self.active else 1
-        self.group = None
-        if self.active and self.world_size > 1:
-            from datetime import timedelta
-
-            ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self.group = dist.new_group(
-                ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s)
-            )
-        self.active = self.group is not None
-
-    def broadcast(self, value: Any) -> Any:
-        if not self.active:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def scatter(self, values: list[Any] | None) -> Any:
-        """``values[r]`` of rank 0 on each rank r (``values`` is read on rank 0 only)."""
-        if not self.active:
-            assert values is not None
-            return values[0]
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, values, src=0, group=self.group)
-        return box[0]
-
-    def gather(self, value: Any) -> list[Any]:
-        if not self.active:
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
 
 
 class Checkpointer:

@@ -436,18 +436,27 @@ ChunkSource = Callable[[list[str], Callable[[str, np.ndarray], int]], Iterator[i
 once per digest with its raw bytes, verified against the digest (the bytes may be overwritten
 once ``deliver`` returns), and yields what each call returned; closing the iterator stops it
 (what it left undelivered is not delivered), and its first error is raised by the iteration."""
+ChunkFetch = Callable[[str, "ChunkInfo | None"], np.ndarray]
+"""One chunk's raw bytes, verified, in the fetching thread's scratch buffer (``fetch_chunk``
+with ``scratch=True`` from one store, or from the tiers a restore reads)."""
 
 
 def chunks_from_store(
-    store: Store, chunks: dict[str, ChunkInfo], cfg: PipelineConfig
+    store: Store,
+    chunks: dict[str, ChunkInfo],
+    cfg: PipelineConfig,
+    fetch: ChunkFetch | None = None,
 ) -> ChunkSource:
     """The plain ``ChunkSource``: each chunk fetched from ``store`` with one get (sized by
-    ``chunks``, the index's sizes), ``cfg.read_concurrency`` at a time, and delivered on the
-    fetching thread."""
+    ``chunks``, the index's sizes), or by ``fetch``, ``cfg.read_concurrency`` at a time (on
+    ``store``'s threads), and delivered on the fetching thread."""
 
     def read(digests: list[str], deliver: Callable[[str, np.ndarray], int]) -> Iterator[int]:
         def load(digest: str) -> int:
-            return deliver(digest, fetch_chunk(store, digest, chunks.get(digest), scratch=True))
+            info = chunks.get(digest)
+            if fetch is not None:
+                return deliver(digest, fetch(digest, info))
+            return deliver(digest, fetch_chunk(store, digest, info, scratch=True))
 
         return store.map(load, digests, max_concurrency=cfg.read_concurrency)
 

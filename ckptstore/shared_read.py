@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ckptstore.codec import hash_bytes
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckptstore.format import ChunkInfo, RankIndex, chunk_key
-from ckptstore.pipeline import PipelineConfig, chunks_from_store, fetch_chunk
+from ckptstore.pipeline import ChunkFetch, PipelineConfig, chunks_from_store, fetch_chunk
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -72,15 +72,30 @@ class ExchangePlan:
 
     rank: int
     needers: dict[str, list[int]]
-    """Each shared digest -> the group ranks that need it (two or more, ascending)."""
+    """Each shared digest -> the group ranks that need it (ascending): two or more, or one
+    that does not hold it when another rank does."""
     owners: dict[str, int]
     sizes: dict[str, ChunkInfo]
     rounds: list[list[str]]
 
     @classmethod
-    def build(cls, rank: int, needs: list[dict[str, ChunkInfo]], budget_bytes: int) -> ExchangePlan:
+    def build(
+        cls,
+        rank: int,
+        needs: list[dict[str, ChunkInfo]],
+        budget_bytes: int,
+        holds: list[set[str]] | None = None,
+    ) -> ExchangePlan:
         """The plan of ranks needing ``needs[r]`` (digest -> sizes from its index). A digest
-        whose sizes differ between indexes is not shared: each rank reads and checks it."""
+        whose sizes differ between indexes is not shared: each rank reads and checks it.
+
+        ``holds[r]``: the digests rank r reads from a copy of its own (a local tier) rather
+        than from shared storage. A chunk that a rank needs and does not hold, while another
+        rank holds it, is fetched by a holder (one that needs it too, if any) and sent."""
+        holders: dict[str, list[int]] = {}
+        for r, held in enumerate(holds or []):
+            for digest in held:
+                holders.setdefault(digest, []).append(r)
         needers: dict[str, list[int]] = {}
         sizes: dict[str, ChunkInfo] = {}
         disputed: set[str] = set()
@@ -89,14 +104,20 @@ class ExchangePlan:
                 needers.setdefault(digest, []).append(r)
                 if sizes.setdefault(digest, info) != info:
                     disputed.add(digest)
-        shared = {d for d, rs in needers.items() if len(rs) > 1 and d not in disputed}
+        shared = {
+            d
+            for d, rs in needers.items()
+            if d not in disputed and (len(rs) > 1 or (d in holders and rs[0] not in holders[d]))
+        }
         load = [
             sum(info.stored for d, info in chunks.items() if d not in shared) for chunks in needs
         ]
         owners: dict[str, int] = {}
         if budget_bytes > 0:
             for digest in sorted(shared, key=lambda d: (-sizes[d].stored, d)):
-                owner = min(needers[digest], key=lambda r: (load[r], r))
+                held_by = holders.get(digest, [])
+                candidates = [r for r in needers[digest] if r in held_by] or held_by
+                owner = min(candidates or needers[digest], key=lambda r: (load[r], r))
                 owners[digest] = owner
                 load[owner] += sizes[digest].stored
         rounds = cut_rounds([(d, sizes[d].raw + 1) for d in sorted(owners)], budget_bytes)
@@ -109,8 +130,8 @@ class ExchangePlan:
         )
 
     def mine(self, digests: list[str]) -> list[str]:
-        """Those of ``digests`` this rank takes part in exchanging."""
-        return [d for d in digests if self.rank in self.needers[d]]
+        """Those of ``digests`` this rank takes part in exchanging (needs or sends)."""
+        return [d for d in digests if self.rank in self.needers[d] or self.owners[d] == self.rank]
 
 
 def cut_rounds(items: list[tuple[str, int]], budget_bytes: int) -> list[list[str]]:
@@ -165,15 +186,19 @@ def shared_source(
     group: dist.ProcessGroup,
     budget_bytes: int,
     device: torch.device | str = "cpu",
+    holds: list[set[str]] | None = None,
+    fetch: ChunkFetch | None = None,
 ) -> SharedChunks | None:
     """``plan_shared_read`` for a caller that gathered the ranks' needs itself (in a collective
     that carries more, such as its ranks' failures): ``every_need[r]`` is what group rank r
     needs, ``needs`` this rank's, ``budget_bytes`` the same on every rank. No collective here;
     the source returned, if any, exchanges over ``group`` when run."""
-    plan = ExchangePlan.build(dist.get_rank(group), every_need, budget_bytes)
+    plan = ExchangePlan.build(dist.get_rank(group), every_need, budget_bytes, holds)
     if not any(plan.mine(round_) for round_ in plan.rounds):
         return None
-    return SharedChunks(store, needs, plan, cfg, group=group, device=torch.device(device))
+    return SharedChunks(
+        store, needs, plan, cfg, group=group, device=torch.device(device), fetch=fetch
+    )
 
 
 class SharedChunks:
@@ -191,8 +216,10 @@ class SharedChunks:
         *,
         group: dist.ProcessGroup,
         device: torch.device,
+        fetch: ChunkFetch | None = None,
     ) -> None:
         self.store = store
+        self.fetch = fetch or (lambda digest, info: fetch_chunk(store, digest, info, scratch=True))
         self.chunks = chunks
         self.plan = plan
         self.cfg = cfg
@@ -253,7 +280,7 @@ class SharedChunks:
             raise failure
         shared = set(self.plan.owners)
         rest = [d for d in digests if d not in shared]
-        yield from chunks_from_store(self.store, self.chunks, self.cfg)(rest, deliver)
+        yield from chunks_from_store(self.store, self.chunks, self.cfg, self.fetch)(rest, deliver)
 
     def _slots(self, round_: list[str], buffer: torch.Tensor) -> Iterator[tuple[str, np.ndarray]]:
         """Each chunk of ``round_`` with its bytes, as numpy on the host; one received from
@@ -324,7 +351,7 @@ class SharedChunks:
         def fetch(item: tuple[str, torch.Tensor]) -> None:
             digest, slot = item
             try:
-                raw = fetch_chunk(self.store, digest, self.plan.sizes[digest], scratch=True)
+                raw = self.fetch(digest, self.plan.sizes[digest])
             except BaseException as exc:
                 slot[-1] = _kind(exc)  # this chunk's own failure; the others are "not read"
                 raise

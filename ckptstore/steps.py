@@ -147,6 +147,10 @@ class StepView:
                 raise CheckpointNotFoundError(f"step {self.step} has no index for rank {rank}")
         return self._indexes[rank]
 
+    def adopt_index(self, index: RankIndex) -> None:
+        """Use ``index`` (read by the rank whose tier copy holds it) as rank ``index.rank``'s."""
+        self._indexes[index.rank] = index
+
     def indexes(self) -> list[RankIndex]:
         """Every rank index, in the manifest's order."""
         return [self.index(rank_of(ref.key)) for ref in self.manifest.ranks]

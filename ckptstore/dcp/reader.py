@@ -23,9 +23,10 @@ from torch.futures import Future
 from ckptstore.catalog import parse_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
+from ckptstore.dcp.tiers import TierLoad, plan_tier_load
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
 from ckptstore.format import RankIndex
-from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors
+from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
     ExchangeStats,
@@ -35,6 +36,9 @@ from ckptstore.shared_read import (
 )
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.policy import TierPolicy
+from ckptstore.tiers.restore import LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +126,13 @@ class StoreReader(StorageReader):
             subgroup, or with ``no_dist=True`` always does. ``last_load_exchange`` tells what
             this rank's last load shared (None: nothing).
 
+        local_dir: the ``local_dir`` of ``StoreWriter(local_dir=...)``: the ranks agree on the
+            newest step (or ``step``) every rank holds in its local tier as the same save, else
+            one committed in ``uri``, and read each chunk from a rank's local copy where one
+            holds it (sent over the process group to the ranks that need it), else from ``uri``
+            (docs/FORMAT.md, "Tiers"). Runs over every rank of the default process group.
+            ``last_load`` says per tier what this rank read.
+
     Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
     ``UnsupportedStateError``: load them with ``Checkpointer.load``.
     """
@@ -139,8 +150,15 @@ class StoreReader(StorageReader):
         store: Store | None = None,
         trust_pickled_objects: bool = False,
         shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        local_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
+        self._policy = TierPolicy.build(
+            local_dir, peer_copies=0, durable_every=1, local_keep_last=1, peer_budget_bytes=1
+        )
+        self._tier_group: RankGroup | None = None
+        self._tier: TierLoad | None = None
+        self.last_load: LoadReport | None = None
         self.trust_pickled_objects = trust_pickled_objects
         if read_batch_bytes < 1:
             raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
@@ -189,6 +207,15 @@ class StoreReader(StorageReader):
         # No **kwargs: DCP then never tries a rank-local fallback (there is none), whose
         # refusal would stand beside the real error in what dcp.load raises.
         self.view = None  # each load resolves "latest" afresh
+        self._tier = None
+        if self._policy is not None:
+            if self._tier_group is None:
+                self._tier_group = RankGroup(
+                    None, timeout_s=max(self.store.retry.timeout_s * 20, 600.0)
+                )
+            self._tier = plan_tier_load(self.store, self._policy, self.step, self._tier_group)
+            self.view = self._tier.view
+            self.last_load = self._tier.report
         metadata = self._view().dcp_metadata()
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = StorageMeta(
@@ -213,11 +240,14 @@ class StoreReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         manifest = self._view().manifest
         budgets = [p.storage_data for p in plans if type(p.storage_data) is int]
+        budget = max(0, min([self.shared_read_budget_bytes, *budgets]))
+        if self._tier is not None and budget == 0:
+            budget = DEFAULT_BUDGET_BYTES  # ranks read chunks other ranks' tiers hold
         target = _LoadTarget(
             step=manifest.step,
             attempt=manifest.attempt,
             world=len(plans),
-            shared_budget=max(0, min([self.shared_read_budget_bytes, *budgets])),
+            shared_budget=budget,
         )
         return [dataclasses.replace(p, storage_data=target) for p in plans]
 
@@ -292,9 +322,11 @@ class StoreReader(StorageReader):
                     sizes[loc] = self._index(loc[0]).tensors[loc[1]].nbytes
         except BaseException as exc:  # noqa: BLE001 - the other ranks wait for this rank
             failure = exc
-        every = self._gather(group, failure, sorted(sizes.items()), target.step)
+        held = sorted(self._tier.held) if self._tier is not None else []
+        every = self._gather(group, failure, (sorted(sizes.items()), held), target.step)
+        holds = [set(h) for _, h in every] if self._tier is not None else None
         stats = ExchangeStats()
-        for batch in _batches([dict(pairs) for pairs in every], self.read_batch_bytes):
+        for batch in _batches([dict(pairs) for pairs, _ in every], self.read_batch_bytes):
             items = [item for item, loc in zip(plan.items, locs, strict=True) if loc in batch]
             prepared: _Batch | None = None
             needs: dict = {}
@@ -306,12 +338,14 @@ class StoreReader(StorageReader):
                 failure = exc
             every_need = self._gather(group, failure, needs, target.step)
             source = shared_source(
-                self.store,
+                self._view().store,
                 needs,
                 every_need,
                 self.config,
                 group=group,
                 budget_bytes=target.shared_budget,
+                holds=holds,
+                fetch=self._tier.fetch if self._tier is not None else None,
             )
             try:
                 if prepared is not None:
@@ -374,7 +408,10 @@ class StoreReader(StorageReader):
         self._finish_batch(batch, planner, self._read(batch, None))
 
     def _read(self, batch: _Batch, source: SharedChunks | None) -> dict[int, torch.Tensor]:
-        return read_tensors(self.store, batch.merged, batch.wanted, self.config, source=source)
+        store = self._view().store
+        if source is None and self._tier is not None:
+            source = chunks_from_store(store, batch.merged.chunks, self.config, self._tier.fetch)
+        return read_tensors(store, batch.merged, batch.wanted, self.config, source=source)
 
     def _prepare_batch(self, items: list[ReadItem], planner: LoadPlanner) -> _Batch:
         """The stored tensors ``items`` need, each once, and where each one goes."""

@@ -24,10 +24,11 @@ from ckptstore.catalog import list_steps
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.metadata import encode_metadata
 from ckptstore.dcp.stager import HeldStaging, PooledStager
-from ckptstore.errors import StepExistsError, UnsupportedStateError
+from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError
 from ckptstore.format import KIND_DCP, check_step, commit_key
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.pipeline import chunks_holding
+from ckptstore.retention import drop_step
 from ckptstore.save import (
     DEFAULT_GC_WAIT_S,
     RankWritten,
@@ -37,6 +38,10 @@ from ckptstore.save import (
 )
 from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store
+from ckptstore.tiers.drain import drain_rank
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.policy import DEFAULT_LOCAL_KEEP_LAST, TIER_KEY, TierPolicy, store_identity
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,11 @@ class _SaveTarget:
     step: int
     attempt: str
     known: LatestIndex | None = None
+    tiered: bool = False
+    """Committed to every rank's local tier first (``local_dir``)."""
+    durable: bool = True
+    """Bound for the writer's store (a tiered save that is not goes there only if a rank's
+    local tier fails)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class _Written:
     attempt: str
     tensor: int
     written: RankWritten
+    durable: bool = True
+    """``written`` is in the writer's store (False: in the rank's local tier only)."""
 
 
 class StoreWriter(StorageWriter, PooledStager):
@@ -121,6 +133,18 @@ class StoreWriter(StorageWriter, PooledStager):
         gc_wait_s: how long a save waits for a garbage collection of the store to finish
             before failing.
 
+        Tiers (docs/FORMAT.md, "Tiers"), as for ``Checkpointer``:
+
+        local_dir: a node-local directory. Every save is committed first to each rank's local
+            tier, ``local_dir/job-<j>/rank-<r>/`` (the rank's items, its index and the save's
+            DCP metadata, as a one-rank step); ``StoreReader(local_dir=...)`` restores from
+            there. A rank that cannot write its local copy (a full disk) sends the save to
+            ``uri`` instead, one warning. Peer copies are not offered for DCP saves.
+        durable_every: the first save of this writer and every M-th after it also go to
+            ``uri``, each rank's chunks copied as stored from its local copy (verified first);
+            the others stay in the local tiers only.
+        local_keep_last: retention of each rank's local store.
+
     After a save, ``saved_step`` holds the step written (on every rank). ``use_collectives=False``
     is refused: one manifest commits all ranks, so the ranks must coordinate. DCP plan caching
     (``DefaultSavePlanner(enable_plan_caching=True)``) is refused too: a cached plan would carry
@@ -145,9 +169,28 @@ class StoreWriter(StorageWriter, PooledStager):
         background_nice: int = 0,
         lease_ttl_s: float = DEFAULT_TTL_S,
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
+        local_dir: str | os.PathLike | None = None,
+        durable_every: int = 1,
+        local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST,
     ) -> None:
         super().__init__()
         check_background_nice(background_nice)
+        self._policy = TierPolicy.build(
+            local_dir,
+            peer_copies=0,
+            durable_every=durable_every,
+            local_keep_last=local_keep_last,
+            peer_budget_bytes=1,
+        )
+        self._group_timeout_s = max(timeout_s * 20, 600.0) + gc_wait_s
+        self._tier_group: RankGroup | None = None
+        self._local: LocalTier | None = None
+        self._tiered_saves = 0  # coordinator: saves planned, for durable_every
+        self._local_steps: set[int] = set()  # steps this writer committed to its local tier
+        self._local_failure_logged = False
+        # One save's tier exchanges at a time (overlapping async saves reach them in turn).
+        self._tier_lock = threading.Lock()
+        self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
         self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
         self._started: dict[str, float] = {}  # coordinator: by attempt, for its persist time
         if step is not None:
@@ -241,6 +284,8 @@ class StoreWriter(StorageWriter, PooledStager):
             self._requested.store = None
         self._requested.fresh = False
         self.rank = int(kwargs.get("rank", 0) or 0)
+        if self._policy is not None:
+            self._set_up_tiers()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -256,16 +301,35 @@ class StoreWriter(StorageWriter, PooledStager):
         with self._plan_lock:
             if step is None:
                 steps = list_steps(self._save_store())
+                if self._local is not None:  # steps only the local tiers hold count too
+                    steps = sorted({*steps, *self._local.copies(self.rank)})
                 step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
             elif self._save_store().exists(commit_key(step)):
                 raise StepExistsError(
                     f"step {step} is already committed in {uri}; steps are write-once"
                 )
             self._planned[uri] = max(step, self._planned.get(uri, -1))
-        target = _SaveTarget(step=step, attempt=uuid.uuid4().hex)
+        tiered = self._local is not None and self._save_store() is self.store
+        durable = True
+        if tiered:
+            assert self._policy is not None and self._tier_group is not None
+            if len(plans) != self._tier_group.world_size:
+                raise ValueError(
+                    f"StoreWriter(local_dir=...) saves over every rank of the default process "
+                    f"group ({self._tier_group.world_size}); this DCP save runs on {len(plans)}"
+                )
+            with self._plan_lock:
+                self._tiered_saves += 1
+                durable = self._policy.is_durable(self._tiered_saves)
+        target = _SaveTarget(step=step, attempt=uuid.uuid4().hex, tiered=tiered, durable=durable)
         self._target = target
         self._started[target.attempt] = time.perf_counter()
-        latest = self._begin_lease(target)
+        if tiered:
+            # Where each item will be, as finish() records it: rank r's i-th item at (r, i).
+            self._tier_storage[target.attempt] = {
+                item.index: (r, i) for r, p in enumerate(plans) for i, item in enumerate(p.items)
+            }
+        latest = self._begin_lease(target) if durable else {}
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
             self.rank,
@@ -286,7 +350,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 "SavePlan.storage_data was not set by StoreWriter.prepare_global_plan "
                 f"(got {type(target).__name__}); was the plan cached from another writer?"
             )
-        if self._save_store().exists(commit_key(target.step)):
+        if target.durable and self._save_store().exists(commit_key(target.step)):
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise StepExistsError(
                 f"rank {self.rank}: step {target.step} is already committed in {self._save_store().uri} "
@@ -295,7 +359,10 @@ class StoreWriter(StorageWriter, PooledStager):
                 "plan: enable_plan_caching is not supported by StoreWriter)"
             )
         self._target = target
-        results = self._write(plan.items, planner, target) if plan.items else []
+        if target.tiered:  # every rank takes part in the tier's exchanges, items or not
+            results = self._write_tiered(plan.items, planner, target)
+        else:
+            results = self._write(plan.items, planner, target) if plan.items else []
         self.saved_step = target.step
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -317,6 +384,17 @@ class StoreWriter(StorageWriter, PooledStager):
         assert len(targets) <= 1, f"ranks wrote different saves: {targets}"
         target = targets.pop() if targets else self._target
         assert target is not None, "finish() before prepare_global_plan()"
+        planned = self._tier_storage.pop(target.attempt, None)
+        if planned is not None and planned != storage_data:
+            self._release_lease(target.attempt)
+            raise RuntimeError(
+                f"DCP save of step {target.step}: the items' locations differ from those the "
+                "plan gave the local tiers (the planner changed the plan after "
+                "prepare_global_plan)"
+            )
+        if planned is not None and not any(w.durable for w in ranks.values()):
+            self._finish_local(target)
+            return
         session = self._session(target)
         try:
             metadata.version = _DCP_VERSION
@@ -333,12 +411,225 @@ class StoreWriter(StorageWriter, PooledStager):
             raise
         finally:
             self._release_lease(target.attempt)
+        self._committed(target)
+        session.retain()
+
+    # -- tiers ------------------------------------------------------------------------------
+
+    def _set_up_tiers(self) -> None:
+        """The tier group (made once, by every rank: DCP calls this on each) and this rank's
+        local tier for the writer's store."""
+        if self._tier_group is None:
+            self._tier_group = RankGroup(None, timeout_s=self._group_timeout_s)
+        group = self._tier_group
+        if group.rank != self.rank:
+            raise ValueError(
+                f"StoreWriter(local_dir=...) saves over every rank of the default process "
+                f"group; DCP's rank {self.rank} is rank {group.rank} there"
+            )
+        durable = store_identity(self.store)
+        local = self._local
+        if local is None or (local.world_size, local.durable_uri) != (group.world_size, durable):
+            assert self._policy is not None
+            self._local = LocalTier(
+                self._policy,
+                self.engine,
+                rank=self.rank,
+                world_size=group.world_size,
+                durable_uri=durable,
+                timeout_s=self.store.retry.timeout_s,
+            )
+
+    def _tier_metadata(self, planner: SavePlanner, target: _SaveTarget) -> bytes:
+        """On the coordinator: the DCP metadata ``finish`` will record, for the local copies,
+        which are committed before it runs."""
+        metadata = getattr(planner, "metadata", None)
+        if not isinstance(metadata, Metadata):
+            raise UnsupportedStateError(
+                f"StoreWriter(local_dir=...) needs a save planner that keeps its global "
+                f"metadata as .metadata (DefaultSavePlanner does; {type(planner).__name__} "
+                "does not)"
+            )
+        return encode_metadata(
+            dataclasses.replace(
+                metadata,
+                version=_DCP_VERSION,
+                storage_data=self._tier_storage[target.attempt],
+                storage_meta=StorageMeta(checkpoint_id=self.store.uri, save_id=target.attempt),
+            )
+        )
+
+    def _write_tiered(
+        self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
+    ) -> list[WriteResult]:
+        """This rank's items committed to its local tier (every rank or none: they agree), then,
+        for a durable step or where a rank's local tier failed, to the writer's store."""
+        assert self._local is not None and self._tier_group is not None
+        local = self._local
+        tensors = [_item_tensor(item, planner) for item in items]
+        staged = self._take_staged(tensors)
+        keys = {storage_key(item.index): i for i, item in enumerate(items)}
+        try:
+            with self._tier_lock:
+                written = self._commit_local(target, planner, tensors, staged, keys)
+            durable = target.durable or written is None
+            if written is not None:  # its index is rank 0's in the local copy
+                written = dataclasses.replace(written, rank=self.rank)
+            if written is not None:
+                local.retain(self.rank, keep={target.step})
+            if durable:
+                with self._tier_lock:
+                    written = self._write_durable(target, tensors, staged, keys, drain=written)
+        except BaseException:
+            self._release_lease(target.attempt)  # on the coordinator: it will not commit
+            raise
+        finally:
+            if staged is not None:
+                staged.release()
+        if written is None:
+            return []
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=t.numel() * t.element_size(),
+                storage_data=_Written(target.step, target.attempt, i, written, durable),
+            )
+            for i, (item, t) in enumerate(zip(items, tensors))
+        ]
+
+    def _commit_local(
+        self,
+        target: _SaveTarget,
+        planner: SavePlanner,
+        tensors: list[torch.Tensor],
+        staged: HeldStaging | None,
+        keys: dict[str, int],
+    ) -> RankWritten | None:
+        """Every rank's local copy of the step, committed only once every rank wrote its own;
+        what this rank wrote there, or None if a rank could not (then nothing is committed
+        locally and the save goes to durable storage)."""
+        assert self._local is not None and self._tier_group is not None
+        local, group = self._local, self._tier_group
+        session: SaveSession | None = None
+        written: RankWritten | None = None
+        metadata: bytes | None = None
+        error: BaseException | None = None
+        try:
+            try:
+                # A job that resumed from an older step saves this step number (and later ones)
+                # again, as another save: this rank's copies of them from an earlier run are
+                # unlisted first.
+                for step in local.copies(self.rank):
+                    if step >= target.step and step not in self._local_steps:
+                        drop_step(local.store(self.rank), step)
+                if self.is_coordinator:
+                    metadata = self._tier_metadata(planner, target)
+                session = SaveSession(
+                    self.engine,
+                    local.store(self.rank),
+                    step=target.step,
+                    attempt=target.attempt,
+                    kind=KIND_DCP,
+                )
+                session.begin(0)
+                for digest in local.take_bad():  # removed by a drain: written again
+                    if session.known is not None:
+                        session.known.pop(digest, None)
+                entries, chunks = self._encode(session, staged, tensors)
+                # A tier copy is a one-rank step: the rank's index is rank 0's there.
+                written = session.put_index(0, entries, chunks, items=keys)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                error = exc
+            everything = group.gather((_one_line(error), metadata))
+            failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+            if not failed:
+                shared = next(m for _, m in everything if m is not None)
+                try:
+                    assert session is not None and written is not None
+                    session.commit(
+                        [written],
+                        world_size=1,
+                        user={TIER_KEY: local.info(self.rank)},
+                        dcp_metadata=shared,
+                    )
+                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                    error = exc
+                everything = group.gather((_one_line(error), None))
+                failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+        finally:
+            if session is not None:
+                session.release()
+        if not failed:
+            self._local_steps.add(target.step)
+            self._local_failure_logged = False
+        if failed:
+            why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+            level = logging.INFO if self._local_failure_logged else logging.WARNING
+            self._local_failure_logged = True  # one warning until a save succeeds again
+            logger.log(
+                level,
+                "rank %d: DCP step %d not committed to the local tier (%s); saving it to %s "
+                "instead",
+                self.rank,
+                target.step,
+                why,
+                self.store.uri,
+            )
+            return None
+        return written
+
+    def _write_durable(
+        self,
+        target: _SaveTarget,
+        tensors: list[torch.Tensor],
+        staged: HeldStaging | None,
+        keys: dict[str, int],
+        *,
+        drain: RankWritten | None,
+    ) -> RankWritten | None:
+        """This rank's part of the step in the writer's store: its local copy drained (``drain``:
+        what it wrote there), else its items written. A step not planned as durable (a local
+        tier failed) takes the save's lease first, on the coordinator, and every rank waits."""
+        assert self._local is not None and self._tier_group is not None
+        known = target.known
+        if not target.durable:
+            latest: dict[int, LatestIndex] | None = None
+            error = None
+            if self.is_coordinator:
+                try:
+                    latest = self._begin_lease(target)
+                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                    error = exc
+            everything = self._tier_group.gather((_one_line(error), latest))
+            for line, found in everything:
+                if line is not None:
+                    raise CheckpointError(f"DCP step {target.step}: {line}")
+                if found is not None:
+                    known = found.get(self.rank)
+        session = self._session(target)
+        session.learn(self.rank, known)
+        if drain is not None:
+            if not keys:
+                return None  # nothing of this rank's in the step
+            written, _ = drain_rank(session, self._local, self.rank)
+            return written
+        if not keys:
+            return None
+        entries, chunks = self._encode(session, staged, tensors)
+        return session.put_index(self.rank, entries, chunks, items=keys)
+
+    def _finish_local(self, target: _SaveTarget) -> None:
+        """``finish`` of a step only the local tiers hold (each rank committed its copy)."""
+        self._release_lease(target.attempt)
+        self._committed(target)
+        logger.info("DCP step %d committed to the local tiers only", target.step)
+
+    def _committed(self, target: _SaveTarget) -> None:
         started = self._started.pop(target.attempt, None)
         if started is not None:
             telemetry.save_persist_seconds.observe(time.perf_counter() - started, frontend="dcp")
         telemetry.saves_total.inc(frontend="dcp", outcome="committed")
         self.saved_step = target.step
-        session.retain()
 
     def _save_store(self) -> Store:
         """The store of the save running on this thread: the one its ``reset()`` named, so an
@@ -411,6 +702,14 @@ class StoreWriter(StorageWriter, PooledStager):
             for i, (item, t) in enumerate(zip(items, tensors))
         ]
 
+    def _encode(
+        self, session: SaveSession, staged: HeldStaging | None, tensors: list[torch.Tensor]
+    ):
+        """(entries, chunks) of ``tensors`` written through ``session``; ``staged`` is kept."""
+        if staged is not None:
+            return self._write_staged(session, staged, tensors, keep=True)
+        return self._write_copied(session, tensors)
+
     def _write_copied(
         self, session: SaveSession, tensors: list[torch.Tensor], *, pooled: bool = True
     ):
@@ -423,9 +722,17 @@ class StoreWriter(StorageWriter, PooledStager):
         finally:
             self.engine.release(copied)
 
-    def _write_staged(self, session: SaveSession, staged: HeldStaging, tensors: list[torch.Tensor]):
+    def _write_staged(
+        self,
+        session: SaveSession,
+        staged: HeldStaging,
+        tensors: list[torch.Tensor],
+        *,
+        keep: bool = False,
+    ):
         """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
-        such as DCP's pickled values, through a buffer of its own); (entries, chunks)."""
+        such as DCP's pickled values, through a buffer of its own); (entries, chunks). The
+        staging is released afterwards unless ``keep``."""
         copied = staged.copied
         base, size = copied.buffer.data_ptr(), copied.buffer.numel()
         inside, outside = [], []
@@ -449,7 +756,8 @@ class StoreWriter(StorageWriter, PooledStager):
             )
             found, chunks = session.write(copied.buffer, layout, mine)
         finally:
-            staged.release()
+            if not keep:
+                staged.release()
         entries: list = [None] * len(tensors)
         for (i, _), entry in zip(inside, found):
             entries[i] = entry
@@ -460,6 +768,13 @@ class StoreWriter(StorageWriter, PooledStager):
                 entries[i] = entry
             chunks = {**chunks, **rest_chunks}
         return entries, chunks
+
+
+def _one_line(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"[:300]
 
 
 def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:

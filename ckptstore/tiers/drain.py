@@ -76,7 +76,7 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> tuple[RankW
             )
         finally:
             release_free_memory()
-        written = session.put_index(rank, index.tensors, chunks, tree=index.tree)
+        written = session.put_index(rank, index.tensors, chunks, tree=index.tree, items=index.items)
         user = {k: v for k, v in manifest.user.items() if k != TIER_KEY}
         return written, user
     finally:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import Manifest, chunk_key
+from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.retention import collect, drop_step
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
@@ -41,7 +42,7 @@ class LocalTier:
     def __init__(
         self,
         policy: TierPolicy,
-        engine: SaveEngine,
+        engine: SaveEngine | None,
         *,
         rank: int,
         world_size: int,
@@ -183,7 +184,7 @@ class LocalTier:
                 store,
                 keep_last=self.policy.local_keep_last,
                 keep_steps=(self.to_drain() if ward == self.rank else set()) | set(keep),
-                lease_ttl_s=self.engine.lease_ttl_s,
+                lease_ttl_s=self.engine.lease_ttl_s if self.engine else DEFAULT_TTL_S,
             )
         except CheckpointError as exc:
             logger.warning(

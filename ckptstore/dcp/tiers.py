@@ -1,0 +1,182 @@
+"""Which save a tiered DCP load reads, and from where (``StoreReader(local_dir=...)``).
+
+Each rank's local tier keeps one-rank copies of DCP steps (``StoreWriter(local_dir=...)``): the
+rank's own items, its index and the save's DCP metadata. Every rank says which copies it holds;
+rank 0 adds the steps of durable storage; all pick the same step: the newest (or the one asked
+for) that every rank holds as the same save, else one in durable storage.
+
+* A step every rank holds loads from the local tiers: each rank sends the others its index (DCP
+  items written by one rank are read by others), and each chunk is read by a rank that holds
+  it and sent to those that need it (``shared_read``). A rank whose copy cannot be read moves
+  every rank to durable storage, where the step is there.
+* Otherwise the step loads from durable storage, and a rank whose local copy is of that same
+  save reads its own chunks from it (a wiped node's ranks read theirs from durable storage).
+
+Each chunk is verified wherever it came from; one that fails in a local copy is read from
+durable storage instead (``tiers.fetch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from ckptstore.catalog import list_steps, load_manifest, read_rank_index_bytes
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.format import ChunkInfo, decode_rank_index
+from ckptstore.steps import DCP, StepView
+from ckptstore.store import Store
+from ckptstore.tiers.fetch import TierFetch
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.policy import TierPolicy, store_identity
+from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierLoad:
+    """One rank's plan of a tiered DCP load."""
+
+    view: StepView  # the step: manifest, metadata, indexes
+    held: dict[str, ChunkInfo]  # the chunks this rank reads from its local copy
+    fetch: TierFetch
+    report: LoadReport
+
+
+def plan_tier_load(
+    durable: Store, policy: TierPolicy, wanted: int | str, group: RankGroup
+) -> TierLoad:
+    """Collective over ``group`` (every rank of the load calls it). Raises on every rank alike
+    when no step can be loaded, or a rank failed to say what it holds."""
+    rank = group.rank
+    local = LocalTier(
+        policy,
+        None,
+        rank=rank,
+        world_size=group.world_size,
+        durable_uri=store_identity(durable),
+        timeout_s=durable.retry.timeout_s,
+    )
+    copies: dict[int, str] = {}
+    steps: list[int] | None = None
+    error = None
+    try:
+        copies = local.copies(rank)
+        if rank == 0:
+            steps = list_steps(durable)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    everything = _agree(group, error, (copies, steps), "list the tiers")
+    held_by = [c for c, _ in everything]
+    durable_steps = set(everything[0][1] or [])
+    common = {s: a for s, a in held_by[0].items() if all(h.get(s) == a for h in held_by[1:])}
+    step = _choose(wanted, common, durable_steps, local, durable)
+    report = LoadReport(step=step)
+    store = local.store(rank) if copies else None
+    if step in common:
+        assert store is not None
+        found = _local_view(store, step, group, in_durable=step in durable_steps)
+        if found is not None:
+            view, held = found
+            report.source = LOCAL
+            fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
+            return TierLoad(view, held, fetch, report)
+        logger.warning(
+            "rank %d: a local copy of DCP step %d could not be read; loading it from %s",
+            rank,
+            step,
+            durable.uri,
+        )
+    view = StepView.open(durable, step)
+    view.require(DCP)
+    held = {}
+    if store is not None and copies.get(step) == view.manifest.attempt:
+        try:
+            held = dict(_own_index(store, step)[0][0].chunks)
+        except CheckpointError as exc:
+            logger.warning("rank %d: local copy of step %d unreadable: %s", rank, step, exc)
+    report.source = LOCAL if held else DURABLE
+    fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
+    return TierLoad(view, held, fetch, report)
+
+
+def _agree(group: RankGroup, error: BaseException | None, payload, what: str) -> list:
+    """Every rank's ``payload``; every rank raises if one failed."""
+    line = None if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
+    everything = group.gather((line, None if error is not None else payload))
+    failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+    if failed:
+        why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+        raise CheckpointError(f"tiered DCP load: could not {what} ({why})") from error
+    return [p for _, p in everything]
+
+
+def _choose(
+    wanted: int | str,
+    common: dict[int, str],
+    durable_steps: set[int],
+    local: LocalTier,
+    durable: Store,
+) -> int:
+    candidates = set(common) | durable_steps
+    if wanted == "latest":
+        if not candidates:
+            raise CheckpointNotFoundError(
+                f"no DCP step held by every rank's local tier ({local.policy.local_dir}) or in "
+                f"{durable.uri}"
+            )
+        return max(candidates)
+    step = int(wanted)
+    if step not in candidates:
+        raise CheckpointNotFoundError(
+            f"step {step} is neither held by every rank's local tier "
+            f"({local.policy.local_dir}) nor committed in {durable.uri}"
+        )
+    return step
+
+
+def _own_index(store: Store, step: int):
+    manifest = load_manifest(store, step)
+    return read_rank_index_bytes(store, manifest.ranks[0]), manifest
+
+
+def _local_view(
+    store: Store, step: int, group: RankGroup, *, in_durable: bool
+) -> tuple[StepView, dict[str, ChunkInfo]] | None:
+    """The step as the local copies hold it, every rank's index sent to every other (each copy
+    is a one-rank step: its index is rank 0's there, rank r's in the view); None (on every
+    rank) if a rank's copy could not be read and the step is in durable storage."""
+    view = None
+    data = b""
+    error = None
+    try:
+        (index, data), manifest = _own_index(store, step)
+        view = StepView(store, manifest)
+        view.require(DCP)
+        view.dcp_metadata()
+        view.adopt_index(dataclasses.replace(index, rank=group.rank))
+    except CheckpointError as exc:
+        error = exc
+    line = None if error is None else " ".join(str(error).split())[:300]
+    everything = group.gather((line, data if error is None else b""))
+    failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+    if failed:
+        if in_durable:
+            return None
+        why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+        raise CheckpointError(
+            f"DCP step {step} is held only by the local tiers, and a copy cannot be read ({why})"
+        )
+    assert view is not None
+    held = dict(view.index(group.rank).chunks)
+    for r, (_, blob) in enumerate(everything):
+        if r == group.rank:
+            continue
+        index = decode_rank_index(blob, f"rank {r}'s local index of step {step}")
+        if index.rank != 0:  # a tier copy is a one-rank step
+            raise CheckpointError(f"rank {r} sent an index of rank {index.rank}, not its copy's")
+        view.adopt_index(dataclasses.replace(index, rank=r))
+    return view, held

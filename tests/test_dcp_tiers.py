@@ -1,0 +1,253 @@
+"""Tiers for DCP steps (issue 22): ``StoreWriter(local_dir=..., durable_every=M)`` commits every
+save to each rank's local tier first and every M-th to durable storage; ``StoreReader(local_dir=
+...)`` loads the newest step every rank can get, each chunk from a rank's local copy where one
+holds it (sent over the group to the ranks that need it), else from durable storage.
+
+Real gloo ranks (``tests/_dist.py``), real files; durable chunk reads counted at the store's
+backend. DCP writes each replicated item once, on one rank, so every load here needs chunks
+that only another rank's local tier holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _dist import run_ranks
+from test_requests import Tally
+from test_shared_read import _counting_store, _gathered
+from torch.distributed.checkpoint import CheckpointException
+
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.store import Store
+from ckptstore.tiers.local import tier_copies
+from ckptstore.tiers.policy import rank_dir, store_identity
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning",
+    "ignore:torch.distributed is unavailable:UserWarning",
+)
+
+CHUNK = 64 * 1024
+
+
+def _state(step: int) -> dict:
+    def rand(n_chunks: int, seed: int) -> torch.Tensor:
+        return torch.rand(n_chunks * CHUNK // 4, generator=torch.Generator().manual_seed(seed))
+
+    return {"w": rand(6, step), "v": rand(3, 100 + step), "b": rand(2, 200 + step), "step": step}
+
+
+def _blank() -> dict:
+    return {
+        "w": torch.zeros(6 * CHUNK // 4),
+        "v": torch.zeros(3 * CHUNK // 4),
+        "b": torch.zeros(2 * CHUNK // 4),
+        "step": -1,
+    }
+
+
+def _assert_loaded(target: dict, step: int) -> None:
+    want = _state(step)
+    for key in ("w", "v", "b"):
+        assert torch.equal(target[key].view(torch.int32), want[key].view(torch.int32)), key
+    assert target["step"] == step
+
+
+def _writer(root: str, local: str, **options) -> StoreWriter:
+    options.setdefault("durable_every", 2)
+    return StoreWriter(root, local_dir=local, chunk_bytes=CHUNK, compression=None, **options)
+
+
+def _save_steps(root: str, local: str, steps, **options) -> None:
+    writer = _writer(root, local, **options)
+    for step in steps:
+        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+
+
+def _load(root: str, local: str, tally: Tally, **options) -> tuple[dict, StoreReader]:
+    reader = StoreReader(root, local_dir=local, store=_counting_store(root, tally), **options)
+    target = _blank()
+    dcp.load(target, storage_reader=reader)
+    return target, reader
+
+
+def _records(logger: str) -> list[logging.LogRecord]:
+    """What ``logger`` logs from here on (INFO and up), in this rank's process."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger(logger).addHandler(handler)
+    logging.getLogger(logger).setLevel(logging.INFO)
+    return records
+
+
+def _local_dir(base: str, rank: int) -> str:
+    return str(Path(base) / f"node-{rank}")  # one "node" per rank
+
+
+def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, root: str, base):
+    local = _local_dir(base, rank)
+    _save_steps(root, local, [1, 2, 3, 4])
+    assert list_steps(Store(root)) == [1, 3]  # the first save and every 2nd after it
+    assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [3, 4]  # keep 2
+    dist.barrier()
+
+    tally = Tally()
+    target, reader = _load(root, local, tally)
+    _assert_loaded(target, 4)  # the newest step, which only the local tiers hold
+    assert tally.chunks["get"] == 0, tally.chunks  # not one chunk from durable storage
+    report = reader.last_load
+    assert report is not None and report.step == 4 and report.source == "local"
+    assert "durable" not in report.sources and report.sources["local"].chunks > 0
+    exchange = reader.last_load_exchange
+    assert exchange is not None and exchange.received > 0  # items only the other rank holds
+
+    # An explicit durable step loads too (from the local copies, which hold it as well).
+    tally.clear()
+    target, _ = _load(root, local, tally, step=3)
+    _assert_loaded(target, 3)
+    assert tally.chunks["get"] == 0
+
+
+@pytest.mark.dist
+def test_saves_go_to_the_local_tiers_first_and_load_from_them(tmp_path):
+    run_ranks(
+        _saves_go_to_local_tiers_and_every_other_to_durable,
+        2,
+        str(tmp_path / "durable"),
+        str(tmp_path),
+    )
+
+
+def _wiped_node(rank: int, world: int, root: str, base: str) -> None:
+    local = _local_dir(base, rank)
+    _save_steps(root, local, [1, 2, 3, 4])
+    dist.barrier()
+    if rank == 1:  # its node replaced: the local dir is empty
+        shutil.rmtree(local)
+    dist.barrier()
+    tally = Tally()
+    target, reader = _load(root, local, tally)
+    # Step 4 was on the local tiers only, and rank 1's copy is gone: step 3, the newest
+    # durable one, rank 0's chunks from its local copy, rank 1's from durable storage.
+    _assert_loaded(target, 3)
+    report = reader.last_load
+    assert report is not None and report.step == 3
+    store = Store(root)
+    own = [set(load_rank_index(store, load_manifest(store, 3), r).chunks) for r in range(world)]
+    gets = _gathered(tally.chunks["get"])
+    # Durable storage served rank 1's chunks, each once (either rank fetching it), and no
+    # chunk that rank 0's local copy holds.
+    assert sum(gets) == len(own[1] - own[0]), (gets, own)
+    if rank == 0:
+        assert report.source == "local" and report.sources["local"].chunks == len(own[0])
+    else:
+        assert report.source == "durable" and "local" not in report.sources
+
+
+@pytest.mark.dist
+def test_a_wiped_node_loads_the_newest_durable_step_its_peers_reading_locally(tmp_path):
+    run_ranks(_wiped_node, 2, str(tmp_path / "durable"), str(tmp_path))
+
+
+def _bad_local_chunk(rank: int, world: int, root: str, base: str) -> None:
+    local = _local_dir(base, rank)
+    _save_steps(root, local, [1, 2], durable_every=1)
+    dist.barrier()
+    if rank == 0:  # flip a byte of one chunk of rank 0's local copy
+        chunks = sorted(
+            p
+            for p in (rank_dir(local, store_identity(Store(root)), 0) / "chunks").rglob("*")
+            if p.is_file()
+        )
+        data = bytearray(chunks[0].read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunks[0].write_bytes(bytes(data))
+    dist.barrier()
+    records = _records("ckptstore.tiers.fetch")
+    tally = Tally()
+    target, reader = _load(root, local, tally)
+    _assert_loaded(target, 2)  # the same step, the bad chunk read from durable storage
+    gets = _gathered(tally.chunks["get"])
+    assert sum(gets) <= 1, gets  # only that chunk (if step 2 still needs it) came from durable
+    if rank == 0 and gets[0]:
+        warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "local tier" in warned[0], warned
+
+
+@pytest.mark.dist
+def test_a_bad_chunk_in_a_local_copy_is_read_from_durable_storage(tmp_path):
+    run_ranks(_bad_local_chunk, 2, str(tmp_path / "durable"), str(tmp_path))
+
+
+def _no_common_step(rank: int, world: int, root: str, base: str) -> None:
+    local = _local_dir(base, rank)
+    _save_steps(root, local, [1, 2], durable_every=5)  # step 1 durable, step 2 local only
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(local)
+    dist.barrier()
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local, step=2))
+    for exc, _ in raised.value.failures.values():  # DCP words it as "metadata is None; ..."
+        assert "step 2 is neither held by every rank's local tier" in str(exc), exc
+    target = _blank()  # "latest" is the durable step 1
+    dcp.load(target, storage_reader=StoreReader(root, local_dir=local))
+    _assert_loaded(target, 1)
+
+
+@pytest.mark.dist
+def test_a_step_no_tier_holds_whole_is_refused_by_name(tmp_path):
+    run_ranks(_no_common_step, 2, str(tmp_path / "durable"), str(tmp_path))
+
+
+def _full_local_disk(rank: int, world: int, root: str, disk: str) -> None:
+    local = str(Path(disk) / f"node-{rank}")
+    # ~0.7 MiB per save per rank (replicated items split between the ranks), 4 MiB shared.
+    gen = torch.Generator().manual_seed(7)  # the same on both ranks: DCP saves it once
+    big = {
+        f"t{i}": torch.randint(0, 2**30, (CHUNK // 4,), dtype=torch.int32, generator=gen)
+        for i in range(24)
+    }
+    writer = _writer(root, local, durable_every=100, local_keep_last=10)
+    records = _records("ckptstore.dcp.writer")
+    for step in range(1, 7):
+        state = {k: v + step for k, v in big.items()}
+        dcp.save(state, storage_writer=writer, checkpoint_id=step)
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "not committed to the local tier" in warned[0], warned
+    durable = list_steps(Store(root))
+    held = tier_copies(local, store_identity(Store(root))).copies
+    # Every step is somewhere: the local disk filled up, and later saves went to durable.
+    assert durable[0] == 1 and len(durable) > 1, durable
+    assert set(durable) | set(held) == set(range(1, 7)), (durable, held)
+    dist.barrier()
+    target = {k: torch.zeros_like(v) for k, v in big.items()}
+    dcp.load(target, storage_reader=StoreReader(root, local_dir=local))
+    assert all(torch.equal(target[k], big[k] + 6) for k in big)
+
+
+@pytest.mark.dist
+def test_a_full_local_disk_sends_dcp_saves_to_durable_and_loses_nothing(tmp_path, small_disk):
+    run_ranks(_full_local_disk, 2, str(tmp_path / "durable"), str(small_disk))
+
+
+def test_one_process_without_torch_distributed(tmp_path):
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    writer = _writer(root, local)
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+    assert list_steps(Store(root)) == [1]
+    tally = Tally()
+    reader = StoreReader(root, local_dir=local, store=_counting_store(root, tally))
+    target = _blank()
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    _assert_loaded(target, 2)
+    assert tally.chunks["get"] == 0
