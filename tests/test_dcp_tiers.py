@@ -10,6 +10,7 @@ that only another rank's local tier holds.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -251,3 +252,25 @@ def test_one_process_without_torch_distributed(tmp_path):
     dcp.load(target, storage_reader=reader, no_dist=True)
     _assert_loaded(target, 2)
     assert tally.chunks["get"] == 0
+
+
+def test_ls_lists_local_copies_of_dcp_steps_even_without_a_durable_store(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    root, local = tmp_path / "durable", tmp_path / "local"
+    writer = _writer(str(root), str(local))
+    for step in (1, 2, 3):
+        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+    assert main(["ls", str(root), "--local-dir", str(local), "--json"]) == 0
+    rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows == {
+        1: {"durable": True, "local": {}},  # local_keep_last=2
+        2: {"durable": False, "local": {str(local): [0]}},
+        3: {"durable": True, "local": {str(local): [0]}},
+    }
+    shutil.rmtree(root)  # the job never reached durable storage (or lost it)
+    assert main(["ls", str(root), "--local-dir", str(local), "--json"]) == 0
+    rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows == {s: {"durable": False, "local": {str(local): [0]}} for s in (2, 3)}
+    assert main(["ls", str(root)]) == 1  # without --local-dir a missing store is an error
+    assert "no ckptstore checkpoints" in capsys.readouterr().err

@@ -32,7 +32,17 @@ def emit_json(doc: dict[str, Any]) -> None:
 
 def open_store(args: argparse.Namespace) -> Store:
     """The store of ``args.uri``; an error unless it exists (a missing local directory or
-    bucket is "no checkpoints there", never an empty listing)."""
+    bucket is "no checkpoints there", never an empty listing), except for ``ls`` with
+    ``--local-dir``: the local tiers may hold steps of a job whose durable store has none yet."""
+    try:
+        return _open_existing_store(args)
+    except CheckpointNotFoundError:
+        if not getattr(args, "local_dir", None):
+            raise
+        return Store(args.uri, storage_options=dict(args.storage_options) or None)
+
+
+def _open_existing_store(args: argparse.Namespace) -> Store:
     options = dict(args.storage_options)
     timeout = getattr(args, "timeout", None)
     retry = RetryPolicy.within(timeout) if timeout else None
