@@ -43,6 +43,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    DrainSupersededError,
     FormatVersionError,
     PartialLoadError,
     UnsupportedStateError,
@@ -344,6 +345,7 @@ class Checkpointer:
             self._drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
         self._drains: queue.Queue[tuple[_Job, Future[None]] | None] = queue.Queue()
         self._last_drain: Future[None] | None = None
+        self._superseded_logged = False
         self._drain_failures: list[tuple[int, BaseException]] = []  # raised once by wait/close
         self._local_failure_logged = False
         self.last_load_source: str | None = None
@@ -1288,12 +1290,38 @@ class Checkpointer:
                 future.result()  # its error fails the save: it is not durable
 
     def _drain_loop(self) -> None:
+        """Drains in save order. When drains fall behind saves, the ranks agree on the newest
+        step every one of them has queued and drain it next; the older steps queued before it
+        are superseded (their ``handle.durable`` fails with a ``DrainSupersededError``; their
+        local copies are released to retention), so the durable tier follows the newest save
+        and the local tier does not grow without bound."""
         set_thread_nice(self._save_thread_nice)
+        assert self._drain_group is not None
+        backlog: list[tuple[_Job, Future[None]]] = []
+        closing = False
         while True:
-            item = self._drains.get()
-            if item is None:
-                return
-            job, future = item
+            if not backlog:
+                if closing:
+                    return
+                item = self._drains.get()
+                if item is None:
+                    return
+                backlog.append(item)
+            while not closing:  # what else is queued by now
+                try:
+                    item = self._drains.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                else:
+                    backlog.append(item)
+            # Every rank's backlog starts with the same step (each drain is collective);
+            # the least of their newest is queued on every rank.
+            newest = min(self._drain_group.gather(backlog[-1][0].step))
+            while backlog[0][0].step < newest and not backlog[0][0].wait_durable:
+                self._supersede(*backlog.pop(0), newest)
+            job, future = backlog.pop(0)
             try:
                 self._drain(job)
                 future.set_result(None)
@@ -1311,6 +1339,26 @@ class Checkpointer:
             finally:
                 assert self._local is not None
                 self._local.unprotect(job.step)
+
+    def _supersede(self, job: _Job, future: Future[None], newest: int) -> None:
+        level = logging.INFO if self._superseded_logged else logging.WARNING
+        self._superseded_logged = True
+        logger.log(
+            level,
+            "rank %d: drains to %s fall behind saves: step %d is not drained, step %d is next",
+            self.rank,
+            self.store.uri,
+            job.step,
+            newest,
+        )
+        future.set_exception(
+            DrainSupersededError(
+                f"step {job.step} was not drained to {self.store.uri}: step {newest}, saved "
+                "after it, was queued meanwhile and is drained instead (drains fell behind saves)"
+            )
+        )
+        assert self._local is not None
+        self._local.unprotect(job.step)
 
     def _drain(self, job: _Job) -> None:
         """Commit ``job``'s step to durable storage from every rank's local copy."""

@@ -36,6 +36,11 @@ class StepExistsError(CheckpointError, FileExistsError):
     """A step is already committed; steps are write-once."""
 
 
+class DrainSupersededError(CheckpointError):
+    """A save bound for durable storage was not drained there: drains fell behind saves and a
+    newer step was drained in its place (its local copies were kept until then)."""
+
+
 class FormatVersionError(CheckpointError, ValueError):
     """The store was written in a format version this reader does not know."""
 

@@ -465,6 +465,40 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
     assert list_steps(Store(str(tmp_path / "durable"))) == []
 
 
+def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go(tmp_path):
+    from ckptstore.errors import DrainSupersededError
+    from ckptstore.testing.faults import Faults, with_faults
+    from tests._wait import wait_until
+
+    faults = Faults(hang_rate=1.0, ops=frozenset({"put"}))  # the first drain waits for release
+    durable = with_faults(Store(str(tmp_path / "durable")), faults)
+    local = tmp_path / "local"
+    with Checkpointer(
+        tmp_path / "durable", store=durable, local_dir=local, local_keep_last=1, timeout_s=60.0
+    ) as ckpt:
+        handles = [ckpt.save(step, _state(0, step)) for step in range(1, 6)]
+        for handle in handles:
+            handle.wait()  # every step committed locally; step 1's drain hangs
+        assert wait_until(lambda: ckpt._drains.qsize() == 4, timeout_s=60)
+        # Protected until drained: every step is still in the local tier.
+        assert list_steps(Store(str(_copies(local, 0)))) == [1, 2, 3, 4, 5]
+        faults.release()
+        ckpt.wait()  # the newest drain: no error from the steps let go
+        assert handles[0].durable.exception(timeout=60) is None
+        for handle in handles[1:4]:
+            error = handle.durable.exception(timeout=60)
+            assert isinstance(error, DrainSupersededError) and "step 5" in str(error), error
+        assert handles[4].durable.exception(timeout=60) is None
+        ckpt.save(6, _state(0, 6)).wait()
+        ckpt.wait()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 5, 6]
+    # local_keep_last=1 applies again once nothing is held for a drain.
+    assert list_steps(Store(str(_copies(local, 0)))) == [6]
+    with Checkpointer(tmp_path / "durable") as ckpt:
+        state = _blank()
+        assert ckpt.load(state) == 6 and torch.equal(state["w"], _state(0, 6)["w"])
+
+
 def test_a_load_reads_only_the_durable_manifests_it_considers(tmp_path):
     with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local") as ckpt:
         for step in range(1, 7):  # every save durable
