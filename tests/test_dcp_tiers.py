@@ -274,3 +274,36 @@ def test_ls_lists_local_copies_of_dcp_steps_even_without_a_durable_store(tmp_pat
     assert rows == {s: {"durable": False, "local": {str(local): [0]}} for s in (2, 3)}
     assert main(["ls", str(root)]) == 1  # without --local-dir a missing store is an error
     assert "no ckptstore checkpoints" in capsys.readouterr().err
+
+
+def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
+    node = rank // 2  # 2 ranks per node, 2 nodes
+    local = str(Path(base) / f"node-{node}")
+    writer = _writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
+    for step in (1, 2):  # step 1 durable, step 2 in the local tiers (and peers) only
+        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    assert list_steps(Store(root)) == [1]
+    dist.barrier()
+    if rank == 2:  # node 1 replaced: its local dir, with its ranks' copies, is gone
+        shutil.rmtree(local)
+    dist.barrier()
+    tally = Tally()
+    target, reader = _load(root, local, tally)
+    _assert_loaded(target, 2)  # the newest step, from the peers' copies
+    assert tally.chunks["get"] == 0, tally.chunks  # nothing from durable storage
+    report = reader.last_load
+    assert report is not None and report.step == 2
+    if node == 1:
+        assert report.source == "peer" and report.sources["peer"].chunks > 0, report
+    else:
+        assert report.source == "local" and "peer" not in report.sources, report
+    # The replaced node holds its ranks' copies again: the next load reads them locally.
+    dist.barrier()
+    target, reader = _load(root, local, tally)
+    _assert_loaded(target, 2)
+    assert reader.last_load.source == "local" and tally.chunks["get"] == 0
+
+
+@pytest.mark.dist
+def test_a_replaced_node_restores_a_local_only_step_from_its_peers_copies(tmp_path):
+    run_ranks(_peer_restore, 4, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)

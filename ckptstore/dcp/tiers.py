@@ -1,9 +1,15 @@
 """Which save a tiered DCP load reads, and from where (``StoreReader(local_dir=...)``).
 
 Each rank's local tier keeps one-rank copies of DCP steps (``StoreWriter(local_dir=...)``): the
-rank's own items, its index and the save's DCP metadata. Every rank says which copies it holds;
-rank 0 adds the steps of durable storage; all pick the same step: the newest (or the one asked
-for) that every rank holds as the same save, else one in durable storage.
+rank's own items, its index and the save's DCP metadata, and with ``peer_copies`` other nodes
+keep them too. Every rank says which copies its node holds (its own and others'); rank 0 adds
+the steps of durable storage; all pick the same step: the newest (or the one asked for) that
+every rank can get as the same save from a local tier (its own, else a peer's), else one in
+durable storage.
+
+* A rank whose own copy is missing gets it back from a rank that holds it
+  (``tiers.transfer``, repair: every chunk hashed on arrival) before the load; if that fails,
+  the step loads from durable storage where it is there.
 
 * A step every rank holds loads from the local tiers: each rank sends the others its index (DCP
   items written by one rank are read by others), and each chunk is read by a rank that holds
@@ -25,13 +31,15 @@ from dataclasses import dataclass
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index_bytes
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import ChunkInfo, decode_rank_index
+from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TierPolicy, store_identity
-from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
+from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, LoadReport
+from ckptstore.tiers.transfer import Transfer, transfer
 
 logger = logging.getLogger(__name__)
 
@@ -54,38 +62,49 @@ def plan_tier_load(
     rank = group.rank
     local = LocalTier(
         policy,
-        None,
+        SaveEngine(),
         rank=rank,
         world_size=group.world_size,
         durable_uri=store_identity(durable),
         timeout_s=durable.retry.timeout_s,
     )
-    copies: dict[int, str] = {}
+    here: dict[int, dict[int, str]] = {}  # ward -> step -> attempt, the copies of this node
     steps: list[int] | None = None
     error = None
     try:
-        copies = local.copies(rank)
+        here = {ward: local.copies(ward) for ward in local.wards_here()}
         if rank == 0:
             steps = list_steps(durable)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
-    everything = _agree(group, error, (copies, steps), "list the tiers")
-    held_by = [c for c, _ in everything]
+    everything = _agree(group, error, (here, steps), "list the tiers")
     durable_steps = set(everything[0][1] or [])
-    common = {s: a for s, a in held_by[0].items() if all(h.get(s) == a for h in held_by[1:])}
-    step = _choose(wanted, common, durable_steps, local, durable)
+    holders = _holders([h for h, _ in everything], group.world_size)
+    step = _choose(wanted, set(holders), durable_steps, local, durable)
     report = LoadReport(step=step)
-    store = local.store(rank) if copies else None
-    if step in common:
-        assert store is not None
-        found = _local_view(store, step, group, in_durable=step in durable_steps)
+    copies = here.get(rank, {})
+    if step in holders:
+        attempt, sources = holders[step]
+        repaired = _repair(local, group, step, attempt, sources, report)
+        if repaired:
+            copies = local.copies(rank)
+        store = local.store(rank)
+        found = None
+        if repaired or not sources:
+            found = _local_view(store, step, group, in_durable=step in durable_steps)
         if found is not None:
             view, held = found
-            report.source = LOCAL
+            report.source = PEER if rank in sources else LOCAL
             fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
             return TierLoad(view, held, fetch, report)
+        if step not in durable_steps:
+            raise CheckpointError(
+                f"DCP step {step} is held only by the local tiers, and a rank's copy could not "
+                "be restored from its peers (see the warning above)"
+            )
         logger.warning(
-            "rank %d: a local copy of DCP step %d could not be read; loading it from %s",
+            "rank %d: a local copy of DCP step %d could not be read or restored; loading it "
+            "from %s",
             rank,
             step,
             durable.uri,
@@ -93,6 +112,7 @@ def plan_tier_load(
     view = StepView.open(durable, step)
     view.require(DCP)
     held = {}
+    store = local.store(rank) if copies else None
     if store is not None and copies.get(step) == view.manifest.attempt:
         try:
             held = dict(_own_index(store, step)[0][0].chunks)
@@ -114,9 +134,71 @@ def _agree(group: RankGroup, error: BaseException | None, payload, what: str) ->
     return [p for _, p in everything]
 
 
+def _holders(
+    here: list[dict[int, dict[int, str]]], world: int
+) -> dict[int, tuple[str, dict[int, int]]]:
+    """The steps every rank can get from a local tier as one save: step -> (attempt, the
+    rank each rank without its own copy gets it from). ``here[h]``: what rank h's node holds,
+    ward -> step -> attempt (ranks of one node list the same stores)."""
+    out = {}
+    steps = {s for held in here for copies in held.values() for s in copies}
+    for step in steps:
+        attempts = {copies[step] for held in here for copies in held.values() if step in copies}
+        for attempt in sorted(attempts):
+            sources: dict[int, int] = {}
+            for r in range(world):
+                if here[r].get(r, {}).get(step) == attempt:
+                    continue  # its own copy, on its own node
+                giving = [h for h in range(world) if here[h].get(r, {}).get(step) == attempt]
+                if not giving:
+                    break
+                sources[r] = giving[0]
+            else:
+                out[step] = (attempt, sources)
+                break
+    return out
+
+
+def _repair(
+    local: LocalTier,
+    group: RankGroup,
+    step: int,
+    attempt: str,
+    sources: dict[int, int],
+    report: LoadReport,
+) -> bool:
+    """Each rank without its own copy of the save gets it from ``sources[rank]`` (collective);
+    True if every such copy arrived whole (every chunk hashed on arrival). Nothing to do: True."""
+    if not sources:
+        return True
+    transfers = [Transfer(src, r, r, step, attempt, repair=True) for r, src in sources.items()]
+    try:
+        outcomes, stats = transfer(
+            transfers, group=group.group, local=local, budget_bytes=local.policy.peer_budget_bytes
+        )
+    except Exception as exc:  # noqa: BLE001 - a lost rank: the durable tier, where it can
+        logger.warning(
+            "rank %d: restoring copies of step %d from peers failed: %s", group.rank, step, exc
+        )
+        return False
+    if group.rank in sources:
+        report.add(PEER, stats.received_bytes, stats.seconds, stats.chunks_received)
+    failed = [e for e in outcomes.values() if e is not None]
+    if failed:
+        logger.warning(
+            "rank %d: %d of %d copies of step %d could not be restored from peers: %s",
+            group.rank,
+            len(failed),
+            len(transfers),
+            step,
+            failed[0],
+        )
+    return not failed
+
+
 def _choose(
     wanted: int | str,
-    common: dict[int, str],
+    common: set[int],
     durable_steps: set[int],
     local: LocalTier,
     durable: Store,

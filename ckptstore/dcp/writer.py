@@ -41,7 +41,16 @@ from ckptstore.store import Store
 from ckptstore.tiers.drain import drain_rank
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import DEFAULT_LOCAL_KEEP_LAST, TIER_KEY, TierPolicy, store_identity
+from ckptstore.tiers.policy import (
+    DEFAULT_LOCAL_KEEP_LAST,
+    DEFAULT_PEER_BUDGET_BYTES,
+    TIER_KEY,
+    TierPolicy,
+    Topology,
+    node_identity,
+    store_identity,
+)
+from ckptstore.tiers.transfer import Transfer, transfer
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +148,14 @@ class StoreWriter(StorageWriter, PooledStager):
             tier, ``local_dir/job-<j>/rank-<r>/`` (the rank's items, its index and the save's
             DCP metadata, as a one-rank step); ``StoreReader(local_dir=...)`` restores from
             there. A rank that cannot write its local copy (a full disk) sends the save to
-            ``uri`` instead, one warning. Peer copies are not offered for DCP saves.
+            ``uri`` instead, one warning.
+        peer_copies: after the local commit each rank's copy also goes to the local tier of
+            the rank at its position on each of the next K nodes, over a gloo group (never
+            through storage; each chunk hashed by the receiver): a replaced node's ranks
+            restore from them. Needs K + 1 nodes.
+        node_rank: this rank's node (else torchrun's ``GROUP_RANK``, else
+            ``rank // LOCAL_WORLD_SIZE``, else the host name).
+        peer_budget_bytes: bytes per round of one peer transfer (its buffer's bound).
         durable_every: the first save of this writer and every M-th after it also go to
             ``uri``, each rank's chunks copied as stored from its local copy (verified first);
             the others stay in the local tiers only.
@@ -172,16 +188,21 @@ class StoreWriter(StorageWriter, PooledStager):
         local_dir: str | os.PathLike | None = None,
         durable_every: int = 1,
         local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST,
+        peer_copies: int = 0,
+        node_rank: int | None = None,
+        peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES,
     ) -> None:
         super().__init__()
         check_background_nice(background_nice)
         self._policy = TierPolicy.build(
             local_dir,
-            peer_copies=0,
+            peer_copies=peer_copies,
             durable_every=durable_every,
             local_keep_last=local_keep_last,
-            peer_budget_bytes=1,
+            peer_budget_bytes=peer_budget_bytes,
         )
+        self._node_rank = node_rank
+        self._topology: Topology | None = None
         self._group_timeout_s = max(timeout_s * 20, 600.0) + gc_wait_s
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
@@ -419,8 +440,12 @@ class StoreWriter(StorageWriter, PooledStager):
     def _set_up_tiers(self) -> None:
         """The tier group (made once, by every rank: DCP calls this on each) and this rank's
         local tier for the writer's store."""
+        assert self._policy is not None
         if self._tier_group is None:
             self._tier_group = RankGroup(None, timeout_s=self._group_timeout_s)
+            if self._policy.peer_copies:
+                nodes = self._tier_group.gather(node_identity(self._node_rank, self.rank))
+                self._topology = Topology.build(nodes, self._policy.peer_copies)
         group = self._tier_group
         if group.rank != self.rank:
             raise ValueError(
@@ -472,11 +497,11 @@ class StoreWriter(StorageWriter, PooledStager):
         try:
             with self._tier_lock:
                 written = self._commit_local(target, planner, tensors, staged, keys)
+                if written is not None:
+                    local.retain(self.rank, keep={target.step})
+                    self._copy_to_peers(target)
+                    written = dataclasses.replace(written, rank=self.rank)  # rank 0's there
             durable = target.durable or written is None
-            if written is not None:  # its index is rank 0's in the local copy
-                written = dataclasses.replace(written, rank=self.rank)
-            if written is not None:
-                local.retain(self.rank, keep={target.step})
             if durable:
                 with self._tier_lock:
                     written = self._write_durable(target, tensors, staged, keys, drain=written)
@@ -517,11 +542,13 @@ class StoreWriter(StorageWriter, PooledStager):
         try:
             try:
                 # A job that resumed from an older step saves this step number (and later ones)
-                # again, as another save: this rank's copies of them from an earlier run are
-                # unlisted first.
-                for step in local.copies(self.rank):
-                    if step >= target.step and step not in self._local_steps:
-                        drop_step(local.store(self.rank), step)
+                # again, as another save: the copies of them from an earlier run (this rank's
+                # and its wards') are unlisted first.
+                wards = self._topology.wards(self.rank) if self._topology else []
+                for ward in [self.rank, *wards]:
+                    for step in local.copies(ward):
+                        if step >= target.step and step not in self._local_steps:
+                            drop_step(local.store(ward), step)
                 if self.is_coordinator:
                     metadata = self._tier_metadata(planner, target)
                 session = SaveSession(
@@ -577,6 +604,36 @@ class StoreWriter(StorageWriter, PooledStager):
             )
             return None
         return written
+
+    def _copy_to_peers(self, target: _SaveTarget) -> None:
+        """Each rank's committed copy to its holders (collective); a failed copy is logged,
+        the save stands."""
+        if self._topology is None:
+            return
+        assert self._local is not None and self._tier_group is not None and self._policy
+        transfers = [
+            Transfer(r, h, r, target.step, target.attempt)
+            for r in range(self._tier_group.world_size)
+            for h in self._topology.holders(r)
+        ]
+        try:
+            outcomes, _ = transfer(
+                transfers,
+                group=self._tier_group.group,
+                local=self._local,
+                budget_bytes=self._policy.peer_budget_bytes,
+            )
+        except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
+            outcomes = {t: _one_line(exc) for t in transfers}
+        failed = [e for e in outcomes.values() if e is not None]
+        if failed and self.is_coordinator:
+            logger.warning(
+                "DCP step %d: %d of %d peer copies failed (restore falls back to other tiers): %s",
+                target.step,
+                len(failed),
+                len(transfers),
+                failed[0],
+            )
 
     def _write_durable(
         self,

@@ -96,6 +96,15 @@ class LocalTier:
     def info(self, ward: int) -> dict:
         return tier_info(ward, self.world_size, self.durable_uri)
 
+    def wards_here(self) -> list[int]:
+        """The ranks whose stores this node's job directory holds (its own ranks', and those
+        whose peer copies it keeps)."""
+        job_dir = self.rank_dir(self.rank).parent
+        if not job_dir.is_dir():
+            return []
+        found = (p.name[5:] for p in job_dir.glob("rank-*") if p.is_dir())
+        return sorted(int(r) for r in found if r.isdigit() and int(r) < self.world_size)
+
     def belongs(self, manifest: Manifest, ward: int) -> bool:
         """Whether ``manifest`` is a copy of ``ward``'s state in this job."""
         return manifest.world_size == 1 and manifest.user.get(TIER_KEY) == self.info(ward)

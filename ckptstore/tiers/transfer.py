@@ -7,7 +7,7 @@ calls ``transfer`` with the same list (it is collective); a rank takes part in t
 that name it. The destination ends with a byte-identical copy: the same chunks, index and
 manifest, the manifest written last, under a save lease of its store.
 
-Per transfer: the source sends the manifest and index; the destination answers with the chunks
+Per transfer: the source sends the manifest and index (and a DCP copy's metadata); the destination answers with the chunks
 it lacks (those of its newest copy of that ward are known stored: ``SaveSession.begin``); the
 source sends those in rounds of at most ``budget_bytes`` (a larger chunk alone), each chunk
 followed by a status byte; the destination decodes and hashes every chunk before it writes it
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckptstore.catalog import load_manifest_bytes, read_rank_index_bytes
+from ckptstore.catalog import load_manifest_bytes, read_object, read_rank_index_bytes
 from ckptstore.codec import decode
 from ckptstore.errors import CheckpointError, ObjectExistsError
 from ckptstore.format import (
@@ -83,8 +83,8 @@ class TransferStats:
 @dataclass
 class _Outgoing:
     t: Transfer
-    header: bytes = b""  # manifest + index
-    sizes: tuple[int, int, int] = (0, 0, 0)  # manifest, index, chunk count
+    header: bytes = b""  # manifest + index + DCP metadata (a DCP copy's)
+    sizes: tuple[int, int, int, int] = (0, 0, 0, 0)  # manifest, index, chunk count, metadata
     index: RankIndex | None = None
     lease: Lease | None = None
     error: str | None = None
@@ -99,6 +99,7 @@ class _Incoming:
     index_bytes: bytes = b""
     index: RankIndex | None = None
     index_key: str = ""
+    metadata: tuple[str, bytes] | None = None  # a DCP copy's metadata object: key, bytes
     error: str | None = None
     held: bool = False  # the step is already there, this very save
     want: list[str] = field(default_factory=list)
@@ -165,9 +166,12 @@ class _Exchange:
                     f"{store.uri} holds another save of step {t.step} ({manifest.attempt})"
                 )
             index, index_bytes = read_rank_index_bytes(store, manifest.ranks[0])
+            metadata = b""
+            if manifest.dcp_metadata is not None:
+                metadata = read_object(store, manifest.dcp_metadata, "DCP metadata")
             out.index = index
-            out.header = manifest_bytes + index_bytes
-            out.sizes = (len(manifest_bytes), len(index_bytes), len(index.chunks))
+            out.header = manifest_bytes + index_bytes + metadata
+            out.sizes = (len(manifest_bytes), len(index_bytes), len(index.chunks), len(metadata))
         except (CheckpointError, OSError) as exc:
             out.error = f"rank {self.rank} cannot read its copy of rank {t.ward}: {_one_line(exc)}"
         return out
@@ -217,7 +221,7 @@ class _Exchange:
             inc.error = f"rank {self.rank} cannot take rank {t.ward}'s copy: {_one_line(exc)}"
         return inc
 
-    def take_header(self, inc: _Incoming, header: bytes, sizes: tuple[int, int, int]) -> None:
+    def take_header(self, inc: _Incoming, header: bytes, sizes: tuple[int, int, int, int]) -> None:
         if inc.error or inc.held:
             return
         t, store = inc.t, self.local.store(inc.t.ward)
@@ -236,6 +240,15 @@ class _Exchange:
             index_bytes = header[sizes[0] : sizes[0] + sizes[1]]
             if object_ref(ref.key, index_bytes) != ref:
                 raise CheckpointError(f"rank {t.src} sent an index that its manifest does not name")
+            metadata = header[sizes[0] + sizes[1] : sizes[0] + sizes[1] + sizes[3]]
+            if manifest.dcp_metadata is not None:
+                if object_ref(manifest.dcp_metadata.key, metadata) != manifest.dcp_metadata:
+                    raise CheckpointError(
+                        f"rank {t.src} sent DCP metadata that its manifest does not name"
+                    )
+                inc.metadata = (manifest.dcp_metadata.key, metadata)
+            elif metadata:
+                raise CheckpointError(f"rank {t.src} sent DCP metadata its manifest does not name")
             inc.index = decode_rank_index(index_bytes, store.url(ref.key))
             inc.manifest, inc.index_bytes, inc.index_key = header[: sizes[0]], index_bytes, ref.key
             known = inc.session.known or {}
@@ -291,15 +304,11 @@ class _Exchange:
         session = inc.session
         try:
             if inc.error is None:
-                store = session.store
-                try:
-                    store.put(inc.index_key, inc.index_bytes)
-                except ObjectExistsError:
-                    if store.get(inc.index_key) != inc.index_bytes:
-                        if not inc.t.repair:
-                            raise
-                        store.delete(inc.index_key)
-                        store.put(inc.index_key, inc.index_bytes)
+                objects = [(inc.index_key, inc.index_bytes)]
+                if inc.metadata is not None:
+                    objects.append(inc.metadata)
+                for key, data in objects:
+                    _put_copy_object(session.store, key, data, repair=inc.t.repair)
                 session.commit_copy(inc.manifest)
         except (CheckpointError, OSError) as exc:
             inc.error = (
@@ -310,6 +319,19 @@ class _Exchange:
                 session.release()
         if inc.error is None:
             self.local.retain(inc.t.ward)
+
+
+def _put_copy_object(store: Any, key: str, data: bytes, *, repair: bool) -> None:
+    """Write one object of a copy (index, DCP metadata); one already there must be the same
+    bytes, or, in a repair, is replaced."""
+    try:
+        store.put(key, data)
+    except ObjectExistsError:
+        if store.get(key) != data:
+            if not repair:
+                raise
+            store.delete(key)
+            store.put(key, data)
 
 
 def transfer(
@@ -338,7 +360,8 @@ def transfer(
             if isinstance(h, str):
                 inc.error = inc.error or h
             else:
-                recvs.append((torch.empty(h[0] + h[1], dtype=torch.uint8), inc.t.src, inc, h))
+                size = h[0] + h[1] + h[3]
+                recvs.append((torch.empty(size, dtype=torch.uint8), inc.t.src, inc, h))
         ex._p2p(sends, [(buf, src) for buf, src, _, _ in recvs])
         for buf, _, inc, h in recvs:
             ex.take_header(inc, bytes(buf.numpy()), h)
