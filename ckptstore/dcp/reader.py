@@ -23,7 +23,7 @@ from torch.futures import Future
 from ckptstore.catalog import parse_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
-from ckptstore.dcp.tiers import TierLoad, plan_tier_load
+from ckptstore.dcp.tiers import TierLoad, load_group, plan_tier_load
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
 from ckptstore.format import RankIndex
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
@@ -36,7 +36,6 @@ from ckptstore.shared_read import (
 )
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
-from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
 
@@ -156,7 +155,6 @@ class StoreReader(StorageReader):
         self._policy = TierPolicy.build(
             local_dir, peer_copies=0, durable_every=1, local_keep_last=1, peer_budget_bytes=1
         )
-        self._tier_group: RankGroup | None = None
         self._tier: TierLoad | None = None
         self.last_load: LoadReport | None = None
         self.trust_pickled_objects = trust_pickled_objects
@@ -209,11 +207,8 @@ class StoreReader(StorageReader):
         self.view = None  # each load resolves "latest" afresh
         self._tier = None
         if self._policy is not None:
-            if self._tier_group is None:
-                self._tier_group = RankGroup(
-                    None, timeout_s=max(self.store.retry.timeout_s * 20, 600.0)
-                )
-            self._tier = plan_tier_load(self.store, self._policy, self.step, self._tier_group)
+            group = load_group(max(self.store.retry.timeout_s * 20, 600.0))
+            self._tier = plan_tier_load(self.store, self._policy, self.step, group)
             self.view = self._tier.view
             self.last_load = self._tier.report
         metadata = self._view().dcp_metadata()

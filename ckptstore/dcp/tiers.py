@@ -28,6 +28,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index_bytes
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import ChunkInfo, decode_rank_index
@@ -52,6 +54,20 @@ class TierLoad:
     held: dict[str, ChunkInfo]  # the chunks this rank reads from its local copy
     fetch: TierFetch
     report: LoadReport
+
+
+_load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
+
+
+def load_group(timeout_s: float) -> RankGroup:
+    """The gloo group tiered loads run on, made once per default process group (by every rank,
+    at its first tiered load) and shared by every ``StoreReader`` of the process: loads are
+    synchronous, one at a time. (A ``StoreWriter`` keeps a group of its own: its exchanges may
+    run in ``async_save``'s thread.)"""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if not _load_groups or _load_groups[0][0] is not world:
+        _load_groups[:] = [(world, RankGroup(None, timeout_s=timeout_s))]
+    return _load_groups[0][1]
 
 
 def plan_tier_load(
