@@ -296,8 +296,9 @@ def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
     assert tally.chunks["get"] == 0, tally.chunks  # nothing from durable storage
     report = reader.last_load
     assert report is not None and report.step == 2
-    if node == 1:
+    if node == 1:  # what it read of its restored copy counts as the peer's, once
         assert report.source == "peer" and report.sources["peer"].chunks > 0, report
+        assert "local" not in report.sources, report
     else:
         assert report.source == "local" and "peer" not in report.sources, report
     # The replaced node holds its ranks' copies again: the next load reads them locally.

@@ -111,7 +111,14 @@ def plan_tier_load(
         if found is not None:
             view, held = found
             report.source = PEER if rank in sources else LOCAL
-            fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
+            fetch = TierFetch(
+                local=store,
+                held=held,
+                durable=durable,
+                report=report,
+                rank=rank,
+                local_tier=report.source,
+            )
             return TierLoad(view, held, fetch, report)
         if step not in durable_steps:
             raise CheckpointError(
@@ -197,8 +204,8 @@ def _repair(
             "rank %d: restoring copies of step %d from peers failed: %s", group.rank, step, exc
         )
         return False
-    if group.rank in sources:
-        report.add(PEER, stats.received_bytes, stats.seconds, stats.chunks_received)
+    if group.rank in sources:  # its bytes are counted as the load reads them from the copy
+        report.add(PEER, 0, stats.seconds)
     failed = [e for e in outcomes.values() if e is not None]
     if failed:
         logger.warning(

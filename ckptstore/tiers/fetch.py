@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class TierFetch:
     """A ``ChunkFetch`` over ``local`` (holding the chunks ``held``, with their sizes there)
     and ``durable`` (None: the step is not there); what it read goes into ``report`` per
-    tier."""
+    tier, ``local``'s under ``local_tier``."""
 
     def __init__(
         self,
@@ -36,8 +36,10 @@ class TierFetch:
         durable: Store | None,
         report: LoadReport,
         rank: int,
+        local_tier: str = LOCAL,
     ) -> None:
         self.local = local
+        self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
         self.held = held if local is not None else {}
         self.durable = durable
         self.report = report
@@ -56,7 +58,7 @@ class TierFetch:
                     raise
                 self._warn(exc)
             else:
-                self._count(LOCAL, self.held[digest], started)
+                self._count(self.local_tier, self.held[digest], started)
                 return raw
         if self.durable is None:
             raise CheckpointNotFoundError(
