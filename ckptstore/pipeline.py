@@ -407,22 +407,34 @@ def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
 
 
 def fetch_chunk(
-    store: Store, digest: str, info: ChunkInfo | None = None, *, scratch: bool = False
+    store: Store,
+    digest: str,
+    info: ChunkInfo | None = None,
+    *,
+    scratch: bool = False,
+    sized: bool = True,
 ) -> np.ndarray:
     """A chunk's raw bytes, decoded and verified against its digest.
 
     With ``scratch`` the bytes land in a per-thread buffer that the thread's next fetch
-    overwrites: copy them out before fetching again."""
+    overwrites: copy them out before fetching again. ``sized=False``: ``info``'s stored size
+    is another store's (this one may hold the chunk encoded otherwise); only its raw size
+    bounds the read and the decode."""
     key = chunk_key(digest)
     # A memory map on local paths: no copy, no fresh pages to fault in.
     read = store.get_view if scratch else store.get
     try:
         # With the stored size from the index: one ranged GET (a plain one is sized by a HEAD
         # first on S3), one byte longer than the chunk so that a longer object shows.
-        data = read(key) if info is None else read(key, 0, info.stored + 1)
+        if info is None:
+            data = read(key)
+        elif sized:
+            data = read(key, 0, info.stored + 1)
+        else:  # at most what any encoding of raw bytes takes (zstd's bound, generously)
+            data = read(key, 0, info.raw + info.raw // 64 + 4096)
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"chunk {store.url(key)} is missing") from exc
-    if info is not None and len(data) != info.stored:
+    if info is not None and sized and len(data) != info.stored:
         raise CheckpointCorruptError(
             f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
         )

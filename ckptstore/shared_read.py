@@ -219,6 +219,7 @@ class SharedChunks:
         fetch: ChunkFetch | None = None,
     ) -> None:
         self.store = store
+        self._from_store = fetch is None
         self.fetch = fetch or (lambda digest, info: fetch_chunk(store, digest, info, scratch=True))
         self.chunks = chunks
         self.plan = plan
@@ -372,7 +373,9 @@ class SharedChunks:
 
     def _error(self, digest: str, status: int) -> CheckpointError:
         """The error of a rank that needed ``digest`` and was sent ``status`` for it."""
-        owner, url = self.plan.owners[digest], self.store.url(chunk_key(digest))
+        owner = self.plan.owners[digest]
+        # With a fetch of its own (tiers) the owner read it from where it keeps it.
+        url = self.store.url(chunk_key(digest)) if self._from_store else digest
         kind = _KINDS.get(status % _NOT_READ, CheckpointError)
         if status >= _NOT_READ:
             why = f"rank {owner} did not read chunk {url} for this rank: the load failed there"

@@ -345,6 +345,9 @@ class StoreReader(StorageReader):
             try:
                 if prepared is not None:
                     self._finish_batch(prepared, planner, self._read(prepared, source))
+                elif source is not None:  # nothing to read here, chunks to send (a holder's)
+                    for _ in source([], lambda digest, raw: 0):
+                        pass
             except BaseException as exc:  # noqa: BLE001 - reported at the next collective
                 failure = exc
                 if source is not None:

@@ -97,6 +97,25 @@ def plan_tier_load(
     durable_steps = set(everything[0][1] or [])
     holders = _holders([h for h, _ in everything], group.world_size)
     step = _choose(wanted, set(holders), durable_steps, local, durable)
+    if step in holders and step in durable_steps:
+        # The durable save of a step number wins over local copies of another save of it
+        # (a step saved again after a resume, or by a job of another world size).
+        found_attempt = None
+        if rank == 0:
+            try:
+                found_attempt = load_manifest(durable, step).attempt
+            except CheckpointError as exc:
+                logger.warning("step %d in %s unreadable: %s", step, durable.uri, exc)
+        found_attempt = group.broadcast(found_attempt)
+        if found_attempt is not None and found_attempt != holders[step][0]:
+            logger.info(
+                "rank %d: the local copies of step %d are another save than %s's; loading "
+                "the durable one",
+                rank,
+                step,
+                durable.uri,
+            )
+            del holders[step]
     report = LoadReport(step=step)
     copies = here.get(rank, {})
     if step in holders:
@@ -114,7 +133,10 @@ def plan_tier_load(
             fetch = TierFetch(
                 local=store,
                 held=held,
-                durable=durable,
+                # A chunk is read from durable storage only where the step is there, by its
+                # digest: the durable store may hold it encoded otherwise (sizes unknown here).
+                durable=durable if step in durable_steps else None,
+                durable_sized=False,
                 report=report,
                 rank=rank,
                 local_tier=report.source,

@@ -325,9 +325,13 @@ class StoreWriter(StorageWriter, PooledStager):
                 if self._local is not None:  # steps only the local tiers hold count too
                     steps = sorted({*steps, *self._local.copies(self.rank)})
                 step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
-            elif self._save_store().exists(commit_key(step)):
+            elif self._save_store().exists(commit_key(step)) or (
+                self._local is not None and step in self._local_steps
+            ):
                 raise StepExistsError(
-                    f"step {step} is already committed in {uri}; steps are write-once"
+                    f"step {step} is already committed in {uri}"
+                    f"{' or its local tiers' if self._local is not None else ''}; steps are "
+                    "write-once"
                 )
             self._planned[uri] = max(step, self._planned.get(uri, -1))
         tiered = self._local is not None and self._save_store() is self.store
@@ -371,23 +375,26 @@ class StoreWriter(StorageWriter, PooledStager):
                 "SavePlan.storage_data was not set by StoreWriter.prepare_global_plan "
                 f"(got {type(target).__name__}); was the plan cached from another writer?"
             )
-        if target.durable and self._save_store().exists(commit_key(target.step)):
-            self._release_lease(target.attempt)  # on the coordinator: it will not commit
-            raise StepExistsError(
-                f"rank {self.rank}: step {target.step} is already committed in {self._save_store().uri} "
-                "(another writer, or another save naming the same step, committed it "
-                "meanwhile; or DCP plan caching reused an old "
-                "plan: enable_plan_caching is not supported by StoreWriter)"
-            )
         self._target = target
         if target.tiered:  # every rank takes part in the tier's exchanges, items or not
             results = self._write_tiered(plan.items, planner, target)
         else:
+            self._check_not_committed(target)
             results = self._write(plan.items, planner, target) if plan.items else []
         self.saved_step = target.step
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _check_not_committed(self, target: _SaveTarget) -> None:
+        if target.durable and self._save_store().exists(commit_key(target.step)):
+            self._release_lease(target.attempt)  # on the coordinator: it will not commit
+            raise StepExistsError(
+                f"rank {self.rank}: step {target.step} is already committed in "
+                f"{self._save_store().uri} (another writer, or another save naming the same "
+                "step, committed it meanwhile; or DCP plan caching reused an old plan: "
+                "enable_plan_caching is not supported by StoreWriter)"
+            )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self._save_store()
@@ -491,12 +498,19 @@ class StoreWriter(StorageWriter, PooledStager):
         for a durable step or where a rank's local tier failed, to the writer's store."""
         assert self._local is not None and self._tier_group is not None
         local = self._local
-        tensors = [_item_tensor(item, planner) for item in items]
-        staged = self._take_staged(tensors)
+        tensors: list[torch.Tensor] = []
+        staged: HeldStaging | None = None
+        fatal: BaseException | None = None  # this rank cannot take part in the save at all
+        try:
+            self._check_not_committed(target)
+            tensors = [_item_tensor(item, planner) for item in items]
+            staged = self._take_staged(tensors)
+        except Exception as exc:  # noqa: BLE001 - the other ranks hear of it, then it is raised
+            fatal = exc
         keys = {storage_key(item.index): i for i, item in enumerate(items)}
         try:
             with self._tier_lock:
-                written = self._commit_local(target, planner, tensors, staged, keys)
+                written = self._commit_local(target, planner, tensors, staged, keys, fatal)
                 if written is not None:
                     local.retain(self.rank, keep={target.step})
                     self._copy_to_peers(target)
@@ -529,10 +543,12 @@ class StoreWriter(StorageWriter, PooledStager):
         tensors: list[torch.Tensor],
         staged: HeldStaging | None,
         keys: dict[str, int],
+        fatal: BaseException | None,
     ) -> RankWritten | None:
         """Every rank's local copy of the step, committed only once every rank wrote its own;
         what this rank wrote there, or None if a rank could not (then nothing is committed
-        locally and the save goes to durable storage)."""
+        locally and the save goes to durable storage). A rank's ``fatal`` error (its items
+        could not even be resolved) fails the save on every rank, after they all heard of it."""
         assert self._local is not None and self._tier_group is not None
         local, group = self._local, self._tier_group
         session: SaveSession | None = None
@@ -541,14 +557,9 @@ class StoreWriter(StorageWriter, PooledStager):
         error: BaseException | None = None
         try:
             try:
-                # A job that resumed from an older step saves this step number (and later ones)
-                # again, as another save: the copies of them from an earlier run (this rank's
-                # and its wards') are unlisted first.
-                wards = self._topology.wards(self.rank) if self._topology else []
-                for ward in [self.rank, *wards]:
-                    for step in local.copies(ward):
-                        if step >= target.step and step not in self._local_steps:
-                            drop_step(local.store(ward), step)
+                if fatal is not None:
+                    raise fatal
+                self._drop_stale_copies(target.step)
                 if self.is_coordinator:
                     metadata = self._tier_metadata(planner, target)
                 session = SaveSession(
@@ -567,10 +578,16 @@ class StoreWriter(StorageWriter, PooledStager):
                 written = session.put_index(0, entries, chunks, items=keys)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it
                 error = exc
-            everything = group.gather((_one_line(error), metadata))
-            failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+            everything = group.gather((_one_line(error), metadata, fatal is not None))
+            stopped = [(r, e) for r, (e, _, f) in enumerate(everything) if f]
+            if fatal is not None:
+                raise fatal
+            if stopped:
+                why = "; ".join(f"rank {r}: {e}" for r, e in stopped[:4])
+                raise CheckpointError(f"DCP step {target.step} failed on another rank ({why})")
+            failed = [(r, e) for r, (e, _, _) in enumerate(everything) if e is not None]
             if not failed:
-                shared = next(m for _, m in everything if m is not None)
+                shared = next(m for _, m, _ in everything if m is not None)
                 try:
                     assert session is not None and written is not None
                     session.commit(
@@ -604,6 +621,21 @@ class StoreWriter(StorageWriter, PooledStager):
             )
             return None
         return written
+
+    def _drop_stale_copies(self, step: int) -> None:
+        """A job that resumed from an older step saves this step number (and later ones)
+        again, as other saves: the copies of them that this writer did not make (an earlier
+        run's, of any world size, in this rank's store and its wards') are unlisted first."""
+        assert self._local is not None
+        local = self._local
+        own = local.store(self.rank)
+        stale = {self.rank: [s for s in list_steps(own) if s >= step]}
+        for ward in self._topology.wards(self.rank) if self._topology else []:
+            stale[ward] = [s for s in local.copies(ward) if s >= step]
+        for ward, steps in stale.items():
+            for s in steps:
+                if s not in self._local_steps:
+                    drop_step(local.store(ward), s)
 
     def _copy_to_peers(self, target: _SaveTarget) -> None:
         """Each rank's committed copy to its holders (collective); a failed copy is logged,

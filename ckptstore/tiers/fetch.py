@@ -37,9 +37,11 @@ class TierFetch:
         report: LoadReport,
         rank: int,
         local_tier: str = LOCAL,
+        durable_sized: bool = True,
     ) -> None:
         self.local = local
         self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
+        self.durable_sized = durable_sized  # the sizes asked with are the durable index's
         self.held = held if local is not None else {}
         self.durable = durable
         self.report = report
@@ -66,8 +68,8 @@ class TierFetch:
                 "not in durable storage and this rank's local copy does not hold it)"
             )
         started = time.perf_counter()
-        raw = fetch_chunk(self.durable, digest, info, scratch=True)
-        self._count(DURABLE, info, started)
+        raw = fetch_chunk(self.durable, digest, info, scratch=True, sized=self.durable_sized)
+        self._count(DURABLE, info if self.durable_sized else None, started)
         return raw
 
     def _count(self, tier: str, info: ChunkInfo | None, started: float) -> None:
