@@ -24,7 +24,8 @@ NEXT_BIN := $(NEXT_VENV)/bin
 NEXT_TESTS := tests/test_dcp.py tests/test_dcp_steps.py tests/test_untrusted_dcp.py \
 	tests/test_save_session.py tests/test_partial_load.py tests/test_export.py \
 	tests/test_bench_export.py tests/test_lightning.py tests/test_lightning_upstream_checkpoint_io.py \
-	tests/test_lightning_upstream_model_checkpoint.py tests/test_dcp_shared_read.py
+	tests/test_lightning_upstream_model_checkpoint.py tests/test_dcp_shared_read.py \
+	tests/test_dcp_tiers.py
 
 $(NEXT_BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(NEXT_VENV)
