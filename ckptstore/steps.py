@@ -39,6 +39,7 @@ from ckptstore.format import (
     split_dcp_item_key,
 )
 from ckptstore.store import Store
+from ckptstore.tiers.policy import TIER_KEY
 from ckptstore.tree import leaves, tensor_of, tensor_paths
 
 KINDS = (KIND_STATE, KIND_DCP)
@@ -121,6 +122,24 @@ class StepView:
         rather than one state sharded over the ranks (DCP) or a single rank's."""
         return self.kind == KIND_STATE and self.manifest.world_size > 1
 
+    @property
+    def tier_rank(self) -> int | None:
+        """The job rank whose local tier copy of a DCP step this is (its one index, rank 0's
+        here, holds that rank's items only; the metadata names every rank's); else None."""
+        info = self.manifest.user.get(TIER_KEY)
+        if self.is_dcp and self.manifest.world_size == 1 and isinstance(info, dict):
+            rank = info.get("rank")
+            return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+        return None
+
+    def _refuse_tier_copy(self) -> None:
+        if self.tier_rank is not None:
+            raise UnsupportedStateError(
+                f"step {self.step} in {self.store.uri} is rank {self.tier_rank}'s local tier "
+                "copy of a DCP step (that rank's items only): restore the step from its durable "
+                "store, or load it in the job with StoreReader(uri, local_dir=...)"
+            )
+
     def require(self, loader: str) -> None:
         """Refuse a step ``loader`` (``CHECKPOINTER`` or ``DCP``) cannot load, naming the one
         that can."""
@@ -175,6 +194,7 @@ class StepView:
         state's tree path, a DCP fqn), and the names of the values that are not tensors. A
         state step saved by several ranks: rank ``rank``'s state; a DCP step: every rank's
         shards, each tensor the union of its pieces."""
+        self._refuse_tier_copy()
         return self._dcp_tensors() if self.is_dcp else self._state_tensors(rank)
 
     def _state_tensors(self, rank: int) -> tuple[list[WholeTensor], list[str]]:
@@ -272,7 +292,15 @@ class StepView:
             return
         self._indexes.update(indexes)
         ranks = {rank_of(r.key) for r in self.manifest.ranks}
-        for item, (rank, _) in metadata.storage_data.items():
+        tier = self.tier_rank
+        for item, (rank, tensor) in metadata.storage_data.items():
+            if tier is not None:  # a tier copy holds its rank's items, under index 0
+                if rank == tier and 0 in indexes:
+                    problem = _not_held(indexes[0], item, tensor, tier)
+                    if problem is not None:
+                        yield Found(ref.key, "dcp-metadata", problem)
+                        return
+                continue
             if rank not in ranks:
                 from ckptstore.dcp.ids import storage_key
 
@@ -299,7 +327,12 @@ class StepView:
 
         keys = {rank_of(ref.key): ref.key for ref in self.manifest.ranks}
         pickled: dict[int, dict[int, str]] = {}  # rank -> tensor -> item key
+        tier = self.tier_rank
         for item, (rank, tensor) in metadata.storage_data.items():
+            if tier is not None:  # a tier copy: its rank's items, under index 0
+                if rank != tier:
+                    continue
+                rank = 0
             described = metadata.state_dict_metadata.get(item.fqn)
             if isinstance(described, BytesStorageMetadata) and rank in indexes:
                 pickled.setdefault(rank, {})[tensor] = repr(storage_key(item))
@@ -326,6 +359,7 @@ class StepView:
         by several, ``{"rank0": ..., "rank1": ...}``; a DCP step, its full (unsharded) state
         dict. ``on_chunk`` is called with each chunk's raw bytes as it is read (state steps:
         DCP's loader reads through its own planner and reports nothing)."""
+        self._refuse_tier_copy()
         if self.is_dcp:
             from ckptstore.dcp import load_full_state_dict  # heavy, and only for DCP steps
 
@@ -355,6 +389,18 @@ class StepView:
             return self.raw_bytes()
         except CheckpointError:
             return 0
+
+
+def _not_held(index: RankIndex, item: Any, tensor: int, rank: int) -> Exception | None:
+    """Why a tier copy's ``index`` does not hold DCP ``item`` of its ``rank`` at ``tensor``."""
+    from ckptstore.dcp.ids import storage_key
+
+    key = storage_key(item)
+    if (index.items or {}).get(key) != tensor or not 0 <= tensor < len(index.tensors):
+        return CheckpointCorruptError(
+            f"DCP item {key!r} of rank {rank}: this copy's index does not hold it at {tensor}"
+        )
+    return None
 
 
 def dcp_items(index: RankIndex) -> dict[int, tuple[str, list[int] | None]]:

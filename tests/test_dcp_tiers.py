@@ -107,6 +107,7 @@ def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, r
     assert tally.chunks["get"] == 0, tally.chunks  # not one chunk from durable storage
     report = reader.last_load
     assert report is not None and report.step == 4 and report.source == "local"
+    assert report.seconds > 0 and report.sources["local"].bytes > 0
     assert "durable" not in report.sources and report.sources["local"].chunks > 0
     exchange = reader.last_load_exchange
     assert exchange is not None and exchange.received > 0  # items only the other rank holds
@@ -311,3 +312,30 @@ def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
 @pytest.mark.dist
 def test_a_replaced_node_restores_a_local_only_step_from_its_peers_copies(tmp_path):
     run_ranks(_peer_restore, 4, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+def _two_rank_local_only(rank: int, world: int, root: str, base: str) -> None:
+    _save_steps(root, _local_dir(base, rank), [1, 2])  # step 2 in the local tiers only
+
+
+def test_verify_checks_a_local_dcp_copy_and_restore_refuses_it_by_name(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    root = str(tmp_path / "durable")
+    run_ranks(_two_rank_local_only, 2, root, str(tmp_path))
+    for rank in (0, 1):  # each copy holds its rank's items only: that is whole for a copy
+        copy = str(rank_dir(_local_dir(str(tmp_path), rank), store_identity(Store(root)), rank))
+        assert main(["verify", copy, "--all"]) == 0, capsys.readouterr()
+        assert "FAILED" not in capsys.readouterr().out
+    store = Store(copy)
+    digest = sorted(load_rank_index(store, load_manifest(store, 2), 0).chunks)[0]
+    (chunk,) = [p for p in (Path(copy) / "chunks").rglob(digest) if p.is_file()]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert main(["verify", copy, "--step", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert chunk.name in out + err, (out, err)
+    assert main(["restore", copy, "--step", "1", "--to", str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1's local tier copy of a DCP step" in err and "durable store" in err, err

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import logging
 import os
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -256,6 +257,8 @@ class StoreReader(StorageReader):
         else:
             assert target is not None
             self._read_shared(plan, planner, target, group)
+        if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor
+            self._tier.report.seconds = time.perf_counter() - self._tier.started
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -54,6 +55,7 @@ class TierLoad:
     held: dict[str, ChunkInfo]  # the chunks this rank reads from its local copy
     fetch: TierFetch
     report: LoadReport
+    started: float  # perf_counter() as the plan began
 
 
 _load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
@@ -75,6 +77,7 @@ def plan_tier_load(
 ) -> TierLoad:
     """Collective over ``group`` (every rank of the load calls it). Raises on every rank alike
     when no step can be loaded, or a rank failed to say what it holds."""
+    started = time.perf_counter()
     rank = group.rank
     local = LocalTier(
         policy,
@@ -141,7 +144,7 @@ def plan_tier_load(
                 rank=rank,
                 local_tier=report.source,
             )
-            return TierLoad(view, held, fetch, report)
+            return TierLoad(view, held, fetch, report, started)
         if step not in durable_steps:
             raise CheckpointError(
                 f"DCP step {step} is held only by the local tiers, and a rank's copy could not "
@@ -165,7 +168,7 @@ def plan_tier_load(
             logger.warning("rank %d: local copy of step %d unreadable: %s", rank, step, exc)
     report.source = LOCAL if held else DURABLE
     fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
-    return TierLoad(view, held, fetch, report)
+    return TierLoad(view, held, fetch, report, started)
 
 
 def _agree(group: RankGroup, error: BaseException | None, payload, what: str) -> list:
@@ -228,6 +231,7 @@ def _repair(
         return False
     if group.rank in sources:  # its bytes are counted as the load reads them from the copy
         report.add(PEER, 0, stats.seconds)
+    report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
     failed = [e for e in outcomes.values() if e is not None]
     if failed:
         logger.warning(

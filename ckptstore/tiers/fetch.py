@@ -14,13 +14,20 @@ import time
 
 import numpy as np
 
-from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    StorageError,
+)
 from ckptstore.format import ChunkInfo
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
 from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
 
 logger = logging.getLogger(__name__)
+
+_PLAIN = (CheckpointCorruptError, CheckpointNotFoundError)  # kept as the error's kind
 
 
 class TierFetch:
@@ -57,7 +64,13 @@ class TierFetch:
                 raw = fetch_chunk(self.local, digest, self.held[digest], scratch=True)
             except (CheckpointCorruptError, CheckpointNotFoundError, StorageError) as exc:
                 if self.durable is None:
-                    raise
+                    kind = type(exc) if type(exc) in _PLAIN else CheckpointError
+                    raise kind(
+                        f"{' '.join(str(exc).split())}; step {self.report.step} is held by the "
+                        "local tiers only: load an older step (StoreReader(step=N)), or remove "
+                        f"this rank's copies ({self.local.uri}): the next load restores them "
+                        "from a peer's where one holds them"
+                    ) from exc
                 self._warn(exc)
             else:
                 self._count(self.local_tier, self.held[digest], started)

@@ -45,7 +45,15 @@ class TierPolicy:
     ) -> TierPolicy | None:
         if local_dir is None:
             if peer_copies or durable_every != 1:
-                raise ValueError("peer_copies and durable_every need local_dir")
+                given = [
+                    f"{name}={value}"
+                    for name, value, default in (
+                        ("peer_copies", peer_copies, 0),
+                        ("durable_every", durable_every, 1),
+                    )
+                    if value != default
+                ]
+                raise ValueError(f"{' and '.join(given)} needs local_dir (the tiers' directory)")
             return None
         if str(local_dir).startswith(("s3://", "memory://", "gs://")):
             raise ValueError(f"local_dir must be a node-local path, got {local_dir!r}")
