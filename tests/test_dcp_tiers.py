@@ -96,8 +96,11 @@ def _local_dir(base: str, rank: int) -> str:
 
 def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, root: str, base):
     local = _local_dir(base, rank)
+    empty = StoreReader(root, local_dir=local)
+    assert empty.latest() is None  # nothing to resume (collective, as a load)
     _save_steps(root, local, [1, 2, 3, 4])
     assert list_steps(Store(root)) == [1, 3]  # the first save and every 2nd after it
+    assert empty.latest() == 4 and StoreReader(root).latest() == 3
     assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [3, 4]  # keep 2
     dist.barrier()
 
@@ -204,6 +207,7 @@ def _no_common_step(rank: int, world: int, root: str, base: str) -> None:
     for exc, _ in raised.value.failures.values():  # DCP words it as "metadata is None; ..."
         assert "step 2 is neither held by every rank's local tier" in str(exc), exc
     target = _blank()  # "latest" is the durable step 1
+    assert StoreReader(root, local_dir=local).latest() == 1
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local))
     _assert_loaded(target, 1)
 

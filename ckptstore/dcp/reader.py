@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstore.catalog import parse_step
+from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
-from ckptstore.dcp.tiers import TierLoad, load_group, plan_tier_load
+from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_load
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
 from ckptstore.format import RankIndex
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
@@ -179,6 +179,16 @@ class StoreReader(StorageReader):
         self.rank = 0
         self.load_id = uuid.uuid4().hex
         self.view: StepView | None = None
+
+    def latest(self) -> int | None:
+        """The step a load of ``"latest"`` would take, or None when there is none: nothing to
+        resume (``dcp.load`` wraps that case in a ``CheckpointException`` whose cause is lost).
+        With ``local_dir`` it is collective, as a load: every rank of the job calls it."""
+        if self._policy is None:
+            steps = list_steps(self.store)
+            return steps[-1] if steps else None
+        group = load_group(max(self.store.retry.timeout_s * 20, 600.0))
+        return newest_step(self.store, self._policy, group)
 
     # -- StorageReader ----------------------------------------------------------------------
 

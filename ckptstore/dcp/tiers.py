@@ -79,26 +79,7 @@ def plan_tier_load(
     when no step can be loaded, or a rank failed to say what it holds."""
     started = time.perf_counter()
     rank = group.rank
-    local = LocalTier(
-        policy,
-        SaveEngine(),
-        rank=rank,
-        world_size=group.world_size,
-        durable_uri=store_identity(durable),
-        timeout_s=durable.retry.timeout_s,
-    )
-    here: dict[int, dict[int, str]] = {}  # ward -> step -> attempt, the copies of this node
-    steps: list[int] | None = None
-    error = None
-    try:
-        here = {ward: local.copies(ward) for ward in local.wards_here()}
-        if rank == 0:
-            steps = list_steps(durable)
-    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-        error = exc
-    everything = _agree(group, error, (here, steps), "list the tiers")
-    durable_steps = set(everything[0][1] or [])
-    holders = _holders([h for h, _ in everything], group.world_size)
+    local, here, durable_steps, holders = _listing(durable, policy, group)
     step = _choose(wanted, set(holders), durable_steps, local, durable)
     if step in holders and step in durable_steps:
         # The durable save of a step number wins over local copies of another save of it
@@ -169,6 +150,40 @@ def plan_tier_load(
     report.source = LOCAL if held else DURABLE
     fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
     return TierLoad(view, held, fetch, report, started)
+
+
+def newest_step(durable: Store, policy: TierPolicy, group: RankGroup) -> int | None:
+    """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
+    None when no tier holds one every rank can get."""
+    _, _, durable_steps, holders = _listing(durable, policy, group)
+    return max(set(holders) | durable_steps, default=None)
+
+
+def _listing(durable: Store, policy: TierPolicy, group: RankGroup):
+    """This rank's ``LocalTier``; the copies its node holds (ward -> step -> attempt); the
+    durable steps; the steps every rank can get from a local tier (``_holders``). Collective."""
+    rank = group.rank
+    local = LocalTier(
+        policy,
+        SaveEngine(),
+        rank=rank,
+        world_size=group.world_size,
+        durable_uri=store_identity(durable),
+        timeout_s=durable.retry.timeout_s,
+    )
+    here: dict[int, dict[int, str]] = {}
+    steps: list[int] | None = None
+    error = None
+    try:
+        here = {ward: local.copies(ward) for ward in local.wards_here()}
+        if rank == 0:
+            steps = list_steps(durable)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    everything = _agree(group, error, (here, steps), "list the tiers")
+    durable_steps = set(everything[0][1] or [])
+    holders = _holders([h for h, _ in everything], group.world_size)
+    return local, here, durable_steps, holders
 
 
 def _agree(group: RankGroup, error: BaseException | None, payload, what: str) -> list:
