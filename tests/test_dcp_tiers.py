@@ -343,3 +343,36 @@ def test_verify_checks_a_local_dcp_copy_and_restore_refuses_it_by_name(tmp_path,
     assert main(["restore", copy, "--step", "1", "--to", str(tmp_path / "out.pt")]) == 1
     err = capsys.readouterr().err
     assert "rank 1's local tier copy of a DCP step" in err and "durable store" in err, err
+
+
+def _bad_chunk_of_a_local_only_step(rank: int, world: int, root: str, base: str) -> None:
+    node = rank // 2  # 2 ranks per node, 2 nodes
+    local = str(Path(base) / f"node-{node}")
+    writer = _writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
+    for step in (1, 2):  # step 1 durable, step 2 in the local tiers (and peers) only
+        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    dist.barrier()
+    if rank == 2:  # a byte of every chunk of rank 2's own copy of step 2 flipped
+        copy = rank_dir(local, store_identity(Store(root)), 2)
+        index = load_rank_index(Store(str(copy)), load_manifest(Store(str(copy)), 2), 0)
+        for digest in index.chunks:
+            (path,) = [p for p in (copy / "chunks").rglob(digest) if p.is_file()]
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+    dist.barrier()
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local))
+    why = " ".join(str(e) for e, _ in raised.value.failures.values())
+    assert "this rank's copy was unlisted: load again" in why, why
+    # The second load restores rank 2's copy from its holder on node 0: step 2, whole.
+    target, reader = _load(root, local, Tally())
+    _assert_loaded(target, 2)
+    assert reader.last_load.source == ("peer" if rank == 2 else "local"), reader.last_load
+
+
+@pytest.mark.dist
+def test_a_bad_own_copy_of_a_local_only_step_is_unlisted_and_restored_from_a_peer(tmp_path):
+    run_ranks(
+        _bad_chunk_of_a_local_only_step, 4, str(tmp_path / "durable"), str(tmp_path), timeout_s=240
+    )

@@ -22,6 +22,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import ChunkInfo
 from ckptstore.pipeline import fetch_chunk
+from ckptstore.retention import drop_step
 from ckptstore.store import Store
 from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
 
@@ -55,6 +56,7 @@ class TierFetch:
         self.rank = rank
         self._lock = threading.Lock()
         self._warned = False
+        self._dropped = False
 
     def __call__(self, digest: str, info: ChunkInfo | None) -> np.ndarray:
         if digest in self.held:
@@ -64,13 +66,7 @@ class TierFetch:
                 raw = fetch_chunk(self.local, digest, self.held[digest], scratch=True)
             except (CheckpointCorruptError, CheckpointNotFoundError, StorageError) as exc:
                 if self.durable is None:
-                    kind = type(exc) if type(exc) in _PLAIN else CheckpointError
-                    raise kind(
-                        f"{' '.join(str(exc).split())}; step {self.report.step} is held by the "
-                        "local tiers only: load an older step (StoreReader(step=N)), or remove "
-                        f"this rank's copies ({self.local.uri}): the next load restores them "
-                        "from a peer's where one holds them"
-                    ) from exc
+                    raise self._unlisted(exc) from exc
                 self._warn(exc)
             else:
                 self._count(self.local_tier, self.held[digest], started)
@@ -84,6 +80,32 @@ class TierFetch:
         raw = fetch_chunk(self.durable, digest, info, scratch=True, sized=self.durable_sized)
         self._count(DURABLE, info if self.durable_sized else None, started)
         return raw
+
+    def _unlisted(self, error: BaseException) -> CheckpointError:
+        """A chunk of this rank's own copy of a step that only the local tiers hold is missing
+        or corrupt: the copy is unlisted (its manifest removed, under the store's rules), so
+        that the next load restores it from a peer's copy where one holds it, else takes an
+        older step; the error to raise says so."""
+        assert self.local is not None
+        step = self.report.step
+        what = "this rank's copy stays listed"
+        if isinstance(error, _PLAIN) and step is not None:
+            try:
+                with self._lock:  # once, whichever fetch thread found it first
+                    if not self._dropped:
+                        drop_step(self.local, step)
+                        self._dropped = True
+                what = (
+                    "this rank's copy was unlisted: load again to restore it from a peer's "
+                    "copy, or to load an older step"
+                )
+            except CheckpointError as exc:
+                what = f"unlisting this rank's copy failed ({' '.join(str(exc).split())})"
+        kind = type(error) if type(error) in _PLAIN else CheckpointError
+        return kind(
+            f"{' '.join(str(error).split())}; step {step} is held by the local tiers only "
+            f"({self.local.uri}): {what}"
+        )
 
     def _count(self, tier: str, info: ChunkInfo | None, started: float) -> None:
         with self._lock:
