@@ -72,3 +72,9 @@ class StorageAccessError(StorageError, PermissionError):
 class CommitUnknownError(StorageError):
     """A step's commit failed ambiguously and reading it back failed too: whether the step is
     committed is unknown until the store answers (``ckptstore ls`` tells)."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as one short line for another rank or a log: its type and first line."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"[:300]

@@ -175,9 +175,7 @@ def _bad_local_chunk(rank: int, world: int, root: str, base: str) -> None:
             for p in (rank_dir(local, store_identity(Store(root)), 0) / "chunks").rglob("*")
             if p.is_file()
         )
-        data = bytearray(chunks[0].read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        chunks[0].write_bytes(bytes(data))
+        _flip_a_byte(chunks[0])
     dist.barrier()
     records = _records("ckptstore.tiers.fetch")
     tally = Tally()
@@ -284,12 +282,32 @@ def test_ls_lists_local_copies_of_dcp_steps_even_without_a_durable_store(tmp_pat
     assert "no ckptstore checkpoints" in capsys.readouterr().err
 
 
-def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
-    node = rank // 2  # 2 ranks per node, 2 nodes
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _copy_chunks(copy: Path, step: int) -> list[Path]:
+    """The chunk files of a rank's local copy of ``step`` (its index is rank 0's there)."""
+    store = Store(str(copy))
+    digests = sorted(load_rank_index(store, load_manifest(store, step), 0).chunks)
+    return [p for d in digests for p in (copy / "chunks").rglob(d) if p.is_file()]
+
+
+def _two_nodes_save_a_local_only_step(rank: int, root: str, base: str) -> tuple[int, str]:
+    """4 ranks as 2 nodes with peer copies: step 1 durable, step 2 in the local tiers (and
+    peers) only. This rank's node and its local dir."""
+    node = rank // 2
     local = str(Path(base) / f"node-{node}")
     writer = _writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
-    for step in (1, 2):  # step 1 durable, step 2 in the local tiers (and peers) only
+    for step in (1, 2):
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    return node, local
+
+
+def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
+    node, local = _two_nodes_save_a_local_only_step(rank, root, base)
     assert list_steps(Store(root)) == [1]
     dist.barrier()
     if rank == 2:  # node 1 replaced: its local dir, with its ranks' copies, is gone
@@ -331,12 +349,8 @@ def test_verify_checks_a_local_dcp_copy_and_restore_refuses_it_by_name(tmp_path,
         copy = str(rank_dir(_local_dir(str(tmp_path), rank), store_identity(Store(root)), rank))
         assert main(["verify", copy, "--all"]) == 0, capsys.readouterr()
         assert "FAILED" not in capsys.readouterr().out
-    store = Store(copy)
-    digest = sorted(load_rank_index(store, load_manifest(store, 2), 0).chunks)[0]
-    (chunk,) = [p for p in (Path(copy) / "chunks").rglob(digest) if p.is_file()]
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+    chunk = _copy_chunks(Path(copy), 2)[0]
+    _flip_a_byte(chunk)
     assert main(["verify", copy, "--step", "2"]) == 1
     out, err = capsys.readouterr()
     assert chunk.name in out + err, (out, err)
@@ -346,20 +360,11 @@ def test_verify_checks_a_local_dcp_copy_and_restore_refuses_it_by_name(tmp_path,
 
 
 def _bad_chunk_of_a_local_only_step(rank: int, world: int, root: str, base: str) -> None:
-    node = rank // 2  # 2 ranks per node, 2 nodes
-    local = str(Path(base) / f"node-{node}")
-    writer = _writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
-    for step in (1, 2):  # step 1 durable, step 2 in the local tiers (and peers) only
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    _, local = _two_nodes_save_a_local_only_step(rank, root, base)
     dist.barrier()
     if rank == 2:  # a byte of every chunk of rank 2's own copy of step 2 flipped
-        copy = rank_dir(local, store_identity(Store(root)), 2)
-        index = load_rank_index(Store(str(copy)), load_manifest(Store(str(copy)), 2), 0)
-        for digest in index.chunks:
-            (path,) = [p for p in (copy / "chunks").rglob(digest) if p.is_file()]
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
+        for chunk in _copy_chunks(rank_dir(local, store_identity(Store(root)), 2), 2):
+            _flip_a_byte(chunk)
     dist.barrier()
     with pytest.raises(CheckpointException) as raised:
         dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local))

@@ -25,7 +25,12 @@ from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_load
-from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    UnsupportedStateError,
+    one_line,
+)
 from ckptstore.format import RankIndex
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
 from ckptstore.shared_read import (
@@ -376,7 +381,7 @@ class StoreReader(StorageReader):
     ) -> list[Any]:
         """Every rank's ``payload`` (collective over ``group``), unless a rank has failed:
         then every rank raises, this one its own error or one naming the ranks that failed."""
-        note = None if failure is None else _one_line(failure)
+        note = None if failure is None else one_line(failure)
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (note, payload if failure is None else None), group=group)
         if failure is not None:
@@ -513,11 +518,6 @@ def _add_stats(total: ExchangeStats, more: ExchangeStats) -> None:
     total.sent += more.sent
     total.rounds += more.rounds
     total.buffer_bytes = max(total.buffer_bytes, more.buffer_bytes)
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {text}"[:300]
 
 
 _gloo_group: list[Any] = []  # [(the default group, a gloo group of all its ranks)]

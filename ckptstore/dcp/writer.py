@@ -24,7 +24,7 @@ from ckptstore.catalog import list_steps
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.metadata import encode_metadata
 from ckptstore.dcp.stager import HeldStaging, PooledStager
-from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError
+from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
 from ckptstore.format import KIND_DCP, check_step, commit_key
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.pipeline import chunks_holding
@@ -860,10 +860,7 @@ class StoreWriter(StorageWriter, PooledStager):
 
 
 def _one_line(error: BaseException | None) -> str | None:
-    if error is None:
-        return None
-    text = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {text}"[:300]
+    return None if error is None else one_line(error)
 
 
 def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
