@@ -78,13 +78,13 @@ from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
     DEFAULT_LOCAL_KEEP_LAST,
     DEFAULT_PEER_BUDGET_BYTES,
-    TIER_KEY,
     TierPolicy,
     Topology,
     node_identity,
     store_identity,
 )
 from ckptstore.tiers.restore import DURABLE, PEER, Candidate, LoadReport, plan_sources
+from ckptstore.tiers.saving import TierSaver
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
 from ckptstore.tree import tensor_indexes
 
@@ -324,6 +324,7 @@ class Checkpointer:
         self._local: LocalTier | None = None
         self._topology: Topology | None = None
         self._drain_group: _Group | None = None
+        self._tiers: TierSaver | None = None
         self.last_peer_copy: TransferStats | None = None
         self.last_load = LoadReport()
         if self._policy is not None:
@@ -341,13 +342,19 @@ class Checkpointer:
                     raise ValueError("peer_copies needs torch.distributed with 2 or more nodes")
                 nodes = self._group.gather(node_identity(node_rank, self.rank))
                 self._topology = Topology.build(nodes, self._policy.peer_copies)
+            self._tiers = TierSaver(
+                self._policy,
+                self._local,
+                self._group,
+                self._topology,
+                durable_uri=self.store.uri,
+            )
             # Drains run collectives of their own while the save thread runs the next save's.
             self._drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
         self._drains: queue.Queue[tuple[_Job, Future[None]] | None] = queue.Queue()
         self._last_drain: Future[None] | None = None
         self._superseded_logged = False
         self._drain_failures: list[tuple[int, BaseException]] = []  # raised once by wait/close
-        self._local_failure_logged = False
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
@@ -1186,101 +1193,37 @@ class Checkpointer:
     def _persist_local(self, job: _Job) -> bool:
         """Commit the step to every rank's local tier; False (the staged state still held, for
         a save to durable storage instead) if a rank could not."""
-        assert self._local is not None
-        session: SaveSession | None = None
-        error: BaseException | None = None
-        wards = [self.rank] + (self._topology.wards(self.rank) if self._topology else [])
-        try:
-            try:
-                self._local.roll_back(wards)
-                session = SaveSession(
-                    self.engine,
-                    self._local.store(self.rank),
-                    step=job.step,
-                    attempt=job.attempt,
-                    kind=KIND_STATE,
-                )
-                session.begin(0)
-                for digest in self._local.take_bad():  # removed by a drain: written again
-                    if session.known is not None:
-                        session.known.pop(digest, None)
-                job.staged.copy.wait()
-                entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
-                written = session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                error = exc
-            failed = self._failures(error, job)
-            if not failed:
-                try:
-                    user = {**job.user, TIER_KEY: self._local.info(self.rank)}
-                    session.commit([written], world_size=1, user=user)
-                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                    error = exc
-                failed = self._failures(error)
-        finally:
-            if session is not None:
-                session.release()
-        if failed:
-            why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-            level = logging.INFO if self._local_failure_logged else logging.WARNING
-            self._local_failure_logged = True
-            logger.log(
-                level,
-                "rank %d: step %d not committed to the local tier (%s); saving it to %s instead",
-                self.rank,
-                job.step,
-                why,
-                self.store.uri,
-            )
+        assert self._tiers is not None
+
+        def write(session: SaveSession) -> RankWritten:
+            job.staged.copy.wait()
+            entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
+            return session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
+
+        done = self._tiers.commit_local(
+            step=job.step,
+            attempt=job.attempt,
+            kind=KIND_STATE,
+            write=write,
+            user=job.user,
+            payload=(job.durable, job.wait_durable),
+        )
+        # SIGTERM may reach one node only: the ranks agree on whether the step goes durable.
+        job.durable = any(d for d, _ in done.payloads)
+        job.wait_durable = any(w for _, w in done.payloads)
+        if done.written is None:
             return False
-        self._local_failure_logged = False
-        self.engine.release(job.staged)
         if job.durable:
             self._local.protect(job.step)  # until drained (_drain_loop)
-        self._local.retain(self.rank, keep={job.step})
+        self.engine.release(job.staged)
         return True
-
-    def _failures(
-        self, error: BaseException | None, job: _Job | None = None
-    ) -> list[tuple[int, str]]:
-        """Every rank's error (one line) of a phase of a local save; with ``job``, the ranks
-        also agree on whether it goes to durable storage (SIGTERM may reach one node only)."""
-        mine = None if error is None else self._one_line(error)
-        flags = (job.durable, job.wait_durable) if job is not None else (False, False)
-        everything = self._group.gather((mine, flags))
-        if job is not None:
-            job.durable = any(f[0] for _, f in everything)
-            job.wait_durable = any(f[1] for _, f in everything)
-        return [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
 
     def _after_local(self, job: _Job) -> None:
         """A step committed to the local tier: copies to peers, then a drain to durable storage
         if the step is bound for it."""
-        assert self._local is not None and self._policy is not None
-        if self._topology is not None:
-            transfers = [
-                Transfer(r, h, r, job.step, job.attempt)
-                for r in range(self._group.world_size)
-                for h in self._topology.holders(r)
-            ]
-            try:
-                outcomes, self.last_peer_copy = transfer(
-                    transfers,
-                    group=self._group.group,
-                    local=self._local,
-                    budget_bytes=self._policy.peer_budget_bytes,
-                )
-            except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
-                outcomes = {t: self._one_line(exc) for t in transfers}
-            failed = [(t, e) for t, e in outcomes.items() if e is not None]
-            if failed and self.rank == 0:
-                logger.warning(
-                    "step %d: %d of %d peer copies failed (restore falls back to other tiers): %s",
-                    job.step,
-                    len(failed),
-                    len(transfers),
-                    failed[0][1],
-                )
+        assert self._tiers is not None
+        self._tiers.copy_to_peers(job.step, job.attempt)
+        self.last_peer_copy = self._tiers.last_peer_copy
         if job.durable:
             future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
             job.handle.durable = future

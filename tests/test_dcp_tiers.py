@@ -224,7 +224,7 @@ def _full_local_disk(rank: int, world: int, root: str, disk: str) -> None:
         for i in range(24)
     }
     writer = _writer(root, local, durable_every=100, local_keep_last=10)
-    records = _records("ckptstore.dcp.writer")
+    records = _records("ckptstore.tiers.saving")
     for step in range(1, 7):
         state = {k: v + step for k, v in big.items()}
         dcp.save(state, storage_writer=writer, checkpoint_id=step)

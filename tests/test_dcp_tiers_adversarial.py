@@ -306,7 +306,7 @@ def test_durable_every_and_local_keep_last_keep_each_committed_step_loadable(tmp
 def _one_rank_loses_its_local_tier(rank: int, world: int, root: str, base: str) -> None:
     local = _local_dir(base, rank)
     writer = _writer(root, local, durable_every=10)
-    records = _records("ckptstore.dcp.writer")
+    records = _records("ckptstore.tiers.saving")
     dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable
     dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
     dist.barrier()

@@ -28,7 +28,6 @@ from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateE
 from ckptstore.format import KIND_DCP, check_step, commit_key
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.pipeline import chunks_holding
-from ckptstore.retention import drop_step
 from ckptstore.save import (
     DEFAULT_GC_WAIT_S,
     RankWritten,
@@ -44,13 +43,12 @@ from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
     DEFAULT_LOCAL_KEEP_LAST,
     DEFAULT_PEER_BUDGET_BYTES,
-    TIER_KEY,
     TierPolicy,
     Topology,
     node_identity,
     store_identity,
 )
-from ckptstore.tiers.transfer import Transfer, transfer
+from ckptstore.tiers.saving import TierSaver
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +205,8 @@ class StoreWriter(StorageWriter, PooledStager):
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
         self._tiered_saves = 0  # coordinator: saves planned, for durable_every
-        self._local_steps: set[int] = set()  # steps this writer committed to its local tier
-        self._local_failure_logged = False
+        self._tiers: TierSaver | None = None
+        self._background_nice = background_nice
         # One save's tier exchanges at a time (overlapping async saves reach them in turn).
         self._tier_lock = threading.Lock()
         self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
@@ -326,7 +324,7 @@ class StoreWriter(StorageWriter, PooledStager):
                     steps = sorted({*steps, *self._local.copies(self.rank)})
                 step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
             elif self._save_store().exists(commit_key(step)) or (
-                self._local is not None and step in self._local_steps
+                self._tiers is not None and step in self._tiers.committed
             ):
                 raise StepExistsError(
                     f"step {step} is already committed in {uri}"
@@ -470,7 +468,13 @@ class StoreWriter(StorageWriter, PooledStager):
                 world_size=group.world_size,
                 durable_uri=durable,
                 timeout_s=self.store.retry.timeout_s,
+                thread_nice=self._background_nice,
             )
+            committed = self._tiers.committed if self._tiers is not None else set()
+            self._tiers = TierSaver(
+                self._policy, self._local, group, self._topology, durable_uri=self.store.uri
+            )
+            self._tiers.committed = committed  # a writer's steps, whichever store it moved to
 
     def _tier_metadata(self, planner: SavePlanner, target: _SaveTarget) -> bytes:
         """On the coordinator: the DCP metadata ``finish`` will record, for the local copies,
@@ -497,7 +501,6 @@ class StoreWriter(StorageWriter, PooledStager):
         """This rank's items committed to its local tier (every rank or none: they agree), then,
         for a durable step or where a rank's local tier failed, to the writer's store."""
         assert self._local is not None and self._tier_group is not None
-        local = self._local
         tensors: list[torch.Tensor] = []
         staged: HeldStaging | None = None
         fatal: BaseException | None = None  # this rank cannot take part in the save at all
@@ -512,8 +515,7 @@ class StoreWriter(StorageWriter, PooledStager):
             with self._tier_lock:
                 written = self._commit_local(target, planner, tensors, staged, keys, fatal)
                 if written is not None:
-                    local.retain(self.rank, keep={target.step})
-                    self._copy_to_peers(target)
+                    self._tiers.copy_to_peers(target.step, target.attempt)
                     written = dataclasses.replace(written, rank=self.rank)  # rank 0's there
             durable = target.durable or written is None
             if durable:
@@ -545,127 +547,23 @@ class StoreWriter(StorageWriter, PooledStager):
         keys: dict[str, int],
         fatal: BaseException | None,
     ) -> RankWritten | None:
-        """Every rank's local copy of the step, committed only once every rank wrote its own;
-        what this rank wrote there, or None if a rank could not (then nothing is committed
-        locally and the save goes to durable storage). A rank's ``fatal`` error (its items
-        could not even be resolved) fails the save on every rank, after they all heard of it."""
-        assert self._local is not None and self._tier_group is not None
-        local, group = self._local, self._tier_group
-        session: SaveSession | None = None
-        written: RankWritten | None = None
-        metadata: bytes | None = None
-        error: BaseException | None = None
-        try:
-            try:
-                if fatal is not None:
-                    raise fatal
-                self._drop_stale_copies(target.step)
-                if self.is_coordinator:
-                    metadata = self._tier_metadata(planner, target)
-                session = SaveSession(
-                    self.engine,
-                    local.store(self.rank),
-                    step=target.step,
-                    attempt=target.attempt,
-                    kind=KIND_DCP,
-                )
-                session.begin(0)
-                for digest in local.take_bad():  # removed by a drain: written again
-                    if session.known is not None:
-                        session.known.pop(digest, None)
-                entries, chunks = self._encode(session, staged, tensors)
-                # A tier copy is a one-rank step: the rank's index is rank 0's there.
-                written = session.put_index(0, entries, chunks, items=keys)
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                error = exc
-            everything = group.gather((_one_line(error), metadata, fatal is not None))
-            stopped = [(r, e) for r, (e, _, f) in enumerate(everything) if f]
-            if fatal is not None:
-                raise fatal
-            if stopped:
-                why = "; ".join(f"rank {r}: {e}" for r, e in stopped[:4])
-                raise CheckpointError(f"DCP step {target.step} failed on another rank ({why})")
-            failed = [(r, e) for r, (e, _, _) in enumerate(everything) if e is not None]
-            if not failed:
-                shared = next(m for _, m, _ in everything if m is not None)
-                try:
-                    assert session is not None and written is not None
-                    session.commit(
-                        [written],
-                        world_size=1,
-                        user={TIER_KEY: local.info(self.rank)},
-                        dcp_metadata=shared,
-                    )
-                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                    error = exc
-                everything = group.gather((_one_line(error), None))
-                failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
-        finally:
-            if session is not None:
-                session.release()
-        if not failed:
-            self._local_steps.add(target.step)
-            self._local_failure_logged = False
-        if failed:
-            why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-            level = logging.INFO if self._local_failure_logged else logging.WARNING
-            self._local_failure_logged = True  # one warning until a save succeeds again
-            logger.log(
-                level,
-                "rank %d: DCP step %d not committed to the local tier (%s); saving it to %s "
-                "instead",
-                self.rank,
-                target.step,
-                why,
-                self.store.uri,
-            )
-            return None
-        return written
+        """Every rank's local copy of the step (``TierSaver.commit_local``): what this rank
+        wrote there, or None if a rank could not (the save then goes to durable storage)."""
+        assert self._tiers is not None
 
-    def _drop_stale_copies(self, step: int) -> None:
-        """A job that resumed from an older step saves this step number (and later ones)
-        again, as other saves: the copies of them that this writer did not make (an earlier
-        run's, of any world size, in this rank's store and its wards') are unlisted first."""
-        assert self._local is not None
-        local = self._local
-        own = local.store(self.rank)
-        stale = {self.rank: [s for s in list_steps(own) if s >= step]}
-        for ward in self._topology.wards(self.rank) if self._topology else []:
-            stale[ward] = [s for s in local.copies(ward) if s >= step]
-        for ward, steps in stale.items():
-            for s in steps:
-                if s not in self._local_steps:
-                    drop_step(local.store(ward), s)
+        def write(session: SaveSession) -> RankWritten:
+            entries, chunks = self._encode(session, staged, tensors)
+            # A tier copy is a one-rank step: the rank's index is rank 0's there.
+            return session.put_index(0, entries, chunks, items=keys)
 
-    def _copy_to_peers(self, target: _SaveTarget) -> None:
-        """Each rank's committed copy to its holders (collective); a failed copy is logged,
-        the save stands."""
-        if self._topology is None:
-            return
-        assert self._local is not None and self._tier_group is not None and self._policy
-        transfers = [
-            Transfer(r, h, r, target.step, target.attempt)
-            for r in range(self._tier_group.world_size)
-            for h in self._topology.holders(r)
-        ]
-        try:
-            outcomes, _ = transfer(
-                transfers,
-                group=self._tier_group.group,
-                local=self._local,
-                budget_bytes=self._policy.peer_budget_bytes,
-            )
-        except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
-            outcomes = {t: _one_line(exc) for t in transfers}
-        failed = [e for e in outcomes.values() if e is not None]
-        if failed and self.is_coordinator:
-            logger.warning(
-                "DCP step %d: %d of %d peer copies failed (restore falls back to other tiers): %s",
-                target.step,
-                len(failed),
-                len(transfers),
-                failed[0],
-            )
+        return self._tiers.commit_local(
+            step=target.step,
+            attempt=target.attempt,
+            kind=KIND_DCP,
+            write=write,
+            metadata=lambda: self._tier_metadata(planner, target),
+            fatal=fatal,
+        ).written
 
     def _write_durable(
         self,

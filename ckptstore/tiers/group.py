@@ -3,10 +3,13 @@ a background thread exchanges never interleaves with the training loop's collect
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from ckptstore.errors import one_line
 
 
 class RankGroup:
@@ -47,3 +50,32 @@ class RankGroup:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value, group=self.group)
         return out
+
+    def agree(self, error: BaseException | None, payload: Any = None) -> Agreement:
+        """Every rank's outcome of a step every rank took (``error``: None if it succeeded on
+        this one) and ``payload``: collective, so every rank hears every rank's error."""
+        mine = None if error is None else (one_line(error), type(error).__name__)
+        everything = self.gather((mine, payload))
+        return Agreement(
+            failures=[(r, e[0], e[1]) for r, (e, _) in enumerate(everything) if e is not None],
+            payloads=[p for _, p in everything],
+        )
+
+
+@dataclass
+class Agreement:
+    """What every rank heard of one step: the ranks that failed, each with its error as one
+    line and the error's type name, and every rank's payload (by rank)."""
+
+    failures: list[tuple[int, str, str]]
+    payloads: list[Any]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def why(self, shown: int = 4) -> str:
+        """The failures as one line: ``rank r: Error: text; ...``."""
+        text = "; ".join(f"rank {r}: {line}" for r, line, _ in self.failures[:shown])
+        more = len(self.failures) - shown
+        return text + (f"; and {more} more" if more > 0 else "")

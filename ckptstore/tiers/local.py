@@ -18,7 +18,7 @@ from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import Manifest, chunk_key
 from ckptstore.leases import DEFAULT_TTL_S
-from ckptstore.retention import collect, drop_step
+from ckptstore.retention import collect
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
 
@@ -63,7 +63,7 @@ class LocalTier:
         self._bad: set[str] = set()  # own chunks found corrupt, removed: the next save rewrites
         self.resumed_from: int | None = None
         """The step the last load resumed from: copies of later steps belong to a run the job
-        left, and are unlisted before its next save (``roll_back``)."""
+        left, and are unlisted before its next save (``TierSaver.drop_stale``)."""
 
     def protect(self, step: int) -> None:
         """Keep this rank's copy of ``step`` whatever ``local_keep_last`` says, until
@@ -134,37 +134,6 @@ class LocalTier:
                     manifest.user.get(TIER_KEY),
                 )
         return out
-
-    def drop_newer(self, ward: int, step: int) -> list[int]:
-        """Unlist ``ward``'s copies (of this job) of steps after ``step``, the newest step every
-        rank could load: a job that resumed from it saves those step numbers again, as other
-        saves. Steps still to be drained are kept."""
-        if not self.rank_dir(ward).is_dir():
-            return []
-        store = self.store(ward)
-        pending = self.to_drain() if ward == self.rank else set()
-        dropped = [s for s in self.copies(ward) if s > step and s not in pending]
-        for s in dropped:
-            drop_step(store, s)
-        return dropped
-
-    def roll_back(self, wards: list[int]) -> None:
-        """Before the first save after a load: unlist the copies of steps after the one
-        loaded (``drop_newer``), which the job will save again as other saves."""
-        if self.resumed_from is None:
-            return
-        for ward in wards:
-            dropped = self.drop_newer(ward, self.resumed_from)
-            if dropped:
-                logger.info(
-                    "rank %d: unlisted rank %d's local copies of steps %s (the job resumed from "
-                    "step %d)",
-                    self.rank,
-                    ward,
-                    dropped,
-                    self.resumed_from,
-                )
-        self.resumed_from = None
 
     def forget_bad_chunk(self, digest: str) -> None:
         """A chunk of this rank's own store failed its hash check: remove it, so that the next

@@ -1,0 +1,205 @@
+"""The tier half of a save, the same for every front-end: copies of a run the job left are
+unlisted, each rank's copy is committed to its local tier (every rank's or none: they agree),
+then sent to its holders on other nodes (``peer_copies``).
+
+A front-end says what a rank writes (``write(session)``, its chunks and index in the rank's
+local store) and what the save's manifest records; ``TierSaver`` sequences the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.catalog import list_steps
+from ckptstore.errors import CheckpointError, one_line
+from ckptstore.retention import drop_step
+from ckptstore.save.session import RankWritten, SaveSession
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology
+from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalCommit:
+    """A local commit as every rank saw it: what this rank wrote (None: a rank failed, nothing
+    was committed locally, the save goes to durable storage) and every rank's payload."""
+
+    written: RankWritten | None
+    payloads: list[Any]
+
+
+class TierSaver:
+    """One rank's tier saves: its local tier, its ranks' group and where its copies go."""
+
+    def __init__(
+        self,
+        policy: TierPolicy,
+        local: LocalTier,
+        group: RankGroup,
+        topology: Topology | None,
+        *,
+        durable_uri: str,
+    ) -> None:
+        self.policy = policy
+        self.local = local
+        self.group = group
+        self.topology = topology
+        self.durable_uri = durable_uri
+        self.rank = group.rank
+        self.committed: set[int] = set()  # steps this process committed to the local tiers
+        self.last_peer_copy: TransferStats | None = None
+        self._failure_logged = False
+
+    def wards(self) -> list[int]:
+        """This rank and the ranks whose copies it holds."""
+        return [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
+
+    def drop_stale(self, step: int) -> None:
+        """Before ``step`` is saved: the copies of it and of later steps that this process did
+        not commit (a run the job left: any world size), and after a load of step L the
+        copies of steps after L, are unlisted in this rank's store and its wards'; a job that
+        resumed saves those step numbers again, as other saves. A step still to be drained
+        is kept."""
+        resumed = self.local.resumed_from
+        floor = step if resumed is None else min(step, resumed + 1)
+        pending = self.local.to_drain()
+        for ward in self.wards():
+            if not self.local.rank_dir(ward).is_dir():
+                continue
+            store = self.local.store(ward)
+            stale = [
+                s
+                for s in list_steps(store)
+                if s >= floor and s not in self.committed and s not in pending
+            ]
+            for s in stale:
+                drop_step(store, s)
+            if stale:
+                logger.info(
+                    "rank %d: unlisted rank %d's local copies of steps %s (a run the job left)",
+                    self.rank,
+                    ward,
+                    stale,
+                )
+        self.local.resumed_from = None
+
+    def commit_local(
+        self,
+        *,
+        step: int,
+        attempt: str,
+        kind: str,
+        write: Callable[[SaveSession], RankWritten],
+        user: dict | None = None,
+        payload: Any = None,
+        metadata: Callable[[], bytes] | None = None,
+        fatal: BaseException | None = None,
+        protect: bool = False,
+    ) -> LocalCommit:
+        """Every rank's copy of ``step``, committed only once every rank wrote its own.
+
+        ``write(session)`` writes this rank's chunks and index (as rank 0 of a one-rank step);
+        ``payload`` travels with this rank's outcome to every rank; ``metadata()`` (rank 0
+        alone) is the save's DCP metadata, recorded in every rank's copy. A rank's ``fatal``
+        error (it cannot take part in the save at all) fails the save on every rank once all
+        heard of it. ``protect``: keep the copy until a drain has read it."""
+        local = self.local
+        session: SaveSession | None = None
+        written: RankWritten | None = None
+        shared: bytes | None = None
+        error: BaseException | None = None
+        try:
+            try:
+                if fatal is not None:
+                    raise fatal
+                self.drop_stale(step)
+                if metadata is not None and self.rank == 0:
+                    shared = metadata()
+                session = SaveSession(
+                    local.engine, local.store(self.rank), step=step, attempt=attempt, kind=kind
+                )
+                session.begin(0)
+                for digest in local.take_bad():  # removed by a drain: written again
+                    if session.known is not None:
+                        session.known.pop(digest, None)
+                written = write(session)
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it
+                error = exc
+            heard = self.group.agree(error, (payload, shared, fatal is not None))
+            payloads = [p for p, _, _ in heard.payloads]
+            if fatal is not None:
+                raise fatal
+            stopped = [r for r, (_, _, f) in enumerate(heard.payloads) if f]
+            if stopped:
+                raise CheckpointError(
+                    f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"
+                )
+            if heard.ok:
+                error = None
+                try:
+                    assert session is not None and written is not None
+                    session.commit(
+                        [written],
+                        world_size=1,
+                        user={**(user or {}), TIER_KEY: local.info(self.rank)},
+                        dcp_metadata=next((m for _, m, _ in heard.payloads if m), None),
+                    )
+                except Exception as exc:  # noqa: BLE001 - every rank hears of it
+                    error = exc
+                heard = self.group.agree(error)
+        finally:
+            if session is not None:
+                session.release()
+        if not heard.ok:
+            level = logging.INFO if self._failure_logged else logging.WARNING
+            self._failure_logged = True  # one warning until a save succeeds again
+            logger.log(
+                level,
+                "rank %d: step %d not committed to the local tier (%s); saving it to %s instead",
+                self.rank,
+                step,
+                heard.why(),
+                self.durable_uri,
+            )
+            return LocalCommit(None, payloads)
+        self._failure_logged = False
+        self.committed.add(step)
+        if protect:
+            local.protect(step)  # until drained
+        local.retain(self.rank, keep={step})
+        return LocalCommit(written, payloads)
+
+    def copy_to_peers(self, step: int, attempt: str) -> None:
+        """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is
+        logged once by rank 0, the save stands (restore falls back to other tiers)."""
+        if self.topology is None:
+            return
+        transfers = [
+            Transfer(r, h, r, step, attempt)
+            for r in range(self.group.world_size)
+            for h in self.topology.holders(r)
+        ]
+        try:
+            outcomes, self.last_peer_copy = transfer(
+                transfers,
+                group=self.group.group,
+                local=self.local,
+                budget_bytes=self.policy.peer_budget_bytes,
+            )
+        except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
+            outcomes = {t: one_line(exc) for t in transfers}
+        failed = [e for e in outcomes.values() if e is not None]
+        if failed and self.rank == 0:
+            logger.warning(
+                "step %d: %d of %d peer copies failed (restore falls back to other tiers): %s",
+                step,
+                len(failed),
+                len(transfers),
+                failed[0],
+            )
