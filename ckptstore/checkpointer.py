@@ -43,7 +43,6 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    DrainSupersededError,
     FormatVersionError,
     PartialLoadError,
     UnsupportedStateError,
@@ -61,7 +60,7 @@ from ckptstore.save import (
     Staged,
     check_background_nice,
 )
-from ckptstore.save.session import LatestIndex
+from ckptstore.save.collective import save_collective
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
     ExchangeStats,
@@ -72,7 +71,7 @@ from ckptstore.shared_read import (
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store, niced, open_store, set_thread_nice
-from ckptstore.tiers.drain import drain_rank
+from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
@@ -323,7 +322,7 @@ class Checkpointer:
             self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
         self._local: LocalTier | None = None
         self._topology: Topology | None = None
-        self._drain_group: _Group | None = None
+        self._drains: DrainQueue | None = None
         self._tiers: TierSaver | None = None
         self.last_peer_copy: TransferStats | None = None
         self.last_load = LoadReport()
@@ -350,11 +349,12 @@ class Checkpointer:
                 durable_uri=self.store.uri,
             )
             # Drains run collectives of their own while the save thread runs the next save's.
-            self._drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
-        self._drains: queue.Queue[tuple[_Job, Future[None]] | None] = queue.Queue()
-        self._last_drain: Future[None] | None = None
-        self._superseded_logged = False
-        self._drain_failures: list[tuple[int, BaseException]] = []  # raised once by wait/close
+            self._drains = DrainQueue(
+                local=self._local,
+                group=_Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist),
+                store=self.store,
+                thread_nice=self._save_thread_nice,
+            )
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
@@ -377,12 +377,6 @@ class Checkpointer:
         )
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._worker.start()
-        self._drainer: threading.Thread | None = None
-        if self._local is not None:
-            self._drainer = threading.Thread(
-                target=self._drain_loop, name="ckptstore-drain", daemon=True
-            )
-            self._drainer.start()
         self._closed = False
         # A script that ends right after save() must not lose that save. Threading's exit hooks
         # run before atexit's, last registered first: this one runs while concurrent.futures
@@ -459,9 +453,8 @@ class Checkpointer:
         save that no ``wait()`` raised yet."""
         if self._last is not None:
             self._last._future.exception()  # blocks until the last save is done
-        drain = self._last_drain
-        if drain is not None:
-            drain.exception()  # and its drain to durable storage
+        if self._drains is not None:
+            self._drains.wait()  # and its drain to durable storage
         self._raise_background_error()
         self._raise_drain_error()
 
@@ -1040,9 +1033,8 @@ class Checkpointer:
         self._closed = True
         self._jobs.put(None)
         self._worker.join()
-        if self._drainer is not None:
-            self._drains.put(None)
-            self._drainer.join()
+        if self._drains is not None:
+            self._drains.close()
         self.engine.close()
         self._closed_event.set()
         try:
@@ -1101,8 +1093,7 @@ class Checkpointer:
 
     def _raise_drain_error(self) -> None:
         """Raise, once, that steps committed to the local tier did not reach durable storage."""
-        with self._failed_lock:
-            failures, self._drain_failures = self._drain_failures, []
+        failures = self._drains.take_failures() if self._drains is not None else []
         if not failures:
             return
         steps = ", ".join(str(step) for step, _ in failures)
@@ -1150,43 +1141,15 @@ class Checkpointer:
         session = SaveSession(
             self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
         )
-        self._save_collective(
-            session, self._group, lambda: self._write_rank(session, job), job.user
+        save_collective(
+            session,
+            self._group,
+            lambda latest: self._write_rank(session, job, latest),
+            user=lambda: job.user,
         )
         if self._local is not None:  # a tiered save that went to durable storage directly
             job.handle.durable = job.handle.durable or Future()
             job.handle.durable.set_result(None)
-
-    def _save_collective(
-        self,
-        session: SaveSession,
-        group: _Group,
-        write: Any,
-        user: dict,
-    ) -> None:
-        """Every rank writes its part (``write()``: a ``RankWritten``, or the error it failed
-        with); rank 0 commits once all have, and every rank learns the outcome."""
-        try:
-            written = write()
-            ranks = group.gather(written)  # fails when a rank is lost
-            outcome: Any = None
-            if self.rank == 0:
-                failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
-                if failed:
-                    rank, error = failed[0]
-                    outcome = CheckpointError(f"step {session.step}: rank {rank} failed: {error}")
-                    outcome.__cause__ = error
-                else:
-                    outcome = self._commit(session, ranks, user, group.world_size)
-            outcome = group.broadcast(outcome)
-        finally:
-            session.release()  # rank 0's lease: the commit's outcome is known, or never will be
-        if isinstance(written, BaseException):
-            raise written
-        if isinstance(outcome, BaseException):
-            raise outcome
-        if self.rank == 0:
-            session.retain()
 
     # -- tiers ----------------------------------------------------------------------------------
 
@@ -1213,8 +1176,6 @@ class Checkpointer:
         job.wait_durable = any(w for _, w in done.payloads)
         if done.written is None:
             return False
-        if job.durable:
-            self._local.protect(job.step)  # until drained (_drain_loop)
         self.engine.release(job.staged)
         return True
 
@@ -1225,149 +1186,30 @@ class Checkpointer:
         self._tiers.copy_to_peers(job.step, job.attempt)
         self.last_peer_copy = self._tiers.last_peer_copy
         if job.durable:
+            assert self._drains is not None
             future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
             job.handle.durable = future
-            self._last_drain = future
-            self._drains.put((job, future))
+            self._drains.put(
+                DrainJob(job.step, job.attempt, KIND_STATE, future, keep=job.wait_durable)
+            )
             if job.wait_durable:
                 future.result()  # its error fails the save: it is not durable
 
-    def _drain_loop(self) -> None:
-        """Drains in save order. When drains fall behind saves, the ranks agree on the newest
-        step every one of them has queued and drain it next; the older steps queued before it
-        are superseded (their ``handle.durable`` fails with a ``DrainSupersededError``; their
-        local copies are released to retention), so the durable tier follows the newest save
-        and the local tier does not grow without bound."""
-        set_thread_nice(self._save_thread_nice)
-        assert self._drain_group is not None
-        backlog: list[tuple[_Job, Future[None]]] = []
-        closing = False
-        while True:
-            if not backlog:
-                if closing:
-                    return
-                item = self._drains.get()
-                if item is None:
-                    return
-                backlog.append(item)
-            while not closing:  # what else is queued by now
-                try:
-                    item = self._drains.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    closing = True
-                else:
-                    backlog.append(item)
-            # Every rank's backlog starts with the same step (each drain is collective);
-            # the least of their newest is queued on every rank.
-            newest = min(self._drain_group.gather(backlog[-1][0].step))
-            while backlog[0][0].step < newest and not backlog[0][0].wait_durable:
-                self._supersede(*backlog.pop(0), newest)
-            job, future = backlog.pop(0)
-            try:
-                self._drain(job)
-                future.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - reported on the handle's future
-                logger.warning(
-                    "rank %d: step %d was not drained to %s (its local copies stay): %s",
-                    self.rank,
-                    job.step,
-                    self.store.uri,
-                    self._one_line(exc),
-                )
-                future.set_exception(exc)
-                with self._failed_lock:
-                    self._drain_failures.append((job.step, exc))
-            finally:
-                assert self._local is not None
-                self._local.unprotect(job.step)
-
-    def _supersede(self, job: _Job, future: Future[None], newest: int) -> None:
-        level = logging.INFO if self._superseded_logged else logging.WARNING
-        self._superseded_logged = True
-        logger.log(
-            level,
-            "rank %d: drains to %s fall behind saves: step %d is not drained, step %d is next",
-            self.rank,
-            self.store.uri,
-            job.step,
-            newest,
-        )
-        future.set_exception(
-            DrainSupersededError(
-                f"step {job.step} was not drained to {self.store.uri}: step {newest}, saved "
-                "after it, was queued meanwhile and is drained instead (drains fell behind saves)"
-            )
-        )
-        assert self._local is not None
-        self._local.unprotect(job.step)
-
-    def _drain(self, job: _Job) -> None:
-        """Commit ``job``'s step to durable storage from every rank's local copy."""
-        assert self._local is not None and self._drain_group is not None
-        local, group = self._local, self._drain_group
-        session = SaveSession(
-            self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
-        )
-
-        def write() -> RankWritten | BaseException:
-            latest = self._begin(session, group)
-            try:
-                if isinstance(latest, BaseException):
-                    raise latest
-                session.learn(self.rank, latest)
-                return drain_rank(session, local, self.rank)[0]
-            except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
-                return exc
-
-        self._save_collective(session, group, write, job.user)
-
-    def _write_rank(self, session: SaveSession, job: _Job) -> RankWritten | BaseException:
-        """This rank's chunks and index under rank 0's lease; an error is returned, so that
-        every rank reaches each collective of the save."""
-        latest = self._begin(session, self._group)
+    def _write_rank(self, session: SaveSession, job: _Job, latest: Any) -> RankWritten:
+        """This rank's chunks and index under rank 0's lease (``save_collective``)."""
         staged = job.staged
         try:
-            try:
-                staged.copy.wait()
-                if self._peers is not None:
-                    meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
-                    self._peers.exchange(job.step, staged.buffer, meta)
-                if isinstance(latest, BaseException):
-                    raise latest
-                session.learn(self.rank, latest)
-                entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
-            finally:
-                self.engine.release(staged)
-            return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)
-        except BaseException as exc:  # noqa: BLE001 - every rank must still reach the gather
-            return exc
-
-    def _begin(self, session: SaveSession, group: _Group) -> LatestIndex | BaseException | None:
-        """Rank 0 begins the save (its lease, the gc check, the committed steps listed once)
-        and hands each rank where its index of the latest step is; or, if that failed, the
-        error this rank fails the save with. Every rank calls it, first in a save."""
-        if self.rank != 0:
-            return group.scatter(None)
-        try:
-            latest = session.begin(self.rank)
-        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
-            told = CheckpointError(
-                f"step {session.step}: rank 0 could not begin the save: {self._one_line(exc)}"
-            )
-            group.scatter([None] + [told] * (group.world_size - 1))
-            return exc
-        return group.scatter([latest.get(r) for r in range(group.world_size)])
-
-    def _commit(
-        self, session: SaveSession, ranks: list[RankWritten], user: dict, world_size: int
-    ) -> BaseException | None:
-        try:
-            session.commit(ranks, world_size=world_size, user=user)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank
-            return exc
-        return None
+            staged.copy.wait()
+            if self._peers is not None:  # collective: before a failed begin is raised
+                meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
+                self._peers.exchange(job.step, staged.buffer, meta)
+            if isinstance(latest, BaseException):
+                raise latest
+            session.learn(self.rank, latest)
+            entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
+        finally:
+            self.engine.release(staged)
+        return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)
 
 
 @dataclass

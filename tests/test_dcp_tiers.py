@@ -71,6 +71,7 @@ def _save_steps(root: str, local: str, steps, **options) -> None:
     writer = _writer(root, local, **options)
     for step in steps:
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    writer.close()  # the durable steps' drains
 
 
 def _load(root: str, local: str, tally: Tally, **options) -> tuple[dict, StoreReader]:
@@ -228,6 +229,7 @@ def _full_local_disk(rank: int, world: int, root: str, disk: str) -> None:
     for step in range(1, 7):
         state = {k: v + step for k, v in big.items()}
         dcp.save(state, storage_writer=writer, checkpoint_id=step)
+    writer.wait()
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "not committed to the local tier" in warned[0], warned
     durable = list_steps(Store(root))
@@ -251,6 +253,7 @@ def test_one_process_without_torch_distributed(tmp_path):
     writer = _writer(root, local)
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+    writer.wait()
     assert list_steps(Store(root)) == [1]
     tally = Tally()
     reader = StoreReader(root, local_dir=local, store=_counting_store(root, tally))
@@ -267,6 +270,7 @@ def test_ls_lists_local_copies_of_dcp_steps_even_without_a_durable_store(tmp_pat
     writer = _writer(str(root), str(local))
     for step in (1, 2, 3):
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+    writer.wait()  # the durable steps' drains
     assert main(["ls", str(root), "--local-dir", str(local), "--json"]) == 0
     rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
     assert rows == {
@@ -303,6 +307,7 @@ def _two_nodes_save_a_local_only_step(rank: int, root: str, base: str) -> tuple[
     writer = _writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    writer.close()
     return node, local
 
 

@@ -124,6 +124,7 @@ def _resave_local_only_step(rank: int, world: int, root: str, base: str) -> None
     writer = _writer(root, local)  # durable_every=2
     dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable + local
     dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+    writer.wait()
     assert list_steps(Store(root)) == [1]
     # The job rolls back (or simply names step 2 again): a second save of step 2, other values.
     try:
@@ -158,6 +159,7 @@ def _world_change_collision_save(rank: int, world: int, root: str, local: str) -
     writer = _writer(root, local)  # both ranks share one local dir (one node)
     dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable
     dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+    writer.close()  # step 1's drain
 
 
 def _world_change_collision_load(rank: int, world: int, root: str, local: str, want: int):
@@ -185,6 +187,7 @@ def test_a_world_size_change_that_reuses_a_step_number_loads_the_durable_save(tm
         dcp.save(_state(50), storage_writer=writer, no_dist=True)
     except CheckpointException:
         return  # refused: nothing can be mixed up
+    writer.close()  # its drain to durable storage
     assert writer.saved_step == 2 and 2 in list_steps(Store(root)), writer.saved_step
     target = _blank()  # the one process loads its own save back
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local), no_dist=True)
@@ -207,6 +210,7 @@ def _mixed_attempts(rank: int, world: int, root: str, base: str) -> None:
     writer = _writer(root, local, durable_every=3, local_keep_last=3)
     for step in (2, 3):
         dcp.save(_state(100 + step), storage_writer=writer, checkpoint_id=step)
+    writer.wait()
     assert list_steps(Store(root)) == [1, 2]
     dist.barrier()
     if rank == 1:  # its local dir goes back to the first run's copies (e.g. a stale node)
@@ -290,6 +294,7 @@ def _retention(rank: int, world: int, root: str, base: str) -> None:
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
         target, _ = _load_latest(root, local)  # every committed save loads back at once
         _assert_loaded(target, step)
+    writer.wait()
     assert list_steps(Store(root)) == [1, 4]
     assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [5]
     for step in (1, 4):
@@ -336,6 +341,7 @@ def _damaged_durable_step(rank: int, world: int, root: str, base: str, how: str)
     _writer_ = _writer(root, local, durable_every=1)
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=_writer_, checkpoint_id=step)
+    _writer_.wait()  # both drained to durable storage
     store = Store(str(_rank_store(local, root, rank)))
     assert load_rank_index(store, load_manifest(store, 2), 0).chunks  # it holds chunks
     dist.barrier()
@@ -413,6 +419,7 @@ def _other_encoding_in_durable(rank: int, world: int, root: str, base: str) -> N
         root, local_dir=local, chunk_bytes=CHUNK, compression=None, durable_every=1
     )
     dcp.save(state, storage_writer=tiered, checkpoint_id=2)
+    tiered.wait()  # its drain
     durable, mine = Store(root), Store(str(_rank_store(local, root, rank)))
     ours = load_rank_index(mine, load_manifest(mine, 2), 0).chunks
     theirs = {}
@@ -539,6 +546,7 @@ def _async_saves(rank: int, world: int, root: str, base: str) -> None:
     for step in (1, 2, 3, 4):
         dcp.async_save(_state(step), storage_writer=writer, checkpoint_id=step).result(timeout=60)
         assert writer.saved_step == step
+    writer.wait()  # the drains of steps 1 and 3
     assert list_steps(Store(root)) == [1, 3]
     assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [3, 4]
     target, reader = _load_latest(root, local)
@@ -560,6 +568,7 @@ def test_back_to_back_async_saves_with_tiers_in_one_process(tmp_path):
     ]
     for f in futures:
         f.result(timeout=60)
+    writer.wait()
     assert list_steps(Store(root)) == [1, 3]
     for step in (2, 3):
         target = _blank()
@@ -574,6 +583,7 @@ def _save_four(rank: int, world: int, root: str, local: str) -> None:
     writer = _writer(root, local)  # the two ranks share one local dir (one node)
     for step in (1, 2, 3, 4):
         dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+    writer.close()
 
 
 @pytest.mark.dist

@@ -479,7 +479,7 @@ def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go
         handles = [ckpt.save(step, _state(0, step)) for step in range(1, 6)]
         for handle in handles:
             handle.wait()  # every step committed locally; step 1's drain hangs
-        assert wait_until(lambda: ckpt._drains.qsize() == 4, timeout_s=60)
+        assert wait_until(lambda: ckpt._drains.queued() == 4, timeout_s=60)
         # Protected until drained: every step is still in the local tier.
         assert list_steps(Store(str(_copies(local, 0)))) == [1, 2, 3, 4, 5]
         faults.release()

@@ -3,6 +3,8 @@ through a ``SaveSession`` as ``Checkpointer``'s saves are."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import dataclasses
 import io
 import logging
@@ -10,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +39,8 @@ from ckptstore.save import (
     check_background_nice,
 )
 from ckptstore.save.session import LatestIndex
-from ckptstore.store import Store
-from ckptstore.tiers.drain import drain_rank
+from ckptstore.store import Store, niced
+from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
@@ -67,8 +70,8 @@ class _SaveTarget:
     tiered: bool = False
     """Committed to every rank's local tier first (``local_dir``)."""
     durable: bool = True
-    """Bound for the writer's store (a tiered save that is not goes there only if a rank's
-    local tier fails)."""
+    """Bound for the writer's store: drained there in the background from the local copies
+    when tiered (a tiered save that is not goes there only if a rank's local tier fails)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,12 @@ class StoreWriter(StorageWriter, PooledStager):
         self._tiered_saves = 0  # coordinator: saves planned, for durable_every
         self._tiers: TierSaver | None = None
         self._background_nice = background_nice
+        self._drains: DrainQueue | None = None
+        # By step: its drain to durable storage.
+        self._durable: dict[int, concurrent.futures.Future[None]] = {}
+        if self._policy is not None:  # a script that ends right after a save keeps its drain
+            this = weakref.ref(self)
+            threading._register_atexit(lambda: (w := this()) is not None and w._close_at_exit())
         # One save's tier exchanges at a time (overlapping async saves reach them in turn).
         self._tier_lock = threading.Lock()
         self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
@@ -352,7 +361,8 @@ class StoreWriter(StorageWriter, PooledStager):
             self._tier_storage[target.attempt] = {
                 item.index: (r, i) for r, p in enumerate(plans) for i, item in enumerate(p.items)
             }
-        latest = self._begin_lease(target) if durable else {}
+        # A tiered step is committed to durable storage by its drain, which takes its lease.
+        latest = self._begin_lease(target) if durable and not tiered else {}
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
             self.rank,
@@ -470,6 +480,13 @@ class StoreWriter(StorageWriter, PooledStager):
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
             )
+            self.close()  # the drains queued for the store the writer leaves
+            self._drains = DrainQueue(
+                local=self._local,
+                group=RankGroup(None, timeout_s=self._group_timeout_s),
+                store=self.store,
+                thread_nice=niced(self._background_nice),
+            )
             committed = self._tiers.committed if self._tiers is not None else set()
             self._tiers = TierSaver(
                 self._policy, self._local, group, self._topology, durable_uri=self.store.uri
@@ -517,10 +534,12 @@ class StoreWriter(StorageWriter, PooledStager):
                 if written is not None:
                     self._tiers.copy_to_peers(target.step, target.attempt)
                     written = dataclasses.replace(written, rank=self.rank)  # rank 0's there
-            durable = target.durable or written is None
+                    if target.durable:
+                        self._queue_drain(target)
+            durable = written is None
             if durable:
                 with self._tier_lock:
-                    written = self._write_durable(target, tensors, staged, keys, drain=written)
+                    written = self._write_durable(target, tensors, staged, keys)
         except BaseException:
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise
@@ -571,35 +590,23 @@ class StoreWriter(StorageWriter, PooledStager):
         tensors: list[torch.Tensor],
         staged: HeldStaging | None,
         keys: dict[str, int],
-        *,
-        drain: RankWritten | None,
     ) -> RankWritten | None:
-        """This rank's part of the step in the writer's store: its local copy drained (``drain``:
-        what it wrote there), else its items written. A step not planned as durable (a local
-        tier failed) takes the save's lease first, on the coordinator, and every rank waits."""
-        assert self._local is not None and self._tier_group is not None
-        known = target.known
-        if not target.durable:
-            latest: dict[int, LatestIndex] | None = None
-            error = None
-            if self.is_coordinator:
-                try:
-                    latest = self._begin_lease(target)
-                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                    error = exc
-            everything = self._tier_group.gather((_one_line(error), latest))
-            for line, found in everything:
-                if line is not None:
-                    raise CheckpointError(f"DCP step {target.step}: {line}")
-                if found is not None:
-                    known = found.get(self.rank)
+        """This rank's items in the writer's store, for a step the local tiers could not take:
+        the coordinator takes the save's lease first, and every rank hears whether it could."""
+        assert self._tier_group is not None
+        latest: dict[int, LatestIndex] | None = None
+        error = None
+        if self.is_coordinator:
+            try:
+                latest = self._begin_lease(target)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                error = exc
+        heard = self._tier_group.agree(error, latest)
+        if not heard.ok:
+            raise CheckpointError(f"DCP step {target.step}: {heard.why()}")
+        known = next((p.get(self.rank) for p in heard.payloads if p is not None), None)
         session = self._session(target)
         session.learn(self.rank, known)
-        if drain is not None:
-            if not keys:
-                return None  # nothing of this rank's in the step
-            written, _ = drain_rank(session, self._local, self.rank)
-            return written
         if not keys:
             return None
         entries, chunks = self._encode(session, staged, tensors)
@@ -609,7 +616,65 @@ class StoreWriter(StorageWriter, PooledStager):
         """``finish`` of a step only the local tiers hold (each rank committed its copy)."""
         self._release_lease(target.attempt)
         self._committed(target)
-        logger.info("DCP step %d committed to the local tiers only", target.step)
+        logger.info(
+            "DCP step %d committed to the local tiers%s",
+            target.step,
+            " (its drain to durable storage is queued)" if target.durable else " only",
+        )
+
+    def _queue_drain(self, target: _SaveTarget) -> None:
+        """Every rank queues the step's drain, in save order (the tier lock is held)."""
+        assert self._drains is not None
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._plan_lock:
+            self._durable[target.step] = future
+            for step in [s for s, f in self._durable.items() if f.done()][:-16]:
+                del self._durable[step]  # keep the newest done ones only
+        self._drains.put(DrainJob(target.step, target.attempt, KIND_DCP, future))
+
+    # -- durability ---------------------------------------------------------------------------
+
+    def durable(self, step: int) -> concurrent.futures.Future[None] | None:
+        """With ``local_dir``: the future of ``step``'s drain to durable storage (done once it
+        is committed there; failed with the error that kept it from there, a
+        ``DrainSupersededError`` when drains fell behind saves and a newer step went first);
+        None for a step not bound for durable storage, or saved there directly. A DCP save
+        returns once every rank's local copy is committed; its drain runs in the background."""
+        with self._plan_lock:
+            return self._durable.get(step)
+
+    def wait(self) -> None:
+        """Block until every drain to durable storage queued so far is over; raise, once, that
+        steps committed to the local tiers did not reach durable storage."""
+        if self._drains is None:
+            return
+        self._drains.wait()
+        failures = self._drains.take_failures()
+        if failures:
+            steps = ", ".join(str(step) for step, _ in failures)
+            first = failures[-1][1]
+            raise CheckpointError(
+                f"DCP step(s) {steps} committed to the local tiers but not to durable storage "
+                f"{self.store.uri} (the next durable save tries again): {one_line(first)}"
+            ) from first
+
+    def close(self) -> None:
+        """Finish the queued drains and stop the drain thread (collective with ``local_dir``:
+        every rank closes its writer); raises as ``wait``."""
+        drains = self._drains
+        if drains is None:
+            return
+        drains.close()
+        try:
+            self.wait()
+        finally:
+            self._drains = None
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - nobody is left to raise it to
+            logger.error("rank %d: at exit: %s", self.rank, one_line(exc))
 
     def _committed(self, target: _SaveTarget) -> None:
         started = self._started.pop(target.attempt, None)

@@ -10,20 +10,48 @@ front-end gathers every rank's ``RankWritten`` and commits as for any save.
 
 from __future__ import annotations
 
-from ckptstore.catalog import load_manifest, read_rank_index
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.catalog import load_manifest, read_object, read_rank_index
 from ckptstore.codec import decode
-from ckptstore.errors import CheckpointCorruptError, CheckpointError, ObjectExistsError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    DrainSupersededError,
+    ObjectExistsError,
+    one_line,
+)
 from ckptstore.format import ChunkInfo, chunk_key
 from ckptstore.leases import SAVE, Lease
 from ckptstore.pipeline import release_free_memory
+from ckptstore.save.collective import save_collective
 from ckptstore.save.session import RankWritten, SaveSession
+from ckptstore.store import Store, set_thread_nice
+from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY
 
+logger = logging.getLogger(__name__)
 
-def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> tuple[RankWritten, dict]:
+
+@dataclass
+class Drained:
+    """A rank's part of a drain: its index in durable storage, the save's user metadata and
+    (a DCP step) the save's DCP metadata, as its local copy recorded them."""
+
+    written: RankWritten
+    user: dict
+    dcp_metadata: bytes | None
+
+
+def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> Drained:
     """Copy ``rank``'s local copy of ``session``'s step and attempt into ``session``'s store,
-    and put its index there; what it wrote, and the user metadata of the save."""
+    and put its index there."""
     store = local.store(rank)
     step, attempt = session.step, session.attempt
     lease = Lease(
@@ -78,6 +106,157 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> tuple[RankW
             release_free_memory()
         written = session.put_index(rank, index.tensors, chunks, tree=index.tree, items=index.items)
         user = {k: v for k, v in manifest.user.items() if k != TIER_KEY}
-        return written, user
+        metadata = None
+        if manifest.dcp_metadata is not None:
+            metadata = read_object(store, manifest.dcp_metadata, "DCP metadata")
+        return Drained(written, user, metadata)
     finally:
         lease.release()
+
+
+@dataclass
+class DrainJob:
+    """A step every rank committed to its local tier, to be committed to durable storage."""
+
+    step: int
+    attempt: str
+    kind: str
+    future: Future[None]
+    keep: bool = False  # never superseded: a save that waits for its drain (after SIGTERM)
+
+
+class DrainQueue:
+    """Drains in save order on a thread and a gloo group of their own, for every front-end.
+
+    When drains fall behind saves, the ranks agree on the newest step every one of them has
+    queued and drain it next; the older steps queued before it are superseded (their future
+    fails with ``DrainSupersededError``; their local copies are released to retention), so the
+    durable tier follows the newest save and the local tier does not grow without bound. Every
+    rank queues the same steps in the same order (each drain is collective)."""
+
+    def __init__(
+        self, *, local: LocalTier, group: RankGroup, store: Store, thread_nice: int = 0
+    ) -> None:
+        self.local = local
+        self.group = group
+        self.store = store
+        self._thread_nice = thread_nice
+        self._queue: queue.Queue[DrainJob | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._failures: list[tuple[int, BaseException]] = []
+        self._superseded_logged = False
+        self.last: Future[None] | None = None
+        self._thread = threading.Thread(target=self._loop, name="ckptstore-drain", daemon=True)
+        self._thread.start()
+
+    def put(self, job: DrainJob) -> None:
+        self.local.protect(job.step)  # until drained or superseded
+        self.last = job.future
+        self._queue.put(job)
+
+    def wait(self) -> None:
+        """Block until every drain queued so far is over (done, failed or superseded)."""
+        last = self.last
+        if last is not None:
+            last.exception()
+
+    def queued(self) -> int:
+        """Drains queued and not yet taken by the drain thread."""
+        return self._queue.qsize()
+
+    def take_failures(self) -> list[tuple[int, BaseException]]:
+        """The drains that failed since the last call (step, error), each reported once."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def close(self) -> None:
+        """Drain what is queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        set_thread_nice(self._thread_nice)
+        backlog: list[DrainJob] = []
+        closing = False
+        while backlog or not closing:
+            if not backlog:
+                job = self._queue.get()
+                if job is None:
+                    return
+                backlog.append(job)
+            while not closing:  # what else is queued by now
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                else:
+                    backlog.append(job)
+            # Every rank's backlog starts with the same step; the least of their newest is
+            # queued on every rank.
+            newest = min(self.group.gather(backlog[-1].step))
+            while backlog[0].step < newest and not backlog[0].keep:
+                self._supersede(backlog.pop(0), newest)
+            self._run(backlog.pop(0))
+
+    def _run(self, job: DrainJob) -> None:
+        try:
+            self._drain(job)
+            job.future.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - reported on the job's future
+            logger.warning(
+                "rank %d: step %d was not drained to %s (its local copies stay): %s",
+                self.group.rank,
+                job.step,
+                self.store.uri,
+                one_line(exc),
+            )
+            job.future.set_exception(exc)
+            with self._lock:
+                self._failures.append((job.step, exc))
+        finally:
+            self.local.unprotect(job.step)
+
+    def _supersede(self, job: DrainJob, newest: int) -> None:
+        level = logging.INFO if self._superseded_logged else logging.WARNING
+        self._superseded_logged = True
+        logger.log(
+            level,
+            "rank %d: drains to %s fall behind saves: step %d is not drained, step %d is next",
+            self.group.rank,
+            self.store.uri,
+            job.step,
+            newest,
+        )
+        job.future.set_exception(
+            DrainSupersededError(
+                f"step {job.step} was not drained to {self.store.uri}: step {newest}, saved "
+                "after it, was queued meanwhile and is drained instead (drains fell behind saves)"
+            )
+        )
+        self.local.unprotect(job.step)
+
+    def _drain(self, job: DrainJob) -> None:
+        """Commit ``job``'s step to durable storage from every rank's local copy."""
+        assert self.local.engine is not None
+        session = SaveSession(
+            self.local.engine, self.store, step=job.step, attempt=job.attempt, kind=job.kind
+        )
+        drained: list[Drained] = []
+
+        def write(latest: Any) -> RankWritten:
+            if isinstance(latest, BaseException):
+                raise latest
+            session.learn(self.group.rank, latest)
+            drained.append(drain_rank(session, self.local, self.group.rank))
+            return drained[0].written
+
+        save_collective(
+            session,
+            self.group,
+            write,
+            user=lambda: drained[0].user,
+            dcp_metadata=lambda: drained[0].dcp_metadata,
+        )

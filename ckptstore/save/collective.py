@@ -1,0 +1,90 @@
+"""One ``SaveSession`` run by every rank of a group: rank 0 begins it (its lease, the gc check,
+the committed steps listed once) and hands each rank where its index of the latest step is;
+every rank writes its part; rank 0 commits once all have, and every rank learns the outcome.
+Used by the Checkpointer's saves and by the drains of both front-ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckptstore.errors import CheckpointError, one_line
+from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
+
+Write = Callable[["LatestIndex | BaseException | None"], RankWritten]
+
+
+def save_collective(
+    session: SaveSession,
+    group: Any,
+    write: Write,
+    *,
+    user: Callable[[], dict | None] | None = None,
+    dcp_metadata: Callable[[], bytes | None] | None = None,
+) -> None:
+    """Run ``session`` over ``group`` (a ``tiers.group.RankGroup``). ``write(latest)`` writes
+    this rank's chunks and index and returns what it wrote; ``latest`` is where its index of
+    the latest committed step is, or the error the save fails with on this rank (rank 0 could
+    not begin it), which ``write`` raises once it has taken part in any collective of its
+    own. ``user()`` and ``dcp_metadata()``, what the manifest records, are called on rank 0 at
+    the commit. Raises this rank's error, else
+    the commit's."""
+    rank = group.rank
+    try:
+        latest = _begin(session, group)
+        try:
+            written: RankWritten | BaseException = write(latest)
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
+            written = exc
+        ranks = group.gather(written)  # fails when a rank is lost
+        outcome: Any = None
+        if rank == 0:
+            failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
+            if failed:
+                r, error = failed[0]
+                outcome = CheckpointError(f"step {session.step}: rank {r} failed: {error}")
+                outcome.__cause__ = error
+            else:
+                outcome = _commit(session, ranks, user, group.world_size, dcp_metadata)
+        outcome = group.broadcast(outcome)
+    finally:
+        session.release()  # rank 0's lease: the commit's outcome is known, or never will be
+    if isinstance(written, BaseException):
+        raise written
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if rank == 0:
+        session.retain()
+
+
+def _begin(session: SaveSession, group: Any) -> LatestIndex | BaseException | None:
+    if group.rank != 0:
+        return group.scatter(None)
+    try:
+        latest = session.begin(0)
+    except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+        told = CheckpointError(
+            f"step {session.step}: rank 0 could not begin the save: {one_line(exc)}"
+        )
+        group.scatter([None] + [told] * (group.world_size - 1))
+        return exc
+    return group.scatter([latest.get(r) for r in range(group.world_size)])
+
+
+def _commit(
+    session: SaveSession,
+    ranks: list[RankWritten],
+    user: Callable[[], dict | None] | None,
+    world_size: int,
+    dcp_metadata: Callable[[], bytes | None] | None,
+) -> BaseException | None:
+    try:
+        session.commit(
+            ranks,
+            world_size=world_size,
+            user=user() if user is not None else None,
+            dcp_metadata=dcp_metadata() if dcp_metadata is not None else None,
+        )
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank
+        return exc
+    return None
