@@ -1092,16 +1092,8 @@ class Checkpointer:
         raise raised from error
 
     def _raise_drain_error(self) -> None:
-        """Raise, once, that steps committed to the local tier did not reach durable storage."""
-        failures = self._drains.take_failures() if self._drains is not None else []
-        if not failures:
-            return
-        steps = ", ".join(str(step) for step, _ in failures)
-        first = failures[-1][1]
-        raise CheckpointError(
-            f"step(s) {steps} committed to the local tier but not to durable storage "
-            f"{self.store.uri} (the next durable save tries again): {self._one_line(first)}"
-        ) from first
+        if self._drains is not None:
+            self._drains.raise_failures()
 
     def _run(self) -> None:
         set_thread_nice(self._save_thread_nice)

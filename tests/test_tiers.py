@@ -350,7 +350,7 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
             except CheckpointError as exc:
                 # The outside gc (keep_last=1) may drop a local step before its drain reads it:
                 # that drain fails, named, and nothing committed elsewhere is touched.
-                assert "committed to the local tier but not to durable storage" in str(exc)
+                assert "committed to the local tiers but not to durable storage" in str(exc)
                 assert "is not committed in" in str(exc)
         finally:
             stop.set()
@@ -457,7 +457,7 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
     ) as ckpt:
         handle = ckpt.save(1, _state(0, 1))
         handle.wait()  # committed to the local tier
-        with pytest.raises(CheckpointError, match="step.s. 1 committed to the local tier but not"):
+        with pytest.raises(CheckpointError, match="step.s. 1 committed to the local tiers but not"):
             ckpt.wait()
         ckpt.wait()  # reported once
         assert handle.durable.exception(timeout=60) is not None

@@ -649,14 +649,7 @@ class StoreWriter(StorageWriter, PooledStager):
         if self._drains is None:
             return
         self._drains.wait()
-        failures = self._drains.take_failures()
-        if failures:
-            steps = ", ".join(str(step) for step, _ in failures)
-            first = failures[-1][1]
-            raise CheckpointError(
-                f"DCP step(s) {steps} committed to the local tiers but not to durable storage "
-                f"{self.store.uri} (the next durable save tries again): {one_line(first)}"
-            ) from first
+        self._drains.raise_failures()
 
     def close(self) -> None:
         """Finish the queued drains and stop the drain thread (collective with ``local_dir``:

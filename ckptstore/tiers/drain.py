@@ -164,11 +164,19 @@ class DrainQueue:
         """Drains queued and not yet taken by the drain thread."""
         return self._queue.qsize()
 
-    def take_failures(self) -> list[tuple[int, BaseException]]:
-        """The drains that failed since the last call (step, error), each reported once."""
+    def raise_failures(self) -> None:
+        """Raise, once, that steps committed to the local tiers did not reach durable storage
+        (the drains that failed since the last call)."""
         with self._lock:
             failures, self._failures = self._failures, []
-        return failures
+        if not failures:
+            return
+        steps = ", ".join(str(step) for step, _ in failures)
+        first = failures[-1][1]
+        raise CheckpointError(
+            f"step(s) {steps} committed to the local tiers but not to durable storage "
+            f"{self.store.uri} (the next durable save tries again): {one_line(first)}"
+        ) from first
 
     def close(self) -> None:
         """Drain what is queued, then stop the thread."""
