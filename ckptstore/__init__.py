@@ -19,6 +19,15 @@ from ckptstore.errors import (
     StorageTimeoutError,
     UnsupportedStateError,
 )
+from ckptstore.options import (
+    EncodingOptions,
+    PreemptionOptions,
+    ReadOptions,
+    RetentionOptions,
+    StagingOptions,
+    StorageOptions,
+    TierOptions,
+)
 from ckptstore.store import RetryPolicy, Store
 
 if TYPE_CHECKING:
@@ -50,6 +59,13 @@ __all__ = [
     "SaveHandle",
     "Store",
     "RetryPolicy",
+    "StorageOptions",
+    "EncodingOptions",
+    "StagingOptions",
+    "RetentionOptions",
+    "TierOptions",
+    "ReadOptions",
+    "PreemptionOptions",
     "CodecConfig",
     "RNGState",
     "CheckpointError",

@@ -48,21 +48,27 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.format import KIND_STATE, ChunkInfo, Manifest, check_step
-from ckptstore.leases import DEFAULT_TTL_S
+from ckptstore.options import (
+    EncodingOptions,
+    PreemptionOptions,
+    ReadOptions,
+    RetentionOptions,
+    StagingOptions,
+    StorageOptions,
+    TierOptions,
+    resolve,
+)
 from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
 from ckptstore.pipeline import parse_dtype
 from ckptstore.preemption import SigtermGuard
 from ckptstore.save import (
-    DEFAULT_GC_WAIT_S,
     RankWritten,
     SaveEngine,
     SaveSession,
     Staged,
-    check_background_nice,
 )
 from ckptstore.save.collective import save_collective
 from ckptstore.shared_read import (
-    DEFAULT_BUDGET_BYTES,
     ExchangeStats,
     SharedChunks,
     needed_chunks,
@@ -70,14 +76,11 @@ from ckptstore.shared_read import (
 )
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
-from ckptstore.store import Store, niced, open_store, set_thread_nice
+from ckptstore.store import niced, open_store, set_thread_nice
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
-    DEFAULT_LOCAL_KEEP_LAST,
-    DEFAULT_PEER_BUDGET_BYTES,
-    TierPolicy,
     Topology,
     node_identity,
     store_identity,
@@ -147,82 +150,23 @@ class Checkpointer:
         uri: where the checkpoints live: a path, ``file://``, ``memory://``, ``s3://b/prefix``.
         storage_options: passed to fsspec (credentials, endpoint, ...).
         keep_last: after each commit keep only the newest this many steps (None: keep all).
-        compression: ``"auto"`` (byte-grouping + zstd for as long as compressing a chunk is
-            faster than uploading what it saves), ``"zstd"`` (always), ``"zstd:N"``, ``"none"``.
-        chunk_bytes: large tensors are cut into chunks of this size (default 32 MiB); small
-            ones are packed.
-        staging_budget_bytes: host memory for staged copies (None: one buffer, state-sized).
-        when_busy: a save requested while the previous one still holds the staging memory
-            ``"wait"``s for it, or is ``"skip"``ped with a warning.
-        encode_threads: chunks hashed/encoded/uploaded at once (default: cores, at least 4).
-        max_concurrency: storage requests in flight at once.
-        timeout_s: deadline of one storage request, its retries included (large transfers get
-            1 s more per 2 MiB): a store that never answers fails the call after about this long.
-        hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
-        staging: where ``save()`` copies the state before it returns. ``"host"`` (default):
-            into a pooled host buffer (pinned with an accelerator;
-            the loop's stream waits for that device-to-host copy). ``"device"``: into a pooled
-            buffer on the state's device (the loop's stream waits only for that
-            device-to-device copy), copied to a pooled host buffer in the background; a state
-            over the device budget is staged through the host, with one log line. ``"auto"``:
-            like ``"device"`` for a state on an accelerator that fits the device budget, else
-            like ``"host"`` (the default once the CUDA tests have run on a GPU: until then, device
-            staging is opt-in). ``"peer"``:
-            host staging, and each rank also sends its staged state to a guard rank one node
-            over, which keeps the latest replica; ``load`` takes a rank's state from its guard
-            when the guard holds the step asked for (verified), else from storage. Needs
-            ``torch.distributed``.
-        device_staging_budget_bytes: device memory for device staging buffers (None: one
-            buffer, used while the state fits half of the device's free memory).
-        ranks_per_node: for ``staging="peer"``: the guard of rank r is r + ranks_per_node
-            (default: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1).
+        storage, encoding, staging, retention, tiers, reads, preemption: option objects of
+            ``ckptstore.options`` (each field documented there), the same ones
+            ``ckptstore.dcp.StoreWriter``/``StoreReader`` take; ``staging="device"`` is short
+            for ``StagingOptions(mode="device")``. With ``tiers=TierOptions(local_dir=...)``
+            every save is committed to node-local storage first (``wait()`` returns once
+            every rank's copy is there; a rank that cannot write it sends the save to ``uri``,
+            one warning), copied to peers (``peer_copies``) and drained to ``uri`` every
+            ``durable_every`` saves (``handle.durable``); ``load`` takes the newest save every
+            rank can get, each rank from its own copy, a peer's, or ``uri``, whichever verifies
+            first (docs/FORMAT.md, "Tiers"). ``steps()``/``latest()`` list ``uri``.
         process_group: the ranks that save together (default: the whole world, if any).
         no_dist: this process saves and loads alone, as rank 0 of 1, even under
             ``torch.distributed`` (as DCP's ``no_dist``): for a state every rank holds whole,
             saved by one rank (Lightning's DDP) and loaded by each rank on its own.
-        store: use this :class:`Store` instead of opening ``uri`` (e.g. with fault injection).
-        background_nice: added to the nice value of the threads that encode and upload (and of
-            the store's threads, when the checkpointer opens the store), so that where the
-            training loop's own threads need the cores they get them first and saves take
-            longer (Linux; 0, the default, leaves priorities alone).
-        lease_ttl_s: a save in flight renews its lease every ``lease_ttl_s / 4``; a lease not
-            renewed for ``lease_ttl_s`` marks a dead writer, whose leftovers gc then removes.
-            A save whose lease could not be renewed for half of it is not committed.
-        gc_wait_s: how long a save waits for a garbage collection of the store to finish
-            before failing.
-        handle_sigterm: install a SIGTERM handler (main thread only): on SIGTERM
-            ``preempted`` becomes true, pending saves finish within ``sigterm_grace_s``, one
-            log line per save says committed or abandoned, then the process exits as SIGTERM
-            would have (after the handler installed before ours). A loop that reads
-            ``preempted`` may save its current step and leave first (``ckptstore.preemption``).
-        sigterm_grace_s: how long pending saves may take after SIGTERM.
-        shared_read_budget_bytes: with ``torch.distributed``, a chunk that several ranks load
-            (replicated state) is fetched by one of them and sent to the others over the
-            process group, in rounds of at most this many bytes (a larger chunk alone): the
-            memory a load takes beyond its tensors (``ckptstore.shared_read``). 0: every rank
-            reads all its chunks from storage.
-        local_dir: tiers (docs/FORMAT.md, "Tiers"): a node-local directory (a RAM disk such as
-            ``/dev/shm/run7`` survives a process crash, an NVMe path a reboot) to which every
-            save is committed first, each rank into ``local_dir/job-<j>/rank-<r>/``; ``wait()`` of a
-            save returns once every rank's copy is committed there (a rank that cannot write
-            it sends the save to ``uri`` instead, with one warning). ``load`` then takes the
-            newest save every rank can get from some tier, each rank from its own copy, a
-            peer's, or ``uri``, whichever verifies first. ``steps()``/``latest()`` list ``uri``.
-        peer_copies: each rank's copy is also sent, after the local commit and over the
-            process group (never through storage), to the ranks at its position on the next K
-            nodes, which keep it in their ``local_dir``: a replaced node restores from them.
-            Needs K + 1 nodes.
-        durable_every: the first save and every M-th after it also go to ``uri``, drained in a
-            background thread from the local copies (the loop never waits for it);
-            ``handle.durable`` is done once the step is committed there. After SIGTERM
-            (``handle_sigterm``) every save goes to ``uri`` and its handle waits for that.
-        node_rank: this rank's node, for ``peer_copies`` (default: torchrun's ``GROUP_RANK``,
-            else ``rank // LOCAL_WORLD_SIZE``, else the host name).
-        local_keep_last: retention of each store in ``local_dir`` (a step still to be drained
-            is kept); ``keep_last`` stays the retention of ``uri``.
-        peer_budget_bytes: a peer copy moves chunks in rounds of at most this many bytes per
-            transfer (a larger chunk alone); a rank holds one round buffer per transfer it
-            takes part in (2K with ``peer_copies=K``).
+        **deprecated: the flat keywords of earlier releases (``compression=``,
+            ``local_dir=``, ...), folded into their option object with a
+            ``DeprecationWarning``.
     """
 
     def __init__(
@@ -231,79 +175,48 @@ class Checkpointer:
         *,
         storage_options: dict[str, Any] | None = None,
         keep_last: int | None = None,
-        compression: str | int | None = "auto",
-        chunk_bytes: int | None = None,
-        staging_budget_bytes: int | None = None,
-        when_busy: str = "wait",
-        encode_threads: int | None = None,
-        max_concurrency: int = 16,
-        timeout_s: float = 30.0,
-        hedge_uploads: bool | None = None,
-        staging: str = "host",
-        device_staging_budget_bytes: int | None = None,
-        ranks_per_node: int | None = None,
+        storage: StorageOptions | None = None,
+        encoding: EncodingOptions | None = None,
+        staging: StagingOptions | str | None = None,
+        retention: RetentionOptions | None = None,
+        tiers: TierOptions | None = None,
+        reads: ReadOptions | None = None,
+        preemption: PreemptionOptions | None = None,
         process_group: Any = None,
         no_dist: bool = False,
-        store: Store | None = None,
-        background_nice: int = 0,
-        lease_ttl_s: float = DEFAULT_TTL_S,
-        gc_wait_s: float = DEFAULT_GC_WAIT_S,
-        handle_sigterm: bool = False,
-        sigterm_grace_s: float = 25.0,
-        shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-        local_dir: str | os.PathLike | None = None,
-        peer_copies: int = 0,
-        durable_every: int = 1,
-        node_rank: int | None = None,
-        local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST,
-        peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES,
+        **deprecated: Any,
     ) -> None:
-        if when_busy not in ("wait", "skip"):
-            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        if staging not in ("auto", "device", "host", "peer"):
-            raise ValueError(f"staging must be 'auto', 'device', 'host' or 'peer', got {staging!r}")
-        check_background_nice(background_nice)
-        if shared_read_budget_bytes < 0:
-            raise ValueError(
-                f"shared_read_budget_bytes must be >= 0, got {shared_read_budget_bytes}"
-            )
-        self.shared_read_budget_bytes = shared_read_budget_bytes
-        if handle_sigterm:
-            SigtermGuard.check_installable(sigterm_grace_s)
-        self._policy = TierPolicy.build(
-            local_dir,
-            peer_copies=peer_copies,
-            durable_every=durable_every,
-            local_keep_last=local_keep_last,
-            peer_budget_bytes=peer_budget_bytes,
+        given = dict(
+            storage=storage,
+            encoding=encoding,
+            staging=staging,
+            retention=retention,
+            tiers=tiers,
+            reads=reads,
+            preemption=preemption,
         )
-        if self._policy is not None and staging == "peer":
+        o = resolve("Checkpointer", given, deprecated)
+        self.options = o
+        store = o["storage"].store
+        timeout_s, background_nice = o["storage"].timeout_s, o["storage"].background_nice
+        staging_mode, when_busy = o["staging"].mode, o["staging"].when_busy
+        self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
+        if o["preemption"].handle_sigterm:
+            SigtermGuard.check_installable(o["preemption"].sigterm_grace_s)
+        self._policy = o["tiers"].policy()
+        if self._policy is not None and staging_mode == "peer":
             raise ValueError("staging='peer' and local_dir are two ways of peer copies: pick one")
         self.store = store or open_store(
             uri,
             storage_options=storage_options,
             timeout_s=timeout_s,
-            max_concurrency=max_concurrency,
+            max_concurrency=o["storage"].max_concurrency,
             thread_nice=background_nice,
         )
         self._save_thread_nice = niced(background_nice)
         self.when_busy = when_busy
-        if hedge_uploads is None:
-            hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
-        self.engine = SaveEngine(
-            chunk_bytes=chunk_bytes,
-            compression=compression,
-            encode_threads=encode_threads,
-            hedge_uploads=hedge_uploads,
-            staging_budget_bytes=staging_budget_bytes,
-            keep_last=keep_last,
-            lease_ttl_s=lease_ttl_s,
-            gc_wait_s=gc_wait_s,
-            staging="host" if staging == "peer" else staging,
-            device_staging_budget_bytes=device_staging_budget_bytes,
-        )
-        # The other ranks wait in a collective while rank 0 waits for a gc (up to gc_wait_s).
-        group_timeout_s = max(timeout_s * 20, 600.0) + gc_wait_s
+        self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
+        group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
         self._group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
         self.rank = self._group.rank
         if self._group.active and when_busy == "skip":
@@ -312,9 +225,10 @@ class Checkpointer:
                 "on which saves to skip"
             )
         self._peers = None
-        if staging == "peer":
+        if staging_mode == "peer":
             if not self._group.active:
                 raise ValueError("staging='peer' needs torch.distributed with 2 or more ranks")
+            ranks_per_node = o["staging"].ranks_per_node
             if ranks_per_node is None:
                 ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             if ranks_per_node >= self._group.world_size:
@@ -339,7 +253,7 @@ class Checkpointer:
             if self._policy.peer_copies:
                 if not self._group.active:
                     raise ValueError("peer_copies needs torch.distributed with 2 or more nodes")
-                nodes = self._group.gather(node_identity(node_rank, self.rank))
+                nodes = self._group.gather(node_identity(o["tiers"].node_rank, self.rank))
                 self._topology = Topology.build(nodes, self._policy.peer_copies)
             self._tiers = TierSaver(
                 self._policy,
@@ -368,11 +282,11 @@ class Checkpointer:
         self._closed_event = threading.Event()
         self._sigterm = (
             SigtermGuard(
-                grace_s=sigterm_grace_s,
+                grace_s=o["preemption"].sigterm_grace_s,
                 ckpt=f"rank {self.rank} checkpointer of {self.store.uri}",
                 closed=self._closed_event,
             )
-            if handle_sigterm
+            if o["preemption"].handle_sigterm
             else None
         )
         self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)

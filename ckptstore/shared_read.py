@@ -37,12 +37,13 @@ import torch.distributed as dist
 from ckptstore.codec import hash_bytes
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckptstore.format import ChunkInfo, RankIndex, chunk_key
+from ckptstore.options import DEFAULT_SHARED_READ_BUDGET_BYTES
 from ckptstore.pipeline import ChunkFetch, PipelineConfig, chunks_from_store, fetch_chunk
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGET_BYTES = 256 * 2**20
+DEFAULT_BUDGET_BYTES = DEFAULT_SHARED_READ_BUDGET_BYTES
 
 # The status byte after each chunk in the exchange buffer.
 _UNSET, _OK = 0, 1

@@ -32,6 +32,7 @@ from ckptstore.errors import (
     one_line,
 )
 from ckptstore.format import RankIndex
+from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
@@ -41,8 +42,6 @@ from ckptstore.shared_read import (
     shared_source,
 )
 from ckptstore.steps import DCP, StepView
-from ckptstore.store import Store
-from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -110,28 +109,27 @@ class StoreReader(StorageReader):
         step: the step to load, or ``"latest"``. The step is resolved once per load (at the
             first ``read_metadata``); if ranks resolve different steps (one was committed while
             they started) the load fails clearly: pass an explicit step to avoid that.
-        read_concurrency: chunks fetched and decoded at once.
-        read_batch_bytes: stored items are read in batches of about this many bytes, which
-            bounds the temporary memory of a load.
-        store: an already open ``Store``.
+        storage, reads, tiers: the option objects of ``ckptstore.options``, the same ones
+            ``Checkpointer`` and ``StoreWriter`` take (``StorageOptions.store``: an already
+            open ``Store``; ``ReadOptions``: ``read_concurrency``, ``read_batch_bytes``,
+            ``shared_read_budget_bytes``; ``TierOptions``: the writer's tiers, below).
         trust_pickled_objects: values DCP pickled (``BYTE_IO`` items, such as a step counter
             or a dataclass) reach the load planner only after torch's weights-only unpickler
             accepted them; a value that needs more (a class of yours, or code) is refused with
             ``CheckpointCorruptError``. ``True`` hands every value to the planner unchecked: DCP's
             default planner then unpickles it with ``weights_only=False``, which runs whatever
             code the stored bytes name. Pass it only for stores whose writers you trust.
-        shared_read_budget_bytes: when ``dcp.load`` runs on several ranks (over all ranks of
-            the default process group), a chunk that two or more of them need (replicated
-            state) is fetched and verified by one of them and sent to the others, who verify it
-            again (``ckptstore.shared_read``), in rounds of at most this many bytes: the memory
-            this takes beyond a batch's tensors. Ranks agree on the batches, so each distinct
-            chunk is read from storage once per load. The exchange runs over the default group
-            when it is gloo, else over a gloo group of all ranks made once per process group.
-            0 (on any rank): every rank reads its own items, as a load by one rank, over a
-            subgroup, or with ``no_dist=True`` always does. ``last_load_exchange`` tells what
-            this rank's last load shared (None: nothing).
+        With several ranks (over all ranks of the default process group), a chunk that two or
+        more need (replicated state) is fetched and verified by one of them and sent to the
+        others, who verify it again (``ckptstore.shared_read``), in rounds of at most
+        ``shared_read_budget_bytes``; ranks agree on the batches, so each distinct chunk is
+        read from storage once per load (over the default group when it is gloo, else over a
+        gloo group of all ranks made once). 0 on any rank: every rank reads its own items, as
+        a load by one rank, over a subgroup, or with ``no_dist=True`` always does.
+        ``last_load_exchange`` tells what this rank's last load shared (None: nothing).
 
-        local_dir: the ``local_dir`` of ``StoreWriter(local_dir=...)``: the ranks agree on the
+        tiers: the ``TierOptions`` of the writer (``local_dir``; ``peer_budget_bytes`` bounds a
+            repair's rounds, ``local_keep_last`` the retention after it): the ranks agree on the
             newest step (or ``step``) every rank holds in its local tier as the same save, else
             one committed in ``uri``, and read each chunk from a rank's local copy where one
             holds it (sent over the process group to the ranks that need it), else from ``uri``
@@ -148,39 +146,32 @@ class StoreReader(StorageReader):
         *,
         step: int | str = "latest",
         storage_options: dict[str, Any] | None = None,
-        read_concurrency: int = 8,
-        read_batch_bytes: int = 1 << 30,
-        max_concurrency: int = 16,
-        timeout_s: float = 30.0,
-        store: Store | None = None,
+        storage: StorageOptions | None = None,
+        reads: ReadOptions | None = None,
+        tiers: TierOptions | None = None,
         trust_pickled_objects: bool = False,
-        shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-        local_dir: str | os.PathLike | None = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
-        self._policy = TierPolicy.build(
-            local_dir, peer_copies=0, durable_every=1, local_keep_last=1, peer_budget_bytes=1
-        )
+        o = resolve("StoreReader", dict(storage=storage, reads=reads, tiers=tiers), deprecated)
+        self.options = o
+        self._policy = o["tiers"].policy()
         self._tier: TierLoad | None = None
         self.last_load: LoadReport | None = None
         self.trust_pickled_objects = trust_pickled_objects
-        if read_batch_bytes < 1:
-            raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
-        if shared_read_budget_bytes < 0:
-            raise ValueError(
-                f"shared_read_budget_bytes must be >= 0, got {shared_read_budget_bytes}"
-            )
-        self.shared_read_budget_bytes = shared_read_budget_bytes
+        self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         self.last_load_exchange: ExchangeStats | None = None
         parse_step(step)  # refuses a step that is neither a number nor "latest"
         self.step = step
         self.storage_options = storage_options
         self._open_store = store_opener(
-            storage_options, timeout_s=timeout_s, max_concurrency=max_concurrency
+            storage_options,
+            timeout_s=o["storage"].timeout_s,
+            max_concurrency=o["storage"].max_concurrency,
         )
-        self.store = store or self._open_store(uri)
-        self.config = PipelineConfig(read_concurrency=read_concurrency)
-        self.read_batch_bytes = read_batch_bytes
+        self.store = o["storage"].store or self._open_store(uri)
+        self.config = PipelineConfig(read_concurrency=o["reads"].read_concurrency)
+        self.read_batch_bytes = o["reads"].read_batch_bytes
         self.rank = 0
         self.load_id = uuid.uuid4().hex
         self.view: StepView | None = None
@@ -192,7 +183,7 @@ class StoreReader(StorageReader):
         if self._policy is None:
             steps = list_steps(self.store)
             return steps[-1] if steps else None
-        group = load_group(max(self.store.retry.timeout_s * 20, 600.0))
+        group = load_group(self.options["storage"].group_timeout_s(0.0))
         return newest_step(self.store, self._policy, group)
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -223,7 +214,7 @@ class StoreReader(StorageReader):
         self.view = None  # each load resolves "latest" afresh
         self._tier = None
         if self._policy is not None:
-            group = load_group(max(self.store.retry.timeout_s * 20, 600.0))
+            group = load_group(self.options["storage"].group_timeout_s(0.0))
             self._tier = plan_tier_load(self.store, self._policy, self.step, group)
             self.view = self._tier.view
             self.last_load = self._tier.report

@@ -29,14 +29,19 @@ from ckptstore.dcp.metadata import encode_metadata
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
 from ckptstore.format import KIND_DCP, check_step, commit_key
-from ckptstore.leases import DEFAULT_TTL_S
+from ckptstore.options import (
+    EncodingOptions,
+    RetentionOptions,
+    StagingOptions,
+    StorageOptions,
+    TierOptions,
+    resolve,
+)
 from ckptstore.pipeline import chunks_holding
 from ckptstore.save import (
-    DEFAULT_GC_WAIT_S,
     RankWritten,
     SaveEngine,
     SaveSession,
-    check_background_nice,
 )
 from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store, niced
@@ -44,9 +49,6 @@ from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
-    DEFAULT_LOCAL_KEEP_LAST,
-    DEFAULT_PEER_BUDGET_BYTES,
-    TierPolicy,
     Topology,
     node_identity,
     store_identity,
@@ -123,44 +125,21 @@ class StoreWriter(StorageWriter, PooledStager):
         step: the step of every save that names none through its ``checkpoint_id``; ``None``
             (the default) means the next free step. Saves without a ``checkpoint_id`` on a
             writer with a fixed ``step`` all target that step, so only the first can commit.
-        compression / chunk_bytes / encode_threads: how chunks are cut and encoded (see
-            ``PipelineConfig``); ``"auto"`` compresses while that is faster than storing the
-            bytes it saves, as ``Checkpointer`` does.
         keep_last: after a commit, the coordinator keeps this many newest steps and sweeps
             unreferenced objects (``retention.collect``); ``None`` keeps everything.
-        store: an already open ``Store`` (then ``uri`` only names it and ``storage_options``
-            is ignored).
-
-        As for ``Checkpointer``:
-
-        hedge_uploads: duplicate slow chunk uploads (default: on for remote stores).
-        staging_budget_bytes: host memory for ``async_save``'s staging buffers (None: one,
-            state-sized).
-        background_nice: added to the nice value of the store's threads, which encode and
-            upload, when the writer opens its stores (Linux; 0, the default, leaves priorities
-            alone).
-        lease_ttl_s: the save lease's ttl (renewed every ``lease_ttl_s / 4``).
-        gc_wait_s: how long a save waits for a garbage collection of the store to finish
-            before failing.
-
-        Tiers (docs/FORMAT.md, "Tiers"), as for ``Checkpointer``:
-
-        local_dir: a node-local directory. Every save is committed first to each rank's local
-            tier, ``local_dir/job-<j>/rank-<r>/`` (the rank's items, its index and the save's
-            DCP metadata, as a one-rank step); ``StoreReader(local_dir=...)`` restores from
-            there. A rank that cannot write its local copy (a full disk) sends the save to
-            ``uri`` instead, one warning.
-        peer_copies: after the local commit each rank's copy also goes to the local tier of
-            the rank at its position on each of the next K nodes, over a gloo group (never
-            through storage; each chunk hashed by the receiver): a replaced node's ranks
-            restore from them. Needs K + 1 nodes.
-        node_rank: this rank's node (else torchrun's ``GROUP_RANK``, else
-            ``rank // LOCAL_WORLD_SIZE``, else the host name).
-        peer_budget_bytes: bytes per round of one peer transfer (its buffer's bound).
-        durable_every: the first save of this writer and every M-th after it also go to
-            ``uri``, each rank's chunks copied as stored from its local copy (verified first);
-            the others stay in the local tiers only.
-        local_keep_last: retention of each rank's local store.
+        storage, encoding, staging, retention, tiers: the option objects of
+            ``ckptstore.options``, the same ones ``Checkpointer`` takes (a DCP save stages on
+            the host: ``StagingOptions.budget_bytes`` bounds ``async_save``'s staging buffers).
+            With ``tiers=TierOptions(local_dir=...)`` every save is committed first to each
+            rank's local tier, ``local_dir/job-<j>/rank-<r>/`` (the rank's items, its index and
+            the save's DCP metadata, as a one-rank step), which ``StoreReader(tiers=...)``
+            restores from; ``peer_copies`` sends each rank's copy to the ranks at its position
+            on the next K nodes; the first save and every ``durable_every``-th after it is
+            drained to ``uri`` in the background (``durable(step)``, ``wait()``, ``close()``),
+            as the Checkpointer's are. A rank that cannot write its local copy (a full disk)
+            sends the save to ``uri`` instead, one warning.
+        **deprecated: the flat keywords of earlier releases, folded into their option object
+            with a ``DeprecationWarning``.
 
     After a save, ``saved_step`` holds the step written (on every rank). ``use_collectives=False``
     is refused: one manifest commits all ranks, so the ranks must coordinate. DCP plan caching
@@ -174,37 +153,28 @@ class StoreWriter(StorageWriter, PooledStager):
         *,
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        compression: str | int | None = "auto",
-        chunk_bytes: int | None = None,
-        encode_threads: int | None = None,
         keep_last: int | None = None,
-        max_concurrency: int = 16,
-        timeout_s: float = 30.0,
-        store: Store | None = None,
-        hedge_uploads: bool | None = None,
-        staging_budget_bytes: int | None = None,
-        background_nice: int = 0,
-        lease_ttl_s: float = DEFAULT_TTL_S,
-        gc_wait_s: float = DEFAULT_GC_WAIT_S,
-        local_dir: str | os.PathLike | None = None,
-        durable_every: int = 1,
-        local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST,
-        peer_copies: int = 0,
-        node_rank: int | None = None,
-        peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES,
+        storage: StorageOptions | None = None,
+        encoding: EncodingOptions | None = None,
+        staging: StagingOptions | None = None,
+        retention: RetentionOptions | None = None,
+        tiers: TierOptions | None = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
-        check_background_nice(background_nice)
-        self._policy = TierPolicy.build(
-            local_dir,
-            peer_copies=peer_copies,
-            durable_every=durable_every,
-            local_keep_last=local_keep_last,
-            peer_budget_bytes=peer_budget_bytes,
+        given = dict(
+            storage=storage, encoding=encoding, staging=staging, retention=retention, tiers=tiers
         )
+        o = resolve("StoreWriter", given, deprecated)
+        if o["staging"].mode != "host":
+            raise ValueError("a DCP save stages on the host: StagingOptions(mode='host')")
+        self.options = o
+        self._policy = o["tiers"].policy()
+        node_rank = o["tiers"].node_rank
+        timeout_s, background_nice = o["storage"].timeout_s, o["storage"].background_nice
         self._node_rank = node_rank
         self._topology: Topology | None = None
-        self._group_timeout_s = max(timeout_s * 20, 600.0) + gc_wait_s
+        self._group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
         self._tiered_saves = 0  # coordinator: saves planned, for durable_every
@@ -228,22 +198,11 @@ class StoreWriter(StorageWriter, PooledStager):
         self._open_store = store_opener(
             storage_options,
             timeout_s=timeout_s,
-            max_concurrency=max_concurrency,
+            max_concurrency=o["storage"].max_concurrency,
             thread_nice=background_nice,
         )
-        self.store = store or self._open_store(uri)
-        if hedge_uploads is None:
-            hedge_uploads = not self.store.is_local  # a duplicate local write rarely helps
-        self.engine = SaveEngine(
-            chunk_bytes=chunk_bytes,
-            compression=compression,
-            encode_threads=encode_threads,
-            hedge_uploads=hedge_uploads,
-            staging_budget_bytes=staging_budget_bytes,
-            keep_last=keep_last,
-            lease_ttl_s=lease_ttl_s,
-            gc_wait_s=gc_wait_s,
-        )
+        self.store = o["storage"].store or self._open_store(uri)
+        self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
         self.rank = 0
         self.is_coordinator = True

@@ -14,17 +14,18 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ckptstore.device import Device
 from ckptstore.leases import DEFAULT_TTL_S
+from ckptstore.options import DEFAULT_GC_WAIT_S
 from ckptstore.pipeline import ChunkLayout, CompressionGovernor, PipelineConfig, plan_layout
 from ckptstore.staging import DrainedCopy, Drainer, StagedCopy, Stager, StagingPool
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GC_WAIT_S = 600.0
 STAGING_MODES = ("host", "device", "auto")
 # Without a device budget: the share of the device's free memory a staging buffer may take.
 # Not all of it: the loop may not have reached its peak memory yet when it first saves.
@@ -66,6 +67,26 @@ class SaveEngine:
         keep_last: retention after each commit (None: keep everything).
         lease_ttl_s / gc_wait_s: the save lease's ttl, and how long a save waits for a gc.
     """
+
+    @classmethod
+    def build(cls, options: dict[str, Any], *, keep_last: int | None, store: Any) -> SaveEngine:
+        """The engine of a front-end's resolved ``ckptstore.options`` groups (``encoding``,
+        ``staging``, ``retention``); uploads are hedged by default on remote stores only (a
+        duplicate local write rarely helps)."""
+        encoding, staging, retention = options["encoding"], options["staging"], options["retention"]
+        hedge = encoding.hedge_uploads
+        return cls(
+            chunk_bytes=encoding.chunk_bytes,
+            compression=encoding.compression,
+            encode_threads=encoding.encode_threads,
+            hedge_uploads=not store.is_local if hedge is None else hedge,
+            staging_budget_bytes=staging.budget_bytes,
+            keep_last=keep_last,
+            lease_ttl_s=retention.lease_ttl_s,
+            gc_wait_s=retention.gc_wait_s,
+            staging="host" if staging.mode == "peer" else staging.mode,
+            device_staging_budget_bytes=staging.device_budget_bytes,
+        )
 
     def __init__(
         self,
