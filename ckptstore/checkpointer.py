@@ -751,9 +751,7 @@ class Checkpointer:
         self.last_load_left_out = [f"{p} (not in the state)" for p in loader.left_out]
         self.last_load_left_out += [f"{p} (not in step {candidate.step})" for p in loader.not_saved]
         self.last_load_source = self.last_load.source
-        telemetry.tier_loads_total.inc(tier=self.last_load.source)
-        for tier, stats in self.last_load.sources.items():
-            telemetry.tier_load_bytes_total.inc(stats.bytes, tier=tier)
+        self.last_load.count()
         logger.info(
             "rank %d: loaded step %d from %s", self.rank, candidate.step, self.last_load.source
         )

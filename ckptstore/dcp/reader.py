@@ -265,6 +265,7 @@ class StoreReader(StorageReader):
             self._read_shared(plan, planner, target, group)
         if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor
             self._tier.report.seconds = time.perf_counter() - self._tier.started
+            self._tier.report.count()
         future: Future[None] = Future()
         future.set_result(None)
         return future

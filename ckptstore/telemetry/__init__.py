@@ -118,7 +118,7 @@ loader_failovers_total = METRICS.add(
 tier_loads_total = METRICS.add(
     Counter(
         "ckptstore_tier_loads_total",
-        "Ranks' loads with tiers (Checkpointer local_dir) by the tier the state came from: local, "
+        "Ranks' loads with tiers (Checkpointer or StoreReader) by the tier the state came from: local, "
         "peer or durable.",
         ["tier"],
     )

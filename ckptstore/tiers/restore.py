@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore import telemetry
+
 LOCAL, PEER, DURABLE = "local", "peer", "durable"
 
 
@@ -50,6 +52,15 @@ class LoadReport:
     sources: dict[str, SourceStats] = field(default_factory=dict)
     seconds: float = 0.0
     peer_buffer_bytes: int = 0  # the most round-buffer bytes its peer transfers held at once
+
+    def count(self) -> None:
+        """This load in the process-wide tier telemetry (``ckptstore_tier_loads_total`` by the
+        tier the state came from, ``..._tier_load_bytes_total`` by tier): once per rank's
+        load, whichever front-end ran it."""
+        if self.source is not None:
+            telemetry.tier_loads_total.inc(tier=self.source)
+        for tier, stats in self.sources.items():
+            telemetry.tier_load_bytes_total.inc(stats.bytes, tier=tier)
 
     def add(self, tier: str, nbytes: int, seconds: float, chunks: int = 0) -> None:
         stats = self.sources.setdefault(tier, SourceStats())
