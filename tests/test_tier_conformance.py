@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist import run_ranks
 
 from ckptstore import Checkpointer, EncodingOptions, StorageOptions, TierOptions, telemetry
 from ckptstore.catalog import list_steps
@@ -71,6 +72,7 @@ class Front:
     """What a scenario needs of a front-end."""
 
     name = ""
+    no_dist = True  # one process; False: every rank of the default group takes part
 
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         self.root, self.tiers, self.storage = root, tiers, storage
@@ -127,7 +129,7 @@ class DCPFront(Front):
     def save(self, step: int, state: dict) -> None:
         pool = concurrent.futures.ThreadPoolExecutor(1)  # a save that hangs fails the test
         done = pool.submit(
-            dcp.save, state, storage_writer=self.writer, checkpoint_id=step, no_dist=True
+            dcp.save, state, storage_writer=self.writer, checkpoint_id=step, no_dist=self.no_dist
         )
         try:
             done.result(timeout=BOUND_S)
@@ -142,7 +144,7 @@ class DCPFront(Front):
 
     def load(self, state: dict, step: int | str = "latest") -> tuple[int, Any]:
         reader = StoreReader(self.root, step=step, tiers=self.tiers, storage=self.storage)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=self.no_dist)
         return reader.last_load.step, reader.last_load
 
     def local_store_uri(self) -> str:
@@ -150,6 +152,9 @@ class DCPFront(Front):
 
     def close(self) -> None:
         self.writer.close()
+
+
+FRONTS: dict[str, type[Front]] = {"checkpointer": CheckpointerFront, "dcp": DCPFront}
 
 
 @pytest.fixture(params=[CheckpointerFront, DCPFront], ids=lambda f: f.name)
@@ -304,3 +309,46 @@ def test_a_resumed_job_saves_a_step_again_over_the_copy_it_left(make, tmp_path):
     target = _blank()
     step, report = front.load(target)
     assert step == 4 and _same(target, _state(104)), report.source
+
+
+# -- scenarios on 4 ranks as 2 nodes -----------------------------------------------------------
+
+
+def _two_nodes(kind: str, rank: int, root: str, base: str, **tiers: Any) -> Front:
+    node = rank // 2
+    options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
+    front = FRONTS[kind](Path(root), options, StorageOptions())
+    front.no_dist = False
+    return front
+
+
+def _ranks_own(rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    """Keys of this rank's own (a DCP save writes a replicated plain tensor once)."""
+    return {f"{k}{rank}": v for k, v in state.items()}
+
+
+def _peer_repair(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5, peer_budget_bytes=8 * CHUNK)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):  # 1 durable, 2 in the local tiers and their peer copies only
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 is replaced: its local dir is gone
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    want = _ranks_own(rank, _state(10 * rank + 2))
+    assert step == 2 and _same(target, want), (rank, step, report.source)
+    if rank >= 2:
+        assert report.source == "peer", report
+        # Drift 4 of issue 31: a DCP repair moved one chunk per round (its reader's tier
+        # policy had peer_budget_bytes=1); both now take the TierOptions given.
+        assert report.peer_buffer_bytes >= 2 * CHUNK, report  # several chunks a round
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind, tmp_path):
+    run_ranks(_peer_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
