@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ckptstore import Checkpointer, RNGState
+from ckptstore import Checkpointer, PreemptionOptions, RNGState, TierOptions
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.store import Store
 from loaders import LoaderConfig, ShardDataset, StatefulLoader, TokenFiles, TokenWriter
@@ -252,14 +252,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # On SIGTERM (a scheduler's notice before the kill) ckpt.preempted turns true: the loop
     # saves its step and leaves; pending saves are committed before the process exits (143).
-    tiers = {}
-    if args.local_dir is not None:
-        tiers = {
-            "local_dir": args.local_dir,
-            "durable_every": args.durable_every,
-            "peer_copies": args.peer_copies,
-        }
-    ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last, handle_sigterm=True, **tiers)
+    tiers = TierOptions(
+        local_dir=args.local_dir, durable_every=args.durable_every, peer_copies=args.peer_copies
+    )
+    preemption = PreemptionOptions(handle_sigterm=True)
+    ckpt = Checkpointer(args.ckpt, keep_last=args.keep_last, tiers=tiers, preemption=preemption)
     unloadable: list[int] = []
     step = resume(ckpt, state, args)
     if step is not None:
