@@ -188,13 +188,10 @@ def _listing(durable: Store, policy: TierPolicy, group: RankGroup):
 
 def _agree(group: RankGroup, error: BaseException | None, payload, what: str) -> list:
     """Every rank's ``payload``; every rank raises if one failed."""
-    line = None if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
-    everything = group.gather((line, None if error is not None else payload))
-    failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
-    if failed:
-        why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-        raise CheckpointError(f"tiered DCP load: could not {what} ({why})") from error
-    return [p for _, p in everything]
+    heard = group.agree(error, None if error is not None else payload)
+    if not heard.ok:
+        raise CheckpointError(f"tiered DCP load: could not {what} ({heard.why()})") from error
+    return heard.payloads
 
 
 def _holders(

@@ -774,10 +774,6 @@ class StoreWriter(StorageWriter, PooledStager):
         return entries, chunks
 
 
-def _one_line(error: BaseException | None) -> str | None:
-    return None if error is None else one_line(error)
-
-
 def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
     """The bytes DCP wants written for ``item``, as a tensor (uint8 ``[n]`` for BYTE_IO)."""
     data = planner.resolve_data(item)

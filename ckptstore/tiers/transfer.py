@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ckptstore.catalog import load_manifest_bytes, read_object, read_rank_index_bytes
 from ckptstore.codec import decode
-from ckptstore.errors import CheckpointError, ObjectExistsError
+from ckptstore.errors import CheckpointError, ObjectExistsError, one_line
 from ckptstore.format import (
     KIND_STATE,
     ChunkInfo,
@@ -119,10 +119,6 @@ def _intact(store, digest: str, info: ChunkInfo) -> bool:
     return True
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 class _Exchange:
     def __init__(self, group: Any, local: LocalTier, budget_bytes: int) -> None:
         self.group = group
@@ -173,7 +169,7 @@ class _Exchange:
             out.header = manifest_bytes + index_bytes + metadata
             out.sizes = (len(manifest_bytes), len(index_bytes), len(index.chunks), len(metadata))
         except (CheckpointError, OSError) as exc:
-            out.error = f"rank {self.rank} cannot read its copy of rank {t.ward}: {_one_line(exc)}"
+            out.error = f"rank {self.rank} cannot read its copy of rank {t.ward}: {one_line(exc)}"
         return out
 
     def fill(self, out: _Outgoing, round_: list[str], buffer: torch.Tensor) -> None:
@@ -193,7 +189,7 @@ class _Exchange:
             except (CheckpointError, OSError) as exc:
                 view[position + info.stored] = _BAD
                 out.error = out.error or (
-                    f"rank {self.rank} cannot read chunk {digest}: {_one_line(exc)}"
+                    f"rank {self.rank} cannot read chunk {digest}: {one_line(exc)}"
                 )
             position += info.stored + 1
 
@@ -218,7 +214,7 @@ class _Exchange:
             if t.repair:
                 inc.session.known = {}  # what this store holds of the save may be bad
         except (CheckpointError, OSError) as exc:
-            inc.error = f"rank {self.rank} cannot take rank {t.ward}'s copy: {_one_line(exc)}"
+            inc.error = f"rank {self.rank} cannot take rank {t.ward}'s copy: {one_line(exc)}"
         return inc
 
     def take_header(self, inc: _Incoming, header: bytes, sizes: tuple[int, int, int, int]) -> None:
@@ -256,7 +252,7 @@ class _Exchange:
             self.stats.chunks_already_held += len(inc.index.chunks) - len(inc.want)
         except (CheckpointError, OSError, ValueError) as exc:
             inc.error = (
-                f"rank {self.rank}: the copy of rank {t.ward} from rank {t.src}: {_one_line(exc)}"
+                f"rank {self.rank}: the copy of rank {t.ward} from rank {t.src}: {one_line(exc)}"
             )
 
     def store_round(self, inc: _Incoming, round_: list[str], buffer: torch.Tensor) -> None:
@@ -296,7 +292,7 @@ class _Exchange:
             for _ in store.map(put, items, drain=True):
                 pass
         except (CheckpointError, OSError) as exc:
-            inc.error = f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}: {_one_line(exc)}"
+            inc.error = f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}: {one_line(exc)}"
 
     def commit(self, inc: _Incoming) -> None:
         if inc.held:
@@ -312,7 +308,7 @@ class _Exchange:
                 session.commit_copy(inc.manifest)
         except (CheckpointError, OSError) as exc:
             inc.error = (
-                f"rank {self.rank}: committing the copy of rank {inc.t.ward}: {_one_line(exc)}"
+                f"rank {self.rank}: committing the copy of rank {inc.t.ward}: {one_line(exc)}"
             )
         finally:
             if session is not None:
