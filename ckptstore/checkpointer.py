@@ -25,13 +25,11 @@ import concurrent.futures.thread  # noqa: F401 - its exit hook must be registere
 import json
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +45,7 @@ from ckptstore.errors import (
     PartialLoadError,
     UnsupportedStateError,
 )
-from ckptstore.format import KIND_STATE, ChunkInfo, Manifest, check_step
+from ckptstore.format import ChunkInfo, Manifest, check_step
 from ckptstore.options import (
     EncodingOptions,
     PreemptionOptions,
@@ -58,16 +56,13 @@ from ckptstore.options import (
     TierOptions,
     resolve,
 )
-from ckptstore.peer import PeerReplicas, replica_meta, tensors_from_replica
+from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import parse_dtype
 from ckptstore.preemption import SigtermGuard
 from ckptstore.save import (
-    RankWritten,
     SaveEngine,
-    SaveSession,
-    Staged,
 )
-from ckptstore.save.collective import save_collective
+from ckptstore.saver import SaveHandle, SaveJob, SaveWorker, TensorMeta
 from ckptstore.shared_read import (
     ExchangeStats,
     SharedChunks,
@@ -76,8 +71,8 @@ from ckptstore.shared_read import (
 )
 from ckptstore.state import finish_load, flatten, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
-from ckptstore.store import niced, open_store, set_thread_nice
-from ckptstore.tiers.drain import DrainJob, DrainQueue
+from ckptstore.store import niced, open_store
+from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
@@ -91,56 +86,6 @@ from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
-
-
-class SaveHandle:
-    """A save in progress. ``wait()`` blocks until it is committed and re-raises its error."""
-
-    def __init__(self, step: int, *, skipped: bool = False) -> None:
-        self.step = step
-        self.skipped = skipped
-        self._future: Future[None] = Future()
-        self.durable: Future[None] | None = None
-        """With tiers (``local_dir``): done once the step is committed to durable storage, or
-        failed with the error that kept it from there; None for a save not bound for it
-        (known from ``save()``; after SIGTERM on another rank a save may become bound for it
-        once ``wait()`` returns). ``wait()`` returns once the step is committed to the first
-        tier that took it."""
-        self._reported = False  # its error reached the caller: not raised again by save()
-        if skipped:
-            self._future.set_result(None)
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the save is committed (``TimeoutError`` after ``timeout_s``); raise its
-        error if it failed."""
-        error = self._future.exception(timeout=timeout_s)
-        if error is not None:
-            self._reported = True
-            raise error
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def exception(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
-
-    def __repr__(self) -> str:
-        state = "skipped" if self.skipped else ("done" if self.done() else "pending")
-        return f"SaveHandle(step={self.step}, {state})"
-
-
-@dataclass
-class _Job:
-    step: int
-    attempt: str
-    tree: Any
-    tensors: list[_TensorMeta]
-    numpy: set[int]  # which tensors were numpy arrays
-    staged: Staged
-    user: dict
-    handle: SaveHandle
-    durable: bool = True  # also committed to durable storage (always, without tiers)
-    wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
 
 
 class Checkpointer:
@@ -238,7 +183,6 @@ class Checkpointer:
         self._topology: Topology | None = None
         self._drains: DrainQueue | None = None
         self._tiers: TierSaver | None = None
-        self.last_peer_copy: TransferStats | None = None
         self.last_load = LoadReport()
         if self._policy is not None:
             self._local = LocalTier(
@@ -275,10 +219,6 @@ class Checkpointer:
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._failed: list[SaveHandle] = []  # failed saves whose error may not be reported yet
-        self._failed_lock = threading.Lock()
-        self._last: SaveHandle | None = None
         self._closed_event = threading.Event()
         self._sigterm = (
             SigtermGuard(
@@ -289,14 +229,26 @@ class Checkpointer:
             if o["preemption"].handle_sigterm
             else None
         )
-        self._worker = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
-        self._worker.start()
+        self._saver = SaveWorker(
+            engine=self.engine,
+            store=self.store,
+            group=self._group,
+            tiers=self._tiers,
+            drains=self._drains,
+            peers=self._peers,
+            thread_nice=self._save_thread_nice,
+        )
         self._closed = False
         # A script that ends right after save() must not lose that save. Threading's exit hooks
         # run before atexit's, last registered first: this one runs while concurrent.futures
         # still accepts work (s3fs resolves hosts through an executor).
         this = weakref.ref(self)
         threading._register_atexit(lambda: (c := this()) is not None and c._close_at_exit())
+
+    @property
+    def last_peer_copy(self) -> TransferStats | None:
+        """What this rank moved in the last save's peer copies (tiers with ``peer_copies``)."""
+        return self._saver.last_peer_copy
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -305,7 +257,7 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         check_step(step)
-        self._raise_background_error(f"step {step} was not saved")
+        self._saver.raise_failure(f"step {step} was not saved")
         t0 = time.perf_counter()
         tree, tensors, numpy = flatten(state)
         user = json.loads(json.dumps(metadata or {}))
@@ -325,7 +277,7 @@ class Checkpointer:
             return SaveHandle(step, skipped=True)
         handle = SaveHandle(step)
         attempt = f"{self._session}-{self._saves:06d}"
-        meta = [_TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
+        meta = [TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
         # After SIGTERM a node may not come back: a save then goes to durable storage too, and
         # its handle (which the SIGTERM grace waits for) is done once it is there.
         preempted = self._sigterm is not None and self._sigterm.signalled.is_set()
@@ -336,10 +288,9 @@ class Checkpointer:
         )
         if self._policy is not None and durable:
             handle.durable = Future()
-        self._jobs.put(
-            _Job(step, attempt, tree, meta, numpy, staged, user, handle, durable, preempted)
+        self._saver.put(
+            SaveJob(step, attempt, tree, meta, numpy, staged, user, handle, durable, preempted)
         )
-        self._last = handle
         if self._sigterm is not None:
             self._sigterm.watch(handle)
         blocked = time.perf_counter() - t0
@@ -365,12 +316,12 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every save so far is committed; raise the error of the first failed
         save that no ``wait()`` raised yet."""
-        if self._last is not None:
-            self._last._future.exception()  # blocks until the last save is done
+        self._saver.wait()
         if self._drains is not None:
             self._drains.wait()  # and its drain to durable storage
-        self._raise_background_error()
-        self._raise_drain_error()
+        self._saver.raise_failure()
+        if self._drains is not None:
+            self._drains.raise_failures()
 
     @property
     def preempted(self) -> bool:
@@ -943,14 +894,14 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
-        self._worker.join()
+        self._saver.close()
         if self._drains is not None:
             self._drains.close()
         self.engine.close()
         self._closed_event.set()
         try:
-            self._raise_drain_error()
+            if self._drains is not None:
+                self._drains.raise_failures()
         except CheckpointError as exc:
             drain_error: CheckpointError | None = exc
         else:
@@ -960,7 +911,7 @@ class Checkpointer:
                 self._sigterm.report()  # the process ends at exit, as SIGTERM would have
             else:
                 self._sigterm.uninstall()
-        self._raise_background_error()
+        self._saver.raise_failure()
         if drain_error is not None:
             raise drain_error
 
@@ -977,155 +928,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- background ---------------------------------------------------------------------------
-
-    def _raise_background_error(self, consequence: str | None = None) -> None:
-        """Raise the error of the first failed save whose error no ``wait()`` has raised yet;
-        every such save counts as reported from here on, so it is raised once."""
-        with self._failed_lock:
-            unreported = [h for h in self._failed if not h._reported]
-            self._failed.clear()
-            for handle in unreported:
-                handle._reported = True
-        if not unreported:
-            return
-        first, error = unreported[0], unreported[0].exception()
-        others = [h.step for h in unreported[1:]]
-        also = f" (the saves of steps {', '.join(map(str, others))} failed too)" if others else ""
-        if consequence is None and not also:
-            raise error
-        kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
-        lead = f"{consequence}: the" if consequence else "The"
-        try:
-            raised = kind(f"{lead} save of step {first.step} failed: {error}{also}")
-        except Exception:  # noqa: BLE001 - an error class with another signature
-            raised = CheckpointError(f"{lead} save of step {first.step} failed: {error}{also}")
-        raise raised from error
-
-    def _raise_drain_error(self) -> None:
-        if self._drains is not None:
-            self._drains.raise_failures()
-
-    def _run(self) -> None:
-        set_thread_nice(self._save_thread_nice)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                self._persist(job)
-                telemetry.save_persist_seconds.observe(
-                    time.perf_counter() - t0, frontend="checkpointer"
-                )
-                telemetry.saves_total.inc(frontend="checkpointer", outcome="committed")
-                job.handle._future.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
-                telemetry.saves_total.inc(frontend="checkpointer", outcome="failed")
-                # Reported once, to the caller (wait(), the next save() or close()): here only
-                # the moment it failed, for logs at INFO.
-                logger.info(
-                    "rank %d: save of step %d failed (raised at the next wait, save or close): %s",
-                    self.rank,
-                    job.step,
-                    exc,
-                )
-                with self._failed_lock:
-                    self._failed.append(job.handle)
-                job.handle._future.set_exception(exc)
-                durable = job.handle.durable
-                if durable is not None and not durable.done():
-                    durable.set_exception(exc)
-
-    def _persist(self, job: _Job) -> None:
-        if self._local is not None and self._persist_local(job):
-            self._after_local(job)
-            return
-        session = SaveSession(
-            self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
-        )
-        save_collective(
-            session,
-            self._group,
-            lambda latest: self._write_rank(session, job, latest),
-            user=lambda: job.user,
-        )
-        if self._local is not None:  # a tiered save that went to durable storage directly
-            job.handle.durable = job.handle.durable or Future()
-            job.handle.durable.set_result(None)
-
-    # -- tiers ----------------------------------------------------------------------------------
-
-    def _persist_local(self, job: _Job) -> bool:
-        """Commit the step to every rank's local tier; False (the staged state still held, for
-        a save to durable storage instead) if a rank could not."""
-        assert self._tiers is not None
-
-        def write(session: SaveSession) -> RankWritten:
-            job.staged.copy.wait()
-            entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
-            return session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
-
-        done = self._tiers.commit_local(
-            step=job.step,
-            attempt=job.attempt,
-            kind=KIND_STATE,
-            write=write,
-            user=job.user,
-            payload=(job.durable, job.wait_durable),
-        )
-        # SIGTERM may reach one node only: the ranks agree on whether the step goes durable.
-        job.durable = any(d for d, _ in done.payloads)
-        job.wait_durable = any(w for _, w in done.payloads)
-        if done.written is None:
-            return False
-        self.engine.release(job.staged)
-        return True
-
-    def _after_local(self, job: _Job) -> None:
-        """A step committed to the local tier: copies to peers, then a drain to durable storage
-        if the step is bound for it."""
-        assert self._tiers is not None
-        self._tiers.copy_to_peers(job.step, job.attempt)
-        self.last_peer_copy = self._tiers.last_peer_copy
-        if job.durable:
-            assert self._drains is not None
-            future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
-            job.handle.durable = future
-            self._drains.put(
-                DrainJob(job.step, job.attempt, KIND_STATE, future, keep=job.wait_durable)
-            )
-            if job.wait_durable:
-                future.result()  # its error fails the save: it is not durable
-
-    def _write_rank(self, session: SaveSession, job: _Job, latest: Any) -> RankWritten:
-        """This rank's chunks and index under rank 0's lease (``save_collective``)."""
-        staged = job.staged
-        try:
-            staged.copy.wait()
-            if self._peers is not None:  # collective: before a failed begin is raised
-                meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
-                self._peers.exchange(job.step, staged.buffer, meta)
-            if isinstance(latest, BaseException):
-                raise latest
-            session.learn(self.rank, latest)
-            entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
-        finally:
-            self.engine.release(staged)
-        return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)
-
-
-@dataclass
-class _TensorMeta:
-    """What tensor_entries needs of a tensor once its bytes are staged."""
-
-    dtype: torch.dtype
-    shape: torch.Size
-    nbytes: int
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize

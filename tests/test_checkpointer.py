@@ -191,7 +191,7 @@ def test_background_nice_lowers_only_the_save_threads(tmp_path):
         ck.save(0, {"x": torch.arange(1000.0)}).wait()
         encode = ck.store.submit(lambda: nice_of(threading.get_native_id())).result(timeout=10)
         request = ck.store._request("probe", "", lambda: nice_of(threading.get_native_id()))
-        assert nice_of(ck._worker.native_id) == mine + 5
+        assert nice_of(ck._saver._thread.native_id) == mine + 5
         assert encode == mine + 5 and request == mine + 5
     assert nice_of(threading.get_native_id()) == mine  # the loop's thread keeps its priority
     with pytest.raises(ValueError, match="background_nice"):

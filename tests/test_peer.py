@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, root: str) -> None:
     # rank 0 restarted: it lost the replica it guarded, so its ward falls back to storage;
     # everyone else, rank 0 included, restores from memory
     if rank == 0:
-        ckpt._peers = PeerReplicas(ckpt._group.group, ranks_per_node=1)
+        ckpt._peers = ckpt._saver._peers = PeerReplicas(ckpt._group.group, ranks_per_node=1)
     state = _blank()
     ckpt.load(state)
     ward_of_0 = ward_of(0, world)

@@ -1,0 +1,275 @@
+"""The Checkpointer's save worker: a thread that persists each staged save in order (to the
+local tiers first with tiers, else the durable store, every rank together), resolves its
+handle, and reports each failure once (``raise_failure``).
+
+A failed save's error is reported once: by its ``handle.wait()``; if nobody waited for it, by the
+next ``wait()``, ``save()`` (that step is then not saved) or ``close()`` of the Checkpointer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptstore import telemetry
+from ckptstore.errors import CheckpointError
+from ckptstore.format import KIND_STATE
+from ckptstore.peer import PeerReplicas, replica_meta
+from ckptstore.save import RankWritten, SaveEngine, SaveSession, Staged
+from ckptstore.save.collective import save_collective
+from ckptstore.store import Store, set_thread_nice
+from ckptstore.tiers.drain import DrainJob, DrainQueue
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.saving import TierSaver
+
+logger = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` blocks until it is committed and re-raises its error."""
+
+    def __init__(self, step: int, *, skipped: bool = False) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._future: Future[None] = Future()
+        self.durable: Future[None] | None = None
+        """With tiers (``local_dir``): done once the step is committed to durable storage, or
+        failed with the error that kept it from there; None for a save not bound for it
+        (known from ``save()``; after SIGTERM on another rank a save may become bound for it
+        once ``wait()`` returns). ``wait()`` returns once the step is committed to the first
+        tier that took it."""
+        self._reported = False  # its error reached the caller: not raised again by save()
+        if skipped:
+            self._future.set_result(None)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the save is committed (``TimeoutError`` after ``timeout_s``); raise its
+        error if it failed."""
+        error = self._future.exception(timeout=timeout_s)
+        if error is not None:
+            self._reported = True
+            raise error
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("done" if self.done() else "pending")
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+@dataclass
+class SaveJob:
+    """One save, staged, on its way to the worker."""
+
+    step: int
+    attempt: str
+    tree: Any
+    tensors: list[TensorMeta]
+    numpy: set[int]  # which tensors were numpy arrays
+    staged: Staged
+    user: dict
+    handle: SaveHandle
+    durable: bool = True  # also committed to durable storage (always, without tiers)
+    wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
+
+
+@dataclass
+class TensorMeta:
+    """What tensor_entries needs of a tensor once its bytes are staged."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    nbytes: int
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+class SaveWorker:
+    """The thread that persists a Checkpointer's saves, in the order ``put`` queued them."""
+
+    def __init__(
+        self,
+        *,
+        engine: SaveEngine,
+        store: Store,
+        group: RankGroup,
+        tiers: TierSaver | None,
+        drains: DrainQueue | None,
+        peers: PeerReplicas | None,
+        thread_nice: int | None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self._group = group
+        self.rank = group.rank
+        self._tiers = tiers
+        self._drains = drains
+        self._peers = peers
+        self._thread_nice = thread_nice
+        self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
+        self._failed: list[SaveHandle] = []  # failed saves whose error may not be reported yet
+        self._failed_lock = threading.Lock()
+        self.last: SaveHandle | None = None
+        self.last_peer_copy = None
+        self._thread = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
+        self._thread.start()
+
+    def put(self, job: SaveJob) -> None:
+        self.last = job.handle
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Block until the last save queued is over (committed or failed)."""
+        if self.last is not None:
+            self.last._future.exception()
+
+    def close(self) -> None:
+        """Persist what is queued, then stop the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def raise_failure(self, consequence: str | None = None) -> None:
+        """Raise the error of the first failed save whose error no ``wait()`` has raised yet;
+        every such save counts as reported from here on, so it is raised once."""
+        with self._failed_lock:
+            unreported = [h for h in self._failed if not h._reported]
+            self._failed.clear()
+            for handle in unreported:
+                handle._reported = True
+        if not unreported:
+            return
+        first, error = unreported[0], unreported[0].exception()
+        others = [h.step for h in unreported[1:]]
+        also = f" (the saves of steps {', '.join(map(str, others))} failed too)" if others else ""
+        if consequence is None and not also:
+            raise error
+        kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
+        lead = f"{consequence}: the" if consequence else "The"
+        try:
+            raised = kind(f"{lead} save of step {first.step} failed: {error}{also}")
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            raised = CheckpointError(f"{lead} save of step {first.step} failed: {error}{also}")
+        raise raised from error
+
+    def _run(self) -> None:
+        set_thread_nice(self._thread_nice)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._persist(job)
+                telemetry.save_persist_seconds.observe(
+                    time.perf_counter() - t0, frontend="checkpointer"
+                )
+                telemetry.saves_total.inc(frontend="checkpointer", outcome="committed")
+                job.handle._future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
+                telemetry.saves_total.inc(frontend="checkpointer", outcome="failed")
+                # Reported once, to the caller (wait(), the next save() or close()): here only
+                # the moment it failed, for logs at INFO.
+                logger.info(
+                    "rank %d: save of step %d failed (raised at the next wait, save or close): %s",
+                    self.rank,
+                    job.step,
+                    exc,
+                )
+                with self._failed_lock:
+                    self._failed.append(job.handle)
+                job.handle._future.set_exception(exc)
+                durable = job.handle.durable
+                if durable is not None and not durable.done():
+                    durable.set_exception(exc)
+
+    def _persist(self, job: SaveJob) -> None:
+        if self._tiers is not None and self._persist_local(job):
+            self._after_local(job)
+            return
+        session = SaveSession(
+            self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
+        )
+        save_collective(
+            session,
+            self._group,
+            lambda latest: self._write_rank(session, job, latest),
+            user=lambda: job.user,
+        )
+        if self._tiers is not None:  # a tiered save that went to durable storage directly
+            job.handle.durable = job.handle.durable or Future()
+            job.handle.durable.set_result(None)
+
+    # -- tiers ----------------------------------------------------------------------------------
+
+    def _persist_local(self, job: SaveJob) -> bool:
+        """Commit the step to every rank's local tier; False (the staged state still held, for
+        a save to durable storage instead) if a rank could not."""
+        assert self._tiers is not None
+
+        def write(session: SaveSession) -> RankWritten:
+            job.staged.copy.wait()
+            entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
+            return session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
+
+        done = self._tiers.commit_local(
+            step=job.step,
+            attempt=job.attempt,
+            kind=KIND_STATE,
+            write=write,
+            user=job.user,
+            payload=(job.durable, job.wait_durable),
+        )
+        # SIGTERM may reach one node only: the ranks agree on whether the step goes durable.
+        job.durable = any(d for d, _ in done.payloads)
+        job.wait_durable = any(w for _, w in done.payloads)
+        if done.written is None:
+            return False
+        self.engine.release(job.staged)
+        return True
+
+    def _after_local(self, job: SaveJob) -> None:
+        """A step committed to the local tier: copies to peers, then a drain to durable storage
+        if the step is bound for it."""
+        assert self._tiers is not None
+        self._tiers.copy_to_peers(job.step, job.attempt)
+        self.last_peer_copy = self._tiers.last_peer_copy
+        if job.durable:
+            assert self._drains is not None
+            future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
+            job.handle.durable = future
+            self._drains.put(
+                DrainJob(job.step, job.attempt, KIND_STATE, future, keep=job.wait_durable)
+            )
+            if job.wait_durable:
+                future.result()  # its error fails the save: it is not durable
+
+    def _write_rank(self, session: SaveSession, job: SaveJob, latest: Any) -> RankWritten:
+        """This rank's chunks and index under rank 0's lease (``save_collective``)."""
+        staged = job.staged
+        try:
+            staged.copy.wait()
+            if self._peers is not None:  # collective: before a failed begin is raised
+                meta = replica_meta(job.tensors, staged.layout.offsets, job.tree)
+                self._peers.exchange(job.step, staged.buffer, meta)
+            if isinstance(latest, BaseException):
+                raise latest
+            session.learn(self.rank, latest)
+            entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
+        finally:
+            self.engine.release(staged)
+        return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)
