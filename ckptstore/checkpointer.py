@@ -32,20 +32,13 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
 from ckptstore import telemetry
-from ckptstore.catalog import list_steps, load_manifest, resolve_step
-from ckptstore.device_load import read_into
+from ckptstore.catalog import list_steps
 from ckptstore.errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
-    FormatVersionError,
-    PartialLoadError,
-    UnsupportedStateError,
 )
-from ckptstore.format import ChunkInfo, Manifest, check_step
+from ckptstore.format import check_step
+from ckptstore.loading import StateLoader
 from ckptstore.options import (
     EncodingOptions,
     PreemptionOptions,
@@ -56,8 +49,7 @@ from ckptstore.options import (
     TierOptions,
     resolve,
 )
-from ckptstore.peer import PeerReplicas, tensors_from_replica
-from ckptstore.pipeline import parse_dtype
+from ckptstore.peer import PeerReplicas
 from ckptstore.preemption import SigtermGuard
 from ckptstore.save import (
     SaveEngine,
@@ -65,12 +57,8 @@ from ckptstore.save import (
 from ckptstore.saver import SaveHandle, SaveJob, SaveWorker, TensorMeta
 from ckptstore.shared_read import (
     ExchangeStats,
-    SharedChunks,
-    needed_chunks,
-    plan_shared_read,
 )
-from ckptstore.state import finish_load, flatten, plan_load
-from ckptstore.steps import CHECKPOINTER, StepView
+from ckptstore.state import flatten
 from ckptstore.store import niced, open_store
 from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import RankGroup as _Group
@@ -80,10 +68,9 @@ from ckptstore.tiers.policy import (
     node_identity,
     store_identity,
 )
-from ckptstore.tiers.restore import DURABLE, PEER, Candidate, LoadReport, plan_sources
+from ckptstore.tiers.restore import LoadReport
 from ckptstore.tiers.saving import TierSaver
-from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
-from ckptstore.tree import tensor_indexes
+from ckptstore.tiers.transfer import TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +203,15 @@ class Checkpointer:
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
+        self._loader = StateLoader(
+            self.store,
+            self._group,
+            self.engine.config,
+            shared_read_budget_bytes=self.shared_read_budget_bytes,
+            peers=self._peers,
+            local=self._local,
+            topology=self._topology,
+        )
         self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
@@ -377,517 +373,21 @@ class Checkpointer:
         module whose keys differ from the step's is refused before any I/O); ``last_load_left_out`` lists both
         (``load({"model": model}, strict=False)`` from a step that also holds the optimizer).
         """
-
-        if fallback and step not in (None, "latest"):
-            raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
-        if self._local is not None:
-            return self._load_tiered(state, step, fallback, strict)
-        candidates: Any = None
-        if self.rank == 0:
-            try:
-                if fallback:
-                    candidates = list_steps(self.store)[::-1]
-                    if not candidates:
-                        raise CheckpointNotFoundError(
-                            f"no committed checkpoint in {self.store.uri}"
-                        )
-                else:
-                    candidates = [resolve_step(self.store, step)]
-            except (CheckpointError, ValueError) as exc:
-                candidates = exc
-        candidates = self._group.broadcast(candidates)
-        if isinstance(candidates, BaseException):
-            raise candidates
-        dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it last received
-        skipped: list[tuple[int, BaseException]] = []
-        for chosen in candidates:
-            error, skippable, written = self._load_step(state, chosen, dirty, strict)
-            if error is None:
-                return chosen
-            dirty.update(dict.fromkeys(written, chosen))
-            if not (fallback and skippable):
-                raise self._load_failed(error, dirty)
-            skipped.append((chosen, error))
-            logger.warning(
-                "rank %d: step %d in %s cannot be loaded, trying an older step: %s",
-                self.rank,
-                chosen,
-                self.store.uri,
-                self._one_line(error),
-            )
-        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
-        missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
-        error = (CheckpointNotFoundError if missing else CheckpointCorruptError)(
-            f"no committed step in {self.store.uri} could be loaded, every one failed: {every}"
-        )
-        raise self._load_failed(error, dirty)
-
-    def _load_step(
-        self, state: Any, step: int, dirty: dict[str, int], strict: bool = True
-    ) -> tuple[BaseException | None, bool, list[str]]:
-        """One attempt at loading ``step`` into ``state``, its outcome agreed by every rank:
-        the error this rank raises (None: loaded), whether every rank's failure was corrupt or
-        missing data (then an older step may load), and the paths of the tensors it wrote."""
-        error: BaseException | None = None
+        self._loader.peers = self._peers  # the replicas it guards now (a restarted rank's)
         try:
-            view = StepView(self.store, self._shared_manifest(step))
-            view.require(CHECKPOINTER)
-            manifest = view.manifest
-            if manifest.world_size != self._group.world_size:
-                raise UnsupportedStateError(
-                    f"step {step} was saved by {manifest.world_size} rank(s), loading with "
-                    f"{self._group.world_size}: resharding is done through ckptstore.dcp"
-                )
-        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
-            error = exc
-        replica = None
-        if self._peers is not None:
-            agreed = self._agree(step, error)  # fetching a replica is collective
-            if agreed is not None:
-                return (*agreed, [])
-            replica = self._peers.fetch(step)
-        # Plan: which saved tensor lands in which tensor of the state. Nothing is written yet.
-        if error is None:
-            try:
-                if replica is not None:
-                    buffer, meta = replica
-                    tensors = tensors_from_replica(buffer, meta)
-                    tree = meta["tree"]
-
-                    def describe(i: int):
-                        return tensors[i].dtype, list(tensors[i].shape)
-                else:
-                    index = view.index(self.rank)
-                    tree = index.tree
-
-                    def describe(i: int):
-                        entry = index.tensors[i]
-                        return parse_dtype(entry.dtype), entry.shape
-
-                loader = plan_load(state, tree, describe, strict=strict)
-                kinds = {i: k for i, k in tensor_indexes(tree).items() if i in loader.needed}
-                stale = sorted(set(dirty) - set(loader.paths.values()))
-                if stale:
-                    failed = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
-                    raise UnsupportedStateError(
-                        f"step {step} has no tensor for {self._some(stale)}, which the failed load "
-                        f"of step {failed} wrote into: loading it cannot make the state whole"
-                    )
-            except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
-                error = exc
-        agreed = self._agree(step, error)
-        if agreed is not None:
-            return (*agreed, [])
-        # Read: the state's tensors are filled in place, chunk by verified chunk; a chunk other
-        # ranks also need is fetched by one of them and sent to the others.
-        written: set[int] = set()
-        try:
-            source = self._shared_source({} if replica is not None else needed_chunks(index, kinds))
-            if replica is not None:
-                for i, dest in loader.dests.items():
-                    written.add(i)
-                    dest.copy_(tensors[i])
-                    tensors[i] = dest
-            else:
-                wanted = {i: loader.dests.get(i) for i in kinds}
-                tensors = read_into(
-                    self.store, index, wanted, self.engine.config, written=written, source=source
-                )
-        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
-            error = exc
-        paths = sorted(loader.paths[i] for i in written)
-        agreed = self._agree(step, error)
-        if agreed is not None:
-            return (*agreed, paths)
-        # Every rank has every tensor: only now are values set and load_state_dict called.
-        values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items() if i in kinds}
-        finish_load(loader, state, tree, values)
-        self.last_load_left_out = [f"{p} (not in the state)" for p in loader.left_out]
-        self.last_load_left_out += [f"{p} (not in step {step})" for p in loader.not_saved]
-        if self.last_load_left_out:
-            logger.info(
-                "rank %d: step %d loaded with strict=False; left out: %s",
-                self.rank,
-                step,
-                self._some(self.last_load_left_out),
-            )
-        if replica is not None:
-            self.last_load_source = "peer"
-            logger.info("rank %d: loaded step %d from its guard's memory", self.rank, step)
-        else:
-            self.last_load_source = "storage"
-            logger.info("rank %d: loaded step %d from %s", self.rank, step, self.store.uri)
-        return None, True, paths
-
-    def _load_tiered(self, state: Any, step: int | str, fallback: bool, strict: bool) -> int:
-        """``load`` with tiers: the newest save every rank can get from some tier (or ``step``),
-        each rank's state from the first of its sources that verifies."""
-        assert self._local is not None
-        t0 = time.perf_counter()
-        wanted = None if step in (None, "latest") else int(step)
-        wards = [self.rank] + (self._topology.wards(self.rank) if self._topology else [])
-        held: dict[int, dict[int, str]] = {}
-        for ward in wards:
-            try:
-                held[ward] = self._local.copies(ward)
-            except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
-                logger.warning(
-                    "rank %d: the local tier of rank %d cannot be read, not offered: %s",
-                    self.rank,
-                    ward,
-                    self._one_line(exc),
-                )
-        durable: Any = None
-        if self.rank == 0:
-            try:
-                durable = list_steps(self.store)
-            except CheckpointError as exc:
-                durable = exc
-        everything = self._group.gather((held, durable))
-        plan: Any = None
-        if self.rank == 0:
-            try:
-                plan = self._plan_tiered(
-                    [h for h, _ in everything], durable, wanted, None if fallback else 1
-                )
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                plan = exc
-        plan = self._group.broadcast(plan)
-        if isinstance(plan, BaseException):
-            raise plan
-        if not fallback:
-            plan = plan[:1]
-        dirty: dict[str, int] = {}
-        skipped: list[tuple[int, BaseException]] = []
-        for candidate in plan:
-            self.last_load = LoadReport(step=candidate.step)
-            error, skippable, written = self._load_candidate(state, candidate, strict)
-            self.last_load.seconds = time.perf_counter() - t0
-            if error is None:
-                self._local.resumed_from = candidate.step  # newer copies go at the next save
-                return candidate.step
-            dirty.update(dict.fromkeys(written, candidate.step))
-            if not (fallback and skippable):
-                raise self._load_failed(error, dirty)
-            skipped.append((candidate.step, error))
-            logger.warning(
-                "rank %d: step %d cannot be loaded from any tier, trying an older step: %s",
-                self.rank,
-                candidate.step,
-                self._one_line(error),
-            )
-        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
-        missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
-        error = (CheckpointNotFoundError if missing else CheckpointCorruptError)(
-            f"no step in the tiers ({self._local.policy.local_dir}, peers) or {self.store.uri} "
-            f"could be loaded, every one failed: {every}"
-        )
-        raise self._load_failed(error, dirty)
-
-    def _plan_tiered(
-        self,
-        held: list[dict[int, dict[int, str]]],
-        durable: Any,
-        step: int | None,
-        limit: int | None,
-    ) -> list[Candidate]:
-        unlisted = durable if isinstance(durable, BaseException) else None
-        if unlisted is not None:
-            logger.warning(
-                "durable store %s cannot be listed, only local and peer copies are considered: %s",
-                self.store.uri,
-                self._one_line(unlisted),
-            )
-            durable = []
-
-        def attempt(s: int) -> str | None:
-            try:
-                return load_manifest(self.store, s).attempt
-            except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
-                logger.warning("durable step %d in %s unreadable: %s", s, self.store.uri, exc)
-                return None  # a storage error is raised: the step may be fine
-
-        plan = plan_sources(held, durable, attempt, step=step, limit=limit)
-        if not plan and unlisted is not None:
-            raise unlisted
-        if not plan:
-            where = f"step {step}" if step is not None else "any step"
-            raise CheckpointNotFoundError(
-                f"no tier holds {where} for every rank: local {self._local.policy.local_dir}"
-                f", peers, durable {self.store.uri} (durable steps: "
-                f"{', '.join(map(str, durable[-5:])) or 'none'})"
-            )
-        return plan
-
-    def _load_candidate(
-        self, state: Any, candidate: Candidate, strict: bool
-    ) -> tuple[BaseException | None, bool, list[str]]:
-        """Load ``candidate`` into ``state``: each rank tries its sources in turn, every rank
-        taking part in the peer transfers of each turn; the outcome agreed by every rank."""
-        assert self._local is not None and self._policy is not None
-        world = self._group.world_size
-        pending = set(range(world))
-        turn = dict.fromkeys(range(world), 0)
-        mine = candidate.sources[self.rank]
-        written: set[int] = set()
-        paths: list[str] = []
-        error: BaseException | None = None
-        loaded = None
-        for _ in range(max(len(s) for s in candidate.sources)):
-            transfers = [
-                Transfer(src.holder, r, r, candidate.step, candidate.attempt, repair=True)
-                for r in sorted(pending)
-                if turn[r] < len(candidate.sources[r])
-                and (src := candidate.sources[r][turn[r]]).tier == PEER
-            ]
-            outcomes: dict[Transfer, str | None] = {}
-            if transfers:
-                t0 = time.perf_counter()
-                outcomes, stats = transfer(
-                    transfers,
-                    group=self._group.group,
-                    local=self._local,
-                    budget_bytes=self._policy.peer_budget_bytes,
-                )
-                self.last_load.peer_buffer_bytes = max(
-                    self.last_load.peer_buffer_bytes, stats.buffer_bytes
-                )
-                if any(t.dst == self.rank for t in transfers):
-                    self.last_load.add(
-                        PEER, stats.received_bytes, time.perf_counter() - t0, stats.chunks_received
-                    )
-            error = None
-            if self.rank in pending:
-                source = mine[turn[self.rank]] if turn[self.rank] < len(mine) else None
-                try:
-                    loaded = self._read_from(state, candidate, source, outcomes, strict, written)
-                except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
-                    error = exc
-            paths = sorted(loaded[0].paths[i] for i in written) if loaded else paths
-            results = self._group.gather(
-                None
-                if error is None
-                else (
-                    isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)),
-                    self._one_line(error),
-                )
-            )
-            failed = {r: o for r, o in enumerate(results) if o is not None}
-            if not failed:
-                break
-            if not all(skippable for skippable, _ in failed.values()):
-                break  # a state that does not match, not a bad copy: no tier helps
-            for r, (_, why) in failed.items():
-                source = (
-                    candidate.sources[r][turn[r]] if turn[r] < len(candidate.sources[r]) else None
-                )
-                if r == self.rank:
-                    logger.warning(
-                        "rank %d: step %d from %s failed, trying the next tier: %s",
-                        r,
-                        candidate.step,
-                        source,
-                        why,
-                    )
-                turn[r] += 1
-            pending = set(failed)
-            if all(turn[r] >= len(candidate.sources[r]) for r in pending):
-                break
-        agreed = self._agree(candidate.step, error)
-        if agreed is not None:
-            return (*agreed, paths)
-        loader, tree, kinds, tensors = loaded
-        values = {i: (t.numpy() if kinds[i] else t) for i, t in tensors.items() if i in kinds}
-        finish_load(loader, state, tree, values)
-        self.last_load_left_out = [f"{p} (not in the state)" for p in loader.left_out]
-        self.last_load_left_out += [f"{p} (not in step {candidate.step})" for p in loader.not_saved]
-        self.last_load_source = self.last_load.source
-        self.last_load.count()
-        logger.info(
-            "rank %d: loaded step %d from %s", self.rank, candidate.step, self.last_load.source
-        )
-        return None, True, paths
-
-    def _read_from(
-        self,
-        state: Any,
-        candidate: Candidate,
-        source: Any,
-        outcomes: dict[Transfer, str | None],
-        strict: bool,
-        written: set[int],
-    ) -> tuple[Any, Any, dict[int, bool], dict[int, torch.Tensor]]:
-        """This rank's tensors of ``candidate`` from ``source``, verified chunk by chunk."""
-        assert self._local is not None
-        step = candidate.step
-        if source is None:
-            raise CheckpointNotFoundError(f"rank {self.rank}: no tier holds a copy of step {step}")
-        if source.tier == PEER:
-            outcome = outcomes.get(
-                Transfer(source.holder, self.rank, self.rank, step, candidate.attempt, repair=True)
-            )
-            if outcome is not None:
-                raise CheckpointCorruptError(f"peer copy from rank {source.holder}: {outcome}")
-        t0 = time.perf_counter()
-        store = self.store if source.tier == DURABLE else self._local.store(self.rank)
-        view = StepView(store, load_manifest(store, step))
-        view.require(CHECKPOINTER)
-        manifest = view.manifest
-        if manifest.attempt != candidate.attempt:
-            raise CheckpointNotFoundError(
-                f"{store.uri} holds another save of step {step} ({manifest.attempt})"
-            )
-        if source.tier == DURABLE:
-            if manifest.world_size != self._group.world_size:
-                raise UnsupportedStateError(
-                    f"step {step} was saved by {manifest.world_size} rank(s), loading with "
-                    f"{self._group.world_size}: resharding is done through ckptstore.dcp"
-                )
-            index = view.index(self.rank)
-        else:
-            if not self._local.belongs(manifest, self.rank):
-                raise CheckpointNotFoundError(f"{store.uri}: step {step} is not this job's copy")
-            index = view.index(0)
-
-        def describe(i: int):
-            entry = index.tensors[i]
-            return parse_dtype(entry.dtype), entry.shape
-
-        loader = plan_load(state, index.tree, describe, strict=strict)
-        kinds = {i: k for i, k in tensor_indexes(index.tree).items() if i in loader.needed}
-        wanted = {i: loader.dests.get(i) for i in kinds}
-        tensors = read_into(store, index, wanted, self.engine.config, written=written)
-        digests = {seg.chunk for i in kinds for seg in index.tensors[i].segments}
-        nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
-        if source.tier == PEER:  # its bytes were counted as the transfer received them
-            nbytes, digests = 0, set()
-        self.last_load.add(source.tier, nbytes, time.perf_counter() - t0, len(digests))
-        self.last_load.source = source.tier
-        return loader, index.tree, kinds, tensors
-
-    def _shared_manifest(self, step: int) -> Manifest:
-        """The manifest of ``step``, read by rank 0 and broadcast: one GET of ``commits/`` per
-        load however many ranks (it is one prefix). Collective; raises on every rank if rank 0
-        could not read it."""
-        found: Any = None
-        if self.rank == 0:
-            try:
-                found = load_manifest(self.store, step)
-            except CheckpointError as exc:
-                found = exc
-        found = self._group.broadcast(found)
-        if isinstance(found, BaseException):
-            if self.rank == 0:
-                raise found
-            message = f"rank 0 could not read the manifest: {self._one_line(found)}"
-            try:
-                raised = type(found)(message)
-            except Exception:  # noqa: BLE001 - an error class with another signature
-                raised = CheckpointError(message)
-            raise raised
-        return found
-
-    def _shared_source(self, needs: dict[str, ChunkInfo]) -> SharedChunks | None:
-        """Where this rank's chunks come from when other ranks need some of them too (None:
-        from storage alone). Collective: every rank calls it in each load's read."""
-        self.last_load_exchange = None
-        if not self._group.active:
-            return None
-        source = plan_shared_read(
-            self.store,
-            needs,
-            self.engine.config,
-            group=self._group.group,
-            budget_bytes=self.shared_read_budget_bytes,
-        )
-        if source is not None:
-            self.last_load_exchange = source.stats
-        return source
-
-    def _agree(self, step: int, error: BaseException | None) -> tuple[BaseException, bool] | None:
-        """Every rank's outcome of a phase of loading ``step``: None if it went well on every
-        rank, else the error this rank raises and whether every failure was corrupt or missing
-        data (both the same on every rank)."""
-
-        def missing_or_corrupt(exc: BaseException) -> bool:
-            return isinstance(exc, (CheckpointCorruptError, CheckpointNotFoundError))
-
-        if not self._group.active:
-            return None if error is None else (error, missing_or_corrupt(error))
-        mine = None
-        if error is not None:
-            kind = next(
-                (c for c in type(error).__mro__ if c.__module__ == CheckpointError.__module__),
-                CheckpointError,
-            )
-            mine = (kind, self._one_line(error), missing_or_corrupt(error))
-        failed = [(r, o) for r, o in enumerate(self._group.gather(mine)) if o is not None]
-        if not failed:
-            return None
-        skippable = all(o[2] for _, o in failed)
-        if error is not None and not isinstance(error, Exception):
-            return error, skippable  # KeyboardInterrupt and the like stay what they are
-        why = "; ".join(f"rank {r}: {o[1]}" for r, o in failed[:4])
-        if len(failed) > 4:
-            why += f"; and {len(failed) - 4} more rank(s)"
-        message = (
-            f"step {step} failed to load on {len(failed)} of {self._group.world_size} "
-            f"rank(s): {why}"
-        )
-        try:
-            agreed = failed[0][1][0](message)
-        except Exception:  # noqa: BLE001 - an error class with another signature
-            agreed = CheckpointError(message)
-        agreed.__cause__ = error
-        return agreed, skippable
-
-    def _load_failed(self, error: BaseException, dirty: dict[str, int]) -> BaseException:
-        """``error``, or, if a failed load wrote into tensors of the state, a PartialLoadError
-        naming them."""
-        if not dirty or not isinstance(error, Exception):
-            return error
-        steps = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
-        partial = PartialLoadError(
-            f"{error} -- the state is partly overwritten: {self._some(sorted(dirty))} received bytes "
-            f"of step {steps} before the load failed (no non-tensor value was set and no "
-            "load_state_dict() called); load again or rebuild the state before going on",
-            written=sorted(dirty),
-        )
-        partial.__cause__ = error
-        return partial
-
-    @staticmethod
-    def _one_line(error: BaseException) -> str:
-        return " ".join(str(error).split()) or type(error).__name__
-
-    @staticmethod
-    def _some(paths: list[str], shown: int = 8) -> str:
-        more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
-        return ", ".join(paths[:shown]) + more
+            return self._loader.load(state, step, fallback=fallback, strict=strict)
+        finally:
+            loader = self._loader
+            self.last_load, self.last_load_source = loader.last_load, loader.last_load_source
+            self.last_load_left_out = loader.last_load_left_out
+            self.last_load_exchange = loader.last_load_exchange
 
     def verify(self, step: int | str = "latest") -> None:
         """Re-check ``step`` (``"all"``: every committed step) in full, as ``ckptstore verify``
         does: every object read back and every chunk re-hashed. Raises
         :class:`CheckpointCorruptError` (or :class:`CheckpointNotFoundError` when objects are
         only missing) naming each problem; returns quietly when all is intact."""
-        from ckptstore._inspect import verify_steps
-
-        steps = list_steps(self.store) if step == "all" else [resolve_step(self.store, step)]
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
-        problems = [p for c in verify_steps(self.store, steps) for p in c.problems]
-        if not problems:
-            return
-        shown = "; ".join(
-            f"step {p.step}: {p.object} {p.problem} ({p.error})" for p in problems[:5]
-        )
-        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        kind = (
-            CheckpointNotFoundError
-            if all(p.problem == "missing" for p in problems)
-            else CheckpointCorruptError
-        )
-        raise kind(f"{len(problems)} problem(s) in {self.store.uri}: {shown}{more}")
+        self._loader.verify(step)
 
     def close(self) -> None:
         """Wait for pending saves and stop the background thread."""

@@ -32,7 +32,7 @@ class Source:
 @dataclass(frozen=True)
 class Candidate:
     step: int
-    attempt: str
+    attempt: str | None  # None: whichever save of the step is committed (a load without tiers)
     sources: list[list[Source]]  # by rank, in the order to try
 
 

@@ -1,0 +1,681 @@
+"""The Checkpointer's load path: one restore, whichever tiers each rank reads.
+
+``StateLoader.load`` plans the saves it may load (without tiers the committed steps, listed by
+rank 0; with tiers ``tiers.restore.plan_sources`` over every rank's held copies and the durable
+steps) and tries them newest first (only the first without ``fallback``), each through the same
+turns (``_load_candidate``). In a turn every rank that still needs its state:
+
+1. takes part in the peer transfers of the ranks whose source this turn is a peer's copy;
+2. opens the step at its source and plans the load (nothing written yet): a step read from
+   durable storage has its manifest read once, by rank 0 (which may have read it to plan), and
+   broadcast; a local copy (or one just restored from a peer) is this rank's own read;
+3. hears every rank's outcome; then reads, its tensors filled in place chunk by verified chunk:
+   a chunk two or more ranks read from durable storage is fetched once, by one of them, and
+   sent to the others (``shared_read``), while a tier copy is read by its rank alone;
+4. hears every rank's outcome again.
+
+A rank whose copy turned out missing or corrupt goes on to its next source in the next turn;
+any other failure, or a rank with no source left, ends the attempt on every rank alike
+(``fallback`` then tries the next older save where every failure was missing or corrupt data).
+Only once every rank holds every tensor are non-tensor values set and ``load_state_dict``
+called; a failed load that wrote into tensors raises ``PartialLoadError`` naming them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptstore import telemetry
+from ckptstore.catalog import list_steps, load_manifest, resolve_step
+from ckptstore.device_load import read_into
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    PartialLoadError,
+    UnsupportedStateError,
+)
+from ckptstore.format import ChunkInfo, Manifest, RankIndex
+from ckptstore.peer import PeerReplicas, tensors_from_replica
+from ckptstore.pipeline import PipelineConfig, parse_dtype
+from ckptstore.shared_read import (
+    DEFAULT_BUDGET_BYTES,
+    ExchangeStats,
+    SharedChunks,
+    needed_chunks,
+    plan_shared_read,
+)
+from ckptstore.state import finish_load, plan_load
+from ckptstore.steps import CHECKPOINTER, StepView
+from ckptstore.store import Store
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.policy import Topology
+from ckptstore.tiers.restore import (
+    DURABLE,
+    PEER,
+    Candidate,
+    LoadReport,
+    Source,
+    plan_sources,
+)
+from ckptstore.tiers.transfer import Transfer, transfer
+from ckptstore.tree import tensor_indexes
+
+logger = logging.getLogger(__name__)
+
+Failures = dict[int, tuple[type, str, bool]]  # rank -> (error class, one line, missing or corrupt)
+Stop = tuple[BaseException, bool]  # the error this rank raises, whether an older step may load
+
+
+@dataclass
+class _Read:
+    """One rank's read of a step from one source: opened, then planned, then read."""
+
+    tier: str
+    store: Store
+    view: StepView
+    started: float
+    replica: Any = None  # staging="peer": (buffer, meta) of the replica its guard held
+    index: RankIndex | None = None
+    tree: Any = None
+    loader: Any = None  # state.plan_load's plan
+    kinds: dict[int, bool] = field(default_factory=dict)  # saved tensor -> numpy or not
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def paths(self, written: set[int]) -> list[str]:
+        return sorted(self.loader.paths[i] for i in written) if self.loader else []
+
+
+class StateLoader:
+    """What a Checkpointer's ``load`` and ``verify`` need: the durable ``store``, the ranks'
+    ``group``, the pipeline ``config``, and where it has them the guard replicas of
+    ``staging="peer"`` (``peers``), or the ``local`` tier and the peer ``topology``. After each
+    load, ``last_load`` (with tiers), ``last_load_source``, ``last_load_left_out`` and
+    ``last_load_exchange`` say what it read."""
+
+    def __init__(
+        self,
+        store: Store,
+        group: RankGroup,
+        config: PipelineConfig,
+        *,
+        shared_read_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        peers: PeerReplicas | None = None,
+        local: LocalTier | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        self.store = store
+        self.group = group
+        self.config = config
+        self.shared_read_budget_bytes = shared_read_budget_bytes
+        self.peers = peers
+        self.local = local
+        self.topology = topology
+        self.rank = group.rank
+        self.last_load = LoadReport()
+        self.last_load_source: str | None = None
+        self.last_load_left_out: list[str] = []
+        self.last_load_exchange: ExchangeStats | None = None
+        self._report = LoadReport()  # the attempt in progress (last_load with tiers)
+        self._manifests: dict[int, Manifest] = {}  # rank 0: durable manifests this load read
+
+    # -- one load, newest save first ----------------------------------------------------------
+
+    def load(
+        self, state: Any, step: int | str = "latest", *, fallback: bool = False, strict: bool = True
+    ) -> int:
+        """``Checkpointer.load``: load ``step`` into ``state``; returns the step loaded."""
+        if fallback and step not in (None, "latest"):
+            raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
+        t0 = time.perf_counter()
+        try:
+            candidates = self._candidates(step, fallback)
+            dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
+            skipped: list[tuple[int, BaseException]] = []
+            for candidate in candidates:
+                self._report = report = LoadReport(step=candidate.step)
+                if self.local is not None:
+                    self.last_load = report
+                error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
+                report.seconds = time.perf_counter() - t0
+                if error is None:
+                    if self.local is not None:  # newer copies go at the next save
+                        self.local.resumed_from = candidate.step
+                    return candidate.step
+                dirty.update(dict.fromkeys(written, candidate.step))
+                if not (fallback and skippable):
+                    raise self._load_failed(error, dirty)
+                skipped.append((candidate.step, error))
+                self._warn_skipped(candidate.step, error)
+            raise self._load_failed(self._none_loaded(skipped), dirty)
+        finally:
+            self._manifests.clear()
+
+    def _candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
+        """The saves to try, newest first, the same on every rank (collective)."""
+        if self.local is not None:
+            return self._tiered_candidates(step, fallback)
+        steps: Any = None
+        if self.rank == 0:
+            try:
+                if fallback:
+                    steps = list_steps(self.store)[::-1]
+                    if not steps:
+                        raise CheckpointNotFoundError(
+                            f"no committed checkpoint in {self.store.uri}"
+                        )
+                else:
+                    steps = [resolve_step(self.store, step)]
+            except (CheckpointError, ValueError) as exc:
+                steps = exc
+        steps = self.group.broadcast(steps)
+        if isinstance(steps, BaseException):
+            raise steps
+        durable = [[Source(DURABLE)] for _ in range(self.group.world_size)]
+        return [Candidate(s, None, durable) for s in steps]
+
+    def _tiered_candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
+        """With tiers: the newest save every rank can get from some tier (or ``step``), and
+        with ``fallback`` the older ones, each rank's sources in the order to try them."""
+        assert self.local is not None
+        wanted = None if step in (None, "latest") else int(step)
+        wards = [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
+        held: dict[int, dict[int, str]] = {}
+        for ward in wards:
+            try:
+                held[ward] = self.local.copies(ward)
+            except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
+                logger.warning(
+                    "rank %d: the local tier of rank %d cannot be read, not offered: %s",
+                    self.rank,
+                    ward,
+                    self._one_line(exc),
+                )
+        durable: Any = None
+        if self.rank == 0:
+            try:
+                durable = list_steps(self.store)
+            except CheckpointError as exc:
+                durable = exc
+        everything = self.group.gather((held, durable))
+        plan: Any = None
+        if self.rank == 0:
+            try:
+                plan = self._plan_tiered(
+                    [h for h, _ in everything], durable, wanted, None if fallback else 1
+                )
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                plan = exc
+        plan = self.group.broadcast(plan)
+        if isinstance(plan, BaseException):
+            raise plan
+        return plan if fallback else plan[:1]
+
+    def _plan_tiered(
+        self,
+        held: list[dict[int, dict[int, str]]],
+        durable: Any,
+        step: int | None,
+        limit: int | None,
+    ) -> list[Candidate]:
+        assert self.local is not None
+        unlisted = durable if isinstance(durable, BaseException) else None
+        if unlisted is not None:
+            logger.warning(
+                "durable store %s cannot be listed, only local and peer copies are considered: %s",
+                self.store.uri,
+                self._one_line(unlisted),
+            )
+            durable = []
+
+        def attempt(s: int) -> str | None:
+            try:
+                manifest = load_manifest(self.store, s)
+            except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
+                logger.warning("durable step %d in %s unreadable: %s", s, self.store.uri, exc)
+                return None  # a storage error is raised: the step may be fine
+            self._manifests[s] = manifest  # read once: the load shares this one
+            return manifest.attempt
+
+        plan = plan_sources(held, durable, attempt, step=step, limit=limit)
+        if not plan and unlisted is not None:
+            raise unlisted
+        if not plan:
+            where = f"step {step}" if step is not None else "any step"
+            raise CheckpointNotFoundError(
+                f"no tier holds {where} for every rank: local {self.local.policy.local_dir}"
+                f", peers, durable {self.store.uri} (durable steps: "
+                f"{', '.join(map(str, durable[-5:])) or 'none'})"
+            )
+        return plan
+
+    # -- one save, in turns -------------------------------------------------------------------
+
+    def _load_candidate(
+        self, state: Any, candidate: Candidate, dirty: dict[str, int], strict: bool
+    ) -> tuple[BaseException | None, bool, list[str]]:
+        """Load ``candidate`` into ``state``: in each turn every rank still without its state
+        opens, plans and reads its next source, the ranks agreeing after planning and after
+        reading. Returns the error this rank raises (None: loaded), whether every rank's
+        failure was missing or corrupt data, and the paths of the tensors it wrote."""
+        step, turn = candidate.step, [0] * self.group.world_size
+        pending = set(range(self.group.world_size))
+        written: set[int] = set()
+        done: _Read | None = None
+        paths: list[str] = []
+        while pending:
+            current = {r: candidate.sources[r][turn[r]] for r in pending}
+            read, error, stop = self._open_and_plan(state, candidate, current, dirty, strict)
+            if stop is None:
+                stop, failed = self._settle(candidate, error, turn)
+            if stop is not None:
+                return (*stop, paths)
+            ready = pending - failed
+            error = self._read_turn(read if self.rank in ready else None, current, ready, written)
+            paths = read.paths(written) if read is not None else paths
+            stop, again = self._settle(candidate, error, turn)
+            if stop is not None:
+                return (*stop, paths)
+            if read is not None and self.rank in ready and self.rank not in again:
+                done = read
+            pending = failed | again
+        assert done is not None
+        self._finish(state, done, step)
+        return None, True, paths
+
+    def _open_and_plan(
+        self,
+        state: Any,
+        candidate: Candidate,
+        current: dict[int, Source],
+        dirty: dict[str, int],
+        strict: bool,
+    ) -> tuple[_Read | None, BaseException | None, Stop | None]:
+        """Steps 1 and 2 of a turn (collective): this rank's read of ``candidate`` from its
+        source in ``current`` (None where it has no source this turn), opened and planned, and
+        its error; with peer replicas, where the ranks agreed to stop before fetching them."""
+        outcomes = self._transfers(candidate, current)
+        durable = any(src.tier == DURABLE for src in current.values())
+        shared = self._shared_manifest(candidate.step) if durable else None
+        read: _Read | None = None
+        error: BaseException | None = None
+        if self.rank in current:
+            try:
+                read = self._open(candidate, current[self.rank], outcomes, shared)
+            except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
+                error = exc
+        if self.peers is not None:
+            stop = self._agree(candidate.step, error)  # fetching a replica is collective
+            if stop is not None:
+                return None, error, stop
+            replica = self.peers.fetch(candidate.step)
+            if read is not None:
+                read.replica = replica
+        if read is not None:
+            try:
+                self._plan(state, read, candidate.step, dirty, strict)
+            except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
+                error = exc
+        return read, error, None
+
+    def _transfers(
+        self, candidate: Candidate, current: dict[int, Source]
+    ) -> dict[Transfer, str | None]:
+        """The peer transfers of the ranks whose source this turn is a peer's copy, every
+        rank taking part (collective where there are any); their outcomes."""
+        transfers = [
+            Transfer(src.holder, r, r, candidate.step, candidate.attempt, repair=True)
+            for r, src in sorted(current.items())
+            if src.tier == PEER
+        ]
+        if not transfers:
+            return {}
+        assert self.local is not None
+        t0 = time.perf_counter()
+        outcomes, stats = transfer(
+            transfers,
+            group=self.group.group,
+            local=self.local,
+            budget_bytes=self.local.policy.peer_budget_bytes,
+        )
+        report = self._report
+        report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
+        if any(t.dst == self.rank for t in transfers):
+            elapsed = time.perf_counter() - t0
+            report.add(PEER, stats.received_bytes, elapsed, stats.chunks_received)
+        return outcomes
+
+    def _open(
+        self,
+        candidate: Candidate,
+        source: Source,
+        outcomes: dict[Transfer, str | None],
+        shared: Manifest | BaseException | None,
+    ) -> _Read:
+        """This rank's copy of ``candidate`` at ``source``, its manifest checked: for durable
+        storage ``shared``, the manifest rank 0 read (or the error it met)."""
+        step = candidate.step
+        if source.tier == PEER:
+            outcome = outcomes.get(
+                Transfer(source.holder, self.rank, self.rank, step, candidate.attempt, repair=True)
+            )
+            if outcome is not None:
+                raise CheckpointCorruptError(f"peer copy from rank {source.holder}: {outcome}")
+        started = time.perf_counter()
+        if source.tier == DURABLE:
+            if isinstance(shared, BaseException):
+                raise shared
+            assert shared is not None
+            store, manifest = self.store, shared
+        else:
+            assert self.local is not None
+            store = self.local.store(self.rank)
+            manifest = load_manifest(store, step)
+        view = StepView(store, manifest)
+        view.require(CHECKPOINTER)
+        if candidate.attempt is not None and manifest.attempt != candidate.attempt:
+            raise CheckpointNotFoundError(
+                f"{store.uri} holds another save of step {step} ({manifest.attempt})"
+            )
+        if source.tier != DURABLE:
+            assert self.local is not None
+            if not self.local.belongs(manifest, self.rank):
+                raise CheckpointNotFoundError(f"{store.uri}: step {step} is not this job's copy")
+        elif manifest.world_size != self.group.world_size:
+            raise UnsupportedStateError(
+                f"step {step} was saved by {manifest.world_size} rank(s), loading with "
+                f"{self.group.world_size}: resharding is done through ckptstore.dcp"
+            )
+        return _Read(source.tier, store, view, started)
+
+    def _plan(
+        self, state: Any, read: _Read, step: int, dirty: dict[str, int], strict: bool
+    ) -> None:
+        """Which saved tensor lands in which tensor of ``state``. Nothing is written yet."""
+        if read.replica is not None:
+            buffer, meta = read.replica
+            tensors = tensors_from_replica(buffer, meta)
+            read.tree, read.tensors = meta["tree"], tensors
+
+            def describe(i: int):
+                return tensors[i].dtype, list(tensors[i].shape)
+        else:
+            index = read.view.index(self.rank if read.tier == DURABLE else 0)
+            read.index, read.tree = index, index.tree
+
+            def describe(i: int):
+                entry = index.tensors[i]
+                return parse_dtype(entry.dtype), entry.shape
+
+        loader = plan_load(state, read.tree, describe, strict=strict)
+        read.loader = loader
+        read.kinds = {i: k for i, k in tensor_indexes(read.tree).items() if i in loader.needed}
+        stale = sorted(set(dirty) - set(loader.paths.values()))
+        if stale:
+            failed = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
+            raise UnsupportedStateError(
+                f"step {step} has no tensor for {self._some(stale)}, which the failed load "
+                f"of step {failed} wrote into: loading it cannot make the state whole"
+            )
+
+    def _read_turn(
+        self, read: _Read | None, current: dict[int, Source], ready: set[int], written: set[int]
+    ) -> BaseException | None:
+        """Step 3 of a turn: this rank's ``read``, if it is ready; collective where ranks read
+        durable storage (each rank names the durable chunks it needs, none if it reads
+        elsewhere): a chunk several of them need is fetched once. Its error, if any."""
+        source: SharedChunks | None = None
+        try:
+            if any(current[r].tier == DURABLE for r in ready):
+                durable = read is not None and read.tier == DURABLE and read.replica is None
+                needs = needed_chunks(read.index, read.kinds) if durable else {}
+                source = self._shared_source(needs)
+            if read is not None:
+                self._read(read, written, source)
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement
+            if source is not None:
+                source.finish(exc)  # the ranks waiting for its chunks hear it failed
+            return exc
+        return None
+
+    def _read(self, read: _Read, written: set[int], source: SharedChunks | None) -> None:
+        """Fill the state's tensors in place, chunk by verified chunk (``written``: those
+        that received bytes), from the replica, the copy or ``source`` over durable storage."""
+        if read.replica is not None:
+            for i, dest in read.loader.dests.items():
+                written.add(i)
+                dest.copy_(read.tensors[i])
+                read.tensors[i] = dest
+            return
+        index = read.index
+        assert index is not None
+        wanted = {i: read.loader.dests.get(i) for i in read.kinds}
+        read.tensors = read_into(
+            read.store, index, wanted, self.config, written=written, source=source
+        )
+        digests = {seg.chunk for i in read.kinds for seg in index.tensors[i].segments}
+        nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
+        if read.tier == PEER:  # its bytes were counted as the transfer received them
+            nbytes, digests = 0, set()
+        self._report.add(read.tier, nbytes, time.perf_counter() - read.started, len(digests))
+        self._report.source = read.tier
+
+    def _finish(self, state: Any, read: _Read, step: int) -> None:
+        """Every rank has every tensor: only now are values set and load_state_dict called."""
+        kinds = read.kinds
+        values = {i: (t.numpy() if kinds[i] else t) for i, t in read.tensors.items() if i in kinds}
+        finish_load(read.loader, state, read.tree, values)
+        self.last_load_left_out = [f"{p} (not in the state)" for p in read.loader.left_out]
+        self.last_load_left_out += [f"{p} (not in step {step})" for p in read.loader.not_saved]
+        if self.last_load_left_out:
+            logger.info(
+                "rank %d: step %d loaded with strict=False; left out: %s",
+                self.rank,
+                step,
+                self._some(self.last_load_left_out),
+            )
+        if self.local is not None:
+            self.last_load_source = where = self._report.source
+            telemetry.tier_loads_total.inc(tier=where)
+            for tier, stats in self._report.sources.items():
+                telemetry.tier_load_bytes_total.inc(stats.bytes, tier=tier)
+        elif read.replica is not None:
+            self.last_load_source, where = "peer", "its guard's memory"
+        else:
+            self.last_load_source, where = "storage", self.store.uri
+        logger.info("rank %d: loaded step %d from %s", self.rank, step, where)
+
+    # -- read once, share ---------------------------------------------------------------------
+
+    def _shared_manifest(self, step: int) -> Manifest | BaseException:
+        """The durable manifest of ``step``, read by rank 0 (unless it read it to plan this
+        load) and broadcast: one GET of ``commits/`` per load however many ranks (it is one
+        prefix). Collective; the error rank 0 met instead, for each rank to raise if it reads
+        durable storage."""
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = self._manifests.get(step) or load_manifest(self.store, step)
+                self._manifests[step] = found
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the broadcast
+                found = exc
+        found = self.group.broadcast(found)
+        if not isinstance(found, BaseException) or self.rank == 0:
+            return found
+        message = f"rank 0 could not read the manifest: {self._one_line(found)}"
+        try:
+            return type(found)(message)
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            return CheckpointError(message)
+
+    def _shared_source(self, needs: dict[str, ChunkInfo]) -> SharedChunks | None:
+        """Where this rank's chunks come from when other ranks need some of them too (None:
+        from storage alone). Collective: every rank calls it in a turn's read from durable
+        storage (with no ``needs`` if it reads none)."""
+        self.last_load_exchange = None
+        if not self.group.active:
+            return None
+        source = plan_shared_read(
+            self.store,
+            needs,
+            self.config,
+            group=self.group.group,
+            budget_bytes=self.shared_read_budget_bytes,
+        )
+        if source is not None:
+            self.last_load_exchange = source.stats
+        return source
+
+    # -- agreement ----------------------------------------------------------------------------
+
+    def _settle(
+        self, candidate: Candidate, error: BaseException | None, turn: list[int]
+    ) -> tuple[Stop | None, set[int]]:
+        """Every rank's outcome of a phase of this turn (collective), and the ranks that
+        failed. Where each failed on missing or corrupt data and has a source left, each moves
+        on to it (``turn``); else the attempt stops, on every rank: the error to raise."""
+        failed = self._outcomes(error)
+        if not failed:
+            return None, set()
+        sources = candidate.sources
+        if not all(skippable for *_, skippable in failed.values()) or any(
+            turn[r] + 1 >= len(sources[r]) for r in failed
+        ):
+            return self._agreed(candidate.step, error, failed), set(failed)
+        for r, (_, why, _) in failed.items():
+            if r == self.rank:
+                logger.warning(
+                    "rank %d: step %d from %s failed, trying the next tier: %s",
+                    r,
+                    candidate.step,
+                    sources[r][turn[r]],
+                    why,
+                )
+            turn[r] += 1
+        return None, set(failed)
+
+    def _agree(self, step: int, error: BaseException | None) -> Stop | None:
+        """Every rank's outcome of a phase of loading ``step``: None if it went well on every
+        rank, else the error this rank raises and whether every failure was corrupt or missing
+        data (both the same on every rank)."""
+        failed = self._outcomes(error)
+        return self._agreed(step, error, failed) if failed else None
+
+    def _outcomes(self, error: BaseException | None) -> Failures:
+        """Every rank's failure (collective), by rank: those that went well left out."""
+        mine = None
+        if error is not None:
+            kind = next(
+                (c for c in type(error).__mro__ if c.__module__ == CheckpointError.__module__),
+                CheckpointError,
+            )
+            missing_or_corrupt = isinstance(
+                error, (CheckpointCorruptError, CheckpointNotFoundError)
+            )
+            mine = (kind, self._one_line(error), missing_or_corrupt)
+        everyone = self.group.gather(mine) if self.group.active else [mine]
+        return {r: o for r, o in enumerate(everyone) if o is not None}
+
+    def _agreed(self, step: int, error: BaseException | None, failed: Failures) -> Stop:
+        """The error each rank raises for the ``failed`` ranks of a phase of ``step``."""
+        skippable = all(o[2] for o in failed.values())
+        if error is not None and (not self.group.active or not isinstance(error, Exception)):
+            return error, skippable  # alone, or KeyboardInterrupt and the like: as they are
+        shown = list(failed.items())
+        why = "; ".join(f"rank {r}: {o[1]}" for r, o in shown[:4])
+        if len(shown) > 4:
+            why += f"; and {len(shown) - 4} more rank(s)"
+        message = (
+            f"step {step} failed to load on {len(shown)} of {self.group.world_size} rank(s): {why}"
+        )
+        try:
+            agreed = shown[0][1][0](message)
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            agreed = CheckpointError(message)
+        agreed.__cause__ = error
+        return agreed, skippable
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def _warn_skipped(self, step: int, error: BaseException) -> None:
+        if self.local is None:
+            logger.warning(
+                "rank %d: step %d in %s cannot be loaded, trying an older step: %s",
+                self.rank,
+                step,
+                self.store.uri,
+                self._one_line(error),
+            )
+        else:
+            logger.warning(
+                "rank %d: step %d cannot be loaded from any tier, trying an older step: %s",
+                self.rank,
+                step,
+                self._one_line(error),
+            )
+
+    def _none_loaded(self, skipped: list[tuple[int, BaseException]]) -> CheckpointError:
+        """The error of a load with fallback that loaded no step."""
+        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
+        missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
+        where = f"committed step in {self.store.uri}"
+        if self.local is not None:
+            where = f"step in the tiers ({self.local.policy.local_dir}, peers) or {self.store.uri}"
+        return (CheckpointNotFoundError if missing else CheckpointCorruptError)(
+            f"no {where} could be loaded, every one failed: {every}"
+        )
+
+    def _load_failed(self, error: BaseException, dirty: dict[str, int]) -> BaseException:
+        """``error``, or, if a failed load wrote into tensors of the state, a PartialLoadError
+        naming them."""
+        if not dirty or not isinstance(error, Exception):
+            return error
+        steps = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))
+        partial = PartialLoadError(
+            f"{error} -- the state is partly overwritten: {self._some(sorted(dirty))} received bytes "
+            f"of step {steps} before the load failed (no non-tensor value was set and no "
+            "load_state_dict() called); load again or rebuild the state before going on",
+            written=sorted(dirty),
+        )
+        partial.__cause__ = error
+        return partial
+
+    @staticmethod
+    def _one_line(error: BaseException) -> str:
+        return " ".join(str(error).split()) or type(error).__name__
+
+    @staticmethod
+    def _some(paths: list[str], shown: int = 8) -> str:
+        more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+        return ", ".join(paths[:shown]) + more
+
+    # -- verify -------------------------------------------------------------------------------
+
+    def verify(self, step: int | str = "latest") -> None:
+        """``Checkpointer.verify``: re-check ``step`` (``"all"``: every committed step) in
+        full; raises naming each problem, returns quietly when all is intact."""
+        from ckptstore._inspect import verify_steps
+
+        steps = list_steps(self.store) if step == "all" else [resolve_step(self.store, step)]
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
+        problems = [p for c in verify_steps(self.store, steps) for p in c.problems]
+        if not problems:
+            return
+        shown = "; ".join(
+            f"step {p.step}: {p.object} {p.problem} ({p.error})" for p in problems[:5]
+        )
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        kind = (
+            CheckpointNotFoundError
+            if all(p.problem == "missing" for p in problems)
+            else CheckpointCorruptError
+        )
+        raise kind(f"{len(problems)} problem(s) in {self.store.uri}: {shown}{more}")
