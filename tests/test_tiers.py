@@ -391,11 +391,12 @@ step = 0
 while step < 3000:
     step += 1
     state = {"w": torch.full((4096,), float(step))}
-    if step % 5 == 0 or ckpt.preempted:
+    preempted = ckpt.preempted  # read once: the step it leaves at is saved after SIGTERM
+    if step % 5 == 0 or preempted:
         ckpt.save(step, state)
     if step == 10:
         print("training", flush=True)
-    if ckpt.preempted:
+    if preempted:
         print(f"left at step {step}", flush=True)
         break
     time.sleep(0.01)
