@@ -7,8 +7,9 @@ import os
 import subprocess
 import uuid
 
-import _seaweedfs as seaweedfs
 import pytest
+
+from tests.helpers import seaweedfs
 
 
 def pytest_configure(config):
@@ -77,7 +78,7 @@ def store_uri(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def seaweed_endpoint():
-    """A SeaweedFS S3 endpoint (``weed mini``, tests/_seaweedfs.py) on loopback, with its own
+    """A SeaweedFS S3 endpoint (``weed mini``, tests/helpers/seaweedfs.py) on loopback, with its own
     data directory and free ports; its URL. Skipped only where ``weed`` is absent or cannot run."""
     try:
         binary = seaweedfs.find_weed()

@@ -7,11 +7,11 @@ import json
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench.cli import main
+from tests.helpers import ROOT
 
 
 def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
@@ -71,7 +71,7 @@ def test_skipped_save_warnings_stay_out_of_the_table(tmp_path):
             "--size", "8MiB", "--tensors", "2", "--steps", "8", "--step-s", "0.001",
             "--kinds", "gpu",
         ],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     title, header, row = done.stdout.splitlines()
@@ -106,7 +106,7 @@ def test_other_library_warnings_still_reach_the_log(caplog, monkeypatch, tmp_pat
 def test_readme_lists_every_bench_command_and_how_buckets_are_created():
     from bench.cli import WORKLOADS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     (listing,) = [line for line in readme.splitlines() if line.startswith("ckptbench save")]
     listed = listing.split("#")[0].removeprefix("ckptbench").split("|")
     assert [name.strip() for name in listed] == list(WORKLOADS)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from bench.cli import main
+from tests.helpers import ROOT
 
 
 def _json(capsys, *argv: str) -> dict:
@@ -81,14 +82,13 @@ def test_injected_faults_are_summarised_not_warned_one_by_one():
     come back with -v)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     def run(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "bench.cli", *extra, "loader", "--error-rate", "0.1",
              "--reads", "600", "--latency", "fixed:0.001", "--slow-rate", "0", "--json"],
             capture_output=True, text=True, timeout=300,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=ROOT,
         )  # fmt: skip
 
     done = run()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from bench import plan, request_floor, storage
+from tests.helpers import ROOT
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -121,7 +122,7 @@ def test_restart_time_defaults_to_a_published_figure_and_says_so(capsys):
     assert args.func(args) == 0
     (row,) = [line for line in capsys.readouterr().out.splitlines() if "restart per" in line]
     assert "2.5 min" in row and "FlashRecovery, arXiv 2509.03047" in row
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "plan.md").read_text()
+    docs = (ROOT / "docs" / "plan.md").read_text()
     assert "arXiv 2509.03047" in docs
 
 
@@ -238,7 +239,7 @@ def _ckptbench(*argv: str, stdout: Any = subprocess.PIPE, unbuffered: bool = Tru
         text=True,
         timeout=120,
         env=env,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
     )
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from bench import recover
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::UserWarning")]
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -8,12 +8,12 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench import scale
 from bench._thread_ranks import CollectiveCall, ThreadWorld
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -77,7 +77,7 @@ def test_default_store_is_a_moto_server_and_the_table_prints():
     done = subprocess.run(
         [sys.executable, "-m", "bench.cli", "scale", "--threads", "--ranks", "1,2", "--saves",
          "2", "--state-bytes", "32KiB", "--chunk-bytes", "16KiB"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "ranks as threads on moto" in done.stdout

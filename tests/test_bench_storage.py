@@ -16,6 +16,7 @@ from bench.report import parse_bytes
 from bench.storage.stats import _Timeline
 from ckptstore.store import Store
 from ckptstore.telemetry import LatencyHistogram
+from tests.helpers import ROOT
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -361,12 +362,11 @@ def test_unwritable_plot_fails_before_the_run(monkeypatch, capsys, plot, message
 
 def test_unwritable_plot_exits_2_as_a_process():
     import subprocess
-    from pathlib import Path
 
     done = subprocess.run(
         [sys.executable, "-m", "bench.cli", "storage", "--uri", _memory_uri(),
          "--count", "5", "--plot", "/nonexistent/x.png"],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.strip().splitlines()

@@ -1,7 +1,7 @@
 """Decoding is bounded by what the rank index declares, and `verify` OK means `restore` loads:
 zstd bombs in real saves' chunks fail in one line without growing the reader (peak RSS measured
 in a child process), and shapes restore could not allocate are corrupt for both verify and
-restore. Crafted from real saves (tests/_crafted.py)."""
+restore. Crafted from real saves (tests/helpers/crafted.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from _child import growth_in_child
-from _crafted import put_rank_index, rank_index_doc, rewrite
 
 from ckptstore import CheckpointCorruptError, Checkpointer, Store
 from ckptstore.cli import main
 from ckptstore.format import chunk_key
+from tests.helpers.child import growth_in_child
+from tests.helpers.crafted import put_rank_index, rank_index_doc, rewrite
 
 N = 16384  # float32 elements: one chunk of 64 KiB (room for a 32 KiB bomb frame)
 BOMB = 1 << 30  # what the bomb decompresses to

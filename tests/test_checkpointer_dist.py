@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.staging import align
+from tests.helpers.dist import run_ranks
 
 
 def _rank_state(rank: int, step: int) -> dict:

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _dist import run_ranks
 
 from ckptstore import Checkpointer
 from ckptstore.cli import main
+from tests.helpers.dist import run_ranks
 
 STEPS = (10, 20, 30)
 

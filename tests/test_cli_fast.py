@@ -16,8 +16,7 @@ import torch
 from ckptstore import Checkpointer
 from ckptstore.cli import main
 from ckptstore.format import _COMMON_ITEMSIZES
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 RUN_WITHOUT_TORCH = """
 import sys

@@ -18,14 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import _rank_main, free_port, run_ranks
-from test_requests import CHUNK_BYTES, CountingBackend, Tally, counted_checkpointer, moto_server
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps, load_rank_indexes, open_step
 from ckptstore.leases import SAVE, find_leases
 from ckptstore.retention import collect
 from ckptstore.save import SaveSession
+from tests.helpers.dist import _rank_main, free_port, run_ranks
+from tests.test_requests import (
+    CHUNK_BYTES,
+    CountingBackend,
+    Tally,
+    counted_checkpointer,
+    moto_server,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 import torch
-from _staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
 import ckptstore.device_load as device_load
 import ckptstore.staging as staging
@@ -19,6 +18,7 @@ from ckptstore.catalog import load_manifest
 from ckptstore.device import Device, allocate_host
 from ckptstore.staging import Stager, StagingPool
 from ckptstore.steps import StepView
+from tests.helpers.staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -22,6 +21,7 @@ from ckptstore.errors import CheckpointCorruptError, StepExistsError, Unsupporte
 from ckptstore.format import KIND_DCP, chunk_key, commit_key
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
+from tests.helpers.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

@@ -1,7 +1,7 @@
 """Read once, broadcast through DCP (issue 23): ``dcp.load`` with ``StoreReader`` on several
 ranks fetches each distinct chunk from storage once.
 
-Real gloo ranks (``tests/_dist.py``) save replicated state with ``StoreWriter`` and load it with
+Real gloo ranks (``tests/helpers/dist.py``) save replicated state with ``StoreWriter`` and load it with
 ``StoreReader``; each rank's chunk GETs are counted at its store's backend, as
 ``tests/test_shared_read.py`` counts them.
 
@@ -19,9 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
-from test_requests import Tally
-from test_shared_read import PathTally, _counting_store, _gathered
 from torch.distributed.checkpoint import CheckpointException
 
 import ckptstore.dcp.reader as reader_module
@@ -29,6 +26,9 @@ from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointCorruptError, CheckpointError
 from ckptstore.store import Store
+from tests.helpers.dist import run_ranks
+from tests.test_requests import Tally
+from tests.test_shared_read import PathTally, _counting_store, _gathered
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
-from test_dcp import _assert_same, _blank
 from torch.distributed.checkpoint import CheckpointException
 
 from ckptstore.catalog import list_steps
@@ -24,6 +22,8 @@ from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import StepExistsError
 from ckptstore.format import commit_key
 from ckptstore.store import Store
+from tests.helpers.dist import run_ranks
+from tests.test_dcp import _assert_same, _blank
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

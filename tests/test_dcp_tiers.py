@@ -3,7 +3,7 @@ save to each rank's local tier first and every M-th to durable storage; ``StoreR
 ...)`` loads the newest step every rank can get, each chunk from a rank's local copy where one
 holds it (sent over the group to the ranks that need it), else from durable storage.
 
-Real gloo ranks (``tests/_dist.py``), real files; durable chunk reads counted at the store's
+Real gloo ranks (``tests/helpers/dist.py``), real files; durable chunk reads counted at the store's
 backend. DCP writes each replicated item once, on one rank, so every load here needs chunks
 that only another rank's local tier holds.
 """
@@ -19,9 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
-from test_requests import Tally
-from test_shared_read import _counting_store, _gathered
 from torch.distributed.checkpoint import CheckpointException
 
 import ckptstore.dcp.tiers as dcp_tiers
@@ -30,6 +27,9 @@ from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.store import Store
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import rank_dir, store_identity
+from tests.helpers.dist import run_ranks
+from tests.test_requests import Tally
+from tests.test_shared_read import _counting_store, _gathered
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

@@ -1,7 +1,7 @@
 """Adversarial tests of the DCP tier policy (``StoreWriter(local_dir=, durable_every=M,
 local_keep_last=)`` / ``StoreReader(local_dir=)``, as first landed in 8e093f1).
 
-Every test runs real saves and loads: real files, real gloo ranks (``tests/_dist.py``), no
+Every test runs real saves and loads: real files, real gloo ranks (``tests/helpers/dist.py``), no
 mock of the code under test. Each attacks one promise:
 
 1. a load never returns the bytes of another save than the one the store committed last under
@@ -32,8 +32,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
-from test_dcp_tiers import CHUNK, _assert_loaded, _blank, _local_dir, _records, _state, _writer
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -42,6 +40,16 @@ from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.store import Store
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import rank_dir, store_identity
+from tests.helpers.dist import run_ranks
+from tests.test_dcp_tiers import (
+    CHUNK,
+    _assert_loaded,
+    _blank,
+    _local_dir,
+    _records,
+    _state,
+    _writer,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

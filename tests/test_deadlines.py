@@ -18,8 +18,7 @@ from ckptstore.errors import StorageError, StorageTimeoutError
 from ckptstore.store import RetryPolicy, Store, describe_endpoint
 from ckptstore.store.backends import bounded_s3_options
 from ckptstore.testing.faults import Faults, with_faults
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 class HungServer:
@@ -127,7 +126,7 @@ def _cli(*argv: str, timeout: float) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=REPO,
+        cwd=ROOT,
         env=dict(os.environ),
     )
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
 import ckptstore.staging as staging
 from ckptstore import Checkpointer
@@ -20,6 +19,7 @@ from ckptstore.device_load import read_to_device
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.format import chunk_key
 from ckptstore.steps import StepView
+from tests.helpers.staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
 FALLBACK = "staging through host memory"
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -28,6 +27,7 @@ from ckptstore.errors import (
 from ckptstore.export import export_safetensors, parse_size
 from ckptstore.format import chunk_key
 from ckptstore.store import Store
+from tests.helpers.dist import run_ranks
 
 MiB = 2**20
 

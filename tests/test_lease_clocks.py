@@ -19,7 +19,6 @@ import time
 
 import pytest
 import torch
-from _wait import wait_until
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
@@ -27,6 +26,7 @@ from ckptstore.format import commit_key
 from ckptstore.leases import SAVE, LeaseInfo, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
+from tests.helpers.wait import wait_until
 
 PY = sys.executable
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import ROOT
+
 L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
@@ -31,8 +33,6 @@ from ckptstore.catalog import list_steps  # noqa: E402
 from ckptstore.integrations._pickled import MARKER, wrap  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
 from ckptstore.testing.faults import Faults, with_faults  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class TinyModel(L.LightningModule):
@@ -301,9 +301,7 @@ def test_values_the_state_refuses_are_pickled_beside_verified_tensors(tmp_path):
 
 
 CHILD = """
-import sys
-sys.path.insert(0, {tests!r})
-from test_lightning import CkptstoreCheckpointIO, TinyModel, _loader, _trainer
+from {module} import CkptstoreCheckpointIO, TinyModel, _loader, _trainer
 io = CkptstoreCheckpointIO({uri!r})
 _trainer(io, {uri!r}, max_steps=100_000, save_top_k=-1).fit(TinyModel(), _loader())
 """
@@ -311,7 +309,7 @@ _trainer(io, {uri!r}, max_steps=100_000, save_top_k=-1).fit(TinyModel(), _loader
 
 def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
     uri = str(tmp_path / "store")
-    script = CHILD.format(tests=str(ROOT / "tests"), uri=uri)
+    script = CHILD.format(module=__name__, uri=uri)  # this module, in the child
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp_path / "child.log"
     store = Store(uri)
@@ -349,7 +347,12 @@ def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
 
 def _ddp_fit(tmp_path, out: str, *args: str) -> None:
     (tmp_path / out).mkdir()
-    cmd = [sys.executable, str(ROOT / "tests" / "_lightning_ddp.py"), "--out", str(tmp_path / out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "helpers" / "lightning_ddp.py"),
+        "--out",
+        str(tmp_path / out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [*cmd, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300

@@ -25,13 +25,13 @@ from pathlib import Path
 from unittest.mock import MagicMock
 
 import pytest
-from _lightning_upstream import StoreOfTest, use_store
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO
+from tests.helpers.lightning_upstream import StoreOfTest, use_store
 
 
 @pytest.fixture(autouse=True, params=["local", "s3"])

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lightning_upstream import use_store
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomIterableDataset
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data.dataloader import DataLoader
+
+from tests.helpers.lightning_upstream import use_store
 
 
 @pytest.fixture(autouse=True)

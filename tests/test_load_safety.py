@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _dist import run_ranks
 
 import ckptstore.pipeline
 from ckptstore import (
@@ -25,8 +24,9 @@ from ckptstore import (
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.errors import PartialLoadError
 from ckptstore.format import chunk_key
+from tests.helpers import ROOT
+from tests.helpers.dist import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 N = 16 * 1024  # float32 elements: 16 chunks of 4096 bytes each
 
 

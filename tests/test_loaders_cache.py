@@ -17,10 +17,10 @@ import xxhash
 from ckptstore import Store
 from loaders import MDS, LoaderConfig, ShardDataset, StatefulLoader, TokenFiles
 from loaders.cache import ShardCache, open_cache
+from tests.helpers import MDS_FIXTURES, ROOT
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.s3]
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mds"
 SAMPLE_TOKENS = 64
 UNIT_SAMPLES = 8
 UNIT_BYTES = UNIT_SAMPLES * SAMPLE_TOKENS * 2  # uint16
@@ -192,7 +192,7 @@ def test_corrupt_entries_are_dropped_and_fetched_again(s3_uri, tmp_path):
 
 
 def _upload_mds(uri: str) -> Path:
-    src = FIXTURES / "tokens-zstd"
+    src = MDS_FIXTURES / "tokens-zstd"
     store = Store(uri)
     for path in src.iterdir():
         if path.name != "expected.jsonl":
@@ -227,9 +227,9 @@ def test_entry_passing_its_own_hash_but_not_the_mds_index_hash_is_refetched(s3_u
 
 _CHILD = """
 import json, sys
-sys.path.insert(0, {tests!r})
-import test_loaders_cache as t
-print(json.dumps(t._read_in_child(*json.loads(sys.argv[1]))))
+sys.path.insert(0, {root!r})
+from {module} import _read_in_child
+print(json.dumps(_read_in_child(*json.loads(sys.argv[1]))))
 """
 
 
@@ -245,7 +245,7 @@ def _read_in_child(uri: str, cache_dir: str, budget: int, epochs: int, seed: int
 
 
 def _start_child(uri: str, cache_dir, budget: int, epochs: int, seed: int) -> subprocess.Popen:
-    script = _CHILD.format(tests=str(Path(__file__).resolve().parent))
+    script = _CHILD.format(root=str(ROOT), module=__name__)  # this module, in the child
     args = json.dumps([uri, str(cache_dir), budget, epochs, seed])
     return subprocess.Popen(
         [sys.executable, "-c", script, args],

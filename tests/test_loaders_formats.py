@@ -25,14 +25,14 @@ from loaders import (
     UnknownFormatError,
     WebDataset,
 )
+from tests.helpers import MDS_FIXTURES
 
 # Written by mosaicml-streaming's own MDSWriter (copied from the project's shared fixtures).
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mds"
 IN_ORDER = LoaderConfig(shuffle=False)
 
 
 def _fixture(name: str) -> Path:
-    path = FIXTURES / name
+    path = MDS_FIXTURES / name
     assert (path / "index.json").exists(), f"MDS fixture {path} is missing from the repository"
     return path
 

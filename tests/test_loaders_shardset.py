@@ -25,6 +25,7 @@ from loaders import (
     WebDataset,
 )
 from loaders.replicas import replica_retry_policy
+from tests.helpers import MDS_FIXTURES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +33,7 @@ SAMPLE_TOKENS = 4
 SHARDS = [f"shard-{i:04d}.bin" for i in range(4)]
 PER_SHARD = 100
 IN_ORDER = LoaderConfig(shuffle=False, log_interval_s=0)
-MDS_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "mds" / "mixed-raw"
+MDS_FIXTURE = MDS_FIXTURES / "mixed-raw"
 
 
 def _token_replicas(tmp_path: Path, names: str = "ab") -> list[Path]:

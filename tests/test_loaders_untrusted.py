@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
-from _child import growth_in_child
 
 from loaders import (
     MDS,
@@ -25,6 +24,7 @@ from loaders import (
     WebDataset,
 )
 from loaders.formats._codecs import hasher
+from tests.helpers.child import growth_in_child
 
 IN_ORDER = LoaderConfig(shuffle=False)
 BOMB = 1 << 30

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from _child import growth_in_child
 
 from ckptstore.store import Store
 from loaders import (
@@ -27,6 +26,7 @@ from loaders import (
     UnknownFormatError,
     WebDataset,
 )
+from tests.helpers.child import growth_in_child
 
 IN_ORDER = LoaderConfig(shuffle=False)
 NO_HEDGE = ReplicaConfig(hedge=False)

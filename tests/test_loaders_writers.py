@@ -9,11 +9,9 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_loaders_formats import _expected
 
 from loaders import (
     MDS,
@@ -29,15 +27,15 @@ from loaders import (
     WebDataset,
     WebDatasetWriter,
 )
+from tests.helpers import MDS_FIXTURES, ROOT
+from tests.test_loaders_formats import _expected
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mds"
-ROOT = Path(__file__).resolve().parents[1]
 IN_ORDER = LoaderConfig(shuffle=False)
 SHUFFLED = LoaderConfig(seed=3, shuffle_block_units=2)
 
 
 def _fixture_samples(name: str) -> list[dict]:
-    lines = (FIXTURES / name / "expected.jsonl").read_text().splitlines()
+    lines = (MDS_FIXTURES / name / "expected.jsonl").read_text().splitlines()
     return [{k: _expected(v) for k, v in json.loads(line).items()} for line in lines]
 
 
@@ -59,7 +57,7 @@ def _by_index(samples) -> list:
 
 @pytest.mark.parametrize("name", ["tokens-zstd", "mixed-raw", "json-order"])
 def test_mds_writer_output_matches_streaming_writer(tmp_path, name):
-    ref = json.loads((FIXTURES / name / "index.json").read_text())
+    ref = json.loads((MDS_FIXTURES / name / "index.json").read_text())
     first = ref["shards"][0]
     columns = dict(zip(first["column_names"], first["column_encodings"]))
     samples = _fixture_samples(name)
@@ -86,7 +84,7 @@ def test_mds_writer_output_matches_streaming_writer(tmp_path, name):
         if not want["zip_data"]:
             basename = want["raw_data"]["basename"]
             assert (tmp_path / "ds" / basename).read_bytes() == (
-                FIXTURES / name / basename
+                MDS_FIXTURES / name / basename
             ).read_bytes()
         if want["zip_data"]:
             stored = tmp_path / "ds" / got["zip_data"]["basename"]

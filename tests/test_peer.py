@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import run_ranks
 
 from ckptstore import Checkpointer
 from ckptstore.peer import PeerReplicas, guard_of, ward_of
+from tests.helpers.dist import run_ranks
 
 
 def _state(rank: int, step: int) -> dict:

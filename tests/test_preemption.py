@@ -15,8 +15,7 @@ import torch
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 LOOP = """
 import signal, sys, time

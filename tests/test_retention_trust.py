@@ -1,6 +1,6 @@
 """Issue 21 item 6: retention never deletes the last loadable step because a newer one is damaged.
 
-Damaged stores are real saves rewritten by ``_crafted``: a truncated manifest, a manifest whose
+Damaged stores are real saves rewritten by ``tests.helpers.crafted``: a truncated manifest, a manifest whose
 checksum is recomputed over a broken field, a rank index that references a chunk of the wrong
 size. gc keeps the loadable step, marks the damaged one, sweeps nothing while it is there, and
 deletes it only when asked (``--remove-corrupt``)."""
@@ -11,13 +11,19 @@ import json
 
 import pytest
 import torch
-from _crafted import manifest_doc, put_manifest, put_rank_index, rank_index_doc, rewrite
 
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps
 from ckptstore.cli import main
 from ckptstore.format import commit_key
 from ckptstore.retention import collect
+from tests.helpers.crafted import (
+    manifest_doc,
+    put_manifest,
+    put_rank_index,
+    rank_index_doc,
+    rewrite,
+)
 
 W = {1: torch.arange(64.0), 2: torch.arange(64.0) + 100}
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from _crafted import put_rank_index, rank_index_doc
 
 from ckptstore import CheckpointCorruptError, Checkpointer, RNGState
+from tests.helpers.crafted import put_rank_index, rank_index_doc
 
 
 def draws(generator: torch.Generator | None = None) -> tuple:

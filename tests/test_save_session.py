@@ -4,14 +4,14 @@ Checkpointer save of the same state record the same step."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 
 from ckptstore.catalog import load_manifest
 from ckptstore.store import Store
+from tests.helpers import ROOT
+from tests.helpers.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -57,7 +57,7 @@ def test_dcp_and_checkpointer_saves_count_the_same_bytes(tmp_path):
     )
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ckptstore"
+PACKAGE = ROOT / "ckptstore"
 # Read-only modules that merge the rank indexes they read into one (never written).
 READERS = {"dcp/reader.py", "export.py"}
 

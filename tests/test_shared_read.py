@@ -1,6 +1,6 @@
 """Read once, broadcast (issue 23): ranks restoring the same chunks fetch each from storage once.
 
-Real gloo ranks (``tests/_dist.py``) restore through ``Checkpointer.load``; each rank's chunk
+Real gloo ranks (``tests/helpers/dist.py``) restore through ``Checkpointer.load``; each rank's chunk
 GETs are counted at its store's backend (``test_requests.CountingBackend``).
 
 ``python tests/test_shared_read.py`` prints the figures recorded in docs/BENCHMARKS.md.
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
-from test_requests import CountingBackend, Tally
 
 from ckptstore import Checkpointer, Store
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.format import ChunkInfo
 from ckptstore.shared_read import ExchangePlan
+from tests.helpers.dist import run_ranks
+from tests.test_requests import CountingBackend, Tally
 
 CHUNK = 64 * 1024
 SETTINGS = dict(chunk_bytes=CHUNK, compression="none", hedge_uploads=False)

@@ -13,12 +13,12 @@ import textwrap
 import time
 
 import pytest
-from _wait import wait_until
-from test_commit_safety import chunk_files, referenced_chunks, verify_all
 
 from ckptstore import Store
 from ckptstore.leases import find_leases
 from ckptstore.retention import collect
+from tests.helpers.wait import wait_until
+from tests.test_commit_safety import chunk_files, referenced_chunks, verify_all
 
 KEEP = 4
 TTL_S = 2.0

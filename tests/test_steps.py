@@ -14,6 +14,7 @@ from ckptstore import Checkpointer, UnsupportedStateError
 from ckptstore.dcp import StoreWriter
 from ckptstore.steps import CHECKPOINTER, DCP, StepView
 from ckptstore.store import Store
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -82,7 +83,7 @@ def test_a_dcp_item_the_indexes_do_not_hold_is_found_before_restore(both):
     assert "does not hold it" in str(found.error)
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ckptstore"
+PACKAGE = ROOT / "ckptstore"
 
 
 def _names_a_step_kind(node: ast.expr) -> bool:

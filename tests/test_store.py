@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from _wait import wait_until
 
 from ckptstore.errors import (
     ObjectExistsError,
@@ -15,6 +14,7 @@ from ckptstore.errors import (
 )
 from ckptstore.store import RetryPolicy, Store, is_transient
 from ckptstore.testing.faults import Faults, Fixed, InjectedFaultError, parse_latency, with_faults
+from tests.helpers.wait import wait_until
 
 
 def test_put_get_ranges_list_delete(store_uri):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ckptstore import Checkpointer
+from tests.helpers import ROOT
 
 NOBODY = 65534
 
@@ -75,7 +76,7 @@ def _run_locked_out(*argv: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
     )
 
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import threading
 import uuid
 
-from _wait import wait_until
-
 from ckptstore import Store
+from tests.helpers.wait import wait_until
 
 
 def test_puts_racing_the_pruning_of_their_parent_directories_succeed(tmp_path):

@@ -10,11 +10,11 @@ import urllib.request
 
 import pytest
 import torch
-from _child import run_script
 
 from ckptstore import Checkpointer, telemetry
 from ckptstore.errors import ObjectNotFoundError
 from ckptstore.store import Store
+from tests.helpers.child import run_script
 
 
 def test_counter_counts_per_label_set_and_refuses_bad_use():

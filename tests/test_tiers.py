@@ -19,7 +19,8 @@ from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.store import Store
 from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
-from tests._dist import run_ranks
+from tests.helpers import ROOT
+from tests.helpers.dist import run_ranks
 from tests.test_requests import CountingBackend, Tally
 
 RANKS_PER_NODE = 2
@@ -410,7 +411,7 @@ def test_after_sigterm_a_save_reaches_durable_storage_before_the_process_ends(tm
     durable, local = tmp_path / "durable", tmp_path / "local"
     proc = subprocess.Popen(
         [sys.executable, "-c", PREEMPTED_LOOP, str(durable), str(local)],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -468,7 +469,7 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
 def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go(tmp_path):
     from ckptstore.errors import DrainSupersededError
     from ckptstore.testing.faults import Faults, with_faults
-    from tests._wait import wait_until
+    from tests.helpers.wait import wait_until
 
     faults = Faults(hang_rate=1.0, ops=frozenset({"put"}))  # the first drain waits for release
     durable = with_faults(Store(str(tmp_path / "durable")), faults)

@@ -19,7 +19,7 @@ from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER
-from tests._dist import run_ranks
+from tests.helpers.dist import run_ranks
 from tests.test_tiers import SETTINGS, _blank, _ckpt, _copies, _index_doc, _save_steps, _state
 
 # -- helpers ---------------------------------------------------------------------------------

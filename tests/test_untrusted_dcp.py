@@ -1,6 +1,6 @@
 """Issue 21, item 1: nothing is unpickled on a DCP load path.
 
-Stores are real DCP saves whose metadata object is then rewritten (tests/_crafted.py recomputes
+Stores are real DCP saves whose metadata object is then rewritten (tests/helpers/crafted.py recomputes
 the manifest's size and xxh3 of it): as a hostile pickle, as the pickle older ckptstore wrote, or
 as damaged JSON. A hostile pickle opens a marker file when unpickled, so "nothing ran" is the
 marker's absence."""
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _crafted import replace_referenced
 from torch.distributed.checkpoint import CheckpointException
 
 from ckptstore.catalog import load_manifest, read_object
@@ -23,6 +22,7 @@ from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.export import export_safetensors
 from ckptstore.store import Store
+from tests.helpers.crafted import replace_referenced
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",

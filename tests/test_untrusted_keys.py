@@ -1,6 +1,6 @@
 """Keys stay inside the store: a manifest or rank index that names an object outside it (a
 ``../`` key, another step's index, a digest that is not one) is refused when it is decoded,
-before any I/O, and `verify` calls it corrupt. Crafted from real saves (tests/_crafted.py)."""
+before any I/O, and `verify` calls it corrupt. Crafted from real saves (tests/helpers/crafted.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _child import run_script
-from _crafted import manifest_doc, put_manifest, put_rank_index, rank_index_doc
 
 from ckptstore import CheckpointCorruptError, Checkpointer, Store
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
+from tests.helpers.child import run_script
+from tests.helpers.crafted import manifest_doc, put_manifest, put_rank_index, rank_index_doc
 
 N = 4096  # float32 elements: 4 chunks of 4096 bytes
 CHILD_TIMEOUT_S = 60

@@ -11,12 +11,14 @@ import argparse
 import copy
 import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Run as a script, with tests/helpers first on sys.path: put the repository's root before it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
 
 
