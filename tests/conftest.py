@@ -9,7 +9,10 @@ import uuid
 
 import pytest
 
-from tests.helpers import seaweedfs
+# The helpers' asserts (assert_same, assert_loaded...) report as a test's own do.
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers import seaweedfs  # noqa: E402
 
 
 def pytest_configure(config):

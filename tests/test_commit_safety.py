@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,42 +22,15 @@ from ckptstore import (
     StorageError,
     Store,
 )
-from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.catalog import list_steps
 from ckptstore.errors import CommitUnknownError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
-from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 from ckptstore.testing.faults import Faults, with_faults
+from tests.helpers.integrity import chunk_files, referenced_chunks, verify_all
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def verify_all(uri: str) -> list[int]:
-    """Every committed step's manifest, indexes and chunks are present and intact."""
-    store = Store(uri)
-    steps = list_steps(store)
-    for step in steps:
-        manifest = load_manifest(store, step)
-        for rank in range(manifest.world_size):
-            index = load_rank_index(store, manifest, rank)
-            for digest, info in index.chunks.items():
-                fetch_chunk(store, digest, info)
-    return steps
-
-
-def chunk_files(root: Path) -> set[str]:
-    return {p.name for p in (root / "chunks").rglob("*") if p.is_file()}
-
-
-def referenced_chunks(uri: str) -> set[str]:
-    store = Store(uri)
-    out: set[str] = set()
-    for step in list_steps(store):
-        manifest = load_manifest(store, step)
-        for rank in range(manifest.world_size):
-            out.update(load_rank_index(store, manifest, rank).chunks)
-    return out
 
 
 # -- gc beside a running save --------------------------------------------------------------------

@@ -24,14 +24,14 @@ from ckptstore.catalog import list_steps, load_rank_indexes, open_step
 from ckptstore.leases import SAVE, find_leases
 from ckptstore.retention import collect
 from ckptstore.save import SaveSession
-from tests.helpers.dist import _rank_main, free_port, run_ranks
-from tests.test_requests import (
+from tests.helpers.counting import (
     CHUNK_BYTES,
     CountingBackend,
     Tally,
     counted_checkpointer,
     moto_server,
 )
+from tests.helpers.dist import _rank_main, free_port, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::UserWarning")]
 

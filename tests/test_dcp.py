@@ -22,6 +22,7 @@ from ckptstore.format import KIND_DCP, chunk_key, commit_key
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
 from tests.helpers.dist import run_ranks
+from tests.helpers.states import assert_same, blank_like
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -47,31 +48,6 @@ def _state() -> dict:
     }
 
 
-def _blank(state: dict) -> dict:
-    """Same structure as ``state`` with zeroed tensors and placeholder objects."""
-    out: dict = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out[k] = _blank(v)
-        elif isinstance(v, torch.Tensor):
-            out[k] = torch.zeros_like(v)
-        else:
-            out[k] = None
-    return out
-
-
-def _assert_same(got: dict, want: dict, path: str = "") -> None:
-    assert set(got) == set(want), f"{path}: keys {sorted(got)} != {sorted(want)}"
-    for k, v in want.items():
-        if isinstance(v, dict):
-            _assert_same(got[k], v, f"{path}.{k}")
-        elif isinstance(v, torch.Tensor):
-            assert isinstance(got[k], torch.Tensor), f"{path}.{k}: {type(got[k])}"
-            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{path}.{k} differs"
-        else:
-            assert got[k] == v, f"{path}.{k}: {got[k]!r} != {v!r}"
-
-
 @pytest.fixture(params=["local", "s3"])
 def uri(request, tmp_path):
     if request.param == "local":
@@ -84,9 +60,9 @@ def test_round_trip_bit_exact(uri):
     writer = StoreWriter(uri, chunk_bytes=4096)
     dcp.save(state, storage_writer=writer, no_dist=True)
     assert writer.saved_step == 0
-    target = _blank(state)
+    target = blank_like(state)
     dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
-    _assert_same(target, state)
+    assert_same(target, state)
 
 
 def test_step_none_is_latest_plus_one_and_loads_chosen_step(tmp_path):
@@ -110,9 +86,9 @@ def test_async_save(tmp_path):
     state = _state()
     future = dcp.async_save(state, storage_writer=StoreWriter(uri, step=5), no_dist=True)
     future.result(timeout=60)
-    target = _blank(state)
+    target = blank_like(state)
     dcp.load(target, storage_reader=StoreReader(uri, step=5), no_dist=True)
-    _assert_same(target, state)
+    assert_same(target, state)
 
 
 def _scaled(state: dict, factor: float) -> None:
@@ -143,9 +119,9 @@ def test_async_save_stages_once_into_the_writers_reused_buffer(tmp_path, monkeyp
     assert writer.engine.pool.allocations == 1
     assert list_steps(Store(uri)) == [0, 1, 2]
     for step, want in enumerate(saved):
-        target = _blank(want)
+        target = blank_like(want)
         dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
-        _assert_same(target, want)
+        assert_same(target, want)
 
 
 def test_a_save_failing_before_its_write_hands_the_staging_buffer_back(tmp_path):
@@ -324,7 +300,7 @@ def test_load_full_state_dict_single_process(tmp_path):
     state = _state()
     dcp.save(state, storage_writer=StoreWriter(uri), no_dist=True)
     full = load_full_state_dict(Store(uri), 0)
-    _assert_same(full, state)
+    assert_same(full, state)
 
 
 def test_storage_key():
@@ -426,7 +402,7 @@ def _check_single_process(uri: str, world: int) -> None:
         assert torch.equal(target["model"][k], v), k
     assert target["rank_count"] == world
     everything = load_full_state_dict(store, 1)
-    _assert_same(everything, {"model": full, "replicated": torch.arange(5.0), "rank_count": world})
+    assert_same(everything, {"model": full, "replicated": torch.arange(5.0), "rank_count": world})
 
 
 @pytest.mark.dist

@@ -26,9 +26,8 @@ from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointCorruptError, CheckpointError
 from ckptstore.store import Store
-from tests.helpers.dist import run_ranks
-from tests.test_requests import Tally
-from tests.test_shared_read import PathTally, _counting_store, _gathered
+from tests.helpers.counting import PathTally, Tally, counting_store
+from tests.helpers.dist import gathered, run_ranks
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -87,11 +86,11 @@ def _replicated_load(
     if dedicated_group:  # as under NCCL: the exchange gets a gloo group of its own
         reader_module._reaches_cpu = lambda backend: False
     tally = Tally()
-    reader = StoreReader(root, step=1, store=_counting_store(root, tally), **options)
+    reader = StoreReader(root, step=1, store=counting_store(root, tally), **options)
     target = _blank()
     dcp.load(target, storage_reader=reader)
     _assert_loaded(target, 1, rank)
-    gets = _gathered(tally.chunks["get"])
+    gets = gathered(tally.chunks["get"])
     if not shared:  # every rank reads every chunk it needs, as before
         assert gets == [distinct] * world, gets
         assert reader.last_load_exchange is None
@@ -160,7 +159,7 @@ def _corrupt_load(rank: int, world: int, root: str) -> None:
     dist.barrier()
 
     tally = PathTally()
-    reader = StoreReader(root, step=2, store=_counting_store(root, tally))
+    reader = StoreReader(root, step=2, store=counting_store(root, tally))
     with pytest.raises(CheckpointException) as raised:
         dcp.load(_blank(), storage_reader=reader)
     failures = _failures(raised.value)
@@ -168,7 +167,7 @@ def _corrupt_load(rank: int, world: int, root: str) -> None:
     for r, exc in failures.items():
         assert isinstance(exc, CheckpointCorruptError), (r, exc)
         assert bad in str(exc) and "corrupt" in str(exc), (r, exc)
-    bad_gets = _gathered(sum(1 for path in tally.paths if path.endswith(bad)))
+    bad_gets = gathered(sum(1 for path in tally.paths if path.endswith(bad)))
     assert sum(bad_gets) == 1, bad_gets  # read and found corrupt by its owner alone
 
     # Nothing was left waiting: the ranks load the intact step right after.
@@ -222,7 +221,7 @@ def _count_load(rank: int, world: int, root: str, out: str, budget: int) -> None
         _save(root, 1)
     tally = Tally()
     reader = StoreReader(
-        root, step=1, store=_counting_store(root, tally), shared_read_budget_bytes=budget
+        root, step=1, store=counting_store(root, tally), shared_read_budget_bytes=budget
     )
     target = _blank()
     dcp.load(target, storage_reader=reader)

@@ -23,7 +23,7 @@ from ckptstore.errors import StepExistsError
 from ckptstore.format import commit_key
 from ckptstore.store import Store
 from tests.helpers.dist import run_ranks
-from tests.test_dcp import _assert_same, _blank
+from tests.helpers.states import assert_same, blank_like
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -41,9 +41,9 @@ def _state(seed: int) -> dict:
 
 
 def _assert_step_holds(uri: str, step: int, want: dict) -> None:
-    target = _blank(want)
+    target = blank_like(want)
     dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
-    _assert_same(target, want, f"step {step}")
+    assert_same(target, want, f"step {step}")
 
 
 class _CommitsAfterTwoPlans(StoreWriter):
@@ -272,6 +272,6 @@ def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
         dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True)
     reader = StoreReader(uri)
     for step in (100, "200"):
-        target = _blank(states[int(step)])
+        target = blank_like(states[int(step)])
         dcp.load(target, storage_reader=reader, checkpoint_id=step, no_dist=True)
-        _assert_same(target, states[int(step)], f"step {step}")
+        assert_same(target, states[int(step)], f"step {step}")

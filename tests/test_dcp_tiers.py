@@ -23,79 +23,43 @@ from torch.distributed.checkpoint import CheckpointException
 
 import ckptstore.dcp.tiers as dcp_tiers
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
-from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.dcp import StoreReader
 from ckptstore.store import Store
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import rank_dir, store_identity
-from tests.helpers.dist import run_ranks
-from tests.test_requests import Tally
-from tests.test_shared_read import _counting_store, _gathered
+from tests.helpers.counting import Tally, counting_store
+from tests.helpers.dcp_tiers import (
+    CHUNK,
+    assert_loaded,
+    blank_state,
+    log_records,
+    node_dir,
+    step_state,
+    tier_writer,
+)
+from tests.helpers.dist import gathered, run_ranks
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
     "ignore:torch.distributed is unavailable:UserWarning",
 )
 
-CHUNK = 64 * 1024
-
-
-def _state(step: int) -> dict:
-    def rand(n_chunks: int, seed: int) -> torch.Tensor:
-        return torch.rand(n_chunks * CHUNK // 4, generator=torch.Generator().manual_seed(seed))
-
-    return {"w": rand(6, step), "v": rand(3, 100 + step), "b": rand(2, 200 + step), "step": step}
-
-
-def _blank() -> dict:
-    return {
-        "w": torch.zeros(6 * CHUNK // 4),
-        "v": torch.zeros(3 * CHUNK // 4),
-        "b": torch.zeros(2 * CHUNK // 4),
-        "step": -1,
-    }
-
-
-def _assert_loaded(target: dict, step: int) -> None:
-    want = _state(step)
-    for key in ("w", "v", "b"):
-        assert torch.equal(target[key].view(torch.int32), want[key].view(torch.int32)), key
-    assert target["step"] == step
-
-
-def _writer(root: str, local: str, **options) -> StoreWriter:
-    options.setdefault("durable_every", 2)
-    return StoreWriter(root, local_dir=local, chunk_bytes=CHUNK, compression=None, **options)
-
 
 def _save_steps(root: str, local: str, steps, **options) -> None:
-    writer = _writer(root, local, **options)
+    writer = tier_writer(root, local, **options)
     for step in steps:
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
 
 
 def _load(root: str, local: str, tally: Tally, **options) -> tuple[dict, StoreReader]:
-    reader = StoreReader(root, local_dir=local, store=_counting_store(root, tally), **options)
-    target = _blank()
+    reader = StoreReader(root, local_dir=local, store=counting_store(root, tally), **options)
+    target = blank_state()
     dcp.load(target, storage_reader=reader)
     return target, reader
 
 
-def _records(logger: str) -> list[logging.LogRecord]:
-    """What ``logger`` logs from here on (INFO and up), in this rank's process."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger(logger).addHandler(handler)
-    logging.getLogger(logger).setLevel(logging.INFO)
-    return records
-
-
-def _local_dir(base: str, rank: int) -> str:
-    return str(Path(base) / f"node-{rank}")  # one "node" per rank
-
-
 def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, root: str, base):
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     empty = StoreReader(root, local_dir=local)
     assert empty.latest() is None  # nothing to resume (collective, as a load)
     _save_steps(root, local, [1, 2, 3, 4])
@@ -106,7 +70,7 @@ def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, r
 
     tally = Tally()
     target, reader = _load(root, local, tally)
-    _assert_loaded(target, 4)  # the newest step, which only the local tiers hold
+    assert_loaded(target, 4)  # the newest step, which only the local tiers hold
     assert tally.chunks["get"] == 0, tally.chunks  # not one chunk from durable storage
     report = reader.last_load
     assert report is not None and report.step == 4 and report.source == "local"
@@ -119,7 +83,7 @@ def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, r
     group = dcp_tiers._load_groups[0][1]
     tally.clear()
     target, _ = _load(root, local, tally, step=3)
-    _assert_loaded(target, 3)
+    assert_loaded(target, 3)
     assert tally.chunks["get"] == 0
     assert dcp_tiers._load_groups[0][1] is group  # readers share one gloo group per process
 
@@ -135,7 +99,7 @@ def test_saves_go_to_the_local_tiers_first_and_load_from_them(tmp_path):
 
 
 def _wiped_node(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     _save_steps(root, local, [1, 2, 3, 4])
     dist.barrier()
     if rank == 1:  # its node replaced: the local dir is empty
@@ -145,12 +109,12 @@ def _wiped_node(rank: int, world: int, root: str, base: str) -> None:
     target, reader = _load(root, local, tally)
     # Step 4 was on the local tiers only, and rank 1's copy is gone: step 3, the newest
     # durable one, rank 0's chunks from its local copy, rank 1's from durable storage.
-    _assert_loaded(target, 3)
+    assert_loaded(target, 3)
     report = reader.last_load
     assert report is not None and report.step == 3
     store = Store(root)
     own = [set(load_rank_index(store, load_manifest(store, 3), r).chunks) for r in range(world)]
-    gets = _gathered(tally.chunks["get"])
+    gets = gathered(tally.chunks["get"])
     # Durable storage served rank 1's chunks, each once (either rank fetching it), and no
     # chunk that rank 0's local copy holds.
     assert sum(gets) == len(own[1] - own[0]), (gets, own)
@@ -166,7 +130,7 @@ def test_a_wiped_node_loads_the_newest_durable_step_its_peers_reading_locally(tm
 
 
 def _bad_local_chunk(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     _save_steps(root, local, [1, 2], durable_every=1)
     dist.barrier()
     if rank == 0:  # flip a byte of one chunk of rank 0's local copy
@@ -177,11 +141,11 @@ def _bad_local_chunk(rank: int, world: int, root: str, base: str) -> None:
         )
         _flip_a_byte(chunks[0])
     dist.barrier()
-    records = _records("ckptstore.tiers.fetch")
+    records = log_records("ckptstore.tiers.fetch")
     tally = Tally()
     target, reader = _load(root, local, tally)
-    _assert_loaded(target, 2)  # the same step, the bad chunk read from durable storage
-    gets = _gathered(tally.chunks["get"])
+    assert_loaded(target, 2)  # the same step, the bad chunk read from durable storage
+    gets = gathered(tally.chunks["get"])
     assert sum(gets) <= 1, gets  # only that chunk (if step 2 still needs it) came from durable
     if rank == 0 and gets[0]:
         warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
@@ -194,20 +158,20 @@ def test_a_bad_chunk_in_a_local_copy_is_read_from_durable_storage(tmp_path):
 
 
 def _no_common_step(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     _save_steps(root, local, [1, 2], durable_every=5)  # step 1 durable, step 2 local only
     dist.barrier()
     if rank == 1:
         shutil.rmtree(local)
     dist.barrier()
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local, step=2))
+        dcp.load(blank_state(), storage_reader=StoreReader(root, local_dir=local, step=2))
     for exc, _ in raised.value.failures.values():  # DCP words it as "metadata is None; ..."
         assert "step 2 is neither held by every rank's local tier" in str(exc), exc
-    target = _blank()  # "latest" is the durable step 1
+    target = blank_state()  # "latest" is the durable step 1
     assert StoreReader(root, local_dir=local).latest() == 1
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local))
-    _assert_loaded(target, 1)
+    assert_loaded(target, 1)
 
 
 @pytest.mark.dist
@@ -223,8 +187,8 @@ def _full_local_disk(rank: int, world: int, root: str, disk: str) -> None:
         f"t{i}": torch.randint(0, 2**30, (CHUNK // 4,), dtype=torch.int32, generator=gen)
         for i in range(24)
     }
-    writer = _writer(root, local, durable_every=100, local_keep_last=10)
-    records = _records("ckptstore.dcp.writer")
+    writer = tier_writer(root, local, durable_every=100, local_keep_last=10)
+    records = log_records("ckptstore.dcp.writer")
     for step in range(1, 7):
         state = {k: v + step for k, v in big.items()}
         dcp.save(state, storage_writer=writer, checkpoint_id=step)
@@ -248,15 +212,15 @@ def test_a_full_local_disk_sends_dcp_saves_to_durable_and_loses_nothing(tmp_path
 
 def test_one_process_without_torch_distributed(tmp_path):
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
-    writer = _writer(root, local)
+    writer = tier_writer(root, local)
     for step in (1, 2):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
     assert list_steps(Store(root)) == [1]
     tally = Tally()
-    reader = StoreReader(root, local_dir=local, store=_counting_store(root, tally))
-    target = _blank()
+    reader = StoreReader(root, local_dir=local, store=counting_store(root, tally))
+    target = blank_state()
     dcp.load(target, storage_reader=reader, no_dist=True)
-    _assert_loaded(target, 2)
+    assert_loaded(target, 2)
     assert tally.chunks["get"] == 0
 
 
@@ -264,9 +228,9 @@ def test_ls_lists_local_copies_of_dcp_steps_even_without_a_durable_store(tmp_pat
     from ckptstore.cli import main
 
     root, local = tmp_path / "durable", tmp_path / "local"
-    writer = _writer(str(root), str(local))
+    writer = tier_writer(str(root), str(local))
     for step in (1, 2, 3):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
     assert main(["ls", str(root), "--local-dir", str(local), "--json"]) == 0
     rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
     assert rows == {
@@ -300,9 +264,9 @@ def _two_nodes_save_a_local_only_step(rank: int, root: str, base: str) -> tuple[
     peers) only. This rank's node and its local dir."""
     node = rank // 2
     local = str(Path(base) / f"node-{node}")
-    writer = _writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
+    writer = tier_writer(root, local, durable_every=5, peer_copies=1, node_rank=node)
     for step in (1, 2):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
     return node, local
 
 
@@ -315,7 +279,7 @@ def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
     dist.barrier()
     tally = Tally()
     target, reader = _load(root, local, tally)
-    _assert_loaded(target, 2)  # the newest step, from the peers' copies
+    assert_loaded(target, 2)  # the newest step, from the peers' copies
     assert tally.chunks["get"] == 0, tally.chunks  # nothing from durable storage
     report = reader.last_load
     assert report is not None and report.step == 2
@@ -327,7 +291,7 @@ def _peer_restore(rank: int, world: int, root: str, base: str) -> None:
     # The replaced node holds its ranks' copies again: the next load reads them locally.
     dist.barrier()
     target, reader = _load(root, local, tally)
-    _assert_loaded(target, 2)
+    assert_loaded(target, 2)
     assert reader.last_load.source == "local" and tally.chunks["get"] == 0
 
 
@@ -337,7 +301,7 @@ def test_a_replaced_node_restores_a_local_only_step_from_its_peers_copies(tmp_pa
 
 
 def _two_rank_local_only(rank: int, world: int, root: str, base: str) -> None:
-    _save_steps(root, _local_dir(base, rank), [1, 2])  # step 2 in the local tiers only
+    _save_steps(root, node_dir(base, rank), [1, 2])  # step 2 in the local tiers only
 
 
 def test_verify_checks_a_local_dcp_copy_and_restore_refuses_it_by_name(tmp_path, capsys):
@@ -346,7 +310,7 @@ def test_verify_checks_a_local_dcp_copy_and_restore_refuses_it_by_name(tmp_path,
     root = str(tmp_path / "durable")
     run_ranks(_two_rank_local_only, 2, root, str(tmp_path))
     for rank in (0, 1):  # each copy holds its rank's items only: that is whole for a copy
-        copy = str(rank_dir(_local_dir(str(tmp_path), rank), store_identity(Store(root)), rank))
+        copy = str(rank_dir(node_dir(str(tmp_path), rank), store_identity(Store(root)), rank))
         assert main(["verify", copy, "--all"]) == 0, capsys.readouterr()
         assert "FAILED" not in capsys.readouterr().out
     chunk = _copy_chunks(Path(copy), 2)[0]
@@ -367,12 +331,12 @@ def _bad_chunk_of_a_local_only_step(rank: int, world: int, root: str, base: str)
             _flip_a_byte(chunk)
     dist.barrier()
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local))
+        dcp.load(blank_state(), storage_reader=StoreReader(root, local_dir=local))
     why = " ".join(str(e) for e, _ in raised.value.failures.values())
     assert "this rank's copy was unlisted: load again" in why, why
     # The second load restores rank 2's copy from its holder on node 0: step 2, whole.
     target, reader = _load(root, local, Tally())
-    _assert_loaded(target, 2)
+    assert_loaded(target, 2)
     assert reader.last_load.source == ("peer" if rank == 2 else "local"), reader.last_load
 
 

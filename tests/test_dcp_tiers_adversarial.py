@@ -40,16 +40,16 @@ from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.store import Store
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import rank_dir, store_identity
-from tests.helpers.dist import run_ranks
-from tests.test_dcp_tiers import (
+from tests.helpers.dcp_tiers import (
     CHUNK,
-    _assert_loaded,
-    _blank,
-    _local_dir,
-    _records,
-    _state,
-    _writer,
+    assert_loaded,
+    blank_state,
+    log_records,
+    node_dir,
+    step_state,
+    tier_writer,
 )
+from tests.helpers.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -73,9 +73,9 @@ def _same(target: dict, want: dict) -> bool:
 
 
 def _loaded_seed(target: dict, seeds) -> int | None:
-    """Which ``_state(seed)`` of ``seeds`` ``target`` holds (None: none of them, or a mix)."""
+    """Which ``step_state(seed)`` of ``seeds`` ``target`` holds (None: none of them, or a mix)."""
     for seed in seeds:
-        if _same(target, _state(seed)):
+        if _same(target, step_state(seed)):
             return seed
     return None
 
@@ -90,7 +90,7 @@ def _failures(exc: CheckpointException) -> str:
 
 def _load_latest(root: str, local: str, **options) -> tuple[dict, StoreReader]:
     reader = StoreReader(root, local_dir=local, **options)
-    target = _blank()
+    target = blank_state()
     dcp.load(target, storage_reader=reader)
     return target, reader
 
@@ -128,26 +128,26 @@ def _damage(store_dir: Path, step: int, how: str) -> None:
 
 
 def _resave_local_only_step(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
-    writer = _writer(root, local)  # durable_every=2
-    dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable + local
-    dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+    local = node_dir(base, rank)
+    writer = tier_writer(root, local)  # durable_every=2
+    dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1)  # durable + local
+    dcp.save(step_state(2), storage_writer=writer, checkpoint_id=2)  # local only
     assert list_steps(Store(root)) == [1]
     # The job rolls back (or simply names step 2 again): a second save of step 2, other values.
     try:
-        dcp.save(_state(102), storage_writer=writer, checkpoint_id=2)
+        dcp.save(step_state(102), storage_writer=writer, checkpoint_id=2)
     except CheckpointException as exc:  # refused as write-once: fine
         assert "StepExistsError" in _failures(exc) or "already" in _failures(exc), _failures(exc)
         return
     durable = Store(root)
     assert 2 in list_steps(durable)  # the second save went to durable storage
-    target = _blank()
+    target = blank_state()
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=2))
     seed = _loaded_seed(target, (2, 102))
     assert seed == 102, (
         f"rank {rank}: dcp.save of step 2 returned (committed to {root} as attempt "
         f"{load_manifest(durable, 2).attempt}) but loading step 2 returned "
-        f"{'the earlier save' if seed == 2 else 'a mix'} (_state({seed}))"
+        f"{'the earlier save' if seed == 2 else 'a mix'} (step_state({seed}))"
     )
 
 
@@ -163,17 +163,17 @@ def test_a_resaved_local_only_step_never_loads_the_superseded_save(tmp_path):
 
 
 def _world_change_collision_save(rank: int, world: int, root: str, local: str) -> None:
-    writer = _writer(root, local)  # both ranks share one local dir (one node)
-    dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable
-    dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+    writer = tier_writer(root, local)  # both ranks share one local dir (one node)
+    dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1)  # durable
+    dcp.save(step_state(2), storage_writer=writer, checkpoint_id=2)  # local only
 
 
 def _world_change_collision_load(rank: int, world: int, root: str, local: str, want: int):
     target, reader = _load_latest(root, local)
     seed = _loaded_seed(target, (2, want))
     assert seed == want, (
-        f"rank {rank}: durable storage commits step 2 as _state({want}) (a later save by one "
-        f"process), but the 2-rank load of 'latest' returned _state({seed}) "
+        f"rank {rank}: durable storage commits step 2 as step_state({want}) (a later save by one "
+        f"process), but the 2-rank load of 'latest' returned step_state({seed}) "
         f"(from {reader.last_load.source if reader.last_load else '?'})"
     )
 
@@ -188,33 +188,33 @@ def test_a_world_size_change_that_reuses_a_step_number_loads_the_durable_save(tm
     return the older 2-rank save of step 2."""
     root, local = str(tmp_path / "durable"), str(tmp_path / "node")
     run_ranks(_world_change_collision_save, 2, root, local)
-    writer = _writer(root, local)
+    writer = tier_writer(root, local)
     try:
-        dcp.save(_state(50), storage_writer=writer, no_dist=True)
+        dcp.save(step_state(50), storage_writer=writer, no_dist=True)
     except CheckpointException:
         return  # refused: nothing can be mixed up
     assert writer.saved_step == 2 and 2 in list_steps(Store(root)), writer.saved_step
-    target = _blank()  # the one process loads its own save back
+    target = blank_state()  # the one process loads its own save back
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local), no_dist=True)
     assert _loaded_seed(target, (2, 50)) == 50
     run_ranks(_world_change_collision_load, 2, root, local, 50)
 
 
 def _mixed_attempts(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     backup = Path(base) / f"backup-{rank}"
     # First run: 1 durable, 2 and 3 local only.
-    writer = _writer(root, local, durable_every=3, local_keep_last=3)
+    writer = tier_writer(root, local, durable_every=3, local_keep_last=3)
     for step in (1, 2, 3):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
     dist.barrier()
     if rank == 1:  # rank 1's node keeps the first run's copies aside
         shutil.copytree(local, backup)
     dist.barrier()
     # Second run, resumed from step 1: saves steps 2 (durable: the writer's first) and 3 again.
-    writer = _writer(root, local, durable_every=3, local_keep_last=3)
+    writer = tier_writer(root, local, durable_every=3, local_keep_last=3)
     for step in (2, 3):
-        dcp.save(_state(100 + step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(100 + step), storage_writer=writer, checkpoint_id=step)
     assert list_steps(Store(root)) == [1, 2]
     dist.barrier()
     if rank == 1:  # its local dir goes back to the first run's copies (e.g. a stale node)
@@ -224,9 +224,9 @@ def _mixed_attempts(rank: int, world: int, root: str, base: str) -> None:
     # Rank 0 holds 2 and 3 of the second run, rank 1 of the first: "latest" is durable 2.
     target, reader = _load_latest(root, local)
     seed = _loaded_seed(target, (2, 102, 3, 103))
-    assert seed == 102, f"rank {rank}: loaded _state({seed}) (source {reader.last_load})"
+    assert seed == 102, f"rank {rank}: loaded step_state({seed}) (source {reader.last_load})"
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local, step=3))
+        dcp.load(blank_state(), storage_reader=StoreReader(root, local_dir=local, step=3))
     assert "step 3" in _failures(raised.value), _failures(raised.value)
 
 
@@ -239,20 +239,20 @@ def test_ranks_holding_different_saves_of_a_step_load_the_durable_one(tmp_path):
 
 
 def _restart_resaves(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
-    writer = _writer(root, local, durable_every=3, local_keep_last=3)
+    local = node_dir(base, rank)
+    writer = tier_writer(root, local, durable_every=3, local_keep_last=3)
     for step in (1, 2, 3):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
     # A restarted job resumes from step 1 and saves 2 and 3 again (a new writer).
-    target = _blank()
+    target = blank_state()
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=1))
-    _assert_loaded(target, 1)
-    writer = _writer(root, local, durable_every=3, local_keep_last=3)
-    dcp.save(_state(102), storage_writer=writer, checkpoint_id=2)
-    dcp.save(_state(103), storage_writer=writer, checkpoint_id=3)
+    assert_loaded(target, 1)
+    writer = tier_writer(root, local, durable_every=3, local_keep_last=3)
+    dcp.save(step_state(102), storage_writer=writer, checkpoint_id=2)
+    dcp.save(step_state(103), storage_writer=writer, checkpoint_id=3)
     target, _ = _load_latest(root, local)
     assert _loaded_seed(target, (3, 103)) == 103
-    target = _blank()
+    target = blank_state()
     dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=2))
     assert _loaded_seed(target, (2, 102)) == 102
 
@@ -265,14 +265,14 @@ def test_a_restarted_job_resaving_steps_loads_only_its_new_saves(tmp_path):
 
 
 def _foreign_job(rank: int, world: int, root: str, other: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     # Another job (another durable store) saves into the same local dir.
-    writer = _writer(other, local, durable_every=1)
+    writer = tier_writer(other, local, durable_every=1)
     for step in (1, 2, 3):
-        dcp.save(_state(500 + step), storage_writer=writer, checkpoint_id=step)
-    writer = _writer(root, local)
-    dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable
-    dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+        dcp.save(step_state(500 + step), storage_writer=writer, checkpoint_id=step)
+    writer = tier_writer(root, local)
+    dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1)  # durable
+    dcp.save(step_state(2), storage_writer=writer, checkpoint_id=2)  # local only
     dist.barrier()
     if rank == 1:  # rank 1's copies replaced by the other job's (a reused /dev/shm)
         mine, theirs = _rank_store(local, root, 1), _rank_store(local, other, 1)
@@ -292,18 +292,18 @@ def test_another_jobs_copies_in_a_ranks_local_dir_are_never_loaded(tmp_path):
 
 
 def _retention(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
-    writer = _writer(root, local, durable_every=3, local_keep_last=1)
+    local = node_dir(base, rank)
+    writer = tier_writer(root, local, durable_every=3, local_keep_last=1)
     for step in range(1, 6):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
         target, _ = _load_latest(root, local)  # every committed save loads back at once
-        _assert_loaded(target, step)
+        assert_loaded(target, step)
     assert list_steps(Store(root)) == [1, 4]
     assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [5]
     for step in (1, 4):
-        target = _blank()
+        target = blank_state()
         dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=step))
-        _assert_loaded(target, step)
+        assert_loaded(target, step)
 
 
 @pytest.mark.dist
@@ -312,23 +312,23 @@ def test_durable_every_and_local_keep_last_keep_each_committed_step_loadable(tmp
 
 
 def _one_rank_loses_its_local_tier(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
-    writer = _writer(root, local, durable_every=10)
-    records = _records("ckptstore.dcp.writer")
-    dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)  # durable
-    dcp.save(_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+    local = node_dir(base, rank)
+    writer = tier_writer(root, local, durable_every=10)
+    records = log_records("ckptstore.dcp.writer")
+    dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1)  # durable
+    dcp.save(step_state(2), storage_writer=writer, checkpoint_id=2)  # local only
     dist.barrier()
     if rank == 1:  # the node's local disk goes away: the path is now a file
         shutil.rmtree(local)
         Path(local).write_bytes(b"not a directory")
     dist.barrier()
     for step in (3, 4):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
     assert list_steps(Store(root)) == [1, 3, 4]  # the failed local tier sent them to durable
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "not committed to the local tier" in warned[0], warned
     target, _ = _load_latest(root, local)
-    _assert_loaded(target, 4)
+    assert_loaded(target, 4)
 
 
 @pytest.mark.dist
@@ -340,10 +340,10 @@ def test_a_rank_whose_local_tier_breaks_sends_every_later_save_to_durable(tmp_pa
 
 
 def _damaged_durable_step(rank: int, world: int, root: str, base: str, how: str) -> None:
-    local = _local_dir(base, rank)
-    _writer_ = _writer(root, local, durable_every=1)
+    local = node_dir(base, rank)
+    _writer_ = tier_writer(root, local, durable_every=1)
     for step in (1, 2):
-        dcp.save(_state(step), storage_writer=_writer_, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=_writer_, checkpoint_id=step)
     store = Store(str(_rank_store(local, root, rank)))
     assert load_rank_index(store, load_manifest(store, 2), 0).chunks  # it holds chunks
     dist.barrier()
@@ -352,7 +352,7 @@ def _damaged_durable_step(rank: int, world: int, root: str, base: str, how: str)
     dist.barrier()
     start = time.monotonic()
     target, reader = _load_latest(root, local)
-    _assert_loaded(target, 2)  # the same step, from durable storage where the copy is bad
+    assert_loaded(target, 2)  # the same step, from durable storage where the copy is bad
     assert time.monotonic() - start < 60
 
 
@@ -365,10 +365,10 @@ def test_a_damaged_local_copy_of_a_durable_step_loads_it_from_durable(tmp_path, 
 
 
 def _damaged_local_only_step(rank: int, world: int, root: str, base: str, how: str) -> None:
-    local = _local_dir(base, rank)
-    writer = _writer(root, local)  # durable_every=2: step 2 on the local tiers only
+    local = node_dir(base, rank)
+    writer = tier_writer(root, local)  # durable_every=2: step 2 on the local tiers only
     for step in (1, 2):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
     dist.barrier()
     if rank == 1:
         _damage(_rank_store(local, root, 1), 2, how)
@@ -389,7 +389,7 @@ def _damaged_local_only_step(rank: int, world: int, root: str, base: str, how: s
         return
     # Rank 1's copy of step 2 is not listed: every rank loads step 1, the newest they share.
     assert how == "truncated-manifest", "a damaged local-only step loaded"
-    _assert_loaded(target, 1)
+    assert_loaded(target, 1)
 
 
 @pytest.mark.dist
@@ -411,7 +411,7 @@ def _compressible(seed: int) -> dict:
 
 
 def _other_encoding_in_durable(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
     state = _compressible(1)
     # An earlier run (no tiers) saved these values compressed.
     plain = StoreWriter(root, chunk_bytes=CHUNK, compression="zstd")
@@ -471,17 +471,17 @@ def _one_rank_fails_to_save(rank: int, world: int, root: str, base: str) -> None
     start = time.monotonic()
     with pytest.raises(CheckpointException):
         dcp.save(
-            _state(1),
+            step_state(1),
             storage_writer=StoreWriter(str(Path(base) / "plain"), chunk_bytes=CHUNK),
             planner=_FailingPlanner(rank == 1),
         )
     assert time.monotonic() - start < 30
-    writer = _writer(root, _local_dir(base, rank))
-    dcp.save(_state(1), storage_writer=writer, checkpoint_id=1)
+    writer = tier_writer(root, node_dir(base, rank))
+    dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1)
     start = time.monotonic()
     with pytest.raises(CheckpointException):
         dcp.save(
-            _state(2),
+            step_state(2),
             storage_writer=writer,
             checkpoint_id=2,
             planner=_FailingPlanner(rank == 1),
@@ -505,14 +505,14 @@ def test_one_rank_failing_before_the_local_commit_does_not_hang_the_other(tmp_pa
 
 
 def _swapped_items(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
+    local = node_dir(base, rank)
 
     def tensor(seed: int) -> torch.Tensor:
         return torch.rand(2 * CHUNK // 4, generator=torch.Generator().manual_seed(seed))
 
     # Each rank saves items of its own (no replicated item): rank 0 "a0", "b0"; rank 1 "c1".
     own = {"a0": tensor(1), "b0": tensor(2)} if rank == 0 else {"c1": tensor(3)}
-    writer = _writer(root, local)
+    writer = tier_writer(root, local)
     dcp.save({k: v + 1 for k, v in own.items()}, storage_writer=writer, checkpoint_id=1)
     dcp.save(own, storage_writer=writer, checkpoint_id=2)  # local only
     # The load reassigns items (e.g. a new pipeline split): rank 0 loads "a0" and "c1",
@@ -542,15 +542,17 @@ def test_a_rank_with_nothing_to_read_in_a_batch_still_sends_the_chunks_it_holds(
 
 
 def _async_saves(rank: int, world: int, root: str, base: str) -> None:
-    local = _local_dir(base, rank)
-    writer = _writer(root, local)
+    local = node_dir(base, rank)
+    writer = tier_writer(root, local)
     for step in (1, 2, 3, 4):
-        dcp.async_save(_state(step), storage_writer=writer, checkpoint_id=step).result(timeout=60)
+        dcp.async_save(step_state(step), storage_writer=writer, checkpoint_id=step).result(
+            timeout=60
+        )
         assert writer.saved_step == step
     assert list_steps(Store(root)) == [1, 3]
     assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [3, 4]
     target, reader = _load_latest(root, local)
-    _assert_loaded(target, 4)
+    assert_loaded(target, 4)
     assert reader.last_load is not None and reader.last_load.source == "local"
 
 
@@ -561,27 +563,27 @@ def test_async_saves_with_tiers_commit_locally_and_every_other_durably(tmp_path)
 
 def test_back_to_back_async_saves_with_tiers_in_one_process(tmp_path):
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
-    writer = _writer(root, local)
+    writer = tier_writer(root, local)
     futures = [
-        dcp.async_save(_state(s), storage_writer=writer, checkpoint_id=s, no_dist=True)
+        dcp.async_save(step_state(s), storage_writer=writer, checkpoint_id=s, no_dist=True)
         for s in (1, 2, 3)
     ]
     for f in futures:
         f.result(timeout=60)
     assert list_steps(Store(root)) == [1, 3]
     for step in (2, 3):
-        target = _blank()
+        target = blank_state()
         dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=step), no_dist=True)
-        _assert_loaded(target, step)
+        assert_loaded(target, step)
 
 
 # -- 6. world-size changes -----------------------------------------------------------------------
 
 
 def _save_four(rank: int, world: int, root: str, local: str) -> None:
-    writer = _writer(root, local)  # the two ranks share one local dir (one node)
+    writer = tier_writer(root, local)  # the two ranks share one local dir (one node)
     for step in (1, 2, 3, 4):
-        dcp.save(_state(step), storage_writer=writer, checkpoint_id=step)
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
 
 
 @pytest.mark.dist
@@ -589,11 +591,13 @@ def test_a_two_rank_save_loads_into_one_process_from_durable_or_fails_clearly(tm
     root, local = str(tmp_path / "durable"), str(tmp_path / "node")
     run_ranks(_save_four, 2, root, local)
     assert list_steps(Store(root)) == [1, 3]
-    target = _blank()  # the 2-rank copies are not this 1-process job's: durable step 3
+    target = blank_state()  # the 2-rank copies are not this 1-process job's: durable step 3
     reader = StoreReader(root, local_dir=local)
     dcp.load(target, storage_reader=reader, no_dist=True)
-    _assert_loaded(target, 3)
+    assert_loaded(target, 3)
     assert reader.last_load is not None and reader.last_load.source == "durable"
     with pytest.raises(CheckpointException) as raised:  # only the 2-rank tiers hold step 4
-        dcp.load(_blank(), storage_reader=StoreReader(root, local_dir=local, step=4), no_dist=True)
+        dcp.load(
+            blank_state(), storage_reader=StoreReader(root, local_dir=local, step=4), no_dist=True
+        )
     assert "step 4 is neither held" in _failures(raised.value), _failures(raised.value)

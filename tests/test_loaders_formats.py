@@ -26,6 +26,7 @@ from loaders import (
     WebDataset,
 )
 from tests.helpers import MDS_FIXTURES
+from tests.helpers.mds import expected_value
 
 # Written by mosaicml-streaming's own MDSWriter (copied from the project's shared fixtures).
 IN_ORDER = LoaderConfig(shuffle=False)
@@ -37,14 +38,6 @@ def _fixture(name: str) -> Path:
     return path
 
 
-def _expected(value):
-    if isinstance(value, dict) and "ndarray" in value:
-        return np.array(value["data"], dtype=value["ndarray"]).reshape(value["shape"])
-    if isinstance(value, dict) and "hex" in value:
-        return bytes.fromhex(value["hex"])
-    return value
-
-
 @pytest.mark.parametrize("name", ["mixed-raw", "tokens-zstd", "json-order"])
 def test_mds_matches_upstream_writer(name):
     path = _fixture(name)
@@ -54,7 +47,7 @@ def test_mds_matches_upstream_writer(name):
     for i, (sample, want) in enumerate(zip(got, expected)):
         assert sample["__index__"] == i
         for column, value in want.items():
-            value = _expected(value)
+            value = expected_value(value)
             if isinstance(value, np.ndarray):
                 assert sample[column].dtype == value.dtype, (i, column)
                 np.testing.assert_array_equal(sample[column], value)

@@ -28,7 +28,7 @@ from loaders import (
     WebDatasetWriter,
 )
 from tests.helpers import MDS_FIXTURES, ROOT
-from tests.test_loaders_formats import _expected
+from tests.helpers.mds import expected_value
 
 IN_ORDER = LoaderConfig(shuffle=False)
 SHUFFLED = LoaderConfig(seed=3, shuffle_block_units=2)
@@ -36,7 +36,7 @@ SHUFFLED = LoaderConfig(seed=3, shuffle_block_units=2)
 
 def _fixture_samples(name: str) -> list[dict]:
     lines = (MDS_FIXTURES / name / "expected.jsonl").read_text().splitlines()
-    return [{k: _expected(v) for k, v in json.loads(line).items()} for line in lines]
+    return [{k: expected_value(v) for k, v in json.loads(line).items()} for line in lines]
 
 
 def _assert_same_sample(got: dict, want: dict, where) -> None:

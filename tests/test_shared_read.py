@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.format import ChunkInfo
 from ckptstore.shared_read import ExchangePlan
-from tests.helpers.dist import run_ranks
-from tests.test_requests import CountingBackend, Tally
+from tests.helpers.counting import PathTally, Tally, counting_store
+from tests.helpers.dist import gathered, run_ranks
 
 CHUNK = 64 * 1024
 SETTINGS = dict(chunk_bytes=CHUNK, compression="none", hedge_uploads=False)
@@ -37,31 +37,6 @@ def _private(rank: int, n_chunks: int = 2) -> torch.Tensor:
     return torch.rand(n_chunks * CHUNK // 4, generator=torch.Generator().manual_seed(1000 + rank))
 
 
-class PathTally(Tally):
-    """A ``Tally`` that also keeps the path of each chunk GET."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.paths: list[str] = []
-
-    def add(self, kind: str, path: str) -> None:
-        super().add(kind, path)
-        if kind == "get" and "/chunks/" in path:
-            self.paths.append(path)
-
-
-def _counting_store(root: str, tally: Tally) -> Store:
-    store = Store(root)
-    store.backend = CountingBackend(store.backend, tally)
-    return store
-
-
-def _gathered(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _chunk_gets(tally: Tally) -> int:
     return tally.chunks["get"]
 
@@ -71,13 +46,13 @@ def _replicated_restore(rank: int, world: int, root: str, budget: int | None) ->
         ckpt.save(1, {"w": _replicated(1), "rank": rank}).wait()
     tally = Tally()
     options = {} if budget is None else {"shared_read_budget_bytes": budget}
-    with Checkpointer(root, store=_counting_store(root, tally), **SETTINGS, **options) as ckpt:
+    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS, **options) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4), "rank": -1}
         assert ckpt.load(target) == 1
         stats = ckpt.last_load_exchange
     assert target["rank"] == rank
     assert torch.equal(target["w"], _replicated(1)), f"rank {rank}"
-    gets = _gathered(_chunk_gets(tally))
+    gets = gathered(_chunk_gets(tally))
     assert sum(gets) == 8, gets  # 8 distinct chunks, each fetched by one rank
     assert max(gets) == 2, gets  # and the fetches spread: 2 per rank
     assert stats.fetched + stats.received == 8
@@ -103,7 +78,7 @@ def _mixed_restore(rank: int, world: int, root: str) -> None:
     with Checkpointer(root, **SETTINGS) as ckpt:
         ckpt.save(1, state(rank)).wait()
     tally = Tally()
-    with Checkpointer(root, store=_counting_store(root, tally), **SETTINGS) as ckpt:
+    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS) as ckpt:
         # The last rank loads only its own tensor: it shares no chunk with the others.
         alone = rank == world - 1
         target = {k: torch.zeros_like(v) for k, v in state(rank).items() if not alone or k == "own"}
@@ -112,7 +87,7 @@ def _mixed_restore(rank: int, world: int, root: str) -> None:
     for key, value in target.items():
         assert torch.equal(value, state(rank)[key]), f"rank {rank}: {key}"
     assert (stats is None) == alone, stats
-    gets = _gathered(_chunk_gets(tally))
+    gets = gathered(_chunk_gets(tally))
     assert gets[-1] == 2, gets  # its own 2 chunks, nothing of the shared tensor
     assert sum(gets) == 4 + 2 * world, gets  # the shared 4 once, each rank's own 2
 
@@ -137,13 +112,13 @@ def _corrupt_restore(rank: int, world: int, root: str) -> None:
     dist.barrier()
 
     tally = PathTally()
-    with Checkpointer(root, store=_counting_store(root, tally), **SETTINGS) as ckpt:
+    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4)}
         with pytest.raises(CheckpointCorruptError) as raised:
             ckpt.load(target)
         assert bad.name in str(raised.value), raised.value
         assert "failed to load on" in str(raised.value)
-    bad_gets = _gathered(sum(1 for path in tally.paths if path.endswith(bad.name)))
+    bad_gets = gathered(sum(1 for path in tally.paths if path.endswith(bad.name)))
     assert sum(bad_gets) == 1, bad_gets  # read and found corrupt by its owner alone
 
     with Checkpointer(root, **SETTINGS) as ckpt:
@@ -194,7 +169,7 @@ def _count_restore(rank: int, world: int, root: str, out: str) -> None:
     with Checkpointer(root, **SETTINGS) as ckpt:
         ckpt.save(1, {"w": _replicated(1)}).wait()
     tally = Tally()
-    with Checkpointer(root, store=_counting_store(root, tally), **SETTINGS) as ckpt:
+    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4)}
         ckpt.load(target)
     assert torch.equal(target["w"], _replicated(1))

@@ -17,8 +17,8 @@ import pytest
 from ckptstore import Store
 from ckptstore.leases import find_leases
 from ckptstore.retention import collect
+from tests.helpers.integrity import chunk_files, referenced_chunks, verify_all
 from tests.helpers.wait import wait_until
-from tests.test_commit_safety import chunk_files, referenced_chunks, verify_all
 
 KEEP = 4
 TTL_S = 2.0

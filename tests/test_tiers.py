@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ckptstore import Checkpointer, telemetry
 from ckptstore.catalog import list_steps
@@ -20,74 +18,17 @@ from ckptstore.store import Store
 from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
 from tests.helpers import ROOT
-from tests.helpers.dist import run_ranks
-from tests.test_requests import CountingBackend, Tally
-
-RANKS_PER_NODE = 2
-SETTINGS = {"chunk_bytes": 1 << 16, "compression": "zstd", "timeout_s": 20.0}
-
-
-def _state(rank: int, step: int) -> dict:
-    g = torch.Generator().manual_seed(rank * 1000 + step)
-    return {
-        "w": torch.randn(64, 1024, generator=g),  # 4 chunks
-        "shared": torch.full((256,), float(step)),  # the same on every rank
-        "frozen": torch.arange(16384, dtype=torch.float32),  # the same at every step
-        "step": step,
-    }
-
-
-def _copies(local_dir: Path, rank: int) -> Path:
-    """The store of ``rank``'s copies in ``local_dir`` (one job per test)."""
-    (found,) = Path(local_dir).glob(f"job-*/rank-{rank:05d}")
-    return found
-
-
-def _blank() -> dict:
-    return {
-        "w": torch.zeros(64, 1024),
-        "shared": torch.zeros(256),
-        "frozen": torch.zeros(16384),
-        "step": -1,
-    }
-
-
-def _ckpt(root: Path, rank: int, store: Store | None = None, **kw) -> Checkpointer:
-    node = rank // RANKS_PER_NODE
-    return Checkpointer(
-        root / "durable",
-        local_dir=root / f"node{node}",
-        node_rank=node,
-        store=store,
-        **{**SETTINGS, **kw},
-    )
-
-
-def _save_steps(rank: int, world: int, root: str, steps: list[int], kw: dict) -> None:
-    abandon = kw.pop("abandon", False)
-    report = kw.pop("report", None)
-    ckpt = _ckpt(Path(root), rank, **kw)
-    copies = []
-    for step in steps:
-        ckpt.save(step, _state(rank, step)).wait()
-        if ckpt.last_peer_copy is not None:
-            stats = ckpt.last_peer_copy
-            copies.append([stats.buffer_bytes, stats.chunks_sent, stats.chunks_already_held])
-    ckpt.wait()  # drains too
-    if report is not None:
-        reports = _gathered(copies)
-        if rank == 0:
-            Path(report).write_text(json.dumps(reports))
-    if abandon:
-        dist.barrier()
-        os._exit(0)  # a crash: no close, leases left behind
-    ckpt.close()
-
-
-def _gathered(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+from tests.helpers.counting import CountingBackend, Tally
+from tests.helpers.dist import gathered, run_ranks
+from tests.helpers.tiers import (
+    SETTINGS,
+    blank_state,
+    copies_dir,
+    index_doc,
+    rank_state,
+    save_steps,
+    tier_checkpointer,
+)
 
 
 def _load(rank: int, world: int, root: str, out: str, kw: dict) -> None:
@@ -95,10 +36,10 @@ def _load(rank: int, world: int, root: str, out: str, kw: dict) -> None:
     tally = Tally()
     store = Store(str(Path(root) / "durable"))
     store.backend = CountingBackend(store.backend, tally)
-    ckpt = _ckpt(Path(root), rank, store=store, **kw)
-    state = _blank()
+    ckpt = tier_checkpointer(Path(root), rank, store=store, **kw)
+    state = blank_state()
     step = ckpt.load(state, fallback=fallback)
-    expected = _state(rank, step)
+    expected = rank_state(rank, step)
     ok = torch.equal(state["w"], expected["w"]) and torch.equal(state["shared"], expected["shared"])
     report = {
         "rank": rank,
@@ -109,7 +50,7 @@ def _load(rank: int, world: int, root: str, out: str, kw: dict) -> None:
         "sources": {k: v.bytes for k, v in ckpt.last_load.sources.items()},
         "durable_chunk_gets": tally.chunks["get"],
     }
-    reports = _gathered(report)
+    reports = gathered(report)
     ckpt.close()
     if rank == 0:
         Path(out).write_text(json.dumps(reports))
@@ -123,7 +64,7 @@ def _run_load(tmp_path: Path, **kw) -> list[dict]:
 
 def test_all_ranks_killed_restore_from_their_local_copies(tmp_path):
     kw = {"peer_copies": 1, "durable_every": 2, "abandon": True}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20, 30], kw, timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20, 30], kw, timeout_s=150)
     assert list_steps(Store(str(tmp_path / "durable"))) == [10, 30]
     reports = _run_load(tmp_path, peer_copies=1, durable_every=2)
     assert [r["step"] for r in reports] == [30] * 4
@@ -134,7 +75,7 @@ def test_all_ranks_killed_restore_from_their_local_copies(tmp_path):
 
 def test_a_wiped_node_restores_from_its_peers_without_durable_reads(tmp_path):
     kw = {"peer_copies": 1, "durable_every": 3}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     assert list_steps(Store(str(tmp_path / "durable"))) == [10]
     shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3: a replaced node
     reports = _run_load(tmp_path, peer_copies=1, durable_every=3)
@@ -144,12 +85,7 @@ def test_a_wiped_node_restores_from_its_peers_without_durable_reads(tmp_path):
     assert reports[2]["sources"][PEER] > 0
     assert sum(r["durable_chunk_gets"] for r in reports) == 0
     # The node's tier holds the step again, from which the next restore reads locally.
-    assert (_copies(tmp_path / "node1", 2) / "commits").is_dir()
-
-
-def _index_doc(store_dir: Path, step: int) -> dict:
-    manifest = json.loads((store_dir / "commits" / f"{step:020d}.json").read_text())
-    return json.loads((store_dir / manifest["ranks"][0]["key"]).read_text())
+    assert (copies_dir(tmp_path / "node1", 2) / "commits").is_dir()
 
 
 def _flip_a_chunk(store_dir: Path) -> None:
@@ -162,9 +98,9 @@ def _flip_a_chunk(store_dir: Path) -> None:
 
 def test_a_corrupt_peer_copy_falls_back_to_durable_for_the_same_step(tmp_path, caplog):
     kw = {"peer_copies": 1, "durable_every": 1}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     shutil.rmtree(tmp_path / "node1")
-    _flip_a_chunk(_copies(tmp_path / "node0", 2))  # node 0 keeps rank 2's copies
+    _flip_a_chunk(copies_dir(tmp_path / "node0", 2))  # node 0 keeps rank 2's copies
     reports = _run_load(tmp_path, peer_copies=1, durable_every=1)
     assert [r["step"] for r in reports] == [20] * 4
     assert all(r["equal"] for r in reports)
@@ -174,11 +110,11 @@ def test_a_corrupt_peer_copy_falls_back_to_durable_for_the_same_step(tmp_path, c
 
 def test_with_no_durable_copy_a_corrupt_peer_copy_means_an_older_step(tmp_path):
     kw = {"peer_copies": 1, "durable_every": 2}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     shutil.rmtree(tmp_path / "node1")
     # Step 20 of rank 2 lives only in node 0's copy: spoil a chunk only it has.
-    held = _copies(tmp_path / "node0", 2)
-    index, older = (_index_doc(held, step) for step in (20, 10))
+    held = copies_dir(tmp_path / "node0", 2)
+    index, older = (index_doc(held, step) for step in (20, 10))
     fresh = sorted(set(index["chunks"]) - set(older["chunks"]))
     path = held / "chunks" / fresh[0][:2] / fresh[0]
     data = bytearray(path.read_bytes())
@@ -192,29 +128,29 @@ def test_with_no_durable_copy_a_corrupt_peer_copy_means_an_older_step(tmp_path):
 def test_local_tier_and_durable_every_in_one_process(tmp_path):
     root = tmp_path
     with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
-        handles = [ckpt.save(step, _state(0, step)) for step in (1, 2, 3, 4, 5)]
+        handles = [ckpt.save(step, rank_state(0, step)) for step in (1, 2, 3, 4, 5)]
         for h in handles:
             h.wait()
         ckpt.wait()
         assert [h.durable is not None for h in handles] == [True, False, True, False, True]
         assert all(h.durable.result(timeout=60) is None for h in handles if h.durable)
     assert list_steps(Store(str(root / "durable"))) == [1, 3, 5]
-    assert list_steps(Store(str(_copies(root / "local", 0)))) == [4, 5]  # local_keep_last=2
+    assert list_steps(Store(str(copies_dir(root / "local", 0)))) == [4, 5]  # local_keep_last=2
     loads_before = telemetry.tier_loads_total.value(tier=LOCAL)
     bytes_before = telemetry.tier_load_bytes_total.value(tier=LOCAL)
     with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
-        state = _blank()
+        state = blank_state()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == LOCAL
-        assert torch.equal(state["w"], _state(0, 5)["w"])
+        assert torch.equal(state["w"], rank_state(0, 5)["w"])
         assert ckpt.last_load.sources[LOCAL].bytes > 0
     assert telemetry.tier_loads_total.value(tier=LOCAL) == loads_before + 1
     read = telemetry.tier_load_bytes_total.value(tier=LOCAL) - bytes_before
     assert read == ckpt.last_load.sources[LOCAL].bytes
     shutil.rmtree(root / "local")
     with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
-        state = _blank()
+        state = blank_state()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == DURABLE
-        assert torch.equal(state["w"], _state(0, 5)["w"])
+        assert torch.equal(state["w"], rank_state(0, 5)["w"])
 
 
 def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, caplog):
@@ -223,7 +159,7 @@ def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, cap
     caplog.set_level(logging.WARNING, logger="ckptstore")
     with Checkpointer(tmp_path / "durable", local_dir=local, durable_every=5) as ckpt:
         for step in (1, 2, 3):
-            ckpt.save(step, _state(0, step)).wait()
+            ckpt.save(step, rank_state(0, step)).wait()
     assert list_steps(Store(str(tmp_path / "durable"))) == [1, 2, 3]  # every save, not 1 in 5
     warnings = [r for r in caplog.records if "not committed to the local tier" in r.message]
     assert len(warnings) == 1
@@ -231,10 +167,10 @@ def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, cap
 
 def test_a_local_copy_of_another_job_is_never_loaded(tmp_path):
     with Checkpointer(tmp_path / "a", local_dir=tmp_path / "local") as ckpt:
-        ckpt.save(7, _state(0, 7)).wait()
+        ckpt.save(7, rank_state(0, 7)).wait()
     with Checkpointer(tmp_path / "b", local_dir=tmp_path / "local") as ckpt:
         with pytest.raises(CheckpointNotFoundError, match="no tier holds"):
-            ckpt.load(_blank())
+            ckpt.load(blank_state())
 
 
 def test_a_resumed_job_never_mixes_two_saves_of_one_step(tmp_path):
@@ -270,9 +206,9 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     durable, local = tmp_path / "durable", tmp_path / "local"
     with Checkpointer(durable, local_dir=local, durable_every=2) as ckpt:
         for step in (1, 2, 3, 4):
-            ckpt.save(step, _state(0, step))
+            ckpt.save(step, rank_state(0, step))
     with Checkpointer(tmp_path / "other", local_dir=local / "x") as ckpt:
-        ckpt.save(9, _state(0, 9))  # another job's copies: not this store's
+        ckpt.save(9, rank_state(0, 9))  # another job's copies: not this store's
     assert main(["ls", f"file://{durable}/", "--local-dir", str(local), "--json"]) == 0
     rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
     assert rows == {
@@ -282,13 +218,13 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     }
     assert main(["ls", str(durable), "--local-dir", str(tmp_path / "missing")]) == 1
     assert "no local tier directory" in capsys.readouterr().err
-    manifest = _copies(local, 0) / "commits" / f"{4:020d}.json"
+    manifest = copies_dir(local, 0) / "commits" / f"{4:020d}.json"
     manifest.write_bytes(manifest.read_bytes()[:40])  # a local copy gone bad is not hidden
     assert main(["ls", str(durable), "--local-dir", str(local)]) == 1
     out, err = capsys.readouterr()
     assert "local copy unreadable: " in out and "step 4 of rank 0" in out
     assert "unreadable manifest" in err
-    assert f"ckptstore inspect {_copies(local, 0)} --step N" in out
+    assert f"ckptstore inspect {copies_dir(local, 0)} --step N" in out
 
 
 def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, small_disk, caplog):
@@ -304,7 +240,7 @@ def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, sm
     ) as ckpt:
         for step in range(1, 6):
             ckpt.save(step, big(step)).wait()
-    local_steps = list_steps(Store(str(_copies(small_disk, 0))))
+    local_steps = list_steps(Store(str(copies_dir(small_disk, 0))))
     durable_steps = list_steps(Store(str(durable)))
     assert local_steps and durable_steps[0] == 1  # the first save is durable
     assert sorted(set(local_steps) | set(durable_steps)) == [1, 2, 3, 4, 5]
@@ -336,16 +272,16 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
     with Checkpointer(
         durable, local_dir=local, durable_every=2, keep_last=2, local_keep_last=2
     ) as ckpt:
-        ckpt.save(0, _state(0, 0)).wait()
+        ckpt.save(0, rank_state(0, 0)).wait()
         threads = [
             threading.Thread(target=gc_loop, args=(root,), daemon=True)
-            for root in (durable, _copies(local, 0))
+            for root in (durable, copies_dir(local, 0))
         ]
         for t in threads:
             t.start()
         try:
             for step in range(1, 9):
-                ckpt.save(step, _state(0, step)).wait()
+                ckpt.save(step, rank_state(0, step)).wait()
             try:
                 ckpt.wait()
             except CheckpointError as exc:
@@ -358,22 +294,22 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
             for t in threads:
                 t.join(timeout=60)
     assert not errors
-    for root in (durable, _copies(local, 0)):
+    for root in (durable, copies_dir(local, 0)):
         steps = list_steps(Store(str(root)))
         assert steps, root
         for step in steps:  # what each tier kept is whole
-            state = _blank()
+            state = blank_state()
             with Checkpointer(root) as ckpt:
                 ckpt.load(state, step=step)
-            assert torch.equal(state["w"], _state(0, step)["w"])
-    assert 8 in list_steps(Store(str(_copies(local, 0))))
+            assert torch.equal(state["w"], rank_state(0, step)["w"])
+    assert 8 in list_steps(Store(str(copies_dir(local, 0))))
 
 
 def test_peer_copies_hold_at_most_their_budget_and_send_only_new_chunks(tmp_path):
     budget = 100_000  # a round: one 64 KiB chunk and its status byte, the next waits
     out = tmp_path / "copies.json"
     kw = {"peer_copies": 1, "peer_budget_bytes": budget, "report": str(out), "compression": "none"}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     for rank, copies in enumerate(json.loads(out.read_text())):
         (first, sent1, held1), (second, sent2, held2) = copies
         # One transfer out and one in per rank, each round at most the budget and one chunk.
@@ -438,13 +374,13 @@ def test_two_jobs_share_a_local_dir_without_getting_in_each_others_way(tmp_path)
     for job in ("a", "b"):  # the same step numbers, one RAM disk
         with Checkpointer(tmp_path / job, local_dir=local, durable_every=100) as ckpt:
             for step in (10, 20):
-                ckpt.save(step, _state(0, step + ord(job))).wait()
+                ckpt.save(step, rank_state(0, step + ord(job))).wait()
     for job in ("a", "b"):
         assert list_steps(Store(str(tmp_path / job))) == [10]  # 20 went to the local tier only
         with Checkpointer(tmp_path / job, local_dir=local) as ckpt:
-            state = _blank()
+            state = blank_state()
             assert ckpt.load(state) == 20 and ckpt.last_load.source == LOCAL
-            assert torch.equal(state["w"], _state(0, 20 + ord(job))["w"])
+            assert torch.equal(state["w"], rank_state(0, 20 + ord(job))["w"])
     assert len(list(local.glob("job-*/rank-00000"))) == 2
 
 
@@ -456,13 +392,13 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
     with Checkpointer(
         tmp_path / "durable", store=durable, local_dir=tmp_path / "local", timeout_s=2.0
     ) as ckpt:
-        handle = ckpt.save(1, _state(0, 1))
+        handle = ckpt.save(1, rank_state(0, 1))
         handle.wait()  # committed to the local tier
         with pytest.raises(CheckpointError, match="step.s. 1 committed to the local tier but not"):
             ckpt.wait()
         ckpt.wait()  # reported once
         assert handle.durable.exception(timeout=60) is not None
-    assert list_steps(Store(str(_copies(tmp_path / "local", 0)))) == [1]
+    assert list_steps(Store(str(copies_dir(tmp_path / "local", 0)))) == [1]
     assert list_steps(Store(str(tmp_path / "durable"))) == []
 
 
@@ -477,12 +413,12 @@ def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go
     with Checkpointer(
         tmp_path / "durable", store=durable, local_dir=local, local_keep_last=1, timeout_s=60.0
     ) as ckpt:
-        handles = [ckpt.save(step, _state(0, step)) for step in range(1, 6)]
+        handles = [ckpt.save(step, rank_state(0, step)) for step in range(1, 6)]
         for handle in handles:
             handle.wait()  # every step committed locally; step 1's drain hangs
         assert wait_until(lambda: ckpt._drains.qsize() == 4, timeout_s=60)
         # Protected until drained: every step is still in the local tier.
-        assert list_steps(Store(str(_copies(local, 0)))) == [1, 2, 3, 4, 5]
+        assert list_steps(Store(str(copies_dir(local, 0)))) == [1, 2, 3, 4, 5]
         faults.release()
         ckpt.wait()  # the newest drain: no error from the steps let go
         assert handles[0].durable.exception(timeout=60) is None
@@ -490,24 +426,24 @@ def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go
             error = handle.durable.exception(timeout=60)
             assert isinstance(error, DrainSupersededError) and "step 5" in str(error), error
         assert handles[4].durable.exception(timeout=60) is None
-        ckpt.save(6, _state(0, 6)).wait()
+        ckpt.save(6, rank_state(0, 6)).wait()
         ckpt.wait()
     assert list_steps(Store(str(tmp_path / "durable"))) == [1, 5, 6]
     # local_keep_last=1 applies again once nothing is held for a drain.
-    assert list_steps(Store(str(_copies(local, 0)))) == [6]
+    assert list_steps(Store(str(copies_dir(local, 0)))) == [6]
     with Checkpointer(tmp_path / "durable") as ckpt:
-        state = _blank()
-        assert ckpt.load(state) == 6 and torch.equal(state["w"], _state(0, 6)["w"])
+        state = blank_state()
+        assert ckpt.load(state) == 6 and torch.equal(state["w"], rank_state(0, 6)["w"])
 
 
 def test_a_load_reads_only_the_durable_manifests_it_considers(tmp_path):
     with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local") as ckpt:
         for step in range(1, 7):  # every save durable
-            ckpt.save(step, _state(0, step)).wait()
+            ckpt.save(step, rank_state(0, step)).wait()
     tally = Tally()
     store = Store(str(tmp_path / "durable"))
     store.backend = CountingBackend(store.backend, tally)
     with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local", store=store) as ckpt:
-        assert ckpt.load(_blank()) == 6 and ckpt.last_load.source == LOCAL
+        assert ckpt.load(blank_state()) == 6 and ckpt.last_load.source == LOCAL
     assert tally.others["get"] == 1  # step 6's manifest (for its attempt), not all six
     assert tally.chunks.total() == 0

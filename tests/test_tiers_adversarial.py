@@ -20,7 +20,15 @@ from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageEr
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER
 from tests.helpers.dist import run_ranks
-from tests.test_tiers import SETTINGS, _blank, _ckpt, _copies, _index_doc, _save_steps, _state
+from tests.helpers.tiers import (
+    SETTINGS,
+    blank_state,
+    copies_dir,
+    index_doc,
+    rank_state,
+    save_steps,
+    tier_checkpointer,
+)
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -28,12 +36,12 @@ from tests.test_tiers import SETTINGS, _blank, _ckpt, _copies, _index_doc, _save
 def _load_report(rank: int, world: int, root: str, out: str, kw: dict) -> None:
     """Load on every rank; each rank's outcome (or error) written to ``out``.rank-r.json."""
     fallback = kw.pop("fallback", False)
-    ckpt = _ckpt(Path(root), rank, **kw)
-    state = _blank()
+    ckpt = tier_checkpointer(Path(root), rank, **kw)
+    state = blank_state()
     report: dict = {"rank": rank}
     try:
         step = ckpt.load(state, fallback=fallback)
-        expected = _state(rank, step)
+        expected = rank_state(rank, step)
         report.update(
             step=step,
             equal=torch.equal(state["w"], expected["w"])
@@ -81,24 +89,24 @@ def test_a_lower_step_saved_after_a_rollback_is_not_retained_away(tmp_path):
     durable, local = tmp_path / "durable", tmp_path / "local"
     with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
         for step in (1, 10, 20):
-            ckpt.save(step, _state(0, step)).wait()
+            ckpt.save(step, rank_state(0, step)).wait()
     drain_error = None
     with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
-        assert ckpt.load(_blank(), step=1) == 1
+        assert ckpt.load(blank_state(), step=1) == 1
         for step in (5, 6):  # 5 is this process's first save: bound for durable storage too
-            ckpt.save(step, _state(0, step)).wait()  # committed, says wait()
+            ckpt.save(step, rank_state(0, step)).wait()  # committed, says wait()
         try:
             ckpt.wait()
         except CheckpointError as exc:
             drain_error = exc
     with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
         for step in (5, 6):
-            state = _blank()
+            state = blank_state()
             try:
                 loaded = ckpt.load(state, step=step)
             except CheckpointNotFoundError as exc:
                 pytest.fail(f"step {step}, committed per wait(), is in no tier: {exc}")
-            assert loaded == step and torch.equal(state["w"], _state(0, step)["w"])
+            assert loaded == step and torch.equal(state["w"], rank_state(0, step)["w"])
     assert drain_error is None, drain_error
 
 
@@ -109,17 +117,17 @@ def test_a_step_saved_again_after_a_rollback_is_the_one_loaded(tmp_path):
     durable, local = tmp_path / "durable", tmp_path / "local"
     with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
         for step in (1, 10, 20):
-            ckpt.save(step, _state(0, step)).wait()
+            ckpt.save(step, rank_state(0, step)).wait()
     assert list_steps(Store(str(durable))) == [1]
-    redone = _state(0, 2020)
+    redone = rank_state(0, 2020)
     redone["step"] = 20
     with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
-        assert ckpt.load(_blank(), step=1) == 1
+        assert ckpt.load(blank_state(), step=1) == 1
         ckpt.save(20, redone).wait()  # committed (to durable storage, as it turns out)
         ckpt.wait()
     assert list_steps(Store(str(durable))) == [1, 20]
     with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
-        state = _blank()
+        state = blank_state()
         assert ckpt.load(state) == 20
         assert torch.equal(state["w"], redone["w"]), (
             f"loaded the abandoned run's step 20 from {ckpt.last_load.source}"
@@ -135,10 +143,10 @@ def test_a_corrupt_own_copy_is_restored_from_the_holders_copy(tmp_path):
     source must repair it. It does not: the restore transfer finds the step already 'held' in
     rank 2's store (same attempt), moves nothing, and rank 2 reads the same bad chunk again."""
     kw = {"peer_copies": 1, "durable_every": 100}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     assert list_steps(Store(str(tmp_path / "durable"))) == [10]
-    own = _copies(tmp_path / "node1", 2)
-    fresh = sorted(set(_index_doc(own, 20)["chunks"]) - set(_index_doc(own, 10)["chunks"]))
+    own = copies_dir(tmp_path / "node1", 2)
+    fresh = sorted(set(index_doc(own, 20)["chunks"]) - set(index_doc(own, 10)["chunks"]))
     _flip(_chunk_path(own, fresh[0]))
     assert _sources_of_step_20(tmp_path, kw) == [LOCAL, LOCAL, PEER, LOCAL]
 
@@ -154,11 +162,11 @@ def _one_node_preempted(rank: int, world: int, root: str, out: str) -> None:
         handle_sigterm=True,
         **SETTINGS,
     )
-    ckpt.save(1, _state(rank, 1)).wait()
+    ckpt.save(1, rank_state(rank, 1)).wait()
     ckpt.wait()  # step 1 drained
     if rank == 0:
         ckpt._sigterm.signalled.set()  # what the handler does: SIGTERM reached node 0 only
-    handle = ckpt.save(2, _state(rank, 2))
+    handle = ckpt.save(2, rank_state(rank, 2))
     try:
         handle.wait(timeout_s=60)
         outcome = "committed"
@@ -197,11 +205,11 @@ def test_sigterm_on_one_node_only_does_not_hang_its_save(tmp_path):
 def _load_one_tier_broken(rank: int, world: int, root: str, out: str) -> None:
     ckpt = Checkpointer(Path(root) / "durable", local_dir=Path(root) / f"node{rank}", **SETTINGS)
     if rank == 1:  # this node's disk errors when listed (EIO; here ELOOP)
-        commits = _copies(Path(root) / "node1", 1) / "commits"
+        commits = copies_dir(Path(root) / "node1", 1) / "commits"
         shutil.rmtree(commits)
         commits.symlink_to("commits")
     try:
-        outcome = f"loaded {ckpt.load(_blank())}"
+        outcome = f"loaded {ckpt.load(blank_state())}"
     except Exception as exc:  # noqa: BLE001 - reported to the test
         outcome = f"raised {type(exc).__name__}"
     Path(f"{out}.rank-{rank}").write_text(outcome)
@@ -217,7 +225,7 @@ def _load_one_tier_broken(rank: int, world: int, root: str, out: str) -> None:
 
 def _save_two_ranks(rank: int, world: int, root: str) -> None:
     ckpt = Checkpointer(Path(root) / "durable", local_dir=Path(root) / f"node{rank}", **SETTINGS)
-    ckpt.save(10, _state(rank, 10)).wait()
+    ckpt.save(10, rank_state(rank, 10)).wait()
     ckpt.close()
 
 
@@ -267,13 +275,13 @@ def test_a_durable_manifest_that_cannot_be_read_is_not_silently_skipped(tmp_path
     durable = tmp_path / "durable"
     with Checkpointer(durable, local_dir=tmp_path / "local") as ckpt:
         for step in (1, 2):
-            ckpt.save(step, _state(0, step)).wait()
+            ckpt.save(step, rank_state(0, step)).wait()
     shutil.rmtree(tmp_path / "local")
     store = open_store(durable, timeout_s=2.0)
     store.backend = _FailingCommitGets(store.backend, 2)
     with Checkpointer(durable, store=store, local_dir=tmp_path / "local", timeout_s=2.0) as ckpt:
         try:
-            step = ckpt.load(_blank())
+            step = ckpt.load(blank_state())
         except StorageError:
             return
     pytest.fail(f"load() without fallback silently loaded step {step}, not the newest step 2")
@@ -299,14 +307,14 @@ def test_an_unreachable_durable_store_is_not_reported_as_no_checkpoint(tmp_path)
     start (examples/train_gpt.py resume()), though the store holds step 1."""
     durable = tmp_path / "durable"
     with Checkpointer(durable, local_dir=tmp_path / "local") as ckpt:
-        ckpt.save(1, _state(0, 1)).wait()
+        ckpt.save(1, rank_state(0, 1)).wait()
     shutil.rmtree(tmp_path / "local")
     store = open_store(durable, timeout_s=2.0)
     store.backend = _Unlistable(store.backend)
     ckpt = Checkpointer(durable, store=store, local_dir=tmp_path / "local", timeout_s=2.0)
     try:
         with pytest.raises(CheckpointError) as info:
-            ckpt.load(_blank(), fallback=True)
+            ckpt.load(blank_state(), fallback=True)
     finally:
         ckpt.close()
     assert not isinstance(info.value, CheckpointNotFoundError), info.value
@@ -318,12 +326,12 @@ def test_when_every_step_misses_chunks_the_error_is_not_found(tmp_path):
     durable, local = tmp_path / "durable", tmp_path / "local"
     with Checkpointer(durable, local_dir=local) as ckpt:
         for step in (1, 2):
-            ckpt.save(step, _state(0, step)).wait()
-    for root in (durable, _copies(local, 0)):
+            ckpt.save(step, rank_state(0, step)).wait()
+    for root in (durable, copies_dir(local, 0)):
         shutil.rmtree(root / "chunks")
     with Checkpointer(durable, local_dir=local) as ckpt:
         with pytest.raises(CheckpointError) as info:
-            ckpt.load(_blank(), fallback=True)
+            ckpt.load(blank_state(), fallback=True)
     assert isinstance(info.value, CheckpointNotFoundError), repr(info.value)
     assert "\n" not in str(info.value)
 
@@ -343,7 +351,7 @@ def test_a_local_chunk_gone_bad_does_not_block_every_later_drain(tmp_path):
     extra = torch.arange(16384, dtype=torch.float32) * 3  # one chunk of its own
 
     def state(step: int) -> dict:
-        s = _state(0, step)
+        s = rank_state(0, step)
         if step >= 2:
             s["extra"] = extra
         return s
@@ -352,9 +360,9 @@ def test_a_local_chunk_gone_bad_does_not_block_every_later_drain(tmp_path):
         ckpt.save(1, state(1)).wait()
         ckpt.save(2, state(2)).wait()  # local only
         ckpt.wait()
-        copies = _copies(local, 0)
+        copies = copies_dir(local, 0)
         digest = hash_bytes(extra.numpy().tobytes())
-        assert digest in _index_doc(copies, 2)["chunks"]
+        assert digest in index_doc(copies, 2)["chunks"]
         _flip(_chunk_path(copies, digest))
         failures = 0
         for step in range(3, 8):  # 3, 5 and 7 are bound for durable storage
@@ -386,8 +394,8 @@ def test_a_drain_records_the_durable_stored_size_of_chunks_encoded_otherwise(tmp
     with Checkpointer(durable, local_dir=local, compression="zstd", **chunk) as ckpt:
         ckpt.save(3, {"a": old, "b": kept}).wait()  # a: put, exists; b: known
         ckpt.wait()
-    local_index = _index_doc(_copies(local, 0), 3)["chunks"]
-    durable_index = _index_doc(durable, 3)["chunks"]
+    local_index = index_doc(copies_dir(local, 0), 3)["chunks"]
+    durable_index = index_doc(durable, 3)["chunks"]
     assert local_index.keys() == durable_index.keys()
     assert all(local_index[d][1] != durable_index[d][1] for d in local_index)  # sizes differ
     with Checkpointer(durable) as ckpt:
@@ -403,20 +411,20 @@ def test_rounds_smaller_than_a_chunk_and_a_source_failing_mid_transfer(tmp_path)
     takes step 20 from durable storage, rank 3 from its peer, every rank the same save, and the
     ranks' point-to-point rounds stay matched (no hang)."""
     kw = {"peer_copies": 1, "durable_every": 1, "peer_budget_bytes": 1}
-    run_ranks(_save_steps, 4, str(tmp_path), [10, 20], dict(kw), timeout_s=150)
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], dict(kw), timeout_s=150)
     shutil.rmtree(tmp_path / "node1")
-    held = _copies(tmp_path / "node0", 2)
-    chunks = sorted(_index_doc(held, 20)["chunks"])
+    held = copies_dir(tmp_path / "node0", 2)
+    chunks = sorted(index_doc(held, 20)["chunks"])
     _chunk_path(held, chunks[len(chunks) // 2]).unlink()
     assert _sources_of_step_20(tmp_path, kw) == [LOCAL, LOCAL, DURABLE, PEER]
 
 
 def _local_commit_fails_on_rank_1(rank: int, world: int, root: str, out: str) -> None:
-    ckpt = _ckpt(Path(root), rank, durable_every=100)  # both ranks on node 0
-    ckpt.save(10, _state(rank, 10)).wait()  # bound for durable storage: drains meanwhile
+    ckpt = tier_checkpointer(Path(root), rank, durable_every=100)  # both ranks on node 0
+    ckpt.save(10, rank_state(rank, 10)).wait()  # bound for durable storage: drains meanwhile
     if rank == 1:  # rank 1's manifest put of step 20 fails (after it wrote chunks and index)
-        (_copies(Path(root) / "node0", 1) / "commits" / f"{20:020d}.json").mkdir()
-    handle = ckpt.save(20, _state(rank, 20))
+        (copies_dir(Path(root) / "node0", 1) / "commits" / f"{20:020d}.json").mkdir()
+    handle = ckpt.save(20, rank_state(rank, 20))
     handle.wait()
     report = {"durable": handle.durable is not None and handle.durable.result(timeout=60) is None}
     ckpt.wait()
@@ -450,17 +458,17 @@ def test_a_load_while_drains_are_pending_keeps_them_and_they_complete(tmp_path):
     faults = Faults(hang_rate=1.0, ops=frozenset({"put"}))  # durable puts wait for release()
     store = with_faults(open_store(durable, timeout_s=20.0), faults)
     with Checkpointer(durable, store=store, local_dir=local, **SETTINGS) as ckpt:
-        handles = [ckpt.save(step, _state(0, step)) for step in (1, 2)]
+        handles = [ckpt.save(step, rank_state(0, step)) for step in (1, 2)]
         for h in handles:
             h.wait()
         assert not any(h.durable.done() for h in handles)  # both drains still to go
-        state = _blank()
+        state = blank_state()
         try:
             assert ckpt.load(state) == 2 and ckpt.last_load.source == LOCAL
         finally:
             faults.release()
-        assert torch.equal(state["w"], _state(0, 2)["w"])
+        assert torch.equal(state["w"], rank_state(0, 2)["w"])
         ckpt.wait()
         assert all(h.durable.result(timeout=60) is None for h in handles)
     assert list_steps(Store(str(durable))) == [1, 2]
-    assert list_steps(Store(str(_copies(local, 0)))) == [1, 2]
+    assert list_steps(Store(str(copies_dir(local, 0)))) == [1, 2]

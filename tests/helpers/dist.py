@@ -57,3 +57,10 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> None:
                 if p.is_alive():
                     p.kill()
             pytest.fail(f"{world}-rank test did not finish within {timeout_s:.0f}s")
+
+
+def gathered(value):
+    """Every rank's ``value``, in rank order (a collective: every rank of the group calls it)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
