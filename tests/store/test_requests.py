@@ -5,7 +5,7 @@ Counted where they leave the process: on S3 (the moto server) each API call the 
 sends, so that a HEAD s3fs makes on its own counts too; on a local store each call into the
 backend. Hedged uploads are off: a hedge adds a duplicate put only when a put is slow.
 
-``python tests/test_requests.py`` prints the figures recorded in docs/BENCHMARKS.md.
+``python -m tests.store.test_requests`` prints the figures recorded in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

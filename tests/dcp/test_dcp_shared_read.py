@@ -3,9 +3,9 @@ ranks fetches each distinct chunk from storage once.
 
 Real gloo ranks (``tests/helpers/dist.py``) save replicated state with ``StoreWriter`` and load it with
 ``StoreReader``; each rank's chunk GETs are counted at its store's backend, as
-``tests/test_shared_read.py`` counts them.
+``tests/store/test_shared_read.py`` counts them.
 
-``python tests/test_dcp_shared_read.py`` prints the figures recorded in docs/BENCHMARKS.md.
+``python -m tests.dcp.test_dcp_shared_read`` prints the figures recorded in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Read once, broadcast (issue 23): ranks restoring the same chunks fetch each from storage once.
 
 Real gloo ranks (``tests/helpers/dist.py``) restore through ``Checkpointer.load``; each rank's chunk
-GETs are counted at its store's backend (``test_requests.CountingBackend``).
+GETs are counted at its store's backend (``tests.helpers.counting.CountingBackend``).
 
-``python tests/test_shared_read.py`` prints the figures recorded in docs/BENCHMARKS.md.
+``python -m tests.store.test_shared_read`` prints the figures recorded in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
