@@ -1,4 +1,5 @@
 # Two entry points (see README): `make demo` and `make test`. Both build .venv on first use.
+# `make test-fast` is the quick tier to run while working (see FAST_TESTS); `make test` runs all.
 # `make test-torch-next` runs the parts that lean on torch internals (DCP, export, Lightning)
 # against the next torch too, in its own venv; CI (.ci/run) runs it after `make test`.
 PYTHON ?= python3
@@ -43,7 +44,17 @@ test: $(BIN)/.installed
 	$(BIN)/ruff check ckptstore loaders bench tests examples
 	$(BIN)/python -m pytest -q
 
+# The quick tier (about 4 minutes on 2 cores): no test marked slow or dist (a gloo group of
+# spawned ranks) or seaweedfs, and not the rooms made of subprocesses and gloo ranks (tiers, bench,
+# Lightning). `make test` runs every test.
+FAST_TESTS := -m "not slow and not dist and not seaweedfs" \
+	--ignore=tests/tiers --ignore=tests/bench --ignore=tests/integrations
+
+test-fast: $(BIN)/.installed
+	$(BIN)/ruff check ckptstore loaders bench tests examples
+	$(BIN)/python -m pytest -q $(FAST_TESTS)
+
 demo: $(BIN)/.installed
 	$(BIN)/python examples/kill_and_resume.py
 
-.PHONY: install test demo test-torch-next
+.PHONY: install test test-fast demo test-torch-next

@@ -49,6 +49,7 @@ GC_LOOP = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend", ["local", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)]
 )
@@ -117,6 +118,7 @@ def test_retention_in_two_processes_keeps_every_waited_step(tmp_path):
 # -- a delete that timed out lands later ---------------------------------------------------------
 
 
+@pytest.mark.slow  # 8-18 s each on 2 cores
 @pytest.mark.parametrize("seed", range(6))
 def test_a_delete_abandoned_at_its_deadline_cannot_remove_a_newer_commit(tmp_path, seed):
     """Issue item 2: deletes hang 2 s half of the time, attempts time out after 0.3 s. Step 1

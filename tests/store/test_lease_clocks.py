@@ -75,6 +75,7 @@ DYING_GC = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_save_after_a_gc_killed_with_a_delete_in_flight_waits_for_that_delete(tmp_path):
     uri, landed = str(tmp_path / "store"), tmp_path / "delete-landed"
     a, b = torch.randn(50_000), torch.randn(50_000)
