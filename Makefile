@@ -1,4 +1,5 @@
 # Two entry points (see README): `make demo` and `make test`. Both build .venv on first use.
+# `make test-fast` is the quick tier to run while working (see FAST_TESTS); `make test` runs all.
 # `make test-torch-next` runs the parts that lean on torch internals (DCP, export, Lightning)
 # against the next torch too, in its own venv; CI (.ci/run) runs it after `make test`.
 PYTHON ?= python3
@@ -21,11 +22,12 @@ install: $(BIN)/.installed
 # the CPU. The trained-weights wheel is left out: no test below reads it.
 NEXT_VENV := .venv-torch2141
 NEXT_BIN := $(NEXT_VENV)/bin
-NEXT_TESTS := tests/test_dcp.py tests/test_dcp_steps.py tests/test_untrusted_dcp.py \
-	tests/test_save_session.py tests/test_partial_load.py tests/test_export.py \
-	tests/test_bench_export.py tests/test_lightning.py tests/test_lightning_upstream_checkpoint_io.py \
-	tests/test_lightning_upstream_model_checkpoint.py tests/test_dcp_shared_read.py \
-	tests/test_dcp_tiers.py
+NEXT_TESTS := tests/dcp/test_dcp.py tests/dcp/test_dcp_steps.py tests/dcp/test_untrusted_dcp.py \
+	tests/dcp/test_dcp_shared_read.py tests/tiers/test_dcp_tiers.py tests/tiers/test_tier_conformance.py \
+	tests/format/test_save_session.py tests/format/test_export.py \
+	tests/checkpointer/test_partial_load.py tests/bench/test_bench_export.py \
+	tests/integrations/test_lightning.py tests/integrations/test_lightning_upstream_checkpoint_io.py \
+	tests/integrations/test_lightning_upstream_model_checkpoint.py
 
 $(NEXT_BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(NEXT_VENV)
@@ -42,7 +44,17 @@ test: $(BIN)/.installed
 	$(BIN)/ruff check ckptstore loaders bench tests examples
 	$(BIN)/python -m pytest -q
 
+# The quick tier (about 4 minutes on 2 cores): no test marked slow or dist (a gloo group of
+# spawned ranks) or seaweedfs, and not the rooms made of subprocesses and gloo ranks (tiers, bench,
+# Lightning). `make test` runs every test.
+FAST_TESTS := -m "not slow and not dist and not seaweedfs" \
+	--ignore=tests/tiers --ignore=tests/bench --ignore=tests/integrations
+
+test-fast: $(BIN)/.installed
+	$(BIN)/ruff check ckptstore loaders bench tests examples
+	$(BIN)/python -m pytest -q $(FAST_TESTS)
+
 demo: $(BIN)/.installed
 	$(BIN)/python examples/kill_and_resume.py
 
-.PHONY: install test demo test-torch-next
+.PHONY: install test test-fast demo test-torch-next

@@ -7,8 +7,12 @@ import os
 import subprocess
 import uuid
 
-import _seaweedfs as seaweedfs
 import pytest
+
+# The helpers' asserts (assert_same, assert_loaded...) report as a test's own do.
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers import seaweedfs  # noqa: E402
 
 
 def pytest_configure(config):
@@ -77,7 +81,7 @@ def store_uri(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def seaweed_endpoint():
-    """A SeaweedFS S3 endpoint (``weed mini``, tests/_seaweedfs.py) on loopback, with its own
+    """A SeaweedFS S3 endpoint (``weed mini``, tests/helpers/seaweedfs.py) on loopback, with its own
     data directory and free ports; its URL. Skipped only where ``weed`` is absent or cannot run."""
     try:
         binary = seaweedfs.find_weed()

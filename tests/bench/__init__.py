@@ -1,0 +1,1 @@
+"""``ckptbench``'s subcommands (bench/), run on tiny inputs."""

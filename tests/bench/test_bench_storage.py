@@ -1,0 +1,434 @@
+"""``ckptbench storage``: run through its own argparse parser against real stores."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import uuid
+
+import pytest
+
+from bench import storage
+from bench.report import parse_bytes
+from bench.storage.stats import _Timeline
+from ckptstore.store import Store
+from ckptstore.telemetry import LatencyHistogram
+from tests.helpers import ROOT
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ckptbench")
+    storage.add_parser(parser.add_subparsers())
+    return parser.parse_args(["storage", *argv])
+
+
+def _run_json(capsys, *argv: str) -> tuple[int, dict]:
+    args = _parse(*argv, "--json")
+    rc = args.func(args)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    return rc, json.loads(out[0])
+
+
+def _memory_uri() -> str:
+    return f"memory://bench-{uuid.uuid4().hex[:12]}"
+
+
+def _left_under(uri: str, prefix: str) -> list[str]:
+    return Store(uri).list(prefix)
+
+
+# -- histogram ---------------------------------------------------------------------------------
+
+
+def _exact_percentile(sorted_samples: list[float], q: float) -> float:
+    """Nearest rank, the definition HdrHistogram uses."""
+    rank = max(1, round(q / 100 * len(sorted_samples)))
+    return sorted_samples[rank - 1]
+
+
+def test_histogram_percentiles_match_exact_ones_within_three_digits():
+    rng = random.Random(7)
+    samples = [rng.lognormvariate(-6, 1.5) for _ in range(10_000)]  # ~2.5 ms median, long tail
+    hist = LatencyHistogram()
+    for s in samples:
+        hist.record(s)
+    ordered = sorted(samples)
+    for q in (50, 90, 99, 99.9, 100):
+        exact = _exact_percentile(ordered, q)
+        # 3 significant digits, and values are kept in whole microseconds.
+        assert hist.percentile_s(q) == pytest.approx(exact, rel=1e-3, abs=1e-6), q
+
+
+def test_histogram_mean_is_the_mean_of_what_was_recorded_also_after_a_merge():
+    rng = random.Random(11)
+    first = [rng.lognormvariate(-5, 1) for _ in range(3000)]
+    second = [rng.uniform(0.1, 0.3) for _ in range(1000)]
+    a, b = LatencyHistogram(), LatencyHistogram()
+    for s in first:
+        a.record(s)
+    for s in second:
+        b.record(s)
+    assert a.summary()["mean_s"] == pytest.approx(sum(first) / len(first), abs=1e-6)
+    a.merge(b)
+    both = first + second
+    assert a.summary()["mean_s"] == pytest.approx(sum(both) / len(both), abs=1e-6)
+    assert a.summary()["count"] == len(both)
+
+
+def test_op_stats_merge_reports_percentiles_of_all_workers():
+    rng = random.Random(3)
+    a, b = storage._OpStats(), storage._OpStats()
+    samples = []
+    for stats, scale in ((a, 1e-3), (b, 1e-1)):  # a fast worker and a slow one
+        for _ in range(1000):
+            s = rng.uniform(0.5, 1.5) * scale
+            samples.append(s)
+            stats.hist.record(s)
+            stats.ops += 1
+            stats.bytes += 100
+    a.errors["StorageError"] += 2
+    total = storage._OpStats()
+    total.merge(a)
+    total.merge(b)
+    report = total.to_dict(elapsed_s=2.0)
+    ordered = sorted(samples)
+    assert report["ops"] == 2000
+    assert report["ops_s"] == 1000
+    assert report["throughput_bytes_s"] == 100_000
+    assert report["errors"] == 2
+    assert report["errors_by_type"] == {"StorageError": 2}
+    for key, q in (("p50_s", 50), ("p90_s", 90), ("p99_s", 99), ("p999_s", 99.9)):
+        assert report[key] == pytest.approx(_exact_percentile(ordered, q), rel=1e-3, abs=1e-6)
+    assert report["max_s"] == pytest.approx(ordered[-1], rel=1e-3)
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def test_sizes_parse_units_and_normalise_weights():
+    assert storage.parse_sizes("4KiB:0.7,1MiB:0.25,16MiB:0.05") == [
+        (4096, pytest.approx(0.7)),
+        (2**20, pytest.approx(0.25)),
+        (16 * 2**20, pytest.approx(0.05)),
+    ]
+    assert storage.parse_sizes("1kB:1,2kB:3") == [(1000, 0.25), (2000, 0.75)]
+    assert storage.parse_sizes("512") == [(512, 1.0)]
+    assert parse_bytes("1.5GB") == 1_500_000_000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sizes", "4KB:abc"], "bad weight"),
+        (["--sizes", "0B"], "at least one byte"),
+        (["--sizes", "4XB"], "not a size"),
+        (["--sizes", "4KiB:-1"], "must be > 0"),
+        (["--count", "0"], "--count must be >= 1"),
+        (["--mode", "burst", "--count", "5"], "does not apply to burst"),
+        (["--writers", "0", "--readers", "0"], "at least one writer or reader"),
+        (["--latency", "gaussian:1"], "bad latency spec"),
+        (["--error-rate", "2"], "--error-rate must be within 0 and 1"),
+        (["--checkpoint-bytes", "lots"], "--checkpoint-bytes"),
+    ],
+)
+def test_bad_flags_give_one_clear_line(argv, message):
+    args = _parse("--uri", _memory_uri(), *argv)
+    with pytest.raises(ValueError, match=message) as info:
+        args.func(args)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_scheme_is_one_clear_error():
+    args = _parse("--uri", "nosuchscheme://bucket/x")
+    with pytest.raises(ValueError, match="cannot open store") as info:
+        args.func(args)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.s3
+def test_nonexistent_bucket_is_one_clear_error(s3_endpoint):
+    args = _parse("--uri", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", "--count", "10")
+    with pytest.raises(OSError, match="not usable.*bucket") as info:
+        args.func(args)
+    assert "\n" not in str(info.value)
+
+
+# -- modes -------------------------------------------------------------------------------------
+
+
+def test_steady_on_memory_reports_every_field_and_cleans_up(capsys):
+    uri = _memory_uri()
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--sizes", "4KiB:0.8,64KiB:0.2", "--count", "400", "--seed", "1"
+    )
+    assert rc == 0
+    assert result["mode"] == "steady" and result["stop_reason"] == "count"
+    assert result["put"]["ops"] + result["get"]["ops"] == 400
+    for op in ("put", "get"):
+        r = result[op]
+        for key in ("ops", "throughput_bytes_s", "p50_s", "p90_s", "p99_s", "p999_s", "max_s",
+                    "errors"):  # fmt: skip
+            assert key in r
+        assert r["ops"] > 0 and r["errors"] == 0 and r["retries"] == 0
+        assert 0 < r["p50_s"] <= r["p90_s"] <= r["p99_s"] <= r["p999_s"] <= r["max_s"]
+        assert r["throughput_bytes_s"] > 0
+    assert result["cleanup"]["left"] == 0 and result["cleanup"]["deleted"] > 0
+    assert _left_under(uri, result["prefix"]) == []
+
+
+def test_write_budget_stops_the_run(capsys):
+    uri = _memory_uri()
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--sizes", "4KiB", "--readers", "0", "--max-write-bytes", "64KiB"
+    )
+    assert rc == 0
+    assert result["stop_reason"] == "max_write_bytes"
+    assert result["put"]["ops"] == 16 and result["put"]["bytes"] == 64 * 1024
+    assert _left_under(uri, result["prefix"]) == []
+
+
+def test_bench_deletes_only_its_own_keys(capsys):
+    uri = _memory_uri()
+    other = Store(uri)
+    other.put("ckptbench-not-mine/a", b"x")
+    other.put("data/b", b"y")
+    rc, result = _run_json(capsys, "--uri", uri, "--sizes", "1KiB", "--count", "50")
+    assert rc == 0
+    assert other.list("") == ["ckptbench-not-mine/a", "data/b"]
+
+
+def test_injected_errors_are_counted_not_fatal(capsys):
+    uri = _memory_uri()
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--sizes", "4KiB", "--count", "400", "--error-rate", "0.3",
+        "--attempts", "2", "--seed", "5",
+    )  # fmt: skip
+    assert rc == 0
+    put, get = result["put"], result["get"]
+    assert put["errors"] > 0 and put["retries"] > 0
+    assert set(put["errors_by_type"]) == {"StorageError(InjectedFaultError)"}
+    assert put["ops"] + get["ops"] + put["errors"] + get["errors"] == 400
+    # Every injected fault is one failed attempt: either retried or the last attempt of a
+    # request that failed.
+    failed_attempts = put["retries"] + get["retries"] + put["errors"] + get["errors"]
+    assert result["faults"]["injected"]["errors"] == failed_attempts
+    assert _left_under(uri, result["prefix"]) == []
+
+
+def test_hung_requests_time_out_and_are_retried(capsys):
+    uri = _memory_uri()
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--sizes", "1KiB", "--count", "100", "--hang-rate", "0.05",
+        "--timeout-s", "0.2", "--attempts", "3", "--seed", "2", "--writers", "2",
+        "--readers", "2",
+    )  # fmt: skip
+    assert rc == 0
+    assert result["faults"]["injected"]["hangs"] > 0
+    assert result["put"]["retries"] + result["get"]["retries"] > 0
+    assert result["put"]["max_s"] >= 0.2 or result["get"]["max_s"] >= 0.2
+    assert result["cleanup"]["left"] == 0
+
+
+def test_burst_measures_reads_around_the_burst_and_cleans_up(capsys, tmp_path):
+    uri = str(tmp_path / "store")
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--mode", "burst", "--writers", "3", "--checkpoint-bytes", "1MiB",
+        "--sizes", "128KiB", "--queue-depth", "2", "--baseline-s", "0.2", "--after-s", "0.2",
+        "--read-interval-s", "0.001", "--latency", "fixed:0.01", "--fault-ops", "put",
+    )  # fmt: skip
+    assert rc == 0
+    burst = result["burst"]
+    assert burst["bytes_written"] == 3 * 2**20 and not burst["truncated"]
+    assert result["put"]["ops"] == 3 * 8
+    assert burst["end_s"] > burst["start_s"] > 0
+    for phase in ("before", "during", "after"):
+        assert burst["read"][phase]["count"] > 0, phase
+    assert sum(burst["read"][p]["count"] for p in burst["read"]) == result["get"]["ops"]
+    files = [f for _, _, fs in os.walk(uri) for f in fs]
+    assert files == []
+
+
+def test_burst_is_bounded_by_its_duration(capsys):
+    uri = _memory_uri()
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--mode", "burst", "--writers", "2", "--checkpoint-bytes",
+        "64MiB", "--sizes", "1MiB", "--queue-depth", "1", "--latency", "fixed:0.05",
+        "--fault-ops", "put", "--duration-s", "0.3", "--baseline-s", "0", "--after-s", "0",
+    )  # fmt: skip
+    assert rc == 0
+    assert result["stop_reason"] == "duration"
+    assert result["burst"]["truncated"]
+    assert 0 < result["burst"]["bytes_written"] < 2 * 64 * 2**20
+    assert _left_under(uri, result["prefix"]) == []
+
+
+def test_read_mode_reads_ranges_of_existing_objects_and_leaves_them(capsys):
+    uri = _memory_uri()
+    data = Store(uri)
+    for i in range(4):
+        data.put(f"dataset/shard-{i}", os.urandom(64 * 1024))
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--mode", "read", "--read-prefix", "dataset", "--read-bytes",
+        "1KiB", "--count", "50",
+    )  # fmt: skip
+    assert rc == 0
+    assert result["objects"] == 4
+    assert result["get"]["ops"] == 50 and result["get"]["bytes"] == 50 * 1024
+    assert "put" not in result
+    assert data.list("") == [f"dataset/shard-{i}" for i in range(4)]
+
+
+def test_read_mode_writes_its_own_objects_by_default(capsys):
+    uri = _memory_uri()
+    rc, result = _run_json(
+        capsys, "--uri", uri, "--mode", "read", "--objects", "3", "--sizes", "256KiB",
+        "--read-bytes", "100KiB", "--count", "30",
+    )  # fmt: skip
+    assert rc == 0
+    assert result["get"]["bytes"] == 30 * 100 * 1024
+    assert Store(uri).list("") == []
+
+
+def test_table_output(capsys):
+    args = _parse("--uri", _memory_uri(), "--sizes", "1KiB", "--count", "40")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "p99.9" in out and "put" in out and "cleanup: deleted" in out
+
+
+@pytest.mark.s3
+def test_steady_on_s3(capsys, s3_uri):
+    rc, result = _run_json(
+        capsys, "--uri", s3_uri, "--sizes", "4KiB:0.8,64KiB:0.2", "--count", "60",
+        "--writers", "2", "--readers", "2",
+    )  # fmt: skip
+    assert rc == 0
+    assert result["put"]["ops"] > 0 and result["get"]["ops"] > 0
+    assert result["put"]["errors"] == result["get"]["errors"] == 0
+    assert result["cleanup"]["left"] == 0
+    assert Store(s3_uri).list(result["prefix"]) == []
+
+
+# -- plots -------------------------------------------------------------------------------------
+
+
+def test_plot_without_matplotlib_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    args = _parse("--uri", _memory_uri(), "--count", "5", "--plot", str(tmp_path / "x.png"))
+    with pytest.raises(ValueError, match="--plot needs matplotlib"):
+        args.func(args)
+
+
+def test_burst_plot_is_written(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "burst.png"
+    rc, result = _run_json(
+        capsys, "--uri", _memory_uri(), "--mode", "burst", "--writers", "2",
+        "--checkpoint-bytes", "512KiB", "--sizes", "64KiB", "--baseline-s", "0.1",
+        "--after-s", "0.1", "--latency", "fixed:0.005", "--fault-ops", "put", "--plot", str(png),
+    )  # fmt: skip
+    assert rc == 0 and result["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- output paths and cleanup of a local run -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        (
+            "/nonexistent/x.png",
+            "--plot /nonexistent/x.png: the directory /nonexistent does not exist",
+        ),
+        (".", "--plot .: is a directory; give a file name"),
+    ],
+)
+def test_unwritable_plot_fails_before_the_run(monkeypatch, capsys, plot, message):
+    from bench.cli import main
+
+    def must_not_run(self):
+        raise AssertionError("the bench ran before its --plot path was checked")
+
+    monkeypatch.setattr(storage.StorageBench, "run", must_not_run)
+    assert main(["storage", "--uri", _memory_uri(), "--count", "5", "--plot", plot]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"ckptbench storage: error: {message}"
+
+
+def test_unwritable_plot_exits_2_as_a_process():
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cli", "storage", "--uri", _memory_uri(),
+         "--count", "5", "--plot", "/nonexistent/x.png"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("ckptbench storage: error: --plot /nonexistent/x.png")
+
+
+def test_local_run_leaves_nothing_behind(capsys, tmp_path):
+    rc, result = _run_json(capsys, "--uri", str(tmp_path), "--count", "10", "--seed", "1")
+    assert rc == 0 and result["cleanup"]["left"] == 0
+    assert os.listdir(tmp_path) == []  # not even the empty ckptbench-<random>/ directory
+
+
+def test_local_run_with_keep_keeps_its_directory(capsys, tmp_path):
+    rc, result = _run_json(capsys, "--uri", str(tmp_path), "--count", "10", "--keep")
+    assert rc == 0 and os.listdir(tmp_path) == [result["prefix"]]
+
+
+def _burst_timeline() -> _Timeline:
+    """Dense 1 ms reads before and after a burst from 2 s to 4 s, in which 4 reads start, each
+    taking 400 ms: each lies alone in its window (about 83 ms wide)."""
+    timeline = _Timeline()
+    samples = [(i * 0.002, 0.001) for i in range(1000)]
+    samples += [(2.25 + i * 0.5, 0.4) for i in range(4)]
+    samples += [(4.0 + i * 0.002, 0.001) for i in range(1000)]
+    for t, latency in samples:
+        timeline.t_s.append(t)
+        timeline.latency_s.append(latency)
+    return timeline
+
+
+def test_burst_plot_draws_the_sparse_slow_windows_of_the_burst(monkeypatch, tmp_path):
+    """The p99 line rises through the burst the table reports, and marks its sparse windows."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from bench.storage.report import plot
+
+    saved: list[Figure] = []
+    real_savefig = Figure.savefig
+
+    def keep_figure(fig, *args, **kwargs):
+        saved.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep_figure)
+    burst = {"start_s": 2.0, "end_s": 4.0, "writers": 8, "read_bytes": 4096}
+    timeline = _burst_timeline()
+    phases = {name: LatencyHistogram() for name in ("before", "during", "after")}
+    for t, latency in zip(timeline.t_s, timeline.latency_s):
+        phase = "before" if t < 2.0 else "during" if t < 4.0 else "after"
+        phases[phase].record(latency)
+    bench = argparse.Namespace(_merged_stats={}, _phases=phases, _timeline=timeline)
+    plot(bench, {"mode": "burst", "uri": "memory://x", "burst": burst}, str(tmp_path / "b.png"))
+
+    timeline_axes = saved[0].axes[1]
+    lines = {line.get_label(): line for line in timeline_axes.get_lines()}
+    (p99_label,) = [label for label in lines if label.startswith("p99 per")]
+    p99_in_burst = [
+        y for x, y in zip(*lines[p99_label].get_data()) if burst["start_s"] <= x <= burst["end_s"]
+    ]
+    assert p99_in_burst and min(p99_in_burst) == pytest.approx(0.4)
+    (sparse_label,) = [label for label in lines if label.startswith("sparse window")]
+    sparse_x = lines[sparse_label].get_xdata()
+    assert len(sparse_x) == 4 and all(2.0 <= x <= 4.0 for x in sparse_x)
+    assert sparse_label in [t.get_text() for t in timeline_axes.get_legend().get_texts()]

@@ -1,0 +1,1 @@
+"""ckptstore.Checkpointer: round trips, ranks, crashes, preemption, partial loads, RNG."""

@@ -1,0 +1,62 @@
+"""Checkpointer across a real multi-process gloo group: each rank writes, one commit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ckptstore import Checkpointer, Store
+from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.staging import align
+from tests.helpers.dist import run_ranks
+
+
+def _rank_state(rank: int, step: int) -> dict:
+    return {
+        "shard": torch.full((5000,), float(rank * 100 + step)),
+        "replicated": torch.arange(300_000, dtype=torch.float32),  # same on every rank, own chunk
+        "rank": rank,
+    }
+
+
+def _worker(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root, keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _rank_state(rank, step))
+            dist.barrier()  # the training loop's own collectives go on meanwhile
+        ckpt.wait()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [2, 3]
+        target = {"shard": torch.zeros(5000), "replicated": torch.zeros(300_000), "rank": -1}
+        assert ckpt.load(target) == 3
+        expected = _rank_state(rank, 3)
+        assert target["rank"] == rank
+        assert torch.equal(target["shard"], expected["shard"])
+        assert torch.equal(target["replicated"], expected["replicated"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_writes_one_commit(tmp_path, world):
+    run_ranks(_worker, world, str(tmp_path))
+    store = Store(tmp_path)
+    assert list_steps(store) == [2, 3]
+    manifest = load_manifest(store, 3)
+    assert manifest.world_size == world and len(manifest.ranks) == world
+    # per kept step one pack per rank, and the replicated tensor once for all (content addressing)
+    chunk_files = [p for p in (tmp_path / "chunks").rglob("*") if p.is_file()]
+    assert len(chunk_files) == 2 * world + 1
+    assert manifest.raw_bytes == 300_000 * 4 + world * align(5000 * 4)  # distinct chunks only
+
+
+def _load_at_other_world(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(Exception, match="saved by 2 rank"):
+            ckpt.load({"shard": torch.zeros(5000)})
+
+
+@pytest.mark.dist
+def test_world_size_change_is_refused_clearly(tmp_path):
+    run_ranks(_worker, 2, str(tmp_path))
+    run_ranks(_load_at_other_world, 1, str(tmp_path))

@@ -1,0 +1,798 @@
+"""ckptstore.cli: ls / inspect / verify / restore / gc on real stores made by real saves."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptstore import Checkpointer
+from ckptstore.cli import main
+from tests.helpers.dist import run_ranks
+
+STEPS = (10, 20, 30)
+
+
+def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
+    """The state as a restore should rebuild it: stateful objects as their state dicts."""
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optim": copy.deepcopy(optim.state_dict()),
+        "step": step,
+        "extra": {"name": "run7", "betas": (0.9, 0.999), "blob": b"\x00\x01", "bf16": None},
+    }
+
+
+def _save_steps(uri: str) -> dict[int, dict]:
+    """Three steps of a small model + Adam, the first layer changing between steps; small
+    chunks so that tensors span several chunk objects and small ones are packed together."""
+    model, optim = _model_and_optim()
+    saved = {}
+    with Checkpointer(uri, chunk_bytes=16384) as ckpt:
+        for step in STEPS:
+            with torch.no_grad():
+                model[0].weight.add_(0.5)
+            bf16 = torch.randn(33, dtype=torch.bfloat16)
+            state = {
+                "model": model,
+                "optim": optim,
+                "step": step,
+                "extra": {"name": "run7", "betas": (0.9, 0.999), "blob": b"\x00\x01", "bf16": bf16},
+            }
+            ckpt.save(step, state, metadata={"epoch": step // 10}).wait()
+            saved[step] = _snapshot(model, optim, step)
+            saved[step]["extra"]["bf16"] = bf16.clone()
+    return saved
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
+    root = tmp_path_factory.mktemp("template") / "store"
+    return root, _save_steps(str(root))
+
+
+@pytest.fixture
+def store(template: tuple[Path, dict], tmp_path: Path) -> Path:
+    """A private copy of the template store (tests corrupt and collect it)."""
+    path = tmp_path / "store"
+    shutil.copytree(template[0], path)
+    return path
+
+
+@pytest.fixture
+def saved(template: tuple[Path, dict]) -> dict[int, dict]:
+    return template[1]
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict]:
+    code, out, err = run(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def assert_same(actual: Any, expected: Any, path: str = "") -> None:
+    """Equal structure and bit-identical tensors."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert torch.equal(
+            actual.contiguous().view(-1).view(torch.uint8),
+            expected.contiguous().view(-1).view(torch.uint8),
+        ), path
+    elif isinstance(expected, np.ndarray):
+        assert isinstance(actual, np.ndarray) and actual.dtype == expected.dtype, path
+        assert actual.tobytes() == expected.tobytes(), path
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and list(actual) == list(expected), path
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{path}/{i}")
+    else:
+        assert actual == expected and type(actual) is type(expected), path
+
+
+def one_line_error(err: str, command: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"ckptstore {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def chunk_of(capsys: pytest.CaptureFixture, store: Path, tensor: str, step: int = 30) -> str:
+    """The key of the first chunk holding ``tensor`` in ``step``."""
+    code, doc = run_json(capsys, "inspect", store, "--step", step)
+    assert code == 0
+    (entry,) = [t for t in doc["tensors"] if t["name"] == tensor]
+    digest = entry["chunks"][0]
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+def flip_byte(path: Path, where: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def index_of(store: Path, step: int) -> str:
+    """The key of the (only) rank index of ``step``, as its manifest names it."""
+    doc = json.loads((store / f"commits/{step:020d}.json").read_text())
+    (ref,) = doc["ranks"]
+    return ref["key"]
+
+
+# -- ls ------------------------------------------------------------------------------------------
+
+
+def test_ls_lists_committed_steps(store: Path, capsys) -> None:
+    code, out, err = run(capsys, "ls", store)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["STEP", "KIND", "RANKS"]
+    assert [line.split()[0] for line in lines[1:]] == ["10", "20", "30"]
+    assert all(" state " in line and '{"epoch":' in line for line in lines[1:])
+
+    code, doc = run_json(capsys, "ls", store)
+    assert code == 0
+    assert doc["uri"] == str(store) and doc["latest"] == 30 and doc["pending"] == []
+    assert [s["step"] for s in doc["steps"]] == list(STEPS)
+    first = doc["steps"][0]
+    assert set(first) >= {
+        "step",
+        "kind",
+        "world_size",
+        "created_at",
+        "created",
+        "raw_bytes",
+        "stored_bytes",
+        "compression_ratio",
+        "user",
+        "manifest",
+    }
+    assert first["kind"] == "state" and first["world_size"] == 1 and first["user"] == {"epoch": 1}
+    assert first["created"].endswith("Z") and first["raw_bytes"] > 0
+    assert first["compression_ratio"] == pytest.approx(
+        first["raw_bytes"] / first["stored_bytes"], rel=1e-3
+    )
+
+
+def test_a_location_without_ckptstore_data_is_an_error_everywhere(tmp_path: Path, capsys) -> None:
+    """An empty directory (a mistyped path) is "no ckptstore data here": exit 1, for every
+    command, with the error also as JSON on stdout under --json."""
+    (tmp_path / "empty").mkdir()
+    extra = {"restore": ["--to", tmp_path / "x.pt"], "gc": ["--keep-last", "1"]}
+    for command in ("ls", "inspect", "verify", "restore", "gc"):
+        code, out, err = run(capsys, command, tmp_path / "empty", *extra.get(command, []))
+        assert code == 1 and "no ckptstore data at" in one_line_error(err, command)
+        code, out, err = run(capsys, command, tmp_path / "empty", *extra.get(command, []), "--json")
+        assert code == 1 and json.loads(out) == {
+            "error": one_line_error(err, command).split("error: ", 1)[1],
+            "code": 1,
+        }
+
+
+def test_a_store_with_no_committed_step_lists_empty(tmp_path: Path, capsys) -> None:
+    uri = tmp_path / "store"
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    (uri / "commits" / f"{1:020d}.json").unlink()  # its steps/ and chunks/ stay
+    code, out, _ = run(capsys, "ls", uri)
+    assert code == 0 and "no committed steps" in out
+    code, doc = run_json(capsys, "ls", uri)
+    assert code == 0 and doc["steps"] == [] and doc["latest"] is None
+
+
+def test_usage_errors_under_json_are_json_too(capsys) -> None:
+    code, out, err = run(capsys, "restore", "X", "--json")
+    assert code == 2 and json.loads(out)["code"] == 2
+    assert "--to" in json.loads(out)["error"] and "--to" in err
+
+
+def test_ls_shows_saves_in_flight(store: Path, capsys) -> None:
+    import time
+
+    marker = store / "pending" / f"{40:020d}-abc-00000.json"
+    marker.parent.mkdir(exist_ok=True)
+    marker.write_text(
+        json.dumps({"step": 40, "attempt": "abc", "rank": 0, "created_at": time.time()})
+    )
+    code, out, _ = run(capsys, "ls", store)
+    assert code == 0 and "pending: step 40 rank 0" in out and "in flight" in out
+    code, doc = run_json(capsys, "ls", store)
+    assert doc["pending"][0]["step"] == 40 and doc["pending"][0]["stale"] is False
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_tensors_by_name(store: Path, saved: dict, capsys) -> None:
+    code, out, _ = run(capsys, "inspect", store)
+    assert code == 0
+    assert out.startswith("step 30 of ")
+    for name in ("model/0.weight", "optim/state/0/exp_avg", "extra/bf16"):
+        assert name in out
+    assert '{"epoch": 3}' in out and "float32" in out and "[256, 64]" in out
+
+    code, doc = run_json(capsys, "inspect", store, "--step", "20")
+    assert code == 0 and doc["step"] == 20 and doc["kind"] == "state"
+    assert doc["world_size"] == 1 and doc["user"] == {"epoch": 2}
+    assert doc["num_chunks"] > 1 and doc["compression_ratio"] > 0
+    expected = saved[20]
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    names = {f"model/{k}" for k in expected["model"]} | {
+        f"optim/state/{p}/{k}" for p, s in expected["optim"]["state"].items() for k in s
+    }
+    assert set(by_name) == names | {"extra/bf16"}
+    weight = by_name["model/0.weight"]
+    assert weight["dtype"] == "float32" and weight["shape"] == [256, 64]
+    assert weight["raw_bytes"] == 256 * 64 * 4 and len(weight["chunks"]) == 4  # 64 KiB / 16 KiB
+    assert by_name["extra/bf16"]["dtype"] == "bfloat16"
+    assert doc["ranks"] == [
+        {
+            "rank": 0,
+            "index": doc["ranks"][0]["index"],
+            "tensors": len(names) + 1,
+            "chunks": doc["num_chunks"],
+            "raw_bytes": doc["tensor_bytes"],
+            "stored_bytes": doc["ranks"][0]["stored_bytes"],
+        }
+    ]
+
+
+def test_inspect_unknown_step_is_missing(store: Path, capsys) -> None:
+    code, out, err = run(capsys, "inspect", store, "--step", "15")
+    assert code == 1 and out == ""
+    assert "step 15 is not committed" in one_line_error(err, "inspect")
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_all_ok(store: Path, capsys) -> None:
+    code, out, err = run(capsys, "verify", store, "--all")
+    assert code == 0 and err == ""
+    assert "all OK" in out and out.count(": OK") == 3
+    code, doc = run_json(capsys, "verify", store)
+    assert code == 0 and doc["ok"] is True and doc["problems"] == []
+    assert [s["step"] for s in doc["steps"]] == [30]
+    assert doc["chunks_checked"] == doc["steps"][0]["chunks"] > 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_verify_names_a_bad_chunk(store: Path, capsys, damage: str) -> None:
+    key = chunk_of(capsys, store, "model/0.weight")
+    path = store / key
+    if damage == "flip":
+        flip_byte(path)
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path.unlink()
+    code, out, err = run(capsys, "verify", store)
+    assert code == 1
+    assert key in out and "model/0.weight" in out and "FAILED" in out
+    assert key in one_line_error(err, "verify")
+    code, doc = run_json(capsys, "verify", store)
+    assert code == 1 and doc["ok"] is False
+    (problem,) = doc["problems"]
+    assert problem["object"] == key and problem["what"] == "chunk" and problem["step"] == 30
+    assert problem["problem"] == ("missing" if damage == "delete" else "corrupt")
+    assert "model/0.weight" in problem["tensors"]
+
+
+def test_verify_reports_every_problem(store: Path, capsys) -> None:
+    flipped = chunk_of(capsys, store, "model/0.weight")
+    missing = chunk_of(capsys, store, "optim/state/0/exp_avg")
+    flip_byte(store / flipped, 0.9)
+    (store / missing).unlink()
+    index = index_of(store, 20)
+    flip_byte(store / index)
+    manifest = f"commits/{10:020d}.json"
+    flip_byte(store / manifest, 0.3)
+    code, doc = run_json(capsys, "verify", store, "--all")
+    assert code == 1
+    found = {(p["step"], p["object"], p["problem"]) for p in doc["problems"]}
+    assert (30, flipped, "corrupt") in found
+    assert (30, missing, "missing") in found
+    assert (20, index, "corrupt") in found
+    assert (10, manifest, "corrupt") in found
+    assert [s["ok"] for s in doc["steps"]] == [False, False, False]
+    # The corrupt index of step 20 hides its chunks, but the chunks step 30 shares are checked.
+    code, out, err = run(capsys, "verify", store, "--all")
+    assert code == 1 and all(k in out for k in (flipped, missing, index, manifest))
+    one_line_error(err, "verify")
+
+
+def test_verify_missing_rank_index_and_manifest_step_only(store: Path, capsys) -> None:
+    index = index_of(store, 30)
+    (store / index).unlink()
+    code, doc = run_json(capsys, "verify", store, "--step", "30")
+    assert code == 1
+    assert [(p["object"], p["problem"], p["what"]) for p in doc["problems"]] == [
+        (index, "missing", "rank-index")
+    ]
+    code, doc = run_json(capsys, "verify", store, "--step", "20")
+    assert code == 0 and doc["ok"]
+
+
+# -- restore -------------------------------------------------------------------------------------
+
+
+def test_restore_torch_round_trips_bit_exactly(store: Path, saved: dict, tmp_path: Path, capsys):
+    out_path = tmp_path / "step20.pt"
+    code, out, err = run(capsys, "restore", store, "--step", "20", "--to", out_path)
+    assert code == 0 and err == ""
+    assert "restored step 20" in out and "torch.load(" in out
+    assert_same(torch.load(out_path, weights_only=True), saved[20])
+    assert {p.name for p in tmp_path.iterdir()} == {"store", "step20.pt"}  # no temporary left
+
+    latest = tmp_path / "latest.pt"
+    code, doc = run_json(capsys, "restore", store, "--to", latest)
+    assert code == 0 and doc["step"] == 30 and doc["format"] == "torch"
+    assert doc["weights_only"] is True and doc["path"] == str(latest)
+    assert doc["tensors"] == 17  # 4 of the model, 3 x 4 of Adam, bf16
+    assert_same(torch.load(latest, weights_only=True), saved[30])
+
+
+def test_restore_refuses_to_overwrite_without_force(store: Path, saved: dict, tmp_path, capsys):
+    target = tmp_path / "keep.pt"
+    target.write_bytes(b"precious")
+    code, out, err = run(capsys, "restore", store, "--to", target)
+    assert code == 2 and out == ""
+    assert "--force" in one_line_error(err, "restore")
+    assert target.read_bytes() == b"precious"
+    code, _, _ = run(capsys, "restore", store, "--to", target, "--force")
+    assert code == 0
+    assert_same(torch.load(target, weights_only=True), saved[30])
+
+    directory = tmp_path / "dcpdir"
+    directory.mkdir()
+    (directory / "other").write_text("x")
+    code, _, err = run(capsys, "restore", store, "--to", directory, "--format", "dcp")
+    assert code == 2 and (directory / "other").exists()
+    code, _, err = run(capsys, "restore", store, "--to", directory)  # a dir for a file
+    assert code == 2 and "directory" in one_line_error(err, "restore")
+
+
+def test_restore_dcp_is_read_by_stock_dcp(store: Path, saved: dict, tmp_path: Path, capsys):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    target = tmp_path / "dcp"
+    target.mkdir()  # an existing empty directory is fine
+    code, doc = run_json(
+        capsys, "restore", store, "--step", "10", "--to", target, "--format", "dcp"
+    )
+    assert code == 0 and doc["format"] == "dcp" and doc["step"] == 10
+    expected = saved[10]
+    state = {
+        "model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
+        "optim": {
+            "state": {
+                p: {k: torch.zeros_like(v) for k, v in s.items()}
+                for p, s in expected["optim"]["state"].items()
+            }
+        },
+        "extra": {"bf16": torch.zeros(33, dtype=torch.bfloat16)},
+    }
+    with pytest.warns(UserWarning):  # DCP: "assuming the intent is to load in a single process"
+        dcp.load(state, storage_reader=FileSystemReader(str(target)))
+    assert_same(state["model"], expected["model"])
+    assert_same(state["optim"]["state"], expected["optim"]["state"])
+    assert_same(state["extra"]["bf16"], expected["extra"]["bf16"])
+
+
+def test_restore_numpy_state_needs_weights_only_false(tmp_path: Path, capsys) -> None:
+    uri = tmp_path / "np"
+    state = {"a": np.arange(6, dtype=np.int16).reshape(2, 3), "t": torch.arange(4.0), "n": 7}
+    with Checkpointer(str(uri)) as ckpt:
+        ckpt.save(5, state).wait()
+    code, out, _ = run(capsys, "restore", uri, "--to", tmp_path / "np.pt")
+    assert code == 0 and "weights_only=False" in out and "numpy" in out
+    assert_same(torch.load(tmp_path / "np.pt", weights_only=False), state)
+
+
+# -- DCP steps -----------------------------------------------------------------------------------
+
+
+def _dcp_restore_available() -> bool:
+    try:
+        import ckptstore.dcp as ckdcp
+    except ImportError:
+        return False
+    return hasattr(ckdcp, "load_full_state_dict")
+
+
+@pytest.mark.skipif(
+    not _dcp_restore_available(),
+    reason="ckptstore.dcp.load_full_state_dict is not there yet (restoring DCP steps needs it)",
+)
+def test_dcp_step_inspect_verify_restore(tmp_path: Path, capsys) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckptstore.dcp import StoreWriter
+
+    uri = str(tmp_path / "dcpstore")
+    model, optim = _model_and_optim()
+    state = {"model": dict(model.state_dict()), "step": 7, "bf16": torch.randn(9).bfloat16()}
+    expected = copy.deepcopy(state)
+    with pytest.warns(UserWarning):
+        dcp.save(state, storage_writer=StoreWriter(uri, step=7, chunk_bytes=16384), no_dist=True)
+
+    code, doc = run_json(capsys, "inspect", uri)
+    assert code == 0 and doc["kind"] == "dcp" and doc["step"] == 7 and doc["dcp_metadata"]
+    names = {t["name"] for t in doc["tensors"]}
+    assert {"model.0.weight", "model.2.bias", "bf16"} <= names
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    assert by_name["model.0.weight"]["shape"] == [256, 64]
+    assert by_name["model.0.weight"]["offset"] == [0, 0] and not by_name["model.0.weight"]["object"]
+    assert by_name["step"]["object"] is True  # a non-tensor value, pickled by DCP
+
+    code, doc = run_json(capsys, "verify", uri)
+    assert code == 0 and doc["ok"]
+
+    out_pt = tmp_path / "full.pt"
+    code, doc = run_json(capsys, "restore", uri, "--to", out_pt)
+    assert code == 0 and doc["kind"] == "dcp"
+    assert_same(torch.load(out_pt, weights_only=True), expected)
+
+    out_dcp = tmp_path / "plain-dcp"
+    code, _ = run_json(capsys, "restore", uri, "--to", out_dcp, "--format", "dcp")
+    assert code == 0
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    target["bf16"] = torch.zeros(9, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning):
+        dcp.load(target, storage_reader=FileSystemReader(str(out_dcp)))
+    assert_same(target["model"], expected["model"])
+    assert_same(target["bf16"], expected["bf16"])
+
+    metadata = next(str(p.relative_to(uri)) for p in Path(uri).rglob("dcp.metadata") if p.is_file())
+    flip_byte(Path(uri) / metadata)
+    code, doc = run_json(capsys, "verify", uri)
+    assert code == 1
+    assert [(p["object"], p["what"]) for p in doc["problems"]] == [(metadata, "dcp-metadata")]
+
+
+# -- gc ------------------------------------------------------------------------------------------
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_gc_dry_run_then_keep_last(store: Path, saved: dict, tmp_path: Path, capsys) -> None:
+    before = _files(store)
+    code, out, _ = run(capsys, "gc", store, "--keep-last", "1", "--dry-run")
+    assert code == 0 and "would delete steps: 10, 20" in out
+    assert _files(store) == before
+    code, doc = run_json(capsys, "gc", store, "--keep-last", "1", "--dry-run")
+    assert doc["dry_run"] and doc["deleted_steps"] == [10, 20] and doc["kept_steps"] == [30]
+    would = doc["deleted_chunks"]
+    assert would > 0 and doc["deleted_chunk_bytes"] > 0 and doc["swept"]
+    assert _files(store) == before
+
+    code, doc = run_json(capsys, "gc", store, "--keep-last", "1")
+    assert code == 0 and not doc["dry_run"] and doc["deleted_chunks"] == would
+    after = _files(store)
+    chunks = lambda files: {f for f in files if f.startswith("chunks/")}  # noqa: E731
+    assert len(chunks(after)) == len(chunks(before)) - would
+    _, listing = run_json(capsys, "ls", store)
+    assert [s["step"] for s in listing["steps"]] == [30]
+    code, out, _ = run(capsys, "verify", store, "--all")
+    assert code == 0 and "all OK" in out
+    code, _, _ = run(capsys, "restore", store, "--to", tmp_path / "after-gc.pt")
+    assert code == 0
+    assert_same(torch.load(tmp_path / "after-gc.pt", weights_only=True), saved[30])
+
+
+def test_gc_blocked_by_a_save_in_flight(store: Path, capsys) -> None:
+    import time
+
+    marker = store / "pending" / f"{40:020d}-abc-00000.json"
+    marker.parent.mkdir(exist_ok=True)
+    marker.write_text(
+        json.dumps({"step": 40, "attempt": "abc", "rank": 0, "created_at": time.time()})
+    )
+    chunks_before = {f for f in _files(store) if f.startswith("chunks/")}
+    code, out, _ = run(capsys, "gc", store, "--keep-last", "2")
+    assert code == 0
+    assert "deleted steps: 10" in out and "in flight" in out and "pending/" in out
+    assert {f for f in _files(store) if f.startswith("chunks/")} == chunks_before
+    assert marker.exists()
+    code, doc = run_json(capsys, "gc", store, "--keep-last", "2")
+    assert doc["swept"] is False and doc["blocked_by"] == [str(marker.relative_to(store))]
+
+
+# -- errors and exit codes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate", "x"],
+        ["ls"],
+        ["verify", "X", "--step", "1", "--all"],
+        ["verify", "X", "--step", "soon"],
+        ["gc", "X"],
+        ["gc", "X", "--keep-last", "0"],
+        ["restore", "X"],
+        ["restore", "X", "--to", "y", "--format", "zip"],
+        ["ls", "X", "--storage-option", "novalue"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify", "restore", "gc"])
+def test_nonexistent_path_exits_1(command: str, tmp_path: Path, capsys) -> None:
+    extra = {"restore": ["--to", tmp_path / "x.pt"], "gc": ["--keep-last", "1"]}.get(command, [])
+    code, out, err = run(capsys, command, tmp_path / "nope", *extra)
+    assert code == 1 and out == ""
+    assert "no ckptstore checkpoints at" in one_line_error(err, command)
+    assert not (tmp_path / "nope").exists()
+
+
+def test_unknown_scheme_and_empty_store(tmp_path: Path, capsys) -> None:
+    code, _, err = run(capsys, "ls", "nosuchscheme://bucket/x")
+    assert code == 2 and "nosuchscheme" in one_line_error(err, "ls")
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "verify", tmp_path / "empty")
+    assert code == 1 and "no ckptstore data at" in one_line_error(err, "verify")
+
+
+def test_unreadable_manifest_in_ls_exits_1(store: Path, capsys) -> None:
+    flip_byte(store / f"commits/{20:020d}.json")
+    code, out, err = run(capsys, "ls", store)
+    assert code == 1 and "ERROR" in out and f"commits/{20:020d}.json" in out
+    one_line_error(err, "ls")
+    code, doc = run_json(capsys, "ls", store)
+    assert code == 1 and "error" in doc["steps"][1] and "error" not in doc["steps"][0]
+
+
+# -- S3 (moto server) ----------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_s3_ls_verify_and_storage_options(s3_uri: str, s3_endpoint: str, capsys, monkeypatch):
+    import boto3
+
+    with Checkpointer(s3_uri, chunk_bytes=16384) as ckpt:
+        ckpt.save(1, {"w": torch.randn(64, 64), "b": torch.arange(10)}).wait()
+    code, doc = run_json(capsys, "ls", s3_uri)
+    assert code == 0 and [s["step"] for s in doc["steps"]] == [1]
+    code, out, _ = run(capsys, "verify", s3_uri)
+    assert code == 0 and "all OK" in out
+
+    bucket, prefix = s3_uri[len("s3://") :].split("/", 1)
+    code, doc = run_json(capsys, "inspect", s3_uri)
+    digest = next(t for t in doc["tensors"] if t["name"] == "w")["chunks"][0]
+    key = f"chunks/{digest[:2]}/{digest}"
+    boto3.client("s3", endpoint_url=s3_endpoint).delete_object(Bucket=bucket, Key=f"{prefix}/{key}")
+    code, doc = run_json(capsys, "verify", s3_uri)
+    assert code == 1 and [(p["object"], p["problem"]) for p in doc["problems"]] == [
+        (key, "missing")
+    ]
+
+    code, _, err = run(capsys, "ls", "s3://no-such-bucket-ckptstore/x")
+    assert code == 1 and "bucket" in one_line_error(err, "ls")
+
+    # Endpoint from --storage-option instead of the environment.
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    code, doc = run_json(capsys, "ls", s3_uri, "--storage-option", f"endpoint_url={s3_endpoint}")
+    assert code == 0 and [s["step"] for s in doc["steps"]] == [1]
+
+
+# -- as a real process ---------------------------------------------------------------------------
+
+
+def _cli(*argv: Any) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    return subprocess.run(
+        [sys.executable, "-m", "ckptstore.cli", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_subprocess_exit_codes_and_no_traceback(store: Path, tmp_path: Path) -> None:
+    done = _cli("verify", tmp_path / "missing")
+    assert done.returncode == 1 and done.stdout == ""
+    missing = tmp_path / "missing"
+    expected = f"ckptstore verify: error: no ckptstore checkpoints at {missing} (no such path)"
+    assert done.stderr.strip() == expected
+
+    done = _cli("ls", "nosuchscheme://b/x")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+    flip_byte(store / chunk_of_file(store))
+    done = _cli("verify", store, "--all", "--json")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert json.loads(done.stdout)["ok"] is False
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("ckptstore verify: error: ") and "corrupt" in line
+
+
+def chunk_of_file(store: Path) -> str:
+    return "chunks/" + sorted(_files(store / "chunks"))[0]
+
+
+def test_help_has_examples(capsys) -> None:
+    for command in ("ls", "inspect", "verify", "restore", "gc"):
+        code, out, _ = run(capsys, command, "--help")
+        assert code == 0 and "examples:" in out and f"ckptstore {command} " in out
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and all(c in out for c in ("ls", "inspect", "verify", "restore", "gc"))
+    code, out, _ = run(capsys, "restore", "--help")
+    assert '"rank0"' in out and "weights_only" in out
+
+
+def test_progress_bar_only_on_a_terminal(store: Path, tmp_path: Path, capsys, monkeypatch):
+    code, _, err = run(capsys, "verify", store)
+    assert code == 0 and err == ""  # not a terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _, err = run(capsys, "verify", store)
+    assert code == 0 and "verify" in err and "100%" in err
+    code, _, err = run(capsys, "restore", store, "--to", tmp_path / "bar.pt")
+    assert code == 0 and "restore step 30" in err and "100%" in err
+
+
+def test_debug_shows_the_real_exception(tmp_path: Path, capsys) -> None:
+    from ckptstore.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="no ckptstore checkpoints"):
+        main(["ls", str(tmp_path / "nope"), "--debug"])
+
+
+# -- several ranks -------------------------------------------------------------------------------
+
+
+def _rank_state(rank: int) -> dict:
+    return {"w": torch.full((40, 40), float(rank)), "shared": torch.arange(100.0), "rank": rank}
+
+
+def _save_as_rank(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root) as ckpt:
+        ckpt.save(3, _rank_state(rank)).wait()
+
+
+@pytest.mark.dist
+def test_two_ranks_inspect_verify_restore(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "store"
+    run_ranks(_save_as_rank, 2, str(root))
+    code, doc = run_json(capsys, "inspect", root)
+    assert code == 0 and doc["world_size"] == 2 and [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert sorted((t["rank"], t["name"]) for t in doc["tensors"]) == [
+        (0, "shared"),
+        (0, "w"),
+        (1, "shared"),
+        (1, "w"),
+    ]
+    code, out, _ = run(capsys, "inspect", root)
+    assert "RANK" in out
+    code, doc = run_json(capsys, "verify", root)
+    assert code == 0 and doc["steps"][0]["ranks"] == 2
+    code, out, _ = run(capsys, "restore", root, "--to", tmp_path / "all.pt")
+    assert code == 0 and '"rank<r>"' in out
+    assert_same(
+        torch.load(tmp_path / "all.pt", weights_only=True),
+        {"rank0": _rank_state(0), "rank1": _rank_state(1)},
+    )
+
+
+def test_unknown_format_version_is_reported(store: Path, capsys) -> None:
+    path = store / f"commits/{20:020d}.json"
+    text = path.read_text()
+    assert '"format_version":2,' in text
+    path.write_text(text.replace('"format_version":2,', '"format_version":99,'))
+    code, _, err = run(capsys, "inspect", store, "--step", "20")
+    assert code == 1 and "upgrade ckptstore" in one_line_error(err, "inspect")
+    code, doc = run_json(capsys, "verify", store, "--step", "20")
+    assert code == 1
+    assert [(p["object"], p["problem"]) for p in doc["problems"]] == [
+        (f"commits/{20:020d}.json", "unsupported")
+    ]
+    code, doc = run_json(capsys, "ls", store)
+    assert code == 1 and "format version 99" in doc["steps"][1]["error"]
+
+
+# -- the reader of stdout goes away (`ckptstore ... | head -1`) ---------------------------------
+
+
+def _cli_reader_gone(*argv: Any, unbuffered: bool) -> subprocess.CompletedProcess:
+    """Run the command with stdout a pipe whose read end is already closed: every write to it
+    fails with EPIPE, as after `| head -1` has read its line (deterministically)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "ckptstore.cli", *map(str, argv)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    "argv",
+    [["inspect"], ["ls"], ["inspect", "--json"], ["inspect", "--debug"]],
+    ids=["inspect", "ls", "inspect-json", "inspect-debug"],
+)
+def test_reader_of_stdout_gone_is_a_normal_end(store: Path, argv: list, unbuffered: bool):
+    done = _cli_reader_gone(argv[0], store, *argv[1:], unbuffered=unbuffered)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_head_of_inspect_is_a_normal_end(store: Path) -> None:
+    done = subprocess.run(
+        f"set -o pipefail; {sys.executable} -m ckptstore.cli inspect {store} | head -1",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("step 30")
+
+
+def test_restore_only_takes_whole_name_segments(tmp_path: Path, capsys) -> None:
+    uri = tmp_path / "store"
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"model": {"w": torch.ones(2)}, "model_ema": {"w": torch.zeros(2)}}).wait()
+    out = tmp_path / "model.pt"
+    assert run(capsys, "restore", str(uri), "--to", str(out), "--only", "model")[0] == 0
+    assert list(torch.load(out, weights_only=True)) == ["model"]
+    code, _, err = run(capsys, "restore", str(uri), "--to", str(out) + "x", "--only", "model/w")
+    assert code == 0 and list(torch.load(str(out) + "x", weights_only=True)) == ["model"]
+
+
+def test_restore_refuses_safetensors_options_for_other_formats(store: Path, tmp_path: Path, capsys):
+    code, _, err = run(
+        capsys, "restore", str(store), "--to", str(tmp_path / "a.pt"), "--dtype", "bfloat16"
+    )
+    assert code == 2 and "--dtype: only with --format safetensors" in err
+    assert not (tmp_path / "a.pt").exists()

@@ -1,0 +1,94 @@
+"""What the CLI needs and leaves (issue 25, item 5): ``--help``, usage errors, ``ls`` and
+``inspect`` of a local store run without importing torch; a mistyped S3 prefix is "no ckptstore
+data"; a local store keeps no empty directories behind its deletes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer
+from ckptstore.cli import main
+from ckptstore.format import _COMMON_ITEMSIZES
+from tests.helpers import ROOT
+
+RUN_WITHOUT_TORCH = """
+import sys
+from ckptstore.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print("TORCH_IMPORTED" if "torch" in sys.modules else "NO_TORCH", code)
+"""
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    uri = tmp_path / "store"
+    with Checkpointer(uri) as ckpt:
+        state = {"model": {"w": torch.ones(10), "h": torch.zeros(3, dtype=torch.bfloat16)}}
+        ckpt.save(1, {**state, "step": 1}).wait()
+    return uri
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--version"], ["ls"], ["restore", "X"], ["ls", "{store}"], ["ls", "{store}",
+     "--json"], ["inspect", "{store}"], ["inspect", "{store}", "--json"]],
+)  # fmt: skip
+def test_answers_without_importing_torch(store: Path, argv: list[str]) -> None:
+    args = [a.format(store=store) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT_TORCH, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("NO_TORCH"), proc.stdout + proc.stderr
+    assert int(last.split()[1] or 0) in (0, 2)
+
+
+def test_the_dtype_table_read_without_torch_agrees_with_torch() -> None:
+    for name, itemsize in _COMMON_ITEMSIZES.items():
+        assert getattr(torch, name).itemsize == itemsize, name
+
+
+@pytest.mark.s3
+def test_a_mistyped_s3_prefix_is_no_ckptstore_data(s3_uri: str, capsys) -> None:
+    with Checkpointer(s3_uri) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    assert main(["ls", s3_uri]) == 0
+    capsys.readouterr()
+    assert main(["ls", s3_uri + "-typo", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["code"] == 1 and "no ckptstore data at" in err
+
+
+def test_a_local_store_keeps_no_empty_directories(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, keep_last=2) as ckpt:
+        for step in range(30):
+            ckpt.save(step, {"w": torch.randn(1000), "s": torch.full((8,), float(step))}).wait()
+    assert ckpt.steps() == [28, 29]
+    empty = [d for d, dirs, files in os.walk(tmp_path) if not dirs and not files]
+    assert empty == []
+    assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
+    assert [d for d, dirs, files in os.walk(tmp_path) if not dirs and not files] == []
+
+
+def test_options_every_command_takes_may_come_before_it(store: Path, capsys) -> None:
+    """``ckptstore --json ls URI`` as ``ckptstore ls URI --json`` (it used to be refused,
+    naming --json as unknown)."""
+    assert main(["--json", "--timeout", "5", "ls", str(store)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["steps"][0]["step"] == 1
+    assert main(["--jsn", "ls", str(store)]) == 2  # a typo is still a usage error
+    assert "--jsn" in capsys.readouterr().err

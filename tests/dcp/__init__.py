@@ -1,0 +1,1 @@
+"""torch.distributed.checkpoint through ckptstore.dcp, and torch's private names."""

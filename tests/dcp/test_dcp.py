@@ -1,0 +1,445 @@
+"""ckptstore.dcp: DCP save / async_save / load through StoreWriter and StoreReader."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ckptstore import Checkpointer
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index, read_object
+from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict, storage_key
+from ckptstore.errors import CheckpointCorruptError, StepExistsError, UnsupportedStateError
+from ckptstore.format import KIND_DCP, chunk_key, commit_key
+from ckptstore.pipeline import fetch_chunk
+from ckptstore.store import Store
+from tests.helpers.dist import run_ranks
+from tests.helpers.states import assert_same, blank_like
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning",
+    "ignore:torch.distributed is unavailable:UserWarning",
+)
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "w": torch.randn(16, 8, generator=g),
+            "b16": torch.randn(33, generator=g).to(torch.bfloat16),
+            "h16": torch.randn(5, 3, generator=g).half(),
+        },
+        "ids": torch.arange(-20, 20, dtype=torch.int64),
+        "small": torch.tensor([3, -1, 7], dtype=torch.int8),
+        "mask": torch.tensor([True, False, True, True]),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+        "step": 42,
+        "meta": {"name": "run-1", "lrs": [0.1, 0.01], "none": None},
+    }
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_uri")
+
+
+def test_round_trip_bit_exact(uri):
+    state = _state()
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert writer.saved_step == 0
+    target = blank_like(state)
+    dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
+    assert_same(target, state)
+
+
+def test_step_none_is_latest_plus_one_and_loads_chosen_step(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri)
+    first = {"x": torch.arange(6.0)}
+    second = {"x": torch.arange(6.0) * 2}
+    dcp.save(first, storage_writer=writer, no_dist=True)
+    dcp.save(second, storage_writer=writer, no_dist=True)
+    dcp.save({"x": torch.ones(6)}, storage_writer=StoreWriter(uri, step=10), no_dist=True)
+    dcp.save({"x": torch.full((6,), 3.0)}, storage_writer=StoreWriter(uri), no_dist=True)
+    assert list_steps(Store(uri)) == [0, 1, 10, 11]
+    for step, want in [(0, first["x"]), (1, second["x"]), ("latest", torch.full((6,), 3.0))]:
+        target = {"x": torch.empty(6)}
+        dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
+        assert torch.equal(target["x"], want), step
+
+
+def test_async_save(tmp_path):
+    uri = str(tmp_path / "s")
+    state = _state()
+    future = dcp.async_save(state, storage_writer=StoreWriter(uri, step=5), no_dist=True)
+    future.result(timeout=60)
+    target = blank_like(state)
+    dcp.load(target, storage_reader=StoreReader(uri, step=5), no_dist=True)
+    assert_same(target, state)
+
+
+def _scaled(state: dict, factor: float) -> None:
+    """Update every float tensor of ``state`` in place, as an optimizer step would."""
+    for value in state.values():
+        if isinstance(value, dict):
+            _scaled(value, factor)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            value.mul_(factor)
+
+
+def test_async_save_stages_once_into_the_writers_reused_buffer(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    def not_this_one(self, state_dict):
+        raise AssertionError("DCP's DefaultStager staged the state; StoreWriter.stage should")
+
+    monkeypatch.setattr(DefaultStager, "stage", not_this_one)
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    state = _state()
+    saved = []
+    for _ in range(3):
+        future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+        saved.append(pickle.loads(pickle.dumps(state)))  # what that save must hold
+        _scaled(state, -2.0)  # the loop goes on while the save persists
+        future.result(timeout=60)
+    assert writer.engine.pool.allocations == 1
+    assert list_steps(Store(uri)) == [0, 1, 2]
+    for step, want in enumerate(saved):
+        target = blank_like(want)
+        dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
+        assert_same(target, want)
+
+
+def test_a_save_failing_before_its_write_hands_the_staging_buffer_back(tmp_path):
+    uri = str(tmp_path / "s")
+    dcp.save({"x": torch.ones(4)}, storage_writer=StoreWriter(uri), no_dist=True)
+    writer = StoreWriter(uri, step=0, timeout_s=5.0)
+    with pytest.raises(CheckpointException, match="already committed"):
+        dcp.async_save({"x": torch.zeros(4)}, storage_writer=writer, no_dist=True).result(
+            timeout=60
+        )
+    writer.step = None  # the next save picks the step after the latest
+    dcp.async_save({"x": torch.full((4,), 5.0)}, storage_writer=writer, no_dist=True).result(
+        timeout=60
+    )
+    # Neither save keeps the pool's one buffer: the failed one handed it back.
+    assert writer.engine.pool.allocations == 1
+    assert writer.engine.pool.acquire(1, block=False) is not None
+    target = {"x": torch.empty(4)}
+    dcp.load(target, storage_reader=StoreReader(uri, step=1), no_dist=True)
+    assert torch.equal(target["x"], torch.full((4,), 5.0))
+
+
+def test_saved_step_is_listed_and_every_object_verifies(tmp_path):
+    uri = str(tmp_path / "s")
+    state = _state()
+    dcp.save(state, storage_writer=StoreWriter(uri, chunk_bytes=4096), no_dist=True)
+    store = Store(uri)
+    assert list_steps(store) == [0]
+    assert store.list("pending") == []
+    manifest = load_manifest(store, 0)
+    assert manifest.kind == KIND_DCP and manifest.world_size == 1
+    assert manifest.dcp_metadata is not None
+    blob = read_object(store, manifest.dcp_metadata, "dcp metadata")
+    assert json.loads(blob)["type"] == "dcp_metadata"  # plain JSON: nothing to unpickle
+    index = load_rank_index(store, manifest, 0)
+    assert index.tree is None
+    assert "model.w@0,0" in index.items and "step" in index.items
+    byte_item = index.tensors[index.items["step"]]
+    assert byte_item.dtype == "uint8" and len(byte_item.shape) == 1
+    assert len(index.chunks) >= 2
+    raw = 0
+    for digest, info in index.chunks.items():
+        raw += fetch_chunk(store, digest, info).size
+    assert raw == manifest.raw_bytes
+
+
+class _CachingPlanner(DefaultSavePlanner):
+    """DCP's plan caching, under a cache key (the class name) no other test shares."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+def test_cached_save_plans_are_refused_clearly(tmp_path):
+    uri = str(tmp_path / "s")
+    state = {"x": torch.arange(4.0)}
+    dcp.save(state, storage_writer=StoreWriter(uri), planner=_CachingPlanner(), no_dist=True)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state, storage_writer=StoreWriter(uri), planner=_CachingPlanner(), no_dist=True)
+    assert isinstance(info.value.failures[0][0], StepExistsError)
+    assert "enable_plan_caching is not supported" in str(info.value)
+    assert list_steps(Store(uri)) == [0] and Store(uri).list("pending") == []
+
+
+def test_existing_step_fails_and_clobbers_nothing(tmp_path):
+    uri = str(tmp_path / "s")
+    original = {"x": torch.arange(4.0)}
+    dcp.save(original, storage_writer=StoreWriter(uri, step=3), no_dist=True)
+    store = Store(uri)
+    committed = store.get(commit_key(3))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"x": torch.zeros(4)}, storage_writer=StoreWriter(uri, step=3), no_dist=True)
+    assert isinstance(info.value.failures[0][0], StepExistsError)
+    assert "step 3 is already committed" in str(info.value)
+    assert store.get(commit_key(3)) == committed
+    assert len({k.split("/")[2] for k in store.list("steps")}) == 1  # nothing else written
+    target = {"x": torch.empty(4)}
+    dcp.load(target, storage_reader=StoreReader(uri, step=3), no_dist=True)
+    assert torch.equal(target["x"], original["x"])
+
+
+class _RacingPlanner(DefaultSavePlanner):
+    """Commits the same step through another writer between planning and writing."""
+
+    def __init__(self, uri: str, step: int) -> None:
+        super().__init__()
+        self._uri, self._step = uri, step
+
+    def finish_plan(self, new_plan):
+        dcp.save(
+            {"x": torch.full((4,), 9.0)},
+            storage_writer=StoreWriter(self._uri, step=self._step),
+            no_dist=True,
+        )
+        return super().finish_plan(new_plan)
+
+
+def test_losing_a_commit_race_fails_clearly(tmp_path):
+    uri = str(tmp_path / "s")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(
+            {"x": torch.zeros(4)},
+            storage_writer=StoreWriter(uri, step=7),
+            planner=_RacingPlanner(uri, 7),
+            no_dist=True,
+        )
+    assert isinstance(info.value.failures[0][0], StepExistsError)
+    store = Store(uri)
+    assert list_steps(store) == [7] and store.list("pending") == []
+    target = {"x": torch.empty(4)}
+    dcp.load(target, storage_reader=StoreReader(uri, step=7), no_dist=True)
+    assert torch.equal(target["x"], torch.full((4,), 9.0))
+
+
+def test_checkpointer_step_is_refused(tmp_path):
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"x": torch.ones(3)}).wait()
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"x": torch.empty(3)}, storage_reader=StoreReader(uri), no_dist=True)
+    assert "saved by ckptstore.Checkpointer" in str(info.value)
+    with pytest.raises(UnsupportedStateError, match="Checkpointer.load"):
+        StoreReader(uri).read_metadata()
+    with pytest.raises(UnsupportedStateError, match="saved by ckptstore.Checkpointer"):
+        load_full_state_dict(Store(uri), 1)
+
+
+def test_flipped_bit_is_an_error_naming_the_chunk(tmp_path):
+    uri = str(tmp_path / "s")
+    dcp.save(
+        {"x": torch.randn(64)}, storage_writer=StoreWriter(uri, compression=None), no_dist=True
+    )
+    store = Store(uri)
+    index = load_rank_index(store, load_manifest(store, 0), 0)
+    (digest,) = index.chunks
+    path = Path(store.path(chunk_key(digest)))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"x": torch.empty(64)}, storage_reader=StoreReader(uri), no_dist=True)
+    assert any(isinstance(e, CheckpointCorruptError) for e, _ in info.value.failures.values())
+    assert digest in str(info.value)
+    with pytest.raises(CheckpointCorruptError, match=digest):  # unwrapped for the CLI
+        load_full_state_dict(store, 0)
+
+
+def test_checkpoint_id_is_a_store_uri(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert StoreWriter.validate_checkpoint_id(b) and StoreReader.validate_checkpoint_id(b)
+    assert StoreWriter.validate_checkpoint_id("memory://x")
+    assert not StoreReader.validate_checkpoint_id("nosuchproto://bucket/x")
+    dcp.save({"x": torch.arange(3)}, checkpoint_id=b, storage_writer=StoreWriter(a))
+    assert list_steps(Store(a)) == [] and list_steps(Store(b)) == [0]
+    target = {"x": torch.zeros(3, dtype=torch.int64)}
+    dcp.load(target, checkpoint_id=b, storage_reader=StoreReader(a))
+    assert torch.equal(target["x"], torch.arange(3))
+
+
+def test_memory_store_and_keep_last():
+    uri = f"memory://dcp-{uuid.uuid4().hex[:12]}"
+    writer = StoreWriter(uri, keep_last=2)
+    for i in range(4):
+        dcp.save({"x": torch.full((8,), float(i))}, storage_writer=writer, no_dist=True)
+    store = Store(uri)
+    assert list_steps(store) == [2, 3]
+    assert len(store.list("chunks")) == 2
+    target = {"x": torch.empty(8)}
+    dcp.load(target, storage_reader=StoreReader(uri, step=2), no_dist=True)
+    assert torch.equal(target["x"], torch.full((8,), 2.0))
+
+
+def test_load_full_state_dict_single_process(tmp_path):
+    uri = str(tmp_path / "s")
+    state = _state()
+    dcp.save(state, storage_writer=StoreWriter(uri), no_dist=True)
+    full = load_full_state_dict(Store(uri), 0)
+    assert_same(full, state)
+
+
+def test_storage_key():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    assert storage_key(MetadataIndex("a.b")) == "a.b"
+    assert storage_key(MetadataIndex("a", torch.Size([4, 0]))) == "a@4,0"
+
+
+# -- multi-process (gloo) ------------------------------------------------------------------
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "rows": torch.randn(7, 6, generator=g),  # 7 rows: uneven shards at 2 and 4 ranks
+        "cols": torch.randn(4, 10, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(-1000, 1000, (9,), generator=g),
+    }
+
+
+def _sharded(mesh, full: dict[str, torch.Tensor], dims: dict[str, int]) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {k: distribute_tensor(v, mesh, [Shard(dims[k])]) for k, v in full.items()}
+
+
+def _save_worker(rank: int, world: int, uri: str, dims: dict, use_async: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    state = {
+        "model": _sharded(mesh, full, dims),
+        "replicated": torch.arange(5.0),
+        "rank_count": world,
+    }
+    for expected_step in (0, 1):
+        writer = StoreWriter(uri, chunk_bytes=4096)
+        if use_async:
+            dcp.async_save(state, storage_writer=writer).result(timeout=60)
+        else:
+            dcp.save(state, storage_writer=writer)
+        steps = [None] * world
+        dist.all_gather_object(steps, writer.saved_step)
+        assert steps == [expected_step] * world, f"rank {rank}: steps {steps}"
+    # read back at the same world size, in place into zeroed DTensors
+    target = {
+        "model": _sharded(mesh, {k: torch.zeros_like(v) for k, v in full.items()}, dims),
+        "replicated": torch.zeros(5),
+        "rank_count": 0,
+    }
+    dcp.load(target, storage_reader=StoreReader(uri, step=1))
+    for k, v in full.items():
+        assert torch.equal(target["model"][k].full_tensor(), v), f"rank {rank}: {k}"
+    assert torch.equal(target["replicated"], torch.arange(5.0))
+    assert target["rank_count"] == world
+
+
+def _load_worker(rank: int, world: int, uri: str, dims: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    target = {
+        "model": _sharded(mesh, {k: torch.zeros_like(v) for k, v in full.items()}, dims),
+        "replicated": torch.zeros(5),
+        "rank_count": 0,
+    }
+    dcp.load(target, storage_reader=StoreReader(uri))
+    for k, v in full.items():
+        local = target["model"][k].to_local()
+        want = torch.tensor_split(v, world, dim=dims[k])[rank]
+        assert torch.equal(local, want), f"rank {rank}: {k} local shard differs"
+        assert torch.equal(target["model"][k].full_tensor(), v), f"rank {rank}: {k}"
+    assert torch.equal(target["replicated"], torch.arange(5.0))
+
+
+def _check_single_process(uri: str, world: int) -> None:
+    store = Store(uri)
+    assert list_steps(store) == [0, 1]
+    manifest = load_manifest(store, 1)
+    assert manifest.kind == KIND_DCP and manifest.world_size == world
+    assert len(manifest.ranks) == world  # every rank wrote its own shards
+    assert store.list("pending") == []
+    for ref in manifest.ranks:
+        rank = int(ref.key.rsplit("rank-", 1)[1].split(".")[0])
+        for digest, info in load_rank_index(store, manifest, rank).chunks.items():
+            fetch_chunk(store, digest, info)
+    full = _full()
+    # the sharded step loaded whole into one process, into plain tensors
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in full.items()},
+        "replicated": torch.zeros(5),
+        "rank_count": 0,
+    }
+    dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
+    for k, v in full.items():
+        assert torch.equal(target["model"][k], v), k
+    assert target["rank_count"] == world
+    everything = load_full_state_dict(store, 1)
+    assert_same(everything, {"model": full, "replicated": torch.arange(5.0), "rank_count": world})
+
+
+@pytest.mark.dist
+def test_two_ranks_async_save_then_one_process_load(tmp_path):
+    uri = str(tmp_path / "s")
+    run_ranks(_save_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0}, True)
+    _check_single_process(uri, 2)
+
+
+@pytest.mark.dist
+def test_four_ranks_save_then_reshard_to_two(tmp_path):
+    uri = str(tmp_path / "s")
+    run_ranks(_save_worker, 4, uri, {"rows": 0, "cols": 0, "ids": 0}, False)
+    # loaded at 2 ranks, with "cols" now sharded along the other dimension
+    run_ranks(_load_worker, 2, uri, {"rows": 0, "cols": 1, "ids": 0})
+    _check_single_process(uri, 4)
+
+
+def _replicated_async_worker(rank: int, world: int, uri: str):
+    writer = StoreWriter(uri, timeout_s=10.0)
+    state = {"r": torch.arange(10.0)}  # replicated: DCP has one rank write it, the other nothing
+    for step in range(3):
+        dcp.async_save(state, storage_writer=writer).result(timeout=60)
+        state["r"].add_(1.0)
+        assert writer.saved_step == step
+    # A rank DCP left nothing to write must not keep its staging buffer (the next stage()
+    # would wait timeout_s for it, then stage into a new one).
+    assert writer.engine.pool.allocations == 1, (
+        f"rank {rank}: {writer.engine.pool.allocations} buffers"
+    )
+    assert writer.engine.pool.acquire(1, block=False) is not None, f"rank {rank}: buffer still held"
+
+
+@pytest.mark.dist
+def test_async_save_of_replicated_state_frees_every_ranks_staging(tmp_path):
+    uri = str(tmp_path / "s")
+    run_ranks(_replicated_async_worker, 2, uri)
+    target = {"r": torch.empty(10)}
+    dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
+    assert torch.equal(target["r"], torch.arange(10.0) + 2)

@@ -1,0 +1,242 @@
+"""Read once, broadcast through DCP (issue 23): ``dcp.load`` with ``StoreReader`` on several
+ranks fetches each distinct chunk from storage once.
+
+Real gloo ranks (``tests/helpers/dist.py``) save replicated state with ``StoreWriter`` and load it with
+``StoreReader``; each rank's chunk GETs are counted at its store's backend, as
+``tests/store/test_shared_read.py`` counts them.
+
+``python -m tests.dcp.test_dcp_shared_read`` prints the figures recorded in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+import ckptstore.dcp.reader as reader_module
+from ckptstore.catalog import load_manifest, load_rank_index
+from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.errors import CheckpointCorruptError, CheckpointError
+from ckptstore.store import Store
+from tests.helpers.counting import PathTally, Tally, counting_store
+from tests.helpers.dist import gathered, run_ranks
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning",
+    "ignore:torch.distributed is unavailable:UserWarning",
+)
+
+CHUNK = 64 * 1024
+
+
+def _state(step: int) -> dict:
+    """The same on every rank (DCP has one rank write it): 8 + 4 chunks and a pickled value."""
+
+    def rand(n_chunks: int, seed: int) -> torch.Tensor:
+        return torch.rand(n_chunks * CHUNK // 4, generator=torch.Generator().manual_seed(seed))
+
+    return {"w": rand(8, step), "v": rand(4, 100 + step), "step": step}
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(8 * CHUNK // 4), "v": torch.zeros(4 * CHUNK // 4), "step": -1}
+
+
+def _save(root: str, step: int) -> None:
+    writer = StoreWriter(root, step=step, chunk_bytes=CHUNK, compression=None)
+    dcp.save(_state(step), storage_writer=writer)
+
+
+def _distinct_chunks(root: str, step: int) -> set[str]:
+    store = Store(root)
+    manifest = load_manifest(store, step)
+    digests: set[str] = set()
+    for ref in manifest.ranks:
+        rank = int(ref.key.rsplit("rank-", 1)[1].split(".")[0])
+        digests |= set(load_rank_index(store, manifest, rank).chunks)
+    return digests
+
+
+def _assert_loaded(target: dict, step: int, rank: int) -> None:
+    want = _state(step)
+    for key in ("w", "v"):
+        got = target[key]
+        assert got.dtype == want[key].dtype, f"rank {rank}: {key}"
+        # bit for bit, not just equal as floats
+        assert torch.equal(got.view(torch.int32), want[key].view(torch.int32)), (
+            f"rank {rank}: {key}"
+        )
+    assert target["step"] == step, f"rank {rank}: step {target['step']}"
+
+
+def _replicated_load(
+    rank: int, world: int, root: str, options: dict, dedicated_group: bool, shared: bool
+) -> None:
+    _save(root, 1)
+    distinct = len(_distinct_chunks(root, 1))
+    assert distinct >= 12, distinct  # w, v, and the pickled value
+    if dedicated_group:  # as under NCCL: the exchange gets a gloo group of its own
+        reader_module._reaches_cpu = lambda backend: False
+    tally = Tally()
+    reader = StoreReader(root, step=1, store=counting_store(root, tally), **options)
+    target = _blank()
+    dcp.load(target, storage_reader=reader)
+    _assert_loaded(target, 1, rank)
+    gets = gathered(tally.chunks["get"])
+    if not shared:  # every rank reads every chunk it needs, as before
+        assert gets == [distinct] * world, gets
+        assert reader.last_load_exchange is None
+        return
+    assert sum(gets) == distinct, (gets, distinct)  # each distinct chunk read once
+    assert max(gets) <= -(-distinct // world) + 1, gets  # and the reads spread over the ranks
+    stats = reader.last_load_exchange
+    assert stats is not None and stats.fetched + stats.received == distinct, stats
+    budget = options.get("shared_read_budget_bytes")
+    if budget:
+        assert stats.buffer_bytes <= budget + CHUNK, stats
+    if dedicated_group:
+        assert reader_module._gloo_group and reader_module._gloo_group[0][1] is not None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        # several batches (w, then v and the value) and rounds of at most 3 chunks
+        {"read_batch_bytes": 4 * CHUNK, "shared_read_budget_bytes": 3 * CHUNK},
+    ],
+    ids=["defaults", "batches-and-rounds"],
+)
+def test_a_replicated_dcp_load_reads_each_chunk_once(tmp_path, options):
+    run_ranks(_replicated_load, 4, str(tmp_path), options, False, True)
+
+
+@pytest.mark.dist
+def test_a_group_that_is_not_gloo_exchanges_over_a_gloo_group_of_its_own(tmp_path):
+    run_ranks(_replicated_load, 4, str(tmp_path), {}, True, True)
+
+
+@pytest.mark.dist
+def test_a_budget_of_zero_reads_on_every_rank(tmp_path):
+    run_ranks(_replicated_load, 4, str(tmp_path), {"shared_read_budget_bytes": 0}, False, False)
+
+
+def _one_rank_opts_out(rank: int, world: int, root: str) -> None:
+    # Ranks agree through the coordinator: one rank's 0 turns the shared read off for all.
+    options = {"shared_read_budget_bytes": 0} if rank == 2 else {}
+    _replicated_load(rank, world, root, options, False, False)
+
+
+@pytest.mark.dist
+def test_one_rank_opting_out_turns_it_off_for_every_rank(tmp_path):
+    run_ranks(_one_rank_opts_out, 4, str(tmp_path))
+
+
+def _failures(raised: CheckpointException) -> dict[int, BaseException]:
+    return {r: exc for r, (exc, _) in raised.failures.items()}
+
+
+def _corrupt_load(rank: int, world: int, root: str) -> None:
+    _save(root, 1)
+    before = _distinct_chunks(root, 1)
+    _save(root, 2)
+    bad = sorted(_distinct_chunks(root, 2) - before)[3]  # a chunk of step 2 only
+    dist.barrier()
+    if rank == 0:
+        (path,) = [p for p in Path(root, "chunks").rglob("*") if p.is_file() and p.name == bad]
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    dist.barrier()
+
+    tally = PathTally()
+    reader = StoreReader(root, step=2, store=counting_store(root, tally))
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(_blank(), storage_reader=reader)
+    failures = _failures(raised.value)
+    assert sorted(failures) == list(range(world)), failures  # every rank needed it: all fail
+    for r, exc in failures.items():
+        assert isinstance(exc, CheckpointCorruptError), (r, exc)
+        assert bad in str(exc) and "corrupt" in str(exc), (r, exc)
+    bad_gets = gathered(sum(1 for path in tally.paths if path.endswith(bad)))
+    assert sum(bad_gets) == 1, bad_gets  # read and found corrupt by its owner alone
+
+    # Nothing was left waiting: the ranks load the intact step right after.
+    target = _blank()
+    dcp.load(target, storage_reader=StoreReader(root, step=1))
+    _assert_loaded(target, 1, rank)
+
+
+@pytest.mark.dist
+def test_a_corrupt_chunk_fails_the_load_on_every_rank_that_needed_it(tmp_path):
+    run_ranks(_corrupt_load, 4, str(tmp_path))
+
+
+class _Broken(RuntimeError):
+    pass
+
+
+def _one_rank_fails(rank: int, world: int, root: str, where: str) -> None:
+    _save(root, 1)
+    reader = StoreReader(root, step=1, read_batch_bytes=4 * CHUNK)
+    if rank == 1:
+
+        def broken(*args, **kwargs):
+            raise _Broken(f"rank 1 broke in {where}")
+
+        # "prepare": before the batch's collective; "read": after it, the exchange not run.
+        setattr(reader, "_prepare_batch" if where == "prepare" else "_read", broken)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(_blank(), storage_reader=reader)
+    failures = _failures(raised.value)
+    assert sorted(failures) == list(range(world)), failures  # every rank stopped, none hung
+    assert isinstance(failures[1], _Broken), failures[1]
+    for r in (0, 2, 3):
+        assert isinstance(failures[r], CheckpointError), (r, failures[r])
+        assert "rank 1" in str(failures[r]), (r, failures[r])
+
+    target = _blank()
+    dcp.load(target, storage_reader=StoreReader(root, step=1))
+    _assert_loaded(target, 1, rank)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("where", ["prepare", "read"])
+def test_a_rank_failing_stops_every_rank_without_a_wait(tmp_path, where):
+    run_ranks(_one_rank_fails, 4, str(tmp_path), where)
+
+
+def _count_load(rank: int, world: int, root: str, out: str, budget: int) -> None:
+    """The figures of docs/BENCHMARKS.md: chunk GETs of a DCP load of replicated state."""
+    if budget == 0:  # the first run saves the step
+        _save(root, 1)
+    tally = Tally()
+    reader = StoreReader(
+        root, step=1, store=counting_store(root, tally), shared_read_budget_bytes=budget
+    )
+    target = _blank()
+    dcp.load(target, storage_reader=reader)
+    _assert_loaded(target, 1, rank)
+    Path(out, f"{rank}.json").write_text(json.dumps(tally.chunks["get"]))
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
+        for label, budget in (("shared read off (budget 0)", 0), ("shared read on", 256 << 20)):
+            run_ranks(_count_load, world, root, out, budget)
+            gets = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+            distinct = len(_distinct_chunks(root, 1))
+            print(
+                f"{label}: {world} ranks, {distinct} distinct chunks: chunk GETs per rank {gets}, "
+                f"total {sum(gets)}, per distinct chunk {sum(gets) / distinct:.2f}"
+            )

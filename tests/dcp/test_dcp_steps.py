@@ -1,0 +1,277 @@
+"""ckptstore.dcp: one StoreWriter for many saves, each with its own step.
+
+Back-to-back ``dcp.async_save`` calls on one writer get distinct steps without awaiting each
+other, a save can name its step through DCP's ``checkpoint_id`` (an int or a string of digits;
+any other ``checkpoint_id`` is still a store URI), and the writer's staging buffer is reused.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from ckptstore.catalog import list_steps
+from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.errors import StepExistsError
+from ckptstore.format import commit_key
+from ckptstore.store import Store
+from tests.helpers.dist import run_ranks
+from tests.helpers.states import assert_same, blank_like
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning",
+    "ignore:torch.distributed is unavailable:UserWarning",
+)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)},
+        "ids": torch.randint(-1000, 1000, (50,), generator=g),
+        "step": seed,
+    }
+
+
+def _assert_step_holds(uri: str, step: int, want: dict) -> None:
+    target = blank_like(want)
+    dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
+    assert_same(target, want, f"step {step}")
+
+
+class _CommitsAfterTwoPlans(StoreWriter):
+    """Commits no save before two were planned: the second save is planned while the first
+    is still in flight."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._plans_lock = threading.Lock()
+        self._plans = 0
+        self.two_planned = threading.Event()
+
+    def prepare_global_plan(self, plans):
+        planned = super().prepare_global_plan(plans)
+        with self._plans_lock:
+            self._plans += 1
+            if self._plans == 2:
+                self.two_planned.set()
+        return planned
+
+    def finish(self, metadata, results):
+        if not self.two_planned.wait(timeout=60):
+            raise AssertionError("the second save was not planned while the first was in flight")
+        super().finish(metadata, results)
+
+
+def _record_staging(writer: StoreWriter) -> list[int]:
+    """The storage address of every staging buffer ``writer.engine.pool`` hands out, in order."""
+    seen: list[int] = []
+    acquire = writer.engine.pool.acquire
+
+    def recording(*args, **kwargs):
+        buf = acquire(*args, **kwargs)
+        if buf is not None:
+            seen.append(buf.untyped_storage().data_ptr())
+        return buf
+
+    writer.engine.pool.acquire = recording
+    return seen
+
+
+def test_back_to_back_async_saves_get_distinct_steps(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = _CommitsAfterTwoPlans(uri, chunk_bytes=4096)
+    buffers = _record_staging(writer)
+    first, second = _state(1), _state(2)
+    f1 = dcp.async_save(first, storage_writer=writer, no_dist=True)
+    f2 = dcp.async_save(second, storage_writer=writer, no_dist=True)  # f1 not awaited
+    f1.result(timeout=60)
+    f2.result(timeout=60)
+    assert list_steps(Store(uri)) == [0, 1]
+    _assert_step_holds(uri, 0, first)
+    _assert_step_holds(uri, 1, second)
+    # both saves staged into the one buffer the writer keeps
+    assert writer.engine.pool.allocations == 1
+    assert len(buffers) == 2 and buffers[0] == buffers[1], buffers
+    # the next save (awaited or not) goes on after them
+    dcp.save(_state(3), storage_writer=writer, no_dist=True)
+    assert writer.saved_step == 2 and list_steps(Store(uri)) == [0, 1, 2]
+
+
+def test_saves_named_by_training_step_through_checkpoint_id(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    buffers = _record_staging(writer)
+    state = _state(0)
+    futures, saved = [], {}
+    for step, checkpoint_id in [(100, 100), (200, "200"), (300, 300)]:
+        state["step"] = step
+        futures.append(
+            dcp.async_save(state, storage_writer=writer, checkpoint_id=checkpoint_id, no_dist=True)
+        )
+        saved[step] = pickle.loads(pickle.dumps(state))
+        state["model"]["w"].mul_(-2.0)  # training goes on while the saves persist
+    for future in futures:
+        future.result(timeout=60)
+    assert list_steps(Store(uri)) == [100, 200, 300]
+    for step, want in saved.items():
+        _assert_step_holds(uri, step, want)
+    assert writer.engine.pool.allocations == 1 and len(set(buffers)) == 1, buffers
+    # a save naming no step goes after the steps named so far; its own checkpoint_id did not
+    # stick to the writer
+    dcp.async_save(_state(4), storage_writer=writer, no_dist=True).result(timeout=60)
+    assert writer.saved_step == 301
+    dcp.save(_state(5), storage_writer=writer, checkpoint_id=1000, no_dist=True)
+    dcp.save(_state(6), storage_writer=writer, no_dist=True)
+    assert list_steps(Store(uri)) == [100, 200, 300, 301, 1000, 1001]
+    assert StoreWriter.validate_checkpoint_id(1000) and StoreWriter.validate_checkpoint_id("7")
+
+
+def test_a_fixed_step_writer_is_reusable_with_per_save_steps(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, step=5)
+    dcp.save(_state(5), storage_writer=writer, no_dist=True)
+    dcp.save(_state(6), storage_writer=writer, checkpoint_id=6, no_dist=True)
+    dcp.async_save(_state(7), storage_writer=writer, checkpoint_id="7", no_dist=True).result(
+        timeout=60
+    )
+    assert list_steps(Store(uri)) == [5, 6, 7]
+    for step in (5, 6, 7):
+        _assert_step_holds(uri, step, _state(step))
+    # a save naming no step still targets the fixed one
+    with pytest.raises(CheckpointException, match="step 5 is already committed"):
+        dcp.save(_state(8), storage_writer=writer, no_dist=True)
+
+
+def test_a_committed_checkpoint_id_step_fails_and_clobbers_nothing(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, timeout_s=10.0)
+    original = _state(100)
+    dcp.save(original, storage_writer=writer, checkpoint_id=100, no_dist=True)
+    store = Store(uri)
+    committed = store.get(commit_key(100))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(_state(0), storage_writer=writer, checkpoint_id=100, no_dist=True)
+    assert isinstance(info.value.failures[0][0], StepExistsError)
+    assert "step 100 is already committed" in str(info.value)
+    future = dcp.async_save(_state(0), storage_writer=writer, checkpoint_id="100", no_dist=True)
+    with pytest.raises(CheckpointException, match="step 100 is already committed") as info:
+        future.result(timeout=60)
+    assert isinstance(info.value.failures[0][0], StepExistsError)
+    assert store.get(commit_key(100)) == committed
+    assert list_steps(store) == [100]
+    assert len({k.split("/")[2] for k in store.list("steps")}) == 1  # nothing else written
+    _assert_step_holds(uri, 100, original)
+    # The writer is still usable, and the failed saves' step did not stick to it. (The failed
+    # async save's exception references its staged state, which holds the staging buffer:
+    # drop it, as a caller would, before the next save.)
+    del info, future
+    dcp.async_save(_state(1), storage_writer=writer, no_dist=True).result(timeout=60)
+    assert writer.saved_step == 101
+    dcp.save(_state(2), storage_writer=writer, no_dist=True)
+    assert list_steps(store) == [100, 101, 102]
+
+
+def test_a_uri_checkpoint_id_still_switches_store(tmp_path, monkeypatch):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    writer = StoreWriter(a)
+    dcp.save(_state(0), storage_writer=writer, checkpoint_id=5, no_dist=True)
+    dcp.async_save(_state(1), storage_writer=writer, checkpoint_id=b, no_dist=True).result(
+        timeout=60
+    )
+    assert list_steps(Store(a)) == [5] and list_steps(Store(b)) == [0]  # b's own next step
+    dcp.save(_state(2), storage_writer=writer, checkpoint_id=9, no_dist=True)  # stays on b
+    assert list_steps(Store(a)) == [5] and list_steps(Store(b)) == [0, 9]
+    _assert_step_holds(b, 9, _state(2))
+    # a local directory named by digits is a path, not a step
+    monkeypatch.chdir(tmp_path)
+    dcp.save(_state(3), storage_writer=writer, checkpoint_id="./1000", no_dist=True)
+    dcp.save(_state(4), storage_writer=writer, checkpoint_id=Path("2000"), no_dist=True)
+    assert list_steps(Store(str(tmp_path / "1000"))) == [0]
+    assert list_steps(Store(str(tmp_path / "2000"))) == [0]
+    assert not (tmp_path / "b" / "1000").exists()
+
+
+def test_an_invalid_checkpoint_id_is_refused(tmp_path):
+    writer = StoreWriter(str(tmp_path / "s"))
+    for bad in (-1, True, 10**20, 1.5):
+        with pytest.raises(ValueError, match="neither a step"):
+            dcp.save(_state(0), storage_writer=writer, checkpoint_id=bad, no_dist=True)
+        assert not StoreWriter.validate_checkpoint_id(bad)
+    assert list_steps(Store(str(tmp_path / "s"))) == []
+
+
+# -- two ranks (gloo) ----------------------------------------------------------------------
+
+
+def _overlapping_worker(rank: int, world: int, uri: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(48.0).reshape(8, 6)
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    # Overlapping saves must not share a process group: DCP's collectives of both would be
+    # issued from two threads on each rank, in an order the ranks need not agree on.
+    groups = [dist.new_group(backend="gloo") for _ in range(2)]
+    for checkpoint_ids in [(None, None), (100, "200")]:
+        futures = []
+        for i, checkpoint_id in enumerate(checkpoint_ids):
+            state = {"w": distribute_tensor(full * (i + 1), mesh, [Shard(0)]), "tag": i}
+            futures.append(
+                dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    checkpoint_id=checkpoint_id,
+                    process_group=groups[i],
+                )
+            )
+        for future in futures:  # neither awaited before the other was started
+            future.result(timeout=60)
+    assert writer.engine.pool.allocations == 1, (
+        f"rank {rank}: {writer.engine.pool.allocations} buffers"
+    )
+
+
+@pytest.mark.dist
+def test_two_ranks_overlapping_async_saves(tmp_path):
+    uri = str(tmp_path / "s")
+    run_ranks(_overlapping_worker, 2, uri, timeout_s=90.0)
+    assert list_steps(Store(uri)) == [0, 1, 100, 200]
+    full = torch.arange(48.0).reshape(8, 6)
+    for step, factor in [(0, 1), (1, 2), (100, 1), (200, 2)]:
+        _assert_step_holds(uri, step, {"w": full * factor, "tag": factor - 1})
+
+
+def test_overlapping_saves_to_different_stores_each_commit_where_they_were_aimed(tmp_path):
+    """A second async_save naming another store must not redirect the first, still writing."""
+    uri_a, uri_b = str(tmp_path / "a"), str(tmp_path / "b")
+    writer = _CommitsAfterTwoPlans(uri_a, chunk_bytes=4096)
+    first, second = _state(1), _state(2)
+    f1 = dcp.async_save(first, storage_writer=writer, checkpoint_id=uri_a, no_dist=True)
+    f2 = dcp.async_save(second, storage_writer=writer, checkpoint_id=uri_b, no_dist=True)
+    f1.result(timeout=60)
+    f2.result(timeout=60)
+    assert list_steps(Store(uri_a)) == [0] and list_steps(Store(uri_b)) == [0]
+    _assert_step_holds(uri_a, 0, first)
+    _assert_step_holds(uri_b, 0, second)
+
+
+def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, chunk_bytes=4096)
+    states = {100: _state(1), 200: _state(2)}
+    for step, state in states.items():
+        dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True)
+    reader = StoreReader(uri)
+    for step in (100, "200"):
+        target = blank_like(states[int(step)])
+        dcp.load(target, storage_reader=reader, checkpoint_id=step, no_dist=True)
+        assert_same(target, states[int(step)], f"step {step}")

@@ -1,0 +1,304 @@
+"""Issue 21, item 1: nothing is unpickled on a DCP load path.
+
+Stores are real DCP saves whose metadata object is then rewritten (tests/helpers/crafted.py recomputes
+the manifest's size and xxh3 of it): as a hostile pickle, as the pickle older ckptstore wrote, or
+as damaged JSON. A hostile pickle opens a marker file when unpickled, so "nothing ran" is the
+marker's absence."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from ckptstore.catalog import load_manifest, read_object
+from ckptstore.cli import main
+from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
+from ckptstore.errors import CheckpointCorruptError
+from ckptstore.export import export_safetensors
+from ckptstore.store import Store
+from tests.helpers.crafted import replace_referenced
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning",
+    "ignore:torch.distributed is unavailable:UserWarning",
+)
+
+
+class _OpensMarker:
+    """Unpickling this opens (creates) ``path``: the stand-in for running an attacker's code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "w": torch.randn(8, 4, generator=g),
+            "b": torch.randn(4, generator=g).to(torch.bfloat16),
+        },
+        "step": 7,
+    }
+
+
+def _blank() -> dict:
+    return {"model": {"w": torch.zeros(8, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "step": 0}
+
+
+def _save(uri: str, state: dict | None = None) -> Store:
+    dcp.save(state or _state(), storage_writer=StoreWriter(uri), no_dist=True)
+    return Store(uri)
+
+
+def _metadata_key(store: Store) -> str:
+    return load_manifest(store, 0).dcp_metadata.key
+
+
+def _old_writer_blob(store: Store) -> bytes:
+    """The metadata of step 0 pickled as ckptstore's writer did before the JSON encoding."""
+    metadata = StoreReader(store.uri, step=0, store=store).read_metadata()
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _hostile_blob(store: Store, marker: Path) -> bytes:
+    """A real step's Metadata, pickled with a value whose unpickling opens ``marker``."""
+    metadata = StoreReader(store.uri, step=0, store=store).read_metadata()
+    metadata.planner_data = _OpensMarker(marker)
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for name in ("w", "b"):
+        assert got["model"][name].dtype == want["model"][name].dtype
+        assert torch.equal(got["model"][name], want["model"][name]), name
+    assert got["step"] == want["step"]
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+# -- new steps store plain JSON ------------------------------------------------------------------
+
+
+def test_a_new_step_stores_its_metadata_as_json_that_round_trips(tmp_path):
+    store = _save(str(tmp_path / "s"))
+    manifest = load_manifest(store, 0)
+    doc = json.loads(read_object(store, manifest.dcp_metadata, "DCP metadata"))
+    assert doc["type"] == "dcp_metadata"
+    assert doc["state_dict_metadata"]["model.w"] == {
+        "type": "tensor",
+        "dtype": "float32",
+        "size": [8, 4],
+        "chunks": [[[0, 0], [8, 4]]],
+    }
+    assert doc["state_dict_metadata"]["step"] == {"type": "bytes"}
+    assert doc["planner_data"]["model.w"] == {"$tuple": ["model", "w"]}
+    target = _blank()
+    dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
+    _assert_same(target, _state())
+
+
+# -- old steps (pickled metadata) still load, through the allowlist ---------------------------
+
+
+def test_a_step_with_metadata_pickled_by_the_old_writer_still_loads(tmp_path):
+    store = _save(str(tmp_path / "s"))
+    replace_referenced(store, 0, _metadata_key(store), _old_writer_blob(store))
+    _assert_same(load_full_state_dict(store, 0), _state())
+    target = _blank()
+    dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
+    _assert_same(target, _state())
+    result = export_safetensors(store.uri, tmp_path / "hf")
+    assert result.as_dict()["tensors"] == 2
+
+
+# -- a hostile pickle is refused, with nothing run, on every load path -------------------------
+
+
+def _restore(fmt: str):
+    return lambda uri, out, capsys: _cli(capsys, "restore", uri, "--to", out, "--format", fmt)
+
+
+def _dcp_load(uri, out, capsys):
+    dcp.load(_blank(), storage_reader=StoreReader(uri), no_dist=True)
+
+
+def _verify(uri, out, capsys):
+    code = main(["verify", uri, "--json"])
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert [p["what"] for p in problems] == ["dcp-metadata"], problems
+    return code, problems[0]["object"] + ": " + problems[0]["error"]
+
+
+def _export(uri, out, capsys):
+    export_safetensors(uri, out)
+
+
+def _load_full(uri, out, capsys):
+    load_full_state_dict(Store(uri), 0)
+
+
+REFUSING_PATHS = {
+    "restore-torch": _restore("torch"),
+    "restore-dcp": _restore("dcp"),
+    "restore-safetensors": _restore("safetensors"),
+    "verify": _verify,
+    "dcp.load": _dcp_load,
+    "export": _export,
+    "load_full_state_dict": _load_full,
+}
+
+
+@pytest.mark.parametrize("path", sorted(REFUSING_PATHS))
+def test_hostile_pickled_metadata_is_refused_and_runs_nothing(tmp_path, capsys, path):
+    store = _save(str(tmp_path / "s"))
+    key = _metadata_key(store)
+    marker = tmp_path / "ran"
+    replace_referenced(store, 0, key, _hostile_blob(store, marker))
+    try:
+        outcome = REFUSING_PATHS[path](store.uri, tmp_path / "out", capsys)
+    except CheckpointException as exc:  # dcp.load wraps the reader's error
+        outcome = str(exc)
+    except CheckpointCorruptError as exc:
+        outcome = str(exc)
+    assert not marker.exists(), f"{path} ran code from the store"
+    if isinstance(outcome, tuple):  # a CLI command: its exit status and stderr
+        code, outcome = outcome
+        assert code == 1, outcome
+    assert key in outcome and "io.open is not a DCP metadata class" in outcome, outcome
+
+
+def test_inspect_of_a_hostile_step_runs_nothing(tmp_path, capsys):
+    store = _save(str(tmp_path / "s"))
+    marker = tmp_path / "ran"
+    replace_referenced(store, 0, _metadata_key(store), _hostile_blob(store, marker))
+    code, err = _cli(capsys, "inspect", store.uri)
+    assert code == 0, err
+    assert not marker.exists()
+
+
+def test_hostile_pickled_metadata_on_s3_is_refused_and_runs_nothing(s3_uri, tmp_path, capsys):
+    store = _save(s3_uri)
+    key = _metadata_key(store)
+    marker = tmp_path / "ran"
+    replace_referenced(store, 0, key, _hostile_blob(store, marker))
+    with pytest.raises(CheckpointCorruptError, match="io.open is not a DCP metadata class"):
+        load_full_state_dict(store, 0)
+    code, err = _cli(capsys, "restore", s3_uri, "--to", tmp_path / "out.pt")
+    assert code == 1 and key in err, err
+    assert not marker.exists()
+
+
+# -- values DCP pickled (BYTE_IO items) are loaded weights-only --------------------------------
+
+
+def _save_hostile_value(uri: str, marker: Path) -> Store:
+    """A real DCP save whose state holds a value that opens ``marker`` when unpickled."""
+    return _save(uri, {**_state(), "evil": _OpensMarker(marker)})
+
+
+def test_a_pickled_value_that_needs_code_is_refused_on_ckptstores_load_paths(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    store = _save_hostile_value(str(tmp_path / "s"), marker)
+    with pytest.raises(CheckpointCorruptError, match=r"'evil'.*refused.*io\.open"):
+        load_full_state_dict(store, 0)
+    for fmt, out in (("torch", "out.pt"), ("dcp", "out-dcp")):
+        code, err = _cli(capsys, "restore", store.uri, "--to", tmp_path / out, "--format", fmt)
+        assert code == 1 and "'evil'" in err, err
+    # verify finds what restore refuses, and runs nothing either
+    assert main(["verify", store.uri]) == 1
+    out, _ = capsys.readouterr()
+    assert "'evil'" in out and "refused" in out and "trust_pickled_objects" in out
+    assert not marker.exists()
+
+
+def test_dcp_load_refuses_a_pickled_value_that_needs_code_unless_trusted(tmp_path):
+    marker = tmp_path / "ran"
+    store = _save_hostile_value(str(tmp_path / "s"), marker)
+    target = {**_blank(), "evil": None}
+    with pytest.raises(CheckpointException, match=r"'evil'.*refused"):
+        dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
+    assert not marker.exists()
+    # The user's explicit opt-in hands the value to DCP's planner, which unpickles it.
+    reader = StoreReader(store.uri, trust_pickled_objects=True)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert marker.exists()
+    _assert_same(target, _state())
+
+
+def test_plain_pickled_values_load_weights_only(tmp_path):
+    state = {**_state(), "extra": {"lrs": [0.1, 0.01], "name": "run", "t": torch.arange(3)}}
+    store = _save(str(tmp_path / "s"), state)
+    got = load_full_state_dict(store, 0)
+    assert got["extra"]["lrs"] == [0.1, 0.01] and got["extra"]["name"] == "run"
+    assert torch.equal(got["extra"]["t"], torch.arange(3))
+
+
+# -- damaged or hostile JSON metadata -----------------------------------------------------------
+
+
+def _tensor_doc(doc: dict) -> dict:
+    return doc["state_dict_metadata"]["model.w"]
+
+
+DAMAGES = {
+    "an unknown dtype": (lambda d: _tensor_doc(d).update(dtype="object"), "dtype 'object'"),
+    "a negative size": (lambda d: _tensor_doc(d).update(size=[-8, 4]), "non-negative ints"),
+    "a chunk outside its tensor": (
+        lambda d: _tensor_doc(d).update(chunks=[[[4, 0], [8, 4]]]),
+        "exceeds size",
+    ),
+    "a bool as a size": (lambda d: _tensor_doc(d).update(size=[True, 4]), "non-negative ints"),
+    "a location of an unknown item": (
+        lambda d: d["storage_data"].append(["ghost", None, 0, 0]),
+        "'ghost'",
+    ),
+    "an unknown planner_data tag": (
+        lambda d: d.update(planner_data={"$code": "os.system"}),
+        "unknown tag",
+    ),
+    "a format version from the future": (lambda d: d.update(format_version=2), "format_version"),
+    "an absurd tensor": (
+        lambda d: _tensor_doc(d).update(size=[1 << 40, 1 << 40], chunks=[]),
+        "2\\*\\*63 bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damaged_json_metadata_is_a_one_line_error_naming_the_object(tmp_path, damage):
+    store = _save(str(tmp_path / "s"))
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    change, message = DAMAGES[damage]
+    change(doc)
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    with pytest.raises(CheckpointCorruptError, match=message) as caught:
+        load_full_state_dict(store, 0)
+    assert key in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_verify_refuses_metadata_that_places_an_item_where_no_index_holds_it(tmp_path, capsys):
+    """verify OK means restore loads: an item the metadata locates at a tensor its rank's index
+    does not hold is found by verify, as restore would find it (the trial's storage_oob)."""
+    uri = str(tmp_path / "s")
+    store = _save(uri)
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    doc["storage_data"][0][-1] = 1000000
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    code = main(["verify", uri])
+    out, err = capsys.readouterr()
+    assert code == 1 and "dcp.metadata" in err and "does not hold it at 1000000" in out

@@ -1,0 +1,1 @@
+"""What is written: format versions, steps, the catalog, the save pipeline, export."""

@@ -1,0 +1,1 @@
+"""Lightning (ckptstore.integrations.lightning) and telemetry's Prometheus export."""

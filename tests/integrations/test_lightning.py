@@ -1,0 +1,399 @@
+"""ckptstore.integrations.lightning with the real Lightning Trainer and ModelCheckpoint."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+from ckptstore import (  # noqa: E402
+    Checkpointer,
+    CheckpointNotFoundError,
+    RetryPolicy,
+    Store,
+    UnsupportedStateError,
+)
+from ckptstore.catalog import list_steps  # noqa: E402
+from ckptstore.integrations._pickled import MARKER, wrap  # noqa: E402
+from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
+from ckptstore.testing.faults import Faults, with_faults  # noqa: E402
+
+
+class TinyModel(L.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(width, 1)
+        # Never trained: its chunks are the same in every step (deduplicated, shared).
+        self.register_buffer("frozen", torch.randn(256 * 1024 // 4))
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _loader(width: int = 8) -> torch.utils.data.DataLoader:
+    data = torch.utils.data.TensorDataset(torch.randn(64, width, generator=torch.Generator()))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _trainer(io, dirpath: str, *, max_steps: int, callbacks=(), **checkpoint) -> L.Trainer:
+    every = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, **checkpoint)
+    return L.Trainer(
+        max_steps=max_steps,
+        plugins=[io],
+        callbacks=[every, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+
+
+def _snapshot(trainer: L.Trainer) -> dict:
+    return {
+        "model": copy.deepcopy(trainer.lightning_module.state_dict()),
+        "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+        "global_step": trainer.global_step,
+    }
+
+
+class Capture(Callback):
+    """The model and optimizer state after step ``at`` (0: when training starts)."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self.state: dict | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.at == 0:
+            self.state = _snapshot(trainer)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.at and trainer.global_step == self.at:
+            self.state = _snapshot(trainer)
+
+
+def _assert_identical(actual, expected, path: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert torch.equal(_bytes(actual), _bytes(expected)), path
+    elif isinstance(expected, dict):
+        assert sorted(map(str, actual)) == sorted(map(str, expected)), path
+        for key in expected:
+            _assert_identical(actual[key], expected[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_identical(a, e, f"{path}/{i}")
+    else:
+        assert actual == expected, path
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path):
+    if request.param == "s3":
+        return request.getfixturevalue("s3_uri")
+    return str(tmp_path / "store")
+
+
+def test_fit_saves_steps_and_resume_restores_them_bit_for_bit(uri):
+    io = CkptstoreCheckpointIO(uri)
+    at_six = Capture(at=6)
+    _trainer(io, uri, max_steps=6, callbacks=[at_six], save_top_k=-1).fit(TinyModel(), _loader())
+    saved = io.steps()
+    assert list(saved) == [2, 4, 6]
+    assert saved[6] == f"{uri}/epoch=0-step=6.ckpt"
+
+    resumed = CkptstoreCheckpointIO(uri)
+    at_start = Capture()
+    trainer = _trainer(resumed, uri, max_steps=8, callbacks=[at_start], save_top_k=-1)
+    trainer.fit(TinyModel(), _loader(), ckpt_path=saved[6])
+    _assert_identical(at_start.state, at_six.state)
+    assert list(resumed.steps()) == [2, 4, 6, 8]
+
+    by_step = resumed.load_checkpoint(6)
+    assert resumed.load_checkpoint("latest")["global_step"] == 8
+    _assert_identical(by_step["state_dict"], at_six.state["model"])
+    _assert_identical(by_step["optimizer_states"][0], at_six.state["optimizer"])
+    resumed.close()
+
+
+def test_every_save_is_its_own_step_and_each_path_loads_what_was_saved_there(tmp_path):
+    uri, ckpts = str(tmp_path / "store"), tmp_path / "ckpts"
+    io = CkptstoreCheckpointIO(uri)
+    first = Capture(at=4)
+    fit = {"max_steps": 4, "save_top_k": 1, "save_last": True}
+    _trainer(io, str(ckpts), callbacks=[first], **fit).fit(TinyModel(), _loader())
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    # last.ckpt, saved at global steps 2 and 4 beside the top-k file, is step 3, then step 5;
+    # step 2 went with epoch=0-step=2.ckpt, step 3 when last.ckpt was overwritten.
+    assert io.steps() == {4: str(ckpts / "epoch=0-step=4.ckpt"), 5: str(ckpts / "last.ckpt")}
+
+    # A second fit through the same plugin into the same directory, other weights, same steps.
+    second, model = Capture(at=4), TinyModel()
+    with torch.no_grad():
+        model.layer.weight.add_(1.0)
+    _trainer(io, str(ckpts), callbacks=[second], **fit).fit(model, _loader())
+    assert sorted(os.listdir(ckpts)) == [
+        "epoch=0-step=4-v1.ckpt",
+        "epoch=0-step=4.ckpt",
+        "last-v1.ckpt",
+        "last.ckpt",
+    ]
+    assert list(io.steps()) == [4, 5, 8, 9]
+    for name, saved in [
+        ("epoch=0-step=4.ckpt", first),
+        ("last.ckpt", first),
+        ("epoch=0-step=4-v1.ckpt", second),
+        ("last-v1.ckpt", second),
+    ]:
+        loaded = io.load_checkpoint(str(ckpts / name))
+        assert loaded["global_step"] == 4, name
+        _assert_identical(loaded["state_dict"], saved.state["model"], name)
+        _assert_identical(loaded["optimizer_states"][0], saved.state["optimizer"], name)
+    io.close()
+
+
+def test_ckpt_path_last_resumes_from_the_newest_save(tmp_path):
+    uri, ckpts = str(tmp_path / "store"), str(tmp_path / "ckpts")
+    at_four = Capture(at=4)
+    io = CkptstoreCheckpointIO(uri)
+    _trainer(io, ckpts, max_steps=4, callbacks=[at_four], save_last=True).fit(
+        TinyModel(), _loader()
+    )
+    io.close()
+
+    resumed, at_start = CkptstoreCheckpointIO(uri), Capture()
+    trainer = _trainer(resumed, ckpts, max_steps=6, callbacks=[at_start], save_last=True)
+    trainer.fit(TinyModel(), _loader(), ckpt_path="last")
+    _assert_identical(at_start.state, at_four.state)
+    assert resumed.load_checkpoint("last")["global_step"] == 6
+    assert resumed.load_checkpoint(f"{ckpts}/last.ckpt")["global_step"] == 6
+    resumed.close()
+
+
+def test_a_pointer_is_refused_once_its_save_is_gone(tmp_path):
+    uri = str(tmp_path / "store")
+    saved, kept = str(tmp_path / "saved.ckpt"), str(tmp_path / "copy.ckpt")
+    io = CkptstoreCheckpointIO(uri)
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, saved)
+    io.teardown()
+    shutil.copy(saved, kept)
+    io.remove_checkpoint(saved)
+    assert not os.path.exists(saved) and list(io.steps()) == []
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"copy.ckpt points to step 3 of .*not committed"
+    ):
+        io.load_checkpoint(kept)
+    io.close()
+
+    again = CkptstoreCheckpointIO(uri)  # saves global step 3 as step 3 again, other weights
+    again.save_checkpoint({"global_step": 3, "w": torch.zeros(4)}, str(tmp_path / "new.ckpt"))
+    with pytest.raises(CheckpointNotFoundError, match=r"copy.ckpt .* now holds another save"):
+        again.load_checkpoint(kept)
+    assert torch.equal(again.load_checkpoint(str(tmp_path / "new.ckpt"))["w"], torch.zeros(4))
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at .*missing.ckpt"):
+        again.load_checkpoint(str(tmp_path / "missing.ckpt"))
+    again.close()
+
+
+def test_a_torch_checkpoint_file_loads_through_the_plugin(tmp_path):
+    path = tmp_path / "torch.ckpt"
+    torch.save({"global_step": 7, "w": torch.arange(3.0)}, path)
+    io = CkptstoreCheckpointIO(str(tmp_path / "store"))
+    loaded = io.load_checkpoint(str(path))
+    assert loaded["global_step"] == 7 and torch.equal(loaded["w"], torch.arange(3.0))
+    io.close()
+
+
+def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_path):
+    uri = str(tmp_path / "store")
+    io = CkptstoreCheckpointIO(uri, chunk_bytes=64 * 1024)
+    _trainer(io, uri, max_steps=6, save_top_k=-1).fit(TinyModel(), _loader())
+    chunks_before = set(io.checkpointer.store.list("chunks"))
+    kept = {s: io.load_checkpoint(s) for s in (2, 6)}
+
+    io.remove_checkpoint(f"{uri}/epoch=0-step=4.ckpt")
+    assert list_steps(io.checkpointer.store) == [2, 6]
+    io.teardown()  # waits for the chunk sweep
+    chunks_after = set(io.checkpointer.store.list("chunks"))
+    assert chunks_after < chunks_before, "step 4's own chunks are swept"
+    io.close()
+
+    Checkpointer(uri).verify("all")
+    reopened = CkptstoreCheckpointIO(uri)
+    for step, checkpoint in kept.items():
+        _assert_identical(reopened.load_checkpoint(f"{uri}/epoch=0-step={step}.ckpt"), checkpoint)
+    reopened.close()
+
+
+def test_teardown_raises_a_failed_background_save(tmp_path):
+    uri = str(tmp_path / "store")
+    failing = with_faults(
+        Store(uri, retry=RetryPolicy(attempts=2, base_delay_s=0.01)),
+        Faults(error_rate=1.0, ops=frozenset({"put"})),
+    )
+    io = CkptstoreCheckpointIO(uri, store=failing)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, f"{uri}/a.ckpt")
+    with pytest.raises(Exception, match="injected"):
+        io.teardown()
+    assert list_steps(Store(uri)) == []
+    io.close()
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@dataclasses.dataclass
+class Config:
+    mode: Mode
+    scale: torch.Tensor
+    root: Path
+
+
+def test_values_the_state_refuses_are_pickled_beside_verified_tensors(tmp_path):
+    uri = str(tmp_path / "store")
+    config = Config(Mode.FAST, torch.arange(6.0), Path("/data"))
+    checkpoint = {"global_step": 3, "hyper_parameters": {"config": config, "modes": {Mode.FAST: 1}}}
+    io = CkptstoreCheckpointIO(uri)
+    io.save_checkpoint(checkpoint, f"{uri}/manual.ckpt")
+    io.teardown()
+
+    with pytest.raises(UnsupportedStateError, match=r"pickled .*Config.*weights_only=False"):
+        io.load_checkpoint(3)
+    loaded = io.load_checkpoint(3, weights_only=False)["hyper_parameters"]
+    assert loaded["modes"] == {Mode.FAST: 1}
+    assert loaded["config"].mode is Mode.FAST and loaded["config"].root == Path("/data")
+    assert torch.equal(loaded["config"].scale, config.scale)
+    with torch.serialization.safe_globals([Config, Mode]):
+        assert io.load_checkpoint(3)["hyper_parameters"]["config"].mode is Mode.FAST
+    io.close()
+    # The tensor inside the dataclass is saved as a state tensor, not as bytes of the pickle.
+    marker = wrap(config)
+    assert torch.equal(marker["tensors"][0], config.scale)
+    assert config.scale.numpy().tobytes() not in marker[MARKER]
+
+
+CHILD = """
+from {module} import CkptstoreCheckpointIO, TinyModel, _loader, _trainer
+io = CkptstoreCheckpointIO({uri!r})
+_trainer(io, {uri!r}, max_steps=100_000, save_top_k=-1).fit(TinyModel(), _loader())
+"""
+
+
+def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
+    uri = str(tmp_path / "store")
+    script = CHILD.format(module=__name__, uri=uri)  # this module, in the child
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "child.log"
+    store = Store(uri)
+    with open(log, "wb") as out:
+        child = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=out)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list_steps(store)) < 2:
+            assert child.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "no step committed within 120 s"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    steps = list_steps(store)
+    assert steps and all(s % 2 == 0 for s in steps)
+    Checkpointer(uri).verify("all")
+    io = CkptstoreCheckpointIO(uri)
+    for step in steps:
+        assert io.load_checkpoint(step)["global_step"] == step
+    pointers = sorted(Path(uri).glob("*.ckpt"))
+    assert len(pointers) >= len(steps)
+    for pointer in pointers:
+        try:
+            loaded = io.load_checkpoint(str(pointer))
+        except CheckpointNotFoundError as exc:  # the save the kill interrupted
+            assert "not committed" in str(exc)
+        else:
+            assert pointer.name.endswith(f"-step={loaded['global_step']}.ckpt")
+    io.close()
+
+
+def _ddp_fit(tmp_path, out: str, *args: str) -> None:
+    (tmp_path / out).mkdir()
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "helpers" / "lightning_ddp.py"),
+        "--out",
+        str(tmp_path / out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*cmd, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_ddp_rank_0_saves_and_every_rank_resumes_the_same_state(tmp_path):
+    uri = str(tmp_path / "store")
+    _ddp_fit(tmp_path, "first", "--uri", uri, "--max-steps", "4", "--at", "4")
+    assert list_steps(Store(uri)) == [2, 4]
+    saved = [torch.load(tmp_path / "first" / f"step-rank{r}.pt") for r in (0, 1)]
+    _assert_identical(saved[1], saved[0])  # DDP: the ranks hold the same state
+
+    _ddp_fit(tmp_path, "resumed", "--uri", uri, "--max-steps", "6", "--resume", "latest")
+    assert list_steps(Store(uri)) == [2, 4, 6]
+    for rank in (0, 1):
+        loaded = torch.load(tmp_path / "resumed" / f"start-rank{rank}.pt")
+        assert loaded["global_step"] == 4
+        _assert_identical(loaded, saved[0])
+
+
+def test_importing_ckptstore_does_not_import_lightning_and_a_missing_lightning_is_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    quiet = subprocess.run(
+        [sys.executable, "-c", "import ckptstore, sys; print('lightning' in sys.modules)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert quiet.stdout.strip() == "False", quiet.stderr
+    blocked = (
+        "import sys\n"
+        "sys.modules.update(lightning=None, lightning_fabric=None)\n"
+        "import ckptstore.integrations.lightning\n"
+    )
+    missing = subprocess.run(
+        [sys.executable, "-c", blocked], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines()[-1] == (
+        "ImportError: ckptstore.integrations.lightning needs Lightning: pip install lightning"
+    )

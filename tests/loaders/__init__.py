@@ -1,0 +1,1 @@
+"""The data loaders (loaders/): formats, replicas, caching, order and resume."""

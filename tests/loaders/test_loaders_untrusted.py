@@ -1,0 +1,130 @@
+"""Datasets that name shards outside their root or hold decompression bombs: refused in one line
+(ShardCorruptError), reading nothing outside the root and no more than the index declares.
+MDS datasets are written by the project's own MDSWriter, then altered."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from loaders import (
+    MDS,
+    LoaderConfig,
+    MDSWriter,
+    ShardCorruptError,
+    ShardDataset,
+    TokenFiles,
+    WebDataset,
+)
+from loaders.formats._codecs import hasher
+from tests.helpers.child import growth_in_child
+
+IN_ORDER = LoaderConfig(shuffle=False)
+BOMB = 1 << 30
+GROWTH_LIMIT = 64 << 20
+CHILD_TIMEOUT_S = 120
+
+
+def write_mds(root: Path, compression: str | None) -> dict:
+    """Ten small samples in one shard; the index, as written."""
+    with MDSWriter(root, columns={"text": "str", "n": "int"}, compression=compression) as w:
+        for i in range(10):
+            w.write({"text": f"sample {i}", "n": i})
+    return json.loads((root / "index.json").read_text())
+
+
+def write_index(root: Path, index: dict) -> None:
+    (root / "index.json").write_text(json.dumps(index))
+
+
+def test_an_mds_basename_outside_the_root_is_not_read(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    index = write_mds(root, None)
+    shard = index["shards"][0]["raw_data"]["basename"]
+    os.replace(root / shard, tmp_path / "secret.mds")  # a valid shard, outside the root
+    index["shards"][0]["raw_data"]["basename"] = "../secret.mds"
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=r"'\.\./secret\.mds'.*not inside the dataset"):
+        list(ShardDataset(str(root), MDS(), config=IN_ORDER))
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "a/../../secret.mds", "s3:x", "a\\..\\b", ""])
+def test_mds_basenames_that_are_not_plain_relative_paths_are_corrupt(
+    tmp_path: Path, name: str
+) -> None:
+    root = tmp_path / "ds"
+    index = write_mds(root, "zstd")
+    index["shards"][0]["zip_data"]["basename"] = name
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match="not inside the dataset"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_a_negative_size_in_an_mds_index_is_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    index = write_mds(root, "zstd")
+    index["shards"][0]["raw_data"]["bytes"] = -1
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match="raw bytes -1"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "tokens"])
+def test_a_manifest_naming_a_shard_outside_the_root_is_corrupt(tmp_path: Path, fmt: str) -> None:
+    root = tmp_path / "ds"
+    root.mkdir()
+    if fmt == "webdataset":
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            info = tarfile.TarInfo("a.txt")
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"hello"))
+        (tmp_path / "secret.tar").write_bytes(buffer.getvalue())
+        (root / "shards.txt").write_text("../secret.tar\n")
+        dataset = WebDataset(manifest="shards.txt")
+    else:
+        np.arange(64, dtype=np.uint16).tofile(tmp_path / "secret.bin")
+        (root / "files.txt").write_text("../secret.bin\n")
+        dataset = TokenFiles(manifest="files.txt", sample_tokens=8)
+    with pytest.raises(ShardCorruptError, match="not inside the dataset"):
+        ShardDataset(str(root), dataset, config=IN_ORDER)
+
+
+def plant_zstd_bomb(root: Path) -> int:
+    """Replace the shard of a zstd MDS dataset by a frame of BOMB zero bytes (about 32 KiB),
+    the index's compressed size and hashes recomputed; the raw size the index declares."""
+    index = json.loads((root / "index.json").read_text())
+    info = index["shards"][0]
+    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=BOMB)
+    zeros = bytes(1 << 20)
+    bomb = b"".join(compressor.compress(zeros) for _ in range(BOMB >> 20)) + compressor.flush()
+    (root / info["zip_data"]["basename"]).write_bytes(bomb)
+    info["zip_data"]["bytes"] = len(bomb)
+    info["zip_data"]["hashes"] = {a: hasher(a)(bomb) for a in info["hashes"]}
+    write_index(root, index)
+    return info["raw_data"]["bytes"]
+
+
+def test_an_mds_zstd_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    write_mds(root, "zstd")
+    declared = plant_zstd_bomb(root)
+    setup = f"""
+        from loaders import MDS, LoaderConfig, ShardDataset
+        dataset = ShardDataset({str(root)!r}, MDS(), config=LoaderConfig(shuffle=False))
+        """
+    action = """
+        list(dataset)
+        outcome = "READ"
+        """
+    growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
+    assert growth < GROWTH_LIMIT, f"the read grew by {growth >> 20} MiB"
+    assert outcome.startswith("ShardCorruptError"), outcome
+    assert f"more than the {declared} raw bytes" in outcome, outcome

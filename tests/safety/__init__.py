@@ -1,0 +1,1 @@
+"""Damaged and hostile stores: bounded decoding, keys, retention, failed loads, commits."""

@@ -1,0 +1,175 @@
+"""Decoding is bounded by what the rank index declares, and `verify` OK means `restore` loads:
+zstd bombs in real saves' chunks fail in one line without growing the reader (peak RSS measured
+in a child process), and shapes restore could not allocate are corrupt for both verify and
+restore. Crafted from real saves (tests/helpers/crafted.py)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import zstandard
+
+from ckptstore import CheckpointCorruptError, Checkpointer, Store
+from ckptstore.cli import main
+from ckptstore.format import chunk_key
+from tests.helpers.child import growth_in_child
+from tests.helpers.crafted import put_rank_index, rank_index_doc, rewrite
+
+N = 16384  # float32 elements: one chunk of 64 KiB (room for a 32 KiB bomb frame)
+BOMB = 1 << 30  # what the bomb decompresses to
+GROWTH_LIMIT = 64 << 20
+CHILD_TIMEOUT_S = 120
+
+
+def save_step(uri: str, step: int = 1) -> None:
+    with Checkpointer(uri, chunk_bytes=65536, compression="zstd") as ckpt:
+        ckpt.save(step, {"w": torch.arange(N, dtype=torch.float32)}).wait()
+
+
+@pytest.fixture(scope="module")
+def bomb_frame() -> bytes:
+    """A zstd frame of BOMB zero bytes that says so in its header (about 32 KiB)."""
+    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=BOMB)
+    zeros = bytes(1 << 20)
+    parts = [compressor.compress(zeros) for _ in range(BOMB >> 20)]
+    return b"".join(parts) + compressor.flush()
+
+
+def chunk_object(raw_len: int, frame: bytes) -> bytes:
+    """A chunk object (docs/FORMAT.md) of one zstd plane holding ``frame``."""
+    return (
+        struct.pack("<4sBBBxQ", b"CKC1", 1, 1, 1, raw_len)
+        + struct.pack("<BQ", 1, len(frame))
+        + frame
+    )
+
+
+def plant_bomb(uri: str, frame: bytes, *, declared_raw: int | None = None) -> str:
+    """Replace the first chunk of step 1 by a bomb; the index's stored size (and with
+    ``declared_raw`` its raw size and the header's) follow it. The digest it replaced."""
+    store = Store(uri)
+    doc = rank_index_doc(store, 1)
+    digest, (raw, _) = next(iter(doc["chunks"].items()))
+    raw = declared_raw if declared_raw is not None else raw
+    obj = chunk_object(raw, frame)
+    rewrite(store, chunk_key(digest), obj)
+    doc["chunks"][digest] = [raw, len(obj)]
+    put_rank_index(store, 1, 0, doc)
+    return digest
+
+
+def in_child(uri: str, action: str) -> tuple[int, str]:
+    """``action`` (restore | verify) on ``uri`` in a child process: how much its peak RSS grew
+    during the action, in bytes, and its outcome."""
+    setup = f"""
+        import torch
+        from ckptstore import Checkpointer
+        from ckptstore.cli import main
+        target = {{"w": torch.zeros({N})}}
+        ckpt = Checkpointer({uri!r})
+        """
+    action = f"""
+        if {action!r} == "restore":
+            ckpt.load(target)
+            outcome = "LOADED"
+        else:
+            outcome = f"verify exit {{main(['verify', {uri!r}])}}"
+        """
+    return growth_in_child(setup, action, CHILD_TIMEOUT_S)
+
+
+def test_a_frame_claiming_more_than_its_plane_is_refused_in_bounded_memory(
+    tmp_path: Path, bomb_frame: bytes
+) -> None:
+    uri = str(tmp_path / "store")
+    save_step(uri)
+    plant_bomb(uri, bomb_frame)  # header and index agree on 64 KiB; the frame says 1 GiB
+
+    growth, outcome = in_child(uri, "restore")
+    assert growth < GROWTH_LIMIT, f"restore grew by {growth >> 20} MiB"
+    assert outcome.startswith("CheckpointCorruptError") and "claims" in outcome, outcome
+
+    growth, outcome = in_child(uri, "verify")
+    assert growth < GROWTH_LIMIT, f"verify grew by {growth >> 20} MiB"
+    assert outcome == "verify exit 1", outcome
+
+
+def test_a_chunk_declaring_more_raw_bytes_than_its_tensors_use_is_refused(
+    tmp_path: Path, bomb_frame: bytes
+) -> None:
+    uri = str(tmp_path / "store")
+    save_step(uri)
+    plant_bomb(uri, bomb_frame, declared_raw=BOMB)  # index and header say 1 GiB, the tensor 64 KiB
+
+    growth, outcome = in_child(uri, "restore")
+    assert growth < GROWTH_LIMIT, f"restore grew by {growth >> 20} MiB"
+    assert outcome.startswith("CheckpointCorruptError"), outcome
+    assert "raw bytes, its tensors use 65536" in outcome, outcome
+
+
+def test_a_header_disagreeing_with_the_index_is_refused_before_decompressing(
+    tmp_path: Path,
+) -> None:
+    uri = str(tmp_path / "store")
+    save_step(uri)
+    store = Store(uri)
+    digest = next(iter(rank_index_doc(store, 1)["chunks"]))
+    frame = zstandard.ZstdCompressor().compress(bytes(8192))
+    obj = chunk_object(8192, frame)  # the index still says 65536 raw bytes
+    rewrite(store, chunk_key(digest), obj)
+    doc = rank_index_doc(store, 1)
+    doc["chunks"][digest][1] = len(obj)
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(CheckpointCorruptError, match="header says 8192 raw bytes"):
+        Checkpointer(uri).load({"w": torch.zeros(N)})
+
+
+# -- verify OK means restore loads ---------------------------------------------------------------
+
+
+def reshape(uri: str, shape: list[int], dtype: str | None = None) -> None:
+    store = Store(uri)
+    doc = rank_index_doc(store, 1)
+    doc["tensors"][0]["shape"] = shape
+    if dtype is not None:
+        doc["tensors"][0]["dtype"] = dtype
+    put_rank_index(store, 1, 0, doc)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        pytest.param([-1, -N], None, id="negative"),  # the same byte count as [1, N]
+        pytest.param([0, 2**62, 2**62], None, id="stride-overflows-int64"),
+        pytest.param([0, 2**64], None, id="dim-overflows-int64"),
+        pytest.param([N], "Tensor", id="not-a-dtype"),
+        pytest.param([True, N], None, id="bool-dim"),
+    ],
+)
+def test_verify_fails_every_shape_restore_cannot_load(
+    tmp_path: Path, capsys, shape: list[int], dtype: str | None
+) -> None:
+    uri = str(tmp_path / "store")
+    save_step(uri)
+    reshape(uri, shape, dtype)
+    code = main(["verify", uri, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1, report
+    with pytest.raises(CheckpointCorruptError, match="tensor 0"):
+        Checkpointer(uri).load({"w": torch.zeros(N)})
+
+
+def test_segments_must_add_up_to_the_tensor_and_stay_in_their_chunk(tmp_path: Path) -> None:
+    uri = str(tmp_path / "store")
+    save_step(uri)
+    store = Store(uri)
+    doc = rank_index_doc(store, 1)
+    digest, (raw, stored) = next(iter(doc["chunks"].items()))
+    doc["tensors"][0]["segments"][0][1] = raw  # starts at the end of its chunk
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(CheckpointCorruptError, match="past the end of chunk"):
+        Checkpointer(uri).load({"w": torch.zeros(N)})

@@ -1,0 +1,429 @@
+"""A step that ``wait()`` reported committed is still there, whatever else ran: gc beside saves,
+deletes that land late, exit right after ``save()``, dead writers, ambiguous commits, full disks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ckptstore import (
+    Checkpointer,
+    CheckpointError,
+    RetryPolicy,
+    StorageError,
+    Store,
+)
+from ckptstore.catalog import list_steps
+from ckptstore.errors import CommitUnknownError
+from ckptstore.leases import GC, SAVE, Lease, find_leases
+from ckptstore.retention import collect
+from ckptstore.testing.faults import Faults, with_faults
+from tests.helpers.integrity import chunk_files, referenced_chunks, verify_all
+
+PY = sys.executable
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+# -- gc beside a running save --------------------------------------------------------------------
+
+GC_LOOP = textwrap.dedent(
+    """
+    import sys, time
+    from ckptstore import Store
+    from ckptstore.retention import collect
+    store, end, runs = Store(sys.argv[1]), time.monotonic() + float(sys.argv[2]), 0
+    while time.monotonic() < end:
+        collect(store, keep_last=5)
+        runs += 1
+    print(runs)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend", ["local", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)]
+)
+def test_gc_in_another_process_never_removes_what_a_save_uses(tmp_path, request, backend):
+    """Issue item 1: `gc --keep-last 5` in a loop beside a saver. The saver alternates between
+    three contents, so most saves reuse chunks of steps that gc is deleting."""
+    if backend == "seaweedfs":
+        request.getfixturevalue("seaweed_env")  # the gc subprocess inherits the environment
+        uri = request.getfixturevalue("seaweed_uri")
+    else:
+        uri = str(tmp_path / "store")
+    contents = [torch.randn(65536, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ckpt = Checkpointer(uri, chunk_bytes=16 << 10, compression="none")
+    for step in range(30):  # a store with history
+        ckpt.save(step, {"u": contents[step % 3]}).wait()
+    gc_proc = subprocess.Popen([PY, "-c", GC_LOOP, uri, "8"], stdout=subprocess.PIPE, text=True)
+    waited = []
+    try:
+        step = 30
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            ckpt.save(step, {"u": contents[step % 3]}).wait()
+            waited.append(step)
+            step += 1
+    finally:
+        out, _ = gc_proc.communicate(timeout=120)
+    ckpt.close()
+    assert gc_proc.returncode == 0 and int(out) > 0
+    steps = verify_all(uri)
+    assert waited and waited[-1] in steps
+    target = {"u": torch.zeros(65536)}
+    Checkpointer(uri).load(target, step=waited[-1])
+    assert torch.equal(target["u"], contents[waited[-1] % 3])
+
+
+def test_retention_in_two_processes_keeps_every_waited_step(tmp_path):
+    """Two writers with keep_last on one store (different step ranges), same contents."""
+    uri = str(tmp_path / "store")
+    writer = textwrap.dedent(
+        """
+        import sys, torch, json
+        from ckptstore import Checkpointer
+        first, count = int(sys.argv[2]), int(sys.argv[3])
+        ckpt = Checkpointer(sys.argv[1], keep_last=3, chunk_bytes=16 << 10, compression="none")
+        contents = [torch.randn(65536, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        for step in range(first, first + count):
+            ckpt.save(step, {"u": contents[step % 3]}).wait()
+            print(step, flush=True)
+        ckpt.close()
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [PY, "-c", writer, uri, str(first), "25"], stdout=subprocess.PIPE, text=True
+        )
+        for first in (1000, 2000)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    steps = verify_all(uri)
+    # Each writer's retention keeps the newest 3 of the whole store: the other writer's last
+    # steps (2000s) outrank the 1000s, so only the newest steps overall must be there.
+    assert steps[-3:] == sorted(int(s) for out in outs for s in out.split())[-3:]
+
+
+# -- a delete that timed out lands later ---------------------------------------------------------
+
+
+@pytest.mark.slow  # 8-18 s each on 2 cores
+@pytest.mark.parametrize("seed", range(6))
+def test_a_delete_abandoned_at_its_deadline_cannot_remove_a_newer_commit(tmp_path, seed):
+    """Issue item 2: deletes hang 2 s half of the time, attempts time out after 0.3 s. Step 1
+    (A) is collected after step 2 (B); step 3 saves A again, reusing or rewriting A's chunks
+    while deletes of them may still be running."""
+    faults = Faults(ops=frozenset({"delete"}), hang_rate=0.5, hang_s=2.0, seed=seed)
+    store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=8, timeout_s=0.3)), faults)
+    ckpt = Checkpointer(tmp_path, store=store, keep_last=1, compression="none")
+    a, b = torch.randn(50_000), torch.randn(50_000)
+    ckpt.save(1, {"w": a}).wait()
+    ckpt.save(2, {"w": b}).wait()
+    ckpt.save(3, {"w": a}).wait()
+    ckpt.close()  # its retention after step 3 has run
+    assert store.settle(30.0)  # every delete abandoned at its deadline has ended
+    assert verify_all(str(tmp_path)) == [3]
+    target = {"w": torch.zeros(50_000)}
+    assert Checkpointer(tmp_path).load(target) == 3 and torch.equal(target["w"], a)
+
+
+def test_settle_waits_for_an_abandoned_delete(tmp_path):
+    faults = Faults(ops=frozenset({"delete"}), hang_rate=1.0, hang_s=1.0)
+    store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=1, timeout_s=0.1)), faults)
+    plain = Store(tmp_path)  # the other requests are not under test: no 0.1 s deadline on them
+    plain.put("x", b"1")
+    with pytest.raises(StorageError):
+        store.delete("x")
+    assert plain.exists("x")  # the abandoned delete has not landed yet
+    assert store.settle(10.0)
+    assert not plain.exists("x")
+
+
+# -- exit right after save() ---------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_a_save_at_interpreter_exit_is_committed_on_s3(s3_uri):
+    """Issue item 3: the script's last act is save(); nothing waits for it."""
+    code = (
+        "import torch; from ckptstore import Checkpointer; "
+        f"Checkpointer({s3_uri!r}).save(7, {{'w': torch.arange(16.)}})"
+    )
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot schedule" not in proc.stderr
+    target = {"w": torch.zeros(16)}
+    assert Checkpointer(s3_uri).load(target) == 7 and torch.equal(target["w"], torch.arange(16.0))
+
+
+# -- dead writers --------------------------------------------------------------------------------
+
+SLOW_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from ckptstore import Checkpointer, Store
+    from ckptstore.testing.faults import Faults, Fixed, with_faults
+    store = with_faults(Store(sys.argv[1]), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
+    ckpt = Checkpointer(sys.argv[1], store=store, chunk_bytes=4096, compression="none",
+                        lease_ttl_s=2.0)
+    ckpt.save(int(sys.argv[2]), {"w": torch.randn(200_000)})
+    print("staged", flush=True)
+    ckpt.wait()
+    """
+)
+
+
+def test_a_killed_writer_is_seen_dead_and_swept(tmp_path, capsys):
+    """Issue item 7: a kill -9 mid-save leaves a lease. On the same machine its dead pid shows
+    at once: `ls` reports it stale and gc sweeps what the dead save wrote."""
+    from ckptstore.cli import main
+
+    uri = str(tmp_path)
+    Checkpointer(uri, chunk_bytes=4096).save(1, {"w": torch.ones(1000)}).wait()
+    proc = subprocess.Popen([PY, "-c", SLOW_WRITER, uri, "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "staged"
+        deadline = time.monotonic() + 60
+        while len(chunk_files(tmp_path)) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)  # let it write some chunks
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert main(["ls", uri, "--json"]) == 0
+    pending = json.loads(capsys.readouterr().out)["pending"]
+    assert [(p["step"], p["stale"]) for p in pending] == [(2, True)]
+    assert main(["ls", uri]) == 0
+    assert "stale (dead writer" in capsys.readouterr().out
+    report = collect(Store(uri), keep_last=5)
+    assert report.swept and report.deleted_chunks > 0
+    assert chunk_files(tmp_path) == referenced_chunks(uri)
+    assert find_leases(Store(uri)) == [] and verify_all(uri) == [1]
+
+
+def test_a_writer_on_another_host_is_dead_once_its_lease_expires(tmp_path, capsys):
+    """A lease from another machine can only expire: in flight until its ttl has passed without
+    a renewal, then stale, and gc sweeps."""
+    from ckptstore.cli import main
+
+    uri = str(tmp_path)
+    Checkpointer(uri).save(1, {"w": torch.ones(10)}).wait()
+    store = Store(uri)
+    doc = {
+        "kind": "save",
+        "renewed_at": time.time(),
+        "ttl_s": 2.0,
+        "host": "node-17",
+        "pid": 1,
+        "step": 2,
+        "attempt": "a",
+        "rank": 3,
+    }
+    lease = "leases/save/x/000000000000.json"
+    store.put(lease, json.dumps(doc).encode())
+    store.put("chunks/00/00" + "0" * 30, b"written by the save on node-17")
+    assert main(["ls", uri]) == 0
+    assert "step 2 rank 3 attempt a: save in flight" in capsys.readouterr().out
+    assert collect(store, keep_last=5).swept is False
+    # node-17 renews no more: a minute later by the store's clock (which alone ages leases),
+    # the store's stamp on the lease is a minute old.
+    stamped = time.time() - 60
+    os.utime(tmp_path / lease, (stamped, stamped))
+    assert main(["ls", uri]) == 0
+    assert "stale (dead writer" in capsys.readouterr().out
+    assert collect(store, keep_last=5).swept
+    assert chunk_files(tmp_path) == referenced_chunks(uri) and find_leases(store) == []
+
+
+def test_a_save_waits_while_gc_holds_the_store(tmp_path):
+    store = Store(tmp_path)
+    gc_lease = Lease(store, GC, "other-gc", ttl_s=30).acquire()
+    ckpt = Checkpointer(tmp_path, gc_wait_s=0.5)
+    with pytest.raises(StorageError, match="garbage collection .* has held"):
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    gc_lease.release()
+    ckpt.save(3, {"w": torch.ones(3)}).wait()  # the error was raised once, by wait()
+    assert ckpt.steps() == [3]
+    ckpt.close()
+
+
+def test_gc_does_not_sweep_under_a_live_save_lease(tmp_path):
+    uri = str(tmp_path)
+    ckpt = Checkpointer(uri, keep_last=1)
+    ckpt.save(1, {"w": torch.randn(1000)}).wait()
+    ckpt.save(2, {"w": torch.randn(1000)}).wait()
+    store = Store(uri)
+    lease = Lease(store, SAVE, "someone", ttl_s=30, info={"attempt": "x"}).acquire()
+    orphan = store.list("chunks")
+    store.put("chunks/00/00" + "0" * 30, b"orphan of a save in flight")
+    report = collect(store, keep_last=1)
+    assert not report.swept and report.blocked_by == [lease.key]
+    assert set(orphan) < set(store.list("chunks"))
+    lease.release()
+    assert collect(store, keep_last=1).swept
+    assert set(store.list("chunks")) == {f"chunks/{d[:2]}/{d}" for d in referenced_chunks(uri)}
+    ckpt.close()
+
+
+def test_a_save_whose_lease_lapsed_is_not_committed(tmp_path):
+    """If the lease could not be renewed for ttl/2 (the store unreachable for its renewals),
+    gc elsewhere may think the writer dead and sweep: the save must not commit."""
+    from ckptstore.testing.faults import Fixed
+
+    store = with_faults(Store(tmp_path), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
+    ckpt = Checkpointer(tmp_path, store=store, lease_ttl_s=0.4, chunk_bytes=4096)
+    original = store.put
+
+    def put(key, data, **kw):  # every renewal of a lease fails
+        if key.startswith("leases/") and not key.endswith("000000000000.json"):
+            raise StorageError(f"put {key}: unreachable")
+        return original(key, data, **kw)
+
+    store.put = put
+    handle = ckpt.save(1, {"w": torch.randn(50 * 1024)})  # 50 chunks x 50 ms
+    with pytest.raises(StorageError, match="not renewed"):
+        handle.wait()
+    ckpt.close()  # reported once, by wait()
+    assert list_steps(store) == []
+
+
+# -- ambiguous commits ---------------------------------------------------------------------------
+
+
+def test_wait_tells_the_truth_about_each_commit_under_errors(tmp_path):
+    """Issue item 10: with 70% of requests failing, wait() raising means the step is not
+    committed (or says the outcome is unknown); wait() returning means it is."""
+    faults = Faults(error_rate=0.7, seed=11)
+    store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=3, base_delay_s=0.001)), faults)
+    ckpt = Checkpointer(tmp_path, store=store, compression="none", lease_ttl_s=600)
+    outcomes = {}
+    for step in range(40):
+        try:
+            ckpt.save(step, {"w": torch.full((100,), float(step))}).wait()
+            outcomes[step] = "ok"
+        except CommitUnknownError:
+            outcomes[step] = "unknown"
+        except CheckpointError:
+            outcomes[step] = "failed"
+            ckpt.wait()  # the error was reported once, by the handle's wait()
+    faults.error_rate = 0.0
+    committed = set(list_steps(store))
+    assert {s for s, o in outcomes.items() if o == "ok"} <= committed
+    assert not {s for s, o in outcomes.items() if o == "failed"} & committed
+    assert "ok" in outcomes.values() and "failed" in outcomes.values()
+    ckpt.close()
+
+
+# -- full disks ----------------------------------------------------------------------------------
+
+
+def test_a_full_disk_leaves_no_temporaries_and_the_next_save_says_what_failed(small_disk):
+    """Issue item 11."""
+    uri = str(small_disk / "store")
+    ckpt = Checkpointer(uri, compression="none", chunk_bytes=256 << 10)
+    ckpt.save(1, {"w": torch.randn(1000)}).wait()
+    handle = ckpt.save(2, {"w": torch.randn(2 << 20)})  # 8 MiB on a 4 MiB disk
+    with pytest.raises(StorageError, match="no space left"):
+        handle.wait(timeout_s=120)
+    assert not [p for p in small_disk.rglob("*") if ".tmp-" in p.name]
+    report = collect(Store(uri), keep_last=1)
+    assert report.swept
+    assert chunk_files(small_disk / "store") == referenced_chunks(uri)
+    ckpt.save(4, {"w": torch.randn(1000)}).wait()  # the disk has room again
+    assert list_steps(Store(uri)) == [1, 4]
+    ckpt.close()
+
+
+def test_gc_removes_temporaries_of_dead_writers(tmp_path):
+    store = Store(tmp_path)
+    Checkpointer(tmp_path).save(1, {"w": torch.ones(10)}).wait()
+    (tmp_path / "chunks" / "ab").mkdir(parents=True, exist_ok=True)
+    old = tmp_path / "chunks" / "ab" / "abcd.tmp-0123"
+    fresh = tmp_path / "chunks" / "ab" / "abce.tmp-4567"
+    old.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"y" * 100)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    collect(store, keep_last=1)
+    assert not old.exists() and fresh.exists()  # fresh: a live writer's put in progress
+
+
+# -- found in review: lease reads racing renewals, lapses, lost answers, stale caches ------------
+
+
+def test_a_lease_read_while_its_holder_renews_it_is_still_live(tmp_path):
+    store = Store(tmp_path)
+    lease = Lease(store, SAVE, "holder", ttl_s=60).acquire()
+    reader = Store(tmp_path)
+    get = reader.get
+    renewed = []
+
+    def get_after_a_renewal(key, *args, **kwargs):  # listed seq N; the holder writes N+1 now
+        if key.startswith("leases/") and not renewed:
+            renewed.append(key)
+            lease.renew()
+        return get(key, *args, **kwargs)
+
+    reader.get = get_after_a_renewal
+    [found] = find_leases(reader, SAVE)
+    assert renewed and found.live and found.key != renewed[0]
+    lease.release()
+
+
+def test_a_lease_that_lapsed_stays_lost_after_renewals_recover(tmp_path):
+    store = Store(tmp_path)
+    lease = Lease(store, SAVE, "holder", ttl_s=0.1).acquire()
+    lease._stop.set()  # no background renewals: this test renews by hand
+    # The lapse under test is one of the holder's own clock: just over ttl/2 without a
+    # renewal (gc elsewhere may have swept meanwhile).
+    time.sleep(0.06)
+    lease._stop.clear()
+    lease.renew()
+    with pytest.raises(StorageError, match="went unrenewed"):
+        lease.check()
+    lease.release()
+
+
+def test_a_renewal_whose_answer_was_lost_moves_on(tmp_path):
+    """An abandoned renewal put that landed makes the retry find the object: the lease must
+    advance past it, not retry the same sequence for ever."""
+    store = Store(tmp_path)
+    lease = Lease(store, SAVE, "holder", ttl_s=60).acquire()
+    lease._stop.set()
+    store.put("leases/save/holder/000000000001.json", lease._body())  # the late landing
+    lease._stop.clear()
+    lease.renew()
+    lease.renew()
+    assert lease.key.endswith("000000000002.json") and store.exists(lease.key)
+    lease.check()
+    lease.release()
+
+
+@pytest.mark.s3
+def test_a_chunk_deleted_by_another_process_is_not_taken_as_stored(s3_uri):
+    """s3fs answers size() from its listing cache: a chunk gc deleted elsewhere must be
+    written again, not referenced."""
+    a, b = torch.randn(4096), torch.randn(4096)
+    ckpt = Checkpointer(s3_uri, compression="none")
+    ckpt.save(0, {"w": a}).wait()
+    ckpt.save(1, {"w": b}).wait()
+    ckpt.store.list("chunks")  # fills the listing cache with step 0's chunk
+    gc = subprocess.run(
+        [PY, "-m", "ckptstore.cli", "gc", s3_uri, "--keep-last", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert gc.returncode == 0 and "deleted 1 unreferenced chunk" in gc.stdout, gc.stdout + gc.stderr
+    ckpt.save(2, {"w": a}).wait()
+    ckpt.verify(2)
+    ckpt.close()

@@ -1,0 +1,359 @@
+"""Loads that fail: what they leave in the state, falling back to an older step, and states
+that cannot be saved (cycles) or loaded (numpy arrays of another shape or dtype)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckptstore.pipeline
+from ckptstore import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointNotFoundError,
+    Store,
+    UnsupportedStateError,
+)
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.errors import PartialLoadError
+from ckptstore.format import chunk_key
+from tests.helpers import ROOT
+from tests.helpers.dist import run_ranks
+
+N = 16 * 1024  # float32 elements: 16 chunks of 4096 bytes each
+
+
+class Counter:
+    """A stateful object that records every load_state_dict call."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.loaded: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded.append(state["value"])
+        self.value = state["value"]
+
+
+def make_state(step: int) -> dict:
+    """Two 16-chunk tensors whose chunks are all distinct, from each other and across steps."""
+    base = torch.arange(N, dtype=torch.float32)
+    return {
+        "a": base + 100_000 * step,
+        "b": -(base + 100_000 * step) - 1,
+        "step": step,
+        "counter": Counter(step),
+    }
+
+
+def blank_state() -> dict:
+    return {"a": torch.zeros(N), "b": torch.zeros(N), "step": -1, "counter": Counter(-1)}
+
+
+def chunks_of(root: Path, step: int, path: str, rank: int = 0) -> list[str]:
+    """The digests of the chunks holding the tensor at top-level key ``path``, in order."""
+    store = Store(root)
+    index = load_rank_index(store, load_manifest(store, step), rank)
+    entry = index.tensors[index.tree[path]["$t"]]
+    return [seg.chunk for seg in entry.segments]
+
+
+def all_chunks(root: Path, step: int, rank: int) -> set[str]:
+    store = Store(root)
+    return set(load_rank_index(store, load_manifest(store, step), rank).chunks)
+
+
+def flip_byte(root: Path, digest: str) -> Path:
+    path = root / chunk_key(digest)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def save_steps(root: Path, steps, state_of=make_state) -> None:
+    with Checkpointer(root, chunk_bytes=4096, compression="none") as ckpt:
+        for step in steps:
+            ckpt.save(step, state_of(step)).wait()
+
+
+def assert_loaded(target: dict, step: int) -> None:
+    expected = make_state(step)
+    assert torch.equal(target["a"], expected["a"])
+    assert torch.equal(target["b"], expected["b"])
+    assert target["step"] == step
+    assert target["counter"].value == step
+
+
+# -- item 6: a failed load leaves a mixed state ------------------------------------------------
+
+
+def test_failed_load_names_the_tensors_it_overwrote_and_applies_nothing_else(tmp_path, monkeypatch):
+    save_steps(tmp_path, [7])
+    b_chunks = chunks_of(tmp_path, 7, "b")
+    assert len(b_chunks) == 16 and len(set(b_chunks)) == 16
+    bad = flip_byte(tmp_path, b_chunks[8])
+    # The chunks after the corrupt one arrive late, once load() has raised: they must not land.
+    late = set(b_chunks[9:])
+    late_begun, release, ended = threading.Event(), threading.Event(), threading.Semaphore(0)
+    started: list[str] = []  # late fetches begun (the others are cancelled once load() fails)
+    fetch = ckptstore.pipeline.fetch_chunk
+
+    def late_fetch(store, digest, *args, **kwargs):
+        if digest == b_chunks[8]:  # fails once a late chunk is on its way
+            assert late_begun.wait(timeout=30)
+        if digest not in late:
+            return fetch(store, digest, *args, **kwargs)
+        started.append(digest)
+        late_begun.set()
+        assert release.wait(timeout=30)
+        return fetch(store, digest, *args, **kwargs)
+
+    store_map = Store.map
+
+    def map_telling_when_a_late_chunk_ended(self, fn, items, **kwargs):
+        def one(item):  # a chunk's whole read: its fetch, then its copy into the tensors
+            try:
+                return fn(item)
+            finally:
+                if item in late:
+                    ended.release()
+
+        return store_map(self, one, items, **kwargs)
+
+    monkeypatch.setattr(ckptstore.pipeline, "fetch_chunk", late_fetch)
+    monkeypatch.setattr(Store, "map", map_telling_when_a_late_chunk_ended)
+    target = blank_state()
+    with pytest.raises(PartialLoadError) as info:
+        Checkpointer(tmp_path).load(target)
+    after_raise = target["b"].clone()
+    error = info.value
+    assert isinstance(error, CheckpointCorruptError)  # what callers caught before still catches
+    assert error.written == ["a", "b"]
+    message = str(error)
+    assert "partly overwritten: a, b" in message and "step 7" in message
+    assert "no non-tensor value was set and no load_state_dict() called" in message
+    assert isinstance(error.__cause__, CheckpointCorruptError) and bad.name in str(error.__cause__)
+    # Nothing but the tensors changed: no scalar set, no load_state_dict called.
+    assert target["step"] == -1 and target["counter"].loaded == [] and target["counter"].value == -1
+    saved = make_state(7)
+    assert torch.equal(target["a"], saved["a"])
+    assert torch.equal(target["b"][: 8 * 1024], saved["b"][: 8 * 1024])
+    assert not target["b"][8 * 1024 :].any()  # the corrupt chunk and the late ones: not yet
+    release.set()
+    for _ in started:
+        assert ended.acquire(timeout=30)
+    assert torch.equal(target["b"], after_raise)  # nothing written after load() raised
+
+
+def test_failed_load_that_wrote_nothing_raises_the_plain_error(tmp_path):
+    save_steps(tmp_path, [7])
+    flip_byte(tmp_path, chunks_of(tmp_path, 7, "b")[8])
+    # "a" is not contiguous: it is filled through a temporary, copied in only once every chunk
+    # verified, so the failed load never reached it (though all of its chunks had arrived).
+    target = blank_state()
+    target["a"] = torch.zeros(2 * N)[::2]
+    with pytest.raises(PartialLoadError) as info:
+        Checkpointer(tmp_path).load(target)
+    assert info.value.written == ["b"]
+    assert not target["a"].any()
+    # A failure before any byte reached the state: the plain error, the state untouched.
+    with Checkpointer(tmp_path, chunk_bytes=4096, compression="none") as ckpt:
+        ckpt.save(8, {"w": torch.arange(100.0), "n": 8}).wait()
+    store = Store(tmp_path)
+    (digest,) = load_rank_index(store, load_manifest(store, 8), 0).chunks
+    flip_byte(tmp_path, digest)
+    target = {"w": torch.zeros(100), "n": 0}
+    with pytest.raises(CheckpointCorruptError) as info:
+        Checkpointer(tmp_path).load(target, step=8)
+    assert not isinstance(info.value, PartialLoadError)
+    assert not target["w"].any() and target["n"] == 0
+
+
+# -- item 8: a corrupt latest step blocks resume -----------------------------------------------
+
+
+def test_fallback_skips_a_corrupt_latest_step(tmp_path, caplog):
+    save_steps(tmp_path, [1, 2])
+    unique = set(chunks_of(tmp_path, 2, "b")) - all_chunks(tmp_path, 1, 0)
+    assert len(unique) == 16  # dedup shares nothing: the corruption hits step 2 only
+    bad = flip_byte(tmp_path, chunks_of(tmp_path, 2, "b")[8])
+    target = blank_state()
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(PartialLoadError):  # strict, as before: no fallback
+            ckpt.load(target)
+        with pytest.raises(ValueError, match="fallback=True starts from the latest step"):
+            ckpt.load(target, step=2, fallback=True)
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert ckpt.load(target, fallback=True) == 1  # also repairs the half-loaded state
+    assert_loaded(target, 1)
+    assert target["counter"].loaded == [1]
+    skipped = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("ckptstore") and r.levelno >= logging.WARNING
+    ]
+    assert len(skipped) == 1, skipped
+    assert "step 2" in skipped[0] and "cannot be loaded" in skipped[0] and bad.name in skipped[0]
+    assert "\n" not in skipped[0]
+
+    # Every step corrupt: the error names each, and the state is reported partly overwritten.
+    flip_byte(tmp_path, chunks_of(tmp_path, 1, "a")[3])
+    target = blank_state()
+    with pytest.raises(CheckpointCorruptError) as info:
+        Checkpointer(tmp_path).load(target, fallback=True)
+    message = str(info.value)
+    assert "could be loaded, every one failed: step 2:" in message and "; step 1:" in message
+    assert isinstance(info.value, PartialLoadError) and info.value.written == ["a", "b"]
+    assert target["step"] == -1 and target["counter"].loaded == []
+
+
+def test_fallback_over_missing_chunks_and_an_empty_store(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    for digest in all_chunks(tmp_path, 2, 0):  # every chunk missing: nothing is ever written
+        (tmp_path / chunk_key(digest)).unlink()
+    target = blank_state()
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CheckpointNotFoundError):
+            ckpt.load(target)
+        assert not target["a"].any() and target["step"] == -1
+        assert ckpt.load(target, fallback=True) == 1
+    assert_loaded(target, 1)
+    for digest in all_chunks(tmp_path, 1, 0):
+        (tmp_path / chunk_key(digest)).unlink()
+    target = blank_state()
+    with pytest.raises(CheckpointNotFoundError, match="every one failed: step 2: .*; step 1: "):
+        Checkpointer(tmp_path).load(target, fallback=True)
+    assert not target["a"].any()
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        Checkpointer(tmp_path / "empty").load(blank_state(), fallback=True)
+
+
+def test_fallback_refuses_a_step_that_cannot_repair_what_the_failed_load_wrote(tmp_path):
+    def nested(step: int) -> dict:
+        state = make_state(step)
+        return {"m": {"a": state["a"], **({"b": state["b"]} if step == 2 else {})}}
+
+    save_steps(tmp_path, [1, 2], nested)
+    store = Store(tmp_path)
+    index = load_rank_index(store, load_manifest(store, 2), 0)
+    b_chunks = [s.chunk for s in index.tensors[index.tree["m"]["b"]["$t"]].segments]
+    flip_byte(tmp_path, b_chunks[8])
+    target = {"m": {"a": torch.zeros(N), "b": torch.zeros(N)}}
+    with pytest.raises(PartialLoadError) as info:
+        Checkpointer(tmp_path).load(target, fallback=True)
+    # Step 1 has no m/b: loading it would leave m/b half from step 2, so nothing is claimed.
+    assert info.value.written == ["m/a", "m/b"]
+    assert isinstance(info.value.__cause__, UnsupportedStateError)
+    assert "step 1 has no tensor for m/b" in str(info.value)
+
+
+def _dist_state(rank: int, step: int) -> dict:
+    base = torch.arange(N, dtype=torch.float32) + 100_000 * step + 1_000_000 * rank
+    return {"w": base, "v": -base, "step": step, "rank": rank}
+
+
+def _dist_save(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root, chunk_bytes=4096, compression="none") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _dist_state(rank, step))
+        ckpt.wait()
+
+
+def _dist_load(rank: int, world: int, root: str) -> None:
+    blank = {"w": torch.zeros(N), "v": torch.zeros(N), "step": -1, "rank": -1}
+    with Checkpointer(root) as ckpt:
+        target = dict(blank)
+        # Strict: rank 0's own step 2 is fine, yet every rank raises, naming rank 1.
+        with pytest.raises(CheckpointCorruptError, match="failed to load on 1 of 2 rank.*rank 1"):
+            ckpt.load(target)
+        assert target["step"] == -1
+        if rank == 0:
+            assert torch.equal(target["w"], _dist_state(0, 2)["w"])  # written, then refused
+        target = dict(blank, w=torch.zeros(N), v=torch.zeros(N))
+        assert ckpt.load(target, fallback=True) == 1
+    expected = _dist_state(rank, 1)
+    assert torch.equal(target["w"], expected["w"]) and torch.equal(target["v"], expected["v"])
+    assert target["step"] == 1 and target["rank"] == rank
+
+
+@pytest.mark.dist
+def test_ranks_fall_back_together(tmp_path):
+    run_ranks(_dist_save, 2, str(tmp_path))
+    assert list_steps(Store(tmp_path)) == [1, 2]
+    others = all_chunks(tmp_path, 2, 0) | all_chunks(tmp_path, 1, 0) | all_chunks(tmp_path, 1, 1)
+    bad = chunks_of(tmp_path, 2, "w", rank=1)[5]
+    assert bad in all_chunks(tmp_path, 2, 1) - others  # no other rank or step reads it
+    flip_byte(tmp_path, bad)
+    run_ranks(_dist_load, 2, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_train_gpt_resumes_from_the_previous_step_when_the_latest_is_corrupt(tmp_path):
+    ckpt = tmp_path / "gpt"
+
+    def train(steps: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--ckpt", str(ckpt)]
+        cmd += ["--steps", str(steps), "--every", "2", "--data", str(tmp_path / "data")]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    first = train(4)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert list_steps(Store(ckpt)) == [2, 4]
+    newest = all_chunks(ckpt, 4, 0) - all_chunks(ckpt, 2, 0)
+    assert newest
+    for digest in newest:
+        flip_byte(ckpt, digest)
+    second = train(6)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from step 2" in second.stdout
+    assert "step 4 in" in second.stderr and "cannot be loaded" in second.stderr
+
+
+# -- item 13: cycles on save, numpy arrays that do not match on load ----------------------------
+
+
+def test_a_state_that_contains_itself_is_refused_by_path(tmp_path):
+    loop: list = [1]
+    loop.append(loop)
+    looped: dict = {"x": 1}
+    looped["me"] = looped
+    shared = [torch.ones(3)]
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"^a/1: the state refers to itself"):
+            ckpt.save(1, {"a": loop})
+        with pytest.raises(UnsupportedStateError, match=r"d/me: .*a cycle back to d\)"):
+            ckpt.save(1, {"d": looped})
+        ckpt.save(1, {"p": shared, "q": shared}).wait()  # shared, not cyclic: fine
+    target = {"p": [torch.zeros(3)], "q": [torch.zeros(3)]}
+    Checkpointer(tmp_path).load(target)
+    assert torch.equal(target["q"][0], torch.ones(3))
+
+
+def test_numpy_arrays_of_another_shape_or_dtype_are_refused(tmp_path):
+    saved = np.arange(12, dtype=np.int32).reshape(3, 4)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"arr": saved, "w": torch.ones(5)}).wait()
+    ckpt = Checkpointer(tmp_path)
+    for wrong in (np.zeros((4, 3), np.int32), np.zeros((3, 4), np.float64)):
+        target = {"arr": wrong, "w": torch.zeros(5)}
+        with pytest.raises(UnsupportedStateError, match=r"arr: checkpoint has .*int32 \(3, 4\)"):
+            ckpt.load(target)
+        assert target["arr"] is wrong and not target["w"].any()  # refused before any write
+    for fine in (np.zeros((3, 4), np.int32), None, torch.zeros(3, 4)):  # as before: replaced
+        target = {"arr": fine, "w": torch.zeros(5)}
+        ckpt.load(target)
+        assert isinstance(target["arr"], np.ndarray) and np.array_equal(target["arr"], saved)
+        assert target["arr"].dtype == np.int32
+    ckpt.close()

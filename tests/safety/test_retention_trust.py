@@ -1,0 +1,141 @@
+"""Issue 21 item 6: retention never deletes the last loadable step because a newer one is damaged.
+
+Damaged stores are real saves rewritten by ``tests.helpers.crafted``: a truncated manifest, a manifest whose
+checksum is recomputed over a broken field, a rank index that references a chunk of the wrong
+size. gc keeps the loadable step, marks the damaged one, sweeps nothing while it is there, and
+deletes it only when asked (``--remove-corrupt``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer, Store
+from ckptstore.catalog import list_steps
+from ckptstore.cli import main
+from ckptstore.format import commit_key
+from ckptstore.retention import collect
+from tests.helpers.crafted import (
+    manifest_doc,
+    put_manifest,
+    put_rank_index,
+    rank_index_doc,
+    rewrite,
+)
+
+W = {1: torch.arange(64.0), 2: torch.arange(64.0) + 100}
+
+
+def save_two_steps(uri: str) -> None:
+    with Checkpointer(uri) as ckpt:
+        for step, w in W.items():
+            ckpt.save(step, {"w": w}).wait()
+
+
+def truncate_manifest(store: Store, step: int) -> None:
+    data = store.get(commit_key(step))
+    rewrite(store, commit_key(step), data[: len(data) // 2])
+
+
+def break_manifest(store: Store, step: int) -> None:
+    """A manifest whose checksum matches but whose world size is nonsense."""
+    doc = manifest_doc(store, step)
+    doc["world_size"] = "many"
+    put_manifest(store, step, doc)
+
+
+def break_rank_index(store: Store, step: int) -> None:
+    """A rank index (and the manifest's hash of it) consistent, its chunk table not."""
+    doc = rank_index_doc(store, step)
+    doc["chunks"] = "nothing"
+    put_rank_index(store, step, 0, doc)
+
+
+DAMAGE = {"truncated": truncate_manifest, "manifest": break_manifest, "index": break_rank_index}
+
+
+def loads_step_1(uri: str) -> bool:
+    target = {"w": torch.zeros(64)}
+    return Checkpointer(uri).load(target, step=1) == 1 and torch.equal(target["w"], W[1])
+
+
+def gc_json(capsys, *argv: str) -> dict:
+    assert main(["gc", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_gc_keep_last_1_keeps_the_loadable_step_when_the_newest_is_damaged(
+    tmp_path, capsys, damage
+):
+    uri = str(tmp_path)
+    save_two_steps(uri)
+    DAMAGE[damage](Store(uri), 2)
+    chunks = Store(uri).list("chunks")
+    assert main(["gc", uri, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted steps: none" in out and "unreadable step 2: kept, not counted" in out
+    assert "chunk sweep skipped: step(s) 2 cannot be read" in out
+    assert list_steps(Store(uri)) == [1, 2] and Store(uri).list("chunks") == chunks
+    assert loads_step_1(uri)
+
+
+def test_checkpointer_retention_keeps_the_loadable_steps(tmp_path):
+    uri = str(tmp_path)
+    save_two_steps(uri)
+    truncate_manifest(Store(uri), 2)
+    with Checkpointer(uri, keep_last=2) as ckpt:
+        ckpt.save(3, {"w": W[1] + 1}).wait()
+    # Steps 1 and 3 load: they are the two kept; step 2 is neither counted nor deleted.
+    assert list_steps(Store(uri)) == [1, 2, 3]
+    assert loads_step_1(uri)
+    report = collect(Store(uri), keep_last=1)
+    assert report.deleted_steps == [1] and report.kept_steps == [3]
+    assert list(report.unreadable_steps) == [2] and not report.swept
+
+
+def test_dry_run_prints_the_whole_plan_with_the_damaged_step_marked(tmp_path, capsys):
+    uri = str(tmp_path)
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()
+    break_manifest(Store(uri), 3)
+    before = Store(uri).list()
+    assert main(["gc", uri, "--keep-last", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: kept steps: 2" in out and "would delete steps: 1" in out
+    assert "unreadable step 3: kept, not counted: corrupt: " in out
+    assert "chunk sweep skipped" in out
+    doc = gc_json(capsys, uri, "--keep-last", "1", "--dry-run")
+    assert doc["kept_steps"] == [2] and doc["deleted_steps"] == [1]
+    [unreadable] = doc["unreadable_steps"]
+    assert unreadable["step"] == 3 and not unreadable["removed"]
+    assert unreadable["error"].startswith("corrupt: ") and commit_key(3) in unreadable["error"]
+    assert Store(uri).list() == before
+
+
+def test_remove_corrupt_deletes_the_damaged_step_then_sweeps(tmp_path, capsys):
+    uri = str(tmp_path)
+    save_two_steps(uri)
+    truncate_manifest(Store(uri), 2)
+    doc = gc_json(capsys, uri, "--keep-last", "1", "--remove-corrupt", "--dry-run")
+    assert doc["removed_corrupt"] == [2] and doc["unreadable_steps"][0]["removed"]
+    assert doc["swept"] and doc["deleted_chunks"] == 1 and list_steps(Store(uri)) == [1, 2]
+    assert main(["gc", uri, "--keep-last", "1", "--remove-corrupt"]) == 0
+    out = capsys.readouterr().out
+    assert "unreadable step 2: deleted (--remove-corrupt)" in out
+    assert "deleted 1 unreferenced chunk(s)" in out
+    assert list_steps(Store(uri)) == [1] and loads_step_1(uri)
+    assert main(["verify", uri, "--all"]) == 0
+
+
+@pytest.mark.s3
+def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys):
+    save_two_steps(s3_uri)
+    break_rank_index(Store(s3_uri), 2)
+    doc = gc_json(capsys, s3_uri, "--keep-last", "1")
+    assert doc["deleted_steps"] == [] and doc["kept_steps"] == [1] and not doc["swept"]
+    assert [u["step"] for u in doc["unreadable_steps"]] == [2]
+    assert loads_step_1(s3_uri)

@@ -1,0 +1,204 @@
+"""Keys stay inside the store: a manifest or rank index that names an object outside it (a
+``../`` key, another step's index, a digest that is not one) is refused when it is decoded,
+before any I/O, and `verify` calls it corrupt. Crafted from real saves (tests/helpers/crafted.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import CheckpointCorruptError, Checkpointer, Store
+from ckptstore.catalog import load_manifest, load_rank_index
+from ckptstore.cli import main
+from tests.helpers.child import run_script
+from tests.helpers.crafted import manifest_doc, put_manifest, put_rank_index, rank_index_doc
+
+N = 4096  # float32 elements: 4 chunks of 4096 bytes
+CHILD_TIMEOUT_S = 60
+
+
+def save_step(uri: str, step: int = 1) -> None:
+    with Checkpointer(uri, chunk_bytes=4096, compression="zstd") as ckpt:
+        ckpt.save(step, {"w": torch.arange(N, dtype=torch.float32)}).wait()
+
+
+def load(uri: str) -> None:
+    Checkpointer(uri).load({"w": torch.zeros(N)})
+
+
+def verify_exit_code(uri: str, capsys) -> tuple[int, str]:
+    code = main(["verify", uri])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def load_in_child(uri: str) -> str:
+    """Restore ``uri`` in a child process (bounded memory and time: old code read /dev/zero
+    until MemoryError or a FIFO until the deadline); its one line of outcome."""
+    script = f"""
+        import resource, torch
+        resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
+        from ckptstore import Checkpointer
+        try:
+            Checkpointer({uri!r}).load({{"w": torch.zeros({N})}})
+            print("LOADED")
+        except Exception as exc:
+            print(type(exc).__name__, str(exc).replace("\\n", " "))
+        """
+    return run_script(script, CHILD_TIMEOUT_S)[-1]
+
+
+def rename_chunk(doc: dict, new: str) -> None:
+    """Rename the first chunk of a rank index document to ``new``, in its segments too."""
+    old = next(iter(doc["chunks"]))
+    doc["chunks"] = {(new if h == old else h): v for h, v in doc["chunks"].items()}
+    for tensor in doc["tensors"]:
+        tensor["segments"] = [[new if s[0] == old else s[0], *s[1:]] for s in tensor["segments"]]
+
+
+@pytest.fixture
+def store_uri(tmp_path: Path) -> str:
+    uri = str(tmp_path / "store")
+    save_step(uri)
+    return uri
+
+
+def test_rank_index_key_outside_the_store_is_refused(store_uri: str, tmp_path: Path, capsys):
+    store = Store(store_uri)
+    doc = manifest_doc(store, 1)
+    real = doc["ranks"][0]["key"]
+    outside = tmp_path / "elsewhere" / "rank-00000.json"
+    outside.parent.mkdir()
+    outside.write_bytes(store.get(real))  # a valid index, but not the store's
+    doc["ranks"][0]["key"] = "steps/../../elsewhere/rank-00000.json"
+    put_manifest(store, 1, doc)
+
+    with pytest.raises(CheckpointCorruptError, match="rank index key") as caught:
+        load(store_uri)
+    assert "commits/00000000000000000001.json" in str(caught.value)
+    code, text = verify_exit_code(store_uri, capsys)
+    assert code != 0 and "rank index key" in text
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda d: d.update(attempt="../../x"), id="attempt-with-dots"),
+        pytest.param(lambda d: d.update(attempt="a/b"), id="attempt-with-slash"),
+        pytest.param(lambda d: d["ranks"].append(dict(d["ranks"][0])), id="rank-listed-twice"),
+        pytest.param(
+            lambda d: d["ranks"][0].update(key=d["ranks"][0]["key"].replace("00001/", "00002/")),
+            id="another-steps-index",
+        ),
+        pytest.param(lambda d: d["ranks"][0].update(key="/etc/passwd"), id="absolute-key"),
+        pytest.param(
+            lambda d: d["ranks"][0].update(key="s3://other-bucket/rank-00000.json"),
+            id="scheme",
+        ),
+        pytest.param(
+            lambda d: (
+                d.update(dcp_metadata={"key": "../dcp.metadata", "nbytes": 1, "xxh3": "0"})
+                or d.update(kind="dcp")
+            ),
+            id="dcp-metadata-outside",
+        ),
+    ],
+)
+def test_a_manifest_naming_objects_not_its_own_does_not_decode(store_uri: str, change) -> None:
+    store = Store(store_uri)
+    doc = manifest_doc(store, 1)
+    change(doc)
+    put_manifest(store, 1, doc)
+    with pytest.raises(CheckpointCorruptError, match="commits/00000000000000000001.json"):
+        load_manifest(store, 1)
+
+
+def test_chunk_digest_pointing_at_dev_zero_is_refused_before_any_read(store_uri: str) -> None:
+    store = Store(store_uri)
+    doc = rank_index_doc(store, 1)
+    climb = "../" * 40 + "dev/zero"  # chunks/../<digest>: out of the store, up to /dev/zero
+    rename_chunk(doc, climb)
+    put_rank_index(store, 1, 0, doc)
+
+    outcome = load_in_child(store_uri)
+    assert outcome.startswith("CheckpointCorruptError"), outcome
+    assert "not 32 lowercase hex digits" in outcome and "rank-00000.json" in outcome
+
+
+def test_chunk_digest_pointing_at_a_fifo_does_not_hang(store_uri: str, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    store = Store(store_uri)
+    doc = rank_index_doc(store, 1)
+    rename_chunk(doc, "../fifo")  # chunks/../../fifo: next to the store
+    put_rank_index(store, 1, 0, doc)
+
+    outcome = load_in_child(store_uri)
+    assert outcome.startswith("CheckpointCorruptError") and "../fifo" in outcome, outcome
+
+
+@pytest.mark.parametrize(
+    "digest",
+    ["A" * 32, "0" * 31, "0" * 33, "g" * 32, "00/" + "0" * 29],
+    ids=["upper", "short", "long", "not-hex", "slash"],
+)
+def test_malformed_chunk_digests_are_corrupt(store_uri: str, digest: str, capsys) -> None:
+    store = Store(store_uri)
+    doc = rank_index_doc(store, 1)
+    rename_chunk(doc, digest)
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(CheckpointCorruptError, match="lowercase hex"):
+        load(store_uri)
+    code, text = verify_exit_code(store_uri, capsys)
+    assert code != 0 and "lowercase hex" in text
+
+
+def test_keys_outside_the_prefix_are_refused_on_s3(s3_uri: str) -> None:
+    save_step(s3_uri)
+    store = Store(s3_uri)
+    doc = rank_index_doc(store, 1)
+    rename_chunk(doc, "../../other/" + next(iter(doc["chunks"])))  # another prefix
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(CheckpointCorruptError, match="lowercase hex"):
+        load(s3_uri)
+
+    doc = manifest_doc(store, 1)
+    doc["ranks"][0]["key"] = "../" + doc["ranks"][0]["key"]
+    put_manifest(store, 1, doc)
+    with pytest.raises(CheckpointCorruptError, match="rank index key"):
+        load(s3_uri)
+
+
+def test_the_store_refuses_a_key_that_leaves_its_root(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_bytes(b"not yours")
+    store = Store(str(tmp_path / "store"))
+    for key in ("../secret", "chunks/../../secret", "/etc/hostname"):
+        with pytest.raises(CheckpointCorruptError, match="outside the store"):
+            store.get(key)
+
+
+def test_an_object_longer_than_its_manifest_says_is_read_no_further(tmp_path):
+    """A rank index padded to 64 MiB behind the manifest's back: the reader reads the declared
+    size and one byte more, and refuses it; a manifest over 64 MiB is refused the same way."""
+    from ckptstore.format import MAX_MANIFEST_BYTES
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}).wait()
+    store = Store(tmp_path)
+    ref = load_manifest(store, 1).ranks[0]
+    path = tmp_path / ref.key
+    padded = path.read_bytes() + b" " * (64 << 20)
+    os.chmod(path, 0o644)
+    path.write_bytes(padded)
+    before = store.counters.snapshot()["bytes"].get("get", 0)
+    with pytest.raises(CheckpointCorruptError, match="size or xxh3 does not match"):
+        load_rank_index(store, load_manifest(store, 1), 0)
+    assert store.counters.snapshot()["bytes"].get("get", 0) - before < ref.nbytes + 4096
+    manifest = tmp_path / "commits" / f"{1:020d}.json"
+    os.chmod(manifest, 0o644)
+    manifest.write_bytes(manifest.read_bytes() + b" " * MAX_MANIFEST_BYTES)
+    with pytest.raises(CheckpointCorruptError, match="larger than any manifest"):
+        load_manifest(store, 1)

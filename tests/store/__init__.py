@@ -1,0 +1,1 @@
+"""Stores and requests: backends, access, hedging, deadlines, leases, counted requests."""

@@ -1,0 +1,221 @@
+"""Issue 21 items 2 and 3: leases judged by the store's clock, and a dead gc over only once its
+last delete is.
+
+- A gc killed with a chunk's delete in flight at the storage (it lands seconds later, after the
+  gc process is gone): a save that starts then must not reuse the chunk before the delete lands.
+- A writer whose clock is 300 s behind: its live lease looks 300 s old by its own `renewed_at`,
+  but the store stamped it just now, so gc sweeps nothing under it; a lease the store stamped
+  longer than its ttl ago is stale whatever its `renewed_at` says."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer, Store
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.format import commit_key
+from ckptstore.leases import SAVE, LeaseInfo, find_leases
+from ckptstore.pipeline import fetch_chunk
+from ckptstore.retention import collect
+from tests.helpers.wait import wait_until
+
+PY = sys.executable
+
+
+def verify_all(uri: str) -> list[int]:
+    """Every committed step's manifest, indexes and chunks are present and intact."""
+    store = Store(uri)
+    for step in list_steps(store):
+        manifest = load_manifest(store, step)
+        for rank in range(manifest.world_size):
+            for digest, info in load_rank_index(store, manifest, rank).chunks.items():
+                fetch_chunk(store, digest, info)
+    return list_steps(store)
+
+
+# -- item 2: a gc that dies with a delete in flight ----------------------------------------------
+
+# A gc whose chunk deletes reach the storage at once and take effect LATE_S later: a process of
+# its own session applies each one, so the kill of the gc does not stop it (a request in flight
+# at the server). Requests end within 6 s (the gc's lease records it), the lease ttl is 1 s.
+DYING_GC = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from ckptstore import RetryPolicy, Store
+    from ckptstore.retention import collect
+    LATE_S = 4.0
+    APPLY = (
+        "import os, sys, time; time.sleep(max(0.0, float(sys.argv[2]) - time.time())); "
+        "os.unlink(sys.argv[1]); open(sys.argv[3], 'w').close()"
+    )
+    uri, landed = sys.argv[1], sys.argv[2]
+    store = Store(uri, retry=RetryPolicy(attempts=1, timeout_s=6.0, total_s=6.0))
+    delete = store.backend.delete
+
+    def delete_late(path):
+        if "/chunks/" not in path:
+            return delete(path)
+        at = str(time.time() + LATE_S)
+        subprocess.Popen([sys.executable, "-c", APPLY, path, at, landed], start_new_session=True)
+        print("delete in flight", flush=True)
+        time.sleep(3600)  # the answer never comes: the gc is killed first
+
+    store.backend.delete = delete_late
+    collect(store, keep_last=None, lease_ttl_s=1.0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_save_after_a_gc_killed_with_a_delete_in_flight_waits_for_that_delete(tmp_path):
+    uri, landed = str(tmp_path / "store"), tmp_path / "delete-landed"
+    a, b = torch.randn(50_000), torch.randn(50_000)
+    ckpt = Checkpointer(uri, compression="none")
+    ckpt.save(1, {"w": a}).wait()
+    ckpt.save(2, {"w": b}).wait()
+    Store(uri).delete(commit_key(1))  # step 1 dropped: the gc sweeps the chunk of `a`
+    gc = subprocess.Popen([PY, "-c", DYING_GC, uri, str(landed)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert gc.stdout.readline().strip() == "delete in flight"
+    finally:
+        os.kill(gc.pid, signal.SIGKILL)
+        gc.wait(timeout=60)
+    assert not landed.exists()
+    # Saving `a` again reuses its chunk only if it is still there once the save may look.
+    ckpt.save(3, {"w": a}).wait()
+    waited = landed.exists()  # the save waited until the dead gc's delete had landed
+    assert wait_until(landed.exists, timeout_s=30)
+    assert verify_all(uri) == [2, 3]
+    assert waited
+    target = {"w": torch.zeros(50_000)}
+    assert Checkpointer(uri).load(target, step=3) == 3 and torch.equal(target["w"], a)
+    ckpt.close()
+
+
+# -- item 3: a writer's clock 300 s behind -------------------------------------------------------
+
+BEHIND_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    real = time.time
+    time.time = lambda: real() - 300.0  # this host's clock is 5 minutes behind
+    import torch
+    from ckptstore import Checkpointer, Store
+    uri, gate = sys.argv[1], sys.argv[2]
+    store = Store(uri)
+    put = store.put
+
+    def put_when_let(key, data, **kw):  # the manifest waits for the test's gc to have run
+        if key.startswith("commits/"):
+            print("committing", flush=True)
+            end = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < end:
+                time.sleep(0.02)
+        return put(key, data, **kw)
+
+    store.put = put_when_let
+    with Checkpointer(uri, store=store, compression="none") as ckpt:
+        ckpt.save(2, {"w": torch.arange(50_000.0)}).wait()
+    print("committed", flush=True)
+    """
+)
+
+
+def test_gc_sweeps_nothing_under_a_live_save_whose_clock_is_300s_behind(tmp_path):
+    uri, gate = str(tmp_path / "store"), tmp_path / "gate"
+    Checkpointer(uri, compression="none").save(1, {"w": torch.arange(50_000.0)}).wait()
+    Store(uri).delete(commit_key(1))  # its chunk is unreferenced until step 2 commits
+    writer = subprocess.Popen(
+        [PY, "-c", BEHIND_WRITER, uri, str(gate)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout.readline().strip() == "committing"  # it reused step 1's chunk
+        report = collect(Store(uri), keep_last=None)
+        gate.touch()
+        assert writer.stdout.readline().strip() == "committed"
+    finally:
+        gate.touch()
+        writer.wait(timeout=120)
+    assert not report.swept and len(report.blocked_by) == 1
+    assert verify_all(uri) == [2]
+
+
+def put_lease(store: Store, holder: str, renewed_at: float, ttl_s: float) -> str:
+    """A save lease of a writer on another host (so only its age can say it is dead)."""
+    key = f"leases/save/{holder}/000000000000.json"
+    doc = {"kind": "save", "holder": holder, "renewed_at": renewed_at, "ttl_s": ttl_s}
+    doc |= {"host": "node-17", "pid": 1, "step": 9, "attempt": holder, "rank": 0}
+    store.put(key, json.dumps(doc).encode())
+    return key
+
+
+def test_lease_age_is_the_stores_not_the_writers_clock(tmp_path):
+    uri = str(tmp_path)
+    Checkpointer(uri).save(1, {"w": torch.ones(10)}).wait()
+    store = Store(uri)
+    orphan = "chunks/00/00" + "0" * 30
+    store.put(orphan, b"written by the save on node-17")
+    behind = put_lease(store, "behind", time.time() - 300, ttl_s=60)
+    report = collect(store, keep_last=5)
+    assert not report.swept and report.blocked_by == [behind] and store.exists(orphan)
+    # The store stamped it two minutes ago (ttl 60 s): stale, whatever renewed_at says.
+    old = time.time() - 120
+    os.utime(tmp_path / behind, (old, old))
+    ahead = put_lease(store, "ahead", time.time() + 300, ttl_s=60)
+    probe = "leases/clock/of-a-reader-that-died"  # gc removes it once older than a ttl
+    store.put(probe, b"")
+    for key in (ahead, probe):
+        os.utime(tmp_path / key, (old, old))
+    report = collect(store, keep_last=5)
+    assert report.swept and report.blocked_by == []
+    assert not store.exists(orphan) and store.list("leases") == []
+    assert verify_all(uri) == [1]
+
+
+@pytest.mark.s3
+def test_on_s3_a_lease_ages_by_last_modified(s3_uri):
+    store = Store(s3_uri)
+    key = put_lease(store, "behind", time.time() - 300, ttl_s=1.0)
+    [lease] = find_leases(store, SAVE)
+    assert lease.live and lease.age_s < 2  # LastModified has whole seconds
+    # It goes stale as the server's clock passes the ttl plus that second: real time under test.
+
+    def stale() -> LeaseInfo | None:
+        [lease] = find_leases(store, SAVE)
+        return None if lease.live else lease
+
+    lease = wait_until(stale, timeout_s=30, interval_s=0.25)
+    assert lease is not None and lease.age_s >= 2
+    assert store.list("leases") == [key]  # the reader's probes are gone
+
+
+DEAD_GC = """
+import os, sys
+from ckptstore import Store
+from ckptstore.leases import GC, Lease
+lease = Lease(Store(sys.argv[1]), GC, "dead-gc", ttl_s=600).acquire()
+if sys.argv[2] == "deleting":
+    lease.mark_deleting()
+os._exit(0)  # dies holding the lease
+"""
+
+
+@pytest.mark.parametrize("phase", ["looking", "deleting"])
+def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(tmp_path, phase):
+    """A gc killed before its first delete cannot have a delete in flight: saves go on at
+    once. One killed after ``mark_deleting`` holds them back for its ``settle_s``."""
+    subprocess.run([PY, "-c", DEAD_GC, str(tmp_path), phase], check=True, timeout=120)
+    [lease] = find_leases(Store(tmp_path), "gc")
+    assert lease.doc["deleting"] is (phase == "deleting")
+    assert lease.live is (phase == "deleting")
+    if lease.live:
+        assert 0 < lease.expires_in_s <= lease.doc["settle_s"] + 1

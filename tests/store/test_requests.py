@@ -1,0 +1,210 @@
+"""Requests per chunk (issue 23): a save puts each new chunk with one request and asks nothing
+of a chunk the previous step holds; a restore GETs each chunk once.
+
+Counted where they leave the process: on S3 (the moto server) each API call the S3 client
+sends, so that a HEAD s3fs makes on its own counts too; on a local store each call into the
+backend. Hedged uploads are off: a hedge adds a duplicate put only when a put is slow.
+
+``python -m tests.store.test_requests`` prints the figures recorded in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.save import SaveEngine, SaveSession
+from ckptstore.store import Store
+from tests.helpers.counting import (
+    CHUNK_BYTES,
+    CountingBackend,
+    Tally,
+    counted_checkpointer,
+    moto_server,
+)
+
+N_CHUNKS = 64
+SAVE_FIXED = 12
+"""Requests of a save besides its chunks, 10 on S3 today: the lease's put and delete; the
+gc-lease listing (on S3 a LIST, then s3fs's HEAD and LIST of the empty prefix); the listing of
+committed steps, the latest manifest and this rank's index in it; this step's index and
+manifest (8 on a local store). 2 spare for lease bookkeeping."""
+RESTORE_FIXED = 3
+"""Requests of a restore besides its chunks: the listing of committed steps, the manifest, the
+rank's index."""
+
+
+def state(seed: int, n_chunks: int = N_CHUNKS) -> dict[str, torch.Tensor]:
+    """One tensor of ``n_chunks`` chunks of fresh bytes for each seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.rand(n_chunks * CHUNK_BYTES // 4, generator=generator)}
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path) -> str:
+    if request.param == "s3":
+        return request.getfixturevalue("s3_uri")
+    return str(tmp_path / "ckpt")
+
+
+def test_a_save_of_fresh_chunks_puts_each_once(uri):
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        for step in (1, 2):  # with no earlier step, then with one whose index it reads
+            tally.clear()
+            ckpt.save(step, state(step)).wait()
+            assert tally.chunks == {"put": N_CHUNKS}, f"step {step}"
+            assert tally.total <= 1.05 * N_CHUNKS + SAVE_FIXED, (step, tally.others)
+
+
+def test_a_save_of_an_unchanged_state_sends_no_chunk_request(uri):
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        tally.clear()
+        ckpt.save(2, state(1)).wait()
+        assert tally.chunks == {}
+        assert tally.total <= SAVE_FIXED, tally.others
+        ckpt.verify(2)
+
+
+def test_a_restore_gets_each_chunk_once(uri):
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        tally.clear()
+        into = state(0)
+        assert ckpt.load(into) == 1
+        assert torch.equal(into["w"], state(1)["w"])
+        assert tally.chunks == {"get": N_CHUNKS}
+        assert tally.total <= N_CHUNKS + RESTORE_FIXED, tally.others
+
+
+def test_requests_per_chunk_beyond_a_fixed_overhead(s3_uri):
+    """Marginal requests per chunk, on S3: (requests at 2N chunks - at N chunks) / N."""
+    n_chunks = N_CHUNKS // 2
+    for what, (at_n, at_2n) in request_totals(s3_uri, n_chunks).items():
+        assert (at_2n - at_n) / n_chunks <= 1.05, what
+
+
+def request_totals(uri: str, n_chunks: int) -> dict[str, tuple[int, int]]:
+    """Requests of a save and of a restore of ``n_chunks`` and of ``2 * n_chunks`` chunks
+    (fresh bytes in every save; each save follows a committed one)."""
+    tally = Tally()
+    totals: dict[str, list[int]] = {"save": [], "restore": []}
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1, n_chunks)).wait()
+        for step, n in ((2, n_chunks), (3, 2 * n_chunks)):
+            tally.clear()
+            ckpt.save(step, state(step, n)).wait()
+            totals["save"].append(tally.total)
+            tally.clear()
+            ckpt.load(state(0, n), step)
+            totals["restore"].append(tally.total)
+    return {what: (at_n, at_2n) for what, (at_n, at_2n) in totals.items()}
+
+
+def test_a_gc_between_saves_makes_the_next_save_write_the_chunks_again(tmp_path):
+    """The chunks a save knows come from the latest step, read under its lease, never from an
+    earlier save of this process: those of a step retained away are swept between saves."""
+    tally = Tally()
+    with counted_checkpointer(str(tmp_path), tally, keep_last=1) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        ckpt.save(2, state(2)).wait()  # retention drops step 1 and sweeps its chunks
+        assert len(ckpt.store.list("chunks")) == N_CHUNKS
+        tally.clear()
+        ckpt.save(3, state(1)).wait()  # its own retention then sweeps step 2's
+        assert tally.chunks["put"] == N_CHUNKS
+        ckpt.verify(3)
+
+
+def _delete_behind_the_stores_back(uri: str, key: str) -> None:
+    if uri.startswith("s3://"):
+        import boto3
+
+        bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+        boto3.client("s3").delete_object(Bucket=bucket, Key=f"{prefix}/{key}")
+    else:
+        os.remove(os.path.join(uri, key))
+
+
+def test_a_chunk_deleted_behind_the_stores_back_is_referenced_and_verify_reports_it(uri):
+    """Deleting objects outside ckptstore breaks the format's contract: the next save trusts
+    the latest step's index, references the chunk without writing it, and ``verify`` (and a
+    restore) name it missing."""
+    with counted_checkpointer(uri, Tally()) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        victim = next(iter(ckpt.store.list("chunks")))
+        _delete_behind_the_stores_back(uri, victim)
+        ckpt.save(2, state(1)).wait()
+        assert not ckpt.store.exists(victim)
+        digest = victim.rsplit("/", 1)[-1]
+        with pytest.raises(CheckpointNotFoundError, match=digest):
+            ckpt.verify(2)
+        with pytest.raises(CheckpointError, match=f"{digest} is missing"):
+            ckpt.load(state(0), 2)
+
+
+def _leaseless_write(store: Store, tensor: torch.Tensor, step: int) -> None:
+    engine = SaveEngine(chunk_bytes=CHUNK_BYTES, compression="none")
+    session = SaveSession(engine, store, step=step, attempt=f"a{step}", kind="state")
+    staged = engine.stage_somewhere([tensor], wait_s=0.0, rank=0)
+    staged.copy.wait()
+    try:
+        session.write(staged.buffer, staged.layout, [tensor])
+    finally:
+        engine.release(staged)
+
+
+def test_a_session_without_a_lease_asks_for_each_chunk_first(tmp_path):
+    """A session on which neither ``begin`` nor ``learn`` is called read no index under a
+    lease, so it knows no chunk, asks for each one's size, and writes one that is missing."""
+    tally = Tally()
+    store = Store(str(tmp_path))
+    store.backend = CountingBackend(store.backend, tally)
+    tensor = state(1)["w"]
+    _leaseless_write(store, tensor, 1)
+    assert tally.chunks == {"head": N_CHUNKS, "put": N_CHUNKS}
+    victim = store.list("chunks")[0]
+    store.delete(victim)
+    tally.clear()
+    _leaseless_write(store, tensor, 2)
+    assert tally.chunks == {"head": N_CHUNKS, "put": 1}
+    assert store.exists(victim)
+
+
+def test_a_backend_without_exclusive_create_is_asked_before_each_new_chunk(tmp_path):
+    """Where a put could overwrite, a new chunk is looked for first (an overwrite could change
+    the stored size another step's index records); known chunks still cost nothing."""
+    tally = Tally()
+    store = Store(str(tmp_path))
+    store.backend = CountingBackend(store.backend, tally, enforces_create=False)
+    settings = dict(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    with Checkpointer(str(tmp_path), store=store, **settings) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        # The size first, then the put's own existence check and its read-back.
+        assert tally.chunks == {"head": 2 * N_CHUNKS, "put": N_CHUNKS, "get": N_CHUNKS}
+        tally.clear()
+        ckpt.save(2, state(1)).wait()
+        assert tally.chunks == {}
+
+
+def _print_figures() -> None:
+    """Requests per chunk on a moto server, for docs/BENCHMARKS.md."""
+    with moto_server() as new_bucket:
+        for n_chunks in (32, 128):
+            uri = f"s3://{new_bucket()}/ckpt"
+            for what, (at_n, at_2n) in request_totals(uri, n_chunks).items():
+                per_chunk = (at_2n - at_n) / n_chunks
+                print(
+                    f"{what} of {n_chunks} / {2 * n_chunks} chunks: {at_n} / {at_2n} requests, "
+                    f"{per_chunk:.2f} per chunk + {at_n - per_chunk * n_chunks:.0f}"
+                )
+
+
+if __name__ == "__main__":
+    _print_figures()

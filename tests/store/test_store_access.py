@@ -1,0 +1,131 @@
+"""A store this process may not read is an error naming the path, never an empty store.
+
+The store directory belongs to another user (``nobody``) and has mode 700. As root the kernel
+would let this process read it anyway, so the checks run in a child process that has given up
+the capabilities which bypass file permissions (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); as any
+other user the directory is simply made unreadable. Either way the kernel refuses for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer
+from tests.helpers import ROOT
+
+NOBODY = 65534
+
+# Runs its arguments as a Python command line, without the capabilities that let root read
+# any file (dropped from the bounding set, so the exec below does not get them back).
+_LAUNCHER = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                sys.exit(77)
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+    """
+)
+_CANNOT_DROP = 77
+
+
+@pytest.fixture
+def locked_store(tmp_path: Path):
+    """A store with one committed step, in a directory this test's children may not read."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    store = parent / "store"
+    with Checkpointer(store) as ckpt:
+        ckpt.save(5, {"w": torch.arange(4.0)}).wait()
+    # The children must reach the parent; only the store itself is locked.
+    for path in (tmp_path, parent):
+        path.chmod(0o755)
+    if os.geteuid() == 0:
+        for dirpath, dirnames, filenames in os.walk(store):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+                os.chown(name, NOBODY, NOBODY)
+        store.chmod(0o700)
+    else:
+        store.chmod(0o000)
+    probe = _run_locked_out("-c", f"import os; os.listdir({str(store)!r})")
+    if probe.returncode == _CANNOT_DROP or probe.returncode == 0:
+        store.chmod(0o755)
+        pytest.skip("no way to make a directory unreadable to a child process here")
+    assert "PermissionError" in probe.stderr, probe.stderr
+    try:
+        yield store
+    finally:
+        store.chmod(0o755)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _run_locked_out(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_an_unreadable_store_is_an_access_error_not_an_empty_store(locked_store: Path):
+    code = textwrap.dedent(
+        f"""
+        import json
+        from ckptstore import Checkpointer
+        from ckptstore.errors import StorageAccessError
+        from ckptstore.store import Store
+
+        out = {{}}
+        store = Store({str(locked_store)!r})
+        for name, call in [
+            ("list", lambda: store.list("commits")),
+            ("exists", lambda: store.exists("commits")),
+            ("latest", lambda: Checkpointer({str(locked_store)!r}).latest()),
+            ("steps", lambda: Checkpointer({str(locked_store)!r}).steps()),
+        ]:
+            try:
+                out[name] = ["returned", repr(call())]
+            except StorageAccessError as exc:
+                out[name] = ["StorageAccessError", str(exc)]
+            except Exception as exc:
+                out[name] = [type(exc).__name__, str(exc)]
+        print(json.dumps(out))
+        """
+    )
+    done = _run_locked_out("-c", code)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, (kind, message) in results.items():
+        assert kind == "StorageAccessError", (name, kind, message)
+        assert str(locked_store) in message and "permission denied" in message, (name, message)
+
+
+def test_ckptstore_ls_of_an_unreadable_store_exits_1_with_one_line(locked_store: Path):
+    for command in (["ls"], ["gc", "--keep-last", "1"], ["verify"]):
+        done = _run_locked_out("-m", "ckptstore.cli", command[0], str(locked_store), *command[1:])
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert done.stdout == ""
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith(f"ckptstore {command[0]}: error: "), line
+        assert str(locked_store) in line and "permission denied" in line, line
+
+
+def test_ckptstore_ls_below_an_unreadable_directory_is_not_no_such_path(locked_store: Path):
+    inner = locked_store / "commits"  # exists, but this process may not look inside the store
+    done = _run_locked_out("-m", "ckptstore.cli", "ls", str(inner))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    (line,) = done.stderr.strip().splitlines()
+    assert "permission denied" in line and "no such path" not in line, line

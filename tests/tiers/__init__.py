@@ -1,0 +1,2 @@
+"""Tiers (ckptstore.tiers, ckptstore.dcp.tiers, ckptstore.peer): node-local copies, peer
+copies over gloo, durable storage every M saves."""
