@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.faults import Faults, with_faults
 from ckptstore import (
     Checkpointer,
     CheckpointError,
@@ -28,7 +29,6 @@ from ckptstore.errors import CommitUnknownError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
-from ckptstore.testing.faults import Faults, with_faults
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -199,7 +199,7 @@ SLOW_WRITER = textwrap.dedent(
     """
     import sys, torch
     from ckptstore import Checkpointer, Store
-    from ckptstore.testing.faults import Faults, Fixed, with_faults
+    from bench.faults import Faults, Fixed, with_faults
     store = with_faults(Store(sys.argv[1]), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
     ckpt = Checkpointer(sys.argv[1], store=store, chunk_bytes=4096, compression="none",
                         lease_ttl_s=2.0)
@@ -304,7 +304,7 @@ def test_gc_does_not_sweep_under_a_live_save_lease(tmp_path):
 def test_a_save_whose_lease_lapsed_is_not_committed(tmp_path):
     """If the lease could not be renewed for ttl/2 (the store unreachable for its renewals),
     gc elsewhere may think the writer dead and sweep: the save must not commit."""
-    from ckptstore.testing.faults import Fixed
+    from bench.faults import Fixed
 
     store = with_faults(Store(tmp_path), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
     ckpt = Checkpointer(tmp_path, store=store, lease_ttl_s=0.4, chunk_bytes=4096)
