@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from bench._ckpt_common import drop_page_cache
+from bench.faults import Faults, parse_latency, with_faults
 from bench.report import check_directory, format_rate, format_seconds, print_json, table
 from ckptstore.store import Store
-from ckptstore.testing.faults import Faults, parse_latency, with_faults
 from loaders import MDS, LoaderConfig, ReplicaConfig, ShardDataset, TokenFiles, WebDataset
 from loaders.replicas import replica_retry_policy
 

@@ -1,7 +1,7 @@
 """``ckptbench storage``: a load generator for any store the storage layer reaches.
 
 Every request goes through :class:`ckptstore.store.Store` (the code path the checkpointer and the
-loader use), optionally with faults injected into its backend (:mod:`ckptstore.testing.faults`).
+loader use), optionally with faults injected into its backend (:mod:`bench.faults`).
 Three modes:
 
 - ``steady``: writers put objects drawn from a size mix while readers get whole objects written

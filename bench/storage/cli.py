@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench.faults import ALL_OPS, Faults, parse_latency
 from bench.report import (
     check_output_file,
     parse_bytes,
@@ -19,7 +20,6 @@ from bench.storage.config import (
 from bench.storage.report import _require_matplotlib, plot, print_table
 from bench.storage.run import StorageBench
 from ckptstore.store import RetryPolicy
-from ckptstore.testing.faults import ALL_OPS, Faults, parse_latency
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

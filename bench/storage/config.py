@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.faults import Faults
 from bench.report import parse_bytes
 from ckptstore.store import RetryPolicy
-from ckptstore.testing.faults import Faults
 
 MODES = ("steady", "burst", "read")
 DEFAULT_SIZES = {"steady": "4KiB:0.7,1MiB:0.25,16MiB:0.05", "burst": "4MiB", "read": "4MiB"}

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
+from bench.faults import with_faults
 from bench.storage.burst import run_burst
 from bench.storage.config import StorageBenchConfig
 from bench.storage.stats import _error_name, _first_line, _OpStats, _quiet_retries
 from ckptstore.store import Store
-from ckptstore.testing.faults import with_faults
 
 logger = logging.getLogger("bench.storage")
 

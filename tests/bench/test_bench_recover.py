@@ -88,6 +88,14 @@ def test_a_wiped_node_restores_from_its_peers_with_no_durable_chunk_read(capsys,
         "zero_durable_chunk_bytes",
         "save_blocking_within_1_1x",
     }
+    # the table renders the same report, in the Checkpointer's words
+    out = io.StringIO()
+    recover.print_table(result, out=out)
+    text = out.getvalue()
+    assert text.startswith("ckptbench recover  ") and "rank 3 (node 1)" in text
+    assert "DCP / tiers" in text and "no tiers" not in text and "wait() returned" in text
+    assert "the others from their own, no durable chunk read (every round): yes" in text
+    assert "peer copy: peak round buffer" in text and "0 durable chunk bytes met" in text
 
 
 @pytest.mark.slow
@@ -167,7 +175,7 @@ def test_dcp_frontend_restores_the_wiped_node_from_its_peer_with_no_durable_chun
     assert not any("not 0" in note for note in result["notes"])
     # the table renders the same report
     out = io.StringIO()
-    recover.print_table_dcp(result, out=out)
+    recover.print_table(result, out=out)
     text = out.getvalue()
     assert "rank 1 (node 1)" in text and "DCP / no tiers" in text and "committed" in text
     assert "dcp.async_save" in text and "peer_copies=1" in text
@@ -191,14 +199,14 @@ def test_on_moto(capsys, tmp_path):
 )
 def test_a_restored_state_that_differs_fails_the_run(capsys, monkeypatch, frontend, wrong):
     """The ranks check their states; the run prints its report, then one error line, exit 1."""
-    names = ("tiers", "dcp") if frontend == "checkpointer" else recover.DCP_RESTORES
+    names = ("tiers", "dcp") if frontend == "checkpointer" else ("tiers", "plain", "dcp")
     rounds = [{name: {"equal": True} for name in names}]
     bad = [{name: {"equal": name != wrong} for name in names}]
     report = {
         "equal": False,
         "ranks": [{"rank": 0, "restore": rounds}, {"rank": 1, "restore": bad}],
     }
-    monkeypatch.setattr(recover, "run_recover", lambda **_: report)
+    monkeypatch.setattr(recover.cli, "run_recover", lambda **_: report)
     args = _args("--json", "--frontend", frontend)
     assert args.func(args) == 1
     out, err = capsys.readouterr()
@@ -217,6 +225,24 @@ def test_a_failing_rank_is_one_error_naming_it(tmp_path):
     )  # fmt: skip
     with pytest.raises(recover.RankFailed, match=r"the save job: rank \d failed: ZeroDivision"):
         recover.run_job(plan, 2, "save", timeout_s=100)
+
+
+def test_durable_reads_count_chunks_apart(tmp_path):
+    """The restores' durable store: its StoreCounters count every request, a second store's on
+    the same backend the chunk objects' apart."""
+    from bench.recover.counting import durable_reads, open_counted
+
+    store = open_counted(str(tmp_path), timeout_s=30)
+    store.put("chunks/ab/abcd", b"x" * 100)
+    store.put("manifests/1.json", b"{}")
+    assert bytes(store.get_view("chunks/ab/abcd", 0, 101)) == b"x" * 100
+    assert store.get("manifests/1.json") == b"{}" and store.size("chunks/ab/abcd") == 100
+    assert store.list("chunks/") == ["chunks/ab/abcd"]
+    reads = durable_reads(store)
+    assert reads["chunk_requests"] == {"get": 1, "size": 1} and reads["chunk_bytes"] == 100
+    assert reads["other_requests"] == {"get": 1, "list": 1, "put": 2} and reads["other_bytes"] == 2
+    assert reads["requests"] == {"get": 2, "list": 1, "put": 2, "size": 1}
+    assert reads["bytes"] == {"get": 102, "put": 102}
 
 
 def test_summary_by_hand():
@@ -307,7 +333,7 @@ def test_dcp_summary_by_hand():
         {"rank": 0, "node": 0, "rounds": [rnd("local", {"local": 10})]},
         {"rank": 1, "node": 1, "rounds": [rnd("peer", {"peer": 10})]},
     ]
-    out = recover.summarize_dcp(saved, restored)
+    out = recover.summarize(saved, restored, "dcp")
     tiers = out["restore"]["tiers"]
     assert tiers["as_expected"] and out["targets"]["zero_durable_chunk_bytes"]
     assert tiers["sources"] == ["local", "peer"] and tiers["bytes_by_source"] == {
@@ -328,7 +354,7 @@ def test_dcp_summary_by_hand():
     # the wiped rank read a chunk from durable storage; a timed save allocated staging
     restored[1]["rounds"] = [rnd("peer", {"peer": 5, "durable": 5}, chunk_bytes=5)]
     saved[0]["saves"] = saves(0.3, 1.0, allocations=2)
-    out = recover.summarize_dcp(saved, restored)
+    out = recover.summarize(saved, restored, "dcp")
     assert not out["restore"]["tiers"]["as_expected"]
     assert not out["targets"]["zero_durable_chunk_bytes"]
     assert out["restore"]["tiers"]["durable_chunk_bytes"] == 5
@@ -338,7 +364,7 @@ def test_dcp_summary_by_hand():
     # a kept rank that took a peer's copy is not as expected either
     restored[1]["rounds"] = [rnd("peer", {"peer": 10})]
     restored[0]["rounds"] = [rnd("peer", {"peer": 10})]
-    assert not recover.summarize_dcp(saved, restored)["restore"]["tiers"]["as_expected"]
+    assert not recover.summarize(saved, restored, "dcp")["restore"]["tiers"]["as_expected"]
 
 
 @pytest.mark.parametrize(

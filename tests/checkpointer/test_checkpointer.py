@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.faults import Faults, with_faults
 from ckptstore import (
     CheckpointCorruptError,
     Checkpointer,
@@ -25,7 +26,6 @@ from ckptstore import (
 )
 from ckptstore.catalog import list_steps
 from ckptstore.format import commit_key
-from ckptstore.testing.faults import Faults, with_faults
 
 
 def make_state(seed: int = 0) -> dict:

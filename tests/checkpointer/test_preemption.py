@@ -21,7 +21,7 @@ LOOP = """
 import signal, sys, time
 import torch
 from ckptstore import Checkpointer, Store
-from ckptstore.testing.faults import Faults, Fixed, with_faults
+from bench.faults import Faults, Fixed, with_faults
 
 mode, uri, put_latency_s, grace_s = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 if mode == "previous":

@@ -27,7 +27,7 @@ WRITER = textwrap.dedent(
     f"""
     import sys, torch
     from ckptstore import Checkpointer, CheckpointError, RetryPolicy, Store
-    from ckptstore.testing.faults import Faults, with_faults
+    from bench.faults import Faults, with_faults
     faults = Faults(error_rate=0.03, hang_rate=0.02, hang_s=1.0, seed=int(sys.argv[2]))
     store = with_faults(Store(sys.argv[1],
                               retry=RetryPolicy(attempts=6, timeout_s=0.3, base_delay_s=0.01,

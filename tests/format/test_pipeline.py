@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from bench.faults import Faults, Fixed, with_faults
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import load_manifest
 from ckptstore.pipeline import CompressionGovernor, PipelineConfig, plan_layout
-from ckptstore.testing.faults import Faults, Fixed, with_faults
 
 
 def test_layout_packs_small_tensors_by_width_and_splits_large_ones():

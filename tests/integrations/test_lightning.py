@@ -22,6 +22,7 @@ L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
+from bench.faults import Faults, with_faults  # noqa: E402
 from ckptstore import (  # noqa: E402
     Checkpointer,
     CheckpointNotFoundError,
@@ -32,7 +33,6 @@ from ckptstore import (  # noqa: E402
 from ckptstore.catalog import list_steps  # noqa: E402
 from ckptstore.integrations._pickled import MARKER, wrap  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
-from ckptstore.testing.faults import Faults, with_faults  # noqa: E402
 
 
 class TinyModel(L.LightningModule):

@@ -13,10 +13,10 @@ import pytest
 from torch.utils.data import DataLoader
 
 import loaders.dataset
+from bench.faults import Faults, parse_latency, with_faults
 from ckptstore import telemetry
 from ckptstore.store import Store
 from ckptstore.telemetry import LatencyHistogram
-from ckptstore.testing.faults import Faults, parse_latency, with_faults
 from loaders import LoaderConfig, ReplicaConfig, ShardDataset, StatefulLoader, TokenFiles
 from loaders.metrics import ConsumerStats, ReaderReport, ReaderReports, ReadStats, ReplicaStats
 from loaders.order import Reader

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
+from bench.faults import Faults, LogNormal, with_faults
 from ckptstore import Store
-from ckptstore.testing.faults import Faults, LogNormal, with_faults
 from loaders import LoaderConfig, ShardCorruptError, ShardDataset, TokenFiles
 from loaders.metrics import ConsumerStats
 from loaders.prefetch import Window

@@ -1,5 +1,5 @@
 """Replica choice, failover, benching, deadlines and hedged reads, with faults injected through
-the storage layer (``ckptstore.testing.faults``) on real local, memory and S3 stores."""
+the storage layer (``bench.faults``) on real local, memory and S3 stores."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import uuid
 import numpy as np
 import pytest
 
+from bench.faults import Faults, Fixed, faults_of, with_faults
 from ckptstore import Store
-from ckptstore.testing.faults import Faults, Fixed, faults_of, with_faults
 from loaders import (
     LoaderConfig,
     ReadTimeoutError,

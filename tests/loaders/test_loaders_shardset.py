@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.faults import Faults, with_faults
 from ckptstore import Store
-from ckptstore.testing.faults import Faults, with_faults
 from loaders import (
     MDS,
     LoaderConfig,

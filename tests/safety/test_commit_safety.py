@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from bench.faults import Faults, with_faults
 from ckptstore import (
     Checkpointer,
     CheckpointError,
@@ -26,7 +27,6 @@ from ckptstore.catalog import list_steps
 from ckptstore.errors import CommitUnknownError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.retention import collect
-from ckptstore.testing.faults import Faults, with_faults
 from tests.helpers.integrity import chunk_files, referenced_chunks, verify_all
 
 PY = sys.executable
@@ -173,7 +173,7 @@ SLOW_WRITER = textwrap.dedent(
     """
     import sys, torch
     from ckptstore import Checkpointer, Store
-    from ckptstore.testing.faults import Faults, Fixed, with_faults
+    from bench.faults import Faults, Fixed, with_faults
     store = with_faults(Store(sys.argv[1]), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
     ckpt = Checkpointer(sys.argv[1], store=store, chunk_bytes=4096, compression="none",
                         lease_ttl_s=2.0)
@@ -278,7 +278,7 @@ def test_gc_does_not_sweep_under_a_live_save_lease(tmp_path):
 def test_a_save_whose_lease_lapsed_is_not_committed(tmp_path):
     """If the lease could not be renewed for ttl/2 (the store unreachable for its renewals),
     gc elsewhere may think the writer dead and sweep: the save must not commit."""
-    from ckptstore.testing.faults import Fixed
+    from bench.faults import Fixed
 
     store = with_faults(Store(tmp_path), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
     ckpt = Checkpointer(tmp_path, store=store, lease_ttl_s=0.4, chunk_bytes=4096)

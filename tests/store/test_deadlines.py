@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import Faults, with_faults
 from ckptstore.cli import build_parser, main
 from ckptstore.errors import StorageError, StorageTimeoutError
 from ckptstore.store import RetryPolicy, Store, describe_endpoint
 from ckptstore.store.backends import bounded_s3_options
-from ckptstore.testing.faults import Faults, with_faults
 from tests.helpers import ROOT
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from bench.faults import Faults, with_faults
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import ElasticPool, HedgePolicy, Hedger
-from ckptstore.testing.faults import Faults, with_faults
 
 
 def test_slow_call_is_hedged_and_the_fast_one_wins():

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from bench.faults import Faults, Fixed, InjectedFaultError, parse_latency, with_faults
 from ckptstore.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
@@ -13,7 +14,6 @@ from ckptstore.errors import (
     StorageTimeoutError,
 )
 from ckptstore.store import RetryPolicy, Store, is_transient
-from ckptstore.testing.faults import Faults, Fixed, InjectedFaultError, parse_latency, with_faults
 from tests.helpers.wait import wait_until
 
 
@@ -384,7 +384,7 @@ def test_a_slow_get_is_hedged_by_the_store_and_counted():
 def test_a_store_reopens_and_pickles_with_its_settings_and_faults(tmp_path):
     import pickle
 
-    from ckptstore.testing.faults import faults_of
+    from bench.faults import faults_of
 
     faults = Faults(error_rate=0.25, ops=frozenset({"get"}), seed=1)
     policy = RetryPolicy(attempts=7)

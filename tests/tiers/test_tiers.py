@@ -386,7 +386,7 @@ def test_two_jobs_share_a_local_dir_without_getting_in_each_others_way(tmp_path)
 
 
 def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path):
-    from ckptstore.testing.faults import Faults, with_faults
+    from bench.faults import Faults, with_faults
 
     faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
     durable = with_faults(Store(str(tmp_path / "durable")), faults)
@@ -404,8 +404,8 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
 
 
 def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go(tmp_path):
+    from bench.faults import Faults, with_faults
     from ckptstore.errors import DrainSupersededError
-    from ckptstore.testing.faults import Faults, with_faults
     from tests.helpers.wait import wait_until
 
     faults = Faults(hang_rate=1.0, ops=frozenset({"put"}))  # the first drain waits for release

@@ -452,7 +452,7 @@ def test_a_load_while_drains_are_pending_keeps_them_and_they_complete(tmp_path):
     """Durable puts are slow: the drains of steps 1 and 2 are still running when the same
     Checkpointer loads; it loads step 2 from its local copy, drops no pending step, and the
     drains then complete."""
-    from ckptstore.testing.faults import Faults, with_faults
+    from bench.faults import Faults, with_faults
 
     durable, local = tmp_path / "durable", tmp_path / "local"
     faults = Faults(hang_rate=1.0, ops=frozenset({"put"}))  # durable puts wait for release()
