@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,20 @@ class RecoverPlan:
 
     def node_dir(self, node: int) -> str:
         return os.path.join(self.local_root, f"node{node}")
+
+    def tier_options(self, rank: int) -> Any:
+        """The tiers every tiered saver and reader of ``rank`` takes: its node's directory,
+        a copy on the next node, every save durable."""
+        from ckptstore import TierOptions
+
+        node = self.node_of(rank)
+        return TierOptions(
+            local_dir=self.node_dir(node),
+            peer_copies=1,
+            durable_every=1,
+            node_rank=node,
+            peer_budget_bytes=self.peer_budget_bytes,
+        )
 
 
 def rank_state(rank: int, tensors: int, nbytes: int) -> dict[str, torch.Tensor]:

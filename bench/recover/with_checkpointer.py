@@ -21,20 +21,11 @@ from bench.recover.plan import RecoverPlan
 from bench.report import format_bytes, format_seconds
 
 
-def _tiered(plan: RecoverPlan, rank: int, **kwargs: Any) -> Any:
-    from ckptstore import Checkpointer
+def _tiered(plan: RecoverPlan, rank: int, *, nice: int = 0, store: Any = None) -> Any:
+    from ckptstore import Checkpointer, StorageOptions
 
-    node = plan.node_of(rank)
-    return Checkpointer(
-        plan.durable_uri,
-        local_dir=plan.node_dir(node),
-        peer_copies=1,
-        durable_every=1,
-        node_rank=node,
-        peer_budget_bytes=plan.peer_budget_bytes,
-        timeout_s=plan.timeout_s,
-        **kwargs,
-    )
+    storage = StorageOptions(timeout_s=plan.timeout_s, background_nice=nice, store=store)
+    return Checkpointer(plan.durable_uri, storage=storage, tiers=plan.tier_options(rank))
 
 
 class CheckpointerFrontend(Frontend):
@@ -64,12 +55,13 @@ class CheckpointerFrontend(Frontend):
     ]
 
     def open_savers(self, plan: RecoverPlan, rank: int, state: dict) -> tuple[dict, dict]:
-        from ckptstore import Checkpointer
+        from ckptstore import Checkpointer, StorageOptions
 
         nice = plan.background_nice
+        storage = StorageOptions(timeout_s=plan.timeout_s, background_nice=nice)
         savers = {
-            "tiers": _tiered(plan, rank, background_nice=nice),
-            "plain": Checkpointer(plan.plain_uri, timeout_s=plan.timeout_s, background_nice=nice),
+            "tiers": _tiered(plan, rank, nice=nice),
+            "plain": Checkpointer(plan.plain_uri, storage=storage),
         }
         for ckpt in savers.values():  # steady-state saves: no first-save allocation timed
             ckpt.reserve(state).result(timeout=plan.timeout_s)

@@ -35,21 +35,13 @@ WARMUP_STEP = 0
 
 
 def _store_writer(plan: RecoverPlan, rank: int, *, tiered: bool) -> Any:
+    from ckptstore import StorageOptions
     from ckptstore.dcp import StoreWriter
 
-    options: dict[str, Any] = {"timeout_s": plan.timeout_s, "background_nice": plan.background_nice}
+    storage = StorageOptions(timeout_s=plan.timeout_s, background_nice=plan.background_nice)
     if not tiered:
-        return StoreWriter(plan.plain_uri, **options)
-    node = plan.node_of(rank)
-    return StoreWriter(
-        plan.durable_uri,
-        local_dir=plan.node_dir(node),
-        durable_every=1,
-        peer_copies=1,
-        node_rank=node,
-        peer_budget_bytes=plan.peer_budget_bytes,
-        **options,
-    )
+        return StoreWriter(plan.plain_uri, storage=storage)
+    return StoreWriter(plan.durable_uri, storage=storage, tiers=plan.tier_options(rank))
 
 
 def _staging_allocations(writer: Any) -> int | None:
@@ -66,6 +58,11 @@ def _timed_async_save(writer: Any, step: int, state: Any, timeout_s: float) -> d
         future = dcp.async_save(state, storage_writer=writer, checkpoint_id=step)
         blocked = time.perf_counter() - t0
         future.result(timeout=timeout_s)  # nothing in flight when the next save starts
+        # A tiered writer drains a durable step in the background: committed means durable,
+        # as for the plain writer, so wait for that drain too.
+        drain = writer.durable(step) if hasattr(writer, "durable") else None
+        if drain is not None:
+            drain.result(timeout=timeout_s)
         committed = time.perf_counter() - t0
     return {"step": step, "blocked_s": blocked, "committed_s": committed}
 
@@ -150,12 +147,12 @@ class DcpFrontend(Frontend):
     ) -> dict[str, Any]:  # fmt: skip
         import torch.distributed.checkpoint as dcp
 
+        from ckptstore import StorageOptions
         from ckptstore.dcp import StoreReader
 
-        options: dict[str, Any] = {"store": store, "timeout_s": plan.timeout_s}
-        if name == "tiers":
-            options["local_dir"] = plan.node_dir(plan.node_of(rank))
-        reader = StoreReader(plan.durable_uri, **options)
+        tiers = plan.tier_options(rank) if name == "tiers" else None
+        storage = StorageOptions(store=store, timeout_s=plan.timeout_s)
+        reader = StoreReader(plan.durable_uri, storage=storage, tiers=tiers)
         with common.quiet_dcp():
             dcp.load(dest, storage_reader=reader)
         report, exchange, view = reader.last_load, reader.last_load_exchange, reader.view
