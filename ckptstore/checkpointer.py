@@ -60,16 +60,9 @@ from ckptstore.shared_read import (
 )
 from ckptstore.state import flatten
 from ckptstore.store import niced, open_store
-from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import RankGroup as _Group
-from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import (
-    Topology,
-    node_identity,
-    store_identity,
-)
 from ckptstore.tiers.restore import LoadReport
-from ckptstore.tiers.saving import TierSaver
+from ckptstore.tiers.saving import open_tiers
 from ckptstore.tiers.transfer import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -156,50 +149,24 @@ class Checkpointer:
                 "when_busy='skip' is single-process only: ranks could disagree "
                 "on which saves to skip"
             )
-        self._peers = None
-        if staging_mode == "peer":
-            if not self._group.active:
-                raise ValueError("staging='peer' needs torch.distributed with 2 or more ranks")
-            ranks_per_node = o["staging"].ranks_per_node
-            if ranks_per_node is None:
-                ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            if ranks_per_node >= self._group.world_size:
-                ranks_per_node = 1  # one node: the next rank guards
-            self._peers = PeerReplicas(self._group.group, ranks_per_node=ranks_per_node)
-        self._local: LocalTier | None = None
-        self._topology: Topology | None = None
-        self._drains: DrainQueue | None = None
-        self._tiers: TierSaver | None = None
+        self._peers = _peer_replicas(o["staging"], self._group) if staging_mode == "peer" else None
         self.last_load = LoadReport()
+        self._tiers = None
         if self._policy is not None:
-            self._local = LocalTier(
+            drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
+            self._tiers = open_tiers(
                 self._policy,
                 self.engine,
-                rank=self.rank,
-                world_size=self._group.world_size,
-                durable_uri=store_identity(self.store),
+                self._group,
+                self.store,
+                node_rank=o["tiers"].node_rank,
+                drain_group=drain_group,  # drains run collectives while the next save does
                 timeout_s=timeout_s,
                 thread_nice=background_nice,
             )
-            if self._policy.peer_copies:
-                if not self._group.active:
-                    raise ValueError("peer_copies needs torch.distributed with 2 or more nodes")
-                nodes = self._group.gather(node_identity(o["tiers"].node_rank, self.rank))
-                self._topology = Topology.build(nodes, self._policy.peer_copies)
-            self._tiers = TierSaver(
-                self._policy,
-                self._local,
-                self._group,
-                self._topology,
-                durable_uri=self.store.uri,
-            )
-            # Drains run collectives of their own while the save thread runs the next save's.
-            self._drains = DrainQueue(
-                local=self._local,
-                group=_Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist),
-                store=self.store,
-                thread_nice=self._save_thread_nice,
-            )
+        self._local = self._tiers.local if self._tiers else None
+        self._topology = self._tiers.topology if self._tiers else None
+        self._drains = self._tiers.drains if self._tiers else None
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
@@ -229,7 +196,7 @@ class Checkpointer:
             engine=self.engine,
             store=self.store,
             group=self._group,
-            tiers=self._tiers,
+            tiers=self._tiers.saver if self._tiers else None,
             drains=self._drains,
             peers=self._peers,
             thread_nice=self._save_thread_nice,
@@ -428,3 +395,15 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _peer_replicas(staging: StagingOptions, group: _Group) -> PeerReplicas:
+    """``staging="peer"``: each rank's staged state also in the memory of a rank one node over."""
+    if not group.active:
+        raise ValueError("staging='peer' needs torch.distributed with 2 or more ranks")
+    ranks_per_node = staging.ranks_per_node
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks_per_node >= group.world_size:
+        ranks_per_node = 1  # one node: the next rank guards
+    return PeerReplicas(group.group, ranks_per_node=ranks_per_node)

@@ -44,16 +44,15 @@ from ckptstore.save import (
     SaveSession,
 )
 from ckptstore.save.session import LatestIndex
-from ckptstore.store import Store, niced
+from ckptstore.store import Store
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import (
     Topology,
-    node_identity,
     store_identity,
 )
-from ckptstore.tiers.saving import TierSaver
+from ckptstore.tiers.saving import TierSaver, open_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -413,43 +412,33 @@ class StoreWriter(StorageWriter, PooledStager):
 
     def _set_up_tiers(self) -> None:
         """The tier group (made once, by every rank: DCP calls this on each) and this rank's
-        local tier for the writer's store."""
+        tiers for the writer's store (made again, by every rank, when the store changes)."""
         assert self._policy is not None
         if self._tier_group is None:
             self._tier_group = RankGroup(None, timeout_s=self._group_timeout_s)
-            if self._policy.peer_copies:
-                nodes = self._tier_group.gather(node_identity(self._node_rank, self.rank))
-                self._topology = Topology.build(nodes, self._policy.peer_copies)
         group = self._tier_group
         if group.rank != self.rank:
             raise ValueError(
                 f"StoreWriter(local_dir=...) saves over every rank of the default process "
                 f"group; DCP's rank {self.rank} is rank {group.rank} there"
             )
-        durable = store_identity(self.store)
         local = self._local
+        durable = store_identity(self.store)
         if local is None or (local.world_size, local.durable_uri) != (group.world_size, durable):
-            assert self._policy is not None
-            self._local = LocalTier(
+            self.close()  # the drains queued for the store the writer leaves
+            committed = self._tiers.committed if self._tiers is not None else set()
+            tiers = open_tiers(
                 self._policy,
                 self.engine,
-                rank=self.rank,
-                world_size=group.world_size,
-                durable_uri=durable,
+                group,
+                self.store,
+                node_rank=self._node_rank,
+                drain_group=RankGroup(None, timeout_s=self._group_timeout_s),
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
             )
-            self.close()  # the drains queued for the store the writer leaves
-            self._drains = DrainQueue(
-                local=self._local,
-                group=RankGroup(None, timeout_s=self._group_timeout_s),
-                store=self.store,
-                thread_nice=niced(self._background_nice),
-            )
-            committed = self._tiers.committed if self._tiers is not None else set()
-            self._tiers = TierSaver(
-                self._policy, self._local, group, self._topology, durable_uri=self.store.uri
-            )
+            self._local, self._topology, self._drains = tiers.local, tiers.topology, tiers.drains
+            self._tiers = tiers.saver
             self._tiers.committed = committed  # a writer's steps, whichever store it moved to
 
     def _tier_metadata(self, planner: SavePlanner, target: _SaveTarget) -> bytes:

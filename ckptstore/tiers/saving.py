@@ -17,9 +17,11 @@ from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, one_line
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
+from ckptstore.store import niced
+from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology
+from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
 
 logger = logging.getLogger(__name__)
@@ -203,3 +205,49 @@ class TierSaver:
                 len(transfers),
                 failed[0],
             )
+
+
+@dataclass
+class Tiers:
+    """One rank's tiers, as a front-end holds them."""
+
+    local: LocalTier
+    topology: Topology | None
+    saver: TierSaver
+    drains: DrainQueue
+
+
+def open_tiers(
+    policy: TierPolicy,
+    engine: Any,
+    group: RankGroup,
+    durable: Any,
+    *,
+    node_rank: int | None,
+    drain_group: RankGroup,
+    timeout_s: float,
+    thread_nice: int = 0,
+) -> Tiers:
+    """This rank's tiers over ``group`` (collective with ``peer_copies``: the ranks tell each
+    other their nodes): its local tier for the ``durable`` store, the topology of its peer
+    copies, its tier saver and its drain queue (on ``drain_group``, a group of its own)."""
+    local = LocalTier(
+        policy,
+        engine,
+        rank=group.rank,
+        world_size=group.world_size,
+        durable_uri=store_identity(durable),
+        timeout_s=timeout_s,
+        thread_nice=thread_nice,
+    )
+    topology = None
+    if policy.peer_copies:
+        if not group.active:
+            raise ValueError("peer_copies needs torch.distributed with 2 or more nodes")
+        nodes = group.gather(node_identity(node_rank, group.rank))
+        topology = Topology.build(nodes, policy.peer_copies)
+    saver = TierSaver(policy, local, group, topology, durable_uri=durable.uri)
+    drains = DrainQueue(
+        local=local, group=drain_group, store=durable, thread_nice=niced(thread_nice)
+    )
+    return Tiers(local, topology, saver, drains)
