@@ -163,6 +163,7 @@ class Checkpointer:
                 drain_group=drain_group,  # drains run collectives while the next save does
                 timeout_s=timeout_s,
                 thread_nice=background_nice,
+                keep_alive=self,
             )
         self._local = self._tiers.local if self._tiers else None
         self._topology = self._tiers.topology if self._tiers else None
@@ -200,6 +201,7 @@ class Checkpointer:
             drains=self._drains,
             peers=self._peers,
             thread_nice=self._save_thread_nice,
+            keep_alive=self,  # its exit hook finishes the saves of a Checkpointer let go
         )
         self._closed = False
         # A script that ends right after save() must not lose that save. Threading's exit hooks

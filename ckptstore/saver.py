@@ -112,7 +112,11 @@ class SaveWorker:
         drains: DrainQueue | None,
         peers: PeerReplicas | None,
         thread_nice: int | None,
+        keep_alive: Any = None,
     ) -> None:
+        # The Checkpointer whose exit hook (a weak reference) closes this worker: kept alive by
+        # the save thread until ``close``, so a script that drops it loses no save at exit.
+        self._keep_alive = keep_alive
         self.engine = engine
         self.store = store
         self._group = group
@@ -142,6 +146,7 @@ class SaveWorker:
         """Persist what is queued, then stop the thread."""
         self._jobs.put(None)
         self._thread.join()
+        self._keep_alive = None
 
     def raise_failure(self, consequence: str | None = None) -> None:
         """Raise the error of the first failed save whose error no ``wait()`` has raised yet;

@@ -436,6 +436,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 drain_group=RankGroup(None, timeout_s=self._group_timeout_s),
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
+                keep_alive=self,  # its exit hook finishes the drains of a writer let go
             )
             self._local, self._topology, self._drains = tiers.local, tiers.topology, tiers.drains
             self._tiers = tiers.saver

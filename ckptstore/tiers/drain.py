@@ -135,8 +135,17 @@ class DrainQueue:
     rank queues the same steps in the same order (each drain is collective)."""
 
     def __init__(
-        self, *, local: LocalTier, group: RankGroup, store: Store, thread_nice: int = 0
+        self,
+        *,
+        local: LocalTier,
+        group: RankGroup,
+        store: Store,
+        thread_nice: int = 0,
+        keep_alive: Any = None,
     ) -> None:
+        # The front-end whose exit hook (a weak reference) closes this queue: kept alive by the
+        # drain thread until ``close``, so a job that drops it still drains at exit.
+        self._keep_alive = keep_alive
         self.local = local
         self.group = group
         self.store = store
@@ -182,6 +191,7 @@ class DrainQueue:
         """Drain what is queued, then stop the thread."""
         self._queue.put(None)
         self._thread.join()
+        self._keep_alive = None
 
     def _loop(self) -> None:
         set_thread_nice(self._thread_nice)

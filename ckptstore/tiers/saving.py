@@ -227,10 +227,12 @@ def open_tiers(
     drain_group: RankGroup,
     timeout_s: float,
     thread_nice: int = 0,
+    keep_alive: Any = None,
 ) -> Tiers:
     """This rank's tiers over ``group`` (collective with ``peer_copies``: the ranks tell each
     other their nodes): its local tier for the ``durable`` store, the topology of its peer
-    copies, its tier saver and its drain queue (on ``drain_group``, a group of its own)."""
+    copies, its tier saver and its drain queue (on ``drain_group``, a group of its own;
+    ``keep_alive``: the front-end its thread keeps alive until closed)."""
     local = LocalTier(
         policy,
         engine,
@@ -248,6 +250,10 @@ def open_tiers(
         topology = Topology.build(nodes, policy.peer_copies)
     saver = TierSaver(policy, local, group, topology, durable_uri=durable.uri)
     drains = DrainQueue(
-        local=local, group=drain_group, store=durable, thread_nice=niced(thread_nice)
+        local=local,
+        group=drain_group,
+        store=durable,
+        thread_nice=niced(thread_nice),
+        keep_alive=keep_alive,
     )
     return Tiers(local, topology, saver, drains)

@@ -352,3 +352,40 @@ def _peer_repair(rank: int, world: int, kind: str, root: str, base: str) -> None
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
 def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind, tmp_path):
     run_ranks(_peer_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+_SAVE_AND_LEAVE = {
+    "checkpointer": "Checkpointer(root, tiers=tiers).save(1, state)",
+    "dcp": "dcp.save(state, storage_writer=StoreWriter(root, tiers=tiers), no_dist=True)",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SAVE_AND_LEAVE))
+def test_a_script_whose_last_act_is_a_tiered_save_leaves_it_durable(kind, tmp_path):
+    """Nothing waits for the save nor keeps the front-end: its drain still reaches durable
+    storage before the interpreter exits (the front-end's exit hook finishes it)."""
+    import subprocess
+    import sys
+
+    root, local = tmp_path / "durable", tmp_path / "local"
+    code = "\n".join(
+        [
+            "import sys, torch",
+            "import torch.distributed.checkpoint as dcp",
+            "from ckptstore import Checkpointer, TierOptions",
+            "from ckptstore.dcp import StoreWriter",
+            "root = sys.argv[1]",
+            "tiers = TierOptions(local_dir=sys.argv[2], durable_every=1)",
+            "state = {'w': torch.arange(4096.0)}",
+            _SAVE_AND_LEAVE[kind],
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(root), str(local)],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S * 2,
+    )
+    assert proc.returncode == 0, proc.stderr
+    steps = list_steps(Store(str(root)))
+    assert len(steps) == 1, (steps, proc.stderr[-2000:])
