@@ -214,7 +214,7 @@ def process_main(rank: int, plan: RankPlan, world: int, port: int, out_dir: str)
     report["phases"] = {str(step): p for step, p in phases.by_step.items()}
     with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
-    # As tests/_dist.py: leave without interpreter finalization, which a gloo thread still
+    # As tests/helpers/dist.py: leave without interpreter finalization, which a gloo thread still
     # dropping a finished collective can turn into SIGABRT (pytorch/pytorch#179291).
     sys.stdout.flush()
     sys.stderr.flush()

@@ -13,7 +13,7 @@ listings, the manifest, read once per restore and broadcast) land on a few prefi
 save shares, counted here as ``hot_prefixes``.
 
 The counts: a save writes each new chunk with one request and a restore reads each chunk with
-one (tests/test_requests.py holds the code to that), plus requests per rank and per save that
+one (tests/store/test_requests.py holds the code to that), plus requests per rank and per save that
 ``ckptbench scale`` measures; ``counts_from_scale`` fits them as ``fixed + per_rank * ranks``.
 """
 

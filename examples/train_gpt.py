@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="with --local-dir: copy each save to K other nodes' local dirs; needs a "
         "torch.distributed job on K+1 nodes, and this example trains in one process, so only 0 "
-        "is accepted here (peers: tests/test_tiers.py)",
+        "is accepted here (peers: tests/tiers/test_tiers.py)",
     )
     args = p.parse_args(argv)
     args.data = args.data or ["runs/data/corpus"]

@@ -29,7 +29,7 @@ def rank_main(rank: int, plan: RecoverPlan, world: int, port: int, out: str, job
     if job == "restore":
         dist.destroy_process_group()
     # The save job is killed here: no close(), no teardown. Either way, leave without
-    # interpreter finalization, which a gloo thread can turn into SIGABRT (tests/_dist.py).
+    # interpreter finalization, which a gloo thread can turn into SIGABRT (tests/helpers/dist.py).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
