@@ -3,9 +3,9 @@
 Each rank's local tier keeps one-rank copies of DCP steps (``StoreWriter(local_dir=...)``): the
 rank's own items, its index and the save's DCP metadata, and with ``peer_copies`` other nodes
 keep them too. Every rank says which copies its node holds (its own and others'); rank 0 adds
-the steps of durable storage; all pick the same step: the newest (or the one asked for) that
-every rank can get as the same save from a local tier (its own, else a peer's), else one in
-durable storage.
+the steps of durable storage and picks, with the Checkpointer's planner
+(``tiers.restore.plan_sources``), the newest save (or the step asked for) every rank can get:
+a durable step's own save wins over local copies of another save of that step number.
 
 * A rank whose own copy is missing gets it back from a rank that holds it
   (``tiers.transfer``, repair: every chunk hashed on arrival) before the load; if that fails,
@@ -41,7 +41,15 @@ from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TierPolicy, store_identity
-from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, LoadReport
+from ckptstore.tiers.restore import (
+    DURABLE,
+    LOCAL,
+    PEER,
+    Candidate,
+    LoadReport,
+    Source,
+    plan_sources,
+)
 from ckptstore.tiers.transfer import Transfer, transfer
 
 logger = logging.getLogger(__name__)
@@ -79,32 +87,18 @@ def plan_tier_load(
     when no step can be loaded, or a rank failed to say what it holds."""
     started = time.perf_counter()
     rank = group.rank
-    local, here, durable_steps, holders = _listing(durable, policy, group)
-    step = _choose(wanted, set(holders), durable_steps, local, durable)
-    if step in holders and step in durable_steps:
-        # The durable save of a step number wins over local copies of another save of it
-        # (a step saved again after a resume, or by a job of another world size).
-        found_attempt = None
-        if rank == 0:
-            try:
-                found_attempt = load_manifest(durable, step).attempt
-            except CheckpointError as exc:
-                logger.warning("step %d in %s unreadable: %s", step, durable.uri, exc)
-        found_attempt = group.broadcast(found_attempt)
-        if found_attempt is not None and found_attempt != holders[step][0]:
-            logger.info(
-                "rank %d: the local copies of step %d are another save than %s's; loading "
-                "the durable one",
-                rank,
-                step,
-                durable.uri,
-            )
-            del holders[step]
+    local, here, durable_steps, candidate = _plan(durable, policy, wanted, group)
+    step = candidate.step
     report = LoadReport(step=step)
     copies = here.get(rank, {})
-    if step in holders:
-        attempt, sources = holders[step]
-        repaired = _repair(local, group, step, attempt, sources, report)
+    if all(mine[0].tier != DURABLE for mine in candidate.sources):
+        assert candidate.attempt is not None
+        sources = {
+            r: mine[0].holder
+            for r, mine in enumerate(candidate.sources)
+            if mine[0].tier == PEER and mine[0].holder is not None
+        }
+        repaired = _repair(local, group, step, candidate.attempt, sources, report)
         if repaired:
             copies = local.copies(rank)
         store = local.store(rank)
@@ -155,13 +149,16 @@ def plan_tier_load(
 def newest_step(durable: Store, policy: TierPolicy, group: RankGroup) -> int | None:
     """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
     None when no tier holds one every rank can get."""
-    _, _, durable_steps, holders = _listing(durable, policy, group)
-    return max(set(holders) | durable_steps, default=None)
+    try:
+        return _plan(durable, policy, "latest", group)[3].step
+    except CheckpointNotFoundError:
+        return None
 
 
-def _listing(durable: Store, policy: TierPolicy, group: RankGroup):
+def _plan(durable: Store, policy: TierPolicy, wanted: int | str, group: RankGroup):
     """This rank's ``LocalTier``; the copies its node holds (ward -> step -> attempt); the
-    durable steps; the steps every rank can get from a local tier (``_holders``). Collective."""
+    durable steps; the save to load and each rank's sources (``tiers.restore.plan_sources``,
+    the Checkpointer's planner, run by rank 0 and sent to all). Collective."""
     rank = group.rank
     local = LocalTier(
         policy,
@@ -181,9 +178,18 @@ def _listing(durable: Store, policy: TierPolicy, group: RankGroup):
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
     everything = _agree(group, error, (here, steps), "list the tiers")
-    durable_steps = set(everything[0][1] or [])
-    holders = _holders([h for h, _ in everything], group.world_size)
-    return local, here, durable_steps, holders
+    durable_steps = sorted(everything[0][1] or [])
+    plan: Candidate | BaseException | None = None
+    if rank == 0:
+        try:
+            plan = _choose(wanted, [h for h, _ in everything], durable_steps, local, durable)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            plan = exc
+    plan = group.broadcast(plan)
+    if isinstance(plan, BaseException):
+        raise plan
+    assert plan is not None
+    return local, here, set(durable_steps), plan
 
 
 def _agree(group: RankGroup, error: BaseException | None, payload, what: str) -> list:
@@ -194,29 +200,35 @@ def _agree(group: RankGroup, error: BaseException | None, payload, what: str) ->
     return heard.payloads
 
 
-def _holders(
-    here: list[dict[int, dict[int, str]]], world: int
-) -> dict[int, tuple[str, dict[int, int]]]:
-    """The steps every rank can get from a local tier as one save: step -> (attempt, the
-    rank each rank without its own copy gets it from). ``here[h]``: what rank h's node holds,
-    ward -> step -> attempt (ranks of one node list the same stores)."""
-    out = {}
-    steps = {s for held in here for copies in held.values() for s in copies}
-    for step in steps:
-        attempts = {copies[step] for held in here for copies in held.values() if step in copies}
-        for attempt in sorted(attempts):
-            sources: dict[int, int] = {}
-            for r in range(world):
-                if here[r].get(r, {}).get(step) == attempt:
-                    continue  # its own copy, on its own node
-                giving = [h for h in range(world) if here[h].get(r, {}).get(step) == attempt]
-                if not giving:
-                    break
-                sources[r] = giving[0]
-            else:
-                out[step] = (attempt, sources)
-                break
-    return out
+def _choose(
+    wanted: int | str,
+    held: list[dict[int, dict[int, str]]],
+    durable_steps: list[int],
+    local: LocalTier,
+    durable: Store,
+) -> Candidate:
+    def attempt(step: int) -> str | None:
+        try:
+            return load_manifest(durable, step).attempt
+        except CheckpointError as exc:
+            logger.warning("step %d in %s unreadable: %s", step, durable.uri, exc)
+            return None
+
+    step = None if wanted == "latest" else int(wanted)
+    plan = plan_sources(held, durable_steps, attempt, step=step, limit=1)
+    if plan:
+        return plan[0]
+    if step is not None and step in durable_steps:  # unreadable: its load says why
+        return Candidate(step, None, [[Source(DURABLE)] for _ in held])
+    if step is None:
+        raise CheckpointNotFoundError(
+            f"no DCP step held by every rank's local tier ({local.policy.local_dir}) or in "
+            f"{durable.uri}"
+        )
+    raise CheckpointNotFoundError(
+        f"step {step} is neither held by every rank's local tier "
+        f"({local.policy.local_dir}) nor committed in {durable.uri}"
+    )
 
 
 def _repair(
@@ -255,30 +267,6 @@ def _repair(
             failed[0],
         )
     return not failed
-
-
-def _choose(
-    wanted: int | str,
-    common: set[int],
-    durable_steps: set[int],
-    local: LocalTier,
-    durable: Store,
-) -> int:
-    candidates = set(common) | durable_steps
-    if wanted == "latest":
-        if not candidates:
-            raise CheckpointNotFoundError(
-                f"no DCP step held by every rank's local tier ({local.policy.local_dir}) or in "
-                f"{durable.uri}"
-            )
-        return max(candidates)
-    step = int(wanted)
-    if step not in candidates:
-        raise CheckpointNotFoundError(
-            f"step {step} is neither held by every rank's local tier "
-            f"({local.policy.local_dir}) nor committed in {durable.uri}"
-        )
-    return step
 
 
 def _own_index(store: Store, step: int):

@@ -2,7 +2,9 @@
 
 Every rank reports the copies its node keeps (its own and its wards', step -> attempt); the
 coordinator adds the durable steps (their attempts read from their manifests) and picks the
-newest save, a (step, attempt) pair, that every rank can get from some tier. Each rank then
+newest save, a (step, attempt) pair, that every rank can get from some tier: a durable step's
+own save where its manifest reads, else the save of it that most ranks hold locally. One planner
+for both front-ends (the Checkpointer's ``loading`` and DCP's ``dcp.tiers``). Each rank then
 tries its sources in order: its own local copy, the copies its holders keep (nearest node
 first), durable storage. Matching attempts, not only step numbers, is what keeps a rank from
 loading a copy of another save of the same step (a job that resumed from an older step and
@@ -95,10 +97,10 @@ def plan_sources(
         steps &= {step}
     out: list[Candidate] = []
     for s in sorted(steps, reverse=True):
-        attempts = {a for (t, a) in by_save if t == s}
         durable = durable_attempt(s) if s in durable_steps else None
-        if durable is not None:
-            attempts.add(durable)
+        # The durable save of a step is its record: copies of another save of that step number
+        # (one the job never finished, then resumed below and saved again) are never loaded.
+        attempts = {durable} if durable is not None else {a for (t, a) in by_save if t == s}
         found = []
         for attempt in sorted(attempts):
             tiers = by_save.get((s, attempt), {})

@@ -311,6 +311,30 @@ def test_a_resumed_job_saves_a_step_again_over_the_copy_it_left(make, tmp_path):
     assert step == 4 and _same(target, _state(104)), report.source
 
 
+def test_local_copies_of_another_save_of_a_durable_step_are_never_loaded(make, tmp_path):
+    """One planner for both front-ends: the durable save of a step is its record. A node's
+    local dir put back from before the job resumed holds another save of step 2 than the
+    durable one; the durable one loads (the Checkpointer's planner took the local copies, which
+    more ranks held, and DCP's the durable save, until the two planners became one)."""
+    front = make(durable_every=2, local_keep_last=4)
+    for step in (1, 2):  # 1 durable, 2 local only
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    shutil.copytree(tmp_path / "local", tmp_path / "local-before")
+    front = make(durable_every=1, local_keep_last=4)
+    assert front.load(_blank(), 1)[0] == 1
+    front.save(2, _state(102))  # durably this time
+    front.wait_durable()
+    front.close()
+    shutil.rmtree(tmp_path / "local")
+    shutil.copytree(tmp_path / "local-before", tmp_path / "local")
+    target = _blank()
+    step, report = make(durable_every=1).load(target)
+    assert step == 2 and _same(target, _state(102)), report.source
+    assert report.source == "durable", report
+
+
 # -- scenarios on 4 ranks as 2 nodes -----------------------------------------------------------
 
 
