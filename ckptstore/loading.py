@@ -39,6 +39,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
     PartialLoadError,
+    StorageError,
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
@@ -541,10 +542,11 @@ class StateLoader:
         """Every rank's outcome of a phase of this turn (collective), and the ranks that
         failed. Where each failed on missing or corrupt data and has a source left, each moves
         on to it (``turn``); else the attempt stops, on every rank: the error to raise."""
-        failed = self._outcomes(error)
+        sources = candidate.sources
+        mine = sources[self.rank][min(turn[self.rank], len(sources[self.rank]) - 1)]
+        failed = self._outcomes(error, mine.tier)
         if not failed:
             return None, set()
-        sources = candidate.sources
         if not all(skippable for *_, skippable in failed.values()) or any(
             turn[r] + 1 >= len(sources[r]) for r in failed
         ):
@@ -568,18 +570,21 @@ class StateLoader:
         failed = self._outcomes(error)
         return self._agreed(step, error, failed) if failed else None
 
-    def _outcomes(self, error: BaseException | None) -> Failures:
-        """Every rank's failure (collective), by rank: those that went well left out."""
+    def _outcomes(self, error: BaseException | None, tier: str = DURABLE) -> Failures:
+        """Every rank's failure (collective), by rank: those that went well left out; each
+        says whether the rank may try its next source: after missing or corrupt data, and after
+        a local or peer copy's storage error (a hung or failing local disk: the durable tier
+        may well answer)."""
         mine = None
         if error is not None:
             kind = next(
                 (c for c in type(error).__mro__ if c.__module__ == CheckpointError.__module__),
                 CheckpointError,
             )
-            missing_or_corrupt = isinstance(
-                error, (CheckpointCorruptError, CheckpointNotFoundError)
+            skippable = isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)) or (
+                tier != DURABLE and isinstance(error, StorageError)
             )
-            mine = (kind, self._one_line(error), missing_or_corrupt)
+            mine = (kind, self._one_line(error), skippable)
         everyone = self.group.gather(mine) if self.group.active else [mine]
         return {r: o for r, o in enumerate(everyone) if o is not None}
 

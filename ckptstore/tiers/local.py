@@ -19,7 +19,7 @@ from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.format import Manifest, chunk_key
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.retention import collect
-from ckptstore.store import Store, open_store
+from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
 
 if TYPE_CHECKING:
@@ -86,7 +86,9 @@ class LocalTier:
             if store is None:
                 path = self.rank_dir(ward)
                 path.mkdir(parents=True, exist_ok=True)
-                store = open_store(path, timeout_s=self.timeout_s, thread_nice=self.thread_nice)
+                store = Store(
+                    str(path), retry=local_retry(self.timeout_s), thread_nice=self.thread_nice
+                )
                 self._stores[ward] = store
             return store
 
@@ -204,3 +206,12 @@ def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> TierListing:
                     out.setdefault(step, set()).add(rank)
     copies = {step: sorted(ranks) for step, ranks in out.items()}
     return TierListing(job_dir, copies, problems)
+
+
+def local_retry(timeout_s: float) -> RetryPolicy:
+    """Requests to a local tier: a disk that does not answer within one attempt's deadline
+    (at most ``timeout_s``) will not answer the next either, so no attempt follows a timeout and
+    the load moves on to the next tier (peer, durable) at once; an error that comes back
+    quickly is tried once more."""
+    attempt_s = min(RetryPolicy.timeout_s, timeout_s)
+    return RetryPolicy(attempts=2, timeout_s=attempt_s, total_s=attempt_s)

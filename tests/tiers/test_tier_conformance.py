@@ -166,9 +166,11 @@ def front_type(request):
 def make(front_type, tmp_path):
     made: list[Front] = []
 
-    def make_front(store: Store | None = None, nice: int = 0, **tiers: Any) -> Front:
+    def make_front(
+        store: Store | None = None, nice: int = 0, timeout_s: float = 30.0, **tiers: Any
+    ) -> Front:
         tiers.setdefault("local_dir", tmp_path / "local")
-        storage = StorageOptions(store=store, background_nice=nice)
+        storage = StorageOptions(store=store, background_nice=nice, timeout_s=timeout_s)
         front = front_type(tmp_path / "durable", TierOptions(**tiers), storage)
         made.append(front)
         return front
@@ -333,6 +335,44 @@ def test_local_copies_of_another_save_of_a_durable_step_are_never_loaded(make, t
     step, report = make(durable_every=1).load(target)
     assert step == 2 and _same(target, _state(102)), report.source
     assert report.source == "durable", report
+
+
+def _hang(path: Path) -> None:
+    """``path`` becomes a file that never answers a read: a FIFO, whose open waits for a
+    writer (a stalled NVMe or a dead mount used as the local tier)."""
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _unhang(paths: list[Path]) -> None:
+    for path in paths:  # a writer comes and goes: a reader still waiting reads an empty file
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # no reader left
+
+
+@pytest.mark.parametrize("part", ["chunks", "commits"])
+def test_a_hung_local_disk_falls_back_to_durable_storage(make, tmp_path, part):
+    """Issue 32 (3): a local chunk or manifest that never answers costs one request deadline,
+    then the load reads durable storage (it raised StorageTimeoutError after 30 s, and a hung
+    manifest cost 62 s)."""
+    front = make(durable_every=1, timeout_s=2.0)
+    front.save(1, _state(1))
+    front.wait_durable()
+    front.close()
+    hung = sorted((tmp_path / "local").rglob(f"{part}/**/*"))
+    hung = [p for p in hung if p.is_file()]
+    assert hung, f"no local {part}"
+    for path in hung:
+        _hang(path)
+    try:
+        target = _blank()
+        step, report = front.restart().load(target)
+        assert step == 1 and _same(target, _state(1)), report.source
+        assert report.sources["durable"].chunks > 0, report
+    finally:
+        _unhang(hung)
 
 
 # -- scenarios on 4 ranks as 2 nodes -----------------------------------------------------------

@@ -448,3 +448,14 @@ def test_a_load_reads_only_the_durable_manifests_it_considers(tmp_path):
         assert ckpt.load(blank_state()) == 6 and ckpt.last_load.source == LOCAL
     assert tally.others["get"] == 1  # step 6's manifest (for its attempt), not all six
     assert tally.chunks.total() == 0
+
+
+def test_a_local_tier_request_that_times_out_is_not_tried_again():
+    """A hung local disk costs one attempt's deadline, then the next tier is tried: the
+    local stores' whole request budget is one attempt (issue 32: a hung local manifest cost
+    62 s, three attempts and backoff, under the durable store's policy)."""
+    from ckptstore.tiers.local import local_retry
+
+    for timeout_s in (2.0, 30.0, 1200.0):
+        policy = local_retry(timeout_s)
+        assert policy.budget_s() == policy.timeout_s == min(10.0, timeout_s)
