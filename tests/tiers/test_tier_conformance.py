@@ -375,6 +375,43 @@ def test_a_hung_local_disk_falls_back_to_durable_storage(make, tmp_path, part):
         _unhang(hung)
 
 
+def test_gc_of_the_durable_store_while_drains_run_leaves_every_kept_step_whole(
+    make, tmp_path, capsys
+):
+    """Issue 32, an adversary of the drains: ``ckptstore gc --keep-last 2`` runs on the durable
+    store again and again while saves drain into it; every step it keeps loads bit for bit,
+    and the newest drained step is among them."""
+    from ckptstore.cli import main
+
+    durable = tmp_path / "durable"
+    front = make(durable_every=1, local_keep_last=2)
+    stop, codes = threading.Event(), []
+
+    def collect() -> None:
+        while not stop.is_set() and len(codes) < 500:
+            codes.append(main(["gc", str(durable), "--keep-last", "2"]))
+
+    front.save(1, _state(1))
+    front.wait_durable()  # gc says "no checkpoints" (exit 1) of a store with none yet
+    sweeper = threading.Thread(target=collect, daemon=True)
+    sweeper.start()
+    try:
+        for step in range(2, 9):
+            front.save(step, _state(step))
+        front.wait_durable()
+    finally:
+        stop.set()
+        sweeper.join(timeout=BOUND_S)
+    assert not sweeper.is_alive() and codes and set(codes) == {0}, codes
+    capsys.readouterr()
+    kept = list_steps(Store(str(durable)))
+    assert 8 in kept and len(kept) >= 2, kept
+    for step in kept:
+        target = _blank()
+        assert front.restart().load(target, step)[0] == step
+        assert _same(target, _state(step)), step
+
+
 # -- scenarios on 4 ranks as 2 nodes -----------------------------------------------------------
 
 
