@@ -455,6 +455,80 @@ def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind,
     run_ranks(_peer_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
 
 
+def _shared_local_dir(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    node = rank // 2
+    tiers = TierOptions(
+        local_dir=Path(base) / "shared", node_rank=node, peer_copies=1, durable_every=5
+    )
+
+    def front() -> Front:
+        made = FRONTS[kind](Path(root), tiers, StorageOptions())
+        made.no_dist = False
+        return made
+
+    saving = front()
+    for step in (1, 2, 3):  # 1 durable, 2 and 3 in the local tiers and their peer copies only
+        saving.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    saving.close()
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, report = front().load(target)
+    assert step == 3 and _same(target, _ranks_own(rank, _state(10 * rank + 3))), report
+    target = _ranks_own(rank, _blank())
+    assert front().load(target, 1)[0] == 1
+    assert _same(target, _ranks_own(rank, _state(10 * rank + 1))), rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_two_nodes_given_the_same_local_dir_save_and_load_unmixed(kind, tmp_path):
+    """Issue 32's adversary list: a local_dir on a shared file system given to every node. Each
+    rank's copies live under its own rank directory, so a holder's copy of a ward is the ward's
+    own copy: saves and loads stay unmixed."""
+    run_ranks(_shared_local_dir, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+def _lying_holder(rank: int, world: int, kind: str, root: str, base: str, how: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=1)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.wait_durable()
+    front.close()
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 is replaced, and node 0's copies of its ranks went bad
+        shutil.rmtree(Path(base) / "node-1")
+        wards = [p for p in (Path(base) / "node-0").glob("job-*/rank-*") if p.name >= "rank-00002"]
+        chunks = [c for ward in wards for c in ward.rglob("chunks/*/*")]
+        assert chunks, wards
+        for path in chunks:
+            data = bytearray(path.read_bytes())
+            if how == "flipped":
+                data[-1] ^= 0x01
+            else:  # more bytes than its index declares
+                data.extend(bytes(data))
+            path.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    if rank >= 2:
+        assert report.sources["durable"].chunks > 0, report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["flipped", "longer"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_holder_whose_copy_went_bad_sends_the_replaced_node_to_durable_storage(
+    kind, how, tmp_path
+):
+    """Issue 32's adversary list, a peer that lies: the holder's copy of a wiped node's ranks has
+    a flipped byte in every chunk, or more bytes than declared; each arrives checked, fails, and
+    those ranks load from durable storage, bit for bit."""
+    root = str(tmp_path / "durable")
+    run_ranks(_lying_holder, 4, kind, root, str(tmp_path), how, timeout_s=240)
+
+
 _SAVE_AND_LEAVE = {
     "checkpointer": "Checkpointer(root, tiers=tiers).save(1, state)",
     "dcp": "dcp.save(state, storage_writer=StoreWriter(root, tiers=tiers), no_dist=True)",
