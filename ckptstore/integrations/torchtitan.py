@@ -24,7 +24,12 @@ the bytes go and how the newest step is found:
   listing of folders: an interrupted save is never seen); ``load_step=N`` that step, and a step
   the store does not hold is ``FileNotFoundError``, as in torchtitan. Step 0 (a seed checkpoint)
   loads the model only, as in torchtitan. With nothing committed, ``initial_load_path`` (another
-  ckptstore store, its newest step; ``initial_load_model_only`` applies) or a fresh start.
+  ckptstore store: its newest step, or step N when the path ends in ``/step-N`` as torchtitan's
+  checkpoint folders do; ``initial_load_model_only`` applies) or a fresh start.
+- steps are write-once (torchtitan rewrites a ``step-N`` folder in place): ``load_step=N`` with
+  a newer step committed is refused unless ``load_only``, since training on would save steps
+  that exist. To roll back, train on in a new ``folder`` with ``initial_load_path=
+  "<old folder>/step-N"`` and ``initial_load_model_only=False``.
 - ``keep_latest_k`` is the store's retention (the newest K committed steps are kept and chunks no
   kept step references are swept, under the store's gc lease, safe while a save is in flight).
 - ``async_mode``: ``disabled`` is ``dcp.save``; ``async`` is ``dcp.async_save`` in a thread over
@@ -50,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -96,6 +102,7 @@ __all__ = ["CkptstoreCheckpointManager"]
 logger = logging.getLogger(__name__)
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+_STEP_DIR = re.compile(r"step-(\d+)")
 HF_DIR = "hf"
 """Where ``last_save_in_hf`` exports go, under the checkpoint folder: ``hf/step-<N>``."""
 
@@ -267,7 +274,9 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                     use_non_blocking_copy=accelerated,
                 )
             )
-        kind = AsyncCheckpointerType.PROCESS if self._process_based else AsyncCheckpointerType.THREAD
+        kind = (
+            AsyncCheckpointerType.PROCESS if self._process_based else AsyncCheckpointerType.THREAD
+        )
         result = dcp.async_save(
             states,
             storage_writer=self.writer,
@@ -355,21 +364,30 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                         f"--checkpoint.load_step={step} not found in {self.folder} "
                         f"(committed steps: {_some(committed)})"
                     )
+                newer = [s for s in committed if s > step]
+                if newer and not self.load_only:
+                    raise ValueError(
+                        f"--checkpoint.load_step={step} is older than step {newer[-1]} committed "
+                        f"in {self.folder}: steps are write-once, so the saves after it would "
+                        "collide; load it with load_only=True, or train on in a new folder with "
+                        f"initial_load_path={_step_path(self.folder, step)!r}"
+                    )
             load_step = step
         if load_step is not None:
             # A job restarted with the same arguments resumes here; initial_* are ignored.
             model_only = load_step == 0
             source = self.folder
         elif self.initial_load_path:
-            reader = self._reader(self.initial_load_path)
-            load_step = _agreed(reader.latest())
-            if load_step is None:
+            source, named = _split_step(self.initial_load_path)
+            reader = self._reader(source)
+            committed = list_steps(reader.store)
+            load_step = _agreed(committed[-1] if committed else None) if named is None else named
+            if load_step is None or load_step not in committed:
                 raise ValueError(
                     f"Checkpoint.initial_load_path is invalid: {self.initial_load_path} "
-                    "holds no committed ckptstore step"
+                    f"names no committed ckptstore step (committed: {_some(committed)})"
                 )
             model_only = self.initial_load_model_only
-            source = self.initial_load_path
         else:
             logger.info("rank %d: no checkpoint in %s: a fresh start", _rank(), self.folder)
             return False
@@ -432,6 +450,20 @@ def _agreed(step: int | None) -> int | None:
     box = [step]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _step_path(uri: str, step: int) -> str:
+    return f"{uri.rstrip('/')}/step-{step}"
+
+
+def _split_step(path: str) -> tuple[str, int | None]:
+    """``(store, step)`` of an ``initial_load_path``: ``<store>/step-<N>`` names step N of the
+    store (torchtitan's own way to name a checkpoint), any other path a store's newest step."""
+    head, _, last = path.rstrip("/").rpartition("/")
+    match = _STEP_DIR.fullmatch(last)
+    if head and match:
+        return head, int(match.group(1))
+    return path, None
 
 
 def _some(steps: list[int]) -> str:

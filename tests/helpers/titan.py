@@ -5,7 +5,7 @@ sharded with FSDP2 (``fully_shard`` over a CPU mesh of every rank), ``Optimizers
 ``LRSchedulersContainer`` from their configs, a ``ParallelAwareDataloader`` over a stateful
 dataset, the trainer's train state (``step``, ``ntokens_seen``), and the checkpoint manager from
 ``checkpoint.build(...)`` with the trainer's arguments. The loop is ``Trainer.train``'s:
-``load(step=load_step)``, then per step zero_grad, forward, backward, clip, 
+``load(step=load_step)``, then per step zero_grad, forward, backward, clip,
 ``maybe_wait_for_staging()``, optimizer and scheduler steps, ``save(step, last_step=...)``;
 ``close()``. (torchtitan's ``Trainer`` itself cannot run here: it sets a CUDA device.)
 
@@ -117,7 +117,9 @@ def main(spec: dict[str, Any]) -> None:
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
         optimizers=optimizers, training_steps=spec["steps"]
     )
-    dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
+    dataloader = ParallelAwareDataloader(
+        Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4
+    )
     train_state = TrainState()
 
     ckpt = spec.get("checkpoint")
