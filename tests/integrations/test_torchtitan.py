@@ -299,6 +299,51 @@ def test_config_is_torchtitans_and_checks_its_fields():
     manager.close()
 
 
+@needs_torchtitan
+def test_config_parses_from_torchtitans_command_line():
+    """torchtitan's launcher (``ConfigManager.parse_args``: tyro over the config a registry
+    function returned) keeps our Config, ckptstore's options in it, and applies
+    ``--checkpoint.*`` flags to it."""
+    from dataclasses import field, make_dataclass
+
+    import tyro
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+    from torchtitan.config import Configurable
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+    from ckptstore.options import StorageOptions, TierOptions
+
+    # Trainer.Config's checkpoint field, as the trainer declares it.
+    JobConfig = make_dataclass(
+        "JobConfig",
+        [
+            (
+                "checkpoint",
+                BaseCheckpointManager.Config,
+                field(default_factory=CheckpointManager.Config),
+            )
+        ],
+        bases=(Configurable.Config,),
+        kw_only=True,
+        slots=True,
+    )
+    ConfigManager()  # registers torchtitan's tyro rules
+    tiers = TierOptions(local_dir="/nvme/ckpt")
+    loaded = JobConfig(
+        checkpoint=CkptstoreCheckpointManager.Config(
+            enable=True, tiers=tiers, storage=StorageOptions(timeout_s=5.0)
+        )
+    )
+    args = ["--checkpoint.interval", "7", "--checkpoint.async_mode", "async"]
+    args += ["--checkpoint.exclude_from_loading", "dataloader,lr_scheduler"]
+    parsed = tyro.cli(JobConfig, args=args, default=loaded, registry=custom_registry).checkpoint
+    assert type(parsed) is CkptstoreCheckpointManager.Config
+    assert (parsed.enable, parsed.interval, parsed.async_mode) == (True, 7, "async")
+    assert parsed.exclude_from_loading == ["dataloader", "lr_scheduler"]
+    assert parsed.tiers == tiers and parsed.storage.timeout_s == 5.0
+
+
 def test_ckptstore_imports_without_torchtitan():
     """ckptstore, its DCP backend and its integrations package import without torchtitan; the
     torchtitan door says what to install."""
