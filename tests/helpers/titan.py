@@ -11,9 +11,10 @@ dataset, the trainer's train state (``step``, ``ntokens_seen``), and the checkpo
 
 SPEC is a JSON object: ``out`` (a directory for this rank's results), ``steps``, ``checkpoint``
 (``CkptstoreCheckpointManager.Config`` fields; ``null``: checkpointing disabled), ``dump``
-(the trainer's dump folder), ``kill_at`` (a step after whose save the rank SIGKILLs itself).
-Each rank appends ``<step> <loss as float.hex>`` to ``out/losses-<rank>.txt`` and ``start
-<step>`` once loaded; at the end rank 0 writes the full parameters to ``out/params.pt``.
+(the trainer's dump folder), ``kill_at`` (a step after whose save the rank SIGKILLs itself),
+``hf_adapter`` (the model's state dict adapter: ``TinyAdapter``; else none).
+Each rank appends ``<step> <loss as float.hex>`` to ``out/losses-<rank>.txt``, ``start
+<step>`` once loaded and ``staging <step>`` after a save that left its staging running; at the end rank 0 writes the full parameters to ``out/params.pt``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
 from ckptstore.options import StorageOptions
@@ -91,6 +93,30 @@ class TinyLM(torch.nn.Module):
         return self.output(h)
 
 
+class TinyAdapter(StateDictAdapter):
+    """A model's Hugging Face names (``model.embed_tokens.weight``) on torchtitan's own adapter
+    base: what ``last_save_in_hf`` exports by."""
+
+    RENAMES = (("tok_embeddings.", "embed_tokens."),)
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in state_dict.items():
+            for ours, theirs in self.RENAMES:
+                key = key.replace(ours, theirs)
+            out[f"model.{key}"] = value
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, value in hf_state_dict.items():
+            key = key.removeprefix("model.")
+            for ours, theirs in self.RENAMES:
+                key = key.replace(theirs, ours)
+            out[key] = value
+        return out
+
+
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.state_dict().items():
@@ -132,7 +158,7 @@ def main(spec: dict[str, Any]) -> None:
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         states={"train_state": train_state},
-        sd_adapter=None,
+        sd_adapter=TinyAdapter(None, None) if spec.get("hf_adapter") else None,
         base_folder=spec["dump"],
     )
     checkpointer.load(step=config.load_step)
@@ -155,6 +181,9 @@ def main(spec: dict[str, Any]) -> None:
         dist.all_reduce(global_loss)
         print(f"{train_state.step} {global_loss.item().hex()}", file=log, flush=True)
         checkpointer.save(train_state.step, last_step=train_state.step == spec["steps"])
+        if getattr(checkpointer, "staging_future", None) is not None:
+            # Staging runs on while the next step computes (maybe_wait_for_staging above).
+            print(f"staging {train_state.step}", file=log, flush=True)
         if train_state.step == spec.get("kill_at"):
             os.kill(os.getpid(), signal.SIGKILL)
 

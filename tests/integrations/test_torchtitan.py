@@ -75,14 +75,19 @@ def finished(job: list[subprocess.CompletedProcess]) -> None:
         assert rank.returncode == 0, f"rank {r} exited {rank.returncode}: {rank.stderr[-3000:]}"
 
 
+def log_lines(out: Path, rank: int, kind: str) -> list[int]:
+    """The steps of the ``<kind> <step>`` lines of a rank's log."""
+    lines = (out / f"losses-{rank}.txt").read_text().splitlines()
+    return [int(line.split()[1]) for line in lines if line.startswith(f"{kind} ")]
+
+
 def losses(out: Path, rank: int) -> tuple[list[int], dict[int, str]]:
     """The steps each run of ``out`` started after, and the loss of every step (a step run
     twice, before a kill and after the resume, must have had the same loss)."""
-    starts, by_step = [], {}
+    starts, by_step = log_lines(out, rank, "start"), {}
     for line in (out / f"losses-{rank}.txt").read_text().splitlines():
         key, value = line.split()
-        if key == "start":
-            starts.append(int(value))
+        if key in ("start", "staging"):
             continue
         step = int(key)
         assert by_step.setdefault(step, value) == value, f"rank {rank} step {step} differs"
@@ -155,6 +160,12 @@ def test_killed_job_resumes_from_the_newest_committed_step(tmp_path, reference, 
     out, resumed_from = kill_and_resume(tmp_path, "checkpoint", checkpoint)
     if async_mode == "disabled":
         assert resumed_from == 4  # a synchronous save is committed when save() returns
+    for rank in range(2):
+        # async_with_pinned_mem: save() returned with the staging still running, every time.
+        staged = [2, 4, 4, 6] if resumed_from == 2 else [2, 4, 6]
+        assert log_lines(out, rank, "staging") == (
+            staged if async_mode == "async_with_pinned_mem" else []
+        )
     assert_same_run(out, reference)
 
     store = open_store(str(tmp_path / "dump" / "checkpoint"))
@@ -211,16 +222,19 @@ def test_load_step_initial_load_path_and_exclude(tmp_path, reference):
                 "dump": str(dump),
                 "steps": STEPS,
                 "checkpoint": ckpt(keep_latest_k=0, last_save_in_hf=True),
+                "hf_adapter": True,
             }
         )
     )
     assert_same_run(first, reference)  # saving does not perturb training
     folder = dump / "checkpoint"
     assert list_steps(open_store(str(folder))) == [2, 4, 6, 8]
+    # The last step: the model alone, named by the model's adapter, exported as safetensors.
     exported = load_file(str(folder / "hf" / "step-8" / "model.safetensors"))
     want = torch.load(first / "params.pt", weights_only=True)["params"]
-    assert exported.keys() == want.keys()
-    assert all(torch.equal(exported[k], want[k]) for k in want)
+    hf_names = {f"model.{k.replace('tok_embeddings.', 'embed_tokens.')}": k for k in want}
+    assert exported.keys() == hf_names.keys()
+    assert all(torch.equal(exported[hf], want[k]) for hf, k in hf_names.items())
 
     # load_step=4 without train_state: the step counter starts at 0, all else is step 4's.
     partial = tmp_path / "partial"
