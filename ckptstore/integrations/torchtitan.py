@@ -39,7 +39,8 @@ the bytes go and how the newest step is found:
   (``maybe_wait_for_staging``), as torchtitan does. torchtitan sends that save to a checkpoint
   process (``AsyncCheckpointerType.PROCESS``); this manager does too once the writer can be
   pickled, and uploads from a background thread of the trainer's process until then.
-- the last step (``training.steps``) is saved synchronously: the model alone cast to
+- the last step (``training.steps``) is saved synchronously, to the store itself even with
+  tiers (it is the run's result, whichever save ``durable_every`` drains): the model alone cast to
   ``export_dtype`` when ``last_save_model_only``, and with ``last_save_in_hf`` also exported as
   Hugging Face safetensors (``ckptstore.export``; names from ``sd_adapter.to_hf`` when the model
   has an adapter) to ``<folder>/hf/step-<N>``.
@@ -203,16 +204,20 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         self.pg: dist.ProcessGroup | None = None
         if self.async_mode != "disabled":
             self.pg = dist.new_group(backend="gloo")
-        self.writer = StoreWriter(
-            self.folder,
+        writer_options = dict(
             keep_last=self.keep_latest_k or None,
             storage_options=self.storage_options,
             storage=config.storage,
             encoding=config.encoding,
             staging=config.staging,
             retention=config.retention,
-            tiers=config.tiers,
         )
+        self.writer = StoreWriter(self.folder, tiers=config.tiers, **writer_options)
+        # The last step goes straight to the store, even with tiers that drain only every
+        # durable_every-th save: it is the run's result (and what last_save_in_hf exports).
+        self._last_writer = self.writer
+        if config.tiers is not None and config.tiers.local_dir is not None:
+            self._last_writer = StoreWriter(self.folder, **writer_options)
         logger.info(
             "rank %d: checkpoints are loaded from and saved to the ckptstore store %s",
             _rank(),
@@ -309,7 +314,7 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             )
         else:
             states = self._flattened_model_states_sd()
-        dcp.save(states, storage_writer=self.writer, checkpoint_id=str(curr_step))
+        dcp.save(states, storage_writer=self._last_writer, checkpoint_id=str(curr_step))
         if self.last_save_in_hf:
             self._export_hf(curr_step)
 
@@ -435,6 +440,8 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                 self.stager.close()
                 self.stager = None
             writer, self.writer = self.writer, None
+            if self._last_writer is not writer:
+                self._last_writer.close()
             writer.close()
 
 

@@ -12,7 +12,8 @@ dataset, the trainer's train state (``step``, ``ntokens_seen``), and the checkpo
 SPEC is a JSON object: ``out`` (a directory for this rank's results), ``steps``, ``checkpoint``
 (``CkptstoreCheckpointManager.Config`` fields; ``null``: checkpointing disabled), ``dump``
 (the trainer's dump folder), ``kill_at`` (a step after whose save the rank SIGKILLs itself),
-``hf_adapter`` (the model's state dict adapter: ``TinyAdapter``; else none).
+``hf_adapter`` (the model's state dict adapter: ``TinyAdapter``; else none), ``local_dir``
+(``TierOptions(local_dir=..., durable_every=2)``; else no tiers).
 Each rank appends ``<step> <loss as float.hex>`` to ``out/losses-<rank>.txt``, ``start
 <step>`` once loaded and ``staging <step>`` after a save that left its staging running; at the end rank 0 writes the full parameters to ``out/params.pt``.
 """
@@ -38,7 +39,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
-from ckptstore.options import StorageOptions
+from ckptstore.options import StorageOptions, TierOptions
 
 VOCAB, WIDTH, SEQ = 64, 32, 16
 
@@ -149,8 +150,11 @@ def main(spec: dict[str, Any]) -> None:
     train_state = TrainState()
 
     ckpt = spec.get("checkpoint")
+    tiers = (
+        TierOptions(local_dir=spec["local_dir"], durable_every=2) if "local_dir" in spec else None
+    )
     config = CkptstoreCheckpointManager.Config(
-        **(ckpt or {"enable": False}), storage=StorageOptions(timeout_s=20.0)
+        **(ckpt or {"enable": False}), storage=StorageOptions(timeout_s=20.0), tiers=tiers
     )
     checkpointer = config.build(
         dataloader=dataloader,

@@ -205,6 +205,34 @@ def test_killed_job_resumes_from_s3(tmp_path, reference, s3_uri):
 @needs_torchtitan
 @pytest.mark.dist
 @pytest.mark.slow
+def test_killed_job_resumes_from_local_tiers(tmp_path, reference):
+    """With ``tiers=TierOptions(local_dir=...)`` each save is committed to every rank's local
+    tier and drained to the store every 2nd save (steps 2, 6, ...): killed after step 5, the
+    job resumes from step 4, which only the local tiers hold, bit for bit. The last step is
+    saved to the store itself, whichever saves the tiers drain."""
+    from ckptstore.catalog import list_steps
+    from ckptstore.store import open_store
+
+    out = tmp_path / "out"
+    spec = {
+        "out": str(out),
+        "dump": str(tmp_path / "dump"),
+        "steps": STEPS,
+        "local_dir": str(tmp_path / "local"),
+        "checkpoint": ckpt(keep_latest_k=2),
+    }
+    killed = run_job({**spec, "kill_at": KILL_AT})
+    assert [r.returncode for r in killed] == [-9, -9], [r.stderr[-2000:] for r in killed]
+    assert 4 not in list_steps(open_store(str(tmp_path / "dump" / "checkpoint")))
+    finished(run_job(spec))
+    assert [losses(out, rank)[0] for rank in range(2)] == [[0, 4], [0, 4]]
+    assert_same_run(out, reference)
+    assert list_steps(open_store(str(tmp_path / "dump" / "checkpoint")))[-1] == STEPS
+
+
+@needs_torchtitan
+@pytest.mark.dist
+@pytest.mark.slow
 def test_load_step_initial_load_path_and_exclude(tmp_path, reference):
     """``load_step``, ``exclude_from_loading``, ``load_only``, ``initial_load_path`` naming a
     step, ``last_save_in_hf``, and the refusal of a load that would make saves collide."""
