@@ -72,10 +72,11 @@ try:
     )
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.tools import filesystem
-except ImportError:
+except ImportError as exc:
     raise ImportError(
-        "ckptstore.integrations.torchtitan needs torchtitan 0.3: pip install 'ckptstore[torchtitan]'"
-    ) from None
+        "ckptstore.integrations.torchtitan needs torchtitan 0.3 and what its checkpoint manager "
+        f"imports: pip install 'ckptstore[torchtitan]' ({exc})"
+    ) from exc
 
 import torch
 import torch.distributed as dist
