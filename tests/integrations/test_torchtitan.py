@@ -1,0 +1,411 @@
+"""ckptstore.integrations.torchtitan with torchtitan 0.3.0's own parts and call order.
+
+Each job is 2 real processes of one gloo group, every part torchtitan's own
+(tests/helpers/titan.py): FSDP2 model, ``OptimizersContainer``, ``LRSchedulersContainer``,
+``ParallelAwareDataloader``, the manager built by ``Config.build(...)`` with the trainer's
+arguments and driven as ``Trainer.train`` drives it. Jobs are killed with SIGKILL after a step
+and resumed; a resumed job must match an uninterrupted one bit for bit (every loss, every
+parameter, the token count)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+from tests.helpers.dist import free_port
+
+needs_torchtitan = pytest.mark.skipif(
+    find_spec("torchtitan") is None,
+    reason="torchtitan is not installed (pip install 'ckptstore[torchtitan]')",
+)
+
+STEPS, INTERVAL, KILL_AT = 8, 2, 5
+JOB_TIMEOUT_S = 150.0
+
+
+def run_job(spec: dict, *, world: int = 2) -> list[subprocess.CompletedProcess]:
+    """``world`` ranks of tests/helpers/titan.py on one gloo group; every rank's outcome. The
+    test fails if a rank is still running after ``JOB_TIMEOUT_S``."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONWARNINGS": "ignore",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.titan", json.dumps(spec)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    done = []
+    try:
+        for r, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=JOB_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {r} of the torchtitan job still ran after {JOB_TIMEOUT_S} s")
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return done
+
+
+def finished(job: list[subprocess.CompletedProcess]) -> None:
+    for r, rank in enumerate(job):
+        assert rank.returncode == 0, f"rank {r} exited {rank.returncode}: {rank.stderr[-3000:]}"
+
+
+def log_lines(out: Path, rank: int, kind: str) -> list[int]:
+    """The steps of the ``<kind> <step>`` lines of a rank's log."""
+    lines = (out / f"losses-{rank}.txt").read_text().splitlines()
+    return [int(line.split()[1]) for line in lines if line.startswith(f"{kind} ")]
+
+
+def losses(out: Path, rank: int) -> tuple[list[int], dict[int, str]]:
+    """The steps each run of ``out`` started after, and the loss of every step (a step run
+    twice, before a kill and after the resume, must have had the same loss)."""
+    starts, by_step = log_lines(out, rank, "start"), {}
+    for line in (out / f"losses-{rank}.txt").read_text().splitlines():
+        key, value = line.split()
+        if key in ("start", "staging"):
+            continue
+        step = int(key)
+        assert by_step.setdefault(step, value) == value, f"rank {rank} step {step} differs"
+    return starts, by_step
+
+
+def ckpt(**fields) -> dict:
+    return {"enable": True, "interval": INTERVAL, **fields}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """A job that runs all its steps without checkpoints."""
+    out = tmp_path_factory.mktemp("titan-reference")
+    finished(run_job({"out": str(out), "dump": str(out / "dump"), "steps": STEPS}))
+    return out
+
+
+def assert_same_run(out: Path, reference: Path, *, first_step: int = 1) -> None:
+    """Every loss from ``first_step`` on, the final parameters and the token count of the run
+    in ``out`` are those of the reference run, bit for bit."""
+    for rank in range(2):
+        _, got = losses(out, rank)
+        _, want = losses(reference, rank)
+        assert {s: got[s] for s in range(first_step, STEPS + 1)} == {
+            s: want[s] for s in range(first_step, STEPS + 1)
+        }
+    got = torch.load(out / "params.pt", weights_only=True)
+    want = torch.load(reference / "params.pt", weights_only=True)
+    assert got["ntokens_seen"] == want["ntokens_seen"]
+    assert got["params"].keys() == want["params"].keys()
+    for name, tensor in want["params"].items():
+        assert torch.equal(got["params"][name], tensor), name
+
+
+def kill_and_resume(tmp_path: Path, folder: str, checkpoint: dict) -> tuple[Path, int]:
+    """A job SIGKILLed after step KILL_AT's save call, then the same job again: its output and
+    the newest step committed when it was killed."""
+    from ckptstore.catalog import list_steps
+    from ckptstore.store import open_store
+
+    out = tmp_path / "out"
+    spec = {"out": str(out), "dump": str(tmp_path / "dump"), "steps": STEPS}
+    killed = run_job({**spec, "checkpoint": checkpoint, "kill_at": KILL_AT})
+    assert [r.returncode for r in killed] == [-9, -9], [r.stderr[-2000:] for r in killed]
+    uri = folder if "://" in folder else str(tmp_path / "dump" / folder)
+    committed = list_steps(open_store(uri))
+    assert committed and committed[-1] in (2, 4), committed
+    finished(run_job({**spec, "checkpoint": checkpoint}))
+    for rank in range(2):
+        starts, _ = losses(out, rank)
+        assert starts == [0, committed[-1]], f"rank {rank} started after {starts}"
+    return out, committed[-1]
+
+
+@needs_torchtitan
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_killed_job_resumes_from_the_newest_committed_step(tmp_path, reference, async_mode):
+    """Killed after step 5 (saves every 2 steps), the job resumes from the newest step the
+    store committed (4, or 2 when step 4's async save was still in flight) and ends exactly
+    as the uninterrupted job. The last step keeps torchtitan's semantics: model only, in
+    ``export_dtype``; ``keep_latest_k=2`` leaves the newest 2 steps."""
+    from ckptstore.catalog import list_steps
+    from ckptstore.dcp import load_full_state_dict
+    from ckptstore.store import open_store
+
+    checkpoint = ckpt(async_mode=async_mode, keep_latest_k=2, export_dtype="bfloat16")
+    out, resumed_from = kill_and_resume(tmp_path, "checkpoint", checkpoint)
+    if async_mode == "disabled":
+        assert resumed_from == 4  # a synchronous save is committed when save() returns
+    for rank in range(2):
+        # async_with_pinned_mem: save() returned with the staging still running, every time.
+        staged = [2, 4, 4, 6] if resumed_from == 2 else [2, 4, 6]
+        assert log_lines(out, rank, "staging") == (
+            staged if async_mode == "async_with_pinned_mem" else []
+        )
+    assert_same_run(out, reference)
+
+    store = open_store(str(tmp_path / "dump" / "checkpoint"))
+    assert list_steps(store) == [6, 8]
+    last = load_full_state_dict(store, 8)
+    want = torch.load(out / "params.pt", weights_only=True)["params"]
+    assert last.keys() == want.keys()  # the model alone: no optimizer, dataloader, train_state
+    for name, tensor in want.items():
+        assert last[name].dtype == torch.bfloat16
+        assert torch.equal(last[name], tensor.to(torch.bfloat16)), name
+    step6 = load_full_state_dict(store, 6)
+    assert {"optimizer", "lr_scheduler", "dataloader", "train_state"} <= step6.keys()
+    assert step6["train_state"] == {"step": 6, "ntokens_seen": 6 * 4 * 16}
+
+
+@needs_torchtitan
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.s3
+def test_killed_job_resumes_from_s3(tmp_path, reference, s3_uri):
+    """The same kill and resume with ``folder`` an S3 URI (moto on loopback), async saves;
+    the last step saved whole (``last_save_model_only=False``)."""
+    from ckptstore.catalog import list_steps
+    from ckptstore.dcp import load_full_state_dict
+    from ckptstore.store import open_store
+
+    checkpoint = ckpt(
+        folder=s3_uri, async_mode="async", keep_latest_k=3, last_save_model_only=False
+    )
+    out, _ = kill_and_resume(tmp_path, s3_uri, checkpoint)
+    assert_same_run(out, reference)
+    store = open_store(s3_uri)
+    assert list_steps(store) == [4, 6, 8]
+    assert load_full_state_dict(store, 8)["train_state"]["step"] == STEPS
+
+
+@needs_torchtitan
+@pytest.mark.dist
+@pytest.mark.slow
+def test_killed_job_resumes_from_local_tiers(tmp_path, reference):
+    """With ``tiers=TierOptions(local_dir=...)`` each save is committed to every rank's local
+    tier and drained to the store every 2nd save (steps 2, 6, ...): killed after step 5, the
+    job resumes from step 4, which only the local tiers hold, bit for bit. The last step is
+    saved to the store itself, whichever saves the tiers drain."""
+    from ckptstore.catalog import list_steps
+    from ckptstore.store import open_store
+
+    out = tmp_path / "out"
+    spec = {
+        "out": str(out),
+        "dump": str(tmp_path / "dump"),
+        "steps": STEPS,
+        "local_dir": str(tmp_path / "local"),
+        "checkpoint": ckpt(keep_latest_k=2),
+    }
+    killed = run_job({**spec, "kill_at": KILL_AT})
+    assert [r.returncode for r in killed] == [-9, -9], [r.stderr[-2000:] for r in killed]
+    assert 4 not in list_steps(open_store(str(tmp_path / "dump" / "checkpoint")))
+    finished(run_job(spec))
+    assert [losses(out, rank)[0] for rank in range(2)] == [[0, 4], [0, 4]]
+    assert_same_run(out, reference)
+    assert list_steps(open_store(str(tmp_path / "dump" / "checkpoint")))[-1] == STEPS
+
+
+@needs_torchtitan
+@pytest.mark.dist
+@pytest.mark.slow
+def test_load_step_initial_load_path_and_exclude(tmp_path, reference):
+    """``load_step``, ``exclude_from_loading``, ``load_only``, ``initial_load_path`` naming a
+    step, ``last_save_in_hf``, and the refusal of a load that would make saves collide."""
+    from safetensors.torch import load_file
+
+    from ckptstore.catalog import list_steps
+    from ckptstore.store import open_store
+
+    dump = tmp_path / "dump"
+    first = tmp_path / "first"
+    finished(
+        run_job(
+            {
+                "out": str(first),
+                "dump": str(dump),
+                "steps": STEPS,
+                "checkpoint": ckpt(keep_latest_k=0, last_save_in_hf=True),
+                "hf_adapter": True,
+            }
+        )
+    )
+    assert_same_run(first, reference)  # saving does not perturb training
+    folder = dump / "checkpoint"
+    assert list_steps(open_store(str(folder))) == [2, 4, 6, 8]
+    # The last step: the model alone, named by the model's adapter, exported as safetensors.
+    exported = load_file(str(folder / "hf" / "step-8" / "model.safetensors"))
+    want = torch.load(first / "params.pt", weights_only=True)["params"]
+    hf_names = {f"model.{k.replace('tok_embeddings.', 'embed_tokens.')}": k for k in want}
+    assert exported.keys() == hf_names.keys()
+    assert all(torch.equal(exported[hf], want[k]) for hf, k in hf_names.items())
+
+    # load_step=4 without train_state: the step counter starts at 0, all else is step 4's.
+    partial = tmp_path / "partial"
+    spec = {"out": str(partial), "dump": str(dump), "steps": STEPS}
+    fields = dict(load_step=4, load_only=True, exclude_from_loading=["train_state"])
+    finished(run_job({**spec, "checkpoint": ckpt(**fields)}))
+    for rank in range(2):
+        starts, got = losses(partial, rank)
+        _, ref = losses(reference, rank)
+        assert starts == [0]
+        assert [got[s] for s in (1, 2, 3, 4)] == [ref[s] for s in (5, 6, 7, 8)]
+
+    # Training on from step 4 in the same folder would save step 6 again: refused up front.
+    refused = run_job({**spec, "checkpoint": ckpt(load_step=4)})
+    assert all(r.returncode != 0 for r in refused)
+    assert "--checkpoint.load_step=4 is older than step 8" in refused[0].stderr
+    missing = run_job({**spec, "checkpoint": ckpt(load_step=5, load_only=True)})
+    assert "--checkpoint.load_step=5 not found" in missing[0].stderr
+
+    # The roll-back: a new folder, starting from step 4 of the first one.
+    rolled = tmp_path / "rolled"
+    fields = dict(
+        folder="rollback",
+        initial_load_path=str(folder / "step-4"),
+        initial_load_model_only=False,
+        last_save_model_only=False,
+    )
+    finished(
+        run_job(
+            {"out": str(rolled), "dump": str(dump), "steps": STEPS, "checkpoint": ckpt(**fields)}
+        )
+    )
+    for rank in range(2):
+        assert losses(rolled, rank)[0] == [4]
+    assert_same_run(rolled, reference, first_step=5)
+    assert list_steps(open_store(str(dump / "rollback"))) == [6, 8]
+
+
+@needs_torchtitan
+def test_config_is_torchtitans_and_checks_its_fields():
+    """The Config is a ``BaseCheckpointManager.Config`` (what ``Trainer.Config.checkpoint``
+    takes) with every field of torchtitan's own ``CheckpointManager.Config``, checked as
+    torchtitan checks them; ``build`` makes our manager; a disabled one does nothing."""
+    from dataclasses import fields
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+    from ckptstore.options import TierOptions
+
+    Config = CkptstoreCheckpointManager.Config
+    assert issubclass(Config, BaseCheckpointManager.Config)
+    theirs = {f.name for f in fields(CheckpointManager.Config)}
+    assert theirs <= {f.name for f in fields(Config)}
+    assert Config(async_mode="ASYNC").async_mode == "async"
+    assert Config(tiers=TierOptions(local_dir="/tmp/x")).tiers.local_dir == "/tmp/x"
+    with pytest.raises(ValueError, match="Invalid async_mode"):
+        Config(async_mode="threads")
+    with pytest.raises(ValueError, match="at least 2 checkpoint replicas"):
+        Config(keep_latest_k=1)
+    with pytest.raises(ValueError, match="initial_load_in_hf is not supported"):
+        Config(initial_load_path="/ckpt", initial_load_in_hf=True)
+    with pytest.raises(TypeError):
+        Config("checkpoint")  # keyword-only, as torchtitan's
+    manager = Config(enable=False).build(
+        dataloader=None,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder="/nonexistent",
+    )
+    assert isinstance(manager, CkptstoreCheckpointManager)
+    assert manager.load() is False and manager.save(10, last_step=True) is False
+    manager.close()
+
+
+@needs_torchtitan
+def test_config_parses_from_torchtitans_command_line():
+    """torchtitan's launcher (``ConfigManager.parse_args``: tyro over the config a registry
+    function returned) keeps our Config, ckptstore's options in it, and applies
+    ``--checkpoint.*`` flags to it."""
+    from dataclasses import field, make_dataclass
+
+    import tyro
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+    from torchtitan.config import Configurable
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+    from ckptstore.options import StorageOptions, TierOptions
+
+    # Trainer.Config's checkpoint field, as the trainer declares it.
+    JobConfig = make_dataclass(
+        "JobConfig",
+        [
+            (
+                "checkpoint",
+                BaseCheckpointManager.Config,
+                field(default_factory=CheckpointManager.Config),
+            )
+        ],
+        bases=(Configurable.Config,),
+        kw_only=True,
+        slots=True,
+    )
+    ConfigManager()  # registers torchtitan's tyro rules
+    tiers = TierOptions(local_dir="/nvme/ckpt")
+    loaded = JobConfig(
+        checkpoint=CkptstoreCheckpointManager.Config(
+            enable=True, tiers=tiers, storage=StorageOptions(timeout_s=5.0)
+        )
+    )
+    args = ["--checkpoint.interval", "7", "--checkpoint.async_mode", "async"]
+    args += ["--checkpoint.exclude_from_loading", "dataloader,lr_scheduler"]
+    parsed = tyro.cli(JobConfig, args=args, default=loaded, registry=custom_registry).checkpoint
+    assert type(parsed) is CkptstoreCheckpointManager.Config
+    assert (parsed.enable, parsed.interval, parsed.async_mode) == (True, 7, "async")
+    assert parsed.exclude_from_loading == ["dataloader", "lr_scheduler"]
+    assert parsed.tiers == tiers and parsed.storage.timeout_s == 5.0
+
+
+def test_ckptstore_imports_without_torchtitan():
+    """ckptstore, its DCP backend and its integrations package import without torchtitan; the
+    torchtitan door says what to install."""
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torchtitan"] = None  # as if it were not installed
+        import ckptstore, ckptstore.dcp, ckptstore.integrations
+        try:
+            import ckptstore.integrations.torchtitan
+        except ImportError as exc:
+            print(exc)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pip install 'ckptstore[torchtitan]'" in done.stdout
