@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from loaders.formats._writing import DatasetSink, ShardWriter, Target
-from loaders.formats.manifest import manifest_bytes
+from loaders.formats.manifest import FileHasher, FileHashes, manifest_bytes
 from loaders.formats.tokens.reader import LLMC_HEADER_BYTES, llmc_header
 
 # Megatron-LM's indexed dataset (megatron/core/datasets/indexed_dataset.py): "MMIDIDX\0\0",
@@ -51,7 +51,12 @@ class TokenWriter(ShardWriter):
     nanoGPT's ``train.bin`` and Megatron's ``.bin``). ``megatron_index`` (no header; uint32
     ids below 2**31, which Megatron reads as int32) also writes Megatron's ``.idx`` beside each ``.bin`` (``{prefix}.00000.idx``, before its
     ``.bin``), each ``write`` one document, so that Megatron's ``IndexedDataset`` reads the
-    files too (a document that spans two files is two documents there)."""
+    files too (a document that spans two files is two documents there).
+
+    The manifest records each file's size, xxh3_64 and the xxh3_64 of each ``hash_block_bytes``
+    block of it, which the reader checks on every read (docs/FORMAT.md, "Token datasets"):
+    smaller blocks widen each ranged read less (by a block on average) and make the manifest
+    larger (16 bytes a block)."""
 
     HEADER_BYTES = {None: 0, "llmc": LLMC_HEADER_BYTES}
     """Bytes each file's header takes, by ``header`` (the reader's ``header_bytes``)."""
@@ -67,6 +72,7 @@ class TokenWriter(ShardWriter):
         manifest: str = "manifest.txt",
         storage_options: dict[str, Any] | None = None,
         megatron_index: bool = False,
+        hash_block_bytes: int = 256 * 2**10,
     ) -> None:
         if megatron_index and header:
             raise ValueError(
@@ -79,6 +85,9 @@ class TokenWriter(ShardWriter):
             raise ValueError(f"TokenWriter header must be None or 'llmc', got {header!r}")
         if file_tokens < 1:
             raise ValueError(f"TokenWriter file_tokens must be >= 1, got {file_tokens}")
+        FileHasher(hash_block_bytes)  # checks it
+        self.hash_block_bytes = hash_block_bytes
+        self._hashes: dict[str, FileHashes] = {}
         self.dtype, self.header, self.file_tokens, self.prefix = dtype, header, file_tokens, prefix
         self.header_bytes = self.HEADER_BYTES[header]
         self.sink = DatasetSink(uri, index=manifest, storage_options=storage_options)
@@ -123,7 +132,11 @@ class TokenWriter(ShardWriter):
         if self.megatron_index:
             lengths = [len(p) for p in self._pending if len(p)]
             self.sink.put(f"{stem}.idx", megatron_index(self.dtype, lengths))
+        hasher = FileHasher(self.hash_block_bytes)
+        for part in parts:
+            hasher.update(part)
         self.sink.put(f"{stem}.bin", parts)
+        self._hashes[f"{stem}.bin"] = hasher.finish()
         self.num_tokens += self._pending_tokens
         self._pending, self._pending_tokens = [], 0
 
@@ -133,4 +146,4 @@ class TokenWriter(ShardWriter):
         return [k for k in super().shards if k.endswith(".bin")]
 
     def _index_bytes(self) -> bytes:
-        return manifest_bytes(self.shards)
+        return manifest_bytes(self.shards, self._hashes)
