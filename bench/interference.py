@@ -53,7 +53,7 @@ import torch
 from bench import _ckpt_common as common
 from bench._exit import terminate_unwinds
 from bench.report import parse_bytes
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StagingOptions, StorageOptions
 
 KINDS = ("gpu", "cpu", "python")
 _TOUCH_STRIDE = 2**18  # one float per MiB
@@ -263,10 +263,10 @@ def _measure(args: argparse.Namespace) -> dict:
             baselines = [_loop(step, args.steps, None, state) for _ in range(before)]
             with Checkpointer(
                 uri,
-                compression=args.compression,
-                when_busy="skip",
+                encoding=EncodingOptions(compression=args.compression),
+                staging=StagingOptions(when_busy="skip"),
+                storage=StorageOptions(background_nice=args.nice),
                 keep_last=1,
-                background_nice=args.nice,
             ) as ckpt:
                 saving = _loop(step, args.steps, ckpt, state)
             # baselines after too: drift over the run counts in the spread
@@ -399,10 +399,10 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
         baselines = [_gpu_loop(step, args.steps, args.every, None, device) for _ in range(before)]
         with Checkpointer(
             f"{root}/ckptstore",
-            compression=args.compression,
+            encoding=EncodingOptions(compression=args.compression),
+            staging=StagingOptions(mode="auto"),
+            storage=StorageOptions(background_nice=args.nice),
             keep_last=1,
-            background_nice=args.nice,
-            staging="auto",
         ) as ckpt:
             rates["ckptstore"] = _gpu_loop(
                 step,
