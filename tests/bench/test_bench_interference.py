@@ -216,11 +216,15 @@ def test_a_run_stopped_by_a_signal_leaves_no_temporary_files(tmp_path, signum):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
-        saving = wait_until(
-            lambda: any(f.is_file() for d in _ckptbench_dirs(tmp) for f in d.rglob("*")),
+        wait_until(
+            lambda: (
+                proc.poll() is not None
+                or any(f.is_file() for d in _ckptbench_dirs(tmp) for f in d.rglob("*"))
+            ),
             timeout_s=120,
         )
-        assert saving and proc.poll() is None, "the run never saved into a temporary store"
+        assert proc.poll() is None, f"the run ended before it was stopped: {proc.stderr.read()}"
+        assert _ckptbench_dirs(tmp), "the run never saved into a temporary store"
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
