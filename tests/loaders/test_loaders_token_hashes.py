@@ -172,6 +172,8 @@ def test_an_old_unhashed_manifest_still_reads_with_one_warning(tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="loaders"):
         ds = ShardDataset(roots, _fmt(), config=IN_ORDER)
         assert _check_batches(ds) == list(range(900))
+        again = ShardDataset(roots, _fmt(), config=SHUFFLED)  # opened again: not warned again
+        assert sorted(_check_batches(again)) == list(range(900))
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "carry no hashes" in warning and "manifest manifest.txt" in warning
     assert ds.layout.hashes is None

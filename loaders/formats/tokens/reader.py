@@ -14,6 +14,7 @@ again, not of the whole file."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,34 @@ def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:
             )
 
 
+_unhashed_warned: set[tuple[tuple[str, ...], str | None]] = set()
+_unhashed_lock = threading.Lock()
+
+
+def _warn_unhashed(uris: list[str], manifest: str | None) -> None:
+    """One WARNING per process for each token dataset whose manifest has no hashes (written
+    before they were recorded), however often it is opened; files declared or listed without
+    a manifest (raw ``train.bin`` files, which have none to give) are said at INFO."""
+    with _unhashed_lock:
+        seen = (tuple(uris), manifest) in _unhashed_warned
+        _unhashed_warned.add((tuple(uris), manifest))
+    if seen:
+        return
+    if manifest is None:
+        logger.info(
+            "token files of %s are read unverified: no manifest with hashes was given",
+            ", ".join(uris),
+        )
+        return
+    logger.warning(
+        "token files of %s carry no hashes: manifest %s lists none (written before token files "
+        "were hashed); their bytes are not verified on read (a manifest TokenWriter writes has "
+        "them)",
+        ", ".join(uris),
+        manifest,
+    )
+
+
 @dataclass(kw_only=True)
 class TokenFiles:
     """Token files (keys relative to each replica's root)."""
@@ -140,17 +169,7 @@ class TokenFiles:
             sizes=None if hashes is None else {k: h.size for k, h in hashes.items()},
         )
         if hashes is None:
-            why = (
-                f"manifest {self.manifest} lists none (written before token files were hashed)"
-                if self.manifest is not None
-                else "no hashed manifest was given (TokenFiles(manifest=...))"
-            )
-            logger.warning(
-                "token files of %s carry no hashes: %s; their bytes are not verified on read "
-                "(TokenWriter writes a manifest with hashes)",
-                ", ".join(replicas.uris),
-                why,
-            )
+            _warn_unhashed(replicas.uris, self.manifest)
         itemsize = np.dtype(self.dtype).itemsize
         sample_bytes = self.sample_tokens * itemsize
         per_unit = max(1, self.read_bytes // sample_bytes)
