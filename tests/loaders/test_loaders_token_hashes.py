@@ -16,11 +16,13 @@ import xxhash
 import loaders.formats.manifest as manifest_module
 from loaders import (
     LoaderConfig,
+    ReplicaMismatchError,
     ShardCorruptError,
     ShardDataset,
     TokenFiles,
     TokenWriter,
     UnknownFormatError,
+    hash_token_files,
 )
 from loaders.formats.manifest import manifest_bytes
 
@@ -225,6 +227,47 @@ def test_exact_resume_over_a_damaged_replica(tmp_path):
     assert seen + _check_batches(resumed) == order
     unhashed = dataclasses.replace(_fmt(), manifest=None, files=FILES)
     assert ShardDataset([good], unhashed, config=SHUFFLED).fingerprint == resumed.fingerprint
+
+
+# -- the converter: hashes for files written without them ----------------------------------------
+
+
+def test_hash_token_files_gives_an_old_dataset_the_manifest_its_writer_would_write(tmp_path):
+    """An old dataset (a bare-key manifest) on two replicas: the converter's manifest is byte
+    for byte the one TokenWriter writes today, and reads through it are verified (a flipped
+    byte on one replica is read from the other)."""
+    roots = _write([tmp_path / "a", tmp_path / "b"])
+    written = (Path(roots[0]) / "manifest.txt").read_bytes()
+    for root in roots:
+        (Path(root) / "manifest.txt").write_bytes(manifest_bytes(FILES))
+    assert hash_token_files(roots, manifest="manifest.txt", hash_block_bytes=BLOCK) == FILES
+    for root in roots:
+        assert (Path(root) / "manifest.hashed.txt").read_bytes() == written
+    _flip(Path(roots[0]) / FILES[0], *range(9, FILE_TOKENS * 2, BLOCK))
+    fmt = dataclasses.replace(_fmt(), manifest="manifest.hashed.txt")
+    ds = ShardDataset(roots, fmt, config=IN_ORDER)
+    assert ds.layout.hashes is not None and _check_batches(ds) == list(range(900))
+    with pytest.raises(FileExistsError, match="manifest.hashed.txt"):
+        hash_token_files(roots, manifest="manifest.txt")  # written once
+
+
+def test_hash_token_files_refuses_replicas_that_differ_naming_file_and_replicas(tmp_path):
+    a, b = (tmp_path / "a", tmp_path / "b")
+    for root in (a, b):
+        root.mkdir()
+        TOKENS[:FILE_TOKENS].astype("<u2").tofile(root / "train.bin")
+    _flip(b / "train.bin", 5)
+    with pytest.raises(ReplicaMismatchError) as info:
+        hash_token_files([str(a), str(b)], files=["train.bin"])
+    message = str(info.value)
+    assert "train.bin" in message and str(a) in message and str(b) in message
+    assert not (a / "manifest.hashed.txt").exists() and not (b / "manifest.hashed.txt").exists()
+    # the good copy alone gets its manifest, found by listing
+    assert hash_token_files(str(a)) == ["train.bin"]
+    ds = ShardDataset(
+        str(a), dataclasses.replace(_fmt(), manifest="manifest.hashed.txt"), config=IN_ORDER
+    )
+    assert _check_batches(ds) == list(range(300))
 
 
 # -- hostile manifests ----------------------------------------------------------------------------
