@@ -205,15 +205,19 @@ def test_a_run_stopped_by_a_signal_leaves_no_temporary_files(tmp_path, signum):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}
+    argv = [
+        "ckptbench", "interference", "--size", "16MiB", "--tensors", "2", "--steps", "2000",
+        "--step-s", "0.005", "--kinds", "gpu", "--baseline-runs", "2",
+    ]  # fmt: skip
+    # `python -m bench.cli`, with Python's own Ctrl-C handler even where it starts with SIGINT
+    # ignored (a shell's background job)
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = {argv!r}; runpy.run_module('bench.cli', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "bench.cli", "interference", "--size", "16MiB",
-            "--tensors", "2", "--steps", "2000", "--step-s", "0.005", "--kinds", "gpu",
-            "--baseline-runs", "2",
-        ],
+        [sys.executable, "-c", start],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        # a shell's background job starts with SIGINT ignored: give the run Python's default
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         wait_until(
