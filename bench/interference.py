@@ -20,6 +20,17 @@ of the same state every ``--every`` steps (each waiting for the one before, as D
 step rate counts every step until the GPU finished it; the loss of each is reported against no
 saves (measured before and after).
 
+Noise: the loop without saves runs ``--baseline-runs`` times (3; half before the run with saves,
+rounded up, the rest after), and the spread of their step rates (max - min over their mean) is
+printed beside every loss figure (``±``), the figure marked ``(noise)`` when it is no larger
+than that spread: a loss within it is not told apart from the run-to-run variation of the loop
+itself (short runs on a shared machine vary by tens of percent). ``--json`` has the spread
+(``loss_noise_fraction``, ``background_noise_fraction``) and the verdict (``*_within_noise``).
+
+The defaults (64 MiB, 20 steps of ~0.1 s, three kinds, 3 baseline runs) take about a minute on
+two shared cores. Temporary files (the store, without ``--uri``) are removed on any exit: an
+error, Ctrl-C, or SIGTERM.
+
 The Checkpointer's warning for each skipped save is counted (the table's ``skipped`` column),
 not printed, and its other log lines are printed to stderr after the table (``-v``: all of them
 as they come).
@@ -40,8 +51,9 @@ from collections.abc import Iterator
 import torch
 
 from bench import _ckpt_common as common
+from bench._exit import terminate_unwinds
 from bench.report import parse_bytes
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StagingOptions, StorageOptions
 
 KINDS = ("gpu", "cpu", "python")
 _TOUCH_STRIDE = 2**18  # one float per MiB
@@ -59,12 +71,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="store to save into, each step kind below it in URI/KIND (default: a temp dir)",
     )
-    p.add_argument("--size", default="256MiB", help="state size (default 256MiB)")
+    p.add_argument("--size", default="64MiB", help="state size (default 64MiB)")
     p.add_argument(
         "--tensors", type=int, default=16, help="equal float32 tensors of the state (default 16)"
     )
-    p.add_argument("--steps", type=int, default=80, help="steps per run (default 80)")
-    p.add_argument("--step-s", type=float, default=0.2, help="target step time (default 0.2)")
+    p.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
+    p.add_argument("--step-s", type=float, default=0.1, help="target step time (default 0.1)")
+    p.add_argument(
+        "--baseline-runs",
+        type=int,
+        default=3,
+        help="runs without saves, whose spread is the noise printed beside each loss "
+        "(default 3, at least 2)",
+    )
     p.add_argument("--kinds", default=",".join(KINDS), help=f"step kinds, of {', '.join(KINDS)}")
     p.add_argument(
         "--compression",
@@ -189,7 +208,10 @@ def _is_skipped_save(record: logging.LogRecord) -> bool:
 def run(args: argparse.Namespace) -> int:
     held: list[logging.LogRecord] = []
     try:
-        with _library_logs_held(held, hold=not getattr(args, "verbose", False)):
+        with (
+            terminate_unwinds(),
+            _library_logs_held(held, hold=not getattr(args, "verbose", False)),
+        ):
             if common.check_device(getattr(args, "device", "cpu")).type == "cuda":
                 out = _measure_gpu_training(args)
                 _print_gpu(out, as_json=args.json)
@@ -203,40 +225,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def spread(values: list[float]) -> float:
+    """The noise of repeated runs: (max - min) over their mean."""
+    return (max(values) - min(values)) / statistics.mean(values)
+
+
+def _baseline_split(runs: int) -> tuple[int, int]:
+    """Baseline runs before and after the run with saves (half before, rounded up)."""
+    return runs - runs // 2, runs // 2
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    if args.steps < 2 or args.tensors < 1:
+        raise ValueError("--steps must be >= 2, --tensors >= 1")
+    if args.baseline_runs < 2:
+        raise ValueError("--baseline-runs must be >= 2 (their spread is the noise estimate)")
+
+
 def _measure(args: argparse.Namespace) -> dict:
     size = parse_bytes(args.size)
-    if args.steps < 2 or args.tensors < 1 or args.step_s <= 0:
-        raise ValueError("--steps must be >= 2, --tensors >= 1, --step-s > 0")
+    _check_common(args)
+    if args.step_s <= 0:
+        raise ValueError("--step-s must be > 0")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"unknown step kind(s) {unknown}: expected some of {', '.join(KINDS)}")
     per = max(1, size // 4 // args.tensors)
     state = {f"t{i}": torch.randn(per) for i in range(args.tensors)}
+    before, after = _baseline_split(args.baseline_runs)
     results = {}
     for kind in kinds:
         step = _step_fn(kind, args.step_s)
         with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
             # Each kind saves steps 0.. again: into a store of its own (below --uri if given).
             uri = f"{args.uri.rstrip('/')}/{kind}" if args.uri else tmp
-            baseline = _loop(step, args.steps, None, state)
+            baselines = [_loop(step, args.steps, None, state) for _ in range(before)]
             with Checkpointer(
                 uri,
-                compression=args.compression,
-                when_busy="skip",
+                encoding=EncodingOptions(compression=args.compression),
+                staging=StagingOptions(when_busy="skip"),
+                storage=StorageOptions(background_nice=args.nice),
                 keep_last=1,
-                background_nice=args.nice,
             ) as ckpt:
                 saving = _loop(step, args.steps, ckpt, state)
-            again = _loop(step, args.steps, None, state)  # baseline after, for drift
-        base_rate = statistics.mean([baseline["steps_per_s"], again["steps_per_s"]])
-        base_own = statistics.mean([baseline["own_steps_per_s"], again["own_steps_per_s"]])
+            # baselines after too: drift over the run counts in the spread
+            baselines += [_loop(step, args.steps, None, state) for _ in range(after)]
+        rates = [b["steps_per_s"] for b in baselines]
+        owns = [b["own_steps_per_s"] for b in baselines]
+        loss = 1.0 - saving["steps_per_s"] / statistics.mean(rates)
+        background = 1.0 - saving["own_steps_per_s"] / statistics.mean(owns)
         results[kind] = {
-            "baseline_steps_per_s": base_rate,
+            "baseline_steps_per_s": statistics.mean(rates),
+            "baseline_runs_steps_per_s": rates,
             "saving_steps_per_s": saving["steps_per_s"],
-            "loss_fraction": 1.0 - saving["steps_per_s"] / base_rate,
+            "loss_fraction": loss,
+            "loss_noise_fraction": spread(rates),
+            "loss_within_noise": abs(loss) <= spread(rates),
             "blocked_fraction": saving["blocked_fraction"],
-            "background_loss_fraction": 1.0 - saving["own_steps_per_s"] / base_own,
+            "background_loss_fraction": background,
+            "background_noise_fraction": spread(owns),
+            "background_within_noise": abs(background) <= spread(owns),
             "saves_committed": saving["saves_committed"],
             "saves_skipped": saving["saves_skipped"],
             "blocked_s_median": saving["blocked_s_median"],
@@ -245,30 +294,45 @@ def _measure(args: argparse.Namespace) -> dict:
         "state_bytes": per * 4 * args.tensors,
         "steps": args.steps,
         "step_s": args.step_s,
+        "baseline_runs": args.baseline_runs,
         "nice": args.nice,
         "kinds": results,
     }
 
 
+def loss_cell(loss: float, noise: float) -> str:
+    """A loss figure with its noise beside it, marked when it is within that noise."""
+    return f"{loss:.1%} ±{noise:.1%}" + (" (noise)" if abs(loss) <= noise else "")
+
+
 def _print(out: dict, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(out))
-    else:
+        return
+    print(
+        f"state {out['state_bytes'] / 2**20:.0f} MiB, {out['steps']} steps of "
+        f"~{out['step_s']}s, a save requested every step (skipped while one persists)"
+    )
+    print(
+        f"{'kind':8} {'base steps/s':>12} {'saving':>8} {'loss':>22} {'in save':>8} "
+        f"{'bg':>22} {'saved':>6} {'skipped':>8} {'blocked':>9}"
+    )
+    for kind, r in out["kinds"].items():
+        loss = loss_cell(r["loss_fraction"], r["loss_noise_fraction"])
+        bg = loss_cell(r["background_loss_fraction"], r["background_noise_fraction"])
         print(
-            f"state {out['state_bytes'] / 2**20:.0f} MiB, {out['steps']} steps of "
-            f"~{out['step_s']}s, a save requested every step (skipped while one persists)"
+            f"{kind:8} {r['baseline_steps_per_s']:12.2f} {r['saving_steps_per_s']:8.2f} "
+            f"{loss:>22} {r['blocked_fraction']:8.1%} {bg:>22} {r['saves_committed']:6d} "
+            f"{r['saves_skipped']:8d} {r['blocked_s_median']:8.3f}s"
         )
-        print(
-            f"{'kind':8} {'base steps/s':>12} {'saving':>8} {'loss':>7} {'in save':>8} "
-            f"{'bg':>6} {'saved':>6} {'skipped':>8} {'blocked':>9}"
-        )
-        for kind, r in out["kinds"].items():
-            print(
-                f"{kind:8} {r['baseline_steps_per_s']:12.2f} {r['saving_steps_per_s']:8.2f} "
-                f"{r['loss_fraction']:7.1%} {r['blocked_fraction']:8.1%} "
-                f"{r['background_loss_fraction']:6.1%} {r['saves_committed']:6d} "
-                f"{r['saves_skipped']:8d} {r['blocked_s_median']:8.3f}s"
-            )
+    print(_noise_legend(out["baseline_runs"]))
+
+
+def _noise_legend(runs: int) -> str:
+    return (
+        f"±: noise, the spread of {runs} runs without saves (max - min over their mean); "
+        "(noise): a loss no larger than it, not told apart from the loop's own variation"
+    )
 
 
 # -- --device cuda: a real training step -----------------------------------------------------------
@@ -320,8 +384,10 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
     import torch.distributed.checkpoint as dcp
 
     device = common.check_device("cuda")
-    if args.steps < 2 or args.tensors < 1 or args.every < 1 or args.batch < 1:
-        raise ValueError("--steps must be >= 2, --tensors, --every and --batch >= 1")
+    _check_common(args)
+    if args.every < 1 or args.batch < 1:
+        raise ValueError("--every and --batch must be >= 1")
+    before, after = _baseline_split(args.baseline_runs)
     model, optim, step = _gpu_training(args, device)
     state_bytes = sum(
         t.numel() * t.element_size() for t in _dcp_state(model, optim)["optim"].values()
@@ -330,13 +396,13 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
     rates: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
         root = args.uri.rstrip("/") if args.uri else tmp
-        rates["none_before"] = _gpu_loop(step, args.steps, args.every, None, device)
+        baselines = [_gpu_loop(step, args.steps, args.every, None, device) for _ in range(before)]
         with Checkpointer(
             f"{root}/ckptstore",
-            compression=args.compression,
+            encoding=EncodingOptions(compression=args.compression),
+            staging=StagingOptions(mode="auto"),
+            storage=StorageOptions(background_nice=args.nice),
             keep_last=1,
-            background_nice=args.nice,
-            staging="auto",
         ) as ckpt:
             rates["ckptstore"] = _gpu_loop(
                 step,
@@ -359,16 +425,24 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
         rates["dcp_async"] = _gpu_loop(step, args.steps, args.every, dcp_save, device)
         for future in pending:
             future.result()
-        rates["none_after"] = _gpu_loop(step, args.steps, args.every, None, device)
-    base = statistics.mean([rates["none_before"], rates["none_after"]])
+        baselines += [_gpu_loop(step, args.steps, args.every, None, device) for _ in range(after)]
+    base, noise = statistics.mean(baselines), spread(baselines)
+    rates["none_before"], rates["none_after"] = baselines[0], baselines[-1]
     return {
         "device": common.device_info(device),
         "state_bytes": state_bytes,
         "steps": args.steps,
         "every": args.every,
         "baseline_steps_per_s": base,
+        "baseline_runs": args.baseline_runs,
+        "baseline_runs_steps_per_s": baselines,
         "methods": {
-            name: {"steps_per_s": rates[name], "loss_fraction": 1.0 - rates[name] / base}
+            name: {
+                "steps_per_s": rates[name],
+                "loss_fraction": 1.0 - rates[name] / base,
+                "loss_noise_fraction": noise,
+                "loss_within_noise": abs(1.0 - rates[name] / base) <= noise,
+            }
             for name in ("ckptstore", "dcp_async")
         },
         "runs": rates,
@@ -384,6 +458,8 @@ def _print_gpu(out: dict, *, as_json: bool) -> None:
         f"{out['steps']} steps, a save every {out['every']}; no saves "
         f"{out['baseline_steps_per_s']:.2f} steps/s"
     )
-    print(f"{'method':10} {'steps/s':>8} {'loss':>7}")
+    print(f"{'method':10} {'steps/s':>8} {'loss':>22}")
     for name, r in out["methods"].items():
-        print(f"{name:10} {r['steps_per_s']:8.2f} {r['loss_fraction']:7.1%}")
+        loss = loss_cell(r["loss_fraction"], r["loss_noise_fraction"])
+        print(f"{name:10} {r['steps_per_s']:8.2f} {loss:>22}")
+    print(_noise_legend(out["baseline_runs"]))

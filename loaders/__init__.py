@@ -14,7 +14,7 @@ from loaders.errors import (
     UnknownFormatError,
 )
 from loaders.formats.mds import MDS, MDSWriter
-from loaders.formats.tokens import TokenFiles, TokenWriter
+from loaders.formats.tokens import TokenFiles, TokenWriter, hash_token_files
 from loaders.formats.wds import WebDataset, WebDatasetWriter
 from loaders.replicas import ReplicaSet
 
@@ -37,4 +37,5 @@ __all__ = [
     "UnknownFormatError",
     "WebDataset",
     "WebDatasetWriter",
+    "hash_token_files",
 ]

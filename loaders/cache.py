@@ -368,7 +368,7 @@ def read_unit(
     replica read, given a decode callback whose result it returns) and then cached.
 
     ``fetch(post)`` must return ``post(raw, replica)`` for the replica that answered."""
-    name = cache.entry_name(unit.key, unit.start, unit.end, unit.nbytes)
+    name = cache.entry_name(unit.key, *unit.span(), unit.nbytes)
     hit = cache.lookup(name, unit.nbytes)
     if hit is not None:
         try:

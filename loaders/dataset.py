@@ -278,11 +278,13 @@ class ShardDataset(IterableDataset):
         unit = self.units[unit_id]
         decode = self.layout.decode
 
+        start, end = unit.span()
+
         def fetch(post: Callable[[Any, str], Any]) -> Any:
             return self.replicas.read(
                 unit.key,
-                unit.start,
-                unit.end,
+                start,
+                end,
                 size_hint=unit.nbytes,
                 decode=post,
                 view=self.layout.reads_views,

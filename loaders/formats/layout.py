@@ -13,7 +13,8 @@ from loaders.errors import ShardCorruptError
 
 @dataclass(frozen=True)
 class Unit:
-    """One read: ``[start, end)`` of object ``key`` (the whole object when ``start`` is None)."""
+    """One read of whole samples: ``[start, end)`` of object ``key`` (the whole object when
+    ``start`` is None), or the wider ``[read_start, read_end)`` when given."""
 
     key: str
     start: int | None
@@ -25,9 +26,20 @@ class Unit:
     num_samples: int
     first_id: int
     """Dataset-wide index of the unit's first sample."""
+    read_start: int | None = None
+    read_end: int | None = None
+    """The bytes read when more than the samples' ``[start, end)``: token files with hashes
+    read whole hash blocks, each checked against its hash, and decode the samples out of them."""
 
     def describe(self) -> str:
+        """The samples' bytes (what the dataset fingerprint and errors name)."""
         return self.key if self.start is None else f"{self.key}[{self.start}:{self.end}]"
+
+    def span(self) -> tuple[int | None, int | None]:
+        """The range the read asks for."""
+        if self.read_start is None:
+            return self.start, self.end
+        return self.read_start, self.read_end
 
 
 class Layout(Protocol):

@@ -366,8 +366,11 @@ class _Request:
         ):
             stats.add(failed=1)
             if corrupt:
+                tried = ", ".join(dict.fromkeys(r.name for r in self.tried))
                 raise ShardCorruptError(
-                    f"{last} (and on every other replica tried)" if n > 1 else str(last)
+                    f"{self.what}: no replica holds bytes that verify (tried {tried}); last: {last}"
+                    if n > 1
+                    else str(last)
                 ) from last
             raise ReadFailedError(
                 f"read {self.what} failed after {self.attempts} attempts: "

@@ -102,9 +102,10 @@ class ReplicaSet:
             self._lacking(key),
         )
 
-    def call(self, what: str, fn: Callable[[Store], R]) -> R:
-        """``fn(store)`` on the best replica, failing over on errors (never hedged)."""
-        return self._reads.call(what, fn, [])
+    def call(self, what: str, fn: Callable[[Store], R], *, key: str | None = None) -> R:
+        """``fn(store)`` on the best replica (not one known to lack or to hold another size of
+        ``key``), failing over on errors (never hedged)."""
+        return self._reads.call(what, fn, [] if key is None else self._lacking(key))
 
     def size(self, key: str) -> int:
         """The size of ``key`` on the best replica not known to lack it (never hedged)."""
@@ -120,7 +121,11 @@ class ReplicaSet:
         return first
 
     def find_shards(
-        self, keys: Sequence[str] | None = None, *, suffix: str | tuple[str, ...] = ""
+        self,
+        keys: Sequence[str] | None = None,
+        *,
+        suffix: str | tuple[str, ...] = "",
+        sizes: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
         """The dataset's shards and their sizes, in dataset order, asked of every replica.
 
@@ -129,13 +134,15 @@ class ReplicaSet:
         the union of the keys ending in ``suffix`` (or any of a tuple of them), sorted (a shard
         missing from every replica cannot be seen that way: declare the list). A replica lacking
         shards that others hold gets one WARNING naming them and is not read for them
-        (:attr:`missing`); sizes that differ between replicas raise
-        :class:`ReplicaMismatchError`. An unreachable replica is skipped with a warning. With
+        (:attr:`missing`); so does a replica holding a shard at another size than ``sizes``
+        (what an index or hashed manifest declares) gives or, without it, than most replicas
+        hold (the largest of equals). No replica at the declared size is
+        :class:`ShardCorruptError`. An unreachable replica is skipped with a warning. With
         ``verify_replicas`` off, declared keys are not asked of every replica (only listings
-        are compared) and sizes come from one replica each.
+        are compared) and sizes come from ``sizes`` or one replica each.
         """
         found, lacking = survey.find_shards(
-            self._replicas, keys, suffix, verify=self.config.verify_replicas
+            self._replicas, keys, suffix, verify=self.config.verify_replicas, sizes=sizes
         )
         for key, uris in lacking.items():
             self.missing[key] = self.missing.get(key, frozenset()) | uris

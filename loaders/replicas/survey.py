@@ -4,11 +4,17 @@ as a dataset opens (and its index or manifest, which must be the same on every r
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptstore.errors import ObjectNotFoundError, StorageError
-from loaders.errors import ReadFailedError, ReplicaMismatchError, ShardNotFoundError
+from loaders.errors import (
+    ReadFailedError,
+    ReplicaMismatchError,
+    ShardCorruptError,
+    ShardNotFoundError,
+)
 from loaders.replicas.health import Replica
 
 logger = logging.getLogger(__package__)  # "loaders.replicas", as health's
@@ -40,24 +46,31 @@ def find_shards(
     suffix: str | tuple[str, ...],
     *,
     verify: bool,
+    sizes: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, int | None], dict[str, set[str]]]:
     """The shards as :meth:`ReplicaSet.find_shards` finds them, with their sizes (None where no
-    replica was asked: the caller asks one), and the URIs of the replicas lacking each shard
-    that some lack (a warning names them)."""
+    replica was asked: the caller asks one), and the URIs of the replicas not to read each
+    shard from: those lacking it, and those holding it at another size (warnings name them).
+
+    The size a shard must have is the one ``sizes`` (an index's, a hashed manifest's) gives;
+    without it, the size most replicas hold, of equals the largest (a copy cut short is the
+    common damage). No replica at the size ``sizes`` gives is :class:`ShardCorruptError`."""
+    sizes = sizes or {}
     if keys is not None and not verify:
-        return dict.fromkeys(keys), {}
+        return {key: sizes.get(key) for key in keys}, {}
     with ThreadPoolExecutor(len(replicas)) as pool:
-        found = list(pool.map(lambda r: _survey(r, keys, suffix, verify), replicas))
-    answered = {r: f for r, f in zip(replicas, found) if isinstance(f, dict)}
+        surveyed = list(pool.map(lambda r: _survey(r, keys, suffix, verify), replicas))
+    answered = {r: f for r, f in zip(replicas, surveyed) if isinstance(f, dict)}
     if not answered:
         raise ReadFailedError(
-            f"no replica answered a listing or size request: {found[-1]}"
-        ) from found[-1]
+            f"no replica answered a listing or size request: {surveyed[-1]}"
+        ) from surveyed[-1]
     if keys is None:
         keys = sorted(set().union(*answered.values()))
     tried = ", ".join(r.name for r in answered)
     down = [r.name for r in replicas if r not in answered]
-    sizes: dict[str, int | None] = {}
+    found: dict[str, int | None] = {}
+    resized: dict[Replica, list[tuple[str, int, int]]] = {}
     for key in keys:
         have = [(r, f[key]) for r, f in answered.items() if key in f]
         if not have:
@@ -65,31 +78,62 @@ def find_shards(
                 f"shard {key} is missing from every replica (tried {tried}"
                 + (f"; unreachable: {', '.join(down)})" if down else ")")
             )
-        (first, size), *others = have
-        for r, got in others:
+        size = _agreed_size(key, have, sizes.get(key))
+        for r, got in have:
             if got is not None and size is not None and got != size:
-                raise ReplicaMismatchError(
-                    f"shard {key} is {got} bytes on replica {r.name}, {size} on replica "
-                    f"{first.name}: replicas differ"
-                )
-        sizes[key] = size
+                resized.setdefault(r, []).append((key, got, size))
+        found[key] = size
     lacking: dict[str, set[str]] = {}
+    for r, wrong in resized.items():
+        logger.warning(
+            "replica %s holds %d of %d shards at another size, read from the other replicas: %s",
+            r.name,
+            len(wrong),
+            len(keys),
+            _named(f"{key} ({got} bytes, not {size})" for key, got, size in wrong),
+        )
+        for key, _, _ in wrong:
+            lacking.setdefault(key, set()).add(r.name)
     for r, f in answered.items():
         absent = [key for key in keys if key not in f]
         if absent:
-            shown = ", ".join(absent[:_NAMED]) + (
-                f" (+{len(absent) - _NAMED} more)" if len(absent) > _NAMED else ""
-            )
             logger.warning(
                 "replica %s lacks %d of %d shards, read from the other replicas: %s",
                 r.name,
                 len(absent),
                 len(keys),
-                shown,
+                _named(absent),
             )
             for key in absent:
                 lacking.setdefault(key, set()).add(r.name)
-    return sizes, lacking
+    return found, lacking
+
+
+def _named(items: Iterable[str]) -> str:
+    """At most ``_NAMED`` of ``items``, and how many more."""
+    items = list(items)
+    more = len(items) - _NAMED
+    return ", ".join(items[:_NAMED]) + (f" (+{more} more)" if more > 0 else "")
+
+
+def _agreed_size(
+    key: str, have: list[tuple[Replica, int | None]], declared: int | None
+) -> int | None:
+    """The size ``key`` must have: ``declared``, else the size most replicas in ``have`` hold
+    (the largest of equals); :class:`ShardCorruptError` if none holds the declared size."""
+    known = [got for _, got in have if got is not None]
+    if declared is not None:
+        if known and declared not in known and len(known) == len(have):
+            held = ", ".join(f"{r.name}: {got} bytes" for r, got in have)
+            raise ShardCorruptError(
+                f"shard {key}: no replica holds it at the {declared} bytes its index declares "
+                f"({held})"
+            )
+        return declared
+    if not known:
+        return None
+    counts = Counter(known)
+    return max(counts, key=lambda n: (counts[n], n))
 
 
 def _survey(

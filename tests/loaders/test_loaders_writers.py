@@ -4,6 +4,7 @@ byte what MosaicML Streaming's own writer made of the same samples (tests/fixtur
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import warnings
 
 import numpy as np
 import pytest
+import xxhash
 
 from loaders import (
     MDS,
@@ -220,8 +222,13 @@ def test_token_files_round_trip_on_two_replicas(tmp_path, dtype, header):
             writer.write(piece)
     assert writer.num_tokens == len(tokens)
     assert len(writer.shards) == 7
-    manifest = (tmp_path / "b" / "manifest.txt").read_text().split()
-    assert manifest == writer.shards
+    # A hashed manifest: each file's key, size, xxh3_64, and its blocks' (one block here).
+    first_line, *rows = (tmp_path / "b" / "manifest.txt").read_text().splitlines()
+    assert first_line == "#loaders-manifest 1 xxh3_64 block_bytes=262144"
+    assert [row.split("\t")[0] for row in rows] == writer.shards
+    for key, size, digest, blocks in (row.split("\t") for row in rows):
+        data = (tmp_path / "a" / key).read_bytes()
+        assert int(size) == len(data) and digest == blocks == xxhash.xxh3_64_hexdigest(data)
     first = (tmp_path / "a" / writer.shards[0]).read_bytes()
     if header:
         assert writer.header_bytes == 1024
@@ -432,8 +439,11 @@ def test_llmc_header_is_checked_against_dtype_and_size_at_open(tmp_path):
         ShardDataset(str(root), as_u32, config=IN_ORDER)
     first = root / writer.shards[0]
     first.write_bytes(first.read_bytes()[:-2])  # one token short
+    with pytest.raises(ShardCorruptError, match=r"tokens\.00000\.bin.* 1152 bytes its index"):
+        ShardDataset(str(root), ok, config=IN_ORDER)  # the manifest's size, checked first
+    listed = dataclasses.replace(ok, manifest=None, files=writer.shards)
     with pytest.raises(ShardCorruptError, match=r"header says 64 tokens, the file holds 63"):
-        ShardDataset(str(root), ok, config=IN_ORDER)
+        ShardDataset(str(root), listed, config=IN_ORDER)
     first.write_bytes(b"\0" * 1024 + b"\1\0" * 64)
     with pytest.raises(ShardCorruptError, match="not an llm.c token file"):
         ShardDataset(str(root), ok, config=IN_ORDER)

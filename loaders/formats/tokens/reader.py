@@ -1,10 +1,20 @@
 """Flat token files (nanoGPT ``train.bin``, Megatron-style pipelines, llm.c): a binary array of
 uint16 or uint32 token ids, optionally behind llm.c's 1024-byte header (256 int32: magic,
 version, token count), cut into samples of ``sample_tokens`` tokens; a trailing partial sample
-is dropped. Each unit is one ranged read of whole samples, about ``read_bytes`` long."""
+is dropped. Each unit is one ranged read of whole samples, about ``read_bytes`` long.
+
+With a hashed manifest (what :class:`~loaders.TokenWriter` writes) every read is checked on
+arrival: it is widened to whole hash blocks (``block_bytes``, 256 KiB as written by default), each
+block's xxh3_64 compared with the manifest's, and a mismatch is that replica's
+:class:`ShardCorruptError`, so the read fails over to another replica like any error. The check
+is per read, not per file: a ranged read stays one request of about ``read_bytes`` (plus a block
+on average), hedged and failed over on its own, and a flipped byte costs one read of one range
+again, not of the whole file."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +22,9 @@ import numpy as np
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
 from loaders.formats.layout import Unit
-from loaders.formats.manifest import shard_sizes
+from loaders.formats.manifest import FileHashes, read_manifest, shard_sizes
+
+logger = logging.getLogger(__name__)
 
 LLMC_HEADER_BYTES = 1024
 # llm.c's dev/data/data_common.py: GPT-2 files hold uint16 tokens, Llama 3 files uint32.
@@ -53,7 +65,7 @@ def check_llmc_header(data: bytes, dtype: str, key: str, size: int) -> None:
 def _head(replicas: Any, key: str, nbytes: int) -> bytes:
     """The first ``nbytes`` of ``key``: a metadata request (not a data read the loader's read
     figures, hedge delay and replica health count)."""
-    return replicas.call(f"header of {key}", lambda store: store.get(key, 0, nbytes))
+    return replicas.call(f"header of {key}", lambda store: store.get(key, 0, nbytes), key=key)
 
 
 def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:
@@ -67,6 +79,34 @@ def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:
                 f"token file {key} starts with an llm.c header ({tokens} {dtype} tokens): "
                 f"read it with TokenFiles(dtype={dtype!r}, header='llmc')"
             )
+
+
+_unhashed_warned: set[tuple[tuple[str, ...], str | None]] = set()
+_unhashed_lock = threading.Lock()
+
+
+def _warn_unhashed(uris: list[str], manifest: str | None) -> None:
+    """One WARNING per process for each token dataset whose manifest has no hashes (written
+    before they were recorded), however often it is opened; files declared or listed without
+    a manifest (raw ``train.bin`` files, which have none to give) are said at INFO."""
+    with _unhashed_lock:
+        seen = (tuple(uris), manifest) in _unhashed_warned
+        _unhashed_warned.add((tuple(uris), manifest))
+    if seen:
+        return
+    if manifest is None:
+        logger.info(
+            "token files of %s are read unverified: no manifest with hashes was given",
+            ", ".join(uris),
+        )
+        return
+    logger.warning(
+        "token files of %s carry no hashes: manifest %s lists none (written before token files "
+        "were hashed); their bytes are not verified on read (a manifest TokenWriter writes has "
+        "them)",
+        ", ".join(uris),
+        manifest,
+    )
 
 
 @dataclass(kw_only=True)
@@ -116,7 +156,20 @@ class TokenFiles:
             raise ValueError("TokenFiles takes files or a manifest, not both")
 
     def open(self, replicas: Any) -> TokenLayout:
-        files, sizes = shard_sizes(replicas, self.files, self.manifest, ".bin")
+        hashes: dict[str, FileHashes] | None = None
+        declared = self.files
+        if declared is None and self.manifest is not None:
+            manifest = read_manifest(replicas, self.manifest)
+            declared, hashes = manifest.keys, manifest.hashes
+        files, sizes = shard_sizes(
+            replicas,
+            declared,
+            None,
+            ".bin",
+            sizes=None if hashes is None else {k: h.size for k, h in hashes.items()},
+        )
+        if hashes is None:
+            _warn_unhashed(replicas.uris, self.manifest)
         itemsize = np.dtype(self.dtype).itemsize
         sample_bytes = self.sample_tokens * itemsize
         per_unit = max(1, self.read_bytes // sample_bytes)
@@ -135,22 +188,34 @@ class TokenFiles:
             elif not self.header_bytes and not units and size >= 12:  # the first file's head
                 _refuse_unexpected_llmc_header(_head(replicas, key, 12), key, size)
             samples = body // sample_bytes
+            block = hashes[key].block_bytes if hashes is not None else 0
             for j in range(0, samples, per_unit):
                 n = min(per_unit, samples - j)
                 start = self.header_bytes + j * sample_bytes
+                end = start + n * sample_bytes
+                # With hashes, the read takes the whole hash blocks the samples lie in.
+                lo, hi = (
+                    (start // block * block, min(size, -(-end // block) * block))
+                    if block
+                    else (start, end)
+                )
                 units.append(
                     Unit(
                         key=key,
                         start=start,
-                        end=start + n * sample_bytes,
-                        nbytes=n * sample_bytes,
-                        mem_bytes=n * sample_bytes,
+                        end=end,
+                        nbytes=hi - lo,
+                        mem_bytes=hi - lo,
                         num_samples=n,
                         first_id=first + j,
+                        read_start=lo if block else None,
+                        read_end=hi if block else None,
                     )
                 )
             first += samples
-        return TokenLayout(units=units, dtype=self.dtype, sample_tokens=self.sample_tokens)
+        return TokenLayout(
+            units=units, dtype=self.dtype, sample_tokens=self.sample_tokens, hashes=hashes
+        )
 
 
 @dataclass
@@ -158,13 +223,25 @@ class TokenLayout:
     units: list[Unit]
     dtype: str
     sample_tokens: int
+    hashes: dict[str, FileHashes] | None = None
+    """Each file's hashes (a hashed manifest's), checked on every read; None: not checked."""
     reads_views: bool = field(default=True, init=False)
 
     def decode(self, unit: Unit, data, replica: str) -> np.ndarray:
+        start, end = unit.span()
         if len(data) != unit.nbytes:
             raise ShardCorruptError(
                 f"token file {unit.key} on replica {replica}: read "
-                f"[{unit.start}:{unit.end}] returned {len(data)} bytes "
-                f"(truncated at offset {unit.start + len(data)})"
+                f"[{start}:{end}] returned {len(data)} bytes "
+                f"(truncated at offset {start + len(data)})"
             )
-        return np.frombuffer(data, self.dtype).reshape(unit.num_samples, self.sample_tokens)
+        if self.hashes is not None:
+            self.hashes[unit.key].check(
+                data, start, what=f"token file {unit.key} on replica {replica}"
+            )
+        return np.frombuffer(
+            data,
+            self.dtype,
+            count=unit.num_samples * self.sample_tokens,
+            offset=unit.start - start,
+        ).reshape(unit.num_samples, self.sample_tokens)

@@ -10,8 +10,16 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.errors import ObjectNotFoundError
+from loaders.errors import ReplicaMismatchError, ShardCorruptError, ShardNotFoundError
 from loaders.formats._writing import DatasetSink, ShardWriter, Target
-from loaders.formats.manifest import manifest_bytes
+from loaders.formats.layout import check_shard_key
+from loaders.formats.manifest import (
+    MAX_MANIFEST_BYTES,
+    FileHasher,
+    FileHashes,
+    manifest_bytes,
+)
 from loaders.formats.tokens.reader import LLMC_HEADER_BYTES, llmc_header
 
 # Megatron-LM's indexed dataset (megatron/core/datasets/indexed_dataset.py): "MMIDIDX\0\0",
@@ -51,7 +59,12 @@ class TokenWriter(ShardWriter):
     nanoGPT's ``train.bin`` and Megatron's ``.bin``). ``megatron_index`` (no header; uint32
     ids below 2**31, which Megatron reads as int32) also writes Megatron's ``.idx`` beside each ``.bin`` (``{prefix}.00000.idx``, before its
     ``.bin``), each ``write`` one document, so that Megatron's ``IndexedDataset`` reads the
-    files too (a document that spans two files is two documents there)."""
+    files too (a document that spans two files is two documents there).
+
+    The manifest records each file's size, xxh3_64 and the xxh3_64 of each ``hash_block_bytes``
+    block of it, which the reader checks on every read (docs/FORMAT.md, "Token datasets"):
+    smaller blocks widen each ranged read less (by a block on average) and make the manifest
+    larger (16 bytes a block)."""
 
     HEADER_BYTES = {None: 0, "llmc": LLMC_HEADER_BYTES}
     """Bytes each file's header takes, by ``header`` (the reader's ``header_bytes``)."""
@@ -67,6 +80,7 @@ class TokenWriter(ShardWriter):
         manifest: str = "manifest.txt",
         storage_options: dict[str, Any] | None = None,
         megatron_index: bool = False,
+        hash_block_bytes: int = 256 * 2**10,
     ) -> None:
         if megatron_index and header:
             raise ValueError(
@@ -79,6 +93,9 @@ class TokenWriter(ShardWriter):
             raise ValueError(f"TokenWriter header must be None or 'llmc', got {header!r}")
         if file_tokens < 1:
             raise ValueError(f"TokenWriter file_tokens must be >= 1, got {file_tokens}")
+        FileHasher(hash_block_bytes)  # checks it
+        self.hash_block_bytes = hash_block_bytes
+        self._hashes: dict[str, FileHashes] = {}
         self.dtype, self.header, self.file_tokens, self.prefix = dtype, header, file_tokens, prefix
         self.header_bytes = self.HEADER_BYTES[header]
         self.sink = DatasetSink(uri, index=manifest, storage_options=storage_options)
@@ -123,7 +140,11 @@ class TokenWriter(ShardWriter):
         if self.megatron_index:
             lengths = [len(p) for p in self._pending if len(p)]
             self.sink.put(f"{stem}.idx", megatron_index(self.dtype, lengths))
+        hasher = FileHasher(self.hash_block_bytes)
+        for part in parts:
+            hasher.update(part)
         self.sink.put(f"{stem}.bin", parts)
+        self._hashes[f"{stem}.bin"] = hasher.finish()
         self.num_tokens += self._pending_tokens
         self._pending, self._pending_tokens = [], 0
 
@@ -133,4 +154,68 @@ class TokenWriter(ShardWriter):
         return [k for k in super().shards if k.endswith(".bin")]
 
     def _index_bytes(self) -> bytes:
-        return manifest_bytes(self.shards)
+        return manifest_bytes(self.shards, self._hashes)
+
+
+_HASH_READ_BYTES = 16 << 20  # a converter's ranged read: memory stays bounded by it
+
+
+def hash_token_files(
+    uri: Target | Sequence[Target],
+    *,
+    files: Sequence[str] | None = None,
+    manifest: str | None = None,
+    out: str = "manifest.hashed.txt",
+    hash_block_bytes: int = 256 * 2**10,
+    storage_options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Give token files written without hashes (an older ``TokenWriter``'s, nanoGPT's
+    ``train.bin``) a hashed manifest, ``out``, without rewriting them; read them with
+    ``TokenFiles(manifest=out, ...)``. The files are ``files``, else those ``manifest`` lists,
+    else every ``*.bin`` (sorted). Each is read and hashed on every replica given (ranged reads of
+    16 MiB): a file missing from one, or held there with other bytes, is an error naming the file
+    and the replicas (which copy is right is for a person to say; leave the bad one out of
+    ``uri``). ``out`` is written once to every replica, last. Returns the keys, in order."""
+    sink = DatasetSink(uri, index=out, storage_options=storage_options)
+    stores = sink.stores
+    if files is None and manifest is not None:
+        if stores[0].size(manifest) > MAX_MANIFEST_BYTES:
+            raise ShardCorruptError(f"manifest {manifest} is over {MAX_MANIFEST_BYTES} bytes")
+        text = stores[0].get(manifest).decode("utf-8")
+        files = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    if files is None:
+        files = sorted(k for k in stores[0].list("") if k.endswith(".bin"))
+    keys = [check_shard_key(k, "hash_token_files") for k in files]
+    if not keys:
+        raise ValueError(f"no token files to hash in {stores[0].uri}")
+    hashes: dict[str, FileHashes] = {}
+    for key in keys:
+        found = [(store.uri, _hash_file(store, key, hash_block_bytes)) for store in stores]
+        (_, first), *others = found
+        differ = [name for name, h in others if (h.size, h.digest) != (first.size, first.digest)]
+        if differ:
+            held = ", ".join(
+                f"{name}: {h.size} bytes, xxh3_64 {h.digest:016x}" for name, h in found
+            )
+            raise ReplicaMismatchError(f"token file {key} differs between replicas ({held})")
+        hashes[key] = first
+    sink.finish(manifest_bytes(keys, hashes))
+    return keys
+
+
+def _hash_file(store: Any, key: str, block_bytes: int) -> FileHashes:
+    try:
+        size = store.size(key)
+    except ObjectNotFoundError as exc:
+        raise ShardNotFoundError(f"token file {key} is missing from replica {store.uri}") from exc
+    hasher = FileHasher(block_bytes)
+    for start in range(0, size, _HASH_READ_BYTES):
+        end = min(size, start + _HASH_READ_BYTES)
+        data = store.get(key, start, end)
+        if len(data) != end - start:
+            raise ShardCorruptError(
+                f"token file {key} on replica {store.uri}: read [{start}:{end}] returned "
+                f"{len(data)} bytes"
+            )
+        hasher.update(data)
+    return hasher.finish()
