@@ -22,6 +22,7 @@ each writes its own chunks and index and rank 0 commits once all have succeeded.
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import dataclasses
 import json
 import logging
 import os
@@ -38,9 +39,11 @@ from ckptstore.errors import (
     CheckpointError,
 )
 from ckptstore.format import check_step
+from ckptstore.health import StepHealth
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
     EncodingOptions,
+    HealthPolicy,
     PreemptionOptions,
     ReadOptions,
     RetentionOptions,
@@ -75,7 +78,7 @@ class Checkpointer:
         uri: where the checkpoints live: a path, ``file://``, ``memory://``, ``s3://b/prefix``.
         storage_options: passed to fsspec (credentials, endpoint, ...).
         keep_last: after each commit keep only the newest this many steps (None: keep all).
-        storage, encoding, staging, retention, tiers, reads, preemption: option objects of
+        storage, encoding, staging, retention, tiers, reads, preemption, health: option objects of
             ``ckptstore.options`` (each field documented there), the same ones
             ``ckptstore.dcp.StoreWriter``/``StoreReader`` take; ``staging="device"`` is short
             for ``StagingOptions(mode="device")``. With ``tiers=TierOptions(local_dir=...)``
@@ -85,6 +88,12 @@ class Checkpointer:
             ``durable_every`` saves (``handle.durable``); ``load`` takes the newest save every
             rank can get, each rank from its own copy, a peer's, or ``uri``, whichever verifies
             first (docs/FORMAT.md, "Tiers"). ``steps()``/``latest()`` list ``uri``.
+            ``health=HealthPolicy(...)`` (docs/FORMAT.md, "Health"): every save records each
+            floating tensor's NaN and Inf counts and sum of squares; ``handle.health`` and
+            ``last_save`` tell a committed step's health; ``steps``, ``latest`` and ``load``
+            take ``healthy=True``.
+        on_unhealthy: short for ``HealthPolicy(on_unhealthy=...)``: an unhealthy save is
+            ``"save"``d (one warning naming its worst tensors), ``"skip"``ped or ``"raise"``s.
         process_group: the ranks that save together (default: the whole world, if any).
         no_dist: this process saves and loads alone, as rank 0 of 1, even under
             ``torch.distributed`` (as DCP's ``no_dist``): for a state every rank holds whole,
@@ -107,10 +116,14 @@ class Checkpointer:
         tiers: TierOptions | None = None,
         reads: ReadOptions | None = None,
         preemption: PreemptionOptions | None = None,
+        health: HealthPolicy | None = None,
+        on_unhealthy: str | None = None,
         process_group: Any = None,
         no_dist: bool = False,
         **deprecated: Any,
     ) -> None:
+        if on_unhealthy is not None:
+            health = dataclasses.replace(health or HealthPolicy(), on_unhealthy=on_unhealthy)
         given = dict(
             storage=storage,
             encoding=encoding,
@@ -119,6 +132,7 @@ class Checkpointer:
             tiers=tiers,
             reads=reads,
             preemption=preemption,
+            health=health,
         )
         o = resolve("Checkpointer", given, deprecated)
         self.options = o
@@ -209,6 +223,11 @@ class Checkpointer:
         # still accepts work (s3fs resolves hosts through an executor).
         this = weakref.ref(self)
         threading._register_atexit(lambda: (c := this()) is not None and c._close_at_exit())
+
+    @property
+    def last_save(self) -> StepHealth | None:
+        """The health of the last save committed (``handle.health`` of that save)."""
+        return self._saver.last_health
 
     @property
     def last_peer_copy(self) -> TransferStats | None:

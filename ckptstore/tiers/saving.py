@@ -151,6 +151,7 @@ class TierSaver:
                         world_size=1,
                         user={**(user or {}), TIER_KEY: local.info(self.rank)},
                         dcp_metadata=next((m for _, m, _ in heard.payloads if m), None),
+                        apply_policy=False,  # one rank's copy: its policy is the job's
                     )
                 except Exception as exc:  # noqa: BLE001 - every rank hears of it
                     error = exc
