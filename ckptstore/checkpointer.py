@@ -39,7 +39,7 @@ from ckptstore.errors import (
     CheckpointError,
 )
 from ckptstore.format import check_step
-from ckptstore.health import StepHealth
+from ckptstore.health import StepHealth, find_healthy
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
     EncodingOptions,
@@ -318,16 +318,30 @@ class Checkpointer:
             self._sigterm.aware = True
         return self._sigterm.signalled.is_set()
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return list_steps(self.store)
+    def steps(self, *, healthy: bool = False) -> list[int]:
+        """Committed steps, ascending; with ``healthy``, only those whose manifest records
+        them healthy (docs/FORMAT.md, "Health": not "unhealthy", not "unknown")."""
+        steps = list_steps(self.store)
+        if healthy:
+            return sorted(find_healthy(self.store, steps)[0])
+        return steps
 
-    def latest(self) -> int | None:
-        steps = self.steps()
+    def latest(self, *, healthy: bool = False) -> int | None:
+        """The newest committed step (with ``healthy``, the newest healthy one), or None."""
+        steps = list_steps(self.store)
+        if healthy:
+            good = find_healthy(self.store, steps, limit=1)[0]
+            return good[0] if good else None
         return steps[-1] if steps else None
 
     def load(
-        self, state: Any, step: int | str = "latest", *, fallback: bool = False, strict: bool = True
+        self,
+        state: Any,
+        step: int | str = "latest",
+        *,
+        fallback: bool = False,
+        strict: bool = True,
+        healthy: bool = False,
     ) -> int:
         """Load ``step`` into ``state`` in place (tensors copied into, stateful objects
         given ``load_state_dict``); returns the step loaded.
@@ -355,6 +369,12 @@ class Checkpointer:
         (Verifying every chunk before writing any would take a second state-sized buffer or a
         second read of every chunk.)
 
+        ``healthy=True`` loads the newest *healthy* step (docs/FORMAT.md, "Health"): each newer
+        step passed over (unhealthy, or of unknown health) is named once in a warning with
+        why; with ``fallback=True`` a healthy step that does not load goes on to the next
+        older healthy one; an explicit ``step`` that is not healthy raises
+        ``UnhealthyStepError``; no healthy step at all is ``CheckpointNotFoundError``.
+
         ``strict=False`` loads the part of the step the state asks for: saved keys that the
         state's dicts do not have are left out and not read, and keys of the state that the
         step lacks are left alone; a module loads the parameters both have (with ``strict``, a
@@ -363,7 +383,7 @@ class Checkpointer:
         """
         self._loader.peers = self._peers  # the replicas it guards now (a restarted rank's)
         try:
-            return self._loader.load(state, step, fallback=fallback, strict=strict)
+            return self._loader.load(state, step, fallback=fallback, strict=strict, healthy=healthy)
         finally:
             loader = self._loader
             self.last_load, self.last_load_source = loader.last_load, loader.last_load_source

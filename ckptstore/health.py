@@ -306,3 +306,34 @@ def one_line(step: int, health: dict) -> str:
     worst = "; ".join(describe(t) for t in (health.get("worst") or [])[:3])
     why = "; ".join(health.get("reasons") or ())
     return f"step {step} is unhealthy ({why})" + (f"; worst: {worst}" if worst else "")
+
+
+def why_not_healthy(step: int, health: dict | None) -> str:
+    """Why ``step`` is not a healthy step, in one line."""
+    if health is None:
+        return f"step {step}: health unknown (saved without a health record)"
+    return one_line(step, health).replace(" is unhealthy (", ": unhealthy (", 1)
+
+
+def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
+    """Walk ``steps`` newest first: the healthy ones (at most ``limit``) and, by step, why
+    each other one is not (its manifest read; one that cannot be read says why). Errors of
+    the store itself are raised."""
+    from ckptstore.catalog import load_manifest
+    from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
+
+    healthy: list[int] = []
+    why: dict[int, str] = {}
+    for step in sorted(steps, reverse=True):
+        if limit is not None and len(healthy) >= limit:
+            break
+        try:
+            health = load_manifest(store, step).health
+        except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
+            why[step] = f"step {step}: cannot be read ({exc})"
+            continue
+        if health is not None and health["healthy"]:
+            healthy.append(step)
+        else:
+            why[step] = why_not_healthy(step, health)
+    return healthy, why

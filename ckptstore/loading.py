@@ -39,9 +39,11 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
     PartialLoadError,
+    UnhealthyStepError,
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
+from ckptstore.health import find_healthy
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
 from ckptstore.shared_read import (
@@ -129,17 +131,24 @@ class StateLoader:
     # -- one load, newest save first ----------------------------------------------------------
 
     def load(
-        self, state: Any, step: int | str = "latest", *, fallback: bool = False, strict: bool = True
+        self,
+        state: Any,
+        step: int | str = "latest",
+        *,
+        fallback: bool = False,
+        strict: bool = True,
+        healthy: bool = False,
     ) -> int:
         """``Checkpointer.load``: load ``step`` into ``state``; returns the step loaded."""
         if fallback and step not in (None, "latest"):
             raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
         t0 = time.perf_counter()
         try:
-            candidates = self._candidates(step, fallback)
+            candidates, not_healthy = self._candidates(step, fallback, healthy)
             dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
             skipped: list[tuple[int, BaseException]] = []
             for candidate in candidates:
+                self._skip_not_healthy(not_healthy, above=candidate.step)
                 self._report = report = LoadReport(step=candidate.step)
                 if self.local is not None:
                     self.last_load = report
@@ -154,32 +163,67 @@ class StateLoader:
                     raise self._load_failed(error, dirty)
                 skipped.append((candidate.step, error))
                 self._warn_skipped(candidate.step, error)
-            raise self._load_failed(self._none_loaded(skipped), dirty)
+            raise self._load_failed(self._none_loaded(skipped, not_healthy), dirty)
         finally:
             self._manifests.clear()
 
-    def _candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
-        """The saves to try, newest first, the same on every rank (collective)."""
+    def _skip_not_healthy(self, not_healthy: dict[int, str], above: int) -> None:
+        """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over."""
+        for step in sorted((s for s in not_healthy if s > above), reverse=True):
+            if self.rank == 0:
+                logger.warning(
+                    "rank 0: %s in %s: skipped by healthy=True", not_healthy[step], self.store.uri
+                )
+            del not_healthy[step]
+
+    def _candidates(
+        self, step: int | str, fallback: bool, healthy: bool = False
+    ) -> tuple[list[Candidate], dict[int, str]]:
+        """The saves to try, newest first, the same on every rank (collective); with
+        ``healthy`` only healthy steps, and by step why each newer one passed over is not."""
         if self.local is not None:
-            return self._tiered_candidates(step, fallback)
-        steps: Any = None
+            if healthy:
+                raise ValueError("healthy=True is not supported with tiers (local_dir) yet")
+            return self._tiered_candidates(step, fallback), {}
+        found: Any = None
         if self.rank == 0:
             try:
-                if fallback:
-                    steps = list_steps(self.store)[::-1]
-                    if not steps:
-                        raise CheckpointNotFoundError(
-                            f"no committed checkpoint in {self.store.uri}"
-                        )
-                else:
-                    steps = [resolve_step(self.store, step)]
+                found = self._durable_steps(step, fallback, healthy)
             except (CheckpointError, ValueError) as exc:
-                steps = exc
-        steps = self.group.broadcast(steps)
-        if isinstance(steps, BaseException):
-            raise steps
+                found = exc
+        found = self.group.broadcast(found)
+        if isinstance(found, BaseException):
+            raise found
+        steps, not_healthy = found
         durable = [[Source(DURABLE)] for _ in range(self.group.world_size)]
-        return [Candidate(s, None, durable) for s in steps]
+        return [Candidate(s, None, durable) for s in steps], not_healthy
+
+    def _durable_steps(
+        self, step: int | str, fallback: bool, healthy: bool
+    ) -> tuple[list[int], dict[int, str]]:
+        """(rank 0) The committed steps to try, newest first, and why the newer ones a
+        ``healthy`` load passes over are not healthy."""
+        if not healthy:
+            if fallback:
+                steps = list_steps(self.store)[::-1]
+                if not steps:
+                    raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
+                return steps, {}
+            return [resolve_step(self.store, step)], {}
+        if step not in (None, "latest"):
+            wanted = resolve_step(self.store, step)
+            good, why = find_healthy(self.store, [wanted])
+            if not good:
+                raise UnhealthyStepError(f"{why[wanted]} in {self.store.uri} (healthy=True)")
+            return good, {}
+        steps = list_steps(self.store)
+        good, why = find_healthy(self.store, steps, limit=None if fallback else 1)
+        if not good:
+            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+            raise CheckpointNotFoundError(
+                f"no healthy committed step in {self.store.uri}" + (f": {every}" if every else "")
+            )
+        return good, why
 
     def _tiered_candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
         """With tiers: the newest save every rank can get from some tier (or ``step``), and
@@ -621,9 +665,13 @@ class StateLoader:
                 self._one_line(error),
             )
 
-    def _none_loaded(self, skipped: list[tuple[int, BaseException]]) -> CheckpointError:
+    def _none_loaded(
+        self, skipped: list[tuple[int, BaseException]], not_healthy: dict[int, str] | None = None
+    ) -> CheckpointError:
         """The error of a load with fallback that loaded no step."""
-        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
+        failed = {s: f"step {s}: {self._one_line(e)}" for s, e in skipped}
+        failed.update(not_healthy or {})
+        every = "; ".join(failed[s] for s in sorted(failed, reverse=True))
         missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
         where = f"committed step in {self.store.uri}"
         if self.local is not None:

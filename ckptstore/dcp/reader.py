@@ -21,17 +21,20 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstore.catalog import list_steps, parse_step
+from ckptstore.catalog import list_steps, parse_step, resolve_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_load
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
+    UnhealthyStepError,
     UnsupportedStateError,
     one_line,
 )
 from ckptstore.format import RankIndex
+from ckptstore.health import find_healthy
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
 from ckptstore.shared_read import (
@@ -136,6 +139,11 @@ class StoreReader(StorageReader):
             (docs/FORMAT.md, "Tiers"). Runs over every rank of the default process group.
             ``last_load`` says per tier what this rank read.
 
+        healthy: load the newest *healthy* step (docs/FORMAT.md, "Health") for ``"latest"``,
+            each newer step passed over named once in a warning with why; an explicit step
+            that is not healthy raises ``UnhealthyStepError``; none healthy is
+            ``CheckpointNotFoundError``.
+
     Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
     ``UnsupportedStateError``: load them with ``Checkpointer.load``.
     """
@@ -150,6 +158,7 @@ class StoreReader(StorageReader):
         reads: ReadOptions | None = None,
         tiers: TierOptions | None = None,
         trust_pickled_objects: bool = False,
+        healthy: bool = False,
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -159,6 +168,9 @@ class StoreReader(StorageReader):
         self._tier: TierLoad | None = None
         self.last_load: LoadReport | None = None
         self.trust_pickled_objects = trust_pickled_objects
+        if healthy and self._policy is not None:
+            raise ValueError("healthy=True is not supported with tiers (local_dir) yet")
+        self.healthy = healthy
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         self.last_load_exchange: ExchangeStats | None = None
         parse_step(step)  # refuses a step that is neither a number nor "latest"
@@ -182,6 +194,9 @@ class StoreReader(StorageReader):
         With ``local_dir`` it is collective, as a load: every rank of the job calls it."""
         if self._policy is None:
             steps = list_steps(self.store)
+            if self.healthy:
+                good = find_healthy(self.store, steps, limit=1)[0]
+                return good[0] if good else None
             return steps[-1] if steps else None
         group = load_group(self.options["storage"].group_timeout_s(0.0))
         return newest_step(self.store, self._policy, group)
@@ -391,13 +406,34 @@ class StoreReader(StorageReader):
 
     def _view(self) -> StepView:
         if self.view is None:
-            view = StepView.open(self.store, self.step)
+            view = StepView.open(self.store, self._step())
             view.require(DCP)
             self.view = view
             logger.debug(
                 "rank %d: DCP load of step %d from %s", self.rank, view.step, self.store.uri
             )
         return self.view
+
+    def _step(self) -> int | str:
+        """The step to open: ``self.step``, or with ``healthy`` the healthy step it names."""
+        if not self.healthy:
+            return self.step
+        if self.step not in (None, "latest"):
+            wanted = resolve_step(self.store, self.step)
+            if not find_healthy(self.store, [wanted])[0]:
+                why = find_healthy(self.store, [wanted])[1][wanted]
+                raise UnhealthyStepError(f"{why} in {self.store.uri} (healthy=True)")
+            return wanted
+        good, why = find_healthy(self.store, list_steps(self.store), limit=1)
+        if not good:
+            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+            raise CheckpointNotFoundError(
+                f"no healthy committed step in {self.store.uri}" + (f": {every}" if every else "")
+            )
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for step in sorted(why, reverse=True):
+                logger.warning("%s in %s: skipped by healthy=True", why[step], self.store.uri)
+        return good[0]
 
     def _index(self, rank: int) -> RankIndex:
         return self._view().index(rank)

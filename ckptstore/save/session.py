@@ -62,6 +62,7 @@ from ckptstore.format import (
     encode_rank_index,
     object_ref,
     rank_index_key,
+    split_dcp_item_key,
 )
 from ckptstore.health import RankHealth, StepHealth, summarize, verdict
 from ckptstore.health import one_line as health_line
@@ -88,9 +89,10 @@ def _views(buffer: torch.Tensor, offsets: list[int], tensors: list[Any]) -> list
 
 
 def tensor_names(index: RankIndex) -> dict[int, str]:
-    """Tensor index -> its name: its path in a state save, its key in a DCP save."""
+    """Tensor index -> its name: its path in a state save, its fully qualified name in a DCP
+    save (a shard's offsets left out)."""
     if index.items is not None:
-        return {i: key for key, i in index.items.items()}
+        return {i: split_dcp_item_key(key)[0] for key, i in index.items.items()}
     return tensor_paths(index.tree)
 
 

@@ -78,9 +78,7 @@ def test_a_healthy_save_records_each_floating_tensor_and_the_step(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["model", "optim", "bf16"])
-def test_nan_and_inf_anywhere_make_the_step_unhealthy_and_name_the_tensor(
-    tmp_path, where, caplog
-):
+def test_nan_and_inf_anywhere_make_the_step_unhealthy_and_name_the_tensor(tmp_path, where, caplog):
     state = _model_state()
     if where == "model":
         with torch.no_grad():
@@ -252,3 +250,62 @@ def test_nan_and_inf_on_one_rank_make_the_whole_step_unhealthy(tmp_path):
     run_ranks(_one_rank_unhealthy, 2, str(tmp_path))
     health = load_manifest(Store(tmp_path), 2).health
     assert not health["healthy"] and [t["rank"] for t in health["worst"]] == [1, 1]
+
+
+# -- reading: healthy=True ---------------------------------------------------------------------
+
+
+def _three_steps(root, caplog=None) -> None:
+    """Steps 1 and 2 healthy, 3 unhealthy (NaN), 4 unknown (scan off)."""
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.full((4,), 1.0)}).wait()
+        ck.save(2, {"w": torch.full((4,), 2.0)}).wait()
+        ck.save(3, {"w": torch.tensor([3.0, float("nan"), 3.0, 3.0])}).wait()
+    with Checkpointer(root, health=HealthPolicy(scan=False)) as ck:
+        ck.save(4, {"w": torch.full((4,), 4.0)}).wait()
+
+
+def test_steps_latest_and_load_take_healthy(tmp_path, caplog):
+    _three_steps(tmp_path)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.steps() == [1, 2, 3, 4] and ck.latest() == 4
+        assert ck.steps(healthy=True) == [1, 2] and ck.latest(healthy=True) == 2
+        target = {"w": torch.zeros(4)}
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert ck.load(target, healthy=True) == 2
+        assert torch.equal(target["w"], torch.full((4,), 2.0))
+        skipped = [r.getMessage() for r in caplog.records if "skipped by healthy=True" in r.message]
+        assert len(skipped) == 2, skipped  # each newer step named once, with why
+        assert "step 4: health unknown" in skipped[0]
+        assert "step 3: unhealthy (1 NaN" in skipped[1] and "rank 0 w: 1 NaN" in skipped[1]
+        with pytest.raises(UnhealthyStepError, match="step 3: unhealthy"):
+            ck.load(target, step=3, healthy=True)
+        assert ck.load(target, step=1, healthy=True) == 1
+        assert ck.load(target) == 4  # without healthy: the newest step, as before
+
+
+def test_healthy_with_fallback_skips_a_healthy_step_that_does_not_load(tmp_path, caplog):
+    _three_steps(tmp_path)
+    store = Store(tmp_path)
+    manifest = load_manifest(store, 2)
+    index = read_rank_index(store, manifest.ranks[0])
+    for digest in index.chunks:  # step 2 (healthy) loses its chunks: it cannot load
+        store.delete(f"chunks/{digest[:2]}/{digest}")
+    with Checkpointer(tmp_path) as ck:
+        target = {"w": torch.zeros(4)}
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert ck.load(target, healthy=True, fallback=True) == 1
+        assert torch.equal(target["w"], torch.full((4,), 1.0))
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert text.count("step 3: unhealthy") == 1 and text.count("step 4: health unknown") == 1
+        assert "step 2 in" in text and "trying an older step" in text
+
+
+def test_no_healthy_step_is_not_found_naming_each_step(tmp_path):
+    from ckptstore.errors import CheckpointNotFoundError
+
+    with Checkpointer(tmp_path) as ck:
+        ck.save(5, {"w": torch.tensor([float("inf")])}).wait()
+        assert ck.latest(healthy=True) is None and ck.steps(healthy=True) == []
+        with pytest.raises(CheckpointNotFoundError, match="no healthy .*step 5: unhealthy"):
+            ck.load({"w": torch.zeros(1)}, healthy=True)
