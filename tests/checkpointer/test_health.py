@@ -309,3 +309,49 @@ def test_no_healthy_step_is_not_found_naming_each_step(tmp_path):
         assert ck.latest(healthy=True) is None and ck.steps(healthy=True) == []
         with pytest.raises(CheckpointNotFoundError, match="no healthy .*step 5: unhealthy"):
             ck.load({"w": torch.zeros(1)}, healthy=True)
+
+
+# -- retention never leaves a job without a healthy step --------------------------------------
+
+
+def test_keep_last_1_keeps_the_newest_healthy_step_behind_unhealthy_ones(tmp_path):
+    nan = {"w": torch.tensor([float("nan"), 1.0])}
+    with Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+        ck.save(2, nan).wait()
+        ck.save(3, nan).wait()
+        assert ck.steps() == [1, 3]  # 2 went; 1 stays, the newest healthy step
+        target = {"w": torch.zeros(2)}
+        assert ck.load(target, healthy=True) == 1 and torch.equal(target["w"], torch.ones(2))
+        ck.save(4, {"w": torch.full((2,), 4.0)}).wait()
+        assert ck.steps() == [4]  # a newer healthy step: the old one may go
+
+
+def test_gc_cli_keeps_the_newest_healthy_step(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+        ck.save(2, {"w": torch.full((2,), 2.0)}).wait()
+        ck.save(3, {"w": torch.tensor([float("inf"), 1.0])}).wait()
+    assert main(["gc", str(tmp_path), "--keep-last", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["deleted_steps"] == [1] and doc["kept_healthy"] == 2
+    assert list_steps(Store(tmp_path)) == [2, 3]
+    assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
+    assert "newest healthy step (always kept): 2" in capsys.readouterr().out
+
+
+def test_local_tier_retention_keeps_the_newest_healthy_copy(tmp_path):
+    from ckptstore import TierOptions
+
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=100, local_keep_last=1)
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()  # the first save is also drained
+        ck.save(2, {"w": torch.full((2,), 2.0)}).wait()
+        ck.save(3, {"w": torch.tensor([float("nan"), 1.0])}).wait()
+        ck.save(4, {"w": torch.tensor([float("nan"), 2.0])}).wait()
+        ck.wait()
+        local = ck._local.store(0)
+    assert list_steps(local) == [2, 4]
+    assert load_manifest(local, 2).health["healthy"]
