@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 from typing import Any
 
+from ckptstore.catalog import list_steps, resolve_step
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import (
     check_target,
@@ -15,8 +17,9 @@ from ckptstore.cli.restore_file import (
     remove_if_empty_dir,
     write_atomically,
 )
-from ckptstore.errors import CheckpointError
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, UnhealthyStepError
 from ckptstore.export import export_safetensors, name_under
+from ckptstore.health import find_healthy
 from ckptstore.render import human_bytes
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -40,6 +43,8 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
     ]
     if given and args.format != "safetensors":
         raise UsageError(f"{', '.join(given)}: only with --format safetensors")
+    if args.healthy:
+        args.step = _healthy_step(store, args.step)
     if args.format == "safetensors":
         existed = os.path.lexists(target)
         try:
@@ -121,6 +126,24 @@ def _only(state: Any, prefix: str, step: int) -> dict:
         top = ", ".join(map(str, list(state)[:8])) if isinstance(state, dict) else "none"
         raise UsageError(f"nothing in step {step} is named {prefix}... (top-level keys: {top})")
     return chosen
+
+
+def _healthy_step(store: Store, step: int | None) -> int:
+    """``--healthy``: the newest healthy step, or ``step`` if it is healthy."""
+    if step is not None:
+        good, why = find_healthy(store, [resolve_step(store, step)])
+        if not good:
+            raise UnhealthyStepError(f"{why[step]} in {store.uri} (--healthy)")
+        return step
+    good, why = find_healthy(store, list_steps(store), limit=1)
+    if not good:
+        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:3])
+        raise CheckpointNotFoundError(
+            f"no healthy committed step in {store.uri}" + (f": {every}" if every else "")
+        )
+    for s in sorted(why, reverse=True):
+        print(f"skipped {why[s]}", file=sys.stderr)
+    return good[0]
 
 
 def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> int:
