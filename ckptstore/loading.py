@@ -43,7 +43,7 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
-from ckptstore.health import find_healthy
+from ckptstore.health import find_healthy, why_not_healthy
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
 from ckptstore.shared_read import (
@@ -182,9 +182,10 @@ class StateLoader:
         """The saves to try, newest first, the same on every rank (collective); with
         ``healthy`` only healthy steps, and by step why each newer one passed over is not."""
         if self.local is not None:
-            if healthy:
-                raise ValueError("healthy=True is not supported with tiers (local_dir) yet")
-            return self._tiered_candidates(step, fallback), {}
+            if not healthy:
+                return self._tiered_candidates(step, fallback), {}
+            plan = self._tiered_candidates(step, True)
+            return self._healthy_tiered(plan, step, fallback)
         found: Any = None
         if self.rank == 0:
             try:
@@ -224,6 +225,68 @@ class StateLoader:
                 f"no healthy committed step in {self.store.uri}" + (f": {every}" if every else "")
             )
         return good, why
+
+    def _healthy_tiered(
+        self, plan: list[Candidate], step: int | str, fallback: bool
+    ) -> tuple[list[Candidate], dict[int, str]]:
+        """(collective) The healthy saves of ``plan``: a step is healthy when its durable
+        manifest of the same save says so, or, when it is not durable, when every rank's own
+        local copy does (each copy records its rank's numbers); a copy that says unhealthy
+        makes it unhealthy either way."""
+        assert self.local is not None
+        store = self.local.store(self.rank)
+        mine: dict[int, dict | None | str] = {}
+        for c in plan:
+            try:
+                manifest = load_manifest(store, c.step)
+            except CheckpointError:
+                continue  # no copy of its own: another tier serves this rank
+            if manifest.attempt == c.attempt:
+                mine[c.step] = manifest.health
+        copies = self.group.gather(mine)
+        verdict: Any = None
+        if self.rank == 0:
+            good, why = [], {}
+            for c in plan:
+                durable = self._durable_health(c)
+                own = [h.get(c.step, "absent") for h in copies]
+                bad = next((h for h in own if isinstance(h, dict) and not h["healthy"]), None)
+                if bad is not None:
+                    why[c.step] = why_not_healthy(c.step, bad)
+                elif durable != "absent":
+                    if durable is not None and durable["healthy"]:
+                        good.append(c)
+                    else:
+                        why[c.step] = why_not_healthy(c.step, durable)
+                elif all(isinstance(h, dict) for h in own):
+                    good.append(c)
+                else:
+                    why[c.step] = why_not_healthy(c.step, None)
+            verdict = (good, why)
+        good, why = self.group.broadcast(verdict)
+        wanted = None if step in (None, "latest") else int(step)
+        if wanted is not None and not any(c.step == wanted for c in good):
+            raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
+        if not good:
+            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+            raise CheckpointNotFoundError(
+                f"no healthy step in the tiers or {self.store.uri}"
+                + (f": {every}" if every else "")
+            )
+        if wanted is not None:
+            good = [c for c in good if c.step == wanted]
+        return (good if fallback else good[:1]), why
+
+    def _durable_health(self, c: Candidate) -> dict | None | str:
+        """(rank 0) The health the durable manifest of ``c``'s save records; "absent" when
+        the durable store does not hold that save."""
+        manifest = self._manifests.get(c.step)
+        if manifest is None:
+            try:
+                manifest = load_manifest(self.store, c.step)
+            except CheckpointError:
+                return "absent"
+        return manifest.health if manifest.attempt == c.attempt else "absent"
 
     def _tiered_candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
         """With tiers: the newest save every rank can get from some tier (or ``step``), and

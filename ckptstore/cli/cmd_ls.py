@@ -60,8 +60,8 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 [
                     str(r["step"]),
                     r["kind"],
-                    r["health"],
                     str(r["world_size"]),
+                    r["health"],
                     r["created"],
                     human_bytes(r["raw_bytes"]),
                     human_bytes(r["stored_bytes"]),
@@ -83,13 +83,13 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 for r in rows
             ]
             header = [
-                "STEP", "KIND", "HEALTH", "RANKS", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"
+                "STEP", "KIND", "RANKS", "HEALTH", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"
             ]  # fmt: skip
             if local:
                 header.insert(1, "TIERS")
                 for r, text in zip(rows, rows_text):
                     text.insert(1, _tiers_text(r["tiers"]))
-            print(table(header, rows_text, right={0, 4, 6, 7, 8} if local else {0, 3, 5, 6, 7}))
+            print(table(header, rows_text, right={0, 3, 6, 7, 8} if local else {0, 2, 5, 6, 7}))
         for p in pending:
             if p["kind"] == "gc":
                 what = "gc"

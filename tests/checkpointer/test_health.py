@@ -355,3 +355,24 @@ def test_local_tier_retention_keeps_the_newest_healthy_copy(tmp_path):
         local = ck._local.store(0)
     assert list_steps(local) == [2, 4]
     assert load_manifest(local, 2).health["healthy"]
+
+
+def test_tiers_load_healthy_takes_the_newest_healthy_copy(tmp_path, caplog):
+    from ckptstore import TierOptions
+
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=2, local_keep_last=5)
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()  # durable and local
+        ck.save(2, {"w": torch.full((2,), 2.0)}).wait()  # local only
+        ck.save(3, {"w": torch.tensor([float("nan"), 3.0])}).wait()  # durable and local
+        ck.wait()
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ck:
+        target = {"w": torch.zeros(2)}
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert ck.load(target, healthy=True) == 2
+        assert torch.equal(target["w"], torch.full((2,), 2.0))
+        assert ck.last_load.source == "local"
+        assert sum("step 3: unhealthy" in r.getMessage() for r in caplog.records) == 1
+        with pytest.raises(UnhealthyStepError):
+            ck.load(target, step=3, healthy=True)
+        assert ck.load(target) == 3  # without healthy, as before

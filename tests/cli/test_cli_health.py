@@ -33,7 +33,7 @@ def test_ls_shows_health(store, capsys):
     assert main(["ls", str(store)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "HEALTH" in lines[0].split()
-    assert [line.split()[2] for line in lines[1:4]] == ["healthy", "unhealthy", "unknown"]
+    assert [line.split()[3] for line in lines[1:4]] == ["healthy", "unhealthy", "unknown"]
     assert main(["ls", str(store), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [s["health"] for s in doc["steps"]] == ["healthy", "unhealthy", "unknown"]
