@@ -33,6 +33,7 @@ and ``Manifest`` a save writes is built here.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,17 +229,23 @@ class SaveSession:
         floating tensor's health scanned from ``buffer`` (``health``: already scanned where
         the state was staged on a device)."""
         engine = self.engine
-        if engine.health.scan and health is None:
-            health = health_scan(_views(buffer, layout.offsets, tensors))
-        digests, chunks = write_chunks(
-            self.store,
-            buffer.numpy(),
-            layout,
-            engine.config,
-            hedged=engine.hedge_uploads,
-            governor=engine.governor,
-            known=self.known,
-        )
+        scanning = None
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-health") as scanner:
+            if engine.health.scan and health is None:
+                # Beside the chunks' hashing, encoding and puts: the scan fills the time they
+                # wait on storage (and is waited for before the buffer can go back).
+                scanning = scanner.submit(health_scan, _views(buffer, layout.offsets, tensors))
+            digests, chunks = write_chunks(
+                self.store,
+                buffer.numpy(),
+                layout,
+                engine.config,
+                hedged=engine.hedge_uploads,
+                governor=engine.governor,
+                known=self.known,
+            )
+            if scanning is not None:
+                health = scanning.result()
         entries = tensor_entries(tensors, layout, digests)
         if engine.health.scan and health is not None:
             for entry, h in zip(entries, health):
