@@ -8,6 +8,7 @@ storage keys of the rank index (``fqn`` or ``fqn@o0,o1`` for a shard).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -122,11 +123,12 @@ def manifest_summary(store: Store, manifest: Manifest) -> dict[str, Any]:
 
 
 def _tensor_health(health: list | None) -> dict[str, Any]:
-    """A tensor's NaN and Inf counts and norm (None: not floating, or not recorded)."""
+    """A tensor's NaN and Inf counts and norm (None: not floating, or not recorded; a norm
+    whose sum of squares overflowed float64 is None too, its counts given)."""
     if health is None:
         return {"nan": None, "inf": None, "norm": None}
     nan, inf, sumsq = health
-    return {"nan": nan, "inf": inf, "norm": norm(sumsq)}
+    return {"nan": nan, "inf": inf, "norm": None if sumsq is None else norm(sumsq)}
 
 
 def worst_first(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,7 +138,7 @@ def worst_first(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def key(t: dict[str, Any]) -> tuple:
         if t["nan"] is None:
             return (1, 0, 0.0)
-        return (0, -(t["nan"] + t["inf"]), -t["norm"])
+        return (0, -(t["nan"] + t["inf"]), -(math.inf if t["norm"] is None else t["norm"]))
 
     return sorted(tensors, key=key)
 

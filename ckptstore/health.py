@@ -337,3 +337,26 @@ def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
         else:
             why[step] = why_not_healthy(step, health)
     return healthy, why
+
+
+def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | None = 1):
+    """The healthy steps a ``healthy=True`` load of ``step`` takes, newest first (at most
+    ``limit``), and why each newer one passed over is not healthy: ``step`` itself when it is
+    healthy (else ``UnhealthyStepError``), or for ``"latest"`` the newest healthy ones (none:
+    ``CheckpointNotFoundError`` naming the newest steps and why)."""
+    from ckptstore.catalog import list_steps, parse_step, resolve_step
+    from ckptstore.errors import CheckpointNotFoundError, UnhealthyStepError
+
+    if parse_step(step) is not None:
+        wanted = resolve_step(store, step)
+        good, why = find_healthy(store, [wanted])
+        if not good:
+            raise UnhealthyStepError(f"{why[wanted]} in {store.uri} (healthy=True)")
+        return good, {}
+    good, why = find_healthy(store, list_steps(store), limit=limit)
+    if not good:
+        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+        raise CheckpointNotFoundError(
+            f"no healthy committed step in {store.uri}" + (f": {every}" if every else "")
+        )
+    return good, why

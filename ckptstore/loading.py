@@ -43,7 +43,7 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
-from ckptstore.health import find_healthy, why_not_healthy
+from ckptstore.health import healthy_steps_to_load, why_not_healthy
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
 from ckptstore.shared_read import (
@@ -211,20 +211,7 @@ class StateLoader:
                     raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
                 return steps, {}
             return [resolve_step(self.store, step)], {}
-        if step not in (None, "latest"):
-            wanted = resolve_step(self.store, step)
-            good, why = find_healthy(self.store, [wanted])
-            if not good:
-                raise UnhealthyStepError(f"{why[wanted]} in {self.store.uri} (healthy=True)")
-            return good, {}
-        steps = list_steps(self.store)
-        good, why = find_healthy(self.store, steps, limit=None if fallback else 1)
-        if not good:
-            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-            raise CheckpointNotFoundError(
-                f"no healthy committed step in {self.store.uri}" + (f": {every}" if every else "")
-            )
-        return good, why
+        return healthy_steps_to_load(self.store, step, limit=None if fallback else 1)
 
     def _healthy_tiered(
         self, plan: list[Candidate], step: int | str, fallback: bool

@@ -52,7 +52,8 @@ def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
             human_bytes(t["stored_bytes"]),
             str(len(t["chunks"])),
             *(["-", "-", "-"] if t["nan"] is None else [
-                str(t["nan"]), str(t["inf"]), f"{t['norm']:.6g}",
+                str(t["nan"]), str(t["inf"]),
+                "overflow" if t["norm"] is None else f"{t['norm']:.6g}",
             ]),
         ]
         for t in worst_first(doc["tensors"])

@@ -9,7 +9,6 @@ import sys
 import warnings
 from typing import Any
 
-from ckptstore.catalog import list_steps, resolve_step
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import (
     check_target,
@@ -17,9 +16,9 @@ from ckptstore.cli.restore_file import (
     remove_if_empty_dir,
     write_atomically,
 )
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError, UnhealthyStepError
+from ckptstore.errors import CheckpointError
 from ckptstore.export import export_safetensors, name_under
-from ckptstore.health import find_healthy
+from ckptstore.health import healthy_steps_to_load
 from ckptstore.render import human_bytes
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -130,17 +129,7 @@ def _only(state: Any, prefix: str, step: int) -> dict:
 
 def _healthy_step(store: Store, step: int | None) -> int:
     """``--healthy``: the newest healthy step, or ``step`` if it is healthy."""
-    if step is not None:
-        good, why = find_healthy(store, [resolve_step(store, step)])
-        if not good:
-            raise UnhealthyStepError(f"{why[step]} in {store.uri} (--healthy)")
-        return step
-    good, why = find_healthy(store, list_steps(store), limit=1)
-    if not good:
-        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:3])
-        raise CheckpointNotFoundError(
-            f"no healthy committed step in {store.uri}" + (f": {every}" if every else "")
-        )
+    good, why = healthy_steps_to_load(store, step)
     for s in sorted(why, reverse=True):
         print(f"skipped {why[s]}", file=sys.stderr)
     return good[0]

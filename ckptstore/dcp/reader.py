@@ -21,20 +21,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstore.catalog import list_steps, parse_step, resolve_step
+from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp._torch_private import narrow_tensor_by_index
 from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
 from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_load
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
-    UnhealthyStepError,
     UnsupportedStateError,
     one_line,
 )
 from ckptstore.format import RankIndex
-from ckptstore.health import find_healthy
+from ckptstore.health import find_healthy, healthy_steps_to_load
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
 from ckptstore.shared_read import (
@@ -418,18 +416,7 @@ class StoreReader(StorageReader):
         """The step to open: ``self.step``, or with ``healthy`` the healthy step it names."""
         if not self.healthy:
             return self.step
-        if self.step not in (None, "latest"):
-            wanted = resolve_step(self.store, self.step)
-            if not find_healthy(self.store, [wanted])[0]:
-                why = find_healthy(self.store, [wanted])[1][wanted]
-                raise UnhealthyStepError(f"{why} in {self.store.uri} (healthy=True)")
-            return wanted
-        good, why = find_healthy(self.store, list_steps(self.store), limit=1)
-        if not good:
-            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-            raise CheckpointNotFoundError(
-                f"no healthy committed step in {self.store.uri}" + (f": {every}" if every else "")
-            )
+        good, why = healthy_steps_to_load(self.store, self.step)
         if not dist.is_initialized() or dist.get_rank() == 0:
             for step in sorted(why, reverse=True):
                 logger.warning("%s in %s: skipped by healthy=True", why[step], self.store.uri)

@@ -376,3 +376,19 @@ def test_tiers_load_healthy_takes_the_newest_healthy_copy(tmp_path, caplog):
         with pytest.raises(UnhealthyStepError):
             ck.load(target, step=3, healthy=True)
         assert ck.load(target) == 3  # without healthy, as before
+
+
+def test_a_sum_of_squares_that_overflows_float64_is_recorded_as_null(tmp_path, capsys):
+    from ckptstore.cli import main
+
+    with Checkpointer(tmp_path) as ck:
+        handle = ck.save(1, {"w": torch.full((4,), 1e200, dtype=torch.float64)})
+        handle.wait()
+    # Finite values: healthy, its norm beyond float64 (JSON holds no inf: null).
+    assert handle.health.healthy and handle.health.norm == math.inf
+    assert load_manifest(Store(tmp_path), 1).health["sumsq"] is None
+    assert _entries(Store(tmp_path), 1)["w"] == [0, 0, None]
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"][0]["norm"] is None
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "overflow" in capsys.readouterr().out
