@@ -48,8 +48,8 @@ class SaveHandle:
         tier that took it."""
         self.health: StepHealth | None = None
         """Once committed: the step's health over every rank (``ckptstore.health``), as its
-        commit judged it; None before, for a skipped save, and for a tiered save (each rank's
-        local copy records its own)."""
+        commit judged it (with tiers, every rank's local copy: NaN and Inf); None before and
+        for a skipped save."""
         self._reported = False  # its error reached the caller: not raised again by save()
         if skipped:
             self._future.set_result(None)
@@ -254,6 +254,7 @@ class SaveWorker:
         job.wait_durable = any(w for _, w in done.payloads)
         if done.written is None:
             return False
+        job.handle.health = done.health
         self.engine.release(job.staged)
         return True
 

@@ -364,7 +364,9 @@ def test_tiers_load_healthy_takes_the_newest_healthy_copy(tmp_path, caplog):
     with Checkpointer(tmp_path / "durable", tiers=tiers) as ck:
         ck.save(1, {"w": torch.ones(2)}).wait()  # durable and local
         ck.save(2, {"w": torch.full((2,), 2.0)}).wait()  # local only
-        ck.save(3, {"w": torch.tensor([float("nan"), 3.0])}).wait()  # durable and local
+        h3 = ck.save(3, {"w": torch.tensor([float("nan"), 3.0])})  # durable and local
+        h3.wait()
+        assert h3.health.status == "unhealthy" and h3.health.nan == 1  # the local commit's
         ck.wait()
     with Checkpointer(tmp_path / "durable", tiers=tiers) as ck:
         target = {"w": torch.zeros(2)}
