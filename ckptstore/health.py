@@ -127,6 +127,12 @@ class RankHealth:
     """Up to ``WORST_KEPT`` tensors with NaN or Inf, worst first: ``{"rank", "tensor", "nan",
     "inf"}``."""
 
+    def as_rank(self, rank: int) -> RankHealth:
+        """The same numbers, its tensors named as rank ``rank``'s (a tier copy is rank 0 of
+        a one-rank step)."""
+        worst = [{**t, "rank": rank} for t in self.worst]
+        return RankHealth(self.nan, self.inf, self.sumsq, dict(self.groups), worst)
+
 
 def summarize(
     rank: int,

@@ -233,24 +233,14 @@ class StateLoader:
         copies = self.group.gather(mine)
         verdict: Any = None
         if self.rank == 0:
-            good, why = [], {}
-            for c in plan:
-                durable = self._durable_health(c)
-                own = [h.get(c.step, "absent") for h in copies]
-                bad = next((h for h in own if isinstance(h, dict) and not h["healthy"]), None)
-                if bad is not None:
-                    why[c.step] = why_not_healthy(c.step, bad)
-                elif durable != "absent":
-                    if durable is not None and durable["healthy"]:
-                        good.append(c)
-                    else:
-                        why[c.step] = why_not_healthy(c.step, durable)
-                elif all(isinstance(h, dict) for h in own):
-                    good.append(c)
-                else:
-                    why[c.step] = why_not_healthy(c.step, None)
-            verdict = (good, why)
-        good, why = self.group.broadcast(verdict)
+            try:
+                verdict = self._judge_tiered(plan, copies)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                verdict = exc
+        verdict = self.group.broadcast(verdict)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        good, why = verdict
         wanted = None if step in (None, "latest") else int(step)
         if wanted is not None and not any(c.step == wanted for c in good):
             raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
@@ -263,6 +253,28 @@ class StateLoader:
         if wanted is not None:
             good = [c for c in good if c.step == wanted]
         return (good if fallback else good[:1]), why
+
+    def _judge_tiered(
+        self, plan: list[Candidate], copies: list[dict]
+    ) -> tuple[list[Candidate], dict[int, str]]:
+        """(rank 0) ``plan``'s healthy saves, and why each other one is not."""
+        good, why = [], {}
+        for c in plan:
+            durable = self._durable_health(c)
+            own = [h.get(c.step, "absent") for h in copies]
+            bad = next((h for h in own if isinstance(h, dict) and not h["healthy"]), None)
+            if bad is not None:
+                why[c.step] = why_not_healthy(c.step, bad)
+            elif durable != "absent":
+                if durable is not None and durable["healthy"]:
+                    good.append(c)
+                else:
+                    why[c.step] = why_not_healthy(c.step, durable)
+            elif all(isinstance(h, dict) for h in own):
+                good.append(c)
+            else:
+                why[c.step] = why_not_healthy(c.step, None)
+        return good, why
 
     def _durable_health(self, c: Candidate) -> dict | None | str:
         """(rank 0) The health the durable manifest of ``c``'s save records; "absent" when

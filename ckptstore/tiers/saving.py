@@ -139,7 +139,7 @@ class TierSaver:
             mine = written.health if written is not None else None
             heard = self.group.agree(error, (payload, shared, fatal is not None, mine))
             payloads = [p for p, _, _, _ in heard.payloads]
-            healths = [h for _, _, _, h in heard.payloads]
+            healths = [h and h.as_rank(r) for r, (_, _, _, h) in enumerate(heard.payloads)]
             if fatal is not None:
                 raise fatal
             stopped = [r for r, (_, _, f, _) in enumerate(heard.payloads) if f]

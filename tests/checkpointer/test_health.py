@@ -394,3 +394,29 @@ def test_a_sum_of_squares_that_overflows_float64_is_recorded_as_null(tmp_path, c
     assert json.loads(capsys.readouterr().out)["tensors"][0]["norm"] is None
     assert main(["inspect", str(tmp_path)]) == 0
     assert "overflow" in capsys.readouterr().out
+
+
+def _tiers_one_rank_nan(rank: int, world: int, root: str, local: str) -> None:
+    from ckptstore import TierOptions
+
+    tiers = TierOptions(local_dir=local, durable_every=100, local_keep_last=5)
+    state = {"w": torch.full((8,), float(rank + 1))}
+    with Checkpointer(root, tiers=tiers) as ck:
+        ck.save(1, state).wait()  # durable and local
+        state["w"].add_(1)
+        ck.save(2, state).wait()  # local only
+        if rank == 1:
+            state["w"][0] = float("nan")
+        h3 = ck.save(3, state)  # local only, NaN on rank 1
+        h3.wait()
+        ck.wait()
+    assert h3.health.status == "unhealthy" and h3.health.worst == ("rank 1 w: 1 NaN, 0 Inf",)
+    with Checkpointer(root, tiers=tiers) as ck:
+        target = {"w": torch.zeros(8)}
+        assert ck.load(target, healthy=True) == 2  # every rank goes back together
+        assert torch.equal(target["w"], torch.full((8,), float(rank + 2)))
+
+
+@pytest.mark.dist
+def test_tiers_nan_on_one_rank_sends_every_rank_back_to_the_healthy_local_copy(tmp_path):
+    run_ranks(_tiers_one_rank_nan, 2, str(tmp_path / "durable"), str(tmp_path / "local"))
