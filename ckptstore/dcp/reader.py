@@ -140,7 +140,8 @@ class StoreReader(StorageReader):
         healthy: load the newest *healthy* step (docs/FORMAT.md, "Health") for ``"latest"``,
             each newer step passed over named once in a warning with why; an explicit step
             that is not healthy raises ``UnhealthyStepError``; none healthy is
-            ``CheckpointNotFoundError``.
+            ``CheckpointNotFoundError``. With ``tiers``: a durable step as its manifest says,
+            a step only the tiers hold when every rank's own copy is healthy.
 
     Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
     ``UnsupportedStateError``: load them with ``Checkpointer.load``.
@@ -166,8 +167,6 @@ class StoreReader(StorageReader):
         self._tier: TierLoad | None = None
         self.last_load: LoadReport | None = None
         self.trust_pickled_objects = trust_pickled_objects
-        if healthy and self._policy is not None:
-            raise ValueError("healthy=True is not supported with tiers (local_dir) yet")
         self.healthy = healthy
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         self.last_load_exchange: ExchangeStats | None = None
@@ -197,7 +196,7 @@ class StoreReader(StorageReader):
                 return good[0] if good else None
             return steps[-1] if steps else None
         group = load_group(self.options["storage"].group_timeout_s(0.0))
-        return newest_step(self.store, self._policy, group)
+        return newest_step(self.store, self._policy, group, healthy=self.healthy)
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -228,7 +227,9 @@ class StoreReader(StorageReader):
         self._tier = None
         if self._policy is not None:
             group = load_group(self.options["storage"].group_timeout_s(0.0))
-            self._tier = plan_tier_load(self.store, self._policy, self.step, group)
+            self._tier = plan_tier_load(
+                self.store, self._policy, self.step, group, healthy=self.healthy
+            )
             self.view = self._tier.view
             self.last_load = self._tier.report
         metadata = self._view().dcp_metadata()

@@ -32,8 +32,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index_bytes
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    UnhealthyStepError,
+)
 from ckptstore.format import ChunkInfo, decode_rank_index
+from ckptstore.health import why_not_healthy
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
@@ -73,14 +80,30 @@ def load_group(timeout_s: float) -> RankGroup:
 
 
 def plan_tier_load(
-    durable: Store, policy: TierPolicy, wanted: int | str, group: RankGroup
+    durable: Store,
+    policy: TierPolicy,
+    wanted: int | str,
+    group: RankGroup,
+    *,
+    healthy: bool = False,
 ) -> TierLoad:
     """Collective over ``group`` (every rank of the load calls it). Raises on every rank alike
-    when no step can be loaded, or a rank failed to say what it holds."""
+    when no step can be loaded, or a rank failed to say what it holds. ``healthy``: only a
+    healthy step (``_not_healthy``), each newer one passed over named once with why."""
     started = time.perf_counter()
     rank = group.rank
     local, here, durable_steps, holders = _listing(durable, policy, group)
+    why: dict[int, str] = {}
+    if healthy:
+        why = _not_healthy(durable, local, here, durable_steps, holders, group)
+        if wanted != "latest" and int(wanted) in why:
+            raise UnhealthyStepError(f"{why[int(wanted)]} (healthy=True)")
+        holders = {s: h for s, h in holders.items() if s not in why}
+        durable_steps = durable_steps - set(why)
     step = _choose(wanted, set(holders), durable_steps, local, durable)
+    if rank == 0:
+        for s in sorted((s for s in why if s > step), reverse=True):
+            logger.warning("%s (tiers, %s): skipped by healthy=True", why[s], durable.uri)
     if step in holders and step in durable_steps:
         # The durable save of a step number wins over local copies of another save of it
         # (a step saved again after a resume, or by a job of another world size).
@@ -152,11 +175,62 @@ def plan_tier_load(
     return TierLoad(view, held, fetch, report, started)
 
 
-def newest_step(durable: Store, policy: TierPolicy, group: RankGroup) -> int | None:
+def newest_step(
+    durable: Store, policy: TierPolicy, group: RankGroup, *, healthy: bool = False
+) -> int | None:
     """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
-    None when no tier holds one every rank can get."""
-    _, _, durable_steps, holders = _listing(durable, policy, group)
-    return max(set(holders) | durable_steps, default=None)
+    None when no tier holds one every rank can get (``healthy``: a healthy one)."""
+    local, here, durable_steps, holders = _listing(durable, policy, group)
+    why = _not_healthy(durable, local, here, durable_steps, holders, group) if healthy else {}
+    return max((set(holders) | durable_steps) - set(why), default=None)
+
+
+def _not_healthy(
+    durable: Store,
+    local: LocalTier,
+    here: dict[int, dict[int, str]],
+    durable_steps: set[int],
+    holders: dict[int, tuple[str, dict[int, int]]],
+    group: RankGroup,
+) -> dict[int, str]:
+    """(collective) Why each step a load could take is not healthy: a rank's own copy that
+    records NaN or Inf rules its step out; else a durable step is what its manifest says; a
+    step only the tiers hold is healthy when every rank's own copy says so."""
+    rank = group.rank
+    mine: dict[int, dict | None] = {}
+    error = None
+    try:
+        store = local.store(rank) if here.get(rank) else None
+        for step, attempt in (here.get(rank) or {}).items():
+            manifest = load_manifest(store, step)
+            if manifest.attempt == attempt:
+                mine[step] = manifest.health
+        if rank == 0:
+            found = {}
+            for step in durable_steps:
+                try:
+                    found[step] = load_manifest(durable, step).health
+                except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError):
+                    found[step] = None
+            mine = (mine, found)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    heard = _agree(group, error, mine, "read the health of the copies")
+    durable_health = heard[0][1]
+    own = [heard[0][0], *heard[1:]]
+    why = {}
+    for step in set(holders) | durable_steps:
+        copies = [h.get(step, "absent") for h in own]
+        bad = next((h for h in copies if isinstance(h, dict) and not h["healthy"]), None)
+        if bad is not None:
+            why[step] = why_not_healthy(step, bad)
+        elif step in durable_steps:
+            health = durable_health.get(step)
+            if not (health is not None and health["healthy"]):
+                why[step] = why_not_healthy(step, health)
+        elif not all(isinstance(h, dict) and h["healthy"] for h in copies):
+            why[step] = why_not_healthy(step, None)
+    return why
 
 
 def _listing(durable: Store, policy: TierPolicy, group: RankGroup):

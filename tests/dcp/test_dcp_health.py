@@ -135,3 +135,28 @@ def test_dcp_nan_in_one_ranks_shard_makes_the_step_unhealthy(tmp_path):
     assert (health["nan"], health["inf"]) == (1, 1)
     assert {t["rank"] for t in health["worst"]} == {1}
     assert load_manifest(Store(uri), 0).health["healthy"]
+
+
+def test_dcp_tiers_healthy_reader_takes_the_newest_healthy_copy(tmp_path, caplog):
+    from ckptstore import TierOptions
+    from tests.helpers.dcp_tiers import assert_loaded, blank_state, step_state
+
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    tiers = TierOptions(local_dir=local, durable_every=2, local_keep_last=5)
+    writer = StoreWriter(root, tiers=tiers)
+    for step in (1, 2, 3):  # 1 durable and local, 2 local only, 3 durable and local (NaN)
+        state = step_state(step)
+        if step == 3:
+            state["v"][7] = float("nan")
+        dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True)
+    writer.wait()
+    assert not load_manifest(Store(root), 3).health["healthy"]
+    reader = StoreReader(root, tiers=tiers, healthy=True)
+    assert reader.latest() == 2 and StoreReader(root, tiers=tiers).latest() == 3
+    target = blank_state()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    assert_loaded(target, 2)
+    assert sum("step 3: unhealthy" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(CheckpointException, match="step 3: unhealthy"):
+        dcp.load(blank_state(), storage_reader=StoreReader(root, tiers=tiers, step=3, healthy=True))
