@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("ckptstore", "ckptstore_dcp", "dcp_async", "dcp_sync", "torch_save")
 CUDA_METHODS = ("ckptstore", "ckptstore_host", *METHODS[1:])
+OPT_IN_METHODS = ("ckptstore_noscan",)  # run only when --methods names them
 
 
 class _Method:
@@ -118,6 +119,23 @@ class _Ckptstore(_Method):
 class _CkptstoreHost(_Ckptstore):
     name = "ckptstore_host"
     staging = "host"
+
+
+class _CkptstoreNoScan(_Ckptstore):
+    """The Checkpointer without its health scan (``HealthPolicy(scan=False)``): what the
+    scan costs, measured beside ``ckptstore`` (only when named in ``--methods``)."""
+
+    name = "ckptstore_noscan"
+
+    def open(self) -> None:
+        from ckptstore import Checkpointer, HealthPolicy
+
+        self.ckpt = Checkpointer(
+            self.ws.child(self.name),
+            compression=self.compression,
+            staging=self.staging,
+            health=HealthPolicy(scan=False),
+        )
 
 
 class _CkptstoreDcp(_Method):
@@ -215,7 +233,16 @@ class _TorchSave(_Method):
 
 
 _CLASSES: dict[str, Callable[..., _Method]] = {
-    c.name: c for c in (_Ckptstore, _CkptstoreHost, _CkptstoreDcp, _DcpAsync, _DcpSync, _TorchSave)
+    c.name: c
+    for c in (
+        _Ckptstore,
+        _CkptstoreHost,
+        _CkptstoreNoScan,
+        _CkptstoreDcp,
+        _DcpAsync,
+        _DcpSync,
+        _TorchSave,
+    )
 }
 
 
@@ -498,7 +525,8 @@ def run(args: argparse.Namespace) -> int:
     common.check_counts(args)
     common.check_device(args.device)
     spec = common.state_spec_from_args(args)
-    methods = common.parse_methods(args.methods, methods_for(args.device))
+    known = methods_for(args.device)
+    methods = common.parse_methods(args.methods, known + OPT_IN_METHODS if args.methods else known)
     report = run_save(
         uri=args.uri,
         spec=spec,

@@ -17,10 +17,13 @@ from ckptstore.errors import (
     StorageAccessError,
     StorageError,
     StorageTimeoutError,
+    UnhealthyStepError,
     UnsupportedStateError,
 )
+from ckptstore.health import StepHealth
 from ckptstore.options import (
     EncodingOptions,
+    HealthPolicy,
     PreemptionOptions,
     ReadOptions,
     RetentionOptions,
@@ -66,6 +69,8 @@ __all__ = [
     "TierOptions",
     "ReadOptions",
     "PreemptionOptions",
+    "HealthPolicy",
+    "StepHealth",
     "CodecConfig",
     "RNGState",
     "CheckpointError",
@@ -77,6 +82,7 @@ __all__ = [
     "FormatVersionError",
     "StepExistsError",
     "UnsupportedStateError",
+    "UnhealthyStepError",
     "StorageError",
     "StorageAccessError",
     "StorageTimeoutError",

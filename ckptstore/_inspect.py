@@ -8,6 +8,7 @@ storage keys of the rank index (``fqn`` or ``fqn@o0,o1`` for a shard).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from ckptstore.errors import (
     FormatVersionError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
+from ckptstore.health import norm, status
 from ckptstore.steps import StepView
 from ckptstore.store import Store
 
@@ -69,6 +71,7 @@ def summarize(view: StepView) -> dict[str, Any]:
                     "offset": offsets.get(i),
                     "object": i in offsets and offsets[i] is None,
                     "chunks": digests,
+                    **_tensor_health(entry.health),
                 }
             )
         ranks.append(
@@ -114,7 +117,30 @@ def manifest_summary(store: Store, manifest: Manifest) -> dict[str, Any]:
         "compression_ratio": ratio(manifest.raw_bytes, manifest.stored_bytes),
         "user": manifest.user,
         "manifest": commit_key(manifest.step),
+        "health": status(manifest.health),
+        "health_record": manifest.health,
     }
+
+
+def _tensor_health(health: list | None) -> dict[str, Any]:
+    """A tensor's NaN and Inf counts and norm (None: not floating, or not recorded; a norm
+    whose sum of squares overflowed float64 is None too, its counts given)."""
+    if health is None:
+        return {"nan": None, "inf": None, "norm": None}
+    nan, inf, sumsq = health
+    return {"nan": nan, "inf": inf, "norm": None if sumsq is None else norm(sumsq)}
+
+
+def worst_first(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``tensors`` (``summarize``'s) with the most NaN and Inf values first, then the largest
+    norms; those without health last, in their order."""
+
+    def key(t: dict[str, Any]) -> tuple:
+        if t["nan"] is None:
+            return (1, 0, 0.0)
+        return (0, -(t["nan"] + t["inf"]), -(math.inf if t["norm"] is None else t["norm"]))
+
+    return sorted(tensors, key=key)
 
 
 def _numel(shape: list[int]) -> int:

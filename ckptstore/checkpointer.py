@@ -22,6 +22,7 @@ each writes its own chunks and index and rank 0 commits once all have succeeded.
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import dataclasses
 import json
 import logging
 import os
@@ -38,9 +39,11 @@ from ckptstore.errors import (
     CheckpointError,
 )
 from ckptstore.format import check_step
+from ckptstore.health import StepHealth, find_healthy
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
     EncodingOptions,
+    HealthPolicy,
     PreemptionOptions,
     ReadOptions,
     RetentionOptions,
@@ -75,7 +78,7 @@ class Checkpointer:
         uri: where the checkpoints live: a path, ``file://``, ``memory://``, ``s3://b/prefix``.
         storage_options: passed to fsspec (credentials, endpoint, ...).
         keep_last: after each commit keep only the newest this many steps (None: keep all).
-        storage, encoding, staging, retention, tiers, reads, preemption: option objects of
+        storage, encoding, staging, retention, tiers, reads, preemption, health: option objects of
             ``ckptstore.options`` (each field documented there), the same ones
             ``ckptstore.dcp.StoreWriter``/``StoreReader`` take; ``staging="device"`` is short
             for ``StagingOptions(mode="device")``. With ``tiers=TierOptions(local_dir=...)``
@@ -85,6 +88,12 @@ class Checkpointer:
             ``durable_every`` saves (``handle.durable``); ``load`` takes the newest save every
             rank can get, each rank from its own copy, a peer's, or ``uri``, whichever verifies
             first (docs/FORMAT.md, "Tiers"). ``steps()``/``latest()`` list ``uri``.
+            ``health=HealthPolicy(...)`` (docs/FORMAT.md, "Health"): every save records each
+            floating tensor's NaN and Inf counts and sum of squares; ``handle.health`` and
+            ``last_save`` tell a committed step's health; ``steps``, ``latest`` and ``load``
+            take ``healthy=True``.
+        on_unhealthy: short for ``HealthPolicy(on_unhealthy=...)``: an unhealthy save is
+            ``"save"``d (one warning naming its worst tensors), ``"skip"``ped or ``"raise"``s.
         process_group: the ranks that save together (default: the whole world, if any).
         no_dist: this process saves and loads alone, as rank 0 of 1, even under
             ``torch.distributed`` (as DCP's ``no_dist``): for a state every rank holds whole,
@@ -107,10 +116,14 @@ class Checkpointer:
         tiers: TierOptions | None = None,
         reads: ReadOptions | None = None,
         preemption: PreemptionOptions | None = None,
+        health: HealthPolicy | None = None,
+        on_unhealthy: str | None = None,
         process_group: Any = None,
         no_dist: bool = False,
         **deprecated: Any,
     ) -> None:
+        if on_unhealthy is not None:
+            health = dataclasses.replace(health or HealthPolicy(), on_unhealthy=on_unhealthy)
         given = dict(
             storage=storage,
             encoding=encoding,
@@ -119,6 +132,7 @@ class Checkpointer:
             tiers=tiers,
             reads=reads,
             preemption=preemption,
+            health=health,
         )
         o = resolve("Checkpointer", given, deprecated)
         self.options = o
@@ -211,6 +225,11 @@ class Checkpointer:
         threading._register_atexit(lambda: (c := this()) is not None and c._close_at_exit())
 
     @property
+    def last_save(self) -> StepHealth | None:
+        """The health of the last save committed (``handle.health`` of that save)."""
+        return self._saver.last_health
+
+    @property
     def last_peer_copy(self) -> TransferStats | None:
         """What this rank moved in the last save's peer copies (tiers with ``peer_copies``)."""
         return self._saver.last_peer_copy
@@ -299,16 +318,30 @@ class Checkpointer:
             self._sigterm.aware = True
         return self._sigterm.signalled.is_set()
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return list_steps(self.store)
+    def steps(self, *, healthy: bool = False) -> list[int]:
+        """Committed steps, ascending; with ``healthy``, only those whose manifest records
+        them healthy (docs/FORMAT.md, "Health": not "unhealthy", not "unknown")."""
+        steps = list_steps(self.store)
+        if healthy:
+            return sorted(find_healthy(self.store, steps)[0])
+        return steps
 
-    def latest(self) -> int | None:
-        steps = self.steps()
+    def latest(self, *, healthy: bool = False) -> int | None:
+        """The newest committed step (with ``healthy``, the newest healthy one), or None."""
+        steps = list_steps(self.store)
+        if healthy:
+            good = find_healthy(self.store, steps, limit=1)[0]
+            return good[0] if good else None
         return steps[-1] if steps else None
 
     def load(
-        self, state: Any, step: int | str = "latest", *, fallback: bool = False, strict: bool = True
+        self,
+        state: Any,
+        step: int | str = "latest",
+        *,
+        fallback: bool = False,
+        strict: bool = True,
+        healthy: bool = False,
     ) -> int:
         """Load ``step`` into ``state`` in place (tensors copied into, stateful objects
         given ``load_state_dict``); returns the step loaded.
@@ -336,6 +369,12 @@ class Checkpointer:
         (Verifying every chunk before writing any would take a second state-sized buffer or a
         second read of every chunk.)
 
+        ``healthy=True`` loads the newest *healthy* step (docs/FORMAT.md, "Health"): each newer
+        step passed over (unhealthy, or of unknown health) is named once in a warning with
+        why; with ``fallback=True`` a healthy step that does not load goes on to the next
+        older healthy one; an explicit ``step`` that is not healthy raises
+        ``UnhealthyStepError``; no healthy step at all is ``CheckpointNotFoundError``.
+
         ``strict=False`` loads the part of the step the state asks for: saved keys that the
         state's dicts do not have are left out and not read, and keys of the state that the
         step lacks are left alone; a module loads the parameters both have (with ``strict``, a
@@ -344,7 +383,7 @@ class Checkpointer:
         """
         self._loader.peers = self._peers  # the replicas it guards now (a restarted rank's)
         try:
-            return self._loader.load(state, step, fallback=fallback, strict=strict)
+            return self._loader.load(state, step, fallback=fallback, strict=strict, healthy=healthy)
         finally:
             loader = self._loader
             self.last_load, self.last_load_source = loader.last_load, loader.last_load_source

@@ -41,6 +41,11 @@ class DrainSupersededError(CheckpointError):
     newer step was drained in its place (its local copies were kept until then)."""
 
 
+class UnhealthyStepError(CheckpointError):
+    """A save whose numbers are unhealthy (NaN or Inf, or a norm jump) was refused
+    (``HealthPolicy(on_unhealthy="raise")``), or no healthy step could be loaded."""
+
+
 class FormatVersionError(CheckpointError, ValueError):
     """The store was written in a format version this reader does not know."""
 

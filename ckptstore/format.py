@@ -28,6 +28,7 @@ from typing import Any
 
 from ckptstore.codec import hash_bytes, max_encoded_size
 from ckptstore.errors import CheckpointCorruptError, FormatVersionError
+from ckptstore.health import check_entry_health, check_manifest_health
 from ckptstore.tree import check_tree
 
 FORMAT_NAME = "ckptstore"
@@ -130,6 +131,7 @@ class TensorEntry:
     shape: list[int]
     segments: list[Segment] = field(default_factory=list)
     numpy: bool = False  # saved from a numpy array; restored as one
+    health: list | None = None  # floating tensors: [nan, inf, sumsq] (ckptstore.health)
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +174,7 @@ class Manifest:
     raw_bytes: int = 0
     stored_bytes: int = 0
     user: dict[str, Any] = field(default_factory=dict)
+    health: dict | None = None  # the step's numbers (ckptstore.health); None: unknown
 
 
 def _canonical(doc: dict) -> bytes:
@@ -212,7 +215,10 @@ def _load(data: bytes, kind: str, name: str) -> dict:
 def encode_rank_index(index: RankIndex) -> bytes:
     body = asdict(index)
     body["tensors"] = [
-        {**t, "segments": [[s["chunk"], s["offset"], s["nbytes"]] for s in t["segments"]]}
+        {
+            **{k: v for k, v in t.items() if k != "health" or v is not None},
+            "segments": [[s["chunk"], s["offset"], s["nbytes"]] for s in t["segments"]],
+        }
         for t in body["tensors"]
     ]
     body["chunks"] = {h: [c["raw"], c["stored"]] for h, c in body["chunks"].items()}
@@ -229,6 +235,7 @@ def decode_rank_index(data: bytes, name: str) -> RankIndex:
                 shape=list(t["shape"]),
                 segments=[Segment(c, o, n) for c, o, n in t["segments"]],
                 numpy=bool(t.get("numpy", False)),
+                health=t.get("health"),
             )
             for t in doc["tensors"]
         ]
@@ -247,7 +254,10 @@ def decode_rank_index(data: bytes, name: str) -> RankIndex:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    return _dump("manifest", asdict(m))
+    body = asdict(m)
+    if body["health"] is None:  # a step without health reads as before
+        del body["health"]
+    return _dump("manifest", body)
 
 
 def decode_manifest(data: bytes, name: str) -> Manifest:
@@ -267,6 +277,7 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
             raw_bytes=int(doc.get("raw_bytes", 0)),
             stored_bytes=int(doc.get("stored_bytes", 0)),
             user=dict(doc.get("user") or {}),
+            health=doc.get("health"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
@@ -325,6 +336,9 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
         if m.dcp_metadata.key != dcp_metadata_key(m.step, m.attempt):
             raise bad(f"DCP metadata key {m.dcp_metadata.key!r} is not this step's")
         _check_ref(m.dcp_metadata, bad)
+    why = check_manifest_health(m.health)
+    if why is not None:
+        raise bad(why)
 
 
 def _check_ref(ref: ObjectRef, bad) -> None:
@@ -428,6 +442,9 @@ def _check_tensor(
         total += seg.nbytes
     if total != nbytes:
         raise bad(f"{total} bytes in segments for {entry.dtype} {entry.shape} ({nbytes} bytes)")
+    why = check_entry_health(entry.health, entry.dtype)
+    if why is not None:
+        raise bad(why)
 
 
 def object_ref(key: str, data: bytes) -> ObjectRef:

@@ -40,9 +40,11 @@ from ckptstore.errors import (
     FormatVersionError,
     PartialLoadError,
     StorageError,
+    UnhealthyStepError,
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
+from ckptstore.health import healthy_steps_to_load, tiered_verdict
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
 from ckptstore.shared_read import (
@@ -130,17 +132,24 @@ class StateLoader:
     # -- one load, newest save first ----------------------------------------------------------
 
     def load(
-        self, state: Any, step: int | str = "latest", *, fallback: bool = False, strict: bool = True
+        self,
+        state: Any,
+        step: int | str = "latest",
+        *,
+        fallback: bool = False,
+        strict: bool = True,
+        healthy: bool = False,
     ) -> int:
         """``Checkpointer.load``: load ``step`` into ``state``; returns the step loaded."""
         if fallback and step not in (None, "latest"):
             raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
         t0 = time.perf_counter()
         try:
-            candidates = self._candidates(step, fallback)
+            candidates, not_healthy = self._candidates(step, fallback, healthy)
             dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
             skipped: list[tuple[int, BaseException]] = []
             for candidate in candidates:
+                self._skip_not_healthy(not_healthy, above=candidate.step)
                 self._report = report = LoadReport(step=candidate.step)
                 if self.local is not None:
                     self.last_load = report
@@ -155,32 +164,121 @@ class StateLoader:
                     raise self._load_failed(error, dirty)
                 skipped.append((candidate.step, error))
                 self._warn_skipped(candidate.step, error)
-            raise self._load_failed(self._none_loaded(skipped), dirty)
+            raise self._load_failed(self._none_loaded(skipped, not_healthy), dirty)
         finally:
             self._manifests.clear()
 
-    def _candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
-        """The saves to try, newest first, the same on every rank (collective)."""
+    def _skip_not_healthy(self, not_healthy: dict[int, str], above: int) -> None:
+        """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over."""
+        for step in sorted((s for s in not_healthy if s > above), reverse=True):
+            if self.rank == 0:
+                logger.warning(
+                    "rank 0: %s in %s: skipped by healthy=True", not_healthy[step], self.store.uri
+                )
+            del not_healthy[step]
+
+    def _candidates(
+        self, step: int | str, fallback: bool, healthy: bool = False
+    ) -> tuple[list[Candidate], dict[int, str]]:
+        """The saves to try, newest first, the same on every rank (collective); with
+        ``healthy`` only healthy steps, and by step why each newer one passed over is not."""
         if self.local is not None:
-            return self._tiered_candidates(step, fallback)
-        steps: Any = None
+            if not healthy:
+                return self._tiered_candidates(step, fallback), {}
+            plan = self._tiered_candidates(step, True)
+            return self._healthy_tiered(plan, step, fallback)
+        found: Any = None
         if self.rank == 0:
             try:
-                if fallback:
-                    steps = list_steps(self.store)[::-1]
-                    if not steps:
-                        raise CheckpointNotFoundError(
-                            f"no committed checkpoint in {self.store.uri}"
-                        )
-                else:
-                    steps = [resolve_step(self.store, step)]
+                found = self._durable_steps(step, fallback, healthy)
             except (CheckpointError, ValueError) as exc:
-                steps = exc
-        steps = self.group.broadcast(steps)
-        if isinstance(steps, BaseException):
-            raise steps
+                found = exc
+        found = self.group.broadcast(found)
+        if isinstance(found, BaseException):
+            raise found
+        steps, not_healthy = found
         durable = [[Source(DURABLE)] for _ in range(self.group.world_size)]
-        return [Candidate(s, None, durable) for s in steps]
+        return [Candidate(s, None, durable) for s in steps], not_healthy
+
+    def _durable_steps(
+        self, step: int | str, fallback: bool, healthy: bool
+    ) -> tuple[list[int], dict[int, str]]:
+        """(rank 0) The committed steps to try, newest first, and why the newer ones a
+        ``healthy`` load passes over are not healthy."""
+        if not healthy:
+            if fallback:
+                steps = list_steps(self.store)[::-1]
+                if not steps:
+                    raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
+                return steps, {}
+            return [resolve_step(self.store, step)], {}
+        return healthy_steps_to_load(self.store, step, limit=None if fallback else 1)
+
+    def _healthy_tiered(
+        self, plan: list[Candidate], step: int | str, fallback: bool
+    ) -> tuple[list[Candidate], dict[int, str]]:
+        """(collective) The healthy saves of ``plan``: a step is healthy when its durable
+        manifest of the same save says so, or, when it is not durable, when every rank's own
+        local copy does (each copy records its rank's numbers); a copy that says unhealthy
+        makes it unhealthy either way."""
+        assert self.local is not None
+        store = self.local.store(self.rank)
+        mine: dict[int, dict | None | str] = {}
+        for c in plan:
+            try:
+                manifest = load_manifest(store, c.step)
+            except CheckpointError:
+                continue  # no copy of its own: another tier serves this rank
+            if manifest.attempt == c.attempt:
+                mine[c.step] = manifest.health
+        copies = self.group.gather(mine)
+        verdict: Any = None
+        if self.rank == 0:
+            try:
+                verdict = self._judge_tiered(plan, copies)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                verdict = exc
+        verdict = self.group.broadcast(verdict)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        good, why = verdict
+        wanted = None if step in (None, "latest") else int(step)
+        if wanted is not None and not any(c.step == wanted for c in good):
+            raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
+        if not good:
+            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+            raise CheckpointNotFoundError(
+                f"no healthy step in the tiers or {self.store.uri}"
+                + (f": {every}" if every else "")
+            )
+        if wanted is not None:
+            good = [c for c in good if c.step == wanted]
+        return (good if fallback else good[:1]), why
+
+    def _judge_tiered(
+        self, plan: list[Candidate], copies: list[dict]
+    ) -> tuple[list[Candidate], dict[int, str]]:
+        """(rank 0) ``plan``'s healthy saves, and why each other one is not."""
+        good, why = [], {}
+        for c in plan:
+            own = [h.get(c.step, "absent") for h in copies]
+            reason = tiered_verdict(c.step, own, self._durable_health(c))
+            if reason is None:
+                good.append(c)
+            else:
+                why[c.step] = reason
+        return good, why
+
+    def _durable_health(self, c: Candidate) -> dict | None | str:
+        """(rank 0) The health the durable manifest of ``c``'s save records; "absent" when
+        the durable store does not hold that save."""
+        manifest = self._manifests.get(c.step)
+        if manifest is None:
+            try:
+                manifest = load_manifest(self.store, c.step)
+            except CheckpointError:
+                return "absent"
+        return manifest.health if manifest.attempt == c.attempt else "absent"
 
     def _tiered_candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
         """With tiers: the newest save every rank can get from some tier (or ``step``), and
@@ -626,9 +724,13 @@ class StateLoader:
                 self._one_line(error),
             )
 
-    def _none_loaded(self, skipped: list[tuple[int, BaseException]]) -> CheckpointError:
+    def _none_loaded(
+        self, skipped: list[tuple[int, BaseException]], not_healthy: dict[int, str] | None = None
+    ) -> CheckpointError:
         """The error of a load with fallback that loaded no step."""
-        every = "; ".join(f"step {s}: {self._one_line(e)}" for s, e in skipped)
+        failed = {s: f"step {s}: {self._one_line(e)}" for s, e in skipped}
+        failed.update(not_healthy or {})
+        every = "; ".join(failed[s] for s in sorted(failed, reverse=True))
         missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
         where = f"committed step in {self.store.uri}"
         if self.local is not None:

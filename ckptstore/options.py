@@ -202,6 +202,54 @@ class PreemptionOptions:
             raise ValueError(f"sigterm_grace_s must be > 0, got {self.sigterm_grace_s}")
 
 
+ON_UNHEALTHY = ("save", "skip", "raise")
+
+
+@dataclass(kw_only=True, frozen=True)
+class HealthPolicy:
+    """What a save records of its numbers and when a step counts as healthy (docs/FORMAT.md,
+    "Health"). A step is unhealthy when a floating value is NaN or Inf on any rank, or, with
+    ``norm_jump``, when a norm moved by more than that factor from the previous healthy step."""
+
+    scan: bool = True
+    """Scan every floating tensor of each save (NaN and Inf counts, sum of squares) in the
+    background pass. Off: steps are saved with unknown health (``ls`` says ``unknown``)."""
+    on_unhealthy: str = "save"
+    """An unhealthy save is ``"save"``d anyway (for forensics; one warning line at commit
+    naming its worst tensors), ``"skip"``ped (not committed, one warning; ``wait()`` returns
+    and ``handle.health.committed`` is False) or makes ``wait()`` ``"raise"``
+    ``UnhealthyStepError`` (not committed)."""
+    norm_jump: float | None = None
+    """Also unhealthy: the global norm (the square root of every rank's sums of squares, a
+    replicated tensor counted once per rank that saves it), or a group's of ``norm_groups``,
+    is more than this factor above or below that of the previous healthy step (a cheap sign of
+    silent data corruption). None: off."""
+    norm_groups: dict[str, tuple[str, ...]] | None = None
+    """Named groups of tensors by name prefix (``{"model": ("model/",)}``; a Checkpointer
+    tensor's name is its path in the state, a DCP one its key), each recorded and, with
+    ``norm_jump``, compared on its own besides the global norm."""
+
+    def __post_init__(self) -> None:
+        if self.on_unhealthy not in ON_UNHEALTHY:
+            raise ValueError(
+                f"on_unhealthy must be one of {', '.join(ON_UNHEALTHY)}, got {self.on_unhealthy!r}"
+            )
+        if self.norm_jump is not None and not self.norm_jump > 1:
+            raise ValueError(f"norm_jump must be > 1 (a factor), got {self.norm_jump}")
+        if self.norm_groups is not None:
+            if not isinstance(self.norm_groups, dict) or not all(
+                isinstance(k, str) and not isinstance(v, str) and all(isinstance(p, str) for p in v)
+                for k, v in self.norm_groups.items()
+            ):
+                raise ValueError(
+                    "norm_groups must map group names to tuples of tensor-name prefixes"
+                )
+            if "global" in self.norm_groups:
+                raise ValueError("norm_groups: 'global' names the norm of every tensor")
+        if self.norm_jump is not None and not self.scan:
+            raise ValueError("norm_jump needs scan=True")
+
+
 # The flat keywords of earlier releases: keyword -> (option group, field).
 _FLAT: dict[str, tuple[str, str]] = {
     "max_concurrency": ("storage", "max_concurrency"),
@@ -238,6 +286,7 @@ _GROUPS: dict[str, type] = {
     "tiers": TierOptions,
     "reads": ReadOptions,
     "preemption": PreemptionOptions,
+    "health": HealthPolicy,
 }
 
 

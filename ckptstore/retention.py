@@ -6,6 +6,9 @@ and only while no live ``save`` lease exists (``leases`` explains why that is sa
 concurrent save); stale leases, objects of attempts that never committed and, on local paths,
 temporaries of dead writers go in the same sweep.
 
+Retention never leaves a store without its newest healthy step (docs/FORMAT.md, "Health"):
+``keep_last`` keeps it beside the newest K, whatever came after it.
+
 Retention counts only steps that can be read (manifest and rank indexes decode): a damaged
 step is never what keeps a loadable one from deletion, is never deleted by ``keep_last`` (only
 on request), and stops the sweep while it is kept, since the chunks it references are unknown.
@@ -42,6 +45,8 @@ class GcReport:
     """Committed steps whose manifest or a rank index does not decode -> why: never counted
     as kept, never deleted by ``keep_last``; while one is kept, nothing is swept."""
     removed_corrupt: list[int] = field(default_factory=list)
+    kept_healthy: int | None = None
+    """The newest healthy step, kept whatever ``keep_last`` says (None: no healthy step)."""
     deleted_chunks: int = 0
     deleted_chunk_bytes: int = 0
     deleted_other: int = 0
@@ -75,13 +80,20 @@ def collect(
     (``remove_corrupt`` deletes the corrupt ones); while one is kept, nothing is swept: the
     chunks it references are unknown. ``ignore_attempts``: save leases of these attempts do
     not block the sweep (the caller's own save, committed already). ``keep_steps``: kept
-    whatever ``keep_last`` says (a node-local copy not yet drained to durable storage)."""
+    whatever ``keep_last`` says (a node-local copy not yet drained to durable storage). The
+    newest healthy step is kept too, so a run of unhealthy steps never leaves the store
+    without one to resume from."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     readable = _read_steps(store, list_steps(store), report)
     steps = sorted(readable)
+    healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
+    report.kept_healthy = healthy[-1] if healthy else None
     doomed = set(steps[:-keep_last] if keep_last is not None else []) - set(keep_steps)
+    if report.kept_healthy in doomed:
+        doomed.discard(report.kept_healthy)
+        logger.info("gc %s: step %d kept, the newest healthy step", store.uri, report.kept_healthy)
     report.deleted_steps = sorted(doomed)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]

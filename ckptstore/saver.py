@@ -21,6 +21,7 @@ import torch
 from ckptstore import telemetry
 from ckptstore.errors import CheckpointError
 from ckptstore.format import KIND_STATE
+from ckptstore.health import StepHealth
 from ckptstore.peer import PeerReplicas, replica_meta
 from ckptstore.save import RankWritten, SaveEngine, SaveSession, Staged
 from ckptstore.save.collective import save_collective
@@ -45,6 +46,10 @@ class SaveHandle:
         (known from ``save()``; after SIGTERM on another rank a save may become bound for it
         once ``wait()`` returns). ``wait()`` returns once the step is committed to the first
         tier that took it."""
+        self.health: StepHealth | None = None
+        """Once committed: the step's health over every rank (``ckptstore.health``), as its
+        commit judged it (with tiers, every rank's local copy: NaN and Inf); None before and
+        for a skipped save."""
         self._reported = False  # its error reached the caller: not raised again by save()
         if skipped:
             self._future.set_result(None)
@@ -129,6 +134,7 @@ class SaveWorker:
         self._failed: list[SaveHandle] = []  # failed saves whose error may not be reported yet
         self._failed_lock = threading.Lock()
         self.last: SaveHandle | None = None
+        self.last_health: StepHealth | None = None  # of the last save committed
         self.last_peer_copy = None
         self._thread = threading.Thread(target=self._run, name="ckptstore-save", daemon=True)
         self._thread.start()
@@ -184,6 +190,8 @@ class SaveWorker:
                     time.perf_counter() - t0, frontend="checkpointer"
                 )
                 telemetry.saves_total.inc(frontend="checkpointer", outcome="committed")
+                if job.handle.health is not None:
+                    self.last_health = job.handle.health
                 job.handle._future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait() and save()
                 telemetry.saves_total.inc(frontend="checkpointer", outcome="failed")
@@ -209,7 +217,7 @@ class SaveWorker:
         session = SaveSession(
             self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
         )
-        save_collective(
+        job.handle.health = save_collective(
             session,
             self._group,
             lambda latest: self._write_rank(session, job, latest),
@@ -228,7 +236,9 @@ class SaveWorker:
 
         def write(session: SaveSession) -> RankWritten:
             job.staged.copy.wait()
-            entries, chunks = session.write(job.staged.buffer, job.staged.layout, job.tensors)
+            entries, chunks = session.write(
+                job.staged.buffer, job.staged.layout, job.tensors, health=job.staged.health
+            )
             return session.put_index(0, entries, chunks, tree=job.tree, numpy=job.numpy)
 
         done = self._tiers.commit_local(
@@ -244,6 +254,7 @@ class SaveWorker:
         job.wait_durable = any(w for _, w in done.payloads)
         if done.written is None:
             return False
+        job.handle.health = done.health
         self.engine.release(job.staged)
         return True
 
@@ -274,7 +285,9 @@ class SaveWorker:
             if isinstance(latest, BaseException):
                 raise latest
             session.learn(self.rank, latest)
-            entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
+            entries, chunks = session.write(
+                staged.buffer, staged.layout, job.tensors, health=staged.health
+            )
         finally:
             self.engine.release(staged)
         return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)

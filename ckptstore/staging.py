@@ -26,6 +26,7 @@ import torch
 
 from ckptstore.device import HOST_SLAB_BYTES, Device, allocate_host
 from ckptstore.format import ALIGN
+from ckptstore.health import scan as health_scan
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class StagedCopy:
     views: list[torch.Tensor]
     """Each tensor's copy: a view of ``buffer`` with its dtype and shape."""
     event: object = None
+    health: list | None = None
+    """Each tensor's ``health.scan``, where it was taken on the device before the drain."""
 
     def wait(self) -> None:
         if self.event is not None:
@@ -232,6 +235,10 @@ class DrainedCopy:
     def views(self) -> list[torch.Tensor]:
         return self._future.result().views
 
+    @property
+    def health(self) -> list | None:
+        return self._future.result().health
+
     def landed(self) -> StagedCopy | None:
         """The host copy once the drain ended (waiting for it), None if it failed."""
         return None if self._future.exception() is not None else self._future.result()
@@ -251,14 +258,24 @@ class Drainer:
         return self._executor.submit(fn, *args)
 
     def drain(
-        self, staged: StagedCopy, device: Device, release: Callable[[torch.Tensor], None]
+        self,
+        staged: StagedCopy,
+        device: Device,
+        release: Callable[[torch.Tensor], None],
+        *,
+        scan: bool = False,
     ) -> DrainedCopy:
         """Copy ``staged`` (in a device buffer) to a host buffer; ``release(staged.buffer)``
-        once it is copied (or the copy failed)."""
-        return DrainedCopy(self._executor.submit(self._drain, staged, device, release))
+        once it is copied (or the copy failed). ``scan``: take each tensor's ``health.scan``
+        on the device first, while the copy runs."""
+        return DrainedCopy(self._executor.submit(self._drain, staged, device, release, scan))
 
     def _drain(
-        self, staged: StagedCopy, device: Device, release: Callable[[torch.Tensor], None]
+        self,
+        staged: StagedCopy,
+        device: Device,
+        release: Callable[[torch.Tensor], None],
+        scan: bool = False,
     ) -> StagedCopy:
         try:
             source = staged.buffer
@@ -269,12 +286,15 @@ class Drainer:
                     device.wait(staged.event, stream)  # after the device copy, not before
                 with device.on(stream):
                     host.copy_(source, non_blocking=device.is_accelerator)
+                    # Queued after the copy on the same stream, it reads the device buffer
+                    # while the bytes travel; its one wait is for both.
+                    health = health_scan(staged.views) if scan else None
                 device.record(stream).synchronize()
             except BaseException:
                 self._pool.release(host)
                 raise
             offsets = [v.data_ptr() - source.data_ptr() if v.numel() else 0 for v in staged.views]
-            return StagedCopy(buffer=host, views=_views(host, staged.views, offsets))
+            return StagedCopy(buffer=host, views=_views(host, staged.views, offsets), health=health)
         finally:
             release(staged.buffer)
 

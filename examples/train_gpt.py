@@ -3,8 +3,11 @@ ckptstore, resuming model and data order exactly.
 
     python examples/train_gpt.py                         # trains, checkpoints to ./runs/gpt
     python examples/train_gpt.py --crash-at 130          # dies (SIGKILL) at step 130
-    python examples/train_gpt.py                         # resumes from the latest commit
-                                                         # (an older one if it is corrupt)
+    python examples/train_gpt.py                         # resumes from the latest healthy
+                                                         # commit (an older one if it is
+                                                         # corrupt, or holds NaN/Inf)
+    python examples/train_gpt.py --nan-at 140            # a NaN blows the model up at 140:
+                                                         # saves after it are unhealthy
     python examples/train_gpt.py --data runs/data/a --data runs/data/b   # two replicas
     python examples/train_gpt.py --local-dir /dev/shm/gpt --durable-every 4   # tiers: every
         # save to the node-local directory first, every 4th also to --ckpt in the background;
@@ -74,7 +77,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.full((block, block), -math.inf), 1))
+        # Derived, not state: left out of the checkpoint (its -inf would read as unhealthy).
+        mask = torch.triu(torch.full((block, block), -math.inf), 1)
+        self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -147,20 +152,22 @@ def endless(loader: StatefulLoader):
 
 
 def resume(ckpt: Checkpointer, state: dict, args: argparse.Namespace) -> int | None:
-    """Load the newest checkpoint into ``state`` and say where from; None when there is none.
+    """Load the newest healthy checkpoint into ``state`` and say where from; None when there
+    is none.
 
-    A newest step that is corrupt or misses chunks is skipped (with a warning) for the newest
-    one that loads. With tiers ``ckpt.latest()`` lists durable steps only, while the newest save
+    A newer step whose numbers hold NaN or Inf (or whose health is unknown) is skipped, named
+    in a warning; so is a step that is corrupt or misses chunks, for the newest healthy one
+    that loads. With tiers ``ckpt.latest()`` lists durable steps only, while the newest save
     may be in the local directory alone: the load itself says whether any tier holds one.
     """
     if args.local_dir is None:
         if ckpt.latest() is None:
             return None
-        step = ckpt.load(state, fallback=True)
+        step = ckpt.load(state, fallback=True, healthy=True)
         print(f"resumed from step {step} ({args.ckpt})", flush=True)
         return step
     try:
-        step = ckpt.load(state, fallback=True)
+        step = ckpt.load(state, fallback=True, healthy=True)
     except CheckpointNotFoundError:
         if ckpt.steps():  # durable steps, none of them loadable: not a fresh start
             raise
@@ -186,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=25, help="checkpoint every N steps")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--crash-at", type=int, default=None, help="SIGKILL this process at step N")
+    p.add_argument(
+        "--nan-at",
+        type=int,
+        default=None,
+        help="write a NaN into the model after step N's update (a blow-up, or silent data "
+        "corruption): the saves after it are unhealthy, and a rerun resumes from before it",
+    )
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=1337)
@@ -263,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         # Steps are write-once: the ones skipped stay committed and are not saved again.
         unloadable = [s for s in ckpt.steps() if s > step]
         if unloadable:
-            print(f"steps {unloadable} could not be loaded and will not be saved again", flush=True)
+            print(
+                f"steps {unloadable} were not resumed from (unhealthy or damaged) and will not "
+                "be saved again",
+                flush=True,
+            )
     start = time.perf_counter()
     model.train()
     batches = endless(loader)  # after the load: it starts at the loader's restored position
@@ -277,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         progress["step"] += 1
         step = progress["step"]
+        if args.nan_at is not None and step == args.nan_at:
+            with torch.no_grad():
+                model.ln.weight[0] = float("nan")  # every position goes through it
         print(f"step {step} loss {loss.item().hex()} ({loss.item():.4f}) data {digest}", flush=True)
         if args.crash_at is not None and step == args.crash_at:
             print(f"crashing at step {step} (SIGKILL)", flush=True)

@@ -20,6 +20,8 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{'dry run: ' if args.dry_run else ''}kept steps: {_steps(report.kept_steps)}")
     print(f"{verb} steps: {_steps(report.deleted_steps)}")
+    if report.kept_healthy is not None:
+        print(f"newest healthy step (always kept): {report.kept_healthy}")
     removed = set(report.removed_corrupt)
     for step, why in sorted(report.unreadable_steps.items()):
         fate = f"{verb} (--remove-corrupt)" if step in removed else "kept, not counted"
@@ -35,6 +37,7 @@ def _doc(args: argparse.Namespace, store: Store, report: GcReport) -> dict:
         "keep_last": args.keep_last,
         "kept_steps": report.kept_steps,
         "deleted_steps": report.deleted_steps,
+        "kept_healthy": report.kept_healthy,
         "unreadable_steps": [
             {"step": step, "error": why, "removed": step in report.removed_corrupt}
             for step, why in sorted(report.unreadable_steps.items())

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ckptstore._inspect import summarize
+from ckptstore._inspect import summarize, worst_first
 from ckptstore.cli.common import emit_json
+from ckptstore.health import norm
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -30,13 +31,17 @@ def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
             f"{human_bytes(doc['stored_bytes'])} stored, ratio {format_ratio(doc['compression_ratio'])}",
         ),
         ("user metadata", json.dumps(doc["user"]) if doc["user"] else "-"),
+        ("health", _health_line(doc)),
     ]
     if doc["dcp_metadata"]:
         fields.append(("dcp metadata", doc["dcp_metadata"]))
     for name, value in fields:
         print(f"  {name + ':':15}{value}")
     multi = doc["world_size"] > 1
-    header = ["NAME", *(["RANK"] if multi else []), "DTYPE", "SHAPE", "RAW", "STORED", "CHUNKS"]
+    header = [
+        "NAME", *(["RANK"] if multi else []), "DTYPE", "SHAPE", "RAW", "STORED", "CHUNKS",
+        "NAN", "INF", "NORM",
+    ]  # fmt: skip
     rows = [
         [
             t["name"] + (" (numpy)" if t["numpy"] else " (pickled object)" if t["object"] else ""),
@@ -46,11 +51,30 @@ def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
             human_bytes(t["raw_bytes"]),
             human_bytes(t["stored_bytes"]),
             str(len(t["chunks"])),
+            *(["-", "-", "-"] if t["nan"] is None else [
+                str(t["nan"]), str(t["inf"]),
+                "overflow" if t["norm"] is None else f"{t['norm']:.6g}",
+            ]),
         ]
-        for t in doc["tensors"]
-    ]
+        for t in worst_first(doc["tensors"])
+    ]  # fmt: skip
     if rows:
         print()
         offset = 1 if multi else 0
-        print(table(header, rows, right={offset + 3, offset + 4, offset + 5}))
+        right = {offset + i for i in (3, 4, 5, 6, 7, 8)}
+        print(table(header, rows, right=right))
     return 0
+
+
+def _health_line(doc: dict) -> str:
+    """The step's health in one line: its status, counts, norm and why."""
+    record = doc["health_record"]
+    if record is None:
+        return "unknown (saved without a health record)"
+    line = f"{doc['health']}: {record['nan']} NaN, {record['inf']} Inf"
+    line += f", norm {norm(record['sumsq']):.6g}"
+    groups = record.get("groups") or {}
+    if groups:
+        line += " (" + ", ".join(f"{g} {norm(v):.6g}" for g, v in groups.items()) + ")"
+    reasons = record.get("reasons") or []
+    return line + (f"; {'; '.join(reasons)}" if reasons else "")

@@ -61,6 +61,7 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                     str(r["step"]),
                     r["kind"],
                     str(r["world_size"]),
+                    r["health"],
                     r["created"],
                     human_bytes(r["raw_bytes"]),
                     human_bytes(r["stored_bytes"]),
@@ -76,16 +77,19 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                     "",
                     "",
                     "",
+                    "",
                     r.get("error", ""),
                 ]
                 for r in rows
             ]
-            header = ["STEP", "KIND", "RANKS", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"]
+            header = [
+                "STEP", "KIND", "RANKS", "HEALTH", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"
+            ]  # fmt: skip
             if local:
                 header.insert(1, "TIERS")
                 for r, text in zip(rows, rows_text):
                     text.insert(1, _tiers_text(r["tiers"]))
-            print(table(header, rows_text, right={0, 3, 5, 6, 7} if local else {0, 2, 4, 5, 6}))
+            print(table(header, rows_text, right={0, 3, 6, 7, 8} if local else {0, 2, 5, 6, 7}))
         for p in pending:
             if p["kind"] == "gc":
                 what = "gc"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -17,6 +18,7 @@ from ckptstore.cli.restore_file import (
 )
 from ckptstore.errors import CheckpointError
 from ckptstore.export import export_safetensors, name_under
+from ckptstore.health import healthy_steps_to_load
 from ckptstore.render import human_bytes
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -40,6 +42,8 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
     ]
     if given and args.format != "safetensors":
         raise UsageError(f"{', '.join(given)}: only with --format safetensors")
+    if args.healthy:
+        args.step = _healthy_step(store, args.step)
     if args.format == "safetensors":
         existed = os.path.lexists(target)
         try:
@@ -121,6 +125,14 @@ def _only(state: Any, prefix: str, step: int) -> dict:
         top = ", ".join(map(str, list(state)[:8])) if isinstance(state, dict) else "none"
         raise UsageError(f"nothing in step {step} is named {prefix}... (top-level keys: {top})")
     return chosen
+
+
+def _healthy_step(store: Store, step: int | None) -> int:
+    """``--healthy``: the newest healthy step, or ``step`` if it is healthy."""
+    good, why = healthy_steps_to_load(store, step)
+    for s in sorted(why, reverse=True):
+        print(f"skipped {why[s]}", file=sys.stderr)
+    return good[0]
 
 
 def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> int:

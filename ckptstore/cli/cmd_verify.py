@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 from ckptstore._inspect import check_all_chunks, check_step_objects, chunks_to_check
-from ckptstore.catalog import list_steps, resolve_step
+from ckptstore.catalog import list_steps, load_manifest, resolve_step
 from ckptstore.cli.common import Failed, emit_json, progress
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.health import UNHEALTHY, status
 from ckptstore.render import human_bytes
 from ckptstore.store import Store
 
@@ -25,12 +26,13 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
     with progress(total, "verify") as advance:
         check_all_chunks(store, checks, read_concurrency=args.read_concurrency, on_chunk=advance)
     problems = [p for c in checks for p in c.problems]
+    health = {c.step: _health(store, c.step) for c in checks}
     if args.json:
         emit_json(
             {
                 "uri": store.uri,
                 "ok": not problems,
-                "steps": [c.as_dict() for c in checks],
+                "steps": [{**c.as_dict(), "health": health[c.step]} for c in checks],
                 "problems": [p.as_dict() for p in problems],
                 "chunks_checked": len(chunks),
                 "bytes_checked": total,
@@ -45,7 +47,7 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
                 else "manifest unreadable"
             )
             status = "OK" if c.ok else f"FAILED ({len(c.problems)} problem(s))"
-            print(f"step {c.step}: {status}  [{shape}]")
+            print(f"step {c.step}: {status}  [{shape}]  health: {health[c.step]}")
             for p in c.problems:
                 used = ""
                 if p.tensors:
@@ -58,6 +60,9 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             f"verified {len(checks)} step(s), {len(chunks)} chunk(s), {human_bytes(total)}: "
             + ("all OK" if not problems else f"{bad_steps} step(s) FAILED")
         )
+        unhealthy = [str(s) for s, h in health.items() if h == UNHEALTHY]
+        if unhealthy:
+            print(f"unhealthy (intact, but NaN/Inf or a norm jump): step(s) {', '.join(unhealthy)}")
     if problems:
         objects = list(dict.fromkeys(p.object for p in problems))
         kinds = "/".join(sorted({p.problem for p in problems}))
@@ -67,3 +72,11 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             f"of {store.uri}"
         )
     return 0
+
+
+def _health(store: Store, step: int) -> str:
+    """``healthy``, ``unhealthy`` or ``unknown``; ``unreadable`` when the manifest is not."""
+    try:
+        return status(load_manifest(store, step).health)
+    except CheckpointError:
+        return "unreadable"

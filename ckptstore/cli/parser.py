@@ -278,6 +278,12 @@ examples:
         """,
     )
     p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    p.add_argument(
+        "--healthy",
+        action="store_true",
+        help="the newest healthy step (no NaN/Inf; docs/FORMAT.md, Health); with --step: "
+        "refuse that step unless it is healthy",
+    )
     p.add_argument("--to", required=True, metavar="PATH", help="local file or directory to write")
     p.add_argument(
         "--format",

@@ -32,6 +32,7 @@ from ckptstore.errors import (
     one_line,
 )
 from ckptstore.format import RankIndex
+from ckptstore.health import find_healthy, healthy_steps_to_load
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
 from ckptstore.shared_read import (
@@ -136,6 +137,12 @@ class StoreReader(StorageReader):
             (docs/FORMAT.md, "Tiers"). Runs over every rank of the default process group.
             ``last_load`` says per tier what this rank read.
 
+        healthy: load the newest *healthy* step (docs/FORMAT.md, "Health") for ``"latest"``,
+            each newer step passed over named once in a warning with why; an explicit step
+            that is not healthy raises ``UnhealthyStepError``; none healthy is
+            ``CheckpointNotFoundError``. With ``tiers``: a durable step as its manifest says,
+            a step only the tiers hold when every rank's own copy is healthy.
+
     Steps saved by ``ckptstore.Checkpointer`` (kind ``state``) are refused with
     ``UnsupportedStateError``: load them with ``Checkpointer.load``.
     """
@@ -150,6 +157,7 @@ class StoreReader(StorageReader):
         reads: ReadOptions | None = None,
         tiers: TierOptions | None = None,
         trust_pickled_objects: bool = False,
+        healthy: bool = False,
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -159,6 +167,7 @@ class StoreReader(StorageReader):
         self._tier: TierLoad | None = None
         self.last_load: LoadReport | None = None
         self.trust_pickled_objects = trust_pickled_objects
+        self.healthy = healthy
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         self.last_load_exchange: ExchangeStats | None = None
         parse_step(step)  # refuses a step that is neither a number nor "latest"
@@ -182,9 +191,12 @@ class StoreReader(StorageReader):
         With ``local_dir`` it is collective, as a load: every rank of the job calls it."""
         if self._policy is None:
             steps = list_steps(self.store)
+            if self.healthy:
+                good = find_healthy(self.store, steps, limit=1)[0]
+                return good[0] if good else None
             return steps[-1] if steps else None
         group = load_group(self.options["storage"].group_timeout_s(0.0))
-        return newest_step(self.store, self._policy, group)
+        return newest_step(self.store, self._policy, group, healthy=self.healthy)
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -215,7 +227,9 @@ class StoreReader(StorageReader):
         self._tier = None
         if self._policy is not None:
             group = load_group(self.options["storage"].group_timeout_s(0.0))
-            self._tier = plan_tier_load(self.store, self._policy, self.step, group)
+            self._tier = plan_tier_load(
+                self.store, self._policy, self.step, group, healthy=self.healthy
+            )
             self.view = self._tier.view
             self.last_load = self._tier.report
         metadata = self._view().dcp_metadata()
@@ -391,13 +405,23 @@ class StoreReader(StorageReader):
 
     def _view(self) -> StepView:
         if self.view is None:
-            view = StepView.open(self.store, self.step)
+            view = StepView.open(self.store, self._step())
             view.require(DCP)
             self.view = view
             logger.debug(
                 "rank %d: DCP load of step %d from %s", self.rank, view.step, self.store.uri
             )
         return self.view
+
+    def _step(self) -> int | str:
+        """The step to open: ``self.step``, or with ``healthy`` the healthy step it names."""
+        if not self.healthy:
+            return self.step
+        good, why = healthy_steps_to_load(self.store, self.step)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for step in sorted(why, reverse=True):
+                logger.warning("%s in %s: skipped by healthy=True", why[step], self.store.uri)
+        return good[0]
 
     def _index(self, rank: int) -> RankIndex:
         return self._view().index(rank)

@@ -32,8 +32,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index_bytes
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    UnhealthyStepError,
+)
 from ckptstore.format import ChunkInfo, decode_rank_index
+from ckptstore.health import tiered_verdict
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
@@ -81,14 +88,23 @@ def load_group(timeout_s: float) -> RankGroup:
 
 
 def plan_tier_load(
-    durable: Store, policy: TierPolicy, wanted: int | str, group: RankGroup
+    durable: Store,
+    policy: TierPolicy,
+    wanted: int | str,
+    group: RankGroup,
+    *,
+    healthy: bool = False,
 ) -> TierLoad:
     """Collective over ``group`` (every rank of the load calls it). Raises on every rank alike
-    when no step can be loaded, or a rank failed to say what it holds."""
+    when no step can be loaded, or a rank failed to say what it holds. ``healthy``: only a
+    healthy step (``_not_healthy``), each newer one passed over named once with why."""
     started = time.perf_counter()
     rank = group.rank
-    local, here, durable_steps, candidate = _plan(durable, policy, wanted, group)
+    local, here, durable_steps, candidate, why = _plan(durable, policy, wanted, group, healthy)
     step = candidate.step
+    if rank == 0:
+        for s in sorted((s for s in why if s > step), reverse=True):
+            logger.warning("%s (tiers, %s): skipped by healthy=True", why[s], durable.uri)
     report = LoadReport(step=step)
     copies = here.get(rank, {})
     if all(mine[0].tier != DURABLE for mine in candidate.sources):
@@ -146,19 +162,64 @@ def plan_tier_load(
     return TierLoad(view, held, fetch, report, started)
 
 
-def newest_step(durable: Store, policy: TierPolicy, group: RankGroup) -> int | None:
+def newest_step(
+    durable: Store, policy: TierPolicy, group: RankGroup, *, healthy: bool = False
+) -> int | None:
     """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
-    None when no tier holds one every rank can get."""
+    None when no tier holds one every rank can get (``healthy``: a healthy one)."""
     try:
-        return _plan(durable, policy, "latest", group)[3].step
+        return _plan(durable, policy, "latest", group, healthy)[3].step
     except CheckpointNotFoundError:
         return None
 
 
-def _plan(durable: Store, policy: TierPolicy, wanted: int | str, group: RankGroup):
+def _not_healthy(
+    durable: Store,
+    local: LocalTier,
+    here: dict[int, dict[int, str]],
+    durable_steps: set[int],
+    local_steps: set[int],
+    group: RankGroup,
+) -> dict[int, str]:
+    """(collective) Why each step a load could take is not healthy: a rank's own copy that
+    records NaN or Inf rules its step out; else a durable step is what its manifest says; a
+    step only the tiers hold is healthy when every rank's own copy says so."""
+    rank = group.rank
+    mine: dict[int, dict | None] = {}
+    error = None
+    try:
+        store = local.store(rank) if here.get(rank) else None
+        for step, attempt in (here.get(rank) or {}).items():
+            manifest = load_manifest(store, step)
+            if manifest.attempt == attempt:
+                mine[step] = manifest.health
+        if rank == 0:
+            found = {}
+            for step in durable_steps:
+                try:
+                    found[step] = load_manifest(durable, step).health
+                except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError):
+                    found[step] = None
+            mine = (mine, found)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    heard = _agree(group, error, mine, "read the health of the copies")
+    durable_health = heard[0][1]
+    own = [heard[0][0], *heard[1:]]
+    why = {}
+    for step in local_steps | durable_steps:
+        durable = durable_health.get(step) if step in durable_steps else "absent"
+        reason = tiered_verdict(step, [h.get(step, "absent") for h in own], durable)
+        if reason is not None:
+            why[step] = reason
+    return why
+
+
+def _plan(durable: Store, policy: TierPolicy, wanted: int | str, group: RankGroup, healthy: bool):
     """This rank's ``LocalTier``; the copies its node holds (ward -> step -> attempt); the
     durable steps; the save to load and each rank's sources (``tiers.restore.plan_sources``,
-    the Checkpointer's planner, run by rank 0 and sent to all). Collective."""
+    the Checkpointer's planner, run by rank 0 and sent to all); with ``healthy``, why each
+    step left out is not healthy (``_not_healthy``). Collective."""
     rank = group.rank
     local = LocalTier(
         policy,
@@ -179,17 +240,28 @@ def _plan(durable: Store, policy: TierPolicy, wanted: int | str, group: RankGrou
         error = exc
     everything = _agree(group, error, (here, steps), "list the tiers")
     durable_steps = sorted(everything[0][1] or [])
+    held = [h for h, _ in everything]
+    why: dict[int, str] = {}
+    if healthy:
+        local_steps = {s for h in held for copies in h.values() for s in copies}
+        why = _not_healthy(durable, local, here, set(durable_steps), local_steps, group)
+        if wanted != "latest" and int(wanted) in why:
+            raise UnhealthyStepError(f"{why[int(wanted)]} (healthy=True)")
+        held = [
+            {w: {s: a for s, a in c.items() if s not in why} for w, c in h.items()} for h in held
+        ]
+        durable_steps = [s for s in durable_steps if s not in why]
     plan: Candidate | BaseException | None = None
     if rank == 0:
         try:
-            plan = _choose(wanted, [h for h, _ in everything], durable_steps, local, durable)
+            plan = _choose(wanted, held, durable_steps, local, durable)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             plan = exc
     plan = group.broadcast(plan)
     if isinstance(plan, BaseException):
         raise plan
     assert plan is not None
-    return local, here, set(durable_steps), plan
+    return local, here, set(durable_steps), plan, why
 
 
 def _agree(group: RankGroup, error: BaseException | None, payload, what: str) -> list:

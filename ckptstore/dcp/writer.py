@@ -29,8 +29,10 @@ from ckptstore.dcp.metadata import encode_metadata
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
 from ckptstore.format import KIND_DCP, check_step, commit_key
+from ckptstore.health import StepHealth
 from ckptstore.options import (
     EncodingOptions,
+    HealthPolicy,
     RetentionOptions,
     StagingOptions,
     StorageOptions,
@@ -140,7 +142,12 @@ class StoreWriter(StorageWriter, PooledStager):
         **deprecated: the flat keywords of earlier releases, folded into their option object
             with a ``DeprecationWarning``.
 
-    After a save, ``saved_step`` holds the step written (on every rank). ``use_collectives=False``
+        health: a ``HealthPolicy`` (docs/FORMAT.md, "Health"): every save records each
+            floating item's NaN and Inf counts and sum of squares; an unhealthy step is
+            committed with one warning naming its worst items, skipped or refused.
+
+    After a save, ``saved_step`` holds the step written (on every rank), and on the
+    coordinator ``last_save`` the step's ``StepHealth`` as its commit judged it. ``use_collectives=False``
     is refused: one manifest commits all ranks, so the ranks must coordinate. DCP plan caching
     (``DefaultSavePlanner(enable_plan_caching=True)``) is refused too: a cached plan would carry
     the previous save's step.
@@ -158,11 +165,17 @@ class StoreWriter(StorageWriter, PooledStager):
         staging: StagingOptions | None = None,
         retention: RetentionOptions | None = None,
         tiers: TierOptions | None = None,
+        health: HealthPolicy | None = None,
         **deprecated: Any,
     ) -> None:
         super().__init__()
         given = dict(
-            storage=storage, encoding=encoding, staging=staging, retention=retention, tiers=tiers
+            storage=storage,
+            encoding=encoding,
+            staging=staging,
+            retention=retention,
+            tiers=tiers,
+            health=health,
         )
         o = resolve("StoreWriter", given, deprecated)
         if o["staging"].mode != "host":
@@ -208,6 +221,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self.save_id = uuid.uuid4().hex
         self._target: _SaveTarget | None = None
         self.saved_step: int | None = None
+        self.last_save: StepHealth | None = None
         # The step a save's checkpoint_id named, set by reset() and taken by the same save's
         # prepare_global_plan. DCP calls both on the thread running that save (each async_save
         # has a thread of its own), so overlapping saves cannot take each other's step.
@@ -394,7 +408,7 @@ class StoreWriter(StorageWriter, PooledStager):
             metadata.version = _DCP_VERSION
             metadata.storage_data = storage_data
             metadata.storage_meta = StorageMeta(checkpoint_id=store.uri, save_id=target.attempt)
-            session.commit(
+            health = session.commit(
                 [w.written for w in ranks.values()],
                 world_size=len(results),
                 dcp_metadata=encode_metadata(metadata),
@@ -405,6 +419,10 @@ class StoreWriter(StorageWriter, PooledStager):
             raise
         finally:
             self._release_lease(target.attempt)
+        self.last_save = health
+        if not health.committed:  # HealthPolicy(on_unhealthy="skip")
+            self._started.pop(target.attempt, None)
+            return
         self._committed(target)
         session.retain()
 

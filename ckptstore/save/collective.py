@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptstore.errors import CheckpointError, one_line
+from ckptstore.health import StepHealth
 from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
 
 Write = Callable[["LatestIndex | BaseException | None"], RankWritten]
@@ -21,14 +22,14 @@ def save_collective(
     *,
     user: Callable[[], dict | None] | None = None,
     dcp_metadata: Callable[[], bytes | None] | None = None,
-) -> None:
+) -> StepHealth | None:
     """Run ``session`` over ``group`` (a ``tiers.group.RankGroup``). ``write(latest)`` writes
     this rank's chunks and index and returns what it wrote; ``latest`` is where its index of
     the latest committed step is, or the error the save fails with on this rank (rank 0 could
     not begin it), which ``write`` raises once it has taken part in any collective of its
     own. ``user()`` and ``dcp_metadata()``, what the manifest records, are called on rank 0 at
-    the commit. Raises this rank's error, else
-    the commit's."""
+    the commit. Raises this rank's error, else the commit's; returns the step's health as
+    the commit judged it, on every rank."""
     rank = group.rank
     try:
         latest = _begin(session, group)
@@ -53,8 +54,9 @@ def save_collective(
         raise written
     if isinstance(outcome, BaseException):
         raise outcome
-    if rank == 0:
+    if rank == 0 and outcome.committed:
         session.retain()
+    return outcome
 
 
 def _begin(session: SaveSession, group: Any) -> LatestIndex | BaseException | None:
@@ -77,9 +79,9 @@ def _commit(
     user: Callable[[], dict | None] | None,
     world_size: int,
     dcp_metadata: Callable[[], bytes | None] | None,
-) -> BaseException | None:
+) -> BaseException | StepHealth:
     try:
-        session.commit(
+        return session.commit(
             ranks,
             world_size=world_size,
             user=user() if user is not None else None,
@@ -87,4 +89,3 @@ def _commit(
         )
     except BaseException as exc:  # noqa: BLE001 - reported to every rank
         return exc
-    return None

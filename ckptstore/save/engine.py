@@ -20,7 +20,7 @@ import torch
 
 from ckptstore.device import Device
 from ckptstore.leases import DEFAULT_TTL_S
-from ckptstore.options import DEFAULT_GC_WAIT_S
+from ckptstore.options import DEFAULT_GC_WAIT_S, HealthPolicy
 from ckptstore.pipeline import ChunkLayout, CompressionGovernor, PipelineConfig, plan_layout
 from ckptstore.staging import DrainedCopy, Drainer, StagedCopy, Stager, StagingPool
 
@@ -49,6 +49,12 @@ class Staged:
     @property
     def buffer(self) -> torch.Tensor:
         return self.copy.buffer
+
+    @property
+    def health(self) -> list | None:
+        """Each tensor's ``health.scan`` where device staging took it on the device (after
+        ``copy.wait()``); None: the save scans the host buffer."""
+        return self.copy.health
 
 
 class SaveEngine:
@@ -86,6 +92,7 @@ class SaveEngine:
             gc_wait_s=retention.gc_wait_s,
             staging="host" if staging.mode == "peer" else staging.mode,
             device_staging_budget_bytes=staging.device_budget_bytes,
+            health=options.get("health"),
         )
 
     def __init__(
@@ -101,6 +108,7 @@ class SaveEngine:
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
         staging: str = "host",
         device_staging_budget_bytes: int | None = None,
+        health: HealthPolicy | None = None,
     ) -> None:
         if staging not in STAGING_MODES:
             raise ValueError(f"staging must be one of {', '.join(STAGING_MODES)}, got {staging!r}")
@@ -130,6 +138,7 @@ class SaveEngine:
         self.keep_last = keep_last
         self.lease_ttl_s = lease_ttl_s
         self.gc_wait_s = gc_wait_s
+        self.health = health or HealthPolicy()
 
     def stage(
         self,
@@ -150,7 +159,8 @@ class SaveEngine:
         copied = self.stager.copy(buffer, tensors, layout.offsets)
         if device is None:
             return Staged(layout, copied, True)
-        return Staged(layout, self.drainer().drain(copied, device, pool.release), True)
+        drained = self.drainer().drain(copied, device, pool.release, scan=self.health.scan)
+        return Staged(layout, drained, True)
 
     def _staging_device(self, tensors: list[torch.Tensor], nbytes: int, rank: int):
         """The device to stage ``tensors`` on first, or None to stage them on the host."""

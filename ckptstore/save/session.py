@@ -8,9 +8,12 @@
                are stored, and they stay so under the coordinator's lease
     write      a rank's chunks hashed, deduplicated, encoded, put (encode_threads at once): a
                known chunk costs no request, an unknown one a single exclusive-create put
-    index      the rank's index built and put once; what it wrote, for the coordinator
-    commit     (the coordinator) the lease still held -> the manifest written once; an
-               ambiguous outcome is read back
+    index      the rank's index built and put once, each floating tensor's health in it (its
+               NaN and Inf counts and sum of squares, scanned in ``write`` from the staged
+               copy, ``ckptstore.health``); what it wrote, for the coordinator
+    commit     (the coordinator) the lease still held -> the step's health from every rank's
+               (``HealthPolicy``: an unhealthy step is saved, skipped or refused) -> the
+               manifest written once; an ambiguous outcome is read back
     release    (the coordinator) the lease, once the commit's outcome is known or a rank is lost
     retain     (the coordinator) keep_last under a gc lease
 
@@ -30,6 +33,7 @@ and ``Manifest`` a save writes is built here.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +49,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
+    UnhealthyStepError,
 )
 from ckptstore.format import (
     ChunkInfo,
@@ -58,14 +63,52 @@ from ckptstore.format import (
     encode_rank_index,
     object_ref,
     rank_index_key,
+    split_dcp_item_key,
 )
+from ckptstore.health import RankHealth, StepHealth, summarize, verdict
+from ckptstore.health import one_line as health_line
+from ckptstore.health import scan as health_scan
 from ckptstore.leases import SAVE, Lease, wait_for_gc
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
 from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
 from ckptstore.store import Store
+from ckptstore.tree import tensor_paths
 
 logger = logging.getLogger(__name__)
+
+PREVIOUS_HEALTHY_READS = 32  # manifests read back at most to find the previous healthy step
+
+
+def _views(buffer: torch.Tensor, offsets: list[int], tensors: list[Any]) -> list[torch.Tensor]:
+    """Each tensor's bytes in the staged ``buffer`` as a tensor of its dtype."""
+    out = []
+    for t, o in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        out.append(buffer[o : o + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype))
+    return out
+
+
+def tensor_names(index: RankIndex) -> dict[int, str]:
+    """Tensor index -> its name: its path in a state save, its fully qualified name in a DCP
+    save (a shard's offsets left out)."""
+    if index.items is not None:
+        return {i: split_dcp_item_key(key)[0] for key, i in index.items.items()}
+    return tensor_paths(index.tree)
+
+
+def previous_healthy(store: Store, step: int) -> tuple[int, dict] | None:
+    """The newest committed step before ``step`` whose health is healthy, and its health;
+    None if none is among the ``PREVIOUS_HEALTHY_READS`` steps before it."""
+    older = [s for s in list_steps(store) if s < step][-PREVIOUS_HEALTHY_READS:]
+    for s in reversed(older):
+        try:
+            health = load_manifest(store, s).health
+        except (CheckpointNotFoundError, CheckpointCorruptError, FormatVersionError):
+            continue
+        if health is not None and health["healthy"]:
+            return s, health
+    return None
 
 
 @dataclass(frozen=True)
@@ -75,6 +118,7 @@ class RankWritten:
     rank: int
     index: ObjectRef
     chunk_bytes: dict[str, tuple[int, int]]  # digest -> (raw, stored)
+    health: RankHealth | None = None  # None: not recorded (scan off, or an older copy)
 
 
 @dataclass(frozen=True)
@@ -173,21 +217,40 @@ class SaveSession:
         return self
 
     def write(
-        self, buffer: torch.Tensor, layout: ChunkLayout, tensors: list[Any]
+        self,
+        buffer: torch.Tensor,
+        layout: ChunkLayout,
+        tensors: list[Any],
+        *,
+        health: list | None = None,
     ) -> tuple[list[TensorEntry], dict[str, ChunkInfo]]:
         """Put the chunks of ``layout`` (slices of ``buffer``, whose copy is done); the entries
-        of ``tensors`` (laid out at ``layout.offsets``) and the chunks written or found."""
+        of ``tensors`` (laid out at ``layout.offsets``) and the chunks written or found, each
+        floating tensor's health scanned from ``buffer`` (``health``: already scanned where
+        the state was staged on a device)."""
         engine = self.engine
-        digests, chunks = write_chunks(
-            self.store,
-            buffer.numpy(),
-            layout,
-            engine.config,
-            hedged=engine.hedge_uploads,
-            governor=engine.governor,
-            known=self.known,
-        )
-        return tensor_entries(tensors, layout, digests), chunks
+        scanning = None
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-health") as scanner:
+            if engine.health.scan and health is None:
+                # Beside the chunks' hashing, encoding and puts: the scan fills the time they
+                # wait on storage (and is waited for before the buffer can go back).
+                scanning = scanner.submit(health_scan, _views(buffer, layout.offsets, tensors))
+            digests, chunks = write_chunks(
+                self.store,
+                buffer.numpy(),
+                layout,
+                engine.config,
+                hedged=engine.hedge_uploads,
+                governor=engine.governor,
+                known=self.known,
+            )
+            if scanning is not None:
+                health = scanning.result()
+        entries = tensor_entries(tensors, layout, digests)
+        if engine.health.scan and health is not None:
+            for entry, h in zip(entries, health):
+                entry.health = h
+        return entries, chunks
 
     def put_index(
         self,
@@ -209,7 +272,8 @@ class SaveSession:
         key = rank_index_key(self.step, self.attempt, rank)
         self.store.put(key, data)
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
-        return RankWritten(rank, object_ref(key, data), sizes)
+        health = summarize(rank, entries, tensor_names(index), self.engine.health.norm_groups)
+        return RankWritten(rank, object_ref(key, data), sizes, health)
 
     def commit(
         self,
@@ -218,10 +282,30 @@ class SaveSession:
         world_size: int,
         user: dict | None = None,
         dcp_metadata: bytes | None = None,
-    ) -> Manifest:
+        apply_policy: bool = True,
+    ) -> StepHealth:
         """Write the step's manifest over ``ranks`` (and DCP's ``dcp_metadata``, put first),
         unless the lease was lost (a gc may have swept meanwhile). A chunk written by several
-        ranks counts once in the byte totals."""
+        ranks counts once in the byte totals. The step's health is judged from every rank's
+        (``HealthPolicy``; ``apply_policy=False``, a tier copy: NaN and Inf only, and always
+        committed); an unhealthy step is committed with one warning, or skipped (nothing
+        written), or refused (``UnhealthyStepError``). Returns the step's health."""
+        policy = self.engine.health
+        health = self._judge(ranks, policy.norm_jump if apply_policy else None)
+        if health is not None and not health["healthy"]:
+            action = policy.on_unhealthy if apply_policy else "save"
+            if action == "raise":
+                raise UnhealthyStepError(
+                    f"{health_line(self.step, health)}; not committed to {self.store.uri} "
+                    "(HealthPolicy(on_unhealthy='raise'))"
+                )
+            if action == "skip":
+                logger.warning(
+                    "%s; not committed to %s (HealthPolicy(on_unhealthy='skip'))",
+                    health_line(self.step, health),
+                    self.store.uri,
+                )
+                return StepHealth.of(self.step, health, committed=False)
         metadata_ref = None
         if dcp_metadata is not None:
             key = dcp_metadata_key(self.step, self.attempt)
@@ -240,11 +324,14 @@ class SaveSession:
             raw_bytes=sum(raw for raw, _ in unique.values()),
             stored_bytes=sum(stored for _, stored in unique.values()),
             user=user or {},
+            health=health,
         )
         data = encode_manifest(manifest)
         if self.lease is not None:
             self.lease.check()
         self._put_manifest(manifest.step, data)
+        if health is not None and not health["healthy"]:
+            logger.warning("%s (committed to %s)", health_line(self.step, health), self.store.uri)
         logger.info(
             "committed %s step %d to %s (%d ranks, %d bytes raw, %d stored)",
             self.kind,
@@ -254,7 +341,19 @@ class SaveSession:
             manifest.raw_bytes,
             manifest.stored_bytes,
         )
-        return manifest
+        return StepHealth.of(self.step, health)
+
+    def _judge(self, ranks: list[RankWritten], norm_jump: float | None) -> dict | None:
+        """The step's health over every rank's; None (unknown) when a rank recorded none."""
+        previous: tuple[int, dict] | None = None
+        if norm_jump is not None and all(w.health is not None for w in ranks):
+            previous = previous_healthy(self.store, self.step)
+        return verdict(
+            [w.health for w in ranks],
+            previous=previous[1] if previous else None,
+            previous_step=previous[0] if previous else None,
+            norm_jump=norm_jump,
+        )
 
     def commit_copy(self, manifest: bytes) -> None:
         """Commit a tier copy: ``manifest``, the bytes of the same step's manifest in another

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, one_line
+from ckptstore.health import StepHealth, verdict
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
@@ -34,6 +35,8 @@ class LocalCommit:
 
     written: RankWritten | None
     payloads: list[Any]
+    health: StepHealth | None = None
+    """The step's health over every rank's copy (NaN and Inf; ``ckptstore.health``)."""
 
 
 class TierSaver:
@@ -133,11 +136,13 @@ class TierSaver:
                 written = write(session)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it
                 error = exc
-            heard = self.group.agree(error, (payload, shared, fatal is not None))
-            payloads = [p for p, _, _ in heard.payloads]
+            mine = written.health if written is not None else None
+            heard = self.group.agree(error, (payload, shared, fatal is not None, mine))
+            payloads = [p for p, _, _, _ in heard.payloads]
+            healths = [h and h.as_rank(r) for r, (_, _, _, h) in enumerate(heard.payloads)]
             if fatal is not None:
                 raise fatal
-            stopped = [r for r, (_, _, f) in enumerate(heard.payloads) if f]
+            stopped = [r for r, (_, _, f, _) in enumerate(heard.payloads) if f]
             if stopped:
                 raise CheckpointError(
                     f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"
@@ -150,7 +155,8 @@ class TierSaver:
                         [written],
                         world_size=1,
                         user={**(user or {}), TIER_KEY: local.info(self.rank)},
-                        dcp_metadata=next((m for _, m, _ in heard.payloads if m), None),
+                        dcp_metadata=next((m for _, m, _, _ in heard.payloads if m), None),
+                        apply_policy=False,  # one rank's copy: its policy is the job's
                     )
                 except Exception as exc:  # noqa: BLE001 - every rank hears of it
                     error = exc
@@ -175,7 +181,7 @@ class TierSaver:
         if protect:
             local.protect(step)  # until drained
         local.retain(self.rank, keep={step})
-        return LocalCommit(written, payloads)
+        return LocalCommit(written, payloads, StepHealth.of(step, verdict(healths)))
 
     def copy_to_peers(self, step: int, attempt: str) -> None:
         """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is

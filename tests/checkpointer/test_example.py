@@ -140,3 +140,30 @@ def test_peer_copies_without_a_process_group_is_a_usage_error(tmp_path):
     assert proc.returncode == 2
     assert "--peer-copies 1 needs torch.distributed" in proc.stderr.splitlines()[-1]
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+def test_a_nan_in_the_model_resumes_from_the_step_before_it_bit_for_bit(tmp_path):
+    """The main job with a NaN written into its model at step 15: the saves of steps 20 and 30
+    are committed but unhealthy; the rerun resumes from step 10, the step before it, and prints
+    what an uninterrupted clean run prints, bit for bit, data order included."""
+    run = ["--steps", "30", "--every", "10"]
+    blown = _train(tmp_path, *run, "--nan-at", "15")
+    assert blown.returncode == 0, blown.stdout + blown.stderr
+    assert "step 20 is unhealthy" in blown.stderr and "step 30 is unhealthy" in blown.stderr
+    assert "nan" in _steps(blown.stdout)["16"]  # the blow-up is real: the loss went NaN
+
+    resumed = _train(tmp_path, *run)
+    assert "resumed from step 10 " in resumed.stdout, resumed.stdout + resumed.stderr
+    assert "step 30: unhealthy" in resumed.stderr and "step 20: unhealthy" in resumed.stderr
+    assert "steps [20, 30] were not resumed from" in resumed.stdout
+
+    clean_dir = tmp_path / "clean"
+    clean_dir.mkdir()
+    shutil.copytree(tmp_path / "data", clean_dir / "data")  # the same token files
+    clean = _train(clean_dir, *run)
+    reference, again = _steps(clean.stdout), _steps(resumed.stdout)
+    assert sorted(again, key=int) == [str(s) for s in range(11, 31)]
+    assert all(again[s] == reference[s] for s in again), "resumed run differs from a clean one"
+    before = _steps(blown.stdout)
+    assert all(before[str(s)] == reference[str(s)] for s in range(1, 16))

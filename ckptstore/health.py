@@ -1,0 +1,383 @@
+"""What a step knows about its numbers (docs/FORMAT.md, "Health").
+
+Every save scans each floating tensor of its staged copy, where it is staged (on the device for
+a device-staged save, device-generic torch ops only), in the background pass that hashes it:
+
+    scan       per tensor ``[nan, inf, sumsq]``: NaN count, ±Inf count, sum of squares of the
+               finite values (float64; None where it overflows float64), recorded in the rank
+               index (``TensorEntry.health``)
+    summarize  a rank's totals, its sums of squares per named group, its worst tensors: what
+               the rank hands the coordinator with its index (``RankWritten.health``)
+    verdict    (the coordinator) the step's totals over every rank and whether it is healthy:
+               no NaN or Inf anywhere, and with ``HealthPolicy.norm_jump`` no global (or group)
+               norm that moved by more than that factor from the previous healthy step; the
+               manifest's ``health``
+
+A step saved before health was recorded has none: its status is ``"unknown"``, never healthy or
+unhealthy. Imports no torch until a scan needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+HEALTHY = "healthy"
+UNHEALTHY = "unhealthy"
+UNKNOWN = "unknown"
+
+WORST_KEPT = 8  # tensors named per rank and per step, worst first
+_BLOCK_ELEMENTS = 1 << 22  # a scan reads a tensor in blocks of this many elements
+
+
+def is_floating(dtype_name: str) -> bool:
+    """True for a dtype (by name) whose values can be NaN or Inf and are scanned."""
+    return dtype_name.startswith("float") or dtype_name == "bfloat16"
+
+
+def scan(tensors: list[Any]) -> list[list | None]:
+    """Each tensor's ``[nan, inf, sumsq]`` (None for a tensor that is not floating), computed
+    where the tensors are: one pass of a dot product per block, and for the rare tensor whose
+    result is not finite a second pass counting NaN and Inf. The host waits for the device
+    once per pass, not per tensor."""
+    import torch
+
+    floating = [i for i, t in enumerate(tensors) if t.dtype.is_floating_point and t.numel() > 0]
+    out: list[list | None] = [[0, 0, 0.0] if t.dtype.is_floating_point else None for t in tensors]
+    if not floating:
+        return out
+    sums = []
+    for i in floating:
+        flat = tensors[i].reshape(-1)
+        parts = []
+        for block in flat.split(_BLOCK_ELEMENTS):
+            if block.dtype not in (torch.float32, torch.float64):
+                block = block.float()
+            parts.append(torch.dot(block, block).double())
+        sums.append(torch.stack(parts).sum())
+    fast = torch.stack(sums).tolist()
+    slow = [i for i, s in zip(floating, fast) if not math.isfinite(s)]
+    for i, s in zip(floating, fast):
+        out[i] = [0, 0, float(s)]
+    if slow:
+        counted = []
+        for i in slow:
+            flat = tensors[i].reshape(-1)
+            nan = inf = sq = None
+            for block in flat.split(_BLOCK_ELEMENTS):
+                finite = torch.isfinite(block)
+                b64 = torch.where(finite, block, 0).double()
+                terms = (
+                    torch.isnan(block).sum(),
+                    torch.isinf(block).sum(),
+                    torch.dot(b64, b64),
+                )
+                nan = terms[0] if nan is None else nan + terms[0]
+                inf = terms[1] if inf is None else inf + terms[1]
+                sq = terms[2] if sq is None else sq + terms[2]
+            counted.append(torch.stack([nan.double(), inf.double(), sq]))
+        for i, (nan, inf, sq) in zip(slow, torch.stack(counted).tolist()):
+            out[i] = [int(nan), int(inf), sq if math.isfinite(sq) else None]
+    return out
+
+
+def check_entry_health(value: Any, dtype: str) -> str | None:
+    """Why ``value``, a rank index entry's ``health``, is malformed; None if it is well formed
+    (or absent)."""
+    if value is None:
+        return None
+    if not is_floating(dtype):
+        return f"health recorded for a {dtype} tensor"
+    if not (isinstance(value, list) and len(value) == 3):
+        return f"health {value!r} is not [nan, inf, sumsq]"
+    nan, inf, sq = value
+    if not (_is_count(nan) and _is_count(inf)):
+        return f"health counts {nan!r}, {inf!r} are not counts"
+    if sq is not None and not (_is_number(sq) and sq >= 0):
+        return f"health sum of squares {sq!r} is not a non-negative number"
+    return None
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    """Sums of squares add; None (overflowed) absorbs."""
+    if a is None or b is None:
+        return None
+    s = a + b
+    return s if math.isfinite(s) else None
+
+
+@dataclass
+class RankHealth:
+    """One rank's part of a step's health, handed to the coordinator with its index."""
+
+    nan: int = 0
+    inf: int = 0
+    sumsq: float | None = 0.0
+    groups: dict[str, float | None] = field(default_factory=dict)
+    worst: list[dict] = field(default_factory=list)
+    """Up to ``WORST_KEPT`` tensors with NaN or Inf, worst first: ``{"rank", "tensor", "nan",
+    "inf"}``."""
+
+    def as_rank(self, rank: int) -> RankHealth:
+        """The same numbers, its tensors named as rank ``rank``'s (a tier copy is rank 0 of
+        a one-rank step)."""
+        worst = [{**t, "rank": rank} for t in self.worst]
+        return RankHealth(self.nan, self.inf, self.sumsq, dict(self.groups), worst)
+
+
+def summarize(
+    rank: int,
+    entries: list[Any],
+    names: dict[int, str],
+    groups: dict[str, tuple[str, ...]] | None = None,
+) -> RankHealth | None:
+    """A rank's totals over its index ``entries`` (``TensorEntry``: ``dtype``, ``health``;
+    ``names``: tensor index -> name); None when a floating tensor records no health (an index
+    written before health was recorded)."""
+    if any(e.health is None and is_floating(e.dtype) for e in entries):
+        return None
+    healths = [e.health for e in entries]
+    out = RankHealth(groups=dict.fromkeys(groups or {}, 0.0))
+    bad = []
+    for i, h in enumerate(healths):
+        if h is None:
+            continue
+        nan, inf, sq = h
+        out.nan += nan
+        out.inf += inf
+        out.sumsq = _add(out.sumsq, sq)
+        name = names.get(i, f"tensor {i}")
+        for group, prefixes in (groups or {}).items():
+            if name.startswith(tuple(prefixes)):
+                out.groups[group] = _add(out.groups[group], sq)
+        if nan or inf:
+            bad.append({"rank": rank, "tensor": name, "nan": nan, "inf": inf})
+    out.worst = sorted(bad, key=_badness)[:WORST_KEPT]
+    return out
+
+
+def _badness(t: dict) -> tuple:
+    return (-(t["nan"] + t["inf"]), t["rank"], t["tensor"])
+
+
+def norm(sumsq: float | None) -> float:
+    return math.inf if sumsq is None else math.sqrt(sumsq)
+
+
+def verdict(
+    ranks: list[RankHealth | None],
+    *,
+    previous: dict | None = None,
+    previous_step: int | None = None,
+    norm_jump: float | None = None,
+) -> dict | None:
+    """The manifest's ``health`` of a step whose ranks report ``ranks`` (None: a rank with no
+    health recorded, which makes the step's health unknown). ``previous``: the health of the
+    previous healthy step, against which ``norm_jump`` compares the global norm and each
+    group's."""
+    if not ranks or any(r is None for r in ranks):
+        return None
+    nan = sum(r.nan for r in ranks)
+    inf = sum(r.inf for r in ranks)
+    sumsq: float | None = 0.0
+    groups: dict[str, float | None] = {}
+    for r in ranks:
+        sumsq = _add(sumsq, r.sumsq)
+        for g, s in r.groups.items():
+            groups[g] = _add(groups.get(g, 0.0), s)
+    worst = sorted((t for r in ranks for t in r.worst), key=_badness)[:WORST_KEPT]
+    reasons = []
+    if nan or inf:
+        reasons.append(f"{nan} NaN and {inf} Inf values")
+    if norm_jump is not None and previous is not None:
+        olds = {"global": previous.get("sumsq"), **(previous.get("groups") or {})}
+        news = {"global": sumsq, **groups}
+        for name, new in news.items():
+            if name not in olds:
+                continue
+            old_n, new_n = norm(olds[name]), norm(new)
+            if not (math.isfinite(old_n) and old_n > 0):
+                continue
+            if not (old_n / norm_jump <= new_n <= old_n * norm_jump):
+                reasons.append(
+                    f"{name} norm {new_n:.6g} moved more than {norm_jump:g}x from "
+                    f"{old_n:.6g} (step {previous_step})"
+                )
+    return {
+        "healthy": not reasons,
+        "nan": nan,
+        "inf": inf,
+        "sumsq": sumsq,
+        "groups": groups,
+        "worst": worst,
+        "reasons": reasons,
+    }
+
+
+def check_manifest_health(value: Any) -> str | None:
+    """Why a manifest's ``health`` is malformed; None if it is well formed (or absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "health is not an object"
+    if not isinstance(value.get("healthy"), bool):
+        return "health.healthy is not a bool"
+    if not (_is_count(value.get("nan")) and _is_count(value.get("inf"))):
+        return "health counts are not counts"
+    sq = value.get("sumsq")
+    if sq is not None and not (_is_number(sq) and sq >= 0):
+        return "health.sumsq is not a non-negative number"
+    groups = value.get("groups", {})
+    if not isinstance(groups, dict) or not all(
+        isinstance(k, str) and (v is None or (_is_number(v) and v >= 0)) for k, v in groups.items()
+    ):
+        return "health.groups is not a map of names to sums of squares"
+    worst = value.get("worst", [])
+    if not isinstance(worst, list) or not all(
+        isinstance(t, dict)
+        and isinstance(t.get("tensor"), str)
+        and _is_count(t.get("rank"))
+        and _is_count(t.get("nan"))
+        and _is_count(t.get("inf"))
+        for t in worst
+    ):
+        return "health.worst is malformed"
+    reasons = value.get("reasons", [])
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        return "health.reasons is not a list of strings"
+    return None
+
+
+def status(health: dict | None) -> str:
+    """``"healthy"``, ``"unhealthy"`` or ``"unknown"`` (a step saved without health)."""
+    if health is None:
+        return UNKNOWN
+    return HEALTHY if health["healthy"] else UNHEALTHY
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """A committed step's health as a training loop sees it (``SaveHandle.health``)."""
+
+    step: int
+    status: str
+    """``"healthy"``, ``"unhealthy"`` or ``"unknown"``."""
+    nan: int = 0
+    inf: int = 0
+    norm: float | None = None
+    """The global norm (sqrt of every rank's sums of squares); inf where it overflowed."""
+    group_norms: dict[str, float] = field(default_factory=dict)
+    worst: tuple[str, ...] = ()
+    """The worst tensors, as ``"rank R tensor NAME: N NaN, M Inf"``."""
+    reasons: tuple[str, ...] = ()
+    committed: bool = True
+    """False for an unhealthy save that ``HealthPolicy(on_unhealthy="skip")`` did not store."""
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == HEALTHY
+
+    @classmethod
+    def of(cls, step: int, health: dict | None, *, committed: bool = True) -> StepHealth:
+        if health is None:
+            return cls(step, UNKNOWN, committed=committed)
+        return cls(
+            step,
+            status(health),
+            nan=health["nan"],
+            inf=health["inf"],
+            norm=norm(health.get("sumsq")),
+            group_norms={g: norm(s) for g, s in (health.get("groups") or {}).items()},
+            worst=tuple(describe(t) for t in health.get("worst") or ()),
+            reasons=tuple(health.get("reasons") or ()),
+            committed=committed,
+        )
+
+
+def describe(t: dict) -> str:
+    return f"rank {t['rank']} {t['tensor']}: {t['nan']} NaN, {t['inf']} Inf"
+
+
+def one_line(step: int, health: dict) -> str:
+    """The log line of an unhealthy step: why, and its worst tensors."""
+    worst = "; ".join(describe(t) for t in (health.get("worst") or [])[:3])
+    why = "; ".join(health.get("reasons") or ())
+    return f"step {step} is unhealthy ({why})" + (f"; worst: {worst}" if worst else "")
+
+
+def why_not_healthy(step: int, health: dict | None) -> str:
+    """Why ``step`` is not a healthy step, in one line."""
+    if health is None:
+        return f"step {step}: health unknown (saved without a health record)"
+    return one_line(step, health).replace(" is unhealthy (", ": unhealthy (", 1)
+
+
+def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
+    """Walk ``steps`` newest first: the healthy ones (at most ``limit``) and, by step, why
+    each other one is not (its manifest read; one that cannot be read says why). Errors of
+    the store itself are raised."""
+    from ckptstore.catalog import load_manifest
+    from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
+
+    healthy: list[int] = []
+    why: dict[int, str] = {}
+    for step in sorted(steps, reverse=True):
+        if limit is not None and len(healthy) >= limit:
+            break
+        try:
+            health = load_manifest(store, step).health
+        except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
+            why[step] = f"step {step}: cannot be read ({exc})"
+            continue
+        if health is not None and health["healthy"]:
+            healthy.append(step)
+        else:
+            why[step] = why_not_healthy(step, health)
+    return healthy, why
+
+
+def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | None = 1):
+    """The healthy steps a ``healthy=True`` load of ``step`` takes, newest first (at most
+    ``limit``), and why each newer one passed over is not healthy: ``step`` itself when it is
+    healthy (else ``UnhealthyStepError``), or for ``"latest"`` the newest healthy ones (none:
+    ``CheckpointNotFoundError`` naming the newest steps and why)."""
+    from ckptstore.catalog import list_steps, parse_step, resolve_step
+    from ckptstore.errors import CheckpointNotFoundError, UnhealthyStepError
+
+    if parse_step(step) is not None:
+        wanted = resolve_step(store, step)
+        good, why = find_healthy(store, [wanted])
+        if not good:
+            raise UnhealthyStepError(f"{why[wanted]} in {store.uri} (healthy=True)")
+        return good, {}
+    good, why = find_healthy(store, list_steps(store), limit=limit)
+    if not good:
+        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+        raise CheckpointNotFoundError(
+            f"no healthy committed step in {store.uri}" + (f": {every}" if every else "")
+        )
+    return good, why
+
+
+def tiered_verdict(step: int, own: list[Any], durable: Any) -> str | None:
+    """Why a save the tiers can load is not healthy (None: it is), for both front-ends: a
+    rank's own copy that records NaN or Inf rules it out; else the durable manifest of the same
+    save decides (``durable``: its health, None when unknown, ``"absent"`` when the durable
+    store does not hold that save); else every rank's own copy (``own``, by rank: its health,
+    or ``"absent"``) must say healthy."""
+    bad = next((h for h in own if isinstance(h, dict) and not h["healthy"]), None)
+    if bad is not None:
+        return why_not_healthy(step, bad)
+    if durable != "absent":
+        healthy = durable is not None and durable["healthy"]
+        return None if healthy else why_not_healthy(step, durable)
+    return None if all(isinstance(h, dict) for h in own) else why_not_healthy(step, None)
