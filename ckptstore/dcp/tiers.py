@@ -208,8 +208,8 @@ def _not_healthy(
     own = [heard[0][0], *heard[1:]]
     why = {}
     for step in local_steps | durable_steps:
-        durable = durable_health.get(step) if step in durable_steps else "absent"
-        reason = tiered_verdict(step, [h.get(step, "absent") for h in own], durable)
+        kept = durable_health.get(step) if step in durable_steps else "absent"
+        reason = tiered_verdict(step, [h.get(step, "absent") for h in own], kept)
         if reason is not None:
             why[step] = reason
     return why
