@@ -130,3 +130,25 @@ def test_tiered_writer_is_refused_by_the_checkpoint_process(tmp_path):
             pickle.dumps(writer)
     finally:
         writer.close()
+
+
+def _tiered_worker(rank: int, world: int, uri: str, local_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    writer = StoreWriter(uri, tiers=TierOptions(local_dir=local_dir))
+    try:
+        future = dcp.async_save(
+            _state(rank, 1.0),
+            storage_writer=writer,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        )
+        with pytest.raises(TypeError, match=r"TierOptions\(local_dir=\.\.\.\)\) cannot be sent"):
+            getattr(future, "upload_completion", future).result(timeout=120)
+    finally:
+        writer.close()
+
+
+@pytest.mark.dist
+def test_tiered_process_async_save_fails_clearly_on_two_ranks(tmp_path):
+    uri = str(tmp_path / "s")
+    run_ranks(_tiered_worker, 2, uri, str(tmp_path / "local"), timeout_s=300)
+    assert list_steps(Store(uri)) == []
