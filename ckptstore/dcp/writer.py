@@ -790,8 +790,11 @@ class StoreWriter(StorageWriter, PooledStager):
         return entries, chunks
 
 
-# Writers rebuilt in this process from another's pickle, by the token of the original.
+# Writers rebuilt in this process from another's pickle, by the token of the original; the
+# newest few only (DCP's checkpoint process runs one save at a time, and a run that makes a
+# writer per save must not pile up their staging pools here).
 _REBUILT: dict[str, StoreWriter] = {}
+_REBUILT_KEPT = 4
 
 
 def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int | None):
@@ -804,10 +807,13 @@ def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int |
         writer = StoreWriter(uri, step=step, **config)
         writer._token = token
         return writer
-    writer = _REBUILT.get(token)
+    writer = _REBUILT.pop(token, None)
     if writer is None:
-        writer = _REBUILT[token] = StoreWriter(uri, step=step, **config)
+        writer = StoreWriter(uri, step=step, **config)
         writer._token = token
+    _REBUILT[token] = writer  # the newest last
+    while len(_REBUILT) > _REBUILT_KEPT:
+        del _REBUILT[next(iter(_REBUILT))]
     writer.step = step
     return writer
 

@@ -123,6 +123,22 @@ def test_writer_pickles_its_configuration(tmp_path):
     assert torch.equal(target["x"], torch.arange(5.0))
 
 
+def test_the_checkpoint_process_rebuilds_each_writer_once_and_keeps_the_newest_few(tmp_path):
+    from ckptstore.dcp import writer as writer_module
+
+    writers = [StoreWriter(str(tmp_path / f"s{i}")) for i in range(6)]
+    # As DCP's checkpoint process sees them: pickled in another process (pid -1).
+    again = [(w._token, -1, w._config, 3) for w in writers]
+    first = writer_module._writer_in_process(*again[0])
+    assert writer_module._writer_in_process(*again[0]) is first and first.step == 3
+    for args in again[1:]:
+        writer_module._writer_in_process(*args)
+    kept = writer_module._REBUILT
+    assert list(kept) == [w._token for w in writers[-writer_module._REBUILT_KEPT :]]
+    assert writer_module._writer_in_process(*again[0]) is not first  # evicted, rebuilt
+    kept.clear()
+
+
 def test_tiered_writer_is_refused_by_the_checkpoint_process(tmp_path):
     writer = StoreWriter(str(tmp_path / "s"), tiers=TierOptions(local_dir=str(tmp_path / "l")))
     try:
