@@ -18,6 +18,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     FormatVersionError,
+    PickledValueRefusedError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.health import norm, status
@@ -160,7 +161,7 @@ class Problem:
     step: int
     object: str  # the key, relative to the store
     what: str  # manifest | rank-index | dcp-metadata | chunk
-    problem: str  # missing | corrupt | unreadable
+    problem: str  # missing | corrupt | unreadable | unsupported | refused
     error: str
     tensors: list[str] = field(default_factory=list)  # names of tensors whose bytes it holds
 
@@ -169,7 +170,8 @@ class Problem:
 
 
 def classify(exc: BaseException) -> str:
-    """missing | unsupported (a format version this reader does not know) | corrupt |
+    """missing | unsupported (a format version this reader does not know) | refused (a value
+    stored pickled that a safe load does not unpickle; its bytes are intact) | corrupt |
     unreadable (the storage failed: network, permissions)."""
     if isinstance(exc, FileNotFoundError):  # CheckpointNotFoundError, ObjectNotFoundError
         return "missing"
@@ -177,6 +179,8 @@ def classify(exc: BaseException) -> str:
         return "unreadable"
     if isinstance(exc, FormatVersionError):
         return "unsupported"
+    if isinstance(exc, PickledValueRefusedError):
+        return "refused"
     if isinstance(exc, CheckpointCorruptError):
         return "corrupt"
     if isinstance(exc, (CheckpointError, OSError)):

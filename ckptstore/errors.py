@@ -11,6 +11,12 @@ class CheckpointCorruptError(CheckpointError, ValueError):
     """Stored bytes do not match what the manifest says (hash, size, header)."""
 
 
+class PickledValueRefusedError(CheckpointError, ValueError):
+    """A value stored pickled (by DCP) that a safe load will not unpickle: torch's weights-only
+    unpickler cannot load it. Its bytes are intact; the reader's ``trust_pickled_objects=True``
+    loads it."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The requested step, or an object a committed step references, does not exist."""
 

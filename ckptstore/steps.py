@@ -51,7 +51,6 @@ _HOW_TO_LOAD = {
     DCP: "was saved through DCP; load it with torch.distributed.checkpoint.load(..., "
     "storage_reader=ckptstore.dcp.StoreReader(...))",
 }
-_TRUST_HINT = " (StoreReader(trust_pickled_objects=True) loads it if you trust its writer)"
 
 
 @dataclass
@@ -350,7 +349,7 @@ class StepView:
                 try:
                     load_pickled_value(values[tensor].numpy().tobytes(), name)
                 except CheckpointError as exc:
-                    yield Found(keys[rank], "dcp-item", exc, _TRUST_HINT)
+                    yield Found(keys[rank], "dcp-item", exc)
 
     # -- the whole step ---------------------------------------------------------------------
 

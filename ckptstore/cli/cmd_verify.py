@@ -47,6 +47,9 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
                 else "manifest unreadable"
             )
             status = "OK" if c.ok else f"FAILED ({len(c.problems)} problem(s))"
+            if c.problems and all(p.problem == "refused" for p in c.problems):
+                # Intact, but a safe load does not unpickle some of its values: not "corrupt".
+                status = f"REFUSED ({len(c.problems)} pickled value(s); stored bytes intact)"
             print(f"step {c.step}: {status}  [{shape}]  health: {health[c.step]}")
             for p in c.problems:
                 used = ""

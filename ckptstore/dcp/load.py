@@ -41,7 +41,7 @@ def load_full_state_dict(store: Store, step: int) -> dict[str, Any]:
 
     Runs in this process alone (no process group needed): sharded tensors are assembled from
     every rank's pieces, like torch's ``dcp_to_torch_save``. Values DCP pickled are loaded by
-    torch's weights-only unpickler; one that needs more is refused (``CheckpointCorruptError``).
+    torch's weights-only unpickler; one that needs more is refused (``PickledValueRefusedError``).
     """
     reader = StoreReader(store.uri, step=check_step(step), store=store)
     reader.read_metadata()  # raises missing / wrong-kind / corrupt metadata errors unwrapped

@@ -28,6 +28,7 @@ from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_loa
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    PickledValueRefusedError,
     UnsupportedStateError,
     one_line,
 )
@@ -83,9 +84,10 @@ def load_pickled_value(data: bytes, name: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure is a refused value
-        raise CheckpointCorruptError(
-            f"DCP item {name}: refused, its pickled value needs more than torch's weights-only "
-            f"unpickler ({_unpickling_reason(exc)})"
+        raise PickledValueRefusedError(
+            f"DCP item {name}: refused (pickled; opt in with "
+            "StoreReader(trust_pickled_objects=True) if you trust its writer): torch's "
+            f"weights-only unpickler does not load it ({_unpickling_reason(exc)})"
         ) from None
 
 
@@ -117,7 +119,7 @@ class StoreReader(StorageReader):
         trust_pickled_objects: values DCP pickled (``BYTE_IO`` items, such as a step counter
             or a dataclass) reach the load planner only after torch's weights-only unpickler
             accepted them; a value that needs more (a class of yours, or code) is refused with
-            ``CheckpointCorruptError``. ``True`` hands every value to the planner unchecked: DCP's
+            ``PickledValueRefusedError`` (its bytes are intact). ``True`` hands every value to the planner unchecked: DCP's
             default planner then unpickles it with ``weights_only=False``, which runs whatever
             code the stored bytes name. Pass it only for stores whose writers you trust.
         With several ranks (over all ranks of the default process group), a chunk that two or

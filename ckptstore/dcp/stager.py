@@ -79,6 +79,9 @@ class HeldStaging:
         self.copied = copied
         self._engine = engine
         self._registry = registry
+        # Its key in the registry, taken now: sending the staged state to DCP's checkpoint
+        # process moves the buffer to shared memory, which changes its data_ptr.
+        self._key = copied.buffer.data_ptr()
         self._released = False
         self._lock = threading.Lock()
 
@@ -88,9 +91,8 @@ class HeldStaging:
             if self._released:
                 return
             self._released = True
-        key = self.copied.buffer.data_ptr()
-        if self._registry.get(key) is self:
-            del self._registry[key]
+        if self._registry.get(self._key) is self:
+            del self._registry[self._key]
         self._engine.release(self.copied)
 
 

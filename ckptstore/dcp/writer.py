@@ -181,6 +181,9 @@ class StoreWriter(StorageWriter, PooledStager):
         if o["staging"].mode != "host":
             raise ValueError("a DCP save stages on the host: StagingOptions(mode='host')")
         self.options = o
+        # What a copy of this writer in DCP's checkpoint process is rebuilt from (__reduce__).
+        self._config = dict(uri=uri, storage_options=storage_options, keep_last=keep_last, **o)
+        self._token = uuid.uuid4().hex
         self._policy = o["tiers"].policy()
         node_rank = o["tiers"].node_rank
         timeout_s, background_nice = o["storage"].timeout_s, o["storage"].background_nice
@@ -230,6 +233,29 @@ class StoreWriter(StorageWriter, PooledStager):
         # goes after it even while the save that planned it has not committed yet.
         self._planned: dict[str, int] = {}
         self._plan_lock = threading.Lock()
+
+    # -- DCP's checkpoint process ------------------------------------------------------------
+
+    def __reduce__(self):
+        """Pickle the configuration only (``async_save(..., async_checkpointer_type=PROCESS)``
+        sends the writer to DCP's checkpoint process with every save). There it is rebuilt once
+        per writer and reused by its later saves (``_writer_in_process``): its own store
+        clients, staging pool and leases, in the process that writes. A tiered writer is
+        refused: its local tiers and drain queue would live in that process, out of reach of
+        this writer's ``durable()``, ``wait()`` and ``close()``."""
+        if self._policy is not None:
+            raise TypeError(
+                "StoreWriter(tiers=TierOptions(local_dir=...)) cannot be sent to DCP's checkpoint "
+                "process (async_checkpointer_type=PROCESS): its drains to durable storage would "
+                "run there, beyond this writer's durable()/wait()/close(); use thread-based "
+                "async_save"
+            )
+        if self.options["storage"].store is not None:
+            raise TypeError(
+                "StoreWriter(storage=StorageOptions(store=...)) cannot be sent to DCP's "
+                "checkpoint process (async_checkpointer_type=PROCESS): give the store's URI"
+            )
+        return (_writer_in_process, (self._token, os.getpid(), self._config, self.step))
 
     # -- StorageWriter ----------------------------------------------------------------------
 
@@ -780,6 +806,34 @@ class StoreWriter(StorageWriter, PooledStager):
                 entries[i] = entry
             chunks = {**chunks, **rest_chunks}
         return entries, chunks
+
+
+# Writers rebuilt in this process from another's pickle, by the token of the original; the
+# newest few only (DCP's checkpoint process runs one save at a time, and a run that makes a
+# writer per save must not pile up their staging pools here).
+_REBUILT: dict[str, StoreWriter] = {}
+_REBUILT_KEPT = 4
+
+
+def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int | None):
+    """A ``StoreWriter`` unpickled from ``config``: in another process (DCP's checkpoint
+    process) the one rebuilt for the same original writer by an earlier save, so its store
+    clients and staging pool are built once; a fresh one in the original's own process."""
+    config = dict(config)
+    uri = config.pop("uri")
+    if pid == os.getpid():
+        writer = StoreWriter(uri, step=step, **config)
+        writer._token = token
+        return writer
+    writer = _REBUILT.pop(token, None)
+    if writer is None:
+        writer = StoreWriter(uri, step=step, **config)
+        writer._token = token
+    _REBUILT[token] = writer  # the newest last
+    while len(_REBUILT) > _REBUILT_KEPT:
+        del _REBUILT[next(iter(_REBUILT))]
+    writer.step = step
+    return writer
 
 
 def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:

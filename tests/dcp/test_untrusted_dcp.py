@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import CheckpointException
 from ckptstore.catalog import load_manifest, read_object
 from ckptstore.cli import main
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
-from ckptstore.errors import CheckpointCorruptError
+from ckptstore.errors import CheckpointCorruptError, PickledValueRefusedError
 from ckptstore.export import export_safetensors
 from ckptstore.store import Store
 from tests.helpers.crafted import replace_referenced
@@ -212,23 +212,58 @@ def _save_hostile_value(uri: str, marker: Path) -> Store:
 def test_a_pickled_value_that_needs_code_is_refused_on_ckptstores_load_paths(tmp_path, capsys):
     marker = tmp_path / "ran"
     store = _save_hostile_value(str(tmp_path / "s"), marker)
-    with pytest.raises(CheckpointCorruptError, match=r"'evil'.*refused.*io\.open"):
+    with pytest.raises(PickledValueRefusedError, match=r"'evil'.*refused.*io\.open"):
         load_full_state_dict(store, 0)
     for fmt, out in (("torch", "out.pt"), ("dcp", "out-dcp")):
         code, err = _cli(capsys, "restore", store.uri, "--to", tmp_path / out, "--format", fmt)
-        assert code == 1 and "'evil'" in err, err
+        assert code == 1 and "'evil'" in err and _REFUSED in err, err
     # verify finds what restore refuses, and runs nothing either
     assert main(["verify", store.uri]) == 1
     out, _ = capsys.readouterr()
-    assert "'evil'" in out and "refused" in out and "trust_pickled_objects" in out
+    assert "'evil'" in out and _REFUSED in out and "corrupt" not in out.lower(), out
     assert not marker.exists()
+
+
+_REFUSED = "refused (pickled; opt in with StoreReader(trust_pickled_objects=True)"
+
+
+def test_a_bytesio_value_is_refused_by_name_never_called_corrupt(tmp_path, capsys):
+    """Older torchtitan and torchtune keep their train state as a ``BytesIO``, which DCP
+    pickles: a safe load refuses it as pickled (an opt-in loads it), verify and restore say so,
+    and none of them calls the intact value corrupt."""
+    import io
+
+    raw = io.BytesIO()
+    torch.save({"step": 3, "lr": [0.1]}, raw)
+    store = _save(str(tmp_path / "s"), {**_state(), "train_state": raw})
+    target = {**_blank(), "train_state": io.BytesIO()}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
+    text = str(caught.value)
+    assert "'train_state'" in text and _REFUSED in text and "Corrupt" not in text, text
+    with pytest.raises(PickledValueRefusedError, match="'train_state'") as direct:
+        load_full_state_dict(store, 0)
+    assert not isinstance(direct.value, CheckpointCorruptError)
+    code, err = _cli(capsys, "restore", store.uri, "--to", tmp_path / "out.pt")
+    assert code == 1 and "'train_state'" in err and _REFUSED in err, err
+    assert "corrupt" not in err.lower(), err
+    assert main(["verify", store.uri]) == 1
+    out, err = capsys.readouterr()
+    assert "'train_state'" in out and "REFUSED" in out and "stored bytes intact" in out, out
+    assert "corrupt" not in (out + err).lower(), out + err
+    # The opt-in loads it back as saved.
+    dcp.load(
+        target, storage_reader=StoreReader(store.uri, trust_pickled_objects=True), no_dist=True
+    )
+    assert target["train_state"].getvalue() == raw.getvalue()
+    _assert_same(target, _state())
 
 
 def test_dcp_load_refuses_a_pickled_value_that_needs_code_unless_trusted(tmp_path):
     marker = tmp_path / "ran"
     store = _save_hostile_value(str(tmp_path / "s"), marker)
     target = {**_blank(), "evil": None}
-    with pytest.raises(CheckpointException, match=r"'evil'.*refused"):
+    with pytest.raises(CheckpointException, match=r"'evil'.*refused \(pickled; opt in"):
         dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
     assert not marker.exists()
     # The user's explicit opt-in hands the value to DCP's planner, which unpickles it.
