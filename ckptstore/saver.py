@@ -82,6 +82,7 @@ class SaveJob:
     handle: SaveHandle
     durable: bool = True  # also committed to durable storage (always, without tiers)
     wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
+    released: bool = False  # its staging memory is back in the pool
 
 
 @dataclass
@@ -195,6 +196,7 @@ class SaveWorker:
                     job.step,
                     exc,
                 )
+                self._release(job)  # a failed save's staging memory: the next save needs it
                 with self._failed_lock:
                     self._failed.append(job.handle)
                 job.handle._future.set_exception(exc)
@@ -244,8 +246,13 @@ class SaveWorker:
         job.wait_durable = any(w for _, w in done.payloads)
         if done.written is None:
             return False
-        self.engine.release(job.staged)
+        self._release(job)
         return True
+
+    def _release(self, job: SaveJob) -> None:
+        if not job.released:
+            job.released = True
+            self.engine.release(job.staged)
 
     def _after_local(self, job: SaveJob) -> None:
         """A step committed to the local tier: copies to peers, then a drain to durable storage
@@ -276,5 +283,5 @@ class SaveWorker:
             session.learn(self.rank, latest)
             entries, chunks = session.write(staged.buffer, staged.layout, job.tensors)
         finally:
-            self.engine.release(staged)
+            self._release(job)
         return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)

@@ -19,7 +19,7 @@ from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
 from ckptstore.tiers.drain import DrainQueue
-from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.group import RankGroup, RankLostError
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
@@ -187,6 +187,7 @@ class TierSaver:
             for r in range(self.group.world_size)
             for h in self.topology.holders(r)
         ]
+        self.group.check("the peer copies")  # a rank lost before: the next save fails
         try:
             outcomes, self.last_peer_copy = transfer(
                 transfers,
@@ -195,6 +196,10 @@ class TierSaver:
                 budget_bytes=self.policy.peer_budget_bytes,
             )
         except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
+            try:
+                self.group.check(f"the peer copies of step {step}", exc)
+            except RankLostError as lost:
+                exc = lost
             outcomes = {t: one_line(exc) for t in transfers}
         failed = [e for e in outcomes.values() if e is not None]
         if failed and self.rank == 0:
