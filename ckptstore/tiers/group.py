@@ -11,25 +11,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.errors import CheckpointError, one_line
+from ckptstore.errors import RankLostError, one_line
 
 logger = logging.getLogger(__name__)
 
 # Of a group's bound on a lost rank, the share its collectives wait (gloo's timeout); the rest
 # is the roll call that names the ranks that did not answer.
 _COLLECTIVE_SHARE = 0.75
-
-
-class RankLostError(CheckpointError):
-    """A rank of the group stopped answering (it exited, was killed, or its node is gone):
-    every later exchange on the group fails at once with this error."""
-
-    def __init__(self, message: str, lost: list[int]) -> None:
-        super().__init__(message)
-        self.lost = lost
-
-    def __reduce__(self) -> Any:
-        return (type(self), (str(self), self.lost))
 
 
 class RankGroup:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.catalog import list_steps
-from ckptstore.errors import CheckpointError, one_line
+from ckptstore.errors import CheckpointError, RankLostError, one_line
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
 from ckptstore.tiers.drain import DrainQueue
-from ckptstore.tiers.group import RankGroup, RankLostError
+from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
