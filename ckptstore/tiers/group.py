@@ -58,8 +58,8 @@ class RankGroup:
 
     def check(self, what: str, exc: BaseException | None = None) -> None:
         """Raise ``RankLostError`` if a rank of the group is lost: known already, or found now
-        by a roll call after ``exc`` (an exchange's error, raised as it is if every rank
-        answers). Every rank that calls it after one failure takes part in the same roll call."""
+        by a roll call after ``exc`` (an exchange's error, raised as it is if every rank's
+        heartbeat still moves)."""
         if self.lost is not None:
             raise self.lost
         if exc is None or self.lost_rank_s is None or not self.active:
@@ -80,7 +80,8 @@ class RankGroup:
         """The ranks of the group whose heartbeat on the job's rendezvous store did not move
         within the rest of the bound (counters, never clocks: each process adds to its own)."""
         assert self.lost_rank_s is not None
-        others = [r for r in range(self.world_size) if r != self.rank]
+        assert self.group is not None
+        others = [r for r in dist.get_process_group_ranks(self.group) if r != self.rank]
         window = self.lost_rank_s * (1 - _COLLECTIVE_SHARE)
         try:
             before = _HEARTBEAT.counts(others)
