@@ -156,7 +156,11 @@ class Checkpointer:
         self.when_busy = when_busy
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
-        self._group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
+        # With tiers, a lost rank ends every rank's save, load and drain within the bound.
+        lost_rank_s = o["storage"].lost_rank_timeout_s if self._policy is not None else None
+        self._group = _Group(
+            process_group, timeout_s=group_timeout_s, no_dist=no_dist, lost_rank_s=lost_rank_s
+        )
         self.rank = self._group.rank
         if self._group.active and when_busy == "skip":
             raise ValueError(
@@ -167,7 +171,9 @@ class Checkpointer:
         self.last_load = LoadReport()
         self._tiers = None
         if self._policy is not None:
-            drain_group = _Group(process_group, timeout_s=group_timeout_s, no_dist=no_dist)
+            drain_group = _Group(
+                process_group, timeout_s=group_timeout_s, no_dist=no_dist, lost_rank_s=lost_rank_s
+            )
             self._tiers = open_tiers(
                 self._policy,
                 self.engine,

@@ -7,6 +7,21 @@ class CheckpointError(Exception):
     """Base class of every error ckptstore raises on purpose."""
 
 
+class RankLostError(CheckpointError):
+    """A rank stopped answering the exchanges of a tiered save, load or drain (killed, exited
+    after SIGTERM, its node gone): ``lost`` names the ranks whose heartbeat stopped (empty when
+    the job's rendezvous store went with them). Raised within
+    ``StorageOptions.lost_rank_timeout_s``; the ranks' tier group is then spent, so every later
+    tiered save or load of the process fails at once with it: restart the job."""
+
+    def __init__(self, message: str, lost: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.lost = list(lost or [])
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.lost))
+
+
 class CheckpointCorruptError(CheckpointError, ValueError):
     """Stored bytes do not match what the manifest says (hash, size, header)."""
 

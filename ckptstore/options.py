@@ -42,6 +42,13 @@ class StorageOptions:
     background_nice: int = 0
     """Added to the nice value of the threads that encode, upload and drain (Linux), so that
     the training loop's own threads get the cores first; 0 leaves priorities alone."""
+    lost_rank_timeout_s: float = 30.0
+    """With tiers (``TierOptions.local_dir``): the bound on a lost rank (killed, exited after
+    SIGTERM, node gone). A rank that stops answering ends every other rank's save, load, drain,
+    ``wait()`` and ``close()`` within about this long, with one error naming it
+    (``RankLostError``); a rank slower than this in a tier collective (a local write, a gc the
+    drain waits for) counts as lost too. Durable saves without tiers wait up to
+    ``group_timeout_s()`` (they may wait for a gc)."""
     store: Any = None
     """An already open ``ckptstore.Store`` to use instead of opening the URI (e.g. with fault
     injection); ``storage_options`` are then ignored."""
@@ -50,6 +57,11 @@ class StorageOptions:
         _at_least("max_concurrency", self.max_concurrency, 1)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.lost_rank_timeout_s < 4:
+            raise ValueError(
+                f"lost_rank_timeout_s must be >= 4 (a roll call takes a quarter of it), "
+                f"got {self.lost_rank_timeout_s}"
+            )
         if not 0 <= self.background_nice <= 19:
             raise ValueError(f"background_nice must be within [0, 19], got {self.background_nice}")
 

@@ -87,6 +87,7 @@ class SaveJob:
     handle: SaveHandle
     durable: bool = True  # also committed to durable storage (always, without tiers)
     wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
+    released: bool = False  # its staging memory is back in the pool
 
 
 @dataclass
@@ -203,6 +204,7 @@ class SaveWorker:
                     job.step,
                     exc,
                 )
+                self._release(job)  # a failed save's staging memory: the next save needs it
                 with self._failed_lock:
                     self._failed.append(job.handle)
                 job.handle._future.set_exception(exc)
@@ -255,8 +257,13 @@ class SaveWorker:
         if done.written is None:
             return False
         job.handle.health = done.health
-        self.engine.release(job.staged)
+        self._release(job)
         return True
+
+    def _release(self, job: SaveJob) -> None:
+        if not job.released:
+            job.released = True
+            self.engine.release(job.staged)
 
     def _after_local(self, job: SaveJob) -> None:
         """A step committed to the local tier: copies to peers, then a drain to durable storage
@@ -289,5 +296,5 @@ class SaveWorker:
                 staged.buffer, staged.layout, job.tensors, health=staged.health
             )
         finally:
-            self.engine.release(staged)
+            self._release(job)
         return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)

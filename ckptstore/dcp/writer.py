@@ -190,6 +190,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self._node_rank = node_rank
         self._topology: Topology | None = None
         self._group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
+        self._lost_rank_s = o["storage"].lost_rank_timeout_s
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
         self._tiered_saves = 0  # coordinator: saves planned, for durable_every
@@ -459,7 +460,9 @@ class StoreWriter(StorageWriter, PooledStager):
         tiers for the writer's store (made again, by every rank, when the store changes)."""
         assert self._policy is not None
         if self._tier_group is None:
-            self._tier_group = RankGroup(None, timeout_s=self._group_timeout_s)
+            self._tier_group = RankGroup(
+                None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
+            )
         group = self._tier_group
         if group.rank != self.rank:
             raise ValueError(
@@ -477,7 +480,9 @@ class StoreWriter(StorageWriter, PooledStager):
                 group,
                 self.store,
                 node_rank=self._node_rank,
-                drain_group=RankGroup(None, timeout_s=self._group_timeout_s),
+                drain_group=RankGroup(
+                    None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
+                ),
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
                 keep_alive=self,  # its exit hook finishes the drains of a writer let go

@@ -3,36 +3,114 @@ a background thread exchanges never interleaves with the training loop's collect
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.errors import one_line
+from ckptstore.errors import RankLostError, one_line
+
+logger = logging.getLogger(__name__)
+
+# Of a group's bound on a lost rank, the share its collectives wait (gloo's timeout); the rest
+# is the roll call that names the ranks that did not answer.
+_COLLECTIVE_SHARE = 0.75
 
 
 class RankGroup:
     """The ranks of ``process_group`` (None: all) on a gloo group of their own; with one rank,
-    or without ``torch.distributed``, every exchange returns this rank's value alone."""
+    or without ``torch.distributed``, every exchange returns this rank's value alone.
 
-    def __init__(self, process_group: Any, timeout_s: float, *, no_dist: bool = False) -> None:
+    ``lost_rank_s``: the bound on a lost rank. An exchange that a rank never joins fails on
+    every other rank within it (gloo's timeout is three quarters of it, or sooner: a closed
+    connection), with a ``RankLostError`` naming the ranks whose heartbeat on the job's
+    rendezvous store stopped (the last quarter); the group is then spent (later exchanges fail
+    at once with the same error). None: exchanges wait up to ``timeout_s``."""
+
+    def __init__(
+        self,
+        process_group: Any,
+        timeout_s: float,
+        *,
+        no_dist: bool = False,
+        lost_rank_s: float | None = None,
+    ) -> None:
         self.active = not no_dist and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
         self.group = None
+        self.lost_rank_s = lost_rank_s
+        self.lost: RankLostError | None = None
+        if lost_rank_s is not None:
+            timeout_s = min(timeout_s, lost_rank_s * _COLLECTIVE_SHARE)
+        self.timeout_s = timeout_s
         if self.active and self.world_size > 1:
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
             self.group = dist.new_group(
                 ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s)
             )
         self.active = self.group is not None
+        if self.active and lost_rank_s is not None:
+            _HEARTBEAT.start(self.rank, lost_rank_s / 8)
+
+    def check(self, what: str, exc: BaseException | None = None) -> None:
+        """Raise ``RankLostError`` if a rank of the group is lost: known already, or found now
+        by a roll call after ``exc`` (an exchange's error, raised as it is if every rank's
+        heartbeat still moves)."""
+        if self.lost is not None:
+            raise self.lost
+        if exc is None or self.lost_rank_s is None or not self.active:
+            return
+        lost = self._roll_call()
+        if not lost:
+            return
+        ranks = ", ".join(map(str, lost))
+        self.lost = RankLostError(
+            f"rank {ranks} lost: {what} failed and its heartbeat stopped (rank {self.rank} "
+            f"heard: {one_line(exc)})",
+            lost,
+        )
+        logger.warning("rank %d: %s", self.rank, self.lost)
+        raise self.lost from exc
+
+    def _roll_call(self) -> list[int]:
+        """The ranks of the group whose heartbeat on the job's rendezvous store did not move
+        within the rest of the bound (counters, never clocks: each process adds to its own)."""
+        assert self.lost_rank_s is not None
+        assert self.group is not None
+        others = [r for r in dist.get_process_group_ranks(self.group) if r != self.rank]
+        window = self.lost_rank_s * (1 - _COLLECTIVE_SHARE)
+        try:
+            before = _HEARTBEAT.counts(others)
+            threading.Event().wait(window)
+            after = _HEARTBEAT.counts(others)
+        except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
+            raise RankLostError(
+                f"a rank of {self.world_size} lost (which one is unknown: the job's rendezvous "
+                f"store is gone too, and it lives in rank 0's process unless a launcher such "
+                f"as torchrun holds it): {one_line(exc)}",
+                [],
+            ) from exc
+        return [r for r, b, a in zip(others, before, after) if a == b]
+
+    def _exchange(self, what: str, call: Any) -> None:
+        self.check(what)
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
+            self.check(what, exc)
+            raise
 
     def broadcast(self, value: Any) -> Any:
         if not self.active:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        self._exchange(
+            "a broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.group)
+        )
         return box[0]
 
     def scatter(self, values: list[Any] | None) -> Any:
@@ -41,14 +119,19 @@ class RankGroup:
             assert values is not None
             return values[0]
         box: list[Any] = [None]
-        dist.scatter_object_list(box, values, src=0, group=self.group)
+        self._exchange(
+            "a scatter", lambda: dist.scatter_object_list(box, values, src=0, group=self.group)
+        )
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
         if not self.active:
             return [value]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
+        self._exchange(
+            "an exchange of outcomes",
+            lambda: dist.all_gather_object(out, value, group=self.group),
+        )
         return out
 
     def agree(self, error: BaseException | None, payload: Any = None) -> Agreement:
@@ -60,6 +143,48 @@ class RankGroup:
             failures=[(r, e[0], e[1]) for r, (e, _) in enumerate(everything) if e is not None],
             payloads=[p for _, p in everything],
         )
+
+
+class _Heartbeat:
+    """One per process: a thread that adds 1 to ``ckptstore/alive/<rank>`` on the default
+    group's store every ``period_s``, so that a rank whose counter stops moving is lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._period_s: float | None = None
+        self._store: Any = None
+        self._rank = 0
+
+    def start(self, rank: int, period_s: float) -> None:
+        with self._lock:
+            running = self._period_s is not None
+            self._period_s = min(self._period_s or period_s, period_s)
+            # The job's current store (a process may make its default group again), on a
+            # connection of its own: a blocking wait on the store elsewhere stops no beat.
+            self._store, self._rank = dist.distributed_c10d._get_default_store().clone(), rank
+            self._store.add(f"ckptstore/alive/{rank}", 1)
+        if not running:
+            threading.Thread(target=self._beat, name="ckptstore-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        stop = threading.Event()  # never set: the thread ends with the process
+        while True:
+            assert self._period_s is not None
+            stop.wait(self._period_s)
+            with self._lock:
+                store, rank = self._store, self._rank
+            try:
+                store.add(f"ckptstore/alive/{rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is gone: others find no beat
+                continue
+
+    def counts(self, ranks: list[int]) -> list[int]:
+        with self._lock:
+            store = self._store
+        return [store.add(f"ckptstore/alive/{r}", 0) for r in ranks]
+
+
+_HEARTBEAT = _Heartbeat()
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.catalog import list_steps
-from ckptstore.errors import CheckpointError, one_line
+from ckptstore.errors import CheckpointError, RankLostError, one_line
 from ckptstore.health import StepHealth, verdict
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
@@ -193,6 +193,7 @@ class TierSaver:
             for r in range(self.group.world_size)
             for h in self.topology.holders(r)
         ]
+        self.group.check("the peer copies")  # a rank lost before: the next save fails
         try:
             outcomes, self.last_peer_copy = transfer(
                 transfers,
@@ -201,6 +202,10 @@ class TierSaver:
                 budget_bytes=self.policy.peer_budget_bytes,
             )
         except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
+            try:
+                self.group.check(f"the peer copies of step {step}", exc)
+            except RankLostError as lost:
+                exc = lost
             outcomes = {t: one_line(exc) for t in transfers}
         failed = [e for e in outcomes.values() if e is not None]
         if failed and self.rank == 0:

@@ -14,7 +14,10 @@ import concurrent.futures
 import logging
 import os
 import shutil
+import signal
 import threading
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +25,22 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptstore import Checkpointer, EncodingOptions, StorageOptions, TierOptions, telemetry
+from ckptstore import (
+    Checkpointer,
+    EncodingOptions,
+    PreemptionOptions,
+    StorageOptions,
+    TierOptions,
+    telemetry,
+)
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import DrainSupersededError
 from ckptstore.store import Store
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import store_identity
-from tests.helpers.dist import run_ranks
+from tests.helpers.dcp_tiers import log_records
+from tests.helpers.dist import run_ranks, run_ranks_losing
 
 CHUNK = 64 * 1024
 ENCODING = EncodingOptions(chunk_bytes=CHUNK, compression="none")
@@ -92,10 +103,13 @@ class Front:
 
 class CheckpointerFront(Front):
     name = "checkpointer"
+    preemption = PreemptionOptions()
 
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         super().__init__(root, tiers, storage)
-        self.ckpt = Checkpointer(root, tiers=tiers, encoding=ENCODING, storage=self.storage)
+        self.ckpt = Checkpointer(
+            root, tiers=tiers, encoding=ENCODING, storage=self.storage, preemption=self.preemption
+        )
         self.handles: dict[int, Any] = {}
 
     def save(self, step: int, state: dict) -> None:
@@ -415,10 +429,12 @@ def test_gc_of_the_durable_store_while_drains_run_leaves_every_kept_step_whole(
 # -- scenarios on 4 ranks as 2 nodes -----------------------------------------------------------
 
 
-def _two_nodes(kind: str, rank: int, root: str, base: str, **tiers: Any) -> Front:
+def _two_nodes(
+    kind: str, rank: int, root: str, base: str, storage: StorageOptions | None = None, **tiers: Any
+) -> Front:
     node = rank // 2
     options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
-    front = FRONTS[kind](Path(root), options, StorageOptions())
+    front = FRONTS[kind](Path(root), options, storage or StorageOptions())
     front.no_dist = False
     return front
 
@@ -564,3 +580,88 @@ def test_a_script_whose_last_act_is_a_tiered_save_leaves_it_durable(kind, tmp_pa
     assert proc.returncode == 0, proc.stderr
     steps = list_steps(Store(str(root)))
     assert len(steps) == 1, (steps, proc.stderr[-2000:])
+
+
+# -- a lost rank (issue 32, item 2) ------------------------------------------------------------
+
+LOST_S = 8.0  # the bound on a lost rank in these scenarios (StorageOptions.lost_rank_timeout_s)
+DEFAULT_PG_S = 10.0  # the default group's timeout: DCP's own exchanges wait up to it
+LOST = 3
+
+
+def _within(limit_s: float, call: Any) -> tuple[float, BaseException | None]:
+    """``call()``'s time and error; fails if it takes longer than ``limit_s`` (a hang)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    t0 = time.monotonic()
+    try:
+        pool.submit(call).result(timeout=limit_s)
+        error = None
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"blocked past {limit_s:g}s with a rank lost") from None
+    except BaseException as exc:  # noqa: BLE001 - the caller judges it
+        error = exc
+    finally:
+        pool.shutdown(wait=False)
+    return time.monotonic() - t0, error
+
+
+def _lose_a_rank(rank: int, world: int, kind: str, how: str, root: str, base: str) -> None:
+    """4 ranks as 2 nodes, peer copies, every step durable. Step 1 is saved by every rank; then
+    rank 3 is lost: killed (-9) in the middle of the save of step 2, or SIGTERMed (a spot
+    reclaim of its node) with that save pending. The others' saves of steps 2 and 3 and their
+    close() each end within the bound (commit, or one error naming rank 3); step 1 stays."""
+    storage = StorageOptions(lost_rank_timeout_s=LOST_S)
+    if kind == "checkpointer":  # the repro of the issue: every rank handles SIGTERM
+        CheckpointerFront.preemption = PreemptionOptions(handle_sigterm=True, sigterm_grace_s=20)
+    front = _two_nodes(kind, rank, root, base, storage, peer_copies=1, durable_every=1)
+    front.save(1, _ranks_own(rank, _state(10 * rank + 1)))
+    front.wait_durable()
+    torch.distributed.barrier()
+    if rank == LOST:  # the signal comes as the rank starts its local commit of step 2
+        from ckptstore.tiers.saving import TierSaver
+
+        commit_local, sig = TierSaver.commit_local, getattr(signal, f"SIG{how.upper()}")
+
+        def signalled(self: TierSaver, **kw: Any) -> Any:
+            os.kill(os.getpid(), sig)  # SIGTERM: a Checkpointer's pending save goes on
+            return commit_local(self, **kw)
+
+        TierSaver.commit_local = signalled
+        front.save(2, _ranks_own(rank, _state(10 * rank + 2)))
+        time.sleep(BOUND_S)  # the SIGTERM handler or the kill ends this process before
+        raise AssertionError(f"rank {LOST} was not lost")
+    # DCP's own exchanges (plan, results) on the default group wait up to its timeout.
+    limit = LOST_S + 10 + (2 * DEFAULT_PG_S if kind == "dcp" else 0)
+    heard = log_records("ckptstore.tiers.group")
+    errors = []
+    for step in (2, 3):  # step 3 blocked in staging while step 2's buffer was never given back
+        took, error = _within(limit, lambda s=step: front.save(s, _ranks_own(rank, _state(s))))
+        errors.append(error)
+        if error is None:
+            continue
+        named = f"rank {LOST}" in str(error)
+        if kind == "dcp":  # DCP's own exchange on the default group fails with gloo's error
+            named = named or any(f"rank {LOST} lost" in r.getMessage() for r in heard)
+        assert named, (rank, step, took, "".join(traceback.format_exception(error)))
+    assert errors[-1] is not None, f"rank {rank}: step 3 saved without rank {LOST}"
+    _within(limit, front.close)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["kill", "term"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_lost_rank_ends_every_ranks_save_and_close_within_the_bound(kind, how, tmp_path):
+    root = tmp_path / "durable"
+    run_ranks_losing(
+        _lose_a_rank,
+        4,
+        kind,
+        how,
+        str(root),
+        str(tmp_path),
+        lost={LOST},
+        timeout_s=240,
+        pg_timeout_s=DEFAULT_PG_S,
+    )
+    steps = list_steps(Store(str(root)))
+    assert 1 in steps and 3 not in steps, steps

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -459,3 +462,44 @@ def test_a_local_tier_request_that_times_out_is_not_tried_again():
     for timeout_s in (2.0, 30.0, 1200.0):
         policy = local_retry(timeout_s)
         assert policy.budget_s() == policy.timeout_s == min(10.0, timeout_s)
+
+
+_FAILED_SAVE_THEN_SAVE = """
+import sys, torch
+from ckptstore import Checkpointer, TierOptions
+from ckptstore.tiers.saving import TierSaver
+
+commit_local = TierSaver.commit_local
+
+def lost(self, **kw):  # what a lost rank's gloo error does to the local commit
+    if kw["step"] == 1:
+        raise RuntimeError("Connection closed by peer")
+    return commit_local(self, **kw)
+
+TierSaver.commit_local = lost
+ckpt = Checkpointer(sys.argv[1], tiers=TierOptions(local_dir=sys.argv[2]))
+state = {"w": torch.arange(65536.0)}
+try:
+    ckpt.save(1, state).wait()
+    raise SystemExit("step 1 did not fail")
+except RuntimeError as exc:
+    print("step 1 failed:", exc, flush=True)
+ckpt.save(2, state).wait()  # blocked forever in staging while step 1 held the only buffer
+ckpt.close()
+print("step 2 saved", flush=True)
+"""
+
+
+def test_a_failed_tiered_save_gives_its_staging_buffer_back(tmp_path):
+    """Issue 32, item 2: a tiered save that failed after staging (the local commit's exchange
+    raised, as a lost rank makes it) gave its buffer back, so the next save does not wait for it
+    forever (a real process, bounded)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILED_SAVE_THEN_SAVE, str(tmp_path / "d"), str(tmp_path / "l")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0 and "step 2 saved" in proc.stdout, proc.stderr[-2000:]
