@@ -39,6 +39,7 @@ from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TierPolicy, store_identity
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, LoadReport
@@ -170,6 +171,7 @@ def _listing(durable: Store, policy: TierPolicy, group: RankGroup):
         world_size=group.world_size,
         durable_uri=store_identity(durable),
         timeout_s=durable.retry.timeout_s,
+        identity=agree_identity(durable, group, create=False),
     )
     here: dict[int, dict[int, str]] = {}
     steps: list[int] | None = None
