@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptstore.catalog import list_steps
 from ckptstore.errors import (
@@ -23,11 +24,14 @@ from ckptstore.errors import (
     CheckpointError,
     ObjectExistsError,
     ObjectNotFoundError,
+    StorageError,
     one_line,
 )
 from ckptstore.format import _dump, _load
 from ckptstore.store import Store
-from ckptstore.tiers.group import RankGroup
+
+if TYPE_CHECKING:
+    from ckptstore.tiers.group import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +94,22 @@ def ensure_identity(store: Store) -> StoreIdentity:
 
 def agree_identity(store: Store, group: RankGroup, *, create: bool) -> StoreIdentity | None:
     """The durable store's identity on every rank of ``group`` (collective): rank 0 reads it
-    (``create``: makes it if missing) and tells the others; a failure there fails every rank."""
+    (``create``: makes it if missing) and tells the others; a failure there fails every rank,
+    except a storage error while making it (a durable store that takes no puts now): then the
+    run goes on without one (None, one warning) and its copies record none."""
     result: tuple[StoreIdentity | None, str | None] = (None, None)
     if group.rank == 0:
         try:
             result = (ensure_identity(store) if create else read_identity(store), None)
+        except StorageError as exc:
+            if not create:
+                result = (None, one_line(exc))
+            else:  # saves still go to the local tier; a later open records the identity
+                logger.warning(
+                    "cannot record the identity of %s (%s): this run's copies record none",
+                    store.uri,
+                    one_line(exc),
+                )
         except CheckpointError as exc:
             result = (None, one_line(exc))
     identity, error = group.broadcast(result)

@@ -119,10 +119,9 @@ class LocalTier:
         info = manifest.user.get(TIER_KEY)
         if manifest.world_size != 1 or not isinstance(info, dict):
             return False
-        if "store_id" not in info:  # written before identities: of an adopted store only
-            unmarked = self.identity is None or self.identity.adopted
-            return unmarked and info == tier_info(ward, self.world_size, self.durable_uri)
-        return info == self.info(ward)
+        path_info = {k: v for k, v in info.items() if k != "store_id"}
+        mine = tier_info(ward, self.world_size, self.durable_uri)
+        return path_info == mine and of_instance(info, self.identity)
 
     def of_other_instance(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is a copy for this job's durable store path, made for another
@@ -220,6 +219,16 @@ class LocalTier:
             )
 
 
+def of_instance(info: dict, identity: StoreIdentity | None) -> bool:
+    """Whether a copy whose manifest records ``info`` (``tier_info``) belongs to the durable
+    store instance ``identity`` (None: the store records none): a copy records its store's id;
+    one that records none (written before identities) belongs to a store without one, or to one
+    that adopted an identity over steps of that time."""
+    if "store_id" not in info:
+        return identity is None or identity.adopted
+    return identity is not None and info["store_id"] == identity.id
+
+
 @dataclass
 class TierListing:
     """What ``ckptstore ls --local-dir`` shows of one local directory for one job."""
@@ -229,9 +238,17 @@ class TierListing:
     problems: list[str]  # copies that cannot be read, one line each
 
 
-def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> TierListing:
+def tier_copies(
+    local_dir: str | os.PathLike,
+    durable_uri: str,
+    identity: StoreIdentity | None = None,
+    *,
+    of_identity: bool = False,
+) -> TierListing:
     """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri`` (for
-    ``ckptstore ls``; the store of each ``rank-<r>`` read without writing)."""
+    ``ckptstore ls``; the store of each ``rank-<r>`` read without writing); with
+    ``of_identity``, only the copies of the store instance ``identity``
+    (``tiers.identity.read_identity``)."""
     if not Path(local_dir).is_dir():
         raise CheckpointNotFoundError(f"no local tier directory at {local_dir}")
     job_dir = Path(local_dir) / job_dir_name(durable_uri)
@@ -250,7 +267,9 @@ def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> TierListing:
                 continue
             info = manifest.user.get(TIER_KEY)
             if manifest.world_size == 1 and isinstance(info, dict) and info.get("rank") == rank:
-                if info.get("durable") == durable_uri:
+                if info.get("durable") == durable_uri and (
+                    not of_identity or of_instance(info, identity)
+                ):
                     out.setdefault(step, set()).add(rank)
     copies = {step: sorted(ranks) for step, ranks in out.items()}
     return TierListing(job_dir, copies, problems)

@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 
 from ckptstore import Checkpointer, EncodingOptions, StorageOptions, TierOptions, telemetry
 from ckptstore.catalog import list_steps
-from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.codec import hash_bytes
+from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
 from ckptstore.store import Store
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity
