@@ -40,10 +40,12 @@ from ckptstore.errors import (
     FormatVersionError,
     PartialLoadError,
     UnsupportedStateError,
+    one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
+from ckptstore.quarantine import quarantine_step
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
     ExchangeStats,
@@ -148,6 +150,7 @@ class StateLoader:
                 if error is None:
                     if self.local is not None:  # newer copies go at the next save
                         self.local.resumed_from = candidate.step
+                    self._quarantine(skipped)
                     return candidate.step
                 dirty.update(dict.fromkeys(written, candidate.step))
                 if not (fallback and skippable):
@@ -157,6 +160,25 @@ class StateLoader:
             raise self._load_failed(self._none_loaded(skipped), dirty)
         finally:
             self._manifests.clear()
+
+    def _quarantine(self, skipped: list[tuple[int, BaseException]]) -> None:
+        """Rank 0, after a load with fallback skipped steps as corrupt: each is quarantined
+        (``ckptstore.quarantine``) so that it never blocks a save of its step number again.
+        Durable stores without tiers only (a tiered load skips a step for reasons of its
+        tiers too)."""
+        if self.rank != 0 or self.local is not None:
+            return
+        for step, error in skipped:
+            if not isinstance(error, CheckpointCorruptError):
+                continue
+            try:
+                quarantine_step(self.store, step, one_line(error))
+            except CheckpointError as exc:
+                logger.warning(
+                    "rank 0: step %d was skipped as corrupt but could not be quarantined: %s",
+                    step,
+                    one_line(exc),
+                )
 
     def _candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
         """The saves to try, newest first, the same on every rank (collective)."""

@@ -29,6 +29,7 @@ from ckptstore.leases import (
     find_leases,
     stale_probes,
 )
+from ckptstore.quarantine import quarantine_objects, quarantined, quarantined_attempts
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class GcReport:
     """Committed steps whose manifest or a rank index does not decode -> why: never counted
     as kept, never deleted by ``keep_last``; while one is kept, nothing is swept."""
     removed_corrupt: list[int] = field(default_factory=list)
+    removed_quarantine: list[int] = field(default_factory=list)
+    """Steps whose quarantined objects ``remove_corrupt`` deletes (``ckptstore.quarantine``)."""
     deleted_chunks: int = 0
     deleted_chunk_bytes: int = 0
     deleted_other: int = 0
@@ -85,15 +88,25 @@ def collect(
     report.deleted_steps = sorted(doomed)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
+    for step in report.unreadable_steps.keys() - set(report.removed_corrupt):
+        logger.warning(
+            "gc %s: step %d is %s; it is kept", store.uri, step, report.unreadable_steps[step]
+        )
+    forensics = quarantine_objects(store)
+    keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
+    if remove_corrupt:
+        report.removed_quarantine = sorted(set(quarantined(store).values()))
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
             drop_step(store, step)
+        if remove_corrupt:
+            list(store.map(store.delete, forensics))
     gone = doomed | set(report.removed_corrupt)
     lease = None
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
-        _sweep(store, report, gone, readable, ignore_attempts, lease_ttl_s, lease)
+        _sweep(store, report, gone, readable, ignore_attempts, lease_ttl_s, lease, keep_attempts)
     finally:
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
@@ -135,7 +148,6 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
     for step, found in zip(steps, store.map(read, steps), strict=True):
         if isinstance(found, str):
             report.unreadable_steps[step] = found
-            logger.warning("gc %s: step %d is %s; it is kept", store.uri, step, found)
         elif found is not None:
             readable[step] = found
     return readable
@@ -155,6 +167,7 @@ def _sweep(
     ignore_attempts: set[str],
     lease_ttl_s: float,
     lease: Lease | None,
+    keep_attempts: set[str] = frozenset(),
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -173,7 +186,7 @@ def _sweep(
         return
     kept = [readable[s] for s in report.kept_steps]
     referenced = {d for step in kept for d in step.chunks}
-    protected = {step.manifest.attempt for step in kept} | set(ignore_attempts)
+    protected = {step.manifest.attempt for step in kept} | set(ignore_attempts) | keep_attempts
     victims = [
         k
         for prefix in ("steps", "indexes")

@@ -24,6 +24,8 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     for step, why in sorted(report.unreadable_steps.items()):
         fate = f"{verb} (--remove-corrupt)" if step in removed else "kept, not counted"
         print(f"unreadable step {step}: {fate}: {why}")
+    if report.removed_quarantine:
+        print(f"{verb} quarantined step(s) {_steps(report.removed_quarantine)} (--remove-corrupt)")
     print(_sweep_line(report, verb))
     return 0
 
@@ -40,6 +42,7 @@ def _doc(args: argparse.Namespace, store: Store, report: GcReport) -> dict:
             for step, why in sorted(report.unreadable_steps.items())
         ],
         "removed_corrupt": report.removed_corrupt,
+        "removed_quarantine": report.removed_quarantine,
         "deleted_chunks": report.deleted_chunks,
         "deleted_chunk_bytes": report.deleted_chunk_bytes,
         "deleted_other": report.deleted_other,
