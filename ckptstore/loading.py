@@ -163,10 +163,9 @@ class StateLoader:
 
     def _quarantine(self, skipped: list[tuple[int, BaseException]]) -> None:
         """Rank 0, after a load with fallback skipped steps as corrupt: each is quarantined
-        (``ckptstore.quarantine``) so that it never blocks a save of its step number again.
-        Durable stores without tiers only (a tiered load skips a step for reasons of its
-        tiers too)."""
-        if self.rank != 0 or self.local is not None:
+        in the durable store (``ckptstore.quarantine``: only if its durable copy re-checks
+        damaged) so that it never blocks a save of its step number again."""
+        if self.rank != 0:
             return
         for step, error in skipped:
             if not isinstance(error, CheckpointCorruptError):
