@@ -70,6 +70,7 @@ def collect(
     keep_steps: set[int] = frozenset(),
     lease_ttl_s: float = DEFAULT_TTL_S,
     settle_timeout_s: float = 60.0,
+    verify_chunks: bool = False,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -78,11 +79,15 @@ def collect(
     (``remove_corrupt`` deletes the corrupt ones); while one is kept, nothing is swept: the
     chunks it references are unknown. ``ignore_attempts``: save leases of these attempts do
     not block the sweep (the caller's own save, committed already). ``keep_steps``: kept
-    whatever ``keep_last`` says (a node-local copy not yet drained to durable storage)."""
+    whatever ``keep_last`` says (a node-local copy not yet drained to durable storage).
+    ``verify_chunks``: every chunk of every readable step is re-hashed first (``verify``); a
+    step with a damaged or missing chunk is corrupt, as one whose manifest does not decode."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     readable = _read_steps(store, list_steps(store), report)
+    if verify_chunks:
+        _verify_chunks(store, readable, report)
     steps = sorted(readable)
     doomed = set(steps[:-keep_last] if keep_last is not None else []) - set(keep_steps)
     report.deleted_steps = sorted(doomed)
@@ -151,6 +156,19 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
         elif found is not None:
             readable[step] = found
     return readable
+
+
+def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
+    """Move each step of ``readable`` whose chunks do not all re-hash to the unreadable ones."""
+    from ckptstore._inspect import verify_steps  # torch: only where chunks are read
+
+    for check in verify_steps(store, sorted(readable)):
+        bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
+        if bad:
+            shown = "; ".join(f"{p.object} {p.problem}" for p in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            report.unreadable_steps[check.step] = f"{_CORRUPT}{shown}{more}"
+            del readable[check.step]
 
 
 def _why(exc: Exception) -> str:

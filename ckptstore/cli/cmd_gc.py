@@ -12,7 +12,11 @@ from ckptstore.store import Store
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     report = collect(
-        store, keep_last=args.keep_last, dry_run=args.dry_run, remove_corrupt=args.remove_corrupt
+        store,
+        keep_last=args.keep_last,
+        dry_run=args.dry_run,
+        remove_corrupt=args.remove_corrupt,
+        verify_chunks=args.verify,
     )
     if args.json:
         emit_json(_doc(args, store, report))

@@ -114,3 +114,18 @@ def test_gc_remove_corrupt_dry_run_says_one_thing(tmp_path):
     assert "unreadable step 3: would delete (--remove-corrupt)" in done.stdout, done.stdout
     assert "kept" not in done.stderr, done.stderr
     assert list_steps(Store(str(root))) == [1, 2, 3]  # a dry run
+
+
+def test_gc_verify_counts_no_step_with_a_damaged_chunk_and_removes_it(tmp_path, capsys):
+    """``verify``-found chunk damage, never loaded: ``gc --keep-last 1 --verify`` keeps the
+    step that loads, not the damaged newest one; with ``--remove-corrupt`` it removes it."""
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    _flip_a_chunk_of(root, 3)
+    assert main(["gc", str(root), "--keep-last", "1", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "kept steps: 2" in out and "unreadable step 3: kept, not counted" in out, out
+    assert list_steps(Store(str(root))) == [2, 3]
+    assert main(["gc", str(root), "--keep-last", "1", "--verify", "--remove-corrupt"]) == 0
+    assert list_steps(Store(str(root))) == [2]
+    assert verify_all(str(root)) == [2]
