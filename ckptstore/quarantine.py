@@ -70,7 +70,7 @@ def quarantine_step(store, step: int, why: str) -> bool:
             pass
         store.delete(chunk_key(digest))
     store.delete(commit_key(step))
-    logger.warning(
+    logger.info(  # the load warned of the skipped step already
         "step %d (attempt %s) of %s quarantined (%d damaged chunk(s)): no longer listed nor "
         "loaded; a new save of step %d commits as any save; kept under %s/ until "
         "`ckptstore gc --remove-corrupt`",

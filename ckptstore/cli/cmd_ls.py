@@ -29,7 +29,8 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     rows = list(store.map(one, steps))
     identity = read_identity(store) if args.local_dir else None
     listings = {
-        d: tier_copies(d, store_identity(store), identity, of_identity=True) for d in args.local_dir
+        d: tier_copies(d, store_identity(store), identity, of_identity=identity is not None)
+        for d in args.local_dir
     }
     local = {d: listing.copies for d, listing in listings.items()}
     local_problems = [f"{d}: {p}" for d, listing in listings.items() for p in listing.problems]
