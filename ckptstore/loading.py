@@ -42,11 +42,13 @@ from ckptstore.errors import (
     StorageError,
     UnhealthyStepError,
     UnsupportedStateError,
+    one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
 from ckptstore.health import healthy_steps_to_load, tiered_verdict
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
+from ckptstore.quarantine import quarantine_step
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
     ExchangeStats,
@@ -158,6 +160,7 @@ class StateLoader:
                 if error is None:
                     if self.local is not None:  # newer copies go at the next save
                         self.local.resumed_from = candidate.step
+                    self._quarantine(skipped)
                     return candidate.step
                 dirty.update(dict.fromkeys(written, candidate.step))
                 if not (fallback and skippable):
@@ -167,6 +170,24 @@ class StateLoader:
             raise self._load_failed(self._none_loaded(skipped, not_healthy), dirty)
         finally:
             self._manifests.clear()
+
+    def _quarantine(self, skipped: list[tuple[int, BaseException]]) -> None:
+        """Rank 0, after a load with fallback skipped steps as corrupt: each is quarantined
+        in the durable store (``ckptstore.quarantine``: only if its durable copy re-checks
+        damaged) so that it never blocks a save of its step number again."""
+        if self.rank != 0:
+            return
+        for step, error in skipped:
+            if not isinstance(error, CheckpointCorruptError):
+                continue
+            try:
+                quarantine_step(self.store, step, one_line(error))
+            except CheckpointError as exc:
+                logger.warning(
+                    "rank 0: step %d was skipped as corrupt but could not be quarantined: %s",
+                    step,
+                    one_line(exc),
+                )
 
     def _skip_not_healthy(self, not_healthy: dict[int, str], above: int) -> None:
         """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over."""

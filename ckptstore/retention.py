@@ -32,6 +32,7 @@ from ckptstore.leases import (
     find_leases,
     stale_probes,
 )
+from ckptstore.quarantine import quarantine_objects, quarantined, quarantined_attempts
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class GcReport:
     removed_corrupt: list[int] = field(default_factory=list)
     kept_healthy: int | None = None
     """The newest healthy step, kept whatever ``keep_last`` says (None: no healthy step)."""
+    removed_quarantine: list[int] = field(default_factory=list)
+    """Steps whose quarantined objects ``remove_corrupt`` deletes (``ckptstore.quarantine``)."""
     deleted_chunks: int = 0
     deleted_chunk_bytes: int = 0
     deleted_other: int = 0
@@ -72,6 +75,7 @@ def collect(
     keep_steps: set[int] = frozenset(),
     lease_ttl_s: float = DEFAULT_TTL_S,
     settle_timeout_s: float = 60.0,
+    verify_chunks: bool = False,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -82,11 +86,15 @@ def collect(
     not block the sweep (the caller's own save, committed already). ``keep_steps``: kept
     whatever ``keep_last`` says (a node-local copy not yet drained to durable storage). The
     newest healthy step is kept too, so a run of unhealthy steps never leaves the store
-    without one to resume from."""
+    without one to resume from. ``verify_chunks``: every chunk of every readable step is
+    re-hashed first (``verify``); a step with a damaged or missing chunk is corrupt, as one
+    whose manifest does not decode."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     readable = _read_steps(store, list_steps(store), report)
+    if verify_chunks:
+        _verify_chunks(store, readable, report)
     steps = sorted(readable)
     healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
     report.kept_healthy = healthy[-1] if healthy else None
@@ -97,15 +105,25 @@ def collect(
     report.deleted_steps = sorted(doomed)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
+    for step in report.unreadable_steps.keys() - set(report.removed_corrupt):
+        logger.warning(
+            "gc %s: step %d is %s; it is kept", store.uri, step, report.unreadable_steps[step]
+        )
+    forensics = quarantine_objects(store)
+    keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
+    if remove_corrupt:
+        report.removed_quarantine = sorted(set(quarantined(store).values()))
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
             drop_step(store, step)
+        if remove_corrupt:
+            list(store.map(store.delete, forensics))
     gone = doomed | set(report.removed_corrupt)
     lease = None
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
-        _sweep(store, report, gone, readable, ignore_attempts, lease_ttl_s, lease)
+        _sweep(store, report, gone, readable, ignore_attempts, lease_ttl_s, lease, keep_attempts)
     finally:
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
@@ -147,10 +165,22 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
     for step, found in zip(steps, store.map(read, steps), strict=True):
         if isinstance(found, str):
             report.unreadable_steps[step] = found
-            logger.warning("gc %s: step %d is %s; it is kept", store.uri, step, found)
         elif found is not None:
             readable[step] = found
     return readable
+
+
+def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
+    """Move each step of ``readable`` whose chunks do not all re-hash to the unreadable ones."""
+    from ckptstore._inspect import verify_steps  # torch: only where chunks are read
+
+    for check in verify_steps(store, sorted(readable)):
+        bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
+        if bad:
+            shown = "; ".join(f"{p.object} {p.problem}" for p in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            report.unreadable_steps[check.step] = f"{_CORRUPT}{shown}{more}"
+            del readable[check.step]
 
 
 def _why(exc: Exception) -> str:
@@ -167,6 +197,7 @@ def _sweep(
     ignore_attempts: set[str],
     lease_ttl_s: float,
     lease: Lease | None,
+    keep_attempts: set[str] = frozenset(),
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -185,7 +216,7 @@ def _sweep(
         return
     kept = [readable[s] for s in report.kept_steps]
     referenced = {d for step in kept for d in step.chunks}
-    protected = {step.manifest.attempt for step in kept} | set(ignore_attempts)
+    protected = {step.manifest.attempt for step in kept} | set(ignore_attempts) | keep_attempts
     victims = [
         k
         for prefix in ("steps", "indexes")

@@ -12,7 +12,11 @@ from ckptstore.store import Store
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     report = collect(
-        store, keep_last=args.keep_last, dry_run=args.dry_run, remove_corrupt=args.remove_corrupt
+        store,
+        keep_last=args.keep_last,
+        dry_run=args.dry_run,
+        remove_corrupt=args.remove_corrupt,
+        verify_chunks=args.verify,
     )
     if args.json:
         emit_json(_doc(args, store, report))
@@ -26,6 +30,8 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     for step, why in sorted(report.unreadable_steps.items()):
         fate = f"{verb} (--remove-corrupt)" if step in removed else "kept, not counted"
         print(f"unreadable step {step}: {fate}: {why}")
+    if report.removed_quarantine:
+        print(f"{verb} quarantined step(s) {_steps(report.removed_quarantine)} (--remove-corrupt)")
     print(_sweep_line(report, verb))
     return 0
 
@@ -43,6 +49,7 @@ def _doc(args: argparse.Namespace, store: Store, report: GcReport) -> dict:
             for step, why in sorted(report.unreadable_steps.items())
         ],
         "removed_corrupt": report.removed_corrupt,
+        "removed_quarantine": report.removed_quarantine,
         "deleted_chunks": report.deleted_chunks,
         "deleted_chunk_bytes": report.deleted_chunk_bytes,
         "deleted_other": report.deleted_other,

@@ -12,6 +12,7 @@ from ckptstore.cli.common import Failed, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.store import Store
+from ckptstore.tiers.identity import read_identity
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import store_identity
 
@@ -26,7 +27,11 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
             return {"step": step, "error": message(exc)}
 
     rows = list(store.map(one, steps))
-    listings = {d: tier_copies(d, store_identity(store)) for d in args.local_dir}
+    identity = read_identity(store) if args.local_dir else None
+    listings = {
+        d: tier_copies(d, store_identity(store), identity, of_identity=identity is not None)
+        for d in args.local_dir
+    }
     local = {d: listing.copies for d, listing in listings.items()}
     local_problems = [f"{d}: {p}" for d, listing in listings.items() for p in listing.problems]
     if local:

@@ -333,12 +333,15 @@ examples:
         during the sweep wait for it. --dry-run lists what would go, deleting nothing.
         Only steps that can be read count towards K: a step whose manifest or rank index does not
         decode is listed as unreadable, kept, and no chunk is swept while it is there (the chunks
-        it references are unknown); --remove-corrupt deletes such steps.
+        it references are unknown); --remove-corrupt deletes such steps, and the steps a
+        load with fallback quarantined. --verify also re-hashes every chunk of every step first
+        (as verify --all does): a step with a damaged or missing chunk counts as corrupt.
         """,
         """
           ckptstore gc /ckpt/run7 --keep-last 3 --dry-run
           ckptstore gc s3://bucket/run7 --keep-last 3
           ckptstore gc /ckpt/run7 --keep-last 3 --remove-corrupt
+          ckptstore gc /ckpt/run7 --keep-last 1 --verify --remove-corrupt
         """,
     )
     p.add_argument(
@@ -353,6 +356,11 @@ examples:
         "--remove-corrupt",
         action="store_true",
         help="also delete steps whose manifest or rank index is corrupt (they are kept otherwise)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash every chunk first: a step with a damaged chunk is corrupt, never counted",
     )
     p.set_defaults(func="gc")
     parser.commands = list(sub.choices)

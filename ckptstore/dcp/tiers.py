@@ -46,6 +46,7 @@ from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TierPolicy, store_identity
 from ckptstore.tiers.restore import (
@@ -228,6 +229,7 @@ def _plan(durable: Store, policy: TierPolicy, wanted: int | str, group: RankGrou
         world_size=group.world_size,
         durable_uri=store_identity(durable),
         timeout_s=durable.retry.timeout_s,
+        identity=agree_identity(durable, group, create=False),
     )
     here: dict[int, dict[int, str]] = {}
     steps: list[int] | None = None

@@ -24,6 +24,7 @@ from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir,
 
 if TYPE_CHECKING:
     from ckptstore.save.engine import SaveEngine
+    from ckptstore.tiers.identity import StoreIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,17 @@ class LocalTier:
         durable_uri: str,
         timeout_s: float,
         thread_nice: int = 0,
+        identity: StoreIdentity | None = None,
     ) -> None:
         self.policy = policy
         self.engine = engine
         self.rank = rank
         self.world_size = world_size
         self.durable_uri = durable_uri
+        self.identity = identity
+        """The durable store instance copies belong to (``tiers.identity``); None: the store
+        records none, and only copies that record none belong to it."""
+        self._foreign_warned = False
         self.timeout_s = timeout_s
         self.thread_nice = thread_nice
         self._stores: dict[int, Store] = {}
@@ -96,7 +102,10 @@ class LocalTier:
         return rank_dir(self.policy.local_dir, self.durable_uri, ward)
 
     def info(self, ward: int) -> dict:
-        return tier_info(ward, self.world_size, self.durable_uri)
+        info = tier_info(ward, self.world_size, self.durable_uri)
+        if self.identity is not None:
+            info["store_id"] = self.identity.id
+        return info
 
     def wards_here(self) -> list[int]:
         """The ranks whose stores this node's job directory holds (its own ranks', and those
@@ -109,7 +118,24 @@ class LocalTier:
 
     def belongs(self, manifest: Manifest, ward: int) -> bool:
         """Whether ``manifest`` is a copy of ``ward``'s state in this job."""
-        return manifest.world_size == 1 and manifest.user.get(TIER_KEY) == self.info(ward)
+        info = manifest.user.get(TIER_KEY)
+        if manifest.world_size != 1 or not isinstance(info, dict):
+            return False
+        path_info = {k: v for k, v in info.items() if k != "store_id"}
+        mine = tier_info(ward, self.world_size, self.durable_uri)
+        return path_info == mine and of_instance(info, self.identity)
+
+    def of_other_instance(self, manifest: Manifest) -> bool:
+        """Whether ``manifest`` is a copy for this job's durable store path, made for another
+        instance of it (a store deleted and made again at the same path)."""
+        info = manifest.user.get(TIER_KEY)
+        if not isinstance(info, dict) or info.get("durable") != self.durable_uri:
+            return False
+        theirs = info.get("store_id")
+        mine = self.identity.id if self.identity is not None else None
+        if theirs is None:
+            return mine is not None and not self.identity.adopted
+        return theirs != mine
 
     def copies(self, ward: int) -> dict[int, str]:
         """``ward``'s committed copies here: step -> attempt (unreadable or foreign ones left
@@ -126,6 +152,8 @@ class LocalTier:
                 continue
             if self.belongs(manifest, ward):
                 out[step] = manifest.attempt
+            elif self.of_other_instance(manifest):
+                self._warn_foreign(store, step, manifest)
             else:
                 logger.warning(
                     "rank %d: step %d in %s is not rank %d's copy for this job (%s); ignored",
@@ -136,6 +164,27 @@ class LocalTier:
                     manifest.user.get(TIER_KEY),
                 )
         return out
+
+    def _warn_foreign(self, store: Store, step: int, manifest: Manifest) -> None:
+        """One warning per tier: copies of another instance of the durable store are never
+        loaded nor counted."""
+        with self._lock:
+            if self._foreign_warned:
+                return
+            self._foreign_warned = True
+        theirs = manifest.user[TIER_KEY].get("store_id") or "none recorded"
+        mine = self.identity.id if self.identity is not None else "none recorded"
+        logger.warning(
+            "rank %d: %s holds copies (step %d, ...) of another instance of %s (store id %s; "
+            "the store there now is %s): the store was deleted and made again; those copies are "
+            "never loaded",
+            self.rank,
+            store.uri,
+            step,
+            self.durable_uri,
+            theirs,
+            mine,
+        )
 
     def forget_bad_chunk(self, digest: str) -> None:
         """A chunk of this rank's own store failed its hash check: remove it, so that the next
@@ -172,6 +221,16 @@ class LocalTier:
             )
 
 
+def of_instance(info: dict, identity: StoreIdentity | None) -> bool:
+    """Whether a copy whose manifest records ``info`` (``tier_info``) belongs to the durable
+    store instance ``identity`` (None: the store records none): a copy records its store's id;
+    one that records none (written before identities) belongs to a store without one, or to one
+    that adopted an identity over steps of that time."""
+    if "store_id" not in info:
+        return identity is None or identity.adopted
+    return identity is not None and info["store_id"] == identity.id
+
+
 @dataclass
 class TierListing:
     """What ``ckptstore ls --local-dir`` shows of one local directory for one job."""
@@ -181,9 +240,17 @@ class TierListing:
     problems: list[str]  # copies that cannot be read, one line each
 
 
-def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> TierListing:
+def tier_copies(
+    local_dir: str | os.PathLike,
+    durable_uri: str,
+    identity: StoreIdentity | None = None,
+    *,
+    of_identity: bool = False,
+) -> TierListing:
     """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri`` (for
-    ``ckptstore ls``; the store of each ``rank-<r>`` read without writing)."""
+    ``ckptstore ls``; the store of each ``rank-<r>`` read without writing); with
+    ``of_identity``, only the copies of the store instance ``identity``
+    (``tiers.identity.read_identity``)."""
     if not Path(local_dir).is_dir():
         raise CheckpointNotFoundError(f"no local tier directory at {local_dir}")
     job_dir = Path(local_dir) / job_dir_name(durable_uri)
@@ -202,7 +269,9 @@ def tier_copies(local_dir: str | os.PathLike, durable_uri: str) -> TierListing:
                 continue
             info = manifest.user.get(TIER_KEY)
             if manifest.world_size == 1 and isinstance(info, dict) and info.get("rank") == rank:
-                if info.get("durable") == durable_uri:
+                if info.get("durable") == durable_uri and (
+                    not of_identity or of_instance(info, identity)
+                ):
                     out.setdefault(step, set()).add(rank)
     copies = {step: sorted(ranks) for step, ranks in out.items()}
     return TierListing(job_dir, copies, problems)

@@ -21,6 +21,7 @@ from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
 from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
@@ -252,6 +253,7 @@ def open_tiers(
         durable_uri=store_identity(durable),
         timeout_s=timeout_s,
         thread_nice=thread_nice,
+        identity=agree_identity(durable, group, create=True),
     )
     topology = None
     if policy.peer_copies:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptstore import Store
+from ckptstore.catalog import load_manifest, load_rank_index
 from tests.helpers import ROOT
 
 
@@ -131,6 +133,31 @@ def test_tiers_resume_from_local_then_durable_when_the_local_dir_is_lost(tmp_pat
     again = _steps(from_durable.stdout)
     assert all(again[s] == reference[s] for s in map(str, range(11, 26)))
     assert all(again[s] == line for s, line in _steps(resumed.stdout).items())
+
+
+def test_a_corrupt_newest_step_is_resumed_past_and_saved_again(tmp_path):
+    """Item 4 of issue 32: one byte flipped in a chunk of the newest step; the restarted job
+    resumes from the step before, trains and saves that step number again (it failed with
+    ``StepExistsError`` on every restart), and a further restart loads the new save."""
+    run = ["--steps", "20", "--every", "10"]
+    first = _train(tmp_path, *run)
+    assert first.returncode == 0, first.stdout + first.stderr
+    ckpt = tmp_path / "ckpt"
+    store = Store(str(ckpt))
+    ten, twenty = (set(load_rank_index(store, load_manifest(store, s), 0).chunks) for s in (10, 20))
+    digest = sorted(twenty - ten)[0]
+    path = ckpt / "chunks" / digest[:2] / digest
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    resumed = _train(tmp_path, *run)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from step 10 " in resumed.stdout and "done: 20 steps" in resumed.stdout
+    assert _steps(resumed.stdout)["20"] == _steps(first.stdout)["20"]
+    again = _train(tmp_path, *run)
+    assert again.returncode == 0 and "resumed from step 20 " in again.stdout, again.stdout
 
 
 def test_peer_copies_without_a_process_group_is_a_usage_error(tmp_path):

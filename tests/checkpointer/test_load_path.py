@@ -182,7 +182,8 @@ def _fallback_through_a_shared_chunk(rank: int, world: int, root: str) -> None:
     ckpt.close()
     assert step == 1, f"rank {rank} loaded step {step}"  # every rank skipped step 2
     bad_gets = gathered(tally.of(bad))
-    assert sum(bad_gets) == 1, f"GETs of the corrupt chunk by rank: {bad_gets}"
+    # Once by the load; then twice by rank 0's quarantine of step 2 (re-checked, then moved).
+    assert sum(bad_gets) == 3 and bad_gets[0] >= 2, f"GETs of the corrupt chunk by rank: {bad_gets}"
 
 
 @pytest.mark.dist

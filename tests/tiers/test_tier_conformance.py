@@ -11,6 +11,7 @@ several nodes live in the front-ends' own multi-process tests.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
 import shutil
@@ -34,11 +35,13 @@ from ckptstore import (
     telemetry,
 )
 from ckptstore.catalog import list_steps
+from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
-from ckptstore.errors import DrainSupersededError
+from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
 from ckptstore.store import Store
+from ckptstore.tiers.identity import IDENTITY_KEY, read_identity
 from ckptstore.tiers.local import tier_copies
-from ckptstore.tiers.policy import store_identity
+from ckptstore.tiers.policy import TIER_KEY, store_identity
 from tests.helpers.dcp_tiers import log_records
 from tests.helpers.dist import run_ranks, run_ranks_losing
 
@@ -424,6 +427,83 @@ def test_gc_of_the_durable_store_while_drains_run_leaves_every_kept_step_whole(
         target = _blank()
         assert front.restart().load(target, step)[0] == step
         assert _same(target, _state(step)), step
+
+
+def test_copies_of_a_deleted_store_are_never_loaded_in_the_one_made_again(make, tmp_path, caplog):
+    """Item 1 of issue 32: the durable store deleted and made again at the same path, with the
+    same ``local_dir``: the old run's local copies belong to another store instance (its
+    identity, not its path): never loaded nor counted, one warning naming both ids; the new
+    run's own saves are what it resumes from."""
+    front = make(durable_every=1, local_keep_last=3)
+    for step in (5, 10):
+        front.save(step, _state(step))
+    front.wait_durable()
+    old = read_identity(Store(str(tmp_path / "durable")))
+    assert old is not None and not old.adopted
+    front.close()
+    shutil.rmtree(tmp_path / "durable")
+    (tmp_path / "durable").mkdir()
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    front = front.restart()
+    target = _blank()
+    with pytest.raises(BaseException) as nothing:  # DCP wraps it in a BaseException
+        front.load(target)
+    assert isinstance(nothing.value, CheckpointNotFoundError) or "no DCP step" in repr(
+        nothing.value
+    ), repr(nothing.value)
+    if isinstance(front, CheckpointerFront):
+        assert front.ckpt.latest() is None
+        with pytest.raises(CheckpointNotFoundError):
+            front.ckpt.load(target, fallback=True)
+    assert _same(target, _blank())
+    warned = [r.getMessage() for r in caplog.records if "another instance" in r.getMessage()]
+    assert warned and old.id in warned[0], [r.getMessage() for r in caplog.records]
+    for step in (1, 2, 3):  # the README's pattern: nothing to resume from, start fresh
+        front.save(step, _state(100 + step))
+    front.wait_durable()
+    front = front.restart()
+    target = _blank()
+    step, _ = front.load(target)
+    assert step == 3 and _same(target, _state(103))
+    if isinstance(front, CheckpointerFront):
+        assert front.ckpt.latest() == 3 and front.ckpt.steps() == [1, 2, 3]
+        target = _blank()
+        assert front.ckpt.load(target, fallback=True) == 3 and _same(target, _state(103))
+    new = read_identity(Store(str(tmp_path / "durable")))
+    assert new is not None and new.id != old.id
+
+
+def test_a_store_of_an_older_version_adopts_an_identity_and_keeps_its_copies(make, tmp_path):
+    """A store written before identities (its ``identity.json`` and the copies' ids removed):
+    the first tiered writer records an identity marked adopted, and the unmarked copies of
+    that store still load from the local tier."""
+    front = make(durable_every=1)
+    front.save(1, _state(1))
+    front.wait_durable()
+    front.close()
+    _strip_identity(tmp_path)
+    front = front.restart()
+    front.save(2, _state(2))
+    front.wait_durable()
+    assert read_identity(Store(str(tmp_path / "durable"))).adopted
+    _strip_identity(tmp_path, keep_store=True)  # step 2's copy unmarked too, as of before
+    front = front.restart()
+    target = _blank()
+    step, report = front.load(target)
+    assert step == 2 and report.source == "local" and _same(target, _state(2))
+
+
+def _strip_identity(tmp_path: Path, keep_store: bool = False) -> None:
+    """Make the stores as an older version wrote them: no identity, copies without an id."""
+    if not keep_store:
+        (tmp_path / "durable" / IDENTITY_KEY).unlink()
+    for path in (tmp_path / "local").rglob("commits/*.json"):
+        doc = json.loads(path.read_bytes())
+        doc.pop("checksum")
+        doc["user"][TIER_KEY].pop("store_id", None)
+        doc["checksum"] = hash_bytes(json.dumps(doc, separators=(",", ":")).encode())
+        path.chmod(0o644)
+        path.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
 
 
 # -- scenarios on 4 ranks as 2 nodes -----------------------------------------------------------

@@ -449,7 +449,7 @@ def test_a_load_reads_only_the_durable_manifests_it_considers(tmp_path):
     store.backend = CountingBackend(store.backend, tally)
     with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local", store=store) as ckpt:
         assert ckpt.load(blank_state()) == 6 and ckpt.last_load.source == LOCAL
-    assert tally.others["get"] == 1  # step 6's manifest (for its attempt), not all six
+    assert tally.others["get"] == 2  # identity.json at open, step 6's manifest (not all six)
     assert tally.chunks.total() == 0
 
 

@@ -1,0 +1,114 @@
+"""Quarantine: a committed step found damaged is taken out of the way, kept for forensics
+(docs/FORMAT.md, "Quarantine").
+
+``Checkpointer.load(fallback=True)`` that skipped a step as corrupt and loaded an older one
+quarantines the skipped step: its chunks are re-checked (a step whose every object checks out
+is never quarantined: the failure was elsewhere), a marker ``quarantine/<step>-<attempt>.json``
+is written once with the step's manifest bytes and why, each damaged chunk's bytes are copied to
+``quarantine/chunks/<digest>`` and its ``chunks/`` object deleted (so a new save of the same
+bytes writes a good one), and last the step's manifest ``commits/<step>.json`` is deleted. The
+step is then gone from ``steps()``, ``latest()``, retention and restore, and a new save of that
+step number commits as any save. The quarantined objects stay until ``ckptstore gc
+--remove-corrupt``.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+
+from ckptstore.catalog import load_manifest_bytes
+from ckptstore.errors import CheckpointError, ObjectExistsError, ObjectNotFoundError
+from ckptstore.format import _dump, _load, chunk_key, commit_key, is_attempt, is_digest
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "quarantine"
+_KIND = "quarantine"
+
+
+def marker_key(step: int, attempt: str) -> str:
+    return f"{PREFIX}/{step:020d}-{attempt}.json"
+
+
+def quarantine_step(store, step: int, why: str) -> bool:
+    """Quarantine committed ``step`` if re-checking it finds damaged or missing chunks; returns
+    whether it did. Never raises for the step's damage; storage errors are raised."""
+    from ckptstore._inspect import verify_steps  # torch: only where chunks are read
+
+    try:
+        manifest, data = load_manifest_bytes(store, step)
+    except CheckpointError:
+        return False  # gone, or an unreadable manifest: gc --remove-corrupt's case
+    (check,) = verify_steps(store, [step])
+    bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
+    if not bad or any(p.problem == "unreadable" for p in check.problems):
+        return False
+    chunks = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
+    body = {
+        "step": step,
+        "attempt": manifest.attempt,
+        "reason": why,
+        "quarantined_at": time.time(),
+        "bad_chunks": chunks,
+        "problems": [f"{p.object}: {p.problem}" for p in bad[:20]],
+        "manifest_b64": base64.b64encode(data).decode(),
+    }
+    try:
+        store.put(marker_key(step, manifest.attempt), _dump(_KIND, body))
+    except ObjectExistsError:
+        pass  # a quarantine of this save that stopped part-way: finish it
+    for digest in chunks:
+        try:
+            raw = store.get(chunk_key(digest))
+        except ObjectNotFoundError:
+            continue
+        try:
+            store.put(f"{PREFIX}/chunks/{digest}", raw)
+        except ObjectExistsError:
+            pass
+        store.delete(chunk_key(digest))
+    store.delete(commit_key(step))
+    logger.info(  # the load warned of the skipped step already
+        "step %d (attempt %s) of %s quarantined (%d damaged chunk(s)): no longer listed nor "
+        "loaded; a new save of step %d commits as any save; kept under %s/ until "
+        "`ckptstore gc --remove-corrupt`",
+        step,
+        manifest.attempt,
+        store.uri,
+        len(chunks),
+        step,
+        PREFIX,
+    )
+    return True
+
+
+def quarantined(store) -> dict[str, int]:
+    """The quarantine's markers: key -> step (their attempts' objects are kept by gc)."""
+    out = {}
+    for key in store.list(PREFIX):
+        name = key.rsplit("/", 1)[-1]
+        head, _, tail = name.partition("-")
+        if name.endswith(".json") and head.isdigit() and is_attempt(tail[:-5]):
+            out[key] = int(head)
+    return out
+
+
+def quarantined_attempts(store) -> set[str]:
+    """The attempts of the quarantined steps (their rank indexes are kept for forensics)."""
+    attempts = set()
+    for key in quarantined(store):
+        try:
+            doc = _load(store.get(key), _KIND, store.url(key))
+        except CheckpointError:
+            continue
+        if is_attempt(doc.get("attempt")):
+            attempts.add(doc["attempt"])
+    return attempts
+
+
+def quarantine_objects(store) -> list[str]:
+    """Everything under the quarantine (``gc --remove-corrupt`` deletes it)."""
+    markers = quarantined(store)
+    return [k for k in store.list(PREFIX) if k in markers or is_digest(k.rsplit("/", 1)[-1])]

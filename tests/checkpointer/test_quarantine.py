@@ -1,0 +1,131 @@
+"""Quarantine (item 4 of issue 32): a step ``load(fallback=True)`` skipped as corrupt never
+blocks the job again: it is taken out of the listing (kept for forensics), the job saves that
+step number again, and a restart loads the new save."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ckptstore import Checkpointer, Store
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.cli import main
+from ckptstore.quarantine import PREFIX, quarantined
+from tests.helpers import ROOT
+from tests.helpers.integrity import verify_all
+
+BOUND_S = 60.0
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(4096, generator=g), "step": step}
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(4096), "step": -1}
+
+
+def _chunks(root: Path, step: int) -> set[str]:
+    store = Store(str(root))
+    return set(load_rank_index(store, load_manifest(store, step), 0).chunks)
+
+
+def _flip_a_chunk_of(root: Path, step: int) -> str:
+    """One byte flipped in a chunk only ``step`` references; its digest."""
+    digest = sorted(_chunks(root, step) - _chunks(root, step - 1))[0]
+    path = root / "chunks" / digest[:2] / digest
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return digest
+
+
+def _resume(root: Path, last: int) -> tuple[int, dict]:
+    """The README's loop: resume from the newest step that loads, train and save up to
+    ``last``; returns the step it resumed from and the state it ends with."""
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        start = ckpt.load(state, fallback=True) if ckpt.latest() is not None else 0
+        for step in range(start + 1, last + 1):
+            state = _state(step)  # the same bytes as the first run: a deterministic job
+            ckpt.save(step, state).wait(timeout_s=BOUND_S)
+    return start, state
+
+
+def test_a_corrupt_newest_step_is_quarantined_and_saved_again(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    digest = _flip_a_chunk_of(root, 3)
+    assert _resume(root, 3)[0] == 2  # skipped 3, saved it again: no StepExistsError
+    assert _resume(root, 4)[0] == 3  # the new step 3 loads
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state, 3) == 3 and torch.equal(state["w"], _state(3)["w"])
+    store = Store(str(root))
+    assert list(quarantined(store).values()) == [3]
+    assert (root / PREFIX / "chunks" / digest).is_file()  # the damaged bytes, for forensics
+    assert verify_all(str(root)) == [1, 2, 3, 4]
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert list_steps(store) == [4] and list(quarantined(store).values()) == [3]
+    assert main(["gc", str(root), "--keep-last", "1", "--remove-corrupt"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted quarantined step(s) 3 (--remove-corrupt)" in out, out
+    assert not quarantined(store) and not (root / PREFIX / "chunks" / digest).exists()
+    assert verify_all(str(root)) == [4]
+
+
+def test_gc_keep_last_counts_no_quarantined_step(tmp_path):
+    """``gc --keep-last 1`` after the corrupt newest step was skipped keeps the step that
+    loads, never the corrupt one."""
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    _flip_a_chunk_of(root, 3)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 2
+        assert ckpt.steps() == [1, 2] and ckpt.latest() == 2
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert list_steps(Store(str(root))) == [2]
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state, fallback=True) == 2 and torch.equal(state["w"], _state(2)["w"])
+
+
+def test_gc_remove_corrupt_dry_run_says_one_thing(tmp_path):
+    """The dry run printed "would delete" on stdout and "it is kept" on stderr."""
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    manifest = next((root / "commits").glob("*3.json"))
+    manifest.chmod(0o644)
+    manifest.write_bytes(b"{" + manifest.read_bytes()[1:-5])
+    argv = ["gc", str(root), "--keep-last", "1", "--remove-corrupt", "--dry-run"]
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptstore.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "unreadable step 3: would delete (--remove-corrupt)" in done.stdout, done.stdout
+    assert "kept" not in done.stderr, done.stderr
+    assert list_steps(Store(str(root))) == [1, 2, 3]  # a dry run
+
+
+def test_gc_verify_counts_no_step_with_a_damaged_chunk_and_removes_it(tmp_path, capsys):
+    """``verify``-found chunk damage, never loaded: ``gc --keep-last 1 --verify`` keeps the
+    step that loads, not the damaged newest one; with ``--remove-corrupt`` it removes it."""
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    _flip_a_chunk_of(root, 3)
+    assert main(["gc", str(root), "--keep-last", "1", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "kept steps: 2" in out and "unreadable step 3: kept, not counted" in out, out
+    assert list_steps(Store(str(root))) == [2, 3]
+    assert main(["gc", str(root), "--keep-last", "1", "--verify", "--remove-corrupt"]) == 0
+    assert list_steps(Store(str(root))) == [2]
+    assert verify_all(str(root)) == [2]

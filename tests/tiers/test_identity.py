@@ -1,0 +1,34 @@
+"""A durable store's identity is written once, whoever races to make it, on every backend."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from ckptstore.errors import CheckpointCorruptError
+from ckptstore.store import Store
+from ckptstore.tiers.identity import IDENTITY_KEY, ensure_identity, read_identity
+
+BOUND_S = 60.0
+
+
+def test_identity_is_made_once_by_racing_writers(store_uri):
+    assert read_identity(Store(store_uri)) is None
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        made = [
+            f.result(BOUND_S)
+            for f in [pool.submit(ensure_identity, Store(store_uri)) for _ in range(6)]
+        ]
+    assert len({m.id for m in made}) == 1 and not made[0].adopted
+    assert read_identity(Store(store_uri)) == made[0]
+
+
+def test_a_damaged_identity_is_refused_by_name(tmp_path):
+    store = Store(str(tmp_path))
+    ensure_identity(store)
+    path = tmp_path / IDENTITY_KEY
+    path.chmod(0o644)
+    path.write_bytes(path.read_bytes().replace(b'"adopted":false', b'"adopted":true '))
+    with pytest.raises(CheckpointCorruptError, match="identity.json"):
+        read_identity(store)
