@@ -245,7 +245,8 @@ def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_p
     assert chunks_after < chunks_before, "step 4's own chunks are swept"
     io.close()
 
-    Checkpointer(uri).verify("all")
+    with Checkpointer(uri) as check:
+        check.verify("all")
     reopened = CkptstoreCheckpointIO(uri)
     for step, checkpoint in kept.items():
         _assert_identical(reopened.load_checkpoint(f"{uri}/epoch=0-step={step}.ckpt"), checkpoint)
@@ -329,7 +330,8 @@ def test_kill_9_mid_fit_leaves_only_complete_steps(tmp_path):
 
     steps = list_steps(store)
     assert steps and all(s % 2 == 0 for s in steps)
-    Checkpointer(uri).verify("all")
+    with Checkpointer(uri) as check:
+        check.verify("all")
     io = CkptstoreCheckpointIO(uri)
     for step in steps:
         assert io.load_checkpoint(step)["global_step"] == step
