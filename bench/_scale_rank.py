@@ -49,13 +49,16 @@ class RankPlan:
     saves: int
     encode_threads: int = 2
     max_concurrency: int = 4
+    replicas: int = 1
+    """Consecutive ranks holding the same state (data-parallel replicas)."""
     timeout_s: float = 300.0
     """Deadline of one storage request: generous, as a thousand thread ranks share one
     interpreter and a request may wait long for its thread to run."""
 
 
 def rank_state(rank: int, step: int, nbytes: int) -> dict[str, torch.Tensor]:
-    """Fresh bytes for each rank and step: every chunk of every save is new."""
+    """Fresh bytes for each ``rank`` (a replica group's, with replicas) and step: every chunk
+    of every save is new."""
     generator = torch.Generator().manual_seed(step * 1_000_003 + rank)
     return {"w": torch.rand(max(1, nbytes // 4), generator=generator)}
 
@@ -64,6 +67,12 @@ def requests_of(ckpt: Checkpointer) -> dict[str, int]:
     """The requests its store sent so far, by operation (every outcome)."""
     counted = ckpt.store.counters.snapshot()["requests"]
     return {op: sum(outcomes.values()) for op, outcomes in counted.items()}
+
+
+def puts_of(ckpt: Checkpointer) -> tuple[int, int]:
+    """Bytes its puts sent so far (every attempt), and the puts answered "exists"."""
+    counted = ckpt.store.counters.snapshot()
+    return counted["sent"].get("put", 0), counted["requests"].get("put", {}).get("exists", 0)
 
 
 def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -86,20 +95,23 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
     saves = []
     try:
         for step in range(1, plan.saves + 1):
-            state = rank_state(rank, step, plan.state_bytes)
+            state = rank_state(rank // plan.replicas, step, plan.state_bytes)
             barrier()
-            before = requests_of(ckpt)
+            before, puts_before = requests_of(ckpt), puts_of(ckpt)
             if probe is not None:
                 probe.reset()
             start = time.perf_counter()
             ckpt.save(step, state).wait()
             end = time.perf_counter()
+            sent, exists = (a - b for a, b in zip(puts_of(ckpt), puts_before))
             saves.append(
                 {
                     "step": step,
                     "start": start,
                     "end": end,
                     "requests": _minus(requests_of(ckpt), before),
+                    "sent_put_bytes": sent,
+                    "put_exists": exists,
                     "peak_rss_bytes": probe.peak() if probe is not None else None,
                 }
             )

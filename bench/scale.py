@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -39,6 +39,8 @@ from ckptstore.store import Store
 MAX_PROCESSES = 16
 """Most ranks run as processes (each imports torch: ~0.3 GB); more need --threads."""
 HEAD_OPS = ("size", "exists", "modified")
+Received = Callable[[], dict[str, int]]
+"""What the bench's own S3 server received so far: ``puts``, ``put_bytes``, ``chunk_put_bytes``."""
 """Store operations that are HEAD requests on S3."""
 BUCKET = "ckptbench-scale"
 
@@ -80,6 +82,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--state-bytes", default="256KiB", help="state of each rank (default 256KiB)")
     p.add_argument("--chunk-bytes", default="64KiB", help="chunk size (default 64KiB)")
     p.add_argument("--saves", type=int, default=3, help="saves per rank count (default 3)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="each state is held alike by R consecutive ranks, as data-parallel replicas "
+        "(default 1: every rank's state is its own); the bytes sent per distinct byte show "
+        "how often a replicated chunk crosses the wire",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
     return p
@@ -109,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     if args.saves < 1:
         raise ValueError(f"bad --saves {args.saves}: must be at least 1")
     options = dict(args.storage_options) or None
-    with _store_uri(args.uri) as (uri, store_kind):
+    if args.replicas < 1:
+        raise ValueError(f"bad --replicas {args.replicas}: must be at least 1")
+    with _store_uri(args.uri) as (uri, store_kind, received):
         result = scale(
             counts,
             uri=uri,
@@ -118,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
             state_bytes=state_bytes,
             chunk_bytes=chunk_bytes,
             saves=args.saves,
+            replicas=args.replicas,
+            received=received,
         )
     result["store"] = store_kind
     if args.json:
@@ -136,8 +151,12 @@ def scale(
     state_bytes: int,
     chunk_bytes: int,
     saves: int,
+    replicas: int = 1,
+    received: Received | None = None,
 ) -> dict[str, Any]:
-    """Every rank count in ``counts`` run against a fresh directory under ``uri``."""
+    """Every rank count in ``counts`` run against a fresh directory under ``uri``; each state
+    held alike by ``replicas`` consecutive ranks. ``received``: what the store's server
+    received so far (counted before and after each rank count)."""
     runs = []
     with Workspace(uri, command="scale") as ws:
         for n in counts:
@@ -147,9 +166,19 @@ def scale(
                 state_bytes=state_bytes,
                 chunk_bytes=chunk_bytes,
                 saves=saves,
+                replicas=replicas,
             )
+            before = received() if received is not None else None
             reports = _run_threads(plan, n) if threads else _run_processes(plan, n)
-            runs.append(summarize(plan, reports))
+            run = summarize(plan, reports)
+            if received is not None and before is not None:
+                after = received()
+                got = {k: after[k] - before[k] for k in after}
+                run["server_received"] = got
+                run["server_put_bytes_per_distinct_byte"] = got["put_bytes"] / (
+                    run["distinct_bytes_per_save"] * saves
+                )
+            runs.append(run)
     nbytes = state_bytes // 4 * 4
     return {
         "bench": "scale",
@@ -159,6 +188,7 @@ def scale(
         "chunk_bytes": chunk_bytes,
         "chunks_per_rank": math.ceil(nbytes / chunk_bytes),
         "saves": saves,
+        "replicas": replicas,
         "host": host_info(),
         "runs": runs,
         "growth": {
@@ -229,6 +259,8 @@ def summarize(plan: RankPlan, reports: list[dict[str, Any]]) -> dict[str, Any]:
                 "phases_s": phases,
                 "manifest_bytes": admin.size(commit_key(step)) if step in committed else None,
                 "requests": sum_requests(r["saves"][i]["requests"] for r in reports),
+                "put_exists": sum(r["saves"][i]["put_exists"] for r in reports),
+                "sent_put_bytes": sum(r["saves"][i]["sent_put_bytes"] for r in reports),
                 "peak_rss_bytes": save["peak_rss_bytes"],
             }
         )
@@ -236,9 +268,13 @@ def summarize(plan: RankPlan, reports: list[dict[str, Any]]) -> dict[str, Any]:
     last = saves[-1]["requests"]
     restore = [r["restore"] for r in reports]
     restore_requests = sum_requests(r["requests"] for r in restore)
+    distinct = math.ceil(n / plan.replicas) * (plan.state_bytes // 4 * 4)
     return {
         "ranks": n,
         "saves": saves,
+        "distinct_bytes_per_save": distinct,
+        "sent_per_distinct_byte": statistics.median(s["sent_put_bytes"] / distinct for s in saves),
+        "put_exists_per_save": statistics.median(s["put_exists"] for s in saves),
         "coordinator_s": statistics.median(s["coordinator_s"] for s in steady),
         "save_requests": last,
         "save_requests_per_rank": sum(last.values()) / n,
@@ -292,25 +328,46 @@ def growth_exponent(ranks: list[int], values: list[float]) -> float | None:
 
 # -- the store under test -----------------------------------------------------------------------
 
-_MOTO = (
-    "import sys\n"
-    "from moto.server import ThreadedMotoServer\n"
-    "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
-    "server.start()\n"
-    "print(server.get_host_and_port()[1], flush=True)\n"
-    "sys.stdin.read()\n"
-    "server.stop()\n"
+_MOTO = """
+import json, sys, threading
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication, MotoRequestHandler, create_backend_app,
 )
+from werkzeug.serving import make_server
+
+app = DomainDispatcherApplication(create_backend_app)
+received = {"put_bytes": 0, "chunk_put_bytes": 0, "puts": 0}
+lock = threading.Lock()
+
+def counted(environ, start_response):
+    if environ["REQUEST_METHOD"] == "PUT":
+        body = int(environ.get("CONTENT_LENGTH") or 0)
+        with lock:
+            received["puts"] += 1
+            received["put_bytes"] += body
+            if "/chunks/" in environ.get("PATH_INFO", ""):
+                received["chunk_put_bytes"] += body
+    return app(environ, start_response)
+
+server = make_server("127.0.0.1", 0, counted, True, request_handler=MotoRequestHandler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print(server.server_address[1], flush=True)
+for line in sys.stdin:
+    with lock:
+        print(json.dumps(received), flush=True)
+server.shutdown()
+"""
 _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
 @contextlib.contextmanager
-def _store_uri(uri: str | None) -> Iterator[tuple[str, str]]:
+def _store_uri(uri: str | None) -> Iterator[tuple[str, str, Received | None]]:
     """``uri`` as given, or a bucket on a moto S3 server of our own, in a process of its own
     (so the ranks' threads do not slow it down); its endpoint is in the environment the ranks
-    inherit while this is open."""
+    inherit while this is open. With the server comes what it received so far (PUT requests
+    and their bodies, counted in front of moto's app), else None."""
     if uri is not None:
-        yield uri, "s3" if uri.startswith("s3://") else "local"
+        yield uri, "s3" if uri.startswith("s3://") else "local", None
         return
     server = subprocess.Popen(
         [sys.executable, "-c", _MOTO],
@@ -336,7 +393,13 @@ def _store_uri(uri: str | None) -> Iterator[tuple[str, str]]:
         import fsspec
 
         fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
-        yield f"s3://{BUCKET}", "moto"
+
+        def received() -> dict[str, int]:
+            server.stdin.write("count\n")
+            server.stdin.flush()
+            return json.loads(server.stdout.readline())
+
+        yield f"s3://{BUCKET}", "moto", received
     finally:
         for key, value in saved.items():
             if value is None:
@@ -409,6 +472,21 @@ def print_tables(result: dict[str, Any], out: Any = None) -> None:
         rows,
         out=out,
     )  # fmt: skip
+    rows = []
+    for r in result["runs"]:
+        server = r.get("server_put_bytes_per_distinct_byte")
+        rows.append(
+            [r["ranks"], format_bytes(r["distinct_bytes_per_save"]),
+             f"{r['sent_per_distinct_byte']:.2f}", "-" if server is None else f"{server:.2f}",
+             r["put_exists_per_save"]]
+        )  # fmt: skip
+    print(
+        f"\nbytes put per distinct byte stored (each state held by {result['replicas']} "
+        "rank(s)): sent by the ranks' stores (every attempt; median of saves), received by "
+        "the S3 server (all saves); puts answered 'exists' per save",
+        file=out,
+    )
+    table(["ranks", "distinct/save", "sent", "received", "exists"], rows, out=out)
     g = result["growth"]
     print(
         "\ngrowth with ranks (least squares on logs): coordinator time ~ ranks^"

@@ -342,9 +342,10 @@ def write_chunks(
     hedged: bool = False,
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo] | None = None,
+    spans: list[ChunkSpan] | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
-    """Put every chunk of ``layout`` (slices of ``buffer``); their digests, in layout order.
-    ``known``: see :func:`put_chunk`."""
+    """Put every chunk of ``layout`` (slices of ``buffer``), or only ``spans`` of it; their
+    digests, in layout order. ``known``: see :func:`put_chunk`."""
 
     def put(span: ChunkSpan) -> tuple[str, ChunkInfo]:
         result = put_chunk(
@@ -367,7 +368,12 @@ def write_chunks(
         # drain: a failed save's other puts end before its error is raised (nothing of it is
         # still writing, a full disk's temporaries included, when wait() raises).
         results = list(
-            store.map(put, layout.chunks, max_concurrency=cfg.encode_threads, drain=True)
+            store.map(
+                put,
+                layout.chunks if spans is None else spans,
+                max_concurrency=cfg.encode_threads,
+                drain=True,
+            )
         )
     finally:
         release_free_memory()

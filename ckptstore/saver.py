@@ -293,7 +293,7 @@ class SaveWorker:
                 raise latest
             session.learn(self.rank, latest)
             entries, chunks = session.write(
-                staged.buffer, staged.layout, job.tensors, health=staged.health
+                staged.buffer, staged.layout, job.tensors, health=staged.health, group=self._group
             )
         finally:
             self._release(job)

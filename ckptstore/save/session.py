@@ -72,6 +72,7 @@ from ckptstore.leases import SAVE, Lease, wait_for_gc
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
 from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
+from ckptstore.save.once import write_chunks_once
 from ckptstore.store import Store
 from ckptstore.tree import tensor_paths
 
@@ -223,11 +224,14 @@ class SaveSession:
         tensors: list[Any],
         *,
         health: list | None = None,
+        group: Any = None,
     ) -> tuple[list[TensorEntry], dict[str, ChunkInfo]]:
         """Put the chunks of ``layout`` (slices of ``buffer``, whose copy is done); the entries
         of ``tensors`` (laid out at ``layout.offsets``) and the chunks written or found, each
         floating tensor's health scanned from ``buffer`` (``health``: already scanned where
-        the state was staged on a device)."""
+        the state was staged on a device). ``group``: the ranks saving together (every rank
+        calling, each having learnt): a chunk several of them hold is put by one of them
+        (``pipeline.write_chunks_once``)."""
         engine = self.engine
         scanning = None
         with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-health") as scanner:
@@ -235,15 +239,16 @@ class SaveSession:
                 # Beside the chunks' hashing, encoding and puts: the scan fills the time they
                 # wait on storage (and is waited for before the buffer can go back).
                 scanning = scanner.submit(health_scan, _views(buffer, layout.offsets, tensors))
-            digests, chunks = write_chunks(
-                self.store,
-                buffer.numpy(),
-                layout,
-                engine.config,
-                hedged=engine.hedge_uploads,
-                governor=engine.governor,
-                known=self.known,
-            )
+            args = (self.store, buffer.numpy(), layout, engine.config)
+            options = {
+                "hedged": engine.hedge_uploads,
+                "governor": engine.governor,
+                "known": self.known,
+            }
+            if group is not None and group.active and self.known is not None:
+                digests, chunks = write_chunks_once(*args, group, **options)
+            else:
+                digests, chunks = write_chunks(*args, **options)
             if scanning is not None:
                 health = scanning.result()
         entries = tensor_entries(tensors, layout, digests)

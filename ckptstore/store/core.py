@@ -188,6 +188,8 @@ class Store:
             if made:
                 self.counters.retry(op)
             made += 1
+            if op == "put":
+                self.counters.sent(op, request.nbytes)
             if in_thread:
                 try:
                     return fn(*args)

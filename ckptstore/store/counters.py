@@ -2,7 +2,7 @@
 
 Shaped like the Prometheus metrics they are read into (``ckptstore_storage_requests_total{op,
 outcome}``, ``ckptstore_storage_retries_total{op}``, ``ckptstore_storage_hedges_total{op,result}``,
-``ckptstore_storage_bytes_total{op}``): each count is keyed by the metric and its label values.
+``ckptstore_storage_bytes_total{op}``, ``ckptstore_storage_sent_bytes_total{op}``): each count is keyed by the metric and its label values.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ _SERIES = {
     "retries": telemetry.storage_retries_total,
     "hedges": telemetry.storage_hedges_total,
     "bytes": telemetry.storage_bytes_total,
+    "sent": telemetry.storage_sent_bytes_total,
 }
 
 
@@ -48,6 +49,11 @@ class StoreCounters:
             counted["bytes", op] = nbytes
         self._counts.add_many(counted)
 
+    def sent(self, op: str, nbytes: int) -> None:
+        """An attempt of ``op`` sent ``nbytes`` (whether it answered, failed or timed out)."""
+        if nbytes:
+            self._counts.add(("sent", op), nbytes)
+
     def retry(self, op: str) -> None:
         """An attempt of ``op`` failed transiently or timed out (another may follow)."""
         self._counts.add(("retries", op))
@@ -61,7 +67,7 @@ class StoreCounters:
         """The counts as plain nested dicts::
 
         {"requests": {op: {outcome: n}}, "retries": {op: n},
-         "hedges": {op: {"fired": n, "won": n}}, "bytes": {op: n}}
+         "hedges": {op: {"fired": n, "won": n}}, "bytes": {op: n}, "sent": {op: n}}
         """
         out: dict[str, dict] = {what: {} for what in _SERIES}
         for (what, op, *label), n in sorted(self._counts.snapshot().items()):  # type: ignore[misc]

@@ -84,6 +84,14 @@ storage_bytes_total = METRICS.add(
         ["op"],
     )
 )
+storage_sent_bytes_total = METRICS.add(
+    Counter(
+        "ckptstore_storage_sent_bytes_total",
+        "Bytes sent by storage requests, by operation: every attempt (retries and hedges too), "
+        "answered or not.",
+        ["op"],
+    )
+)
 storage_retries_total = METRICS.add(
     Counter("ckptstore_storage_retries_total", "Storage request retries by operation.", ["op"])
 )

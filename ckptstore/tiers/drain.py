@@ -30,6 +30,7 @@ from ckptstore.format import ChunkInfo, chunk_key
 from ckptstore.leases import SAVE, Lease
 from ckptstore.pipeline import release_free_memory
 from ckptstore.save.collective import save_collective
+from ckptstore.save.once import gather_stored, share_out
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import Store, set_thread_nice
 from ckptstore.tiers.group import RankGroup
@@ -49,19 +50,25 @@ class Drained:
     dcp_metadata: bytes | None
 
 
-def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> Drained:
+def drain_rank(session: SaveSession, local: LocalTier, rank: int, group: Any = None) -> Drained:
     """Copy ``rank``'s local copy of ``session``'s step and attempt into ``session``'s store,
-    and put its index there."""
+    and put its index there. ``group``: the ranks draining together (every one calling): a
+    chunk several of them hold is copied by one of them (``save.once``)."""
     store = local.store(rank)
     step, attempt = session.step, session.attempt
-    lease = Lease(
-        store,
-        SAVE,
-        f"{step:020d}-{attempt}-drain",
-        ttl_s=local.engine.lease_ttl_s,
-        info={"step": step, "attempt": attempt, "drain": True},
-    ).acquire()
+    known = session.known if session.known is not None else {}
+    together = group is not None and group.active
+    lease = None
+    error: BaseException | None = None
+    held: list[tuple[str, int]] = []
     try:
+        lease = Lease(
+            store,
+            SAVE,
+            f"{step:020d}-{attempt}-drain",
+            ttl_s=local.engine.lease_ttl_s,
+            info={"step": step, "attempt": attempt, "drain": True},
+        ).acquire()
         manifest = load_manifest(store, step)
         if manifest.attempt != attempt or not local.belongs(manifest, rank):
             raise CheckpointError(
@@ -69,7 +76,15 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> Drained:
                 f"to drain ({attempt})"
             )
         index = read_rank_index(store, manifest.ranks[0])
-        known = session.known if session.known is not None else {}
+        held = sorted((digest, info.raw) for digest, info in index.chunks.items())
+    except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
+        if not together:
+            if lease is not None:
+                lease.release()
+            raise
+        error = exc
+    try:
+        mine = share_out(group, held, known, error) if together else None
         durable = session.store
 
         def copy(item: tuple[str, ChunkInfo]) -> tuple[str, ChunkInfo]:
@@ -93,25 +108,37 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int) -> Drained:
                 return digest, ChunkInfo(info.raw, durable.size(key))
             return digest, info
 
+        ours = [(d, c) for d, c in sorted(index.chunks.items()) if mine is None or d in mine]
+        written: dict[str, ChunkInfo] = {}
         try:
-            chunks = dict(
+            written = dict(
                 durable.map(
                     copy,
-                    sorted(index.chunks.items()),
+                    ours,
                     max_concurrency=session.engine.config.encode_threads,
                     drain=True,
                 )
             )
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
+            if not together:
+                raise
+            error = exc
         finally:
             release_free_memory()
-        written = session.put_index(rank, index.tensors, chunks, tree=index.tree, items=index.items)
+        if together:
+            gather_stored(group, written, known, error)
+        chunks = {d: written[d] if d in written else known[d] for d in index.chunks}
+        written_ref = session.put_index(
+            rank, index.tensors, chunks, tree=index.tree, items=index.items
+        )
         user = {k: v for k, v in manifest.user.items() if k != TIER_KEY}
         metadata = None
         if manifest.dcp_metadata is not None:
             metadata = read_object(store, manifest.dcp_metadata, "DCP metadata")
-        return Drained(written, user, metadata)
+        return Drained(written_ref, user, metadata)
     finally:
-        lease.release()
+        if lease is not None:
+            lease.release()
 
 
 @dataclass
@@ -268,7 +295,7 @@ class DrainQueue:
             if isinstance(latest, BaseException):
                 raise latest
             session.learn(self.group.rank, latest)
-            drained.append(drain_rank(session, self.local, self.group.rank))
+            drained.append(drain_rank(session, self.local, self.group.rank, self.group))
             return drained[0].written
 
         save_collective(

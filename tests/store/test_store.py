@@ -326,7 +326,7 @@ def test_the_backend_class_follows_the_url_scheme(tmp_path, s3_uri):
     assert not FsspecBackend.enforces_create and LocalBackend.is_local
 
 
-def test_counters_count_requests_by_outcome_retries_and_bytes():
+def test_counters_count_requests_by_outcome_retries_and_bytes_answered_and_sent():
     store = Store("memory://counters")
     store.put("a", b"12345")
     assert store.get("a") == b"12345"
@@ -345,9 +345,11 @@ def test_counters_count_requests_by_outcome_retries_and_bytes():
         "retries": {},
         "hedges": {},
         "bytes": {"get": 5, "put": 5},
+        "sent": {"put": 6},  # the refused put's byte was sent too
     }
     assert faulty.counters.snapshot()["requests"] == {"put": {"transient": 1}}
     assert faulty.counters.snapshot()["retries"] == {"put": 2}
+    assert faulty.counters.snapshot()["sent"] == {"put": 3}  # every attempt sends its body
     assert faulty.counters.errors() == {"put": {"transient": 1}}
 
 

@@ -747,3 +747,66 @@ def test_a_lost_rank_ends_every_ranks_save_and_close_within_the_bound(kind, how,
 
     # What was committed before the loss stays whole: every chunk of step 1 re-hashed.
     assert main(["verify", str(root), "--step", "1"]) == 0
+
+
+# -- one writer per distinct chunk (issue 36) ----------------------------------------------------
+
+
+def _replicated(step: int, rank: int) -> dict[str, Any]:
+    """What a data-parallel rank saves: a model every rank holds alike (four chunks), and a
+    tensor of its own (one)."""
+    g = torch.Generator().manual_seed(step)
+    own = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        "w": torch.randn(CHUNK, generator=g),
+        f"o{rank}": torch.randn(CHUNK // 4, generator=own),
+    }
+
+
+def _write_once(rank: int, world: int, kind: str, root: str, out: str, tiered: bool) -> None:
+    from tests.helpers.counting import CountingBackend, Tally
+
+    tally = Tally()
+    store = Store(root)
+    store.backend = CountingBackend(store.backend, tally)
+    tiers = TierOptions()
+    if tiered:  # 2 nodes; each step drained to durable storage from the local copies
+        node = rank // 2
+        tiers = TierOptions(local_dir=Path(out) / f"node-{node}", node_rank=node, durable_every=1)
+    front = FRONTS[kind](Path(root), tiers, StorageOptions(store=store))
+    front.no_dist = False
+    puts = []
+    for step in (1, 2):  # the second save changes the state: nothing of it is known stored
+        tally.clear()
+        front.save(step, _replicated(step, rank))
+        front.wait_durable()
+        puts.append(tally.chunks["put"])
+    exists = store.counters.snapshot()["requests"].get("put", {}).get("exists", 0)
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({"puts": puts, "exists": exists}))
+    front.close()
+    torch.distributed.barrier()
+    target = {k: torch.zeros_like(v) for k, v in _replicated(2, rank).items()}
+    if kind == "dcp":  # a load without tiers reports no tier
+        dcp.load(target, storage_reader=StoreReader(root))
+    else:
+        assert front.restart().load(target)[0] == 2
+    assert _same(target, _replicated(2, rank)), rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tiered", [False, True], ids=["durable", "drained"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_chunk_every_rank_holds_is_put_once(kind, tiered, tmp_path):
+    """Four data-parallel ranks save the same model and a tensor each, straight to durable
+    storage or drained there from local copies: every distinct chunk is put by one rank (no
+    rank's put answered "exists"), and every rank loads its state back. The ranks agree on a
+    writer per chunk (``save.once``); DCP's planner already writes a replicated item once."""
+    root, out = tmp_path / "durable", tmp_path / "counts"
+    out.mkdir()
+    run_ranks(_write_once, 4, kind, str(root), str(out), tiered, timeout_s=240)
+    counts = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    assert sum(c["exists"] for c in counts) == 0, counts
+    distinct = 4 + 4  # the model's four chunks, one chunk of each rank's own tensor
+    for save in (0, 1):
+        assert sum(c["puts"][save] for c in counts) == distinct, counts
+    assert len(list((root / "chunks").rglob("*"))) >= 2 * distinct

@@ -1,0 +1,150 @@
+"""One writer per distinct chunk: ranks that hold the same bytes (data-parallel replicas) agree,
+before any is encoded, on which of them puts each chunk; the others reference it without a
+request. Used by a Checkpointer's save to durable storage (``write_chunks_once``) and by the
+drains of local copies into it, for both front-ends (``tiers.drain``). Why it is safe:
+docs/FORMAT.md, "One writer per distinct chunk".
+
+Every rank calls each exchange, with its error if it failed before it: a rank that fails fails
+the save on every rank, before any index names a chunk it was to write.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ckptstore.codec import hash_bytes
+from ckptstore.errors import CheckpointError
+from ckptstore.format import ChunkInfo
+from ckptstore.pipeline import (
+    ChunkLayout,
+    ChunkSpan,
+    CompressionGovernor,
+    PipelineConfig,
+    write_chunks,
+)
+from ckptstore.store import Store
+
+
+def assign_writers(holdings: list[list[tuple[str, int]]]) -> dict[str, int]:
+    """Which rank writes each distinct chunk: ``holdings[r]`` is rank r's ``(digest, raw
+    size)`` of chunks no rank knows stored. Each chunk goes to one of its holders, the one with
+    the fewest bytes assigned so far (ties turn with the digest), in digest order: the same
+    holdings give the same answer on every rank and after a restart."""
+    holders: dict[str, list[int]] = defaultdict(list)
+    sizes: dict[str, int] = {}
+    for rank, held in enumerate(holdings):
+        for digest, raw in held:
+            if not holders[digest] or holders[digest][-1] != rank:
+                holders[digest].append(rank)
+            sizes[digest] = raw
+    assigned = [0] * len(holdings)
+    writer: dict[str, int] = {}
+    for digest in sorted(holders):
+        ranks = holders[digest]
+        turn = int(digest[:8], 16) % len(ranks)
+        rank = min(ranks, key=lambda r: (assigned[r], (ranks.index(r) - turn) % len(ranks)))
+        writer[digest] = rank
+        assigned[rank] += sizes[digest]
+    return writer
+
+
+def share_out(
+    group: Any,
+    held: Iterable[tuple[str, int]],
+    known: dict[str, ChunkInfo],
+    error: BaseException | None = None,
+) -> set[str]:
+    """The chunks of ``held`` (digest, raw size) this rank is to put: ranks exchange what they
+    hold (with the stored size of those they know stored, which then every rank knows) and
+    agree on one writer per other distinct chunk. ``known`` grows by the chunks other ranks
+    know. ``error``: this rank failed before; it is raised here, every rank having heard it."""
+    mine = {
+        digest: (raw, known[digest].stored if digest in known else None) for digest, raw in held
+    }
+    heard = group.agree(error, sorted(mine.items()))
+    _raise(heard, error, "preparing its chunks")
+    for payload in heard.payloads:
+        known.update(
+            {d: ChunkInfo(raw, stored) for d, (raw, stored) in payload if stored is not None}
+        )
+    writers = assign_writers(
+        [[(d, raw) for d, (raw, _) in payload if d not in known] for payload in heard.payloads]
+    )
+    return {digest for digest, rank in writers.items() if rank == group.rank}
+
+
+def gather_stored(
+    group: Any,
+    written: dict[str, ChunkInfo],
+    known: dict[str, ChunkInfo],
+    error: BaseException | None = None,
+) -> None:
+    """Every rank's ``written`` chunks into ``known`` (each index records each chunk's stored
+    size as its writer stored it); ``error``: as for :func:`share_out`."""
+    heard = group.agree(error, {d: (c.raw, c.stored) for d, c in written.items()})
+    _raise(heard, error, "writing its chunks")
+    for payload in heard.payloads:
+        known.update({d: ChunkInfo(raw, stored) for d, (raw, stored) in payload.items()})
+
+
+def _raise(heard: Any, mine: BaseException | None, doing: str) -> None:
+    """This rank's own error as it is; else the first other rank's, named."""
+    if mine is not None:
+        raise mine
+    if heard.failures:
+        rank, message, _ = heard.failures[0]
+        raise CheckpointError(f"rank {rank} failed {doing}: {message}")
+
+
+def write_chunks_once(
+    store: Store,
+    buffer: np.ndarray,
+    layout: ChunkLayout,
+    cfg: PipelineConfig,
+    group: Any,
+    *,
+    hedged: bool = False,
+    governor: CompressionGovernor | None = None,
+    known: dict[str, ChunkInfo],
+) -> tuple[list[str], dict[str, ChunkInfo]]:
+    """``pipeline.write_chunks`` over the ranks of ``group`` (a ``tiers.group.RankGroup``,
+    every rank calling): each rank hashes its chunks (xxh3 runs at memory speed: cheaper than
+    an exchange of data), the ranks agree on one writer per distinct chunk (:func:`share_out`),
+    each encodes and puts its share, and every rank learns what the writers stored
+    (:func:`gather_stored`). ``known`` (``SaveSession.learn``) grows by every chunk of the
+    save."""
+    chunks = layout.chunks
+
+    def digest_of(span: ChunkSpan) -> str:
+        return hash_bytes(buffer[span.start : span.end])
+
+    error: BaseException | None = None
+    digests: list[str] = []
+    try:
+        digests = list(store.map(digest_of, chunks, max_concurrency=cfg.encode_threads))
+    except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
+        error = exc
+    held = [(d, span.end - span.start) for d, span in zip(digests, chunks)]
+    mine = share_out(group, held, known, error)
+    spans = {d: span for d, span in zip(digests, chunks) if d in mine}
+
+    written: dict[str, ChunkInfo] = {}
+    try:
+        _, written = write_chunks(
+            store,
+            buffer,
+            layout,
+            cfg,
+            hedged=hedged,
+            governor=governor,
+            known=known,
+            spans=list(spans.values()),
+        )
+    except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
+        error = exc
+    gather_stored(group, written, known, error)
+    return digests, {d: known[d] for d in digests}

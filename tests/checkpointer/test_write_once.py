@@ -1,0 +1,145 @@
+"""One writer per distinct chunk (issue 36): ranks that hold the same chunk agree on which one
+puts it. The agreement rule alone, then what a writer that fails or dies leaves behind. The
+conformance suite (tests/tiers/test_tier_conformance.py) counts the puts of both front-ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions
+from ckptstore.catalog import list_steps
+from ckptstore.errors import CheckpointError, StorageError
+from ckptstore.save.once import assign_writers
+from ckptstore.store import Store
+from tests.helpers.dist import run_ranks, run_ranks_losing
+
+CHUNK = 64 * 1024
+ENCODING = EncodingOptions(chunk_bytes=CHUNK, compression="none")
+BOUND_S = 60.0
+
+
+def _digest(i: int) -> str:
+    return f"{i:032x}"
+
+
+def test_each_chunk_gets_one_of_its_holders_and_replicas_share_the_work_by_bytes():
+    replicated = [(_digest(i), 100) for i in range(8)]
+    holdings = [list(replicated) for _ in range(4)]
+    holdings[2].append((_digest(99), 40))  # a chunk of rank 2's own
+    writer = assign_writers(holdings)
+    assert set(writer) == {_digest(i) for i in range(8)} | {_digest(99)}
+    assert writer[_digest(99)] == 2
+    assigned = [
+        sum(100 for d, r in writer.items() if r == rank and d != _digest(99)) for rank in range(4)
+    ]
+    assert assigned == [200, 200, 200, 200]
+
+
+def test_the_same_holdings_in_any_order_give_the_same_writers():
+    holdings = [[(_digest(i), 10 * (i + 1)) for i in range(rank, 12)] for rank in range(3)]
+    shuffled = [list(reversed(held)) for held in holdings]
+    assert assign_writers(holdings) == assign_writers(shuffled)
+    for digest, rank in assign_writers(holdings).items():
+        assert (digest, int(digest, 16) * 10 + 10) in holdings[rank]
+
+
+def test_a_chunk_a_rank_holds_twice_is_still_written_once_by_it():
+    holdings = [[(_digest(1), 5), (_digest(1), 5)], []]
+    assert assign_writers(holdings) == {_digest(1): 0}
+
+
+def _replicated(step: int, rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    own = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.randn(CHUNK, generator=g), "own": torch.randn(CHUNK // 4, generator=own)}
+
+
+class _FailingChunkPuts:
+    """A store backend whose chunk puts fail while ``failing`` (a disk gone bad on one rank)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.failing = True
+
+    def put_once(self, path: str, data: Any) -> None:
+        if self.failing and "/chunks/" in f"/{path}":
+            raise PermissionError(13, "Permission denied", path)
+        return self._inner.put_once(path, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _failing_writer(rank: int, world: int, root: str) -> None:
+    store = Store(root)
+    backend = _FailingChunkPuts(store.backend)
+    backend.failing = rank == 1
+    store.backend = backend
+    with Checkpointer(root, encoding=ENCODING, storage=StorageOptions(store=store)) as ckpt:
+        with pytest.raises(CheckpointError) as raised:
+            ckpt.save(1, _replicated(1, rank)).wait(timeout_s=BOUND_S)
+        if rank == 1:
+            assert isinstance(raised.value, StorageError), raised.value
+        else:  # the others name the rank whose chunks did not land
+            assert "rank 1 failed writing its chunks" in str(raised.value), raised.value
+        assert list_steps(Store(root)) == []
+        backend.failing = False
+        ckpt.save(2, _replicated(2, rank)).wait(timeout_s=BOUND_S)
+    target = {k: torch.zeros_like(v) for k, v in _replicated(2, rank).items()}
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
+        assert ckpt.load(target) == 2
+    assert all(torch.equal(target[k], v) for k, v in _replicated(2, rank).items()), rank
+
+
+@pytest.mark.dist
+def test_a_writer_whose_puts_fail_fails_the_save_on_every_rank_and_the_next_save_commits(
+    tmp_path,
+):
+    """Rank 1 was given a share of the replicated chunks and cannot put any: no rank's save
+    commits (no index names a chunk nobody wrote); once its disk is back, the next one does."""
+    run_ranks(_failing_writer, 4, str(tmp_path / "store"), timeout_s=240)
+
+
+LOST = 3
+GROUP_S = 10.0
+
+
+def _killed_writer(rank: int, world: int, root: str) -> None:
+    # Without tiers a lost rank is not bounded by a roll call (StorageOptions.lost_rank_timeout_s):
+    # a rank whose ring neighbour died waits out the group's timeout, shortened here from 600 s.
+    StorageOptions.group_timeout_s = lambda self, gc_wait_s: GROUP_S  # type: ignore[method-assign]
+    ckpt = Checkpointer(root, encoding=ENCODING)
+    ckpt.save(1, _replicated(1, rank)).wait(timeout_s=BOUND_S)
+    torch.distributed.barrier()
+    if rank == LOST:  # killed as it puts its first chunk of its share of step 2
+        import ckptstore.save.once as once
+
+        def killed(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        once.write_chunks = killed
+        ckpt.save(2, _replicated(2, rank))
+        time.sleep(BOUND_S)
+        raise AssertionError(f"rank {LOST} was not killed")
+    with pytest.raises((CheckpointError, RuntimeError)):  # gloo's error, or a rank's named
+        ckpt.save(2, _replicated(2, rank)).wait(timeout_s=BOUND_S)
+    assert list_steps(Store(root)) == [1]
+    ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_writer_killed_mid_save_leaves_no_step_naming_its_chunks(tmp_path):
+    """Rank 3 dies putting its share of the replicated chunks: every other rank's save fails,
+    nothing is committed, and the step before stays whole."""
+    root = tmp_path / "store"
+    run_ranks_losing(_killed_writer, 4, str(root), lost={LOST}, timeout_s=240)
+    from ckptstore.cli import main
+
+    assert list_steps(Store(str(root))) == [1]
+    assert main(["verify", str(root), "--step", "1"]) == 0
