@@ -51,6 +51,10 @@ class RankPlan:
     max_concurrency: int = 4
     replicas: int = 1
     """Consecutive ranks holding the same state (data-parallel replicas)."""
+    compression: str = "none"
+    every_rank_writes: bool = False
+    """Each rank puts every chunk it holds, as before one writer per distinct chunk (issue
+    36): the baseline its figures are compared with."""
     timeout_s: float = 300.0
     """Deadline of one storage request: generous, as a thousand thread ranks share one
     interpreter and a request may wait long for its thread to run."""
@@ -79,6 +83,17 @@ def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
 
 
+def every_rank_writes() -> None:
+    """In this process, each rank puts every chunk it holds (``--every-rank-writes``)."""
+    import ckptstore.save.session as session
+    from ckptstore.pipeline import write_chunks
+
+    def alone(store: Any, buffer: Any, layout: Any, cfg: Any, group: Any, **kw: Any) -> Any:
+        return write_chunks(store, buffer, layout, cfg, **kw)
+
+    session.write_chunks_once = alone
+
+
 def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str, Any]:
     """The saves and the restore of ``rank``; what each took and sent (perf_counter times)."""
     probe = MemoryProbe() if rank == 0 else None
@@ -86,7 +101,7 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
         plan.uri,
         storage_options=plan.storage_options,
         chunk_bytes=plan.chunk_bytes,
-        compression="none",
+        compression=plan.compression,
         hedge_uploads=False,  # on a loaded machine every put is slow: hedges would double them
         encode_threads=plan.encode_threads,
         max_concurrency=plan.max_concurrency,
@@ -100,9 +115,9 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
             before, puts_before = requests_of(ckpt), puts_of(ckpt)
             if probe is not None:
                 probe.reset()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             ckpt.save(step, state).wait()
-            end = time.perf_counter()
+            end, cpu = time.perf_counter(), time.process_time() - cpu
             sent, exists = (a - b for a, b in zip(puts_of(ckpt), puts_before))
             saves.append(
                 {
@@ -111,6 +126,7 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
                     "end": end,
                     "requests": _minus(requests_of(ckpt), before),
                     "sent_put_bytes": sent,
+                    "cpu_s": cpu,
                     "put_exists": exists,
                     "peak_rss_bytes": probe.peak() if probe is not None else None,
                 }
@@ -215,6 +231,8 @@ def process_main(rank: int, plan: RankPlan, world: int, port: int, out_dir: str)
     import torch.distributed as dist
 
     join_loopback_group(rank, world, port, timeout_s=600)
+    if plan.every_rank_writes:
+        every_rank_writes()
     calls: list[CollectiveCall] = []
     try:
         with PhaseTimes().timing() as phases, recording_collectives(calls):

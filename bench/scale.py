@@ -91,6 +91,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "(default 1: every rank's state is its own); the bytes sent per distinct byte show "
         "how often a replicated chunk crosses the wire",
     )
+    p.add_argument(
+        "--compression",
+        choices=("none", "zstd", "auto"),
+        default="none",
+        help="chunk encoding (default none: the requests are the subject)",
+    )
+    p.add_argument(
+        "--every-rank-writes",
+        action="store_true",
+        help="the baseline: each rank puts every chunk it holds, as before ranks agreed on one "
+        "writer per distinct chunk (processes only)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
     return p
@@ -122,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
     options = dict(args.storage_options) or None
     if args.replicas < 1:
         raise ValueError(f"bad --replicas {args.replicas}: must be at least 1")
+    if args.threads and (args.every_rank_writes or args.replicas > 1):
+        raise ValueError(
+            "--replicas and --every-rank-writes run ranks as processes (replicas restore by "
+            "point-to-point sends, which thread ranks do not serve): leave out --threads"
+        )
     with _store_uri(args.uri) as (uri, store_kind, received):
         result = scale(
             counts,
@@ -132,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             chunk_bytes=chunk_bytes,
             saves=args.saves,
             replicas=args.replicas,
+            every_rank_writes=args.every_rank_writes,
+            compression=args.compression,
             received=received,
         )
     result["store"] = store_kind
@@ -152,6 +171,8 @@ def scale(
     chunk_bytes: int,
     saves: int,
     replicas: int = 1,
+    every_rank_writes: bool = False,
+    compression: str = "none",
     received: Received | None = None,
 ) -> dict[str, Any]:
     """Every rank count in ``counts`` run against a fresh directory under ``uri``; each state
@@ -167,6 +188,8 @@ def scale(
                 chunk_bytes=chunk_bytes,
                 saves=saves,
                 replicas=replicas,
+                every_rank_writes=every_rank_writes,
+                compression=compression,
             )
             before = received() if received is not None else None
             reports = _run_threads(plan, n) if threads else _run_processes(plan, n)
@@ -189,6 +212,8 @@ def scale(
         "chunks_per_rank": math.ceil(nbytes / chunk_bytes),
         "saves": saves,
         "replicas": replicas,
+        "every_rank_writes": every_rank_writes,
+        "compression": compression,
         "host": host_info(),
         "runs": runs,
         "growth": {
@@ -261,6 +286,7 @@ def summarize(plan: RankPlan, reports: list[dict[str, Any]]) -> dict[str, Any]:
                 "requests": sum_requests(r["saves"][i]["requests"] for r in reports),
                 "put_exists": sum(r["saves"][i]["put_exists"] for r in reports),
                 "sent_put_bytes": sum(r["saves"][i]["sent_put_bytes"] for r in reports),
+                "cpu_s_per_rank": statistics.mean(r["saves"][i]["cpu_s"] for r in reports),
                 "peak_rss_bytes": save["peak_rss_bytes"],
             }
         )
@@ -478,15 +504,18 @@ def print_tables(result: dict[str, Any], out: Any = None) -> None:
         rows.append(
             [r["ranks"], format_bytes(r["distinct_bytes_per_save"]),
              f"{r['sent_per_distinct_byte']:.2f}", "-" if server is None else f"{server:.2f}",
-             r["put_exists_per_save"]]
+             r["put_exists_per_save"],
+             format_seconds(statistics.median(s["cpu_s_per_rank"] for s in r["saves"]))]
         )  # fmt: skip
     print(
         f"\nbytes put per distinct byte stored (each state held by {result['replicas']} "
         "rank(s)): sent by the ranks' stores (every attempt; median of saves), received by "
-        "the S3 server (all saves); puts answered 'exists' per save",
+        "the S3 server (all saves); puts answered 'exists' per save; CPU per rank per save "
+        "(the rank's process: hashing, encoding, requests; median of saves)"
+        + (" -- every rank writes (the baseline)" if result.get("every_rank_writes") else ""),
         file=out,
     )
-    table(["ranks", "distinct/save", "sent", "received", "exists"], rows, out=out)
+    table(["ranks", "distinct/save", "sent", "received", "exists", "CPU/rank"], rows, out=out)
     g = result["growth"]
     print(
         "\ngrowth with ranks (least squares on logs): coordinator time ~ ranks^"

@@ -153,3 +153,38 @@ def test_process_ranks_are_bounded():
     assert scale.parse_ranks("64,1,64", threads=True) == [1, 64]
     with pytest.raises(ValueError, match="bad --ranks"):
         scale.parse_ranks("0,2", threads=True)
+
+
+@pytest.mark.dist
+def test_replicated_ranks_send_each_distinct_byte_about_once(capsys, tmp_path):
+    """Four ranks holding one state alike: the chunks cross the wire once (the indexes and the
+    manifest add a little), and no put is answered "exists"."""
+    result = _run(
+        capsys, "--ranks", "4", "--replicas", "4", "--uri", str(tmp_path),
+        "--saves", "2", "--state-bytes", "256KiB", "--chunk-bytes", "32KiB",
+    )  # fmt: skip
+    (run,) = result["runs"]
+    assert run["distinct_bytes_per_save"] == 256 * 1024
+    assert 1.0 <= run["sent_per_distinct_byte"] <= 1.05, run
+    assert run["put_exists_per_save"] == 0
+    assert run["restore"]["equal_on_every_rank"]
+
+
+@pytest.mark.s3
+@pytest.mark.dist
+def test_the_baseline_sends_replicated_chunks_from_every_rank_as_the_server_counts():
+    """Counted at the bench's own moto server: with one writer per chunk, about one body per
+    distinct byte; with every rank writing (the baseline), one per rank."""
+    received = {}
+    for mode in ([], ["--every-rank-writes"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.cli", "scale", "--ranks", "2", "--replicas", "2",
+             "--saves", "2", "--state-bytes", "128KiB", "--chunk-bytes", "32KiB", "--json",
+             *mode],
+            capture_output=True, text=True, timeout=300, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        (run,) = json.loads(done.stdout)["runs"]
+        received[bool(mode)] = run["server_put_bytes_per_distinct_byte"]
+    assert 1.0 <= received[False] <= 1.05, received
+    assert received[True] >= 1.9, received
