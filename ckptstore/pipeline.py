@@ -203,8 +203,11 @@ class CompressionGovernor:
 
     It pays while encoding a byte takes less time than uploading the bytes compression saves:
     ``encode_s_per_byte < put_s_per_byte * (1 - stored/raw)``. Both rates are moving averages
-    of what the save threads observe; every ``probe_every``-th chunk is compressed regardless,
-    so the estimate follows the storage as it speeds up or slows down.
+    of what the save threads observe; every ``probe_every``-th chunk is encoded regardless, so
+    the estimate follows the storage as it speeds up or slows down. A probe whose compression
+    does not pay is stored raw (``keeps``): its encoding is spent either way, but a compressed
+    chunk would make every restore decode it, at a fraction of a fast store's read speed, for a
+    few percent of space.
     """
 
     def __init__(self, probe_every: int = 8, smoothing: float = 0.2) -> None:
@@ -215,32 +218,48 @@ class CompressionGovernor:
         self.encode_s_per_byte: float | None = None
         self.put_s_per_byte: float | None = None
         self.ratio: float | None = None
-        self.compressed = 0
-        self.raw = 0
+        self.compressed = 0  # chunks stored compressed
+        self.raw = 0  # chunks stored raw, probes that did not pay included
+        self.probes_kept_raw = 0
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
+    def _pays(self) -> bool | None:
+        """None while a rate is unknown."""
+        if None in (self.encode_s_per_byte, self.put_s_per_byte, self.ratio):
+            return None
+        saved = self.put_s_per_byte * max(0.0, 1.0 - self.ratio)
+        return self.encode_s_per_byte < saved
+
     def should_compress(self) -> bool:
+        """Whether to encode the next chunk compressed (it pays, or it is a probe)."""
         with self._lock:
             self._n += 1
-            known = None not in (self.encode_s_per_byte, self.put_s_per_byte, self.ratio)
-            if not known or self._n % self.probe_every == 0:
-                return True
-            saved = self.put_s_per_byte * max(0.0, 1.0 - self.ratio)
-            return self.encode_s_per_byte < saved
+            pays = self._pays()
+            return pays is None or pays or self._n % self.probe_every == 0
 
-    def observe(
-        self, *, raw: int, stored: int, encode_s: float, put_s: float, compressed: bool
-    ) -> None:
-        if raw <= 0 or stored <= 0:
+    def keeps(self, *, raw: int, encoded: int, encode_s: float) -> bool:
+        """Whether a chunk just encoded compressed (``encoded`` bytes of ``raw``, in
+        ``encode_s``) is stored so: its encoding is observed, then it is kept unless
+        compression is known not to pay."""
+        if raw <= 0:
+            return True
+        with self._lock:
+            self.encode_s_per_byte = self._ema(self.encode_s_per_byte, encode_s / raw)
+            self.ratio = self._ema(self.ratio, encoded / raw)
+            if self._pays() is False:
+                self.probes_kept_raw += 1
+                return False
+            return True
+
+    def observe_put(self, *, stored: int, put_s: float, compressed: bool) -> None:
+        if stored <= 0:
             return
         with self._lock:
             self.put_s_per_byte = self._ema(self.put_s_per_byte, put_s / stored)
             if compressed:
                 self.compressed += 1
-                self.encode_s_per_byte = self._ema(self.encode_s_per_byte, encode_s / raw)
-                self.ratio = self._ema(self.ratio, stored / raw)
             else:
                 self.raw += 1
 
@@ -299,6 +318,10 @@ def _encode_and_put(
     compress = codec.level is not None and (governor is None or governor.should_compress())
     t0 = time.perf_counter()
     parts = encode_parts(raw, itemsize, codec if compress else _RAW)
+    if compress and governor is not None:
+        encoded = sum(map(len, parts))
+        if not governor.keeps(raw=len(raw), encoded=encoded, encode_s=time.perf_counter() - t0):
+            parts, compress = encode_parts(raw, itemsize, _RAW), False
     if not store.is_local:
         parts = [_joined(parts)]  # remote puts need one buffer: don't hold both copies
     t1 = time.perf_counter()
@@ -311,12 +334,8 @@ def _encode_and_put(
     except ObjectExistsError:  # another rank or save wrote the same content first
         stored = store.size(key)
     if governor is not None:
-        governor.observe(
-            raw=len(raw),
-            stored=sum(map(len, parts)),
-            encode_s=t1 - t0,
-            put_s=time.perf_counter() - t1,
-            compressed=compress,
+        governor.observe_put(
+            stored=sum(map(len, parts)), put_s=time.perf_counter() - t1, compressed=compress
         )
     return ChunkInfo(len(raw), stored)
 

@@ -34,9 +34,88 @@ def _save_chunks(store: Store, n: int) -> CompressionGovernor:
     return ckpt.engine.governor
 
 
+def _compressed_chunks(store: Store) -> int:
+    """Chunk objects with a zstd plane (their plane table read from each header)."""
+    from ckptstore.codec import _HEADER, _PLANE
+
+    count = 0
+    for key in store.list("chunks/"):
+        data = store.get(key)
+        nplanes = _HEADER.unpack_from(data)[3]
+        methods = [
+            _PLANE.unpack_from(data, _HEADER.size + i * _PLANE.size)[0] for i in range(nplanes)
+        ]
+        count += any(m == 1 for m in methods)
+    return count
+
+
+def _chunk_timed(governor: CompressionGovernor, *, encode_s: float, put_s: float) -> bool:
+    """One 1 MiB chunk through ``governor`` (compressing to 80%), with the given timings;
+    whether it was stored compressed."""
+    raw = 1 << 20
+    compress = governor.should_compress()
+    if compress:
+        compress = governor.keeps(raw=raw, encoded=raw * 8 // 10, encode_s=encode_s)
+    stored = raw * 8 // 10 if compress else raw
+    governor.observe_put(stored=stored, put_s=put_s * stored / raw, compressed=compress)
+    return compress
+
+
 def test_governor_stops_compressing_when_storage_outruns_the_encoder():
-    governor = _save_chunks(Store("memory://governor-fast"), 64)
-    assert governor.raw > governor.compressed  # memory puts are near-free: raw wins
+    """A store that takes 1 ms per MiB, an encoder 5 ms: compression never pays. The first
+    chunk is compressed (the store's speed is not known yet); every probe after is encoded,
+    found not to pay, and stored raw, so no restore decodes it."""
+    governor = CompressionGovernor(probe_every=8)
+    stored = [_chunk_timed(governor, encode_s=0.005, put_s=0.001) for _ in range(64)]
+    assert stored[0] and not any(stored[1:])
+    assert governor.probes_kept_raw == 64 // 8
+    assert (governor.compressed, governor.raw) == (1, 63)
+
+
+def test_governor_follows_a_store_that_slows_down():
+    governor = CompressionGovernor(probe_every=4, smoothing=1.0)
+    assert [_chunk_timed(governor, encode_s=0.005, put_s=0.001) for _ in range(8)][1:] == [
+        False
+    ] * 7
+    # the store now takes 100 ms per MiB: the first raw put to see it turns compression on
+    slow = [_chunk_timed(governor, encode_s=0.005, put_s=0.1) for _ in range(8)]
+    assert slow == [False] + [True] * 7
+
+
+def test_a_chunk_whose_compression_does_not_pay_is_stored_raw_and_loads(tmp_path):
+    """The codec path of a probe kept raw: encoded compressed, then put as one raw plane."""
+
+    class NeverPays(CompressionGovernor):
+        def keeps(self, **kwargs) -> bool:
+            self.probes_kept_raw += 1
+            return False
+
+    store = Store(str(tmp_path))
+    ckpt = Checkpointer(store.uri, store=store, chunk_bytes=64 * 1024)
+    ckpt.engine.governor = NeverPays()
+    state = {f"t{i}": torch.randn(16 * 1024) * 0.01 for i in range(8)}
+    ckpt.save(1, state).wait()
+    assert ckpt.engine.governor.probes_kept_raw == 8  # every chunk was encoded compressed
+    assert len(list(store.list("chunks/"))) == 8 and _compressed_chunks(store) == 0
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert ckpt.load(into) == 1
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    ckpt.close()
+
+
+def _compressed_chunks(store: Store) -> int:
+    """Chunk objects with a zstd plane (their plane table read from each header)."""
+    from ckptstore.codec import _HEADER, _PLANE
+
+    count = 0
+    for key in store.list("chunks/"):
+        data = store.get(key)
+        nplanes = _HEADER.unpack_from(data)[3]
+        methods = [
+            _PLANE.unpack_from(data, _HEADER.size + i * _PLANE.size)[0] for i in range(nplanes)
+        ]
+        count += any(m == 1 for m in methods)
+    return count
 
 
 def test_governor_keeps_compressing_when_storage_is_slow():
