@@ -111,6 +111,10 @@ class PlanInputs:
     """Bytes of optimizer state per parameter (Adam with fp32 master weights, m and v: 12)."""
     accelerators: int = LLAMA3_ACCELERATORS
     ranks_per_node: int = 8
+    replicas: int = 1
+    """Copies of the model state across the job (HSDP: the replica groups, each sharding the
+    whole state over ``accelerators / replicas``). Ranks holding the same chunk agree on one
+    writer (``ckptstore.save.once``): a save sends the distinct bytes once."""
     failures: float = LLAMA3_FAILURES
     """Failures observed in ``failure_days`` on ``failure_accelerators``; scaled linearly."""
     failure_days: float = LLAMA3_DAYS
@@ -187,6 +191,13 @@ class PlanInputs:
             raise ValueError(f"--durable-every must be a whole number, got {self.durable_every}")
         if self.durable_every < 1:
             raise ValueError(f"--durable-every must be 1 or more, got {self.durable_every}")
+        if isinstance(self.replicas, bool) or int(self.replicas) != self.replicas:
+            raise ValueError(f"--replicas must be a whole number, got {self.replicas}")
+        if self.replicas < 1 or (self.accelerators // self.ranks_per_node) % self.replicas:
+            raise ValueError(
+                f"--replicas {self.replicas} must be 1 or more and divide the "
+                f"{self.accelerators // self.ranks_per_node} nodes"
+            )
         if self.accelerators % self.ranks_per_node:
             raise ValueError(
                 f"--accelerators {self.accelerators} is not a multiple of "
@@ -206,10 +217,18 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
     i = inputs
     checkpoint_bytes = i.params * (i.weight_bytes_per_param + i.optimizer_bytes_per_param)
     nodes = i.accelerators // i.ranks_per_node
-    node_bytes = checkpoint_bytes / nodes
+    node_bytes = checkpoint_bytes * i.replicas / nodes  # what a node holds, and stages
     stage_s = node_bytes / i.staging_bw_bytes_s
-    # Every node writes its shard at once: the aggregate or the node's own link limits.
-    write_s = max(checkpoint_bytes / i.write_bw_bytes_s, node_bytes / i.node_storage_bw_bytes_s)
+    # Every node writes its share at once (a 1/replicas part of what it holds: one writer per
+    # distinct chunk); the aggregate or the node's own link limits.
+    write_s = max(
+        checkpoint_bytes / i.write_bw_bytes_s,
+        node_bytes / i.replicas / i.node_storage_bw_bytes_s,
+    )
+    # As if every replica wrote what it holds (DDP/HSDP without the agreement).
+    every_replica_write_s = max(
+        checkpoint_bytes * i.replicas / i.write_bw_bytes_s, node_bytes / i.node_storage_bw_bytes_s
+    )
     persist_s = stage_s + write_s  # from the start of a save until it is durable
     blocked_s = i.blocked_overhead_s + (persist_s if i.sync else stage_s)
     if i.mtbf_s is not None:
@@ -252,6 +271,13 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         "inputs": {k: v for k, v in asdict(i).items() if k != "sources"},
         "sources": dict(i.sources),
         "checkpoint_bytes": checkpoint_bytes,
+        "replicas": i.replicas,
+        "bytes_sent_per_save": checkpoint_bytes,
+        "every_replica_writes": {
+            "bytes_sent_per_save": checkpoint_bytes * i.replicas,
+            "write_s": every_replica_write_s,
+            "persist_s": stage_s + every_replica_write_s,
+        },
         "nodes": nodes,
         "bytes_per_node": node_bytes,
         "stage_s": stage_s,
@@ -425,6 +451,7 @@ _RATE_FLAGS = {
 }
 _NUMBER_FLAGS = (
     "weight_bytes_per_param", "optimizer_bytes_per_param", "accelerators", "ranks_per_node",
+    "replicas",
     "failures", "failure_days", "failure_accelerators", "mtbf_s", "blocked_overhead_s",
     "restart_s", "interval_s", "max_write_duty", "durable_every", "local_restore_s",
     "peer_restore_s", "durable_restore_s",
@@ -456,6 +483,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     model.add_argument("--accelerators", type=int, help=f"accelerators (default {d.accelerators})")
     model.add_argument("--ranks-per-node", type=int, help=f"default {d.ranks_per_node}")
+    model.add_argument(
+        "--replicas",
+        type=int,
+        help="copies of the model state (HSDP replica groups; default 1: fully sharded); "
+        "the plan shows what one writer per distinct chunk saves against every replica writing",
+    )
     model.add_argument("--sync", action="store_true", help="saves block until durable")
     fail = p.add_argument_group("failures (default: Llama 3, 419 in 54 days on 16,384 GPUs)")
     fail.add_argument("--failures", type=float, help="failures observed ...")
@@ -649,11 +682,17 @@ def print_table(result: dict[str, Any], out=None) -> None:
     }[r["interval_source"]]
     rows = [
         ["checkpoint size", _bytes(r["checkpoint_bytes"]),
-         f"{_bytes(r['bytes_per_node'])} per node x {r['nodes']} nodes"],
+         f"{_bytes(r['bytes_per_node'])} held per node x {r['nodes']} nodes"
+         + (f" ({r['replicas']} replicas)" if r["replicas"] > 1 else "")],
         ["blocked per save", format_seconds(r["blocked_s"]),
          "synchronous" if i["sync"] else "staging to host memory"],
         ["time to persist", format_seconds(r["persist_s"]),
          f"write {format_seconds(r['write_s'])} after staging"],
+        *([["sent per save", _bytes(r["bytes_sent_per_save"]),
+            f"one writer per chunk of {r['replicas']} replicas; every replica writing: "
+            f"{_bytes(r['every_replica_writes']['bytes_sent_per_save'])}, persist "
+            f"{format_seconds(r['every_replica_writes']['persist_s'])}"]]
+          if r["replicas"] > 1 else []),
         ["job MTBF", format_seconds(r["mtbf_s"]), f"{r['failures_per_day']:.3g} failures/day"],
         ["interval (Young)", format_seconds(r["young_interval_s"]), "sqrt(2 blocked MTBF)"],
         ["interval (Daly)", format_seconds(r["daly_interval_s"]), "higher-order"],

@@ -424,3 +424,22 @@ def test_bad_tier_input_is_one_line_exit_2(argv, message):
     proc = _ckptbench("plan", *argv)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
+def test_replicas_send_the_distinct_bytes_once_against_every_replica_writing():
+    # 2 GB of state on 4 nodes in 2 replica groups: a node holds 1 GB (half the state) and writes
+    # half of that; every replica writing would send 4 GB.
+    inputs = dict(accelerators=32, replicas=2, staging_bw_bytes_s=1e12)
+    aggregate = plan.plan(_textbook_inputs(**inputs))  # the 1 GB/s aggregate limits
+    assert aggregate["bytes_sent_per_save"] == pytest.approx(2e9)
+    assert aggregate["bytes_per_node"] == pytest.approx(1e9)
+    assert aggregate["write_s"] == pytest.approx(2)
+    every = aggregate["every_replica_writes"]
+    assert every["bytes_sent_per_save"] == pytest.approx(4e9) and every["write_s"] == pytest.approx(
+        4
+    )
+    links = plan.plan(_textbook_inputs(node_storage_bw_bytes_s=1e8, **inputs))  # 100 MB/s each
+    assert links["write_s"] == pytest.approx(5)  # 0.5 GB per node
+    assert links["every_replica_writes"]["write_s"] == pytest.approx(10)  # 1 GB per node
+    with pytest.raises(ValueError, match="--replicas 3 must be 1 or more and divide the 4 nodes"):
+        _textbook_inputs(accelerators=32, replicas=3)
