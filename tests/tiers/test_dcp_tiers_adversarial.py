@@ -322,6 +322,7 @@ def _one_rank_loses_its_local_tier(rank: int, world: int, root: str, base: str) 
     records = log_records("ckptstore.tiers.saving")
     dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1)  # durable
     dcp.save(step_state(2), storage_writer=writer, checkpoint_id=2)  # local only
+    writer.wait()  # step 1's drain reads the local dir (and leases it) in the background
     dist.barrier()
     if rank == 1:  # the node's local disk goes away: the path is now a file
         shutil.rmtree(local)
