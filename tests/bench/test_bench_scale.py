@@ -188,3 +188,11 @@ def test_the_baseline_sends_replicated_chunks_from_every_rank_as_the_server_coun
         received[bool(mode)] = run["server_put_bytes_per_distinct_byte"]
     assert 1.0 <= received[False] <= 1.05, received
     assert received[True] >= 1.9, received
+
+
+def test_replicas_are_refused_on_thread_ranks_with_the_reason(tmp_path):
+    args = argparse.ArgumentParser(prog="ckptbench")
+    scale.add_parser(args.add_subparsers())
+    parsed = args.parse_args(["scale", "--threads", "--replicas", "2", "--uri", str(tmp_path)])
+    with pytest.raises(ValueError, match="replicas restore by point-to-point sends"):
+        parsed.func(parsed)
