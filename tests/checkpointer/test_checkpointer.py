@@ -17,10 +17,13 @@ from ckptstore import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointNotFoundError,
+    EncodingOptions,
     FormatVersionError,
     RetryPolicy,
+    StagingOptions,
     StepExistsError,
     StorageError,
+    StorageOptions,
     Store,
     UnsupportedStateError,
 )
@@ -118,7 +121,7 @@ def test_round_trip_is_exact(store_uri):
 
 def test_large_tensors_split_and_small_ones_packed(tmp_path):
     state = {"big": torch.randn(300_000), "small": [torch.randn(10) for _ in range(50)]}
-    with Checkpointer(tmp_path, chunk_bytes=64 * 1024) as ckpt:
+    with Checkpointer(tmp_path, encoding=EncodingOptions(chunk_bytes=64 * 1024)) as ckpt:
         ckpt.save(1, state).wait()
     chunks = list((tmp_path / "chunks").rglob("*"))
     n_chunks = len([c for c in chunks if c.is_file()])
@@ -131,7 +134,7 @@ def test_large_tensors_split_and_small_ones_packed(tmp_path):
 
 def test_unchanged_chunks_are_not_written_again(tmp_path):
     state = {"frozen": torch.randn(100_000), "moving": torch.randn(100_000)}
-    with Checkpointer(tmp_path, chunk_bytes=64 * 1024) as ckpt:
+    with Checkpointer(tmp_path, encoding=EncodingOptions(chunk_bytes=64 * 1024)) as ckpt:
         ckpt.save(1, state).wait()
         before = {p for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
         state["moving"] += 1
@@ -166,7 +169,9 @@ def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
     faults = Faults(latency=None, slow_rate=1.0, slow_s=0.3, ops=frozenset({"put"}))
     store = with_faults(Store(tmp_path), faults)
     state = {"w": torch.randn(10_000)}
-    with Checkpointer(tmp_path, store=store, when_busy="skip") as ckpt:
+    with Checkpointer(
+        tmp_path, storage=StorageOptions(store=store), staging=StagingOptions(when_busy="skip")
+    ) as ckpt:
         first = ckpt.save(1, state)
         with caplog.at_level(logging.WARNING, logger="ckptstore"):
             second = ckpt.save(2, state)
@@ -187,7 +192,7 @@ def test_background_nice_lowers_only_the_save_threads(tmp_path):
     mine = nice_of(threading.get_native_id())
     if mine > 14:
         pytest.skip(f"this process already runs at nice {mine}")
-    with Checkpointer(tmp_path / "ck", background_nice=5) as ck:
+    with Checkpointer(tmp_path / "ck", storage=StorageOptions(background_nice=5)) as ck:
         ck.save(0, {"x": torch.arange(1000.0)}).wait()
         encode = ck.store.submit(lambda: nice_of(threading.get_native_id())).result(timeout=10)
         request = ck.store._request("probe", "", lambda: nice_of(threading.get_native_id()))
@@ -195,11 +200,11 @@ def test_background_nice_lowers_only_the_save_threads(tmp_path):
         assert encode == mine + 5 and request == mine + 5
     assert nice_of(threading.get_native_id()) == mine  # the loop's thread keeps its priority
     with pytest.raises(ValueError, match="background_nice"):
-        Checkpointer(tmp_path / "bad", background_nice=25)
+        Checkpointer(tmp_path / "bad", storage=StorageOptions(background_nice=25))
 
 
 def test_staging_budget_is_enforced(tmp_path):
-    with Checkpointer(tmp_path, staging_budget_bytes=1000) as ckpt:
+    with Checkpointer(tmp_path, staging=StagingOptions(budget_bytes=1000)) as ckpt:
         with pytest.raises(ValueError, match="staging_budget_bytes"):
             ckpt.save(1, {"w": torch.randn(10_000)})
 
@@ -224,7 +229,7 @@ def failing_checkpointer(uri: str) -> tuple[Checkpointer, Faults]:
     ``faults.error_rate`` is set back to 0."""
     faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
     store = with_faults(Store(uri, retry=RetryPolicy(attempts=2, base_delay_s=0.001)), faults)
-    return Checkpointer(uri, store=store), faults
+    return Checkpointer(uri, storage=StorageOptions(store=store)), faults
 
 
 def test_background_error_surfaces_and_leaves_no_step():
@@ -322,7 +327,7 @@ def test_unsupported_state_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         Checkpointer(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="unknown compression"):
-        Checkpointer(tmp_path, compression="lz5")
+        Checkpointer(tmp_path, encoding=EncodingOptions(compression="lz5"))
 
 
 def _chunk_files(root: Path) -> list[Path]:
@@ -378,7 +383,7 @@ def test_nonexistent_store_path_lists_nothing_and_loads_clearly(tmp_path):
 
 
 def test_verify_checks_every_chunk_and_names_what_is_wrong(tmp_path):
-    ckpt = Checkpointer(tmp_path, chunk_bytes=4096, compression="none")
+    ckpt = Checkpointer(tmp_path, encoding=EncodingOptions(chunk_bytes=4096, compression="none"))
     ckpt.save(1, {"w": torch.randn(4096)}).wait()
     ckpt.save(2, {"w": torch.randn(4096)}).wait()
     ckpt.verify()

@@ -18,8 +18,12 @@ from ckptstore.pipeline import fetch_chunk
 
 WRITER = r"""
 import sys, torch
-from ckptstore import Checkpointer
-ckpt = Checkpointer(sys.argv[1], chunk_bytes=256 * 1024, keep_last=int(sys.argv[2]) or None)
+from ckptstore import Checkpointer, EncodingOptions
+ckpt = Checkpointer(
+    sys.argv[1],
+    encoding=EncodingOptions(chunk_bytes=256 * 1024),
+    keep_last=int(sys.argv[2]) or None,
+)
 step = (ckpt.latest() or 0) + 1
 while True:
     state = {"w": [torch.full((100_000,), float(step) + i) for i in range(6)], "step": step}
@@ -88,8 +92,10 @@ def test_kill_at_random_moments_leaves_only_whole_steps(tmp_path, request, backe
 
 EXITER = r"""
 import sys, torch
-from ckptstore import Checkpointer
-ckpt = Checkpointer(sys.argv[1], compression="zstd", chunk_bytes=4 * 2**20)
+from ckptstore import Checkpointer, EncodingOptions
+ckpt = Checkpointer(
+    sys.argv[1], encoding=EncodingOptions(compression="zstd", chunk_bytes=4 * 2**20)
+)
 if sys.argv[2] == "break":  # every write of the save's background stages fails
     def put(*args, **kwargs):
         raise OSError("disk gone")

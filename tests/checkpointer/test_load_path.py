@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, Store, TierOptions
 from ckptstore.catalog import load_manifest, read_rank_index
 from ckptstore.tiers.restore import DURABLE, LOCAL
 from tests.helpers.counting import CountingBackend
 from tests.helpers.dist import gathered, run_ranks
 
 CHUNK = 64 * 1024
-SETTINGS = dict(chunk_bytes=CHUNK, compression="none", hedge_uploads=False, timeout_s=20.0)
+ENCODING = EncodingOptions(chunk_bytes=CHUNK, compression="none", hedge_uploads=False)
 SHARED_CHUNKS, OWN_CHUNKS = 6, 2
 
 
@@ -64,11 +64,9 @@ class _Gets:
 def _ckpt(root: Path, rank: int, store: Store | None = None) -> Checkpointer:
     return Checkpointer(
         root / "durable",
-        local_dir=root / f"node{rank}",
-        node_rank=rank,
-        durable_every=1,
-        store=store,
-        **SETTINGS,
+        tiers=TierOptions(local_dir=root / f"node{rank}", node_rank=rank, durable_every=1),
+        storage=StorageOptions(store=store, timeout_s=20.0),
+        encoding=ENCODING,
     )
 
 

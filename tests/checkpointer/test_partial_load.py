@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from ckptstore import Checkpointer, Store, UnsupportedStateError
+from ckptstore import Checkpointer, EncodingOptions, Store, UnsupportedStateError
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.format import chunk_key
 
@@ -23,7 +23,9 @@ def saved_step(uri: str) -> torch.nn.Module:
     opt = torch.optim.AdamW(net.parameters())
     net(torch.randn(4, 64)).sum().backward()
     opt.step()
-    with Checkpointer(uri, compression="none", chunk_bytes=64 << 10) as ckpt:
+    with Checkpointer(
+        uri, encoding=EncodingOptions(compression="none", chunk_bytes=64 << 10)
+    ) as ckpt:
         ckpt.save(7, {"model": net, "optim": opt, "step": 7}).wait()
     return net
 

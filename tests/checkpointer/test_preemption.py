@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, PreemptionOptions, Store
 from ckptstore.catalog import list_steps
 from tests.helpers import ROOT
 
 LOOP = """
 import signal, sys, time
 import torch
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, PreemptionOptions, StorageOptions, Store
 from bench.faults import Faults, Fixed, with_faults
 
 mode, uri, put_latency_s, grace_s = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
@@ -29,7 +29,11 @@ if mode == "previous":
         open(uri + ".previous", "w").write(str(signum))
     signal.signal(signal.SIGTERM, previous)
 store = with_faults(Store(uri), Faults(latency=Fixed(put_latency_s), ops=frozenset({"put"})))
-ckpt = Checkpointer(uri, store=store, handle_sigterm=True, sigterm_grace_s=grace_s)
+ckpt = Checkpointer(
+    uri,
+    storage=StorageOptions(store=store),
+    preemption=PreemptionOptions(handle_sigterm=True, sigterm_grace_s=grace_s),
+)
 state = {"w": torch.arange(4096.0)}
 if mode == "aware":
     step = 0
@@ -108,7 +112,7 @@ def test_installed_only_from_the_main_thread(tmp_path):
 
     def create() -> None:
         try:
-            Checkpointer(tmp_path, handle_sigterm=True)
+            Checkpointer(tmp_path, preemption=PreemptionOptions(handle_sigterm=True))
         except ValueError as exc:
             errors.append(exc)
 
@@ -120,7 +124,7 @@ def test_installed_only_from_the_main_thread(tmp_path):
 
 def test_close_puts_the_previous_handler_back(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
-    ckpt = Checkpointer(tmp_path, handle_sigterm=True)
+    ckpt = Checkpointer(tmp_path, preemption=PreemptionOptions(handle_sigterm=True))
     assert signal.getsignal(signal.SIGTERM) != before
     assert ckpt.preempted is False
     ckpt.save(1, {"w": torch.ones(3)}).wait()
@@ -138,4 +142,6 @@ def test_without_handle_sigterm_nothing_is_installed(tmp_path):
 @pytest.mark.parametrize("grace_s", [-1.0])
 def test_a_negative_grace_is_refused(tmp_path, grace_s):
     with pytest.raises(ValueError, match="sigterm_grace_s"):
-        Checkpointer(tmp_path, handle_sigterm=True, sigterm_grace_s=grace_s)
+        Checkpointer(
+            tmp_path, preemption=PreemptionOptions(handle_sigterm=True, sigterm_grace_s=grace_s)
+        )

@@ -26,15 +26,19 @@ TTL_S = 2.0
 WRITER = textwrap.dedent(
     f"""
     import sys, torch
-    from ckptstore import Checkpointer, CheckpointError, RetryPolicy, Store
+    from ckptstore import (
+        Checkpointer, CheckpointError, EncodingOptions, RetentionOptions, RetryPolicy,
+        StorageOptions, Store,
+    )
     from bench.faults import Faults, with_faults
     faults = Faults(error_rate=0.03, hang_rate=0.02, hang_s=1.0, seed=int(sys.argv[2]))
     store = with_faults(Store(sys.argv[1],
                               retry=RetryPolicy(attempts=6, timeout_s=0.3, base_delay_s=0.01,
                                                 max_delay_s=0.05)),
                         faults)
-    ckpt = Checkpointer(sys.argv[1], store=store, keep_last={KEEP}, chunk_bytes=16 << 10,
-                        compression="none", lease_ttl_s={TTL_S})
+    ckpt = Checkpointer(sys.argv[1], storage=StorageOptions(store=store), keep_last={KEEP},
+                        encoding=EncodingOptions(chunk_bytes=16 << 10, compression="none"),
+                        retention=RetentionOptions(lease_ttl_s={TTL_S}))
     contents = [torch.randn(32768, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     step = (ckpt.latest() or 0) + 1
     print("ready", flush=True)

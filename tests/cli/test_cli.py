@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions
 from ckptstore.cli import main
 from tests.helpers.dist import run_ranks
 
@@ -46,7 +46,7 @@ def _save_steps(uri: str) -> dict[int, dict]:
     chunks so that tensors span several chunk objects and small ones are packed together."""
     model, optim = _model_and_optim()
     saved = {}
-    with Checkpointer(uri, chunk_bytes=16384) as ckpt:
+    with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=16384)) as ckpt:
         for step in STEPS:
             with torch.no_grad():
                 model[0].weight.add_(0.5)
@@ -444,7 +444,11 @@ def test_dcp_step_inspect_verify_restore(tmp_path: Path, capsys) -> None:
     state = {"model": dict(model.state_dict()), "step": 7, "bf16": torch.randn(9).bfloat16()}
     expected = copy.deepcopy(state)
     with pytest.warns(UserWarning):
-        dcp.save(state, storage_writer=StoreWriter(uri, step=7, chunk_bytes=16384), no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=StoreWriter(uri, step=7, encoding=EncodingOptions(chunk_bytes=16384)),
+            no_dist=True,
+        )
 
     code, doc = run_json(capsys, "inspect", uri)
     assert code == 0 and doc["kind"] == "dcp" and doc["step"] == 7 and doc["dcp_metadata"]
@@ -588,7 +592,7 @@ def test_unreadable_manifest_in_ls_exits_1(store: Path, capsys) -> None:
 def test_s3_ls_verify_and_storage_options(s3_uri: str, s3_endpoint: str, capsys, monkeypatch):
     import boto3
 
-    with Checkpointer(s3_uri, chunk_bytes=16384) as ckpt:
+    with Checkpointer(s3_uri, encoding=EncodingOptions(chunk_bytes=16384)) as ckpt:
         ckpt.save(1, {"w": torch.randn(64, 64), "b": torch.arange(10)}).wait()
     code, doc = run_json(capsys, "ls", s3_uri)
     assert code == 0 and [s["step"] for s in doc["steps"]] == [1]

@@ -12,7 +12,7 @@ import torch
 
 import ckptstore._inspect
 import ckptstore.pipeline
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
 from ckptstore.format import chunk_key
@@ -20,7 +20,7 @@ from ckptstore.format import chunk_key
 
 def saved_store(root: Path) -> str:
     uri = str(root / "store")
-    with Checkpointer(uri, compression="none") as ckpt:
+    with Checkpointer(uri, encoding=EncodingOptions(compression="none")) as ckpt:
         ckpt.save(1, {"model": {"w": torch.arange(1 << 16, dtype=torch.float32)}}).wait()
     return uri
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index, read_object
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict, storage_key
 from ckptstore.errors import CheckpointCorruptError, StepExistsError, UnsupportedStateError
@@ -57,7 +57,7 @@ def uri(request, tmp_path):
 
 def test_round_trip_bit_exact(uri):
     state = _state()
-    writer = StoreWriter(uri, chunk_bytes=4096)
+    writer = StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096))
     dcp.save(state, storage_writer=writer, no_dist=True)
     assert writer.saved_step == 0
     target = blank_like(state)
@@ -108,7 +108,7 @@ def test_async_save_stages_once_into_the_writers_reused_buffer(tmp_path, monkeyp
 
     monkeypatch.setattr(DefaultStager, "stage", not_this_one)
     uri = str(tmp_path / "s")
-    writer = StoreWriter(uri, chunk_bytes=4096)
+    writer = StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096))
     state = _state()
     saved = []
     for _ in range(3):
@@ -127,7 +127,7 @@ def test_async_save_stages_once_into_the_writers_reused_buffer(tmp_path, monkeyp
 def test_a_save_failing_before_its_write_hands_the_staging_buffer_back(tmp_path):
     uri = str(tmp_path / "s")
     dcp.save({"x": torch.ones(4)}, storage_writer=StoreWriter(uri), no_dist=True)
-    writer = StoreWriter(uri, step=0, timeout_s=5.0)
+    writer = StoreWriter(uri, step=0, storage=StorageOptions(timeout_s=5.0))
     with pytest.raises(CheckpointException, match="already committed"):
         dcp.async_save({"x": torch.zeros(4)}, storage_writer=writer, no_dist=True).result(
             timeout=60
@@ -147,7 +147,11 @@ def test_a_save_failing_before_its_write_hands_the_staging_buffer_back(tmp_path)
 def test_saved_step_is_listed_and_every_object_verifies(tmp_path):
     uri = str(tmp_path / "s")
     state = _state()
-    dcp.save(state, storage_writer=StoreWriter(uri, chunk_bytes=4096), no_dist=True)
+    dcp.save(
+        state,
+        storage_writer=StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096)),
+        no_dist=True,
+    )
     store = Store(uri)
     assert list_steps(store) == [0]
     assert store.list("pending") == []
@@ -252,7 +256,9 @@ def test_checkpointer_step_is_refused(tmp_path):
 def test_flipped_bit_is_an_error_naming_the_chunk(tmp_path):
     uri = str(tmp_path / "s")
     dcp.save(
-        {"x": torch.randn(64)}, storage_writer=StoreWriter(uri, compression=None), no_dist=True
+        {"x": torch.randn(64)},
+        storage_writer=StoreWriter(uri, encoding=EncodingOptions(compression=None)),
+        no_dist=True,
     )
     store = Store(uri)
     index = load_rank_index(store, load_manifest(store, 0), 0)
@@ -339,7 +345,7 @@ def _save_worker(rank: int, world: int, uri: str, dims: dict, use_async: bool):
         "rank_count": world,
     }
     for expected_step in (0, 1):
-        writer = StoreWriter(uri, chunk_bytes=4096)
+        writer = StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096))
         if use_async:
             dcp.async_save(state, storage_writer=writer).result(timeout=60)
         else:
@@ -422,7 +428,7 @@ def test_four_ranks_save_then_reshard_to_two(tmp_path):
 
 
 def _replicated_async_worker(rank: int, world: int, uri: str):
-    writer = StoreWriter(uri, timeout_s=10.0)
+    writer = StoreWriter(uri, storage=StorageOptions(timeout_s=10.0))
     state = {"r": torch.arange(10.0)}  # replicated: DCP has one rank write it, the other nothing
     for step in range(3):
         dcp.async_save(state, storage_writer=writer).result(timeout=60)

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 import ckptstore.dcp.reader as reader_module
+from ckptstore import EncodingOptions, ReadOptions, StorageOptions
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointCorruptError, CheckpointError
@@ -51,7 +52,9 @@ def _blank() -> dict:
 
 
 def _save(root: str, step: int) -> None:
-    writer = StoreWriter(root, step=step, chunk_bytes=CHUNK, compression=None)
+    writer = StoreWriter(
+        root, step=step, encoding=EncodingOptions(chunk_bytes=CHUNK, compression=None)
+    )
     dcp.save(_state(step), storage_writer=writer)
 
 
@@ -78,7 +81,7 @@ def _assert_loaded(target: dict, step: int, rank: int) -> None:
 
 
 def _replicated_load(
-    rank: int, world: int, root: str, options: dict, dedicated_group: bool, shared: bool
+    rank: int, world: int, root: str, reads: ReadOptions | None, dedicated_group: bool, shared: bool
 ) -> None:
     _save(root, 1)
     distinct = len(_distinct_chunks(root, 1))
@@ -86,7 +89,8 @@ def _replicated_load(
     if dedicated_group:  # as under NCCL: the exchange gets a gloo group of its own
         reader_module._reaches_cpu = lambda backend: False
     tally = Tally()
-    reader = StoreReader(root, step=1, store=counting_store(root, tally), **options)
+    storage = StorageOptions(store=counting_store(root, tally))
+    reader = StoreReader(root, step=1, storage=storage, reads=reads)
     target = _blank()
     dcp.load(target, storage_reader=reader)
     _assert_loaded(target, 1, rank)
@@ -99,7 +103,7 @@ def _replicated_load(
     assert max(gets) <= -(-distinct // world) + 1, gets  # and the reads spread over the ranks
     stats = reader.last_load_exchange
     assert stats is not None and stats.fetched + stats.received == distinct, stats
-    budget = options.get("shared_read_budget_bytes")
+    budget = None if reads is None else reads.shared_read_budget_bytes
     if budget:
         assert stats.buffer_bytes <= budget + CHUNK, stats
     if dedicated_group:
@@ -108,32 +112,33 @@ def _replicated_load(
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "options",
+    "reads",
     [
-        {},
+        None,
         # several batches (w, then v and the value) and rounds of at most 3 chunks
-        {"read_batch_bytes": 4 * CHUNK, "shared_read_budget_bytes": 3 * CHUNK},
+        ReadOptions(read_batch_bytes=4 * CHUNK, shared_read_budget_bytes=3 * CHUNK),
     ],
     ids=["defaults", "batches-and-rounds"],
 )
-def test_a_replicated_dcp_load_reads_each_chunk_once(tmp_path, options):
-    run_ranks(_replicated_load, 4, str(tmp_path), options, False, True)
+def test_a_replicated_dcp_load_reads_each_chunk_once(tmp_path, reads):
+    run_ranks(_replicated_load, 4, str(tmp_path), reads, False, True)
 
 
 @pytest.mark.dist
 def test_a_group_that_is_not_gloo_exchanges_over_a_gloo_group_of_its_own(tmp_path):
-    run_ranks(_replicated_load, 4, str(tmp_path), {}, True, True)
+    run_ranks(_replicated_load, 4, str(tmp_path), None, True, True)
 
 
 @pytest.mark.dist
 def test_a_budget_of_zero_reads_on_every_rank(tmp_path):
-    run_ranks(_replicated_load, 4, str(tmp_path), {"shared_read_budget_bytes": 0}, False, False)
+    reads = ReadOptions(shared_read_budget_bytes=0)
+    run_ranks(_replicated_load, 4, str(tmp_path), reads, False, False)
 
 
 def _one_rank_opts_out(rank: int, world: int, root: str) -> None:
     # Ranks agree through the coordinator: one rank's 0 turns the shared read off for all.
-    options = {"shared_read_budget_bytes": 0} if rank == 2 else {}
-    _replicated_load(rank, world, root, options, False, False)
+    reads = ReadOptions(shared_read_budget_bytes=0) if rank == 2 else None
+    _replicated_load(rank, world, root, reads, False, False)
 
 
 @pytest.mark.dist
@@ -159,7 +164,7 @@ def _corrupt_load(rank: int, world: int, root: str) -> None:
     dist.barrier()
 
     tally = PathTally()
-    reader = StoreReader(root, step=2, store=counting_store(root, tally))
+    reader = StoreReader(root, step=2, storage=StorageOptions(store=counting_store(root, tally)))
     with pytest.raises(CheckpointException) as raised:
         dcp.load(_blank(), storage_reader=reader)
     failures = _failures(raised.value)
@@ -187,7 +192,7 @@ class _Broken(RuntimeError):
 
 def _one_rank_fails(rank: int, world: int, root: str, where: str) -> None:
     _save(root, 1)
-    reader = StoreReader(root, step=1, read_batch_bytes=4 * CHUNK)
+    reader = StoreReader(root, step=1, reads=ReadOptions(read_batch_bytes=4 * CHUNK))
     if rank == 1:
 
         def broken(*args, **kwargs):
@@ -221,7 +226,10 @@ def _count_load(rank: int, world: int, root: str, out: str, budget: int) -> None
         _save(root, 1)
     tally = Tally()
     reader = StoreReader(
-        root, step=1, store=counting_store(root, tally), shared_read_budget_bytes=budget
+        root,
+        step=1,
+        storage=StorageOptions(store=counting_store(root, tally)),
+        reads=ReadOptions(shared_read_budget_bytes=budget),
     )
     target = _blank()
     dcp.load(target, storage_reader=reader)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from ckptstore import EncodingOptions, StorageOptions
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import StepExistsError
@@ -87,7 +88,7 @@ def _record_staging(writer: StoreWriter) -> list[int]:
 
 def test_back_to_back_async_saves_get_distinct_steps(tmp_path):
     uri = str(tmp_path / "s")
-    writer = _CommitsAfterTwoPlans(uri, chunk_bytes=4096)
+    writer = _CommitsAfterTwoPlans(uri, encoding=EncodingOptions(chunk_bytes=4096))
     buffers = _record_staging(writer)
     first, second = _state(1), _state(2)
     f1 = dcp.async_save(first, storage_writer=writer, no_dist=True)
@@ -107,7 +108,7 @@ def test_back_to_back_async_saves_get_distinct_steps(tmp_path):
 
 def test_saves_named_by_training_step_through_checkpoint_id(tmp_path):
     uri = str(tmp_path / "s")
-    writer = StoreWriter(uri, chunk_bytes=4096)
+    writer = StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096))
     buffers = _record_staging(writer)
     state = _state(0)
     futures, saved = [], {}
@@ -152,7 +153,7 @@ def test_a_fixed_step_writer_is_reusable_with_per_save_steps(tmp_path):
 
 def test_a_committed_checkpoint_id_step_fails_and_clobbers_nothing(tmp_path):
     uri = str(tmp_path / "s")
-    writer = StoreWriter(uri, timeout_s=10.0)
+    writer = StoreWriter(uri, storage=StorageOptions(timeout_s=10.0))
     original = _state(100)
     dcp.save(original, storage_writer=writer, checkpoint_id=100, no_dist=True)
     store = Store(uri)
@@ -217,7 +218,7 @@ def _overlapping_worker(rank: int, world: int, uri: str):
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(48.0).reshape(8, 6)
-    writer = StoreWriter(uri, chunk_bytes=4096)
+    writer = StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096))
     # Overlapping saves must not share a process group: DCP's collectives of both would be
     # issued from two threads on each rank, in an order the ranks need not agree on.
     groups = [dist.new_group(backend="gloo") for _ in range(2)]
@@ -253,7 +254,7 @@ def test_two_ranks_overlapping_async_saves(tmp_path):
 def test_overlapping_saves_to_different_stores_each_commit_where_they_were_aimed(tmp_path):
     """A second async_save naming another store must not redirect the first, still writing."""
     uri_a, uri_b = str(tmp_path / "a"), str(tmp_path / "b")
-    writer = _CommitsAfterTwoPlans(uri_a, chunk_bytes=4096)
+    writer = _CommitsAfterTwoPlans(uri_a, encoding=EncodingOptions(chunk_bytes=4096))
     first, second = _state(1), _state(2)
     f1 = dcp.async_save(first, storage_writer=writer, checkpoint_id=uri_a, no_dist=True)
     f2 = dcp.async_save(second, storage_writer=writer, checkpoint_id=uri_b, no_dist=True)
@@ -266,7 +267,7 @@ def test_overlapping_saves_to_different_stores_each_commit_where_they_were_aimed
 
 def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
     uri = str(tmp_path / "s")
-    writer = StoreWriter(uri, chunk_bytes=4096)
+    writer = StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096))
     states = {100: _state(1), 200: _state(2)}
     for step, state in states.items():
         dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True)

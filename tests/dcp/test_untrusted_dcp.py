@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from ckptstore import StorageOptions
 from ckptstore.catalog import load_manifest, read_object
 from ckptstore.cli import main
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
@@ -66,13 +67,13 @@ def _metadata_key(store: Store) -> str:
 
 def _old_writer_blob(store: Store) -> bytes:
     """The metadata of step 0 pickled as ckptstore's writer did before the JSON encoding."""
-    metadata = StoreReader(store.uri, step=0, store=store).read_metadata()
+    metadata = StoreReader(store.uri, step=0, storage=StorageOptions(store=store)).read_metadata()
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _hostile_blob(store: Store, marker: Path) -> bytes:
     """A real step's Metadata, pickled with a value whose unpickling opens ``marker``."""
-    metadata = StoreReader(store.uri, step=0, store=store).read_metadata()
+    metadata = StoreReader(store.uri, step=0, storage=StorageOptions(store=store)).read_metadata()
     metadata.planner_data = _OpensMarker(marker)
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 

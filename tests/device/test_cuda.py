@@ -13,7 +13,7 @@ import torch
 
 import ckptstore.device_load as device_load
 import ckptstore.staging as staging
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, StagingOptions
 from ckptstore.catalog import load_manifest
 from ckptstore.device import Device, allocate_host
 from ckptstore.staging import Stager, StagingPool
@@ -110,7 +110,9 @@ def test_back_to_back_saves_stay_within_both_budgets(tmp_path):
 
 def test_a_state_over_the_device_budget_is_staged_through_the_host(tmp_path, caplog):
     state = _state()
-    with Checkpointer(tmp_path / "ck", staging="auto", device_staging_budget_bytes=2**20) as ck:
+    with Checkpointer(
+        tmp_path / "ck", staging=StagingOptions(mode="auto", device_budget_bytes=2**20)
+    ) as ck:
         with caplog.at_level(logging.WARNING, logger="ckptstore.save.engine"):
             for step in range(3):
                 ck.save(step, state).wait()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptstore.staging as staging
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StagingOptions
 from ckptstore.catalog import load_manifest
 from ckptstore.device import Device, allocate_host
 from ckptstore.device_load import read_to_device
@@ -63,7 +63,7 @@ def test_a_state_over_the_device_budget_is_staged_through_the_host_with_one_log_
     state = make_state()
     small = {"bias": torch.randn(1000)}
     with Checkpointer(
-        tmp_path / "ck", staging="device", device_staging_budget_bytes=64 * 1024
+        tmp_path / "ck", staging=StagingOptions(mode="device", device_budget_bytes=64 * 1024)
     ) as ck:
         with caplog.at_level(logging.WARNING, logger="ckptstore.save.engine"):
             for step in range(3):
@@ -214,7 +214,11 @@ def restore_state() -> dict[str, torch.Tensor]:
 
 
 def saved_index(tmp_path: Path, state: dict[str, torch.Tensor], **kwargs):
-    ck = Checkpointer(tmp_path / "ck", compression="none", chunk_bytes=64 * 1024, **kwargs)
+    ck = Checkpointer(
+        tmp_path / "ck",
+        encoding=EncodingOptions(compression="none", chunk_bytes=64 * 1024),
+        **kwargs,
+    )
     ck.save(1, state).wait()
     index = StepView(ck.store, load_manifest(ck.store, 1)).index(0)
     return ck, index

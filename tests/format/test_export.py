@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreWriter
 from ckptstore.errors import (
@@ -113,7 +113,7 @@ def test_checkpointer_step_exports_every_tensor_bit_for_bit(tmp_path):
 
 def test_small_max_shard_size_writes_an_index_and_numbered_shards(tmp_path):
     state = _state()
-    _save(str(tmp_path / "store"), state, chunk_bytes=4096)
+    _save(str(tmp_path / "store"), state, encoding=EncodingOptions(chunk_bytes=4096))
     out = tmp_path / "out"
     result = export_safetensors(str(tmp_path / "store"), out, max_shard_size=1500)
     names = sorted(os.listdir(out))
@@ -200,7 +200,7 @@ def test_a_corrupt_chunk_fails_and_leaves_no_file(tmp_path):
     store_uri = str(tmp_path / "store")
     g = torch.Generator().manual_seed(3)
     state = {f"t{i}": torch.randn(4096, generator=g) for i in range(6)}
-    _save(store_uri, state, chunk_bytes=16384, compression=None)
+    _save(store_uri, state, encoding=EncodingOptions(chunk_bytes=16384, compression=None))
     store = Store(store_uri)
     index = load_rank_index(store, load_manifest(store, 5), 0)
     last = index.tensors[-1].segments[-1].chunk  # read last: earlier shards are complete by then
@@ -238,7 +238,7 @@ def _dcp_save_worker(rank: int, world: int, uri: str) -> None:
         "replicated": torch.arange(5.0),
         "rank_count": world,
     }
-    dcp.save(state, storage_writer=StoreWriter(uri, chunk_bytes=4096))
+    dcp.save(state, storage_writer=StoreWriter(uri, encoding=EncodingOptions(chunk_bytes=4096)))
 
 
 @pytest.mark.dist
@@ -291,7 +291,7 @@ def test_export_memory_is_bounded_by_a_shard_not_the_state(tmp_path):
     state = {f"layer{i:02d}.weight": torch.randn(MiB, generator=g) for i in range(40)}
     assert sum(t.numel() * t.element_size() for t in state.values()) == state_bytes
     store = str(tmp_path / "store")
-    _save(store, state, chunk_bytes=MiB, compression=None)
+    _save(store, state, encoding=EncodingOptions(chunk_bytes=MiB, compression=None))
     del state
     out = tmp_path / "out"
     proc = subprocess.run(

@@ -8,6 +8,7 @@ import ast
 import pytest
 import torch
 
+from ckptstore import EncodingOptions, RetentionOptions, StagingOptions, StorageOptions
 from ckptstore.catalog import load_manifest
 from ckptstore.store import Store
 from tests.helpers import ROOT
@@ -36,10 +37,14 @@ def _save_both_ways(rank: int, world: int, ckpt_uri: str, dcp_uri: str) -> None:
     from ckptstore import Checkpointer
     from ckptstore.dcp import StoreWriter
 
-    with Checkpointer(ckpt_uri, compression="zstd", chunk_bytes=CHUNK_BYTES) as ckpt:
+    with Checkpointer(
+        ckpt_uri, encoding=EncodingOptions(compression="zstd", chunk_bytes=CHUNK_BYTES)
+    ) as ckpt:
         ckpt.save(1, _replicated_state()).wait()
     # DCP's planner gives each replicated tensor to one rank: the zero buffers land on both.
-    writer = StoreWriter(dcp_uri, step=1, compression="zstd", chunk_bytes=CHUNK_BYTES)
+    writer = StoreWriter(
+        dcp_uri, step=1, encoding=EncodingOptions(compression="zstd", chunk_bytes=CHUNK_BYTES)
+    )
     dcp.save(_replicated_state(), storage_writer=writer)
 
 
@@ -112,10 +117,10 @@ def test_dcp_writer_takes_the_checkpointers_save_settings(tmp_path):
 
     writer = StoreWriter(
         tmp_path,
-        hedge_uploads=True,
-        staging_budget_bytes=1 << 20,
-        gc_wait_s=5.0,
-        background_nice=3,
+        encoding=EncodingOptions(hedge_uploads=True),
+        staging=StagingOptions(budget_bytes=1 << 20),
+        retention=RetentionOptions(gc_wait_s=5.0),
+        storage=StorageOptions(background_nice=3),
     )
     engine = writer.engine
     assert (engine.hedge_uploads, engine.pool.budget_bytes, engine.gc_wait_s) == (
@@ -125,4 +130,4 @@ def test_dcp_writer_takes_the_checkpointers_save_settings(tmp_path):
     )
     assert StoreWriter(tmp_path).engine.hedge_uploads is False  # a local store: not hedged
     with pytest.raises(ValueError, match="background_nice"):
-        StoreWriter(tmp_path, background_nice=20)
+        StoreWriter(tmp_path, storage=StorageOptions(background_nice=20))

@@ -8,7 +8,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Any
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.store import Store
 
 CHUNK_BYTES = 64 * 1024
@@ -97,14 +97,16 @@ def counted_s3(store: Store, tally: Tally):
 @contextmanager
 def counted_checkpointer(uri: str, tally: Tally, **kwargs: Any):
     """A Checkpointer of ``uri`` whose requests are counted into ``tally``."""
-    settings = dict(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    encoding = EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
     if uri.startswith("s3://"):
-        with Checkpointer(uri, **settings, **kwargs) as ckpt, counted_s3(ckpt.store, tally):
+        with Checkpointer(uri, encoding=encoding, **kwargs) as ckpt, counted_s3(ckpt.store, tally):
             yield ckpt
         return
     store = Store(uri)
     store.backend = CountingBackend(store.backend, tally)
-    with Checkpointer(uri, store=store, **settings, **kwargs) as ckpt:
+    with Checkpointer(
+        uri, storage=StorageOptions(store=store), encoding=encoding, **kwargs
+    ) as ckpt:
         yield ckpt
 
 

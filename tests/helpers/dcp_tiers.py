@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ckptstore import EncodingOptions, TierOptions
 from ckptstore.dcp import StoreWriter
 
 CHUNK = 64 * 1024
@@ -40,10 +41,15 @@ def assert_loaded(target: dict, step: int) -> None:
     assert target["step"] == step
 
 
-def tier_writer(root: str, local: str, **options) -> StoreWriter:
-    """A StoreWriter of ``root`` with its local tier in ``local`` (every 2nd save durable)."""
-    options.setdefault("durable_every", 2)
-    return StoreWriter(root, local_dir=local, chunk_bytes=CHUNK, compression=None, **options)
+def tier_writer(root: str, local: str, **tiers) -> StoreWriter:
+    """A StoreWriter of ``root`` with its local tier in ``local`` (every 2nd save durable);
+    ``tiers``: more ``TierOptions`` fields (``durable_every=``, ``peer_copies=``, ...)."""
+    tiers.setdefault("durable_every", 2)
+    return StoreWriter(
+        root,
+        tiers=TierOptions(local_dir=local, **tiers),
+        encoding=EncodingOptions(chunk_bytes=CHUNK, compression=None),
+    )
 
 
 def log_records(logger: str) -> list[logging.LogRecord]:

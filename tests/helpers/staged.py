@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, StagingOptions
 
 
 def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -29,7 +29,7 @@ def saves_back_to_back_within_budgets(uri, state: dict[str, torch.Tensor], updat
     budget = int(state_bytes * 2.5)
     expected = []
     with Checkpointer(
-        uri, staging="device", device_staging_budget_bytes=budget, staging_budget_bytes=budget
+        uri, staging=StagingOptions(mode="device", device_budget_bytes=budget, budget_bytes=budget)
     ) as ck:
         for step in range(8):
             expected.append(snapshot(state))

@@ -3,6 +3,7 @@ a local tier, and saving steps on every rank (a function ``run_ranks`` spawns)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -10,14 +11,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, TierOptions
 from ckptstore.store import Store
 from tests.helpers.dist import gathered
 
 RANKS_PER_NODE = 2
 
 
-SETTINGS = {"chunk_bytes": 1 << 16, "compression": "zstd", "timeout_s": 20.0}
+ENCODING = EncodingOptions(chunk_bytes=1 << 16, compression="zstd")
+STORAGE = StorageOptions(timeout_s=20.0)
 
 
 def rank_state(rank: int, step: int) -> dict:
@@ -48,19 +50,25 @@ def blank_state() -> dict:
 
 
 # ``root / "durable"`` is durable storage, ``root / f"node{n}"`` node n's local tier.
-def tier_checkpointer(root: Path, rank: int, store: Store | None = None, **kw) -> Checkpointer:
+# ``tiers``: more ``TierOptions`` fields (``peer_copies=``, ``durable_every=``, ...).
+def tier_checkpointer(
+    root: Path,
+    rank: int,
+    store: Store | None = None,
+    encoding: EncodingOptions = ENCODING,
+    **tiers,
+) -> Checkpointer:
     node = rank // RANKS_PER_NODE
     return Checkpointer(
         root / "durable",
-        local_dir=root / f"node{node}",
-        node_rank=node,
-        store=store,
-        **{**SETTINGS, **kw},
+        tiers=TierOptions(local_dir=root / f"node{node}", node_rank=node, **tiers),
+        storage=dataclasses.replace(STORAGE, store=store),
+        encoding=encoding,
     )
 
 
 def save_steps(rank: int, world: int, root: str, steps: list[int], kw: dict) -> None:
-    """On every rank (``run_ranks``): save ``steps``. ``kw``: Checkpointer options, and
+    """On every rank (``run_ranks``): save ``steps``. ``kw``: ``tier_checkpointer``'s keywords, and
     ``abandon`` (leave as a crash would) and ``report`` (a file for rank 0 to write the peer
     copies' figures into)."""
     abandon = kw.pop("abandon", False)

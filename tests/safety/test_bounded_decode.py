@@ -13,7 +13,7 @@ import pytest
 import torch
 import zstandard
 
-from ckptstore import CheckpointCorruptError, Checkpointer, Store
+from ckptstore import CheckpointCorruptError, Checkpointer, EncodingOptions, Store
 from ckptstore.cli import main
 from ckptstore.format import chunk_key
 from tests.helpers.child import growth_in_child
@@ -26,7 +26,7 @@ CHILD_TIMEOUT_S = 120
 
 
 def save_step(uri: str, step: int = 1) -> None:
-    with Checkpointer(uri, chunk_bytes=65536, compression="zstd") as ckpt:
+    with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=65536, compression="zstd")) as ckpt:
         ckpt.save(step, {"w": torch.arange(N, dtype=torch.float32)}).wait()
 
 

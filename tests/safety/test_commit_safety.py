@@ -19,8 +19,11 @@ from bench.faults import Faults, with_faults
 from ckptstore import (
     Checkpointer,
     CheckpointError,
+    EncodingOptions,
+    RetentionOptions,
     RetryPolicy,
     StorageError,
+    StorageOptions,
     Store,
 )
 from ckptstore.catalog import list_steps
@@ -62,7 +65,7 @@ def test_gc_in_another_process_never_removes_what_a_save_uses(tmp_path, request,
     else:
         uri = str(tmp_path / "store")
     contents = [torch.randn(65536, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    ckpt = Checkpointer(uri, chunk_bytes=16 << 10, compression="none")
+    ckpt = Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=16 << 10, compression="none"))
     for step in range(30):  # a store with history
         ckpt.save(step, {"u": contents[step % 3]}).wait()
     gc_proc = subprocess.Popen([PY, "-c", GC_LOOP, uri, "8"], stdout=subprocess.PIPE, text=True)
@@ -126,7 +129,12 @@ def test_a_delete_abandoned_at_its_deadline_cannot_remove_a_newer_commit(tmp_pat
     while deletes of them may still be running."""
     faults = Faults(ops=frozenset({"delete"}), hang_rate=0.5, hang_s=2.0, seed=seed)
     store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=8, timeout_s=0.3)), faults)
-    ckpt = Checkpointer(tmp_path, store=store, keep_last=1, compression="none")
+    ckpt = Checkpointer(
+        tmp_path,
+        storage=StorageOptions(store=store),
+        keep_last=1,
+        encoding=EncodingOptions(compression="none"),
+    )
     a, b = torch.randn(50_000), torch.randn(50_000)
     ckpt.save(1, {"w": a}).wait()
     ckpt.save(2, {"w": b}).wait()
@@ -190,7 +198,9 @@ def test_a_killed_writer_is_seen_dead_and_swept(tmp_path, capsys):
     from ckptstore.cli import main
 
     uri = str(tmp_path)
-    Checkpointer(uri, chunk_bytes=4096).save(1, {"w": torch.ones(1000)}).wait()
+    Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=4096)).save(
+        1, {"w": torch.ones(1000)}
+    ).wait()
     proc = subprocess.Popen([PY, "-c", SLOW_WRITER, uri, "2"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "staged"
@@ -248,7 +258,7 @@ def test_a_writer_on_another_host_is_dead_once_its_lease_expires(tmp_path, capsy
 def test_a_save_waits_while_gc_holds_the_store(tmp_path):
     store = Store(tmp_path)
     gc_lease = Lease(store, GC, "other-gc", ttl_s=30).acquire()
-    ckpt = Checkpointer(tmp_path, gc_wait_s=0.5)
+    ckpt = Checkpointer(tmp_path, retention=RetentionOptions(gc_wait_s=0.5))
     with pytest.raises(StorageError, match="garbage collection .* has held"):
         ckpt.save(1, {"w": torch.ones(3)}).wait()
     gc_lease.release()
@@ -281,7 +291,12 @@ def test_a_save_whose_lease_lapsed_is_not_committed(tmp_path):
     from bench.faults import Fixed
 
     store = with_faults(Store(tmp_path), Faults(ops=frozenset({"put"}), latency=Fixed(0.05)))
-    ckpt = Checkpointer(tmp_path, store=store, lease_ttl_s=0.4, chunk_bytes=4096)
+    ckpt = Checkpointer(
+        tmp_path,
+        storage=StorageOptions(store=store),
+        retention=RetentionOptions(lease_ttl_s=0.4),
+        encoding=EncodingOptions(chunk_bytes=4096),
+    )
     original = store.put
 
     def put(key, data, **kw):  # every renewal of a lease fails
@@ -305,7 +320,12 @@ def test_wait_tells_the_truth_about_each_commit_under_errors(tmp_path):
     committed (or says the outcome is unknown); wait() returning means it is."""
     faults = Faults(error_rate=0.7, seed=11)
     store = with_faults(Store(tmp_path, retry=RetryPolicy(attempts=3, base_delay_s=0.001)), faults)
-    ckpt = Checkpointer(tmp_path, store=store, compression="none", lease_ttl_s=600)
+    ckpt = Checkpointer(
+        tmp_path,
+        storage=StorageOptions(store=store),
+        encoding=EncodingOptions(compression="none"),
+        retention=RetentionOptions(lease_ttl_s=600),
+    )
     outcomes = {}
     for step in range(40):
         try:
@@ -330,7 +350,7 @@ def test_wait_tells_the_truth_about_each_commit_under_errors(tmp_path):
 def test_a_full_disk_leaves_no_temporaries_and_the_next_save_says_what_failed(small_disk):
     """Issue item 11."""
     uri = str(small_disk / "store")
-    ckpt = Checkpointer(uri, compression="none", chunk_bytes=256 << 10)
+    ckpt = Checkpointer(uri, encoding=EncodingOptions(compression="none", chunk_bytes=256 << 10))
     ckpt.save(1, {"w": torch.randn(1000)}).wait()
     handle = ckpt.save(2, {"w": torch.randn(2 << 20)})  # 8 MiB on a 4 MiB disk
     with pytest.raises(StorageError, match="no space left"):
@@ -413,7 +433,7 @@ def test_a_chunk_deleted_by_another_process_is_not_taken_as_stored(s3_uri):
     """s3fs answers size() from its listing cache: a chunk gc deleted elsewhere must be
     written again, not referenced."""
     a, b = torch.randn(4096), torch.randn(4096)
-    ckpt = Checkpointer(s3_uri, compression="none")
+    ckpt = Checkpointer(s3_uri, encoding=EncodingOptions(compression="none"))
     ckpt.save(0, {"w": a}).wait()
     ckpt.save(1, {"w": b}).wait()
     ckpt.store.list("chunks")  # fills the listing cache with step 0's chunk

@@ -18,6 +18,7 @@ from ckptstore import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointNotFoundError,
+    EncodingOptions,
     Store,
     UnsupportedStateError,
 )
@@ -83,7 +84,7 @@ def flip_byte(root: Path, digest: str) -> Path:
 
 
 def save_steps(root: Path, steps, state_of=make_state) -> None:
-    with Checkpointer(root, chunk_bytes=4096, compression="none") as ckpt:
+    with Checkpointer(root, encoding=EncodingOptions(chunk_bytes=4096, compression="none")) as ckpt:
         for step in steps:
             ckpt.save(step, state_of(step)).wait()
 
@@ -169,7 +170,9 @@ def test_failed_load_that_wrote_nothing_raises_the_plain_error(tmp_path):
     assert info.value.written == ["b"]
     assert not target["a"].any()
     # A failure before any byte reached the state: the plain error, the state untouched.
-    with Checkpointer(tmp_path, chunk_bytes=4096, compression="none") as ckpt:
+    with Checkpointer(
+        tmp_path, encoding=EncodingOptions(chunk_bytes=4096, compression="none")
+    ) as ckpt:
         ckpt.save(8, {"w": torch.arange(100.0), "n": 8}).wait()
     store = Store(tmp_path)
     (digest,) = load_rank_index(store, load_manifest(store, 8), 0).chunks
@@ -268,7 +271,7 @@ def _dist_state(rank: int, step: int) -> dict:
 
 
 def _dist_save(rank: int, world: int, root: str) -> None:
-    with Checkpointer(root, chunk_bytes=4096, compression="none") as ckpt:
+    with Checkpointer(root, encoding=EncodingOptions(chunk_bytes=4096, compression="none")) as ckpt:
         for step in (1, 2):
             ckpt.save(step, _dist_state(rank, step))
         ckpt.wait()

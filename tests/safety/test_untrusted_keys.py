@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointCorruptError, Checkpointer, Store
+from ckptstore import CheckpointCorruptError, Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
 from tests.helpers.child import run_script
@@ -21,7 +21,7 @@ CHILD_TIMEOUT_S = 60
 
 
 def save_step(uri: str, step: int = 1) -> None:
-    with Checkpointer(uri, chunk_bytes=4096, compression="zstd") as ckpt:
+    with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=4096, compression="zstd")) as ckpt:
         ckpt.save(step, {"w": torch.arange(N, dtype=torch.float32)}).wait()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, Store
 from ckptstore.catalog import list_steps, load_rank_indexes, open_step
 from ckptstore.leases import SAVE, find_leases
 from ckptstore.retention import collect
@@ -99,7 +99,11 @@ def _unchanged_saves_dcp(rank: int, world: int, root: str, out: str) -> None:
     tally = Tally()
     store = Store(root)
     store.backend = CountingBackend(store.backend, tally)
-    writer = StoreWriter(root, store=store, chunk_bytes=CHUNK_BYTES, compression="none")
+    writer = StoreWriter(
+        root,
+        storage=StorageOptions(store=store),
+        encoding=EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="none"),
+    )
     state = {f"rank{rank}": _rank_state(rank, 1)["w"]}  # items of this rank's own
     dcp.save(state, storage_writer=writer, checkpoint_id=1)
     tally.clear()
@@ -124,7 +128,11 @@ def test_every_dcp_rank_knows_its_chunks_from_the_coordinators_plan(tmp_path):
 def _save_and_die(rank: int, world: int, root: str, dying: int, out: str) -> None:
     """Step 1 committed; then ``dying`` exits once its chunks of step 2 are written, and every
     other rank records how its save of step 2 ended."""
-    ckpt = Checkpointer(root, chunk_bytes=CHUNK_BYTES, compression="none", timeout_s=3.0)
+    ckpt = Checkpointer(
+        root,
+        encoding=EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="none"),
+        storage=StorageOptions(timeout_s=3.0),
+    )
     ckpt.save(1, _rank_state(rank, 1)).wait()
     if rank == dying:
         SaveSession.put_index = lambda *args, **kwargs: os._exit(DIED)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.faults import Faults, with_faults
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import ElasticPool, HedgePolicy, Hedger
@@ -75,7 +75,9 @@ def test_hedged_uploads_do_not_duplicate_objects(tmp_path, backend):
     faults = Faults(slow_rate=0.3, slow_s=1.0, ops=frozenset({"put"}), seed=7)
     store = with_faults(Store(uri), faults)
     ckpt = Checkpointer(
-        uri, store=store, chunk_bytes=64 * 1024, hedge_uploads=True, encode_threads=4
+        uri,
+        storage=StorageOptions(store=store),
+        encoding=EncodingOptions(chunk_bytes=64 * 1024, hedge_uploads=True, encode_threads=4),
     )
     store.hedger.policy = HedgePolicy(
         initial_delay_s=0.1, min_delay_s=0.05, burst=50, max_extra_fraction=1.0

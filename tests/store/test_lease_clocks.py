@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.format import commit_key
 from ckptstore.leases import SAVE, LeaseInfo, find_leases
@@ -79,7 +79,7 @@ DYING_GC = textwrap.dedent(
 def test_a_save_after_a_gc_killed_with_a_delete_in_flight_waits_for_that_delete(tmp_path):
     uri, landed = str(tmp_path / "store"), tmp_path / "delete-landed"
     a, b = torch.randn(50_000), torch.randn(50_000)
-    ckpt = Checkpointer(uri, compression="none")
+    ckpt = Checkpointer(uri, encoding=EncodingOptions(compression="none"))
     ckpt.save(1, {"w": a}).wait()
     ckpt.save(2, {"w": b}).wait()
     Store(uri).delete(commit_key(1))  # step 1 dropped: the gc sweeps the chunk of `a`
@@ -132,7 +132,9 @@ BEHIND_WRITER = textwrap.dedent(
 
 def test_gc_sweeps_nothing_under_a_live_save_whose_clock_is_300s_behind(tmp_path):
     uri, gate = str(tmp_path / "store"), tmp_path / "gate"
-    Checkpointer(uri, compression="none").save(1, {"w": torch.arange(50_000.0)}).wait()
+    Checkpointer(uri, encoding=EncodingOptions(compression="none")).save(
+        1, {"w": torch.arange(50_000.0)}
+    ).wait()
     Store(uri).delete(commit_key(1))  # its chunk is unreferenced until step 2 commits
     writer = subprocess.Popen(
         [PY, "-c", BEHIND_WRITER, uri, str(gate)], stdout=subprocess.PIPE, text=True

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.save import SaveEngine, SaveSession
 from ckptstore.store import Store
@@ -183,8 +183,10 @@ def test_a_backend_without_exclusive_create_is_asked_before_each_new_chunk(tmp_p
     tally = Tally()
     store = Store(str(tmp_path))
     store.backend = CountingBackend(store.backend, tally, enforces_create=False)
-    settings = dict(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
-    with Checkpointer(str(tmp_path), store=store, **settings) as ckpt:
+    encoding = EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    with Checkpointer(
+        str(tmp_path), storage=StorageOptions(store=store), encoding=encoding
+    ) as ckpt:
         ckpt.save(1, state(1)).wait()
         # The size first, then the put's own existence check and its read-back.
         assert tally.chunks == {"head": 2 * N_CHUNKS, "put": N_CHUNKS, "get": N_CHUNKS}

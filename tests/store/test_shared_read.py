@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, ReadOptions, StorageOptions
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.format import ChunkInfo
 from ckptstore.shared_read import ExchangePlan
@@ -25,7 +25,7 @@ from tests.helpers.counting import PathTally, Tally, counting_store
 from tests.helpers.dist import gathered, run_ranks
 
 CHUNK = 64 * 1024
-SETTINGS = dict(chunk_bytes=CHUNK, compression="none", hedge_uploads=False)
+ENCODING = EncodingOptions(chunk_bytes=CHUNK, compression="none", hedge_uploads=False)
 
 
 def _replicated(step: int, n_chunks: int = 8) -> torch.Tensor:
@@ -42,11 +42,16 @@ def _chunk_gets(tally: Tally) -> int:
 
 
 def _replicated_restore(rank: int, world: int, root: str, budget: int | None) -> None:
-    with Checkpointer(root, **SETTINGS) as ckpt:
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
         ckpt.save(1, {"w": _replicated(1), "rank": rank}).wait()
     tally = Tally()
-    options = {} if budget is None else {"shared_read_budget_bytes": budget}
-    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS, **options) as ckpt:
+    reads = None if budget is None else ReadOptions(shared_read_budget_bytes=budget)
+    with Checkpointer(
+        root,
+        storage=StorageOptions(store=counting_store(root, tally)),
+        encoding=ENCODING,
+        reads=reads,
+    ) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4), "rank": -1}
         assert ckpt.load(target) == 1
         stats = ckpt.last_load_exchange
@@ -75,10 +80,12 @@ def _mixed_restore(rank: int, world: int, root: str) -> None:
     def state(rank: int) -> dict:
         return {"shared": _replicated(7, n_chunks=4), "own": _private(rank)}
 
-    with Checkpointer(root, **SETTINGS) as ckpt:
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
         ckpt.save(1, state(rank)).wait()
     tally = Tally()
-    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS) as ckpt:
+    with Checkpointer(
+        root, storage=StorageOptions(store=counting_store(root, tally)), encoding=ENCODING
+    ) as ckpt:
         # The last rank loads only its own tensor: it shares no chunk with the others.
         alone = rank == world - 1
         target = {k: torch.zeros_like(v) for k, v in state(rank).items() if not alone or k == "own"}
@@ -98,7 +105,7 @@ def test_a_mix_of_replicated_and_private_tensors(tmp_path):
 
 
 def _corrupt_restore(rank: int, world: int, root: str) -> None:
-    with Checkpointer(root, **SETTINGS) as ckpt:
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
         ckpt.save(1, {"w": _replicated(1)}).wait()
         before = {p.name for p in Path(root, "chunks").rglob("*") if p.is_file()}
         ckpt.save(2, {"w": _replicated(2)}).wait()
@@ -112,7 +119,9 @@ def _corrupt_restore(rank: int, world: int, root: str) -> None:
     dist.barrier()
 
     tally = PathTally()
-    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS) as ckpt:
+    with Checkpointer(
+        root, storage=StorageOptions(store=counting_store(root, tally)), encoding=ENCODING
+    ) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4)}
         with pytest.raises(CheckpointCorruptError) as raised:
             ckpt.load(target)
@@ -121,7 +130,7 @@ def _corrupt_restore(rank: int, world: int, root: str) -> None:
     bad_gets = gathered(sum(1 for path in tally.paths if path.endswith(bad.name)))
     assert sum(bad_gets) == 1, bad_gets  # read and found corrupt by its owner alone
 
-    with Checkpointer(root, **SETTINGS) as ckpt:
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4)}
         assert ckpt.load(target, fallback=True) == 1  # on every rank
         assert torch.equal(target["w"], _replicated(1))
@@ -166,10 +175,12 @@ def test_a_chunk_over_the_budget_is_a_round_alone():
 
 def _count_restore(rank: int, world: int, root: str, out: str) -> None:
     """The figures of docs/BENCHMARKS.md: chunk GETs of a 4-rank restore of replicated state."""
-    with Checkpointer(root, **SETTINGS) as ckpt:
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
         ckpt.save(1, {"w": _replicated(1)}).wait()
     tally = Tally()
-    with Checkpointer(root, store=counting_store(root, tally), **SETTINGS) as ckpt:
+    with Checkpointer(
+        root, storage=StorageOptions(store=counting_store(root, tally)), encoding=ENCODING
+    ) as ckpt:
         target = {"w": torch.zeros(8 * CHUNK // 4)}
         ckpt.load(target)
     assert torch.equal(target["w"], _replicated(1))

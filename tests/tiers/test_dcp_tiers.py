@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 import ckptstore.dcp.tiers as dcp_tiers
+from ckptstore import StorageOptions, TierOptions
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader
 from ckptstore.store import Store
@@ -53,7 +54,12 @@ def _save_steps(root: str, local: str, steps, **options) -> None:
 
 
 def _load(root: str, local: str, tally: Tally, **options) -> tuple[dict, StoreReader]:
-    reader = StoreReader(root, local_dir=local, store=counting_store(root, tally), **options)
+    reader = StoreReader(
+        root,
+        tiers=TierOptions(local_dir=local),
+        storage=StorageOptions(store=counting_store(root, tally)),
+        **options,
+    )
     target = blank_state()
     dcp.load(target, storage_reader=reader)
     return target, reader
@@ -61,7 +67,7 @@ def _load(root: str, local: str, tally: Tally, **options) -> tuple[dict, StoreRe
 
 def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, root: str, base):
     local = node_dir(base, rank)
-    empty = StoreReader(root, local_dir=local)
+    empty = StoreReader(root, tiers=TierOptions(local_dir=local))
     assert empty.latest() is None  # nothing to resume (collective, as a load)
     _save_steps(root, local, [1, 2, 3, 4])
     assert list_steps(Store(root)) == [1, 3]  # the first save and every 2nd after it
@@ -166,12 +172,15 @@ def _no_common_step(rank: int, world: int, root: str, base: str) -> None:
         shutil.rmtree(local)
     dist.barrier()
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(blank_state(), storage_reader=StoreReader(root, local_dir=local, step=2))
+        dcp.load(
+            blank_state(),
+            storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=2),
+        )
     for exc, _ in raised.value.failures.values():  # DCP words it as "metadata is None; ..."
         assert "step 2 is neither held by every rank's local tier" in str(exc), exc
     target = blank_state()  # "latest" is the durable step 1
-    assert StoreReader(root, local_dir=local).latest() == 1
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local))
+    assert StoreReader(root, tiers=TierOptions(local_dir=local)).latest() == 1
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local)))
     assert_loaded(target, 1)
 
 
@@ -203,7 +212,7 @@ def _full_local_disk(rank: int, world: int, root: str, disk: str) -> None:
     assert set(durable) | set(held) == set(range(1, 7)), (durable, held)
     dist.barrier()
     target = {k: torch.zeros_like(v) for k, v in big.items()}
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local))
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local)))
     assert all(torch.equal(target[k], big[k] + 6) for k in big)
 
 
@@ -220,7 +229,11 @@ def test_one_process_without_torch_distributed(tmp_path):
     writer.wait()
     assert list_steps(Store(root)) == [1]
     tally = Tally()
-    reader = StoreReader(root, local_dir=local, store=counting_store(root, tally))
+    reader = StoreReader(
+        root,
+        tiers=TierOptions(local_dir=local),
+        storage=StorageOptions(store=counting_store(root, tally)),
+    )
     target = blank_state()
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert_loaded(target, 2)
@@ -336,7 +349,9 @@ def _bad_chunk_of_a_local_only_step(rank: int, world: int, root: str, base: str)
             _flip_a_byte(chunk)
     dist.barrier()
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(blank_state(), storage_reader=StoreReader(root, local_dir=local))
+        dcp.load(
+            blank_state(), storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local))
+        )
     why = " ".join(str(e) for e, _ in raised.value.failures.values())
     assert "this rank's copy was unlisted: load again" in why, why
     # The second load restores rank 2's copy from its holder on node 0: step 2, whole.

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from ckptstore import EncodingOptions, ReadOptions, TierOptions
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.store import Store
@@ -89,7 +90,7 @@ def _failures(exc: CheckpointException) -> str:
 
 
 def _load_latest(root: str, local: str, **options) -> tuple[dict, StoreReader]:
-    reader = StoreReader(root, local_dir=local, **options)
+    reader = StoreReader(root, tiers=TierOptions(local_dir=local), **options)
     target = blank_state()
     dcp.load(target, storage_reader=reader)
     return target, reader
@@ -143,7 +144,7 @@ def _resave_local_only_step(rank: int, world: int, root: str, base: str) -> None
     durable = Store(root)
     assert 2 in list_steps(durable)  # the second save went to durable storage
     target = blank_state()
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=2))
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=2))
     seed = _loaded_seed(target, (2, 102))
     assert seed == 102, (
         f"rank {rank}: dcp.save of step 2 returned (committed to {root} as attempt "
@@ -198,7 +199,9 @@ def test_a_world_size_change_that_reuses_a_step_number_loads_the_durable_save(tm
     writer.close()  # its drain to durable storage
     assert writer.saved_step == 2 and 2 in list_steps(Store(root)), writer.saved_step
     target = blank_state()  # the one process loads its own save back
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local), no_dist=True)
+    dcp.load(
+        target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local)), no_dist=True
+    )
     assert _loaded_seed(target, (2, 50)) == 50
     run_ranks(_world_change_collision_load, 2, root, local, 50)
 
@@ -230,7 +233,10 @@ def _mixed_attempts(rank: int, world: int, root: str, base: str) -> None:
     seed = _loaded_seed(target, (2, 102, 3, 103))
     assert seed == 102, f"rank {rank}: loaded step_state({seed}) (source {reader.last_load})"
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(blank_state(), storage_reader=StoreReader(root, local_dir=local, step=3))
+        dcp.load(
+            blank_state(),
+            storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=3),
+        )
     assert "step 3" in _failures(raised.value), _failures(raised.value)
 
 
@@ -249,7 +255,7 @@ def _restart_resaves(rank: int, world: int, root: str, base: str) -> None:
         dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step)
     # A restarted job resumes from step 1 and saves 2 and 3 again (a new writer).
     target = blank_state()
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=1))
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=1))
     assert_loaded(target, 1)
     writer = tier_writer(root, local, durable_every=3, local_keep_last=3)
     dcp.save(step_state(102), storage_writer=writer, checkpoint_id=2)
@@ -257,7 +263,7 @@ def _restart_resaves(rank: int, world: int, root: str, base: str) -> None:
     target, _ = _load_latest(root, local)
     assert _loaded_seed(target, (3, 103)) == 103
     target = blank_state()
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=2))
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=2))
     assert _loaded_seed(target, (2, 102)) == 102
 
 
@@ -307,7 +313,9 @@ def _retention(rank: int, world: int, root: str, base: str) -> None:
     assert sorted(tier_copies(local, store_identity(Store(root))).copies) == [5]
     for step in (1, 4):
         target = blank_state()
-        dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=step))
+        dcp.load(
+            target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=step)
+        )
         assert_loaded(target, step)
 
 
@@ -421,11 +429,13 @@ def _other_encoding_in_durable(rank: int, world: int, root: str, base: str) -> N
     local = node_dir(base, rank)
     state = _compressible(1)
     # An earlier run (no tiers) saved these values compressed.
-    plain = StoreWriter(root, chunk_bytes=CHUNK, compression="zstd")
+    plain = StoreWriter(root, encoding=EncodingOptions(chunk_bytes=CHUNK, compression="zstd"))
     dcp.save(state, storage_writer=plain, checkpoint_id=1)
     # This run: tiers, no compression; step 2 (durable) holds the same values.
     tiered = StoreWriter(
-        root, local_dir=local, chunk_bytes=CHUNK, compression=None, durable_every=1
+        root,
+        tiers=TierOptions(local_dir=local, durable_every=1),
+        encoding=EncodingOptions(chunk_bytes=CHUNK, compression=None),
     )
     dcp.save(state, storage_writer=tiered, checkpoint_id=2)
     tiered.wait()  # its drain
@@ -443,7 +453,7 @@ def _other_encoding_in_durable(rank: int, world: int, root: str, base: str) -> N
     _flip_every_chunk(_rank_store(local, root, rank))  # every local chunk goes bad
     dist.barrier()
     target = {"w": torch.zeros_like(state["w"]), "v": torch.zeros_like(state["v"]), "step": -1}
-    dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=2))
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=2))
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["v"], state["v"])
 
 
@@ -480,7 +490,9 @@ def _one_rank_fails_to_save(rank: int, world: int, root: str, base: str) -> None
     with pytest.raises(CheckpointException):
         dcp.save(
             step_state(1),
-            storage_writer=StoreWriter(str(Path(base) / "plain"), chunk_bytes=CHUNK),
+            storage_writer=StoreWriter(
+                str(Path(base) / "plain"), encoding=EncodingOptions(chunk_bytes=CHUNK)
+            ),
             planner=_FailingPlanner(rank == 1),
         )
     assert time.monotonic() - start < 30
@@ -530,7 +542,9 @@ def _swapped_items(rank: int, world: int, root: str, base: str) -> None:
     start = time.monotonic()
     dcp.load(
         target,
-        storage_reader=StoreReader(root, local_dir=local, read_batch_bytes=CHUNK),
+        storage_reader=StoreReader(
+            root, tiers=TierOptions(local_dir=local), reads=ReadOptions(read_batch_bytes=CHUNK)
+        ),
     )
     assert all(torch.equal(target[k], wanted[k]) for k in wanted)
     assert time.monotonic() - start < 30, f"rank {rank}: the load took too long"
@@ -583,7 +597,11 @@ def test_back_to_back_async_saves_with_tiers_in_one_process(tmp_path):
     assert list_steps(Store(root)) == [1, 3]
     for step in (2, 3):
         target = blank_state()
-        dcp.load(target, storage_reader=StoreReader(root, local_dir=local, step=step), no_dist=True)
+        dcp.load(
+            target,
+            storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=step),
+            no_dist=True,
+        )
         assert_loaded(target, step)
 
 
@@ -603,12 +621,14 @@ def test_a_two_rank_save_loads_into_one_process_from_durable_or_fails_clearly(tm
     run_ranks(_save_four, 2, root, local)
     assert list_steps(Store(root)) == [1, 3]
     target = blank_state()  # the 2-rank copies are not this 1-process job's: durable step 3
-    reader = StoreReader(root, local_dir=local)
+    reader = StoreReader(root, tiers=TierOptions(local_dir=local))
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert_loaded(target, 3)
     assert reader.last_load is not None and reader.last_load.source == "durable"
     with pytest.raises(CheckpointException) as raised:  # only the 2-rank tiers hold step 4
         dcp.load(
-            blank_state(), storage_reader=StoreReader(root, local_dir=local, step=4), no_dist=True
+            blank_state(),
+            storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=4),
+            no_dist=True,
         )
     assert "step 4 is neither held" in _failures(raised.value), _failures(raised.value)

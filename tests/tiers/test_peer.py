@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, StagingOptions
 from ckptstore.peer import PeerReplicas, guard_of, ward_of
 from tests.helpers.dist import run_ranks
 
@@ -23,7 +23,7 @@ def _blank() -> dict:
 
 
 def _worker(rank: int, world: int, root: str) -> None:
-    ckpt = Checkpointer(root, staging="peer", ranks_per_node=1)
+    ckpt = Checkpointer(root, staging=StagingOptions(mode="peer", ranks_per_node=1))
     assert ckpt._peers.guard == (rank + 1) % world
     for step in (1, 2):
         ckpt.save(step, _state(rank, step))

@@ -3,6 +3,7 @@ every M saves; restore from the fastest tier that verifies (ckptstore.tiers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Checkpointer, telemetry
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, TierOptions, telemetry
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.store import Store
@@ -24,7 +25,7 @@ from tests.helpers import ROOT
 from tests.helpers.counting import CountingBackend, Tally
 from tests.helpers.dist import gathered, run_ranks
 from tests.helpers.tiers import (
-    SETTINGS,
+    ENCODING,
     blank_state,
     copies_dir,
     index_doc,
@@ -130,7 +131,9 @@ def test_with_no_durable_copy_a_corrupt_peer_copy_means_an_older_step(tmp_path):
 
 def test_local_tier_and_durable_every_in_one_process(tmp_path):
     root = tmp_path
-    with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
+    with Checkpointer(
+        root / "durable", tiers=TierOptions(local_dir=root / "local", durable_every=2)
+    ) as ckpt:
         handles = [ckpt.save(step, rank_state(0, step)) for step in (1, 2, 3, 4, 5)]
         for h in handles:
             h.wait()
@@ -141,7 +144,9 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
     assert list_steps(Store(str(copies_dir(root / "local", 0)))) == [4, 5]  # local_keep_last=2
     loads_before = telemetry.tier_loads_total.value(tier=LOCAL)
     bytes_before = telemetry.tier_load_bytes_total.value(tier=LOCAL)
-    with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
+    with Checkpointer(
+        root / "durable", tiers=TierOptions(local_dir=root / "local", durable_every=2)
+    ) as ckpt:
         state = blank_state()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == LOCAL
         assert torch.equal(state["w"], rank_state(0, 5)["w"])
@@ -150,7 +155,9 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
     read = telemetry.tier_load_bytes_total.value(tier=LOCAL) - bytes_before
     assert read == ckpt.last_load.sources[LOCAL].bytes
     shutil.rmtree(root / "local")
-    with Checkpointer(root / "durable", local_dir=root / "local", durable_every=2) as ckpt:
+    with Checkpointer(
+        root / "durable", tiers=TierOptions(local_dir=root / "local", durable_every=2)
+    ) as ckpt:
         state = blank_state()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == DURABLE
         assert torch.equal(state["w"], rank_state(0, 5)["w"])
@@ -160,7 +167,9 @@ def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, cap
     local = tmp_path / "local"
     local.write_text("not a directory")  # every local write fails
     caplog.set_level(logging.WARNING, logger="ckptstore")
-    with Checkpointer(tmp_path / "durable", local_dir=local, durable_every=5) as ckpt:
+    with Checkpointer(
+        tmp_path / "durable", tiers=TierOptions(local_dir=local, durable_every=5)
+    ) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, rank_state(0, step)).wait()
     assert list_steps(Store(str(tmp_path / "durable"))) == [1, 2, 3]  # every save, not 1 in 5
@@ -169,9 +178,9 @@ def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, cap
 
 
 def test_a_local_copy_of_another_job_is_never_loaded(tmp_path):
-    with Checkpointer(tmp_path / "a", local_dir=tmp_path / "local") as ckpt:
+    with Checkpointer(tmp_path / "a", tiers=TierOptions(local_dir=tmp_path / "local")) as ckpt:
         ckpt.save(7, rank_state(0, 7)).wait()
-    with Checkpointer(tmp_path / "b", local_dir=tmp_path / "local") as ckpt:
+    with Checkpointer(tmp_path / "b", tiers=TierOptions(local_dir=tmp_path / "local")) as ckpt:
         with pytest.raises(CheckpointNotFoundError, match="no tier holds"):
             ckpt.load(blank_state())
 
@@ -207,10 +216,10 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     from ckptstore.cli import main
 
     durable, local = tmp_path / "durable", tmp_path / "local"
-    with Checkpointer(durable, local_dir=local, durable_every=2) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=2)) as ckpt:
         for step in (1, 2, 3, 4):
             ckpt.save(step, rank_state(0, step))
-    with Checkpointer(tmp_path / "other", local_dir=local / "x") as ckpt:
+    with Checkpointer(tmp_path / "other", tiers=TierOptions(local_dir=local / "x")) as ckpt:
         ckpt.save(9, rank_state(0, 9))  # another job's copies: not this store's
     assert main(["ls", f"file://{durable}/", "--local-dir", str(local), "--json"]) == 0
     rows = {r["step"]: r["tiers"] for r in json.loads(capsys.readouterr().out)["steps"]}
@@ -239,7 +248,9 @@ def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, sm
         return {"w": torch.randint(0, 2**31, (384 * 1024,), generator=g, dtype=torch.int32)}
 
     with Checkpointer(
-        durable, local_dir=small_disk, durable_every=100, local_keep_last=5, compression="none"
+        durable,
+        tiers=TierOptions(local_dir=small_disk, durable_every=100, local_keep_last=5),
+        encoding=EncodingOptions(compression="none"),
     ) as ckpt:
         for step in range(1, 6):
             ckpt.save(step, big(step)).wait()
@@ -250,7 +261,7 @@ def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, sm
     assert len([r for r in caplog.records if "not committed to the local tier" in r.message]) == 1
     for step in range(1, 6):  # every step committed somewhere loads, bit for bit
         state = {"w": torch.zeros(384 * 1024, dtype=torch.int32)}
-        with Checkpointer(durable, local_dir=small_disk) as ckpt:
+        with Checkpointer(durable, tiers=TierOptions(local_dir=small_disk)) as ckpt:
             assert ckpt.load(state, step=step) == step
         assert torch.equal(state["w"], big(step)["w"])
 
@@ -273,7 +284,7 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
                 errors.append(exc)
 
     with Checkpointer(
-        durable, local_dir=local, durable_every=2, keep_last=2, local_keep_last=2
+        durable, tiers=TierOptions(local_dir=local, durable_every=2, local_keep_last=2), keep_last=2
     ) as ckpt:
         ckpt.save(0, rank_state(0, 0)).wait()
         threads = [
@@ -311,12 +322,13 @@ def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
 def test_peer_copies_hold_at_most_their_budget_and_send_only_new_chunks(tmp_path):
     budget = 100_000  # a round: one 64 KiB chunk and its status byte, the next waits
     out = tmp_path / "copies.json"
-    kw = {"peer_copies": 1, "peer_budget_bytes": budget, "report": str(out), "compression": "none"}
+    encoding = dataclasses.replace(ENCODING, compression="none")
+    kw = {"peer_copies": 1, "peer_budget_bytes": budget, "report": str(out), "encoding": encoding}
     run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
     for rank, copies in enumerate(json.loads(out.read_text())):
         (first, sent1, held1), (second, sent2, held2) = copies
         # One transfer out and one in per rank, each round at most the budget and one chunk.
-        chunk = SETTINGS["chunk_bytes"]
+        chunk = ENCODING.chunk_bytes
         assert 0 < max(first, second) <= 2 * (budget + chunk + 1), rank
         assert held1 == 0 and held2 > 0 and sent2 < sent1, rank  # "frozen" is not sent again
 
@@ -324,9 +336,13 @@ def test_peer_copies_hold_at_most_their_budget_and_send_only_new_chunks(tmp_path
 PREEMPTED_LOOP = """
 import sys, time
 import torch
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, PreemptionOptions, TierOptions
 durable, local = sys.argv[1], sys.argv[2]
-ckpt = Checkpointer(durable, local_dir=local, durable_every=1000, handle_sigterm=True)
+ckpt = Checkpointer(
+    durable,
+    tiers=TierOptions(local_dir=local, durable_every=1000),
+    preemption=PreemptionOptions(handle_sigterm=True),
+)
 step = 0
 while step < 3000:
     step += 1
@@ -376,12 +392,14 @@ def test_after_sigterm_a_save_reaches_durable_storage_before_the_process_ends(tm
 def test_two_jobs_share_a_local_dir_without_getting_in_each_others_way(tmp_path):
     local = tmp_path / "shm"
     for job in ("a", "b"):  # the same step numbers, one RAM disk
-        with Checkpointer(tmp_path / job, local_dir=local, durable_every=100) as ckpt:
+        with Checkpointer(
+            tmp_path / job, tiers=TierOptions(local_dir=local, durable_every=100)
+        ) as ckpt:
             for step in (10, 20):
                 ckpt.save(step, rank_state(0, step + ord(job))).wait()
     for job in ("a", "b"):
         assert list_steps(Store(str(tmp_path / job))) == [10]  # 20 went to the local tier only
-        with Checkpointer(tmp_path / job, local_dir=local) as ckpt:
+        with Checkpointer(tmp_path / job, tiers=TierOptions(local_dir=local)) as ckpt:
             state = blank_state()
             assert ckpt.load(state) == 20 and ckpt.last_load.source == LOCAL
             assert torch.equal(state["w"], rank_state(0, 20 + ord(job))["w"])
@@ -394,7 +412,9 @@ def test_a_failed_drain_is_raised_once_by_wait_and_the_local_copy_stays(tmp_path
     faults = Faults(error_rate=1.0, ops=frozenset({"put"}))
     durable = with_faults(Store(str(tmp_path / "durable")), faults)
     with Checkpointer(
-        tmp_path / "durable", store=durable, local_dir=tmp_path / "local", timeout_s=2.0
+        tmp_path / "durable",
+        storage=StorageOptions(store=durable, timeout_s=2.0),
+        tiers=TierOptions(local_dir=tmp_path / "local"),
     ) as ckpt:
         handle = ckpt.save(1, rank_state(0, 1))
         handle.wait()  # committed to the local tier
@@ -415,7 +435,9 @@ def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go
     durable = with_faults(Store(str(tmp_path / "durable")), faults)
     local = tmp_path / "local"
     with Checkpointer(
-        tmp_path / "durable", store=durable, local_dir=local, local_keep_last=1, timeout_s=60.0
+        tmp_path / "durable",
+        storage=StorageOptions(store=durable, timeout_s=60.0),
+        tiers=TierOptions(local_dir=local, local_keep_last=1),
     ) as ckpt:
         handles = [ckpt.save(step, rank_state(0, step)) for step in range(1, 6)]
         for handle in handles:
@@ -441,13 +463,19 @@ def test_drains_that_fall_behind_saves_drain_the_newest_step_and_let_the_rest_go
 
 
 def test_a_load_reads_only_the_durable_manifests_it_considers(tmp_path):
-    with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local") as ckpt:
+    with Checkpointer(
+        tmp_path / "durable", tiers=TierOptions(local_dir=tmp_path / "local")
+    ) as ckpt:
         for step in range(1, 7):  # every save durable
             ckpt.save(step, rank_state(0, step)).wait()
     tally = Tally()
     store = Store(str(tmp_path / "durable"))
     store.backend = CountingBackend(store.backend, tally)
-    with Checkpointer(tmp_path / "durable", local_dir=tmp_path / "local", store=store) as ckpt:
+    with Checkpointer(
+        tmp_path / "durable",
+        tiers=TierOptions(local_dir=tmp_path / "local"),
+        storage=StorageOptions(store=store),
+    ) as ckpt:
         assert ckpt.load(blank_state()) == 6 and ckpt.last_load.source == LOCAL
     assert tally.others["get"] == 2  # identity.json at open, step 6's manifest (not all six)
     assert tally.chunks.total() == 0

@@ -5,6 +5,7 @@ holds the chunks encoded otherwise, peer rounds smaller than a chunk."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,14 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, PreemptionOptions, StorageOptions, TierOptions
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiers import (
-    SETTINGS,
+    ENCODING,
+    STORAGE,
     blank_state,
     copies_dir,
     index_doc,
@@ -87,11 +89,11 @@ def test_a_lower_step_saved_after_a_rollback_is_not_retained_away(tmp_path):
     wait() reports both committed; local_keep_last keeps the two highest step numbers of the
     abandoned run (10, 20) and unlists 5 and 6 at once."""
     durable, local = tmp_path / "durable", tmp_path / "local"
-    with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=100)) as ckpt:
         for step in (1, 10, 20):
             ckpt.save(step, rank_state(0, step)).wait()
     drain_error = None
-    with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=100)) as ckpt:
         assert ckpt.load(blank_state(), step=1) == 1
         for step in (5, 6):  # 5 is this process's first save: bound for durable storage too
             ckpt.save(step, rank_state(0, step)).wait()  # committed, says wait()
@@ -99,7 +101,7 @@ def test_a_lower_step_saved_after_a_rollback_is_not_retained_away(tmp_path):
             ckpt.wait()
         except CheckpointError as exc:
             drain_error = exc
-    with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=100)) as ckpt:
         for step in (5, 6):
             state = blank_state()
             try:
@@ -115,18 +117,18 @@ def test_a_step_saved_again_after_a_rollback_is_the_one_loaded(tmp_path):
     the abandoned run's 20 blocks the local commit, so the save goes to durable storage (wait()
     succeeds); the next ``load()`` must return that save, not the abandoned one."""
     durable, local = tmp_path / "durable", tmp_path / "local"
-    with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=100)) as ckpt:
         for step in (1, 10, 20):
             ckpt.save(step, rank_state(0, step)).wait()
     assert list_steps(Store(str(durable))) == [1]
     redone = rank_state(0, 2020)
     redone["step"] = 20
-    with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=100)) as ckpt:
         assert ckpt.load(blank_state(), step=1) == 1
         ckpt.save(20, redone).wait()  # committed (to durable storage, as it turns out)
         ckpt.wait()
     assert list_steps(Store(str(durable))) == [1, 20]
-    with Checkpointer(durable, local_dir=local, durable_every=100) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=100)) as ckpt:
         state = blank_state()
         assert ckpt.load(state) == 20
         assert torch.equal(state["w"], redone["w"]), (
@@ -157,10 +159,10 @@ def test_a_corrupt_own_copy_is_restored_from_the_holders_copy(tmp_path):
 def _one_node_preempted(rank: int, world: int, root: str, out: str) -> None:
     ckpt = Checkpointer(
         Path(root) / "durable",
-        local_dir=Path(root) / f"node{rank}",
-        durable_every=100,
-        handle_sigterm=True,
-        **SETTINGS,
+        tiers=TierOptions(local_dir=Path(root) / f"node{rank}", durable_every=100),
+        preemption=PreemptionOptions(handle_sigterm=True),
+        encoding=ENCODING,
+        storage=STORAGE,
     )
     ckpt.save(1, rank_state(rank, 1)).wait()
     ckpt.wait()  # step 1 drained
@@ -203,7 +205,12 @@ def test_sigterm_on_one_node_only_does_not_hang_its_save(tmp_path):
 
 
 def _load_one_tier_broken(rank: int, world: int, root: str, out: str) -> None:
-    ckpt = Checkpointer(Path(root) / "durable", local_dir=Path(root) / f"node{rank}", **SETTINGS)
+    ckpt = Checkpointer(
+        Path(root) / "durable",
+        tiers=TierOptions(local_dir=Path(root) / f"node{rank}"),
+        encoding=ENCODING,
+        storage=STORAGE,
+    )
     if rank == 1:  # this node's disk errors when listed (EIO; here ELOOP)
         commits = copies_dir(Path(root) / "node1", 1) / "commits"
         shutil.rmtree(commits)
@@ -224,7 +231,12 @@ def _load_one_tier_broken(rank: int, world: int, root: str, out: str) -> None:
 
 
 def _save_two_ranks(rank: int, world: int, root: str) -> None:
-    ckpt = Checkpointer(Path(root) / "durable", local_dir=Path(root) / f"node{rank}", **SETTINGS)
+    ckpt = Checkpointer(
+        Path(root) / "durable",
+        tiers=TierOptions(local_dir=Path(root) / f"node{rank}"),
+        encoding=ENCODING,
+        storage=STORAGE,
+    )
     ckpt.save(10, rank_state(rank, 10)).wait()
     ckpt.close()
 
@@ -273,13 +285,17 @@ def test_a_durable_manifest_that_cannot_be_read_is_not_silently_skipped(tmp_path
     a moment: ``load()`` without fallback must raise, as it does without tiers; it loads the
     older step 1 instead, and the job then redoes step 2 (whose durable save is refused)."""
     durable = tmp_path / "durable"
-    with Checkpointer(durable, local_dir=tmp_path / "local") as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=tmp_path / "local")) as ckpt:
         for step in (1, 2):
             ckpt.save(step, rank_state(0, step)).wait()
     shutil.rmtree(tmp_path / "local")
     store = open_store(durable, timeout_s=2.0)
     store.backend = _FailingCommitGets(store.backend, 2)
-    with Checkpointer(durable, store=store, local_dir=tmp_path / "local", timeout_s=2.0) as ckpt:
+    with Checkpointer(
+        durable,
+        storage=StorageOptions(store=store, timeout_s=2.0),
+        tiers=TierOptions(local_dir=tmp_path / "local"),
+    ) as ckpt:
         try:
             step = ckpt.load(blank_state())
         except StorageError:
@@ -306,12 +322,16 @@ def test_an_unreachable_durable_store_is_not_reported_as_no_checkpoint(tmp_path)
     CheckpointNotFoundError '... (durable steps: none)', the error callers take for a fresh
     start (examples/train_gpt.py resume()), though the store holds step 1."""
     durable = tmp_path / "durable"
-    with Checkpointer(durable, local_dir=tmp_path / "local") as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=tmp_path / "local")) as ckpt:
         ckpt.save(1, rank_state(0, 1)).wait()
     shutil.rmtree(tmp_path / "local")
     store = open_store(durable, timeout_s=2.0)
     store.backend = _Unlistable(store.backend)
-    ckpt = Checkpointer(durable, store=store, local_dir=tmp_path / "local", timeout_s=2.0)
+    ckpt = Checkpointer(
+        durable,
+        storage=StorageOptions(store=store, timeout_s=2.0),
+        tiers=TierOptions(local_dir=tmp_path / "local"),
+    )
     try:
         with pytest.raises(CheckpointError) as info:
             ckpt.load(blank_state(), fallback=True)
@@ -324,12 +344,12 @@ def test_when_every_step_misses_chunks_the_error_is_not_found(tmp_path):
     """``load(fallback=True)`` documents CheckpointNotFoundError when every step only missed
     objects; the tiered load always raises CheckpointCorruptError."""
     durable, local = tmp_path / "durable", tmp_path / "local"
-    with Checkpointer(durable, local_dir=local) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local)) as ckpt:
         for step in (1, 2):
             ckpt.save(step, rank_state(0, step)).wait()
     for root in (durable, copies_dir(local, 0)):
         shutil.rmtree(root / "chunks")
-    with Checkpointer(durable, local_dir=local) as ckpt:
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local)) as ckpt:
         with pytest.raises(CheckpointError) as info:
             ckpt.load(blank_state(), fallback=True)
     assert isinstance(info.value, CheckpointNotFoundError), repr(info.value)
@@ -356,7 +376,12 @@ def test_a_local_chunk_gone_bad_does_not_block_every_later_drain(tmp_path):
             s["extra"] = extra
         return s
 
-    with Checkpointer(durable, local_dir=local, durable_every=2, **SETTINGS) as ckpt:
+    with Checkpointer(
+        durable,
+        tiers=TierOptions(local_dir=local, durable_every=2),
+        encoding=ENCODING,
+        storage=STORAGE,
+    ) as ckpt:
         ckpt.save(1, state(1)).wait()
         ckpt.save(2, state(2)).wait()  # local only
         ckpt.wait()
@@ -387,11 +412,17 @@ def test_a_drain_records_the_durable_stored_size_of_chunks_encoded_otherwise(tmp
     g = torch.Generator().manual_seed(3)
     old = torch.randint(0, 50, (32768,), dtype=torch.int32, generator=g)  # compressible
     kept = torch.randint(0, 50, (32768,), dtype=torch.int32, generator=g)
-    chunk = {"chunk_bytes": 1 << 16, "timeout_s": 20.0}
-    with Checkpointer(durable, compression="none", **chunk) as ckpt:
+    storage = StorageOptions(timeout_s=20.0)
+    raw = EncodingOptions(chunk_bytes=1 << 16, compression="none")
+    with Checkpointer(durable, encoding=raw, storage=storage) as ckpt:
         ckpt.save(1, {"a": old, "b": kept}).wait()  # both raw
         ckpt.save(2, {"b": kept}).wait()  # newest: knows only b
-    with Checkpointer(durable, local_dir=local, compression="zstd", **chunk) as ckpt:
+    with Checkpointer(
+        durable,
+        tiers=TierOptions(local_dir=local),
+        encoding=EncodingOptions(chunk_bytes=1 << 16, compression="zstd"),
+        storage=storage,
+    ) as ckpt:
         ckpt.save(3, {"a": old, "b": kept}).wait()  # a: put, exists; b: known
         ckpt.wait()
     local_index = index_doc(copies_dir(local, 0), 3)["chunks"]
@@ -457,7 +488,12 @@ def test_a_load_while_drains_are_pending_keeps_them_and_they_complete(tmp_path):
     durable, local = tmp_path / "durable", tmp_path / "local"
     faults = Faults(hang_rate=1.0, ops=frozenset({"put"}))  # durable puts wait for release()
     store = with_faults(open_store(durable, timeout_s=20.0), faults)
-    with Checkpointer(durable, store=store, local_dir=local, **SETTINGS) as ckpt:
+    with Checkpointer(
+        durable,
+        storage=dataclasses.replace(STORAGE, store=store),
+        tiers=TierOptions(local_dir=local),
+        encoding=ENCODING,
+    ) as ckpt:
         handles = [ckpt.save(step, rank_state(0, step)) for step in (1, 2)]
         for h in handles:
             h.wait()

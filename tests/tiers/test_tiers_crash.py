@@ -20,10 +20,15 @@ from ckptstore.catalog import list_steps
 
 WRITER = r"""
 import sys, torch
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, TierOptions
 from ckptstore.errors import CheckpointNotFoundError
 root, local, until = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ckpt = Checkpointer(root, local_dir=local, durable_every=2, chunk_bytes=256 * 1024, keep_last=3)
+ckpt = Checkpointer(
+    root,
+    tiers=TierOptions(local_dir=local, durable_every=2),
+    encoding=EncodingOptions(chunk_bytes=256 * 1024),
+    keep_last=3,
+)
 state = {"w": [torch.zeros(100_000) for _ in range(6)], "step": 0}
 try:
     step = ckpt.load(state, fallback=True) + 1
