@@ -26,7 +26,7 @@ import torch
 from bench._ckpt_common import MemoryProbe
 from bench._gloo import join_loopback_group
 from bench._thread_ranks import CollectiveCall
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.save import SaveSession
 
 PHASES = ("begin", "commit", "release", "retain")
@@ -100,12 +100,13 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
     ckpt = Checkpointer(
         plan.uri,
         storage_options=plan.storage_options,
-        chunk_bytes=plan.chunk_bytes,
-        compression=plan.compression,
-        hedge_uploads=False,  # on a loaded machine every put is slow: hedges would double them
-        encode_threads=plan.encode_threads,
-        max_concurrency=plan.max_concurrency,
-        timeout_s=plan.timeout_s,
+        encoding=EncodingOptions(
+            chunk_bytes=plan.chunk_bytes,
+            compression=plan.compression,
+            hedge_uploads=False,  # on a loaded machine every put is slow: hedges would double
+            encode_threads=plan.encode_threads,
+        ),
+        storage=StorageOptions(max_concurrency=plan.max_concurrency, timeout_s=plan.timeout_s),
     )
     saves = []
     try:

@@ -66,16 +66,22 @@ class _Method:
 class _Ckptstore(_Method):
     name = "ckptstore"
 
+    @property
+    def encoding(self) -> Any:
+        from ckptstore import EncodingOptions
+
+        return EncodingOptions(compression=self.compression)
+
     def save(self, state):
         from ckptstore import Checkpointer
 
-        with Checkpointer(self.ws.child(self.name), compression=self.compression) as ckpt:
+        with Checkpointer(self.ws.child(self.name), encoding=self.encoding) as ckpt:
             ckpt.save(0, state).wait()
 
     def load(self, dest):
         from ckptstore import Checkpointer
 
-        with Checkpointer(self.ws.child(self.directory), compression=self.compression) as ckpt:
+        with Checkpointer(self.ws.child(self.directory), encoding=self.encoding) as ckpt:
             ckpt.load(dest, step=0)
 
 

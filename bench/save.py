@@ -97,10 +97,12 @@ class _Ckptstore(_Method):
     staging = "auto"
 
     def open(self) -> None:
-        from ckptstore import Checkpointer
+        from ckptstore import Checkpointer, EncodingOptions, StagingOptions
 
         self.ckpt = Checkpointer(
-            self.ws.child(self.name), compression=self.compression, staging=self.staging
+            self.ws.child(self.name),
+            encoding=EncodingOptions(compression=self.compression),
+            staging=StagingOptions(mode=self.staging),
         )
 
     def save(self, state, n):
@@ -128,12 +130,12 @@ class _CkptstoreNoScan(_Ckptstore):
     name = "ckptstore_noscan"
 
     def open(self) -> None:
-        from ckptstore import Checkpointer, HealthPolicy
+        from ckptstore import Checkpointer, EncodingOptions, HealthPolicy, StagingOptions
 
         self.ckpt = Checkpointer(
             self.ws.child(self.name),
-            compression=self.compression,
-            staging=self.staging,
+            encoding=EncodingOptions(compression=self.compression),
+            staging=StagingOptions(mode=self.staging),
             health=HealthPolicy(scan=False),
         )
 
@@ -142,9 +144,12 @@ class _CkptstoreDcp(_Method):
     name = "ckptstore_dcp"
 
     def open(self) -> None:
+        from ckptstore import EncodingOptions
         from ckptstore.dcp import StoreWriter
 
-        self.writer = StoreWriter(self.ws.child(self.name), compression=self.compression)
+        self.writer = StoreWriter(
+            self.ws.child(self.name), encoding=EncodingOptions(compression=self.compression)
+        )
 
     def save(self, state, n):
         import torch.distributed.checkpoint as dcp

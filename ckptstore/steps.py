@@ -136,7 +136,7 @@ class StepView:
             raise UnsupportedStateError(
                 f"step {self.step} in {self.store.uri} is rank {self.tier_rank}'s local tier "
                 "copy of a DCP step (that rank's items only): restore the step from its durable "
-                "store, or load it in the job with StoreReader(uri, local_dir=...)"
+                "store, or load it in the job with StoreReader(uri, tiers=TierOptions(local_dir=...))"
             )
 
     def require(self, loader: str) -> None:

@@ -193,7 +193,7 @@ examples:
         action="append",
         default=[],
         metavar="PATH",
-        help="a node-local tier directory of this job (Checkpointer(local_dir=...)); repeat for "
+        help="a node-local tier directory of this job (TierOptions(local_dir=...)); repeat for "
         "several nodes' directories. Adds a TIERS column: durable, and the ranks whose copy of "
         "each step a directory holds (steps held only there are listed too)",
     )

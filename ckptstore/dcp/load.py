@@ -16,6 +16,7 @@ from ckptstore.dcp._torch_private import (
 from ckptstore.dcp.reader import StoreReader, load_pickled_value
 from ckptstore.errors import CheckpointError
 from ckptstore.format import check_step
+from ckptstore.options import StorageOptions
 from ckptstore.store import Store
 
 
@@ -43,7 +44,7 @@ def load_full_state_dict(store: Store, step: int) -> dict[str, Any]:
     every rank's pieces, like torch's ``dcp_to_torch_save``. Values DCP pickled are loaded by
     torch's weights-only unpickler; one that needs more is refused (``PickledValueRefusedError``).
     """
-    reader = StoreReader(store.uri, step=check_step(step), store=store)
+    reader = StoreReader(store.uri, step=check_step(step), storage=StorageOptions(store=store))
     reader.read_metadata()  # raises missing / wrong-kind / corrupt metadata errors unwrapped
     planner = _WeightsOnlyPlanner(f"step {step} in {store.uri}")
     state: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Which save a tiered DCP load reads, and from where (``StoreReader(local_dir=...)``).
 
-Each rank's local tier keeps one-rank copies of DCP steps (``StoreWriter(local_dir=...)``): the
+Each rank's local tier keeps one-rank copies of DCP steps (``StoreWriter(tiers=TierOptions(local_dir=...))``): the
 rank's own items, its index and the save's DCP metadata, and with ``peer_copies`` other nodes
 keep them too. Every rank says which copies its node holds (its own and others'); rank 0 adds
 the steps of durable storage and picks, with the Checkpointer's planner

@@ -346,7 +346,7 @@ class StoreWriter(StorageWriter, PooledStager):
             assert self._policy is not None and self._tier_group is not None
             if len(plans) != self._tier_group.world_size:
                 raise ValueError(
-                    f"StoreWriter(local_dir=...) saves over every rank of the default process "
+                    f"StoreWriter(tiers=TierOptions(local_dir=...)) saves over every rank of the default process "
                     f"group ({self._tier_group.world_size}); this DCP save runs on {len(plans)}"
                 )
             with self._plan_lock:
@@ -466,7 +466,7 @@ class StoreWriter(StorageWriter, PooledStager):
         group = self._tier_group
         if group.rank != self.rank:
             raise ValueError(
-                f"StoreWriter(local_dir=...) saves over every rank of the default process "
+                f"StoreWriter(tiers=TierOptions(local_dir=...)) saves over every rank of the default process "
                 f"group; DCP's rank {self.rank} is rank {group.rank} there"
             )
         local = self._local
@@ -497,7 +497,7 @@ class StoreWriter(StorageWriter, PooledStager):
         metadata = getattr(planner, "metadata", None)
         if not isinstance(metadata, Metadata):
             raise UnsupportedStateError(
-                f"StoreWriter(local_dir=...) needs a save planner that keeps its global "
+                f"StoreWriter(tiers=TierOptions(local_dir=...)) needs a save planner that keeps its global "
                 f"metadata as .metadata (DefaultSavePlanner does; {type(planner).__name__} "
                 "does not)"
             )

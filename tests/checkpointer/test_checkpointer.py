@@ -405,3 +405,14 @@ def test_verify_checks_every_chunk_and_names_what_is_wrong(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match=f"{second} missing"):
         ckpt.verify(2)
     ckpt.close()
+
+
+def test_the_flat_keywords_of_earlier_releases_still_work_and_say_what_to_pass(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    with pytest.warns(DeprecationWarning, match=r"pass EncodingOptions\(chunk_bytes=\.\.\."):
+        ckpt = Checkpointer(tmp_path, chunk_bytes=4096, compression="none")
+    with ckpt:
+        assert ckpt.engine.config.chunk_bytes == 4096
+        ckpt.save(1, state).wait()
+        into = {"w": torch.zeros(1000)}
+        assert ckpt.load(into) == 1 and torch.equal(into["w"], state["w"])
