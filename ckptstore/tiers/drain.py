@@ -241,7 +241,15 @@ class DrainQueue:
                     backlog.append(job)
             # Every rank's backlog starts with the same step; the least of their newest is
             # queued on every rank.
-            newest = min(self.group.gather(backlog[-1].step))
+            try:
+                newest = min(self.group.gather(backlog[-1].step))
+            except BaseException as exc:  # noqa: BLE001 - a lost rank: the job fails, the
+                # thread goes on (the group is spent, so each queued job fails in turn and
+                # every future is resolved: wait() and close() return)
+                job = backlog.pop(0)
+                self._fail(job, exc)
+                self.local.unprotect(job.step)
+                continue
             while backlog[0].step < newest and not backlog[0].keep:
                 self._supersede(backlog.pop(0), newest)
             self._run(backlog.pop(0))
@@ -251,18 +259,21 @@ class DrainQueue:
             self._drain(job)
             job.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reported on the job's future
-            logger.warning(
-                "rank %d: step %d was not drained to %s (its local copies stay): %s",
-                self.group.rank,
-                job.step,
-                self.store.uri,
-                one_line(exc),
-            )
-            job.future.set_exception(exc)
-            with self._lock:
-                self._failures.append((job.step, exc))
+            self._fail(job, exc)
         finally:
             self.local.unprotect(job.step)
+
+    def _fail(self, job: DrainJob, exc: BaseException) -> None:
+        logger.warning(
+            "rank %d: step %d was not drained to %s (its local copies stay): %s",
+            self.group.rank,
+            job.step,
+            self.store.uri,
+            one_line(exc),
+        )
+        job.future.set_exception(exc)
+        with self._lock:
+            self._failures.append((job.step, exc))
 
     def _supersede(self, job: DrainJob, newest: int) -> None:
         level = logging.INFO if self._superseded_logged else logging.WARNING

@@ -531,3 +531,45 @@ def test_a_failed_tiered_save_gives_its_staging_buffer_back(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0 and "step 2 saved" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_rank_lost_while_drains_agree_fails_each_queued_drain_and_wait_returns():
+    """The fault trial (issue 32) lost a node while a drain's ranks agreed on the newest step:
+    that exchange raised outside the drain's own error handling, the drain thread died, and
+    ``wait()`` / ``close()`` blocked for good. Now each queued drain fails with the loss."""
+    import concurrent.futures
+
+    from ckptstore.errors import RankLostError
+    from ckptstore.format import KIND_STATE
+    from ckptstore.tiers.drain import DrainJob, DrainQueue
+
+    class LostGroup:
+        rank = 0
+
+        def gather(self, value):
+            raise RankLostError("rank 1 lost: an exchange failed and its heartbeat stopped", [1])
+
+    class Local:
+        protected: set[int] = set()
+
+        def protect(self, step):
+            self.protected.add(step)
+
+        def unprotect(self, step):
+            self.protected.discard(step)
+
+    local = Local()
+    drains = DrainQueue(local=local, group=LostGroup(), store=Store("memory://lost-drains"))
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    for step, future in enumerate(futures, 1):
+        drains.put(DrainJob(step, f"a{step}", KIND_STATE, future))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        pool.submit(drains.close).result(timeout=30)  # returned: every job was taken
+    finally:
+        pool.shutdown(wait=False)
+    for future in futures:
+        assert isinstance(future.exception(timeout=0), RankLostError)
+    assert local.protected == set()
+    with pytest.raises(CheckpointError, match=r"step\(s\) 1, 2, 3 committed to the local tiers"):
+        drains.raise_failures()
