@@ -176,6 +176,7 @@ class Store:
         end = time.monotonic() + budget
         floor = min(_MIN_ATTEMPT_S, policy.timeout_s / 4)
         made = 0
+        abandoned_put = False  # an attempt of this put timed out: it may still land
         for attempt in range(policy.attempts):
             if attempt:
                 delay = policy.backoff_s(attempt - 1)
@@ -206,6 +207,7 @@ class Store:
                 except TimeoutError:
                     if not future.cancel() and op in _MUTATING_OPS:
                         self._track_abandoned(future)
+                        abandoned_put = abandoned_put or op == "put"
                     last = StorageTimeoutError(
                         f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
                     )
@@ -222,6 +224,8 @@ class Store:
                 if error is None:
                     return future.result()
             if not is_transient(error):
+                if abandoned_put and self._landed(key, error, args):
+                    return None  # type: ignore[return-value] - the timed-out attempt landed
                 raise self._translate(op, key, error) from error
             last = error
             logger.warning(
@@ -268,6 +272,19 @@ class Store:
         issued cannot land after a new save referenced the chunk."""
         with self._abandoned_lock:
             return self._abandoned_lock.wait_for(lambda: not self._abandoned, timeout=timeout_s)
+
+    def _landed(self, key: str, error: BaseException, args: tuple) -> bool:
+        """Whether a put's "already exists" is its own earlier attempt, which timed out and then
+        landed: ``path`` holds exactly its ``data`` (success, not a conflict)."""
+        if not isinstance(self._translate("put", key, error), ObjectExistsError):
+            return False
+        path, data = args
+        try:
+            stored = bytes(self.backend.get(path))
+        except Exception:  # noqa: BLE001 - unreadable: the conflict stands
+            return False
+        expected = b"".join(map(bytes, data)) if isinstance(data, list) else bytes(data)
+        return stored == expected
 
     def _translate(self, op: str, key: str, exc: BaseException) -> BaseException:
         where = self.url(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -397,3 +398,30 @@ def test_a_store_reopens_and_pickles_with_its_settings_and_faults(tmp_path):
         assert other.retry == policy
         assert faults_of(other).error_rate == 0.25 and faults_of(other).ops == {"get"}
         assert other.get("k") == b"v"
+
+
+def test_a_put_whose_timed_out_attempt_landed_is_its_own_success_not_a_conflict(tmp_path):
+    """CI caught a lease put whose first attempt timed out, landed, and whose retry then
+    failed with "already exists": the object was the put's own. A retry that finds exactly its
+    bytes there succeeds; other bytes there are still a conflict."""
+    faults = Faults(ops=frozenset({"put"}))
+    policy = RetryPolicy(attempts=4, timeout_s=0.1, base_delay_s=0.6)
+    store = with_faults(Store(tmp_path, retry=policy), faults)
+    calls = []
+
+    def the_first_is_slow(op: str) -> None:  # it lands after its deadline, before the retry
+        calls.append(op)
+        if calls == ["put"]:
+            time.sleep(0.4)
+        elif calls.count("put") == 2:  # the retry goes out once the first attempt has landed
+            deadline = time.monotonic() + 10
+            while not list(tmp_path.glob("*.json")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    faults.inject = the_first_is_slow
+    store.put("lease.json", b"mine")
+    assert calls.count("put") >= 2 and Store(tmp_path).get("lease.json") == b"mine"
+    calls.clear()
+    Store(tmp_path).put("other.json", b"theirs")
+    with pytest.raises(ObjectExistsError):
+        store.put("other.json", b"mine")
