@@ -165,7 +165,8 @@ def test_replicated_ranks_send_each_distinct_byte_about_once(capsys, tmp_path):
     )  # fmt: skip
     (run,) = result["runs"]
     assert run["distinct_bytes_per_save"] == 256 * 1024
-    assert 1.0 <= run["sent_per_distinct_byte"] <= 1.05, run
+    # every chunk once; the indexes and the manifest add under 5%
+    assert run["sent_per_distinct_byte"] < 1.05, run
     assert run["put_exists_per_save"] == 0
     assert run["restore"]["equal_on_every_rank"]
 
@@ -186,8 +187,8 @@ def test_the_baseline_sends_replicated_chunks_from_every_rank_as_the_server_coun
         assert done.returncode == 0, done.stderr[-2000:]
         (run,) = json.loads(done.stdout)["runs"]
         received[bool(mode)] = run["server_put_bytes_per_distinct_byte"]
-    assert 1.0 <= received[False] <= 1.05, received
-    assert received[True] >= 1.9, received
+    assert received[False] < 1.05, received  # each chunk's body received once
+    assert received[True] > 1.8 * received[False], received  # once per rank
 
 
 def test_replicas_are_refused_on_thread_ranks_with_the_reason(tmp_path):

@@ -34,21 +34,6 @@ def _save_chunks(store: Store, n: int) -> CompressionGovernor:
     return ckpt.engine.governor
 
 
-def _compressed_chunks(store: Store) -> int:
-    """Chunk objects with a zstd plane (their plane table read from each header)."""
-    from ckptstore.codec import _HEADER, _PLANE
-
-    count = 0
-    for key in store.list("chunks/"):
-        data = store.get(key)
-        nplanes = _HEADER.unpack_from(data)[3]
-        methods = [
-            _PLANE.unpack_from(data, _HEADER.size + i * _PLANE.size)[0] for i in range(nplanes)
-        ]
-        count += any(m == 1 for m in methods)
-    return count
-
-
 def _chunk_timed(governor: CompressionGovernor, *, encode_s: float, put_s: float) -> bool:
     """One 1 MiB chunk through ``governor`` (compressing to 80%), with the given timings;
     whether it was stored compressed."""
