@@ -19,9 +19,14 @@ unhealthy. Imports no torch until a scan needs it.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from ckptstore.errors import UnhealthyStepError
+
+logger = logging.getLogger(__name__)
 
 HEALTHY = "healthy"
 UNHEALTHY = "unhealthy"
@@ -312,6 +317,29 @@ def one_line(step: int, health: dict) -> str:
     worst = "; ".join(describe(t) for t in (health.get("worst") or [])[:3])
     why = "; ".join(health.get("reasons") or ())
     return f"step {step} is unhealthy ({why})" + (f"; worst: {worst}" if worst else "")
+
+
+def to_commit(
+    step: int, health: dict | None, on_unhealthy: str, where: str, *, log: bool = True
+) -> bool:
+    """Whether ``step`` of ``health`` is committed to ``where`` under
+    ``HealthPolicy(on_unhealthy=...)``: a healthy or unknown step is; an unhealthy one is
+    ("save", one warning by the caller's commit), is not ("skip", one warning here if
+    ``log``), or is refused (``UnhealthyStepError``)."""
+    if health is None or health["healthy"] or on_unhealthy == "save":
+        return True
+    if on_unhealthy == "raise":
+        raise UnhealthyStepError(
+            f"{one_line(step, health)}; not committed to {where} "
+            "(HealthPolicy(on_unhealthy='raise'))"
+        )
+    if log:
+        logger.warning(
+            "%s; not committed to %s (HealthPolicy(on_unhealthy='skip'))",
+            one_line(step, health),
+            where,
+        )
+    return False
 
 
 def why_not_healthy(step: int, health: dict | None) -> str:

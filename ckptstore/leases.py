@@ -12,7 +12,8 @@ lease's newest object, both stamped by the store's clock (no host's clock is com
 another's). A lease older than its ``ttl_s`` is *stale*: its holder died (``kill -9``, a lost
 node) or lost the store. The save lease of a process of this machine (same boot, same pid
 namespace) that no longer exists is stale at once; a dead gc's lease only once it is older than
-its ``settle_s``: by then every delete the gc could have issued has ended.
+its ``settle_s``: by then every delete the gc could have issued has ended (at once on a disk of
+this machine, where no request outlives the process that made it).
 
 Both sides write their own lease first and look for the other's second (docs/FORMAT.md gives
 the argument), so a gc never deletes a chunk that a live save may reference:
@@ -307,7 +308,7 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
         try:
             if not isinstance(doc, dict):
                 raise TypeError(f"a lease is a JSON object, not {type(doc).__name__}")
-            lifetime = _lifetime(kind, doc)
+            lifetime = _lifetime(kind, doc, store.backend.requests_end_with_process)
             live = age < lifetime + store.clock_resolution_s
         except (KeyError, TypeError, ValueError) as exc:
             return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
@@ -324,19 +325,21 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
     return LeaseInfo(kind, holder, newest, keys, {"error": "renewing"}, True)
 
 
-def _lifetime(kind: str, doc: dict[str, Any]) -> float:
+def _lifetime(kind: str, doc: dict[str, Any], requests_end_with_process: bool) -> float:
     """How old (by the store's clock) the newest object of a lease may be while it is live.
 
     A save lease: ``ttl_s``, or 0 once its holder is known dead. A gc lease: until every
     delete it may have issued has ended (``settle_s``, ``ttl_s`` for a gc that recorded none),
-    and no sooner than ``ttl_s`` unless its holder is known dead."""
+    and no sooner than ``ttl_s`` unless its holder is known dead; on a store whose requests
+    end with their process (a disk of this machine), at once when its holder is known dead."""
     ttl = _duration(doc, "ttl_s", None)
     dead = _holder_is_dead(doc)
     if kind != GC:
         return 0.0 if dead else ttl
     settle = _duration(doc, "settle_s", ttl)
     if dead:
-        return settle if doc.get("deleting") is not False else 0.0
+        ended = requests_end_with_process or doc.get("deleting") is False
+        return 0.0 if ended else settle
     return max(ttl, settle)
 
 

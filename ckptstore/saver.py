@@ -214,7 +214,10 @@ class SaveWorker:
 
     def _persist(self, job: SaveJob) -> None:
         if self._tiers is not None and self._persist_local(job):
-            self._after_local(job)
+            if job.handle.health is None or job.handle.health.committed:
+                self._after_local(job)
+            elif job.handle.durable is not None:  # skipped: stored nowhere, nothing to drain
+                job.handle.durable.set_result(None)
             return
         session = SaveSession(
             self.engine, self.store, step=job.step, attempt=job.attempt, kind=KIND_STATE
@@ -232,7 +235,8 @@ class SaveWorker:
     # -- tiers ----------------------------------------------------------------------------------
 
     def _persist_local(self, job: SaveJob) -> bool:
-        """Commit the step to every rank's local tier; False (the staged state still held, for
+        """Commit the step to every rank's local tier (or skip it everywhere: an unhealthy step
+        under ``HealthPolicy(on_unhealthy="skip")``); False (the staged state still held, for
         a save to durable storage instead) if a rank could not."""
         assert self._tiers is not None
 
@@ -254,7 +258,7 @@ class SaveWorker:
         # SIGTERM may reach one node only: the ranks agree on whether the step goes durable.
         job.durable = any(d for d, _ in done.payloads)
         job.wait_durable = any(w for _, w in done.payloads)
-        if done.written is None:
+        if done.written is None and not done.skipped:
             return False
         job.handle.health = done.health
         self._release(job)

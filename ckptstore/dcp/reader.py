@@ -44,6 +44,7 @@ from ckptstore.shared_read import (
     shared_source,
 )
 from ckptstore.steps import DCP, StepView
+from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.restore import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class StoreReader(StorageReader):
                 good = find_healthy(self.store, steps, limit=1)[0]
                 return good[0] if good else None
             return steps[-1] if steps else None
-        group = load_group(self.options["storage"].group_timeout_s(0.0))
+        group = load_group(self.options["storage"])
         return newest_step(self.store, self._policy, group, healthy=self.healthy)
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -228,7 +229,7 @@ class StoreReader(StorageReader):
         self.view = None  # each load resolves "latest" afresh
         self._tier = None
         if self._policy is not None:
-            group = load_group(self.options["storage"].group_timeout_s(0.0))
+            group = load_group(self.options["storage"])
             self._tier = plan_tier_load(
                 self.store, self._policy, self.step, group, healthy=self.healthy
             )
@@ -272,13 +273,23 @@ class StoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.last_load_exchange = None
         target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
-        group = _exchange_group(target)
-        if group is None:
-            self._check_step(target)
-            self._read_alone(plan, planner)
-        else:
-            assert target is not None
-            self._read_shared(plan, planner, target, group)
+        group = _exchange_group(target, self.options["storage"])
+        failure: BaseException | None = None
+        try:
+            if group is None:
+                self._check_step(target)
+                self._read_alone(plan, planner)
+            else:
+                assert target is not None
+                self._read_shared(plan, planner, target, group)
+        except BaseException as exc:  # noqa: BLE001 - with tiers, the other ranks hear of it
+            failure = exc
+        if self._tier is not None:
+            # Every rank's outcome on the tier group, before DCP's own exchange on the default
+            # group: a rank lost while reading is named within the bound; a failure, by rank.
+            self._gather(load_group(self.options["storage"]), failure, None, self._tier.view.step)
+        elif failure is not None:
+            raise failure
         if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor
             self._tier.report.seconds = time.perf_counter() - self._tier.started
             self._tier.report.count()
@@ -323,7 +334,7 @@ class StoreReader(StorageReader):
         plan: LoadPlan,
         planner: LoadPlanner,
         target: _LoadTarget,
-        group: dist.ProcessGroup,
+        group: RankGroup,
     ) -> None:
         """This rank's items, read with the other ranks of ``group`` (every rank of the load
         calls this): one collective for the stored tensors each rank needs, from which every
@@ -363,7 +374,7 @@ class StoreReader(StorageReader):
                 needs,
                 every_need,
                 self.config,
-                group=group,
+                group=group.group,
                 budget_bytes=target.shared_budget,
                 holds=holds,
                 fetch=self._tier.fetch if self._tier is not None else None,
@@ -385,13 +396,12 @@ class StoreReader(StorageReader):
             raise failure
 
     def _gather(
-        self, group: dist.ProcessGroup, failure: BaseException | None, payload: Any, step: int
+        self, group: RankGroup, failure: BaseException | None, payload: Any, step: int
     ) -> list[Any]:
         """Every rank's ``payload`` (collective over ``group``), unless a rank has failed:
         then every rank raises, this one its own error or one naming the ranks that failed."""
         note = None if failure is None else one_line(failure)
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (note, payload if failure is None else None), group=group)
+        gathered = group.gather((note, payload if failure is None else None))
         if failure is not None:
             raise failure
         failed = [(r, n) for r, (n, _) in enumerate(gathered) if n is not None]
@@ -538,10 +548,7 @@ def _add_stats(total: ExchangeStats, more: ExchangeStats) -> None:
     total.buffer_bytes = max(total.buffer_bytes, more.buffer_bytes)
 
 
-_gloo_group: list[Any] = []  # [(the default group, a gloo group of all its ranks)]
-
-
-def _exchange_group(target: _LoadTarget | None) -> dist.ProcessGroup | None:
+def _exchange_group(target: _LoadTarget | None, storage: StorageOptions) -> RankGroup | None:
     """The group a load's shared read exchanges over, the same decision on every rank (all
     from the coordinator's ``target``); None: each rank reads its own items. Only a load over
     every rank of the default group shares (DCP's group is not known to a storage reader: one
@@ -552,14 +559,5 @@ def _exchange_group(target: _LoadTarget | None) -> dist.ProcessGroup | None:
         return None
     if dist.get_world_size() != target.world:
         return None
-    if _reaches_cpu(str(dist.get_backend())):
-        return dist.group.WORLD
-    if not _gloo_group or _gloo_group[0][0] is not dist.group.WORLD:
-        # Collective over all ranks, which are all here (in read_data) with the same target.
-        _gloo_group[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
-    return _gloo_group[0][1]
-
-
-def _reaches_cpu(backend: str) -> bool:
-    """Whether a group of ``backend`` sends CPU tensors (gloo, alone or beside NCCL)."""
-    return "gloo" in backend
+    # Collective over all ranks, which are all here (in read_data) with the same target.
+    return load_group(storage)

@@ -41,6 +41,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import ChunkInfo, decode_rank_index
 from ckptstore.health import tiered_verdict
+from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
@@ -77,14 +78,19 @@ class TierLoad:
 _load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
 
 
-def load_group(timeout_s: float) -> RankGroup:
-    """The gloo group tiered loads run on, made once per default process group (by every rank,
-    at its first tiered load) and shared by every ``StoreReader`` of the process: loads are
-    synchronous, one at a time. (A ``StoreWriter`` keeps a group of its own: its exchanges may
-    run in ``async_save``'s thread.)"""
+def load_group(storage: StorageOptions) -> RankGroup:
+    """The gloo group tiered loads and shared reads run on, made once per default process group
+    (by every rank, at its first such load) and shared by every ``StoreReader`` of the process:
+    loads are synchronous, one at a time. A rank lost during a load (or before it joined the
+    group) fails every other rank's load within ``storage.lost_rank_timeout_s``, naming it. (A
+    ``StoreWriter`` keeps a group of its own: its exchanges may run in ``async_save``'s
+    thread.)"""
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if not _load_groups or _load_groups[0][0] is not world:
-        _load_groups[:] = [(world, RankGroup(None, timeout_s=timeout_s))]
+        group = RankGroup(
+            None, timeout_s=storage.group_timeout_s(0.0), lost_rank_s=storage.lost_rank_timeout_s
+        )
+        _load_groups[:] = [(world, group)]
     return _load_groups[0][1]
 
 

@@ -54,7 +54,7 @@ from ckptstore.tiers.policy import (
     Topology,
     store_identity,
 )
-from ckptstore.tiers.saving import TierSaver, open_tiers
+from ckptstore.tiers.saving import LocalCommit, TierSaver, open_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
         self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
         self._started: dict[str, float] = {}  # coordinator: by attempt, for its persist time
+        self._skipped: dict[str, StepHealth] = {}  # tiered saves HealthPolicy skipped, by attempt
         if step is not None:
             check_step(step)
         self.step = step
@@ -419,6 +420,12 @@ class StoreWriter(StorageWriter, PooledStager):
         assert len(targets) <= 1, f"ranks wrote different saves: {targets}"
         target = targets.pop() if targets else self._target
         assert target is not None, "finish() before prepare_global_plan()"
+        skipped = self._skipped.pop(target.attempt, None) if not ranks else None
+        if skipped is not None:  # unhealthy, HealthPolicy(on_unhealthy="skip"): stored nowhere
+            self._tier_storage.pop(target.attempt, None)
+            self._started.pop(target.attempt, None)
+            self.last_save = skipped
+            return
         planned = self._tier_storage.pop(target.attempt, None)
         if planned is not None and planned != storage_data:
             self._release_lease(target.attempt)
@@ -528,7 +535,13 @@ class StoreWriter(StorageWriter, PooledStager):
         keys = {storage_key(item.index): i for i, item in enumerate(items)}
         try:
             with self._tier_lock:
-                written = self._commit_local(target, planner, tensors, staged, keys, fatal)
+                done = self._commit_local(target, planner, tensors, staged, keys, fatal)
+                if done.skipped:
+                    assert done.health is not None
+                    if self.is_coordinator:  # its finish() reports the save
+                        self._skipped[target.attempt] = done.health
+                    return []
+                written = done.written
                 if written is not None:
                     self._tiers.copy_to_peers(target.step, target.attempt)
                     written = dataclasses.replace(written, rank=self.rank)  # rank 0's there
@@ -563,9 +576,10 @@ class StoreWriter(StorageWriter, PooledStager):
         staged: HeldStaging | None,
         keys: dict[str, int],
         fatal: BaseException | None,
-    ) -> RankWritten | None:
+    ) -> LocalCommit:
         """Every rank's local copy of the step (``TierSaver.commit_local``): what this rank
-        wrote there, or None if a rank could not (the save then goes to durable storage)."""
+        wrote there, None if a rank could not (the save then goes to durable storage), or
+        skipped (an unhealthy step that ``HealthPolicy`` stores nowhere)."""
         assert self._tiers is not None
 
         def write(session: SaveSession) -> RankWritten:
@@ -580,7 +594,7 @@ class StoreWriter(StorageWriter, PooledStager):
             write=write,
             metadata=lambda: self._tier_metadata(planner, target),
             fatal=fatal,
-        ).written
+        )
 
     def _write_durable(
         self,

@@ -49,7 +49,6 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
-    UnhealthyStepError,
 )
 from ckptstore.format import (
     ChunkInfo,
@@ -65,7 +64,7 @@ from ckptstore.format import (
     rank_index_key,
     split_dcp_item_key,
 )
-from ckptstore.health import RankHealth, StepHealth, summarize, verdict
+from ckptstore.health import RankHealth, StepHealth, summarize, to_commit, verdict
 from ckptstore.health import one_line as health_line
 from ckptstore.health import scan as health_scan
 from ckptstore.leases import SAVE, Lease, wait_for_gc
@@ -297,20 +296,9 @@ class SaveSession:
         written), or refused (``UnhealthyStepError``). Returns the step's health."""
         policy = self.engine.health
         health = self._judge(ranks, policy.norm_jump if apply_policy else None)
-        if health is not None and not health["healthy"]:
-            action = policy.on_unhealthy if apply_policy else "save"
-            if action == "raise":
-                raise UnhealthyStepError(
-                    f"{health_line(self.step, health)}; not committed to {self.store.uri} "
-                    "(HealthPolicy(on_unhealthy='raise'))"
-                )
-            if action == "skip":
-                logger.warning(
-                    "%s; not committed to %s (HealthPolicy(on_unhealthy='skip'))",
-                    health_line(self.step, health),
-                    self.store.uri,
-                )
-                return StepHealth.of(self.step, health, committed=False)
+        action = policy.on_unhealthy if apply_policy else "save"
+        if not to_commit(self.step, health, action, self.store.uri):
+            return StepHealth.of(self.step, health, committed=False)
         metadata_ref = None
         if dcp_metadata is not None:
             key = dcp_metadata_key(self.step, self.attempt)

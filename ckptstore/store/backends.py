@@ -43,6 +43,9 @@ class Backend(ABC):
     """Where requests go, for messages: an S3 endpoint URL, a local directory."""
     clock_resolution_s: float = 0.0
     """How coarse :meth:`modified` times are (S3's ``LastModified``: whole seconds)."""
+    requests_end_with_process: bool = False
+    """No request of a process can land after that process is gone (a disk of this machine;
+    a request sent over a network may be applied later)."""
 
     @abstractmethod
     def put_once(self, path: str, data: Data) -> None:
@@ -202,6 +205,7 @@ class LocalBackend(FsspecBackend):
     remote = False
 
     def _endpoint(self) -> str:
+        self.requests_end_with_process = on_local_disk(self.root)
         return self.root
 
     def put_once(self, path: str, data: Data) -> None:
@@ -448,3 +452,28 @@ class _BufferBody(io.BytesIO):
 
     def tell(self) -> int:
         return self._pos
+
+
+# File systems whose every operation a process makes ends with that process (a network file
+# system's client may have sent a delete that its server applies after the process died).
+_LOCAL_DISK_TYPES = frozenset(
+    "ext2 ext3 ext4 xfs btrfs zfs f2fs bcachefs tmpfs ramfs overlay vfat exfat ntfs3".split()
+)
+
+
+def on_local_disk(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether ``path`` (made or not) is on a disk file system of this machine, by
+    ``mountinfo``; False where that cannot be told."""
+    path = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                fields, _, after = line.partition(" - ")
+                mount = fields.split()[4].replace("\\040", " ")
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, after.split()[0]
+    except (OSError, IndexError):
+        return False
+    return fstype in _LOCAL_DISK_TYPES

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,17 +45,30 @@ class RankGroup:
         self.group = None
         self.lost_rank_s = lost_rank_s
         self.lost: RankLostError | None = None
+        self._members: list[int] = []  # the group's ranks while it is being made
+        self._arrival_s = timeout_s  # how long ranks whose heartbeat moves are waited for
+        self._exchanges = 0
+        self._store: Any = None
         if lost_rank_s is not None:
             timeout_s = min(timeout_s, lost_rank_s * _COLLECTIVE_SHARE)
         self.timeout_s = timeout_s
         if self.active and self.world_size > 1:
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self.group = dist.new_group(
-                ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s)
-            )
+            if lost_rank_s is not None:
+                # Beating before the group exists: a rank lost before it joins is named too.
+                _HEARTBEAT.start(self.rank, lost_rank_s / 8)
+            try:
+                self.group = dist.new_group(
+                    ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s)
+                )
+            except Exception as exc:  # noqa: BLE001 - a rank that never joined, named
+                self._members = ranks or list(range(self.world_size))
+                self.check("making the ranks' group", exc)
+                raise
+            if lost_rank_s is not None:
+                self._members = dist.get_process_group_ranks(self.group)
+                self._store = dist.distributed_c10d._get_default_store().clone()
         self.active = self.group is not None
-        if self.active and lost_rank_s is not None:
-            _HEARTBEAT.start(self.rank, lost_rank_s / 8)
 
     def check(self, what: str, exc: BaseException | None = None) -> None:
         """Raise ``RankLostError`` if a rank of the group is lost: known already, or found now
@@ -65,40 +79,94 @@ class RankGroup:
         if exc is None or self.lost_rank_s is None or not self.active:
             return
         lost = self._roll_call()
-        if not lost:
-            return
-        ranks = ", ".join(map(str, lost))
-        self.lost = RankLostError(
-            f"rank {ranks} lost: {what} failed and its heartbeat stopped (rank {self.rank} "
-            f"heard: {one_line(exc)})",
-            lost,
-        )
-        logger.warning("rank %d: %s", self.rank, self.lost)
-        raise self.lost from exc
+        if lost:
+            raise self._lose(what, lost, one_line(exc)) from exc
 
     def _roll_call(self) -> list[int]:
         """The ranks of the group whose heartbeat on the job's rendezvous store did not move
         within the rest of the bound (counters, never clocks: each process adds to its own)."""
         assert self.lost_rank_s is not None
-        assert self.group is not None
-        others = [r for r in dist.get_process_group_ranks(self.group) if r != self.rank]
-        window = self.lost_rank_s * (1 - _COLLECTIVE_SHARE)
+        others = [r for r in self._members if r != self.rank]
         try:
             before = _HEARTBEAT.counts(others)
-            threading.Event().wait(window)
+            threading.Event().wait(self._window_s)
             after = _HEARTBEAT.counts(others)
         except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
-            raise RankLostError(
-                f"a rank of {self.world_size} lost (which one is unknown: the job's rendezvous "
-                f"store is gone too, and it lives in rank 0's process unless a launcher such "
-                f"as torchrun holds it): {one_line(exc)}",
-                [],
-            ) from exc
+            raise self._store_gone(exc) from exc
         return [r for r, b, a in zip(others, before, after) if a == b]
+
+    @property
+    def _window_s(self) -> float:
+        """How long a live rank's heartbeat surely moves (it beats every eighth of the bound)."""
+        assert self.lost_rank_s is not None
+        return self.lost_rank_s * (1 - _COLLECTIVE_SHARE)
+
+    def _store_gone(self, exc: BaseException) -> RankLostError:
+        return RankLostError(
+            f"a rank of {len(self._members)} lost (which one is unknown: the job's rendezvous "
+            f"store is gone too, and it lives in rank 0's process unless a launcher such "
+            f"as torchrun holds it): {one_line(exc)}",
+            [],
+        )
+
+    def _lose(self, what: str, lost: list[int], heard: str) -> RankLostError:
+        ranks = ", ".join(map(str, lost))
+        self.lost = RankLostError(
+            f"rank {ranks} lost: {what} failed and its heartbeat stopped (rank {self.rank} "
+            f"heard: {heard})",
+            lost,
+        )
+        logger.warning("rank %d: %s", self.rank, self.lost)
+        return self.lost
+
+    def _arrive(self, what: str) -> None:
+        """Wait until every rank of the group has come to this exchange (counted on the job's
+        rendezvous store), so that its gloo collective, bounded by a share of ``lost_rank_s``,
+        waits only for ranks already there: a rank that is slow but alive (its heartbeat
+        moves) is waited for up to the group's ``timeout_s``; one lost before it came is
+        named within the bound."""
+        self._exchanges += 1
+        base = f"ckptstore/arrived/{self.group.group_name}"  # the same name on every rank
+        key, everyone = f"{base}/{self._exchanges}", f"{base}/{self._exchanges}/all"
+        store = self._store
+        try:
+            if store.add(key, 1) == len(self._members):
+                store.set(everyone, b"1")
+                for old in (f"{base}/{self._exchanges - 1}", f"{base}/{self._exchanges - 1}/all"):
+                    store.delete_key(old)  # every rank has left the exchange before
+                return
+            others = [r for r in self._members if r != self.rank]
+            start = looked = time.monotonic()
+            beats, pause = _HEARTBEAT.counts(others), 0.001
+            while not store.check([everyone]):
+                now = time.monotonic()
+                if now - looked >= self._window_s:
+                    now_beats = _HEARTBEAT.counts(others)
+                    lost = [r for r, b, a in zip(others, beats, now_beats) if a == b]
+                    if lost:
+                        raise self._lose(what, lost, "nothing: it never came to the exchange")
+                    beats, looked = now_beats, now
+                if now - start >= self._arrival_s:
+                    came = int(store.add(key, 0))
+                    self.lost = RankLostError(  # a rank may still come to it: the group is spent
+                        f"{what}: {len(self._members) - came} of {len(self._members)} ranks did "
+                        f"not come within {self._arrival_s:g}s (their heartbeats still move: "
+                        "alive but stuck)",
+                        [],
+                    )
+                    raise self.lost
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
+        except RankLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
+            raise self._store_gone(exc) from exc
 
     def _exchange(self, what: str, call: Any) -> None:
         self.check(what)
         try:
+            if self.lost_rank_s is not None:
+                self._arrive(what)
             call()
         except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
             self.check(what, exc)

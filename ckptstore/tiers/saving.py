@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, RankLostError, one_line
-from ckptstore.health import StepHealth, verdict
+from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
@@ -38,6 +38,11 @@ class LocalCommit:
     payloads: list[Any]
     health: StepHealth | None = None
     """The step's health over every rank's copy (NaN and Inf; ``ckptstore.health``)."""
+
+    @property
+    def skipped(self) -> bool:
+        """An unhealthy step that ``HealthPolicy(on_unhealthy="skip")`` stores nowhere."""
+        return self.health is not None and not self.health.committed
 
 
 class TierSaver:
@@ -148,6 +153,12 @@ class TierSaver:
                 raise CheckpointError(
                     f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"
                 )
+            health = verdict(healths) if heard.ok else None
+            # Every rank judges the same healths alike: refused everywhere, or skipped.
+            action = local.engine.health.on_unhealthy
+            where = f"the local tiers or {self.durable_uri}"
+            if heard.ok and not to_commit(step, health, action, where, log=self.rank == 0):
+                return LocalCommit(None, payloads, StepHealth.of(step, health, committed=False))
             if heard.ok:
                 error = None
                 try:
@@ -182,7 +193,7 @@ class TierSaver:
         if protect:
             local.protect(step)  # until drained
         local.retain(self.rank, keep={step})
-        return LocalCommit(written, payloads, StepHealth.of(step, verdict(healths)))
+        return LocalCommit(written, payloads, StepHealth.of(step, health))
 
     def copy_to_peers(self, step: int, attempt: str) -> None:
         """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is

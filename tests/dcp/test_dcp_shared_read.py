@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-import ckptstore.dcp.reader as reader_module
+import ckptstore.dcp.tiers as dcp_tiers
 from ckptstore import EncodingOptions, ReadOptions, StorageOptions
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter
@@ -81,13 +81,11 @@ def _assert_loaded(target: dict, step: int, rank: int) -> None:
 
 
 def _replicated_load(
-    rank: int, world: int, root: str, reads: ReadOptions | None, dedicated_group: bool, shared: bool
+    rank: int, world: int, root: str, reads: ReadOptions | None, shared: bool
 ) -> None:
     _save(root, 1)
     distinct = len(_distinct_chunks(root, 1))
     assert distinct >= 12, distinct  # w, v, and the pickled value
-    if dedicated_group:  # as under NCCL: the exchange gets a gloo group of its own
-        reader_module._reaches_cpu = lambda backend: False
     tally = Tally()
     storage = StorageOptions(store=counting_store(root, tally))
     reader = StoreReader(root, step=1, storage=storage, reads=reads)
@@ -106,8 +104,10 @@ def _replicated_load(
     budget = None if reads is None else reads.shared_read_budget_bytes
     if budget:
         assert stats.buffer_bytes <= budget + CHUNK, stats
-    if dedicated_group:
-        assert reader_module._gloo_group and reader_module._gloo_group[0][1] is not None
+    # over a gloo group of the readers' own (the default group may be NCCL's), with the bound
+    # on a lost rank
+    group = dcp_tiers._load_groups[0][1]
+    assert group.active and group.lost_rank_s == StorageOptions().lost_rank_timeout_s
 
 
 @pytest.mark.dist
@@ -121,24 +121,19 @@ def _replicated_load(
     ids=["defaults", "batches-and-rounds"],
 )
 def test_a_replicated_dcp_load_reads_each_chunk_once(tmp_path, reads):
-    run_ranks(_replicated_load, 4, str(tmp_path), reads, False, True)
-
-
-@pytest.mark.dist
-def test_a_group_that_is_not_gloo_exchanges_over_a_gloo_group_of_its_own(tmp_path):
-    run_ranks(_replicated_load, 4, str(tmp_path), None, True, True)
+    run_ranks(_replicated_load, 4, str(tmp_path), reads, True)
 
 
 @pytest.mark.dist
 def test_a_budget_of_zero_reads_on_every_rank(tmp_path):
     reads = ReadOptions(shared_read_budget_bytes=0)
-    run_ranks(_replicated_load, 4, str(tmp_path), reads, False, False)
+    run_ranks(_replicated_load, 4, str(tmp_path), reads, False)
 
 
 def _one_rank_opts_out(rank: int, world: int, root: str) -> None:
     # Ranks agree through the coordinator: one rank's 0 turns the shared read off for all.
     reads = ReadOptions(shared_read_budget_bytes=0) if rank == 2 else None
-    _replicated_load(rank, world, root, reads, False, False)
+    _replicated_load(rank, world, root, reads, False)
 
 
 @pytest.mark.dist

@@ -26,6 +26,7 @@ from ckptstore.format import commit_key
 from ckptstore.leases import SAVE, LeaseInfo, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
+from ckptstore.store import backends
 from tests.helpers.wait import wait_until
 
 PY = sys.executable
@@ -76,7 +77,13 @@ DYING_GC = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_save_after_a_gc_killed_with_a_delete_in_flight_waits_for_that_delete(tmp_path):
+def test_a_save_after_a_gc_killed_with_a_delete_in_flight_waits_for_that_delete(
+    tmp_path, monkeypatch
+):
+    # The directory stands for a network file system, whose server may apply a killed
+    # client's delete later (the gc's late delete is its own process; on a disk of this
+    # machine no request outlives the process that made it).
+    monkeypatch.setattr(backends, "on_local_disk", lambda path: False)
     uri, landed = str(tmp_path / "store"), tmp_path / "delete-landed"
     a, b = torch.randn(50_000), torch.randn(50_000)
     ckpt = Checkpointer(uri, encoding=EncodingOptions(compression="none"))
@@ -211,13 +218,43 @@ os._exit(0)  # dies holding the lease
 """
 
 
+@pytest.mark.parametrize("disk", ["network", "local"])
 @pytest.mark.parametrize("phase", ["looking", "deleting"])
-def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(tmp_path, phase):
+def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(
+    tmp_path, phase, disk, monkeypatch
+):
     """A gc killed before its first delete cannot have a delete in flight: saves go on at
-    once. One killed after ``mark_deleting`` holds them back for its ``settle_s``."""
+    once. One killed after ``mark_deleting`` holds them back for its ``settle_s``, unless the
+    store is a disk of this machine (its deletes ended with its process: a survivor of a
+    killed job waited ~50 s on its local tier before)."""
+    # The directory stands for a network file system or a disk of this machine.
+    monkeypatch.setattr(backends, "on_local_disk", lambda path: disk == "local")
+    assert Store(tmp_path).backend.requests_end_with_process is (disk == "local")
     subprocess.run([PY, "-c", DEAD_GC, str(tmp_path), phase], check=True, timeout=120)
     [lease] = find_leases(Store(tmp_path), "gc")
     assert lease.doc["deleting"] is (phase == "deleting")
-    assert lease.live is (phase == "deleting")
+    assert lease.live is (phase == "deleting" and disk == "network")
     if lease.live:
         assert 0 < lease.expires_in_s <= lease.doc["settle_s"] + 1
+
+
+def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "40 22 0:50 / /mnt/shared rw,relatime shared:20 - nfs4 server:/export rw\n"
+        "41 40 8:2 / /mnt/shared/scratch rw shared:21 - xfs /dev/sdb1 rw\n"
+        "42 22 8:3 / /mnt/my\\040disk rw shared:22 - xfs /dev/sdc1 rw\n"
+        "43 22 0:60 / /mnt/lustre rw shared:23 - lustre 10.0.0.1@tcp:/fs rw\n"
+    )
+
+    def local(path: str) -> bool:
+        return backends.on_local_disk(path, str(mountinfo))
+
+    assert local("/")
+    assert not local("/mnt/shared/ckpt")  # the nfs mount, not the root's ext4
+    assert local("/mnt/shared/scratch/ckpt")  # the deepest mount holding the path
+    assert local("/mnt/sharedx")  # a sibling whose name shares a prefix: the root's ext4
+    assert local("/mnt/my disk/ckpt")
+    assert not local("/mnt/lustre/run42")
+    assert not backends.on_local_disk("/", str(tmp_path / "no-mountinfo"))

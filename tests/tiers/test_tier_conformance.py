@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from ckptstore import (
     Checkpointer,
     EncodingOptions,
+    HealthPolicy,
     PreemptionOptions,
     StorageOptions,
     TierOptions,
@@ -87,6 +88,7 @@ class Front:
 
     name = ""
     no_dist = True  # one process; False: every rank of the default group takes part
+    health = HealthPolicy()
 
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         self.root, self.tiers, self.storage = root, tiers, storage
@@ -96,6 +98,7 @@ class Front:
     def wait_durable(self) -> None: ...
     def load(self, state: dict, step: int | str = "latest") -> tuple[int, Any]: ...
     def local_store_uri(self) -> str: ...
+    def last_save(self) -> Any: ...
     def close(self) -> None: ...
 
     def restart(self) -> Front:
@@ -111,7 +114,12 @@ class CheckpointerFront(Front):
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         super().__init__(root, tiers, storage)
         self.ckpt = Checkpointer(
-            root, tiers=tiers, encoding=ENCODING, storage=self.storage, preemption=self.preemption
+            root,
+            tiers=tiers,
+            encoding=ENCODING,
+            storage=self.storage,
+            preemption=self.preemption,
+            health=self.health,
         )
         self.handles: dict[int, Any] = {}
 
@@ -132,6 +140,9 @@ class CheckpointerFront(Front):
     def local_store_uri(self) -> str:
         return self.ckpt._local.store(0).uri
 
+    def last_save(self) -> Any:
+        return self.ckpt.last_save
+
     def close(self) -> None:
         self.ckpt.close()
 
@@ -141,7 +152,9 @@ class DCPFront(Front):
 
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         super().__init__(root, tiers, storage)
-        self.writer = StoreWriter(root, tiers=tiers, encoding=ENCODING, storage=self.storage)
+        self.writer = StoreWriter(
+            root, tiers=tiers, encoding=ENCODING, storage=self.storage, health=self.health
+        )
 
     def save(self, step: int, state: dict) -> None:
         pool = concurrent.futures.ThreadPoolExecutor(1)  # a save that hangs fails the test
@@ -166,6 +179,9 @@ class DCPFront(Front):
 
     def local_store_uri(self) -> str:
         return self.writer._local.store(0).uri
+
+    def last_save(self) -> Any:
+        return self.writer.last_save
 
     def close(self) -> None:
         self.writer.close()
@@ -198,6 +214,13 @@ def make(front_type, tmp_path):
             front.close()
         except Exception:  # noqa: BLE001 - a scenario may leave a failed drain behind
             pass
+
+
+@pytest.fixture
+def refusing(front_type, request, monkeypatch):
+    """Front-ends of this test made with ``HealthPolicy(on_unhealthy=<the param>)``."""
+    monkeypatch.setattr(front_type, "health", HealthPolicy(on_unhealthy=request.param))
+    return request.param
 
 
 def _local_copies(tmp_path: Path) -> list[int]:
@@ -662,6 +685,30 @@ def test_a_script_whose_last_act_is_a_tiered_save_leaves_it_durable(kind, tmp_pa
     assert len(steps) == 1, (steps, proc.stderr[-2000:])
 
 
+@pytest.mark.parametrize("refusing", ["skip", "raise"], indirect=True)
+@pytest.mark.parametrize("durable_every", [1, 2])
+def test_an_unhealthy_step_the_policy_refuses_is_stored_in_no_tier(
+    make, refusing, durable_every, tmp_path
+):
+    front = make(durable_every=durable_every)
+    front.save(1, _state(1))
+    bad = _state(2)
+    bad["w"][5] = float("nan")
+    if refusing == "raise":
+        with pytest.raises(BaseException, match="(?s)step 2 is unhealthy.*on_unhealthy='raise'"):
+            front.save(2, bad)
+    else:
+        front.save(2, bad)
+        assert not front.last_save().committed and front.last_save().nan == 1
+    front.wait_durable()
+    assert _local_copies(tmp_path) == [1]  # a tier copy would be loaded by a plain load
+    assert 2 not in list_steps(Store(str(tmp_path / "durable")))
+    front.save(3, _state(3))  # the job goes on
+    front.wait_durable()
+    state = _blank()
+    assert front.restart().load(state)[0] == 3 and _same(state, _state(3))
+
+
 # -- a lost rank (issue 32, item 2) ------------------------------------------------------------
 
 LOST_S = 8.0  # the bound on a lost rank in these scenarios (StorageOptions.lost_rank_timeout_s)
@@ -747,6 +794,67 @@ def test_a_lost_rank_ends_every_ranks_save_and_close_within_the_bound(kind, how,
 
     # What was committed before the loss stays whole: every chunk of step 1 re-hashed.
     assert main(["verify", str(root), "--step", "1"]) == 0
+
+
+def _lose_a_rank_in_a_load(
+    rank: int, world: int, kind: str, when: str, root: str, base: str
+) -> None:
+    """Steps 1 (durable) and 2 (local and peer copies only) saved by 4 ranks as 2 nodes; the
+    job restarts and rank 3 is lost before its load begins (its process never comes back) or
+    at its first chunk read. Every other rank's load (a Checkpointer's making too) ends within
+    the bound, with an error naming rank 3."""
+    storage = StorageOptions(lost_rank_timeout_s=LOST_S)
+    tiers = dict(peer_copies=1, durable_every=2)
+    front = _two_nodes(kind, rank, root, base, storage, **tiers)
+    for step in (1, 2, 3):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    if rank == LOST:
+        if when == "before":
+            os._exit(0)
+        from ckptstore.store import core
+
+        def dies_reading_a_chunk(read: Any) -> Any:
+            def wrapped(self: Any, key: str, *args: Any, **kw: Any) -> Any:
+                if "/chunks/" in f"/{key}":
+                    os._exit(0)
+                return read(self, key, *args, **kw)
+
+            return wrapped
+
+        core.Store.get = dies_reading_a_chunk(core.Store.get)
+        core.Store.get_view = dies_reading_a_chunk(core.Store.get_view)
+    heard = log_records("ckptstore.tiers.group")
+    limit = LOST_S + 10 + (2 * DEFAULT_PG_S if kind == "dcp" else 0)
+    target = _ranks_own(rank, _blank())
+    took, error = _within(
+        limit, lambda: _two_nodes(kind, rank, root, base, storage, **tiers).load(target)
+    )
+    if rank == LOST:
+        raise AssertionError(f"rank {LOST} was not lost")
+    assert error is not None, f"rank {rank}: a load finished without rank {LOST}"
+    named = f"rank {LOST}" in str(error) or any(
+        f"rank {LOST} lost" in r.getMessage() for r in heard
+    )
+    assert named, (rank, took, "".join(traceback.format_exception(error)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("when", ["before", "reading"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_rank_lost_in_a_tiered_load_ends_every_ranks_load_within_the_bound(kind, when, tmp_path):
+    run_ranks_losing(
+        _lose_a_rank_in_a_load,
+        4,
+        kind,
+        when,
+        str(tmp_path / "durable"),
+        str(tmp_path),
+        lost={LOST},
+        timeout_s=240,
+        pg_timeout_s=DEFAULT_PG_S,
+    )
 
 
 # -- one writer per distinct chunk (issue 36) ----------------------------------------------------

@@ -1,0 +1,46 @@
+"""RankGroup with a bound on a lost rank: a slow rank is waited for while its heartbeat moves,
+a stuck one fails the others after the group's timeout, a lost one is named within the bound."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ckptstore.errors import RankLostError
+from ckptstore.tiers.group import RankGroup
+from tests.helpers.dist import run_ranks
+
+LOST_S = 4.0  # gloo waits 3 s of it in a collective
+
+
+def _slow_rank(rank: int, world: int) -> None:
+    group = RankGroup(None, timeout_s=600, lost_rank_s=LOST_S)
+    if rank == 1:
+        time.sleep(2.5 * LOST_S)  # past gloo's 3 s: a huge local write, a drain behind a gc
+    assert group.gather(rank) == [0, 1]
+    assert group.broadcast(f"from {rank}") == "from 0"  # and the group goes on
+
+
+@pytest.mark.dist
+def test_a_rank_slower_than_the_bound_but_alive_is_waited_for():
+    run_ranks(_slow_rank, 2, timeout_s=90)
+
+
+def _stuck_rank(rank: int, world: int) -> None:
+    group = RankGroup(None, timeout_s=6, lost_rank_s=LOST_S)
+    if rank == 1:
+        time.sleep(15)  # alive (its heartbeat moves) but never comes to the exchange
+        return
+    t0 = time.monotonic()
+    with pytest.raises(RankLostError, match="1 of 2 ranks did not come within 6s") as lost:
+        group.gather(rank)
+    assert 6 <= time.monotonic() - t0 < 6 + 2 * LOST_S
+    with pytest.raises(RankLostError) as again:  # the group is spent
+        group.gather(rank)
+    assert again.value is lost.value
+
+
+@pytest.mark.dist
+def test_a_rank_alive_but_stuck_fails_the_others_after_the_groups_timeout():
+    run_ranks(_stuck_rank, 2, timeout_s=90)
