@@ -24,12 +24,15 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.codec import hash_bytes, max_encoded_size
 from ckptstore.errors import CheckpointCorruptError, FormatVersionError
 from ckptstore.health import check_entry_health, check_manifest_health
 from ckptstore.tree import check_tree
+
+if TYPE_CHECKING:  # torch is imported by DCP's users only
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 FORMAT_NAME = "ckptstore"
 FORMAT_VERSION = 2
@@ -94,6 +97,11 @@ def dcp_item_key(fqn: str, offset: Sequence[int] | None) -> str:
     if offset is None:
         return fqn
     return f"{fqn}@{','.join(str(int(o)) for o in offset)}"
+
+
+def storage_key(index: MetadataIndex) -> str:
+    """The key of a DCP item in ``RankIndex.items``: ``fqn``, or ``fqn@o0,o1`` for a shard."""
+    return dcp_item_key(index.fqn, index.offset)
 
 
 def split_dcp_item_key(key: str) -> tuple[str, list[int] | None]:

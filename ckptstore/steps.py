@@ -14,7 +14,9 @@ Every reader (``inspect``, ``verify``, ``restore``, export, ``Checkpointer.load`
     view.require(loader)            the step refused, naming the loader to use, if it is not its
 
 Importing this module needs no torch (``ls`` and ``inspect`` run without it); what reads tensors
-or DCP metadata imports it when called.
+or DCP metadata imports it when called: ``pipeline``, ``state``, ``metadata`` (DCP's Metadata
+decoded) and ``step_reader`` (a DCP step's pickled values and whole state), all core modules that
+import torch. Nothing here imports the DCP front-end, ``ckptstore.dcp``, which builds on this.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ckptstore.format import (
     RankIndex,
     commit_key,
     split_dcp_item_key,
+    storage_key,
 )
 from ckptstore.store import Store
 from ckptstore.tiers.policy import TIER_KEY
@@ -233,10 +236,10 @@ class StepView:
 
     def dcp_metadata(self) -> Any:
         """The DCP ``Metadata`` of a DCP step, checked against the manifest and decoded
-        without running code (``ckptstore.dcp.metadata``); read once."""
+        without running code (``ckptstore.metadata``); read once."""
         self.require(DCP)
         if self._metadata is None:
-            from ckptstore.dcp.metadata import decode_metadata  # torch: DCP steps only
+            from ckptstore.metadata import decode_metadata  # imports torch: DCP steps only
 
             ref = self.manifest.dcp_metadata
             blob = read_object(self.store, ref, "DCP metadata")
@@ -252,8 +255,6 @@ class StepView:
     def locate(self, item: Any) -> tuple[int, int]:
         """Where DCP item ``item`` (a ``MetadataIndex``) is stored: ``(rank, tensor)``, checked
         against that rank's index."""
-        from ckptstore.dcp.ids import storage_key
-
         key = storage_key(item)
         try:
             rank, tensor = self.dcp_metadata().storage_data[item]
@@ -301,8 +302,6 @@ class StepView:
                         return
                 continue
             if rank not in ranks:
-                from ckptstore.dcp.ids import storage_key
-
                 why = f"DCP item {storage_key(item)!r} is stored by rank {rank}, which has no index"
                 yield Found(ref.key, "dcp-metadata", CheckpointCorruptError(why))
                 return
@@ -320,9 +319,8 @@ class StepView:
     ) -> Iterator[Found]:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-        from ckptstore.dcp.ids import storage_key
-        from ckptstore.dcp.reader import load_pickled_value
         from ckptstore.pipeline import PipelineConfig, read_tensors
+        from ckptstore.step_reader import load_pickled_value
 
         keys = {rank_of(ref.key): ref.key for ref in self.manifest.ranks}
         pickled: dict[int, dict[int, str]] = {}  # rank -> tensor -> item key
@@ -360,10 +358,10 @@ class StepView:
         DCP's loader reads through its own planner and reports nothing)."""
         self._refuse_tier_copy()
         if self.is_dcp:
-            from ckptstore.dcp import load_full_state_dict  # heavy, and only for DCP steps
+            from ckptstore.step_reader import full_state_dict  # imports torch: DCP steps only
 
             self.require(DCP)
-            return load_full_state_dict(self.store, self.step)
+            return full_state_dict(self)
         from ckptstore.pipeline import PipelineConfig, read_tensors
         from ckptstore.state import to_plain
 
@@ -392,8 +390,6 @@ class StepView:
 
 def _not_held(index: RankIndex, item: Any, tensor: int, rank: int) -> Exception | None:
     """Why a tier copy's ``index`` does not hold DCP ``item`` of its ``rank`` at ``tensor``."""
-    from ckptstore.dcp.ids import storage_key
-
     key = storage_key(item)
     if (index.items or {}).get(key) != tensor or not 0 <= tensor < len(index.tensors):
         return CheckpointCorruptError(

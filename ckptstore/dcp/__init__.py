@@ -30,13 +30,17 @@ tensors of shape ``[n]`` in the same chunks (readers load them weights-only).
 that locates it.
 
 Modules: ``writer`` (``StoreWriter``), ``stager`` (its ``AsyncStager`` half), ``reader``
-(``StoreReader``), ``load`` (a whole step in one process), ``ids`` (checkpoint ids, item keys),
-``metadata`` (the Metadata as JSON, and old steps' pickled Metadata through an allowlist).
+(``StoreReader``), ``tiers`` (tiered loads), ``load`` (a whole step in one process), ``ids``
+(checkpoint ids). What the core reads of a DCP step lives in the core, which never imports this
+package: ``ckptstore.metadata`` (the Metadata as JSON, and old steps' pickled Metadata through an
+allowlist), ``ckptstore.format.storage_key`` (item keys), ``ckptstore.step_reader`` (one
+process's ``StorageReader`` of a step, which ``StoreReader`` extends; pickled values loaded
+weights-only).
 """
 
-from ckptstore.dcp.ids import storage_key
 from ckptstore.dcp.load import load_full_state_dict
 from ckptstore.dcp.reader import StoreReader
 from ckptstore.dcp.writer import StoreWriter
+from ckptstore.format import storage_key
 
 __all__ = ["StoreWriter", "StoreReader", "load_full_state_dict", "storage_key"]

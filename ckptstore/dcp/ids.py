@@ -1,5 +1,6 @@
-"""What names a DCP save or load here: checkpoint ids (a step or a store URI), the keys of DCP
-items in a rank index, and how a writer or reader opens the store an id names."""
+"""What names a DCP save or load here: checkpoint ids (a step or a store URI), and how a writer
+or reader opens the store an id names. (The keys of DCP items in a rank index are
+``ckptstore.format``'s ``storage_key``.)"""
 
 from __future__ import annotations
 
@@ -9,15 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import fsspec
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptstore.format import check_step, dcp_item_key
+from ckptstore.format import check_step
 from ckptstore.store import Store, open_store
-
-
-def storage_key(index: MetadataIndex) -> str:
-    """The key of a DCP item in ``RankIndex.items``: ``fqn``, or ``fqn@o0,o1`` for a shard."""
-    return dcp_item_key(index.fqn, index.offset)
 
 
 def store_opener(

@@ -1,55 +1,44 @@
 """The DCP ``StorageReader``: loads steps committed by ``StoreWriter``, every chunk verified,
 resharded by DCP's planner. With several ranks, a chunk that two or more of them need is read
-from storage once and sent to the others (``ckptstore.shared_read``, batch by batch)."""
+from storage once and sent to the others (``ckptstore.shared_read``, batch by batch).
+
+``StoreReader`` extends the core's ``ckptstore.step_reader.StepReader`` (a step read by one
+process: batches, pickled values checked, shards narrowed) with what a load names (a checkpoint
+id, ``latest``, ``healthy``), tiers and the shared read."""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
 import time
-import uuid
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptstore.catalog import list_steps, parse_step
-from ckptstore.dcp._torch_private import narrow_tensor_by_index
-from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
+from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_load
-from ckptstore.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    PickledValueRefusedError,
-    UnsupportedStateError,
-    one_line,
-)
-from ckptstore.format import RankIndex
+from ckptstore.errors import CheckpointError, one_line
 from ckptstore.health import find_healthy, healthy_steps_to_load
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
-from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype, read_tensors
+from ckptstore.pipeline import ChunkSource, PipelineConfig, chunks_from_store
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
     ExchangeStats,
-    SharedChunks,
     needed_chunks,
     shared_source,
 )
+from ckptstore.step_reader import Batch, Location, StepReader
 from ckptstore.steps import DCP, StepView
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.restore import LoadReport
 
 logger = logging.getLogger(__name__)
-
-Location = tuple[int, int]  # (stored rank, tensor index in its index)
 
 
 @dataclass(frozen=True)
@@ -65,43 +54,7 @@ class _LoadTarget:
     """Bytes per round of the shared read, the least any rank asked for (0: off)."""
 
 
-@dataclass
-class _Batch:
-    """The items of one batch, ready to read: the stored tensors they need (``merged``, each
-    once) and where each goes."""
-
-    items: list[ReadItem]
-    locs: list[Location]
-    uses: Counter[Location]
-    slots: dict[Location, int]
-    merged: RankIndex
-    wanted: dict[int, torch.Tensor | None]
-    dests: dict[int, torch.Tensor]
-
-
-def load_pickled_value(data: bytes, name: str) -> Any:
-    """A value DCP pickled (a ``BYTE_IO`` item), loaded by torch's weights-only unpickler:
-    tensors, containers and plain scalars, never code. Anything that needs more is refused."""
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure is a refused value
-        raise PickledValueRefusedError(
-            f"DCP item {name}: refused (pickled; opt in with "
-            "StoreReader(trust_pickled_objects=True) if you trust its writer): torch's "
-            f"weights-only unpickler does not load it ({_unpickling_reason(exc)})"
-        ) from None
-
-
-def _unpickling_reason(exc: Exception) -> str:
-    text = str(exc)
-    marker = "WeightsUnpickler error: "
-    if marker in text:
-        text = text.split(marker, 1)[1]
-        return text.split(". ", 1)[0].splitlines()[0]
-    return (text.splitlines() or [type(exc).__name__])[0][:200]
-
-
-class StoreReader(StorageReader):
+class StoreReader(StepReader):
     """DCP ``StorageReader`` for steps committed by :class:`StoreWriter`.
 
     Use as ``dcp.load(state, storage_reader=StoreReader("s3://bucket/run", step=7))``. Every
@@ -163,30 +116,30 @@ class StoreReader(StorageReader):
         healthy: bool = False,
         **deprecated: Any,
     ) -> None:
-        super().__init__()
         o = resolve("StoreReader", dict(storage=storage, reads=reads, tiers=tiers), deprecated)
-        self.options = o
-        self._policy = o["tiers"].policy()
-        self._tier: TierLoad | None = None
-        self.last_load: LoadReport | None = None
-        self.trust_pickled_objects = trust_pickled_objects
-        self.healthy = healthy
-        self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
-        self.last_load_exchange: ExchangeStats | None = None
+        policy = o["tiers"].policy()
         parse_step(step)  # refuses a step that is neither a number nor "latest"
-        self.step = step
-        self.storage_options = storage_options
-        self._open_store = store_opener(
+        open_store = store_opener(
             storage_options,
             timeout_s=o["storage"].timeout_s,
             max_concurrency=o["storage"].max_concurrency,
         )
-        self.store = o["storage"].store or self._open_store(uri)
-        self.config = PipelineConfig(read_concurrency=o["reads"].read_concurrency)
-        self.read_batch_bytes = o["reads"].read_batch_bytes
-        self.rank = 0
-        self.load_id = uuid.uuid4().hex
-        self.view: StepView | None = None
+        super().__init__(  # the step is opened when a load starts (read_metadata)
+            o["storage"].store or open_store(uri),
+            config=PipelineConfig(read_concurrency=o["reads"].read_concurrency),
+            read_batch_bytes=o["reads"].read_batch_bytes,
+            trust_pickled_objects=trust_pickled_objects,
+        )
+        self.options = o
+        self._policy = policy
+        self._tier: TierLoad | None = None
+        self.last_load: LoadReport | None = None
+        self.healthy = healthy
+        self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
+        self.last_load_exchange: ExchangeStats | None = None
+        self.step = step
+        self.storage_options = storage_options
+        self._open_store = open_store
 
     def latest(self) -> int | None:
         """The step a load of ``"latest"`` would take, or None when there is none: nothing to
@@ -211,17 +164,13 @@ class StoreReader(StorageReader):
             self.step = step
         elif checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
             self.store = self._open_store(checkpoint_id)
-        self.load_id = uuid.uuid4().hex
+        super().reset()
         self.view = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: int | str | os.PathLike) -> bool:
         """True when ``checkpoint_id`` is a step or a URI fsspec can resolve to a filesystem."""
         return valid_checkpoint_id(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.store.uri
 
     def read_metadata(self) -> Metadata:
         # No **kwargs: DCP then never tries a rank-local fallback (there is none), whose
@@ -235,22 +184,7 @@ class StoreReader(StorageReader):
             )
             self.view = self._tier.view
             self.last_load = self._tier.report
-        metadata = self._view().dcp_metadata()
-        meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta = StorageMeta(
-            checkpoint_id=self.store.uri, save_id=meta.save_id, load_id=self.load_id
-        )
-        return metadata
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        if not isinstance(metadata.storage_data, dict):
-            raise CheckpointCorruptError(
-                f"DCP metadata in {self.store.uri} has no storage_data (not written by StoreWriter)"
-            )
-        self._view().adopt_metadata(metadata)  # the coordinator's, read once
-        self.rank = int(kwargs.get("rank", 0) or 0)
+        return self._stamped(self._view().dcp_metadata())
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # The coordinator agrees the shared read's budget from every rank's.
@@ -270,7 +204,9 @@ class StoreReader(StorageReader):
         )
         return [dataclasses.replace(p, storage_data=target) for p in plans]
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    # -- internals --------------------------------------------------------------------------
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         self.last_load_exchange = None
         target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
         group = _exchange_group(target, self.options["storage"])
@@ -293,11 +229,6 @@ class StoreReader(StorageReader):
         if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor
             self._tier.report.seconds = time.perf_counter() - self._tier.started
             self._tier.report.count()
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
-
-    # -- internals --------------------------------------------------------------------------
 
     def _check_step(self, target: _LoadTarget | None) -> None:
         manifest = self._view().manifest
@@ -310,24 +241,6 @@ class StoreReader(StorageReader):
                 f"coordinator resolved step {target.step} (a step was committed during "
                 "the load); pass StoreReader(step=N) explicitly"
             )
-
-    def _read_alone(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """This rank's items from storage, in batches of about ``read_batch_bytes``."""
-        batch: list[ReadItem] = []
-        batch_bytes = 0
-        seen: set[tuple[int, int]] = set()
-        for item in plan.items:
-            loc = self._locate(item.storage_index)
-            if loc not in seen:
-                nbytes = self._index(loc[0]).tensors[loc[1]].nbytes
-                if batch and batch_bytes + nbytes > self.read_batch_bytes:
-                    self._read_batch(batch, planner)
-                    batch, batch_bytes, seen = [], 0, set()
-                seen.add(loc)
-                batch_bytes += nbytes
-            batch.append(item)
-        if batch:
-            self._read_batch(batch, planner)
 
     def _read_shared(
         self,
@@ -360,7 +273,7 @@ class StoreReader(StorageReader):
         stats = ExchangeStats()
         for batch in _batches([dict(pairs) for pairs, _ in every], self.read_batch_bytes):
             items = [item for item, loc in zip(plan.items, locs, strict=True) if loc in batch]
-            prepared: _Batch | None = None
+            prepared: Batch | None = None
             needs: dict = {}
             try:
                 if items and failure is None:
@@ -435,85 +348,11 @@ class StoreReader(StorageReader):
                 logger.warning("%s in %s: skipped by healthy=True", why[step], self.store.uri)
         return good[0]
 
-    def _index(self, rank: int) -> RankIndex:
-        return self._view().index(rank)
-
-    def _locate(self, storage_index: MetadataIndex) -> tuple[int, int]:
-        return self._view().locate(storage_index)
-
-    def _item_name(self, item: ReadItem) -> str:
-        return (
-            f"{storage_key(item.storage_index)!r} of step {self._view().step} in {self.store.uri}"
-        )
-
-    def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Read the stored items ``items`` need (each chunk once) and hand them to DCP."""
-        batch = self._prepare_batch(items, planner)
-        self._finish_batch(batch, planner, self._read(batch, None))
-
-    def _read(self, batch: _Batch, source: SharedChunks | None) -> dict[int, torch.Tensor]:
-        store = self._view().store
+    def _read(self, batch: Batch, source: ChunkSource | None) -> dict[int, torch.Tensor]:
         if source is None and self._tier is not None:
+            store = self._view().store
             source = chunks_from_store(store, batch.merged.chunks, self.config, self._tier.fetch)
-        return read_tensors(store, batch.merged, batch.wanted, self.config, source=source)
-
-    def _prepare_batch(self, items: list[ReadItem], planner: LoadPlanner) -> _Batch:
-        """The stored tensors ``items`` need, each once, and where each one goes."""
-        locs = [self._locate(item.storage_index) for item in items]
-        uses = Counter(locs)
-        slots: dict[tuple[int, int], int] = {}
-        merged = RankIndex(rank=-1, tensors=[], chunks={})
-        for loc in uses:
-            index = self._index(loc[0])
-            entry = index.tensors[loc[1]]
-            slots[loc] = len(merged.tensors)
-            merged.tensors.append(entry)
-            for seg in entry.segments:
-                if seg.chunk in index.chunks:
-                    merged.chunks.setdefault(seg.chunk, index.chunks[seg.chunk])
-        # A stored tensor read whole, once, into a destination of its dtype and shape is
-        # decoded straight into it; every other one goes through a temporary and is narrowed.
-        wanted: dict[int, torch.Tensor | None] = {slot: None for slot in slots.values()}
-        dests: dict[int, torch.Tensor] = {}
-        for pos, item in enumerate(items):
-            if item.type == LoadItemType.BYTE_IO:
-                continue
-            dest = planner.resolve_tensor(item).detach()
-            dests[pos] = dest
-            entry = merged.tensors[slots[locs[pos]]]
-            if (
-                uses[locs[pos]] == 1
-                and not any(item.storage_offsets)
-                and list(item.lengths) == entry.shape
-                and list(dest.shape) == entry.shape
-                and dest.dtype == parse_dtype(entry.dtype)
-            ):
-                wanted[slots[locs[pos]]] = dest
-        return _Batch(items, locs, uses, slots, merged, wanted, dests)
-
-    def _finish_batch(
-        self, batch: _Batch, planner: LoadPlanner, loaded: dict[int, torch.Tensor]
-    ) -> None:
-        """Hand what ``batch``'s items read to DCP: values checked, tensors narrowed."""
-        wanted, dests = batch.wanted, batch.dests
-        for pos, item in enumerate(batch.items):
-            slot = batch.slots[batch.locs[pos]]
-            if item.type == LoadItemType.BYTE_IO:
-                data = loaded[slot].numpy().tobytes()
-                if not self.trust_pickled_objects:
-                    load_pickled_value(data, self._item_name(item))
-                planner.load_bytes(item, io.BytesIO(data))
-                continue
-            dest = dests[pos]
-            if wanted[slot] is not dest:
-                source = narrow_tensor_by_index(loaded[slot], item.storage_offsets, item.lengths)
-                if dest.size() != source.size():
-                    raise UnsupportedStateError(
-                        f"DCP item {storage_key(item.storage_index)!r}: destination shape "
-                        f"{tuple(dest.size())} does not match the stored {tuple(source.size())}"
-                    )
-                dest.copy_(source)
-            planner.commit_tensor(item, dest)
+        return super()._read(batch, source)
 
 
 def _batches(every: list[dict[Location, int]], limit: int) -> list[set[Location]]:

@@ -24,12 +24,12 @@ from torch.futures import Future
 
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps
-from ckptstore.dcp.ids import checkpoint_step, storage_key, store_opener, valid_checkpoint_id
-from ckptstore.dcp.metadata import encode_metadata
+from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
-from ckptstore.format import KIND_DCP, check_step, commit_key
+from ckptstore.format import KIND_DCP, check_step, commit_key, storage_key
 from ckptstore.health import StepHealth
+from ckptstore.metadata import encode_metadata
 from ckptstore.options import (
     EncodingOptions,
     HealthPolicy,

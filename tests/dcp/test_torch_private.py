@@ -1,4 +1,4 @@
-"""torch's private names reach ckptstore through ckptstore/dcp/_torch_private.py alone, so that a
+"""torch's private names reach ckptstore through ckptstore/_torch_private.py alone, so that a
 torch release that moves one breaks one file."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import ckptstore
-from ckptstore.dcp import _torch_private
+from ckptstore import _torch_private
 
 PACKAGE = Path(ckptstore.__file__).parent
 

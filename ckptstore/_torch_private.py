@@ -2,8 +2,8 @@
 
 DCP has no public way to load a whole checkpoint into an empty state dict in one process without
 a process group (its ``dcp_to_torch_save`` does that for a directory only), nor to narrow a
-stored shard to the slice a read asks for. ``dcp/load.py``'s planner also reads attributes that
-``DefaultLoadPlanner`` sets (``flatten_state_dict``, ``mappings``, ``original_state_dict``).
+stored shard to the slice a read asks for. ``step_reader``'s planner also reads attributes
+that ``DefaultLoadPlanner`` sets (``flatten_state_dict``, ``mappings``, ``original_state_dict``).
 Checked against torch 2.13.0 (`make test`) and 2.14.1 (`make test-torch-next`): the same names
 and signatures. When a torch release moves one of these, this file is the one to change.
 """
