@@ -26,7 +26,7 @@ install: $(BIN)/.installed
 NEXT_VENV := .venv-torch2141
 NEXT_BIN := $(NEXT_VENV)/bin
 NEXT_TESTS := tests/dcp/test_dcp.py tests/dcp/test_dcp_steps.py tests/dcp/test_untrusted_dcp.py \
-	tests/dcp/test_dcp_process_async.py \
+	tests/dcp/test_dcp_process_async.py tests/dcp/test_dcp_placements.py \
 	tests/dcp/test_dcp_shared_read.py tests/tiers/test_dcp_tiers.py tests/tiers/test_tier_conformance.py \
 	tests/format/test_save_session.py tests/format/test_export.py \
 	tests/checkpointer/test_partial_load.py tests/bench/test_bench_export.py \

@@ -36,9 +36,11 @@ the bytes go and how the newest step is found:
   a gloo group of its own, staged into the writer's pooled buffer (one copy, reused);
   ``async_with_pinned_mem`` stages with DCP's ``DefaultStager`` in the background (pinned
   memory where CUDA is) and overlaps the staging with the next step's forward and backward
-  (``maybe_wait_for_staging``), as torchtitan does. torchtitan sends that save to a checkpoint
-  process (``AsyncCheckpointerType.PROCESS``); this manager does too once the writer can be
-  pickled, and uploads from a background thread of the trainer's process until then.
+  (``maybe_wait_for_staging``), as torchtitan does. The upload runs in DCP's checkpoint
+  process (``AsyncCheckpointerType.PROCESS``), as torchtitan's does, when the writer has no
+  tiers (``StoreWriter`` pickles its configuration and is rebuilt there once); a writer with
+  ``tiers`` stays in the trainer's process, where its drains to the store remain in reach of
+  ``close()``, and uploads from a background thread (``AsyncCheckpointerType.THREAD``).
 - the last step (``training.steps``) is saved synchronously, to the store itself even with
   tiers (it is the run's result, whichever save ``durable_every`` drains): the model alone cast to
   ``export_dtype`` when ``last_save_model_only``, and with ``last_save_in_hf`` also exported as

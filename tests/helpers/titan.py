@@ -15,7 +15,10 @@ SPEC is a JSON object: ``out`` (a directory for this rank's results), ``steps``,
 ``hf_adapter`` (the model's state dict adapter: ``TinyAdapter``; else none), ``local_dir``
 (``TierOptions(local_dir=..., durable_every=2)``; else no tiers).
 Each rank appends ``<step> <loss as float.hex>`` to ``out/losses-<rank>.txt``, ``start
-<step>`` once loaded and ``staging <step>`` after a save that left its staging running; at the end rank 0 writes the full parameters to ``out/params.pt``.
+<step>`` once loaded and ``staging <step>`` after a save that left its staging running;
+before ``close()``, ``checkpoint_process 1`` when DCP's checkpoint process is alive (an async
+save ran there), else ``checkpoint_process 0``; at the end rank 0 writes the full parameters to
+``out/params.pt``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import _async_process_executor as async_process_executor
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -191,6 +195,11 @@ def main(spec: dict[str, Any]) -> None:
         if train_state.step == spec.get("kill_at"):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    # Whether DCP's checkpoint process (AsyncCheckpointerType.PROCESS) ran this run's async
+    # saves: it is started by the first such save and lives until the trainer exits.
+    process = async_process_executor._CHECKPOINT_PROCESS
+    alive = process is not None and process._save_process.is_alive()
+    print(f"checkpoint_process {int(alive)}", file=log, flush=True)
     checkpointer.close()
     params = full_params(model)
     if rank == 0:
