@@ -1,7 +1,7 @@
 # Two entry points (see README): `make demo` and `make test`. Both build .venv on first use.
 # `make test-fast` is the quick tier to run while working (see FAST_TESTS); `make test` runs all.
-# `make test-torch-next` runs the parts that lean on torch internals (DCP, export, Lightning)
-# against the next torch too, in its own venv; CI (.ci/run) runs it after `make test`.
+# `make test-torch-next` runs the parts that lean on torch internals (DCP, export, Lightning,
+# torchtitan) against the next torch too, in its own venv; CI (.ci/run) runs it after `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,13 +31,15 @@ NEXT_TESTS := tests/dcp/test_dcp.py tests/dcp/test_dcp_steps.py tests/dcp/test_u
 	tests/format/test_save_session.py tests/format/test_export.py \
 	tests/checkpointer/test_partial_load.py tests/bench/test_bench_export.py \
 	tests/integrations/test_lightning.py tests/integrations/test_lightning_upstream_checkpoint_io.py \
-	tests/integrations/test_lightning_upstream_model_checkpoint.py
+	tests/integrations/test_lightning_upstream_model_checkpoint.py tests/integrations/test_torchtitan.py
 
 $(NEXT_BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_BIN)/pip install -q --upgrade pip
 	$(NEXT_BIN)/pip install -q torch==2.14.1
 	$(NEXT_BIN)/pip install -q -e '.[test]'
+	$(NEXT_BIN)/pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0
+	$(NEXT_BIN)/pip install -q tyro==1.0.17
 	touch $@
 
 test-torch-next: $(NEXT_BIN)/.installed
