@@ -87,10 +87,11 @@ class RankGroup:
         within the rest of the bound (counters, never clocks: each process adds to its own)."""
         assert self.lost_rank_s is not None
         others = [r for r in self._members if r != self.rank]
+        started = self.group is not None  # every member joined it after its first beat
         try:
-            before = _HEARTBEAT.counts(others)
+            before = _HEARTBEAT.counts(others, started=started)
             threading.Event().wait(self._window_s)
-            after = _HEARTBEAT.counts(others)
+            after = _HEARTBEAT.counts(others, started=started)
         except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
             raise self._store_gone(exc) from exc
         return [r for r, b, a in zip(others, before, after) if a == b]
@@ -137,13 +138,14 @@ class RankGroup:
                 return
             others = [r for r in self._members if r != self.rank]
             start = looked = time.monotonic()
-            beats, pause = _HEARTBEAT.counts(others), 0.001
+            beats: list[int] | None = None  # first taken after a window: most waits are shorter
+            pause = 0.001
             while not store.check([everyone]):
                 now = time.monotonic()
                 if now - looked >= self._window_s:
-                    now_beats = _HEARTBEAT.counts(others)
-                    lost = [r for r, b, a in zip(others, beats, now_beats) if a == b]
-                    if lost:
+                    now_beats = _HEARTBEAT.counts(others, started=True)
+                    lost = [r for r, b, a in zip(others, beats or now_beats, now_beats) if a == b]
+                    if beats is not None and lost:
                         raise self._lose(what, lost, "nothing: it never came to the exchange")
                     beats, looked = now_beats, now
                 if now - start >= self._arrival_s:
@@ -246,10 +248,15 @@ class _Heartbeat:
             except Exception:  # noqa: BLE001 - the store is gone: others find no beat
                 continue
 
-    def counts(self, ranks: list[int]) -> list[int]:
+    def counts(self, ranks: list[int], *, started: bool = False) -> list[int]:
+        """The ranks' counters; ``started``: every one has beaten once (they all joined a group
+        after starting), so one request reads them all."""
         with self._lock:
             store = self._store
-        return [store.add(f"ckptstore/alive/{r}", 0) for r in ranks]
+        keys = [f"ckptstore/alive/{r}" for r in ranks]
+        if started:
+            return [int(v) for v in store.multi_get(keys)]
+        return [store.add(key, 0) for key in keys]
 
 
 _HEARTBEAT = _Heartbeat()
