@@ -144,10 +144,12 @@ def summarize(
     entries: list[Any],
     names: dict[int, str],
     groups: dict[str, tuple[str, ...]] | None = None,
+    ignore: tuple[str, ...] = (),
 ) -> RankHealth | None:
     """A rank's totals over its index ``entries`` (``TensorEntry``: ``dtype``, ``health``;
-    ``names``: tensor index -> name); None when a floating tensor records no health (an index
-    written before health was recorded)."""
+    ``names``: tensor index -> name), leaving out the tensors named under an ``ignore``
+    prefix; None when a floating tensor records no health (an index written before health
+    was recorded)."""
     if any(e.health is None and is_floating(e.dtype) for e in entries):
         return None
     healths = [e.health for e in entries]
@@ -156,11 +158,13 @@ def summarize(
     for i, h in enumerate(healths):
         if h is None:
             continue
+        name = names.get(i, f"tensor {i}")
+        if ignore and name.startswith(tuple(ignore)):
+            continue
         nan, inf, sq = h
         out.nan += nan
         out.inf += inf
         out.sumsq = _add(out.sumsq, sq)
-        name = names.get(i, f"tensor {i}")
         for group, prefixes in (groups or {}).items():
             if name.startswith(tuple(prefixes)):
                 out.groups[group] = _add(out.groups[group], sq)

@@ -240,6 +240,10 @@ class HealthPolicy:
     """Named groups of tensors by name prefix (``{"model": ("model/",)}``; a Checkpointer
     tensor's name is its path in the state, a DCP one its key), each recorded and, with
     ``norm_jump``, compared on its own besides the global norm."""
+    ignore: tuple[str, ...] = ()
+    """Tensor-name prefixes (named as in ``norm_groups``) whose values never make a step
+    unhealthy nor count in a norm: sentinels that are Inf by design, such as a best score that
+    starts at inf. Their NaN and Inf counts are still recorded per tensor (``inspect``)."""
 
     def __post_init__(self) -> None:
         if self.on_unhealthy not in ON_UNHEALTHY:
@@ -258,6 +262,8 @@ class HealthPolicy:
                 )
             if "global" in self.norm_groups:
                 raise ValueError("norm_groups: 'global' names the norm of every tensor")
+        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
+            raise ValueError(f"ignore must be a tuple of tensor-name prefixes, got {self.ignore!r}")
         if self.norm_jump is not None and not self.scan:
             raise ValueError("norm_jump needs scan=True")
 

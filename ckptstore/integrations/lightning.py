@@ -60,6 +60,7 @@ from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError
 from ckptstore.integrations import _pointer
 from ckptstore.integrations._pickled import unwrap, wrap
 from ckptstore.integrations._pointer import Pointer
+from ckptstore.options import HealthPolicy
 from ckptstore.retention import collect, drop_step
 from ckptstore.store import Store
 
@@ -69,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 META_KEY = "lightning"
 STEP_WORDS = ("latest", "last")
+CALLBACK_STATE = ("callbacks/",)  # its scores start at Inf: never a sign of a blow-up
 
 
 class CkptstoreCheckpointIO(CheckpointIO):
@@ -81,7 +83,9 @@ class CkptstoreCheckpointIO(CheckpointIO):
             files are reached as Lightning reaches its checkpoint directory.
         **checkpointer_options: passed to :class:`ckptstore.Checkpointer` (``compression``,
             ``staging_budget_bytes``, ...). Leave ``keep_last`` unset to let
-            ``ModelCheckpoint(save_top_k=...)`` decide which steps go.
+            ``ModelCheckpoint(save_top_k=...)`` decide which steps go. The default
+            ``health`` ignores the callbacks' state (``ModelCheckpoint`` and ``EarlyStopping``
+            keep scores that are Inf by design): ``HealthPolicy(ignore=("callbacks/",))``.
     """
 
     def __init__(
@@ -94,7 +98,12 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self.uri = str(uri)
         self._store_id = _pointer.store_id(self.uri)
         self._storage_options = storage_options
-        self._options = {"storage_options": storage_options, **checkpointer_options}
+        health = HealthPolicy(ignore=CALLBACK_STATE)
+        self._options = {
+            "storage_options": storage_options,
+            "health": health,
+            **checkpointer_options,
+        }
         self._checkpointer: Checkpointer | None = None
         self._pending: dict[int, SaveHandle] = {}
         self._newest = -1  # the highest step this process saved

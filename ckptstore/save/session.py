@@ -276,7 +276,8 @@ class SaveSession:
         key = rank_index_key(self.step, self.attempt, rank)
         self.store.put(key, data)
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
-        health = summarize(rank, entries, tensor_names(index), self.engine.health.norm_groups)
+        policy = self.engine.health
+        health = summarize(rank, entries, tensor_names(index), policy.norm_groups, policy.ignore)
         return RankWritten(rank, object_ref(key, data), sizes, health)
 
     def commit(

@@ -77,6 +77,25 @@ def test_a_healthy_save_records_each_floating_tensor_and_the_step(tmp_path):
     assert handle.health.norm == pytest.approx(math.sqrt(_sumsq(state)), rel=1e-6)
 
 
+def test_ignored_prefixes_never_make_a_step_unhealthy_but_are_recorded(tmp_path):
+    """A best score that starts at Inf (Lightning's ModelCheckpoint, EarlyStopping) is no
+    blow-up; an Inf anywhere else still is."""
+    state = {"model": {"w": torch.ones(4)}, "callbacks": {"best": torch.tensor(math.inf)}}
+    policy = HealthPolicy(ignore=("callbacks/",))
+    with Checkpointer(tmp_path, health=policy) as ck:
+        assert ck.save(1, state).wait() is None and ck.last_save.healthy
+        assert ck.last_save.norm == pytest.approx(2.0)  # the sentinel counts in no norm either
+        state["model"]["w"][0] = math.inf
+        ck.save(2, state).wait()
+        assert not ck.last_save.healthy and ck.last_save.inf == 1
+        assert ck.last_save.worst == ("rank 0 model/w: 0 NaN, 1 Inf",)
+    store = Store(tmp_path)
+    assert list(_entries(store, 1)["callbacks/best"][:2]) == [0, 1]  # recorded all the same
+    assert load_manifest(store, 1).health["healthy"]
+    with pytest.raises(ValueError, match="ignore must be a tuple"):
+        HealthPolicy(ignore="callbacks/")
+
+
 @pytest.mark.parametrize("where", ["model", "optim", "bf16"])
 def test_nan_and_inf_anywhere_make_the_step_unhealthy_and_name_the_tensor(tmp_path, where, caplog):
     state = _model_state()
