@@ -30,8 +30,8 @@ NEXT_TESTS := tests/dcp/test_dcp.py tests/dcp/test_dcp_steps.py tests/dcp/test_u
 	tests/dcp/test_dcp_shared_read.py tests/tiers/test_dcp_tiers.py tests/tiers/test_tier_conformance.py \
 	tests/format/test_save_session.py tests/format/test_export.py \
 	tests/checkpointer/test_partial_load.py tests/bench/test_bench_export.py \
-	tests/integrations/test_lightning.py tests/integrations/test_lightning_upstream_checkpoint_io.py \
-	tests/integrations/test_lightning_upstream_model_checkpoint.py tests/integrations/test_torchtitan.py
+	tests/integrations/test_lightning.py tests/integrations/test_lightning_checkpoints.py \
+	tests/integrations/test_torchtitan.py
 
 $(NEXT_BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(NEXT_VENV)
