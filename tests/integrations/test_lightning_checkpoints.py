@@ -22,8 +22,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomIterableDataset  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
+from ckptstore.catalog import load_manifest  # noqa: E402
+from ckptstore.health import status  # noqa: E402
 from ckptstore.integrations import _pointer  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
+from ckptstore.store import Store  # noqa: E402
 from tests.helpers.states import assert_same  # noqa: E402
 
 
@@ -209,6 +212,9 @@ def test_every_n_train_steps_saves_a_pointer_at_each_nth_step(plugin, tmp_path):
     assert _pointers(io, ckpts) == {"step=3.ckpt": 3, "step=6.ckpt": 6, "step=9.ckpt": 9}
     for step in (3, 6, 9):
         _assert_loads(io, ckpts / f"step={step}.ckpt", step, 0, run.at[step])
+    # ModelCheckpoint's own state holds kth_value=inf (no monitor): not a blow-up
+    store = Store(io.uri)
+    assert [status(load_manifest(store, s).health) for s in (3, 6, 9)] == ["healthy"] * 3
 
 
 SCORES = {2: 5.0, 4: 1.0, 6: 4.0, 8: 2.0, 10: 3.0}  # global step -> "score" (lower is better)
