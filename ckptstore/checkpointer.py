@@ -62,10 +62,11 @@ from ckptstore.shared_read import (
     ExchangeStats,
 )
 from ckptstore.state import flatten
-from ckptstore.store import niced, open_store
+from ckptstore.store import Store, niced, open_store
 from ckptstore.tiers.group import RankGroup as _Group
+from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
-from ckptstore.tiers.saving import open_tiers
+from ckptstore.tiers.saving import Tiers, open_tiers
 from ckptstore.tiers.transfer import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -136,62 +137,76 @@ class Checkpointer:
         )
         o = resolve("Checkpointer", given, deprecated)
         self.options = o
-        store = o["storage"].store
-        timeout_s, background_nice = o["storage"].timeout_s, o["storage"].background_nice
-        staging_mode, when_busy = o["staging"].mode, o["staging"].when_busy
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         if o["preemption"].handle_sigterm:
             SigtermGuard.check_installable(o["preemption"].sigterm_grace_s)
-        self._policy = o["tiers"].policy()
-        if self._policy is not None and staging_mode == "peer":
-            raise ValueError("staging='peer' and local_dir are two ways of peer copies: pick one")
-        self.store = store or open_store(
-            uri,
-            storage_options=storage_options,
-            timeout_s=timeout_s,
-            max_concurrency=o["storage"].max_concurrency,
-            thread_nice=background_nice,
-        )
-        self._save_thread_nice = niced(background_nice)
-        self.when_busy = when_busy
+        self._policy = _tier_policy(o)
+        self.store = o["storage"].store or _open_store(uri, storage_options, o["storage"])
+        self._save_thread_nice = niced(o["storage"].background_nice)
+        self.when_busy = o["staging"].when_busy
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
-        group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
-        # With tiers, a lost rank ends every rank's save, load and drain within the bound.
-        lost_rank_s = o["storage"].lost_rank_timeout_s if self._policy is not None else None
-        self._group = _Group(
-            process_group, timeout_s=group_timeout_s, no_dist=no_dist, lost_rank_s=lost_rank_s
-        )
+        self._group = self._rank_group(process_group, no_dist)
         self.rank = self._group.rank
-        if self._group.active and when_busy == "skip":
+        if self._group.active and self.when_busy == "skip":
             raise ValueError(
                 "when_busy='skip' is single-process only: ranks could disagree "
                 "on which saves to skip"
             )
-        self._peers = _peer_replicas(o["staging"], self._group) if staging_mode == "peer" else None
+        peer_staging = o["staging"].mode == "peer"
+        self._peers = _peer_replicas(o["staging"], self._group) if peer_staging else None
         self.last_load = LoadReport()
-        self._tiers = None
-        if self._policy is not None:
-            drain_group = _Group(
-                process_group, timeout_s=group_timeout_s, no_dist=no_dist, lost_rank_s=lost_rank_s
-            )
-            self._tiers = open_tiers(
-                self._policy,
-                self.engine,
-                self._group,
-                self.store,
-                node_rank=o["tiers"].node_rank,
-                drain_group=drain_group,  # drains run collectives while the next save does
-                timeout_s=timeout_s,
-                thread_nice=background_nice,
-                keep_alive=self,
-            )
+        self._tiers = self._open_tiers(process_group, no_dist)
         self._local = self._tiers.local if self._tiers else None
         self._topology = self._tiers.topology if self._tiers else None
         self._drains = self._tiers.drains if self._tiers else None
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
-        self._loader = StateLoader(
+        self._loader = self._state_loader()
+        self._session = self._group.broadcast(uuid.uuid4().hex[:12])
+        self._saves = 0
+        self.skipped_saves = 0
+        self._closed_event = threading.Event()
+        self._sigterm = self._sigterm_guard()
+        self._saver = self._save_worker()
+        self._closed = False
+        # A script that ends right after save() must not lose that save. Threading's exit hooks
+        # run before atexit's, last registered first: this one runs while concurrent.futures
+        # still accepts work (s3fs resolves hosts through an executor).
+        this = weakref.ref(self)
+        threading._register_atexit(lambda: (c := this()) is not None and c._close_at_exit())
+
+    def _rank_group(self, process_group: Any, no_dist: bool) -> _Group:
+        """A group of ``process_group``'s ranks whose collectives wait as long as a save may
+        make them; with tiers, a lost rank ends every rank's save, load and drain within
+        ``lost_rank_timeout_s``."""
+        storage = self.options["storage"]
+        return _Group(
+            process_group,
+            timeout_s=storage.group_timeout_s(self.options["retention"].gc_wait_s),
+            no_dist=no_dist,
+            lost_rank_s=storage.lost_rank_timeout_s if self._policy is not None else None,
+        )
+
+    def _open_tiers(self, process_group: Any, no_dist: bool) -> Tiers | None:
+        """This rank's tiers (``tiers.saving.open_tiers``), None without a ``local_dir``."""
+        if self._policy is None:
+            return None
+        drain_group = self._rank_group(process_group, no_dist)
+        return open_tiers(
+            self._policy,
+            self.engine,
+            self._group,
+            self.store,
+            node_rank=self.options["tiers"].node_rank,
+            drain_group=drain_group,  # drains run collectives while the next save does
+            timeout_s=self.options["storage"].timeout_s,
+            thread_nice=self.options["storage"].background_nice,
+            keep_alive=self,
+        )
+
+    def _state_loader(self) -> StateLoader:
+        return StateLoader(
             self.store,
             self._group,
             self.engine.config,
@@ -200,20 +215,19 @@ class Checkpointer:
             local=self._local,
             topology=self._topology,
         )
-        self._session = self._group.broadcast(uuid.uuid4().hex[:12])
-        self._saves = 0
-        self.skipped_saves = 0
-        self._closed_event = threading.Event()
-        self._sigterm = (
-            SigtermGuard(
-                grace_s=o["preemption"].sigterm_grace_s,
-                ckpt=f"rank {self.rank} checkpointer of {self.store.uri}",
-                closed=self._closed_event,
-            )
-            if o["preemption"].handle_sigterm
-            else None
+
+    def _sigterm_guard(self) -> SigtermGuard | None:
+        preemption = self.options["preemption"]
+        if not preemption.handle_sigterm:
+            return None
+        return SigtermGuard(
+            grace_s=preemption.sigterm_grace_s,
+            ckpt=f"rank {self.rank} checkpointer of {self.store.uri}",
+            closed=self._closed_event,
         )
-        self._saver = SaveWorker(
+
+    def _save_worker(self) -> SaveWorker:
+        return SaveWorker(
             engine=self.engine,
             store=self.store,
             group=self._group,
@@ -223,12 +237,6 @@ class Checkpointer:
             thread_nice=self._save_thread_nice,
             keep_alive=self,  # its exit hook finishes the saves of a Checkpointer let go
         )
-        self._closed = False
-        # A script that ends right after save() must not lose that save. Threading's exit hooks
-        # run before atexit's, last registered first: this one runs while concurrent.futures
-        # still accepts work (s3fs resolves hosts through an executor).
-        this = weakref.ref(self)
-        threading._register_atexit(lambda: (c := this()) is not None and c._close_at_exit())
 
     @property
     def last_save(self) -> StepHealth | None:
@@ -442,6 +450,27 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tier_policy(o: dict[str, Any]) -> TierPolicy | None:
+    """The tier policy of the options ``o``, None without a ``local_dir``; refused with peer
+    staging, the other way of peer copies."""
+    policy = o["tiers"].policy()
+    if policy is not None and o["staging"].mode == "peer":
+        raise ValueError("staging='peer' and local_dir are two ways of peer copies: pick one")
+    return policy
+
+
+def _open_store(
+    uri: str | os.PathLike, storage_options: dict[str, Any] | None, storage: StorageOptions
+) -> Store:
+    return open_store(
+        uri,
+        storage_options=storage_options,
+        timeout_s=storage.timeout_s,
+        max_concurrency=storage.max_concurrency,
+        thread_nice=storage.background_nice,
+    )
 
 
 def _peer_replicas(staging: StagingOptions, group: _Group) -> PeerReplicas:

@@ -215,82 +215,88 @@ def export_safetensors(
     cast = _cast_dtype(dtype)
     if read_batch_bytes < 1 or read_concurrency < 1:
         raise ValueError("read_batch_bytes and read_concurrency must be >= 1")
-    out = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"{out} exists and is not a directory")
-    if not overwrite and os.path.isdir(out) and os.listdir(out):
-        raise ValueError(f"{out} is not empty (pass overwrite=True to export into it anyway)")
+    out = _out_dir(out_dir, overwrite)
 
     store = open_store(
         uri, storage_options=storage_options, timeout_s=timeout_s, max_concurrency=read_concurrency
     )
     view = StepView.open(store, step)
     manifest = view.manifest
-    named, skipped = view.whole_tensors(rank)
-    items = _select(named, only, only if strip_prefix is None else strip_prefix, cast)
-    skipped = [name for name in skipped if only is None or name_under(name, only)]
-    if not items and not named:
-        raise CheckpointNotFoundError(
-            f"step {manifest.step} in {store.uri} holds no tensor to export as safetensors"
-        )
-    if not items:
-        available = ", ".join(sorted(t.name for t in named)[:5]) or "none"
-        raise ValueError(
-            f"no tensor of step {manifest.step} in {store.uri} matches only={only!r} "
-            f"(names start like: {available})"
-        )
+    items, skipped = _items_to_export(view, rank, only, strip_prefix, cast)
     shards = _split(items, max_bytes)
-    names = (
-        [SINGLE_FILE]
-        if len(shards) == 1
-        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
-    notes = []
-    if view.per_rank:
-        notes.append(f"step saved by {manifest.world_size} ranks: exported rank {rank}'s state")
-    if skipped:
-        notes.append(f"{len(skipped)} non-tensor value(s) skipped")
+    names = _shard_names(len(shards))
     cfg = PipelineConfig(read_concurrency=read_concurrency)
     batch_bytes = min(read_batch_bytes, max_bytes)
 
     os.makedirs(out, exist_ok=True)
-    temporaries: list[str] = []
-    try:
-        for name, shard in zip(names, shards):
-            temporaries.append(_temporary(out, name))
-            _write_shard(temporaries[-1], shard, view, cfg, batch_bytes)
-            logger.info("export of step %d: %s written", manifest.step, name)
-        index_doc = None
-        if len(shards) > 1:
-            weight_map = {item.name: name for name, shard in zip(names, shards) for item in shard}
-            index_doc = {
-                "metadata": {"total_size": sum(i.out_bytes for i in items)},
-                "weight_map": weight_map,
-            }
-            temporaries.append(_temporary(out, INDEX_FILE))
-            _write_file(temporaries[-1], json.dumps(index_doc, indent=2).encode() + b"\n")
-        # Every file is complete: move them into place, the index last.
-        finals = [*names, INDEX_FILE] if index_doc is not None else names
-        for temporary, name in zip(temporaries, finals):
-            os.replace(temporary, os.path.join(out, name))
-        temporaries = []
-        _fsync_dir(out)
-    finally:
-        for temporary in temporaries:
-            _remove(temporary)
+    index_file = _write_files(out, names, shards, view, cfg, batch_bytes)
     if overwrite:
-        _remove_stale(out, keep=set(finals))
+        _remove_stale(out, keep={*names, *([index_file] if index_file else [])})
     return ExportResult(
         out_dir=out,
         step=manifest.step,
         kind=manifest.kind,
         files=names,
-        index_file=INDEX_FILE if index_doc is not None else None,
+        index_file=index_file,
         tensors=len(items),
         total_bytes=sum(i.out_bytes for i in items),
         skipped=skipped,
-        notes=notes,
+        notes=_notes(view, rank, skipped),
     )
+
+
+def _out_dir(out_dir: str | os.PathLike, overwrite: bool) -> str:
+    """``out_dir`` as an absolute path, refused if it is a file or, without ``overwrite``, a
+    directory that is not empty."""
+    out = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out} exists and is not a directory")
+    if not overwrite and os.path.isdir(out) and os.listdir(out):
+        raise ValueError(f"{out} is not empty (pass overwrite=True to export into it anyway)")
+    return out
+
+
+def _items_to_export(
+    view: StepView,
+    rank: int,
+    only: str | None,
+    strip_prefix: str | None,
+    cast: torch.dtype | None,
+) -> tuple[list[_Item], list[str]]:
+    """The tensors of ``rank``'s state that ``only`` selects, and the names of the non-tensor
+    values it would have selected; a step or a selection without a tensor is refused."""
+    manifest = view.manifest
+    named, skipped = view.whole_tensors(rank)
+    items = _select(named, only, only if strip_prefix is None else strip_prefix, cast)
+    skipped = [name for name in skipped if only is None or name_under(name, only)]
+    if not items and not named:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} in {view.store.uri} holds no tensor to export as safetensors"
+        )
+    if not items:
+        available = ", ".join(sorted(t.name for t in named)[:5]) or "none"
+        raise ValueError(
+            f"no tensor of step {manifest.step} in {view.store.uri} matches only={only!r} "
+            f"(names start like: {available})"
+        )
+    return items, skipped
+
+
+def _notes(view: StepView, rank: int, skipped: list[str]) -> list[str]:
+    notes = []
+    if view.per_rank:
+        notes.append(
+            f"step saved by {view.manifest.world_size} ranks: exported rank {rank}'s state"
+        )
+    if skipped:
+        notes.append(f"{len(skipped)} non-tensor value(s) skipped")
+    return notes
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
 # -- what to export ------------------------------------------------------------------------------
@@ -356,6 +362,44 @@ def _split(items: list[_Item], max_bytes: int) -> list[list[_Item]]:
 
 
 # -- writing -------------------------------------------------------------------------------------
+
+
+def _write_files(
+    out: str,
+    names: list[str],
+    shards: list[list[_Item]],
+    view: StepView,
+    cfg: PipelineConfig,
+    batch_bytes: int,
+) -> str | None:
+    """Every shard, and the index of several, written under temporary names in ``out`` and
+    moved into place once all are complete, the index last; returns the index's name, or
+    None for a single file. A failure removes the temporary files."""
+    temporaries: list[str] = []
+    try:
+        for name, shard in zip(names, shards):
+            temporaries.append(_temporary(out, name))
+            _write_shard(temporaries[-1], shard, view, cfg, batch_bytes)
+            logger.info("export of step %d: %s written", view.manifest.step, name)
+        index_doc = None
+        if len(shards) > 1:
+            weight_map = {item.name: name for name, shard in zip(names, shards) for item in shard}
+            index_doc = {
+                "metadata": {"total_size": sum(i.out_bytes for s in shards for i in s)},
+                "weight_map": weight_map,
+            }
+            temporaries.append(_temporary(out, INDEX_FILE))
+            _write_file(temporaries[-1], json.dumps(index_doc, indent=2).encode() + b"\n")
+        # Every file is complete: move them into place, the index last.
+        finals = [*names, INDEX_FILE] if index_doc is not None else names
+        for temporary, name in zip(temporaries, finals):
+            os.replace(temporary, os.path.join(out, name))
+        temporaries = []
+        _fsync_dir(out)
+    finally:
+        for temporary in temporaries:
+            _remove(temporary)
+    return INDEX_FILE if index_doc is not None else None
 
 
 def _header(shard: list[_Item]) -> bytes:

@@ -504,6 +504,41 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+_Segments = dict[str, list[tuple[int, int, int, int]]]
+"""By chunk digest, the segments a read takes from it: (tensor, offset in the chunk, bytes,
+position in the tensor's bytes)."""
+
+
+def _plan_reads(
+    index: RankIndex, wanted: dict[int, torch.Tensor | None]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], _Segments]:
+    """For ``read_tensors``: the tensor returned for each of ``wanted``, the tensor its bytes
+    are written into (the destination itself, or a temporary) and the segments of each chunk.
+    A tensor whose entry's size does not match its dtype and shape is corrupt."""
+    out: dict[int, torch.Tensor] = {}
+    fill: dict[int, torch.Tensor] = {}
+    by_chunk: _Segments = defaultdict(list)
+    for i, dest in wanted.items():
+        entry = index.tensors[i]
+        dtype, shape = parse_dtype(entry.dtype), entry.shape
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if entry.nbytes != expected:
+            raise CheckpointCorruptError(
+                f"tensor {i} of rank {index.rank}: {entry.nbytes} bytes for {dtype} {shape}"
+            )
+        if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
+            target = dest
+        else:
+            target = torch.empty(shape, dtype=dtype)
+        out[i] = dest if dest is not None else target
+        fill[i] = target
+        position = 0
+        for seg in entry.segments:
+            by_chunk[seg.chunk].append((i, seg.offset, seg.nbytes, position))
+            position += seg.nbytes
+    return out, fill, by_chunk
+
+
 def read_tensors(
     store: Store,
     index: RankIndex,
@@ -525,27 +560,7 @@ def read_tensors(
     dropped), and ``written``, if given, holds the indexes of the destinations that received
     bytes (it is filled on success too).
     """
-    out: dict[int, torch.Tensor] = {}
-    fill: dict[int, torch.Tensor] = {}
-    by_chunk: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
-    for i, dest in wanted.items():
-        entry = index.tensors[i]
-        dtype, shape = parse_dtype(entry.dtype), entry.shape
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if entry.nbytes != expected:
-            raise CheckpointCorruptError(
-                f"tensor {i} of rank {index.rank}: {entry.nbytes} bytes for {dtype} {shape}"
-            )
-        if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
-            target = dest
-        else:
-            target = torch.empty(shape, dtype=dtype)
-        out[i] = dest if dest is not None else target
-        fill[i] = target
-        position = 0
-        for seg in entry.segments:
-            by_chunk[seg.chunk].append((i, seg.offset, seg.nbytes, position))
-            position += seg.nbytes
+    out, fill, by_chunk = _plan_reads(index, wanted)
     views = {i: _byte_view(t) for i, t in fill.items() if t.numel()}
     in_place = {i for i, dest in wanted.items() if dest is not None and fill[i] is dest}
     touched = written if written is not None else set()

@@ -149,61 +149,13 @@ class _Loader:
         if tag in ("$t", "$np"):
             self.needed.add(node[tag])
         if tag == "$t":
-            if target is _MISSING or target is None:
-                return
-            if not isinstance(target, torch.Tensor):
-                raise UnsupportedStateError(
-                    f"{path_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
-                )
-            dtype, shape = self.describe(node["$t"])
-            if list(target.shape) != shape or target.dtype != dtype:
-                raise UnsupportedStateError(
-                    f"{path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
-                    f"{target.dtype} {tuple(target.shape)}"
-                )
-            if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
-                self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
-                self.paths[node["$t"]] = path_str(path)
+            self._match_tensor(target, node, path)
         elif tag == "$np":
-            # Loaded as a new array, never in place; but an array of another shape or dtype
-            # is refused as a tensor is (any other target, None say, is simply replaced).
-            if isinstance(target, np.ndarray):
-                dtype, shape = self.describe(node["$np"])
-                saved = _numpy_dtype(dtype)
-                if list(target.shape) != shape or target.dtype != saved:
-                    raise UnsupportedStateError(
-                        f"{path_str(path)}: checkpoint has a numpy array of "
-                        f"{saved if saved is not None else dtype} {tuple(shape)}, state has "
-                        f"{target.dtype} {tuple(target.shape)}"
-                    )
+            self._match_numpy(target, node, path)
         elif tag == "$stateful":
-            if target is _MISSING or not is_stateful(target):
-                raise UnsupportedStateError(
-                    f"{path_str(path)}: checkpoint has a stateful object; pass an object with "
-                    "load_state_dict() to load it into"
-                )
-            template = target.state_dict()
-            self.templates[path] = template
-            if isinstance(target, torch.nn.Module):
-                if self.strict:
-                    self._check_module_keys(template, node["$stateful"], path)
-                else:
-                    self._lenient.add(id(template))  # a module's state dict is flat
-            self._in_stateful += 1
-            try:
-                self.match(template, node["$stateful"], path)
-            finally:
-                self._in_stateful -= 1
+            self._match_stateful(target, node, path)
         elif tag == "$generator":
-            target = _MISSING if target is None else target
-            if target is not _MISSING and not isinstance(target, torch.Generator):
-                raise UnsupportedStateError(
-                    f"{path_str(path)}: checkpoint has a torch.Generator, state has "
-                    f"{type(target).__name__}"
-                )
-            template = target.get_state() if target is not _MISSING else _MISSING
-            self.templates[path] = template
-            self.match(template, node["$generator"]["state"], path)
+            self._match_generator(target, node, path)
         elif tag == "$tuple" or isinstance(node, list):
             items = node["$tuple"] if tag else node
             seq = target if isinstance(target, (list, tuple)) else None
@@ -212,23 +164,86 @@ class _Loader:
             for i, item in enumerate(items):
                 self.match(seq[i] if seq is not None else _MISSING, item, (*path, i))
         elif tag == "$dict" or (isinstance(node, dict) and tag is None):
-            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
-            container = target if isinstance(target, dict) else None
-            if container is not None:
-                extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
-                if extra and not self.strict:
-                    self.not_saved += [path_str((*path, k)) for k in extra]
-                elif extra and path == ():
-                    raise UnsupportedStateError(
-                        f"state keys not in the checkpoint: {extra} (load(..., strict=False) "
-                        "loads what the checkpoint holds and leaves them alone)"
-                    )
-            for key, value in pairs:
-                if self.skips(container, key):
-                    self.left_out.append(path_str((*path, key)))
-                    continue
-                sub = container.get(key, _MISSING) if container is not None else _MISSING
-                self.match(sub, value, (*path, key))
+            self._match_dict(target, node, tag, path)
+
+    def _match_tensor(self, target: Any, node: Any, path: tuple) -> None:
+        if target is _MISSING or target is None:
+            return
+        if not isinstance(target, torch.Tensor):
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
+            )
+        dtype, shape = self.describe(node["$t"])
+        if list(target.shape) != shape or target.dtype != dtype:
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
+                f"{target.dtype} {tuple(target.shape)}"
+            )
+        if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
+            self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
+            self.paths[node["$t"]] = path_str(path)
+
+    def _match_numpy(self, target: Any, node: Any, path: tuple) -> None:
+        # Loaded as a new array, never in place; but an array of another shape or dtype
+        # is refused as a tensor is (any other target, None say, is simply replaced).
+        if isinstance(target, np.ndarray):
+            dtype, shape = self.describe(node["$np"])
+            saved = _numpy_dtype(dtype)
+            if list(target.shape) != shape or target.dtype != saved:
+                raise UnsupportedStateError(
+                    f"{path_str(path)}: checkpoint has a numpy array of "
+                    f"{saved if saved is not None else dtype} {tuple(shape)}, state has "
+                    f"{target.dtype} {tuple(target.shape)}"
+                )
+
+    def _match_stateful(self, target: Any, node: Any, path: tuple) -> None:
+        if target is _MISSING or not is_stateful(target):
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has a stateful object; pass an object with "
+                "load_state_dict() to load it into"
+            )
+        template = target.state_dict()
+        self.templates[path] = template
+        if isinstance(target, torch.nn.Module):
+            if self.strict:
+                self._check_module_keys(template, node["$stateful"], path)
+            else:
+                self._lenient.add(id(template))  # a module's state dict is flat
+        self._in_stateful += 1
+        try:
+            self.match(template, node["$stateful"], path)
+        finally:
+            self._in_stateful -= 1
+
+    def _match_generator(self, target: Any, node: Any, path: tuple) -> None:
+        target = _MISSING if target is None else target
+        if target is not _MISSING and not isinstance(target, torch.Generator):
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has a torch.Generator, state has "
+                f"{type(target).__name__}"
+            )
+        template = target.get_state() if target is not _MISSING else _MISSING
+        self.templates[path] = template
+        self.match(template, node["$generator"]["state"], path)
+
+    def _match_dict(self, target: Any, node: Any, tag: str | None, path: tuple) -> None:
+        pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+        container = target if isinstance(target, dict) else None
+        if container is not None:
+            extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
+            if extra and not self.strict:
+                self.not_saved += [path_str((*path, k)) for k in extra]
+            elif extra and path == ():
+                raise UnsupportedStateError(
+                    f"state keys not in the checkpoint: {extra} (load(..., strict=False) "
+                    "loads what the checkpoint holds and leaves them alone)"
+                )
+        for key, value in pairs:
+            if self.skips(container, key):
+                self.left_out.append(path_str((*path, key)))
+                continue
+            sub = container.get(key, _MISSING) if container is not None else _MISSING
+            self.match(sub, value, (*path, key))
 
     def _check_module_keys(self, template: dict, saved: Any, path: tuple) -> None:
         """A module whose parameters or buffers the step lacks would keep their current

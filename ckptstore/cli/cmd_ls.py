@@ -13,7 +13,7 @@ from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.store import Store
 from ckptstore.tiers.identity import read_identity
-from ckptstore.tiers.local import tier_copies
+from ckptstore.tiers.local import TierListing, tier_copies
 from ckptstore.tiers.policy import store_identity
 
 
@@ -39,85 +39,98 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     pending = saves_in_flight(store)
     bad = [r for r in rows if "error" in r]
     if args.json:
-        emit_json(
-            {
-                "uri": store.uri,
-                "steps": rows,
-                "latest": steps[-1] if steps else None,
-                "pending": pending,
-                **(
-                    {
-                        "local_dirs": {
-                            d: {"job_dir": str(listing.job_dir), "problems": listing.problems}
-                            for d, listing in listings.items()
-                        }
-                    }
-                    if listings
-                    else {}
-                ),
-            }
-        )
+        emit_json(_listing_doc(store, steps, rows, pending, listings))
     else:
-        if not rows:
-            print(f"no committed steps in {store.uri}")
-        else:
-            rows_text = [
-                [
-                    str(r["step"]),
-                    r["kind"],
-                    str(r["world_size"]),
-                    r["health"],
-                    r["created"],
-                    human_bytes(r["raw_bytes"]),
-                    human_bytes(r["stored_bytes"]),
-                    format_ratio(r["compression_ratio"]),
-                    json.dumps(r["user"]) if r["user"] else "",
-                ]
-                if "error" not in r and "kind" in r
-                else [
-                    str(r["step"]),
-                    "ERROR" if "error" in r else "-",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    r.get("error", ""),
-                ]
-                for r in rows
-            ]
-            header = [
-                "STEP", "KIND", "RANKS", "HEALTH", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"
-            ]  # fmt: skip
-            if local:
-                header.insert(1, "TIERS")
-                for r, text in zip(rows, rows_text):
-                    text.insert(1, _tiers_text(r["tiers"]))
-            print(table(header, rows_text, right={0, 3, 6, 7, 8} if local else {0, 2, 5, 6, 7}))
-        for p in pending:
-            if p["kind"] == "gc":
-                what = "gc"
-            else:
-                what = f"step {p['step']} rank {p['rank']} attempt {p['attempt']}: save"
-            state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"
-            age = f"renewed {p['age_s']:.0f}s ago" if p["age_s"] is not None else "unreadable"
-            print(f"pending: {what} {state}, {age} ({p['key']})")
-        for d, listing in listings.items():
-            if listing.copies:
-                print(
-                    f"local copies in {d}: each rank's under {listing.job_dir}/rank-<r>/, a store "
-                    f"of its own (ckptstore inspect {listing.job_dir}/rank-00000 --step N)"
-                )
-            else:
-                print(f"local copies in {d}: none of this store's job")
-        for problem in local_problems:
-            print(f"local copy unreadable: {problem}")
+        _print_steps(store, rows, tiers=bool(local))
+        _print_pending(pending)
+        _print_local_dirs(listings, local_problems)
     if bad:
         raise Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
     if local_problems:
         raise Failed(f"{len(local_problems)} local copy(ies) have an unreadable manifest")
     return 0
+
+
+def _listing_doc(
+    store: Store,
+    steps: list[int],
+    rows: list[dict[str, Any]],
+    pending: list[dict[str, Any]],
+    listings: dict[str, TierListing],
+) -> dict[str, Any]:
+    """What ``ls --json`` prints."""
+    return {
+        "uri": store.uri,
+        "steps": rows,
+        "latest": steps[-1] if steps else None,
+        "pending": pending,
+        **(
+            {
+                "local_dirs": {
+                    d: {"job_dir": str(listing.job_dir), "problems": listing.problems}
+                    for d, listing in listings.items()
+                }
+            }
+            if listings
+            else {}
+        ),
+    }
+
+
+def _print_steps(store: Store, rows: list[dict[str, Any]], *, tiers: bool) -> None:
+    """The table of steps, with a TIERS column when local dirs were listed."""
+    if not rows:
+        print(f"no committed steps in {store.uri}")
+        return
+    rows_text = [_row_text(r) for r in rows]
+    header = [
+        "STEP", "KIND", "RANKS", "HEALTH", "CREATED (UTC)", "RAW", "STORED", "RATIO", "USER"
+    ]  # fmt: skip
+    if tiers:
+        header.insert(1, "TIERS")
+        for r, text in zip(rows, rows_text):
+            text.insert(1, _tiers_text(r["tiers"]))
+    print(table(header, rows_text, right={0, 3, 6, 7, 8} if tiers else {0, 2, 5, 6, 7}))
+
+
+def _row_text(r: dict[str, Any]) -> list[str]:
+    if "error" not in r and "kind" in r:
+        return [
+            str(r["step"]),
+            r["kind"],
+            str(r["world_size"]),
+            r["health"],
+            r["created"],
+            human_bytes(r["raw_bytes"]),
+            human_bytes(r["stored_bytes"]),
+            format_ratio(r["compression_ratio"]),
+            json.dumps(r["user"]) if r["user"] else "",
+        ]
+    return [str(r["step"]), "ERROR" if "error" in r else "-", *[""] * 6, r.get("error", "")]
+
+
+def _print_pending(pending: list[dict[str, Any]]) -> None:
+    for p in pending:
+        if p["kind"] == "gc":
+            what = "gc"
+        else:
+            what = f"step {p['step']} rank {p['rank']} attempt {p['attempt']}: save"
+        state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"
+        age = f"renewed {p['age_s']:.0f}s ago" if p["age_s"] is not None else "unreadable"
+        print(f"pending: {what} {state}, {age} ({p['key']})")
+
+
+def _print_local_dirs(listings: dict[str, TierListing], local_problems: list[str]) -> None:
+    for d, listing in listings.items():
+        if listing.copies:
+            print(
+                f"local copies in {d}: each rank's under {listing.job_dir}/rank-<r>/, a store "
+                f"of its own (ckptstore inspect {listing.job_dir}/rank-00000 --step N)"
+            )
+        else:
+            print(f"local copies in {d}: none of this store's job")
+    for problem in local_problems:
+        print(f"local copy unreadable: {problem}")
 
 
 def _with_tiers(rows: list[dict[str, Any]], local: dict[str, dict[int, list[int]]]) -> list[dict]:

@@ -184,27 +184,7 @@ class StoreWriter(StorageWriter, PooledStager):
         # What a copy of this writer in DCP's checkpoint process is rebuilt from (__reduce__).
         self._config = dict(uri=uri, storage_options=storage_options, keep_last=keep_last, **o)
         self._token = uuid.uuid4().hex
-        self._policy = o["tiers"].policy()
-        node_rank = o["tiers"].node_rank
-        timeout_s, background_nice = o["storage"].timeout_s, o["storage"].background_nice
-        self._node_rank = node_rank
-        self._topology: Topology | None = None
-        self._group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
-        self._lost_rank_s = o["storage"].lost_rank_timeout_s
-        self._tier_group: RankGroup | None = None
-        self._local: LocalTier | None = None
-        self._tiered_saves = 0  # coordinator: saves planned, for durable_every
-        self._tiers: TierSaver | None = None
-        self._background_nice = background_nice
-        self._drains: DrainQueue | None = None
-        # By step: its drain to durable storage.
-        self._durable: dict[int, concurrent.futures.Future[None]] = {}
-        if self._policy is not None:  # a script that ends right after a save keeps its drain
-            this = weakref.ref(self)
-            threading._register_atexit(lambda: (w := this()) is not None and w._close_at_exit())
-        # One save's tier exchanges at a time (overlapping async saves reach them in turn).
-        self._tier_lock = threading.Lock()
-        self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
+        self._init_tiers(o)
         self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
         self._started: dict[str, float] = {}  # coordinator: by attempt, for its persist time
         self._skipped: dict[str, StepHealth] = {}  # tiered saves HealthPolicy skipped, by attempt
@@ -214,9 +194,9 @@ class StoreWriter(StorageWriter, PooledStager):
         self.storage_options = storage_options
         self._open_store = store_opener(
             storage_options,
-            timeout_s=timeout_s,
+            timeout_s=o["storage"].timeout_s,
             max_concurrency=o["storage"].max_concurrency,
-            thread_nice=background_nice,
+            thread_nice=o["storage"].background_nice,
         )
         self.store = o["storage"].store or self._open_store(uri)
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
@@ -235,6 +215,29 @@ class StoreWriter(StorageWriter, PooledStager):
         # goes after it even while the save that planned it has not committed yet.
         self._planned: dict[str, int] = {}
         self._plan_lock = threading.Lock()
+
+    def _init_tiers(self, o: dict[str, Any]) -> None:
+        """The writer's tier state, empty until its first tiered save sets its tiers up
+        (``_set_up_tiers``); with ``local_dir``, the exit hook that finishes its drains."""
+        self._policy = o["tiers"].policy()
+        self._node_rank = o["tiers"].node_rank
+        self._topology: Topology | None = None
+        self._group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
+        self._lost_rank_s = o["storage"].lost_rank_timeout_s
+        self._tier_group: RankGroup | None = None
+        self._local: LocalTier | None = None
+        self._tiered_saves = 0  # coordinator: saves planned, for durable_every
+        self._tiers: TierSaver | None = None
+        self._background_nice = o["storage"].background_nice
+        self._drains: DrainQueue | None = None
+        # By step: its drain to durable storage.
+        self._durable: dict[int, concurrent.futures.Future[None]] = {}
+        if self._policy is not None:  # a script that ends right after a save keeps its drain
+            this = weakref.ref(self)
+            threading._register_atexit(lambda: (w := this()) is not None and w._close_at_exit())
+        # One save's tier exchanges at a time (overlapping async saves reach them in turn).
+        self._tier_lock = threading.Lock()
+        self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
 
     # -- DCP's checkpoint process ------------------------------------------------------------
 

@@ -10,6 +10,7 @@ front-end gathers every rank's ``RankWritten`` and commits as for any save.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -62,13 +63,7 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int, group: Any = N
     error: BaseException | None = None
     held: list[tuple[str, int]] = []
     try:
-        lease = Lease(
-            store,
-            SAVE,
-            f"{step:020d}-{attempt}-drain",
-            ttl_s=local.engine.lease_ttl_s,
-            info={"step": step, "attempt": attempt, "drain": True},
-        ).acquire()
+        lease = _drain_lease(store, local, step, attempt)
         manifest = load_manifest(store, step)
         if manifest.attempt != attempt or not local.belongs(manifest, rank):
             raise CheckpointError(
@@ -86,28 +81,7 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int, group: Any = N
     try:
         mine = share_out(group, held, known, error) if together else None
         durable = session.store
-
-        def copy(item: tuple[str, ChunkInfo]) -> tuple[str, ChunkInfo]:
-            digest, info = item
-            if digest in known:
-                return digest, known[digest]
-            key = chunk_key(digest)
-            data = store.get_view(key, 0, info.stored + 1)
-            if len(data) != info.stored:
-                raise CheckpointError(
-                    f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
-                )
-            try:
-                decode(data, expected_hash=digest, name=store.url(key), raw_len=info.raw)
-            except CheckpointCorruptError:
-                local.forget_bad_chunk(digest)
-                raise
-            try:
-                durable.put(key, data, hedged=session.engine.hedge_uploads)
-            except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise
-                return digest, ChunkInfo(info.raw, durable.size(key))
-            return digest, info
-
+        copy = functools.partial(_copy_chunk, session, local, store, known)
         ours = [(d, c) for d, c in sorted(index.chunks.items()) if mine is None or d in mine]
         written: dict[str, ChunkInfo] = {}
         try:
@@ -139,6 +113,50 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int, group: Any = N
     finally:
         if lease is not None:
             lease.release()
+
+
+def _drain_lease(store: Store, local: LocalTier, step: int, attempt: str) -> Lease:
+    """A save lease on the local store while its copy is drained: no sweep removes a chunk
+    before it is copied."""
+    return Lease(
+        store,
+        SAVE,
+        f"{step:020d}-{attempt}-drain",
+        ttl_s=local.engine.lease_ttl_s,
+        info={"step": step, "attempt": attempt, "drain": True},
+    ).acquire()
+
+
+def _copy_chunk(
+    session: SaveSession,
+    local: LocalTier,
+    store: Store,
+    known: dict[str, ChunkInfo],
+    item: tuple[str, ChunkInfo],
+) -> tuple[str, ChunkInfo]:
+    """One chunk of the local copy in ``store`` put in the durable store as it is stored,
+    decoded and hashed first (a bad one is forgotten by the local tier); one the durable save
+    knows stored costs no request. Returns the chunk as the durable store holds it."""
+    digest, info = item
+    if digest in known:
+        return digest, known[digest]
+    durable = session.store
+    key = chunk_key(digest)
+    data = store.get_view(key, 0, info.stored + 1)
+    if len(data) != info.stored:
+        raise CheckpointError(
+            f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
+        )
+    try:
+        decode(data, expected_hash=digest, name=store.url(key), raw_len=info.raw)
+    except CheckpointCorruptError:
+        local.forget_bad_chunk(digest)
+        raise
+    try:
+        durable.put(key, data, hedged=session.engine.hedge_uploads)
+    except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise
+        return digest, ChunkInfo(info.raw, durable.size(key))
+    return digest, info
 
 
 @dataclass

@@ -20,7 +20,7 @@ from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
 from ckptstore.tiers.drain import DrainQueue
-from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.group import Agreement, RankGroup
 from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
@@ -146,13 +146,7 @@ class TierSaver:
             heard = self.group.agree(error, (payload, shared, fatal is not None, mine))
             payloads = [p for p, _, _, _ in heard.payloads]
             healths = [h and h.as_rank(r) for r, (_, _, _, h) in enumerate(heard.payloads)]
-            if fatal is not None:
-                raise fatal
-            stopped = [r for r, (_, _, f, _) in enumerate(heard.payloads) if f]
-            if stopped:
-                raise CheckpointError(
-                    f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"
-                )
+            _raise_if_stopped(step, heard, fatal)
             health = verdict(healths) if heard.ok else None
             # Every rank judges the same healths alike: refused everywhere, or skipped.
             action = local.engine.health.on_unhealthy
@@ -160,33 +154,13 @@ class TierSaver:
             if heard.ok and not to_commit(step, health, action, where, log=self.rank == 0):
                 return LocalCommit(None, payloads, StepHealth.of(step, health, committed=False))
             if heard.ok:
-                error = None
-                try:
-                    assert session is not None and written is not None
-                    session.commit(
-                        [written],
-                        world_size=1,
-                        user={**(user or {}), TIER_KEY: local.info(self.rank)},
-                        dcp_metadata=next((m for _, m, _, _ in heard.payloads if m), None),
-                        apply_policy=False,  # one rank's copy: its policy is the job's
-                    )
-                except Exception as exc:  # noqa: BLE001 - every rank hears of it
-                    error = exc
+                error = self._commit_copy(session, written, user, heard)
                 heard = self.group.agree(error)
         finally:
             if session is not None:
                 session.release()
         if not heard.ok:
-            level = logging.INFO if self._failure_logged else logging.WARNING
-            self._failure_logged = True  # one warning until a save succeeds again
-            logger.log(
-                level,
-                "rank %d: step %d not committed to the local tier (%s); saving it to %s instead",
-                self.rank,
-                step,
-                heard.why(),
-                self.durable_uri,
-            )
+            self._log_not_committed(step, heard)
             return LocalCommit(None, payloads)
         self._failure_logged = False
         self.committed.add(step)
@@ -194,6 +168,40 @@ class TierSaver:
             local.protect(step)  # until drained
         local.retain(self.rank, keep={step})
         return LocalCommit(written, payloads, StepHealth.of(step, health))
+
+    def _commit_copy(
+        self,
+        session: SaveSession | None,
+        written: RankWritten | None,
+        user: dict | None,
+        heard: Agreement,
+    ) -> Exception | None:
+        """This rank's copy committed as a one-rank step, with the save's DCP metadata that
+        ``heard`` carries; the error every rank must hear, if any."""
+        try:
+            assert session is not None and written is not None
+            session.commit(
+                [written],
+                world_size=1,
+                user={**(user or {}), TIER_KEY: self.local.info(self.rank)},
+                dcp_metadata=next((m for _, m, _, _ in heard.payloads if m), None),
+                apply_policy=False,  # one rank's copy: its policy is the job's
+            )
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it
+            return exc
+        return None
+
+    def _log_not_committed(self, step: int, heard: Agreement) -> None:
+        level = logging.INFO if self._failure_logged else logging.WARNING
+        self._failure_logged = True  # one warning until a save succeeds again
+        logger.log(
+            level,
+            "rank %d: step %d not committed to the local tier (%s); saving it to %s instead",
+            self.rank,
+            step,
+            heard.why(),
+            self.durable_uri,
+        )
 
     def copy_to_peers(self, step: int, attempt: str) -> None:
         """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is
@@ -228,6 +236,18 @@ class TierSaver:
                 len(transfers),
                 failed[0],
             )
+
+
+def _raise_if_stopped(step: int, heard: Agreement, fatal: BaseException | None) -> None:
+    """A rank that could not take part in the save (its ``fatal`` error) fails it on every
+    rank."""
+    if fatal is not None:
+        raise fatal
+    stopped = [r for r, (_, _, f, _) in enumerate(heard.payloads) if f]
+    if stopped:
+        raise CheckpointError(
+            f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"
+        )
 
 
 @dataclass

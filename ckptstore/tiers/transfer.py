@@ -105,6 +105,17 @@ class _Incoming:
     want: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Rounds:
+    """Each transfer's chunks in rounds, as this rank sends (``out``) and receives (``into``)
+    them; how many rounds both ends agreed on; the most any transfer of this rank has."""
+
+    out: dict[Transfer, list[list[str]]]
+    into: dict[Transfer, list[list[str]]]
+    agreed: dict[Transfer, int]
+    total: int
+
+
 def _rounds(digests: list[str], chunks: dict[str, ChunkInfo], budget: int) -> list[list[str]]:
     """Stored chunks and their status bytes, in rounds of at most ``budget`` bytes."""
     return cut_rounds([(d, chunks[d].stored + 1) for d in digests], budget)
@@ -316,6 +327,132 @@ class _Exchange:
         if inc.error is None:
             self.local.retain(inc.t.ward)
 
+    # -- the phases of a transfer, every rank in the same order ------------------------------
+
+    def exchange_headers(
+        self, outgoing: list[_Outgoing], incoming: list[_Incoming]
+    ) -> dict[Transfer, tuple[int, int, int, int] | str]:
+        """Headers: sizes (or an error) of what each source sends; then the bytes point to
+        point, taken by each destination. Returns what every source told."""
+        headers = self._gather({o.t: (o.sizes if o.error is None else o.error) for o in outgoing})
+        told = {t: h for part in headers for t, h in part.items()}
+        sends = [
+            (torch.frombuffer(bytearray(o.header), dtype=torch.uint8), o.t.dst)
+            for o in outgoing
+            if o.error is None
+        ]
+        recvs = []
+        for inc in incoming:
+            h = told[inc.t]
+            if isinstance(h, str):
+                inc.error = inc.error or h
+            else:
+                size = h[0] + h[1] + h[3]
+                recvs.append((torch.empty(size, dtype=torch.uint8), inc.t.src, inc, h))
+        self._p2p(sends, [(buf, src) for buf, src, _, _ in recvs])
+        for buf, _, inc, h in recvs:
+            self.take_header(inc, bytes(buf.numpy()), h)
+        return told
+
+    def exchange_masks(
+        self,
+        outgoing: list[_Outgoing],
+        incoming: list[_Incoming],
+        told: dict[Transfer, tuple[int, int, int, int] | str],
+    ) -> None:
+        """Which chunks each destination lacks: a mask over the index's chunks, sorted."""
+        masks_out = []
+        for inc in incoming:
+            if isinstance(told[inc.t], str):
+                continue
+            n = told[inc.t][2]
+            mask = torch.zeros(max(n, 1), dtype=torch.uint8)
+            if inc.index is not None and inc.error is None:
+                wanted = set(inc.want)
+                for i, digest in enumerate(sorted(inc.index.chunks)):
+                    mask[i] = digest in wanted
+            masks_out.append((mask, inc.t.src))
+        masks_in = []
+        for o in outgoing:
+            if o.error is None:
+                masks_in.append((torch.zeros(max(len(o.index.chunks), 1), dtype=torch.uint8), o))
+        self._p2p(masks_out, [(m, o.t.dst) for m, o in masks_in])
+        for mask, o in masks_in:
+            digests = sorted(o.index.chunks)
+            o.send = [d for i, d in enumerate(digests) if mask[i]]
+
+    def agree_rounds(
+        self, transfers: list[Transfer], outgoing: list[_Outgoing], incoming: list[_Incoming]
+    ) -> _Rounds:
+        """Chunks, in rounds of at most ``budget`` bytes per transfer; both ends must agree on
+        every transfer's rounds, whatever failed on either side."""
+        out = {
+            o.t: _rounds(o.send, o.index.chunks, self.budget) for o in outgoing if o.error is None
+        }
+        into = {
+            inc.t: _rounds(inc.want, inc.index.chunks, self.budget)
+            for inc in incoming
+            if inc.index is not None and inc.error is None
+        }
+        counts = self._gather(
+            {t: len(r) for t, r in out.items()} | {("in", t): len(r) for t, r in into.items()}
+        )
+        agreed: dict[Transfer, int] = {}
+        for part in counts:
+            for key, n in part.items():
+                t = key[1] if isinstance(key, tuple) and key and key[0] == "in" else key
+                agreed[t] = min(agreed.get(t, n), n)
+        for t in transfers:
+            agreed.setdefault(t, 0)
+        total = max([agreed[t] for t in transfers if self.rank in (t.src, t.dst)] or [0])
+        return _Rounds(out, into, agreed, total)
+
+    def exchange_round(
+        self, i: int, outgoing: list[_Outgoing], incoming: list[_Incoming], rounds: _Rounds
+    ) -> None:
+        """Round ``i`` of every transfer that has one: sources fill their buffers, the bytes
+        cross, destinations check and store theirs."""
+        sends, recvs, held = [], [], 0
+        for o in outgoing:
+            if o.t in rounds.out and i < rounds.agreed[o.t]:
+                round_ = rounds.out[o.t][i]
+                buf = torch.zeros(
+                    sum(o.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
+                )
+                self.fill(o, round_, buf)
+                sends.append((buf, o.t.dst))
+                held += buf.numel()
+        takes = []
+        for inc in incoming:
+            if inc.t in rounds.into and i < rounds.agreed[inc.t]:
+                round_ = rounds.into[inc.t][i]
+                buf = torch.empty(
+                    sum(inc.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
+                )
+                recvs.append((buf, inc.t.src))
+                takes.append((inc, round_, buf))
+                held += buf.numel()
+        self.stats.buffer_bytes = max(self.stats.buffer_bytes, held)
+        self._p2p(sends, recvs)
+        for inc, round_, buf in takes:
+            self.store_round(inc, round_, buf)
+
+    def agree_outcomes(
+        self, transfers: list[Transfer], outgoing: list[_Outgoing], incoming: list[_Incoming]
+    ) -> dict[Transfer, str | None]:
+        """Each transfer's outcome as every rank sees it: the first error either end had."""
+        mine = {inc.t: inc.error for inc in incoming}
+        mine.update({o.t: o.error for o in outgoing if o.error is not None})
+        outcomes: dict[Transfer, str | None] = {t: None for t in transfers}
+        for part in self._gather(mine):
+            for t, error in part.items():
+                if error is not None:
+                    outcomes[t] = outcomes[t] or error
+        for t, error in outcomes.items():
+            if error is not None and self.rank in (t.src, t.dst):
+                self.stats.failed[f"rank {t.ward} step {t.step} {t.src}->{t.dst}"] = error
+        return outcomes
+
 
 def _put_copy_object(store: Any, key: str, data: bytes, *, repair: bool) -> None:
     """Write one object of a copy (index, DCP metadata); one already there must be the same
@@ -342,94 +479,13 @@ def transfer(
     outgoing = [ex.open_source(t) for t in transfers if t.src == me]
     incoming = [ex.open_destination(t) for t in transfers if t.dst == me]
     try:
-        # Headers: sizes (or an error) of what each source sends; then the bytes point to point.
-        headers = ex._gather({o.t: (o.sizes if o.error is None else o.error) for o in outgoing})
-        told = {t: h for part in headers for t, h in part.items()}
-        sends = [
-            (torch.frombuffer(bytearray(o.header), dtype=torch.uint8), o.t.dst)
-            for o in outgoing
-            if o.error is None
-        ]
-        recvs = []
+        told = ex.exchange_headers(outgoing, incoming)
+        ex.exchange_masks(outgoing, incoming, told)
+        rounds = ex.agree_rounds(transfers, outgoing, incoming)
+        for i in range(rounds.total):
+            ex.exchange_round(i, outgoing, incoming, rounds)
         for inc in incoming:
-            h = told[inc.t]
-            if isinstance(h, str):
-                inc.error = inc.error or h
-            else:
-                size = h[0] + h[1] + h[3]
-                recvs.append((torch.empty(size, dtype=torch.uint8), inc.t.src, inc, h))
-        ex._p2p(sends, [(buf, src) for buf, src, _, _ in recvs])
-        for buf, _, inc, h in recvs:
-            ex.take_header(inc, bytes(buf.numpy()), h)
-        # Which chunks each destination lacks: a mask over the index's chunks, sorted.
-        masks_out = []
-        for inc in incoming:
-            if isinstance(told[inc.t], str):
-                continue
-            n = told[inc.t][2]
-            mask = torch.zeros(max(n, 1), dtype=torch.uint8)
-            if inc.index is not None and inc.error is None:
-                wanted = set(inc.want)
-                for i, digest in enumerate(sorted(inc.index.chunks)):
-                    mask[i] = digest in wanted
-            masks_out.append((mask, inc.t.src))
-        masks_in = []
-        for o in outgoing:
-            if o.error is None:
-                masks_in.append((torch.zeros(max(len(o.index.chunks), 1), dtype=torch.uint8), o))
-        ex._p2p(masks_out, [(m, o.t.dst) for m, o in masks_in])
-        for mask, o in masks_in:
-            digests = sorted(o.index.chunks)
-            o.send = [d for i, d in enumerate(digests) if mask[i]]
-        # Chunks, in rounds of at most budget_bytes per transfer.
-        plans_out = {
-            o.t: _rounds(o.send, o.index.chunks, budget_bytes) for o in outgoing if o.error is None
-        }
-        plans_in = {
-            inc.t: _rounds(inc.want, inc.index.chunks, budget_bytes)
-            for inc in incoming
-            if inc.index is not None and inc.error is None
-        }
-        # Both ends must agree on every transfer's rounds, whatever failed on either side.
-        counts = ex._gather(
-            {t: len(r) for t, r in plans_out.items()}
-            | {("in", t): len(r) for t, r in plans_in.items()}
-        )
-        agreed: dict[Transfer, int] = {}
-        for part in counts:
-            for key, n in part.items():
-                t = key[1] if isinstance(key, tuple) and key and key[0] == "in" else key
-                agreed[t] = min(agreed.get(t, n), n)
-        for t in transfers:
-            agreed.setdefault(t, 0)
-        total_rounds = max([agreed[t] for t in transfers if me in (t.src, t.dst)] or [0])
-        for i in range(total_rounds):
-            sends, recvs, held = [], [], 0
-            for o in outgoing:
-                if o.t in plans_out and i < agreed[o.t]:
-                    round_ = plans_out[o.t][i]
-                    buf = torch.zeros(
-                        sum(o.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
-                    )
-                    ex.fill(o, round_, buf)
-                    sends.append((buf, o.t.dst))
-                    held += buf.numel()
-            takes = []
-            for inc in incoming:
-                if inc.t in plans_in and i < agreed[inc.t]:
-                    round_ = plans_in[inc.t][i]
-                    buf = torch.empty(
-                        sum(inc.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
-                    )
-                    recvs.append((buf, inc.t.src))
-                    takes.append((inc, round_, buf))
-                    held += buf.numel()
-            ex.stats.buffer_bytes = max(ex.stats.buffer_bytes, held)
-            ex._p2p(sends, recvs)
-            for inc, round_, buf in takes:
-                ex.store_round(inc, round_, buf)
-        for inc in incoming:
-            if inc.t in plans_in and agreed[inc.t] < len(plans_in[inc.t]):
+            if inc.t in rounds.into and rounds.agreed[inc.t] < len(rounds.into[inc.t]):
                 inc.error = inc.error or f"rank {inc.t.src} sent fewer chunks than asked"
             ex.commit(inc)
     finally:
@@ -439,15 +495,6 @@ def transfer(
         for inc in incoming:
             if inc.session is not None and inc.session.lease is not None:
                 inc.session.release()
-    mine = {inc.t: inc.error for inc in incoming}
-    mine.update({o.t: o.error for o in outgoing if o.error is not None})
-    outcomes: dict[Transfer, str | None] = {t: None for t in transfers}
-    for part in ex._gather(mine):
-        for t, error in part.items():
-            if error is not None:
-                outcomes[t] = outcomes[t] or error
-    for t, error in outcomes.items():
-        if error is not None and me in (t.src, t.dst):
-            ex.stats.failed[f"rank {t.ward} step {t.step} {t.src}->{t.dst}"] = error
+    outcomes = ex.agree_outcomes(transfers, outgoing, incoming)
     ex.stats.seconds = time.perf_counter() - t0
     return outcomes, ex.stats
