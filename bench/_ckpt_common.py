@@ -297,10 +297,30 @@ class Workspace:
     def __init__(self, uri: str | None, *, command: str) -> None:
         name = f"ckptbench-{command}-{uuid.uuid4().hex[:10]}"
         self._tmp: str | None = None
+        self._owned = True
         if uri is None:
             self._tmp = tempfile.mkdtemp(prefix=f"{name}-")
             uri = self._tmp
             name = ""
+        self._locate(uri, name)
+        if self.is_local:
+            os.makedirs(self.root, exist_ok=True)
+
+    @classmethod
+    def open(cls, uri: str) -> Workspace:
+        """The workspace another process created, by its :attr:`uri`: neither created nor
+        deleted here (:meth:`cleanup` does nothing; its creator removes it). A local one must
+        exist (FileNotFoundError)."""
+        ws = cls.__new__(cls)
+        ws._tmp = None
+        ws._owned = False
+        ws._locate(uri, "")
+        if ws.is_local and not os.path.isdir(ws.root):
+            raise FileNotFoundError(f"no bench workspace at {ws.root}")
+        return ws
+
+    def _locate(self, uri: str, name: str) -> None:
+        """Set ``fs``, ``is_local``, ``uri`` and ``root`` for ``name`` under ``uri``."""
         try:
             fs, root = fsspec.core.url_to_fs(uri)
         except (ValueError, ImportError) as exc:
@@ -314,7 +334,6 @@ class Workspace:
         self.root = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
         if self.is_local:
             self.uri = self.root = os.path.abspath(self.root)
-            os.makedirs(self.root, exist_ok=True)
 
     def child(self, *parts: str) -> str:
         """The URI of ``parts`` under the workspace (a plain path on local disk)."""
@@ -358,6 +377,8 @@ class Workspace:
         self.fs.invalidate_cache()
 
     def cleanup(self) -> None:
+        if not self._owned:
+            return
         if self.is_local:
             import shutil
 

@@ -17,13 +17,29 @@ step into host tensors, the speed a GPU restore is measured against.
 On local disk ``--cache warm`` (the default) loads files this run just wrote from the page
 cache: the figures measure decode, verification and copy paths. ``--cache cold`` drops every
 file's cached pages (``POSIX_FADV_DONTNEED``) before each timed load, so each load reads the disk.
+
+By default every load runs in this process, which has imported everything and loaded before.
+``--fresh-process`` runs each load (warm-up and timed, every method) in a new Python process, as
+a restarted job would: the child imports torch, ckptstore and DCP and allocates its destination
+tensors (the state's names, shapes, dtypes and device) untimed, then times the load call alone:
+for ``ckptstore`` constructing the ``Checkpointer`` and ``load`` (a restarted job pays both),
+for ``dcp`` building the reader and ``dcp.load``, for ``torch_load`` ``torch.load`` and the copy.
+It reports, as one JSON line on stdout, that time, its peak RSS growth, and its minor and major
+page faults and system and user CPU time over the load (``getrusage(RUSAGE_SELF)`` deltas), with
+the xxh3_64 digest of every loaded tensor's bytes, which this process checks against the saved
+state. ``--cache cold`` drops the page cache before each child is started. Each child is killed
+after ``CHILD_TIMEOUT_S``; a child that fails ends the run with its stderr's last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import resource
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +57,17 @@ CACHE_NOTES = {
     "warm": "warm page cache: the files were just written and are read from memory",
     "cold": "cold page cache: every file's cached pages were dropped before each timed load",
 }
+PROCESS_NOTES = {
+    False: "in-process: every load ran in the bench's own process (modules imported, earlier "
+    "loads done); its tensors were compared with the state",
+    True: "fresh process: every load ran in a new Python process (imports and destination "
+    "tensors untimed; timed: building the Checkpointer or reader, and the load); faults and "
+    "sys/user CPU are the child's getrusage deltas over the load; the xxh3_64 digests of its "
+    "tensors were checked against the state",
+}
+CHILD_TIMEOUT_S = 1800
+# What a child reports besides restore_s and peak_rss_bytes: the report gives their medians.
+FRESH_FIELDS = ("minor_faults", "major_faults", "sys_s", "user_s")
 
 
 class _Method:
@@ -159,6 +186,156 @@ def methods_for(device: str) -> tuple[str, ...]:
     return CUDA_METHODS if device == "cuda" else METHODS
 
 
+def _load_here(
+    method: _Method,
+    dest: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    probe: common.MemoryProbe,
+    dev: torch.device,
+    *,
+    cold: bool,
+) -> dict[str, Any]:
+    """One load of ``method`` in this process into ``dest`` (zeroed first), compared with
+    ``state``; its time and peak RSS growth."""
+    for t in dest.values():
+        t.zero_()
+    if cold:
+        common.drop_page_cache(method.ws.root)
+    rss_before = probe.reset()
+    common.settle(dev)
+    t0 = time.perf_counter()
+    method.load(dest)
+    common.settle(dev)
+    restore_s = time.perf_counter() - t0
+    peak = probe.peak()
+    if not common.same_state(dest, state):
+        raise RuntimeError(f"{method.name} restored tensors that differ from the save")
+    return {
+        "restore_s": restore_s,
+        "peak_rss_bytes": None if peak is None else max(0, peak - rss_before),
+    }
+
+
+# -- --fresh-process -----------------------------------------------------------------------------
+
+
+def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The xxh3_64 hex digest of each tensor's bytes (read on the host)."""
+    import xxhash
+
+    return {
+        k: xxhash.xxh3_64_hexdigest(
+            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        )
+        for k, t in tensors.items()
+    }
+
+
+def child_main() -> None:
+    """One load in this fresh process (``--fresh-process``). Reads the request (JSON on stdin:
+    method, workspace URI, compression, destination device, and the tensors as ``[name, shape,
+    dtype]``), loads once, prints one JSON line: ``restore_s``, ``peak_rss_bytes``,
+    ``minor_faults``, ``major_faults``, ``sys_s``, ``user_s``, ``pid`` and ``digests``."""
+    request = json.loads(sys.stdin.read())
+    with common.quiet_dcp():
+        import torch.distributed.checkpoint  # noqa: F401 - imported before the timed load
+
+        from ckptstore import Checkpointer, EncodingOptions  # noqa: F401
+
+    ws = common.Workspace.open(request["workspace"])
+    method = _CLASSES[request["method"]](ws, request["compression"])
+    dev = torch.device(request["device"])
+    dest = {
+        name: torch.zeros(shape, dtype=getattr(torch, dtype), device=dev)
+        for name, shape, dtype in request["tensors"]
+    }
+    probe = common.MemoryProbe()
+    rss_before = probe.reset()
+    common.settle(dev)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    method.load(dest)
+    common.settle(dev)
+    restore_s = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    peak = probe.peak()
+    result = {
+        "restore_s": restore_s,
+        "peak_rss_bytes": None if peak is None else max(0, peak - rss_before),
+        "minor_faults": after.ru_minflt - before.ru_minflt,
+        "major_faults": after.ru_majflt - before.ru_majflt,
+        "sys_s": after.ru_stime - before.ru_stime,
+        "user_s": after.ru_utime - before.ru_utime,
+        "pid": os.getpid(),
+        "digests": tensor_digests(dest),
+    }
+    print(json.dumps(result), flush=True)
+
+
+def _child_command() -> list[str]:
+    return [sys.executable, "-c", "from bench.restore import child_main; child_main()"]
+
+
+def _load_in_child(request: dict[str, Any]) -> dict[str, Any]:
+    """Run one load in a fresh process; its result. ChildProcessError naming the method when
+    the child fails, runs past ``CHILD_TIMEOUT_S`` or prints no result."""
+    name = request["method"]
+    try:
+        proc = subprocess.run(
+            _child_command(),
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+    except subprocess.TimeoutExpired:
+        raise ChildProcessError(
+            f"{name}: the load in a fresh process ran past {CHILD_TIMEOUT_S:g} s and was killed"
+        ) from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["nothing on stderr"])[-1]
+        raise ChildProcessError(
+            f"{name}: the load in a fresh process failed (exit {proc.returncode}): {last}"
+        )
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise ChildProcessError(
+            f"{name}: the load in a fresh process printed no result line"
+        ) from None
+
+
+def _fresh_load(
+    method: _Method,
+    ws: common.Workspace,
+    compression: str,
+    state: dict[str, torch.Tensor],
+    dev: torch.device,
+    expected: dict[str, str],
+) -> dict[str, Any]:
+    """One load of ``method`` in a fresh process, its digests checked against ``expected``."""
+    result = _load_in_child(
+        {
+            "method": method.name,
+            "workspace": ws.uri,
+            "compression": compression,
+            "device": "cpu" if method.into_host else str(dev),
+            "tensors": [
+                [k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in state.items()
+            ],
+        }
+    )
+    got = result.pop("digests", None)
+    if got != expected:
+        differ = sorted(k for k in expected if (got or {}).get(k) != expected[k])
+        raise RuntimeError(
+            f"{method.name} restored tensors that differ from the save (in a fresh process: "
+            f"{len(differ)} of {len(expected)} tensors, first {differ[:1]})"
+        )
+    return {**result, "digests_matched": len(expected)}
+
+
 def run_restore(
     *,
     uri: str | None,
@@ -169,9 +346,11 @@ def run_restore(
     methods: list[str] | None = None,
     cache: str = "warm",
     device: str = "cpu",
+    fresh_process: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns the report as a JSON-ready dict."""
+    """Run the benchmark; returns the report as a JSON-ready dict. ``fresh_process`` runs
+    every load in a new Python process (module docstring)."""
     if cache not in CACHE_NOTES:
         raise ValueError(f"cache must be one of {', '.join(CACHE_NOTES)}, got {cache!r}")
     from ckptstore.codec import CodecConfig
@@ -198,33 +377,32 @@ def run_restore(
             say(f"{method.name}: saving")
             method.save(state)
             stored[method.name] = ws.bytes_under(method.directory)
-        on_device = common.zeros_like_state(state)
-        on_host = {k: torch.zeros_like(t, device="cpu") for k, t in state.items()}
+        expected = tensor_digests(state) if fresh_process else {}
+        if not fresh_process:
+            on_device = common.zeros_like_state(state)
+            on_host = {k: torch.zeros_like(t, device="cpu") for k, t in state.items()}
         for r in range(warmup + repeat):
             for method in chosen:
-                dest = on_host if method.into_host else on_device
-                for t in dest.values():
-                    t.zero_()
-                if cache == "cold":
-                    common.drop_page_cache(ws.root)
-                rss_before = probe.reset()
-                common.settle(dev)
-                t0 = time.perf_counter()
-                method.load(dest)
-                common.settle(dev)
-                restore_s = time.perf_counter() - t0
-                peak = probe.peak()
-                if not common.same_state(dest, state):
-                    raise RuntimeError(f"{method.name} restored tensors that differ from the save")
+                if fresh_process:
+                    if cache == "cold":
+                        common.drop_page_cache(ws.root)
+                    run = _fresh_load(method, ws, compression, state, dev, expected)
+                else:
+                    dest = on_host if method.into_host else on_device
+                    run = _load_here(method, dest, state, probe, dev, cold=cache == "cold")
                 if r < warmup:
                     continue
-                runs[method.name].append(
-                    {
-                        "restore_s": restore_s,
-                        "peak_rss_bytes": None if peak is None else max(0, peak - rss_before),
-                    }
+                runs[method.name].append(run)
+                say(
+                    f"round {r + 1 - warmup}/{repeat} {method.name}: "
+                    f"{format_seconds(run['restore_s'])}"
+                    + (
+                        f" in pid {run['pid']}, {run['minor_faults']} minor faults, "
+                        f"sys {format_seconds(run['sys_s'])}"
+                        if fresh_process
+                        else ""
+                    )
                 )
-                say(f"round {r + 1 - warmup}/{repeat} {method.name}: {format_seconds(restore_s)}")
     report: dict[str, Any] = {
         "command": "restore",
         "date": date,
@@ -239,6 +417,7 @@ def run_restore(
             "compression": compression,
             "methods": methods,
             "cache": cache if is_local else None,
+            "fresh_process": fresh_process,
             "device": common.device_info(dev),
             **common.describe_state(state),
             **({"model": common.TRAINED_MODEL} if spec.state == "trained" else {}),
@@ -258,6 +437,9 @@ def run_restore(
             "verified": name.startswith("ckptstore"),
             "runs": rs,
         }
+        if fresh_process:
+            for field in FRESH_FIELDS:
+                report[name][field] = common.median([r[field] for r in rs])
     ratios: dict[str, float | None] = {}
     if "ckptstore" in methods:
         for base in ("ckptstore_host", "dcp", "torch_load"):
@@ -273,6 +455,7 @@ def run_restore(
     ]
     if is_local:
         report["notes"].append(CACHE_NOTES[cache])
+    report["notes"].append(PROCESS_NOTES[fresh_process])
     return report
 
 
@@ -282,22 +465,32 @@ def print_table(report: dict[str, Any]) -> None:
         f"ckptbench restore  {report['date']}  {cfg['state']} {'/'.join(cfg['dtypes'])} state, "
         f"{format_bytes(cfg['raw_bytes'])} in {cfg['n_tensors']} tensors <- {report['uri']}"
     )
-    print(f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up)")
+    fresh = cfg.get("fresh_process", False)
+    print(
+        f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up), "
+        + ("each load in a fresh process" if fresh else "every load in this process")
+    )
     rows = []
     for name in cfg["methods"]:
         m = report[name]
         peak = m["peak_rss_bytes"]
-        rows.append(
-            [
-                name,
-                format_seconds(m["restore_s"]),
-                f"{m['bytes_per_s'] / 1e9:.2f} GB/s",
-                format_bytes(m["bytes_stored"]),
-                "yes" if m["verified"] else "no",
-                "n/a" if peak is None else format_bytes(peak),
+        row = [
+            name,
+            format_seconds(m["restore_s"]),
+            f"{m['bytes_per_s'] / 1e9:.2f} GB/s",
+            format_bytes(m["bytes_stored"]),
+            "yes" if m["verified"] else "no",
+            "n/a" if peak is None else format_bytes(peak),
+        ]
+        if fresh:
+            row += [
+                f"{m['minor_faults']:.0f}",
+                format_seconds(m["sys_s"]),
+                format_seconds(m["user_s"]),
             ]
-        )
-    table(["method", "restore", "rate", "stored", "verified", "peak RSS"], rows)
+        rows.append(row)
+    headers = ["method", "restore", "rate", "stored", "verified", "peak RSS"]
+    table(headers + (["minor faults", "sys CPU", "user CPU"] if fresh else []), rows)
     if report["ratios"]:
         print(", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items() if v))
     for note in report["notes"]:
@@ -316,6 +509,7 @@ def run(args: argparse.Namespace) -> int:
         methods=common.parse_methods(args.methods, methods_for(args.device)),
         cache=args.cache,
         device=args.device,
+        fresh_process=args.fresh_process,
         progress=logger.info,
     )
     if args.json:
@@ -340,6 +534,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="warm",
         help="local disk: load from the page cache (warm, default) or drop every file's cached "
         "pages before each timed load (cold)",
+    )
+    p.add_argument(
+        "--fresh-process",
+        action="store_true",
+        help="run every load in a new Python process, as a restarted job would (imports and "
+        "destination tensors untimed; the Checkpointer's construction timed); reports each "
+        "method's page faults and system/user CPU time too (default: every load in this process)",
     )
     p.set_defaults(func=run)
     return p

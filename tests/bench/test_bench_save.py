@@ -1,4 +1,5 @@
-"""``ckptbench save`` and ``ckptbench restore`` on tiny states: fields, sanity, errors, cleanup."""
+"""``ckptbench save`` and ``ckptbench restore`` on tiny states: fields, sanity, errors, cleanup;
+``restore --fresh-process`` (each load in a child process)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 
 import pytest
@@ -139,6 +141,126 @@ def test_restore_cold_drops_the_page_cache_before_each_load(capsys, tmpdir_isola
     assert _workspaces(tmpdir_isolated) == set()
 
 
+def _fresh_runs_came_from_children(report: dict) -> None:
+    pids = set()
+    for name in report["config"]["methods"]:
+        m = report[name]
+        for field in restore.FRESH_FIELDS:
+            assert m[field] >= 0, (name, field)
+        for run in m["runs"]:
+            assert run["pid"] != os.getpid() and run["pid"] not in pids
+            pids.add(run["pid"])
+            assert run["digests_matched"] == report["config"]["n_tensors"]
+            assert set(restore.FRESH_FIELDS) <= run.keys()
+    assert report["config"]["fresh_process"] is True
+    assert restore.PROCESS_NOTES[True] in report["notes"]
+
+
+def _restore_fresh(methods: list[str] | None, *, uri: str | None = None, **spec) -> dict:
+    """``run_restore`` of a small state, one round, no warm-up, each load in a fresh process."""
+    return restore.run_restore(
+        uri=uri,
+        spec=common.StateSpec(**({"size_bytes": 2**16, "tensors": 2} | spec)),
+        repeat=1,
+        warmup=0,
+        methods=methods,
+        fresh_process=True,
+    )
+
+
+def test_restore_fresh_process_loads_each_time_in_a_new_process(tmpdir_isolated):
+    report = _restore_fresh(None, size_bytes=4 * 2**20, tensors=4, dtype="mix")
+    assert report["config"]["methods"] == list(restore.METHODS)
+    _fresh_runs_came_from_children(report)
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_restore_fresh_process_from_the_cli_with_a_cold_cache(capsys, tmpdir_isolated, monkeypatch):
+    dropped: list[str] = []
+    real = common.drop_page_cache
+    monkeypatch.setattr(common, "drop_page_cache", lambda root: (dropped.append(root), real(root)))
+    report = _run_json(
+        capsys, restore, "restore", *TINY, "--warmup", "0", "--fresh-process", "--cache", "cold"
+    )
+    _fresh_runs_came_from_children(report)
+    assert len(dropped) == len(restore.METHODS)  # before each child
+    assert report["config"]["cache"] == "cold"
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_restore_in_process_by_default_says_so(capsys, tmpdir_isolated):
+    report = _run_json(capsys, restore, "restore", *TINY, "--warmup", "0", "--methods", "dcp")
+    assert report["config"]["fresh_process"] is False
+    assert restore.PROCESS_NOTES[False] in report["notes"]
+    assert "pid" not in report["dcp"]["runs"][0] and "sys_s" not in report["dcp"]
+
+
+def test_restore_fresh_process_names_the_method_whose_child_failed(tmpdir_isolated, monkeypatch):
+    real_save = restore._Dcp.save
+
+    def save_then_remove(self, state):
+        real_save(self, state)
+        self.ws.remove(self.directory)
+
+    monkeypatch.setattr(restore._Dcp, "save", save_then_remove)
+    with pytest.raises(ChildProcessError) as info:
+        _restore_fresh(["dcp"])
+    message = str(info.value)
+    assert message.startswith("dcp: the load in a fresh process failed (exit 1): ")
+    assert "\n" not in message and len(message) > len("dcp: the load ... (exit 1): ")
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_cli_reports_a_failed_child_in_one_line(capsys, tmpdir_isolated, monkeypatch):
+    cli = pytest.importorskip("bench.cli")
+    monkeypatch.setattr(
+        restore, "_child_command", lambda: [sys.executable, "-c", "raise SystemExit('boom')"]
+    )
+    rc = cli.main(["restore", *TINY, "--warmup", "0", "--methods", "ckptstore", "--fresh-process"])
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "ckptbench restore: error: ckptstore: the load in a fresh process failed (exit 1): boom"
+    ]
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_restore_fresh_process_bounds_each_child(tmpdir_isolated, monkeypatch):
+    monkeypatch.setattr(restore, "CHILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(
+        restore, "_child_command", lambda: [sys.executable, "-c", "import time; time.sleep(60)"]
+    )
+    with pytest.raises(ChildProcessError, match=r"^torch_load: .* ran past 0.5 s and was killed$"):
+        _restore_fresh(["torch_load"])
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_restore_fresh_process_checks_the_childs_digests(tmpdir_isolated, monkeypatch):
+    wrong = json.dumps(
+        {"restore_s": 0.1, "peak_rss_bytes": 0, "pid": 1, "digests": {"layer000.weight": "0"}}
+        | dict.fromkeys(restore.FRESH_FIELDS, 0)
+    )
+    monkeypatch.setattr(
+        restore, "_child_command", lambda: [sys.executable, "-c", f"print({wrong!r})"]
+    )
+    with pytest.raises(RuntimeError, match="ckptstore restored tensors that differ from the save"):
+        _restore_fresh(["ckptstore"])
+    assert _workspaces(tmpdir_isolated) == set()
+
+
+def test_workspace_open_neither_creates_nor_deletes(tmp_path):
+    with common.Workspace(str(tmp_path), command="restore") as ws:
+        opened = common.Workspace.open(ws.uri)
+        assert (opened.root, opened.uri, opened.is_local) == (ws.root, ws.uri, True)
+        assert opened.path("dcp") == ws.path("dcp")
+        with opened:
+            pass  # cleanup of an opened workspace does nothing
+        assert os.path.isdir(ws.root)
+    with pytest.raises(FileNotFoundError, match="no bench workspace"):
+        common.Workspace.open(ws.root)
+    assert not os.path.exists(ws.root)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -215,4 +337,13 @@ def test_save_and_restore_on_s3_clean_up_their_prefix(capsys, s3_uri):
         "--methods", "ckptstore,dcp",
     )  # fmt: skip
     assert report["ratios"]["ckptstore_vs_dcp"] > 0
+    assert Store(s3_uri).list("") == []
+
+
+@pytest.mark.s3
+def test_restore_fresh_process_on_s3_opens_the_parents_prefix(s3_uri):
+    from ckptstore.store import Store
+
+    report = _restore_fresh(["ckptstore", "dcp"], uri=s3_uri)
+    _fresh_runs_came_from_children(report)
     assert Store(s3_uri).list("") == []
