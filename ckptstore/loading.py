@@ -1,7 +1,7 @@
 """The Checkpointer's load path: one restore, whichever tiers each rank reads.
 
 ``StateLoader.load`` plans the saves it may load (without tiers the committed steps, listed by
-rank 0; with tiers ``tiers.restore.plan_sources`` over every rank's held copies and the durable
+rank 0; with tiers ``tiers.plan.plan_restore`` over every rank's held copies and the durable
 steps) and tries them newest first (only the first without ``fallback``), each through the same
 turns (``_load_candidate``). In a turn every rank that still needs its state:
 
@@ -37,15 +37,13 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    FormatVersionError,
     PartialLoadError,
     StorageError,
-    UnhealthyStepError,
     UnsupportedStateError,
     one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
-from ckptstore.health import healthy_steps_to_load, tiered_verdict
+from ckptstore.health import healthy_steps_to_load
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, parse_dtype
 from ckptstore.quarantine import quarantine_step
@@ -61,6 +59,7 @@ from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.plan import plan_restore
 from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import (
     DURABLE,
@@ -68,9 +67,8 @@ from ckptstore.tiers.restore import (
     Candidate,
     LoadReport,
     Source,
-    plan_sources,
 )
-from ckptstore.tiers.transfer import Transfer, transfer
+from ckptstore.tiers.transfer import Transfer, restore_copies
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
@@ -204,10 +202,18 @@ class StateLoader:
         """The saves to try, newest first, the same on every rank (collective); with
         ``healthy`` only healthy steps, and by step why each newer one passed over is not."""
         if self.local is not None:
-            if not healthy:
-                return self._tiered_candidates(step, fallback), {}
-            plan = self._tiered_candidates(step, True)
-            return self._healthy_tiered(plan, step, fallback)
+            wards = [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
+            plan = plan_restore(
+                self.store,
+                self.local,
+                self.group,
+                wards,
+                step=step,
+                limit=None if fallback else 1,
+                healthy=healthy,
+            )
+            self._manifests.update(plan.manifests)
+            return plan.candidates, plan.not_healthy
         found: Any = None
         if self.rank == 0:
             try:
@@ -234,147 +240,6 @@ class StateLoader:
                 return steps, {}
             return [resolve_step(self.store, step)], {}
         return healthy_steps_to_load(self.store, step, limit=None if fallback else 1)
-
-    def _healthy_tiered(
-        self, plan: list[Candidate], step: int | str, fallback: bool
-    ) -> tuple[list[Candidate], dict[int, str]]:
-        """(collective) The healthy saves of ``plan``: a step is healthy when its durable
-        manifest of the same save says so, or, when it is not durable, when every rank's own
-        local copy does (each copy records its rank's numbers); a copy that says unhealthy
-        makes it unhealthy either way."""
-        assert self.local is not None
-        store = self.local.store(self.rank)
-        mine: dict[int, dict | None | str] = {}
-        for c in plan:
-            try:
-                manifest = load_manifest(store, c.step)
-            except CheckpointError:
-                continue  # no copy of its own: another tier serves this rank
-            if manifest.attempt == c.attempt:
-                mine[c.step] = manifest.health
-        copies = self.group.gather(mine)
-        verdict: Any = None
-        if self.rank == 0:
-            try:
-                verdict = self._judge_tiered(plan, copies)
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                verdict = exc
-        verdict = self.group.broadcast(verdict)
-        if isinstance(verdict, BaseException):
-            raise verdict
-        good, why = verdict
-        wanted = None if step in (None, "latest") else int(step)
-        if wanted is not None and not any(c.step == wanted for c in good):
-            raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
-        if not good:
-            every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-            raise CheckpointNotFoundError(
-                f"no healthy step in the tiers or {self.store.uri}"
-                + (f": {every}" if every else "")
-            )
-        if wanted is not None:
-            good = [c for c in good if c.step == wanted]
-        return (good if fallback else good[:1]), why
-
-    def _judge_tiered(
-        self, plan: list[Candidate], copies: list[dict]
-    ) -> tuple[list[Candidate], dict[int, str]]:
-        """(rank 0) ``plan``'s healthy saves, and why each other one is not."""
-        good, why = [], {}
-        for c in plan:
-            own = [h.get(c.step, "absent") for h in copies]
-            reason = tiered_verdict(c.step, own, self._durable_health(c))
-            if reason is None:
-                good.append(c)
-            else:
-                why[c.step] = reason
-        return good, why
-
-    def _durable_health(self, c: Candidate) -> dict | None | str:
-        """(rank 0) The health the durable manifest of ``c``'s save records; "absent" when
-        the durable store does not hold that save."""
-        manifest = self._manifests.get(c.step)
-        if manifest is None:
-            try:
-                manifest = load_manifest(self.store, c.step)
-            except CheckpointError:
-                return "absent"
-        return manifest.health if manifest.attempt == c.attempt else "absent"
-
-    def _tiered_candidates(self, step: int | str, fallback: bool) -> list[Candidate]:
-        """With tiers: the newest save every rank can get from some tier (or ``step``), and
-        with ``fallback`` the older ones, each rank's sources in the order to try them."""
-        assert self.local is not None
-        wanted = None if step in (None, "latest") else int(step)
-        wards = [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
-        held: dict[int, dict[int, str]] = {}
-        for ward in wards:
-            try:
-                held[ward] = self.local.copies(ward)
-            except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
-                logger.warning(
-                    "rank %d: the local tier of rank %d cannot be read, not offered: %s",
-                    self.rank,
-                    ward,
-                    self._one_line(exc),
-                )
-        durable: Any = None
-        if self.rank == 0:
-            try:
-                durable = list_steps(self.store)
-            except CheckpointError as exc:
-                durable = exc
-        everything = self.group.gather((held, durable))
-        plan: Any = None
-        if self.rank == 0:
-            try:
-                plan = self._plan_tiered(
-                    [h for h, _ in everything], durable, wanted, None if fallback else 1
-                )
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                plan = exc
-        plan = self.group.broadcast(plan)
-        if isinstance(plan, BaseException):
-            raise plan
-        return plan if fallback else plan[:1]
-
-    def _plan_tiered(
-        self,
-        held: list[dict[int, dict[int, str]]],
-        durable: Any,
-        step: int | None,
-        limit: int | None,
-    ) -> list[Candidate]:
-        assert self.local is not None
-        unlisted = durable if isinstance(durable, BaseException) else None
-        if unlisted is not None:
-            logger.warning(
-                "durable store %s cannot be listed, only local and peer copies are considered: %s",
-                self.store.uri,
-                self._one_line(unlisted),
-            )
-            durable = []
-
-        def attempt(s: int) -> str | None:
-            try:
-                manifest = load_manifest(self.store, s)
-            except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
-                logger.warning("durable step %d in %s unreadable: %s", s, self.store.uri, exc)
-                return None  # a storage error is raised: the step may be fine
-            self._manifests[s] = manifest  # read once: the load shares this one
-            return manifest.attempt
-
-        plan = plan_sources(held, durable, attempt, step=step, limit=limit)
-        if not plan and unlisted is not None:
-            raise unlisted
-        if not plan:
-            where = f"step {step}" if step is not None else "any step"
-            raise CheckpointNotFoundError(
-                f"no tier holds {where} for every rank: local {self.local.policy.local_dir}"
-                f", peers, durable {self.store.uri} (durable steps: "
-                f"{', '.join(map(str, durable[-5:])) or 'none'})"
-            )
-        return plan
 
     # -- one save, in turns -------------------------------------------------------------------
 
@@ -450,27 +315,13 @@ class StateLoader:
     ) -> dict[Transfer, str | None]:
         """The peer transfers of the ranks whose source this turn is a peer's copy, every
         rank taking part (collective where there are any); their outcomes."""
-        transfers = [
-            Transfer(src.holder, r, r, candidate.step, candidate.attempt, repair=True)
-            for r, src in sorted(current.items())
-            if src.tier == PEER
-        ]
-        if not transfers:
+        sources = {r: src.holder for r, src in current.items() if src.tier == PEER}
+        if not sources:
             return {}
-        assert self.local is not None
-        t0 = time.perf_counter()
-        outcomes, stats = transfer(
-            transfers,
-            group=self.group.group,
-            local=self.local,
-            budget_bytes=self.local.policy.peer_budget_bytes,
+        assert self.local is not None and candidate.attempt is not None
+        return restore_copies(
+            self.local, self.group, candidate.step, candidate.attempt, sources, self._report
         )
-        report = self._report
-        report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
-        if any(t.dst == self.rank for t in transfers):
-            elapsed = time.perf_counter() - t0
-            report.add(PEER, stats.received_bytes, elapsed, stats.chunks_received)
-        return outcomes
 
     def _open(
         self,
@@ -582,8 +433,6 @@ class StateLoader:
         )
         digests = {seg.chunk for i in read.kinds for seg in index.tensors[i].segments}
         nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
-        if read.tier == PEER:  # its bytes were counted as the transfer received them
-            nbytes, digests = 0, set()
         self._report.add(read.tier, nbytes, time.perf_counter() - read.started, len(digests))
         self._report.source = read.tier
 

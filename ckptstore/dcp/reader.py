@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
-from ckptstore.dcp.tiers import TierLoad, load_group, newest_step, plan_tier_load
 from ckptstore.errors import CheckpointError, one_line
 from ckptstore.health import find_healthy, healthy_steps_to_load
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
@@ -36,6 +35,7 @@ from ckptstore.shared_read import (
 from ckptstore.step_reader import Batch, Location, StepReader
 from ckptstore.steps import DCP, StepView
 from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.open_step import TierLoad, load_group, newest_step, open_tiered_step
 from ckptstore.tiers.restore import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -179,8 +179,8 @@ class StoreReader(StepReader):
         self._tier = None
         if self._policy is not None:
             group = load_group(self.options["storage"])
-            self._tier = plan_tier_load(
-                self.store, self._policy, self.step, group, healthy=self.healthy
+            self._tier = open_tiered_step(
+                self.store, self._policy, self.step, group, DCP, healthy=self.healthy
             )
             self.view = self._tier.view
             self.last_load = self._tier.report

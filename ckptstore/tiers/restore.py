@@ -4,7 +4,7 @@ Every rank reports the copies its node keeps (its own and its wards', step -> at
 coordinator adds the durable steps (their attempts read from their manifests) and picks the
 newest save, a (step, attempt) pair, that every rank can get from some tier: a durable step's
 own save where its manifest reads, else the save of it that most ranks hold locally. One planner
-for both front-ends (the Checkpointer's ``loading`` and DCP's ``dcp.tiers``). Each rank then
+for both front-ends (through ``tiers.plan.plan_restore``). Each rank then
 tries its sources in order: its own local copy, the copies its holders keep (nearest node
 first), durable storage. Matching attempts, not only step numbers, is what keeps a rank from
 loading a copy of another save of the same step (a job that resumed from an older step and

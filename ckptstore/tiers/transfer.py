@@ -47,6 +47,7 @@ from ckptstore.retention import drop_step
 from ckptstore.save.session import SaveSession
 from ckptstore.shared_read import cut_rounds
 from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.restore import PEER, LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -498,3 +499,29 @@ def transfer(
     outcomes = ex.agree_outcomes(transfers, outgoing, incoming)
     ex.stats.seconds = time.perf_counter() - t0
     return outcomes, ex.stats
+
+
+def restore_copies(
+    local: LocalTier,
+    group: Any,
+    step: int,
+    attempt: str,
+    sources: dict[int, int],
+    report: LoadReport,
+) -> dict[Transfer, str | None]:
+    """A tiered load's repair: each rank ``r`` of ``sources`` gets its own copy of the save back
+    from the copy rank ``sources[r]``'s node keeps (every chunk hashed on arrival). Collective
+    over ``group`` (a ``RankGroup``) where there is any; each transfer's outcome. A receiver's
+    ``report`` gets the time under PEER (the bytes count as the load reads the copy)."""
+    if not sources:
+        return {}
+    transfers = [
+        Transfer(src, r, r, step, attempt, repair=True) for r, src in sorted(sources.items())
+    ]
+    outcomes, stats = transfer(
+        transfers, group=group.group, local=local, budget_bytes=local.policy.peer_budget_bytes
+    )
+    report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
+    if group.rank in sources:
+        report.add(PEER, 0, stats.seconds)
+    return outcomes

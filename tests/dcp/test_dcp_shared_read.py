@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-import ckptstore.dcp.tiers as dcp_tiers
+import ckptstore.tiers.open_step as dcp_tiers
 from ckptstore import EncodingOptions, ReadOptions, StorageOptions
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter

@@ -1,2 +1,2 @@
-"""Tiers (ckptstore.tiers, ckptstore.dcp.tiers, ckptstore.peer): node-local copies, peer
+"""Tiers (ckptstore.tiers, ckptstore.tiers.open_step, ckptstore.peer): node-local copies, peer
 copies over gloo, durable storage every M saves."""

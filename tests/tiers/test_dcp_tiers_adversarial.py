@@ -158,7 +158,7 @@ def test_a_resaved_local_only_step_never_loads_the_superseded_save(tmp_path):
     """Re-saving a step number that only the local tiers hold (same writer): the save is not
     refused as write-once; its local commit fails (the old local manifest is there), so it
     goes to durable storage with one warning, and dcp.save returns. A later load of that step
-    (or of "latest") picks the local copies of the *old* save, since ``plan_tier_load``
+    (or of "latest") picks the local copies of the *old* save, since ``open_tiered_step``
     prefers a step every rank holds locally without checking that durable storage holds the
     same attempt of it."""
     run_ranks(_resave_local_only_step, 2, str(tmp_path / "durable"), str(tmp_path))
@@ -411,7 +411,7 @@ def _damaged_local_only_step(rank: int, world: int, root: str, base: str, how: s
 @pytest.mark.parametrize("how", ["flipped-chunks", "missing-index", "truncated-manifest"])
 def test_a_damaged_local_only_step_fails_clearly_or_loads_an_older_step(tmp_path, how):
     """For a step only the local tiers hold (no durable copy to fall back to): a flipped
-    byte in the local chunks must fail the load naming the corruption. ``plan_tier_load``
+    byte in the local chunks must fail the load naming the corruption. ``open_tiered_step``
     passes ``durable=`` to ``TierFetch`` even for a step not in durable storage (contrary to
     tiers/fetch.py's docstring: "where it is not ..., the error stands"), so the corrupt local
     chunk is looked up in durable storage instead, and the error the load raises says the
@@ -631,4 +631,4 @@ def test_a_two_rank_save_loads_into_one_process_from_durable_or_fails_clearly(tm
             storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=4),
             no_dist=True,
         )
-    assert "step 4 is neither held" in _failures(raised.value), _failures(raised.value)
+    assert "no tier holds step 4 for every rank" in _failures(raised.value), _failures(raised.value)

@@ -471,7 +471,7 @@ def test_copies_of_a_deleted_store_are_never_loaded_in_the_one_made_again(make, 
     target = _blank()
     with pytest.raises(BaseException) as nothing:  # DCP wraps it in a BaseException
         front.load(target)
-    assert isinstance(nothing.value, CheckpointNotFoundError) or "no DCP step" in repr(
+    assert isinstance(nothing.value, CheckpointNotFoundError) or "no tier holds any step" in repr(
         nothing.value
     ), repr(nothing.value)
     if isinstance(front, CheckpointerFront):

@@ -1,0 +1,299 @@
+"""A step opened from the tiers for a reader that fetches chunks by digest: DCP's
+``StoreReader(local_dir=...)``, whose copies (``StoreWriter(tiers=TierOptions(local_dir=...))``)
+hold each rank's own items, its index and the save's DCP metadata.
+
+The save to load and each rank's sources come from ``tiers.plan.plan_restore``, the planner of
+every front-end. Then:
+
+* A rank whose own copy is missing gets it back from a rank that holds it
+  (``tiers.transfer.restore_copies``: every chunk hashed on arrival) before the load; if that
+  fails, the step loads from durable storage where it is there.
+* A step every rank holds loads from the local tiers: each rank sends the others its index (DCP
+  items written by one rank are read by others), and each chunk is read by a rank that holds
+  it and sent to those that need it (``shared_read``). A rank whose copy cannot be read moves
+  every rank to durable storage, where the step is there.
+* Otherwise the step loads from durable storage, and a rank whose local copy is of that same
+  save reads its own chunks from it (a wiped node's ranks read theirs from durable storage).
+
+Each chunk is verified wherever it came from; one that fails in a local copy is read from
+durable storage instead (``tiers.fetch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ckptstore.catalog import load_manifest, read_rank_index_bytes
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
+from ckptstore.format import ChunkInfo, decode_rank_index
+from ckptstore.options import StorageOptions
+from ckptstore.save.engine import SaveEngine
+from ckptstore.steps import DCP, StepView
+from ckptstore.store import Store
+from ckptstore.tiers.fetch import TierFetch
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.identity import agree_identity
+from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.plan import RestorePlan, plan_restore
+from ckptstore.tiers.policy import TierPolicy, store_identity
+from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport
+from ckptstore.tiers.transfer import restore_copies
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierLoad:
+    """One rank's plan of a tiered load."""
+
+    view: StepView  # the step: manifest, metadata, indexes
+    held: dict[str, ChunkInfo]  # the chunks this rank reads from its local copy
+    fetch: TierFetch
+    report: LoadReport
+    started: float  # perf_counter() as the plan began
+
+
+_load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
+
+
+def load_group(storage: StorageOptions) -> RankGroup:
+    """The gloo group tiered loads and shared reads run on, made once per default process group
+    (by every rank, at its first such load) and shared by every ``StoreReader`` of the process:
+    loads are synchronous, one at a time. A rank lost during a load (or before it joined the
+    group) fails every other rank's load within ``storage.lost_rank_timeout_s``, naming it. (A
+    ``StoreWriter`` keeps a group of its own: its exchanges may run in ``async_save``'s
+    thread.)"""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if not _load_groups or _load_groups[0][0] is not world:
+        group = RankGroup(
+            None, timeout_s=storage.group_timeout_s(0.0), lost_rank_s=storage.lost_rank_timeout_s
+        )
+        _load_groups[:] = [(world, group)]
+    return _load_groups[0][1]
+
+
+def _local_tier(durable: Store, policy: TierPolicy, group: RankGroup) -> LocalTier:
+    return LocalTier(
+        policy,
+        SaveEngine(),
+        rank=group.rank,
+        world_size=group.world_size,
+        durable_uri=store_identity(durable),
+        timeout_s=durable.retry.timeout_s,
+        identity=agree_identity(durable, group, create=False),
+    )
+
+
+def _plan(
+    durable: Store, local: LocalTier, wanted: int | str, group: RankGroup, healthy: bool
+) -> RestorePlan:
+    # Every rank directory of this node's job directory is offered: its own ranks' and those
+    # whose peer copies it keeps.
+    return plan_restore(
+        durable, local, group, local.wards_here(), step=wanted, limit=1, healthy=healthy
+    )
+
+
+def open_tiered_step(
+    durable: Store,
+    policy: TierPolicy,
+    wanted: int | str,
+    group: RankGroup,
+    kind: str,
+    *,
+    healthy: bool = False,
+) -> TierLoad:
+    """Collective over ``group`` (every rank of the load calls it): the step of ``kind`` to
+    load and where each rank reads its chunks. Raises on every rank alike when no step can be
+    loaded, or a rank failed to say what it holds. ``healthy``: only a healthy step, each newer
+    one passed over named once with why."""
+    started = time.perf_counter()
+    rank = group.rank
+    local = _local_tier(durable, policy, group)
+    plan = _plan(durable, local, wanted, group, healthy)
+    candidate = plan.candidates[0]
+    step = candidate.step
+    for s in sorted((s for s in plan.not_healthy if s > step and rank == 0), reverse=True):
+        logger.warning("%s (tiers, %s): skipped by healthy=True", plan.not_healthy[s], durable.uri)
+    report = LoadReport(step=step)
+    in_durable = candidate.sources[rank][-1].tier == DURABLE  # the same on every rank
+    if all(mine[0].tier != DURABLE for mine in candidate.sources):
+        found = _from_tiers(local, group, candidate, report, kind, in_durable=in_durable)
+        if found is not None:
+            view, held = found
+            fetch = TierFetch(
+                local=local.store(rank),
+                held=held,
+                # A chunk is read from durable storage only where the step is there, by its
+                # digest: the durable store may hold it encoded otherwise (sizes unknown here).
+                durable=durable if in_durable else None,
+                durable_sized=False,
+                report=report,
+                rank=rank,
+                local_tier=report.source,
+            )
+            return TierLoad(view, held, fetch, report, started)
+        logger.warning(
+            "rank %d: a local copy of step %d could not be read or restored; loading it from %s",
+            rank,
+            step,
+            durable.uri,
+        )
+    return _from_durable(durable, local, candidate, report, kind, started, rank)
+
+
+def newest_step(
+    durable: Store, policy: TierPolicy, group: RankGroup, *, healthy: bool = False
+) -> int | None:
+    """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
+    None when no tier holds one every rank can get (``healthy``: a healthy one)."""
+    local = _local_tier(durable, policy, group)
+    try:
+        return _plan(durable, local, "latest", group, healthy).candidates[0].step
+    except CheckpointNotFoundError:
+        return None
+
+
+def _from_tiers(
+    local: LocalTier,
+    group: RankGroup,
+    candidate: Candidate,
+    report: LoadReport,
+    kind: str,
+    *,
+    in_durable: bool,
+) -> tuple[StepView, dict[str, ChunkInfo]] | None:
+    """(collective) The step as every rank's local copy holds it, the copies a peer keeps
+    restored first; None (on every rank) where a copy could not be had and the step is in
+    durable storage."""
+    rank, step = group.rank, candidate.step
+    sources = {
+        r: mine[0].holder
+        for r, mine in enumerate(candidate.sources)
+        if mine[0].tier == PEER and mine[0].holder is not None
+    }
+    repaired = _repair(local, group, candidate, sources, report)
+    if not repaired and in_durable:
+        return None
+    if not repaired:
+        raise CheckpointError(
+            f"step {step} is held only by the local tiers, and a rank's copy could not be "
+            "restored from its peers (see the warning above)"
+        )
+    found = _local_view(local.store(rank), step, group, kind, in_durable=in_durable)
+    if found is not None:
+        report.source = PEER if rank in sources else LOCAL
+    return found
+
+
+def _from_durable(
+    durable: Store,
+    local: LocalTier,
+    candidate: Candidate,
+    report: LoadReport,
+    kind: str,
+    started: float,
+    rank: int,
+) -> TierLoad:
+    """The step from durable storage; a rank whose own local copy is of the same save reads
+    its own chunks from that copy."""
+    view = StepView.open(durable, candidate.step)
+    view.require(kind)
+    held: dict[str, ChunkInfo] = {}
+    own = any(src.tier == LOCAL for src in candidate.sources[rank])
+    store = local.store(rank) if own else None
+    if store is not None and candidate.attempt == view.manifest.attempt:
+        try:
+            held = dict(_own_index(store, candidate.step)[0][0].chunks)
+        except CheckpointError as exc:
+            logger.warning(
+                "rank %d: local copy of step %d unreadable: %s", rank, candidate.step, one_line(exc)
+            )
+    report.source = LOCAL if held else DURABLE
+    fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
+    return TierLoad(view, held, fetch, report, started)
+
+
+def _repair(
+    local: LocalTier,
+    group: RankGroup,
+    candidate: Candidate,
+    sources: dict[int, int],
+    report: LoadReport,
+) -> bool:
+    """Each rank without its own copy of the save gets it from ``sources[rank]`` (collective);
+    True if every such copy arrived whole. Nothing to do: True."""
+    if not sources:
+        return True
+    assert candidate.attempt is not None
+    try:
+        outcomes = restore_copies(local, group, candidate.step, candidate.attempt, sources, report)
+    except Exception as exc:  # noqa: BLE001 - a lost rank: the durable tier, where it can
+        logger.warning(
+            "rank %d: restoring copies of step %d from peers failed: %s",
+            group.rank,
+            candidate.step,
+            one_line(exc),
+        )
+        return False
+    failed = [e for e in outcomes.values() if e is not None]
+    if failed:
+        logger.warning(
+            "rank %d: %d of %d copies of step %d could not be restored from peers: %s",
+            group.rank,
+            len(failed),
+            len(outcomes),
+            candidate.step,
+            failed[0],
+        )
+    return not failed
+
+
+def _own_index(store: Store, step: int):
+    manifest = load_manifest(store, step)
+    return read_rank_index_bytes(store, manifest.ranks[0]), manifest
+
+
+def _local_view(
+    store: Store, step: int, group: RankGroup, kind: str, *, in_durable: bool
+) -> tuple[StepView, dict[str, ChunkInfo]] | None:
+    """The step as the local copies hold it, every rank's index sent to every other (each copy
+    is a one-rank step: its index is rank 0's there, rank r's in the view); None (on every
+    rank) if a rank's copy could not be read and the step is in durable storage."""
+    view = None
+    data = b""
+    error = None
+    try:
+        (index, data), manifest = _own_index(store, step)
+        view = StepView(store, manifest)
+        view.require(kind)
+        if kind == DCP:
+            view.dcp_metadata()
+        view.adopt_index(dataclasses.replace(index, rank=group.rank))
+    except CheckpointError as exc:
+        error = exc
+    line = None if error is None else " ".join(str(error).split())[:300]
+    everything = group.gather((line, data if error is None else b""))
+    failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+    if failed:
+        if in_durable:
+            return None
+        why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+        raise CheckpointError(
+            f"step {step} is held only by the local tiers, and a copy cannot be read ({why})"
+        )
+    assert view is not None
+    held = dict(view.index(group.rank).chunks)
+    for r, (_, blob) in enumerate(everything):
+        if r == group.rank:
+            continue
+        index = decode_rank_index(blob, f"rank {r}'s local index of step {step}")
+        if index.rank != 0:  # a tier copy is a one-rank step
+            raise CheckpointError(f"rank {r} sent an index of rank {index.rank}, not its copy's")
+        view.adopt_index(dataclasses.replace(index, rank=r))
+    return view, held

@@ -1,0 +1,211 @@
+"""Which saves a tiered load may take, and from where: the one planning step of every
+front-end's tiered load (the Checkpointer's ``loading``, DCP's ``StoreReader`` through
+``tiers.open_step``), collective over the load's ``RankGroup``.
+
+1. Each rank lists the copies its node keeps of the ``wards`` it is asked about (its own and
+   the ranks whose peer copies it keeps); a ward whose local tier cannot be read is not offered
+   (a peer or durable storage may serve that rank).
+2. Rank 0 lists the durable steps (where that fails, only local and peer copies count) and
+   plans with ``restore.plan_sources``, reading each durable manifest it weighs once: the load
+   shares them (``RestorePlan.manifests``).
+3. With ``healthy``, each rank reads the health its own copy of each candidate save records and
+   rank 0 judges (``health.tiered_verdict``): a step is healthy when its durable manifest of the
+   same save says so, or, when it is not durable, when every rank's own copy does; a copy that
+   says unhealthy makes it unhealthy either way. The steps passed over are named with why.
+
+Every rank gets the same plan, or raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    UnhealthyStepError,
+    one_line,
+)
+from ckptstore.format import Manifest
+from ckptstore.health import tiered_verdict
+from ckptstore.store import Store
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.restore import DURABLE, Candidate, Source, plan_sources
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RestorePlan:
+    candidates: list[Candidate]  # newest first; each rank's sources in the order to try
+    not_healthy: dict[int, str] = field(default_factory=dict)  # healthy=True: step -> why not
+    manifests: dict[int, Manifest] = field(default_factory=dict)  # rank 0: durable, read once
+
+
+def plan_restore(
+    durable: Store,
+    local: LocalTier,
+    group: RankGroup,
+    wards: list[int],
+    *,
+    step: int | str | None = "latest",
+    limit: int | None = 1,
+    healthy: bool = False,
+) -> RestorePlan:
+    """The saves to try (``step``: only that one; ``limit``: at most that many, None: every
+    older one too, for a load with fallback). Collective; raises on every rank alike when no
+    tier holds a step every rank can get."""
+    wanted = None if step in (None, "latest") else int(step)
+    listed: Any = None
+    if group.rank == 0:
+        try:
+            listed = list_steps(durable)
+        except CheckpointError as exc:
+            listed = exc
+    everything = group.gather((_held(local, group.rank, wards), listed))
+    manifests: dict[int, Manifest] = {}
+    found: Any = None
+    if group.rank == 0:
+        held = [h for h, _ in everything]
+        try:
+            found = _plan(
+                durable, local, held, listed, wanted, None if healthy else limit, manifests
+            )
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            found = exc
+    candidates = _raise_or(group.broadcast(found))
+    plan = RestorePlan(candidates, manifests=manifests)
+    if healthy:
+        plan.candidates, plan.not_healthy = _healthy(durable, local, group, plan, wanted)
+        plan.candidates = plan.candidates[:limit] if limit is not None else plan.candidates
+    return plan
+
+
+def _raise_or(value: Any) -> Any:
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _held(local: LocalTier, rank: int, wards: list[int]) -> dict[int, dict[int, str]]:
+    held: dict[int, dict[int, str]] = {}
+    for ward in wards:
+        try:
+            held[ward] = local.copies(ward)
+        except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
+            logger.warning(
+                "rank %d: the local tier of rank %d cannot be read, not offered: %s",
+                rank,
+                ward,
+                one_line(exc),
+            )
+    return held
+
+
+def _plan(
+    durable: Store,
+    local: LocalTier,
+    held: list[dict[int, dict[int, str]]],
+    listed: list[int] | BaseException,
+    step: int | None,
+    limit: int | None,
+    manifests: dict[int, Manifest],
+) -> list[Candidate]:
+    """(rank 0) ``plan_sources`` over every rank's copies and the durable steps."""
+    unlisted = listed if isinstance(listed, BaseException) else None
+    steps: list[int] = [] if unlisted is not None else listed  # type: ignore[assignment]
+    if unlisted is not None:
+        logger.warning(
+            "durable store %s cannot be listed, only local and peer copies are considered: %s",
+            durable.uri,
+            one_line(unlisted),
+        )
+
+    def attempt(s: int) -> str | None:
+        try:
+            manifest = load_manifest(durable, s)
+        except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
+            logger.warning("durable step %d in %s unreadable: %s", s, durable.uri, one_line(exc))
+            return None  # a storage error is raised: the step may be fine
+        manifests[s] = manifest
+        return manifest.attempt
+
+    plan = plan_sources(held, steps, attempt, step=step, limit=limit)
+    if plan:
+        return plan
+    if step is not None and step in steps:  # committed but unreadable: its load says why
+        return [Candidate(step, None, [[Source(DURABLE)] for _ in held])]
+    if unlisted is not None:
+        raise unlisted
+    where = f"step {step}" if step is not None else "any step"
+    raise CheckpointNotFoundError(
+        f"no tier holds {where} for every rank: local {local.policy.local_dir}, peers, durable "
+        f"{durable.uri} (durable steps: {', '.join(map(str, steps[-5:])) or 'none'})"
+    )
+
+
+def _healthy(
+    durable: Store, local: LocalTier, group: RankGroup, plan: RestorePlan, wanted: int | None
+) -> tuple[list[Candidate], dict[int, str]]:
+    """(collective) The healthy saves of ``plan``, and why each other one is not."""
+    mine: dict[int, Any] = {}
+    try:
+        store = local.store(group.rank)
+    except CheckpointError:
+        store = None  # no local tier here: other tiers serve this rank
+    for c in plan.candidates if store is not None else ():
+        try:
+            manifest = load_manifest(store, c.step)
+        except CheckpointError:
+            continue  # no copy of its own: another tier serves this rank
+        if manifest.attempt == c.attempt:
+            mine[c.step] = manifest.health
+    copies = group.gather(mine)
+    verdict: Any = None
+    if group.rank == 0:
+        try:
+            verdict = _judge(durable, plan, copies)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            verdict = exc
+    good, why = _raise_or(group.broadcast(verdict))
+    if wanted is not None and not any(c.step == wanted for c in good):
+        raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
+    if not good:
+        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+        raise CheckpointNotFoundError(
+            f"no healthy step in the tiers or {durable.uri}" + (f": {every}" if every else "")
+        )
+    return good, why
+
+
+def _judge(
+    durable: Store, plan: RestorePlan, copies: list[dict]
+) -> tuple[list[Candidate], dict[int, str]]:
+    """(rank 0) ``plan``'s healthy saves, and why each other one is not."""
+    good, why = [], {}
+    for c in plan.candidates:
+        own = [h.get(c.step, "absent") for h in copies]
+        reason = tiered_verdict(c.step, own, _durable_health(durable, plan.manifests, c))
+        if reason is None:
+            good.append(c)
+        else:
+            why[c.step] = reason
+    return good, why
+
+
+def _durable_health(durable: Store, manifests: dict[int, Manifest], c: Candidate) -> Any:
+    """(rank 0) The health the durable manifest of ``c``'s save records; "absent" when the
+    durable store does not hold that save."""
+    manifest = manifests.get(c.step)
+    if manifest is None:
+        try:
+            manifest = load_manifest(durable, c.step)
+        except CheckpointError:
+            return "absent"
+    return manifest.health if c.attempt is None or manifest.attempt == c.attempt else "absent"
