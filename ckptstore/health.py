@@ -5,7 +5,9 @@ a device-staged save, device-generic torch ops only), in the background pass tha
 
     scan       per tensor ``[nan, inf, sumsq]``: NaN count, ±Inf count, sum of squares of the
                finite values (float64; None where it overflows float64), recorded in the rank
-               index (``TensorEntry.health``)
+               index (``TensorEntry.health``); on the host ``ChunkScan`` takes it in the pass
+               that hashes each chunk, from the same cache-sized pieces (each byte read from
+               memory once for both), ``scan`` on a device
     summarize  a rank's totals, its sums of squares per named group, its worst tensors: what
                the rank hands the coordinator with its index (``RankWritten.health``)
     verdict    (the coordinator) the step's totals over every rank and whether it is healthy:
@@ -19,8 +21,10 @@ unhealthy. Imports no torch until a scan needs it.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,25 +70,185 @@ def scan(tensors: list[Any]) -> list[list | None]:
     for i, s in zip(floating, fast):
         out[i] = [0, 0, float(s)]
     if slow:
-        counted = []
-        for i in slow:
-            flat = tensors[i].reshape(-1)
-            nan = inf = sq = None
-            for block in flat.split(_BLOCK_ELEMENTS):
-                finite = torch.isfinite(block)
-                b64 = torch.where(finite, block, 0).double()
-                terms = (
-                    torch.isnan(block).sum(),
-                    torch.isinf(block).sum(),
-                    torch.dot(b64, b64),
-                )
-                nan = terms[0] if nan is None else nan + terms[0]
-                inf = terms[1] if inf is None else inf + terms[1]
-                sq = terms[2] if sq is None else sq + terms[2]
-            counted.append(torch.stack([nan.double(), inf.double(), sq]))
+        counted = [
+            torch.stack([_counted(b) for b in tensors[i].reshape(-1).split(_BLOCK_ELEMENTS)]).sum(0)
+            for i in slow
+        ]
         for i, (nan, inf, sq) in zip(slow, torch.stack(counted).tolist()):
             out[i] = [int(nan), int(inf), sq if math.isfinite(sq) else None]
     return out
+
+
+def _counted(block: Any) -> Any:
+    """The slow path of a block whose sum of squares is not finite: its NaN count, Inf count
+    and the sum of squares of its finite values (float64), as one float64 tensor of 3."""
+    import torch
+
+    finite = torch.isfinite(block)
+    b64 = torch.where(finite, block, 0).double()
+    return torch.stack(
+        [torch.isnan(block).sum().double(), torch.isinf(block).sum().double(), torch.dot(b64, b64)]
+    )
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The bytes of one floating tensor inside one chunk: ``[start, end)`` of the chunk."""
+
+    tensor: int
+    start: int
+    end: int
+    dtype: Any
+    itemsize: int
+
+
+class ChunkScan:
+    """``scan`` of the tensors staged in a host buffer, fused into the pass that hashes the
+    buffer's chunks (``pipeline.write_chunks``): the hash reads each chunk in cache-sized
+    pieces (``codec.hash_bytes``) and, right before it hashes a piece, takes the sum
+    of squares of the tensor elements that start in it, so each byte comes from memory once for
+    both. A piece whose sum is not finite is counted there (NaN, Inf, finite sum of squares in
+    float64), while it is still in cache. ``result`` adds each tensor's partial results up once
+    every chunk was hashed; the same ``[nan, inf, sumsq]`` as ``scan``.
+
+    ``tensors`` sit at ``offsets`` in the buffer, cut by ``chunks`` (``(start, end)`` in it,
+    ``pipeline.ChunkLayout.chunks``); every chunk holding a floating tensor's bytes must be
+    hashed through ``hash``, from any thread."""
+
+    def __init__(self, tensors: list[Any], offsets: list[int], chunks: list[Any]) -> None:
+        self._kinds = [None if not t.dtype.is_floating_point else t.numel() > 0 for t in tensors]
+        self._parts: dict[int, list[_Part]] = {}
+        starts = [c.start for c in chunks]
+        for i, (t, offset) in enumerate(zip(tensors, offsets)):
+            if not self._kinds[i]:
+                continue
+            end, size = offset + t.numel() * t.element_size(), t.element_size()
+            c = bisect.bisect_right(starts, offset) - 1
+            while c < len(chunks) and chunks[c].start < end:
+                lo, hi = max(offset, chunks[c].start), min(end, chunks[c].end)
+                assert (lo - offset) % size == 0, "a chunk boundary splits an element"
+                part = _Part(i, lo - chunks[c].start, hi - chunks[c].start, t.dtype, size)
+                self._parts.setdefault(chunks[c].start, []).append(part)
+                c += 1
+        for parts in self._parts.values():
+            parts.sort(key=lambda p: p.start)
+        self._partials: dict[int, dict[int, list]] = {}
+
+    def hash(self, chunk_start: int, raw: Any) -> str:
+        """``codec.hash_bytes`` of the chunk at ``chunk_start`` (``raw``, its bytes as a uint8
+        array), scanning the floating tensor elements in each piece right before it is hashed."""
+        import numpy as np
+
+        from ckptstore.codec import hash_bytes
+
+        parts = self._parts.get(chunk_start)
+        if parts is None:
+            return hash_bytes(raw)
+        partial: dict[int, list] = {}
+        self._partials[chunk_start] = partial  # a dict's item assignment is atomic
+        with np.errstate(over="ignore", invalid="ignore"):  # a sum of squares past float32
+            return hash_bytes(raw, _PieceScan(parts, raw, partial))
+
+    def result(self) -> list[list | None]:
+        """Each tensor's ``[nan, inf, sumsq]`` (None for a tensor that is not floating)."""
+        missing = set(self._parts) - set(self._partials)
+        assert not missing, f"chunks at {sorted(missing)[:3]} were not scanned"
+        out: list[list | None] = [None if k is None else [0, 0, 0.0] for k in self._kinds]
+        for partial in self._partials.values():
+            for i, (nan, inf, sq) in partial.items():
+                total = out[i]
+                total[0] += nan
+                total[1] += inf
+                total[2] += sq
+        for total in out:
+            if total is not None and not math.isfinite(total[2]):
+                total[2] = None  # overflowed float64
+        return out
+
+
+class _PieceScan:
+    """One chunk's part of a ``ChunkScan``: called on its pieces in order, it adds the sum of
+    squares of the elements of each part that start in the piece to ``partial`` (by tensor:
+    ``[nan, inf, sumsq]``)."""
+
+    def __init__(self, parts: list[_Part], raw: Any, partial: dict[int, list]) -> None:
+        self.parts = parts
+        self.raw = raw
+        self.partial = partial
+        self.k = 0  # the part being read
+        self.position = parts[0].start  # its next element
+
+    def __call__(self, start: int, end: int) -> None:
+        parts = self.parts
+        while self.k < len(parts) and parts[self.k].start < end:
+            part = parts[self.k]
+            lo = max(self.position, part.start)
+            # every element whose first byte is before ``end``
+            hi = min(part.end, part.start + -(-(end - part.start) // part.itemsize) * part.itemsize)
+            if hi > lo:
+                self._add(part, lo, hi)
+            if hi < part.end:
+                self.position = hi
+                return
+            self.k += 1
+            self.position = parts[self.k].start if self.k < len(parts) else end
+
+    def _add(self, part: _Part, lo: int, hi: int) -> None:
+        sq = _sumsq(self.raw[lo:hi], part.dtype)
+        total = self.partial.setdefault(part.tensor, [0, 0, 0.0])
+        if math.isfinite(sq):
+            total[2] += sq
+            return
+        import torch
+
+        nan, inf, sq = _counted(torch.from_numpy(self.raw[lo:hi]).view(part.dtype)).tolist()
+        total[0] += int(nan)
+        total[1] += int(inf)
+        total[2] += sq
+
+
+_scratch = threading.local()
+
+
+def _sumsq(piece: Any, dtype: Any) -> float:
+    """The sum of squares of a piece of a tensor's bytes (a uint8 array), by numpy: float32 and
+    float64 as they are, bfloat16 as the float32 halves of its element pairs, the others
+    converted by torch; a converted piece goes through a per-thread buffer. (A torch op this
+    small may wait on torch's thread pool, whose threads the other hashing threads keep
+    busy.)"""
+    import numpy as np
+    import torch
+
+    if dtype == torch.float32 or dtype == torch.float64:
+        x = piece.view(np.float32 if dtype == torch.float32 else np.float64)
+        return float(np.dot(x, x))
+    if dtype == torch.bfloat16:
+        even = piece.size // 4 * 4
+        words = piece[:even].view(np.uint32)  # two elements, each the upper half of a float32
+        out = _buffer(words.size)
+        x = out.view(np.float32)
+        np.bitwise_and(words, 0xFFFF0000, out=out)
+        sq = float(np.dot(x, x))
+        np.left_shift(words, 16, out=out)
+        sq += float(np.dot(x, x))
+        if even < piece.size:
+            last = (piece[even:].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            sq += float(np.dot(last, last))
+        return sq
+    out = _buffer(piece.size // dtype.itemsize).view(np.float32)
+    torch.from_numpy(out).copy_(torch.from_numpy(piece).view(dtype))
+    return float(np.dot(out, out))
+
+
+def _buffer(n: int) -> Any:
+    """``n`` uint32 of this thread's scratch buffer, which its next call reuses."""
+    import numpy as np
+
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < n:
+        buffer = np.empty(n, dtype=np.uint32)
+        _scratch.buffer = buffer
+    return buffer[:n]
 
 
 def check_entry_health(value: Any, dtype: str) -> str | None:

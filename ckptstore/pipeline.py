@@ -41,6 +41,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
 )
 from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
+from ckptstore.health import ChunkScan
 from ckptstore.staging import align
 from ckptstore.store import Store
 
@@ -286,8 +287,10 @@ def put_chunk(
     hedged: bool = False,
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo] | None = None,
+    digest: str | None = None,
 ) -> tuple[str, ChunkInfo]:
-    """Hash ``raw``; encode and put it unless the store already holds that chunk.
+    """Hash ``raw`` (unless the caller did: ``digest``); encode and put it unless the store
+    already holds that chunk.
 
     ``known``: chunks the save may reference without asking the store (``SaveSession.begin``
     says which are safe); a chunk found there costs no request, and every chunk put or found
@@ -299,7 +302,7 @@ def put_chunk(
     ``hedged``: a slow put is duplicated by the store; both are exclusive creates of the same
     content-addressed key, so whichever lands second finds the object there and nothing is
     written twice."""
-    digest = hash_bytes(raw)
+    digest = hash_bytes(raw) if digest is None else digest
     key = chunk_key(digest)
     if known is not None and (info := known.get(digest)) is not None:
         return digest, info
@@ -374,19 +377,23 @@ def write_chunks(
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo] | None = None,
     spans: list[ChunkSpan] | None = None,
+    scan: ChunkScan | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``), or only ``spans`` of it; their
-    digests, in layout order. ``known``: see :func:`put_chunk`."""
+    digests, in layout order. ``known``: see :func:`put_chunk`. ``scan``: the health scan of
+    the tensors in ``buffer``, taken as each chunk is hashed."""
 
     def put(span: ChunkSpan) -> tuple[str, ChunkInfo]:
+        raw = buffer[span.start : span.end]
         result = put_chunk(
             store,
-            buffer[span.start : span.end],
+            raw,
             span.itemsize,
             cfg.codec,
             hedged=hedged,
             governor=governor,
             known=known,
+            digest=scan.hash(span.start, raw) if scan is not None else None,
         )
         if not store.is_local:
             # A remote chunk's body lives for its whole upload and is freed into the arena of

@@ -19,6 +19,7 @@ import numpy as np
 from ckptstore.codec import hash_bytes
 from ckptstore.errors import CheckpointError
 from ckptstore.format import ChunkInfo
+from ckptstore.health import ChunkScan
 from ckptstore.pipeline import (
     ChunkLayout,
     ChunkSpan,
@@ -110,17 +111,20 @@ def write_chunks_once(
     hedged: bool = False,
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo],
+    scan: ChunkScan | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """``pipeline.write_chunks`` over the ranks of ``group`` (a ``tiers.group.RankGroup``,
     every rank calling): each rank hashes its chunks (xxh3 runs at memory speed: cheaper than
     an exchange of data), the ranks agree on one writer per distinct chunk (:func:`share_out`),
     each encodes and puts its share, and every rank learns what the writers stored
     (:func:`gather_stored`). ``known`` (``SaveSession.learn``) grows by every chunk of the
-    save."""
+    save. ``scan``: the health scan of the tensors in ``buffer``, taken as each chunk is
+    hashed (here, before the exchange)."""
     chunks = layout.chunks
 
     def digest_of(span: ChunkSpan) -> str:
-        return hash_bytes(buffer[span.start : span.end])
+        raw = buffer[span.start : span.end]
+        return scan.hash(span.start, raw) if scan is not None else hash_bytes(raw)
 
     error: BaseException | None = None
     digests: list[str] = []

@@ -10,7 +10,8 @@
                known chunk costs no request, an unknown one a single exclusive-create put
     index      the rank's index built and put once, each floating tensor's health in it (its
                NaN and Inf counts and sum of squares, scanned in ``write`` from the staged
-               copy, ``ckptstore.health``); what it wrote, for the coordinator
+               copy as each chunk is hashed, ``health.ChunkScan``); what it wrote, for the
+               coordinator
     commit     (the coordinator) the lease still held -> the step's health from every rank's
                (``HealthPolicy``: an unhealthy step is saved, skipped or refused) -> the
                manifest written once; an ambiguous outcome is read back
@@ -33,7 +34,6 @@ and ``Manifest`` a save writes is built here.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +64,8 @@ from ckptstore.format import (
     rank_index_key,
     split_dcp_item_key,
 )
-from ckptstore.health import RankHealth, StepHealth, summarize, to_commit, verdict
+from ckptstore.health import ChunkScan, RankHealth, StepHealth, summarize, to_commit, verdict
 from ckptstore.health import one_line as health_line
-from ckptstore.health import scan as health_scan
 from ckptstore.leases import SAVE, Lease, wait_for_gc
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
 from ckptstore.retention import collect
@@ -78,15 +77,6 @@ from ckptstore.tree import tensor_paths
 logger = logging.getLogger(__name__)
 
 PREVIOUS_HEALTHY_READS = 32  # manifests read back at most to find the previous healthy step
-
-
-def _views(buffer: torch.Tensor, offsets: list[int], tensors: list[Any]) -> list[torch.Tensor]:
-    """Each tensor's bytes in the staged ``buffer`` as a tensor of its dtype."""
-    out = []
-    for t, o in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
-        out.append(buffer[o : o + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype))
-    return out
 
 
 def tensor_names(index: RankIndex) -> dict[int, str]:
@@ -232,24 +222,24 @@ class SaveSession:
         calling, each having learnt): a chunk several of them hold is put by one of them
         (``pipeline.write_chunks_once``)."""
         engine = self.engine
-        scanning = None
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-health") as scanner:
-            if engine.health.scan and health is None:
-                # Beside the chunks' hashing, encoding and puts: the scan fills the time they
-                # wait on storage (and is waited for before the buffer can go back).
-                scanning = scanner.submit(health_scan, _views(buffer, layout.offsets, tensors))
-            args = (self.store, buffer.numpy(), layout, engine.config)
-            options = {
-                "hedged": engine.hedge_uploads,
-                "governor": engine.governor,
-                "known": self.known,
-            }
-            if group is not None and group.active and self.known is not None:
-                digests, chunks = write_chunks_once(*args, group, **options)
-            else:
-                digests, chunks = write_chunks(*args, **options)
-            if scanning is not None:
-                health = scanning.result()
+        scan = None
+        if engine.health.scan and health is None:
+            # In the chunks' hashing pass: each piece of a chunk is scanned right before it is
+            # hashed, while it is in cache (one read of the staged copy for both).
+            scan = ChunkScan(tensors, layout.offsets, layout.chunks)
+        args = (self.store, buffer.numpy(), layout, engine.config)
+        options = {
+            "hedged": engine.hedge_uploads,
+            "governor": engine.governor,
+            "known": self.known,
+            "scan": scan,
+        }
+        if group is not None and group.active and self.known is not None:
+            digests, chunks = write_chunks_once(*args, group, **options)
+        else:
+            digests, chunks = write_chunks(*args, **options)
+        if scan is not None:
+            health = scan.result()
         entries = tensor_entries(tensors, layout, digests)
         if engine.health.scan and health is not None:
             for entry, h in zip(entries, health):
