@@ -55,6 +55,7 @@ from ckptstore.tiers.policy import (
     store_identity,
 )
 from ckptstore.tiers.saving import LocalCommit, TierSaver, open_tiers
+from ckptstore.tiers.transfer import TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +298,11 @@ class StoreWriter(StorageWriter, PooledStager):
     def checkpoint_id(self) -> str:
         """The store's URI (DCP logs it); the step of the last save is ``saved_step``."""
         return self.store.uri
+
+    @property
+    def last_peer_copy(self) -> TransferStats | None:
+        """What this rank moved in the last save's peer copies (tiers with ``peer_copies``)."""
+        return self._tiers.last_peer_copy if self._tiers is not None else None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)

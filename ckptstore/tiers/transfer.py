@@ -76,6 +76,7 @@ class TransferStats:
     chunks_sent: int = 0
     chunks_received: int = 0
     chunks_already_held: int = 0
+    chunks_from_node: int = 0  # taken from another copy on this node instead of the wire
     buffer_bytes: int = 0  # the most round-buffer bytes held at once
     seconds: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)
@@ -262,10 +263,43 @@ class _Exchange:
             known = inc.session.known or {}
             inc.want = [d for d in sorted(inc.index.chunks) if d not in known]
             self.stats.chunks_already_held += len(inc.index.chunks) - len(inc.want)
+            inc.want = self.take_from_node(inc)
         except (CheckpointError, OSError, ValueError) as exc:
             inc.error = (
                 f"rank {self.rank}: the copy of rank {t.ward} from rank {t.src}: {one_line(exc)}"
             )
+
+    def take_from_node(self, inc: _Incoming) -> list[str]:
+        """The chunks ``inc`` still wants from its source: a chunk another copy on this node
+        holds (replicated state: a data-parallel rank of this node saved the same bytes) is
+        copied from there, verified, instead of crossing the wire."""
+        assert inc.index is not None
+        siblings = [self.local.store(w) for w in self.local.wards_here() if w != inc.t.ward]
+        if not inc.want or not siblings:
+            return inc.want
+        store = self.local.store(inc.t.ward)
+
+        def copy(digest: str) -> str | None:
+            info = inc.index.chunks[digest]
+            key = chunk_key(digest)
+            for sibling in siblings:
+                try:
+                    data = sibling.get(key, 0, info.stored + 1)  # one more tells a longer one
+                    if len(data) != info.stored:
+                        continue
+                    decode(data, expected_hash=digest, name=sibling.url(key), raw_len=info.raw)
+                    store.put(key, data)
+                except ObjectExistsError:
+                    if not _intact(store, digest, info):
+                        return digest  # the wire's verified bytes replace it
+                except (CheckpointError, OSError):
+                    continue
+                return None
+            return digest
+
+        wanted = [d for d in store.map(copy, inc.want, drain=True) if d is not None]
+        self.stats.chunks_from_node += len(inc.want) - len(wanted)
+        return wanted
 
     def store_round(self, inc: _Incoming, round_: list[str], buffer: torch.Tensor) -> None:
         store = self.local.store(inc.t.ward)

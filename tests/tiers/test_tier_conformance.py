@@ -99,6 +99,7 @@ class Front:
     def load(self, state: dict, step: int | str = "latest") -> tuple[int, Any]: ...
     def local_store_uri(self) -> str: ...
     def last_save(self) -> Any: ...
+    def last_peer_copy(self) -> Any: ...
     def close(self) -> None: ...
 
     def restart(self) -> Front:
@@ -143,6 +144,9 @@ class CheckpointerFront(Front):
     def last_save(self) -> Any:
         return self.ckpt.last_save
 
+    def last_peer_copy(self) -> Any:
+        return self.ckpt.last_peer_copy
+
     def close(self) -> None:
         self.ckpt.close()
 
@@ -182,6 +186,9 @@ class DCPFront(Front):
 
     def last_save(self) -> Any:
         return self.writer.last_save
+
+    def last_peer_copy(self) -> Any:
+        return self.writer.last_peer_copy
 
     def close(self) -> None:
         self.writer.close()
@@ -918,3 +925,41 @@ def test_a_chunk_every_rank_holds_is_put_once(kind, tiered, tmp_path):
     for save in (0, 1):
         assert sum(c["puts"][save] for c in counts) == distinct, counts
     assert len(list((root / "chunks").rglob("*"))) >= 2 * distinct
+
+
+def _replicated_peer_copies(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    front = _two_nodes(kind, rank, root, base, peer_copies=1, durable_every=5)
+    sent = []
+    for step in (1, 2):  # 1 durable, 2 in the local tiers and their peer copies only
+        # DCP names each rank's model apart (a planner dedups items by name only).
+        state = {
+            f"{k}{rank}" if kind == "dcp" else k: v for k, v in _replicated(step, rank).items()
+        }
+        front.save(step, state)
+        stats = front.last_peer_copy()
+        sent.append((stats.chunks_sent, stats.chunks_from_node))
+    front.close()
+    # Each rank's copy goes to a rank of the other node, which holds the model already: only
+    # the rank's own tensor (one chunk) crosses; the model's four come from the node's copies.
+    assert sent == [(1, 4), (1, 4)], (rank, sent)
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 is replaced: node 0's copies of its ranks restore it
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    step, report = _two_nodes(kind, rank, root, base, peer_copies=1, durable_every=5).load(target)
+    assert step == 2 and _same(target, state), (rank, step, report)
+    assert report.source == ("peer" if rank >= 2 else "local"), report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_peer_copies_send_only_the_chunks_the_holders_node_lacks(kind, tmp_path):
+    """Issue 36: four data-parallel ranks as two nodes save a model every rank holds alike and
+    a tensor of their own, with a peer copy of each rank on the other node. The holder's node
+    already holds the model in its own ranks' copies: only each rank's own chunk crosses the
+    wire, the model's chunks are taken (verified) from the node's copies, and a replaced node
+    restores from those copies bit for bit."""
+    run_ranks(
+        _replicated_peer_copies, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240
+    )
