@@ -34,6 +34,7 @@ after ``CHILD_TIMEOUT_S``; a child that fails ends the run with its stderr's las
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from bench import _ckpt_common as common
-from bench.report import format_bytes, format_seconds, print_json, table
+from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
 
 logger = logging.getLogger(__name__)
 
@@ -500,23 +501,74 @@ def print_table(report: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     common.check_counts(args)
     common.check_device(args.device)
-    report = run_restore(
-        uri=args.uri,
-        spec=common.state_spec_from_args(args),
-        repeat=args.repeat,
-        warmup=args.warmup,
-        compression=args.compression,
-        methods=common.parse_methods(args.methods, methods_for(args.device)),
-        cache=args.cache,
-        device=args.device,
-        fresh_process=args.fresh_process,
-        progress=logger.info,
-    )
+    spec = common.state_spec_from_args(args)
+    sizes = [spec.size_bytes]
+    if args.sizes is not None:
+        if args.size is not None or args.state == "trained":
+            raise ValueError(
+                "--sizes is a sweep of synthetic sizes: not with --size or --state trained"
+            )
+        sizes = [parse_bytes(s.strip(), what="--sizes") for s in args.sizes.split(",") if s.strip()]
+        if not sizes:
+            raise ValueError("--sizes names no size: give e.g. --sizes 16MiB,64MiB,256MiB,1GiB")
+    reports = [
+        run_restore(
+            uri=args.uri,
+            spec=dataclasses.replace(spec, size_bytes=size),
+            repeat=args.repeat,
+            warmup=args.warmup,
+            compression=args.compression,
+            methods=common.parse_methods(args.methods, methods_for(args.device)),
+            cache=args.cache,
+            device=args.device,
+            fresh_process=args.fresh_process,
+            progress=logger.info,
+        )
+        for size in sizes
+    ]
+    if args.sizes is None:
+        if args.json:
+            print_json(reports[0])
+        else:
+            print_table(reports[0])
+        return 0
+    sweep = {"command": "restore", "sweep": reports, "by_size": sweep_rows(reports)}
     if args.json:
-        print_json(report)
+        print_json(sweep)
     else:
-        print_table(report)
+        for report in reports:
+            print_table(report)
+            print()
+        print_sweep(sweep["by_size"])
     return 0
+
+
+def sweep_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per size of a sweep: each method's restore time and ckptstore's ratios."""
+    return [
+        {
+            "size_bytes": r["config"]["raw_bytes"],
+            **{f"{m}_restore_s": r[m]["restore_s"] for m in r["config"]["methods"]},
+            **r["ratios"],
+        }
+        for r in reports
+    ]
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
+    ratios = [k for k in rows[0] if k.startswith("ckptstore_vs_")]
+    times = [k for k in rows[0] if k.endswith("_restore_s")]
+    table(
+        ["size", *(k.removesuffix("_restore_s") for k in times), *ratios],
+        [
+            [
+                format_bytes(row["size_bytes"]),
+                *(format_seconds(row[k]) for k in times),
+                *("n/a" if row[k] is None else f"{row[k]:.2f}" for k in ratios),
+            ]
+            for row in rows
+        ],
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -541,6 +593,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="run every load in a new Python process, as a restarted job would (imports and "
         "destination tensors untimed; the Checkpointer's construction timed); reports each "
         "method's page faults and system/user CPU time too (default: every load in this process)",
+    )
+    p.add_argument(
+        "--sizes",
+        help="a size sweep: comma-separated synthetic sizes (e.g. 16MiB,64MiB,256MiB,1GiB), each "
+        "run as --size would be, then one row per size with ckptstore's ratio to each baseline",
     )
     p.set_defaults(func=run)
     return p

@@ -347,3 +347,22 @@ def test_restore_fresh_process_on_s3_opens_the_parents_prefix(s3_uri):
     report = _restore_fresh(["ckptstore", "dcp"], uri=s3_uri)
     _fresh_runs_came_from_children(report)
     assert Store(s3_uri).list("") == []
+
+
+def test_restore_sweeps_sizes_with_a_ratio_per_size(capsys, tmpdir_isolated):
+    """``--sizes``: one run per size, then a row per size with ckptstore's ratio to DCP."""
+    argv = ("--sizes", "1MiB,2MiB", "--tensors", "2", "--repeat", "1", "--warmup", "0")
+    report = _run_json(capsys, restore, "restore", *argv, "--methods", "ckptstore,dcp")
+    assert [r["config"]["raw_bytes"] for r in report["sweep"]] == [2**20, 2**21]
+    for row, run in zip(report["by_size"], report["sweep"]):
+        assert row["size_bytes"] == run["config"]["raw_bytes"]
+        assert row["ckptstore_vs_dcp"] == pytest.approx(
+            run["ckptstore"]["restore_s"] / run["dcp"]["restore_s"]
+        )
+    args = _parse(restore, "restore", *argv, "--methods", "ckptstore,dcp")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "ckptstore_vs_dcp" in out and "\n1 MiB " in out and "\n2 MiB " in out
+    with pytest.raises(ValueError, match="not with --size"):
+        args = _parse(restore, "restore", *argv, "--size", "1MiB")
+        args.func(args)
