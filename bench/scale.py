@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             "--replicas and --every-rank-writes run ranks as processes (replicas restore by "
             "point-to-point sends, which thread ranks do not serve): leave out --threads"
         )
-    with _store_uri(args.uri) as (uri, store_kind, received):
+    with store_under_test(args.uri) as (uri, store_kind, received):
         result = scale(
             counts,
             uri=uri,
@@ -387,7 +387,7 @@ _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "A
 
 
 @contextlib.contextmanager
-def _store_uri(uri: str | None) -> Iterator[tuple[str, str, Received | None]]:
+def store_under_test(uri: str | None) -> Iterator[tuple[str, str, Received | None]]:
     """``uri`` as given, or a bucket on a moto S3 server of our own, in a process of its own
     (so the ranks' threads do not slow it down); its endpoint is in the environment the ranks
     inherit while this is open. With the server comes what it received so far (PUT requests

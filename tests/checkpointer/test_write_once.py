@@ -110,20 +110,30 @@ LOST = 3
 GROUP_S = 10.0
 
 
-def _killed_writer(rank: int, world: int, root: str) -> None:
+def _killed_writer(rank: int, world: int, root: str, when: str) -> None:
     # Without tiers a lost rank is not bounded by a roll call (StorageOptions.lost_rank_timeout_s):
     # a rank whose ring neighbour died waits out the group's timeout, shortened here from 600 s.
     StorageOptions.group_timeout_s = lambda self, gc_wait_s: GROUP_S  # type: ignore[method-assign]
     ckpt = Checkpointer(root, encoding=ENCODING)
     ckpt.save(1, _replicated(1, rank)).wait(timeout_s=BOUND_S)
     torch.distributed.barrier()
-    if rank == LOST:  # killed as it puts its first chunk of its share of step 2
+    if rank == LOST:  # killed as it puts its share of step 2, before any put or after one landed
+        import ckptstore.pipeline as pipeline
         import ckptstore.save.once as once
 
         def killed(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        once.write_chunks = killed
+        encode_and_put = pipeline._encode_and_put
+
+        def put_then_killed(*args: Any, **kwargs: Any) -> Any:
+            encode_and_put(*args, **kwargs)
+            killed()
+
+        if when == "before-puts":
+            once.write_chunks = killed
+        else:
+            pipeline._encode_and_put = put_then_killed
         ckpt.save(2, _replicated(2, rank))
         time.sleep(BOUND_S)
         raise AssertionError(f"rank {LOST} was not killed")
@@ -134,11 +144,13 @@ def _killed_writer(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.dist
-def test_a_writer_killed_mid_save_leaves_no_step_naming_its_chunks(tmp_path):
-    """Rank 3 dies putting its share of the replicated chunks: every other rank's save fails,
-    nothing is committed, and the step before stays whole."""
+@pytest.mark.parametrize("when", ["before-puts", "after-a-put"])
+def test_a_writer_killed_mid_save_leaves_no_step_naming_its_chunks(tmp_path, when):
+    """Rank 3 dies putting its share of the replicated chunks (before its first put, or once
+    one landed): every other rank's save fails, nothing is committed, and the step before
+    stays whole."""
     root = tmp_path / "store"
-    run_ranks_losing(_killed_writer, 4, str(root), lost={LOST}, timeout_s=240)
+    run_ranks_losing(_killed_writer, 4, str(root), when, lost={LOST}, timeout_s=240)
     from ckptstore.cli import main
 
     assert list_steps(Store(str(root))) == [1]
