@@ -244,6 +244,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self._tier_lock = threading.Lock()
         self._once_group: RankGroup | None = None  # untiered saves' one writer per chunk
         self._once_lock = threading.Lock()
+        self._once_busy: set[str] = set()  # coordinator: attempts whose round has not ended
         self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
 
     # -- DCP's checkpoint process ------------------------------------------------------------
@@ -368,8 +369,13 @@ class StoreWriter(StorageWriter, PooledStager):
             attempt=uuid.uuid4().hex,
             tiered=tiered,
             durable=durable,
-            once=not tiered and _whole_world(len(plans)),
+            once=not tiered and _whole_world(len(plans)) and not self._once_busy,
         )
+        if target.once:
+            # Until the coordinator's round ends, a save planned meanwhile (an overlapping
+            # async_save on a process group of its own) writes its chunks alone: two rounds in
+            # flight could reach the writer's one group in another order on each rank.
+            self._once_busy.add(target.attempt)
         self._target = target
         self._started[target.attempt] = time.perf_counter()
         if tiered:
@@ -431,7 +437,10 @@ class StoreWriter(StorageWriter, PooledStager):
             except BaseException as exc:
                 round_.finish(exc)
                 raise
-            round_.finish()
+            else:
+                round_.finish()
+            finally:  # every rank has joined this round's last exchange (or left it with us)
+                self._once_busy.discard(target.attempt)
             return results
 
     def _check_not_committed(self, target: _SaveTarget) -> None:
