@@ -155,3 +155,43 @@ def test_a_writer_killed_mid_save_leaves_no_step_naming_its_chunks(tmp_path, whe
 
     assert list_steps(Store(str(root))) == [1]
     assert main(["verify", str(root), "--step", "1"]) == 0
+
+
+class _Heard:
+    """A group of ``world`` ranks, this one rank 0, whose exchanges answer with ``others``'
+    payloads beside this rank's (what the ranks of another save would send)."""
+
+    active = True
+    rank = 0
+
+    def __init__(self, others: list[Any]) -> None:
+        self.others = others
+        self.world_size = 1 + len(others)
+        self.sent: list[Any] = []
+
+    def agree(self, error: BaseException | None, payload: Any = None) -> Any:
+        from ckptstore.tiers.group import Agreement
+
+        self.sent.append(payload)
+        return Agreement(failures=[], payloads=[payload, *self.others.pop(0)])
+
+
+def test_ranks_that_exchange_the_chunks_of_different_saves_all_fail_before_any_writer():
+    from ckptstore.save.once import share_out
+
+    group = _Heard([[("attempt-b", [(_digest(1), (5, None))])]])
+    with pytest.raises(CheckpointError, match="different saves"):
+        share_out(group, [(_digest(1), 5)], {}, save="attempt-a")
+
+
+def test_a_rank_that_wrote_nothing_joins_its_round_once_and_only_once():
+    from ckptstore.save.once import OneRound
+
+    group = _Heard([[("a", [])], [("a", {})]])
+    round_ = OneRound(group, "a")
+    assert round_.active
+    round_.finish()  # no write took part: both exchanges, holding nothing
+    assert group.sent == [("a", []), ("a", {})]
+    assert not round_.active
+    round_.finish()
+    assert len(group.sent) == 2
