@@ -88,7 +88,9 @@ def every_rank_writes() -> None:
     import ckptstore.save.session as session
     from ckptstore.pipeline import write_chunks
 
-    def alone(store: Any, buffer: Any, layout: Any, cfg: Any, group: Any, **kw: Any) -> Any:
+    def alone(
+        store: Any, buffer: Any, layout: Any, cfg: Any, group: Any, *, save: Any, **kw: Any
+    ) -> Any:
         return write_chunks(store, buffer, layout, cfg, **kw)
 
     session.write_chunks_once = alone

@@ -103,6 +103,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the baseline: each rank puts every chunk it holds, as before ranks agreed on one "
         "writer per distinct chunk (processes only)",
     )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run every rank count twice in one invocation, against one store (its S3 server "
+        "counting both): with one writer per distinct chunk, then with every rank writing (the "
+        "baseline, in the JSON as 'baseline'), and print the two side by side (processes only)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
     return p
@@ -134,14 +141,16 @@ def run(args: argparse.Namespace) -> int:
     options = dict(args.storage_options) or None
     if args.replicas < 1:
         raise ValueError(f"bad --replicas {args.replicas}: must be at least 1")
-    if args.threads and (args.every_rank_writes or args.replicas > 1):
+    if args.threads and (args.every_rank_writes or args.replicas > 1 or args.compare):
         raise ValueError(
-            "--replicas and --every-rank-writes run ranks as processes (replicas restore by "
-            "point-to-point sends, which thread ranks do not serve): leave out --threads"
+            "--replicas, --every-rank-writes and --compare run ranks as processes (replicas "
+            "restore by point-to-point sends, which thread ranks do not serve): leave out "
+            "--threads"
         )
-    with _store_uri(args.uri) as (uri, store_kind, received):
-        result = scale(
-            counts,
+    if args.compare and args.every_rank_writes:
+        raise ValueError("--compare runs the baseline itself: leave out --every-rank-writes")
+    with store_under_test(args.uri) as (uri, store_kind, received):
+        settings = dict(
             uri=uri,
             storage_options=options,
             threads=args.threads,
@@ -149,15 +158,19 @@ def run(args: argparse.Namespace) -> int:
             chunk_bytes=chunk_bytes,
             saves=args.saves,
             replicas=args.replicas,
-            every_rank_writes=args.every_rank_writes,
             compression=args.compression,
             received=received,
         )
+        result = scale(counts, every_rank_writes=args.every_rank_writes, **settings)
+        if args.compare:
+            result["baseline"] = scale(counts, every_rank_writes=True, **settings)
     result["store"] = store_kind
     if args.json:
         print_json(result)
     else:
         print_tables(result)
+        if args.compare:
+            print_comparison(result)
     return 0
 
 
@@ -387,7 +400,7 @@ _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "A
 
 
 @contextlib.contextmanager
-def _store_uri(uri: str | None) -> Iterator[tuple[str, str, Received | None]]:
+def store_under_test(uri: str | None) -> Iterator[tuple[str, str, Received | None]]:
     """``uri`` as given, or a bucket on a moto S3 server of our own, in a process of its own
     (so the ranks' threads do not slow it down); its endpoint is in the environment the ranks
     inherit while this is open. With the server comes what it received so far (PUT requests
@@ -523,6 +536,38 @@ def print_tables(result: dict[str, Any], out: Any = None) -> None:
         f"{_exponent(g['requests_per_rank'])}",
         file=out,
     )
+
+
+def print_comparison(result: dict[str, Any], out: Any = None) -> None:
+    """One writer per distinct chunk beside every rank writing (``--compare``), per rank
+    count: what the server received per distinct byte, puts answered "exists", CPU and wall
+    time per save."""
+    out = out or sys.stdout
+    rows = []
+    for mine, base in zip(result["runs"], result["baseline"]["runs"], strict=True):
+        row = [mine["ranks"]]
+        for key, shown in (
+            ("server_put_bytes_per_distinct_byte", lambda v: f"{v:.3f}"),
+            ("put_exists_per_save", str),
+        ):
+            row += ["-" if r.get(key) is None else shown(r[key]) for r in (mine, base)]
+        for per_save in ("cpu_s_per_rank", "wall_s"):
+            row += [format_seconds(statistics.median(s[per_save] for s in r["saves"]))
+                    for r in (mine, base)]  # fmt: skip
+        rows.append(row)
+    print(
+        f"\none writer per distinct chunk (1w) vs every rank writing (all), same store and "
+        f"server, each state held by {result['replicas']} rank(s): PUT bytes the server "
+        "received per distinct raw byte, puts answered 'exists' per save, CPU per rank and "
+        "wall per save (medians of saves)",
+        file=out,
+    )
+    table(
+        ["ranks", "received 1w", "received all", "exists 1w", "exists all", "CPU/rank 1w",
+         "CPU/rank all", "wall 1w", "wall all"],
+        rows,
+        out=out,
+    )  # fmt: skip
 
 
 def _exponent(k: float | None) -> str:

@@ -289,8 +289,8 @@ def put_chunk(
     known: dict[str, ChunkInfo] | None = None,
     digest: str | None = None,
 ) -> tuple[str, ChunkInfo]:
-    """Hash ``raw`` (unless the caller did: ``digest``); encode and put it unless the store
-    already holds that chunk.
+    """Hash ``raw`` (unless its ``digest`` is given: hashed already by the caller); encode and
+    put it unless the store already holds that chunk.
 
     ``known``: chunks the save may reference without asking the store (``SaveSession.begin``
     says which are safe); a chunk found there costs no request, and every chunk put or found
@@ -302,7 +302,8 @@ def put_chunk(
     ``hedged``: a slow put is duplicated by the store; both are exclusive creates of the same
     content-addressed key, so whichever lands second finds the object there and nothing is
     written twice."""
-    digest = hash_bytes(raw) if digest is None else digest
+    if digest is None:
+        digest = hash_bytes(raw)
     key = chunk_key(digest)
     if known is not None and (info := known.get(digest)) is not None:
         return digest, info
@@ -376,15 +377,20 @@ def write_chunks(
     hedged: bool = False,
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo] | None = None,
-    spans: list[ChunkSpan] | None = None,
+    spans: list[tuple[ChunkSpan, str]] | None = None,
     scan: ChunkScan | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
-    """Put every chunk of ``layout`` (slices of ``buffer``), or only ``spans`` of it; their
-    digests, in layout order. ``known``: see :func:`put_chunk`. ``scan``: the health scan of
-    the tensors in ``buffer``, taken as each chunk is hashed."""
+    """Put every chunk of ``layout`` (slices of ``buffer``), or only ``spans`` of it, each with
+    its digest (hashed already: not hashed again); their digests, in layout order or in the
+    order of ``spans``. ``known``: see :func:`put_chunk`. ``scan``: the health scan of the
+    tensors in ``buffer``, taken as each chunk is hashed (not with ``spans``: their hashing
+    pass scanned them)."""
 
-    def put(span: ChunkSpan) -> tuple[str, ChunkInfo]:
+    def put(task: ChunkSpan | tuple[ChunkSpan, str]) -> tuple[str, ChunkInfo]:
+        span, digest = task if isinstance(task, tuple) else (task, None)
         raw = buffer[span.start : span.end]
+        if digest is None and scan is not None:
+            digest = scan.hash(span.start, raw)
         result = put_chunk(
             store,
             raw,
@@ -393,7 +399,7 @@ def write_chunks(
             hedged=hedged,
             governor=governor,
             known=known,
-            digest=scan.hash(span.start, raw) if scan is not None else None,
+            digest=digest,
         )
         if not store.is_local:
             # A remote chunk's body lives for its whole upload and is freed into the arena of

@@ -45,6 +45,7 @@ from ckptstore.save import (
     SaveEngine,
     SaveSession,
 )
+from ckptstore.save.once import OneRound
 from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store
 from ckptstore.tiers.drain import DrainJob, DrainQueue
@@ -76,6 +77,10 @@ class _SaveTarget:
     durable: bool = True
     """Bound for the writer's store: drained there in the background from the local copies
     when tiered (a tiered save that is not goes there only if a rank's local tier fails)."""
+    once: bool = False
+    """Written straight to durable storage by every rank of the default process group: the
+    ranks agree on one writer per distinct chunk (``save.once``; DCP's planner gives a
+    replicated item one writer, this also catches identical bytes under different names)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,9 @@ class StoreWriter(StorageWriter, PooledStager):
             threading._register_atexit(lambda: (w := this()) is not None and w._close_at_exit())
         # One save's tier exchanges at a time (overlapping async saves reach them in turn).
         self._tier_lock = threading.Lock()
+        self._once_group: RankGroup | None = None  # untiered saves' one writer per chunk
+        self._once_lock = threading.Lock()
+        self._once_busy: set[str] = set()  # coordinator: attempts whose round has not ended
         self._tier_storage: dict[str, dict[MetadataIndex, tuple[int, int]]] = {}
 
     # -- DCP's checkpoint process ------------------------------------------------------------
@@ -362,7 +370,18 @@ class StoreWriter(StorageWriter, PooledStager):
             with self._plan_lock:
                 self._tiered_saves += 1
                 durable = self._policy.is_durable(self._tiered_saves)
-        target = _SaveTarget(step=step, attempt=uuid.uuid4().hex, tiered=tiered, durable=durable)
+        target = _SaveTarget(
+            step=step,
+            attempt=uuid.uuid4().hex,
+            tiered=tiered,
+            durable=durable,
+            once=not tiered and _whole_world(len(plans)) and not self._once_busy,
+        )
+        if target.once:
+            # Until the coordinator's round ends, a save planned meanwhile (an overlapping
+            # async_save on a process group of its own) writes its chunks alone: two rounds in
+            # flight could reach the writer's one group in another order on each rank.
+            self._once_busy.add(target.attempt)
         self._target = target
         self._started[target.attempt] = time.perf_counter()
         if tiered:
@@ -396,12 +415,39 @@ class StoreWriter(StorageWriter, PooledStager):
         if target.tiered:  # every rank takes part in the tier's exchanges, items or not
             results = self._write_tiered(plan.items, planner, target)
         else:
-            self._check_not_committed(target)
-            results = self._write(plan.items, planner, target) if plan.items else []
+            results = self._write_direct(plan.items, planner, target)
         self.saved_step = target.step
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _write_direct(
+        self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
+    ) -> list[WriteResult]:
+        """This rank's items written straight to the writer's store; with ``target.once``
+        every rank, items or not, takes part in one round of one writer per distinct chunk
+        (a rank that fails before its write joins it with its error: the save fails on every
+        rank, before any index names a chunk it was to write)."""
+        if not target.once:
+            self._check_not_committed(target)
+            return self._write(items, planner, target) if items else []
+        with self._once_lock:  # one save's round at a time (overlapping async saves)
+            if self._once_group is None:  # made once, by every rank: each writes every save
+                self._once_group = RankGroup(
+                    None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
+                )
+            round_ = OneRound(self._once_group, target.attempt)
+            try:
+                self._check_not_committed(target)
+                results = self._write(items, planner, target, group=round_) if items else []
+            except BaseException as exc:
+                round_.finish(exc)
+                raise
+            else:
+                round_.finish()
+            finally:  # every rank has joined this round's last exchange (or left it with us)
+                self._once_busy.discard(target.attempt)
+            return results
 
     def _check_not_committed(self, target: _SaveTarget) -> None:
         if target.durable and self._save_store().exists(commit_key(target.step)):
@@ -731,7 +777,12 @@ class StoreWriter(StorageWriter, PooledStager):
     # -- internals --------------------------------------------------------------------------
 
     def _write(
-        self, items: list[WriteItem], planner: SavePlanner, target: _SaveTarget
+        self,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        target: _SaveTarget,
+        *,
+        group: OneRound | None = None,
     ) -> list[WriteResult]:
         session = self._session(target)
         try:
@@ -739,9 +790,9 @@ class StoreWriter(StorageWriter, PooledStager):
             tensors = [_item_tensor(item, planner) for item in items]
             staged = self._take_staged(tensors)
             entries, chunks = (
-                self._write_staged(session, staged, tensors)
+                self._write_staged(session, staged, tensors, group=group)
                 if staged is not None
-                else self._write_copied(session, tensors)
+                else self._write_copied(session, tensors, group=group)
             )
             written = session.put_index(
                 self.rank,
@@ -777,14 +828,20 @@ class StoreWriter(StorageWriter, PooledStager):
         return self._write_copied(session, tensors)
 
     def _write_copied(
-        self, session: SaveSession, tensors: list[torch.Tensor], *, pooled: bool = True
+        self,
+        session: SaveSession,
+        tensors: list[torch.Tensor],
+        *,
+        pooled: bool = True,
+        group: OneRound | None = None,
     ):
         """Copy ``tensors`` into a staging buffer (the pool's, if ``pooled`` and one is free)
-        and write its chunks; (entries, chunks)."""
+        and write its chunks (``group``: its round of one writer per chunk); (entries,
+        chunks)."""
         copied = self.engine.stage_somewhere(tensors, wait_s=0.0, rank=self.rank, pooled=pooled)
         try:
             copied.copy.wait()
-            return session.write(copied.buffer, copied.layout, tensors)
+            return session.write(copied.buffer, copied.layout, tensors, group=group)
         finally:
             self.engine.release(copied)
 
@@ -795,10 +852,12 @@ class StoreWriter(StorageWriter, PooledStager):
         tensors: list[torch.Tensor],
         *,
         keep: bool = False,
+        group: OneRound | None = None,
     ):
         """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
         such as DCP's pickled values, through a buffer of its own); (entries, chunks). The
-        staging is released afterwards unless ``keep``."""
+        staging is released afterwards unless ``keep``. ``group``: the round of one writer
+        per chunk, which the staged chunks take part in (the others are written alone)."""
         copied = staged.copied
         base, size = copied.buffer.data_ptr(), copied.buffer.numel()
         inside, outside = [], []
@@ -820,7 +879,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 copied.layout,
                 [(offset, t.numel() * t.element_size()) for (_, offset), t in zip(inside, mine)],
             )
-            found, chunks = session.write(copied.buffer, layout, mine)
+            found, chunks = session.write(copied.buffer, layout, mine, group=group)
         finally:
             if not keep:
                 staged.release()
@@ -841,6 +900,17 @@ class StoreWriter(StorageWriter, PooledStager):
 # writer per save must not pile up their staging pools here).
 _REBUILT: dict[str, StoreWriter] = {}
 _REBUILT_KEPT = 4
+
+
+def _whole_world(ranks: int) -> bool:
+    """Whether a DCP save over ``ranks`` ranks runs on every rank of this process's default
+    group (then each calls ``write_data`` and can make a group of them all)."""
+    return (
+        ranks > 1
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() == ranks
+    )
 
 
 def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int | None):

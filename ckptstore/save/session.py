@@ -235,7 +235,7 @@ class SaveSession:
             "scan": scan,
         }
         if group is not None and group.active and self.known is not None:
-            digests, chunks = write_chunks_once(*args, group, **options)
+            digests, chunks = write_chunks_once(*args, group, save=self.attempt, **options)
         else:
             digests, chunks = write_chunks(*args, **options)
         if scan is not None:

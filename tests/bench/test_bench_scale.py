@@ -174,21 +174,23 @@ def test_replicated_ranks_send_each_distinct_byte_about_once(capsys, tmp_path):
 @pytest.mark.s3
 @pytest.mark.dist
 def test_the_baseline_sends_replicated_chunks_from_every_rank_as_the_server_counts():
-    """Counted at the bench's own moto server: with one writer per chunk, about one body per
-    distinct byte; with every rank writing (the baseline), one per rank."""
-    received = {}
-    for mode in ([], ["--every-rank-writes"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.cli", "scale", "--ranks", "2", "--replicas", "2",
-             "--saves", "2", "--state-bytes", "128KiB", "--chunk-bytes", "32KiB", "--json",
-             *mode],
-            capture_output=True, text=True, timeout=300, cwd=ROOT,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        (run,) = json.loads(done.stdout)["runs"]
-        received[bool(mode)] = run["server_put_bytes_per_distinct_byte"]
-    assert received[False] < 1.05, received  # each chunk's body received once
-    assert received[True] > 1.8 * received[False], received  # once per rank
+    """Counted at the bench's own moto server, both modes in one run (``--compare``): with one
+    writer per chunk, about one body per distinct byte and no put answered "exists"; with every
+    rank writing (the baseline), one per rank."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cli", "scale", "--ranks", "2", "--replicas", "2",
+         "--saves", "2", "--state-bytes", "128KiB", "--chunk-bytes", "32KiB", "--json",
+         "--compare"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    (mine,), (base,) = result["runs"], result["baseline"]["runs"]
+    assert result["baseline"]["every_rank_writes"] and not result["every_rank_writes"]
+    received = [r["server_put_bytes_per_distinct_byte"] for r in (mine, base)]
+    assert received[0] < 1.05, received  # each chunk's body received once
+    assert received[1] > 1.8 * received[0], received  # once per rank
+    assert mine["put_exists_per_save"] == 0 and base["put_exists_per_save"] > 0
 
 
 def test_replicas_are_refused_on_thread_ranks_with_the_reason(tmp_path):

@@ -110,20 +110,30 @@ LOST = 3
 GROUP_S = 10.0
 
 
-def _killed_writer(rank: int, world: int, root: str) -> None:
+def _killed_writer(rank: int, world: int, root: str, when: str) -> None:
     # Without tiers a lost rank is not bounded by a roll call (StorageOptions.lost_rank_timeout_s):
     # a rank whose ring neighbour died waits out the group's timeout, shortened here from 600 s.
     StorageOptions.group_timeout_s = lambda self, gc_wait_s: GROUP_S  # type: ignore[method-assign]
     ckpt = Checkpointer(root, encoding=ENCODING)
     ckpt.save(1, _replicated(1, rank)).wait(timeout_s=BOUND_S)
     torch.distributed.barrier()
-    if rank == LOST:  # killed as it puts its first chunk of its share of step 2
+    if rank == LOST:  # killed as it puts its share of step 2, before any put or after one landed
+        import ckptstore.pipeline as pipeline
         import ckptstore.save.once as once
 
         def killed(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        once.write_chunks = killed
+        encode_and_put = pipeline._encode_and_put
+
+        def put_then_killed(*args: Any, **kwargs: Any) -> Any:
+            encode_and_put(*args, **kwargs)
+            killed()
+
+        if when == "before-puts":
+            once.write_chunks = killed
+        else:
+            pipeline._encode_and_put = put_then_killed
         ckpt.save(2, _replicated(2, rank))
         time.sleep(BOUND_S)
         raise AssertionError(f"rank {LOST} was not killed")
@@ -134,12 +144,54 @@ def _killed_writer(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.dist
-def test_a_writer_killed_mid_save_leaves_no_step_naming_its_chunks(tmp_path):
-    """Rank 3 dies putting its share of the replicated chunks: every other rank's save fails,
-    nothing is committed, and the step before stays whole."""
+@pytest.mark.parametrize("when", ["before-puts", "after-a-put"])
+def test_a_writer_killed_mid_save_leaves_no_step_naming_its_chunks(tmp_path, when):
+    """Rank 3 dies putting its share of the replicated chunks (before its first put, or once
+    one landed): every other rank's save fails, nothing is committed, and the step before
+    stays whole."""
     root = tmp_path / "store"
-    run_ranks_losing(_killed_writer, 4, str(root), lost={LOST}, timeout_s=240)
+    run_ranks_losing(_killed_writer, 4, str(root), when, lost={LOST}, timeout_s=240)
     from ckptstore.cli import main
 
     assert list_steps(Store(str(root))) == [1]
     assert main(["verify", str(root), "--step", "1"]) == 0
+
+
+class _Heard:
+    """A group of ``world`` ranks, this one rank 0, whose exchanges answer with ``others``'
+    payloads beside this rank's (what the ranks of another save would send)."""
+
+    active = True
+    rank = 0
+
+    def __init__(self, others: list[Any]) -> None:
+        self.others = others
+        self.world_size = 1 + len(others)
+        self.sent: list[Any] = []
+
+    def agree(self, error: BaseException | None, payload: Any = None) -> Any:
+        from ckptstore.tiers.group import Agreement
+
+        self.sent.append(payload)
+        return Agreement(failures=[], payloads=[payload, *self.others.pop(0)])
+
+
+def test_ranks_that_exchange_the_chunks_of_different_saves_all_fail_before_any_writer():
+    from ckptstore.save.once import share_out
+
+    group = _Heard([[("attempt-b", [(_digest(1), (5, None))])]])
+    with pytest.raises(CheckpointError, match="different saves"):
+        share_out(group, [(_digest(1), 5)], {}, save="attempt-a")
+
+
+def test_a_rank_that_wrote_nothing_joins_its_round_once_and_only_once():
+    from ckptstore.save.once import OneRound
+
+    group = _Heard([[("a", [])], [("a", {})]])
+    round_ = OneRound(group, "a")
+    assert round_.active
+    round_.finish()  # no write took part: both exchanges, holding nothing
+    assert group.sent == [("a", []), ("a", {})]
+    assert not round_.active
+    round_.finish()
+    assert len(group.sent) == 2
