@@ -366,3 +366,12 @@ def test_restore_sweeps_sizes_with_a_ratio_per_size(capsys, tmpdir_isolated):
     with pytest.raises(ValueError, match="not with --size"):
         args = _parse(restore, "restore", *argv, "--size", "1MiB")
         args.func(args)
+
+
+def test_scan_cost_times_the_three_ways_for_each_dtype(capsys):
+    from bench import scan_cost
+
+    assert scan_cost.main(["--size", "4MiB", "--repeat", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 6 and all("ms/GiB" in line for line in lines), lines
+    assert sum("fused" in line for line in lines) == 2
