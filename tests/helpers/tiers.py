@@ -79,7 +79,14 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], kw: dict) -> 
         ckpt.save(step, rank_state(rank, step)).wait()
         if ckpt.last_peer_copy is not None:
             stats = ckpt.last_peer_copy
-            copies.append([stats.buffer_bytes, stats.chunks_sent, stats.chunks_already_held])
+            copies.append(
+                [
+                    stats.buffer_bytes,
+                    stats.chunks_sent,
+                    stats.chunks_already_held,
+                    stats.chunks_from_node,
+                ]
+            )
     ckpt.wait()  # drains too
     if report is not None:
         reports = gathered(copies)
