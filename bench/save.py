@@ -5,6 +5,7 @@ Methods, each timed from the call on the caller's thread:
 
 - ``ckptstore``: ``Checkpointer.save()`` returns once the state is staged (``blocked_s``);
   ``handle.wait()`` returns once the step is committed (``commit_s``, from the call).
+  ``commit_user_s`` / ``commit_system_s``: the process's CPU (every thread) over the same span.
 - ``ckptstore_dcp``: ``torch.distributed.checkpoint.async_save`` through ckptstore's DCP backend
   (``ckptstore.dcp.StoreWriter``, which also stages the state for DCP); timed like ``dcp_async``.
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (thread executor, single process,
@@ -337,7 +338,9 @@ def run_save(
                     bytes_before = ws.bytes_under(method.name)
                     rss_before = probe.reset()
                     common.settle(dev)
+                    cpu0 = os.times()
                     blocked_s, stall, commit_s = method.save(state, save_no)
+                    cpu1 = os.times()
                     first.setdefault(method.name, (blocked_s, stall))
                     peak = probe.peak()
                     peak_rss = (
@@ -350,6 +353,8 @@ def run_save(
                     run = {
                         "blocked_s": blocked_s,
                         "commit_s": commit_s,
+                        "commit_user_s": cpu1.user - cpu0.user,
+                        "commit_system_s": cpu1.system - cpu0.system,
                         "bytes_stored": stored,
                         "peak_rss_bytes": peak_rss,
                     }
@@ -398,6 +403,8 @@ def run_save(
         report[name] = {
             "blocked_s": blocked,
             "commit_s": common.median([r["commit_s"] for r in rs]),
+            "commit_user_s": common.median([r["commit_user_s"] for r in rs]),
+            "commit_system_s": common.median([r["commit_system_s"] for r in rs]),
             "bytes_stored": stored,
             "stored_vs_raw": stored / raw,
             "peak_rss_bytes": int(common.median(peaks)) if peaks else None,
