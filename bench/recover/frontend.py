@@ -16,6 +16,8 @@ from bench import _ckpt_common as common
 from bench.recover.counting import CountedStore, durable_reads
 from bench.recover.plan import BASELINE, METHODS, RecoverPlan, fill, rank_state, same_bits
 
+median = common.median
+
 
 class Frontend:
     """What one front-end does in the bench. The jobs, the summary and the tables are the
@@ -180,7 +182,36 @@ def restore_job(frontend: Frontend, plan: RecoverPlan, rank: int) -> dict[str, A
                 done[name] = _restore_counted(frontend, plan, rank, name, dest)
             done[name]["equal"] = same_bits(dest, expected)
         rounds.append(done)
-    return {"rank": rank, "node": plan.node_of(rank), "rounds": rounds}
+    p2p = _p2p_bytes_per_s(plan, rank)
+    return {"rank": rank, "node": plan.node_of(rank), "rounds": rounds, "p2p_bytes_per_s": p2p}
+
+
+def _p2p_bytes_per_s(plan: RecoverPlan, rank: int, times: int = 3) -> float | None:
+    """The point-to-point bandwidth this job's gloo group reaches: each rank of the wiped node
+    receives ``bytes_per_rank`` from the rank at its place on the node before, all pairs at
+    once (as a repair runs them); a receiver's median bytes per second (None on the others)."""
+    import torch.distributed as dist
+
+    rpn, wiped = plan.ranks_per_node, plan.wiped_node
+    first = wiped * rpn
+    buf = torch.ones(plan.bytes_per_rank, dtype=torch.uint8)
+    if plan.node_of(rank) == wiped:
+        op, peer = dist.irecv, rank - rpn
+    elif plan.node_of(rank) == wiped - 1:
+        op, peer = dist.isend, rank + rpn
+    else:
+        op, peer = None, None
+    runs = []
+    for _ in range(times + 1):  # the first warms the pairs' connections
+        dist.barrier()
+        t0 = time.perf_counter()
+        if op is not None:
+            for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+                work.wait()
+        runs.append(time.perf_counter() - t0)
+    if rank < first:
+        return None
+    return plan.bytes_per_rank / median(runs[1:])
 
 
 def _restore_dcp(plan: RecoverPlan, dest: dict[str, torch.Tensor]) -> dict[str, Any]:

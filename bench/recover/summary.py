@@ -66,6 +66,7 @@ def _restores(fe: Frontend, restored: list[dict]) -> dict[str, Any]:
         for rnd in rounds
         for rank, node in zip(rnd, nodes, strict=True)
     )
+    _fabric(tiers, rounds, restored, wiped)
     baseline = restore[BASELINE]["seconds"]
     for name in fe.restores:
         if name != BASELINE:
@@ -73,6 +74,26 @@ def _restores(fe: Frontend, restored: list[dict]) -> dict[str, Any]:
     if "plain" in restore:
         restore["plain_over_tiers"] = common.ratio(restore["plain"]["seconds"], tiers["seconds"])
     return restore
+
+
+def _fabric(tiers: dict[str, Any], rounds: list[list[dict]], restored: list[dict], wiped: int):
+    """The wiped ranks' tiered restore as a rate (the bytes their peers restored over each
+    one's whole load, median over rounds, the slowest rank) beside the group's point-to-point
+    bandwidth measured in the same job (issue 36's target: at least half of it)."""
+    rates = []
+    for i, r in enumerate(restored):
+        if r["node"] != wiped:
+            continue
+        runs = [rnd[i]["tiers"] for rnd in rounds]
+        rates.append(
+            median([x["sources"].get("peer", {}).get("bytes", 0) / x["seconds"] for x in runs])
+        )
+    p2p = [r.get("p2p_bytes_per_s") for r in restored if r["node"] == wiped]
+    tiers["peer_restore_bytes_per_s"] = min(rates) if rates else None
+    tiers["p2p_bytes_per_s"] = median(p2p) if p2p and None not in p2p else None
+    tiers["peer_restore_over_p2p"] = common.ratio(
+        tiers["peer_restore_bytes_per_s"], tiers["p2p_bytes_per_s"]
+    )
 
 
 def _wall(runs: list[dict[str, Any]]) -> float:

@@ -90,6 +90,14 @@ def _restore_table(fe: Frontend, result: dict[str, Any], out: Any) -> None:
             "GETs",
             file=out,
         )
+    if tiers.get("p2p_bytes_per_s"):
+        print(
+            f"wiped ranks' tiered restore: {format_bytes(int(tiers['peer_restore_bytes_per_s']))}/s "
+            f"(the slowest, peer bytes over its whole load); the group's point to point: "
+            f"{format_bytes(int(tiers['p2p_bytes_per_s']))}/s: "
+            f"{ratio_text(tiers['peer_restore_over_p2p'])} (target >= 0.50x)",
+            file=out,
+        )
     print(
         "wiped ranks loaded from their peers' copies, the others from their own, no durable "
         f"chunk read (every round): {'yes' if tiers['as_expected'] else 'NO'}",

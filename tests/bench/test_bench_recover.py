@@ -73,6 +73,11 @@ def test_a_wiped_node_restores_from_its_peers_with_no_durable_chunk_read(capsys,
         assert method["seconds"] > 0 and len(method["per_rank_s"]) == 4
         assert all(s > 0 for s in method["per_rank_s"])
     assert result["restore"]["dcp_over_tiers"] > 0
+    # the wiped ranks' restore as a rate, beside the group's point-to-point bandwidth
+    assert tiers["p2p_bytes_per_s"] > 0 and tiers["peer_restore_bytes_per_s"] > 0
+    assert tiers["peer_restore_over_p2p"] == pytest.approx(
+        tiers["peer_restore_bytes_per_s"] / tiers["p2p_bytes_per_s"]
+    )
     save = result["save"]
     for name in ("tiers", "plain"):
         assert save[name]["blocked_s"] > 0
@@ -96,6 +101,7 @@ def test_a_wiped_node_restores_from_its_peers_with_no_durable_chunk_read(capsys,
     assert "DCP / tiers" in text and "no tiers" not in text and "wait() returned" in text
     assert "the others from their own, no durable chunk read (every round): yes" in text
     assert "peer copy: peak round buffer" in text and "0 durable chunk bytes met" in text
+    assert "the group's point to point: " in text
 
 
 @pytest.mark.slow
@@ -263,6 +269,9 @@ def test_summary_by_hand():
         {"rank": 0, "node": 0, "rounds": [restore(0, 1), restore(0, 2)]},
         {"rank": 1, "node": 1, "rounds": [restore(0.5, 3), restore(0, 1, chunk_bytes=7)]},
     ]
+    restored[1]["p2p_bytes_per_s"] = 100.0
+    restored[1]["rounds"][0]["tiers"]["sources"] = {"peer": {"bytes": 50}}  # over 2.5 s
+    restored[1]["rounds"][1]["tiers"]["sources"] = {"peer": {"bytes": 10}}  # over 1 s
 
     def save(method, step, blocked):
         return {"method": method, "step": step, "blocked_s": blocked, "committed_s": 1.0}
@@ -283,7 +292,10 @@ def test_summary_by_hand():
     assert out["restore"]["dcp"]["rounds_s"] == [30, 20]
     assert out["restore"]["dcp_over_tiers"] == pytest.approx(10)
     assert tiers["durable_chunk_bytes"] == 7 and not out["targets"]["zero_durable_chunk_bytes"]
-    assert tiers["bytes_by_source"] == {"local": 20}
+    assert tiers["bytes_by_source"] == {"local": 10, "peer": 50}
+    # the wiped rank (node 1): peer bytes over its load, median of 20 and 10 B/s
+    assert tiers["peer_restore_bytes_per_s"] == 15 and tiers["p2p_bytes_per_s"] == 100
+    assert tiers["peer_restore_over_p2p"] == pytest.approx(0.15)
     # every rank's saves: tiers 0.1, 0.3, 0.5, 0.1 -> 0.2; plain 0.2, 0.2, 0.1, 0.6 -> 0.2
     assert out["save"]["tiers"]["blocked_s"] == pytest.approx(0.2)
     assert out["save"]["plain"]["blocked_s"] == pytest.approx(0.2)
