@@ -63,4 +63,13 @@ test-fast: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/python examples/kill_and_resume.py
 
-.PHONY: install test test-fast demo test-torch-next
+# Issue 35's GPU checks (bench/gpu_check.sh) run on a lent GPU machine whose python3 (3.12) has
+# torch but not every dependency, and which reaches no registry: download the missing ones here,
+# as wheels for it, into .whl (git-ignored through .git/info/exclude), and carry that folder.
+GPU_WHEELS := zstandard==0.25.0 hdrhistogram==0.10.8 pbr==7.1.3
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+
+.PHONY: install test test-fast demo test-torch-next gpu-wheels

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 35's GPU checks in one run: tests/device/test_cuda.py, then the ckptbench commands of
+# docs/BENCHMARKS.md "A state on the GPU", then one JSON of every figure and target
+# (bench/gpu_summary.py) and the log, both under $OUT (what the device tool brings back).
+#
+# On the device machine (its python3 holds torch; make gpu-wheels first, here, and carry .whl):
+#     bash bench/gpu_check.sh                      # every part
+#     PARTS="test save" bash bench/gpu_check.sh    # some: test save first restore loop
+# Rehearsed on a CPU (the cpu as the "device", small sizes):
+#     DEVICE=cpu SIZE=128MiB LOOP_SIZE=32MiB LOOP_STEPS=80 OUT=/tmp/gpu PY=.venv/bin/python \
+#         WHEELS=none bash bench/gpu_check.sh
+# Each part has a time limit (LIMIT_S, default 240 s); a part that fails or runs past it is
+# recorded as such and the next one runs. All five parts take more than one device call (600 s at
+# most): run PARTS="test save first", then PARTS="restore loop", each with its own $OUT. On a cpu
+# the loop part runs the cpu step kinds, not the GPU training loop: its target reads null.
+set -u
+DEVICE=${DEVICE:-cuda}
+SIZE=${SIZE:-8GiB}
+LOOP_SIZE=${LOOP_SIZE:-1GiB}
+LOOP_STEPS=${LOOP_STEPS:-400}
+PARTS=${PARTS:-test save first restore loop}
+LIMIT_S=${LIMIT_S:-240}
+PY=${PY:-python3}
+FIRST_METHODS=ckptstore,ckptstore_host  # device staging beside pinned host staging
+[ "$DEVICE" = cpu ] && FIRST_METHODS=ckptstore  # no host staging to compare with on a cpu
+OUT=${OUT:-/tmp/gpu-check}
+WORK=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+
+WHEELS=${WHEELS:-.whl}  # the wheels brought along (make gpu-wheels); WHEELS=none: use what is there
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu-check-site "$WHEELS"/*.whl >>"$LOG" 2>&1 || { echo "wheels did not install" | tee -a "$LOG"; exit 1; }
+    export PYTHONPATH=/tmp/gpu-check-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+"$PY" - >>"$LOG" 2>&1 <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__)
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+EOF
+nvidia-smi -L >>"$LOG" 2>&1 || true
+
+part() {  # part NAME COMMAND...: the command's stdout into $WORK/NAME.json, its rc and time logged
+    local name=$1
+    shift
+    case " $PARTS " in *" $name "*) ;; *) return ;; esac
+    echo "== $name: $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --signal=KILL "$LIMIT_S" "$@" >"$WORK/$name.json" 2>"$WORK/$name.err"
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0)) s" | tee -a "$LOG"
+    echo "$name $rc $((SECONDS - t0))" >>"$WORK/parts.txt"
+    tail -n 25 "$WORK/$name.err" >>"$LOG"
+}
+
+BENCH=("$PY" -m bench.cli)
+part test "$PY" -m pytest -q -p no:cacheprovider tests/device/test_cuda.py
+part save "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 --repeat 3 --warmup 1 --json
+part first "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 --repeat 3 --warmup 0 \
+    --methods "$FIRST_METHODS" --json
+part restore "${BENCH[@]}" restore --device "$DEVICE" --size "$SIZE" --tensors 16 --repeat 3 --json
+part loop "${BENCH[@]}" interference --device "$DEVICE" --size "$LOOP_SIZE" --tensors 16 \
+    --steps "$LOOP_STEPS" --every 40 --json
+
+"$PY" -m bench.gpu_summary "$WORK" >"$OUT/gpu_check.json" 2>>"$LOG"
+echo "summary rc=$?" >>"$LOG"
+cat "$OUT/gpu_check.json" | "$PY" -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["targets"], indent=1))' | tee -a "$LOG"
+rm -rf "$WORK"
