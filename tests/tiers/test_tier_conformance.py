@@ -11,6 +11,7 @@ several nodes live in the front-ends' own multi-process tests.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -579,6 +580,73 @@ def _peer_repair(rank: int, world: int, kind: str, root: str, base: str) -> None
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
 def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind, tmp_path):
     run_ranks(_peer_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+@contextlib.contextmanager
+def _chunk_reads(where: str):
+    """The chunk reads (``Store.get`` / ``get_view``) of stores under ``where``, by the store's
+    URI and the key."""
+    seen: list[tuple[str, str]] = []
+    originals = {name: getattr(Store, name) for name in ("get", "get_view")}
+
+    def counted(original: Any) -> Any:
+        def read(self: Store, key: str, *args: Any, **kwargs: Any) -> Any:
+            if self.uri.startswith(where) and "chunks/" in key:
+                seen.append((self.uri, key))
+            return original(self, key, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(Store, name, counted(original))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(Store, name, original)
+
+
+def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bound: int) -> None:
+    tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=bound)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):  # 1 durable, 2 in the local tiers and their peer copies only
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 is replaced: its local dir is gone
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
+        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    mine = [key for uri, key in reads if uri.rstrip("/").endswith(f"rank-{rank:05d}")]
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    if rank >= 2:
+        assert report.source == "peer", report
+        if bound:  # loaded from the verified bytes in memory: none read back from the copy
+            assert mine == [], mine
+        else:  # over the bound: written first, then read back, as before
+            assert mine, report
+    torch.distributed.barrier()
+    # The repaired copy was written and committed after the load: the next load (no wipe)
+    # reads every rank's own copy from its local tier, every chunk verified there.
+    target = _ranks_own(rank, _blank())
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 2 and report.source == "local", (rank, report)
+    assert _same(target, _ranks_own(rank, _state(10 * rank + 2))), rank
+    assert report.sources["local"].chunks > 0, report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("bound", [1 << 30, 0], ids=["in-memory", "over-the-bound"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(kind, bound, tmp_path):
+    """Issue 36: a chunk a wiped node's rank receives from its holder is hashed once and lands
+    in the state from memory, its copy written to the local tier after the load (complete and
+    committed: the next load reads it there); above ``repair_memory_bytes`` the copy is
+    written first and read back, as before."""
+    root = str(tmp_path / "durable")
+    run_ranks(_repair_in_memory, 4, kind, root, str(tmp_path), bound, timeout_s=240)
 
 
 def _shared_local_dir(rank: int, world: int, kind: str, root: str, base: str) -> None:
