@@ -15,6 +15,14 @@ followed by a status byte; the destination decodes and hashes every chunk before
 manifest. Memory: one round buffer per transfer a rank takes part in, at most ``budget_bytes``
 plus one chunk each. A failure (unreadable source, bad chunk, full disk) fails that transfer
 alone, after every rank finished the exchange; the outcomes are agreed by every rank.
+
+A load's repair (``restore_copies``) whose copy's stored chunks take at most
+``TierPolicy.repair_memory_bytes`` keeps what it verified instead of writing it: the decoded
+manifest and index, the DCP metadata and every chunk as stored (``RepairedCopy``). The load
+reads its tensors from those bytes (decoded, not hashed again) and then calls
+``RepairedCopy.write_local``, which writes the chunks, index and metadata and commits the
+manifest last under the save lease the transfer took: until then the copy is unlisted, so a
+crash in between leaves at most unreferenced chunks, which local retention collects.
 """
 
 from __future__ import annotations
@@ -108,6 +116,7 @@ class _Incoming:
     held: bool = False  # the step is already there, this very save
     want: list[str] = field(default_factory=list)
     kept: dict[str, bytes] | None = None  # a repair held in memory: digest -> verified bytes
+    decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
 
 
 @dataclass
@@ -302,6 +311,7 @@ class _Exchange:
                 raise CheckpointError(f"rank {t.src} sent DCP metadata its manifest does not name")
             inc.index = decode_rank_index(index_bytes, store.url(ref.key))
             inc.manifest, inc.index_bytes, inc.index_key = header[: sizes[0]], index_bytes, ref.key
+            inc.decoded = manifest
             if t.repair and sum(c.stored for c in inc.index.chunks.values()) <= self.keep_bytes:
                 inc.kept = {}  # held for the load, written after it (``RepairedCopy``)
             known = inc.session.known or {}
@@ -651,12 +661,11 @@ def _kept_copies(
             if inc.session is not None:
                 inc.session.release()
             continue
-        assert inc.index is not None and inc.kept is not None
-        manifest = decode_manifest(inc.manifest, f"copy of step {inc.t.step}")
+        assert inc.index is not None and inc.kept is not None and inc.decoded is not None
         out[inc.t.ward] = RepairedCopy(
             ward=inc.t.ward,
             step=inc.t.step,
-            manifest=manifest,
+            manifest=inc.decoded,
             index=inc.index,
             index_bytes=inc.index_bytes,
             metadata=inc.metadata[1] if inc.metadata is not None else None,
