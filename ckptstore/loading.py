@@ -68,7 +68,7 @@ from ckptstore.tiers.restore import (
     LoadReport,
     Source,
 )
-from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies
+from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies, write_behind
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class StateLoader:
                     self.last_load = report
                 error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
                 report.seconds = time.perf_counter() - t0
-                self._write_repaired()
+                self._write_repaired(background=error is None)
                 if error is None:
                     if self.local is not None:  # newer copies go at the next save
                         self.local.resumed_from = candidate.step
@@ -173,11 +173,15 @@ class StateLoader:
             self._manifests.clear()
             self._write_repaired()
 
-    def _write_repaired(self) -> None:
+    def _write_repaired(self, background: bool = True) -> None:
         """The copies a repair held in memory, written to the local tier and committed now
-        that the load has read them (``RepairedCopy.write_local``)."""
-        repaired, self._repaired = self._repaired, {}
-        for copy in repaired.values():
+        that the load has read them: in the background (``transfer.write_behind``), or before
+        an older save is tried (whose copies the write's retention may judge)."""
+        repaired, self._repaired = list(self._repaired.values()), {}
+        if background:
+            write_behind(repaired)
+            return
+        for copy in repaired:
             copy.write_local()
 
     def _quarantine(self, skipped: list[tuple[int, BaseException]]) -> None:

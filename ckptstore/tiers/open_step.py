@@ -42,7 +42,7 @@ from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.plan import RestorePlan, plan_restore
 from ckptstore.tiers.policy import TierPolicy, store_identity
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport
-from ckptstore.tiers.transfer import RepairedCopy, restore_copies
+from ckptstore.tiers.transfer import RepairedCopy, restore_copies, write_behind
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,10 @@ class TierLoad:
     repaired: list[RepairedCopy] = dataclasses.field(default_factory=list)
 
     def write_repaired(self) -> None:
-        """Write and commit the copy a repair held in memory (``RepairedCopy.write_local``):
-        once the load's reads are done, or once it failed."""
+        """Write and commit, in the background, the copy a repair held in memory
+        (``transfer.write_behind``): once the load's reads are done, or once it failed."""
         repaired, self.repaired = self.repaired, []
-        for copy in repaired:
-            copy.write_local()
+        write_behind(repaired)
 
 
 _load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
@@ -136,7 +135,7 @@ def open_tiered_step(
         try:
             found = _from_tiers(local, group, candidate, report, kind, repaired, in_durable)
         finally:
-            if found is None:  # not loaded from the tiers: written now
+            if found is None:  # not loaded from the tiers: written before durable storage is
                 for copy in repaired:
                     copy.write_local()
         if found is not None:

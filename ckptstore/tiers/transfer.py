@@ -28,6 +28,7 @@ crash in between leaves at most unreferenced chunks, which local retention colle
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -567,6 +568,40 @@ class _Exchange:
         return outcomes
 
 
+_writing: list[threading.Thread] = []  # the repaired copies' writes still running
+_writing_lock = threading.Lock()
+
+
+def write_behind(copies: list[RepairedCopy]) -> None:
+    """Write ``copies`` (a load's, its tensors filled from them) to the local tier in a
+    thread of their own, so that the load returns to training first. The next save's local
+    commit, the next tiered load's planning and ``close()`` wait for it (``wait_written``); the
+    thread is not a daemon: a process that ends waits for it. A crash while it runs leaves the
+    copy unlisted (its manifest is written last) and its chunks to local retention."""
+    if not copies:
+        return
+
+    def write() -> None:
+        for copy in copies:
+            copy.write_local()
+
+    thread = threading.Thread(target=write, name="ckptstore-repair-write")
+    with _writing_lock:
+        _writing.append(thread)
+        thread.start()
+
+
+def wait_written() -> None:
+    """Return once every repaired copy ``write_behind`` took is written (or failed, with its
+    warning)."""
+    with _writing_lock:
+        threads = list(_writing)
+    for thread in threads:
+        thread.join()
+    with _writing_lock:
+        _writing[:] = [t for t in _writing if t.is_alive()]
+
+
 def _put_chunk(store: Any, digest: str, info: ChunkInfo, data: Any, *, repair: bool) -> None:
     """Write one verified chunk of a copy; one already there must be the same encoding, or,
     in a repair, intact (else the verified bytes replace it)."""
@@ -692,6 +727,7 @@ def restore_copies(
     PEER (the bytes count as the load reads the copy)."""
     if not sources:
         return {}, {}
+    wait_written()  # a copy an earlier load repaired is in the store before this one is
     transfers = [
         Transfer(src, r, r, step, attempt, repair=True) for r, src in sorted(sources.items())
     ]

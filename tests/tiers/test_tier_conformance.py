@@ -617,24 +617,29 @@ def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bo
         shutil.rmtree(Path(base) / "node-1")
     torch.distributed.barrier()
     target = _ranks_own(rank, _blank())
+    loader = _two_nodes(kind, rank, root, base, **tiers)
     with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
-        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+        step, report = loader.load(target)
     mine = [key for uri, key in reads if uri.rstrip("/").endswith(f"rank-{rank:05d}")]
     assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
     if rank >= 2:
-        assert report.source == "peer", report
+        assert report.source == "peer" and report.sources["peer"].chunks > 0, report
         if bound:  # loaded from the verified bytes in memory: none read back from the copy
             assert mine == [], mine
         else:  # over the bound: written first, then read back, as before
             assert mine, report
+    # A save right away (the repaired copy may still be being written: it waits for it).
+    loader.save(3, _ranks_own(rank, _state(10 * rank + 3)))
+    loader.close()
     torch.distributed.barrier()
-    # The repaired copy was written and committed after the load: the next load (no wipe)
-    # reads every rank's own copy from its local tier, every chunk verified there.
-    target = _ranks_own(rank, _blank())
-    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
-    assert step == 2 and report.source == "local", (rank, report)
-    assert _same(target, _ranks_own(rank, _state(10 * rank + 2))), rank
-    assert report.sources["local"].chunks > 0, report
+    # The repaired copy is complete and committed: a load of it (no wipe) reads every rank's
+    # own copy from its local tier, every chunk verified there; the save after it as well.
+    for want in (2, 3):
+        target = _ranks_own(rank, _blank())
+        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target, want)
+        assert step == want and report.source == "local", (rank, want, report)
+        assert _same(target, _ranks_own(rank, _state(10 * rank + want))), (rank, want)
+        assert report.sources["local"].chunks > 0, report
 
 
 @pytest.mark.dist
