@@ -169,8 +169,9 @@ class TierOptions:
     repair_memory_bytes: int = DEFAULT_REPAIR_MEMORY_BYTES
     """A load that repairs this rank's copy from a peer's (its node was wiped) keeps the
     received chunks in memory, verified once, and loads from them; the copy is written to
-    ``local_dir`` after the tensors are filled. A copy whose stored chunks take more than this
-    many bytes is written first and read back, as without it (0: always). Default 1 GiB."""
+    ``local_dir`` after the tensors are filled, in the background (the next save, tiered load
+    or ``close()`` waits for it). A copy whose stored chunks take more than this many bytes is
+    written first and read back instead (0: always). Default 1 GiB."""
     node_rank: int | None = None
     """This rank's node, for ``peer_copies`` (default: torchrun's ``GROUP_RANK``, else
     ``rank // LOCAL_WORLD_SIZE``, else the host name)."""

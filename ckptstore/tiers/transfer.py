@@ -19,10 +19,12 @@ alone, after every rank finished the exchange; the outcomes are agreed by every 
 A load's repair (``restore_copies``) whose copy's stored chunks take at most
 ``TierPolicy.repair_memory_bytes`` keeps what it verified instead of writing it: the decoded
 manifest and index, the DCP metadata and every chunk as stored (``RepairedCopy``). The load
-reads its tensors from those bytes (decoded, not hashed again) and then calls
-``RepairedCopy.write_local``, which writes the chunks, index and metadata and commits the
-manifest last under the save lease the transfer took: until then the copy is unlisted, so a
-crash in between leaves at most unreferenced chunks, which local retention collects.
+reads its tensors from those bytes (decoded, not hashed again) and then hands the copy to
+``write_behind``: a thread of its own writes the chunks, index and metadata and commits the
+manifest last under the save lease the transfer took (``RepairedCopy.write_local``), and the
+next save, tiered load, repair or ``close()`` waits for it (``wait_written``). Until the
+manifest lands the copy is unlisted, so a crash in between leaves at most unreferenced chunks
+and an index, which local retention collects.
 """
 
 from __future__ import annotations
@@ -722,8 +724,8 @@ def restore_copies(
     from the copy rank ``sources[r]``'s node keeps (every chunk hashed on arrival). Collective
     over ``group`` (a ``RankGroup``) where there is any; each transfer's outcome, and this
     rank's copy where it is held in memory (``TierPolicy.repair_memory_bytes``): the load reads
-    it from there and calls its ``write_local`` once the tensors are filled (else the copy was
-    written and committed before this returned). A receiver's ``report`` gets the time under
+    it from there and hands it to ``write_behind`` once the tensors are filled (else the copy
+    was written and committed before this returned). A receiver's ``report`` gets the time under
     PEER (the bytes count as the load reads the copy)."""
     if not sources:
         return {}, {}
