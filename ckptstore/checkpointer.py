@@ -67,7 +67,7 @@ from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
 from ckptstore.tiers.saving import Tiers, open_tiers
-from ckptstore.tiers.transfer import TransferStats
+from ckptstore.tiers.transfer import TransferStats, wait_written
 
 logger = logging.getLogger(__name__)
 
@@ -417,6 +417,7 @@ class Checkpointer:
             return
         self._closed = True
         self._saver.close()
+        wait_written()  # a copy a load repaired, written in the background
         if self._drains is not None:
             self._drains.close()
         self.engine.close()

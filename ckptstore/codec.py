@@ -195,9 +195,14 @@ def decode(
     name: str,
     out: np.ndarray | None = None,
     raw_len: int | None = None,
+    verify: bool = True,
 ) -> np.ndarray:
     """Decode a chunk object into raw bytes (into ``out`` if given; a chunk stored as one raw
     plane comes back as a read-only view of ``obj`` instead) and verify its hash.
+
+    ``verify=False``: the hash is not checked again, for bytes this process already decoded
+    and verified against ``expected_hash`` (a repair's chunks, held in memory for the load);
+    the object's structure still is.
 
     ``raw_len`` (or ``out``'s size) is the raw size the rank index declares: a header that
     says otherwise is refused before anything is decompressed, and no plane decompresses to
@@ -217,7 +222,8 @@ def decode(
         )
     if nplanes == 1 and table[0] == (RAW, declared) and len(view) == offset + declared:
         # One raw plane: verify the object's own bytes and hand out a view of them, no copy.
-        return _verified(np.frombuffer(view[offset:], dtype=np.uint8), expected_hash, name)
+        raw = np.frombuffer(view[offset:], dtype=np.uint8)
+        return _verified(raw, expected_hash, name) if verify else raw
     if out is None:
         out = np.empty(declared, dtype=np.uint8)
     out = out.view(np.uint8).reshape(-1)
@@ -234,7 +240,7 @@ def decode(
             out[:] = plane
         else:
             grid[:, k] = plane
-    return _verified(out, expected_hash, name)
+    return _verified(out, expected_hash, name) if verify else out
 
 
 def _decompress_into(body: memoryview, out: np.ndarray, name: str) -> None:

@@ -45,7 +45,7 @@ from ckptstore.errors import (
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
 from ckptstore.health import healthy_steps_to_load
 from ckptstore.peer import PeerReplicas, tensors_from_replica
-from ckptstore.pipeline import PipelineConfig, parse_dtype
+from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype
 from ckptstore.quarantine import quarantine_step
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
@@ -68,7 +68,7 @@ from ckptstore.tiers.restore import (
     LoadReport,
     Source,
 )
-from ckptstore.tiers.transfer import Transfer, restore_copies
+from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies, write_behind
 from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class _Read:
     view: StepView
     started: float
     replica: Any = None  # staging="peer": (buffer, meta) of the replica its guard held
+    repaired: RepairedCopy | None = None  # a copy just restored from a peer, in memory
     index: RankIndex | None = None
     tree: Any = None
     loader: Any = None  # state.plan_load's plan
@@ -128,6 +129,7 @@ class StateLoader:
         self.last_load_exchange: ExchangeStats | None = None
         self._report = LoadReport()  # the attempt in progress (last_load with tiers)
         self._manifests: dict[int, Manifest] = {}  # rank 0: durable manifests this load read
+        self._repaired: dict[int, RepairedCopy] = {}  # copies restored, written after the read
 
     # -- one load, newest save first ----------------------------------------------------------
 
@@ -155,6 +157,7 @@ class StateLoader:
                     self.last_load = report
                 error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
                 report.seconds = time.perf_counter() - t0
+                self._write_repaired(background=error is None)
                 if error is None:
                     if self.local is not None:  # newer copies go at the next save
                         self.local.resumed_from = candidate.step
@@ -168,6 +171,18 @@ class StateLoader:
             raise self._load_failed(self._none_loaded(skipped, not_healthy), dirty)
         finally:
             self._manifests.clear()
+            self._write_repaired()
+
+    def _write_repaired(self, background: bool = True) -> None:
+        """The copies a repair held in memory, written to the local tier and committed now
+        that the load has read them: in the background (``transfer.write_behind``), or before
+        an older save is tried (whose copies the write's retention may judge)."""
+        repaired, self._repaired = list(self._repaired.values()), {}
+        if background:
+            write_behind(repaired)
+            return
+        for copy in repaired:
+            copy.write_local()
 
     def _quarantine(self, skipped: list[tuple[int, BaseException]]) -> None:
         """Rank 0, after a load with fallback skipped steps as corrupt: each is quarantined
@@ -319,9 +334,11 @@ class StateLoader:
         if not sources:
             return {}
         assert self.local is not None and candidate.attempt is not None
-        return restore_copies(
+        outcomes, kept = restore_copies(
             self.local, self.group, candidate.step, candidate.attempt, sources, self._report
         )
+        self._repaired.update(kept)
+        return outcomes
 
     def _open(
         self,
@@ -340,6 +357,7 @@ class StateLoader:
             if outcome is not None:
                 raise CheckpointCorruptError(f"peer copy from rank {source.holder}: {outcome}")
         started = time.perf_counter()
+        repaired: RepairedCopy | None = None
         if source.tier == DURABLE:
             if isinstance(shared, BaseException):
                 raise shared
@@ -348,8 +366,14 @@ class StateLoader:
         else:
             assert self.local is not None
             store = self.local.store(self.rank)
-            manifest = load_manifest(store, step)
+            repaired = self._repaired.get(self.rank) if source.tier == PEER else None
+            if repaired is not None and repaired.step == step:
+                manifest = repaired.manifest  # as received and checked: not read back
+            else:
+                repaired, manifest = None, load_manifest(store, step)
         view = StepView(store, manifest)
+        if repaired is not None:
+            view.adopt_index(repaired.index)
         view.require(CHECKPOINTER)
         if candidate.attempt is not None and manifest.attempt != candidate.attempt:
             raise CheckpointNotFoundError(
@@ -364,7 +388,7 @@ class StateLoader:
                 f"step {step} was saved by {manifest.world_size} rank(s), loading with "
                 f"{self.group.world_size}: resharding is done through ckptstore.dcp"
             )
-        return _Read(source.tier, store, view, started)
+        return _Read(source.tier, store, view, started, repaired=repaired)
 
     def _plan(
         self, state: Any, read: _Read, step: int, dirty: dict[str, int], strict: bool
@@ -428,6 +452,8 @@ class StateLoader:
         index = read.index
         assert index is not None
         wanted = {i: read.loader.dests.get(i) for i in read.kinds}
+        if read.repaired is not None and source is None:  # verified on arrival: not again
+            source = chunks_from_store(read.store, index.chunks, self.config, read.repaired.fetch)
         read.tensors = read_into(
             read.store, index, wanted, self.config, written=written, source=source
         )

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.leases import DEFAULT_TTL_S
-from ckptstore.tiers.policy import DEFAULT_LOCAL_KEEP_LAST, DEFAULT_PEER_BUDGET_BYTES, TierPolicy
+from ckptstore.tiers.policy import (
+    DEFAULT_LOCAL_KEEP_LAST,
+    DEFAULT_PEER_BUDGET_BYTES,
+    DEFAULT_REPAIR_MEMORY_BYTES,
+    TierPolicy,
+)
 
 DEFAULT_GC_WAIT_S = 600.0
 DEFAULT_SHARED_READ_BUDGET_BYTES = 256 * 2**20
@@ -161,6 +166,12 @@ class TierOptions:
     peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES
     """A peer copy or repair moves chunks in rounds of at most this many bytes per transfer (a
     larger chunk alone): the bound of each transfer's round buffer."""
+    repair_memory_bytes: int = DEFAULT_REPAIR_MEMORY_BYTES
+    """A load that repairs this rank's copy from a peer's (its node was wiped) keeps the
+    received chunks in memory, verified once, and loads from them; the copy is written to
+    ``local_dir`` after the tensors are filled, in the background (the next save, tiered load
+    or ``close()`` waits for it). A copy whose stored chunks take more than this many bytes is
+    written first and read back instead (0: always). Default 1 GiB."""
     node_rank: int | None = None
     """This rank's node, for ``peer_copies`` (default: torchrun's ``GROUP_RANK``, else
     ``rank // LOCAL_WORLD_SIZE``, else the host name)."""
@@ -175,6 +186,7 @@ class TierOptions:
             durable_every=self.durable_every,
             local_keep_last=self.local_keep_last,
             peer_budget_bytes=self.peer_budget_bytes,
+            repair_memory_bytes=self.repair_memory_bytes,
         )
 
 

@@ -221,9 +221,14 @@ class StoreReader(StepReader):
         except BaseException as exc:  # noqa: BLE001 - with tiers, the other ranks hear of it
             failure = exc
         if self._tier is not None:
-            # Every rank's outcome on the tier group, before DCP's own exchange on the default
-            # group: a rank lost while reading is named within the bound; a failure, by rank.
-            self._gather(load_group(self.options["storage"]), failure, None, self._tier.view.step)
+            try:
+                # Every rank's outcome on the tier group, before DCP's own exchange on the
+                # default group: a rank lost while reading is named within the bound; a
+                # failure, by rank.
+                step = self._tier.view.step
+                self._gather(load_group(self.options["storage"]), failure, None, step)
+            finally:
+                self._tier.write_repaired()  # a repaired copy, read from memory: written now
         elif failure is not None:
             raise failure
         if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor

@@ -56,7 +56,7 @@ from ckptstore.tiers.policy import (
     store_identity,
 )
 from ckptstore.tiers.saving import LocalCommit, TierSaver, open_tiers
-from ckptstore.tiers.transfer import TransferStats
+from ckptstore.tiers.transfer import TransferStats, wait_written
 
 logger = logging.getLogger(__name__)
 
@@ -721,6 +721,7 @@ class StoreWriter(StorageWriter, PooledStager):
     def close(self) -> None:
         """Finish the queued drains and stop the drain thread (collective with ``local_dir``:
         every rank closes its writer); raises as ``wait``."""
+        wait_written()  # a copy a tiered load repaired, written in the background
         drains = self._drains
         if drains is None:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from ckptstore.retention import drop_step
 from ckptstore.store import Store
 from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
 
+if TYPE_CHECKING:
+    from ckptstore.tiers.transfer import RepairedCopy
+
 logger = logging.getLogger(__name__)
 
 _PLAIN = (CheckpointCorruptError, CheckpointNotFoundError)  # kept as the error's kind
@@ -34,7 +38,9 @@ _PLAIN = (CheckpointCorruptError, CheckpointNotFoundError)  # kept as the error'
 class TierFetch:
     """A ``ChunkFetch`` over ``local`` (holding the chunks ``held``, with their sizes there)
     and ``durable`` (None: the step is not there); what it read goes into ``report`` per
-    tier, ``local``'s under ``local_tier``."""
+    tier, ``local``'s under ``local_tier``. ``repaired``: this rank's copy as a repair just
+    received it, held in memory: its chunks are served from there (verified on arrival, not
+    hashed again), not read back from ``local``."""
 
     def __init__(
         self,
@@ -46,6 +52,7 @@ class TierFetch:
         rank: int,
         local_tier: str = LOCAL,
         durable_sized: bool = True,
+        repaired: RepairedCopy | None = None,
     ) -> None:
         self.local = local
         self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
@@ -54,11 +61,17 @@ class TierFetch:
         self.durable = durable
         self.report = report
         self.rank = rank
+        self.repaired = repaired
         self._lock = threading.Lock()
         self._warned = False
         self._dropped = False
 
     def __call__(self, digest: str, info: ChunkInfo | None) -> np.ndarray:
+        if self.repaired is not None and digest in self.repaired.chunks:
+            started = time.perf_counter()
+            raw = self.repaired.fetch(digest)
+            self._count(self.local_tier, self.repaired.index.chunks[digest], started)
+            return raw
         if digest in self.held:
             assert self.local is not None
             started = time.perf_counter()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ckptstore.catalog import load_manifest, read_rank_index_bytes
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
-from ckptstore.format import ChunkInfo, decode_rank_index
+from ckptstore.format import ChunkInfo, RankIndex, decode_rank_index
 from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
@@ -42,7 +42,7 @@ from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.plan import RestorePlan, plan_restore
 from ckptstore.tiers.policy import TierPolicy, store_identity
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport
-from ckptstore.tiers.transfer import restore_copies
+from ckptstore.tiers.transfer import RepairedCopy, restore_copies, write_behind
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,13 @@ class TierLoad:
     fetch: TierFetch
     report: LoadReport
     started: float  # perf_counter() as the plan began
+    repaired: list[RepairedCopy] = dataclasses.field(default_factory=list)
+
+    def write_repaired(self) -> None:
+        """Write and commit, in the background, the copy a repair held in memory
+        (``transfer.write_behind``): once the load's reads are done, or once it failed."""
+        repaired, self.repaired = self.repaired, []
+        write_behind(repaired)
 
 
 _load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
@@ -123,12 +130,20 @@ def open_tiered_step(
     report = LoadReport(step=step)
     in_durable = candidate.sources[rank][-1].tier == DURABLE  # the same on every rank
     if all(mine[0].tier != DURABLE for mine in candidate.sources):
-        found = _from_tiers(local, group, candidate, report, kind, in_durable=in_durable)
+        repaired: list[RepairedCopy] = []  # this rank's copy, if a repair holds it in memory
+        found = None
+        try:
+            found = _from_tiers(local, group, candidate, report, kind, repaired, in_durable)
+        finally:
+            if found is None:  # not loaded from the tiers: written before durable storage is
+                for copy in repaired:
+                    copy.write_local()
         if found is not None:
             view, held = found
             fetch = TierFetch(
                 local=local.store(rank),
                 held=held,
+                repaired=repaired[0] if repaired else None,
                 # A chunk is read from durable storage only where the step is there, by its
                 # digest: the durable store may hold it encoded otherwise (sizes unknown here).
                 durable=durable if in_durable else None,
@@ -137,7 +152,7 @@ def open_tiered_step(
                 rank=rank,
                 local_tier=report.source,
             )
-            return TierLoad(view, held, fetch, report, started)
+            return TierLoad(view, held, fetch, report, started, repaired)
         logger.warning(
             "rank %d: a local copy of step %d could not be read or restored; loading it from %s",
             rank,
@@ -165,27 +180,28 @@ def _from_tiers(
     candidate: Candidate,
     report: LoadReport,
     kind: str,
-    *,
+    repaired: list[RepairedCopy],
     in_durable: bool,
 ) -> tuple[StepView, dict[str, ChunkInfo]] | None:
     """(collective) The step as every rank's local copy holds it, the copies a peer keeps
-    restored first; None (on every rank) where a copy could not be had and the step is in
-    durable storage."""
+    restored first (this rank's into ``repaired`` where the repair holds it in memory); None
+    (on every rank) where a copy could not be had and the step is in durable storage."""
     rank, step = group.rank, candidate.step
     sources = {
         r: mine[0].holder
         for r, mine in enumerate(candidate.sources)
         if mine[0].tier == PEER and mine[0].holder is not None
     }
-    repaired = _repair(local, group, candidate, sources, report)
-    if not repaired and in_durable:
+    whole = _repair(local, group, candidate, sources, report, repaired)
+    if not whole and in_durable:
         return None
-    if not repaired:
+    if not whole:
         raise CheckpointError(
             f"step {step} is held only by the local tiers, and a rank's copy could not be "
             "restored from its peers (see the warning above)"
         )
-    found = _local_view(local.store(rank), step, group, kind, in_durable=in_durable)
+    mine = repaired[0] if repaired else None
+    found = _local_view(local.store(rank), step, group, kind, mine, in_durable=in_durable)
     if found is not None:
         report.source = PEER if rank in sources else LOCAL
     return found
@@ -225,14 +241,18 @@ def _repair(
     candidate: Candidate,
     sources: dict[int, int],
     report: LoadReport,
+    repaired: list[RepairedCopy],
 ) -> bool:
     """Each rank without its own copy of the save gets it from ``sources[rank]`` (collective);
-    True if every such copy arrived whole. Nothing to do: True."""
+    True if every such copy arrived whole (this rank's into ``repaired`` where it is held in
+    memory). Nothing to do: True."""
     if not sources:
         return True
     assert candidate.attempt is not None
     try:
-        outcomes = restore_copies(local, group, candidate.step, candidate.attempt, sources, report)
+        outcomes, kept = restore_copies(
+            local, group, candidate.step, candidate.attempt, sources, report
+        )
     except Exception as exc:  # noqa: BLE001 - a lost rank: the durable tier, where it can
         logger.warning(
             "rank %d: restoring copies of step %d from peers failed: %s",
@@ -241,6 +261,7 @@ def _repair(
             one_line(exc),
         )
         return False
+    repaired.extend(kept.values())
     failed = [e for e in outcomes.values() if e is not None]
     if failed:
         logger.warning(
@@ -259,21 +280,47 @@ def _own_index(store: Store, step: int):
     return read_rank_index_bytes(store, manifest.ranks[0]), manifest
 
 
+def _own_copy(
+    store: Store, step: int, kind: str, repaired: RepairedCopy | None
+) -> tuple[StepView, RankIndex, bytes]:
+    """This rank's copy of ``step``: its view (the DCP metadata decoded for a DCP load), its
+    index and the index's bytes; from ``repaired`` as received, else read from ``store``."""
+    if repaired is None or repaired.step != step:
+        (index, data), manifest = _own_index(store, step)
+    else:
+        manifest, index = repaired.manifest, repaired.index
+        data = repaired.index_bytes
+    view = StepView(store, manifest)
+    view.require(kind)
+    if kind == DCP:
+        if repaired is not None and repaired.metadata is not None and repaired.step == step:
+            from ckptstore.metadata import decode_metadata  # imports torch: DCP steps only
+
+            assert manifest.dcp_metadata is not None
+            name = store.url(manifest.dcp_metadata.key)
+            view.adopt_metadata(decode_metadata(repaired.metadata, name))
+        view.dcp_metadata()
+    return view, index, data
+
+
 def _local_view(
-    store: Store, step: int, group: RankGroup, kind: str, *, in_durable: bool
+    store: Store,
+    step: int,
+    group: RankGroup,
+    kind: str,
+    repaired: RepairedCopy | None,
+    *,
+    in_durable: bool,
 ) -> tuple[StepView, dict[str, ChunkInfo]] | None:
     """The step as the local copies hold it, every rank's index sent to every other (each copy
-    is a one-rank step: its index is rank 0's there, rank r's in the view); None (on every
-    rank) if a rank's copy could not be read and the step is in durable storage."""
+    is a one-rank step: its index is rank 0's there, rank r's in the view); this rank's from
+    ``repaired`` where a repair holds it in memory (not read back); None (on every rank) if a
+    rank's copy could not be read and the step is in durable storage."""
     view = None
     data = b""
     error = None
     try:
-        (index, data), manifest = _own_index(store, step)
-        view = StepView(store, manifest)
-        view.require(kind)
-        if kind == DCP:
-            view.dcp_metadata()
+        view, index, data = _own_copy(store, step, kind, repaired)
         view.adopt_index(dataclasses.replace(index, rank=group.rank))
     except CheckpointError as exc:
         error = exc

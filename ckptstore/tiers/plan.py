@@ -37,6 +37,7 @@ from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.restore import DURABLE, Candidate, Source, plan_sources
+from ckptstore.tiers.transfer import wait_written
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def plan_restore(
     """The saves to try (``step``: only that one; ``limit``: at most that many, None: every
     older one too, for a load with fallback). Collective; raises on every rank alike when no
     tier holds a step every rank can get."""
+    wait_written()  # a copy the last load repaired is listed once it is committed
     wanted = None if step in (None, "latest") else int(step)
     listed: Any = None
     if group.rank == 0:

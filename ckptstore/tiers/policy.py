@@ -20,6 +20,7 @@ from ckptstore.codec import hash_bytes
 
 DEFAULT_LOCAL_KEEP_LAST = 2
 DEFAULT_PEER_BUDGET_BYTES = 64 * 2**20
+DEFAULT_REPAIR_MEMORY_BYTES = 2**30
 TIER_KEY = "ckptstore_tier"  # in a local copy's manifest.user: whose copy it is
 
 
@@ -32,6 +33,7 @@ class TierPolicy:
     durable_every: int = 1
     local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST
     peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES
+    repair_memory_bytes: int = DEFAULT_REPAIR_MEMORY_BYTES
 
     @classmethod
     def build(
@@ -42,6 +44,7 @@ class TierPolicy:
         durable_every: int,
         local_keep_last: int,
         peer_budget_bytes: int,
+        repair_memory_bytes: int = DEFAULT_REPAIR_MEMORY_BYTES,
     ) -> TierPolicy | None:
         if local_dir is None:
             if peer_copies or durable_every != 1:
@@ -65,8 +68,17 @@ class TierPolicy:
             raise ValueError(f"local_keep_last must be >= 1, got {local_keep_last}")
         if peer_budget_bytes < 1:
             raise ValueError(f"peer_budget_bytes must be >= 1, got {peer_budget_bytes}")
+        if repair_memory_bytes < 0:
+            raise ValueError(f"repair_memory_bytes must be >= 0, got {repair_memory_bytes}")
         path = Path(str(local_dir).removeprefix("file://")).expanduser().absolute()
-        return cls(path, peer_copies, durable_every, local_keep_last, peer_budget_bytes)
+        return cls(
+            path,
+            peer_copies,
+            durable_every,
+            local_keep_last,
+            peer_budget_bytes,
+            repair_memory_bytes,
+        )
 
     def is_durable(self, save_number: int) -> bool:
         """Whether the ``save_number``-th save (1-based) also goes to durable storage: the first

@@ -24,7 +24,7 @@ from ckptstore.tiers.group import Agreement, RankGroup
 from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
-from ckptstore.tiers.transfer import Transfer, TransferStats, transfer
+from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_written
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class TierSaver:
         alone) is the save's DCP metadata, recorded in every rank's copy. A rank's ``fatal``
         error (it cannot take part in the save at all) fails the save on every rank once all
         heard of it. ``protect``: keep the copy until a drain has read it."""
+        wait_written()  # a copy a load repaired is committed before stale copies are judged
         local = self.local
         session: SaveSession | None = None
         written: RankWritten | None = None

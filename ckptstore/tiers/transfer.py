@@ -15,12 +15,24 @@ followed by a status byte; the destination decodes and hashes every chunk before
 manifest. Memory: one round buffer per transfer a rank takes part in, at most ``budget_bytes``
 plus one chunk each. A failure (unreadable source, bad chunk, full disk) fails that transfer
 alone, after every rank finished the exchange; the outcomes are agreed by every rank.
+
+A load's repair (``restore_copies``) whose copy's stored chunks take at most
+``TierPolicy.repair_memory_bytes`` keeps what it verified instead of writing it: the decoded
+manifest and index, the DCP metadata and every chunk as stored (``RepairedCopy``). The load
+reads its tensors from those bytes (decoded, not hashed again) and then hands the copy to
+``write_behind``: a thread of its own writes the chunks, index and metadata and commits the
+manifest last under the save lease the transfer took (``RepairedCopy.write_local``), and the
+next save, tiered load, repair or ``close()`` waits for it (``wait_written``). Until the
+manifest lands the copy is unlisted, so a crash in between leaves at most unreferenced chunks
+and an index, which local retention collects.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +42,11 @@ import torch.distributed as dist
 
 from ckptstore.catalog import load_manifest_bytes, read_object, read_rank_index_bytes
 from ckptstore.codec import decode
-from ckptstore.errors import CheckpointError, ObjectExistsError, one_line
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, ObjectExistsError, one_line
 from ckptstore.format import (
     KIND_STATE,
     ChunkInfo,
+    Manifest,
     RankIndex,
     chunk_key,
     commit_key,
@@ -105,6 +118,44 @@ class _Incoming:
     error: str | None = None
     held: bool = False  # the step is already there, this very save
     want: list[str] = field(default_factory=list)
+    kept: dict[str, bytes] | None = None  # a repair held in memory: digest -> verified bytes
+    decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
+
+
+@dataclass
+class RepairedCopy:
+    """A repair's copy of rank ``ward``'s save as this rank received and verified it, held in
+    memory so that the load reads it from there (no second read, no second hash): the decoded
+    manifest and index, the DCP metadata object of a DCP copy, and every chunk as stored
+    (digest -> bytes, each hashed once on arrival). ``write_local`` then writes it to the local
+    tier (chunks, index, metadata, the manifest last) under the lease its transfer took."""
+
+    ward: int
+    step: int
+    manifest: Manifest
+    index: RankIndex
+    index_bytes: bytes
+    metadata: bytes | None
+    chunks: dict[str, bytes]
+    _write: Callable[[], None] | None = field(default=None, repr=False)
+
+    def fetch(self, digest: str, info: ChunkInfo | None = None) -> np.ndarray:
+        """A ``ChunkFetch``: the chunk's raw bytes, decoded from memory, not hashed again."""
+        data, chunk = self.chunks.get(digest), self.index.chunks.get(digest)
+        if data is None or chunk is None:
+            raise CheckpointNotFoundError(
+                f"chunk {digest} is not in rank {self.ward}'s copy of step {self.step}"
+            )
+        name = f"chunk {digest} of rank {self.ward}'s repaired copy"
+        return decode(data, expected_hash=digest, name=name, raw_len=chunk.raw, verify=False)
+
+    def write_local(self) -> None:
+        """Write the copy to this node's local tier and commit it (once; the chunks are let go
+        after). A failure is a warning: the load has its bytes, the next load repairs again."""
+        write, self._write = self._write, None
+        if write is not None:
+            write()
+        self.chunks = {}
 
 
 @dataclass
@@ -133,10 +184,13 @@ def _intact(store, digest: str, info: ChunkInfo) -> bool:
 
 
 class _Exchange:
-    def __init__(self, group: Any, local: LocalTier, budget_bytes: int) -> None:
+    def __init__(
+        self, group: Any, local: LocalTier, budget_bytes: int, keep_bytes: int = -1
+    ) -> None:
         self.group = group
         self.local = local
         self.budget = budget_bytes
+        self.keep_bytes = keep_bytes  # a repair's copy up to this many bytes stays in memory
         self.rank = dist.get_rank(group)
         self.stats = TransferStats()
 
@@ -260,6 +314,9 @@ class _Exchange:
                 raise CheckpointError(f"rank {t.src} sent DCP metadata its manifest does not name")
             inc.index = decode_rank_index(index_bytes, store.url(ref.key))
             inc.manifest, inc.index_bytes, inc.index_key = header[: sizes[0]], index_bytes, ref.key
+            inc.decoded = manifest
+            if t.repair and sum(c.stored for c in inc.index.chunks.values()) <= self.keep_bytes:
+                inc.kept = {}  # held for the load, written after it (``RepairedCopy``)
             known = inc.session.known or {}
             inc.want = [d for d in sorted(inc.index.chunks) if d not in known]
             self.stats.chunks_already_held += len(inc.index.chunks) - len(inc.want)
@@ -288,6 +345,9 @@ class _Exchange:
                     if len(data) != info.stored:
                         continue
                     decode(data, expected_hash=digest, name=sibling.url(key), raw_len=info.raw)
+                    if inc.kept is not None:
+                        inc.kept[digest] = bytes(data)
+                        return None
                     store.put(key, data)
                 except ObjectExistsError:
                     if not _intact(store, digest, info):
@@ -320,17 +380,10 @@ class _Exchange:
             data = view[start : start + info.stored]
             name = f"chunk {digest} of rank {inc.t.ward} from rank {inc.t.src}"
             decode(data, expected_hash=digest, name=name, raw_len=info.raw)
-            key = chunk_key(digest)
-            try:
-                store.put(key, data)
-            except ObjectExistsError:
-                if inc.t.repair and not _intact(store, digest, info):
-                    store.delete(key)  # a bad byte in this tier: the verified bytes replace it
-                    store.put(key, data)
-                elif store.size(key) != info.stored:
-                    raise CheckpointError(
-                        f"{store.url(key)} holds chunk {digest} encoded otherwise"
-                    ) from None
+            if inc.kept is not None:
+                inc.kept[digest] = bytes(data)
+            else:
+                _put_chunk(store, digest, info, data, repair=inc.t.repair)
             self.stats.chunks_received += 1
             self.stats.received_bytes += info.stored
 
@@ -339,6 +392,34 @@ class _Exchange:
                 pass
         except (CheckpointError, OSError) as exc:
             inc.error = f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}: {one_line(exc)}"
+
+    def write_kept(self, inc: _Incoming) -> None:
+        """A kept repair's deferred write (``RepairedCopy.write_local``): its chunks, then
+        index, metadata and manifest (``commit``), then the lease released."""
+        store, kept = self.local.store(inc.t.ward), inc.kept or {}
+        assert inc.index is not None
+        chunks = inc.index.chunks
+
+        def put(digest: str) -> None:
+            _put_chunk(store, digest, chunks[digest], kept[digest], repair=True)
+
+        try:
+            for _ in store.map(put, sorted(kept), drain=True):
+                pass
+        except (CheckpointError, OSError) as exc:
+            inc.error = f"writing chunks: {one_line(exc)}"
+        self.commit(inc)
+        if inc.error is not None:
+            logger.warning(
+                "rank %d: the copy of rank %d's step %d restored from rank %d was loaded but "
+                "could not be written to %s (the next load restores it again): %s",
+                self.rank,
+                inc.t.ward,
+                inc.t.step,
+                inc.t.src,
+                store.uri,
+                inc.error,
+            )
 
     def commit(self, inc: _Incoming) -> None:
         if inc.held:
@@ -489,6 +570,56 @@ class _Exchange:
         return outcomes
 
 
+_writing: list[threading.Thread] = []  # the repaired copies' writes still running
+_writing_lock = threading.Lock()
+
+
+def write_behind(copies: list[RepairedCopy]) -> None:
+    """Write ``copies`` (a load's, its tensors filled from them) to the local tier in a
+    thread of their own, so that the load returns to training first. The next save's local
+    commit, the next tiered load's planning and ``close()`` wait for it (``wait_written``); the
+    thread is not a daemon: a process that ends waits for it. A crash while it runs leaves the
+    copy unlisted (its manifest is written last) and its chunks to local retention."""
+    if not copies:
+        return
+
+    def write() -> None:
+        for copy in copies:
+            copy.write_local()
+
+    thread = threading.Thread(target=write, name="ckptstore-repair-write")
+    with _writing_lock:
+        _writing.append(thread)
+        thread.start()
+
+
+def wait_written() -> None:
+    """Return once every repaired copy ``write_behind`` took is written (or failed, with its
+    warning)."""
+    with _writing_lock:
+        threads = list(_writing)
+    for thread in threads:
+        thread.join()
+    with _writing_lock:
+        _writing[:] = [t for t in _writing if t.is_alive()]
+
+
+def _put_chunk(store: Any, digest: str, info: ChunkInfo, data: Any, *, repair: bool) -> None:
+    """Write one verified chunk of a copy; one already there must be the same encoding, or,
+    in a repair, intact (else the verified bytes replace it)."""
+    key = chunk_key(digest)
+    try:
+        store.put(key, data)
+    except ObjectExistsError:
+        if repair and not _intact(store, digest, info):
+            store.delete(key)  # a bad byte in this tier: the verified bytes replace it
+            store.put(key, data)
+        elif store.size(key) != info.stored:
+            raise CheckpointError(
+                f"{store.url(key)} holds chunk {digest} encoded otherwise"
+            ) from None
+
+
 def _put_copy_object(store: Any, key: str, data: bytes, *, repair: bool) -> None:
     """Write one object of a copy (index, DCP metadata); one already there must be the same
     bytes, or, in a repair, is replaced."""
@@ -508,11 +639,26 @@ def transfer(
     """Run ``transfers`` (collective over ``group``: same list on every rank); each one's
     outcome (None: the destination holds the copy, committed) as every rank sees it, and what
     this rank moved."""
+    outcomes, stats, _ = _run(transfers, group, local, budget_bytes, keep_bytes=-1)
+    return outcomes, stats
+
+
+def _deferred(inc: _Incoming) -> bool:
+    """Whether ``inc`` is a repair held in memory, whole, its write left for after the load."""
+    return inc.kept is not None and inc.error is None and not inc.held
+
+
+def _run(
+    transfers: list[Transfer], group: Any, local: LocalTier, budget_bytes: int, keep_bytes: int
+) -> tuple[dict[Transfer, str | None], TransferStats, dict[int, RepairedCopy]]:
+    """``transfer``; a repair whose copy takes at most ``keep_bytes`` stays in memory, its
+    ``RepairedCopy`` returned by ward (to be written by ``write_local``), the others written."""
     t0 = time.perf_counter()
-    ex = _Exchange(group, local, budget_bytes)
+    ex = _Exchange(group, local, budget_bytes, keep_bytes)
     me = ex.rank
     outgoing = [ex.open_source(t) for t in transfers if t.src == me]
     incoming = [ex.open_destination(t) for t in transfers if t.dst == me]
+    exchanged = False
     try:
         told = ex.exchange_headers(outgoing, incoming)
         ex.exchange_masks(outgoing, incoming, told)
@@ -522,17 +668,48 @@ def transfer(
         for inc in incoming:
             if inc.t in rounds.into and rounds.agreed[inc.t] < len(rounds.into[inc.t]):
                 inc.error = inc.error or f"rank {inc.t.src} sent fewer chunks than asked"
-            ex.commit(inc)
+            if not _deferred(inc):
+                ex.commit(inc)
+        exchanged = True
     finally:
         for o in outgoing:
             if o.lease is not None:
                 o.lease.release()
         for inc in incoming:
+            if exchanged and _deferred(inc):
+                continue
             if inc.session is not None and inc.session.lease is not None:
                 inc.session.release()
     outcomes = ex.agree_outcomes(transfers, outgoing, incoming)
     ex.stats.seconds = time.perf_counter() - t0
-    return outcomes, ex.stats
+    return outcomes, ex.stats, _kept_copies(ex, incoming, outcomes)
+
+
+def _kept_copies(
+    ex: _Exchange, incoming: list[_Incoming], outcomes: dict[Transfer, str | None]
+) -> dict[int, RepairedCopy]:
+    """The repairs held in memory whose transfer every rank agreed went well, by ward; one
+    that failed elsewhere lets its lease go, written nowhere."""
+    out: dict[int, RepairedCopy] = {}
+    for inc in incoming:
+        if not _deferred(inc):
+            continue
+        if outcomes[inc.t] is not None:
+            if inc.session is not None:
+                inc.session.release()
+            continue
+        assert inc.index is not None and inc.kept is not None and inc.decoded is not None
+        out[inc.t.ward] = RepairedCopy(
+            ward=inc.t.ward,
+            step=inc.t.step,
+            manifest=inc.decoded,
+            index=inc.index,
+            index_bytes=inc.index_bytes,
+            metadata=inc.metadata[1] if inc.metadata is not None else None,
+            chunks=inc.kept,
+            _write=lambda inc=inc: ex.write_kept(inc),
+        )
+    return out
 
 
 def restore_copies(
@@ -542,20 +719,28 @@ def restore_copies(
     attempt: str,
     sources: dict[int, int],
     report: LoadReport,
-) -> dict[Transfer, str | None]:
+) -> tuple[dict[Transfer, str | None], dict[int, RepairedCopy]]:
     """A tiered load's repair: each rank ``r`` of ``sources`` gets its own copy of the save back
     from the copy rank ``sources[r]``'s node keeps (every chunk hashed on arrival). Collective
-    over ``group`` (a ``RankGroup``) where there is any; each transfer's outcome. A receiver's
-    ``report`` gets the time under PEER (the bytes count as the load reads the copy)."""
+    over ``group`` (a ``RankGroup``) where there is any; each transfer's outcome, and this
+    rank's copy where it is held in memory (``TierPolicy.repair_memory_bytes``): the load reads
+    it from there and hands it to ``write_behind`` once the tensors are filled (else the copy
+    was written and committed before this returned). A receiver's ``report`` gets the time under
+    PEER (the bytes count as the load reads the copy)."""
     if not sources:
-        return {}
+        return {}, {}
+    wait_written()  # a copy an earlier load repaired is in the store before this one is
     transfers = [
         Transfer(src, r, r, step, attempt, repair=True) for r, src in sorted(sources.items())
     ]
-    outcomes, stats = transfer(
-        transfers, group=group.group, local=local, budget_bytes=local.policy.peer_budget_bytes
+    outcomes, stats, kept = _run(
+        transfers,
+        group.group,
+        local,
+        local.policy.peer_budget_bytes,
+        keep_bytes=local.policy.repair_memory_bytes,
     )
     report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
     if group.rank in sources:
         report.add(PEER, 0, stats.seconds)
-    return outcomes
+    return outcomes, kept

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from bench.faults import Faults, Fixed, with_faults
 from ckptstore import Checkpointer, Store
 from ckptstore.catalog import load_manifest, read_rank_index
+from ckptstore.codec import CodecConfig, decode, encode, hash_bytes
+from ckptstore.errors import CheckpointCorruptError
 from ckptstore.pipeline import CompressionGovernor, PipelineConfig, plan_layout
 
 
@@ -150,3 +154,20 @@ def test_a_save_to_a_local_directory_keeps_only_chunks_that_shrink_by_a_quarter(
     with Checkpointer(tmp_path / "s") as again:
         assert again.load(target, step=1) == 1
     assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_decode_without_verify_skips_only_the_hash():
+    """Issue 36: a repair's chunks, hashed once on arrival, are decoded for the load with
+    ``verify=False``: the same bytes, no second hash; a malformed object still fails."""
+    raw = np.arange(4096, dtype=np.float32).view(np.uint8)
+    for level in (None, 1):
+        obj = encode(raw, 4, CodecConfig(level=level))
+        digest = hash_bytes(raw)
+        wrong = "0" * len(digest)
+        assert bytes(decode(obj, expected_hash=digest, name="c")) == raw.tobytes()
+        with pytest.raises(CheckpointCorruptError):
+            decode(obj, expected_hash=wrong, name="c")
+        out = decode(obj, expected_hash=wrong, name="c", raw_len=raw.size, verify=False)
+        assert bytes(out) == raw.tobytes()
+        with pytest.raises(CheckpointCorruptError):
+            decode(obj[:-1], expected_hash=digest, name="c", verify=False)

@@ -11,6 +11,7 @@ several nodes live in the front-ends' own multi-process tests.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -39,10 +40,12 @@ from ckptstore.catalog import list_steps
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
+from ckptstore.save.session import SaveSession
 from ckptstore.store import Store
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import TIER_KEY, store_identity
+from ckptstore.tiers.transfer import wait_written
 from tests.helpers.dcp_tiers import log_records
 from tests.helpers.dist import run_ranks, run_ranks_losing
 
@@ -579,6 +582,124 @@ def _peer_repair(rank: int, world: int, kind: str, root: str, base: str) -> None
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
 def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind, tmp_path):
     run_ranks(_peer_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+@contextlib.contextmanager
+def _chunk_reads(where: str):
+    """The chunk reads (``Store.get`` / ``get_view``) of stores under ``where``, by the store's
+    URI and the key."""
+    seen: list[tuple[str, str]] = []
+    originals = {name: getattr(Store, name) for name in ("get", "get_view")}
+
+    def counted(original: Any) -> Any:
+        def read(self: Store, key: str, *args: Any, **kwargs: Any) -> Any:
+            if self.uri.startswith(where) and "chunks/" in key:
+                seen.append((self.uri, key))
+            return original(self, key, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(Store, name, counted(original))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(Store, name, original)
+
+
+def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bound: int) -> None:
+    tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=bound)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):  # 1 durable, 2 in the local tiers and their peer copies only
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 is replaced: its local dir is gone
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    loader = _two_nodes(kind, rank, root, base, **tiers)
+    with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
+        step, report = loader.load(target)
+    mine = [key for uri, key in reads if uri.rstrip("/").endswith(f"rank-{rank:05d}")]
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    if rank >= 2:
+        assert report.source == "peer" and report.sources["peer"].chunks > 0, report
+        if bound:  # loaded from the verified bytes in memory: none read back from the copy
+            assert mine == [], mine
+        else:  # over the bound: written first, then read back, as before
+            assert mine, report
+    # A save right away (the repaired copy may still be being written: it waits for it).
+    loader.save(3, _ranks_own(rank, _state(10 * rank + 3)))
+    loader.close()
+    torch.distributed.barrier()
+    # The repaired copy is complete and committed: a load of it (no wipe) reads every rank's
+    # own copy from its local tier, every chunk verified there; the save after it as well.
+    for want in (2, 3):
+        target = _ranks_own(rank, _blank())
+        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target, want)
+        assert step == want and report.source == "local", (rank, want, report)
+        assert _same(target, _ranks_own(rank, _state(10 * rank + want))), (rank, want)
+        assert report.sources["local"].chunks > 0, report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("bound", [1 << 30, 0], ids=["in-memory", "over-the-bound"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(kind, bound, tmp_path):
+    """Issue 36: a chunk a wiped node's rank receives from its holder is hashed once and lands
+    in the state from memory, its copy written to the local tier after the load (complete and
+    committed: the next load reads it there); above ``repair_memory_bytes`` the copy is
+    written first and read back, as before."""
+    root = str(tmp_path / "durable")
+    run_ranks(_repair_in_memory, 4, kind, root, str(tmp_path), bound, timeout_s=240)
+
+
+def _repair_write_dies(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    if rank == 2:
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    # The repaired copy's write (after the load) dies before its manifest, as a crash would
+    # leave it: chunks and index written, nothing listed.
+    commit_copy = SaveSession.commit_copy
+    SaveSession.commit_copy = lambda self, manifest: (_ for _ in ()).throw(OSError("crashed"))
+    try:
+        target = _ranks_own(rank, _blank())
+        loader = _two_nodes(kind, rank, root, base, **tiers)
+        step, report = loader.load(target)
+        wait_written()
+    finally:
+        SaveSession.commit_copy = commit_copy
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    if rank >= 2:
+        (own,) = (Path(base) / "node-1").glob(f"job-*/rank-{rank:05d}")
+        assert list_steps(Store(str(own))) == [], own  # the half-written copy is not listed
+        assert any(p.is_file() for p in own.rglob("chunks/*/*")), own
+    loader.save(3, _ranks_own(rank, _state(10 * rank + 3)))  # retention and saves go on
+    loader.close()
+    torch.distributed.barrier()
+    for want, where in ((2, "peer"), (2, "local"), (3, "local")):  # repaired again, then held
+        target = _ranks_own(rank, _blank())
+        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target, want)
+        assert step == want and _same(target, _ranks_own(rank, _state(10 * rank + want)))
+        assert report.source == (where if rank >= 2 else "local"), (rank, want, report)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_repaired_copy_whose_write_dies_stays_unlisted_and_is_repaired_again(kind, tmp_path):
+    """Issue 36: the write of a repaired copy after the load dies before its manifest (a crash
+    then): the copy stays invisible, later saves and retention go on, and the next load of
+    that step repairs it again from the peer's copy."""
+    root = str(tmp_path / "durable")
+    run_ranks(_repair_write_dies, 4, kind, root, str(tmp_path), timeout_s=240)
 
 
 def _shared_local_dir(rank: int, world: int, kind: str, root: str, base: str) -> None:
