@@ -280,7 +280,14 @@ class SaveWorker:
             future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
             job.handle.durable = future
             self._drains.put(
-                DrainJob(job.step, job.attempt, KIND_STATE, future, keep=job.wait_durable)
+                DrainJob(
+                    job.step,
+                    job.attempt,
+                    KIND_STATE,
+                    future,
+                    keep=job.wait_durable,
+                    copy=self._tiers.last_copy,  # the copy as committed: not read again
+                )
             )
             if job.wait_durable:
                 future.result()  # its error fails the save: it is not durable

@@ -645,7 +645,9 @@ class StoreWriter(StorageWriter, PooledStager):
             self._durable[target.step] = future
             for step in [s for s, f in self._durable.items() if f.done()][:-16]:
                 del self._durable[step]  # keep the newest done ones only
-        self._drains.put(DrainJob(target.step, target.attempt, KIND_DCP, future))
+        assert self._tiers is not None
+        copy = self._tiers.last_copy  # the copy as committed: not read again
+        self._drains.put(DrainJob(target.step, target.attempt, KIND_DCP, future, copy=copy))
 
     # -- durability ---------------------------------------------------------------------------
 

@@ -140,6 +140,10 @@ class SaveSession:
         self.known: dict[str, ChunkInfo] | None = None
         """Chunks this save may reference without asking the store (set by ``learn``): those
         of the rank's index in the latest committed step, and those this save wrote."""
+        self.index_written: tuple[RankIndex, bytes] | None = None
+        """The index ``put_index`` wrote, and its bytes (a tier copy hands them on)."""
+        self.manifest_written: tuple[Manifest, bytes] | None = None
+        """The manifest ``commit`` wrote, and its bytes (a tier copy hands them on)."""
 
     def begin(self, rank: int = 0) -> dict[int, LatestIndex]:
         """On the coordinator (``rank``): take the save's lease, which covers every rank, and
@@ -265,6 +269,7 @@ class SaveSession:
         data = encode_rank_index(index)
         key = rank_index_key(self.step, self.attempt, rank)
         self.store.put(key, data)
+        self.index_written = (index, data)
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
         policy = self.engine.health
         health = summarize(rank, entries, tensor_names(index), policy.norm_groups, policy.ignore)
@@ -314,6 +319,7 @@ class SaveSession:
         if self.lease is not None:
             self.lease.check()
         self._put_manifest(manifest.step, data)
+        self.manifest_written = (manifest, data)
         if health is not None and not health["healthy"]:
             logger.warning("%s (committed to %s)", health_line(self.step, health), self.store.uri)
         logger.info(
@@ -345,6 +351,12 @@ class SaveSession:
         if self.lease is not None:
             self.lease.check()
         self._put_manifest(self.step, manifest)
+
+    def hand_over_lease(self) -> Lease | None:
+        """The save's lease, which the caller now holds and releases (a tier copy keeps it
+        through the phases after its commit); ``release`` then releases nothing."""
+        lease, self.lease = self.lease, None
+        return lease
 
     def release(self) -> None:
         """Give the lease up once every put that may still land has (a manifest put abandoned
