@@ -546,7 +546,7 @@ class StoreWriter(StorageWriter, PooledStager):
                     return []
                 written = done.written
                 if written is not None:
-                    self._tiers.copy_to_peers(target.step, target.attempt)
+                    self._tiers.copy_to_peers(target.step, target.attempt, drain=target.durable)
                     written = dataclasses.replace(written, rank=self.rank)  # rank 0's there
                     if target.durable:
                         self._queue_drain(target)
@@ -646,7 +646,7 @@ class StoreWriter(StorageWriter, PooledStager):
             for step in [s for s, f in self._durable.items() if f.done()][:-16]:
                 del self._durable[step]  # keep the newest done ones only
         assert self._tiers is not None
-        copy = self._tiers.last_copy  # the copy as committed: not read again
+        copy = self._tiers.take_copy()  # as committed, and its lease
         self._drains.put(DrainJob(target.step, target.attempt, KIND_DCP, future, copy=copy))
 
     # -- durability ---------------------------------------------------------------------------

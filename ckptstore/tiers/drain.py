@@ -64,7 +64,8 @@ def drain_rank(
     """Copy ``rank``'s local copy of ``session``'s step and attempt into ``session``'s store,
     and put its index there. ``group``: the ranks draining together (every one calling): a
     chunk several of them hold is copied by one of them (``save.once``). ``copy``: that copy
-    as its local commit wrote it (its manifest and index are then not read again)."""
+    as its local commit wrote it (its manifest and index are then not read again), and that
+    commit's lease of the local store, held until here and released here."""
     store = local.store(rank)
     step, attempt = session.step, session.attempt
     known = session.known if session.known is not None else {}
@@ -73,13 +74,16 @@ def drain_rank(
     error: BaseException | None = None
     held: list[tuple[str, int]] = []
     try:
-        lease = _drain_lease(store, local, step, attempt)
+        if copy is None or copy.lease is None or not copy.names(rank, step, attempt):
+            lease = _drain_lease(store, local, step, attempt)
         manifest, index, metadata = _local_copy(store, local, rank, step, attempt, copy)
         held = sorted((digest, info.raw) for digest, info in index.chunks.items())
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
         if not together:
             if lease is not None:
                 lease.release()
+            if copy is not None:
+                copy.release()
             raise
         error = exc
     try:
@@ -115,6 +119,8 @@ def drain_rank(
     finally:
         if lease is not None:
             lease.release()
+        if copy is not None:
+            copy.release()  # the local commit's lease, held until the copy was read
 
 
 def _local_copy(
@@ -210,7 +216,9 @@ class DrainJob:
     kind: str
     future: Future[None]
     keep: bool = False  # never superseded: a save that waits for its drain (after SIGTERM)
-    copy: CommittedCopy | None = None  # this rank's copy as its local commit wrote it
+    copy: CommittedCopy | None = None
+    """This rank's copy as its local commit wrote it, with that commit's lease of the local
+    store, held until the drain is over (``TierSaver.take_copy``)."""
 
 
 class DrainQueue:
@@ -323,6 +331,8 @@ class DrainQueue:
             self._fail(job, exc)
         finally:
             self.local.unprotect(job.step)
+            if job.copy is not None:
+                job.copy.release()
 
     def _fail(self, job: DrainJob, exc: BaseException) -> None:
         logger.warning(
@@ -333,6 +343,8 @@ class DrainQueue:
             one_line(exc),
         )
         job.future.set_exception(exc)
+        if job.copy is not None:
+            job.copy.release()
         with self._lock:
             self._failures.append((job.step, exc))
 
@@ -354,6 +366,8 @@ class DrainQueue:
             )
         )
         self.local.unprotect(job.step)
+        if job.copy is not None:
+            job.copy.release()
 
     def _drain(self, job: DrainJob) -> None:
         """Commit ``job``'s step to durable storage from every rank's local copy."""

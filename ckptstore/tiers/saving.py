@@ -71,12 +71,16 @@ class TierSaver:
         self.last_peer_copy: TransferStats | None = None
         self.last_copy: CommittedCopy | None = None
         """This rank's copy of the last step committed locally; its ``lease`` (the local
-        commit's) is held until ``copy_to_peers`` has sent it."""
+        commit's) is held until ``copy_to_peers`` has sent it, or the drain that
+        ``take_copy`` handed it to has read it."""
         self._failure_logged = False
+        # Fixed for the job: every rank's peer copies (source, holder), this rank's wards.
+        self._pairs = [(r, h) for r in range(group.world_size) for h in _holders(topology, r)]
+        self._wards = [self.rank] + (topology.wards(self.rank) if topology else [])
 
     def wards(self) -> list[int]:
         """This rank and the ranks whose copies it holds."""
-        return [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
+        return list(self._wards)
 
     def drop_stale(self, step: int) -> None:
         """Before ``step`` is saved: the copies of it and of later steps that this process did
@@ -171,9 +175,8 @@ class TierSaver:
                 committed = heard.ok
         finally:
             if session is not None:
-                if committed:  # its lease is held through the peer copy, if there is one
-                    keep = self.topology is not None
-                    self.last_copy = _committed(session, self.rank, dcp_metadata, keep)
+                if committed:  # its lease is held through the peer copy (and a drain)
+                    self.last_copy = _committed(session, self.rank, dcp_metadata, keep=True)
                 session.release()
         if not heard.ok:
             self._log_not_committed(step, heard)
@@ -182,8 +185,8 @@ class TierSaver:
         self.committed.add(step)
         if protect:
             local.protect(step)  # until drained
-        # The step is kept, so its chunks are: the lease held for its peer copy need not stop
-        # this sweep of the others.
+        # The step is kept, so its chunks are: the lease held for its peer copy and drain need
+        # not stop this sweep of the others.
         local.retain(self.rank, keep={step}, ignore_attempts={attempt})
         return LocalCommit(written, payloads, StepHealth.of(step, health), self.last_copy)
 
@@ -226,26 +229,34 @@ class TierSaver:
         if self.last_copy is not None:
             self.last_copy.release()
 
-    def copy_to_peers(self, step: int, attempt: str) -> None:
+    def take_copy(self) -> CommittedCopy | None:
+        """The last local commit's copy and its lease, which the caller (the step's drain,
+        ``DrainJob.copy``) now holds and releases."""
+        copy, self.last_copy = self.last_copy, None
+        return copy
+
+    def copy_to_peers(self, step: int, attempt: str, *, drain: bool = False) -> None:
         """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is
         logged once by rank 0, the save stands (restore falls back to other tiers). This rank's
         copy is sent as its local commit wrote it (``last_copy``), under that commit's lease,
-        released here."""
-        if self.topology is None:
-            return
-        transfers = [
-            Transfer(r, h, r, step, attempt)
-            for r in range(self.group.world_size)
-            for h in self.topology.holders(r)
-        ]
+        released here, or with ``drain`` (the step's drain is queued next, with
+        ``take_copy()``) kept for the drain: one lease on the local store per save."""
+        try:
+            if self.topology is not None:
+                self._copy_to_peers(step, attempt)
+        except BaseException:
+            self.release_copy()  # no drain follows
+            raise
+        if not drain:
+            self.release_copy()
+
+    def _copy_to_peers(self, step: int, attempt: str) -> None:
+        transfers = [Transfer(r, h, r, step, attempt) for r, h in self._pairs]
         mine = self.last_copy
         if mine is not None and not mine.names(self.rank, step, attempt):
             mine = None
-        try:
-            self.group.check("the peer copies")  # a rank lost before: the next save fails
-            outcomes = self._transfer(step, transfers, mine)
-        finally:
-            self.release_copy()
+        self.group.check("the peer copies")  # a rank lost before: the next save fails
+        outcomes = self._transfer(step, transfers, mine)
         failed = [e for e in outcomes.values() if e is not None]
         if failed and self.rank == 0:
             logger.warning(
@@ -277,8 +288,12 @@ class TierSaver:
         return outcomes
 
 
+def _holders(topology: Topology | None, rank: int) -> list[int]:
+    return topology.holders(rank) if topology is not None else []
+
+
 def _committed(
-    session: SaveSession, rank: int, dcp_metadata: bytes | None, keep: bool
+    session: SaveSession, rank: int, dcp_metadata: bytes | None, *, keep: bool
 ) -> CommittedCopy | None:
     """``rank``'s copy as ``session`` committed it, with its ``dcp_metadata`` (None if the
     session wrote no manifest); with ``keep``, the session's lease goes with it."""
