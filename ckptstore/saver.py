@@ -273,7 +273,7 @@ class SaveWorker:
         """A step committed to the local tier: copies to peers, then a drain to durable storage
         if the step is bound for it."""
         assert self._tiers is not None
-        self._tiers.copy_to_peers(job.step, job.attempt, drain=job.durable)
+        copy = self._tiers.copy_to_peers(job.step, job.attempt, drain=job.durable)
         self.last_peer_copy = self._tiers.last_peer_copy
         if job.durable:
             assert self._drains is not None
@@ -286,7 +286,7 @@ class SaveWorker:
                     KIND_STATE,
                     future,
                     keep=job.wait_durable,
-                    copy=self._tiers.take_copy(),  # as committed, and its lease
+                    copy=copy,  # as committed, and its lease
                 )
             )
             if job.wait_durable:

@@ -30,10 +30,6 @@ class CommittedCopy:
     metadata: bytes = b""  # a DCP copy's metadata object, b"" for a state copy
     lease: Lease | None = None
 
-    def names(self, ward: int, step: int, attempt: str) -> bool:
-        """Whether this is ``ward``'s copy of ``step`` (``attempt``)."""
-        return (self.ward, self.step, self.attempt) == (ward, step, attempt)
-
     def release(self) -> None:
         """Give up the local commit's lease, once every put that may still land has."""
         lease, self.lease = self.lease, None

@@ -70,20 +70,22 @@ def drain_rank(
     step, attempt = session.step, session.attempt
     known = session.known if session.known is not None else {}
     together = group is not None and group.active
+    if copy is not None and (copy.ward, copy.step, copy.attempt) != (rank, step, attempt):
+        copy = None
     lease = None
+    if copy is not None:
+        lease, copy.lease = copy.lease, None  # the local commit's, released here
     error: BaseException | None = None
     held: list[tuple[str, int]] = []
     try:
-        if copy is None or copy.lease is None or not copy.names(rank, step, attempt):
+        if lease is None:
             lease = _drain_lease(store, local, step, attempt)
         manifest, index, metadata = _local_copy(store, local, rank, step, attempt, copy)
         held = sorted((digest, info.raw) for digest, info in index.chunks.items())
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
         if not together:
             if lease is not None:
-                lease.release()
-            if copy is not None:
-                copy.release()
+                lease.release_when_settled(0.0)
             raise
         error = exc
     try:
@@ -118,9 +120,7 @@ def drain_rank(
         return Drained(written_ref, user, metadata)
     finally:
         if lease is not None:
-            lease.release()
-        if copy is not None:
-            copy.release()  # the local commit's lease, held until the copy was read
+            lease.release_when_settled(0.0)
 
 
 def _local_copy(
@@ -128,7 +128,7 @@ def _local_copy(
 ) -> tuple[Manifest, RankIndex, bytes | None]:
     """The manifest, index and DCP metadata of ``rank``'s copy of ``step``: ``copy``'s, as
     the local commit wrote them, else read from ``store`` (under the drain's lease)."""
-    if copy is not None and copy.names(rank, step, attempt):
+    if copy is not None:
         metadata = copy.metadata if copy.manifest.dcp_metadata is not None else None
         return copy.manifest, copy.index, metadata
     manifest = load_manifest(store, step)
@@ -331,8 +331,8 @@ class DrainQueue:
             self._fail(job, exc)
         finally:
             self.local.unprotect(job.step)
-            if job.copy is not None:
-                job.copy.release()
+            if job.copy is not None and job.copy.lease is not None:
+                job.copy.release()  # not drained: the local commit's lease
 
     def _fail(self, job: DrainJob, exc: BaseException) -> None:
         logger.warning(

@@ -70,9 +70,8 @@ class TierSaver:
         self.committed: set[int] = set()  # steps this process committed to the local tiers
         self.last_peer_copy: TransferStats | None = None
         self.last_copy: CommittedCopy | None = None
-        """This rank's copy of the last step committed locally; its ``lease`` (the local
-        commit's) is held until ``copy_to_peers`` has sent it, or the drain that
-        ``take_copy`` handed it to has read it."""
+        """This rank's copy of the step it last committed locally, until ``copy_to_peers``;
+        its ``lease`` (the local commit's) is held until then."""
         self._failure_logged = False
         # Fixed for the job: every rank's peer copies (source, holder), this rank's wards.
         self._pairs = [(r, h) for r in range(group.world_size) for h in _holders(topology, r)]
@@ -133,7 +132,6 @@ class TierSaver:
         heard of it. ``protect``: keep the copy until a drain has read it."""
         local = self.local
         self.release_copy()  # a step whose peer copy never came
-        self.last_copy = None
         session: SaveSession | None = None
         written: RankWritten | None = None
         shared: bytes | None = None
@@ -226,21 +224,19 @@ class TierSaver:
 
     def release_copy(self) -> None:
         """Give up the lease the last local commit holds for its peer copy, if it still does."""
-        if self.last_copy is not None:
-            self.last_copy.release()
-
-    def take_copy(self) -> CommittedCopy | None:
-        """The last local commit's copy and its lease, which the caller (the step's drain,
-        ``DrainJob.copy``) now holds and releases."""
         copy, self.last_copy = self.last_copy, None
-        return copy
+        if copy is not None:
+            copy.release()
 
-    def copy_to_peers(self, step: int, attempt: str, *, drain: bool = False) -> None:
+    def copy_to_peers(
+        self, step: int, attempt: str, *, drain: bool = False
+    ) -> CommittedCopy | None:
         """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is
         logged once by rank 0, the save stands (restore falls back to other tiers). This rank's
         copy is sent as its local commit wrote it (``last_copy``), under that commit's lease,
-        released here, or with ``drain`` (the step's drain is queued next, with
-        ``take_copy()``) kept for the drain: one lease on the local store per save."""
+        released here; with ``drain`` (the step's drain is queued next) the copy and its lease
+        are returned instead, for the drain (``DrainJob.copy``), which releases it: one lease
+        on the local store per save."""
         try:
             if self.topology is not None:
                 self._copy_to_peers(step, attempt)
@@ -249,11 +245,14 @@ class TierSaver:
             raise
         if not drain:
             self.release_copy()
+            return None
+        copy, self.last_copy = self.last_copy, None
+        return copy
 
     def _copy_to_peers(self, step: int, attempt: str) -> None:
         transfers = [Transfer(r, h, r, step, attempt) for r, h in self._pairs]
         mine = self.last_copy
-        if mine is not None and not mine.names(self.rank, step, attempt):
+        if mine is not None and (mine.step, mine.attempt) != (step, attempt):
             mine = None
         self.group.check("the peer copies")  # a rank lost before: the next save fails
         outcomes = self._transfer(step, transfers, mine)

@@ -159,7 +159,7 @@ class _Exchange:
 
     def open_source(self, t: Transfer, copy: CommittedCopy | None = None) -> _Outgoing:
         out = _Outgoing(t)
-        if copy is not None and copy.names(t.ward, t.step, t.attempt):
+        if copy is not None and (copy.ward, copy.step, copy.attempt) == (t.ward, t.step, t.attempt):
             # As the local commit just wrote it, under its lease, which the caller holds until
             # the transfer ends: nothing read back.
             out.index = copy.index
