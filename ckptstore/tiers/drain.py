@@ -331,10 +331,10 @@ class DrainQueue:
             self._fail(job, exc)
         finally:
             self.local.unprotect(job.step)
-            if job.copy is not None and job.copy.lease is not None:
-                job.copy.release()  # not drained: the local commit's lease
+            _let_go(job)
 
     def _fail(self, job: DrainJob, exc: BaseException) -> None:
+        _let_go(job)  # before its future is done: a waiter finds the lease released
         logger.warning(
             "rank %d: step %d was not drained to %s (its local copies stay): %s",
             self.group.rank,
@@ -343,14 +343,13 @@ class DrainQueue:
             one_line(exc),
         )
         job.future.set_exception(exc)
-        if job.copy is not None:
-            job.copy.release()
         with self._lock:
             self._failures.append((job.step, exc))
 
     def _supersede(self, job: DrainJob, newest: int) -> None:
         level = logging.INFO if self._superseded_logged else logging.WARNING
         self._superseded_logged = True
+        _let_go(job)
         logger.log(
             level,
             "rank %d: drains to %s fall behind saves: step %d is not drained, step %d is next",
@@ -366,8 +365,6 @@ class DrainQueue:
             )
         )
         self.local.unprotect(job.step)
-        if job.copy is not None:
-            job.copy.release()
 
     def _drain(self, job: DrainJob) -> None:
         """Commit ``job``'s step to durable storage from every rank's local copy."""
@@ -393,3 +390,9 @@ class DrainQueue:
             user=lambda: drained[0].user,
             dcp_metadata=lambda: drained[0].dcp_metadata,
         )
+
+
+def _let_go(job: DrainJob) -> None:
+    """The local commit's lease of a step not drained (failed, superseded), if still held."""
+    if job.copy is not None and job.copy.lease is not None:
+        job.copy.release()
