@@ -64,7 +64,7 @@ from ckptstore.format import (
     rank_index_key,
     split_dcp_item_key,
 )
-from ckptstore.health import ChunkScan, RankHealth, StepHealth, summarize, to_commit, verdict
+from ckptstore.health import ChunkScan, RankHealth, StepHealth, rank_health, to_commit, verdict
 from ckptstore.health import one_line as health_line
 from ckptstore.leases import SAVE, Lease, wait_for_gc
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
@@ -144,6 +144,8 @@ class SaveSession:
         """The index ``put_index`` wrote, and its bytes (a tier copy hands them on)."""
         self.manifest_written: tuple[Manifest, bytes] | None = None
         """The manifest ``commit`` wrote, and its bytes (a tier copy hands them on)."""
+        self._scans: list[tuple[list[TensorEntry], ChunkScan]] = []
+        """Each ``write``'s entries and health scan, whose results ``put_index`` records."""
 
     def begin(self, rank: int = 0) -> dict[int, LatestIndex]:
         """On the coordinator (``rank``): take the save's lease, which covers every rank, and
@@ -221,10 +223,11 @@ class SaveSession:
     ) -> tuple[list[TensorEntry], dict[str, ChunkInfo]]:
         """Put the chunks of ``layout`` (slices of ``buffer``, whose copy is done); the entries
         of ``tensors`` (laid out at ``layout.offsets``) and the chunks written or found, each
-        floating tensor's health scanned from ``buffer`` (``health``: already scanned where
-        the state was staged on a device). ``group``: the ranks saving together (every rank
-        calling, each having learnt): a chunk several of them hold is put by one of them
-        (``pipeline.write_chunks_once``)."""
+        floating tensor's health scanned from ``buffer`` as its chunks are hashed and recorded
+        in its entry by ``put_index``, with the rank's (``health``: already scanned where the
+        state was staged on a device, recorded here). ``group``: the ranks saving together
+        (every rank calling, each having learnt): a chunk several of them hold is put by one of
+        them (``pipeline.write_chunks_once``)."""
         engine = self.engine
         scan = None
         if engine.health.scan and health is None:
@@ -242,10 +245,10 @@ class SaveSession:
             digests, chunks = write_chunks_once(*args, group, **options)
         else:
             digests, chunks = write_chunks(*args, **options)
-        if scan is not None:
-            health = scan.result()
         entries = tensor_entries(tensors, layout, digests)
-        if engine.health.scan and health is not None:
+        if scan is not None:
+            self._scans.append((entries, scan))  # recorded in ``entries`` by ``put_index``
+        elif engine.health.scan and health is not None:
             for entry, h in zip(entries, health):
                 entry.health = h
         return entries, chunks
@@ -261,18 +264,21 @@ class SaveSession:
         items: dict[str, int] | None = None,
     ) -> RankWritten:
         """Put the rank's index: a state save's ``tree`` (``numpy``: the tensors that were
-        numpy arrays, marked in their entries) or a DCP save's ``items``. A lapsed lease is
+        numpy arrays, marked in their entries) or a DCP save's ``items``, each entry with the
+        health its ``write`` scanned; what the rank wrote, its health summed. A lapsed lease is
         found by ``commit``, before anything references the index."""
         for i in numpy:
             entries[i].numpy = True
         index = RankIndex(rank=rank, tensors=entries, chunks=chunks, tree=tree, items=items)
+        names = tensor_names(index)
+        policy = self.engine.health
+        scans, self._scans = self._scans, []
+        health = rank_health(rank, scans, entries, names, policy.norm_groups, policy.ignore)
         data = encode_rank_index(index)
         key = rank_index_key(self.step, self.attempt, rank)
         self.store.put(key, data)
         self.index_written = (index, data)
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
-        policy = self.engine.health
-        health = summarize(rank, entries, tensor_names(index), policy.norm_groups, policy.ignore)
         return RankWritten(rank, object_ref(key, data), sizes, health)
 
     def commit(
