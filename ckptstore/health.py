@@ -338,6 +338,23 @@ def summarize(
     return out
 
 
+def rank_health(
+    rank: int,
+    scans: list[tuple[list[Any], ChunkScan]],
+    entries: list[Any],
+    names: dict[int, str],
+    groups: dict[str, tuple[str, ...]] | None = None,
+    ignore: tuple[str, ...] = (),
+) -> RankHealth | None:
+    """A rank's health as its index records it: each of ``scans`` (a write's entries and the
+    ``ChunkScan`` taken as their chunks were hashed) recorded in its entries, then the rank's
+    totals over ``entries`` (``summarize``)."""
+    for scanned, scan in scans:
+        for entry, h in zip(scanned, scan.result()):
+            entry.health = h
+    return summarize(rank, entries, names, groups, ignore)
+
+
 def _badness(t: dict) -> tuple:
     return (-(t["nan"] + t["inf"]), t["rank"], t["tensor"])
 

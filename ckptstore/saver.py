@@ -273,14 +273,21 @@ class SaveWorker:
         """A step committed to the local tier: copies to peers, then a drain to durable storage
         if the step is bound for it."""
         assert self._tiers is not None
-        self._tiers.copy_to_peers(job.step, job.attempt)
+        copy = self._tiers.copy_to_peers(job.step, job.attempt, drain=job.durable)
         self.last_peer_copy = self._tiers.last_peer_copy
         if job.durable:
             assert self._drains is not None
             future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM
             job.handle.durable = future
             self._drains.put(
-                DrainJob(job.step, job.attempt, KIND_STATE, future, keep=job.wait_durable)
+                DrainJob(
+                    job.step,
+                    job.attempt,
+                    KIND_STATE,
+                    future,
+                    keep=job.wait_durable,
+                    copy=copy,  # as committed, and its lease
+                )
             )
             if job.wait_durable:
                 future.result()  # its error fails the save: it is not durable

@@ -48,6 +48,7 @@ from ckptstore.save import (
 from ckptstore.save.once import OneRound
 from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store
+from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
@@ -598,10 +599,12 @@ class StoreWriter(StorageWriter, PooledStager):
                     return []
                 written = done.written
                 if written is not None:
-                    self._tiers.copy_to_peers(target.step, target.attempt)
+                    copy = self._tiers.copy_to_peers(
+                        target.step, target.attempt, drain=target.durable
+                    )
                     written = dataclasses.replace(written, rank=self.rank)  # rank 0's there
                     if target.durable:
-                        self._queue_drain(target)
+                        self._queue_drain(target, copy)
             durable = written is None
             if durable:
                 with self._tier_lock:
@@ -689,15 +692,16 @@ class StoreWriter(StorageWriter, PooledStager):
             " (its drain to durable storage is queued)" if target.durable else " only",
         )
 
-    def _queue_drain(self, target: _SaveTarget) -> None:
-        """Every rank queues the step's drain, in save order (the tier lock is held)."""
+    def _queue_drain(self, target: _SaveTarget, copy: CommittedCopy | None) -> None:
+        """Every rank queues the step's drain, in save order (the tier lock is held); ``copy``:
+        this rank's copy as committed, and its local lease (``TierSaver.copy_to_peers``)."""
         assert self._drains is not None
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._plan_lock:
             self._durable[target.step] = future
             for step in [s for s, f in self._durable.items() if f.done()][:-16]:
                 del self._durable[step]  # keep the newest done ones only
-        self._drains.put(DrainJob(target.step, target.attempt, KIND_DCP, future))
+        self._drains.put(DrainJob(target.step, target.attempt, KIND_DCP, future, copy=copy))
 
     # -- durability ---------------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ from ckptstore.format import (
     rank_index_key,
     split_dcp_item_key,
 )
-from ckptstore.health import ChunkScan, RankHealth, StepHealth, summarize, to_commit, verdict
+from ckptstore.health import ChunkScan, RankHealth, StepHealth, rank_health, to_commit, verdict
 from ckptstore.health import one_line as health_line
 from ckptstore.leases import SAVE, Lease, wait_for_gc
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
@@ -140,6 +140,12 @@ class SaveSession:
         self.known: dict[str, ChunkInfo] | None = None
         """Chunks this save may reference without asking the store (set by ``learn``): those
         of the rank's index in the latest committed step, and those this save wrote."""
+        self.index_written: tuple[RankIndex, bytes] | None = None
+        """The index ``put_index`` wrote, and its bytes (a tier copy hands them on)."""
+        self.manifest_written: tuple[Manifest, bytes] | None = None
+        """The manifest ``commit`` wrote, and its bytes (a tier copy hands them on)."""
+        self._scans: list[tuple[list[TensorEntry], ChunkScan]] = []
+        """Each ``write``'s entries and health scan, whose results ``put_index`` records."""
 
     def begin(self, rank: int = 0) -> dict[int, LatestIndex]:
         """On the coordinator (``rank``): take the save's lease, which covers every rank, and
@@ -217,10 +223,11 @@ class SaveSession:
     ) -> tuple[list[TensorEntry], dict[str, ChunkInfo]]:
         """Put the chunks of ``layout`` (slices of ``buffer``, whose copy is done); the entries
         of ``tensors`` (laid out at ``layout.offsets``) and the chunks written or found, each
-        floating tensor's health scanned from ``buffer`` (``health``: already scanned where
-        the state was staged on a device). ``group``: the ranks saving together (every rank
-        calling, each having learnt): a chunk several of them hold is put by one of them
-        (``pipeline.write_chunks_once``)."""
+        floating tensor's health scanned from ``buffer`` as its chunks are hashed and recorded
+        in its entry by ``put_index``, with the rank's (``health``: already scanned where the
+        state was staged on a device, recorded here). ``group``: the ranks saving together
+        (every rank calling, each having learnt): a chunk several of them hold is put by one of
+        them (``pipeline.write_chunks_once``)."""
         engine = self.engine
         scan = None
         if engine.health.scan and health is None:
@@ -238,10 +245,10 @@ class SaveSession:
             digests, chunks = write_chunks_once(*args, group, save=self.attempt, **options)
         else:
             digests, chunks = write_chunks(*args, **options)
-        if scan is not None:
-            health = scan.result()
         entries = tensor_entries(tensors, layout, digests)
-        if engine.health.scan and health is not None:
+        if scan is not None:
+            self._scans.append((entries, scan))  # recorded in ``entries`` by ``put_index``
+        elif engine.health.scan and health is not None:
             for entry, h in zip(entries, health):
                 entry.health = h
         return entries, chunks
@@ -257,17 +264,21 @@ class SaveSession:
         items: dict[str, int] | None = None,
     ) -> RankWritten:
         """Put the rank's index: a state save's ``tree`` (``numpy``: the tensors that were
-        numpy arrays, marked in their entries) or a DCP save's ``items``. A lapsed lease is
+        numpy arrays, marked in their entries) or a DCP save's ``items``, each entry with the
+        health its ``write`` scanned; what the rank wrote, its health summed. A lapsed lease is
         found by ``commit``, before anything references the index."""
         for i in numpy:
             entries[i].numpy = True
         index = RankIndex(rank=rank, tensors=entries, chunks=chunks, tree=tree, items=items)
+        names = tensor_names(index)
+        policy = self.engine.health
+        scans, self._scans = self._scans, []
+        health = rank_health(rank, scans, entries, names, policy.norm_groups, policy.ignore)
         data = encode_rank_index(index)
         key = rank_index_key(self.step, self.attempt, rank)
         self.store.put(key, data)
+        self.index_written = (index, data)
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
-        policy = self.engine.health
-        health = summarize(rank, entries, tensor_names(index), policy.norm_groups, policy.ignore)
         return RankWritten(rank, object_ref(key, data), sizes, health)
 
     def commit(
@@ -314,6 +325,7 @@ class SaveSession:
         if self.lease is not None:
             self.lease.check()
         self._put_manifest(manifest.step, data)
+        self.manifest_written = (manifest, data)
         if health is not None and not health["healthy"]:
             logger.warning("%s (committed to %s)", health_line(self.step, health), self.store.uri)
         logger.info(
@@ -345,6 +357,12 @@ class SaveSession:
         if self.lease is not None:
             self.lease.check()
         self._put_manifest(self.step, manifest)
+
+    def hand_over_lease(self) -> Lease | None:
+        """The save's lease, which the caller now holds and releases (a tier copy keeps it
+        through the phases after its commit); ``release`` then releases nothing."""
+        lease, self.lease = self.lease, None
+        return lease
 
     def release(self) -> None:
         """Give the lease up once every put that may still land has (a manifest put abandoned

@@ -23,17 +23,20 @@ from ckptstore.codec import decode
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     DrainSupersededError,
     ObjectExistsError,
+    ObjectNotFoundError,
     one_line,
 )
-from ckptstore.format import ChunkInfo, chunk_key
+from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.leases import SAVE, Lease
 from ckptstore.pipeline import release_free_memory
 from ckptstore.save.collective import save_collective
 from ckptstore.save.once import gather_stored, share_out
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import Store, set_thread_nice
+from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY
@@ -51,51 +54,59 @@ class Drained:
     dcp_metadata: bytes | None
 
 
-def drain_rank(session: SaveSession, local: LocalTier, rank: int, group: Any = None) -> Drained:
+def drain_rank(
+    session: SaveSession,
+    local: LocalTier,
+    rank: int,
+    group: Any = None,
+    copy: CommittedCopy | None = None,
+) -> Drained:
     """Copy ``rank``'s local copy of ``session``'s step and attempt into ``session``'s store,
     and put its index there. ``group``: the ranks draining together (every one calling): a
-    chunk several of them hold is copied by one of them (``save.once``)."""
+    chunk several of them hold is copied by one of them (``save.once``). ``copy``: that copy
+    as its local commit wrote it (its manifest and index are then not read again), and that
+    commit's lease of the local store, held until here and released here."""
     store = local.store(rank)
     step, attempt = session.step, session.attempt
     known = session.known if session.known is not None else {}
     together = group is not None and group.active
+    if copy is not None and (copy.ward, copy.step, copy.attempt) != (rank, step, attempt):
+        copy = None
     lease = None
+    if copy is not None:
+        lease, copy.lease = copy.lease, None  # the local commit's, released here
     error: BaseException | None = None
     held: list[tuple[str, int]] = []
     try:
-        lease = _drain_lease(store, local, step, attempt)
-        manifest = load_manifest(store, step)
-        if manifest.attempt != attempt or not local.belongs(manifest, rank):
-            raise CheckpointError(
-                f"{store.uri}: step {step} is another save ({manifest.attempt}) than the one "
-                f"to drain ({attempt})"
-            )
-        index = read_rank_index(store, manifest.ranks[0])
+        if lease is None:
+            lease = _drain_lease(store, local, step, attempt)
+        manifest, index, metadata = _local_copy(store, local, rank, step, attempt, copy)
         held = sorted((digest, info.raw) for digest, info in index.chunks.items())
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
         if not together:
             if lease is not None:
-                lease.release()
+                lease.release_when_settled(0.0)
             raise
         error = exc
     try:
         mine = share_out(group, held, known, error) if together else None
         durable = session.store
-        copy = functools.partial(_copy_chunk, session, local, store, known)
+        put = functools.partial(_copy_chunk, session, local, store, known)
         ours = [(d, c) for d, c in sorted(index.chunks.items()) if mine is None or d in mine]
         written: dict[str, ChunkInfo] = {}
         try:
             written = dict(
                 durable.map(
-                    copy,
+                    put,
                     ours,
                     max_concurrency=session.engine.config.encode_threads,
                     drain=True,
                 )
             )
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
+            exc = _dropped(store, step, exc) if copy is not None else exc
             if not together:
-                raise
+                raise exc
             error = exc
         finally:
             release_free_memory()
@@ -106,13 +117,50 @@ def drain_rank(session: SaveSession, local: LocalTier, rank: int, group: Any = N
             rank, index.tensors, chunks, tree=index.tree, items=index.items
         )
         user = {k: v for k, v in manifest.user.items() if k != TIER_KEY}
-        metadata = None
-        if manifest.dcp_metadata is not None:
-            metadata = read_object(store, manifest.dcp_metadata, "DCP metadata")
         return Drained(written_ref, user, metadata)
     finally:
         if lease is not None:
-            lease.release()
+            lease.release_when_settled(0.0)
+
+
+def _local_copy(
+    store: Store, local: LocalTier, rank: int, step: int, attempt: str, copy: CommittedCopy | None
+) -> tuple[Manifest, RankIndex, bytes | None]:
+    """The manifest, index and DCP metadata of ``rank``'s copy of ``step``: ``copy``'s, as
+    the local commit wrote them, else read from ``store`` (under the drain's lease)."""
+    if copy is not None:
+        metadata = copy.metadata if copy.manifest.dcp_metadata is not None else None
+        return copy.manifest, copy.index, metadata
+    manifest = load_manifest(store, step)
+    if manifest.attempt != attempt or not local.belongs(manifest, rank):
+        raise CheckpointError(
+            f"{store.uri}: step {step} is another save ({manifest.attempt}) than the one "
+            f"to drain ({attempt})"
+        )
+    index = read_rank_index(store, manifest.ranks[0])
+    metadata = None
+    if manifest.dcp_metadata is not None:
+        metadata = read_object(store, manifest.dcp_metadata, "DCP metadata")
+    return manifest, index, metadata
+
+
+def _dropped(store: Store, step: int, exc: BaseException) -> BaseException:
+    """A chunk of a copy taken from memory that could not be read: the step dropped from
+    ``store`` meanwhile (an outside gc) is named as such, as a drain that read its manifest
+    would have found it; any other error as it is."""
+    if not isinstance(exc, (CheckpointNotFoundError, ObjectNotFoundError)):
+        return exc
+    try:
+        gone = not store.exists(commit_key(step))
+    except CheckpointError:
+        return exc
+    if not gone:
+        return exc
+    dropped = CheckpointNotFoundError(
+        f"step {step} is not committed in {store.uri} (dropped before its drain read it)"
+    )
+    dropped.__cause__ = exc
+    return dropped
 
 
 def _drain_lease(store: Store, local: LocalTier, step: int, attempt: str) -> Lease:
@@ -168,6 +216,9 @@ class DrainJob:
     kind: str
     future: Future[None]
     keep: bool = False  # never superseded: a save that waits for its drain (after SIGTERM)
+    copy: CommittedCopy | None = None
+    """This rank's copy as its local commit wrote it, with that commit's lease of the local
+    store, held until the drain is over (``TierSaver.take_copy``)."""
 
 
 class DrainQueue:
@@ -280,8 +331,10 @@ class DrainQueue:
             self._fail(job, exc)
         finally:
             self.local.unprotect(job.step)
+            _let_go(job)
 
     def _fail(self, job: DrainJob, exc: BaseException) -> None:
+        _let_go(job)  # before its future is done: a waiter finds the lease released
         logger.warning(
             "rank %d: step %d was not drained to %s (its local copies stay): %s",
             self.group.rank,
@@ -296,6 +349,7 @@ class DrainQueue:
     def _supersede(self, job: DrainJob, newest: int) -> None:
         level = logging.INFO if self._superseded_logged else logging.WARNING
         self._superseded_logged = True
+        _let_go(job)
         logger.log(
             level,
             "rank %d: drains to %s fall behind saves: step %d is not drained, step %d is next",
@@ -324,7 +378,9 @@ class DrainQueue:
             if isinstance(latest, BaseException):
                 raise latest
             session.learn(self.group.rank, latest)
-            drained.append(drain_rank(session, self.local, self.group.rank, self.group))
+            drained.append(
+                drain_rank(session, self.local, self.group.rank, self.group, copy=job.copy)
+            )
             return drained[0].written
 
         save_collective(
@@ -334,3 +390,9 @@ class DrainQueue:
             user=lambda: drained[0].user,
             dcp_metadata=lambda: drained[0].dcp_metadata,
         )
+
+
+def _let_go(job: DrainJob) -> None:
+    """The local commit's lease of a step not drained (failed, superseded), if still held."""
+    if job.copy is not None and job.copy.lease is not None:
+        job.copy.release()

@@ -204,14 +204,18 @@ class LocalTier:
             bad, self._bad = self._bad, set()
         return bad
 
-    def retain(self, ward: int, keep: set[int] = frozenset()) -> None:
+    def retain(
+        self, ward: int, keep: set[int] = frozenset(), ignore_attempts: set[str] = frozenset()
+    ) -> None:
         """``local_keep_last`` for ``ward``'s copies; ``keep`` and a step still to be drained
-        are kept."""
+        are kept. ``ignore_attempts``: the caller's own save leases, which do not stop the
+        sweep (their steps are in ``keep``)."""
         store = self.store(ward)
         try:
             collect(
                 store,
                 keep_last=self.policy.local_keep_last,
+                ignore_attempts=set(ignore_attempts),
                 keep_steps=(self.to_drain() if ward == self.rank else set()) | set(keep),
                 lease_ttl_s=self.engine.lease_ttl_s if self.engine else DEFAULT_TTL_S,
             )

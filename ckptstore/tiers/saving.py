@@ -19,6 +19,7 @@ from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
+from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import Agreement, RankGroup
 from ckptstore.tiers.identity import agree_identity
@@ -38,6 +39,9 @@ class LocalCommit:
     payloads: list[Any]
     health: StepHealth | None = None
     """The step's health over every rank's copy (NaN and Inf; ``ckptstore.health``)."""
+    copy: CommittedCopy | None = None
+    """This rank's committed copy as written (its manifest, index, DCP metadata), for the
+    peer copy and the drain."""
 
     @property
     def skipped(self) -> bool:
@@ -65,11 +69,17 @@ class TierSaver:
         self.rank = group.rank
         self.committed: set[int] = set()  # steps this process committed to the local tiers
         self.last_peer_copy: TransferStats | None = None
+        self.last_copy: CommittedCopy | None = None
+        """This rank's copy of the step it last committed locally, until ``copy_to_peers``;
+        its ``lease`` (the local commit's) is held until then."""
         self._failure_logged = False
+        # Fixed for the job: every rank's peer copies (source, holder), this rank's wards.
+        self._pairs = [(r, h) for r in range(group.world_size) for h in _holders(topology, r)]
+        self._wards = [self.rank] + (topology.wards(self.rank) if topology else [])
 
     def wards(self) -> list[int]:
         """This rank and the ranks whose copies it holds."""
-        return [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
+        return list(self._wards)
 
     def drop_stale(self, step: int) -> None:
         """Before ``step`` is saved: the copies of it and of later steps that this process did
@@ -122,10 +132,13 @@ class TierSaver:
         heard of it. ``protect``: keep the copy until a drain has read it."""
         wait_written()  # a copy a load repaired is committed before stale copies are judged
         local = self.local
+        self.release_copy()  # a step whose peer copy never came
         session: SaveSession | None = None
         written: RankWritten | None = None
         shared: bytes | None = None
         error: BaseException | None = None
+        committed = False
+        dcp_metadata: bytes | None = None  # the save's, as every rank heard it
         try:
             try:
                 if fatal is not None:
@@ -155,10 +168,14 @@ class TierSaver:
             if heard.ok and not to_commit(step, health, action, where, log=self.rank == 0):
                 return LocalCommit(None, payloads, StepHealth.of(step, health, committed=False))
             if heard.ok:
-                error = self._commit_copy(session, written, user, heard)
+                dcp_metadata = next((m for _, m, _, _ in heard.payloads if m), None)
+                error = self._commit_copy(session, written, user, dcp_metadata)
                 heard = self.group.agree(error)
+                committed = heard.ok
         finally:
             if session is not None:
+                if committed:  # its lease is held through the peer copy (and a drain)
+                    self.last_copy = _committed(session, self.rank, dcp_metadata, keep=True)
                 session.release()
         if not heard.ok:
             self._log_not_committed(step, heard)
@@ -167,25 +184,27 @@ class TierSaver:
         self.committed.add(step)
         if protect:
             local.protect(step)  # until drained
-        local.retain(self.rank, keep={step})
-        return LocalCommit(written, payloads, StepHealth.of(step, health))
+        # The step is kept, so its chunks are: the lease held for its peer copy and drain need
+        # not stop this sweep of the others.
+        local.retain(self.rank, keep={step}, ignore_attempts={attempt})
+        return LocalCommit(written, payloads, StepHealth.of(step, health), self.last_copy)
 
     def _commit_copy(
         self,
         session: SaveSession | None,
         written: RankWritten | None,
         user: dict | None,
-        heard: Agreement,
+        dcp_metadata: bytes | None,
     ) -> Exception | None:
-        """This rank's copy committed as a one-rank step, with the save's DCP metadata that
-        ``heard`` carries; the error every rank must hear, if any."""
+        """This rank's copy committed as a one-rank step, with the save's ``dcp_metadata``;
+        the error every rank must hear, if any."""
         try:
             assert session is not None and written is not None
             session.commit(
                 [written],
                 world_size=1,
                 user={**(user or {}), TIER_KEY: self.local.info(self.rank)},
-                dcp_metadata=next((m for _, m, _, _ in heard.payloads if m), None),
+                dcp_metadata=dcp_metadata,
                 apply_policy=False,  # one rank's copy: its policy is the job's
             )
         except Exception as exc:  # noqa: BLE001 - every rank hears of it
@@ -204,30 +223,40 @@ class TierSaver:
             self.durable_uri,
         )
 
-    def copy_to_peers(self, step: int, attempt: str) -> None:
+    def release_copy(self) -> None:
+        """Give up the lease the last local commit holds for its peer copy, if it still does."""
+        copy, self.last_copy = self.last_copy, None
+        if copy is not None:
+            copy.release()
+
+    def copy_to_peers(
+        self, step: int, attempt: str, *, drain: bool = False
+    ) -> CommittedCopy | None:
         """Each rank's committed copy of ``step`` to its holders (collective); a failed copy is
-        logged once by rank 0, the save stands (restore falls back to other tiers)."""
-        if self.topology is None:
-            return
-        transfers = [
-            Transfer(r, h, r, step, attempt)
-            for r in range(self.group.world_size)
-            for h in self.topology.holders(r)
-        ]
-        self.group.check("the peer copies")  # a rank lost before: the next save fails
+        logged once by rank 0, the save stands (restore falls back to other tiers). This rank's
+        copy is sent as its local commit wrote it (``last_copy``), under that commit's lease,
+        released here; with ``drain`` (the step's drain is queued next) the copy and its lease
+        are returned instead, for the drain (``DrainJob.copy``), which releases it: one lease
+        on the local store per save."""
         try:
-            outcomes, self.last_peer_copy = transfer(
-                transfers,
-                group=self.group.group,
-                local=self.local,
-                budget_bytes=self.policy.peer_budget_bytes,
-            )
-        except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
-            try:
-                self.group.check(f"the peer copies of step {step}", exc)
-            except RankLostError as lost:
-                exc = lost
-            outcomes = {t: one_line(exc) for t in transfers}
+            if self.topology is not None:
+                self._copy_to_peers(step, attempt)
+        except BaseException:
+            self.release_copy()  # no drain follows
+            raise
+        if not drain:
+            self.release_copy()
+            return None
+        copy, self.last_copy = self.last_copy, None
+        return copy
+
+    def _copy_to_peers(self, step: int, attempt: str) -> None:
+        transfers = [Transfer(r, h, r, step, attempt) for r, h in self._pairs]
+        mine = self.last_copy
+        if mine is not None and (mine.step, mine.attempt) != (step, attempt):
+            mine = None
+        self.group.check("the peer copies")  # a rank lost before: the next save fails
+        outcomes = self._transfer(step, transfers, mine)
         failed = [e for e in outcomes.values() if e is not None]
         if failed and self.rank == 0:
             logger.warning(
@@ -237,6 +266,53 @@ class TierSaver:
                 len(transfers),
                 failed[0],
             )
+
+    def _transfer(
+        self, step: int, transfers: list[Transfer], mine: CommittedCopy | None
+    ) -> dict[Transfer, str | None]:
+        """Run the peer copies of ``step``; each one's outcome (a lost rank fails them all)."""
+        try:
+            outcomes, self.last_peer_copy = transfer(
+                transfers,
+                group=self.group.group,
+                local=self.local,
+                budget_bytes=self.policy.peer_budget_bytes,
+                source=mine,
+            )
+        except Exception as exc:  # noqa: BLE001 - a lost rank: the local copies stand
+            try:
+                self.group.check(f"the peer copies of step {step}", exc)
+            except RankLostError as lost:
+                exc = lost
+            outcomes = {t: one_line(exc) for t in transfers}
+        return outcomes
+
+
+def _holders(topology: Topology | None, rank: int) -> list[int]:
+    return topology.holders(rank) if topology is not None else []
+
+
+def _committed(
+    session: SaveSession, rank: int, dcp_metadata: bytes | None, *, keep: bool
+) -> CommittedCopy | None:
+    """``rank``'s copy as ``session`` committed it, with its ``dcp_metadata`` (None if the
+    session wrote no manifest); with ``keep``, the session's lease goes with it."""
+    if session.index_written is None or session.manifest_written is None:
+        return None
+    manifest, manifest_bytes = session.manifest_written
+    index, index_bytes = session.index_written
+    metadata = dcp_metadata if manifest.dcp_metadata is not None and dcp_metadata else b""
+    return CommittedCopy(
+        rank,
+        session.step,
+        session.attempt,
+        manifest,
+        manifest_bytes,
+        index,
+        index_bytes,
+        metadata,
+        session.hand_over_lease() if keep else None,
+    )
 
 
 def _raise_if_stopped(step: int, heard: Agreement, fatal: BaseException | None) -> None:

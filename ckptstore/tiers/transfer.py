@@ -59,6 +59,7 @@ from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import drop_step
 from ckptstore.save.session import SaveSession
 from ckptstore.shared_read import cut_rounds
+from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.restore import PEER, LoadReport
 
@@ -211,8 +212,20 @@ class _Exchange:
 
     # -- the source side ----------------------------------------------------------------------
 
-    def open_source(self, t: Transfer) -> _Outgoing:
+    def open_source(self, t: Transfer, copy: CommittedCopy | None = None) -> _Outgoing:
         out = _Outgoing(t)
+        if copy is not None and (copy.ward, copy.step, copy.attempt) == (t.ward, t.step, t.attempt):
+            # As the local commit just wrote it, under its lease, which the caller holds until
+            # the transfer ends: nothing read back.
+            out.index = copy.index
+            out.header = copy.manifest_bytes + copy.index_bytes + copy.metadata
+            out.sizes = (
+                len(copy.manifest_bytes),
+                len(copy.index_bytes),
+                len(copy.index.chunks),
+                len(copy.metadata),
+            )
+            return out
         store = self.local.store(t.ward)
         try:
             # Under a save lease no sweep removes the chunks while they are sent.
@@ -634,12 +647,18 @@ def _put_copy_object(store: Any, key: str, data: bytes, *, repair: bool) -> None
 
 
 def transfer(
-    transfers: list[Transfer], *, group: Any, local: LocalTier, budget_bytes: int
+    transfers: list[Transfer],
+    *,
+    group: Any,
+    local: LocalTier,
+    budget_bytes: int,
+    source: CommittedCopy | None = None,
 ) -> tuple[dict[Transfer, str | None], TransferStats]:
     """Run ``transfers`` (collective over ``group``: same list on every rank); each one's
     outcome (None: the destination holds the copy, committed) as every rank sees it, and what
-    this rank moved."""
-    outcomes, stats, _ = _run(transfers, group, local, budget_bytes, keep_bytes=-1)
+    this rank moved. ``source``: a copy this rank sends as its local commit wrote it, under
+    that commit's lease (the caller's); any other is read from its store under a lease."""
+    outcomes, stats, _ = _run(transfers, group, local, budget_bytes, keep_bytes=-1, source=source)
     return outcomes, stats
 
 
@@ -649,14 +668,19 @@ def _deferred(inc: _Incoming) -> bool:
 
 
 def _run(
-    transfers: list[Transfer], group: Any, local: LocalTier, budget_bytes: int, keep_bytes: int
+    transfers: list[Transfer],
+    group: Any,
+    local: LocalTier,
+    budget_bytes: int,
+    keep_bytes: int,
+    source: CommittedCopy | None = None,
 ) -> tuple[dict[Transfer, str | None], TransferStats, dict[int, RepairedCopy]]:
     """``transfer``; a repair whose copy takes at most ``keep_bytes`` stays in memory, its
     ``RepairedCopy`` returned by ward (to be written by ``write_local``), the others written."""
     t0 = time.perf_counter()
     ex = _Exchange(group, local, budget_bytes, keep_bytes)
     me = ex.rank
-    outgoing = [ex.open_source(t) for t in transfers if t.src == me]
+    outgoing = [ex.open_source(t, source) for t in transfers if t.src == me]
     incoming = [ex.open_destination(t) for t in transfers if t.dst == me]
     exchanged = False
     try:
