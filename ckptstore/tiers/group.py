@@ -158,7 +158,7 @@ class RankGroup:
                     )
                     raise self.lost
                 time.sleep(pause)
-                pause = min(pause * 2, 0.2)
+                pause = min(pause * 2, 0.01)  # a longer pause overshoots the last arrival
         except RankLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
