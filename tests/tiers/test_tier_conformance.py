@@ -557,16 +557,24 @@ def _ranks_own(rank: int, state: dict[str, Any]) -> dict[str, Any]:
     return {f"{k}{rank}": v for k, v in state.items()}
 
 
-def _peer_repair(rank: int, world: int, kind: str, root: str, base: str) -> None:
-    tiers = dict(peer_copies=1, durable_every=5, peer_budget_bytes=8 * CHUNK)
+def _save_two_then_replace_node_1(
+    kind: str, rank: int, root: str, base: str, tiers: dict[str, Any]
+) -> None:
+    """Steps 1 (durable) and 2 (in the local tiers and their peer copies only) saved by every
+    rank of two nodes; then node 1 is replaced: its local dir is gone."""
     front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):  # 1 durable, 2 in the local tiers and their peer copies only
+    for step in (1, 2):
         front.save(step, _ranks_own(rank, _state(10 * rank + step)))
     front.close()
     torch.distributed.barrier()
-    if rank == 2:  # node 1 is replaced: its local dir is gone
+    if rank == 2:
         shutil.rmtree(Path(base) / "node-1")
     torch.distributed.barrier()
+
+
+def _peer_repair(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5, peer_budget_bytes=8 * CHUNK)
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
     target = _ranks_own(rank, _blank())
     step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
     want = _ranks_own(rank, _state(10 * rank + 2))
@@ -610,14 +618,7 @@ def _chunk_reads(where: str):
 
 def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bound: int) -> None:
     tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=bound)
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):  # 1 durable, 2 in the local tiers and their peer copies only
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.close()
-    torch.distributed.barrier()
-    if rank == 2:  # node 1 is replaced: its local dir is gone
-        shutil.rmtree(Path(base) / "node-1")
-    torch.distributed.barrier()
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
     target = _ranks_own(rank, _blank())
     loader = _two_nodes(kind, rank, root, base, **tiers)
     with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
