@@ -119,7 +119,7 @@ class _Incoming:
     error: str | None = None
     held: bool = False  # the step is already there, this very save
     want: list[str] = field(default_factory=list)
-    kept: dict[str, bytes] | None = None  # a repair held in memory: digest -> verified bytes
+    kept: dict[str, Any] | None = None  # a repair held in memory: digest -> verified bytes
     decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
 
 
@@ -137,7 +137,7 @@ class RepairedCopy:
     index: RankIndex
     index_bytes: bytes
     metadata: bytes | None
-    chunks: dict[str, bytes]
+    chunks: dict[str, Any]  # bytes, or views of the round buffers they arrived in
     _write: Callable[[], None] | None = field(default=None, repr=False)
 
     def fetch(self, digest: str, info: ChunkInfo | None = None) -> np.ndarray:
@@ -359,7 +359,7 @@ class _Exchange:
                         continue
                     decode(data, expected_hash=digest, name=sibling.url(key), raw_len=info.raw)
                     if inc.kept is not None:
-                        inc.kept[digest] = bytes(data)
+                        inc.kept[digest] = data
                         return None
                     store.put(key, data)
                 except ObjectExistsError:
@@ -394,7 +394,7 @@ class _Exchange:
             name = f"chunk {digest} of rank {inc.t.ward} from rank {inc.t.src}"
             decode(data, expected_hash=digest, name=name, raw_len=info.raw)
             if inc.kept is not None:
-                inc.kept[digest] = bytes(data)
+                inc.kept[digest] = data  # a view: the round's buffer stays for the load
             else:
                 _put_chunk(store, digest, info, data, repair=inc.t.repair)
             self.stats.chunks_received += 1

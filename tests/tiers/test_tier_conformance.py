@@ -659,14 +659,7 @@ def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(kind, bou
 
 def _repair_write_dies(rank: int, world: int, kind: str, root: str, base: str) -> None:
     tiers = dict(peer_copies=1, durable_every=5)
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.close()
-    torch.distributed.barrier()
-    if rank == 2:
-        shutil.rmtree(Path(base) / "node-1")
-    torch.distributed.barrier()
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
     # The repaired copy's write (after the load) dies before its manifest, as a crash would
     # leave it: chunks and index written, nothing listed.
     commit_copy = SaveSession.commit_copy
