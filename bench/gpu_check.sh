@@ -14,6 +14,10 @@
 # most): run PARTS="test save first", then PARTS="restore loop", each with its own $OUT. On a cpu
 # the loop part runs the cpu step kinds, not the GPU training loop: its target reads null.
 set -u
+case "${1:-}" in
+-h | --help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+?*) echo "bench/gpu_check.sh takes no arguments (settings are variables: see --help)" >&2; exit 2 ;;
+esac
 DEVICE=${DEVICE:-cuda}
 SIZE=${SIZE:-8GiB}
 LOOP_SIZE=${LOOP_SIZE:-1GiB}
