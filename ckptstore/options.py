@@ -164,8 +164,8 @@ class TierOptions:
     local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST
     """Retention of each store in ``local_dir`` (a step still to be drained is kept)."""
     peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES
-    """A peer copy or repair moves chunks in rounds of at most this many bytes per transfer (a
-    larger chunk alone): the bound of each transfer's round buffer."""
+    """A peer copy or repair moves chunks in rounds, two in flight per transfer: the bound of
+    each transfer's two round buffers together (a chunk larger than half of it goes alone)."""
     repair_memory_bytes: int = DEFAULT_REPAIR_MEMORY_BYTES
     """A load that repairs this rank's copy from a peer's (its node was wiped) keeps the
     received chunks in memory, verified once, and loads from them; the copy is written to

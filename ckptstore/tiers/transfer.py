@@ -9,11 +9,13 @@ manifest, the manifest written last, under a save lease of its store.
 
 Per transfer: the source sends the manifest and index (and a DCP copy's metadata); the destination answers with the chunks
 it lacks (those of its newest copy of that ward are known stored: ``SaveSession.begin``); the
-source sends those in rounds of at most ``budget_bytes`` (a larger chunk alone), each chunk
-followed by a status byte; the destination decodes and hashes every chunk before it writes it
-(a bad byte never enters a tier, where later saves would reuse it), then writes index and
-manifest. Memory: one round buffer per transfer a rank takes part in, at most ``budget_bytes``
-plus one chunk each. A failure (unreadable source, bad chunk, full disk) fails that transfer
+source sends those in rounds of at most half of ``budget_bytes`` (a larger chunk alone), each
+chunk from its store's mapped pages (no copy), then a status byte per chunk; two rounds are in
+flight: one crosses while the destination checks the last. The destination decodes and hashes
+every chunk before it writes it (a bad byte never enters a tier, where later saves would reuse
+it), then writes index and manifest. Memory: two receive buffers per transfer a rank receives,
+reused round after round, at most ``budget_bytes`` together (or two chunks, where a chunk is
+larger than half of it). A failure (unreadable source, bad chunk, full disk) fails that transfer
 alone, after every rank finished the exchange; the outcomes are agreed by every rank.
 
 A load's repair (``restore_copies``) whose copy's stored chunks take at most
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +94,8 @@ class TransferStats:
     chunks_received: int = 0
     chunks_already_held: int = 0
     chunks_from_node: int = 0  # taken from another copy on this node instead of the wire
-    buffer_bytes: int = 0  # the most round-buffer bytes held at once
+    buffer_bytes: int = 0  # the most receive-buffer bytes held at once
+    rounds_in_flight: int = 0  # the most rounds posted and not yet finished at once
     seconds: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -121,6 +125,18 @@ class _Incoming:
     want: list[str] = field(default_factory=list)
     kept: dict[str, Any] | None = None  # a repair held in memory: digest -> verified bytes
     decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
+    buffers: list[torch.Tensor] = field(default_factory=list)  # ``_ring``'s, when not kept
+
+
+@dataclass
+class _Posted:
+    """A round ``post_round`` started: its sends' and receives' works, what each destination
+    takes from it, the bytes of its receive buffers, and what it sends (mapped pages)."""
+
+    works: list[Any]
+    takes: list[tuple[_Incoming, list[str], torch.Tensor]]
+    nbytes: int
+    sends: list[tuple[torch.Tensor, int]]  # held until the works are done
 
 
 @dataclass
@@ -171,8 +187,24 @@ class _Rounds:
 
 
 def _rounds(digests: list[str], chunks: dict[str, ChunkInfo], budget: int) -> list[list[str]]:
-    """Stored chunks and their status bytes, in rounds of at most ``budget`` bytes."""
-    return cut_rounds([(d, chunks[d].stored + 1) for d in digests], budget)
+    """Stored chunks and their status bytes, in rounds of at most half of ``budget`` bytes (a
+    larger chunk alone): two rounds of a transfer are in flight at once."""
+    return cut_rounds([(d, chunks[d].stored + 1) for d in digests], max(1, budget // 2))
+
+
+def _round_bytes(round_: list[str], chunks: dict[str, ChunkInfo]) -> int:
+    return sum(chunks[d].stored + 1 for d in round_)
+
+
+def _ring(
+    buffers: list[torch.Tensor], i: int, rounds: list[list[str]], chunks: dict[str, ChunkInfo]
+) -> torch.Tensor:
+    """Round ``i``'s receive buffer of a transfer that keeps none of its rounds: one of two,
+    reused every other round (round ``i - 2`` is done by the time round ``i`` is posted)."""
+    if not buffers:
+        largest = max(_round_bytes(r, chunks) for r in rounds)
+        buffers += [torch.empty(largest, dtype=torch.uint8) for _ in rounds[:2]]
+    return buffers[i % 2][: _round_bytes(rounds[i], chunks)]
 
 
 def _intact(store, digest: str, info: ChunkInfo) -> bool:
@@ -203,12 +235,16 @@ class _Exchange:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def _p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
+    def _start(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+    ) -> list[Any]:
         ops = [dist.P2POp(dist.isend, t, self._global(peer), self.group) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global(peer), self.group) for t, peer in recvs]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
+        for work in self._start(sends, recvs):
+            work.wait()
 
     # -- the source side ----------------------------------------------------------------------
 
@@ -252,26 +288,29 @@ class _Exchange:
             out.error = f"rank {self.rank} cannot read its copy of rank {t.ward}: {one_line(exc)}"
         return out
 
-    def fill(self, out: _Outgoing, round_: list[str], buffer: torch.Tensor) -> None:
+    def parts(self, out: _Outgoing, round_: list[str]) -> list[torch.Tensor]:
+        """What the source sends of ``round_``: each chunk's stored bytes as its store maps
+        them (no copy; zeros for one it cannot read), then one status byte per chunk."""
         store = self.local.store(out.t.ward)
-        view = buffer.numpy()
-        position = 0
-        for digest in round_:
+        parts, status = [], torch.full((len(round_),), _OK, dtype=torch.uint8)
+        for k, digest in enumerate(round_):
             info = out.index.chunks[digest]
             try:
                 data = store.get_view(chunk_key(digest), 0, info.stored + 1)
                 if len(data) != info.stored:
                     raise CheckpointError(f"chunk {digest}: {len(data)} bytes, not {info.stored}")
-                view[position : position + info.stored] = np.frombuffer(data, dtype=np.uint8)
-                view[position + info.stored] = _OK
+                with warnings.catch_warnings():  # read-only pages: gloo only reads them
+                    warnings.simplefilter("ignore", UserWarning)
+                    parts.append(torch.frombuffer(data, dtype=torch.uint8))
                 self.stats.chunks_sent += 1
                 self.stats.sent_bytes += info.stored
             except (CheckpointError, OSError) as exc:
-                view[position + info.stored] = _BAD
+                parts.append(torch.zeros(info.stored, dtype=torch.uint8))
+                status[k] = _BAD
                 out.error = out.error or (
                     f"rank {self.rank} cannot read chunk {digest}: {one_line(exc)}"
                 )
-            position += info.stored + 1
+        return parts + [status]
 
     # -- the destination side -----------------------------------------------------------------
 
@@ -377,18 +416,18 @@ class _Exchange:
     def store_round(self, inc: _Incoming, round_: list[str], buffer: torch.Tensor) -> None:
         store = self.local.store(inc.t.ward)
         view = buffer.numpy()
-        position = 0
-        items = []
+        items, position = [], 0
         for digest in round_:
             info = inc.index.chunks[digest]
             items.append((digest, info, position))
-            position += info.stored + 1
+            position += info.stored
+        status = view[position:]
         if inc.error:
             return
 
-        def put(item: tuple[str, ChunkInfo, int]) -> None:
-            digest, info, start = item
-            if view[start + info.stored] != _OK:
+        def put(k: int) -> None:
+            digest, info, start = items[k]
+            if status[k] != _OK:
                 raise CheckpointError(f"rank {inc.t.src} could not read chunk {digest}")
             data = view[start : start + info.stored]
             name = f"chunk {digest} of rank {inc.t.ward} from rank {inc.t.src}"
@@ -401,7 +440,7 @@ class _Exchange:
             self.stats.received_bytes += info.stored
 
         try:
-            for _ in store.map(put, items, drain=True):
+            for _ in store.map(put, range(len(items)), drain=True):
                 pass
         except (CheckpointError, OSError) as exc:
             inc.error = f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}: {one_line(exc)}"
@@ -536,35 +575,55 @@ class _Exchange:
         total = max([agreed[t] for t in transfers if self.rank in (t.src, t.dst)] or [0])
         return _Rounds(out, into, agreed, total)
 
-    def exchange_round(
+    def post_round(
         self, i: int, outgoing: list[_Outgoing], incoming: list[_Incoming], rounds: _Rounds
-    ) -> None:
-        """Round ``i`` of every transfer that has one: sources fill their buffers, the bytes
-        cross, destinations check and store theirs."""
-        sends, recvs, held = [], [], 0
+    ) -> _Posted:
+        """Start round ``i`` of every transfer that has one: sources send their chunks' bytes
+        and status bytes, destinations post a receive for each into one buffer (chunks back
+        to back, then the status bytes); nothing is waited for (``finish_round``)."""
+        sends, recvs, takes, nbytes = [], [], [], 0
         for o in outgoing:
             if o.t in rounds.out and i < rounds.agreed[o.t]:
-                round_ = rounds.out[o.t][i]
-                buf = torch.zeros(
-                    sum(o.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
-                )
-                self.fill(o, round_, buf)
-                sends.append((buf, o.t.dst))
-                held += buf.numel()
-        takes = []
+                parts = self.parts(o, rounds.out[o.t][i])
+                sends += [(part, o.t.dst) for part in parts]
         for inc in incoming:
             if inc.t in rounds.into and i < rounds.agreed[inc.t]:
                 round_ = rounds.into[inc.t][i]
-                buf = torch.empty(
-                    sum(inc.index.chunks[d].stored + 1 for d in round_), dtype=torch.uint8
-                )
-                recvs.append((buf, inc.t.src))
+                if inc.kept is not None:  # the load reads these bytes: a buffer of their own
+                    buf = torch.empty(_round_bytes(round_, inc.index.chunks), dtype=torch.uint8)
+                else:
+                    buf = _ring(inc.buffers, i, rounds.into[inc.t], inc.index.chunks)
+                sizes = [inc.index.chunks[d].stored for d in round_] + [len(round_)]
+                recvs += [(part, inc.t.src) for part in torch.split(buf, sizes)]
                 takes.append((inc, round_, buf))
-                held += buf.numel()
-        self.stats.buffer_bytes = max(self.stats.buffer_bytes, held)
-        self._p2p(sends, recvs)
-        for inc, round_, buf in takes:
+                nbytes += buf.numel()
+        return _Posted(self._start(sends, recvs), takes, nbytes, sends)
+
+    def finish_round(self, posted: _Posted) -> None:
+        """Wait for a round ``post_round`` started; destinations check and keep or store it."""
+        for work in posted.works:
+            work.wait()
+        for inc, round_, buf in posted.takes:
             self.store_round(inc, round_, buf)
+
+    def exchange_rounds(
+        self, outgoing: list[_Outgoing], incoming: list[_Incoming], rounds: _Rounds
+    ) -> None:
+        """Every round, two at a time: round ``i + 1`` is read and crosses while round ``i`` is
+        checked and stored (every rank posts a round before it waits for the one before, so
+        the pairs' sends and receives always meet)."""
+        pending: _Posted | None = None
+        for i in range(rounds.total):
+            posted = self.post_round(i, outgoing, incoming, rounds)
+            held = posted.nbytes + (pending.nbytes if pending is not None else 0)
+            self.stats.buffer_bytes = max(self.stats.buffer_bytes, held)
+            in_flight = 1 + (pending is not None)
+            self.stats.rounds_in_flight = max(self.stats.rounds_in_flight, in_flight)
+            if pending is not None:
+                self.finish_round(pending)
+            pending = posted
+        if pending is not None:
+            self.finish_round(pending)
 
     def agree_outcomes(
         self, transfers: list[Transfer], outgoing: list[_Outgoing], incoming: list[_Incoming]
@@ -687,8 +746,7 @@ def _run(
         told = ex.exchange_headers(outgoing, incoming)
         ex.exchange_masks(outgoing, incoming, told)
         rounds = ex.agree_rounds(transfers, outgoing, incoming)
-        for i in range(rounds.total):
-            ex.exchange_round(i, outgoing, incoming, rounds)
+        ex.exchange_rounds(outgoing, incoming, rounds)
         for inc in incoming:
             if inc.t in rounds.into and rounds.agreed[inc.t] < len(rounds.into[inc.t]):
                 inc.error = inc.error or f"rank {inc.t.src} sent fewer chunks than asked"

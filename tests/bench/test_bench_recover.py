@@ -86,7 +86,7 @@ def test_a_wiped_node_restores_from_its_peers_with_no_durable_chunk_read(capsys,
     assert save["tiers_over_plain"] > 0 and save["dcp_save_s"] > 0
     peer = result["peer_copy"]
     assert peer["failed"] == [] and peer["sent_bytes_per_save"] > 0
-    # one round buffer per transfer a rank takes part in (its own copy out, a ward's in)
+    # two round buffers per transfer a rank takes part in (its own copy out, a ward's in)
     assert 0 < peer["buffer_bytes_peak"] <= 2 * cfg["bytes_per_rank"] + 2 * 64
     assert set(result["targets"]) == {
         "restore_5x_faster_than_dcp",

@@ -85,6 +85,7 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], kw: dict) -> 
                     stats.chunks_sent,
                     stats.chunks_already_held,
                     stats.chunks_from_node,
+                    stats.rounds_in_flight,
                 ]
             )
     ckpt.wait()  # drains too
