@@ -26,7 +26,7 @@ import torch
 from bench._ckpt_common import MemoryProbe
 from bench._gloo import join_loopback_group
 from bench._thread_ranks import CollectiveCall
-from ckptstore import Checkpointer, EncodingOptions, StorageOptions
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, telemetry
 from ckptstore.save import SaveSession
 
 PHASES = ("begin", "commit", "release", "retain")
@@ -79,6 +79,11 @@ def puts_of(ckpt: Checkpointer) -> tuple[int, int]:
     return counted["sent"].get("put", 0), counted["requests"].get("put", {}).get("exists", 0)
 
 
+def encode_cpu_s() -> float:
+    """The CPU seconds this process's encode threads spent so far (byte-grouping, zstd)."""
+    return telemetry.encode_cpu_seconds_total.value()
+
+
 def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
 
@@ -118,9 +123,10 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
             before, puts_before = requests_of(ckpt), puts_of(ckpt)
             if probe is not None:
                 probe.reset()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, encode = time.perf_counter(), time.process_time(), encode_cpu_s()
             ckpt.save(step, state).wait()
             end, cpu = time.perf_counter(), time.process_time() - cpu
+            encode = encode_cpu_s() - encode
             sent, exists = (a - b for a, b in zip(puts_of(ckpt), puts_before))
             saves.append(
                 {
@@ -130,6 +136,7 @@ def run_rank(plan: RankPlan, rank: int, barrier: Callable[[], None]) -> dict[str
                     "requests": _minus(requests_of(ckpt), before),
                     "sent_put_bytes": sent,
                     "cpu_s": cpu,
+                    "encode_cpu_s": encode,
                     "put_exists": exists,
                     "peak_rss_bytes": probe.peak() if probe is not None else None,
                 }

@@ -300,6 +300,9 @@ def summarize(plan: RankPlan, reports: list[dict[str, Any]]) -> dict[str, Any]:
                 "put_exists": sum(r["saves"][i]["put_exists"] for r in reports),
                 "sent_put_bytes": sum(r["saves"][i]["sent_put_bytes"] for r in reports),
                 "cpu_s_per_rank": statistics.mean(r["saves"][i]["cpu_s"] for r in reports),
+                "encode_cpu_s_per_rank": statistics.mean(
+                    r["saves"][i]["encode_cpu_s"] for r in reports
+                ),
                 "peak_rss_bytes": save["peak_rss_bytes"],
             }
         )
@@ -551,20 +554,20 @@ def print_comparison(result: dict[str, Any], out: Any = None) -> None:
             ("put_exists_per_save", str),
         ):
             row += ["-" if r.get(key) is None else shown(r[key]) for r in (mine, base)]
-        for per_save in ("cpu_s_per_rank", "wall_s"):
+        for per_save in ("cpu_s_per_rank", "encode_cpu_s_per_rank", "wall_s"):
             row += [format_seconds(statistics.median(s[per_save] for s in r["saves"]))
                     for r in (mine, base)]  # fmt: skip
         rows.append(row)
     print(
         f"\none writer per distinct chunk (1w) vs every rank writing (all), same store and "
         f"server, each state held by {result['replicas']} rank(s): PUT bytes the server "
-        "received per distinct raw byte, puts answered 'exists' per save, CPU per rank and "
-        "wall per save (medians of saves)",
+        "received per distinct raw byte, puts answered 'exists' per save, CPU per rank (the "
+        "process's, and its encode threads' alone) and wall per save (medians of saves)",
         file=out,
     )
     table(
         ["ranks", "received 1w", "received all", "exists 1w", "exists all", "CPU/rank 1w",
-         "CPU/rank all", "wall 1w", "wall all"],
+         "CPU/rank all", "encode/rank 1w", "encode/rank all", "wall 1w", "wall all"],
         rows,
         out=out,
     )  # fmt: skip

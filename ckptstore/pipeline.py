@@ -331,13 +331,14 @@ def _encode_and_put(
 ) -> ChunkInfo:
     local = store.is_local
     compress = codec.level is not None and (governor is None or governor.should_compress())
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     parts = encode_parts(raw, itemsize, codec if compress else _RAW)
     if compress and governor is not None:
         encoded = sum(map(len, parts))
         spent = time.perf_counter() - t0
         if not governor.keeps(raw=len(raw), encoded=encoded, encode_s=spent, local=local):
             parts, compress = encode_parts(raw, itemsize, _RAW), False
+    telemetry.encode_cpu_seconds_total.inc(time.thread_time() - cpu0)
     if not local:
         parts = [_joined(parts)]  # remote puts need one buffer: don't hold both copies
     t1 = time.perf_counter()

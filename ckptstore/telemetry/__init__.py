@@ -70,6 +70,13 @@ bytes_total = METRICS.add(
         ["kind"],
     )
 )
+encode_cpu_seconds_total = METRICS.add(
+    Counter(
+        "ckptstore_encode_cpu_seconds_total",
+        "CPU seconds the encode threads spent byte-grouping and compressing chunks (each "
+        "thread's own CPU time; chunks already stored or written by another rank cost none).",
+    )
+)
 storage_requests_total = METRICS.add(
     Counter(
         "ckptstore_storage_requests_total",

@@ -191,6 +191,9 @@ def test_the_baseline_sends_replicated_chunks_from_every_rank_as_the_server_coun
     assert received[0] < 1.05, received  # each chunk's body received once
     assert received[1] > 1.8 * received[0], received  # once per rank
     assert mine["put_exists_per_save"] == 0 and base["put_exists_per_save"] > 0
+    # each save's encode CPU is recorded per rank in both modes (a chunk written is encoded)
+    for run in (mine, base):
+        assert all(s["encode_cpu_s_per_rank"] > 0 for s in run["saves"]), run["saves"]
 
 
 def test_replicas_are_refused_on_thread_ranks_with_the_reason(tmp_path):

@@ -208,6 +208,20 @@ def test_a_save_is_counted_in_plain_numbers(tmp_path):
     assert _value("ckptstore_storage_requests_total", op="put", outcome="ok") >= before["puts"] + 3
 
 
+def test_encode_cpu_is_counted_for_the_chunks_a_save_encodes_and_none_it_reuses(tmp_path):
+    from ckptstore import EncodingOptions
+
+    state = {"w": torch.randn(512, 512, generator=torch.Generator().manual_seed(3))}
+    encoding = EncodingOptions(compression="zstd", chunk_bytes=1 << 18)
+    with Checkpointer(str(tmp_path / "ckpt"), encoding=encoding) as ckpt:
+        before = _value("ckptstore_encode_cpu_seconds_total")
+        ckpt.save(1, state).wait()
+        first = _value("ckptstore_encode_cpu_seconds_total")
+        assert first > before  # four 256 KiB chunks byte-grouped and compressed
+        ckpt.save(2, state).wait()  # the same bytes: every chunk known, none encoded again
+        assert _value("ckptstore_encode_cpu_seconds_total") == first
+
+
 def test_a_dcp_async_save_is_counted_under_its_front_end(tmp_path):
     import torch.distributed.checkpoint as dcp
 
