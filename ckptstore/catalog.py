@@ -1,12 +1,15 @@
 """The read side of a store: committed steps, their manifests and rank indexes, and the saves
 in flight (what a step holds, whichever front-end wrote it: ``steps.StepView``).
 
-``format`` names objects and encodes and decodes them; this module finds and reads them (it
-never writes, except that it is where a step's absence is reported). Used by
-``Checkpointer.load`` / ``verify``, the DCP ``StoreReader``, retention, ``_inspect`` and the
-CLI::
+``format`` names objects and encodes and decodes them; this module finds and reads them, and
+writes one: the manifest that commits a step (``commit_manifest``, for a save, a tier copy and a
+repaired copy alike; an ambiguous put is settled by reading it back). Used by
+``Checkpointer.load`` / ``verify``, the DCP ``StoreReader``, retention, ``_inspect``, the CLI
+and the commits::
 
     list_steps(store)                      committed steps, ascending
+    commit_manifest(store, step, data)     a step committed: its manifest put once, read back
+                                           when the put's outcome is unknown
     parse_step(step)                       "latest" / None -> None; a number -> an int
     resolve_step(store, step)              "latest" / None / a number -> a committed step
     load_manifest(store, step)             the manifest of a committed step
@@ -19,6 +22,7 @@ CLI::
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +32,10 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CommitUnknownError,
     ObjectNotFoundError,
+    StepExistsError,
+    StorageError,
 )
 from ckptstore.format import (
     MAX_MANIFEST_BYTES,
@@ -42,6 +49,8 @@ from ckptstore.format import (
 )
 from ckptstore.leases import find_leases
 from ckptstore.store import Store
+
+logger = logging.getLogger(__name__)
 
 LEGACY_PENDING_GRACE_S = 6 * 3600.0
 """``pending/`` markers were written by ckptstore before leases; one younger than this may be
@@ -58,6 +67,51 @@ def list_steps(store: Store) -> list[int]:
         if name.endswith(".json") and name[:-5].isdigit():
             steps.append(int(name[:-5]))
     return sorted(steps)
+
+
+def commit_manifest(
+    store: Store, step: int, data: bytes, *, settle_timeout_s: float = 60.0
+) -> None:
+    """Make ``step`` visible by writing its manifest ``data``, once: the last write of every
+    save, of a tier copy and of a repaired copy (the caller checked its lease just before).
+
+    :class:`StepExistsError` if another writer committed the step first. When the put
+    fails ambiguously (a timeout, a lost answer), the manifest is read back once every
+    abandoned put has ended: ours in place means committed; absent means not committed
+    (the put's error is raised); unreadable is :class:`CommitUnknownError`."""
+    key = commit_key(step)
+    try:
+        # Read back only where exclusive create is not enforced: elsewhere a put that
+        # returned is the commit, and a read-back could find the step already retained away.
+        store.put(key, data)
+        return
+    except StorageError as exc:  # ObjectExistsError included: a retry may find its own put
+        error = exc
+    if not store.settle(settle_timeout_s):
+        raise CommitUnknownError(
+            f"step {step}: writing {store.url(key)} failed ({error}) and the put may "
+            f"still land; run `ckptstore ls {store.uri}` to see whether it is committed"
+        ) from error
+    try:
+        found = store.get(key)
+    except ObjectNotFoundError:
+        raise StorageError(f"step {step} not committed: {error}") from error
+    except CheckpointError as exc:
+        raise CommitUnknownError(
+            f"step {step}: writing {store.url(key)} failed ({error}) and reading it back "
+            f"failed ({exc}); run `ckptstore ls {store.uri}` to see whether it is committed"
+        ) from error
+    if found == data:
+        logger.warning(
+            "step %d: the commit reported an error (%s) but its manifest is in place: committed",
+            step,
+            error,
+        )
+        return
+    raise StepExistsError(
+        f"step {step} is already committed in {store.uri} (by another writer or an "
+        "earlier run); steps are write-once"
+    ) from error
 
 
 def parse_step(step: int | str | None) -> int | None:

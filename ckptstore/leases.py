@@ -415,3 +415,25 @@ def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
         soonest = min(expiries) + 0.01 if len(expiries) == len(live) else delay
         time.sleep(max(0.01, min(delay, left, soonest)))
         delay = min(delay * 2, 2.0)
+
+
+def acquire_save_lease(
+    store: Store,
+    holder: str,
+    *,
+    ttl_s: float,
+    gc_wait_s: float,
+    what: str,
+    info: dict[str, Any] | None = None,
+) -> Lease:
+    """A save's lease of ``store``, taken before the save looks at any stored chunk: written,
+    then held while a live gc lease exists (``wait_for_gc``, at most ``gc_wait_s``). From its
+    return until it is released no gc deletes a chunk, so chunks found stored then may be
+    referenced instead of written again. A wait that fails releases the lease."""
+    lease = Lease(store, SAVE, holder, ttl_s=ttl_s, info=info).acquire()
+    try:
+        wait_for_gc(store, timeout_s=gc_wait_s, what=what)
+    except BaseException:
+        lease.release()
+        raise
+    return lease

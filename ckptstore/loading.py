@@ -123,6 +123,8 @@ class StateLoader:
         self.local = local
         self.topology = topology
         self.rank = group.rank
+        # The ranks whose copies this node keeps (its own, its wards'): fixed for the job.
+        self.wards = [self.rank] + (topology.wards(self.rank) if topology else [])
         self.last_load = LoadReport()
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
@@ -217,12 +219,11 @@ class StateLoader:
         """The saves to try, newest first, the same on every rank (collective); with
         ``healthy`` only healthy steps, and by step why each newer one passed over is not."""
         if self.local is not None:
-            wards = [self.rank] + (self.topology.wards(self.rank) if self.topology else [])
             plan = plan_restore(
                 self.store,
                 self.local,
                 self.group,
-                wards,
+                self.wards,
                 step=step,
                 limit=None if fallback else 1,
                 healthy=healthy,

@@ -39,16 +39,12 @@ from typing import Any
 
 import torch
 
-from ckptstore.catalog import list_steps, load_manifest, rank_of, read_rank_index
+from ckptstore.catalog import commit_manifest, list_steps, load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    CommitUnknownError,
     FormatVersionError,
-    ObjectNotFoundError,
-    StepExistsError,
-    StorageError,
 )
 from ckptstore.format import (
     ChunkInfo,
@@ -56,7 +52,6 @@ from ckptstore.format import (
     ObjectRef,
     RankIndex,
     TensorEntry,
-    commit_key,
     dcp_metadata_key,
     encode_manifest,
     encode_rank_index,
@@ -66,7 +61,7 @@ from ckptstore.format import (
 )
 from ckptstore.health import ChunkScan, RankHealth, StepHealth, rank_health, to_commit, verdict
 from ckptstore.health import one_line as health_line
-from ckptstore.leases import SAVE, Lease, wait_for_gc
+from ckptstore.leases import Lease, acquire_save_lease
 from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
 from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
@@ -154,19 +149,15 @@ class SaveSession:
         and read the newest one's manifest: by rank, where each rank's index of it is (empty
         when there is no step, or its manifest cannot be read); the coordinator's own chunks
         are learnt here."""
-        lease = Lease(
+        lease = acquire_save_lease(
             self.store,
-            SAVE,
             f"{self.step:020d}-{self.attempt}-{rank:05d}",
             ttl_s=self.engine.lease_ttl_s,
+            gc_wait_s=self.engine.gc_wait_s,
+            what=f"save of step {self.step}",
             info={"step": self.step, "attempt": self.attempt, "rank": rank, "save_kind": self.kind},
-        ).acquire()
+        )
         try:
-            wait_for_gc(
-                self.store,
-                timeout_s=self.engine.gc_wait_s,
-                what=f"save of step {self.step}",
-            )
             latest = self._latest_indexes()
             self.learn(rank, latest.get(rank))
         except BaseException:
@@ -324,7 +315,7 @@ class SaveSession:
         data = encode_manifest(manifest)
         if self.lease is not None:
             self.lease.check()
-        self._put_manifest(manifest.step, data)
+        commit_manifest(self.store, manifest.step, data)
         self.manifest_written = (manifest, data)
         if health is not None and not health["healthy"]:
             logger.warning("%s (committed to %s)", health_line(self.step, health), self.store.uri)
@@ -351,13 +342,6 @@ class SaveSession:
             norm_jump=norm_jump,
         )
 
-    def commit_copy(self, manifest: bytes) -> None:
-        """Commit a tier copy: ``manifest``, the bytes of the same step's manifest in another
-        store, written once here after the objects it references (``ckptstore.tiers``)."""
-        if self.lease is not None:
-            self.lease.check()
-        self._put_manifest(self.step, manifest)
-
     def hand_over_lease(self) -> Lease | None:
         """The save's lease, which the caller now holds and releases (a tier copy keeps it
         through the phases after its commit); ``release`` then releases nothing."""
@@ -370,48 +354,6 @@ class SaveSession:
         if self.lease is not None:
             self.lease.release_when_settled(0.0)
             self.lease = None
-
-    def _put_manifest(self, step: int, data: bytes, *, settle_timeout_s: float = 60.0) -> None:
-        """Make the step visible by writing its manifest, once.
-
-        :class:`StepExistsError` if another writer committed the step first. When the put
-        fails ambiguously (a timeout, a lost answer), the manifest is read back once every
-        abandoned put has ended: ours in place means committed; absent means not committed
-        (the put's error is raised); unreadable is :class:`CommitUnknownError`."""
-        store, key = self.store, commit_key(step)
-        try:
-            # Read back only where exclusive create is not enforced: elsewhere a put that
-            # returned is the commit, and a read-back could find the step already retained away.
-            store.put(key, data)
-            return
-        except StorageError as exc:  # ObjectExistsError included: a retry may find its own put
-            error = exc
-        if not store.settle(settle_timeout_s):
-            raise CommitUnknownError(
-                f"step {step}: writing {store.url(key)} failed ({error}) and the put may "
-                f"still land; run `ckptstore ls {store.uri}` to see whether it is committed"
-            ) from error
-        try:
-            found = store.get(key)
-        except ObjectNotFoundError:
-            raise StorageError(f"step {step} not committed: {error}") from error
-        except CheckpointError as exc:
-            raise CommitUnknownError(
-                f"step {step}: writing {store.url(key)} failed ({error}) and reading it back "
-                f"failed ({exc}); run `ckptstore ls {store.uri}` to see whether it is committed"
-            ) from error
-        if found == data:
-            logger.warning(
-                "step %d: the commit reported an error (%s) but its manifest is in place: "
-                "committed",
-                step,
-                error,
-            )
-            return
-        raise StepExistsError(
-            f"step {step} is already committed in {store.uri} (by another writer or an "
-            "earlier run); steps are write-once"
-        ) from error
 
     def retain(self) -> None:
         """Apply ``keep_last`` after a commit; a failure is logged (the next save retries)."""

@@ -13,10 +13,11 @@ another instance.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.catalog import list_steps
 from ckptstore.errors import (
@@ -47,6 +48,14 @@ class StoreIdentity:
     id: str
     adopted: bool
     created_at: float
+
+
+def store_identity(store: Any) -> str:
+    """The durable store a copy belongs to by its path, the same however its URI was spelled (a
+    relative path, ``file://``, a trailing slash); ``StoreIdentity`` tells its instances apart."""
+    if store.is_local:
+        return os.path.realpath(store.root)
+    return store.uri.rstrip("/")
 
 
 def read_identity(store: Store) -> StoreIdentity | None:

@@ -1,6 +1,7 @@
 """The node-local tier: one store per rank whose copies this node keeps (``policy`` says where).
 
-A copy is a one-rank step of its rank's state, written by the same ``SaveSession`` as any save
+A copy is a one-rank step of its rank's state: a rank's own written by the same ``SaveSession``
+as any save, a peer's or a repaired one by ``tiers.transfer`` under one save lease of the store
 (chunks, index, manifest last), its manifest recording whose copy it is (``tier_info``). A copy
 that belongs to another job (another durable store, rank or world size) is never offered.
 """
@@ -14,16 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptstore.catalog import list_steps, load_manifest
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError
-from ckptstore.format import Manifest, chunk_key
+from ckptstore.catalog import list_steps, load_manifest, read_rank_index
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+)
+from ckptstore.format import ChunkInfo, Manifest, chunk_key
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.retention import collect
 from ckptstore.store import RetryPolicy, Store, open_store
+from ckptstore.tiers.identity import agree_identity, store_identity
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
 
 if TYPE_CHECKING:
     from ckptstore.save.engine import SaveEngine
+    from ckptstore.tiers.group import RankGroup
     from ckptstore.tiers.identity import StoreIdentity
 
 logger = logging.getLogger(__name__)
@@ -70,6 +78,32 @@ class LocalTier:
         self.resumed_from: int | None = None
         """The step the last load resumed from: copies of later steps belong to a run the job
         left, and are unlisted before its next save (``TierSaver.drop_stale``)."""
+
+    @classmethod
+    def open(
+        cls,
+        policy: TierPolicy,
+        engine: SaveEngine | None,
+        durable: Store,
+        group: RankGroup,
+        *,
+        create: bool,
+        timeout_s: float,
+        thread_nice: int = 0,
+    ) -> LocalTier:
+        """This rank's local tier for the ``durable`` store (collective over ``group``): the
+        store's path and its identity, which rank 0 reads (``create``: makes it if it has
+        none) and every rank is told (``tiers.identity.agree_identity``)."""
+        return cls(
+            policy,
+            engine,
+            rank=group.rank,
+            world_size=group.world_size,
+            durable_uri=store_identity(durable),
+            timeout_s=timeout_s,
+            thread_nice=thread_nice,
+            identity=agree_identity(durable, group, create=create),
+        )
 
     def protect(self, step: int) -> None:
         """Keep this rank's copy of ``step`` whatever ``local_keep_last`` says, until
@@ -164,6 +198,39 @@ class LocalTier:
                     manifest.user.get(TIER_KEY),
                 )
         return out
+
+    def newest_copy(self, ward: int, step: int) -> tuple[str | None, dict[str, ChunkInfo]]:
+        """For a copy of ``ward``'s ``step`` about to be written here, under the writer's save
+        lease of ``ward``'s store: the attempt of the copy of ``step`` the store holds already
+        (None: none), and the chunks of its newest copy, which are stored and stay so while that
+        lease is held (docs/FORMAT.md, "Known chunks"). One listing, then the manifest of
+        ``step`` where it is listed, else the newest step's manifest and its index: no other
+        copy is read. A ``step`` here that is not ``ward``'s copy for this job raises; a newest
+        copy that cannot be read leaves no chunk known (each is put, one found stored kept)."""
+        store = self.store(ward)
+        steps = list_steps(store)
+        if step in steps:
+            manifest = load_manifest(store, step)
+            if not self.belongs(manifest, ward):
+                raise CheckpointError(f"{store.uri} holds another save of step {step}")
+            return manifest.attempt, {}
+        if not steps:
+            return None, {}
+        try:
+            manifest = load_manifest(store, steps[-1])
+            if not manifest.ranks:
+                return None, {}
+            return None, dict(read_rank_index(store, manifest.ranks[0]).chunks)
+        except (CheckpointNotFoundError, CheckpointCorruptError, FormatVersionError) as exc:
+            logger.info(
+                "rank %d: the copy of rank %d's step %d knows no stored chunks (step %d: %s)",
+                self.rank,
+                ward,
+                step,
+                steps[-1],
+                exc,
+            )
+            return None, {}
 
     def _warn_foreign(self, store: Store, step: int, manifest: Manifest) -> None:
         """One warning per tier: copies of another instance of the durable store are never

@@ -37,10 +37,9 @@ from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
-from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.plan import RestorePlan, plan_restore
-from ckptstore.tiers.policy import TierPolicy, store_identity
+from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport
 from ckptstore.tiers.transfer import RepairedCopy, restore_copies, write_behind
 
@@ -85,14 +84,8 @@ def load_group(storage: StorageOptions) -> RankGroup:
 
 
 def _local_tier(durable: Store, policy: TierPolicy, group: RankGroup) -> LocalTier:
-    return LocalTier(
-        policy,
-        SaveEngine(),
-        rank=group.rank,
-        world_size=group.world_size,
-        durable_uri=store_identity(durable),
-        timeout_s=durable.retry.timeout_s,
-        identity=agree_identity(durable, group, create=False),
+    return LocalTier.open(
+        policy, SaveEngine(), durable, group, create=False, timeout_s=durable.retry.timeout_s
     )
 
 

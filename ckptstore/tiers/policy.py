@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.codec import hash_bytes
+from ckptstore.tiers.identity import store_identity  # noqa: F401 - here since before identities
 
 DEFAULT_LOCAL_KEEP_LAST = 2
 DEFAULT_PEER_BUDGET_BYTES = 64 * 2**20
@@ -84,14 +85,6 @@ class TierPolicy:
         """Whether the ``save_number``-th save (1-based) also goes to durable storage: the first
         save and every ``durable_every``-th after it."""
         return (save_number - 1) % self.durable_every == 0
-
-
-def store_identity(store: Any) -> str:
-    """The durable store a copy belongs to, the same however its URI was spelled (a relative
-    path, ``file://``, a trailing slash)."""
-    if store.is_local:
-        return os.path.realpath(store.root)
-    return store.uri.rstrip("/")
 
 
 def rank_dir(local_dir: str | os.PathLike, durable: str, rank: int) -> Path:

@@ -22,9 +22,8 @@ from ckptstore.store import niced
 from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import Agreement, RankGroup
-from ckptstore.tiers.identity import agree_identity
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity, store_identity
+from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_written
 
 logger = logging.getLogger(__name__)
@@ -353,15 +352,14 @@ def open_tiers(
     other their nodes): its local tier for the ``durable`` store, the topology of its peer
     copies, its tier saver and its drain queue (on ``drain_group``, a group of its own;
     ``keep_alive``: the front-end its thread keeps alive until closed)."""
-    local = LocalTier(
+    local = LocalTier.open(
         policy,
         engine,
-        rank=group.rank,
-        world_size=group.world_size,
-        durable_uri=store_identity(durable),
+        durable,
+        group,
+        create=True,
         timeout_s=timeout_s,
         thread_nice=thread_nice,
-        identity=agree_identity(durable, group, create=True),
     )
     topology = None
     if policy.peer_copies:

@@ -8,7 +8,7 @@ that name it. The destination ends with a byte-identical copy: the same chunks, 
 manifest, the manifest written last, under a save lease of its store.
 
 Per transfer: the source sends the manifest and index (and a DCP copy's metadata); the destination answers with the chunks
-it lacks (those of its newest copy of that ward are known stored: ``SaveSession.begin``); the
+it lacks (those of its newest copy are known stored, under its one lease: ``open_destination``); the
 source sends those in rounds of at most half of ``budget_bytes`` (a larger chunk alone), each
 chunk from its store's mapped pages (no copy), then a status byte per chunk; two rounds are in
 flight: one crosses while the destination checks the last. The destination decodes and hashes
@@ -43,11 +43,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckptstore.catalog import load_manifest_bytes, read_object, read_rank_index_bytes
+from ckptstore.catalog import (
+    commit_manifest,
+    load_manifest_bytes,
+    read_object,
+    read_rank_index_bytes,
+)
 from ckptstore.codec import decode
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, ObjectExistsError, one_line
 from ckptstore.format import (
-    KIND_STATE,
     ChunkInfo,
     Manifest,
     RankIndex,
@@ -57,10 +61,9 @@ from ckptstore.format import (
     decode_rank_index,
     object_ref,
 )
-from ckptstore.leases import SAVE, Lease
+from ckptstore.leases import SAVE, Lease, acquire_save_lease
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import drop_step
-from ckptstore.save.session import SaveSession
 from ckptstore.shared_read import cut_rounds
 from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.local import LocalTier
@@ -114,7 +117,8 @@ class _Outgoing:
 @dataclass
 class _Incoming:
     t: Transfer
-    session: SaveSession | None = None
+    lease: Lease | None = None  # the destination's save lease of its store, until the commit
+    known: dict[str, ChunkInfo] = field(default_factory=dict)  # stored here, under that lease
     manifest: bytes = b""
     index_bytes: bytes = b""
     index: RankIndex | None = None
@@ -315,25 +319,32 @@ class _Exchange:
     # -- the destination side -----------------------------------------------------------------
 
     def open_destination(self, t: Transfer) -> _Incoming:
+        """One save lease of ``t.ward``'s store here, taken (once no gc sweeps) before anything
+        stored is looked at and held until the copy's manifest is written (``commit``); then
+        the chunks its newest copy of that ward holds, known stored (none for a repair: what
+        the store holds of the save may be bad, and its manifest was unlisted first)."""
         inc = _Incoming(t)
-        store = self.local.store(t.ward)
+        store, engine = self.local.store(t.ward), self.local.engine
         try:
             if t.repair and store.exists(commit_key(t.step)):
                 drop_step(store, t.step)  # unlisted until the repaired copy is committed
-            existing = self.local.copies(t.ward).get(t.step)
-            if existing == t.attempt:
-                inc.held = True
-                return inc
-            if existing is not None:
-                raise CheckpointError(f"{store.uri} holds another save of step {t.step}")
-            inc.session = SaveSession(
-                self.local.engine, store, step=t.step, attempt=t.attempt, kind=KIND_STATE
+            inc.lease = acquire_save_lease(
+                store,
+                f"{t.step:020d}-{t.attempt}-from{t.src:05d}",
+                ttl_s=engine.lease_ttl_s,
+                gc_wait_s=engine.gc_wait_s,
+                what=f"copy of rank {t.ward}'s step {t.step}",
+                info={"step": t.step, "attempt": t.attempt, "rank": 0, "copy_from": t.src},
             )
-            inc.session.begin(0)
-            if t.repair:
-                inc.session.known = {}  # what this store holds of the save may be bad
+            if not t.repair:
+                existing, inc.known = self.local.newest_copy(t.ward, t.step)
+                if existing is not None and existing != t.attempt:
+                    raise CheckpointError(f"{store.uri} holds another save of step {t.step}")
+                inc.held = existing is not None
         except (CheckpointError, OSError) as exc:
             inc.error = f"rank {self.rank} cannot take rank {t.ward}'s copy: {one_line(exc)}"
+        if inc.held or inc.error is not None:
+            _release(inc)  # nothing to write
         return inc
 
     def take_header(self, inc: _Incoming, header: bytes, sizes: tuple[int, int, int, int]) -> None:
@@ -369,8 +380,7 @@ class _Exchange:
             inc.decoded = manifest
             if t.repair and sum(c.stored for c in inc.index.chunks.values()) <= self.keep_bytes:
                 inc.kept = {}  # held for the load, written after it (``RepairedCopy``)
-            known = inc.session.known or {}
-            inc.want = [d for d in sorted(inc.index.chunks) if d not in known]
+            inc.want = [d for d in sorted(inc.index.chunks) if d not in inc.known]
             self.stats.chunks_already_held += len(inc.index.chunks) - len(inc.want)
             inc.want = self.take_from_node(inc)
         except (CheckpointError, OSError, ValueError) as exc:
@@ -474,24 +484,28 @@ class _Exchange:
             )
 
     def commit(self, inc: _Incoming) -> None:
+        """The copy's index and DCP metadata, then, its lease checked, its manifest, written
+        once (``catalog.commit_manifest``: an ambiguous put read back); the lease released
+        once every put that may still land has; then local retention."""
         if inc.held:
             return
-        session = inc.session
+        store = self.local.store(inc.t.ward)
         try:
             if inc.error is None:
                 objects = [(inc.index_key, inc.index_bytes)]
                 if inc.metadata is not None:
                     objects.append(inc.metadata)
                 for key, data in objects:
-                    _put_copy_object(session.store, key, data, repair=inc.t.repair)
-                session.commit_copy(inc.manifest)
+                    _put_copy_object(store, key, data, repair=inc.t.repair)
+                if inc.lease is not None:
+                    inc.lease.check()
+                commit_manifest(store, inc.t.step, inc.manifest)
         except (CheckpointError, OSError) as exc:
             inc.error = (
                 f"rank {self.rank}: committing the copy of rank {inc.t.ward}: {one_line(exc)}"
             )
         finally:
-            if session is not None:
-                session.release()
+            _release(inc)
         if inc.error is None:
             self.local.retain(inc.t.ward)
 
@@ -721,6 +735,14 @@ def transfer(
     return outcomes, stats
 
 
+def _release(inc: _Incoming) -> None:
+    """Give the destination's lease up (once) when every put that may still land has: a
+    manifest put abandoned at its deadline must not find its chunks swept."""
+    lease, inc.lease = inc.lease, None
+    if lease is not None:
+        lease.release_when_settled(0.0)
+
+
 def _deferred(inc: _Incoming) -> bool:
     """Whether ``inc`` is a repair held in memory, whole, its write left for after the load."""
     return inc.kept is not None and inc.error is None and not inc.held
@@ -758,10 +780,8 @@ def _run(
             if o.lease is not None:
                 o.lease.release()
         for inc in incoming:
-            if exchanged and _deferred(inc):
-                continue
-            if inc.session is not None and inc.session.lease is not None:
-                inc.session.release()
+            if not (exchanged and _deferred(inc)):
+                _release(inc)
     outcomes = ex.agree_outcomes(transfers, outgoing, incoming)
     ex.stats.seconds = time.perf_counter() - t0
     return outcomes, ex.stats, _kept_copies(ex, incoming, outcomes)
@@ -777,8 +797,7 @@ def _kept_copies(
         if not _deferred(inc):
             continue
         if outcomes[inc.t] is not None:
-            if inc.session is not None:
-                inc.session.release()
+            _release(inc)
             continue
         assert inc.index is not None and inc.kept is not None and inc.decoded is not None
         out[inc.t.ward] = RepairedCopy(

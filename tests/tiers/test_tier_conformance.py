@@ -40,8 +40,8 @@ from ckptstore.catalog import list_steps
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
-from ckptstore.save.session import SaveSession
 from ckptstore.store import Store
+from ckptstore.tiers import transfer as tier_transfer
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import TIER_KEY, store_identity
@@ -662,15 +662,15 @@ def _repair_write_dies(rank: int, world: int, kind: str, root: str, base: str) -
     _save_two_then_replace_node_1(kind, rank, root, base, tiers)
     # The repaired copy's write (after the load) dies before its manifest, as a crash would
     # leave it: chunks and index written, nothing listed.
-    commit_copy = SaveSession.commit_copy
-    SaveSession.commit_copy = lambda self, manifest: (_ for _ in ()).throw(OSError("crashed"))
+    commit_manifest = tier_transfer.commit_manifest
+    tier_transfer.commit_manifest = lambda *a, **k: (_ for _ in ()).throw(OSError("crashed"))
     try:
         target = _ranks_own(rank, _blank())
         loader = _two_nodes(kind, rank, root, base, **tiers)
         step, report = loader.load(target)
         wait_written()
     finally:
-        SaveSession.commit_copy = commit_copy
+        tier_transfer.commit_manifest = commit_manifest
     assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
     if rank >= 2:
         (own,) = (Path(base) / "node-1").glob(f"job-*/rank-{rank:05d}")
