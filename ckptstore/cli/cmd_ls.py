@@ -12,9 +12,8 @@ from ckptstore.cli.common import Failed, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.store import Store
-from ckptstore.tiers.identity import read_identity
+from ckptstore.tiers.identity import read_identity, store_identity
 from ckptstore.tiers.local import TierListing, tier_copies
-from ckptstore.tiers.policy import store_identity
 
 
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:

@@ -51,11 +51,9 @@ from ckptstore.store import Store
 from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.identity import store_identity
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import (
-    Topology,
-    store_identity,
-)
+from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.saving import LocalCommit, TierSaver, open_tiers
 from ckptstore.tiers.transfer import TransferStats, wait_written
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.codec import hash_bytes
-from ckptstore.tiers.identity import store_identity  # noqa: F401 - here since before identities
 
 DEFAULT_LOCAL_KEEP_LAST = 2
 DEFAULT_PEER_BUDGET_BYTES = 64 * 2**20

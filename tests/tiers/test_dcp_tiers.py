@@ -26,8 +26,9 @@ from ckptstore import StorageOptions, TierOptions
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader
 from ckptstore.store import Store
+from ckptstore.tiers.identity import store_identity
 from ckptstore.tiers.local import tier_copies
-from ckptstore.tiers.policy import rank_dir, store_identity
+from ckptstore.tiers.policy import rank_dir
 from tests.helpers.counting import Tally, counting_store
 from tests.helpers.dcp_tiers import (
     CHUNK,

@@ -42,9 +42,9 @@ from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
 from ckptstore.store import Store
 from ckptstore.tiers import transfer as tier_transfer
-from ckptstore.tiers.identity import IDENTITY_KEY, read_identity
+from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
 from ckptstore.tiers.local import tier_copies
-from ckptstore.tiers.policy import TIER_KEY, store_identity
+from ckptstore.tiers.policy import TIER_KEY
 from ckptstore.tiers.transfer import wait_written
 from tests.helpers.dcp_tiers import log_records
 from tests.helpers.dist import run_ranks, run_ranks_losing
