@@ -340,6 +340,7 @@ def _noise_legend(runs: int) -> str:
 
 def _gpu_training(args: argparse.Namespace, device: torch.device):
     """The model, its optimizer and one training step, the step's state already built."""
+    torch.backends.cuda.matmul.allow_tf32 = True  # tensor cores, as training runs its matmuls
     size = parse_bytes(args.size)
     width = max(8, int(math.sqrt(size / 4 / args.tensors)))
     layers = [torch.nn.Linear(width, width, bias=False) for _ in range(args.tensors)]

@@ -6,9 +6,10 @@ the CPU a copy enqueued on a stream has run when the call returns and an event r
 it is already complete (``_DoneEvent``). Everything above this module (which copy waits for
 which, when a buffer may be reused, budgets, fallbacks) is the same code on both.
 
-Host buffers are reserved in bounded slabs (``allocate_host``): the pages of each slab are
-touched and, for a CUDA device, page-locked with ``cudaHostRegister`` one slab at a time, so no
-single call holds the host for the whole buffer.
+Host buffers are reserved in bounded slabs (``allocate_host``): the pages are touched one slab at
+a time, then, for a CUDA device, the whole buffer is page-locked with one ``cudaHostRegister``. It
+must be one: a copy whose host range spans two registrations fails ("invalid argument"; seen on an
+H100, issue 35).
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def allocate_host(
     slab_bytes: int = HOST_SLAB_BYTES,
     on_slab: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
-    """A 1-D uint8 host tensor of ``nbytes``, its pages touched (and page-locked if ``pin``)
-    ``slab_bytes`` at a time; ``on_slab(start, length)`` after each slab."""
+    """A 1-D uint8 host tensor of ``nbytes``, its pages touched ``slab_bytes`` at a time
+    (``on_slab(start, length)`` after each slab), then page-locked if ``pin``."""
     if slab_bytes < PAGE_BYTES or slab_bytes % PAGE_BYTES:
         raise ValueError(f"slab_bytes must be a positive multiple of {PAGE_BYTES}")
     if pin and (nbytes <= slab_bytes or not host_pins_in_slabs()):
@@ -140,28 +141,17 @@ def allocate_host(
             on_slab(0, nbytes)
         return buf
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    # A buffer this large is a mapping of its own, so whole pages are ours to lock: each slab
-    # is registered from the page it starts in, slabs split at page boundaries (a page locked
-    # twice would fail).
-    base = buf.data_ptr()
-    first_page = base - base % PAGE_BYTES
-    registered: list[int] = []
-    try:
-        for offset in range(0, nbytes, slab_bytes):
-            slab = buf[offset : offset + slab_bytes]
-            slab.zero_()  # fault the pages in now, not during the first save's copy
-            if pin:
-                start = first_page + offset
-                end = min(first_page + offset + slab_bytes, base + nbytes)
-                _register(start, end - start)
-                registered.append(start)
-            if on_slab is not None:
-                on_slab(offset, slab.numel())
-    except BaseException:
-        _unregister(registered)
-        raise
-    if registered:
-        weakref.finalize(buf, _unregister, registered)
+    for offset in range(0, nbytes, slab_bytes):
+        slab = buf[offset : offset + slab_bytes]
+        slab.zero_()  # fault the pages in now, not during the first save's copy
+        if on_slab is not None:
+            on_slab(offset, slab.numel())
+    if pin:
+        # A buffer this large is a mapping of its own, so its whole pages are ours to lock.
+        base = buf.data_ptr()
+        first_page = base - base % PAGE_BYTES
+        _register(first_page, base + nbytes - first_page)
+        weakref.finalize(buf, _unregister, [first_page])
     return buf
 
 

@@ -4,6 +4,7 @@ tests/device/test_cuda.py holds the same behaviours on CUDA."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from pathlib import Path
@@ -297,3 +298,22 @@ def test_bench_refuses_device_cuda_in_one_line_without_cuda(command, capsys, tmp
         f"(torch {torch.__version__})"
     )
     assert list(tmp_path.iterdir()) == []  # refused before any work
+
+
+def test_a_pinned_host_buffer_is_locked_by_one_registration(monkeypatch):
+    # A copy whose host range spans two cudaHostRegister'd ranges fails on CUDA ("invalid
+    # argument"), so the slabs fault the pages in and one registration locks the whole buffer.
+    from ckptstore import device as device_module
+
+    registered: list[tuple[int, int]] = []
+    unregistered: list[int] = []
+    monkeypatch.setattr(device_module, "host_pins_in_slabs", lambda: True)
+    monkeypatch.setattr(device_module, "_register", lambda p, n: registered.append((p, n)))
+    monkeypatch.setattr(device_module, "_unregister", lambda ps: unregistered.extend(ps))
+    buf = allocate_host(10 * 4096 + 5, pin=True, slab_bytes=4 * 4096)
+    ((start, length),) = registered
+    assert start % 4096 == 0 and start <= buf.data_ptr() < start + 4096
+    assert start + length == buf.data_ptr() + buf.numel()
+    del buf
+    gc.collect()
+    assert unregistered == [start]
