@@ -31,6 +31,7 @@ import fsspec
 import torch
 
 from bench.report import parse_bytes
+from ckptstore.errors import one_line
 from ckptstore.pipeline import release_free_memory
 
 logger = logging.getLogger(__name__)
@@ -386,8 +387,12 @@ class Workspace:
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
         else:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self.fs.rm(self.root, recursive=True)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - never hides the run's own error
+                logger.warning("bench files at %s not removed: %s", self.root, one_line(exc))
             self.fs.invalidate_cache()
 
     def exists(self) -> bool:

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
+from ckptstore.errors import CheckpointError
 
 # Modules of bench/ that define a subcommand, in the order --help lists them.
 WORKLOADS = (
@@ -56,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `ckptbench plan | head -1`: the reader went away; a normal end
         stdout_gone()
         return 0
-    except (ValueError, OSError) as exc:
-        print(f"ckptbench {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, CheckpointError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"ckptbench {args.command}: error: {first}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         return 130

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
 from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
-from ckptstore.format import Manifest, attempt_of_key, commit_key
+from ckptstore.format import Manifest, attempt_of_key, chunk_key, commit_key
 from ckptstore.leases import (
     DEFAULT_TTL_S,
     GC,
@@ -76,6 +76,7 @@ def collect(
     lease_ttl_s: float = DEFAULT_TTL_S,
     settle_timeout_s: float = 60.0,
     verify_chunks: bool = False,
+    check_chunks: bool = False,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -88,13 +89,17 @@ def collect(
     newest healthy step is kept too, so a run of unhealthy steps never leaves the store
     without one to resume from. ``verify_chunks``: every chunk of every readable step is
     re-hashed first (``verify``); a step with a damaged or missing chunk is corrupt, as one
-    whose manifest does not decode."""
+    whose manifest does not decode. ``check_chunks``: one listing of the chunks first, and a
+    step that references a chunk not there is corrupt (``ckptstore gc``: a step that lost a
+    chunk never stands in for one that loads)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     readable = _read_steps(store, list_steps(store), report)
     if verify_chunks:
         _verify_chunks(store, readable, report)
+    elif check_chunks:
+        _check_chunks_present(store, readable, report)
     steps = sorted(readable)
     healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
     report.kept_healthy = healthy[-1] if healthy else None
@@ -181,6 +186,18 @@ def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             report.unreadable_steps[check.step] = f"{_CORRUPT}{shown}{more}"
             del readable[check.step]
+
+
+def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
+    """Move each step of ``readable`` that references a chunk not listed to the unreadable ones
+    (listed after the steps were read: a step's chunks are all there before it commits)."""
+    present = {k.rsplit("/", 1)[-1] for k in store.list("chunks")}
+    for step in sorted(readable):
+        missing = sorted(readable[step].chunks - present)
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            report.unreadable_steps[step] = f"{_CORRUPT}{chunk_key(missing[0])} missing{more}"
+            del readable[step]
 
 
 def _why(exc: Exception) -> str:

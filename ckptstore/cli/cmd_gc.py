@@ -17,6 +17,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         dry_run=args.dry_run,
         remove_corrupt=args.remove_corrupt,
         verify_chunks=args.verify,
+        check_chunks=True,
     )
     if args.json:
         emit_json(_doc(args, store, report))

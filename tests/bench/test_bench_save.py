@@ -375,3 +375,28 @@ def test_scan_cost_times_the_three_ways_for_each_dtype(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 6 and all("ms/GiB" in line for line in lines), lines
     assert sum("fused" in line for line in lines) == 2
+
+
+def test_an_unreachable_s3_endpoint_is_one_error_line(tmp_path):
+    """Nothing listens on 127.0.0.1:9: the save's storage error is the one line printed (the
+    workspace's cleanup, which fails the same way, only warns), and no traceback."""
+    import subprocess
+
+    env = dict(
+        os.environ,
+        AWS_ENDPOINT_URL="http://127.0.0.1:9",
+        AWS_ACCESS_KEY_ID="k",
+        AWS_SECRET_ACCESS_KEY="s",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cli", "save", "--size", "1MiB", "--uri", "s3://b/x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckptbench save: error: put s3://b/x/") and "127.0.0.1:9" in last, last

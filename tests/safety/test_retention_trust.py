@@ -139,3 +139,37 @@ def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys):
     assert doc["deleted_steps"] == [] and doc["kept_steps"] == [1] and not doc["swept"]
     assert [u["step"] for u in doc["unreadable_steps"]] == [2]
     assert loads_step_1(s3_uri)
+
+
+def test_gc_never_keeps_a_step_that_lost_a_chunk_in_place_of_one_that_loads(tmp_path, capsys):
+    """A chunk of the newest step deleted under the store: ``ckptstore gc --keep-last 1``
+    (no --verify) sees it missing from its listing, keeps the step that loads and names the
+    damaged one; --remove-corrupt then deletes it."""
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.format import chunk_key
+
+    uri = str(tmp_path)
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()
+    store = Store(uri)
+
+    def chunks(step: int) -> set[str]:
+        return {d for i in load_rank_indexes(store, load_manifest(store, step)) for d in i.chunks}
+
+    [lost] = chunks(3) - chunks(2) - chunks(1)
+    store.delete(chunk_key(lost))
+    doc = gc_json(capsys, uri, "--keep-last", "1", "--dry-run")
+    assert doc["kept_steps"] == [2] and doc["deleted_steps"] == [1], doc
+    [unreadable] = doc["unreadable_steps"]
+    assert unreadable["step"] == 3 and chunk_key(lost) in unreadable["error"]
+    assert main(["gc", uri, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"unreadable step 3: kept, not counted: corrupt: {chunk_key(lost)} missing" in out
+    assert list_steps(store) == [2, 3]
+    target = {"w": torch.zeros(64)}
+    assert Checkpointer(uri).load(target, step=2) == 2 and torch.equal(
+        target["w"], torch.full((64,), 2.0)
+    )
+    assert main(["gc", uri, "--keep-last", "1", "--remove-corrupt"]) == 0
+    assert list_steps(store) == [2]
