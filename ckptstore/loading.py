@@ -586,6 +586,11 @@ class StateLoader:
     def _agreed(self, step: int, error: BaseException | None, failed: Failures) -> Stop:
         """The error each rank raises for the ``failed`` ranks of a phase of ``step``."""
         skippable = all(o[2] for o in failed.values())
+        if error is not None and not self.group.active and type(error) is CheckpointCorruptError:
+            if f"step {step}" not in str(error):  # a chunk's error names its object, not the step
+                named = CheckpointCorruptError(f"step {step}: {error}")
+                named.__cause__ = error
+                return named, skippable
         if error is not None and (not self.group.active or not isinstance(error, Exception)):
             return error, skippable  # alone, or KeyboardInterrupt and the like: as they are
         shown = list(failed.items())

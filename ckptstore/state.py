@@ -115,6 +115,20 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
     return walk(state, ()), tensors, numpy
 
 
+def _items(node: Any) -> list[tuple[Any, Any]]:
+    """The (key, value) pairs of a saved tree's dict node (none for anything else)."""
+    if tag_of(node) == "$dict":
+        return [(decode_scalar(k), v) for k, v in node["$dict"]]
+    return list(node.items()) if isinstance(node, dict) and tag_of(node) is None else []
+
+
+def _broadcasts(shape: list[int], to: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(tuple(shape), tuple(to)) == tuple(to)
+    except RuntimeError:
+        return False
+
+
 class _Loader:
     """Two passes over (target, saved tree): ``match`` finds, before any I/O, which saved
     tensor lands in which existing tensor (checking shapes and dtypes); ``build`` then puts
@@ -204,6 +218,8 @@ class _Loader:
             )
         template = target.state_dict()
         self.templates[path] = template
+        if isinstance(target, torch.optim.Optimizer):
+            self._check_optimizer_shapes(target, node["$stateful"], path)
         if isinstance(target, torch.nn.Module):
             if self.strict:
                 self._check_module_keys(template, node["$stateful"], path)
@@ -244,6 +260,25 @@ class _Loader:
                 continue
             sub = container.get(key, _MISSING) if container is not None else _MISSING
             self.match(sub, value, (*path, key))
+
+    def _check_optimizer_shapes(self, optim: torch.optim.Optimizer, saved: Any, path: tuple):
+        """Each per-parameter tensor the step holds (an Adam moment, say) must broadcast to
+        its parameter, or the optimizer would take it and fail at its next step: refused
+        before any I/O. A fresh optimizer holds no state to match it against."""
+        params = [p for group in optim.param_groups for p in group["params"]]
+        for index, per_param in _items(dict(_items(saved)).get("state")):
+            if not isinstance(index, int) or not 0 <= index < len(params):
+                continue  # load_state_dict says what is wrong with the groups
+            for name, value in _items(per_param):
+                if tag_of(value) != "$t":
+                    continue
+                shape = self.describe(value["$t"])[1]
+                if shape and not _broadcasts(shape, params[index].shape):
+                    raise UnsupportedStateError(
+                        f"{path_str((*path, 'state', index, name))}: checkpoint has "
+                        f"{tuple(shape)}, this optimizer's parameter {index} is "
+                        f"{tuple(params[index].shape)}"
+                    )
 
     def _check_module_keys(self, template: dict, saved: Any, path: tuple) -> None:
         """A module whose parameters or buffers the step lacks would keep their current

@@ -10,10 +10,12 @@ from ckptstore._inspect import manifest_summary, message
 from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
 from ckptstore.cli.common import Failed, emit_json
 from ckptstore.errors import CheckpointError
+from ckptstore.quarantine import quarantined
 from ckptstore.render import format_ratio, human_bytes, table
 from ckptstore.store import Store
 from ckptstore.tiers.identity import read_identity, store_identity
 from ckptstore.tiers.local import TierListing, tier_copies
+from ckptstore.tiers.policy import TIER_KEY
 
 
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:
@@ -36,12 +38,19 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     if local:
         rows = _with_tiers(rows, local)
     pending = saves_in_flight(store)
+    held_apart = sorted(set(quarantined(store).values()))
     bad = [r for r in rows if "error" in r]
     if args.json:
-        emit_json(_listing_doc(store, steps, rows, pending, listings))
+        emit_json(_listing_doc(store, steps, rows, pending, listings) | {"quarantined": held_apart})
     else:
         _print_steps(store, rows, tiers=bool(local))
         _print_pending(pending)
+        if held_apart:
+            print(
+                f"quarantined: step(s) {', '.join(map(str, held_apart))}, found damaged by a load "
+                "with fallback, kept apart for forensics (ckptstore gc --remove-corrupt deletes "
+                "them)"
+            )
         _print_local_dirs(listings, local_problems)
     if bad:
         raise Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
@@ -92,6 +101,12 @@ def _print_steps(store: Store, rows: list[dict[str, Any]], *, tiers: bool) -> No
     print(table(header, rows_text, right={0, 3, 6, 7, 8} if tiers else {0, 2, 5, 6, 7}))
 
 
+def _user_text(user: dict[str, Any] | None) -> str:
+    """The caller's metadata; a local copy's own record (``TIER_KEY``) is not the user's."""
+    shown = {k: v for k, v in (user or {}).items() if k != TIER_KEY}
+    return json.dumps(shown) if shown else ""
+
+
 def _row_text(r: dict[str, Any]) -> list[str]:
     if "error" not in r and "kind" in r:
         return [
@@ -103,7 +118,7 @@ def _row_text(r: dict[str, Any]) -> list[str]:
             human_bytes(r["raw_bytes"]),
             human_bytes(r["stored_bytes"]),
             format_ratio(r["compression_ratio"]),
-            json.dumps(r["user"]) if r["user"] else "",
+            _user_text(r["user"]),
         ]
     return [str(r["step"]), "ERROR" if "error" in r else "-", *[""] * 6, r.get("error", "")]
 

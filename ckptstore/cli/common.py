@@ -10,6 +10,7 @@ import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from ckptstore.errors import CheckpointNotFoundError, StorageAccessError
@@ -71,6 +72,13 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
     # answer fail here, clearly (listing only commits/: the whole prefix may hold millions of
     # chunks).
     if not store.list("commits") and not holds_store_data(store):
+        ranks = sorted(Path(store.root).glob("job-*/rank-*")) if store.is_local else []
+        if ranks:
+            raise CheckpointNotFoundError(
+                f"no ckptstore data at {args.uri}: it is a local tier directory (a rank's copies "
+                f"are a store of their own: {ranks[0]}; every tier of a step: ckptstore ls "
+                f"DURABLE_URI --local-dir {args.uri})"
+            )
         raise CheckpointNotFoundError(
             f"no ckptstore data at {args.uri} (nothing under commits/, steps/, indexes/, leases/ or "
             "chunks/: a mistyped path or prefix?)"

@@ -318,6 +318,37 @@ def test_load_errors_are_clear(tmp_path):
             ckpt.load({"w": torch.zeros(3), "n": 0}, step=7)
 
 
+def _trained(optim_cls, out_features: int = 32):
+    model = torch.nn.Linear(64, out_features)
+    optim = optim_cls(model.parameters())
+    model(torch.randn(4, 64)).square().sum().backward()
+    optim.step()
+    return model, optim
+
+
+@pytest.mark.parametrize("optim_cls", [torch.optim.AdamW, torch.optim.Adafactor])
+def test_optimizer_state_for_other_parameters_is_refused_before_any_byte(tmp_path, optim_cls):
+    """A fresh optimizer over parameters of another shape would take the step's moments as
+    they are and fail only at its next step: refused by name, the model left untouched. State
+    that only broadcasts to its parameter (Adafactor's factored moments) loads."""
+    model, optim = _trained(optim_cls)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}).wait()
+        fresh = torch.nn.Linear(64, 32)
+        before = fresh.weight.clone()
+        other = optim_cls(torch.nn.Linear(64, 16).parameters())
+        with pytest.raises(UnsupportedStateError, match=r"optim/state/0/\w+: checkpoint has"):
+            ckpt.load({"model": fresh, "optim": other})
+        assert torch.equal(fresh.weight, before)
+        same = optim_cls(fresh.parameters())
+        assert ckpt.load({"model": fresh, "optim": same}) == 1
+        assert torch.equal(fresh.weight, model.weight)
+        saved, loaded = optim.state_dict()["state"][0], same.state_dict()["state"][0]
+        assert all(
+            torch.equal(torch.as_tensor(saved[k]), torch.as_tensor(loaded[k])) for k in saved
+        )
+
+
 def test_unsupported_state_is_refused_by_name(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match="opt/fn: cannot save a value of type"):
@@ -342,7 +373,7 @@ def test_corrupt_chunk_is_refused_on_load(tmp_path):
     data[len(data) // 2] ^= 0x01
     chunk.chmod(0o644)
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorruptError, match=chunk.name):
+    with pytest.raises(CheckpointCorruptError, match=f"^step 1: chunk .*{chunk.name}"):
         Checkpointer(tmp_path).load({"w": torch.zeros(5000)})
     chunk.write_bytes(bytes(data[:-10]))
     with pytest.raises(CheckpointCorruptError, match=chunk.name):

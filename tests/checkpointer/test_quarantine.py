@@ -4,6 +4,7 @@ step number again, and a restart loads the new save."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,11 +71,16 @@ def test_a_corrupt_newest_step_is_quarantined_and_saved_again(tmp_path, capsys):
     assert list(quarantined(store).values()) == [3]
     assert (root / PREFIX / "chunks" / digest).is_file()  # the damaged bytes, for forensics
     assert verify_all(str(root)) == [1, 2, 3, 4]
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0  # the step 3 now listed is the new save's
+    assert "quarantined: step(s) 3, found damaged" in capsys.readouterr().out
     assert main(["gc", str(root), "--keep-last", "1"]) == 0
     assert list_steps(store) == [4] and list(quarantined(store).values()) == [3]
     assert main(["gc", str(root), "--keep-last", "1", "--remove-corrupt"]) == 0
     out = capsys.readouterr().out
     assert "deleted quarantined step(s) 3 (--remove-corrupt)" in out, out
+    assert main(["ls", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quarantined"] == []
     assert not quarantined(store) and not (root / PREFIX / "chunks" / digest).exists()
     assert verify_all(str(root)) == [4]
 

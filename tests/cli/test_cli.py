@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Checkpointer, EncodingOptions
+from ckptstore import Checkpointer, EncodingOptions, TierOptions
 from ckptstore.cli import main
 from tests.helpers.dist import run_ranks
 
@@ -195,6 +195,21 @@ def test_a_location_without_ckptstore_data_is_an_error_everywhere(tmp_path: Path
             "error": one_line_error(err, command).split("error: ", 1)[1],
             "code": 1,
         }
+
+
+def test_a_local_tier_directory_is_named_as_one(tmp_path: Path, capsys) -> None:
+    """The --local-dir of a tiered job given where a store is expected: the error says what
+    it is, where a rank's own store lies, and how to list every tier."""
+    local = tmp_path / "local"
+    with Checkpointer(tmp_path / "durable", tiers=TierOptions(local_dir=local)) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    code, _, err = run(capsys, "ls", local)
+    line = one_line_error(err, "ls")
+    assert code == 1 and "it is a local tier directory" in line, line
+    [rank_dir] = local.glob("job-*/rank-*")
+    assert str(rank_dir) in line and f"--local-dir {local}" in line
+    code, out, _ = run(capsys, "ls", rank_dir)  # its USER column: not the copy's own record
+    assert code == 0 and out.splitlines()[1].split()[0] == "1" and "ckptstore_tier" not in out
 
 
 def test_a_store_with_no_committed_step_lists_empty(tmp_path: Path, capsys) -> None:
