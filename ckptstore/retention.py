@@ -77,6 +77,7 @@ def collect(
     settle_timeout_s: float = 60.0,
     verify_chunks: bool = False,
     check_chunks: bool = False,
+    warn: bool = True,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -91,7 +92,8 @@ def collect(
     re-hashed first (``verify``); a step with a damaged or missing chunk is corrupt, as one
     whose manifest does not decode. ``check_chunks``: one listing of the chunks first, and a
     step that references a chunk not there is corrupt (``ckptstore gc``: a step that lost a
-    chunk never stands in for one that loads)."""
+    chunk never stands in for one that loads). ``warn=False``: what the report holds is logged
+    at INFO, not WARNING (a caller that prints the report)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
@@ -110,9 +112,14 @@ def collect(
     report.deleted_steps = sorted(doomed)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
+    level = logging.WARNING if warn else logging.INFO
     for step in report.unreadable_steps.keys() - set(report.removed_corrupt):
-        logger.warning(
-            "gc %s: step %d is %s; it is kept", store.uri, step, report.unreadable_steps[step]
+        logger.log(
+            level,
+            "gc %s: step %d is %s; it is kept",
+            store.uri,
+            step,
+            report.unreadable_steps[step],
         )
     forensics = quarantine_objects(store)
     keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
@@ -128,7 +135,9 @@ def collect(
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
-        _sweep(store, report, gone, readable, ignore_attempts, lease_ttl_s, lease, keep_attempts)
+        _sweep(
+            store, report, gone, readable, ignore_attempts, lease_ttl_s, lease, keep_attempts, level
+        )
     finally:
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
@@ -215,6 +224,7 @@ def _sweep(
     lease_ttl_s: float,
     lease: Lease | None,
     keep_attempts: set[str] = frozenset(),
+    level: int = logging.WARNING,
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -229,7 +239,7 @@ def _sweep(
         logger.info("gc %s: %d save(s) in flight, chunks not swept", store.uri, len(live))
         return
     if report.unreadable_steps.keys() - gone:
-        logger.warning("gc %s: a kept step cannot be read, nothing swept", store.uri)
+        logger.log(level, "gc %s: a kept step cannot be read, no chunk swept", store.uri)
         return
     kept = [readable[s] for s in report.kept_steps]
     referenced = {d for step in kept for d in step.chunks}

@@ -102,7 +102,8 @@ def test_gc_keep_last_counts_no_quarantined_step(tmp_path):
 
 
 def test_gc_remove_corrupt_dry_run_says_one_thing(tmp_path):
-    """The dry run printed "would delete" on stdout and "it is kept" on stderr."""
+    """The dry run printed "would delete" on stdout and "it is kept" on stderr; a gc's
+    report is not repeated as warnings."""
     root = tmp_path / "ckpt"
     _resume(root, 3)
     manifest = next((root / "commits").glob("*3.json"))
@@ -120,6 +121,16 @@ def test_gc_remove_corrupt_dry_run_says_one_thing(tmp_path):
     assert "unreadable step 3: would delete (--remove-corrupt)" in done.stdout, done.stdout
     assert "kept" not in done.stderr, done.stderr
     assert list_steps(Store(str(root))) == [1, 2, 3]  # a dry run
+    # Without --remove-corrupt: the printed report says what happens to the step, once.
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptstore.cli", *argv[:4], "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "unreadable step 3: kept, not counted" in done.stdout, done.stdout
 
 
 def test_gc_verify_counts_no_step_with_a_damaged_chunk_and_removes_it(tmp_path, capsys):
