@@ -304,7 +304,11 @@ class Workspace:
             uri = self._tmp
             name = ""
         self._locate(uri, name)
+        self._made: str | None = None  # the outermost directory of --uri this run created
         if self.is_local:
+            parent = os.path.dirname(self.root)
+            while not os.path.exists(parent):
+                self._made, parent = parent, os.path.dirname(parent)
             os.makedirs(self.root, exist_ok=True)
 
     @classmethod
@@ -314,6 +318,7 @@ class Workspace:
         exist (FileNotFoundError)."""
         ws = cls.__new__(cls)
         ws._tmp = None
+        ws._made = None
         ws._owned = False
         ws._locate(uri, "")
         if ws.is_local and not os.path.isdir(ws.root):
@@ -386,6 +391,7 @@ class Workspace:
             shutil.rmtree(self.root, ignore_errors=True)
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+            self._remove_made_dirs()
         else:
             try:
                 self.fs.rm(self.root, recursive=True)
@@ -394,6 +400,18 @@ class Workspace:
             except Exception as exc:  # noqa: BLE001 - never hides the run's own error
                 logger.warning("bench files at %s not removed: %s", self.root, one_line(exc))
             self.fs.invalidate_cache()
+
+    def _remove_made_dirs(self) -> None:
+        """The directories of ``--uri`` this run created, where they are left empty."""
+        if self._made is None:
+            return
+        path = os.path.dirname(self.root)
+        while len(path) >= len(self._made):
+            try:
+                os.rmdir(path)
+            except OSError:
+                return  # not empty: something else is there now
+            path = os.path.dirname(path)
 
     def exists(self) -> bool:
         if self.is_local:

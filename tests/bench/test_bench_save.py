@@ -400,3 +400,17 @@ def test_an_unreachable_s3_endpoint_is_one_error_line(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ckptbench save: error: put s3://b/x/") and "127.0.0.1:9" in last, last
+
+
+def test_a_workspace_removes_the_directories_of_uri_it_created(tmp_path):
+    """``--uri`` naming a directory that does not exist: the run creates it and, at the end,
+    removes what it created (left empty), never a directory that was there before."""
+    ws = common.Workspace(str(tmp_path / "new" / "deeper"), command="save")
+    assert (tmp_path / "new" / "deeper").is_dir()
+    ws.cleanup()
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    ws = common.Workspace(str(tmp_path / "kept" / "new"), command="save")
+    (tmp_path / "kept" / "new" / "other.txt").write_text("not the bench's")
+    ws.cleanup()
+    assert (tmp_path / "kept" / "new" / "other.txt").is_file()
