@@ -178,7 +178,7 @@ class _Loader:
             for i, item in enumerate(items):
                 self.match(seq[i] if seq is not None else _MISSING, item, (*path, i))
         elif tag == "$dict" or (isinstance(node, dict) and tag is None):
-            self._match_dict(target, node, tag, path)
+            self._match_dict(target, node, path)
 
     def _match_tensor(self, target: Any, node: Any, path: tuple) -> None:
         if target is _MISSING or target is None:
@@ -242,8 +242,8 @@ class _Loader:
         self.templates[path] = template
         self.match(template, node["$generator"]["state"], path)
 
-    def _match_dict(self, target: Any, node: Any, tag: str | None, path: tuple) -> None:
-        pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+    def _match_dict(self, target: Any, node: Any, path: tuple) -> None:
+        pairs = _items(node)
         container = target if isinstance(target, dict) else None
         if container is not None:
             extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
@@ -335,7 +335,7 @@ class _Loader:
                 return target
             return values
         if tag == "$dict" or (isinstance(node, dict) and tag is None):
-            pairs = [(decode_scalar(k), v) for k, v in node["$dict"]] if tag else list(node.items())
+            pairs = _items(node)
             out = target if isinstance(target, dict) else {}
             for key, value in pairs:
                 if self.skips(target, key):
