@@ -5,7 +5,8 @@
 #
 # On the device machine (its python3 holds torch; make gpu-wheels first, here, and carry .whl):
 #     bash bench/gpu_check.sh                      # every part
-#     PARTS="test save" bash bench/gpu_check.sh    # some: test save first restore loop
+#     PARTS="loop save" bash bench/gpu_check.sh    # some, in order: test save first reserved restore loop
+#     SAVE_METHODS=ckptstore,dcp_async RESTORE_METHODS=ckptstore,ckptstore_host,dcp REPEAT=2 ...
 # Rehearsed on a CPU (the cpu as the "device", small sizes):
 #     DEVICE=cpu SIZE=128MiB LOOP_SIZE=32MiB LOOP_STEPS=80 OUT=/tmp/gpu PY=.venv/bin/python \
 #         WHEELS=none bash bench/gpu_check.sh
@@ -24,8 +25,9 @@ DEVICE=${DEVICE:-cuda}
 SIZE=${SIZE:-8GiB}
 LOOP_SIZE=${LOOP_SIZE:-1GiB}
 LOOP_STEPS=${LOOP_STEPS:-400}
-PARTS=${PARTS:-test save first restore loop}
+PARTS=${PARTS:-test save first reserved restore loop}
 LIMIT_S=${LIMIT_S:-240}
+REPEAT=${REPEAT:-3}
 PY=${PY:-python3}
 FIRST_METHODS=ckptstore,ckptstore_host  # device staging beside pinned host staging
 [ "$DEVICE" = cpu ] && FIRST_METHODS=ckptstore  # no host staging to compare with on a cpu
@@ -53,11 +55,16 @@ nvidia-smi -L >>"$LOG" 2>&1 || true
 part() {  # part NAME COMMAND...: the command's stdout into $WORK/NAME.json, its rc and time logged
     local name=$1
     shift
-    case " $PARTS " in *" $name "*) ;; *) return ;; esac
     echo "== $name: $*" | tee -a "$LOG"
     local t0=$SECONDS limit_var="LIMIT_$name"
-    timeout --signal=KILL "${!limit_var:-$LIMIT_S}" "$@" >"$WORK/$name.json" 2>"$WORK/$name.err"
+    # Each part's temporary files in a directory of its own, removed after it: a part killed at
+    # its limit cannot clean up, and its leftovers (GiBs of checkpoints) must not fill the disk
+    # under the next part.
+    mkdir -p "$WORK/tmp-$name"
+    TMPDIR="$WORK/tmp-$name" timeout --signal=KILL "${!limit_var:-$LIMIT_S}" "$@" \
+        >"$WORK/$name.json" 2>"$WORK/$name.err"
     local rc=$?
+    rm -rf "$WORK/tmp-$name"
     echo "$name rc=$rc $((SECONDS - t0)) s" | tee -a "$LOG"
     echo "$name $rc $((SECONDS - t0))" >>"$WORK/parts.txt"
     tail -n 25 "$WORK/$name.err" >>"$LOG"
@@ -68,13 +75,25 @@ part() {  # part NAME COMMAND...: the command's stdout into $WORK/NAME.json, its
 }
 
 BENCH=("$PY" -m bench.cli)
-part test "$PY" -m pytest -q --tb=short -p no:cacheprovider tests/device/test_cuda.py
-part save "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 --repeat 3 --warmup 1 --json
-part first "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 --repeat 3 --warmup 0 \
-    --methods "$FIRST_METHODS" --json
-part restore "${BENCH[@]}" restore --device "$DEVICE" --size "$SIZE" --tensors 16 --repeat 3 --json
-part loop "${BENCH[@]}" interference --device "$DEVICE" --size "$LOOP_SIZE" --tensors 16 \
-    --steps "$LOOP_STEPS" --every 40 --json
+SAVE_METHODS=${SAVE_METHODS:+--methods $SAVE_METHODS}
+RESTORE_METHODS=${RESTORE_METHODS:+--methods $RESTORE_METHODS}
+run_part() {  # the parts run in the order PARTS names them
+    case $1 in
+    test) part test "$PY" -m pytest -q --tb=short -p no:cacheprovider tests/device/test_cuda.py ;;
+    save) part save "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 \
+        --repeat "$REPEAT" --warmup 1 $SAVE_METHODS --json ;;
+    first) part first "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 \
+        --repeat "$REPEAT" --warmup 0 --methods "$FIRST_METHODS" --json ;;
+    reserved) part reserved "${BENCH[@]}" save --device "$DEVICE" --size "$SIZE" --tensors 16 \
+        --repeat "$REPEAT" --warmup 0 --reserve --methods "$FIRST_METHODS" --json ;;
+    restore) part restore "${BENCH[@]}" restore --device "$DEVICE" --size "$SIZE" --tensors 16 \
+        --repeat "$REPEAT" $RESTORE_METHODS --json ;;
+    loop) part loop "${BENCH[@]}" interference --device "$DEVICE" --size "$LOOP_SIZE" \
+        --tensors 16 --steps "$LOOP_STEPS" --every 40 --json ;;
+    *) echo "unknown part $1 (test save first reserved restore loop)" | tee -a "$LOG" ;;
+    esac
+}
+for name in $PARTS; do run_part "$name"; done
 
 "$PY" -m bench.gpu_summary "$WORK" >"$OUT/gpu_check.json" 2>>"$LOG"
 echo "summary rc=$?" >>"$LOG"

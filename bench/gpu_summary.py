@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPORTS = ("save", "first", "restore", "loop")
+REPORTS = ("save", "first", "reserved", "restore", "loop")
 
 
 def _parts(work: Path) -> dict[str, dict[str, int]]:
@@ -45,12 +45,18 @@ def _target(value: Any, limit: float) -> dict[str, Any]:
 
 def targets(reports: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
     """Issue 35's targets from the reports (each one run on one device)."""
-    save, first, restore, loop = (reports.get(n) for n in REPORTS)
+    save, first, reserved, restore, loop = (reports.get(n) for n in REPORTS)
     return {
         "stall_vs_device_memcpy": _target(_dig(save, "ratios", "stall_vs_memcpy"), 2.0),
         "blocked_s": _target(_dig(save, "ckptstore", "blocked_s"), 0.010),
         "first_stall_vs_later": _target(_dig(first, "ratios", "first_stall_vs_stall"), 2.0),
         "first_blocked_vs_later": _target(_dig(first, "ratios", "first_blocked_vs_blocked"), 2.0),
+        "reserved_first_stall_vs_later": _target(
+            _dig(reserved, "ratios", "first_stall_vs_stall"), 2.0
+        ),
+        "reserved_first_blocked_vs_later": _target(
+            _dig(reserved, "ratios", "first_blocked_vs_blocked"), 2.0
+        ),
         "device_restore_vs_host_restore": _target(
             _dig(restore, "ratios", "ckptstore_vs_ckptstore_host"), 1.2
         ),
@@ -66,7 +72,9 @@ def summarize(work: Path) -> dict[str, Any]:
     return {
         "parts": _parts(work),
         "pytest": lines[-1] if lines else None,
-        "device": _dig(reports.get("save"), "config", "device"),
+        "device": next(
+            (d for r in reports.values() if (d := _dig(r, "config", "device")) is not None), None
+        ),
         "targets": targets(reports),
         "dcp_async_loop_step_rate_loss": _dig(
             reports.get("loop"), "methods", "dcp_async", "loss_fraction"

@@ -383,6 +383,7 @@ def _gpu_loop(step, steps: int, every: int, save, device: torch.device) -> float
 
 def _measure_gpu_training(args: argparse.Namespace) -> dict:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     device = common.check_device("cuda")
     _check_common(args)
@@ -395,6 +396,7 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
     )
     state_bytes += sum(p.numel() * p.element_size() for p in model.parameters())
     rates: dict[str, float] = {}
+    failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
         root = args.uri.rstrip("/") if args.uri else tmp
         baselines = [_gpu_loop(step, args.steps, args.every, None, device) for _ in range(before)]
@@ -423,9 +425,12 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
                     dcp.async_save(_dcp_state(model, optim), storage_writer=writer, no_dist=True)
                 )
 
-        rates["dcp_async"] = _gpu_loop(step, args.steps, args.every, dcp_save, device)
-        for future in pending:
-            future.result()
+        try:
+            rates["dcp_async"] = _gpu_loop(step, args.steps, args.every, dcp_save, device)
+            for future in pending:
+                future.result()
+        except (CheckpointException, RuntimeError, OSError) as e:  # ckptstore's figure stands
+            failures["dcp_async"] = f"{type(e).__name__}: {e}"
         baselines += [_gpu_loop(step, args.steps, args.every, None, device) for _ in range(after)]
     base, noise = statistics.mean(baselines), spread(baselines)
     rates["none_before"], rates["none_after"] = baselines[0], baselines[-1]
@@ -444,6 +449,8 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
                 "loss_noise_fraction": noise,
                 "loss_within_noise": abs(1.0 - rates[name] / base) <= noise,
             }
+            if name in rates
+            else {"error": failures[name]}
             for name in ("ckptstore", "dcp_async")
         },
         "runs": rates,
@@ -461,6 +468,9 @@ def _print_gpu(out: dict, *, as_json: bool) -> None:
     )
     print(f"{'method':10} {'steps/s':>8} {'loss':>22}")
     for name, r in out["methods"].items():
+        if "error" in r:
+            print(f"{name:10} failed: {r['error']}")
+            continue
         loss = loss_cell(r["loss_fraction"], r["loss_noise_fraction"])
         print(f"{name:10} {r['steps_per_s']:8.2f} {loss:>22}")
     print(_noise_legend(out["baseline_runs"]))

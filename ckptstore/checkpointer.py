@@ -300,16 +300,16 @@ class Checkpointer:
         """Allocate the host staging memory for saves of ``state_or_nbytes`` (a state as
         ``save`` takes it, or a byte count) ahead, on a background thread, a bounded slab at
         a time (pinned with an accelerator), so that the first save does not allocate it on
-        the loop's thread. Returns a future, done once the memory is reserved (its error
-        re-raised by ``result()``); a save started before waits for it instead of allocating
-        a second buffer."""
+        the loop's thread. Given a state that its saves stage on its device (``staging``
+        auto or device), the device buffer is allocated too, before this returns. Returns a
+        future, done once the host memory is reserved (its error re-raised by ``result()``);
+        a save started before waits for it instead of allocating a second buffer."""
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         if isinstance(state_or_nbytes, int) and not isinstance(state_or_nbytes, bool):
-            nbytes = state_or_nbytes
-        else:
-            nbytes = self.engine.staged_bytes(flatten(state_or_nbytes)[1])
-        return self.engine.reserve(nbytes)
+            return self.engine.reserve(state_or_nbytes)
+        tensors = flatten(state_or_nbytes)[1]
+        return self.engine.reserve(self.engine.staged_bytes(tensors), tensors, rank=self.rank)
 
     def wait(self) -> None:
         """Block until every save so far is committed; raise the error of the first failed

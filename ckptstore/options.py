@@ -99,11 +99,13 @@ class EncodingOptions:
 class StagingOptions:
     """Where ``save()`` copies the state before it returns."""
 
-    mode: str = "host"
-    """``"host"``: into a pooled host buffer (pinned with an accelerator; the loop's stream
-    waits for that device-to-host copy). ``"device"``: into a pooled buffer on the state's
-    device, copied to the host in the background (a state over the device budget goes through
-    the host, one log line). ``"auto"``: ``"device"`` where the state fits, else ``"host"``.
+    mode: str = "auto"
+    """``"auto"`` (default): ``"device"`` where the state lives on an accelerator and fits
+    the device budget, else ``"host"`` (one log line when a state stops fitting); a DCP save
+    stages on the host, DCP having staged the state itself. ``"host"``: into a pooled host
+    buffer (pinned with an accelerator; the loop's stream waits for that device-to-host copy).
+    ``"device"``: into a pooled buffer on the state's device, copied to the host in the
+    background (a state over the device budget goes through the host, one log line).
     ``"peer"`` (Checkpointer): host staging, and each rank also sends its staged state to a
     guard rank one node over, whose memory ``load`` takes it from first."""
     budget_bytes: int | None = None

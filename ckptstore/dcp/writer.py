@@ -183,8 +183,12 @@ class StoreWriter(StorageWriter, PooledStager):
             health=health,
         )
         o = resolve("StoreWriter", given, deprecated)
+        if o["staging"].mode == "auto":  # DCP has staged the state itself, or saves in place
+            o["staging"] = dataclasses.replace(o["staging"], mode="host")
         if o["staging"].mode != "host":
-            raise ValueError("a DCP save stages on the host: StagingOptions(mode='host')")
+            raise ValueError(
+                "a DCP save stages on the host: StagingOptions(mode='host'), or 'auto'"
+            )
         self.options = o
         # What a copy of this writer in DCP's checkpoint process is rebuilt from (__reduce__).
         self._config = dict(uri=uri, storage_options=storage_options, keep_last=keep_last, **o)

@@ -106,7 +106,7 @@ class SaveEngine:
         keep_last: int | None = None,
         lease_ttl_s: float = DEFAULT_TTL_S,
         gc_wait_s: float = DEFAULT_GC_WAIT_S,
-        staging: str = "host",
+        staging: str = "auto",
         device_staging_budget_bytes: int | None = None,
         health: HealthPolicy | None = None,
     ) -> None:
@@ -208,11 +208,17 @@ class SaveEngine:
         """The size of the staging buffer a save of ``tensors`` takes."""
         return plan_layout(tensors, self.config).total_bytes
 
-    def reserve(self, nbytes: int) -> Future:
+    def reserve(
+        self, nbytes: int, tensors: list[torch.Tensor] | None = None, *, rank: int = 0
+    ) -> Future:
         """Allocate the host staging buffer for a state of ``nbytes`` in the background, slab
-        by slab; the future is done once it is."""
+        by slab; the future is done once it is. Given the state's ``tensors``, the device
+        buffer their saves stage into (``staging`` device or auto) is allocated first, here."""
         if nbytes <= 0:
             raise ValueError(f"reserve needs a positive number of bytes, got {nbytes}")
+        device = None if tensors is None else self._staging_device(tensors, nbytes, rank)
+        if device is not None:
+            self._device_pool(device).reserve(nbytes)
         return self.drainer().submit(self.pool.reserve, nbytes)
 
     def stage_somewhere(

@@ -105,6 +105,19 @@ def test_save_incremental_dedupes_only_in_ckptstore(capsys, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_reserve_allocates_the_staging_memory_before_the_first_save(capsys, tmp_path):
+    argv = ("save", "--size", "16MiB", "--tensors", "4", "--repeat", "1", "--warmup", "0")
+    argv += ("--methods", "ckptstore", "--uri", str(tmp_path))
+    plain = _run_json(capsys, save, *argv)
+    reserved = _run_json(capsys, save, *argv, "--reserve")
+    assert reserved["config"]["reserve"] is True and plain["config"]["reserve"] is False
+    raw = reserved["config"]["raw_bytes"]
+    # Held across the setup, before any save: the reserved, faulted-in staging buffer.
+    assert reserved["ckptstore"]["held_rss_bytes"] >= 0.9 * raw
+    assert plain["ckptstore"]["held_rss_bytes"] < 0.5 * raw
+    assert os.listdir(tmp_path) == []
+
+
 def test_save_table_output(capsys, tmpdir_isolated):
     args = _parse(save, "save", *TINY, "--warmup", "0", "--methods", "ckptstore,torch_save")
     assert args.func(args) == 0

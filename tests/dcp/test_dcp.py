@@ -65,6 +65,17 @@ def test_round_trip_bit_exact(uri):
     assert_same(target, state)
 
 
+def test_a_dcp_writer_stages_on_the_host_and_refuses_device_staging(tmp_path):
+    # DCP stages the state itself (async) or saves it in place: the default "auto" means host.
+    default = StoreWriter(tmp_path / "ck")
+    try:
+        assert default.options["staging"].mode == "host" and default.engine.staging == "host"
+    finally:
+        default.close()
+    with pytest.raises(ValueError, match="a DCP save stages on the host"):
+        StoreWriter(tmp_path / "ck", staging="device")
+
+
 def test_step_none_is_latest_plus_one_and_loads_chosen_step(tmp_path):
     uri = str(tmp_path / "s")
     writer = StoreWriter(uri)

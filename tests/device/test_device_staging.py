@@ -85,9 +85,9 @@ def test_a_state_over_the_device_budget_is_staged_through_the_host_with_one_log_
 
 def test_auto_staging_keeps_a_cpu_state_on_the_host(tmp_path, caplog):
     state = make_state()
-    with Checkpointer(tmp_path / "ck") as default:
-        assert default.engine.staging == "host"  # device staging stays opt-in until run on a GPU
-    with Checkpointer(tmp_path / "ck", staging="auto") as ck:
+    with Checkpointer(tmp_path / "ck", staging="host") as host:
+        assert host.engine.staging == "host"
+    with Checkpointer(tmp_path / "ck") as ck:  # auto by default since the H100 run of issue 35
         assert ck.engine.staging == "auto"
         with caplog.at_level(logging.WARNING, logger="ckptstore.save.engine"):
             ck.save(1, state).wait()
@@ -181,6 +181,19 @@ def test_a_save_during_a_reservation_waits_for_it_instead_of_allocating(tmp_path
         reserved.result(timeout=60)
         assert ck.engine.pool.allocations == 1
         assert ck.steps() == [1]
+
+
+def test_reserve_of_a_device_staged_state_allocates_its_device_buffer_too(tmp_path):
+    state = make_state()
+    with Checkpointer(tmp_path / "ck", staging="device") as ck:
+        ck.reserve(state).result(timeout=60)
+        assert ck.engine.device_pool.allocations == 1 and ck.engine.pool.allocations == 1
+        ck.save(1, state).wait()  # staged into both reserved buffers: nothing allocated
+        assert ck.engine.device_pool.allocations == 1 and ck.engine.pool.allocations == 1
+        assert_loads(ck, 1, state)
+    with Checkpointer(tmp_path / "ck2", staging="host") as ck:
+        ck.reserve(state).result(timeout=60)
+        assert ck.engine.device_pool is None and ck.engine.pool.allocations == 1
 
 
 def test_reserve_refuses_nothing_to_reserve(tmp_path):
