@@ -6,6 +6,7 @@
 # On the device machine (its python3 holds torch; make gpu-wheels first, here, and carry .whl):
 #     bash bench/gpu_check.sh                      # every part
 #     PARTS="loop save" bash bench/gpu_check.sh    # some, in order: test save first reserved restore loop
+#     PARTS="recover recover_dcp" bash bench/gpu_check.sh   # issue 36's tiered restore, on its cores
 #     SAVE_METHODS=ckptstore,dcp_async RESTORE_METHODS=ckptstore,ckptstore_host,dcp REPEAT=2 ...
 # Rehearsed on a CPU (the cpu as the "device", small sizes):
 #     DEVICE=cpu SIZE=128MiB LOOP_SIZE=32MiB LOOP_STEPS=80 OUT=/tmp/gpu PY=.venv/bin/python \
@@ -25,7 +26,9 @@ DEVICE=${DEVICE:-cuda}
 SIZE=${SIZE:-8GiB}
 LOOP_SIZE=${LOOP_SIZE:-1GiB}
 LOOP_STEPS=${LOOP_STEPS:-400}
+ALL_PARTS="test save first reserved restore loop recover recover_dcp"
 PARTS=${PARTS:-test save first reserved restore loop}
+RECOVER_SIZE=${RECOVER_SIZE:-1GiB}
 LIMIT_S=${LIMIT_S:-240}
 REPEAT=${REPEAT:-3}
 PY=${PY:-python3}
@@ -90,7 +93,14 @@ run_part() {  # the parts run in the order PARTS names them
         --repeat "$REPEAT" $RESTORE_METHODS --json ;;
     loop) part loop "${BENCH[@]}" interference --device "$DEVICE" --size "$LOOP_SIZE" \
         --tensors 16 --steps "$LOOP_STEPS" --every 40 --json ;;
-    *) echo "unknown part $1 (test save first reserved restore loop)" | tee -a "$LOG" ;;
+    # Issue 36 on the machine's cores (not its GPU): a node of 2 ranks wiped, restored from its
+    # peers' copies, against DCP's load of the same state; 4 rank processes.
+    recover | recover_dcp)
+        local frontend=checkpointer
+        [ "$1" = recover_dcp ] && frontend=dcp
+        part "$1" "${BENCH[@]}" recover --frontend "$frontend" --ranks 4 --ranks-per-node 2 \
+            --size "$RECOVER_SIZE" --repeat "$REPEAT" --durable "$WORK/tmp-$1/durable" --json ;;
+    *) echo "unknown part $1 ($ALL_PARTS)" | tee -a "$LOG" ;;
     esac
 }
 for name in $PARTS; do run_part "$name"; done

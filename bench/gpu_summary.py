@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPORTS = ("save", "first", "reserved", "restore", "loop")
+REPORTS = ("save", "first", "reserved", "restore", "loop", "recover", "recover_dcp")
 
 
 def _parts(work: Path) -> dict[str, dict[str, int]]:
@@ -43,10 +43,23 @@ def _target(value: Any, limit: float) -> dict[str, Any]:
     return {"value": value, "limit": limit, "met": met}
 
 
+def _at_least(value: Any, floor: float) -> dict[str, Any]:
+    met = None if not isinstance(value, (int, float)) else value >= floor
+    return {"value": value, "at_least": floor, "met": met}
+
+
 def targets(reports: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
-    """Issue 35's targets from the reports (each one run on one device)."""
-    save, first, reserved, restore, loop = (reports.get(n) for n in REPORTS)
+    """Issue 35's targets from the reports (each one run on one device), and issue 36's
+    tiered restore of a wiped node (the ``recover`` parts, on the machine's cores)."""
+    save, first, reserved, restore, loop, recover, recover_dcp = (reports.get(n) for n in REPORTS)
     return {
+        "recover_dcp_over_tiers": _at_least(_dig(recover, "restore", "dcp_over_tiers"), 1.0),
+        "recover_peer_restore_over_p2p": _at_least(
+            _dig(recover, "restore", "tiers", "peer_restore_over_p2p"), 0.5
+        ),
+        "recover_dcp_frontend_dcp_over_tiers": _at_least(
+            _dig(recover_dcp, "restore", "dcp_over_tiers"), 1.0
+        ),
         "stall_vs_device_memcpy": _target(_dig(save, "ratios", "stall_vs_memcpy"), 2.0),
         "blocked_s": _target(_dig(save, "ckptstore", "blocked_s"), 0.010),
         "first_stall_vs_later": _target(_dig(first, "ratios", "first_stall_vs_stall"), 2.0),
