@@ -41,7 +41,8 @@ before it (high-water mark reset through ``/proc/self/clear_refs``, read from ``
 buffer), measured across its setup and warm-up saves (so 0 with ``--warmup 0``: then the
 first round counts the buffer and later rounds do not). It is not updated after measured
 saves: DCP's thread frees its staged copy a moment after ``future.result()`` returns, so an
-RSS reading right then would count that copy as held.
+RSS reading right then would count that copy as held. ``reserved_bytes``: with ``--reserve``,
+the staging memory ``Checkpointer.reserve`` allocated before the first save (0 without).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ class _Method:
     def open(self) -> None:
         pass
 
-    def reserve(self, state: dict[str, torch.Tensor]) -> None:
-        """Allocate the staging memory for saves of ``state`` ahead (``--reserve``), untimed."""
+    def reserve(self, state: dict[str, torch.Tensor]) -> int:
+        """Allocate the staging memory for saves of ``state`` ahead (``--reserve``), untimed;
+        the bytes reserved (host and device)."""
+        return 0
 
     def save(self, state: dict[str, torch.Tensor], n: int) -> tuple[float, float]:
         raise NotImplementedError
@@ -109,8 +112,11 @@ class _Ckptstore(_Method):
             staging=StagingOptions(mode=self.staging),
         )
 
-    def reserve(self, state) -> None:
+    def reserve(self, state) -> int:
         self.ckpt.reserve(state).result(timeout=600)
+        device_pool = self.ckpt.engine.device_pool
+        held = 0 if device_pool is None else device_pool.allocated_bytes
+        return self.ckpt.engine.pool.allocated_bytes + held
 
     def save(self, state, n):
         t0 = time.perf_counter()
@@ -311,6 +317,7 @@ def run_save(
     d2h_runs: list[float] = []
     first: dict[str, tuple[float, float | None]] = {}
     held: dict[str, int] = {}
+    reserved: dict[str, int] = {}
     save_no = 0
     with common.Workspace(uri, command="save") as ws:
         is_local = ws.is_local
@@ -321,8 +328,7 @@ def run_save(
                 before = probe.rss()
                 method.open()
                 opened.append(method)
-                if reserve:
-                    method.reserve(state)
+                reserved[name] = method.reserve(state) if reserve else 0
                 for _ in range(warmup):
                     common.perturb(state, only_first=incremental and save_no > 0)
                     say(f"{name}: warm-up save")
@@ -419,6 +425,7 @@ def run_save(
             "stored_vs_raw": stored / raw,
             "peak_rss_bytes": int(common.median(peaks)) if peaks else None,
             "held_rss_bytes": held[name],
+            "reserved_bytes": reserved[name],
             "blocked_vs_memcpy": common.ratio(blocked, memcpy_s),
             "runs": rs,
         }

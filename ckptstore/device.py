@@ -97,14 +97,17 @@ class Device:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def free_bytes(self) -> int:
-        """Memory a new buffer could take now: free device memory plus what torch's caching
-        allocator holds unused; on the CPU, the kernel's MemAvailable."""
+        """Memory a new buffer could take without taking what the training loop needs: the
+        device's free memory, less what torch's caching allocator gave back since its
+        high-water mark (the loop's peak must fit again). The allocator's cached blocks are
+        the loop's (its activations, between steps), not counted. On the CPU, the kernel's
+        MemAvailable."""
         if not self.is_accelerator:
             return _host_available_bytes()
         free, _total = torch.accelerator.get_memory_info(self.device)
-        cached = torch.accelerator.memory_reserved(self.device)
-        used = torch.accelerator.memory_allocated(self.device)
-        return int(free + max(0, cached - used))
+        reserved = torch.accelerator.memory_reserved(self.device)
+        peak = torch.accelerator.max_memory_reserved(self.device)
+        return max(0, int(free - max(0, peak - reserved)))
 
 
 def _host_available_bytes() -> int:

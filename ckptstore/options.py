@@ -101,8 +101,9 @@ class StagingOptions:
 
     mode: str = "auto"
     """``"auto"`` (default): ``"device"`` where the state lives on an accelerator and fits
-    the device budget, else ``"host"`` (one log line when a state stops fitting); a DCP save
-    stages on the host, DCP having staged the state itself. ``"host"``: into a pooled host
+    the device budget, else ``"host"`` (one log line when a state stops fitting), and the
+    first save ``"host"`` unless ``device_budget_bytes`` is given (the loop's memory peak is
+    known once it ran a step); a DCP save stages on the host, DCP having staged the state. ``"host"``: into a pooled host
     buffer (pinned with an accelerator; the loop's stream waits for that device-to-host copy).
     ``"device"``: into a pooled buffer on the state's device, copied to the host in the
     background (a state over the device budget goes through the host, one log line).
@@ -112,7 +113,7 @@ class StagingOptions:
     """Host memory for staged copies (None: one buffer, state-sized)."""
     device_budget_bytes: int | None = None
     """Device memory for device staging (None: one buffer, while the state fits half of the
-    device's free memory)."""
+    device's free memory less the room the training loop's memory peak needs)."""
     when_busy: str = "wait"
     """A save asked for while the previous one still holds the staging memory ``"wait"``s for
     it, or is ``"skip"``ped with a warning (one process only)."""

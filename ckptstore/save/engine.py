@@ -4,8 +4,10 @@ tensors are copied into before a save writes them (``SaveSession`` walks one sav
 Where a save stages (``staging``): ``"host"``, a pooled host buffer; ``"device"``, a pooled
 buffer on the state's device first, drained to a host buffer in the background
 (``ckptstore.staging``); ``"auto"``, the device where the state lives on an accelerator and
-fits the device budget, else the host. A state that does not fit the budget is staged through
-the host, with one log line each time that starts happening."""
+fits the device budget, else the host, and its first save through the host (the training loop's
+memory peak is known only once it ran a step: ``SaveEngine._before_loop_peak``). A state that
+does not fit the budget is staged through the host, with one log line each time that starts
+happening."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class SaveEngine:
         staging: ``"host"``, ``"device"`` or ``"auto"`` (module docstring).
         device_staging_budget_bytes: device memory for device staging buffers (None: one
             buffer, staged into while the state fits ``DEVICE_FREE_SHARE`` of the device's free
-            memory, its own buffer counted as free).
+            memory, ``Device.free_bytes``, its own buffer counted as free).
         keep_last: retention after each commit (None: keep everything).
         lease_ttl_s / gc_wait_s: the save lease's ttl, and how long a save waits for a gc.
     """
@@ -135,6 +137,7 @@ class SaveEngine:
         self._drainer: Drainer | None = None
         self._drainer_lock = threading.Lock()
         self._fallback_logged = False
+        self._loop_peak_seen = False  # "auto": its first save has passed (a step ran since)
         self.keep_last = keep_last
         self.lease_ttl_s = lease_ttl_s
         self.gc_wait_s = gc_wait_s
@@ -162,14 +165,19 @@ class SaveEngine:
         drained = self.drainer().drain(copied, device, pool.release, scan=self.health.scan)
         return Staged(layout, drained, True)
 
-    def _staging_device(self, tensors: list[torch.Tensor], nbytes: int, rank: int):
-        """The device to stage ``tensors`` on first, or None to stage them on the host."""
+    def _staging_device(
+        self, tensors: list[torch.Tensor], nbytes: int, rank: int, *, reserving: bool = False
+    ):
+        """The device to stage ``tensors`` on first, or None to stage them on the host.
+        ``reserving``: asked by ``reserve``, not by a save."""
         if self.staging == "host":
             return None
         device = Device.of(tensors)
         if device is None:
             why = "the state spans several devices"
         elif self.staging == "auto" and not device.is_accelerator:
+            return None
+        elif self._before_loop_peak(reserving):
             return None
         else:
             budget = self._device_budget(device)
@@ -181,6 +189,19 @@ class SaveEngine:
             self._fallback_logged = True
             logger.warning("rank %d: staging through host memory: %s", rank, why)
         return None
+
+    def _before_loop_peak(self, reserving: bool) -> bool:
+        """``"auto"`` without a device budget stages its first save (and a reservation before
+        it) through the host: the device memory the training loop's step needs is known (the
+        allocator's high-water mark, ``Device.free_bytes``) only once a step ran, and a save
+        before the first step must not take the memory that step's activations need."""
+        if self.staging != "auto" or self.device_staging_budget_bytes is not None:
+            return False
+        if self._loop_peak_seen:
+            return False
+        if not reserving:
+            self._loop_peak_seen = True
+        return True
 
     def _device_budget(self, device: Device) -> int:
         if self.device_staging_budget_bytes is not None:
@@ -216,7 +237,9 @@ class SaveEngine:
         buffer their saves stage into (``staging`` device or auto) is allocated first, here."""
         if nbytes <= 0:
             raise ValueError(f"reserve needs a positive number of bytes, got {nbytes}")
-        device = None if tensors is None else self._staging_device(tensors, nbytes, rank)
+        device = (
+            None if tensors is None else self._staging_device(tensors, nbytes, rank, reserving=True)
+        )
         if device is not None:
             self._device_pool(device).reserve(nbytes)
         return self.drainer().submit(self.pool.reserve, nbytes)

@@ -65,12 +65,17 @@ def test_in_place_updates_after_save_do_not_tear_the_staged_state(tmp_path, mode
         assert (ck.engine.device_pool is not None) == (mode == "device")
 
 
-def test_auto_staging_puts_a_cuda_state_that_fits_on_the_device(tmp_path):
+def test_auto_staging_puts_a_cuda_state_that_fits_on_the_device_after_the_first_save(tmp_path):
     state = _state()
-    with Checkpointer(tmp_path / "ck", staging="auto") as ck:
-        ck.save(1, state).wait()
+    with Checkpointer(tmp_path / "ck") as ck:  # "auto", the default
+        ck.reserve(state).result(timeout=60)
+        ck.save(1, state).wait()  # before the loop's memory peak is known: through the host
+        assert ck.engine.device_pool is None
+        _step(state)
+        ck.save(2, state).wait()
         assert ck.engine.device_pool is not None
         assert ck.engine.device_pool.device.device.type == "cuda"
+        assert_loads(ck, 2, state)
 
 
 def test_device_and_host_buffers_are_reused_across_saves(tmp_path):

@@ -19,6 +19,7 @@ from ckptstore.device import Device, allocate_host
 from ckptstore.device_load import read_to_device
 from ckptstore.errors import CheckpointCorruptError
 from ckptstore.format import chunk_key
+from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import StepView
 from tests.helpers.staged import assert_loads, saves_back_to_back_within_budgets, snapshot
 
@@ -93,6 +94,44 @@ def test_auto_staging_keeps_a_cpu_state_on_the_host(tmp_path, caplog):
             ck.save(1, state).wait()
         assert ck.engine.device_pool is None and ck.engine.pool.allocations == 1
         assert not [r for r in caplog.records if FALLBACK in r.getMessage()]
+
+
+def _fake_accelerator(monkeypatch, *, free: int, reserved: int, peak: int) -> Device:
+    """A "cuda:0" whose memory figures are given: the CPU has no accelerator to ask."""
+    figures = {"free": free, "reserved": reserved, "peak": peak}
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda d: (figures["free"], 80))
+    monkeypatch.setattr(torch.accelerator, "memory_reserved", lambda d: figures["reserved"])
+    monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda d: figures["peak"])
+    device = Device("cuda:0")
+    device.figures = figures
+    return device
+
+
+def test_device_free_memory_leaves_the_loops_peak_and_cached_blocks_alone(monkeypatch):
+    # The allocator's cached blocks (activations between steps) are the loop's: not free.
+    device = _fake_accelerator(monkeypatch, free=40 << 30, reserved=30 << 30, peak=30 << 30)
+    assert device.free_bytes() == 40 << 30
+    # After empty_cache() the loop's next step takes 10 GiB back from the free memory.
+    device.figures.update(reserved=20 << 30)
+    assert device.free_bytes() == 30 << 30
+    device.figures.update(free=5 << 30)
+    assert device.free_bytes() == 0
+
+
+def test_auto_staging_stages_its_first_save_through_the_host(monkeypatch):
+    device = _fake_accelerator(monkeypatch, free=40 << 30, reserved=1 << 30, peak=1 << 30)
+    monkeypatch.setattr(Device, "of", classmethod(lambda cls, tensors: device))
+    tensors = list(make_state().values())
+    auto = SaveEngine(staging="auto")
+    # A reservation before the first save, then the first save: the loop's peak is unknown.
+    assert auto._staging_device(tensors, 1 << 20, 0, reserving=True) is None
+    assert auto._staging_device(tensors, 1 << 20, 0) is None
+    assert auto._staging_device(tensors, 1 << 20, 0) is device  # a step ran since
+    assert auto._staging_device(tensors, 30 << 30, 0) is None  # over half the free memory
+    # A device budget given, or staging="device": the device from the first save.
+    budgeted = SaveEngine(staging="auto", device_staging_budget_bytes=2 << 20)
+    assert budgeted._staging_device(tensors, 1 << 20, 0) is device
+    assert SaveEngine(staging="device")._staging_device(tensors, 1 << 20, 0) is device
 
 
 def test_in_place_updates_right_after_save_do_not_tear_the_staged_state(tmp_path):
