@@ -187,7 +187,9 @@ class SaveEngine:
             why = f"{nbytes} bytes of state exceed the device staging budget of {budget} bytes"
         if not self._fallback_logged:
             self._fallback_logged = True
-            logger.warning("rank %d: staging through host memory: %s", rank, why)
+            # Asked for, device staging falling back is news; under "auto" it is the policy.
+            level = logging.WARNING if self.staging == "device" else logging.INFO
+            logger.log(level, "rank %d: staging through host memory: %s", rank, why)
         return None
 
     def _before_loop_peak(self, reserving: bool) -> bool:

@@ -118,11 +118,12 @@ def test_a_state_over_the_device_budget_is_staged_through_the_host(tmp_path, cap
     with Checkpointer(
         tmp_path / "ck", staging=StagingOptions(mode="auto", device_budget_bytes=2**20)
     ) as ck:
-        with caplog.at_level(logging.WARNING, logger="ckptstore.save.engine"):
+        with caplog.at_level(logging.INFO, logger="ckptstore.save.engine"):
             for step in range(3):
                 ck.save(step, state).wait()
         assert ck.engine.device_pool is None
-        assert sum("staging through host memory" in r.getMessage() for r in caplog.records) == 1
+        fallbacks = [r for r in caplog.records if "staging through host memory" in r.getMessage()]
+        assert [r.levelno for r in fallbacks] == [logging.INFO]  # "auto": the policy, not news
         assert_loads(ck, 2, state)
 
 

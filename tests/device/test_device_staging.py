@@ -118,7 +118,7 @@ def test_device_free_memory_leaves_the_loops_peak_and_cached_blocks_alone(monkey
     assert device.free_bytes() == 0
 
 
-def test_auto_staging_stages_its_first_save_through_the_host(monkeypatch):
+def test_auto_staging_stages_its_first_save_through_the_host(monkeypatch, caplog):
     device = _fake_accelerator(monkeypatch, free=40 << 30, reserved=1 << 30, peak=1 << 30)
     monkeypatch.setattr(Device, "of", classmethod(lambda cls, tensors: device))
     tensors = list(make_state().values())
@@ -127,7 +127,9 @@ def test_auto_staging_stages_its_first_save_through_the_host(monkeypatch):
     assert auto._staging_device(tensors, 1 << 20, 0, reserving=True) is None
     assert auto._staging_device(tensors, 1 << 20, 0) is None
     assert auto._staging_device(tensors, 1 << 20, 0) is device  # a step ran since
-    assert auto._staging_device(tensors, 30 << 30, 0) is None  # over half the free memory
+    with caplog.at_level(logging.INFO, logger="ckptstore.save.engine"):
+        assert auto._staging_device(tensors, 30 << 30, 0) is None  # over half the free memory
+    assert [r.levelno for r in caplog.records if FALLBACK in r.getMessage()] == [logging.INFO]
     # A device budget given, or staging="device": the device from the first save.
     budgeted = SaveEngine(staging="auto", device_staging_budget_bytes=2 << 20)
     assert budgeted._staging_device(tensors, 1 << 20, 0) is device
