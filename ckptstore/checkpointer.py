@@ -300,8 +300,10 @@ class Checkpointer:
         """Allocate the host staging memory for saves of ``state_or_nbytes`` (a state as
         ``save`` takes it, or a byte count) ahead, on a background thread, a bounded slab at
         a time (pinned with an accelerator), so that the first save does not allocate it on
-        the loop's thread. Given a state that its saves stage on its device (``staging``
-        auto or device), the device buffer is allocated too, before this returns. Returns a
+        the loop's thread. Given a state that its saves stage on its device
+        (``staging="device"``, or ``"auto"`` with a device budget: without one, ``"auto"``
+        stages its first save through the host), the device buffer is allocated too, before
+        this returns. Returns a
         future, done once the host memory is reserved (its error re-raised by ``result()``);
         a save started before waits for it instead of allocating a second buffer."""
         if self._closed:

@@ -103,8 +103,9 @@ class StagingOptions:
     """``"auto"`` (default): ``"device"`` where the state lives on an accelerator and fits
     the device budget, else ``"host"`` (one log line when a state stops fitting), and the
     first save ``"host"`` unless ``device_budget_bytes`` is given (the loop's memory peak is
-    known once it ran a step); a DCP save stages on the host, DCP having staged the state. ``"host"``: into a pooled host
-    buffer (pinned with an accelerator; the loop's stream waits for that device-to-host copy).
+    known once it ran a step); a DCP save stages on the host, DCP having staged the state.
+    ``"host"``: into a pooled host buffer (pinned with an accelerator; the loop's stream waits
+    for that device-to-host copy).
     ``"device"``: into a pooled buffer on the state's device, copied to the host in the
     background (a state over the device budget goes through the host, one log line).
     ``"peer"`` (Checkpointer): host staging, and each rank also sends its staged state to a

@@ -236,7 +236,7 @@ class SaveEngine:
     ) -> Future:
         """Allocate the host staging buffer for a state of ``nbytes`` in the background, slab
         by slab; the future is done once it is. Given the state's ``tensors``, the device
-        buffer their saves stage into (``staging`` device or auto) is allocated first, here."""
+        buffer their next save stages into (``_staging_device``) is allocated first, here."""
         if nbytes <= 0:
             raise ValueError(f"reserve needs a positive number of bytes, got {nbytes}")
         device = (
