@@ -57,6 +57,7 @@ from ckptstore.shared_read import (
 from ckptstore.state import finish_load, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store
+from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.plan import plan_restore
@@ -87,6 +88,7 @@ class _Read:
     started: float
     replica: Any = None  # staging="peer": (buffer, meta) of the replica its guard held
     repaired: RepairedCopy | None = None  # a copy just restored from a peer, in memory
+    durable: bool = False  # a tier copy whose bad chunks durable storage holds, this save's
     index: RankIndex | None = None
     tree: Any = None
     loader: Any = None  # state.plan_load's plan
@@ -389,7 +391,10 @@ class StateLoader:
                 f"step {step} was saved by {manifest.world_size} rank(s), loading with "
                 f"{self.group.world_size}: resharding is done through ckptstore.dcp"
             )
-        return _Read(source.tier, store, view, started, repaired=repaired)
+        # A tier copy's chunk that fails its check is read from durable storage where the
+        # step is there as this very save (it is the last source the plan gave this rank).
+        durable = source.tier != DURABLE and candidate.sources[self.rank][-1].tier == DURABLE
+        return _Read(source.tier, store, view, started, repaired=repaired, durable=durable)
 
     def _plan(
         self, state: Any, read: _Read, step: int, dirty: dict[str, int], strict: bool
@@ -453,14 +458,28 @@ class StateLoader:
         index = read.index
         assert index is not None
         wanted = {i: read.loader.dests.get(i) for i in read.kinds}
-        if read.repaired is not None and source is None:  # verified on arrival: not again
-            source = chunks_from_store(read.store, index.chunks, self.config, read.repaired.fetch)
+        tiered = read.tier != DURABLE and (read.durable or read.repaired is not None)
+        if tiered and source is None:
+            # Each chunk from the nearest holder that verifies: the repair's verified bytes in
+            # memory (not hashed again), the copy, durable storage; counted where it came from.
+            fetch = TierFetch(
+                local=read.store,
+                held=index.chunks,
+                durable=self.store if read.durable else None,
+                durable_sized=False,  # the sizes are the copy's: durable may encode otherwise
+                report=self._report,
+                rank=self.rank,
+                local_tier=read.tier,
+                repaired=read.repaired,
+            )
+            source = chunks_from_store(read.store, index.chunks, self.config, fetch)
         read.tensors = read_into(
             read.store, index, wanted, self.config, written=written, source=source
         )
-        digests = {seg.chunk for i in read.kinds for seg in index.tensors[i].segments}
-        nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
-        self._report.add(read.tier, nbytes, time.perf_counter() - read.started, len(digests))
+        if not tiered:
+            digests = {seg.chunk for i in read.kinds for seg in index.tensors[i].segments}
+            nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)
+            self._report.add(read.tier, nbytes, time.perf_counter() - read.started, len(digests))
         self._report.source = read.tier
 
     def _finish(self, state: Any, read: _Read, step: int) -> None:

@@ -54,6 +54,10 @@ class LoadReport:
     sources: dict[str, SourceStats] = field(default_factory=dict)
     seconds: float = 0.0
     peer_buffer_bytes: int = 0  # the most round-buffer bytes its peer transfers held at once
+    # A repair of this rank's copy, by where each chunk came from: across the wire from the
+    # holder, or on this node (chunks of its own copy that still verify, another copy's).
+    repair_chunks_received: int = 0
+    repair_chunks_here: int = 0
 
     def count(self) -> None:
         """This load in the process-wide tier telemetry (``ckptstore_tier_loads_total`` by the

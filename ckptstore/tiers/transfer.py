@@ -97,6 +97,7 @@ class TransferStats:
     chunks_received: int = 0
     chunks_already_held: int = 0
     chunks_from_node: int = 0  # taken from another copy on this node instead of the wire
+    chunks_kept_here: int = 0  # a repair's chunks that this rank's own store still held intact
     buffer_bytes: int = 0  # the most receive-buffer bytes held at once
     rounds_in_flight: int = 0  # the most rounds posted and not yet finished at once
     seconds: float = 0.0
@@ -128,6 +129,7 @@ class _Incoming:
     held: bool = False  # the step is already there, this very save
     want: list[str] = field(default_factory=list)
     kept: dict[str, Any] | None = None  # a repair held in memory: digest -> verified bytes
+    in_place: set[str] = field(default_factory=set)  # verified where they are: not written again
     decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
     buffers: list[torch.Tensor] = field(default_factory=list)  # ``_ring``'s, when not kept
 
@@ -389,28 +391,33 @@ class _Exchange:
             )
 
     def take_from_node(self, inc: _Incoming) -> list[str]:
-        """The chunks ``inc`` still wants from its source: a chunk another copy on this node
-        holds (replicated state: a data-parallel rank of this node saved the same bytes) is
-        copied from there, verified, instead of crossing the wire."""
+        """The chunks ``inc`` still wants from its source, each taken from the nearest holder
+        that verifies: in a repair, the destination's own store first (a copy with one bad
+        chunk sends one chunk over the wire, not the copy); then another copy on this node
+        (replicated state: a data-parallel rank of this node saved the same bytes), verified
+        and copied, instead of crossing the wire."""
         assert inc.index is not None
-        siblings = [self.local.store(w) for w in self.local.wards_here() if w != inc.t.ward]
-        if not inc.want or not siblings:
-            return inc.want
         store = self.local.store(inc.t.ward)
+        siblings = [self.local.store(w) for w in self.local.wards_here() if w != inc.t.ward]
+        holders = ([store] if inc.t.repair else []) + siblings
+        if not inc.want or not holders:
+            return inc.want
 
         def copy(digest: str) -> str | None:
             info = inc.index.chunks[digest]
             key = chunk_key(digest)
-            for sibling in siblings:
+            for holder in holders:
                 try:
-                    data = sibling.get(key, 0, info.stored + 1)  # one more tells a longer one
+                    data = holder.get(key, 0, info.stored + 1)  # one more tells a longer one
                     if len(data) != info.stored:
                         continue
-                    decode(data, expected_hash=digest, name=sibling.url(key), raw_len=info.raw)
+                    decode(data, expected_hash=digest, name=holder.url(key), raw_len=info.raw)
+                    if holder is store:
+                        inc.in_place.add(digest)  # intact where it is
                     if inc.kept is not None:
                         inc.kept[digest] = data
-                        return None
-                    store.put(key, data)
+                    elif holder is not store:
+                        store.put(key, data)
                 except ObjectExistsError:
                     if not _intact(store, digest, info):
                         return digest  # the wire's verified bytes replace it
@@ -420,7 +427,9 @@ class _Exchange:
             return digest
 
         wanted = [d for d in store.map(copy, inc.want, drain=True) if d is not None]
-        self.stats.chunks_from_node += len(inc.want) - len(wanted)
+        here = len(inc.in_place)
+        self.stats.chunks_kept_here += here
+        self.stats.chunks_from_node += len(inc.want) - len(wanted) - here
         return wanted
 
     def store_round(self, inc: _Incoming, round_: list[str], buffer: torch.Tensor) -> None:
@@ -466,7 +475,7 @@ class _Exchange:
             _put_chunk(store, digest, chunks[digest], kept[digest], repair=True)
 
         try:
-            for _ in store.map(put, sorted(kept), drain=True):
+            for _ in store.map(put, sorted(set(kept) - inc.in_place), drain=True):
                 pass
         except (CheckpointError, OSError) as exc:
             inc.error = f"writing chunks: {one_line(exc)}"
@@ -827,7 +836,8 @@ def restore_copies(
     rank's copy where it is held in memory (``TierPolicy.repair_memory_bytes``): the load reads
     it from there and hands it to ``write_behind`` once the tensors are filled (else the copy
     was written and committed before this returned). A receiver's ``report`` gets the time under
-    PEER (the bytes count as the load reads the copy)."""
+    PEER (the bytes count as the load reads the copy), and how many chunks crossed the wire
+    or were found on its node."""
     if not sources:
         return {}, {}
     wait_written()  # a copy an earlier load repaired is in the store before this one is
@@ -844,4 +854,6 @@ def restore_copies(
     report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
     if group.rank in sources:
         report.add(PEER, 0, stats.seconds)
+        report.repair_chunks_received += stats.chunks_received
+        report.repair_chunks_here += stats.chunks_kept_here + stats.chunks_from_node
     return outcomes, kept

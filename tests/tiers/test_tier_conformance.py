@@ -36,10 +36,11 @@ from ckptstore import (
     TierOptions,
     telemetry,
 )
-from ckptstore.catalog import list_steps
+from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
+from ckptstore.format import chunk_key
 from ckptstore.store import Store
 from ckptstore.tiers import transfer as tier_transfer
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
@@ -280,6 +281,39 @@ def test_a_corrupt_local_chunk_is_read_from_durable_storage(make, tmp_path):
     step, report = front.restart().load(target)
     assert step == 1 and _same(target, _state(1))
     assert report.sources["durable"].chunks > 0  # the durable tier served them
+
+
+def _flip_one_chunk(copy: Path, step: int) -> int:
+    """One byte flipped in one chunk of ``step`` in the copy (a rank directory) at ``copy``;
+    how many chunks that step's index names."""
+    store = Store(str(copy))
+    index = read_rank_index(store, load_manifest(store, step).ranks[0])
+    digests = sorted(index.chunks)
+    assert len(digests) >= 2, digests
+    path = copy / chunk_key(digests[0])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return len(digests)
+
+
+def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_storage(
+    make, tmp_path
+):
+    """Issue 36, each chunk from the nearest holder that verifies: a flipped byte in one chunk
+    of the local copy costs one durable read, the other chunks still come from the copy."""
+    front = make(durable_every=1)
+    front.save(1, _state(1))
+    front.wait_durable()
+    front.close()
+    (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
+    n = _flip_one_chunk(copy, 1)
+    target = _blank()
+    step, report = front.restart().load(target)
+    assert step == 1 and _same(target, _state(1))
+    assert report.source == "local", report
+    assert report.sources["durable"].chunks == 1, report
+    assert report.sources["local"].chunks == n - 1, report
 
 
 def test_an_unwritable_local_dir_sends_saves_to_durable_storage(make, tmp_path, caplog):
@@ -594,16 +628,18 @@ def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind,
 
 @contextlib.contextmanager
 def _chunk_reads(where: str):
-    """The chunk reads (``Store.get`` / ``get_view``) of stores under ``where``, by the store's
-    URI and the key."""
+    """The chunk reads (``Store.get`` / ``get_view``) of stores under ``where`` that returned
+    bytes, by the store's URI and the key (a repair first looks for each chunk in the rank's
+    own store: on a wiped node, a read of a missing object)."""
     seen: list[tuple[str, str]] = []
     originals = {name: getattr(Store, name) for name in ("get", "get_view")}
 
     def counted(original: Any) -> Any:
         def read(self: Store, key: str, *args: Any, **kwargs: Any) -> Any:
+            data = original(self, key, *args, **kwargs)
             if self.uri.startswith(where) and "chunks/" in key:
                 seen.append((self.uri, key))
-            return original(self, key, *args, **kwargs)
+            return data
 
         return read
 
@@ -1078,3 +1114,56 @@ def test_peer_copies_send_only_the_chunks_the_holders_node_lacks(kind, tmp_path)
     run_ranks(
         _replicated_peer_copies, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240
     )
+
+
+def _one_bad_chunk(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5)  # step 2 in the local tiers only
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    n = 0
+    if rank == 2:  # a byte of one chunk of rank 2's own copy of step 2 goes bad
+        (own,) = (Path(base) / "node-1").glob("job-*/rank-00002")
+        n = _flip_one_chunk(own, 2)
+    torch.distributed.barrier()
+    want = _ranks_own(rank, _state(10 * rank + 2))
+    loads = []
+    for _ in range(2):
+        target = _ranks_own(rank, _blank())
+        try:
+            step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+        except BaseException as exc:  # noqa: BLE001 - DCP raises a CheckpointException (no Exception)
+            failure = getattr(exc, "failures", {}).get(rank, (exc,))  # DCP's: (error, trace)
+            loads.append(" ".join(str(failure[0]).split()))
+            continue
+        loads.append(None)
+        break
+    # The Checkpointer repairs the copy in the same load (its next source, the peer's copy).
+    # DCP's reader meets the bad chunk inside ``read_data``, where no collective repair can
+    # run: it unlists the copy and fails, and the next load repairs it.
+    assert loads[-1] is None and len(loads) == (1 if kind == "checkpointer" else 2), loads
+    assert step == 2 and _same(target, want), (rank, report)
+    if rank == 2:
+        if len(loads) == 2:
+            assert "load again to restore it from a peer" in loads[0], loads
+        assert report.source == "peer", report
+        # Only the bad chunk crossed the wire; the others still verified where they were.
+        assert (report.repair_chunks_received, report.repair_chunks_here) == (1, n - 1), report
+    else:
+        assert report.source == "local" and report.repair_chunks_received == 0, report
+    wait_written()
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())  # the repaired copy, written: every chunk verifies
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 2 and _same(target, want) and report.source == "local", (rank, report)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_repair_sends_only_the_chunks_that_fail_on_the_ranks_node(kind, tmp_path):
+    """Issue 36, each chunk from the nearest holder that verifies: a rank's own copy of a step
+    only the local tiers hold has one bad chunk; its repair from the holder's copy sends that
+    chunk alone, the others are taken where they are (verified), and the copy is whole after."""
+    run_ranks(_one_bad_chunk, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
