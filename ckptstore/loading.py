@@ -459,7 +459,8 @@ class StateLoader:
         assert index is not None
         wanted = {i: read.loader.dests.get(i) for i in read.kinds}
         tiered = read.tier != DURABLE and (read.durable or read.repaired is not None)
-        if tiered and source is None:
+        if tiered:
+            assert source is None and self.local is not None  # no shared read of a tier copy
             # Each chunk from the nearest holder that verifies: the repair's verified bytes in
             # memory (not hashed again), the copy, durable storage; counted where it came from.
             fetch = TierFetch(
@@ -471,6 +472,7 @@ class StateLoader:
                 rank=self.rank,
                 local_tier=read.tier,
                 repaired=read.repaired,
+                forget=self.local.forget_bad_chunk,
             )
             source = chunks_from_store(read.store, index.chunks, self.config, fetch)
         read.tensors = read_into(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,7 +41,9 @@ class TierFetch:
     and ``durable`` (None: the step is not there); what it read goes into ``report`` per
     tier, ``local``'s under ``local_tier``. ``repaired``: this rank's copy as a repair just
     received it, held in memory: its chunks are served from there (verified on arrival, not
-    hashed again), not read back from ``local``."""
+    hashed again), not read back from ``local``. ``forget``: called with a chunk of ``local``
+    that is missing or fails its check and is read from ``durable`` instead
+    (``LocalTier.forget_bad_chunk``: the copy's next save must not count it stored)."""
 
     def __init__(
         self,
@@ -53,6 +56,7 @@ class TierFetch:
         local_tier: str = LOCAL,
         durable_sized: bool = True,
         repaired: RepairedCopy | None = None,
+        forget: Callable[[str], None] | None = None,
     ) -> None:
         self.local = local
         self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
@@ -62,6 +66,7 @@ class TierFetch:
         self.report = report
         self.rank = rank
         self.repaired = repaired
+        self.forget = forget  # a bad chunk of ``local``, removed so a save writes it again
         self._lock = threading.Lock()
         self._warned = False
         self._dropped = False
@@ -81,6 +86,8 @@ class TierFetch:
                 if self.durable is None:
                     raise self._unlisted(exc) from exc
                 self._warn(exc)
+                if self.forget is not None and isinstance(exc, _PLAIN):
+                    self.forget(digest)  # else the next save would reference it unread
             else:
                 self._count(self.local_tier, self.held[digest], started)
                 return raw

@@ -144,6 +144,7 @@ def open_tiered_step(
                 report=report,
                 rank=rank,
                 local_tier=report.source,
+                forget=local.forget_bad_chunk,
             )
             return TierLoad(view, held, fetch, report, started, repaired)
         logger.warning(
@@ -224,7 +225,14 @@ def _from_durable(
                 "rank %d: local copy of step %d unreadable: %s", rank, candidate.step, one_line(exc)
             )
     report.source = LOCAL if held else DURABLE
-    fetch = TierFetch(local=store, held=held, durable=durable, report=report, rank=rank)
+    fetch = TierFetch(
+        local=store,
+        held=held,
+        durable=durable,
+        report=report,
+        rank=rank,
+        forget=local.forget_bad_chunk,
+    )
     return TierLoad(view, held, fetch, report, started)
 
 

@@ -9,12 +9,14 @@ local store) and what the save's manifest records; ``TierSaver`` sequences the r
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, RankLostError, one_line
+from ckptstore.format import chunk_key
 from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.retention import drop_step
 from ckptstore.save.session import RankWritten, SaveSession
@@ -149,9 +151,7 @@ class TierSaver:
                     local.engine, local.store(self.rank), step=step, attempt=attempt, kind=kind
                 )
                 session.begin(0)
-                for digest in local.take_bad():  # removed by a drain: written again
-                    if session.known is not None:
-                        session.known.pop(digest, None)
+                _forget_removed(session, local.take_bad())
                 written = write(session)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it
                 error = exc
@@ -376,3 +376,20 @@ def open_tiers(
         keep_alive=keep_alive,
     )
     return Tiers(local, topology, saver, drains)
+
+
+def _forget_removed(session: SaveSession, bad: set[str]) -> None:
+    """The local save's known chunks (its newest copy's index) less those no longer stored: a
+    chunk a drain or a load found bad is removed (``LocalTier.forget_bad_chunk``, maybe by an
+    earlier process), and one removed by hand is gone as well; each is written again, never
+    referenced unread. A local store: a stat per chunk."""
+    if not session.known:
+        return
+    store = session.store
+
+    def stored(digest: str) -> bool:
+        key = chunk_key(digest)
+        return os.path.exists(store.path(key)) if store.is_local else store.exists(key)
+
+    for digest in [d for d in session.known if d in bad or not stored(d)]:
+        del session.known[digest]

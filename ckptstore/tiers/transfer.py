@@ -416,11 +416,8 @@ class _Exchange:
                         inc.in_place.add(digest)  # intact where it is
                     if inc.kept is not None:
                         inc.kept[digest] = data
-                    elif holder is not store:
-                        store.put(key, data)
-                except ObjectExistsError:
-                    if not _intact(store, digest, info):
-                        return digest  # the wire's verified bytes replace it
+                    elif holder is not store:  # a bad one of a repair's store is replaced
+                        _put_chunk(store, digest, info, data, repair=inc.t.repair)
                 except (CheckpointError, OSError):
                     continue
                 return None

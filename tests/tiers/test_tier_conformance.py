@@ -301,7 +301,9 @@ def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_sto
     make, tmp_path
 ):
     """Issue 36, each chunk from the nearest holder that verifies: a flipped byte in one chunk
-    of the local copy costs one durable read, the other chunks still come from the copy."""
+    of the local copy costs one durable read, the other chunks still come from the copy; the
+    bad chunk is removed from the local tier, so the next save of the same bytes writes it
+    again instead of referencing it (its copy then loads whole from the local tier)."""
     front = make(durable_every=1)
     front.save(1, _state(1))
     front.wait_durable()
@@ -309,11 +311,18 @@ def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_sto
     (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
     n = _flip_one_chunk(copy, 1)
     target = _blank()
-    step, report = front.restart().load(target)
+    front = front.restart()
+    step, report = front.load(target)
     assert step == 1 and _same(target, _state(1))
     assert report.source == "local", report
     assert report.sources["durable"].chunks == 1, report
     assert report.sources["local"].chunks == n - 1, report
+    front.save(2, _state(1))
+    front.wait_durable()
+    target = _blank()
+    step, report = front.restart().load(target)
+    assert step == 2 and _same(target, _state(1))
+    assert set(report.sources) == {"local"} and report.sources["local"].chunks == n, report
 
 
 def test_an_unwritable_local_dir_sends_saves_to_durable_storage(make, tmp_path, caplog):
@@ -1116,8 +1125,9 @@ def test_peer_copies_send_only_the_chunks_the_holders_node_lacks(kind, tmp_path)
     )
 
 
-def _one_bad_chunk(rank: int, world: int, kind: str, root: str, base: str) -> None:
-    tiers = dict(peer_copies=1, durable_every=5)  # step 2 in the local tiers only
+def _one_bad_chunk(rank: int, world: int, kind: str, root: str, base: str, bound: int) -> None:
+    # Step 2 in the local tiers only; a repair held in memory, or over the bound written first.
+    tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=bound)
     front = _two_nodes(kind, rank, root, base, **tiers)
     for step in (1, 2):
         front.save(step, _ranks_own(rank, _state(10 * rank + step)))
@@ -1161,9 +1171,11 @@ def _one_bad_chunk(rank: int, world: int, kind: str, root: str, base: str) -> No
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("bound", [1 << 30, 0], ids=["in-memory", "over-the-bound"])
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
-def test_a_repair_sends_only_the_chunks_that_fail_on_the_ranks_node(kind, tmp_path):
+def test_a_repair_sends_only_the_chunks_that_fail_on_the_ranks_node(kind, bound, tmp_path):
     """Issue 36, each chunk from the nearest holder that verifies: a rank's own copy of a step
     only the local tiers hold has one bad chunk; its repair from the holder's copy sends that
     chunk alone, the others are taken where they are (verified), and the copy is whole after."""
-    run_ranks(_one_bad_chunk, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+    root = str(tmp_path / "durable")
+    run_ranks(_one_bad_chunk, 4, kind, root, str(tmp_path), bound, timeout_s=240)
