@@ -21,6 +21,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     FormatVersionError,
+    one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, chunk_key
 from ckptstore.leases import DEFAULT_TTL_S
@@ -258,12 +259,17 @@ class LocalTier:
         save writes it again instead of referencing it (``take_bad``)."""
         with self._lock:
             self._bad.add(digest)
-        self.store(self.rank).delete(chunk_key(digest))
+        try:
+            self.store(self.rank).delete(chunk_key(digest))
+            what = "removed"
+        except (CheckpointError, OSError) as exc:  # this process's next save still knows it
+            what = f"not removed ({one_line(exc)})"
         logger.warning(
-            "rank %d: chunk %s of the local tier failed its hash check; removed, the next save "
+            "rank %d: chunk %s of the local tier failed its hash check; %s, the next save "
             "writes it again",
             self.rank,
             digest,
+            what,
         )
 
     def take_bad(self) -> set[str]:

@@ -9,7 +9,6 @@ local store) and what the save's manifest records; ``TierSaver`` sequences the r
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -382,14 +381,10 @@ def _forget_removed(session: SaveSession, bad: set[str]) -> None:
     """The local save's known chunks (its newest copy's index) less those no longer stored: a
     chunk a drain or a load found bad is removed (``LocalTier.forget_bad_chunk``, maybe by an
     earlier process), and one removed by hand is gone as well; each is written again, never
-    referenced unread. A local store: a stat per chunk."""
+    referenced unread. One ``exists`` per chunk, under the store's deadline (a hung disk fails
+    the local save, as any of its requests would)."""
     if not session.known:
         return
     store = session.store
-
-    def stored(digest: str) -> bool:
-        key = chunk_key(digest)
-        return os.path.exists(store.path(key)) if store.is_local else store.exists(key)
-
-    for digest in [d for d in session.known if d in bad or not stored(d)]:
+    for digest in [d for d in session.known if d in bad or not store.exists(chunk_key(d))]:
         del session.known[digest]
