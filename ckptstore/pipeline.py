@@ -471,6 +471,18 @@ def fetch_chunk(
     overwrites: copy them out before fetching again. ``sized=False``: ``info``'s stored size
     is another store's (this one may hold the chunk encoded otherwise); only its raw size
     bounds the read and the decode."""
+    return fetch_chunk_and_size(store, digest, info, scratch=scratch, sized=sized)[0]
+
+
+def fetch_chunk_and_size(
+    store: Store,
+    digest: str,
+    info: ChunkInfo | None = None,
+    *,
+    scratch: bool = False,
+    sized: bool = True,
+) -> tuple[np.ndarray, int]:
+    """``fetch_chunk``, and how many stored bytes it read."""
     key = chunk_key(digest)
     # A memory map on local paths: no copy, no fresh pages to fault in.
     read = store.get_view if scratch else store.get
@@ -491,7 +503,8 @@ def fetch_chunk(
         )
     out = _thread_buffer("decoded", info.raw) if scratch and info is not None else None
     raw_len = info.raw if info is not None else None
-    return decode(data, expected_hash=digest, name=store.url(key), out=out, raw_len=raw_len)
+    raw = decode(data, expected_hash=digest, name=store.url(key), out=out, raw_len=raw_len)
+    return raw, len(data)
 
 
 ChunkSource = Callable[[list[str], Callable[[str, np.ndarray], int]], Iterator[int]]

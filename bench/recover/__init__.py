@@ -53,6 +53,15 @@ durable store options):
    ``StoreReader`` loads are counted as above; ``reader.last_load`` gives the tiered load's
    bytes per tier.
 
+``--damage chunk`` damages the last node less: instead of wiping its directory, each round
+flips one byte in the middle of one chunk of each of its ranks' own copies of the newest step
+(first putting back the chunk the round before flipped, which that round's load removed from
+the tier). Each of those ranks then loads its own copy and reads that one chunk from durable
+storage (the step is there: ``durable_every=1``), its other chunks from its copy: the
+"nearest holder that verifies" of issue 36. The report's ``as_expected`` checks exactly one
+durable chunk request per damaged rank and none elsewhere; no point-to-point bandwidth is
+measured in this mode.
+
 With one node wiped, the tiered load takes the newest step from the local tiers: the wiped
 node's ranks restore their copies from their holders on the next node (``last_load.source`` is
 ``"peer"``), the other ranks read their own local copies, and no rank reads a chunk from durable

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from bench.recover.plan import DEFAULT_BUCKET, FRONTENDS
+from bench.recover.plan import DAMAGES, DEFAULT_BUCKET, FRONTENDS
 from bench.recover.run import run_recover
 from bench.recover.table import print_table
 from bench.report import parse_bytes, print_json
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         background_nice=args.background_nice,
         frontend=args.frontend,
+        damage=args.damage,
         progress=logger.info,
     )
     if args.json:
@@ -85,6 +86,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default="checkpointer",
         help="what saves and restores: Checkpointer (default), or dcp.async_save / dcp.load "
         "with ckptstore.dcp's StoreWriter / StoreReader",
+    )
+    p.add_argument(
+        "--damage",
+        choices=DAMAGES,
+        default="node",
+        help="before each restore round: wipe the last node's local directory (node, the "
+        "default: its ranks restore their copies from peers), or flip one byte in one chunk "
+        "of each of its ranks' copies (chunk: each reads that chunk alone from durable storage)",
     )
     p.add_argument("--ranks", type=int, default=4, help="ranks (processes; default 4)")
     p.add_argument(

@@ -5,7 +5,6 @@ front-end runs through it: :func:`save_job` and :func:`restore_job`."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from dataclasses import asdict
 from typing import Any, ClassVar
@@ -14,7 +13,15 @@ import torch
 
 from bench import _ckpt_common as common
 from bench.recover.counting import CountedStore, durable_reads
-from bench.recover.plan import BASELINE, METHODS, RecoverPlan, fill, rank_state, same_bits
+from bench.recover.plan import (
+    BASELINE,
+    METHODS,
+    RecoverPlan,
+    damage_node,
+    fill,
+    rank_state,
+    same_bits,
+)
 
 median = common.median
 
@@ -166,10 +173,11 @@ def restore_job(frontend: Frontend, plan: RecoverPlan, rank: int) -> dict[str, A
     fill(expected, rank, plan.repeat, plan.seed)
     dest = {k: torch.zeros_like(t) for k, t in expected.items()}
     rounds = []
+    originals: dict = {}  # rank 0: the chunks --damage chunk flipped, as they were
     for i in range(plan.repeat):
         dist.barrier()
         if rank == 0:
-            shutil.rmtree(plan.node_dir(plan.wiped_node), ignore_errors=True)
+            damage_node(plan, originals)
         dist.barrier()
         done: dict[str, Any] = {}
         for name in frontend.restores if i % 2 == 0 else frontend.restores[::-1]:
@@ -182,7 +190,7 @@ def restore_job(frontend: Frontend, plan: RecoverPlan, rank: int) -> dict[str, A
                 done[name] = _restore_counted(frontend, plan, rank, name, dest)
             done[name]["equal"] = same_bits(dest, expected)
         rounds.append(done)
-    p2p = _p2p_bytes_per_s(plan, rank)
+    p2p = _p2p_bytes_per_s(plan, rank) if plan.damage == "node" else None
     return {"rank": rank, "node": plan.node_of(rank), "rounds": rounds, "p2p_bytes_per_s": p2p}
 
 

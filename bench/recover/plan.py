@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,10 @@ FRONTENDS = ("checkpointer", "dcp")
 ``ckptstore.dcp``'s ``StoreWriter`` / ``StoreReader``."""
 BASELINE = "dcp"
 """The restore every front-end compares with: DCP's own reader of DCP's own save."""
+DAMAGES = ("node", "chunk")
+"""What happens to the last node before each restore round: its local directory wiped (a
+replaced node), or one byte flipped in one chunk of each of its ranks' own copies of the
+newest step (a bad sector)."""
 
 
 class RankFailed(OSError):
@@ -48,6 +53,7 @@ class RecoverPlan:
     """Deadline of one storage request (moto is slow under four ranks' uploads)."""
     group_timeout_s: float = 1800.0
     frontend: str = "checkpointer"
+    damage: str = "node"
 
     @property
     def wiped_node(self) -> int:
@@ -72,6 +78,45 @@ class RecoverPlan:
             node_rank=node,
             peer_budget_bytes=self.peer_budget_bytes,
         )
+
+
+def damage_node(plan: RecoverPlan, originals: dict[Path, bytes]) -> None:
+    """Damage the last node's local directory as ``plan.damage`` says (``DAMAGES``). A chunk
+    flipped by an earlier round (which that round's load removed from the tier) is put back
+    from ``originals`` first, so every round meets one bad chunk per rank."""
+    import shutil
+
+    node_dir = plan.node_dir(plan.wiped_node)
+    if plan.damage == "node":
+        shutil.rmtree(node_dir, ignore_errors=True)
+        return
+    for path, data in originals.items():
+        path.parent.mkdir(parents=True, exist_ok=True)  # the tier may prune an empty one
+        path.write_bytes(data)
+    world = plan.nodes * plan.ranks_per_node
+    for rank in (r for r in range(world) if plan.node_of(r) == plan.wiped_node):
+        for copy in Path(node_dir).glob(f"job-*/rank-{rank:05d}"):
+            path, data = flip_one_chunk(copy)
+            originals.setdefault(path, data)
+
+
+def flip_one_chunk(copy: Path) -> tuple[Path, bytes]:
+    """One byte flipped in the middle of the first chunk (by digest) of the newest committed
+    step of the copy (a rank directory of a local tier) at ``copy``; the chunk's path and its
+    bytes before."""
+    from ckptstore.catalog import list_steps, load_manifest, read_rank_index
+    from ckptstore.format import chunk_key
+    from ckptstore.store import Store
+
+    store = Store(str(copy))
+    step = list_steps(store)[-1]
+    index = read_rank_index(store, load_manifest(store, step).ranks[0])
+    path = copy / chunk_key(sorted(index.chunks)[0])
+    before = path.read_bytes()
+    data = bytearray(before)
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path, before
 
 
 def rank_state(rank: int, tensors: int, nbytes: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any
 from unittest import mock
 
 from bench import _ckpt_common as common
-from bench.recover.plan import DEFAULT_BUCKET, FRONTENDS, RecoverPlan, check_layout
+from bench.recover.plan import DAMAGES, DEFAULT_BUCKET, FRONTENDS, RecoverPlan, check_layout
 from bench.recover.ranks import run_job
 from bench.recover.summary import summarize
 
@@ -61,11 +61,13 @@ def durable_store(uri: str | None, *, moto: bool) -> Iterator[tuple[str | None, 
 
 def _checked(
     *, ranks: int, ranks_per_node: int, size_bytes: int, tensors: int, repeat: int,
-    local_root: str | None, background_nice: int, frontend: str,
+    local_root: str | None, background_nice: int, frontend: str, damage: str = "node",
 ) -> tuple[int, str]:  # fmt: skip
     """The node count and the local root of a run with these settings; ValueError if bad."""
     if frontend not in FRONTENDS:
         raise ValueError(f"bad --frontend {frontend!r}: one of {', '.join(FRONTENDS)}")
+    if damage not in DAMAGES:
+        raise ValueError(f"bad --damage {damage!r}: one of {', '.join(DAMAGES)}")
     nodes = check_layout(ranks, ranks_per_node, frontend)
     if repeat < 1:
         raise ValueError(f"bad --repeat {repeat}: must be at least 1")
@@ -95,12 +97,14 @@ def run_recover(
     seed: int = 0,
     background_nice: int = 0,
     frontend: str = "checkpointer",
+    damage: str = "node",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; the report as a JSON-ready dict."""
     nodes, local_root = _checked(
         ranks=ranks, ranks_per_node=ranks_per_node, size_bytes=size_bytes, tensors=tensors,
         repeat=repeat, local_root=local_root, background_nice=background_nice, frontend=frontend,
+        damage=damage,
     )  # fmt: skip
     say = progress or (lambda _msg: None)
     date = common.now_iso()
@@ -125,12 +129,14 @@ def run_recover(
                 seed=seed,
                 background_nice=background_nice,
                 frontend=frontend,
+                damage=damage,
             )
             what = "saves" if frontend == "checkpointer" else "dcp.async_save calls"
             say(f"save job: {ranks} ranks, {repeat} {what} with tiers and without, DCP once")
             saved = run_job(plan, ranks, "save", timeout_s=timeout_s)
             stored = {name: ws.bytes_under(name) for name in ("durable", "plain", "dcp")}
-            say(f"node {plan.wiped_node} wiped; restore job: {repeat} rounds")
+            hit = "wiped" if damage == "node" else "damaged (a bad chunk per copy)"
+            say(f"node {plan.wiped_node} {hit} before each of {repeat} restore rounds")
             restored = run_job(plan, ranks, "restore", timeout_s=timeout_s)
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -141,7 +147,7 @@ def run_recover(
         "bench": "recover",
         "date": date,
         "config": config,
-        **summarize(saved, restored, frontend),
+        **summarize(saved, restored, frontend, damage),
     }
 
 
@@ -166,6 +172,7 @@ def _config(
         "durable_every": 1,
         "peer_budget_bytes": plan.peer_budget_bytes,
         "background_nice": plan.background_nice,
+        "damage": plan.damage,
         "wiped_node": plan.wiped_node,
         "wiped_ranks": [r for r in range(ranks) if plan.node_of(r) == plan.wiped_node],
     }

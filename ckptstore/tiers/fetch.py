@@ -23,7 +23,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import ChunkInfo
-from ckptstore.pipeline import fetch_chunk
+from ckptstore.pipeline import fetch_chunk, fetch_chunk_and_size
 from ckptstore.retention import drop_step
 from ckptstore.store import Store
 from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
@@ -75,7 +75,7 @@ class TierFetch:
         if self.repaired is not None and digest in self.repaired.chunks:
             started = time.perf_counter()
             raw = self.repaired.fetch(digest)
-            self._count(self.local_tier, self.repaired.index.chunks[digest], started)
+            self._count(self.local_tier, self.repaired.index.chunks[digest].stored, started)
             return raw
         if digest in self.held:
             assert self.local is not None
@@ -89,7 +89,7 @@ class TierFetch:
                 if self.forget is not None and isinstance(exc, _PLAIN):
                     self.forget(digest)  # else the next save would reference it unread
             else:
-                self._count(self.local_tier, self.held[digest], started)
+                self._count(self.local_tier, self.held[digest].stored, started)
                 return raw
         if self.durable is None:
             raise CheckpointNotFoundError(
@@ -97,8 +97,10 @@ class TierFetch:
                 "not in durable storage and this rank's local copy does not hold it)"
             )
         started = time.perf_counter()
-        raw = fetch_chunk(self.durable, digest, info, scratch=True, sized=self.durable_sized)
-        self._count(DURABLE, info if self.durable_sized else None, started)
+        raw, stored = fetch_chunk_and_size(
+            self.durable, digest, info, scratch=True, sized=self.durable_sized
+        )
+        self._count(DURABLE, stored, started)
         return raw
 
     def _unlisted(self, error: BaseException) -> CheckpointError:
@@ -127,11 +129,9 @@ class TierFetch:
             f"({self.local.uri}): {what}"
         )
 
-    def _count(self, tier: str, info: ChunkInfo | None, started: float) -> None:
+    def _count(self, tier: str, stored: int, started: float) -> None:
         with self._lock:
-            self.report.add(
-                tier, info.stored if info else 0, time.perf_counter() - started, chunks=1
-            )
+            self.report.add(tier, stored, time.perf_counter() - started, chunks=1)
 
     def _warn(self, error: BaseException) -> None:
         with self._lock:

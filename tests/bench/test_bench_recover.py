@@ -379,12 +379,53 @@ def test_dcp_summary_by_hand():
     assert not recover.summarize(saved, restored, "dcp")["restore"]["tiers"]["as_expected"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("frontend", "ranks", "per_node", "size", "damaged"),
+    [("checkpointer", "4", "2", "256MiB", [2, 3]), ("dcp", "2", "1", "64MiB", [1])],
+)
+def test_one_bad_chunk_per_copy_is_read_alone_from_durable_storage(
+    capsys, tmp_path, frontend, ranks, per_node, size, damaged
+):
+    """``--damage chunk`` (issue 36, each chunk from the nearest holder that verifies): one
+    byte flipped in one chunk of each copy of the last node, every round (the chunk the last
+    round's load removed put back first); each damaged rank still loads its own copy and reads
+    that one chunk from durable storage, every state bit for bit equal."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    durable.mkdir()
+    local.mkdir()
+    result = _run(
+        capsys, "--frontend", frontend, "--ranks", ranks, "--ranks-per-node", per_node,
+        "--size", size, "--repeat", "2", "--damage", "chunk", "--durable", str(durable),
+        "--local-root", str(local), "--timeout", "200",
+    )  # fmt: skip
+    cfg, tiers = result["config"], result["restore"]["tiers"]
+    assert cfg["damage"] == "chunk" and cfg["wiped_ranks"] == damaged
+    assert result["equal"] and tiers["sources"] == ["local"] * int(ranks)
+    per_rank = cfg["bytes_per_rank"]
+    for rnd in result["ranks"][damaged[0]]["restore"]:
+        read = rnd["tiers"]["sources"]
+        assert read["durable"]["chunks"] == 1 and 0 < read["durable"]["bytes"] < per_rank
+        assert read["local"]["bytes"] > 0 and set(read) == {"local", "durable"}
+    for rnd in result["ranks"][0]["restore"]:
+        assert set(rnd["tiers"]["sources"]) == {"local"}
+    assert [r["chunk_requests"].get("get", 0) for r in tiers["durable_reads"]] == [len(damaged)] * 2
+    assert tiers["as_expected"] and result["targets"]["only_the_bad_chunks_from_durable"]
+    assert "zero_durable_chunk_bytes" not in result["targets"] and "p2p_bytes_per_s" not in tiers
+    out = io.StringIO()
+    recover.print_table(result, out=out)
+    text = out.getvalue()
+    assert "copies with one byte flipped in one chunk each" in text
+    assert "each damaged rank one chunk from durable storage (every round): yes" in text
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--ranks", "2", "--ranks-per-node", "2"], "is one node"),
         (["--frontend", "dcp", "--ranks", "2", "--ranks-per-node", "2"], "is one node"),
         (["--frontend", "orbax"], "invalid choice"),
+        (["--damage", "disk"], "invalid choice"),
         (["--ranks", "4", "--ranks-per-node", "3"], "must divide --ranks 4"),
         (["--ranks", "64"], "within 2..16"),
         (["--size", "1x"], "bad --size"),

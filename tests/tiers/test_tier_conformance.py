@@ -316,6 +316,7 @@ def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_sto
     assert step == 1 and _same(target, _state(1))
     assert report.source == "local", report
     assert report.sources["durable"].chunks == 1, report
+    assert report.sources["durable"].bytes > 0, report  # the stored bytes it read there
     assert report.sources["local"].chunks == n - 1, report
     front.save(2, _state(1))
     front.wait_durable()
