@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="time back to a loaded state from local and peer copies vs DCP load",
         description="Save a state on N gloo ranks simulated as nodes, with tiers (node-local "
         "copies, one peer copy, every save drained to the durable store) and without; kill "
-        "the job, wipe one node's local directory, and restore in a fresh job: time back to a "
+        "the job, wipe one node's local directory (--damage chunk: flip a byte in one chunk of "
+        "each of its copies), and restore in a fresh job: time back to a "
         "loaded state and bytes per source (local, peer, durable) side by side with DCP's "
         "load of the same state from the durable store, and save() blocking with and without "
         "tiers. Every restored state is checked against the saved one. Works under a fresh "
