@@ -195,6 +195,16 @@ class MemoryBackend(FsspecBackend):
                 raise FileExistsError(path)
             self.fs.pipe_file(path, bytes(data))
 
+    # The store is one dict shared by every thread: a listing iterates it, so no put or
+    # delete may change it meanwhile ("dictionary changed size during iteration").
+    def list(self, path: str) -> list[str]:
+        with _MEMORY_LOCK:
+            return super().list(path)
+
+    def delete(self, path: str) -> None:
+        with _MEMORY_LOCK:
+            super().delete(path)
+
 
 class LocalBackend(FsspecBackend):
     """Files of a local directory: puts are written to a temporary name, fsynced and hard-linked
