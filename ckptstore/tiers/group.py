@@ -4,6 +4,7 @@ a background thread exchanges never interleaves with the training loop's collect
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class RankGroup:
         self._arrival_s = timeout_s  # how long ranks whose heartbeat moves are waited for
         self._exchanges = 0
         self._store: Any = None
+        self._on_host: int | None = None
         if lost_rank_s is not None:
             timeout_s = min(timeout_s, lost_rank_s * _COLLECTIVE_SHARE)
         self.timeout_s = timeout_s
@@ -193,6 +195,14 @@ class RankGroup:
             "a scatter", lambda: dist.scatter_object_list(box, values, src=0, group=self.group)
         )
         return box[0]
+
+    def ranks_on_host(self) -> int:
+        """How many of the group's ranks run on this host, this one included (collective the
+        first time, then remembered)."""
+        if self._on_host is None:
+            host = socket.gethostname()
+            self._on_host = self.gather(host).count(host)
+        return self._on_host
 
     def gather(self, value: Any) -> list[Any]:
         if not self.active:

@@ -15,7 +15,9 @@ flight: one crosses while the destination checks the last. The destination decod
 every chunk before it writes it (a bad byte never enters a tier, where later saves would reuse
 it), then writes index and manifest. Memory: two receive buffers per transfer a rank receives,
 reused round after round, at most ``budget_bytes`` together (or two chunks, where a chunk is
-larger than half of it). A failure (unreadable source, bad chunk, full disk) fails that transfer
+larger than half of it); a repair held in memory (below) receives each round into a buffer of
+its own instead, made and touched ahead of the round by a thread where the host has a core per
+rank (``_FaultAhead``). A failure (unreadable source, bad chunk, full disk) fails that transfer
 alone, after every rank finished the exchange; the outcomes are agreed by every rank.
 
 A load's repair (``restore_copies``) whose copy's stored chunks take at most
@@ -32,10 +34,13 @@ and an index, which local retention collects.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +137,7 @@ class _Incoming:
     in_place: set[str] = field(default_factory=set)  # verified where they are: not written again
     decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
     buffers: list[torch.Tensor] = field(default_factory=list)  # ``_ring``'s, when not kept
+    ahead: _FaultAhead | None = None  # a kept repair's buffers, on a core per rank
 
 
 @dataclass
@@ -213,6 +219,56 @@ def _ring(
     return buffers[i % 2][: _round_bytes(rounds[i], chunks)]
 
 
+class _FaultAhead:
+    """Fresh receive buffers of ``sizes`` bytes, in order, each page touched by a thread of its
+    own at most ``ahead`` buffers before the round that takes it (``take``): a kept repair's
+    rounds (held for the load, never reused) then receive into pages already there. Into
+    untouched memory each page's fault and zeroing happen inside the copy off the socket, and
+    a round crosses at about half the rate of a warm buffer (docs/BENCHMARKS.md). Only where
+    the host has a core per rank (``cores_per_rank``): with more ranks than cores, the thread
+    slowed the restore down."""
+
+    def __init__(self, sizes: list[int], ahead: int = 2) -> None:
+        self._futures: list[Future] = [Future() for _ in sizes]
+        self._room = threading.Semaphore(ahead)
+        threading.Thread(
+            target=self._make, args=(sizes,), name="ckptstore-repair-buffers", daemon=True
+        ).start()
+
+    def _make(self, sizes: list[int]) -> None:
+        for size, future in zip(sizes, self._futures):
+            self._room.acquire()
+            if not future.set_running_or_notify_cancel():
+                continue  # ``cancel``led
+            try:
+                buf = torch.empty(size, dtype=torch.uint8)
+                buf.numpy()[:: mmap.PAGESIZE] = 0
+                future.set_result(buf)
+            except BaseException as exc:  # noqa: BLE001 - the round that takes it raises it
+                future.set_exception(exc)
+
+    def take(self, i: int) -> torch.Tensor:
+        try:
+            return self._futures[i].result()
+        finally:
+            self._room.release()
+
+    def cancel(self) -> None:
+        """The buffers no round took are not made (an exchange that ended early)."""
+        for future in self._futures:
+            future.cancel()
+        for _ in self._futures:
+            self._room.release()
+
+
+def cores_per_rank(ranks_on_host: int) -> float:
+    """The cores this rank may count on: its own where ranks are bound to cores of their own
+    (fewer than the host's), else the host's shared by the ranks on it."""
+    total = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    return mine if mine < total else total / max(1, ranks_on_host)
+
+
 def _intact(store, digest: str, info: ChunkInfo) -> bool:
     """Whether the stored chunk ``digest`` has the size and hash it should."""
     try:
@@ -224,12 +280,18 @@ def _intact(store, digest: str, info: ChunkInfo) -> bool:
 
 class _Exchange:
     def __init__(
-        self, group: Any, local: LocalTier, budget_bytes: int, keep_bytes: int = -1
+        self,
+        group: Any,
+        local: LocalTier,
+        budget_bytes: int,
+        keep_bytes: int = -1,
+        fault_ahead: bool = False,
     ) -> None:
         self.group = group
         self.local = local
         self.budget = budget_bytes
         self.keep_bytes = keep_bytes  # a repair's copy up to this many bytes stays in memory
+        self.fault_ahead = fault_ahead  # its receive buffers touched ahead (``_FaultAhead``)
         self.rank = dist.get_rank(group)
         self.stats = TransferStats()
 
@@ -610,7 +672,10 @@ class _Exchange:
             if inc.t in rounds.into and i < rounds.agreed[inc.t]:
                 round_ = rounds.into[inc.t][i]
                 if inc.kept is not None:  # the load reads these bytes: a buffer of their own
-                    buf = torch.empty(_round_bytes(round_, inc.index.chunks), dtype=torch.uint8)
+                    if inc.ahead is not None:
+                        buf = inc.ahead.take(i)
+                    else:
+                        buf = torch.empty(_round_bytes(round_, inc.index.chunks), dtype=torch.uint8)
                 else:
                     buf = _ring(inc.buffers, i, rounds.into[inc.t], inc.index.chunks)
                 sizes = [inc.index.chunks[d].stored for d in round_] + [len(round_)]
@@ -632,18 +697,28 @@ class _Exchange:
         """Every round, two at a time: round ``i + 1`` is read and crosses while round ``i`` is
         checked and stored (every rank posts a round before it waits for the one before, so
         the pairs' sends and receives always meet)."""
-        pending: _Posted | None = None
-        for i in range(rounds.total):
-            posted = self.post_round(i, outgoing, incoming, rounds)
-            held = posted.nbytes + (pending.nbytes if pending is not None else 0)
-            self.stats.buffer_bytes = max(self.stats.buffer_bytes, held)
-            in_flight = 1 + (pending is not None)
-            self.stats.rounds_in_flight = max(self.stats.rounds_in_flight, in_flight)
+        for inc in incoming:
+            if inc.kept is not None and inc.t in rounds.into and self.fault_ahead:
+                own = rounds.into[inc.t][: rounds.agreed[inc.t]]
+                inc.ahead = _FaultAhead([_round_bytes(r, inc.index.chunks) for r in own])
+        try:
+            pending: _Posted | None = None
+            for i in range(rounds.total):
+                posted = self.post_round(i, outgoing, incoming, rounds)
+                held = posted.nbytes + (pending.nbytes if pending is not None else 0)
+                self.stats.buffer_bytes = max(self.stats.buffer_bytes, held)
+                in_flight = 1 + (pending is not None)
+                self.stats.rounds_in_flight = max(self.stats.rounds_in_flight, in_flight)
+                if pending is not None:
+                    self.finish_round(pending)
+                pending = posted
             if pending is not None:
                 self.finish_round(pending)
-            pending = posted
-        if pending is not None:
-            self.finish_round(pending)
+        finally:
+            for inc in incoming:
+                if inc.ahead is not None:
+                    inc.ahead.cancel()
+                    inc.ahead = None
 
     def agree_outcomes(
         self, transfers: list[Transfer], outgoing: list[_Outgoing], incoming: list[_Incoming]
@@ -761,11 +836,12 @@ def _run(
     budget_bytes: int,
     keep_bytes: int,
     source: CommittedCopy | None = None,
+    fault_ahead: bool = False,
 ) -> tuple[dict[Transfer, str | None], TransferStats, dict[int, RepairedCopy]]:
     """``transfer``; a repair whose copy takes at most ``keep_bytes`` stays in memory, its
     ``RepairedCopy`` returned by ward (to be written by ``write_local``), the others written."""
     t0 = time.perf_counter()
-    ex = _Exchange(group, local, budget_bytes, keep_bytes)
+    ex = _Exchange(group, local, budget_bytes, keep_bytes, fault_ahead)
     me = ex.rank
     outgoing = [ex.open_source(t, source) for t in transfers if t.src == me]
     incoming = [ex.open_destination(t) for t in transfers if t.dst == me]
@@ -847,6 +923,7 @@ def restore_copies(
         local,
         local.policy.peer_budget_bytes,
         keep_bytes=local.policy.repair_memory_bytes,
+        fault_ahead=cores_per_rank(group.ranks_on_host()) >= 1,
     )
     report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
     if group.rank in sources:

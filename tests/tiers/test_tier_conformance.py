@@ -662,13 +662,31 @@ def _chunk_reads(where: str):
             setattr(Store, name, original)
 
 
-def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bound: int) -> None:
+def _repair_in_memory(
+    rank: int, world: int, kind: str, root: str, base: str, bound: int, cores: float
+) -> None:
     tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=bound)
     _save_two_then_replace_node_1(kind, rank, root, base, tiers)
     target = _ranks_own(rank, _blank())
     loader = _two_nodes(kind, rank, root, base, **tiers)
-    with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
-        step, report = loader.load(target)
+    # The host's cores per rank decide whether a kept repair's buffers are touched ahead.
+    made: list[list[int]] = []
+
+    class Counted(tier_transfer._FaultAhead):
+        def __init__(self, sizes: list[int], ahead: int = 2) -> None:
+            made.append(sizes)
+            super().__init__(sizes, ahead)
+
+    patched = {"cores_per_rank": lambda ranks: cores, "_FaultAhead": Counted}
+    saved = {name: getattr(tier_transfer, name) for name in patched}
+    for name, value in patched.items():
+        setattr(tier_transfer, name, value)
+    try:
+        with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
+            step, report = loader.load(target)
+    finally:
+        for name, value in saved.items():
+            setattr(tier_transfer, name, value)
     mine = [key for uri, key in reads if uri.rstrip("/").endswith(f"rank-{rank:05d}")]
     assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
     if rank >= 2:
@@ -677,6 +695,15 @@ def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bo
             assert mine == [], mine
         else:  # over the bound: written first, then read back, as before
             assert mine, report
+        # Buffers touched ahead only for a copy kept in memory, on a core per rank: one per
+        # round, each the size of its round.
+        if bound and cores >= 1:
+            assert len(made) == 1 and len(made[0]) >= 1, made
+            assert sum(made[0]) >= report.sources["peer"].bytes, (made, report)
+        else:
+            assert made == [], made
+    else:
+        assert made == [], made  # nothing received
     # A save right away (the repaired copy may still be being written: it waits for it).
     loader.save(3, _ranks_own(rank, _state(10 * rank + 3)))
     loader.close()
@@ -692,15 +719,22 @@ def _repair_in_memory(rank: int, world: int, kind: str, root: str, base: str, bo
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("bound", [1 << 30, 0], ids=["in-memory", "over-the-bound"])
+@pytest.mark.parametrize(
+    "bound, cores",
+    [(1 << 30, 4.0), (1 << 30, 0.5), (0, 4.0)],
+    ids=["in-memory", "in-memory-more-ranks-than-cores", "over-the-bound"],
+)
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
-def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(kind, bound, tmp_path):
+def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(
+    kind, bound, cores, tmp_path
+):
     """Issue 36: a chunk a wiped node's rank receives from its holder is hashed once and lands
     in the state from memory, its copy written to the local tier after the load (complete and
-    committed: the next load reads it there); above ``repair_memory_bytes`` the copy is
-    written first and read back, as before."""
+    committed: the next load reads it there), its receive buffers touched ahead where the host
+    has a core per rank; above ``repair_memory_bytes`` the copy is written first and read
+    back, as before."""
     root = str(tmp_path / "durable")
-    run_ranks(_repair_in_memory, 4, kind, root, str(tmp_path), bound, timeout_s=240)
+    run_ranks(_repair_in_memory, 4, kind, root, str(tmp_path), bound, cores, timeout_s=240)
 
 
 def _repair_write_dies(rank: int, world: int, kind: str, root: str, base: str) -> None:
