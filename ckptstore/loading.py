@@ -57,6 +57,7 @@ from ckptstore.shared_read import (
 from ckptstore.state import finish_load, plan_load
 from ckptstore.steps import CHECKPOINTER, StepView
 from ckptstore.store import Store
+from ckptstore.tiers.ahead import VerifiedAhead, verify_ahead
 from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
@@ -64,6 +65,7 @@ from ckptstore.tiers.plan import plan_restore
 from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import (
     DURABLE,
+    LOCAL,
     PEER,
     Candidate,
     LoadReport,
@@ -134,6 +136,7 @@ class StateLoader:
         self._report = LoadReport()  # the attempt in progress (last_load with tiers)
         self._manifests: dict[int, Manifest] = {}  # rank 0: durable manifests this load read
         self._repaired: dict[int, RepairedCopy] = {}  # copies restored, written after the read
+        self._ahead: VerifiedAhead | None = None  # this rank's copy, verified during a repair
 
     # -- one load, newest save first ----------------------------------------------------------
 
@@ -175,7 +178,13 @@ class StateLoader:
             raise self._load_failed(self._none_loaded(skipped, not_healthy), dirty)
         finally:
             self._manifests.clear()
+            self._drop_ahead()
             self._write_repaired()
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def _write_repaired(self, background: bool = True) -> None:
         """The copies a repair held in memory, written to the local tier and committed now
@@ -337,6 +346,15 @@ class StateLoader:
         if not sources:
             return {}
         assert self.local is not None and candidate.attempt is not None
+        mine = current.get(self.rank)
+        self._drop_ahead()
+        self._ahead = verify_ahead(
+            self.local,
+            self.group,
+            candidate.step,
+            candidate.attempt,
+            intact=mine is not None and mine.tier == LOCAL,
+        )
         outcomes, kept = restore_copies(
             self.local, self.group, candidate.step, candidate.attempt, sources, self._report
         )
@@ -458,6 +476,7 @@ class StateLoader:
         index = read.index
         assert index is not None
         wanted = {i: read.loader.dests.get(i) for i in read.kinds}
+        ahead = self._ahead if read.tier == LOCAL else None
         tiered = read.tier != DURABLE and (read.durable or read.repaired is not None)
         if tiered:
             assert source is None and self.local is not None  # no shared read of a tier copy
@@ -472,12 +491,20 @@ class StateLoader:
                 rank=self.rank,
                 local_tier=read.tier,
                 repaired=read.repaired,
+                ahead=ahead,
                 forget=self.local.forget_bad_chunk,
             )
             source = chunks_from_store(read.store, index.chunks, self.config, fetch)
-        read.tensors = read_into(
-            read.store, index, wanted, self.config, written=written, source=source
-        )
+        elif ahead is not None:
+            source = chunks_from_store(
+                read.store, index.chunks, self.config, ahead.or_read(read.store)
+            )
+        try:
+            read.tensors = read_into(
+                read.store, index, wanted, self.config, written=written, source=source
+            )
+        finally:
+            self._drop_ahead()
         if not tiered:
             digests = {seg.chunk for i in read.kinds for seg in index.tensors[i].segments}
             nbytes = sum(index.chunks[d].stored for d in digests if d in index.chunks)

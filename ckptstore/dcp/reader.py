@@ -228,7 +228,7 @@ class StoreReader(StepReader):
                 step = self._tier.view.step
                 self._gather(load_group(self.options["storage"]), failure, None, step)
             finally:
-                self._tier.write_repaired()  # a repaired copy, read from memory: written now
+                self._tier.reads_done()  # a repaired copy, read from memory: written now
         elif failure is not None:
             raise failure
         if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor

@@ -29,6 +29,7 @@ from ckptstore.store import Store
 from ckptstore.tiers.restore import DURABLE, LOCAL, LoadReport
 
 if TYPE_CHECKING:
+    from ckptstore.tiers.ahead import VerifiedAhead
     from ckptstore.tiers.transfer import RepairedCopy
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class TierFetch:
     and ``durable`` (None: the step is not there); what it read goes into ``report`` per
     tier, ``local``'s under ``local_tier``. ``repaired``: this rank's copy as a repair just
     received it, held in memory: its chunks are served from there (verified on arrival, not
-    hashed again), not read back from ``local``. ``forget``: called with a chunk of ``local``
+    hashed again), not read back from ``local``. ``ahead``: chunks of ``local`` a thread verified
+    while the load waited on a repair, served without reading them again. ``forget``: called with a chunk of ``local``
     that is missing or fails its check and is read from ``durable`` instead
     (``LocalTier.forget_bad_chunk``: the copy's next save must not count it stored)."""
 
@@ -56,6 +58,7 @@ class TierFetch:
         local_tier: str = LOCAL,
         durable_sized: bool = True,
         repaired: RepairedCopy | None = None,
+        ahead: VerifiedAhead | None = None,
         forget: Callable[[str], None] | None = None,
     ) -> None:
         self.local = local
@@ -66,6 +69,7 @@ class TierFetch:
         self.report = report
         self.rank = rank
         self.repaired = repaired
+        self.ahead = ahead
         self.forget = forget  # a bad chunk of ``local``, removed so a save writes it again
         self._lock = threading.Lock()
         self._warned = False
@@ -77,6 +81,12 @@ class TierFetch:
             raw = self.repaired.fetch(digest)
             self._count(self.local_tier, self.repaired.index.chunks[digest].stored, started)
             return raw
+        if self.ahead is not None and digest in self.held:
+            started = time.perf_counter()
+            raw = self.ahead.take(digest)
+            if raw is not None:
+                self._count(self.local_tier, self.held[digest].stored, started)
+                return raw
         if digest in self.held:
             assert self.local is not None
             started = time.perf_counter()

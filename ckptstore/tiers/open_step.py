@@ -7,7 +7,9 @@ every front-end. Then:
 
 * A rank whose own copy is missing gets it back from a rank that holds it
   (``tiers.transfer.restore_copies``: every chunk hashed on arrival) before the load; if that
-  fails, the step loads from durable storage where it is there.
+  fails, the step loads from durable storage where it is there. Meanwhile the ranks whose
+  copies are intact verify their own chunks ahead (``tiers.ahead``), where the host has two
+  cores per rank.
 * A step every rank holds loads from the local tiers: each rank sends the others its index (DCP
   items written by one rank are read by others), and each chunk is read by a rank that holds
   it and sent to those that need it (``shared_read``). A rank whose copy cannot be read moves
@@ -35,6 +37,7 @@ from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
+from ckptstore.tiers.ahead import VerifiedAhead, verify_ahead
 from ckptstore.tiers.fetch import TierFetch
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
@@ -57,9 +60,12 @@ class TierLoad:
     started: float  # perf_counter() as the plan began
     repaired: list[RepairedCopy] = dataclasses.field(default_factory=list)
 
-    def write_repaired(self) -> None:
-        """Write and commit, in the background, the copy a repair held in memory
-        (``transfer.write_behind``): once the load's reads are done, or once it failed."""
+    def reads_done(self) -> None:
+        """Once the load's reads are done, or once it failed: what this rank's copy had
+        verified ahead is let go, and the copy a repair held in memory is written and committed
+        in the background (``transfer.write_behind``)."""
+        if self.fetch.ahead is not None:
+            self.fetch.ahead.close()
         repaired, self.repaired = self.repaired, []
         write_behind(repaired)
 
@@ -124,19 +130,23 @@ def open_tiered_step(
     in_durable = candidate.sources[rank][-1].tier == DURABLE  # the same on every rank
     if all(mine[0].tier != DURABLE for mine in candidate.sources):
         repaired: list[RepairedCopy] = []  # this rank's copy, if a repair holds it in memory
+        ahead: list[VerifiedAhead] = []  # this rank's copy, verified during the repair
         found = None
         try:
-            found = _from_tiers(local, group, candidate, report, kind, repaired, in_durable)
+            found = _from_tiers(local, group, candidate, report, kind, repaired, ahead, in_durable)
         finally:
             if found is None:  # not loaded from the tiers: written before durable storage is
                 for copy in repaired:
                     copy.write_local()
+                for verified in ahead:
+                    verified.close()
         if found is not None:
             view, held = found
             fetch = TierFetch(
                 local=local.store(rank),
                 held=held,
                 repaired=repaired[0] if repaired else None,
+                ahead=ahead[0] if ahead else None,
                 # A chunk is read from durable storage only where the step is there, by its
                 # digest: the durable store may hold it encoded otherwise (sizes unknown here).
                 durable=durable if in_durable else None,
@@ -175,10 +185,12 @@ def _from_tiers(
     report: LoadReport,
     kind: str,
     repaired: list[RepairedCopy],
+    ahead: list[VerifiedAhead],
     in_durable: bool,
 ) -> tuple[StepView, dict[str, ChunkInfo]] | None:
     """(collective) The step as every rank's local copy holds it, the copies a peer keeps
-    restored first (this rank's into ``repaired`` where the repair holds it in memory); None
+    restored first (this rank's into ``repaired`` where the repair holds it in memory; an
+    intact copy's chunks verified meanwhile into ``ahead``, where they can be); None
     (on every rank) where a copy could not be had and the step is in durable storage."""
     rank, step = group.rank, candidate.step
     sources = {
@@ -186,6 +198,9 @@ def _from_tiers(
         for r, mine in enumerate(candidate.sources)
         if mine[0].tier == PEER and mine[0].holder is not None
     }
+    if sources:
+        verified = verify_ahead(local, group, step, candidate.attempt, intact=rank not in sources)
+        ahead.extend([verified] if verified is not None else [])
     whole = _repair(local, group, candidate, sources, report, repaired)
     if not whole and in_durable:
         return None

@@ -42,6 +42,7 @@ from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
 from ckptstore.format import chunk_key
 from ckptstore.store import Store
+from ckptstore.tiers import ahead as tier_ahead
 from ckptstore.tiers import transfer as tier_transfer
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
 from ckptstore.tiers.local import tier_copies
@@ -677,17 +678,41 @@ def _repair_in_memory(
             made.append(sizes)
             super().__init__(sizes, ahead)
 
-    patched = {"cores_per_rank": lambda ranks: cores, "_FaultAhead": Counted}
-    saved = {name: getattr(tier_transfer, name) for name in patched}
-    for name, value in patched.items():
-        setattr(tier_transfer, name, value)
+    # ... and whether an intact rank's own copy is verified during the repair: here every
+    # chunk before the repair starts (the thread is waited for), so that the load takes all.
+    served: list[int] = []  # per VerifiedAhead, the chunks the load took from it
+
+    class Waited(tier_ahead.VerifiedAhead):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._thread.join(timeout=60)
+            served.append(0)
+
+        def take(self, digest: str) -> Any:
+            raw = super().take(digest)
+            served[-1] += raw is not None
+            return raw
+
+    patched = {
+        tier_transfer: {"cores_per_rank": lambda ranks: cores, "_FaultAhead": Counted},
+        tier_ahead: {"cores_per_rank": lambda ranks: cores, "VerifiedAhead": Waited},
+    }
+    saved = {m: {name: getattr(m, name) for name in names} for m, names in patched.items()}
+    for module, names in patched.items():
+        for name, value in names.items():
+            setattr(module, name, value)
     try:
         with _chunk_reads(str(Path(base) / f"node-{rank // 2}")) as reads:
             step, report = loader.load(target)
     finally:
-        for name, value in saved.items():
-            setattr(tier_transfer, name, value)
+        for module, names in saved.items():
+            for name, value in names.items():
+                setattr(module, name, value)
     mine = [key for uri, key in reads if uri.rstrip("/").endswith(f"rank-{rank:05d}")]
+    if rank < 2 and cores >= tier_ahead.AHEAD_CORES:  # each own chunk hashed once, ahead
+        assert len(served) == 1 and served[0] == len(set(mine)) == len(mine) > 0, (served, mine)
+    else:  # a repaired rank has no copy of its own; too few cores per rank: no thread
+        assert served == [], served
     assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
     if rank >= 2:
         assert report.source == "peer" and report.sources["peer"].chunks > 0, report
@@ -721,8 +746,8 @@ def _repair_in_memory(
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "bound, cores",
-    [(1 << 30, 4.0), (1 << 30, 0.5), (0, 4.0)],
-    ids=["in-memory", "in-memory-more-ranks-than-cores", "over-the-bound"],
+    [(1 << 30, 4.0), (1 << 30, 1.0), (1 << 30, 0.5), (0, 4.0)],
+    ids=["in-memory", "in-memory-a-core-each", "in-memory-more-ranks-than-cores", "over-the-bound"],
 )
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
 def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(
@@ -731,7 +756,7 @@ def test_a_repaired_copy_loads_from_the_verified_bytes_then_is_written(
     """Issue 36: a chunk a wiped node's rank receives from its holder is hashed once and lands
     in the state from memory, its copy written to the local tier after the load (complete and
     committed: the next load reads it there), its receive buffers touched ahead where the host
-    has a core per rank; above ``repair_memory_bytes`` the copy is written first and read
+    has a core per rank, as the intact ranks' own copies are verified meanwhile; above ``repair_memory_bytes`` the copy is written first and read
     back, as before."""
     root = str(tmp_path / "durable")
     run_ranks(_repair_in_memory, 4, kind, root, str(tmp_path), bound, cores, timeout_s=240)
