@@ -47,7 +47,6 @@ class VerifiedAhead:
         self.held_bytes = 0  # decoded bytes held (mapped pages not counted)
         self._verified: dict[str, tuple[np.ndarray, int]] = {}  # digest -> (raw, own bytes)
         self._lock = threading.Lock()
-        self._take_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="ckptstore-verify-ahead", daemon=True
@@ -81,16 +80,15 @@ class VerifiedAhead:
                 self._verified[digest] = (raw, own)
 
     def stop(self) -> None:
-        """No chunk more is verified once this returns (it waits for the one in hand)."""
+        """No chunk more is verified once this returns (it waits for the one in hand); may be
+        called again, from any thread."""
         self._stop.set()
         self._thread.join()
 
     def take(self, digest: str) -> np.ndarray | None:
         """Chunk ``digest``'s raw bytes, verified, handed out once; None if it was not. The
         first call stops the thread: the load reads now, and verifies the rest itself."""
-        with self._take_lock:
-            if not self._stop.is_set():
-                self.stop()
+        self.stop()
         with self._lock:
             raw, own = self._verified.pop(digest, (None, 0))
             self.held_bytes -= own

@@ -42,10 +42,11 @@ class TierFetch:
     and ``durable`` (None: the step is not there); what it read goes into ``report`` per
     tier, ``local``'s under ``local_tier``. ``repaired``: this rank's copy as a repair just
     received it, held in memory: its chunks are served from there (verified on arrival, not
-    hashed again), not read back from ``local``. ``ahead``: chunks of ``local`` a thread verified
-    while the load waited on a repair, served without reading them again. ``forget``: called with a chunk of ``local``
-    that is missing or fails its check and is read from ``durable`` instead
-    (``LocalTier.forget_bad_chunk``: the copy's next save must not count it stored)."""
+    hashed again), not read back from ``local``. ``ahead``: chunks of ``local`` a thread
+    verified while the load waited on a repair, served without reading them again.
+    ``forget``: called with a chunk of ``local`` that is missing or fails its check and is read
+    from ``durable`` instead (``LocalTier.forget_bad_chunk``: the copy's next save must not
+    count it stored)."""
 
     def __init__(
         self,
