@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.faults import Faults, Fixed, with_faults
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, StorageOptions, Store
 from ckptstore.catalog import load_manifest, read_rank_index
 from ckptstore.codec import CodecConfig, decode, encode, hash_bytes
 from ckptstore.errors import CheckpointCorruptError
@@ -31,7 +31,11 @@ def test_layout_packs_small_tensors_by_width_and_splits_large_ones():
 
 
 def _save_chunks(store: Store, n: int) -> CompressionGovernor:
-    ckpt = Checkpointer(store.uri, store=store, chunk_bytes=64 * 1024, encode_threads=2)
+    ckpt = Checkpointer(
+        store.uri,
+        storage=StorageOptions(store=store),
+        encoding=EncodingOptions(chunk_bytes=64 * 1024, encode_threads=2),
+    )
     state = {f"t{i}": torch.randn(16 * 1024) * 0.01 for i in range(n)}
     ckpt.save(1, state).wait()
     ckpt.close()
@@ -80,7 +84,11 @@ def test_a_chunk_whose_compression_does_not_pay_is_stored_raw_and_loads(tmp_path
             return False
 
     store = Store(str(tmp_path))
-    ckpt = Checkpointer(store.uri, store=store, chunk_bytes=64 * 1024)
+    ckpt = Checkpointer(
+        store.uri,
+        storage=StorageOptions(store=store),
+        encoding=EncodingOptions(chunk_bytes=64 * 1024),
+    )
     ckpt.engine.governor = NeverPays()
     state = {f"t{i}": torch.randn(16 * 1024) * 0.01 for i in range(8)}
     ckpt.save(1, state).wait()
@@ -140,7 +148,8 @@ def test_a_save_to_a_local_directory_keeps_only_chunks_that_shrink_by_a_quarter(
     kept compressed, and no chunk is kept compressed for less than a quarter."""
     state = {f"t{i}": torch.randn(16 * 1024) for i in range(12)}
     for step, saved in ((1, state), (2, {k: v.bfloat16() for k, v in state.items()})):
-        with Checkpointer(tmp_path / "s", chunk_bytes=64 * 1024, encode_threads=4) as ckpt:
+        encoding = EncodingOptions(chunk_bytes=64 * 1024, encode_threads=4)
+        with Checkpointer(tmp_path / "s", encoding=encoding) as ckpt:
             ckpt.save(step, saved).wait()
     store = Store(str(tmp_path / "s"))
     chunks = {

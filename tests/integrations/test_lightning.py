@@ -26,7 +26,9 @@ from bench.faults import Faults, with_faults  # noqa: E402
 from ckptstore import (  # noqa: E402
     Checkpointer,
     CheckpointNotFoundError,
+    EncodingOptions,
     RetryPolicy,
+    StorageOptions,
     Store,
     UnsupportedStateError,
 )
@@ -233,7 +235,7 @@ def test_a_torch_checkpoint_file_loads_through_the_plugin(tmp_path):
 
 def test_remove_checkpoint_drops_the_step_and_keeps_chunks_other_steps_use(tmp_path):
     uri = str(tmp_path / "store")
-    io = CkptstoreCheckpointIO(uri, chunk_bytes=64 * 1024)
+    io = CkptstoreCheckpointIO(uri, encoding=EncodingOptions(chunk_bytes=64 * 1024))
     _trainer(io, uri, max_steps=6, save_top_k=-1).fit(TinyModel(), _loader())
     chunks_before = set(io.checkpointer.store.list("chunks"))
     kept = {s: io.load_checkpoint(s) for s in (2, 6)}
@@ -259,7 +261,7 @@ def test_teardown_raises_a_failed_background_save(tmp_path):
         Store(uri, retry=RetryPolicy(attempts=2, base_delay_s=0.01)),
         Faults(error_rate=1.0, ops=frozenset({"put"})),
     )
-    io = CkptstoreCheckpointIO(uri, store=failing)
+    io = CkptstoreCheckpointIO(uri, storage=StorageOptions(store=failing))
     io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, f"{uri}/a.ckpt")
     with pytest.raises(Exception, match="injected"):
         io.teardown()
