@@ -209,7 +209,9 @@ class Checkpointer:
         return StateLoader(
             self.store,
             self._group,
-            self.engine.config,
+            dataclasses.replace(
+                self.engine.config, read_concurrency=self.options["reads"].read_concurrency
+            ),
             shared_read_budget_bytes=self.shared_read_budget_bytes,
             peers=self._peers,
             local=self._local,

@@ -203,7 +203,7 @@ class ReadOptions:
     one and sent to the others, in rounds of at most this many bytes: the memory a load takes
     beyond its tensors. 0: every rank reads all its chunks from storage."""
     read_concurrency: int = 8
-    """Chunks fetched and decoded at once (DCP loads)."""
+    """Chunks fetched and decoded at once by one rank's load (both front-ends)."""
     read_batch_bytes: int = 1 << 30
     """DCP loads read stored items in batches of about this many bytes, which bounds a load's
     temporary memory."""

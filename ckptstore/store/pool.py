@@ -55,15 +55,26 @@ class ElasticPool:
                         continue
                     self._idle -= 1
                     return
-            if future.set_running_or_notify_cancel():
+            result: Any = None
+            error: BaseException | None = None
+            running = future.set_running_or_notify_cancel()
+            if running:
                 try:
-                    future.set_result(fn(*args))
+                    result = fn(*args)
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                    future.set_exception(exc)
+                    error = exc
             # An idle worker must not keep its last task's arguments (a chunk's bytes) alive.
-            del future, fn, args
+            del fn, args
+            # Idle before the waiter wakes: a caller that submits its next task as soon as this
+            # one's result is in (``Store.map``) reuses this worker instead of starting another.
             with self._lock:
                 self._idle += 1
+            if running:
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+            del future, result, error
 
 
 def niced(nice: int) -> int | None:

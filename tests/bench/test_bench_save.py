@@ -427,3 +427,33 @@ def test_a_workspace_removes_the_directories_of_uri_it_created(tmp_path):
     (tmp_path / "kept" / "new" / "other.txt").write_text("not the bench's")
     ws.cleanup()
     assert (tmp_path / "kept" / "new" / "other.txt").is_file()
+
+
+def test_restore_read_concurrency_reaches_ckptstores_loads(capsys, tmpdir_isolated, monkeypatch):
+    """``--read-concurrency`` is the ReadOptions of every ckptstore load: in this process, and
+    in the request each fresh process gets; below 1 it is refused in one line."""
+    import ckptstore
+
+    used: list[int] = []
+
+    class Recording(ckptstore.Checkpointer):
+        def __init__(self, *args, reads=None, **kwargs):
+            used.append(reads.read_concurrency if reads is not None else None)
+            super().__init__(*args, reads=reads, **kwargs)
+
+    monkeypatch.setattr(ckptstore, "Checkpointer", Recording)
+    args = ("restore", *TINY, "--warmup", "0", "--methods", "ckptstore", "--read-concurrency")
+    report = _run_json(capsys, restore, *args, "2")
+    assert report["config"]["read_concurrency"] == 2
+    assert used[-1] == 2  # the load; the save before it takes no ReadOptions
+    requests: list[dict] = []
+    real = restore._load_in_child
+    monkeypatch.setattr(restore, "_load_in_child", lambda r: (requests.append(r), real(r))[1])
+    report = _run_json(capsys, restore, *args, "3", "--fresh-process")
+    _fresh_runs_came_from_children(report)
+    assert [r["read_concurrency"] for r in requests] == [3]
+    cli = pytest.importorskip("bench.cli")
+    assert cli.main([*args, "0"]) == 2  # a usage error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ckptbench restore: error: --read-concurrency must be >= 1, got 0"]
+    assert _workspaces(tmpdir_isolated) == set()

@@ -19,6 +19,7 @@ from ckptstore import (
     CheckpointNotFoundError,
     EncodingOptions,
     FormatVersionError,
+    ReadOptions,
     RetryPolicy,
     StagingOptions,
     StepExistsError,
@@ -447,3 +448,46 @@ def test_the_flat_keywords_of_earlier_releases_still_work_and_say_what_to_pass(t
         ckpt.save(1, state).wait()
         into = {"w": torch.zeros(1000)}
         assert ckpt.load(into) == 1 and torch.equal(into["w"], state["w"])
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_a_load_fetches_at_most_read_concurrency_chunks_at_once(tmp_path, monkeypatch, concurrency):
+    """``ReadOptions.read_concurrency`` bounds a Checkpointer load's chunks in flight; a load
+    reaches that bound (each fetch waits, bounded, until that many are in flight)."""
+    import threading
+
+    import ckptstore.pipeline as pipeline
+
+    encoding = EncodingOptions(chunk_bytes=64 * 1024, compression="none")
+    state = {
+        f"t{i}": torch.rand(16 * 1024, generator=torch.Generator().manual_seed(i)) for i in range(8)
+    }
+    with Checkpointer(tmp_path / "s", encoding=encoding) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+
+    fetch = pipeline.fetch_chunk
+    lock, full = threading.Lock(), threading.Event()
+    in_flight, most = 0, 0
+
+    def counted(*args, **kwargs):
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+            if in_flight >= concurrency:
+                full.set()
+        try:
+            full.wait(timeout=10)
+            return fetch(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(pipeline, "fetch_chunk", counted)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    reads = ReadOptions(read_concurrency=concurrency)
+    with Checkpointer(tmp_path / "s", encoding=encoding, reads=reads) as ckpt:
+        ckpt.load(loaded)
+    assert most == concurrency
+    assert all(torch.equal(loaded[k], state[k]) for k in state)

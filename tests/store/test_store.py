@@ -425,3 +425,29 @@ def test_a_put_whose_timed_out_attempt_landed_is_its_own_success_not_a_conflict(
     Store(tmp_path).put("other.json", b"theirs")
     with pytest.raises(ObjectExistsError):
         store.put("other.json", b"mine")
+
+
+def test_tasks_submitted_one_after_another_reuse_one_worker():
+    """A caller that submits its next task as soon as the last one's result is in (a store's
+    ``map``, a load's reads) finds that worker idle, even while the worker still runs the
+    finished task's done-callbacks: no thread is started per task."""
+    from ckptstore.store import ElasticPool
+
+    pool = ElasticPool("test-reuse", idle_timeout_s=60.0)
+
+    def one(task) -> None:
+        attached = threading.Event()
+        future = pool.submit(lambda: attached.wait(timeout=10) and task())
+        # Runs in the worker after the waiter below has woken: the worker is not back at its
+        # queue yet when the next task is submitted.
+        future.add_done_callback(lambda _: time.sleep(0.02))
+        attached.set()
+        return future.result(timeout=10)
+
+    for i in range(10):
+        assert one(lambda i=i: i * 2) == i * 2
+    with pytest.raises(ZeroDivisionError):
+        one(lambda: 1 / 0)
+    assert one(lambda: "after") == "after"
+    names = [t.name for t in threading.enumerate() if t.name.startswith("test-reuse-")]
+    assert names == ["test-reuse-1"]
