@@ -20,6 +20,8 @@ class ElasticPool:
 
     Unlike ``concurrent.futures.ThreadPoolExecutor`` a worker stuck in a hung call never blocks
     interpreter exit, and never starves later calls: a new worker starts when none is idle.
+    A future's done-callbacks run on its worker after the worker counts as idle, so they must
+    not wait for another task of the same pool (that task may be queued behind them).
     """
 
     def __init__(self, name: str, idle_timeout_s: float = 10.0, nice: int = 0) -> None:
