@@ -78,13 +78,22 @@ def rank_index_key(step: int, attempt: str, rank: int, version: int = FORMAT_VER
 
 def attempt_of_key(key: str) -> str | None:
     """The attempt an index or metadata key belongs to (``steps/<step>/<attempt>/...`` or
-    ``indexes/<xx>/<step>/<attempt>/...``), None for another key."""
+    ``indexes/<xx>/<step>/<attempt>/...``), None for another key: one no writer of this
+    format makes (a stranger's file under ``steps/`` is no save's, and gc leaves it)."""
     parts = key.split("/")
     if parts[0] == "steps" and len(parts) >= 3:
-        return parts[2]
-    if parts[0] == "indexes" and len(parts) >= 4:
-        return parts[3]
-    return None
+        step, attempt = parts[1], parts[2]
+    elif parts[0] == "indexes" and len(parts) >= 4 and _SPREAD.fullmatch(parts[1]):
+        step, attempt = parts[2], parts[3]
+    else:
+        return None
+    return attempt if _STEP_DIR.fullmatch(step) and is_attempt(attempt) else None
+
+
+def digest_of_chunk_key(key: str) -> str | None:
+    """The digest of a chunk key (``chunks/<xx>/<digest>``), None for any other key."""
+    digest = key.rsplit("/", 1)[-1]
+    return digest if is_digest(digest) and key == chunk_key(digest) else None
 
 
 def dcp_metadata_key(step: int, attempt: str) -> str:
@@ -296,6 +305,8 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
 # -- what a reader checks before it trusts a decoded object (docs/FORMAT.md) -----------------
 
 _DIGEST = re.compile(r"[0-9a-f]{32}")  # xxh3-128, lowercase hex
+_SPREAD = re.compile(r"[0-9a-f]{2}")
+_STEP_DIR = re.compile(rf"[0-9]{{{STEP_DIGITS}}}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 INT64_MAX = 2**63 - 1
 MAX_RANKS = 2**20

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from ckptstore import telemetry
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
 from ckptstore.device_load import read_into
 from ckptstore.errors import (
@@ -526,10 +525,8 @@ class StateLoader:
                 self._some(self.last_load_left_out),
             )
         if self.local is not None:
+            self._report.count()
             self.last_load_source = where = self._report.source
-            telemetry.tier_loads_total.inc(tier=where)
-            for tier, stats in self._report.sources.items():
-                telemetry.tier_load_bytes_total.inc(stats.bytes, tier=tier)
         elif read.replica is not None:
             self.last_load_source, where = "peer", "its guard's memory"
         else:

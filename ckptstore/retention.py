@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 
 from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
 from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
-from ckptstore.format import Manifest, attempt_of_key, chunk_key, commit_key
+from ckptstore.format import (
+    Manifest,
+    attempt_of_key,
+    chunk_key,
+    commit_key,
+    digest_of_chunk_key,
+)
 from ckptstore.leases import (
     DEFAULT_TTL_S,
     GC,
@@ -244,13 +250,12 @@ def _sweep(
     kept = [readable[s] for s in report.kept_steps]
     referenced = {d for step in kept for d in step.chunks}
     protected = {step.manifest.attempt for step in kept} | set(ignore_attempts) | keep_attempts
-    victims = [
-        k
-        for prefix in ("steps", "indexes")
-        for k in store.list(prefix)
-        if attempt_of_key(k) not in protected
-    ]
-    chunk_victims = [k for k in store.list("chunks") if k.rsplit("/", 1)[-1] not in referenced]
+    # Only keys of this format's shapes: a stranger's file under these prefixes is left.
+    keys = [k for prefix in ("steps", "indexes") for k in store.list(prefix)]
+    victims = [k for k, a in zip(keys, map(attempt_of_key, keys)) if a and a not in protected]
+    chunks = store.list("chunks")
+    digests = map(digest_of_chunk_key, chunks)
+    chunk_victims = [k for k, d in zip(chunks, digests) if d and d not in referenced]
     stale_leases = [s for s in saves if not s.live]
     temporaries = store.stale_temporaries(older_than_s=lease_ttl_s)
     temporaries += stale_probes(store, older_than_s=lease_ttl_s)

@@ -25,11 +25,7 @@ from ckptstore.store import Store
 
 
 def cmd_restore(args: argparse.Namespace, store: Store) -> int:
-    target = os.path.abspath(os.path.expanduser(args.to))
-    if "://" in args.to and not args.to.startswith("file://"):
-        raise UsageError(f"--to must be a local path, got {args.to!r}")
-    if args.to.startswith("file://"):
-        target = os.path.abspath(args.to[len("file://") :])
+    target = _target(args.to, store)
     given = [
         flag
         for flag, value in (
@@ -104,6 +100,21 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
             f"storage_reader=FileSystemReader({target!r}))"
         )
     return 0
+
+
+def _target(to: str, store: Store) -> str:
+    """``--to`` as an absolute local path, never the store's own directory or one inside or
+    above it."""
+    if "://" in to and not to.startswith("file://"):
+        raise UsageError(f"--to must be a local path, got {to!r}")
+    path = to[len("file://") :] if to.startswith("file://") else os.path.expanduser(to)
+    target = os.path.abspath(path)
+    if store.overlaps(target):
+        raise UsageError(
+            f"--to {target} is the store {store.uri}, inside it or holds it: restoring there "
+            "would replace what it restores from; choose a path outside the store"
+        )
+    return target
 
 
 def _only(state: Any, prefix: str, step: int) -> dict:

@@ -267,8 +267,9 @@ examples:
         shard by shard in bounded memory. Names are the dotted state paths (model.layer.weight);
         a DCP step's tensors are assembled whole from every rank.
 
-        The result is written under a temporary name and moved into place when complete. An
-        existing non-empty PATH is refused unless --force (which replaces it).
+        The result is written under a temporary name and moved into place when complete;
+        missing parent directories are made. An existing non-empty PATH is refused unless
+        --force. A PATH that is the store, inside it or holds it is always refused.
         """,
         """
           ckptstore restore /ckpt/run7 --to /tmp/run7.pt
@@ -292,7 +293,13 @@ examples:
         help="torch: a torch.save file (default); dcp: a DCP FileSystemWriter directory; "
         "safetensors: a Hugging Face safetensors directory",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing non-empty PATH")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write over an existing non-empty PATH: torch replaces the file; dcp replaces a "
+        "DCP checkpoint directory (one of other files is refused); safetensors replaces its "
+        "shards and index in the directory and keeps other files",
+    )
     hf = p.add_argument_group("--format safetensors")
     hf.add_argument(
         "--max-shard-size",

@@ -40,10 +40,14 @@ def count_values(state: Any) -> dict[str, int]:
 
 
 def check_target(target: str, fmt: str, force: bool) -> None:
+    """Refuse a ``--to`` that cannot be written, or that holds something ``--force`` must not
+    replace: for ``--format dcp`` a directory of other files (it would be replaced whole)."""
     if not os.path.lexists(target):
-        parent = os.path.dirname(target)
-        if not os.path.isdir(parent):
-            raise UsageError(f"--to {target}: the directory {parent} does not exist")
+        ancestor = os.path.dirname(target)
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            raise UsageError(f"--to {target}: {ancestor} is a file, not a directory")
         return
     if fmt == "torch" and os.path.isdir(target):
         raise UsageError(
@@ -54,6 +58,11 @@ def check_target(target: str, fmt: str, force: bool) -> None:
     empty = not os.listdir(target) if os.path.isdir(target) else os.path.getsize(target) == 0
     if not empty and not force:
         raise UsageError(f"--to {target} exists and is not empty; pass --force to replace it")
+    if not empty and fmt == "dcp" and not os.path.isfile(os.path.join(target, ".metadata")):
+        raise UsageError(
+            f"--to {target} holds files but no DCP checkpoint (no .metadata): not replaced, even "
+            "with --force; choose a new or empty directory"
+        )
 
 
 def remove_if_empty_dir(path: str) -> None:
@@ -65,25 +74,41 @@ def remove_if_empty_dir(path: str) -> None:
 
 def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
     """Write ``state`` to a temporary sibling of ``target``, then move it into place; a crash
-    or error never leaves a partial file under the target's name. A failed write (a full
-    disk) is an ``OSError`` naming the target."""
-    tmp = os.path.join(
-        os.path.dirname(target), f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}"
-    )
+    or error never leaves a partial file under the target's name. Missing parent directories
+    are made (and removed again if the write fails). A failed write (a full disk) is an
+    ``OSError`` naming the target."""
+    parent = os.path.dirname(target)
+    made = _make_dirs(parent)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         _write(target, tmp, fmt, force, state)
-    except UsageError:
-        raise
     except BaseException as exc:
+        _remove(tmp)
+        for path in reversed(made):
+            remove_if_empty_dir(path)
         failed = _write_failure(exc)
         if failed is None:
             raise
         raise OSError(f"cannot write {target}: {failed}") from exc
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.lexists(tmp):
-            os.unlink(tmp)
+    _remove(tmp)
+
+
+def _make_dirs(path: str) -> list[str]:
+    """``os.makedirs(path)``; the directories it made, outermost first."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.mkdir(directory)
+    return missing[::-1]
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def _write_failure(exc: BaseException) -> str | None:
@@ -127,7 +152,7 @@ def _write(target: str, tmp: str, fmt: str, force: bool, state: Any) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
         if os.path.isdir(target):
             if os.listdir(target):
-                assert force  # checked by _check_target
+                assert force  # checked by check_target
                 shutil.rmtree(target)
             else:
                 os.rmdir(target)

@@ -13,6 +13,7 @@ import errno
 import io
 import mmap
 import os
+import re
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ import fsspec
 from ckptstore.store.retry import RetryPolicy, is_precondition_failed
 
 TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<uuid>`` and link it into place
+_TEMPORARY = re.compile(r".+\.tmp-[0-9a-f]{32}")
 S3_PROTOCOLS = ("s3", "s3a")
 
 Data = bytes | memoryview | list
@@ -320,7 +322,7 @@ class LocalBackend(FsspecBackend):
         out = []
         for dirpath, _, files in os.walk(root):
             for name in files:
-                if TMP_MARK not in name:
+                if not _TEMPORARY.fullmatch(name):  # only the shape a put writes
                     continue
                 path = os.path.join(dirpath, name)
                 try:
@@ -366,7 +368,20 @@ def open_backend(
     except (ValueError, ImportError) as exc:
         raise ValueError(f"cannot open store {uri!r}: {exc}") from exc
     root = root.rstrip("/")
+    if "file" in _protocols(fs) and not os.path.lexists(root):
+        _refuse_a_mistyped_scheme(uri)
     return _backend_class(fs)(fs, uri=uri, root=root, options=options), root
+
+
+def _refuse_a_mistyped_scheme(uri: str) -> None:
+    """``s3:/bucket/run`` (one slash) is a local path to fsspec: a new store would be made in
+    a directory named ``s3:``. Refused when that path does not exist yet."""
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)(.*)", uri)
+    if match and match.group(1).lower() in fsspec.available_protocols():
+        scheme, rest = match.groups()
+        raise ValueError(
+            f"cannot open store {uri!r}: it reads as a local path; did you mean {scheme}://{rest}?"
+        )
 
 
 def describe_endpoint(fs: fsspec.AbstractFileSystem, root: str) -> str:

@@ -130,6 +130,15 @@ class Store:
     def is_local(self) -> bool:
         return self.backend.is_local
 
+    def overlaps(self, path: str | os.PathLike) -> bool:
+        """Whether the local ``path`` is this store's directory, inside it, or holds it (links
+        resolved): writing or replacing it would damage the store. False for a remote store."""
+        if not self.is_local:
+            return False
+        mine = os.path.realpath(self.root)
+        other = os.path.realpath(os.fspath(path))
+        return os.path.commonpath([mine, other]) in (mine, other)
+
     @property
     def endpoint(self) -> str:
         """Where requests go, for messages: the S3 endpoint URL, the directory of a local store."""

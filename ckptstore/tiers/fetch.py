@@ -3,7 +3,9 @@ holds the chunk, else durable storage; every chunk verified wherever it came fro
 
 A local chunk that fails its check (missing, short, a flipped byte) is read from durable
 storage instead, with one warning naming the tier and the object, where the step is there as
-the same save; where it is not (a step only the local tiers hold), the error stands.
+the same save, and written back into the copy from there (verified, where durable storage
+holds it encoded as the copy's index says), so the next load reads it locally again; where the
+step is not in durable storage (only the local tiers hold it), the error stands.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ckptstore.codec import decode
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     StorageError,
+    one_line,
 )
-from ckptstore.format import ChunkInfo
+from ckptstore.format import ChunkInfo, chunk_key
 from ckptstore.pipeline import fetch_chunk, fetch_chunk_and_size
 from ckptstore.retention import drop_step
 from ckptstore.store import Store
@@ -88,6 +92,7 @@ class TierFetch:
             if raw is not None:
                 self._count(self.local_tier, self.held[digest].stored, started)
                 return raw
+        heal = False
         if digest in self.held:
             assert self.local is not None
             started = time.perf_counter()
@@ -99,6 +104,7 @@ class TierFetch:
                 self._warn(exc)
                 if self.forget is not None and isinstance(exc, _PLAIN):
                     self.forget(digest)  # else the next save would reference it unread
+                    heal = True
             else:
                 self._count(self.local_tier, self.held[digest].stored, started)
                 return raw
@@ -112,7 +118,37 @@ class TierFetch:
             self.durable, digest, info, scratch=True, sized=self.durable_sized
         )
         self._count(DURABLE, stored, started)
+        if heal:
+            self._heal(digest)
         return raw
+
+    def _heal(self, digest: str) -> None:
+        """The local copy's bad chunk ``digest`` written again as durable storage holds it,
+        verified, where it is stored there at the size the copy's index gives (the same
+        encoding): the next load reads it locally again. Best effort: a failure is logged."""
+        assert self.local is not None and self.durable is not None
+        key = chunk_key(digest)
+        info = self.held[digest]
+        try:
+            blob = self.durable.get(key, 0, info.stored + 1)
+            if len(blob) != info.stored:
+                return  # encoded otherwise there: the copy's index would not describe it
+            decode(blob, expected_hash=digest, name=self.durable.url(key), raw_len=info.raw)
+            self.local.put(key, blob)
+        except (CheckpointError, OSError) as exc:
+            logger.info(
+                "rank %d: chunk %s not restored to the local tier: %s",
+                self.rank,
+                digest,
+                one_line(exc),
+            )
+            return
+        logger.info(
+            "rank %d: chunk %s of the local tier restored from %s",
+            self.rank,
+            digest,
+            self.durable.uri,
+        )
 
     def _unlisted(self, error: BaseException) -> CheckpointError:
         """A chunk of this rank's own copy of a step that only the local tiers hold is missing

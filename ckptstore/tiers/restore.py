@@ -50,7 +50,7 @@ class LoadReport:
     """``Checkpointer.last_load``: what this rank's last load read, per tier."""
 
     step: int | None = None
-    source: str | None = None  # the tier the rank's state came from
+    source: str | None = None  # the tier the rank's state came from (most of its bytes)
     sources: dict[str, SourceStats] = field(default_factory=dict)
     seconds: float = 0.0
     peer_buffer_bytes: int = 0  # the most round-buffer bytes its peer transfers held at once
@@ -62,7 +62,12 @@ class LoadReport:
     def count(self) -> None:
         """This load in the process-wide tier telemetry (``ckptstore_tier_loads_total`` by the
         tier the state came from, ``..._tier_load_bytes_total`` by tier): once per rank's
-        load, whichever front-end ran it."""
+        load, whichever front-end ran it. ``source`` is settled first: the tier the load set
+        out from, unless another served more of the bytes (a copy whose chunks failed their
+        check, read from durable storage instead)."""
+        served = {tier: stats.bytes for tier, stats in self.sources.items() if stats.bytes}
+        if served and served.get(self.source or "", 0) < max(served.values()):
+            self.source = max(served, key=lambda tier: served[tier])
         if self.source is not None:
             telemetry.tier_loads_total.inc(tier=self.source)
         for tier, stats in self.sources.items():

@@ -395,6 +395,57 @@ def test_restore_refuses_to_overwrite_without_force(store: Path, saved: dict, tm
     assert code == 2 and "directory" in one_line_error(err, "restore")
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("where", "fmt"),
+    [
+        ("store", "dcp"),
+        ("store/commits", "dcp"),
+        ("parent", "dcp"),
+        ("store/restored.pt", "torch"),
+        ("link", "torch"),
+        ("store/hf", "safetensors"),
+        ("parent", "safetensors"),
+    ],
+)
+def test_restore_never_writes_over_its_own_store(store: Path, tmp_path: Path, where, fmt, capsys):
+    """--to the store, inside it, above it, or a link to it: refused even with --force, and
+    the store is left byte for byte as it was (a --force restore once deleted it)."""
+    os.symlink(store, tmp_path / "link")
+    target = {"parent": tmp_path}.get(where, tmp_path / where)
+    before = _tree(store)
+    code, out, err = run(capsys, "restore", store, "--to", target, "--format", fmt, "--force")
+    assert code == 2 and out == ""
+    assert "inside it or holds it" in one_line_error(err, "restore")
+    assert _tree(store) == before
+    assert run(capsys, "verify", store)[0] == 0
+
+
+def test_restore_force_replaces_a_dcp_checkpoint_but_not_other_files(store, tmp_path, capsys):
+    target = tmp_path / "dcp"
+    assert run(capsys, "restore", store, "--step", "10", "--to", target, "--format", "dcp")[0] == 0
+    code, doc = run_json(capsys, "restore", store, "--to", target, "--format", "dcp", "--force")
+    assert code == 0 and doc["step"] == 30 and (target / ".metadata").is_file()
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    code, _, err = run(capsys, "restore", store, "--to", notes, "--format", "dcp", "--force")
+    assert code == 2 and "no DCP checkpoint" in one_line_error(err, "restore")
+    assert (notes / "todo.txt").read_text() == "mine"
+
+
+def test_restore_makes_missing_parents_and_refuses_a_file_on_the_way(store, tmp_path, capsys):
+    deep = tmp_path / "a" / "b" / "step.pt"
+    assert run(capsys, "restore", store, "--to", deep)[0] == 0 and deep.is_file()
+    (tmp_path / "plain").write_text("x")
+    code, _, err = run(capsys, "restore", store, "--to", tmp_path / "plain" / "c" / "step.pt")
+    assert code == 2 and "is a file, not a directory" in one_line_error(err, "restore")
+
+
 def test_restore_dcp_is_read_by_stock_dcp(store: Path, saved: dict, tmp_path: Path, capsys):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader

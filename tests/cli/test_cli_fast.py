@@ -73,6 +73,18 @@ def test_a_mistyped_s3_prefix_is_no_ckptstore_data(s3_uri: str, capsys) -> None:
     assert json.loads(out)["code"] == 1 and "no ckptstore data at" in err
 
 
+def test_a_scheme_with_one_slash_is_refused_with_the_uri_meant(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["ls", "s3:/bucket/run7"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean s3://bucket/run7?" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="did you mean memory://run7"):
+        Checkpointer("memory:run7")
+    assert os.listdir(tmp_path) == []  # no directory named "s3:" or "memory:" was made
+    os.makedirs("s3:/bucket")  # a directory that really is named so is a local store
+    assert main(["ls", "s3:/bucket"]) == 1  # exists, holds no checkpoints
+
+
 def test_a_local_store_keeps_no_empty_directories(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, keep_last=2) as ckpt:
         for step in range(30):

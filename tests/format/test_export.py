@@ -196,6 +196,16 @@ def test_non_empty_out_dir_is_refused_unless_overwrite(tmp_path):
     _assert_bitwise(load_file(str(out / "model.safetensors")), _flat(state))
 
 
+@pytest.mark.parametrize("where", [".", "store", "store/hf"])
+def test_export_never_writes_into_or_over_its_store(tmp_path, where):
+    store = tmp_path / "store"
+    _save(str(store), _state())
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    with pytest.raises(ValueError, match="inside it or holds it"):
+        export_safetensors(str(store), tmp_path / where, overwrite=True)
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+
+
 def test_a_corrupt_chunk_fails_and_leaves_no_file(tmp_path):
     store_uri = str(tmp_path / "store")
     g = torch.Generator().manual_seed(3)

@@ -368,13 +368,37 @@ def test_gc_removes_temporaries_of_dead_writers(tmp_path):
     store = Store(tmp_path)
     Checkpointer(tmp_path).save(1, {"w": torch.ones(10)}).wait()
     (tmp_path / "chunks" / "ab").mkdir(parents=True, exist_ok=True)
-    old = tmp_path / "chunks" / "ab" / "abcd.tmp-0123"
-    fresh = tmp_path / "chunks" / "ab" / "abce.tmp-4567"
-    old.write_bytes(b"x" * 100)
-    fresh.write_bytes(b"y" * 100)
+    old = tmp_path / "chunks" / "ab" / f"abcd.tmp-{'0' * 32}"
+    fresh = tmp_path / "chunks" / "ab" / f"abce.tmp-{'4' * 32}"
+    mine = tmp_path / "notes.tmp-1"  # a user's file of another shape: not a put's
+    for path in (old, fresh, mine):
+        path.write_bytes(b"x" * 100)
     os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.utime(mine, (time.time() - 3600, time.time() - 3600))
     collect(store, keep_last=1)
     assert not old.exists() and fresh.exists()  # fresh: a live writer's put in progress
+    assert mine.exists()
+
+
+def test_gc_deletes_only_keys_of_the_format_s_own_shapes(tmp_path):
+    """A store directory may hold files ckptstore never wrote (a mistyped path, notes beside
+    the steps): gc sweeps chunks, indexes and metadata by their shapes, never a stranger's."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(10)}).wait()
+        ckpt.save(2, {"w": torch.zeros(10)}).wait()
+    strangers = [
+        tmp_path / "chunks" / "notes.txt",
+        tmp_path / "chunks" / "ab" / "not-a-digest",
+        tmp_path / "steps" / "README",
+        tmp_path / "steps" / "run7" / "x" / "y.json",
+        tmp_path / "indexes" / "zz" / f"{1:020d}" / "a1" / "rank-00000.json",
+    ]
+    for path in strangers:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("mine")
+    report = collect(Store(tmp_path), keep_last=1)
+    assert report.deleted_chunks == 1 and report.deleted_steps == [1]
+    assert all(path.read_text() == "mine" for path in strangers)
 
 
 # -- found in review: lease reads racing renewals, lapses, lost answers, stale caches ------------

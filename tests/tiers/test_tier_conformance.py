@@ -282,6 +282,13 @@ def test_a_corrupt_local_chunk_is_read_from_durable_storage(make, tmp_path):
     step, report = front.restart().load(target)
     assert step == 1 and _same(target, _state(1))
     assert report.sources["durable"].chunks > 0  # the durable tier served them
+    assert report.source == "durable"  # every byte did: not named after the copy it tried
+    assert report.sources.get("local") is None or report.sources["local"].bytes == 0
+    # ... and wrote them back into the copy, verified: the next load reads them locally.
+    target = _blank()
+    step, report = front.restart().load(target)
+    assert step == 1 and _same(target, _state(1))
+    assert report.source == "local" and "durable" not in report.sources
 
 
 def _flip_one_chunk(copy: Path, step: int) -> int:
