@@ -75,6 +75,8 @@ from ckptstore.tree import tensor_indexes
 
 logger = logging.getLogger(__name__)
 
+_REPLANS = 3  # a "latest" load whose step was removed while it loaded plans again, this often
+
 Failures = dict[int, tuple[type, str, bool]]  # rank -> (error class, one line, missing or corrupt)
 Stop = tuple[BaseException, bool]  # the error this rank raises, whether an older step may load
 
@@ -153,32 +155,67 @@ class StateLoader:
             raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
         t0 = time.perf_counter()
         try:
-            candidates, not_healthy = self._candidates(step, fallback, healthy)
             dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
-            skipped: list[tuple[int, BaseException]] = []
-            for candidate in candidates:
-                self._skip_not_healthy(not_healthy, above=candidate.step)
-                self._report = report = LoadReport(step=candidate.step)
-                if self.local is not None:
-                    self.last_load = report
-                error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
-                report.seconds = time.perf_counter() - t0
-                self._write_repaired(background=error is None)
-                if error is None:
-                    if self.local is not None:  # newer copies go at the next save
-                        self.local.resumed_from = candidate.step
-                    self._quarantine(skipped)
-                    return candidate.step
-                dirty.update(dict.fromkeys(written, candidate.step))
-                if not (fallback and skippable):
-                    raise self._load_failed(error, dirty)
-                skipped.append((candidate.step, error))
-                self._warn_skipped(candidate.step, error)
-            raise self._load_failed(self._none_loaded(skipped, not_healthy), dirty)
+            candidates, not_healthy = self._candidates(step, fallback, healthy)
+            for _ in range(_REPLANS):
+                loaded = self._load_first(
+                    state, candidates, not_healthy, dirty, fallback, strict, t0
+                )
+                if isinstance(loaded, int):
+                    return loaded
+                if step not in (None, "latest") or not isinstance(loaded, CheckpointNotFoundError):
+                    raise self._load_failed(loaded, dirty)
+                # Gone while it loaded: another process's keep_last or gc removed it after a
+                # newer save. Plan again (collective: every rank agreed on the error).
+                tried = candidates[0].step
+                candidates, not_healthy = self._candidates(step, fallback, healthy)
+                if candidates[0].step <= tried:
+                    raise self._load_failed(loaded, dirty)
+                logger.warning(
+                    "rank %d: step %d was removed while it loaded (keep_last or gc of another "
+                    "process): loading step %d, the newest now",
+                    self.rank,
+                    tried,
+                    candidates[0].step,
+                )
+            raise self._load_failed(loaded, dirty)
         finally:
             self._manifests.clear()
             self._drop_ahead()
             self._write_repaired()
+
+    def _load_first(
+        self,
+        state: Any,
+        candidates: list[Candidate],
+        not_healthy: dict[int, str],
+        dirty: dict[str, int],
+        fallback: bool,
+        strict: bool,
+        t0: float,
+    ) -> int | BaseException:
+        """The first of ``candidates`` that loads (with ``fallback``; else only the first), or
+        the error (agreed by every rank) to raise."""
+        skipped: list[tuple[int, BaseException]] = []
+        for candidate in candidates:
+            self._skip_not_healthy(not_healthy, above=candidate.step)
+            self._report = report = LoadReport(step=candidate.step)
+            if self.local is not None:
+                self.last_load = report
+            error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
+            report.seconds = time.perf_counter() - t0
+            self._write_repaired(background=error is None)
+            if error is None:
+                if self.local is not None:  # newer copies go at the next save
+                    self.local.resumed_from = candidate.step
+                self._quarantine(skipped)
+                return candidate.step
+            dirty.update(dict.fromkeys(written, candidate.step))
+            if not (fallback and skippable):
+                return error
+            skipped.append((candidate.step, error))
+            self._warn_skipped(candidate.step, error)
+        return self._none_loaded(skipped, not_healthy)
 
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None

@@ -206,7 +206,7 @@ def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -
 def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
     """Move each step of ``readable`` that references a chunk not listed to the unreadable ones
     (listed after the steps were read: a step's chunks are all there before it commits)."""
-    present = {k.rsplit("/", 1)[-1] for k in store.list("chunks")}
+    present = {digest_of_chunk_key(k) for k in store.list("chunks")}  # at its own key only
     for step in sorted(readable):
         missing = sorted(readable[step].chunks - present)
         if missing:

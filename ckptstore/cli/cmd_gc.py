@@ -73,8 +73,8 @@ def _sweep_line(report: GcReport, verb: str) -> str:
     if not report.swept:
         kept = sorted(report.unreadable_steps.keys() - set(report.removed_corrupt))
         return (
-            f"chunk sweep skipped: step(s) {_steps(kept)} cannot be read, so the chunks they "
-            "reference are unknown; repair them or remove them with --remove-corrupt"
+            f"chunk sweep skipped: step(s) {_steps(kept)} are kept unreadable or damaged (see "
+            "above), so no chunk is swept; repair them or remove them with --remove-corrupt"
         )
     return (
         f"{verb} {report.deleted_chunks} unreferenced chunk(s) "

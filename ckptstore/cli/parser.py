@@ -50,7 +50,10 @@ def _nonneg_int(text: str) -> int:
 
 
 def _pos_int(text: str) -> int:
-    value = _nonneg_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value

@@ -233,6 +233,32 @@ def failing_checkpointer(uri: str) -> tuple[Checkpointer, Faults]:
     return Checkpointer(uri, storage=StorageOptions(store=store)), faults
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_latest_load_whose_step_is_removed_meanwhile_loads_the_newer_one(tmp_path, fallback):
+    """A job resuming while another process saves with keep_last=1: the step it planned to
+    load is removed under it (its index gone); it plans again and loads the newest step, not
+    an error saying data is missing (nor an older, also removed, step)."""
+    uri = str(tmp_path)
+    writer = Checkpointer(uri, keep_last=1)
+    writer.save(1, {"w": torch.full((1000,), 1.0)}).wait()
+    reader = Checkpointer(uri)
+    get = reader.store.get
+    raced = []
+
+    def get_racing_a_save(key, *args, **kwargs):
+        if key.startswith("indexes/") and not raced:
+            raced.append(key)
+            writer.save(2, {"w": torch.full((1000,), 2.0)}).wait()  # keep_last drops step 1
+        return get(key, *args, **kwargs)
+
+    reader.store.get = get_racing_a_save
+    state = {"w": torch.zeros(1000)}
+    assert reader.load(state, fallback=fallback) == 2
+    assert raced and torch.equal(state["w"], torch.full((1000,), 2.0))
+    reader.close()
+    writer.close()
+
+
 def test_background_error_surfaces_and_leaves_no_step():
     ckpt, faults = failing_checkpointer("memory://failing-saves")
     handle = ckpt.save(1, {"w": torch.randn(100)})

@@ -77,7 +77,7 @@ def test_gc_keep_last_1_keeps_the_loadable_step_when_the_newest_is_damaged(
     assert main(["gc", uri, "--keep-last", "1"]) == 0
     out = capsys.readouterr().out
     assert "deleted steps: none" in out and "unreadable step 2: kept, not counted" in out
-    assert "chunk sweep skipped: step(s) 2 cannot be read" in out
+    assert "chunk sweep skipped: step(s) 2 are kept unreadable or damaged" in out
     assert list_steps(Store(uri)) == [1, 2] and Store(uri).list("chunks") == chunks
     assert loads_step_1(uri)
 
