@@ -39,7 +39,7 @@ from ckptstore.errors import (
 from ckptstore.format import ChunkInfo, RankIndex, TensorEntry
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
 from ckptstore.steps import Piece, StepView, WholeTensor
-from ckptstore.store import Store, open_store
+from ckptstore.store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def export_safetensors(
     store = open_store(
         uri, storage_options=storage_options, timeout_s=timeout_s, max_concurrency=read_concurrency
     )
-    out = _out_dir(out_dir, overwrite, store)
+    out = _out_dir(out_dir, overwrite)
     view = StepView.open(store, step)
     manifest = view.manifest
     items, skipped = _items_to_export(view, rank, only, strip_prefix, cast)
@@ -244,15 +244,11 @@ def export_safetensors(
     )
 
 
-def _out_dir(out_dir: str | os.PathLike, overwrite: bool, store: Store) -> str:
-    """``out_dir`` as an absolute path, refused if it is a file, the store, inside it or holds
-    it, or, without ``overwrite``, a directory that is not empty."""
+def _out_dir(out_dir: str | os.PathLike, overwrite: bool) -> str:
+    """``out_dir`` as an absolute path, refused if it is a file or, without ``overwrite``, a
+    directory that is not empty. It may lie inside the store (torchtitan's ``hf/step-N``):
+    an export writes, and with ``overwrite`` removes, only its own model files."""
     out = os.path.abspath(os.fspath(out_dir))
-    if store.overlaps(out):
-        raise ValueError(
-            f"{out} is the store {store.uri}, inside it or holds it: export to a directory "
-            "outside it"
-        )
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out} exists and is not a directory")
     if not overwrite and os.path.isdir(out) and os.listdir(out):

@@ -481,8 +481,10 @@ def fetch_chunk_and_size(
     *,
     scratch: bool = False,
     sized: bool = True,
+    on_verified: Callable[[memoryview | bytes], None] | None = None,
 ) -> tuple[np.ndarray, int]:
-    """``fetch_chunk``, and how many stored bytes it read."""
+    """``fetch_chunk``, and how many stored bytes it read. ``on_verified``: called with the
+    stored bytes once they decoded to ``digest`` (valid only during the call)."""
     key = chunk_key(digest)
     # A memory map on local paths: no copy, no fresh pages to fault in.
     read = store.get_view if scratch else store.get
@@ -504,6 +506,8 @@ def fetch_chunk_and_size(
     out = _thread_buffer("decoded", info.raw) if scratch and info is not None else None
     raw_len = info.raw if info is not None else None
     raw = decode(data, expected_hash=digest, name=store.url(key), out=out, raw_len=raw_len)
+    if on_verified is not None:
+        on_verified(data)
     return raw, len(data)
 
 

@@ -14,11 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptstore.codec import decode
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -115,26 +114,26 @@ class TierFetch:
             )
         started = time.perf_counter()
         raw, stored = fetch_chunk_and_size(
-            self.durable, digest, info, scratch=True, sized=self.durable_sized
+            self.durable,
+            digest,
+            info,
+            scratch=True,
+            sized=self.durable_sized,
+            on_verified=(lambda data: self._heal(digest, data)) if heal else None,
         )
         self._count(DURABLE, stored, started)
-        if heal:
-            self._heal(digest)
         return raw
 
-    def _heal(self, digest: str) -> None:
-        """The local copy's bad chunk ``digest`` written again as durable storage holds it,
-        verified, where it is stored there at the size the copy's index gives (the same
-        encoding): the next load reads it locally again. Best effort: a failure is logged."""
-        assert self.local is not None and self.durable is not None
-        key = chunk_key(digest)
-        info = self.held[digest]
+    def _heal(self, digest: str, stored: Any) -> None:
+        """The local copy's bad chunk ``digest`` written again from ``stored``, the durable
+        object's bytes as they verified, where they have the size the copy's index gives (the
+        same encoding): the next load reads it locally again. Best effort: a failure is
+        logged."""
+        assert self.local is not None
+        if len(stored) != self.held[digest].stored:
+            return  # encoded otherwise there: the copy's index would not describe it
         try:
-            blob = self.durable.get(key, 0, info.stored + 1)
-            if len(blob) != info.stored:
-                return  # encoded otherwise there: the copy's index would not describe it
-            decode(blob, expected_hash=digest, name=self.durable.url(key), raw_len=info.raw)
-            self.local.put(key, blob)
+            self.local.put(chunk_key(digest), bytes(stored))
         except (CheckpointError, OSError) as exc:
             logger.info(
                 "rank %d: chunk %s not restored to the local tier: %s",

@@ -197,13 +197,18 @@ def test_non_empty_out_dir_is_refused_unless_overwrite(tmp_path):
 
 
 @pytest.mark.parametrize("where", [".", "store", "store/hf"])
-def test_export_never_writes_into_or_over_its_store(tmp_path, where):
+def test_an_export_into_or_over_its_store_leaves_the_store_as_it_was(tmp_path, where):
+    """Allowed in the API (torchtitan exports to ``<folder>/hf/step-N``): with ``overwrite``
+    it writes and removes only model files, never a byte of the store."""
     store = tmp_path / "store"
-    _save(str(store), _state())
-    before = sorted(p.relative_to(store) for p in store.rglob("*"))
-    with pytest.raises(ValueError, match="inside it or holds it"):
-        export_safetensors(str(store), tmp_path / where, overwrite=True)
-    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+    state = _state()
+    _save(str(store), state)
+    before = {p.relative_to(store): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    out = tmp_path / where
+    export_safetensors(str(store), out, overwrite=True)
+    after = {p.relative_to(store): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    assert {k: v for k, v in after.items() if k in before} == before
+    _assert_bitwise(load_file(str(out / "model.safetensors")), _flat(state))
 
 
 def test_a_corrupt_chunk_fails_and_leaves_no_file(tmp_path):
