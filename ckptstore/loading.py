@@ -157,13 +157,14 @@ class StateLoader:
         try:
             dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
             candidates, not_healthy = self._candidates(step, fallback, healthy)
-            for _ in range(_REPLANS):
+            for replans in range(_REPLANS + 1):
                 loaded = self._load_first(
                     state, candidates, not_healthy, dirty, fallback, strict, t0
                 )
                 if isinstance(loaded, int):
                     return loaded
-                if step not in (None, "latest") or not isinstance(loaded, CheckpointNotFoundError):
+                gone = step in (None, "latest") and isinstance(loaded, CheckpointNotFoundError)
+                if not gone or replans == _REPLANS:
                     raise self._load_failed(loaded, dirty)
                 # Gone while it loaded: another process's keep_last or gc removed it after a
                 # newer save. Plan again (collective: every rank agreed on the error).
@@ -178,7 +179,7 @@ class StateLoader:
                     tried,
                     candidates[0].step,
                 )
-            raise self._load_failed(loaded, dirty)
+            raise AssertionError("unreachable: the last plan's error is raised above")
         finally:
             self._manifests.clear()
             self._drop_ahead()

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class TierFetch:
         self._count(DURABLE, stored, started)
         return raw
 
-    def _heal(self, digest: str, stored: Any) -> None:
+    def _heal(self, digest: str, stored: memoryview | bytes) -> None:
         """The local copy's bad chunk ``digest`` written again from ``stored``, the durable
         object's bytes as they verified, where they have the size the copy's index gives (the
         same encoding): the next load reads it locally again. Best effort: a failure is
