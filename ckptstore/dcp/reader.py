@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
-from ckptstore.errors import CheckpointError, one_line
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
 from ckptstore.health import find_healthy, healthy_steps_to_load
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import ChunkSource, PipelineConfig, chunks_from_store
@@ -52,6 +52,15 @@ class _LoadTarget:
     """Ranks of DCP's load (the plans the coordinator saw)."""
     shared_budget: int
     """Bytes per round of the shared read, the least any rank asked for (0: off)."""
+    latest: bool = False
+    """The load names ``"latest"``: a step removed while it loads gives way to a newer one."""
+
+
+_REPLANS = 3  # a "latest" load whose step was removed while it read reads a newer one, this often
+
+
+class _OtherRanksFailed(CheckpointError):
+    """This rank stopped because another rank of the load failed."""
 
 
 class StoreReader(StepReader):
@@ -65,7 +74,11 @@ class StoreReader(StepReader):
         uri: the store. A ``checkpoint_id`` passed to ``dcp.load`` is a store URI too.
         step: the step to load, or ``"latest"``. The step is resolved once per load (at the
             first ``read_metadata``); if ranks resolve different steps (one was committed while
-            they started) the load fails clearly: pass an explicit step to avoid that.
+            they started) the load fails clearly: pass an explicit step to avoid that. A
+            ``"latest"`` step removed while it is read (another process's ``keep_last`` or gc
+            after a newer save) gives way to the newest step, read with the same plan when its
+            state layout is the same (else one line: load again), at most 3 times; the ranks
+            agree first, over the shared read's group or in a load by one process.
         storage, reads, tiers: the option objects of ``ckptstore.options``, the same ones
             ``Checkpointer`` and ``StoreWriter`` take (``StorageOptions.store``: an already
             open ``Store``; ``ReadOptions``: ``read_concurrency``, ``read_batch_bytes``,
@@ -133,6 +146,7 @@ class StoreReader(StepReader):
         self.options = o
         self._policy = policy
         self._tier: TierLoad | None = None
+        self._planned: Metadata | None = None  # what this load's plan was made from
         self.last_load: LoadReport | None = None
         self.healthy = healthy
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
@@ -184,7 +198,8 @@ class StoreReader(StepReader):
             )
             self.view = self._tier.view
             self.last_load = self._tier.report
-        return self._stamped(self._view().dcp_metadata())
+        self._planned = self._stamped(self._view().dcp_metadata())
+        return self._planned
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # The coordinator agrees the shared read's budget from every rank's.
@@ -201,6 +216,7 @@ class StoreReader(StepReader):
             attempt=manifest.attempt,
             world=len(plans),
             shared_budget=budget,
+            latest=self.step == "latest",
         )
         return [dataclasses.replace(p, storage_data=target) for p in plans]
 
@@ -210,7 +226,29 @@ class StoreReader(StepReader):
         self.last_load_exchange = None
         target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
         group = _exchange_group(target, self.options["storage"])
-        failure: BaseException | None = None
+        for replans in range(_REPLANS + 1):
+            failure = self._read_once(plan, planner, target, group)
+            if self._tier is not None:
+                self._end_tiered_read(failure)
+                return
+            newer = self._step_after_removal(failure, target, group, replans)
+            if newer is None:
+                break
+            if target is not None:
+                target = dataclasses.replace(
+                    target, step=newer.step, attempt=newer.manifest.attempt
+                )
+        if failure is not None:
+            raise failure
+
+    def _read_once(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        target: _LoadTarget | None,
+        group: RankGroup | None,
+    ) -> BaseException | None:
+        """Every item of ``plan`` read from the open step; the error that stopped it, if any."""
         try:
             if group is None:
                 self._check_step(target)
@@ -218,22 +256,99 @@ class StoreReader(StepReader):
             else:
                 assert target is not None
                 self._read_shared(plan, planner, target, group)
-        except BaseException as exc:  # noqa: BLE001 - with tiers, the other ranks hear of it
-            failure = exc
-        if self._tier is not None:
-            try:
-                # Every rank's outcome on the tier group, before DCP's own exchange on the
-                # default group: a rank lost while reading is named within the bound; a
-                # failure, by rank.
-                step = self._tier.view.step
-                self._gather(load_group(self.options["storage"]), failure, None, step)
-            finally:
-                self._tier.reads_done()  # a repaired copy, read from memory: written now
-        elif failure is not None:
-            raise failure
-        if self._tier is not None:  # from the tier plan (read_metadata) to the last tensor
-            self._tier.report.seconds = time.perf_counter() - self._tier.started
-            self._tier.report.count()
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller, after agreeing
+            return exc
+        return None
+
+    def _end_tiered_read(self, failure: BaseException | None) -> None:
+        try:
+            # Every rank's outcome on the tier group, before DCP's own exchange on the
+            # default group: a rank lost while reading is named within the bound; a
+            # failure, by rank.
+            assert self._tier is not None
+            step = self._tier.view.step
+            self._gather(load_group(self.options["storage"]), failure, None, step)
+        finally:
+            self._tier.reads_done()  # a repaired copy, read from memory: written now
+        # from the tier plan (read_metadata) to the last tensor
+        self._tier.report.seconds = time.perf_counter() - self._tier.started
+        self._tier.report.count()
+
+    def _step_after_removal(
+        self,
+        failure: BaseException | None,
+        target: _LoadTarget | None,
+        group: RankGroup | None,
+        replans: int,
+    ) -> StepView | None:
+        """The newest step, opened, when a load of ``"latest"`` failed because its step was
+        removed while it read (another process's ``keep_last`` or gc after a newer save) and
+        the newer step holds the same state layout: the plan is read again from it. None: the
+        outcome stands. Decided alike on every rank: over ``group``, or by a load in one
+        process; a load whose ranks read alone cannot agree and keeps its error."""
+        if not (target.latest if target is not None else self.step == "latest"):
+            return None
+        old = self._view().step
+        if group is None:
+            if target is not None and target.world > 1:
+                return None
+            if not isinstance(failure, CheckpointNotFoundError) or replans == _REPLANS:
+                return None
+            self.view = None
+            return self._adopt_newer(old, self._view())
+        verdicts = group.gather(_verdict(failure))
+        if "failed" in verdicts or "removed" not in verdicts or replans == _REPLANS:
+            return None
+        at = group.broadcast(self._newest_step() if group.rank == 0 else None)
+        newer: StepView | None = None
+        error: BaseException | None = None
+        try:
+            if isinstance(at, str):
+                raise CheckpointError(at)
+            newer = self._adopt_newer(old, StepView.open(self.store, at[0]), at[1])
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it, then raises
+            error = exc
+        why = [w for w in group.gather(None if error is None else one_line(error)) if w]
+        if error is not None:
+            raise error
+        if why:
+            raise _OtherRanksFailed(f"rank {self.rank} stopped: {why[0]}")
+        return newer
+
+    def _newest_step(self) -> tuple[int, str] | str:
+        """The newest step (as ``"latest"`` names it) and its attempt, or why there is none."""
+        self.view = None
+        try:
+            view = self._view()
+        except CheckpointError as exc:
+            return one_line(exc)
+        return view.step, view.manifest.attempt
+
+    def _adopt_newer(
+        self, old: int, newer: StepView, attempt: str | None = None
+    ) -> StepView | None:
+        if newer.step <= old:
+            return None
+        if attempt is not None and newer.manifest.attempt != attempt:
+            raise CheckpointError(f"step {newer.step} of {self.store.uri} changed while it loaded")
+        newer.require(DCP)
+        planned = self._planned.state_dict_metadata if self._planned is not None else None
+        if newer.dcp_metadata().state_dict_metadata != planned:
+            raise CheckpointError(
+                f"step {old} of {self.store.uri} was removed while it loaded (keep_last or gc "
+                f"of another process) and the newest, step {newer.step}, holds another state "
+                "layout: load again"
+            )
+        logger.warning(
+            "rank %d: step %d of %s was removed while it loaded (keep_last or gc of another "
+            "process): reading step %d, the newest now",
+            self.rank,
+            old,
+            self.store.uri,
+            newer.step,
+        )
+        self.view = newer
+        return newer
 
     def _check_step(self, target: _LoadTarget | None) -> None:
         manifest = self._view().manifest
@@ -327,7 +442,7 @@ class StoreReader(StepReader):
             why = "; ".join(f"rank {r}: {n}" for r, n in failed[:4])
             if len(failed) > 4:
                 why += f"; and {len(failed) - 4} more rank(s)"
-            raise CheckpointError(
+            raise _OtherRanksFailed(
                 f"rank {self.rank} stopped reading step {step} of {self.store.uri}: the DCP load "
                 f"failed on {len(failed)} other rank(s): {why}"
             )
@@ -382,6 +497,15 @@ def _batches(every: list[dict[Location, int]], limit: int) -> list[set[Location]
         for r in users[loc]:
             held[r] += nbytes
     return batches
+
+
+def _verdict(failure: BaseException | None) -> str:
+    """How a rank's read ended, as the others need to hear it to read a newer step."""
+    if failure is None:
+        return "read"
+    if isinstance(failure, _OtherRanksFailed):
+        return "stopped"
+    return "removed" if isinstance(failure, CheckpointNotFoundError) else "failed"
 
 
 def _add_stats(total: ExchangeStats, more: ExchangeStats) -> None:

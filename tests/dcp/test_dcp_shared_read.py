@@ -26,6 +26,8 @@ from ckptstore import EncodingOptions, ReadOptions, StorageOptions
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointCorruptError, CheckpointError
+from ckptstore.format import commit_key
+from ckptstore.retention import drop_step
 from ckptstore.store import Store
 from tests.helpers.counting import PathTally, Tally, counting_store
 from tests.helpers.dist import gathered, run_ranks
@@ -213,6 +215,43 @@ def _one_rank_fails(rank: int, world: int, root: str, where: str) -> None:
 @pytest.mark.parametrize("where", ["prepare", "read"])
 def test_a_rank_failing_stops_every_rank_without_a_wait(tmp_path, where):
     run_ranks(_one_rank_fails, 4, str(tmp_path), where)
+
+
+def _load_racing_keep_last(rank: int, world: int, root: str) -> None:
+    _save(root, 1)
+    _save(root, 2)
+    held = Path(root + ".held")
+    if rank == 0:  # step 2 unlisted: "latest" is step 1
+        Path(root, commit_key(2)).rename(held)
+    dist.barrier()
+    reader = StoreReader(root)
+    get = reader.store.get
+    raced: list[str] = []
+
+    def get_racing_a_save(key, *args, **kwargs):
+        # On rank 0's first rank-index read, step 2 commits and keep_last removes step 1.
+        if rank == 0 and key.startswith("indexes/") and not raced:
+            raced.append(key)
+            held.rename(Path(root, commit_key(2)))
+            drop_step(Store(root), 1)
+            for path in Path(root, "indexes").rglob("*"):
+                if path.is_file() and f"/{1:020d}/" in path.as_posix():
+                    path.unlink()
+        return get(key, *args, **kwargs)
+
+    reader.store.get = get_racing_a_save
+    target = _blank()
+    dcp.load(target, storage_reader=reader)
+    _assert_loaded(target, 2, rank)
+    assert gathered(bool(raced)) == [True] + [False] * (world - 1)
+    assert reader.last_load_exchange is not None  # read shared, over the ranks' group
+
+
+@pytest.mark.dist
+def test_a_shared_latest_load_whose_step_is_removed_meanwhile_reads_the_newer_one(tmp_path):
+    """Every rank agrees the step was removed (one found it gone, the others stopped for it)
+    and all read the newer one: no rank left with the old step's tensors."""
+    run_ranks(_load_racing_keep_last, 2, str(tmp_path / "store"))
 
 
 def _count_load(rank: int, world: int, root: str, out: str, budget: int) -> None:

@@ -276,3 +276,59 @@ def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
         target = blank_like(states[int(step)])
         dcp.load(target, storage_reader=reader, checkpoint_id=step, no_dist=True)
         assert_same(target, states[int(step)], f"step {step}")
+
+
+def _reader_racing_a_save(uri: str, step: int, newer: dict) -> tuple[StoreReader, list[str]]:
+    """A reader of ``uri`` that, at its first rank-index read, lets another writer save
+    ``newer`` as ``step`` with ``keep_last=1``: the step it planned to read is removed under it."""
+    reader = StoreReader(uri)
+    get = reader.store.get
+    raced: list[str] = []
+
+    def get_racing_a_save(key, *args, **kwargs):
+        if key.startswith("indexes/") and not raced:
+            raced.append(key)
+            dcp.save(newer, storage_writer=_keeping_one(uri, step), no_dist=True)
+        return get(key, *args, **kwargs)
+
+    reader.store.get = get_racing_a_save
+    return reader, raced
+
+
+def test_a_latest_load_whose_step_is_removed_meanwhile_reads_the_newer_one(tmp_path, caplog):
+    """An evaluator loading "latest" while training saves with keep_last=1: the step DCP
+    planned against is removed under it; the same plan is read from the newer step (same
+    layout), not a "rank index is missing" error."""
+    uri = str(tmp_path / "s")
+    dcp.save(_state(1), storage_writer=_keeping_one(uri, 1), no_dist=True)
+    reader, raced = _reader_racing_a_save(uri, 2, _state(2))
+    target = blank_like(_state(1))
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert raced and list_steps(Store(uri)) == [2]
+    assert_same(target, _state(2))
+    assert "step 1 of" in caplog.text and "reading step 2, the newest now" in caplog.text
+
+
+def test_a_removed_step_whose_successor_has_another_layout_fails_clearly(tmp_path):
+    uri = str(tmp_path / "s")
+    dcp.save(_state(1), storage_writer=_keeping_one(uri, 1), no_dist=True)
+    reader, _ = _reader_racing_a_save(uri, 2, {**_state(2), "extra": torch.ones(3)})
+    with pytest.raises(CheckpointException, match="holds another state layout: load again"):
+        dcp.load(blank_like(_state(1)), storage_reader=reader, no_dist=True)
+    # An explicit step keeps its not-found error: it names what it wants.
+    dcp.save(_state(3), storage_writer=_keeping_one(uri, 3), no_dist=True)
+    explicit = StoreReader(uri, step=3)
+    get = explicit.store.get
+
+    def get_after_removal(key, *args, **kwargs):
+        if key.startswith("indexes/"):
+            dcp.save(_state(4), storage_writer=_keeping_one(uri, 4), no_dist=True)
+        return get(key, *args, **kwargs)
+
+    explicit.store.get = get_after_removal
+    with pytest.raises(CheckpointException, match="rank index .* is missing"):
+        dcp.load(blank_like(_state(3)), storage_reader=explicit, no_dist=True)
+
+
+def _keeping_one(uri: str, step: int) -> StoreWriter:
+    return StoreWriter(uri, step=step, keep_last=1)
