@@ -37,11 +37,16 @@ def save_collective(
             written: RankWritten | BaseException = write(latest)
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
             written = exc
-        ranks = group.gather(written)  # fails when a rank is lost
+        # fails when a rank is lost
+        every = group.gather(((session.step, session.attempt), written))
+        ranks = [w for _, w in every]
         outcome: Any = None
         if rank == 0:
             failed = [(r, e) for r, e in enumerate(ranks) if isinstance(e, BaseException)]
-            if failed:
+            apart = saves_apart(session.step, session.attempt, [save for save, _ in every])
+            if apart is not None:
+                outcome = apart
+            elif failed:
                 r, error = failed[0]
                 outcome = CheckpointError(f"step {session.step}: rank {r} failed: {error}")
                 outcome.__cause__ = error
@@ -57,6 +62,22 @@ def save_collective(
     if rank == 0 and outcome.committed:
         session.retain()
     return outcome
+
+
+def saves_apart(step: int, attempt: str, saves: list[tuple[int, str]]) -> CheckpointError | None:
+    """The error when the ranks did not all save ``step`` (``attempt``) as rank 0 did (a loop
+    whose step differs by rank, or ranks that skipped different saves), given every rank's
+    ``(step, attempt)``: nothing is committed, every rank raises it."""
+    apart = sorted({(r, s) for r, (s, a) in enumerate(saves) if (s, a) != (step, attempt)})
+    if not apart:
+        return None
+    shown = ", ".join(f"rank {r} step {s}" for r, s in apart[:4])
+    more = f"; and {len(apart) - 4} more" if len(apart) > 4 else ""
+    return CheckpointError(
+        f"step {step} was not committed: the ranks saved different steps or saves (rank 0 "
+        f"step {step}; {shown}{more}): every rank must call save() with the same step, in "
+        "the same order"
+    )
 
 
 def _begin(session: SaveSession, group: Any) -> LatestIndex | BaseException | None:

@@ -18,6 +18,7 @@ from ckptstore.errors import CheckpointError, RankLostError, one_line
 from ckptstore.format import chunk_key
 from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.retention import drop_step
+from ckptstore.save.collective import saves_apart
 from ckptstore.save.session import RankWritten, SaveSession
 from ckptstore.store import niced
 from ckptstore.tiers.committed import CommittedCopy
@@ -155,10 +156,11 @@ class TierSaver:
             except Exception as exc:  # noqa: BLE001 - every rank hears of it
                 error = exc
             mine = written.health if written is not None else None
-            heard = self.group.agree(error, (payload, shared, fatal is not None, mine))
-            payloads = [p for p, _, _, _ in heard.payloads]
-            healths = [h and h.as_rank(r) for r, (_, _, _, h) in enumerate(heard.payloads)]
-            _raise_if_stopped(step, heard, fatal)
+            save = (step, attempt)
+            heard = self.group.agree(error, (payload, shared, fatal is not None, mine, save))
+            payloads = [p for p, *_ in heard.payloads]
+            healths = [h and h.as_rank(r) for r, (_, _, _, h, _) in enumerate(heard.payloads)]
+            _raise_if_stopped(save, heard, fatal)
             health = verdict(healths) if heard.ok else None
             # Every rank judges the same healths alike: refused everywhere, or skipped.
             action = local.engine.health.on_unhealthy
@@ -166,7 +168,7 @@ class TierSaver:
             if heard.ok and not to_commit(step, health, action, where, log=self.rank == 0):
                 return LocalCommit(None, payloads, StepHealth.of(step, health, committed=False))
             if heard.ok:
-                dcp_metadata = next((m for _, m, _, _ in heard.payloads if m), None)
+                dcp_metadata = next((m for _, m, *_ in heard.payloads if m), None)
                 error = self._commit_copy(session, written, user, dcp_metadata)
                 heard = self.group.agree(error)
                 committed = heard.ok
@@ -313,12 +315,16 @@ def _committed(
     )
 
 
-def _raise_if_stopped(step: int, heard: Agreement, fatal: BaseException | None) -> None:
-    """A rank that could not take part in the save (its ``fatal`` error) fails it on every
-    rank."""
+def _raise_if_stopped(save: tuple[int, str], heard: Agreement, fatal: BaseException | None) -> None:
+    """A rank that could not take part in the save (its ``fatal`` error), or ranks that saved
+    different steps, fail it on every rank."""
     if fatal is not None:
         raise fatal
-    stopped = [r for r, (_, _, f, _) in enumerate(heard.payloads) if f]
+    step = save[0]
+    apart = saves_apart(*heard.payloads[0][4], [p[4] for p in heard.payloads])
+    if apart is not None:
+        raise apart
+    stopped = [r for r, (_, _, f, *_) in enumerate(heard.payloads) if f]
     if stopped:
         raise CheckpointError(
             f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"

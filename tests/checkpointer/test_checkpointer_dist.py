@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, Store, TierOptions
 from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.errors import CheckpointError
 from ckptstore.staging import align
 from tests.helpers.dist import run_ranks
 
@@ -60,3 +61,28 @@ def _load_at_other_world(rank: int, world: int, root: str) -> None:
 def test_world_size_change_is_refused_clearly(tmp_path):
     run_ranks(_worker, 2, str(tmp_path))
     run_ranks(_load_at_other_world, 1, str(tmp_path))
+
+
+def _steps_apart(rank: int, world: int, root: str, tiered: bool) -> None:
+    tiers = TierOptions(local_dir=f"{root}/local") if tiered else None
+    ckpt = Checkpointer(f"{root}/durable", tiers=tiers)
+    handle = ckpt.save(5 + rank, {"w": torch.full((1000,), float(rank))})  # a loop's bug
+    with pytest.raises(CheckpointError, match="ranks saved different steps") as raised:
+        handle.wait(timeout_s=60)
+    assert "rank 0 step 5; rank 1 step 6" in str(raised.value)
+    ckpt.wait()
+    assert ckpt.steps() == []  # nothing committed that names another rank's step
+    ckpt.save(7, {"w": torch.full((1000,), float(rank))}).wait()  # the next agreed save
+    ckpt.close()
+    assert list_steps(Store(f"{root}/durable")) == [7]
+    state = {"w": torch.zeros(1000)}
+    Checkpointer(f"{root}/durable").load(state, 7)
+    assert torch.equal(state["w"], torch.full((1000,), float(rank)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tiered", [False, True], ids=["durable", "tiered"])
+def test_ranks_saving_different_steps_commit_nothing_and_every_rank_raises(tmp_path, tiered):
+    """A loop whose step differs by rank: before, wait() returned on every rank and the manifest
+    of step 5 named rank 1's index of step 6 (unreadable); now every rank raises."""
+    run_ranks(_steps_apart, 2, str(tmp_path), tiered)
