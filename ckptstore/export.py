@@ -63,6 +63,9 @@ _ST_DTYPES = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",  # a rotary embedding's freqs_cis, say
     torch.uint16: "U16",
     torch.uint32: "U32",
     torch.uint64: "U64",

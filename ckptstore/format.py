@@ -47,6 +47,10 @@ KIND_DCP = "dcp"  # saved through torch.distributed.checkpoint
 # A manifest lists one small reference per rank: 64 MiB is hundreds of thousands of ranks. A
 # reader reads no more of an object at a manifest's key.
 MAX_MANIFEST_BYTES = 64 << 20
+# A rank index or DCP metadata a manifest references is read whole into memory: no larger than
+# this (a rank index is ~100 bytes per chunk and per tensor; DCP's metadata of the largest jobs
+# is well under it).
+MAX_REFERENCED_BYTES = 4 << 30
 
 ALIGN = 64  # every tensor starts at a multiple of this inside a chunk (and a staging buffer)
 
@@ -363,6 +367,8 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
 def _check_ref(ref: ObjectRef, bad) -> None:
     if not _is_count(ref.nbytes) or not is_digest(ref.xxh3):
         raise bad(f"{ref.key}: size {ref.nbytes!r} or xxh3 {ref.xxh3!r} is malformed")
+    if ref.nbytes > MAX_REFERENCED_BYTES:
+        raise bad(f"{ref.key}: size {ref.nbytes} is over {MAX_REFERENCED_BYTES}, larger than any")
 
 
 # The element sizes of the dtypes a state is usually made of, so that reading an index needs no

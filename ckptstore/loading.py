@@ -153,6 +153,7 @@ class StateLoader:
         """``Checkpointer.load``: load ``step`` into ``state``; returns the step loaded."""
         if fallback and step not in (None, "latest"):
             raise ValueError(f"fallback=True starts from the latest step, got step={step!r}")
+        self._refuse_loads_apart(step, fallback, healthy)
         t0 = time.perf_counter()
         try:
             dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
@@ -184,6 +185,23 @@ class StateLoader:
             self._manifests.clear()
             self._drop_ahead()
             self._write_repaired()
+
+    def _refuse_loads_apart(self, step: int | str, fallback: bool, healthy: bool) -> None:
+        """Every rank must ask for the same load (collective): a rank whose ``step`` differs
+        from rank 0's would silently get rank 0's step."""
+        asked = ("latest" if step is None else step, fallback, healthy)
+        every = self.group.gather(asked)
+        apart = [(r, a) for r, a in enumerate(every) if a != every[0]]
+        if apart:
+            shown = "; ".join(
+                f"rank {r} step={a[0]!r} fallback={a[1]} healthy={a[2]}"
+                for r, a in [(0, every[0]), *apart[:3]]
+            )
+            raise ValueError(
+                f"the ranks asked for different loads ({shown}"
+                f"{f'; and {len(apart) - 3} more' if len(apart) > 3 else ''}): every rank must "
+                "call load() with the same step, fallback and healthy"
+            )
 
     def _load_first(
         self,

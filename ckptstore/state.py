@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ckptstore.errors import UnsupportedStateError
-from ckptstore.tree import decode_scalar, path_str, tag_of
+from ckptstore.tree import MAX_STATE_DEPTH, decode_scalar, path_str, tag_of
 
 _MISSING = object()
 
@@ -55,6 +55,11 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
     def walk(value: Any, path: tuple) -> Any:
         if not (isinstance(value, (dict, list, tuple)) or is_stateful(value)):
             return convert(value, path)
+        if len(path) >= MAX_STATE_DEPTH:
+            raise UnsupportedStateError(
+                f"{path_str(path[:4])}/...: the state is nested deeper than {MAX_STATE_DEPTH} "
+                "levels (dicts, lists, tuples, stateful objects)"
+            )
         # A container inside itself would be walked forever (RecursionError): name the cycle.
         seen = active.get(id(value))
         if seen is not None:
@@ -159,6 +164,7 @@ class _Loader:
         return not self.strict and self._in_stateful == 0
 
     def match(self, target: Any, node: Any, path: tuple) -> None:
+        node = _saved_for(target, node)
         tag = tag_of(node)
         if tag in ("$t", "$np"):
             self.needed.add(node[tag])
@@ -244,12 +250,16 @@ class _Loader:
 
     def _match_dict(self, target: Any, node: Any, path: tuple) -> None:
         pairs = _items(node)
+        if target is not _MISSING and target is not None and not isinstance(target, dict):
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has a dict, state has {type(target).__name__}"
+            )
         container = target if isinstance(target, dict) else None
         if container is not None:
-            extra = sorted(map(str, set(container) - {k for k, _ in pairs}))
+            extra = sorted(path_str((*path, k)) for k in set(container) - {k for k, _ in pairs})
             if extra and not self.strict:
-                self.not_saved += [path_str((*path, k)) for k in extra]
-            elif extra and path == ():
+                self.not_saved += extra
+            elif extra and self._in_stateful == 0:  # a stateful object's own loader judges
                 raise UnsupportedStateError(
                     f"state keys not in the checkpoint: {extra} (load(..., strict=False) "
                     "loads what the checkpoint holds and leaves them alone)"
@@ -300,6 +310,7 @@ class _Loader:
                 )
 
     def build(self, target: Any, node: Any, path: tuple, tensors: dict[int, Any]) -> Any:
+        node = _saved_for(target, node)
         tag = tag_of(node)
         if tag in ("$t", "$np"):
             return tensors[node[tag]]
@@ -345,6 +356,17 @@ class _Loader:
         return decode_scalar(node)
 
 
+def _saved_for(target: Any, node: Any) -> Any:
+    """``node`` as the saved state of ``target``: a dict saved from a ``state_dict()`` (say
+    ``{"model": model.state_dict()}``) loads into a stateful object through its
+    ``load_state_dict``, as a saved stateful object would."""
+    tag = tag_of(node)
+    is_dict = tag == "$dict" or (isinstance(node, dict) and tag is None)
+    if is_dict and not isinstance(target, dict) and is_stateful(target):
+        return {"$stateful": node}
+    return node
+
+
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
     """The numpy dtype a saved tensor of ``dtype`` loads as (None: numpy has none)."""
     try:
@@ -367,9 +389,12 @@ def plan_load(
 
     ``strict=False``: a saved key that a dict of ``target`` lacks is left out (``left_out``),
     and keys of ``target`` the checkpoint lacks are left alone (``not_saved``); a stateful
-    object still gets its whole saved state dict. With ``strict`` (the default) every top-level key of ``target`` must
-    be saved, and saved values under keys the state lacks are added to it (a stateful object's
-    are an error: there is nothing to call ``load_state_dict`` on)."""
+    object still gets its whole saved state dict. With ``strict`` (the default) every key of
+    ``target``'s dicts must be saved, at every level (a stateful object's ``load_state_dict``
+    judges its own; a module's keys must match), and saved values under keys the state lacks
+    are added to it (a stateful object's are an error: there is nothing to call
+    ``load_state_dict`` on). A dict saved from a ``state_dict()`` loads into a stateful object
+    of the state through its ``load_state_dict``; a value of another kind is refused."""
     loader = _Loader(describe, strict=strict)
     loader.match(target, tree, ())
     return loader

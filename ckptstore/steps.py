@@ -97,6 +97,11 @@ class StepView:
             raise CheckpointCorruptError(
                 f"step {manifest.step} in {store.uri}: unknown checkpoint kind {manifest.kind!r}"
             )
+        if manifest.kind == KIND_STATE and len(manifest.ranks) != manifest.world_size:
+            raise CheckpointCorruptError(  # each rank saved its own state
+                f"step {manifest.step} in {store.uri}: the manifest lists {len(manifest.ranks)} "
+                f"rank index(es) for a step saved by {manifest.world_size} ranks"
+            )
         self.store = store
         self.manifest = manifest
         self._indexes: dict[int, RankIndex] = {}
@@ -374,7 +379,10 @@ class StepView:
             return states[0]
         missing = sorted(set(range(self.manifest.world_size)) - set(states))
         if missing:
-            raise CheckpointNotFoundError(f"step {self.step}: no index for ranks {missing}")
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise CheckpointNotFoundError(
+                f"step {self.step}: no index for ranks {missing[:8]}{more}"
+            )
         return {f"rank{r}": states[r] for r in sorted(states)}
 
     def progress_bytes(self) -> int:

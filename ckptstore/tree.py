@@ -12,16 +12,24 @@ from typing import Any
 
 TREE_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful", "$generator")
 _FLOATS = ("nan", "inf", "-inf")
+# How deep a state may nest: a save refuses a state nested deeper than MAX_STATE_DEPTH values
+# (dicts, lists, tuples, stateful objects); a reader refuses a tree deeper than MAX_TREE_DEPTH
+# nodes (a level is up to 3 nodes: ``$dict``, its pair, the value), before any walk recurses.
+MAX_STATE_DEPTH = 64
+MAX_TREE_DEPTH = 256
 
 
 def check_tree(tree: Any, ntensors: int, bad) -> None:
     """Raise ``bad(why)`` unless ``tree`` is a state tree whose tags are well formed and whose
     tensor references name tensors ``0 .. ntensors - 1``."""
-    stack = [tree]
+    stack = [(tree, 0)]
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise bad(f"state tree: nested deeper than {MAX_TREE_DEPTH} nodes")
+        below = depth + 1
         if isinstance(node, list):
-            stack.extend(node)
+            stack.extend((n, below) for n in node)
             continue
         if not isinstance(node, dict):
             if not (node is None or isinstance(node, (bool, int, float, str))):
@@ -32,28 +40,28 @@ def check_tree(tree: Any, ntensors: int, bad) -> None:
             odd = [k for k in node if not isinstance(k, str) or k.startswith("$")]
             if odd:  # such keys are saved under $dict: a plain node never has them
                 raise bad(f"state tree: unknown tag {str(odd[0])[:40]!r}")
-            stack.extend(node.values())
+            stack.extend((n, below) for n in node.values())
             continue
         value = node[tag]
         if tag in ("$t", "$np"):
             ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < ntensors
         elif tag == "$tuple":
             ok = isinstance(value, list)
-            stack.extend(value if ok else [])
+            stack.extend((n, below) for n in (value if ok else []))
         elif tag == "$dict":
             ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
-            stack.extend(value if ok else [])
+            stack.extend((n, below) for n in (value if ok else []))
         elif tag == "$bytes":
             ok = isinstance(value, str) and _is_base64(value)
         elif tag == "$float":
             ok = value in _FLOATS
         elif tag == "$stateful":
             ok = True
-            stack.append(value)
+            stack.append((value, below))
         else:  # $generator
             ok = isinstance(value, dict) and set(value) == {"device", "state"}
             ok = ok and isinstance(value["device"], str)
-            stack.append(value["state"] if ok else None)
+            stack.append((value["state"] if ok else None, below))
         if not ok:
             raise bad(f"state tree: malformed {tag} node {json.dumps(node)[:80]}")
 

@@ -175,6 +175,12 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
         f"{human_bytes(result.total_bytes)}) from {store.uri} to {target} "
         f"in {shards} shard{'s' if shards != 1 else ''}"
     )
+    view = StepView.open(store, result.step)
+    if view.per_rank:
+        print(
+            f"  rank {args.rank or 0}'s state of {view.manifest.world_size} ranks (each rank "
+            "saved its own; --rank N exports another)"
+        )
     if result.skipped:
         print(
             f"  skipped {len(result.skipped)} non-tensor value(s): {', '.join(result.skipped[:5])}"

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from ckptstore.cli.common import UsageError
+from ckptstore.errors import UnsupportedStateError, one_line
 
 
 def count_values(state: Any) -> dict[str, int]:
@@ -87,6 +88,12 @@ def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
         for path in reversed(made):
             remove_if_empty_dir(path)
         failed = _write_failure(exc)
+        refused = _dcp_refusal(exc) if failed is None else None
+        if refused is not None:
+            raise UnsupportedStateError(
+                f"--format dcp cannot hold this state: {refused} (DCP joins nested keys with "
+                "'.'; --format torch keeps the state as saved)"
+            ) from exc
         if failed is None:
             raise
         raise OSError(f"cannot write {target}: {failed}") from exc
@@ -117,15 +124,31 @@ def _write_failure(exc: BaseException) -> str | None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(exc, CheckpointException):
-        causes = [e[0] if isinstance(e, tuple) else e for e in exc.failures.values()]
-        inner = [_write_failure(c) for c in causes if isinstance(c, BaseException)]
-        return next((why for why in inner if why), " ".join(str(exc).split())[:300])
+        inner = [_write_failure(c) for c in _causes(exc)]
+        return next((why for why in inner if why), None)
     if isinstance(exc, OSError):
         return exc.strerror or str(exc)
     if isinstance(exc, RuntimeError):  # torch.save's writer; the OSError it met is its context
         inner = exc.__context__
         return _write_failure(inner) if isinstance(inner, OSError) else " ".join(str(exc).split())
     return None
+
+
+def _causes(exc: Any) -> list[BaseException]:
+    """The errors inside DCP's ``CheckpointException`` (one per rank)."""
+    causes = [e[0] if isinstance(e, tuple) else e for e in exc.failures.values()]
+    return [c for c in causes if isinstance(c, BaseException)]
+
+
+def _dcp_refusal(exc: BaseException) -> str | None:
+    """Why DCP refused the state itself (a key two nested keys flatten to, say), in one line;
+    None when ``exc`` is not DCP's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return None
+    causes = _causes(exc)
+    return one_line(causes[0]) if causes else " ".join(str(exc).split())[:300]
 
 
 def _write(target: str, tmp: str, fmt: str, force: bool, state: Any) -> None:

@@ -86,3 +86,20 @@ def test_ranks_saving_different_steps_commit_nothing_and_every_rank_raises(tmp_p
     """A loop whose step differs by rank: before, wait() returned on every rank and the manifest
     of step 5 named rank 1's index of step 6 (unreadable); now every rank raises."""
     run_ranks(_steps_apart, 2, str(tmp_path), tiered)
+
+
+def _loads_apart(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((100,), float(step))}).wait()
+        state = {"w": torch.zeros(100)}
+        with pytest.raises(ValueError, match="ranks asked for different loads") as raised:
+            ckpt.load(state, step=1 + rank)  # rank 1 would have been given step 1
+        assert "rank 0 step=1 fallback=False healthy=False; rank 1 step=2" in str(raised.value)
+        assert not state["w"].any()  # refused before any read
+        assert ckpt.load(state, step=2) == 2 and torch.equal(state["w"], torch.full((100,), 2.0))
+
+
+@pytest.mark.dist
+def test_ranks_asking_for_different_steps_are_refused_on_every_rank(tmp_path):
+    run_ranks(_loads_apart, 2, str(tmp_path))

@@ -116,3 +116,55 @@ def test_a_module_whose_keys_differ_from_the_step_is_refused_unless_not_strict(t
             if grown == "model"
             else ["model/3.bias (not in the state)", "model/3.weight (not in the state)"]
         )
+
+
+def test_a_saved_state_dict_loads_into_its_module_and_optimizer(tmp_path):
+    """``{"model": model.state_dict()}`` saved, ``{"model": model}`` loaded (the README's
+    pattern): the module gets the weights through load_state_dict and stays in the state.
+    Before, the module was left untouched and replaced in the caller's dict by a new dict."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(net.parameters())
+    net(torch.ones(1, 4)).sum().backward()
+    optim.step()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": net.state_dict(), "optim": optim.state_dict()}).wait()
+        into = copy.deepcopy(net)
+        for p in into.parameters():
+            torch.nn.init.zeros_(p)
+        into_optim = torch.optim.AdamW(into.parameters())
+        state = {"model": into, "optim": into_optim}
+        assert ckpt.load(state) == 1
+        assert state["model"] is into and state["optim"] is into_optim
+        for a, b in zip(into.state_dict().values(), net.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(
+            into_optim.state_dict()["state"][0]["exp_avg"],
+            optim.state_dict()["state"][0]["exp_avg"],
+        )
+        wider = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        with pytest.raises(
+            UnsupportedStateError, match=r"model/0.weight: checkpoint has .*\(4, 4\)"
+        ):
+            ckpt.load({"model": wider})
+
+
+def test_strict_refuses_state_keys_the_step_lacks_at_every_level(tmp_path):
+    """A key nested in a dict of the state that the step lacks would keep its value unseen:
+    refused as a top-level key is (strict=False lists it); a value of another kind too."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"t": {"a": torch.ones(3)}}).wait()
+        grown = {"t": {"a": torch.zeros(3), "b": torch.zeros(1)}}
+        with pytest.raises(
+            UnsupportedStateError, match=r"state keys not in the checkpoint: \['t/b'\]"
+        ):
+            ckpt.load(grown)
+        assert not grown["t"]["a"].any()  # refused before any byte was written
+        ckpt.load(grown, strict=False)
+        assert torch.equal(grown["t"]["a"], torch.ones(3))
+        assert ckpt.last_load_left_out == ["t/b (not in step 1)"]
+        other = {"t": torch.zeros(3)}
+        with pytest.raises(
+            UnsupportedStateError, match="t: checkpoint has a dict, state has Tensor"
+        ):
+            ckpt.load(other)
+        assert isinstance(other["t"], torch.Tensor)

@@ -782,6 +782,11 @@ def test_two_ranks_inspect_verify_restore(tmp_path: Path, capsys) -> None:
         torch.load(tmp_path / "all.pt", weights_only=True),
         {"rank0": _rank_state(0), "rank1": _rank_state(1)},
     )
+    # safetensors holds one state: the line says whose, and --rank picks another
+    code, out, _ = run(
+        capsys, "restore", root, "--to", tmp_path / "r1", "--format", "safetensors", "--rank", "1"
+    )
+    assert code == 0 and "rank 1's state of 2 ranks" in out
 
 
 def test_unknown_format_version_is_reported(store: Path, capsys) -> None:
@@ -866,3 +871,17 @@ def test_restore_refuses_safetensors_options_for_other_formats(store: Path, tmp_
     )
     assert code == 2 and "--dtype: only with --format safetensors" in err
     assert not (tmp_path / "a.pt").exists()
+
+
+def test_restore_as_dcp_of_a_state_dcp_cannot_hold_says_why_in_one_line(tmp_path, capsys):
+    """Keys "a.b" and "a"/"b" both flatten to "a.b" in DCP: the cause, not a cut traceback
+    called a write failure; nothing is left at --to."""
+    with Checkpointer(tmp_path / "s") as ckpt:
+        ckpt.save(1, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}).wait()
+    code, _, err = run(
+        capsys, "restore", tmp_path / "s", "--to", tmp_path / "out", "--format", "dcp"
+    )
+    line = one_line_error(err, "restore")
+    assert code == 1 and "--format dcp cannot hold this state" in line
+    assert "duplicated flatten key a.b" in line
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["s"]

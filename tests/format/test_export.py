@@ -164,10 +164,30 @@ def test_dtype_casts_floating_point_tensors_only(tmp_path):
         export_safetensors(str(tmp_path / "store"), tmp_path / "x", dtype="int8")
 
 
+def test_complex64_and_the_fnuz_float8_kinds_export_as_safetensors_names_them(tmp_path):
+    """safetensors stores C64 (a rotary embedding's freqs_cis) and the fnuz float8 kinds:
+    exported bit for bit, read back by the safetensors package."""
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "freqs_cis": torch.polar(torch.ones(4, 3), torch.rand(4, 3, generator=g)),
+        "e4": torch.randn(5, generator=g).to(torch.float8_e4m3fnuz),
+        "e5": torch.randn(5, generator=g).to(torch.float8_e5m2fnuz),
+    }
+    store = str(tmp_path / "store")
+    _save(store, state)
+    export_safetensors(store, tmp_path / "out")
+    loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(loaded) == sorted(state)
+    for name, want in state.items():
+        got = loaded[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
 def test_refusals_are_one_clear_line(tmp_path):
     store = str(tmp_path / "store")
-    _save(store, {"w": torch.ones(3), "z": torch.ones(2, dtype=torch.complex64)})
-    with pytest.raises(UnsupportedStateError, match="'z' has dtype complex64") as info:
+    _save(store, {"w": torch.ones(3), "z": torch.ones(2, dtype=torch.complex128)})
+    with pytest.raises(UnsupportedStateError, match="'z' has dtype complex128") as info:
         export_safetensors(store, tmp_path / "a")
     assert "\n" not in str(info.value)
     export_safetensors(store, tmp_path / "a", only="w", strip_prefix="")  # leaving it out works

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointCorruptError, Checkpointer, EncodingOptions, Store
+from ckptstore import (
+    CheckpointCorruptError,
+    Checkpointer,
+    EncodingOptions,
+    Store,
+    UnsupportedStateError,
+)
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
 from tests.helpers.child import run_script
@@ -94,6 +100,7 @@ def test_rank_index_key_outside_the_store_is_refused(store_uri: str, tmp_path: P
             id="another-steps-index",
         ),
         pytest.param(lambda d: d["ranks"][0].update(key="/etc/passwd"), id="absolute-key"),
+        pytest.param(lambda d: d["ranks"][0].update(nbytes=2**62), id="an-index-of-2-62-bytes"),
         pytest.param(
             lambda d: d["ranks"][0].update(key="s3://other-bucket/rank-00000.json"),
             id="scheme",
@@ -114,6 +121,19 @@ def test_a_manifest_naming_objects_not_its_own_does_not_decode(store_uri: str, c
     put_manifest(store, 1, doc)
     with pytest.raises(CheckpointCorruptError, match="commits/00000000000000000001.json"):
         load_manifest(store, 1)
+
+
+def test_verify_fails_a_step_whose_manifest_lists_fewer_ranks_than_saved_it(store_uri, capsys):
+    """A Checkpointer step saved by 2 ranks whose manifest lists one index: verify said "OK"
+    (1/2 ranks) and restore then failed; every command now names it corrupt."""
+    store = Store(store_uri)
+    doc = manifest_doc(store, 1)
+    doc["world_size"] = 2
+    put_manifest(store, 1, doc)
+    code, text = verify_exit_code(store_uri, capsys)
+    assert code == 1 and "lists 1 rank index(es) for a step saved by 2 ranks" in text
+    with pytest.raises(CheckpointCorruptError, match="saved by 2 ranks"):
+        load(store_uri)
 
 
 def test_chunk_digest_pointing_at_dev_zero_is_refused_before_any_read(store_uri: str) -> None:
@@ -202,3 +222,24 @@ def test_an_object_longer_than_its_manifest_says_is_read_no_further(tmp_path):
     manifest.write_bytes(manifest.read_bytes() + b" " * MAX_MANIFEST_BYTES)
     with pytest.raises(CheckpointCorruptError, match="larger than any manifest"):
         load_manifest(store, 1)
+
+
+def test_an_index_tree_nested_beyond_the_bound_is_corrupt_not_a_recursion_error(store_uri):
+    """A hostile index whose tree nests 600 deep: refused by the decoder as corrupt (so
+    fallback=True skips it), before a walk recurses; a save nesting deeper than a state may
+    is refused with one line, not a RecursionError."""
+    store = Store(store_uri)
+    doc = rank_index_doc(store, 1)
+    tree = doc["tree"]
+    for _ in range(600):
+        tree = {"k": tree}
+    doc["tree"] = tree
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(CheckpointCorruptError, match="nested deeper than 256 nodes"):
+        load(store_uri)
+    state: dict = {"w": torch.zeros(1)}
+    for _ in range(400):
+        state = {"k": state}
+    with Checkpointer(store_uri) as ckpt:
+        with pytest.raises(UnsupportedStateError, match="nested deeper than 64 levels"):
+            ckpt.save(2, state)
