@@ -273,6 +273,8 @@ def saves_in_flight(store: Store) -> list[dict[str, Any]]:
                 "renewed_at": lease.doc.get("renewed_at"),
                 "age_s": round(age, 1) if age is not None else None,
                 "stale": not lease.live,
+                "holder_dead": lease.holder_dead,
+                "expires_in_s": lease.expires_in_s,
             }
         )
     for marker in legacy_markers(store):

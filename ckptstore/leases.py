@@ -223,6 +223,20 @@ class LeaseInfo:
     age_s: float | None = None  # by the store's clock; None: unreadable
     expires_in_s: float | None = None  # live: when it goes stale unless renewed; None: unknown
 
+    @property
+    def holder_dead(self) -> bool:
+        """Its holder ran on this machine and its process is gone (a gc's lease may still be
+        live: deletes it sent may land until its ``settle_s`` has passed)."""
+        return _holder_is_dead(self.doc)
+
+    def describe(self) -> str:
+        """Who holds it, and for a live one whose holder is dead, why it is still live."""
+        who = f"{self.doc.get('host', '?')} pid {self.doc.get('pid', '?')}"
+        if not (self.live and self.holder_dead):
+            return who
+        left = f"{self.expires_in_s:.0f}s" if self.expires_in_s is not None else "a while"
+        return f"{who}, whose process is gone (deletes it sent may still land: held {left} more)"
+
 
 def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
     """Every lease of ``kind`` (all kinds if None) in ``store``, live or stale.
@@ -397,6 +411,7 @@ def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
     ``timeout_s``; the wait backs off from 50 ms to 2 s between looks, and looks again as soon
     as the first live lease would go stale (a dead gc's, once its deletes have ended)."""
     deadline = time.monotonic() + timeout_s
+    next_note = 0.0
     delay = 0.05
     while True:
         live = [lease for lease in find_leases(store, GC) if lease.live]
@@ -404,13 +419,19 @@ def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            doc = live[0].doc
             raise StorageError(
-                f"{what}: garbage collection by {doc.get('host', '?')} pid {doc.get('pid', '?')} "
-                f"has held {store.uri} for over {timeout_s:g}s ({store.url(live[0].key)}); "
+                f"{what}: garbage collection by {live[0].describe()} has held {store.uri} for "
+                f"over {timeout_s:g}s ({store.url(live[0].key)}); "
                 "not saving while it may delete chunks"
             )
-        logger.info("%s waits for garbage collection in %s to finish", what, store.uri)
+        if time.monotonic() >= next_note:  # the first look, then every 30 s
+            next_note = time.monotonic() + 30.0
+            logger.info(
+                "%s waits for garbage collection by %s in %s to finish",
+                what,
+                live[0].describe(),
+                store.uri,
+            )
         expiries = [lease.expires_in_s for lease in live if lease.expires_in_s is not None]
         soonest = min(expiries) + 0.01 if len(expiries) == len(live) else delay
         time.sleep(max(0.01, min(delay, left, soonest)))

@@ -130,6 +130,12 @@ def _print_pending(pending: list[dict[str, Any]]) -> None:
         else:
             what = f"step {p['step']} rank {p['rank']} attempt {p['attempt']}: save"
         state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"
+        if not p["stale"] and p.get("holder_dead") and p["kind"] == "gc":
+            left = p.get("expires_in_s")
+            state = (
+                "settling (its process is gone; deletes it sent may still land: saves wait "
+                f"{f'{left:.0f}s' if left is not None else 'a while'} more)"
+            )
         age = f"renewed {p['age_s']:.0f}s ago" if p["age_s"] is not None else "unreadable"
         print(f"pending: {what} {state}, {age} ({p['key']})")
 

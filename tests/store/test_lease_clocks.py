@@ -22,6 +22,7 @@ import torch
 
 from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.cli import main
 from ckptstore.format import commit_key
 from ckptstore.leases import SAVE, LeaseInfo, find_leases
 from ckptstore.pipeline import fetch_chunk
@@ -221,7 +222,7 @@ os._exit(0)  # dies holding the lease
 @pytest.mark.parametrize("disk", ["network", "local"])
 @pytest.mark.parametrize("phase", ["looking", "deleting"])
 def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(
-    tmp_path, phase, disk, monkeypatch
+    tmp_path, phase, disk, monkeypatch, capsys
 ):
     """A gc killed before its first delete cannot have a delete in flight: saves go on at
     once. One killed after ``mark_deleting`` holds them back for its ``settle_s``, unless the
@@ -236,6 +237,11 @@ def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(
     assert lease.live is (phase == "deleting" and disk == "network")
     if lease.live:
         assert 0 < lease.expires_in_s <= lease.doc["settle_s"] + 1
+        # Saves waiting on it, and ls, say why a dead gc still holds the store, and how long.
+        assert lease.holder_dead and "whose process is gone" in lease.describe()
+        assert main(["ls", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert "pending: gc settling (its process is gone; deletes it sent may still land" in out
 
 
 def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
