@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -103,6 +104,7 @@ class ShardDataset(IterableDataset):
         self.transform = transform
         self._check_window()
         self._epoch = 0
+        self._resumed = False  # load_state_dict ran and no pass started since
         self._position = 0  # global position the current pass started at
         self._consumed = 0  # samples this rank's consumer received since _position
         self.stats = ConsumerStats()
@@ -162,10 +164,21 @@ class ShardDataset(IterableDataset):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning at the next iteration."""
+        """Start ``epoch`` from its beginning at the next iteration; after
+        :meth:`load_state_dict`, the epoch it resumes keeps its position until a pass starts
+        (the ``for epoch in ...: set_epoch(epoch)`` habit of DistributedSampler loops)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._resumed and epoch == self._epoch:
+            logger.info(
+                "rank %d: set_epoch(%d) keeps the position %d it resumes at",
+                self.rank,
+                epoch,
+                self.position,
+            )
+            return
         self._epoch, self._position, self._consumed = epoch, 0, 0
+        self._resumed = False
 
     def order(self, epoch: int | None = None) -> EpochOrder:
         epoch = self._epoch if epoch is None else epoch
@@ -190,6 +203,7 @@ class ShardDataset(IterableDataset):
     def begin_pass(self) -> None:
         """Start a pass over the epoch at the consumer's :attr:`position`."""
         self._position, self._consumed = self.position, 0
+        self._resumed = False
 
     def received(self, n: int) -> None:
         """The consumer received ``n`` more samples of this pass."""
@@ -245,12 +259,20 @@ class ShardDataset(IterableDataset):
                 f"loader state was saved for another dataset (its shards and their sample "
                 f"counts differ: fingerprint {saved_for}, this dataset's {self.fingerprint})"
             )
-        position = int(state["position"])
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"loader state has no integer epoch and position ({type(exc).__name__}: {exc})"
+            ) from None
+        if epoch < 0:
+            raise ValueError(f"loader state epoch {epoch} is negative")
         if not 0 <= position <= self.num_samples:
             raise ValueError(
                 f"loader state position {position} is outside the dataset (0..{self.num_samples})"
             )
-        self._epoch, self._position, self._consumed = int(state["epoch"]), position, 0
+        self._epoch, self._position, self._consumed = epoch, position, 0
+        self._resumed = True
         if state.get("world_size") != self.world_size:
             logger.info(
                 "rank %d: resuming at global position %d saved with world size %s, now %d",
@@ -374,6 +396,14 @@ class ShardDataset(IterableDataset):
         ``counted``, each sample counts as received by the consumer."""
         reader, in_process = self._reader(batch_size)
         count = counted and in_process
+        if counted and not in_process:
+            warnings.warn(
+                "a ShardDataset iterated by DataLoader workers cannot count what the consumer "
+                "receives: its state_dict() stays at the pass's start; use "
+                "loaders.StatefulLoader(dataset, batch_size=..., num_workers=...) to resume "
+                "exactly",
+                stacklevel=2,
+            )
         if count:
             self.begin_pass()
         transform = self.transform
@@ -417,6 +447,7 @@ class ShardDataset(IterableDataset):
         # Batches that mix units are gathered (copied) out of the block's units laid end to end
         # in this buffer, reused from block to block: no fresh pages to fault in per block.
         joined: np.ndarray | None = None
+        carried: list[Any] = []  # other formats' samples of a batch not yet full
         for plan, window in self._blocks(reader):
             arrays = [window.get(u) for u in plan.needed]
             if not isinstance(arrays[0], np.ndarray):
@@ -426,11 +457,10 @@ class ShardDataset(IterableDataset):
                 ]
                 for u in plan.needed:
                     window.release(u)
-                for i in range(0, len(samples), batch_size):
-                    batch = samples[i : i + batch_size]
-                    self.received(len(batch))
-                    self.stats.samples += len(batch)
-                    yield batch
+                carried.extend(samples)
+                while len(carried) >= batch_size:
+                    yield self._emit_samples(carried[:batch_size])
+                    del carried[:batch_size]
                 continue
             needed = np.asarray(plan.needed, dtype=np.int64)
             by_id = np.argsort(needed)
@@ -478,7 +508,14 @@ class ShardDataset(IterableDataset):
                 window.release(u)
         if pending:
             yield self._emit_tokens(pending)
+        if carried:
+            yield self._emit_samples(carried)
         self.end_pass()
+
+    def _emit_samples(self, batch: list[Any]) -> list[Any]:
+        self.received(len(batch))
+        self.stats.samples += len(batch)
+        return batch
 
     def _emit_tokens(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
         if len(pieces) == 1:
@@ -541,6 +578,11 @@ class StatefulLoader:
         for bad in ("sampler", "batch_sampler", "shuffle"):
             if dataloader_kwargs.get(bad):
                 raise ValueError(f"StatefulLoader orders samples itself: do not pass {bad}")
+        if dataloader_kwargs.get("in_order", True) is not True:
+            raise ValueError(
+                "StatefulLoader counts batches in the order they are read: do not pass "
+                "in_order=False (a resumed run would repeat some samples and skip others)"
+            )
         if dataloader_kwargs.get("persistent_workers"):
             raise ValueError(
                 "StatefulLoader needs fresh workers each pass "
@@ -568,6 +610,8 @@ class StatefulLoader:
         ds = self.dataset
         ds.begin_pass()
         left = ds.rank_length()
+        whole_epoch = ds.position == 0
+        batches = 0
         self._feed.report_pass += 1
         it = iter(self._loader)  # starts the workers, which take the dataset as it is now
         while True:
@@ -584,7 +628,15 @@ class StatefulLoader:
             left -= n
             ds.received(n)
             self.stats.samples += n
+            batches += 1
             yield batch
+        if whole_epoch and batches == 0:
+            raise ValueError(
+                f"epoch {ds.epoch} gave rank {ds.rank} no batch ({ds.num_samples} samples over "
+                f"{ds.world_size} ranks, batch_size={self.batch_size}"
+                f"{', drop_last=True' if self._loader.drop_last else ''}): a loop over epochs "
+                "would never get one"
+            )
         ds.end_pass()
 
     def set_epoch(self, epoch: int) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import fsspec
 
+from ckptstore.errors import StorageError
 from ckptstore.store.retry import RetryPolicy, is_precondition_failed
 
 TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<uuid>`` and link it into place
@@ -218,10 +219,22 @@ class LocalBackend(FsspecBackend):
 
     def _endpoint(self) -> str:
         self.requests_end_with_process = on_local_disk(self.root)
+        self._real_root = os.path.realpath(self.root)
         return self.root
 
+    def _inside(self, path: str) -> str:
+        """``path``, unless a link makes it lead out of the store's root: a hostile store's
+        link is never followed (to read a file of the host, or to write or delete one)."""
+        real = os.path.realpath(path)
+        if real != path and os.path.commonpath((real, self._real_root)) != self._real_root:
+            raise StorageError(
+                f"{path} leads outside the store's root {self.root} (to {real}) through a "
+                "link: not followed"
+            )
+        return path
+
     def put_once(self, path: str, data: Data) -> None:
-        directory = os.path.dirname(path)
+        directory = os.path.dirname(self._inside(path))
         tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
         for tries_left in range(4, -1, -1):
             try:
@@ -260,14 +273,14 @@ class LocalBackend(FsspecBackend):
             os.close(dir_fd)
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        with open(path, "rb") as f:
+        with open(self._inside(path), "rb") as f:
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
 
     def get_view(self, path: str, start: int | None = None, end: int | None = None) -> Any:
         """A pre-faulted memory map of the file's pages (no copy and no fresh pages)."""
-        with open(path, "rb") as f:
+        with open(self._inside(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             lo = min(start or 0, size)
             hi = size if end is None else max(lo, min(end, size))
@@ -279,7 +292,7 @@ class LocalBackend(FsspecBackend):
         return memoryview(m)[lo - base :]
 
     def size(self, path: str) -> int:
-        return os.stat(path).st_size
+        return os.stat(self._inside(path)).st_size
 
     def modified(self, path: str) -> float:
         return os.stat(path).st_mtime  # set by the file system (an NFS server's clock)
@@ -301,7 +314,7 @@ class LocalBackend(FsspecBackend):
 
     def delete(self, path: str) -> None:
         try:
-            os.unlink(path)
+            os.unlink(os.path.join(self._inside(os.path.dirname(path)), os.path.basename(path)))
         except FileNotFoundError:
             pass
         self._prune(os.path.dirname(path))

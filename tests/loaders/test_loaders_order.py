@@ -225,3 +225,63 @@ def test_iter_batches_matches_sample_order(token_dir, shuffle):
     assert all(len(b["__index__"]) == 16 for b in batches[:-1])
     assert _ids(batches) == samples
     assert ds.epoch == 1
+
+
+def test_in_order_false_is_refused(token_dir):
+    """Batches delivered out of order would make the counted position name other samples."""
+    with pytest.raises(ValueError, match="in_order=False"):
+        StatefulLoader(_dataset(token_dir), batch_size=4, num_workers=2, in_order=False)
+
+
+def test_set_epoch_of_the_resumed_epoch_keeps_the_position(token_dir):
+    """The DistributedSampler habit: set_epoch(epoch) at the top of each epoch, after a load."""
+    full = _ids(_dataset(token_dir))
+    ds = _dataset(token_dir)
+    it = iter(StatefulLoader(ds, batch_size=5, collate_fn=_collate))
+    _ids(next(it) for _ in range(6))
+    state = ds.state_dict()
+    del it
+    resumed = StatefulLoader(_dataset(token_dir), batch_size=5, collate_fn=_collate)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(state["epoch"])
+    assert _ids(resumed) == full[30:]
+    assert resumed.dataset.epoch == 1
+    it = iter(resumed)
+    _ids(next(it) for _ in range(2))
+    del it
+    resumed.set_epoch(1)  # no load since that pass began: epoch 1 again from its start
+    epoch1 = _dataset(token_dir)
+    epoch1.set_epoch(1)
+    assert _ids(resumed) == _ids(epoch1)
+
+
+def test_an_epoch_that_gives_no_batch_is_an_error_not_an_endless_loop(token_dir):
+    ds = _dataset(token_dir, rank=0, world_size=2)  # 200 samples for this rank
+    loader = StatefulLoader(ds, batch_size=201, drop_last=True, collate_fn=_collate)
+    with pytest.raises(ValueError, match=r"epoch 0 gave rank 0 no batch.*drop_last=True"):
+        list(loader)
+    assert ds.epoch == 0
+    # A pass resumed at the epoch's end is empty by right: it moves on to the next epoch.
+    ds = _dataset(token_dir)
+    state = {**ds.state_dict(), "position": ds.num_samples}
+    loader = StatefulLoader(ds, batch_size=8, collate_fn=_collate)
+    loader.load_state_dict(state)
+    assert list(loader) == [] and ds.epoch == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"epoch": -1}, "epoch -1 is negative"),
+        ({"position": None}, "no integer epoch and position"),
+    ],
+)
+def test_a_loader_state_with_a_bad_epoch_or_position_is_refused(token_dir, change, message):
+    ds = _dataset(token_dir)
+    state = {**ds.state_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        ds.load_state_dict(state)
+    state = ds.state_dict()
+    del state["position"]
+    with pytest.raises(ValueError, match="no integer epoch and position"):
+        ds.load_state_dict(state)

@@ -128,3 +128,55 @@ def test_an_mds_zstd_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     assert growth < GROWTH_LIMIT, f"the read grew by {growth >> 20} MiB"
     assert outcome.startswith("ShardCorruptError"), outcome
     assert f"more than the {declared} raw bytes" in outcome, outcome
+
+
+def test_an_mds_sample_count_its_shard_cannot_hold_is_corrupt_at_open(tmp_path: Path) -> None:
+    """Checked before the epoch order allocates an entry per sample the index claims."""
+    root = tmp_path / "ds"
+    index = write_mds(root, None)
+    index["shards"][0]["samples"] = 10**12
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=r"1000000000000 samples cannot fit in a shard"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda ix: ix["shards"][0].pop("column_names"), r"malformed entry \(no 'column_names'\)"),
+        (lambda ix: ix.update(shards=["x"]), "shard 0 is str, not an object"),
+        (lambda ix: ix.update(shards={"a": 1}), "shards is dict, not a list"),
+        (lambda ix: ix["shards"][0].update(raw_data=7), "malformed entry"),
+        (
+            lambda ix: ix["shards"][0]["column_names"].append("extra"),
+            "3 column names, 2 encodings and 2 sizes",
+        ),
+    ],
+)
+def test_a_malformed_mds_index_entry_is_one_line_naming_the_index(tmp_path: Path, edit, message):
+    root = tmp_path / "ds"
+    index = write_mds(root, None)
+    edit(index)
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=message) as info:
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+    assert "index.json" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["file", "directory"])
+def test_a_token_shard_linked_from_outside_the_root_is_not_read(tmp_path: Path, how: str) -> None:
+    root, outside = tmp_path / "ds", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    np.arange(64, dtype=np.uint16).tofile(root / "a.bin")
+    (outside / "secret.bin").write_bytes(b"SECRET!!" * 8)
+    if how == "file":
+        (root / "b.bin").symlink_to(outside / "secret.bin")
+        files = None  # every *.bin below the root
+    else:
+        (root / "sub").symlink_to(outside, target_is_directory=True)
+        files = ["a.bin", "sub/secret.bin"]
+    fmt = TokenFiles(files=files, dtype="uint16", sample_tokens=4)
+    with pytest.raises(Exception, match="outside the store's root") as info:
+        list(ShardDataset(str(root), fmt, config=LoaderConfig(shuffle=False)))
+    assert "SECRET" not in str(info.value)

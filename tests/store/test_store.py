@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -451,3 +452,30 @@ def test_tasks_submitted_one_after_another_reuse_one_worker():
     assert one(lambda: "after") == "after"
     names = [t.name for t in threading.enumerate() if t.name.startswith("test-reuse-")]
     assert names == ["test-reuse-1"]
+
+
+def test_a_link_out_of_a_local_store_is_not_followed(tmp_path):
+    """A hostile store's links: nothing outside the root is read, written or deleted through
+    them; links that stay inside the root, and a root reached through a link, work."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real", target_is_directory=True)
+    store = Store(str(tmp_path / "alias"))
+    store.put("in/a", b"inside")
+    os.symlink(tmp_path / "real" / "in" / "a", tmp_path / "real" / "in" / "b")
+    assert store.get("in/b") == b"inside"
+    os.symlink(outside / "secret", tmp_path / "real" / "leak")
+    os.symlink(outside, tmp_path / "real" / "dir", target_is_directory=True)
+    for call in (
+        lambda: store.get("leak"),
+        lambda: store.get("dir/secret"),
+        lambda: store.size("dir/secret"),
+        lambda: store.put("dir/new", b"x"),
+        lambda: store.delete("dir/secret"),
+    ):
+        with pytest.raises(StorageError, match="outside the store's root .* through a link"):
+            call()
+    assert sorted(os.listdir(outside)) == ["secret"]
+    assert (outside / "secret").read_bytes() == b"secret"

@@ -165,7 +165,14 @@ class MDS:
         base = posixpath.dirname(self.index)
         units, shards = [], []
         first = 0
-        for i, info in enumerate(index.get("shards", [])):
+        listed = index.get("shards", [])
+        if not isinstance(listed, list):
+            raise ShardCorruptError(f"{self.index}: shards is {type(listed).__name__}, not a list")
+        for i, info in enumerate(listed):
+            if not isinstance(info, dict):
+                raise ShardCorruptError(
+                    f"{self.index}: shard {i} is {type(info).__name__}, not an object"
+                )
             if info.get("format") != "mds":
                 raise UnknownFormatError(
                     f"{self.index}: shard {i} has format "
@@ -226,6 +233,39 @@ class _Shard:
         verify: bool,
         raw: frozenset[str],
     ) -> _Shard:
+        try:
+            shard = cls._parse(
+                info, base, index=index, allow_pickle=allow_pickle, verify=verify, raw=raw
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ShardCorruptError(f"{index}: malformed entry ({what})") from None
+        columns = {len(shard.names), len(shard.encodings), len(shard.sizes)}
+        if len(columns) != 1:
+            raise ShardCorruptError(
+                f"{index}: {len(shard.names)} column names, {len(shard.encodings)} encodings and "
+                f"{len(shard.sizes)} sizes (each column needs one of each)"
+            )
+        # A raw shard holds a 4-byte count and an offset table of samples + 1 entries.
+        if 4 + 4 * (shard.samples + 1) > shard.raw_bytes:
+            raise ShardCorruptError(
+                f"{index}: {shard.samples} samples cannot fit in a shard of {shard.raw_bytes} raw "
+                "bytes"
+            )
+        shard.decoders()  # an encoding not read here fails at open
+        return shard
+
+    @classmethod
+    def _parse(
+        cls,
+        info: dict,
+        base: str,
+        *,
+        index: str,
+        allow_pickle: bool,
+        verify: bool,
+        raw: frozenset[str],
+    ) -> _Shard:
         raw_data, zipped = info["raw_data"], info.get("zip_data")
         compression = info.get("compression")
         data = zipped if compression else raw_data
@@ -258,7 +298,6 @@ class _Shard:
             allow_pickle=allow_pickle,
             raw_columns=raw,
         )
-        shard.decoders()  # an encoding not read here fails at open
         return shard
 
     def decoders(self) -> list[Callable[[bytes], Any]]:
