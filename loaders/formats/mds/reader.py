@@ -178,14 +178,19 @@ class MDS:
                     f"{self.index}: shard {i} has format "
                     f"{info.get('format')!r}, only 'mds' is supported"
                 )
-            shard = _Shard.from_index(
-                info,
-                base,
-                index=f"{self.index} (shard {i})",
-                allow_pickle=self.allow_pickle,
-                verify=self.verify_hashes,
-                raw=frozenset(self.raw_columns),
-            )
+            where = f"{self.index} (shard {i})"
+            try:
+                shard = _Shard.from_index(
+                    info,
+                    base,
+                    index=where,
+                    allow_pickle=self.allow_pickle,
+                    verify=self.verify_hashes,
+                    raw=frozenset(self.raw_columns),
+                )
+            except (KeyError, TypeError, AttributeError) as exc:
+                what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ShardCorruptError(f"{where}: malformed entry ({what})") from None
             units.append(
                 Unit(
                     key=shard.key,
@@ -233,39 +238,6 @@ class _Shard:
         verify: bool,
         raw: frozenset[str],
     ) -> _Shard:
-        try:
-            shard = cls._parse(
-                info, base, index=index, allow_pickle=allow_pickle, verify=verify, raw=raw
-            )
-        except (KeyError, TypeError, AttributeError) as exc:
-            what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise ShardCorruptError(f"{index}: malformed entry ({what})") from None
-        columns = {len(shard.names), len(shard.encodings), len(shard.sizes)}
-        if len(columns) != 1:
-            raise ShardCorruptError(
-                f"{index}: {len(shard.names)} column names, {len(shard.encodings)} encodings and "
-                f"{len(shard.sizes)} sizes (each column needs one of each)"
-            )
-        # A raw shard holds a 4-byte count and an offset table of samples + 1 entries.
-        if 4 + 4 * (shard.samples + 1) > shard.raw_bytes:
-            raise ShardCorruptError(
-                f"{index}: {shard.samples} samples cannot fit in a shard of {shard.raw_bytes} raw "
-                "bytes"
-            )
-        shard.decoders()  # an encoding not read here fails at open
-        return shard
-
-    @classmethod
-    def _parse(
-        cls,
-        info: dict,
-        base: str,
-        *,
-        index: str,
-        allow_pickle: bool,
-        verify: bool,
-        raw: frozenset[str],
-    ) -> _Shard:
         raw_data, zipped = info["raw_data"], info.get("zip_data")
         compression = info.get("compression")
         data = zipped if compression else raw_data
@@ -298,6 +270,19 @@ class _Shard:
             allow_pickle=allow_pickle,
             raw_columns=raw,
         )
+        columns = {len(shard.names), len(shard.encodings), len(shard.sizes)}
+        if len(columns) != 1:
+            raise ShardCorruptError(
+                f"{index}: {len(shard.names)} column names, {len(shard.encodings)} encodings and "
+                f"{len(shard.sizes)} sizes (each column needs one of each)"
+            )
+        # A raw shard holds a 4-byte count and an offset table of samples + 1 entries.
+        if 4 + 4 * (shard.samples + 1) > shard.raw_bytes:
+            raise ShardCorruptError(
+                f"{index}: {shard.samples} samples cannot fit in a shard of {shard.raw_bytes} raw "
+                "bytes"
+            )
+        shard.decoders()  # an encoding not read here fails at open
         return shard
 
     def decoders(self) -> list[Callable[[bytes], Any]]:
