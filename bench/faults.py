@@ -103,6 +103,7 @@ class Faults:
         self._rng = random.Random(self.seed)
         self._lock = threading.Lock()
         self._released = threading.Event()
+        self._fail_released = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into another process: the same settings, with a lock and state of its own.
@@ -113,8 +114,11 @@ class Faults:
         self._lock = threading.Lock()
         self._released = threading.Event()
 
-    def release(self) -> None:
-        """End every hang now and inject no more hangs."""
+    def release(self, *, fail_hung: bool = False) -> None:
+        """End every hang now and inject no more hangs. ``fail_hung``: a request it ends fails
+        (:class:`InjectedFaultError`) rather than going on, as a run's end abandons it: it
+        never answered, and must not count as an answer."""
+        self._fail_released = fail_hung
         self._released.set()
 
     def inject(self, op: str) -> None:
@@ -133,7 +137,8 @@ class Faults:
             self.counts["requests"] += 1
         if hang:
             self.counts["hangs"] += 1
-            self._released.wait(self.hang_s)
+            if self._released.wait(self.hang_s) and self._fail_released:
+                raise InjectedFaultError(f"hung {op} abandoned: the run ended before it answered")
         elif delay > 0:
             time.sleep(delay)
         if error:

@@ -308,7 +308,7 @@ class StorageBench:
     def _join(self, threads: list[threading.Thread]) -> float:
         """Wait for workers to finish their current request; bounded by the retry policy."""
         if self.config.faults is not None:
-            self.config.faults.release()
+            self.config.faults.release(fail_hung=True)
         policy = self.config.retry
         max_size = max(s for s, _ in self.config.sizes)
         limit_s = policy.attempts * (policy.deadline_s(max_size) + policy.max_delay_s)

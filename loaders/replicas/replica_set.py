@@ -52,8 +52,14 @@ class ReplicaSet:
             for r in replicas
         ]
         names = [s.uri for s in stores]
-        if len(set(names)) != len(names):
-            raise ValueError(f"replica URIs repeat: {names}")
+        # The same directory written two ways (a trailing slash, file://, a link) is one
+        # replica: hedges and failovers to it would go to the same disk.
+        places = [
+            os.path.realpath(s.backend.root) if s.backend.is_local else s.uri.rstrip("/")
+            for s in stores
+        ]
+        if len(set(places)) != len(places):
+            raise ValueError(f"replica URIs repeat (the same place twice): {names}")
         self._health = ReplicaHealth(stores, self.config)
         self._replicas = self._health.replicas
         self.hedger = Hedger(self.config.hedge_policy())

@@ -25,10 +25,13 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["storage", *argv])
 
 
-def _run_json(capsys, *argv: str) -> tuple[int, dict]:
+def _run_json(capsys, *argv: str, err: list[str] | None = None) -> tuple[int, dict]:
     args = _parse(*argv, "--json")
     rc = args.func(args)
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    if err is not None:
+        err.append(captured.err)
+    out = captured.out.strip().splitlines()
     assert len(out) == 1, out
     return rc, json.loads(out[0])
 
@@ -432,3 +435,28 @@ def test_burst_plot_draws_the_sparse_slow_windows_of_the_burst(monkeypatch, tmp_
     sparse_x = lines[sparse_label].get_xdata()
     assert len(sparse_x) == 4 and all(2.0 <= x <= 4.0 for x in sparse_x)
     assert sparse_label in [t.get_text() for t in timeline_axes.get_legend().get_texts()]
+
+
+def test_requests_still_hung_at_the_end_count_as_errors_not_answers(capsys):
+    """A local store does not time requests out: gets hung until the run's end never
+    answered, and a kind of request that never succeeded fails the run."""
+    rc, result = _run_json(
+        capsys, "--uri", _memory_uri(), "--sizes", "4KiB", "--count", "40", "--hang-rate", "1.0",
+        "--hang-s", "3", "--attempts", "1", "--fault-ops", "get", err=(err := []),
+    )  # fmt: skip
+    assert rc == 1
+    assert result["get"]["ops"] == 0
+    assert result["get"]["errors"] == result["faults"]["injected"]["hangs"] > 0
+    assert "every get failed, first: " in err[0] and "abandoned" in err[0], err
+
+
+def test_a_burst_whose_every_put_failed_fails_the_run(capsys, tmp_path):
+    rc, result = _run_json(
+        capsys, "--uri", str(tmp_path / "store"), "--mode", "burst", "--writers", "2",
+        "--checkpoint-bytes", "256KiB", "--sizes", "64KiB", "--baseline-s", "0.1",
+        "--after-s", "0.1", "--error-rate", "1.0", "--attempts", "1", "--fault-ops", "put",
+        err=(err := []),
+    )  # fmt: skip
+    assert rc == 1
+    assert result["put"]["ops"] == 0 and result["put"]["errors"] > 0
+    assert "every put failed, first: " in err[0], err

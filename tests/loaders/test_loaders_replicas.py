@@ -474,3 +474,12 @@ def test_max_benched_slow_zero_never_benches_for_latency(tmp_path):
     for _ in range(100):
         rs.read("obj", 0, 32)
     assert rs.metrics()["replicas"][stores[0].uri]["benched"] == 0
+
+
+@pytest.mark.parametrize("other", ["{root}/", "file://{root}", "{root}/../{name}"])
+def test_one_directory_given_twice_is_not_two_replicas(tmp_path, other):
+    root = tmp_path / "data"
+    root.mkdir()
+    again = other.format(root=root, name=root.name)
+    with pytest.raises(ValueError, match="replica URIs repeat"):
+        ReplicaSet([str(root), again])
