@@ -1,7 +1,8 @@
 """A local disk cache of read units fetched from remote replicas, shared by processes.
 
 One entry is one read unit (a whole MDS/WebDataset shard, or a token file's ranged read), stored
-as ``<sha256>.unit``: a 32-byte header (magic, payload length, xxh3-128 of the payload) and the
+as ``<sha256>.unit``: a 32-byte header (magic, payload length, xxh3-128 of the entry's name and
+then the payload, so an entry file copied or moved under another name fails its check) and the
 payload. The name hashes the replica set's URIs, the shard key, the range and the size, so two
 datasets never share an entry. Everything the cache knows is in the directory: a new process (a
 DataLoader worker, a restarted job, another loader on the same machine) sees the same state.
@@ -61,8 +62,8 @@ from loaders.metrics import CacheStats
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"ckptshd1"
-_HEADER = struct.Struct("<8sQ16s")  # magic, payload bytes, xxh3-128 digest of the payload
+_MAGIC = b"ckptshd2"  # "ckptshd1" entries hashed the payload alone: refetched once
+_HEADER = struct.Struct("<8sQ16s")  # magic, payload bytes, xxh3-128 of name + payload
 _SUFFIX = ".unit"
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".lock"
@@ -158,7 +159,7 @@ class ShardCache:
                 else:
                     header = f.read(_HEADER.size)
                     data = f.read(nbytes)
-                    problem = _check(header, data, nbytes)
+                    problem = _check(name, header, data, nbytes)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -206,8 +207,7 @@ class ShardCache:
         tmp = self.path(f"{_TMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(tmp, "wb") as f:
-                digest = xxhash.xxh3_128(payload).digest()
-                f.write(_HEADER.pack(_MAGIC, payload.nbytes, digest))
+                f.write(_HEADER.pack(_MAGIC, payload.nbytes, _digest(name, payload)))
                 f.write(payload)
             with self._locked() as lock:
                 if os.path.exists(self.path(name)):
@@ -321,8 +321,15 @@ def _write_total(lock: int, total: int) -> None:
     os.pwrite(lock, _TOTAL.pack(total), 0)
 
 
-def _check(header: bytes, data: bytes, nbytes: int) -> str | None:
-    """Why an entry's header and payload are not a valid entry of ``nbytes``, or None."""
+def _digest(name: str, payload: bytes | memoryview) -> bytes:
+    h = xxhash.xxh3_128(name.encode())
+    h.update(payload)
+    return h.digest()
+
+
+def _check(name: str, header: bytes, data: bytes, nbytes: int) -> str | None:
+    """Why an entry's header and payload are not a valid entry ``name`` of ``nbytes``, or
+    None."""
     if len(header) != _HEADER.size or len(data) != nbytes:
         return "shorter than its header says"
     magic, length, digest = _HEADER.unpack(header)
@@ -330,8 +337,8 @@ def _check(header: bytes, data: bytes, nbytes: int) -> str | None:
         return f"bad magic {magic!r}"
     if length != nbytes:
         return f"header says {length} bytes, expected {nbytes}"
-    if xxhash.xxh3_128(data).digest() != digest:
-        return "xxh3-128 of the payload does not match its header"
+    if _digest(name, data) != digest:
+        return "xxh3-128 of its name and payload does not match its header"
     return None
 
 

@@ -157,6 +157,22 @@ def test_entries_never_collide_across_replica_sets_and_ranges(tmp_path):
     assert open_cache(None, None, ["s3://bucket/ds-a"]) is None
 
 
+def test_an_entry_file_under_another_entrys_name_is_corrupt(tmp_path):
+    """Entries bind their name: two valid entry files swapped (or one copied over another)
+    serve no bytes of the other unit, even for data with no hashes of its own."""
+    cache = ShardCache(tmp_path, budget_bytes=10 * 132, namespace="s3://bucket/ds")
+    a, b = _entry(cache, 1), _entry(cache, 2)
+    for name, data in (a, b):
+        assert cache.put(name, data)
+    path_a, path_b = cache.path(a[0]), cache.path(b[0])
+    os.rename(path_a, f"{path_a}.x")
+    os.rename(path_b, path_a)
+    os.rename(f"{path_a}.x", path_b)
+    assert cache.lookup(a[0], 100) is None and cache.lookup(b[0], 100) is None
+    assert cache.stats.as_dict()["corrupt"] == 2
+    assert not os.path.exists(path_a) and not os.path.exists(path_b)
+
+
 def test_a_unit_larger_than_the_budget_is_not_cached(tmp_path):
     cache = ShardCache(tmp_path, budget_bytes=100, namespace="s3://bucket/ds")
     assert not cache.put(*_entry(cache, 0))
