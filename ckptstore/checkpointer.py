@@ -64,6 +64,7 @@ from ckptstore.shared_read import (
 from ckptstore.state import flatten
 from ckptstore.store import Store, niced, open_store
 from ckptstore.tiers.group import RankGroup as _Group
+from ckptstore.tiers.group import refuse_options_apart
 from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
 from ckptstore.tiers.saving import Tiers, open_tiers
@@ -147,6 +148,7 @@ class Checkpointer:
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         self._group = self._rank_group(process_group, no_dist)
         self.rank = self._group.rank
+        refuse_options_apart(self._group, _collective_options(o))
         if self._group.active and self.when_busy == "skip":
             raise ValueError(
                 "when_busy='skip' is single-process only: ranks could disagree "
@@ -455,6 +457,17 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _collective_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The options every rank of a job must share: each decides which exchanges it joins."""
+    tiers = o["tiers"]
+    return {
+        "local_dir (set or not)": tiers.local_dir is not None,
+        "TierOptions.peer_copies": tiers.peer_copies if tiers.local_dir is not None else None,
+        "TierOptions.durable_every": tiers.durable_every if tiers.local_dir is not None else None,
+        "StagingOptions.mode 'peer'": o["staging"].mode == "peer",
+    }
 
 
 def _tier_policy(o: dict[str, Any]) -> TierPolicy | None:

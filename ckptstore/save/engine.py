@@ -258,8 +258,9 @@ class SaveEngine:
             copied = self.stage(tensors, block=wait_s > 0, timeout_s=wait_s)
             if copied is None and wait_s > 0:
                 logger.warning(
-                    "rank %d: the previous save still holds the staging buffer after %.0fs; "
-                    "staging this one in a new buffer",
+                    "rank %d: the previous save still holds the staging buffer after %.0fs "
+                    "(a save that failed holds it while its future or error is referenced: "
+                    "drop those); staging this one in a new buffer",
                     rank,
                     wait_s,
                 )

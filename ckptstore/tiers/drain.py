@@ -14,6 +14,7 @@ import functools
 import logging
 import queue
 import threading
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -169,7 +170,7 @@ def _drain_lease(store: Store, local: LocalTier, step: int, attempt: str) -> Lea
     return Lease(
         store,
         SAVE,
-        f"{step:020d}-{attempt}-drain",
+        f"{step:020d}-{attempt}-drain-{uuid.uuid4().hex[:12]}",
         ttl_s=local.engine.lease_ttl_s,
         info={"step": step, "attempt": attempt, "drain": True},
     ).acquire()

@@ -225,6 +225,29 @@ class RankGroup:
         )
 
 
+def refuse_options_apart(group: RankGroup, options: dict[str, Any]) -> None:
+    """``options`` (those that decide which exchanges a rank takes part in) the same on every
+    rank of ``group``, else ``ValueError`` on every rank naming them: ranks given different
+    ones would wait on exchanges the others never start. Run right after the group is made,
+    before any exchange that depends on them."""
+    if not group.active:
+        return
+    every: list[Any] = [None] * group.world_size
+    try:
+        dist.all_gather_object(every, options, group=group.group)
+    except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
+        group.check("an exchange of options", exc)
+        raise
+    for key, mine in options.items():
+        values = [o.get(key) if isinstance(o, dict) else None for o in every]
+        if any(v != mine for v in values):
+            shown = "; ".join(f"rank {r} {v!r}" for r, v in enumerate(values[:8]))
+            more = f"; {len(values) - 8} more" if len(values) > 8 else ""
+            raise ValueError(
+                f"the ranks were given different {key} ({shown}{more}): every rank needs the same"
+            )
+
+
 class _Heartbeat:
     """One per process: a thread that adds 1 to ``ckptstore/alive/<rank>`` on the default
     group's store every ``period_s``, so that a rank whose counter stops moving is lost."""

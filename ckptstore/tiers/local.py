@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_RESUMED: dict[str, int] = {}
+"""By a rank's own copies directory: the step a load in this process last resumed from (a DCP
+load and the next save are separate objects; a Checkpointer may be made again)."""
+
 
 @dataclass(frozen=True)
 class Copy:
@@ -76,9 +80,21 @@ class LocalTier:
         self._lock = threading.Lock()
         self._to_drain: set[int] = set()  # steps a drain still has to copy from here
         self._bad: set[str] = set()  # own chunks found corrupt, removed: the next save rewrites
-        self.resumed_from: int | None = None
-        """The step the last load resumed from: copies of later steps belong to a run the job
-        left, and are unlisted before its next save (``TierSaver.drop_stale``)."""
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step a load of this process (either front-end) last resumed from these copies:
+        copies of later steps belong to a run the job left, and are unlisted before its next
+        save (``TierSaver.drop_stale``). None: no load since the last save."""
+        return _RESUMED.get(str(self.rank_dir(self.rank)))
+
+    @resumed_from.setter
+    def resumed_from(self, step: int | None) -> None:
+        key = str(self.rank_dir(self.rank))
+        if step is None:
+            _RESUMED.pop(key, None)
+        else:
+            _RESUMED[key] = step
 
     @classmethod
     def open(
@@ -242,16 +258,24 @@ class LocalTier:
             self._foreign_warned = True
         theirs = manifest.user[TIER_KEY].get("store_id") or "none recorded"
         mine = self.identity.id if self.identity is not None else "none recorded"
+        if self.identity is not None and self.identity.adopted:
+            why = (
+                "its identity.json was made when it held steps but no identity (removed, or "
+                "never written by an older version), so it cannot be told from a store deleted "
+                "and made again"
+            )
+        else:
+            why = "the store was deleted and made again"
         logger.warning(
             "rank %d: %s holds copies (step %d, ...) of another instance of %s (store id %s; "
-            "the store there now is %s): the store was deleted and made again; those copies are "
-            "never loaded",
+            "the store there now is %s): %s; those copies are never loaded",
             self.rank,
             store.uri,
             step,
             self.durable_uri,
             theirs,
             mine,
+            why,
         )
 
     def forget_bad_chunk(self, digest: str) -> None:

@@ -124,6 +124,7 @@ def open_tiered_step(
     plan = _plan(durable, local, wanted, group, healthy)
     candidate = plan.candidates[0]
     step = candidate.step
+    local.resumed_from = step  # the next save of this process drops later copies
     for s in sorted((s for s in plan.not_healthy if s > step and rank == 0), reverse=True):
         logger.warning("%s (tiers, %s): skipped by healthy=True", plan.not_healthy[s], durable.uri)
     report = LoadReport(step=step)

@@ -83,13 +83,16 @@ class TierSaver:
         return list(self._wards)
 
     def drop_stale(self, step: int) -> None:
-        """Before ``step`` is saved: the copies of it and of later steps that this process did
-        not commit (a run the job left: any world size), and after a load of step L the
-        copies of steps after L, are unlisted in this rank's store and its wards'; a job that
-        resumed saves those step numbers again, as other saves. A step still to be drained
-        is kept."""
+        """At the first save after a load of step L in this process (either front-end): the
+        copies of steps after L, and of ``step`` and later, that this process did not commit
+        (a run the job left: any world size) are unlisted in this rank's store and its
+        wards'; the resumed job saves those step numbers again, as other saves. A process
+        that loaded nothing unlists nothing (another process's copies stay). A step still to
+        be drained is kept."""
         resumed = self.local.resumed_from
-        floor = step if resumed is None else min(step, resumed + 1)
+        if resumed is None:
+            return
+        floor = min(step, resumed + 1)
         pending = self.local.to_drain()
         for ward in self.wards():
             if not self.local.rank_dir(ward).is_dir():

@@ -38,6 +38,7 @@ import mmap
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -175,7 +176,7 @@ class RepairedCopy:
             raise CheckpointNotFoundError(
                 f"chunk {digest} is not in rank {self.ward}'s copy of step {self.step}"
             )
-        name = f"chunk {digest} of rank {self.ward}'s repaired copy"
+        name = f"{digest} of rank {self.ward}'s repaired copy"
         return decode(data, expected_hash=digest, name=name, raw_len=chunk.raw, verify=False)
 
     def write_local(self) -> None:
@@ -336,7 +337,7 @@ class _Exchange:
             out.lease = Lease(
                 store,
                 SAVE,
-                f"{t.step:020d}-{t.attempt}-copy{t.dst:05d}",
+                f"{t.step:020d}-{t.attempt}-copy{t.dst:05d}-{uuid.uuid4().hex[:12]}",
                 ttl_s=self.local.engine.lease_ttl_s,
                 info={"step": t.step, "attempt": t.attempt, "copy_to": t.dst},
             ).acquire()
@@ -508,7 +509,7 @@ class _Exchange:
             if status[k] != _OK:
                 raise CheckpointError(f"rank {inc.t.src} could not read chunk {digest}")
             data = view[start : start + info.stored]
-            name = f"chunk {digest} of rank {inc.t.ward} from rank {inc.t.src}"
+            name = f"{digest} of rank {inc.t.ward} from rank {inc.t.src}"
             decode(data, expected_hash=digest, name=name, raw_len=info.raw)
             if inc.kept is not None:
                 inc.kept[digest] = data  # a view: the round's buffer stays for the load
@@ -917,14 +918,19 @@ def restore_copies(
     transfers = [
         Transfer(src, r, r, step, attempt, repair=True) for r, src in sorted(sources.items())
     ]
-    outcomes, stats, kept = _run(
-        transfers,
-        group.group,
-        local,
-        local.policy.peer_budget_bytes,
-        keep_bytes=local.policy.repair_memory_bytes,
-        fault_ahead=cores_per_rank(group.ranks_on_host()) >= 1,
-    )
+    fault_ahead = cores_per_rank(group.ranks_on_host()) >= 1
+    try:
+        outcomes, stats, kept = _run(
+            transfers,
+            group.group,
+            local,
+            local.policy.peer_budget_bytes,
+            keep_bytes=local.policy.repair_memory_bytes,
+            fault_ahead=fault_ahead,
+        )
+    except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
+        group.check("a repair's peer transfer", exc)
+        raise
     report.peer_buffer_bytes = max(report.peer_buffer_bytes, stats.buffer_bytes)
     if group.rank in sources:
         report.add(PEER, 0, stats.seconds)

@@ -219,6 +219,9 @@ def _mixed_attempts(rank: int, world: int, root: str, base: str) -> None:
         shutil.copytree(local, backup)
     dist.barrier()
     # Second run, resumed from step 1: saves steps 2 (durable: the writer's first) and 3 again.
+    target = blank_state()
+    dcp.load(target, storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local), step=1))
+    assert_loaded(target, 1)
     writer = tier_writer(root, local, durable_every=3, local_keep_last=3)
     for step in (2, 3):
         dcp.save(step_state(100 + step), storage_writer=writer, checkpoint_id=step)

@@ -415,6 +415,25 @@ def test_a_resumed_job_saves_a_step_again_over_the_copy_it_left(make, tmp_path):
     assert step == 4 and _same(target, _state(104)), report.source
 
 
+def test_a_second_process_saving_an_earlier_step_leaves_the_later_copies(make, tmp_path):
+    """Only a load makes a process a resumed run: one that loaded nothing (a second process on
+    the store, a script that does not resume) saving step 2 leaves the local-only steps 3 and 4
+    that another process committed (it unlisted them as a run the job left)."""
+    front = make(durable_every=10, local_keep_last=4)
+    for step in (1, 2, 3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    other = front.restart()
+    other.save(2, _state(102))
+    other.wait_durable()
+    for step in (4, 3):
+        target = _blank()
+        assert front.restart().load(target, step)[0] == step
+        assert _same(target, _state(step)), step
+    target = _blank()
+    assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
+
+
 def test_local_copies_of_another_save_of_a_durable_step_are_never_loaded(make, tmp_path):
     """One planner for both front-ends: the durable save of a step is its record. A node's
     local dir put back from before the job resumed holds another save of step 2 than the
@@ -806,6 +825,39 @@ def test_a_repaired_copy_whose_write_dies_stays_unlisted_and_is_repaired_again(k
     that step repairs it again from the peer's copy."""
     root = str(tmp_path / "durable")
     run_ranks(_repair_write_dies, 4, kind, root, str(tmp_path), timeout_s=240)
+
+
+def _repair_lease_left(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5)
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
+    # The holders' leases of this repair stay in their stores, as a holder killed while it
+    # sends leaves them.
+    release = tier_transfer.Lease.release
+    tier_transfer.Lease.release = lambda self, *a, **k: None
+    try:
+        step, _ = _two_nodes(kind, rank, root, base, **tiers).load(_ranks_own(rank, _blank()))
+        wait_written()
+    finally:
+        tier_transfer.Lease.release = release
+    assert step == 2, rank
+    torch.distributed.barrier()
+    if rank == 2:  # node 1 replaced again: its repaired copy gone
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    assert report.source == ("peer" if rank >= 2 else "local"), (rank, report)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_lease_an_earlier_repair_left_does_not_block_the_next_repair(kind, tmp_path):
+    """A holder killed while it sends a copy leaves its lease; the next repair of that step
+    from that holder takes a lease of its own (it failed on the leftover, falling back to an
+    older step, when the lease's name was the same for every repair)."""
+    root = str(tmp_path / "durable")
+    run_ranks(_repair_lease_left, 4, kind, root, str(tmp_path), timeout_s=240)
 
 
 def _shared_local_dir(rank: int, world: int, kind: str, root: str, base: str) -> None:
