@@ -234,6 +234,8 @@ def refuse_options_apart(group: RankGroup, options: dict[str, Any]) -> None:
         return
     every: list[Any] = [None] * group.world_size
     try:
+        # Not ``group.gather``: its arrival count waits for ranks with a lost-rank bound,
+        # which an untiered rank (the very disagreement looked for) does not join.
         dist.all_gather_object(every, options, group=group.group)
     except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
         group.check("an exchange of options", exc)
