@@ -148,7 +148,7 @@ class Checkpointer:
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         self._group = self._rank_group(process_group, no_dist)
         self.rank = self._group.rank
-        refuse_options_apart(self._group, _collective_options(o))
+        refuse_options_apart(self._group, _collective_options(o, self._policy))
         if self._group.active and self.when_busy == "skip":
             raise ValueError(
                 "when_busy='skip' is single-process only: ranks could disagree "
@@ -459,13 +459,13 @@ class Checkpointer:
         self.close()
 
 
-def _collective_options(o: dict[str, Any]) -> dict[str, Any]:
+def _collective_options(o: dict[str, Any], policy: TierPolicy | None) -> dict[str, Any]:
     """The options every rank of a job must share: each decides which exchanges it joins."""
-    tiers = o["tiers"]
+    tiered = policy.collective_options() if policy is not None else {}
     return {
-        "local_dir (set or not)": tiers.local_dir is not None,
-        "TierOptions.peer_copies": tiers.peer_copies if tiers.local_dir is not None else None,
-        "TierOptions.durable_every": tiers.durable_every if tiers.local_dir is not None else None,
+        "local_dir (set or not)": policy is not None,
+        "TierOptions.peer_copies": tiered.get("TierOptions.peer_copies"),
+        "TierOptions.durable_every": tiered.get("TierOptions.durable_every"),
         "StagingOptions.mode 'peer'": o["staging"].mode == "peer",
     }
 

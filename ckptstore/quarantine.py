@@ -18,9 +18,22 @@ import base64
 import logging
 import time
 
-from ckptstore.catalog import load_manifest_bytes
-from ckptstore.errors import CheckpointError, ObjectExistsError, ObjectNotFoundError
-from ckptstore.format import _dump, _load, chunk_key, commit_key, is_attempt, is_digest
+from ckptstore.catalog import list_steps, load_manifest_bytes
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+)
+from ckptstore.format import (
+    ChunkInfo,
+    _dump,
+    _load,
+    chunk_key,
+    commit_key,
+    is_attempt,
+    is_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +58,8 @@ def quarantine_step(store, step: int, why: str) -> bool:
     bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
     if not bad or any(p.problem == "unreadable" for p in check.problems):
         return False
-    chunks = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
+    found = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
+    chunks = _damaged_chunks(store, step, found, check.chunk_refs)
     body = {
         "step": step,
         "attempt": manifest.attempt,
@@ -82,6 +96,63 @@ def quarantine_step(store, step: int, why: str) -> bool:
         PREFIX,
     )
     return True
+
+
+def _damaged_chunks(
+    store, step: int, found: list[str], refs: dict[str, ChunkInfo | None]
+) -> list[str]:
+    """Those of the chunks ``found`` bad in ``step`` whose own bytes do not decode to their
+    digest at any raw size a committed step declares for them. A chunk only this step's index
+    misdescribes (its stored or raw size edited) is intact: other steps share it, so it stays
+    (moving it would break them)."""
+    sizes: dict[str, set[int]] | None = None
+    damaged = []
+    for digest in found:
+        ours = refs.get(digest)
+        declared = {ours.raw} if ours is not None else set()
+        if _intact(store, digest, declared):
+            continue
+        if sizes is None:
+            sizes = _declared_raw_sizes(store, skip=step)
+        if not _intact(store, digest, sizes.get(digest, set()) - declared):
+            damaged.append(digest)
+    return damaged
+
+
+def _intact(store, digest: str, raw_sizes: set[int]) -> bool:
+    """Whether chunk ``digest``'s object decodes to bytes that hash to ``digest`` at one of
+    ``raw_sizes`` (each bounded by an index's checks: a header declaring another size is
+    refused before anything is decompressed). A missing object is not intact."""
+    from ckptstore.codec import decode  # numpy: only where chunks are read
+
+    if not raw_sizes:
+        return False
+    try:
+        data = store.get(chunk_key(digest))
+    except ObjectNotFoundError:
+        return False
+    for raw in sorted(raw_sizes):
+        try:
+            decode(data, expected_hash=digest, name=store.url(chunk_key(digest)), raw_len=raw)
+            return True
+        except CheckpointCorruptError:
+            continue
+    return False
+
+
+def _declared_raw_sizes(store, skip: int) -> dict[str, set[int]]:
+    """Chunk digest -> the raw sizes the rank indexes of every committed step but ``skip``
+    declare for it (an index that cannot be read declares nothing)."""
+    from ckptstore._inspect import check_step_objects
+
+    sizes: dict[str, set[int]] = {}
+    for other in list_steps(store):
+        if other == skip:
+            continue
+        for digest, info in check_step_objects(store, other).chunk_refs.items():
+            if info is not None:
+                sizes.setdefault(digest, set()).add(info.raw)
+    return sizes
 
 
 def quarantined(store) -> dict[str, int]:

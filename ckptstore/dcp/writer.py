@@ -50,7 +50,7 @@ from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store
 from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainJob, DrainQueue
-from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.group import RankGroup, refuse_options_apart
 from ckptstore.tiers.identity import store_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import Topology
@@ -528,6 +528,7 @@ class StoreWriter(StorageWriter, PooledStager):
             self._tier_group = RankGroup(
                 None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
             )
+            refuse_options_apart(self._tier_group, self._policy.collective_options())
         group = self._tier_group
         if group.rank != self.rank:
             raise ValueError(

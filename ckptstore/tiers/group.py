@@ -80,13 +80,14 @@ class RankGroup:
             raise self.lost
         if exc is None or self.lost_rank_s is None or not self.active:
             return
-        lost = self._roll_call()
+        lost, never = self._roll_call()
         if lost:
-            raise self._lose(what, lost, one_line(exc)) from exc
+            raise self._lose(what, lost, one_line(exc), never=never) from exc
 
-    def _roll_call(self) -> list[int]:
+    def _roll_call(self) -> tuple[list[int], list[int]]:
         """The ranks of the group whose heartbeat on the job's rendezvous store did not move
-        within the rest of the bound (counters, never clocks: each process adds to its own)."""
+        within the rest of the bound (counters, never clocks: each process adds to its own),
+        and those of them that never beat at all."""
         assert self.lost_rank_s is not None
         others = [r for r in self._members if r != self.rank]
         started = self.group is not None  # every member joined it after its first beat
@@ -96,7 +97,8 @@ class RankGroup:
             after = _HEARTBEAT.counts(others, started=started)
         except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
             raise self._store_gone(exc) from exc
-        return [r for r, b, a in zip(others, before, after) if a == b]
+        lost = [(r, a) for r, b, a in zip(others, before, after) if a == b]
+        return [r for r, _ in lost], [r for r, a in lost if a == 0]
 
     @property
     def _window_s(self) -> float:
@@ -112,11 +114,19 @@ class RankGroup:
             [],
         )
 
-    def _lose(self, what: str, lost: list[int], heard: str) -> RankLostError:
+    def _lose(self, what: str, lost: list[int], heard: str, never: list[int] = ()) -> RankLostError:
         ranks = ", ".join(map(str, lost))
+        if never and len(never) == len(lost):
+            # No beat ever: a rank that never made a group with a lost-rank bound (a DCP
+            # writer without tiers beside tiered ones), or one that died before it could.
+            why = (
+                "it never started ckptstore's heartbeat: it saves without the tier options "
+                "given here (TierOptions(local_dir=...) on every rank), or died first"
+            )
+        else:
+            why = "its heartbeat stopped"
         self.lost = RankLostError(
-            f"rank {ranks} lost: {what} failed and its heartbeat stopped (rank {self.rank} "
-            f"heard: {heard})",
+            f"rank {ranks} lost: {what} failed and {why} (rank {self.rank} heard: {heard})",
             lost,
         )
         logger.warning("rank %d: %s", self.rank, self.lost)

@@ -35,6 +35,13 @@ class TierPolicy:
     peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES
     repair_memory_bytes: int = DEFAULT_REPAIR_MEMORY_BYTES
 
+    def collective_options(self) -> dict[str, Any]:
+        """The fields every rank of a job must share: each decides which exchanges it joins."""
+        return {
+            "TierOptions.peer_copies": self.peer_copies,
+            "TierOptions.durable_every": self.durable_every,
+        }
+
     @classmethod
     def build(
         cls,

@@ -103,25 +103,3 @@ def _loads_apart(rank: int, world: int, root: str) -> None:
 @pytest.mark.dist
 def test_ranks_asking_for_different_steps_are_refused_on_every_rank(tmp_path):
     run_ranks(_loads_apart, 2, str(tmp_path))
-
-
-def _options_apart(rank: int, world: int, root: str, how: str) -> None:
-    local = TierOptions(local_dir=f"{root}/local-{rank}", node_rank=rank, peer_copies=1)
-    if how == "untiered":
-        tiers, named = (local if rank == 0 else None), "local_dir (set or not)"
-        shown = "rank 0 True; rank 1 False"
-    else:
-        tiers = local if rank == 0 else TierOptions(local_dir=f"{root}/local-1", node_rank=1)
-        named, shown = "TierOptions.peer_copies", "rank 0 1; rank 1 0"
-    with pytest.raises(ValueError, match="the ranks were given different") as raised:
-        Checkpointer(f"{root}/durable", tiers=tiers)
-    assert named in str(raised.value) and shown in str(raised.value), str(raised.value)
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("how", ["untiered", "peer_copies"])
-def test_ranks_given_different_tier_options_are_refused_by_name_on_every_rank(tmp_path, how):
-    """A rank without tiers beside tiered ones, or another peer_copies: each rank would run
-    exchanges the other never starts (they failed after 15 s in gloo's words, or named a live
-    rank lost)."""
-    run_ranks(_options_apart, 2, str(tmp_path), how, timeout_s=120)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptstore import Checkpointer, Store
@@ -16,6 +17,7 @@ from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.cli import main
 from ckptstore.quarantine import PREFIX, quarantined
 from tests.helpers import ROOT
+from tests.helpers.crafted import put_rank_index, rank_index_doc
 from tests.helpers.integrity import verify_all
 
 BOUND_S = 60.0
@@ -146,3 +148,30 @@ def test_gc_verify_counts_no_step_with_a_damaged_chunk_and_removes_it(tmp_path, 
     assert main(["gc", str(root), "--keep-last", "1", "--verify", "--remove-corrupt"]) == 0
     assert list_steps(Store(str(root))) == [2]
     assert verify_all(str(root)) == [2]
+
+
+@pytest.mark.parametrize("field", [0, 1], ids=["raw-size", "stored-size"])
+def test_a_shared_chunk_another_index_misdescribes_stays_for_the_steps_it_serves(tmp_path, field):
+    """Adversary: step 2's index edited only in one size of a chunk that step 1 shares (content
+    addressing stores it once), its checksums made right. The fallback load skips step 2 and
+    quarantines it; the chunk's own bytes still decode to its digest, so it stays where step 1
+    reads it (moving it broke step 1 for the next restart)."""
+    root = tmp_path / "ckpt"
+    store = Store(str(root))
+    with Checkpointer(root) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {**_state(step), "c": torch.arange(4096)}).wait(timeout_s=BOUND_S)
+    shared = sorted(_chunks(root, 1) & _chunks(root, 2))
+    assert shared
+    doc = rank_index_doc(store, 2)
+    doc["chunks"][shared[0]][field] += 1
+    put_rank_index(store, 2, 0, doc)
+    state = {**_blank(), "c": torch.zeros(4096, dtype=torch.int64)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(state, fallback=True) == 1
+    assert list(quarantined(store).values()) == [2] and list_steps(store) == [1]
+    assert (root / "chunks" / shared[0][:2] / shared[0]).is_file()
+    assert verify_all(str(root)) == [1]
+    state = {**_blank(), "c": torch.zeros(4096, dtype=torch.int64)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(state) == 1 and torch.equal(state["c"], torch.arange(4096))

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
 from ckptstore import (
     Checkpointer,
@@ -1298,3 +1299,40 @@ def test_a_repair_sends_only_the_chunks_that_fail_on_the_ranks_node(kind, bound,
     chunk alone, the others are taken where they are (verified), and the copy is whole after."""
     root = str(tmp_path / "durable")
     run_ranks(_one_bad_chunk, 4, kind, root, str(tmp_path), bound, timeout_s=240)
+
+
+def _options_apart(rank: int, world: int, kind: str, root: str, base: str, how: str) -> None:
+    mine = TierOptions(local_dir=Path(base) / f"node-{rank}", node_rank=rank, peer_copies=1)
+    if how == "untiered":
+        tiers = mine if rank == 0 else None
+    else:
+        tiers = mine if rank == 0 else TierOptions(local_dir=Path(base) / "node-1", node_rank=1)
+    with pytest.raises((ValueError, CheckpointException)) as raised:
+        front = FRONTS[kind](Path(root), tiers, StorageOptions(lost_rank_timeout_s=8))
+        front.no_dist = False
+        front.save(1, _ranks_own(rank, _state(rank)))
+    error = raised.value
+    if isinstance(error, CheckpointException):  # DCP: each rank's error, on every rank
+        text = " | ".join(f"{type(e).__name__}: {e}" for e, _ in error.failures.values())
+    else:
+        text = str(error)
+    if how == "peer_copies":
+        want = ["the ranks were given different TierOptions.peer_copies (rank 0 1; rank 1 0)"]
+    elif kind == "checkpointer":
+        want = ["the ranks were given different local_dir (set or not) (rank 0 True; rank 1 False)"]
+    else:  # a DCP writer without tiers makes no tier group: the tiered rank names it
+        want = ["rank 1 lost", "never started ckptstore's heartbeat", "TierOptions(local_dir"]
+    assert all(w in text for w in want), (rank, text)
+    torch.distributed.barrier()
+    assert list_steps(Store(root)) == []
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["untiered", "peer_copies"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_ranks_given_different_tier_options_fail_naming_them_on_every_rank(kind, how, tmp_path):
+    """A rank without tiers beside tiered ones, or another peer_copies: each rank would run
+    exchanges the other never starts (gloo timeouts after a minute, or a live rank named lost).
+    The Checkpointer compares the options as it is made; a DCP writer when its first tiered save
+    makes the tier group (a writer without tiers makes none: the tiered ranks name it)."""
+    run_ranks(_options_apart, 2, kind, str(tmp_path / "durable"), str(tmp_path), how, timeout_s=120)
