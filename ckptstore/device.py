@@ -103,14 +103,14 @@ class Device:
         the loop's (its activations, between steps), not counted. On the CPU, the kernel's
         MemAvailable."""
         if not self.is_accelerator:
-            return _host_available_bytes()
+            return host_available_bytes()
         free, _total = torch.accelerator.get_memory_info(self.device)
         reserved = torch.accelerator.memory_reserved(self.device)
         peak = torch.accelerator.max_memory_reserved(self.device)
         return max(0, int(free - max(0, peak - reserved)))
 
 
-def _host_available_bytes() -> int:
+def host_available_bytes() -> int:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
+from ckptstore.device import host_available_bytes
 from ckptstore.device_load import read_into
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -46,6 +47,7 @@ from ckptstore.health import healthy_steps_to_load
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype
 from ckptstore.quarantine import quarantine_step
+from ckptstore.render import human_bytes
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
     ExchangeStats,
@@ -71,7 +73,7 @@ from ckptstore.tiers.restore import (
     Source,
 )
 from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies, write_behind
-from ckptstore.tree import tensor_indexes
+from ckptstore.tree import tensor_indexes, tensor_paths
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,26 @@ class _Read:
 
     def paths(self, written: set[int]) -> list[str]:
         return sorted(self.loader.paths[i] for i in written) if self.loader else []
+
+
+def _refuse_beyond_memory(step: int, read: _Read, available: int) -> None:
+    """Refuse, before a byte is read, a load whose new tensors (values the state holds no
+    tensor for, allocated at the size the index declares) exceed this host's available
+    memory: a step whose tiny chunks declare huge zero tensors would otherwise run the job
+    out of memory."""
+    assert read.index is not None
+    new = [i for i in read.kinds if i not in read.loader.dests]
+    need = sum(read.index.tensors[i].nbytes for i in new)
+    if need <= available:
+        return
+    paths = tensor_paths(read.tree)
+    named = ", ".join(paths.get(i, f"tensor {i}") for i in new[:3])
+    more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+    raise UnsupportedStateError(
+        f"step {step} has {human_bytes(need)} of values the state holds no tensor for "
+        f"({named}{more}), more than the {human_bytes(available)} this host has available: "
+        "load into a state that holds them, or with strict=False to leave them out"
+    )
 
 
 class StateLoader:
@@ -491,6 +513,8 @@ class StateLoader:
         loader = plan_load(state, read.tree, describe, strict=strict)
         read.loader = loader
         read.kinds = {i: k for i, k in tensor_indexes(read.tree).items() if i in loader.needed}
+        if read.replica is None:
+            _refuse_beyond_memory(step, read, host_available_bytes())
         stale = sorted(set(dirty) - set(loader.paths.values()))
         if stale:
             failed = ", ".join(map(str, sorted(set(dirty.values()), reverse=True)))

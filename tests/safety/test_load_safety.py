@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import ckptstore.loading
 import ckptstore.pipeline
 from ckptstore import (
     CheckpointCorruptError,
@@ -363,3 +364,30 @@ def test_numpy_arrays_of_another_shape_or_dtype_are_refused(tmp_path):
         assert isinstance(target["arr"], np.ndarray) and np.array_equal(target["arr"], saved)
         assert target["arr"].dtype == np.int32
     ckpt.close()
+
+
+def test_values_the_state_holds_no_tensor_for_are_bounded_by_available_memory(
+    tmp_path, monkeypatch
+):
+    """Adversary: a step may add values the state lacks, allocated at their declared size (a
+    4 MiB zero tensor stores in a few hundred bytes; a crafted one declares 100 GiB). On a
+    host with less memory available than those values take, the load is refused by name
+    before anything is allocated or read; values the state holds load in place, uncounted."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.zeros(1 << 20), "opt": {"m": torch.zeros(1 << 20)}}).wait()
+    monkeypatch.setattr(ckptstore.loading, "host_available_bytes", lambda: 3 << 20)
+    state: dict = {"w": torch.ones(1 << 20)}
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError) as refused:
+            ckpt.load(state)
+        assert "step 1 has 4.0 MiB of values the state holds no tensor for (opt/m)" in str(
+            refused.value
+        ) and "more than the 3.0 MiB this host has available" in str(refused.value)
+        assert list(state) == ["w"] and torch.equal(state["w"], torch.ones(1 << 20))
+        monkeypatch.setattr(ckptstore.loading, "host_available_bytes", lambda: 6 << 20)
+        with pytest.raises(UnsupportedStateError, match="8.0 MiB of values .* \\(w, opt/m\\)"):
+            ckpt.load({})
+        ckpt.load(state, strict=False)  # leaves opt/m out
+        assert list(state) == ["w"] and not state["w"].any()
+        held = {"w": torch.ones(1 << 20), "opt": {"m": torch.ones(1 << 20)}}
+        assert ckpt.load(held) == 1 and not held["opt"]["m"].any()
