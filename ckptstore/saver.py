@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,19 @@ class SaveHandle:
 
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
+
+    @property
+    def committed(self) -> bool:
+        """Done and stored: not failed, not an unhealthy save that ``HealthPolicy(
+        on_unhealthy="skip")`` left out, not skipped while busy."""
+        if not self.done() or self.skipped or self.exception() is not None:
+            return False
+        return self.health is None or self.health.committed
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the save is done (committed, skipped or failed), on the
+        thread that finished it (at once if it is done already)."""
+        self._future.add_done_callback(lambda _: fn(self))
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ("done" if self.done() else "pending")

@@ -14,11 +14,17 @@ Each checkpoint Lightning saves is two things:
   (also kept in the step's metadata). Lightning lists, versions (``-v1``), links, resolves
   (``ckpt_path="last"``) and removes these files as it does its own checkpoint files.
 
+A pointer at a new path is written as the save starts (Lightning may link it at once); one
+that replaces a pointer of this store (``last.ckpt``) is written once the save commits, so a
+kill, a failed save or one skipped as unhealthy leaves it naming the committed save it held.
 Loading a pointer checks that its step still holds the save it names: a pointer whose save did
 not commit (the process was killed mid-save) or was removed is refused with
 :class:`ckptstore.CheckpointNotFoundError`, never loaded from another save. ``remove_checkpoint``
-deletes the pointer and unlists the step it names; so does overwriting a pointer (``last.ckpt``),
-once the new save has committed; the chunks no remaining step uses are swept in the background.
+deletes the pointer (a link: only the link) and unlists the step it names once the newest save
+has committed (Lightning removes the top-k file a save replaces right after starting it); the
+step a replaced pointer named goes the same way; the chunks no remaining step uses are swept in
+the background. A kill before then leaves such a step listed though no pointer names it (nothing removes
+it by itself: it is a step ``"latest"`` may resume from).
 ``load_checkpoint`` also takes a step number, ``"latest"`` or ``"last"`` (the newest step), a
 torch checkpoint file (loaded by Lightning's ``TorchCheckpointIO``), and, for stores written
 before pointer files, a path recorded in a step's metadata.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -107,7 +114,14 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._checkpointer: Checkpointer | None = None
         self._pending: dict[int, SaveHandle] = {}
         self._newest = -1  # the highest step this process saved
-        self._replaced: list[tuple[SaveHandle, Pointer]] = []  # overwritten pointers, by save
+        # Steps to unlist once a save commits (kept if it fails or is skipped): a pointer it
+        # overwrites, one Lightning removed while it ran, its own if its path was removed.
+        self._drops: list[tuple[SaveHandle, Pointer]] = []
+        # path -> the saves, oldest first, whose pointers wait for their commits to go there
+        self._overwrites: dict[str, list[tuple[SaveHandle, Pointer]]] = {}
+        self._pointing = threading.Condition()  # guards the two above; counts callbacks
+        self._callbacks = 0  # pointer updates still to run on saving threads
+        self._pointer_errors: list[BaseException] = []
         self._paths: dict[int, str] = {}  # committed step -> the path it was saved as (cache)
         self._sweeper: ThreadPoolExecutor | None = None
         self._sweeps: list[Future] = []
@@ -141,7 +155,9 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._drop_replaced(block=False)
         step = self._next_step(global_step)
         save_id = uuid.uuid4().hex
-        replaced = self._own_pointer_at(path)
+        with self._pointing:
+            waiting = self._overwrites.get(path)
+        replaced = waiting[-1][1] if waiting else self._own_pointer_at(path)
         meta = {META_KEY: {"path": path, "global_step": global_step, "save_id": save_id}}
         handle = self.checkpointer.save(step, wrap(checkpoint), metadata=meta)
         if handle.skipped:
@@ -151,9 +167,17 @@ class CkptstoreCheckpointIO(CheckpointIO):
             return
         self._pending[step] = handle
         self._newest = max(self._newest, step)
-        _pointer.write(path, Pointer(self._store_id, step, save_id, global_step))
-        if replaced is not None:
-            self._replaced.append((handle, replaced))
+        pointer = Pointer(self._store_id, step, save_id, global_step)
+        if replaced is None:
+            _pointer.write(path, pointer)  # a new name: Lightning may link or copy it at once
+            self._when_done(handle, lambda: self._unpoint_failed(handle, path, pointer))
+            return
+        # ``last.ckpt`` names the save it holds until this one commits: a kill (or a failed or
+        # skipped save) in between leaves it naming a committed step, as an atomic write does.
+        with self._pointing:
+            self._overwrites.setdefault(path, []).append((handle, pointer))
+        self._drops.append((handle, replaced))
+        self._when_done(handle, lambda: self._point_committed(handle, path, pointer))
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -184,10 +208,22 @@ class CkptstoreCheckpointIO(CheckpointIO):
         """Delete the pointer at ``path`` and unlist the step it names: its chunks that no other
         step references are swept by ckptstore's garbage collection in the background."""
         path = str(path)
-        pointer = self._own_pointer_at(path)
-        if not _pointer.remove(path):
-            logger.warning("remove_checkpoint: there is no checkpoint at %s", path)
-        if pointer is not None:
+        if os.path.islink(path):  # save_last="link": the file it links to names the step
+            os.unlink(path)
+            return
+        with self._pointing:
+            waiting = self._overwrites.pop(path, [])
+            pointer = self._own_pointer_at(path)
+            if not _pointer.remove(path):
+                logger.warning("remove_checkpoint: there is no checkpoint at %s", path)
+        self._drops.extend(waiting)  # their pointers are never written: nothing names them
+        if pointer is None:
+            return
+        if self._pending:
+            # The top-k file Lightning replaces goes once the save that replaces it commits:
+            # a kill (or a failed or skipped save) before then leaves a step to resume from.
+            self._drops.append((self._pending[max(self._pending)], pointer))
+        else:
             self._drop(pointer)
 
     def teardown(self) -> None:
@@ -197,6 +233,9 @@ class CkptstoreCheckpointIO(CheckpointIO):
         sweeps, self._sweeps = self._sweeps, []
         for sweep in sweeps:
             sweep.result()
+        errors, self._pointer_errors = self._pointer_errors, []
+        if errors:
+            raise errors[0]
 
     # -- beyond CheckpointIO ----------------------------------------------------------------
 
@@ -227,31 +266,86 @@ class CkptstoreCheckpointIO(CheckpointIO):
     def _wait_saves(self) -> None:
         self._pending.clear()
         if self._checkpointer is not None:
-            self._checkpointer.wait()
+            try:
+                self._checkpointer.wait()
+            finally:  # the pointer updates of the saves that finished
+                with self._pointing:
+                    self._pointing.wait_for(lambda: self._callbacks == 0)
 
-    def _own_pointer_at(self, path: str) -> Pointer | None:
+    def _own_pointer_at(self, path: str, *, quiet: bool = False) -> Pointer | None:
         """The pointer at ``path`` if it names a step of this store (anything else there, a
         damaged pointer included, is not ours to drop)."""
-        data = _pointer.read(path)
+        try:
+            data = _pointer.read(path)
+        except OSError:
+            if quiet:
+                return None
+            raise
         if data is None or not _pointer.is_pointer(data):
             return None
         try:
             pointer = _pointer.decode(data, path)
         except CheckpointCorruptError as exc:
-            logger.warning("%s", exc)
+            if not quiet:
+                logger.warning("%s", exc)
             return None
         return pointer if pointer.store == self._store_id else None
 
     def _drop_replaced(self, *, block: bool) -> None:
-        """Drop the saves whose pointers were overwritten, once the save that replaced each
-        has committed (if it failed, the replaced save stays)."""
+        """Unlist the steps waiting on a save, once it has committed (if it failed or was
+        skipped, they stay)."""
         kept = []
-        for handle, old in self._replaced:
-            if not (block or handle.done()):
+        for handle, old in self._drops:
+            if not handle.done():
+                assert not block, "teardown waits for every save first"
                 kept.append((handle, old))
-            elif handle.exception() is None:
+            elif handle.committed:
                 self._drop(old)
-        self._replaced = kept
+            else:
+                logger.info(
+                    "step %d of %s kept: the save after it did not commit", old.step, self.uri
+                )
+        self._drops = kept
+
+    def _when_done(self, handle: SaveHandle, update: Any) -> None:
+        """Run ``update`` once ``handle`` is done, on the thread that finished it; waited for
+        by ``_wait_saves``."""
+
+        def run(_: SaveHandle) -> None:
+            try:
+                update()
+            except Exception as exc:  # noqa: BLE001 - raised by teardown
+                self._pointer_errors.append(exc)
+            finally:
+                with self._pointing:
+                    self._callbacks -= 1
+                    self._pointing.notify_all()
+
+        with self._pointing:
+            self._callbacks += 1
+        handle.add_done_callback(run)
+
+    def _point_committed(self, handle: SaveHandle, path: str, pointer: Pointer) -> None:
+        """On the saving thread, once ``handle`` is done: the pointer at ``path`` names its
+        save if it committed and Lightning still wants that path."""
+        with self._pointing:
+            waiting = self._overwrites.get(path, [])
+            mine = [i for i, (h, _) in enumerate(waiting) if h is handle]
+            if not mine:
+                return  # the path was removed meanwhile
+            del waiting[: mine[0] + 1]  # saves commit in order: the older ones are done
+            if not waiting:
+                del self._overwrites[path]
+            if handle.committed:
+                _pointer.write(path, pointer)
+
+    def _unpoint_failed(self, handle: SaveHandle, path: str, pointer: Pointer) -> None:
+        """A save that failed or was skipped leaves no pointer naming it."""
+        if handle.committed:
+            return
+        with self._pointing:
+            if self._own_pointer_at(path, quiet=True) == pointer:
+                _pointer.remove(path)
 
     def _drop(self, pointer: Pointer) -> None:
         """Unlist ``pointer``'s step if it still holds that save, and sweep in the background."""

@@ -394,3 +394,66 @@ def test_resuming_a_max_steps_run_on_an_endless_dataloader(plugin, tmp_path):
     assert_same(resumed.start, first.at[4])
     assert _pointers(io, ckpts) == {"step=2.ckpt": 2, "step=4.ckpt": 4, "step=6.ckpt": 6}
     _assert_loads(io, ckpts / "step=6.ckpt", 6, 0, resumed.at[6])
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_removing_a_last_link_keeps_the_step_its_target_names(plugin, tmp_path):
+    """save_last="link" with a last name per step: Lightning links last-step=N.ckpt to
+    step=N.ckpt and removes the previous link through the plugin. Removing a link removes the
+    link: the kept top-k file it named still loads (the plugin read the pointer through the link
+    and dropped that file's step)."""
+    io, ckpts = plugin(), tmp_path / "ckpts"
+    checkpoint = _every(ckpts, save_top_k=-1, save_last="link")
+    checkpoint.CHECKPOINT_NAME_LAST = "last-{step}"
+    run = Snapshots(2, 4, 6)
+    _trainer(io, run, checkpoint, max_steps=6).fit(BoringModel())
+    assert ("remove", "last-step=4.ckpt") in io.take_calls()
+    assert sorted(os.listdir(ckpts)) == [
+        "last-step=6.ckpt",
+        "step=2.ckpt",
+        "step=4.ckpt",
+        "step=6.ckpt",
+    ]
+    assert os.readlink(ckpts / "last-step=6.ckpt") == "step=6.ckpt"
+    for step in (2, 4, 6):
+        _assert_loads(io, ckpts / f"step={step}.ckpt", step, 0, run.at[step])
+    assert sorted(io.steps()) == [2, 4, 6]
+
+
+class _NaNFrom(Callback):
+    """Turns the model's weights to NaN after global step ``step``: every later save is
+    unhealthy."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_saves_skipped_as_unhealthy_replace_no_healthy_checkpoint(store, tmp_path):
+    """HealthPolicy(on_unhealthy="skip") through the plugin: the top-k file Lightning replaces
+    and the last.ckpt it overwrites keep their healthy steps until a save that replaces them
+    commits; a skipped save commits nothing, so they stay (the plugin dropped both at once:
+    the store ended empty, every pointer dangling), and it leaves no pointer naming it."""
+    from ckptstore import HealthPolicy
+
+    io = Recording(store)
+    io._options["health"] = HealthPolicy(ignore=("callbacks/",), on_unhealthy="skip")
+    ckpts = tmp_path / "ckpts"
+    run = Snapshots(2)
+    checkpoint = _every(ckpts, save_top_k=1, save_last=True)
+    try:
+        _trainer(io, run, _NaNFrom(3), checkpoint, max_steps=6).fit(BoringModel())
+        assert ("remove", "step=2.ckpt") in io.take_calls()
+        assert sorted(os.listdir(ckpts)) == ["last.ckpt"]  # its step=4 and 6: never committed
+        _assert_loads(io, ckpts / "last.ckpt", 2, 0, run.at[2])
+        assert len(io.steps()) == 2  # step=2.ckpt's save stays too: nothing replaced it
+        loaded = io.load_checkpoint("latest")
+        assert loaded["global_step"] == 2
+    finally:
+        io.close()
