@@ -180,3 +180,75 @@ def test_a_token_shard_linked_from_outside_the_root_is_not_read(tmp_path: Path, 
     with pytest.raises(Exception, match="outside the store's root") as info:
         list(ShardDataset(str(root), fmt, config=LoaderConfig(shuffle=False)))
     assert "SECRET" not in str(info.value)
+
+
+def test_an_mds_shard_declaring_more_raw_bytes_than_the_bound_is_refused_at_open(
+    tmp_path: Path,
+) -> None:
+    """Adversary: the zstd bomb with the index's raw size raised to 2**62, so that the
+    decompression bound (the declared size) no longer bounds anything: refused at open, before
+    a byte of the shard is read. A bound below a real shard refuses it the same way."""
+    root = tmp_path / "ds"
+    write_mds(root, "zstd")
+    plant_zstd_bomb(root)
+    index = json.loads((root / "index.json").read_text())
+    index["shards"][0]["raw_data"]["bytes"] = 1 << 62
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=r"4611686018427387904 raw bytes, more than MDS"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+    small = tmp_path / "small"
+    raw = write_mds(small, "zstd")["shards"][0]["raw_data"]["bytes"]
+    with pytest.raises(ShardCorruptError, match=rf"{raw} raw bytes, more than MDS.max_shard_bytes"):
+        ShardDataset(str(small), MDS(max_shard_bytes=raw - 1), config=IN_ORDER)
+    assert len(list(ShardDataset(str(small), MDS(max_shard_bytes=raw), config=IN_ORDER))) == 10
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda ix: ix["shards"][0].update(column_sizes=[None, "x"]),
+            r"column_sizes \[None, 'x'\] are not sizes or null",
+        ),
+        (
+            lambda ix: ix["shards"][0].update(column_encodings=["str", "ndarray:uint16:abc"]),
+            "MDS column encoding 'ndarray:uint16:abc' is malformed",
+        ),
+        (
+            lambda ix: ix["shards"][0].update(column_encodings=["str", "ndarray:O"]),
+            "'ndarray:O': object is not an array dtype",
+        ),
+    ],
+)
+def test_malformed_mds_columns_are_corrupt_at_open(tmp_path: Path, edit, message) -> None:
+    """Were a raw ValueError at open, or a type error every read retried as a replica failure."""
+    root = tmp_path / "ds"
+    index = write_mds(root, None)
+    edit(index)
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=message):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_an_mds_index_nested_past_the_parser_is_corrupt(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    write_mds(root, None)
+    (root / "index.json").write_text("[" * 100_000)
+    with pytest.raises(ShardCorruptError, match="index.json is not JSON"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+@pytest.mark.parametrize(("encoding", "value"), [("str_decimal", "abc"), ("json", "[" * 100_000)])
+def test_mds_values_their_encoding_cannot_decode_are_corrupt_samples(
+    tmp_path: Path, encoding: str, value: str
+) -> None:
+    """A str_decimal that is no number, a json value nested past the parser: the sample is
+    corrupt (named by shard and offset), not a replica read failure retried and benched."""
+    root = tmp_path / "ds"
+    with MDSWriter(root, columns={"v": "str"}) as w:
+        w.write({"v": value})
+    index = json.loads((root / "index.json").read_text())
+    index["shards"][0]["column_encodings"] = [encoding]
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match="sample 0 at offset .* cannot be decoded"):
+        list(ShardDataset(str(root), MDS(), config=IN_ORDER))

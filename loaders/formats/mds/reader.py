@@ -61,8 +61,13 @@ _IMAGE_ENCODINGS = {"pil", "jpeg", "png", "jpeg_array", "jpegarray", "jpeg_array
 
 def _ndarray_decoder(spec: str) -> Callable[[bytes], np.ndarray]:
     parts = spec.split(":")[1:]
-    dtype = np.dtype(parts[0]) if parts and parts[0] else None
-    shape = tuple(int(x) for x in parts[1].split(",")) if len(parts) > 1 else None
+    try:
+        dtype = np.dtype(parts[0]) if parts and parts[0] else None
+        shape = tuple(int(x) for x in parts[1].split(",")) if len(parts) > 1 else None
+    except (TypeError, ValueError) as exc:
+        raise ShardCorruptError(f"MDS column encoding {spec!r} is malformed: {exc}") from None
+    if dtype is not None and (dtype.hasobject or dtype.itemsize == 0):
+        raise ShardCorruptError(f"MDS column encoding {spec!r}: {dtype} is not an array dtype")
 
     def decode(b: bytes) -> np.ndarray:
         i = 0
@@ -141,9 +146,15 @@ class MDS:
     (``jpeg``, ``png``: the image file; ``pil``: ``uint32`` width, height, mode length, the
     mode, then ``Image.tobytes()``), ``pkl`` without unpickling, or encodings not read here.
     Decoding them is left to the dataset's ``transform``."""
+    max_shard_bytes: int = 1 << 32
+    """Most raw bytes a shard may declare (and a compressed one decompress to): an index
+    declaring more is :class:`ShardCorruptError` at open, so that no shard grows the reader
+    past it (upstream's shards are 64 MiB by default)."""
     name: str = field(default="mds", init=False)
 
     def __post_init__(self) -> None:
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"MDS.max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
         if isinstance(self.raw_columns, str):
             raise ValueError(
                 f"MDS raw_columns takes a tuple of column names, got the string {self.raw_columns!r}"
@@ -154,8 +165,8 @@ class MDS:
         raw = replicas.read_same(self.index)
         try:
             index = json.loads(raw)
-        except ValueError as exc:
-            raise ShardCorruptError(f"{self.index} is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ShardCorruptError(f"{self.index} is not JSON: {exc}") from None
         if not isinstance(index, dict) or index.get("version") != 2:
             raise UnknownFormatError(
                 f"{self.index}: MDS index version "
@@ -188,6 +199,11 @@ class MDS:
                     verify=self.verify_hashes,
                     raw=frozenset(self.raw_columns),
                 )
+                if shard.raw_bytes > self.max_shard_bytes:
+                    raise ShardCorruptError(
+                        f"{where}: {shard.raw_bytes} raw bytes, more than "
+                        f"MDS.max_shard_bytes ({self.max_shard_bytes})"
+                    )
             except (KeyError, TypeError, AttributeError) as exc:
                 what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ShardCorruptError(f"{where}: malformed entry ({what})") from None
@@ -270,6 +286,11 @@ class _Shard:
             allow_pickle=allow_pickle,
             raw_columns=raw,
         )
+        if any(
+            size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0)
+            for size in shard.sizes
+        ):
+            raise ShardCorruptError(f"{index}: column_sizes {shard.sizes!r} are not sizes or null")
         columns = {len(shard.names), len(shard.encodings), len(shard.sizes)}
         if len(columns) != 1:
             raise ShardCorruptError(
@@ -403,7 +424,8 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list
             for name, size, dec in zip(shard.names, sizes, decoders):
                 sample[name] = dec(bytes(view[pos : pos + size]))
                 pos += size
-        except (ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+        except (ValueError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
+            # ArithmeticError: decimal's InvalidOperation; RecursionError: deep json columns
             raise ShardCorruptError(
                 f"{what}: sample {j} at offset {begin} cannot be decoded: {exc}"
             ) from exc
