@@ -97,6 +97,7 @@ from ckptstore.options import (
     StorageOptions,
     TierOptions,
 )
+from ckptstore.store.backends import refuse_a_mistyped_scheme
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -175,6 +176,8 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         if not self.enable:
             return
         self.folder = filesystem.join(base_folder, config.folder)
+        if "://" not in str(self.folder) and not os.path.lexists(self.folder):
+            refuse_a_mistyped_scheme(str(config.folder))  # joined, s3:/b/run is a local path
         self.interval = config.interval
         self.states = states
         self.states.update(
@@ -372,14 +375,16 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                         f"--checkpoint.load_step={step} not found in {self.folder} "
                         f"(committed steps: {_some(committed)})"
                     )
-                newer = [s for s in committed if s > step]
-                if newer and not self.load_only:
-                    raise ValueError(
-                        f"--checkpoint.load_step={step} is older than step {newer[-1]} committed "
-                        f"in {self.folder}: steps are write-once, so the saves after it would "
-                        "collide; load it with load_only=True, or train on in a new folder with "
-                        f"initial_load_path={_step_path(self.folder, step)!r}"
-                    )
+                newest = committed[-1]
+            else:  # the local tiers' steps too (collective, as the load)
+                newest = _agreed(reader.latest())
+            if newest is not None and newest > step and not self.load_only:
+                raise ValueError(
+                    f"--checkpoint.load_step={step} is older than step {newest} committed "
+                    f"in {self.folder}: steps are write-once, so the saves after it would "
+                    "collide; load it with load_only=True, or train on in a new folder with "
+                    f"initial_load_path={_step_path(self.folder, step)!r}"
+                )
             load_step = step
         if load_step is not None:
             # A job restarted with the same arguments resumes here; initial_* are ignored.

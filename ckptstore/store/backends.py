@@ -382,11 +382,11 @@ def open_backend(
         raise ValueError(f"cannot open store {uri!r}: {exc}") from exc
     root = root.rstrip("/")
     if "file" in _protocols(fs) and not os.path.lexists(root):
-        _refuse_a_mistyped_scheme(uri)
+        refuse_a_mistyped_scheme(uri)
     return _backend_class(fs)(fs, uri=uri, root=root, options=options), root
 
 
-def _refuse_a_mistyped_scheme(uri: str) -> None:
+def refuse_a_mistyped_scheme(uri: str) -> None:
     """``s3:/bucket/run`` (one slash) is a local path to fsspec: a new store would be made in
     a directory named ``s3:``. Refused when that path does not exist yet."""
     match = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)(.*)", uri)

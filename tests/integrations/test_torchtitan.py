@@ -233,6 +233,10 @@ def test_killed_job_resumes_from_local_tiers(tmp_path, reference):
     assert [losses(out, rank)[0] for rank in range(2)] == [[0, 4], [0, 4]]
     assert_same_run(out, reference)
     assert list_steps(open_store(str(tmp_path / "dump" / "checkpoint")))[-1] == STEPS
+    # A roll back with tiers is refused up front too (trained an interval, then StepExistsError)
+    refused = run_job({**spec, "checkpoint": ckpt(keep_latest_k=2, load_step=4)})
+    assert [r.returncode for r in refused] != [0, 0]
+    assert f"--checkpoint.load_step=4 is older than step {STEPS}" in refused[0].stderr
 
 
 @needs_torchtitan
@@ -344,6 +348,25 @@ def test_config_is_torchtitans_and_checks_its_fields():
     assert isinstance(manager, CkptstoreCheckpointManager)
     assert manager.load() is False and manager.save(10, last_step=True) is False
     manager.close()
+
+
+@needs_torchtitan
+def test_a_folder_uri_with_one_slash_is_refused_not_made_a_local_directory(tmp_path):
+    """torchtitan joins folder to the dump folder: s3:/bucket/run became the local directory
+    <dump>/s3:/bucket/run, and the job 'saved to S3' on the node's disk."""
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+
+    with pytest.raises(ValueError, match=r"did you mean s3://bucket/run\?"):
+        CkptstoreCheckpointManager.Config(enable=True, folder="s3:/bucket/run").build(
+            dataloader=None,
+            model_parts=[torch.nn.Linear(2, 2)],
+            optimizers=None,
+            lr_schedulers=None,
+            states={},
+            sd_adapter=None,
+            base_folder=str(tmp_path),
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 @needs_torchtitan
