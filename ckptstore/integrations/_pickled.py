@@ -23,14 +23,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.errors import UnsupportedStateError
+from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
 
 MARKER = "__ckptstore_pickled__"
 
 _PLAIN = (type(None), bool, int, float, str, bytes, bytearray)  # exact types: an IntEnum is pickled
-_SAFE_BUILTINS = {
-    ("builtins", name) for name in ("set", "frozenset", "complex", "slice", "range", "bytearray")
-} | {("collections", "OrderedDict"), ("collections", "defaultdict"), ("pathlib", "PosixPath")}
+# Sets and bytearrays have opcodes of their own at the protocol ``wrap`` writes: their
+# constructors are not resolved (``bytearray(2**40)`` in a crafted blob allocates a TiB).
+_SAFE_BUILTINS = {("builtins", name) for name in ("complex", "slice", "range")} | {
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("pathlib", "PosixPath"),
+}
 
 
 def wrap(value: Any) -> Any:
@@ -99,6 +103,10 @@ class _TensorUnpickler(pickle.Unpickler):
         self.weights_only = weights_only
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
+        if type(pid) is not int or not 0 <= pid < len(self.tensors):
+            raise CheckpointCorruptError(
+                f"a pickled value names tensor {pid!r} of the {len(self.tensors)} saved with it"
+            )
         return self.tensors[pid]
 
     def find_class(self, module: str, name: str) -> Any:

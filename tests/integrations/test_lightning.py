@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from bench.faults import Faults, with_faults  # noqa: E402
 from ckptstore import (  # noqa: E402
+    CheckpointCorruptError,
     Checkpointer,
     CheckpointNotFoundError,
     EncodingOptions,
@@ -33,7 +34,7 @@ from ckptstore import (  # noqa: E402
     UnsupportedStateError,
 )
 from ckptstore.catalog import list_steps  # noqa: E402
-from ckptstore.integrations._pickled import MARKER, wrap  # noqa: E402
+from ckptstore.integrations._pickled import MARKER, unwrap, wrap  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO  # noqa: E402
 
 
@@ -301,6 +302,34 @@ def test_values_the_state_refuses_are_pickled_beside_verified_tensors(tmp_path):
     marker = wrap(config)
     assert torch.equal(marker["tensors"][0], config.scale)
     assert config.scale.numpy().tobytes() not in marker[MARKER]
+
+
+def _reduce_blob(module: bytes, name: bytes, arg: int) -> bytes:
+    """A pickle (protocol 2) calling ``module.name(arg)``."""
+    return (
+        b"\x80\x02c" + module + b"\n" + name + b"\n" + b"\x8a\x08" + arg.to_bytes(8, "little")
+        + b"\x85R."
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("blob", "error"),
+    [
+        (_reduce_blob(b"builtins", b"bytearray", 1 << 40), "pickled builtins.bytearray"),
+        (_reduce_blob(b"builtins", b"set", 1 << 40), "pickled builtins.set"),
+        (b"\x80\x02K\x07Q.", "a pickled value names tensor 7 of the 0 saved with it"),
+    ],
+    ids=["bytearray-2**40", "set", "persistent-id"],
+)
+def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
+    """Adversary: a blob in a step's state calling bytearray(2**40) (a TiB) or naming a tensor
+    that was not saved with it (was a bare IndexError). Sets and bytearrays that ``wrap``
+    pickles have opcodes of their own: they still load."""
+    with pytest.raises((UnsupportedStateError, CheckpointCorruptError), match=error):
+        unwrap({MARKER: blob, "tensors": []}, weights_only=True)
+    kept = [{1, 2}, frozenset({3}), bytearray(b"ab"), range(4)]
+    assert all(MARKER in wrap(value) for value in kept[:2])  # pickled, not state values
+    assert [unwrap(wrap(value), weights_only=True) for value in kept] == kept
 
 
 CHILD = """
