@@ -190,6 +190,11 @@ class CkptstoreCheckpointIO(CheckpointIO):
             state = self._load_step(self.checkpointer, self._step_of_word(path))
         else:
             data = _pointer.read(str(path))
+            if data == b"":
+                raise CheckpointCorruptError(
+                    f"{path} is empty: neither a ckptstore pointer nor a torch checkpoint (a "
+                    "save killed as it wrote the file?); 'latest' loads the store's newest step"
+                )
             if data is not None and not _pointer.is_pointer(data):
                 options = {} if map_location is None else {"map_location": map_location}
                 return TorchCheckpointIO().load_checkpoint(
@@ -375,6 +380,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
         if pointer.store == self._store_id:
             self._check(pointer, path, self.checkpointer.store)
             return self._load_step(self.checkpointer, pointer.step, pointer, path)
+        logger.warning(  # the file, not this plugin, chose that store
+            "%s points to another store than %s: loading step %d of %s",
+            path,
+            self.uri,
+            pointer.step,
+            pointer.store,
+        )
         with Checkpointer(pointer.store, storage_options=self._storage_options) as other:
             self._check(pointer, path, other.store)
             return self._load_step(other, pointer.step, pointer, path)
@@ -395,6 +407,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
         try:
             manifest = load_manifest(store, pointer.step)
         except CheckpointNotFoundError:
+            if not list_steps(store) and not store.list(""):
+                raise CheckpointNotFoundError(
+                    f"{where}, a store that holds nothing: moved, deleted or mistyped?"
+                ) from None
             raise CheckpointNotFoundError(
                 f"{where}, which is not committed: its save did not finish or was removed"
             ) from None

@@ -80,6 +80,7 @@ except ImportError as exc:
         f"imports: pip install 'ckptstore[torchtitan]' ({exc})"
     ) from exc
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -399,6 +400,7 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                 raise ValueError(
                     f"Checkpoint.initial_load_path is invalid: {self.initial_load_path} "
                     f"names no committed ckptstore step (committed: {_some(committed)})"
+                    + _dcp_folder_hint(self.initial_load_path)
                 )
             model_only = self.initial_load_model_only
         else:
@@ -479,6 +481,22 @@ def _split_step(path: str) -> tuple[str, int | None]:
     if head and match:
         return head, int(match.group(1))
     return path, None
+
+
+def _dcp_folder_hint(path: str) -> str:
+    """Why a plain DCP checkpoint folder (torchtitan's own ``step-N``) does not load here."""
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+        found = fs.exists(f"{root.rstrip('/')}/.metadata")
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    if not found:
+        return ""
+    return (
+        "; it is a plain DCP checkpoint (it holds .metadata), as torchtitan's own manager "
+        "writes: start from it with that manager's initial_load_path once, then save with "
+        "ckptstore"
+    )
 
 
 def _some(steps: list[int]) -> str:

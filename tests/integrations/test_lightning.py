@@ -222,7 +222,15 @@ def test_a_pointer_is_refused_once_its_save_is_gone(tmp_path):
     assert torch.equal(again.load_checkpoint(str(tmp_path / "new.ckpt"))["w"], torch.zeros(4))
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint at .*missing.ckpt"):
         again.load_checkpoint(str(tmp_path / "missing.ckpt"))
+    (tmp_path / "empty.ckpt").write_bytes(b"")  # a save killed as it wrote a torch file
+    with pytest.raises(CheckpointCorruptError, match=r"empty.ckpt is empty: neither"):
+        again.load_checkpoint(str(tmp_path / "empty.ckpt"))
     again.close()
+    shutil.move(uri, str(tmp_path / "moved"))
+    gone = CkptstoreCheckpointIO(uri)
+    with pytest.raises(CheckpointNotFoundError, match=r"new.ckpt points to .*holds nothing: moved"):
+        gone.load_checkpoint(str(tmp_path / "new.ckpt"))
+    gone.close()
 
 
 def test_a_torch_checkpoint_file_loads_through_the_plugin(tmp_path):
