@@ -437,3 +437,28 @@ def test_ckptstore_imports_without_torchtitan():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pip install 'ckptstore[torchtitan]'" in done.stdout
+
+
+@needs_torchtitan
+def test_an_initial_load_path_naming_a_plain_dcp_folder_says_what_it_is(tmp_path):
+    """Users moving from torchtitan's own manager point initial_load_path at its step folders."""
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+
+    folder = tmp_path / "outputs" / "checkpoint" / "step-4"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"DCP metadata")
+    config = CkptstoreCheckpointManager.Config(enable=True, initial_load_path=str(folder))
+    manager = config.build(
+        dataloader=None,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path / "dump"),
+    )
+    try:
+        with pytest.raises(ValueError, match=r"names no committed .* it is a plain DCP checkpoint"):
+            manager.load()
+    finally:
+        manager.close()
