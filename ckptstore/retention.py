@@ -21,7 +21,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
-from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    StorageError,
+)
 from ckptstore.format import (
     Manifest,
     attempt_of_key,
@@ -96,7 +101,8 @@ def collect(
     newest healthy step is kept too, so a run of unhealthy steps never leaves the store
     without one to resume from. ``verify_chunks``: every chunk of every readable step is
     re-hashed first (``verify``); a step with a damaged or missing chunk is corrupt, as one
-    whose manifest does not decode. ``check_chunks``: one listing of the chunks first, and a
+    whose manifest does not decode; one the store does not answer for fails the call
+    (``StorageError``, nothing deleted). ``check_chunks``: one listing of the chunks first, and a
     step that references a chunk not there is corrupt (``ckptstore gc``: a step that lost a
     chunk never stands in for one that loads). ``warn=False``: what the report holds is logged
     at INFO, not WARNING (a caller that prints the report)."""
@@ -153,7 +159,7 @@ def collect(
 @dataclass
 class _Step:
     manifest: Manifest
-    chunks: set[str]
+    chunks: dict[str, int]  # digest -> the size its index records
 
 
 _CORRUPT = "corrupt: "
@@ -176,7 +182,11 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
         except (CheckpointCorruptError, FormatVersionError) as exc:
             return _why(exc)
         try:
-            chunks = {d for index in load_rank_indexes(store, manifest) for d in index.chunks}
+            chunks = {
+                d: info.stored
+                for index in load_rank_indexes(store, manifest)
+                for d, info in index.chunks.items()
+            }
         except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
             return _why(exc)
         return _Step(manifest, chunks)
@@ -194,7 +204,15 @@ def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -
     """Move each step of ``readable`` whose chunks do not all re-hash to the unreadable ones."""
     from ckptstore._inspect import verify_steps  # torch: only where chunks are read
 
-    for check in verify_steps(store, sorted(readable)):
+    checks = verify_steps(store, sorted(readable))
+    unread = [(c.step, p) for c in checks for p in c.problems if p.problem == "unreadable"]
+    if unread:  # asked to verify: a plan over steps it could not check would claim it did
+        steps = ", ".join(map(str, sorted({step for step, _ in unread})))
+        raise StorageError(
+            f"gc --verify could not read {len(unread)} object(s) of step(s) {steps} (first: "
+            f"{unread[0][1].object}: {unread[0][1].error}): nothing deleted"
+        )
+    for check in checks:
         bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
         if bad:
             shown = "; ".join(f"{p.object} {p.problem}" for p in bad[:3])
@@ -204,14 +222,22 @@ def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -
 
 
 def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
-    """Move each step of ``readable`` that references a chunk not listed to the unreadable ones
-    (listed after the steps were read: a step's chunks are all there before it commits)."""
-    present = {digest_of_chunk_key(k) for k in store.list("chunks")}  # at its own key only
+    """Move each step of ``readable`` that references a chunk not listed, or listed at another
+    size than its index records (truncated), to the unreadable ones (listed after the steps
+    were read: a step's chunks are all there before it commits)."""
+    present = {  # at its own key only
+        digest_of_chunk_key(k): size for k, size in store.list_sizes("chunks").items()
+    }
     for step in sorted(readable):
-        missing = sorted(readable[step].chunks - present)
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            report.unreadable_steps[step] = f"{_CORRUPT}{chunk_key(missing[0])} missing{more}"
+        chunks = readable[step].chunks
+        missing = sorted(d for d in chunks if d not in present)
+        cut = sorted(d for d in chunks if d in present and present[d] != chunks[d])
+        if missing or cut:
+            bad = (missing or cut)[0]
+            found = "missing" if missing else f"{present[bad]} bytes, its index says {chunks[bad]}"
+            more = len(missing) + len(cut) - 1
+            more_text = f" and {more} more" if more else ""
+            report.unreadable_steps[step] = f"{_CORRUPT}{chunk_key(bad)} {found}{more_text}"
             del readable[step]
 
 

@@ -42,9 +42,14 @@ def _setup_logging(args: argparse.Namespace) -> tuple[logging.Handler, int]:
     return handler, old_level
 
 
-def _teardown_logging(handler: logging.Handler, old_level: int) -> None:
+def _teardown_logging(handler: logging.Handler, old_level: int, *, exiting: bool) -> None:
+    """``exiting``: the process ends with the command (run as ``ckptstore``): a request still
+    in flight after its error (a store that never answered) logs into a sink, not bare on
+    stderr through ``logging.lastResort`` after the command's one-line error."""
     root = logging.getLogger()
     root.removeHandler(handler)
+    if exiting:
+        root.addHandler(logging.NullHandler())
     root.setLevel(old_level)
     flush_stdout()
 
@@ -70,6 +75,7 @@ def _json_error(message: str, status: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 checkpoint problem, 2 usage)."""
     parser = build_parser()
+    exiting = argv is None  # the command line's own process, not a caller's
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = common_options_after_command(argv, set(parser.commands))
     try:
@@ -100,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stdout_gone()
             return 0
         finally:
-            _teardown_logging(handler, old_level)
+            _teardown_logging(handler, old_level, exiting=exiting)
     try:
         return func(args, open_store(args))
     except Failed as exc:
@@ -123,4 +129,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug: still one line, --debug shows the traceback
         return fail(1, f"unexpected {type(exc).__name__}: {exc} (rerun with --debug for details)")
     finally:
-        _teardown_logging(handler, old_level)
+        _teardown_logging(handler, old_level, exiting=exiting)

@@ -77,6 +77,10 @@ class Backend(ABC):
     def list(self, path: str) -> list[str]:
         """Every object below ``path`` (recursive), as absolute paths; [] if there is none."""
 
+    def list_sizes(self, path: str) -> dict[str, int]:
+        """``list``, with each object's size (from the listing where the store gives it)."""
+        return {p: self.size(p) for p in self.list(path)}
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove ``path``; one already gone is not an error."""
@@ -144,6 +148,20 @@ class FsspecBackend(Backend):
             return []
         return [name for name, info in found.items() if info.get("type") != "directory"]
 
+    def list_sizes(self, path: str) -> dict[str, int]:
+        try:
+            self.fs.invalidate_cache(path)
+            found = self.fs.find(path, withdirs=False, detail=True)
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise
+            return {}
+        return {
+            name: int(info.get("size") or 0)
+            for name, info in found.items()
+            if info.get("type") != "directory"
+        }
+
     def delete(self, path: str) -> None:
         try:
             self.fs.rm_file(path)
@@ -203,6 +221,10 @@ class MemoryBackend(FsspecBackend):
     def list(self, path: str) -> list[str]:
         with _MEMORY_LOCK:
             return super().list(path)
+
+    def list_sizes(self, path: str) -> dict[str, int]:
+        with _MEMORY_LOCK:
+            return super().list_sizes(path)
 
     def delete(self, path: str) -> None:
         with _MEMORY_LOCK:
@@ -311,6 +333,15 @@ class LocalBackend(FsspecBackend):
         for dirpath, _, files in os.walk(path, onerror=_raise_unless_gone):
             out.extend(os.path.join(dirpath, f) for f in files if TMP_MARK not in f)
         return out
+
+    def list_sizes(self, path: str) -> dict[str, int]:
+        sizes = {}
+        for name in self.list(path):
+            try:
+                sizes[name] = os.lstat(name).st_size
+            except FileNotFoundError:
+                continue  # deleted since the listing
+        return sizes
 
     def delete(self, path: str) -> None:
         try:

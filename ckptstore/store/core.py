@@ -426,6 +426,12 @@ class Store:
         paths = self._request("list", prefix, self.backend.list, base)
         return sorted(self._key(p) for p in paths)
 
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Key -> size of every object below ``prefix`` (one listing on object stores)."""
+        base = self.path(prefix.rstrip("/"))
+        found = self._request("list", prefix, self.backend.list_sizes, base)
+        return {self._key(p): size for p, size in sorted(found.items())}
+
     def _key(self, path: str) -> str:
         return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
 

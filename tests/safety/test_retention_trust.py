@@ -53,7 +53,27 @@ def break_rank_index(store: Store, step: int) -> None:
     put_rank_index(store, step, 0, doc)
 
 
-DAMAGE = {"truncated": truncate_manifest, "manifest": break_manifest, "index": break_rank_index}
+def truncate_own_chunk(store: Store, step: int) -> str:
+    """Cut short a chunk only ``step`` references (its bytes half gone); its key."""
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.format import chunk_key
+
+    def chunks(s: int) -> set[str]:
+        return {d for i in load_rank_indexes(store, load_manifest(store, s)) for d in i.chunks}
+
+    own = sorted(chunks(step) - set().union(*(chunks(s) for s in list_steps(store) if s != step)))
+    key = chunk_key(own[0])
+    data = store.get(key)
+    rewrite(store, key, data[: len(data) // 2])
+    return key
+
+
+DAMAGE = {
+    "truncated": truncate_manifest,
+    "manifest": break_manifest,
+    "index": break_rank_index,
+    "chunk-cut-short": truncate_own_chunk,
+}
 
 
 def loads_step_1(uri: str) -> bool:
@@ -132,9 +152,11 @@ def test_remove_corrupt_deletes_the_damaged_step_then_sweeps(tmp_path, capsys):
 
 
 @pytest.mark.s3
-def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys):
+@pytest.mark.parametrize("damage", ["index", "chunk-cut-short"])
+def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys, damage):
+    """A chunk cut short shows in the listing's sizes (no chunk is read without --verify)."""
     save_two_steps(s3_uri)
-    break_rank_index(Store(s3_uri), 2)
+    DAMAGE[damage](Store(s3_uri), 2)
     doc = gc_json(capsys, s3_uri, "--keep-last", "1")
     assert doc["deleted_steps"] == [] and doc["kept_steps"] == [1] and not doc["swept"]
     assert [u["step"] for u in doc["unreadable_steps"]] == [2]
@@ -173,3 +195,28 @@ def test_gc_never_keeps_a_step_that_lost_a_chunk_in_place_of_one_that_loads(tmp_
     )
     assert main(["gc", uri, "--keep-last", "1", "--remove-corrupt"]) == 0
     assert list_steps(store) == [2]
+
+
+def test_gc_verify_that_cannot_read_a_chunk_fails_and_deletes_nothing(tmp_path, capsys):
+    """A chunk the store does not serve (here a directory where the chunk was: the read fails
+    as a storage error, not as bad bytes) under ``gc --verify``: the plan claimed every step
+    verified and exited 0; the command now fails naming it, and deletes nothing."""
+    import os
+
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.format import chunk_key
+
+    uri = str(tmp_path)
+    save_two_steps(uri)
+    store = Store(uri)
+    digest = sorted(load_rank_indexes(store, load_manifest(store, 2))[0].chunks)[0]
+    path = tmp_path / chunk_key(digest)
+    os.chmod(path, 0o644)
+    path.unlink()
+    path.mkdir()
+    before = store.list()
+    assert main(["gc", uri, "--keep-last", "1", "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert f"gc --verify could not read 1 object(s) of step(s) 2 (first: {chunk_key(digest)}" in err
+    assert err.count("\n") == 1 and "nothing deleted" in err
+    assert store.list() == before and list_steps(store) == [1, 2]

@@ -140,6 +140,41 @@ def test_ckptstore_ls_of_a_hung_endpoint_exits_1_with_one_line(hung_endpoint):
     assert hung_endpoint.endpoint in line, line
 
 
+LATE_RETRY = """
+import logging, sys, threading, time
+from ckptstore.cli import main
+
+def late():  # a request of the command still waiting when its error is printed
+    time.sleep(1.0)
+    logging.getLogger("ckptstore.store.core").warning(
+        "size s3://b/x/chunks/ab/ab: attempt 1 timed out", extra={"ckptstore_retry": True}
+    )
+
+request = threading.Thread(target=late)
+request.start()
+sys.argv = ["ckptstore", "ls", sys.argv[1]]
+status = main()
+request.join(timeout=30)
+sys.exit(status)
+"""
+
+
+def test_a_request_that_outlives_the_command_adds_no_line_after_its_error(tmp_path):
+    """The command's handler (which keeps retry warnings off stderr) was gone once it printed
+    its error; a request still in flight then logged through logging.lastResort, bare, one
+    line per chunk after the one-line error."""
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_RETRY, str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("ckptstore ls: error: "), line
+
+
 def test_retry_warnings_are_shown_with_verbose(hung_endpoint, capsys):
     code = main(["ls", "s3://b/x", "--timeout", "1", "-v"])
     err = capsys.readouterr().err
