@@ -137,20 +137,16 @@ class FsspecBackend(Backend):
         return self.fs.modified(path).timestamp()
 
     def list(self, path: str) -> list[str]:
+        return list(self._found(path))
+
+    def list_sizes(self, path: str) -> dict[str, int]:
+        return self._found(path)
+
+    def _found(self, path: str) -> dict[str, int]:
         try:
             self.fs.invalidate_cache(path)
             # Some stores (SeaweedFS) keep a directory after its last object is deleted, and
             # s3fs's find() of an emptied prefix returns that directory despite withdirs=False.
-            found = self.fs.find(path, withdirs=False, detail=True)
-        except FileNotFoundError as exc:
-            if "bucket" in str(exc).lower():
-                raise
-            return []
-        return [name for name, info in found.items() if info.get("type") != "directory"]
-
-    def list_sizes(self, path: str) -> dict[str, int]:
-        try:
-            self.fs.invalidate_cache(path)
             found = self.fs.find(path, withdirs=False, detail=True)
         except FileNotFoundError as exc:
             if "bucket" in str(exc).lower():
