@@ -21,6 +21,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     FormatVersionError,
+    StorageError,
     one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, chunk_key
@@ -48,6 +49,18 @@ class Copy:
 
     step: int
     attempt: str
+
+
+def _refuse_links(local_dir: str | os.PathLike, path: Path) -> None:
+    """``path`` (``local_dir/job-<j>/rank-<r>``) must be those very directories: a job or rank
+    directory that is a link (planted in a shared ``/dev/shm``, say) would take the tier's
+    writes and its retention's deletes wherever it points, a durable store included."""
+    inside = os.path.join(os.path.realpath(local_dir), path.parent.name, path.name)
+    if os.path.realpath(path) != inside:
+        raise StorageError(
+            f"a link in the local tier, not used: {path} leads to {os.path.realpath(path)}, "
+            f"outside {local_dir}"
+        )
 
 
 class LocalTier:
@@ -143,6 +156,7 @@ class LocalTier:
             if store is None:
                 path = self.rank_dir(ward)
                 path.mkdir(parents=True, exist_ok=True)
+                _refuse_links(self.policy.local_dir, path)
                 store = Store(
                     str(path), retry=local_retry(self.timeout_s), thread_nice=self.thread_nice
                 )
@@ -361,6 +375,11 @@ def tier_copies(
         if not (sub.is_dir() and sub.name[5:].isdigit()):
             continue
         rank = int(sub.name[5:])
+        try:
+            _refuse_links(local_dir, sub)
+        except StorageError as exc:
+            problems.append(str(exc))
+            continue
         store = open_store(sub)
         for step in list_steps(store):
             try:

@@ -47,7 +47,7 @@ from ckptstore.tiers import ahead as tier_ahead
 from ckptstore.tiers import transfer as tier_transfer
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
 from ckptstore.tiers.local import tier_copies
-from ckptstore.tiers.policy import TIER_KEY
+from ckptstore.tiers.policy import TIER_KEY, rank_dir
 from ckptstore.tiers.transfer import wait_written
 from tests.helpers.dcp_tiers import log_records
 from tests.helpers.dist import run_ranks, run_ranks_losing
@@ -346,6 +346,36 @@ def test_an_unwritable_local_dir_sends_saves_to_durable_storage(make, tmp_path, 
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     target = _blank()
     assert front.load(target)[0] == 2 and _same(target, _state(2))
+
+
+def test_a_rank_directory_linked_elsewhere_is_never_written_through(make, tmp_path, caplog):
+    """Adversary: local_dir/job-<j>/rank-<r> replaced by a link to the durable store (planted in
+    a shared /dev/shm; the job directory's name is a hash anyone can compute). The tier wrote its
+    copies through it and its retention deleted the durable store's committed steps. Now the
+    link is refused: saves go to durable storage, with the warning of an unusable local tier."""
+    first = make(durable_every=1)
+    for step in (1, 2):
+        first.save(step, _state(step))
+    first.wait_durable()
+    first.close()
+    durable = tmp_path / "durable"
+    linked = rank_dir(tmp_path / "local", store_identity(Store(str(durable))), 0)
+    shutil.rmtree(linked)
+    linked.symlink_to(durable, target_is_directory=True)
+    before = sorted(p.relative_to(durable) for p in durable.rglob("*"))
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    front = make(durable_every=5, local_keep_last=1)
+    for step in (3, 4, 5):
+        front.save(step, _state(step))
+    assert list_steps(Store(str(durable))) == [1, 2, 3, 4, 5]
+    assert any("a link in the local tier, not used" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+    after = {p.relative_to(durable) for p in durable.rglob("*")}
+    assert set(before) <= after  # nothing of steps 1 and 2 went
+    for step in (1, 5):
+        target = _blank()
+        assert front.load(target, step)[0] == step and _same(target, _state(step))
 
 
 def test_durable_every_drains_in_the_background_with_back_pressure(make, tmp_path):
