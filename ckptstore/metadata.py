@@ -372,3 +372,30 @@ class _Decoder:
                 raise self.fail(f"{what} holds an unknown tag {sorted(value)[0]!r:.40}")
             return {k: self.plain(v, what, depth + 1) for k, v in value.items()}
         return value
+
+
+def check_covered(metadata: Metadata, where: str, *, exact: bool) -> None:
+    """``CheckpointCorruptError`` unless the chunks of each tensor of ``metadata`` add up to
+    its size (a tensor loaded whole would hold bytes never stored where they fall short);
+    ``exact``: also that none overlaps another (a mask of the tensor's size, one byte per
+    element: for a restore that allocates the tensor anyway)."""
+    import numpy as np
+
+    for key, md in metadata.state_dict_metadata.items():
+        if not hasattr(md, "chunks"):
+            continue
+        size = tuple(md.size)
+        total = sum(math.prod(chunk.sizes) for chunk in md.chunks)
+        whole = total == math.prod(size)
+        if whole and exact and len(md.chunks) > 1:
+            covered = np.zeros(size, dtype=bool)
+            for chunk in md.chunks:
+                region = covered[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
+                if region.any():
+                    whole = False
+                    break
+                region[...] = True
+        if not whole:
+            raise CheckpointCorruptError(
+                f"{where}: the chunks of {key!r} do not cover its size {list(size)} exactly once"
+            )

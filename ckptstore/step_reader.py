@@ -36,6 +36,7 @@ from ckptstore._torch_private import (
     narrow_tensor_by_index,
     set_element,
 )
+from ckptstore.device import host_available_bytes
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -43,6 +44,7 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.format import RankIndex, storage_key
+from ckptstore.metadata import check_covered
 from ckptstore.options import ReadOptions
 from ckptstore.pipeline import ChunkSource, PipelineConfig, parse_dtype, read_tensors
 from ckptstore.store import Store
@@ -309,7 +311,19 @@ def full_state_dict(view: StepView) -> dict[str, Any]:
         config=PipelineConfig(read_concurrency=reads.read_concurrency),
         read_batch_bytes=reads.read_batch_bytes,
     )
-    reader.read_metadata()  # raises missing or corrupt metadata errors unwrapped
+    metadata = reader.read_metadata()  # raises missing or corrupt metadata errors unwrapped
+    where = f"step {step} in {store.uri}"
+    need = sum(
+        md.size.numel() * md.properties.dtype.itemsize
+        for md in metadata.state_dict_metadata.values()
+        if hasattr(md, "chunks")
+    )
+    if need > host_available_bytes():
+        raise CheckpointCorruptError(
+            f"{where}: its tensors take {need} bytes, more than the {host_available_bytes()} "
+            "this host has available"
+        )
+    check_covered(metadata, where, exact=True)  # its tensors are allocated whole
     planner = _WeightsOnlyPlanner(f"step {step} in {store.uri}")
     state: dict[str, Any] = {}
     try:

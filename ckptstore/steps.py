@@ -290,8 +290,11 @@ class StepView:
                 CheckpointCorruptError("a dcp step without DCP metadata"),
             )
             return
+        from ckptstore.metadata import check_covered  # torch: a DCP step's metadata is read
+
         try:
             metadata = self.dcp_metadata()
+            check_covered(metadata, f"step {self.step}", exact=False)
         except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
             yield Found(ref.key, "dcp-metadata", exc)
             return

@@ -338,3 +338,26 @@ def test_verify_refuses_metadata_that_places_an_item_where_no_index_holds_it(tmp
     code = main(["verify", uri])
     out, err = capsys.readouterr()
     assert code == 1 and "dcp.metadata" in err and "does not hold it at 1000000" in out
+
+
+def test_metadata_declaring_a_tensor_its_chunks_do_not_cover_is_refused(tmp_path, capsys):
+    """Adversary: model.w declared [512, 4], its one stored chunk left [8, 4]. Restore allocated
+    the whole tensor and wrote the rows never stored (the restoring process's heap) into its
+    output, exit 0, and verify said OK; a size of 2**36 rows made a KB store a TiB allocation."""
+    uri = str(tmp_path / "s")
+    store = _save(uri)
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    _tensor_doc(doc).update(size=[512, 4])
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    with pytest.raises(CheckpointCorruptError, match=r"'model.w' do not cover its size \[512, 4\]"):
+        load_full_state_dict(store, 0)
+    code, err = _cli(capsys, "restore", uri, "--to", tmp_path / "out.pt")
+    assert code == 1 and "do not cover its size [512, 4] exactly once" in err
+    assert not (tmp_path / "out.pt").exists()
+    assert main(["verify", uri]) == 1
+    assert "do not cover its size" in capsys.readouterr().out
+    _tensor_doc(doc).update(size=[1 << 36, 4])
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    with pytest.raises(CheckpointCorruptError, match=r"more than the .* this host has available"):
+        load_full_state_dict(store, 0)
