@@ -20,7 +20,13 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from ckptstore.catalog import legacy_markers, list_steps, load_manifest, load_rank_indexes
+from ckptstore.catalog import (
+    legacy_markers,
+    list_steps,
+    load_manifest,
+    load_rank_indexes,
+    read_object,
+)
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -187,6 +193,8 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
                 for index in load_rank_indexes(store, manifest)
                 for d, info in index.chunks.items()
             }
+            if manifest.dcp_metadata is not None:  # a DCP step does not load without it
+                read_object(store, manifest.dcp_metadata, "DCP metadata")
         except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
             return _why(exc)
         return _Step(manifest, chunks)

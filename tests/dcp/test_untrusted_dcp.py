@@ -361,3 +361,27 @@ def test_metadata_declaring_a_tensor_its_chunks_do_not_cover_is_refused(tmp_path
     replace_referenced(store, 0, key, json.dumps(doc).encode())
     with pytest.raises(CheckpointCorruptError, match=r"more than the .* this host has available"):
         load_full_state_dict(store, 0)
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted"])
+def test_gc_never_keeps_a_dcp_step_without_its_metadata_in_place_of_one_that_loads(
+    tmp_path, capsys, how
+):
+    """Plain gc (no --verify) read a DCP step's manifest and indexes, not its metadata: a step
+    whose dcp.metadata was cut short or gone counted as kept, and gc --keep-last 1 deleted the
+    older step that loads."""
+    uri = str(tmp_path / "s")
+    for step in (0, 1):
+        dcp.save(_state(), storage_writer=StoreWriter(uri), no_dist=True, checkpoint_id=step)
+    store = Store(uri)
+    key = load_manifest(store, 1).dcp_metadata.key
+    if how == "deleted":
+        store.delete(key)
+    else:
+        data = store.get(key)
+        store.delete(key)
+        store.put(key, data[: len(data) // 2])
+    assert main(["gc", uri, "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted steps: none" in out and "unreadable step 1: kept, not counted" in out
+    assert load_full_state_dict(store, 0)["step"] == 7
