@@ -181,7 +181,7 @@ examples:
         List the committed steps of a store, oldest first: kind (state = ckptstore.Checkpointer,
         dcp = torch.distributed.checkpoint), world size, creation time (UTC), raw and stored
         bytes of the chunks the step references, compression ratio (raw / stored) and the user
-        metadata of the save. Saves in flight (pending markers) are listed after the steps.
+        metadata of the save. Saves in flight (their save leases) are listed after the steps.
         """,
         """
           ckptstore ls /ckpt/run7

@@ -64,6 +64,19 @@ def check_target(target: str, fmt: str, force: bool) -> None:
             f"--to {target} holds files but no DCP checkpoint (no .metadata): not replaced, even "
             "with --force; choose a new or empty directory"
         )
+    if not empty and fmt == "dcp":
+        others = sorted(n for n in os.listdir(target) if not _dcp_file(n))
+        if others:
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            raise UsageError(
+                f"--to {target} holds {others[0]!r}{more} besides a DCP checkpoint: not replaced, "
+                "even with --force (it is replaced whole); move them, or choose a new directory"
+            )
+
+
+def _dcp_file(name: str) -> bool:
+    """What torch's ``FileSystemWriter`` writes in a checkpoint directory."""
+    return name == ".metadata" or name.endswith(".distcp")
 
 
 def remove_if_empty_dir(path: str) -> None:
@@ -173,10 +186,15 @@ def _write(target: str, tmp: str, fmt: str, force: bool, state: Any) -> None:
         from torch.distributed.checkpoint import FileSystemWriter
 
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
-        if os.path.isdir(target):
-            if os.listdir(target):
-                assert force  # checked by check_target
-                shutil.rmtree(target)
-            else:
-                os.rmdir(target)
+        if os.path.isdir(target) and not os.listdir(target):
+            os.rmdir(target)
+        elif os.path.isdir(target):
+            assert force  # checked by check_target
+            # Moved aside, not deleted, until the new one is in place: a crash in between
+            # leaves the old checkpoint beside the target, never neither.
+            old = f"{tmp}.old"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+            return
         os.rename(tmp, target)

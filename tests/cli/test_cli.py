@@ -437,6 +437,14 @@ def test_restore_force_replaces_a_dcp_checkpoint_but_not_other_files(store, tmp_
     assert code == 2 and "no DCP checkpoint" in one_line_error(err, "restore")
     assert (notes / "todo.txt").read_text() == "mine"
 
+    # A DCP checkpoint with the operator's files beside it: those are not deleted with it.
+    (target / "eval_notes.txt").write_text("mine")
+    code, _, err = run(capsys, "restore", store, "--to", target, "--format", "dcp", "--force")
+    assert code == 2
+    assert "holds 'eval_notes.txt' besides a DCP checkpoint" in one_line_error(err, "restore")
+    assert (target / "eval_notes.txt").read_text() == "mine" and (target / ".metadata").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
 
 def test_restore_makes_missing_parents_and_refuses_a_file_on_the_way(store, tmp_path, capsys):
     deep = tmp_path / "a" / "b" / "step.pt"

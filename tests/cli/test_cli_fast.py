@@ -104,3 +104,16 @@ def test_options_every_command_takes_may_come_before_it(store: Path, capsys) -> 
     assert doc["steps"][0]["step"] == 1
     assert main(["--jsn", "ls", str(store)]) == 2  # a typo is still a usage error
     assert "--jsn" in capsys.readouterr().err
+
+
+def test_python_dash_m_ckptstore_is_the_command(tmp_path: Path) -> None:
+    """Where the package is not pip-installed (no ``ckptstore`` script), ``python -m
+    ckptstore`` runs the command, as ``python -m ckptstore.cli`` does."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptstore", "ls", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1 and done.stderr.startswith("ckptstore ls: error: no ckptstore")
