@@ -31,9 +31,13 @@ class Pointer:
     step: int
     save_id: str  # also in the step's metadata: tells this save from a later one at that step
     global_step: int
+    pending: bool = False  # written as its save started; rewritten without it once committed
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT, "version": VERSION, **asdict(self)}).encode()
+        doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        if not self.pending:
+            del doc["pending"]  # as pointers were before the field
+        return json.dumps(doc).encode()
 
 
 def store_id(uri: str) -> str:
@@ -66,7 +70,10 @@ def decode(data: bytes, path: str) -> Pointer:
         value = doc.get(name)
         if isinstance(value, bool) or not isinstance(value, kind):
             raise CheckpointCorruptError(f"{path}: pointer field {name!r} is {value!r}")
-    return Pointer(**{name: doc[name] for name in fields})
+    pending = doc.get("pending", False)
+    if not isinstance(pending, bool):
+        raise CheckpointCorruptError(f"{path}: pointer field 'pending' is {pending!r}")
+    return Pointer(**{name: doc[name] for name in fields}, pending=pending)
 
 
 def read(path: str) -> bytes | None:

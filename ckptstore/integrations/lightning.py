@@ -14,9 +14,12 @@ Each checkpoint Lightning saves is two things:
   (also kept in the step's metadata). Lightning lists, versions (``-v1``), links, resolves
   (``ckpt_path="last"``) and removes these files as it does its own checkpoint files.
 
-A pointer at a new path is written as the save starts (Lightning may link it at once); one
-that replaces a pointer of this store (``last.ckpt``) is written once the save commits, so a
-kill, a failed save or one skipped as unhealthy leaves it naming the committed save it held.
+A pointer at a new path is written as the save starts (Lightning versions names by the files
+there and may link to it at once), marked pending, and rewritten once the save commits; loaded
+after a kill left it pending, it loads the newest save committed before it (what Lightning's own
+IO would have left there), with a warning. One that replaces a pointer of this store
+(``last.ckpt``) is written once the save commits, so a kill, a failed save or one skipped as
+unhealthy leaves it naming the committed save it held.
 Loading a pointer checks that its step still holds the save it names: a pointer whose save did
 not commit (the process was killed mid-save) or was removed is refused with
 :class:`ckptstore.CheckpointNotFoundError`, never loaded from another save. ``remove_checkpoint``
@@ -41,6 +44,7 @@ read their checkpoints with their own code, not through a ``CheckpointIO``: use
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -169,8 +173,12 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._newest = max(self._newest, step)
         pointer = Pointer(self._store_id, step, save_id, global_step)
         if replaced is None:
-            _pointer.write(path, pointer)  # a new name: Lightning may link or copy it at once
-            self._when_done(handle, lambda: self._unpoint_failed(handle, path, pointer))
+            # A new name, written now (Lightning versions names by the files there and may
+            # link to it at once), marked pending until the save commits: a kill in between
+            # leaves a pointer that loads the newest save committed before it.
+            pending = dataclasses.replace(pointer, pending=True)
+            _pointer.write(path, pending)
+            self._when_done(handle, lambda: self._settle(handle, path, pending))
             return
         # ``last.ckpt`` names the save it holds until this one commits: a kill (or a failed or
         # skipped save) in between leaves it naming a committed step, as an atomic write does.
@@ -344,12 +352,15 @@ class CkptstoreCheckpointIO(CheckpointIO):
             if handle.committed:
                 _pointer.write(path, pointer)
 
-    def _unpoint_failed(self, handle: SaveHandle, path: str, pointer: Pointer) -> None:
-        """A save that failed or was skipped leaves no pointer naming it."""
-        if handle.committed:
-            return
+    def _settle(self, handle: SaveHandle, path: str, pending: Pointer) -> None:
+        """Once ``handle`` is done, the pending pointer at ``path`` (if still there): rewritten
+        as committed, or removed (a failed or skipped save leaves no pointer naming it)."""
         with self._pointing:
-            if self._own_pointer_at(path, quiet=True) == pointer:
+            if self._own_pointer_at(path, quiet=True) != pending:
+                return  # removed or replaced meanwhile
+            if handle.committed:
+                _pointer.write(path, dataclasses.replace(pending, pending=False))
+            else:
                 _pointer.remove(path)
 
     def _drop(self, pointer: Pointer) -> None:
@@ -377,6 +388,8 @@ class CkptstoreCheckpointIO(CheckpointIO):
     # -- loading ----------------------------------------------------------------------------
 
     def _load_pointer(self, pointer: Pointer, path: str) -> dict[str, Any]:
+        if pointer.pending and pointer.store == self._store_id:
+            pointer = self._settled(pointer, path)
         if pointer.store == self._store_id:
             self._check(pointer, path, self.checkpointer.store)
             return self._load_step(self.checkpointer, pointer.step, pointer, path)
@@ -390,6 +403,34 @@ class CkptstoreCheckpointIO(CheckpointIO):
         with Checkpointer(pointer.store, storage_options=self._storage_options) as other:
             self._check(pointer, path, other.store)
             return self._load_step(other, pointer.step, pointer, path)
+
+    def _settled(self, pending: Pointer, path: str) -> Pointer:
+        """A pointer written as its save started, loaded by a new process: the save it names if
+        that committed; else (the job was killed mid-save, as ``ckpt_path="last"`` finds it)
+        the newest save committed before it, as Lightning's own IO would have left the file
+        before that save."""
+        store = self.checkpointer.store
+        steps = list_steps(store)
+        if pending.step in steps:
+            return dataclasses.replace(pending, pending=False)
+        earlier = [s for s in steps if s < pending.step]
+        if not earlier:
+            raise CheckpointNotFoundError(
+                f"{path} points to step {pending.step} of {pending.store}, whose save was "
+                "interrupted before it committed, and no earlier step is committed: nothing "
+                "to resume (delete the file to start afresh)"
+            )
+        manifest = load_manifest(store, earlier[-1])
+        save_id = _pointer.user_save_id(manifest.user, META_KEY) or ""
+        global_step = int((manifest.user.get(META_KEY) or {}).get("global_step", earlier[-1]))
+        logger.warning(
+            "%s names step %d, whose save was interrupted before it committed: loading step %d, "
+            "the newest committed before it",
+            path,
+            pending.step,
+            earlier[-1],
+        )
+        return Pointer(pending.store, earlier[-1], save_id, global_step)
 
     def _load_step(
         self, checkpointer: Checkpointer, step: int, pointer: Pointer | None = None, path: str = ""
@@ -407,6 +448,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
         try:
             manifest = load_manifest(store, pointer.step)
         except CheckpointNotFoundError:
+            if pointer.pending:
+                raise CheckpointNotFoundError(
+                    f"{where}, whose save was interrupted before it committed"
+                ) from None
             if not list_steps(store) and not store.list(""):
                 raise CheckpointNotFoundError(
                     f"{where}, a store that holds nothing: moved, deleted or mistyped?"
