@@ -57,6 +57,10 @@ PROBES = f"{PREFIX}/clock"  # a reader's probe objects: their modification time 
 SAVE = "save"
 GC = "gc"
 DEFAULT_TTL_S = 120.0
+MAX_LEASE_TTL_S = 3600.0  # the most a holder may ask for (RetentionOptions.lease_ttl_s)
+# A lease claiming a longer ttl or settle time (a crafted one) is unreadable: judged by its age.
+MAX_LEASE_S = 4 * MAX_LEASE_TTL_S
+MAX_LEASE_BYTES = 64 * 1024
 SEQ_DIGITS = 12
 
 
@@ -309,7 +313,7 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
         keys = sorted(keys)
         newest = keys[-1]
         try:
-            doc = json.loads(store.get(newest))
+            data = store.get(newest, 0, MAX_LEASE_BYTES + 1)
             age = now - store.modified(newest)
         except ObjectNotFoundError:
             # Renewed (a newer sequence replaced it) or released while we listed: look again.
@@ -317,15 +321,21 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
             if not keys:
                 return LeaseInfo(kind, holder, newest, [], {"error": "released"}, False)
             continue
-        except ValueError as exc:
-            return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
         try:
+            if len(data) > MAX_LEASE_BYTES:
+                raise ValueError(f"over {MAX_LEASE_BYTES} bytes")
+            doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise TypeError(f"a lease is a JSON object, not {type(doc).__name__}")
             lifetime = _lifetime(kind, doc, store.backend.requests_end_with_process)
-            live = age < lifetime + store.clock_resolution_s
-        except (KeyError, TypeError, ValueError) as exc:
-            return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, True)
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+            # Live for as long as a holder's lease lives unrenewed (better to sweep nothing than
+            # to sweep under a save), not for ever: no holder of ours wrote it (puts are whole).
+            live = -DEFAULT_TTL_S <= age < DEFAULT_TTL_S
+            return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, live)
+        # Stamped by the store's clock, as ``now`` is: an object dated a lifetime ahead of it
+        # was not written by a holder (a crafted or re-dated file), and never goes stale.
+        live = -lifetime <= age < lifetime + store.clock_resolution_s
         if lifetime == 0.0 and sorted(store.list(f"{PREFIX}/{kind}/{holder}"))[-1:] != [newest]:
             # Dead at once, judged on an object its holder may have renewed (a gc marking
             # itself deleting) after our listing and before it died: judge the newer one.
@@ -359,8 +369,8 @@ def _lifetime(kind: str, doc: dict[str, Any], requests_end_with_process: bool) -
 
 def _duration(doc: dict[str, Any], name: str, default: float | None) -> float:
     value = float(doc[name] if default is None else doc.get(name, default))
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name} {value} is not a positive number of seconds")
+    if not 0 < value <= MAX_LEASE_S:
+        raise ValueError(f"{name} {value} is not a number of seconds in (0, {MAX_LEASE_S:g}]")
     return value
 
 

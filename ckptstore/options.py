@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.leases import DEFAULT_TTL_S
+from ckptstore.leases import DEFAULT_TTL_S, MAX_LEASE_TTL_S
 from ckptstore.tiers.policy import (
     DEFAULT_LOCAL_KEEP_LAST,
     DEFAULT_PEER_BUDGET_BYTES,
@@ -147,6 +147,11 @@ class RetentionOptions:
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.gc_wait_s < 0:
             raise ValueError("lease_ttl_s must be > 0 and gc_wait_s >= 0")
+        if self.lease_ttl_s > MAX_LEASE_TTL_S:
+            raise ValueError(
+                f"lease_ttl_s must be <= {MAX_LEASE_TTL_S:g} (a lease claiming longer is not "
+                f"trusted by readers), got {self.lease_ttl_s:g}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -58,14 +58,19 @@ def store_identity(store: Any) -> str:
     return store.uri.rstrip("/")
 
 
+_MAX_BYTES = 4096  # an identity is a few hundred bytes
+
+
 def read_identity(store: Store) -> StoreIdentity | None:
     """The store's identity, or None when it records none (a store of an older version, or
     a new one no tiered writer has opened yet)."""
     name = store.url(IDENTITY_KEY)
     try:
-        data = store.get(IDENTITY_KEY)
+        data = store.get(IDENTITY_KEY, 0, _MAX_BYTES + 1)
     except ObjectNotFoundError:
         return None
+    if len(data) > _MAX_BYTES:
+        raise CheckpointCorruptError(f"{name}: over {_MAX_BYTES} bytes, not a store identity")
     doc = _load(data, _KIND, name)
     ident, adopted, created = doc.get("id"), doc.get("adopted"), doc.get("created_at")
     if not (

@@ -24,7 +24,7 @@ from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.cli import main
 from ckptstore.format import commit_key
-from ckptstore.leases import SAVE, LeaseInfo, find_leases
+from ckptstore.leases import DEFAULT_TTL_S, SAVE, LeaseInfo, find_leases
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 from ckptstore.store import backends
@@ -264,3 +264,32 @@ def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
     assert local("/mnt/my disk/ckpt")
     assert not local("/mnt/lustre/run42")
     assert not backends.on_local_disk("/", str(tmp_path / "no-mountinfo"))
+
+
+@pytest.mark.parametrize("craft", ["ttl-1e12", "malformed", "dated-2100", "huge"])
+def test_a_crafted_lease_blocks_no_store_for_ever(tmp_path, craft):
+    """Adversary: one file under leases/ counted as a live holder for ever (a ttl of 1e12 s
+    trusted as written, an unreadable object always live, a file dated in 2100, a 600 MB object
+    read whole): every later save waited out gc_wait_s and failed to reach the store. Now a
+    lease claiming more than MAX_LEASE_S, or unreadable, lives only as long as an unrenewed
+    holder's would; one dated ahead of the store's clock by more than its lifetime is stale."""
+    uri = str(tmp_path)
+    Checkpointer(uri).save(1, {"w": torch.ones(10)}).wait()
+    store = Store(uri)
+    orphan = "chunks/00/00" + "0" * 30
+    store.put(orphan, b"left by a dead writer")
+    if craft == "ttl-1e12":
+        key = put_lease(store, "forever", time.time(), ttl_s=1e12)
+    else:
+        key = "leases/save/crafted/000000000001.json"
+        body = {"malformed": b"{", "huge": b" " * (1 << 20) + b"{}"}.get(craft)
+        store.put(key, body or json.dumps({"kind": "save", "ttl_s": 60}).encode())
+    if craft == "dated-2100":
+        future = time.mktime((2100, 1, 1, 0, 0, 0, 0, 0, 0))
+        os.utime(tmp_path / key, (future, future))
+    else:  # young: judged live, the safe side, as any holder's lease
+        assert collect(store, keep_last=5).blocked_by == [key] and store.exists(orphan)
+        old = time.time() - 2 * DEFAULT_TTL_S
+        os.utime(tmp_path / key, (old, old))
+    report = collect(store, keep_last=5)
+    assert report.swept and report.blocked_by == [] and not store.exists(orphan)

@@ -32,3 +32,13 @@ def test_a_damaged_identity_is_refused_by_name(tmp_path):
     path.write_bytes(path.read_bytes().replace(b'"adopted":false', b'"adopted":true '))
     with pytest.raises(CheckpointCorruptError, match="identity.json"):
         read_identity(store)
+
+
+def test_an_identity_file_too_large_to_be_one_is_refused_unread(tmp_path):
+    """Adversary: a 700 MB identity.json was read whole (2.4 GB at peak) before being refused."""
+    store = Store(str(tmp_path))
+    path = tmp_path / IDENTITY_KEY
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b" " * (1 << 20) + b"{}")
+    with pytest.raises(CheckpointCorruptError, match="over 4096 bytes, not a store identity"):
+        read_identity(store)
