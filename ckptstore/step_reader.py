@@ -313,15 +313,15 @@ def full_state_dict(view: StepView) -> dict[str, Any]:
     )
     metadata = reader.read_metadata()  # raises missing or corrupt metadata errors unwrapped
     where = f"step {step} in {store.uri}"
-    need = sum(
-        md.size.numel() * md.properties.dtype.itemsize
-        for md in metadata.state_dict_metadata.values()
-        if hasattr(md, "chunks")
-    )
-    if need > host_available_bytes():
-        raise CheckpointCorruptError(
-            f"{where}: its tensors take {need} bytes, more than the {host_available_bytes()} "
-            "this host has available"
+    tensors = [md for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks")]
+    need = sum(md.size.numel() * md.properties.dtype.itemsize for md in tensors)
+    # and the coverage check's mask of the largest tensor stored in several chunks
+    need += max((md.size.numel() for md in tensors if len(md.chunks) > 1), default=0)
+    available = host_available_bytes()
+    if need > available:
+        raise UnsupportedStateError(  # not corrupt: a healthy step too large for this host
+            f"{where}: restoring it whole takes {need} bytes, more than the {available} this "
+            "host has available"
         )
     check_covered(metadata, where, exact=True)  # its tensors are allocated whole
     planner = _WeightsOnlyPlanner(f"step {step} in {store.uri}")

@@ -20,7 +20,11 @@ from ckptstore import StorageOptions
 from ckptstore.catalog import load_manifest, read_object
 from ckptstore.cli import main
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
-from ckptstore.errors import CheckpointCorruptError, PickledValueRefusedError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    PickledValueRefusedError,
+    UnsupportedStateError,
+)
 from ckptstore.export import export_safetensors
 from ckptstore.store import Store
 from tests.helpers.crafted import replace_referenced
@@ -359,7 +363,7 @@ def test_metadata_declaring_a_tensor_its_chunks_do_not_cover_is_refused(tmp_path
     assert "do not cover its size" in capsys.readouterr().out
     _tensor_doc(doc).update(size=[1 << 36, 4])
     replace_referenced(store, 0, key, json.dumps(doc).encode())
-    with pytest.raises(CheckpointCorruptError, match=r"more than the .* this host has available"):
+    with pytest.raises(UnsupportedStateError, match=r"more than the .* this host has available"):
         load_full_state_dict(store, 0)
 
 
