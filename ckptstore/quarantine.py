@@ -59,7 +59,8 @@ def quarantine_step(store, step: int, why: str) -> bool:
     if not bad or any(p.problem == "unreadable" for p in check.problems):
         return False
     found = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
-    chunks = _damaged_chunks(store, step, found, check.chunk_refs)
+    damaged = _damaged_chunks(store, step, found, check.chunk_refs)
+    chunks = sorted(damaged)
     body = {
         "step": step,
         "attempt": manifest.attempt,
@@ -73,11 +74,9 @@ def quarantine_step(store, step: int, why: str) -> bool:
         store.put(marker_key(step, manifest.attempt), _dump(_KIND, body))
     except ObjectExistsError:
         pass  # a quarantine of this save that stopped part-way: finish it
-    for digest in chunks:
-        try:
-            raw = store.get(chunk_key(digest))
-        except ObjectNotFoundError:
-            continue
+    for digest, raw in sorted(damaged.items()):
+        if raw is None:
+            continue  # missing: nothing to keep
         try:
             store.put(f"{PREFIX}/chunks/{digest}", raw)
         except ObjectExistsError:
@@ -100,37 +99,36 @@ def quarantine_step(store, step: int, why: str) -> bool:
 
 def _damaged_chunks(
     store, step: int, found: list[str], refs: dict[str, ChunkInfo | None]
-) -> list[str]:
+) -> dict[str, bytes | None]:
     """Those of the chunks ``found`` bad in ``step`` whose own bytes do not decode to their
-    digest at any raw size a committed step declares for them. A chunk only this step's index
-    misdescribes (its stored or raw size edited) is intact: other steps share it, so it stays
-    (moving it would break them)."""
+    digest at any raw size a committed step declares for them, with those bytes (read once;
+    None: missing). A chunk only this step's index misdescribes (its stored or raw size
+    edited) is intact: other steps share it, so it stays (moving it would break them)."""
     sizes: dict[str, set[int]] | None = None
-    damaged = []
+    damaged: dict[str, bytes | None] = {}
     for digest in found:
+        try:
+            data = store.get(chunk_key(digest))
+        except ObjectNotFoundError:
+            damaged[digest] = None
+            continue
         ours = refs.get(digest)
         declared = {ours.raw} if ours is not None else set()
-        if _intact(store, digest, declared):
+        if _decodes(store, digest, data, declared):
             continue
         if sizes is None:
             sizes = _declared_raw_sizes(store, skip=step)
-        if not _intact(store, digest, sizes.get(digest, set()) - declared):
-            damaged.append(digest)
+        if not _decodes(store, digest, data, sizes.get(digest, set()) - declared):
+            damaged[digest] = data
     return damaged
 
 
-def _intact(store, digest: str, raw_sizes: set[int]) -> bool:
-    """Whether chunk ``digest``'s object decodes to bytes that hash to ``digest`` at one of
-    ``raw_sizes`` (each bounded by an index's checks: a header declaring another size is
-    refused before anything is decompressed). A missing object is not intact."""
+def _decodes(store, digest: str, data: bytes, raw_sizes: set[int]) -> bool:
+    """Whether ``data`` (chunk ``digest``'s object) decodes to bytes that hash to ``digest`` at
+    one of ``raw_sizes`` (each bounded by an index's checks: a header declaring another size
+    is refused before anything is decompressed)."""
     from ckptstore.codec import decode  # numpy: only where chunks are read
 
-    if not raw_sizes:
-        return False
-    try:
-        data = store.get(chunk_key(digest))
-    except ObjectNotFoundError:
-        return False
     for raw in sorted(raw_sizes):
         try:
             decode(data, expected_hash=digest, name=store.url(chunk_key(digest)), raw_len=raw)
