@@ -193,8 +193,6 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
                 for index in load_rank_indexes(store, manifest)
                 for d, info in index.chunks.items()
             }
-            if manifest.dcp_metadata is not None:  # a DCP step does not load without it
-                read_object(store, manifest.dcp_metadata, "DCP metadata")
         except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
             return _why(exc)
         return _Step(manifest, chunks)
@@ -230,13 +228,22 @@ def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -
 
 
 def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
-    """Move each step of ``readable`` that references a chunk not listed, or listed at another
-    size than its index records (truncated), to the unreadable ones (listed after the steps
-    were read: a step's chunks are all there before it commits)."""
+    """Move each step of ``readable`` whose DCP metadata does not match its manifest, or that
+    references a chunk not listed or listed at another size than its index records
+    (truncated), to the unreadable ones (listed after the steps were read: a step's chunks are
+    all there before it commits)."""
     present = {  # at its own key only
         digest_of_chunk_key(k): size for k, size in store.list_sizes("chunks").items()
     }
     for step in sorted(readable):
+        ref = readable[step].manifest.dcp_metadata
+        if ref is not None:  # a DCP step does not load without it
+            try:
+                read_object(store, ref, "DCP metadata")
+            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                report.unreadable_steps[step] = _why(exc)
+                del readable[step]
+                continue
         chunks = readable[step].chunks
         missing = sorted(d for d in chunks if d not in present)
         cut = sorted(d for d in chunks if d in present and present[d] != chunks[d])

@@ -310,6 +310,19 @@ def test_load_step_initial_load_path_and_exclude(tmp_path, reference):
     assert list_steps(open_store(str(dump / "rollback"))) == [6, 8]
 
 
+def _build(config, base_folder):
+    """A manager of ``config`` with a one-layer model and nothing else to checkpoint."""
+    return config.build(
+        dataloader=None,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(base_folder),
+    )
+
+
 @needs_torchtitan
 def test_config_is_torchtitans_and_checks_its_fields():
     """The Config is a ``BaseCheckpointManager.Config`` (what ``Trainer.Config.checkpoint``
@@ -336,15 +349,7 @@ def test_config_is_torchtitans_and_checks_its_fields():
         Config(initial_load_path="/ckpt", initial_load_in_hf=True)
     with pytest.raises(TypeError):
         Config("checkpoint")  # keyword-only, as torchtitan's
-    manager = Config(enable=False).build(
-        dataloader=None,
-        model_parts=[torch.nn.Linear(2, 2)],
-        optimizers=None,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder="/nonexistent",
-    )
+    manager = _build(Config(enable=False), "/nonexistent")
     assert isinstance(manager, CkptstoreCheckpointManager)
     assert manager.load() is False and manager.save(10, last_step=True) is False
     manager.close()
@@ -357,15 +362,7 @@ def test_a_folder_uri_with_one_slash_is_refused_not_made_a_local_directory(tmp_p
     from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
 
     with pytest.raises(ValueError, match=r"did you mean s3://bucket/run\?"):
-        CkptstoreCheckpointManager.Config(enable=True, folder="s3:/bucket/run").build(
-            dataloader=None,
-            model_parts=[torch.nn.Linear(2, 2)],
-            optimizers=None,
-            lr_schedulers=None,
-            states={},
-            sd_adapter=None,
-            base_folder=str(tmp_path),
-        )
+        _build(CkptstoreCheckpointManager.Config(enable=True, folder="s3:/bucket/run"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -448,15 +445,7 @@ def test_an_initial_load_path_naming_a_plain_dcp_folder_says_what_it_is(tmp_path
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(b"DCP metadata")
     config = CkptstoreCheckpointManager.Config(enable=True, initial_load_path=str(folder))
-    manager = config.build(
-        dataloader=None,
-        model_parts=[torch.nn.Linear(2, 2)],
-        optimizers=None,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=str(tmp_path / "dump"),
-    )
+    manager = _build(config, tmp_path / "dump")
     try:
         with pytest.raises(ValueError, match=r"names no committed .* it is a plain DCP checkpoint"):
             manager.load()
