@@ -120,7 +120,7 @@ def parse_step(step: int | str | None) -> int | None:
     if step is None or step == "latest":
         return None
     if isinstance(step, str):
-        if not step.isdigit():
+        if not (step.isascii() and step.isdigit()):  # "٣" and "²" are digits too
             raise ValueError(f"step must be an integer or 'latest', got {step!r}")
         step = int(step)
     return check_step(step)

@@ -36,6 +36,9 @@ DOC_TYPE = "dcp_metadata"
 
 MAX_NDIM = 64
 MAX_DEPTH = 32  # nesting of planner_data
+# List slots planner_data may open beyond one per item: DCP's unflattening extends a list to any
+# index a path names, and a list element holding no item (an empty dict) still takes a slot.
+LIST_SLACK = 4096
 MAX_TENSOR_BYTES = (1 << 63) - 1
 
 _DTYPE_NAMES = (
@@ -226,11 +229,27 @@ def _legacy_doc(blob: bytes, name: str) -> dict[str, Any]:
         )
     try:
         _check_flat_mapping(metadata.planner_data)
+        _check_expansion(metadata, len(blob))
         return json.loads(encode_metadata(metadata))
     except Exception as exc:  # noqa: BLE001 - a malformed Metadata, whatever it trips on
         raise CheckpointCorruptError(
             f"DCP metadata {name} (pickled) is malformed: {exc}".splitlines()[0]
         ) from None
+
+
+def _check_expansion(metadata: Metadata, blob_bytes: int) -> None:
+    """A pickle stores a shared object once and names it again in two bytes, so a blob of a few
+    KiB can name a million chunks (every tensor sharing one list): the values a walk of
+    ``metadata`` would visit, counted without walking them, may be at most a few per byte."""
+    values = len(metadata.planner_data or {}) + len(metadata.storage_data or {})
+    for meta in metadata.state_dict_metadata.values():
+        chunks = getattr(meta, "chunks", ())
+        values += 1 + len(getattr(meta, "size", ())) + len(chunks)
+        if values > 4 * blob_bytes + 1024:
+            break
+        values += sum(len(chunk.offsets) + len(chunk.sizes) for chunk in chunks)
+    if values > 4 * blob_bytes + 1024:
+        raise ValueError(f"it names more values than its {blob_bytes} bytes can hold")
 
 
 def _check_flat_mapping(planner_data: Any) -> None:
@@ -257,9 +276,11 @@ class _Decoder:
     def metadata(self, doc: dict[str, Any]) -> Metadata:
         items = self.mapping(doc.get("state_dict_metadata"), "state_dict_metadata")
         state = {fqn: self.storage(fqn, meta) for fqn, meta in items.items()}
+        planner_data = self.plain(doc.get("planner_data"), "planner_data", 0)
+        self.places(planner_data, state)
         return Metadata(
             state_dict_metadata=state,
-            planner_data=self.plain(doc.get("planner_data"), "planner_data", 0),
+            planner_data=planner_data,
             storage_data=self.storage_data(doc.get("storage_data"), state),
             storage_meta=self.storage_meta(doc.get("storage_meta")),
             version=self.optional_str(doc.get("version"), "version"),
@@ -269,6 +290,39 @@ class _Decoder:
         if not isinstance(value, dict):
             raise self.fail(f"{what} is {type(value).__name__}, not an object")
         return value
+
+    def places(self, planner_data: Any, state: dict[str, Any]) -> None:
+        """Where DCP's planner puts each item when it loads a step into an empty state
+        (``set_element``): each item at a place of its own, none inside another, and list
+        indexes the step's items can fill (it appends ``None`` up to any index it is given)."""
+        if planner_data is None:
+            return
+        planner_data = self.mapping(planner_data, "planner_data")
+        kinds: dict[tuple, str] = {}  # a path -> "item", "list" or "dict"
+        lengths: dict[tuple, int] = {}  # a list's path -> the length its indexes make it
+        for fqn in state:
+            path = planner_data.get(fqn, (fqn,))
+            if not (
+                isinstance(path, (tuple, list))
+                and path
+                and type(path[0]) is str
+                and all(type(k) is str or (type(k) is int and k >= 0) for k in path)
+            ):
+                raise self.fail(f"item {fqn!r} has the place {path!r:.80}, not a path of keys")
+            path = tuple(path)
+            for i in range(1, len(path)):
+                kind = "list" if type(path[i]) is int else "dict"
+                if kinds.setdefault(path[:i], kind) != kind:
+                    raise self.fail(f"item {fqn!r} is placed inside another item at {path!r:.80}")
+                if kind == "list":
+                    lengths[path[:i]] = max(lengths.get(path[:i], 0), path[i] + 1)
+            if path in kinds:
+                raise self.fail(f"item {fqn!r} is placed where another item is, {path!r:.80}")
+            kinds[path] = "item"
+        if sum(lengths.values()) > len(state) + LIST_SLACK:
+            raise self.fail(
+                f"planner_data opens {sum(lengths.values())} list slots for {len(state)} items"
+            )
 
     def storage(self, fqn: str, meta: Any) -> TensorStorageMetadata | BytesStorageMetadata:
         meta = self.mapping(meta, f"item {fqn!r}")

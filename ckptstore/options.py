@@ -129,8 +129,8 @@ class StagingOptions:
             )
         if self.when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
-        _at_least("staging_budget_bytes", self.budget_bytes, 1)
-        _at_least("device_staging_budget_bytes", self.device_budget_bytes, 1)
+        _at_least("budget_bytes", self.budget_bytes, 1)
+        _at_least("device_budget_bytes", self.device_budget_bytes, 1)
 
 
 @dataclass(kw_only=True, frozen=True)

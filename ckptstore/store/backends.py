@@ -313,11 +313,15 @@ class LocalBackend(FsspecBackend):
         return os.stat(self._inside(path)).st_size
 
     def modified(self, path: str) -> float:
-        return os.stat(path).st_mtime  # set by the file system (an NFS server's clock)
+        return os.stat(
+            self._inside(path)
+        ).st_mtime  # set by the file system (an NFS server's clock)
 
     def exists(self, path: str) -> bool:
         try:
-            os.stat(path)  # not os.path.exists: that says False where access is denied
+            os.stat(
+                self._inside(path)
+            )  # not os.path.exists: that says False where access is denied
         except (FileNotFoundError, NotADirectoryError):
             return False
         return True

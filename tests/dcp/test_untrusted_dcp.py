@@ -7,6 +7,7 @@ marker's absence."""
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 from pathlib import Path
@@ -127,6 +128,48 @@ def test_a_step_with_metadata_pickled_by_the_old_writer_still_loads(tmp_path):
     _assert_same(target, _state())
     result = export_safetensors(store.uri, tmp_path / "hf")
     assert result.as_dict()["tensors"] == 2
+
+
+def _pickled_metadata(tensors: int, chunks: list) -> bytes:
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    shared = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([8, 4]), chunks
+    )
+    items = {f"t{i}": shared for i in range(tensors)}
+    return pickle.dumps(Metadata(state_dict_metadata=items, storage_data={}), protocol=2)
+
+
+def test_old_pickled_metadata_naming_shared_objects_many_times_is_refused_unexpanded():
+    """A pickle stores a shared list once: 2,000 tensors sharing one list of 2,000 chunks are
+    a blob of 36 KB that would expand to four million chunk entries when walked."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from ckptstore.metadata import decode_metadata
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 1]))
+    blob = _pickled_metadata(2000, [chunk] * 2000)
+    assert len(blob) < 64 * 1024
+    with pytest.raises(CheckpointCorruptError, match="more values than its"):
+        decode_metadata(blob, "crafted")
+    # the same shape without sharing: 100 tensors of 32 chunks each, every object its own
+    honest = pickle.loads(_pickled_metadata(1, []))
+    blank = honest.state_dict_metadata["t0"]
+    for i in range(100):
+        meta = copy.deepcopy(blank)
+        meta.chunks.extend(
+            ChunkStorageMetadata(torch.Size([r, c]), torch.Size([1, 1]))
+            for r in range(8)
+            for c in range(4)
+        )
+        honest.state_dict_metadata[f"t{i}"] = meta
+    decoded = decode_metadata(pickle.dumps(honest, protocol=2), "honest")
+    assert len(decoded.state_dict_metadata) == 100
+    assert all(len(m.chunks) == 32 for m in decoded.state_dict_metadata.values())
 
 
 # -- a hostile pickle is refused, with nothing run, on every load path -------------------------
@@ -310,6 +353,24 @@ DAMAGES = {
         "unknown tag",
     ),
     "a format version from the future": (lambda d: d.update(format_version=2), "format_version"),
+    # DCP's planner would append None to a list up to the index a path names
+    "a place a billion slots into a list": (
+        lambda d: d["planner_data"].update({"model.w": {"$tuple": ["model", "w", 10**9]}}),
+        "list slots",
+    ),
+    "a negative list index": (
+        lambda d: d["planner_data"].update({"model.w": {"$tuple": ["model", "w", -1]}}),
+        "not a path of keys",
+    ),
+    # the second item would silently replace the first
+    "two items at one place": (
+        lambda d: d["planner_data"].update({"model.b": {"$tuple": ["model", "w"]}}),
+        "where another item is",
+    ),
+    "an item inside another": (
+        lambda d: d["planner_data"].update({"model.b": {"$tuple": ["model", "w", "x"]}}),
+        "inside another item",
+    ),
     "an absurd tensor": (
         lambda d: _tensor_doc(d).update(size=[1 << 40, 1 << 40], chunks=[]),
         "2\\*\\*63 bytes",

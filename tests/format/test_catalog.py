@@ -58,8 +58,9 @@ def test_steps_resolve_latest_numbers_and_strings(state_store: Store) -> None:
 def test_an_uncommitted_step_names_the_latest_ones(state_store: Store, tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match=r"step 4 is not committed .*3, 5, 9"):
         resolve_step(state_store, 4)
-    with pytest.raises(ValueError, match="integer or 'latest'"):
-        resolve_step(state_store, "newest")
+    for name in ("newest", "\u0663", "\u00b2"):  # an Arabic-Indic 3 and a superscript 2
+        with pytest.raises(ValueError, match="integer or 'latest'"):
+            resolve_step(state_store, name)
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         resolve_step(Store(str(tmp_path / "empty")), "latest")
 

@@ -472,6 +472,9 @@ def test_a_link_out_of_a_local_store_is_not_followed(tmp_path):
         lambda: store.get("leak"),
         lambda: store.get("dir/secret"),
         lambda: store.size("dir/secret"),
+        lambda: store.exists("leak"),  # a step's commit linked to a host file is not committed
+        lambda: store.modified("dir/secret"),
+        lambda: store.exists("dir/missing"),  # nor does the store probe the host's paths
         lambda: store.put("dir/new", b"x"),
         lambda: store.delete("dir/secret"),
     ):
