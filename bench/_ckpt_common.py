@@ -33,6 +33,7 @@ import torch
 from bench.report import parse_bytes
 from ckptstore.errors import one_line
 from ckptstore.pipeline import release_free_memory
+from ckptstore.store import Store, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -293,12 +294,24 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 class Workspace:
     """A fresh ``ckptbench-<random>`` directory under ``uri`` (a temporary directory when
-    ``uri`` is None), removed by :meth:`cleanup`. Only what is under it is ever deleted."""
+    ``uri`` is None), removed by :meth:`cleanup`. Only what is under it is ever deleted. On an
+    object store the workspace's own requests (sizes, removal) go through a ckptstore store
+    whose every request ends within ``timeout_s``; ``fs`` (the baselines' files) is opened
+    with the same ``storage_options``."""
 
-    def __init__(self, uri: str | None, *, command: str) -> None:
+    def __init__(
+        self,
+        uri: str | None,
+        *,
+        command: str,
+        storage_options: dict[str, Any] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         name = f"ckptbench-{command}-{uuid.uuid4().hex[:10]}"
         self._tmp: str | None = None
         self._owned = True
+        self._storage_options = storage_options
+        self._timeout_s = timeout_s
         if uri is None:
             self._tmp = tempfile.mkdtemp(prefix=f"{name}-")
             uri = self._tmp
@@ -320,6 +333,8 @@ class Workspace:
         ws._tmp = None
         ws._made = None
         ws._owned = False
+        ws._storage_options = None
+        ws._timeout_s = 30.0
         ws._locate(uri, "")
         if ws.is_local and not os.path.isdir(ws.root):
             raise FileNotFoundError(f"no bench workspace at {ws.root}")
@@ -328,8 +343,8 @@ class Workspace:
     def _locate(self, uri: str, name: str) -> None:
         """Set ``fs``, ``is_local``, ``uri`` and ``root`` for ``name`` under ``uri``."""
         try:
-            fs, root = fsspec.core.url_to_fs(uri)
-        except (ValueError, ImportError) as exc:
+            fs, root = fsspec.core.url_to_fs(uri, **(self._storage_options or {}))
+        except (ValueError, ImportError, TypeError) as exc:
             raise ValueError(f"cannot open --uri {uri!r}: {exc}") from exc
         self.fs = fs
         self.is_local = "file" in (
@@ -338,8 +353,22 @@ class Workspace:
         base = uri.rstrip("/")
         self.uri = f"{base}/{name}" if name else base
         self.root = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")
+        self._store: Store | None = None
         if self.is_local:
             self.uri = self.root = os.path.abspath(self.root)
+
+    @property
+    def store(self) -> Store:
+        """The workspace on an object store, every request bounded (not for a local one)."""
+        if self._store is None:
+            self._store = open_store(
+                self.uri, storage_options=self._storage_options, timeout_s=self._timeout_s
+            )
+        return self._store
+
+    def _keys_under(self, *parts: str) -> dict[str, int]:
+        prefix = "/".join(parts)
+        return self.store.list_sizes(prefix)
 
     def child(self, *parts: str) -> str:
         """The URI of ``parts`` under the workspace (a plain path on local disk)."""
@@ -361,12 +390,7 @@ class Workspace:
                     with contextlib.suppress(FileNotFoundError):
                         total += os.path.getsize(os.path.join(dirpath, f))
             return total
-        self.fs.invalidate_cache()
-        try:
-            found = self.fs.find(path, detail=True)
-        except FileNotFoundError:
-            return 0
-        return sum(int(info.get("size") or 0) for info in found.values())
+        return sum(self._keys_under(*parts).values())
 
     def remove(self, *parts: str) -> None:
         path = self.path(*parts)
@@ -378,8 +402,12 @@ class Workspace:
             elif os.path.exists(path):
                 os.remove(path)
             return
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
+        self._delete_all(*parts)
+
+    def _delete_all(self, *parts: str) -> None:
+        keys = list(self._keys_under(*parts))
+        for _ in self.store.map(self.store.delete, keys, max_concurrency=16):
+            pass
         self.fs.invalidate_cache()
 
     def cleanup(self) -> None:
@@ -394,12 +422,9 @@ class Workspace:
             self._remove_made_dirs()
         else:
             try:
-                self.fs.rm(self.root, recursive=True)
-            except FileNotFoundError:
-                pass
+                self._delete_all()
             except Exception as exc:  # noqa: BLE001 - never hides the run's own error
-                logger.warning("bench files at %s not removed: %s", self.root, one_line(exc))
-            self.fs.invalidate_cache()
+                logger.warning("bench files at %s not removed: %s", self.uri, one_line(exc))
 
     def _remove_made_dirs(self) -> None:
         """The directories of ``--uri`` this run created, where they are left empty."""
@@ -416,8 +441,7 @@ class Workspace:
     def exists(self) -> bool:
         if self.is_local:
             return os.path.exists(self.root)
-        self.fs.invalidate_cache()
-        return bool(self.fs.find(self.root))
+        return bool(self._keys_under())
 
     def __enter__(self) -> Workspace:
         return self

@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 
+from bench._exit import terminate_unwinds
 from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
 from ckptstore.errors import CheckpointError
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        status = int(args.func(args) or 0)
+        with terminate_unwinds():  # SIGTERM removes the run's files too, as Ctrl-C does
+            status = int(args.func(args) or 0)
         flush_stdout()
         return status
     except BrokenPipeError:  # `ckptbench plan | head -1`: the reader went away; a normal end

@@ -178,6 +178,10 @@ class FaultyBackend(Backend):
         self.faults.inject("size")
         return self.inner.size(path)
 
+    def stat(self, path: str) -> tuple[int, str]:
+        self.faults.inject("size")
+        return self.inner.stat(path)
+
     def exists(self, path: str) -> bool:
         self.faults.inject("exists")
         return self.inner.exists(path)

@@ -192,7 +192,7 @@ def scale(
     held alike by ``replicas`` consecutive ranks. ``received``: what the store's server
     received so far (counted before and after each rank count)."""
     runs = []
-    with Workspace(uri, command="scale") as ws:
+    with Workspace(uri, command="scale", storage_options=storage_options) as ws:
         for n in counts:
             plan = RankPlan(
                 uri=ws.child(f"ranks-{n}"),

@@ -473,14 +473,13 @@ class StateLoader:
         if repaired is not None:
             view.adopt_index(repaired.index)
         view.require(CHECKPOINTER)
-        if candidate.attempt is not None and manifest.attempt != candidate.attempt:
+        if source.tier != DURABLE:
+            assert self.local is not None
+            self.local.check_copy(manifest, self.rank, candidate.attempt)
+        elif candidate.attempt is not None and manifest.attempt != candidate.attempt:
             raise CheckpointNotFoundError(
                 f"{store.uri} holds another save of step {step} ({manifest.attempt})"
             )
-        if source.tier != DURABLE:
-            assert self.local is not None
-            if not self.local.belongs(manifest, self.rank):
-                raise CheckpointNotFoundError(f"{store.uri}: step {step} is not this job's copy")
         elif manifest.world_size != self.group.world_size:
             raise UnsupportedStateError(
                 f"step {step} was saved by {manifest.world_size} rank(s), loading with "

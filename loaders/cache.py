@@ -3,8 +3,11 @@
 One entry is one read unit (a whole MDS/WebDataset shard, or a token file's ranged read), stored
 as ``<sha256>.unit``: a 32-byte header (magic, payload length, xxh3-128 of the entry's name and
 then the payload, so an entry file copied or moved under another name fails its check) and the
-payload. The name hashes the replica set's URIs, the shard key, the range and the size, so two
-datasets never share an entry. Everything the cache knows is in the directory: a new process (a
+payload. The name hashes the replica set's URIs, the shard key, the range and the size, and the
+version tokens (ETags, modification times) of every shard the open surveyed, so two datasets, or
+two versions of one dataset written at the same place, never share an entry (a dataset opened
+with ``verify_replicas=False`` and a declared shard list is not surveyed: its entries are keyed
+without versions, and only the format's own hashes tell a rewritten shard). Everything the cache knows is in the directory: a new process (a
 DataLoader worker, a restarted job, another loader on the same machine) sees the same state.
 
 - **Verified.** An entry is checked on every read from the cache: file size, header, length and
@@ -355,14 +358,20 @@ def is_local_uri(uri: str) -> bool:
 
 
 def open_cache(
-    directory: str | os.PathLike | None, budget_bytes: int | None, uris: Sequence[str]
+    directory: str | os.PathLike | None,
+    budget_bytes: int | None,
+    uris: Sequence[str],
+    *,
+    version: str = "",
 ) -> ShardCache | None:
-    """The cache for a replica set with ``uris``, or None when there is no ``directory`` or
-    every replica is local."""
+    """The cache for a replica set with ``uris`` whose shards are at ``version`` (what
+    ``ReplicaSet.content_version`` says), or None when there is no ``directory`` or every
+    replica is local."""
     if directory is None or all(is_local_uri(u) for u in uris):
         return None
     assert budget_bytes is not None, "LoaderConfig checks cache_bytes with cache_dir"
-    return ShardCache(directory, budget_bytes=budget_bytes, namespace="\n".join(sorted(uris)))
+    namespace = "\n".join([*sorted(uris), version])
+    return ShardCache(directory, budget_bytes=budget_bytes, namespace=namespace)
 
 
 def read_unit(

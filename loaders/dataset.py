@@ -84,7 +84,10 @@ class ShardDataset(IterableDataset):
         self.layout = format.open(self._replicas)
         self._missing = dict(self._replicas.missing)  # shards some replicas lack, found at open
         self._cache = open_cache(
-            self.config.cache_dir, self.config.cache_bytes, self._replicas.uris
+            self.config.cache_dir,
+            self.config.cache_bytes,
+            self._replicas.uris,
+            version=self._replicas.content_version(),
         )
         self.units: Sequence[Unit] = self.layout.units
         self._unit_samples = unit_samples(self.units)

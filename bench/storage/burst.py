@@ -25,7 +25,8 @@ def run_burst(bench: StorageBench) -> dict[str, Any]:
     marks: dict[str, float] = {}  # burst_start / burst_end, seconds since t0
     readers_stop = threading.Event()
     go_writers = threading.Event()
-    done_writers = [0.0] * cfg.writers
+    done_writers: list[float | None] = [None] * cfg.writers  # when each writer's last put ended
+    writers_done = threading.Event()
     written = [0] * cfg.writers
 
     def reader(index: int) -> None:
@@ -74,6 +75,8 @@ def run_burst(bench: StorageBench) -> dict[str, Any]:
         for _ in bench.store.map(put_one, plan, max_concurrency=cfg.queue_depth):
             pass
         done_writers[index] = time.perf_counter() - bench._t0
+        if all(d is not None for d in done_writers):
+            writers_done.set()
 
     readers = [
         threading.Thread(target=reader, args=(i,), name=f"ckptbench-bg-reader-{i}", daemon=True)
@@ -93,17 +96,22 @@ def run_burst(bench: StorageBench) -> dict[str, Any]:
         marks["burst_start"] = time.perf_counter() - bench._t0
         go_writers.set()
         deadline = time.perf_counter() + cfg.duration_s
-        while any(t.is_alive() for t in writers):
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                bench._finish("duration")
-                break
-            bench._stop.wait(min(0.2, remaining))
-            bar.update(sum(written) - bar.n)
-        truncated = bench._stop.is_set()
-        bench._finish(bench._stop_reason or "done")
-        bench._join(writers)
-        marks["burst_end"] = time.perf_counter() - bench._t0
+        try:
+            while any(t.is_alive() for t in writers) and not writers_done.is_set():
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    bench._finish("duration")
+                    break
+                writers_done.wait(min(0.2, remaining))
+                bar.update(sum(written) - bar.n)
+        finally:  # also on Ctrl-C or SIGTERM: no writer puts while the cleanup deletes
+            truncated = bench._stop.is_set() or not writers_done.is_set()
+            bench._finish(bench._stop_reason or "done")
+            bench._join(writers)
+        # the burst ends with its last put, not when this loop next looked
+        finished = [d for d in done_writers if d is not None]
+        ended = max(finished) if not truncated and finished else None
+        marks["burst_end"] = ended if ended is not None else time.perf_counter() - bench._t0
         bar.update(sum(written) - bar.n)
         readers_stop.wait(cfg.after_s)
         readers_stop.set()

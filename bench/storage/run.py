@@ -273,7 +273,8 @@ class StorageBench:
                 "slow_rate": cfg.faults.slow_rate,
                 "hang_rate": cfg.faults.hang_rate,
             }
-        result["cleanup"] = cleanup if cleanup is not None else {"kept": True}
+        if cfg.read_prefix is None:  # a read-only run wrote nothing to keep or delete
+            result["cleanup"] = cleanup if cleanup is not None else {"kept": True}
         return result
 
     def _workers(self, targets: list[Callable[[int, threading.Event], None]]) -> float:
@@ -292,16 +293,18 @@ class StorageBench:
             self._t0 = time.perf_counter()
             go.set()
             deadline = self._t0 + cfg.duration_s if cfg.duration_s is not None else math.inf
-            while any(t.is_alive() for t in threads):
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    self._finish("duration")
-                    break
-                if self._stop.wait(min(0.2, remaining)):
-                    break
-                bar.update(self._progress_ops - bar.n)
-            self._finish(self._stop_reason or "done")
-            elapsed = self._join(threads)
+            try:
+                while any(t.is_alive() for t in threads):
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        self._finish("duration")
+                        break
+                    if self._stop.wait(min(0.2, remaining)):
+                        break
+                    bar.update(self._progress_ops - bar.n)
+            finally:  # also on Ctrl-C or SIGTERM: no worker writes while the cleanup deletes
+                self._finish(self._stop_reason or "done")
+                elapsed = self._join(threads)
             bar.update(self._progress_ops - bar.n)
         return elapsed
 

@@ -143,9 +143,11 @@ def _print_pending(pending: list[dict[str, Any]]) -> None:
 def _print_local_dirs(listings: dict[str, TierListing], local_problems: list[str]) -> None:
     for d, listing in listings.items():
         if listing.copies:
+            step = max(listing.copies)  # a copy this directory holds, to inspect
+            example = listing.job_dir / f"rank-{min(listing.copies[step]):05d}"
             print(
                 f"local copies in {d}: each rank's under {listing.job_dir}/rank-<r>/, a store "
-                f"of its own (ckptstore inspect {listing.job_dir}/rank-00000 --step N)"
+                f"of its own (ckptstore inspect {example} --step {step})"
             )
         else:
             print(f"local copies in {d}: none of this store's job")

@@ -65,6 +65,11 @@ class Backend(ABC):
     @abstractmethod
     def size(self, path: str) -> int: ...
 
+    def stat(self, path: str) -> tuple[int, str]:
+        """The size of ``path`` and a token that changes when the object is written again (an
+        ETag, a modification time): a cache keyed by it never serves an old object's bytes."""
+        return self.size(path), repr(self.modified(path))
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 
@@ -92,6 +97,10 @@ class Backend(ABC):
     @abstractmethod
     def reopen(self) -> Backend:
         """The same backend opened afresh, as a new process must (no shared clients)."""
+
+
+# What an fsspec listing calls the token that changes when an object is written again.
+_VERSIONS = ("ETag", "VersionId", "LastModified", "mtime", "created")
 
 
 class FsspecBackend(Backend):
@@ -127,6 +136,12 @@ class FsspecBackend(Backend):
         # Not from a listing cache: a chunk another process deleted must not look stored.
         self.fs.invalidate_cache(path)
         return int(self.fs.size(path))
+
+    def stat(self, path: str) -> tuple[int, str]:
+        self.fs.invalidate_cache(path)
+        info = self.fs.info(path)
+        version = next((info[k] for k in _VERSIONS if info.get(k) is not None), "")
+        return int(info["size"]), str(version)
 
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
@@ -311,6 +326,10 @@ class LocalBackend(FsspecBackend):
 
     def size(self, path: str) -> int:
         return os.stat(self._inside(path)).st_size
+
+    def stat(self, path: str) -> tuple[int, str]:
+        st = os.stat(self._inside(path))
+        return st.st_size, f"{st.st_mtime_ns}:{st.st_ino}"
 
     def modified(self, path: str) -> float:
         return os.stat(

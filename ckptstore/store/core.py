@@ -408,6 +408,11 @@ class Store:
     def size(self, key: str) -> int:
         return self._request("size", key, self.backend.size, self.path(key))
 
+    def stat(self, key: str) -> tuple[int, str]:
+        """``key``'s size and a token that changes when it is written again
+        (``Backend.stat``); one request, counted as a size request."""
+        return self._request("size", key, self.backend.stat, self.path(key))
+
     def exists(self, key: str) -> bool:
         return self._request("exists", key, self.backend.exists, self.path(key))
 

@@ -190,6 +190,18 @@ class LocalTier:
         mine = tier_info(ward, self.world_size, self.durable_uri)
         return path_info == mine and of_instance(info, self.identity)
 
+    def check_copy(self, manifest: Manifest, rank: int, attempt: str | None) -> None:
+        """``CheckpointNotFoundError`` unless ``manifest``, read from ``rank``'s own store, is
+        this job's copy of its state and of the save ``attempt`` the load planned (a copy
+        replaced since the plan listed it is not loaded)."""
+        where, step = self.store(rank).uri, manifest.step
+        if attempt is not None and manifest.attempt != attempt:
+            raise CheckpointNotFoundError(
+                f"{where} holds another save of step {step} ({manifest.attempt})"
+            )
+        if not self.belongs(manifest, rank):
+            raise CheckpointNotFoundError(f"{where}: step {step} is not this job's copy")
+
     def of_other_instance(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is a copy for this job's durable store path, made for another
         instance of it (a store deleted and made again at the same path)."""

@@ -211,7 +211,7 @@ def _from_tiers(
             "restored from its peers (see the warning above)"
         )
     mine = repaired[0] if repaired else None
-    found = _local_view(local.store(rank), step, group, kind, mine, in_durable=in_durable)
+    found = _local_view(local, candidate, group, kind, mine, in_durable=in_durable)
     if found is not None:
         report.source = PEER if rank in sources else LOCAL
     return found
@@ -298,15 +298,17 @@ def _own_index(store: Store, step: int):
 
 
 def _own_copy(
-    store: Store, step: int, kind: str, repaired: RepairedCopy | None
+    local: LocalTier, candidate: Candidate, rank: int, kind: str, repaired: RepairedCopy | None
 ) -> tuple[StepView, RankIndex, bytes]:
-    """This rank's copy of ``step``: its view (the DCP metadata decoded for a DCP load), its
-    index and the index's bytes; from ``repaired`` as received, else read from ``store``."""
+    """This rank's copy of the step: its view (the DCP metadata decoded for a DCP load), its
+    index and the index's bytes; from ``repaired`` as received, else read from its store."""
+    store, step = local.store(rank), candidate.step
     if repaired is None or repaired.step != step:
         (index, data), manifest = _own_index(store, step)
     else:
         manifest, index = repaired.manifest, repaired.index
         data = repaired.index_bytes
+    local.check_copy(manifest, rank, candidate.attempt)
     view = StepView(store, manifest)
     view.require(kind)
     if kind == DCP:
@@ -321,8 +323,8 @@ def _own_copy(
 
 
 def _local_view(
-    store: Store,
-    step: int,
+    local: LocalTier,
+    candidate: Candidate,
     group: RankGroup,
     kind: str,
     repaired: RepairedCopy | None,
@@ -333,11 +335,12 @@ def _local_view(
     is a one-rank step: its index is rank 0's there, rank r's in the view); this rank's from
     ``repaired`` where a repair holds it in memory (not read back); None (on every rank) if a
     rank's copy could not be read and the step is in durable storage."""
+    step = candidate.step
     view = None
     data = b""
     error = None
     try:
-        view, index, data = _own_copy(store, step, kind, repaired)
+        view, index, data = _own_copy(local, candidate, group.rank, kind, repaired)
         view.adopt_index(dataclasses.replace(index, rank=group.rank))
     except CheckpointError as exc:
         error = exc

@@ -72,6 +72,7 @@ def hasher(algo: str) -> Callable[[bytes], str] | None:
     """Hex digest function of a hash named in an MDS index, or None if unknown."""
     if algo in _XXH:
         return _XXH[algo]
-    if algo in hashlib.algorithms_available:
+    # shake_128/shake_256 have no fixed length (digest_size 0): like any unknown hash
+    if algo in hashlib.algorithms_available and hashlib.new(algo).digest_size:
         return lambda b: hashlib.new(algo, b).hexdigest()
     return None

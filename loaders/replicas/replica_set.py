@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import xxhash
+
 from ckptstore.store import Hedger, RetryPolicy, Store
 from loaders.config import ReplicaConfig
 from loaders.metrics import ReadStats, ReplicaStats
@@ -68,10 +70,21 @@ class ReplicaSet:
         self.missing: dict[str, frozenset[str]] = {
             key: frozenset(uris) for key, uris in (missing or {}).items()
         }
+        # (replica URI, shard) -> the token that changes when the shard is written again, for
+        # the shards find_shards asked of each replica
+        self.versions: dict[tuple[str, str], str] = {}
 
     @property
     def uris(self) -> list[str]:
         return [r.name for r in self._replicas]
+
+    def content_version(self) -> str:
+        """A digest of every version token :meth:`find_shards` saw: it changes when a shard it
+        asked of a replica was written again ("" when it asked none)."""
+        if not self.versions:
+            return ""
+        lines = sorted(f"{uri}\t{key}\t{v}" for (uri, key), v in self.versions.items())
+        return xxhash.xxh3_128_hexdigest("\n".join(lines).encode())
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -148,7 +161,12 @@ class ReplicaSet:
         are compared) and sizes come from ``sizes`` or one replica each.
         """
         found, lacking = survey.find_shards(
-            self._replicas, keys, suffix, verify=self.config.verify_replicas, sizes=sizes
+            self._replicas,
+            keys,
+            suffix,
+            verify=self.config.verify_replicas,
+            sizes=sizes,
+            versions=self.versions,
         )
         for key, uris in lacking.items():
             self.missing[key] = self.missing.get(key, frozenset()) | uris

@@ -47,10 +47,13 @@ def find_shards(
     *,
     verify: bool,
     sizes: Mapping[str, int] | None = None,
+    versions: dict[tuple[str, str], str] | None = None,
 ) -> tuple[dict[str, int | None], dict[str, set[str]]]:
     """The shards as :meth:`ReplicaSet.find_shards` finds them, with their sizes (None where no
     replica was asked: the caller asks one), and the URIs of the replicas not to read each
     shard from: those lacking it, and those holding it at another size (warnings name them).
+    Each (replica, shard) asked goes into ``versions`` with the token that changes when the
+    shard is written again (``Store.stat``).
 
     The size a shard must have is the one ``sizes`` (an index's, a hashed manifest's) gives;
     without it, the size most replicas hold, of equals the largest (a copy cut short is the
@@ -60,7 +63,12 @@ def find_shards(
         return {key: sizes.get(key) for key in keys}, {}
     with ThreadPoolExecutor(len(replicas)) as pool:
         surveyed = list(pool.map(lambda r: _survey(r, keys, suffix, verify), replicas))
-    answered = {r: f for r, f in zip(replicas, surveyed) if isinstance(f, dict)}
+    answered: dict[Replica, dict[str, int | None]] = {}
+    for r, found_there in zip(replicas, surveyed):
+        if isinstance(found_there, dict):
+            answered[r] = {key: size for key, (size, _) in found_there.items()}
+            if versions is not None:
+                versions.update(((r.name, k), v) for k, (_, v) in found_there.items() if v)
     if not answered:
         raise ReadFailedError(
             f"no replica answered a listing or size request: {surveyed[-1]}"
@@ -138,23 +146,23 @@ def _agreed_size(
 
 def _survey(
     r: Replica, keys: Sequence[str] | None, suffix: str | tuple[str, ...], sizes: bool
-) -> dict[str, int | None] | StorageError:
-    """Replica ``r``'s shards (``keys`` it holds, or its listing) with their sizes (None
-    when not ``sizes``), or the error that made it unreachable."""
+) -> dict[str, tuple[int | None, str]] | StorageError:
+    """Replica ``r``'s shards (``keys`` it holds, or its listing) with their sizes and version
+    tokens (None and "" when not ``sizes``), or the error that made it unreachable."""
     try:
         if keys is None:
             keys = [k for k in r.store.list("") if k.endswith(suffix)]
             if not sizes:
-                return dict.fromkeys(keys)
+                return dict.fromkeys(keys, (None, ""))
 
-        def size(key: str) -> int:
+        def stat(key: str) -> tuple[int, str]:
             try:
-                return r.store.size(key)
+                return r.store.stat(key)
             except ObjectNotFoundError:
-                return -1
+                return -1, ""
 
-        got = list(r.store.map(size, keys, max_concurrency=16))
+        got = list(r.store.map(stat, keys, max_concurrency=16))
     except StorageError as exc:
         logger.warning("replica %s not checked, unreachable: %s", r.name, exc)
         return exc
-    return {key: n for key, n in zip(keys, got) if n >= 0}
+    return {key: (n, version) for key, (n, version) in zip(keys, got) if n >= 0}

@@ -185,6 +185,29 @@ def test_cache_dir_needs_a_budget():
         LoaderConfig(cache_dir="/tmp/x")
 
 
+def test_a_dataset_rewritten_in_place_is_never_served_from_the_old_entries(s3_uri, tmp_path):
+    """Unhashed token files (a nanoGPT ``train.bin``) written again at the same URI and size:
+    the cache's entries name the objects' ETags, so the new tokens are read, not the old."""
+    _upload_tokens(s3_uri)
+    cache_dir = tmp_path / "cache"
+    first = _dataset(s3_uri, cache_dir, 100 * ENTRY_BYTES)
+    _check_epoch(first)
+    store = Store(s3_uri)
+    for name, tokens in _tokens().items():
+        store.delete(name)
+        store.put(name, (tokens ^ 0xFFFF).tobytes())  # every token changed, sizes kept
+    again = _dataset(s3_uri, cache_dir, 100 * ENTRY_BYTES)
+    flat = np.concatenate([t ^ 0xFFFF for t in _tokens().values()])
+    seen = 0
+    for sample in again:
+        tokens, index = np.asarray(sample["tokens"]), np.asarray(sample["__index__"]).reshape(-1)
+        for row, i in zip(tokens.reshape(len(index), SAMPLE_TOKENS), index):
+            assert np.array_equal(row, flat[i * SAMPLE_TOKENS : (i + 1) * SAMPLE_TOKENS]), i
+            seen += 1
+    assert seen == UNITS * UNIT_SAMPLES
+    assert again.metrics()["cache"]["hits"] == 0
+
+
 def test_corrupt_entries_are_dropped_and_fetched_again(s3_uri, tmp_path):
     _upload_tokens(s3_uri)
     cache_dir = tmp_path / "cache"

@@ -140,6 +140,23 @@ def test_an_mds_sample_count_its_shard_cannot_hold_is_corrupt_at_open(tmp_path: 
         ShardDataset(str(root), MDS(), config=IN_ORDER)
 
 
+@pytest.mark.parametrize("algo", ["shake_128", "shake_256", "no_such_hash"])
+def test_a_hash_of_no_fixed_length_is_unknown_not_a_replica_fault(tmp_path, caplog, algo):
+    """hashlib has shake_128, but its digest needs a length the index cannot give: the data is
+    read, the hash named as not checked (it benched the replica and failed 6 reads before)."""
+    root = tmp_path / "ds"
+    index = write_mds(root, None)
+    for shard in index["shards"]:
+        shard["hashes"] = [algo]
+        shard["raw_data"]["hashes"] = {algo: "00"}
+    write_index(root, index)
+    with caplog.at_level("WARNING"):
+        texts = [s["text"] for s in ShardDataset(str(root), MDS(), config=IN_ORDER)]
+    assert texts == [f"sample {i}" for i in range(10)]
+    assert f"hash {algo!r} is unknown, not checked" in caplog.text
+    assert "benched" not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

@@ -303,3 +303,22 @@ def test_endpoint_descriptions(monkeypatch, tmp_path: Path):
     assert s3() == "http://env:1"
     assert Store(tmp_path).endpoint == str(tmp_path)
     assert Store("memory://x").endpoint == "memory"
+
+
+def test_the_bench_workspace_on_a_hung_endpoint_fails_within_its_deadline(hung_endpoint):
+    """``ckptbench save`` sized its workspace through a bare s3fs call with no deadline: it
+    hung for minutes, deaf to Ctrl-C. Its requests now go through a store with a deadline."""
+    from bench._ckpt_common import Workspace
+
+    ws = Workspace("s3://b/x", command="test", timeout_s=2)
+
+    def sized() -> BaseException | None:
+        try:
+            ws.bytes_under("ckptstore")
+        except StorageTimeoutError as exc:
+            return exc
+        return None
+
+    error = _bounded(sized, limit_s=60)
+    assert error is not None and hung_endpoint.endpoint in str(error)
+    ws.cleanup()  # one warning, within the same deadline: nothing raised
