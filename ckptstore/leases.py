@@ -194,10 +194,12 @@ class Lease:
                 )
 
     def release_when_settled(self, timeout_s: float) -> None:
-        """Release once every put or delete the store abandoned at its deadline has ended (one
-        may still land); if some still run after ``timeout_s``, the lease is kept, and renewed,
-        until they end."""
-        if self.store.settle(timeout_s):
+        """Release once every request the store abandoned at its deadline that could undo what
+        the lease guards has ended (one may still land): a gc lease its deletes, any other its
+        puts and deletes; if some still run after ``timeout_s``, the lease is kept, and
+        renewed, until they end."""
+        ops = ("delete",) if self.kind == GC else ("put", "delete")
+        if self.store.settle(timeout_s, ops):
             self.release()
             return
         logger.warning(
@@ -208,7 +210,7 @@ class Lease:
         )
 
         def release_later() -> None:
-            self.store.settle(None)
+            self.store.settle(None, ops)
             self.release()
 
         threading.Thread(target=release_later, name="ckptstore-lease-settle", daemon=True).start()

@@ -178,7 +178,7 @@ class StorageBench:
         def put(item: tuple[str, int]) -> None:
             self.admin.put(item[0], self._payload[: item[1]])
 
-        for _ in self.admin.map(put, items):
+        for _ in self.admin.map(put, items, drain=True):  # Ctrl-C: no put lands after cleanup
             pass
         self._readable.extend(items)
 

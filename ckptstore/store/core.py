@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -98,7 +98,7 @@ class Store:
         self._thread_nice = thread_nice
         self.counters = StoreCounters()
         self.hedger = Hedger(hedge, counters=self.counters)
-        self._abandoned: set[Future] = set()
+        self._abandoned: dict[Future, str] = {}  # a request abandoned at its deadline -> its op
         self._abandoned_lock = threading.Condition()
         self._workers = ElasticPool(f"ckptstore-io[{uri}]", nice=thread_nice)
         self._callers = ElasticPool(f"ckptstore-req[{uri}]", nice=thread_nice)
@@ -185,7 +185,6 @@ class Store:
         end = time.monotonic() + budget
         floor = min(_MIN_ATTEMPT_S, policy.timeout_s / 4)
         made = 0
-        abandoned_put = False  # an attempt of this put timed out: it may still land
         for attempt in range(policy.attempts):
             if attempt:
                 delay = policy.backoff_s(attempt - 1)
@@ -215,8 +214,7 @@ class Store:
                     error = future.exception(timeout=deadline)
                 except TimeoutError:
                     if not future.cancel() and op in _MUTATING_OPS:
-                        self._track_abandoned(future)
-                        abandoned_put = abandoned_put or op == "put"
+                        self._track_abandoned(future, op)
                     last = StorageTimeoutError(
                         f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
                     )
@@ -233,8 +231,9 @@ class Store:
                 if error is None:
                     return future.result()
             if not is_transient(error):
-                if abandoned_put and self._landed(key, error, args):
-                    return None  # type: ignore[return-value] - the timed-out attempt landed
+                # an earlier attempt that timed out or failed (an S3 500 may have been written)
+                if op == "put" and made > 1 and self._landed(key, error, args):
+                    return None  # type: ignore[return-value] - the earlier attempt landed
                 raise self._translate(op, key, error) from error
             last = error
             logger.warning(
@@ -260,27 +259,29 @@ class Store:
         """`` from <endpoint>`` for a remote store (messages about requests with no answer)."""
         return f" from {self.endpoint}" if self.backend.remote else ""
 
-    def _track_abandoned(self, future: Future) -> None:
+    def _track_abandoned(self, future: Future, op: str) -> None:
         """Remember a put or delete that outlived its deadline: it may still land."""
         with self._abandoned_lock:
-            self._abandoned.add(future)
+            self._abandoned[future] = op
         future.add_done_callback(self._forget_abandoned)
 
     def _forget_abandoned(self, future: Future) -> None:
         with self._abandoned_lock:
-            self._abandoned.discard(future)
-            if not self._abandoned:
-                self._abandoned_lock.notify_all()
+            self._abandoned.pop(future, None)
+            self._abandoned_lock.notify_all()
 
-    def settle(self, timeout_s: float) -> bool:
-        """Wait until every put or delete this store gave up on has really ended; False if
-        some are still running after ``timeout_s``.
+    def settle(self, timeout_s: float | None, ops: Collection[str] = _MUTATING_OPS) -> bool:
+        """Wait until every request of ``ops`` (puts and deletes) this store gave up on has
+        really ended; False if some are still running after ``timeout_s``.
 
         A request abandoned at its deadline keeps running and may land later. Garbage
-        collection calls this before it lets savers reuse chunks again, so that a delete it
-        issued cannot land after a new save referenced the chunk."""
+        collection calls this for its deletes before it lets savers reuse chunks again, so
+        that a delete it issued cannot land after a new save referenced the chunk (a save's
+        put stuck on a hung connection has nothing to do with that, and does not hold it)."""
         with self._abandoned_lock:
-            return self._abandoned_lock.wait_for(lambda: not self._abandoned, timeout=timeout_s)
+            return self._abandoned_lock.wait_for(
+                lambda: not any(op in ops for op in self._abandoned.values()), timeout=timeout_s
+            )
 
     def _landed(self, key: str, error: BaseException, args: tuple) -> bool:
         """Whether a put's "already exists" is its own earlier attempt, which timed out and then

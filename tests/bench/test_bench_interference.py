@@ -17,8 +17,8 @@ import pytest
 
 from bench.cli import build_parser, main
 from bench.interference import _print, _print_gpu, spread
+from tests.bench.test_bench_signals import stop_run
 from tests.helpers import ROOT
-from tests.helpers.wait import wait_until
 
 
 def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
@@ -209,34 +209,12 @@ def test_a_run_stopped_by_a_signal_leaves_no_temporary_files(tmp_path, signum):
         "ckptbench", "interference", "--size", "16MiB", "--tensors", "2", "--steps", "2000",
         "--step-s", "0.005", "--kinds", "gpu", "--baseline-runs", "2",
     ]  # fmt: skip
-    # `python -m bench.cli`, with Python's own Ctrl-C handler even where it starts with SIGINT
-    # ignored (a shell's background job)
-    start = (
-        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        f"sys.argv = {argv!r}; runpy.run_module('bench.cli', run_name='__main__')"
+    stop_run(
+        argv[1:],
+        lambda: any(f.is_file() for d in _ckptbench_dirs(tmp) for f in d.rglob("*")),
+        signum,
+        env,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", start],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        wait_until(
-            lambda: (
-                proc.poll() is not None
-                or any(f.is_file() for d in _ckptbench_dirs(tmp) for f in d.rglob("*"))
-            ),
-            timeout_s=120,
-        )
-        assert proc.poll() is None, f"the run ended before it was stopped: {proc.stderr.read()}"
-        assert _ckptbench_dirs(tmp), "the run never saved into a temporary store"
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == (143 if signum == signal.SIGTERM else 130), err
-    assert "Traceback" not in err
     assert _ckptbench_dirs(tmp) == []
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -27,10 +28,11 @@ from ckptstore import (
     Store,
 )
 from ckptstore.catalog import list_steps
-from ckptstore.errors import CommitUnknownError
+from ckptstore.errors import CommitUnknownError, StorageTimeoutError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.retention import collect
 from tests.helpers.integrity import chunk_files, referenced_chunks, verify_all
+from tests.helpers.wait import wait_until
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -471,3 +473,68 @@ def test_a_chunk_deleted_by_another_process_is_not_taken_as_stored(s3_uri):
     ckpt.save(2, {"w": a}).wait()
     ckpt.verify(2)
     ckpt.close()
+
+
+def _answers_lost(store: Store, part: str) -> list[str]:
+    """``store``'s puts of keys holding ``part`` are written, then answered with a reset once
+    each (a 500 or a dropped connection after S3 wrote the object); the keys so treated."""
+    put_once, lost = store.backend.put_once, []
+
+    def put_then_reset(path, data):
+        put_once(path, data)
+        if part in path and path not in lost:
+            lost.append(path)
+            raise ConnectionResetError(f"answer to {path} lost")
+
+    store.backend.put_once = put_then_reset
+    return lost
+
+
+@pytest.mark.parametrize("part", ["leases/save/", "indexes/", "commits/", "chunks/"])
+def test_a_save_whose_put_landed_but_lost_its_answer_commits(tmp_path, part):
+    """The retry finds the object its first attempt wrote (the same bytes): done, not a
+    write-once conflict (a save lease or an index failed the save so, its lease left behind)."""
+    ckpt = Checkpointer(tmp_path / "s")
+    lost = _answers_lost(ckpt.store, part)
+    ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
+    assert lost and ckpt.steps() == [1]
+    state = {"w": torch.zeros(1000)}
+    ckpt.load(state)
+    assert torch.equal(state["w"], torch.arange(1000.0))
+    ckpt.close()
+    assert find_leases(Store(tmp_path / "s"), SAVE) == []
+
+
+def test_gc_whose_lease_put_lost_its_answer_runs(tmp_path):
+    with Checkpointer(tmp_path / "s") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.arange(1000.0) + step}).wait()
+    store = Store(tmp_path / "s")
+    lost = _answers_lost(store, "leases/gc/")
+    report = collect(store, keep_last=1)
+    assert lost and report.deleted_steps == [1] and report.swept and list_steps(store) == [2]
+    assert find_leases(store, GC) == []
+
+
+def test_a_gc_lease_is_not_held_by_a_save_put_stuck_on_a_hung_connection(tmp_path):
+    """A put abandoned at its deadline that never ends (a connection the server stopped
+    answering) cannot undo a sweep: the gc lease is released; a save lease, which guards a
+    manifest put that may still land, is kept until it ends."""
+    store = Store(tmp_path / "s", retry=RetryPolicy(timeout_s=0.2, total_s=0.5, attempts=1))
+    put_once, unstuck = store.backend.put_once, threading.Event()
+
+    def hung(path, data):
+        if "chunks/" in path:
+            unstuck.wait(60)
+        put_once(path, data)
+
+    store.backend.put_once = hung
+    with pytest.raises(StorageTimeoutError):
+        store.put("chunks/ab/stuck", b"x")
+    gc = Lease(store, GC, "gc-holder", ttl_s=60).acquire()
+    save = Lease(store, SAVE, "save-holder", ttl_s=60).acquire()
+    gc.release_when_settled(0.0)
+    save.release_when_settled(0.0)
+    assert not store.exists(gc.key) and store.exists(save.key)
+    unstuck.set()
+    wait_until(lambda: not store.exists(save.key), timeout_s=30)
