@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,31 @@ def test_a_dcp_step_is_verified_and_restored_without_the_dcp_front_end(tmp_path)
     assert doc == {"codes": [0, 0], "dcp": []}, doc
     restored = torch.load(out, weights_only=True)
     assert torch.equal(restored["w"], state["w"]) and restored["step"] == 3
+
+
+def _rooms() -> dict[str, str]:
+    """docs/ARCHITECTURE.md's rooms of the package (``format``, ``tiers``...) -> the text of
+    their "may import" column."""
+    rows = {}
+    for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
+        m = re.match(r"^\| `ckptstore/([^`/]+?)(?:\.py|/)?` \|.*\| ([^|]*) \|$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def test_every_room_imports_only_what_architecture_md_says_it_may():
+    rooms = _rooms()
+    assert {"store", "format", "tiers", "dcp", "checkpointer"} <= set(rooms)
+    offenders = []
+    for room, column in sorted(rooms.items()):
+        may = set(re.findall(r"[A-Za-z_]+", column)) | {"errors", room}
+        path = PACKAGE / room
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+        for file in files:
+            for line, name in _imported(file):
+                parts = name.split(".")
+                if parts[0] == "ckptstore" and len(parts) > 1 and parts[1] in rooms:
+                    if parts[1] not in may:
+                        offenders.append(f"{file.relative_to(ROOT)}:{line}: {name}")
+    assert not offenders, offenders
