@@ -41,7 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in WORKLOADS:
         importlib.import_module(f"bench.{name}").add_parser(sub)
+    for command in sub.choices.values():
+        _say_defaults(command)
     return parser
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help names its default where the text does not already."""
+    for action in parser._actions:
+        default = action.default
+        if (
+            action.help in (None, argparse.SUPPRESS)
+            or default in (None, False, argparse.SUPPRESS, [], ())
+            or "default" in action.help.lower()
+            or not action.option_strings
+        ):
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        action.help = f"{action.help} (default {str(shown).replace('%', '%%')})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,7 +98,7 @@ def add_parser(sub: Any) -> None:
         "--size-mib",
         type=int,
         default=256,
-        help="token data for --throughput, MiB (256; MDS and tar get a quarter)",
+        help="token data for --throughput, MiB, at least 4 (default 256; MDS and tar get a quarter)",
     )
     p.add_argument("--repeat", type=int, default=3, help="runs per --throughput case (median)")
     p.add_argument(

@@ -90,7 +90,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     faults.add_argument(
         "--latency",
         default="none",
-        help="added latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA]",
+        help="added latency per request: none, fixed:S or lognormal:MEDIAN_S[:SIGMA] (seconds)",
     )
     faults.add_argument(
         "--error-rate",
