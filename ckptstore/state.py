@@ -80,7 +80,9 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise UnsupportedStateError(f"{path_str(path)}: numpy object arrays can't be saved")
-            tensors.append(torch.from_numpy(np.ascontiguousarray(value)))
+            # not np.ascontiguousarray: it makes a 0-d array 1-d
+            contiguous = value if value.flags.c_contiguous else value.copy(order="C")
+            tensors.append(torch.from_numpy(contiguous))
             numpy.add(len(tensors) - 1)
             return {"$np": len(tensors) - 1}
         if value is None or isinstance(value, (bool, int, str)):
@@ -185,6 +187,21 @@ class _Loader:
                 self.match(seq[i] if seq is not None else _MISSING, item, (*path, i))
         elif tag == "$dict" or (isinstance(node, dict) and tag is None):
             self._match_dict(target, node, path)
+        elif tag in ("$float", "$bytes") or not isinstance(node, (dict, list)):
+            self._match_value(target, node, path)
+
+    def _match_value(self, target: Any, node: Any, path: tuple) -> None:
+        """A number, string, bytes or None of the step replaces what the state holds, but not
+        a tensor, an array, a generator or a stateful object: those would keep their old
+        values unseen (inside a stateful object, its ``load_state_dict`` decides)."""
+        live = (torch.Tensor, np.ndarray, torch.Generator)
+        if self._in_stateful or target is _MISSING:
+            return
+        if isinstance(target, live) or (not isinstance(target, dict) and is_stateful(target)):
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has a {type(decode_scalar(node)).__name__}, "
+                f"state has {type(target).__name__}"
+            )
 
     def _match_tensor(self, target: Any, node: Any, path: tuple) -> None:
         if target is _MISSING or target is None:
@@ -217,7 +234,13 @@ class _Loader:
                 )
 
     def _match_stateful(self, target: Any, node: Any, path: tuple) -> None:
-        if target is _MISSING or not is_stateful(target):
+        if target is _MISSING:
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has a stateful object the state does not hold "
+                "(pass one with load_state_dict() there, or load with strict=False to leave "
+                "it out)"
+            )
+        if not is_stateful(target):
             raise UnsupportedStateError(
                 f"{path_str(path)}: checkpoint has a stateful object; pass an object with "
                 "load_state_dict() to load it into"

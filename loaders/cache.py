@@ -6,8 +6,8 @@ then the payload, so an entry file copied or moved under another name fails its 
 payload. The name hashes the replica set's URIs, the shard key, the range and the size, and the
 version tokens (ETags, modification times) of every shard the open surveyed, so two datasets, or
 two versions of one dataset written at the same place, never share an entry (a dataset opened
-with ``verify_replicas=False`` and a declared shard list is not surveyed: its entries are keyed
-without versions, and only the format's own hashes tell a rewritten shard). Everything the cache knows is in the directory: a new process (a
+with ``verify_replicas=False`` is not surveyed, whether its shards are declared or listed: its
+entries are keyed without versions, and only the format's own hashes tell a rewritten shard). Everything the cache knows is in the directory: a new process (a
 DataLoader worker, a restarted job, another loader on the same machine) sees the same state.
 
 - **Verified.** An entry is checked on every read from the cache: file size, header, length and

@@ -665,7 +665,9 @@ class StoreWriter(StorageWriter, PooledStager):
         keys: dict[str, int],
     ) -> RankWritten | None:
         """This rank's items in the writer's store, for a step the local tiers could not take:
-        the coordinator takes the save's lease first, and every rank hears whether it could."""
+        the coordinator takes the save's lease first, and every rank hears whether it could;
+        then every rank, items or not, takes part in one round of one writer per distinct
+        chunk, as a save straight to durable storage does."""
         assert self._tier_group is not None
         latest: dict[int, LatestIndex] | None = None
         error = None
@@ -680,10 +682,17 @@ class StoreWriter(StorageWriter, PooledStager):
         known = next((p.get(self.rank) for p in heard.payloads if p is not None), None)
         session = self._session(target)
         session.learn(self.rank, known)
-        if not keys:
-            return None
-        entries, chunks = self._encode(session, staged, tensors)
-        return session.put_index(self.rank, entries, chunks, items=keys)
+        round_ = OneRound(self._tier_group, target.attempt)
+        try:
+            written = None
+            if keys:
+                entries, chunks = self._encode(session, staged, tensors, group=round_)
+                written = session.put_index(self.rank, entries, chunks, items=keys)
+        except BaseException as exc:
+            round_.finish(exc)
+            raise
+        round_.finish()
+        return written
 
     def _finish_local(self, target: _SaveTarget) -> None:
         """``finish`` of a step only the local tiers hold (each rank committed its copy)."""
@@ -828,12 +837,17 @@ class StoreWriter(StorageWriter, PooledStager):
         ]
 
     def _encode(
-        self, session: SaveSession, staged: HeldStaging | None, tensors: list[torch.Tensor]
+        self,
+        session: SaveSession,
+        staged: HeldStaging | None,
+        tensors: list[torch.Tensor],
+        group: OneRound | None = None,
     ):
-        """(entries, chunks) of ``tensors`` written through ``session``; ``staged`` is kept."""
+        """(entries, chunks) of ``tensors`` written through ``session``; ``staged`` is kept.
+        ``group``: the round of one writer per chunk they take part in."""
         if staged is not None:
-            return self._write_staged(session, staged, tensors, keep=True)
-        return self._write_copied(session, tensors)
+            return self._write_staged(session, staged, tensors, keep=True, group=group)
+        return self._write_copied(session, tensors, group=group)
 
     def _write_copied(
         self,

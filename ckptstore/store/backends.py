@@ -100,7 +100,10 @@ class Backend(ABC):
 
 
 # What an fsspec listing calls the token that changes when an object is written again.
-_VERSIONS = ("ETag", "VersionId", "LastModified", "mtime", "created")
+_VERSIONS = (
+    "ETag", "etag", "VersionId", "version_id", "generation",
+    "LastModified", "last_modified", "updated", "mtime", "created",
+)  # fmt: skip
 
 
 class FsspecBackend(Backend):

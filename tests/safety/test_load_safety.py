@@ -366,6 +366,49 @@ def test_numpy_arrays_of_another_shape_or_dtype_are_refused(tmp_path):
     ckpt.close()
 
 
+def test_a_zero_dimensional_array_keeps_its_shape_and_loads_into_the_state_that_saved_it(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"best": np.array(2.5), "t": np.arange(6).reshape(2, 3).T}).wait()
+        target = {"best": np.array(0.0), "t": np.zeros((3, 2), np.int64)}
+        ckpt.load(target)
+    assert target["best"].shape == () and target["best"] == 2.5
+    assert np.array_equal(target["t"], np.arange(6).reshape(2, 3).T)  # saved non-contiguous
+
+
+def test_a_number_in_the_step_never_silently_replaces_a_live_object(tmp_path):
+    """A tensor, array or stateful object of the state where the step holds a number (or a
+    string, bytes, None): refused before any write, strict or not (it kept its old value,
+    unseen, while the dict entry became the number)."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(
+            1, {"scale": 0.5, "ema": {"decay": 0.99}, "name": "run", "w": torch.ones(2)}
+        ).wait()
+        for place, live in [
+            ("scale", torch.zeros(4)),
+            ("ema/decay", np.zeros(3)),
+            ("name", torch.nn.Linear(2, 2)),
+        ]:
+            for strict in (True, False):
+                target = {"scale": 0.0, "ema": {"decay": 0.0}, "name": "", "w": torch.zeros(2)}
+                outer, _, key = place.rpartition("/")
+                (target[outer] if outer else target)[key] = live
+                with pytest.raises(UnsupportedStateError, match=f"{place}: checkpoint has a"):
+                    ckpt.load(target, strict=strict)
+                assert not target["w"].any()
+        target = {"scale": None, "ema": {"decay": 1}, "name": b"", "w": torch.zeros(2)}
+        ckpt.load(target)  # plain values of another type are replaced, as before
+        assert target["scale"] == 0.5 and target["ema"]["decay"] == 0.99 and target["name"] == "run"
+
+
+def test_a_stateful_object_the_state_omits_names_strict_false(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(2, 2), "opt": torch.nn.Linear(1, 1)}).wait()
+        with pytest.raises(UnsupportedStateError, match="opt: .*does not hold.*strict=False"):
+            ckpt.load({"model": torch.nn.Linear(2, 2)})
+        ckpt.load({"model": torch.nn.Linear(2, 2)}, strict=False)
+        assert ckpt.last_load_left_out == ["opt (not in the state)"]
+
+
 def test_values_the_state_holds_no_tensor_for_are_bounded_by_available_memory(
     tmp_path, monkeypatch
 ):

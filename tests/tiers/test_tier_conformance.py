@@ -1177,55 +1177,63 @@ def test_a_rank_lost_in_a_tiered_load_ends_every_ranks_load_within_the_bound(kin
 # -- one writer per distinct chunk (issue 36) ----------------------------------------------------
 
 
-def _replicated(step: int, rank: int) -> dict[str, Any]:
+def _replicated(step: int, rank: int, apart: bool = False) -> dict[str, Any]:
     """What a data-parallel rank saves: a model every rank holds alike (four chunks), and a
-    tensor of its own (one)."""
+    tensor of its own (one); ``apart``: the model under a name of each rank's own (identical
+    shards DCP's planner cannot tell apart, only their chunks' digests)."""
     g = torch.Generator().manual_seed(step)
     own = torch.Generator().manual_seed(1000 * step + rank)
     return {
-        "w": torch.randn(CHUNK, generator=g),
+        f"w{rank}" if apart else "w": torch.randn(CHUNK, generator=g),
         f"o{rank}": torch.randn(CHUNK // 4, generator=own),
     }
 
 
-def _write_once(rank: int, world: int, kind: str, root: str, out: str, tiered: bool) -> None:
+def _write_once(rank: int, world: int, kind: str, root: str, out: str, tiered: str) -> None:
     from tests.helpers.counting import CountingBackend, Tally
 
     tally = Tally()
     store = Store(root)
     store.backend = CountingBackend(store.backend, tally)
     tiers = TierOptions()
-    if tiered:  # 2 nodes; each step drained to durable storage from the local copies
+    apart = tiered == "fallback"
+    if tiered == "drained":  # 2 nodes; each step drained to durable storage from the local copies
         node = rank // 2
         tiers = TierOptions(local_dir=Path(out) / f"node-{node}", node_rank=node, durable_every=1)
+    elif apart:  # every local tier unusable: each save goes to durable storage from the ranks
+        unusable = Path(out) / f"node-{rank}"
+        unusable.write_bytes(b"a file where the directory should be")
+        tiers = TierOptions(local_dir=unusable, node_rank=rank, durable_every=1)
     front = FRONTS[kind](Path(root), tiers, StorageOptions(store=store))
     front.no_dist = False
     puts = []
     for step in (1, 2):  # the second save changes the state: nothing of it is known stored
         tally.clear()
-        front.save(step, _replicated(step, rank))
+        front.save(step, _replicated(step, rank, apart))
         front.wait_durable()
         puts.append(tally.chunks["put"])
     exists = store.counters.snapshot()["requests"].get("put", {}).get("exists", 0)
     Path(out, f"rank-{rank}.json").write_text(json.dumps({"puts": puts, "exists": exists}))
     front.close()
     torch.distributed.barrier()
-    target = {k: torch.zeros_like(v) for k, v in _replicated(2, rank).items()}
+    target = {k: torch.zeros_like(v) for k, v in _replicated(2, rank, apart).items()}
     if kind == "dcp":  # a load without tiers reports no tier
         dcp.load(target, storage_reader=StoreReader(root))
     else:
         assert front.restart().load(target)[0] == 2
-    assert _same(target, _replicated(2, rank)), rank
+    assert _same(target, _replicated(2, rank, apart)), rank
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("tiered", [False, True], ids=["durable", "drained"])
+@pytest.mark.parametrize("tiered", ["durable", "drained", "fallback"])
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
 def test_a_chunk_every_rank_holds_is_put_once(kind, tiered, tmp_path):
     """Four data-parallel ranks save the same model and a tensor each, straight to durable
-    storage or drained there from local copies: every distinct chunk is put by one rank (no
-    rank's put answered "exists"), and every rank loads its state back. The ranks agree on a
-    writer per chunk (``save.once``); DCP's planner already writes a replicated item once."""
+    storage, drained there from local copies, or sent there because no local tier could take
+    the save: every distinct chunk is put by one rank (no rank's put answered "exists"), and
+    every rank loads its state back. The ranks agree on a writer per chunk (``save.once``);
+    DCP's planner already writes a replicated item once, so the fallback names the model
+    apart on each rank: only the chunks' digests tell the ranks hold it alike."""
     root, out = tmp_path / "durable", tmp_path / "counts"
     out.mkdir()
     run_ranks(_write_once, 4, kind, str(root), str(out), tiered, timeout_s=240)
