@@ -46,10 +46,17 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
         _print_steps(store, rows, tiers=bool(local))
         _print_pending(pending)
         if held_apart:
+            again = [s for s in held_apart if s in steps]
             print(
                 f"quarantined: step(s) {', '.join(map(str, held_apart))}, found damaged by a load "
                 "with fallback, kept apart for forensics (ckptstore gc --remove-corrupt deletes "
                 "them)"
+                + (
+                    f"; step(s) {', '.join(map(str, again))} saved again since: the rows above "
+                    "are the new saves"
+                    if again
+                    else ""
+                )
             )
         _print_local_dirs(listings, local_problems)
     if bad:

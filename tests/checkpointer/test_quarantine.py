@@ -75,7 +75,9 @@ def test_a_corrupt_newest_step_is_quarantined_and_saved_again(tmp_path, capsys):
     assert verify_all(str(root)) == [1, 2, 3, 4]
     capsys.readouterr()
     assert main(["ls", str(root)]) == 0  # the step 3 now listed is the new save's
-    assert "quarantined: step(s) 3, found damaged" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "quarantined: step(s) 3, found damaged" in out
+    assert "step(s) 3 saved again since: the rows above are the new saves" in out
     assert main(["gc", str(root), "--keep-last", "1"]) == 0
     assert list_steps(store) == [4] and list(quarantined(store).values()) == [3]
     assert main(["gc", str(root), "--keep-last", "1", "--remove-corrupt"]) == 0
