@@ -191,11 +191,12 @@ class _Loader:
             self._match_value(target, node, path)
 
     def _match_value(self, target: Any, node: Any, path: tuple) -> None:
-        """A number, string, bytes or None of the step replaces what the state holds, but not
-        a tensor, an array, a generator or a stateful object: those would keep their old
-        values unseen (inside a stateful object, its ``load_state_dict`` decides)."""
+        """A number, string or bytes of the step replaces what the state holds, but with
+        ``strict`` not a tensor, an array, a generator or a stateful object: other references
+        to it would keep their old values unseen (inside a stateful object, its
+        ``load_state_dict`` decides; a None saved, a value not set yet then, replaces it)."""
         live = (torch.Tensor, np.ndarray, torch.Generator)
-        if self._in_stateful or target is _MISSING:
+        if not self.strict or self._in_stateful or target is _MISSING or node is None:
             return
         if isinstance(target, live) or (not isinstance(target, dict) and is_stateful(target)):
             raise UnsupportedStateError(

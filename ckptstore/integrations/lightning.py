@@ -97,6 +97,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             ``ModelCheckpoint(save_top_k=...)`` decide which steps go. The default
             ``health`` ignores the callbacks' state (``ModelCheckpoint`` and ``EarlyStopping``
             keep scores that are Inf by design): ``HealthPolicy(ignore=("callbacks/",))``.
+            Not ``tiers`` (nor ``local_dir``): the pointers name steps of the durable store.
     """
 
     def __init__(
@@ -106,6 +107,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
         **checkpointer_options: Any,
     ) -> None:
+        tiers = checkpointer_options.get("tiers")
+        if checkpointer_options.get("local_dir") or getattr(tiers, "local_dir", None):
+            # A pointer to a step held only by a local tier would not load after a restart.
+            raise ValueError(
+                "the Lightning plugin does not take tiers (local_dir): its pointer files name "
+                "steps of the durable store; give it the fast store itself as its uri"
+            )
         self.uri = str(uri)
         self._store_id = _pointer.store_id(self.uri)
         self._storage_options = storage_options

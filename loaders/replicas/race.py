@@ -54,6 +54,9 @@ class _Attempt:
     settled: bool = False
 
 
+_TOLD_MAX = 10_000  # damages remembered for warnings: a bound, not a policy
+
+
 class ReplicaReads:
     """The requests of one replica set: :meth:`read` for data, :meth:`call` for anything else.
     Keeps the losers of earlier reads still running, to give them up at their deadline."""
@@ -67,6 +70,17 @@ class ReplicaReads:
         self.config = config
         self._lock = threading.Lock()
         self._orphans: list[_Attempt] = []  # losers of returned reads, still running
+        self._told: set[str] = set()  # corrupt data already warned of (replica and what)
+
+    def tell_corrupt(self, replica: Replica, exc: BaseException) -> None:
+        """One WARNING per replica and damage (the reads of a window that meet the same bad
+        block say it once), later ones at DEBUG."""
+        line = f"replica {replica.name} returned corrupt data: {exc}"
+        with self._lock:
+            first = line not in self._told
+            if first and len(self._told) < _TOLD_MAX:
+                self._told.add(line)
+        logger.log(logging.WARNING if first else logging.DEBUG, "%s", line)
 
     def read(
         self, what: str, nbytes: int, fn: Fetch, decode: Decode | None, gone: Sequence[Replica]
@@ -339,7 +353,7 @@ class _Request:
         if isinstance(exc, ShardCorruptError):
             # Bad bytes on one replica stay bad: its owner must hear of it.
             r.stats.add(corrupt=1)
-            logger.warning("replica %s returned corrupt data: %s", r.name, exc)
+            self.reads.tell_corrupt(r, exc)
         else:
             logger.debug("read %s failed on %s: %s", self.what, r.name, exc)
 

@@ -32,6 +32,7 @@ from ckptstore import (  # noqa: E402
     RetryPolicy,
     StorageOptions,
     Store,
+    TierOptions,
     UnsupportedStateError,
 )
 from ckptstore.catalog import list_steps  # noqa: E402
@@ -470,3 +471,12 @@ def test_a_pointer_left_pending_by_a_kill_loads_the_newest_save_before_it(tmp_pa
     with pytest.raises(CheckpointNotFoundError, match="no earlier step is committed: nothing to"):
         fresh.load_checkpoint(str(tmp_path / "first.ckpt"))
     fresh.close()
+
+
+def test_tiers_are_refused_by_name(tmp_path):
+    """A pointer to a step only a local tier held named no durable step after a kill: every
+    restart failed. The plugin takes no tiers."""
+    for options in ({"tiers": TierOptions(local_dir=tmp_path / "local")}, {"local_dir": "L"}):
+        with pytest.raises(ValueError, match="does not take tiers"):
+            CkptstoreCheckpointIO(tmp_path / "store", **options)
+    CkptstoreCheckpointIO(tmp_path / "store", tiers=TierOptions())  # no local_dir: no tiers

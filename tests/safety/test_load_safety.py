@@ -376,9 +376,10 @@ def test_a_zero_dimensional_array_keeps_its_shape_and_loads_into_the_state_that_
 
 
 def test_a_number_in_the_step_never_silently_replaces_a_live_object(tmp_path):
-    """A tensor, array or stateful object of the state where the step holds a number (or a
-    string, bytes, None): refused before any write, strict or not (it kept its old value,
-    unseen, while the dict entry became the number)."""
+    """With ``strict``, a tensor, array or stateful object of the state where the step holds
+    a number (or a string, bytes): refused before any write (it kept its old value, unseen,
+    while the dict entry became the number). ``strict=False``, or a None saved (a value not
+    set yet, say a best score), replaces it."""
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(
             1, {"scale": 0.5, "ema": {"decay": 0.99}, "name": "run", "w": torch.ones(2)}
@@ -388,16 +389,21 @@ def test_a_number_in_the_step_never_silently_replaces_a_live_object(tmp_path):
             ("ema/decay", np.zeros(3)),
             ("name", torch.nn.Linear(2, 2)),
         ]:
-            for strict in (True, False):
-                target = {"scale": 0.0, "ema": {"decay": 0.0}, "name": "", "w": torch.zeros(2)}
-                outer, _, key = place.rpartition("/")
-                (target[outer] if outer else target)[key] = live
-                with pytest.raises(UnsupportedStateError, match=f"{place}: checkpoint has a"):
-                    ckpt.load(target, strict=strict)
-                assert not target["w"].any()
+            target = {"scale": 0.0, "ema": {"decay": 0.0}, "name": "", "w": torch.zeros(2)}
+            outer, _, key = place.rpartition("/")
+            (target[outer] if outer else target)[key] = live
+            with pytest.raises(UnsupportedStateError, match=f"{place}: checkpoint has a"):
+                ckpt.load(target)
+            assert not target["w"].any()
+            ckpt.load(target, strict=False)
+            assert target["scale"] == 0.5 and target["ema"]["decay"] == 0.99
         target = {"scale": None, "ema": {"decay": 1}, "name": b"", "w": torch.zeros(2)}
         ckpt.load(target)  # plain values of another type are replaced, as before
         assert target["scale"] == 0.5 and target["ema"]["decay"] == 0.99 and target["name"] == "run"
+        ckpt.save(2, {"best": None, "w": torch.ones(2)}).wait()
+        target = {"best": torch.tensor(0.25), "w": torch.zeros(2)}
+        ckpt.load(target, 2)  # a rollback to before a best score was set
+        assert target["best"] is None and target["w"].all()
 
 
 def test_a_stateful_object_the_state_omits_names_strict_false(tmp_path):
