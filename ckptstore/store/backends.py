@@ -335,15 +335,13 @@ class LocalBackend(FsspecBackend):
         return st.st_size, f"{st.st_mtime_ns}:{st.st_ino}"
 
     def modified(self, path: str) -> float:
-        return os.stat(
-            self._inside(path)
-        ).st_mtime  # set by the file system (an NFS server's clock)
+        # set by the file system (an NFS server's clock)
+        return os.stat(self._inside(path)).st_mtime
 
     def exists(self, path: str) -> bool:
         try:
-            os.stat(
-                self._inside(path)
-            )  # not os.path.exists: that says False where access is denied
+            # not os.path.exists: that says False where access is denied
+            os.stat(self._inside(path))
         except (FileNotFoundError, NotADirectoryError):
             return False
         return True
