@@ -59,6 +59,18 @@ def _read_at_most(reader, nbytes: int) -> bytearray:
 
 _READ_PIECE = 4 << 20
 
+# The most raw bytes one compressed byte can stand for, where the format bounds it: a zstd block
+# of up to 128 KiB costs at least 4 bytes (an RLE block), a deflate length code of 258 bytes at
+# least 2 bits. bz2 (run-length coded before it compresses) and xz reach millions to one.
+_MAX_RATIO = {"zstd": 32768, "gz": 1032}
+
+
+def max_raw_bytes(algo: str, nbytes: int) -> int | None:
+    """Most bytes ``nbytes`` compressed with ``algo`` can decompress to, None if unbounded."""
+    ratio = _MAX_RATIO.get(algo.split(":", 1)[0])
+    return None if ratio is None else nbytes * ratio
+
+
 _XXH: dict[str, Callable[[bytes], str]] = {
     "xxh32": lambda b: xxhash.xxh32(b).hexdigest(),
     "xxh64": lambda b: xxhash.xxh64(b).hexdigest(),

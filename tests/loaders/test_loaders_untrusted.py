@@ -140,6 +140,36 @@ def test_an_mds_sample_count_its_shard_cannot_hold_is_corrupt_at_open(tmp_path: 
         ShardDataset(str(root), MDS(), config=IN_ORDER)
 
 
+@pytest.mark.parametrize("compression", ["zstd", "gz"])
+def test_a_compressed_shard_declaring_more_raw_bytes_than_it_can_hold_is_corrupt_at_open(
+    tmp_path: Path, compression: str
+) -> None:
+    """A shard of a hundred bytes declaring a GiB raw and a sample per 4 bytes of it: refused
+    at open, not an epoch order of 2.7e8 entries (10 GiB) built from a few-hundred-byte index."""
+    root = tmp_path / "ds"
+    index = write_mds(root, compression)
+    info = index["shards"][0]
+    nbytes = info["zip_data"]["bytes"]
+    info["raw_data"]["bytes"] = 1 << 30
+    info["samples"] = (1 << 28) - 2
+    write_index(root, index)
+    with pytest.raises(
+        ShardCorruptError, match=rf"{1 << 30} raw bytes cannot come from {nbytes} bytes of"
+    ):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_a_zstd_shard_at_its_format_s_largest_ratio_opens(tmp_path: Path) -> None:
+    """The bound is the format's, not a guess: 64 MiB of zeros, zstd at its best, still reads."""
+    root = tmp_path / "ds"
+    with MDSWriter(root, columns={"blob": "bytes"}, compression="zstd:22") as w:
+        w.write({"blob": bytes(64 << 20)})
+    info = json.loads((root / "index.json").read_text())["shards"][0]
+    assert info["raw_data"]["bytes"] > 16_000 * info["zip_data"]["bytes"]  # near the bound
+    (sample,) = list(ShardDataset(str(root), MDS(), config=IN_ORDER))
+    assert sample["blob"] == bytes(64 << 20)
+
+
 @pytest.mark.parametrize("algo", ["shake_128", "shake_256", "no_such_hash"])
 def test_a_hash_of_no_fixed_length_is_unknown_not_a_replica_fault(tmp_path, caplog, algo):
     """hashlib has shake_128, but its digest needs a length the index cannot give: the data is

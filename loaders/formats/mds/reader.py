@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
-from loaders.formats._codecs import decompress, hasher
+from loaders.formats._codecs import decompress, hasher, max_raw_bytes
 from loaders.formats.layout import Unit, check_shard_key
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,7 @@ class MDS:
                         f"{where}: {shard.raw_bytes} raw bytes, more than "
                         f"MDS.max_shard_bytes ({self.max_shard_bytes})"
                     )
+                shard.check_ratio(where)
             except (KeyError, TypeError, AttributeError) as exc:
                 what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ShardCorruptError(f"{where}: malformed entry ({what})") from None
@@ -305,6 +306,16 @@ class _Shard:
             )
         shard.decoders()  # an encoding not read here fails at open
         return shard
+
+    def check_ratio(self, index: str) -> None:
+        """A compressed shard declaring more raw bytes (so room for more samples) than its
+        compression can make of its size is corrupt."""
+        most = max_raw_bytes(self.compression, self.nbytes) if self.compression else None
+        if most is not None and self.raw_bytes > most:
+            raise ShardCorruptError(
+                f"{index}: {self.raw_bytes} raw bytes cannot come from {self.nbytes} bytes of "
+                f"{self.compression} (at most {most})"
+            )
 
     def decoders(self) -> list[Callable[[bytes], Any]]:
         """Bytes -> value for each column, in order (``bytes`` for the raw columns)."""
