@@ -63,6 +63,8 @@ class GcReport:
     """Committed steps whose manifest or a rank index does not decode -> why: never counted
     as kept, never deleted by ``keep_last``; while one is kept, nothing is swept."""
     removed_corrupt: list[int] = field(default_factory=list)
+    spared: list[int] = field(default_factory=list)
+    """Steps ``keep_last`` would have deleted that ``keep_steps`` kept."""
     kept_healthy: int | None = None
     """The newest healthy step, kept whatever ``keep_last`` says (None: no healthy step)."""
     removed_quarantine: list[int] = field(default_factory=list)
@@ -123,7 +125,9 @@ def collect(
     steps = sorted(readable)
     healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
     report.kept_healthy = healthy[-1] if healthy else None
-    doomed = set(steps[:-keep_last] if keep_last is not None else []) - set(keep_steps)
+    doomed = set(steps[:-keep_last] if keep_last is not None else [])
+    report.spared = sorted(doomed & set(keep_steps))
+    doomed -= set(keep_steps)
     if report.kept_healthy in doomed:
         doomed.discard(report.kept_healthy)
         logger.info("gc %s: step %d kept, the newest healthy step", store.uri, report.kept_healthy)

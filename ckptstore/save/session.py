@@ -356,17 +356,33 @@ class SaveSession:
             self.lease = None
 
     def retain(self) -> None:
-        """Apply ``keep_last`` after a commit; a failure is logged (the next save retries)."""
+        """Apply ``keep_last`` after a commit; a failure is logged (the next save retries). The
+        step just committed is kept even where ``keep_last`` newer-numbered steps outnumber it
+        (what ``wait()`` reports committed is there when it returns), with a warning."""
         if self.engine.keep_last is None:
             return
         try:
-            collect(
+            report = collect(
                 self.store,
                 keep_last=self.engine.keep_last,
                 ignore_attempts={self.attempt},
+                keep_steps={self.step},
                 lease_ttl_s=self.engine.lease_ttl_s,
             )
         except CheckpointError as exc:
             logger.warning(
                 "retention in %s failed (will retry after the next save): %s", self.store.uri, exc
+            )
+            return
+        if self.step in report.spared:
+            logger.warning(
+                "step %d committed in %s below the newest %d steps (keep_last=%d keeps the "
+                "highest-numbered: %s): kept now, deleted by the next save's retention; a "
+                "second run into the same store without resuming? latest() names step %d",
+                self.step,
+                self.store.uri,
+                self.engine.keep_last,
+                self.engine.keep_last,
+                ", ".join(map(str, report.kept_steps[-self.engine.keep_last :])),
+                report.kept_steps[-1],
             )

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from bench.faults import Faults, with_faults
 from ckptstore import (
@@ -28,6 +29,7 @@ from ckptstore import (
     Store,
 )
 from ckptstore.catalog import list_steps
+from ckptstore.dcp import StoreWriter
 from ckptstore.errors import CommitUnknownError, StorageTimeoutError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.retention import collect
@@ -118,6 +120,37 @@ def test_retention_in_two_processes_keeps_every_waited_step(tmp_path):
     # Each writer's retention keeps the newest 3 of the whole store: the other writer's last
     # steps (2000s) outrank the 1000s, so only the newest steps overall must be there.
     assert steps[-3:] == sorted(int(s) for out in outs for s in out.split())[-3:]
+
+
+def _saver(front: str, uri: str):
+    """save(step, state) through ``front`` with keep_last=2, returning once it committed."""
+    if front == "checkpointer":
+        ckpt = Checkpointer(uri, keep_last=2)
+        return lambda step, state: ckpt.save(step, state).wait()
+    writer = StoreWriter(uri, keep_last=2)
+    return lambda step, state: dcp.save(
+        state, storage_writer=writer, checkpoint_id=step, no_dist=True
+    )
+
+
+@pytest.mark.parametrize("front", ["checkpointer", "dcp"])
+def test_a_step_committed_below_the_newest_keep_last_is_there_when_the_save_returns(
+    tmp_path, caplog, front
+):
+    """A second run into the same store without resuming: its first save is numbered below
+    the first run's newest keep_last steps. Retention kept them and deleted the step the save
+    had just committed, with an INFO line; it is kept now, with a warning naming why."""
+    uri = str(tmp_path / "store")
+    first = _saver(front, uri)
+    for step in (100, 101):
+        first(step, {"w": torch.full((8,), float(step))})
+    second = _saver(front, uri)
+    with caplog.at_level("WARNING", logger="ckptstore"):
+        second(5, {"w": torch.full((8,), 5.0)})
+    assert list_steps(Store(uri)) == [5, 100, 101]
+    assert "step 5 committed" in caplog.text and "below the newest 2 steps" in caplog.text
+    second(6, {"w": torch.full((8,), 6.0)})
+    assert list_steps(Store(uri)) == [6, 100, 101]  # keep_last counts by number, as documented
 
 
 # -- a delete that timed out lands later ---------------------------------------------------------
