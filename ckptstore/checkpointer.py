@@ -35,9 +35,7 @@ from typing import Any
 
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps
-from ckptstore.errors import (
-    CheckpointError,
-)
+from ckptstore.errors import CheckpointError, one_line
 from ckptstore.format import check_step
 from ckptstore.health import StepHealth, find_healthy
 from ckptstore.loading import StateLoader
@@ -455,8 +453,14 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        if error is None:
+            self.close()
+            return
+        try:  # the block's own error goes on; a save that failed too is logged, not raised
+            self.close()
+        except Exception as exc:  # noqa: BLE001
+            logger.error("Checkpointer closed after an error in its block: %s", one_line(exc))
 
 
 def _collective_options(o: dict[str, Any], policy: TierPolicy | None) -> dict[str, Any]:

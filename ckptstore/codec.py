@@ -60,6 +60,11 @@ class CodecConfig:
     @classmethod
     def parse(cls, spec: str | int | None) -> CodecConfig:
         """``"auto"``, ``"none"``, ``"zstd"``, ``"zstd:3"``, an int level, or None (raw)."""
+        if isinstance(spec, bool) or not isinstance(spec, str | int | None):
+            raise ValueError(
+                f"compression takes 'auto', 'none', 'zstd', 'zstd:LEVEL', an int level or None, "
+                f"got {type(spec).__name__} {spec!r}"
+            )
         if isinstance(spec, str) and spec.lower() == "auto":
             return cls(level=1, adaptive=True)
         if spec is None or (isinstance(spec, str) and spec.lower() in ("none", "raw")):

@@ -593,7 +593,15 @@ class StateLoader:
         """Every rank has every tensor: only now are values set and load_state_dict called."""
         kinds = read.kinds
         values = {i: (t.numpy() if kinds[i] else t) for i, t in read.tensors.items() if i in kinds}
-        finish_load(read.loader, state, read.tree, values)
+        try:
+            finish_load(read.loader, state, read.tree, values)
+        except Exception as exc:  # a load_state_dict() of the caller's own, as it raised it
+            exc.add_note(
+                f"ckptstore: raised while step {step} was set into the state: every tensor holds "
+                f"step {step} and the values and load_state_dict() calls before this one were "
+                "made, the rest not; load again or rebuild the state before going on"
+            )
+            raise
         self.last_load_left_out = [f"{p} (not in the state)" for p in read.loader.left_out]
         self.last_load_left_out += [f"{p} (not in step {step})" for p in read.loader.not_saved]
         if self.last_load_left_out:

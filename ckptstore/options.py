@@ -12,11 +12,13 @@ this release, with a ``DeprecationWarning`` naming the option object to use inst
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.codec import CodecConfig
 from ckptstore.leases import DEFAULT_TTL_S, MAX_LEASE_TTL_S
 from ckptstore.tiers.policy import (
     DEFAULT_LOCAL_KEEP_LAST,
@@ -28,6 +30,35 @@ from ckptstore.tiers.policy import (
 DEFAULT_GC_WAIT_S = 600.0
 DEFAULT_SHARED_READ_BUDGET_BYTES = 256 * 2**20
 STAGING_MODES = ("host", "device", "auto", "peer")
+
+
+_KINDS = {
+    "int": (numbers.Integral,),
+    "float": (numbers.Real,),
+    "str": (str,),
+    "bool": (bool,),
+    "None": (type(None),),
+}
+
+
+def _check_kinds(options: Any) -> None:
+    """Each field whose annotation names only ``int``, ``float``, ``str``, ``bool`` or ``None``
+    holds one of them (a bool is no number here, an int is a float): ``keep_last=2.5`` or
+    ``timeout_s="30"`` fail here, naming the field, not deep inside a save."""
+    for f in dataclasses.fields(options):
+        names = [n.strip() for n in str(f.type).split("|")]
+        if not f.init or not all(n in _KINDS for n in names):
+            continue
+        value = getattr(options, f.name)
+        if isinstance(value, bool) and "bool" not in names:
+            ok = False
+        else:
+            ok = isinstance(value, tuple(k for n in names for k in _KINDS[n]))
+        if not ok:
+            raise TypeError(
+                f"{type(options).__name__}.{f.name} takes {' or '.join(names)}, "
+                f"got {type(value).__name__} {value!r}"
+            )
 
 
 def _at_least(name: str, value: float | None, low: float) -> None:
@@ -59,6 +90,7 @@ class StorageOptions:
     injection); ``storage_options`` are then ignored."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         _at_least("max_concurrency", self.max_concurrency, 1)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
@@ -91,8 +123,10 @@ class EncodingOptions:
     """Duplicate slow chunk uploads (default: on for remote stores)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         _at_least("chunk_bytes", self.chunk_bytes, 1)
         _at_least("encode_threads", self.encode_threads, 1)
+        CodecConfig.parse(self.compression)  # "gzip" is refused here, not at the first save
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -123,6 +157,7 @@ class StagingOptions:
     ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         if self.mode not in STAGING_MODES:
             raise ValueError(
                 f"staging must be one of {', '.join(STAGING_MODES)}, got {self.mode!r}"
@@ -145,6 +180,7 @@ class RetentionOptions:
     """How long a save waits for a garbage collection of the store to finish before failing."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         if self.lease_ttl_s <= 0 or self.gc_wait_s < 0:
             raise ValueError("lease_ttl_s must be > 0 and gc_wait_s >= 0")
         if self.lease_ttl_s > MAX_LEASE_TTL_S:
@@ -186,6 +222,7 @@ class TierOptions:
     ``rank // LOCAL_WORLD_SIZE``, else the host name)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         self.policy()  # checks every field
 
     def policy(self) -> TierPolicy | None:
@@ -214,6 +251,7 @@ class ReadOptions:
     temporary memory."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         _at_least("shared_read_budget_bytes", self.shared_read_budget_bytes, 0)
         _at_least("read_concurrency", self.read_concurrency, 1)
         _at_least("read_batch_bytes", self.read_batch_bytes, 1)
@@ -231,6 +269,7 @@ class PreemptionOptions:
     """How long pending saves may take after SIGTERM."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         if self.sigterm_grace_s <= 0:
             raise ValueError(f"sigterm_grace_s must be > 0, got {self.sigterm_grace_s}")
 
@@ -267,6 +306,7 @@ class HealthPolicy:
     starts at inf. Their NaN and Inf counts are still recorded per tensor (``inspect``)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         if self.on_unhealthy not in ON_UNHEALTHY:
             raise ValueError(
                 f"on_unhealthy must be one of {', '.join(ON_UNHEALTHY)}, got {self.on_unhealthy!r}"
@@ -353,12 +393,19 @@ def resolve(owner: str, given: dict[str, Any], flat: dict[str, Any]) -> dict[str
     out = {}
     for group, value in given.items():
         if group == "staging" and isinstance(value, str):
-            value = StagingOptions(mode=value)
+            value = StagingOptions(mode=value)  # with flat staging keywords, as they came
+        elif value is not None and group in fields:
+            # a keyword of earlier releases beside the group it belongs to: which one is meant?
+            raise TypeError(
+                f"{owner}() got {', '.join(f'{k}=' for k in fields[group])} and {group}=: pass "
+                f"{'them' if len(fields[group]) > 1 else 'it'} in the {group} options alone"
+            )
         if value is None:
             value = _GROUPS[group]()
         if not isinstance(value, _GROUPS[group]):
+            article = "an" if _GROUPS[group].__name__[0] in "AEIOU" else "a"
             raise TypeError(
-                f"{owner}({group}=...) takes a {_GROUPS[group].__name__}, got "
+                f"{owner}({group}=...) takes {article} {_GROUPS[group].__name__}, got "
                 f"{type(value).__name__}"
             )
         out[group] = dataclasses.replace(value, **fields.get(group, {}))

@@ -117,7 +117,8 @@ def collect(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
-    readable = _read_steps(store, list_steps(store), report)
+    # keep_steps are read even where the listing lags behind their commit (the save's own)
+    readable = _read_steps(store, sorted(set(list_steps(store)) | set(keep_steps)), report)
     if verify_chunks:
         _verify_chunks(store, readable, report)
     elif check_chunks:
@@ -158,7 +159,16 @@ def collect(
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
         _sweep(
-            store, report, gone, readable, ignore_attempts, lease_ttl_s, lease, keep_attempts, level
+            store,
+            report,
+            gone,
+            readable,
+            ignore_attempts,
+            lease_ttl_s,
+            lease,
+            keep_attempts,
+            level,
+            set(keep_steps),
         )
     finally:
         if lease is not None:
@@ -276,6 +286,7 @@ def _sweep(
     lease: Lease | None,
     keep_attempts: set[str] = frozenset(),
     level: int = logging.WARNING,
+    keep_steps: set[int] = frozenset(),
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -284,7 +295,7 @@ def _sweep(
     listed = [s for s in list_steps(store) if s not in gone]
     new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
     readable.update(_read_steps(store, new, report))
-    report.kept_steps = [s for s in listed if s in readable]
+    report.kept_steps = sorted((set(listed) | (keep_steps - gone)) & readable.keys())
     if live:
         report.blocked_by = live
         logger.info("gc %s: %d save(s) in flight, chunks not swept", store.uri, len(live))

@@ -192,16 +192,17 @@ class _Loader:
 
     def _match_value(self, target: Any, node: Any, path: tuple) -> None:
         """A number, string or bytes of the step replaces what the state holds, but with
-        ``strict`` not a tensor, an array, a generator or a stateful object: other references
-        to it would keep their old values unseen (inside a stateful object, its
-        ``load_state_dict`` decides; a None saved, a value not set yet then, replaces it)."""
-        live = (torch.Tensor, np.ndarray, torch.Generator)
+        ``strict`` not a tensor, an array, a generator, a stateful object or a container:
+        other references to it would keep their old values unseen, and a dict or list of the
+        state is another schema (inside a stateful object, its ``load_state_dict`` decides; a
+        None saved, a value not set yet then, replaces it)."""
+        live = (torch.Tensor, np.ndarray, torch.Generator, dict, list, tuple)
         if not self.strict or self._in_stateful or target is _MISSING or node is None:
             return
-        if isinstance(target, live) or (not isinstance(target, dict) and is_stateful(target)):
+        if isinstance(target, live) or is_stateful(target):
             raise UnsupportedStateError(
                 f"{path_str(path)}: checkpoint has a {type(decode_scalar(node)).__name__}, "
-                f"state has {type(target).__name__}"
+                f"state has {type(target).__name__} (load(..., strict=False) replaces it)"
             )
 
     def _match_tensor(self, target: Any, node: Any, path: tuple) -> None:

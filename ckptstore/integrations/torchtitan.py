@@ -60,7 +60,7 @@ import os
 import pickle
 import re
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 try:
@@ -126,25 +126,27 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
         """Save mode: synchronous, threaded async, or async with background (pinned) staging."""
 
-        storage_options: dict[str, Any] | None = None
-        """fsspec options of the store (credentials, endpoint); default: the environment."""
+        storage_options: dict[str, Any] = field(default_factory=dict)
+        """fsspec options of the store (credentials, endpoint); default: the environment. Set
+        in a config module (a dict is no command-line flag); the option objects below are
+        (``--checkpoint.tiers.local-dir /nvme/ckpt``, ``--checkpoint.storage.timeout-s 60``)."""
 
-        storage: StorageOptions | None = None
+        storage: StorageOptions = field(default_factory=StorageOptions)
         """How the store is reached (concurrency, request deadlines)."""
 
-        encoding: EncodingOptions | None = None
+        encoding: EncodingOptions = field(default_factory=EncodingOptions)
         """How chunks are cut, compressed and uploaded."""
 
-        staging: StagingOptions | None = None
+        staging: StagingOptions = field(default_factory=StagingOptions)
         """Staging for ``async``: the bound of the writer's host buffers."""
 
-        retention: RetentionOptions | None = None
+        retention: RetentionOptions = field(default_factory=RetentionOptions)
         """Leases of saves and of the retention sweep (``keep_latest_k`` is the count kept)."""
 
-        tiers: TierOptions | None = None
+        tiers: TierOptions = field(default_factory=TierOptions)
         """Node-local and peer tiers with background drains to the store (``local_dir``)."""
 
-        reads: ReadOptions | None = None
+        reads: ReadOptions = field(default_factory=ReadOptions)
         """How a load reads (concurrency, batch bytes, chunks shared between ranks)."""
 
         def __post_init__(self) -> None:
@@ -200,8 +202,9 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         self.keep_latest_k = config.keep_latest_k
         self.sd_adapter = sd_adapter
         self.async_mode = config.async_mode
-        self.storage_options = config.storage_options
-        self._read_options = dict(storage=config.storage, reads=config.reads, tiers=config.tiers)
+        self.storage_options = config.storage_options or None
+        tiers = config.tiers if config.tiers and config.tiers.local_dir is not None else None
+        self._read_options = dict(storage=config.storage, reads=config.reads, tiers=tiers)
         self.save_future: Future | None = None
         self.staging_future: Future | None = None
         self.stager: DefaultStager | None = None
@@ -219,11 +222,11 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             staging=config.staging,
             retention=config.retention,
         )
-        self.writer = StoreWriter(self.folder, tiers=config.tiers, **writer_options)
+        self.writer = StoreWriter(self.folder, tiers=tiers, **writer_options)
         # The last step goes straight to the store, even with tiers that drain only every
         # durable_every-th save: it is the run's result (and what last_save_in_hf exports).
         self._last_writer = self.writer
-        if config.tiers is not None and config.tiers.local_dir is not None:
+        if tiers is not None:
             self._last_writer = StoreWriter(self.folder, **writer_options)
         logger.info(
             "rank %d: checkpoints are loaded from and saved to the ckptstore store %s",

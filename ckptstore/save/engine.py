@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import numbers
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -117,6 +118,12 @@ class SaveEngine:
         if device_staging_budget_bytes is not None and device_staging_budget_bytes <= 0:
             raise ValueError(
                 f"device_staging_budget_bytes must be > 0, got {device_staging_budget_bytes}"
+            )
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, numbers.Integral)
+        ):
+            raise TypeError(
+                f"keep_last takes an int or None, got {type(keep_last).__name__} {keep_last!r}"
             )
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")

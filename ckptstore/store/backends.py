@@ -133,6 +133,9 @@ class FsspecBackend(Backend):
         self.fs.pipe_file(path, data if isinstance(data, bytes) else bytes(data), mode="create")
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        # Not from a listing cache either: s3fs answers a whole-object read of a key under a
+        # prefix listed before it was written "not found", without a request.
+        self.fs.invalidate_cache(path)
         return self.fs.cat_file(path, start=start, end=end)
 
     def size(self, path: str) -> int:
@@ -188,6 +191,14 @@ class S3Backend(FsspecBackend):
 
     enforces_create = True
     clock_resolution_s = 1.0
+
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, *, uri: str, root: str, options: dict[str, Any]
+    ) -> None:
+        super().__init__(fs, uri=uri, root=root, options=options)
+        # s3fs retries a throttled or timed-out request itself with the body it already read
+        # to its end (0 of N bytes sent, then a wait for the read timeout): the store retries.
+        fs.retries = 1
 
     def _endpoint(self) -> str:
         client_kwargs = getattr(self.fs, "client_kwargs", None) or {}
@@ -507,8 +518,8 @@ class _BufferBody(io.BytesIO):
     def __len__(self) -> int:
         return self._view.nbytes
 
-    def __getitem__(self, key: slice) -> memoryview:
-        return self._view[key]
+    def __getitem__(self, key: slice) -> _BufferBody:
+        return _BufferBody(self._view[key])  # a multipart upload's part (botocore takes no view)
 
     def getbuffer(self) -> memoryview:
         return self._view[:]  # a new view: callers release theirs

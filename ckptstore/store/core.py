@@ -45,6 +45,8 @@ R = TypeVar("R")
 _MUTATING_OPS = frozenset({"put", "delete"})
 # No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
 _MIN_ATTEMPT_S = 0.5
+# A put whose "already exists" may be its own landing, read back to tell: any put this small.
+_READBACK_BYTES = 1 << 20
 # Marks the log record of one failed attempt: the request's own error, if it comes to that, tells
 # the outcome (``ckptstore`` shows these only with -v).
 _RETRY_LOG = {"ckptstore_retry": True}
@@ -231,8 +233,11 @@ class Store:
                 if error is None:
                     return future.result()
             if not is_transient(error):
-                # an earlier attempt that timed out or failed (an S3 500 may have been written)
-                if op == "put" and made > 1 and self._landed(key, error, args):
+                # an earlier attempt that timed out or failed (an S3 500 may have been written),
+                # or one the HTTP client re-sent below us (a reset after the body landed): a
+                # small object (a manifest, an index, a lease) is read back on any conflict
+                readback = made > 1 or request.nbytes <= _READBACK_BYTES
+                if op == "put" and readback and self._landed(key, error, args):
                     return None  # type: ignore[return-value] - the earlier attempt landed
                 raise self._translate(op, key, error) from error
             last = error

@@ -476,6 +476,42 @@ def test_the_flat_keywords_of_earlier_releases_still_work_and_say_what_to_pass(t
         assert ckpt.load(into) == 1 and torch.equal(into["w"], state["w"])
 
 
+def test_a_flat_keyword_beside_its_option_object_is_refused_not_silently_preferred(tmp_path):
+    with pytest.raises(TypeError, match=r"got compression= and encoding=: pass it in the enc"):
+        Checkpointer(tmp_path, compression="none", encoding=EncodingOptions(compression="zstd"))
+    with pytest.warns(DeprecationWarning):  # the string form of staging= takes flat keywords
+        Checkpointer(tmp_path, staging="host", staging_budget_bytes=1 << 20).close()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: Checkpointer(p, keep_last=2.5), "keep_last takes an int or None, got float"),
+        (lambda p: Checkpointer(p, keep_last="3"), "keep_last takes an int or None, got str"),
+        (lambda p: EncodingOptions(chunk_bytes="32MiB"), "EncodingOptions.chunk_bytes takes int"),
+        (lambda p: StorageOptions(timeout_s="30"), "StorageOptions.timeout_s takes float, got s"),
+        (lambda p: StorageOptions(timeout_s=True), "StorageOptions.timeout_s takes float, got b"),
+        (lambda p: StorageOptions(max_concurrency=2.5), "max_concurrency takes int, got float"),
+        (lambda p: EncodingOptions(compression=1.5), "compression takes str or int or None"),
+        (lambda p: EncodingOptions(compression="gzip"), "unknown compression 'gzip'"),
+        (lambda p: ReadOptions(read_concurrency=None), "read_concurrency takes int, got NoneT"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_refused_where_it_is_given_naming_it(
+    tmp_path, make, message
+):
+    """keep_last=2.5 made every save commit and every wait() raise a TypeError of slices."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        make(tmp_path)
+
+
+def test_options_take_numbers_of_any_integral_or_real_kind(tmp_path):
+    storage = StorageOptions(max_concurrency=np.int64(3), timeout_s=5)
+    with Checkpointer(tmp_path, keep_last=np.int64(2), storage=storage) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+        assert ckpt.steps() == [1]
+
+
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_a_load_fetches_at_most_read_concurrency_chunks_at_once(tmp_path, monkeypatch, concurrency):
     """``ReadOptions.read_concurrency`` bounds a Checkpointer load's chunks in flight; a load
@@ -517,3 +553,15 @@ def test_a_load_fetches_at_most_read_concurrency_chunks_at_once(tmp_path, monkey
         ckpt.load(loaded)
     assert most == concurrency
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_an_error_in_a_with_block_is_not_hidden_by_a_save_that_failed_too(tmp_path, caplog):
+    Checkpointer(tmp_path).save(1, {"w": torch.ones(2)}).wait()
+    with pytest.raises(KeyError, match="the loop's own"), caplog.at_level("ERROR"):
+        with Checkpointer(tmp_path) as ckpt:
+            ckpt.save(1, {"w": torch.zeros(2)})  # fails in the background: step 1 exists
+            raise KeyError("the loop's own")
+    assert "closed after an error in its block" in caplog.text and "step 1" in caplog.text
+    with pytest.raises(StepExistsError):  # without an error of the block, close() raises it
+        with Checkpointer(tmp_path) as ckpt:
+            ckpt.save(1, {"w": torch.zeros(2)})

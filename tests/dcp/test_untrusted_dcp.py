@@ -195,7 +195,7 @@ def _export(uri, out, capsys):
 
 
 def _load_full(uri, out, capsys):
-    load_full_state_dict(Store(uri), 0)
+    load_full_state_dict(uri, 0)  # a URI, as export_safetensors takes
 
 
 REFUSING_PATHS = {

@@ -117,7 +117,7 @@ def _compressed_chunks(store: Store) -> int:
 
 def test_governor_keeps_compressing_when_storage_is_slow():
     store = with_faults(
-        Store("memory://governor-slow"), Faults(latency=Fixed(0.02), ops=frozenset({"put"}))
+        Store("memory://governor-slow"), Faults(latency=Fixed(0.1), ops=frozenset({"put"}))
     )
     governor = _save_chunks(store, 24)
     assert governor.compressed == 24 and governor.raw == 0

@@ -409,6 +409,13 @@ def test_config_parses_from_torchtitans_command_line():
     assert (parsed.enable, parsed.interval, parsed.async_mode) == (True, 7, "async")
     assert parsed.exclude_from_loading == ["dataloader", "lr_scheduler"]
     assert parsed.tiers == tiers and parsed.storage.timeout_s == 5.0
+    # ckptstore's options take torchtitan's flat flags too, also where the config set none
+    args = ["--checkpoint.tiers.local-dir", "/ssd", "--checkpoint.tiers.durable-every", "4"]
+    args += ["--checkpoint.storage.timeout-s", "60"]
+    for default in (loaded, JobConfig(checkpoint=CkptstoreCheckpointManager.Config(enable=True))):
+        parsed = tyro.cli(JobConfig, args=args, default=default, registry=custom_registry)
+        assert parsed.checkpoint.tiers == TierOptions(local_dir="/ssd", durable_every=4)
+        assert parsed.checkpoint.storage.timeout_s == 60.0
 
 
 def test_ckptstore_imports_without_torchtitan():

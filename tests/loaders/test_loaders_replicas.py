@@ -483,3 +483,31 @@ def test_one_directory_given_twice_is_not_two_replicas(tmp_path, other):
     again = other.format(root=root, name=root.name)
     with pytest.raises(ValueError, match="replica URIs repeat"):
         ReplicaSet([str(root), again])
+
+
+class _CutHeads(Store):
+    """A replica whose answer to a file's 12-byte head read is cut in half."""
+
+    def get(self, key, start=None, end=None, **kwargs):
+        data = super().get(key, start, end, **kwargs)
+        return data[: len(data) // 2] if (start, end) == (0, 12) else data
+
+
+def test_a_cut_answer_to_a_token_files_head_read_fails_over_to_another_replica(tmp_path):
+    """The open reads a headerless token file's first 12 bytes (an llm.c header would be read
+    as tokens): a replica answering 6 of them raised numpy's "buffer size must be a multiple
+    of element size" on about half the opens, the replica picked at random."""
+    tokens = np.arange(4000, dtype=np.uint16)
+    for name in ("good", "cut"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "t.bin").write_bytes(tokens.tobytes())
+    config = ReplicaConfig()
+    for _ in range(8):
+        cut = _CutHeads(str(tmp_path / "cut"), retry=replica_retry_policy(config))
+        ds = ShardDataset(
+            [cut, str(tmp_path / "good")],
+            TokenFiles(sample_tokens=100),
+            config=LoaderConfig(shuffle=False),
+            replica_config=config,
+        )
+        np.testing.assert_array_equal(np.concatenate([s["tokens"] for s in ds]), tokens)

@@ -263,6 +263,8 @@ def test_hash_token_files_gives_an_old_dataset_the_manifest_its_writer_would_wri
     assert ds.layout.hashes is not None and _check_batches(ds) == list(range(900))
     with pytest.raises(FileExistsError, match="manifest.hashed.txt"):
         hash_token_files(roots, manifest="manifest.txt")  # written once
+    with pytest.raises(ValueError, match="manifest.hashed.txt already holds hashes"):
+        hash_token_files(roots, manifest="manifest.hashed.txt", out="again.txt")
 
 
 def test_hash_token_files_refuses_replicas_that_differ_naming_file_and_replicas(tmp_path):

@@ -388,6 +388,8 @@ def test_a_number_in_the_step_never_silently_replaces_a_live_object(tmp_path):
             ("scale", torch.zeros(4)),
             ("ema/decay", np.zeros(3)),
             ("name", torch.nn.Linear(2, 2)),
+            ("scale", {"a": 1}),  # a dict of the state where the step has a number: a schema
+            ("ema/decay", [0.9, 0.99]),
         ]:
             target = {"scale": 0.0, "ema": {"decay": 0.0}, "name": "", "w": torch.zeros(2)}
             outer, _, key = place.rpartition("/")
@@ -440,3 +442,21 @@ def test_values_the_state_holds_no_tensor_for_are_bounded_by_available_memory(
         assert list(state) == ["w"] and not state["w"].any()
         held = {"w": torch.ones(1 << 20), "opt": {"m": torch.ones(1 << 20)}}
         assert ckpt.load(held) == 1 and not held["opt"]["m"].any()
+
+
+def test_a_load_state_dict_of_the_callers_that_raises_is_raised_as_it_is_with_a_note(tmp_path):
+    class Refuses:
+        def state_dict(self):
+            return {"n": 1}
+
+        def load_state_dict(self, saved):
+            raise ValueError("schema 2 expected")
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4), "obj": Refuses()}).wait()
+        into = {"w": torch.zeros(4), "obj": Refuses()}
+        with pytest.raises(ValueError, match="schema 2 expected") as info:
+            ckpt.load(into)
+    assert torch.equal(into["w"], torch.ones(4))  # set before the objects, as the note says
+    (note,) = info.value.__notes__
+    assert "raised while step 1 was set into the state" in note and "rebuild the state" in note

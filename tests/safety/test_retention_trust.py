@@ -220,3 +220,26 @@ def test_gc_verify_that_cannot_read_a_chunk_fails_and_deletes_nothing(tmp_path, 
     assert f"gc --verify could not read 1 object(s) of step(s) 2 (first: {chunk_key(digest)}" in err
     assert err.count("\n") == 1 and "nothing deleted" in err
     assert store.list() == before and list_steps(store) == [1, 2]
+
+
+def test_a_saves_own_retention_keeps_its_step_where_the_listing_lags_behind_it(
+    tmp_path, monkeypatch
+):
+    """A store whose listing does not show a commit yet (an eventually consistent gateway):
+    the save's own retention swept the chunks of the step it had just committed, a step
+    wait() reported committed and that then failed to load. The step it keeps is read by
+    name, listed or not, and its chunks are referenced."""
+    import ckptstore.retention as retention
+
+    uri = str(tmp_path / "store")
+    listed = retention.list_steps
+    monkeypatch.setattr(retention, "list_steps", lambda store: [s for s in listed(store) if s != 4])
+    with Checkpointer(uri, keep_last=3) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    monkeypatch.undo()
+    assert list_steps(Store(uri)) == [2, 3, 4]  # step 4 counted among the newest 3, as it is
+    into = {"w": torch.zeros(4096)}
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify("all")
+        assert ckpt.load(into) == 4 and into["w"][0] == 4.0

@@ -65,7 +65,16 @@ def check_llmc_header(data: bytes, dtype: str, key: str, size: int) -> None:
 def _head(replicas: Any, key: str, nbytes: int) -> bytes:
     """The first ``nbytes`` of ``key``: a metadata request (not a data read the loader's read
     figures, hedge delay and replica health count)."""
-    return replicas.call(f"header of {key}", lambda store: store.get(key, 0, nbytes), key=key)
+
+    def head(store: Any) -> bytes:
+        data = store.get(key, 0, nbytes)
+        if len(data) != nbytes:  # a cut answer: corrupt, the next replica is asked
+            raise ShardCorruptError(
+                f"token file {key}: {len(data)} bytes answered for its {nbytes}-byte header"
+            )
+        return data
+
+    return replicas.call(f"header of {key}", head, key=key)
 
 
 def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:

@@ -183,6 +183,11 @@ def hash_token_files(
             raise ShardCorruptError(f"manifest {manifest} is over {MAX_MANIFEST_BYTES} bytes")
         text = stores[0].get(manifest).decode("utf-8")
         files = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        if any("\t" in name for name in files):  # a hashed manifest's lines: name, size, hashes
+            raise ValueError(
+                f"manifest {manifest} already holds hashes (tab-separated sizes and digests): "
+                f"read it with TokenFiles(manifest={manifest!r}), nothing to hash"
+            )
     if files is None:
         files = sorted(k for k in stores[0].list("") if k.endswith(".bin"))
     keys = [check_shard_key(k, "hash_token_files") for k in files]

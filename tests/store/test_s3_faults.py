@@ -1,0 +1,76 @@
+"""S3 faults seen through the HTTP stack, on the moto server: a relay on loopback answers chosen
+requests with a SlowDown or loses their answer after they landed (``tests.helpers.s3proxy``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import boto3
+import numpy as np
+import pytest
+
+from ckptstore import RetryPolicy, Store
+from tests.helpers.s3proxy import Fault, s3_relay
+
+
+def _bucket(endpoint: str) -> str:
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    return bucket
+
+
+def test_a_key_written_after_its_prefix_was_listed_is_read(s3_endpoint):
+    """s3fs answered a whole-object read of a key under a prefix it had listed "not found"
+    without asking: a commit whose answer was lost read back as absent ("step 2 not
+    committed" for a committed step), a lost write race as a StorageError."""
+    bucket = _bucket(s3_endpoint)
+    store = Store(f"s3://{bucket}/run")
+    store.put("commits/1.json", b"one")
+    assert store.list("commits") == ["commits/1.json"]
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/commits/2.json", Body=b"two")
+    assert store.get("commits/2.json") == b"two"
+
+
+def test_a_throttled_put_is_sent_again_whole(s3_endpoint):
+    """s3fs retried a SlowDown itself with the body it had read to its end: Content-Length N,
+    0 bytes sent, a wait for the read timeout per retry. The store's retry sends it whole."""
+    bucket = _bucket(s3_endpoint)
+    with s3_relay(s3_endpoint) as relay:
+        relay.faults.append(Fault("PUT", "/blob", "slowdown"))
+        store = Store(
+            f"s3://{bucket}/run",
+            storage_options={"endpoint_url": relay.endpoint},
+            retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
+        )
+        body = np.random.default_rng(0).bytes(1 << 20)
+        store.put("blob", body)
+        puts = [(declared, got) for method, path, declared, got in relay.seen if method == "PUT"]
+    assert Store(f"s3://{bucket}/run").get("blob") == body
+    assert len(puts) == 2 and all(got == declared == len(body) for declared, got in puts), puts
+
+
+@pytest.mark.parametrize("key", ["leases/save/a.json", "indexes/ab/rank-00000.json"])
+def test_a_small_put_whose_answer_was_lost_after_it_landed_succeeds(s3_endpoint, key):
+    """The HTTP client sends a put again below the store when the connection drops after the
+    object landed: the store's first attempt hears "already exists" for its own object."""
+    bucket = _bucket(s3_endpoint)
+    with s3_relay(s3_endpoint) as relay:
+        relay.faults.append(Fault("PUT", key, "drop_after"))
+        store = Store(
+            f"s3://{bucket}/run",
+            storage_options={"endpoint_url": relay.endpoint},
+            retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
+        )
+        store.put(key, b'{"mine": 1}')
+    assert Store(f"s3://{bucket}/run").get(key) == b'{"mine": 1}'
+
+
+def test_an_object_of_100_mib_or_more_goes_up_in_parts(s3_uri):
+    """s3fs uploads a body of 100 MiB or more in parts, slicing it: a slice of the store's
+    body was a memoryview, which botocore refuses ("Parameter validation failed")."""
+    store = Store(s3_uri)
+    body = np.random.default_rng(1).integers(0, 255, (100 << 20) + 4096, dtype=np.uint8)
+    store.put("chunks/big", body)
+    assert store.get("chunks/big") == body.tobytes()
+    with pytest.raises(Exception, match="already exists"):
+        store.put("chunks/big", body)  # the parts' completion is a conditional write too
