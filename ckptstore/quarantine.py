@@ -4,9 +4,9 @@
 ``Checkpointer.load(fallback=True)`` that skipped a step as corrupt and loaded an older one
 quarantines the skipped step: its chunks are re-checked (a step whose every object checks out
 is never quarantined: the failure was elsewhere), a marker ``quarantine/<step>-<attempt>.json``
-is written once with the step's manifest bytes and why, each damaged chunk's bytes are copied to
-``quarantine/chunks/<digest>`` and its ``chunks/`` object deleted (so a new save of the same
-bytes writes a good one), and last the step's manifest ``commits/<step>.json`` is deleted. The
+is written once with the step's manifest bytes and why, each damaged chunk's object is copied
+(by the store itself where it can: S3's CopyObject) to ``quarantine/chunks/<digest>`` and its
+``chunks/`` object deleted (so a new save of the same bytes writes a good one), and last the step's manifest ``commits/<step>.json`` is deleted. The
 step is then gone from ``steps()``, ``latest()``, retention and restore, and a new save of that
 step number commits as any save. The quarantined objects stay until ``ckptstore gc
 --remove-corrupt``.
@@ -77,8 +77,8 @@ def quarantine_step(store, step: int, why: str) -> bool:
     for digest, raw in sorted(damaged.items()):
         if raw is None:
             continue  # missing: nothing to keep
-        try:
-            store.put(f"{PREFIX}/chunks/{digest}", raw)
+        try:  # copied by the store: a read that lied must not replace its own bytes
+            store.copy(chunk_key(digest), f"{PREFIX}/chunks/{digest}")
         except ObjectExistsError:
             pass
         store.delete(chunk_key(digest))

@@ -62,6 +62,12 @@ class Backend(ABC):
         """Like :meth:`get`, as any read-only buffer (a backend may map it without a copy)."""
         return self.get(path, start, end)
 
+    def copy_once(self, src: str, dst: str) -> None:
+        """Write ``dst`` once with the bytes ``src`` holds (``FileExistsError`` if it exists).
+        A remote store copies them itself: the bytes a read of ``src`` answered may not be its
+        bytes (a transport that corrupts reads), and a copy must keep the store's own."""
+        self.put_once(dst, self.get(src))
+
     @abstractmethod
     def size(self, path: str) -> int: ...
 
@@ -199,6 +205,12 @@ class S3Backend(FsspecBackend):
         # s3fs retries a throttled or timed-out request itself with the body it already read
         # to its end (0 of N bytes sent, then a wait for the read timeout): the store retries.
         fs.retries = 1
+
+    def copy_once(self, src: str, dst: str) -> None:
+        self.fs.invalidate_cache(dst)
+        if self.fs.exists(dst):
+            raise FileExistsError(errno.EEXIST, f"{dst} already exists")
+        self.fs.copy(src, dst)  # CopyObject: the bytes never leave the store
 
     def _endpoint(self) -> str:
         client_kwargs = getattr(self.fs, "client_kwargs", None) or {}

@@ -42,7 +42,7 @@ logger = logging.getLogger("ckptstore.store")
 T = TypeVar("T")
 R = TypeVar("R")
 
-_MUTATING_OPS = frozenset({"put", "delete"})
+_MUTATING_OPS = frozenset({"put", "copy", "delete"})
 # No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
 _MIN_ATTEMPT_S = 0.5
 # A put whose "already exists" may be its own landing, read back to tell: any put this small.
@@ -451,6 +451,11 @@ class Store:
         ``older_than_s``: left by a writer that died mid-put. Empty where puts leave none."""
         paths = self.backend.stale_temporaries(self.root, older_than_s=older_than_s)
         return sorted(self._key(p) for p in paths)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Write ``dst`` once with ``src``'s bytes, copied by the store itself where it can
+        (:class:`ObjectExistsError` if ``dst`` exists; ``src`` missing: ObjectNotFoundError)."""
+        self._request("copy", dst, self.backend.copy_once, self.path(src), self.path(dst))
 
     def delete(self, key: str) -> None:
         """Remove ``key``; a key that is already gone is not an error."""

@@ -177,3 +177,40 @@ def test_a_shared_chunk_another_index_misdescribes_stays_for_the_steps_it_serves
     state = {**_blank(), "c": torch.zeros(4096, dtype=torch.int64)}
     with Checkpointer(root) as ckpt:
         assert ckpt.load(state) == 1 and torch.equal(state["c"], torch.arange(4096))
+
+
+class _LyingReads(Store):
+    """A store reached through a path that flips a byte of every chunk it reads (a corrupting
+    cache or proxy; S3 sends no checksum with a ranged GET): the objects stored are intact."""
+
+    def _flip(self, key, data):
+        if not key.startswith("chunks/") or not len(data):
+            return data
+        out = bytearray(data)
+        out[-1] ^= 0xFF
+        return bytes(out)
+
+    def get(self, key, start=None, end=None, **kwargs):
+        return self._flip(key, super().get(key, start, end, **kwargs))
+
+    def get_view(self, key, start=None, end=None, **kwargs):
+        return self._flip(key, bytes(super().get_view(key, start, end, **kwargs)))
+
+
+def test_quarantine_keeps_the_stores_own_bytes_when_its_reads_lied(s3_uri):
+    """The quarantine copied the bytes it had read (corrupted on the way) and deleted the
+    intact object: the only good copy of a chunk two steps shared was gone. On S3 the store
+    copies the object itself."""
+    from ckptstore.format import chunk_key
+    from ckptstore.quarantine import quarantine_step
+
+    with Checkpointer(s3_uri) as ckpt:
+        ckpt.save(1, {"w": torch.arange(4096.0)}).wait()
+    store = Store(s3_uri)
+    stored = {k: store.get(k) for k in store.list("chunks/")}
+    assert quarantine_step(_LyingReads(s3_uri), 1, "every read of it was damaged")
+    assert list_steps(store) == []  # quarantined on the reads' word, as the load saw them
+    for key, data in stored.items():
+        digest = key.rsplit("/", 1)[-1]
+        assert store.get(f"{PREFIX}/chunks/{digest}") == data  # the store's bytes, intact
+        assert not store.exists(chunk_key(digest))
