@@ -39,6 +39,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
+    one_line,
 )
 from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
 from ckptstore.health import ChunkScan
@@ -484,7 +485,28 @@ def fetch_chunk_and_size(
     on_verified: Callable[[memoryview | bytes], None] | None = None,
 ) -> tuple[np.ndarray, int]:
     """``fetch_chunk``, and how many stored bytes it read. ``on_verified``: called with the
-    stored bytes once they decoded to ``digest`` (valid only during the call)."""
+    stored bytes once they decoded to ``digest`` (valid only during the call). A chunk of a
+    remote store whose bytes fail their checks is read once more before it is called corrupt
+    (a ranged GET carries no checksum: an answer damaged on the way would fail a whole step)."""
+    try:
+        return _fetch_once(store, digest, info, scratch, sized, on_verified)
+    except CheckpointCorruptError as exc:
+        if not store.backend.remote:
+            raise
+        first = exc
+    raw, n = _fetch_once(store, digest, info, scratch, sized, on_verified)
+    logger.warning("%s; read again, it checks out (damaged on the way)", one_line(first))
+    return raw, n
+
+
+def _fetch_once(
+    store: Store,
+    digest: str,
+    info: ChunkInfo | None,
+    scratch: bool,
+    sized: bool,
+    on_verified: Callable[[memoryview | bytes], None] | None,
+) -> tuple[np.ndarray, int]:
     key = chunk_key(digest)
     # A memory map on local paths: no copy, no fresh pages to fault in.
     read = store.get_view if scratch else store.get

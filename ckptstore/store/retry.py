@@ -18,7 +18,11 @@ _TRANSIENT_ERRNOS = {
     errno.EPIPE,
     errno.EREMOTEIO,
 }
-_TRANSIENT_NAME_HINTS = ("Timeout", "Connection", "ServerDisconnected", "SlowDown", "Throttl")
+# FlexibleChecksumError: an answer whose body does not match the checksum the server sent with
+# it (damaged on the way): read again.
+_TRANSIENT_NAME_HINTS = (
+    "Timeout", "Connection", "ServerDisconnected", "SlowDown", "Throttl", "FlexibleChecksum",
+)  # fmt: skip
 
 
 @dataclass(kw_only=True)
