@@ -123,27 +123,13 @@ def collect(
         _verify_chunks(store, readable, report)
     elif check_chunks:
         _check_chunks_present(store, readable, report)
-    steps = sorted(readable)
-    healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
-    report.kept_healthy = healthy[-1] if healthy else None
-    doomed = set(steps[:-keep_last] if keep_last is not None else [])
-    report.spared = sorted(doomed & set(keep_steps))
-    doomed -= set(keep_steps)
-    if report.kept_healthy in doomed:
-        doomed.discard(report.kept_healthy)
-        logger.info("gc %s: step %d kept, the newest healthy step", store.uri, report.kept_healthy)
-    report.deleted_steps = sorted(doomed)
+    doomed = _doomed(store, readable, keep_last, set(keep_steps), report)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
     level = logging.WARNING if warn else logging.INFO
     for step in report.unreadable_steps.keys() - set(report.removed_corrupt):
-        logger.log(
-            level,
-            "gc %s: step %d is %s; it is kept",
-            store.uri,
-            step,
-            report.unreadable_steps[step],
-        )
+        why = report.unreadable_steps[step]
+        logger.log(level, "gc %s: step %d is %s; it is kept", store.uri, step, why)
     forensics = quarantine_objects(store)
     keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
     if remove_corrupt:
@@ -174,6 +160,28 @@ def collect(
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
     return report
+
+
+def _doomed(
+    store: Store,
+    readable: dict[int, _Step],
+    keep_last: int | None,
+    keep_steps: set[int],
+    report: GcReport,
+) -> set[int]:
+    """The readable steps ``keep_last`` deletes: not the newest K, nor ``keep_steps`` (noted
+    in ``report.spared``), nor the newest healthy step."""
+    steps = sorted(readable)
+    healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
+    report.kept_healthy = healthy[-1] if healthy else None
+    doomed = set(steps[:-keep_last] if keep_last is not None else [])
+    report.spared = sorted(doomed & keep_steps)
+    doomed -= keep_steps
+    if report.kept_healthy in doomed:
+        doomed.discard(report.kept_healthy)
+        logger.info("gc %s: step %d kept, the newest healthy step", store.uri, report.kept_healthy)
+    report.deleted_steps = sorted(doomed)
+    return doomed
 
 
 @dataclass

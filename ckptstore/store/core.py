@@ -233,11 +233,7 @@ class Store:
                 if error is None:
                     return future.result()
             if not is_transient(error):
-                # an earlier attempt that timed out or failed (an S3 500 may have been written),
-                # or one the HTTP client re-sent below us (a reset after the body landed): a
-                # small object (a manifest, an index, a lease) is read back on any conflict
-                readback = made > 1 or request.nbytes <= _READBACK_BYTES
-                if op == "put" and readback and self._landed(key, error, args):
+                if op == "put" and self._landed(request, made, error, args):
                     return None  # type: ignore[return-value] - the earlier attempt landed
                 raise self._translate(op, key, error) from error
             last = error
@@ -288,10 +284,15 @@ class Store:
                 lambda: not any(op in ops for op in self._abandoned.values()), timeout=timeout_s
             )
 
-    def _landed(self, key: str, error: BaseException, args: tuple) -> bool:
-        """Whether a put's "already exists" is its own earlier attempt, which timed out and then
-        landed: ``path`` holds exactly its ``data`` (success, not a conflict)."""
-        if not isinstance(self._translate("put", key, error), ObjectExistsError):
+    def _landed(self, request: Request, made: int, error: BaseException, args: tuple) -> bool:
+        """Whether a put's "already exists" is its own earlier attempt, which timed out or
+        failed and then landed (an S3 500 may have been written), or one the HTTP client sent
+        again below us (a reset after the body landed): ``path`` holds exactly its ``data``
+        (success, not a conflict). Read back after a retry, and for a small object (a
+        manifest, an index, a lease) on any conflict."""
+        if made < 2 and request.nbytes > _READBACK_BYTES:
+            return False
+        if not isinstance(self._translate("put", request.key, error), ObjectExistsError):
             return False
         path, data = args
         try:
