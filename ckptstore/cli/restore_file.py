@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from typing import Any
 
@@ -40,6 +41,18 @@ def count_values(state: Any) -> dict[str, int]:
     return stats
 
 
+def _special_kind(mode: int) -> str | None:
+    for test, kind in (
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISFIFO, "named pipe"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return kind
+    return None
+
+
 def check_target(target: str, fmt: str, force: bool) -> None:
     """Refuse a ``--to`` that cannot be written, or that holds something ``--force`` must not
     replace: for ``--format dcp`` a directory of other files (it would be replaced whole)."""
@@ -50,6 +63,16 @@ def check_target(target: str, fmt: str, force: bool) -> None:
         if not os.path.isdir(ancestor):
             raise UsageError(f"--to {target}: {ancestor} is a file, not a directory")
         return
+    # The restore is moved over the target: a link (to /proc/self/fd/1, to a checkpoint
+    # directory) or a device would be replaced, not written through.
+    if os.path.islink(target):
+        raise UsageError(
+            f"--to {target} is a symbolic link (to {os.readlink(target)}); give the path it "
+            "names, or a new one"
+        )
+    kind = _special_kind(os.stat(target).st_mode)
+    if kind:
+        raise UsageError(f"--to {target} is a {kind}, not a file or directory; give a file name")
     if fmt == "torch" and os.path.isdir(target):
         raise UsageError(
             f"--to {target} is a directory; --format torch writes a file (give a file name)"

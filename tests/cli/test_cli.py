@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -393,6 +394,30 @@ def test_restore_refuses_to_overwrite_without_force(store: Path, saved: dict, tm
     assert code == 2 and (directory / "other").exists()
     code, _, err = run(capsys, "restore", store, "--to", directory)  # a dir for a file
     assert code == 2 and "directory" in one_line_error(err, "restore")
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
+def test_restore_refuses_a_device_a_pipe_or_a_link_as_its_target(store, tmp_path, capsys, fmt):
+    """A character device or a pipe reads as an empty file, and the restore was moved over it
+    (`--to /dev/null` as root replaced the host's /dev/null); a link was replaced, not written
+    through (`--format dcp --force` onto a linked checkpoint wrote it, then failed)."""
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink("/proc/self/fd/1", tmp_path / "stdout")
+    assert run(capsys, "restore", store, "--to", tmp_path / "real", "--format", fmt)[0] == 0
+    os.symlink(tmp_path / "real", tmp_path / "linked")
+    for name, says in [
+        ("fifo", "is a named pipe"),
+        ("stdout", "is a symbolic link"),
+        ("linked", "is a symbolic link"),
+    ][: 2 if fmt == "safetensors" else 3]:  # safetensors are written into a linked directory
+        code, out, err = run(
+            capsys, "restore", store, "--to", tmp_path / name, "--format", fmt, "--force"
+        )
+        assert code == 2 and out == "", err
+        if fmt != "safetensors":  # its export names a target not a directory its own way
+            assert says in one_line_error(err, "restore"), err
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+    assert os.path.islink(tmp_path / "stdout") and os.path.islink(tmp_path / "linked")
 
 
 def _tree(root: Path) -> dict[str, bytes]:
