@@ -382,14 +382,19 @@ _COMMON_ITEMSIZES = {
 
 @functools.cache
 def _dtype_itemsizes() -> dict[str, int]:
-    """Every name restore accepts as a dtype (``getattr(torch, name)`` is a torch.dtype)."""
+    """Every name restore accepts as a dtype (``getattr(torch, name)`` is a torch.dtype), but
+    the quantized ones: no save holds one, and ``quint2x4``'s storage packs 4 elements a byte
+    (an itemsize of 1 would size a load's copy at 4 times the tensor)."""
     import torch
 
     return {
         name: value.itemsize
         for name, value in vars(torch).items()
-        if isinstance(value, torch.dtype)
+        if isinstance(value, torch.dtype) and name not in _QUANTIZED
     }
+
+
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
 
 
 def dtype_itemsize(name: Any) -> int | None:

@@ -566,7 +566,13 @@ def chunks_from_store(
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()
+    flat = t.reshape(-1)
+    held = flat.untyped_storage().nbytes() - flat.storage_offset() * flat.element_size()
+    if held < flat.numel() * flat.element_size():  # a dtype packing elements (never written)
+        raise CheckpointCorruptError(
+            f"a {t.dtype} tensor of {flat.numel()} elements holds {held} bytes: not loadable"
+        )
+    return flat.view(torch.uint8).numpy()
 
 
 _Segments = dict[str, list[tuple[int, int, int, int]]]

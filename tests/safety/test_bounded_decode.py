@@ -173,3 +173,30 @@ def test_segments_must_add_up_to_the_tensor_and_stay_in_their_chunk(tmp_path: Pa
     put_rank_index(store, 1, 0, doc)
     with pytest.raises(CheckpointCorruptError, match="past the end of chunk"):
         Checkpointer(uri).load({"w": torch.zeros(N)})
+
+
+@pytest.mark.parametrize("dtype", ["quint2x4", "quint4x2", "qint8"])
+def test_a_quantized_dtype_in_an_index_is_corrupt_for_verify_and_load(tmp_path, dtype, capsys):
+    """torch says quint2x4's itemsize is 1 but packs 4 elements a byte: a load allocated a
+    quarter of the bytes the segment checks allowed and copied the chunk's bytes past the end
+    (a segfault, or worse). No save holds a quantized tensor; an index naming one is corrupt."""
+    uri = str(tmp_path / "s")
+    save_step(uri)
+    store = Store(uri)
+    doc = rank_index_doc(store, 1)
+    doc["tensors"][0]["dtype"] = dtype  # float32 of N elements -> 4N "elements" of 1 byte
+    doc["tensors"][0]["shape"] = [4 * N]
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(CheckpointCorruptError, match=f"unknown dtype '{dtype}'"):
+        Checkpointer(uri).load({"w": torch.zeros(N)}, strict=False)
+    assert main(["verify", uri]) == 1
+    assert f"unknown dtype '{dtype}'" in capsys.readouterr().out
+
+
+def test_a_byte_view_of_a_tensor_holding_fewer_bytes_than_its_elements_is_refused():
+    from ckptstore.pipeline import _byte_view
+
+    packed = torch.empty(64, dtype=torch.quint2x4)  # 16 bytes of storage
+    with pytest.raises(CheckpointCorruptError, match="64 elements holds 16 bytes"):
+        _byte_view(packed)
+    assert _byte_view(torch.zeros(4)).nbytes == 16
