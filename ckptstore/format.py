@@ -210,13 +210,17 @@ def _dump(kind: str, body: dict) -> bytes:
     return _canonical(doc)
 
 
+def _refuse_constant(token: str) -> None:
+    raise ValueError(f"{token} is not a JSON number")  # NaN, Infinity: never written
+
+
 def _load(data: bytes, kind: str, name: str) -> dict:
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{name}: not valid JSON ({exc})") from exc
+        doc = json.loads(data, parse_constant=_refuse_constant)
     except RecursionError as exc:
         raise CheckpointCorruptError(f"{name}: JSON nested too deeply to read") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
+        raise CheckpointCorruptError(f"{name}: not valid JSON ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{name}: not a {FORMAT_NAME} {kind}")
     version = doc.get("format_version")

@@ -124,7 +124,7 @@ def agree_identity(store: Store, group: RankGroup, *, create: bool) -> StoreIden
                     store.uri,
                     one_line(exc),
                 )
-        except CheckpointError as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank waits for this broadcast
             result = (None, one_line(exc))
     identity, error = group.broadcast(result)
     if error is not None:

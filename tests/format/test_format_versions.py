@@ -101,3 +101,40 @@ def test_a_manifest_naming_the_other_layouts_key_is_refused(tmp_path, monkeypatc
     with pytest.raises(CheckpointCorruptError, match="is not one of this step's ranks"):
         decode_manifest(data, "m")
     assert json.loads(data)["format_version"] == version and ref.key.startswith("indexes/")
+
+
+def _resealed(doc: dict) -> bytes:
+    """``doc`` with a checksum as a writer that allowed NaN would compute it."""
+    from ckptstore.codec import hash_bytes
+
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({**body, "checksum": hash_bytes(canon)}).encode()
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "bigint"])
+def test_a_nan_or_a_huge_int_in_a_sealed_object_is_corrupt_and_fallback_skips_it(tmp_path, kind):
+    """json.loads takes NaN and refuses a 4300-digit int with a plain ValueError: the newest
+    manifest holding one stopped every load(fallback=True) and every save with a raw
+    ValueError, where one flipped byte made a corrupt step that fallback skips."""
+    import sys
+
+    sys.set_int_max_str_digits(0)  # so that the crafted manifest can be written at all
+    try:
+        uri = str(tmp_path / "s")
+        with Checkpointer(uri) as ckpt:
+            for step in (1, 2):
+                ckpt.save(step, _state(step)).wait()
+        path = tmp_path / "s" / "commits" / f"{2:020d}.json"
+        doc = json.loads(path.read_bytes())
+        doc["created_at"] = {"nan": float("nan"), "inf": float("inf")}.get(kind) or 10**5000
+        path.write_bytes(_resealed(doc))
+    finally:
+        sys.set_int_max_str_digits(4300)
+    store = Store(uri)
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        load_manifest(store, 2)
+    into = _state(0)
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(into, fallback=True) == 1
+        ckpt.save(3, _state(3)).wait()
