@@ -74,8 +74,8 @@ def quarantine_step(store, step: int, why: str) -> bool:
         store.put(marker_key(step, manifest.attempt), _dump(_KIND, body))
     except ObjectExistsError:
         pass  # a quarantine of this save that stopped part-way: finish it
-    for digest, raw in sorted(damaged.items()):
-        if raw is None:
+    for digest, present in sorted(damaged.items()):
+        if not present:
             continue  # missing: nothing to keep
         try:  # copied by the store: a read that lied must not replace its own bytes
             store.copy(chunk_key(digest), f"{PREFIX}/chunks/{digest}")
@@ -99,27 +99,30 @@ def quarantine_step(store, step: int, why: str) -> bool:
 
 def _damaged_chunks(
     store, step: int, found: list[str], refs: dict[str, ChunkInfo | None]
-) -> dict[str, bytes | None]:
+) -> dict[str, bool]:
     """Those of the chunks ``found`` bad in ``step`` whose own bytes do not decode to their
-    digest at any raw size a committed step declares for them, with those bytes (read once;
-    None: missing). A chunk only this step's index misdescribes (its stored or raw size
-    edited) is intact: other steps share it, so it stays (moving it would break them)."""
-    sizes: dict[str, set[int]] | None = None
-    damaged: dict[str, bytes | None] = {}
+    digest at any raw size a committed step declares for them, and whether each is there.
+    A chunk only this step's index misdescribes (its stored or raw size edited) is intact:
+    other steps share it, so it stays (moving it would break them). Each is read at most to
+    the size an encoding of its largest declared raw size can take (a huge object planted at
+    a chunk key is damaged without being read whole)."""
+    sizes = _declared_raw_sizes(store, skip=step)
+    damaged: dict[str, bool] = {}
     for digest in found:
-        try:
-            data = store.get(chunk_key(digest))
-        except ObjectNotFoundError:
-            damaged[digest] = None
-            continue
         ours = refs.get(digest)
         declared = {ours.raw} if ours is not None else set()
-        if _decodes(store, digest, data, declared):
+        others = sizes.get(digest, set()) - declared
+        most = max(declared | others, default=0)
+        limit = most + most // 64 + 4096  # zstd's bound, generously, plus the header
+        try:
+            data = store.get(chunk_key(digest), 0, limit + 1)
+        except ObjectNotFoundError:
+            damaged[digest] = False
             continue
-        if sizes is None:
-            sizes = _declared_raw_sizes(store, skip=step)
-        if not _decodes(store, digest, data, sizes.get(digest, set()) - declared):
-            damaged[digest] = data
+        if len(data) > limit or not (
+            _decodes(store, digest, data, declared) or _decodes(store, digest, data, others)
+        ):
+            damaged[digest] = True
     return damaged
 
 

@@ -331,6 +331,20 @@ class LocalBackend(FsspecBackend):
         finally:
             os.close(dir_fd)
 
+    def copy_once(self, src: str, dst: str) -> None:
+        """A hard link: no byte read or written, fails if ``dst`` exists (a link planted at
+        ``src`` is refused, never linked)."""
+        src, directory = self._inside(src), os.path.dirname(self._inside(dst))
+        if os.path.islink(src):
+            raise StorageError(f"{src} is a symbolic link: not copied")
+        _make_directories(directory)
+        os.link(src, dst)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         with open(self._inside(path), "rb") as f:
             if start:

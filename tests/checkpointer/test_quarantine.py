@@ -5,6 +5,7 @@ step number again, and a restart loads the new save."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -254,3 +255,31 @@ def test_a_chunk_damaged_on_the_way_once_is_read_again_not_called_corrupt(s3_uri
     assert damaged.damaged == 1 and torch.equal(into["w"], state["w"])
     assert "read again, it checks out" in caplog.text
     assert list_steps(Store(s3_uri)) == [1] and not quarantined(Store(s3_uri))
+
+
+def test_a_huge_object_planted_at_a_chunk_key_is_quarantined_without_being_read(tmp_path):
+    """The quarantine after a fallback load read the whole object at a damaged chunk's key and
+    wrote a copy of it: a 2 GiB sparse file cost 3.3 GiB of memory and a 2 GiB copy, on every
+    restart. It is read to the size an encoding of the chunk can take, and linked, not copied."""
+    from ckptstore.format import chunk_key
+    from tests.helpers.child import growth_in_child
+
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.arange(4096.0)}).wait()
+        ckpt.save(2, {"w": -torch.arange(4096.0)}).wait()
+    store = Store(uri)
+    (digest,) = load_rank_index(store, load_manifest(store, 2), 0).chunks
+    os.truncate(tmp_path / "s" / chunk_key(digest), 1 << 30)  # sparse: no disk, 1 GiB read
+    setup = f"""
+        import torch
+        from ckptstore import Checkpointer
+        ckpt = Checkpointer({uri!r})
+        """
+    action = """
+        outcome = f"LOADED {ckpt.load({'w': torch.zeros(4096)}, fallback=True)}"
+        """
+    growth, outcome = growth_in_child(setup, action, 120)
+    assert outcome == "LOADED 1" and growth < 256 << 20, (outcome, growth >> 20)
+    assert list_steps(store) == [1] and 2 in quarantined(store).values()
+    assert os.stat(tmp_path / "s" / PREFIX / "chunks" / digest).st_blocks < 1024  # no copy
