@@ -461,12 +461,22 @@ def _assemble(batch: list[_Item], view: StepView, cfg: PipelineConfig) -> list[t
         full = torch.empty(item.shape, dtype=item.dtype)
         fulls.append(full)
         covered = 0
+        # Pieces adding up to the size may still overlap and leave a hole of never-written
+        # memory: with more than one, each element is marked once.
+        mask = torch.zeros(item.shape, dtype=torch.bool) if len(item.pieces) > 1 else None
         for piece in item.pieces:
             index = view.index(piece.rank)
             entry = _entry(index, piece, item)
-            block = full
+            block, marks = full, mask
             for dim, (start, length) in enumerate(zip(piece.offsets, piece.shape)):
                 block = block.narrow(dim, start, length)
+                marks = marks.narrow(dim, start, length) if marks is not None else None
+            if marks is not None:
+                if marks.any():
+                    raise CheckpointCorruptError(
+                        f"tensor {item.name!r}: two of its stored pieces overlap"
+                    )
+                marks.fill_(True)
             wanted[len(merged.tensors)] = block
             merged.tensors.append(entry)
             for seg in entry.segments:

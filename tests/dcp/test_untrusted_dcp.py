@@ -428,6 +428,23 @@ def test_metadata_declaring_a_tensor_its_chunks_do_not_cover_is_refused(tmp_path
         load_full_state_dict(store, 0)
 
 
+def test_metadata_listing_one_chunk_twice_is_refused_by_the_safetensors_export(tmp_path, capsys):
+    """Adversary: model.w declared [16, 4] over its one stored [8, 4] chunk listed twice. The
+    counts add up (32 + 32), so the export allocated the tensor and wrote rows 8-15, never
+    stored, from the process's heap (pointers: an ASLR leak) into the file, exit 0."""
+    uri = str(tmp_path / "s")
+    store = _save(uri)
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    _tensor_doc(doc).update(size=[16, 4], chunks=[[[0, 0], [8, 4]], [[0, 0], [8, 4]]])
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    with pytest.raises(CheckpointCorruptError, match="'model.w'"):
+        export_safetensors(uri, tmp_path / "hf")
+    code, err = _cli(capsys, "restore", uri, "--to", tmp_path / "hf2", "--format", "safetensors")
+    assert code == 1 and "'model.w'" in err
+    assert not list((tmp_path / "hf2").glob("*.safetensors"))
+
+
 @pytest.mark.parametrize("how", ["truncated", "deleted"])
 def test_gc_never_keeps_a_dcp_step_without_its_metadata_in_place_of_one_that_loads(
     tmp_path, capsys, how
