@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.errors import UnsupportedStateError
+from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
 from ckptstore.tree import MAX_STATE_DEPTH, decode_scalar, path_str, tag_of
 
 _MISSING = object()
@@ -225,9 +225,13 @@ class _Loader:
     def _match_numpy(self, target: Any, node: Any, path: tuple) -> None:
         # Loaded as a new array, never in place; but an array of another shape or dtype
         # is refused as a tensor is (any other target, None say, is simply replaced).
+        dtype, shape = self.describe(node["$np"])
+        saved = _numpy_dtype(dtype)
+        if saved is None:  # no save makes one: the step is damaged
+            raise CheckpointCorruptError(
+                f"{path_str(path)}: a numpy array of {dtype}, which numpy has no dtype for"
+            )
         if isinstance(target, np.ndarray):
-            dtype, shape = self.describe(node["$np"])
-            saved = _numpy_dtype(dtype)
             if list(target.shape) != shape or target.dtype != saved:
                 raise UnsupportedStateError(
                     f"{path_str(path)}: checkpoint has a numpy array of "
@@ -269,6 +273,14 @@ class _Loader:
                 f"{path_str(path)}: checkpoint has a torch.Generator, state has "
                 f"{type(target).__name__}"
             )
+        if target is _MISSING:  # made on load: its device must be one torch knows
+            try:
+                torch.device(node["$generator"]["device"])
+            except (RuntimeError, ValueError) as exc:
+                raise CheckpointCorruptError(
+                    f"{path_str(path)}: a generator on device "
+                    f"{node['$generator']['device'][:40]!r}: {exc}"
+                ) from None
         template = target.get_state() if target is not _MISSING else _MISSING
         self.templates[path] = template
         self.match(template, node["$generator"]["state"], path)

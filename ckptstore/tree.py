@@ -49,8 +49,10 @@ def check_tree(tree: Any, ntensors: int, bad) -> None:
             ok = isinstance(value, list)
             stack.extend((n, below) for n in (value if ok else []))
         elif tag == "$dict":
-            ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
-            stack.extend((n, below) for n in (value if ok else []))
+            ok = isinstance(value, list) and all(
+                isinstance(p, list) and len(p) == 2 and _is_key(p[0]) for p in value
+            )
+            stack.extend((n, below) for p in (value if ok else []) for n in p)
         elif tag == "$bytes":
             ok = isinstance(value, str) and _is_base64(value)
         elif tag == "$float":
@@ -64,6 +66,14 @@ def check_tree(tree: Any, ntensors: int, bad) -> None:
             stack.append((value["state"] if ok else None, below))
         if not ok:
             raise bad(f"state tree: malformed {tag} node {json.dumps(node)[:80]}")
+
+
+def _is_key(node: Any) -> bool:
+    """Whether ``node`` is a dict key as saves write them: str, int, float (``$float`` for
+    NaN and the infinities), bool or None."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return True
+    return isinstance(node, dict) and len(node) == 1 and next(iter(node)) == "$float"
 
 
 def _is_base64(text: str) -> bool:

@@ -6,6 +6,7 @@ restore. Crafted from real saves (tests/helpers/crafted.py)."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -200,3 +201,41 @@ def test_a_byte_view_of_a_tensor_holding_fewer_bytes_than_its_elements_is_refuse
     with pytest.raises(CheckpointCorruptError, match="64 elements holds 16 bytes"):
         _byte_view(packed)
     assert _byte_view(torch.zeros(4)).nbytes == 16
+
+
+def _np_of_bfloat16(doc: dict) -> None:
+    i = doc["tree"]["a"]["$np"]
+    doc["tensors"][i].update(dtype="bfloat16", shape=[12])  # 24 bytes of float64 -> bf16
+
+
+@pytest.mark.parametrize(
+    "craft, says",
+    [
+        (lambda d: d["tree"].update(d={"$dict": [[[1, 2], "x"]]}), "malformed $dict node"),
+        (lambda d: d["tree"]["g"]["$generator"].update(device="bogus"), "device 'bogus'"),
+        (_np_of_bfloat16, "a numpy array of torch.bfloat16"),
+    ],
+)
+def test_a_tree_the_load_cannot_build_is_corrupt_before_any_tensor_is_written(
+    tmp_path, craft, says
+):
+    """A list as a dict key, a generator on a device torch does not know, a numpy array of a
+    dtype numpy lacks: the load overwrote the state's tensors, then raised TypeError or
+    RuntimeError in its last phase, and fallback did not skip the step."""
+    import numpy as np
+
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2):
+            state = {"w": torch.full((8,), float(step)), "g": torch.Generator(), "d": {1: "x"}}
+            ckpt.save(step, {**state, "a": np.zeros(3)}).wait()
+    store = Store(uri)
+    doc = rank_index_doc(store, 2)
+    craft(doc)
+    put_rank_index(store, 2, 0, doc)
+    into = {"w": torch.zeros(8), "d": {}, "a": None, "g": None}
+    with Checkpointer(uri) as ckpt:
+        with pytest.raises(CheckpointCorruptError, match=re.escape(says)):
+            ckpt.load(into, 2, strict=False)
+        assert not into["w"].any()  # refused before a byte was written
+        assert ckpt.load(into, fallback=True, strict=False) == 1 and into["w"][0] == 1.0
