@@ -87,6 +87,11 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist in the store."""
 
 
+class ObjectOutsideRootError(StorageError):
+    """A local store's object is a link leading out of its root: never followed (a hostile or
+    damaged store)."""
+
+
 class StorageTimeoutError(StorageError, TimeoutError):
     """A storage request exceeded its deadline."""
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import fsspec
 
-from ckptstore.errors import StorageError
+from ckptstore.errors import ObjectOutsideRootError, StorageError
 from ckptstore.store.retry import RetryPolicy, is_precondition_failed
 
 TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<uuid>`` and link it into place
@@ -286,7 +286,7 @@ class LocalBackend(FsspecBackend):
         link is never followed (to read a file of the host, or to write or delete one)."""
         real = os.path.realpath(path)
         if real != path and os.path.commonpath((real, self._real_root)) != self._real_root:
-            raise StorageError(
+            raise ObjectOutsideRootError(
                 f"{path} leads outside the store's root {self.root} (to {real}) through a "
                 "link: not followed"
             )

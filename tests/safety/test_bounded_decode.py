@@ -239,3 +239,26 @@ def test_a_tree_the_load_cannot_build_is_corrupt_before_any_tensor_is_written(
             ckpt.load(into, 2, strict=False)
         assert not into["w"].any()  # refused before a byte was written
         assert ckpt.load(into, fallback=True, strict=False) == 1 and into["w"][0] == 1.0
+
+
+def test_a_chunk_linked_out_of_the_store_is_corrupt_and_fallback_skips_its_step(tmp_path):
+    """The link is not followed (never was); it was a StorageError, which fallback does not
+    skip, where the same chunk missing is."""
+    import os
+
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((8,), float(step))}).wait()
+    store = Store(uri)
+    (digest,) = rank_index_doc(store, 2)["chunks"]
+    (tmp_path / "outside").write_bytes(b"secret")
+    path = tmp_path / "s" / chunk_key(digest)
+    path.unlink()
+    os.symlink(tmp_path / "outside", path)
+    into = {"w": torch.zeros(8)}
+    with Checkpointer(uri) as ckpt:
+        with pytest.raises(CheckpointCorruptError, match="leads outside the store's root"):
+            ckpt.load(into, 2)
+        assert ckpt.load(into, fallback=True) == 1 and into["w"][0] == 1.0
+    assert (tmp_path / "outside").read_bytes() == b"secret"
