@@ -50,6 +50,14 @@ def format_ratio(value: float | None) -> str:
     return f"{value:.2f}x" if value else "-"
 
 
+def printable(text: str) -> str:
+    """``text`` with each character a terminal would act on (escapes, newlines, a lone
+    surrogate) written as its Python escape: a name read from a step prints as itself."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def table(
     header: Sequence[Any],
     rows: Iterable[Sequence[Any]],
@@ -59,7 +67,9 @@ def table(
 ) -> str:
     """An aligned text table. Columns in ``right`` are right-aligned (default: every column
     but the first); ``rule`` adds a line of dashes under the header."""
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    cells = [[printable(str(c)) for c in header]] + [
+        [printable(str(c)) for c in row] for row in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     if right is None:
         right = range(1, len(header))

@@ -918,3 +918,15 @@ def test_restore_as_dcp_of_a_state_dcp_cannot_hold_says_why_in_one_line(tmp_path
     assert code == 1 and "--format dcp cannot hold this state" in line
     assert "duplicated flatten key a.b" in line
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_names_a_terminal_would_act_on_print_as_escapes(tmp_path, capsys):
+    """A step's tensor names reached the terminal raw: a name holding escape sequences printed
+    a fake green "all OK" line and retitled the window."""
+    uri = str(tmp_path / "s")
+    name = "x\n\x1b[1;32mverified 1 step(s): all OK\x1b[0m\x1b]0;pwned\x07"
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {name: torch.zeros(4), "plain": torch.ones(2)}).wait()
+    code, out, _ = run(capsys, "inspect", uri)
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert "x\\n\\x1b[1;32mverified" in out and "plain" in out
