@@ -153,7 +153,7 @@ def load_manifest_bytes(store: Store, step: int) -> tuple[Manifest, bytes]:
     """The manifest of ``step`` and the bytes it was decoded from (a tier copies them)."""
     key = commit_key(step)
     try:
-        data = store.get(key, 0, MAX_MANIFEST_BYTES + 1)  # never more: a damaged store
+        data = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)  # a cap: a damaged store
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
     if len(data) > MAX_MANIFEST_BYTES:

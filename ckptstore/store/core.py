@@ -369,12 +369,15 @@ class Store:
         *,
         hedged: bool = False,
         in_thread: bool = False,
+        small: bool = False,
     ) -> bytes:
         """The bytes of ``key``, or of ``[start, end)`` of it; ``hedged``: duplicated when slow.
         ``in_thread``: the request runs in the calling thread with no per-attempt deadline, for
         a caller that runs it in a thread of its own and bounds it itself (the loader's replica
-        reads): one thread hand-over less per request."""
-        return self._get(self.backend.get, key, start, end, hedged, in_thread)
+        reads): one thread hand-over less per request. ``small``: ``end`` is only a cap (a
+        manifest's 64 MiB); the deadline is a small object's, not the cap's."""
+        nbytes = 0 if small else None
+        return self._get(self.backend.get, key, start, end, hedged, in_thread, nbytes)
 
     def get_view(
         self,
@@ -397,8 +400,10 @@ class Store:
         end: int | None,
         hedged: bool,
         in_thread: bool,
+        nbytes: int | None = None,
     ):
-        nbytes = (end - (start or 0)) if end is not None else 0
+        if nbytes is None:
+            nbytes = (end - (start or 0)) if end is not None else 0
         if hedged and in_thread:
             raise ValueError("a get is hedged or in_thread, not both (a hedge needs a deadline)")
 

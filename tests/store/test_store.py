@@ -172,6 +172,22 @@ def test_hung_request_hits_deadline():
     assert store.get("k") == b"v"  # released: no more hangs
 
 
+def test_a_manifest_read_that_never_answers_fails_within_the_plain_timeout(caplog):
+    """A manifest is read with a 64 MiB cap, and the deadline was sized from the cap: every
+    manifest read of a silent endpoint waited 32 s more than --timeout (ls, inspect, load)."""
+    from ckptstore.catalog import load_manifest
+
+    faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
+    policy = RetryPolicy(attempts=1, timeout_s=0.5, base_delay_s=0.001)
+    store = with_faults(Store("memory://hang-manifest", retry=policy), faults)
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(StorageTimeoutError):
+            load_manifest(store, 1)
+    finally:
+        faults.release()
+    assert "attempt 1 timed out after 0.5s" in caplog.text, caplog.text
+
+
 def test_latency_injection_and_specs():
     store = with_faults(Store("memory://lat"), Faults(latency=Fixed(0.01)))
     store.put("k", b"v")
