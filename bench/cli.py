@@ -13,8 +13,8 @@ import importlib
 import logging
 import sys
 
-from bench._exit import terminate_unwinds
 from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
+from ckptstore.cli.signals import terminate_unwinds
 from ckptstore.errors import CheckpointError
 
 # Modules of bench/ that define a subcommand, in the order --help lists them.

@@ -51,9 +51,9 @@ from collections.abc import Iterator
 import torch
 
 from bench import _ckpt_common as common
-from bench._exit import terminate_unwinds
 from bench.report import parse_bytes
 from ckptstore import Checkpointer, EncodingOptions, StagingOptions, StorageOptions
+from ckptstore.cli.signals import terminate_unwinds
 
 KINDS = ("gpu", "cpu", "python")
 _TOUCH_STRIDE = 2**18  # one float per MiB

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from ckptstore.cli.common import PROG, Failed, UsageError, flush_stdout, open_store, stdout_gone
 from ckptstore.cli.parser import UsageParser, build_parser, common_options_after_command
+from ckptstore.cli.signals import terminate_unwinds
 from ckptstore.errors import CheckpointError
 from ckptstore.store import Store
 
@@ -87,7 +88,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     prog = f"{PROG} {args.command}"
     handler, old_level = _setup_logging(args)
-    func = _command(args.func)
 
     def fail(status: int, message: str, *, reported: bool = False) -> int:
         """``reported``: the command printed its own document (``verify``'s problems)."""
@@ -97,6 +97,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             _json_error(first, status)
         return status
 
+    try:
+        func = _command(args.func)  # imports torch: seconds, in which Ctrl-C is a clean stop
+    except KeyboardInterrupt:
+        _teardown_logging(handler, old_level, exiting=exiting)
+        return fail(130, "interrupted")
+    with terminate_unwinds():  # SIGTERM, SIGHUP: a restore's partial output is removed
+        return _run(
+            func, args, fail, lambda: _teardown_logging(handler, old_level, exiting=exiting)
+        )
+
+
+def _run(
+    func: Callable, args: argparse.Namespace, fail: Callable, teardown: Callable[[], None]
+) -> int:
+    """The command, each error one line and its exit status."""
     if args.debug:  # tracebacks for developers
         try:
             return func(args, open_store(args))
@@ -106,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stdout_gone()
             return 0
         finally:
-            _teardown_logging(handler, old_level, exiting=exiting)
+            teardown()
     try:
         return func(args, open_store(args))
     except Failed as exc:
@@ -129,4 +144,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug: still one line, --debug shows the traceback
         return fail(1, f"unexpected {type(exc).__name__}: {exc} (rerun with --debug for details)")
     finally:
-        _teardown_logging(handler, old_level, exiting=exiting)
+        teardown()

@@ -123,6 +123,9 @@ def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
         _remove(tmp)
         for path in reversed(made):
             remove_if_empty_dir(path)
+        stop = _stopped(exc)
+        if stop is not None and stop is not exc:  # torch's writer wraps it in a RuntimeError
+            raise stop from exc
         failed = _write_failure(exc)
         refused = _dcp_refusal(exc) if failed is None else None
         if refused is not None:
@@ -134,6 +137,17 @@ def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
             raise
         raise OSError(f"cannot write {target}: {failed}") from exc
     _remove(tmp)
+
+
+def _stopped(exc: BaseException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM (``SystemExit``) behind ``exc``, if a signal stopped the write."""
+    for _ in range(8):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        if exc is None:
+            return None
+    return None
 
 
 def _make_dirs(path: str) -> list[str]:

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import torch
 
 from ckptstore import Checkpointer, EncodingOptions, TierOptions
 from ckptstore.cli import main
+from tests.helpers import ROOT
 from tests.helpers.dist import run_ranks
+from tests.helpers.wait import wait_until
 
 STEPS = (10, 20, 30)
 
@@ -930,3 +933,36 @@ def test_names_a_terminal_would_act_on_print_as_escapes(tmp_path, capsys):
     code, out, _ = run(capsys, "inspect", uri)
     assert code == 0 and "\x1b" not in out and "\x07" not in out
     assert "x\\n\\x1b[1;32mverified" in out and "plain" in out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_restore_stopped_while_it_writes_leaves_no_temporary(store, tmp_path, signum):
+    """SIGTERM (timeout, Slurm) and SIGHUP (a closed ssh session) left a hidden temporary as
+    large as the state beside the target; Ctrl-C inside torch.save was reported as a disk
+    error. The write is held at its fsync so that the signal lands in it."""
+    target = tmp_path / "out.pt"
+    start = (
+        "import os, runpy, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "os.fsync = lambda fd: time.sleep(60)\n"
+        f"sys.argv = ['ckptstore', 'restore', {str(store)!r}, '--to', {str(target)!r}]\n"
+        "runpy.run_module('ckptstore.cli', run_name='__main__')\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", start], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        temporaries = lambda: [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # noqa: E731
+        wait_until(lambda: proc.poll() is not None or temporaries(), timeout_s=120)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    expected = 130 if signum == signal.SIGINT else 128 + signum
+    assert proc.returncode == expected, err
+    assert temporaries() == [] and not target.exists()
+    assert "Traceback" not in err and "cannot write" not in err
