@@ -17,7 +17,7 @@ import pytest
 
 from bench.cli import build_parser, main
 from bench.interference import _print, _print_gpu, spread
-from tests.bench.test_bench_signals import stop_run
+from tests.helpers.signals import stop_run
 from tests.helpers import ROOT
 
 

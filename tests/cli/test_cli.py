@@ -19,9 +19,8 @@ import torch
 
 from ckptstore import Checkpointer, EncodingOptions, TierOptions
 from ckptstore.cli import main
-from tests.helpers import ROOT
 from tests.helpers.dist import run_ranks
-from tests.helpers.wait import wait_until
+from tests.helpers.signals import stop_run
 
 STEPS = (10, 20, 30)
 
@@ -941,28 +940,13 @@ def test_a_restore_stopped_while_it_writes_leaves_no_temporary(store, tmp_path, 
     large as the state beside the target; Ctrl-C inside torch.save was reported as a disk
     error. The write is held at its fsync so that the signal lands in it."""
     target = tmp_path / "out.pt"
-    start = (
-        "import os, runpy, signal, sys, time\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "os.fsync = lambda fd: time.sleep(60)\n"
-        f"sys.argv = ['ckptstore', 'restore', {str(store)!r}, '--to', {str(target)!r}]\n"
-        "runpy.run_module('ckptstore.cli', run_name='__main__')\n"
+    temporaries = lambda: [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # noqa: E731
+    _, err = stop_run(
+        ["restore", str(store), "--to", str(target)],
+        temporaries,
+        signum,
+        module="ckptstore.cli",
+        prelude="import os, time; os.fsync = lambda fd: time.sleep(60)",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", start], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        temporaries = lambda: [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # noqa: E731
-        wait_until(lambda: proc.poll() is not None or temporaries(), timeout_s=120)
-        assert proc.poll() is None, proc.stderr.read()
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    expected = 130 if signum == signal.SIGINT else 128 + signum
-    assert proc.returncode == expected, err
     assert temporaries() == [] and not target.exists()
     assert "Traceback" not in err and "cannot write" not in err
