@@ -17,8 +17,8 @@ import pytest
 
 from bench.cli import build_parser, main
 from bench.interference import _print, _print_gpu, spread
-from tests.helpers.signals import stop_run
 from tests.helpers import ROOT
+from tests.helpers.signals import stop_run
 
 
 def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
