@@ -11,6 +11,7 @@ from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.health import UNHEALTHY, status
 from ckptstore.render import human_bytes
 from ckptstore.store import Store
+from ckptstore.tiers.identity import read_identity
 
 
 def cmd_verify(args: argparse.Namespace, store: Store) -> int:
@@ -27,6 +28,7 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
         check_all_chunks(store, checks, read_concurrency=args.read_concurrency, on_chunk=advance)
     problems = [p for c in checks for p in c.problems]
     health = {c.step: _health(store, c.step) for c in checks}
+    identity = _identity_problem(store)
     if args.json:
         emit_json(
             {
@@ -36,6 +38,7 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
                 "problems": [p.as_dict() for p in problems],
                 "chunks_checked": len(chunks),
                 "bytes_checked": total,
+                "identity_problem": identity,
             }
         )
     else:
@@ -66,6 +69,10 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
         unhealthy = [str(s) for s, h in health.items() if h == UNHEALTHY]
         if unhealthy:
             print(f"unhealthy (intact, but NaN/Inf or a norm jump): step(s) {', '.join(unhealthy)}")
+        if identity:
+            print(f"IDENTITY   {identity}")
+    if identity and not problems:
+        raise Failed(identity)
     if problems:
         objects = list(dict.fromkeys(p.object for p in problems))
         kinds = "/".join(sorted({p.problem for p in problems}))
@@ -83,3 +90,16 @@ def _health(store: Store, step: int) -> str:
         return status(load_manifest(store, step).health)
     except CheckpointError:
         return "unreadable"
+
+
+def _identity_problem(store: Store) -> str | None:
+    """What is wrong with the store's ``identity.json``, which every tiered job reads at open
+    (None: intact, or none recorded)."""
+    try:
+        read_identity(store)
+    except CheckpointError as exc:
+        return (
+            f"{exc}: every tiered job fails to open this store until it is restored from a "
+            "backup or deleted (deleted: the local tiers' copies of it are never loaded again)"
+        )
+    return None

@@ -950,3 +950,14 @@ def test_a_restore_stopped_while_it_writes_leaves_no_temporary(store, tmp_path, 
     )
     assert temporaries() == [] and not target.exists()
     assert "Traceback" not in err and "cannot write" not in err
+
+
+def test_verify_names_a_damaged_store_identity(store, capsys):
+    """identity.json, which every tiered job reads at open, was checked by nothing: a damaged
+    one stopped every tiered job while verify --all said all OK."""
+    assert run(capsys, "verify", store, "--all")[0] == 0
+    (store / "identity.json").write_text("garbage")
+    code, out, err = run(capsys, "verify", store, "--all")
+    assert code == 1 and "identity.json: not valid JSON" in err and "IDENTITY" in out
+    code, doc = run_json(capsys, "verify", store)
+    assert code == 1 and "every tiered job fails" in doc["identity_problem"]
