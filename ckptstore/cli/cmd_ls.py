@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 from typing import Any
 
 from ckptstore._inspect import manifest_summary, message
 from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
-from ckptstore.cli.common import Failed, emit_json
+from ckptstore.cli.common import Failed, UsageError, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.quarantine import quarantined
 from ckptstore.render import format_ratio, human_bytes, table
@@ -28,6 +30,16 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
             return {"step": step, "error": message(exc)}
 
     rows = list(store.map(one, steps))
+    for d in args.local_dir:  # the directories ls itself names: one too deep
+        name = os.path.basename(os.path.normpath(str(d)))
+        if re.fullmatch(r"(job-[0-9a-f]+|rank-\d{5})", name):
+            parent = os.path.dirname(os.path.normpath(str(d)))
+            if name.startswith("rank-"):
+                parent = os.path.dirname(parent)
+            raise UsageError(
+                f"--local-dir {d} is a {name.split('-')[0]} directory inside a tier directory: "
+                f"pass the tier directory, --local-dir {parent}"
+            )
     identity = read_identity(store) if args.local_dir else None
     listings = {
         d: tier_copies(d, store_identity(store), identity, of_identity=identity is not None)

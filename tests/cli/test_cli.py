@@ -213,6 +213,10 @@ def test_a_local_tier_directory_is_named_as_one(tmp_path: Path, capsys) -> None:
     assert str(rank_dir) in line and f"--local-dir {local}" in line
     code, out, _ = run(capsys, "ls", rank_dir)  # its USER column: not the copy's own record
     assert code == 0 and out.splitlines()[1].split()[0] == "1" and "ckptstore_tier" not in out
+    for inner in (rank_dir, rank_dir.parent):  # what ls names; it said "none" of them
+        code, _, err = run(capsys, "ls", tmp_path / "durable", "--local-dir", inner)
+        line = one_line_error(err, "ls")
+        assert code == 2 and f"pass the tier directory, --local-dir {local}" in line, line
 
 
 def test_a_store_with_no_committed_step_lists_empty(tmp_path: Path, capsys) -> None:
