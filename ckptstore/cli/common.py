@@ -88,8 +88,12 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
 
 def holds_store_data(store: Store) -> bool:
     """True if anything a save writes is there (a store whose steps were all removed, or whose
-    first save is under way, still holds chunks, attempts or leases)."""
-    return any(store.list(prefix) for prefix in ("leases", "steps", "indexes", "pending", "chunks"))
+    first save is under way, still holds chunks, attempts or leases; one whose only save was
+    killed may hold only put temporaries, which gc removes)."""
+    prefixes = ("leases", "steps", "indexes", "pending", "chunks")
+    return any(store.list(prefix) for prefix in prefixes) or bool(
+        store.stale_temporaries(older_than_s=0)
+    )
 
 
 @contextmanager

@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -965,3 +966,18 @@ def test_verify_names_a_damaged_store_identity(store, capsys):
     assert code == 1 and "identity.json: not valid JSON" in err and "IDENTITY" in out
     code, doc = run_json(capsys, "verify", store)
     assert code == 1 and "every tiered job fails" in doc["identity_problem"]
+
+
+def test_a_store_holding_only_a_killed_saves_temporaries_is_still_a_store(tmp_path, capsys):
+    """A first save killed mid-put leaves temporaries only (its lease and chunks swept): every
+    command called the path "a mistyped path", and gc refused to remove them."""
+    chunk_dir = tmp_path / "s" / "chunks" / "ab"
+    chunk_dir.mkdir(parents=True)
+    tmp = chunk_dir / f"ab{'0' * 30}.tmp-{'1' * 32}"
+    tmp.write_bytes(b"x" * 1024)
+    old = time.time() - 3600
+    os.utime(tmp, (old, old))
+    code, out, _ = run(capsys, "ls", tmp_path / "s")
+    assert code == 0 and "no committed steps" in out
+    assert run(capsys, "gc", tmp_path / "s", "--keep-last", "1")[0] == 0
+    assert not tmp.exists()
