@@ -333,8 +333,10 @@ examples:
         "gc",
         "delete old steps and the chunks no kept step references",
         """
-        Keep the newest K committed steps; delete the older ones (their manifests first, so
-        each disappears atomically), then the indexes and chunks nothing kept references.
+        Keep the newest K committed steps, and the newest healthy step whatever K says (no NaN
+        or Inf: a run of unhealthy steps never leaves none to resume from); delete the older ones
+        (their manifests first, so each disappears atomically), then the indexes and chunks
+        nothing kept references.
         While another save is in flight (it holds a lease it renews every 30 s) the sweep of
         chunks is skipped, and the command says so: run it again later. A lease not renewed for
         its ttl (2 min by default) is a dead writer's: its leftovers are removed. Saves that start
