@@ -349,10 +349,17 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
         raise bad(f"attempt {m.attempt!r} is not an attempt id")
     if not _is_count(m.world_size, MAX_RANKS) or m.world_size < 1:
         raise bad(f"world size {m.world_size!r} is not an int in [1, {MAX_RANKS}]")
-    allowed = {rank_index_key(m.step, m.attempt, r, version) for r in range(m.world_size)}
     seen: set[str] = set()
     for ref in m.ranks:
-        if ref.key not in allowed or ref.key in seen:
+        # The key its own rank gives, checked per listed rank (not a set of every rank's key:
+        # a manifest of a few hundred bytes may claim 2**20 ranks)
+        rank = _rank_of_key(ref.key)
+        if (
+            rank is None
+            or rank >= m.world_size
+            or ref.key != rank_index_key(m.step, m.attempt, rank, version)
+            or ref.key in seen
+        ):
             raise bad(
                 f"rank index key {ref.key!r} is not one of this step's ranks "
                 f"({rank_index_key(m.step, m.attempt, 0, version)!r} ...) or is listed twice"
@@ -366,6 +373,14 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
     why = check_manifest_health(m.health)
     if why is not None:
         raise bad(why)
+
+
+def _rank_of_key(key: Any) -> int | None:
+    """The rank a rank index key names (``.../rank-00007.json``), None if it names none."""
+    if not isinstance(key, str):
+        return None
+    rank = key.rsplit("/rank-", 1)[-1].removesuffix(".json")
+    return int(rank) if rank.isascii() and rank.isdigit() and len(rank) <= 7 else None
 
 
 def _check_ref(ref: ObjectRef, bad) -> None:
