@@ -76,6 +76,33 @@ def _starts_tar(data: bytes) -> bool:
     return True
 
 
+# Python before 3.11.10 / 3.12.6 parses a pax header in time quadratic in its length
+# (CVE-2024-6232: 160 KB took 80 s); a real one names a path and a few attributes.
+MAX_PAX_HEADER_BYTES = 8192
+
+
+def _refuse_long_pax_headers(data: bytes, what: str) -> None:
+    """:class:`ShardCorruptError` if a pax extended header of ``data`` is longer than
+    ``MAX_PAX_HEADER_BYTES``: the headers are walked before ``tarfile`` parses any (a damaged
+    one ends the walk; ``tarfile`` then says where)."""
+    block = tarfile.BLOCKSIZE
+    offset = 0
+    while offset + block <= len(data):
+        header = bytes(data[offset : offset + block])
+        if header == bytes(block):
+            return
+        try:
+            size = tarfile.nti(header[124:136])
+        except tarfile.HeaderError:
+            return
+        if header[156:157] in (b"x", b"g", b"X") and size > MAX_PAX_HEADER_BYTES:
+            raise ShardCorruptError(
+                f"{what}: a pax header of {size} bytes at offset {offset} (more than "
+                f"{MAX_PAX_HEADER_BYTES}: not read)"
+            )
+        offset += block + -(-max(size, 0) // block) * block
+
+
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
     """The samples of one tar archive; :class:`ShardCorruptError` names shard and byte offset
     (of the decompressed archive, for a compressed shard)."""
@@ -83,6 +110,7 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
     view = memoryview(data)
+    _refuse_long_pax_headers(data, what)
     try:
         tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
     except tarfile.TarError as exc:
