@@ -346,7 +346,7 @@ def _encode_and_put(
     t1 = time.perf_counter()
 
     try:
-        store.put(key, parts, hedged=hedged)
+        store.put(key, parts, hedged=hedged, shared=True)
         stored = sum(map(len, parts))
         telemetry.bytes_total.inc(len(raw), kind="raw")
         telemetry.bytes_total.inc(stored, kind="stored")

@@ -45,8 +45,6 @@ R = TypeVar("R")
 _MUTATING_OPS = frozenset({"put", "copy", "delete"})
 # No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
 _MIN_ATTEMPT_S = 0.5
-# A put whose "already exists" may be its own landing, read back to tell: any put this small.
-_READBACK_BYTES = 1 << 20
 # Marks the log record of one failed attempt: the request's own error, if it comes to that, tells
 # the outcome (``ckptstore`` shows these only with -v).
 _RETRY_LOG = {"ckptstore_retry": True}
@@ -60,6 +58,8 @@ class Request:
     key: str
     nbytes: int = 0
     """Bytes the request moves, where known: more bytes get a longer deadline."""
+    shared: bool = False
+    """A put of a content-addressed object other writers put too (a chunk)."""
 
 
 class Store:
@@ -168,7 +168,12 @@ class Store:
     ) -> R:
         """``fn(*args)`` as one request: retried, under deadlines, counted. ``in_thread``: each
         attempt runs in the calling thread, with no deadline of its own (the caller bounds it)."""
-        request = Request(op, key, nbytes)
+        return self._request_as(Request(op, key, nbytes), fn, *args, in_thread=in_thread)
+
+    def _request_as(
+        self, request: Request, fn: Callable[..., R], *args: Any, in_thread: bool = False
+    ) -> R:
+        op, nbytes = request.op, request.nbytes
         try:
             result = self._attempts(request, fn, args, in_thread)
         except BaseException as exc:
@@ -288,9 +293,9 @@ class Store:
         """Whether a put's "already exists" is its own earlier attempt, which timed out or
         failed and then landed (an S3 500 may have been written), or one the HTTP client sent
         again below us (a reset after the body landed): ``path`` holds exactly its ``data``
-        (success, not a conflict). Read back after a retry, and for a small object (a
-        manifest, an index, a lease) on any conflict."""
-        if made < 2 and request.nbytes > _READBACK_BYTES:
+        (success, not a conflict). Read back after a retry, and for an object only this
+        writer writes (a manifest, an index, a lease: not ``shared``) on any conflict."""
+        if made < 2 and request.shared:
             return False
         if not isinstance(self._translate("put", request.key, error), ObjectExistsError):
             return False
@@ -332,7 +337,13 @@ class Store:
     # -- single requests --------------------------------------------------------------------
 
     def put(
-        self, key: str, data: Data, *, verify_readback: bool = False, hedged: bool = False
+        self,
+        key: str,
+        data: Data,
+        *,
+        verify_readback: bool = False,
+        hedged: bool = False,
+        shared: bool = False,
     ) -> None:
         """Write ``key`` once; :class:`ObjectExistsError` if it is already there.
 
@@ -342,18 +353,25 @@ class Store:
         so a writer that lost a race to another is told so rather than believing it won.
         ``hedged``: a put still running after the hedge delay is duplicated (both are exclusive
         creates of the same key: the one that lands second finds the object there).
+        ``shared``: a content-addressed object other writers put too (a chunk): its "already
+        exists" is the caller's to judge, not read back unless an earlier attempt may have
+        landed (an object only this writer writes is read back on any conflict).
         """
         nbytes = sum(map(len, data)) if isinstance(data, list) else len(data)
+        put = lambda: self._put(key, data, nbytes, verify_readback, shared)  # noqa: E731
         if hedged:
-            self._hedged("put", nbytes, lambda: self._put(key, data, nbytes, verify_readback))
+            self._hedged("put", nbytes, put)
         else:
-            self._put(key, data, nbytes, verify_readback)
+            put()
 
-    def _put(self, key: str, data: Data, nbytes: int, verify_readback: bool) -> None:
+    def _put(
+        self, key: str, data: Data, nbytes: int, verify_readback: bool, shared: bool = False
+    ) -> None:
         enforced = self.backend.enforces_create
         if not enforced and self.exists(key):
             raise ObjectExistsError(f"{self.url(key)} already exists (objects are write-once)")
-        self._request("put", key, self.backend.put_once, self.path(key), data, nbytes=nbytes)
+        request = Request("put", key, nbytes, shared)
+        self._request_as(request, self.backend.put_once, self.path(key), data)
         if verify_readback or not enforced:
             expected = b"".join(data) if isinstance(data, list) else bytes(data)
             if self.get(key) != expected:

@@ -202,7 +202,7 @@ def _copy_chunk(
         local.forget_bad_chunk(digest)
         raise
     try:
-        durable.put(key, data, hedged=session.engine.hedge_uploads)
+        durable.put(key, data, hedged=session.engine.hedge_uploads, shared=True)
     except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise
         return digest, ChunkInfo(info.raw, durable.size(key))
     return digest, info

@@ -133,7 +133,7 @@ class TierFetch:
         if len(stored) != self.held[digest].stored:
             return  # encoded otherwise there: the copy's index would not describe it
         try:
-            self.local.put(chunk_key(digest), bytes(stored))
+            self.local.put(chunk_key(digest), bytes(stored), shared=True)
         except (CheckpointError, OSError) as exc:
             logger.info(
                 "rank %d: chunk %s not restored to the local tier: %s",

@@ -777,11 +777,11 @@ def _put_chunk(store: Any, digest: str, info: ChunkInfo, data: Any, *, repair: b
     in a repair, intact (else the verified bytes replace it)."""
     key = chunk_key(digest)
     try:
-        store.put(key, data)
+        store.put(key, data, shared=True)
     except ObjectExistsError:
         if repair and not _intact(store, digest, info):
             store.delete(key)  # a bad byte in this tier: the verified bytes replace it
-            store.put(key, data)
+            store.put(key, data, shared=True)
         elif store.size(key) != info.stored:
             raise CheckpointError(
                 f"{store.url(key)} holds chunk {digest} encoded otherwise"

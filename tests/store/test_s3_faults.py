@@ -70,7 +70,7 @@ def test_an_object_of_100_mib_or_more_goes_up_in_parts(s3_uri):
     body was a memoryview, which botocore refuses ("Parameter validation failed")."""
     store = Store(s3_uri)
     body = np.random.default_rng(1).integers(0, 255, (100 << 20) + 4096, dtype=np.uint8)
-    store.put("chunks/big", body)
+    store.put("chunks/big", body, shared=True)
     assert store.get("chunks/big") == body.tobytes()
     with pytest.raises(Exception, match="already exists"):
-        store.put("chunks/big", body)  # the parts' completion is a conditional write too
+        store.put("chunks/big", body, shared=True)  # the parts' completion is conditional too
