@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ckptstore import telemetry
-from ckptstore.errors import CheckpointError
-from ckptstore.format import KIND_STATE
+from ckptstore.errors import CheckpointError, StepExistsError
+from ckptstore.format import KIND_STATE, commit_key
 from ckptstore.health import StepHealth
 from ckptstore.peer import PeerReplicas, replica_meta
 from ckptstore.save import RankWritten, SaveEngine, SaveSession, Staged
@@ -268,6 +268,7 @@ class SaveWorker:
             write=write,
             user=job.user,
             payload=(job.durable, job.wait_durable),
+            fatal=self._durable_holds(job.step),
         )
         # SIGTERM may reach one node only: the ranks agree on whether the step goes durable.
         job.durable = any(d for d, _ in done.payloads)
@@ -277,6 +278,18 @@ class SaveWorker:
         job.handle.health = done.health
         self._release(job)
         return True
+
+    def _durable_holds(self, step: int) -> StepExistsError | None:
+        """Rank 0: the error of a tiered save of a step the durable store holds (a rollback,
+        or a second job on the store), as a durable save would meet it at its commit: a
+        restore prefers the durable save of a step, so the local one would never load."""
+        if self.rank != 0 or not self.store.exists(commit_key(step)):
+            return None
+        return StepExistsError(
+            f"step {step} is already committed in {self.store.uri}; steps are write-once (a "
+            "rollback or a second job on this store: save into a new store, or number on "
+            "from its newest step)"
+        )
 
     def _release(self, job: SaveJob) -> None:
         if not job.released:

@@ -40,7 +40,7 @@ from ckptstore import (
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
-from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError
+from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError, StepExistsError
 from ckptstore.format import chunk_key
 from ckptstore.store import Store
 from ckptstore.tiers import ahead as tier_ahead
@@ -444,6 +444,23 @@ def test_a_resumed_job_saves_a_step_again_over_the_copy_it_left(make, tmp_path):
     target = _blank()
     step, report = front.load(target)
     assert step == 4 and _same(target, _state(104)), report.source
+
+
+def test_a_save_of_a_step_the_durable_store_holds_is_refused(make, tmp_path):
+    """A rollback (load step 1 of 1..3, train, save 2 and 3 again): the Checkpointer committed
+    them to the local tier, wait() returned, and the restart loaded the abandoned run's durable
+    step 3 (the planner takes a step's durable save first). Refused, as DCP's writer did."""
+    front = make(durable_every=1)
+    for step in (1, 2, 3):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front = front.restart()
+    assert front.load(_blank(), 1)[0] == 1
+    with pytest.raises((StepExistsError, CheckpointException)) as info:
+        front.save(2, _state(102))
+    assert "step 2 is already committed" in str(info.value)
+    target = _blank()
+    assert front.restart().load(target)[0] == 3 and _same(target, _state(3))
 
 
 def test_a_second_process_saving_an_earlier_step_leaves_the_later_copies(make, tmp_path):
