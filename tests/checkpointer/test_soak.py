@@ -128,9 +128,13 @@ def test_soak_saves_gc_kills_and_faults(tmp_path):
     assert {s for s in waited if s >= steps[-KEEP]} <= set(steps)
 
     # Dead writers' leases go stale: a save's after TTL_S, a gc's killed while deleting once its
-    # deletes may have ended (TTL_S / 2 + the writer's request budget, about 3 s).
+    # deletes may have ended (TTL_S / 2 + the writer's request budget, about 3 s). A writer
+    # killed mid-put leaves a temporary the gc loop could not sweep while another writer's save
+    # was live (the last one's is younger than TTL_S): gone once a sweep finds it that old.
     def swept_with_no_lease_left() -> bool:
-        return collect(Store(uri), keep_last=KEEP).swept and find_leases(Store(uri)) == []
+        swept = collect(Store(uri), keep_last=KEEP, lease_ttl_s=TTL_S).swept
+        temporaries = Store(uri).stale_temporaries(older_than_s=0)
+        return swept and find_leases(Store(uri)) == [] and temporaries == []
 
     assert wait_until(swept_with_no_lease_left, timeout_s=60, interval_s=0.5)
     assert chunk_files(tmp_path / "store") == referenced_chunks(uri)
