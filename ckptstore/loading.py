@@ -150,8 +150,6 @@ class StateLoader:
         self.local = local
         self.topology = topology
         self.rank = group.rank
-        # The ranks whose copies this node keeps (its own, its wards'): fixed for the job.
-        self.wards = [self.rank] + (topology.wards(self.rank) if topology else [])
         self.last_load = LoadReport()
         self.last_load_source: str | None = None
         self.last_load_left_out: list[str] = []
@@ -311,7 +309,6 @@ class StateLoader:
                 self.store,
                 self.local,
                 self.group,
-                self.wards,
                 step=step,
                 limit=None if fallback else 1,
                 healthy=healthy,

@@ -85,3 +85,14 @@ def table(
         lines.append("  ".join("-" * w for w in widths))
     lines.extend(line(row) for row in cells[1:])
     return "\n".join(lines)
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """Ranks as spans: ``0-3,6,8-9``."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)

@@ -13,7 +13,7 @@ from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
 from ckptstore.cli.common import Failed, UsageError, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.quarantine import quarantined
-from ckptstore.render import format_ratio, human_bytes, table
+from ckptstore.render import format_ratio, human_bytes, rank_ranges, table
 from ckptstore.store import Store
 from ckptstore.tiers.identity import read_identity, store_identity
 from ckptstore.tiers.local import TierListing, tier_copies
@@ -196,15 +196,5 @@ def _with_tiers(rows: list[dict[str, Any]], local: dict[str, dict[int, list[int]
 def _tiers_text(tiers: dict[str, Any]) -> str:
     parts = ["durable"] if tiers["durable"] else []
     for directory, ranks in tiers["local"].items():
-        parts.append(f"{directory}: rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}")
+        parts.append(f"{directory}: rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}")
     return "; ".join(parts) or "-"
-
-
-def _ranges(ranks: list[int]) -> str:
-    spans: list[list[int]] = []
-    for r in sorted(ranks):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)

@@ -98,11 +98,7 @@ def _local_tier(durable: Store, policy: TierPolicy, group: RankGroup) -> LocalTi
 def _plan(
     durable: Store, local: LocalTier, wanted: int | str, group: RankGroup, healthy: bool
 ) -> RestorePlan:
-    # Every rank directory of this node's job directory is offered: its own ranks' and those
-    # whose peer copies it keeps.
-    return plan_restore(
-        durable, local, group, local.wards_here(), step=wanted, limit=1, healthy=healthy
-    )
+    return plan_restore(durable, local, group, step=wanted, limit=1, healthy=healthy)
 
 
 def open_tiered_step(

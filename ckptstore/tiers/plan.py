@@ -2,9 +2,10 @@
 front-end's tiered load (the Checkpointer's ``loading``, DCP's ``StoreReader`` through
 ``tiers.open_step``), collective over the load's ``RankGroup``.
 
-1. Each rank lists the copies its node keeps of the ``wards`` it is asked about (its own and
-   the ranks whose peer copies it keeps); a ward whose local tier cannot be read is not offered
-   (a peer or durable storage may serve that rank).
+1. Each rank lists the copies its node keeps: every ``rank-<r>`` store of the node's job
+   directory (its own ranks', those whose peer copies it keeps, and those of ranks that ran here
+   before a restart placed them elsewhere); a store that cannot be read is not offered (a peer or
+   durable storage may serve that rank).
 2. Rank 0 lists the durable steps (where that fails, only local and peer copies count) and
    plans with ``restore.plan_sources``, reading each durable manifest it weighs once: the load
    shares them (``RestorePlan.manifests``).
@@ -33,6 +34,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest
 from ckptstore.health import tiered_verdict
+from ckptstore.render import rank_ranges
 from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
@@ -53,7 +55,6 @@ def plan_restore(
     durable: Store,
     local: LocalTier,
     group: RankGroup,
-    wards: list[int],
     *,
     step: int | str | None = "latest",
     limit: int | None = 1,
@@ -70,7 +71,7 @@ def plan_restore(
             listed = list_steps(durable)
         except CheckpointError as exc:
             listed = exc
-    everything = group.gather((_held(local, group.rank, wards), listed))
+    everything = group.gather((_held(local, group.rank), listed))
     manifests: dict[int, Manifest] = {}
     found: Any = None
     if group.rank == 0:
@@ -95,8 +96,13 @@ def _raise_or(value: Any) -> Any:
     return value
 
 
-def _held(local: LocalTier, rank: int, wards: list[int]) -> dict[int, dict[int, str]]:
+def _held(local: LocalTier, rank: int) -> dict[int, dict[int, str]]:
     held: dict[int, dict[int, str]] = {}
+    try:
+        wards = local.wards_here()
+    except OSError as exc:
+        logger.warning("rank %d: the local tier cannot be listed, not offered: %s", rank, exc)
+        return held
     for ward in wards:
         try:
             held[ward] = local.copies(ward)
@@ -140,6 +146,8 @@ def _plan(
 
     plan = plan_sources(held, steps, attempt, step=step, limit=limit)
     if plan:
+        if step is None:
+            _name_passed_over(held, plan[0].step)
         return plan
     if step is not None and step in steps:  # committed but unreadable: its load says why
         return [Candidate(step, None, [[Source(DURABLE)] for _ in held])]
@@ -149,6 +157,35 @@ def _plan(
     raise CheckpointNotFoundError(
         f"no tier holds {where} for every rank: local {local.policy.local_dir}, peers, durable "
         f"{durable.uri} (durable steps: {', '.join(map(str, steps[-5:])) or 'none'})"
+    )
+
+
+def _name_passed_over(held: list[dict[int, dict[int, str]]], planned: int) -> None:
+    """(rank 0) One warning naming the newest step some ranks hold copies of that the plan
+    passes over, and the ranks no tier holds it for (a node replaced with no peer copies of its
+    ranks: the operator learns what was lost)."""
+    world = len(held)
+    holders: dict[int, set[int]] = {}
+    for wards in held:
+        for ward, copies in wards.items():
+            for s in copies:
+                if s > planned and 0 <= ward < world:
+                    holders.setdefault(s, set()).add(ward)
+    if not holders:
+        return
+    newest = max(holders)
+    missing = sorted(set(range(world)) - holders[newest])
+    others = len(holders) - 1
+    logger.warning(
+        "step %d passed over: no tier holds a copy of rank%s %s (held for rank%s %s)%s; "
+        "loading step %d",
+        newest,
+        "s" if len(missing) > 1 else "",
+        rank_ranges(missing) or "-",
+        "s" if len(holders[newest]) > 1 else "",
+        rank_ranges(holders[newest]),
+        f", and {others} older step{'s' if others > 1 else ''} likewise" if others else "",
+        planned,
     )
 
 

@@ -1,6 +1,7 @@
 """Which save every rank restores, and from which tiers.
 
-Every rank reports the copies its node keeps (its own and its wards', step -> attempt); the
+Every rank reports the copies its node keeps (every rank store of its job directory, step ->
+attempt); the
 coordinator adds the durable steps (their attempts read from their manifests) and picks the
 newest save, a (step, attempt) pair, that every rank can get from some tier: a durable step's
 own save where its manifest reads, else the save of it that most ranks hold locally. One planner

@@ -941,6 +941,53 @@ def test_two_nodes_given_the_same_local_dir_save_and_load_unmixed(kind, tmp_path
     run_ranks(_shared_local_dir, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
 
 
+def _swapped_nodes(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=0, durable_every=5)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):  # 1 durable, 2 in the local tiers only
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    # The restart hands the two hosts out the other way round (torchrun or SLURM numbering
+    # the nodes otherwise): ranks 0-1 run where ranks 2-3 ran, and the other way round.
+    node = 1 - rank // 2
+    options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
+    swapped = FRONTS[kind](Path(root), options, StorageOptions())
+    swapped.no_dist = False
+    target = _ranks_own(rank, _blank())
+    step, report = swapped.load(target)
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    assert report.source == "peer", report
+    for step in (3, 4):  # 3 durable (a process's first save is), 4 in the local tiers only
+        swapped.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    swapped.close()
+    torch.distributed.barrier()
+    # Node 1 (now ranks 0-1) is replaced: with no peer copies, step 4 is lost for them; the
+    # load takes the durable step 3 and says which newer step it passed over and why.
+    if rank == 0:
+        shutil.rmtree(Path(base) / "node-1")
+    torch.distributed.barrier()
+    records = log_records("ckptstore.tiers.plan")
+    target = _ranks_own(rank, _blank())
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 3 and _same(target, _ranks_own(rank, _state(10 * rank + 3))), report
+    if rank == 0:
+        said = [r.getMessage() for r in records if "passed over" in r.getMessage()]
+        assert len(said) == 1, said
+        assert said[0].startswith("step 4 passed over") and "ranks 0-1 " in said[0], said
+        assert said[0].endswith("loading step 3"), said
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_ranks_restarted_on_each_others_hosts_find_their_copies_there(kind, tmp_path):
+    """Reviewer 2 of stop 57: a restart that numbers the nodes the other way round finds each
+    rank's newest copy in the other node's local dir (every rank directory of a node's job
+    directory is offered to the plan, by both front-ends); a load that must pass over a newer
+    step some ranks lack names it."""
+    run_ranks(_swapped_nodes, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
 def _lying_holder(rank: int, world: int, kind: str, root: str, base: str, how: str) -> None:
     tiers = dict(peer_copies=1, durable_every=1)
     front = _two_nodes(kind, rank, root, base, **tiers)
