@@ -51,7 +51,10 @@ import torch.distributed as dist
 
 from ckptstore.catalog import (
     commit_manifest,
+    list_steps,
+    load_manifest,
     load_manifest_bytes,
+    load_rank_index,
     read_object,
     read_rank_index_bytes,
 )
@@ -773,19 +776,38 @@ def wait_written() -> None:
 
 
 def _put_chunk(store: Any, digest: str, info: ChunkInfo, data: Any, *, repair: bool) -> None:
-    """Write one verified chunk of a copy; one already there must be the same encoding, or,
-    in a repair, intact (else the verified bytes replace it)."""
+    """Write one verified chunk of a copy. One already there must be intact in a repair, and
+    outside one the same encoding unless no copy the store lists names it (a copy the resumed
+    job unlisted left it, stored otherwise: the compression changed); else the verified bytes
+    replace it."""
     key = chunk_key(digest)
     try:
         store.put(key, data, shared=True)
     except ObjectExistsError:
-        if repair and not _intact(store, digest, info):
-            store.delete(key)  # a bad byte in this tier: the verified bytes replace it
-            store.put(key, data, shared=True)
-        elif store.size(key) != info.stored:
+        if repair:
+            if _intact(store, digest, info):
+                return
+        elif store.size(key) == info.stored:
+            return
+        elif _named_by_a_listed_copy(store, digest):
             raise CheckpointError(
                 f"{store.url(key)} holds chunk {digest} encoded otherwise"
             ) from None
+        store.delete(key)  # under the copy's save lease: no retention sweeps meanwhile
+        store.put(key, data, shared=True)
+
+
+def _named_by_a_listed_copy(store: Any, digest: str) -> bool:
+    """Whether a copy ``store`` lists names chunk ``digest`` (one that cannot be read: maybe)."""
+    try:
+        for step in list_steps(store):
+            manifest = load_manifest(store, step)
+            for rank in range(manifest.world_size):
+                if digest in load_rank_index(store, manifest, rank).chunks:
+                    return True
+    except (CheckpointError, OSError):
+        return True
+    return False
 
 
 def _put_copy_object(store: Any, key: str, data: bytes, *, repair: bool) -> None:

@@ -95,6 +95,7 @@ class Front:
     name = ""
     no_dist = True  # one process; False: every rank of the default group takes part
     health = HealthPolicy()
+    encoding = ENCODING
 
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         self.root, self.tiers, self.storage = root, tiers, storage
@@ -123,7 +124,7 @@ class CheckpointerFront(Front):
         self.ckpt = Checkpointer(
             root,
             tiers=tiers,
-            encoding=ENCODING,
+            encoding=self.encoding,
             storage=self.storage,
             preemption=self.preemption,
             health=self.health,
@@ -163,7 +164,7 @@ class DCPFront(Front):
     def __init__(self, root: Path, tiers: TierOptions, storage: StorageOptions) -> None:
         super().__init__(root, tiers, storage)
         self.writer = StoreWriter(
-            root, tiers=tiers, encoding=ENCODING, storage=self.storage, health=self.health
+            root, tiers=tiers, encoding=self.encoding, storage=self.storage, health=self.health
         )
 
     def save(self, step: int, state: dict) -> None:
@@ -662,11 +663,17 @@ def _strip_identity(tmp_path: Path, keep_store: bool = False) -> None:
 
 
 def _two_nodes(
-    kind: str, rank: int, root: str, base: str, storage: StorageOptions | None = None, **tiers: Any
+    kind: str,
+    rank: int,
+    root: str,
+    base: str,
+    storage: StorageOptions | None = None,
+    front_type: type[Front] | None = None,
+    **tiers: Any,
 ) -> Front:
     node = rank // 2
     options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
-    front = FRONTS[kind](Path(root), options, storage or StorageOptions())
+    front = (front_type or FRONTS[kind])(Path(root), options, storage or StorageOptions())
     front.no_dist = False
     return front
 
@@ -986,6 +993,54 @@ def test_ranks_restarted_on_each_others_hosts_find_their_copies_there(kind, tmp_
     directory is offered to the plan, by both front-ends); a load that must pass over a newer
     step some ranks lack names it."""
     run_ranks(_swapped_nodes, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+def _reencoded(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5)
+
+    def front(compression: str) -> Front:
+        encoding = EncodingOptions(chunk_bytes=CHUNK, compression=compression)
+        made = type(kind, (FRONTS[kind],), {"encoding": encoding})
+        return _two_nodes(made.name, rank, root, base, front_type=made, **tiers)
+
+    def state(step: int) -> dict[str, Any]:  # compressible: zstd stores it otherwise than raw
+        return _ranks_own(rank, {k: v.round() for k, v in _state(10 * rank + step).items()})
+
+    first = front("none")
+    for step in (1, 2):  # 1 durable; 2 in the local tiers, stored raw, and its peer copies
+        first.save(step, state(step))
+    first.close()
+    torch.distributed.barrier()
+    if rank == 0:  # node 0 is replaced: node 1 still holds its ranks' raw step 2 copies
+        shutil.rmtree(Path(base) / "node-0")
+    torch.distributed.barrier()
+    # The job resumes from step 1 and saves step 2 again, the same tensors compressed: node 1
+    # unlists its copies of the old step 2, whose raw chunks stay until its next retention.
+    second = front("zstd")
+    target = state(0)
+    assert second.load(target, 1)[0] == 1 and _same(target, state(1))
+    second.save(2, state(2))
+    assert second.last_peer_copy().failed == {}, second.last_peer_copy()
+    second.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(base) / "node-0")
+    torch.distributed.barrier()
+    target = state(0)
+    step, report = front("zstd").load(target)
+    assert step == 2 and _same(target, state(2)), report
+    if rank < 2:
+        assert report.source == "peer", report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_peer_copy_replaces_a_chunk_an_unlisted_copy_left_encoded_otherwise(kind, tmp_path):
+    """Reviewer 2 of stop 57: a resumed job saving a step again with another encoding sent its
+    peer copy to a holder still holding that step's old chunks (unlisted, not yet swept); the
+    copy failed ("holds chunk ... encoded otherwise") and the step had no peer copy. A chunk
+    that no listed copy of the holder names is replaced by the verified bytes."""
+    run_ranks(_reencoded, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
 
 
 def _lying_holder(rank: int, world: int, kind: str, root: str, base: str, how: str) -> None:

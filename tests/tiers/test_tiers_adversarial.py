@@ -508,3 +508,33 @@ def test_a_load_while_drains_are_pending_keeps_them_and_they_complete(tmp_path):
         assert all(h.durable.result(timeout=60) is None for h in handles)
     assert list_steps(Store(str(durable))) == [1, 2]
     assert list_steps(Store(str(copies_dir(local, 0)))) == [1, 2]
+
+
+def test_a_chunk_stored_otherwise_is_replaced_in_a_copy_only_where_no_listed_copy_names_it(
+    tmp_path,
+):
+    """A peer copy's chunk that the holder's store holds encoded otherwise: kept, and the copy
+    refused, while a copy that store lists names it (its index records that encoding); replaced
+    by the verified bytes once no listed copy does (an unlisted copy's chunk, not yet swept)."""
+    from ckptstore.catalog import load_manifest, load_rank_index
+    from ckptstore.codec import CodecConfig, encode
+    from ckptstore.format import ChunkInfo, chunk_key
+    from ckptstore.retention import drop_step
+    from ckptstore.tiers.transfer import _put_chunk
+
+    raw = torch.arange(4096, dtype=torch.float32) // 7
+    ckpt = Checkpointer(tmp_path, encoding=EncodingOptions(compression="none"))
+    ckpt.save(1, {"w": raw}).wait()
+    ckpt.close()
+    store = Store(str(tmp_path))
+    [digest] = load_rank_index(store, load_manifest(store, 1), 0).chunks
+    stored = store.get(chunk_key(digest))
+    packed = encode(raw.numpy().view("uint8"), 4, CodecConfig(level=3))
+    info = ChunkInfo(raw=raw.numel() * 4, stored=len(packed))
+    assert len(packed) < info.raw < len(stored)  # raw, with its header
+    with pytest.raises(CheckpointError, match="encoded otherwise"):
+        _put_chunk(store, digest, info, packed, repair=False)
+    assert store.get(chunk_key(digest)) == stored
+    drop_step(store, 1)
+    _put_chunk(store, digest, info, packed, repair=False)
+    assert store.get(chunk_key(digest)) == packed
