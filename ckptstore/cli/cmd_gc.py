@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ckptstore.cli.common import emit_json
 from ckptstore.render import human_bytes
@@ -20,9 +21,10 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         check_chunks=True,
         warn=False,  # the report below says it all
     )
+    damaged = sorted(report.unreadable_steps.keys() - set(report.removed_corrupt))
     if args.json:
         emit_json(_doc(args, store, report))
-        return 0
+        return 1 if damaged else 0
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{'dry run: ' if args.dry_run else ''}kept steps: {_steps(report.kept_steps)}")
     print(f"{verb} steps: {_steps(report.deleted_steps)}")
@@ -35,6 +37,13 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     if report.removed_quarantine:
         print(f"{verb} quarantined step(s) {_steps(report.removed_quarantine)} (--remove-corrupt)")
     print(_sweep_line(report, verb))
+    if damaged:  # a cron job's `gc ... || alert` hears of it, as of `verify`
+        print(
+            f"ckptstore gc: {store.uri}: step(s) {_steps(damaged)} cannot be read and are kept "
+            "(exit 1); --remove-corrupt deletes them",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -134,7 +134,8 @@ def test_gc_remove_corrupt_dry_run_says_one_thing(tmp_path):
         text=True,
         timeout=BOUND_S,
     )
-    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and "step(s) 3 cannot be read" in done.stderr, done.stderr
     assert "unreadable step 3: kept, not counted" in done.stdout, done.stdout
 
 
@@ -144,7 +145,7 @@ def test_gc_verify_counts_no_step_with_a_damaged_chunk_and_removes_it(tmp_path, 
     root = tmp_path / "ckpt"
     _resume(root, 3)
     _flip_a_chunk_of(root, 3)
-    assert main(["gc", str(root), "--keep-last", "1", "--verify"]) == 0
+    assert main(["gc", str(root), "--keep-last", "1", "--verify"]) == 1
     out = capsys.readouterr().out
     assert "kept steps: 2" in out and "unreadable step 3: kept, not counted" in out, out
     assert list_steps(Store(str(root))) == [2, 3]

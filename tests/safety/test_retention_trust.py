@@ -81,8 +81,8 @@ def loads_step_1(uri: str) -> bool:
     return Checkpointer(uri).load(target, step=1) == 1 and torch.equal(target["w"], W[1])
 
 
-def gc_json(capsys, *argv: str) -> dict:
-    assert main(["gc", *argv, "--json"]) == 0
+def gc_json(capsys, *argv: str, code: int = 0) -> dict:
+    assert main(["gc", *argv, "--json"]) == code
     return json.loads(capsys.readouterr().out)
 
 
@@ -94,8 +94,9 @@ def test_gc_keep_last_1_keeps_the_loadable_step_when_the_newest_is_damaged(
     save_two_steps(uri)
     DAMAGE[damage](Store(uri), 2)
     chunks = Store(uri).list("chunks")
-    assert main(["gc", uri, "--keep-last", "1"]) == 0
-    out = capsys.readouterr().out
+    assert main(["gc", uri, "--keep-last", "1"]) == 1  # a cron job's `gc || alert` hears of it
+    out, err = capsys.readouterr()
+    assert "step(s) 2 cannot be read and are kept (exit 1)" in err, err
     assert "deleted steps: none" in out and "unreadable step 2: kept, not counted" in out
     assert "chunk sweep skipped: step(s) 2 are kept unreadable or damaged" in out
     assert list_steps(Store(uri)) == [1, 2] and Store(uri).list("chunks") == chunks
@@ -123,12 +124,12 @@ def test_dry_run_prints_the_whole_plan_with_the_damaged_step_marked(tmp_path, ca
             ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()
     break_manifest(Store(uri), 3)
     before = Store(uri).list()
-    assert main(["gc", uri, "--keep-last", "1", "--dry-run"]) == 0
+    assert main(["gc", uri, "--keep-last", "1", "--dry-run"]) == 1
     out = capsys.readouterr().out
     assert "dry run: kept steps: 2" in out and "would delete steps: 1" in out
     assert "unreadable step 3: kept, not counted: corrupt: " in out
     assert "chunk sweep skipped" in out
-    doc = gc_json(capsys, uri, "--keep-last", "1", "--dry-run")
+    doc = gc_json(capsys, uri, "--keep-last", "1", "--dry-run", code=1)
     assert doc["kept_steps"] == [2] and doc["deleted_steps"] == [1]
     [unreadable] = doc["unreadable_steps"]
     assert unreadable["step"] == 3 and not unreadable["removed"]
@@ -157,7 +158,7 @@ def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys, damage):
     """A chunk cut short shows in the listing's sizes (no chunk is read without --verify)."""
     save_two_steps(s3_uri)
     DAMAGE[damage](Store(s3_uri), 2)
-    doc = gc_json(capsys, s3_uri, "--keep-last", "1")
+    doc = gc_json(capsys, s3_uri, "--keep-last", "1", code=1)
     assert doc["deleted_steps"] == [] and doc["kept_steps"] == [1] and not doc["swept"]
     assert [u["step"] for u in doc["unreadable_steps"]] == [2]
     assert loads_step_1(s3_uri)
@@ -181,11 +182,11 @@ def test_gc_never_keeps_a_step_that_lost_a_chunk_in_place_of_one_that_loads(tmp_
 
     [lost] = chunks(3) - chunks(2) - chunks(1)
     store.delete(chunk_key(lost))
-    doc = gc_json(capsys, uri, "--keep-last", "1", "--dry-run")
+    doc = gc_json(capsys, uri, "--keep-last", "1", "--dry-run", code=1)
     assert doc["kept_steps"] == [2] and doc["deleted_steps"] == [1], doc
     [unreadable] = doc["unreadable_steps"]
     assert unreadable["step"] == 3 and chunk_key(lost) in unreadable["error"]
-    assert main(["gc", uri, "--keep-last", "1"]) == 0
+    assert main(["gc", uri, "--keep-last", "1"]) == 1
     out = capsys.readouterr().out
     assert f"unreadable step 3: kept, not counted: corrupt: {chunk_key(lost)} missing" in out
     assert list_steps(store) == [2, 3]
