@@ -82,7 +82,7 @@ class RankGroup:
             return
         lost, never = self._roll_call()
         if lost:
-            raise self._lose(what, lost, one_line(exc), never=never) from exc
+            raise self._lose(what, lost, _plain(exc), never=never) from exc
 
     def _roll_call(self) -> tuple[list[int], list[int]]:
         """The ranks of the group whose heartbeat on the job's rendezvous store did not move
@@ -324,3 +324,9 @@ class Agreement:
         text = "; ".join(f"rank {r}: {line}" for r, line, _ in self.failures[:shown])
         more = len(self.failures) - shown
         return text + (f"; and {more} more" if more > 0 else "")
+
+
+def _plain(exc: BaseException) -> str:
+    """A collective's error in one line, without the advice gloo appends ("This is typically
+    caused by a remote worker crashing ...": the message says which rank, and why)."""
+    return one_line(exc).split(" This is typically caused", 1)[0]

@@ -155,7 +155,8 @@ def _plan(
         raise unlisted
     where = f"step {step}" if step is not None else "any step"
     raise CheckpointNotFoundError(
-        f"no tier holds {where} for every rank: local {local.policy.local_dir}, peers, durable "
+        f"no tier holds {where} for every rank: every node's local dir (rank 0's: "
+        f"{local.policy.local_dir}), peers, durable "
         f"{durable.uri} (durable steps: {', '.join(map(str, steps[-5:])) or 'none'})"
     )
 

@@ -44,3 +44,18 @@ def _stuck_rank(rank: int, world: int) -> None:
 @pytest.mark.dist
 def test_a_rank_alive_but_stuck_fails_the_others_after_the_groups_timeout():
     run_ranks(_stuck_rank, 2, timeout_s=90)
+
+
+def test_a_lost_ranks_error_quotes_gloo_without_its_advice():
+    """Reviewer 2 of stop 57: a ``RankLostError`` carried gloo's whole text ("... This is
+    typically caused by a remote worker crashing ... GLHF!") inside its one line."""
+    from ckptstore.tiers.group import _plain
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:34436. This is typically caused by a remote worker "
+        "crashing. Check the logs of the remote worker before reporting an error. GLHF!"
+    )
+    said = _plain(gloo)
+    assert said.startswith("RuntimeError: [/__w/") and said.endswith("[127.0.0.1]:34436."), said
+    assert _plain(ValueError("a\nb")) == "ValueError: a"
