@@ -10,6 +10,7 @@ and any other fsspec protocol through its generic filesystem interface.
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import mmap
 import os
@@ -463,6 +464,7 @@ def open_backend(
     """The backend of ``uri``'s scheme and the root path of ``uri`` in it."""
     options = dict(storage_options or {})
     if fsspec.core.split_protocol(uri)[0] in S3_PROTOCOLS:
+        _check_s3_uri_and_options(uri, options)
         options = bounded_s3_options(options, retry or RetryPolicy())
     try:
         fs, root = fsspec.core.url_to_fs(uri, **options)
@@ -472,6 +474,25 @@ def open_backend(
     if "file" in _protocols(fs) and not os.path.lexists(root):
         refuse_a_mistyped_scheme(uri)
     return _backend_class(fs)(fs, uri=uri, root=root, options=options), root
+
+
+def _check_s3_uri_and_options(uri: str, options: dict[str, Any]) -> None:
+    """A URI without a bucket, and an option s3fs would pass on to a session that takes no such
+    argument (a ``TypeError`` at the first request), are refused by name."""
+    if not fsspec.core.split_protocol(uri)[1].strip("/"):
+        raise ValueError(f"cannot open store {uri!r}: it names no bucket (s3://BUCKET[/PREFIX])")
+    import aiobotocore.session
+    import s3fs
+
+    known = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
+    for fn in (s3fs.S3FileSystem.__init__, aiobotocore.session.AioSession.__init__):
+        known |= set(inspect.signature(fn).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"cannot open store {uri!r}: unknown storage option(s) {', '.join(unknown)} (s3fs "
+            "takes e.g. endpoint_url, key, secret, anon, client_kwargs, config_kwargs)"
+        )
 
 
 def refuse_a_mistyped_scheme(uri: str) -> None:

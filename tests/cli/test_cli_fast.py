@@ -85,6 +85,25 @@ def test_a_scheme_with_one_slash_is_refused_with_the_uri_meant(tmp_path, monkeyp
     assert main(["ls", "s3:/bucket"]) == 1  # exists, holds no checkpoints
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["s3://"], "it names no bucket (s3://BUCKET[/PREFIX])"),
+        (["s3://b/run", "-o", "bogus_option=1"], "unknown storage option(s) bogus_option"),
+    ],
+    ids=["no-bucket", "unknown-option"],
+)
+def test_an_s3_uri_without_a_bucket_or_an_unknown_option_is_a_usage_error(argv, said, capsys):
+    """Reviewer 1 of stop 57: ``ls s3://`` said "list s3:/commits: the bucket does not exist"
+    or "no credentials"; ``-o bogus_option=1`` a ``TypeError`` of aiobotocore's session at the
+    first request. Both are the command line's mistakes: exit 2, named, before any request."""
+    assert main(["ls", *argv, "--timeout", "3"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(ValueError, match="unknown storage option"):
+        Checkpointer("s3://b/run", storage_options={"bogus_option": 1})
+
+
 def test_a_local_store_keeps_no_empty_directories(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, keep_last=2) as ckpt:
         for step in range(30):
