@@ -146,6 +146,8 @@ def _print_pending(pending: list[dict[str, Any]]) -> None:
     for p in pending:
         if p["kind"] == "gc":
             what = "gc"
+        elif p["age_s"] is None:  # unreadable: the key says what it can
+            what = "save"
         else:
             what = f"step {p['step']} rank {p['rank']} attempt {p['attempt']}: save"
         state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"

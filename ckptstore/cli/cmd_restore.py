@@ -182,8 +182,10 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
             "saved its own; --rank N exports another)"
         )
     if result.skipped:
+        more = len(result.skipped) - 5
         print(
             f"  skipped {len(result.skipped)} non-tensor value(s): {', '.join(result.skipped[:5])}"
+            + (f" and {more} more" if more > 0 else "")
         )
     print(f"  load with: transformers' from_pretrained({target!r}) or safetensors.safe_open")
     return 0

@@ -251,6 +251,25 @@ def test_ls_shows_saves_in_flight(store: Path, capsys) -> None:
     assert doc["pending"][0]["step"] == 40 and doc["pending"][0]["stale"] is False
 
 
+def test_ls_names_an_unreadable_lease_by_its_key_not_as_step_none(store: Path, capsys) -> None:
+    lease = store / "leases" / "save" / f"{9:020d}-abc-00000" / "0001.json"
+    lease.parent.mkdir(parents=True)
+    lease.write_bytes(b"{not json")
+    code, out, _ = run(capsys, "ls", store)
+    [line] = [line for line in out.splitlines() if line.startswith("pending:")]
+    assert "None" not in line and "unreadable" in line and f"{9:020d}-abc-00000" in line, line
+
+
+def test_a_safetensors_restore_counts_every_skipped_value_it_does_not_name(tmp_path, capsys):
+    with Checkpointer(tmp_path / "s") as ckpt:
+        values = {f"v{i}": i for i in range(7)}
+        ckpt.save(1, {"w": torch.ones(4), **values}).wait()
+    code, out, _ = run(
+        capsys, "restore", tmp_path / "s", "--to", tmp_path / "hf", "--format", "safetensors"
+    )
+    assert code == 0 and "skipped 7 non-tensor value(s): " in out and "and 2 more" in out, out
+
+
 # -- inspect -------------------------------------------------------------------------------------
 
 
