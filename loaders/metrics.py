@@ -135,9 +135,13 @@ class ReplicaStats(_Stats):
         telemetry.loader_read_seconds.observe(seconds, replica=self.name)
 
     def as_dict(self) -> dict[str, Any]:
+        """The latencies are of answered attempts: ``answered`` of them; with none (a replica
+        that hung or failed every time) they are ``None``, not a 0 that reads as fast."""
         out = self._counts()
         lat = self.latency.summary()
-        out.update({k: lat[k] for k in ("p50_s", "p90_s", "p99_s", "max_s")})
+        timed = lat["count"] > 0
+        out["answered"] = lat["count"]
+        out.update({k: lat[k] if timed else None for k in ("p50_s", "p90_s", "p99_s", "max_s")})
         return out
 
 

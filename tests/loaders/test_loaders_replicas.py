@@ -69,8 +69,14 @@ def test_failover_when_a_replica_hangs_bounded_by_attempt_deadline(tmp_path):
     try:
         assert rs.read("obj") == PAYLOAD
         m = rs.metrics()["replicas"]
-        assert m[stores[0].uri]["errors"] == 1
-        assert m[stores[1].uri]["wins"] == 1
+        hung, good = m[stores[0].uri], m[stores[1].uri]
+        assert hung["errors"] == 1
+        assert good["wins"] == 1
+        # the hung replica answered nothing: no latency to report, not a p99 of 0 that reads
+        # as the fastest replica
+        assert hung["answered"] == 0
+        assert hung["p50_s"] is hung["p99_s"] is hung["max_s"] is None
+        assert good["answered"] == 1 and 0 < good["p50_s"] <= good["p99_s"] <= good["max_s"]
     finally:
         _release(stores)
 
