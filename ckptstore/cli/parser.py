@@ -343,9 +343,10 @@ examples:
         during the sweep wait for it. --dry-run lists what would go, deleting nothing.
         Only steps that can be read count towards K: a step whose manifest or rank index does not
         decode, or that references a chunk the store no longer lists, is listed as unreadable and
-        kept, and no chunk is swept while it is there (exit 1 while one is kept); --remove-corrupt
-        deletes such steps, and the steps a load with fallback quarantined. --verify also re-hashes every chunk of every
-        step first (as verify --all does): a step with a damaged chunk counts as corrupt.
+        kept, and no chunk is swept while it is there (exit 1 while one is kept);
+        --remove-corrupt deletes such steps, and the steps a load with fallback quarantined.
+        --verify also re-hashes every chunk of every step first (as verify --all does): a step
+        with a damaged chunk counts as corrupt.
         """,
         """
           ckptstore gc /ckpt/run7 --keep-last 3 --dry-run

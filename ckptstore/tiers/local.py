@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +27,8 @@ from ckptstore.errors import (
     one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, chunk_key
-from ckptstore.leases import DEFAULT_TTL_S
+from ckptstore.leases import DEFAULT_TTL_S, find_leases
+from ckptstore.render import rank_ranges
 from ckptstore.retention import collect
 from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.identity import agree_identity, store_identity
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from ckptstore.tiers.identity import StoreIdentity
 
 logger = logging.getLogger(__name__)
+
+DIR_TOKEN = "dir-token"  # in a job directory: the same for every process that shares the disk
 
 _RESUMED: dict[str, int] = {}
 """By a rank's own copies directory: the step a load in this process last resumed from (a DCP
@@ -180,6 +185,62 @@ class LocalTier:
             return []
         found = (p.name[5:] for p in job_dir.glob("rank-*") if p.is_dir())
         return sorted(int(r) for r in found if r.isdigit() and int(r) < self.world_size)
+
+    def dir_token(self) -> str | None:
+        """A random token of this node's job directory, made by the first process that asks:
+        ranks that read the same one share the directory, whatever their host names say.
+        None: the directory cannot be written or read (its saves go to durable storage)."""
+        job_dir = self.rank_dir(self.rank).parent
+        path = job_dir / DIR_TOKEN
+        try:
+            self.store(self.rank)  # the job directory made, and checked for links
+            if not path.exists():
+                made = job_dir / f".{DIR_TOKEN}.tmp-{uuid.uuid4().hex}"
+                made.write_text(uuid.uuid4().hex)
+                try:
+                    os.link(made, path)  # the first process's token wins, whole
+                except FileExistsError:
+                    pass
+                finally:
+                    made.unlink(missing_ok=True)
+            with open(path, encoding="ascii", errors="replace") as f:
+                return f.read(64).strip() or None
+        except (OSError, StorageError) as exc:
+            logger.info("rank %d: no token of %s: %s", self.rank, job_dir, one_line(exc))
+            return None
+
+    def remove_left_behind(self, kept_here: set[int], older_than: int) -> None:
+        """Remove the stores in this node's job directory of ranks it no longer keeps (not in
+        ``kept_here``: they run elsewhere after a restart placed ranks on other nodes, or
+        beyond the world size) once their newest copy is older than ``older_than``, the oldest
+        step local retention still keeps here, and no live lease is held in them."""
+        job_dir = self.rank_dir(self.rank).parent
+        for path in sorted(job_dir.glob("rank-*")):
+            number = path.name[5:]
+            if not number.isdigit() or int(number) in kept_here or not path.is_dir():
+                continue
+            try:
+                _refuse_links(self.policy.local_dir, path)
+                store = Store(str(path), retry=local_retry(self.timeout_s))
+                steps = list_steps(store)
+                if (steps and steps[-1] >= older_than) or any(
+                    lease.live for lease in find_leases(store)
+                ):
+                    continue
+                with self._lock:
+                    self._stores.pop(int(number), None)
+                shutil.rmtree(path)
+            except (CheckpointError, OSError) as exc:
+                logger.warning("rank %d: %s left in place: %s", self.rank, path, one_line(exc))
+                continue
+            logger.info(
+                "rank %d: removed %s (rank %s's copies, steps %s; the rank runs on another "
+                "node now)",
+                self.rank,
+                path,
+                int(number),
+                rank_ranges(steps) or "none",
+            )
 
     def belongs(self, manifest: Manifest, ward: int) -> bool:
         """Whether ``manifest`` is a copy of ``ward``'s state in this job."""

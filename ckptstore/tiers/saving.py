@@ -61,7 +61,10 @@ class TierSaver:
         topology: Topology | None,
         *,
         durable_uri: str,
+        dir_mates: list[int] | None = None,
     ) -> None:
+        """``dir_mates``: the ranks sharing this rank's job directory (None: unknown, and no
+        store of a rank that left is removed)."""
         self.policy = policy
         self.local = local
         self.group = group
@@ -76,7 +79,12 @@ class TierSaver:
         self._failure_logged = False
         # Fixed for the job: every rank's peer copies (source, holder), this rank's wards.
         self._pairs = [(r, h) for r in range(group.world_size) for h in _holders(topology, r)]
-        self._wards = [self.rank] + (topology.wards(self.rank) if topology else [])
+        self._wards = [self.rank] + _wards(topology, self.rank)
+        # The ranks that share this node's job directory, the lowest of which removes the
+        # stores of ranks it no longer keeps (``LocalTier.remove_left_behind``).
+        mates = dir_mates or [self.rank]
+        self._sweeps_dir = dir_mates is not None and self.rank == min(mates)
+        self._kept_here = set(mates) | {w for m in mates for w in _wards(topology, m)}
 
     def wards(self) -> list[int]:
         """This rank and the ranks whose copies it holds."""
@@ -190,7 +198,22 @@ class TierSaver:
         # The step is kept, so its chunks are: the lease held for its peer copy and drain need
         # not stop this sweep of the others.
         local.retain(self.rank, keep={step}, ignore_attempts={attempt})
+        self._remove_left_behind()
         return LocalCommit(written, payloads, StepHealth.of(step, health), self.last_copy)
+
+    def _remove_left_behind(self) -> None:
+        """Once this rank's own store holds ``local_keep_last`` copies, the stores of ranks
+        that ran on this node before (a restart placed them elsewhere) go when their newest
+        copy is older than those: they are kept as long as local retention keeps its own."""
+        if not self._sweeps_dir:
+            return
+        try:
+            newest = list_steps(self.local.store(self.rank))[-self.policy.local_keep_last :]
+        except CheckpointError as exc:
+            logger.warning("rank %d: local stores left behind not looked at: %s", self.rank, exc)
+            return
+        if len(newest) == self.policy.local_keep_last:
+            self.local.remove_left_behind(self._kept_here, older_than=newest[0])
 
     def _commit_copy(
         self,
@@ -291,6 +314,10 @@ class TierSaver:
         return outcomes
 
 
+def _wards(topology: Topology | None, rank: int) -> list[int]:
+    return topology.wards(rank) if topology is not None else []
+
+
 def _holders(topology: Topology | None, rank: int) -> list[int]:
     return topology.holders(rank) if topology is not None else []
 
@@ -356,8 +383,8 @@ def open_tiers(
     thread_nice: int = 0,
     keep_alive: Any = None,
 ) -> Tiers:
-    """This rank's tiers over ``group`` (collective with ``peer_copies``: the ranks tell each
-    other their nodes): its local tier for the ``durable`` store, the topology of its peer
+    """This rank's tiers over ``group`` (collective: the ranks tell each other their job
+    directory's token and, with ``peer_copies``, their nodes): its local tier for the ``durable`` store, the topology of its peer
     copies, its tier saver and its drain queue (on ``drain_group``, a group of its own;
     ``keep_alive``: the front-end its thread keeps alive until closed)."""
     local = LocalTier.open(
@@ -375,7 +402,10 @@ def open_tiers(
             raise ValueError("peer_copies needs torch.distributed with 2 or more nodes")
         nodes = group.gather(node_identity(node_rank, group.rank))
         topology = Topology.build(nodes, policy.peer_copies)
-    saver = TierSaver(policy, local, group, topology, durable_uri=durable.uri)
+    token = local.dir_token()
+    tokens = group.gather(token)  # a rank that could not read one: none removes any store
+    mates = None if None in tokens else [r for r, t in enumerate(tokens) if t == token]
+    saver = TierSaver(policy, local, group, topology, durable_uri=durable.uri, dir_mates=mates)
     drains = DrainQueue(
         local=local,
         group=drain_group,

@@ -967,6 +967,12 @@ def _swapped_nodes(rank: int, world: int, kind: str, root: str, base: str) -> No
     assert report.source == "peer", report
     for step in (3, 4):  # 3 durable (a process's first save is), 4 in the local tiers only
         swapped.save(step, _ranks_own(rank, _state(10 * rank + step)))
+        torch.distributed.barrier()
+        # The stores the ranks left on the other node stay while retention (local_keep_last
+        # 2) would keep a copy of their age, then go: repeated restarts do not fill the disk.
+        for n, now_here in ((0, [2, 3]), (1, [0, 1])):
+            held = sorted(int(p.name[5:]) for p in (Path(base) / f"node-{n}").glob("job-*/rank-*"))
+            assert held == ([0, 1, 2, 3] if step == 3 else now_here), (step, n, held)
     swapped.close()
     torch.distributed.barrier()
     # Node 1 (now ranks 0-1) is replaced: with no peer copies, step 4 is lost for them; the

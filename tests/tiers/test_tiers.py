@@ -18,6 +18,7 @@ import torch
 from ckptstore import Checkpointer, EncodingOptions, StorageOptions, TierOptions, telemetry
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.leases import GC, Lease
 from ckptstore.store import Store
 from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
@@ -161,6 +162,32 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
         state = blank_state()
         assert ckpt.load(state) == 5 and ckpt.last_load.source == DURABLE
         assert torch.equal(state["w"], rank_state(0, 5)["w"])
+
+
+def test_stores_of_ranks_no_longer_here_go_once_retention_would_drop_their_copies(tmp_path):
+    """Stores a node's job directory holds for ranks that run elsewhere now (a restart placed
+    them on other nodes, or the world shrank) go once their newest copy is older than every
+    copy local retention keeps, unless a live lease is held in them; a link is never
+    followed."""
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=3)  # local_keep_last=2
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, rank_state(0, step)).wait()
+        own = copies_dir(tmp_path / "local", 0)
+        left = {r: own.parent / f"rank-{r:05d}" for r in (1, 2)}
+        for path in left.values():  # world size 1: no rank but 0 runs here
+            shutil.copytree(own, path)
+        Lease(Store(str(left[2])), GC, "other-process", ttl_s=600).acquire()  # never released
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(own, elsewhere)
+        (own.parent / "rank-00003").symlink_to(elsewhere)
+        ckpt.save(3, rank_state(0, 3)).wait()  # kept: steps 2-3; rank 1's newest is step 2
+        assert left[1].is_dir()
+        ckpt.save(4, rank_state(0, 4)).wait()  # kept: 3-4
+    assert not left[1].exists()
+    assert list_steps(Store(str(left[2]))) == [1, 2]  # a live lease: left in place
+    assert list_steps(Store(str(elsewhere))) == [1, 2]
+    assert list_steps(Store(str(own))) == [3, 4]
 
 
 def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, caplog):
