@@ -167,6 +167,24 @@ def quarantined(store) -> dict[str, int]:
     return out
 
 
+def describe(store, step: int) -> str | None:
+    """Where ``step`` was quarantined, for an error that says it is not committed: when, how
+    many damaged chunks, the marker's key; None if it was not."""
+    keys = sorted(k for k, s in quarantined(store).items() if s == step)
+    if not keys:
+        return None
+    try:
+        doc = _load(store.get(keys[-1]), _KIND, store.url(keys[-1]))
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(doc["quarantined_at"])))
+        what = f"at {when}, {len(doc['bad_chunks'])} damaged chunk(s)"
+    except (CheckpointError, KeyError, TypeError, ValueError, OverflowError):
+        what = "its marker unreadable"
+    return (
+        f"a load found step {step} damaged and quarantined it ({what}; {keys[-1]}): kept for "
+        "forensics until `ckptstore gc --remove-corrupt`"
+    )
+
+
 def quarantined_attempts(store) -> set[str]:
     """The attempts of the quarantined steps (their rank indexes are kept for forensics)."""
     attempts = set()

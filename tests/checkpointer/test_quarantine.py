@@ -90,6 +90,26 @@ def test_a_corrupt_newest_step_is_quarantined_and_saved_again(tmp_path, capsys):
     assert verify_all(str(root)) == [4]
 
 
+def test_a_quarantined_step_asked_for_by_number_is_named_as_quarantined(tmp_path, capsys):
+    """``inspect``, ``restore`` and ``verify`` of a step a load quarantined say so (when, how
+    many chunks, the marker's key), not only that it is not committed."""
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    _flip_a_chunk_of(root, 3)
+    assert _resume(root, 2)[0] == 2  # skipped step 3 and quarantined it; not saved again
+    (marker,) = quarantined(Store(str(root)))
+    for command in (["inspect"], ["verify"], ["restore", "--to", str(tmp_path / "out.pt")]):
+        capsys.readouterr()
+        assert main([*command, str(root), "--step", "3"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"ckptstore {command[0]}: error: step 3 is not committed"), err
+        assert "a load found step 3 damaged and quarantined it (at 20" in err, err
+        assert f"1 damaged chunk(s); {marker}): kept for forensics until" in err, err
+        assert len(err.splitlines()) == 1
+    assert main(["inspect", str(root), "--step", "9"]) == 1
+    assert "quarantined it" not in capsys.readouterr().err
+
+
 def test_gc_keep_last_counts_no_quarantined_step(tmp_path):
     """``gc --keep-last 1`` after the corrupt newest step was skipped keeps the step that
     loads, never the corrupt one."""
