@@ -3,14 +3,19 @@ temporary name first, so a crash never leaves a partial file under the target's 
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+import socket
 import stat
 import uuid
 from typing import Any
 
 from ckptstore.cli.common import UsageError
 from ckptstore.errors import UnsupportedStateError, one_line
+
+logger = logging.getLogger(__name__)
 
 
 def count_values(state: Any) -> dict[str, int]:
@@ -116,7 +121,8 @@ def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
     ``OSError`` naming the target."""
     parent = os.path.dirname(target)
     made = _make_dirs(parent)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}")
+    remove_killed_temporaries(target)
+    tmp = os.path.join(parent, f"{_tmp_prefix(target)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         _write(target, tmp, fmt, force, state)
     except BaseException as exc:
@@ -137,6 +143,55 @@ def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
             raise
         raise OSError(f"cannot write {target}: {failed}") from exc
     _remove(tmp)
+
+
+def _tmp_prefix(target: str) -> str:
+    """``.<name>.tmp-<host>-``: then the writer's pid and a random part."""
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+    return f".{os.path.basename(target)}.tmp-{host}-"
+
+
+def remove_killed_temporaries(target: str) -> None:
+    """Remove what restores to ``target`` killed on this host (``kill -9``, the OOM killer)
+    left beside it: their process is gone. One killed while it swapped a DCP directory in
+    (the old one moved aside to ``<tmp>.old``, the new one not yet in place) is left as it is,
+    with a warning naming both."""
+    parent = os.path.dirname(target) or "."
+    prefix = _tmp_prefix(target)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in sorted(names):
+        fields = name[len(prefix) :].split("-")  # pid, random part; not <tmp>.old
+        if not (name.startswith(prefix) and len(fields) == 2 and fields[0].isdigit()):
+            continue
+        if not re.fullmatch(r"[0-9a-f]{8}", fields[1]):
+            continue
+        if _alive(int(fields[0])):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.lexists(f"{path}.old"):
+            logger.warning(
+                "a restore killed while it replaced %s left the previous checkpoint at %s.old "
+                "and the new one at %s; neither is removed",
+                target,
+                path,
+                path,
+            )
+            continue
+        _remove(path)
+        logger.warning("removed %s, left by a restore that was killed", path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _stopped(exc: BaseException) -> BaseException | None:

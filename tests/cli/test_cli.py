@@ -20,8 +20,10 @@ import torch
 
 from ckptstore import Checkpointer, EncodingOptions, TierOptions
 from ckptstore.cli import main
+from tests.helpers import ROOT
 from tests.helpers.dist import run_ranks
 from tests.helpers.signals import stop_run
+from tests.helpers.wait import wait_until
 
 STEPS = (10, 20, 30)
 
@@ -974,6 +976,39 @@ def test_a_restore_stopped_while_it_writes_leaves_no_temporary(store, tmp_path, 
     )
     assert temporaries() == [] and not target.exists()
     assert "Traceback" not in err and "cannot write" not in err
+
+
+def test_a_restore_after_one_killed_removes_what_the_killed_one_left(store, tmp_path, capsys):
+    """``kill -9`` (the OOM killer) leaves the temporary as large as the state beside the
+    target; the next restore to that target removes it (its process is gone), but never the
+    two halves of a DCP directory swap a kill interrupted (the old checkpoint is there)."""
+    target = tmp_path / "out.pt"
+    temporaries = lambda: sorted(p for p in os.listdir(tmp_path) if ".tmp-" in p)  # noqa: E731
+    start = (
+        "import os, runpy, sys, time; os.fsync = lambda fd: time.sleep(60); "
+        f"sys.argv = ['ckptstore', 'restore', {str(store)!r}, '--to', {str(target)!r}]; "
+        "runpy.run_module('ckptstore.cli', run_name='__main__')"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", start], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: proc.poll() is not None or temporaries(), timeout_s=120)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    (left,) = temporaries()
+    assert f"-{proc.pid}-" in left
+    swapped = tmp_path / "old.dcp"
+    halves = [f".old.dcp.tmp-{left.split('.tmp-')[1].split('-')[0]}-{proc.pid}-0123abcd"]
+    halves.append(halves[0] + ".old")
+    for name in halves:
+        (tmp_path / name).mkdir()
+    code, _, err = run(capsys, "restore", store, "--to", target)
+    assert code == 0 and target.is_file()
+    assert f"removed {tmp_path / left}, left by a restore that was killed" in err
+    assert temporaries() == sorted(halves)
+    code, _, err = run(capsys, "restore", store, "--to", swapped, "--format", "dcp")
+    assert code == 0 and swapped.is_dir()
+    assert "left the previous checkpoint at" in err and temporaries() == sorted(halves)
 
 
 def test_verify_names_a_damaged_store_identity(store, capsys):
