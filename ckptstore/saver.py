@@ -63,6 +63,11 @@ class SaveHandle:
             self._reported = True
             raise error
 
+    def result(self, timeout: float | None = None) -> None:
+        """``wait(timeout)`` under ``concurrent.futures.Future``'s name (what DCP's
+        ``async_save`` returns), so code written for that waits on a save here alike."""
+        self.wait(timeout)
+
     def done(self) -> bool:
         return self._future.done()
 

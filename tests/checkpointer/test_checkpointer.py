@@ -297,6 +297,18 @@ def test_a_failed_save_is_reported_once_not_also_logged_as_an_error(caplog):
     ckpt.close()
 
 
+def test_a_save_handle_answers_result_as_a_future_does(tmp_path):
+    """Code written for DCP's ``async_save`` (a Future) calls ``result()``: it waits for the
+    commit here too, and raises the save's error, reported once."""
+    with Checkpointer(tmp_path) as ckpt:
+        handle = ckpt.save(1, {"w": torch.ones(10)})
+        assert handle.result(timeout=60) is None and handle.committed
+    ckpt, _ = failing_checkpointer("memory://result-raises")
+    with pytest.raises(StorageError, match="failed after 2 attempts"):
+        ckpt.save(1, {"w": torch.randn(100)}).result(timeout=60)
+    ckpt.close()  # reported already: not raised again
+
+
 def test_an_unwaited_save_error_is_raised_by_close():
     ckpt, _ = failing_checkpointer("memory://unwaited-close")
     ckpt.save(1, {"w": torch.randn(100)})
