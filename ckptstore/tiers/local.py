@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import threading
 import uuid
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ckptstore.errors import (
 from ckptstore.format import ChunkInfo, Manifest, chunk_key
 from ckptstore.leases import DEFAULT_TTL_S, find_leases
 from ckptstore.render import rank_ranges
-from ckptstore.retention import collect
+from ckptstore.retention import collect, drop_step
 from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.identity import agree_identity, store_identity
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 DIR_TOKEN = "dir-token"  # in a job directory: the same for every process that shares the disk
 
+_COMMITTED: dict[str, list[int]] = {}
+"""By a rank's own copies directory: the last two steps this process committed there (either
+front-end, whatever objects made the saves)."""
 _RESUMED: dict[str, int] = {}
 """By a rank's own copies directory: the step a load in this process last resumed from (a DCP
 load and the next save are separate objects; a Checkpointer may be made again)."""
@@ -113,6 +117,14 @@ class LocalTier:
             _RESUMED.pop(key, None)
         else:
             _RESUMED[key] = step
+
+    def note_committed(self, step: int) -> None:
+        """This process committed its copy of ``step`` (``last_two_committed``)."""
+        key = str(self.rank_dir(self.rank))
+        _COMMITTED[key] = [*_COMMITTED.get(key, []), step][-2:]
+
+    def last_two_committed(self) -> list[int]:
+        return list(_COMMITTED.get(str(self.rank_dir(self.rank)), []))
 
     @classmethod
     def open(
@@ -189,12 +201,14 @@ class LocalTier:
     def dir_token(self) -> str | None:
         """A random token of this node's job directory, made by the first process that asks:
         ranks that read the same one share the directory, whatever their host names say.
-        None: the directory cannot be written or read (its saves go to durable storage)."""
+        None (with a warning): it cannot be made or read as a plain file (a link, a FIFO, a
+        directory planted there, an unwritable ``local_dir``); then no rank removes a store
+        (``remove_left_behind``)."""
         job_dir = self.rank_dir(self.rank).parent
         path = job_dir / DIR_TOKEN
         try:
             self.store(self.rank)  # the job directory made, and checked for links
-            if not path.exists():
+            if not os.path.lexists(path):
                 made = job_dir / f".{DIR_TOKEN}.tmp-{uuid.uuid4().hex}"
                 made.write_text(uuid.uuid4().hex)
                 try:
@@ -203,24 +217,47 @@ class LocalTier:
                     pass
                 finally:
                     made.unlink(missing_ok=True)
-            with open(path, encoding="ascii", errors="replace") as f:
-                return f.read(64).strip() or None
+            return _read_plain_file(path, 64).decode("ascii", "replace").strip()
         except (OSError, StorageError) as exc:
-            logger.info("rank %d: no token of %s: %s", self.rank, job_dir, one_line(exc))
+            logger.warning(
+                "rank %d: stores of ranks no longer on this node are not removed: %s",
+                self.rank,
+                one_line(exc),
+            )
             return None
+
+    def drop_left_behind_after(self, kept_here: set[int], floor: int) -> None:
+        """Unlist the copies of steps ``floor`` and later in the stores of ranks this node no
+        longer keeps: at the first save after a load, those belong to a run the job left
+        (every rank resumed from an older step), and must never be planned again."""
+        for _ward, path in self._left_behind(kept_here):
+            try:
+                store = Store(str(path), retry=local_retry(self.timeout_s))
+                stale = [s for s in list_steps(store) if s >= floor]
+                for s in stale:
+                    drop_step(store, s)
+            except (CheckpointError, OSError) as exc:
+                logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
+                continue
+            if stale:
+                logger.info(
+                    "rank %d: unlisted the copies of steps %s left in %s (a run the job left)",
+                    self.rank,
+                    rank_ranges(stale),
+                    path,
+                )
 
     def remove_left_behind(self, kept_here: set[int], older_than: int) -> None:
         """Remove the stores in this node's job directory of ranks it no longer keeps (not in
         ``kept_here``: they run elsewhere after a restart placed ranks on other nodes, or
-        beyond the world size) once their newest copy is older than ``older_than``, the oldest
-        step local retention still keeps here, and no live lease is held in them."""
+        beyond the world size) once their newest copy is older than ``older_than`` and no
+        live lease is held in them. Each is renamed aside first, so a removal cut short
+        leaves no store half there (the next one finishes it)."""
         job_dir = self.rank_dir(self.rank).parent
-        for path in sorted(job_dir.glob("rank-*")):
-            number = path.name[5:]
-            if not number.isdigit() or int(number) in kept_here or not path.is_dir():
-                continue
+        for path in job_dir.glob(f"{_REMOVING}*"):
+            shutil.rmtree(path, ignore_errors=True)
+        for ward, path in self._left_behind(kept_here):
             try:
-                _refuse_links(self.policy.local_dir, path)
                 store = Store(str(path), retry=local_retry(self.timeout_s))
                 steps = list_steps(store)
                 if (steps and steps[-1] >= older_than) or any(
@@ -228,19 +265,37 @@ class LocalTier:
                 ):
                     continue
                 with self._lock:
-                    self._stores.pop(int(number), None)
-                shutil.rmtree(path)
+                    self._stores.pop(ward, None)
+                aside = job_dir / f"{_REMOVING}{path.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(path, aside)
+                shutil.rmtree(aside)
             except (CheckpointError, OSError) as exc:
                 logger.warning("rank %d: %s left in place: %s", self.rank, path, one_line(exc))
                 continue
             logger.info(
-                "rank %d: removed %s (rank %s's copies, steps %s; the rank runs on another "
+                "rank %d: removed %s (rank %d's copies, steps %s; the rank runs on another "
                 "node now)",
                 self.rank,
                 path,
-                int(number),
+                ward,
                 rank_ranges(steps) or "none",
             )
+
+    def _left_behind(self, kept_here: set[int]) -> list[tuple[int, Path]]:
+        """The stores of this node's job directory of ranks not in ``kept_here`` (links are
+        named and skipped)."""
+        out = []
+        for path in sorted(self.rank_dir(self.rank).parent.glob("rank-*")):
+            number = path.name[5:]
+            if not number.isdigit() or int(number) in kept_here or not path.is_dir():
+                continue
+            try:
+                _refuse_links(self.policy.local_dir, path)
+            except StorageError as exc:
+                logger.warning("rank %d: %s", self.rank, exc)
+                continue
+            out.append((int(number), path))
+        return out
 
     def belongs(self, manifest: Manifest, ward: int) -> bool:
         """Whether ``manifest`` is a copy of ``ward``'s state in this job."""
@@ -407,6 +462,21 @@ class LocalTier:
             logger.warning(
                 "retention in %s failed (retried after the next save): %s", store.uri, exc
             )
+
+
+_REMOVING = ".removing-"  # a left-behind store being removed (``remove_left_behind``)
+
+
+def _read_plain_file(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``, which must be a regular file, not a link: a FIFO
+    planted there would block the open, a link lead anywhere."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a plain file")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def of_instance(info: dict, identity: StoreIdentity | None) -> bool:

@@ -120,6 +120,8 @@ class TierSaver:
                     ward,
                     stale,
                 )
+        if self._sweeps_dir:
+            self.local.drop_left_behind_after(self._kept_here, floor)
         self.local.resumed_from = None
 
     def commit_local(
@@ -193,6 +195,7 @@ class TierSaver:
             return LocalCommit(None, payloads)
         self._failure_logged = False
         self.committed.add(step)
+        local.note_committed(step)
         if protect:
             local.protect(step)  # until drained
         # The step is kept, so its chunks are: the lease held for its peer copy and drain need
@@ -202,18 +205,21 @@ class TierSaver:
         return LocalCommit(written, payloads, StepHealth.of(step, health), self.last_copy)
 
     def _remove_left_behind(self) -> None:
-        """Once this rank's own store holds ``local_keep_last`` copies, the stores of ranks
-        that ran on this node before (a restart placed them elsewhere) go when their newest
-        copy is older than those: they are kept as long as local retention keeps its own."""
-        if not self._sweeps_dir:
+        """Once this rank's own store holds ``local_keep_last`` copies and this process
+        committed two, the stores of ranks that ran on this node before (a restart placed
+        them elsewhere) go when their newest copy is older than all of those: kept as long
+        as local retention keeps its own, and never before the step before the newest
+        (whose peer copies and drain may not be done yet)."""
+        keep, previous = self.policy.local_keep_last, self.local.last_two_committed()
+        if not self._sweeps_dir or len(previous) < 2:
             return
         try:
-            newest = list_steps(self.local.store(self.rank))[-self.policy.local_keep_last :]
+            newest = list_steps(self.local.store(self.rank))[-keep:]
         except CheckpointError as exc:
             logger.warning("rank %d: local stores left behind not looked at: %s", self.rank, exc)
             return
-        if len(newest) == self.policy.local_keep_last:
-            self.local.remove_left_behind(self._kept_here, older_than=newest[0])
+        if len(newest) == keep:
+            self.local.remove_left_behind(self._kept_here, older_than=min(newest[0], previous[0]))
 
     def _commit_copy(
         self,

@@ -1001,6 +1001,52 @@ def test_ranks_restarted_on_each_others_hosts_find_their_copies_there(kind, tmp_
     run_ranks(_swapped_nodes, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
 
 
+def _rolled_back_on_swapped_nodes(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=0, durable_every=5)
+
+    def state(run: int, step: int) -> dict[str, Any]:
+        return _ranks_own(rank, _state(100 * run + 10 * rank + step))
+
+    def placed(node: int) -> Front:
+        options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
+        front = FRONTS[kind](Path(root), options, StorageOptions())
+        front.no_dist = False
+        return front
+
+    first = placed(rank)  # a node per rank
+    for step in (1, 2, 3, 4):  # 1 durable, 2-4 in the local tiers only
+        first.save(step, state(1, step))
+    first.close()
+    torch.distributed.barrier()
+    second = placed(1 - rank)  # the nodes handed out the other way round; a rollback to 1
+    target = _ranks_own(rank, _blank())
+    assert second.load(target, 1)[0] == 1
+    for step in (2, 3):
+        second.save(step, state(2, step))
+    second.close()
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, report = placed(1 - rank).load(target)
+    assert step == 3 and _same(target, state(2, 3)), report  # not run 1's abandoned step 4
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_rollback_on_swapped_nodes_never_brings_the_abandoned_run_back(kind, tmp_path):
+    """Reviewer of stop 59: the stores a restart left on the other node still held the
+    abandoned run's steps 3-4 after a rollback to step 1 (only the ranks' own and wards'
+    stores were unlisted), and the next restart loaded step 4 of the run the job left. The
+    first save after a load now unlists them in the stores a node no longer keeps too."""
+    run_ranks(
+        _rolled_back_on_swapped_nodes,
+        2,
+        kind,
+        str(tmp_path / "durable"),
+        str(tmp_path),
+        timeout_s=240,
+    )
+
+
 def _reencoded(rank: int, world: int, kind: str, root: str, base: str) -> None:
     tiers = dict(peer_copies=1, durable_every=5)
 

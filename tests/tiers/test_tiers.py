@@ -190,6 +190,45 @@ def test_stores_of_ranks_no_longer_here_go_once_retention_would_drop_their_copie
     assert list_steps(Store(str(own))) == [3, 4]
 
 
+def test_with_local_keep_last_1_a_left_behind_store_outlives_the_step_before_the_newest(
+    tmp_path,
+):
+    """Reviewer of stop 59: with ``local_keep_last=1`` a left-behind store (after a restart
+    moved the wards, the only copy of the last step whose peer copies are done) was removed as
+    the next step committed, before that step's peer copies and drain: a node lost then lost
+    three steps. It now stays until the step before the newest is newer than its copies."""
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=5, local_keep_last=1)
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, rank_state(0, step)).wait()
+        own = copies_dir(tmp_path / "local", 0)
+        left = own.parent / "rank-00001"
+        shutil.copytree(own, left)  # its newest: step 2 (step 1 too while its drain runs)
+        ckpt.save(3, rank_state(0, 3)).wait()
+        assert list_steps(Store(str(left)))[-1] == 2
+        ckpt.save(4, rank_state(0, 4)).wait()
+        assert not left.exists()
+
+
+def test_a_token_that_is_not_a_plain_file_turns_the_removal_off_without_hanging(tmp_path, caplog):
+    """A FIFO planted as the job directory's token blocked the open of the tiers for ever."""
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=5)
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
+        ckpt.save(1, rank_state(0, 1)).wait()
+    own = copies_dir(tmp_path / "local", 0)
+    (own.parent / "dir-token").unlink()
+    os.mkfifo(own.parent / "dir-token")
+    left = own.parent / "rank-00001"
+    shutil.copytree(own, left)
+    with caplog.at_level(logging.WARNING, logger="ckptstore.tiers.local"):
+        with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
+            for step in (2, 3, 4, 5):
+                ckpt.save(step, rank_state(0, step)).wait()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("are not removed" in m and "not a plain file" in m for m in said), said
+    assert list_steps(Store(str(left))) == [1] and list_steps(Store(str(own)))[-2:] == [4, 5]
+
+
 def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, caplog):
     local = tmp_path / "local"
     local.write_text("not a directory")  # every local write fails
