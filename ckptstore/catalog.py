@@ -17,6 +17,8 @@ and the commits::
     load_rank_index(store, manifest, r)    rank r's index, checked against the manifest
     load_rank_indexes(store, manifest)     every rank's index, in the manifest's order
     saves_in_flight(store)                 leases of saves and gcs, and legacy pending markers
+    quarantined(store)                     the quarantine's markers (``ckptstore.quarantine``
+                                           writes them), ``describe_quarantined`` one step's
 """
 
 from __future__ import annotations
@@ -42,15 +44,20 @@ from ckptstore.format import (
     Manifest,
     ObjectRef,
     RankIndex,
+    _load,
     check_step,
     commit_key,
     decode_manifest,
     decode_rank_index,
+    is_attempt,
 )
 from ckptstore.leases import find_leases
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
+
+QUARANTINE_PREFIX = "quarantine"
+QUARANTINE_KIND = "quarantine"
 
 LEGACY_PENDING_GRACE_S = 6 * 3600.0
 """``pending/`` markers were written by ckptstore before leases; one younger than this may be
@@ -138,8 +145,10 @@ def resolve_step(store: Store, step: int | str | None = "latest") -> int:
         return steps[-1]
     if not store.exists(commit_key(step)):
         near = ", ".join(map(str, list_steps(store)[-5:])) or "none"
+        why = describe_quarantined(store, step)
         raise CheckpointNotFoundError(
             f"step {step} is not committed in {store.uri} (latest steps: {near})"
+            + (f"; {why}" if why else "")
         )
     return step
 
@@ -292,3 +301,48 @@ def saves_in_flight(store: Store) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+# -- quarantined steps (``ckptstore.quarantine`` takes them out of the way) ----------------------
+
+
+def marker_key(step: int, attempt: str) -> str:
+    return f"{QUARANTINE_PREFIX}/{step:020d}-{attempt}.json"
+
+
+def quarantined(store: Store) -> dict[str, int]:
+    """The quarantine's markers: key -> step (their attempts' objects are kept by gc)."""
+    out = {}
+    for key in store.list(QUARANTINE_PREFIX):
+        name = key.rsplit("/", 1)[-1]
+        head, _, tail = name.partition("-")
+        if name.endswith(".json") and head.isdigit() and is_attempt(tail[:-5]):
+            out[key] = int(head)
+    return out
+
+
+def read_marker(store: Store, key: str) -> dict[str, Any]:
+    """A quarantine marker, checked as JSON of its kind."""
+    return _load(store.get(key), QUARANTINE_KIND, store.url(key))
+
+
+def describe_quarantined(store: Store, step: int) -> str | None:
+    """Where ``step`` was quarantined, for an error that says it is not committed: when, how
+    many damaged chunks, the marker's key; None if it was not (or the quarantine cannot be
+    listed: the error being raised says enough)."""
+    try:
+        keys = sorted(k for k, s in quarantined(store).items() if s == step)
+    except CheckpointError:
+        return None
+    if not keys:
+        return None
+    try:
+        doc = read_marker(store, keys[-1])
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(doc["quarantined_at"])))
+        what = f"at {when}, {len(doc['bad_chunks'])} damaged chunk(s)"
+    except (CheckpointError, KeyError, TypeError, ValueError, OverflowError):
+        what = "its marker unreadable"
+    return (
+        f"a load found step {step} damaged and quarantined it ({what}; {keys[-1]}): kept for "
+        "forensics until `ckptstore gc --remove-corrupt`"
+    )

@@ -18,7 +18,15 @@ import base64
 import logging
 import time
 
-from ckptstore.catalog import list_steps, load_manifest_bytes
+from ckptstore.catalog import (
+    QUARANTINE_KIND,
+    QUARANTINE_PREFIX,
+    list_steps,
+    load_manifest_bytes,
+    marker_key,
+    quarantined,
+    read_marker,
+)
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -28,7 +36,6 @@ from ckptstore.errors import (
 from ckptstore.format import (
     ChunkInfo,
     _dump,
-    _load,
     chunk_key,
     commit_key,
     is_attempt,
@@ -36,13 +43,6 @@ from ckptstore.format import (
 )
 
 logger = logging.getLogger(__name__)
-
-PREFIX = "quarantine"
-_KIND = "quarantine"
-
-
-def marker_key(step: int, attempt: str) -> str:
-    return f"{PREFIX}/{step:020d}-{attempt}.json"
 
 
 def quarantine_step(store, step: int, why: str) -> bool:
@@ -71,14 +71,14 @@ def quarantine_step(store, step: int, why: str) -> bool:
         "manifest_b64": base64.b64encode(data).decode(),
     }
     try:
-        store.put(marker_key(step, manifest.attempt), _dump(_KIND, body))
+        store.put(marker_key(step, manifest.attempt), _dump(QUARANTINE_KIND, body))
     except ObjectExistsError:
         pass  # a quarantine of this save that stopped part-way: finish it
     for digest, present in sorted(damaged.items()):
         if not present:
             continue  # missing: nothing to keep
         try:  # copied by the store: a read that lied must not replace its own bytes
-            store.copy(chunk_key(digest), f"{PREFIX}/chunks/{digest}")
+            store.copy(chunk_key(digest), f"{QUARANTINE_PREFIX}/chunks/{digest}")
         except ObjectExistsError:
             pass
         store.delete(chunk_key(digest))
@@ -92,7 +92,7 @@ def quarantine_step(store, step: int, why: str) -> bool:
         store.uri,
         len(chunks),
         step,
-        PREFIX,
+        QUARANTINE_PREFIX,
     )
     return True
 
@@ -156,41 +156,12 @@ def _declared_raw_sizes(store, skip: int) -> dict[str, set[int]]:
     return sizes
 
 
-def quarantined(store) -> dict[str, int]:
-    """The quarantine's markers: key -> step (their attempts' objects are kept by gc)."""
-    out = {}
-    for key in store.list(PREFIX):
-        name = key.rsplit("/", 1)[-1]
-        head, _, tail = name.partition("-")
-        if name.endswith(".json") and head.isdigit() and is_attempt(tail[:-5]):
-            out[key] = int(head)
-    return out
-
-
-def describe(store, step: int) -> str | None:
-    """Where ``step`` was quarantined, for an error that says it is not committed: when, how
-    many damaged chunks, the marker's key; None if it was not."""
-    keys = sorted(k for k, s in quarantined(store).items() if s == step)
-    if not keys:
-        return None
-    try:
-        doc = _load(store.get(keys[-1]), _KIND, store.url(keys[-1]))
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(doc["quarantined_at"])))
-        what = f"at {when}, {len(doc['bad_chunks'])} damaged chunk(s)"
-    except (CheckpointError, KeyError, TypeError, ValueError, OverflowError):
-        what = "its marker unreadable"
-    return (
-        f"a load found step {step} damaged and quarantined it ({what}; {keys[-1]}): kept for "
-        "forensics until `ckptstore gc --remove-corrupt`"
-    )
-
-
 def quarantined_attempts(store) -> set[str]:
     """The attempts of the quarantined steps (their rank indexes are kept for forensics)."""
     attempts = set()
     for key in quarantined(store):
         try:
-            doc = _load(store.get(key), _KIND, store.url(key))
+            doc = read_marker(store, key)
         except CheckpointError:
             continue
         if is_attempt(doc.get("attempt")):
@@ -201,4 +172,6 @@ def quarantined_attempts(store) -> set[str]:
 def quarantine_objects(store) -> list[str]:
     """Everything under the quarantine (``gc --remove-corrupt`` deletes it)."""
     markers = quarantined(store)
-    return [k for k in store.list(PREFIX) if k in markers or is_digest(k.rsplit("/", 1)[-1])]
+    return [
+        k for k in store.list(QUARANTINE_PREFIX) if k in markers or is_digest(k.rsplit("/", 1)[-1])
+    ]

@@ -25,6 +25,7 @@ from ckptstore.catalog import (
     list_steps,
     load_manifest,
     load_rank_indexes,
+    quarantined,
     read_object,
 )
 from ckptstore.errors import (
@@ -49,7 +50,7 @@ from ckptstore.leases import (
     find_leases,
     stale_probes,
 )
-from ckptstore.quarantine import quarantine_objects, quarantined, quarantined_attempts
+from ckptstore.quarantine import quarantine_objects, quarantined_attempts
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from ckptstore.cli.common import PROG, Failed, UsageError, flush_stdout, open_store, stdout_gone
 from ckptstore.cli.parser import UsageParser, build_parser, common_options_after_command
 from ckptstore.cli.signals import terminate_unwinds
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.errors import CheckpointError
 from ckptstore.store import Store
 
 __all__ = ["main", "build_parser", "UsageParser", "UsageError", "flush_stdout", "stdout_gone"]
@@ -61,19 +61,6 @@ def _command(name: str) -> Callable[[argparse.Namespace, Store], int]:
     import importlib
 
     return getattr(importlib.import_module(f"ckptstore.cli.cmd_{name}"), f"cmd_{name}")
-
-
-def _quarantined(store: Store | None, step: int | None) -> str:
-    """For a step asked for by number and not found: where a load quarantined it, if one did."""
-    if store is None or step is None:
-        return ""
-    from ckptstore.quarantine import describe
-
-    try:
-        found = describe(store, step)
-    except CheckpointError:
-        return ""
-    return f"; {found}" if found else ""
 
 
 def _json_error(message: str, status: int) -> None:
@@ -135,16 +122,12 @@ def _run(
             return 0
         finally:
             teardown()
-    store = None
     try:
-        store = open_store(args)
-        return func(args, store)
+        return func(args, open_store(args))
     except Failed as exc:
         return fail(1, str(exc), reported=True)
     except UsageError as exc:
         return fail(2, str(exc))
-    except CheckpointNotFoundError as exc:
-        return fail(1, f"{exc}{_quarantined(store, getattr(args, 'step', None))}")
     except CheckpointError as exc:  # before ValueError: corrupt / version errors are ValueErrors
         return fail(1, str(exc))
     except BrokenPipeError:  # `ckptstore ls URI | head`: the reader went away; a normal end

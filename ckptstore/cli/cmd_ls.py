@@ -9,10 +9,9 @@ import re
 from typing import Any
 
 from ckptstore._inspect import manifest_summary, message
-from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
+from ckptstore.catalog import list_steps, load_manifest, quarantined, saves_in_flight
 from ckptstore.cli.common import Failed, UsageError, emit_json
 from ckptstore.errors import CheckpointError
-from ckptstore.quarantine import quarantined
 from ckptstore.render import format_ratio, human_bytes, rank_ranges, table
 from ckptstore.store import Store
 from ckptstore.tiers.identity import read_identity, store_identity

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore import Checkpointer, Store
-from ckptstore.catalog import list_steps, load_manifest, load_rank_index
+from ckptstore.catalog import QUARANTINE_PREFIX as PREFIX
+from ckptstore.catalog import list_steps, load_manifest, load_rank_index, quarantined
 from ckptstore.cli import main
-from ckptstore.quarantine import PREFIX, quarantined
+from ckptstore.dcp import StoreReader
+from ckptstore.errors import CheckpointNotFoundError
 from tests.helpers import ROOT
 from tests.helpers.crafted import put_rank_index, rank_index_doc
 from tests.helpers.integrity import verify_all
@@ -92,7 +97,8 @@ def test_a_corrupt_newest_step_is_quarantined_and_saved_again(tmp_path, capsys):
 
 def test_a_quarantined_step_asked_for_by_number_is_named_as_quarantined(tmp_path, capsys):
     """``inspect``, ``restore`` and ``verify`` of a step a load quarantined say so (when, how
-    many chunks, the marker's key), not only that it is not committed."""
+    many chunks, the marker's key), not only that it is not committed; so do
+    ``Checkpointer.load(step=N)`` and ``verify(N)`` and a DCP load of the step by its id."""
     root = tmp_path / "ckpt"
     _resume(root, 3)
     _flip_a_chunk_of(root, 3)
@@ -108,6 +114,13 @@ def test_a_quarantined_step_asked_for_by_number_is_named_as_quarantined(tmp_path
         assert len(err.splitlines()) == 1
     assert main(["inspect", str(root), "--step", "9"]) == 1
     assert "quarantined it" not in capsys.readouterr().err
+    said = "a load found step 3 damaged and quarantined it (at 20"
+    with Checkpointer(root) as ckpt:
+        for call in (lambda: ckpt.load(_blank(), step=3), lambda: ckpt.verify(3)):
+            with pytest.raises(CheckpointNotFoundError, match=re.escape(said)):
+                call()
+    with pytest.raises(CheckpointException, match=re.escape(said)):
+        dcp.load({"w": torch.zeros(4096)}, storage_reader=StoreReader(root), checkpoint_id=3)
 
 
 def test_gc_keep_last_counts_no_quarantined_step(tmp_path):
