@@ -162,13 +162,10 @@ def remove_killed_temporaries(target: str) -> None:
         names = os.listdir(parent)
     except OSError:
         return
+    ours = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]{8}")  # pid, random part; no .old
     for name in sorted(names):
-        fields = name[len(prefix) :].split("-")  # pid, random part; not <tmp>.old
-        if not (name.startswith(prefix) and len(fields) == 2 and fields[0].isdigit()):
-            continue
-        if not re.fullmatch(r"[0-9a-f]{8}", fields[1]):
-            continue
-        if _alive(int(fields[0])):
+        match = ours.fullmatch(name)
+        if match is None or _alive(int(match[1])):
             continue
         path = os.path.join(parent, name)
         if os.path.lexists(f"{path}.old"):

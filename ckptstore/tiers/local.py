@@ -281,6 +281,17 @@ class LocalTier:
                 rank_ranges(steps) or "none",
             )
 
+    def anything_left_behind(self, kept_here: set[int]) -> bool:
+        """Whether this node's job directory holds a store of a rank not in ``kept_here``, or
+        one a removal cut short (``remove_left_behind``'s work)."""
+        job_dir = self.rank_dir(self.rank).parent
+        if any(job_dir.glob(f"{_REMOVING}*")):
+            return True
+        return any(
+            p.name[5:].isdigit() and int(p.name[5:]) not in kept_here
+            for p in job_dir.glob("rank-*")
+        )
+
     def _left_behind(self, kept_here: set[int]) -> list[tuple[int, Path]]:
         """The stores of this node's job directory of ranks not in ``kept_here`` (links are
         named and skipped)."""

@@ -213,6 +213,8 @@ class TierSaver:
         keep, previous = self.policy.local_keep_last, self.local.last_two_committed()
         if not self._sweeps_dir or len(previous) < 2:
             return
+        if not self.local.anything_left_behind(self._kept_here):
+            return  # the common case: no listing of this rank's store on the save's path
         try:
             newest = list_steps(self.local.store(self.rank))[-keep:]
         except CheckpointError as exc:
