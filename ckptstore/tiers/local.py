@@ -30,7 +30,7 @@ from ckptstore.errors import (
 from ckptstore.format import ChunkInfo, Manifest, chunk_key
 from ckptstore.leases import DEFAULT_TTL_S, find_leases
 from ckptstore.render import rank_ranges
-from ckptstore.retention import collect, drop_step
+from ckptstore.retention import collect
 from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.identity import agree_identity, store_identity
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
@@ -226,27 +226,6 @@ class LocalTier:
             )
             return None
 
-    def drop_left_behind_after(self, kept_here: set[int], floor: int) -> None:
-        """Unlist the copies of steps ``floor`` and later in the stores of ranks this node no
-        longer keeps: at the first save after a load, those belong to a run the job left
-        (every rank resumed from an older step), and must never be planned again."""
-        for _ward, path in self._left_behind(kept_here):
-            try:
-                store = Store(str(path), retry=local_retry(self.timeout_s))
-                stale = [s for s in list_steps(store) if s >= floor]
-                for s in stale:
-                    drop_step(store, s)
-            except (CheckpointError, OSError) as exc:
-                logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
-                continue
-            if stale:
-                logger.info(
-                    "rank %d: unlisted the copies of steps %s left in %s (a run the job left)",
-                    self.rank,
-                    rank_ranges(stale),
-                    path,
-                )
-
     def remove_left_behind(self, kept_here: set[int], older_than: int) -> None:
         """Remove the stores in this node's job directory of ranks it no longer keeps (not in
         ``kept_here``: they run elsewhere after a restart placed ranks on other nodes, or
@@ -256,9 +235,8 @@ class LocalTier:
         job_dir = self.rank_dir(self.rank).parent
         for path in job_dir.glob(f"{_REMOVING}*"):
             shutil.rmtree(path, ignore_errors=True)
-        for ward, path in self._left_behind(kept_here):
+        for ward, path, store in self.left_behind(kept_here):
             try:
-                store = Store(str(path), retry=local_retry(self.timeout_s))
                 steps = list_steps(store)
                 if (steps and steps[-1] >= older_than) or any(
                     lease.live for lease in find_leases(store)
@@ -292,9 +270,9 @@ class LocalTier:
             for p in job_dir.glob("rank-*")
         )
 
-    def _left_behind(self, kept_here: set[int]) -> list[tuple[int, Path]]:
-        """The stores of this node's job directory of ranks not in ``kept_here`` (links are
-        named and skipped)."""
+    def left_behind(self, kept_here: set[int]) -> list[tuple[int, Path, Store]]:
+        """The stores of this node's job directory of ranks not in ``kept_here``: rank, path,
+        store (links are named and skipped)."""
         out = []
         for path in sorted(self.rank_dir(self.rank).parent.glob("rank-*")):
             number = path.name[5:]
@@ -302,10 +280,11 @@ class LocalTier:
                 continue
             try:
                 _refuse_links(self.policy.local_dir, path)
-            except StorageError as exc:
-                logger.warning("rank %d: %s", self.rank, exc)
+                store = Store(str(path), retry=local_retry(self.timeout_s))
+            except (CheckpointError, OSError) as exc:
+                logger.warning("rank %d: %s left as it is: %s", self.rank, path, one_line(exc))
                 continue
-            out.append((int(number), path))
+            out.append((int(number), path, store))
         return out
 
     def belongs(self, manifest: Manifest, ward: int) -> bool:

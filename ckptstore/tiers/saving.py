@@ -17,10 +17,11 @@ from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, RankLostError, one_line
 from ckptstore.format import chunk_key
 from ckptstore.health import StepHealth, to_commit, verdict
+from ckptstore.render import rank_ranges
 from ckptstore.retention import drop_step
 from ckptstore.save.collective import saves_apart
 from ckptstore.save.session import RankWritten, SaveSession
-from ckptstore.store import niced
+from ckptstore.store import Store, niced
 from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import Agreement, RankGroup
@@ -96,33 +97,38 @@ class TierSaver:
         (a run the job left: any world size) are unlisted in this rank's store and its
         wards'; the resumed job saves those step numbers again, as other saves. A process
         that loaded nothing unlists nothing (another process's copies stay). A step still to
-        be drained is kept."""
+        be drained is kept. The lowest rank sharing this node's job directory also unlists
+        those steps in the stores of ranks the node no longer keeps."""
         resumed = self.local.resumed_from
         if resumed is None:
             return
         floor = min(step, resumed + 1)
-        pending = self.local.to_drain()
+        keep = self.committed | set(self.local.to_drain())
         for ward in self.wards():
-            if not self.local.rank_dir(ward).is_dir():
-                continue
-            store = self.local.store(ward)
-            stale = [
-                s
-                for s in list_steps(store)
-                if s >= floor and s not in self.committed and s not in pending
-            ]
-            for s in stale:
-                drop_step(store, s)
-            if stale:
-                logger.info(
-                    "rank %d: unlisted rank %d's local copies of steps %s (a run the job left)",
-                    self.rank,
-                    ward,
-                    stale,
-                )
-        if self._sweeps_dir:
-            self.local.drop_left_behind_after(self._kept_here, floor)
+            if self.local.rank_dir(ward).is_dir():
+                self._unlist(self.local.store(ward), floor, keep, f"rank {ward}'s local copies")
+        if not self._sweeps_dir:
+            self.local.resumed_from = None
+            return
+        # The stores a restart left on this node hold the run the job left too: every copy.
+        for _ward, path, store in self.local.left_behind(self._kept_here):
+            try:
+                self._unlist(store, floor, set(), f"the copies left in {path}")
+            except (CheckpointError, OSError) as exc:
+                logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
         self.local.resumed_from = None
+
+    def _unlist(self, store: Store, floor: int, keep: set[int], what: str) -> None:
+        stale = [s for s in list_steps(store) if s >= floor and s not in keep]
+        for s in stale:
+            drop_step(store, s)
+        if stale:
+            logger.info(
+                "rank %d: unlisted %s of steps %s (a run the job left)",
+                self.rank,
+                what,
+                rank_ranges(stale),
+            )
 
     def commit_local(
         self,
