@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import shutil
+import tarfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -183,3 +184,30 @@ def test_a_gzip_bomb_stops_at_max_shard_bytes_in_bounded_memory(tmp_path):
     assert outcome.startswith("ShardCorruptError"), outcome
     assert "bomb.tar.gz" in outcome, outcome
     assert f"more than the {MAX_SHARD_BYTES} bytes WebDataset.max_shard_bytes" in outcome, outcome
+
+
+@pytest.mark.parametrize("damage", ["cut at a member", "cut in a header", "a header flipped"])
+def test_a_tar_that_ends_before_its_end_blocks_is_corrupt_not_shorter(tmp_path, damage):
+    """Reviewer of stop 60: ``tarfile`` ends its walk quietly at a damaged header or at the end
+    of the bytes, so a shard cut short or with a flipped header byte opened with the samples
+    before the damage, its count taken from the same bytes, and the rest were never read. Only
+    the end-of-archive blocks end a shard; a good replica then serves it."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    write_upstream_shards(good)
+    shutil.copytree(good, bad)
+    shard = bad / "e.tar"
+    data = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tar:
+        second = tar.getmembers()[2].offset  # sample 11's first member
+    if damage == "cut at a member":
+        data = data[:second]
+    elif damage == "cut in a header":
+        data = data[: second + 100]
+    else:
+        data[second + 10] ^= 0x01  # in the member's name: its checksum fails
+    shard.write_bytes(bytes(data))
+    declared = WebDataset(shards=["e.tar"])  # counted at open, from the shard itself
+    with pytest.raises(ShardCorruptError, match=r"shard e\.tar on replica .*before the end-of-"):
+        ShardDataset(str(bad), declared, config=IN_ORDER)
+    ds = ShardDataset([str(bad), str(good)], declared, config=IN_ORDER, replica_config=NO_HEDGE)
+    assert [s["txt"] for s in ds] == [b"text 19", b"text 20", b"text 21"]

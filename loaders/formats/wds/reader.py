@@ -144,6 +144,15 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
             current[ext] = bytes(view[member.offset_data : end])
     except tarfile.TarError as exc:
         raise ShardCorruptError(f"{what}: bad tar header after offset {offset}: {exc}") from exc
+    # ``tarfile`` ends its walk quietly at a damaged header or at the end of the bytes, as it
+    # does at the end-of-archive zero blocks every tar writer puts last: only those end it here.
+    end = tar.offset
+    if bytes(view[end : end + tarfile.BLOCKSIZE]) != bytes(tarfile.BLOCKSIZE):
+        why = "the bytes end" if end + tarfile.BLOCKSIZE > len(data) else "a damaged header"
+        raise ShardCorruptError(
+            f"{what}: {why} at offset {end}, before the end-of-archive blocks (samples after "
+            "it would be lost)"
+        )
     return samples
 
 
