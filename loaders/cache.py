@@ -113,6 +113,7 @@ class ShardCache:
         self._last_stamp = 0
         self._candidates: deque[CacheEntry] = deque()  # eviction order as of the last scan
         self._scanned = False  # this process scans once before its first fill
+        self._warned = False  # a cache that cannot write is named once
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -225,8 +226,7 @@ class ShardCache:
                 os.rename(tmp, self.path(name))
                 _write_total(lock, total + size)
         except OSError as exc:
-            self.stats.add(errors=1)
-            logger.warning("shard cache %s: cannot store an entry: %s", self.directory, exc)
+            self._failed("cannot store an entry", exc)
             return False
         finally:
             _unlink_quietly(tmp)
@@ -283,14 +283,26 @@ class ShardCache:
                     _unlink_quietly(item.path)
         return out
 
-    def cached_bytes(self) -> int:
-        """Bytes of the entries, as the shared counter has them (a scan if it has none)."""
-        with self._locked() as lock:
-            total = _read_total(lock)
-            if total is None:
-                total = self._rescan()
-                _write_total(lock, total)
-            return total
+    def cached_bytes(self) -> int | None:
+        """Bytes of the entries, as the shared counter has them (a scan if it has none); None
+        when the directory cannot be locked or read (its error counted, as a failed fill's)."""
+        try:
+            with self._locked() as lock:
+                total = _read_total(lock)
+                if total is None:
+                    total = self._rescan()
+                    _write_total(lock, total)
+                return total
+        except OSError as exc:
+            self._failed("cannot count its entries", exc)
+            return None
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        """One WARNING per process for a cache that cannot write (reads go on, uncached)."""
+        self.stats.add(errors=1)
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        logger.log(level, "shard cache %s: %s: %s", self.directory, what, exc)
 
     @contextmanager
     def _locked(self) -> Iterator[int]:

@@ -339,3 +339,23 @@ def test_two_processes_share_a_cache_smaller_than_the_dataset(s3_uri, tmp_path):
         assert got["requests"] == cache["misses"]
     assert sum(r["cache"]["evictions"] for r in results) > 0
     assert len(_check_directory(cache_dir, budget)) == 6
+
+
+def test_a_cache_that_cannot_write_never_fails_reads_or_metrics(s3_uri, tmp_path, caplog):
+    """Reviewer of stop 60: with a cache directory that cannot be locked (its ``.lock`` not a
+    file here; a read-only directory fails the same ``open``), ``metrics()`` raised, and every
+    fill logged a warning. Reads go to the replicas, ``cached_bytes`` is null, ``errors``
+    counts each failure and one WARNING names the cache."""
+    _upload_tokens(s3_uri)
+    cache_dir = tmp_path / "cache"
+    (cache_dir / ".lock").mkdir(parents=True)
+    ds = _dataset(s3_uri, cache_dir, 100 * ENTRY_BYTES)
+    with caplog.at_level("DEBUG", logger="loaders.cache"):
+        _check_epoch(ds)
+        cache = ds.metrics()["cache"]
+        loader = StatefulLoader(ds, batch_size=4)
+        assert loader.metrics()["cache"]["cached_bytes"] is None
+    assert cache["cached_bytes"] is None and cache["fills"] == 0
+    assert cache["errors"] >= UNITS, cache
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "cannot store an entry" in warned[0].getMessage(), warned

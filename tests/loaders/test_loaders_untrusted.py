@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from loaders import (
     ShardDataset,
     TokenFiles,
     WebDataset,
+    WebDatasetWriter,
 )
 from loaders.formats._codecs import hasher
 from tests.helpers.child import growth_in_child
@@ -323,3 +325,38 @@ def test_a_long_pax_header_is_refused_before_tarfile_parses_it(tmp_path):
     _pax_tar(root / "bad.tar", "a.txt", {"comment": "1" * 20000})
     with pytest.raises(ShardCorruptError, match="a pax header of .* bytes at offset 0"):
         list(ShardDataset(str(root), WebDataset(), config=IN_ORDER))
+
+
+@pytest.mark.parametrize("fmt", ["mds", "wds"])
+def test_a_shard_grown_after_open_is_refused_without_being_read_whole(tmp_path, fmt):
+    """Reviewer of stop 60: a whole-shard read (MDS, WebDataset) asked for the whole object, so
+    a shard replaced after open by a 1 GiB one (or a replica that lies about its size) was read
+    into memory before its size was checked. It is read no further than one byte past the size
+    the dataset opened with; a good replica then serves it."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    if fmt == "mds":
+        write_mds(good, None)
+        declared, made = MDS(), "MDS()"
+    else:
+        with WebDatasetWriter(good, max_count=100) as w:
+            for i in range(10):
+                w.write({"__key__": f"s{i}", "txt": f"sample {i}"})
+        declared, made = WebDataset(manifest="manifest.txt"), 'WebDataset(manifest="manifest.txt")'
+    shutil.copytree(good, bad)
+    dataset = ShardDataset([str(bad), str(good)], declared, config=IN_ORDER)
+    (unit,) = dataset.units
+    setup = f"""
+        import os
+        from loaders import MDS, LoaderConfig, ShardDataset, WebDataset
+        dataset = ShardDataset({str(bad)!r}, {made}, config=LoaderConfig(shuffle=False))
+        """
+    action = f"""
+        os.truncate({str(bad / unit.key)!r}, {BOMB})  # sparse: 1 GiB, zeros past its bytes
+        list(dataset)
+        outcome = "READ"
+        """
+    growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
+    assert growth < GROWTH_LIMIT, f"the read grew by {growth >> 20} MiB"
+    assert outcome.startswith("ShardCorruptError"), outcome
+    assert f"is more than {unit.nbytes} bytes, its size when the dataset opened" in outcome
+    assert len(list(dataset)) == 10  # opened before: the good replica serves the shard
