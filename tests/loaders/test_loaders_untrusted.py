@@ -26,6 +26,7 @@ from loaders import (
     WebDatasetWriter,
 )
 from loaders.formats._codecs import hasher
+from loaders.formats.mds.reader import SAMPLE_BYTES, VALUE_BYTES
 from tests.helpers.child import growth_in_child
 
 IN_ORDER = LoaderConfig(shuffle=False)
@@ -249,7 +250,34 @@ def test_an_mds_shard_declaring_more_raw_bytes_than_the_bound_is_refused_at_open
     raw = write_mds(small, "zstd")["shards"][0]["raw_data"]["bytes"]
     with pytest.raises(ShardCorruptError, match=rf"{raw} raw bytes, more than MDS.max_shard_bytes"):
         ShardDataset(str(small), MDS(max_shard_bytes=raw - 1), config=IN_ORDER)
-    assert len(list(ShardDataset(str(small), MDS(max_shard_bytes=raw), config=IN_ORDER))) == 10
+    decoded = raw + 10 * (SAMPLE_BYTES + 2 * VALUE_BYTES)  # and the samples' Python objects
+    with pytest.raises(ShardCorruptError, match=r"10 samples of 2 column\(s\) decode to about"):
+        ShardDataset(str(small), MDS(max_shard_bytes=decoded - 1), config=IN_ORDER)
+    dataset = ShardDataset(str(small), MDS(max_shard_bytes=decoded), config=IN_ORDER)
+    assert dataset.units[0].mem_bytes == decoded  # what the prefetch window accounts
+    assert len(list(dataset)) == 10
+
+
+def test_an_mds_shard_of_many_empty_samples_is_accounted_as_it_decodes(tmp_path: Path) -> None:
+    """Reviewer of stop 60: a 1.4 KB shard of 4 million empty samples passed every bound (16 MB
+    raw) and decoded to 1.3 GB of Python objects while the prefetch window counted 16 MB. Its
+    samples' objects are counted (window, ``max_shard_bytes``): refused at open under a bound
+    its raw bytes pass."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    samples = 1_000_000
+    raw = np.concatenate([[samples], np.full(samples + 1, 4 + 4 * (samples + 1))])
+    raw = raw.astype(np.uint32).tobytes()
+    (root / "s.mds").write_bytes(raw)
+    shard = {"format": "mds", "version": 2, "compression": None, "hashes": [], "samples": samples}
+    shard |= {"column_names": [], "column_encodings": [], "column_sizes": []}
+    shard |= {"raw_data": {"basename": "s.mds", "bytes": len(raw), "hashes": {}}}
+    write_index(root, {"version": 2, "shards": [shard]})
+    bound = 64 * len(raw)
+    with pytest.raises(ShardCorruptError, match=r"1000000 samples of 0 column\(s\) decode to"):
+        ShardDataset(str(root), MDS(max_shard_bytes=bound), config=IN_ORDER)
+    (unit,) = ShardDataset(str(root), MDS(), config=IN_ORDER).units
+    assert unit.mem_bytes >= samples * SAMPLE_BYTES > 60 * len(raw)
 
 
 @pytest.mark.parametrize(
