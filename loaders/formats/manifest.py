@@ -92,6 +92,21 @@ def shard_sizes(
     return keys, [found[k] for k in keys]
 
 
+def shards_and_hashes(
+    replicas: Any, declared: list[str] | None, manifest: str | None, suffix: str | tuple[str, ...]
+) -> tuple[list[str], list[int], dict[str, FileHashes] | None]:
+    """``shard_sizes`` of a dataset whose shards are ``declared``, else listed by ``manifest``,
+    else found by listing, and their hashes where a hashed manifest gives them (None
+    otherwise): its sizes are the sizes the shards must have."""
+    hashes: dict[str, FileHashes] | None = None
+    if declared is None and manifest is not None:
+        read = read_manifest(replicas, manifest)
+        declared, hashes = read.keys, read.hashes
+    sizes = None if hashes is None else {k: h.size for k, h in hashes.items()}
+    keys, nbytes = shard_sizes(replicas, declared, None, suffix, sizes=sizes)
+    return keys, nbytes, hashes
+
+
 def read_manifest(replicas: Any, key: str) -> Manifest:
     """The shards a manifest lists, one per line (blank lines and ``#`` comments skipped), with
     their hashes if it is a hashed one; the manifest must be the same on every replica

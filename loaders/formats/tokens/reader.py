@@ -22,7 +22,7 @@ import numpy as np
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
 from loaders.formats.layout import Unit
-from loaders.formats.manifest import FileHashes, read_manifest, shard_sizes
+from loaders.formats.manifest import FileHashes, shards_and_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -165,18 +165,7 @@ class TokenFiles:
             raise ValueError("TokenFiles takes files or a manifest, not both")
 
     def open(self, replicas: Any) -> TokenLayout:
-        hashes: dict[str, FileHashes] | None = None
-        declared = self.files
-        if declared is None and self.manifest is not None:
-            manifest = read_manifest(replicas, self.manifest)
-            declared, hashes = manifest.keys, manifest.hashes
-        files, sizes = shard_sizes(
-            replicas,
-            declared,
-            None,
-            ".bin",
-            sizes=None if hashes is None else {k: h.size for k, h in hashes.items()},
-        )
+        files, sizes, hashes = shards_and_hashes(replicas, self.files, self.manifest, ".bin")
         if hashes is None:
             _warn_unhashed(replicas.uris, self.manifest)
         itemsize = np.dtype(self.dtype).itemsize

@@ -17,7 +17,7 @@ from typing import Any
 from loaders.errors import ShardCorruptError, UnknownFormatError
 from loaders.formats._codecs import decompress
 from loaders.formats.layout import Unit
-from loaders.formats.manifest import shard_sizes
+from loaders.formats.manifest import FileHashes, shards_and_hashes
 
 # What ``webdataset.TarWriter`` writes: a name ending in "gz" is gzip-compressed.
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
@@ -167,7 +167,9 @@ class WebDataset:
     have that checked)."""
     manifest: str | None = None
     """Key of a text file on the replicas listing the shard keys in dataset order, one a line
-    (``#`` comments and blank lines skipped); it must be the same on every replica."""
+    (``#`` comments and blank lines skipped); it must be the same on every replica. A hashed
+    manifest (``WebDatasetWriter``'s) also gives each shard's size and xxh3_64 hashes, checked on
+    every read: a shard whose bytes differ is read from another replica."""
     sample_counts: list[int] | None = None
     """Samples per shard, if known; otherwise every shard is read once at open to count them
     (and a compressed shard's decompressed size is learnt for the prefetch window, which
@@ -190,10 +192,12 @@ class WebDataset:
             raise ValueError(f"WebDataset.max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
 
     def open(self, replicas: Any) -> WdsLayout:
-        shards, nbytes = shard_sizes(replicas, self.shards, self.manifest, SHARD_SUFFIXES)
+        shards, nbytes, hashes = shards_and_hashes(
+            replicas, self.shards, self.manifest, SHARD_SUFFIXES
+        )
         if self.sample_counts is None:
             with ThreadPoolExecutor(8) as pool:
-                surveyed = list(pool.map(lambda key: self._survey(replicas, key), shards))
+                surveyed = list(pool.map(lambda key: self._survey(replicas, key, hashes), shards))
             counts, mem_bytes = [c for c, _ in surveyed], [m for _, m in surveyed]
         else:
             counts, mem_bytes = self.sample_counts, nbytes
@@ -211,12 +215,16 @@ class WebDataset:
                 )
             )
             first += count
-        return WdsLayout(units=units, max_shard_bytes=self.max_shard_bytes)
+        return WdsLayout(units=units, max_shard_bytes=self.max_shard_bytes, hashes=hashes)
 
-    def _survey(self, replicas: Any, key: str) -> tuple[int, int]:
+    def _survey(
+        self, replicas: Any, key: str, hashes: dict[str, FileHashes] | None
+    ) -> tuple[int, int]:
         """Shard ``key``'s sample count and the size of its tar archive."""
 
         def count(data: bytes, replica: str) -> tuple[int, int]:
+            if hashes is not None:
+                hashes[key].check(data, 0, what=f"shard {key} on replica {replica}")
             tar = shard_tar(data, key, replica, self.max_shard_bytes)
             return len(parse_tar(tar, key, replica)), len(tar)
 
@@ -227,9 +235,14 @@ class WebDataset:
 class WdsLayout:
     units: list[Unit]
     max_shard_bytes: int
+    hashes: dict[str, FileHashes] | None = None
+    """Each shard's hashes (a hashed manifest's, ``WebDatasetWriter``'s), checked on every
+    read; None: not checked."""
     reads_views: bool = field(default=False, init=False)
 
     def decode(self, unit: Unit, data: bytes, replica: str) -> list[dict[str, Any]]:
+        if self.hashes is not None:
+            self.hashes[unit.key].check(data, 0, what=f"shard {unit.key} on replica {replica}")
         tar = shard_tar(data, unit.key, replica, self.max_shard_bytes)
         samples = parse_tar(tar, unit.key, replica)
         if len(samples) != unit.num_samples:

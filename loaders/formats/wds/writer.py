@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from loaders.formats._writing import DatasetSink, ShardWriter, Target
-from loaders.formats.manifest import manifest_bytes
+from loaders.formats.manifest import FileHasher, FileHashes, manifest_bytes
 
 _BLOCK = tarfile.BLOCKSIZE
+HASH_BLOCK_BYTES = 4 << 20  # a shard is read whole: its blocks' hashes are checked together
 
 
 def field_bytes(name: str, value: Any) -> bytes:
@@ -35,8 +36,9 @@ def field_bytes(name: str, value: Any) -> bytes:
 class WebDatasetWriter(ShardWriter):
     """Writes samples (``{"__key__": "abc", "txt": ..., "cls": ...}``) into tar shards
     ``{prefix}.00000.tar``, ... of at most ``max_count`` samples and about ``max_bytes`` bytes
-    (a larger sample gets a shard of its own), then ``manifest`` listing them; read them back
-    with ``WebDataset(manifest=...)``."""
+    (a larger sample gets a shard of its own), then ``manifest`` listing them with their sizes
+    and xxh3_64 hashes (a hashed manifest: docs/FORMAT.md); read them back, verified, with
+    ``WebDataset(manifest=...)``."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class WebDatasetWriter(ShardWriter):
         self._samples: list[list[tuple[str, bytes]]] = []
         self._bytes = 2 * _BLOCK  # the end-of-archive blocks
         self._last_key: str | None = None
+        self._hashes: dict[str, FileHashes] = {}
 
     def write(self, sample: dict[str, Any]) -> None:
         """Append one sample: ``__key__`` (a name without a dot in its last path part) and
@@ -97,8 +100,12 @@ class WebDatasetWriter(ShardWriter):
                     info = tarfile.TarInfo(name)  # mtime 0, no owner: replicas are identical
                     info.size, info.mode = len(data), 0o444
                     tar.addfile(info, io.BytesIO(data))
-        self.sink.put(f"{self.prefix}.{len(self.shards):05d}.tar", buf.getbuffer())
+        name = f"{self.prefix}.{len(self.shards):05d}.tar"
+        hasher = FileHasher(HASH_BLOCK_BYTES)
+        hasher.update(buf.getbuffer())
+        self._hashes[name] = hasher.finish()
+        self.sink.put(name, buf.getbuffer())
         self._samples, self._bytes = [], 2 * _BLOCK
 
     def _index_bytes(self) -> bytes:
-        return manifest_bytes(self.shards)
+        return manifest_bytes(self.shards, self._hashes)
