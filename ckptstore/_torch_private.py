@@ -20,11 +20,17 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
+    "ASYNC_SAVE_THREAD_PREFIX",
     "EmptyStateDictLoadPlanner",
     "load_in_this_process",
     "narrow_tensor_by_index",
     "set_element",
 ]
+
+# The name of the thread a thread-based ``dcp.async_save`` runs its save in (one executor per
+# save, shut down after it): joined at exit so that a script ending without waiting on the
+# future still commits (``dcp.writer.finish_async_saves``).
+ASYNC_SAVE_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 # Rebuilds the state dict from the step's metadata (the state dict it is given must be empty).
 EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner

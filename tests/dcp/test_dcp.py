@@ -21,8 +21,11 @@ from ckptstore.errors import CheckpointCorruptError, StepExistsError, Unsupporte
 from ckptstore.format import KIND_DCP, chunk_key, commit_key
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
+from tests.helpers.child import run_script
 from tests.helpers.dist import run_ranks
 from tests.helpers.states import assert_same, blank_like
+
+CHILD_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -460,3 +463,37 @@ def test_async_save_of_replicated_state_frees_every_ranks_staging(tmp_path):
     target = {"r": torch.empty(10)}
     dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
     assert torch.equal(target["r"], torch.arange(10.0) + 2)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("end", ["exit", "close"])
+def test_an_async_save_a_script_does_not_wait_for_is_committed_on_s3(s3_uri, end):
+    """Reviewer of stop 60: a script that ended (or closed its writer) right after
+    ``dcp.async_save`` to S3, without waiting on the future, lost the save: at exit
+    ``concurrent.futures`` refused the S3 client's work ("cannot schedule new futures after
+    interpreter shutdown"), nothing was stored and the script exited 0. The saves DCP runs in
+    threads are finished first, as DCP's own writer's are."""
+    lines = run_script(
+        f"""
+        import torch, warnings
+        import torch.distributed.checkpoint as dcp
+        from ckptstore.dcp import StoreWriter
+        warnings.simplefilter("ignore")
+        writer = StoreWriter({s3_uri!r})
+        state = {{"w": torch.arange(4 << 20, dtype=torch.float32)}}
+        future = dcp.async_save(state, storage_writer=writer, checkpoint_id=7)
+        future.add_done_callback(lambda f: print("DONE", repr(f.exception()), flush=True))
+        if {end!r} == "close":
+            writer.close()
+            print("CLOSED", future.done(), flush=True)
+        print("RETURNED", flush=True)
+        """,
+        CHILD_TIMEOUT_S,
+    )
+    assert "DONE None" in lines, lines
+    if end == "close":
+        assert "CLOSED True" in lines, lines
+    assert list_steps(Store(s3_uri)) == [7]
+    target = {"w": torch.zeros(4 << 20)}
+    dcp.load(target, storage_reader=StoreReader(s3_uri))
+    assert torch.equal(target["w"], torch.arange(4 << 20, dtype=torch.float32))
