@@ -479,8 +479,15 @@ def open_backend(
 def _check_s3_uri_and_options(uri: str, options: dict[str, Any]) -> None:
     """A URI without a bucket, and an option s3fs would pass on to a session that takes no such
     argument (a ``TypeError`` at the first request), are refused by name."""
-    if not fsspec.core.split_protocol(uri)[1].strip("/"):
+    path = fsspec.core.split_protocol(uri)[1]
+    if not path.strip("/"):
         raise ValueError(f"cannot open store {uri!r}: it names no bucket (s3://BUCKET[/PREFIX])")
+    if "//" in path.rstrip("/"):
+        tidy = "s3://" + "/".join(part for part in path.split("/") if part)
+        raise ValueError(
+            f"cannot open store {uri!r}: an empty path segment ('//') makes keys that no "
+            f"listing finds (did you mean {tidy}?)"
+        )
     import aiobotocore.session
     import s3fs
 

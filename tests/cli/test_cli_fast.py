@@ -90,18 +90,24 @@ def test_a_scheme_with_one_slash_is_refused_with_the_uri_meant(tmp_path, monkeyp
     [
         (["s3://"], "it names no bucket (s3://BUCKET[/PREFIX])"),
         (["s3://b/run", "-o", "bogus_option=1"], "unknown storage option(s) bogus_option"),
+        (["s3://b//run"], "an empty path segment ('//') makes keys that no listing finds (did "),
+        (["s3://b/run//7/"], "no listing finds (did you mean s3://b/run/7?)"),
     ],
-    ids=["no-bucket", "unknown-option"],
+    ids=["no-bucket", "unknown-option", "empty-segment", "empty-segment-inside"],
 )
 def test_an_s3_uri_without_a_bucket_or_an_unknown_option_is_a_usage_error(argv, said, capsys):
     """Reviewer 1 of stop 57: ``ls s3://`` said "list s3:/commits: the bucket does not exist"
     or "no credentials"; ``-o bogus_option=1`` a ``TypeError`` of aiobotocore's session at the
-    first request. Both are the command line's mistakes: exit 2, named, before any request."""
+    first request. Both are the command line's mistakes: exit 2, named, before any request.
+    Reviewer of stop 60: ``s3://b//run`` saved under keys beginning ``/run`` that no listing
+    found (a restart resumed from nothing, retention never ran): refused by name too."""
     assert main(["ls", *argv, "--timeout", "3"]) == 2
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(ValueError, match="unknown storage option"):
         Checkpointer("s3://b/run", storage_options={"bogus_option": 1})
+    with pytest.raises(ValueError, match="empty path segment"):
+        Checkpointer("s3://b//run")
 
 
 def test_a_local_store_keeps_no_empty_directories(tmp_path: Path) -> None:
