@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
@@ -49,6 +47,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.store import Store
+from ckptstore.store.processes import holder_gone, process_identity
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class Lease:
             "ttl_s": self.ttl_s,
             "settle_s": self.settle_s,
             "deleting": False,
-            **_process_identity(),
+            **process_identity(),
             **self.info,
         }
         return json.dumps(doc).encode()
@@ -233,7 +232,7 @@ class LeaseInfo:
     def holder_dead(self) -> bool:
         """Its holder ran on this machine and its process is gone (a gc's lease may still be
         live: deletes it sent may land until its ``settle_s`` has passed)."""
-        return _holder_is_dead(self.doc)
+        return holder_gone(self.doc)
 
     def describe(self) -> str:
         """Who holds it, and for a live one whose holder is dead, why it is still live."""
@@ -359,7 +358,7 @@ def _lifetime(kind: str, doc: dict[str, Any], requests_end_with_process: bool) -
     and no sooner than ``ttl_s`` unless its holder is known dead; on a store whose requests
     end with their process (a disk of this machine), at once when its holder is known dead."""
     ttl = _duration(doc, "ttl_s", None)
-    dead = _holder_is_dead(doc)
+    dead = holder_gone(doc)
     if kind != GC:
         return 0.0 if dead else ttl
     settle = _duration(doc, "settle_s", ttl)
@@ -374,41 +373,6 @@ def _duration(doc: dict[str, Any], name: str, default: float | None) -> float:
     if not 0 < value <= MAX_LEASE_S:
         raise ValueError(f"{name} {value} is not a number of seconds in (0, {MAX_LEASE_S:g}]")
     return value
-
-
-def _boot_and_pid_namespace() -> tuple[str, int]:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return boot, os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return "", 0
-
-
-def _process_identity() -> dict[str, Any]:
-    boot, pidns = _boot_and_pid_namespace()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot, "pidns": pidns}
-
-
-def _holder_is_dead(doc: dict[str, Any]) -> bool:
-    """True when the holder ran on this machine, in this boot and pid namespace, and its
-    process is gone: no need to wait out its ttl (a writer killed during gc, say)."""
-    boot, pidns = _boot_and_pid_namespace()
-    same_place = (
-        boot
-        and doc.get("boot_id") == boot
-        and doc.get("pidns") == pidns
-        and doc.get("host") == socket.gethostname()
-    )
-    if not same_place or not isinstance(doc.get("pid"), int):
-        return False
-    try:
-        os.kill(doc["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists, owned by someone else
-        return False
-    return False
 
 
 def delete_stale(store: Store, leases: Iterable[LeaseInfo]) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore import telemetry
+from ckptstore.store.processes import pid_gone
 from ckptstore.telemetry import Counts
 from ckptstore.telemetry.latency import LatencyHistogram
 
@@ -237,11 +238,10 @@ def _reports_directory() -> str:
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # alive under another user, or not ours to look at
+        except OSError:  # not ours to look at
             continue
+        if pid_gone(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{_REPORTS_PREFIX}{os.getpid()}-")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptstore.cli.common import UsageError
 from ckptstore.errors import UnsupportedStateError, one_line
+from ckptstore.store.processes import pid_gone
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def remove_killed_temporaries(target: str) -> None:
     ours = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]{8}")  # pid, random part; no .old
     for name in sorted(names):
         match = ours.fullmatch(name)
-        if match is None or _alive(int(match[1])):
+        if match is None or not pid_gone(int(match[1])):
             continue
         path = os.path.join(parent, name)
         if os.path.lexists(f"{path}.old"):
@@ -179,16 +180,6 @@ def remove_killed_temporaries(target: str) -> None:
             continue
         _remove(path)
         logger.warning("removed %s, left by a restore that was killed", path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _stopped(exc: BaseException) -> BaseException | None:

@@ -24,10 +24,12 @@ from typing import Any
 import fsspec
 
 from ckptstore.errors import ObjectOutsideRootError, StorageError
+from ckptstore.store.processes import machine_tag, pid_gone
 from ckptstore.store.retry import RetryPolicy, is_precondition_failed
 
-TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<uuid>`` and link it into place
-_TEMPORARY = re.compile(r".+\.tmp-[0-9a-f]{32}")
+TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<machine>-<pid>-<uuid>``, then link it
+# The shape a put's temporary has: its writer's machine tag and pid (none before 2026-12-02).
+_TEMPORARY = re.compile(r".+\.tmp-(?:([0-9a-f]{8})-([0-9]{1,10})-)?[0-9a-f]{32}")
 S3_PROTOCOLS = ("s3", "s3a")
 
 Data = bytes | memoryview | list
@@ -295,7 +297,9 @@ class LocalBackend(FsspecBackend):
 
     def put_once(self, path: str, data: Data) -> None:
         directory = os.path.dirname(self._inside(path))
-        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+        tag = machine_tag()
+        writer = f"{tag}-{os.getpid()}-" if tag else ""
+        tmp = f"{path}{TMP_MARK}{writer}{uuid.uuid4().hex}"
         for tries_left in range(4, -1, -1):
             try:
                 _make_directories(directory)
@@ -420,13 +424,20 @@ class LocalBackend(FsspecBackend):
             directory = os.path.dirname(directory)
 
     def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
-        now = time.time()
+        """Put temporaries ``older_than_s`` old, and at once those whose writer ran on this
+        machine and is gone (``kill -9`` mid-save)."""
+        now, here = time.time(), machine_tag()
         out = []
         for dirpath, _, files in os.walk(root):
             for name in files:
-                if not _TEMPORARY.fullmatch(name):  # only the shape a put writes
+                shape = _TEMPORARY.fullmatch(name)
+                if shape is None:  # only the shape a put writes
                     continue
                 path = os.path.join(dirpath, name)
+                tag, pid = shape.groups()
+                if here and tag == here and pid_gone(int(pid)):
+                    out.append(path)
+                    continue
                 try:
                     if now - os.stat(path).st_mtime >= older_than_s:
                         out.append(path)

@@ -33,6 +33,7 @@ from ckptstore.dcp import StoreWriter
 from ckptstore.errors import CommitUnknownError, StorageTimeoutError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.retention import collect
+from ckptstore.store.processes import machine_tag
 from tests.helpers.integrity import chunk_files, referenced_chunks, verify_all
 from tests.helpers.wait import wait_until
 
@@ -410,9 +411,20 @@ def test_gc_removes_temporaries_of_dead_writers(tmp_path):
         path.write_bytes(b"x" * 100)
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     os.utime(mine, (time.time() - 3600, time.time() - 3600))
+    # Reviewer of stop 60: a writer killed mid-put on this machine left temporaries the next
+    # gc kept for lease_ttl_s (2 min), 8-29 MiB each; its pid in their names tells it is gone.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
+                          capture_output=True, check=True).stdout.strip()  # fmt: skip
+    dead = tmp_path / "chunks" / "ab" / f"abcf.tmp-{machine_tag()}-{gone}-{'5' * 32}"
+    live = tmp_path / "chunks" / "ab" / f"abd0.tmp-{machine_tag()}-{os.getpid()}-{'6' * 32}"
+    elsewhere = tmp_path / "chunks" / "ab" / f"abd1.tmp-{'f' * 8}-{gone}-{'7' * 32}"
+    for path in (dead, live, elsewhere):
+        path.write_bytes(b"x" * 100)
     collect(store, keep_last=1)
     assert not old.exists() and fresh.exists()  # fresh: a live writer's put in progress
     assert mine.exists()
+    assert not dead.exists() and live.exists()
+    assert elsewhere.exists()  # another machine's writer: judged by age only
 
 
 def test_gc_deletes_only_keys_of_the_format_s_own_shapes(tmp_path):

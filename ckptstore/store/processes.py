@@ -1,0 +1,63 @@
+"""Whether the process that left something behind is gone: a lease's holder, a put's or a
+restore's temporary, a loader's report directory. Only a process on this machine (this host,
+boot and pid namespace) can be known gone; any other is judged by age by the caller."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import socket
+from typing import Any
+
+
+@functools.cache
+def _boot_and_pid_namespace() -> tuple[str, int]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return "", 0
+
+
+def process_identity() -> dict[str, Any]:
+    """This process as a lease records it."""
+    boot, pidns = _boot_and_pid_namespace()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot, "pidns": pidns}
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs in this pid namespace (one of another user's runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, owned by someone else
+        return False
+    return False
+
+
+def holder_gone(identity: dict[str, Any]) -> bool:
+    """True when ``identity`` (``process_identity()`` of another process) ran on this machine,
+    in this boot and pid namespace, and its process is gone."""
+    boot, pidns = _boot_and_pid_namespace()
+    same_place = (
+        boot
+        and identity.get("boot_id") == boot
+        and identity.get("pidns") == pidns
+        and identity.get("host") == socket.gethostname()
+    )
+    pid = identity.get("pid")
+    return bool(same_place) and isinstance(pid, int) and pid_gone(pid)
+
+
+@functools.cache
+def machine_tag() -> str:
+    """8 hex digits naming this machine's host, boot and pid namespace (empty where they cannot
+    be read): written into a temporary's name beside the writer's pid."""
+    boot, pidns = _boot_and_pid_namespace()
+    if not boot:
+        return ""
+    seen = f"{socket.gethostname()}|{boot}|{pidns}".encode()
+    return hashlib.blake2b(seen, digest_size=4).hexdigest()
