@@ -221,9 +221,14 @@ def export_safetensors(
     store = open_store(
         uri, storage_options=storage_options, timeout_s=timeout_s, max_concurrency=read_concurrency
     )
-    out = _out_dir(out_dir, overwrite)
     view = StepView.open(store, step)
     manifest = view.manifest
+    if view.per_rank and not 0 <= rank < manifest.world_size:
+        raise ValueError(
+            f"rank {rank}: step {manifest.step} was saved by {manifest.world_size} rank(s), "
+            f"0-{manifest.world_size - 1}"
+        )
+    out = _out_dir(out_dir, overwrite)
     items, skipped = _items_to_export(view, rank, only, strip_prefix, cast)
     shards = _split(items, max_bytes)
     names = _shard_names(len(shards))

@@ -22,6 +22,7 @@ from ckptstore.health import healthy_steps_to_load
 from ckptstore.render import human_bytes
 from ckptstore.steps import StepView
 from ckptstore.store import Store
+from ckptstore.store.backends import refuse_a_mistyped_scheme
 
 
 def cmd_restore(args: argparse.Namespace, store: Store) -> int:
@@ -107,6 +108,11 @@ def _target(to: str, store: Store) -> str:
     above it."""
     if "://" in to and not to.startswith("file://"):
         raise UsageError(f"--to must be a local path, got {to!r}")
+    if not os.path.lexists(to.split("/", 1)[0]):  # a directory named "s3:" is a local path
+        try:
+            refuse_a_mistyped_scheme(to)
+        except ValueError:
+            raise UsageError(f"--to must be a local path, got {to!r} (a URI's scheme)") from None
     path = to[len("file://") :] if to.startswith("file://") else os.path.expanduser(to)
     target = os.path.abspath(path)
     if store.overlaps(target):

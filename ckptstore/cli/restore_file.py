@@ -187,6 +187,14 @@ def _stopped(exc: BaseException) -> BaseException | None:
     for _ in range(8):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return exc
+        # DCP's CheckpointException carries each rank's error, as (error, traceback) or error.
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) and failure else failure
+                stop = _stopped(inner) if isinstance(inner, BaseException) else None
+                if stop is not None:
+                    return stop
         exc = exc.__cause__ or exc.__context__
         if exc is None:
             return None

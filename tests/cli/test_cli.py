@@ -848,6 +848,12 @@ def test_two_ranks_inspect_verify_restore(tmp_path: Path, capsys) -> None:
         capsys, "restore", root, "--to", tmp_path / "r1", "--format", "safetensors", "--rank", "1"
     )
     assert code == 0 and "rank 1's state of 2 ranks" in out
+    # Reviewer of stop 60: a rank the step has none of read as damage (exit 1) and left --to
+    code, _, err = run(
+        capsys, "restore", root, "--to", tmp_path / "r5", "--format", "safetensors", "--rank", "5"
+    )
+    assert code == 2 and "rank 5: step 3 was saved by 2 rank(s), 0-1" in err, err
+    assert not (tmp_path / "r5").exists()
 
 
 def test_unknown_format_version_is_reported(store: Path, capsys) -> None:

@@ -85,6 +85,16 @@ def test_a_scheme_with_one_slash_is_refused_with_the_uri_meant(tmp_path, monkeyp
     assert main(["ls", "s3:/bucket"]) == 1  # exists, holds no checkpoints
 
 
+def test_a_restore_target_with_a_uri_s_scheme_and_one_slash_is_refused(tmp_path, monkeypatch):
+    """Reviewer of stop 60: ``restore --to s3:/bkt/x`` wrote a local ``./s3:/bkt/x`` and exited
+    0: a usage error, nothing made."""
+    with Checkpointer(tmp_path / "store") as ckpt:
+        ckpt.save(1, {"w": torch.zeros(4)}).wait()
+    monkeypatch.chdir(tmp_path)
+    assert main(["restore", str(tmp_path / "store"), "--to", "s3:/bkt/x"]) == 2
+    assert not os.path.lexists(tmp_path / "s3:")
+
+
 @pytest.mark.parametrize(
     "argv, said",
     [
@@ -142,3 +152,19 @@ def test_python_dash_m_ckptstore_is_the_command(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert done.returncode == 1 and done.stderr.startswith("ckptstore ls: error: no ckptstore")
+
+
+def test_ctrl_c_inside_a_dcp_write_is_an_interruption_not_a_refusal():
+    """Reviewer of stop 60: Ctrl-C during ``restore --format dcp`` that DCP caught inside its
+    write reached the CLI as a ``CheckpointException`` whose failures held the
+    ``KeyboardInterrupt``: reported as "--format dcp cannot hold this state:
+    KeyboardInterrupt" (exit 1). The interruption is found inside DCP's failures."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptstore.cli.restore_file import _stopped
+
+    stop = KeyboardInterrupt()
+    wrapped = CheckpointException("write", {0: (stop, None)})
+    assert _stopped(wrapped) is stop
+    assert _stopped(RuntimeError("x")) is None
+    assert _stopped(CheckpointException("write", {0: (ValueError("bad"), None)})) is None
