@@ -21,6 +21,7 @@ from loaders import (
     MDSWriter,
     ShardCorruptError,
     ShardDataset,
+    ShardNotFoundError,
     TokenFiles,
     WebDataset,
     WebDatasetWriter,
@@ -388,3 +389,13 @@ def test_a_shard_grown_after_open_is_refused_without_being_read_whole(tmp_path, 
     assert outcome.startswith("ShardCorruptError"), outcome
     assert f"is more than {unit.nbytes} bytes, its size when the dataset opened" in outcome
     assert len(list(dataset)) == 10  # opened before: the good replica serves the shard
+
+
+def test_an_mds_index_listing_no_shards_is_refused_at_open(tmp_path: Path) -> None:
+    """Reviewer of stop 60: ``"shards": []`` opened as a dataset of no samples, where token
+    files and WebDataset say no shards were found."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    write_index(root, {"version": 2, "shards": []})
+    with pytest.raises(ShardNotFoundError, match="index.json lists no shards"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.errors import ShardCorruptError, UnknownFormatError
+from loaders.errors import ShardCorruptError, ShardNotFoundError, UnknownFormatError
 from loaders.formats._codecs import decompress, hasher, max_raw_bytes
 from loaders.formats.layout import Unit, check_shard_key
 
@@ -229,6 +229,8 @@ class MDS:
             )
             shards.append(shard)
             first += shard.samples
+        if not shards:
+            raise ShardNotFoundError(f"{self.index} lists no shards")
         if replicas.config.verify_replicas:
             # The index is the shard list: each shard on some replica, at the index's size (a
             # replica holding another size is not read for it).
