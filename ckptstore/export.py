@@ -223,11 +223,7 @@ def export_safetensors(
     )
     view = StepView.open(store, step)
     manifest = view.manifest
-    if view.per_rank and not 0 <= rank < manifest.world_size:
-        raise ValueError(
-            f"rank {rank}: step {manifest.step} was saved by {manifest.world_size} rank(s), "
-            f"0-{manifest.world_size - 1}"
-        )
+    _check_rank(view, rank)
     out = _out_dir(out_dir, overwrite)
     items, skipped = _items_to_export(view, rank, only, strip_prefix, cast)
     shards = _split(items, max_bytes)
@@ -288,6 +284,15 @@ def _items_to_export(
             f"(names start like: {available})"
         )
     return items, skipped
+
+
+def _check_rank(view: StepView, rank: int) -> None:
+    """``ValueError`` for a ``rank`` a per-rank step has none of."""
+    size = view.manifest.world_size
+    if view.per_rank and not 0 <= rank < size:
+        raise ValueError(
+            f"rank {rank}: step {view.manifest.step} was saved by {size} rank(s), 0-{size - 1}"
+        )
 
 
 def _notes(view: StepView, rank: int, skipped: list[str]) -> list[str]:
