@@ -294,12 +294,13 @@ class ShardCache:
                     _write_total(lock, total)
                 return total
         except OSError as exc:
-            self._failed("cannot count its entries", exc)
+            self._failed("cannot count its entries", exc, count=False)  # a read: no error
             return None
 
-    def _failed(self, what: str, exc: OSError) -> None:
+    def _failed(self, what: str, exc: OSError, *, count: bool = True) -> None:
         """One WARNING per process for a cache that cannot write (reads go on, uncached)."""
-        self.stats.add(errors=1)
+        if count:
+            self.stats.add(errors=1)
         level = logging.DEBUG if self._warned else logging.WARNING
         self._warned = True
         logger.log(level, "shard cache %s: %s: %s", self.directory, what, exc)

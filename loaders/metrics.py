@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import threading
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore import telemetry
-from ckptstore.store.processes import pid_gone
+from ckptstore.store.processes import machine_tag, pid_gone
 from ckptstore.telemetry import Counts
 from ckptstore.telemetry.latency import LatencyHistogram
 
@@ -223,16 +224,17 @@ _REPORTS_PREFIX = "loaders-reports-"
 
 
 def _reports_directory() -> str:
-    """A new private directory named after this process; those of processes that are gone (a
-    SIGKILL runs no cleanup) are removed first."""
-    root = tempfile.gettempdir()
+    """A new private directory named after this machine and process; those of processes of
+    this machine that are gone (a SIGKILL runs no cleanup) are removed first."""
+    root, tag = tempfile.gettempdir(), machine_tag()
     try:
-        names = os.listdir(root)
+        names = os.listdir(root) if tag else []  # another container's /tmp: nothing judged
     except OSError:
         names = []
+    ours = re.compile(re.escape(f"{_REPORTS_PREFIX}{tag}-") + r"([0-9]{1,10})-.*")
     for name in names:
-        pid = name[len(_REPORTS_PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(_REPORTS_PREFIX) and pid.isdigit()):
+        match = ours.fullmatch(name)
+        if match is None:
             continue
         path = os.path.join(root, name)
         try:
@@ -240,9 +242,9 @@ def _reports_directory() -> str:
                 continue
         except OSError:  # not ours to look at
             continue
-        if pid_gone(int(pid)):
+        if pid_gone(int(match[1])):
             shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{_REPORTS_PREFIX}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"{_REPORTS_PREFIX}{tag or 'host'}-{os.getpid()}-")
 
 
 @dataclass

@@ -7,14 +7,13 @@ import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import uuid
 from typing import Any
 
 from ckptstore.cli.common import UsageError
 from ckptstore.errors import UnsupportedStateError, one_line
-from ckptstore.store.processes import pid_gone
+from ckptstore.store.processes import machine_tag, pid_gone
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +146,9 @@ def write_atomically(target: str, fmt: str, force: bool, state: Any) -> None:
 
 
 def _tmp_prefix(target: str) -> str:
-    """``.<name>.tmp-<host>-``: then the writer's pid and a random part."""
-    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
-    return f".{os.path.basename(target)}.tmp-{host}-"
+    """``.<name>.tmp-<machine>-``: then the writer's pid and a random part (``<machine>``: this
+    host, boot and pid namespace, ``store.processes.machine_tag``; ``host`` where unknown)."""
+    return f".{os.path.basename(target)}.tmp-{machine_tag() or 'host'}-"
 
 
 def remove_killed_temporaries(target: str) -> None:
@@ -159,6 +158,8 @@ def remove_killed_temporaries(target: str) -> None:
     with a warning naming both."""
     parent = os.path.dirname(target) or "."
     prefix = _tmp_prefix(target)
+    if not machine_tag():  # whose temporary it is cannot be told: another container's, maybe
+        return
     try:
         names = os.listdir(parent)
     except OSError:

@@ -196,7 +196,9 @@ class StoreWriter(StorageWriter, PooledStager):
         self._token = uuid.uuid4().hex
         self._init_tiers(o)
         self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
-        self._started: dict[str, float] = {}  # coordinator: by attempt, for its persist time
+        # Coordinator, by attempt: the step, when it started (its persist time) and the thread
+        # that runs it (a save whose thread ended uncommitted is named at exit).
+        self._started: dict[str, tuple[int, float, threading.Thread]] = {}
         self._skipped: dict[str, StepHealth] = {}  # tiered saves HealthPolicy skipped, by attempt
         if step is not None:
             check_step(step)
@@ -246,6 +248,7 @@ class StoreWriter(StorageWriter, PooledStager):
             this = weakref.ref(self)
             threading._register_atexit(lambda: (w := this()) is not None and w._close_at_exit())
         _finish_async_saves_at_exit()
+        _WRITERS.add(self)
         # One save's tier exchanges at a time (overlapping async saves reach them in turn).
         self._tier_lock = threading.Lock()
         self._once_group: RankGroup | None = None  # untiered saves' one writer per chunk
@@ -388,7 +391,11 @@ class StoreWriter(StorageWriter, PooledStager):
             # flight could reach the writer's one group in another order on each rank.
             self._once_busy.add(target.attempt)
         self._target = target
-        self._started[target.attempt] = time.perf_counter()
+        self._started[target.attempt] = (
+            target.step,
+            time.perf_counter(),
+            threading.current_thread(),
+        )
         if tiered:
             # Where each item will be, as finish() records it: rank r's i-th item at (r, i).
             self._tier_storage[target.attempt] = {
@@ -760,7 +767,8 @@ class StoreWriter(StorageWriter, PooledStager):
     def _committed(self, target: _SaveTarget) -> None:
         started = self._started.pop(target.attempt, None)
         if started is not None:
-            telemetry.save_persist_seconds.observe(time.perf_counter() - started, frontend="dcp")
+            seconds = time.perf_counter() - started[1]
+            telemetry.save_persist_seconds.observe(seconds, frontend="dcp")
         telemetry.saves_total.inc(frontend="dcp", outcome="committed")
         self.saved_step = target.step
 
@@ -950,8 +958,26 @@ def finish_async_saves() -> None:
             thread.join()
 
 
+def _at_exit() -> None:
+    """The saves ``dcp.async_save`` still runs, finished; then each save whose thread ended
+    without committing it is named in one ERROR line: its error is in a future nobody may
+    have read (a script that ends right after ``async_save``)."""
+    finish_async_saves()
+    for writer in list(_WRITERS):
+        for step, _, thread in list(writer._started.values()):
+            if not thread.is_alive():
+                logger.error(
+                    "rank %d: step %d of %s was not committed (its error is in the future "
+                    "dcp.async_save returned)",
+                    writer.rank,
+                    step,
+                    writer.store.uri,
+                )
+
+
 _exit_hook_lock = threading.Lock()
 _exit_hook: list[bool] = []
+_WRITERS: weakref.WeakSet[StoreWriter] = weakref.WeakSet()
 
 
 def _finish_async_saves_at_exit() -> None:
@@ -962,7 +988,7 @@ def _finish_async_saves_at_exit() -> None:
     with _exit_hook_lock:
         if not _exit_hook:
             _exit_hook.append(True)
-            threading._register_atexit(finish_async_saves)
+            threading._register_atexit(_at_exit)
 
 
 def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int | None):

@@ -493,7 +493,7 @@ def _check_s3_uri_and_options(uri: str, options: dict[str, Any]) -> None:
     path = fsspec.core.split_protocol(uri)[1]
     if not path.strip("/"):
         raise ValueError(f"cannot open store {uri!r}: it names no bucket (s3://BUCKET[/PREFIX])")
-    if "//" in path.rstrip("/"):
+    if path.startswith("/") or "//" in path.rstrip("/"):
         tidy = "s3://" + "/".join(part for part in path.split("/") if part)
         raise ValueError(
             f"cannot open store {uri!r}: an empty path segment ('//') makes keys that no "

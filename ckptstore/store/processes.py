@@ -33,7 +33,7 @@ def pid_gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except OSError:  # it exists, owned by someone else
+    except (OSError, OverflowError):  # another user's; or no pid at all (a forged name)
         return False
     return False
 

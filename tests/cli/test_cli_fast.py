@@ -102,15 +102,18 @@ def test_a_restore_target_with_a_uri_s_scheme_and_one_slash_is_refused(tmp_path,
         (["s3://b/run", "-o", "bogus_option=1"], "unknown storage option(s) bogus_option"),
         (["s3://b//run"], "an empty path segment ('//') makes keys that no listing finds (did "),
         (["s3://b/run//7/"], "no listing finds (did you mean s3://b/run/7?)"),
+        (["s3:///b/run"], "no listing finds (did you mean s3://b/run?)"),
     ],
-    ids=["no-bucket", "unknown-option", "empty-segment", "empty-segment-inside"],
+    ids=["no-bucket", "unknown-option", "empty-segment", "empty-segment-inside", "three-slashes"],
 )
 def test_an_s3_uri_without_a_bucket_or_an_unknown_option_is_a_usage_error(argv, said, capsys):
     """Reviewer 1 of stop 57: ``ls s3://`` said "list s3:/commits: the bucket does not exist"
     or "no credentials"; ``-o bogus_option=1`` a ``TypeError`` of aiobotocore's session at the
     first request. Both are the command line's mistakes: exit 2, named, before any request.
     Reviewer of stop 60: ``s3://b//run`` saved under keys beginning ``/run`` that no listing
-    found (a restart resumed from nothing, retention never ran): refused by name too."""
+    found (a restart resumed from nothing, retention never ran); ``s3:///b/run`` listed keys
+    with the bucket in front, so gc took every chunk for missing and ``--remove-corrupt``
+    deleted every good step: both refused by name too."""
     assert main(["ls", *argv, "--timeout", "3"]) == 2
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1, err

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
 import uuid
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from ckptstore.errors import CheckpointCorruptError, StepExistsError, Unsupporte
 from ckptstore.format import KIND_DCP, chunk_key, commit_key
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
+from tests.helpers import ROOT
 from tests.helpers.child import run_script
 from tests.helpers.dist import run_ranks
 from tests.helpers.states import assert_same, blank_like
@@ -497,3 +502,31 @@ def test_an_async_save_a_script_does_not_wait_for_is_committed_on_s3(s3_uri, end
     target = {"w": torch.zeros(4 << 20)}
     dcp.load(target, storage_reader=StoreReader(s3_uri))
     assert torch.equal(target["w"], torch.arange(4 << 20, dtype=torch.float32))
+
+
+def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
+    """Reviewer of stop 60: a script that ended right after a failing ``dcp.async_save`` exited
+    0 in silence (its error in a future nobody read). The save's step is named at exit."""
+    script = f"""
+        import torch, warnings
+        import torch.distributed.checkpoint as dcp
+        import ckptstore.store.core as core
+        from ckptstore.dcp import StoreWriter
+        warnings.simplefilter("ignore")
+        def refuse(self, *args, **kwargs):
+            raise OSError("injected: the store refuses every put")
+        core.Store.put = refuse
+        writer = StoreWriter({str(tmp_path / "s")!r})
+        dcp.async_save({{"w": torch.ones(10)}}, storage_writer=writer, checkpoint_id=5)
+        print("RETURNED", flush=True)
+        """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert "RETURNED" in done.stdout, done.stderr[-2000:]
+    said = f"rank 0: step 5 of {tmp_path / 's'} was not committed (its error is in the future"
+    assert said in done.stderr, done.stderr[-2000:]

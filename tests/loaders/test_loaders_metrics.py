@@ -238,10 +238,16 @@ def test_report_directories_of_killed_processes_are_removed(tmp_path, monkeypatc
         text=True,
         check=True,
     )
-    dead = tmp_path / f"loaders-reports-{int(child.stdout)}-abc"
-    mine = tmp_path / f"loaders-reports-{os.getpid()}-def"
-    dead.mkdir()
-    mine.mkdir()
+    from ckptstore.store.processes import machine_tag
+
+    tag = machine_tag()
+    dead = tmp_path / f"loaders-reports-{tag}-{int(child.stdout)}-abc"
+    mine = tmp_path / f"loaders-reports-{tag}-{os.getpid()}-def"
+    # Reviewer of stop 60: a directory of another container sharing /tmp (another machine
+    # tag, its pid unknown here) is never judged by this one's pids.
+    elsewhere = tmp_path / f"loaders-reports-{'f' * 8}-{int(child.stdout)}-ghi"
+    for path in (dead, mine, elsewhere):
+        path.mkdir()
     reports = ReaderReports()
-    assert not dead.exists() and mine.exists()
-    assert os.path.basename(reports.directory).startswith(f"loaders-reports-{os.getpid()}-")
+    assert not dead.exists() and mine.exists() and elsewhere.exists()
+    assert os.path.basename(reports.directory).startswith(f"loaders-reports-{tag}-{os.getpid()}-")

@@ -399,3 +399,20 @@ def test_an_mds_index_listing_no_shards_is_refused_at_open(tmp_path: Path) -> No
     write_index(root, {"version": 2, "shards": []})
     with pytest.raises(ShardNotFoundError, match="index.json lists no shards"):
         ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_a_small_mds_dataset_of_many_small_samples_opens_with_the_default_config(
+    tmp_path: Path, caplog
+) -> None:
+    """Reviewer of stop 60: once samples' objects were counted, the default config refused a
+    9 MiB dataset of one int column at open (a shuffle block of 8 shards "may take" 335 MB,
+    more than window_bytes). It opens and reads, with one WARNING naming the figure."""
+    root = tmp_path / "ds"
+    with MDSWriter(root, columns={"n": "int32"}, size_limit=1 << 16) as w:
+        for i in range(40_000):
+            w.write({"n": i})
+    config = LoaderConfig(window_bytes=1 << 20)  # 8 shards' objects do not fit
+    with caplog.at_level("WARNING", logger="loaders.dataset"):
+        dataset = ShardDataset(str(root), MDS(), config=config)
+    assert any("may take" in r.getMessage() for r in caplog.records), caplog.records
+    assert sorted(int(s["n"]) for s in dataset) == list(range(40_000))
