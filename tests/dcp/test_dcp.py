@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -25,8 +21,7 @@ from ckptstore.errors import CheckpointCorruptError, StepExistsError, Unsupporte
 from ckptstore.format import KIND_DCP, chunk_key, commit_key
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.store import Store
-from tests.helpers import ROOT
-from tests.helpers.child import run_script
+from tests.helpers.child import run_child, run_script
 from tests.helpers.dist import run_ranks
 from tests.helpers.states import assert_same, blank_like
 
@@ -520,13 +515,7 @@ def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
         dcp.async_save({{"w": torch.ones(10)}}, storage_writer=writer, checkpoint_id=5)
         print("RETURNED", flush=True)
         """
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_child(script, CHILD_TIMEOUT_S)
     assert "RETURNED" in done.stdout, done.stderr[-2000:]
     said = f"rank 0: step 5 of {tmp_path / 's'} was not committed (its error is in the future"
     assert said in done.stderr, done.stderr[-2000:]

@@ -13,11 +13,11 @@ import pytest
 from tests.helpers import ROOT
 
 
-def run_script(script: str, timeout_s: float) -> list[str]:
-    """The lines ``script`` printed; the test fails if it is still running after ``timeout_s``
-    or printed nothing."""
+def run_child(script: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``script`` run to its end, its output captured; the test fails if it is still running
+    after ``timeout_s``."""
     try:
-        done = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-c", textwrap.dedent(script)],
             capture_output=True,
             text=True,
@@ -26,6 +26,12 @@ def run_script(script: str, timeout_s: float) -> list[str]:
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"the child process was still running after {timeout_s} s")
+
+
+def run_script(script: str, timeout_s: float) -> list[str]:
+    """The lines ``script`` printed; the test fails if it is still running after ``timeout_s``
+    or printed nothing."""
+    done = run_child(script, timeout_s)
     lines = done.stdout.strip().splitlines()
     assert lines, f"child exited {done.returncode} printing nothing: {done.stderr[-2000:]}"
     return lines
