@@ -258,6 +258,7 @@ def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcRe
     present = {  # at its own key only
         digest_of_chunk_key(k): size for k, size in store.list_sizes("chunks").items()
     }
+    _refuse_a_listing_that_misses_chunks(store, readable, present)
     for step in sorted(readable):
         ref = readable[step].manifest.dcp_metadata
         if ref is not None:  # a DCP step does not load without it
@@ -277,6 +278,21 @@ def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcRe
             more_text = f" and {more} more" if more else ""
             report.unreadable_steps[step] = f"{_CORRUPT}{chunk_key(bad)} {found}{more_text}"
             del readable[step]
+
+
+def _refuse_a_listing_that_misses_chunks(
+    store: Store, readable: dict[int, _Step], present: dict[str, int]
+) -> None:
+    """``StorageError`` (nothing judged, nothing deleted) when a chunk the listing lacks is
+    there when asked for by its key: the listing does not see this store's keys (``s3:///b``
+    listed them with the bucket in front), and every step would have been taken for corrupt."""
+    missing = next((d for s in readable.values() for d in s.chunks if d not in present), None)
+    if missing is not None and store.exists(chunk_key(missing)):
+        raise StorageError(
+            f"gc {store.uri}: the listing of chunks/ lacks {chunk_key(missing)}, which is there "
+            "when read by its key: the store's listing does not match its keys (check the "
+            "URI); nothing was deleted"
+        )
 
 
 def _why(exc: Exception) -> str:

@@ -583,3 +583,31 @@ def test_a_gc_lease_is_not_held_by_a_save_put_stuck_on_a_hung_connection(tmp_pat
     assert not store.exists(gc.key) and store.exists(save.key)
     unstuck.set()
     wait_until(lambda: not store.exists(save.key), timeout_s=30)
+
+
+def test_gc_refuses_to_judge_steps_by_a_listing_that_misses_chunks_the_store_holds(
+    tmp_path, monkeypatch
+):
+    """Reviewer of stop 60: a store opened as ``s3:///b/run`` listed its keys with the bucket in
+    front, so gc's listing of chunks/ found none of them, every step was "missing" chunks and
+    ``gc --remove-corrupt`` deleted every good step. A chunk the listing lacks is asked for by
+    its key first: there, it is the listing that is wrong, and gc stops, deleting nothing."""
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((1000,), float(step))}).wait()
+    real = Store.list_sizes
+
+    def blind(self, prefix, *args, **kwargs):
+        return {} if prefix == "chunks" else real(self, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "list_sizes", blind)
+    with pytest.raises(StorageError, match="the store's listing does not match its keys"):
+        collect(Store(tmp_path), keep_last=None, check_chunks=True, remove_corrupt=True)
+    monkeypatch.undo()
+    assert list_steps(Store(tmp_path)) == [1, 2]
+    chunk = next((tmp_path / "chunks").rglob("*"))
+    while chunk.is_dir():
+        chunk = next(chunk.iterdir())
+    chunk.unlink()  # truly missing: the step that referenced it is corrupt, as before
+    report = collect(Store(tmp_path), keep_last=None, check_chunks=True)
+    assert len(report.unreadable_steps) >= 1
