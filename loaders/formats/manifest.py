@@ -50,6 +50,11 @@ class FileHashes:
         the bytes ``[start, start + len(data))`` of the file, match their blocks' hashes;
         ``start`` on a block boundary, the end on one or at the end of the file."""
         view = memoryview(data).cast("B")
+        if start + len(view) > self.size:
+            raise ShardCorruptError(
+                f"{what}: bytes [{start}:{start + len(view)}] run past the {self.size} bytes the "
+                "manifest gives the file"
+            )
         b = self.block_bytes
         first = start // b
         for i in range(first, first + -(-len(view) // b)):

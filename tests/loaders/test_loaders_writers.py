@@ -19,6 +19,7 @@ from loaders import (
     MDS,
     LoaderConfig,
     MDSWriter,
+    ReplicaConfig,
     ShardCorruptError,
     ShardDataset,
     ShardNotFoundError,
@@ -29,6 +30,7 @@ from loaders import (
     WebDataset,
     WebDatasetWriter,
 )
+from loaders.formats.wds.writer import HASH_BLOCK_BYTES
 from tests.helpers import MDS_FIXTURES, ROOT
 from tests.helpers.mds import expected_value
 
@@ -553,3 +555,19 @@ def test_webdataset_writers_manifest_hashes_every_shard_and_a_flipped_byte_is_re
     expected = [_wds_expected(s) for s in samples]
     assert len(got) == 30 and [{k: g[k] for k in w} for g, w in zip(got, expected)] == expected
     assert any("xxh3_64" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_shard_longer_than_its_hashed_manifest_says_is_corrupt_at_open(tmp_path):
+    """Reviewer of stop 60: the count at open reads a WebDataset shard whole; with replicas not
+    compared, one longer than the manifest's size by whole hash blocks met the block table's
+    end (``IndexError``) instead of a corrupt shard."""
+    root = tmp_path / "ds"
+    with WebDatasetWriter(str(root), max_count=10) as writer:
+        for sample in _wds_samples(10):
+            writer.write(sample)
+    shard = root / writer.shards[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data + bytes(HASH_BLOCK_BYTES))  # one hash block more
+    unchecked = ReplicaConfig(verify_replicas=False)  # sizes not compared at open
+    with pytest.raises(ShardCorruptError, match=r"run past the \d+ bytes the manifest gives"):
+        ShardDataset(str(root), WebDataset(manifest="manifest.txt"), replica_config=unchecked)
