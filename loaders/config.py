@@ -147,8 +147,8 @@ class LoaderConfig:
     """Shuffle units (read pieces), then samples within blocks of ``shuffle_block_units`` units."""
     shuffle_block_units: int = 8
     """Units whose samples are shuffled together; all of a block's units are held in memory at
-    once, so ``window_bytes`` should hold the largest block (else one WARNING at open, and the
-    window grows past it to hold a block)."""
+    once, so ``window_bytes`` must hold the largest block's reads (checked at open), and should
+    hold their decoded samples (else one WARNING, and the window grows past it to hold one)."""
     batch_size: int = 1
     """Consecutive samples a DataLoader worker takes in turn: set it to the DataLoader's
     ``batch_size`` so that its round-robin over workers yields the rank's order."""

@@ -114,21 +114,29 @@ class ShardDataset(IterableDataset):
         self._orders: dict[int, EpochOrder] = {}
 
     def _check_window(self) -> None:
-        """One WARNING when a shuffle block may not fit the window: all of a block's units are
-        held at once, so the window then grows past ``window_bytes`` to hold one."""
+        """All of a shuffle block's units are held at once: ``ValueError`` if the largest
+        block's reads do not fit the window; one WARNING if only their decoded samples may not
+        (MDS's Python objects), and the window then grows past ``window_bytes`` to hold one."""
         k = self.config.shuffle_block_units if self.config.shuffle else 1
-        largest = sorted((u.mem_bytes for u in self.units), reverse=True)[:k]
-        if sum(largest) > self.config.window_bytes and len(largest) > 1:
+        if k < 2 or len(self.units) < 2:
+            return
+        read = sum(sorted((u.nbytes for u in self.units), reverse=True)[:k])
+        decoded = sum(sorted((u.mem_bytes for u in self.units), reverse=True)[:k])
+        window = self.config.window_bytes
+        if read > window:
+            raise ValueError(
+                f"a shuffle block of {k} units may take {read} bytes, more than "
+                f"window_bytes={window}: lower shuffle_block_units or raise window_bytes"
+            )
+        if decoded > window:
             logger.warning(
                 "a shuffle block of %d units may take %d bytes decoded, more than "
                 "window_bytes=%d: the loader holds a whole block anyway (lower "
                 "shuffle_block_units or raise window_bytes to stay within it)",
                 k,
-                sum(largest),
-                self.config.window_bytes,
+                decoded,
+                window,
             )
-
-    # -- pickling into DataLoader workers ----------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -558,9 +558,10 @@ def test_webdataset_writers_manifest_hashes_every_shard_and_a_flipped_byte_is_re
 
 
 def test_a_shard_longer_than_its_hashed_manifest_says_is_corrupt_at_open(tmp_path):
-    """Reviewer of stop 60: the count at open reads a WebDataset shard whole; with replicas not
+    """Reviewer of stop 60: the count at open read a WebDataset shard whole; with replicas not
     compared, one longer than the manifest's size by whole hash blocks met the block table's
-    end (``IndexError``) instead of a corrupt shard."""
+    end (``IndexError``) instead of a corrupt shard. It is read no further than a byte past its
+    size, and refused."""
     root = tmp_path / "ds"
     with WebDatasetWriter(str(root), max_count=10) as writer:
         for sample in _wds_samples(10):
@@ -569,5 +570,7 @@ def test_a_shard_longer_than_its_hashed_manifest_says_is_corrupt_at_open(tmp_pat
     data = shard.read_bytes()
     shard.write_bytes(data + bytes(HASH_BLOCK_BYTES))  # one hash block more
     unchecked = ReplicaConfig(verify_replicas=False)  # sizes not compared at open
-    with pytest.raises(ShardCorruptError, match=r"run past the \d+ bytes the manifest gives"):
+    with pytest.raises(
+        ShardCorruptError, match=r"shard\.00000\.tar on replica .* is not \d+ bytes"
+    ):
         ShardDataset(str(root), WebDataset(manifest="manifest.txt"), replica_config=unchecked)

@@ -197,7 +197,9 @@ class WebDataset:
         )
         if self.sample_counts is None:
             with ThreadPoolExecutor(8) as pool:
-                surveyed = list(pool.map(lambda key: self._survey(replicas, key, hashes), shards))
+                surveyed = list(
+                    pool.map(lambda k, n: self._survey(replicas, k, n, hashes), shards, nbytes)
+                )
             counts, mem_bytes = [c for c, _ in surveyed], [m for _, m in surveyed]
         else:
             counts, mem_bytes = self.sample_counts, nbytes
@@ -218,17 +220,22 @@ class WebDataset:
         return WdsLayout(units=units, max_shard_bytes=self.max_shard_bytes, hashes=hashes)
 
     def _survey(
-        self, replicas: Any, key: str, hashes: dict[str, FileHashes] | None
+        self, replicas: Any, key: str, size: int, hashes: dict[str, FileHashes] | None
     ) -> tuple[int, int]:
-        """Shard ``key``'s sample count and the size of its tar archive."""
+        """Shard ``key``'s sample count and the size of its tar archive (read no further than a
+        byte past ``size``, its listed size: a longer copy is refused unread)."""
 
         def count(data: bytes, replica: str) -> tuple[int, int]:
+            if size and len(data) != size:
+                raise ShardCorruptError(
+                    f"shard {key} on replica {replica} is not {size} bytes, its listed size"
+                )
             if hashes is not None:
                 hashes[key].check(data, 0, what=f"shard {key} on replica {replica}")
             tar = shard_tar(data, key, replica, self.max_shard_bytes)
             return len(parse_tar(tar, key, replica)), len(tar)
 
-        return replicas.read(key, decode=count)
+        return replicas.read(key, 0 if size else None, size + 1 if size else None, decode=count)
 
 
 @dataclass
