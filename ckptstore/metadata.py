@@ -15,6 +15,7 @@ import json
 import math
 import os
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -428,28 +429,51 @@ class _Decoder:
         return value
 
 
-def check_covered(metadata: Metadata, where: str, *, exact: bool) -> None:
-    """``CheckpointCorruptError`` unless the chunks of each tensor of ``metadata`` add up to
-    its size (a tensor loaded whole would hold bytes never stored where they fall short);
-    ``exact``: also that none overlaps another (a mask of the tensor's size, one byte per
-    element: for a restore that allocates the tensor anyway)."""
-    import numpy as np
-
+def check_covered(metadata: Metadata, where: str) -> None:
+    """``CheckpointCorruptError`` unless the chunks of each tensor of ``metadata`` cover it
+    exactly once: their sizes add up to its size and no two overlap (a tensor loaded whole
+    would hold bytes never stored where they fall short). ``verify`` and restore run the same
+    check, without a buffer of the tensor's size."""
     for key, md in metadata.state_dict_metadata.items():
         if not hasattr(md, "chunks"):
             continue
         size = tuple(md.size)
         total = sum(math.prod(chunk.sizes) for chunk in md.chunks)
-        whole = total == math.prod(size)
-        if whole and exact and len(md.chunks) > 1:
-            covered = np.zeros(size, dtype=bool)
-            for chunk in md.chunks:
-                region = covered[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
-                if region.any():
-                    whole = False
-                    break
-                region[...] = True
-        if not whole:
+        if total != math.prod(size) or _overlap(md.chunks, f"{where}: {key!r}"):
             raise CheckpointCorruptError(
                 f"{where}: the chunks of {key!r} do not cover its size {list(size)} exactly once"
             )
+
+
+MAX_OVERLAP_TESTS = 1 << 26
+"""Most chunk pairs :func:`_overlap` compares for one tensor (a sharded layout needs about as
+many as it has chunks; ~1 s of numpy at the bound)."""
+
+
+def _overlap(chunks: Sequence[Any], what: str) -> bool:
+    """Whether two of ``chunks`` (each inside the tensor) overlap: a sweep along the dimension
+    whose offsets vary most, each chunk tested against those still open there."""
+    import numpy as np
+
+    if len(chunks) < 2:
+        return False
+    if not len(chunks[0].offsets):
+        return True  # two chunks of a 0-d tensor
+    offsets = np.array([list(c.offsets) for c in chunks], dtype=np.int64)
+    ends = offsets + np.array([list(c.sizes) for c in chunks], dtype=np.int64)
+    dim = max(range(offsets.shape[1]), key=lambda d: len(np.unique(offsets[:, d])))
+    active = np.empty(0, dtype=np.int64)
+    tests = 0
+    for i in np.argsort(offsets[:, dim], kind="stable"):
+        active = active[ends[active, dim] > offsets[i, dim]]
+        tests += len(active)
+        if tests > MAX_OVERLAP_TESTS:
+            raise CheckpointCorruptError(
+                f"{what}: its {len(chunks)} chunks overlap too widely to check (more than "
+                f"{MAX_OVERLAP_TESTS} pairs)"
+            )
+        low = np.maximum(offsets[active], offsets[i])
+        if np.any(np.all(low < np.minimum(ends[active], ends[i]), axis=1)):
+            return True
+        active = np.append(active, i)
+    return False

@@ -323,7 +323,7 @@ def full_state_dict(view: StepView) -> dict[str, Any]:
             f"{where}: restoring it whole takes {need} bytes, more than the {available} this "
             "host has available"
         )
-    check_covered(metadata, where, exact=True)  # its tensors are allocated whole
+    check_covered(metadata, where)
     planner = _WeightsOnlyPlanner(f"step {step} in {store.uri}")
     state: dict[str, Any] = {}
     try:

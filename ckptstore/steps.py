@@ -294,7 +294,7 @@ class StepView:
 
         try:
             metadata = self.dcp_metadata()
-            check_covered(metadata, f"step {self.step}", exact=False)
+            check_covered(metadata, f"step {self.step}")
         except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
             yield Found(ref.key, "dcp-metadata", exc)
             return

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ckptstore.store import Store
 from loaders.cache import ShardCache, open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
-from loaders.errors import ShardCorruptError, ShardNotFoundError
+from loaders.errors import ShardNotFoundError
 from loaders.formats.layout import Format, Unit, unit_samples
 from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
@@ -317,28 +317,13 @@ class ShardDataset(IterableDataset):
         decode = self.layout.decode
 
         start, end = unit.span()
-        whole = start is None and unit.nbytes > 0
-        if whole:  # one byte past the size the dataset opened with, no more
-            start, end = 0, unit.nbytes + 1
 
         def fetch(post: Callable[[Any, str], Any]) -> Any:
-            def sized(raw: Any, replica: str) -> Any:
-                if whole and len(raw) != unit.nbytes:
-                    size = "more than " if len(raw) > unit.nbytes else f"{len(raw)}, not "
-                    raise ShardCorruptError(
-                        f"shard {unit.key} on replica {replica} is {size}{unit.nbytes} bytes, "
-                        "its size when the dataset opened (changed since, or the replica "
-                        "lies about it)"
-                    )
-                return post(raw, replica)
-
+            view = self.layout.reads_views
+            if start is None:
+                return self.replicas.read_whole(unit.key, unit.nbytes, decode=post, view=view)
             return self.replicas.read(
-                unit.key,
-                start,
-                end,
-                size_hint=unit.nbytes,
-                decode=sized,
-                view=self.layout.reads_views,
+                unit.key, start, end, size_hint=unit.nbytes, decode=post, view=view
             )
 
         if self._cache is None:

@@ -107,15 +107,13 @@ class TierSaver:
         for ward in self.wards():
             if self.local.rank_dir(ward).is_dir():
                 self._unlist(self.local.store(ward), floor, keep, f"rank {ward}'s local copies")
-        if not self._sweeps_dir:
-            self.local.resumed_from = None
-            return
-        # The stores a restart left on this node hold the run the job left too: every copy.
-        for _ward, path, store in self.local.left_behind(self._kept_here):
-            try:
-                self._unlist(store, floor, set(), f"the copies left in {path}")
-            except (CheckpointError, OSError) as exc:
-                logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
+        if self._sweeps_dir:
+            # The stores a restart left on this node hold the run the job left too: every copy.
+            for _ward, path, store in self.local.left_behind(self._kept_here):
+                try:
+                    self._unlist(store, floor, set(), f"the copies left in {path}")
+                except (CheckpointError, OSError) as exc:
+                    logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
         self.local.resumed_from = None
 
     def _unlist(self, store: Store, floor: int, keep: set[int], what: str) -> None:

@@ -116,13 +116,7 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
     """The shards a manifest lists, one per line (blank lines and ``#`` comments skipped), with
     their hashes if it is a hashed one; the manifest must be the same on every replica
     (:meth:`ReplicaSet.read_same`)."""
-    size = replicas.size(key)
-    if size > MAX_MANIFEST_BYTES:
-        raise ShardCorruptError(
-            f"manifest {key} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest "
-            "may take"
-        )
-    raw = replicas.read_same(key)
+    raw = replicas.read_same(key, MAX_MANIFEST_BYTES)
     try:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:

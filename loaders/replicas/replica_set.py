@@ -12,6 +12,7 @@ import xxhash
 
 from ckptstore.store import Hedger, RetryPolicy, Store
 from loaders.config import ReplicaConfig
+from loaders.errors import ShardCorruptError
 from loaders.metrics import ReadStats, ReplicaStats
 from loaders.replicas import survey
 from loaders.replicas.health import Replica, ReplicaHealth
@@ -121,6 +122,33 @@ class ReplicaSet:
             self._lacking(key),
         )
 
+    def read_whole(
+        self,
+        key: str,
+        size: int,
+        *,
+        decode: Callable[[Any, str], Any] | None = None,
+        view: bool = False,
+    ) -> Any:
+        """All of ``key``, whose size is ``size`` (what the dataset opened with), as :meth:`read`:
+        asked for no further than a byte past it, so a copy that grew since (or a replica whose
+        listing and body disagree) is refused without being read whole. Any other length is
+        that replica's :class:`ShardCorruptError` and the read fails over. A ``size`` of 0
+        (not known) reads the object whole."""
+        if not size:
+            return self.read(key, decode=decode, view=view)
+
+        def sized(data: Any, replica: str) -> Any:
+            if len(data) != size:
+                got = "more than " if len(data) > size else f"{len(data)}, not "
+                raise ShardCorruptError(
+                    f"shard {key} on replica {replica} is {got}{size} bytes, the size listed when "
+                    "the dataset opened (changed since, or the replica lies about it)"
+                )
+            return data if decode is None else decode(data, replica)
+
+        return self.read(key, 0, size + 1, decode=sized, size_hint=size, view=view)
+
     def call(self, what: str, fn: Callable[[Store], R], *, key: str | None = None) -> R:
         """``fn(store)`` on the best replica (not one known to lack or to hold another size of
         ``key``), failing over on errors (never hedged)."""
@@ -132,11 +160,24 @@ class ReplicaSet:
 
     # -- whole-dataset checks ---------------------------------------------------------------
 
-    def read_same(self, key: str) -> bytes:
-        """``key`` from every replica; :class:`ReplicaMismatchError` if any two differ."""
-        first = self.read(key)
+    def read_same(self, key: str, max_bytes: int) -> bytes:
+        """``key`` from every replica; :class:`ReplicaMismatchError` if any two differ. No more
+        than a byte past ``max_bytes`` is read from any replica: a longer copy is
+        :class:`ShardCorruptError`, naming the bound."""
+        first = self._reads.read(
+            key,
+            0,
+            lambda store: store.get(key, 0, max_bytes + 1, in_thread=True, small=True),
+            None,
+            self._lacking(key),
+        )
+        if len(first) > max_bytes:
+            raise ShardCorruptError(
+                f"{key} is more than {max_bytes} bytes, the most a dataset's index or manifest "
+                "may take"
+            )
         if len(self) > 1 and self.config.verify_replicas:
-            survey.check_same(self._replicas, key, first)
+            survey.check_same(self._replicas, key, first, max_bytes)
         return first
 
     def find_shards(

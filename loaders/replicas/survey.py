@@ -22,12 +22,13 @@ logger = logging.getLogger(__package__)  # "loaders.replicas", as health's
 _NAMED = 50  # shards named at most in one warning line
 
 
-def check_same(replicas: Sequence[Replica], key: str, first: bytes) -> None:
+def check_same(replicas: Sequence[Replica], key: str, first: bytes, max_bytes: int) -> None:
     """:class:`ReplicaMismatchError` unless every replica holds ``first`` as ``key`` (one that
-    cannot be reached is skipped with a warning)."""
+    cannot be reached is skipped with a warning); no more than a byte past ``max_bytes`` is
+    read from any."""
     for r in replicas:
         try:
-            other = r.store.get(key)
+            other = r.store.get(key, 0, max_bytes + 1, small=True)
         except ObjectNotFoundError as exc:
             raise ReplicaMismatchError(f"replica {r.name} lacks {key}") from exc
         except StorageError as exc:

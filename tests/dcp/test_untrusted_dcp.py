@@ -405,6 +405,45 @@ def test_verify_refuses_metadata_that_places_an_item_where_no_index_holds_it(tmp
     assert code == 1 and "dcp.metadata" in err and "does not hold it at 1000000" in out
 
 
+def test_chunks_that_overlap_where_others_leave_a_gap_are_refused_by_verify_and_restore(
+    tmp_path, capsys
+):
+    """model.w declared [16, 4] of two stored [8, 4] chunks at rows 0 and 4: their sizes add up,
+    so verify (which only added them) said OK, where restore refused the overlap (rows 12-16
+    never stored). Both refuse it now, by one check."""
+    uri = str(tmp_path / "s")
+    store = _save(uri)
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    _tensor_doc(doc).update(size=[16, 4], chunks=[[[0, 0], [8, 4]], [[4, 0], [8, 4]]])
+    doc["storage_data"].append(["model.w", [4, 0], 0, 0])
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    assert main(["verify", uri]) == 1
+    assert "'model.w' do not cover its size [16, 4] exactly once" in capsys.readouterr().out
+    with pytest.raises(CheckpointCorruptError, match=r"'model.w' do not cover its size \[16, 4\]"):
+        load_full_state_dict(store, 0)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "overlap"),
+    [
+        ([((0, 0), (4, 4)), ((4, 0), (4, 4))], False),  # rows
+        ([((0, 0), (8, 2)), ((0, 2), (8, 2))], False),  # columns: swept along dim 1
+        ([((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)], False),  # a 2x2 grid
+        ([((0, 0), (4, 4)), ((3, 3), (1, 1))], True),  # one corner inside another
+        ([((0, 0), (4, 1)), ((0, 0), (0, 4)), ((2, 0), (2, 2))], True),  # zero-size ignored
+        ([((0,), (5,)), ((5,), (0,)), ((5,), (3,))], False),
+    ],
+)
+def test_overlap_of_chunks(chunks, overlap):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from ckptstore.metadata import _overlap
+
+    made = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks]
+    assert _overlap(made, "t") is overlap
+
+
 def test_metadata_declaring_a_tensor_its_chunks_do_not_cover_is_refused(tmp_path, capsys):
     """Adversary: model.w declared [512, 4], its one stored chunk left [8, 4]. Restore allocated
     the whole tensor and wrote the rows never stored (the restoring process's heap) into its

@@ -14,6 +14,7 @@ import pytest
 import xxhash
 
 import loaders.formats.manifest as manifest_module
+from ckptstore.store import open_store
 from loaders import (
     LoaderConfig,
     ReplicaMismatchError,
@@ -323,8 +324,10 @@ def test_a_hostile_manifest_is_one_clear_error_before_any_read(tmp_path, text, e
     assert "\n" not in str(info.value) and "manifest.txt" in str(info.value)
 
 
-def test_a_manifest_larger_than_the_bound_is_refused_unread(tmp_path, monkeypatch):
+def test_a_manifest_larger_than_the_bound_is_refused_read_no_further(tmp_path, monkeypatch):
     root = _manifest(tmp_path, "#" * 200 + "\ntokens.00000.bin\n")
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 100)
-    with pytest.raises(ShardCorruptError, match=r"manifest manifest\.txt is 218 bytes, more than"):
-        ShardDataset(root, _fmt(), config=IN_ORDER)
+    store = open_store(root)
+    with pytest.raises(ShardCorruptError, match=r"manifest\.txt is more than 100 bytes, the most"):
+        ShardDataset(store, _fmt(), config=IN_ORDER)
+    assert store.counters.snapshot()["bytes"]["get"] == 101

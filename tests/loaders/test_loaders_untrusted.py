@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import zstandard
 
+import loaders.formats.manifest as manifest_module
+from ckptstore.store import open_store
 from loaders import (
     MDS,
     LoaderConfig,
@@ -316,6 +318,20 @@ def test_an_mds_index_nested_past_the_parser_is_corrupt(tmp_path: Path) -> None:
         ShardDataset(str(root), MDS(), config=IN_ORDER)
 
 
+def test_an_mds_index_past_the_bound_is_refused_read_no_further(tmp_path: Path, monkeypatch):
+    """An index.json was read whole, however large, on every replica before anything was
+    checked: it is read no further than a byte past the bound of an index or manifest."""
+    root = tmp_path / "ds"
+    write_mds(root, None)
+    index = root / "index.json"
+    index.write_bytes(index.read_bytes() + b" " * 5000)
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 4096)
+    store = open_store(str(root))
+    with pytest.raises(ShardCorruptError, match=r"index\.json is more than 4096 bytes, the most"):
+        ShardDataset(store, MDS(), config=IN_ORDER)
+    assert store.counters.snapshot()["bytes"]["get"] == 4097
+
+
 @pytest.mark.parametrize(("encoding", "value"), [("str_decimal", "abc"), ("json", "[" * 100_000)])
 def test_mds_values_their_encoding_cannot_decode_are_corrupt_samples(
     tmp_path: Path, encoding: str, value: str
@@ -387,7 +403,7 @@ def test_a_shard_grown_after_open_is_refused_without_being_read_whole(tmp_path, 
     growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
     assert growth < GROWTH_LIMIT, f"the read grew by {growth >> 20} MiB"
     assert outcome.startswith("ShardCorruptError"), outcome
-    assert f"is more than {unit.nbytes} bytes, its size when the dataset opened" in outcome
+    assert f"is more than {unit.nbytes} bytes, the size listed when the dataset opened" in outcome
     assert len(list(dataset)) == 10  # opened before: the good replica serves the shard
 
 

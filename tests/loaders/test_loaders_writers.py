@@ -571,6 +571,7 @@ def test_a_shard_longer_than_its_hashed_manifest_says_is_corrupt_at_open(tmp_pat
     shard.write_bytes(data + bytes(HASH_BLOCK_BYTES))  # one hash block more
     unchecked = ReplicaConfig(verify_replicas=False)  # sizes not compared at open
     with pytest.raises(
-        ShardCorruptError, match=r"shard\.00000\.tar on replica .* is not \d+ bytes"
+        ShardCorruptError,
+        match=r"shard\.00000\.tar on replica .* is more than \d+ bytes, the size listed",
     ):
         ShardDataset(str(root), WebDataset(manifest="manifest.txt"), replica_config=unchecked)

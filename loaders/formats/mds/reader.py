@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ShardCorruptError, ShardNotFoundError, UnknownFormatError
+from loaders.formats import manifest
 from loaders.formats._codecs import decompress, hasher, max_raw_bytes
 from loaders.formats.layout import Unit, check_shard_key
 
@@ -164,7 +165,7 @@ class MDS:
         self.raw_columns = tuple(self.raw_columns)
 
     def open(self, replicas: Any) -> MDSLayout:
-        raw = replicas.read_same(self.index)
+        raw = replicas.read_same(self.index, manifest.MAX_MANIFEST_BYTES)
         try:
             index = json.loads(raw)
         except (ValueError, RecursionError) as exc:
