@@ -4,7 +4,6 @@ through a ``SaveSession`` as ``Checkpointer``'s saves are."""
 from __future__ import annotations
 
 import concurrent.futures
-import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import dataclasses
 import io
 import logging
@@ -23,8 +22,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore import telemetry
-from ckptstore._torch_private import ASYNC_SAVE_THREAD_PREFIX
 from ckptstore.catalog import list_steps
+from ckptstore.dcp import unwaited
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
@@ -247,8 +246,7 @@ class StoreWriter(StorageWriter, PooledStager):
         if self._policy is not None:  # a script that ends right after a save keeps its drain
             this = weakref.ref(self)
             threading._register_atexit(lambda: (w := this()) is not None and w._close_at_exit())
-        _finish_async_saves_at_exit()
-        _WRITERS.add(self)
+        unwaited.watch(self)
         # One save's tier exchanges at a time (overlapping async saves reach them in turn).
         self._tier_lock = threading.Lock()
         self._once_group: RankGroup | None = None  # untiered saves' one writer per chunk
@@ -747,7 +745,7 @@ class StoreWriter(StorageWriter, PooledStager):
         """Finish the saves a thread-based ``dcp.async_save`` runs in this process and the
         queued drains, and stop the drain thread (collective with ``local_dir``: every rank
         closes its writer); raises as ``wait``."""
-        finish_async_saves()
+        unwaited.finish_async_saves()
         wait_written()  # a copy a tiered load repaired, written in the background
         drains = self._drains
         if drains is None:
@@ -945,50 +943,6 @@ def _whole_world(ranks: int) -> bool:
         and torch.distributed.is_initialized()
         and torch.distributed.get_world_size() == ranks
     )
-
-
-def finish_async_saves() -> None:
-    """Wait for every save a thread-based ``dcp.async_save`` runs in this process (each in a
-    thread of its own; a failed one ends too, its error in its future)."""
-    for thread in threading.enumerate():
-        if (
-            thread.name.startswith(ASYNC_SAVE_THREAD_PREFIX)
-            and thread is not threading.current_thread()
-        ):
-            thread.join()
-
-
-def _at_exit() -> None:
-    """The saves ``dcp.async_save`` still runs, finished; then each save whose thread ended
-    without committing it is named in one ERROR line: its error is in a future nobody may
-    have read (a script that ends right after ``async_save``)."""
-    finish_async_saves()
-    for writer in list(_WRITERS):
-        for step, _, thread in list(writer._started.values()):
-            if not thread.is_alive():
-                logger.error(
-                    "rank %d: step %d of %s was not committed (its error is in the future "
-                    "dcp.async_save returned)",
-                    writer.rank,
-                    step,
-                    writer.store.uri,
-                )
-
-
-_exit_hook_lock = threading.Lock()
-_exit_hook: list[bool] = []
-_WRITERS: weakref.WeakSet[StoreWriter] = weakref.WeakSet()
-
-
-def _finish_async_saves_at_exit() -> None:
-    """Once per process: at exit, before ``concurrent.futures`` refuses new work (which the
-    S3 client needs), the saves ``dcp.async_save`` still runs are finished. Without it a
-    script that ends without waiting on its future lost the save (on S3: nothing stored, no
-    error), where DCP's own writer commits it."""
-    with _exit_hook_lock:
-        if not _exit_hook:
-            _exit_hook.append(True)
-            threading._register_atexit(_at_exit)
 
 
 def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int | None):
