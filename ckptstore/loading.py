@@ -275,11 +275,11 @@ class StateLoader:
     def _quarantine(self, skipped: list[tuple[int, BaseException]]) -> None:
         """Rank 0, after a load with fallback skipped steps as corrupt: each is quarantined
         in the durable store (``ckptstore.quarantine``: only if its durable copy re-checks
-        damaged) so that it never blocks a save of its step number again."""
+        damaged or missing objects) so that it never blocks a save of its step number again."""
         if self.rank != 0:
             return
         for step, error in skipped:
-            if not isinstance(error, CheckpointCorruptError):
+            if not isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)):
                 continue
             try:
                 quarantine_step(self.store, step, one_line(error))

@@ -34,6 +34,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
 )
 from ckptstore.format import (
+    MAX_MANIFEST_BYTES,
     ChunkInfo,
     _dump,
     chunk_key,
@@ -52,8 +53,10 @@ def quarantine_step(store, step: int, why: str) -> bool:
 
     try:
         manifest, data = load_manifest_bytes(store, step)
+    except CheckpointCorruptError:
+        return _quarantine_unreadable(store, step, why)
     except CheckpointError:
-        return False  # gone, or an unreadable manifest: gc --remove-corrupt's case
+        return False  # gone: another process's retention
     (check,) = verify_steps(store, [step])
     bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
     if not bad or any(p.problem == "unreadable" for p in check.problems):
@@ -93,6 +96,42 @@ def quarantine_step(store, step: int, why: str) -> bool:
         len(chunks),
         step,
         QUARANTINE_PREFIX,
+    )
+    return True
+
+
+def _quarantine_unreadable(store, step: int, why: str) -> bool:
+    """A step whose manifest cannot be decoded: its bytes kept in a marker (its attempt is
+    unknown: named ``unreadable-<xxh3 of the bytes>``), then its commit removed, so that a new
+    save of the step number commits. Its other objects are no save's: gc sweeps them."""
+    from ckptstore.codec import hash_bytes  # numpy: only where a step is quarantined
+
+    key = commit_key(step)
+    try:
+        data = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)
+    except ObjectNotFoundError:
+        return False
+    attempt = f"unreadable-{hash_bytes(data)[:16]}"
+    body = {
+        "step": step,
+        "attempt": attempt,
+        "reason": why,
+        "quarantined_at": time.time(),
+        "bad_chunks": [],
+        "problems": [f"{store.url(key)}: unreadable"],
+        "manifest_b64": base64.b64encode(data[:MAX_MANIFEST_BYTES]).decode(),
+    }
+    try:
+        store.put(marker_key(step, attempt), _dump(QUARANTINE_KIND, body))
+    except ObjectExistsError:
+        pass
+    store.delete(key)
+    logger.info(
+        "step %d of %s quarantined (its manifest is unreadable): no longer listed nor loaded; "
+        "a new save of step %d commits as any save",
+        step,
+        store.uri,
+        step,
     )
     return True
 

@@ -195,6 +195,7 @@ def _from_tiers(
         for r, mine in enumerate(candidate.sources)
         if mine[0].tier == PEER and mine[0].holder is not None
     }
+    sources.update(_unreadable_copies(local, group, candidate))
     if sources:
         verified = verify_ahead(local, group, step, candidate.attempt, intact=rank not in sources)
         ahead.extend([verified] if verified is not None else [])
@@ -211,6 +212,31 @@ def _from_tiers(
     if found is not None:
         report.source = PEER if rank in sources else LOCAL
     return found
+
+
+def _unreadable_copies(local: LocalTier, group: RankGroup, candidate: Candidate) -> dict[int, int]:
+    """(collective) The ranks whose own copy is their first source but whose manifest or index
+    cannot be read, each with the holder it is restored from: its next peer source (a rank
+    without one is left to fail as before: durable storage, where the step is there)."""
+    rank, step = group.rank, candidate.step
+    mine = candidate.sources[rank]
+    holder = None
+    if mine[0].tier == LOCAL:
+        try:
+            _, manifest = _own_index(local.store(rank), step)
+            local.check_copy(manifest, rank, candidate.attempt)
+        except CheckpointError as exc:
+            holder = next((s.holder for s in mine[1:] if s.tier == PEER), None)
+            if holder is not None:
+                logger.warning(
+                    "rank %d: its copy of step %d cannot be read, restoring it from peer rank "
+                    "%d: %s",
+                    rank,
+                    step,
+                    holder,
+                    one_line(exc),
+                )
+    return {r: h for r, h in enumerate(group.gather(holder)) if h is not None}
 
 
 def _from_durable(

@@ -71,14 +71,15 @@ def plan_restore(
             listed = list_steps(durable)
         except CheckpointError as exc:
             listed = exc
-    everything = group.gather((_held(local, group.rank), listed))
+    everything = group.gather((_held(local, group.rank), _place(local), listed))
     manifests: dict[int, Manifest] = {}
     found: Any = None
     if group.rank == 0:
-        held = [h for h, _ in everything]
+        held = [h for h, _, _ in everything]
+        places = [p for _, p, _ in everything]
         try:
             found = _plan(
-                durable, local, held, listed, wanted, None if healthy else limit, manifests
+                durable, local, held, places, listed, wanted, None if healthy else limit, manifests
             )
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             found = exc
@@ -116,10 +117,23 @@ def _held(local: LocalTier, rank: int) -> dict[int, dict[int, str]]:
     return held
 
 
+def _place(local: LocalTier) -> str | None:
+    """This rank's job directory, as the ranks sharing it know it (its ``dir-token``): the
+    copies another rank of the same directory reports are this rank's own, not a peer's. None
+    where the node holds no copies (or the token cannot be read)."""
+    try:
+        if not local.rank_dir(local.rank).parent.is_dir():
+            return None
+    except OSError:
+        return None
+    return local.dir_token()
+
+
 def _plan(
     durable: Store,
     local: LocalTier,
     held: list[dict[int, dict[int, str]]],
+    places: list[str | None],
     listed: list[int] | BaseException,
     step: int | None,
     limit: int | None,
@@ -144,7 +158,7 @@ def _plan(
         manifests[s] = manifest
         return manifest.attempt
 
-    plan = plan_sources(held, steps, attempt, step=step, limit=limit)
+    plan = plan_sources(held, steps, attempt, step=step, limit=limit, places=places)
     if plan:
         if step is None:
             _name_passed_over(held, plan[0].step)

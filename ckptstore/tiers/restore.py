@@ -88,12 +88,17 @@ def plan_sources(
     *,
     step: int | None = None,
     limit: int | None = None,
+    places: list[str | None] | None = None,
 ) -> list[Candidate]:
     """The saves every rank can restore, newest first. ``held[h]``: rank h's node's copies, by
     ward, step -> attempt; ``durable_attempt(step)``: the attempt of a durable step (None when
     its manifest cannot be read), asked only of the steps considered. ``step``: only that step;
-    ``limit``: at most that many saves (a load without fallback needs one)."""
+    ``limit``: at most that many saves (a load without fallback needs one). ``places[h]``: the
+    job directory rank h reads (None: not known): a directory is one source of a rank's copy
+    however many ranks share it, and the rank's own directory its local source, never a
+    peer's (a repair from it would read the very copy it replaces)."""
     world = len(held)
+    where = places if places is not None else [None] * world
     by_save: dict[tuple[int, str], dict[int, list[Source]]] = {}
     for h, wards in enumerate(held):
         for ward, copies in wards.items():
@@ -120,6 +125,7 @@ def plan_sources(
                     tiers.get(r, []),
                     key=lambda src: (src.tier != LOCAL, _distance(src.holder, r, world)),
                 )
+                mine = _one_per_place(mine, where, r)
                 if attempt == durable:
                     mine.append(Source(DURABLE))
                 sources.append(mine)
@@ -136,3 +142,20 @@ def plan_sources(
 
 def _distance(holder: Any, rank: int, world: int) -> int:
     return 0 if holder is None else (holder - rank) % world
+
+
+def _one_per_place(sources: list[Source], places: list[str | None], rank: int) -> list[Source]:
+    """``sources`` without a second source in a job directory already listed (the first, the
+    rank's own or the nearest holder, kept); a source of an unknown place is kept."""
+    seen: set[str] = set()
+    if places[rank] is not None:
+        seen.add(places[rank])  # its own directory: LOCAL when listed, never a peer
+    out = []
+    for src in sources:
+        place = places[rank] if src.tier == LOCAL else places[src.holder]  # type: ignore[index]
+        if src.tier != LOCAL and place is not None and place in seen:
+            continue
+        if place is not None:
+            seen.add(place)
+        out.append(src)
+    return out

@@ -390,12 +390,11 @@ class _Exchange:
         """One save lease of ``t.ward``'s store here, taken (once no gc sweeps) before anything
         stored is looked at and held until the copy's manifest is written (``commit``); then
         the chunks its newest copy of that ward holds, known stored (none for a repair: what
-        the store holds of the save may be bad, and its manifest was unlisted first)."""
+        the store holds of the save may be bad; its manifest is unlisted once the source's
+        header arrived whole, ``take_header``)."""
         inc = _Incoming(t)
         store, engine = self.local.store(t.ward), self.local.engine
         try:
-            if t.repair and store.exists(commit_key(t.step)):
-                drop_step(store, t.step)  # unlisted until the repaired copy is committed
             inc.lease = acquire_save_lease(
                 store,
                 f"{t.step:020d}-{t.attempt}-from{t.src:05d}",
@@ -444,6 +443,9 @@ class _Exchange:
             elif metadata:
                 raise CheckpointError(f"rank {t.src} sent DCP metadata its manifest does not name")
             inc.index = decode_rank_index(index_bytes, store.url(ref.key))
+            if t.repair and store.exists(commit_key(t.step)):
+                # Unlisted only once a copy to replace it arrived, until that one is committed.
+                drop_step(store, t.step)
             inc.manifest, inc.index_bytes, inc.index_key = header[: sizes[0]], index_bytes, ref.key
             inc.decoded = manifest
             if t.repair and sum(c.stored for c in inc.index.chunks.values()) <= self.keep_bytes:

@@ -95,6 +95,38 @@ def test_a_corrupt_newest_step_is_quarantined_and_saved_again(tmp_path, capsys):
     assert verify_all(str(root)) == [4]
 
 
+def _lose_a_chunk(root: Path, step: int) -> None:
+    digest = sorted(_chunks(root, step) - _chunks(root, step - 1))[0]
+    (root / "chunks" / digest[:2] / digest).unlink()
+
+
+def _lose_the_index(root: Path, step: int) -> None:
+    store = Store(str(root))
+    store.delete(load_manifest(store, step).ranks[0].key)
+
+
+def _garble_the_manifest(root: Path, step: int) -> None:
+    path = root / "commits" / f"{step:020d}.json"
+    path.chmod(0o644)
+    path.write_bytes(b"not a manifest")
+
+
+@pytest.mark.parametrize("damage", [_lose_a_chunk, _lose_the_index, _garble_the_manifest])
+def test_a_newest_step_missing_an_object_or_unreadable_is_quarantined_and_saved_again(
+    tmp_path, damage
+):
+    """Reviewer of stop 61: a step load(fallback=True) skipped for a missing chunk or index
+    (CheckpointNotFoundError) or an unreadable manifest was never quarantined: the resumed job's
+    save of that step number failed with StepExistsError at every restart."""
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    damage(root, 3)
+    assert _resume(root, 3)[0] == 2  # skipped 3, saved it again
+    assert _resume(root, 4)[0] == 3  # the new step 3 loads
+    assert list(quarantined(Store(str(root))).values()) == [3]
+    assert verify_all(str(root)) == [1, 2, 3, 4]
+
+
 def test_a_quarantined_step_asked_for_by_number_is_named_as_quarantined(tmp_path, capsys):
     """``inspect``, ``restore`` and ``verify`` of a step a load quarantined say so (when, how
     many chunks, the marker's key), not only that it is not committed; so do

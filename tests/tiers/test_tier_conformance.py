@@ -718,6 +718,76 @@ def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind,
     run_ranks(_peer_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
 
 
+def _own_index_damaged(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5)
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    if rank == 2:
+        (own,) = (Path(base) / "node-1").glob("job-*/rank-00002")
+        (index,) = own.glob(f"indexes/*/{2:020d}/*/rank-*.json")
+        index.write_bytes(index.read_bytes()[:20])
+    torch.distributed.barrier()
+    for _ in range(2):  # and the next load reads the repaired copy
+        target = _ranks_own(rank, _blank())
+        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+        assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_copy_whose_own_index_is_damaged_is_restored_from_its_peer_copy(kind, tmp_path):
+    """Reviewer of stop 61: the DCP front-end failed every load of a step whose rank 2 copy had
+    a truncated index (only its first source was ever tried), though node 0 kept an intact
+    peer copy; the Checkpointer restored it. Both restore it now."""
+    run_ranks(_own_index_damaged, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+def _local_blip(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    from ckptstore.errors import StorageError
+    from ckptstore.store import core
+
+    tiers = dict(durable_every=5)  # no peer copies: step 2 is held by rank 2's copy alone
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.close()
+    torch.distributed.barrier()
+    get, get_view = core.Store.get, core.Store.get_view
+
+    def failing(read: Any) -> Any:
+        def fail(self: Store, key: str, *args: Any, **kwargs: Any) -> Any:
+            if "rank-00002" in self.uri and key.startswith("chunks/"):
+                raise StorageError(f"{self.uri}/{key}: EIO")
+            return read(self, key, *args, **kwargs)
+
+        return fail
+
+    if rank == 2:
+        core.Store.get, core.Store.get_view = failing(get), failing(get_view)
+    try:
+        with pytest.raises(BaseException, match="EIO"):  # DCP: CheckpointException
+            _two_nodes(kind, rank, root, base, **tiers).load(_ranks_own(rank, _blank()))
+    finally:
+        core.Store.get, core.Store.get_view = get, get_view
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, _ = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_local_read_error_leaves_the_copy_for_the_next_load(kind, tmp_path):
+    """Reviewer of stop 61: every rank of a node reported its directory's copies, so rank 2
+    "repaired" its copy from rank 3, which reads the same directory; the repair unlisted the
+    intact copy first, and after one transient read error the next load resumed from step 1
+    (the Checkpointer; DCP kept it). Now a directory is never a peer of its own ranks."""
+    run_ranks(_local_blip, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
 @contextlib.contextmanager
 def _chunk_reads(where: str):
     """The chunk reads (``Store.get`` / ``get_view``) of stores under ``where`` that returned

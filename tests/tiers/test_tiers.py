@@ -264,6 +264,21 @@ def test_a_resumed_job_never_mixes_two_saves_of_one_step(tmp_path):
     assert [s.tier for s in plan[1].sources[0]] == [LOCAL, DURABLE]
 
 
+def test_a_job_directory_is_one_source_and_never_a_peer_of_its_own_ranks():
+    """Reviewer of stop 61: every rank of a node reports its directory's copies, so rank 2's
+    plan was [local, peer rank 3 (its own directory), peer rank 0, peer rank 1 (one
+    directory)]: a transient local error sent it to repair its intact copy from itself, which
+    unlisted the copy first (a committed step lost), and a bad peer copy was sent twice."""
+    node_a = {0: {5: "s"}, 1: {5: "s"}, 2: {5: "s"}, 3: {5: "s"}}  # own copies and wards'
+    node_b = {2: {5: "s"}, 3: {5: "s"}, 0: {5: "s"}, 1: {5: "s"}}
+    held = [node_a, node_a, node_b, node_b]
+    plan = plan_sources(held, [], lambda s: None, places=["A", "A", "B", "B"])
+    assert [str(src) for src in plan[0].sources[2]] == ["local", "peer rank 0"]
+    assert [str(src) for src in plan[0].sources[1]] == ["local", "peer rank 2"]
+    unknown = plan_sources(held, [], lambda s: None)  # without places: as before
+    assert len(unknown[0].sources[2]) == 4
+
+
 def _src(tier):
     from ckptstore.tiers.restore import Source
 
