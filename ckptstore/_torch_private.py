@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
     "ASYNC_SAVE_THREAD_PREFIX",
+    "dead_checkpoint_process",
     "EmptyStateDictLoadPlanner",
     "load_in_this_process",
     "narrow_tensor_by_index",
@@ -31,6 +32,20 @@ __all__ = [
 # save, shut down after it): joined at exit so that a script ending without waiting on the
 # future still commits (``dcp.writer.finish_async_saves``).
 ASYNC_SAVE_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+def dead_checkpoint_process() -> int | None:
+    """The pid of DCP's checkpoint process (``async_save(async_checkpointer_type=PROCESS)``,
+    started once per process and never again) if it has exited; None while it runs or before
+    it started."""
+    from torch.distributed.checkpoint import _async_process_executor
+
+    process = getattr(_async_process_executor, "_CHECKPOINT_PROCESS", None)
+    child = getattr(process, "_save_process", None)
+    if child is None or child.is_alive():
+        return None
+    return child.pid
+
 
 # Rebuilds the state dict from the step's metadata (the state dict it is given must be empty).
 EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner

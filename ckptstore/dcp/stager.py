@@ -3,6 +3,7 @@ save that writes it."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -13,7 +14,10 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 from torch.distributed.tensor import DTensor
 
 from ckptstore import telemetry
+from ckptstore._torch_private import dead_checkpoint_process
 from ckptstore.save import SaveEngine, Staged
+
+logger = logging.getLogger(__name__)
 
 # How long stage() waits for the previous async save to hand the staging buffer back.
 _STAGING_WAIT_S = 60.0
@@ -44,7 +48,12 @@ class PooledStager(AsyncStager):
             finally:
                 stager.close()
         t0 = time.perf_counter()
-        copied = self.engine.stage_somewhere(leaves, wait_s=_STAGING_WAIT_S, rank=self.rank)
+        wait_s = _STAGING_WAIT_S
+        dead = dead_checkpoint_process()
+        if dead is not None:  # the failed saves' futures pin their buffers: no buffer to wait for
+            wait_s = 0.0
+            _warn_once(dead, self.rank)
+        copied = self.engine.stage_somewhere(leaves, wait_s=wait_s, rank=self.rank)
         staged = HeldStaging(copied, self.engine, self._staged)
         self._staged[copied.buffer.data_ptr()] = staged
         out = _StagedState(_replace_tensors(state_dict, iter(copied.copy.views)))
@@ -68,6 +77,21 @@ class PooledStager(AsyncStager):
                 if found is not None:
                     return found
         return None
+
+
+_warned: set[int] = set()
+
+
+def _warn_once(pid: int, rank: int) -> None:
+    if pid not in _warned:
+        _warned.add(pid)
+        logger.warning(
+            "rank %d: DCP's checkpoint process (pid %d) has exited: every process-based "
+            "async_save of this process will fail (torch starts it once); use thread-based "
+            "async_save or restart the job",
+            rank,
+            pid,
+        )
 
 
 class HeldStaging:

@@ -193,6 +193,10 @@ class StoreWriter(StorageWriter, PooledStager):
         # What a copy of this writer in DCP's checkpoint process is rebuilt from (__reduce__).
         self._config = dict(uri=uri, storage_options=storage_options, keep_last=keep_last, **o)
         self._token = uuid.uuid4().hex
+        # In DCP's checkpoint process: the training process that sent this writer, which must
+        # still be there for a save to commit (an orphan would commit a step the restarted job
+        # saves again: StepExistsError).
+        self._trainer_pid: int | None = None
         self._init_tiers(o)
         self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
         # Coordinator, by attempt: the step, when it started (its persist time) and the thread
@@ -504,6 +508,7 @@ class StoreWriter(StorageWriter, PooledStager):
             return
         session = self._session(target)
         try:
+            self._check_trainer(target)
             metadata.version = _DCP_VERSION
             metadata.storage_data = storage_data
             metadata.storage_meta = StorageMeta(checkpoint_id=store.uri, save_id=target.attempt)
@@ -524,6 +529,16 @@ class StoreWriter(StorageWriter, PooledStager):
             return
         self._committed(target)
         session.retain()
+
+    def _check_trainer(self, target: _SaveTarget) -> None:
+        """In DCP's checkpoint process: refuse to commit once the training process that asked
+        for the save is gone (killed: this process lives on as an orphan, and the restarted job
+        resumes from an older step and saves this one again)."""
+        if self._trainer_pid is not None and os.getppid() != self._trainer_pid:
+            raise CheckpointError(
+                f"step {target.step} of {self.store.uri} not committed: the training process "
+                f"(pid {self._trainer_pid}) that asked for it is gone"
+            )
 
     # -- tiers ------------------------------------------------------------------------------
 
@@ -959,6 +974,7 @@ def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int |
     if writer is None:
         writer = StoreWriter(uri, step=step, **config)
         writer._token = token
+        writer._trainer_pid = pid
     _REBUILT[token] = writer  # the newest last
     while len(_REBUILT) > _REBUILT_KEPT:
         del _REBUILT[next(iter(_REBUILT))]

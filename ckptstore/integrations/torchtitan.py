@@ -88,7 +88,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.staging import StagingOptions as DCPStagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from ckptstore.catalog import list_steps
+from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.options import (
     EncodingOptions,
@@ -404,6 +404,12 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                     f"Checkpoint.initial_load_path is invalid: {self.initial_load_path} "
                     f"names no committed ckptstore step (committed: {_some(committed)})"
                     + _dcp_folder_hint(self.initial_load_path)
+                )
+            if load_manifest(reader.store, load_step).dcp_metadata is None:
+                raise ValueError(
+                    f"Checkpoint.initial_load_path is invalid: step {load_step} of {source} "
+                    "was saved by ckptstore.Checkpointer, not through DCP as torchtitan saves: "
+                    "load it with Checkpointer.load into the model and save it through DCP first"
                 )
             model_only = self.initial_load_model_only
         else:

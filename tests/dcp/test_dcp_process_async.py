@@ -168,3 +168,86 @@ def test_tiered_process_async_save_fails_clearly_on_two_ranks(tmp_path):
     uri = str(tmp_path / "s")
     run_ranks(_tiered_worker, 2, uri, str(tmp_path / "local"), timeout_s=300)
     assert list_steps(Store(uri)) == []
+
+
+def test_a_checkpoint_process_whose_trainer_is_gone_commits_nothing(tmp_path):
+    """Reviewer of stop 61: DCP's checkpoint process outlives a trainer killed with kill -9
+    and committed the save it was running seconds later, after the restarted job had resumed
+    from the step before: the job's own save of that step then failed (StepExistsError). A
+    writer rebuilt in a checkpoint process commits only while the process that sent it is its
+    parent."""
+    import subprocess
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptstore.dcp.writer import _writer_in_process
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    uri = str(tmp_path / "s")
+    sent = StoreWriter(uri, step=5)
+    orphan = _writer_in_process(sent._token, gone.pid, sent._config, 5)
+    with pytest.raises(CheckpointException, match=rf"training process \(pid {gone.pid}\)"):
+        dcp.save(_state(0, 5), storage_writer=orphan, no_dist=True)
+    assert list_steps(Store(uri)) == []
+    dcp.save(_state(0, 5), storage_writer=StoreWriter(uri, step=5), no_dist=True)
+    assert list_steps(Store(uri)) == [5]  # its lease was released
+
+
+def _dead_checkpoint_process(rank: int, world: int, uri: str) -> None:
+    import logging
+    import signal
+
+    from ckptstore._torch_private import dead_checkpoint_process
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    writer = StoreWriter(uri)
+    kept = []  # the failed saves' futures, kept as a training loop keeps them
+    response = dcp.async_save(
+        _state(rank, 1.0),
+        storage_writer=writer,
+        checkpoint_id=1,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    response.result(timeout=120)
+    assert dead_checkpoint_process() is None
+    from torch.distributed.checkpoint import _async_process_executor
+
+    child = _async_process_executor._CHECKPOINT_PROCESS._save_process
+    os.kill(child.pid, signal.SIGKILL)
+    assert wait_until(lambda: dead_checkpoint_process() == child.pid, timeout_s=30)
+    waits: list[float] = []
+    stage_somewhere = writer.engine.stage_somewhere
+
+    def recording(tensors, *, wait_s, rank, pooled=True):
+        waits.append(wait_s)
+        return stage_somewhere(tensors, wait_s=wait_s, rank=rank, pooled=pooled)
+
+    writer.engine.stage_somewhere = recording
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ckptstore.dcp.stager").addHandler(handler)
+    for step in (2, 3):
+        kept.append(
+            dcp.async_save(
+                _state(rank, float(step)),
+                storage_writer=writer,
+                checkpoint_id=step,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
+        )
+        with pytest.raises(BaseException):  # noqa: B017, PT011 - torch's own error
+            kept[-1].result(timeout=60)
+    assert waits == [0.0, 0.0]  # never the 60 s wait for a buffer a failed future pins
+    said = [r.getMessage() for r in records]
+    assert len(said) == 1 and f"checkpoint process (pid {child.pid}) has exited" in said[0]
+    assert list_steps(Store(uri)) == [1]
+
+
+@pytest.mark.dist
+def test_a_dead_checkpoint_process_is_named_once_and_never_waited_for(tmp_path):
+    """Reviewer of stop 61: once DCP's checkpoint process died, each process-based save waited
+    60 s for the staging buffer a failed save's future pinned, then failed with a bare
+    BrokenPipeError. It is named once, and no save waits for a buffer."""
+    run_ranks(_dead_checkpoint_process, 1, str(tmp_path / "s"), timeout_s=300)

@@ -458,3 +458,25 @@ def test_an_initial_load_path_naming_a_plain_dcp_folder_says_what_it_is(tmp_path
             manager.load()
     finally:
         manager.close()
+
+
+@needs_torchtitan
+def test_an_initial_load_path_naming_a_checkpointer_step_is_one_line(tmp_path):
+    """Reviewer of stop 61: a store written by Checkpointer failed inside DCP's load as an
+    11-line CheckpointException whose advice did not fit a torchtitan user."""
+    from ckptstore import Checkpointer
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+
+    store = tmp_path / "byckpt"
+    with Checkpointer(store) as ckpt:
+        ckpt.save(3, {"w": torch.ones(4)}).wait()
+    config = CkptstoreCheckpointManager.Config(enable=True, initial_load_path=str(store))
+    manager = _build(config, tmp_path / "dump")
+    try:
+        with pytest.raises(
+            ValueError, match=r"step 3 of .* was saved by ckptstore.Checkpointer"
+        ) as e:
+            manager.load()
+        assert "\n" not in str(e.value)
+    finally:
+        manager.close()
