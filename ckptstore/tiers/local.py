@@ -323,6 +323,10 @@ class LocalTier:
     def copies(self, ward: int) -> dict[int, str]:
         """``ward``'s committed copies here: step -> attempt (unreadable or foreign ones left
         out, with one log line)."""
+        return {step: attempt for step, (attempt, _) in self.copies_made(ward).items()}
+
+    def copies_made(self, ward: int) -> dict[int, tuple[str, float]]:
+        """:meth:`copies`, each with when it was made (its manifest's ``created_at``)."""
         if not self.rank_dir(ward).is_dir():
             return {}
         store = self.store(ward)
@@ -334,7 +338,7 @@ class LocalTier:
                 logger.warning("rank %d: local copy %s unreadable: %s", self.rank, store.uri, exc)
                 continue
             if self.belongs(manifest, ward):
-                out[step] = manifest.attempt
+                out[step] = (manifest.attempt, manifest.created_at)
             elif self.of_other_instance(manifest):
                 self._warn_foreign(store, step, manifest)
             else:

@@ -20,6 +20,7 @@ Every rank gets the same plan, or raises the same error.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     FormatVersionError,
+    StorageError,
     UnhealthyStepError,
     one_line,
 )
@@ -39,6 +41,7 @@ from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.restore import DURABLE, Candidate, Source, plan_sources
+from ckptstore.tiers.resumes import Resume, left_by, resumes
 from ckptstore.tiers.transfer import wait_written
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,8 @@ def plan_restore(
     manifests: dict[int, Manifest] = {}
     found: Any = None
     if group.rank == 0:
-        held = [h for h, _, _ in everything]
+        made = [h for h, _, _ in everything]
+        held = _left_out(durable, made, listed)
         places = [p for _, p, _ in everything]
         try:
             found = _plan(
@@ -97,8 +101,9 @@ def _raise_or(value: Any) -> Any:
     return value
 
 
-def _held(local: LocalTier, rank: int) -> dict[int, dict[int, str]]:
-    held: dict[int, dict[int, str]] = {}
+def _held(local: LocalTier, rank: int) -> dict[int, dict[int, tuple[str, float]]]:
+    """The copies this rank's node keeps: by ward, step -> (attempt, when it was made)."""
+    held: dict[int, dict[int, tuple[str, float]]] = {}
     try:
         wards = local.wards_here()
     except OSError as exc:
@@ -106,7 +111,7 @@ def _held(local: LocalTier, rank: int) -> dict[int, dict[int, str]]:
         return held
     for ward in wards:
         try:
-            held[ward] = local.copies(ward)
+            held[ward] = local.copies_made(ward)
         except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
             logger.warning(
                 "rank %d: the local tier of rank %d cannot be read, not offered: %s",
@@ -114,6 +119,49 @@ def _held(local: LocalTier, rank: int) -> dict[int, dict[int, str]]:
                 ward,
                 one_line(exc),
             )
+    return held
+
+
+def _left_out(
+    durable: Store, made: list[dict[int, dict[int, tuple[str, float]]]], listed: Any
+) -> list[dict[int, dict[int, str]]]:
+    """(rank 0) Every rank's copies, step -> attempt, without those of a run the job left:
+    made before the job resumed from an earlier step (``tiers.resumes``), on a node that was
+    away then. Named in one warning. Not where the durable store could not be listed (its
+    warning says so)."""
+    try:
+        recorded = [] if isinstance(listed, BaseException) else resumes(durable)
+    except (CheckpointError, StorageError) as exc:
+        recorded = []
+        logger.warning(
+            "the resumes recorded in %s cannot be listed: copies of a run the job left, on a "
+            "node that was away, are not told apart: %s",
+            durable.uri,
+            one_line(exc),
+        )
+    left: dict[int, Resume] = {}
+    held: list[dict[int, dict[int, str]]] = []
+    for wards in made:
+        kept: dict[int, dict[int, str]] = {}
+        for ward, copies in wards.items():
+            kept[ward] = {}
+            for step, (attempt, at) in copies.items():
+                resume = left_by(step, at, recorded)
+                if resume is None:
+                    kept[ward][step] = attempt
+                else:
+                    left[step] = resume
+        held.append(kept)
+    if left:
+        newest = max(left)
+        logger.warning(
+            "copies of step%s %s not loaded: made before the job resumed from step %d (at %s), "
+            "a run it left",
+            "s" if len(left) > 1 else "",
+            rank_ranges(sorted(left)),
+            left[newest].step,
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(left[newest].at)),
+        )
     return held
 
 

@@ -27,6 +27,7 @@ from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import Agreement, RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity
+from ckptstore.tiers.resumes import record_resume
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_written
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,17 @@ class TierSaver:
         *,
         durable_uri: str,
         dir_mates: list[int] | None = None,
+        durable: Store | None = None,
     ) -> None:
         """``dir_mates``: the ranks sharing this rank's job directory (None: unknown, and no
-        store of a rank that left is removed)."""
+        store of a rank that left is removed); ``durable``: the store rank 0 records a resume
+        in (``tiers.resumes``)."""
         self.policy = policy
         self.local = local
         self.group = group
         self.topology = topology
         self.durable_uri = durable_uri
+        self.durable = durable
         self.rank = group.rank
         self.committed: set[int] = set()  # steps this process committed to the local tiers
         self.last_peer_copy: TransferStats | None = None
@@ -114,6 +118,8 @@ class TierSaver:
                     self._unlist(store, floor, set(), f"the copies left in {path}")
                 except (CheckpointError, OSError) as exc:
                     logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
+        if self.rank == 0 and self.durable is not None:  # for the nodes away now
+            record_resume(self.durable, floor - 1, self.rank)
         self.local.resumed_from = None
 
     def _unlist(self, store: Store, floor: int, keep: set[int], what: str) -> None:
@@ -417,7 +423,9 @@ def open_tiers(
     token = local.dir_token()
     tokens = group.gather(token)  # a rank that could not read one: none removes any store
     mates = None if None in tokens else [r for r, t in enumerate(tokens) if t == token]
-    saver = TierSaver(policy, local, group, topology, durable_uri=durable.uri, dir_mates=mates)
+    saver = TierSaver(
+        policy, local, group, topology, durable_uri=durable.uri, dir_mates=mates, durable=durable
+    )
     drains = DrainQueue(
         local=local,
         group=drain_group,
