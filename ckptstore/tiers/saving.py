@@ -118,7 +118,9 @@ class TierSaver:
                     self._unlist(store, floor, set(), f"the copies left in {path}")
                 except (CheckpointError, OSError) as exc:
                     logger.warning("rank %d: %s not unlisted: %s", self.rank, path, one_line(exc))
-        if self.rank == 0 and self.durable is not None:  # for the nodes away now
+        # For the nodes away now; only a restarted process can have left one behind (a
+        # process that committed copies before its load keeps them, as above).
+        if self.rank == 0 and self.durable is not None and not self.local.last_two_committed():
             record_resume(self.durable, floor - 1, self.rank)
         self.local.resumed_from = None
 

@@ -1117,38 +1117,36 @@ def test_a_rollback_on_swapped_nodes_never_brings_the_abandoned_run_back(kind, t
     )
 
 
-def _rolled_back_while_a_node_was_away(
-    rank: int, world: int, kind: str, root: str, base: str
+def _run_while_a_node_was_away(
+    rank: int, world: int, kind: str, root: str, base: str, phase: int
 ) -> None:
+    """Phase 1: steps 1 (durable) to 4 on nodes 0 and 1. Phase 2 (a restart): node 1 away, its
+    ranks on node 2, the job rolls back to step 1 and saves 2 and 3 again. Phase 3 (another):
+    node 1 back with phase 1's copies, node 2 gone; "latest" must be phase 2's step 3."""
     tiers = dict(peer_copies=1, durable_every=5)
 
     def state(run: int, step: int) -> dict[str, Any]:
         return _ranks_own(rank, _state(100 * run + 10 * rank + step))
 
-    def placed(nodes: tuple[int, int]) -> Front:
-        node = nodes[rank // 2]
-        options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
-        front = FRONTS[kind](Path(root), options, StorageOptions())
-        front.no_dist = False
-        return front
-
-    first = placed((0, 1))
-    for step in (1, 2, 3, 4):  # 1 durable, 2-4 in the local tiers and their peer copies
-        first.save(step, state(1, step))
-    first.close()
-    torch.distributed.barrier()
-    second = placed((0, 2))  # node 1 away, its ranks on node 2; a rollback to step 1
-    assert second.load(_ranks_own(rank, _blank()), 1)[0] == 1
-    for step in (2, 3):
-        second.save(step, state(2, step))
-    second.close()
-    torch.distributed.barrier()
-    said = log_records("ckptstore.tiers.plan")
-    target = _ranks_own(rank, _blank())
-    step, report = placed((0, 1)).load(target)  # node 1 back, with run 1's copies
-    assert step == 3 and _same(target, state(2, 3)), (rank, step, report)  # not run 1's 4
-    if rank == 0:
-        assert any("copies of steps 3-4 not loaded" in r.getMessage() for r in said), said
+    node = (0, 2 if phase == 2 else 1)[rank // 2]
+    options = TierOptions(local_dir=Path(base) / f"node-{node}", node_rank=node, **tiers)
+    front = FRONTS[kind](Path(root), options, StorageOptions())
+    front.no_dist = False
+    if phase == 1:
+        for step in (1, 2, 3, 4):  # 1 durable, 2-4 in the local tiers and their peer copies
+            front.save(step, state(1, step))
+    elif phase == 2:
+        assert front.load(_ranks_own(rank, _blank()), 1)[0] == 1
+        for step in (2, 3):
+            front.save(step, state(2, step))
+    else:
+        said = log_records("ckptstore.tiers.plan")
+        target = _ranks_own(rank, _blank())
+        step, report = front.load(target)
+        assert step == 3 and _same(target, state(2, 3)), (rank, step, report)  # not run 1's 4
+        if rank == 0:
+            assert any("copies of steps 3-4 not loaded" in r.getMessage() for r in said), said
+    front.close()
 
 
 @pytest.mark.dist
@@ -1157,15 +1155,18 @@ def test_a_node_away_during_a_rollback_never_brings_the_abandoned_run_back(kind,
     """Reviewer of stop 61: the copies of steps after the one a job rolled back to were
     unlisted only on the nodes the resumed job ran on; a node that was away came back with
     run 1's steps 3 and 4, and "latest" loaded run 1's step 4 (both front-ends). The resume is
-    recorded in the durable store, and copies made before it of later steps are passed over."""
-    run_ranks(
-        _rolled_back_while_a_node_was_away,
-        4,
-        kind,
-        str(tmp_path / "durable"),
-        str(tmp_path),
-        timeout_s=300,
-    )
+    recorded in the durable store, and copies made before it of later steps are passed over.
+    Each phase is a job of its own processes, as a restart is."""
+    for phase in (1, 2, 3):
+        run_ranks(
+            _run_while_a_node_was_away,
+            4,
+            kind,
+            str(tmp_path / "durable"),
+            str(tmp_path),
+            phase,
+            timeout_s=240,
+        )
 
 
 def _reencoded(rank: int, world: int, kind: str, root: str, base: str) -> None:
