@@ -26,6 +26,7 @@ from ckptstore.catalog import (
     marker_key,
     quarantined,
     read_marker,
+    read_rank_index,
 )
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -39,6 +40,7 @@ from ckptstore.format import (
     _dump,
     chunk_key,
     commit_key,
+    decode_manifest,
     is_attempt,
     is_digest,
 )
@@ -60,6 +62,15 @@ def quarantine_step(store, step: int, why: str) -> bool:
     (check,) = verify_steps(store, [step])
     bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
     if not bad or any(p.problem == "unreadable" for p in check.problems):
+        return False
+    missing = [p.object for p in bad if p.problem == "missing"]
+    if len(missing) == len(bad) and _turn_up(store, missing):
+        logger.warning(
+            "step %d of %s: objects a load found missing are there now (a store whose reads "
+            "lag its writes?); not quarantined",
+            step,
+            store.uri,
+        )
         return False
     found = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
     damaged = _damaged_chunks(store, step, found, check.chunk_refs)
@@ -100,6 +111,20 @@ def quarantine_step(store, step: int, why: str) -> bool:
     return True
 
 
+MISSING_RECHECKS_S = (1.0, 4.0)
+"""A step whose only damage is missing objects is looked at again after these waits before it
+is quarantined: a store whose reads lag its writes (a replica behind) must not lose a step."""
+
+
+def _turn_up(store, keys: list[str]) -> bool:
+    """Whether any of ``keys`` turns up within :data:`MISSING_RECHECKS_S`."""
+    for wait_s in MISSING_RECHECKS_S:
+        time.sleep(wait_s)
+        if any(store.exists(key) for key in keys):
+            return True
+    return False
+
+
 def _quarantine_unreadable(store, step: int, why: str) -> bool:
     """A step whose manifest cannot be decoded: its bytes kept in a marker (its attempt is
     unknown: named ``unreadable-<xxh3 of the bytes>``), then its commit removed, so that a new
@@ -109,8 +134,11 @@ def _quarantine_unreadable(store, step: int, why: str) -> bool:
     key = commit_key(step)
     try:
         data = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)
+        again = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)
     except ObjectNotFoundError:
         return False
+    if again != data or _decodes_as_manifest(again, store.url(key)):
+        return False  # a read cut short or damaged on the way: not the stored bytes' fault
     attempt = f"unreadable-{hash_bytes(data)[:16]}"
     body = {
         "step": step,
@@ -134,6 +162,14 @@ def _quarantine_unreadable(store, step: int, why: str) -> bool:
         step,
     )
     return True
+
+
+def _decodes_as_manifest(data: bytes, name: str) -> bool:
+    try:
+        decode_manifest(data[: MAX_MANIFEST_BYTES + 1], name)
+    except CheckpointError:
+        return False
+    return len(data) <= MAX_MANIFEST_BYTES
 
 
 def _damaged_chunks(
@@ -206,6 +242,21 @@ def quarantined_attempts(store) -> set[str]:
         if is_attempt(doc.get("attempt")):
             attempts.add(doc["attempt"])
     return attempts
+
+
+def quarantined_chunks(store) -> set[str]:
+    """The chunks the quarantined saves' rank indexes name (gc keeps those still stored until
+    ``--remove-corrupt``: a step quarantined by mistake can be put back whole)."""
+    digests: set[str] = set()
+    for key in quarantined(store):
+        try:
+            doc = read_marker(store, key)
+            manifest = decode_manifest(base64.b64decode(doc["manifest_b64"]), store.url(key))
+            for ref in manifest.ranks:
+                digests.update(read_rank_index(store, ref).chunks)
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue  # an unreadable manifest's marker, or its indexes gone: nothing to keep
+    return digests
 
 
 def quarantine_objects(store) -> list[str]:

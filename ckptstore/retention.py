@@ -50,7 +50,7 @@ from ckptstore.leases import (
     find_leases,
     stale_probes,
 )
-from ckptstore.quarantine import quarantine_objects, quarantined_attempts
+from ckptstore.quarantine import quarantine_objects, quarantined_attempts, quarantined_chunks
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ def collect(
         logger.log(level, "gc %s: step %d is %s; it is kept", store.uri, step, why)
     forensics = quarantine_objects(store)
     keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
+    keep_chunks = set() if remove_corrupt else quarantined_chunks(store)
     if remove_corrupt:
         report.removed_quarantine = sorted(set(quarantined(store).values()))
     if not dry_run:
@@ -156,6 +157,7 @@ def collect(
             keep_attempts,
             level,
             set(keep_steps),
+            keep_chunks,
         )
     finally:
         if lease is not None:
@@ -312,6 +314,7 @@ def _sweep(
     keep_attempts: set[str] = frozenset(),
     level: int = logging.WARNING,
     keep_steps: set[int] = frozenset(),
+    keep_chunks: set[str] = frozenset(),
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -329,7 +332,7 @@ def _sweep(
         logger.log(level, "gc %s: a kept step cannot be read, no chunk swept", store.uri)
         return
     kept = [readable[s] for s in report.kept_steps]
-    referenced = {d for step in kept for d in step.chunks}
+    referenced = {d for step in kept for d in step.chunks} | keep_chunks
     protected = {step.manifest.attempt for step in kept} | set(ignore_attempts) | keep_attempts
     # Only keys of this format's shapes: a stranger's file under these prefixes is left.
     keys = [k for prefix in ("steps", "indexes") for k in store.list(prefix)]

@@ -34,6 +34,7 @@ from ckptstore.retention import collect
 from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.identity import agree_identity, store_identity
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
+from ckptstore.tiers.resumes import RESUME_FIELD, made_under
 
 if TYPE_CHECKING:
     from ckptstore.save.engine import SaveEngine
@@ -48,6 +49,7 @@ _COMMITTED: dict[str, list[int]] = {}
 """By a rank's own copies directory: the last two steps this process committed there (either
 front-end, whatever objects made the saves)."""
 _RESUMED: dict[str, int] = {}
+_RESUME_TOKENS: dict[str, str] = {}  # by rank dir: the resume this process's copies descend from
 """By a rank's own copies directory: the step a load in this process last resumed from (a DCP
 load and the next save are separate objects; a Checkpointer may be made again)."""
 
@@ -118,6 +120,17 @@ class LocalTier:
         else:
             _RESUMED[key] = step
 
+    @property
+    def resume_token(self) -> str | None:
+        """The token of the resume this process's copies descend from (``tiers.resumes``), set
+        when its first save after a load recorded one; None: not resumed."""
+        return _RESUME_TOKENS.get(str(self.rank_dir(self.rank)))
+
+    @resume_token.setter
+    def resume_token(self, token: str | None) -> None:
+        if token is not None:
+            _RESUME_TOKENS[str(self.rank_dir(self.rank))] = token
+
     def note_committed(self, step: int) -> None:
         """This process committed its copy of ``step`` (``last_two_committed``)."""
         key = str(self.rank_dir(self.rank))
@@ -187,6 +200,8 @@ class LocalTier:
         info = tier_info(ward, self.world_size, self.durable_uri)
         if self.identity is not None:
             info["store_id"] = self.identity.id
+        if self.resume_token is not None:
+            info[RESUME_FIELD] = self.resume_token
         return info
 
     def wards_here(self) -> list[int]:
@@ -292,7 +307,7 @@ class LocalTier:
         info = manifest.user.get(TIER_KEY)
         if manifest.world_size != 1 or not isinstance(info, dict):
             return False
-        path_info = {k: v for k, v in info.items() if k != "store_id"}
+        path_info = {k: v for k, v in info.items() if k not in ("store_id", RESUME_FIELD)}
         mine = tier_info(ward, self.world_size, self.durable_uri)
         return path_info == mine and of_instance(info, self.identity)
 
@@ -326,7 +341,8 @@ class LocalTier:
         return {step: attempt for step, (attempt, _) in self.copies_made(ward).items()}
 
     def copies_made(self, ward: int) -> dict[int, tuple[str, float]]:
-        """:meth:`copies`, each with when it was made (its manifest's ``created_at``)."""
+        """:meth:`copies`, each with when the resume it descends from was recorded
+        (``tiers.resumes.made_under``)."""
         if not self.rank_dir(ward).is_dir():
             return {}
         store = self.store(ward)
@@ -338,7 +354,7 @@ class LocalTier:
                 logger.warning("rank %d: local copy %s unreadable: %s", self.rank, store.uri, exc)
                 continue
             if self.belongs(manifest, ward):
-                out[step] = (manifest.attempt, manifest.created_at)
+                out[step] = (manifest.attempt, made_under(manifest.user.get(TIER_KEY)))
             elif self.of_other_instance(manifest):
                 self._warn_foreign(store, step, manifest)
             else:

@@ -102,7 +102,8 @@ def _raise_or(value: Any) -> Any:
 
 
 def _held(local: LocalTier, rank: int) -> dict[int, dict[int, tuple[str, float]]]:
-    """The copies this rank's node keeps: by ward, step -> (attempt, when it was made)."""
+    """The copies this rank's node keeps: by ward, step -> (attempt, when the resume it descends
+    from was recorded)."""
     held: dict[int, dict[int, tuple[str, float]]] = {}
     try:
         wards = local.wards_here()
@@ -126,8 +127,8 @@ def _left_out(
     durable: Store, made: list[dict[int, dict[int, tuple[str, float]]]], listed: Any
 ) -> list[dict[int, dict[int, str]]]:
     """(rank 0) Every rank's copies, step -> attempt, without those of a run the job left:
-    made before the job resumed from an earlier step (``tiers.resumes``), on a node that was
-    away then. Named in one warning. Not where the durable store could not be listed (its
+    made under an earlier resume (or none) than one from an earlier step (``tiers.resumes``),
+    kept by a node that was away then. Named in one warning. Not where the durable store could not be listed (its
     warning says so)."""
     try:
         recorded = [] if isinstance(listed, BaseException) else resumes(durable)
@@ -145,8 +146,8 @@ def _left_out(
         kept: dict[int, dict[int, str]] = {}
         for ward, copies in wards.items():
             kept[ward] = {}
-            for step, (attempt, at) in copies.items():
-                resume = left_by(step, at, recorded)
+            for step, (attempt, under) in copies.items():
+                resume = left_by(step, under, recorded)
                 if resume is None:
                     kept[ward][step] = attempt
                 else:
@@ -155,8 +156,8 @@ def _left_out(
     if left:
         newest = max(left)
         logger.warning(
-            "copies of step%s %s not loaded: made before the job resumed from step %d (at %s), "
-            "a run it left",
+            "copies of step%s %s not loaded: a run the job left when it resumed from step %d (at "
+            "%s)",
             "s" if len(left) > 1 else "",
             rank_ranges(sorted(left)),
             left[newest].step,

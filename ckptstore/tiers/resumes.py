@@ -4,10 +4,13 @@ left (docs/FORMAT.md, "Resumes").
 At the first tiered save after a load of step L (either front-end), the copies of the steps
 after L are unlisted on the nodes the job runs on (``TierSaver.drop_stale``). A node that was
 away then (down, or replaced for a while) still holds its copies of that run; when it comes
-back they looked like any other copies, and a load of "latest" took them. So rank 0 also
-records the resume: an empty object ``resumes/<L:020d>-<ms:016d>-<8 hex>`` (its key says all:
-the step resumed from and when, in ms since the epoch). A copy of step S made before a resume
-from a step L < S belongs to a run the job left, and the tiered load's planner passes it over.
+back they looked like any other copies, and a load of "latest" took them. So a restarted
+process's rank 0 also records the resume: an empty object ``resumes/<L:020d>-<token>`` (the
+token: ms since the epoch by rank 0's clock, then 8 hex), and every copy the job saves from then
+on records the token of the resume it descends from (``RESUME_FIELD`` of its tier info). A copy
+of step S made under an earlier resume (or none) than one from a step L < S belongs to a run
+the job left, and the tiered load's planner passes it over. Only the records' times are
+compared, each taken by the rank 0 of one restart: never a copy's own clock.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from ckptstore.errors import CheckpointError, StorageError, one_line
 from ckptstore.store import Store
@@ -24,6 +28,8 @@ from ckptstore.store import Store
 logger = logging.getLogger(__name__)
 
 RESUMES_PREFIX = "resumes"
+RESUME_FIELD = "resume"  # in a copy's tier info: the token of the resume it descends from
+_TOKEN = re.compile(r"(\d{16})-[0-9a-f]{8}")
 _KEY = re.compile(rf"{RESUMES_PREFIX}/(\d{{20}})-(\d{{16}})-[0-9a-f]{{8}}")
 
 
@@ -33,13 +39,14 @@ class Resume:
     at: float  # when (seconds since the epoch, the recording rank's clock)
 
 
-def record_resume(durable: Store, step: int, rank: int) -> None:
-    """Record that the job resumed from ``step`` now (one small put). A store that cannot take
-    it is one warning: the copies of the run left stay unlisted on the nodes the job runs on,
-    but a node that was away could bring them back."""
-    key = f"{RESUMES_PREFIX}/{step:020d}-{int(time.time() * 1000):016d}-{uuid.uuid4().hex[:8]}"
+def record_resume(durable: Store, step: int, rank: int) -> str | None:
+    """Record that the job resumed from ``step`` now (one small put); its token, which the
+    copies saved from now on record. A store that cannot take it is one warning (and None):
+    the copies of the run left stay unlisted on the nodes the job runs on, but a node that was
+    away could bring them back."""
+    token = f"{int(time.time() * 1000):016d}-{uuid.uuid4().hex[:8]}"
     try:
-        durable.put(key, b"")
+        durable.put(f"{RESUMES_PREFIX}/{step:020d}-{token}", b"")
     except (CheckpointError, StorageError) as exc:
         logger.warning(
             "rank %d: the resume from step %d could not be recorded in %s (a node away now "
@@ -49,6 +56,16 @@ def record_resume(durable: Store, step: int, rank: int) -> None:
             durable.uri,
             one_line(exc),
         )
+        return None
+    return token
+
+
+def made_under(info: Any) -> float:
+    """When the resume a copy descends from was recorded (its tier info's token); 0 for a copy
+    of a job that never resumed, or one without a well-formed token."""
+    token = info.get(RESUME_FIELD) if isinstance(info, dict) else None
+    found = _TOKEN.fullmatch(token) if isinstance(token, str) else None
+    return int(found[1]) / 1000 if found else 0.0
 
 
 def resumes(durable: Store) -> list[Resume]:
@@ -61,7 +78,7 @@ def resumes(durable: Store) -> list[Resume]:
     return out
 
 
-def left_by(step: int, made_at: float, recorded: list[Resume]) -> Resume | None:
-    """The resume that left a copy of ``step`` made at ``made_at`` behind (the job resumed
-    from an earlier step after it was made), if any."""
-    return next((r for r in recorded if r.step < step and r.at > made_at), None)
+def left_by(step: int, made_under: float, recorded: list[Resume]) -> Resume | None:
+    """The resume that left a copy of ``step`` behind: one from an earlier step, recorded after
+    the resume the copy descends from (``made_under``), if any."""
+    return next((r for r in recorded if r.step < step and r.at > made_under), None)

@@ -75,6 +75,7 @@ class TierSaver:
         self.topology = topology
         self.durable_uri = durable_uri
         self.durable = durable
+        self._resume: str | None = None  # rank 0: the token of the resume it just recorded
         self.rank = group.rank
         self.committed: set[int] = set()  # steps this process committed to the local tiers
         self.last_peer_copy: TransferStats | None = None
@@ -121,7 +122,7 @@ class TierSaver:
         # For the nodes away now; only a restarted process can have left one behind (a
         # process that committed copies before its load keeps them, as above).
         if self.rank == 0 and self.durable is not None and not self.local.last_two_committed():
-            record_resume(self.durable, floor - 1, self.rank)
+            self._resume = record_resume(self.durable, floor - 1, self.rank)
         self.local.resumed_from = None
 
     def _unlist(self, store: Store, floor: int, keep: set[int], what: str) -> None:
@@ -182,9 +183,13 @@ class TierSaver:
                 error = exc
             mine = written.health if written is not None else None
             save = (step, attempt)
-            heard = self.group.agree(error, (payload, shared, fatal is not None, mine, save))
+            resume, self._resume = self._resume, None
+            heard = self.group.agree(
+                error, (payload, shared, fatal is not None, mine, save, resume)
+            )
             payloads = [p for p, *_ in heard.payloads]
-            healths = [h and h.as_rank(r) for r, (_, _, _, h, _) in enumerate(heard.payloads)]
+            healths = [h and h.as_rank(r) for r, (_, _, _, h, *_) in enumerate(heard.payloads)]
+            local.resume_token = heard.payloads[0][5]  # rank 0's: copies from now on carry it
             _raise_if_stopped(save, heard, fatal)
             health = verdict(healths) if heard.ok else None
             # Every rank judges the same healths alike: refused everywhere, or skipped.

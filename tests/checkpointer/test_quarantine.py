@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptstore import Checkpointer, Store
+from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import QUARANTINE_PREFIX as PREFIX
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index, quarantined
 from ckptstore.cli import main
@@ -125,6 +125,61 @@ def test_a_newest_step_missing_an_object_or_unreadable_is_quarantined_and_saved_
     assert _resume(root, 4)[0] == 3  # the new step 3 loads
     assert list(quarantined(Store(str(root))).values()) == [3]
     assert verify_all(str(root)) == [1, 2, 3, 4]
+
+
+def test_objects_missing_for_a_moment_leave_the_step_committed(tmp_path, monkeypatch):
+    """Reviewer of stop 61: chunks that answered "not found" for 3 s (a replica behind) made a
+    fallback load skip the step, and its quarantine, re-checking within the same window,
+    deleted the commit of a good step; gc then swept its chunks. A step whose only damage is
+    missing objects is looked at again after a wait; objects that turn up keep it."""
+    from ckptstore import quarantine
+
+    root = tmp_path / "ckpt"
+    _resume(root, 3)
+    digest = sorted(_chunks(root, 3) - _chunks(root, 2))[0]
+    path = root / "chunks" / digest[:2] / digest
+    aside = tmp_path / "aside"
+    path.rename(aside)
+    back = []
+
+    def wait(seconds: float) -> None:  # the replica catches up during the first wait
+        if not back:
+            aside.rename(path)
+            back.append(seconds)
+
+    monkeypatch.setattr(quarantine.time, "sleep", wait)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 2  # step 3 skipped: a chunk missing
+    assert back and list_steps(Store(str(root))) == [1, 2, 3]  # not quarantined
+    assert not quarantined(Store(str(root)))
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state) == 3 and torch.equal(state["w"], _state(3)["w"])
+
+
+def test_gc_keeps_a_quarantined_steps_chunks_until_remove_corrupt(tmp_path, monkeypatch):
+    """A step quarantined for a missing chunk keeps its other chunks through gc (it can be put
+    back whole), until --remove-corrupt."""
+    from ckptstore import quarantine
+
+    monkeypatch.setattr(quarantine.time, "sleep", lambda seconds: None)
+    root = tmp_path / "ckpt"
+    small = EncodingOptions(chunk_bytes=4096)  # the state in four chunks
+    with Checkpointer(root, encoding=small) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step)).wait(timeout_s=BOUND_S)
+    only_3 = sorted(_chunks(root, 3) - _chunks(root, 2))
+    assert len(only_3) >= 2, only_3
+    (root / "chunks" / only_3[0][:2] / only_3[0]).unlink()
+    with Checkpointer(root, encoding=small) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 2
+        ckpt.save(3, _state(30)).wait(timeout_s=BOUND_S)  # another step 3, other bytes
+    assert list(quarantined(Store(str(root))).values()) == [3]
+    kept = [root / "chunks" / d[:2] / d for d in only_3[1:]]
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert all(path.exists() for path in kept)  # the quarantined step could be put back
+    assert main(["gc", str(root), "--keep-last", "1", "--remove-corrupt"]) == 0
+    assert not any(path.exists() for path in kept)
 
 
 def test_a_quarantined_step_asked_for_by_number_is_named_as_quarantined(tmp_path, capsys):

@@ -1145,7 +1145,9 @@ def _run_while_a_node_was_away(
         step, report = front.load(target)
         assert step == 3 and _same(target, state(2, 3)), (rank, step, report)  # not run 1's 4
         if rank == 0:
-            assert any("copies of steps 3-4 not loaded" in r.getMessage() for r in said), said
+            assert any(
+                "copies of steps 3-4 not loaded: a run the job left" in r.getMessage() for r in said
+            ), said
     front.close()
 
 
