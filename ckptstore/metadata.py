@@ -445,6 +445,21 @@ def check_covered(metadata: Metadata, where: str) -> None:
             )
 
 
+def _grid_cells(offsets: Any, ends: Any) -> Any:
+    """Each chunk's cell in the grid the chunks' boundaries make along every dimension, or None
+    where a chunk spans more than one cell (then the sweep decides)."""
+    import numpy as np
+
+    cells = []
+    for d in range(offsets.shape[1]):
+        bounds = np.unique(np.concatenate([offsets[:, d], ends[:, d]]))
+        at = np.searchsorted(bounds, offsets[:, d])
+        if not np.array_equal(bounds[np.minimum(at + 1, len(bounds) - 1)], ends[:, d]):
+            return None
+        cells.append(at)
+    return np.stack(cells, axis=1)
+
+
 MAX_OVERLAP_TESTS = 1 << 26
 """Most chunk pairs :func:`_overlap` compares for one tensor (a sharded layout needs about as
 many as it has chunks; ~1 s of numpy at the bound)."""
@@ -461,6 +476,13 @@ def _overlap(chunks: Sequence[Any], what: str) -> bool:
         return True  # two chunks of a 0-d tensor
     offsets = np.array([list(c.offsets) for c in chunks], dtype=np.int64)
     ends = offsets + np.array([list(c.sizes) for c in chunks], dtype=np.int64)
+    solid = np.all(ends > offsets, axis=1)  # a chunk of no elements overlaps nothing
+    offsets, ends = offsets[solid], ends[solid]
+    if len(offsets) < 2:
+        return False
+    cells = _grid_cells(offsets, ends)
+    if cells is not None:  # each chunk one cell of the grid of every boundary: a sharded layout
+        return len(np.unique(cells, axis=0)) < len(cells)
     dim = max(range(offsets.shape[1]), key=lambda d: len(np.unique(offsets[:, d])))
     active = np.empty(0, dtype=np.int64)
     tests = 0

@@ -315,8 +315,6 @@ def full_state_dict(view: StepView) -> dict[str, Any]:
     where = f"step {step} in {store.uri}"
     tensors = [md for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks")]
     need = sum(md.size.numel() * md.properties.dtype.itemsize for md in tensors)
-    # and the coverage check's mask of the largest tensor stored in several chunks
-    need += max((md.size.numel() for md in tensors if len(md.chunks) > 1), default=0)
     available = host_available_bytes()
     if need > available:
         raise UnsupportedStateError(  # not corrupt: a healthy step too large for this host

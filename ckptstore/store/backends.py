@@ -145,6 +145,9 @@ class FsspecBackend(Backend):
         # Not from a listing cache either: s3fs answers a whole-object read of a key under a
         # prefix listed before it was written "not found", without a request.
         self.fs.invalidate_cache(path)
+        if start is not None and end is not None and end <= start:
+            self.size(path)  # an empty range of a missing object is still not found
+            return b""  # S3 answers a whole object to a range it cannot express
         try:
             return self.fs.cat_file(path, start=start, end=end)
         except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -225,14 +226,20 @@ class LocalTier:
             self.store(self.rank)  # the job directory made, and checked for links
             if not os.path.lexists(path):
                 made = job_dir / f".{DIR_TOKEN}.tmp-{uuid.uuid4().hex}"
-                made.write_text(uuid.uuid4().hex)
+                with open(made, "x") as out:  # on disk before it is linked into place
+                    out.write(uuid.uuid4().hex)
+                    out.flush()
+                    os.fsync(out.fileno())
                 try:
                     os.link(made, path)  # the first process's token wins, whole
                 except FileExistsError:
                     pass
                 finally:
                     made.unlink(missing_ok=True)
-            return _read_plain_file(path, 64).decode("ascii", "replace").strip()
+            token = _read_plain_file(path, 64).decode("ascii", "replace").strip()
+            if not re.fullmatch(r"[0-9a-f]{32}", token):  # emptied by a crash, or planted
+                raise StorageError(f"{path} does not hold a token (32 hex digits): {token!r:.40}")
+            return token
         except (OSError, StorageError) as exc:
             logger.warning(
                 "rank %d: stores of ranks no longer on this node are not removed: %s",

@@ -433,6 +433,7 @@ def test_chunks_that_overlap_where_others_leave_a_gap_are_refused_by_verify_and_
         ([((0, 0), (4, 4)), ((3, 3), (1, 1))], True),  # one corner inside another
         ([((0, 0), (4, 1)), ((0, 0), (0, 4)), ((2, 0), (2, 2))], True),  # zero-size ignored
         ([((0,), (5,)), ((5,), (0,)), ((5,), (3,))], False),
+        ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((0, 0), (2, 2))], True),  # a cell twice
     ],
 )
 def test_overlap_of_chunks(chunks, overlap):

@@ -58,6 +58,7 @@ def test_a_range_past_the_end_is_short_on_every_store(store_uri):
     assert store.get("empty", 0, 11, small=True) == b""
     assert store.get("ten", 0, 11) == b"0123456789"
     assert store.get("ten", 20, 30) == b""
+    assert store.get("ten", 4, 4) == b"" and store.get("ten", 0, 0) == b""
     with pytest.raises(ObjectNotFoundError):
         store.get("missing", 0, 10)
 

@@ -20,6 +20,8 @@ from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.leases import GC, Lease
 from ckptstore.store import Store
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import Topology
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
 from tests.helpers import ROOT
@@ -227,6 +229,29 @@ def test_a_token_that_is_not_a_plain_file_turns_the_removal_off_without_hanging(
     said = [r.getMessage() for r in caplog.records]
     assert any("are not removed" in m and "not a plain file" in m for m in said), said
     assert list_steps(Store(str(left))) == [1] and list_steps(Store(str(own)))[-2:] == [4, 5]
+
+
+@pytest.mark.parametrize("token", ["", "a" * 31, "not a token at all, 32 chars..."])
+def test_a_token_that_is_not_32_hex_digits_is_no_token(tmp_path, caplog, token):
+    """Reviewer of stop 61: a token file emptied by a power loss (on every node that lost it)
+    or planted read as a token, so nodes holding the same text counted as one directory, and a
+    rank whose own store was gone passed over its peer copy on the other node."""
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=5)
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
+        ckpt.save(1, rank_state(0, 1)).wait()
+    own = copies_dir(tmp_path / "local", 0)
+    (own.parent / "dir-token").write_text(token)
+    local = LocalTier.open(
+        tiers.policy(),
+        None,
+        Store(str(tmp_path / "durable")),
+        RankGroup(None, 10.0),
+        create=False,
+        timeout_s=10,
+    )
+    with caplog.at_level(logging.WARNING, logger="ckptstore.tiers.local"):
+        assert local.dir_token() is None
+    assert any("does not hold a token" in r.getMessage() for r in caplog.records)
 
 
 def test_a_local_tier_that_cannot_be_written_falls_back_to_durable(tmp_path, caplog):
