@@ -252,10 +252,13 @@ def quarantined_chunks(store) -> set[str]:
         try:
             doc = read_marker(store, key)
             manifest = decode_manifest(base64.b64decode(doc["manifest_b64"]), store.url(key))
-            for ref in manifest.ranks:
-                digests.update(read_rank_index(store, ref).chunks)
         except (CheckpointError, KeyError, TypeError, ValueError):
-            continue  # an unreadable manifest's marker, or its indexes gone: nothing to keep
+            continue  # an unreadable manifest's marker: nothing to keep
+        for ref in manifest.ranks:
+            try:
+                digests.update(read_rank_index(store, ref).chunks)
+            except CheckpointError:
+                continue  # this rank's index gone or damaged: the others' chunks are kept
     return digests
 
 

@@ -6,7 +6,8 @@ after L are unlisted on the nodes the job runs on (``TierSaver.drop_stale``). A 
 away then (down, or replaced for a while) still holds its copies of that run; when it comes
 back they looked like any other copies, and a load of "latest" took them. So a restarted
 process's rank 0 also records the resume: an empty object ``resumes/<L:020d>-<token>`` (the
-token: ms since the epoch by rank 0's clock, then 8 hex), and every copy the job saves from then
+token: ms since the epoch by rank 0's clock, but never before a resume already recorded, then
+8 hex), and every copy the job saves from then
 on records the token of the resume it descends from (``RESUME_FIELD`` of its tier info). A copy
 of step S made under an earlier resume (or none) than one from a step L < S belongs to a run
 the job left, and the tiered load's planner passes it over. Only the records' times are
@@ -39,12 +40,19 @@ class Resume:
     at: float  # when (seconds since the epoch, the recording rank's clock)
 
 
-def record_resume(durable: Store, step: int, rank: int) -> str | None:
-    """Record that the job resumed from ``step`` now (one small put); its token, which the
-    copies saved from now on record. A store that cannot take it is one warning (and None):
-    the copies of the run left stay unlisted on the nodes the job runs on, but a node that was
-    away could bring them back."""
-    token = f"{int(time.time() * 1000):016d}-{uuid.uuid4().hex[:8]}"
+def record_resume(durable: Store, step: int, rank: int) -> str:
+    """Record that the job resumed from ``step`` now (one listing, one small put); its token,
+    which the copies saved from now on record. Its time is never before a resume already
+    recorded (restarts' rank 0s may run on hosts whose clocks disagree). A store that cannot
+    list or take it is one warning, and the token is still given: the copies of this run must
+    not look older than an earlier resume (the run left stays unlisted on the nodes the job runs
+    on, but a node that was away could bring it back)."""
+    ms = int(time.time() * 1000)
+    try:
+        ms = max([ms] + [int(r.at * 1000) + 1 for r in resumes(durable)])
+    except (CheckpointError, StorageError) as exc:
+        logger.warning("rank %d: the resumes in %s cannot be listed: %s", rank, durable.uri, exc)
+    token = f"{ms:016d}-{uuid.uuid4().hex[:8]}"
     try:
         durable.put(f"{RESUMES_PREFIX}/{step:020d}-{token}", b"")
     except (CheckpointError, StorageError) as exc:
@@ -56,7 +64,6 @@ def record_resume(durable: Store, step: int, rank: int) -> str | None:
             durable.uri,
             one_line(exc),
         )
-        return None
     return token
 
 

@@ -75,7 +75,7 @@ class TierSaver:
         self.topology = topology
         self.durable_uri = durable_uri
         self.durable = durable
-        self._resume: str | None = None  # rank 0: the token of the resume it just recorded
+        self._resume: str | None = None  # rank 0: the token of the resume it just made
         self.rank = group.rank
         self.committed: set[int] = set()  # steps this process committed to the local tiers
         self.last_peer_copy: TransferStats | None = None

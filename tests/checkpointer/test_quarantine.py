@@ -182,6 +182,34 @@ def test_gc_keeps_a_quarantined_steps_chunks_until_remove_corrupt(tmp_path, monk
     assert not any(path.exists() for path in kept)
 
 
+def _two_ranks_save(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root) as ckpt:
+        for step in (1, 2):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            ckpt.save(step, {f"w{rank}": torch.randn(4096, generator=g)}).wait(timeout_s=BOUND_S)
+
+
+@pytest.mark.dist
+def test_gc_keeps_the_chunks_of_every_rank_whose_index_still_reads(tmp_path, monkeypatch):
+    """Reviewer of stop 61: one rank index of a quarantined 2-rank step gone, gc kept none of
+    the other rank's chunks (one failure stopped the collection)."""
+    from ckptstore import quarantine
+    from tests.helpers.dist import run_ranks
+
+    monkeypatch.setattr(quarantine.time, "sleep", lambda seconds: None)
+    root = tmp_path / "ckpt"
+    run_ranks(_two_ranks_save, 2, str(root), timeout_s=120)
+    store = Store(str(root))
+    manifest = load_manifest(store, 2)
+    rank_1 = set(load_rank_index(store, manifest, 1).chunks) - set(
+        load_rank_index(store, load_manifest(store, 1), 1).chunks
+    )
+    store.delete(manifest.ranks[0].key)
+    assert quarantine.quarantine_step(store, 2, "rank 0's index missing")
+    assert main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert rank_1 and all((root / "chunks" / d[:2] / d).exists() for d in rank_1)
+
+
 def test_a_quarantined_step_asked_for_by_number_is_named_as_quarantined(tmp_path, capsys):
     """``inspect``, ``restore`` and ``verify`` of a step a load quarantined say so (when, how
     many chunks, the marker's key), not only that it is not committed; so do

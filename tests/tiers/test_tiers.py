@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,29 @@ def test_a_job_directory_is_one_source_and_never_a_peer_of_its_own_ranks():
     assert [str(src) for src in plan[0].sources[1]] == ["local", "peer rank 2"]
     unknown = plan_sources(held, [], lambda s: None)  # without places: as before
     assert len(unknown[0].sources[2]) == 4
+
+
+def test_a_resume_is_never_timed_before_one_recorded_and_its_token_outlives_a_failed_put():
+    """Reviewer of stop 61: a restart whose rank 0 clock ran behind the last restart's timed
+    its resume earlier, and one whose record could not be put gave its copies no token: either
+    way the next load passed over that run's own newest copies."""
+    from ckptstore.errors import StorageError
+    from ckptstore.tiers.resumes import left_by, made_under, record_resume, resumes
+
+    store = Store("memory://resumes-order")
+    ahead = int((time.time() + 120) * 1000)  # an earlier restart whose clock ran ahead
+    store.put(f"resumes/{4:020d}-{ahead:016d}-0123abcd", b"")
+    token = record_resume(store, 7, 0)
+    assert made_under({"resume": token}) > ahead / 1000
+    assert left_by(8, made_under({"resume": token}), resumes(store)) is None
+
+    def refuse(key: str, data: bytes) -> None:
+        raise StorageError("put refused")
+
+    store.put = refuse
+    failed = record_resume(store, 9, 0)  # not stored, still newer than every record
+    assert left_by(10, made_under({"resume": failed}), resumes(store)) is None
+    assert [r.step for r in resumes(store)] == [4, 7]
 
 
 def _src(tier):
