@@ -125,6 +125,11 @@ class TierSaver:
             self._resume = record_resume(self.durable, floor - 1, self.rank)
         self.local.resumed_from = None
 
+    def _take_resume(self) -> str | None:
+        """(rank 0) The token of the resume its ``drop_stale`` just made, once."""
+        resume, self._resume = self._resume, None
+        return resume
+
     def _unlist(self, store: Store, floor: int, keep: set[int], what: str) -> None:
         stale = [s for s in list_steps(store) if s >= floor and s not in keep]
         for s in stale:
@@ -181,12 +186,9 @@ class TierSaver:
                 written = write(session)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it
                 error = exc
-            mine = written.health if written is not None else None
-            save = (step, attempt)
-            resume, self._resume = self._resume, None
-            heard = self.group.agree(
-                error, (payload, shared, fatal is not None, mine, save, resume)
-            )
+            mine, save = None if written is None else written.health, (step, attempt)
+            told = (payload, shared, fatal is not None, mine, save, self._take_resume())
+            heard = self.group.agree(error, told)
             payloads = [p for p, *_ in heard.payloads]
             healths = [h and h.as_rank(r) for r, (_, _, _, h, *_) in enumerate(heard.payloads)]
             local.resume_token = heard.payloads[0][5]  # rank 0's: copies from now on carry it
