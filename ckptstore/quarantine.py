@@ -137,7 +137,7 @@ def _quarantine_unreadable(store, step: int, why: str) -> bool:
         again = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)
     except ObjectNotFoundError:
         return False
-    if again != data or _decodes_as_manifest(again, store.url(key)):
+    if again != data or _decodes_as_manifest(again, store.url(key), step):
         return False  # a read cut short or damaged on the way: not the stored bytes' fault
     attempt = f"unreadable-{hash_bytes(data)[:16]}"
     body = {
@@ -164,12 +164,13 @@ def _quarantine_unreadable(store, step: int, why: str) -> bool:
     return True
 
 
-def _decodes_as_manifest(data: bytes, name: str) -> bool:
+def _decodes_as_manifest(data: bytes, name: str, step: int) -> bool:
+    """Whether ``data`` is a manifest of ``step`` (another step's is as unreadable here)."""
     try:
-        decode_manifest(data[: MAX_MANIFEST_BYTES + 1], name)
+        manifest = decode_manifest(data[: MAX_MANIFEST_BYTES + 1], name)
     except CheckpointError:
         return False
-    return len(data) <= MAX_MANIFEST_BYTES
+    return len(data) <= MAX_MANIFEST_BYTES and manifest.step == step
 
 
 def _damaged_chunks(

@@ -77,7 +77,10 @@ class ReplicaConfig:
     """Recent reads whose median latency is a replica's latency: robust to the few slow reads
     every store has (hedging's job), quick to follow one that turns slow on every read."""
     verify_replicas: bool = True
-    """At open, compare the index and every shard's size across replicas."""
+    """At open, compare the index and every shard's size across replicas. Off: the index (an MDS
+    ``index.json``, a token manifest) is read once, from the replica that answers (the first
+    listed unless it is slow or fails): replicas that differ are not told, and ranks that list
+    them in different orders may open different datasets."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.hedge_quantile < 100.0:

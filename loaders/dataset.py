@@ -27,6 +27,7 @@ from loaders.cache import ShardCache, open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
 from loaders.errors import ShardNotFoundError
 from loaders.formats.layout import Format, Unit, unit_samples
+from loaders.formats.tokens.reader import TokenFiles
 from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
 from loaders.prefetch import Window
@@ -449,10 +450,21 @@ class ShardDataset(IterableDataset):
 
         Token files give ``{"tokens": uint array (B, sample_tokens), "__index__": (B,)}`` cut
         from the read buffers with one copy (none for consecutive rows); other formats give
-        lists of samples. The consumer count advances by each batch's length.
+        lists of samples, ``transform`` run on each. The consumer count advances by each
+        batch's length. A token dataset with a ``transform`` is refused (``ValueError``): its
+        batches are arrays, cut with no sample of its own to transform.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self.transform is not None and isinstance(self.format, TokenFiles):
+            raise ValueError(
+                "iter_batches() gives token batches as arrays, where a per-sample transform "
+                "cannot run: iterate the dataset (or StatefulLoader) to transform each sample, "
+                "or transform each batch"
+            )
+        return self._batches(batch_size)
+
+    def _batches(self, batch_size: int) -> Iterator[Any]:
         reader = Reader(rank=self.rank, world_size=self.world_size)
         self.begin_pass()
         first_ids = np.fromiter((u.first_id for u in self.units), np.int64, len(self.units))
@@ -471,6 +483,8 @@ class ShardDataset(IterableDataset):
                 ]
                 for u in plan.needed:
                     window.release(u)
+                if self.transform is not None:
+                    samples = [self.transform(sample) for sample in samples]
                 carried.extend(samples)
                 while len(carried) >= batch_size:
                     yield self._emit_samples(carried[:batch_size])
@@ -634,6 +648,9 @@ class StatefulLoader:
                 batch = next(it)
             except StopIteration:
                 break
+            except BaseException:
+                _stop_workers(it)  # not left to the garbage collector, with the error's frames
+                raise
             waited = time.monotonic() - t0
             self.stats.wait.record(waited)
             self.stats.wait_s += waited
@@ -701,6 +718,15 @@ class StatefulLoader:
                 "budget_bytes": cache.budget_bytes,
             }
         return out
+
+
+def _stop_workers(it: Any) -> None:
+    """Shut the worker processes of DataLoader iterator ``it`` down now (a failed pass's: its
+    exception's traceback keeps ``it`` alive until a garbage collection, and a process forked
+    meanwhile, as the next pass's workers, would run its finalizer)."""
+    shutdown = getattr(it, "_shutdown_workers", None)  # torch's, private; absent: no workers
+    if shutdown is not None:
+        shutdown()
 
 
 __all__ = ["LoaderFeed", "ShardDataset", "StatefulLoader"]

@@ -15,7 +15,9 @@ every front-end. Then:
   it and sent to those that need it (``shared_read``). A rank whose copy cannot be read moves
   every rank to durable storage, where the step is there.
 * Otherwise the step loads from durable storage, and a rank whose local copy is of that same
-  save reads its own chunks from it (a wiped node's ranks read theirs from durable storage).
+  save reads its own chunks from it; a rank whose first source is a peer's copy gets it back
+  first and reads from it, as the Checkpointer's load does (a rank with neither reads its own
+  chunks from durable storage).
 
 Each chunk is verified wherever it came from; one that fails in a local copy is read from
 durable storage instead (``tiers.fetch``).
@@ -160,7 +162,36 @@ def open_tiered_step(
             step,
             durable.uri,
         )
-    return _from_durable(durable, local, candidate, report, kind, started, rank)
+        return _from_durable(durable, local, candidate, report, kind, started, rank)
+    repaired = _repair_beside_durable(local, group, candidate, report)
+    return _from_durable(durable, local, candidate, report, kind, started, rank, repaired)
+
+
+def _repair_beside_durable(
+    local: LocalTier, group: RankGroup, candidate: Candidate, report: LoadReport
+) -> RepairedCopy | bool:
+    """(collective) Where some rank's first source is durable storage, the ranks whose first
+    source is a peer's copy still get it from there, as the Checkpointer's load does: this
+    rank's copy held in memory, True where it was repaired and written, False where it was
+    not repaired (its chunks are then read from durable storage)."""
+    sources = {
+        r: mine[0].holder
+        for r, mine in enumerate(candidate.sources)
+        if mine[0].tier == PEER and mine[0].holder is not None
+    }
+    if not sources:
+        return False
+    repaired: list[RepairedCopy] = []
+    _repair(local, group, candidate, sources, report, repaired)
+    if repaired:
+        return repaired[0]
+    if group.rank not in sources:
+        return False
+    try:
+        manifest = load_manifest(local.store(group.rank), candidate.step)
+    except CheckpointError:
+        return False  # the repair failed: durable storage
+    return manifest.attempt == candidate.attempt
 
 
 def newest_step(
@@ -247,31 +278,38 @@ def _from_durable(
     kind: str,
     started: float,
     rank: int,
+    repaired: RepairedCopy | bool = False,
 ) -> TierLoad:
     """The step from durable storage; a rank whose own local copy is of the same save reads
-    its own chunks from that copy."""
+    its own chunks from that copy (``repaired``: a copy a peer just restored, in memory or
+    written, see ``_repair_beside_durable``)."""
     view = StepView.open(durable, candidate.step)
     view.require(kind)
     held: dict[str, ChunkInfo] = {}
-    own = any(src.tier == LOCAL for src in candidate.sources[rank])
+    kept = repaired if isinstance(repaired, RepairedCopy) else None
+    own = repaired is not False or any(src.tier == LOCAL for src in candidate.sources[rank])
     store = local.store(rank) if own else None
-    if store is not None and candidate.attempt == view.manifest.attempt:
+    if kept is not None and candidate.attempt == view.manifest.attempt:
+        held = dict(kept.index.chunks)
+    elif store is not None and candidate.attempt == view.manifest.attempt:
         try:
             held = dict(_own_index(store, candidate.step)[0][0].chunks)
         except CheckpointError as exc:
             logger.warning(
                 "rank %d: local copy of step %d unreadable: %s", rank, candidate.step, one_line(exc)
             )
-    report.source = LOCAL if held else DURABLE
+    report.source = (PEER if repaired is not False else LOCAL) if held else DURABLE
     fetch = TierFetch(
         local=store,
         held=held,
         durable=durable,
         report=report,
         rank=rank,
+        local_tier=report.source,
+        repaired=kept,
         forget=local.forget_bad_chunk,
     )
-    return TierLoad(view, held, fetch, report, started)
+    return TierLoad(view, held, fetch, report, started, [kept] if kept is not None else [])
 
 
 def _repair(

@@ -18,7 +18,9 @@ reused round after round, at most ``budget_bytes`` together (or two chunks, wher
 larger than half of it); a repair held in memory (below) receives each round into a buffer of
 its own instead, made and touched ahead of the round by a thread where the host has a core per
 rank (``_FaultAhead``). A failure (unreadable source, bad chunk, full disk) fails that transfer
-alone, after every rank finished the exchange; the outcomes are agreed by every rank.
+alone, after every rank finished the exchange; the outcomes are agreed by every rank. A repair's
+source learns which chunks its destination refused, checks them in its own store and unlists its
+copy where one is damaged there (``drop_if_damaged``), so that no later load plans on it.
 
 A load's repair (``restore_copies``) whose copy's stored chunks take at most
 ``TierPolicy.repair_memory_bytes`` keeps what it verified instead of writing it: the decoded
@@ -59,7 +61,13 @@ from ckptstore.catalog import (
     read_rank_index_bytes,
 )
 from ckptstore.codec import decode
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError, ObjectExistsError, one_line
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ObjectExistsError,
+    one_line,
+)
 from ckptstore.format import (
     ChunkInfo,
     Manifest,
@@ -122,6 +130,7 @@ class _Outgoing:
     lease: Lease | None = None
     error: str | None = None
     send: list[str] = field(default_factory=list)
+    suspect: list[str] = field(default_factory=list)  # chunks this copy could not send whole
 
 
 @dataclass
@@ -142,6 +151,7 @@ class _Incoming:
     decoded: Manifest | None = None  # the manifest, as ``take_header`` decoded and checked it
     buffers: list[torch.Tensor] = field(default_factory=list)  # ``_ring``'s, when not kept
     ahead: _FaultAhead | None = None  # a kept repair's buffers, on a core per rank
+    refused: list[str] = field(default_factory=list)  # chunks that arrived and failed a check
 
 
 @dataclass
@@ -379,6 +389,7 @@ class _Exchange:
             except (CheckpointError, OSError) as exc:
                 parts.append(torch.zeros(info.stored, dtype=torch.uint8))
                 status[k] = _BAD
+                out.suspect.append(digest)
                 out.error = out.error or (
                     f"rank {self.rank} cannot read chunk {digest}: {one_line(exc)}"
                 )
@@ -515,7 +526,11 @@ class _Exchange:
                 raise CheckpointError(f"rank {inc.t.src} could not read chunk {digest}")
             data = view[start : start + info.stored]
             name = f"{digest} of rank {inc.t.ward} from rank {inc.t.src}"
-            decode(data, expected_hash=digest, name=name, raw_len=info.raw)
+            try:
+                decode(data, expected_hash=digest, name=name, raw_len=info.raw)
+            except CheckpointError:
+                inc.refused.append(digest)
+                raise
             if inc.kept is not None:
                 inc.kept[digest] = data  # a view: the round's buffer stays for the load
             else:
@@ -729,18 +744,65 @@ class _Exchange:
     def agree_outcomes(
         self, transfers: list[Transfer], outgoing: list[_Outgoing], incoming: list[_Incoming]
     ) -> dict[Transfer, str | None]:
-        """Each transfer's outcome as every rank sees it: the first error either end had."""
+        """Each transfer's outcome as every rank sees it: the first error either end had. A
+        repair's source whose chunks its destination refused (or it could not send whole)
+        checks them in its store, and unlists its copy if one is damaged there."""
         mine = {inc.t: inc.error for inc in incoming}
         mine.update({o.t: o.error for o in outgoing if o.error is not None})
+        refused = {inc.t: inc.refused for inc in incoming if inc.t.repair and inc.refused}
         outcomes: dict[Transfer, str | None] = {t: None for t in transfers}
-        for part in self._gather(mine):
+        suspects = {o.t: list(o.suspect) for o in outgoing if o.t.repair}
+        for part, their_refused in self._gather((mine, refused)):
             for t, error in part.items():
                 if error is not None:
                     outcomes[t] = outcomes[t] or error
+            for t, digests in their_refused.items():
+                if t in suspects:
+                    suspects[t] += digests
         for t, error in outcomes.items():
             if error is not None and self.rank in (t.src, t.dst):
                 self.stats.failed[f"rank {t.ward} step {t.step} {t.src}->{t.dst}"] = error
+        for o in outgoing:
+            if suspects.get(o.t):
+                self.drop_if_damaged(o, suspects[o.t])
         return outcomes
+
+    def drop_if_damaged(self, out: _Outgoing, digests: list[str]) -> None:
+        """A repair's source: each chunk of ``digests`` is read and checked again in its own
+        store; one missing or failing its check (a read error proves nothing) unlists this
+        copy of the step and is removed, so that no later load plans on this copy and no later
+        copy reuses the bad bytes. The destination loads from elsewhere or fails this once."""
+        t, store = out.t, self.local.store(out.t.ward)
+        assert out.index is not None
+        bad: list[tuple[str, str]] = []
+        for digest in sorted(set(digests)):
+            try:
+                fetch_chunk(store, digest, out.index.chunks[digest], scratch=True)
+            except (CheckpointCorruptError, FileNotFoundError) as exc:
+                bad.append((digest, one_line(exc)))
+            except (CheckpointError, OSError):
+                continue
+        if not bad:
+            return
+        try:
+            if load_manifest(store, t.step).attempt == t.attempt:
+                drop_step(store, t.step)
+            for digest, _ in bad:
+                store.delete(chunk_key(digest))
+        except (CheckpointError, OSError) as exc:
+            logger.warning("rank %d: unlisting %s step %d: %s", self.rank, store.uri, t.step, exc)
+            return
+        logger.warning(
+            "rank %d: its copy of rank %d's step %d (%s) has %d damaged chunk(s), sent to rank "
+            "%d: unlisted, no load plans on it again (first: %s)",
+            self.rank,
+            t.ward,
+            t.step,
+            store.uri,
+            len(bad),
+            t.dst,
+            bad[0][1],
+        )
 
 
 _writing: list[threading.Thread] = []  # the repaired copies' writes still running

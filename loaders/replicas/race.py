@@ -316,7 +316,7 @@ class _Request:
             stats.add(failed=1)
             raise ReadTimeoutError(
                 f"read {self.what}: no replica answered within {cfg.read_deadline_s:.1f}s "
-                f"(tried {', '.join(r.name for r in self.tried)})"
+                f"(tried {', '.join(dict.fromkeys(r.name for r in self.tried))})"
             )
         wake = min([until, self.deadline, *(a.deadline for a in self.pending.values())])
         done, _ = wait(list(self.pending), timeout=wake - now, return_when=FIRST_COMPLETED)

@@ -111,7 +111,16 @@ def _garble_the_manifest(root: Path, step: int) -> None:
     path.write_bytes(b"not a manifest")
 
 
-@pytest.mark.parametrize("damage", [_lose_a_chunk, _lose_the_index, _garble_the_manifest])
+def _another_steps_manifest(root: Path, step: int) -> None:
+    """A manifest that decodes, but is step ``step - 1``'s (copied over by hand, say)."""
+    path = root / "commits" / f"{step:020d}.json"
+    path.chmod(0o644)
+    path.write_bytes((root / "commits" / f"{step - 1:020d}.json").read_bytes())
+
+
+@pytest.mark.parametrize(
+    "damage", [_lose_a_chunk, _lose_the_index, _garble_the_manifest, _another_steps_manifest]
+)
 def test_a_newest_step_missing_an_object_or_unreadable_is_quarantined_and_saved_again(
     tmp_path, damage
 ):

@@ -344,3 +344,23 @@ def test_tar_written_by_tarfile_with_dirs_and_dotfiles(tmp_path):
         ("d/a", ["x.txt", "y"]),
         ("d/b", ["x"]),
     ]
+
+
+def test_iter_batches_runs_the_transform_or_refuses_it(tmp_path):
+    """A reviewer's finding: ``iter_batches`` handed out raw samples where the dataset's
+    ``transform`` ran on every sample ``__iter__`` gave."""
+    _write_wds(tmp_path / "wds", [5, 4])
+
+    def key(sample: dict) -> str:
+        return sample["__key__"].upper()
+
+    ds = ShardDataset(str(tmp_path / "wds"), WebDataset(), config=IN_ORDER, transform=key)
+    batched = [s for batch in ds.iter_batches(4) for s in batch]
+    assert batched == list(ds) == [f"DIR/S{n:05d}" for n in range(9)]
+    (tmp_path / "tok").mkdir()
+    np.arange(64, dtype=np.uint16).tofile(tmp_path / "tok" / "t.bin")
+    tokens = ShardDataset(str(tmp_path / "tok"), TokenFiles(sample_tokens=8))
+    assert len(next(tokens.iter_batches(2))["tokens"]) == 2
+    tokens.transform = len
+    with pytest.raises(ValueError, match="per-sample transform cannot run"):
+        tokens.iter_batches(2)

@@ -331,3 +331,41 @@ def test_a_manifest_larger_than_the_bound_is_refused_read_no_further(tmp_path, m
     with pytest.raises(ShardCorruptError, match=r"manifest\.txt is more than 100 bytes, the most"):
         ShardDataset(store, _fmt(), config=IN_ORDER)
     assert store.counters.snapshot()["bytes"]["get"] == 101
+
+
+def test_a_pass_a_read_error_ends_stops_its_workers_and_resumes_exactly(tmp_path):
+    """A reviewer's finding: the workers of a pass that ended in an error lived on until a
+    garbage collection (the error's traceback held their iterator), and each process the next
+    pass forked printed that iterator's finalizer's traceback."""
+    import gc
+    import multiprocessing
+
+    from loaders import StatefulLoader
+
+    (root,) = _write([tmp_path / "a"])
+
+    def loader() -> StatefulLoader:
+        ds = ShardDataset(root, _fmt(), config=IN_ORDER)
+        return StatefulLoader(ds, batch_size=8, num_workers=2, collate_fn=_ids)
+
+    whole = [i for batch in loader() for i in batch]
+    path = tmp_path / "a" / FILES[1]
+    good = path.read_bytes()
+    failing, seen = loader(), []  # opened (the manifest read) before the damage
+    _flip(path, len(good) // 2)
+    gc.disable()  # what would otherwise stop them
+    try:
+        with pytest.raises(ShardCorruptError, match=FILES[1]):
+            for batch in failing:
+                seen += batch
+        assert multiprocessing.active_children() == []
+    finally:
+        gc.enable()
+    path.write_bytes(good)
+    resumed = loader()
+    resumed.load_state_dict(failing.state_dict())
+    assert seen + [i for batch in resumed for i in batch] == whole
+
+
+def _ids(batch: list[dict]) -> list[int]:
+    return [int(sample["__index__"]) for sample in batch]

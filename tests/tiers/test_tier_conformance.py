@@ -48,6 +48,7 @@ from ckptstore.tiers import transfer as tier_transfer
 from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import TIER_KEY, rank_dir
+from ckptstore.tiers.restore import SourceStats
 from ckptstore.tiers.transfer import wait_written
 from tests.helpers.dcp_tiers import log_records
 from tests.helpers.dist import run_ranks, run_ranks_losing
@@ -683,16 +684,33 @@ def _ranks_own(rank: int, state: dict[str, Any]) -> dict[str, Any]:
     return {f"{k}{rank}": v for k, v in state.items()}
 
 
+def _save_two_steps(
+    kind: str, rank: int, root: str, base: str, tiers: dict[str, Any], wait_durable: bool = False
+) -> None:
+    """Steps 1 and 2 saved by every rank of two nodes, each rank's state its own."""
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    for step in (1, 2):
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    if wait_durable:
+        front.wait_durable()
+    front.close()
+    torch.distributed.barrier()
+
+
+def _load_twice(kind: str, rank: int, root: str, base: str, tiers: dict, want: int) -> None:
+    """Two loads of "latest" in a row, each by a new front-end, both of step ``want``."""
+    for _ in range(2):
+        target = _ranks_own(rank, _blank())
+        step, _ = _two_nodes(kind, rank, root, base, **tiers).load(target)
+        assert step == want and _same(target, _ranks_own(rank, _state(10 * rank + want))), rank
+
+
 def _save_two_then_replace_node_1(
     kind: str, rank: int, root: str, base: str, tiers: dict[str, Any]
 ) -> None:
     """Steps 1 (durable) and 2 (in the local tiers and their peer copies only) saved by every
     rank of two nodes; then node 1 is replaced: its local dir is gone."""
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.close()
-    torch.distributed.barrier()
+    _save_two_steps(kind, rank, root, base, tiers)
     if rank == 2:
         shutil.rmtree(Path(base) / "node-1")
     torch.distributed.barrier()
@@ -720,20 +738,13 @@ def test_a_replaced_node_restores_from_peer_copies_in_rounds_of_the_budget(kind,
 
 def _own_index_damaged(rank: int, world: int, kind: str, root: str, base: str) -> None:
     tiers = dict(peer_copies=1, durable_every=5)
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.close()
-    torch.distributed.barrier()
+    _save_two_steps(kind, rank, root, base, tiers)
     if rank == 2:
         (own,) = (Path(base) / "node-1").glob("job-*/rank-00002")
         (index,) = own.glob(f"indexes/*/{2:020d}/*/rank-*.json")
         index.write_bytes(index.read_bytes()[:20])
     torch.distributed.barrier()
-    for _ in range(2):  # and the next load reads the repaired copy
-        target = _ranks_own(rank, _blank())
-        step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
-        assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), rank
+    _load_twice(kind, rank, root, base, tiers, 2)  # and the next load reads the repaired copy
 
 
 @pytest.mark.dist
@@ -750,11 +761,7 @@ def _local_blip(rank: int, world: int, kind: str, root: str, base: str) -> None:
     from ckptstore.store import core
 
     tiers = dict(durable_every=5)  # no peer copies: step 2 is held by rank 2's copy alone
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.close()
-    torch.distributed.barrier()
+    _save_two_steps(kind, rank, root, base, tiers)
     get, get_view = core.Store.get, core.Store.get_view
 
     def failing(read: Any) -> Any:
@@ -1221,12 +1228,7 @@ def test_a_peer_copy_replaces_a_chunk_an_unlisted_copy_left_encoded_otherwise(ki
 
 def _lying_holder(rank: int, world: int, kind: str, root: str, base: str, how: str) -> None:
     tiers = dict(peer_copies=1, durable_every=1)
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.wait_durable()
-    front.close()
-    torch.distributed.barrier()
+    _save_two_steps(kind, rank, root, base, tiers, wait_durable=True)
     if rank == 2:  # node 1 is replaced, and node 0's copies of its ranks went bad
         shutil.rmtree(Path(base) / "node-1")
         wards = [p for p in (Path(base) / "node-0").glob("job-*/rank-*") if p.name >= "rank-00002"]
@@ -1258,6 +1260,67 @@ def test_a_holder_whose_copy_went_bad_sends_the_replaced_node_to_durable_storage
     those ranks load from durable storage, bit for bit."""
     root = str(tmp_path / "durable")
     run_ranks(_lying_holder, 4, kind, root, str(tmp_path), how, timeout_s=240)
+
+
+def _bad_only_peer_copy(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=5)  # step 2 in the tiers alone
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
+    (held,) = (Path(base) / "node-0").glob("job-*/rank-00002")
+    if rank == 0:  # the only copy left of rank 2's step 2 has one bad chunk
+        (index,) = held.glob(f"indexes/*/{2:020d}/*/rank-*.json")
+        digest = sorted(json.loads(index.read_bytes())["chunks"])[0]
+        (chunk,) = held.glob(f"chunks/*/{digest}*")
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        chunk.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    with pytest.raises(BaseException, match="step 2 (is held only by the local tiers|failed to)"):
+        _two_nodes(kind, rank, root, base, **tiers).load(_ranks_own(rank, _blank()))
+    torch.distributed.barrier()
+    assert not (held / "commits" / f"{2:020d}.json").exists(), "the bad copy is still listed"
+    _load_twice(kind, rank, root, base, tiers, 1)  # step 1: the newest every rank can get
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_bad_chunk_in_the_only_peer_copy_fails_one_load_and_unlists_it(kind, tmp_path):
+    """Stop 61's F5: node 1 was replaced and the only copy left of its rank 2's newest step
+    (node 0's) had a bad chunk: the repair refused it, but the holder never learned, so every
+    later load of "latest" planned on that step and failed (DCP has no fallback). Now the
+    holder checks the chunks its destination refused and unlists its copy: one load fails,
+    naming it, and the next takes the step before."""
+    run_ranks(_bad_only_peer_copy, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+def _peer_beside_durable(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    tiers = dict(peer_copies=1, durable_every=1)
+    _save_two_steps(kind, rank, root, base, tiers, wait_durable=True)
+    if rank == 2:  # node 1 is replaced; node 0 keeps rank 2's copy of step 2, not rank 3's
+        shutil.rmtree(Path(base) / "node-1")
+        (held,) = (Path(base) / "node-0").glob("job-*/rank-00003")
+        (held / "commits" / f"{2:020d}.json").unlink()
+    torch.distributed.barrier()
+    target = _ranks_own(rank, _blank())
+    step, report = _two_nodes(kind, rank, root, base, **tiers).load(target)
+    assert step == 2 and _same(target, _ranks_own(rank, _state(10 * rank + 2))), report
+    durable_chunks = report.sources.get("durable", SourceStats()).chunks
+    if rank == 2:
+        assert report.source == "peer" and durable_chunks == 0, report
+    elif rank == 3:
+        assert report.source == "durable" and durable_chunks > 0, report
+    else:
+        assert report.source == "local" and durable_chunks == 0, report
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_rank_with_a_peer_copy_takes_it_though_another_reads_durable_storage(kind, tmp_path):
+    """Stop 61's F6: where one rank's only source was durable storage, the DCP front-end read
+    every wiped rank from durable storage, though a peer kept its copy; the Checkpointer
+    restored it from the peer. Both now take each rank's first source."""
+    run_ranks(
+        _peer_beside_durable, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240
+    )
 
 
 _SAVE_AND_LEAVE = {
@@ -1587,11 +1650,7 @@ def test_peer_copies_send_only_the_chunks_the_holders_node_lacks(kind, tmp_path)
 def _one_bad_chunk(rank: int, world: int, kind: str, root: str, base: str, bound: int) -> None:
     # Step 2 in the local tiers only; a repair held in memory, or over the bound written first.
     tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=bound)
-    front = _two_nodes(kind, rank, root, base, **tiers)
-    for step in (1, 2):
-        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
-    front.close()
-    torch.distributed.barrier()
+    _save_two_steps(kind, rank, root, base, tiers)
     n = 0
     if rank == 2:  # a byte of one chunk of rank 2's own copy of step 2 goes bad
         (own,) = (Path(base) / "node-1").glob("job-*/rank-00002")

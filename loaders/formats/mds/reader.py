@@ -14,7 +14,7 @@ import pickle
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import numpy as np
@@ -462,8 +462,15 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list
         except (ValueError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
             # ArithmeticError: decimal's InvalidOperation; RecursionError: deep json columns
             raise ShardCorruptError(
-                f"{what}: sample {j} at offset {begin} cannot be decoded: {exc}"
+                f"{what}: sample {j} at offset {begin} cannot be decoded: {_why(exc)}"
             ) from exc
         sample["__index__"] = sample_id
         out.append(sample)
     return out
+
+
+def _why(exc: BaseException) -> str:
+    """A decode error in words (decimal's says only ``[<class 'decimal.ConversionSyntax'>]``)."""
+    if isinstance(exc, InvalidOperation):
+        return "a str_decimal value that is no decimal number"
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
