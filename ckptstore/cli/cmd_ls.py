@@ -17,6 +17,7 @@ from ckptstore.store import Store
 from ckptstore.tiers.identity import read_identity, store_identity
 from ckptstore.tiers.local import TierListing, tier_copies
 from ckptstore.tiers.policy import TIER_KEY
+from ckptstore.tiers.resumes import resumes
 
 
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:
@@ -40,8 +41,11 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 f"pass the tier directory, --local-dir {parent}"
             )
     identity = read_identity(store) if args.local_dir else None
+    recorded = resumes(store) if args.local_dir else []
     listings = {
-        d: tier_copies(d, store_identity(store), identity, of_identity=identity is not None)
+        d: tier_copies(
+            d, store_identity(store), identity, of_identity=identity is not None, recorded=recorded
+        )
         for d in args.local_dir
     }
     local = {d: listing.copies for d, listing in listings.items()}
@@ -93,7 +97,14 @@ def _listing_doc(
         **(
             {
                 "local_dirs": {
-                    d: {"job_dir": str(listing.job_dir), "problems": listing.problems}
+                    d: {
+                        "job_dir": str(listing.job_dir),
+                        "problems": listing.problems,
+                        "left": [
+                            {"step": step, "ranks": ranks, "resumed_from": resumed}
+                            for step, (ranks, resumed) in sorted(listing.left.items())
+                        ],
+                    }
                     for d, listing in listings.items()
                 }
             }
@@ -171,6 +182,12 @@ def _print_local_dirs(listings: dict[str, TierListing], local_problems: list[str
             )
         else:
             print(f"local copies in {d}: none of this store's job")
+        for step, (ranks, resumed) in sorted(listing.left.items()):
+            print(
+                f"local copies in {d}: step {step} (rank{'s' if len(ranks) > 1 else ''} "
+                f"{rank_ranges(ranks)}) is of the run the job left when it resumed from step "
+                f"{resumed}: every load passes over it"
+            )
     for problem in local_problems:
         print(f"local copy unreadable: {problem}")
 

@@ -15,7 +15,7 @@ import shutil
 import stat
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +35,7 @@ from ckptstore.retention import collect
 from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.identity import agree_identity, store_identity
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
-from ckptstore.tiers.resumes import RESUME_FIELD, made_under
+from ckptstore.tiers.resumes import RESUME_FIELD, Resume, left_by, made_under
 
 if TYPE_CHECKING:
     from ckptstore.save.engine import SaveEngine
@@ -513,6 +513,9 @@ class TierListing:
     job_dir: Path  # <local_dir>/job-<j>: each rank-<r>/ in it is a store of its own
     copies: dict[int, list[int]]  # step -> the ranks whose copy it holds
     problems: list[str]  # copies that cannot be read, one line each
+    # step -> (ranks, the step the job resumed from): copies of a run the job left, which every
+    # load passes over (``tiers.resumes``); not in ``copies``
+    left: dict[int, tuple[list[int], int]] = field(default_factory=dict)
 
 
 def tier_copies(
@@ -521,15 +524,18 @@ def tier_copies(
     identity: StoreIdentity | None = None,
     *,
     of_identity: bool = False,
+    recorded: list[Resume] | None = None,
 ) -> TierListing:
     """The steps of which ``local_dir`` holds a copy for the job of ``durable_uri`` (for
     ``ckptstore ls``; the store of each ``rank-<r>`` read without writing); with
     ``of_identity``, only the copies of the store instance ``identity``
-    (``tiers.identity.read_identity``)."""
+    (``tiers.identity.read_identity``). ``recorded``: the durable store's resumes: a copy of a
+    run the job left is listed apart (``TierListing.left``)."""
     if not Path(local_dir).is_dir():
         raise CheckpointNotFoundError(f"no local tier directory at {local_dir}")
     job_dir = Path(local_dir) / job_dir_name(durable_uri)
     out: dict[int, set[int]] = {}
+    left: dict[int, tuple[list[int], int]] = {}
     problems: list[str] = []
     for sub in sorted(job_dir.glob("rank-*")):
         if not (sub.is_dir() and sub.name[5:].isdigit()):
@@ -552,9 +558,14 @@ def tier_copies(
                 if info.get("durable") == durable_uri and (
                     not of_identity or of_instance(info, identity)
                 ):
-                    out.setdefault(step, set()).add(rank)
+                    resume = left_by(step, made_under(info), recorded or [])
+                    if resume is None:
+                        out.setdefault(step, set()).add(rank)
+                    else:
+                        ranks, _ = left.setdefault(step, ([], resume.step))
+                        ranks.append(rank)
     copies = {step: sorted(ranks) for step, ranks in out.items()}
-    return TierListing(job_dir, copies, problems)
+    return TierListing(job_dir, copies, problems, left)
 
 
 def local_retry(timeout_s: float) -> RetryPolicy:

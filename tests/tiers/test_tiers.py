@@ -712,3 +712,31 @@ def test_a_rank_lost_while_drains_agree_fails_each_queued_drain_and_wait_returns
     assert local.protected == set()
     with pytest.raises(CheckpointError, match=r"step\(s\) 1, 2, 3 committed to the local tiers"):
         drains.raise_failures()
+
+
+def test_ls_sets_apart_the_copies_a_load_passes_over_as_a_run_the_job_left(tmp_path, capsys):
+    """A node away during a rollback keeps copies of the run the job left (stop 61): every load
+    passes over them; ``ls --local-dir`` listed them as loadable copies."""
+    from ckptstore.cli import main
+    from ckptstore.store import Store
+    from ckptstore.tiers.resumes import record_resume
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=2)) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, rank_state(0, step))
+    record_resume(Store(str(durable)), 1, 0)  # the job went back to step 1 while this node was away
+    assert main(["ls", str(durable), "--local-dir", str(local), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["step"]: r["tiers"] for r in doc["steps"]}
+    assert rows == {
+        1: {"durable": True, "local": {}},
+        3: {"durable": True, "local": {}},  # durable storage holds the step the job kept
+    }
+    left = doc["local_dirs"][str(local)]["left"]
+    assert left == [{"step": s, "ranks": [0], "resumed_from": 1} for s in (3, 4)], left
+    assert main(["ls", str(durable), "--local-dir", str(local)]) == 0
+    out = capsys.readouterr().out
+    assert "step 4 (rank 0) is of the run the job left when it resumed from step 1" in out, out
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local)) as ckpt:
+        assert ckpt.load(rank_state(0, 0)) == 3  # as ls says: the durable step 3, not the copy 4
