@@ -76,6 +76,8 @@ class GcReport:
     swept: bool = False
     blocked_by: list[str] = field(default_factory=list)
     dry_run: bool = False
+    verified_steps: list[int] = field(default_factory=list)
+    """Steps whose every chunk was re-hashed and checks out (``verify_chunks``, ``verify_kept``)."""
 
 
 def drop_step(store: Store, step: int) -> None:
@@ -97,6 +99,7 @@ def collect(
     settle_timeout_s: float = 60.0,
     verify_chunks: bool = False,
     check_chunks: bool = False,
+    verify_kept: bool = False,
     warn: bool = True,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
@@ -113,17 +116,18 @@ def collect(
     whose manifest does not decode; one the store does not answer for fails the call
     (``StorageError``, nothing deleted). ``check_chunks``: one listing of the chunks first, and a
     step that references a chunk not there is corrupt (``ckptstore gc``: a step that lost a
-    chunk never stands in for one that loads). ``warn=False``: what the report holds is logged
-    at INFO, not WARNING (a caller that prints the report)."""
+    chunk never stands in for one that loads). ``verify_kept``: see ``_verify_kept``.
+    ``warn=False``: the report's findings logged at INFO (a caller that prints it)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
     # keep_steps are read even where the listing lags behind their commit (the save's own)
     readable = _read_steps(store, sorted(set(list_steps(store)) | set(keep_steps)), report)
     if verify_chunks:
-        _verify_chunks(store, readable, report)
+        _verify_chunks(store, readable, report, sorted(readable))
     elif check_chunks:
         _check_chunks_present(store, readable, report)
+    _verify_kept(store, readable, report, keep_last if verify_kept and not verify_chunks else None)
     doomed = _doomed(store, readable, keep_last, set(keep_steps), report)
     if remove_corrupt:
         report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
@@ -231,16 +235,32 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
     return readable
 
 
-def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -> None:
-    """Move each step of ``readable`` whose chunks do not all re-hash to the unreadable ones."""
+def _verify_kept(
+    store: Store, readable: dict[int, _Step], report: GcReport, keep: int | None
+) -> None:
+    """While ``keep`` would delete a step, re-hash the newest ``keep`` not yet checked; a
+    damaged one leaves ``readable`` (corrupt) and the next older takes its place: a byte flipped
+    in the newest step never costs the good steps before it (``ckptstore gc``'s default)."""
+    while keep is not None and len(readable) > keep:
+        kept = [s for s in sorted(readable)[-keep:] if s not in report.verified_steps]
+        if not kept:
+            return
+        _verify_chunks(store, readable, report, kept)
+
+
+def _verify_chunks(
+    store: Store, readable: dict[int, _Step], report: GcReport, steps: list[int]
+) -> None:
+    """Re-hash every chunk of ``steps`` (of ``readable``); move each whose chunks do not all
+    check out to the unreadable ones, the others to ``report.verified_steps``."""
     from ckptstore._inspect import verify_steps  # torch: only where chunks are read
 
-    checks = verify_steps(store, sorted(readable))
+    checks = verify_steps(store, steps)
     unread = [(c.step, p) for c in checks for p in c.problems if p.problem == "unreadable"]
     if unread:  # asked to verify: a plan over steps it could not check would claim it did
         steps = ", ".join(map(str, sorted({step for step, _ in unread})))
         raise StorageError(
-            f"gc --verify could not read {len(unread)} object(s) of step(s) {steps} (first: "
+            f"gc could not read {len(unread)} object(s) of step(s) {steps} to re-hash them (first: "
             f"{unread[0][1].object}: {unread[0][1].error}): nothing deleted"
         )
     for check in checks:
@@ -250,6 +270,8 @@ def _verify_chunks(store: Store, readable: dict[int, _Step], report: GcReport) -
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             report.unreadable_steps[check.step] = f"{_CORRUPT}{shown}{more}"
             del readable[check.step]
+        else:
+            report.verified_steps = sorted({*report.verified_steps, check.step})
 
 
 def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcReport) -> None:

@@ -19,6 +19,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         remove_corrupt=args.remove_corrupt,
         verify_chunks=args.verify,
         check_chunks=True,
+        verify_kept=not args.no_verify,
         warn=False,  # the report below says it all
     )
     damaged = sorted(report.unreadable_steps.keys() - set(report.removed_corrupt))
@@ -30,6 +31,8 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     print(f"{verb} steps: {_steps(report.deleted_steps)}")
     if report.kept_healthy is not None:
         print(f"newest healthy step (always kept): {report.kept_healthy}")
+    if report.verified_steps:
+        print(f"re-hashed, every chunk checks out: step(s) {_steps(report.verified_steps)}")
     removed = set(report.removed_corrupt)
     for step, why in sorted(report.unreadable_steps.items()):
         fate = f"{verb} (--remove-corrupt)" if step in removed else "kept, not counted"
@@ -55,6 +58,7 @@ def _doc(args: argparse.Namespace, store: Store, report: GcReport) -> dict:
         "kept_steps": report.kept_steps,
         "deleted_steps": report.deleted_steps,
         "kept_healthy": report.kept_healthy,
+        "verified_steps": report.verified_steps,
         "unreadable_steps": [
             {"step": step, "error": why, "removed": step in report.removed_corrupt}
             for step, why in sorted(report.unreadable_steps.items())

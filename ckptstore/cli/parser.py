@@ -345,8 +345,11 @@ examples:
         decode, or that references a chunk the store no longer lists, is listed as unreadable and
         kept, and no chunk is swept while it is there (exit 1 while one is kept);
         --remove-corrupt deletes such steps, and the steps a load with fallback quarantined.
-        --verify also re-hashes every chunk of every step first (as verify --all does): a step
-        with a damaged chunk counts as corrupt.
+        Before a step is deleted, the steps kept in its place are re-hashed, newest first,
+        until K check out: a step with a damaged chunk counts as corrupt (kept, not counted), so
+        a byte flipped in the newest step never costs the good steps before it (this reads the
+        K kept steps whole; --no-verify skips it). --verify re-hashes every chunk of every
+        step instead (as verify --all does).
         """,
         """
           ckptstore gc /ckpt/run7 --keep-last 3 --dry-run
@@ -372,6 +375,12 @@ examples:
         "--verify",
         action="store_true",
         help="re-hash every chunk first: a step with a damaged chunk is corrupt, never counted",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not re-hash the steps kept before deleting older ones (a damaged newest step "
+        "then counts towards K)",
     )
     p.set_defaults(func="gc")
     parser.commands = list(sub.choices)

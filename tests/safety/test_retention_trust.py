@@ -218,7 +218,10 @@ def test_gc_verify_that_cannot_read_a_chunk_fails_and_deletes_nothing(tmp_path, 
     before = store.list()
     assert main(["gc", uri, "--keep-last", "1", "--verify"]) == 1
     err = capsys.readouterr().err
-    assert f"gc --verify could not read 1 object(s) of step(s) 2 (first: {chunk_key(digest)}" in err
+    assert (
+        f"gc could not read 1 object(s) of step(s) 2 to re-hash them (first: {chunk_key(digest)}"
+        in err
+    )
     assert err.count("\n") == 1 and "nothing deleted" in err
     assert store.list() == before and list_steps(store) == [1, 2]
 
@@ -244,3 +247,33 @@ def test_a_saves_own_retention_keeps_its_step_where_the_listing_lags_behind_it(
     with Checkpointer(uri) as ckpt:
         ckpt.verify("all")
         assert ckpt.load(into) == 4 and into["w"][0] == 4.0
+
+
+def test_gc_re_hashes_the_steps_it_keeps_before_deleting_older_ones(tmp_path, capsys):
+    """A new user's review: one byte flipped in the newest step's chunk (its size unchanged),
+    then ``gc --keep-last 1``: the good step before it was deleted, gc exited 0, and no step
+    could be loaded. Now the kept step is re-hashed first: the damaged one is kept apart, the
+    good one kept in its place, gc exits 1 naming the damage."""
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.format import chunk_key
+
+    uri = str(tmp_path / "store")
+    save_two_steps(uri)
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(3, {"w": W[2] + 100}).wait()
+    store = Store(uri)
+    digest = sorted(load_rank_indexes(store, load_manifest(store, 3))[0].chunks)[0]
+    data = bytearray(store.get(chunk_key(digest)))
+    data[len(data) // 2] ^= 0x01
+    rewrite(store, chunk_key(digest), bytes(data))
+    assert main(["gc", uri, "--keep-last", "1", "--dry-run", "--no-verify"]) == 0
+    assert "would delete steps: 1, 2\n" in capsys.readouterr().out  # what the default guards
+    assert main(["gc", uri, "--keep-last", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "re-hashed, every chunk checks out: step(s) 2\n" in out, out
+    assert "deleted steps: 1\n" in out and "unreadable step 3: kept" in out, out
+    assert "step(s) 3 cannot be read" in err
+    assert list_steps(store) == [2, 3]
+    target = {"w": torch.zeros(64)}
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(target, fallback=True) == 2 and torch.equal(target["w"], W[2])
