@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.catalog import list_steps
-from ckptstore.errors import CheckpointError, RankLostError, one_line
+from ckptstore.errors import CheckpointError, RankLostError, StepExistsError, one_line
 from ckptstore.format import chunk_key
 from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.render import rank_ranges
@@ -210,7 +210,7 @@ class TierSaver:
                     self.last_copy = _committed(session, self.rank, dcp_metadata, keep=True)
                 session.release()
         if not heard.ok:
-            self._log_not_committed(step, heard)
+            self._not_committed(step, heard)
             return LocalCommit(None, payloads)
         self._failure_logged = False
         self.committed.add(step)
@@ -264,7 +264,10 @@ class TierSaver:
             return exc
         return None
 
-    def _log_not_committed(self, step: int, heard: Agreement) -> None:
+    def _not_committed(self, step: int, heard: Agreement) -> None:
+        """Fails the save if the local tier holds another save of ``step``; else says the save
+        goes to durable storage instead."""
+        _raise_if_taken(step, heard, self.durable_uri)
         level = logging.INFO if self._failure_logged else logging.WARNING
         self._failure_logged = True  # one warning until a save succeeds again
         logger.log(
@@ -385,6 +388,19 @@ def _raise_if_stopped(save: tuple[int, str], heard: Agreement, fatal: BaseExcept
     if stopped:
         raise CheckpointError(
             f"step {step} failed on rank(s) {stopped} before the local tier: {heard.why()}"
+        )
+
+
+def _raise_if_taken(step: int, heard: Agreement, durable_uri: str) -> None:
+    """A local tier that holds another save of ``step`` (a second process of the job: an old
+    incarnation still running) fails the save: only a tier that cannot be written sends it to
+    durable storage, where the step may not be yet and both saves would report committed."""
+    taken = [(r, line) for r, line, kind in heard.failures if kind == "StepExistsError"]
+    if taken:
+        rank, line = taken[0]
+        raise StepExistsError(
+            f"step {step}: the local tier holds another save of it (rank {rank}: {line}); "
+            f"not saved to {durable_uri} either"
         )
 
 

@@ -470,7 +470,7 @@ def test_a_second_process_saving_an_earlier_step_leaves_the_later_copies(make, t
     the store, a script that does not resume) saving step 2 leaves the local-only steps 3 and 4
     that another process committed (it unlisted them as a run the job left)."""
     front = make(durable_every=10, local_keep_last=4)
-    for step in (1, 2, 3, 4):
+    for step in (1, 3, 4):
         front.save(step, _state(step))
     front.wait_durable()
     other = front.restart()
@@ -482,6 +482,26 @@ def test_a_second_process_saving_an_earlier_step_leaves_the_later_copies(make, t
         assert _same(target, _state(step)), step
     target = _blank()
     assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
+
+
+def test_a_second_process_saving_a_step_only_the_local_tier_holds_is_refused(make, tmp_path):
+    """A durability reviewer: the old incarnation of a restarted job, still running, saved a
+    step its restart had committed to the local tier only; the local tier refused it, the save
+    went to durable storage as if the local disk were full, and both saves reported committed
+    (a later load returned the old incarnation's state). Steps are write-once in every tier."""
+    front = make(durable_every=10, local_keep_last=4)
+    for step in (1, 2, 3):
+        front.save(step, _state(step))
+    front.wait_durable()
+    other = front.restart()
+    with pytest.raises((StepExistsError, CheckpointException)) as info:
+        other.save(3, _state(103))
+        other.wait_durable()
+    assert "step 3" in str(info.value) and "already committed" in str(info.value), info.value
+    for step in (3, "latest"):
+        target = _blank()
+        assert front.restart().load(target, step)[0] == 3
+        assert _same(target, _state(3)), step
 
 
 def test_local_copies_of_another_save_of_a_durable_step_are_never_loaded(make, tmp_path):

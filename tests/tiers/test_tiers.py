@@ -740,3 +740,32 @@ def test_ls_sets_apart_the_copies_a_load_passes_over_as_a_run_the_job_left(tmp_p
     assert "step 4 (rank 0) is of the run the job left when it resumed from step 1" in out, out
     with Checkpointer(durable, tiers=TierOptions(local_dir=local)) as ckpt:
         assert ckpt.load(rank_state(0, 0)) == 3  # as ls says: the durable step 3, not the copy 4
+
+
+def test_an_old_incarnation_still_running_never_commits_a_step_its_restart_saved(tmp_path):
+    """A durability reviewer: incarnation B of a tiered job (restarted, resumed from step 3)
+    saved steps 4 and 5 while the old A still ran; A's save of 5 met B's local copy
+    (``StepExistsError``), was taken for a full local disk and sent to durable storage, where
+    step 5 was not yet: both saves reported committed, and a later load returned A's state."""
+    from ckptstore.errors import StepExistsError
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    tiers = TierOptions(local_dir=local, durable_every=2)
+    a = Checkpointer(durable, keep_last=2, tiers=tiers)
+    for step in range(4):
+        a.save(step, rank_state(0, step)).wait()
+    b = Checkpointer(durable, keep_last=2, tiers=tiers)
+    assert b.load(rank_state(0, 0), fallback=True) == 3
+    mine = {s: {**rank_state(0, s), "w": rank_state(0, s)["w"] + 1000} for s in (4, 5)}
+    for step in (4, 5):
+        b.save(step, mine[step]).wait()
+    b.wait()
+    for step in (4, 5):
+        with pytest.raises(StepExistsError):
+            a.save(step, rank_state(0, step)).wait()
+    a.close()
+    b.close()
+    target = rank_state(0, 0)
+    with Checkpointer(durable, tiers=tiers) as ckpt:
+        assert ckpt.load(target, fallback=True) == 5
+    assert torch.equal(target["w"], mine[5]["w"])
