@@ -277,3 +277,65 @@ def test_gc_re_hashes_the_steps_it_keeps_before_deleting_older_ones(tmp_path, ca
     target = {"w": torch.zeros(64)}
     with Checkpointer(uri) as ckpt:
         assert ckpt.load(target, fallback=True) == 2 and torch.equal(target["w"], W[2])
+
+
+def _own_chunks(store: Store, step: int) -> list[str]:
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.format import chunk_key
+
+    def chunks(s: int) -> set[str]:
+        return {d for i in load_rank_indexes(store, load_manifest(store, s)) for d in i.chunks}
+
+    others = set().union(*(chunks(s) for s in list_steps(store) if s != step))
+    return [chunk_key(d) for d in sorted(chunks(step) - others)]
+
+
+def _delete_like_retention(store: Store, step: int) -> None:
+    """What a saver's ``keep_last`` does to ``step`` in another process: manifest, then chunks."""
+    doomed = _own_chunks(store, step)
+    store.delete(commit_key(step))
+    for key in doomed:
+        store.delete(key)
+
+
+@pytest.mark.parametrize("how", ["listing", "verify"])
+def test_gc_running_beside_a_savers_retention_never_calls_the_step_it_deleted_corrupt(
+    tmp_path, capsys, monkeypatch, how
+):
+    """A durability reviewer: ``ckptstore gc`` in a loop beside a saver whose ``keep_last``
+    deleted steps called a healthy step "corrupt: chunks/… missing" (exit 1, advising
+    --remove-corrupt): the saver deleted it between gc's read of its manifest and of its
+    chunks. A step whose manifest is gone by then was deleted, not damaged."""
+    import ckptstore._inspect as inspect_module
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()
+    store = Store(uri)
+    if how == "listing":
+        real = Store.list_sizes
+
+        def list_sizes(self, prefix, *args, **kwargs):
+            if prefix == "chunks" and commit_key(1) in self.list():
+                _delete_like_retention(store, 1)
+            return real(self, prefix, *args, **kwargs)
+
+        monkeypatch.setattr(Store, "list_sizes", list_sizes)
+        argv = ["gc", uri, "--keep-last", "2", "--no-verify"]
+    else:
+        real = inspect_module.verify_steps
+
+        def verify_steps(on, steps, *args, **kwargs):
+            if 1 in steps:
+                _delete_like_retention(store, 1)
+            return real(on, steps, *args, **kwargs)
+
+        monkeypatch.setattr(inspect_module, "verify_steps", verify_steps)
+        argv = ["gc", uri, "--keep-last", "2", "--verify"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["unreadable_steps"] == [] and doc["kept_steps"] == [2, 3], doc
+    assert list_steps(store) == [2, 3]
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify("all")
