@@ -759,7 +759,7 @@ class StateLoader:
         self, skipped: list[tuple[int, BaseException]], not_healthy: dict[int, str] | None = None
     ) -> CheckpointError:
         """The error of a load with fallback that loaded no step."""
-        failed = {s: f"step {s}: {self._one_line(e)}" for s, e in skipped}
+        failed = {s: _of_step(s, self._one_line(e)) for s, e in skipped}
         failed.update(not_healthy or {})
         every = "; ".join(failed[s] for s in sorted(failed, reverse=True))
         missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
@@ -817,3 +817,8 @@ class StateLoader:
             else CheckpointCorruptError
         )
         raise kind(f"{len(problems)} problem(s) in {self.store.uri}: {shown}{more}")
+
+
+def _of_step(step: int, why: str) -> str:
+    """``why`` named by its step once (an error may name it already)."""
+    return why if why.startswith(f"step {step}:") else f"step {step}: {why}"

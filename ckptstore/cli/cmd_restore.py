@@ -9,6 +9,7 @@ import sys
 import warnings
 from typing import Any
 
+from ckptstore.catalog import list_steps
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import (
     check_target,
@@ -16,7 +17,7 @@ from ckptstore.cli.restore_file import (
     remove_if_empty_dir,
     write_atomically,
 )
-from ckptstore.errors import CheckpointError
+from ckptstore.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckptstore.export import export_safetensors, name_under
 from ckptstore.health import healthy_steps_to_load
 from ckptstore.render import human_bytes
@@ -56,7 +57,7 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
     with progress(total, f"restore step {step}") as advance, warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        state = view.load_plain(on_chunk=advance)
+        state = _load_naming_the_step(view, store, advance)
         if args.only:
             state = _only(state, args.only, step)
         if args.format == "dcp" and not isinstance(state, dict):
@@ -101,6 +102,17 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
             f"storage_reader=FileSystemReader({target!r}))"
         )
     return 0
+
+
+def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:
+    """The step's state; a chunk missing or damaged fails naming the step and the step before
+    it (what a user restoring at 3 a.m. tries next)."""
+    try:
+        return view.load_plain(on_chunk=advance)
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        older = [s for s in list_steps(store) if s < view.step]
+        hint = f"; the step before it: --step {older[-1]}" if older else ""
+        raise CheckpointError(f"step {view.step} cannot be restored: {exc}{hint}") from exc
 
 
 def _target(to: str, store: Store) -> str:

@@ -182,6 +182,9 @@ examples:
         dcp = torch.distributed.checkpoint), world size, creation time (UTC), raw and stored
         bytes of the chunks the step references, compression ratio (raw / stored) and the user
         metadata of the save. Saves in flight (their save leases) are listed after the steps.
+        ls reads manifests only: HEALTH is what the save recorded of its numbers (NaN/Inf), not
+        whether every chunk is still there and intact; `ckptstore verify URI --all` checks
+        that.
         """,
         """
           ckptstore ls /ckpt/run7

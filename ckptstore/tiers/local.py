@@ -28,10 +28,10 @@ from ckptstore.errors import (
     StorageError,
     one_line,
 )
-from ckptstore.format import ChunkInfo, Manifest, chunk_key
+from ckptstore.format import ChunkInfo, Manifest, chunk_key, commit_key
 from ckptstore.leases import DEFAULT_TTL_S, find_leases
 from ckptstore.render import rank_ranges
-from ckptstore.retention import collect
+from ckptstore.retention import collect, drop_step
 from ckptstore.store import RetryPolicy, Store, open_store
 from ckptstore.tiers.identity import agree_identity, store_identity
 from ckptstore.tiers.policy import TIER_KEY, TierPolicy, job_dir_name, rank_dir, tier_info
@@ -330,6 +330,30 @@ class LocalTier:
         if not self.belongs(manifest, rank):
             raise CheckpointNotFoundError(f"{where}: step {step} is not this job's copy")
 
+    def drop_foreign(self, ward: int, step: int) -> None:
+        """Unlist ``ward``'s copy of ``step`` here if it belongs to another instance of the
+        durable store (deleted and made again): never loaded, it must not refuse this
+        instance's save of the same step number as another save of it."""
+        store = self.store(ward)
+        if not store.exists(commit_key(step)):
+            return
+        try:
+            manifest = load_manifest(store, step)
+        except CheckpointError:
+            return  # kept: the commit over it fails and says why
+        if self.of_other_instance(manifest):
+            self._unlist_foreign(store, step)
+
+    def _unlist_foreign(self, store: Store, step: int) -> None:
+        drop_step(store, step)
+        logger.info(
+            "rank %d: unlisted %s's step %d, a copy of another instance of %s",
+            self.rank,
+            store.uri,
+            step,
+            self.durable_uri,
+        )
+
     def of_other_instance(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is a copy for this job's durable store path, made for another
         instance of it (a store deleted and made again at the same path)."""
@@ -381,15 +405,20 @@ class LocalTier:
         (None: none), and the chunks of its newest copy, which are stored and stay so while that
         lease is held (docs/FORMAT.md, "Known chunks"). One listing, then the manifest of
         ``step`` where it is listed, else the newest step's manifest and its index: no other
-        copy is read. A ``step`` here that is not ``ward``'s copy for this job raises; a newest
+        copy is read. A ``step`` here of another instance of the durable store is unlisted; one
+        that is not ``ward``'s copy for this job otherwise raises; a newest
         copy that cannot be read leaves no chunk known (each is put, one found stored kept)."""
         store = self.store(ward)
         steps = list_steps(store)
         if step in steps:
             manifest = load_manifest(store, step)
-            if not self.belongs(manifest, ward):
+            if self.of_other_instance(manifest):  # never loaded: no other save of the step
+                self._unlist_foreign(store, step)
+                steps.remove(step)
+            elif not self.belongs(manifest, ward):
                 raise CheckpointError(f"{store.uri} holds another save of step {step}")
-            return manifest.attempt, {}
+            else:
+                return manifest.attempt, {}
         if not steps:
             return None, {}
         try:

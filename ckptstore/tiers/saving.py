@@ -96,6 +96,13 @@ class TierSaver:
         """This rank and the ranks whose copies it holds."""
         return list(self._wards)
 
+    def _clear_for(self, step: int) -> None:
+        """Before this rank's copy of ``step``: the copies a resumed job left unlisted
+        (``drop_stale``), and its own store's copy of ``step`` if another instance of the
+        durable store made it (``LocalTier.drop_foreign``)."""
+        self.drop_stale(step)
+        self.local.drop_foreign(self.rank, step)
+
     def drop_stale(self, step: int) -> None:
         """At the first save after a load of step L in this process (either front-end): the
         copies of steps after L, and of ``step`` and later, that this process did not commit
@@ -175,7 +182,7 @@ class TierSaver:
             try:
                 if fatal is not None:
                     raise fatal
-                self.drop_stale(step)
+                self._clear_for(step)
                 if metadata is not None and self.rank == 0:
                     shared = metadata()
                 session = SaveSession(
@@ -400,7 +407,8 @@ def _raise_if_taken(step: int, heard: Agreement, durable_uri: str) -> None:
         rank, line = taken[0]
         raise StepExistsError(
             f"step {step}: the local tier holds another save of it (rank {rank}: {line}); "
-            f"not saved to {durable_uri} either"
+            f"not saved to {durable_uri} either (to resume from the tiers' copies, load "
+            "before saving: load(state, fallback=True); latest() lists durable steps only)"
         )
 
 

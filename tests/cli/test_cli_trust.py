@@ -94,3 +94,29 @@ def test_exporting_a_step_without_tensors_is_not_a_usage_error(tmp_path, capsys)
     code, line = run(capsys, "restore", uri, "--to", target, "--format", "safetensors")
     assert code == 1 and "holds no tensor to export" in line
     assert not target.exists()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_a_restore_of_a_damaged_step_names_it_and_the_step_before(tmp_path, capsys, fmt):
+    """A reviewer: ``restore`` of a step with a damaged chunk said only which chunk; at 3 a.m.
+    the user needs the step it was and the one to try instead."""
+    uri = saved_store(tmp_path)
+    with Checkpointer(uri, encoding=EncodingOptions(compression="none")) as ckpt:
+        ckpt.save(2, {"model": {"w": torch.arange(1 << 16, dtype=torch.float32) + 1}}).wait()
+    store = Store(uri)
+    index = load_rank_index(store, load_manifest(store, 2), 0)
+    path = Path(store.path(chunk_key(next(iter(index.chunks)))))
+    os.chmod(path, 0o644)
+    path.unlink()
+    target = tmp_path / "restored"
+    code, line = run(capsys, "restore", uri, "--to", target, "--format", fmt)
+    assert code == 1 and not target.exists(), line
+    assert line.startswith("ckptstore restore: error: step 2 cannot be restored: chunk "), line
+    assert "is missing" in line and line.endswith("; the step before it: --step 1"), line
+    code, _ = run_ok(capsys, "restore", uri, "--to", target, "--format", fmt, "--step", "1")
+    assert code == 0 and target.exists()
+
+
+def run_ok(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().out

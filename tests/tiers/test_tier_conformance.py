@@ -647,6 +647,26 @@ def test_copies_of_a_deleted_store_are_never_loaded_in_the_one_made_again(make, 
     assert new is not None and new.id != old.id
 
 
+def test_the_store_made_again_saves_the_step_numbers_its_old_copies_hold(make, tmp_path):
+    """The durable store deleted and made again, the same ``local_dir``, a job started from
+    step 0 again: its saves of the step numbers the old instance's local copies hold (never
+    loaded) were refused as another save of the step. Those copies are unlisted instead."""
+    front = make(durable_every=2, local_keep_last=3)
+    for step in (1, 2, 3):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    shutil.rmtree(tmp_path / "durable")
+    (tmp_path / "durable").mkdir()
+    front = front.restart()
+    for step in (1, 2, 3):
+        front.save(step, _state(100 + step))
+    front.wait_durable()
+    for step in (3, 2):
+        target = _blank()
+        assert front.restart().load(target, step)[0] == step and _same(target, _state(100 + step))
+
+
 def test_a_store_of_an_older_version_adopts_an_identity_and_keeps_its_copies(make, tmp_path):
     """A store written before identities (its ``identity.json`` and the copies' ids removed):
     the first tiered writer records an identity marked adopted, and the unmarked copies of

@@ -96,6 +96,23 @@ def test_a_wiped_node_restores_from_its_peers_without_durable_reads(tmp_path):
     assert (copies_dir(tmp_path / "node1", 2) / "commits").is_dir()
 
 
+def test_a_store_made_again_gets_its_peer_copies_over_the_old_instances(tmp_path):
+    """The durable store deleted and made again, the nodes' local dirs kept: the job saves the
+    same step numbers again. Its own copies and the copies it sends to holders unlist the old
+    instance's copies of those steps (never loaded) instead of failing over them, so a wiped
+    node restores the new step from its peers."""
+    kw = {"peer_copies": 1, "durable_every": 3}
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    shutil.rmtree(tmp_path / "durable")
+    (tmp_path / "durable").mkdir()
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    assert list_steps(Store(str(tmp_path / "durable"))) == [10]
+    shutil.rmtree(tmp_path / "node1")
+    reports = _run_load(tmp_path, peer_copies=1, durable_every=3)
+    assert [r["step"] for r in reports] == [20] * 4 and all(r["equal"] for r in reports)
+    assert [r["source"] for r in reports] == [LOCAL, LOCAL, PEER, PEER], reports
+
+
 def _flip_a_chunk(store_dir: Path) -> None:
     chunks = sorted(p for p in (store_dir / "chunks").rglob("*") if p.is_file())
     target = max(chunks, key=lambda p: p.stat().st_size)
