@@ -223,7 +223,7 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
                 for d, info in index.chunks.items()
             }
         except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
-            return _why(exc) if _still_listed(store, step) else None
+            return _why(exc) if _unchanged(store, step, manifest.attempt) else None
         return _Step(manifest, chunks)
 
     readable = {}
@@ -265,8 +265,8 @@ def _verify_chunks(
         )
     for check in checks:
         bad = [p for p in check.problems if p.problem in ("corrupt", "missing")]
-        if bad and not _still_listed(store, check.step):
-            del readable[check.step]  # deleted meanwhile (a saver's retention)
+        if bad and not _unchanged(store, check.step, readable[check.step].manifest.attempt):
+            del readable[check.step]  # deleted or saved again meanwhile: not what was read
         elif bad:
             shown = "; ".join(f"{p.object} {p.problem}" for p in bad[:3])
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
@@ -297,8 +297,8 @@ def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcRe
         chunks = readable[step].chunks
         missing = sorted(d for d in chunks if d not in present)
         cut = sorted(d for d in chunks if d in present and present[d] != chunks[d])
-        if (missing or cut) and not _still_listed(store, step):
-            del readable[step]  # deleted meanwhile (a saver's retention), not damaged
+        if (missing or cut) and not _unchanged(store, step, readable[step].manifest.attempt):
+            del readable[step]  # deleted or saved again meanwhile, not damaged
         elif missing or cut:
             bad = (missing or cut)[0]
             found = "missing" if missing else f"{present[bad]} bytes, its index says {chunks[bad]}"
@@ -323,11 +323,17 @@ def _refuse_a_listing_that_misses_chunks(
         )
 
 
-def _still_listed(store: Store, step: int) -> bool:
-    """Whether ``step``'s manifest is still there: a step found to lack a chunk after its
-    manifest was read may have been deleted meanwhile (another process's retention deletes the
-    manifest first, then its chunks), which is no damage to report."""
-    return store.exists(commit_key(step))
+def _unchanged(store: Store, step: int, attempt: str) -> bool:
+    """Whether ``step``'s manifest is still the save ``attempt`` gc read: a step found to lack
+    a chunk may have been deleted meanwhile (another process's retention deletes the manifest
+    first, then its chunks), or deleted and saved again; neither is damage to report (a step
+    saved again is read afresh before the sweep)."""
+    try:
+        return load_manifest(store, step).attempt == attempt
+    except CheckpointNotFoundError:
+        return False
+    except (CheckpointCorruptError, FormatVersionError):
+        return True  # there, and still not readable
 
 
 def _why(exc: Exception) -> str:

@@ -185,8 +185,9 @@ def _print_local_dirs(listings: dict[str, TierListing], local_problems: list[str
         for step, (ranks, resumed) in sorted(listing.left.items()):
             print(
                 f"local copies in {d}: step {step} (rank{'s' if len(ranks) > 1 else ''} "
-                f"{rank_ranges(ranks)}) is of the run the job left when it resumed from step "
-                f"{resumed}: every load passes over it"
+                f"{rank_ranges(ranks)}) is of the run the job left when it "
+                f"{'started over' if resumed < 0 else f'resumed from step {resumed}'}: every "
+                "load passes over it"
             )
     for problem in local_problems:
         print(f"local copy unreadable: {problem}")

@@ -110,7 +110,9 @@ class LocalTier:
     def resumed_from(self) -> int | None:
         """The step a load of this process (either front-end) last resumed from these copies:
         copies of later steps belong to a run the job left, and are unlisted before its next
-        save (``TierSaver.drop_stale``). None: no load since the last save."""
+        save (``TierSaver.drop_stale``); ``FRESH_START``: a load of the latest step found
+        none, and the job starts over (every copy is of a run it left). None: no load since
+        the last save."""
         return _RESUMED.get(str(self.rank_dir(self.rank)))
 
     @resumed_from.setter

@@ -41,7 +41,7 @@ from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.restore import DURABLE, Candidate, Source, plan_sources
-from ckptstore.tiers.resumes import Resume, left_by, resumes
+from ckptstore.tiers.resumes import FRESH_START, Resume, left_by, resumes
 from ckptstore.tiers.transfer import wait_written
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,24 @@ def plan_restore(
 ) -> RestorePlan:
     """The saves to try (``step``: only that one; ``limit``: at most that many, None: every
     older one too, for a load with fallback). Collective; raises on every rank alike when no
-    tier holds a step every rank can get."""
+    tier holds a step every rank can get (for the latest step: the job has nothing to resume
+    and starts over, and its next save unlists the copies of the run it leaves)."""
+    try:
+        return _plan_restore(durable, local, group, step, limit, healthy)
+    except CheckpointNotFoundError:
+        if step in (None, "latest"):
+            local.resumed_from = FRESH_START
+        raise
+
+
+def _plan_restore(
+    durable: Store,
+    local: LocalTier,
+    group: RankGroup,
+    step: int | str | None,
+    limit: int | None,
+    healthy: bool,
+) -> RestorePlan:
     wait_written()  # a copy the last load repaired is listed once it is committed
     wanted = None if step in (None, "latest") else int(step)
     listed: Any = None

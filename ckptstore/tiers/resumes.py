@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 RESUMES_PREFIX = "resumes"
 RESUME_FIELD = "resume"  # in a copy's tier info: the token of the resume it descends from
+FRESH_START = -1  # the step "resumed from" by a load that found none: every copy is left
 _TOKEN = re.compile(r"(\d{16})-[0-9a-f]{8}")
-_KEY = re.compile(rf"{RESUMES_PREFIX}/(\d{{20}})-(\d{{16}})-[0-9a-f]{{8}}")
+_KEY = re.compile(rf"{RESUMES_PREFIX}/(\d{{20}}|-\d{{19}})-(\d{{16}})-[0-9a-f]{{8}}")
 
 
 @dataclass(frozen=True)

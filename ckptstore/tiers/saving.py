@@ -407,8 +407,8 @@ def _raise_if_taken(step: int, heard: Agreement, durable_uri: str) -> None:
         rank, line = taken[0]
         raise StepExistsError(
             f"step {step}: the local tier holds another save of it (rank {rank}: {line}); "
-            f"not saved to {durable_uri} either (to resume from the tiers' copies, load "
-            "before saving: load(state, fallback=True); latest() lists durable steps only)"
+            f"not saved to {durable_uri} either (to go on from the tiers' copies, load the "
+            "latest step before saving; a load of it that finds none lets the job start over)"
         )
 
 

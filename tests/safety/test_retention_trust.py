@@ -339,3 +339,35 @@ def test_gc_running_beside_a_savers_retention_never_calls_the_step_it_deleted_co
     assert list_steps(store) == [2, 3]
     with Checkpointer(uri) as ckpt:
         ckpt.verify("all")
+
+
+def test_gc_never_removes_a_step_saved_again_while_it_ran_as_corrupt(tmp_path, capsys, monkeypatch):
+    """A reviewer: step 2 deleted and saved again (a quarantined step saved anew) between gc's
+    read of its manifest and its listing of the chunks: gc judged the new save by the old
+    one's chunks, called it corrupt, and ``--remove-corrupt`` deleted a step wait() had
+    reported committed. The save gc read is compared with the one there now."""
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()
+    store = Store(uri)
+    real, done = Store.list_sizes, []
+
+    def list_sizes(self, prefix, *args, **kwargs):
+        if prefix == "chunks" and not done:
+            done.append(True)
+            _delete_like_retention(store, 2)
+            with Checkpointer(uri) as again:
+                again.save(2, {"w": torch.full((64,), 22.0)}).wait()
+        return real(self, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "list_sizes", list_sizes)
+    argv = ["gc", uri, "--keep-last", "3", "--no-verify", "--remove-corrupt", "--json"]
+    assert main(argv) == 0 and done
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["unreadable_steps"] == [] and doc["kept_steps"] == [1, 2, 3], doc
+    monkeypatch.undo()
+    target = {"w": torch.zeros(64)}
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify("all")
+        assert ckpt.load(target, step=2) == 2 and torch.equal(target["w"], torch.full((64,), 22.0))

@@ -41,7 +41,7 @@ from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError, StepExistsError
-from ckptstore.format import chunk_key
+from ckptstore.format import chunk_key, commit_key
 from ckptstore.store import Store
 from ckptstore.tiers import ahead as tier_ahead
 from ckptstore.tiers import transfer as tier_transfer
@@ -665,6 +665,43 @@ def test_the_store_made_again_saves_the_step_numbers_its_old_copies_hold(make, t
     for step in (3, 2):
         target = _blank()
         assert front.restart().load(target, step)[0] == step and _same(target, _state(100 + step))
+
+
+def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(make, tmp_path):
+    """A reviewer: the job's first drain never committed (killed), and the node's copies are of
+    a run no load takes (here of a 2-rank world; a crash between two ranks' manifests or a
+    replaced node leave the like). The restart's load found nothing, it started over as
+    examples/train_gpt.py does, and its save of step 1 failed on the copy it could not load
+    (StepExistsError, at every restart). A load of the latest step that finds none makes the
+    next save unlist those copies, as a resume does."""
+    from tests.helpers.crafted import manifest_doc, put_manifest
+
+    front = make(durable_every=10, local_keep_last=4)
+    for step in (1, 2, 3):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    durable = Store(str(tmp_path / "durable"))
+    for step in list_steps(durable):
+        durable.delete(commit_key(step))
+    (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
+    local = Store(str(copies))
+    for step in list_steps(local):
+        doc = manifest_doc(local, step)
+        doc["user"][TIER_KEY]["world_size"] = 2
+        put_manifest(local, step, doc)
+    front = front.restart()
+    with pytest.raises(BaseException) as nothing:  # DCP wraps it in a BaseException
+        front.load(_blank())
+    assert isinstance(nothing.value, CheckpointNotFoundError) or "no tier holds" in repr(
+        nothing.value
+    ), repr(nothing.value)
+    for step in (1, 2, 3):  # nothing to resume: start over
+        front.save(step, _state(100 + step))
+    front.wait_durable()
+    target = _blank()
+    step, _ = front.restart().load(target)
+    assert step == 3 and _same(target, _state(103))
 
 
 def test_a_store_of_an_older_version_adopts_an_identity_and_keeps_its_copies(make, tmp_path):
