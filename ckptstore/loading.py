@@ -72,7 +72,6 @@ from ckptstore.tiers.restore import (
     LoadReport,
     Source,
 )
-from ckptstore.tiers.resumes import FRESH_START
 from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies, write_behind
 from ckptstore.tree import tensor_indexes, tensor_paths
 
@@ -202,10 +201,6 @@ class StateLoader:
                     candidates[0].step,
                 )
             raise AssertionError("unreachable: the last plan's error is raised above")
-        except CheckpointNotFoundError:
-            if self.local is not None and step in (None, "latest"):  # the job starts over
-                self.local.resumed_from = FRESH_START
-            raise
         finally:
             self._manifests.clear()
             self._drop_ahead()

@@ -180,6 +180,8 @@ def _print_local_dirs(listings: dict[str, TierListing], local_problems: list[str
                 f"local copies in {d}: each rank's under {listing.job_dir}/rank-<r>/, a store "
                 f"of its own (ckptstore inspect {example} --step {step})"
             )
+        elif listing.left:
+            print(f"local copies in {d}: none a load takes (below: a run the job left)")
         else:
             print(f"local copies in {d}: none of this store's job")
         for step, (ranks, resumed) in sorted(listing.left.items()):

@@ -268,6 +268,7 @@ class StoreReader(StepReader):
             assert self._tier is not None
             step = self._tier.view.step
             self._gather(load_group(self.options["storage"]), failure, None, step)
+            self._tier.loaded()
         finally:
             self._tier.reads_done()  # a repaired copy, read from memory: written now
         # from the tier plan (read_metadata) to the last tensor

@@ -373,9 +373,12 @@ class LocalTier:
         out, with one log line)."""
         return {step: attempt for step, (attempt, _) in self.copies_made(ward).items()}
 
-    def copies_made(self, ward: int) -> dict[int, tuple[str, float]]:
+    def copies_made(
+        self, ward: int, unread: list[str] | None = None
+    ) -> dict[int, tuple[str, float]]:
         """:meth:`copies`, each with when the resume it descends from was recorded
-        (``tiers.resumes.made_under``)."""
+        (``tiers.resumes.made_under``); a manifest the store did not serve (not a damaged one)
+        named in ``unread``."""
         if not self.rank_dir(ward).is_dir():
             return {}
         store = self.store(ward)
@@ -385,6 +388,8 @@ class LocalTier:
                 manifest = load_manifest(store, step)
             except CheckpointError as exc:
                 logger.warning("rank %d: local copy %s unreadable: %s", self.rank, store.uri, exc)
+                if unread is not None and isinstance(exc, StorageError):
+                    unread.append(str(exc))
                 continue
             if self.belongs(manifest, ward):
                 out[step] = (manifest.attempt, made_under(manifest.user.get(TIER_KEY)))

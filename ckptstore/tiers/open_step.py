@@ -61,6 +61,13 @@ class TierLoad:
     report: LoadReport
     started: float  # perf_counter() as the plan began
     repaired: list[RepairedCopy] = dataclasses.field(default_factory=list)
+    local: LocalTier | None = None  # the tier the load resumes from, once every rank read it
+
+    def loaded(self) -> None:
+        """Every rank read the step: the next save of this process drops later copies (a
+        load that failed changes nothing)."""
+        if self.local is not None:
+            self.local.resumed_from = self.view.step
 
     def reads_done(self) -> None:
         """Once the load's reads are done, or once it failed: what this rank's copy had
@@ -122,7 +129,6 @@ def open_tiered_step(
     plan = _plan(durable, local, wanted, group, healthy)
     candidate = plan.candidates[0]
     step = candidate.step
-    local.resumed_from = step  # the next save of this process drops later copies
     for s in sorted((s for s in plan.not_healthy if s > step and rank == 0), reverse=True):
         logger.warning("%s (tiers, %s): skipped by healthy=True", plan.not_healthy[s], durable.uri)
     report = LoadReport(step=step)
@@ -155,7 +161,7 @@ def open_tiered_step(
                 local_tier=report.source,
                 forget=local.forget_bad_chunk,
             )
-            return TierLoad(view, held, fetch, report, started, repaired)
+            return TierLoad(view, held, fetch, report, started, repaired, local)
         logger.warning(
             "rank %d: a local copy of step %d could not be read or restored; loading it from %s",
             rank,
@@ -309,7 +315,7 @@ def _from_durable(
         repaired=kept,
         forget=local.forget_bad_chunk,
     )
-    return TierLoad(view, held, fetch, report, started, [kept] if kept is not None else [])
+    return TierLoad(view, held, fetch, report, started, [kept] if kept is not None else [], local)
 
 
 def _repair(

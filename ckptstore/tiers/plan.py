@@ -40,7 +40,7 @@ from ckptstore.render import rank_ranges
 from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.restore import DURABLE, Candidate, Source, plan_sources
+from ckptstore.tiers.restore import DURABLE, PEER, Candidate, Source, plan_sources
 from ckptstore.tiers.resumes import FRESH_START, Resume, left_by, resumes
 from ckptstore.tiers.transfer import wait_written
 
@@ -65,24 +65,9 @@ def plan_restore(
 ) -> RestorePlan:
     """The saves to try (``step``: only that one; ``limit``: at most that many, None: every
     older one too, for a load with fallback). Collective; raises on every rank alike when no
-    tier holds a step every rank can get (for the latest step: the job has nothing to resume
-    and starts over, and its next save unlists the copies of the run it leaves)."""
-    try:
-        return _plan_restore(durable, local, group, step, limit, healthy)
-    except CheckpointNotFoundError:
-        if step in (None, "latest"):
-            local.resumed_from = FRESH_START
-        raise
-
-
-def _plan_restore(
-    durable: Store,
-    local: LocalTier,
-    group: RankGroup,
-    step: int | str | None,
-    limit: int | None,
-    healthy: bool,
-) -> RestorePlan:
+    tier holds a step every rank can get. For the latest step, where every rank read its
+    copies and durable storage was listed, that means nothing to resume: the job starts over
+    (``FRESH_START``), and its next save unlists the copies of the run it leaves."""
     wait_written()  # a copy the last load repaired is listed once it is committed
     wanted = None if step in (None, "latest") else int(step)
     listed: Any = None
@@ -91,20 +76,28 @@ def _plan_restore(
             listed = list_steps(durable)
         except CheckpointError as exc:
             listed = exc
-    everything = group.gather((_held(local, group.rank), _place(local), listed))
+    everything = group.gather((*_held(local, group.rank), _place(local), listed))
     manifests: dict[int, Manifest] = {}
     found: Any = None
+    fresh = False  # nothing to resume, as far as every tier could tell
     if group.rank == 0:
-        made = [h for h, _, _ in everything]
+        made = [h for h, _, _, _ in everything]
         held = _left_out(durable, made, listed)
-        places = [p for _, p, _ in everything]
+        places = [p for _, _, p, _ in everything]
         try:
             found = _plan(
                 durable, local, held, places, listed, wanted, None if healthy else limit, manifests
             )
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             found = exc
-    candidates = _raise_or(group.broadcast(found))
+        read_all = all(whole for _, whole, _, _ in everything)
+        listed_all = not isinstance(listed, BaseException)
+        fresh = isinstance(found, CheckpointNotFoundError) and read_all and listed_all
+        fresh = fresh and wanted is None
+    found, fresh = group.broadcast((found, fresh))
+    if fresh:
+        local.resumed_from = FRESH_START
+    candidates = _raise_or(found)
     plan = RestorePlan(candidates, manifests=manifests)
     if healthy:
         plan.candidates, plan.not_healthy = _healthy(durable, local, group, plan, wanted)
@@ -118,26 +111,28 @@ def _raise_or(value: Any) -> Any:
     return value
 
 
-def _held(local: LocalTier, rank: int) -> dict[int, dict[int, tuple[str, float]]]:
+def _held(local: LocalTier, rank: int) -> tuple[dict[int, dict[int, tuple[str, float]]], bool]:
     """The copies this rank's node keeps: by ward, step -> (attempt, when the resume it descends
-    from was recorded)."""
+    from was recorded); and whether every one was read (no request failed)."""
     held: dict[int, dict[int, tuple[str, float]]] = {}
+    unread: list[str] = []
     try:
         wards = local.wards_here()
     except OSError as exc:
         logger.warning("rank %d: the local tier cannot be listed, not offered: %s", rank, exc)
-        return held
+        return held, False
     for ward in wards:
         try:
-            held[ward] = local.copies_made(ward)
+            held[ward] = local.copies_made(ward, unread)
         except Exception as exc:  # noqa: BLE001 - peers or durable storage may serve it
+            unread.append(str(exc))
             logger.warning(
                 "rank %d: the local tier of rank %d cannot be read, not offered: %s",
                 rank,
                 ward,
                 one_line(exc),
             )
-    return held
+    return held, not unread
 
 
 def _left_out(
@@ -173,11 +168,10 @@ def _left_out(
     if left:
         newest = max(left)
         logger.warning(
-            "copies of step%s %s not loaded: a run the job left when it resumed from step %d (at "
-            "%s)",
+            "copies of step%s %s not loaded: a run the job left when it %s (at %s)",
             "s" if len(left) > 1 else "",
             rank_ranges(sorted(left)),
-            left[newest].step,
+            "started over" if left[newest].step < 0 else f"resumed from step {left[newest].step}",
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(left[newest].at)),
         )
     return held
@@ -273,19 +267,20 @@ def _name_passed_over(held: list[dict[int, dict[int, str]]], planned: int) -> No
 def _healthy(
     durable: Store, local: LocalTier, group: RankGroup, plan: RestorePlan, wanted: int | None
 ) -> tuple[list[Candidate], dict[int, str]]:
-    """(collective) The healthy saves of ``plan``, and why each other one is not."""
-    mine: dict[int, Any] = {}
-    try:
-        store = local.store(group.rank)
-    except CheckpointError:
-        store = None  # no local tier here: other tiers serve this rank
-    for c in plan.candidates if store is not None else ():
-        try:
-            manifest = load_manifest(store, c.step)
-        except CheckpointError:
-            continue  # no copy of its own: another tier serves this rank
-        if manifest.attempt == c.attempt:
-            mine[c.step] = manifest.health
+    """(collective) The healthy saves of ``plan``, and why each other one is not. Each rank
+    tells the health its own copy records, and that of each copy it holds of a rank whose
+    first source it is (a node replaced: the peer copy the load will take)."""
+    mine: dict[tuple[int, int], Any] = {}  # (rank whose copy, step) -> its health
+    for c in plan.candidates:
+        first = [(w, s[0]) for w, s in enumerate(c.sources)]
+        wards = [w for w, src in first if src.tier == PEER and src.holder == group.rank]
+        for ward in [group.rank, *wards]:
+            try:
+                manifest = load_manifest(local.store(ward), c.step)
+            except CheckpointError:
+                continue  # no copy here: another tier serves that rank
+            if manifest.attempt == c.attempt:
+                mine[(ward, c.step)] = manifest.health
     copies = group.gather(mine)
     verdict: Any = None
     if group.rank == 0:
@@ -309,8 +304,9 @@ def _judge(
 ) -> tuple[list[Candidate], dict[int, str]]:
     """(rank 0) ``plan``'s healthy saves, and why each other one is not."""
     good, why = [], {}
+    told = {key: health for reported in copies for key, health in reported.items()}
     for c in plan.candidates:
-        own = [h.get(c.step, "absent") for h in copies]
+        own = [told.get((r, c.step), "absent") for r in range(len(copies))]
         reason = tiered_verdict(c.step, own, _durable_health(durable, plan.manifests, c))
         if reason is None:
             good.append(c)

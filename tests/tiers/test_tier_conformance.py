@@ -40,7 +40,12 @@ from ckptstore import (
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
-from ckptstore.errors import CheckpointNotFoundError, DrainSupersededError, StepExistsError
+from ckptstore.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DrainSupersededError,
+    StepExistsError,
+)
 from ckptstore.format import chunk_key, commit_key
 from ckptstore.store import Store
 from ckptstore.tiers import ahead as tier_ahead
@@ -702,6 +707,49 @@ def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(ma
     target = _blank()
     step, _ = front.restart().load(target)
     assert step == 3 and _same(target, _state(103))
+
+
+@pytest.mark.parametrize("why", ["a chunk missing", "a local read failing"])
+def test_a_load_that_fails_for_another_reason_never_lets_the_job_start_over(
+    make, tmp_path, monkeypatch, why
+):
+    """A reviewer of the rule above: a load of the latest step that failed on a missing chunk
+    (no fallback), or whose local listing met a read error, raised CheckpointNotFoundError
+    too, and the next save unlisted loadable copies. Only a plan that found nothing, with every
+    copy read and durable storage listed, lets a job start over; here the save is refused."""
+    from ckptstore.errors import StorageError
+    from ckptstore.tiers.local import LocalTier
+
+    front = make(durable_every=10, local_keep_last=4)
+    for step in (1, 2, 3):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    durable = Store(str(tmp_path / "durable"))
+    for step in list_steps(durable):
+        durable.delete(commit_key(step))
+    (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
+    if why == "a chunk missing":
+        local = Store(str(copies))
+        index = read_rank_index(local, load_manifest(local, 3).ranks[0])
+        older = read_rank_index(local, load_manifest(local, 2).ranks[0])
+        own = sorted(set(index.chunks) - set(older.chunks))
+        os.chmod(copies / chunk_key(own[0]), 0o644)
+        (copies / chunk_key(own[0])).unlink()
+    else:
+
+        def unreadable(self, ward, unread=None):
+            raise StorageError(f"{copies}: injected read error")
+
+        monkeypatch.setattr(LocalTier, "copies_made", unreadable)
+    front = front.restart()
+    with pytest.raises((CheckpointError, CheckpointException)):
+        front.load(_blank())
+    monkeypatch.undo()
+    with pytest.raises((StepExistsError, CheckpointException)):
+        front.save(2, _state(102))
+    target = _blank()
+    assert front.restart().load(target, 2)[0] == 2 and _same(target, _state(2))
 
 
 def test_a_store_of_an_older_version_adopts_an_identity_and_keeps_its_copies(make, tmp_path):

@@ -41,12 +41,13 @@ from tests.helpers.tiers import (
 
 def _load(rank: int, world: int, root: str, out: str, kw: dict) -> None:
     fallback = kw.pop("fallback", False)
+    healthy = kw.pop("healthy", False)
     tally = Tally()
     store = Store(str(Path(root) / "durable"))
     store.backend = CountingBackend(store.backend, tally)
     ckpt = tier_checkpointer(Path(root), rank, store=store, **kw)
     state = blank_state()
-    step = ckpt.load(state, fallback=fallback)
+    step = ckpt.load(state, fallback=fallback, healthy=healthy)
     expected = rank_state(rank, step)
     ok = torch.equal(state["w"], expected["w"]) and torch.equal(state["shared"], expected["shared"])
     report = {
@@ -94,6 +95,18 @@ def test_a_wiped_node_restores_from_its_peers_without_durable_reads(tmp_path):
     assert sum(r["durable_chunk_gets"] for r in reports) == 0
     # The node's tier holds the step again, from which the next restore reads locally.
     assert (copies_dir(tmp_path / "node1", 2) / "commits").is_dir()
+
+
+def test_a_healthy_load_with_a_node_replaced_judges_the_peer_copy_it_takes(tmp_path):
+    """A reviewer: ``load(fallback=True, healthy=True)`` (examples/train_gpt.py) with a node
+    replaced failed "no healthy step ... health unknown": health was read from each rank's own
+    store only, and the wiped ranks had none, though their holders' copies record it."""
+    kw = {"peer_copies": 1, "durable_every": 3}
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    shutil.rmtree(tmp_path / "node1")
+    reports = _run_load(tmp_path, peer_copies=1, durable_every=3, fallback=True, healthy=True)
+    assert [r["step"] for r in reports] == [20] * 4 and all(r["equal"] for r in reports)
+    assert [r["source"] for r in reports] == [LOCAL, LOCAL, PEER, PEER], reports
 
 
 def test_a_store_made_again_gets_its_peer_copies_over_the_old_instances(tmp_path):
