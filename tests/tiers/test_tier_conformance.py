@@ -672,15 +672,9 @@ def test_the_store_made_again_saves_the_step_numbers_its_old_copies_hold(make, t
         assert front.restart().load(target, step)[0] == step and _same(target, _state(100 + step))
 
 
-def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(make, tmp_path):
-    """A reviewer: the job's first drain never committed (killed), and the node's copies are of
-    a run no load takes (here of a 2-rank world; a crash between two ranks' manifests or a
-    replaced node leave the like). The restart's load found nothing, it started over as
-    examples/train_gpt.py does, and its save of step 1 failed on the copy it could not load
-    (StepExistsError, at every restart). A load of the latest step that finds none makes the
-    next save unlist those copies, as a resume does."""
-    from tests.helpers.crafted import manifest_doc, put_manifest
-
+def _only_local_copies(make: Any, tmp_path: Path) -> tuple[Front, Path]:
+    """Steps 1-3 in the local tier only (the first drain never committed: a job killed), the
+    front closed; rank 0's store of copies."""
     front = make(durable_every=10, local_keep_last=4)
     for step in (1, 2, 3):
         front.save(step, _state(step))
@@ -690,6 +684,19 @@ def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(ma
     for step in list_steps(durable):
         durable.delete(commit_key(step))
     (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
+    return front, copies
+
+
+def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(make, tmp_path):
+    """A reviewer: the job's first drain never committed (killed), and the node's copies are of
+    a run no load takes (here of a 2-rank world; a crash between two ranks' manifests or a
+    replaced node leave the like). The restart's load found nothing, it started over as
+    examples/train_gpt.py does, and its save of step 1 failed on the copy it could not load
+    (StepExistsError, at every restart). A load of the latest step that finds none makes the
+    next save unlist those copies, as a resume does."""
+    from tests.helpers.crafted import manifest_doc, put_manifest
+
+    front, copies = _only_local_copies(make, tmp_path)
     local = Store(str(copies))
     for step in list_steps(local):
         doc = manifest_doc(local, step)
@@ -720,15 +727,7 @@ def test_a_load_that_fails_for_another_reason_never_lets_the_job_start_over(
     from ckptstore.errors import StorageError
     from ckptstore.tiers.local import LocalTier
 
-    front = make(durable_every=10, local_keep_last=4)
-    for step in (1, 2, 3):
-        front.save(step, _state(step))
-    front.wait_durable()
-    front.close()
-    durable = Store(str(tmp_path / "durable"))
-    for step in list_steps(durable):
-        durable.delete(commit_key(step))
-    (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
+    front, copies = _only_local_copies(make, tmp_path)
     if why == "a chunk missing":
         local = Store(str(copies))
         index = read_rank_index(local, load_manifest(local, 3).ranks[0])
