@@ -272,8 +272,7 @@ def _healthy(
     first source it is (a node replaced: the peer copy the load will take)."""
     mine: dict[tuple[int, int], Any] = {}  # (rank whose copy, step) -> its health
     for c in plan.candidates:
-        first = [(w, s[0]) for w, s in enumerate(c.sources)]
-        wards = [w for w, src in first if src.tier == PEER and src.holder == group.rank]
+        wards = [w for w, s in enumerate(c.sources) if s[0] == Source(PEER, group.rank)]
         for ward in [group.rank, *wards]:
             try:
                 manifest = load_manifest(local.store(ward), c.step)
