@@ -36,6 +36,12 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The requested step, or an object a committed step references, does not exist."""
 
 
+class NoHealthyStepError(CheckpointNotFoundError):
+    """A ``healthy=True`` load of the latest step found committed steps and none healthy
+    (unhealthy, or health unknown: saved with ``HealthPolicy(scan=False)`` or before health was
+    recorded). Not "nothing to resume": a job that started over would save over those steps."""
+
+
 class PartialLoadError(CheckpointCorruptError):
     """A load failed after bytes of the checkpoint had reached some of the caller's tensors.
 

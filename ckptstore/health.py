@@ -562,9 +562,10 @@ def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | No
     """The healthy steps a ``healthy=True`` load of ``step`` takes, newest first (at most
     ``limit``), and why each newer one passed over is not healthy: ``step`` itself when it is
     healthy (else ``UnhealthyStepError``), or for ``"latest"`` the newest healthy ones (none:
-    ``CheckpointNotFoundError`` naming the newest steps and why)."""
+    ``NoHealthyStepError`` naming the newest steps and why; no step at all:
+    ``CheckpointNotFoundError``)."""
     from ckptstore.catalog import list_steps, parse_step, resolve_step
-    from ckptstore.errors import CheckpointNotFoundError, UnhealthyStepError
+    from ckptstore.errors import CheckpointNotFoundError, NoHealthyStepError, UnhealthyStepError
 
     if parse_step(step) is not None:
         wanted = resolve_step(store, step)
@@ -573,11 +574,11 @@ def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | No
             raise UnhealthyStepError(f"{why[wanted]} in {store.uri} (healthy=True)")
         return good, {}
     good, why = find_healthy(store, list_steps(store), limit=limit)
-    if not good:
+    if not good and why:
         every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-        raise CheckpointNotFoundError(
-            f"no healthy committed step in {store.uri}" + (f": {every}" if every else "")
-        )
+        raise NoHealthyStepError(f"no healthy committed step in {store.uri}: {every}")
+    if not good:
+        raise CheckpointNotFoundError(f"no committed step in {store.uri}")
     return good, why
 
 

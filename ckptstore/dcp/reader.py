@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
-from ckptstore.health import find_healthy, healthy_steps_to_load
+from ckptstore.health import healthy_steps_to_load
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import ChunkSource, PipelineConfig, chunks_from_store
 from ckptstore.shared_read import (
@@ -158,12 +158,12 @@ class StoreReader(StepReader):
     def latest(self) -> int | None:
         """The step a load of ``"latest"`` would take, or None when there is none: nothing to
         resume (``dcp.load`` wraps that case in a ``CheckpointException`` whose cause is lost).
-        With ``local_dir`` it is collective, as a load: every rank of the job calls it."""
+        ``healthy``: steps of which none is healthy raise ``NoHealthyStepError``, not None. With
+        ``local_dir`` it is collective, as a load: every rank of the job calls it."""
         if self._policy is None:
             steps = list_steps(self.store)
             if self.healthy:
-                good = find_healthy(self.store, steps, limit=1)[0]
-                return good[0] if good else None
+                return healthy_steps_to_load(self.store, "latest")[0][0] if steps else None
             return steps[-1] if steps else None
         group = load_group(self.options["storage"])
         return newest_step(self.store, self._policy, group, healthy=self.healthy)

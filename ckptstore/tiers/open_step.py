@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ckptstore.catalog import load_manifest, read_rank_index_bytes
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, NoHealthyStepError, one_line
 from ckptstore.format import ChunkInfo, RankIndex, decode_rank_index
 from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
@@ -204,10 +204,13 @@ def newest_step(
     durable: Store, policy: TierPolicy, group: RankGroup, *, healthy: bool = False
 ) -> int | None:
     """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
-    None when no tier holds one every rank can get (``healthy``: a healthy one)."""
+    None when no tier holds one every rank can get (``healthy``: saves that none of them is
+    healthy raise ``NoHealthyStepError``, as the load would: not nothing to resume)."""
     local = _local_tier(durable, policy, group)
     try:
         return _plan(durable, local, "latest", group, healthy).candidates[0].step
+    except NoHealthyStepError:
+        raise
     except CheckpointNotFoundError:
         return None
 

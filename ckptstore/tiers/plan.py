@@ -30,6 +30,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     FormatVersionError,
+    NoHealthyStepError,
     StorageError,
     UnhealthyStepError,
     one_line,
@@ -290,11 +291,9 @@ def _healthy(
     good, why = _raise_or(group.broadcast(verdict))
     if wanted is not None and not any(c.step == wanted for c in good):
         raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
-    if not good:
+    if not good:  # the plan found saves: a job that started over would save over them
         every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-        raise CheckpointNotFoundError(
-            f"no healthy step in the tiers or {durable.uri}" + (f": {every}" if every else "")
-        )
+        raise NoHealthyStepError(f"no healthy step in the tiers or {durable.uri}: {every}")
     return good, why
 
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import CheckpointException
 from ckptstore import HealthPolicy, Store
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.dcp import StoreReader, StoreWriter
-from ckptstore.errors import CheckpointNotFoundError, UnhealthyStepError
+from ckptstore.errors import NoHealthyStepError, UnhealthyStepError
 from tests.helpers.dist import run_ranks
 from tests.helpers.states import assert_same, blank_like
 
@@ -93,9 +93,11 @@ def test_dcp_on_unhealthy_skip_commits_nothing_and_no_healthy_step_is_not_found(
     dcp.save(bad, storage_writer=StoreWriter(uri), no_dist=True)  # the default policy saves it
     assert list_steps(Store(uri)) == [0]
     reader = StoreReader(uri, healthy=True)
-    assert reader.latest() is None
-    with pytest.raises(CheckpointNotFoundError, match="no healthy committed step"):
+    with pytest.raises(NoHealthyStepError, match="no healthy committed step.*step 0: unhealthy"):
+        reader.latest()  # not None, "nothing to resume": a job that started over saves over it
+    with pytest.raises(NoHealthyStepError, match="no healthy committed step"):
         reader._step()
+    assert StoreReader(str(tmp_path / "empty"), healthy=True).latest() is None
 
 
 def _one_rank_nan(rank: int, world: int, uri: str) -> None:

@@ -44,6 +44,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     DrainSupersededError,
+    NoHealthyStepError,
     StepExistsError,
 )
 from ckptstore.format import chunk_key, commit_key
@@ -115,6 +116,10 @@ class Front:
     def last_peer_copy(self) -> Any: ...
     def close(self) -> None: ...
 
+    def resume(self, state: dict, *, healthy: bool = False) -> int | None:
+        """A job's first load as the front-end's README shows it: the step resumed from, or
+        None where the front-end says there is nothing to resume (the job starts over)."""
+
     def restart(self) -> Front:
         """The same job started again (a new process would make a new instance)."""
         self.close()
@@ -150,6 +155,14 @@ class CheckpointerFront(Front):
 
     def load(self, state: dict, step: int | str = "latest") -> tuple[int, Any]:
         return self.ckpt.load(state, step), self.ckpt.last_load
+
+    def resume(self, state: dict, *, healthy: bool = False) -> int | None:
+        try:
+            return self.ckpt.load(state, fallback=True, healthy=healthy)
+        except NoHealthyStepError:
+            raise
+        except CheckpointNotFoundError:
+            return None
 
     def local_store_uri(self) -> str:
         return self.ckpt._local.store(0).uri
@@ -193,6 +206,13 @@ class DCPFront(Front):
         reader = StoreReader(self.root, step=step, tiers=self.tiers, storage=self.storage)
         dcp.load(state, storage_reader=reader, no_dist=self.no_dist)
         return reader.last_load.step, reader.last_load
+
+    def resume(self, state: dict, *, healthy: bool = False) -> int | None:
+        reader = StoreReader(self.root, tiers=self.tiers, storage=self.storage, healthy=healthy)
+        if reader.latest() is None:
+            return None
+        dcp.load(state, storage_reader=reader, no_dist=self.no_dist)
+        return reader.last_load.step
 
     def local_store_uri(self) -> str:
         return self.writer._local.store(0).uri
@@ -714,6 +734,22 @@ def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(ma
     target = _blank()
     step, _ = front.restart().load(target)
     assert step == 3 and _same(target, _state(103))
+
+
+def test_a_healthy_resume_finding_only_steps_of_unknown_health_is_no_fresh_start(
+    front_type, make, tmp_path, monkeypatch
+):
+    """A reviewer: with ``HealthPolicy(scan=False)`` every step's health is unknown, and the
+    resume of examples/train_gpt.py (``healthy=True``) before the first drain found no healthy
+    step, took that for nothing to resume, started over, and its first save failed on the copies
+    it passed over. Saves that none is healthy are not nothing: the resume says so."""
+    monkeypatch.setattr(front_type, "health", HealthPolicy(scan=False))
+    front, _ = _only_local_copies(make, tmp_path)
+    front = front.restart()
+    with pytest.raises(NoHealthyStepError, match="step 3: health unknown"):
+        front.resume(_blank(), healthy=True)
+    target = _blank()
+    assert front.resume(target) == 3 and _same(target, _state(3))
 
 
 @pytest.mark.parametrize("why", ["a chunk missing", "a local read failing"])
