@@ -63,7 +63,7 @@ from ckptstore.state import flatten
 from ckptstore.store import Store, niced, open_store
 from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.group import refuse_options_apart
-from ckptstore.tiers.policy import TierPolicy
+from ckptstore.tiers.policy import DurableCadence, TierPolicy
 from ckptstore.tiers.restore import LoadReport
 from ckptstore.tiers.saving import Tiers, open_tiers
 from ckptstore.tiers.transfer import TransferStats, wait_written
@@ -155,6 +155,7 @@ class Checkpointer:
         peer_staging = o["staging"].mode == "peer"
         self._peers = _peer_replicas(o["staging"], self._group) if peer_staging else None
         self.last_load = LoadReport()
+        self._cadence = DurableCadence(self._policy.durable_every) if self._policy else None
         self._tiers = self._open_tiers(process_group, no_dist)
         self._local = self._tiers.local if self._tiers else None
         self._topology = self._tiers.topology if self._tiers else None
@@ -190,7 +191,7 @@ class Checkpointer:
 
     def _open_tiers(self, process_group: Any, no_dist: bool) -> Tiers | None:
         """This rank's tiers (``tiers.saving.open_tiers``), None without a ``local_dir``."""
-        if self._policy is None:
+        if self._policy is None or self._cadence is None:
             return None
         drain_group = self._rank_group(process_group, no_dist)
         return open_tiers(
@@ -200,6 +201,7 @@ class Checkpointer:
             self.store,
             node_rank=self.options["tiers"].node_rank,
             drain_group=drain_group,  # drains run collectives while the next save does
+            cadence=self._cadence,
             timeout_s=self.options["storage"].timeout_s,
             thread_nice=self.options["storage"].background_nice,
             keep_alive=self,
@@ -235,6 +237,7 @@ class Checkpointer:
             group=self._group,
             tiers=self._tiers.saver if self._tiers else None,
             drains=self._drains,
+            cadence=self._cadence,
             peers=self._peers,
             thread_nice=self._save_thread_nice,
             keep_alive=self,  # its exit hook finishes the saves of a Checkpointer let go
@@ -281,11 +284,7 @@ class Checkpointer:
         # After SIGTERM a node may not come back: a save then goes to durable storage too, and
         # its handle (which the SIGTERM grace waits for) is done once it is there.
         preempted = self._sigterm is not None and self._sigterm.signalled.is_set()
-        durable = (
-            self._policy is None
-            or self._policy.is_durable(self._saves - self.skipped_saves)
-            or preempted
-        )
+        durable = self._cadence is None or self._cadence.next_save() or preempted
         if self._policy is not None and durable:
             handle.durable = Future()
         self._saver.put(

@@ -715,9 +715,10 @@ class StateLoader:
     def _agreed(self, step: int, error: BaseException | None, failed: Failures) -> Stop:
         """The error each rank raises for the ``failed`` ranks of a phase of ``step``."""
         skippable = all(o[2] for o in failed.values())
-        if error is not None and not self.group.active and type(error) is CheckpointCorruptError:
+        named_by_object = (CheckpointCorruptError, CheckpointNotFoundError)
+        if error is not None and not self.group.active and type(error) in named_by_object:
             if f"step {step}" not in str(error):  # a chunk's error names its object, not the step
-                named = CheckpointCorruptError(f"step {step}: {error}")
+                named = type(error)(f"step {step}: {error}")
                 named.__cause__ = error
                 return named, skippable
         if error is not None and (not self.group.active or not isinstance(error, Exception)):
@@ -739,20 +740,21 @@ class StateLoader:
     # -- errors -------------------------------------------------------------------------------
 
     def _warn_skipped(self, step: int, error: BaseException) -> None:
+        why = self._one_line(error).removeprefix(f"step {step}: ")
         if self.local is None:
             logger.warning(
                 "rank %d: step %d in %s cannot be loaded, trying an older step: %s",
                 self.rank,
                 step,
                 self.store.uri,
-                self._one_line(error),
+                why,
             )
         else:
             logger.warning(
                 "rank %d: step %d cannot be loaded from any tier, trying an older step: %s",
                 self.rank,
                 step,
-                self._one_line(error),
+                why,
             )
 
     def _none_loaded(

@@ -205,7 +205,8 @@ class TierOptions:
     them. Needs K + 1 nodes."""
     durable_every: int = 1
     """The first save and every M-th after it also go to durable storage, drained in the
-    background from the local copies; the others stay in the tiers only."""
+    background from the local copies; the others stay in the tiers only. The save after one
+    bound for durable storage that did not get there (its drain or the save failed) goes too."""
     local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST
     """Retention of each store in ``local_dir`` (a step still to be drained is kept)."""
     peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES

@@ -29,6 +29,7 @@ from ckptstore.save.collective import save_collective
 from ckptstore.store import Store, set_thread_nice
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.policy import DurableCadence
 from ckptstore.tiers.saving import TierSaver
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class SaveWorker:
         group: RankGroup,
         tiers: TierSaver | None,
         drains: DrainQueue | None,
+        cadence: DurableCadence | None,
         peers: PeerReplicas | None,
         thread_nice: int | None,
         keep_alive: Any = None,
@@ -148,6 +150,7 @@ class SaveWorker:
         self.rank = group.rank
         self._tiers = tiers
         self._drains = drains
+        self._cadence = cadence
         self._peers = peers
         self._thread_nice = thread_nice
         self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
@@ -227,6 +230,8 @@ class SaveWorker:
                 with self._failed_lock:
                     self._failed.append(job.handle)
                 job.handle._future.set_exception(exc)
+                if self._cadence is not None and job.durable:
+                    self._cadence.missed()
                 durable = job.handle.durable
                 if durable is not None and not durable.done():
                     durable.set_exception(exc)

@@ -53,7 +53,7 @@ from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup, refuse_options_apart
 from ckptstore.tiers.identity import store_identity
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import Topology
+from ckptstore.tiers.policy import DurableCadence, Topology
 from ckptstore.tiers.saving import LocalCommit, TierSaver, open_tiers
 from ckptstore.tiers.transfer import TransferStats, wait_written
 
@@ -241,7 +241,8 @@ class StoreWriter(StorageWriter, PooledStager):
         self._lost_rank_s = o["storage"].lost_rank_timeout_s
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
-        self._tiered_saves = 0  # coordinator: saves planned, for durable_every
+        # The coordinator's: which saves go to durable storage.
+        self._cadence = DurableCadence(self._policy.durable_every) if self._policy else None
         self._tiers: TierSaver | None = None
         self._background_nice = o["storage"].background_nice
         self._drains: DrainQueue | None = None
@@ -377,9 +378,9 @@ class StoreWriter(StorageWriter, PooledStager):
                     f"StoreWriter(tiers=TierOptions(local_dir=...)) saves over every rank of the default process "
                     f"group ({self._tier_group.world_size}); this DCP save runs on {len(plans)}"
                 )
+            assert self._cadence is not None
             with self._plan_lock:
-                self._tiered_saves += 1
-                durable = self._policy.is_durable(self._tiered_saves)
+                durable = self._cadence.next_save()
         target = _SaveTarget(
             step=step,
             attempt=uuid.uuid4().hex,
@@ -520,6 +521,8 @@ class StoreWriter(StorageWriter, PooledStager):
         except BaseException:
             self._started.pop(target.attempt, None)
             telemetry.saves_total.inc(frontend="dcp", outcome="failed")
+            if target.tiered and target.durable and self._cadence is not None:
+                self._cadence.missed()
             raise
         finally:
             self._release_lease(target.attempt)
@@ -571,6 +574,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 drain_group=RankGroup(
                     None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
                 ),
+                cadence=self._cadence,
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
                 keep_alive=self,  # its exit hook finishes the drains of a writer let go
@@ -636,6 +640,8 @@ class StoreWriter(StorageWriter, PooledStager):
                     written = self._write_durable(target, tensors, staged, keys)
         except BaseException:
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
+            if target.durable and self._cadence is not None:
+                self._cadence.missed()
             raise
         finally:
             if staged is not None:

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -239,6 +240,7 @@ class DrainQueue:
         store: Store,
         thread_nice: int = 0,
         keep_alive: Any = None,
+        missed: Callable[[], None] = lambda: None,
     ) -> None:
         # The front-end whose exit hook (a weak reference) closes this queue: kept alive by the
         # drain thread until ``close``, so a job that drops it still drains at exit.
@@ -247,6 +249,7 @@ class DrainQueue:
         self.group = group
         self.store = store
         self._thread_nice = thread_nice
+        self._missed = missed  # a drain failed: its durability passes to the next save
         self._queue: queue.Queue[DrainJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._failures: list[tuple[int, BaseException]] = []
@@ -281,7 +284,7 @@ class DrainQueue:
         first = failures[-1][1]
         raise CheckpointError(
             f"step(s) {steps} committed to the local tiers but not to durable storage "
-            f"{self.store.uri} (the next durable save tries again): {one_line(first)}"
+            f"{self.store.uri} (the next save goes there): {one_line(first)}"
         ) from first
 
     def close(self) -> None:
@@ -343,6 +346,7 @@ class DrainQueue:
             self.store.uri,
             one_line(exc),
         )
+        self._missed()
         job.future.set_exception(exc)
         with self._lock:
             self._failures.append((job.step, exc))

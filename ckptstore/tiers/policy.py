@@ -12,6 +12,7 @@ a save carries the save's attempt, so ranks agree on one save, not only on one s
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,10 +88,31 @@ class TierPolicy:
             repair_memory_bytes,
         )
 
-    def is_durable(self, save_number: int) -> bool:
-        """Whether the ``save_number``-th save (1-based) also goes to durable storage: the first
-        save and every ``durable_every``-th after it."""
-        return (save_number - 1) % self.durable_every == 0
+
+class DurableCadence:
+    """Which saves also go to durable storage, for both front-ends: the first save and every
+    ``durable_every``-th after it, and the next save after one bound there that did not get
+    there (its save or its drain failed), so a failure never leaves the job without a new
+    durable step for ``durable_every`` more saves. A save that took the place of a drain that
+    fell behind (``DrainSupersededError``) covers it."""
+
+    def __init__(self, durable_every: int) -> None:
+        self.durable_every = durable_every
+        self._saves = 0
+        self._owed = False
+        self._lock = threading.Lock()
+
+    def next_save(self) -> bool:
+        """Whether the save being planned now goes to durable storage (counts it)."""
+        with self._lock:
+            self._saves += 1
+            owed, self._owed = self._owed, False
+            return owed or (self._saves - 1) % self.durable_every == 0
+
+    def missed(self) -> None:
+        """A save bound for durable storage did not get there: the next save goes."""
+        with self._lock:
+            self._owed = True
 
 
 def rank_dir(local_dir: str | os.PathLike, durable: str, rank: int) -> Path:

@@ -26,7 +26,7 @@ from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainQueue
 from ckptstore.tiers.group import Agreement, RankGroup
 from ckptstore.tiers.local import LocalTier
-from ckptstore.tiers.policy import TIER_KEY, TierPolicy, Topology, node_identity
+from ckptstore.tiers.policy import TIER_KEY, DurableCadence, TierPolicy, Topology, node_identity
 from ckptstore.tiers.resumes import record_resume
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_written
 
@@ -430,14 +430,16 @@ def open_tiers(
     *,
     node_rank: int | None,
     drain_group: RankGroup,
+    cadence: DurableCadence,
     timeout_s: float,
     thread_nice: int = 0,
     keep_alive: Any = None,
 ) -> Tiers:
     """This rank's tiers over ``group`` (collective: the ranks tell each other their job
     directory's token and, with ``peer_copies``, their nodes): its local tier for the ``durable`` store, the topology of its peer
-    copies, its tier saver and its drain queue (on ``drain_group``, a group of its own;
-    ``keep_alive``: the front-end its thread keeps alive until closed)."""
+    copies, its tier saver and its drain queue (on ``drain_group``, a group of its own; a
+    failed drain tells ``cadence``; ``keep_alive``: the front-end its thread keeps alive until
+    closed)."""
     local = LocalTier.open(
         policy,
         engine,
@@ -465,6 +467,7 @@ def open_tiers(
         store=durable,
         thread_nice=niced(thread_nice),
         keep_alive=keep_alive,
+        missed=cadence.missed,
     )
     return Tiers(local, topology, saver, drains)
 

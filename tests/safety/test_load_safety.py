@@ -233,8 +233,8 @@ def test_fallback_over_missing_chunks_and_an_empty_store(tmp_path):
         (tmp_path / chunk_key(digest)).unlink()
     target = blank_state()
     with Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(CheckpointNotFoundError):
-            ckpt.load(target)
+        with pytest.raises(CheckpointNotFoundError, match=r"^step 2: chunk .* is missing"):
+            ckpt.load(target)  # the step named (a reviewer saw the chunk alone)
         assert not target["a"].any() and target["step"] == -1
         assert ckpt.load(target, fallback=True) == 1
     assert_loaded(target, 1)

@@ -425,6 +425,67 @@ def test_durable_every_drains_in_the_background_with_back_pressure(make, tmp_pat
     assert list_steps(Store(str(tmp_path / "durable"))) == [1, 3]
 
 
+class _Refusing:
+    """A store backend that refuses chunk puts while ``refuse`` is set (a bucket policy)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.refuse = threading.Event()
+
+    def put_once(self, path: str, data: Any) -> None:
+        if self.refuse.is_set() and "/chunks/" in f"/{path}":
+            raise PermissionError(13, "Access Denied", path)
+        return self._inner.put_once(path, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_save_bound_for_durable_storage_that_fails_there_passes_it_to_the_next(make, tmp_path):
+    """A reviewer: with ``durable_every=10``, a save bound for durable storage whose drain
+    failed left the job with no new durable step for nine more saves (a node lost meanwhile
+    lost them all). The next save goes there instead, then the cadence goes on."""
+    store = Store(str(tmp_path / "durable"))
+    refusing = _Refusing(store.backend)
+    store.backend = refusing
+    front = make(store=store, durable_every=10, local_keep_last=5)
+    refusing.refuse.set()
+    front.save(1, _state(1))
+    assert isinstance(front.durable(1).exception(timeout=BOUND_S), PermissionError)
+    with pytest.raises(CheckpointError, match="step.s. 1 committed to the local tiers but not"):
+        front.wait_durable()
+    refusing.refuse.clear()
+    for step in (2, 3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [2]
+    target = _blank()
+    assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
+
+
+def test_a_save_bound_for_durable_storage_that_fails_everywhere_passes_it_on(make, tmp_path):
+    """As above, for a save bound for durable storage that failed as a whole (its local tier
+    could not be written, durable storage refused it): the next save goes there."""
+    store = Store(str(tmp_path / "durable"))
+    refusing = _Refusing(store.backend)
+    store.backend = refusing
+    front = make(store=store, durable_every=2, local_keep_last=5)
+    for step in (1, 2):
+        front.save(step, _state(step))
+    (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
+    copies.rename(tmp_path / "moved")
+    copies.write_bytes(b"a file where the directory should be")
+    refusing.refuse.set()
+    with pytest.raises((CheckpointError, CheckpointException)):
+        front.save(3, _state(3))
+    refusing.refuse.clear()
+    copies.unlink()
+    (tmp_path / "moved").rename(copies)
+    front.save(4, _state(4))
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 4]
+
+
 def test_background_nice_reaches_the_local_tiers_threads(make):
     """Drift 1 of issue 31: the DCP writer's local tier ignored ``background_nice``."""
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
