@@ -36,10 +36,16 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The requested step, or an object a committed step references, does not exist."""
 
 
-class NoHealthyStepError(CheckpointNotFoundError):
+class NoLoadableStepError(CheckpointNotFoundError):
+    """A load of the latest step found committed saves and could load none of them (each
+    misses data, or with ``healthy=True`` is not healthy). Not "nothing to resume": a job that
+    started over would save over those steps."""
+
+
+class NoHealthyStepError(NoLoadableStepError):
     """A ``healthy=True`` load of the latest step found committed steps and none healthy
     (unhealthy, or health unknown: saved with ``HealthPolicy(scan=False)`` or before health was
-    recorded). Not "nothing to resume": a job that started over would save over those steps."""
+    recorded)."""
 
 
 class PartialLoadError(CheckpointCorruptError):

@@ -565,7 +565,7 @@ def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | No
     ``NoHealthyStepError`` naming the newest steps and why; no step at all:
     ``CheckpointNotFoundError``)."""
     from ckptstore.catalog import list_steps, parse_step, resolve_step
-    from ckptstore.errors import CheckpointNotFoundError, NoHealthyStepError, UnhealthyStepError
+    from ckptstore.errors import CheckpointNotFoundError, UnhealthyStepError
 
     if parse_step(step) is not None:
         wanted = resolve_step(store, step)
@@ -575,11 +575,21 @@ def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | No
         return good, {}
     good, why = find_healthy(store, list_steps(store), limit=limit)
     if not good and why:
-        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-        raise NoHealthyStepError(f"no healthy committed step in {store.uri}: {every}")
+        raise no_healthy_step(f"no healthy committed step in {store.uri}", why)
     if not good:
         raise CheckpointNotFoundError(f"no committed step in {store.uri}")
     return good, why
+
+
+def no_healthy_step(lead: str, why: dict[int, str]):
+    """The ``NoHealthyStepError`` of a load that found the steps of ``why`` (by step, why each
+    is not healthy), none healthy; it says how to load a step of unknown health."""
+    from ckptstore.errors import NoHealthyStepError
+
+    every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
+    unknown = any("health unknown" in line for line in why.values())
+    hint = " (a step of unknown health loads without healthy=True)" if unknown else ""
+    return NoHealthyStepError(f"{lead}: {every}{hint}")
 
 
 def tiered_verdict(step: int, own: list[Any], durable: Any) -> str | None:

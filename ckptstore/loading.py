@@ -37,6 +37,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    NoLoadableStepError,
     PartialLoadError,
     StorageError,
     UnsupportedStateError,
@@ -768,7 +769,8 @@ class StateLoader:
         where = f"committed step in {self.store.uri}"
         if self.local is not None:
             where = f"step in the tiers ({self.local.policy.local_dir}, peers) or {self.store.uri}"
-        return (CheckpointNotFoundError if missing else CheckpointCorruptError)(
+        found = NoLoadableStepError if skipped or not_healthy else CheckpointNotFoundError
+        return (found if missing else CheckpointCorruptError)(
             f"no {where} could be loaded, every one failed: {every}"
         )
 

@@ -240,7 +240,12 @@ class SaveWorker:
         if self._tiers is not None and self._persist_local(job):
             if job.handle.health is None or job.handle.health.committed:
                 self._after_local(job)
-            elif job.handle.durable is not None:  # skipped: stored nowhere, nothing to drain
+                return
+            # Skipped (unhealthy): stored nowhere, nothing to drain; a later save goes to
+            # durable storage in its place.
+            if job.durable and self._cadence is not None:
+                self._cadence.missed()
+            if job.handle.durable is not None:
                 job.handle.durable.set_result(None)
             return
         session = SaveSession(

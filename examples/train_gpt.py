@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ckptstore import Checkpointer, PreemptionOptions, RNGState, TierOptions
-from ckptstore.errors import CheckpointNotFoundError, NoHealthyStepError
+from ckptstore.errors import CheckpointNotFoundError, NoLoadableStepError
 from ckptstore.store import Store
 from loaders import LoaderConfig, ShardDataset, StatefulLoader, TokenFiles, TokenWriter
 
@@ -168,8 +168,8 @@ def resume(ckpt: Checkpointer, state: dict, args: argparse.Namespace) -> int | N
         return step
     try:
         step = ckpt.load(state, fallback=True, healthy=True)
-    except NoHealthyStepError:
-        raise  # steps saved, none healthy: not a fresh start either
+    except NoLoadableStepError:
+        raise  # steps saved, none loadable (or healthy): not a fresh start either
     except CheckpointNotFoundError:
         if ckpt.steps():  # durable steps, none of them loadable: not a fresh start
             raise

@@ -495,6 +495,8 @@ class StoreWriter(StorageWriter, PooledStager):
             self._tier_storage.pop(target.attempt, None)
             self._started.pop(target.attempt, None)
             self.last_save = skipped
+            if target.durable and self._cadence is not None:
+                self._cadence.missed()  # a later save goes to durable storage in its place
             return
         planned = self._tier_storage.pop(target.attempt, None)
         if planned is not None and planned != storage_data:
@@ -521,8 +523,8 @@ class StoreWriter(StorageWriter, PooledStager):
         except BaseException:
             self._started.pop(target.attempt, None)
             telemetry.saves_total.inc(frontend="dcp", outcome="failed")
-            if target.tiered and target.durable and self._cadence is not None:
-                self._cadence.missed()
+            if planned is not None and self._cadence is not None:
+                self._cadence.missed()  # a tiered save its local tier sent here: a later one goes
             raise
         finally:
             self._release_lease(target.attempt)
@@ -564,6 +566,11 @@ class StoreWriter(StorageWriter, PooledStager):
         durable = store_identity(self.store)
         if local is None or (local.world_size, local.durable_uri) != (group.world_size, durable):
             self.close()  # the drains queued for the store the writer leaves
+            if local is not None:  # another store: its first save goes there, as a new job's
+                assert self._policy is not None
+                self._cadence = DurableCadence(self._policy.durable_every)
+                with self._plan_lock:
+                    self._durable.clear()  # by step: of the store left
             committed = self._tiers.committed if self._tiers is not None else set()
             tiers = open_tiers(
                 self._policy,

@@ -284,7 +284,7 @@ class DrainQueue:
         first = failures[-1][1]
         raise CheckpointError(
             f"step(s) {steps} committed to the local tiers but not to durable storage "
-            f"{self.store.uri} (the next save goes there): {one_line(first)}"
+            f"{self.store.uri} (a save after it goes there): {one_line(first)}"
         ) from first
 
     def close(self) -> None:

@@ -30,13 +30,12 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     FormatVersionError,
-    NoHealthyStepError,
     StorageError,
     UnhealthyStepError,
     one_line,
 )
 from ckptstore.format import Manifest
-from ckptstore.health import tiered_verdict
+from ckptstore.health import no_healthy_step, tiered_verdict
 from ckptstore.render import rank_ranges
 from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
@@ -292,8 +291,7 @@ def _healthy(
     if wanted is not None and not any(c.step == wanted for c in good):
         raise UnhealthyStepError(f"{why.get(wanted, wanted)} (healthy=True)")
     if not good:  # the plan found saves: a job that started over would save over them
-        every = "; ".join(why[s] for s in sorted(why, reverse=True)[:5])
-        raise NoHealthyStepError(f"no healthy step in the tiers or {durable.uri}: {every}")
+        raise no_healthy_step(f"no healthy step in the tiers or {durable.uri}", why)
     return good, why
 
 

@@ -91,10 +91,12 @@ class TierPolicy:
 
 class DurableCadence:
     """Which saves also go to durable storage, for both front-ends: the first save and every
-    ``durable_every``-th after it, and the next save after one bound there that did not get
-    there (its save or its drain failed), so a failure never leaves the job without a new
-    durable step for ``durable_every`` more saves. A save that took the place of a drain that
-    fell behind (``DrainSupersededError``) covers it."""
+    ``durable_every``-th after it, and the next save planned once one bound there is known not
+    to have got there (its save or its drain failed, or it was skipped as unhealthy), so a
+    failure never leaves the job without a new durable step for ``durable_every`` more saves.
+    A save that took the place of a drain that fell behind (``DrainSupersededError``) covers
+    it. Ranks that learn of a failure at different saves may each make one durable: at most
+    one extra durable save per rank and failure."""
 
     def __init__(self, durable_every: int) -> None:
         self.durable_every = durable_every

@@ -366,3 +366,23 @@ def test_a_bad_own_copy_of_a_local_only_step_is_unlisted_and_restored_from_a_pee
     run_ranks(
         _bad_chunk_of_a_local_only_step, 4, str(tmp_path / "durable"), str(tmp_path), timeout_s=240
     )
+
+
+def test_a_writer_moved_to_another_store_saves_its_first_step_there_durably(tmp_path):
+    """A reviewer: a StoreWriter given another store (``checkpoint_id=<uri>``) went on with the
+    first store's count of saves, so its first save there stayed in the local tier alone, and
+    ``durable(step)`` answered with the first store's drain of that step number."""
+    first, other, local = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "local")
+    writer = tier_writer(first, local, durable_every=3)
+    for step in (0, 1):
+        dcp.save(step_state(step), storage_writer=writer, checkpoint_id=step, no_dist=True)
+    writer.wait()
+    assert list_steps(Store(first)) == [0]
+    dcp.save(step_state(5), storage_writer=writer, checkpoint_id=other, no_dist=True)
+    writer.wait()
+    assert list_steps(Store(other)) == [0]
+    assert writer.durable(1) is None  # the first store's step 1 was never bound there
+    writer.close()
+    target = blank_state()
+    dcp.load(target, storage_reader=StoreReader(other), no_dist=True)
+    assert_loaded(target, 5)

@@ -45,6 +45,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     DrainSupersededError,
     NoHealthyStepError,
+    NoLoadableStepError,
     StepExistsError,
 )
 from ckptstore.format import chunk_key, commit_key
@@ -159,7 +160,7 @@ class CheckpointerFront(Front):
     def resume(self, state: dict, *, healthy: bool = False) -> int | None:
         try:
             return self.ckpt.load(state, fallback=True, healthy=healthy)
-        except NoHealthyStepError:
+        except NoLoadableStepError:
             raise
         except CheckpointNotFoundError:
             return None
@@ -426,14 +427,16 @@ def test_durable_every_drains_in_the_background_with_back_pressure(make, tmp_pat
 
 
 class _Refusing:
-    """A store backend that refuses chunk puts while ``refuse`` is set (a bucket policy)."""
+    """A store backend that refuses puts of ``part`` (chunks, commits) while ``refuse`` is set
+    (a bucket policy)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, part: str = "chunks") -> None:
         self._inner = inner
+        self.part = f"/{part}/"
         self.refuse = threading.Event()
 
     def put_once(self, path: str, data: Any) -> None:
-        if self.refuse.is_set() and "/chunks/" in f"/{path}":
+        if self.refuse.is_set() and self.part in f"/{path}":
             raise PermissionError(13, "Access Denied", path)
         return self._inner.put_once(path, data)
 
@@ -463,11 +466,13 @@ def test_a_save_bound_for_durable_storage_that_fails_there_passes_it_to_the_next
     assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
 
 
-def test_a_save_bound_for_durable_storage_that_fails_everywhere_passes_it_on(make, tmp_path):
+@pytest.mark.parametrize("part", ["chunks", "commits"])
+def test_a_save_bound_for_durable_storage_that_fails_everywhere_passes_it_on(make, tmp_path, part):
     """As above, for a save bound for durable storage that failed as a whole (its local tier
-    could not be written, durable storage refused it): the next save goes there."""
+    could not be written, durable storage refused its chunks or its commit): the next save
+    goes there."""
     store = Store(str(tmp_path / "durable"))
-    refusing = _Refusing(store.backend)
+    refusing = _Refusing(store.backend, part)
     store.backend = refusing
     front = make(store=store, durable_every=2, local_keep_last=5)
     for step in (1, 2):
@@ -797,6 +802,40 @@ def test_a_job_whose_load_finds_nothing_starts_over_past_copies_no_load_takes(ma
     assert step == 3 and _same(target, _state(103))
 
 
+@pytest.mark.parametrize("refusing", ["skip"], indirect=True)
+def test_a_save_bound_for_durable_storage_skipped_as_unhealthy_passes_it_on(
+    make, refusing, tmp_path
+):
+    """A reviewer: a save due for durable storage that ``on_unhealthy="skip"`` stored nowhere
+    left the healthy saves after it in the local tier alone until the next due one."""
+    front = make(durable_every=3, local_keep_last=5)
+    for step in (1, 2, 3):
+        front.save(step, _state(step))
+    bad = _state(4)
+    bad["w"][5] = float("nan")
+    front.save(4, bad)
+    assert not front.last_save().committed
+    for step in (5, 6):
+        front.save(step, _state(step))
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 5]
+
+
+def test_a_resume_whose_every_local_copy_misses_a_chunk_is_no_fresh_start(make, tmp_path):
+    """A reviewer: the job's steps were in the local tier alone and each missed a chunk: the
+    Checkpointer's load with fallback raised a plain CheckpointNotFoundError, which the README's
+    resume took for nothing to resume (no durable step either), and the job started over. Saves
+    found that none loads are ``NoLoadableStepError``; DCP's load of the newest fails."""
+    front, copies = _only_local_copies(make, tmp_path)
+    for path in (copies / "chunks").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    front = front.restart()
+    with pytest.raises((NoLoadableStepError, CheckpointException)) as failed:
+        front.resume(_blank())
+    assert "missing" in str(failed.value) or "missing" in repr(failed.value.__cause__)
+
+
 def test_a_healthy_resume_finding_only_steps_of_unknown_health_is_no_fresh_start(
     front_type, make, tmp_path, monkeypatch
 ):
@@ -807,7 +846,7 @@ def test_a_healthy_resume_finding_only_steps_of_unknown_health_is_no_fresh_start
     monkeypatch.setattr(front_type, "health", HealthPolicy(scan=False))
     front, _ = _only_local_copies(make, tmp_path)
     front = front.restart()
-    with pytest.raises(NoHealthyStepError, match="step 3: health unknown"):
+    with pytest.raises(NoHealthyStepError, match="step 3: health unknown.*without healthy=True"):
         front.resume(_blank(), healthy=True)
     target = _blank()
     assert front.resume(target) == 3 and _same(target, _state(3))
