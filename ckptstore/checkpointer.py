@@ -63,7 +63,7 @@ from ckptstore.state import flatten
 from ckptstore.store import Store, niced, open_store
 from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.group import refuse_options_apart
-from ckptstore.tiers.policy import DurableCadence, TierPolicy
+from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
 from ckptstore.tiers.saving import Tiers, open_tiers
 from ckptstore.tiers.transfer import TransferStats, wait_written
@@ -155,8 +155,8 @@ class Checkpointer:
         peer_staging = o["staging"].mode == "peer"
         self._peers = _peer_replicas(o["staging"], self._group) if peer_staging else None
         self.last_load = LoadReport()
-        self._cadence = DurableCadence(self._policy.durable_every) if self._policy else None
         self._tiers = self._open_tiers(process_group, no_dist)
+        self._cadence = self._tiers.cadence if self._tiers else None
         self._local = self._tiers.local if self._tiers else None
         self._topology = self._tiers.topology if self._tiers else None
         self._drains = self._tiers.drains if self._tiers else None
@@ -191,7 +191,7 @@ class Checkpointer:
 
     def _open_tiers(self, process_group: Any, no_dist: bool) -> Tiers | None:
         """This rank's tiers (``tiers.saving.open_tiers``), None without a ``local_dir``."""
-        if self._policy is None or self._cadence is None:
+        if self._policy is None:
             return None
         drain_group = self._rank_group(process_group, no_dist)
         return open_tiers(
@@ -201,7 +201,6 @@ class Checkpointer:
             self.store,
             node_rank=self.options["tiers"].node_rank,
             drain_group=drain_group,  # drains run collectives while the next save does
-            cadence=self._cadence,
             timeout_s=self.options["storage"].timeout_s,
             thread_nice=self.options["storage"].background_nice,
             keep_alive=self,

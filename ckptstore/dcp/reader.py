@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from ckptstore.catalog import list_steps, parse_step
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
-from ckptstore.health import healthy_steps_to_load
+from ckptstore.health import find_healthy, healthy_steps_to_load, no_healthy_step
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import ChunkSource, PipelineConfig, chunks_from_store
 from ckptstore.shared_read import (
@@ -163,7 +163,10 @@ class StoreReader(StepReader):
         if self._policy is None:
             steps = list_steps(self.store)
             if self.healthy:
-                return healthy_steps_to_load(self.store, "latest")[0][0] if steps else None
+                good, why = find_healthy(self.store, steps, limit=1)
+                if not good and why:
+                    raise no_healthy_step(f"no healthy committed step in {self.store.uri}", why)
+                return good[0] if good else None
             return steps[-1] if steps else None
         group = load_group(self.options["storage"])
         return newest_step(self.store, self._policy, group, healthy=self.healthy)

@@ -241,8 +241,8 @@ class StoreWriter(StorageWriter, PooledStager):
         self._lost_rank_s = o["storage"].lost_rank_timeout_s
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
-        # The coordinator's: which saves go to durable storage.
-        self._cadence = DurableCadence(self._policy.durable_every) if self._policy else None
+        # The coordinator's: which saves go to durable storage (the tiers', ``_set_up_tiers``).
+        self._cadence: DurableCadence | None = None
         self._tiers: TierSaver | None = None
         self._background_nice = o["storage"].background_nice
         self._drains: DrainQueue | None = None
@@ -566,11 +566,8 @@ class StoreWriter(StorageWriter, PooledStager):
         durable = store_identity(self.store)
         if local is None or (local.world_size, local.durable_uri) != (group.world_size, durable):
             self.close()  # the drains queued for the store the writer leaves
-            if local is not None:  # another store: its first save goes there, as a new job's
-                assert self._policy is not None
-                self._cadence = DurableCadence(self._policy.durable_every)
-                with self._plan_lock:
-                    self._durable.clear()  # by step: of the store left
+            with self._plan_lock:
+                self._durable.clear()  # by step: of the store left
             committed = self._tiers.committed if self._tiers is not None else set()
             tiers = open_tiers(
                 self._policy,
@@ -581,13 +578,12 @@ class StoreWriter(StorageWriter, PooledStager):
                 drain_group=RankGroup(
                     None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
                 ),
-                cadence=self._cadence,
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
                 keep_alive=self,  # its exit hook finishes the drains of a writer let go
             )
             self._local, self._topology, self._drains = tiers.local, tiers.topology, tiers.drains
-            self._tiers = tiers.saver
+            self._tiers, self._cadence = tiers.saver, tiers.cadence  # its first save goes durable
             self._tiers.committed = committed  # a writer's steps, whichever store it moved to
 
     def _tier_metadata(self, planner: SavePlanner, target: _SaveTarget) -> bytes:

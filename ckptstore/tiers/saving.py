@@ -420,6 +420,8 @@ class Tiers:
     topology: Topology | None
     saver: TierSaver
     drains: DrainQueue
+    cadence: DurableCadence
+    """Which saves go to durable storage; a failed drain tells it."""
 
 
 def open_tiers(
@@ -430,16 +432,15 @@ def open_tiers(
     *,
     node_rank: int | None,
     drain_group: RankGroup,
-    cadence: DurableCadence,
     timeout_s: float,
     thread_nice: int = 0,
     keep_alive: Any = None,
 ) -> Tiers:
     """This rank's tiers over ``group`` (collective: the ranks tell each other their job
     directory's token and, with ``peer_copies``, their nodes): its local tier for the ``durable`` store, the topology of its peer
-    copies, its tier saver and its drain queue (on ``drain_group``, a group of its own; a
-    failed drain tells ``cadence``; ``keep_alive``: the front-end its thread keeps alive until
-    closed)."""
+    copies, its tier saver, its drain queue (on ``drain_group``, a group of its own;
+    ``keep_alive``: the front-end its thread keeps alive until closed) and its durable cadence,
+    which starts afresh with the tiers (a writer moved to another store)."""
     local = LocalTier.open(
         policy,
         engine,
@@ -461,6 +462,7 @@ def open_tiers(
     saver = TierSaver(
         policy, local, group, topology, durable_uri=durable.uri, dir_mates=mates, durable=durable
     )
+    cadence = DurableCadence(policy.durable_every)
     drains = DrainQueue(
         local=local,
         group=drain_group,
@@ -469,7 +471,7 @@ def open_tiers(
         keep_alive=keep_alive,
         missed=cadence.missed,
     )
-    return Tiers(local, topology, saver, drains)
+    return Tiers(local, topology, saver, drains, cadence)
 
 
 def _forget_removed(session: SaveSession, bad: set[str]) -> None:
