@@ -39,6 +39,7 @@ _KEY = re.compile(rf"{RESUMES_PREFIX}/(\d{{20}}|-\d{{19}})-(\d{{16}})-[0-9a-f]{{
 class Resume:
     step: int  # the step the job resumed from: copies of later steps made before are left
     at: float  # when (seconds since the epoch, the recording rank's clock)
+    key: str = ""
 
 
 def record_resume(durable: Store, step: int, rank: int) -> str:
@@ -47,10 +48,14 @@ def record_resume(durable: Store, step: int, rank: int) -> str:
     recorded (restarts' rank 0s may run on hosts whose clocks disagree). A store that cannot
     list or take it is one warning, and the token is still given: the copies of this run must
     not look older than an earlier resume (the run left stays unlisted on the nodes the job runs
-    on, but a node that was away could bring it back)."""
+    on, but a node that was away could bring it back). Once it is recorded, the records it
+    makes redundant are removed (:func:`outdated`), so a job restarting from the same step again
+    and again keeps one."""
     ms = int(time.time() * 1000)
+    recorded: list[Resume] = []
     try:
-        ms = max([ms] + [int(r.at * 1000) + 1 for r in resumes(durable)])
+        recorded = resumes(durable)
+        ms = max([ms] + [int(r.at * 1000) + 1 for r in recorded])
     except (CheckpointError, StorageError) as exc:
         logger.warning("rank %d: the resumes in %s cannot be listed: %s", rank, durable.uri, exc)
     token = f"{ms:016d}-{uuid.uuid4().hex[:8]}"
@@ -65,7 +70,20 @@ def record_resume(durable: Store, step: int, rank: int) -> str:
             durable.uri,
             one_line(exc),
         )
+        return token
+    for old in outdated(step, recorded):
+        try:
+            durable.delete(old.key)
+        except (CheckpointError, StorageError):
+            break  # kept records are only listed: the next resume tries again
     return token
+
+
+def outdated(step: int, recorded: list[Resume]) -> list[Resume]:
+    """The records a resume from ``step`` recorded after them makes redundant: those from a step
+    at or after it. Every copy such a record passes over (a later step's, made before it) the
+    new one passes over too, as its step is no later and its time is."""
+    return [r for r in recorded if r.step >= step]
 
 
 def made_under(info: Any) -> float:
@@ -82,7 +100,7 @@ def resumes(durable: Store) -> list[Resume]:
     for key in durable.list(RESUMES_PREFIX):
         found = _KEY.fullmatch(key)
         if found is not None:
-            out.append(Resume(int(found[1]), int(found[2]) / 1000))
+            out.append(Resume(int(found[1]), int(found[2]) / 1000, key))
     return out
 
 

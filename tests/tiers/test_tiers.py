@@ -799,3 +799,25 @@ def test_an_old_incarnation_still_running_never_commits_a_step_its_restart_saved
     with Checkpointer(durable, tiers=tiers) as ckpt:
         assert ckpt.load(target, fallback=True) == 5
     assert torch.equal(target["w"], mine[5]["w"])
+
+
+def test_a_resume_removes_the_records_it_makes_redundant_and_no_other():
+    """Stop 64's list: resumes/ records were never removed, one per restart: a job crash-looping
+    at one step piled up a record per restart, each listed by every tiered load."""
+    from ckptstore.tiers.resumes import left_by, made_under, record_resume, resumes
+
+    store = Store("memory://resumes-prune")
+    first = record_resume(store, 5, 0)
+    for _ in range(3):  # restarts from step 9, again and again
+        again = record_resume(store, 9, 0)
+    assert [r.step for r in resumes(store)] == [5, 9]
+    # a copy of step 12 made under the first resume is still passed over, one of step 7 made
+    # before it too; one of step 7 made under it is that run's own
+    assert left_by(12, made_under({"resume": first}), resumes(store)) is not None
+    assert left_by(7, made_under({}), resumes(store)) is not None
+    assert left_by(7, made_under({"resume": first}), resumes(store)) is None
+    assert left_by(12, made_under({"resume": again}), resumes(store)) is None
+    back = record_resume(store, 3, 0)  # back to step 3: the records of 5 and 9 add nothing
+    assert [r.step for r in resumes(store)] == [3]
+    assert left_by(6, made_under({"resume": again}), resumes(store)) is not None
+    assert left_by(6, made_under({"resume": back}), resumes(store)) is None
