@@ -29,6 +29,7 @@ import numpy as np
 from bench._ckpt_common import drop_page_cache
 from bench.faults import Faults, parse_latency, with_faults
 from bench.report import check_directory, format_rate, format_seconds, print_json, table
+from bench.storage.stats import retry_records
 from ckptstore.store import Store
 from loaders import MDS, LoaderConfig, ReplicaConfig, ShardDataset, TokenFiles, WebDataset
 from loaders.replicas import replica_retry_policy
@@ -211,38 +212,31 @@ def _check(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def _held_back_fault_warnings(show: bool) -> Iterator[dict[str, int]]:
-    """Count, and unless ``show`` drop, the warnings each injected fault causes: one per failed
-    attempt (the store's, marked ``ckptstore_retry``, and the replica set's for a read attempt
-    given up at its deadline) and the replica set's one per replica benched. The run reports the totals instead of hundreds of lines."""
+    """Count, and unless ``show`` drop, the records each injected fault causes: one per failed
+    attempt (the store's, marked ``ckptstore_retry``, and the replica set's warning for a read
+    attempt given up at its deadline) and the replica set's warning per replica benched. The
+    run reports the totals instead of hundreds of lines."""
     counts = {"failed_attempts": 0, "benched": 0}
     lock = threading.Lock()
 
-    def store_filter(record: logging.LogRecord) -> bool:
-        if not getattr(record, "ckptstore_retry", False):
-            return True
+    def counted(name: str) -> None:
         with lock:
-            counts["failed_attempts"] += 1
-        return show
+            counts[name] += 1
 
     def replicas_filter(record: logging.LogRecord) -> bool:
         timeout = getattr(record, "loaders_attempt_timeout", False)
         if not timeout and not str(record.msg).startswith("replica %s benched"):
             return True
-        with lock:
-            counts["failed_attempts" if timeout else "benched"] += 1
+        counted("failed_attempts" if timeout else "benched")
         return show
 
-    loggers = [
-        (logging.getLogger("ckptstore.store"), store_filter),
-        (logging.getLogger("loaders.replicas"), replicas_filter),
-    ]
-    for lg, fn in loggers:
-        lg.addFilter(fn)
+    replicas = logging.getLogger("loaders.replicas")
+    replicas.addFilter(replicas_filter)
     try:
-        yield counts
+        with retry_records(show, lambda: counted("failed_attempts")):
+            yield counts
     finally:
-        for lg, fn in loggers:
-            lg.removeFilter(fn)
+        replicas.removeFilter(replicas_filter)
 
 
 def latency(args: argparse.Namespace) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class StorageBenchConfig:
     progress: bool = False
     """A tqdm progress bar on stderr."""
     verbose_retries: bool = False
-    """Let the store's per-attempt retry warnings through (they are counted either way)."""
+    """Let the store's record of each failed attempt (INFO) through (they are counted either way)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -19,7 +19,7 @@ from typing import Any
 from bench.faults import with_faults
 from bench.storage.burst import run_burst
 from bench.storage.config import StorageBenchConfig
-from bench.storage.stats import _error_name, _first_line, _OpStats, _quiet_retries
+from bench.storage.stats import _error_name, _first_line, _OpStats, retry_records
 from ckptstore.store import Store
 
 logger = logging.getLogger("bench.storage")
@@ -237,7 +237,7 @@ class StorageBench:
         else:
             self.admin.check_reachable()
         cleanup = None
-        with _quiet_retries(cfg.verbose_retries):
+        with retry_records(cfg.verbose_retries):
             try:
                 if cfg.mode == "steady":
                     result = self._run_steady()

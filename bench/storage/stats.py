@@ -6,7 +6,7 @@ import contextlib
 import logging
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,19 +53,27 @@ class _OpStats:
 
 
 @contextlib.contextmanager
-def _quiet_retries(show: bool) -> Iterator[None]:
-    """Unless ``show``, drop the store's warning per failed attempt (marked ``ckptstore_retry``):
-    the run reports the totals from the store's counters instead."""
+def retry_records(show: bool, count: Callable[[], None] | None = None) -> Iterator[None]:
+    """The store's record of each failed attempt (INFO, marked ``ckptstore_retry``), for a run
+    that reports totals from its own counters: each is counted by ``count``, and reaches the
+    root's handlers only if ``show``. The store's other records pass as before."""
     store_logger = logging.getLogger("ckptstore.store")
+    level, before = store_logger.level, store_logger.getEffectiveLevel()
 
-    def drop(record: logging.LogRecord) -> bool:
-        return show or not getattr(record, "ckptstore_retry", False)
+    def keep(record: logging.LogRecord) -> bool:
+        if not getattr(record, "ckptstore_retry", False):
+            return record.levelno >= before
+        if count is not None:
+            count()
+        return show
 
-    store_logger.addFilter(drop)
+    store_logger.addFilter(keep)
+    store_logger.setLevel(min(before, logging.INFO))
     try:
         yield
     finally:
-        store_logger.removeFilter(drop)
+        store_logger.setLevel(level)
+        store_logger.removeFilter(keep)
 
 
 def _error_name(exc: BaseException) -> str:

@@ -45,8 +45,8 @@ R = TypeVar("R")
 _MUTATING_OPS = frozenset({"put", "copy", "delete"})
 # No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
 _MIN_ATTEMPT_S = 0.5
-# Marks the log record of one failed attempt: the request's own error, if it comes to that, tells
-# the outcome (``ckptstore`` shows these only with -v).
+# Marks the log record (INFO) of one failed attempt: the request's own error, if it comes to that,
+# tells the outcome, and the store's counters count retries (``ckptstore`` shows these with -v).
 _RETRY_LOG = {"ckptstore_retry": True}
 
 
@@ -225,7 +225,7 @@ class Store:
                     last = StorageTimeoutError(
                         f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
                     )
-                    logger.warning(
+                    logger.info(
                         "%s %s: attempt %d timed out after %.1fs%s",
                         op,
                         self.url(key),
@@ -242,7 +242,7 @@ class Store:
                     return None  # type: ignore[return-value] - the earlier attempt landed
                 raise self._translate(op, key, error) from error
             last = error
-            logger.warning(
+            logger.info(
                 "%s %s: attempt %d failed (%s)",
                 op,
                 self.url(key),
