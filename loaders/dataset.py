@@ -10,6 +10,7 @@ the samples not yet seen, in the same order, also with another ``num_workers`` o
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 import warnings
@@ -277,7 +278,8 @@ class ShardDataset(IterableDataset):
                 f"counts differ: fingerprint {saved_for}, this dataset's {self.fingerprint})"
             )
         try:
-            epoch, position = int(state["epoch"]), int(state["position"])
+            # index(), not int(): a float or a string is a damaged state, not one to truncate
+            epoch, position = operator.index(state["epoch"]), operator.index(state["position"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"loader state has no integer epoch and position ({type(exc).__name__}: {exc})"
@@ -632,7 +634,9 @@ class StatefulLoader:
         self.stats = ConsumerStats()
 
     def __len__(self) -> int:
-        return -(-self.dataset.rank_length() // self.batch_size)
+        """Batches left in this pass (the last, short one too unless ``drop_last``)."""
+        whole, short = divmod(self.dataset.rank_length(), self.batch_size)
+        return whole + (1 if short and not self._loader.drop_last else 0)
 
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset

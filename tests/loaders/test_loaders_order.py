@@ -274,6 +274,10 @@ def test_an_epoch_that_gives_no_batch_is_an_error_not_an_endless_loop(token_dir)
     [
         ({"epoch": -1}, "epoch -1 is negative"),
         ({"position": None}, "no integer epoch and position"),
+        # a reviewer's: these were truncated to epoch 1 and position 3, or read as 7
+        ({"epoch": 1.7}, "no integer epoch and position"),
+        ({"position": 3.9}, "no integer epoch and position"),
+        ({"position": "7"}, "no integer epoch and position"),
     ],
 )
 def test_a_loader_state_with_a_bad_epoch_or_position_is_refused(token_dir, change, message):
@@ -285,3 +289,16 @@ def test_a_loader_state_with_a_bad_epoch_or_position_is_refused(token_dir, chang
     del state["position"]
     with pytest.raises(ValueError, match="no integer epoch and position"):
         ds.load_state_dict(state)
+
+
+def test_a_loaders_length_is_the_batches_it_gives(token_dir):
+    """A reviewer's: with drop_last=True, len() counted the short batch the pass drops."""
+    ds = _dataset(token_dir, rank=0, world_size=2)  # 200 samples for this rank
+    for batch_size, drop_last in ((64, True), (64, False), (50, True), (50, False)):
+        loader = StatefulLoader(ds, batch_size=batch_size, drop_last=drop_last, collate_fn=_collate)
+        assert len(loader) == len(list(loader)) == (3 if drop_last and batch_size == 64 else 4)
+    state = {**ds.state_dict(), "position": 0, "epoch": 0}
+    loader = StatefulLoader(ds, batch_size=64, drop_last=True, collate_fn=_collate)
+    ds.load_state_dict(state)
+    next(iter(loader))
+    assert len(loader) == 2  # the batches left in the pass, as before
