@@ -174,7 +174,8 @@ class ReplicaHealth:
                     self._bench(r, now, slow=False)
             bench_s = r.benched_until - now
         if error is None:
-            r.stats.record_latency(seconds)
+            if read:
+                r.stats.record_latency(seconds)
             r.stats.add(bytes=nbytes)
         else:
             r.stats.add(errors=1)
@@ -189,6 +190,24 @@ class ReplicaHealth:
                 displaced.name,
                 r.name,
             )
+
+    def unreachable(self, r: Replica, error: BaseException) -> None:
+        """``r`` did not answer a request of the dataset's opening (its survey): benched now,
+        so that the requests after it (headers, the first reads) go to the replicas that did,
+        rather than each waiting for its deadline until errors bench it."""
+        with self._lock:
+            if r.benched:
+                return
+            r.consecutive_errors += 1
+            self._bench(r, time.monotonic(), slow=False)
+            bench_s = r.benched_until - time.monotonic()
+        r.stats.add(errors=1, benched=1)
+        logger.warning(
+            "replica %s benched for %.1fs: unreachable as the dataset opened (%s)",
+            r.name,
+            bench_s,
+            error,
+        )
 
     def _may_bench_slow(self) -> bool:
         n = len(self.replicas)

@@ -333,10 +333,10 @@ class _Request:
 
     def _won(self, a: _Attempt, data: Any) -> Any:
         elapsed = time.monotonic() - self.t0
-        a.replica.stats.add(wins=1, hedges_won=int(a.hedge))
         if a.hedge:
             self.reads.hedger.won("get")
-        if self.read:
+        if self.read:  # a metadata request (a header, a size) is no read: wins add up to reads
+            a.replica.stats.add(wins=1, hedges_won=int(a.hedge))
             self.reads.stats.latency.record(elapsed)
             self.reads.stats.add(reads=1)
         return data

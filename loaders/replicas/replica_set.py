@@ -177,7 +177,7 @@ class ReplicaSet:
                 "may take"
             )
         if len(self) > 1 and self.config.verify_replicas:
-            survey.check_same(self._replicas, key, first, max_bytes)
+            survey.check_same(self._health, key, first, max_bytes)
         return first
 
     def find_shards(
@@ -202,7 +202,7 @@ class ReplicaSet:
         are compared) and sizes come from ``sizes`` or one replica each.
         """
         found, lacking = survey.find_shards(
-            self._replicas,
+            self._health,
             keys,
             suffix,
             verify=self.config.verify_replicas,

@@ -15,24 +15,25 @@ from loaders.errors import (
     ShardCorruptError,
     ShardNotFoundError,
 )
-from loaders.replicas.health import Replica
+from loaders.replicas.health import Replica, ReplicaHealth
 
 logger = logging.getLogger(__package__)  # "loaders.replicas", as health's
 
 _NAMED = 50  # shards named at most in one warning line
 
 
-def check_same(replicas: Sequence[Replica], key: str, first: bytes, max_bytes: int) -> None:
+def check_same(health: ReplicaHealth, key: str, first: bytes, max_bytes: int) -> None:
     """:class:`ReplicaMismatchError` unless every replica holds ``first`` as ``key`` (one that
-    cannot be reached is skipped with a warning); no more than a byte past ``max_bytes`` is
-    read from any."""
-    for r in replicas:
+    cannot be reached is skipped with a warning, and benched); no more than a byte past
+    ``max_bytes`` is read from any."""
+    for r in health.replicas:
         try:
             other = r.store.get(key, 0, max_bytes + 1, small=True)
         except ObjectNotFoundError as exc:
             raise ReplicaMismatchError(f"replica {r.name} lacks {key}") from exc
         except StorageError as exc:
             logger.warning("replica %s not verified, unreachable: %s", r.name, exc)
+            health.unreachable(r, exc)
             continue
         if other != first:
             raise ReplicaMismatchError(
@@ -42,7 +43,7 @@ def check_same(replicas: Sequence[Replica], key: str, first: bytes, max_bytes: i
 
 
 def find_shards(
-    replicas: Sequence[Replica],
+    health: ReplicaHealth,
     keys: Sequence[str] | None,
     suffix: str | tuple[str, ...],
     *,
@@ -58,12 +59,20 @@ def find_shards(
 
     The size a shard must have is the one ``sizes`` (an index's, a hashed manifest's) gives;
     without it, the size most replicas hold, of equals the largest (a copy cut short is the
-    common damage). No replica at the size ``sizes`` gives is :class:`ShardCorruptError`."""
+    common damage). No replica at the size ``sizes`` gives is :class:`ShardCorruptError`.
+
+    A replica that does not answer is benched (:meth:`ReplicaHealth.unreachable`), and one
+    already benched as the dataset opens (it did not answer the index or manifest) is not asked,
+    as one that does not answer: unless every replica is."""
     sizes = sizes or {}
     if keys is not None and not verify:
         return {key: sizes.get(key) for key in keys}, {}
+    replicas = [r for r in health.replicas if not r.benched] or health.replicas
     with ThreadPoolExecutor(len(replicas)) as pool:
         surveyed = list(pool.map(lambda r: _survey(r, keys, suffix, verify), replicas))
+    for r, found_there in zip(replicas, surveyed):
+        if isinstance(found_there, StorageError):
+            health.unreachable(r, found_there)
     answered: dict[Replica, dict[str, int | None]] = {}
     for r, found_there in zip(replicas, surveyed):
         if isinstance(found_there, dict):
@@ -77,7 +86,7 @@ def find_shards(
     if keys is None:
         keys = sorted(set().union(*answered.values()))
     tried = ", ".join(r.name for r in answered)
-    down = [r.name for r in replicas if r not in answered]
+    down = [r.name for r in health.replicas if r not in answered]
     found: dict[str, int | None] = {}
     resized: dict[Replica, list[tuple[str, int, int]]] = {}
     for key in keys:

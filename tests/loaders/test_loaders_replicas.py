@@ -517,3 +517,71 @@ def test_a_cut_answer_to_a_token_files_head_read_fails_over_to_another_replica(t
             replica_config=config,
         )
         np.testing.assert_array_equal(np.concatenate([s["tokens"] for s in ds]), tokens)
+
+
+def test_a_bad_llmc_header_on_one_replica_is_read_from_another(tmp_path):
+    """A reviewer's: the header checked after its read, outside the failover, failed the open
+    whenever the damaged replica was the one asked (listed second, about every time)."""
+    from loaders import TokenWriter
+
+    roots = [tmp_path / "a", tmp_path / "b"]
+    tokens = np.arange(64 * 40, dtype=np.uint16)
+    with TokenWriter([str(r) for r in roots], header="llmc", file_tokens=64 * 20) as writer:
+        writer.write(tokens)
+    with open(roots[0] / "tokens.00000.bin", "r+b") as fh:
+        fh.write(np.array([20240801, 7], "<i4").tobytes())  # a uint32 file's magic
+    fmt = TokenFiles(sample_tokens=64, header="llmc", manifest="manifest.txt")
+    for order in (roots, roots[::-1]):
+        ds = ShardDataset([str(r) for r in order], fmt, config=LoaderConfig(shuffle=False))
+        np.testing.assert_array_equal(np.concatenate([s["tokens"] for s in ds]), tokens)
+    (roots[1] / "tokens.00000.bin").write_bytes((roots[0] / "tokens.00000.bin").read_bytes())
+    with pytest.raises(Exception, match=r"no replica holds bytes that verify.*llm.c header magic"):
+        ShardDataset([str(r) for r in roots], fmt)
+
+
+def test_a_replica_that_never_answers_the_open_is_benched_not_asked_again(tmp_path):
+    """A reviewer's: a replica hanging from the start cost the open one attempt deadline at its
+    manifest, one at its survey and one at each header until errors benched it (50 s with the
+    defaults); what the open learnt did not steer its next requests."""
+    from loaders import TokenWriter
+
+    roots = [tmp_path / "a", tmp_path / "b"]
+    with TokenWriter([str(r) for r in roots], header="llmc", file_tokens=64 * 5) as writer:
+        writer.write(np.arange(64 * 40, dtype=np.uint16))
+    config = ReplicaConfig(attempt_timeout_s=0.3, bench_s=30)
+    hang = Faults(hang_rate=1.0, hang_s=30)
+    hung = with_faults(Store(str(roots[1]), retry=replica_retry_policy(config)), hang)
+    try:
+        ds = ShardDataset(
+            [str(roots[0]), hung],
+            TokenFiles(sample_tokens=64, header="llmc", manifest="manifest.txt"),
+            config=LoaderConfig(shuffle=False),
+            replica_config=config,
+        )
+        m = ds.metrics()["replicas"][hung.uri]
+        # its manifest's reads (the first read's race may ask it too); no survey, no header
+        assert 1 <= hang.counts["requests"] <= 2, hang.counts
+        assert m["benched"] == 1 and m["errors"] == 1 and m["health"] == "benched"
+        assert len(list(ds)) == 40
+    finally:
+        hang.release()
+
+
+def test_a_replicas_wins_and_latencies_are_of_reads_not_of_header_requests(tmp_path):
+    """A reviewer's: each file's header request at open counted as a replica's win and fed its
+    p50/p99 (wins summed to twice the reads over 100 llm.c files)."""
+    from loaders import TokenWriter
+
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with TokenWriter(roots, header="llmc", file_tokens=64 * 2) as writer:
+        writer.write(np.arange(64 * 40, dtype=np.uint16))
+    fmt = TokenFiles(sample_tokens=64, header="llmc", manifest="manifest.txt", read_bytes=128)
+    ds = ShardDataset(roots, fmt, config=LoaderConfig(shuffle=False))
+    opened = ds.metrics()
+    replicas = opened["replicas"].values()
+    assert sum(r["requests"] for r in replicas) >= 20  # the 20 files' headers were asked
+    assert sum(r["wins"] for r in replicas) == opened["reads"]["reads"]  # the manifest's read
+    assert sum(r["answered"] for r in replicas) <= 2
+    assert len(list(ds)) == 40
+    read = ds.metrics()
+    assert sum(r["wins"] for r in read["replicas"].values()) == read["reads"]["reads"] >= 21

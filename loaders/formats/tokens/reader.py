@@ -13,8 +13,10 @@ again, not of the whole file."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +64,13 @@ def check_llmc_header(data: bytes, dtype: str, key: str, size: int) -> None:
         )
 
 
-def _head(replicas: Any, key: str, nbytes: int) -> bytes:
+def _head(
+    replicas: Any, key: str, nbytes: int, check: Callable[[bytes], None] | None = None
+) -> bytes:
     """The first ``nbytes`` of ``key``: a metadata request (not a data read the loader's read
-    figures, hedge delay and replica health count)."""
+    figures, hedge delay and replica health count). ``check`` raises
+    :class:`ShardCorruptError` for a bad header, and the next replica is asked, as for a cut
+    answer."""
 
     def head(store: Any) -> bytes:
         data = store.get(key, 0, nbytes)
@@ -72,6 +78,8 @@ def _head(replicas: Any, key: str, nbytes: int) -> bytes:
             raise ShardCorruptError(
                 f"token file {key}: {len(data)} bytes answered for its {nbytes}-byte header"
             )
+        if check is not None:
+            check(data)
         return data
 
     return replicas.call(f"header of {key}", head, key=key)
@@ -182,7 +190,8 @@ class TokenFiles:
                     else f"token file {key}: {size} bytes, shorter than its header"
                 )
             if self.header == "llmc":
-                check_llmc_header(_head(replicas, key, LLMC_HEADER_BYTES), self.dtype, key, size)
+                check = functools.partial(check_llmc_header, dtype=self.dtype, key=key, size=size)
+                _head(replicas, key, LLMC_HEADER_BYTES, check)
             elif not self.header_bytes and not units and size >= 12:  # the first file's head
                 _refuse_unexpected_llmc_header(_head(replicas, key, 12), key, size)
             samples = body // sample_bytes
