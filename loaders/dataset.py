@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ckptstore.store import Store
 from loaders.cache import ShardCache, open_cache, read_unit
 from loaders.config import LoaderConfig, ReplicaConfig
-from loaders.errors import ShardNotFoundError
+from loaders.errors import LoaderError, ShardNotFoundError
 from loaders.formats.layout import Format, Unit, unit_samples
 from loaders.formats.tokens.reader import TokenFiles
 from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
@@ -575,6 +575,18 @@ class ShardDataset(IterableDataset):
         )
 
 
+def _one_line_worker_error(exc: LoaderError) -> LoaderError | None:
+    """The loader's own one-line error a DataLoader worker raised, naming the worker, where torch
+    re-raised it with the worker's whole traceback as its message; None for any other."""
+    first, _, rest = str(exc).partition("\n")
+    lines = [line for line in rest.splitlines() if line.strip()]
+    prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    caught = f"Caught {type(exc).__name__} "
+    if not first.startswith(caught) or not lines or not lines[-1].startswith(prefix):
+        return None
+    return type(exc)(f"{lines[-1][len(prefix) :]} ({first[len(caught) :].rstrip('.')})")
+
+
 class LoaderFeed(IterableDataset):
     """A :class:`ShardDataset` as one DataLoader iterates it (:meth:`ShardDataset.feed`); the
     workers take it, dataset included, as each pass starts them."""
@@ -652,8 +664,14 @@ class StatefulLoader:
                 batch = next(it)
             except StopIteration:
                 break
-            except BaseException:
+            except LoaderError as exc:
                 _stop_workers(it)  # not left to the garbage collector, with the error's frames
+                one = _one_line_worker_error(exc)
+                if one is None:
+                    raise
+                raise one from None
+            except BaseException:
+                _stop_workers(it)
                 raise
             waited = time.monotonic() - t0
             self.stats.wait.record(waited)

@@ -104,7 +104,9 @@ def shards_and_hashes(
     else found by listing, and their hashes where a hashed manifest gives them (None
     otherwise): its sizes are the sizes the shards must have."""
     hashes: dict[str, FileHashes] | None = None
-    if declared is None and manifest is not None:
+    if declared is not None:
+        declared = [check_shard_key(k, "the dataset's declared list") for k in declared]
+    elif manifest is not None:
         read = read_manifest(replicas, manifest)
         declared, hashes = read.keys, read.hashes
     sizes = None if hashes is None else {k: h.size for k, h in hashes.items()}

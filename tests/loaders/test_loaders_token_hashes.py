@@ -369,3 +369,18 @@ def test_a_pass_a_read_error_ends_stops_its_workers_and_resumes_exactly(tmp_path
 
 def _ids(batch: list[dict]) -> list[int]:
     return [int(sample["__index__"]) for sample in batch]
+
+
+def test_a_bad_block_met_in_a_worker_is_one_line_naming_the_worker(tmp_path):
+    """A reviewer's: through DataLoader workers the loader's one-line error came back as torch
+    re-raises it, with the worker's whole traceback as its message (61 lines)."""
+    from loaders import StatefulLoader
+
+    (only,) = _write([tmp_path / "a"])
+    _flip(Path(only) / FILES[1], 5000)
+    loader = StatefulLoader(ShardDataset(only, _fmt(), config=IN_ORDER), num_workers=2)
+    with pytest.raises(ShardCorruptError) as raised:
+        list(loader)
+    (line,) = str(raised.value).splitlines()
+    assert line.startswith(f"token file {FILES[1]} on replica {only}: bytes [5000:6000]"), line
+    assert line.endswith("(in DataLoader worker process 0)") or line.endswith("process 1)"), line

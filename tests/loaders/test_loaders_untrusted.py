@@ -103,6 +103,17 @@ def test_a_manifest_naming_a_shard_outside_the_root_is_corrupt(tmp_path: Path, f
         ShardDataset(str(root), dataset, config=IN_ORDER)
 
 
+@pytest.mark.parametrize("name", ["../secret.bin", "/etc/hostname", "a/./b.bin"])
+def test_a_declared_file_outside_the_root_is_a_loader_error(tmp_path: Path, name: str) -> None:
+    """A reviewer's: ``files=["../x.bin"]`` was refused by the storage layer, with ckptstore's
+    CheckpointCorruptError ("key ... leads outside the store"), not the loader's error."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    np.arange(64, dtype=np.uint16).tofile(tmp_path / "secret.bin")
+    with pytest.raises(ShardCorruptError, match="declared list names shard .* not inside"):
+        ShardDataset(str(root), TokenFiles(files=[name], sample_tokens=8), config=IN_ORDER)
+
+
 def plant_zstd_bomb(root: Path) -> int:
     """Replace the shard of a zstd MDS dataset by a frame of BOMB zero bytes (about 32 KiB),
     the index's compressed size and hashes recomputed; the raw size the index declares."""
