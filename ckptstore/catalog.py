@@ -41,6 +41,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import (
     MAX_MANIFEST_BYTES,
+    STEP_DIGITS,
     Manifest,
     ObjectRef,
     RankIndex,
@@ -67,13 +68,20 @@ an older writer's save in flight."""
 
 
 def list_steps(store: Store) -> list[int]:
-    """Committed steps, ascending. Uncommitted attempts are never listed."""
+    """Committed steps, ascending. Uncommitted attempts are never listed, nor a name no save
+    writes (``commits/99.json``: a step is read at its 20-digit key, so that one would be
+    listed and never read)."""
     steps = []
     for key in store.list("commits"):
         name = key.rsplit("/", 1)[-1]
-        if name.endswith(".json") and name[:-5].isdigit():
-            steps.append(int(name[:-5]))
+        digits = name.removesuffix(".json")
+        if name.endswith(".json") and len(digits) == STEP_DIGITS and _is_digits(digits):
+            steps.append(int(digits))
     return sorted(steps)
+
+
+def _is_digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # "٣" and "²" are digits too
 
 
 def commit_manifest(
@@ -127,7 +135,7 @@ def parse_step(step: int | str | None) -> int | None:
     if step is None or step == "latest":
         return None
     if isinstance(step, str):
-        if not (step.isascii() and step.isdigit()):  # "٣" and "²" are digits too
+        if not _is_digits(step):
             raise ValueError(f"step must be an integer or 'latest', got {step!r}")
         step = int(step)
     return check_step(step)
@@ -316,7 +324,7 @@ def quarantined(store: Store) -> dict[str, int]:
     for key in store.list(QUARANTINE_PREFIX):
         name = key.rsplit("/", 1)[-1]
         head, _, tail = name.partition("-")
-        if name.endswith(".json") and head.isdigit() and is_attempt(tail[:-5]):
+        if name.endswith(".json") and _is_digits(head) and is_attempt(tail[:-5]):
             out[key] = int(head)
     return out
 

@@ -243,3 +243,19 @@ def test_an_index_tree_nested_beyond_the_bound_is_corrupt_not_a_recursion_error(
     with Checkpointer(store_uri) as ckpt:
         with pytest.raises(UnsupportedStateError, match="nested deeper than 64 levels"):
             ckpt.save(2, state)
+
+
+@pytest.mark.parametrize("name", ["99", "123456789012345678901234", "²" * 20])
+def test_a_commit_under_a_name_no_save_writes_is_not_a_step(tmp_path: Path, name: str, capsys):
+    """A reviewer's: commits/99.json (a manifest copied there) was listed as the latest step,
+    which every read then called "not committed" (ls exit 1, inspect and restore of latest
+    failed; load() without fallback too), and gc left it."""
+    uri = str(tmp_path / "s")
+    save_step(uri, 1)
+    commits = tmp_path / "s" / "commits"
+    (commits / f"{name}.json").write_bytes((commits / f"{1:020d}.json").read_bytes())
+    assert Checkpointer(uri).latest() == 1
+    load(uri)
+    assert main(["ls", uri]) == 0
+    assert main(["restore", uri, "--to", str(tmp_path / "out.pt")]) == 0
+    capsys.readouterr()
