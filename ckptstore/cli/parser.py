@@ -8,6 +8,7 @@ import textwrap
 from typing import Any, NoReturn
 
 from ckptstore.cli.common import PROG
+from ckptstore.format import STEP_DIGITS
 from ckptstore.store import RetryPolicy
 
 
@@ -51,6 +52,19 @@ def _int_at_least(text: str, least: int) -> int:
 
 def _nonneg_int(text: str) -> int:
     return _int_at_least(text, 0)
+
+
+def _step(text: str) -> int:
+    value = _int_at_least(text, 0)
+    if value >= 10**STEP_DIGITS:
+        raise argparse.ArgumentTypeError(f"must be below 1e{STEP_DIGITS}, got {value}")
+    return value
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("is empty")
+    return text
 
 
 def _pos_int(text: str) -> int:
@@ -220,7 +234,7 @@ examples:
           ckptstore inspect s3://bucket/run7 --step 1200 --json
         """,
     )
-    p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    p.add_argument("--step", type=_step, help="the step (default: the latest)")
     p.set_defaults(func="inspect")
 
     p = add(
@@ -239,7 +253,7 @@ examples:
         """,
     )
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    which.add_argument("--step", type=_step, help="the step (default: the latest)")
     which.add_argument("--all", action="store_true", help="verify every committed step")
     p.add_argument(
         "--read-concurrency",
@@ -282,14 +296,16 @@ examples:
               --dtype bfloat16
         """,
     )
-    p.add_argument("--step", type=_nonneg_int, help="the step (default: the latest)")
+    p.add_argument("--step", type=_step, help="the step (default: the latest)")
     p.add_argument(
         "--healthy",
         action="store_true",
         help="the newest healthy step (no NaN/Inf; docs/FORMAT.md, Health); with --step: "
         "refuse that step unless it is healthy",
     )
-    p.add_argument("--to", required=True, metavar="PATH", help="local file or directory to write")
+    p.add_argument(
+        "--to", required=True, type=_path, metavar="PATH", help="local file or directory to write"
+    )
     p.add_argument(
         "--format",
         choices=("torch", "dcp", "safetensors"),
@@ -374,12 +390,13 @@ examples:
         action="store_true",
         help="also delete steps whose manifest or rank index is corrupt (they are kept otherwise)",
     )
-    p.add_argument(
+    hashing = p.add_mutually_exclusive_group()
+    hashing.add_argument(
         "--verify",
         action="store_true",
         help="re-hash every chunk first: a step with a damaged chunk is corrupt, never counted",
     )
-    p.add_argument(
+    hashing.add_argument(
         "--no-verify",
         action="store_true",
         help="do not re-hash the steps kept before deleting older ones (a damaged newest step "

@@ -171,3 +171,24 @@ def test_ctrl_c_inside_a_dcp_write_is_an_interruption_not_a_refusal():
     assert _stopped(wrapped) is stop
     assert _stopped(RuntimeError("x")) is None
     assert _stopped(CheckpointException("write", {0: (ValueError("bad"), None)})) is None
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["gc", "S", "--verify", "--no-verify"], "--no-verify: not allowed with argument --verify"),
+        (["inspect", "S", "--step", str(10**20)], "--step: must be below 1e20"),
+        (["restore", "S", "--to", ""], "--to: is empty"),
+    ],
+    ids=["verify-twice", "step-too-large", "empty-to"],
+)
+def test_arguments_that_contradict_or_overflow_are_usage_errors(tmp_path, argv, said, capsys):
+    """A reviewer's: `gc --verify --no-verify` ran with --verify; a step past 1e20 was exit 1
+    (not the usage error -1 is); `restore --to ''` wrote into the current directory."""
+    store = tmp_path / "store"
+    with Checkpointer(str(store)) as ckpt:
+        ckpt.save(1, {"w": torch.zeros(4)}).wait()
+    argv = [str(store) if a == "S" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
