@@ -23,10 +23,12 @@ and the commits::
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckptstore.codec import hash_bytes
@@ -141,6 +143,40 @@ def parse_step(step: int | str | None) -> int | None:
     return check_step(step)
 
 
+def no_checkpoint(store: Store) -> CheckpointNotFoundError:
+    """The error of a store that holds no committed step, naming a store just above or below it
+    where there is one (a mistyped path)."""
+    return CheckpointNotFoundError(f"no committed checkpoint in {store.uri}{store_nearby(store)}")
+
+
+_NEARBY_DIRS = 256  # subdirectories of an empty local store looked into, at most
+
+
+def store_nearby(store: Store) -> str:
+    """For a local store that holds no committed step: a note naming the store it lies inside
+    (up to 3 levels up) or one of its subdirectories that holds committed steps, "" if none (or
+    the store is not local)."""
+    if not store.is_local:
+        return ""
+
+    def holds_steps(path: Path) -> bool:
+        try:
+            return any(p.name.endswith(".json") for p in (path / "commits").iterdir())
+        except OSError:
+            return False
+
+    root = Path(store.backend.root)
+    for parent in list(root.parents)[:3]:
+        if holds_steps(parent):
+            return f" (it lies inside the store {parent}: a mistyped path?)"
+    try:
+        below = [p for p in itertools.islice(root.iterdir(), _NEARBY_DIRS) if p.is_dir()]
+    except OSError:
+        return ""
+    found = next((p for p in sorted(below) if holds_steps(p)), None)
+    return "" if found is None else f" (but {found} holds checkpoints: a mistyped path?)"
+
+
 def resolve_step(store: Store, step: int | str | None = "latest") -> int:
     """A committed step: ``None`` or ``"latest"`` is the newest one; an int or a string of
     digits must be committed. :class:`CheckpointNotFoundError` otherwise, naming the latest
@@ -149,7 +185,7 @@ def resolve_step(store: Store, step: int | str | None = "latest") -> int:
     if step is None:
         steps = list_steps(store)
         if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
+            raise no_checkpoint(store)
         return steps[-1]
     if not store.exists(commit_key(step)):
         near = ", ".join(map(str, list_steps(store)[-5:])) or "none"

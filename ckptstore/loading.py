@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ckptstore.catalog import list_steps, load_manifest, resolve_step
+from ckptstore.catalog import list_steps, load_manifest, no_checkpoint, resolve_step
 from ckptstore.device import host_available_bytes
 from ckptstore.device_load import read_into
 from ckptstore.errors import (
@@ -338,7 +338,7 @@ class StateLoader:
             if fallback:
                 steps = list_steps(self.store)[::-1]
                 if not steps:
-                    raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
+                    raise no_checkpoint(self.store)
                 return steps, {}
             return [resolve_step(self.store, step)], {}
         return healthy_steps_to_load(self.store, step, limit=None if fallback else 1)
@@ -807,7 +807,7 @@ class StateLoader:
 
         steps = list_steps(self.store) if step == "all" else [resolve_step(self.store, step)]
         if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.uri}")
+            raise no_checkpoint(self.store)
         problems = [p for c in verify_steps(self.store, steps) for p in c.problems]
         if not problems:
             return

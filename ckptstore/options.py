@@ -121,10 +121,18 @@ class EncodingOptions:
     """Chunks hashed, encoded and uploaded at once (default: cores, at least 4)."""
     hedge_uploads: bool | None = None
     """Duplicate slow chunk uploads (default: on for remote stores)."""
+    recheck_every: int = 16
+    """A chunk a save references without writing it (its bytes unchanged since an earlier
+    save: frozen weights, say) is read back and verified by about one save in this many
+    (chosen per chunk and step), and written again from the save's bytes if it is found
+    damaged or missing, which repairs every step that shares it; 0: never (a damaged chunk
+    then stays referenced by every later save of the same bytes until a load or ``ckptstore
+    verify`` finds it)."""
 
     def __post_init__(self) -> None:
         _check_kinds(self)
         _at_least("chunk_bytes", self.chunk_bytes, 1)
+        _at_least("recheck_every", self.recheck_every, 0)
         _at_least("encode_threads", self.encode_threads, 1)
         CodecConfig.parse(self.compression)  # "gzip" is refused here, not at the first save
 

@@ -36,10 +36,12 @@ from ckptstore import telemetry
 from ckptstore.codec import CodecConfig, decode, encode_parts, hash_bytes
 from ckptstore.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectOutsideRootError,
+    StorageError,
     one_line,
 )
 from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
@@ -290,6 +292,7 @@ def put_chunk(
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo] | None = None,
     digest: str | None = None,
+    recheck: Callable[[str], bool] | None = None,
 ) -> tuple[str, ChunkInfo]:
     """Hash ``raw`` (unless its ``digest`` is given: hashed already by the caller); encode and
     put it unless the store already holds that chunk.
@@ -303,11 +306,17 @@ def put_chunk(
 
     ``hedged``: a slow put is duplicated by the store; both are exclusive creates of the same
     content-addressed key, so whichever lands second finds the object there and nothing is
-    written twice."""
+    written twice.
+
+    ``recheck(digest)``: whether to read back a chunk found in ``known`` (stored by an earlier
+    save) and, found damaged or missing, write it again from ``raw`` (:func:`recheck_chunk`)."""
     if digest is None:
         digest = hash_bytes(raw)
     key = chunk_key(digest)
     if known is not None and (info := known.get(digest)) is not None:
+        if recheck is not None and recheck(digest):
+            info = recheck_chunk(store, digest, info, raw, itemsize, codec)
+            known[digest] = info
         return digest, info
     info = None
     if known is None or not store.backend.enforces_create:
@@ -320,6 +329,60 @@ def put_chunk(
     if known is not None:
         known[digest] = info  # a dict's item assignment is atomic: put threads share it
     return digest, info
+
+
+def recheck_chunk(
+    store: Store, digest: str, info: ChunkInfo, raw, itemsize: int, codec: CodecConfig
+) -> ChunkInfo:
+    """Read stored chunk ``digest`` back (:func:`chunk_damage`); found damaged or missing,
+    write it again from ``raw`` (its bytes, hashed to ``digest`` by this save) in the encoding
+    whose size ``info`` records where one gives it (:func:`rewrite_chunk`). Its info as stored
+    now."""
+    damage = chunk_damage(store, digest, info)
+    if damage is None:
+        return info
+    parts = encode_parts(raw, itemsize, codec)
+    if sum(map(len, parts)) != info.stored and codec.level is not None:
+        plain = encode_parts(raw, itemsize, _RAW)
+        parts = plain if sum(map(len, plain)) == info.stored else parts
+    if not store.is_local:
+        parts = [_joined(parts)]
+    return ChunkInfo(len(raw), rewrite_chunk(store, digest, parts, damage, info.stored))
+
+
+def chunk_damage(store: Store, digest: str, info: ChunkInfo) -> CheckpointError | None:
+    """What is wrong with stored chunk ``digest``, read back and checked as a load checks it
+    (its stored size ``info``, its xxh3 after decoding): missing or damaged; None if it checks
+    out, or if the read fails otherwise (a storage error checks nothing)."""
+    try:
+        fetch_chunk(store, digest, info, scratch=True)
+        return None
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        return exc
+    except StorageError as exc:
+        logger.info("chunk %s not rechecked: %s", store.url(chunk_key(digest)), one_line(exc))
+        return None
+
+
+def rewrite_chunk(
+    store: Store, digest: str, parts: list, damage: CheckpointError, recorded: int
+) -> int:
+    """Replace stored chunk ``digest``, found ``damage``d, by ``parts`` (its good bytes,
+    encoded): every step sharing it whose index records the new stored size (``recorded``: the
+    size the indexes that referenced it record) reads it again. The stored size now."""
+    key = chunk_key(digest)
+    store.delete(key)
+    try:
+        store.put(key, parts, shared=True)
+        stored = sum(memoryview(p).nbytes for p in parts)
+    except ObjectExistsError:  # another save wrote it again first
+        stored = store.size(key)
+    logger.warning(
+        "%s; written again from this save's bytes (every step sharing it reads it again%s)",
+        damage,
+        "" if stored == recorded else f": those whose index records {recorded} bytes not",
+    )
+    return stored
 
 
 def _encode_and_put(
@@ -382,10 +445,11 @@ def write_chunks(
     known: dict[str, ChunkInfo] | None = None,
     spans: list[tuple[ChunkSpan, str]] | None = None,
     scan: ChunkScan | None = None,
+    recheck: Callable[[str], bool] | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``), or only ``spans`` of it, each with
     its digest (hashed already: not hashed again); their digests, in layout order or in the
-    order of ``spans``. ``known``: see :func:`put_chunk`. ``scan``: the health scan of the
+    order of ``spans``. ``known``, ``recheck``: see :func:`put_chunk`. ``scan``: the health scan of the
     tensors in ``buffer``, taken as each chunk is hashed (not with ``spans``: their hashing
     pass scanned them)."""
 
@@ -403,6 +467,7 @@ def write_chunks(
             governor=governor,
             known=known,
             digest=digest,
+            recheck=recheck,
         )
         if not store.is_local:
             # A remote chunk's body lives for its whole upload and is freed into the arena of

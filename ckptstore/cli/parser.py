@@ -7,8 +7,8 @@ import json
 import textwrap
 from typing import Any, NoReturn
 
+from ckptstore.catalog import parse_step
 from ckptstore.cli.common import PROG
-from ckptstore.format import STEP_DIGITS
 from ckptstore.store import RetryPolicy
 
 
@@ -56,8 +56,10 @@ def _nonneg_int(text: str) -> int:
 
 def _step(text: str) -> int:
     value = _int_at_least(text, 0)
-    if value >= 10**STEP_DIGITS:
-        raise argparse.ArgumentTypeError(f"must be below 1e{STEP_DIGITS}, got {value}")
+    try:
+        parse_step(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

@@ -68,6 +68,8 @@ class SaveEngine:
             are in flight (``PipelineConfig``); ``"auto"`` compression is governed chunk by
             chunk (``CompressionGovernor``).
         hedge_uploads: duplicate slow chunk puts (the store's hedging, ``Store.hedger``).
+        recheck_every: a reused chunk is read back by about one save in this many
+            (``SaveSession.rechecks``; 0: never).
         staging_budget_bytes: host memory for staging buffers (None: one, state-sized).
         staging: ``"host"``, ``"device"`` or ``"auto"`` (module docstring).
         device_staging_budget_bytes: device memory for device staging buffers (None: one
@@ -89,6 +91,7 @@ class SaveEngine:
             compression=encoding.compression,
             encode_threads=encoding.encode_threads,
             hedge_uploads=not store.is_local if hedge is None else hedge,
+            recheck_every=encoding.recheck_every,
             staging_budget_bytes=staging.budget_bytes,
             keep_last=keep_last,
             lease_ttl_s=retention.lease_ttl_s,
@@ -105,6 +108,7 @@ class SaveEngine:
         compression: str | int | None = "auto",
         encode_threads: int | None = None,
         hedge_uploads: bool = False,
+        recheck_every: int = 16,
         staging_budget_bytes: int | None = None,
         keep_last: int | None = None,
         lease_ttl_s: float = DEFAULT_TTL_S,
@@ -134,6 +138,7 @@ class SaveEngine:
         )
         self.governor = CompressionGovernor() if self.config.codec.adaptive else None
         self.hedge_uploads = hedge_uploads
+        self.recheck_every = recheck_every
         self.pool = StagingPool(
             budget_bytes=staging_budget_bytes, pin_memory=torch.cuda.is_available()
         )

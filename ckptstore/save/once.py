@@ -11,7 +11,7 @@ the save on every rank, before any index names a chunk it was to write.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -60,13 +60,16 @@ def share_out(
     error: BaseException | None = None,
     *,
     save: str | None = None,
+    recheck: Callable[[str], bool] | None = None,
 ) -> set[str]:
     """The chunks of ``held`` (digest, raw size) this rank is to put: ranks exchange what they
     hold (with the stored size of those they know stored, which then every rank knows) and
     agree on one writer per other distinct chunk. ``known`` grows by the chunks other ranks
     know. ``error``: this rank failed before; it is raised here, every rank having heard it.
     ``save``: the save's attempt; ranks that reached this exchange in different saves (two
-    overlapping saves met in another order) all fail, before any writer is chosen."""
+    overlapping saves met in another order) all fail, before any writer is chosen.
+    ``recheck``: which known chunks are read back (``pipeline.put_chunk``); one holder each,
+    chosen as a writer is, is given them too."""
     mine = {
         digest: (raw, known[digest].stored if digest in known else None) for digest, raw in held
     }
@@ -79,6 +82,13 @@ def share_out(
     writers = assign_writers(
         [[(d, raw) for d, (raw, _) in payload if d not in known] for _, payload in heard.payloads]
     )
+    if recheck is not None:
+        writers |= assign_writers(
+            [
+                [(d, raw) for d, (raw, _) in payload if d in known and recheck(d)]
+                for _, payload in heard.payloads
+            ]
+        )
     return {digest for digest, rank in writers.items() if rank == group.rank}
 
 
@@ -157,6 +167,7 @@ def write_chunks_once(
     known: dict[str, ChunkInfo],
     scan: ChunkScan | None = None,
     save: str | None = None,
+    recheck: Callable[[str], bool] | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """``pipeline.write_chunks`` over the ranks of ``group`` (a ``tiers.group.RankGroup``,
     every rank calling): each rank hashes its chunks (xxh3-128 of the raw bytes, the chunk's
@@ -166,7 +177,7 @@ def write_chunks_once(
     writers stored (:func:`gather_stored`). ``known`` (``SaveSession.learn``) grows by every
     chunk of the save. ``scan``: the health scan of the tensors in ``buffer``, taken as each
     chunk is hashed (here, before the exchange). ``save``: the save's attempt, which every
-    rank's exchange must name."""
+    rank's exchange must name. ``recheck``: see :func:`share_out`."""
     chunks = layout.chunks
 
     def digest_of(span: ChunkSpan) -> str:
@@ -180,7 +191,7 @@ def write_chunks_once(
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
         error = exc
     held = [(d, span.end - span.start) for d, span in zip(digests, chunks)]
-    mine = share_out(group, held, known, error, save=save)
+    mine = share_out(group, held, known, error, save=save, recheck=recheck)
     # Each of this rank's share once (a digest it holds twice is put once), with its digest:
     # the writer does not hash it again.
     share = {d: span for d, span in zip(digests, chunks) if d in mine}
@@ -196,6 +207,7 @@ def write_chunks_once(
             governor=governor,
             known=known,
             spans=[(span, d) for d, span in share.items()],
+            recheck=recheck,
         )
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
         error = exc

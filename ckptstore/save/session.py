@@ -34,10 +34,12 @@ and ``Manifest`` a save writes is built here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from ckptstore.catalog import commit_manifest, list_steps, load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
@@ -203,6 +205,15 @@ class SaveSession:
             )
         return self
 
+    def rechecks(self) -> Callable[[str], bool] | None:
+        """Which of the chunks this save references without writing it reads back
+        (``pipeline.recheck_chunk``): about one in ``recheck_every``, chosen by the chunk and
+        the step (every rank of the save chooses the same)."""
+        period, step = self.engine.recheck_every, self.step
+        if not period:
+            return None
+        return lambda digest: xxhash.xxh3_64_intdigest(f"{digest}/{step}".encode()) % period == 0
+
     def write(
         self,
         buffer: torch.Tensor,
@@ -231,6 +242,7 @@ class SaveSession:
             "governor": engine.governor,
             "known": self.known,
             "scan": scan,
+            "recheck": self.rechecks(),
         }
         if group is not None and group.active and self.known is not None:
             digests, chunks = write_chunks_once(*args, group, save=self.attempt, **options)

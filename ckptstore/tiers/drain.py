@@ -33,7 +33,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.leases import SAVE, Lease
-from ckptstore.pipeline import release_free_memory
+from ckptstore.pipeline import chunk_damage, release_free_memory, rewrite_chunk
 from ckptstore.save.collective import save_collective
 from ckptstore.save.once import gather_stored, share_out
 from ckptstore.save.session import RankWritten, SaveSession
@@ -91,9 +91,10 @@ def drain_rank(
             raise
         error = exc
     try:
-        mine = share_out(group, held, known, error) if together else None
+        recheck = session.rechecks()
+        mine = share_out(group, held, known, error, recheck=recheck) if together else None
         durable = session.store
-        put = functools.partial(_copy_chunk, session, local, store, known)
+        put = functools.partial(_copy_chunk, session, local, store, known, recheck)
         ours = [(d, c) for d, c in sorted(index.chunks.items()) if mine is None or d in mine]
         written: dict[str, ChunkInfo] = {}
         try:
@@ -182,15 +183,23 @@ def _copy_chunk(
     local: LocalTier,
     store: Store,
     known: dict[str, ChunkInfo],
+    recheck: Callable[[str], bool] | None,
     item: tuple[str, ChunkInfo],
 ) -> tuple[str, ChunkInfo]:
     """One chunk of the local copy in ``store`` put in the durable store as it is stored,
     decoded and hashed first (a bad one is forgotten by the local tier); one the durable save
-    knows stored costs no request. Returns the chunk as the durable store holds it."""
+    knows stored costs no request, unless ``recheck`` has it read back there (written again
+    from the local copy if it is found damaged: ``pipeline.rewrite_chunk``). Returns the chunk
+    as the durable store holds it."""
     digest, info = item
-    if digest in known:
-        return digest, known[digest]
     durable = session.store
+    damage = None
+    if digest in known:
+        if recheck is None or not recheck(digest):
+            return digest, known[digest]
+        damage = chunk_damage(durable, digest, known[digest])
+        if damage is None:
+            return digest, known[digest]
     key = chunk_key(digest)
     data = store.get_view(key, 0, info.stored + 1)
     if len(data) != info.stored:
@@ -202,6 +211,10 @@ def _copy_chunk(
     except CheckpointCorruptError:
         local.forget_bad_chunk(digest)
         raise
+    if damage is not None:
+        return digest, ChunkInfo(
+            info.raw, rewrite_chunk(durable, digest, [data], damage, known[digest].stored)
+        )
     try:
         durable.put(key, data, hedged=session.engine.hedge_uploads, shared=True)
     except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise

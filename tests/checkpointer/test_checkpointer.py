@@ -577,3 +577,28 @@ def test_an_error_in_a_with_block_is_not_hidden_by_a_save_that_failed_too(tmp_pa
     with pytest.raises(StepExistsError):  # without an error of the block, close() raises it
         with Checkpointer(tmp_path) as ckpt:
             ckpt.save(1, {"w": torch.zeros(2)})
+
+
+@pytest.mark.parametrize("where", ["above", "inside"])
+def test_a_path_just_above_or_inside_a_store_is_named_not_taken_for_a_fresh_start(
+    tmp_path, caplog, where
+):
+    """A reviewer's: a Checkpointer given the directory above a store, or one inside it, found
+    no step and said nothing: the README's resume started the job over, saving elsewhere."""
+    store = tmp_path / "runs" / "run1"
+    with Checkpointer(str(store)) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    wrong = store.parent if where == "above" else store / "chunks"
+    hint = f"but {store} holds checkpoints" if where == "above" else f"inside the store {store}"
+    ckpt = Checkpointer(str(wrong))
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert ckpt.latest() is None and ckpt.latest() is None
+    assert [r.getMessage() for r in caplog.records if hint in r.getMessage()] != []
+    assert len([r for r in caplog.records if "mistyped path" in r.getMessage()]) == 1  # once
+    with pytest.raises(CheckpointNotFoundError, match=f"no committed checkpoint in .*{hint}"):
+        ckpt.load({"w": torch.zeros(3)})
+    other = Checkpointer(str(store.parent / "run2"))  # a new run beside it: no warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert other.latest() is None
+    assert not caplog.records

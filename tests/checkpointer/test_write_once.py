@@ -195,3 +195,34 @@ def test_a_rank_that_wrote_nothing_joins_its_round_once_and_only_once():
     assert not round_.active
     round_.finish()
     assert len(group.sent) == 2
+
+
+def _rechecking_ranks(rank: int, world: int, root: str) -> None:
+    encoding = EncodingOptions(chunk_bytes=CHUNK, compression="none", recheck_every=1)
+    with Checkpointer(root, encoding=encoding) as ckpt:
+        ckpt.save(1, _replicated(1, rank)).wait(timeout_s=BOUND_S)
+        torch.distributed.barrier()
+        store = Store(root)
+        chunks = sorted(store.list("chunks"))
+        if rank == 0:  # every chunk damaged where it lies: the replicated ones and rank 0's own
+            for key in chunks:
+                data = bytearray(store.get(key))
+                data[len(data) // 2] ^= 0xFF
+                store.delete(key)
+                store.put(key, bytes(data))
+        torch.distributed.barrier()
+        frozen = _replicated(1, rank)
+        ckpt.save(2, frozen).wait(timeout_s=BOUND_S)
+    with Checkpointer(root, encoding=ENCODING) as ckpt:
+        for step in (1, 2):
+            target = {k: torch.zeros_like(v) for k, v in frozen.items()}
+            assert ckpt.load(target, step) == step
+            assert all(torch.equal(target[k], v) for k, v in frozen.items()), (rank, step)
+
+
+@pytest.mark.dist
+def test_chunks_damaged_since_the_last_save_are_written_again_by_one_holder_each(tmp_path):
+    """A reviewer's (HIGH), through the one-writer rule: the next save of the same bytes read
+    back its known chunks (``recheck_every=1``), one holder each, and wrote the damaged ones
+    again, so both steps load on every rank."""
+    run_ranks(_rechecking_ranks, 2, str(tmp_path / "store"), timeout_s=240)

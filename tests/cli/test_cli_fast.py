@@ -177,7 +177,7 @@ def test_ctrl_c_inside_a_dcp_write_is_an_interruption_not_a_refusal():
     "argv, said",
     [
         (["gc", "S", "--verify", "--no-verify"], "--no-verify: not allowed with argument --verify"),
-        (["inspect", "S", "--step", str(10**20)], "--step: must be below 1e20"),
+        (["inspect", "S", "--step", str(10**20)], "--step: step must be an int in [0, 1e20)"),
         (["restore", "S", "--to", ""], "--to: is empty"),
     ],
     ids=["verify-twice", "step-too-large", "empty-to"],

@@ -95,9 +95,14 @@ def counted_s3(store: Store, tally: Tally):
 
 
 @contextmanager
-def counted_checkpointer(uri: str, tally: Tally, **kwargs: Any):
+def counted_checkpointer(uri: str, tally: Tally, recheck_every: int = 16, **kwargs: Any):
     """A Checkpointer of ``uri`` whose requests are counted into ``tally``."""
-    encoding = EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    encoding = EncodingOptions(
+        chunk_bytes=CHUNK_BYTES,
+        compression="none",
+        hedge_uploads=False,
+        recheck_every=recheck_every,
+    )
     if uri.startswith("s3://"):
         with Checkpointer(uri, encoding=encoding, **kwargs) as ckpt, counted_s3(ckpt.store, tally):
             yield ckpt

@@ -63,13 +63,28 @@ def test_a_save_of_fresh_chunks_puts_each_once(uri):
 
 def test_a_save_of_an_unchanged_state_sends_no_chunk_request(uri):
     tally = Tally()
-    with counted_checkpointer(uri, tally) as ckpt:
+    with counted_checkpointer(uri, tally, recheck_every=0) as ckpt:
         ckpt.save(1, state(1)).wait()
         tally.clear()
         ckpt.save(2, state(1)).wait()
         assert tally.chunks == {}
         assert tally.total <= SAVE_FIXED, tally.others
         ckpt.verify(2)
+
+
+def test_a_save_of_an_unchanged_state_reads_back_a_share_of_its_chunks(uri):
+    """By default (``recheck_every=16``) a save reads back about one in 16 of the chunks it
+    references without writing them: GETs only, each once, never a put."""
+    tally = Tally()
+    with counted_checkpointer(uri, tally) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        read = 0
+        for step in range(2, 6):
+            tally.clear()
+            ckpt.save(step, state(1)).wait()
+            assert set(tally.chunks) <= {"get"}, tally.chunks
+            read += tally.chunks.get("get", 0)
+        assert 0 < read < 4 * N_CHUNKS / 4, read  # about 4 * 64 / 16 = 16
 
 
 def test_a_restore_gets_each_chunk_once(uri):
@@ -133,10 +148,10 @@ def _delete_behind_the_stores_back(uri: str, key: str) -> None:
 
 
 def test_a_chunk_deleted_behind_the_stores_back_is_referenced_and_verify_reports_it(uri):
-    """Deleting objects outside ckptstore breaks the format's contract: the next save trusts
-    the latest step's index, references the chunk without writing it, and ``verify`` (and a
-    restore) name it missing."""
-    with counted_checkpointer(uri, Tally()) as ckpt:
+    """Deleting objects outside ckptstore breaks the format's contract: a save that does not
+    read the chunk back (``recheck_every=0``, or not its turn) trusts the latest step's index,
+    references the chunk without writing it, and ``verify`` (and a restore) name it missing."""
+    with counted_checkpointer(uri, Tally(), recheck_every=0) as ckpt:
         ckpt.save(1, state(1)).wait()
         victim = next(iter(ckpt.store.list("chunks")))
         _delete_behind_the_stores_back(uri, victim)
@@ -147,6 +162,32 @@ def test_a_chunk_deleted_behind_the_stores_back_is_referenced_and_verify_reports
             ckpt.verify(2)
         with pytest.raises(CheckpointError, match=f"{digest} is missing"):
             ckpt.load(state(0), 2)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "flipped", "truncated"])
+def test_a_damaged_chunk_a_save_reads_back_is_written_again_for_every_step(uri, damage):
+    """A reviewer's (HIGH): a chunk damaged after an earlier save was referenced by every later
+    save of the same bytes (frozen weights): each wait() returned, none of those steps loaded.
+    A save that reads it back (``recheck_every=1``: every save) writes it again from its own
+    bytes, and every step sharing it loads again."""
+    with counted_checkpointer(uri, Tally(), recheck_every=1) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        victim = next(iter(ckpt.store.list("chunks")))
+        if damage == "deleted":
+            _delete_behind_the_stores_back(uri, victim)
+        else:
+            data = bytearray(ckpt.store.get(victim))
+            if damage == "flipped":
+                data[len(data) // 2] ^= 0x10
+            ckpt.store.delete(victim)
+            ckpt.store.put(victim, bytes(data if damage == "flipped" else data[:-7]))
+        ckpt.save(2, state(1)).wait()
+        assert ckpt.store.exists(victim)
+        for step in (1, 2):
+            ckpt.verify(step)
+            into = state(0)
+            assert ckpt.load(into, step) == step
+            assert torch.equal(into["w"], state(1)["w"])
 
 
 def _leaseless_write(store: Store, tensor: torch.Tensor, step: int) -> None:
@@ -183,7 +224,9 @@ def test_a_backend_without_exclusive_create_is_asked_before_each_new_chunk(tmp_p
     tally = Tally()
     store = Store(str(tmp_path))
     store.backend = CountingBackend(store.backend, tally, enforces_create=False)
-    encoding = EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False)
+    encoding = EncodingOptions(
+        chunk_bytes=CHUNK_BYTES, compression="none", hedge_uploads=False, recheck_every=0
+    )
     with Checkpointer(
         str(tmp_path), storage=StorageOptions(store=store), encoding=encoding
     ) as ckpt:

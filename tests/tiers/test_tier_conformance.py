@@ -466,6 +466,37 @@ def test_a_save_bound_for_durable_storage_that_fails_there_passes_it_to_the_next
     assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
 
 
+@pytest.fixture
+def rechecking(front_type, monkeypatch):
+    """Front-ends of this test whose saves read back every chunk they reference unwritten."""
+    encoding = EncodingOptions(chunk_bytes=CHUNK, compression="none", recheck_every=1)
+    monkeypatch.setattr(front_type, "encoding", encoding)
+
+
+def test_a_durable_chunk_damaged_since_its_drain_is_written_again_by_the_next(
+    make, tmp_path, rechecking
+):
+    """A reviewer's (HIGH), through the drain: a chunk of durable storage damaged where it lies
+    was referenced by every later drained save of the same bytes. The next drain reads it back
+    (``recheck_every=1``) and writes it again from the local copy: both durable steps load."""
+    front = make(durable_every=1)
+    front.save(1, _state(1))
+    front.wait_durable()
+    durable = Store(str(tmp_path / "durable"))
+    for key in durable.list("chunks"):  # every chunk: a bit flipped in its middle
+        data = bytearray(durable.get(key))
+        data[len(data) // 2] ^= 0x01
+        durable.delete(key)
+        durable.put(key, bytes(data))
+    front.save(2, _state(1))
+    front.wait_durable()
+    front.close()
+    shutil.rmtree(tmp_path / "local")
+    for step in (1, 2):
+        target = _blank()
+        assert front.restart().load(target, step)[0] == step and _same(target, _state(1))
+
+
 @pytest.mark.parametrize("part", ["chunks", "commits"])
 def test_a_save_bound_for_durable_storage_that_fails_everywhere_passes_it_on(make, tmp_path, part):
     """As above, for a save bound for durable storage that failed as a whole (its local tier
