@@ -125,9 +125,10 @@ class EncodingOptions:
     """A chunk a save references without writing it (its bytes unchanged since an earlier
     save: frozen weights, say) is read back and verified by about one save in this many
     (chosen per chunk and step), and written again from the save's bytes if it is found
-    damaged or missing, which repairs every step that shares it; 0: never (a damaged chunk
-    then stays referenced by every later save of the same bytes until a load or ``ckptstore
-    verify`` finds it)."""
+    damaged or missing, which repairs every step that shares it. The cost: a save reads back
+    about 1/N of the bytes it did not change (a frozen 100 GB base: about 6 GB a save at 16), in
+    the background as its writes are. 0: never (a damaged chunk then stays referenced by every
+    later save of the same bytes until a load or ``ckptstore verify`` finds it)."""
 
     def __post_init__(self) -> None:
         _check_kinds(self)

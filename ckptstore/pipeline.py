@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xxhash
 
 from ckptstore import telemetry
 from ckptstore.codec import CodecConfig, decode, encode_parts, hash_bytes
@@ -292,7 +293,7 @@ def put_chunk(
     governor: CompressionGovernor | None = None,
     known: dict[str, ChunkInfo] | None = None,
     digest: str | None = None,
-    recheck: Callable[[str], bool] | None = None,
+    recheck: Rechecks | None = None,
 ) -> tuple[str, ChunkInfo]:
     """Hash ``raw`` (unless its ``digest`` is given: hashed already by the caller); encode and
     put it unless the store already holds that chunk.
@@ -308,15 +309,14 @@ def put_chunk(
     content-addressed key, so whichever lands second finds the object there and nothing is
     written twice.
 
-    ``recheck(digest)``: whether to read back a chunk found in ``known`` (stored by an earlier
-    save) and, found damaged or missing, write it again from ``raw`` (:func:`recheck_chunk`)."""
+    ``recheck``: the chunks found in ``known`` (stored by an earlier save) to read back and,
+    found damaged or missing, write again from ``raw`` (:func:`recheck_chunk`)."""
     if digest is None:
         digest = hash_bytes(raw)
     key = chunk_key(digest)
     if known is not None and (info := known.get(digest)) is not None:
-        if recheck is not None and recheck(digest):
-            info = recheck_chunk(store, digest, info, raw, itemsize, codec)
-            known[digest] = info
+        if recheck is not None and recheck.chosen(digest):
+            info = _rechecked(store, digest, known, recheck, raw, itemsize, codec)
         return digest, info
     info = None
     if known is None or not store.backend.enforces_create:
@@ -329,6 +329,55 @@ def put_chunk(
     if known is not None:
         known[digest] = info  # a dict's item assignment is atomic: put threads share it
     return digest, info
+
+
+class Rechecks:
+    """Which of the chunks a save references without writing it are read back: about one in
+    ``period``, chosen by the chunk and the step (:meth:`chosen`: every rank of the save
+    chooses the same), each once in the save however often it holds it (:meth:`claim`)."""
+
+    def __init__(self, period: int, step: int) -> None:
+        self.period, self.step = period, step
+        self._lock = threading.Lock()
+        self._claims: dict[str, threading.Event] = {}
+
+    def chosen(self, digest: str) -> bool:
+        key = f"{digest}/{self.step}".encode()
+        return xxhash.xxh3_64_intdigest(key) % self.period == 0
+
+    def claim(self, digest: str) -> threading.Event | None:
+        """None for the first caller of this save, who rechecks ``digest`` and then calls
+        :meth:`done`; for any other, the event that tells it is done."""
+        with self._lock:
+            if digest in self._claims:
+                return self._claims[digest]
+            self._claims[digest] = threading.Event()
+            return None
+
+    def done(self, digest: str) -> None:
+        self._claims[digest].set()
+
+
+def _rechecked(
+    store: Store,
+    digest: str,
+    known: dict[str, ChunkInfo],
+    recheck: Rechecks,
+    raw,
+    itemsize: int,
+    codec: CodecConfig,
+) -> ChunkInfo:
+    """Known chunk ``digest`` as :func:`recheck_chunk` leaves it, rechecked once in the save:
+    a second holder of it waits for the first one's recheck."""
+    waiting = recheck.claim(digest)
+    if waiting is not None:
+        waiting.wait()
+        return known[digest]
+    try:
+        known[digest] = recheck_chunk(store, digest, known[digest], raw, itemsize, codec)
+    finally:
+        recheck.done(digest)
+    return known[digest]
 
 
 def recheck_chunk(
@@ -347,42 +396,66 @@ def recheck_chunk(
         parts = plain if sum(map(len, plain)) == info.stored else parts
     if not store.is_local:
         parts = [_joined(parts)]
-    return ChunkInfo(len(raw), rewrite_chunk(store, digest, parts, damage, info.stored))
+    return rewrite_chunk(store, digest, info, parts, damage)
 
 
 def chunk_damage(store: Store, digest: str, info: ChunkInfo) -> CheckpointError | None:
     """What is wrong with stored chunk ``digest``, read back and checked as a load checks it
-    (its stored size ``info``, its xxh3 after decoding): missing or damaged; None if it checks
-    out, or if the read fails otherwise (a storage error checks nothing)."""
-    try:
-        fetch_chunk(store, digest, info, scratch=True)
-        return None
-    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        return exc
-    except StorageError as exc:
-        logger.info("chunk %s not rechecked: %s", store.url(chunk_key(digest)), one_line(exc))
-        return None
+    (its stored size ``info``, its xxh3 after decoding), twice before it is called damaged:
+    missing or damaged; None if it checks out, or if a read fails otherwise (a storage error
+    checks nothing)."""
+    damage: CheckpointError | None = None
+    for _ in range(2):
+        try:
+            fetch_chunk(store, digest, info, scratch=True)
+            return None
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            damage = exc
+        except StorageError as exc:
+            logger.info("chunk %s not rechecked: %s", store.url(chunk_key(digest)), one_line(exc))
+            return None
+    return damage
+
+
+REWRITE_SETTLE_S = 60.0
+"""How long a rewrite waits for its delete of a damaged chunk, given up at its deadline, to
+end before it puts the good bytes (a delete landing after the put would undo it)."""
 
 
 def rewrite_chunk(
-    store: Store, digest: str, parts: list, damage: CheckpointError, recorded: int
-) -> int:
+    store: Store, digest: str, info: ChunkInfo, parts: list, damage: CheckpointError
+) -> ChunkInfo:
     """Replace stored chunk ``digest``, found ``damage``d, by ``parts`` (its good bytes,
-    encoded): every step sharing it whose index records the new stored size (``recorded``: the
-    size the indexes that referenced it record) reads it again. The stored size now."""
+    encoded; ``info``: the sizes the indexes that referenced it record), then read it back:
+    every step sharing it whose index records the stored size now reads it again. A chunk
+    found missing is not deleted first (a read that missed a good one must not remove it).
+    Its info as stored now; :class:`CheckpointError` where it is not stored intact, so that no
+    save commits naming it."""
     key = chunk_key(digest)
-    store.delete(key)
+    if not isinstance(damage, CheckpointNotFoundError):
+        store.delete(key)
+        if not store.settle(REWRITE_SETTLE_S, ops=("delete",)):
+            raise CheckpointError(
+                f"{damage}; not written again: deleting it did not end within "
+                f"{REWRITE_SETTLE_S:.0f}s"
+            )
     try:
         store.put(key, parts, shared=True)
-        stored = sum(memoryview(p).nbytes for p in parts)
-    except ObjectExistsError:  # another save wrote it again first
-        stored = store.size(key)
+    except ObjectExistsError:  # written again meanwhile, or there all along (checked below)
+        pass
+    try:
+        now = ChunkInfo(info.raw, store.size(key))
+    except ObjectNotFoundError as exc:
+        raise CheckpointError(f"{damage}; written again, then gone") from exc
+    again = chunk_damage(store, digest, now)
+    if again is not None:
+        raise CheckpointError(f"{damage}; written again, and still: {again}")
     logger.warning(
         "%s; written again from this save's bytes (every step sharing it reads it again%s)",
         damage,
-        "" if stored == recorded else f": those whose index records {recorded} bytes not",
+        "" if now.stored == info.stored else f": those whose index records {info.stored} not",
     )
-    return stored
+    return now
 
 
 def _encode_and_put(
@@ -445,7 +518,7 @@ def write_chunks(
     known: dict[str, ChunkInfo] | None = None,
     spans: list[tuple[ChunkSpan, str]] | None = None,
     scan: ChunkScan | None = None,
-    recheck: Callable[[str], bool] | None = None,
+    recheck: Rechecks | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """Put every chunk of ``layout`` (slices of ``buffer``), or only ``spans`` of it, each with
     its digest (hashed already: not hashed again); their digests, in layout order or in the

@@ -11,7 +11,7 @@ the save on every rank, before any index names a chunk it was to write.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from ckptstore.pipeline import (
     ChunkSpan,
     CompressionGovernor,
     PipelineConfig,
+    Rechecks,
     write_chunks,
 )
 from ckptstore.store import Store
@@ -60,7 +61,7 @@ def share_out(
     error: BaseException | None = None,
     *,
     save: str | None = None,
-    recheck: Callable[[str], bool] | None = None,
+    recheck: Rechecks | None = None,
 ) -> set[str]:
     """The chunks of ``held`` (digest, raw size) this rank is to put: ranks exchange what they
     hold (with the stored size of those they know stored, which then every rank knows) and
@@ -85,7 +86,7 @@ def share_out(
     if recheck is not None:
         writers |= assign_writers(
             [
-                [(d, raw) for d, (raw, _) in payload if d in known and recheck(d)]
+                [(d, raw) for d, (raw, _) in payload if d in known and recheck.chosen(d)]
                 for _, payload in heard.payloads
             ]
         )
@@ -167,7 +168,7 @@ def write_chunks_once(
     known: dict[str, ChunkInfo],
     scan: ChunkScan | None = None,
     save: str | None = None,
-    recheck: Callable[[str], bool] | None = None,
+    recheck: Rechecks | None = None,
 ) -> tuple[list[str], dict[str, ChunkInfo]]:
     """``pipeline.write_chunks`` over the ranks of ``group`` (a ``tiers.group.RankGroup``,
     every rank calling): each rank hashes its chunks (xxh3-128 of the raw bytes, the chunk's

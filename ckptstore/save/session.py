@@ -34,12 +34,10 @@ and ``Manifest`` a save writes is built here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
 from ckptstore.catalog import commit_manifest, list_steps, load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
@@ -64,7 +62,7 @@ from ckptstore.format import (
 from ckptstore.health import ChunkScan, RankHealth, StepHealth, rank_health, to_commit, verdict
 from ckptstore.health import one_line as health_line
 from ckptstore.leases import Lease, acquire_save_lease
-from ckptstore.pipeline import ChunkLayout, tensor_entries, write_chunks
+from ckptstore.pipeline import ChunkLayout, Rechecks, tensor_entries, write_chunks
 from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
 from ckptstore.save.once import write_chunks_once
@@ -205,14 +203,11 @@ class SaveSession:
             )
         return self
 
-    def rechecks(self) -> Callable[[str], bool] | None:
+    def rechecks(self) -> Rechecks | None:
         """Which of the chunks this save references without writing it reads back
-        (``pipeline.recheck_chunk``): about one in ``recheck_every``, chosen by the chunk and
-        the step (every rank of the save chooses the same)."""
-        period, step = self.engine.recheck_every, self.step
-        if not period:
-            return None
-        return lambda digest: xxhash.xxh3_64_intdigest(f"{digest}/{step}".encode()) % period == 0
+        (``pipeline.Rechecks``: about one in ``recheck_every``; None: none)."""
+        period = self.engine.recheck_every
+        return Rechecks(period, self.step) if period else None
 
     def write(
         self,

@@ -33,7 +33,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.leases import SAVE, Lease
-from ckptstore.pipeline import chunk_damage, release_free_memory, rewrite_chunk
+from ckptstore.pipeline import Rechecks, chunk_damage, release_free_memory, rewrite_chunk
 from ckptstore.save.collective import save_collective
 from ckptstore.save.once import gather_stored, share_out
 from ckptstore.save.session import RankWritten, SaveSession
@@ -183,7 +183,7 @@ def _copy_chunk(
     local: LocalTier,
     store: Store,
     known: dict[str, ChunkInfo],
-    recheck: Callable[[str], bool] | None,
+    recheck: Rechecks | None,
     item: tuple[str, ChunkInfo],
 ) -> tuple[str, ChunkInfo]:
     """One chunk of the local copy in ``store`` put in the durable store as it is stored,
@@ -195,7 +195,7 @@ def _copy_chunk(
     durable = session.store
     damage = None
     if digest in known:
-        if recheck is None or not recheck(digest):
+        if recheck is None or not recheck.chosen(digest):
             return digest, known[digest]
         damage = chunk_damage(durable, digest, known[digest])
         if damage is None:
@@ -212,9 +212,7 @@ def _copy_chunk(
         local.forget_bad_chunk(digest)
         raise
     if damage is not None:
-        return digest, ChunkInfo(
-            info.raw, rewrite_chunk(durable, digest, [data], damage, known[digest].stored)
-        )
+        return digest, rewrite_chunk(durable, digest, known[digest], [data], damage)
     try:
         durable.put(key, data, hedged=session.engine.hedge_uploads, shared=True)
     except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise

@@ -10,7 +10,9 @@ backend. Hedged uploads are off: a hedge adds a duplicate put only when a put is
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch
 from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError
 from ckptstore.save import SaveEngine, SaveSession
-from ckptstore.store import Store
+from ckptstore.store import RetryPolicy, Store
 from tests.helpers.counting import (
     CHUNK_BYTES,
     CountingBackend,
@@ -253,3 +255,98 @@ def _print_figures() -> None:
 
 if __name__ == "__main__":
     _print_figures()
+
+
+class _ChunkFaults:
+    """A local backend whose chunk requests misbehave as ``faults`` says, each once:
+    ``slow-delete`` (a delete that outlives its deadline, then lands), ``missed-read`` (a
+    read answering "not found" for a chunk that is there), ``full`` (puts fail: no space)."""
+
+    def __init__(self, inner, *faults: str) -> None:
+        self._inner, self.faults = inner, set(faults)
+
+    def delete(self, path: str) -> None:
+        if "/chunks/" in f"/{path}" and "slow-delete" in self.faults:
+            self.faults.discard("slow-delete")
+            time.sleep(2.0)
+        return self._inner.delete(path)
+
+    def get_view(self, path: str, *args, **kwargs):
+        if "/chunks/" in f"/{path}" and "missed-read" in self.faults:
+            self.faults.discard("missed-read")
+            raise FileNotFoundError(errno.ENOENT, "No such file", path)
+        return self._inner.get_view(path, *args, **kwargs)
+
+    def put_once(self, path: str, data) -> None:
+        if "/chunks/" in f"/{path}" and "full" in self.faults:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return self._inner.put_once(path, data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def _damage_every_chunk(root: str) -> None:
+    store = Store(root)
+    for key in store.list("chunks"):
+        data = bytearray(store.get(key))
+        data[len(data) // 2] ^= 0x01
+        store.delete(key)
+        store.put(key, bytes(data))
+
+
+def _loads(root: str, step: int, want: dict) -> bool:
+    into = {k: torch.zeros_like(v) for k, v in want.items()}
+    with Checkpointer(root) as ckpt:
+        ckpt.load(into, step)
+    return all(torch.equal(into[k], v) for k, v in want.items())
+
+
+RECHECK_ALL = EncodingOptions(chunk_bytes=CHUNK_BYTES, compression="zstd", recheck_every=1)
+
+
+def test_a_rewrite_waits_for_its_delete_given_up_at_its_deadline(tmp_path):
+    """The recheck's reviewer: the delete of a damaged chunk outlived its deadline, the chunk
+    was put again, the save committed, and the abandoned delete then landed: both steps
+    missed the chunk the log called repaired."""
+    root, want = str(tmp_path / "s"), state(1, 1)
+    with Checkpointer(root, encoding=RECHECK_ALL) as ckpt:
+        ckpt.save(1, want).wait()
+    _damage_every_chunk(root)
+    store = Store(root, retry=RetryPolicy(timeout_s=0.5, total_s=10.0))
+    store.backend = _ChunkFaults(store.backend, "slow-delete")
+    with Checkpointer(root, encoding=RECHECK_ALL, storage=StorageOptions(store=store)) as ckpt:
+        ckpt.save(2, want).wait()
+    time.sleep(2.5)  # past the slow delete's end, had it been left running
+    assert _loads(root, 1, want) and _loads(root, 2, want)
+
+
+def test_a_read_that_misses_a_good_chunk_never_removes_it(tmp_path):
+    """The recheck's reviewer: a read answering "not found" for a good chunk had it deleted
+    before its rewrite, whose put then failed (a full disk): the committed step before lost
+    it. A chunk found missing is not deleted; the save fails, nothing committed is lost."""
+    root, want = str(tmp_path / "s"), state(1, 1)
+    with Checkpointer(root, encoding=RECHECK_ALL) as ckpt:
+        ckpt.save(1, want).wait()
+    store = Store(root, retry=RetryPolicy(attempts=1))
+    store.backend = _ChunkFaults(store.backend, "missed-read", "full")
+    with Checkpointer(root, encoding=RECHECK_ALL, storage=StorageOptions(store=store)) as ckpt:
+        ckpt.save(2, want).wait()  # the second read finds it: nothing to rewrite
+    assert _loads(root, 1, want) and _loads(root, 2, want)
+
+
+def test_a_damaged_chunk_a_save_holds_many_times_is_rechecked_once(tmp_path):
+    """The recheck's reviewer: 16 tensors of the same bytes, their one chunk damaged: encode
+    threads rechecked it at once, deleting each other's rewrites (3 saves in 30 failed)."""
+    root = str(tmp_path / "s")
+    same = torch.arange(CHUNK_BYTES // 4, dtype=torch.float32) % 13
+    want = {f"t{i}": same.clone() for i in range(16)}
+    encoding = EncodingOptions(
+        chunk_bytes=CHUNK_BYTES, compression="zstd", recheck_every=1, encode_threads=4
+    )
+    with Checkpointer(root, encoding=encoding) as ckpt:
+        ckpt.save(1, want).wait()
+        for step in range(2, 10):
+            _damage_every_chunk(root)
+            ckpt.save(step, want).wait()
+    assert all(_loads(root, step, want) for step in range(1, 10))
