@@ -171,7 +171,7 @@ class Checkpointer:
         self._sigterm = self._sigterm_guard()
         self._saver = self._save_worker()
         self._closed = False
-        self._nearby_warned = False  # latest(): a store near a mistyped path, said once
+        self._nearby_looked = False  # latest(): a store near a mistyped path, looked for once
         # A script that ends right after save() must not lose that save. Threading's exit hooks
         # run before atexit's, last registered first: this one runs while concurrent.futures
         # still accepts work (s3fs resolves hosts through an executor).
@@ -347,9 +347,10 @@ class Checkpointer:
         """The newest committed step (with ``healthy``, the newest healthy one), or None. None
         where a store lies just above or below this local path is one warning naming it."""
         steps = list_steps(self.store)
-        if not steps and not self._nearby_warned and (nearby := store_nearby(self.store)):
-            self._nearby_warned = True
-            logger.warning("no committed checkpoint in %s%s", self.store.uri, nearby)
+        if not steps and not self._nearby_looked:
+            self._nearby_looked = True
+            if nearby := store_nearby(self.store):
+                logger.warning("no committed checkpoint in %s%s", self.store.uri, nearby)
         if healthy:
             good = find_healthy(self.store, steps, limit=1)[0]
             return good[0] if good else None

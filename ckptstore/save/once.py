@@ -80,16 +80,13 @@ def share_out(
         known.update(
             {d: ChunkInfo(raw, stored) for d, (raw, stored) in payload if stored is not None}
         )
+
+    def ours(digest: str) -> bool:  # to put, or to read back
+        return digest not in known or (recheck is not None and recheck.chosen(digest))
+
     writers = assign_writers(
-        [[(d, raw) for d, (raw, _) in payload if d not in known] for _, payload in heard.payloads]
+        [[(d, raw) for d, (raw, _) in payload if ours(d)] for _, payload in heard.payloads]
     )
-    if recheck is not None:
-        writers |= assign_writers(
-            [
-                [(d, raw) for d, (raw, _) in payload if d in known and recheck.chosen(d)]
-                for _, payload in heard.payloads
-            ]
-        )
     return {digest for digest, rank in writers.items() if rank == group.rank}
 
 
