@@ -149,13 +149,18 @@ class FsspecBackend(Backend):
             self.size(path)  # an empty range of a missing object is still not found
             return b""  # S3 answers a whole object to a range it cannot express
         try:
-            return self.fs.cat_file(path, start=start, end=end)
+            data = self.fs.cat_file(path, start=start, end=end)
         except OSError as exc:
             # S3 answers a range past the object's end 416 (EINVAL; an empty object: any
             # range) where a file's read is short; so is this.
             if exc.errno == errno.EINVAL and start is not None and start >= self.size(path):
                 return b""
             raise
+        if data is None:
+            # fsspec's sync() answers None for a request its event loop dropped unfinished,
+            # as it does while the interpreter exits.
+            raise StorageError(f"get {path}: the S3 client stopped before it answered")
+        return data
 
     def size(self, path: str) -> int:
         # Not from a listing cache: a chunk another process deleted must not look stored.

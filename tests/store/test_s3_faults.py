@@ -74,3 +74,27 @@ def test_an_object_of_100_mib_or_more_goes_up_in_parts(s3_uri):
     assert store.get("chunks/big") == body.tobytes()
     with pytest.raises(Exception, match="already exists"):
         store.put("chunks/big", body, shared=True)  # the parts' completion is conditional too
+
+
+def test_a_read_the_s3_client_dropped_unanswered_is_a_storage_error(s3_endpoint, monkeypatch):
+    """fsspec answers None for a request whose coroutine was cancelled (its event loop
+    stopping as the interpreter exits): a read took None for the object's bytes and failed
+    later as "object of type 'NoneType' has no len()", benching a healthy replica."""
+    import asyncio
+
+    import fsspec.asyn
+
+    from ckptstore.errors import StorageError
+
+    bucket = _bucket(s3_endpoint)
+    store = Store(f"s3://{bucket}/run", retry=RetryPolicy(attempts=2, timeout_s=5))
+    store.put("blob", b"bytes")
+
+    fs = store.backend.fs
+
+    async def cancelled():
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(fs, "cat_file", lambda *a, **kw: fsspec.asyn.sync(fs.loop, cancelled))
+    with pytest.raises(StorageError, match="get .*blob: the S3 client stopped before it answered"):
+        store.get("blob")
