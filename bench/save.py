@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("ckptstore", "ckptstore_dcp", "dcp_async", "dcp_sync", "torch_save")
 CUDA_METHODS = ("ckptstore", "ckptstore_host", *METHODS[1:])
-OPT_IN_METHODS = ("ckptstore_noscan",)  # run only when --methods names them
+OPT_IN_METHODS = ("ckptstore_noscan", "ckptstore_norecheck")  # run only when --methods names them
 
 
 class _Method:
@@ -150,6 +150,23 @@ class _CkptstoreNoScan(_Ckptstore):
             encoding=EncodingOptions(compression=self.compression),
             staging=StagingOptions(mode=self.staging),
             health=HealthPolicy(scan=False),
+        )
+
+
+class _CkptstoreNoRecheck(_Ckptstore):
+    """The Checkpointer reading back none of the unchanged chunks it references
+    (``EncodingOptions(recheck_every=0)``): what the rechecks cost, measured beside
+    ``ckptstore`` with ``--incremental`` (only when named in ``--methods``)."""
+
+    name = "ckptstore_norecheck"
+
+    def open(self) -> None:
+        from ckptstore import Checkpointer, EncodingOptions, StagingOptions
+
+        self.ckpt = Checkpointer(
+            self.ws.child(self.name),
+            encoding=EncodingOptions(compression=self.compression, recheck_every=0),
+            staging=StagingOptions(mode=self.staging),
         )
 
 
@@ -256,6 +273,7 @@ _CLASSES: dict[str, Callable[..., _Method]] = {
         _Ckptstore,
         _CkptstoreHost,
         _CkptstoreNoScan,
+        _CkptstoreNoRecheck,
         _CkptstoreDcp,
         _DcpAsync,
         _DcpSync,
@@ -582,7 +600,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Blocked time, time to commit, bytes stored and peak memory of one save, "
         "for ckptstore, DCP async_save, DCP save and torch.save side by side in one run, with "
         "a memcpy of the same state as the floor. Works under a fresh ckptbench-<random>/ "
-        "directory and deletes it.",
+        "directory and deletes it. --methods also takes, beside ckptstore, ckptstore_noscan "
+        "(no health scan) and ckptstore_norecheck (no read-back of unchanged chunks; with "
+        "--incremental, what the rechecks cost).",
     )
     common.add_common_args(p)
     p.add_argument(

@@ -407,7 +407,9 @@ def chunk_damage(store: Store, digest: str, info: ChunkInfo) -> CheckpointError 
     damage: CheckpointError | None = None
     for _ in range(2):
         try:
-            fetch_chunk(store, digest, info, scratch=True)
+            # Not into the thread's scratch buffer: a save's encode threads would each keep
+            # one of a chunk's size between saves for the few chunks they recheck.
+            fetch_chunk(store, digest, info)
             return None
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             damage = exc
