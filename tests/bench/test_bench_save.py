@@ -106,6 +106,34 @@ def test_save_incremental_dedupes_only_in_ckptstore(capsys, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_norecheck_reads_back_none_of_the_chunks_ckptstore_rechecks(
+    capsys, tmp_path, monkeypatch
+):
+    """The opt-in ``ckptstore_norecheck`` is the Checkpointer with ``recheck_every=0``: beside
+    ``ckptstore`` on an incremental state (tensors of 1 MiB, a chunk each) it reads back no
+    chunk, ckptstore some."""
+    from ckptstore import pipeline
+
+    rechecked: list[str] = []
+    damage = pipeline.chunk_damage
+
+    def recorded(store, digest, info):
+        rechecked.append(store.url(""))
+        return damage(store, digest, info)
+
+    monkeypatch.setattr(pipeline, "chunk_damage", recorded)
+    report = _run_json(
+        capsys,
+        save,
+        "save",
+        *("--size", "64MiB", "--tensors", "64", "--repeat", "3", "--incremental"),
+        *("--methods", "ckptstore,ckptstore_norecheck", "--uri", str(tmp_path)),
+    )
+    assert report["config"]["methods"] == ["ckptstore", "ckptstore_norecheck"]
+    assert report["ckptstore_norecheck"]["bytes_stored"] < 0.1 * report["config"]["raw_bytes"]
+    assert rechecked and all("/ckptstore/" in url for url in rechecked), rechecked
+
+
 def test_save_reserve_allocates_the_staging_memory_before_the_first_save(capsys, tmp_path):
     argv = ("save", "--size", "16MiB", "--tensors", "4", "--repeat", "1", "--warmup", "0")
     argv += ("--methods", "ckptstore", "--uri", str(tmp_path))
