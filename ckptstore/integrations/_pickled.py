@@ -133,3 +133,49 @@ def _torch_safe_globals() -> set[tuple[str, str]]:
 
 def _unpickle(data: bytes, tensors: list, *, weights_only: bool) -> Any:
     return _TensorUnpickler(bytes(data), list(tensors), weights_only=weights_only).load()
+
+
+# What a torch.utils.data / torchdata loader's pickled state_dict names beside plain values: a
+# sampler's generator state, a tensor (pickled whole, its storage as torch.save bytes).
+_LOADER_STATE_GLOBALS = {("torch._utils", "_rebuild_tensor_v2")}
+
+
+def check_pickled_state(data: bytes, what: str) -> None:
+    """:class:`UnsupportedStateError` naming ``what`` unless unpickling ``data`` (bytes some
+    framework will ``pickle.loads`` itself, such as torchtitan's dataloader state) resolves
+    only plain values, tensors and the globals ``torch.serialization.add_safe_globals`` added:
+    a hostile checkpoint's pickle then runs no code when the framework loads it. The check
+    unpickles ``data`` once with those globals alone (a tensor's storage bytes with
+    ``weights_only=True``)."""
+    try:
+        _CheckingUnpickler(io.BytesIO(bytes(data)), what).load()
+    except UnsupportedStateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of a crafted pickle is refused
+        raise UnsupportedStateError(
+            f"{what}: not a pickled state this version loads ({exc})"
+        ) from exc
+
+
+class _CheckingUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, what: str) -> None:
+        super().__init__(file)
+        self.what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage_weights_only
+        if (module, name) in _SAFE_BUILTINS | _LOADER_STATE_GLOBALS | _torch_safe_globals():
+            return super().find_class(module, name)
+        raise UnsupportedStateError(
+            f"{self.what} holds a pickled {module}.{name}, which ckptstore does not let be "
+            "unpickled (it could run code from the checkpoint); for a type of yours in a "
+            f"checkpoint you trust: torch.serialization.add_safe_globals([{name}])"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsupportedStateError(f"{self.what}: a pickled reference {pid!r} to nothing saved")
+
+
+def _load_storage_weights_only(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)

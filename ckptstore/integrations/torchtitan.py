@@ -49,8 +49,11 @@ the bytes go and how the newest step is found:
 
 Not supported: ``initial_load_in_hf`` (load the Hugging Face weights with torchtitan's own
 manager once, or convert them). Values DCP pickles (the dataloader's state) are loaded by
-torch's weights-only unpickler (``StoreReader``); torchtitan's dataloader then unpickles its own
-bytes itself, as it does with torchtitan's manager.
+torch's weights-only unpickler (``StoreReader``). torchtitan's dataloader then runs
+``pickle.loads`` on its own bytes (each rank's ``dp_rank_<k>``): those are unpickled first with
+plain values and tensors alone (``_pickled.check_pickled_state``), and one naming anything else
+is :class:`~ckptstore.errors.UnsupportedStateError` before torchtitan sees it, so a hostile
+store runs no code through ``load()``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.integrations._pickled import check_pickled_state
 from ckptstore.options import (
     EncodingOptions,
     ReadOptions,
@@ -433,6 +437,8 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             if key not in self.states:
                 raise ValueError(f"{key} not found in state_dict.")
         keep = {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
+        if DATALOADER in keep:
+            keep[DATALOADER] = _CheckedDataloader(keep[DATALOADER])
         return self._flattened_model_states_sd(keep)
 
     # -- waiting and closing --------------------------------------------------------------------
@@ -462,6 +468,24 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             if self._last_writer is not writer:
                 self._last_writer.close()
             writer.close()
+
+
+class _CheckedDataloader:
+    """torchtitan's dataloader as DCP loads it, its pickled state checked first: its
+    ``load_state_dict`` runs ``pickle.loads`` on the bytes the step holds (each rank's
+    ``dp_rank_<k>``), which would run any code a hostile checkpoint put there."""
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataloader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key, value in state_dict.items():
+            if isinstance(value, (bytes, bytearray)):
+                check_pickled_state(value, f"the step's dataloader state {key!r}")
+        self.dataloader.load_state_dict(state_dict)
 
 
 def _rank() -> int:

@@ -480,3 +480,91 @@ def test_an_initial_load_path_naming_a_checkpointer_step_is_one_line(tmp_path):
         assert "\n" not in str(e.value)
     finally:
         manager.close()
+
+
+class _RunsCode:
+    """Pickles as a call of ``open(path, "w")``: unpickling it creates the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def _build_with_loader(config, base_folder, dataloader):
+    return config.build(
+        dataloader=dataloader,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(base_folder),
+    )
+
+
+@needs_torchtitan
+def test_a_hostile_dataloader_state_is_refused_before_torchtitan_unpickles_it(tmp_path):
+    """Reviewer: torchtitan's ParallelAwareDataloader.load_state_dict runs pickle.loads on the
+    bytes a step holds for it, so a hostile store ran code through load(). Those bytes are
+    unpickled first with plain values and tensors alone; a sampler's generator state (a
+    tensor) still resumes the loader exactly."""
+    import pickle
+
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from ckptstore.errors import UnsupportedStateError
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+
+    config = CkptstoreCheckpointManager.Config(enable=True, interval=1)
+    marker = tmp_path / "code-ran"
+
+    class Hostile:
+        def state_dict(self):
+            return {"dp_rank_0": pickle.dumps(_RunsCode(str(marker))), "world_size": 1}
+
+        def load_state_dict(self, state):
+            raise AssertionError("not reached")
+
+    def loader():
+        return ParallelAwareDataloader(
+            _Samples(), dp_rank=0, dp_world_size=1, batch_size=4, shuffle=True
+        )
+
+    manager = _build_with_loader(config, tmp_path / "hostile", Hostile())
+    manager.save(1)
+    manager.close()
+    manager = _build_with_loader(config, tmp_path / "hostile", loader())
+    try:
+        with pytest.raises(UnsupportedStateError, match=r"'dp_rank_0' holds a pickled .*open"):
+            manager.load()
+    finally:
+        manager.close()
+    assert not marker.exists()
+
+    torch.manual_seed(0)
+    first = loader()
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    manager = _build_with_loader(config, tmp_path / "own", first)
+    manager.save(1)
+    expected = [next(batches) for _ in range(2)]
+    manager.close()
+    resumed = loader()
+    manager = _build_with_loader(config, tmp_path / "own", resumed)
+    try:
+        assert manager.load()
+    finally:
+        manager.close()
+    got = iter(resumed)
+    assert all(torch.equal(next(got), batch) for batch in expected)
