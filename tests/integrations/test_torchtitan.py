@@ -310,10 +310,11 @@ def test_load_step_initial_load_path_and_exclude(tmp_path, reference):
     assert list_steps(open_store(str(dump / "rollback"))) == [6, 8]
 
 
-def _build(config, base_folder):
-    """A manager of ``config`` with a one-layer model and nothing else to checkpoint."""
+def _build(config, base_folder, dataloader=None):
+    """A manager of ``config`` with a one-layer model and nothing else to checkpoint but
+    ``dataloader``."""
     return config.build(
-        dataloader=None,
+        dataloader=dataloader,
         model_parts=[torch.nn.Linear(2, 2)],
         optimizers=None,
         lr_schedulers=None,
@@ -500,18 +501,6 @@ class _Samples(torch.utils.data.Dataset):
         return torch.tensor([i])
 
 
-def _build_with_loader(config, base_folder, dataloader):
-    return config.build(
-        dataloader=dataloader,
-        model_parts=[torch.nn.Linear(2, 2)],
-        optimizers=None,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=str(base_folder),
-    )
-
-
 @needs_torchtitan
 def test_a_hostile_dataloader_state_is_refused_before_torchtitan_unpickles_it(tmp_path):
     """Reviewer: torchtitan's ParallelAwareDataloader.load_state_dict runs pickle.loads on the
@@ -540,10 +529,10 @@ def test_a_hostile_dataloader_state_is_refused_before_torchtitan_unpickles_it(tm
             _Samples(), dp_rank=0, dp_world_size=1, batch_size=4, shuffle=True
         )
 
-    manager = _build_with_loader(config, tmp_path / "hostile", Hostile())
+    manager = _build(config, tmp_path / "hostile", Hostile())
     manager.save(1)
     manager.close()
-    manager = _build_with_loader(config, tmp_path / "hostile", loader())
+    manager = _build(config, tmp_path / "hostile", loader())
     try:
         with pytest.raises(UnsupportedStateError, match=r"'dp_rank_0' holds a pickled .*open"):
             manager.load()
@@ -556,12 +545,12 @@ def test_a_hostile_dataloader_state_is_refused_before_torchtitan_unpickles_it(tm
     batches = iter(first)
     for _ in range(3):
         next(batches)
-    manager = _build_with_loader(config, tmp_path / "own", first)
+    manager = _build(config, tmp_path / "own", first)
     manager.save(1)
     expected = [next(batches) for _ in range(2)]
     manager.close()
     resumed = loader()
-    manager = _build_with_loader(config, tmp_path / "own", resumed)
+    manager = _build(config, tmp_path / "own", resumed)
     try:
         assert manager.load()
     finally:
