@@ -284,7 +284,7 @@ class StateLoader:
                 continue
             try:
                 quarantine_step(self.store, step, one_line(error))
-            except CheckpointError as exc:
+            except (CheckpointError, StorageError) as exc:  # the load itself went through
                 logger.warning(
                     "rank 0: step %d was skipped as corrupt but could not be quarantined: %s",
                     step,

@@ -8,7 +8,8 @@ is written once with the step's manifest bytes and why, each damaged chunk's obj
 (by the store itself where it can: S3's CopyObject) to ``quarantine/chunks/<digest>`` and its
 ``chunks/`` object deleted (so a new save of the same bytes writes a good one), and last the step's manifest ``commits/<step>.json`` is deleted. The
 step is then gone from ``steps()``, ``latest()``, retention and restore, and a new save of that
-step number commits as any save. The quarantined objects stay until ``ckptstore gc
+step number commits as any save. The objects move under a gc lease while no save is in flight,
+after reading the manifest and the damaged chunks again (a save may have written them since). The quarantined objects stay until ``ckptstore gc
 --remove-corrupt``.
 """
 
@@ -17,10 +18,13 @@ from __future__ import annotations
 import base64
 import logging
 import time
+import uuid
+from collections.abc import Callable
 
 from ckptstore.catalog import (
     QUARANTINE_KIND,
     QUARANTINE_PREFIX,
+    legacy_markers,
     list_steps,
     load_manifest_bytes,
     marker_key,
@@ -44,19 +48,27 @@ from ckptstore.format import (
     is_attempt,
     is_digest,
 )
+from ckptstore.leases import DEFAULT_TTL_S, GC, SAVE, Lease, find_leases
 
 logger = logging.getLogger(__name__)
 
 
-def quarantine_step(store, step: int, why: str) -> bool:
+def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_TTL_S) -> bool:
     """Quarantine committed ``step`` if re-checking it finds damaged or missing chunks; returns
-    whether it did. Never raises for the step's damage; storage errors are raised."""
+    whether it did. Never raises for the step's damage; storage errors are raised.
+
+    The objects are moved under a gc lease while no save is in flight (a save repairs a chunk
+    it finds damaged, or commits the step number again): a save in flight defers the
+    quarantine to a later load. Under the lease the step's manifest and its damaged chunks are
+    read again, and only what is still the same save, still damaged, is moved."""
     from ckptstore._inspect import verify_steps  # torch: only where chunks are read
 
     try:
         manifest, data = load_manifest_bytes(store, step)
     except CheckpointCorruptError:
-        return _quarantine_unreadable(store, step, why)
+        return _under_lease(
+            store, step, lease_ttl_s, lambda: _quarantine_unreadable(store, step, why)
+        )
     except CheckpointError:
         return False  # gone: another process's retention
     (check,) = verify_steps(store, [step])
@@ -74,10 +86,65 @@ def quarantine_step(store, step: int, why: str) -> bool:
         return False
     found = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
     damaged = _damaged_chunks(store, step, found, check.chunk_refs)
+
+    def move() -> bool:
+        if _manifest_bytes(store, step) != data:
+            return False  # removed, or the step number committed again since the check
+        if _damaged_chunks(store, step, found, check.chunk_refs) != damaged:
+            logger.warning(
+                "step %d of %s: its chunks changed since the load checked them (written again "
+                "by a save?); not quarantined",
+                step,
+                store.uri,
+            )
+            return False
+        _move(store, step, why, manifest.attempt, data, bad, damaged)
+        return True
+
+    return _under_lease(store, step, lease_ttl_s, move)
+
+
+def _under_lease(store, step: int, ttl_s: float, fn: Callable[[], bool]) -> bool:
+    """``fn()`` under a gc lease of ``store`` while no save is in flight there (both sides
+    write their lease first and look for the other's second, docs/FORMAT.md "Leases"); False,
+    with a warning, if one is."""
+    lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=ttl_s).acquire()
+    try:
+        saves = [s.describe() for s in find_leases(store, SAVE) if s.live]
+        saves += [m.key for m in legacy_markers(store) if not m.stale]
+        if saves:
+            logger.warning(
+                "step %d of %s not quarantined now: a save is in flight (%s); a later load "
+                "with fallback quarantines it",
+                step,
+                store.uri,
+                saves[0],
+            )
+            return False
+        done = fn()
+        lease.check()  # raised: a save may have gone on meanwhile; the log says what moved
+        return done
+    finally:
+        lease.release_when_settled(SETTLE_TIMEOUT_S)
+
+
+SETTLE_TIMEOUT_S = 60.0
+
+
+def _manifest_bytes(store, step: int) -> bytes | None:
+    try:
+        return store.get(commit_key(step), 0, MAX_MANIFEST_BYTES + 1, small=True)
+    except ObjectNotFoundError:
+        return None
+
+
+def _move(store, step: int, why: str, attempt: str, data: bytes, bad, damaged) -> None:
+    """Step ``step``'s marker written, its ``damaged`` chunks (digest -> still stored) moved
+    to the quarantine, then its commit deleted, unless it is another save's by then."""
     chunks = sorted(damaged)
     body = {
         "step": step,
-        "attempt": manifest.attempt,
+        "attempt": attempt,
         "reason": why,
         "quarantined_at": time.time(),
         "bad_chunks": chunks,
@@ -85,7 +152,7 @@ def quarantine_step(store, step: int, why: str) -> bool:
         "manifest_b64": base64.b64encode(data).decode(),
     }
     try:
-        store.put(marker_key(step, manifest.attempt), _dump(QUARANTINE_KIND, body))
+        store.put(marker_key(step, attempt), _dump(QUARANTINE_KIND, body))
     except ObjectExistsError:
         pass  # a quarantine of this save that stopped part-way: finish it
     for digest, present in sorted(damaged.items()):
@@ -96,19 +163,20 @@ def quarantine_step(store, step: int, why: str) -> bool:
         except ObjectExistsError:
             pass
         store.delete(chunk_key(digest))
+    if _manifest_bytes(store, step) != data:
+        return  # committed again meanwhile (a save that ignored our lease): it stays
     store.delete(commit_key(step))
     logger.info(  # the load warned of the skipped step already
         "step %d (attempt %s) of %s quarantined (%d damaged chunk(s)): no longer listed nor "
         "loaded; a new save of step %d commits as any save; kept under %s/ until "
         "`ckptstore gc --remove-corrupt`",
         step,
-        manifest.attempt,
+        attempt,
         store.uri,
         len(chunks),
         step,
         QUARANTINE_PREFIX,
     )
-    return True
 
 
 MISSING_RECHECKS_S = (1.0, 4.0)

@@ -22,6 +22,7 @@ from ckptstore.catalog import list_steps, load_manifest, load_rank_index, quaran
 from ckptstore.cli import main
 from ckptstore.dcp import StoreReader
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format import commit_key
 from tests.helpers import ROOT
 from tests.helpers.crafted import put_rank_index, rank_index_doc
 from tests.helpers.integrity import verify_all
@@ -441,3 +442,102 @@ def test_a_huge_object_planted_at_a_chunk_key_is_quarantined_without_being_read(
     assert outcome == "LOADED 1" and growth < 256 << 20, (outcome, growth >> 20)
     assert list_steps(store) == [1] and 2 in quarantined(store).values()
     assert os.stat(tmp_path / "s" / PREFIX / "chunks" / digest).st_blocks < 1024  # no copy
+
+
+def _during_the_check(monkeypatch, action) -> None:
+    """``action()`` once, right after the quarantine's first look at the damaged chunks (a
+    concurrent process acting between that check and the move)."""
+    from ckptstore import quarantine
+
+    check = quarantine._damaged_chunks
+    pending = [action]
+
+    def checked(*args, **kwargs):
+        found = check(*args, **kwargs)
+        if pending:
+            pending.pop()()
+        return found
+
+    monkeypatch.setattr(quarantine, "_damaged_chunks", checked)
+
+
+def test_a_chunk_written_again_after_the_check_is_not_quarantined(tmp_path, monkeypatch):
+    """Reviewer: a save's recheck wrote a damaged chunk again and committed a step naming it
+    while the quarantine of an older step was between its check and its move; the move then
+    took the good chunk away and the new step did not load. The chunks are checked again under
+    the quarantine's lease: changed since, the step is left for a later load."""
+    root = tmp_path / "ckpt"
+    _resume(root, 2)
+    digest = _flip_a_chunk_of(root, 2)
+    path = root / "chunks" / digest[:2] / digest
+    damaged = path.read_bytes()
+    data = bytearray(damaged)
+    data[len(data) // 2] ^= 0xFF
+    good = bytes(data)
+
+    def repaired():
+        path.unlink()
+        path.write_bytes(good)
+
+    _during_the_check(monkeypatch, repaired)
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state, fallback=True) == 1
+    store = Store(str(root))
+    assert quarantined(store) == {} and list_steps(store) == [1, 2]
+    assert path.read_bytes() == good
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state) == 2 and torch.equal(state["w"], _state(2)["w"])
+
+
+def test_a_step_committed_again_after_the_check_is_not_removed(tmp_path, monkeypatch):
+    """Reviewer: step 2 was taken out by another process and its job saved step 2 again while
+    a quarantine of the old step 2 was on its way; the quarantine then deleted the new step
+    2's commit (`wait()` had returned for it). The manifest is read again under the lease:
+    another save's, it stays."""
+    root = tmp_path / "ckpt"
+    _resume(root, 2)
+    _flip_a_chunk_of(root, 2)
+    again = {"w": torch.full((4096,), 7.0), "step": 2}
+
+    store = Store(str(root))
+
+    def another_job():  # removed step 2 (gc --remove-corrupt, say), then saved it again
+        store.delete(commit_key(2))
+        with Checkpointer(root) as other:
+            other.save(2, again).wait(timeout_s=BOUND_S)
+
+    _during_the_check(monkeypatch, another_job)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 1
+    assert list_steps(store) == [1, 2] and quarantined(store) == {}
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state) == 2 and torch.equal(state["w"], again["w"])
+
+
+def test_a_save_in_flight_defers_the_quarantine(tmp_path, monkeypatch, caplog):
+    """The quarantine moves objects under a gc lease while no save is in flight (a save may
+    repair a chunk it holds, or commit the step number again): with one in flight it moves
+    nothing and says so; a later fallback load quarantines the step."""
+    from ckptstore.leases import SAVE, Lease
+
+    root = tmp_path / "ckpt"
+    _resume(root, 2)
+    digest = _flip_a_chunk_of(root, 2)
+    store = Store(str(root))
+    held: list[Lease] = []
+    _during_the_check(
+        monkeypatch, lambda: held.append(Lease(store, SAVE, "other-job", ttl_s=60).acquire())
+    )
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 1
+    assert quarantined(store) == {} and list_steps(store) == [1, 2]
+    assert "not quarantined now: a save is in flight" in caplog.text
+    held[0].release()
+    monkeypatch.undo()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 1
+    assert list(quarantined(store).values()) == [2] and list_steps(store) == [1]
+    assert (root / PREFIX / "chunks" / digest).is_file()
