@@ -219,8 +219,22 @@ def load_manifest_bytes(store: Store, step: int) -> tuple[Manifest, bytes]:
     return manifest, data
 
 
+LATEST_TRIES = 3
+
+
 def open_step(store: Store, step: int | str | None = "latest") -> Manifest:
-    """The manifest of ``step`` as :func:`resolve_step` resolves it."""
+    """The manifest of ``step`` as :func:`resolve_step` resolves it. The latest step removed
+    between its listing and its read (another process's ``keep_last``: a newer save came) is
+    listed again, up to :data:`LATEST_TRIES` times."""
+    latest = parse_step(step) is None
+    for _ in range(LATEST_TRIES - 1 if latest else 0):
+        number = resolve_step(store, step)
+        try:
+            return load_manifest(store, number)
+        except CheckpointNotFoundError:
+            logger.info(
+                "step %d of %s was removed as it was read; listing again", number, store.uri
+            )
     return load_manifest(store, resolve_step(store, step))
 
 

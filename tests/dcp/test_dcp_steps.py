@@ -309,6 +309,31 @@ def test_a_latest_load_whose_step_is_removed_meanwhile_reads_the_newer_one(tmp_p
     assert "step 1 of" in caplog.text and "reading step 2, the newest now" in caplog.text
 
 
+def test_a_latest_step_removed_between_its_listing_and_its_manifest_read_is_listed_again(
+    tmp_path,
+):
+    """Reviewer: 1-3 of ~500 evaluator loads of "latest" beside a keep_last=1 writer failed with
+    "step N is not committed": the step was removed between the listing and the manifest's
+    read (before any plan), a window the replan did not cover. The steps are listed again."""
+    uri = str(tmp_path / "s")
+    dcp.save(_state(1), storage_writer=_keeping_one(uri, 1), no_dist=True)
+    reader = StoreReader(uri)
+    get = reader.store.get
+    raced: list[str] = []
+
+    def get_racing_a_save(key, *args, **kwargs):
+        if key.startswith("commits/") and not raced:
+            raced.append(key)
+            dcp.save(_state(2), storage_writer=_keeping_one(uri, 2), no_dist=True)
+        return get(key, *args, **kwargs)
+
+    reader.store.get = get_racing_a_save
+    target = blank_like(_state(1))
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert raced == [commit_key(1)] and list_steps(Store(uri)) == [2]
+    assert_same(target, _state(2))
+
+
 def test_a_removed_step_whose_successor_has_another_layout_fails_clearly(tmp_path):
     uri = str(tmp_path / "s")
     dcp.save(_state(1), storage_writer=_keeping_one(uri, 1), no_dist=True)
