@@ -278,15 +278,18 @@ def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
         assert_same(target, states[int(step)], f"step {step}")
 
 
-def _reader_racing_a_save(uri: str, step: int, newer: dict) -> tuple[StoreReader, list[str]]:
-    """A reader of ``uri`` that, at its first rank-index read, lets another writer save
-    ``newer`` as ``step`` with ``keep_last=1``: the step it planned to read is removed under it."""
+def _reader_racing_a_save(
+    uri: str, step: int, newer: dict, at: str = "indexes/"
+) -> tuple[StoreReader, list[str]]:
+    """A reader of ``uri`` that, at its first read of a key under ``at`` (a rank index: after
+    its plan), lets another writer save ``newer`` as ``step`` with ``keep_last=1``: the step it
+    read so far is removed under it."""
     reader = StoreReader(uri)
     get = reader.store.get
     raced: list[str] = []
 
     def get_racing_a_save(key, *args, **kwargs):
-        if key.startswith("indexes/") and not raced:
+        if key.startswith(at) and not raced:
             raced.append(key)
             dcp.save(newer, storage_writer=_keeping_one(uri, step), no_dist=True)
         return get(key, *args, **kwargs)
@@ -317,17 +320,7 @@ def test_a_latest_step_removed_between_its_listing_and_its_manifest_read_is_list
     read (before any plan), a window the replan did not cover. The steps are listed again."""
     uri = str(tmp_path / "s")
     dcp.save(_state(1), storage_writer=_keeping_one(uri, 1), no_dist=True)
-    reader = StoreReader(uri)
-    get = reader.store.get
-    raced: list[str] = []
-
-    def get_racing_a_save(key, *args, **kwargs):
-        if key.startswith("commits/") and not raced:
-            raced.append(key)
-            dcp.save(_state(2), storage_writer=_keeping_one(uri, 2), no_dist=True)
-        return get(key, *args, **kwargs)
-
-    reader.store.get = get_racing_a_save
+    reader, raced = _reader_racing_a_save(uri, 2, _state(2), at="commits/")
     target = blank_like(_state(1))
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert raced == [commit_key(1)] and list_steps(Store(uri)) == [2]
