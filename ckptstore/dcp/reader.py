@@ -148,6 +148,9 @@ class StoreReader(StepReader):
         self._tier: TierLoad | None = None
         self._planned: Metadata | None = None  # what this load's plan was made from
         self.last_load: LoadReport | None = None
+        self.metadata_error: Exception | None = None
+        """Why this rank's last ``read_metadata`` failed (DCP's ``CheckpointException`` keeps
+        its text alone), or None."""
         self.healthy = healthy
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         self.last_load_exchange: ExchangeStats | None = None
@@ -194,14 +197,19 @@ class StoreReader(StepReader):
         # refusal would stand beside the real error in what dcp.load raises.
         self.view = None  # each load resolves "latest" afresh
         self._tier = None
-        if self._policy is not None:
-            group = load_group(self.options["storage"])
-            self._tier = open_tiered_step(
-                self.store, self._policy, self.step, group, DCP, healthy=self.healthy
-            )
-            self.view = self._tier.view
-            self.last_load = self._tier.report
-        self._planned = self._stamped(self._view().dcp_metadata())
+        self.metadata_error = None
+        try:
+            if self._policy is not None:
+                group = load_group(self.options["storage"])
+                self._tier = open_tiered_step(
+                    self.store, self._policy, self.step, group, DCP, healthy=self.healthy
+                )
+                self.view = self._tier.view
+                self.last_load = self._tier.report
+            self._planned = self._stamped(self._view().dcp_metadata())
+        except Exception as exc:
+            self.metadata_error = exc  # dcp.load keeps only its text
+            raise
         return self._planned
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -87,12 +87,14 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.staging import StagingOptions as DCPStagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.errors import CheckpointNotFoundError, one_line
 from ckptstore.integrations._pickled import check_pickled_state
 from ckptstore.options import (
     EncodingOptions,
@@ -422,7 +424,14 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         reader.step = load_step
         logger.info("rank %d: loading step %d of %s", _rank(), load_step, source)
         states = self._states_to_load(model_only)
-        dcp.load(states, storage_reader=reader)
+        try:
+            dcp.load(states, storage_reader=reader)
+        except CheckpointException as exc:
+            failures = [e for e, _ in exc.failures.values()] + [reader.metadata_error]
+            clear = _one_line_load_error(failures, load_step, source, named=step != -1)
+            if clear is None:
+                raise
+            raise clear from exc
         # The model's entries are flattened into the loaded dict: hand them to the model.
         self.states[MODEL].load_state_dict(states)
         return True
@@ -500,6 +509,36 @@ def _agreed(step: int | None) -> int | None:
     box = [step]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+_MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (\S+?)\.?$")
+
+
+def _one_line_load_error(
+    failures: list[BaseException | None], step: int, source: str, *, named: bool
+) -> Exception | None:
+    """What a failed ``dcp.load`` of ``step`` (its ranks' ``failures``) means to a torchtitan
+    user, in one line, where it is one of the errors they can act on: a ``load_step`` no tier
+    holds, or a step that lacks the training state (the final save of a run with
+    ``last_save_model_only``)."""
+    for error in failures:
+        if named and isinstance(error, CheckpointNotFoundError):
+            return FileNotFoundError(
+                f"--checkpoint.load_step={step} not found in {source}: {one_line(error)}"
+            )
+        missing = _MISSING_KEY.search(str(error)) if isinstance(error, RuntimeError) else None
+        if missing:
+            key = missing.group(1)
+            if key.split(".", 1)[0] in (DATALOADER, OPTIMIZER, LR_SCHEDULER, "train_state"):
+                return ValueError(
+                    f"step {step} of {source} holds the model alone, not {key} (the final save "
+                    "of a run with last_save_model_only, torchtitan's default): it does not "
+                    "resume training; train on in a new folder with "
+                    f"initial_load_path={_step_path(source, step)!r}, or save the last step "
+                    "whole with last_save_model_only=False"
+                )
+            return ValueError(f"step {step} of {source} does not hold {key}")
+    return None
 
 
 def _step_path(uri: str, step: int) -> str:

@@ -557,3 +557,39 @@ def test_a_hostile_dataloader_state_is_refused_before_torchtitan_unpickles_it(tm
         manager.close()
     got = iter(resumed)
     assert all(torch.equal(next(got), batch) for batch in expected)
+
+
+@needs_torchtitan
+def test_a_model_only_final_step_and_a_missing_load_step_are_one_line(tmp_path):
+    """Reviewer: a finished run relaunched with more steps resumed from its model-only final
+    save and failed as a 17-line CheckpointException ("Missing key ... dataloader.dp_rank_0");
+    with tiers a load_step no tier holds was an 11-line one (a FileNotFoundError without)."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+    from ckptstore.options import TierOptions
+
+    def loader():
+        return ParallelAwareDataloader(_Samples(), dp_rank=0, dp_world_size=1, batch_size=4)
+
+    config = CkptstoreCheckpointManager.Config(enable=True, interval=1)
+    manager = _build(config, tmp_path, loader())
+    manager.save(1)
+    manager.save(2, last_step=True)  # last_save_model_only: torchtitan's default
+    manager.close()
+    manager = _build(config, tmp_path, loader())
+    try:
+        with pytest.raises(ValueError, match=r"step 2 of .* holds the model alone") as e:
+            manager.load()
+        assert "\n" not in str(e.value) and "initial_load_path=" in str(e.value)
+    finally:
+        manager.close()
+    tiered = CkptstoreCheckpointManager.Config(
+        enable=True, load_only=True, tiers=TierOptions(local_dir=str(tmp_path / "local"))
+    )
+    manager = _build(tiered, tmp_path, loader())
+    try:
+        with pytest.raises(FileNotFoundError, match=r"load_step=5 not found in .*no tier holds"):
+            manager.load(step=5)
+    finally:
+        manager.close()
