@@ -541,3 +541,26 @@ def test_a_save_in_flight_defers_the_quarantine(tmp_path, monkeypatch, caplog):
         assert ckpt.load(_blank(), fallback=True) == 1
     assert list(quarantined(store).values()) == [2] and list_steps(store) == [1]
     assert (root / PREFIX / "chunks" / digest).is_file()
+
+
+def test_a_quarantine_that_meets_a_storage_error_leaves_the_load_it_follows(
+    tmp_path, monkeypatch, caplog
+):
+    """The quarantine runs after the fallback load went through: its storage error (its lease
+    lost, a put refused) is one warning, not an error of that load."""
+    from ckptstore import loading
+    from ckptstore.errors import StorageError
+
+    root = tmp_path / "ckpt"
+    _resume(root, 2)
+    _flip_a_chunk_of(root, 2)
+
+    def refused(*args, **kwargs):
+        raise StorageError("put quarantine/...: access denied")
+
+    monkeypatch.setattr(loading, "quarantine_step", refused)
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state, fallback=True) == 1
+    assert torch.equal(state["w"], _state(1)["w"])
+    assert "step 2 was skipped as corrupt but could not be quarantined" in caplog.text
