@@ -553,15 +553,17 @@ class StateLoader:
         assert index is not None
         wanted = {i: read.loader.dests.get(i) for i in read.kinds}
         ahead = self._ahead if read.tier == LOCAL else None
-        tiered = read.tier != DURABLE and (read.durable or read.repaired is not None)
+        tiered = read.tier != DURABLE
         if tiered:
             assert source is None and self.local is not None  # no shared read of a tier copy
             # Each chunk from the nearest holder that verifies: the repair's verified bytes in
-            # memory (not hashed again), the copy, durable storage; counted where it came from.
+            # memory (not hashed again), the copy, durable storage (for a step not there, a bad
+            # local chunk by its digest); counted where it came from.
             fetch = TierFetch(
                 local=read.store,
                 held=index.chunks,
-                durable=self.store if read.durable else None,
+                durable=self.store,
+                durable_step=read.durable,
                 durable_sized=False,  # the sizes are the copy's: durable may encode otherwise
                 report=self._report,
                 rank=self.rank,
@@ -569,12 +571,11 @@ class StateLoader:
                 repaired=read.repaired,
                 ahead=ahead,
                 forget=self.local.forget_bad_chunk,
+                # The fallback goes on to older steps: this one's copy stays listed, unless
+                # just repaired (then the next load restores it again).
+                unlist=read.repaired is not None,
             )
             source = chunks_from_store(read.store, index.chunks, self.config, fetch)
-        elif ahead is not None:
-            source = chunks_from_store(
-                read.store, index.chunks, self.config, ahead.or_read(read.store)
-            )
         try:
             read.tensors = read_into(
                 read.store, index, wanted, self.config, written=written, source=source

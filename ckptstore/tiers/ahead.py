@@ -19,8 +19,7 @@ import numpy as np
 
 from ckptstore.catalog import load_manifest, read_rank_index
 from ckptstore.codec import decode
-from ckptstore.format import ChunkInfo, chunk_key
-from ckptstore.pipeline import ChunkFetch, fetch_chunk
+from ckptstore.format import chunk_key
 from ckptstore.store import Store
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.transfer import cores_per_rank
@@ -93,15 +92,6 @@ class VerifiedAhead:
             raw, own = self._verified.pop(digest, (None, 0))
             self.held_bytes -= own
             return raw
-
-    def or_read(self, store: Store) -> ChunkFetch:
-        """A ``ChunkFetch``: the chunk verified here, else fetched from ``store`` and verified."""
-
-        def fetch(digest: str, info: ChunkInfo | None) -> np.ndarray:
-            raw = self.take(digest)
-            return raw if raw is not None else fetch_chunk(store, digest, info, scratch=True)
-
-        return fetch
 
     def close(self) -> None:
         """Stopped, and every chunk it holds let go (a load that read elsewhere, or failed)."""

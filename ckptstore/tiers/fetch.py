@@ -2,10 +2,11 @@
 holds the chunk, else durable storage; every chunk verified wherever it came from.
 
 A local chunk that fails its check (missing, short, a flipped byte) is read from durable
-storage instead, with one warning naming the tier and the object, where the step is there as
-the same save, and written back into the copy from there (verified, where durable storage
-holds it encoded as the copy's index says), so the next load reads it locally again; where the
-step is not in durable storage (only the local tiers hold it), the error stands.
+storage instead, with one warning naming the tier and the object, and written back into the
+copy from there (verified, where durable storage holds it encoded as the copy's index says), so
+the next load reads it locally again. Where the step is not in durable storage (only the local
+tiers hold it), the chunk is looked for there by its digest all the same (an earlier step's
+drain stored the same bytes: a chunk is its content); not found there either, the error stands.
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ _PLAIN = (CheckpointCorruptError, CheckpointNotFoundError)  # kept as the error'
 
 class TierFetch:
     """A ``ChunkFetch`` over ``local`` (holding the chunks ``held``, with their sizes there)
-    and ``durable`` (None: the step is not there); what it read goes into ``report`` per
+    and ``durable`` (``durable_step`` False: the step is not there, only a bad local chunk is
+    looked for there by its digest); what it read goes into ``report`` per
     tier, ``local``'s under ``local_tier``. ``repaired``: this rank's copy as a repair just
     received it, held in memory: its chunks are served from there (verified on arrival, not
     hashed again), not read back from ``local``. ``ahead``: chunks of ``local`` a thread
     verified while the load waited on a repair, served without reading them again.
     ``forget``: called with a chunk of ``local`` that is missing or fails its check and is read
     from ``durable`` instead (``LocalTier.forget_bad_chunk``: the copy's next save must not
-    count it stored)."""
+    count it stored). ``unlist``: a bad chunk of a step only the local tiers hold, found
+    nowhere else, unlists the copy (False: its error is raised as it is)."""
 
     def __init__(
         self,
@@ -61,13 +64,16 @@ class TierFetch:
         rank: int,
         local_tier: str = LOCAL,
         durable_sized: bool = True,
+        durable_step: bool = True,
         repaired: RepairedCopy | None = None,
         ahead: VerifiedAhead | None = None,
         forget: Callable[[str], None] | None = None,
+        unlist: bool = True,
     ) -> None:
         self.local = local
         self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
         self.durable_sized = durable_sized  # the sizes asked with are the durable index's
+        self.durable_step = durable_step
         self.held = held if local is not None else {}
         self.durable = durable
         self.report = report
@@ -75,6 +81,7 @@ class TierFetch:
         self.repaired = repaired
         self.ahead = ahead
         self.forget = forget  # a bad chunk of ``local``, removed so a save writes it again
+        self.unlist = unlist  # False: a local-only step's bad copy stays listed (the caller's)
         self._lock = threading.Lock()
         self._warned = False
         self._dropped = False
@@ -92,6 +99,7 @@ class TierFetch:
                 self._count(self.local_tier, self.held[digest].stored, started)
                 return raw
         heal = False
+        bad_here: BaseException | None = None
         if digest in self.held:
             assert self.local is not None
             started = time.perf_counter()
@@ -100,6 +108,7 @@ class TierFetch:
             except (CheckpointCorruptError, CheckpointNotFoundError, StorageError) as exc:
                 if self.durable is None:
                     raise self._unlisted(exc) from exc
+                bad_here = exc
                 self._warn(exc)
                 if self.forget is not None and isinstance(exc, _PLAIN):
                     self.forget(digest)  # else the next save would reference it unread
@@ -107,20 +116,25 @@ class TierFetch:
             else:
                 self._count(self.local_tier, self.held[digest].stored, started)
                 return raw
-        if self.durable is None:
+        if self.durable is None or (bad_here is None and not self.durable_step):
             raise CheckpointNotFoundError(
                 f"rank {self.rank}: chunk {digest} is in no tier this rank reads (the step is "
                 "not in durable storage and this rank's local copy does not hold it)"
             )
         started = time.perf_counter()
-        raw, stored = fetch_chunk_and_size(
-            self.durable,
-            digest,
-            info,
-            scratch=True,
-            sized=self.durable_sized,
-            on_verified=(lambda data: self._heal(digest, data)) if heal else None,
-        )
+        try:
+            raw, stored = fetch_chunk_and_size(
+                self.durable,
+                digest,
+                info,
+                scratch=True,
+                sized=self.durable_sized,
+                on_verified=(lambda data: self._heal(digest, data)) if heal else None,
+            )
+        except _PLAIN as exc:
+            if self.durable_step or bad_here is None:
+                raise
+            raise self._unlisted(bad_here) from exc  # not there by its digest either
         self._count(DURABLE, stored, started)
         return raw
 
@@ -155,6 +169,8 @@ class TierFetch:
         that the next load restores it from a peer's copy where one holds it, else takes an
         older step; the error to raise says so."""
         assert self.local is not None
+        if not self.unlist:
+            return error
         step = self.report.step
         what = "this rank's copy stays listed"
         if isinstance(error, _PLAIN) and step is not None:

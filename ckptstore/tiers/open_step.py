@@ -152,9 +152,11 @@ def open_tiered_step(
                 held=held,
                 repaired=repaired[0] if repaired else None,
                 ahead=ahead[0] if ahead else None,
-                # A chunk is read from durable storage only where the step is there, by its
-                # digest: the durable store may hold it encoded otherwise (sizes unknown here).
-                durable=durable if in_durable else None,
+                # A chunk is read from durable storage by its digest: the durable store may
+                # hold it encoded otherwise (sizes unknown here); where the step is not there,
+                # only a bad local chunk is looked for.
+                durable=durable,
+                durable_step=in_durable,
                 durable_sized=False,
                 report=report,
                 rank=rank,

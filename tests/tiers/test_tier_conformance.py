@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -361,6 +362,48 @@ def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_sto
     step, report = front.restart().load(target)
     assert step == 2 and _same(target, _state(1))
     assert set(report.sources) == {"local"} and report.sources["local"].chunks == n, report
+
+
+def test_a_bad_chunk_of_a_local_only_step_is_read_from_durable_storage_by_its_digest(
+    make, front_type, tmp_path, monkeypatch
+):
+    """Reviewer: a chunk damaged in the local copy of a step durable storage held was
+    referenced by every later local-only save of the same bytes, and none of those loaded
+    (the chunk was read from durable storage only for a step stored there), though durable
+    storage held the same bytes from the earlier step's drain. The chunk is looked for there by
+    its digest: the local-only step loads, that chunk alone from durable storage. (Rechecks
+    off: one may write the chunk again first.)"""
+    monkeypatch.setattr(front_type, "encoding", replace(ENCODING, recheck_every=0))
+    front = make(durable_every=2)
+    front.save(1, _state(1))
+    front.wait_durable()
+    (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
+    n = _flip_one_chunk(copy, 1)
+    front.save(2, _state(1))  # the same bytes: the damaged chunk referenced, not written
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1]
+    target = _blank()
+    step, report = front.restart().load(target)
+    assert step == 2 and _same(target, _state(1))
+    assert report.sources["durable"].chunks == 1, report
+    assert report.sources["local"].chunks == n - 1, report
+
+
+def test_a_bad_chunk_of_a_local_only_step_durable_storage_lacks_is_still_an_error(make, tmp_path):
+    """The look in durable storage by digest finds nothing: the load fails naming the chunk
+    (as before), never loads it with a hole; a resume takes the step before (DCP's load
+    unlisted the bad copy, the Checkpointer's falls back)."""
+    front = make(durable_every=2)
+    front.save(1, _state(1))
+    front.save(2, _state(2))  # local only, its chunks nowhere else
+    front.wait_durable()
+    (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
+    _flip_one_chunk(copy, 2)
+    front = front.restart()
+    with pytest.raises(BaseException, match="xxh3 mismatch"):
+        front.load(_blank())  # DCP wraps it in a CheckpointException, a BaseException
+    target = _blank()
+    assert front.restart().resume(target) == 1 and _same(target, _state(1))
 
 
 def test_an_unwritable_local_dir_sends_saves_to_durable_storage(make, tmp_path, caplog):
@@ -856,11 +899,13 @@ def test_a_resume_whose_every_local_copy_misses_a_chunk_is_no_fresh_start(make, 
     """A reviewer: the job's steps were in the local tier alone and each missed a chunk: the
     Checkpointer's load with fallback raised a plain CheckpointNotFoundError, which the README's
     resume took for nothing to resume (no durable step either), and the job started over. Saves
-    found that none loads are ``NoLoadableStepError``; DCP's load of the newest fails."""
+    found that none loads are ``NoLoadableStepError``; DCP's load of the newest fails. (The
+    killed drain's chunks go too: a chunk found there by its digest would load step 1.)"""
     front, copies = _only_local_copies(make, tmp_path)
     for path in (copies / "chunks").rglob("*"):
         if path.is_file():
             path.unlink()
+    shutil.rmtree(tmp_path / "durable" / "chunks")
     front = front.restart()
     with pytest.raises((NoLoadableStepError, CheckpointException)) as failed:
         front.resume(_blank())

@@ -18,6 +18,8 @@ from ckptstore.format import chunk_key
 from ckptstore.options import EncodingOptions
 from ckptstore.store import Store
 from ckptstore.tiers.ahead import VerifiedAhead
+from ckptstore.tiers.fetch import TierFetch
+from ckptstore.tiers.restore import LoadReport
 
 CHUNK = 1 << 16
 
@@ -64,7 +66,9 @@ def test_a_corrupt_chunk_is_left_for_the_load_which_meets_its_error(tmp_path):
     ahead = VerifiedAhead(store, step, attempt, budget_bytes=1 << 30)
     _finished(ahead)
     assert len(ahead) == len(chunks) - 1
-    fetch = ahead.or_read(store)
+    fetch = TierFetch(
+        local=store, held=chunks, durable=None, report=LoadReport(), rank=0, ahead=ahead
+    )
     with pytest.raises(CheckpointCorruptError, match="xxh3 mismatch"):
         fetch(bad, chunks[bad])
     for digest in sorted(chunks)[1:]:
