@@ -179,8 +179,7 @@ def _doomed(
     """The readable steps ``keep_last`` deletes: not the newest K, nor ``keep_steps`` (noted
     in ``report.spared``), nor the newest healthy step."""
     steps = sorted(readable)
-    healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
-    report.kept_healthy = healthy[-1] if healthy else None
+    report.kept_healthy = _newest_healthy(readable, steps)
     doomed = set(steps[:-keep_last] if keep_last is not None else [])
     report.spared = sorted(doomed & keep_steps)
     doomed -= keep_steps
@@ -189,6 +188,11 @@ def _doomed(
         logger.info("gc %s: step %d kept, the newest healthy step", store.uri, report.kept_healthy)
     report.deleted_steps = sorted(doomed)
     return doomed
+
+
+def _newest_healthy(readable: dict[int, _Step], steps: list[int]) -> int | None:
+    healthy = [s for s in steps if (readable[s].manifest.health or {}).get("healthy")]
+    return healthy[-1] if healthy else None
 
 
 @dataclass
@@ -363,6 +367,8 @@ def _sweep(
     new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
     readable.update(_read_steps(store, new, report))
     report.kept_steps = sorted((set(listed) | (keep_steps - gone)) & readable.keys())
+    if report.kept_healthy not in report.kept_steps:  # removed since by another's retention
+        report.kept_healthy = _newest_healthy(readable, report.kept_steps)
     if live:
         report.blocked_by = live
         logger.info("gc %s: %d save(s) in flight, chunks not swept", store.uri, len(live))

@@ -439,3 +439,32 @@ def _tiers_one_rank_nan(rank: int, world: int, root: str, local: str) -> None:
 @pytest.mark.dist
 def test_tiers_nan_on_one_rank_sends_every_rank_back_to_the_healthy_local_copy(tmp_path):
     run_ranks(_tiers_one_rank_nan, 2, str(tmp_path / "durable"), str(tmp_path / "local"))
+
+
+def test_gc_names_a_kept_healthy_step_not_one_removed_while_it_ran(tmp_path, capsys, monkeypatch):
+    """Adversary: a gc beside savers' own retention printed "newest healthy step (always
+    kept): 1" for a step those savers had removed after gc's first listing (the kept steps
+    came from its second). It names the newest healthy step of those it keeps."""
+    from ckptstore import retention
+    from ckptstore.cli import main
+
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+        ck.save(2, {"w": torch.tensor([float("inf"), 1.0])}).wait()
+    doomed = retention._doomed
+    calls: list[int] = []
+
+    def then_the_savers_go_on(*args, **kwargs):
+        found = doomed(*args, **kwargs)
+        calls.append(len(calls))
+        if len(calls) == 1:  # the gc's own call; the savers' retention runs plainly
+            with Checkpointer(tmp_path, keep_last=2) as ck:
+                ck.save(3, {"w": torch.full((2,), 3.0)}).wait()
+                ck.save(4, {"w": torch.full((2,), 4.0)}).wait()
+        return found
+
+    monkeypatch.setattr(retention, "_doomed", then_the_savers_go_on)
+    assert main(["gc", str(tmp_path), "--keep-last", "5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list_steps(Store(tmp_path)) == [3, 4] and doc["kept_steps"] == [3, 4]
+    assert doc["kept_healthy"] == 4
