@@ -67,7 +67,7 @@ def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_
         manifest, data = load_manifest_bytes(store, step)
     except CheckpointCorruptError:
         return _under_lease(
-            store, step, lease_ttl_s, lambda: _quarantine_unreadable(store, step, why)
+            store, step, lease_ttl_s, lambda lease: _quarantine_unreadable(store, step, why, lease)
         )
     except CheckpointError:
         return False  # gone: another process's retention
@@ -87,7 +87,7 @@ def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_
     found = sorted({p.object.rsplit("/", 1)[-1] for p in bad if p.what == "chunk"})
     damaged = _damaged_chunks(store, step, found, check.chunk_refs)
 
-    def move() -> bool:
+    def move(lease: Lease) -> bool:
         if _manifest_bytes(store, step) != data:
             return False  # removed, or the step number committed again since the check
         if _damaged_chunks(store, step, found, check.chunk_refs) != damaged:
@@ -98,16 +98,16 @@ def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_
                 store.uri,
             )
             return False
-        _move(store, step, why, manifest.attempt, data, bad, damaged)
+        _move(store, step, why, manifest.attempt, data, bad, damaged, lease)
         return True
 
     return _under_lease(store, step, lease_ttl_s, move)
 
 
-def _under_lease(store, step: int, ttl_s: float, fn: Callable[[], bool]) -> bool:
-    """``fn()`` under a gc lease of ``store`` while no save is in flight there (both sides
+def _under_lease(store, step: int, ttl_s: float, fn: Callable[[Lease], bool]) -> bool:
+    """``fn(lease)`` under a gc lease of ``store`` while no save is in flight there (both sides
     write their lease first and look for the other's second, docs/FORMAT.md "Leases"); False,
-    with a warning, if one is."""
+    with a warning, if one is. ``fn`` calls :func:`_deleting` before its first delete."""
     lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=ttl_s).acquire()
     try:
         saves = [s.describe() for s in find_leases(store, SAVE) if s.live]
@@ -121,11 +121,17 @@ def _under_lease(store, step: int, ttl_s: float, fn: Callable[[], bool]) -> bool
                 saves[0],
             )
             return False
-        done = fn()
-        lease.check()  # raised: a save may have gone on meanwhile; the log says what moved
-        return done
+        return fn(lease)
     finally:
         lease.release_when_settled(SETTLE_TIMEOUT_S)
+
+
+def _deleting(lease: Lease) -> None:
+    """Before a quarantine's first delete, as before a gc's: the lease still held (else a save
+    may have gone on), and marked as deleting (a holder that dies now is waited for until its
+    deletes have ended)."""
+    lease.check()
+    lease.mark_deleting()
 
 
 SETTLE_TIMEOUT_S = 60.0
@@ -138,7 +144,9 @@ def _manifest_bytes(store, step: int) -> bytes | None:
         return None
 
 
-def _move(store, step: int, why: str, attempt: str, data: bytes, bad, damaged) -> None:
+def _move(
+    store, step: int, why: str, attempt: str, data: bytes, bad, damaged, lease: Lease
+) -> None:
     """Step ``step``'s marker written, its ``damaged`` chunks (digest -> still stored) moved
     to the quarantine, then its commit deleted, unless it is another save's by then."""
     chunks = sorted(damaged)
@@ -155,6 +163,7 @@ def _move(store, step: int, why: str, attempt: str, data: bytes, bad, damaged) -
         store.put(marker_key(step, attempt), _dump(QUARANTINE_KIND, body))
     except ObjectExistsError:
         pass  # a quarantine of this save that stopped part-way: finish it
+    _deleting(lease)
     for digest, present in sorted(damaged.items()):
         if not present:
             continue  # missing: nothing to keep
@@ -193,7 +202,7 @@ def _turn_up(store, keys: list[str]) -> bool:
     return False
 
 
-def _quarantine_unreadable(store, step: int, why: str) -> bool:
+def _quarantine_unreadable(store, step: int, why: str, lease: Lease) -> bool:
     """A step whose manifest cannot be decoded: its bytes kept in a marker (its attempt is
     unknown: named ``unreadable-<xxh3 of the bytes>``), then its commit removed, so that a new
     save of the step number commits. Its other objects are no save's: gc sweeps them."""
@@ -221,6 +230,7 @@ def _quarantine_unreadable(store, step: int, why: str) -> bool:
         store.put(marker_key(step, attempt), _dump(QUARANTINE_KIND, body))
     except ObjectExistsError:
         pass
+    _deleting(lease)
     store.delete(key)
     logger.info(
         "step %d of %s quarantined (its manifest is unreadable): no longer listed nor loaded; "

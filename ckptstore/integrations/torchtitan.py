@@ -492,8 +492,11 @@ class _CheckedDataloader:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for key, value in state_dict.items():
-            if isinstance(value, (bytes, bytearray)):
-                check_pickled_state(value, f"the step's dataloader state {key!r}")
+            try:  # whatever pickle.loads takes: any buffer (an ndarray too), not bytes alone
+                data = memoryview(value).tobytes()
+            except TypeError:
+                continue
+            check_pickled_state(data, f"the step's dataloader state {key!r}")
         self.dataloader.load_state_dict(state_dict)
 
 

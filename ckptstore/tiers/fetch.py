@@ -131,10 +131,12 @@ class TierFetch:
                 sized=self.durable_sized,
                 on_verified=(lambda data: self._heal(digest, data)) if heal else None,
             )
-        except _PLAIN as exc:
+        except (*_PLAIN, StorageError) as exc:
             if self.durable_step or bad_here is None:
                 raise
-            raise self._unlisted(bad_here) from exc  # not there by its digest either
+            # Not there by its digest either, or durable storage not reachable: the local
+            # copy's damage is the error (and the copy is unlisted), as with no durable look.
+            raise self._unlisted(bad_here) from exc
         self._count(DURABLE, stored, started)
         return raw
 

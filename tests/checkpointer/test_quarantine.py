@@ -564,3 +564,35 @@ def test_a_quarantine_that_meets_a_storage_error_leaves_the_load_it_follows(
         assert ckpt.load(state, fallback=True) == 1
     assert torch.equal(state["w"], _state(1)["w"])
     assert "step 2 was skipped as corrupt but could not be quarantined" in caplog.text
+
+
+def test_the_quarantines_lease_says_it_deletes_before_its_first_delete(tmp_path, monkeypatch):
+    """Reviewer of this change: the quarantine's gc lease never recorded that it deletes, so a
+    quarantining process that died was over at once for a save on another store's clock, while
+    a delete it had given up at its deadline could still land. It is marked (and checked still
+    held) before the first delete, as a gc's is."""
+    from ckptstore.leases import Lease
+
+    root = tmp_path / "ckpt"
+    _resume(root, 2)
+    _flip_a_chunk_of(root, 2)
+    events: list[str] = []
+    mark = Lease.mark_deleting
+
+    def marked(self):
+        events.append("marked")
+        return mark(self)
+
+    monkeypatch.setattr(Lease, "mark_deleting", marked)
+    delete = Store.delete
+
+    def deleted(self, key, *args, **kwargs):
+        if key.startswith(("chunks/", "commits/")):
+            events.append(key.split("/")[0])
+        return delete(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "delete", deleted)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(_blank(), fallback=True) == 1
+    assert list(quarantined(Store(str(root))).values()) == [2]
+    assert events[:2] == ["marked", "chunks"] and "commits" in events, events

@@ -593,3 +593,24 @@ def test_a_model_only_final_step_and_a_missing_load_step_are_one_line(tmp_path):
             manager.load(step=5)
     finally:
         manager.close()
+
+
+@needs_torchtitan
+def test_a_dataloader_state_in_any_buffer_is_checked_before_torchtitan_unpickles_it(tmp_path):
+    """Reviewer: the check took bytes alone; torchtitan's pickle.loads takes any buffer, so a
+    numpy array holding a hostile pickle (a value DCP loads once numpy's globals are allowed)
+    was unpickled unchecked."""
+    import pickle
+
+    import numpy as np
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from ckptstore.errors import UnsupportedStateError
+    from ckptstore.integrations.torchtitan import _CheckedDataloader
+
+    marker = tmp_path / "code-ran"
+    hostile = np.frombuffer(pickle.dumps(_RunsCode(str(marker))), dtype=np.uint8)
+    loader = ParallelAwareDataloader(_Samples(), dp_rank=0, dp_world_size=1, batch_size=4)
+    with pytest.raises(UnsupportedStateError, match=r"'dp_rank_0' holds a pickled .*open"):
+        _CheckedDataloader(loader).load_state_dict({"dp_rank_0": hostile, "world_size": 1})
+    assert not marker.exists()

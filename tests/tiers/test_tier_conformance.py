@@ -48,6 +48,7 @@ from ckptstore.errors import (
     NoHealthyStepError,
     NoLoadableStepError,
     StepExistsError,
+    StorageError,
 )
 from ckptstore.format import chunk_key, commit_key
 from ckptstore.store import Store
@@ -404,6 +405,38 @@ def test_a_bad_chunk_of_a_local_only_step_durable_storage_lacks_is_still_an_erro
         front.load(_blank())  # DCP wraps it in a CheckpointException, a BaseException
     target = _blank()
     assert front.restart().resume(target) == 1 and _same(target, _state(1))
+
+
+class _ChunksUnreachable(Store):
+    """A durable store whose chunk reads fail as in an outage (its listing still answers)."""
+
+    def get(self, key, *args, **kwargs):
+        if key.startswith("chunks/"):
+            raise StorageError(f"get {self.url(key)}: connection refused")
+        return super().get(key, *args, **kwargs)
+
+    get_view = get
+
+
+def test_a_bad_chunk_of_a_local_only_step_with_durable_storage_down_is_still_its_own_error(
+    make, tmp_path
+):
+    """Reviewer of this change: durable storage unreachable, the look there by digest raised
+    its StorageError, which stood for the local damage; DCP's load never unlisted the bad copy
+    and no resume got past it. The local copy's error stands (as with no look), and a resume
+    takes the step before."""
+    front = make(durable_every=2)
+    front.save(1, _state(1))
+    front.save(2, _state(2))
+    front.wait_durable()
+    (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
+    _flip_one_chunk(copy, 2)
+    front.close()
+    down = make(store=_ChunksUnreachable(str(tmp_path / "durable")), durable_every=2)
+    with pytest.raises(BaseException, match="xxh3 mismatch"):
+        down.load(_blank())
+    target = _blank()
+    assert down.restart().resume(target) == 1 and _same(target, _state(1))
 
 
 def test_an_unwritable_local_dir_sends_saves_to_durable_storage(make, tmp_path, caplog):
