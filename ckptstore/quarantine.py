@@ -53,7 +53,7 @@ from ckptstore.leases import DEFAULT_TTL_S, GC, SAVE, Lease, find_leases
 logger = logging.getLogger(__name__)
 
 
-def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_TTL_S) -> bool:
+def quarantine_step(store, step: int, why: str) -> bool:
     """Quarantine committed ``step`` if re-checking it finds damaged or missing chunks; returns
     whether it did. Never raises for the step's damage; storage errors are raised.
 
@@ -67,7 +67,7 @@ def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_
         manifest, data = load_manifest_bytes(store, step)
     except CheckpointCorruptError:
         return _under_lease(
-            store, step, lease_ttl_s, lambda lease: _quarantine_unreadable(store, step, why, lease)
+            store, step, lambda lease: _quarantine_unreadable(store, step, why, lease)
         )
     except CheckpointError:
         return False  # gone: another process's retention
@@ -101,14 +101,17 @@ def quarantine_step(store, step: int, why: str, *, lease_ttl_s: float = DEFAULT_
         _move(store, step, why, manifest.attempt, data, bad, damaged, lease)
         return True
 
-    return _under_lease(store, step, lease_ttl_s, move)
+    return _under_lease(store, step, move)
 
 
-def _under_lease(store, step: int, ttl_s: float, fn: Callable[[Lease], bool]) -> bool:
+SETTLE_TIMEOUT_S = 60.0
+
+
+def _under_lease(store, step: int, fn: Callable[[Lease], bool]) -> bool:
     """``fn(lease)`` under a gc lease of ``store`` while no save is in flight there (both sides
     write their lease first and look for the other's second, docs/FORMAT.md "Leases"); False,
     with a warning, if one is. ``fn`` calls :func:`_deleting` before its first delete."""
-    lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=ttl_s).acquire()
+    lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=DEFAULT_TTL_S).acquire()
     try:
         saves = [s.describe() for s in find_leases(store, SAVE) if s.live]
         saves += [m.key for m in legacy_markers(store) if not m.stale]
@@ -132,9 +135,6 @@ def _deleting(lease: Lease) -> None:
     deletes have ended)."""
     lease.check()
     lease.mark_deleting()
-
-
-SETTLE_TIMEOUT_S = 60.0
 
 
 def _manifest_bytes(store, step: int) -> bytes | None:
