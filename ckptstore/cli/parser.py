@@ -357,7 +357,8 @@ examples:
         Keep the newest K committed steps, and the newest healthy step whatever K says (no NaN
         or Inf: a run of unhealthy steps never leaves none to resume from); delete the older ones
         (their manifests first, so each disappears atomically), then the indexes and chunks
-        nothing kept references.
+        nothing kept references. Without --keep-last every readable step is kept: only what no
+        step references goes (and, with --remove-corrupt, the unreadable and quarantined steps).
         While another save is in flight (it holds a lease it renews every 30 s) the sweep of
         chunks is skipped, and the command says so: run it again later. A lease not renewed for
         its ttl (2 min by default) is a dead writer's: its leftovers are removed. Saves that start
@@ -377,14 +378,14 @@ examples:
           ckptstore gc s3://bucket/run7 --keep-last 3
           ckptstore gc /ckpt/run7 --keep-last 3 --remove-corrupt
           ckptstore gc /ckpt/run7 --keep-last 1 --verify --remove-corrupt
+          ckptstore gc /ckpt/run7 --remove-corrupt --dry-run
         """,
     )
     p.add_argument(
         "--keep-last",
         type=_pos_int,
-        required=True,
         metavar="K",
-        help="number of newest steps to keep (>= 1)",
+        help="number of newest steps to keep (>= 1; default: every readable step)",
     )
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted")
     p.add_argument(

@@ -672,7 +672,6 @@ def test_gc_blocked_by_a_save_in_flight(store: Path, capsys) -> None:
         ["ls"],
         ["verify", "X", "--step", "1", "--all"],
         ["verify", "X", "--step", "soon"],
-        ["gc", "X"],
         ["gc", "X", "--keep-last", "0"],
         ["restore", "X"],
         ["restore", "X", "--to", "y", "--format", "zip"],

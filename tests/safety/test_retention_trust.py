@@ -152,6 +152,21 @@ def test_remove_corrupt_deletes_the_damaged_step_then_sweeps(tmp_path, capsys):
     assert main(["verify", uri, "--all"]) == 0
 
 
+def test_remove_corrupt_without_keep_last_keeps_every_readable_step(tmp_path, capsys):
+    """An operator removing a damaged step need not choose a retention too (``--keep-last``
+    was required, so ``gc --remove-corrupt`` alone was a usage error)."""
+    uri = str(tmp_path)
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((64,), float(step))}).wait()
+    truncate_manifest(Store(uri), 2)
+    doc = gc_json(capsys, uri, "--remove-corrupt")
+    assert doc["keep_last"] is None and doc["kept_steps"] == [1, 3]
+    assert doc["deleted_steps"] == [] and doc["removed_corrupt"] == [2] and doc["swept"]
+    assert list_steps(Store(uri)) == [1, 3]
+    assert main(["verify", uri, "--all"]) == 0
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("damage", ["index", "chunk-cut-short"])
 def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys, damage):
