@@ -37,7 +37,7 @@ from ckptstore import telemetry
 from ckptstore.catalog import list_steps, store_nearby
 from ckptstore.errors import CheckpointError, one_line
 from ckptstore.format import check_step
-from ckptstore.health import StepHealth, find_healthy
+from ckptstore.health import StepHealth, find_healthy, no_healthy_step
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
     EncodingOptions,
@@ -63,6 +63,7 @@ from ckptstore.state import flatten
 from ckptstore.store import Store, niced, open_store
 from ckptstore.tiers.group import RankGroup as _Group
 from ckptstore.tiers.group import refuse_options_apart
+from ckptstore.tiers.open_step import newest_planned_step
 from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
 from ckptstore.tiers.saving import Tiers, open_tiers
@@ -344,15 +345,25 @@ class Checkpointer:
         return steps
 
     def latest(self, *, healthy: bool = False) -> int | None:
-        """The newest committed step (with ``healthy``, the newest healthy one), or None. None
-        where a store lies just above or below this local path is one warning naming it."""
-        steps = list_steps(self.store)
+        """The step a load of ``"latest"`` takes (with ``healthy``, the newest healthy one), or
+        None when there is none: nothing to resume. Committed steps of which none is healthy
+        raise ``NoHealthyStepError`` with ``healthy``, not None. With tiers it is the newest
+        save every rank can get from any tier, local-only ones included, and collective: every
+        rank calls it, as a load. None where a store lies just above or below this local path
+        is one warning naming it."""
+        if self._local is not None:
+            step = newest_planned_step(self.store, self._local, self._group, healthy)
+            steps = [] if step is None else [step]
+        else:
+            steps = list_steps(self.store)
         if not steps and not self._nearby_looked:
             self._nearby_looked = True
             if nearby := store_nearby(self.store):
                 logger.warning("no committed checkpoint in %s%s", self.store.uri, nearby)
-        if healthy:
-            good = find_healthy(self.store, steps, limit=1)[0]
+        if healthy and self._local is None:
+            good, why = find_healthy(self.store, steps, limit=1)
+            if not good and why:
+                raise no_healthy_step(f"no healthy committed step in {self.store.uri}", why)
             return good[0] if good else None
         return steps[-1] if steps else None
 

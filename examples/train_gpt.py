@@ -39,7 +39,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ckptstore import Checkpointer, PreemptionOptions, RNGState, TierOptions
-from ckptstore.errors import CheckpointNotFoundError, NoLoadableStepError
 from ckptstore.store import Store
 from loaders import LoaderConfig, ShardDataset, StatefulLoader, TokenFiles, TokenWriter
 
@@ -157,23 +156,15 @@ def resume(ckpt: Checkpointer, state: dict, args: argparse.Namespace) -> int | N
 
     A newer step whose numbers hold NaN or Inf (or whose health is unknown) is skipped, named
     in a warning; so is a step that is corrupt or misses chunks, for the newest healthy one
-    that loads. With tiers ``ckpt.latest()`` lists durable steps only, while the newest save
-    may be in the local directory alone: the load itself says whether any tier holds one.
+    that loads. With tiers ``ckpt.latest()`` takes every tier: the newest save may be in the
+    local directory alone.
     """
+    if ckpt.latest() is None:
+        return None
+    step = ckpt.load(state, fallback=True, healthy=True)
     if args.local_dir is None:
-        if ckpt.latest() is None:
-            return None
-        step = ckpt.load(state, fallback=True, healthy=True)
         print(f"resumed from step {step} ({args.ckpt})", flush=True)
         return step
-    try:
-        step = ckpt.load(state, fallback=True, healthy=True)
-    except NoLoadableStepError:
-        raise  # steps saved, none loadable (or healthy): not a fresh start either
-    except CheckpointNotFoundError:
-        if ckpt.steps():  # durable steps, none of them loadable: not a fresh start
-            raise
-        return None
     report = ckpt.last_load
     read = ", ".join(
         f"{s.bytes / 1e6:.2f} MB in {s.seconds:.3f}s from {tier}"

@@ -208,7 +208,13 @@ def newest_step(
     """The step a tiered load of "latest" takes (collective over ``group``, as a load), or
     None when no tier holds one every rank can get (``healthy``: saves that none of them is
     healthy raise ``NoHealthyStepError``, as the load would: not nothing to resume)."""
-    local = _local_tier(durable, policy, group)
+    return newest_planned_step(durable, _local_tier(durable, policy, group), group, healthy)
+
+
+def newest_planned_step(
+    durable: Store, local: LocalTier, group: RankGroup, healthy: bool
+) -> int | None:
+    """``newest_step`` over a tier already open (the Checkpointer's)."""
     try:
         return _plan(durable, local, "latest", group, healthy).candidates[0].step
     except NoHealthyStepError:

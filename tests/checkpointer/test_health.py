@@ -321,11 +321,13 @@ def test_healthy_with_fallback_skips_a_healthy_step_that_does_not_load(tmp_path,
 
 
 def test_no_healthy_step_is_not_found_naming_each_step(tmp_path):
-    from ckptstore.errors import CheckpointNotFoundError
+    from ckptstore.errors import CheckpointNotFoundError, NoHealthyStepError
 
     with Checkpointer(tmp_path) as ck:
         ck.save(5, {"w": torch.tensor([float("inf")])}).wait()
-        assert ck.latest(healthy=True) is None and ck.steps(healthy=True) == []
+        assert ck.steps(healthy=True) == []
+        with pytest.raises(NoHealthyStepError, match="no healthy .*step 5: unhealthy"):
+            ck.latest(healthy=True)  # not None: a job that started over would save over it
         with pytest.raises(CheckpointNotFoundError, match="no healthy .*step 5: unhealthy"):
             ck.load({"w": torch.zeros(1)}, healthy=True)
 

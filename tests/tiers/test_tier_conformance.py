@@ -123,6 +123,9 @@ class Front:
         """A job's first load as the front-end's README shows it: the step resumed from, or
         None where the front-end says there is nothing to resume (the job starts over)."""
 
+    def latest(self) -> int | None:
+        """The step a load of the latest step takes, None where there is nothing to resume."""
+
     def restart(self) -> Front:
         """The same job started again (a new process would make a new instance)."""
         self.close()
@@ -160,12 +163,12 @@ class CheckpointerFront(Front):
         return self.ckpt.load(state, step), self.ckpt.last_load
 
     def resume(self, state: dict, *, healthy: bool = False) -> int | None:
-        try:
-            return self.ckpt.load(state, fallback=True, healthy=healthy)
-        except NoLoadableStepError:
-            raise
-        except CheckpointNotFoundError:
+        if self.ckpt.latest(healthy=healthy) is None:
             return None
+        return self.ckpt.load(state, fallback=True, healthy=healthy)
+
+    def latest(self) -> int | None:
+        return self.ckpt.latest()
 
     def local_store_uri(self) -> str:
         return self.ckpt._local.store(0).uri
@@ -216,6 +219,9 @@ class DCPFront(Front):
             return None
         dcp.load(state, storage_reader=reader, no_dist=self.no_dist)
         return reader.last_load.step
+
+    def latest(self) -> int | None:
+        return StoreReader(self.root, tiers=self.tiers, storage=self.storage).latest()
 
     def local_store_uri(self) -> str:
         return self.writer._local.store(0).uri
@@ -284,6 +290,28 @@ def test_saves_go_local_first_and_every_mth_durably(make, tmp_path):
     target = _blank()
     step, report = front.restart().load(target)
     assert step == 4 and report.source == "local" and _same(target, _state(4))
+
+
+def test_latest_names_the_step_a_load_takes_a_local_only_one_included(make, tmp_path):
+    """A reviewer: the Checkpointer's ``latest()`` listed durable steps alone, so the README's
+    resume (``if ckpt.latest() is not None: load``) started a tiered job over when its saves were
+    in the local tier only, and later saved over them; DCP's ``reader.latest()`` already took
+    every tier. Both name the step a load takes now."""
+    front = make(durable_every=10)
+    assert front.latest() is None
+    for step in (1, 2):
+        front.save(step, _state(step))
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1]
+    front = front.restart()
+    assert front.latest() == 2
+    target = _blank()
+    assert front.resume(target) == 2 and _same(target, _state(2))
+    front.close()
+    shutil.rmtree(tmp_path / "local")
+    front = front.restart()
+    assert front.latest() == 1
+    assert front.resume(target) == 1 and _same(target, _state(1))
 
 
 def test_a_wiped_local_dir_loads_from_durable_storage(make, tmp_path):

@@ -335,9 +335,12 @@ def test_an_unreachable_durable_store_is_not_reported_as_no_checkpoint(tmp_path)
     try:
         with pytest.raises(CheckpointError) as info:
             ckpt.load(blank_state(), fallback=True)
+        with pytest.raises(CheckpointError) as newest:  # not None: nothing to resume
+            ckpt.latest()
     finally:
         ckpt.close()
     assert not isinstance(info.value, CheckpointNotFoundError), info.value
+    assert not isinstance(newest.value, CheckpointNotFoundError), newest.value
 
 
 def test_when_every_step_misses_chunks_the_error_is_not_found(tmp_path):
