@@ -352,6 +352,7 @@ class Checkpointer:
         rank calls it, as a load. None where a store lies just above or below this local path
         is one warning naming it."""
         if self._local is not None:
+            self._saver.wait()  # its collectives and the plan's share a group: one at a time
             step = newest_planned_step(self.store, self._local, self._group, healthy)
             steps = [] if step is None else [step]
         else:
@@ -408,6 +409,8 @@ class Checkpointer:
         older healthy one; an explicit ``step`` that is not healthy raises
         ``UnhealthyStepError``; no healthy step at all is ``CheckpointNotFoundError``.
 
+        A save still in flight on this rank is finished (committed or failed) first.
+
         ``strict=False`` loads the part of the step the state asks for: saved keys that the
         state's dicts do not have are left out and not read, and keys of the state that the
         step lacks are left alone; a module loads the parameters both have (with ``strict``, a
@@ -415,6 +418,9 @@ class Checkpointer:
         (``load({"model": model}, strict=False)`` from a step that also holds the optimizer).
         """
         self._loader.peers = self._peers  # the replicas it guards now (a restarted rank's)
+        # Saves in flight run collectives on the load's group: the load's would interleave with
+        # theirs (other ranks pairing them otherwise). Their errors stay for wait() and save().
+        self._saver.wait()
         try:
             return self._loader.load(state, step, fallback=fallback, strict=strict, healthy=healthy)
         finally:

@@ -103,3 +103,29 @@ def _loads_apart(rank: int, world: int, root: str) -> None:
 @pytest.mark.dist
 def test_ranks_asking_for_different_steps_are_refused_on_every_rank(tmp_path):
     run_ranks(_loads_apart, 2, str(tmp_path))
+
+
+def _load_beside_a_save_in_flight(rank: int, world: int, root: str) -> None:
+    import time
+
+    tiers = TierOptions(local_dir=f"{root}/local-{rank}", durable_every=2)
+    with Checkpointer(f"{root}/durable", tiers=tiers) as ckpt:
+        state = {"w": torch.randn(4 << 20) + rank}  # 16 MiB per rank: the save takes a while
+        ckpt.save(1, state).wait()
+        for step in (2, 3):
+            handle = ckpt.save(step, state)
+            if rank == 1:
+                time.sleep(0.2)  # rank 0's load collectives meet rank 1's save's first
+            assert ckpt.latest() == step
+            target = {"w": torch.zeros(4 << 20)}
+            assert ckpt.load(target) == step and torch.equal(target["w"], state["w"])
+            handle.wait(timeout_s=60)
+
+
+@pytest.mark.dist
+def test_a_load_or_latest_beside_a_save_in_flight_waits_for_it(tmp_path):
+    """A reviewer of this stop: ``load()`` (and a tiered ``latest()``) called while a save ran
+    in the background issued its collectives on the group the save's were on: the ranks paired
+    a load's gather with a save's (an IndexError unpacking it, a drain's group gone, a gloo
+    timeout). The load waits for this rank's saves in flight first, and loads the newest."""
+    run_ranks(_load_beside_a_save_in_flight, 2, str(tmp_path), timeout_s=150)
