@@ -41,13 +41,12 @@ from ckptstore.errors import (
     PartialLoadError,
     StorageError,
     UnsupportedStateError,
-    one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
 from ckptstore.health import healthy_steps_to_load
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype
-from ckptstore.quarantine import quarantine_step
+from ckptstore.quarantine import quarantine_skipped
 from ckptstore.render import human_bytes
 from ckptstore.shared_read import (
     DEFAULT_BUDGET_BYTES,
@@ -277,19 +276,8 @@ class StateLoader:
         """Rank 0, after a load with fallback skipped steps as corrupt: each is quarantined
         in the durable store (``ckptstore.quarantine``: only if its durable copy re-checks
         damaged or missing objects) so that it never blocks a save of its step number again."""
-        if self.rank != 0:
-            return
-        for step, error in skipped:
-            if not isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)):
-                continue
-            try:
-                quarantine_step(self.store, step, one_line(error))
-            except (CheckpointError, StorageError) as exc:  # the load itself went through
-                logger.warning(
-                    "rank 0: step %d was skipped as corrupt but could not be quarantined: %s",
-                    step,
-                    one_line(exc),
-                )
+        if self.rank == 0:
+            quarantine_skipped(self.store, skipped)
 
     def _skip_not_healthy(self, not_healthy: dict[int, str], above: int) -> None:
         """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over."""

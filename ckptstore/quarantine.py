@@ -35,8 +35,11 @@ from ckptstore.catalog import (
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
+    StorageError,
+    one_line,
 )
 from ckptstore.format import (
     MAX_MANIFEST_BYTES,
@@ -102,6 +105,23 @@ def quarantine_step(store, step: int, why: str) -> bool:
         return True
 
     return _under_lease(store, step, move)
+
+
+def quarantine_skipped(store, skipped: list[tuple[int, BaseException]]) -> None:
+    """After a load with fallback loaded a step: each step it skipped as corrupt or missing
+    objects is quarantined (``quarantine_step``); one that cannot be is one warning, never an
+    error (the load itself went through). Rank 0's work, called by both front-ends."""
+    for step, error in skipped:
+        if not isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError)):
+            continue
+        try:
+            quarantine_step(store, step, one_line(error))
+        except (CheckpointError, StorageError) as exc:
+            logger.warning(
+                "rank 0: step %d was skipped as corrupt but could not be quarantined: %s",
+                step,
+                one_line(exc),
+            )
 
 
 SETTLE_TIMEOUT_S = 60.0

@@ -30,7 +30,8 @@ tensors of shape ``[n]`` in the same chunks (readers load them weights-only).
 that locates it.
 
 Modules: ``writer`` (``StoreWriter``), ``stager`` (its ``AsyncStager`` half), ``reader``
-(``StoreReader``), ``tiers`` (tiered loads), ``load`` (a whole step in one process), ``ids``
+(``StoreReader``), ``resume`` (a load of the newest step that loads: corrupt ones skipped and
+quarantined), ``load`` (a whole step in one process), ``ids``
 (checkpoint ids). What the core reads of a DCP step lives in the core, which never imports this
 package: ``ckptstore.metadata`` (the Metadata as JSON, and old steps' pickled Metadata through an
 allowlist), ``ckptstore.format.storage_key`` (item keys), ``ckptstore.step_reader`` (one
@@ -40,7 +41,8 @@ weights-only).
 
 from ckptstore.dcp.load import load_full_state_dict
 from ckptstore.dcp.reader import StoreReader
+from ckptstore.dcp.resume import resume
 from ckptstore.dcp.writer import StoreWriter
 from ckptstore.format import storage_key
 
-__all__ = ["StoreWriter", "StoreReader", "load_full_state_dict", "storage_key"]
+__all__ = ["StoreWriter", "StoreReader", "load_full_state_dict", "resume", "storage_key"]

@@ -211,6 +211,21 @@ def newest_step(
     return newest_planned_step(durable, _local_tier(durable, policy, group), group, healthy)
 
 
+def planned_steps(
+    durable: Store, policy: TierPolicy, group: RankGroup, *, healthy: bool = False
+) -> list[int]:
+    """(collective) Every step a tiered load of "latest" may take, newest first: the steps a
+    load with fallback tries in turn; empty when no tier holds one every rank can get."""
+    local = _local_tier(durable, policy, group)
+    try:
+        plan = plan_restore(durable, local, group, step="latest", limit=None, healthy=healthy)
+    except NoHealthyStepError:
+        raise
+    except CheckpointNotFoundError:
+        return []
+    return list(dict.fromkeys(c.step for c in plan.candidates))
+
+
 def newest_planned_step(
     durable: Store, local: LocalTier, group: RankGroup, healthy: bool
 ) -> int | None:

@@ -548,7 +548,7 @@ def test_a_quarantine_that_meets_a_storage_error_leaves_the_load_it_follows(
 ):
     """The quarantine runs after the fallback load went through: its storage error (its lease
     lost, a put refused) is one warning, not an error of that load."""
-    from ckptstore import loading
+    from ckptstore import quarantine
     from ckptstore.errors import StorageError
 
     root = tmp_path / "ckpt"
@@ -558,7 +558,7 @@ def test_a_quarantine_that_meets_a_storage_error_leaves_the_load_it_follows(
     def refused(*args, **kwargs):
         raise StorageError("put quarantine/...: access denied")
 
-    monkeypatch.setattr(loading, "quarantine_step", refused)
+    monkeypatch.setattr(quarantine, "quarantine_step", refused)
     with Checkpointer(root) as ckpt:
         state = _blank()
         assert ckpt.load(state, fallback=True) == 1

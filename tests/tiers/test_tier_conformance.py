@@ -41,6 +41,7 @@ from ckptstore import (
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.dcp import resume as dcp_resume
 from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -215,10 +216,7 @@ class DCPFront(Front):
 
     def resume(self, state: dict, *, healthy: bool = False) -> int | None:
         reader = StoreReader(self.root, tiers=self.tiers, storage=self.storage, healthy=healthy)
-        if reader.latest() is None:
-            return None
-        dcp.load(state, storage_reader=reader, no_dist=self.no_dist)
-        return reader.last_load.step
+        return dcp_resume(state, reader, no_dist=self.no_dist)
 
     def latest(self) -> int | None:
         return StoreReader(self.root, tiers=self.tiers, storage=self.storage).latest()
@@ -314,13 +312,44 @@ def test_latest_names_the_step_a_load_takes_a_local_only_one_included(make, tmp_
     assert front.resume(target) == 1 and _same(target, _state(1))
 
 
-def test_a_wiped_local_dir_loads_from_durable_storage(make, tmp_path):
+def _durable_only(make: Any, tmp_path: Path) -> Front:
+    """Steps 1 and 2 saved to both tiers, the front closed, the node's local tier wiped."""
     front = make(durable_every=1)
     for step in (1, 2):
         front.save(step, _state(step))
     front.wait_durable()
     front.close()
     shutil.rmtree(tmp_path / "local")
+    return front
+
+
+def test_a_step_no_tier_can_load_is_skipped_and_quarantined_by_the_resume(make, tmp_path):
+    """A corrupt newest step (its durable copy damaged, the node's copies gone) never blocks a
+    job: the resume of each front-end (``load(fallback=True)``, ``ckptstore.dcp.resume``) loads
+    the step before and quarantines it, and the job saves that step number again."""
+    front = _durable_only(make, tmp_path)
+    durable = Store(str(tmp_path / "durable"))
+    older = set(read_rank_index(durable, load_manifest(durable, 1).ranks[0]).chunks)
+    for digest in sorted(
+        set(read_rank_index(durable, load_manifest(durable, 2).ranks[0]).chunks) - older
+    ):
+        path = tmp_path / "durable" / chunk_key(digest)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+    front = front.restart()
+    target = _blank()
+    assert front.resume(target) == 1 and _same(target, _state(1))
+    assert list_steps(durable) == [1]
+    front.save(2, _state(22))
+    front.wait_durable()
+    target = _blank()
+    assert front.restart().resume(target) == 2 and _same(target, _state(22))
+
+
+def test_a_wiped_local_dir_loads_from_durable_storage(make, tmp_path):
+    front = _durable_only(make, tmp_path)
     target = _blank()
     step, report = front.restart().load(target)
     assert step == 2 and report.source == "durable" and _same(target, _state(2))

@@ -1,0 +1,147 @@
+"""``resume``: a DCP load of the newest step that loads, as ``Checkpointer.load(fallback=True)``.
+
+DCP's own ``dcp.load`` plans and reads one step; a step whose chunks are corrupt or missing
+fails it on every rank, and a job that resumes with it fails again at every restart. ``resume``
+tries the steps a load of ``"latest"`` may take, newest first (with tiers, every tier's, as the
+tiered load plans them), skips one that fails as corrupt or missing (one warning naming it), and
+quarantines the skipped ones (``ckptstore.quarantine``, rank 0, once a step loaded) as the
+Checkpointer's fallback does. Any other failure (a state that does not match, storage that
+cannot be reached) is raised at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptstore.catalog import list_steps
+from ckptstore.dcp.reader import StoreReader, _OtherRanksFailed
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    NoHealthyStepError,
+    NoLoadableStepError,
+    one_line,
+)
+from ckptstore.health import find_healthy, no_healthy_step
+from ckptstore.quarantine import quarantine_skipped
+from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.open_step import load_group, planned_steps
+
+logger = logging.getLogger("ckptstore")
+
+_SKIPPED = (CheckpointCorruptError, CheckpointNotFoundError)
+
+
+def resume(
+    state_dict: dict[str, Any],
+    storage_reader: StoreReader,
+    *,
+    planner: Any = None,
+    no_dist: bool = False,
+) -> int | None:
+    """``dcp.load`` of the newest step that loads into ``state_dict``; returns that step, or
+    None when there is nothing to resume (no tier holds a committed step). Collective: every
+    rank calls it.
+
+    A step that fails on some rank as corrupt or missing objects (``CheckpointCorruptError``,
+    ``CheckpointNotFoundError``) is skipped on every rank, named in one warning, and the next
+    older one tried; once one loads, the skipped ones are quarantined (docs/FORMAT.md,
+    "Quarantine"). If none loads, ``NoLoadableStepError`` (each missed objects) or
+    ``CheckpointCorruptError`` names every step and why. Any other failure is DCP's
+    ``CheckpointException``, raised at once. A failed attempt may have written into the state's
+    tensors (as any failed ``dcp.load``); the older step that loads overwrites them. With
+    ``healthy=True`` on the reader only healthy steps are tried."""
+    reader = storage_reader
+    if reader.step != "latest":
+        raise ValueError(f"resume() starts from the latest step; the reader names {reader.step!r}")
+    group = load_group(reader.options["storage"])
+    steps = _steps(reader, group)
+    skipped: list[tuple[int, BaseException]] = []
+    try:
+        for step in steps:
+            reader.step = step
+            try:
+                dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)
+            except CheckpointException as exc:
+                why = _skippable(exc, reader, group)
+                if why is None:
+                    raise
+                skipped.append((step, why))
+                if group.rank == 0:
+                    logger.warning(
+                        "step %d of %s cannot be loaded, trying an older step: %s",
+                        step,
+                        reader.store.uri,
+                        one_line(why),
+                    )
+                continue
+            if group.rank == 0:  # a copy only a local tier lost stays: only durable damage
+                quarantine_skipped(reader.store, skipped)
+            return step
+    finally:
+        reader.step = "latest"
+    if not skipped:
+        return None
+    every = "; ".join(f"step {s}: {one_line(e)}" for s, e in skipped)
+    missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
+    raise (NoLoadableStepError if missing else CheckpointCorruptError)(
+        f"no committed step of {reader.store.uri} could be loaded, every one failed: {every}"
+    )
+
+
+def _steps(reader: StoreReader, group: RankGroup) -> list[int]:
+    """The steps to try, newest first, the same on every rank (collective)."""
+    if reader._policy is not None:
+        return planned_steps(reader.store, reader._policy, group, healthy=reader.healthy)
+    listed: list[int] | str = []
+    if group.rank == 0:
+        try:
+            listed = _durable_steps(reader)
+        except CheckpointError as exc:
+            listed = f"{type(exc).__name__}\0{exc}"
+    listed = group.broadcast(listed)
+    if isinstance(listed, str):
+        kind, text = listed.split("\0", 1)
+        raise NoHealthyStepError(text) if kind == "NoHealthyStepError" else CheckpointError(text)
+    return listed
+
+
+def _durable_steps(reader: StoreReader) -> list[int]:
+    steps = list_steps(reader.store)
+    if not reader.healthy:
+        return steps[::-1]
+    good, why = find_healthy(reader.store, steps)
+    if not good and why:
+        raise no_healthy_step(f"no healthy committed step in {reader.store.uri}", why)
+    return sorted(good, reverse=True)
+
+
+def _skippable(
+    exc: CheckpointException, reader: StoreReader, group: RankGroup
+) -> BaseException | None:
+    """The error that makes the failed step skippable (the same on every rank), or None when
+    some rank failed otherwise. DCP keeps a failed ``read_metadata``'s text alone (its
+    AssertionError "metadata is None"): each rank judges its own cause, then the ranks agree."""
+    mine = exc.failures.get(group.rank)
+    error = mine[0] if mine is not None else None
+    if error is not None and not isinstance(error, CheckpointError):
+        error = reader.metadata_error or error
+    if error is None or isinstance(error, _OtherRanksFailed):
+        verdict: tuple[str, str] | None = None
+    elif isinstance(error, _SKIPPED):
+        kind = "missing" if isinstance(error, CheckpointNotFoundError) else "corrupt"
+        verdict = (kind, f"rank {group.rank}: {one_line(error)}")
+    else:
+        verdict = ("other", "")
+    verdicts = [v for v in group.gather(verdict) if v is not None]
+    if not verdicts or any(kind == "other" for kind, _ in verdicts):
+        return None
+    text = "; ".join(why for _, why in verdicts[:4])
+    if all(kind == "missing" for kind, _ in verdicts):
+        return CheckpointNotFoundError(text)
+    return CheckpointCorruptError(text)
