@@ -100,6 +100,8 @@ def collect(
     verify_chunks: bool = False,
     check_chunks: bool = False,
     verify_kept: bool = False,
+    verify_healthy: bool = False,
+    known: dict[tuple[int, str], str | None] | None = None,
     warn: bool = True,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
@@ -116,7 +118,8 @@ def collect(
     whose manifest does not decode; one the store does not answer for fails the call
     (``StorageError``, nothing deleted). ``check_chunks``: one listing of the chunks first, and a
     step that references a chunk not there is corrupt (``ckptstore gc``: a step that lost a
-    chunk never stands in for one that loads). ``verify_kept``: see ``_verify_kept``.
+    chunk never stands in for one that loads). ``verify_kept``, ``verify_healthy``, ``known``: see
+    ``_verify_kept``.
     ``warn=False``: the report's findings logged at INFO (a caller that prints it)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -127,14 +130,11 @@ def collect(
         _verify_chunks(store, readable, report, sorted(readable))
     elif check_chunks:
         _check_chunks_present(store, readable, report)
-    _verify_kept(store, readable, report, keep_last if verify_kept and not verify_chunks else None)
+    if not verify_chunks:
+        _verify_kept(store, readable, report, keep_last, verify_kept, verify_healthy, known)
     doomed = _doomed(store, readable, keep_last, set(keep_steps), report)
-    if remove_corrupt:
-        report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
     level = logging.WARNING if warn else logging.INFO
-    for step in report.unreadable_steps.keys() - set(report.removed_corrupt):
-        why = report.unreadable_steps[step]
-        logger.log(level, "gc %s: step %d is %s; it is kept", store.uri, step, why)
+    _judge_unreadable(store, report, remove_corrupt, level)
     forensics = quarantine_objects(store)
     keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
     keep_chunks = set() if remove_corrupt else quarantined_chunks(store)
@@ -167,6 +167,15 @@ def collect(
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
     return report
+
+
+def _judge_unreadable(store: Store, report: GcReport, remove_corrupt: bool, level: int) -> None:
+    """The corrupt steps ``remove_corrupt`` deletes; each unreadable one kept logged."""
+    if remove_corrupt:
+        report.removed_corrupt = [s for s, why in report.unreadable_steps.items() if _corrupt(why)]
+    for step in report.unreadable_steps.keys() - set(report.removed_corrupt):
+        why = report.unreadable_steps[step]
+        logger.log(level, "gc %s: step %d is %s; it is kept", store.uri, step, why)
 
 
 def _doomed(
@@ -240,16 +249,48 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
 
 
 def _verify_kept(
-    store: Store, readable: dict[int, _Step], report: GcReport, keep: int | None
+    store: Store,
+    readable: dict[int, _Step],
+    report: GcReport,
+    keep_last: int | None,
+    newest: bool,
+    healthy: bool,
+    known: dict[tuple[int, str], str | None] | None,
 ) -> None:
-    """While ``keep`` would delete a step, re-hash the newest ``keep`` not yet checked; a
-    damaged one leaves ``readable`` (corrupt) and the next older takes its place: a byte flipped
-    in the newest step never costs the good steps before it (``ckptstore gc``'s default)."""
-    while keep is not None and len(readable) > keep:
-        kept = [s for s in sorted(readable)[-keep:] if s not in report.verified_steps]
-        if not kept:
+    """While ``keep_last`` would delete a step, re-hash what is kept in its place: with
+    ``newest`` the newest ``keep_last`` not yet checked, with ``healthy`` the newest healthy step
+    where it is older than those (kept for a job to resume from after a run of unhealthy
+    saves). A damaged one leaves ``readable`` (corrupt) and the next older takes its place: a
+    byte flipped in the newest step, or in the healthy one kept, never costs the good steps
+    before it (``ckptstore gc``'s default; savers check the healthy one). ``known``: the
+    verdicts on saves (step, attempt) checked before (None: good, else why not), not read
+    again; those reached here are added."""
+    verdicts = known if known is not None else {}
+    while keep_last is not None and len(readable) > keep_last:
+        steps = sorted(readable)
+        want = steps[-keep_last:] if newest else []
+        kept_healthy = _newest_healthy(readable, steps)
+        if healthy and kept_healthy is not None and kept_healthy not in steps[-keep_last:]:
+            want.append(kept_healthy)
+        want = [s for s in want if s not in report.verified_steps]
+        if not want:
             return
-        _verify_chunks(store, readable, report, kept)
+        ids = {s: (s, readable[s].manifest.attempt) for s in want}
+        unread = [s for s in want if ids[s] not in verdicts]
+        for step in set(want) - set(unread):
+            why = verdicts[ids[step]]
+            if why is None:
+                report.verified_steps = sorted({*report.verified_steps, step})
+            else:
+                report.unreadable_steps[step] = why
+                del readable[step]
+        if unread:
+            _verify_chunks(store, readable, report, unread)
+            for step in unread:
+                if step in readable:
+                    verdicts[ids[step]] = None
+                elif step in report.unreadable_steps:
+                    verdicts[ids[step]] = report.unreadable_steps[step]
 
 
 def _verify_chunks(

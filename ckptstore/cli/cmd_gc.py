@@ -20,6 +20,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         verify_chunks=args.verify,
         check_chunks=True,
         verify_kept=not args.no_verify,
+        verify_healthy=not args.no_verify,
         warn=False,  # the report below says it all
     )
     damaged = sorted(report.unreadable_steps.keys() - set(report.removed_corrupt))

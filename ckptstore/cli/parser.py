@@ -368,9 +368,10 @@ examples:
         kept, and no chunk is swept while it is there (exit 1 while one is kept);
         --remove-corrupt deletes such steps, and the steps a load with fallback quarantined.
         Before a step is deleted, the steps kept in its place are re-hashed, newest first,
-        until K check out: a step with a damaged chunk counts as corrupt (kept, not counted), so
-        a byte flipped in the newest step never costs the good steps before it (this reads the
-        K kept steps whole; --no-verify skips it). --verify re-hashes every chunk of every
+        until K check out, and so is the newest healthy step where it is older than those: a
+        step with a damaged chunk counts as corrupt (kept, not counted), so a byte flipped in
+        the newest step, or in the healthy one kept, never costs the good steps before it (this
+        reads the kept steps whole; --no-verify skips it). --verify re-hashes every chunk of every
         step instead (as verify --all does).
         """,
         """

@@ -375,6 +375,8 @@ class SaveSession:
                 ignore_attempts={self.attempt},
                 keep_steps={self.step},
                 lease_ttl_s=self.engine.lease_ttl_s,
+                verify_healthy=True,  # an old healthy step kept for its health is read once
+                known=self.engine.retention_verdicts,
             )
         except CheckpointError as exc:
             logger.warning(

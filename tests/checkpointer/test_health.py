@@ -363,6 +363,71 @@ def test_gc_cli_keeps_the_newest_healthy_step(tmp_path, capsys):
     assert "newest healthy step (always kept): 2" in capsys.readouterr().out
 
 
+def _healthy_then_nan(root) -> None:
+    """Steps 1-3 healthy (each its own chunk), 4-5 with a NaN; a byte of step 3's chunk flipped."""
+    with Checkpointer(root) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((1000,), float(step))}).wait()
+        for step in (4, 5):
+            ck.save(step, {"w": torch.tensor([float("nan")] + [float(step)] * 999)}).wait()
+    store = Store(root)
+    older = set(read_rank_index(store, load_manifest(store, 2).ranks[0]).chunks)
+    (digest,) = set(read_rank_index(store, load_manifest(store, 3).ranks[0]).chunks) - older
+    path = root / "chunks" / digest[:2] / digest
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def test_gc_re_hashes_the_healthy_step_it_keeps_and_a_damaged_one_never_costs_the_one_before(
+    tmp_path, capsys
+):
+    """Reviewer G: ``gc --keep-last 1`` re-hashed the newest step it kept (5, NaN) but not the
+    newest healthy one kept for its health (3, a flipped byte): it deleted healthy steps 1 and 2
+    and left no healthy step that loads."""
+    from ckptstore.cli import main
+
+    _healthy_then_nan(tmp_path)
+    assert main(["gc", str(tmp_path), "--keep-last", "1", "--json"]) == 1  # 3 kept, damaged
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kept_healthy"] == 2 and doc["deleted_steps"] == [1, 4]
+    assert [u["step"] for u in doc["unreadable_steps"]] == [3]
+    assert list_steps(Store(tmp_path)) == [2, 3, 5]
+    with Checkpointer(tmp_path) as ck:
+        target = {"w": torch.zeros(1000)}
+        assert ck.load(target, healthy=True, fallback=True) == 2
+        assert torch.equal(target["w"], torch.full((1000,), 2.0))
+
+
+def test_keep_last_re_hashes_an_old_healthy_step_it_keeps_once(tmp_path, monkeypatch):
+    """Reviewer G: a saver's ``keep_last=1`` after a run of NaN saves kept the newest healthy
+    step (damaged) and deleted the healthy ones before it. It re-hashes that step before it
+    deletes an older one, once per save of it (not at every save of the NaN run)."""
+    from ckptstore import retention
+
+    _healthy_then_nan(tmp_path)
+    checked: list[list[int]] = []
+    verify = retention._verify_chunks
+
+    def counted(store, readable, report, steps):
+        checked.append(sorted(steps))
+        return verify(store, readable, report, steps)
+
+    monkeypatch.setattr(retention, "_verify_chunks", counted)
+    nan = {"w": torch.tensor([float("nan")] + [6.0] * 999)}
+    with Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(6, nan).wait()
+        assert ck.steps() == [2, 3, 6]  # 3 damaged: kept, not counted; 2 the healthy one kept
+        ck.save(7, nan).wait()
+        ck.save(8, nan).wait()
+        assert ck.steps() == [2, 3, 8]
+    assert checked == [[3], [2]]  # each read once, not at every save after
+    with Checkpointer(tmp_path) as ck:
+        target = {"w": torch.zeros(1000)}
+        assert ck.load(target, healthy=True, fallback=True) == 2
+
+
 def test_local_tier_retention_keeps_the_newest_healthy_copy(tmp_path):
     from ckptstore import TierOptions
 
