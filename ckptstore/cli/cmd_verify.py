@@ -7,7 +7,7 @@ import argparse
 from ckptstore._inspect import check_all_chunks, check_step_objects, chunks_to_check
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
 from ckptstore.cli.common import Failed, emit_json, progress
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptstore.health import UNHEALTHY, status
 from ckptstore.render import human_bytes
 from ckptstore.store import Store
@@ -85,9 +85,12 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
 
 
 def _health(store: Store, step: int) -> str:
-    """``healthy``, ``unhealthy`` or ``unknown``; ``unreadable`` when the manifest is not."""
+    """``healthy``, ``unhealthy`` or ``unknown``; ``unreadable`` when the manifest is not,
+    ``not read`` when the store did not answer."""
     try:
         return status(load_manifest(store, step).health)
+    except StorageError:
+        return "not read"  # the store did not answer: says nothing of the manifest
     except CheckpointError:
         return "unreadable"
 
@@ -97,6 +100,8 @@ def _identity_problem(store: Store) -> str | None:
     (None: intact, or none recorded)."""
     try:
         read_identity(store)
+    except StorageError as exc:
+        return f"{exc}: not read (the store did not answer); run verify again"
     except CheckpointError as exc:
         return (
             f"{exc}: every tiered job fails to open this store until it is restored from a "

@@ -1031,6 +1031,23 @@ def test_verify_names_a_damaged_store_identity(store, capsys):
     assert code == 1 and "every tiered job fails" in doc["identity_problem"]
 
 
+def test_verify_says_an_identity_it_could_not_read_is_not_read_not_damaged(
+    store, capsys, monkeypatch
+):
+    """Reviewer G: a timeout reading identity.json (a stalled endpoint) was reported as a
+    damaged identity, with the advice to restore the store from a backup or delete it."""
+    from ckptstore.cli import cmd_verify
+    from ckptstore.errors import StorageError
+
+    def stalled(s):
+        raise StorageError(f"get {s.url('identity.json')}: no answer within 5.0s")
+
+    monkeypatch.setattr(cmd_verify, "read_identity", stalled)
+    code, doc = run_json(capsys, "verify", store)
+    assert code == 1 and "not read (the store did not answer)" in doc["identity_problem"]
+    assert "backup" not in doc["identity_problem"]
+
+
 def test_a_store_holding_only_a_killed_saves_temporaries_is_still_a_store(tmp_path, capsys):
     """A first save killed mid-put leaves temporaries only (its lease and chunks swept): every
     command called the path "a mistyped path", and gc refused to remove them."""
