@@ -36,10 +36,10 @@ logger = logging.getLogger(__package__)
 class Replica:
     """One replica's store, figures and health."""
 
-    def __init__(self, store: Store, config: ReplicaConfig) -> None:
+    def __init__(self, store: Store, config: ReplicaConfig, name: str | None = None) -> None:
         self.store = store
-        self.name = store.uri
-        self.stats = ReplicaStats(store.uri)
+        self.name = name or store.uri
+        self.stats = ReplicaStats(self.name)
         self.recent: deque[float] = deque(maxlen=config.latency_window)
         self.latency = math.inf  # median of recent: what a typical read costs (inf: unknown)
         self.samples = 0
@@ -73,7 +73,11 @@ class ReplicaHealth:
 
     def __init__(self, stores: Sequence[Store], config: ReplicaConfig) -> None:
         self.config = config
-        self.replicas = [Replica(s, config) for s in stores]
+        uris = [s.uri for s in stores]  # a URI on two endpoints is named with its endpoint
+        self.replicas = [
+            Replica(s, config, s.uri if uris.count(s.uri) == 1 else f"{s.uri} at {s.endpoint}")
+            for s in stores
+        ]
         self._lock = threading.Lock()
         self._random = random.Random()
         self._firsts = 0  # first attempts of reads so far (the clock of probation)

@@ -57,8 +57,11 @@ class ReplicaSet:
         names = [s.uri for s in stores]
         # The same directory written two ways (a trailing slash, file://, a link) is one
         # replica: hedges and failovers to it would go to the same disk.
+        # The same bucket and prefix behind two endpoints (mirrors on two providers) are two.
         places = [
-            os.path.realpath(s.backend.root) if s.backend.is_local else s.uri.rstrip("/")
+            os.path.realpath(s.backend.root)
+            if s.backend.is_local
+            else (s.uri.rstrip("/"), s.endpoint)
             for s in stores
         ]
         if len(set(places)) != len(places):
