@@ -45,6 +45,7 @@ class Replica:
         self.samples = 0
         self.inflight = 0
         self.consecutive_errors = 0
+        self.outruns = 0  # reads of its own answered first by a later attempt, in a row
         self.benched = False  # benched until benched_until, then on probation until recovered
         self.benched_slow = False  # benched for its latency rather than for errors
         self.benched_until = 0.0
@@ -98,6 +99,8 @@ class ReplicaHealth:
             if first:
                 self._firsts += 1
             healthy = [r for r in candidates if not r.benched]
+            if hedge:  # a replica measured too slow to win the race is not asked to run it
+                healthy = [r for r in healthy if not self._measured_slow(r)]
             probation = [r for r in candidates if r.benched and r.benched_until <= now]
             due = [r for r in probation if r.inflight == 0 and self._firsts >= r.probe_due]
             if first and due:
@@ -146,6 +149,7 @@ class ReplicaHealth:
             best = min(others, default=math.inf)
             if error is None:
                 r.consecutive_errors = 0
+                r.outruns = 0 if read else r.outruns
             if error is None and read and (on_probation or not r.benched):
                 r.measured(seconds)
                 if on_probation:
@@ -157,18 +161,8 @@ class ReplicaHealth:
                     else:
                         benched_for = f"a probation read took {seconds * 1e3:.1f} ms"
                         self._bench(r, now, slow=True)
-                elif (
-                    not r.benched
-                    and r.samples >= cfg.bench_min_samples
-                    and r.latency
-                    > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
-                    and (self._may_bench_slow() or (displaced := self._displace_for(r)))
-                ):
-                    benched_for = (
-                        f"latency {r.latency * 1e3:.1f} ms is {r.latency / best:.1f}x the best "
-                        "healthy replica's"
-                    )
-                    self._bench(r, now, slow=True)
+                else:
+                    benched_for, displaced = self._judge_latency(r, now, best)
             elif error is not None:
                 r.consecutive_errors += 1
                 if on_probation or (
@@ -183,11 +177,67 @@ class ReplicaHealth:
             r.stats.add(bytes=nbytes)
         else:
             r.stats.add(errors=1)
+        self._tell(r, benched_for, bench_s, displaced)
+        if recovered:
+            logger.info("replica %s recovered: back to full traffic", r.name)
+
+    def outrun(self, r: Replica, seconds: float) -> None:
+        """An attempt on ``r`` still running ``seconds`` after it started when an attempt that
+        started after it, on another replica, answered its read: a bound below its latency,
+        measured as a read's; ``bench_after_errors`` of them in a row with no read answered
+        between bench it as slow. A replica that never answers (each read of its own won by a
+        hedge, none given up at its deadline yet) is so judged slow, not healthy, within a few
+        reads. Its end (or its deadline) is accounted as before."""
+        with self._lock:
+            if r.benched:
+                return
+            r.measured(seconds)
+            r.outruns += 1
+            now = time.monotonic()
+            others = [o.latency for o in self.replicas if o is not r and not o.benched]
+            benched_for, displaced = self._judge_latency(r, now, min(others, default=math.inf))
+            if benched_for is None and r.outruns >= self.config.bench_after_errors:
+                benched_for = (
+                    f"its last {r.outruns} reads were answered first by a replica asked later "
+                    f"(one still unanswered after {seconds * 1e3:.0f} ms)"
+                )
+                self._bench(r, now, slow=True)
+            bench_s = r.benched_until - now
+        self._tell(r, benched_for, bench_s, displaced)
+
+    def _measured_slow(self, r: Replica) -> bool:
+        """(under the lock) Whether ``r``'s latency, measured, is past the bench threshold
+        against the best other healthy replica's."""
+        cfg = self.config
+        best = min(
+            (o.latency for o in self.replicas if o is not r and not o.benched), default=math.inf
+        )
+        return r.latency > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
+
+    def _judge_latency(
+        self, r: Replica, now: float, best: float
+    ) -> tuple[str | None, Replica | None]:
+        """(under the lock) Bench healthy ``r`` if its latency is too far above ``best``: why,
+        and the replica that went back to full traffic in its place, if any."""
+        cfg = self.config
+        displaced = None
+        if (
+            not r.benched
+            and r.samples >= cfg.bench_min_samples
+            and r.latency > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
+            and (self._may_bench_slow() or (displaced := self._displace_for(r)))
+        ):
+            self._bench(r, now, slow=True)
+            why = f"latency {r.latency * 1e3:.1f} ms is {r.latency / best:.1f}x the best healthy"
+            return why + " replica's", displaced
+        return None, displaced
+
+    def _tell(
+        self, r: Replica, benched_for: str | None, bench_s: float, displaced: Replica | None
+    ) -> None:
         if benched_for is not None:
             r.stats.add(benched=1)
             logger.warning("replica %s benched for %.1fs: %s", r.name, bench_s, benched_for)
-        if recovered:
-            logger.info("replica %s recovered: back to full traffic", r.name)
         if displaced is not None:
             logger.info(
                 "replica %s back to full traffic: %s is slower and takes its place on the bench",

@@ -216,6 +216,7 @@ class _Request:
         self.errors: list[str] = []
         self.last_exc: BaseException | None = None
         self.attempts = 0
+        self.won_launched: float | None = None  # when the attempt that answered started
         if len(self.gone) == len(reads.health.replicas):
             self._missing_everywhere()
 
@@ -333,6 +334,7 @@ class _Request:
 
     def _won(self, a: _Attempt, data: Any) -> Any:
         elapsed = time.monotonic() - self.t0
+        self.won_launched = a.launched
         if a.hedge:
             self.reads.hedger.won("get")
         if self.read:  # a metadata request (a header, a size) is no read: wins add up to reads
@@ -399,11 +401,15 @@ class _Request:
         """Cancel the attempts still queued; the ones running are discarded, and given up at
         their deadline by a later request."""
         orphans = []
+        now = time.monotonic()
         for future, a in self.pending.items():
             if future.cancel():
                 a.replica.stats.add(cancelled=1)
             else:
                 a.replica.stats.add(discarded=1)
+                won = self.won_launched
+                if self.read and won is not None and a.launched < won and not a.settled:
+                    self.reads.health.outrun(a.replica, now - a.launched)
                 if a.deadline < math.inf:
                     orphans.append(a)
         if orphans:

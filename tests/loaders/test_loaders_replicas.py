@@ -315,6 +315,50 @@ def test_replica_config_rejects_bad_values():
         ReplicaSet([])
 
 
+def test_a_replica_whose_reads_hedges_always_win_is_judged_before_any_deadline(tmp_path):
+    """Reviewer H: a replica that answered no data read (each won by a hedge on the other)
+    was counted only when a later read gave its attempt up at the attempt deadline (10 s): a
+    pass shorter than that (a DataLoader worker's) ended with it "healthy", taking first
+    attempts and hedges all along. An attempt still running when one started after it answered
+    is a bound below its replica's latency: measured, it keeps hedges away at once, and a few
+    in a row bench it as slow."""
+    rs, stores = _replicas(
+        tmp_path,
+        [Faults(hang_rate=1.0, hang_s=30, ops=frozenset({"get"})), None],
+        hedge_initial_delay_s=0.02,
+        hedge_min_delay_s=0.001,
+        attempt_timeout_s=20,
+        read_deadline_s=10,
+    )
+    hung, good = rs._replicas
+    try:
+        assert rs.read("obj", 0, 64) == PAYLOAD[:64]  # the first read goes to r0: a hedge won
+        assert hung.samples == 1 and hung.latency >= 0.02 and good.samples == 1
+        for _ in range(3):  # first attempts on r0, each outrun by the hedge on r1
+            assert rs._health.choose([good], first=True) is hung
+            rs._health.outrun(hung, 0.05)
+        m = rs.metrics()["replicas"]
+        assert m[stores[0].uri]["health"] == "benched" and m[stores[0].uri]["errors"] == 0
+        assert m[stores[1].uri]["health"] == "healthy"
+        for _ in range(30):
+            assert rs.read("obj", 0, 64) == PAYLOAD[:64]
+        assert rs.metrics()["replicas"][stores[0].uri]["hedges_fired"] == 0
+    finally:
+        _release(stores)
+
+
+def test_a_replica_that_answers_between_lost_races_is_not_benched_for_them(tmp_path):
+    rs, stores = _replicas(tmp_path, [None, None], bench_after_errors=3)
+    one, other = rs._replicas
+    other.measured(0.01)
+    for _ in range(5):
+        for _ in range(2):
+            rs._health.outrun(one, 0.012)
+        rs._health.choose([other], first=True)
+        rs._health.finished(one, 0.011, 64, None, read=True)
+    assert not one.benched and one.outruns == 0
+
+
 def test_a_read_started_before_the_delay_is_learnt_hedges_once_it_is(tmp_path):
     """The first read goes to r0, which hangs. The initial guess of the hedge delay (10 s) is
     past the read's deadline (5 s); reads that complete meanwhile on r1 teach the delay, and the
