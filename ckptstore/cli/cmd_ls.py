@@ -104,6 +104,7 @@ def _listing_doc(
                             {"step": step, "ranks": ranks, "resumed_from": resumed}
                             for step, (ranks, resumed) in sorted(listing.left.items())
                         ],
+                        "under_other_paths": listing.elsewhere,
                     }
                     for d, listing in listings.items()
                 }
@@ -190,6 +191,12 @@ def _print_local_dirs(listings: dict[str, TierListing], local_problems: list[str
                 f"{rank_ranges(ranks)}) is of the run the job left when it "
                 f"{'started over' if resumed < 0 else f'resumed from step {resumed}'}: every "
                 "load passes over it"
+            )
+        for path, steps in listing.elsewhere.items():
+            print(
+                f"local copies in {d}: step(s) {', '.join(map(str, steps))} of this store made "
+                f"while it was at {path}: a load does not take them (a copy belongs to the "
+                f"store's path; run the job with the store at {path} to resume from them)"
             )
     for problem in local_problems:
         print(f"local copy unreadable: {problem}")

@@ -520,6 +520,39 @@ class LocalTier:
 _REMOVING = ".removing-"  # a left-behind store being removed (``remove_left_behind``)
 
 
+def copies_under_other_paths(
+    local_dir: str | os.PathLike, durable_uri: str, identity: StoreIdentity | None
+) -> dict[str, list[int]]:
+    """Copies in ``local_dir`` of the store instance ``identity`` made while it was at another
+    path (moved, or mounted elsewhere on a new node): that path -> the steps. A copy belongs to
+    the store's path, so a load never takes them; ``ckptstore ls`` and a tiered load that
+    finds no copy of its own name them. Empty where the store records no identity."""
+    found: dict[str, set[int]] = {}
+    if identity is None or not Path(local_dir).is_dir():
+        return {}
+    mine = job_dir_name(durable_uri)
+    for job in sorted(Path(local_dir).glob("job-*")):
+        if job.name == mine or not job.is_dir() or job.is_symlink():
+            continue
+        for sub in sorted(job.glob("rank-*")):
+            if sub.is_symlink() or not sub.is_dir():
+                continue
+            try:
+                store = open_store(sub)
+                for step in list_steps(store):
+                    info = load_manifest(store, step).user.get(TIER_KEY)
+                    if (
+                        isinstance(info, dict)
+                        and info.get("store_id") == identity.id
+                        and isinstance(info.get("durable"), str)
+                        and info["durable"] != durable_uri
+                    ):
+                        found.setdefault(info["durable"], set()).add(step)
+            except (CheckpointError, OSError):
+                continue  # another job's directory: not this store's to judge
+    return {path: sorted(steps) for path, steps in found.items()}
+
+
 def _read_plain_file(path: Path, limit: int) -> bytes:
     """At most ``limit`` bytes of ``path``, which must be a regular file, not a link: a FIFO
     planted there would block the open, a link lead anywhere."""
@@ -552,6 +585,8 @@ class TierListing:
     # step -> (ranks, the step the job resumed from): copies of a run the job left, which every
     # load passes over (``tiers.resumes``); not in ``copies``
     left: dict[int, tuple[list[int], int]] = field(default_factory=dict)
+    # a path the store was at -> the steps copies made there hold (``copies_under_other_paths``)
+    elsewhere: dict[str, list[int]] = field(default_factory=dict)
 
 
 def tier_copies(
@@ -601,7 +636,8 @@ def tier_copies(
                         ranks, _ = left.setdefault(step, ([], resume.step))
                         ranks.append(rank)
     copies = {step: sorted(ranks) for step, ranks in out.items()}
-    return TierListing(job_dir, copies, problems, left)
+    elsewhere = copies_under_other_paths(local_dir, durable_uri, identity)
+    return TierListing(job_dir, copies, problems, left, elsewhere)
 
 
 def local_retry(timeout_s: float) -> RetryPolicy:

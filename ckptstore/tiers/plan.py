@@ -20,6 +20,7 @@ Every rank gets the same plan, or raises the same error.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ from ckptstore.health import no_healthy_step, tiered_verdict
 from ckptstore.render import rank_ranges
 from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
-from ckptstore.tiers.local import LocalTier
+from ckptstore.tiers.local import LocalTier, copies_under_other_paths
 from ckptstore.tiers.restore import DURABLE, PEER, Candidate, Source, plan_sources
 from ckptstore.tiers.resumes import FRESH_START, Resume, left_by, resumes
 from ckptstore.tiers.transfer import wait_written
@@ -76,7 +77,10 @@ def plan_restore(
             listed = list_steps(durable)
         except CheckpointError as exc:
             listed = exc
-    everything = group.gather((*_held(local, group.rank), _place(local), listed))
+    held = _held(local, group.rank)
+    if wanted is None and not any(held[0].values()):
+        _name_copies_elsewhere(local, group.rank)
+    everything = group.gather((*held, _place(local), listed))
     manifests: dict[int, Manifest] = {}
     found: Any = None
     fresh = False  # nothing to resume, as far as every tier could tell
@@ -103,6 +107,31 @@ def plan_restore(
         plan.candidates, plan.not_healthy = _healthy(durable, local, group, plan, wanted)
         plan.candidates = plan.candidates[:limit] if limit is not None else plan.candidates
     return plan
+
+
+_named_elsewhere: set[str] = set()  # local dirs whose copies under other paths were named
+
+
+def _name_copies_elsewhere(local: LocalTier, rank: int) -> None:
+    """A load of the latest step that finds no copy of its own here: copies of this store made
+    while it was at another path are named, once per process and directory (they are not
+    loaded: a copy belongs to the store's path)."""
+    where = os.fspath(local.policy.local_dir)
+    if where in _named_elsewhere:
+        return
+    _named_elsewhere.add(where)
+    for path, steps in copies_under_other_paths(where, local.durable_uri, local.identity).items():
+        logger.warning(
+            "rank %d: %s holds copies of this store (id %s) made while it was at %s, of "
+            "step(s) %s; they are not loaded (a copy belongs to the store's path): run the job "
+            "with the store at %s to resume from them",
+            rank,
+            where,
+            local.identity.id if local.identity else "?",
+            path,
+            ", ".join(map(str, steps)),
+            path,
+        )
 
 
 def _raise_or(value: Any) -> Any:

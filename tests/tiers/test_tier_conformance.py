@@ -314,12 +314,18 @@ def test_latest_names_the_step_a_load_takes_a_local_only_one_included(make, tmp_
 
 def _durable_only(make: Any, tmp_path: Path) -> Front:
     """Steps 1 and 2 saved to both tiers, the front closed, the node's local tier wiped."""
-    front = make(durable_every=1)
+    front = _two_saved(make, durable_every=1)
+    shutil.rmtree(tmp_path / "local")
+    return front
+
+
+def _two_saved(make: Any, **tiers: Any) -> Front:
+    """Steps 1 and 2 saved (and drained as ``tiers`` say), the front closed."""
+    front = make(**tiers)
     for step in (1, 2):
         front.save(step, _state(step))
     front.wait_durable()
     front.close()
-    shutil.rmtree(tmp_path / "local")
     return front
 
 
@@ -346,6 +352,36 @@ def test_a_step_no_tier_can_load_is_skipped_and_quarantined_by_the_resume(make, 
     front.wait_durable()
     target = _blank()
     assert front.restart().resume(target) == 2 and _same(target, _state(22))
+
+
+def test_copies_made_before_the_store_moved_are_named_not_loaded(
+    front_type, make, tmp_path, caplog, capsys
+):
+    """Reviewer G: a durable store moved (or mounted at another path on a new node) after a
+    job was killed with its newest step in the local tier only: the restart resumed from the
+    older durable step in silence, and ``ls --local-dir`` said "none of this store's job". A
+    copy belongs to the store's path, so it is not loaded; the load and ``ls`` name it."""
+    from ckptstore.cli import main
+    from ckptstore.tiers import plan as tier_plan
+
+    front = _two_saved(make, durable_every=10)
+    moved = tmp_path / "moved"
+    os.rename(tmp_path / "durable", moved)
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    tier_plan._named_elsewhere.clear()
+    again = front_type(moved, front.tiers, front.storage)
+    try:
+        target = _blank()
+        assert again.load(target)[0] == 1 and _same(target, _state(1))
+    finally:
+        again.close()
+    said = [r.getMessage() for r in caplog.records if "made while it was at" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "durable") in said[0] and "step(s) 1, 2" in said[0]
+    capsys.readouterr()
+    assert main(["ls", str(moved), "--local-dir", str(tmp_path / "local"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (listing,) = doc["local_dirs"].values()
+    assert listing["under_other_paths"] == {str(tmp_path / "durable"): [1, 2]}
 
 
 def test_a_wiped_local_dir_loads_from_durable_storage(make, tmp_path):
@@ -514,11 +550,7 @@ def test_a_rank_directory_linked_elsewhere_is_never_written_through(make, tmp_pa
     a shared /dev/shm; the job directory's name is a hash anyone can compute). The tier wrote its
     copies through it and its retention deleted the durable store's committed steps. Now the
     link is refused: saves go to durable storage, with the warning of an unusable local tier."""
-    first = make(durable_every=1)
-    for step in (1, 2):
-        first.save(step, _state(step))
-    first.wait_durable()
-    first.close()
+    _two_saved(make, durable_every=1)
     durable = tmp_path / "durable"
     linked = rank_dir(tmp_path / "local", store_identity(Store(str(durable))), 0)
     shutil.rmtree(linked)
