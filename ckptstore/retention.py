@@ -101,7 +101,7 @@ def collect(
     check_chunks: bool = False,
     verify_kept: bool = False,
     verify_healthy: bool = False,
-    known: dict[tuple[int, str], str | None] | None = None,
+    known: set[tuple[int, str]] | None = None,
     warn: bool = True,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
@@ -255,7 +255,7 @@ def _verify_kept(
     keep_last: int | None,
     newest: bool,
     healthy: bool,
-    known: dict[tuple[int, str], str | None] | None,
+    known: set[tuple[int, str]] | None,
 ) -> None:
     """While ``keep_last`` would delete a step, re-hash what is kept in its place: with
     ``newest`` the newest ``keep_last`` not yet checked, with ``healthy`` the newest healthy step
@@ -263,9 +263,9 @@ def _verify_kept(
     saves). A damaged one leaves ``readable`` (corrupt) and the next older takes its place: a
     byte flipped in the newest step, or in the healthy one kept, never costs the good steps
     before it (``ckptstore gc``'s default; savers check the healthy one). ``known``: the
-    verdicts on saves (step, attempt) checked before (None: good, else why not), not read
-    again; those reached here are added."""
-    verdicts = known if known is not None else {}
+    saves (step, attempt) found good before (value None), not read again; those found good
+    here are added (a damaged one is read again next time: a later save may repair it)."""
+    good = known if known is not None else set()
     while keep_last is not None and len(readable) > keep_last:
         steps = sorted(readable)
         want = steps[-keep_last:] if newest else []
@@ -276,21 +276,12 @@ def _verify_kept(
         if not want:
             return
         ids = {s: (s, readable[s].manifest.attempt) for s in want}
-        unread = [s for s in want if ids[s] not in verdicts]
+        unread = [s for s in want if ids[s] not in good]
         for step in set(want) - set(unread):
-            why = verdicts[ids[step]]
-            if why is None:
-                report.verified_steps = sorted({*report.verified_steps, step})
-            else:
-                report.unreadable_steps[step] = why
-                del readable[step]
+            report.verified_steps = sorted({*report.verified_steps, step})
         if unread:
             _verify_chunks(store, readable, report, unread)
-            for step in unread:
-                if step in readable:
-                    verdicts[ids[step]] = None
-                elif step in report.unreadable_steps:
-                    verdicts[ids[step]] = report.unreadable_steps[step]
+            good.update(ids[s] for s in unread if s in readable)
 
 
 def _verify_chunks(

@@ -7,7 +7,12 @@ import argparse
 from ckptstore._inspect import check_all_chunks, check_step_objects, chunks_to_check
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
 from ckptstore.cli.common import Failed, emit_json, progress
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptstore.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
 from ckptstore.health import UNHEALTHY, status
 from ckptstore.render import human_bytes
 from ckptstore.store import Store
@@ -90,7 +95,7 @@ def _health(store: Store, step: int) -> str:
     try:
         return status(load_manifest(store, step).health)
     except StorageError:
-        return "not read"  # the store did not answer: says nothing of the manifest
+        return "not read"  # a request failed: says nothing of the manifest
     except CheckpointError:
         return "unreadable"
 
@@ -100,8 +105,10 @@ def _identity_problem(store: Store) -> str | None:
     (None: intact, or none recorded)."""
     try:
         read_identity(store)
-    except StorageError as exc:
+    except StorageTimeoutError as exc:
         return f"{exc}: not read (the store did not answer); run verify again"
+    except StorageError as exc:
+        return f"{exc}: not read (a request failed, which says nothing of the identity)"
     except CheckpointError as exc:
         return (
             f"{exc}: every tiered job fails to open this store until it is restored from a "

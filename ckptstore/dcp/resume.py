@@ -55,11 +55,13 @@ def resume(
     ``CheckpointCorruptError`` names every step and why. Any other failure is DCP's
     ``CheckpointException``, raised at once. A failed attempt may have written into the state's
     tensors (as any failed ``dcp.load``); the older step that loads overwrites them. With
-    ``healthy=True`` on the reader only healthy steps are tried."""
+    ``healthy=True`` on the reader only healthy steps are tried. ``no_dist`` (as DCP's): this
+    process alone, with no collective of its own either."""
     reader = storage_reader
     if reader.step != "latest":
         raise ValueError(f"resume() starts from the latest step; the reader names {reader.step!r}")
-    group = load_group(reader.options["storage"])
+    # no_dist: this process alone (a consolidation beside a running job), no collective
+    group = RankGroup(None, 0.0, no_dist=True) if no_dist else load_group(reader.options["storage"])
     steps = _steps(reader, group)
     skipped: list[tuple[int, BaseException]] = []
     try:

@@ -151,8 +151,7 @@ class SaveEngine:
         self._fallback_logged = False
         self._loop_peak_seen = False  # "auto": its first save has passed (a step ran since)
         self.keep_last = keep_last
-        # (step, attempt) -> None (checks out) or why not: what retention re-hashed
-        self.retention_verdicts: dict[tuple[int, str], str | None] = {}
+        self.retained_good: set[tuple[int, str]] = set()  # (step, attempt) retention re-hashed
         self.lease_ttl_s = lease_ttl_s
         self.gc_wait_s = gc_wait_s
         self.health = health or HealthPolicy()

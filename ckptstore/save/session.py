@@ -376,7 +376,7 @@ class SaveSession:
                 keep_steps={self.step},
                 lease_ttl_s=self.engine.lease_ttl_s,
                 verify_healthy=True,  # an old healthy step kept for its health is read once
-                known=self.engine.retention_verdicts,
+                known=self.engine.retained_good,
             )
         except CheckpointError as exc:
             logger.warning(

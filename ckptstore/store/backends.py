@@ -15,6 +15,7 @@ import io
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -365,15 +366,29 @@ class LocalBackend(FsspecBackend):
         finally:
             os.close(dir_fd)
 
+    def _open_file(self, path: str) -> Any:
+        """``path`` opened for reading, if it is a regular file: a FIFO or device planted in a
+        store is refused at once (opening a FIFO would wait for a writer for ever)."""
+        fd = os.open(self._inside(path), os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise StorageError(f"{path} is not a regular file (mode {mode:o}): not read")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        with open(self._inside(path), "rb") as f:
+        with self._open_file(path) as f:
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
 
     def get_view(self, path: str, start: int | None = None, end: int | None = None) -> Any:
         """A pre-faulted memory map of the file's pages (no copy and no fresh pages)."""
-        with open(self._inside(path), "rb") as f:
+        with self._open_file(path) as f:
             size = os.fstat(f.fileno()).st_size
             lo = min(start or 0, size)
             hi = size if end is None else max(lo, min(end, size))

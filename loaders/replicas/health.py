@@ -45,7 +45,6 @@ class Replica:
         self.samples = 0
         self.inflight = 0
         self.consecutive_errors = 0
-        self.outruns = 0  # reads of its own answered first by a later attempt, in a row
         self.benched = False  # benched until benched_until, then on probation until recovered
         self.benched_slow = False  # benched for its latency rather than for errors
         self.benched_until = 0.0
@@ -108,10 +107,10 @@ class ReplicaHealth:
                 choice.probe_due = self._firsts + share
             elif healthy:
                 choice = self._pick(healthy) if first else min(healthy, key=Replica.score)
+            elif hedge:  # a replica on probation is probed by first attempts, not raced
+                return None
             elif probation:
                 choice = min(probation, key=Replica.score)
-            elif hedge:
-                return None
             else:
                 choice = min(candidates, key=lambda r: r.benched_until)
             choice.inflight += 1
@@ -149,7 +148,6 @@ class ReplicaHealth:
             best = min(others, default=math.inf)
             if error is None:
                 r.consecutive_errors = 0
-                r.outruns = 0 if read else r.outruns
             if error is None and read and (on_probation or not r.benched):
                 r.measured(seconds)
                 if on_probation:
@@ -184,24 +182,17 @@ class ReplicaHealth:
     def outrun(self, r: Replica, seconds: float) -> None:
         """An attempt on ``r`` still running ``seconds`` after it started when an attempt that
         started after it, on another replica, answered its read: a bound below its latency,
-        measured as a read's; ``bench_after_errors`` of them in a row with no read answered
-        between bench it as slow. A replica that never answers (each read of its own won by a
-        hedge, none given up at its deadline yet) is so judged slow, not healthy, within a few
-        reads. Its end (or its deadline) is accounted as before."""
+        measured as a read's. A replica that never answers (each read of its own won by a hedge,
+        none given up at its deadline yet) is so measured slow, not unknown: no hedge goes to
+        it, and once it has ``bench_min_samples`` it is judged by the latency rule (a stall
+        that several reads in flight saw moves its median no more than one slow read)."""
         with self._lock:
             if r.benched:
                 return
             r.measured(seconds)
-            r.outruns += 1
             now = time.monotonic()
             others = [o.latency for o in self.replicas if o is not r and not o.benched]
             benched_for, displaced = self._judge_latency(r, now, min(others, default=math.inf))
-            if benched_for is None and r.outruns >= self.config.bench_after_errors:
-                benched_for = (
-                    f"its last {r.outruns} reads were answered first by a replica asked later "
-                    f"(one still unanswered after {seconds * 1e3:.0f} ms)"
-                )
-                self._bench(r, now, slow=True)
             bench_s = r.benched_until - now
         self._tell(r, benched_for, bench_s, displaced)
 
@@ -212,7 +203,8 @@ class ReplicaHealth:
         best = min(
             (o.latency for o in self.replicas if o is not r and not o.benched), default=math.inf
         )
-        return r.latency > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
+        slow = r.latency > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
+        return r.samples > 0 and slow
 
     def _judge_latency(
         self, r: Replica, now: float, best: float

@@ -1037,15 +1037,23 @@ def test_verify_says_an_identity_it_could_not_read_is_not_read_not_damaged(
     """Reviewer G: a timeout reading identity.json (a stalled endpoint) was reported as a
     damaged identity, with the advice to restore the store from a backup or delete it."""
     from ckptstore.cli import cmd_verify
-    from ckptstore.errors import StorageError
+    from ckptstore.errors import StorageAccessError, StorageTimeoutError
 
     def stalled(s):
-        raise StorageError(f"get {s.url('identity.json')}: no answer within 5.0s")
+        raise StorageTimeoutError(f"get {s.url('identity.json')}: no answer within 5.0s")
 
     monkeypatch.setattr(cmd_verify, "read_identity", stalled)
     code, doc = run_json(capsys, "verify", store)
     assert code == 1 and "not read (the store did not answer)" in doc["identity_problem"]
     assert "backup" not in doc["identity_problem"]
+
+    def refused(s):  # reviewer I: a refusal is no timeout: "run verify again" misleads
+        raise StorageAccessError(f"get {s.url('identity.json')}: AccessDenied (403)")
+
+    monkeypatch.setattr(cmd_verify, "read_identity", refused)
+    code, doc = run_json(capsys, "verify", store)
+    assert code == 1 and "AccessDenied" in doc["identity_problem"]
+    assert "again" not in doc["identity_problem"] and "backup" not in doc["identity_problem"]
 
 
 def test_a_store_holding_only_a_killed_saves_temporaries_is_still_a_store(tmp_path, capsys):

@@ -138,6 +138,11 @@ def _two_ranks(rank: int, world: int, root: str) -> None:
     assert_same(target, _state(1, rank))
     dist.barrier()
     assert list_steps(Store(root)) == [1]
+    if rank == 0:  # one process alone beside the job (reviewer I: it waited for the others)
+        target = blank_like(_state(1, 0))
+        assert resume(target, StoreReader(root), no_dist=True) == 1
+        assert_same(target, _state(1, 0))
+    dist.barrier()
 
 
 @pytest.mark.dist

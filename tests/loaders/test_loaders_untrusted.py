@@ -114,6 +114,21 @@ def test_a_declared_file_outside_the_root_is_a_loader_error(tmp_path: Path, name
         ShardDataset(str(root), TokenFiles(files=[name], sample_tokens=8), config=IN_ORDER)
 
 
+def test_a_fifo_planted_as_a_shard_is_refused_at_once(tmp_path: Path) -> None:
+    """Reviewer H: a FIFO named like a shard was listed (size 0) and read: the open waited for a
+    writer until the read deadline (60 s by default). A file that is not a regular file is not
+    read."""
+    from loaders import ReplicaConfig, WebDataset
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    os.mkfifo(root / "evil.tar")
+    config = ReplicaConfig(attempt_timeout_s=30, read_deadline_s=60)
+    with pytest.raises(Exception, match="not a regular file") as refused:
+        ShardDataset(str(root), WebDataset(), config=IN_ORDER, replica_config=config)
+    assert "evil.tar" in str(refused.value)
+
+
 def plant_zstd_bomb(root: Path) -> int:
     """Replace the shard of a zstd MDS dataset by a frame of BOMB zero bytes (about 32 KiB),
     the index's compressed size and hashes recomputed; the raw size the index declares."""
