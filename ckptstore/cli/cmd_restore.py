@@ -51,7 +51,7 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
                 remove_if_empty_dir(target)  # the export made it; nothing went in
             raise
     check_target(target, args.format, args.force)
-    view = StepView.open(store, args.step)
+    view = _open_naming_the_step_before(store, args.step)
     manifest, step = view.manifest, view.step
     total = view.progress_bytes()
     with progress(total, f"restore step {step}") as advance, warnings.catch_warnings():
@@ -102,6 +102,20 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
             f"storage_reader=FileSystemReader({target!r}))"
         )
     return 0
+
+
+def _open_naming_the_step_before(store: Store, step: int | None) -> StepView:
+    """The step's view; a manifest or index that does not decode fails naming the step before
+    it, as a damaged chunk does (reviewer G: only chunk damage said what to try next)."""
+    try:
+        return StepView.open(store, step if step is not None else "latest")
+    except CheckpointCorruptError as exc:
+        listed = list_steps(store)
+        failed = step if step is not None else (listed[-1] if listed else None)
+        older = [s for s in listed if failed is not None and s < failed]
+        if not older:
+            raise
+        raise CheckpointCorruptError(f"{exc}; the step before it: --step {older[-1]}") from exc
 
 
 def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:

@@ -167,6 +167,21 @@ def test_remove_corrupt_without_keep_last_keeps_every_readable_step(tmp_path, ca
     assert main(["verify", uri, "--all"]) == 0
 
 
+@pytest.mark.parametrize("damage", ["manifest", "index"])
+def test_restore_of_a_step_whose_manifest_or_index_is_damaged_names_the_step_before(
+    tmp_path, capsys, damage
+):
+    """Reviewer G: a damaged chunk's error said "the step before it: --step N"; a damaged
+    manifest (or index) of the latest step said nothing of what to try next."""
+    uri = str(tmp_path / "s")
+    save_two_steps(uri)
+    DAMAGE[damage](Store(uri), 2)
+    assert main(["restore", uri, "--to", str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "the step before it: --step 1" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["restore", uri, "--step", "1", "--to", str(tmp_path / "out.pt")]) == 0
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("damage", ["index", "chunk-cut-short"])
 def test_gc_keeps_the_loadable_step_on_s3(s3_uri, capsys, damage):
