@@ -62,6 +62,12 @@ class Request:
     """A put of a content-addressed object other writers put too (a chunk)."""
 
 
+# The first component of every key a store writes below its top (docs/FORMAT.md).
+_LAYOUT = frozenset(
+    {"chunks", "steps", "indexes", "commits", "pending", "leases", "quarantine", "resumes"}
+)
+
+
 class Store:
     """A prefix in an object store, addressed by relative keys such as ``chunks/ab/abcd...``.
 
@@ -472,9 +478,13 @@ class Store:
 
     def stale_temporaries(self, *, older_than_s: float) -> list[str]:
         """Keys of put temporaries (local: ``<key>.tmp-<uuid>``) not modified for
-        ``older_than_s``: left by a writer that died mid-put. Empty where puts leave none."""
+        ``older_than_s``: left by a writer that died mid-put. Empty where puts leave none. Only
+        those of this store's own layout (a key at its top, or under one of its prefixes): a
+        store nested in a directory below is not this store's (a gc of a parent directory
+        deleted a nested store's temporaries)."""
         paths = self.backend.stale_temporaries(self.root, older_than_s=older_than_s)
-        return sorted(self._key(p) for p in paths)
+        keys = (self._key(p) for p in paths)
+        return sorted(k for k in keys if "/" not in k or k.split("/", 1)[0] in _LAYOUT)
 
     def copy(self, src: str, dst: str) -> None:
         """Write ``dst`` once with ``src``'s bytes, copied by the store itself where it can

@@ -1069,3 +1069,18 @@ def test_a_store_holding_only_a_killed_saves_temporaries_is_still_a_store(tmp_pa
     assert code == 0 and "no committed steps" in out
     assert run(capsys, "gc", tmp_path / "s", "--keep-last", "1")[0] == 0
     assert not tmp.exists()
+
+
+def test_a_directory_holding_a_store_with_temporaries_is_not_a_store(tmp_path, capsys):
+    """Reviewer G: a parent directory of stores, one holding a killed save's temporary, was
+    taken for a store (``ls``: no committed steps, exit 0) and ``gc`` of it deleted the nested
+    store's temporary. A store's temporaries are those of its own layout."""
+    chunk_dir = tmp_path / "runs" / "run2" / "chunks" / "ab"
+    chunk_dir.mkdir(parents=True)
+    tmp = chunk_dir / f"ab{'0' * 30}.tmp-{'1' * 32}"
+    tmp.write_bytes(b"x" * 1024)
+    old = time.time() - 3600
+    os.utime(tmp, (old, old))
+    code, _, err = run(capsys, "ls", tmp_path / "runs")
+    assert code == 1 and "no ckptstore data" in err
+    assert run(capsys, "gc", tmp_path / "runs")[0] == 1 and tmp.exists()
