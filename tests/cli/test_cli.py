@@ -1056,15 +1056,21 @@ def test_verify_says_an_identity_it_could_not_read_is_not_read_not_damaged(
     assert "again" not in doc["identity_problem"] and "backup" not in doc["identity_problem"]
 
 
-def test_a_store_holding_only_a_killed_saves_temporaries_is_still_a_store(tmp_path, capsys):
-    """A first save killed mid-put leaves temporaries only (its lease and chunks swept): every
-    command called the path "a mistyped path", and gc refused to remove them."""
-    chunk_dir = tmp_path / "s" / "chunks" / "ab"
+def _killed_puts_temporary(store: Path) -> Path:
+    """A chunk put's temporary under ``store``, an hour old (its writer died mid-put)."""
+    chunk_dir = store / "chunks" / "ab"
     chunk_dir.mkdir(parents=True)
     tmp = chunk_dir / f"ab{'0' * 30}.tmp-{'1' * 32}"
     tmp.write_bytes(b"x" * 1024)
     old = time.time() - 3600
     os.utime(tmp, (old, old))
+    return tmp
+
+
+def test_a_store_holding_only_a_killed_saves_temporaries_is_still_a_store(tmp_path, capsys):
+    """A first save killed mid-put leaves temporaries only (its lease and chunks swept): every
+    command called the path "a mistyped path", and gc refused to remove them."""
+    tmp = _killed_puts_temporary(tmp_path / "s")
     code, out, _ = run(capsys, "ls", tmp_path / "s")
     assert code == 0 and "no committed steps" in out
     assert run(capsys, "gc", tmp_path / "s", "--keep-last", "1")[0] == 0
@@ -1075,12 +1081,7 @@ def test_a_directory_holding_a_store_with_temporaries_is_not_a_store(tmp_path, c
     """Reviewer G: a parent directory of stores, one holding a killed save's temporary, was
     taken for a store (``ls``: no committed steps, exit 0) and ``gc`` of it deleted the nested
     store's temporary. A store's temporaries are those of its own layout."""
-    chunk_dir = tmp_path / "runs" / "run2" / "chunks" / "ab"
-    chunk_dir.mkdir(parents=True)
-    tmp = chunk_dir / f"ab{'0' * 30}.tmp-{'1' * 32}"
-    tmp.write_bytes(b"x" * 1024)
-    old = time.time() - 3600
-    os.utime(tmp, (old, old))
+    tmp = _killed_puts_temporary(tmp_path / "runs" / "run2")
     code, _, err = run(capsys, "ls", tmp_path / "runs")
     assert code == 1 and "no ckptstore data" in err
     assert run(capsys, "gc", tmp_path / "runs")[0] == 1 and tmp.exists()
