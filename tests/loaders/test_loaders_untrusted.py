@@ -230,6 +230,10 @@ def test_a_hash_of_no_fixed_length_is_unknown_not_a_replica_fault(tmp_path, capl
             lambda ix: ix["shards"][0]["column_names"].append("extra"),
             "3 column names, 2 encodings and 2 sizes",
         ),
+        # reviewer H: these read unverified, or failed as "'NoneType' object is not subscriptable"
+        (lambda ix: ix["shards"][0]["raw_data"].pop("hashes"), "records none of them"),
+        (lambda ix: ix["shards"][0].update(compression="zstd"), "has no zip_data"),
+        (lambda ix: ix["shards"][0].update(column_names={"a": 1, "b": 2}), "is not a list"),
     ],
 )
 def test_a_malformed_mds_index_entry_is_one_line_naming_the_index(tmp_path: Path, edit, message):

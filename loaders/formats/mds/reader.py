@@ -276,7 +276,14 @@ class _Shard:
     ) -> _Shard:
         raw_data, zipped = info["raw_data"], info.get("zip_data")
         compression = info.get("compression")
+        if compression and not isinstance(zipped, dict):
+            raise ShardCorruptError(
+                f"a shard compressed with {compression!r} has no zip_data in {index}"
+            )
         data = zipped if compression else raw_data
+        for column in ("column_names", "column_encodings", "column_sizes"):
+            if not isinstance(info[column], list):
+                raise ShardCorruptError(f"{column} of a shard in {index} is not a list")
         names, encodings = list(info["column_names"]), list(info["column_encodings"])
         unknown = sorted(raw.difference(names))
         if unknown:
@@ -285,6 +292,12 @@ class _Shard:
                 f"have (columns: {', '.join(names)})"
             )
         listed = set(info.get("hashes") or [])
+        recorded = data.get("hashes") if isinstance(data.get("hashes"), dict) else {}
+        if verify and listed and not listed & set(recorded):
+            raise ShardCorruptError(
+                f"{index} lists hashes {', '.join(sorted(listed))} but shard "
+                f"{data['basename']!r} records none of them: it cannot be verified"
+            )
         shard = cls(
             key=posixpath.join(base, check_shard_key(data["basename"], index)),
             raw_name=check_shard_key(raw_data["basename"], index),
