@@ -53,7 +53,7 @@ def resume(
     older one tried; once one loads, the skipped ones are quarantined (docs/FORMAT.md,
     "Quarantine"). If none loads, ``NoLoadableStepError`` (each missed objects) or
     ``CheckpointCorruptError`` names every step and why. Any other failure is DCP's
-    ``CheckpointException``, raised at once. A failed attempt may have written into the state's
+    ``CheckpointException``, raised at once (its ``step`` the step that failed). A failed attempt may have written into the state's
     tensors (as any failed ``dcp.load``); the older step that loads overwrites them. With
     ``healthy=True`` on the reader only healthy steps are tried. ``no_dist`` (as DCP's): this
     process alone, with no collective of its own either."""
@@ -72,6 +72,7 @@ def resume(
             except CheckpointException as exc:
                 why = _skippable(exc, reader, group)
                 if why is None:
+                    exc.step = step  # which step failed: a front-end's message names it
                     raise
                 skipped.append((step, why))
                 if group.rank == 0:

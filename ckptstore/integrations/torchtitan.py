@@ -21,8 +21,10 @@ and its state dict as torchtitan's own ``CheckpointManager`` builds it, and chan
 the bytes go and how the newest step is found:
 
 - resume (``load_step=-1``) takes the newest *committed* step of the store's catalog (never a
-  listing of folders: an interrupted save is never seen); ``load_step=N`` that step, and a step
-  the store does not hold is ``FileNotFoundError``, as in torchtitan. Step 0 (a seed checkpoint)
+  listing of folders: an interrupted save is never seen) that loads: one whose chunks are corrupt
+  or missing is skipped with a warning and quarantined, the one before it loaded
+  (``ckptstore.dcp.resume``), so a damaged step does not crash every restart. ``load_step=N``
+  loads that step, and a step the store does not hold is ``FileNotFoundError``, as in torchtitan. Step 0 (a seed checkpoint)
   loads the model only, as in torchtitan. With nothing committed, ``initial_load_path`` (another
   ckptstore store: its newest step, or step N when the path ends in ``/step-N`` as torchtitan's
   checkpoint folders do; ``initial_load_model_only`` applies) or a fresh start.
@@ -93,7 +95,7 @@ from torch.distributed.checkpoint.staging import StagingOptions as DCPStagingOpt
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ckptstore.catalog import list_steps, load_manifest
-from ckptstore.dcp import StoreReader, StoreWriter
+from ckptstore.dcp import StoreReader, StoreWriter, resume
 from ckptstore.errors import CheckpointNotFoundError, one_line
 from ckptstore.integrations._pickled import check_pickled_state
 from ckptstore.options import (
@@ -377,6 +379,10 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         reader = self._reader(self.folder)
         if step == -1:
             load_step = _agreed(reader.latest())
+            if load_step:  # step 0 is torchtitan's model-only seed: nothing older to try
+                if self._resume(reader):
+                    return True
+                load_step = None  # every step went between the listing and the load
         else:
             if self._read_options["tiers"] is None:
                 committed = list_steps(reader.store)
@@ -436,6 +442,30 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         self.states[MODEL].load_state_dict(states)
         return True
 
+    def _resume(self, reader: StoreReader) -> bool:
+        """The newest step that loads (``ckptstore.dcp.resume``): a corrupt or incomplete
+        newest step is skipped, named in a warning and quarantined, not a crash at every
+        restart."""
+        states = self._states_to_load(model_only=False)
+        try:
+            step = resume(states, reader)
+        except CheckpointException as exc:
+            failures = [e for e, _ in exc.failures.values()] + [reader.metadata_error]
+            failed = getattr(exc, "step", None)
+            clear = (
+                None
+                if failed is None
+                else _one_line_load_error(failures, failed, self.folder, named=False)
+            )
+            if clear is None:
+                raise
+            raise clear from exc
+        if step is None:
+            return False
+        logger.info("rank %d: loaded step %d of %s", _rank(), step, self.folder)
+        self.states[MODEL].load_state_dict(states)
+        return True
+
     def _reader(self, uri: str) -> StoreReader:
         return StoreReader(uri, storage_options=self.storage_options, **self._read_options)
 
@@ -446,7 +476,7 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             if key not in self.states:
                 raise ValueError(f"{key} not found in state_dict.")
         keep = {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
-        if DATALOADER in keep:
+        if keep.get(DATALOADER) is not None:
             keep[DATALOADER] = _CheckedDataloader(keep[DATALOADER])
         return self._flattened_model_states_sd(keep)
 

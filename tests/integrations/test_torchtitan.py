@@ -614,3 +614,56 @@ def test_a_dataloader_state_in_any_buffer_is_checked_before_torchtitan_unpickles
     with pytest.raises(UnsupportedStateError, match=r"'dp_rank_0' holds a pickled .*open"):
         _CheckedDataloader(loader).load_state_dict({"dp_rank_0": hostile, "world_size": 1})
     assert not marker.exists()
+
+
+@needs_torchtitan
+def test_a_corrupt_newest_step_is_skipped_and_quarantined_not_a_crash_at_every_restart(
+    tmp_path, caplog
+):
+    """Reviewer: the torchtitan door loaded the newest step with a plain dcp.load, so a step
+    with a damaged chunk failed every restart of the job. It resumes through
+    ``ckptstore.dcp.resume``: the step before is loaded, the damaged one named and
+    quarantined."""
+    import logging
+
+    from ckptstore import Store
+    from ckptstore.catalog import list_steps, load_manifest, load_rank_index, quarantined
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+
+    config = CkptstoreCheckpointManager.Config(enable=True, interval=1)
+    manager = _build(config, tmp_path)
+    model = manager.states["model"].model[0]
+    saved = {}
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        saved[step] = model.weight.detach().clone()
+        manager.save(step)
+    manager.close()
+
+    store = Store(str(tmp_path / "checkpoint"))
+    assert list_steps(store) == [1, 2]
+
+    def chunks(step):
+        return set(load_rank_index(store, load_manifest(store, step), 0).chunks)
+
+    newest_only = sorted(chunks(2) - chunks(1))
+    assert newest_only
+    path = tmp_path / "checkpoint" / "chunks" / newest_only[0][:2] / newest_only[0]
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    manager = _build(config, tmp_path)
+    model = manager.states["model"].model[0]
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert manager.load() is True
+    finally:
+        manager.close()
+    assert torch.equal(model.weight, saved[1])
+    said = [r.getMessage() for r in caplog.records if "trying an older step" in r.getMessage()]
+    assert len(said) == 1 and "step 2" in said[0], said
+    assert 2 in quarantined(store).values()
+    assert list_steps(store) == [1]
