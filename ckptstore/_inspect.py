@@ -88,7 +88,7 @@ def summarize(view: StepView) -> dict[str, Any]:
     raw = sum(c.raw for c in chunks.values())
     stored = sum(c.stored for c in chunks.values())
     return {
-        **manifest_summary(view.store, manifest),
+        **manifest_summary(manifest),
         "attempt": manifest.attempt,
         "raw_bytes": raw,
         "stored_bytes": stored,
@@ -102,7 +102,7 @@ def summarize(view: StepView) -> dict[str, Any]:
     }
 
 
-def manifest_summary(store: Store, manifest: Manifest) -> dict[str, Any]:
+def manifest_summary(manifest: Manifest) -> dict[str, Any]:
     """One line of ``ls``: the step as its manifest describes it."""
     from datetime import datetime, timezone
 

@@ -587,6 +587,9 @@ class TierListing:
     left: dict[int, tuple[list[int], int]] = field(default_factory=dict)
     # a path the store was at -> the steps copies made there hold (``copies_under_other_paths``)
     elsewhere: dict[str, list[int]] = field(default_factory=dict)
+    # step -> the copies in ``copies``, each its rank's store and manifest (what ls says of a
+    # step held only in local tiers)
+    manifests: dict[int, list[tuple[Store, Manifest]]] = field(default_factory=dict)
 
 
 def tier_copies(
@@ -606,6 +609,7 @@ def tier_copies(
         raise CheckpointNotFoundError(f"no local tier directory at {local_dir}")
     job_dir = Path(local_dir) / job_dir_name(durable_uri)
     out: dict[int, set[int]] = {}
+    manifests: dict[int, list[tuple[Store, Manifest]]] = {}
     left: dict[int, tuple[list[int], int]] = {}
     problems: list[str] = []
     for sub in sorted(job_dir.glob("rank-*")):
@@ -632,12 +636,13 @@ def tier_copies(
                     resume = left_by(step, made_under(info), recorded or [])
                     if resume is None:
                         out.setdefault(step, set()).add(rank)
+                        manifests.setdefault(step, []).append((store, manifest))
                     else:
                         ranks, _ = left.setdefault(step, ([], resume.step))
                         ranks.append(rank)
     copies = {step: sorted(ranks) for step, ranks in out.items()}
     elsewhere = copies_under_other_paths(local_dir, durable_uri, identity)
-    return TierListing(job_dir, copies, problems, left, elsewhere)
+    return TierListing(job_dir, copies, problems, left, elsewhere, manifests)
 
 
 def local_retry(timeout_s: float) -> RetryPolicy:

@@ -109,6 +109,38 @@ def test_a_healthy_load_with_a_node_replaced_judges_the_peer_copy_it_takes(tmp_p
     assert [r["source"] for r in reports] == [LOCAL, LOCAL, PEER, PEER], reports
 
 
+def test_ls_describes_a_step_held_only_in_local_dirs_from_its_copies(tmp_path, capsys):
+    """A reviewer: a step only the local tiers held was a row of dashes, its time, size and
+    health unknown to an operator choosing a step. The copies describe it; its bytes only where
+    the copies listed cover every rank."""
+    from ckptstore.cli import main
+
+    kw = {"peer_copies": 0, "durable_every": 3}
+    began = time.time()
+    run_ranks(save_steps, 4, str(tmp_path), [10, 20], kw, timeout_s=150)
+    ended = time.time()
+    durable, nodes = tmp_path / "durable", [str(tmp_path / "node0"), str(tmp_path / "node1")]
+
+    def rows(*dirs):
+        args = ["ls", str(durable), *[a for d in dirs for a in ("--local-dir", d)], "--json"]
+        assert main(args) == 0
+        return {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+
+    both = rows(*nodes)
+    whole, local_only = both[10], both[20]
+    assert local_only["tiers"] == {"durable": False, "local": {nodes[0]: [0, 1], nodes[1]: [2, 3]}}
+    assert (local_only["kind"], local_only["world_size"]) == ("state", 4)
+    assert local_only["health"] == whole["health"] == "healthy"
+    assert began <= local_only["created_at"] <= ended  # its first copy's local commit
+    assert local_only["raw_bytes"] == whole["raw_bytes"]  # the same shapes on every rank
+    assert local_only["user"] == {}
+    half = rows(nodes[0])[20]
+    assert half["world_size"] == 4 and half["raw_bytes"] is None and half["created"]
+    assert main(["ls", str(durable), "--local-dir", nodes[0]]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[0] == "20")
+    assert "state" in line and "healthy" in line and half["created"] in line
+
+
 def test_a_store_made_again_gets_its_peer_copies_over_the_old_instances(tmp_path):
     """The durable store deleted and made again, the nodes' local dirs kept: the job saves the
     same step numbers again. Its own copies and the copies it sends to holders unlist the old
