@@ -102,17 +102,22 @@ def summarize(view: StepView) -> dict[str, Any]:
     }
 
 
-def manifest_summary(manifest: Manifest) -> dict[str, Any]:
-    """One line of ``ls``: the step as its manifest describes it."""
+def utc_text(timestamp: float) -> str:
+    """``2026-12-04T12:24:32Z``."""
     from datetime import datetime, timezone
 
-    created = datetime.fromtimestamp(manifest.created_at, tz=timezone.utc)
+    when = datetime.fromtimestamp(timestamp, tz=timezone.utc)
+    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def manifest_summary(manifest: Manifest) -> dict[str, Any]:
+    """One line of ``ls``: the step as its manifest describes it."""
     return {
         "step": manifest.step,
         "kind": manifest.kind,
         "world_size": manifest.world_size,
         "created_at": manifest.created_at,
-        "created": created.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "created": utc_text(manifest.created_at),
         "raw_bytes": manifest.raw_bytes,
         "stored_bytes": manifest.stored_bytes,
         "compression_ratio": ratio(manifest.raw_bytes, manifest.stored_bytes),

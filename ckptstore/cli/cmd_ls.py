@@ -8,22 +8,14 @@ import os
 import re
 from typing import Any
 
-from ckptstore._inspect import manifest_summary, message, ratio
-from ckptstore.catalog import (
-    list_steps,
-    load_manifest,
-    quarantined,
-    read_rank_index,
-    saves_in_flight,
-)
+from ckptstore._inspect import manifest_summary, message, ratio, utc_text
+from ckptstore.catalog import list_steps, load_manifest, quarantined, saves_in_flight
 from ckptstore.cli.common import Failed, UsageError, emit_json
-from ckptstore.errors import CheckpointError, StorageError
-from ckptstore.format import ChunkInfo, Manifest
-from ckptstore.health import UNHEALTHY, UNKNOWN, status
+from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, rank_ranges, table
 from ckptstore.store import Store
 from ckptstore.tiers.identity import read_identity, store_identity
-from ckptstore.tiers.local import TierListing, tier_copies
+from ckptstore.tiers.local import TierListing, describe_copies, tier_copies
 from ckptstore.tiers.policy import TIER_KEY
 from ckptstore.tiers.resumes import resumes
 
@@ -62,8 +54,9 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
         rows = _with_tiers(rows, local)
         for row in rows:
             if not row["tiers"]["durable"]:
-                copies = [m for x in listings.values() for m in x.manifests.get(row["step"], [])]
-                row.update(_described_by_copies(copies))
+                copies = [c for x in listings.values() for c in x.manifests.get(row["step"], [])]
+                if copies:
+                    row.update(_described(describe_copies(copies)))
     pending = saves_in_flight(store)
     held_apart = sorted(set(quarantined(store).values()))
     bad = [r for r in rows if "error" in r]
@@ -233,35 +226,13 @@ def _with_tiers(rows: list[dict[str, Any]], local: dict[str, dict[int, list[int]
     return out
 
 
-def _described_by_copies(copies: list[tuple[Store, Manifest]]) -> dict[str, Any]:
-    """What the ranks' local copies of a step no durable manifest describes say of it: the
-    job's world size, when its first copy was made, its health (unhealthy if a copy says so,
-    healthy if every one does) and its bytes (the distinct chunks of the copies' indexes, as a
-    manifest counts them; None where some ranks' copies are not listed, on other nodes, or an
-    index cannot be read)."""
-    if not copies:
-        return {}
-    first = min((m for _, m in copies), key=lambda m: m.created_at)
-    world = first.user[TIER_KEY].get("world_size")
-    kinds = {status(m.health) for _, m in copies}
-    health = UNHEALTHY if UNHEALTHY in kinds else kinds.pop() if len(kinds) == 1 else UNKNOWN
-    user = {k: v for k, v in first.user.items() if k != TIER_KEY}
-    described = manifest_summary(first) | {"world_size": world, "health": health, "user": user}
-    del described["manifest"], described["health_record"]
-    described |= {"raw_bytes": None, "stored_bytes": None, "compression_ratio": None}
-    by_rank = {m.user[TIER_KEY]["rank"]: (store, m) for store, m in copies}
-    if sorted(by_rank) != list(range(world or 0)):
-        return described
-    chunks: dict[str, ChunkInfo] = {}
-    try:
-        for store, manifest in by_rank.values():
-            chunks |= read_rank_index(store, manifest.ranks[0]).chunks
-    except (CheckpointError, StorageError):
-        return described  # a load meeting the damaged copy names it; ls lists the step
-    raw = sum(c.raw for c in chunks.values())
-    stored = sum(c.stored for c in chunks.values())
-    sizes = {"raw_bytes": raw, "stored_bytes": stored, "compression_ratio": ratio(raw, stored)}
-    return described | sizes
+def _described(copies: dict[str, Any]) -> dict[str, Any]:
+    """A row of ``ls`` from what a step's local copies say of it (``describe_copies``)."""
+    raw, stored = copies["raw_bytes"], copies["stored_bytes"]
+    return copies | {
+        "created": utc_text(copies["created_at"]),
+        "compression_ratio": None if raw is None else ratio(raw, stored),
+    }
 
 
 def _tiers_text(tiers: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.errors import (
@@ -29,6 +29,7 @@ from ckptstore.errors import (
     one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, chunk_key, commit_key
+from ckptstore.health import UNHEALTHY, UNKNOWN, status
 from ckptstore.leases import DEFAULT_TTL_S, find_leases
 from ckptstore.render import rank_ranges
 from ckptstore.retention import collect, drop_step
@@ -643,6 +644,42 @@ def tier_copies(
     copies = {step: sorted(ranks) for step, ranks in out.items()}
     elsewhere = copies_under_other_paths(local_dir, durable_uri, identity)
     return TierListing(job_dir, copies, problems, left, elsewhere, manifests)
+
+
+def describe_copies(copies: list[tuple[Store, Manifest]]) -> dict[str, Any]:
+    """What the ranks' local copies of one step (``TierListing.manifests``) say of it, for a
+    step no durable manifest describes: its kind, the job's world size, when its first copy was
+    made, its health (unhealthy if a copy says so, healthy if every one does), the caller's
+    metadata, and its bytes as a manifest counts them (the distinct chunks of the copies'
+    indexes; None where some ranks' copies are not among ``copies`` or an index cannot be
+    read)."""
+    first = min((m for _, m in copies), key=lambda m: m.created_at)
+    world = first.user[TIER_KEY].get("world_size")
+    verdicts = {status(m.health) for _, m in copies}
+    health = (
+        UNHEALTHY if UNHEALTHY in verdicts else verdicts.pop() if len(verdicts) == 1 else UNKNOWN
+    )
+    described: dict[str, Any] = {
+        "kind": first.kind,
+        "world_size": world,
+        "created_at": first.created_at,
+        "health": health,
+        "user": {k: v for k, v in first.user.items() if k != TIER_KEY},
+        "raw_bytes": None,
+        "stored_bytes": None,
+    }
+    by_rank = {m.user[TIER_KEY]["rank"]: (store, m) for store, m in copies}
+    if sorted(by_rank) != list(range(world or 0)):
+        return described
+    chunks: dict[str, ChunkInfo] = {}
+    try:
+        for store, manifest in by_rank.values():
+            chunks |= read_rank_index(store, manifest.ranks[0]).chunks
+    except (CheckpointError, StorageError):
+        return described  # a load that meets the damaged copy names it
+    described["raw_bytes"] = sum(c.raw for c in chunks.values())
+    described["stored_bytes"] = sum(c.stored for c in chunks.values())
+    return described
 
 
 def local_retry(timeout_s: float) -> RetryPolicy:
