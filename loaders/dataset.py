@@ -114,6 +114,9 @@ class ShardDataset(IterableDataset):
         self._consumed = 0  # samples this rank's consumer received since _position
         self.stats = ConsumerStats()
         self._orders: dict[int, EpochOrder] = {}
+        # what the last pass's workers saw of the replicas: (benched, median latencies), which
+        # the next pass's workers start from (StatefulLoader sets it)
+        self.carried: tuple[frozenset[str], dict[str, float]] | None = None
 
     def _check_window(self) -> None:
         """All of a shuffle block's units are held at once: ``ValueError`` if the largest
@@ -160,6 +163,8 @@ class ShardDataset(IterableDataset):
                 storage_options=self._storage_options,
                 missing=self._missing,
             )
+            if self.carried is not None:  # a new worker process of a StatefulLoader
+                self._replicas.start_as(*self.carried)
             self._pid = os.getpid()
         return self._replicas
 
@@ -656,6 +661,8 @@ class StatefulLoader:
         left = ds.rank_length()
         whole_epoch = ds.position == 0
         batches = 0
+        if self._reports is not None:
+            ds.carried = self._reports.carried()
         self._feed.report_pass += 1
         it = iter(self._loader)  # starts the workers, which take the dataset as it is now
         while True:

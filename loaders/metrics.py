@@ -311,6 +311,27 @@ class ReaderReports:
                     states[state] = states.get(state, 0) + 1
             return total, health
 
+    def carried(self) -> tuple[frozenset[str], dict[str, float]]:
+        """What the next pass's workers start from: the replicas that a worker of the newest
+        pass last saw benched or on probation (a replica benched wrongly is back within its
+        bench and probation, one slow or failing costs every new worker its first reads), and
+        each replica's median read latency over every pass so far."""
+        total, health = self.collect()
+        benched = frozenset(
+            uri for uri, seen in health.items() if seen.get("healthy", 0) < sum(seen.values())
+        )
+        latencies = {}
+        for uri, stats in (total.replicas if total is not None else {}).items():
+            answered = stats.latency.summary()
+            if answered["count"]:
+                latencies[uri] = answered["p50_s"]
+        if benched:
+            logger.info(
+                "replica(s) %s start the next pass benched, as the last pass's workers left them",
+                ", ".join(sorted(benched)),
+            )
+        return benched, latencies
+
     @staticmethod
     def merged(into: ReaderReport | None, report: ReaderReport) -> ReaderReport:
         """``into`` with ``report`` added (a copy of ``report`` when ``into`` is None)."""

@@ -289,6 +289,21 @@ class ReplicaHealth:
         r.bench_s = self.config.bench_s
         r.probation_ok = 0
 
+    def start_as(self, benched: frozenset[str], latencies: dict[str, float]) -> None:
+        """Start where the last pass's workers left off (a worker's replicas start afresh): the
+        replicas named in ``benched`` start their bench now (probation after it, as any; never
+        every replica), the others' latency at the median ``latencies`` gives (one sample), so
+        that a pass's first reads go neither to a replica known to be bad nor to one at
+        random."""
+        now = time.monotonic()
+        with self._lock:
+            bench = [r for r in self.replicas if r.name in benched]
+            for r in self.replicas:
+                if r in bench and len(bench) < len(self.replicas):
+                    self._bench(r, now, slow=False)
+                elif (seconds := latencies.get(r.name)) is not None:
+                    r.measured(seconds)
+
     def states(self) -> dict[str, str]:
         """Each replica's state: ``healthy``, ``benched`` (sent no reads) or ``probation`` (a
         share of first attempts)."""

@@ -78,6 +78,10 @@ class ReplicaSet:
         # the shards find_shards asked of each replica
         self.versions: dict[tuple[str, str], str] = {}
 
+    def start_as(self, benched: frozenset[str], latencies: dict[str, float]) -> None:
+        """The replicas' health as the last pass's workers left it (:meth:`ReplicaHealth.start_as`)."""
+        self._health.start_as(benched, latencies)
+
     @property
     def uris(self) -> list[str]:
         return [r.name for r in self._replicas]

@@ -251,3 +251,42 @@ def test_report_directories_of_killed_processes_are_removed(tmp_path, monkeypatc
     reports = ReaderReports()
     assert not dead.exists() and mine.exists() and elsewhere.exists()
     assert os.path.basename(reports.directory).startswith(f"loaders-reports-{tag}-{os.getpid()}-")
+
+
+def test_a_replica_the_last_passes_workers_benched_starts_the_next_pass_benched(tmp_path, caplog):
+    """Each pass's DataLoader workers are new processes whose replicas started afresh: a replica
+    slow all through a pass took each new worker's first reads (an unmeasured replica is tried
+    first) until it was benched again. The workers of the next pass start where the last ones
+    left off: the benched replica gets no read, the others start at their measured latency."""
+    import logging
+
+    from bench.faults import Fixed
+
+    roots = _replicas(tmp_path)
+    slow = with_faults(Store(roots[0]), Faults(latency=Fixed(0.03)))
+    fast = with_faults(Store(roots[1]), Faults(latency=Fixed(0.001)))
+    ds = ShardDataset(
+        [slow, fast],
+        TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=UNIT_SAMPLES * SAMPLE_TOKENS * 2),
+        config=LoaderConfig(seed=3, shuffle_block_units=2),
+        replica_config=ReplicaConfig(
+            hedge=False, bench_min_samples=1, bench_s=60.0, max_bench_s=60.0
+        ),
+    )
+    loader = StatefulLoader(ds, batch_size=BATCH, num_workers=2)
+
+    def slow_requests() -> int:
+        return loader.metrics()["replicas"][slow.uri]["requests"]
+
+    before = slow_requests()
+    assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
+    first_pass = slow_requests() - before
+    assert first_pass >= 2  # each worker tried it (unmeasured) and benched it
+    assert loader.metrics()["replicas"][slow.uri]["health"] == {"benched": 2}
+    with caplog.at_level(logging.INFO, logger="loaders"):
+        assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
+    assert slow_requests() - before == first_pass  # none in the second pass
+    assert any(
+        slow.uri in r.getMessage() and "start the next pass benched" in r.getMessage()
+        for r in caplog.records
+    )

@@ -63,10 +63,14 @@ def _ids(ds: ShardDataset) -> list[int]:
 
 
 def _warnings(caplog) -> list[str]:
+    """The loader's warnings, but a replica benched for its latency: on a loaded machine a
+    local replica's read may be slow enough, and these tests are about what the survey says."""
     return [
         r.getMessage()
         for r in caplog.records
-        if r.levelno == logging.WARNING and r.name.startswith("loaders")
+        if r.levelno == logging.WARNING
+        and r.name.startswith("loaders")
+        and not ("benched for" in r.getMessage() and ": latency " in r.getMessage())
     ]
 
 
