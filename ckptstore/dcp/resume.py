@@ -12,6 +12,7 @@ cannot be reached) is raised at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -23,7 +24,6 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    NoHealthyStepError,
     NoLoadableStepError,
     one_line,
 )
@@ -43,6 +43,7 @@ def resume(
     *,
     planner: Any = None,
     no_dist: bool = False,
+    state_for: Callable[[int], dict[str, Any]] | None = None,
 ) -> int | None:
     """``dcp.load`` of the newest step that loads into ``state_dict``; returns that step, or
     None when there is nothing to resume (no tier holds a committed step). Collective: every
@@ -56,7 +57,9 @@ def resume(
     ``CheckpointException``, raised at once (its ``step`` the step that failed). A failed attempt may have written into the state's
     tensors (as any failed ``dcp.load``); the older step that loads overwrites them. With
     ``healthy=True`` on the reader only healthy steps are tried. ``no_dist`` (as DCP's): this
-    process alone, with no collective of its own either."""
+    process alone, with no collective of its own either. ``state_for``: the state a step loads
+    into, where some steps hold less than ``state_dict`` (torchtitan's step 0, a model-only
+    seed)."""
     reader = storage_reader
     if reader.step != "latest":
         raise ValueError(f"resume() starts from the latest step; the reader names {reader.step!r}")
@@ -68,7 +71,8 @@ def resume(
         for step in steps:
             reader.step = step
             try:
-                dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)
+                into = state_dict if state_for is None else state_for(step)
+                dcp.load(into, storage_reader=reader, planner=planner, no_dist=no_dist)
             except CheckpointException as exc:
                 why = _skippable(exc, reader, group)
                 if why is None:
@@ -101,16 +105,17 @@ def _steps(reader: StoreReader, group: RankGroup) -> list[int]:
     """The steps to try, newest first, the same on every rank (collective)."""
     if reader._policy is not None:
         return planned_steps(reader.store, reader._policy, group, healthy=reader.healthy)
-    listed: list[int] | str = []
+    listed: list[int] | tuple[type[CheckpointError], str] = []
     if group.rank == 0:
         try:
             listed = _durable_steps(reader)
-        except CheckpointError as exc:
-            listed = f"{type(exc).__name__}\0{exc}"
+        except CheckpointError as exc:  # raised on every rank as its own class (StorageError...)
+            kind = next(c for c in type(exc).__mro__ if c.__module__ == CheckpointError.__module__)
+            listed = (kind, str(exc))
     listed = group.broadcast(listed)
-    if isinstance(listed, str):
-        kind, text = listed.split("\0", 1)
-        raise NoHealthyStepError(text) if kind == "NoHealthyStepError" else CheckpointError(text)
+    if isinstance(listed, tuple):
+        kind, text = listed
+        raise kind(text)
     return listed
 
 
@@ -138,7 +143,7 @@ def _skippable(
         verdict: tuple[str, str] | None = None
     elif isinstance(error, _SKIPPED):
         kind = "missing" if isinstance(error, CheckpointNotFoundError) else "corrupt"
-        verdict = (kind, f"rank {group.rank}: {one_line(error)}")
+        verdict = (kind, f"rank {group.rank}: {' '.join(str(error).split())}")
     else:
         verdict = ("other", "")
     verdicts = [v for v in group.gather(verdict) if v is not None]

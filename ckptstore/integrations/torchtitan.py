@@ -447,8 +447,16 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         newest step is skipped, named in a warning and quarantined, not a crash at every
         restart."""
         states = self._states_to_load(model_only=False)
+        seed: dict[str, Any] = {}  # step 0 holds the model alone, as in _load
+
+        def state_for(step: int) -> dict[str, Any]:
+            if step:
+                return states
+            seed.update(self._states_to_load(model_only=True))
+            return seed
+
         try:
-            step = resume(states, reader)
+            step = resume(states, reader, state_for=state_for)
         except CheckpointException as exc:
             failures = [e for e, _ in exc.failures.values()] + [reader.metadata_error]
             failed = getattr(exc, "step", None)
@@ -463,7 +471,7 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
         if step is None:
             return False
         logger.info("rank %d: loaded step %d of %s", _rank(), step, self.folder)
-        self.states[MODEL].load_state_dict(states)
+        self.states[MODEL].load_state_dict(states if step else seed)
         return True
 
     def _reader(self, uri: str) -> StoreReader:

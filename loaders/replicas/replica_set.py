@@ -61,7 +61,7 @@ class ReplicaSet:
         places = [
             os.path.realpath(s.backend.root)
             if s.backend.is_local
-            else (s.uri.rstrip("/"), s.endpoint)
+            else (s.uri.rstrip("/"), (s.endpoint or "").rstrip("/").lower())
             for s in stores
         ]
         if len(set(places)) != len(places):

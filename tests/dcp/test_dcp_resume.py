@@ -148,3 +148,17 @@ def _two_ranks(rank: int, world: int, root: str) -> None:
 @pytest.mark.dist
 def test_ranks_skip_together_a_step_corrupt_on_one_of_them(tmp_path):
     run_ranks(_two_ranks, 2, str(tmp_path), timeout_s=120)
+
+
+def test_storage_that_cannot_be_reached_is_a_storage_error_naming_it(monkeypatch):
+    """Reviewer: a listing that failed was raised as a plain CheckpointError, so a caller
+    retrying on StorageError (OSError) never saw it; Checkpointer.latest() raises StorageError."""
+    from ckptstore.errors import StorageError
+    from tests.helpers.dist import free_port
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    reader = StoreReader("s3://bucket/run", storage_options={"endpoint_url": endpoint})
+    with pytest.raises(StorageError, match=endpoint):
+        resume(blank_like(_state(0)), reader, no_dist=True)

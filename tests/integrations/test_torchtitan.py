@@ -616,6 +616,21 @@ def test_a_dataloader_state_in_any_buffer_is_checked_before_torchtitan_unpickles
     assert not marker.exists()
 
 
+def _flip_a_chunk_of(store, step: int, *, older: int) -> None:
+    """Flip a byte of a chunk of ``step`` that step ``older`` does not share."""
+    from ckptstore.catalog import load_manifest, load_rank_index
+
+    def chunks(s):
+        return set(load_rank_index(store, load_manifest(store, s), 0).chunks)
+
+    digest = sorted(chunks(step) - chunks(older))[0]
+    path = Path(store.root) / "chunks" / digest[:2] / digest
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 @needs_torchtitan
 def test_a_corrupt_newest_step_is_skipped_and_quarantined_not_a_crash_at_every_restart(
     tmp_path, caplog
@@ -627,7 +642,7 @@ def test_a_corrupt_newest_step_is_skipped_and_quarantined_not_a_crash_at_every_r
     import logging
 
     from ckptstore import Store
-    from ckptstore.catalog import list_steps, load_manifest, load_rank_index, quarantined
+    from ckptstore.catalog import list_steps, quarantined
     from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
 
     config = CkptstoreCheckpointManager.Config(enable=True, interval=1)
@@ -643,17 +658,7 @@ def test_a_corrupt_newest_step_is_skipped_and_quarantined_not_a_crash_at_every_r
 
     store = Store(str(tmp_path / "checkpoint"))
     assert list_steps(store) == [1, 2]
-
-    def chunks(step):
-        return set(load_rank_index(store, load_manifest(store, step), 0).chunks)
-
-    newest_only = sorted(chunks(2) - chunks(1))
-    assert newest_only
-    path = tmp_path / "checkpoint" / "chunks" / newest_only[0][:2] / newest_only[0]
-    path.chmod(0o644)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    _flip_a_chunk_of(store, 2, older=1)
 
     manager = _build(config, tmp_path)
     model = manager.states["model"].model[0]
@@ -667,3 +672,43 @@ def test_a_corrupt_newest_step_is_skipped_and_quarantined_not_a_crash_at_every_r
     assert len(said) == 1 and "step 2" in said[0], said
     assert 2 in quarantined(store).values()
     assert list_steps(store) == [1]
+
+
+@needs_torchtitan
+def test_a_corrupt_step_above_a_model_only_seed_falls_back_to_the_seed(tmp_path):
+    """Reviewer: with a seed checkpoint (step 0, the model alone, as torchtitan's
+    create_seed_checkpoint writes it) under a corrupt step 5, the resume tried step 0 with the
+    whole training state and failed 'step 0 holds the model alone', step 5 left in place to
+    fail every restart. Step 0 loads into the model alone, as a plain load of it does."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore import Store
+    from ckptstore.catalog import list_steps, quarantined
+    from ckptstore.dcp import StoreWriter
+    from ckptstore.integrations.torchtitan import CkptstoreCheckpointManager
+
+    config = CkptstoreCheckpointManager.Config(enable=True, interval=1)
+    manager = _build(config, tmp_path)
+    model = manager.states["model"].model[0]
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    seed = model.weight.detach().clone()
+    writer = StoreWriter(str(tmp_path / "checkpoint"))  # the seed: the model alone, at step 0
+    dcp.save(manager.states["model"].state_dict(), storage_writer=writer, checkpoint_id=0)
+    writer.close()
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    manager.save(5)
+    manager.close()
+    store = Store(str(tmp_path / "checkpoint"))
+    assert list_steps(store) == [0, 5]
+    _flip_a_chunk_of(store, 5, older=0)
+
+    manager = _build(config, tmp_path)
+    model = manager.states["model"].model[0]
+    try:
+        assert manager.load() is True
+    finally:
+        manager.close()
+    assert torch.equal(model.weight, seed)
+    assert 5 in quarantined(store).values() and list_steps(store) == [0]

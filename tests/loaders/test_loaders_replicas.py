@@ -553,13 +553,15 @@ def test_one_bucket_and_prefix_on_two_endpoints_is_two_replicas():
     """Reviewer H: mirrors on two S3 providers under the same bucket name were refused as "the
     same place twice"; the same bucket on the same endpoint still is."""
 
-    def at(port: int) -> Store:
-        options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"}
+    def at(port: int, spelled: str = "http://127.0.0.1:{}") -> Store:
+        options = {"endpoint_url": spelled.format(port), "key": "k", "secret": "s"}
         return Store("s3://data/ds", storage_options=options)
 
     assert len(ReplicaSet([at(9), at(10)]).metrics()["replicas"]) == 2
     with pytest.raises(ValueError, match="replica URIs repeat"):
         ReplicaSet([at(9), at(9)])
+    with pytest.raises(ValueError, match="replica URIs repeat"):  # one endpoint spelled twice
+        ReplicaSet([at(9), at(9, "HTTP://127.0.0.1:{}/")])
 
 
 class _CutHeads(Store):
