@@ -99,9 +99,18 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist in the store."""
 
 
-class ObjectOutsideRootError(StorageError):
-    """A local store's object is a link leading out of its root: never followed (a hostile or
-    damaged store)."""
+class UnsafeObjectError(StorageError):
+    """A local store's object that is not a plain file of the store: never followed or opened
+    (a hostile or damaged store)."""
+
+
+class ObjectOutsideRootError(UnsafeObjectError):
+    """A local store's object is a link leading out of its root."""
+
+
+class ObjectNotRegularError(UnsafeObjectError):
+    """A local store's object is not a regular file (a FIFO, a device, a socket): opening a FIFO
+    would wait for a writer for ever."""
 
 
 class StorageTimeoutError(StorageError, TimeoutError):

@@ -41,8 +41,8 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
-    ObjectOutsideRootError,
     StorageError,
+    UnsafeObjectError,
     one_line,
 )
 from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
@@ -662,7 +662,7 @@ def _fetch_once(
             data = read(key, 0, info.raw + info.raw // 64 + 4096)
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"chunk {store.url(key)} is missing") from exc
-    except ObjectOutsideRootError as exc:  # damaged or hostile, as a wrong byte is
+    except UnsafeObjectError as exc:  # damaged or hostile, as a wrong byte is
         raise CheckpointCorruptError(f"chunk {store.url(key)}: {exc}") from exc
     if info is not None and sized and len(data) != info.stored:
         raise CheckpointCorruptError(

@@ -39,6 +39,7 @@ from ckptstore.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    UnsafeObjectError,
     one_line,
 )
 from ckptstore.format import (
@@ -191,6 +192,8 @@ def _move(
             store.copy(chunk_key(digest), f"{QUARANTINE_PREFIX}/chunks/{digest}")
         except ObjectExistsError:
             pass
+        except UnsafeObjectError:
+            pass  # a link or a FIFO at the chunk's key holds no bytes worth keeping
         store.delete(chunk_key(digest))
     if _manifest_bytes(store, step) != data:
         return  # committed again meanwhile (a save that ignored our lease): it stays
@@ -292,6 +295,9 @@ def _damaged_chunks(
             data = store.get(chunk_key(digest), 0, limit + 1)
         except ObjectNotFoundError:
             damaged[digest] = False
+            continue
+        except UnsafeObjectError:  # a link out of the store or a FIFO: damaged, and there
+            damaged[digest] = True
             continue
         if len(data) > limit or not (
             _decodes(store, digest, data, declared) or _decodes(store, digest, data, others)

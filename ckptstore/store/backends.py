@@ -24,7 +24,12 @@ from typing import Any
 
 import fsspec
 
-from ckptstore.errors import ObjectOutsideRootError, StorageError
+from ckptstore.errors import (
+    ObjectNotRegularError,
+    ObjectOutsideRootError,
+    StorageError,
+    UnsafeObjectError,
+)
 from ckptstore.store.processes import machine_tag, pid_gone
 from ckptstore.store.retry import RetryPolicy, is_precondition_failed
 
@@ -356,8 +361,11 @@ class LocalBackend(FsspecBackend):
         """A hard link: no byte read or written, fails if ``dst`` exists (a link planted at
         ``src`` is refused, never linked)."""
         src, directory = self._inside(src), os.path.dirname(self._inside(dst))
-        if os.path.islink(src):
-            raise StorageError(f"{src} is a symbolic link: not copied")
+        mode = os.lstat(src).st_mode
+        if stat.S_ISLNK(mode):
+            raise UnsafeObjectError(f"{src} is a symbolic link: not copied")
+        if not stat.S_ISREG(mode):
+            raise ObjectNotRegularError(f"{src} is not a regular file (mode {mode:o}): not copied")
         _make_directories(directory)
         os.link(src, dst)
         dir_fd = os.open(directory, os.O_RDONLY)
@@ -373,7 +381,9 @@ class LocalBackend(FsspecBackend):
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
-                raise StorageError(f"{path} is not a regular file (mode {mode:o}): not read")
+                raise ObjectNotRegularError(
+                    f"{path} is not a regular file (mode {mode:o}): not read"
+                )
             os.set_blocking(fd, True)
             return os.fdopen(fd, "rb")
         except BaseException:

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptstore.errors import ObjectNotFoundError, ObjectOutsideRootError, StorageError
+from ckptstore.errors import ObjectNotFoundError, StorageError, UnsafeObjectError
 from loaders.errors import (
     ReadFailedError,
     ReplicaMismatchError,
@@ -79,8 +79,8 @@ def find_shards(
             answered[r] = {key: size for key, (size, _) in found_there.items()}
             if versions is not None:
                 versions.update(((r.name, k), v) for k, (_, v) in found_there.items() if v)
-    if not answered and all(isinstance(e, ObjectOutsideRootError) for e in surveyed):
-        # a hostile or damaged dataset's link, on every replica: no replica is unreachable
+    if not answered and all(isinstance(e, UnsafeObjectError) for e in surveyed):
+        # a hostile or damaged dataset's link or FIFO, on every replica: no replica is unreachable
         raise ShardCorruptError(f"{surveyed[-1]}") from surveyed[-1]
     if not answered:
         raise ReadFailedError(

@@ -444,6 +444,38 @@ def test_a_huge_object_planted_at_a_chunk_key_is_quarantined_without_being_read(
     assert os.stat(tmp_path / "s" / PREFIX / "chunks" / digest).st_blocks < 1024  # no copy
 
 
+@pytest.mark.parametrize("planted", ["fifo", "link-out"])
+def test_a_fifo_or_a_link_out_at_a_chunk_key_is_skipped_and_quarantined(tmp_path, planted):
+    """A FIFO at a chunk's key was a StorageError: load(fallback=True) raised it at every
+    restart instead of loading the step before. Both it and a link leading out of the store
+    are damage: the step is skipped and quarantined, the planted object removed (not copied,
+    not followed: the link's target stays as it was)."""
+    from ckptstore.format import chunk_key
+
+    root = tmp_path / "s"
+    _resume(root, 2)
+    store = Store(str(root))
+    digest = sorted(_chunks(root, 2) - _chunks(root, 1))[0]
+    path = root / chunk_key(digest)
+    outside = tmp_path / "outside"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    if planted == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(outside)
+    state = _blank()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(state, fallback=True) == 1
+    assert torch.equal(state["w"], _state(1)["w"])
+    assert list_steps(store) == [1] and 2 in quarantined(store).values()
+    assert not os.path.lexists(path) and not (root / PREFIX / "chunks" / digest).exists()
+    assert outside.read_bytes() and len(list(tmp_path.iterdir())) == 2
+    _resume(root, 2)  # step 2 saved again: its chunk written again, and it loads
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(state, 2) == 2 and torch.equal(state["w"], _state(2)["w"])
+
+
 def _during_the_check(monkeypatch, action) -> None:
     """``action()`` once, right after the quarantine's first look at the damaged chunks (a
     concurrent process acting between that check and the move)."""

@@ -228,23 +228,29 @@ def test_gc_never_keeps_a_step_that_lost_a_chunk_in_place_of_one_that_loads(tmp_
     assert list_steps(store) == [2]
 
 
-def test_gc_verify_that_cannot_read_a_chunk_fails_and_deletes_nothing(tmp_path, capsys):
-    """A chunk the store does not serve (here a directory where the chunk was: the read fails
-    as a storage error, not as bad bytes) under ``gc --verify``: the plan claimed every step
-    verified and exited 0; the command now fails naming it, and deletes nothing."""
-    import os
-
+def test_gc_verify_that_cannot_read_a_chunk_fails_and_deletes_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """A chunk the store does not serve (its read fails as a storage error, an EIO, not as
+    bad bytes) under ``gc --verify``: the plan claimed every step verified and exited 0; the
+    command now fails naming it, and deletes nothing."""
     from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.errors import StorageError
     from ckptstore.format import chunk_key
+    from ckptstore.store.backends import LocalBackend
 
     uri = str(tmp_path)
     save_two_steps(uri)
     store = Store(uri)
     digest = sorted(load_rank_indexes(store, load_manifest(store, 2))[0].chunks)[0]
-    path = tmp_path / chunk_key(digest)
-    os.chmod(path, 0o644)
-    path.unlink()
-    path.mkdir()
+    opened = LocalBackend._open_file
+
+    def failing(self, path):
+        if path.endswith(digest):
+            raise StorageError(f"{path}: [Errno 5] Input/output error")
+        return opened(self, path)
+
+    monkeypatch.setattr(LocalBackend, "_open_file", failing)
     before = store.list()
     assert main(["gc", uri, "--keep-last", "1", "--verify"]) == 1
     err = capsys.readouterr().err
