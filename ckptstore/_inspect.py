@@ -248,6 +248,7 @@ def check_step_objects(store: Store, step: int) -> StepCheck:
     for ref in manifest.ranks:
         try:
             index = read_rank_index(store, ref)
+            view.check_kind(index, store.url(ref.key))
         except Exception as exc:  # noqa: BLE001 - reported as a problem of this object
             check.problems.append(Problem(step, ref.key, "rank-index", classify(exc), message(exc)))
             continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,10 +317,19 @@ def legacy_markers(store: Store) -> list[LegacyMarker]:
         except (CheckpointError, OSError, ValueError):
             pass
         info = info if isinstance(info, dict) else {}
-        created = info.get("created_at")
-        age = time.time() - float(created) if isinstance(created, (int, float)) else None
-        out.append(LegacyMarker(key, info, age))
+        out.append(LegacyMarker(key, info, _age_s(info.get("created_at"))))
     return out
+
+
+def _age_s(created: Any) -> float | None:
+    """Seconds since the time ``created`` (None: not a time, 10**400 or 1e400 included)."""
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
+        return None
+    try:
+        age = time.time() - float(created)
+    except OverflowError:
+        return None
+    return age if math.isfinite(age) else None
 
 
 def saves_in_flight(store: Store) -> list[dict[str, Any]]:

@@ -221,10 +221,8 @@ def decode(
     view = memoryview(obj)
     nplanes, declared, table, offset = _read_header(view, name)
     expected = out.nbytes if out is not None else raw_len
-    if expected is not None and declared != expected:
-        raise CheckpointCorruptError(
-            f"chunk {name}: header says {declared} raw bytes, the index says {expected}"
-        )
+    if expected is not None:
+        _same_raw_size(declared, expected, name)
     if nplanes == 1 and table[0] == (RAW, declared) and len(view) == offset + declared:
         # One raw plane: verify the object's own bytes and hand out a view of them, no copy.
         raw = np.frombuffer(view[offset:], dtype=np.uint8)
@@ -246,6 +244,19 @@ def decode(
         else:
             grid[:, k] = plane
     return _verified(out, expected_hash, name) if verify else out
+
+
+def check_raw_size(obj, raw_len: int, name: str) -> None:
+    """:class:`CheckpointCorruptError` unless chunk object ``obj``'s header is well formed and
+    declares ``raw_len`` raw bytes (what decoding it with ``raw_len`` checks first)."""
+    _same_raw_size(_read_header(memoryview(obj), name)[1], raw_len, name)
+
+
+def _same_raw_size(declared: int, expected: int, name: str) -> None:
+    if declared != expected:
+        raise CheckpointCorruptError(
+            f"chunk {name}: header says {declared} raw bytes, the index says {expected}"
+        )
 
 
 def _decompress_into(body: memoryview, out: np.ndarray, name: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -51,6 +52,10 @@ MAX_MANIFEST_BYTES = 64 << 20
 # this (a rank index is ~100 bytes per chunk and per tensor; DCP's metadata of the largest jobs
 # is well under it).
 MAX_REFERENCED_BYTES = 4 << 30
+
+# A chunk holds at most this many raw bytes (a save's chunk_bytes is at most this): a reader
+# allocates a chunk's declared raw size to decode it, so no index may declare more.
+MAX_CHUNK_BYTES = 1 << 30
 
 ALIGN = 64  # every tensor starts at a multiple of this inside a chunk (and a staging buffer)
 
@@ -214,9 +219,16 @@ def _refuse_constant(token: str) -> None:
     raise ValueError(f"{token} is not a JSON number")  # NaN, Infinity: never written
 
 
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"{token[:40]} is out of a float's range")  # 1e400 reads as inf
+    return value
+
+
 def _load(data: bytes, kind: str, name: str) -> dict:
     try:
-        doc = json.loads(data, parse_constant=_refuse_constant)
+        doc = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError as exc:
         raise CheckpointCorruptError(f"{name}: JSON nested too deeply to read") from exc
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
@@ -304,9 +316,12 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
             user=dict(doc.get("user") or {}),
             health=doc.get("health"),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
     check_manifest(manifest, name, version=doc["format_version"])
+    for field_name in ("raw_bytes", "stored_bytes"):
+        if not _is_count(doc.get(field_name, 0)):
+            raise CheckpointCorruptError(f"{name}: {field_name} is not a count of bytes")
     return manifest
 
 
@@ -318,6 +333,7 @@ _STEP_DIR = re.compile(rf"[0-9]{{{STEP_DIGITS}}}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 INT64_MAX = 2**63 - 1
 MAX_RANKS = 2**20
+MAX_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z, the last time datetime can show
 
 
 def _is_count(value: Any, limit: int = INT64_MAX) -> bool:
@@ -349,6 +365,8 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
         raise bad(f"attempt {m.attempt!r} is not an attempt id")
     if not _is_count(m.world_size, MAX_RANKS) or m.world_size < 1:
         raise bad(f"world size {m.world_size!r} is not an int in [1, {MAX_RANKS}]")
+    if not 0 <= m.created_at <= MAX_TIMESTAMP:
+        raise bad(f"created_at {m.created_at!r} is not a time before the year 10000")
     seen: set[str] = set()
     for ref in m.ranks:
         # The key its own rank gives, checked per listed rank (not a set of every rank's key:
@@ -440,6 +458,8 @@ def check_rank_index(index: RankIndex, name: str) -> None:
             raise bad(f"chunk digest {digest!r} is not 32 lowercase hex digits")
         if not _is_count(info.raw) or not _is_count(info.stored):
             raise bad(f"chunk {digest}: sizes {info.raw!r}, {info.stored!r} are not counts")
+        if info.raw > MAX_CHUNK_BYTES:
+            raise bad(f"chunk {digest}: {info.raw} raw bytes, more than any chunk holds")
         if info.stored > max_encoded_size(info.raw):
             raise bad(f"chunk {digest}: {info.stored} bytes stored for {info.raw} raw")
     needed = dict.fromkeys(index.chunks, 0)  # digest -> end of the last byte a tensor uses
@@ -452,6 +472,8 @@ def check_rank_index(index: RankIndex, name: str) -> None:
                 raise bad(
                     f"chunk {digest}: {index.chunks[digest].raw} raw bytes, its tensors use {end}"
                 )
+    elif index.tree is not None:  # a state save's tree with DCP items: the tree unchecked
+        raise bad("holds both a state tree and DCP items")
     elif not isinstance(index.items, dict) or not all(
         isinstance(k, str) and _is_count(v, len(index.tensors) - 1) for k, v in index.items.items()
     ):

@@ -329,7 +329,7 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
             if not isinstance(doc, dict):
                 raise TypeError(f"a lease is a JSON object, not {type(doc).__name__}")
             lifetime = _lifetime(kind, doc, store.backend.requests_end_with_process)
-        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             # Live for as long as a holder's lease lives unrenewed (better to sweep nothing than
             # to sweep under a save), not for ever: no holder of ours wrote it (puts are whole).
             live = -DEFAULT_TTL_S <= age < DEFAULT_TTL_S

@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from ckptstore import telemetry
-from ckptstore.codec import CodecConfig, decode, encode_parts, hash_bytes
+from ckptstore.codec import CodecConfig, check_raw_size, decode, encode_parts, hash_bytes
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -45,7 +45,14 @@ from ckptstore.errors import (
     UnsafeObjectError,
     one_line,
 )
-from ckptstore.format import ChunkInfo, RankIndex, Segment, TensorEntry, chunk_key
+from ckptstore.format import (
+    MAX_CHUNK_BYTES,
+    ChunkInfo,
+    RankIndex,
+    Segment,
+    TensorEntry,
+    chunk_key,
+)
 from ckptstore.health import ChunkScan
 from ckptstore.staging import align
 from ckptstore.store import Store
@@ -71,9 +78,10 @@ class PipelineConfig:
     """Chunks fetched and decoded at once during a restore."""
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
+        if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES or self.chunk_bytes % 64:
             raise ValueError(
-                f"chunk_bytes must be >= 4096 and a multiple of 64, got {self.chunk_bytes}"
+                f"chunk_bytes must be within [4096, {MAX_CHUNK_BYTES}] and a multiple of 64, "
+                f"got {self.chunk_bytes}"
             )
         if self.pack_below_bytes is None:
             self.pack_below_bytes = min(MiB, self.chunk_bytes // 4)
@@ -668,7 +676,10 @@ def _fetch_once(
         raise CheckpointCorruptError(
             f"chunk {store.url(key)}: {len(data)} bytes stored, the index says {info.stored}"
         )
-    out = _thread_buffer("decoded", info.raw) if scratch and info is not None else None
+    out = None
+    if scratch and info is not None:
+        check_raw_size(data, info.raw, store.url(key))  # before its buffer is allocated
+        out = _thread_buffer("decoded", info.raw)
     raw_len = info.raw if info is not None else None
     raw = decode(data, expected_hash=digest, name=store.url(key), out=out, raw_len=raw_len)
     if on_verified is not None:

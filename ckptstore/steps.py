@@ -167,7 +167,9 @@ class StepView:
         if rank not in self._indexes:
             for ref in self.manifest.ranks:
                 if rank_of(ref.key) == rank:
-                    self._indexes[rank] = read_rank_index(self.store, ref)
+                    index = read_rank_index(self.store, ref)
+                    self.check_kind(index, self.store.url(ref.key))
+                    self._indexes[rank] = index
                     break
             else:
                 raise CheckpointNotFoundError(f"step {self.step} has no index for rank {rank}")
@@ -175,7 +177,18 @@ class StepView:
 
     def adopt_index(self, index: RankIndex) -> None:
         """Use ``index`` (read by the rank whose tier copy holds it) as rank ``index.rank``'s."""
+        self.check_kind(index, f"rank {index.rank}'s index of step {self.step}")
         self._indexes[index.rank] = index
+
+    def check_kind(self, index: RankIndex, name: str) -> None:
+        """:class:`CheckpointCorruptError` naming ``name`` unless ``index`` is of this step's
+        kind: a state step's index holds a tree and no DCP items, a DCP step's the items (a
+        state index dressed as DCP's skips the tree's checks; one without a tree loads
+        nothing)."""
+        if self.kind == KIND_STATE and index.items is not None:
+            raise CheckpointCorruptError(f"{name}: a state step's index holds DCP items")
+        if self.kind == KIND_DCP and index.items is None:
+            raise CheckpointCorruptError(f"{name}: a DCP step's index holds no DCP items")
 
     def indexes(self) -> list[RankIndex]:
         """Every rank index, in the manifest's order."""

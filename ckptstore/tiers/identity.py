@@ -28,7 +28,7 @@ from ckptstore.errors import (
     StorageError,
     one_line,
 )
-from ckptstore.format import _dump, _load
+from ckptstore.format import MAX_TIMESTAMP, _dump, _load
 from ckptstore.store import Store
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ def read_identity(store: Store) -> StoreIdentity | None:
         and isinstance(adopted, bool)
         and isinstance(created, (int, float))
         and not isinstance(created, bool)
+        and 0 <= created <= MAX_TIMESTAMP
     ):
         raise CheckpointCorruptError(f"{name}: not a valid store identity")
     return StoreIdentity(ident, adopted, float(created))

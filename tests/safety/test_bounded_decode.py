@@ -129,6 +129,36 @@ def test_a_header_disagreeing_with_the_index_is_refused_before_decompressing(
         Checkpointer(uri).load({"w": torch.zeros(N)})
 
 
+def test_a_dcp_chunk_declaring_more_raw_bytes_than_any_chunk_holds_is_corrupt(
+    tmp_path: Path, capsys
+) -> None:
+    """A DCP index may declare a chunk larger than its own items use (other ranks' items share
+    it), so a raw size of 1 TiB passed its checks and a load allocated it: a MemoryError that
+    `dcp.resume` did not skip. No chunk holds more than MAX_CHUNK_BYTES."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import StoreReader, StoreWriter, resume
+    from ckptstore.format import MAX_CHUNK_BYTES
+
+    uri = str(tmp_path / "store")
+    for step in (1, 2):
+        state = {"w": torch.arange(N, dtype=torch.float32) + step}
+        dcp.save(state, storage_writer=StoreWriter(uri, step=step), no_dist=True)
+    store = Store(uri)
+    doc = rank_index_doc(store, 2)
+    digest = next(iter(doc["chunks"]))
+    doc["chunks"][digest][0] = 1 << 40
+    put_rank_index(store, 2, 0, doc)
+
+    assert main(["verify", uri, "--step", "2"]) == 1
+    assert f"{1 << 40} raw bytes, more than any chunk holds" in capsys.readouterr().out
+    target = {"w": torch.zeros(N)}
+    assert resume(target, StoreReader(uri), no_dist=True) == 1  # step 2 skipped
+    assert torch.equal(target["w"], torch.arange(N, dtype=torch.float32) + 1)
+    with pytest.raises(ValueError, match="chunk_bytes must be within"):
+        Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=MAX_CHUNK_BYTES + 64))
+
+
 # -- verify OK means restore loads ---------------------------------------------------------------
 
 

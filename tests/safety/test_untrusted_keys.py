@@ -5,6 +5,7 @@ before any I/O, and `verify` calls it corrupt. Crafted from real saves (tests/he
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,83 @@ def test_a_commit_under_a_name_no_save_writes_is_not_a_step(tmp_path: Path, name
     assert main(["ls", uri]) == 0
     assert main(["restore", uri, "--to", str(tmp_path / "out.pt")]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("dress", ["items-beside-the-tree", "items-for-the-tree"])
+def test_a_state_index_dressed_as_a_dcp_index_is_corrupt(store_uri: str, dress: str, capsys):
+    """A state step's index given DCP ``items`` skipped the tree's checks (a tree naming tensor
+    7 of 1 raised IndexError, a deep one RecursionError, and `verify` said OK); one whose tree
+    was taken away as well loaded nothing into the state and returned the step."""
+    store = Store(store_uri)
+    doc = rank_index_doc(store, 1)
+    doc["items"] = {}
+    if dress == "items-beside-the-tree":
+        doc["tree"] = {"w": {"$t": 7}}
+    else:
+        doc.pop("tree")
+    put_rank_index(store, 1, 0, doc)
+    state = {"w": torch.zeros(N)}
+    with pytest.raises(CheckpointCorruptError, match="rank-00000.json: .*DCP items"):
+        Checkpointer(store_uri).load(state)
+    assert not state["w"].any()
+    code, text = verify_exit_code(store_uri, capsys)
+    assert code == 1 and "DCP items" in text, text
+
+
+BIG = int("1" + "0" * 400)  # a JSON int no float holds
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda d: d.update(created_at=BIG), id="created-400-digits"),
+        pytest.param(lambda d: d.update(created_at=1e308), id="created-past-year-9999"),
+        pytest.param(lambda d: d.update(raw_bytes=1e300), id="raw-bytes-a-float"),
+        pytest.param(lambda d: d.update(stored_bytes=-7), id="stored-bytes-negative"),
+        pytest.param(None, id="raw-bytes-1e400"),
+    ],
+)
+def test_numbers_out_of_range_in_a_manifest_are_corrupt(store_uri: str, edit, capsys) -> None:
+    """A 400-digit created_at raised OverflowError out of load(fallback=True) and the CLI, 1e400
+    (JSON's inf) a ValueError before the checksum was compared, a time past the year 9999
+    broke `ls`; sizes were not checked. Each is a corrupt manifest a fallback skips."""
+    from tests.helpers.crafted import sealed
+
+    with Checkpointer(store_uri) as ckpt:
+        ckpt.save(2, {"w": torch.ones(N)}).wait()
+    store = Store(store_uri)
+    doc = manifest_doc(store, 2)
+    if edit is None:
+        data = sealed(doc).replace(b'"raw_bytes":', b'"raw_bytes":1e400,"was":', 1)
+        os.chmod(os.path.join(store_uri, "commits", f"{2:020d}.json"), 0o644)
+        Path(store_uri, "commits", f"{2:020d}.json").write_bytes(data)
+    else:
+        edit(doc)
+        put_manifest(store, 2, doc)
+    with pytest.raises(CheckpointCorruptError, match="commits/00000000000000000002.json"):
+        Checkpointer(store_uri).load({"w": torch.zeros(N)}, 2)
+    assert main(["ls", store_uri]) == 1  # lists step 1, names step 2 as unreadable
+    out, err = capsys.readouterr()
+    assert "unexpected" not in out + err and re.search(r"\n +1 +state", out), out + err
+    target = {"w": torch.zeros(N)}
+    assert Checkpointer(store_uri).load(target, fallback=True) == 1
+    assert torch.equal(target["w"], torch.arange(N, dtype=torch.float32))
+
+
+def test_a_lease_or_marker_with_a_number_no_float_holds_does_not_stop_saves(
+    store_uri: str, capsys
+) -> None:
+    """A lease whose ttl_s, or a legacy pending/ marker whose created_at, is a 400-digit int
+    raised OverflowError out of every save's retention, gc and ls (and out of a fallback load
+    after it had loaded the older step); each now counts as unreadable."""
+    root = Path(store_uri)
+    lease = root / "leases" / "save" / "someone" / f"{1:012d}.json"
+    lease.parent.mkdir(parents=True)
+    lease.write_text(f'{{"kind": "save", "ttl_s": {BIG}}}')
+    marker = root / "pending" / "00000000000000000009-abc-0.json"
+    marker.parent.mkdir()
+    marker.write_text(f'{{"created_at": {BIG}}}')
+    with Checkpointer(store_uri, keep_last=1) as ckpt:
+        ckpt.save(2, {"w": torch.ones(N)}).wait(timeout_s=60)
+    assert main(["ls", store_uri]) == 0, capsys.readouterr()
+    assert "unexpected" not in "".join(capsys.readouterr())
