@@ -123,7 +123,7 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ShardCorruptError(f"manifest {key} is not UTF-8 text: {exc}") from exc
-    lines = [line.strip() for line in text.splitlines()]
+    lines = [line.strip(" \r") for line in text.splitlines()]  # a tab ends an empty field
     lines = [line for line in lines if line]
     block_bytes = _header(lines[0], key) if lines and lines[0].startswith(MANIFEST_MAGIC) else 0
     rows = [line for line in lines if not line.startswith("#")]
@@ -136,7 +136,7 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
             keys.append(shard)
             hashes[shard] = entry
     else:
-        keys = [check_shard_key(k, f"manifest {key}") for k in rows]
+        keys = [check_shard_key(k.strip(), f"manifest {key}") for k in rows]
     if not keys:
         raise ValueError(f"manifest {key} lists no shards")
     repeated = sorted(k for k, n in Counter(keys).items() if n > 1)

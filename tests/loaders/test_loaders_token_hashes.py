@@ -384,3 +384,17 @@ def test_a_bad_block_met_in_a_worker_is_one_line_naming_the_worker(tmp_path):
     (line,) = str(raised.value).splitlines()
     assert line.startswith(f"token file {FILES[1]} on replica {only}: bytes [5000:6000]"), line
     assert line.endswith("(in DataLoader worker process 0)") or line.endswith("process 1)"), line
+
+
+def test_a_manifest_hashing_an_empty_token_file_reads_back(tmp_path):
+    """Reviewer L: the row hash_token_files writes for a 0-byte file ends in an empty field
+    (no block hashes), which the reader's strip() removed: its own manifest was refused as
+    '3 tab-separated fields, expected 4'."""
+    np.arange(4096, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    (tmp_path / "b.bin").write_bytes(b"")
+    (tmp_path / "manifest.txt").write_text("a.bin\nb.bin\n")
+    hash_token_files([str(tmp_path)], manifest="manifest.txt", out="hashed.txt")
+    assert (tmp_path / "hashed.txt").read_text().endswith("\t\n")
+    fmt = TokenFiles(dtype="uint16", sample_tokens=64, manifest="hashed.txt")
+    samples = list(ShardDataset([str(tmp_path)], fmt, config=IN_ORDER))
+    assert len(samples) == 64

@@ -9,6 +9,7 @@ as upstream's ``tarfile`` mode ``r|*`` does), decompressed up to ``max_shard_byt
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,26 +82,80 @@ def _starts_tar(data: bytes) -> bool:
 MAX_PAX_HEADER_BYTES = 8192
 
 
+_PAX = (b"x", b"g", b"X")
+_GNU_LONG = (b"L", b"K")
+# Types whose header is followed by no data for ``tarfile`` (any other type, known or not, is
+# read as a regular file's data; a pax or GNU long-name header's data is its payload).
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")
+_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+
+
 def _refuse_long_pax_headers(data: bytes, what: str) -> None:
     """:class:`ShardCorruptError` if a pax extended header of ``data`` is longer than
-    ``MAX_PAX_HEADER_BYTES``: the headers are walked before ``tarfile`` parses any (a damaged
-    one ends the walk; ``tarfile`` then says where)."""
+    ``MAX_PAX_HEADER_BYTES``: the headers are walked before ``tarfile`` parses any, block for
+    block as ``tarfile`` will (a directory or link header has no data after it; a pax ``size``
+    record sets the next member's data size), so none is hidden from the walk; a damaged
+    header ends the walk (``tarfile`` then says where). GNU sparse members, which no dataset
+    writer makes and whose map ``tarfile`` reads differently, are refused."""
     block = tarfile.BLOCKSIZE
     offset = 0
+    global_size: int | None = None
+    size_for_next: int | None = None
     while offset + block <= len(data):
         header = bytes(data[offset : offset + block])
         if header == bytes(block):
             return
         try:
-            size = tarfile.nti(header[124:136])
+            size = max(tarfile.nti(header[124:136]), 0)
         except tarfile.HeaderError:
             return
-        if header[156:157] in (b"x", b"g", b"X") and size > MAX_PAX_HEADER_BYTES:
-            raise ShardCorruptError(
-                f"{what}: a pax header of {size} bytes at offset {offset} (more than "
-                f"{MAX_PAX_HEADER_BYTES}: not read)"
-            )
-        offset += block + -(-max(size, 0) // block) * block
+        kind = header[156:157]
+        if kind in _PAX:
+            if size > MAX_PAX_HEADER_BYTES:
+                raise ShardCorruptError(
+                    f"{what}: a pax header of {size} bytes at offset {offset} (more than "
+                    f"{MAX_PAX_HEADER_BYTES}: not read)"
+                )
+            records = _pax_records(data[offset + block : offset + block + size])
+            if records is None:
+                return
+            if any(k.startswith(b"GNU.sparse.") for k in records):
+                raise ShardCorruptError(f"{what}: a GNU sparse member at offset {offset}")
+            if kind == b"g" and b"size" in records:
+                global_size = records[b"size"]
+            size_for_next = records.get(b"size", global_size)
+        elif kind == b"S":
+            raise ShardCorruptError(f"{what}: a GNU sparse member at offset {offset}")
+        elif kind not in _GNU_LONG:
+            if size_for_next is not None:
+                size, size_for_next = size_for_next, None
+            name_is_dir = kind == b"\0" and header[:100].split(b"\0", 1)[0].endswith(b"/")
+            if kind in _NO_DATA or name_is_dir:
+                size = 0
+        offset += block + -(-size // block) * block
+
+
+def _pax_records(payload: bytes) -> dict[bytes, int] | None:
+    """The numeric records of a pax header's payload that move a walk (``size`` and the GNU
+    sparse ones: their value or -1); None if it is not one ``tarfile`` reads."""
+    records: dict[bytes, int] = {}
+    pos = 0
+    while pos < len(payload) and payload[pos : pos + 1] != b"\0":
+        match = _PAX_RECORD.match(payload, pos)
+        if match is None:
+            return None
+        length = int(match.group(1))
+        if length < 1 or pos + length > len(payload):
+            return None
+        keyword, value = match.group(2), payload[match.end() : pos + length - 1]
+        if keyword == b"size":
+            if not value.isdigit():
+                return None
+            records[keyword] = int(value)
+        elif keyword.startswith(b"GNU.sparse."):
+            records[keyword] = -1
+        pos += length
+    return records
 
 
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
