@@ -31,7 +31,7 @@ from ckptstore.errors import (
     UnsafeObjectError,
 )
 from ckptstore.store.processes import machine_tag, pid_gone
-from ckptstore.store.retry import RetryPolicy, is_precondition_failed
+from ckptstore.store.retry import RetryPolicy, describe, is_precondition_failed
 
 TMP_MARK = ".tmp-"  # local puts write ``<key>.tmp-<machine>-<pid>-<uuid>``, then link it
 # The shape a put's temporary has: its writer's machine tag and pid (none before 2026-12-02).
@@ -202,6 +202,7 @@ class FsspecBackend(Backend):
         except FileNotFoundError as exc:
             if "bucket" in str(exc).lower():
                 raise
+            self._listing_missed(path, exc)
             return {}
         return {
             name: int(info.get("size") or 0)
@@ -214,6 +215,9 @@ class FsspecBackend(Backend):
             self.fs.rm_file(path)
         except FileNotFoundError:
             pass
+
+    def _listing_missed(self, path: str, exc: FileNotFoundError) -> None:
+        """A listing of ``path`` found nothing there (a prefix nothing was written under)."""
 
 
 class S3Backend(FsspecBackend):
@@ -229,6 +233,16 @@ class S3Backend(FsspecBackend):
         # s3fs retries a throttled or timed-out request itself with the body it already read
         # to its end (0 of N bytes sent, then a wait for the read timeout): the store retries.
         fs.retries = 1
+
+    def _listing_missed(self, path: str, exc: FileNotFoundError) -> None:
+        """S3 lists an empty prefix as empty: a listing answered 404 (not NoSuchBucket) came
+        from something else answering HTTP at the endpoint (a web server, another service's
+        port), which must not pass for an empty store (a job would start afresh)."""
+        raise StorageError(
+            f"list {path}: {self.endpoint} answered 'not found' to a listing "
+            f"({describe(exc.__cause__ or exc)}), which no S3 service does: is it an S3 "
+            "endpoint (the right host and port)?"
+        ) from exc
 
     def copy_once(self, src: str, dst: str) -> None:
         self.fs.invalidate_cache(dst)

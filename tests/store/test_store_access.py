@@ -129,3 +129,39 @@ def test_ckptstore_ls_below_an_unreadable_directory_is_not_no_such_path(locked_s
     assert done.returncode == 1, (done.stdout, done.stderr)
     (line,) = done.stderr.strip().splitlines()
     assert "permission denied" in line and "no such path" not in line, line
+
+
+@pytest.fixture
+def web_server():
+    """A plain HTTP server on loopback: it answers every S3 request 404 with an HTML page."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def test_an_endpoint_that_is_not_s3_is_an_error_not_an_empty_store(web_server, monkeypatch, capsys):
+    """Reviewer K: a web server (or another service's port) at the endpoint answered every
+    listing 404, read as an empty store: latest() was None, so a job started afresh beside
+    its checkpoints, and `ls` blamed a mistyped prefix. S3 lists an empty prefix as empty."""
+    from ckptstore.cli import main
+    from ckptstore.errors import StorageError
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    options = {"client_kwargs": {"endpoint_url": web_server}}
+    with pytest.raises(StorageError, match="is it an S3 endpoint") as caught:
+        Checkpointer("s3://bucket/run", storage_options=options).latest()
+    assert web_server in str(caught.value)
+    assert main(["ls", "s3://bucket/run", "-o", f"endpoint_url={web_server}"]) == 1
+    err = capsys.readouterr().err
+    assert "is it an S3 endpoint" in err and err.count("\n") == 1, err
