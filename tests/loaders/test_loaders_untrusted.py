@@ -423,6 +423,9 @@ def _hidden_pax_tar(path: Path, hide: str) -> None:
     long_pax = header("././@PaxHeader", tarfile.XHDTYPE, len(record)) + pad(record)
     if hide == "directory":
         front = header("d/", tarfile.DIRTYPE, len(long_pax))
+    elif hide == "unparsed-payload":  # a walk that stops at a payload it cannot parse
+        front = header("././@PaxHeader", tarfile.XHDTYPE, 7) + pad(b"garbage")
+        front += header("a.txt", tarfile.REGTYPE, 0)
     else:
         size_record = b"9 size=0\n"
         front = header("././@PaxHeader", tarfile.XHDTYPE, len(size_record)) + pad(size_record)
@@ -431,15 +434,33 @@ def _hidden_pax_tar(path: Path, hide: str) -> None:
     path.write_bytes(front + long_pax + sample + bytes(2 * tarfile.BLOCKSIZE))
 
 
-@pytest.mark.parametrize("hide", ["directory", "pax-size"])
+@pytest.mark.parametrize("hide", ["directory", "pax-size", "unparsed-payload"])
 def test_a_long_pax_header_hidden_from_a_naive_walk_is_refused(tmp_path, hide):
-    """Reviewer L: the walk that refuses long pax headers skipped every header's size field,
-    so one hidden behind a directory header (or a pax size record) reached tarfile: a 100 KB
-    header took 19 s a read on Python 3.11.7. The walk now follows tarfile block for block."""
+    """Reviewers L and M: a walk of the headers before tarfile read them could be led
+    elsewhere than tarfile goes (a directory header's size field, a pax size record, a payload
+    the walk could not parse, and more), so a long pax header reached tarfile's parse: a
+    100 KB one took 19 s a read on Python 3.11.7. tarfile's own members are checked now."""
     root = tmp_path / "ds"
     root.mkdir()
     _hidden_pax_tar(root / "bad.tar", hide)
     with pytest.raises(ShardCorruptError, match="a pax header of .* bytes at offset"):
+        list(ShardDataset(str(root), WebDataset(), config=IN_ORDER))
+
+
+def test_a_member_of_negative_size_is_refused_not_read_for_ever(tmp_path):
+    """Reviewer M: a base-256 size of -512 sent tarfile back to the same header for ever,
+    memory growing (732 MB after 20 s)."""
+    first = tarfile.TarInfo("a.txt")
+    first.size = 5
+    data = first.tobuf(format=tarfile.GNU_FORMAT) + b"hello" + bytes(507)
+    looping = bytearray(tarfile.TarInfo("nodot").tobuf(format=tarfile.GNU_FORMAT))
+    looping[124:136] = tarfile.itn(-512, 12, tarfile.GNU_FORMAT)
+    looping[148:156] = b"        "
+    looping[148:155] = b"%06o\0" % sum(looping)  # the checksum of the edited header
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "bad.tar").write_bytes(data + bytes(looping) + bytes(2 * tarfile.BLOCKSIZE))
+    with pytest.raises(ShardCorruptError, match="a member of -512 bytes"):
         list(ShardDataset(str(root), WebDataset(), config=IN_ORDER))
 
 

@@ -9,7 +9,6 @@ as upstream's ``tarfile`` mode ``r|*`` does), decompressed up to ``max_shard_byt
 from __future__ import annotations
 
 import io
-import re
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,80 +81,28 @@ def _starts_tar(data: bytes) -> bool:
 MAX_PAX_HEADER_BYTES = 8192
 
 
-_PAX = (b"x", b"g", b"X")
-_GNU_LONG = (b"L", b"K")
-# Types whose header is followed by no data for ``tarfile`` (any other type, known or not, is
-# read as a regular file's data; a pax or GNU long-name header's data is its payload).
-_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")
-_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+class _Refused(Exception):
+    """A tar header refused as ``tarfile`` reaches it (carried out of its iteration)."""
 
 
-def _refuse_long_pax_headers(data: bytes, what: str) -> None:
-    """:class:`ShardCorruptError` if a pax extended header of ``data`` is longer than
-    ``MAX_PAX_HEADER_BYTES``: the headers are walked before ``tarfile`` parses any, block for
-    block as ``tarfile`` will (a directory or link header has no data after it; a pax ``size``
-    record sets the next member's data size), so none is hidden from the walk; a damaged
-    header ends the walk (``tarfile`` then says where). GNU sparse members, which no dataset
-    writer makes and whose map ``tarfile`` reads differently, are refused."""
-    block = tarfile.BLOCKSIZE
-    offset = 0
-    global_size: int | None = None
-    size_for_next: int | None = None
-    while offset + block <= len(data):
-        header = bytes(data[offset : offset + block])
-        if header == bytes(block):
-            return
-        try:
-            size = max(tarfile.nti(header[124:136]), 0)
-        except tarfile.HeaderError:
-            return
-        kind = header[156:157]
-        if kind in _PAX:
-            if size > MAX_PAX_HEADER_BYTES:
-                raise ShardCorruptError(
-                    f"{what}: a pax header of {size} bytes at offset {offset} (more than "
-                    f"{MAX_PAX_HEADER_BYTES}: not read)"
-                )
-            records = _pax_records(data[offset + block : offset + block + size])
-            if records is None:
-                return
-            if any(k.startswith(b"GNU.sparse.") for k in records):
-                raise ShardCorruptError(f"{what}: a GNU sparse member at offset {offset}")
-            if kind == b"g" and b"size" in records:
-                global_size = records[b"size"]
-            size_for_next = records.get(b"size", global_size)
-        elif kind == b"S":
-            raise ShardCorruptError(f"{what}: a GNU sparse member at offset {offset}")
-        elif kind not in _GNU_LONG:
-            if size_for_next is not None:
-                size, size_for_next = size_for_next, None
-            name_is_dir = kind == b"\0" and header[:100].split(b"\0", 1)[0].endswith(b"/")
-            if kind in _NO_DATA or name_is_dir:
-                size = 0
-        offset += block + -(-size // block) * block
+class _CheckedTarInfo(tarfile.TarInfo):
+    """The members ``tarfile`` reads, each checked as it reaches its header (no walk of our own
+    that could read the archive otherwise): a pax header over ``MAX_PAX_HEADER_BYTES`` is
+    refused before it is parsed, and a negative size (base-256) before ``tarfile`` steps back
+    to an earlier header and reads the same ones for ever."""
 
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.size < 0:
+            raise _Refused(f"a member of {self.size} bytes at offset {self.offset}")
+        return super()._proc_member(tarfile_)
 
-def _pax_records(payload: bytes) -> dict[bytes, int] | None:
-    """The numeric records of a pax header's payload that move a walk (``size`` and the GNU
-    sparse ones: their value or -1); None if it is not one ``tarfile`` reads."""
-    records: dict[bytes, int] = {}
-    pos = 0
-    while pos < len(payload) and payload[pos : pos + 1] != b"\0":
-        match = _PAX_RECORD.match(payload, pos)
-        if match is None:
-            return None
-        length = int(match.group(1))
-        if length < 1 or pos + length > len(payload):
-            return None
-        keyword, value = match.group(2), payload[match.end() : pos + length - 1]
-        if keyword == b"size":
-            if not value.isdigit():
-                return None
-            records[keyword] = int(value)
-        elif keyword.startswith(b"GNU.sparse."):
-            records[keyword] = -1
-        pos += length
-    return records
+    def _proc_pax(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.size > MAX_PAX_HEADER_BYTES:
+            raise _Refused(
+                f"a pax header of {self.size} bytes at offset {self.offset} (more than "
+                f"{MAX_PAX_HEADER_BYTES}: not read)"
+            )
+        return super()._proc_pax(tarfile_)
 
 
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
@@ -165,11 +112,14 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
     view = memoryview(data)
-    _refuse_long_pax_headers(data, what)
     try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:", tarinfo=_CheckedTarInfo)
     except tarfile.TarError as exc:
         raise ShardCorruptError(f"{what}: not a tar file (offset 0): {exc}") from exc
+    except _Refused as exc:
+        raise ShardCorruptError(f"{what}: {exc}") from exc
+    except (ValueError, OverflowError) as exc:  # a pax record's number tarfile cannot read
+        raise ShardCorruptError(f"{what}: bad tar header at offset 0: {exc}") from exc
     offset = 0
     try:
         for member in tar:
@@ -197,7 +147,11 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
                     f"(second at offset {member.offset})"
                 )
             current[ext] = bytes(view[member.offset_data : end])
-    except tarfile.TarError as exc:
+    except ShardCorruptError:
+        raise
+    except _Refused as exc:
+        raise ShardCorruptError(f"{what}: {exc}") from exc
+    except (tarfile.TarError, ValueError, OverflowError) as exc:
         raise ShardCorruptError(f"{what}: bad tar header after offset {offset}: {exc}") from exc
     # ``tarfile`` ends its walk quietly at a damaged header or at the end of the bytes, as it
     # does at the end-of-archive zero blocks every tar writer puts last: only those end it here.
