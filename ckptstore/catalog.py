@@ -41,6 +41,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
+    UnsafeObjectError,
 )
 from ckptstore.format import (
     MAX_MANIFEST_BYTES,
@@ -210,6 +211,8 @@ def load_manifest_bytes(store: Store, step: int) -> tuple[Manifest, bytes]:
         data = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)  # a cap: a damaged store
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
+    except UnsafeObjectError as exc:  # a FIFO or a link out of the store: damage
+        raise CheckpointCorruptError(f"{store.url(key)}: {exc}") from exc
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(
             f"{store.url(key)}: over {MAX_MANIFEST_BYTES} bytes, larger than any manifest"
@@ -248,6 +251,8 @@ def read_object(store: Store, ref: ObjectRef, what: str) -> bytes:
         data = store.get(ref.key, 0, ref.nbytes + 1)  # one byte more tells a longer object
     except ObjectNotFoundError as exc:
         raise CheckpointNotFoundError(f"{what} {store.url(ref.key)} is missing") from exc
+    except UnsafeObjectError as exc:  # a FIFO or a link out of the store: damage
+        raise CheckpointCorruptError(f"{what} {store.url(ref.key)}: {exc}") from exc
     if len(data) != ref.nbytes or hash_bytes(data) != ref.xxh3:
         raise CheckpointCorruptError(
             f"{what} {store.url(ref.key)}: size or xxh3 does not match the manifest"

@@ -54,7 +54,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_REFERENCED_BYTES = 4 << 30
 
 # A chunk holds at most this many raw bytes (a save's chunk_bytes is at most this): a reader
-# allocates a chunk's declared raw size to decode it, so no index may declare more.
+# allocates a chunk's declared raw size to decode it, so no DCP index may declare more (a DCP
+# chunk is not bound to its index's items; a state index's chunk is, to its tensors).
 MAX_CHUNK_BYTES = 1 << 30
 
 ALIGN = 64  # every tensor starts at a multiple of this inside a chunk (and a staging buffer)
@@ -458,7 +459,8 @@ def check_rank_index(index: RankIndex, name: str) -> None:
             raise bad(f"chunk digest {digest!r} is not 32 lowercase hex digits")
         if not _is_count(info.raw) or not _is_count(info.stored):
             raise bad(f"chunk {digest}: sizes {info.raw!r}, {info.stored!r} are not counts")
-        if info.raw > MAX_CHUNK_BYTES:
+        if index.items is not None and info.raw > MAX_CHUNK_BYTES:
+            # (a state save's chunk is bound to its tensors below, whatever its chunk_bytes)
             raise bad(f"chunk {digest}: {info.raw} raw bytes, more than any chunk holds")
         if info.stored > max_encoded_size(info.raw):
             raise bad(f"chunk {digest}: {info.stored} bytes stored for {info.raw} raw")

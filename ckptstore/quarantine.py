@@ -38,6 +38,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
+    StorageError,
     UnsafeObjectError,
     one_line,
 )
@@ -187,13 +188,24 @@ def _move(
     for digest, present in sorted(damaged.items()):
         if not present:
             continue  # missing: nothing to keep
+        planted = False
         try:  # copied by the store: a read that lied must not replace its own bytes
             store.copy(chunk_key(digest), f"{QUARANTINE_PREFIX}/chunks/{digest}")
         except ObjectExistsError:
             pass
         except UnsafeObjectError:
-            pass  # a link or a FIFO at the chunk's key holds no bytes worth keeping
-        store.delete(chunk_key(digest))
+            planted = True  # a link, a FIFO or a directory: no bytes worth keeping
+        try:
+            store.delete(chunk_key(digest))
+        except StorageError as exc:
+            if not planted:
+                raise
+            logger.warning(  # the commit still goes: the step must not block its re-save
+                "step %d: %s could not be removed (%s); a new save of its bytes may fail",
+                step,
+                store.url(chunk_key(digest)),
+                one_line(exc),
+            )
     if _manifest_bytes(store, step) != data:
         return  # committed again meanwhile (a save that ignored our lease): it stays
     store.delete(commit_key(step))
@@ -236,6 +248,8 @@ def _quarantine_unreadable(store, step: int, why: str, lease: Lease) -> bool:
         again = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)
     except ObjectNotFoundError:
         return False
+    except UnsafeObjectError:
+        data = again = b""  # a FIFO or a link at the commit's key: nothing to keep
     if again != data or _decodes_as_manifest(again, store.url(key), step):
         return False  # a read cut short or damaged on the way: not the stored bytes' fault
     attempt = f"unreadable-{hash_bytes(data)[:16]}"

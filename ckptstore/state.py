@@ -180,6 +180,7 @@ class _Loader:
             self._match_generator(target, node, path)
         elif tag == "$tuple" or isinstance(node, list):
             items = node["$tuple"] if tag else node
+            self._refuse_replacing(target, "a list" if tag is None else "a tuple", path)
             seq = target if isinstance(target, (list, tuple)) else None
             if seq is not None and len(seq) != len(items):
                 seq = None  # rebuilt from the checkpoint (e.g. a list that grew)
@@ -189,6 +190,18 @@ class _Loader:
             self._match_dict(target, node, path)
         elif tag in ("$float", "$bytes") or not isinstance(node, (dict, list)):
             self._match_value(target, node, path)
+
+    def _refuse_replacing(self, target: Any, saved: str, path: tuple) -> None:
+        """With ``strict``, a sequence of the step does not replace a tensor, an array, a
+        generator, a dict or a stateful object of the state (as a number does not)."""
+        live = (torch.Tensor, np.ndarray, torch.Generator, dict)
+        if not self.strict or self._in_stateful or target is _MISSING or target is None:
+            return
+        if isinstance(target, live) or is_stateful(target):
+            raise UnsupportedStateError(
+                f"{path_str(path)}: checkpoint has {saved}, state has "
+                f"{type(target).__name__} (load(..., strict=False) replaces it)"
+            )
 
     def _match_value(self, target: Any, node: Any, path: tuple) -> None:
         """A number, string or bytes of the step replaces what the state holds, but with
@@ -433,6 +446,10 @@ def plan_load(
     ``load_state_dict`` on). A dict saved from a ``state_dict()`` loads into a stateful object
     of the state through its ``load_state_dict``; a value of another kind is refused."""
     loader = _Loader(describe, strict=strict)
+    if strict and tree is None and target is not None:  # nothing would be loaded in place
+        raise UnsupportedStateError(
+            f"the checkpoint holds None, the state a {type(target).__name__}"
+        )
     loader.match(target, tree, ())
     return loader
 

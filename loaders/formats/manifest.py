@@ -123,10 +123,13 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ShardCorruptError(f"manifest {key} is not UTF-8 text: {exc}") from exc
-    lines = [line.strip(" \r") for line in text.splitlines()]  # a tab ends an empty field
-    lines = [line for line in lines if line]
-    block_bytes = _header(lines[0], key) if lines and lines[0].startswith(MANIFEST_MAGIC) else 0
-    rows = [line for line in lines if not line.startswith("#")]
+    # (stripped, as written less its spaces at either end): a hashed row's tab may end an
+    # empty last field (a 0-byte file has no block hashes)
+    lines = [(line.strip(), line.strip(" \r")) for line in text.splitlines()]
+    lines = [(bare, row) for bare, row in lines if bare]
+    first = lines[0][0] if lines else ""
+    block_bytes = _header(first, key) if first.startswith(MANIFEST_MAGIC) else 0
+    rows = [row for bare, row in lines if not bare.startswith("#")]
     hashes: dict[str, FileHashes] | None = None
     if block_bytes:
         hashes = {}

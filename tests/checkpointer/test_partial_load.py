@@ -4,6 +4,7 @@ item 4): evaluating weights without building the optimizer."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -168,3 +169,25 @@ def test_strict_refuses_state_keys_the_step_lacks_at_every_level(tmp_path):
         ):
             ckpt.load(other)
         assert isinstance(other["t"], torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    "saved, target, says",
+    [
+        ({"w": [1, 2]}, {"w": torch.zeros(2)}, "w: checkpoint has a list, state has Tensor"),
+        ([1, 2], {"w": torch.zeros(2)}, "<root>: checkpoint has a list, state has dict"),
+        (None, {"w": torch.zeros(2)}, "the checkpoint holds None, the state a dict"),
+    ],
+    ids=["list-for-a-tensor", "list-for-the-state", "none-for-the-state"],
+)
+def test_a_strict_load_refuses_a_sequence_or_none_where_the_state_has_a_tensor(
+    tmp_path, saved, target, says
+):
+    """Reviewer M: a list saved where the state holds a tensor replaced the tensor with the
+    list, and a step holding None (or a list) at its root loaded nothing into the state and
+    returned the step; as for a number, strict refuses it (strict=False replaces)."""
+    with Checkpointer(tmp_path / "s") as ckpt:
+        ckpt.save(1, saved).wait()
+        with pytest.raises(UnsupportedStateError, match=re.escape(says)):
+            ckpt.load(target)
+        assert torch.equal(target["w"], torch.zeros(2))

@@ -476,6 +476,36 @@ def test_a_fifo_or_a_link_out_at_a_chunk_key_is_skipped_and_quarantined(tmp_path
         assert ckpt.load(state, 2) == 2 and torch.equal(state["w"], _state(2)["w"])
 
 
+@pytest.mark.parametrize("where", ["index", "commit"])
+@pytest.mark.parametrize("planted", ["fifo", "link-out"])
+def test_a_fifo_or_a_link_out_at_an_index_or_commit_key_is_skipped_and_quarantined(
+    tmp_path, where, planted
+):
+    """Reviewer M: a FIFO or a link out of the store at a rank index's or a commit's key made
+    load(fallback=True) raise at every restart (only chunks were damage). Both are damage now:
+    the step is skipped, quarantined (a planted commit removed), and saved again."""
+    root = tmp_path / "s"
+    _resume(root, 2)
+    store = Store(str(root))
+    if where == "index":
+        path = root / load_manifest(store, 2).ranks[0].key
+    else:
+        path = root / commit_key(2)
+    outside = tmp_path / "outside"
+    outside.write_bytes(path.read_bytes())
+    path.chmod(0o644)
+    path.unlink()
+    if planted == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(outside)
+    assert _resume(root, 2)[0] == 1  # skipped step 2, saved it again
+    with Checkpointer(root) as ckpt:
+        state = _blank()
+        assert ckpt.load(state, 2) == 2 and torch.equal(state["w"], _state(2)["w"])
+    assert 2 in quarantined(store).values() and outside.read_bytes()
+
+
 def _during_the_check(monkeypatch, action) -> None:
     """``action()`` once, right after the quarantine's first look at the damaged chunks (a
     concurrent process acting between that check and the move)."""

@@ -159,3 +159,28 @@ def test_a_manifest_claiming_a_huge_world_checks_only_the_ranks_it_lists(tmp_pat
     path.write_bytes(_resealed(doc))
     with pytest.raises(CheckpointCorruptError, match="is not one of this step's ranks"):
         load_manifest(Store(uri), 1)
+
+
+def test_only_a_dcp_index_is_held_to_the_chunk_size_cap():
+    """Reviewer M: stores saved before the cap with chunk_bytes over 1 GiB must still read (a
+    state index binds each chunk to its tensors); a DCP index, whose chunks its items do not
+    bind, may not declare a chunk over MAX_CHUNK_BYTES (a reader allocates it)."""
+    from ckptstore.format import (
+        MAX_CHUNK_BYTES,
+        ChunkInfo,
+        RankIndex,
+        Segment,
+        TensorEntry,
+        check_rank_index,
+    )
+
+    n = MAX_CHUNK_BYTES + 4096
+    digest = "ab" * 16
+
+    def index(**kind) -> RankIndex:
+        tensor = TensorEntry(dtype="uint8", shape=[n], segments=[Segment(digest, 0, n)])
+        return RankIndex(rank=0, tensors=[tensor], chunks={digest: ChunkInfo(n, n)}, **kind)
+
+    check_rank_index(index(tree={"t": {"$t": 0}}), "state index")
+    with pytest.raises(CheckpointCorruptError, match="more than any chunk holds"):
+        check_rank_index(index(items={"t": 0}), "dcp index")

@@ -398,3 +398,13 @@ def test_a_manifest_hashing_an_empty_token_file_reads_back(tmp_path):
     fmt = TokenFiles(dtype="uint16", sample_tokens=64, manifest="hashed.txt")
     samples = list(ShardDataset([str(tmp_path)], fmt, config=IN_ORDER))
     assert len(samples) == 64
+
+
+def test_a_plain_manifest_with_blank_tabbed_lines_and_indented_comments_reads(tmp_path):
+    """Reviewer M: reading a hashed row's empty last field must not change how a plain
+    manifest reads: a line of a tab alone is blank, an indented '#' a comment."""
+    np.arange(4096, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    np.arange(4096, dtype=np.uint16).tofile(tmp_path / "b.bin")
+    (tmp_path / "manifest.txt").write_text("a.bin\n\t\n   # shards\nb.bin\t\n")
+    fmt = TokenFiles(dtype="uint16", sample_tokens=64, manifest="manifest.txt")
+    assert len(list(ShardDataset([str(tmp_path)], fmt, config=IN_ORDER))) == 128

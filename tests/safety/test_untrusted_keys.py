@@ -293,6 +293,7 @@ BIG = int("1" + "0" * 400)  # a JSON int no float holds
         pytest.param(lambda d: d.update(created_at=1e308), id="created-past-year-9999"),
         pytest.param(lambda d: d.update(raw_bytes=1e300), id="raw-bytes-a-float"),
         pytest.param(lambda d: d.update(stored_bytes=-7), id="stored-bytes-negative"),
+        pytest.param(lambda d: d["health"].update(sumsq=BIG), id="health-400-digits"),
         pytest.param(None, id="raw-bytes-1e400"),
     ],
 )
