@@ -180,7 +180,8 @@ class _Loader:
             self._match_generator(target, node, path)
         elif tag == "$tuple" or isinstance(node, list):
             items = node["$tuple"] if tag else node
-            self._refuse_replacing(target, "a list" if tag is None else "a tuple", path)
+            saved = "a list" if tag is None else "a tuple"
+            self._refuse_replacing(target, saved, path, sequences=False)
             seq = target if isinstance(target, (list, tuple)) else None
             if seq is not None and len(seq) != len(items):
                 seq = None  # rebuilt from the checkpoint (e.g. a list that grew)
@@ -191,10 +192,14 @@ class _Loader:
         elif tag in ("$float", "$bytes") or not isinstance(node, (dict, list)):
             self._match_value(target, node, path)
 
-    def _refuse_replacing(self, target: Any, saved: str, path: tuple) -> None:
-        """With ``strict``, a sequence of the step does not replace a tensor, an array, a
-        generator, a dict or a stateful object of the state (as a number does not)."""
+    def _refuse_replacing(self, target: Any, saved: str, path: tuple, *, sequences: bool) -> None:
+        """With ``strict``, ``saved`` (a value or a sequence of the step) does not replace a
+        tensor, an array, a generator, a dict, a stateful object or (``sequences``) a list or
+        tuple of the state: other references to it would keep their old values unseen, and a
+        container of the state is another schema (inside a stateful object its
+        ``load_state_dict`` decides)."""
         live = (torch.Tensor, np.ndarray, torch.Generator, dict)
+        live += (list, tuple) if sequences else ()
         if not self.strict or self._in_stateful or target is _MISSING or target is None:
             return
         if isinstance(target, live) or is_stateful(target):
@@ -204,19 +209,12 @@ class _Loader:
             )
 
     def _match_value(self, target: Any, node: Any, path: tuple) -> None:
-        """A number, string or bytes of the step replaces what the state holds, but with
-        ``strict`` not a tensor, an array, a generator, a stateful object or a container:
-        other references to it would keep their old values unseen, and a dict or list of the
-        state is another schema (inside a stateful object, its ``load_state_dict`` decides; a
-        None saved, a value not set yet then, replaces it)."""
-        live = (torch.Tensor, np.ndarray, torch.Generator, dict, list, tuple)
-        if not self.strict or self._in_stateful or target is _MISSING or node is None:
-            return
-        if isinstance(target, live) or is_stateful(target):
-            raise UnsupportedStateError(
-                f"{path_str(path)}: checkpoint has a {type(decode_scalar(node)).__name__}, "
-                f"state has {type(target).__name__} (load(..., strict=False) replaces it)"
-            )
+        """A number, string or bytes of the step replaces what the state holds, unless
+        ``_refuse_replacing`` says otherwise (a None saved, a value not set yet then, replaces
+        it)."""
+        if node is not None:
+            saved = f"a {type(decode_scalar(node)).__name__}"
+            self._refuse_replacing(target, saved, path, sequences=True)
 
     def _match_tensor(self, target: Any, node: Any, path: tuple) -> None:
         if target is _MISSING or target is None:
