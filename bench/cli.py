@@ -14,7 +14,7 @@ import logging
 import sys
 
 from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
-from ckptstore.cli.signals import terminate_unwinds
+from ckptstore.cli.signals import stopped_by_signal, terminate_unwinds
 from ckptstore.errors import CheckpointError
 
 # Modules of bench/ that define a subcommand, in the order --help lists them.
@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         return 130
+    except BaseException:
+        status = stopped_by_signal()  # wrapped on its way up (DCP's CheckpointException)
+        if status is None:
+            raise
+        return status
 
 
 if __name__ == "__main__":

@@ -21,11 +21,18 @@ def terminate_unwinds() -> Iterator[None]:
         return
 
     def on_term(signum: int, frame: object) -> None:
+        _received.append(signum)
         for sig in _UNWOUND:  # cleaning up: a second one waits for it
             signal.signal(sig, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
+    def on_interrupt(signum: int, frame: object) -> None:
+        _received.append(signum)
+        raise KeyboardInterrupt
+
     previous = {sig: signal.signal(sig, on_term) for sig in _UNWOUND}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (nohup)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_interrupt)
     try:
         yield
     finally:
@@ -33,4 +40,12 @@ def terminate_unwinds() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def stopped_by_signal() -> int | None:
+    """The exit status of a command a signal stopped (130 for Ctrl-C, 128 + the signal for
+    the others), or None if none came: what a library wrapped its ``KeyboardInterrupt`` or
+    ``SystemExit`` in (DCP's ``CheckpointException``) still ends the command as the signal."""
+    return 128 + _received[0] if _received else None
+
+
 _UNWOUND = (signal.SIGTERM, signal.SIGHUP)
+_received: list[int] = []
