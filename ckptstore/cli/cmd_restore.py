@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import Any
 
-from ckptstore.catalog import list_steps
+from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import (
     check_target,
@@ -112,10 +112,25 @@ def _open_naming_the_step_before(store: Store, step: int | None) -> StepView:
     except CheckpointCorruptError as exc:
         listed = list_steps(store)
         failed = step if step is not None else (listed[-1] if listed else None)
-        older = [s for s in listed if failed is not None and s < failed]
-        if not older:
+        before = _readable_step_before(store, failed) if failed is not None else None
+        if before is None:
             raise
-        raise CheckpointCorruptError(f"{exc}; the step before it: --step {older[-1]}") from exc
+        raise CheckpointCorruptError(f"{exc}; the step before it: --step {before}") from exc
+
+
+HINT_TRIES = 16
+
+
+def _readable_step_before(store: Store, step: int) -> int | None:
+    """The newest step older than ``step`` whose manifest reads (of the ``HINT_TRIES`` newest
+    before it): a hint that names an unreadable step sends the user to a second failure."""
+    for older in sorted((s for s in list_steps(store) if s < step), reverse=True)[:HINT_TRIES]:
+        try:
+            load_manifest(store, older)
+        except CheckpointError:
+            continue
+        return older
+    return None
 
 
 def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:
@@ -124,8 +139,8 @@ def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:
     try:
         return view.load_plain(on_chunk=advance)
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        older = [s for s in list_steps(store) if s < view.step]
-        hint = f"; the step before it: --step {older[-1]}" if older else ""
+        before = _readable_step_before(store, view.step)
+        hint = f"; the step before it: --step {before}" if before is not None else ""
         raise CheckpointError(f"step {view.step} cannot be restored: {exc}{hint}") from exc
 
 

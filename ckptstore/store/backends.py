@@ -565,6 +565,12 @@ def _check_s3_uri_and_options(uri: str, options: dict[str, Any]) -> None:
             f"cannot open store {uri!r}: unknown storage option(s) {', '.join(unknown)} (s3fs "
             "takes e.g. endpoint_url, key, secret, anon, client_kwargs, config_kwargs)"
         )
+    for name in ("client_kwargs", "config_kwargs", "s3_additional_kwargs"):
+        if options.get(name) is not None and not isinstance(options[name], dict):
+            raise ValueError(
+                f"cannot open store {uri!r}: storage option {name} must be a JSON object "
+                f"(-o '{name}={{...}}'), got {options[name]!r:.60}"
+            )
 
 
 def refuse_a_mistyped_scheme(uri: str) -> None:

@@ -103,8 +103,21 @@ def test_a_restore_target_with_a_uri_s_scheme_and_one_slash_is_refused(tmp_path,
         (["s3://b//run"], "an empty path segment ('//') makes keys that no listing finds (did "),
         (["s3://b/run//7/"], "no listing finds (did you mean s3://b/run/7?)"),
         (["s3:///b/run"], "no listing finds (did you mean s3://b/run?)"),
+        (
+            ["s3://b/run", "-o", "client_kwargs=endpoint_url=http://h:1"],
+            "storage option client_kwargs must be a JSON object",
+        ),
+        (["s3://b/run", "-o", "config_kwargs=5"], "config_kwargs must be a JSON object"),
     ],
-    ids=["no-bucket", "unknown-option", "empty-segment", "empty-segment-inside", "three-slashes"],
+    ids=[
+        "no-bucket",
+        "unknown-option",
+        "empty-segment",
+        "empty-segment-inside",
+        "three-slashes",
+        "client-kwargs-a-string",  # reviewer K: 'unexpected AttributeError'
+        "config-kwargs-a-number",
+    ],
 )
 def test_an_s3_uri_without_a_bucket_or_an_unknown_option_is_a_usage_error(argv, said, capsys):
     """Reviewer 1 of stop 57: ``ls s3://`` said "list s3:/commits: the bucket does not exist"

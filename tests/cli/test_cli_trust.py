@@ -15,7 +15,7 @@ import ckptstore.pipeline
 from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import load_manifest, load_rank_index
 from ckptstore.cli import main
-from ckptstore.format import chunk_key
+from ckptstore.format import chunk_key, commit_key
 
 
 def saved_store(root: Path) -> str:
@@ -115,6 +115,25 @@ def test_a_restore_of_a_damaged_step_names_it_and_the_step_before(tmp_path, caps
     assert "is missing" in line and line.endswith("; the step before it: --step 1"), line
     code, _ = run_ok(capsys, "restore", uri, "--to", target, "--format", fmt, "--step", "1")
     assert code == 0 and target.exists()
+
+
+def test_a_restores_hint_skips_a_step_whose_manifest_does_not_read(tmp_path, capsys):
+    """Reviewer K: the hint named the step before, itself unreadable (a truncated manifest),
+    sending the user to a second failure; it names the newest step whose manifest reads."""
+    uri = saved_store(tmp_path)
+    with Checkpointer(uri, encoding=EncodingOptions(compression="none")) as ckpt:
+        for step in (2, 3):
+            ckpt.save(step, {"model": {"w": torch.arange(64, dtype=torch.float32) + step}}).wait()
+    store = Store(uri)
+    commit = Path(store.path(commit_key(2)))
+    os.chmod(commit, 0o644)
+    commit.write_bytes(commit.read_bytes()[:50])
+    index = load_rank_index(store, load_manifest(store, 3), 0)
+    path = Path(store.path(chunk_key(next(iter(index.chunks)))))
+    os.chmod(path, 0o644)
+    path.unlink()
+    code, line = run(capsys, "restore", uri, "--to", tmp_path / "restored")
+    assert code == 1 and line.endswith("; the step before it: --step 1"), line
 
 
 def run_ok(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
