@@ -66,6 +66,9 @@ CUDA_METHODS = ("ckptstore", "ckptstore_host", *METHODS[1:])
 OPT_IN_METHODS = ("ckptstore_noscan", "ckptstore_norecheck")  # run only when --methods names them
 
 
+FINISH_S = 120.0
+
+
 class _Method:
     """One way of saving; ``save`` returns (blocked_s, stall_s, commit_s), stall_s None on
     the cpu."""
@@ -83,6 +86,20 @@ class _Method:
 
     def open(self) -> None:
         pass
+
+    @staticmethod
+    def committed(future: Any) -> None:
+        """``future.result()`` of an async save; stopped meanwhile (Ctrl-C, SIGTERM), the save
+        thread's writes end first (up to ``FINISH_S``), so that the run's cleanup does not
+        remove its directory while the thread still writes files into it (reviewer K)."""
+        try:
+            future.result()
+        except BaseException:
+            try:
+                future.result(timeout=FINISH_S)
+            except BaseException:  # noqa: BLE001, S110 - the first error is the one raised
+                pass
+            raise
 
     def reserve(self, state: dict[str, torch.Tensor]) -> int:
         """Allocate the staging memory for saves of ``state`` ahead (``--reserve``), untimed;
@@ -189,7 +206,7 @@ class _CkptstoreDcp(_Method):
             future = dcp.async_save(state, storage_writer=self.writer, no_dist=True)
             t1 = time.perf_counter()
             stall = self.stall(t0)
-            future.result()
+            self.committed(future)
             t2 = time.perf_counter()
         return t1 - t0, stall, t2 - t0
 
@@ -216,7 +233,7 @@ class _DcpAsync(_Method):
             future = dcp.async_save(state, storage_writer=writer, no_dist=True)
             t1 = time.perf_counter()
             stall = self.stall(t0)
-            future.result()
+            self.committed(future)
             t2 = time.perf_counter()
         return t1 - t0, stall, t2 - t0
 

@@ -714,7 +714,9 @@ def chunks_from_store(
                 return deliver(digest, fetch(digest, info))
             return deliver(digest, fetch_chunk(store, digest, info, scratch=True))
 
-        return store.map(load, digests, max_concurrency=cfg.read_concurrency)
+        # drain: a failed read's fetches end before its error is raised (a worker still
+        # decoding in a C extension as the process exits aborts it: a CLI restore exited 134)
+        return store.map(load, digests, max_concurrency=cfg.read_concurrency, drain=True)
 
     return read
 

@@ -18,6 +18,11 @@ RUNS = {
     # DCP wraps the KeyboardInterrupt or SystemExit in its CheckpointException (reviewer K:
     # a 57-line traceback and exit 1)
     "save-dcp": (["save", "--size", "64MiB", "--repeat", "50", "--methods", "dcp_sync"], 2),
+    # an async save's thread kept writing after the run's cleanup (reviewer K: files left)
+    "save-dcp-async": (
+        ["save", "--size", "64MiB", "--repeat", "50", "--methods", "dcp_async,ckptstore_dcp"],
+        2,
+    ),
     "storage": (
         ["storage", "--duration-s", "60", "--sizes", "64KiB", "--max-write-bytes", "4GiB"],
         5,
