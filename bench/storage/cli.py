@@ -117,13 +117,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--attempts",
         type=int,
         default=RetryPolicy.attempts,
-        help="attempts per request (default %(default)s)",
+        help="attempts per request of the run (default %(default)s; the check that the store "
+        "is usable, before the run, takes the store's default: up to 30 s a request, retries "
+        "included)",
     )
     retry.add_argument(
         "--timeout-s",
         type=float,
         default=RetryPolicy.timeout_s,
-        help="deadline of one attempt (default %(default)s)",
+        help="deadline of one attempt of a request of the run (default %(default)s)",
     )
     p.add_argument("--seed", type=int, help="seed for sizes, keys and faults")
     p.add_argument("--keep", action="store_true", help="do not delete what the bench wrote")
