@@ -80,9 +80,13 @@ class GcReport:
     """Steps whose every chunk was re-hashed and checks out (``verify_chunks``, ``verify_kept``)."""
 
 
-def drop_step(store: Store, step: int) -> None:
+def drop_step(store: Store, step: int, attempt: str | None = None) -> None:
     """Unlist committed ``step``: its manifest goes, so it is gone from here on; the objects only
-    it referenced are swept by the next ``collect``."""
+    it referenced are swept by the next ``collect``. ``attempt``: only if the step is still that
+    save (another process may have dropped it and a writer saved the number again since)."""
+    if attempt is not None and not _unchanged(store, step, attempt):
+        logger.info("gc %s: step %d was saved again since it was read; kept", store.uri, step)
+        return
     store.delete(commit_key(step))
     logger.info("gc %s: deleted step %d", store.uri, step)
 
@@ -140,12 +144,13 @@ def collect(
     keep_chunks = set() if remove_corrupt else quarantined_chunks(store)
     if remove_corrupt:
         report.removed_quarantine = sorted(set(quarantined(store).values()))
+    gone = {s: readable[s].manifest.attempt for s in doomed}
+    gone.update((s, None) for s in report.removed_corrupt)
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
-            drop_step(store, step)
+            drop_step(store, step, gone[step])
         if remove_corrupt:
             list(store.map(store.delete, forensics))
-    gone = doomed | set(report.removed_corrupt)
     lease = None
     if not dry_run:
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
@@ -381,7 +386,7 @@ def _why(exc: Exception) -> str:
 def _sweep(
     store: Store,
     report: GcReport,
-    gone: set[int],
+    gone: dict[int, str | None],
     readable: dict[int, _Step],
     ignore_attempts: set[str],
     lease_ttl_s: float,
@@ -394,11 +399,19 @@ def _sweep(
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
     live += _legacy_saves(store)
-    # Listed after the save leases: a save that committed before that look is kept.
-    listed = [s for s in list_steps(store) if s not in gone]
+    # Listed after the save leases: a save that committed before that look is kept, also one
+    # that saved a step number dropped above again (its index and chunks are its own).
+    listed = list_steps(store)
+    again = [] if report.dry_run else [s for s in listed if s in gone]
+    for step in again:
+        readable.pop(step, None)
+        report.unreadable_steps.pop(step, None)
     new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
     readable.update(_read_steps(store, new, report))
-    report.kept_steps = sorted((set(listed) | (keep_steps - gone)) & readable.keys())
+    saved_again = {s for s in again if s in readable and readable[s].manifest.attempt != gone[s]}
+    gone = {s: a for s, a in gone.items() if s not in saved_again}
+    listed = [s for s in listed if s not in gone]
+    report.kept_steps = sorted((set(listed) | (keep_steps - gone.keys())) & readable.keys())
     if report.kept_healthy not in report.kept_steps:  # removed since by another's retention
         report.kept_healthy = _newest_healthy(readable, report.kept_steps)
     if live:

@@ -123,6 +123,56 @@ def test_retention_in_two_processes_keeps_every_waited_step(tmp_path):
     assert steps[-3:] == sorted(int(s) for out in outs for s in out.split())[-3:]
 
 
+def test_a_step_number_saved_again_while_retention_drops_it_keeps_its_index(tmp_path, monkeypatch):
+    """Reviewer N: another process saved a step number that a retention had just dropped
+    (two runs into one store with overlapping steps); the retention's sweep left it out of
+    the kept steps by its number and deleted its rank index: wait() had returned, the step
+    listed, and it could not be read (nor could any later gc sweep)."""
+    import ckptstore.retention as retention
+
+    uri = str(tmp_path / "store")
+    first = Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=16 << 10))
+    for step in range(3):
+        first.save(step, {"w": torch.full((8192,), float(step))}).wait()
+    first.close()
+    again = {"w": torch.full((8192,), 500.0)}
+    drop = retention.drop_step
+
+    def drop_then_save_again(store, step, *attempt):
+        drop(store, step, *attempt)
+        if step == 0:  # the other run's save lands between the drop and the sweep
+            with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=16 << 10)) as second:
+                second.save(0, again).wait()
+
+    monkeypatch.setattr(retention, "drop_step", drop_then_save_again)
+    report = collect(Store(uri), keep_last=2)
+    assert report.deleted_steps == [0] and report.kept_steps == [0, 1, 2]
+    monkeypatch.undo()
+    assert verify_all(uri) == [0, 1, 2]
+    state = {"w": torch.zeros(8192)}
+    assert Checkpointer(uri).load(state, 0) == 0 and torch.equal(state["w"], again["w"])
+
+
+def test_a_drop_by_a_retention_that_read_an_older_save_of_the_number_keeps_the_new_one(tmp_path):
+    """Two retentions read step 0; the first dropped it and a writer saved 0 again; the second
+    deleted the new save's commit by its number (wait() had returned)."""
+    from ckptstore.catalog import load_manifest
+    from ckptstore.retention import drop_step
+
+    uri = str(tmp_path / "store")
+    store = Store(uri)
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(0, {"w": torch.zeros(8)}).wait()
+    old = load_manifest(store, 0).attempt
+    drop_step(store, 0, old)  # the first retention
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(0, {"w": torch.ones(8)}).wait()
+    drop_step(store, 0, old)  # the second, late: it read the first save
+    assert list_steps(store) == [0] and load_manifest(store, 0).attempt != old
+    drop_step(store, 0, load_manifest(store, 0).attempt)  # the save it read: dropped
+    assert list_steps(store) == []
+
+
 def _saver(front: str, uri: str):
     """save(step, state) through ``front`` with keep_last=2, returning once it committed."""
     if front == "checkpointer":
