@@ -165,7 +165,8 @@ class Checkpointer:
         self.last_load_left_out: list[str] = []
         self.last_load_exchange: ExchangeStats | None = None  # chunks shared with other ranks
         self._loader = self._state_loader()
-        self._session = self._group.broadcast(uuid.uuid4().hex[:12])
+        with self._group.calling("Checkpointer()"):
+            self._session = self._group.broadcast(uuid.uuid4().hex[:12])
         self._saves = 0
         self.skipped_saves = 0
         self._closed_event = threading.Event()
@@ -353,7 +354,8 @@ class Checkpointer:
         is one warning naming it."""
         if self._local is not None:
             self._saver.wait()  # its collectives and the plan's share a group: one at a time
-            step = newest_planned_step(self.store, self._local, self._group, healthy)
+            with self._group.calling("latest()"):
+                step = newest_planned_step(self.store, self._local, self._group, healthy)
             steps = [] if step is None else [step]
         else:
             steps = list_steps(self.store)
@@ -422,7 +424,10 @@ class Checkpointer:
         # theirs (other ranks pairing them otherwise). Their errors stay for wait() and save().
         self._saver.wait()
         try:
-            return self._loader.load(state, step, fallback=fallback, strict=strict, healthy=healthy)
+            with self._group.calling("load()"):
+                return self._loader.load(
+                    state, step, fallback=fallback, strict=strict, healthy=healthy
+                )
         finally:
             loader = self._loader
             self.last_load, self.last_load_source = loader.last_load, loader.last_load_source

@@ -22,6 +22,12 @@ class RankLostError(CheckpointError):
         return (type(self), (str(self), self.lost))
 
 
+class RanksOutOfStepError(RankLostError):
+    """Ranks made different collective calls at once (one rank in ``latest()`` while another
+    saves, say): every rank in the exchange fails at once naming both calls, instead of pairing
+    collectives that do not match. The ranks' tier group is spent, as after a lost rank."""
+
+
 class CheckpointCorruptError(CheckpointError, ValueError):
     """Stored bytes do not match what the manifest says (hash, size, header)."""
 

@@ -144,8 +144,7 @@ def collect(
     keep_chunks = set() if remove_corrupt else quarantined_chunks(store)
     if remove_corrupt:
         report.removed_quarantine = sorted(set(quarantined(store).values()))
-    gone = {s: readable[s].manifest.attempt for s in doomed}
-    gone.update((s, None) for s in report.removed_corrupt)
+    gone = {s: readable[s].manifest.attempt for s in doomed} | dict.fromkeys(report.removed_corrupt)
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
             drop_step(store, step, gone[step])

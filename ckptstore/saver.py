@@ -208,7 +208,8 @@ class SaveWorker:
                 return
             t0 = time.perf_counter()
             try:
-                self._persist(job)
+                with self._group.calling("save()"):
+                    self._persist(job)
                 telemetry.save_persist_seconds.observe(
                     time.perf_counter() - t0, frontend="checkpointer"
                 )

@@ -7,19 +7,26 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.errors import RankLostError, one_line
+from ckptstore.errors import RankLostError, RanksOutOfStepError, one_line
 
 logger = logging.getLogger(__name__)
 
 # Of a group's bound on a lost rank, the share its collectives wait (gloo's timeout); the rest
 # is the roll call that names the ranks that did not answer.
 _COLLECTIVE_SHARE = 0.75
+
+_COLLECTIVE_CALLS = (
+    "with tiers, Checkpointer's latest(), load() and save() are collective: every rank calls "
+    "them, in the same order"
+)
 
 
 class RankGroup:
@@ -45,7 +52,8 @@ class RankGroup:
         self.world_size = dist.get_world_size() if self.active else 1
         self.group = None
         self.lost_rank_s = lost_rank_s
-        self.lost: RankLostError | None = None
+        self.lost: RankLostError | None = None  # or ranks out of step: the group is spent
+        self._calls = threading.local()  # what each thread's exchanges are part of
         self._members: list[int] = []  # the group's ranks while it is being made
         self._arrival_s = timeout_s  # how long ranks whose heartbeat moves are waited for
         self._exchanges = 0
@@ -71,6 +79,22 @@ class RankGroup:
                 self._members = dist.get_process_group_ranks(self.group)
                 self._store = dist.distributed_c10d._get_default_store().clone()
         self.active = self.group is not None
+
+    @contextmanager
+    def calling(self, call: str) -> Iterator[None]:
+        """Label this thread's exchanges as part of ``call`` (``"latest()"``, say): a rank
+        that comes to an exchange another rank reached in another call fails, with every rank
+        in that exchange, naming both calls (``RanksOutOfStepError``), instead of pairing
+        collectives that do not match."""
+        before = getattr(self._calls, "call", None)
+        self._calls.call = call
+        try:
+            yield
+        finally:
+            self._calls.call = before
+
+    def _call(self) -> str:
+        return getattr(self._calls, "call", None) or "ckptstore's exchanges"
 
     def check(self, what: str, exc: BaseException | None = None) -> None:
         """Raise ``RankLostError`` if a rank of the group is lost: known already, or found now
@@ -143,17 +167,25 @@ class RankGroup:
         key, everyone = f"{base}/{self._exchanges}", f"{base}/{self._exchanges}/all"
         store = self._store
         try:
+            self._refuse_out_of_step(f"{base}/{self._exchanges}")
             if store.add(key, 1) == len(self._members):
                 store.set(everyone, b"1")
-                for old in (f"{base}/{self._exchanges - 1}", f"{base}/{self._exchanges - 1}/all"):
+                last = f"{base}/{self._exchanges - 1}"
+                for old in (last, f"{last}/all", f"{last}/call"):
                     store.delete_key(old)  # every rank has left the exchange before
                 return
             others = [r for r in self._members if r != self.rank]
             start = looked = time.monotonic()
             beats: list[int] | None = None  # first taken after a window: most waits are shorter
             pause = 0.001
+            apart, apart_looked = f"{base}/{self._exchanges}/apart", start
             while not store.check([everyone]):
                 now = time.monotonic()
+                if now - apart_looked >= 0.05:
+                    apart_looked = now
+                    if store.check([apart]):
+                        rank, call = store.get(apart).decode().split(" ", 1)
+                        raise self._out_of_step(int(rank), call, self.rank, self._call())
                 if now - looked >= self._window_s:
                     now_beats = _HEARTBEAT.counts(others, started=True)
                     lost = [r for r, b, a in zip(others, beats or now_beats, now_beats) if a == b]
@@ -163,9 +195,10 @@ class RankGroup:
                 if now - start >= self._arrival_s:
                     came = int(store.add(key, 0))
                     self.lost = RankLostError(  # a rank may still come to it: the group is spent
-                        f"{what}: {len(self._members) - came} of {len(self._members)} ranks did "
-                        f"not come within {self._arrival_s:g}s (their heartbeats still move: "
-                        "alive but stuck)",
+                        f"{what} of {self._call()}: {len(self._members) - came} of "
+                        f"{len(self._members)} ranks did not come within {self._arrival_s:g}s "
+                        f"(their heartbeats still move: alive but stuck, or not making this "
+                        f"call: {_COLLECTIVE_CALLS})",
                         [],
                     )
                     raise self.lost
@@ -175,6 +208,27 @@ class RankGroup:
             raise
         except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
             raise self._store_gone(exc) from exc
+
+    def _refuse_out_of_step(self, exchange: str) -> None:
+        """Raise ``RanksOutOfStepError`` if another rank came to this exchange in another call
+        (the first rank to come names its call; a rank that differs tells the others)."""
+        mine = self._call()
+        first = self._store.compare_set(f"{exchange}/call", "", mine).decode()
+        if first != mine:
+            self._store.set(f"{exchange}/apart", f"{self.rank} {mine}")
+            raise self._out_of_step(self.rank, mine, None, first)
+
+    def _out_of_step(
+        self, rank: int, call: str, other: int | None, other_call: str
+    ) -> RanksOutOfStepError:
+        where = "another rank" if other is None else f"rank {other}"
+        self.lost = RanksOutOfStepError(
+            f"ranks out of step: rank {rank} came to an exchange of {call} that {where} "
+            f"reached in {other_call} ({_COLLECTIVE_CALLS}); the ranks' tier group is spent: "
+            "restart the job"
+        )
+        logger.warning("rank %d: %s", self.rank, self.lost)
+        return self.lost
 
     def _exchange(self, what: str, call: Any) -> None:
         self.check(what)

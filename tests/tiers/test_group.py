@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ckptstore.errors import RankLostError
+from ckptstore.errors import RankLostError, RanksOutOfStepError
 from ckptstore.tiers.group import RankGroup
 from tests.helpers.dist import run_ranks
 
@@ -44,6 +44,29 @@ def _stuck_rank(rank: int, world: int) -> None:
 @pytest.mark.dist
 def test_a_rank_alive_but_stuck_fails_the_others_after_the_groups_timeout():
     run_ranks(_stuck_rank, 2, timeout_s=90)
+
+
+def _ranks_in_two_calls(rank: int, world: int) -> None:
+    group = RankGroup(None, timeout_s=600, lost_rank_s=LOST_S)
+    assert group.gather(rank) == [0, 1, 2]  # labelled alike (unlabelled): paired
+    call = "save()" if rank == 2 else "latest()"
+    if rank == 2:
+        time.sleep(0.5)  # the others come first: the latecomer tells them
+    t0 = time.monotonic()
+    with group.calling(call), pytest.raises(RanksOutOfStepError) as apart:
+        group.gather(rank)
+    said = str(apart.value)
+    assert "rank 2 came to an exchange of save()" in said and "in latest()" in said, said
+    assert time.monotonic() - t0 < LOST_S  # at once, not after the bound
+    with pytest.raises(RanksOutOfStepError):  # the group is spent
+        group.broadcast(rank)
+
+
+@pytest.mark.dist
+def test_ranks_in_different_calls_fail_at_once_naming_both():
+    """Rank 0 in a tiered ``latest()`` while rank 1 saved paired their gathers: an unpacking
+    ``ValueError`` out of both (or a hang where a broadcast met a gather)."""
+    run_ranks(_ranks_in_two_calls, 3, timeout_s=90)
 
 
 def test_a_lost_ranks_error_quotes_gloo_without_its_advice():

@@ -17,7 +17,12 @@ import torch
 
 from ckptstore import Checkpointer, EncodingOptions, PreemptionOptions, StorageOptions, TierOptions
 from ckptstore.catalog import list_steps
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptstore.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    RanksOutOfStepError,
+    StorageError,
+)
 from ckptstore.store import Store, open_store
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER
 from tests.helpers.dist import run_ranks
@@ -541,3 +546,26 @@ def test_a_chunk_stored_otherwise_is_replaced_in_a_copy_only_where_no_listed_cop
     drop_step(store, 1)
     _put_chunk(store, digest, info, packed, repair=False)
     assert store.get(chunk_key(digest)) == packed
+
+
+def _latest_on_one_rank(rank: int, world: int, root: str) -> None:
+    ckpt = Checkpointer(
+        f"{root}/store",
+        tiers=TierOptions(local_dir=f"{root}/local{rank}"),
+        storage=StorageOptions(lost_rank_timeout_s=8),
+    )
+    state = {"w": torch.full((4,), float(rank))}
+    ckpt.save(1, state).wait()
+    with pytest.raises(RanksOutOfStepError) as apart:
+        if rank == 0:
+            ckpt.latest()  # a script logging the step on rank 0 alone
+        else:
+            ckpt.save(2, state).wait()
+    said = str(apart.value)
+    assert "save()" in said and "latest()" in said and "collective" in said, said
+
+
+@pytest.mark.dist
+def test_latest_on_one_rank_while_another_saves_names_both_calls(tmp_path):
+    """It was an unpacking ``ValueError`` on both ranks (their exchanges paired)."""
+    run_ranks(_latest_on_one_rank, 2, str(tmp_path), timeout_s=120)
