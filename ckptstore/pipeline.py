@@ -137,11 +137,16 @@ class ChunkLayout:
     total_bytes: int
     offsets: list[int]  # per tensor, start in the buffer
     chunks: list[ChunkSpan]
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` of the alignment padding inside packed chunks: a staging buffer's
+    bytes there are zeroed (``zero_gaps``), else a chunk would carry whatever memory the
+    buffer held before (and ranks or saves of the same tensors would hash it apart)."""
 
 
 def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> ChunkLayout:
     offsets = [0] * len(tensors)
     chunks: list[ChunkSpan] = []
+    gaps: list[tuple[int, int]] = []
     cursor = 0
     packs: dict[int, list[int]] = defaultdict(list)
     large: list[int] = []
@@ -156,6 +161,8 @@ def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> ChunkLayout
                 chunks.append(ChunkSpan(start, cursor, itemsize))
                 start = cursor
             offsets[i] = cursor
+            if align(cursor + n) > cursor + n:
+                gaps.append((cursor + n, align(cursor + n)))
             cursor = align(cursor + n)
         if cursor > start:
             chunks.append(ChunkSpan(start, cursor, itemsize))
@@ -168,7 +175,7 @@ def plan_layout(tensors: list[torch.Tensor], cfg: PipelineConfig) -> ChunkLayout
                 ChunkSpan(piece, min(piece + cfg.chunk_bytes, cursor + n), codec_itemsize(t.dtype))
             )
         cursor = align(cursor + n)
-    return ChunkLayout(total_bytes=cursor, offsets=offsets, chunks=chunks)
+    return ChunkLayout(total_bytes=cursor, offsets=offsets, chunks=chunks, gaps=gaps)
 
 
 def chunks_holding(layout: ChunkLayout, spans: list[tuple[int, int]]) -> ChunkLayout:
@@ -186,6 +193,7 @@ def chunks_holding(layout: ChunkLayout, spans: list[tuple[int, int]]) -> ChunkLa
         total_bytes=layout.total_bytes,
         offsets=[offset for offset, _ in spans],
         chunks=[layout.chunks[c] for c in sorted(needed)],
+        gaps=layout.gaps,
     )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ckptstore.device import HOST_SLAB_BYTES, Device, allocate_host
@@ -33,6 +34,18 @@ logger = logging.getLogger(__name__)
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def zero_gaps(buffer: torch.Tensor, gaps: list[tuple[int, int]]) -> None:
+    """Zero the bytes of ``buffer`` (1-D uint8, host or device) at ``gaps``, in one op."""
+    if not gaps:
+        return
+    starts, ends = np.array(gaps, dtype=np.int64).T
+    lengths = ends - starts
+    # Each byte's index: its gap's start plus its place in the gap.
+    firsts = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+    index = torch.from_numpy(firsts + np.arange(int(lengths.sum()), dtype=np.int64))
+    buffer.index_fill_(0, index.to(buffer.device), 0)
 
 
 class StagingPool:
@@ -264,11 +277,14 @@ class Drainer:
         release: Callable[[torch.Tensor], None],
         *,
         scan: bool = False,
+        gaps: list[tuple[int, int]] = (),
     ) -> DrainedCopy:
         """Copy ``staged`` (in a device buffer) to a host buffer; ``release(staged.buffer)``
         once it is copied (or the copy failed). ``scan``: take each tensor's ``health.scan``
-        on the device first, while the copy runs."""
-        return DrainedCopy(self._executor.submit(self._drain, staged, device, release, scan))
+        on the device first, while the copy runs. ``gaps``: zeroed in the host copy."""
+        return DrainedCopy(
+            self._executor.submit(self._drain, staged, device, release, scan, list(gaps))
+        )
 
     def _drain(
         self,
@@ -276,6 +292,7 @@ class Drainer:
         device: Device,
         release: Callable[[torch.Tensor], None],
         scan: bool = False,
+        gaps: list[tuple[int, int]] = (),
     ) -> StagedCopy:
         try:
             source = staged.buffer
@@ -290,6 +307,7 @@ class Drainer:
                     # while the bytes travel; its one wait is for both.
                     health = health_scan(staged.views) if scan else None
                 device.record(stream).synchronize()
+                zero_gaps(host, gaps)  # the device buffer's padding was never written
             except BaseException:
                 self._pool.release(host)
                 raise

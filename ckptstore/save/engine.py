@@ -25,7 +25,14 @@ from ckptstore.device import Device
 from ckptstore.leases import DEFAULT_TTL_S
 from ckptstore.options import DEFAULT_GC_WAIT_S, HealthPolicy
 from ckptstore.pipeline import ChunkLayout, CompressionGovernor, PipelineConfig, plan_layout
-from ckptstore.staging import DrainedCopy, Drainer, StagedCopy, Stager, StagingPool
+from ckptstore.staging import (
+    DrainedCopy,
+    Drainer,
+    StagedCopy,
+    Stager,
+    StagingPool,
+    zero_gaps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +179,14 @@ class SaveEngine:
         buffer = pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
         if buffer is None:
             return None
+        if device is None:
+            zero_gaps(buffer, layout.gaps)  # host bytes no copy writes: before it starts
         copied = self.stager.copy(buffer, tensors, layout.offsets)
         if device is None:
             return Staged(layout, copied, True)
-        drained = self.drainer().drain(copied, device, pool.release, scan=self.health.scan)
+        drained = self.drainer().drain(
+            copied, device, pool.release, scan=self.health.scan, gaps=layout.gaps
+        )
         return Staged(layout, drained, True)
 
     def _staging_device(
@@ -284,6 +295,7 @@ class SaveEngine:
         buffer = torch.empty(
             max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=self.pool.pin_memory
         )
+        zero_gaps(buffer, layout.gaps)
         return Staged(layout, self.stager.copy(buffer, tensors, layout.offsets), False)
 
     def release(self, staged: Staged) -> None:

@@ -9,12 +9,15 @@ import signal
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.catalog import list_steps
+from ckptstore.codec import decode
 from ckptstore.errors import CheckpointError, StorageError
+from ckptstore.format import chunk_key
 from ckptstore.save.once import assign_writers
 from ckptstore.store import Store
 from tests.helpers.dist import run_ranks, run_ranks_losing
@@ -226,3 +229,38 @@ def test_chunks_damaged_since_the_last_save_are_written_again_by_one_holder_each
     back its known chunks (``recheck_every=1``), one holder each, and wrote the damaged ones
     again, so both steps load on every rank."""
     run_ranks(_rechecking_ranks, 2, str(tmp_path / "store"), timeout_s=240)
+
+
+def _chunk_digests(uri: str, step: int) -> set[str]:
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+
+    store = Store(uri)
+    return {d for i in load_rank_indexes(store, load_manifest(store, step)) for d in i.chunks}
+
+
+def test_a_packed_chunks_padding_is_zeros_whatever_the_staging_buffer_held(tmp_path):
+    """Reviewer O: the alignment padding after a small tensor in a packed chunk was whatever
+    the reused staging buffer held (an earlier save's bytes, or uninitialized memory), so the
+    same state hashed apart on two ranks (or in two saves): written twice, and stray memory
+    stored in the checkpoint."""
+    state = {
+        "step": torch.tensor(7, dtype=torch.int32),
+        "ids": torch.arange(50),  # int64: packed with the int32 (floats are packed apart)
+        "w": torch.arange(100.0),
+    }
+    fresh = Checkpointer(str(tmp_path / "fresh"), encoding=ENCODING)
+    fresh.save(1, state).wait()
+    fresh.close()
+    reused = Checkpointer(str(tmp_path / "reused"), encoding=ENCODING)
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8).view(torch.float32)
+    reused.save(0, {"noise": noise}).wait()  # the staging buffer now holds noise
+    reused.save(1, state).wait()
+    reused.close()
+    digests = _chunk_digests(str(tmp_path / "reused"), 1)
+    assert digests == _chunk_digests(str(tmp_path / "fresh"), 1)
+    store = Store(str(tmp_path / "reused"))
+    chunks = [decode(store.get(chunk_key(d)), expected_hash=d, name=d) for d in digests]
+    ids, step = (state[k].reshape(-1).numpy().view(np.uint8) for k in ("ids", "step"))
+    # the int32 at 0, 60 bytes of padding, the int64s at 64, 48 bytes of padding
+    packed = np.concatenate([step, np.zeros(60, np.uint8), ids, np.zeros(48, np.uint8)])
+    assert any(c.size == packed.size and np.array_equal(c, packed) for c in chunks)
