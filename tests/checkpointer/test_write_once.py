@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Checkpointer, EncodingOptions, StorageOptions
+from ckptstore import Checkpointer, EncodingOptions, StagingOptions, StorageOptions
 from ckptstore.catalog import list_steps
 from ckptstore.codec import decode
 from ckptstore.errors import CheckpointError, StorageError
@@ -238,7 +238,8 @@ def _chunk_digests(uri: str, step: int) -> set[str]:
     return {d for i in load_rank_indexes(store, load_manifest(store, step)) for d in i.chunks}
 
 
-def test_a_packed_chunks_padding_is_zeros_whatever_the_staging_buffer_held(tmp_path):
+@pytest.mark.parametrize("mode", ["host", "device"])  # device: the cpu stand-in, drained
+def test_a_packed_chunks_padding_is_zeros_whatever_the_staging_buffer_held(tmp_path, mode):
     """Reviewer O: the alignment padding after a small tensor in a packed chunk was whatever
     the reused staging buffer held (an earlier save's bytes, or uninitialized memory), so the
     same state hashed apart on two ranks (or in two saves): written twice, and stray memory
@@ -251,7 +252,9 @@ def test_a_packed_chunks_padding_is_zeros_whatever_the_staging_buffer_held(tmp_p
     fresh = Checkpointer(str(tmp_path / "fresh"), encoding=ENCODING)
     fresh.save(1, state).wait()
     fresh.close()
-    reused = Checkpointer(str(tmp_path / "reused"), encoding=ENCODING)
+    reused = Checkpointer(
+        str(tmp_path / "reused"), encoding=ENCODING, staging=StagingOptions(mode=mode)
+    )
     noise = torch.randint(0, 256, (4096,), dtype=torch.uint8).view(torch.float32)
     reused.save(0, {"noise": noise}).wait()  # the staging buffer now holds noise
     reused.save(1, state).wait()
