@@ -531,6 +531,7 @@ def open_backend(
     if fsspec.core.split_protocol(uri)[0] in S3_PROTOCOLS:
         _check_s3_uri_and_options(uri, options)
         options = bounded_s3_options(options, retry or RetryPolicy())
+        _forget_s3_filesystems_if_the_environment_changed()
     try:
         fs, root = fsspec.core.url_to_fs(uri, **options)
     except (ValueError, ImportError) as exc:
@@ -539,6 +540,22 @@ def open_backend(
     if "file" in _protocols(fs) and not os.path.lexists(root):
         refuse_a_mistyped_scheme(uri)
     return _backend_class(fs)(fs, uri=uri, root=root, options=options), root
+
+
+_aws_environment: tuple | None = None  # the AWS_* variables when an S3 store was last opened
+
+
+def _forget_s3_filesystems_if_the_environment_changed() -> None:
+    """fsspec hands back a filesystem made with the same arguments earlier in the process,
+    keyed by its arguments alone: credentials or an endpoint fixed in ``AWS_*`` variables (in
+    a notebook, a retry loop) went unused, and errors named the new endpoint."""
+    global _aws_environment
+    now = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    if _aws_environment is not None and now != _aws_environment:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+    _aws_environment = now
 
 
 def _check_s3_uri_and_options(uri: str, options: dict[str, Any]) -> None:

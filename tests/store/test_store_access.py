@@ -165,3 +165,22 @@ def test_an_endpoint_that_is_not_s3_is_an_error_not_an_empty_store(web_server, m
     assert main(["ls", "s3://bucket/run", "-o", f"endpoint_url={web_server}"]) == 1
     err = capsys.readouterr().err
     assert "is it an S3 endpoint" in err and err.count("\n") == 1, err
+
+
+def test_an_endpoint_fixed_in_the_environment_is_used_by_the_next_store(
+    s3_uri, s3_endpoint, web_server, monkeypatch
+):
+    """Reviewer O: fsspec hands back the filesystem made earlier with the same arguments, so
+    an AWS_ENDPOINT_URL (or credentials) fixed in the process went unused by every later store,
+    and its error named the new endpoint while the requests went to the old one."""
+    from ckptstore.errors import StorageError
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", web_server)
+    with pytest.raises(StorageError, match="is it an S3 endpoint") as caught:
+        Checkpointer(s3_uri).latest()
+    assert web_server in str(caught.value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # fixed
+    with Checkpointer(s3_uri) as ckpt:
+        assert ckpt.latest() is None
+        ckpt.save(1, {"w": torch.arange(4.0)}).wait()
+        assert ckpt.latest() == 1
