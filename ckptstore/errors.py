@@ -132,7 +132,14 @@ class CommitUnknownError(StorageError):
     committed is unknown until the store answers (``ckptstore ls`` tells)."""
 
 
+_ONE_LINE_CHARS = 1000
+
+
 def one_line(error: BaseException) -> str:
-    """``error`` as one short line for another rank or a log: its type and first line."""
+    """``error`` as one short line for another rank or a log: its type and first line (cut
+    at a word past 1000 characters, marked: several ranks' reasons fit, the end says so)."""
     text = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {text}"[:300]
+    line = f"{type(error).__name__}: {text}"
+    if len(line) <= _ONE_LINE_CHARS:
+        return line
+    return line[:_ONE_LINE_CHARS].rsplit(" ", 1)[0] + " [...]"

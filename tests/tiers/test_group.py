@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ckptstore.errors import RankLostError, RanksOutOfStepError
+from ckptstore.errors import CheckpointError, RankLostError, RanksOutOfStepError
 from ckptstore.tiers.group import RankGroup
 from tests.helpers.dist import run_ranks
 
@@ -82,3 +82,17 @@ def test_a_lost_ranks_error_quotes_gloo_without_its_advice():
     said = _plain(gloo)
     assert said.startswith("RuntimeError: [/__w/") and said.endswith("[127.0.0.1]:34436."), said
     assert _plain(ValueError("a\nb")) == "ValueError: a"
+
+
+def test_a_long_error_for_another_rank_is_cut_at_a_word_and_says_so():
+    """Reviewer O: two ranks' reasons in one fallback warning were cut at 300 characters,
+    mid-word and unmarked: the second rank's reason was lost without a sign."""
+    from ckptstore.errors import one_line
+
+    reasons = "; ".join(f"rank {r}: chunk chunks/20/{r:032x} is corrupt" for r in range(40))
+    said = one_line(ValueError(reasons + "\nsecond line"))
+    assert said.endswith(" [...]") and len(said) <= 1000 + len(" [...]")
+    assert said.startswith("ValueError: rank 0: chunk") and "rank 13: chunk" in said
+    assert reasons.startswith(said[len("ValueError: ") : -len(" [...]")])  # whole words
+    short = one_line(CheckpointError("step 3 is corrupt\nmore"))
+    assert short == "CheckpointError: step 3 is corrupt"
