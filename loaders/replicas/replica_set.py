@@ -50,8 +50,12 @@ class ReplicaSet:
             raise ValueError("a dataset needs at least one replica URI")
         self.config = config or ReplicaConfig()
         policy = replica_retry_policy(self.config)
+        # A filesystem (its connection pool) of each replica's own: fsspec hands one instance
+        # to equal arguments, and a hung replica's requests, abandoned at their deadline but
+        # still holding connections, left none for the replicas beside it on that endpoint.
+        own = {**(storage_options or {}), "skip_instance_cache": True}
         stores = [
-            r if isinstance(r, Store) else Store(r, storage_options=storage_options, retry=policy)
+            r if isinstance(r, Store) else Store(r, storage_options=own, retry=policy)
             for r in replicas
         ]
         names = [s.uri for s in stores]

@@ -22,7 +22,8 @@ SLOWDOWN = (
 class Fault:
     method: str
     key_part: str  # the fault hits requests whose path contains this
-    action: str  # "slowdown": 503 before forwarding; "drop_after": forwarded, then no answer
+    action: str  # "slowdown": 503 before forwarding; "drop_after": forwarded, then no answer;
+    # "hang": no answer until the relay ends (the connection held open, as a hung server's)
     times: int = 1
 
 
@@ -33,6 +34,7 @@ class Relay:
     seen: list[tuple[str, str, int, int]] = field(default_factory=list)
     """(method, path, Content-Length declared, body bytes received) of every request."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: threading.Event = field(default_factory=threading.Event)
 
     def fault_for(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -62,6 +64,10 @@ def _handler(relay: Relay, upstream: tuple[str, int]) -> type[BaseHTTPRequestHan
                 self.send_header("Content-Length", str(len(SLOWDOWN)))
                 self.end_headers()
                 self.wfile.write(SLOWDOWN)
+                return
+            if action == "hang":
+                relay.ended.wait(60)
+                self.close_connection = True
                 return
             conn = http.client.HTTPConnection(*upstream, timeout=30)
             headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
@@ -101,6 +107,7 @@ def s3_relay(upstream_endpoint: str) -> Iterator[Relay]:
     try:
         yield relay
     finally:
+        relay.ended.set()
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)

@@ -679,3 +679,41 @@ def test_a_replicas_wins_and_latencies_are_of_reads_not_of_header_requests(tmp_p
     assert len(list(ds)) == 40
     read = ds.metrics()
     assert sum(r["wins"] for r in read["replicas"].values()) == read["reads"]["reads"] >= 21
+
+
+def test_a_hung_s3_replica_leaves_the_replica_beside_it_on_its_endpoint_alone(s3_endpoint):
+    """Reviewer Q: two replicas in two buckets of one endpoint shared one filesystem (fsspec
+    hands one instance to equal arguments), so the hung replica's requests, abandoned at their
+    deadline but still holding pooled connections, left none for the healthy one: its reads
+    timed out too and a DataLoader run failed."""
+    import boto3
+
+    from tests.helpers.s3proxy import Fault, s3_relay
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    tag = uuid.uuid4().hex[:8]
+    hung, good = f"hung-{tag}", f"good-{tag}"
+    for bucket in (hung, good):
+        s3.create_bucket(Bucket=bucket)
+        for i in range(24):
+            s3.put_object(Bucket=bucket, Key=f"ds/obj{i}", Body=PAYLOAD)
+    with s3_relay(s3_endpoint) as relay:
+        relay.faults.append(Fault("GET", f"/{hung}/", "hang", times=10**6))
+        config = ReplicaConfig(hedge=False, attempt_timeout_s=3.0, read_deadline_s=30)
+        rs = ReplicaSet(
+            [f"s3://{hung}/ds", f"s3://{good}/ds"],
+            config=config,
+            storage_options={"endpoint_url": relay.endpoint},
+        )
+        # Reads in flight at once (a worker's prefetch), each tried on the hung replica first.
+        got = [None] * 24
+        threads = [
+            threading.Thread(target=lambda i=i: got.__setitem__(i, rs.read(f"obj{i}")))
+            for i in range(24)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=40)
+        assert got == [PAYLOAD] * 24
+        assert rs.metrics()["replicas"][f"s3://{good}/ds"]["errors"] == 0
