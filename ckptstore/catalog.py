@@ -38,6 +38,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CommitUnknownError,
+    ObjectExistsError,
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
@@ -114,6 +115,12 @@ def commit_manifest(
     try:
         found = store.get(key)
     except ObjectNotFoundError:
+        if isinstance(error, ObjectExistsError):
+            raise StepExistsError(
+                f"step {step} of {store.uri} was committed first by another writer (or an "
+                "earlier attempt of this put) and removed since (a retention): this save is not "
+                "committed; steps are write-once"
+            ) from error
         raise StorageError(f"step {step} not committed: {error}") from error
     except CheckpointError as exc:
         raise CommitUnknownError(

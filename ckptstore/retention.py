@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptstore.catalog import (
     legacy_markers,
@@ -78,13 +79,20 @@ class GcReport:
     dry_run: bool = False
     verified_steps: list[int] = field(default_factory=list)
     """Steps whose every chunk was re-hashed and checks out (``verify_chunks``, ``verify_kept``)."""
+    read_attempts: dict[int, str] = field(default_factory=dict)
+    """The save (attempt) of each step as read, from every manifest that decoded: a step is
+    deleted, and its objects left unswept, only while it is still that save."""
 
 
-def drop_step(store: Store, step: int, attempt: str | None = None) -> None:
+_ANY_SAVE: Any = object()
+
+
+def drop_step(store: Store, step: int, attempt: str | None = _ANY_SAVE) -> None:
     """Unlist committed ``step``: its manifest goes, so it is gone from here on; the objects only
     it referenced are swept by the next ``collect``. ``attempt``: only if the step is still that
-    save (another process may have dropped it and a writer saved the number again since)."""
-    if attempt is not None and not _unchanged(store, step, attempt):
+    save (None: a manifest that did not decode, and still does not), not one another process
+    committed under the number since it was read (after dropping it)."""
+    if attempt is not _ANY_SAVE and not _unchanged(store, step, attempt):
         logger.info("gc %s: step %d was saved again since it was read; kept", store.uri, step)
         return
     store.delete(commit_key(step))
@@ -144,7 +152,7 @@ def collect(
     keep_chunks = set() if remove_corrupt else quarantined_chunks(store)
     if remove_corrupt:
         report.removed_quarantine = sorted(set(quarantined(store).values()))
-    gone = {s: readable[s].manifest.attempt for s in doomed} | dict.fromkeys(report.removed_corrupt)
+    gone = {s: report.read_attempts.get(s) for s in [*doomed, *report.removed_corrupt]}
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
             drop_step(store, step, gone[step])
@@ -233,6 +241,7 @@ def _read_steps(store: Store, steps: list[int], report: GcReport) -> dict[int, _
             return None
         except (CheckpointCorruptError, FormatVersionError) as exc:
             return _why(exc)
+        report.read_attempts[step] = manifest.attempt  # a dict's item assignment is atomic
         try:
             chunks = {
                 d: info.stored
@@ -399,17 +408,19 @@ def _sweep(
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
     live += _legacy_saves(store)
     # Listed after the save leases: a save that committed before that look is kept, also one
-    # that saved a step number dropped above again (its index and chunks are its own).
+    # that saved a step number again after a retention (this one or another) dropped the save
+    # read above: read afresh, its index and chunks are its own.
     listed = list_steps(store)
-    again = [] if report.dry_run else [s for s in listed if s in gone]
+    if report.dry_run:
+        listed = [s for s in listed if s not in gone]
+    again = _saved_since_read(store, report, listed, gone)
     for step in again:
         readable.pop(step, None)
         report.unreadable_steps.pop(step, None)
+    gone = {s: a for s, a in gone.items() if s not in again}
+    listed = [s for s in listed if s not in gone]
     new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
     readable.update(_read_steps(store, new, report))
-    saved_again = {s for s in again if s in readable and readable[s].manifest.attempt != gone[s]}
-    gone = {s: a for s, a in gone.items() if s not in saved_again}
-    listed = [s for s in listed if s not in gone]
     report.kept_steps = sorted((set(listed) | (keep_steps - gone.keys())) & readable.keys())
     if report.kept_healthy not in report.kept_steps:  # removed since by another's retention
         report.kept_healthy = _newest_healthy(readable, report.kept_steps)
@@ -446,6 +457,18 @@ def _sweep(
     list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC) if not g.live])
+
+
+def _saved_since_read(
+    store: Store, report: GcReport, listed: list[int], gone: dict[int, str | None]
+) -> set[int]:
+    """The steps of ``listed`` read before (or dropped) that are no longer the save read: one
+    manifest read each."""
+    read = {
+        s: report.read_attempts.get(s) for s in listed if s in report.read_attempts or s in gone
+    }
+    changed = store.map(lambda s: not _unchanged(store, s, read[s]), list(read))
+    return {s for s, c in zip(read, changed, strict=True) if c}
 
 
 def _legacy_saves(store: Store) -> list[str]:

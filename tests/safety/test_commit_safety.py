@@ -173,6 +173,70 @@ def test_a_drop_by_a_retention_that_read_an_older_save_of_the_number_keeps_the_n
     assert list_steps(store) == []
 
 
+def test_a_kept_step_saved_again_before_the_sweep_keeps_its_index(tmp_path, monkeypatch):
+    """Reviewer P: a gc read step 2 and kept it; before its sweep another job's retention
+    dropped 2 and a third job saved 2 again (wait() returned). The sweep protected the save
+    it had read, not the new one: the new index and chunks were swept, step 2 listed, unread."""
+    import ckptstore.retention as retention
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        for step in range(3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    look = retention.quarantine_objects  # called between the gc's reads and its sweep
+    again = {"w": torch.full((4096,), 222.0)}
+
+    def others_run(store):
+        monkeypatch.setattr(retention, "quarantine_objects", look)
+        with Checkpointer(uri, keep_last=2) as job1:  # its retention drops 0..2
+            for step in (3, 4):
+                job1.save(step, {"w": torch.full((4096,), float(step))}).wait()
+        with Checkpointer(uri) as job2:
+            job2.save(2, again).wait()
+        return look(store)
+
+    monkeypatch.setattr(retention, "quarantine_objects", others_run)
+    report = collect(Store(uri), keep_last=5)
+    assert report.kept_steps == [2, 3, 4]
+    assert verify_all(uri) == [2, 3, 4]
+    state = {"w": torch.zeros(4096)}
+    assert Checkpointer(uri).load(state, 2) == 2 and torch.equal(state["w"], again["w"])
+
+
+def test_remove_corrupt_leaves_a_good_save_of_the_corrupt_steps_number(tmp_path, monkeypatch):
+    """Reviewer P: gc --remove-corrupt read step 5 as corrupt (a truncated chunk); meanwhile a
+    job's fallback load quarantined 5 and it saved 5 again (wait() returned); the gc then
+    deleted the new step 5 by its number."""
+    import ckptstore.retention as retention
+    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.format import chunk_key
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        for step in range(6):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    store = Store(uri)
+    (index,) = load_rank_indexes(store, load_manifest(store, 5))
+    chunk = tmp_path / "store" / chunk_key(next(iter(index.chunks)))
+    chunk.write_bytes(chunk.read_bytes()[:-7])
+    drop = retention.drop_step
+    again = {"w": torch.full((4096,), 55.0)}
+
+    def job_first(store, step, *attempt):
+        if step == 5:
+            monkeypatch.setattr(retention, "drop_step", drop)
+            with Checkpointer(uri) as job:
+                assert job.load({"w": torch.zeros(4096)}, fallback=True) == 4  # quarantines 5
+                job.save(5, again).wait()
+        drop(store, step, *attempt)
+
+    monkeypatch.setattr(retention, "drop_step", job_first)
+    report = collect(store, keep_last=10, remove_corrupt=True, check_chunks=True)
+    assert report.removed_corrupt == [5] and list_steps(store) == [0, 1, 2, 3, 4, 5]
+    state = {"w": torch.zeros(4096)}
+    assert Checkpointer(uri).load(state, 5) == 5 and torch.equal(state["w"], again["w"])
+
+
 def _saver(front: str, uri: str):
     """save(step, state) through ``front`` with keep_last=2, returning once it committed."""
     if front == "checkpointer":
@@ -661,3 +725,29 @@ def test_gc_refuses_to_judge_steps_by_a_listing_that_misses_chunks_the_store_hol
     chunk.unlink()  # truly missing: the step that referenced it is corrupt, as before
     report = collect(Store(tmp_path), keep_last=None, check_chunks=True)
     assert len(report.unreadable_steps) >= 1
+
+
+def test_a_commit_beaten_by_another_writer_whose_step_was_retained_away_is_step_exists(tmp_path):
+    """Reviewer P's three writers on one store: a save whose commit found the step committed
+    by another writer, then gone when read back (that writer's keep_last removed it), failed
+    as a StorageError 'not committed: ... already exists', not the StepExistsError a writer
+    of overlapping steps catches."""
+    from ckptstore.catalog import commit_manifest
+    from ckptstore.errors import StepExistsError
+    from ckptstore.retention import drop_step
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as other:
+        other.save(7, {"w": torch.zeros(8)}).wait()
+    store = Store(uri)
+    ours = b"{}"  # never written: the step is taken
+    settle = store.settle
+
+    def retention_in_between(timeout_s):
+        drop_step(store, 7)  # the other writer's keep_last, between our put and its read-back
+        return settle(timeout_s)
+
+    store.settle = retention_in_between
+    with pytest.raises(StepExistsError, match="committed first by another writer"):
+        commit_manifest(store, 7, ours)
+    assert list_steps(store) == []
