@@ -174,13 +174,14 @@ def _run_latency(args: argparse.Namespace, held: dict[str, int]) -> int:
 def fault_summary(
     result: dict[str, Any], held: dict[str, int], *, verbose: bool = False
 ) -> str | None:
-    """One line of the errors and hangs injected per run, and of the failed attempts and
+    """One line of the errors, hangs and slow reads injected per run, and of the failed attempts and
     replica benchings they caused (whose one warning each is held back unless -v), from the
     bench's own counters; None when no fault was injected and none failed."""
     modes = [
-        f"{mode} {f['errors']} injected errors, {f['hangs']} hangs"
+        f"{mode} {f['errors']} injected errors, {f['hangs']} hangs, {f.get('slow', 0)} slow reads"
         for mode in ("unhedged", "hedged")
-        if (f := result.get(mode, {}).get("faults")) and (f["errors"] or f["hangs"])
+        if (f := result.get(mode, {}).get("faults"))
+        and (f["errors"] or f["hangs"] or f.get("slow"))
     ]
     if not modes and not held["failed_attempts"] and not held["benched"]:
         return None

@@ -61,6 +61,11 @@ class ShardDataset(IterableDataset):
         world_size: int | None = None,
         transform: Callable[[Any], Any] | None = None,
     ) -> None:
+        if isinstance(format, type) and hasattr(format, "open"):
+            raise TypeError(
+                f"the dataset format is the class {format.__name__}: pass an instance, "
+                f"{format.__name__}(...)"
+            )
         if not hasattr(format, "open"):
             raise ValueError(
                 f"unknown dataset format {format!r}: expected MDS(), WebDataset() or TokenFiles()"

@@ -219,8 +219,8 @@ class ReplicaHealth:
             and r.latency > max(cfg.bench_slow_factor * best, best + cfg.bench_slow_margin_s)
             and (self._may_bench_slow() or (displaced := self._displace_for(r)))
         ):
-            self._bench(r, now, slow=True)
             why = f"latency {r.latency * 1e3:.1f} ms is {r.latency / best:.1f}x the best healthy"
+            self._bench(r, now, slow=True)  # forgets the latency: said above first
             return why + " replica's", displaced
         return None, displaced
 

@@ -104,3 +104,14 @@ def test_injected_faults_are_summarised_not_warned_one_by_one():
     loud = run("-v")
     assert loud.returncode == 0
     assert loud.stderr.count("attempt 1 failed (injected fault in get)") > 50
+
+
+def test_the_fault_line_counts_slow_reads_injected():
+    """Reviewer Q: with --slow-replica the summary said 'faults: none injected'."""
+    from bench.loader import fault_summary
+
+    faults = {"errors": 0, "hangs": 0, "slow": 29}
+    result = {"unhedged": {"faults": faults}, "hedged": {"faults": dict(faults, slow=33)}}
+    said = fault_summary(result, {"failed_attempts": 0, "benched": 2})
+    assert "none injected" not in said
+    assert "unhedged 0 injected errors, 0 hangs, 29 slow reads" in said and "33 slow" in said

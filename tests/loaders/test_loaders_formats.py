@@ -208,6 +208,8 @@ def test_mds_unknown_version_and_encoding(tmp_path):
 def test_unknown_format_object():
     with pytest.raises(ValueError, match="unknown dataset format"):
         ShardDataset("memory://nothing", "parquet")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"the class MDS: pass an instance, MDS\(\.\.\.\)"):
+        ShardDataset("memory://nothing", MDS)  # type: ignore[arg-type]  # reviewer Q
 
 
 def _write_wds(root: Path, counts: list[int]) -> list[dict]:
@@ -293,6 +295,16 @@ def test_tokens_uint32_with_header_and_short_file(tmp_path):
     batches = list(ds.iter_batches(3))
     tokens = np.concatenate([b["tokens"] for b in batches])
     np.testing.assert_array_equal(tokens.ravel(), np.arange(64, dtype=np.uint32))
+
+
+def test_token_files_shorter_than_one_sample_are_an_error_not_an_empty_dataset(tmp_path):
+    """Reviewer Q: sample_tokens above every file's length opened a dataset of 0 samples with
+    no word (list(ds) empty: 227k tokens dropped); only a StatefulLoader complained."""
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    np.arange(300, dtype=np.uint16).tofile(tmp_path / "b.bin")
+    with pytest.raises(ValueError, match=r"no sample in 2 token file.*500 tokens.*=501"):
+        ShardDataset(str(tmp_path), TokenFiles(sample_tokens=501), config=IN_ORDER)
+    assert ShardDataset(str(tmp_path), TokenFiles(sample_tokens=500)).num_samples == 1
 
 
 def test_tokens_partial_token_is_corrupt(tmp_path):

@@ -717,3 +717,18 @@ def test_a_hung_s3_replica_leaves_the_replica_beside_it_on_its_endpoint_alone(s3
             t.join(timeout=40)
         assert got == [PAYLOAD] * 24
         assert rs.metrics()["replicas"][f"s3://{good}/ds"]["errors"] == 0
+
+
+def test_a_replica_benched_for_latency_is_named_with_its_measured_latency(tmp_path, caplog):
+    """Reviewer Q: every such warning said 'latency inf ms is infx the best healthy
+    replica's' (the bench forgot the latency before the message was written)."""
+    rs, stores = _replicas(tmp_path, [None, None, None], hedge=False, bench_min_samples=4)
+    for _ in range(8):
+        rs.read("obj", 0, 32)  # both measured: local reads of well under 100 ms
+    slow = rs._replicas[0]
+    with caplog.at_level("WARNING", logger="loaders"):
+        for _ in range(6):
+            rs._health.outrun(slow, 0.5)  # still running 500 ms in, beaten by the other
+    (said,) = [r.getMessage() for r in caplog.records if "benched for" in r.getMessage()]
+    assert stores[0].uri in said and "inf" not in said, said
+    assert float(said.split("latency ")[1].split(" ms")[0]) >= 100, said  # measured, finite

@@ -220,6 +220,13 @@ class TokenFiles:
                     )
                 )
             first += samples
+        if files and not first:
+            longest = (max(sizes) - self.header_bytes) // itemsize
+            raise ValueError(
+                f"TokenFiles: no sample in {len(files)} token file(s): the longest holds "
+                f"{longest} tokens, fewer than sample_tokens={self.sample_tokens} (a trailing "
+                "partial sample is dropped)"
+            )
         return TokenLayout(
             units=units, dtype=self.dtype, sample_tokens=self.sample_tokens, hashes=hashes
         )
