@@ -668,6 +668,8 @@ class StatefulLoader:
         batches = 0
         if self._reports is not None:
             ds.carried = self._reports.carried()
+            if ds.carried == (frozenset(), {}) and ds._replicas is not None:
+                ds.carried = ds._replicas.carried()  # no pass yet: what the open saw
         self._feed.report_pass += 1
         it = iter(self._loader)  # starts the workers, which take the dataset as it is now
         while True:

@@ -82,6 +82,19 @@ class ReplicaSet:
         # the shards find_shards asked of each replica
         self.versions: dict[tuple[str, str], str] = {}
 
+    def carried(self) -> tuple[frozenset[str], dict[str, float]]:
+        """What this process saw of the replicas (a dataset's open, in the main process), for
+        the workers of a first pass to start from (:meth:`start_as`): the replicas benched or
+        on probation, and the median read latency of each that answered."""
+        states = self._health.states()
+        benched = frozenset(uri for uri, state in states.items() if state != "healthy")
+        latencies = {}
+        for r in self._replicas:
+            answered = r.stats.latency.summary()
+            if answered["count"]:
+                latencies[r.name] = answered["p50_s"]
+        return benched, latencies
+
     def start_as(self, benched: frozenset[str], latencies: dict[str, float]) -> None:
         """The replicas' health as the last pass's workers left it (:meth:`ReplicaHealth.start_as`)."""
         self._health.start_as(benched, latencies)

@@ -253,6 +253,19 @@ def test_report_directories_of_killed_processes_are_removed(tmp_path, monkeypatc
     assert os.path.basename(reports.directory).startswith(f"loaders-reports-{tag}-{os.getpid()}-")
 
 
+def _benching_dataset(slow: Store, fast: Store) -> ShardDataset:
+    """Over replicas ``slow`` and ``fast``: no hedges, a replica benched at its first slow read
+    and for a minute (longer than a test)."""
+    return ShardDataset(
+        [slow, fast],
+        TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=UNIT_SAMPLES * SAMPLE_TOKENS * 2),
+        config=LoaderConfig(seed=3, shuffle_block_units=2),
+        replica_config=ReplicaConfig(
+            hedge=False, bench_min_samples=1, bench_s=60.0, max_bench_s=60.0
+        ),
+    )
+
+
 def test_a_replica_the_last_passes_workers_benched_starts_the_next_pass_benched(tmp_path, caplog):
     """Each pass's DataLoader workers are new processes whose replicas started afresh: a replica
     slow all through a pass took each new worker's first reads (an unmeasured replica is tried
@@ -265,14 +278,7 @@ def test_a_replica_the_last_passes_workers_benched_starts_the_next_pass_benched(
     roots = _replicas(tmp_path)
     slow = with_faults(Store(roots[0]), Faults(latency=Fixed(0.03)))
     fast = with_faults(Store(roots[1]), Faults(latency=Fixed(0.001)))
-    ds = ShardDataset(
-        [slow, fast],
-        TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=UNIT_SAMPLES * SAMPLE_TOKENS * 2),
-        config=LoaderConfig(seed=3, shuffle_block_units=2),
-        replica_config=ReplicaConfig(
-            hedge=False, bench_min_samples=1, bench_s=60.0, max_bench_s=60.0
-        ),
-    )
+    ds = _benching_dataset(slow, fast)
     loader = StatefulLoader(ds, batch_size=BATCH, num_workers=2)
 
     def slow_requests() -> int:
@@ -290,3 +296,20 @@ def test_a_replica_the_last_passes_workers_benched_starts_the_next_pass_benched(
         slow.uri in r.getMessage() and "start the next pass benched" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_a_replica_the_open_benched_is_benched_in_the_first_passes_workers(tmp_path):
+    """Reviewer Q: the dataset's open (in the training process) benched a hung replica (or
+    measured a slow one), but the first pass's DataLoader workers started afresh and sent it
+    their first reads (a hung S3 replica took 64 of a pass's requests)."""
+    roots = _replicas(tmp_path)
+    slow = with_faults(Store(roots[0]), Faults(error_rate=1.0))  # a replica that fails
+    fast = Store(roots[1])
+    ds = _benching_dataset(slow, fast)
+    for _ in range(4):  # reads in this process, as an MDS or llm.c open makes
+        ds.replicas.read("tokens.bin", 0, 16)
+    assert ds.replicas.metrics()["replicas"][slow.uri]["health"] == "benched"
+    loader = StatefulLoader(ds, batch_size=BATCH, num_workers=2)
+    before = loader.metrics()["replicas"][slow.uri]["requests"]
+    assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
+    assert loader.metrics()["replicas"][slow.uri]["requests"] == before
