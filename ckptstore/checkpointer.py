@@ -447,6 +447,7 @@ class Checkpointer:
             return
         self._closed = True
         self._saver.close()
+        self._group.leave("close()")  # a rank still waiting in latest() or load() is told
         wait_written()  # a copy a load repaired, written in the background
         if self._drains is not None:
             self._drains.close()

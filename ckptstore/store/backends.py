@@ -542,15 +542,28 @@ def open_backend(
     return _backend_class(fs)(fs, uri=uri, root=root, options=options), root
 
 
-_aws_environment: tuple | None = None  # the AWS_* variables when an S3 store was last opened
+_aws_environment: tuple | None = None  # AWS_* variables and files when S3 was last opened
 
 
 def _forget_s3_filesystems_if_the_environment_changed() -> None:
     """fsspec hands back a filesystem made with the same arguments earlier in the process,
-    keyed by its arguments alone: credentials or an endpoint fixed in ``AWS_*`` variables (in
-    a notebook, a retry loop) went unused, and errors named the new endpoint."""
+    keyed by its arguments alone: credentials or an endpoint fixed in ``AWS_*`` variables or
+    the AWS credentials and config files (in a notebook, a retry loop) went unused, and errors
+    named the new endpoint."""
     global _aws_environment
-    now = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    variables = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    files = []
+    for name, default in (
+        ("AWS_SHARED_CREDENTIALS_FILE", "credentials"),
+        ("AWS_CONFIG_FILE", "config"),
+    ):
+        path = os.path.expanduser(os.environ.get(name) or f"~/.aws/{default}")
+        try:
+            with open(path, "rb") as f:
+                files.append((path, hash(f.read(1 << 20))))  # edits within a clock tick too
+        except OSError:
+            continue
+    now = (variables, tuple(files))
     if _aws_environment is not None and now != _aws_environment:
         import s3fs
 

@@ -186,6 +186,8 @@ class RankGroup:
                     if store.check([apart]):
                         rank, call = store.get(apart).decode().split(" ", 1)
                         raise self._out_of_step(int(rank), call, self.rank, self._call())
+                    if store.check([f"{base}/left"]):
+                        raise self._left(store.get(f"{base}/left").decode())
                 if now - looked >= self._window_s:
                     now_beats = _HEARTBEAT.counts(others, started=True)
                     lost = [r for r, b, a in zip(others, beats or now_beats, now_beats) if a == b]
@@ -217,6 +219,27 @@ class RankGroup:
         if first != mine:
             self._store.set(f"{exchange}/apart", f"{self.rank} {mine}")
             raise self._out_of_step(self.rank, mine, None, first)
+
+    def leave(self, call: str) -> None:
+        """Tell the group's other ranks this one makes no more exchanges (its Checkpointer
+        closed in ``call``): one waiting for it in an exchange fails at once, naming both."""
+        if self.group is None or self._store is None:
+            return
+        try:
+            self._store.set(
+                f"ckptstore/arrived/{self.group.group_name}/left", f"{self.rank} {call}"
+            )
+        except Exception:  # noqa: BLE001 - the store lived in a lost process: nobody waits
+            logger.debug("rank %d: could not tell the group it left", self.rank)
+
+    def _left(self, said: str) -> RanksOutOfStepError:
+        rank, call = said.split(" ", 1)
+        self.lost = RanksOutOfStepError(
+            f"ranks out of step: rank {rank} left in {call} while rank {self.rank} waits in an "
+            f"exchange of {self._call()} ({_COLLECTIVE_CALLS}); the ranks' tier group is spent"
+        )
+        logger.warning("rank %d: %s", self.rank, self.lost)
+        return self.lost
 
     def _out_of_step(
         self, rank: int, call: str, other: int | None, other_call: str

@@ -33,6 +33,8 @@ class Relay:
     faults: list[Fault] = field(default_factory=list)
     seen: list[tuple[str, str, int, int]] = field(default_factory=list)
     """(method, path, Content-Length declared, body bytes received) of every request."""
+    access_keys: list[str] = field(default_factory=list)
+    """The access key each signed request names (its Authorization header's Credential)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: threading.Event = field(default_factory=threading.Event)
 
@@ -55,8 +57,11 @@ def _handler(relay: Relay, upstream: tuple[str, int]) -> type[BaseHTTPRequestHan
         def _relay(self) -> None:
             declared = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(declared) if declared else b""
+            signed = (self.headers.get("Authorization") or "").partition("Credential=")[2]
             with relay.lock:
                 relay.seen.append((self.command, self.path, declared, len(body)))
+                if signed:
+                    relay.access_keys.append(signed.split("/", 1)[0])
             action = relay.fault_for(self.command, self.path)
             if action == "slowdown":
                 self.send_response(503)

@@ -184,3 +184,24 @@ def test_an_endpoint_fixed_in_the_environment_is_used_by_the_next_store(
         assert ckpt.latest() is None
         ckpt.save(1, {"w": torch.arange(4.0)}).wait()
         assert ckpt.latest() == 1
+
+
+def test_credentials_fixed_in_the_credentials_file_are_used_by_the_next_store(
+    s3_uri, s3_endpoint, tmp_path, monkeypatch
+):
+    """Reviewer P: the same with the AWS credentials file rewritten (AWS_* unchanged)."""
+    from ckptstore import Store
+    from tests.helpers.s3proxy import s3_relay
+
+    credentials = tmp_path / "credentials"
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    with s3_relay(s3_endpoint) as relay:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
+        for key in ("OLDKEY", "NEWKEY"):
+            credentials.write_text(
+                f"[default]\naws_access_key_id = {key}\naws_secret_access_key = s\n"
+            )
+            Store(s3_uri).list("commits")
+            assert relay.access_keys[-1] == key

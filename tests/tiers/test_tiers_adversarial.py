@@ -569,3 +569,27 @@ def _latest_on_one_rank(rank: int, world: int, root: str) -> None:
 def test_latest_on_one_rank_while_another_saves_names_both_calls(tmp_path):
     """It was an unpacking ``ValueError`` on both ranks (their exchanges paired)."""
     run_ranks(_latest_on_one_rank, 2, str(tmp_path), timeout_s=120)
+
+
+def _latest_after_the_others_closed(rank: int, world: int, root: str) -> None:
+    ckpt = Checkpointer(
+        f"{root}/store",
+        tiers=TierOptions(local_dir=f"{root}/local{rank}"),
+        storage=StorageOptions(lost_rank_timeout_s=8),
+    )
+    ckpt.save(1, {"w": torch.full((4,), float(rank))}).wait()
+    if rank == 1:
+        ckpt.close()
+        return
+    time.sleep(0.5)  # rank 1 has closed
+    t0 = time.monotonic()
+    with pytest.raises(RanksOutOfStepError, match=r"rank 1 left in close\(\).*latest\(\)"):
+        ckpt.latest()
+    assert time.monotonic() - t0 < 8  # not the ~10 minutes a rank alive but stuck gets
+
+
+@pytest.mark.dist
+def test_latest_on_one_rank_after_the_others_closed_fails_at_once(tmp_path):
+    """Reviewer P: rank 0 waited ~10 minutes (the bound on a rank alive but stuck) for a rank
+    that had closed its Checkpointer."""
+    run_ranks(_latest_after_the_others_closed, 2, str(tmp_path), timeout_s=120)
