@@ -389,13 +389,17 @@ class _Request:
                     else str(last)
                 ) from last
             raise ReadFailedError(
-                f"read {self.what} failed after {self.attempts} attempts: "
-                f"{'; '.join(self.errors[-3:])}"
+                f"read {self.what} failed after {self.attempts} attempts: {self._reasons()}"
             ) from last
         if not self.launch():
             stats.add(failed=1)
-            raise ReadFailedError(f"read {self.what} failed: {'; '.join(self.errors[-3:])}")
+            raise ReadFailedError(f"read {self.what} failed: {self._reasons()}")
         stats.add(failovers=1)
+
+    def _reasons(self) -> str:
+        """The last three distinct errors, each once (the same reason from every attempt, no
+        credentials say, was repeated three times)."""
+        return "; ".join(list(dict.fromkeys(reversed(self.errors)))[:3][::-1])
 
     def close(self) -> None:
         """Cancel the attempts still queued; the ones running are discarded, and given up at

@@ -732,3 +732,16 @@ def test_a_replica_benched_for_latency_is_named_with_its_measured_latency(tmp_pa
     (said,) = [r.getMessage() for r in caplog.records if "benched for" in r.getMessage()]
     assert stores[0].uri in said and "inf" not in said, said
     assert float(said.split("latency ")[1].split(" ms")[0]) >= 100, said  # measured, finite
+
+
+def test_a_failed_reads_error_names_each_reason_once(tmp_path):
+    """Reviewer Q: the same reason from every attempt (no credentials, say) was repeated three
+    times in the one line."""
+    from loaders.errors import ReadFailedError
+
+    faults = [Faults(error_rate=1.0), Faults(error_rate=1.0)]
+    rs, stores = _replicas(tmp_path, faults, hedge=False, bench_after_errors=100)
+    with pytest.raises(ReadFailedError, match="failed after 6 attempts") as failed:
+        rs.read("obj")
+    said = str(failed.value)
+    assert [said.count(f"{s.uri}: ") for s in stores] == [1, 1], said
