@@ -163,7 +163,7 @@ class RankGroup:
         moves) is waited for up to the group's ``timeout_s``; one lost before it came is
         named within the bound."""
         self._exchanges += 1
-        base = f"ckptstore/arrived/{self.group.group_name}"  # the same name on every rank
+        base = self._arrivals()
         key, everyone = f"{base}/{self._exchanges}", f"{base}/{self._exchanges}/all"
         store = self._store
         try:
@@ -211,6 +211,10 @@ class RankGroup:
         except Exception as exc:  # noqa: BLE001 - the store lived in a lost process
             raise self._store_gone(exc) from exc
 
+    def _arrivals(self) -> str:
+        """The rendezvous store's key prefix of this group's exchanges (the same on every rank)."""
+        return f"ckptstore/arrived/{self.group.group_name}"
+
     def _refuse_out_of_step(self, exchange: str) -> None:
         """Raise ``RanksOutOfStepError`` if another rank came to this exchange in another call
         (the first rank to come names its call; a rank that differs tells the others)."""
@@ -226,9 +230,7 @@ class RankGroup:
         if self.group is None or self._store is None:
             return
         try:
-            self._store.set(
-                f"ckptstore/arrived/{self.group.group_name}/left", f"{self.rank} {call}"
-            )
+            self._store.set(f"{self._arrivals()}/left", f"{self.rank} {call}")
         except Exception:  # noqa: BLE001 - the store lived in a lost process: nobody waits
             logger.debug("rank %d: could not tell the group it left", self.rank)
 

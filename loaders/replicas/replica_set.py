@@ -129,13 +129,15 @@ class ReplicaSet:
         decode: Callable[[bytes, str], Any] | None = None,
         size_hint: int = 0,
         view: bool = False,
+        whole: bool = False,
     ) -> Any:
         """The bytes of ``key`` (or ``[start, end)`` of it) from whichever replica answers first,
         passed through ``decode(data, replica)`` when given. A decode error (corrupt bytes) counts
         as that replica's error and fails over to another replica. With ``view`` the data may be
         a read-only buffer instead of bytes: on a local replica, a memory map of the file's pages
-        (``Store.get_view``)."""
-        what = key if start is None else f"{key}[{start}:{end}]"
+        (``Store.get_view``). ``whole``: the range is the whole object (and the byte past it
+        that catches a longer copy): errors name the key alone."""
+        what = key if start is None or whole else f"{key}[{start}:{end}]"
         nbytes = (end - (start or 0)) if end is not None else size_hint
         get = Store.get_view if view else Store.get
         return self._reads.read(
@@ -171,7 +173,7 @@ class ReplicaSet:
                 )
             return data if decode is None else decode(data, replica)
 
-        return self.read(key, 0, size + 1, decode=sized, size_hint=size, view=view)
+        return self.read(key, 0, size + 1, decode=sized, size_hint=size, view=view, whole=True)
 
     def call(self, what: str, fn: Callable[[Store], R], *, key: str | None = None) -> R:
         """``fn(store)`` on the best replica (not one known to lack or to hold another size of

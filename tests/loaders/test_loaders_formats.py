@@ -262,6 +262,20 @@ def test_webdataset_corrupt_tar_names_shard_and_offset(tmp_path):
         ShardDataset(str(tmp_path), WebDataset())
 
 
+def test_a_shard_corrupt_on_every_replica_is_named_whole_not_by_a_range(tmp_path):
+    """Reviewer Q: the error named shard-0001.tar[0:N+1], the byte past the end a whole-shard
+    read asks for to catch a longer copy, as if part of the shard had been read."""
+    for replica in ("a", "b"):
+        _write_wds(tmp_path / replica, [4, 4])
+        shard = tmp_path / replica / "shard-0001.tar"
+        data = bytearray(shard.read_bytes())
+        data[148:156] = b"garbage!"  # checksum field of the first header
+        shard.write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptError, match=r"shard-0001\.tar: no replica holds") as failed:
+        ShardDataset([str(tmp_path / "a"), str(tmp_path / "b")], WebDataset())
+    assert "shard-0001.tar[" not in str(failed.value)
+
+
 def test_webdataset_counts_given_and_checked(tmp_path):
     _write_wds(tmp_path, [3, 2])
     fmt = WebDataset(shards=["shard-0000.tar", "shard-0001.tar"], sample_counts=[3, 3])
