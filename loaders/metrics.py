@@ -136,6 +136,11 @@ class ReplicaStats(_Stats):
         self.latency.record(seconds)
         telemetry.loader_read_seconds.observe(seconds, replica=self.name)
 
+    def median_latency(self) -> float | None:
+        """The median of this replica's answered attempts; None when none answered."""
+        answered = self.latency.summary()
+        return answered["p50_s"] if answered["count"] else None
+
     def as_dict(self) -> dict[str, Any]:
         """The latencies are of answered attempts: ``answered`` of them; with none (a replica
         that hung or failed every time) they are ``None``, not a 0 that reads as fast."""
@@ -320,11 +325,9 @@ class ReaderReports:
         benched = frozenset(
             uri for uri, seen in health.items() if seen.get("healthy", 0) < sum(seen.values())
         )
-        latencies = {}
-        for uri, stats in (total.replicas if total is not None else {}).items():
-            answered = stats.latency.summary()
-            if answered["count"]:
-                latencies[uri] = answered["p50_s"]
+        replicas = total.replicas if total is not None else {}
+        latencies = {uri: stats.median_latency() for uri, stats in replicas.items()}
+        latencies = {uri: p50 for uri, p50 in latencies.items() if p50 is not None}
         if benched:
             logger.info(
                 "replica(s) %s start the next pass benched, as the last pass's workers left them",

@@ -88,11 +88,8 @@ class ReplicaSet:
         on probation, and the median read latency of each that answered."""
         states = self._health.states()
         benched = frozenset(uri for uri, state in states.items() if state != "healthy")
-        latencies = {}
-        for r in self._replicas:
-            answered = r.stats.latency.summary()
-            if answered["count"]:
-                latencies[r.name] = answered["p50_s"]
+        latencies = {r.name: r.stats.median_latency() for r in self._replicas}
+        latencies = {uri: p50 for uri, p50 in latencies.items() if p50 is not None}
         return benched, latencies
 
     def start_as(self, benched: frozenset[str], latencies: dict[str, float]) -> None:
