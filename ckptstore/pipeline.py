@@ -769,7 +769,8 @@ def _plan_reads(
         fill[i] = target
         position = 0
         for seg in entry.segments:
-            by_chunk[seg.chunk].append((i, seg.offset, seg.nbytes, position))
+            if seg.nbytes:  # an empty one (a crafted index's) has nothing to copy
+                by_chunk[seg.chunk].append((i, seg.offset, seg.nbytes, position))
             position += seg.nbytes
     return out, fill, by_chunk
 

@@ -179,9 +179,15 @@ class SaveEngine:
         buffer = pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
         if buffer is None:
             return None
-        if device is None:
-            zero_gaps(buffer, layout.gaps)  # host bytes no copy writes: before it starts
-        copied = self.stager.copy(buffer, tensors, layout.offsets)
+        try:
+            if device is None:
+                zero_gaps(buffer, layout.gaps)  # host bytes no copy writes: before it starts
+            copied = self.stager.copy(buffer, tensors, layout.offsets)
+        except BaseException:
+            pool.release(
+                buffer
+            )  # a copy torch refuses (a dtype it cannot copy) fails this save only
+            raise
         if device is None:
             return Staged(layout, copied, True)
         drained = self.drainer().drain(

@@ -183,6 +183,27 @@ def test_when_busy_skip_never_doubles_memory(tmp_path, caplog):
         assert ckpt.steps() == [1]
 
 
+def test_a_save_whose_staging_copy_fails_hands_its_buffer_back(tmp_path, monkeypatch):
+    """Reviewer: a copy torch refused (a uint3 tensor: copy_kernel not implemented) kept the
+    staging buffer, and the next save waited for it for ever (skipped, with when_busy="skip")."""
+    state = {"w": torch.randn(10_000)}
+    with Checkpointer(tmp_path, staging=StagingOptions(when_busy="skip")) as ckpt:
+        copy = ckpt.engine.stager.copy
+
+        def refused(*args, **kwargs):
+            monkeypatch.setattr(ckpt.engine.stager, "copy", copy)
+            raise NotImplementedError("\"copy_kernel\" not implemented for 'UInt3'")
+
+        monkeypatch.setattr(ckpt.engine.stager, "copy", refused)
+        with pytest.raises(NotImplementedError, match="copy_kernel"):
+            ckpt.save(1, state)
+        second = ckpt.save(2, state)
+        assert not second.skipped
+        second.wait()
+        assert ckpt.steps() == [2]
+        assert ckpt.engine.pool.allocations == 1
+
+
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs os.setpriority")
 def test_background_nice_lowers_only_the_save_threads(tmp_path):
     import threading

@@ -206,6 +206,29 @@ def test_segments_must_add_up_to_the_tensor_and_stay_in_their_chunk(tmp_path: Pa
         Checkpointer(uri).load({"w": torch.zeros(N)})
 
 
+def test_an_empty_segment_of_an_empty_tensor_loads_as_the_empty_tensor(tmp_path, capsys):
+    """Reviewer S: a crafted index giving a 0-element tensor one segment of 0 bytes verified
+    OK, then the load wrote the other tensors and failed on a KeyError (fallback too), and
+    restore said "unexpected KeyError". Saves write no segment for an empty tensor; one of
+    no bytes has nothing to copy."""
+    uri = str(tmp_path / "s")
+    save_step(uri)
+    store = Store(uri)
+    doc = rank_index_doc(store, 1)
+    digest = next(iter(doc["chunks"]))
+    doc["tensors"].append({**doc["tensors"][0], "shape": [0], "segments": [[digest, 0, 0]]})
+    doc["tree"]["x"] = {"$t": len(doc["tensors"]) - 1}
+    put_rank_index(store, 1, 0, doc)
+    assert main(["verify", uri]) == 0
+    state = {"w": torch.zeros(N)}
+    assert Checkpointer(uri).load(state) == 1
+    assert torch.equal(state["w"], torch.arange(N, dtype=torch.float32))
+    assert state["x"].dtype == torch.float32 and state["x"].shape == (0,)
+    assert main(["restore", uri, "--to", str(tmp_path / "out.pt")]) == 0
+    restored = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert restored["x"].shape == (0,) and torch.equal(restored["w"], state["w"])
+
+
 @pytest.mark.parametrize("dtype", ["quint2x4", "quint4x2", "qint8"])
 def test_a_quantized_dtype_in_an_index_is_corrupt_for_verify_and_load(tmp_path, dtype, capsys):
     """torch says quint2x4's itemsize is 1 but packs 4 elements a byte: a load allocated a
