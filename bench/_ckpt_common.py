@@ -34,6 +34,7 @@ from bench.report import parse_bytes
 from ckptstore.errors import one_line
 from ckptstore.pipeline import release_free_memory
 from ckptstore.store import Store, open_store
+from ckptstore.store.backends import refuse_a_mistyped_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +351,8 @@ class Workspace:
         self.is_local = "file" in (
             fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         )
+        if self.is_local and not os.path.lexists(root):
+            refuse_a_mistyped_scheme(uri)  # s3:/bucket/x would time the local disk
         base = uri.rstrip("/")
         self.uri = f"{base}/{name}" if name else base
         self.root = f"{root.rstrip('/')}/{name}" if name else root.rstrip("/")

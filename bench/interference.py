@@ -28,8 +28,9 @@ itself (short runs on a shared machine vary by tens of percent). ``--json`` has 
 (``loss_noise_fraction``, ``background_noise_fraction``) and the verdict (``*_within_noise``).
 
 The defaults (64 MiB, 20 steps of ~0.1 s, three kinds, 3 baseline runs) take about a minute on
-two shared cores. Temporary files (the store, without ``--uri``) are removed on any exit: an
-error, Ctrl-C, or SIGTERM.
+two shared cores. The stores are made under a fresh ``ckptbench-<random>/`` directory (of
+``--uri``, or a temporary one), removed on any exit: an error, Ctrl-C, or SIGTERM; nothing else
+under ``--uri`` is touched.
 
 The Checkpointer's warning for each skipped save is counted (the table's ``skipped`` column),
 not printed, and its other log lines are printed to stderr after the table (``-v``: all of them
@@ -44,7 +45,6 @@ import json
 import logging
 import math
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -69,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--uri",
         default=None,
-        help="store to save into, each step kind below it in URI/KIND (default: a temp dir)",
+        help="where to save: a local directory or s3://bucket/prefix (default: a fresh temporary "
+        "directory); the bench works under <uri>/ckptbench-<random>/ and deletes it",
     )
     p.add_argument("--size", default="64MiB", help="state size (default 64MiB)")
     p.add_argument(
@@ -255,41 +256,9 @@ def _measure(args: argparse.Namespace) -> dict:
     state = {f"t{i}": torch.randn(per) for i in range(args.tensors)}
     before, after = _baseline_split(args.baseline_runs)
     results = {}
-    for kind in kinds:
-        step = _step_fn(kind, args.step_s)
-        with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
-            # Each kind saves steps 0.. again: into a store of its own (below --uri if given).
-            uri = f"{args.uri.rstrip('/')}/{kind}" if args.uri else tmp
-            baselines = [_loop(step, args.steps, None, state) for _ in range(before)]
-            with Checkpointer(
-                uri,
-                encoding=EncodingOptions(compression=args.compression),
-                staging=StagingOptions(when_busy="skip"),
-                storage=StorageOptions(background_nice=args.nice),
-                keep_last=1,
-            ) as ckpt:
-                saving = _loop(step, args.steps, ckpt, state)
-            # baselines after too: drift over the run counts in the spread
-            baselines += [_loop(step, args.steps, None, state) for _ in range(after)]
-        rates = [b["steps_per_s"] for b in baselines]
-        owns = [b["own_steps_per_s"] for b in baselines]
-        loss = 1.0 - saving["steps_per_s"] / statistics.mean(rates)
-        background = 1.0 - saving["own_steps_per_s"] / statistics.mean(owns)
-        results[kind] = {
-            "baseline_steps_per_s": statistics.mean(rates),
-            "baseline_runs_steps_per_s": rates,
-            "saving_steps_per_s": saving["steps_per_s"],
-            "loss_fraction": loss,
-            "loss_noise_fraction": spread(rates),
-            "loss_within_noise": abs(loss) <= spread(rates),
-            "blocked_fraction": saving["blocked_fraction"],
-            "background_loss_fraction": background,
-            "background_noise_fraction": spread(owns),
-            "background_within_noise": abs(background) <= spread(owns),
-            "saves_committed": saving["saves_committed"],
-            "saves_skipped": saving["saves_skipped"],
-            "blocked_s_median": saving["blocked_s_median"],
-        }
+    with common.Workspace(args.uri, command="interference") as ws:
+        for kind in kinds:
+            results[kind] = _measure_kind(args, ws.child(kind), kind, state, before, after)
     return {
         "state_bytes": per * 4 * args.tensors,
         "steps": args.steps,
@@ -297,6 +266,44 @@ def _measure(args: argparse.Namespace) -> dict:
         "baseline_runs": args.baseline_runs,
         "nice": args.nice,
         "kinds": results,
+    }
+
+
+def _measure_kind(
+    args: argparse.Namespace, uri: str, kind: str, state: dict, before: int, after: int
+) -> dict:
+    """One step kind's runs: saving into a store of its own at ``uri`` (each kind saves
+    steps 0.. again), the loop without saves before and after."""
+    step = _step_fn(kind, args.step_s)
+    baselines = [_loop(step, args.steps, None, state) for _ in range(before)]
+    with Checkpointer(
+        uri,
+        encoding=EncodingOptions(compression=args.compression),
+        staging=StagingOptions(when_busy="skip"),
+        storage=StorageOptions(background_nice=args.nice),
+        keep_last=1,
+    ) as ckpt:
+        saving = _loop(step, args.steps, ckpt, state)
+    # baselines after too: drift over the run counts in the spread
+    baselines += [_loop(step, args.steps, None, state) for _ in range(after)]
+    rates = [b["steps_per_s"] for b in baselines]
+    owns = [b["own_steps_per_s"] for b in baselines]
+    loss = 1.0 - saving["steps_per_s"] / statistics.mean(rates)
+    background = 1.0 - saving["own_steps_per_s"] / statistics.mean(owns)
+    return {
+        "baseline_steps_per_s": statistics.mean(rates),
+        "baseline_runs_steps_per_s": rates,
+        "saving_steps_per_s": saving["steps_per_s"],
+        "loss_fraction": loss,
+        "loss_noise_fraction": spread(rates),
+        "loss_within_noise": abs(loss) <= spread(rates),
+        "blocked_fraction": saving["blocked_fraction"],
+        "background_loss_fraction": background,
+        "background_noise_fraction": spread(owns),
+        "background_within_noise": abs(background) <= spread(owns),
+        "saves_committed": saving["saves_committed"],
+        "saves_skipped": saving["saves_skipped"],
+        "blocked_s_median": saving["blocked_s_median"],
     }
 
 
@@ -397,8 +404,8 @@ def _measure_gpu_training(args: argparse.Namespace) -> dict:
     state_bytes += sum(p.numel() * p.element_size() for p in model.parameters())
     rates: dict[str, float] = {}
     failures: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="ckptbench-") as tmp:
-        root = args.uri.rstrip("/") if args.uri else tmp
+    with common.Workspace(args.uri, command="interference") as ws:
+        root = ws.uri
         baselines = [_gpu_loop(step, args.steps, args.every, None, device) for _ in range(before)]
         with Checkpointer(
             f"{root}/ckptstore",

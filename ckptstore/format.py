@@ -422,17 +422,21 @@ _COMMON_ITEMSIZES = {
 def _dtype_itemsizes() -> dict[str, int]:
     """Every name restore accepts as a dtype (``getattr(torch, name)`` is a torch.dtype), but
     the quantized ones: no save holds one, and ``quint2x4``'s storage packs 4 elements a byte
-    (an itemsize of 1 would size a load's copy at 4 times the tensor)."""
+    (an itemsize of 1 would size a load's copy at 4 times the tensor); nor the sub-byte
+    integers (``uint3``), which torch can neither copy nor ``torch.save``."""
     import torch
 
     return {
         name: value.itemsize
         for name, value in vars(torch).items()
-        if isinstance(value, torch.dtype) and name not in _QUANTIZED
+        if isinstance(value, torch.dtype) and name not in _NEVER_SAVED
     }
 
 
-_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+_NEVER_SAVED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}) | {
+    "bit",
+    *(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)),
+}
 
 
 def dtype_itemsize(name: Any) -> int | None:
@@ -468,7 +472,7 @@ def check_rank_index(index: RankIndex, name: str) -> None:
     for i, entry in enumerate(index.tensors):
         _check_tensor(entry, index.chunks, needed, lambda why, i=i: bad(f"tensor {i}: {why}"))
     if index.items is None:  # a Checkpointer save: each chunk is its tensors, then alignment
-        check_tree(index.tree, len(index.tensors), bad)
+        check_tree(index.tree, [t.dtype for t in index.tensors], bad)
         for digest, end in needed.items():
             if index.chunks[digest].raw >= end + ALIGN:
                 raise bad(

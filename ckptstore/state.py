@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
+from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError, one_line
 from ckptstore.tree import MAX_STATE_DEPTH, decode_scalar, path_str, tag_of
 
 _MISSING = object()
@@ -127,6 +127,11 @@ def _items(node: Any) -> list[tuple[Any, Any]]:
     if tag_of(node) == "$dict":
         return [(decode_scalar(k), v) for k, v in node["$dict"]]
     return list(node.items()) if isinstance(node, dict) and tag_of(node) is None else []
+
+
+def _is_dict(node: Any) -> bool:
+    """Whether a saved tree's ``node`` is a dict."""
+    return tag_of(node) == "$dict" or (isinstance(node, dict) and tag_of(node) is None)
 
 
 def _broadcasts(shape: list[int], to: torch.Size) -> bool:
@@ -285,12 +290,20 @@ class _Loader:
                 f"{type(target).__name__}"
             )
         if target is _MISSING:  # made on load: its device must be one torch knows
+            device = node["$generator"]["device"]
             try:
-                torch.device(node["$generator"]["device"])
+                torch.device(device)
             except (RuntimeError, ValueError) as exc:
                 raise CheckpointCorruptError(
-                    f"{path_str(path)}: a generator on device "
-                    f"{node['$generator']['device'][:40]!r}: {exc}"
+                    f"{path_str(path)}: a generator on device {device[:40]!r}: {exc}"
+                ) from None
+            try:
+                torch.Generator(device=device)
+            except RuntimeError as exc:  # saved on a machine with that device, this one lacks it
+                raise UnsupportedStateError(
+                    f"{path_str(path)}: a generator on device {device!r}, which this process "
+                    f"cannot make ({one_line(exc)}): pass a generator there in the state, or "
+                    "load with strict=False to leave it out"
                 ) from None
         template = target.get_state() if target is not _MISSING else _MISSING
         self.templates[path] = template
@@ -323,6 +336,8 @@ class _Loader:
         """Each per-parameter tensor the step holds (an Adam moment, say) must broadcast to
         its parameter, or the optimizer would take it and fail at its next step: refused
         before any I/O. A fresh optimizer holds no state to match it against."""
+        if type(optim).state_dict is torch.optim.Optimizer.state_dict:  # torch's own layout
+            self._check_optimizer_groups(optim, saved, path)
         params = [p for group in optim.param_groups for p in group["params"]]
         for index, per_param in _items(dict(_items(saved)).get("state")):
             if not isinstance(index, int) or not 0 <= index < len(params):
@@ -337,6 +352,30 @@ class _Loader:
                         f"{tuple(shape)}, this optimizer's parameter {index} is "
                         f"{tuple(params[index].shape)}"
                     )
+
+    @staticmethod
+    def _check_optimizer_groups(optim: torch.optim.Optimizer, saved: Any, path: tuple) -> None:
+        """What ``Optimizer.load_state_dict`` would refuse once the other objects of the state
+        are loaded (a dict of per-parameter states, groups as many and as long as this
+        optimizer's), refused before any I/O."""
+        fields = dict(_items(saved))
+        state, groups = fields.get("state"), fields.get("param_groups")
+        if not _is_dict(state):
+            why = "its 'state' is not a dict"
+        elif not isinstance(groups, list) or not all(
+            _is_dict(g) and isinstance(dict(_items(g)).get("params"), list) for g in groups
+        ):
+            why = "its 'param_groups' is not a list of groups with 'params' lists"
+        else:
+            saved_sizes = [len(dict(_items(g))["params"]) for g in groups]
+            sizes = [len(g["params"]) for g in optim.param_groups]
+            if saved_sizes == sizes:
+                return
+            why = f"parameter groups of {saved_sizes} parameters, this optimizer's of {sizes}"
+        raise UnsupportedStateError(
+            f"{path_str(path)}: the checkpoint's optimizer state does not fit this "
+            f"{type(optim).__name__}: {why}"
+        )
 
     def _check_module_keys(self, template: dict, saved: Any, path: tuple) -> None:
         """A module whose parameters or buffers the step lacks would keep their current
@@ -408,9 +447,7 @@ def _saved_for(target: Any, node: Any) -> Any:
     """``node`` as the saved state of ``target``: a dict saved from a ``state_dict()`` (say
     ``{"model": model.state_dict()}``) loads into a stateful object through its
     ``load_state_dict``, as a saved stateful object would."""
-    tag = tag_of(node)
-    is_dict = tag == "$dict" or (isinstance(node, dict) and tag is None)
-    if is_dict and not isinstance(target, dict) and is_stateful(target):
+    if _is_dict(node) and not isinstance(target, dict) and is_stateful(target):
         return {"$stateful": node}
     return node
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 TREE_TAGS = ("$t", "$np", "$tuple", "$dict", "$bytes", "$float", "$stateful", "$generator")
@@ -19,9 +19,18 @@ MAX_STATE_DEPTH = 64
 MAX_TREE_DEPTH = 256
 
 
-def check_tree(tree: Any, ntensors: int, bad) -> None:
+# The dtypes of the tensors a numpy array is saved as (numpy has none for bfloat16, float8).
+NUMPY_DTYPES = frozenset({
+    "float64", "float32", "float16", "complex128", "complex64", "int64", "int32", "int16",
+    "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+})  # fmt: skip
+
+
+def check_tree(tree: Any, dtypes: Sequence[str], bad) -> None:
     """Raise ``bad(why)`` unless ``tree`` is a state tree whose tags are well formed and whose
-    tensor references name tensors ``0 .. ntensors - 1``."""
+    tensor references name tensors of ``dtypes`` (the index's, in order) that fit them: a
+    numpy array's one of ``NUMPY_DTYPES``, a generator's state one tensor of bytes."""
+    ntensors = len(dtypes)
     stack = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
@@ -45,6 +54,8 @@ def check_tree(tree: Any, ntensors: int, bad) -> None:
         value = node[tag]
         if tag in ("$t", "$np"):
             ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < ntensors
+            if ok and tag == "$np" and dtypes[value] not in NUMPY_DTYPES:
+                raise bad(f"state tree: a numpy array of {dtypes[value]}, which numpy lacks")
         elif tag == "$tuple":
             ok = isinstance(value, list)
             stack.extend((n, below) for n in (value if ok else []))
@@ -62,10 +73,16 @@ def check_tree(tree: Any, ntensors: int, bad) -> None:
             stack.append((value, below))
         else:  # $generator
             ok = isinstance(value, dict) and set(value) == {"device", "state"}
-            ok = ok and isinstance(value["device"], str)
-            stack.append((value["state"] if ok else None, below))
+            ok = ok and isinstance(value["device"], str) and tag_of(value["state"]) == "$t"
+            ok = ok and _refers(value["state"]["$t"], dtypes, "uint8")
         if not ok:
             raise bad(f"state tree: malformed {tag} node {json.dumps(node)[:80]}")
+
+
+def _refers(value: Any, dtypes: Sequence[str], dtype: str) -> bool:
+    """Whether ``value`` names a tensor of ``dtypes`` whose dtype is ``dtype``."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(dtypes)
+    return ok and dtypes[value] == dtype
 
 
 def _is_key(node: Any) -> bool:

@@ -22,6 +22,13 @@ from tests.helpers.signals import stop_run
 
 
 def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
+    import torch
+
+    from ckptstore import Checkpointer
+
+    with Checkpointer(tmp_path / "store" / "gpu") as ckpt:  # a job's, where the bench once saved
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((4,), float(step))}).wait()
     code = main(
         [
             "interference",
@@ -33,8 +40,11 @@ def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["steps"] == 6 and set(report["kinds"]) == {"gpu", "python"}
-    # each kind saved steps 0.. into its own store: none collided with the other's
-    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["gpu", "python"]
+    # Each kind saved steps 0.. into a store of its own under a workspace it then removed
+    # (reviewer U: they went to URI/KIND, where keep_last=1 deleted a job's steps 1 and 2).
+    assert [p.name for p in (tmp_path / "store").iterdir()] == ["gpu"]
+    with Checkpointer(tmp_path / "store" / "gpu") as ckpt:
+        assert ckpt.steps() == [1, 2]
     for r in report["kinds"].values():
         assert r["saves_committed"] + r["saves_skipped"] == 6
         assert r["saves_committed"] >= 1  # the first save always starts

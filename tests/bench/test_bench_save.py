@@ -486,3 +486,16 @@ def test_restore_read_concurrency_reaches_ckptstores_loads(capsys, tmpdir_isolat
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ckptbench restore: error: --read-concurrency must be >= 1, got 0"]
     assert _workspaces(tmpdir_isolated) == set()
+
+
+@pytest.mark.parametrize("command", ["save", "restore", "interference"])
+def test_a_uri_with_one_slash_after_its_scheme_is_refused(capsys, tmp_path, monkeypatch, command):
+    """Reviewer U: save and restore took s3:/bucket/x for a local directory and printed local
+    disk timings under the S3 name."""
+    from bench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--uri", "s3:/bucket/x", "--size", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("did you mean s3://bucket/x?") and "\n" not in err
+    assert not os.listdir(tmp_path)

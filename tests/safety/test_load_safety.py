@@ -27,6 +27,7 @@ from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.errors import PartialLoadError
 from ckptstore.format import chunk_key
 from tests.helpers import ROOT
+from tests.helpers.crafted import put_rank_index, rank_index_doc
 from tests.helpers.dist import run_ranks
 
 N = 16 * 1024  # float32 elements: 16 chunks of 4096 bytes each
@@ -462,3 +463,61 @@ def test_a_load_state_dict_of_the_callers_that_raises_is_raised_as_it_is_with_a_
     assert torch.equal(into["w"], torch.ones(4))  # set before the objects, as the note says
     (note,) = info.value.__notes__
     assert "raised while step 1 was set into the state" in note and "rebuild the state" in note
+
+
+def _model_and_optimizer(groups: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    if groups == 1:
+        return model, torch.optim.AdamW(model.parameters())
+    return model, torch.optim.AdamW([{"params": m.parameters()} for m in model])
+
+
+def _stepped(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    model(torch.ones(3, 4)).sum().backward()
+    optim.step()
+
+
+@pytest.mark.parametrize("craft", [None, "state", "groups"])
+def test_an_optimizer_state_its_optimizer_would_refuse_is_refused_before_any_io(tmp_path, craft):
+    """Reviewer S: torch's load_state_dict refused these after every tensor of the state
+    (the model's weights) had been overwritten, and fallback did not skip the step."""
+    model, optim = _model_and_optimizer(1)
+    _stepped(model, optim)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}).wait()
+    groups, says = 2, r"parameter groups of \[4\] parameters, this optimizer's of \[2, 2\]"
+    if craft is not None:  # the same optimizer, its saved state damaged
+        groups = 1
+        store = Store(tmp_path)
+        doc = rank_index_doc(store, 1)
+        optim_node = dict(doc["tree"]["optim"]["$stateful"])
+        if craft == "state":
+            optim_node["state"], says = "hello", "its 'state' is not a dict"
+        else:
+            optim_node["param_groups"], says = [{"lr": 1}], "its 'param_groups' is not a list"
+        doc["tree"]["optim"]["$stateful"] = optim_node
+        put_rank_index(store, 1, 0, doc)
+    into_model, into_optim = _model_and_optimizer(groups)
+    before = [p.detach().clone() for p in into_model.parameters()]
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=f"optim: .*AdamW: {says}"):
+            ckpt.load({"model": into_model, "optim": into_optim})
+    assert all(torch.equal(a, b) for a, b in zip(before, into_model.parameters()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA generator can be made here")
+def test_a_generator_of_a_device_this_process_lacks_is_refused_before_any_io(tmp_path):
+    """A GPU job's checkpoint loaded on a CPU machine: its CUDA generator failed after every
+    tensor of the state had been overwritten (reviewer S)."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4), "g": torch.Generator()}).wait()
+    store = Store(tmp_path)
+    doc = rank_index_doc(store, 1)
+    doc["tree"]["g"]["$generator"]["device"] = "cuda"  # as a GPU machine saves it
+    put_rank_index(store, 1, 0, doc)
+    into = {"w": torch.zeros(4)}
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match="g: a generator on device 'cuda'.*strict"):
+            ckpt.load(into)
+        assert not into["w"].any()
+        assert ckpt.load(into, strict=False) == 1 and "g" not in into
