@@ -14,6 +14,8 @@ from bench.report import (
 from bench.storage.run import StorageBench
 from ckptstore.telemetry import LatencyHistogram
 
+MIN_P99_SAMPLES = 100  # fewer answers in a phase: its "p99" is its slowest read
+
 
 def print_table(result: dict[str, Any], out=None) -> None:
     out = out or sys.stdout
@@ -75,7 +77,14 @@ def print_table(result: dict[str, Any], out=None) -> None:
         table(["phase", "reads", "p50", "p90", "p99", "p99.9", "max"], rows, out=out)
         ratio = burst["read_p99_during_over_before"]
         if ratio is not None:
-            print(f"read p99 during / before the burst: {ratio:.2f}x", file=out)
+            few = min(burst["read"]["before"]["count"], burst["read"]["during"]["count"])
+            caveat = (
+                f" (from as few as {few} reads in a phase: too few for a p99, read it as the "
+                "max; a larger --checkpoint-bytes or more --writers lengthens the burst)"
+                if few < MIN_P99_SAMPLES
+                else ""
+            )
+            print(f"read p99 during / before the burst: {ratio:.2f}x{caveat}", file=out)
     if "faults" in result:
         injected = ", ".join(f"{k}: {v}" for k, v in sorted(result["faults"]["injected"].items()))
         print(f"injected: {injected or 'nothing'}", file=out)
