@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ckptbench {args.command}: error: {first}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
+        print(f"ckptbench {args.command}: interrupted", file=sys.stderr)
         return 130
     except BaseException:
         status = stopped_by_signal()  # wrapped on its way up (DCP's CheckpointException)

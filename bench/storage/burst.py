@@ -92,7 +92,11 @@ def run_burst(bench: StorageBench) -> dict[str, Any]:
         bench._t0 = time.perf_counter()
         for thread in readers + writers:
             thread.start()
-        readers_stop.wait(cfg.baseline_s)  # nothing sets it yet: a bounded pause
+        try:
+            readers_stop.wait(cfg.baseline_s)  # nothing sets it yet: a bounded pause
+        except BaseException:  # Ctrl-C: no reader reads what the cleanup deletes
+            readers_stop.set()
+            raise
         marks["burst_start"] = time.perf_counter() - bench._t0
         go_writers.set()
         deadline = time.perf_counter() + cfg.duration_s
@@ -104,6 +108,9 @@ def run_burst(bench: StorageBench) -> dict[str, Any]:
                     break
                 writers_done.wait(min(0.2, remaining))
                 bar.update(sum(written) - bar.n)
+        except BaseException:
+            readers_stop.set()
+            raise
         finally:  # also on Ctrl-C or SIGTERM: no writer puts while the cleanup deletes
             truncated = bench._stop.is_set() or not writers_done.is_set()
             bench._finish(bench._stop_reason or "done")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 
@@ -15,7 +16,9 @@ from collections.abc import Iterator
 def terminate_unwinds() -> Iterator[None]:
     """While the block runs, the first SIGTERM or SIGHUP raises ``SystemExit(128 + signal)``
     (the status a process killed by it reports) in the main thread; later ones are ignored
-    while the block cleans up. Outside the main thread (no handler can be set there) a no-op."""
+    while the block cleans up. SIGINT raises ``KeyboardInterrupt``, but not again within
+    ``SAME_PRESS_S`` of the last. Outside the main thread (no handler can be set there) a
+    no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -27,6 +30,10 @@ def terminate_unwinds() -> Iterator[None]:
         raise SystemExit(128 + signum)
 
     def on_interrupt(signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if _pressed and now - _pressed[-1] < SAME_PRESS_S:
+            return  # the same press, delivered twice (`timeout -s INT` signals the group too)
+        _pressed.append(now)
         _received.append(signum)
         raise KeyboardInterrupt
 
@@ -48,4 +55,8 @@ def stopped_by_signal() -> int | None:
 
 
 _UNWOUND = (signal.SIGTERM, signal.SIGHUP)
+# A SIGINT this soon after the one before is the same Ctrl-C reaching the process twice, and
+# would cut short the cleanup the first one started; a later one stops the cleanup too.
+SAME_PRESS_S = 1.0
 _received: list[int] = []
+_pressed: list[float] = []  # when each SIGINT that raised came (time.monotonic)

@@ -44,3 +44,43 @@ def test_a_stopped_run_leaves_nothing_in_the_users_directory(tmp_path, run, sign
     stop_run([*argv, "--uri", str(target)], lambda: len(_files(target)) >= files, signum)
     assert _files(target) == [str(target / "user.txt")]
     assert sorted(os.listdir(target)) == ["user.txt"]
+
+
+def test_one_ctrl_c_delivered_twice_still_cleans_up_and_says_so(tmp_path):
+    """Reviewer U: `timeout -s INT` signals the process and its group, so the run got two
+    SIGINTs at once; the second cut the cleanup the first started short: objects were left,
+    and nothing was said."""
+    target = tmp_path / "uri"
+    argv, files = RUNS["storage"]
+    _, err = stop_run(
+        [*argv, "--uri", str(target)], lambda: len(_files(target)) >= files, signal.SIGINT,
+        twice=True,
+    )  # fmt: skip
+    assert _files(target) == []
+    assert err.strip().splitlines()[-1] == "ckptbench storage: interrupted"
+
+
+def test_a_second_sigint_within_a_press_leaves_the_cleanup_alone_and_a_later_one_stops_it(
+    monkeypatch,
+):
+    import time
+
+    from ckptstore.cli import signals
+
+    monkeypatch.setattr(signals, "_pressed", [])
+    monkeypatch.setattr(signals, "_received", [])
+    cleaned = False
+    with signals.terminate_unwinds():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the signal interrupts it
+            raise AssertionError("SIGINT raised nothing")
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGINT)  # the same press, a moment later
+            time.sleep(0.05)
+            cleaned = True
+        with pytest.raises(KeyboardInterrupt):  # a press of its own: stops a stuck cleanup
+            time.sleep(signals.SAME_PRESS_S)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert cleaned and signals.stopped_by_signal() == 130

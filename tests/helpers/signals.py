@@ -18,11 +18,13 @@ def stop_run(
     *,
     module: str = "bench.cli",
     prelude: str = "",
+    twice: bool = False,
 ) -> tuple[int, str]:
     """``python -m module *argv`` (``ckptbench``, or ``ckptstore.cli``) in a process of its own,
     after ``prelude`` (Python run first), sent ``signum`` once ``ready()`` holds; its exit
     status (checked: 130 for SIGINT, else 128 + signum) and stderr. Bounded: two minutes to get
-    ready, two and a half to end."""
+    ready, two and a half to end. ``twice``: the signal sent again at once (as ``timeout -s INT``
+    sends it: to the process and to its process group)."""
     # Python's own Ctrl-C handler even where SIGINT starts ignored (a shell's background job)
     start = (
         f"import runpy, signal, sys; {prelude or 'pass'}; "
@@ -37,6 +39,8 @@ def stop_run(
         wait_until(lambda: proc.poll() is not None or ready(), timeout_s=120)
         assert proc.poll() is None, f"the run ended before it was stopped: {proc.stderr.read()}"
         proc.send_signal(signum)
+        if twice:
+            proc.send_signal(signum)
         _, err = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
