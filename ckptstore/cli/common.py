@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ckptstore.catalog import store_nearby
 from ckptstore.errors import CheckpointNotFoundError, StorageAccessError
 from ckptstore.store import RetryPolicy, Store
 
@@ -80,8 +81,12 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
                 f"DURABLE_URI --local-dir {args.uri})"
             )
         raise CheckpointNotFoundError(
-            f"no ckptstore data at {args.uri} (nothing under commits/, steps/, indexes/, leases/ or "
-            "chunks/: a mistyped path or prefix?)"
+            f"no ckptstore data at {args.uri}"
+            + (
+                store_nearby(store)  # the store it lies in, or one just below it
+                or " (nothing under commits/, steps/, indexes/, leases/ or chunks/: a mistyped "
+                "path or prefix?)"
+            )
         )
     return store
 

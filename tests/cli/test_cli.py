@@ -203,6 +203,20 @@ def test_a_location_without_ckptstore_data_is_an_error_everywhere(tmp_path: Path
         }
 
 
+def test_a_location_beside_a_store_names_the_store(tmp_path: Path, capsys) -> None:
+    """Reviewer T: the directory above a store, or its chunks/, was only "a mistyped path or
+    prefix?", where Checkpointer.latest() names the store meant."""
+    with Checkpointer(tmp_path / "run1") as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    for where, says in (
+        (tmp_path, f"(but {tmp_path / 'run1'} holds checkpoints: a mistyped path?)"),
+        (tmp_path / "run1" / "chunks", f"(it lies inside the store {tmp_path / 'run1'}"),
+    ):
+        for command in ("ls", "verify"):
+            code, _, err = run(capsys, command, where)
+            assert code == 1 and says in one_line_error(err, command)
+
+
 def test_a_local_tier_directory_is_named_as_one(tmp_path: Path, capsys) -> None:
     """The --local-dir of a tiered job given where a store is expected: the error says what
     it is, where a rank's own store lies, and how to list every tier."""
