@@ -31,7 +31,7 @@ import fsspec
 import torch
 
 from bench.report import parse_bytes
-from ckptstore.errors import one_line
+from ckptstore.errors import ObjectNotFoundError, one_line
 from ckptstore.pipeline import release_free_memory
 from ckptstore.store import Store, open_store
 from ckptstore.store.backends import refuse_a_mistyped_scheme
@@ -426,6 +426,8 @@ class Workspace:
         else:
             try:
                 self._delete_all()
+            except ObjectNotFoundError:
+                pass  # no bucket: the run wrote nothing there
             except Exception as exc:  # noqa: BLE001 - never hides the run's own error
                 logger.warning("bench files at %s not removed: %s", self.uri, one_line(exc))
 

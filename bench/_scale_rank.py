@@ -12,8 +12,6 @@ itself: pickling, the transfer, unpickling what it gathered).
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -233,11 +231,9 @@ def recording_collectives(calls: list[CollectiveCall]) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def process_main(rank: int, plan: RankPlan, world: int, port: int, out_dir: str) -> None:
-    """One rank as a process (``torch.multiprocessing.spawn``): its report, its collectives
-    and (rank 0) the coordinator's phases into ``out_dir/rank-<r>.json``."""
-    import json
-
+def process_main(rank: int, plan: RankPlan, world: int, port: int) -> dict[str, Any]:
+    """One rank as a process (``bench._gloo.run_ranks``): its report, its collectives and
+    (rank 0) the coordinator's phases."""
     import torch.distributed as dist
 
     join_loopback_group(rank, world, port, timeout_s=600)
@@ -252,10 +248,4 @@ def process_main(rank: int, plan: RankPlan, world: int, port: int, out_dir: str)
         dist.destroy_process_group()
     report["calls"] = [asdict(c) for c in calls]
     report["phases"] = {str(step): p for step, p in phases.by_step.items()}
-    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
-        json.dump(report, f)
-    # As tests/helpers/dist.py: leave without interpreter finalization, which a gloo thread still
-    # dropping a finished collective can turn into SIGABRT (pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return report

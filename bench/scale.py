@@ -20,14 +20,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from bench._ckpt_common import Workspace, host_info, now_iso
-from bench._gloo import free_port
+from bench._gloo import free_port, run_ranks
 from bench._scale_rank import PHASES, PhaseTimes, RankPlan, process_main, run_rank
 from bench._thread_ranks import CollectiveCall, ThreadWorld
 from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
@@ -37,6 +34,7 @@ from ckptstore.format import commit_key
 from ckptstore.store import Store
 
 MAX_PROCESSES = 16
+RANKS_TIMEOUT_S = 1800  # one rank count's saves and restores; a rank stuck past it fails the run
 """Most ranks run as processes (each imports torch: ~0.3 GB); more need --threads."""
 HEAD_OPS = ("size", "exists", "modified")
 Received = Callable[[], dict[str, int]]
@@ -259,16 +257,12 @@ def _run_threads(plan: RankPlan, n: int) -> list[dict[str, Any]]:
 
 
 def _run_processes(plan: RankPlan, n: int) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="ckptbench-scale-") as out:
-        port = free_port()
-        mp.spawn(process_main, args=(plan, n, port, out), nprocs=n, join=True)
-        reports = []
-        for rank in range(n):
-            with open(os.path.join(out, f"rank-{rank}.json")) as f:
-                report = json.load(f)
-            report["calls"] = [CollectiveCall(**c) for c in report["calls"]]
-            report["phases"] = {int(step): p for step, p in report["phases"].items()}
-            reports.append(report)
+    reports = run_ranks(
+        process_main, (plan, n, free_port()), n, what=f"run of {n} ranks", timeout_s=RANKS_TIMEOUT_S
+    )
+    for report in reports:
+        report["calls"] = [CollectiveCall(**c) for c in report["calls"]]
+        report["phases"] = {int(step): p for step, p in report["phases"].items()}
     return reports
 
 
@@ -417,6 +411,7 @@ def store_under_test(uri: str | None) -> Iterator[tuple[str, str, Received | Non
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,  # a line per request
         text=True,
+        start_new_session=True,  # Ctrl-C stops the run, whose cleanup still needs the server
     )
     saved = {k: os.environ.get(k) for k in _AWS_ENV}
     try:

@@ -74,9 +74,10 @@ and ``with_dcp`` (the two front-ends), ``counting`` (the durable store's reads b
 ``summary`` and ``table`` (the report, the same for every front-end), ``cli`` (the flags).
 """
 
+from bench._gloo import RankFailed
 from bench.recover import cli
 from bench.recover.cli import add_parser, run
-from bench.recover.plan import FRONTENDS, RankFailed, RecoverPlan
+from bench.recover.plan import FRONTENDS, RecoverPlan
 from bench.recover.ranks import run_job
 from bench.recover.run import run_recover
 from bench.recover.summary import summarize

@@ -27,10 +27,6 @@ replaced node), or one byte flipped in one chunk of each of its ranks' own copie
 newest step (a bad sector)."""
 
 
-class RankFailed(OSError):
-    """A rank of the run failed, or the ranks did not finish in time (exit status 1)."""
-
-
 @dataclass(kw_only=True)
 class RecoverPlan:
     """What every rank of both jobs does."""
