@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.codec import hash_bytes, max_encoded_size
 from ckptstore.errors import CheckpointCorruptError, FormatVersionError
 from ckptstore.health import check_entry_health, check_manifest_health
-from ckptstore.tree import check_tree
+from ckptstore.tree import SUB_BYTE_DTYPES, check_tree
 
 if TYPE_CHECKING:  # torch is imported by DCP's users only
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -433,10 +433,7 @@ def _dtype_itemsizes() -> dict[str, int]:
     }
 
 
-_NEVER_SAVED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}) | {
-    "bit",
-    *(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)),
-}
+_NEVER_SAVED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}) | SUB_BYTE_DTYPES
 
 
 def dtype_itemsize(name: Any) -> int | None:

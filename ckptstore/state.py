@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError, one_line
-from ckptstore.tree import MAX_STATE_DEPTH, decode_scalar, path_str, tag_of
+from ckptstore.tree import MAX_STATE_DEPTH, SUB_BYTE_DTYPES, decode_scalar, path_str, tag_of
 
 _MISSING = object()
 
@@ -39,10 +39,34 @@ def _check_tensor(t: torch.Tensor, path: tuple) -> None:
             f"{path_str(path)}: DTensor state is saved through ckptstore.dcp (DCP), "
             "not Checkpointer"
         )
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+    if (
+        t.layout != torch.strided
+        or t.is_quantized
+        or t.device.type == "meta"
+        or str(t.dtype).removeprefix("torch.") in SUB_BYTE_DTYPES
+    ):
         raise UnsupportedStateError(
             f"{path_str(path)}: unsupported tensor ({t.layout}, {t.device}, dtype {t.dtype})"
         )
+
+
+def _numpy_as_tensor(value: np.ndarray, path: tuple) -> torch.Tensor:
+    """A tensor of ``value``'s values, in C order and native byte order (what a load gives
+    back as an array); UnsupportedStateError for an array torch has no dtype for."""
+    if value.dtype.hasobject:
+        raise UnsupportedStateError(f"{path_str(path)}: numpy object arrays can't be saved")
+    # not np.ascontiguousarray: it makes a 0-d array 1-d
+    contiguous = value if value.flags.c_contiguous else value.copy(order="C")
+    if not contiguous.dtype.isnative:  # big-endian: saved as the values, in this order
+        contiguous = contiguous.astype(contiguous.dtype.newbyteorder("="))
+    if contiguous.dtype.kind in "biufc":  # np.ulonglong as the uint64 torch knows
+        contiguous = contiguous.view(np.dtype(contiguous.dtype.str))
+    try:
+        return torch.from_numpy(contiguous)
+    except TypeError:  # a dtype torch lacks (strings, dates)
+        raise UnsupportedStateError(
+            f"{path_str(path)}: a numpy array of {value.dtype!r}, which torch has no dtype for"
+        ) from None
 
 
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
@@ -78,11 +102,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
             tensors.append(value.detach())
             return {"$t": len(tensors) - 1}
         if isinstance(value, np.ndarray):
-            if value.dtype.hasobject:
-                raise UnsupportedStateError(f"{path_str(path)}: numpy object arrays can't be saved")
-            # not np.ascontiguousarray: it makes a 0-d array 1-d
-            contiguous = value if value.flags.c_contiguous else value.copy(order="C")
-            tensors.append(torch.from_numpy(contiguous))
+            tensors.append(_numpy_as_tensor(value, path))
             numpy.add(len(tensors) - 1)
             return {"$np": len(tensors) - 1}
         if value is None or isinstance(value, (bool, int, str)):
@@ -300,10 +320,11 @@ class _Loader:
             try:
                 torch.Generator(device=device)
             except RuntimeError as exc:  # saved on a machine with that device, this one lacks it
+                why = one_line(exc).split(". ", 1)[0]  # torch goes on for a paragraph
                 raise UnsupportedStateError(
                     f"{path_str(path)}: a generator on device {device!r}, which this process "
-                    f"cannot make ({one_line(exc)}): pass a generator there in the state, or "
-                    "load with strict=False to leave it out"
+                    f"cannot make ({why}): load it where there is one, or leave the key out "
+                    "of the state and load with strict=False"
                 ) from None
         template = target.get_state() if target is not _MISSING else _MISSING
         self.templates[path] = template
@@ -333,11 +354,20 @@ class _Loader:
             self.match(sub, value, (*path, key))
 
     def _check_optimizer_shapes(self, optim: torch.optim.Optimizer, saved: Any, path: tuple):
-        """Each per-parameter tensor the step holds (an Adam moment, say) must broadcast to
-        its parameter, or the optimizer would take it and fail at its next step: refused
-        before any I/O. A fresh optimizer holds no state to match it against."""
-        if type(optim).state_dict is torch.optim.Optimizer.state_dict:  # torch's own layout
+        """What torch's own optimizers would take and fail on only later, refused before any
+        I/O: groups ``Optimizer.load_state_dict`` refuses (unless this optimizer loads its own
+        way, or a pre-hook adapts them), and for its elementwise optimizers a per-parameter
+        tensor (an Adam moment, say) that does not broadcast to its parameter. Any other
+        optimizer's state (LBFGS's flat vectors, a factored second moment) is its own."""
+        kind = type(optim)
+        if (
+            kind.state_dict is torch.optim.Optimizer.state_dict
+            and kind.load_state_dict is torch.optim.Optimizer.load_state_dict
+            and not getattr(optim, "_optimizer_load_state_dict_pre_hooks", None)
+        ):
             self._check_optimizer_groups(optim, saved, path)
+        if kind.__module__.split(".")[:2] != ["torch", "optim"] or kind is torch.optim.LBFGS:
+            return
         params = [p for group in optim.param_groups for p in group["params"]]
         for index, per_param in _items(dict(_items(saved)).get("state")):
             if not isinstance(index, int) or not 0 <= index < len(params):

@@ -26,6 +26,12 @@ NUMPY_DTYPES = frozenset({
 })  # fmt: skip
 
 
+# Sub-byte integer dtypes: torch names them but can neither copy nor torch.save one.
+SUB_BYTE_DTYPES = frozenset(
+    {"bit", *(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8))}
+)
+
+
 def check_tree(tree: Any, dtypes: Sequence[str], bad) -> None:
     """Raise ``bad(why)`` unless ``tree`` is a state tree whose tags are well formed and whose
     tensor references name tensors of ``dtypes`` (the index's, in order) that fit them: a

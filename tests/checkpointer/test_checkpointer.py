@@ -409,6 +409,62 @@ def test_optimizer_state_for_other_parameters_is_refused_before_any_byte(tmp_pat
         )
 
 
+def test_optimizer_state_of_its_own_shape_loads(tmp_path):
+    """Reviewer V: LBFGS keeps flat vectors under parameter 0, and an optimizer outside
+    torch.optim may keep factored moments (a row per parameter row): torch loads both, and so
+    must a load (it refused them as moments of another parameter)."""
+
+    class RowMoments(torch.optim.SGD):  # the layout of transformers' Adafactor
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                self.state[p]["exp_avg_sq_row"] = p.detach().square().mean(-1)
+            return super().step(closure)
+
+    for optim_cls in (torch.optim.LBFGS, lambda params: RowMoments(params, lr=0.1)):
+        model = torch.nn.Linear(4, 3)
+        optim = optim_cls(model.parameters())
+        optim.step(lambda model=model: model(torch.ones(2, 4)).square().sum().backward() or 1.0)
+        with Checkpointer(tmp_path / str(id(optim))) as ckpt:
+            ckpt.save(1, {"optim": optim}).wait()
+            into = optim_cls(torch.nn.Linear(4, 3).parameters())
+            assert ckpt.load({"optim": into}) == 1
+        saved, loaded = optim.state_dict()["state"], into.state_dict()["state"]
+        assert saved.keys() == loaded.keys()
+        for i in saved:
+            for k, v in saved[i].items():
+                w = loaded[i][k]
+                same = torch.equal if isinstance(v, torch.Tensor) else (lambda a, b: a == b)
+                assert (
+                    all(torch.equal(a, b) for a, b in zip(v, w))
+                    if isinstance(v, list)
+                    else same(v, w)
+                ), k
+
+
+def test_an_optimizer_whose_load_hook_adapts_the_saved_groups_loads(tmp_path):
+    """Reviewer V: a run that added a parameter group after the save pads the saved groups in
+    a load_state_dict pre-hook; torch loads that, and a load refused it by the group sizes."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model[0].parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"optim": optim}).wait()
+        grown = torch.optim.AdamW(model[0].parameters())
+        grown.add_param_group({"params": list(model[1].parameters())})
+
+        def pad(optimizer, state_dict):
+            first = state_dict["param_groups"][0]
+            state_dict["param_groups"].append({**first, "params": [2, 3]})
+            return state_dict
+
+        grown.register_load_state_dict_pre_hook(pad)
+        assert ckpt.load({"optim": grown}) == 1
+    assert torch.equal(
+        grown.state[model[0].weight]["exp_avg"], optim.state[model[0].weight]["exp_avg"]
+    )
+
+
 def test_unsupported_state_is_refused_by_name(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match="opt/fn: cannot save a value of type"):

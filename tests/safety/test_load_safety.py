@@ -369,6 +369,29 @@ def test_numpy_arrays_of_another_shape_or_dtype_are_refused(tmp_path):
     ckpt.close()
 
 
+def test_arrays_of_a_second_name_or_byte_order_are_saved_as_their_values(tmp_path):
+    """Reviewer V: np.ulonglong (uint64 by another name) and big-endian arrays were torch's
+    raw TypeError and ValueError at save; a tensor torch cannot copy (uint3) was its raw
+    NotImplementedError from the staging copy."""
+    state = {
+        "u": np.arange(5, dtype=np.ulonglong),
+        "big": np.arange(6, dtype=">f4").reshape(2, 3),
+        "big0d": np.array(7, dtype=">i8"),
+    }
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state).wait()
+        with pytest.raises(UnsupportedStateError, match=r"s/1: a numpy array of .*<U1"):
+            ckpt.save(2, {"s": [None, np.array(["a"])]})
+        with pytest.raises(UnsupportedStateError, match=r"t: unsupported tensor .*torch\.uint3"):
+            ckpt.save(2, {"t": torch.empty(4, dtype=torch.uint3)})
+        ckpt.save(2, {"ok": torch.ones(2)}).wait()  # the refused saves left nothing behind
+        into = {"u": None, "big": None, "big0d": None}
+        ckpt.load(into, step=1)
+    for key, saved in state.items():
+        assert np.array_equal(into[key], saved) and into[key].shape == saved.shape, key
+        assert into[key].dtype == saved.dtype.newbyteorder("="), key
+
+
 def test_a_zero_dimensional_array_keeps_its_shape_and_loads_into_the_state_that_saved_it(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, {"best": np.array(2.5), "t": np.arange(6).reshape(2, 3).T}).wait()
