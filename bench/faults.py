@@ -62,11 +62,16 @@ def parse_latency(spec: str) -> Fixed | LogNormal | None:
     try:
         if parts[0] in ("", "none", "0"):
             return None
+        numbers = [float(p) for p in parts[1:]]
+        if not all(math.isfinite(n) and n >= 0 for n in numbers):
+            raise ValueError(f"bad latency spec {spec!r}: times must be finite and >= 0")
         if parts[0] == "fixed" and len(parts) == 2:
-            return Fixed(float(parts[1]))
-        if parts[0] == "lognormal" and len(parts) in (2, 3):
-            return LogNormal(float(parts[1]), float(parts[2]) if len(parts) == 3 else 0.5)
-    except ValueError:
+            return Fixed(numbers[0])
+        if parts[0] == "lognormal" and len(parts) in (2, 3) and numbers[0] > 0:
+            return LogNormal(numbers[0], numbers[1] if len(parts) == 3 else 0.5)
+    except ValueError as exc:
+        if "must be" in str(exc):
+            raise
         pass
     raise ValueError(
         f"bad latency spec {spec!r}: expected none, fixed:SECONDS or lognormal:MEDIAN_S[:SIGMA]"

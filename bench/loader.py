@@ -75,8 +75,8 @@ def add_parser(sub: Any) -> None:
         metavar="I",
         help="replica I delays every one of its reads",
     )
-    p.add_argument("--error-rate", type=float, default=0.0, help="fraction of reads that fail")
-    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of reads that hang")
+    p.add_argument("--error-rate", type=float, default=0.0, help="fraction of reads that fail (0)")
+    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of reads that hang (0)")
     p.add_argument("--reads", type=int, default=4000, help="reads, one 4 KiB sample each (4000)")
     p.add_argument("--concurrency", type=int, default=16, help="reads in flight (16)")
     p.add_argument("--hedge-budget", type=float, default=0.1, help="hedges per read (0.1)")

@@ -515,7 +515,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bw.add_argument("--node-storage-bw", help="per-node bandwidth to storage (default 25GB/s)")
     bw.add_argument("--staging-bw", help="per-node device<->host bandwidth (default 100GB/s)")
     bw.add_argument("--peer-bw", help="per-node bandwidth to a peer's memory (default 50GB/s)")
-    p.add_argument("--blocked-overhead-s", type=float, help="fixed blocked time per save")
+    p.add_argument(
+        "--blocked-overhead-s", type=float, help="fixed blocked time per save (default 0)"
+    )
     p.add_argument("--interval-s", type=float, help="evaluate this interval, not the optimum")
     p.add_argument(
         "--max-write-duty",

@@ -615,8 +615,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "save",
         help="time checkpoint saves: ckptstore vs DCP async/sync vs torch.save, vs memcpy",
         description="Blocked time, time to commit, bytes stored and peak memory of one save, "
-        "for ckptstore, DCP async_save, DCP save and torch.save side by side in one run, with "
-        "a memcpy of the same state as the floor. Works under a fresh ckptbench-<random>/ "
+        "for ckptstore, DCP async_save through ckptstore's backend (ckptstore_dcp), DCP "
+        "async_save, DCP save and torch.save side by side in one run (methods ckptstore, "
+        "ckptstore_dcp, dcp_async, dcp_sync, torch_save), with a memcpy of the same state as "
+        "the floor. Works under a fresh ckptbench-<random>/ "
         "directory and deletes it. --methods also takes, beside ckptstore, ckptstore_noscan "
         "(no health scan) and ckptstore_norecheck (no read-back of unchanged chunks; with "
         "--incremental, what the rechecks cost).",

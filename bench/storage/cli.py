@@ -96,9 +96,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--error-rate",
         type=float,
         default=0.0,
-        help="fraction of requests failing with a transient error",
+        help="fraction of requests failing with a transient error (default 0)",
     )
-    faults.add_argument("--slow-rate", type=float, default=0.0, help="fraction of slow requests")
+    faults.add_argument(
+        "--slow-rate", type=float, default=0.0, help="fraction of slow requests (default 0)"
+    )
     faults.add_argument(
         "--slow-factor",
         type=float,
@@ -106,9 +108,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="a slow request takes this many times the median latency",
     )
     faults.add_argument(
-        "--hang-rate", type=float, default=0.0, help="fraction of requests that hang"
+        "--hang-rate", type=float, default=0.0, help="fraction of requests that hang (default 0)"
     )
-    faults.add_argument("--hang-s", type=float, default=3600.0, help="how long a hang lasts")
+    faults.add_argument(
+        "--hang-s", type=float, default=3600.0, help="how long a hang lasts (default 3600)"
+    )
     faults.add_argument(
         "--fault-ops", default="put,get", help="operations faults apply to (default put,get)"
     )
@@ -127,7 +131,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=RetryPolicy.timeout_s,
         help="deadline of one attempt of a request of the run (default %(default)s)",
     )
-    p.add_argument("--seed", type=int, help="seed for sizes, keys and faults")
+    p.add_argument(
+        "--seed", type=int, help="seed for sizes, keys and faults (default: a random one)"
+    )
     p.add_argument("--keep", action="store_true", help="do not delete what the bench wrote")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="PNG", help="write latency CDFs (and the burst timeline) here")

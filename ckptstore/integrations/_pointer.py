@@ -32,11 +32,12 @@ class Pointer:
     save_id: str  # also in the step's metadata: tells this save from a later one at that step
     global_step: int
     pending: bool = False  # written as its save started; rewritten without it once committed
+    written_at: float | None = None  # a pending one: when (time.time()), its save then queued
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
         if not self.pending:
-            del doc["pending"]  # as pointers were before the field
+            del doc["pending"], doc["written_at"]  # as pointers were before the fields
         return json.dumps(doc).encode()
 
 
@@ -73,7 +74,12 @@ def decode(data: bytes, path: str) -> Pointer:
     pending = doc.get("pending", False)
     if not isinstance(pending, bool):
         raise CheckpointCorruptError(f"{path}: pointer field 'pending' is {pending!r}")
-    return Pointer(**{name: doc[name] for name in fields}, pending=pending)
+    written_at = doc.get("written_at")
+    if written_at is not None and (
+        isinstance(written_at, bool) or not isinstance(written_at, (int, float))
+    ):
+        raise CheckpointCorruptError(f"{path}: pointer field 'written_at' is {written_at!r}")
+    return Pointer(**{name: doc[name] for name in fields}, pending=pending, written_at=written_at)
 
 
 def read(path: str) -> bytes | None:

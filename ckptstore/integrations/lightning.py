@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -65,7 +66,7 @@ except ImportError:
 import torch
 import torch.distributed as dist
 
-from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
 from ckptstore.checkpointer import Checkpointer, SaveHandle
 from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError
 from ckptstore.integrations import _pointer
@@ -82,6 +83,47 @@ logger = logging.getLogger(__name__)
 META_KEY = "lightning"
 STEP_WORDS = ("latest", "last")
 CALLBACK_STATE = ("callbacks/",)  # its scores start at Inf: never a sign of a blow-up
+
+
+SAVE_IN_FLIGHT_WAIT_S = 600.0  # how long a load waits for another process's save of its step
+QUEUED_SAVE_S = 30.0  # a pending pointer this young may name a save not yet started
+
+
+def _steps_once_saved(store: Store, pending: Pointer, path: str) -> list[int]:
+    """The committed steps of ``store`` once the save ``pending`` names can no longer commit:
+    a pointer is written as its save is queued, so while the writer's saves up to its step are
+    in flight (their leases live), or the pointer is younger than ``QUEUED_SAVE_S``, it may
+    commit in a moment; past that, a kill interrupted it."""
+    deadline, pause = time.monotonic() + SAVE_IN_FLIGHT_WAIT_S, 0.05
+    while True:
+        steps = list_steps(store)
+        if pending.step in steps:
+            return steps
+        live = [
+            save
+            for save in saves_in_flight(store)
+            if save["kind"] == "save"
+            and not save["stale"]
+            and isinstance(save["step"], int)
+            and save["step"] <= pending.step
+        ]
+        young = (
+            pending.written_at is not None and abs(time.time() - pending.written_at) < QUEUED_SAVE_S
+        )
+        if not live and not young:
+            return list_steps(store)  # it may have committed since the listing above
+        if time.monotonic() > deadline:
+            why = f"a save ({live[0]['key']})" if live else "its save"
+            raise CheckpointNotFoundError(
+                f"{path} points to step {pending.step}: {why} still in flight after "
+                f"{SAVE_IN_FLIGHT_WAIT_S:.0f}s"
+            )
+        if pause == 0.05:
+            logger.info(
+                "%s names step %d, whose save is in flight: waiting for it", path, pending.step
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
 
 
 class CkptstoreCheckpointIO(CheckpointIO):
@@ -184,7 +226,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             # A new name, written now (Lightning versions names by the files there and may
             # link to it at once), marked pending until the save commits: a kill in between
             # leaves a pointer that loads the newest save committed before it.
-            pending = dataclasses.replace(pointer, pending=True)
+            pending = dataclasses.replace(pointer, pending=True, written_at=time.time())
             _pointer.write(path, pending)
             self._when_done(handle, lambda: self._settle(handle, path, pending))
             return
@@ -367,7 +409,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             if self._own_pointer_at(path, quiet=True) != pending:
                 return  # removed or replaced meanwhile
             if handle.committed:
-                _pointer.write(path, dataclasses.replace(pending, pending=False))
+                _pointer.write(path, dataclasses.replace(pending, pending=False, written_at=None))
             else:
                 _pointer.remove(path)
 
@@ -418,15 +460,16 @@ class CkptstoreCheckpointIO(CheckpointIO):
         the newest save committed before it, as Lightning's own IO would have left the file
         before that save."""
         store = self.checkpointer.store
-        steps = list_steps(store)
+        steps = _steps_once_saved(store, pending, path)
         if pending.step in steps:
-            return dataclasses.replace(pending, pending=False)
+            return dataclasses.replace(pending, pending=False, written_at=None)
         earlier = [s for s in steps if s < pending.step]
-        if not earlier:
+        if not earlier:  # a pointer to nothing that will ever commit: every restart would fail
+            _pointer.remove(path)
             raise CheckpointNotFoundError(
-                f"{path} points to step {pending.step} of {pending.store}, whose save was "
+                f"{path} pointed to step {pending.step} of {pending.store}, whose save was "
                 "interrupted before it committed, and no earlier step is committed: nothing "
-                "to resume (delete the file to start afresh)"
+                "to resume; the file is removed, so the next start begins afresh"
             )
         manifest = load_manifest(store, earlier[-1])
         save_id = _pointer.user_save_id(manifest.user, META_KEY) or ""

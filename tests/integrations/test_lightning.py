@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import json
 import logging
 import os
 import shutil
@@ -470,7 +471,30 @@ def test_a_pointer_left_pending_by_a_kill_loads_the_newest_save_before_it(tmp_pa
     write(str(tmp_path / "first.ckpt"), first)
     with pytest.raises(CheckpointNotFoundError, match="no earlier step is committed: nothing to"):
         fresh.load_checkpoint(str(tmp_path / "first.ckpt"))
+    # Reviewer W: every restart of a job killed in its first save failed on the same file.
+    assert not (tmp_path / "first.ckpt").exists()
     fresh.close()
+
+
+def test_a_pointer_whose_save_is_in_flight_in_another_process_loads_that_save(tmp_path):
+    """Reviewer W: a pointer read while its save was still committing (another plugin, as a
+    second process reads last.ckpt) loaded the save before it, warning of an interrupted save
+    that committed a moment later."""
+    uri = str(tmp_path / "store")
+    slow = with_faults(
+        Store(uri), Faults(latency=None, slow_rate=1.0, slow_s=0.5, ops=frozenset({"put"}))
+    )
+    writer = CkptstoreCheckpointIO(uri, storage=StorageOptions(store=slow))
+    writer.save_checkpoint({"global_step": 2, "w": torch.ones(4)}, str(tmp_path / "a.ckpt"))
+    writer.teardown()
+    writer.save_checkpoint({"global_step": 5, "w": torch.full((4,), 5.0)}, str(tmp_path / "b.ckpt"))
+    assert json.loads((tmp_path / "b.ckpt").read_text())["pending"]
+    reader = CkptstoreCheckpointIO(uri)
+    loaded = reader.load_checkpoint(str(tmp_path / "b.ckpt"))
+    assert loaded["global_step"] == 5 and torch.equal(loaded["w"], torch.full((4,), 5.0))
+    reader.close()
+    writer.teardown()
+    writer.close()
 
 
 def test_tiers_are_refused_by_name(tmp_path):
