@@ -210,6 +210,9 @@ def test_latency_injection_and_specs():
     assert parse_latency("lognormal:0.01:0.3").median_s == 0.01
     with pytest.raises(ValueError, match="bad latency spec"):
         parse_latency("gaussian:1")
+    for negative in ("fixed:-1", "lognormal:0.01:-0.5", "fixed:nan"):  # reviewer U: accepted
+        with pytest.raises(ValueError, match="times must be finite and >= 0"):
+            parse_latency(negative)
     with pytest.raises(ValueError, match="error_rate"):
         Faults(error_rate=2.0)
 
