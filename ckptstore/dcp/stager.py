@@ -4,6 +4,7 @@ save that writes it."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -121,7 +122,67 @@ class HeldStaging:
 
 
 class _StagedState(dict):
-    """The state dict ``stage()`` returns (a dict that can be weakly referenced)."""
+    """The state dict ``stage()`` returns (a dict that can be weakly referenced). Pickled
+    (DCP's process-based async sends it to its checkpoint process) as each staging storage
+    once, as a plain byte tensor, and where each tensor lies in it: torch 2.13 crashes
+    (SIGSEGV) pickling a second DTensor whose local tensor shares a storage with another's."""
+
+    def __reduce__(self):
+        bases: dict[int, torch.Tensor] = {}
+        pieces: list[tuple] = []
+        skeleton = _as_pieces(dict(self), bases, pieces)
+        return (_rebuilt, (skeleton, list(bases.values()), pieces))
+
+
+class _Piece:
+    """Where the ``index``-th staged tensor lies; ``spec``: its DTensor's, if it was one."""
+
+    def __init__(self, index: int, spec: Any = None) -> None:
+        self.index, self.spec = index, spec
+
+
+def _as_pieces(obj: Any, bases: dict[int, torch.Tensor], pieces: list[tuple]) -> Any:
+    """``obj`` with each tensor replaced by a ``_Piece``; ``pieces`` gets (base, byte offset,
+    dtype, shape, stride) of each, ``bases`` a byte tensor over each storage they lie in."""
+    if isinstance(obj, dict):
+        return {k: _as_pieces(v, bases, pieces) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_pieces(v, bases, pieces) for v in obj)
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    spec, local = (obj._spec, obj._local_tensor) if isinstance(obj, DTensor) else (None, obj)
+    storage = local.untyped_storage()
+    if storage.data_ptr() not in bases:
+        bases[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
+    base = list(bases).index(storage.data_ptr())
+    offset = local.storage_offset() * local.element_size()
+    pieces.append((base, offset, local.dtype, tuple(local.shape), local.stride()))
+    return _Piece(len(pieces) - 1, spec)
+
+
+def _rebuilt(skeleton: Any, bases: list[torch.Tensor], pieces: list[tuple]) -> dict:
+    """The staged state dict, its tensors views of ``bases`` again (``_StagedState``)."""
+    tensors = []
+    for base, offset, dtype, shape, stride in pieces:
+        if math.prod(shape) == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        span = 1 + sum((n - 1) * step for n, step in zip(shape, stride))
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        flat = bases[base][offset : offset + span * itemsize].view(dtype)
+        tensors.append(flat.as_strided(shape, stride))
+    return _from_pieces(skeleton, tensors)
+
+
+def _from_pieces(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        return {k: _from_pieces(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_pieces(v, tensors) for v in obj)
+    if not isinstance(obj, _Piece):
+        return obj
+    local = tensors[obj.index]
+    return local if obj.spec is None else DTensor(local, obj.spec, requires_grad=False)
 
 
 def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> bool:

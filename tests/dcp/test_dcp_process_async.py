@@ -107,6 +107,45 @@ def test_process_async_save_on_two_ranks_local(tmp_path, stager):
     _check_whole(uri, 2)
 
 
+def _fsdp_worker(rank: int, world: int, uri: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    saved_model, saved_optim = get_state_dict(model, optim)
+    want = {k: v.full_tensor().clone() for k, v in saved_model.items()}
+    response = dcp.async_save(
+        {"model": saved_model, "optim": saved_optim},
+        storage_writer=StoreWriter(uri),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    getattr(response, "upload_completion", response).result(timeout=120)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    into_model, into_optim = get_state_dict(model, optim)
+    dcp.load({"model": into_model, "optim": into_optim}, storage_reader=StoreReader(uri))
+    set_state_dict(model, optim, model_state_dict=into_model, optim_state_dict=into_optim)
+    for k, v in get_state_dict(model, optim)[0].items():
+        assert torch.equal(v.full_tensor(), want[k]), f"rank {rank}: {k}"
+
+
+@pytest.mark.dist
+def test_process_async_save_of_fsdp2_state_through_the_writers_staging(tmp_path):
+    """Reviewer W: the checkpoint process was sent FSDP2's DTensors staged in one buffer, and
+    torch crashes (SIGSEGV) pickling a second DTensor whose local tensor shares a storage;
+    the staged state now pickles each storage once."""
+    run_ranks(_fsdp_worker, 2, str(tmp_path / "s"), timeout_s=300)
+
+
 @pytest.mark.dist
 def test_process_async_save_on_two_ranks_s3(s3_uri):
     run_ranks(_process_worker, 2, s3_uri, "writer", timeout_s=300)
