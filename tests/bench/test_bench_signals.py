@@ -67,20 +67,34 @@ def test_a_second_sigint_within_a_press_leaves_the_cleanup_alone_and_a_later_one
 
     from ckptstore.cli import signals
 
+    class Clock:  # the handler's clock: when each press came, whenever the handler runs
+        now = 0.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(signals, "time", clock)
     monkeypatch.setattr(signals, "_pressed", [])
     monkeypatch.setattr(signals, "_received", [])
+    # Python's own handler, also where SIGINT starts ignored (a background job, as CI runs)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     cleaned = False
-    with signals.terminate_unwinds():
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # the signal interrupts it
-            raise AssertionError("SIGINT raised nothing")
-        except KeyboardInterrupt:
-            os.kill(os.getpid(), signal.SIGINT)  # the same press, a moment later
-            time.sleep(0.05)
-            cleaned = True
-        with pytest.raises(KeyboardInterrupt):  # a press of its own: stops a stuck cleanup
-            time.sleep(signals.SAME_PRESS_S)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
+    try:
+        with signals.terminate_unwinds():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the signal interrupts it
+                raise AssertionError("SIGINT raised nothing")
+            except KeyboardInterrupt:
+                clock.now = signals.SAME_PRESS_S / 2
+                os.kill(os.getpid(), signal.SIGINT)  # the same press, a moment later
+                time.sleep(0.05)
+                cleaned = True
+            with pytest.raises(KeyboardInterrupt):  # a press of its own: stops a stuck cleanup
+                clock.now = 2 * signals.SAME_PRESS_S
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert cleaned and signals.stopped_by_signal() == 130
