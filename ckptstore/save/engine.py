@@ -183,10 +183,8 @@ class SaveEngine:
             if device is None:
                 zero_gaps(buffer, layout.gaps)  # host bytes no copy writes: before it starts
             copied = self.stager.copy(buffer, tensors, layout.offsets)
-        except BaseException:
-            pool.release(
-                buffer
-            )  # a copy torch refuses (a dtype it cannot copy) fails this save only
+        except BaseException:  # a copy torch refuses (a dtype it cannot copy) fails this save only
+            pool.release(buffer)
             raise
         if device is None:
             return Staged(layout, copied, True)
