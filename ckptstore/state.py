@@ -287,11 +287,14 @@ class _Loader:
                 f"{path_str(path)}: checkpoint has a stateful object; pass an object with "
                 "load_state_dict() to load it into"
             )
-        template = target.state_dict()
+        try:
+            template = target.state_dict()
+        except Exception:  # noqa: BLE001 (ZeRO's before consolidate_state_dict(), say)
+            template = _MISSING  # the step's tree is built as saved, as torch.load builds it
         self.templates[path] = template
         if isinstance(target, torch.optim.Optimizer):
             self._check_optimizer_shapes(target, node["$stateful"], path)
-        if isinstance(target, torch.nn.Module):
+        if isinstance(target, torch.nn.Module) and template is not _MISSING:
             if self.strict:
                 self._check_module_keys(template, node["$stateful"], path)
             else:

@@ -30,6 +30,7 @@ from ckptstore import (
 )
 from ckptstore.catalog import list_steps
 from ckptstore.format import commit_key
+from tests.helpers.dist import run_ranks
 
 
 def make_state(seed: int = 0) -> dict:
@@ -439,6 +440,36 @@ def test_optimizer_state_of_its_own_shape_loads(tmp_path):
                     if isinstance(v, list)
                     else same(v, w)
                 ), k
+
+
+def _zero_redundancy_round_trip(rank: int, world: int, root: str) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def made():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1), model
+
+    optim, model = made()
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    optim.consolidate_state_dict(to=0)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"optim": optim}).wait()
+        into, _ = made()  # its state_dict() raises until consolidated; load_state_dict needs not
+        assert ckpt.load({"optim": into}) == 1
+    into.consolidate_state_dict(to=0)
+    saved, loaded = optim.state_dict()["state"], into.state_dict()["state"]
+    assert saved.keys() == loaded.keys() == {0, 1}
+    for i in saved:
+        assert saved[i].keys() == loaded[i].keys()
+        assert all(torch.equal(saved[i][k], loaded[i][k]) for k in saved[i])
+
+
+def test_a_fresh_zero_redundancy_optimizer_loads_without_consolidating_first(tmp_path):
+    """Reviewer V: the load built its template from state_dict(), which ZeRO refuses before
+    consolidate_state_dict(); torch's own load_state_dict takes the state without it."""
+    run_ranks(_zero_redundancy_round_trip, 1, str(tmp_path))
 
 
 def test_an_optimizer_whose_load_hook_adapts_the_saved_groups_loads(tmp_path):
