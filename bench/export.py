@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench import _ckpt_common as common
-from bench.report import format_bytes, format_seconds, print_json, table
+from bench.report import format_bytes, format_seconds, print_json, rounds, table
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"ckptbench export  {report['date']}  {format_bytes(cfg['size_bytes'])} "
         f"{cfg['dtype']} in {cfg['tensors']} tensors, max shard {cfg['max_shard_size']}"
     )
-    print(f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up)")
+    print(f"medians of {rounds(cfg['repeat'])} (after {cfg['warmup']} warm-up)")
     rows = []
     for method in METHODS:
         m = report[method]

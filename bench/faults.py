@@ -1,6 +1,6 @@
 """Fault injection for the storage layer: latency, slow requests, errors and hangs. Not public
-API and not part of ``ckptstore``: ``ckptbench storage --inject``, the loader bench and the
-tests use it.
+API and not part of ``ckptstore``: ``ckptbench storage`` (``--latency``, ``--error-rate``,
+``--hang-rate``, ...), the loader bench and the tests use it.
 
 A backend wrapper that makes a fast local store behave like a remote one::
 

@@ -99,6 +99,11 @@ def format_bytes(n: float, *, si: bool = False) -> str:
     return human_bytes(n, si=si, figures=3)
 
 
+def rounds(n: int) -> str:
+    """``"1 round"``, ``"3 rounds"``."""
+    return f"{n} round" if n == 1 else f"{n} rounds"
+
+
 def table(
     header: Sequence[str], rows: Iterable[Sequence[Any]], *, out: TextIO | None = None
 ) -> None:

@@ -48,7 +48,14 @@ from typing import Any
 import torch
 
 from bench import _ckpt_common as common
-from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
+from bench.report import (
+    format_bytes,
+    format_seconds,
+    parse_bytes,
+    print_json,
+    rounds,
+    table,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -482,7 +489,7 @@ def print_table(report: dict[str, Any]) -> None:
     )
     fresh = cfg.get("fresh_process", False)
     print(
-        f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up), "
+        f"medians of {rounds(cfg['repeat'])} (after {cfg['warmup']} warm-up), "
         + ("each load in a fresh process" if fresh else "every load in this process")
         + (
             f", ckptstore read_concurrency {cfg['read_concurrency']}"

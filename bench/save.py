@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from bench import _ckpt_common as common
-from bench.report import format_bytes, format_seconds, print_json, table
+from bench.report import format_bytes, format_seconds, print_json, rounds, table
 
 logger = logging.getLogger(__name__)
 
@@ -544,7 +544,7 @@ def print_table(report: dict[str, Any]) -> None:
             f", device-to-pinned-host {format_seconds(report['d2h_s'])}"
         )
     print(
-        f"medians of {cfg['repeat']} rounds (after {cfg['warmup']} warm-up); ckptstore "
+        f"medians of {rounds(cfg['repeat'])} (after {cfg['warmup']} warm-up); ckptstore "
         f"compression {cfg['compression']}; {floors}"
     )
     rows = []

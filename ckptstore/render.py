@@ -18,7 +18,7 @@ def human_bytes(n: float, *, si: bool = False, figures: int | None = None) -> st
         if abs(n) < base or unit == units[-1]:
             if unit == "B":
                 return f"{n:.0f} {unit}"
-            return f"{n:.{figures}g} {unit}" if figures else f"{n:.1f} {unit}"
+            return f"{significant(n, figures)} {unit}" if figures else f"{n:.1f} {unit}"
         n /= base
     raise AssertionError("unreachable")
 
@@ -35,14 +35,22 @@ def format_seconds(s: float) -> str:
     if s < 1e-3:
         return f"{s * 1e6:.0f} us"
     if s < 1:
-        return f"{s * 1e3:.3g} ms"
+        return f"{significant(s * 1e3)} ms"
     if s < 120:
-        return f"{s:.3g} s"
+        return f"{significant(s)} s"
     if s < 2 * 3600:
-        return f"{s / 60:.3g} min"
+        return f"{significant(s / 60)} min"
     if s < 3 * 86400:
-        return f"{s / 3600:.3g} h"
-    return f"{s / 86400:.3g} d"
+        return f"{significant(s / 3600)} h"
+    return f"{significant(s / 86400)} d"
+
+
+def significant(x: float, figures: int = 3) -> str:
+    """``x`` to ``figures`` significant figures, whole once it has more digits than that
+    (``1023``, never ``1.02e+03``)."""
+    if abs(x) >= 10**figures - 0.5:
+        return f"{x:.0f}"
+    return f"{x:.{figures}g}"
 
 
 def format_ratio(value: float | None) -> str:

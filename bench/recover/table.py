@@ -10,7 +10,7 @@ from bench import _ckpt_common as common
 from bench.recover.adapters import frontend_of
 from bench.recover.frontend import Frontend, ratio_text
 from bench.recover.plan import BASELINE, METHODS
-from bench.report import format_bytes, format_seconds, table
+from bench.report import format_bytes, format_seconds, rounds, table
 
 READS = {"tiers": "tiered", "plain": "untiered"}
 """How the lines on durable reads name each counted restore."""
@@ -54,7 +54,7 @@ def _header(fe: Frontend, result: dict[str, Any]) -> list[str]:
             if cfg.get("damage", "node") == "node"
             else f"copies with one byte flipped in one chunk each (ranks {wiped})"
         )
-        + f"; medians of {cfg['repeat']} rounds",
+        + f"; medians of {rounds(cfg['repeat'])}",
     ]
 
 

@@ -41,7 +41,7 @@ class CheckpointerFrontend(Frontend):
     )
     restore_title = "back to a loaded state: tiers vs DCP load from the durable store"
     save_title = "save: time save() blocks the loop (medians)"
-    targets_title = "targets (issue 22)"
+    targets_title = "targets"
     notes: ClassVar[list[str]] = [
         "restore: from before the Checkpointer is built (tiers) or before dcp.load (DCP) "
         "until the state is loaded, first rank's start to last rank's end; medians of the "

@@ -86,7 +86,7 @@ class DcpFrontend(Frontend):
     save_title = (
         "save: time dcp.async_save blocks the loop, and until its result() (committed; medians)"
     )
-    targets_title = "targets (issue 22, DCP)"
+    targets_title = "targets (DCP)"
     notes: ClassVar[list[str]] = [
         "restore: from before the reader is built until dcp.load returned, first rank's "
         "start to last rank's end; medians of the rounds; each round wipes the node's local "

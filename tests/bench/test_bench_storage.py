@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from bench import storage
-from bench.report import parse_bytes
+from bench.report import format_bytes, format_seconds, parse_bytes, rounds
 from bench.storage.stats import _Timeline
 from ckptstore.store import Store
 from ckptstore.telemetry import LatencyHistogram
@@ -122,6 +122,17 @@ def test_sizes_parse_units_and_normalise_weights():
     assert storage.parse_sizes("1kB:1,2kB:3") == [(1000, 0.25), (2000, 0.75)]
     assert storage.parse_sizes("512") == [(512, 1.0)]
     assert parse_bytes("1.5GB") == 1_500_000_000
+
+
+def test_sizes_times_and_counts_read_as_numbers_never_in_exponent_form():
+    """Reviewer U: 1023.5 KiB to three figures printed as "1.02e+03 KiB"."""
+    assert format_bytes(1023.5 * 1024) == "1024 KiB"
+    assert format_bytes(999.4 * 1024) == "999 KiB"
+    assert format_bytes(1.5 * 2**20) == "1.5 MiB"
+    assert format_seconds(0.99996) == "1000 ms"
+    assert format_seconds(0.0123) == "12.3 ms"
+    assert format_seconds(119.9) == "120 s"
+    assert rounds(1) == "1 round" and rounds(3) == "3 rounds"
 
 
 @pytest.mark.parametrize(
