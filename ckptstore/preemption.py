@@ -10,8 +10,9 @@ Schedulers (SLURM, Kubernetes, torchrun) send SIGTERM some seconds before SIGKIL
                  (if it returns, or there was none, the process dies of SIGTERM: exit 143)
 
 When the process ends depends on whether the loop watches ``ckpt.preempted``. A loop that read
-it before the signal is trusted to save its step and leave: the process ends when the
-Checkpointer closes (``close()``, or at interpreter exit), or at the grace deadline. A loop that
+it before the signal is trusted to save its step and leave: the process ends at interpreter exit
+once the Checkpointer has closed (the code after ``close()`` still runs), or at the grace
+deadline if the Checkpointer is still open then. A loop that
 never read it does not know it should stop: the process ends as soon as the pending saves are.
 """
 
