@@ -8,6 +8,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,20 +145,19 @@ class _Piece:
 def _as_pieces(obj: Any, bases: dict[int, torch.Tensor], pieces: list[tuple]) -> Any:
     """``obj`` with each tensor replaced by a ``_Piece``; ``pieces`` gets (base, byte offset,
     dtype, shape, stride) of each, ``bases`` a byte tensor over each storage they lie in."""
-    if isinstance(obj, dict):
-        return {k: _as_pieces(v, bases, pieces) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_as_pieces(v, bases, pieces) for v in obj)
-    if not isinstance(obj, torch.Tensor):
-        return obj
-    spec, local = (obj._spec, obj._local_tensor) if isinstance(obj, DTensor) else (None, obj)
-    storage = local.untyped_storage()
-    if storage.data_ptr() not in bases:
-        bases[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
-    base = list(bases).index(storage.data_ptr())
-    offset = local.storage_offset() * local.element_size()
-    pieces.append((base, offset, local.dtype, tuple(local.shape), local.stride()))
-    return _Piece(len(pieces) - 1, spec)
+
+    def piece(tensor: torch.Tensor) -> _Piece:
+        is_dtensor = isinstance(tensor, DTensor)
+        spec, local = (tensor._spec, tensor._local_tensor) if is_dtensor else (None, tensor)
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in bases:
+            bases[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        base = list(bases).index(storage.data_ptr())
+        offset = local.storage_offset() * local.element_size()
+        pieces.append((base, offset, local.dtype, tuple(local.shape), local.stride()))
+        return _Piece(len(pieces) - 1, spec)
+
+    return _mapped(obj, lambda v: piece(v) if isinstance(v, torch.Tensor) else v)
 
 
 def _rebuilt(skeleton: Any, bases: list[torch.Tensor], pieces: list[tuple]) -> dict:
@@ -168,51 +168,60 @@ def _rebuilt(skeleton: Any, bases: list[torch.Tensor], pieces: list[tuple]) -> d
             tensors.append(torch.empty(shape, dtype=dtype))
             continue
         span = 1 + sum((n - 1) * step for n, step in zip(shape, stride))
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        flat = bases[base][offset : offset + span * itemsize].view(dtype)
+        flat = bases[base][offset : offset + span * dtype.itemsize].view(dtype)
         tensors.append(flat.as_strided(shape, stride))
-    return _from_pieces(skeleton, tensors)
 
+    def tensor(piece: _Piece) -> torch.Tensor:
+        local = tensors[piece.index]
+        return local if piece.spec is None else DTensor(local, piece.spec, requires_grad=False)
 
-def _from_pieces(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, dict):
-        return {k: _from_pieces(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_from_pieces(v, tensors) for v in obj)
-    if not isinstance(obj, _Piece):
-        return obj
-    local = tensors[obj.index]
-    return local if obj.spec is None else DTensor(local, obj.spec, requires_grad=False)
+    return _mapped(skeleton, lambda v: tensor(v) if isinstance(v, _Piece) else v)
 
 
 def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> bool:
     """Append the tensors (local shards of DTensors) of a state dict to ``out``, in a fixed
     order; False if it holds a tensor subclass ``stage()`` cannot rebuild."""
-    if isinstance(obj, dict):
-        return all(_collect_tensors(v, out) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return all(_collect_tensors(v, out) for v in obj)
-    if isinstance(obj, DTensor):
-        out.append(obj.to_local().detach())
-        return True
-    if isinstance(obj, torch.Tensor):
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            return False
-        out.append(obj.detach())
+    plain = (torch.Tensor, torch.nn.Parameter)
+
+    def collect(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            out.append(value.to_local().detach())
+        elif isinstance(value, torch.Tensor):
+            if type(value) not in plain:
+                raise _CannotStage
+            out.append(value.detach())
+        return value
+
+    try:
+        _mapped(obj, collect)
+    except _CannotStage:
+        return False
     return True
 
 
 def _replace_tensors(obj: Any, views) -> Any:
     """``obj`` with its tensors replaced, in ``_collect_tensors`` order, by ``views``."""
+
+    def view(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            # Not DTensor.from_local: it would move the local copy back to the mesh's device.
+            return DTensor(next(views), value._spec, requires_grad=False)
+        return next(views) if isinstance(value, torch.Tensor) else value
+
+    return _mapped(obj, view)
+
+
+class _CannotStage(Exception):
+    """A tensor subclass ``stage()`` cannot rebuild."""
+
+
+def _mapped(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with each value that is not a dict, list or tuple replaced by ``leaf(value)``,
+    in one fixed order (every walk of the staged state goes through here)."""
     if isinstance(obj, dict):
-        return {k: _replace_tensors(v, views) for k, v in obj.items()}
+        return {k: _mapped(v, leaf) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_replace_tensors(v, views) for v in obj]
+        return [_mapped(v, leaf) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_replace_tensors(v, views) for v in obj)
-    if isinstance(obj, DTensor):
-        # Not DTensor.from_local: it would move the local copy back to the mesh's device.
-        return DTensor(next(views), obj._spec, requires_grad=False)
-    if isinstance(obj, torch.Tensor):
-        return next(views)
-    return obj
+        return tuple(_mapped(v, leaf) for v in obj)
+    return leaf(obj)

@@ -152,6 +152,32 @@ def test_process_async_save_on_two_ranks_s3(s3_uri):
     _check_whole(s3_uri, 2)
 
 
+def test_a_staged_state_pickles_to_its_values_whatever_its_containers(tmp_path):
+    """What DCP's checkpoint process receives: every tensor as staged (strided views of one
+    buffer, bool and bfloat16, empty), inside dicts, lists, tuples and named tuples (staged as
+    tuples), other values as they were."""
+    import collections
+
+    pair = collections.namedtuple("pair", "first second")
+    base = torch.arange(24.0).reshape(4, 6)
+    state = {
+        "t": base.t(),
+        "rows": [base[1], base[::2, 1:3]],
+        "named": pair(torch.tensor([True, False]), 7),
+        "tup": (torch.ones(3, dtype=torch.bfloat16), torch.empty(0, 5), "s"),
+    }
+    writer = StoreWriter(str(tmp_path / "s"))
+    staged = writer.stage(state)
+    copy = pickle.loads(pickle.dumps(staged))
+    expected = [base.t(), base[1], base[::2, 1:3], torch.tensor([True, False])]
+    expected += [torch.ones(3, dtype=torch.bfloat16), torch.empty(0, 5)]
+    got = [copy["t"], *copy["rows"], copy["named"][0], *copy["tup"][:2]]
+    assert all(g.dtype == e.dtype and torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert copy["named"][1] == 7 and copy["tup"][2] == "s"
+    del staged, copy
+    gc.collect()
+
+
 def test_writer_pickles_its_configuration(tmp_path):
     writer = StoreWriter(str(tmp_path / "s"), step=4, keep_last=2)
     copy = pickle.loads(pickle.dumps(writer))
