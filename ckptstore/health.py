@@ -42,7 +42,16 @@ _BLOCK_ELEMENTS = 1 << 22  # a scan reads a tensor in blocks of this many elemen
 
 def is_floating(dtype_name: str) -> bool:
     """True for a dtype (by name) whose values can be NaN or Inf and are scanned."""
-    return dtype_name.startswith("float") or dtype_name == "bfloat16"
+    floating = dtype_name.startswith("float") or dtype_name == "bfloat16"
+    return floating and dtype_name not in _PACKED
+
+
+# Two values to a byte: torch converts them to no other dtype, so they are not scanned.
+_PACKED = frozenset({"float4_e2m1fn_x2"})
+
+
+def _scanned(dtype: Any) -> bool:
+    return is_floating(str(dtype).removeprefix("torch."))
 
 
 def scan(tensors: list[Any]) -> list[list | None]:
@@ -52,8 +61,8 @@ def scan(tensors: list[Any]) -> list[list | None]:
     once per pass, not per tensor."""
     import torch
 
-    floating = [i for i, t in enumerate(tensors) if t.dtype.is_floating_point and t.numel() > 0]
-    out: list[list | None] = [[0, 0, 0.0] if t.dtype.is_floating_point else None for t in tensors]
+    floating = [i for i, t in enumerate(tensors) if _scanned(t.dtype) and t.numel() > 0]
+    out: list[list | None] = [[0, 0, 0.0] if _scanned(t.dtype) else None for t in tensors]
     if not floating:
         return out
     sums = []
@@ -84,6 +93,10 @@ def _counted(block: Any) -> Any:
     and the sum of squares of its finite values (float64), as one float64 tensor of 3."""
     import torch
 
+    if block.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        # float8: torch counts Inf in no float8 dtype; float32 holds every float8 value
+        parts = block.reshape(-1).split(_BLOCK_ELEMENTS)
+        return torch.stack([_counted(part.float()) for part in parts]).sum(0)
     finite = torch.isfinite(block)
     b64 = torch.where(finite, block, 0).double()
     return torch.stack(
@@ -116,7 +129,7 @@ class ChunkScan:
     hashed through ``hash``, from any thread."""
 
     def __init__(self, tensors: list[Any], offsets: list[int], chunks: list[Any]) -> None:
-        self._kinds = [None if not t.dtype.is_floating_point else t.numel() > 0 for t in tensors]
+        self._kinds = [None if not _scanned(t.dtype) else t.numel() > 0 for t in tensors]
         self._parts: dict[int, list[_Part]] = {}
         starts = [c.start for c in chunks]
         for i, (t, offset) in enumerate(zip(tensors, offsets)):

@@ -43,9 +43,9 @@ LIST_SLACK = 4096
 MAX_TENSOR_BYTES = (1 << 63) - 1
 
 _DTYPE_NAMES = (
-    "float64 float32 float16 bfloat16 complex128 complex64 "
+    "float64 float32 float16 bfloat16 complex128 complex64 complex32 "
     "int64 int32 int16 int8 uint64 uint32 uint16 uint8 bool "
-    "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+    "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2"
 ).split()
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)

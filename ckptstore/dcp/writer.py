@@ -29,7 +29,7 @@ from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
 from ckptstore.format import KIND_DCP, check_step, commit_key, storage_key
 from ckptstore.health import StepHealth
-from ckptstore.metadata import encode_metadata
+from ckptstore.metadata import DTYPES, encode_metadata
 from ckptstore.options import (
     EncodingOptions,
     HealthPolicy,
@@ -344,6 +344,14 @@ class StoreWriter(StorageWriter, PooledStager):
             self._set_up_tiers()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:  # refused before a byte is written, not at the load
+            if item.tensor_data is not None:
+                dtype = str(item.tensor_data.properties.dtype).removeprefix("torch.")
+                if dtype not in DTYPES:
+                    raise UnsupportedStateError(
+                        f"{item.index.fqn}: a tensor of {dtype}, which a DCP step cannot "
+                        f"hold (its dtypes: {', '.join(DTYPES)})"
+                    )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
