@@ -358,17 +358,19 @@ class _Loader:
 
     def _check_optimizer_shapes(self, optim: torch.optim.Optimizer, saved: Any, path: tuple):
         """What torch's own optimizers would take and fail on only later, refused before any
-        I/O: groups ``Optimizer.load_state_dict`` refuses (unless this optimizer loads its own
-        way, or a pre-hook adapts them), and for its elementwise optimizers a per-parameter
-        tensor (an Adam moment, say) that does not broadcast to its parameter. Any other
-        optimizer's state (LBFGS's flat vectors, a factored second moment) is its own."""
+        I/O: groups ``Optimizer.load_state_dict`` refuses, and for its elementwise optimizers a
+        per-parameter tensor (an Adam moment, say) that does not broadcast to its parameter.
+        An optimizer that loads its own way, or whose pre-hook may adapt the saved state, is
+        not checked; nor is any other optimizer's state (LBFGS's flat vectors, a factored
+        second moment)."""
         kind = type(optim)
         if (
-            kind.state_dict is torch.optim.Optimizer.state_dict
-            and kind.load_state_dict is torch.optim.Optimizer.load_state_dict
-            and not getattr(optim, "_optimizer_load_state_dict_pre_hooks", None)
+            kind.state_dict is not torch.optim.Optimizer.state_dict
+            or kind.load_state_dict is not torch.optim.Optimizer.load_state_dict
+            or getattr(optim, "_optimizer_load_state_dict_pre_hooks", None)
         ):
-            self._check_optimizer_groups(optim, saved, path)
+            return
+        self._check_optimizer_groups(optim, saved, path)
         if kind.__module__.split(".")[:2] != ["torch", "optim"] or kind is torch.optim.LBFGS:
             return
         params = [p for group in optim.param_groups for p in group["params"]]

@@ -496,6 +496,24 @@ def test_an_optimizer_whose_load_hook_adapts_the_saved_groups_loads(tmp_path):
     )
 
 
+def test_an_optimizer_whose_load_hook_reorders_the_saved_parameters_loads(tmp_path):
+    """Reviewer X: a run that lists its parameters in another order maps the saved state in a
+    pre-hook; torch loads that, and a load refused its moments as another parameter's shape."""
+    w, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    optim = torch.optim.Adam([w, b])
+    (w.sum() + b.sum()).backward()
+    optim.step()
+    reordered = torch.optim.Adam([b, w])
+    reordered.register_load_state_dict_pre_hook(
+        lambda _, sd: {**sd, "state": {0: sd["state"][1], 1: sd["state"][0]}}
+    )
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"optim": optim}).wait()
+        assert ckpt.load({"optim": reordered}) == 1
+    for p in (w, b):
+        assert torch.equal(reordered.state[p]["exp_avg"], optim.state[p]["exp_avg"])
+
+
 def test_unsupported_state_is_refused_by_name(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match="opt/fn: cannot save a value of type"):
