@@ -87,13 +87,18 @@ CALLBACK_STATE = ("callbacks/",)  # its scores start at Inf: never a sign of a b
 
 SAVE_IN_FLIGHT_WAIT_S = 600.0  # how long a load waits for another process's save of its step
 QUEUED_SAVE_S = 30.0  # a pending pointer this young may name a save not yet started
+# How often a writer rewrites the pending pointers of its unfinished saves with the time: a
+# save queued behind another (or behind its retention) holds no lease, and only this tells
+# a reader that the process that will commit it is alive.
+REFRESH_PENDING_S = QUEUED_SAVE_S / 3
 
 
 def _steps_once_saved(store: Store, pending: Pointer, path: str) -> list[int]:
     """The committed steps of ``store`` once the save ``pending`` names can no longer commit:
     a pointer is written as its save is queued, so while the writer's saves up to its step are
-    in flight (their leases live), or the pointer is younger than ``QUEUED_SAVE_S``, it may
-    commit in a moment; past that, a kill interrupted it."""
+    in flight (their leases live), or the pointer is younger than ``QUEUED_SAVE_S`` (its
+    writer rewrites it every ``REFRESH_PENDING_S`` until the save is done), it may commit in a
+    moment; past that, a kill interrupted it."""
     deadline, pause = time.monotonic() + SAVE_IN_FLIGHT_WAIT_S, 0.05
     while True:
         steps = list_steps(store)
@@ -107,9 +112,8 @@ def _steps_once_saved(store: Store, pending: Pointer, path: str) -> list[int]:
             and isinstance(save["step"], int)
             and save["step"] <= pending.step
         ]
-        young = (
-            pending.written_at is not None and abs(time.time() - pending.written_at) < QUEUED_SAVE_S
-        )
+        written_at = _rewritten_at(path, pending)
+        young = written_at is not None and abs(time.time() - written_at) < QUEUED_SAVE_S
         if not live and not young:
             return list_steps(store)  # it may have committed since the listing above
         if time.monotonic() > deadline:
@@ -124,6 +128,19 @@ def _steps_once_saved(store: Store, pending: Pointer, path: str) -> list[int]:
             )
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
+
+
+def _rewritten_at(path: str, pending: Pointer) -> float | None:
+    """When the pending pointer at ``path`` was last written, as its writer rewrites it while
+    the save waits; ``pending``'s own time once the file holds another save, or none."""
+    try:
+        data = _pointer.read(path)
+        now = _pointer.decode(data, path) if data and _pointer.is_pointer(data) else None
+    except (OSError, CheckpointCorruptError):
+        now = None
+    if now is not None and now.save_id == pending.save_id and now.written_at is not None:
+        return now.written_at
+    return pending.written_at
 
 
 class CkptstoreCheckpointIO(CheckpointIO):
@@ -177,6 +194,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._callbacks = 0  # pointer updates still to run on saving threads
         self._pointer_errors: list[BaseException] = []
         self._paths: dict[int, str] = {}  # committed step -> the path it was saved as (cache)
+        # path -> the save and the pending pointer written there, until the save is done
+        # (guarded by ``_pointing``); rewritten every REFRESH_PENDING_S by ``_refresher``
+        self._queued: dict[str, tuple[SaveHandle, Pointer]] = {}
+        self._refresher: threading.Thread | None = None
         self._sweeper: ThreadPoolExecutor | None = None
         self._sweeps: list[Future] = []
 
@@ -227,8 +248,11 @@ class CkptstoreCheckpointIO(CheckpointIO):
             # link to it at once), marked pending until the save commits: a kill in between
             # leaves a pointer that loads the newest save committed before it.
             pending = dataclasses.replace(pointer, pending=True, written_at=time.time())
-            _pointer.write(path, pending)
-            self._when_done(handle, lambda: self._settle(handle, path, pending))
+            with self._pointing:
+                _pointer.write(path, pending)
+                self._queued[path] = (handle, pending)
+                self._refresh_pending()
+            self._when_done(handle, lambda: self._settle(handle, path))
             return
         # ``last.ckpt`` names the save it holds until this one commits: a kill (or a failed or
         # skipped save) in between leaves it naming a committed step, as an atomic write does.
@@ -402,16 +426,49 @@ class CkptstoreCheckpointIO(CheckpointIO):
             if handle.committed:
                 _pointer.write(path, pointer)
 
-    def _settle(self, handle: SaveHandle, path: str, pending: Pointer) -> None:
+    def _settle(self, handle: SaveHandle, path: str) -> None:
         """Once ``handle`` is done, the pending pointer at ``path`` (if still there): rewritten
         as committed, or removed (a failed or skipped save leaves no pointer naming it)."""
         with self._pointing:
+            queued, pending = self._queued.get(path, (None, None))
+            if queued is not handle:
+                return  # another save took the path since
+            del self._queued[path]
             if self._own_pointer_at(path, quiet=True) != pending:
                 return  # removed or replaced meanwhile
             if handle.committed:
                 _pointer.write(path, dataclasses.replace(pending, pending=False, written_at=None))
             else:
                 _pointer.remove(path)
+
+    def _refresh_pending(self) -> None:
+        """Keep the pending pointers' ``written_at`` recent while their saves run (a thread,
+        started under ``_pointing`` when there is one and ending when there is none)."""
+        if self._refresher is not None:
+            return
+
+        def run() -> None:
+            while True:
+                time.sleep(REFRESH_PENDING_S)
+                with self._pointing:
+                    if not self._queued:
+                        self._refresher = None
+                        return
+                    for path, (handle, pending) in list(self._queued.items()):
+                        if handle.done() or self._own_pointer_at(path, quiet=True) != pending:
+                            continue  # settled in a moment; or removed or replaced
+                        fresh = dataclasses.replace(pending, written_at=time.time())
+                        try:
+                            _pointer.write(path, fresh)
+                        except OSError as exc:  # the next round tries again
+                            logger.warning("%s: pending pointer not refreshed: %s", path, exc)
+                            continue
+                        self._queued[path] = (handle, fresh)
+
+        self._refresher = threading.Thread(
+            target=run, name="ckptstore-lightning-pending", daemon=True
+        )
+        self._refresher.start()
 
     def _drop(self, pointer: Pointer) -> None:
         """Unlist ``pointer``'s step if it still holds that save, and sweep in the background."""

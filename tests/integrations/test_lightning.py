@@ -497,6 +497,40 @@ def test_a_pointer_whose_save_is_in_flight_in_another_process_loads_that_save(tm
     writer.close()
 
 
+def test_a_pointer_whose_save_waits_behind_another_loads_that_save(tmp_path, monkeypatch, caplog):
+    """Reviewer X: a save queued behind the retention of the save before it holds no lease;
+    once its pending pointer was QUEUED_SAVE_S old, another process's load took it for an
+    interrupted save and loaded the step before it. The writer rewrites it while it waits."""
+    from ckptstore.integrations import lightning
+    from ckptstore.save import session
+
+    monkeypatch.setattr(lightning, "QUEUED_SAVE_S", 1.0)
+    monkeypatch.setattr(lightning, "REFRESH_PENDING_S", 0.2)
+    collect, slowed = session.collect, []
+
+    def slow_collect(*args, **kwargs):  # the first save's retention, re-hashing on S3 say
+        report = collect(*args, **kwargs)
+        if not slowed:
+            slowed.append(True)
+            time.sleep(3.0)
+        return report
+
+    monkeypatch.setattr(session, "collect", slow_collect)
+    uri = str(tmp_path / "store")
+    writer = CkptstoreCheckpointIO(uri, keep_last=2)
+    writer.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, str(tmp_path / "a.ckpt"))
+    writer.save_checkpoint({"global_step": 2, "w": torch.full((4,), 2.0)}, str(tmp_path / "b.ckpt"))
+    reader = CkptstoreCheckpointIO(uri)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        loaded = reader.load_checkpoint(str(tmp_path / "b.ckpt"))
+    assert slowed and loaded["global_step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))
+    assert "interrupted" not in caplog.text
+    reader.close()
+    writer.teardown()
+    writer.close()
+    assert not json.loads((tmp_path / "b.ckpt").read_text()).get("pending")
+
+
 def test_tiers_are_refused_by_name(tmp_path):
     """A pointer to a step only a local tier held named no durable step after a kill: every
     restart failed. The plugin takes no tiers."""
