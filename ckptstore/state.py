@@ -14,6 +14,7 @@ Nothing is pickled: loading a checkpoint never runs code from storage.
 from __future__ import annotations
 
 import base64
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -110,7 +111,13 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
         if isinstance(value, float):
             return value if math.isfinite(value) else {"$float": repr(value)}
         if isinstance(value, np.generic):
-            return walk(value.item(), path)
+            item = value.item()  # a longdouble's is itself, a complex64's a complex
+            if isinstance(item, (bool, int, float, str, bytes)):
+                return walk(item, path)
+            raise UnsupportedStateError(
+                f"{path_str(path)}: a numpy {value.dtype} scalar, which no value of a state "
+                "holds as it is: save np.asarray(value) (a 0-d array) or a Python number"
+            )
         if isinstance(value, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(value)).decode()}
         if isinstance(value, dict):
@@ -268,7 +275,8 @@ class _Loader:
                 f"{path_str(path)}: a numpy array of {dtype}, which numpy has no dtype for"
             )
         if isinstance(target, np.ndarray):
-            if list(target.shape) != shape or target.dtype != saved:
+            # saved as its values, in native byte order: either order is the same dtype
+            if list(target.shape) != shape or target.dtype.newbyteorder("=") != saved:
                 raise UnsupportedStateError(
                     f"{path_str(path)}: checkpoint has a numpy array of "
                     f"{saved if saved is not None else dtype} {tuple(shape)}, state has "
@@ -463,13 +471,18 @@ class _Loader:
                 self.build(seq[i] if seq is not None else _MISSING, v, (*path, i), tensors)
                 for i, v in enumerate(node)
             ]
-            if isinstance(target, list):
+            if isinstance(target, list) and not self._in_stateful:
                 target[:] = values
                 return target
             return values
         if tag == "$dict" or (isinstance(node, dict) and tag is None):
             pairs = _items(node)
+            # A stateful object's state_dict() may hand out its own lists and dicts, which
+            # another of its entries may share (SequentialLR's _last_lr): its containers are
+            # built anew, for its load_state_dict to take (tensors still load in place; a
+            # shallow copy keeps a module's state dict's type and its _metadata versions).
             out = target if isinstance(target, dict) else {}
+            out = copy.copy(out) if self._in_stateful else out
             for key, value in pairs:
                 if self.skips(target, key):
                     continue

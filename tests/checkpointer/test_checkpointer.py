@@ -514,6 +514,31 @@ def test_an_optimizer_whose_load_hook_reorders_the_saved_parameters_loads(tmp_pa
         assert torch.equal(reordered.state[p]["exp_avg"], optim.state[p]["exp_avg"])
 
 
+def test_a_scheduler_whose_state_shares_a_list_with_another_entry_loads_each_value(tmp_path):
+    """Reviewer X: a fresh SequentialLR's _last_lr is its first scheduler's list; written in
+    place, the first scheduler's saved value overwrote it before load_state_dict ran."""
+
+    def made():
+        optim = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.01)
+        warmup = torch.optim.lr_scheduler.LinearLR(optim, 0.1, total_iters=2)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optim, 10)
+        return optim, torch.optim.lr_scheduler.SequentialLR(optim, [warmup, cosine], [2])
+
+    optim, sched = made()
+    for _ in range(3):
+        optim.step()
+        sched.step()
+    into_optim, into = made()
+    assert into._last_lr is into._schedulers[0]._last_lr  # the sharing this is about
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, {"optim": optim, "sched": sched}).wait()
+        assert ckpt.load({"optim": into_optim, "sched": into}) == 3
+    assert into.get_last_lr() == sched.get_last_lr() != sched._schedulers[0].get_last_lr()
+    assert [s.get_last_lr() for s in into._schedulers] == [
+        s.get_last_lr() for s in sched._schedulers
+    ]
+
+
 def test_unsupported_state_is_refused_by_name(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match="opt/fn: cannot save a value of type"):

@@ -387,9 +387,29 @@ def test_arrays_of_a_second_name_or_byte_order_are_saved_as_their_values(tmp_pat
         ckpt.save(2, {"ok": torch.ones(2)}).wait()  # the refused saves left nothing behind
         into = {"u": None, "big": None, "big0d": None}
         ckpt.load(into, step=1)
+        # Reviewer X: into arrays of the saved dtypes, big-endian, was "float32, state has >f4"
+        again = {key: np.zeros_like(value) for key, value in state.items()}
+        ckpt.load(again, step=1)
     for key, saved in state.items():
-        assert np.array_equal(into[key], saved) and into[key].shape == saved.shape, key
-        assert into[key].dtype == saved.dtype.newbyteorder("="), key
+        for loaded in (into[key], again[key]):
+            assert np.array_equal(loaded, saved) and loaded.shape == saved.shape, key
+            assert loaded.dtype == saved.dtype.newbyteorder("="), key
+
+
+@pytest.mark.parametrize(
+    "scalar, dtype",
+    [(np.longdouble(1.5), np.dtype(np.longdouble).name), (np.complex64(1 + 2j), "complex64")],
+)
+def test_a_numpy_scalar_without_a_plain_value_is_refused_by_its_dtype(tmp_path, scalar, dtype):
+    """Reviewer X: a longdouble scalar (whose .item() is itself) was a RecursionError at save;
+    a complex64 one was refused as "builtins.complex", a type the state did not hold."""
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=rf"^x/0: a numpy {dtype} scalar"):
+            ckpt.save(1, {"x": [scalar]})
+        ckpt.save(1, {"x": [np.float32(2.5), np.int64(3), np.bool_(True)]}).wait()
+        into = {"x": None}
+        ckpt.load(into)
+    assert into["x"] == [2.5, 3, True]
 
 
 def test_a_zero_dimensional_array_keeps_its_shape_and_loads_into_the_state_that_saved_it(tmp_path):
