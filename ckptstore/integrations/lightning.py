@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from ckptstore.catalog import list_steps, load_manifest, saves_in_flight
 from ckptstore.checkpointer import Checkpointer, SaveHandle
-from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError
+from ckptstore.errors import CheckpointCorruptError, CheckpointNotFoundError, one_line
 from ckptstore.integrations import _pointer
 from ckptstore.integrations._pickled import unwrap, wrap
 from ckptstore.integrations._pointer import Pointer
@@ -278,10 +278,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
                     "save killed as it wrote the file?); 'latest' loads the store's newest step"
                 )
             if data is not None and not _pointer.is_pointer(data):
-                options = {} if map_location is None else {"map_location": map_location}
-                return TorchCheckpointIO().load_checkpoint(
-                    path, weights_only=weights_only, **options
-                )
+                return _torch_checkpoint(path, map_location, weights_only)
             if data is None:
                 state = self._load_step(self.checkpointer, self._labelled(str(path)))
             else:
@@ -601,6 +598,20 @@ class CkptstoreCheckpointIO(CheckpointIO):
         steps = list_steps(self.checkpointer.store)
         more = f" and {len(steps) - shown} older" if len(steps) > shown else ""
         return (", ".join(map(str, steps[::-1][:shown])) + more) or "none"
+
+
+def _torch_checkpoint(path: Any, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+    """The torch checkpoint file at ``path`` (one saved before the job used ckptstore), loaded
+    as Lightning's own IO loads it; a file that is none is named as such."""
+    options = {} if map_location is None else {"map_location": map_location}
+    try:
+        return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **options)
+    except Exception as exc:
+        if "was not an allowed global" in str(exc):
+            raise  # a torch checkpoint indeed, holding objects: torch says how to allow them
+        raise CheckpointCorruptError(
+            f"{path} is neither a ckptstore pointer nor a torch checkpoint ({one_line(exc)})"
+        ) from exc
 
 
 def _is_step_word(path: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import enum
@@ -242,6 +243,14 @@ def test_a_torch_checkpoint_file_loads_through_the_plugin(tmp_path):
     io = CkptstoreCheckpointIO(str(tmp_path / "store"))
     loaded = io.load_checkpoint(str(path))
     assert loaded["global_step"] == 7 and torch.equal(loaded["w"], torch.arange(3.0))
+    # Reviewer X: a file that is neither was torch's raw KeyError or UnpicklingError
+    for name, data in (("text", b"hello world"), ("binary", b"\x00\x01garbage")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CheckpointCorruptError, match=rf"{name} is neither a ckptstore pointer"):
+            io.load_checkpoint(str(tmp_path / name))
+    torch.save({"global_step": 7, "args": argparse.Namespace(lr=0.1)}, tmp_path / "objects.ckpt")
+    with pytest.raises(Exception, match="not an allowed global"):  # torch's word on objects
+        io.load_checkpoint(str(tmp_path / "objects.ckpt"))
     io.close()
 
 
