@@ -553,6 +553,19 @@ def why_not_healthy(step: int, health: dict | None) -> str:
     return one_line(step, health).replace(" is unhealthy (", ": unhealthy (", 1)
 
 
+class Unreadable(str):
+    """Why ``find_healthy`` passed over a step whose manifest cannot be read (a str, as each
+    other reason), and the error: a load that then loads an older step quarantines it, as a
+    fallback quarantines a step it skipped."""
+
+    error: BaseException | None
+
+    def __new__(cls, text: str, error: BaseException | None = None) -> Unreadable:
+        self = super().__new__(cls, text)
+        self.error = error
+        return self
+
+
 def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
     """Walk ``steps`` newest first: the healthy ones (at most ``limit``) and, by step, why
     each other one is not (its manifest read; one that cannot be read says why). Errors of
@@ -568,7 +581,7 @@ def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
         try:
             health = load_manifest(store, step).health
         except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
-            why[step] = f"step {step}: cannot be read ({exc})"
+            why[step] = Unreadable(f"step {step}: cannot be read ({exc})", exc)
             continue
         if health is not None and health["healthy"]:
             healthy.append(step)

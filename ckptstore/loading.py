@@ -43,7 +43,7 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
-from ckptstore.health import healthy_steps_to_load
+from ckptstore.health import Unreadable, healthy_steps_to_load
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype
 from ckptstore.quarantine import quarantine_skipped
@@ -237,7 +237,7 @@ class StateLoader:
         the error (agreed by every rank) to raise."""
         skipped: list[tuple[int, BaseException]] = []
         for candidate in candidates:
-            self._skip_not_healthy(not_healthy, above=candidate.step)
+            self._skip_not_healthy(not_healthy, candidate.step, skipped)
             self._report = report = LoadReport(step=candidate.step)
             if self.local is not None:
                 self.last_load = report
@@ -279,14 +279,18 @@ class StateLoader:
         if self.rank == 0:
             quarantine_skipped(self.store, skipped)
 
-    def _skip_not_healthy(self, not_healthy: dict[int, str], above: int) -> None:
-        """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over."""
+    def _skip_not_healthy(
+        self, not_healthy: dict[int, str], above: int, skipped: list[tuple[int, BaseException]]
+    ) -> None:
+        """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over;
+        one whose manifest cannot be read goes to ``skipped``, to be quarantined as a step a
+        fallback skipped is."""
         for step in sorted((s for s in not_healthy if s > above), reverse=True):
+            why = not_healthy.pop(step)
             if self.rank == 0:
-                logger.warning(
-                    "rank 0: %s in %s: skipped by healthy=True", not_healthy[step], self.store.uri
-                )
-            del not_healthy[step]
+                logger.warning("rank 0: %s in %s: skipped by healthy=True", why, self.store.uri)
+            if isinstance(why, Unreadable) and why.error is not None:
+                skipped.append((step, why.error))
 
     def _candidates(
         self, step: int | str, fallback: bool, healthy: bool = False

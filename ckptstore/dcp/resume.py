@@ -27,7 +27,7 @@ from ckptstore.errors import (
     NoLoadableStepError,
     one_line,
 )
-from ckptstore.health import find_healthy, no_healthy_step
+from ckptstore.health import Unreadable, find_healthy, no_healthy_step
 from ckptstore.quarantine import quarantine_skipped
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.open_step import load_group, planned_steps
@@ -65,7 +65,8 @@ def resume(
         raise ValueError(f"resume() starts from the latest step; the reader names {reader.step!r}")
     # no_dist: this process alone (a consolidation beside a running job), no collective
     group = RankGroup(None, 0.0, no_dist=True) if no_dist else load_group(reader.options["storage"])
-    steps = _steps(reader, group)
+    unreadable: list[tuple[int, BaseException]] = []  # rank 0's: passed over by healthy=True
+    steps = _steps(reader, group, unreadable)
     skipped: list[tuple[int, BaseException]] = []
     try:
         for step in steps:
@@ -88,7 +89,8 @@ def resume(
                     )
                 continue
             if group.rank == 0:  # a copy only a local tier lost stays: only durable damage
-                quarantine_skipped(reader.store, skipped)
+                newer = [(s, e) for s, e in unreadable if s > step]
+                quarantine_skipped(reader.store, skipped + newer)
             return step
     finally:
         reader.step = "latest"
@@ -101,14 +103,17 @@ def resume(
     )
 
 
-def _steps(reader: StoreReader, group: RankGroup) -> list[int]:
-    """The steps to try, newest first, the same on every rank (collective)."""
+def _steps(
+    reader: StoreReader, group: RankGroup, unreadable: list[tuple[int, BaseException]]
+) -> list[int]:
+    """The steps to try, newest first, the same on every rank (collective); ``unreadable``
+    gets, on rank 0, the steps ``healthy=True`` passed over whose manifests cannot be read."""
     if reader._policy is not None:
         return planned_steps(reader.store, reader._policy, group, healthy=reader.healthy)
     listed: list[int] | tuple[type[CheckpointError], str] = []
     if group.rank == 0:
         try:
-            listed = _durable_steps(reader)
+            listed = _durable_steps(reader, unreadable)
         except CheckpointError as exc:  # raised on every rank as its own class (StorageError...)
             kind = next(c for c in type(exc).__mro__ if c.__module__ == CheckpointError.__module__)
             listed = (kind, str(exc))
@@ -119,11 +124,12 @@ def _steps(reader: StoreReader, group: RankGroup) -> list[int]:
     return listed
 
 
-def _durable_steps(reader: StoreReader) -> list[int]:
+def _durable_steps(reader: StoreReader, unreadable: list[tuple[int, BaseException]]) -> list[int]:
     steps = list_steps(reader.store)
     if not reader.healthy:
         return steps[::-1]
     good, why = find_healthy(reader.store, steps)
+    unreadable += [(s, w.error) for s, w in why.items() if isinstance(w, Unreadable) and w.error]
     if not good and why:
         raise no_healthy_step(f"no healthy committed step in {reader.store.uri}", why)
     return sorted(good, reverse=True)

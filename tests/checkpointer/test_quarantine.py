@@ -55,12 +55,12 @@ def _flip_a_chunk_of(root: Path, step: int) -> str:
     return digest
 
 
-def _resume(root: Path, last: int) -> tuple[int, dict]:
+def _resume(root: Path, last: int, healthy: bool = False) -> tuple[int, dict]:
     """The README's loop: resume from the newest step that loads, train and save up to
     ``last``; returns the step it resumed from and the state it ends with."""
     with Checkpointer(root) as ckpt:
         state = _blank()
-        start = ckpt.load(state, fallback=True) if ckpt.latest() is not None else 0
+        start = ckpt.load(state, fallback=True, healthy=healthy) if ckpt.latest() is not None else 0
         for step in range(start + 1, last + 1):
             state = _state(step)  # the same bytes as the first run: a deterministic job
             ckpt.save(step, state).wait(timeout_s=BOUND_S)
@@ -119,20 +119,23 @@ def _another_steps_manifest(root: Path, step: int) -> None:
     path.write_bytes((root / "commits" / f"{step - 1:020d}.json").read_bytes())
 
 
+@pytest.mark.parametrize("healthy", [False, True])
 @pytest.mark.parametrize(
     "damage", [_lose_a_chunk, _lose_the_index, _garble_the_manifest, _another_steps_manifest]
 )
 def test_a_newest_step_missing_an_object_or_unreadable_is_quarantined_and_saved_again(
-    tmp_path, damage
+    tmp_path, damage, healthy
 ):
     """Reviewer of stop 61: a step load(fallback=True) skipped for a missing chunk or index
     (CheckpointNotFoundError) or an unreadable manifest was never quarantined: the resumed job's
-    save of that step number failed with StepExistsError at every restart."""
+    save of that step number failed with StepExistsError at every restart. Reviewer Y: with
+    healthy=True, a step whose manifest cannot be read was passed over, never quarantined, and
+    the job (the README's) never saved that step again."""
     root = tmp_path / "ckpt"
     _resume(root, 3)
     damage(root, 3)
-    assert _resume(root, 3)[0] == 2  # skipped 3, saved it again
-    assert _resume(root, 4)[0] == 3  # the new step 3 loads
+    assert _resume(root, 3, healthy)[0] == 2  # skipped 3, saved it again
+    assert _resume(root, 4, healthy)[0] == 3  # the new step 3 loads
     assert list(quarantined(Store(str(root))).values()) == [3]
     assert verify_all(str(root)) == [1, 2, 3, 4]
 

@@ -119,6 +119,24 @@ def test_a_healthy_resume_passes_over_an_unhealthy_step_and_a_corrupt_one(tmp_pa
         )
 
 
+def test_a_healthy_resume_quarantines_a_newer_step_whose_manifest_cannot_be_read(tmp_path):
+    """Reviewer Y: healthy=True passed over a step whose manifest was garbage and never
+    quarantined it: the job could never save that step number again."""
+    _save(tmp_path, (1, 2, 3))
+    manifest = tmp_path / "commits" / f"{3:020d}.json"
+    manifest.chmod(0o644)
+    manifest.write_bytes(b"{not a manifest")
+    target = blank_like(_state(0))
+    assert resume(target, StoreReader(str(tmp_path), healthy=True), no_dist=True) == 2
+    assert_same(target, _state(2))
+    store = Store(str(tmp_path))
+    assert list_steps(store) == [1, 2] and 3 in quarantined(store).values()
+    _save(tmp_path, (3,))  # the step number is free again
+    target = blank_like(_state(0))
+    assert resume(target, StoreReader(str(tmp_path), healthy=True), no_dist=True) == 3
+    assert_same(target, _state(3))
+
+
 def test_every_step_corrupt_is_a_corrupt_error_naming_each(tmp_path):
     _save(tmp_path, (1, 2))
     for step in (1, 2):
