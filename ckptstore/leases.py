@@ -401,8 +401,12 @@ def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
                 "not saving while it may delete chunks"
             )
         if time.monotonic() >= next_note:  # the first look, then every 30 s
+            # A dead gc's wait (up to its settle time, 90 s on S3) stalls saves with nothing
+            # to show for it: said at WARNING once, for the operator who wonders why.
+            dead = next_note == 0.0 and live[0].holder_dead
             next_note = time.monotonic() + 30.0
-            logger.info(
+            logger.log(
+                logging.WARNING if dead else logging.INFO,
                 "%s waits for garbage collection by %s in %s to finish",
                 what,
                 live[0].describe(),

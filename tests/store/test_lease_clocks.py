@@ -10,6 +10,7 @@ last delete is.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,8 +24,9 @@ import torch
 from ckptstore import Checkpointer, EncodingOptions, Store
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.cli import main
+from ckptstore.errors import StorageError
 from ckptstore.format import commit_key
-from ckptstore.leases import DEFAULT_TTL_S, SAVE, LeaseInfo, find_leases
+from ckptstore.leases import DEFAULT_TTL_S, SAVE, LeaseInfo, find_leases, wait_for_gc
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 from ckptstore.store import backends
@@ -222,7 +224,7 @@ os._exit(0)  # dies holding the lease
 @pytest.mark.parametrize("disk", ["network", "local"])
 @pytest.mark.parametrize("phase", ["looking", "deleting"])
 def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(
-    tmp_path, phase, disk, monkeypatch, capsys
+    tmp_path, phase, disk, monkeypatch, capsys, caplog
 ):
     """A gc killed before its first delete cannot have a delete in flight: saves go on at
     once. One killed after ``mark_deleting`` holds them back for its ``settle_s``, unless the
@@ -242,6 +244,13 @@ def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(
         assert main(["ls", str(tmp_path)]) == 0
         out = capsys.readouterr().out
         assert "pending: gc settling (its process is gone; deletes it sent may still land" in out
+        # Reviewer Y: a save stalled ~90 s on S3 behind a killed gc said so only at INFO
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            with pytest.raises(StorageError, match="garbage collection by .* has held"):
+                wait_for_gc(Store(tmp_path), timeout_s=0.3, what="step 7")
+        said = [r for r in caplog.records if "step 7 waits for garbage collection" in r.message]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING
+        assert "whose process is gone" in said[0].message
 
 
 def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
