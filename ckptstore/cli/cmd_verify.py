@@ -58,6 +58,8 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             if c.problems and all(p.problem == "refused" for p in c.problems):
                 # Intact, but a safe load does not unpickle some of its values: not "corrupt".
                 status = f"REFUSED ({len(c.problems)} pickled value(s); stored bytes intact)"
+            if _not_read(c.problems):
+                status = f"NOT VERIFIED ({len(c.problems)} object(s) not read)"
             print(f"step {c.step}: {status}  [{shape}]  health: {health[c.step]}")
             for p in c.problems:
                 used = ""
@@ -66,10 +68,13 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
                     more = f" and {len(p.tensors) - 5} more" if len(p.tensors) > 5 else ""
                     used = f"\n      holds bytes of: {shown}{more}"
                 print(f"  {p.problem.upper():10} {p.what} {p.object}\n      {p.error}{used}")
-        bad_steps = sum(1 for c in checks if not c.ok)
+        bad_steps = sum(1 for c in checks if not c.ok and not _not_read(c.problems))
+        unread = sum(1 for c in checks if _not_read(c.problems))
+        verdicts = [f"{bad_steps} step(s) FAILED"] if bad_steps else []
+        verdicts += [f"{unread} step(s) not verified ({_UNREAD})"] if unread else []
         print(
             f"verified {len(checks)} step(s), {len(chunks)} chunk(s), {human_bytes(total)}: "
-            + ("all OK" if not problems else f"{bad_steps} step(s) FAILED")
+            + ("; ".join(verdicts) or "all OK")
         )
         unhealthy = [str(s) for s, h in health.items() if h == UNHEALTHY]
         if unhealthy:
@@ -84,9 +89,17 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
         failed = ", ".join(str(c.step) for c in checks if not c.ok)
         raise Failed(
             f"{len(objects)} {kinds} object(s) (first: {objects[0]}) in step(s) {failed} "
-            f"of {store.uri}"
+            f"of {store.uri}" + (f" ({_UNREAD})" if _not_read(problems) else "")
         )
     return 0
+
+
+_UNREAD = "the store did not answer or refused the reads: this says nothing of the checkpoint"
+
+
+def _not_read(problems: list) -> bool:
+    """Problems that are all reads the storage failed (a timeout, a refused request)."""
+    return bool(problems) and all(p.problem == "unreadable" for p in problems)
 
 
 def _health(store: Store, step: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -1043,6 +1044,29 @@ def test_verify_names_a_damaged_store_identity(store, capsys):
     assert code == 1 and "identity.json: not valid JSON" in err and "IDENTITY" in out
     code, doc = run_json(capsys, "verify", store)
     assert code == 1 and "every tiered job fails" in doc["identity_problem"]
+
+
+def test_verify_tells_chunks_the_store_did_not_answer_for_from_damaged_ones(
+    store, capsys, monkeypatch
+):
+    """Reviewer Y: through a stalled endpoint, verify --all called every step FAILED, as it
+    would a damaged one: a `verify || alert` hook could not tell the store from the data."""
+    from ckptstore import pipeline
+    from ckptstore.errors import StorageTimeoutError
+
+    fetch = pipeline.fetch_chunk
+
+    def stalled(s, digest, *args, **kwargs):
+        raise StorageTimeoutError(f"get {s.url(digest)}: no answer within 5.0s")
+
+    monkeypatch.setattr(pipeline, "fetch_chunk", stalled)
+    code, out, err = run(capsys, "verify", store, "--all")
+    assert code == 1 and "FAILED" not in out
+    assert re.search(r"step \d+: NOT VERIFIED \(\d+ object\(s\) not read\)", out)
+    assert re.search(r"all OK|: \d+ step\(s\) not verified \(the store did not answer", out)
+    assert "this says nothing of the checkpoint" in err
+    monkeypatch.setattr(pipeline, "fetch_chunk", fetch)
+    assert run(capsys, "verify", store, "--all")[0] == 0
 
 
 def test_verify_says_an_identity_it_could_not_read_is_not_read_not_damaged(
