@@ -3,6 +3,7 @@ a background thread exchanges never interleaves with the training loop's collect
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -229,17 +230,33 @@ class RankGroup:
         closed in ``call``): one waiting for it in an exchange fails at once, naming both."""
         if self.group is None or self._store is None:
             return
+        said = {"rank": self.rank, "call": call}
+        if isinstance(self.lost, RankLostError) and self.lost.lost:  # what spent the group
+            said.update(lost=self.lost.lost, why=str(self.lost))
         try:
-            self._store.set(f"{self._arrivals()}/left", f"{self.rank} {call}")
+            self._store.set(f"{self._arrivals()}/left", json.dumps(said))
         except Exception:  # noqa: BLE001 - the store lived in a lost process: nobody waits
             logger.debug("rank %d: could not tell the group it left", self.rank)
 
-    def _left(self, said: str) -> RanksOutOfStepError:
-        rank, call = said.split(" ", 1)
-        self.lost = RanksOutOfStepError(
-            f"ranks out of step: rank {rank} left in {call} while rank {self.rank} waits in an "
-            f"exchange of {self._call()} ({_COLLECTIVE_CALLS}); the ranks' tier group is spent"
-        )
+    def _left(self, said: str) -> RankLostError:
+        """The error of a rank that waits in an exchange another rank has left: that rank's
+        lost rank where one spent the group (a slower rank hears the cause, not the leaving),
+        else the ranks are out of step."""
+        left = json.loads(said)
+        rank, call = left["rank"], left["call"]
+        if left.get("lost"):
+            self.lost = RankLostError(
+                f"rank {', '.join(map(str, left['lost']))} lost (rank {rank} heard it and left "
+                f"in {call} while rank {self.rank} came to an exchange of {self._call()}): "
+                f"{left['why']}",
+                left["lost"],
+            )
+        else:
+            self.lost = RanksOutOfStepError(
+                f"ranks out of step: rank {rank} left in {call} while rank {self.rank} waits in "
+                f"an exchange of {self._call()} ({_COLLECTIVE_CALLS}); the ranks' tier group "
+                "is spent"
+            )
         logger.warning("rank %d: %s", self.rank, self.lost)
         return self.lost
 

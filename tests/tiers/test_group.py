@@ -69,6 +69,29 @@ def test_ranks_in_different_calls_fail_at_once_naming_both():
     run_ranks(_ranks_in_two_calls, 3, timeout_s=90)
 
 
+def _left_after_a_loss(rank: int, world: int) -> None:
+    group = RankGroup(None, timeout_s=600, lost_rank_s=LOST_S)
+    assert group.gather(rank) == [0, 1]
+    if rank == 0:  # heard of a lost rank 5 first, failed its saves and closed
+        group.lost = RankLostError("rank 5 lost: save() failed and its heartbeat stopped", [5])
+        group.leave("close()")
+        return
+    time.sleep(0.5)  # a slower rank, still to come to the exchange of its save
+    with group.calling("save()"), pytest.raises(RankLostError) as lost:
+        group.gather(rank)
+    assert not isinstance(lost.value, RanksOutOfStepError) and lost.value.lost == [5]
+    said = str(lost.value)
+    assert said.startswith("rank 5 lost (rank 0 heard it and left in close()"), said
+
+
+@pytest.mark.dist
+def test_a_rank_that_comes_after_another_left_on_a_lost_rank_hears_of_that_rank():
+    """A slow rank's save came to its exchange after a faster one had heard of the lost rank
+    and closed: it failed with "ranks out of step: rank 0 left in close()", which named no
+    lost rank (under load, in the lost-rank conformance test)."""
+    run_ranks(_left_after_a_loss, 2, timeout_s=90)
+
+
 def test_a_lost_ranks_error_quotes_gloo_without_its_advice():
     """Reviewer 2 of stop 57: a ``RankLostError`` carried gloo's whole text ("... This is
     typically caused by a remote worker crashing ... GLHF!") inside its one line."""
