@@ -444,23 +444,28 @@ class CkptstoreCheckpointIO(CheckpointIO):
         if self._refresher is not None:
             return
 
+        def refresh(path: str, handle: SaveHandle, pending: Pointer) -> None:
+            if handle.done() or self._own_pointer_at(path, quiet=True) != pending:
+                return  # settled in a moment; or removed or replaced
+            fresh = dataclasses.replace(pending, written_at=time.time())
+            _pointer.write(path, fresh)
+            self._queued[path] = (handle, fresh)
+
         def run() -> None:
-            while True:
-                time.sleep(REFRESH_PENDING_S)
+            try:
+                while True:
+                    time.sleep(REFRESH_PENDING_S)
+                    with self._pointing:
+                        if not self._queued:
+                            return
+                        for path, (handle, pending) in list(self._queued.items()):
+                            try:
+                                refresh(path, handle, pending)
+                            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                                logger.warning("%s: pending pointer not refreshed: %s", path, exc)
+            finally:
                 with self._pointing:
-                    if not self._queued:
-                        self._refresher = None
-                        return
-                    for path, (handle, pending) in list(self._queued.items()):
-                        if handle.done() or self._own_pointer_at(path, quiet=True) != pending:
-                            continue  # settled in a moment; or removed or replaced
-                        fresh = dataclasses.replace(pending, written_at=time.time())
-                        try:
-                            _pointer.write(path, fresh)
-                        except OSError as exc:  # the next round tries again
-                            logger.warning("%s: pending pointer not refreshed: %s", path, exc)
-                            continue
-                        self._queued[path] = (handle, fresh)
+                    self._refresher = None
 
         self._refresher = threading.Thread(
             target=run, name="ckptstore-lightning-pending", daemon=True

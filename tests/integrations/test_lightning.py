@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -506,12 +507,27 @@ def test_a_pointer_whose_save_is_in_flight_in_another_process_loads_that_save(tm
     writer.close()
 
 
-def test_a_pointer_whose_save_waits_behind_another_loads_that_save(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("failing", [False, True])
+def test_a_pointer_whose_save_waits_behind_another_loads_that_save(
+    tmp_path, monkeypatch, caplog, failing
+):
     """Reviewer X: a save queued behind the retention of the save before it holds no lease;
     once its pending pointer was QUEUED_SAVE_S old, another process's load took it for an
-    interrupted save and loaded the step before it. The writer rewrites it while it waits."""
-    from ckptstore.integrations import lightning
+    interrupted save and loaded the step before it. The writer rewrites it while it waits;
+    reviewer Q: a rewrite that failed once with an error other than OSError (gcsfs's
+    HttpError) ended the rewrites for good."""
+    from ckptstore.integrations import _pointer, lightning
     from ckptstore.save import session
+
+    write, failed = _pointer.write, []
+
+    def write_failing_once(path, pointer):
+        if failing and not failed and threading.current_thread().name.endswith("-pending"):
+            failed.append(path)
+            raise RuntimeError("the pointer's store answered 503")
+        return write(path, pointer)
+
+    monkeypatch.setattr(_pointer, "write", write_failing_once)
 
     monkeypatch.setattr(lightning, "QUEUED_SAVE_S", 1.0)
     monkeypatch.setattr(lightning, "REFRESH_PENDING_S", 0.2)
@@ -534,6 +550,7 @@ def test_a_pointer_whose_save_waits_behind_another_loads_that_save(tmp_path, mon
         loaded = reader.load_checkpoint(str(tmp_path / "b.ckpt"))
     assert slowed and loaded["global_step"] == 2 and torch.equal(loaded["w"], torch.full((4,), 2.0))
     assert "interrupted" not in caplog.text
+    assert bool(failed) is failing and ("503" in caplog.text) is failing
     reader.close()
     writer.teardown()
     writer.close()
