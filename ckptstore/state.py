@@ -114,9 +114,14 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
             item = value.item()  # a longdouble's is itself, a complex64's a complex
             if isinstance(item, (bool, int, float, str, bytes)):
                 return walk(item, path)
+            hint = {"f": "float(value)", "c": "np.asarray(value) (a 0-d array)"}.get(
+                value.dtype.kind, "a number"
+            )
+            if value.dtype.kind == "c" and value.dtype.itemsize > 16:  # torch has no such dtype
+                hint = "np.asarray(value, np.complex128) (a 0-d array)"
             raise UnsupportedStateError(
                 f"{path_str(path)}: a numpy {value.dtype} scalar, which no value of a state "
-                "holds as it is: save np.asarray(value) (a 0-d array) or a Python number"
+                f"holds as it is: save {hint} instead"
             )
         if isinstance(value, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(value)).decode()}
@@ -477,18 +482,31 @@ class _Loader:
             return values
         if tag == "$dict" or (isinstance(node, dict) and tag is None):
             pairs = _items(node)
-            # A stateful object's state_dict() may hand out its own lists and dicts, which
-            # another of its entries may share (SequentialLR's _last_lr): its containers are
-            # built anew, for its load_state_dict to take (tensors still load in place; a
-            # shallow copy keeps a module's state dict's type and its _metadata versions).
             out = target if isinstance(target, dict) else {}
-            out = copy.copy(out) if self._in_stateful else out
+            if self._in_stateful and isinstance(target, dict):
+                out = self._fresh(target)
             for key, value in pairs:
                 if self.skips(target, key):
                     continue
-                out[key] = self.build(out.get(key, _MISSING), value, (*path, key), tensors)
+                sub = target.get(key, _MISSING) if isinstance(target, dict) else _MISSING
+                out[key] = self.build(sub, value, (*path, key), tensors)
             return out
         return decode_scalar(node)
+
+    def _fresh(self, template: dict) -> dict:
+        """A dict of a stateful object's ``state_dict()`` built anew for its ``load_state_dict``:
+        the object may share the template's containers with another entry (SequentialLR's
+        ``_last_lr``), and keys only the live state has (a parameter's optimizer state that
+        the step predates) must not pass for saved ones. A shallow copy, emptied, keeps the
+        dict's type and a module's ``_metadata`` versions; a module loaded with strict=False
+        keeps the keys the step lacks, as they are."""
+        try:
+            out = copy.copy(template)
+        except Exception:  # noqa: BLE001 - a dict subclass that refuses copying
+            return {} if id(template) not in self._lenient else dict(template)
+        if id(template) not in self._lenient:
+            out.clear()
+        return out
 
 
 def _saved_for(target: Any, node: Any) -> Any:

@@ -94,7 +94,10 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
     return 0
 
 
-_UNREAD = "the store did not answer or refused the reads: this says nothing of the checkpoint"
+_UNREAD = (
+    "the reads failed (the store did not answer or refused them, or this machine ran out of "
+    "memory): this says nothing of the checkpoint"
+)
 
 
 def _not_read(problems: list) -> bool:

@@ -539,6 +539,24 @@ def test_a_scheduler_whose_state_shares_a_list_with_another_entry_loads_each_val
     ]
 
 
+def test_an_optimizer_rolled_back_keeps_no_state_the_step_predates(tmp_path):
+    """Reviewer Q: loading a step saved before a parameter had optimizer state into the live
+    optimizer kept that parameter's later state (its step count and moments); torch's own
+    load_state_dict leaves only what the step holds."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    optim = torch.optim.Adam([a, b], lr=0.1)
+    a.grad = torch.ones(3)
+    optim.step()  # only a has state
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"optim": optim}).wait()
+        b.grad = torch.ones(3)
+        optim.step()
+        assert b in optim.state
+        assert ckpt.load({"optim": optim}) == 1
+    assert list(optim.state_dict()["state"]) == [0] and b not in optim.state
+    assert optim.state[a]["step"].item() == 1.0
+
+
 def test_unsupported_state_is_refused_by_name(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match="opt/fn: cannot save a value of type"):
