@@ -111,18 +111,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
         if isinstance(value, float):
             return value if math.isfinite(value) else {"$float": repr(value)}
         if isinstance(value, np.generic):
-            item = value.item()  # a longdouble's is itself, a complex64's a complex
-            if isinstance(item, (bool, int, float, str, bytes)):
-                return walk(item, path)
-            hint = {"f": "float(value)", "c": "np.asarray(value) (a 0-d array)"}.get(
-                value.dtype.kind, "a number"
-            )
-            if value.dtype.kind == "c" and value.dtype.itemsize > 16:  # torch has no such dtype
-                hint = "np.asarray(value, np.complex128) (a 0-d array)"
-            raise UnsupportedStateError(
-                f"{path_str(path)}: a numpy {value.dtype} scalar, which no value of a state "
-                f"holds as it is: save {hint} instead"
-            )
+            return walk(_numpy_scalar_value(value, path), path)
         if isinstance(value, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(value)).decode()}
         if isinstance(value, dict):
@@ -152,6 +141,22 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
         )
 
     return walk(state, ()), tensors, numpy
+
+
+def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
+    """The plain value a numpy scalar is saved as; ``UnsupportedStateError`` for one with none
+    (a longdouble's ``item()`` is itself, a complex64's a complex), saying what to save."""
+    item = value.item()
+    if isinstance(item, (bool, int, float, str, bytes)):
+        return item
+    kind = value.dtype.kind
+    hint = {"f": "float(value)", "c": "np.asarray(value) (a 0-d array)"}.get(kind, "a number")
+    if kind == "c" and value.dtype.itemsize > 16:  # torch has no dtype for it
+        hint = "np.asarray(value, np.complex128) (a 0-d array)"
+    raise UnsupportedStateError(
+        f"{path_str(path)}: a numpy {value.dtype} scalar, which no value of a state holds as "
+        f"it is: save {hint} instead"
+    )
 
 
 def _items(node: Any) -> list[tuple[Any, Any]]:
