@@ -47,7 +47,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.store import Store
-from ckptstore.store.processes import holder_gone, process_identity
+from ckptstore.store.processes import holder_alive, holder_gone, process_identity
 
 logger = logging.getLogger(__name__)
 
@@ -334,9 +334,13 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
             # to sweep under a save), not for ever: no holder of ours wrote it (puts are whole).
             live = -DEFAULT_TTL_S <= age < DEFAULT_TTL_S
             return LeaseInfo(kind, holder, newest, keys, {"error": f"unreadable: {exc}"}, live)
-        # Stamped by the store's clock, as ``now`` is: an object dated a lifetime ahead of it
-        # was not written by a holder (a crafted or re-dated file), and never goes stale.
+        # Stamped by the store's clock, as ``now`` is: an object dated over a lifetime ahead
+        # of it was not stamped by the store (a crafted or re-dated file), and would never go
+        # stale if it counted as live: it is stale, unless its holder is a live process of
+        # this machine (a file system whose mtimes come from its writer's fast clock).
         live = -lifetime <= age < lifetime + store.clock_resolution_s
+        if age < -lifetime and holder_alive(doc):
+            live = True
         if lifetime == 0.0 and sorted(store.list(f"{PREFIX}/{kind}/{holder}"))[-1:] != [newest]:
             # Dead at once, judged on an object its holder may have renewed (a gc marking
             # itself deleting) after our listing and before it died: judge the newer one.

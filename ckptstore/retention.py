@@ -50,6 +50,7 @@ from ckptstore.leases import (
     delete_stale,
     find_leases,
     stale_probes,
+    store_now,
 )
 from ckptstore.quarantine import quarantine_objects, quarantined_attempts, quarantined_chunks
 from ckptstore.store import Store
@@ -441,7 +442,9 @@ def _sweep(
     digests = map(digest_of_chunk_key, chunks)
     chunk_victims = [k for k, d in zip(chunks, digests) if d and d not in referenced]
     stale_leases = [s for s in saves if not s.live]
-    temporaries = store.stale_temporaries(older_than_s=lease_ttl_s)
+    # Aged by the store's clock, as leases are (a gc host's clock a day ahead deleted a live
+    # writer's temporaries on a file system whose server stamps the times)
+    temporaries = store.stale_temporaries(older_than_s=lease_ttl_s, now=store_now(store))
     temporaries += stale_probes(store, older_than_s=lease_ttl_s)
     report.swept = True
     report.deleted_chunks = len(chunk_victims)

@@ -105,8 +105,11 @@ class Backend(ABC):
     def delete(self, path: str) -> None:
         """Remove ``path``; one already gone is not an error."""
 
-    def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
-        """Paths below ``root`` of put temporaries left by a writer that died mid-put."""
+    def stale_temporaries(
+        self, root: str, *, older_than_s: float, now: float | None = None
+    ) -> list[str]:
+        """Paths below ``root`` of put temporaries left by a writer that died mid-put (aged
+        against ``now``, the store's clock, else this host's)."""
         return []
 
     @abstractmethod
@@ -477,10 +480,13 @@ class LocalBackend(FsspecBackend):
                 return
             directory = os.path.dirname(directory)
 
-    def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
-        """Put temporaries ``older_than_s`` old, and at once those whose writer ran on this
-        machine and is gone (``kill -9`` mid-save)."""
-        now, here = time.time(), machine_tag()
+    def stale_temporaries(
+        self, root: str, *, older_than_s: float, now: float | None = None
+    ) -> list[str]:
+        """Put temporaries ``older_than_s`` old by ``now`` (the store's clock, which stamps
+        them; else this host's), and at once those whose writer ran on this machine and is
+        gone (``kill -9`` mid-save)."""
+        now, here = time.time() if now is None else now, machine_tag()
         out = []
         for dirpath, _, files in os.walk(root):
             for name in files:

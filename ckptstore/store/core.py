@@ -476,13 +476,13 @@ class Store:
     def _key(self, path: str) -> str:
         return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
 
-    def stale_temporaries(self, *, older_than_s: float) -> list[str]:
+    def stale_temporaries(self, *, older_than_s: float, now: float | None = None) -> list[str]:
         """Keys of put temporaries (local: ``<key>.tmp-<uuid>``) not modified for
         ``older_than_s``: left by a writer that died mid-put. Empty where puts leave none. Only
         those of this store's own layout (a key at its top, or under one of its prefixes): a
         store nested in a directory below is not this store's (a gc of a parent directory
         deleted a nested store's temporaries)."""
-        paths = self.backend.stale_temporaries(self.root, older_than_s=older_than_s)
+        paths = self.backend.stale_temporaries(self.root, older_than_s=older_than_s, now=now)
         keys = (self._key(p) for p in paths)
         return sorted(k for k in keys if "/" not in k or k.split("/", 1)[0] in _LAYOUT)
 

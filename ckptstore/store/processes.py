@@ -41,15 +41,24 @@ def pid_gone(pid: int) -> bool:
 def holder_gone(identity: dict[str, Any]) -> bool:
     """True when ``identity`` (``process_identity()`` of another process) ran on this machine,
     in this boot and pid namespace, and its process is gone."""
+    pid = identity.get("pid")
+    return _here(identity) and isinstance(pid, int) and pid_gone(pid)
+
+
+def holder_alive(identity: dict[str, Any]) -> bool:
+    """True when ``identity`` is a process of this machine (boot, pid namespace) that runs."""
+    pid = identity.get("pid")
+    return _here(identity) and isinstance(pid, int) and pid > 0 and not pid_gone(pid)
+
+
+def _here(identity: dict[str, Any]) -> bool:
     boot, pidns = _boot_and_pid_namespace()
-    same_place = (
+    return bool(
         boot
         and identity.get("boot_id") == boot
         and identity.get("pidns") == pidns
         and identity.get("host") == socket.gethostname()
     )
-    pid = identity.get("pid")
-    return bool(same_place) and isinstance(pid, int) and pid_gone(pid)
 
 
 @functools.cache

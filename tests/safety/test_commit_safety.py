@@ -541,6 +541,21 @@ def test_gc_removes_temporaries_of_dead_writers(tmp_path):
     assert elsewhere.exists()  # another machine's writer: judged by age only
 
 
+def test_gc_ages_temporaries_by_the_stores_clock_not_its_hosts(tmp_path, monkeypatch):
+    """Reviewer P: gc judged another writer's put temporary by its own host's clock; a gc host
+    a day ahead of the file server deleted a live save's temporary (its lease put then failed
+    with ObjectNotFoundError)."""
+    store = Store(tmp_path)
+    Checkpointer(tmp_path).save(1, {"w": torch.ones(10)}).wait()
+    (tmp_path / "chunks" / "ab").mkdir(parents=True, exist_ok=True)
+    writing = tmp_path / "chunks" / "ab" / f"abd1.tmp-{'f' * 8}-4242-{'7' * 32}"
+    writing.write_bytes(b"x" * 100)  # another machine's writer, mid-put
+    ahead = time.time() + 86400
+    monkeypatch.setattr(time, "time", lambda: ahead)
+    collect(store, keep_last=1)
+    assert writing.exists()
+
+
 def test_gc_deletes_only_keys_of_the_format_s_own_shapes(tmp_path):
     """A store directory may hold files ckptstore never wrote (a mistyped path, notes beside
     the steps): gc sweeps chunks, indexes and metadata by their shapes, never a stranger's."""

@@ -26,7 +26,7 @@ from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.cli import main
 from ckptstore.errors import StorageError
 from ckptstore.format import commit_key
-from ckptstore.leases import DEFAULT_TTL_S, SAVE, LeaseInfo, find_leases, wait_for_gc
+from ckptstore.leases import DEFAULT_TTL_S, SAVE, Lease, LeaseInfo, find_leases, wait_for_gc
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 from ckptstore.store import backends
@@ -273,6 +273,26 @@ def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
     assert local("/mnt/my disk/ckpt")
     assert not local("/mnt/lustre/run42")
     assert not backends.on_local_disk("/", str(tmp_path / "no-mountinfo"))
+
+
+def test_a_live_holders_lease_dated_ahead_of_the_store_still_holds_gc_back(tmp_path):
+    """Reviewer P: on a file system whose mtimes come from the writer's clock, a writer a day
+    fast dated its save lease a day ahead; that counted as crafted, so stale: gc swept under
+    the live save, and a step its wait() called committed could not be loaded. A lease whose
+    holder is a live process of this machine is live however it is dated."""
+    store = Store(tmp_path)
+    Checkpointer(tmp_path).save(1, {"w": torch.ones(10)}).wait()
+    orphan = "chunks/00/00" + "0" * 30
+    store.put(orphan, b"what the live save may yet reference")
+    lease = Lease(store, SAVE, "fast-clock", ttl_s=60).acquire()
+    ahead = time.time() + 86400
+    os.utime(tmp_path / lease.key, (ahead, ahead))
+    [found] = find_leases(store, SAVE)
+    assert found.live
+    report = collect(store, keep_last=5)
+    assert not report.swept and store.exists(orphan)
+    lease.release()
+    assert collect(store, keep_last=5).swept and not store.exists(orphan)
 
 
 @pytest.mark.parametrize("craft", ["ttl-1e12", "malformed", "dated-2100", "huge"])
