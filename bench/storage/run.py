@@ -163,7 +163,13 @@ class StorageBench:
         except OSError as exc:
             cause = exc.__cause__
             why = ""
-            if cause is not None and _first_line(cause).lower() not in str(exc).lower():
+            # not the last attempt's own timeout again, which the error already counts
+            same = type(cause) is type(exc)
+            if (
+                cause is not None
+                and not same
+                and _first_line(cause).lower() not in str(exc).lower()
+            ):
                 why = f" ({_first_line(cause)})"
             raise type(exc)(
                 f"store {self.config.uri!r} is not usable: {_first_line(exc)}{why}"
