@@ -120,7 +120,16 @@ class Lease:
     def acquire(self) -> Lease:
         """Write the lease and start renewing it every ``ttl_s / 4``."""
         t0 = time.monotonic()
-        self.store.put(self.key, self._body())
+        try:
+            self.store.put(self.key, self._body())
+        except CheckpointError:
+            # It may have landed all the same (an error after the write): left there, it would
+            # hold gc back while this process lives, for a save that never started.
+            try:
+                self.store.delete(self.key)
+            except CheckpointError as exc:
+                logger.debug("failed lease %s not deleted: %s", self.key, exc)
+            raise
         self._renewed = t0
         self._thread = threading.Thread(
             target=self._keep, name=f"ckptstore-lease-{self.kind}", daemon=True

@@ -275,6 +275,24 @@ def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
     assert not backends.on_local_disk("/", str(tmp_path / "no-mountinfo"))
 
 
+def test_a_lease_whose_put_landed_but_failed_is_not_left_holding_gc_back(tmp_path, monkeypatch):
+    """Reviewer P: a lease put that wrote the object and then raised (a permanent error) left
+    a lease no save held: every gc skipped its sweep while the process lived."""
+    from ckptstore.errors import StorageAccessError
+
+    store = Store(tmp_path)
+    put = store.put
+
+    def put_then_fail(key, data, **kwargs):
+        put(key, data, **kwargs)
+        raise StorageAccessError(f"put {store.url(key)}: denied after it landed")
+
+    monkeypatch.setattr(store, "put", put_then_fail)
+    with pytest.raises(StorageAccessError, match="denied after it landed"):
+        Lease(store, SAVE, "landed", ttl_s=60).acquire()
+    assert find_leases(Store(tmp_path)) == []
+
+
 def test_a_live_holders_lease_dated_ahead_of_the_store_still_holds_gc_back(tmp_path):
     """Reviewer P: on a file system whose mtimes come from the writer's clock, a writer a day
     fast dated its save lease a day ahead; that counted as crafted, so stale: gc swept under
