@@ -203,8 +203,10 @@ class FaultyBackend(Backend):
         self.faults.inject("delete")
         return self.inner.delete(path)
 
-    def stale_temporaries(self, root: str, *, older_than_s: float) -> list[str]:
-        return self.inner.stale_temporaries(root, older_than_s=older_than_s)
+    def stale_temporaries(
+        self, root: str, *, older_than_s: float, now: float | None = None
+    ) -> list[str]:
+        return self.inner.stale_temporaries(root, older_than_s=older_than_s, now=now)
 
 
 def with_faults(store: Store, faults: Faults | None) -> Store:
