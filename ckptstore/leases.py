@@ -252,8 +252,9 @@ class LeaseInfo:
         return f"{who}, whose process is gone (deletes it sent may still land: held {left} more)"
 
 
-def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
-    """Every lease of ``kind`` (all kinds if None) in ``store``, live or stale.
+def find_leases(store: Store, kind: str | None = None, now: float | None = None) -> list[LeaseInfo]:
+    """Every lease of ``kind`` (all kinds if None) in ``store``, live or stale, judged by
+    ``now`` (the store's clock, probed before its listing) if given, else by a probe of its own.
 
     A lease object that can't be read or parsed counts as live: better to sweep nothing than
     to sweep under a save; it is named in ``ckptstore ls`` for an operator to judge."""
@@ -262,7 +263,7 @@ def find_leases(store: Store, kind: str | None = None) -> list[LeaseInfo]:
         return []
     # The store's now, taken before the listing the leases are judged by: a renewal missing
     # from it landed after the probe, so the age of the renewal before it is not overstated.
-    now = store_now(store)
+    now = store_now(store) if now is None else now
     holders = _lease_holders(store, prefix)
     return list(store.map(lambda item: _read(store, *item, now), holders.items()))
 
@@ -302,11 +303,12 @@ def store_now(store: Store) -> float:
                 logger.debug("clock probe %s not deleted: %s", store.url(key), exc)
 
 
-def stale_probes(store: Store, older_than_s: float) -> list[str]:
+def stale_probes(store: Store, older_than_s: float, now: float | None = None) -> list[str]:
     """Keys of probe objects older than ``older_than_s`` (their reader died before deleting
-    them)."""
+    them), by ``now`` as :func:`find_leases`."""
     keys = store.list(PROBES)
-    now = store_now(store) if keys else 0.0
+    if now is None:
+        now = store_now(store) if keys else 0.0
 
     def old(key: str) -> bool:
         try:

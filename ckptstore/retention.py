@@ -443,9 +443,11 @@ def _sweep(
     chunk_victims = [k for k, d in zip(chunks, digests) if d and d not in referenced]
     stale_leases = [s for s in saves if not s.live]
     # Aged by the store's clock, as leases are (a gc host's clock a day ahead deleted a live
-    # writer's temporaries on a file system whose server stamps the times)
-    temporaries = store.stale_temporaries(older_than_s=lease_ttl_s, now=store_now(store))
-    temporaries += stale_probes(store, older_than_s=lease_ttl_s)
+    # writer's temporaries on a file system whose server stamps the times). One probe for all
+    # below: taken before their listings, it understates their ages, the safe side.
+    now = store_now(store)
+    temporaries = store.stale_temporaries(older_than_s=lease_ttl_s, now=now)
+    temporaries += stale_probes(store, older_than_s=lease_ttl_s, now=now)
     report.swept = True
     report.deleted_chunks = len(chunk_victims)
     report.deleted_other = len(victims) + sum(len(s.keys) for s in stale_leases) + len(temporaries)
@@ -459,7 +461,7 @@ def _sweep(
     report.deleted_chunk_bytes = sum(store.map(_delete_sized(store, lease), chunk_victims))
     list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)
-    delete_stale(store, [g for g in find_leases(store, GC) if not g.live])
+    delete_stale(store, [g for g in find_leases(store, GC, now) if not g.live])
 
 
 def _saved_since_read(

@@ -26,7 +26,15 @@ from ckptstore.catalog import list_steps, load_manifest, load_rank_index
 from ckptstore.cli import main
 from ckptstore.errors import StorageError
 from ckptstore.format import commit_key
-from ckptstore.leases import DEFAULT_TTL_S, SAVE, Lease, LeaseInfo, find_leases, wait_for_gc
+from ckptstore.leases import (
+    DEFAULT_TTL_S,
+    PROBES,
+    SAVE,
+    Lease,
+    LeaseInfo,
+    find_leases,
+    wait_for_gc,
+)
 from ckptstore.pipeline import fetch_chunk
 from ckptstore.retention import collect
 from ckptstore.store import backends
@@ -340,3 +348,24 @@ def test_a_crafted_lease_blocks_no_store_for_ever(tmp_path, craft):
         os.utime(tmp_path / key, (old, old))
     report = collect(store, keep_last=5)
     assert report.swept and report.blocked_by == [] and not store.exists(orphan)
+
+
+def test_a_sweep_takes_one_clock_probe_for_every_age_it_judges(monkeypatch):
+    """Each clock probe is a put, a read and a delete (three requests on S3): a sweep took one
+    for the put temporaries that no object store leaves and another for the gc leases."""
+    uri = f"memory://one-probe-{os.getpid()}-{time.monotonic_ns()}"
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+        ckpt.save(2, {"w": torch.zeros(3)}).wait()
+    probes = []
+    put = Store.put
+
+    def counted(self, key, *args, **kwargs):
+        if key.startswith(PROBES):
+            probes.append(key)
+        return put(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "put", counted)
+    report = collect(Store(uri), keep_last=1)
+    assert report.swept and report.deleted_steps == [1]
+    assert len(probes) == 1
