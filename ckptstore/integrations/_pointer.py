@@ -91,6 +91,15 @@ def read(path: str) -> bytes | None:
         return None
 
 
+def load(path: str) -> Pointer | None:
+    """The pointer at ``path``; None if there is no file there or it holds no pointer (a torch
+    checkpoint, say). Raises as :func:`read` and :func:`decode` do."""
+    data = read(path)
+    if data is None or not is_pointer(data):
+        return None
+    return decode(data, path)
+
+
 def write(path: str, pointer: Pointer) -> None:
     """Write ``pointer`` at ``path``, replacing what is there in one step."""
     fs, fspath = fsspec.core.url_to_fs(path)

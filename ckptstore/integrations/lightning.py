@@ -134,8 +134,7 @@ def _rewritten_at(path: str, pending: Pointer) -> float | None:
     """When the pending pointer at ``path`` was last written, as its writer rewrites it while
     the save waits; ``pending``'s own time once the file holds another save, or none."""
     try:
-        data = _pointer.read(path)
-        now = _pointer.decode(data, path) if data and _pointer.is_pointer(data) else None
+        now = _pointer.load(path)
     except (OSError, CheckpointCorruptError):
         now = None
     if now is not None and now.save_id == pending.save_id and now.written_at is not None:
@@ -360,20 +359,16 @@ class CkptstoreCheckpointIO(CheckpointIO):
         """The pointer at ``path`` if it names a step of this store (anything else there, a
         damaged pointer included, is not ours to drop)."""
         try:
-            data = _pointer.read(path)
+            pointer = _pointer.load(path)
         except OSError:
             if quiet:
                 return None
             raise
-        if data is None or not _pointer.is_pointer(data):
-            return None
-        try:
-            pointer = _pointer.decode(data, path)
         except CheckpointCorruptError as exc:
             if not quiet:
                 logger.warning("%s", exc)
             return None
-        return pointer if pointer.store == self._store_id else None
+        return pointer if pointer is not None and pointer.store == self._store_id else None
 
     def _drop_replaced(self, *, block: bool) -> None:
         """Unlist the steps waiting on a save, once it has committed (if it failed or was
