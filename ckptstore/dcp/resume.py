@@ -109,7 +109,9 @@ def _steps(
     """The steps to try, newest first, the same on every rank (collective); ``unreadable``
     gets, on rank 0, the steps ``healthy=True`` passed over whose manifests cannot be read."""
     if reader._policy is not None:
-        return planned_steps(reader.store, reader._policy, group, healthy=reader.healthy)
+        return planned_steps(
+            reader.store, reader._policy, group, healthy=reader.healthy, unreadable=unreadable
+        )
     listed: list[int] | tuple[type[CheckpointError], str] = []
     if group.rank == 0:
         try:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ckptstore.catalog import load_manifest, read_rank_index_bytes
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, NoHealthyStepError, one_line
 from ckptstore.format import ChunkInfo, RankIndex, decode_rank_index
+from ckptstore.health import Unreadable
 from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
@@ -212,10 +213,16 @@ def newest_step(
 
 
 def planned_steps(
-    durable: Store, policy: TierPolicy, group: RankGroup, *, healthy: bool = False
+    durable: Store,
+    policy: TierPolicy,
+    group: RankGroup,
+    *,
+    healthy: bool = False,
+    unreadable: list[tuple[int, BaseException]] | None = None,
 ) -> list[int]:
     """(collective) Every step a tiered load of "latest" may take, newest first: the steps a
-    load with fallback tries in turn; empty when no tier holds one every rank can get."""
+    load with fallback tries in turn; empty when no tier holds one every rank can get.
+    ``unreadable`` gets the steps ``healthy`` passed over whose manifests cannot be read."""
     local = _local_tier(durable, policy, group)
     try:
         plan = plan_restore(durable, local, group, step="latest", limit=None, healthy=healthy)
@@ -223,6 +230,12 @@ def planned_steps(
         raise
     except CheckpointNotFoundError:
         return []
+    if unreadable is not None:
+        unreadable += [
+            (s, why.error)
+            for s, why in plan.not_healthy.items()
+            if isinstance(why, Unreadable) and why.error is not None
+        ]
     return list(dict.fromkeys(c.step for c in plan.candidates))
 
 

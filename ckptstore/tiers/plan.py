@@ -36,12 +36,12 @@ from ckptstore.errors import (
     one_line,
 )
 from ckptstore.format import Manifest
-from ckptstore.health import no_healthy_step, tiered_verdict
+from ckptstore.health import Unreadable, no_healthy_step, tiered_verdict
 from ckptstore.render import rank_ranges
 from ckptstore.store import Store
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.local import LocalTier, copies_under_other_paths
-from ckptstore.tiers.restore import DURABLE, PEER, Candidate, Source, plan_sources
+from ckptstore.tiers.restore import PEER, Candidate, Source, plan_sources
 from ckptstore.tiers.resumes import FRESH_START, Resume, left_by, resumes
 from ckptstore.tiers.transfer import wait_written
 
@@ -252,8 +252,6 @@ def _plan(
         if step is None:
             _name_passed_over(held, plan[0].step)
         return plan
-    if step is not None and step in steps:  # committed but unreadable: its load says why
-        return [Candidate(step, None, [[Source(DURABLE)] for _ in held])]
     if unlisted is not None:
         raise unlisted
     where = f"step {step}" if step is not None else "any step"
@@ -331,6 +329,9 @@ def _judge(
     good, why = [], {}
     told = {key: health for reported in copies for key, health in reported.items()}
     for c in plan.candidates:
+        if c.attempt is None:  # only its durable manifest, which cannot be read
+            why[c.step] = _unreadable(durable, c.step)
+            continue
         own = [told.get((r, c.step), "absent") for r in range(len(copies))]
         reason = tiered_verdict(c.step, own, _durable_health(durable, plan.manifests, c))
         if reason is None:
@@ -338,6 +339,16 @@ def _judge(
         else:
             why[c.step] = reason
     return good, why
+
+
+def _unreadable(durable: Store, step: int) -> Unreadable:
+    """(rank 0) Why a durable-only save is passed over: its manifest cannot be read (a load
+    that takes an older step quarantines it, as the durable front-end does)."""
+    try:
+        load_manifest(durable, step)
+    except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
+        return Unreadable(f"step {step}: cannot be read ({exc})", exc)
+    return Unreadable(f"step {step}: its manifest could not be read a moment ago")
 
 
 def _durable_health(durable: Store, manifests: dict[int, Manifest], c: Candidate) -> Any:

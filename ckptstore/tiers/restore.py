@@ -92,7 +92,8 @@ def plan_sources(
 ) -> list[Candidate]:
     """The saves every rank can restore, newest first. ``held[h]``: rank h's node's copies, by
     ward, step -> attempt; ``durable_attempt(step)``: the attempt of a durable step (None when
-    its manifest cannot be read), asked only of the steps considered. ``step``: only that step;
+    its manifest cannot be read: its candidate, durable only, fails to load), asked only of the
+    steps considered. ``step``: only that step;
     ``limit``: at most that many saves (a load without fallback needs one). ``places[h]``: the
     job directory rank h reads (None: not known): a directory is one source of a rank's copy
     however many ranks share it, and the rank's own directory its local source, never a
@@ -135,8 +136,13 @@ def plan_sources(
         if found:
             _, attempt, sources = max(found, key=lambda f: (f[0], f[1]))
             out.append(Candidate(s, attempt, sources))
-            if limit is not None and len(out) >= limit:
-                break
+        elif s in durable_steps and durable is None:
+            # Committed, its manifest unreadable and no tier holds every rank's copy: tried as
+            # the durable front-end tries it, so its load says why, and one with fallback
+            # skips it, then quarantines it (passed over unnamed, it was never saved again).
+            out.append(Candidate(s, None, [[Source(DURABLE)] for _ in range(world)]))
+        if limit is not None and len(out) >= limit:
+            break
     return out
 
 

@@ -38,7 +38,7 @@ from ckptstore import (
     TierOptions,
     telemetry,
 )
-from ckptstore.catalog import list_steps, load_manifest, read_rank_index
+from ckptstore.catalog import list_steps, load_manifest, quarantined, read_rank_index
 from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.dcp import resume as dcp_resume
@@ -352,6 +352,30 @@ def test_a_step_no_tier_can_load_is_skipped_and_quarantined_by_the_resume(make, 
     front.wait_durable()
     target = _blank()
     assert front.restart().resume(target) == 2 and _same(target, _state(22))
+
+
+@pytest.mark.parametrize("healthy", [False, True])
+def test_a_step_whose_durable_manifest_cannot_be_read_is_quarantined_by_the_resume(
+    make, tmp_path, healthy
+):
+    """The plan left a durable step whose manifest does not decode (and no node holding its
+    copies) out of the candidates: nothing skipped it, so nothing quarantined it, and each
+    front-end's resume loaded step 1 and then failed with StepExistsError saving step 2 again
+    (with and without healthy=True), as the durable front-end no longer does."""
+    front = _durable_only(make, tmp_path)
+    manifest = tmp_path / "durable" / commit_key(2)
+    manifest.chmod(0o644)
+    manifest.write_bytes(b"not a manifest")
+    front = front.restart()
+    with pytest.raises((CheckpointError, CheckpointException), match="not valid JSON"):
+        front.load(_blank())  # without fallback: as without tiers, not step 1 unasked
+    target = _blank()
+    assert front.resume(target, healthy=healthy) == 1 and _same(target, _state(1))
+    assert list(quarantined(Store(str(tmp_path / "durable"))).values()) == [2]
+    front.save(2, _state(22))
+    front.wait_durable()
+    target = _blank()
+    assert front.restart().resume(target, healthy=healthy) == 2 and _same(target, _state(22))
 
 
 def test_copies_made_before_the_store_moved_are_named_not_loaded(
