@@ -146,11 +146,17 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
 def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
     """The plain value a numpy scalar is saved as; ``UnsupportedStateError`` for one with none
     (a longdouble's ``item()`` is itself, a complex64's a complex), saying what to save."""
-    item = value.item()
-    if isinstance(item, (bool, int, float, str, bytes)):
-        return item
     kind = value.dtype.kind
-    hint = {"f": "float(value)", "c": "np.asarray(value) (a 0-d array)"}.get(kind, "a number")
+    item = value.item()
+    # A datetime64/timedelta64 of ns is an int to item(): loaded back as one, its type lost
+    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "Mm":
+        return item
+    hint = {
+        "f": "float(value)",
+        "c": "np.asarray(value) (a 0-d array)",
+        "M": "str(value) or value.astype('int64') with its unit",
+        "m": "value.astype('int64') with its unit",
+    }.get(kind, "a number")
     if kind == "c" and value.dtype.itemsize > 16:  # torch has no dtype for it
         hint = "np.asarray(value, np.complex128) (a 0-d array)"
     raise UnsupportedStateError(

@@ -401,13 +401,17 @@ def test_arrays_of_a_second_name_or_byte_order_are_saved_as_their_values(tmp_pat
     [
         (np.longdouble(1.5), np.dtype(np.longdouble).name, r"float\(value\)"),
         (np.complex64(1 + 2j), "complex64", r"np\.asarray\(value\)"),
+        (np.datetime64("2026-12-05T10:00", "ns"), r"datetime64\[ns\]", r"str\(value\)"),
+        (np.datetime64("2026-12-05T10:00", "s"), r"datetime64\[s\]", r"str\(value\)"),
+        (np.timedelta64(5, "ns"), r"timedelta64\[ns\]", r"value\.astype\('int64'\)"),
     ],
 )
 def test_a_numpy_scalar_without_a_plain_value_is_refused_by_its_dtype(
     tmp_path, scalar, dtype, hint
 ):
     """Reviewer X: a longdouble scalar (whose .item() is itself) was a RecursionError at save;
-    a complex64 one was refused as "builtins.complex", a type the state did not hold."""
+    a complex64 one was refused as "builtins.complex", a type the state did not hold. A
+    datetime64[ns] (or timedelta64[ns]) scalar was saved as its int and loaded back as one."""
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match=rf"^x/0: a numpy {dtype} scalar.*{hint}"):
             ckpt.save(1, {"x": [scalar]})
