@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import zstandard
 
 from ckptstore.catalog import load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
@@ -188,9 +191,17 @@ def classify(exc: BaseException) -> str:
         return "refused"
     if isinstance(exc, CheckpointCorruptError):
         return "corrupt"
-    if isinstance(exc, (CheckpointError, OSError)):
-        return "unreadable"
-    return "corrupt"  # a decoder tripping over bytes it did not expect
+    if isinstance(exc, _DECODING):
+        return "corrupt"  # a decoder tripping over bytes it did not expect
+    # The storage (CheckpointError, OSError) or this process (a thread that cannot start, a
+    # RuntimeError: gc --remove-corrupt deleted good steps under a thread limit) failed
+    return "unreadable"
+
+
+# What a decoder raises on bytes it did not expect (RecursionError: JSON nested too deep)
+_DECODING = (
+    ValueError, KeyError, IndexError, TypeError, struct.error, RecursionError, zstandard.ZstdError
+)  # fmt: skip
 
 
 @dataclass

@@ -1069,6 +1069,31 @@ def test_verify_tells_chunks_the_store_did_not_answer_for_from_damaged_ones(
     assert run(capsys, "verify", store, "--all")[0] == 0
 
 
+def test_gc_remove_corrupt_deletes_nothing_when_this_process_cannot_check_the_chunks(
+    store, capsys, monkeypatch
+):
+    """Resource reviewer: under a thread limit, chunk checks failed with RuntimeError("can't
+    start new thread"), counted as corrupt: `gc --verify --remove-corrupt` deleted good steps,
+    the newest one once, and `verify` called intact chunks CORRUPT."""
+    from ckptstore import pipeline
+    from ckptstore.catalog import list_steps
+    from ckptstore.store import Store
+
+    steps = list_steps(Store(str(store)))
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(pipeline, "fetch_chunk", no_thread)
+    code, out, err = run(capsys, "gc", store, "--verify", "--remove-corrupt")
+    assert code == 1 and "nothing deleted" in err
+    code, out, err = run(capsys, "verify", store, "--all")
+    assert code == 1 and "FAILED" not in out and "CORRUPT" not in out
+    assert list_steps(Store(str(store))) == steps
+    monkeypatch.undo()
+    assert run(capsys, "verify", store, "--all")[0] == 0
+
+
 def test_verify_says_an_identity_it_could_not_read_is_not_read_not_damaged(
     store, capsys, monkeypatch
 ):
