@@ -162,6 +162,8 @@ class SaveEngine:
         self.lease_ttl_s = lease_ttl_s
         self.gc_wait_s = gc_wait_s
         self.health = health or HealthPolicy()
+        # (rank, where it writes) found to be the committing rank's store: checked once
+        self.places_seen: set[tuple[int, str]] = set()
 
     def stage(
         self,

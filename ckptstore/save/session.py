@@ -67,6 +67,7 @@ from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
 from ckptstore.save.once import write_chunks_once
 from ckptstore.store import Store
+from ckptstore.store.processes import machine_tag
 from ckptstore.tree import tensor_paths
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,13 @@ class RankWritten:
     index: ObjectRef
     chunk_bytes: dict[str, tuple[int, int]]  # digest -> (raw, stored)
     health: RankHealth | None = None  # None: not recorded (scan off, or an older copy)
+    store: str = ""  # where it was written (``store_place``); "": not said (an older copy)
+
+
+def store_place(store: Store) -> str:
+    """Where a rank writes: an object store's URI; a local store's absolute path on this
+    machine (its tag first: the same path on two hosts may be two disks)."""
+    return f"{machine_tag()}:{store.uri}" if store.is_local else store.uri
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,7 @@ class SaveSession:
         self.store.put(key, data)
         self.index_written = (index, data)
         sizes = {digest: (c.raw, c.stored) for digest, c in chunks.items()}
-        return RankWritten(rank, object_ref(key, data), sizes, health)
+        return RankWritten(rank, object_ref(key, data), sizes, health, store_place(self.store))
 
     def commit(
         self,
@@ -294,6 +302,7 @@ class SaveSession:
         (``HealthPolicy``; ``apply_policy=False``, a tier copy: NaN and Inf only, and always
         committed); an unhealthy step is committed with one warning, or skipped (nothing
         written), or refused (``UnhealthyStepError``). Returns the step's health."""
+        self._refuse_stores_apart(ranks)
         policy = self.engine.health
         health = self._judge(ranks, policy.norm_jump if apply_policy else None)
         action = policy.on_unhealthy if apply_policy else "save"
@@ -336,6 +345,27 @@ class SaveSession:
             manifest.stored_bytes,
         )
         return StepHealth.of(self.step, health)
+
+    def _refuse_stores_apart(self, ranks: list[RankWritten]) -> None:
+        """Every rank wrote to this store, else nothing is committed: ranks given different
+        stores (a path with the time in it, a node-local durable path) committed a manifest
+        naming indexes this store does not hold, and every step was lost. A store named
+        otherwise (a shared file system mounted at another path, on another host) counts when
+        its rank's index is found here, checked once per rank and place."""
+        here = store_place(self.store)
+        seen = self.engine.places_seen
+        other = [w for w in ranks if w.store and w.store != here and (w.rank, w.store) not in seen]
+        found = list(self.store.map(lambda w: self.store.exists(w.index.key), other))
+        seen.update((w.rank, w.store) for w, there in zip(other, found, strict=True) if there)
+        other = [w for w, there in zip(other, found, strict=True) if not there]
+        if not other:
+            return
+        shown = "; ".join(f"rank {w.rank} {w.store}" for w in other[:4])
+        more = f"; and {len(other) - 4} more" if len(other) > 4 else ""
+        raise CheckpointError(
+            f"step {self.step} was not committed: ranks wrote to other stores than the "
+            f"committing rank's {here} ({shown}{more}): every rank needs the same store"
+        )
 
     def _judge(self, ranks: list[RankWritten], norm_jump: float | None) -> dict | None:
         """The step's health over every rank's; None (unknown) when a rank recorded none."""

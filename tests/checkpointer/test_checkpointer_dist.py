@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -129,3 +131,34 @@ def test_a_load_or_latest_beside_a_save_in_flight_waits_for_it(tmp_path):
     a load's gather with a save's (an IndexError unpacking it, a drain's group gone, a gloo
     timeout). The load waits for this rank's saves in flight first, and loads the newest."""
     run_ranks(_load_beside_a_save_in_flight, 2, str(tmp_path), timeout_s=150)
+
+
+def _stores_apart(rank: int, world: int, root: str, kind: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    from ckptstore.dcp import StoreWriter
+
+    uri = f"{root}/durable" if rank == 0 else f"{root}/run-{rank}"  # a path with the time in it
+    state = {f"w{rank}": torch.full((1000,), float(rank))}
+    match = r"ranks wrote to other stores than the committing rank's .*/durable \(rank 1 "
+    if kind == "checkpointer":
+        with Checkpointer(uri) as ckpt:
+            with pytest.raises(CheckpointError, match=match):
+                ckpt.save(1, state).wait(timeout_s=60)
+    else:
+        try:
+            dcp.save(state, storage_writer=StoreWriter(uri), checkpoint_id=1)
+        except CheckpointException as exc:
+            assert re.search(match, str(exc)), str(exc)
+        else:
+            pytest.fail("saved into two stores")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_ranks_given_different_stores_commit_nothing(tmp_path, kind):
+    """Tiers reviewer: rank 1 given another store than rank 0 saved "successfully": rank 0's
+    manifest named an index its store never held, and no step could be loaded."""
+    run_ranks(_stores_apart, 2, str(tmp_path), kind)
+    assert list_steps(Store(str(tmp_path / "durable"))) == []
