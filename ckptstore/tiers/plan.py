@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.catalog import list_steps, load_manifest, parse_step
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -70,7 +70,7 @@ def plan_restore(
     copies and durable storage was listed, that means nothing to resume: the job starts over
     (``FRESH_START``), and its next save unlists the copies of the run it leaves."""
     wait_written()  # a copy the last load repaired is listed once it is committed
-    wanted = None if step in (None, "latest") else int(step)
+    wanted = parse_step(step)
     listed: Any = None
     if group.rank == 0:
         try:

@@ -378,6 +378,15 @@ def test_a_step_whose_durable_manifest_cannot_be_read_is_quarantined_by_the_resu
     assert front.restart().resume(target, healthy=healthy) == 2 and _same(target, _state(22))
 
 
+@pytest.mark.parametrize("step", ["abc", -5, "2x"])
+def test_a_step_named_wrongly_is_one_clear_error(make, tmp_path, step):
+    """Tiers reviewer: ``load(step='abc')`` with tiers was ``int()``'s own ValueError ("invalid
+    literal for int() with base 10"), where the untiered load names what a step may be."""
+    front = _two_saved(make, durable_every=1).restart()
+    with pytest.raises((ValueError, CheckpointException), match=r"step must be an int"):
+        front.load(_blank(), step)
+
+
 def test_copies_made_before_the_store_moved_are_named_not_loaded(
     front_type, make, tmp_path, caplog, capsys
 ):
