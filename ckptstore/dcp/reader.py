@@ -71,7 +71,9 @@ class StoreReader(StepReader):
     by N ranks loads into M ranks, or into one process with ``no_dist=True``).
 
     Args:
-        uri: the store. A ``checkpoint_id`` passed to ``dcp.load`` is a store URI too.
+        uri: the store. A ``checkpoint_id`` passed to ``dcp.load`` is a step of it (an ``int``
+            or a string of digits: that load's only, as a writer's is that save's), or a store
+            URI that replaces it.
         step: the step to load, or ``"latest"``. The step is resolved once per load (at the
             first ``read_metadata``); if ranks resolve different steps (one was committed while
             they started) the load fails clearly: pass an explicit step to avoid that. A
@@ -155,6 +157,8 @@ class StoreReader(StepReader):
         self.shared_read_budget_bytes = o["reads"].shared_read_budget_bytes
         self.last_load_exchange: ExchangeStats | None = None
         self.step = step
+        self._own_step = step
+        self._pinned: str | None = None  # a checkpoint_id's step: "next" load's, then "this"
         self.storage_options = storage_options
         self._open_store = open_store
 
@@ -178,10 +182,12 @@ class StoreReader(StepReader):
 
     def reset(self, checkpoint_id: int | str | os.PathLike | None = None) -> None:
         """Start a new load. A ``checkpoint_id`` that is an ``int`` or a ``str`` of digits is the
-        step to load (same store); any other is a store URI that replaces the current one."""
+        step this load takes (same store; the next load without one takes the reader's own
+        ``step`` again: an eval loop's ``dcp.load`` of latest after one of step 0 did not see
+        new steps); any other is a store URI that replaces the current one."""
         step = None if checkpoint_id is None else checkpoint_step(checkpoint_id)
         if step is not None:
-            self.step = step
+            self.step, self._pinned = step, "next"
         elif checkpoint_id is not None and os.fspath(checkpoint_id) != self.store.uri:
             self.store = self._open_store(checkpoint_id)
         super().reset()
@@ -196,6 +202,10 @@ class StoreReader(StepReader):
         # No **kwargs: DCP then never tries a rank-local fallback (there is none), whose
         # refusal would stand beside the real error in what dcp.load raises.
         self.view = None  # each load resolves "latest" afresh
+        if self._pinned == "this":  # the last load's checkpoint_id step: that load's only
+            self.step, self._pinned = self._own_step, None
+        elif self._pinned == "next":
+            self._pinned = "this"
         self._tier = None
         self.metadata_error = None
         try:

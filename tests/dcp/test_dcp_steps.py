@@ -276,6 +276,17 @@ def test_a_reader_takes_the_step_to_load_as_checkpoint_id(tmp_path):
         target = blank_like(states[int(step)])
         dcp.load(target, storage_reader=reader, checkpoint_id=step, no_dist=True)
         assert_same(target, states[int(step)], f"step {step}")
+    # DCP migrator: a checkpoint_id's step stuck to the reader, so an eval loop's next load of
+    # latest on it was step 100 (its id) forever, unseen; it is that load's only, as a save's
+    target = blank_like(states[100])
+    dcp.load(target, storage_reader=reader, checkpoint_id=100, no_dist=True)
+    states[300] = _state(3)
+    dcp.save(states[300], storage_writer=writer, checkpoint_id=300, no_dist=True)
+    for _ in range(2):
+        target = blank_like(states[300])
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert reader.step == "latest"
+        assert_same(target, states[300], "latest")
 
 
 def _reader_racing_a_save(
