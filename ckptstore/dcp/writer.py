@@ -344,6 +344,11 @@ class StoreWriter(StorageWriter, PooledStager):
             self._set_up_tiers()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not plan.usable:  # DCP's plan cache: the save after the first sends no plan
+            raise ValueError(
+                "StoreWriter does not support DCP plan caching (a planner made with "
+                "enable_plan_caching=True): each save's plan names its own step"
+            )
         for item in plan.items:  # refused before a byte is written, not at the load
             if item.tensor_data is not None:
                 dtype = str(item.tensor_data.properties.dtype).removeprefix("torch.")

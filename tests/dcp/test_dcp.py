@@ -573,6 +573,33 @@ def test_a_dcp_save_of_a_dtype_no_step_holds_is_refused_before_it_writes(tmp_pat
     assert list_steps(store) == [] and not store.list("chunks")
 
 
+def test_dcp_plan_caching_is_refused_before_the_save_it_would_break(tmp_path):
+    """DCP migrator: enable_plan_caching was accepted (the docstring says refused), and every
+    save after the first failed as StepExistsError of the first step."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    store = Store(str(tmp_path / "s"))
+    writer = StoreWriter(store.uri)
+    state = {"w": torch.arange(10.0)}
+    try:
+        dcp.save(state, storage_writer=writer, no_dist=True, planner=_caching())
+        with pytest.raises(CheckpointException, match="does not support DCP plan caching"):
+            dcp.save(state, storage_writer=writer, no_dist=True, planner=_caching())
+    finally:  # DCP caches plans per planner class, across writers
+        for cache in ("save_plan", "final_save_plan", "all_plans", "global_plan", "metadata"):
+            getattr(SavePlanner, f"_cached_{cache}", {}).pop(DefaultSavePlanner.__name__, None)
+    assert list_steps(store) == [0]
+    dcp.save(state, storage_writer=writer, no_dist=True)  # without caching: the next step
+    assert list_steps(store) == [0, 1]
+
+
+def _caching():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
 def test_nan_and_inf_of_float8_are_counted_by_the_health_scan(tmp_path):
     """float8_e8m0fnu's NaN (0xff) raised NotImplementedError in the scan's count (torch has
     no isinf for it), which failed the save."""
