@@ -206,8 +206,8 @@ class TierOptions:
 
     local_dir: str | os.PathLike | None = None
     """A node-local directory (a RAM disk such as ``/dev/shm/run7`` survives a process crash,
-    an NVMe path a reboot); each rank's copies go to ``local_dir/job-<j>/rank-<r>/``. None:
-    no tiers, every save goes to the durable store."""
+    an NVMe path a reboot), not inside a local durable store; each rank's copies go to
+    ``local_dir/job-<j>/rank-<r>/``. None: no tiers, every save goes to the durable store."""
     peer_copies: int = 0
     """Each rank's copy is also sent, over the process group (never through storage), to the
     ranks at its position on the next K nodes, which keep it: a replaced node restores from
@@ -233,6 +233,7 @@ class TierOptions:
 
     def __post_init__(self) -> None:
         _check_kinds(self)
+        _at_least("TierOptions.node_rank", self.node_rank, 0)
         self.policy()  # checks every field
 
     def policy(self) -> TierPolicy | None:

@@ -158,6 +158,7 @@ class LocalTier:
         """This rank's local tier for the ``durable`` store (collective over ``group``): the
         store's path and its identity, which rank 0 reads (``create``: makes it if it has
         none) and every rank is told (``tiers.identity.agree_identity``)."""
+        _refuse_overlap(policy.local_dir, durable)
         return cls(
             policy,
             engine,
@@ -689,3 +690,16 @@ def local_retry(timeout_s: float) -> RetryPolicy:
     quickly is tried once more."""
     attempt_s = min(RetryPolicy.timeout_s, timeout_s)
     return RetryPolicy(attempts=2, timeout_s=attempt_s, total_s=attempt_s)
+
+
+def _refuse_overlap(local_dir: Path, durable: Store) -> None:
+    """A ``local_dir`` that is, or lies inside, a local durable store: the node-local copies
+    would sit among the durable objects, on the same disk (a tier that is no tier)."""
+    if not durable.is_local:
+        return
+    tiers, store = Path(os.path.realpath(local_dir)), Path(os.path.realpath(durable.root))
+    if tiers == store or store in tiers.parents:
+        raise ValueError(
+            f"local_dir {local_dir} is inside the durable store {durable.uri}: the tiers need "
+            "a node-local directory of their own"
+        )

@@ -66,6 +66,10 @@ class TierPolicy:
                 ]
                 raise ValueError(f"{' and '.join(given)} needs local_dir (the tiers' directory)")
             return None
+        if not isinstance(local_dir, (str, os.PathLike)) or isinstance(os.fspath(local_dir), bytes):
+            raise TypeError(f"local_dir takes a path (str or os.PathLike), got {local_dir!r}")
+        if not str(local_dir).strip():
+            raise ValueError("local_dir is empty: give the node-local directory of the tiers")
         if str(local_dir).startswith(("s3://", "memory://", "gs://")):
             raise ValueError(f"local_dir must be a node-local path, got {local_dir!r}")
         if peer_copies < 0:

@@ -387,6 +387,15 @@ def test_a_step_named_wrongly_is_one_clear_error(make, tmp_path, step):
         front.load(_blank(), step)
 
 
+@pytest.mark.parametrize("inside", ["", "local"])
+def test_a_local_dir_inside_the_durable_store_is_refused(make, tmp_path, inside):
+    """Tiers reviewer: a local_dir equal to or inside a local durable store was taken, and the
+    node-local copies went among the durable objects, on the same disk."""
+    with pytest.raises((ValueError, CheckpointException), match="is inside the durable store"):
+        make(local_dir=tmp_path / "durable" / inside).save(1, _state(1))
+    assert list_steps(Store(str(tmp_path / "durable"))) == []
+
+
 def test_copies_made_before_the_store_moved_are_named_not_loaded(
     front_type, make, tmp_path, caplog, capsys
 ):
