@@ -1,5 +1,6 @@
 """``ckptbench recover``'s flags and the run they start: the report as JSON or as tables, and
-exit status 1 when a restored state differs from the saved one."""
+exit status 1 when a restored state differs from the saved one, or the tiered load did not
+read where the scenario put the copies (its figures would be another scenario's)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"ckptbench recover: error: restored state differs from the saved one: "
             f"{', '.join(sorted(set(bad)))}",
+            file=sys.stderr,
+        )
+        return 1
+    tiers = result["restore"]["tiers"]
+    if not tiers["as_expected"]:  # its figures are another scenario's: durable reads, say
+        print(
+            "ckptbench recover: error: the tiered load did not read where the scenario put the "
+            f"copies (sources by rank: {', '.join(map(str, tiers['sources']))}); were the saves "
+            "committed to the local tier (a full or unwritable --local-root)? See the log above",
             file=sys.stderr,
         )
         return 1

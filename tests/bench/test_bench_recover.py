@@ -222,6 +222,22 @@ def test_a_restored_state_that_differs_fails_the_run(capsys, monkeypatch, fronte
     ]
 
 
+def test_a_tiered_load_that_missed_its_tier_fails_the_run(capsys, monkeypatch):
+    """Resource reviewer: with a full --local-root no save reached the local tier, every rank
+    loaded from durable storage, and the run printed its tiers-vs-DCP table and exited 0."""
+    report = {
+        "equal": True,
+        "ranks": [],
+        "restore": {"tiers": {"as_expected": False, "sources": ["durable", "durable"]}},
+    }
+    monkeypatch.setattr(recover.cli, "run_recover", lambda **_: report)
+    args = _args("--json")
+    assert args.func(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not read where the scenario put the copies" in err[0]
+    assert "sources by rank: durable, durable" in err[0]
+
+
 def test_a_failing_rank_is_one_error_naming_it(tmp_path):
     plan = recover.RecoverPlan(
         durable_uri=str(tmp_path / "durable"), plain_uri=str(tmp_path / "plain"),
