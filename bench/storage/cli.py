@@ -28,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="load-generate against a store: steady put/get, checkpoint bursts, ranged reads",
         description="Load generator for any store ckptstore reaches (local path, memory://, "
         "s3://...), through the same storage layer the checkpointer uses. Works under a fresh "
-        "ckptbench-<random>/ prefix and deletes what it wrote.",
+        "ckptbench-<random>/ prefix and deletes what it wrote. Exit status 1 when a request "
+        "failed that no injected fault explains (the figures then count only those that "
+        "succeeded).",
     )
     p.add_argument(
         "--uri", required=True, help="store URI: a path, memory://..., s3://bucket/prefix"
@@ -222,5 +224,19 @@ def run(args: argparse.Namespace) -> int:
         what = "every request" if len(failed) == 2 else f"every {failed[0]}"
         first = result[failed[0]].get("first_error")
         print(f"ckptbench storage: error: {what} failed, first: {first}", file=sys.stderr)
+        return 1
+    # Without injected faults a request that failed is the store failing (a disk that filled
+    # mid-burst): the figures count only the requests that landed, and the run says so.
+    errors = {op: result[op] for op in ("put", "get") if op in result and result[op]["errors"]}
+    if errors and config.faults is None:
+        counts = ", ".join(
+            f"{r['errors']} of {r['ops'] + r['errors']} {op}s" for op, r in errors.items()
+        )
+        first = next(iter(errors.values())).get("first_error")
+        print(
+            f"ckptbench storage: error: {counts} failed (first: {first}); the figures above "
+            "count only the requests that succeeded",
+            file=sys.stderr,
+        )
         return 1
     return 0

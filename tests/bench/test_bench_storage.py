@@ -276,6 +276,34 @@ def test_burst_measures_reads_around_the_burst_and_cleans_up(capsys, tmp_path):
         assert ("from as few as 2 reads in a phase: too few for a p99" in line) == caveat, line
 
 
+def test_a_burst_whose_puts_partly_fail_fails_the_run(capsys, tmp_path, monkeypatch):
+    """Resource reviewer: on a disk that filled mid-burst 57 of 64 puts failed, and the run
+    printed a write throughput of the 7 that landed and exited 0."""
+    import errno
+    import itertools
+
+    from ckptstore.store import backends
+
+    put, count = backends.LocalBackend.put_once, itertools.count()
+
+    def filling(self, path, data):
+        if "/rank" in path and next(count) % 2:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return put(self, path, data)
+
+    monkeypatch.setattr(backends.LocalBackend, "put_once", filling)
+    err: list[str] = []
+    rc, result = _run_json(
+        capsys, "--uri", str(tmp_path / "store"), "--mode", "burst", "--writers", "2",
+        "--checkpoint-bytes", "512KiB", "--sizes", "128KiB", "--baseline-s", "0",
+        "--after-s", "0", err=err,
+    )  # fmt: skip
+    assert rc == 1 and 0 < result["put"]["errors"] < 8 and result["put"]["ops"] > 0
+    (line,) = err[0].strip().splitlines()
+    assert f"{result['put']['errors']} of 8 puts failed" in line
+    assert "no space left on device" in line
+
+
 def test_burst_is_bounded_by_its_duration(capsys):
     uri = _memory_uri()
     rc, result = _run_json(
