@@ -190,7 +190,10 @@ class StateLoader:
                 # Gone while it loaded: another process's keep_last or gc removed it after a
                 # newer save. Plan again (collective: every rank agreed on the error).
                 tried = candidates[0].step
-                candidates, not_healthy = self._candidates(step, fallback, healthy)
+                try:
+                    candidates, not_healthy = self._candidates(step, fallback, healthy)
+                except CheckpointNotFoundError:  # the failed loads unlisted their bad copies
+                    raise self._load_failed(loaded, dirty) from None
                 if candidates[0].step <= tried:
                     raise self._load_failed(loaded, dirty)
                 logger.warning(
@@ -563,9 +566,6 @@ class StateLoader:
                 repaired=read.repaired,
                 ahead=ahead,
                 forget=self.local.forget_bad_chunk,
-                # The fallback goes on to older steps: this one's copy stays listed, unless
-                # just repaired (then the next load restores it again).
-                unlist=read.repaired is not None,
             )
             source = chunks_from_store(read.store, index.chunks, self.config, fetch)
         try:

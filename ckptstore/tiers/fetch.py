@@ -51,8 +51,8 @@ class TierFetch:
     verified while the load waited on a repair, served without reading them again.
     ``forget``: called with a chunk of ``local`` that is missing or fails its check and is read
     from ``durable`` instead (``LocalTier.forget_bad_chunk``: the copy's next save must not
-    count it stored). ``unlist``: a bad chunk of a step only the local tiers hold, found
-    nowhere else, unlists the copy (False: its error is raised as it is)."""
+    count it stored). A bad chunk of a step only the local tiers hold, found nowhere else,
+    unlists the copy."""
 
     def __init__(
         self,
@@ -68,7 +68,6 @@ class TierFetch:
         repaired: RepairedCopy | None = None,
         ahead: VerifiedAhead | None = None,
         forget: Callable[[str], None] | None = None,
-        unlist: bool = True,
     ) -> None:
         self.local = local
         self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
@@ -81,7 +80,6 @@ class TierFetch:
         self.repaired = repaired
         self.ahead = ahead
         self.forget = forget  # a bad chunk of ``local``, removed so a save writes it again
-        self.unlist = unlist  # False: a local-only step's bad copy stays listed (the caller's)
         self._lock = threading.Lock()
         self._warned = False
         self._dropped = False
@@ -171,8 +169,6 @@ class TierFetch:
         that the next load restores it from a peer's copy where one holds it, else takes an
         older step; the error to raise says so."""
         assert self.local is not None
-        if not self.unlist:
-            return error
         step = self.report.step
         what = "this rank's copy stays listed"
         if isinstance(error, _PLAIN) and step is not None:
@@ -182,8 +178,8 @@ class TierFetch:
                         drop_step(self.local, step)
                         self._dropped = True
                 what = (
-                    "this rank's copy was unlisted: load again to restore it from a peer's "
-                    "copy, or to load an older step"
+                    "this rank's copy was unlisted: a load takes a peer's copy where one "
+                    "holds it, else an older step"
                 )
             except CheckpointError as exc:
                 what = f"unlisting this rank's copy failed ({' '.join(str(exc).split())})"

@@ -354,7 +354,7 @@ def _bad_chunk_of_a_local_only_step(rank: int, world: int, root: str, base: str)
             blank_state(), storage_reader=StoreReader(root, tiers=TierOptions(local_dir=local))
         )
     why = " ".join(str(e) for e, _ in raised.value.failures.values())
-    assert "this rank's copy was unlisted: load again" in why, why
+    assert "this rank's copy was unlisted: a load takes a peer's copy" in why, why
     # The second load restores rank 2's copy from its holder on node 0: step 2, whole.
     target, reader = _load(root, local, Tally())
     assert_loaded(target, 2)

@@ -527,8 +527,9 @@ def test_a_bad_chunk_of_a_local_only_step_is_read_from_durable_storage_by_its_di
 
 def test_a_bad_chunk_of_a_local_only_step_durable_storage_lacks_is_still_an_error(make, tmp_path):
     """The look in durable storage by digest finds nothing: the load fails naming the chunk
-    (as before), never loads it with a hole; a resume takes the step before (DCP's load
-    unlisted the bad copy, the Checkpointer's falls back)."""
+    (as before), never loads it with a hole, and unlists the bad copy; a resume takes the
+    step before. Tiers reviewer: the Checkpointer's load kept the bad copy listed, so its
+    ``latest()`` named step 2 at every restart while every load took step 1."""
     front = make(durable_every=2)
     front.save(1, _state(1))
     front.save(2, _state(2))  # local only, its chunks nowhere else
@@ -538,8 +539,10 @@ def test_a_bad_chunk_of_a_local_only_step_durable_storage_lacks_is_still_an_erro
     front = front.restart()
     with pytest.raises(BaseException, match="xxh3 mismatch"):
         front.load(_blank())  # DCP wraps it in a CheckpointException, a BaseException
+    front = front.restart()
+    assert front.latest() == 1
     target = _blank()
-    assert front.restart().resume(target) == 1 and _same(target, _state(1))
+    assert front.resume(target) == 1 and _same(target, _state(1))
 
 
 class _ChunksUnreachable(Store):
@@ -2175,7 +2178,7 @@ def _one_bad_chunk(rank: int, world: int, kind: str, root: str, base: str, bound
     assert step == 2 and _same(target, want), (rank, report)
     if rank == 2:
         if len(loads) == 2:
-            assert "load again to restore it from a peer" in loads[0], loads
+            assert "a load takes a peer's copy where one holds it" in loads[0], loads
         assert report.source == "peer", report
         # Only the bad chunk crossed the wire; the others still verified where they were.
         assert (report.repair_chunks_received, report.repair_chunks_here) == (1, n - 1), report
