@@ -34,6 +34,8 @@ and ``Manifest`` a save writes is built here.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +111,15 @@ class RankWritten:
 
 
 def store_place(store: Store) -> str:
-    """Where a rank writes: an object store's URI; a local store's absolute path on this
-    machine (its tag first: the same path on two hosts may be two disks)."""
-    return f"{machine_tag()}:{store.uri}" if store.is_local else store.uri
+    """Where a rank writes: an object store's URI; a local store's real path on this host
+    (with the machine's tag: the same path on two hosts may be two disks); a ``memory://``
+    store's, with the process's (each process has its own)."""
+    here = f"on {socket.gethostname()} ({machine_tag() or 'no boot id'})"
+    if store.is_local:
+        return f"{os.path.realpath(store.root)} {here}"
+    if store.uri.startswith("memory://"):
+        return f"{store.uri} {here}, pid {os.getpid()}"
+    return store.uri
 
 
 @dataclass(frozen=True)

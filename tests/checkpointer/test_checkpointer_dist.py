@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -133,15 +134,19 @@ def test_a_load_or_latest_beside_a_save_in_flight_waits_for_it(tmp_path):
     run_ranks(_load_beside_a_save_in_flight, 2, str(tmp_path), timeout_s=150)
 
 
-def _stores_apart(rank: int, world: int, root: str, kind: str) -> None:
+def _stores_apart(rank: int, world: int, root: str, kind: str, relative: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
     from ckptstore.dcp import StoreWriter
 
     uri = f"{root}/durable" if rank == 0 else f"{root}/run-{rank}"  # a path with the time in it
+    if relative:  # one spelling, two directories (reviewer of the first fix)
+        os.makedirs(f"{root}/cwd{rank}", exist_ok=True)
+        os.chdir(f"{root}/cwd{rank}")
+        uri = "durable"
     state = {f"w{rank}": torch.full((1000,), float(rank))}
-    match = r"ranks wrote to other stores than the committing rank's .*/durable \(rank 1 "
+    match = r"ranks wrote to other stores than the committing rank's .*/durable on .*\(rank 1 "
     if kind == "checkpointer":
         with Checkpointer(uri) as ckpt:
             with pytest.raises(CheckpointError, match=match):
@@ -156,9 +161,10 @@ def _stores_apart(rank: int, world: int, root: str, kind: str) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("relative", [False, True], ids=["paths", "relative"])
 @pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
-def test_ranks_given_different_stores_commit_nothing(tmp_path, kind):
+def test_ranks_given_different_stores_commit_nothing(tmp_path, kind, relative):
     """Tiers reviewer: rank 1 given another store than rank 0 saved "successfully": rank 0's
     manifest named an index its store never held, and no step could be loaded."""
-    run_ranks(_stores_apart, 2, str(tmp_path), kind)
-    assert list_steps(Store(str(tmp_path / "durable"))) == []
+    run_ranks(_stores_apart, 2, str(tmp_path), kind, relative)
+    assert list_steps(Store(str(tmp_path / ("cwd0" if relative else "") / "durable"))) == []
