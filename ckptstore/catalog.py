@@ -154,8 +154,24 @@ def parse_step(step: int | str | None) -> int | None:
 
 def no_checkpoint(store: Store) -> CheckpointNotFoundError:
     """The error of a store that holds no committed step, naming a store just above or below it
-    where there is one (a mistyped path)."""
-    return CheckpointNotFoundError(f"no committed checkpoint in {store.uri}{store_nearby(store)}")
+    where there is one (a mistyped path), or the torch DCP checkpoint it holds instead."""
+    why = dcp_checkpoint_there(store) or store_nearby(store)
+    return CheckpointNotFoundError(f"no committed checkpoint in {store.uri}{why}")
+
+
+def dcp_checkpoint_there(store: Store) -> str:
+    """A note when ``store`` holds torch DCP's own checkpoint (its ``.metadata``, as
+    ``FileSystemWriter`` writes it), "" otherwise."""
+    try:
+        there = store.exists(".metadata")
+    except CheckpointError:
+        return ""
+    if not there:
+        return ""
+    return (
+        " (it holds a checkpoint of torch DCP's own FileSystemWriter, not a ckptstore store: "
+        "read it with torch.distributed.checkpoint.FileSystemReader)"
+    )
 
 
 _NEARBY_DIRS = 256  # subdirectories of an empty local store looked into, at most

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckptstore.catalog import store_nearby
+from ckptstore.catalog import dcp_checkpoint_there, store_nearby
 from ckptstore.errors import CheckpointNotFoundError, StorageAccessError
 from ckptstore.store import RetryPolicy, Store
 
@@ -83,7 +83,8 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
         raise CheckpointNotFoundError(
             f"no ckptstore data at {args.uri}"
             + (
-                store_nearby(store)  # the store it lies in, or one just below it
+                dcp_checkpoint_there(store)
+                or store_nearby(store)  # the store it lies in, or one just below it
                 or " (nothing under commits/, steps/, indexes/, leases/ or chunks/: a mistyped "
                 "path or prefix?)"
             )

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from ckptstore import Checkpointer, EncodingOptions, StorageOptions
 from ckptstore.catalog import list_steps, load_manifest, load_rank_index, read_object
@@ -192,16 +193,31 @@ class _CachingPlanner(DefaultSavePlanner):
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=True)
 
+    @classmethod
+    def forget(cls) -> None:
+        """DCP's plan caches of this class emptied (they live on the class, across tests)."""
+        for cache in ("save_plan", "final_save_plan", "all_plans", "global_plan", "metadata"):
+            getattr(SavePlanner, f"_cached_{cache}", {}).pop(cls.__name__, None)
 
-def test_cached_save_plans_are_refused_clearly(tmp_path):
+
+@pytest.mark.parametrize("one_writer", [False, True])
+def test_cached_save_plans_are_refused_clearly(tmp_path, one_writer):
+    """DCP migrator: with one writer the save after the first failed as StepExistsError of the
+    first step (its message said nothing of caching); each is refused before it writes."""
     uri = str(tmp_path / "s")
     state = {"x": torch.arange(4.0)}
-    dcp.save(state, storage_writer=StoreWriter(uri), planner=_CachingPlanner(), no_dist=True)
+    writer = StoreWriter(uri)
+    _CachingPlanner.forget()
+    dcp.save(state, storage_writer=writer, planner=_CachingPlanner(), no_dist=True)
+    writer = writer if one_writer else StoreWriter(uri)
     with pytest.raises(CheckpointException) as info:
-        dcp.save(state, storage_writer=StoreWriter(uri), planner=_CachingPlanner(), no_dist=True)
-    assert isinstance(info.value.failures[0][0], StepExistsError)
-    assert "enable_plan_caching is not supported" in str(info.value)
+        dcp.save(state, storage_writer=writer, planner=_CachingPlanner(), no_dist=True)
+    assert isinstance(info.value.failures[0][0], ValueError)
+    assert "StoreWriter does not support DCP plan caching" in str(info.value)
     assert list_steps(Store(uri)) == [0] and Store(uri).list("pending") == []
+    _CachingPlanner.forget()
+    dcp.save(state, storage_writer=writer, no_dist=True)  # without caching: the next step
+    assert list_steps(Store(uri)) == [0, 1]
 
 
 def test_existing_step_fails_and_clobbers_nothing(tmp_path):
@@ -573,31 +589,19 @@ def test_a_dcp_save_of_a_dtype_no_step_holds_is_refused_before_it_writes(tmp_pat
     assert list_steps(store) == [] and not store.list("chunks")
 
 
-def test_dcp_plan_caching_is_refused_before_the_save_it_would_break(tmp_path):
-    """DCP migrator: enable_plan_caching was accepted (the docstring says refused), and every
-    save after the first failed as StepExistsError of the first step."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import SavePlanner
+def test_a_checkpoint_of_dcps_own_writer_is_named_as_one(tmp_path, capsys):
+    """DCP migrator: StoreReader and `ckptstore ls` on a FileSystemWriter directory said only
+    "no committed checkpoint" (a mistyped path?), though its .metadata was there."""
+    from ckptstore.cli import main
 
-    store = Store(str(tmp_path / "s"))
-    writer = StoreWriter(store.uri)
-    state = {"w": torch.arange(10.0)}
-    try:
-        dcp.save(state, storage_writer=writer, no_dist=True, planner=_caching())
-        with pytest.raises(CheckpointException, match="does not support DCP plan caching"):
-            dcp.save(state, storage_writer=writer, no_dist=True, planner=_caching())
-    finally:  # DCP caches plans per planner class, across writers
-        for cache in ("save_plan", "final_save_plan", "all_plans", "global_plan", "metadata"):
-            getattr(SavePlanner, f"_cached_{cache}", {}).pop(DefaultSavePlanner.__name__, None)
-    assert list_steps(store) == [0]
-    dcp.save(state, storage_writer=writer, no_dist=True)  # without caching: the next step
-    assert list_steps(store) == [0, 1]
-
-
-def _caching():
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    return DefaultSavePlanner(enable_plan_caching=True)
+    path = str(tmp_path / "fs")
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    with pytest.raises(CheckpointException, match="torch DCP's own FileSystemWriter") as raised:
+        dcp.load({"w": torch.zeros(3)}, storage_reader=StoreReader(path), no_dist=True)
+    assert "FileSystemReader" in str(raised.value)
+    assert main(["ls", path]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "torch DCP's own FileSystemWriter, not a ckptstore store" in line
 
 
 def test_nan_and_inf_of_float8_are_counted_by_the_health_scan(tmp_path):
