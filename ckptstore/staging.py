@@ -65,8 +65,10 @@ class StagingPool:
         device: Device | None = None,
         slab_bytes: int = HOST_SLAB_BYTES,
     ) -> None:
+        # The option a user sets it with (the flat keyword staging_budget_bytes is deprecated)
+        self.budget_name = f"StagingOptions.{'device_' if device is not None else ''}budget_bytes"
         if budget_bytes is not None and budget_bytes <= 0:
-            raise ValueError(f"staging_budget_bytes must be > 0, got {budget_bytes}")
+            raise ValueError(f"{self.budget_name} must be > 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
         self.device = device
@@ -100,7 +102,7 @@ class StagingPool:
         new host buffer has its pages touched before it is returned."""
         if self.budget_bytes is not None and nbytes > self.budget_bytes:
             raise ValueError(
-                f"state needs {nbytes} bytes of staging but staging_budget_bytes is "
+                f"state needs {nbytes} bytes of staging but {self.budget_name} is "
                 f"{self.budget_bytes}"
             )
         nbytes = max(nbytes, 1)

@@ -76,7 +76,8 @@ def load_pickled_value(data: bytes, name: str) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure is a refused value
         raise PickledValueRefusedError(
-            f"DCP item {name}: refused (pickled; opt in with "
+            f"DCP item {name}: refused (pickled; allow its classes alone with "
+            "torch.serialization.add_safe_globals([...]), or everything with "
             "StoreReader(trust_pickled_objects=True) if you trust its writer): torch's "
             f"weights-only unpickler does not load it ({_unpickling_reason(exc)})"
         ) from None

@@ -24,7 +24,11 @@ def cmd_inspect(args: argparse.Namespace, store: Store) -> int:
         ("world size", str(doc["world_size"])),
         ("created", f"{doc['created']} (UTC)"),
         ("attempt", doc["attempt"]),
-        ("tensors", f"{doc['num_tensors']} ({human_bytes(doc['tensor_bytes'])})"),
+        (
+            "tensors",
+            f"{doc['num_tensors']} ({human_bytes(doc['tensor_bytes'])})"
+            + (", each rank's shard counted" if doc["world_size"] > 1 else ""),
+        ),
         (
             "chunks",
             f"{doc['num_chunks']}: {human_bytes(doc['raw_bytes'])} raw, "

@@ -150,8 +150,8 @@ class CkptstoreCheckpointIO(CheckpointIO):
         uri: the store: a path, ``file://``, ``memory://``, ``s3://bucket/prefix``.
         storage_options: passed to fsspec for the store (credentials, endpoint, ...); pointer
             files are reached as Lightning reaches its checkpoint directory.
-        **checkpointer_options: passed to :class:`ckptstore.Checkpointer` (``compression``,
-            ``staging_budget_bytes``, ...). Leave ``keep_last`` unset to let
+        **checkpointer_options: passed to :class:`ckptstore.Checkpointer` (``encoding=``,
+            ``staging=``, ... option objects). Leave ``keep_last`` unset to let
             ``ModelCheckpoint(save_top_k=...)`` decide which steps go. The default
             ``health`` ignores the callbacks' state (``ModelCheckpoint`` and ``EarlyStopping``
             keep scores that are Inf by design): ``HealthPolicy(ignore=("callbacks/",))``.

@@ -849,6 +849,7 @@ def test_two_ranks_inspect_verify_restore(tmp_path: Path, capsys) -> None:
     ]
     code, out, _ = run(capsys, "inspect", root)
     assert "RANK" in out
+    assert re.search(r"tensors: +4 \(.*\), each rank's shard counted", out), out  # DCP migrator
     code, doc = run_json(capsys, "verify", root)
     assert code == 0 and doc["steps"][0]["ranks"] == 2
     code, out, _ = run(capsys, "restore", root, "--to", tmp_path / "all.pt")

@@ -8,6 +8,7 @@ marker's absence."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -272,7 +273,10 @@ def test_a_pickled_value_that_needs_code_is_refused_on_ckptstores_load_paths(tmp
     assert not marker.exists()
 
 
-_REFUSED = "refused (pickled; opt in with StoreReader(trust_pickled_objects=True)"
+_REFUSED = (
+    "refused (pickled; allow its classes alone with torch.serialization.add_safe_globals([...]), "
+    "or everything with StoreReader(trust_pickled_objects=True)"
+)
 
 
 def test_a_bytesio_value_is_refused_by_name_never_called_corrupt(tmp_path, capsys):
@@ -311,7 +315,9 @@ def test_dcp_load_refuses_a_pickled_value_that_needs_code_unless_trusted(tmp_pat
     marker = tmp_path / "ran"
     store = _save_hostile_value(str(tmp_path / "s"), marker)
     target = {**_blank(), "evil": None}
-    with pytest.raises(CheckpointException, match=r"'evil'.*refused \(pickled; opt in"):
+    with pytest.raises(
+        CheckpointException, match=r"'evil'.*refused \(pickled; allow its classes alone"
+    ):
         dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
     assert not marker.exists()
     # The user's explicit opt-in hands the value to DCP's planner, which unpickles it.
@@ -507,3 +513,20 @@ def test_gc_never_keeps_a_dcp_step_without_its_metadata_in_place_of_one_that_loa
     out = capsys.readouterr().out
     assert "deleted steps: none" in out and "unreadable step 1: kept, not counted" in out
     assert load_full_state_dict(store, 0)["step"] == 7
+
+
+@dataclasses.dataclass
+class _TrainConfig:
+    lr: float
+
+
+def test_a_class_the_user_allows_with_add_safe_globals_loads_and_no_other(tmp_path):
+    """DCP migrator: the refusal named only trust_pickled_objects=True (which runs any code);
+    torch's add_safe_globals admits the classes named, and the message says so."""
+    store = _save(str(tmp_path / "s"), {**_state(), "cfg": _TrainConfig(0.1)})
+    with pytest.raises(CheckpointException, match=r"add_safe_globals\(\[\.\.\.\]\)"):
+        dcp.load({**_blank(), "cfg": None}, storage_reader=StoreReader(store.uri), no_dist=True)
+    with torch.serialization.safe_globals([_TrainConfig]):
+        target = {**_blank(), "cfg": None}
+        dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
+    assert target["cfg"] == _TrainConfig(0.1)
