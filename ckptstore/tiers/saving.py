@@ -82,7 +82,7 @@ class TierSaver:
         self.last_copy: CommittedCopy | None = None
         """This rank's copy of the step it last committed locally, until ``copy_to_peers``;
         its ``lease`` (the local commit's) is held until then."""
-        self._failure_logged = False
+        self._failures = 0  # local commits failed in a row
         # Fixed for the job: every rank's peer copies (source, holder), this rank's wards.
         self._pairs = [(r, h) for r in range(group.world_size) for h in _holders(topology, r)]
         self._wards = [self.rank] + _wards(topology, self.rank)
@@ -218,8 +218,14 @@ class TierSaver:
                 session.release()
         if not heard.ok:
             self._not_committed(step, heard)
+            # The failed attempt's chunks (a disk that filled mid-copy) are unreferenced now:
+            # swept, or a tier too small for its copies stays full, every save failing there
+            try:
+                local.retain(self.rank)
+            except Exception as exc:  # noqa: BLE001 - the save goes to durable storage anyway
+                logger.debug("rank %d: local retention after the failure: %s", self.rank, exc)
             return LocalCommit(None, payloads)
-        self._failure_logged = False
+        self._failures = 0
         self.committed.add(step)
         local.note_committed(step)
         if protect:
@@ -275,13 +281,17 @@ class TierSaver:
         """Fails the save if the local tier holds another save of ``step``; else says the save
         goes to durable storage instead."""
         _raise_if_taken(step, heard, self.durable_uri)
-        level = logging.INFO if self._failure_logged else logging.WARNING
-        self._failure_logged = True  # one warning until a save succeeds again
+        self._failures += 1
+        # A warning at the first failure and every 10th in a row (a tier too small for
+        # local_keep_last + 1 copies fails at every save, and did so at INFO level unseen)
+        again = self._failures > 1
+        level = logging.WARNING if self._failures % 10 == 1 else logging.INFO
         logger.log(
             level,
-            "rank %d: step %d not committed to the local tier (%s); saving it to %s instead",
+            "rank %d: step %d not committed to the local tier%s (%s); saving it to %s instead",
             self.rank,
             step,
+            f" ({self._failures} saves in a row)" if again else "",
             heard.why(),
             self.durable_uri,
         )

@@ -28,6 +28,7 @@ from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, plan_sources
 from tests.helpers import ROOT
 from tests.helpers.counting import CountingBackend, Tally
 from tests.helpers.dist import gathered, run_ranks
+from tests.helpers.integrity import chunk_files, referenced_chunks
 from tests.helpers.tiers import (
     ENCODING,
     blank_state,
@@ -431,6 +432,32 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     hint = f"ckptstore inspect {copies_dir(local, 0)} --step 3"  # a copy this directory holds
     assert hint in out
     assert main(hint.split()[1:]) == 0
+
+
+def test_a_local_tier_too_small_for_its_copies_keeps_no_chunk_of_a_failed_one(
+    tmp_path, small_disk, caplog
+):
+    """Resource reviewer: a tier with room for fewer than local_keep_last + 1 copies failed at
+    every save after the first warning, at INFO level, and each failed copy's chunks stayed
+    (3 MiB of 12), so even a short-lived shortage became for good."""
+    caplog.set_level(logging.INFO, logger="ckptstore")
+
+    def big(step: int) -> dict:  # 1.5 MiB of incompressible bytes: two fit on the 4 MiB disk
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randint(0, 2**31, (384 * 1024,), generator=g, dtype=torch.int32)}
+
+    with Checkpointer(
+        tmp_path / "durable",
+        tiers=TierOptions(local_dir=small_disk, durable_every=100, local_keep_last=2),
+        encoding=EncodingOptions(compression="none", chunk_bytes=256 * 1024),
+    ) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, big(step)).wait()
+            copies = copies_dir(small_disk, 0)
+            assert chunk_files(copies) == referenced_chunks(str(copies)), step
+    failed = [r for r in caplog.records if "not committed to the local tier" in r.message]
+    assert [r.levelno for r in failed] == [logging.WARNING, logging.INFO]
+    assert "(2 saves in a row)" in failed[1].message
 
 
 def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, small_disk, caplog):
