@@ -218,12 +218,6 @@ class TierSaver:
                 session.release()
         if not heard.ok:
             self._not_committed(step, heard)
-            # The failed attempt's chunks (a disk that filled mid-copy) are unreferenced now:
-            # swept, or a tier too small for its copies stays full, every save failing there
-            try:
-                local.retain(self.rank)
-            except Exception as exc:  # noqa: BLE001 - the save goes to durable storage anyway
-                logger.debug("rank %d: local retention after the failure: %s", self.rank, exc)
             return LocalCommit(None, payloads)
         self._failures = 0
         self.committed.add(step)
@@ -279,8 +273,13 @@ class TierSaver:
 
     def _not_committed(self, step: int, heard: Agreement) -> None:
         """Fails the save if the local tier holds another save of ``step``; else says the save
-        goes to durable storage instead."""
+        goes to durable storage instead, and sweeps the failed attempt's chunks (a disk that
+        filled mid-copy: kept, a tier too small for its copies stayed full, failing for good)."""
         _raise_if_taken(step, heard, self.durable_uri)
+        try:
+            self.local.retain(self.rank)
+        except Exception as exc:  # noqa: BLE001 - the save goes to durable storage anyway
+            logger.debug("rank %d: local retention after the failure: %s", self.rank, exc)
         self._failures += 1
         # A warning at the first failure and every 10th in a row (a tier too small for
         # local_keep_last + 1 copies fails at every save, and did so at INFO level unseen)
