@@ -230,11 +230,11 @@ class LocalTier:
             self.store(self.rank)  # the job directory made, and checked for links
             if not os.path.lexists(path):
                 made = job_dir / f".{DIR_TOKEN}.tmp-{uuid.uuid4().hex}"
-                with open(made, "x") as out:  # on disk before it is linked into place
-                    out.write(uuid.uuid4().hex)
-                    out.flush()
-                    os.fsync(out.fileno())
-                try:
+                try:  # removed whatever happens (a full disk fails the write, not the open)
+                    with open(made, "x") as out:  # on disk before it is linked into place
+                        out.write(uuid.uuid4().hex)
+                        out.flush()
+                        os.fsync(out.fileno())
                     os.link(made, path)  # the first process's token wins, whole
                 except FileExistsError:
                     pass

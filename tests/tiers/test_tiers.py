@@ -460,6 +460,22 @@ def test_a_local_tier_too_small_for_its_copies_keeps_no_chunk_of_a_failed_one(
     assert "(2 saves in a row)" in failed[1].message
 
 
+def test_a_full_local_disk_is_left_no_token_temporary(tmp_path, small_disk):
+    """Resource reviewer: each tiered open on a full local_dir left a .dir-token.tmp-<uuid>
+    (its removal covered the link, not the write that failed)."""
+    with open(small_disk / "filler", "wb") as out:  # every byte of the disk taken
+        try:
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+        except OSError:
+            pass
+    for _ in range(2):
+        with Checkpointer(tmp_path / "durable", tiers=TierOptions(local_dir=small_disk)) as ckpt:
+            ckpt.save(len(list_steps(Store(str(tmp_path / "durable")))) + 1, {"w": torch.ones(4)})
+    assert not list(small_disk.rglob(".dir-token.tmp-*"))
+
+
 def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, small_disk, caplog):
     caplog.set_level(logging.WARNING, logger="ckptstore")
     durable = tmp_path / "durable"
