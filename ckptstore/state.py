@@ -148,14 +148,16 @@ def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
     (a longdouble's ``item()`` is itself, a complex64's a complex), saying what to save."""
     kind = value.dtype.kind
     item = value.item()
-    # A datetime64/timedelta64 of ns is an int to item(): loaded back as one, its type lost
-    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "Mm":
+    # A datetime64/timedelta64 of ns is an int to item(), a void (structured) one bytes:
+    # loaded back as that, its type lost
+    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "MmV":
         return item
     hint = {
         "f": "float(value)",
         "c": "np.asarray(value) (a 0-d array)",
         "M": "str(value) or value.astype('int64') with its unit",
         "m": "value.astype('int64') with its unit",
+        "V": "its fields one by one, or value.tobytes()",
     }.get(kind, "a number")
     if kind == "c" and value.dtype.itemsize > 16:  # torch has no dtype for it
         hint = "np.asarray(value, np.complex128) (a 0-d array)"

@@ -404,6 +404,7 @@ def test_arrays_of_a_second_name_or_byte_order_are_saved_as_their_values(tmp_pat
         (np.datetime64("2026-12-05T10:00", "ns"), r"datetime64\[ns\]", r"str\(value\)"),
         (np.datetime64("2026-12-05T10:00", "s"), r"datetime64\[s\]", r"str\(value\)"),
         (np.timedelta64(5, "ns"), r"timedelta64\[ns\]", r"value\.astype\('int64'\)"),
+        (np.void(b"ab"), r"\|V2", r"its fields one by one"),
     ],
 )
 def test_a_numpy_scalar_without_a_plain_value_is_refused_by_its_dtype(
@@ -411,7 +412,8 @@ def test_a_numpy_scalar_without_a_plain_value_is_refused_by_its_dtype(
 ):
     """Reviewer X: a longdouble scalar (whose .item() is itself) was a RecursionError at save;
     a complex64 one was refused as "builtins.complex", a type the state did not hold. A
-    datetime64[ns] (or timedelta64[ns]) scalar was saved as its int and loaded back as one."""
+    datetime64[ns] (or timedelta64[ns]) scalar was saved as its int and loaded back as one, a
+    void one as bytes."""
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match=rf"^x/0: a numpy {dtype} scalar.*{hint}"):
             ckpt.save(1, {"x": [scalar]})
