@@ -238,6 +238,11 @@ def _load(data: bytes, kind: str, name: str) -> dict:
         raise CheckpointCorruptError(f"{name}: not a {FORMAT_NAME} {kind}")
     version = doc.get("format_version")
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        if _damaged_version(doc) is not None:  # ours, a byte of its version flipped
+            raise CheckpointCorruptError(
+                f"{name}: format version {version!r} fails the checksum that version "
+                f"{_damaged_version(doc)} passes (the {kind} is corrupt)"
+            )
         raise FormatVersionError(
             f"{name}: format version {version!r}; this ckptstore reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))} only (upgrade ckptstore to read it)"
@@ -248,6 +253,16 @@ def _load(data: bytes, kind: str, name: str) -> dict:
     if checksum != hash_bytes(_canonical(doc)):
         raise CheckpointCorruptError(f"{name}: checksum mismatch (the {kind} is corrupt)")
     return doc
+
+
+def _damaged_version(doc: dict) -> int | None:
+    """The readable version whose document passes the checksum, where the version written is
+    not one (a flipped byte, not a newer writer: its checksum holds for its own version)."""
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    for version in READABLE_VERSIONS:
+        if doc.get("checksum") == hash_bytes(_canonical({**body, "format_version": version})):
+            return version
+    return None
 
 
 def encode_rank_index(index: RankIndex) -> bytes:

@@ -30,6 +30,7 @@ from ckptstore import (
 )
 from ckptstore.catalog import list_steps
 from ckptstore.format import commit_key
+from tests.helpers.crafted import sealed
 from tests.helpers.dist import run_ranks
 
 
@@ -593,14 +594,20 @@ def test_corrupt_chunk_is_refused_on_load(tmp_path):
 
 
 def test_unknown_format_version_is_refused(tmp_path):
+    """A newer writer's manifest (its checksum its own) is refused as a version to upgrade
+    for; one whose version digit flipped (the checksum holds for version 2) is corrupt
+    (reviewer of stop 71: it said "upgrade ckptstore", and was never quarantined)."""
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, {"w": torch.randn(10)}).wait()
     path = tmp_path / commit_key(1)
     doc = json.loads(path.read_text())
-    doc["format_version"] = 99
     path.unlink()
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sealed({**doc, "format_version": 99}))
     with pytest.raises(FormatVersionError, match="format version 99"):
+        Checkpointer(tmp_path).load({"w": torch.zeros(10)})
+    path.unlink()
+    path.write_text(json.dumps({**doc, "format_version": 3}, separators=(",", ":")))
+    with pytest.raises(CheckpointCorruptError, match="version 3 fails the checksum that version 2"):
         Checkpointer(tmp_path).load({"w": torch.zeros(10)})
 
 

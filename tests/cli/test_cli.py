@@ -22,6 +22,7 @@ import torch
 from ckptstore import Checkpointer, EncodingOptions, TierOptions
 from ckptstore.cli import main
 from tests.helpers import ROOT
+from tests.helpers.crafted import sealed
 from tests.helpers.dist import run_ranks
 from tests.helpers.signals import stop_run
 from tests.helpers.wait import wait_until
@@ -875,7 +876,7 @@ def test_unknown_format_version_is_reported(store: Path, capsys) -> None:
     path = store / f"commits/{20:020d}.json"
     text = path.read_text()
     assert '"format_version":2,' in text
-    path.write_text(text.replace('"format_version":2,', '"format_version":99,'))
+    path.write_bytes(sealed({**json.loads(text), "format_version": 99}))  # a newer writer's
     code, _, err = run(capsys, "inspect", store, "--step", "20")
     assert code == 1 and "upgrade ckptstore" in one_line_error(err, "inspect")
     code, doc = run_json(capsys, "verify", store, "--step", "20")
