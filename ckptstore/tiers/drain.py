@@ -160,7 +160,8 @@ def _dropped(store: Store, step: int, exc: BaseException) -> BaseException:
     if not gone:
         return exc
     dropped = CheckpointNotFoundError(
-        f"step {step} is not committed in {store.uri} (dropped before its drain read it)"
+        f"step {step} is not committed in {store.uri} (gone before its drain read it: removed "
+        "by another process, or by hand)"
     )
     dropped.__cause__ = exc
     return dropped
@@ -351,10 +352,13 @@ class DrainQueue:
     def _fail(self, job: DrainJob, exc: BaseException) -> None:
         _let_go(job)  # before its future is done: a waiter finds the lease released
         logger.warning(
-            "rank %d: step %d was not drained to %s (its local copies stay): %s",
+            "rank %d: step %d was not drained to %s (%s): %s",
             self.group.rank,
             job.step,
             self.store.uri,
+            "its local copy is missing objects"
+            if isinstance(exc, CheckpointNotFoundError)
+            else "its local copies stay",
             one_line(exc),
         )
         self._missed()

@@ -279,7 +279,7 @@ def _name_passed_over(held: list[dict[int, dict[int, str]]], planned: int) -> No
     missing = sorted(set(range(world)) - holders[newest])
     others = len(holders) - 1
     logger.warning(
-        "step %d passed over: no tier holds a copy of rank%s %s (held for rank%s %s)%s; "
+        "step %d passed over: no tier holds a copy of rank%s %s (only of rank%s %s)%s; "
         "loading step %d",
         newest,
         "s" if len(missing) > 1 else "",
