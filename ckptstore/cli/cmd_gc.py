@@ -6,23 +6,35 @@ import argparse
 import sys
 
 from ckptstore.cli.common import emit_json
+from ckptstore.errors import StorageError
 from ckptstore.render import human_bytes
 from ckptstore.retention import GcReport, collect
 from ckptstore.store import Store
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
-    report = collect(
-        store,
-        keep_last=args.keep_last,
-        dry_run=args.dry_run,
-        remove_corrupt=args.remove_corrupt,
-        verify_chunks=args.verify,
-        check_chunks=True,
-        verify_kept=not args.no_verify,
-        verify_healthy=not args.no_verify,
-        warn=False,  # the report below says it all
-    )
+    try:
+        report = collect(
+            store,
+            keep_last=args.keep_last,
+            dry_run=args.dry_run,
+            remove_corrupt=args.remove_corrupt,
+            verify_chunks=args.verify,
+            check_chunks=True,
+            verify_kept=not args.no_verify,
+            verify_healthy=not args.no_verify,
+            warn=False,  # the report below says it all
+        )
+    except StorageError as exc:
+        if "no space left on device" not in str(exc):
+            raise
+        # Its lease and clock probe are small writes: a store with no byte or inode left
+        # stops gc after it unlisted the steps it drops, before it freed their chunks
+        raise StorageError(
+            f"{exc} (gc writes a lease and a clock probe: free a little room beside the store, "
+            "then run gc again: the steps it dropped are gone from ckptstore ls, and their "
+            "chunks go then)"
+        ) from exc
     damaged = sorted(report.unreadable_steps.keys() - set(report.removed_corrupt))
     if args.json:
         emit_json(_doc(args, store, report))

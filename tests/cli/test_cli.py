@@ -1096,6 +1096,29 @@ def test_gc_remove_corrupt_deletes_nothing_when_this_process_cannot_check_the_ch
     assert run(capsys, "verify", store, "--all")[0] == 0
 
 
+def test_gc_on_a_store_with_no_room_left_says_what_to_free(store, capsys, monkeypatch):
+    """Resource reviewer: on a store with no byte or inode left, gc failed at its clock probe
+    or lease renewal with a bare "no space left on device", after it had unlisted the steps
+    it dropped: the README's remedy (gc) seemed not to work, and nothing said what to do."""
+    from ckptstore.errors import StorageError
+    from ckptstore.store import Store as StoreClass
+
+    put = StoreClass.put
+
+    def full(self, key, *args, **kwargs):
+        if key.startswith("leases/clock"):
+            raise StorageError(f"put {self.url(key)}: no space left on device")
+        return put(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(StoreClass, "put", full)
+    code, _, err = run(capsys, "gc", store, "--keep-last", "1", "--no-verify")
+    line = one_line_error(err, "gc")
+    assert code == 1 and "no space left on device" in line
+    assert "free a little room beside the store, then run gc again" in line
+    monkeypatch.undo()
+    assert run(capsys, "gc", store, "--keep-last", "1", "--no-verify")[0] == 0
+
+
 def test_verify_says_an_identity_it_could_not_read_is_not_read_not_damaged(
     store, capsys, monkeypatch
 ):
