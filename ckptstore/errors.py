@@ -127,6 +127,10 @@ class StorageAccessError(StorageError, PermissionError):
     """Credentials are missing or do not grant access."""
 
 
+class StorageFullError(StorageError):
+    """The store has no room left (``ENOSPC``: no byte or no inode)."""
+
+
 class CommitUnknownError(StorageError):
     """A step's commit failed ambiguously and reading it back failed too: whether the step is
     committed is unknown until the store answers (``ckptstore ls`` tells)."""

@@ -238,10 +238,11 @@ def _load(data: bytes, kind: str, name: str) -> dict:
         raise CheckpointCorruptError(f"{name}: not a {FORMAT_NAME} {kind}")
     version = doc.get("format_version")
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        if _damaged_version(doc) is not None:  # ours, a byte of its version flipped
+        passing = _damaged_version(doc)
+        if passing is not None:  # ours, a byte of its version flipped
             raise CheckpointCorruptError(
                 f"{name}: format version {version!r} fails the checksum that version "
-                f"{_damaged_version(doc)} passes (the {kind} is corrupt)"
+                f"{passing} passes (the {kind} is corrupt)"
             )
         raise FormatVersionError(
             f"{name}: format version {version!r}; this ckptstore reads versions "

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ckptstore.cli.common import emit_json
-from ckptstore.errors import StorageError
+from ckptstore.errors import StorageFullError
 from ckptstore.render import human_bytes
 from ckptstore.retention import GcReport, collect
 from ckptstore.store import Store
@@ -25,12 +25,10 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
             verify_healthy=not args.no_verify,
             warn=False,  # the report below says it all
         )
-    except StorageError as exc:
-        if "no space left on device" not in str(exc):
-            raise
+    except StorageFullError as exc:
         # Its lease and clock probe are small writes: a store with no byte or inode left
         # stops gc after it unlisted the steps it drops, before it freed their chunks
-        raise StorageError(
+        raise StorageFullError(
             f"{exc} (gc writes a lease and a clock probe: free a little room beside the store, "
             "then run gc again: the steps it dropped are gone from ckptstore ls, and their "
             "chunks go then)"

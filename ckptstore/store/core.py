@@ -29,6 +29,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StorageAccessError,
     StorageError,
+    StorageFullError,
     StorageTimeoutError,
 )
 from ckptstore.store.backends import Backend, Data, open_backend
@@ -335,7 +336,7 @@ class Store:
                 f"{op} {where}: permission denied{on} (running as {whoami()})"
             )
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return StorageError(f"{op} {where}: no space left on device")
+            return StorageFullError(f"{op} {where}: no space left on device")
         if isinstance(exc, StorageError):
             return exc
         return StorageError(f"{op} {where} failed: {describe(exc)}")
@@ -542,6 +543,7 @@ def _error_kind(exc: BaseException) -> str:
         (ObjectExistsError, "exists"),
         (StorageTimeoutError, "timeout"),
         (StorageAccessError, "access"),
+        (StorageFullError, "no_space"),
     ):
         if isinstance(exc, cls):
             return kind

@@ -53,6 +53,7 @@ class RestorePlan:
     candidates: list[Candidate]  # newest first; each rank's sources in the order to try
     not_healthy: dict[int, str] = field(default_factory=dict)  # healthy=True: step -> why not
     manifests: dict[int, Manifest] = field(default_factory=dict)  # rank 0: durable, read once
+    unreadable: dict[int, BaseException] = field(default_factory=dict)  # rank 0: why not read
 
 
 def plan_restore(
@@ -81,7 +82,7 @@ def plan_restore(
     if wanted is None and not any(held[0].values()):
         _name_copies_elsewhere(local, group.rank)
     everything = group.gather((*held, _place(local), listed))
-    manifests: dict[int, Manifest] = {}
+    plan = RestorePlan([])
     found: Any = None
     fresh = False  # nothing to resume, as far as every tier could tell
     if group.rank == 0:
@@ -90,7 +91,7 @@ def plan_restore(
         places = [p for _, _, p, _ in everything]
         try:
             found = _plan(
-                durable, local, held, places, listed, wanted, None if healthy else limit, manifests
+                durable, local, held, places, listed, wanted, None if healthy else limit, plan
             )
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
             found = exc
@@ -101,8 +102,7 @@ def plan_restore(
     found, fresh = group.broadcast((found, fresh))
     if fresh:
         local.resumed_from = FRESH_START
-    candidates = _raise_or(found)
-    plan = RestorePlan(candidates, manifests=manifests)
+    plan.candidates = _raise_or(found)
     if healthy:
         plan.candidates, plan.not_healthy = _healthy(durable, local, group, plan, wanted)
         plan.candidates = plan.candidates[:limit] if limit is not None else plan.candidates
@@ -226,9 +226,10 @@ def _plan(
     listed: list[int] | BaseException,
     step: int | None,
     limit: int | None,
-    manifests: dict[int, Manifest],
+    reads: RestorePlan,
 ) -> list[Candidate]:
-    """(rank 0) ``plan_sources`` over every rank's copies and the durable steps."""
+    """(rank 0) ``plan_sources`` over every rank's copies and the durable steps; ``reads``
+    gets the durable manifests read, and why each that was not could not be."""
     unlisted = listed if isinstance(listed, BaseException) else None
     steps: list[int] = [] if unlisted is not None else listed  # type: ignore[assignment]
     if unlisted is not None:
@@ -243,8 +244,9 @@ def _plan(
             manifest = load_manifest(durable, s)
         except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
             logger.warning("durable step %d in %s unreadable: %s", s, durable.uri, one_line(exc))
+            reads.unreadable[s] = exc
             return None  # a storage error is raised: the step may be fine
-        manifests[s] = manifest
+        reads.manifests[s] = manifest
         return manifest.attempt
 
     plan = plan_sources(held, steps, attempt, step=step, limit=limit, places=places)
@@ -330,7 +332,8 @@ def _judge(
     told = {key: health for reported in copies for key, health in reported.items()}
     for c in plan.candidates:
         if c.attempt is None:  # only its durable manifest, which cannot be read
-            why[c.step] = _unreadable(durable, c.step)
+            error = plan.unreadable[c.step]
+            why[c.step] = Unreadable(f"step {c.step}: cannot be read ({error})", error)
             continue
         own = [told.get((r, c.step), "absent") for r in range(len(copies))]
         reason = tiered_verdict(c.step, own, _durable_health(durable, plan.manifests, c))
@@ -339,16 +342,6 @@ def _judge(
         else:
             why[c.step] = reason
     return good, why
-
-
-def _unreadable(durable: Store, step: int) -> Unreadable:
-    """(rank 0) Why a durable-only save is passed over: its manifest cannot be read (a load
-    that takes an older step quarantines it, as the durable front-end does)."""
-    try:
-        load_manifest(durable, step)
-    except (CheckpointCorruptError, CheckpointNotFoundError, FormatVersionError) as exc:
-        return Unreadable(f"step {step}: cannot be read ({exc})", exc)
-    return Unreadable(f"step {step}: its manifest could not be read a moment ago")
 
 
 def _durable_health(durable: Store, manifests: dict[int, Manifest], c: Candidate) -> Any:

@@ -1100,14 +1100,14 @@ def test_gc_on_a_store_with_no_room_left_says_what_to_free(store, capsys, monkey
     """Resource reviewer: on a store with no byte or inode left, gc failed at its clock probe
     or lease renewal with a bare "no space left on device", after it had unlisted the steps
     it dropped: the README's remedy (gc) seemed not to work, and nothing said what to do."""
-    from ckptstore.errors import StorageError
+    from ckptstore.errors import StorageFullError
     from ckptstore.store import Store as StoreClass
 
     put = StoreClass.put
 
     def full(self, key, *args, **kwargs):
         if key.startswith("leases/clock"):
-            raise StorageError(f"put {self.url(key)}: no space left on device")
+            raise StorageFullError(f"put {self.url(key)}: no space left on device")
         return put(self, key, *args, **kwargs)
 
     monkeypatch.setattr(StoreClass, "put", full)
