@@ -630,9 +630,13 @@ def tiered_verdict(step: int, own: list[Any], durable: Any) -> str | None:
     save decides (``durable``: its health, None when unknown, ``"absent"`` when the durable
     store does not hold that save); else every rank's own copy (``own``, by rank: its health,
     or ``"absent"``) must say healthy."""
-    bad = next((h for h in own if isinstance(h, dict) and not h["healthy"]), None)
-    if bad is not None:
-        return why_not_healthy(step, bad)
+    bad = next(
+        ((r, h) for r, h in enumerate(own) if isinstance(h, dict) and not h["healthy"]), None
+    )
+    if bad is not None:  # a copy is rank 0 of a one-rank step: its tensors are named as rank r's
+        rank, health = bad
+        worst = [{**t, "rank": rank} for t in health.get("worst") or ()]
+        return why_not_healthy(step, {**health, "worst": worst})
     if durable != "absent":
         healthy = durable is not None and durable["healthy"]
         return None if healthy else why_not_healthy(step, durable)

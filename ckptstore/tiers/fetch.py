@@ -49,8 +49,8 @@ class TierFetch:
     received it, held in memory: its chunks are served from there (verified on arrival, not
     hashed again), not read back from ``local``. ``ahead``: chunks of ``local`` a thread
     verified while the load waited on a repair, served without reading them again.
-    ``forget``: called with a chunk of ``local`` that is missing or fails its check and is read
-    from ``durable`` instead (``LocalTier.forget_bad_chunk``: the copy's next save must not
+    ``forget``: called with a chunk of ``local`` that fails its check, or is missing (then with
+    ``missing=True``), and is read from ``durable`` instead (``LocalTier.forget_bad_chunk``: the copy's next save must not
     count it stored). A bad chunk of a step only the local tiers hold, found nowhere else,
     unlists the copy."""
 
@@ -67,7 +67,7 @@ class TierFetch:
         durable_step: bool = True,
         repaired: RepairedCopy | None = None,
         ahead: VerifiedAhead | None = None,
-        forget: Callable[[str], None] | None = None,
+        forget: Callable[..., None] | None = None,
     ) -> None:
         self.local = local
         self.local_tier = local_tier  # PEER where the local copy was just restored from a peer
@@ -109,7 +109,8 @@ class TierFetch:
                 bad_here = exc
                 self._warn(exc)
                 if self.forget is not None and isinstance(exc, _PLAIN):
-                    self.forget(digest)  # else the next save would reference it unread
+                    missing = isinstance(exc, CheckpointNotFoundError)
+                    self.forget(digest, missing=missing)  # else the next save would reference it
                     heal = True
             else:
                 self._count(self.local_tier, self.held[digest].stored, started)

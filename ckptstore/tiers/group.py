@@ -145,7 +145,7 @@ class RankGroup:
             # No beat ever: a rank that never made a group with a lost-rank bound (a DCP
             # writer without tiers beside tiered ones), or one that died before it could.
             why = (
-                "it never started ckptstore's heartbeat: it saves without the tier options "
+                "it never started ckptstore's heartbeat: it runs without the tier options "
                 "given here (TierOptions(local_dir=...) on every rank), or died first"
             )
         else:

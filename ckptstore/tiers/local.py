@@ -475,9 +475,9 @@ class LocalTier:
             why,
         )
 
-    def forget_bad_chunk(self, digest: str) -> None:
-        """A chunk of this rank's own store failed its hash check: remove it, so that the next
-        save writes it again instead of referencing it (``take_bad``)."""
+    def forget_bad_chunk(self, digest: str, missing: bool = False) -> None:
+        """A chunk of this rank's own store is ``missing`` or failed its hash check: remove it,
+        so that the next save writes it again instead of referencing it (``take_bad``)."""
         with self._lock:
             self._bad.add(digest)
         try:
@@ -486,11 +486,11 @@ class LocalTier:
         except (CheckpointError, OSError) as exc:  # this process's next save still knows it
             what = f"not removed ({one_line(exc)})"
         logger.warning(
-            "rank %d: chunk %s of the local tier failed its hash check; %s, the next save "
-            "writes it again",
+            "rank %d: chunk %s of the local tier %s; %s, the next save writes it again",
             self.rank,
             digest,
-            what,
+            "is missing" if missing else "failed its hash check",
+            "nothing to remove" if missing and what == "removed" else what,
         )
 
     def take_bad(self) -> set[str]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ckptstore import Checkpointer, HealthPolicy, Store, UnhealthyStepError
 from ckptstore.catalog import list_steps, load_manifest, read_rank_index
 from ckptstore.format import commit_key
-from ckptstore.health import status
+from ckptstore.health import RankHealth, status, tiered_verdict, verdict
 from tests.helpers.crafted import rewrite, sealed
 from tests.helpers.dist import run_ranks
 
@@ -536,3 +536,14 @@ def test_gc_names_a_kept_healthy_step_not_one_removed_while_it_ran(tmp_path, cap
     doc = json.loads(capsys.readouterr().out)
     assert list_steps(Store(tmp_path)) == [3, 4] and doc["kept_steps"] == [3, 4]
     assert doc["kept_healthy"] == 4
+
+
+def test_an_unhealthy_tier_copy_is_named_by_the_rank_that_holds_it():
+    """A rank's tier copy is rank 0 of a one-rank step, so its manifest names its bad tensors
+    as rank 0's: the verdict over every rank's copy names them as the holder's."""
+    sick = RankHealth(nan=2, worst=[{"rank": 0, "tensor": "w", "nan": 2, "inf": 0}])
+    well = verdict([RankHealth()])
+    copy_of_rank_1 = verdict([sick])  # as rank 1's copy records it
+    reason = tiered_verdict(7, [well, copy_of_rank_1], "absent")
+    assert reason is not None and "rank 1 w: 2 NaN" in reason, reason
+    assert "rank 0" not in reason, reason

@@ -457,36 +457,48 @@ def test_a_corrupt_local_chunk_is_read_from_durable_storage(make, tmp_path):
     assert report.source == "local" and "durable" not in report.sources
 
 
-def _flip_one_chunk(copy: Path, step: int) -> int:
-    """One byte flipped in one chunk of ``step`` in the copy (a rank directory) at ``copy``;
-    how many chunks that step's index names."""
+def _flip_one_chunk(copy: Path, step: int, delete: bool = False) -> int:
+    """One byte flipped in (or ``delete``: the file of) one chunk of ``step`` in the copy (a
+    rank directory) at ``copy``; how many chunks that step's index names."""
     store = Store(str(copy))
     index = read_rank_index(store, load_manifest(store, step).ranks[0])
     digests = sorted(index.chunks)
     assert len(digests) >= 2, digests
     path = copy / chunk_key(digests[0])
+    if delete:
+        path.unlink()
+        return len(digests)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     return len(digests)
 
 
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
 def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_storage(
-    make, tmp_path
+    make, tmp_path, caplog, damage
 ):
-    """Issue 36, each chunk from the nearest holder that verifies: a flipped byte in one chunk
-    of the local copy costs one durable read, the other chunks still come from the copy; the
-    bad chunk is removed from the local tier, so the next save of the same bytes writes it
-    again instead of referencing it (its copy then loads whole from the local tier)."""
+    """Issue 36, each chunk from the nearest holder that verifies: a flipped byte in (or the
+    loss of) one chunk of the local copy costs one durable read, the other chunks still come
+    from the copy; the bad chunk is removed from the local tier, so the next save of the same
+    bytes writes it again instead of referencing it (its copy then loads whole from the local
+    tier). The warning says which it was."""
     front = make(durable_every=1)
     front.save(1, _state(1))
     front.wait_durable()
     front.close()
     (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
-    n = _flip_one_chunk(copy, 1)
+    n = _flip_one_chunk(copy, 1, delete=damage == "deleted")
     target = _blank()
     front = front.restart()
+    caplog.set_level(logging.WARNING, logger="ckptstore")
     step, report = front.load(target)
+    said = [r.getMessage() for r in caplog.records if "of the local tier" in r.getMessage()]
+    assert len(said) == 1, said
+    if damage == "deleted":
+        assert "is missing; nothing to remove" in said[0], said
+    else:
+        assert "failed its hash check; removed" in said[0], said
     assert step == 1 and _same(target, _state(1))
     assert report.source == "local", report
     assert report.sources["durable"].chunks == 1, report
