@@ -290,8 +290,9 @@ class StateLoader:
         fallback skipped is."""
         for step in sorted((s for s in not_healthy if s > above), reverse=True):
             why = not_healthy.pop(step)
-            if self.rank == 0:
-                logger.warning("rank 0: %s in %s: skipped by healthy=True", why, self.store.uri)
+            if self.rank == 0:  # a tier plan's reasons say where the step is held
+                where = "" if self.local is not None else f" in {self.store.uri}"
+                logger.warning("rank 0: %s%s: skipped by healthy=True", why, where)
             if isinstance(why, Unreadable) and why.error is not None:
                 skipped.append((step, why.error))
 

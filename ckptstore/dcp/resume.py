@@ -65,8 +65,8 @@ def resume(
         raise ValueError(f"resume() starts from the latest step; the reader names {reader.step!r}")
     # no_dist: this process alone (a consolidation beside a running job), no collective
     group = RankGroup(None, 0.0, no_dist=True) if no_dist else load_group(reader.options["storage"])
-    unreadable: list[tuple[int, BaseException]] = []  # rank 0's: passed over by healthy=True
-    steps = _steps(reader, group, unreadable)
+    passed_over: dict[int, str] = {}  # rank 0's: why healthy=True passed over each step
+    steps = _steps(reader, group, passed_over)
     skipped: list[tuple[int, BaseException]] = []
     try:
         for step in steps:
@@ -89,7 +89,7 @@ def resume(
                     )
                 continue
             if group.rank == 0:  # a copy only a local tier lost stays: only durable damage
-                newer = [(s, e) for s, e in unreadable if s > step]
+                newer = _name_passed_over(reader, passed_over, step)
                 quarantine_skipped(reader.store, skipped + newer)
             return step
     finally:
@@ -103,19 +103,31 @@ def resume(
     )
 
 
-def _steps(
-    reader: StoreReader, group: RankGroup, unreadable: list[tuple[int, BaseException]]
-) -> list[int]:
-    """The steps to try, newest first, the same on every rank (collective); ``unreadable``
-    gets, on rank 0, the steps ``healthy=True`` passed over whose manifests cannot be read."""
+def _name_passed_over(
+    reader: StoreReader, passed_over: dict[int, str], loaded: int
+) -> list[tuple[int, BaseException]]:
+    """(rank 0) Name each step newer than ``loaded`` that ``healthy=True`` passed over; those
+    whose manifests cannot be read, to be quarantined as a step a fallback skipped is."""
+    where = "" if reader._policy is not None else f" in {reader.store.uri}"  # tiers say where
+    newer = sorted((s for s in passed_over if s > loaded), reverse=True)
+    for s in newer:
+        logger.warning("%s%s: skipped by healthy=True", passed_over[s], where)
+    return [
+        (s, why.error) for s in newer if isinstance(why := passed_over[s], Unreadable) and why.error
+    ]
+
+
+def _steps(reader: StoreReader, group: RankGroup, passed_over: dict[int, str]) -> list[int]:
+    """The steps to try, newest first, the same on every rank (collective); ``passed_over``
+    gets, on rank 0, why ``healthy=True`` passed over each other step."""
     if reader._policy is not None:
         return planned_steps(
-            reader.store, reader._policy, group, healthy=reader.healthy, unreadable=unreadable
+            reader.store, reader._policy, group, healthy=reader.healthy, passed_over=passed_over
         )
     listed: list[int] | tuple[type[CheckpointError], str] = []
     if group.rank == 0:
         try:
-            listed = _durable_steps(reader, unreadable)
+            listed = _durable_steps(reader, passed_over)
         except CheckpointError as exc:  # raised on every rank as its own class (StorageError...)
             kind = next(c for c in type(exc).__mro__ if c.__module__ == CheckpointError.__module__)
             listed = (kind, str(exc))
@@ -126,12 +138,12 @@ def _steps(
     return listed
 
 
-def _durable_steps(reader: StoreReader, unreadable: list[tuple[int, BaseException]]) -> list[int]:
+def _durable_steps(reader: StoreReader, passed_over: dict[int, str]) -> list[int]:
     steps = list_steps(reader.store)
     if not reader.healthy:
         return steps[::-1]
     good, why = find_healthy(reader.store, steps)
-    unreadable += [(s, w.error) for s, w in why.items() if isinstance(w, Unreadable) and w.error]
+    passed_over.update(why)
     if not good and why:
         raise no_healthy_step(f"no healthy committed step in {reader.store.uri}", why)
     return sorted(good, reverse=True)

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from ckptstore.catalog import load_manifest, read_rank_index_bytes
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, NoHealthyStepError, one_line
 from ckptstore.format import ChunkInfo, RankIndex, decode_rank_index
-from ckptstore.health import Unreadable
 from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
@@ -131,7 +130,7 @@ def open_tiered_step(
     candidate = plan.candidates[0]
     step = candidate.step
     for s in sorted((s for s in plan.not_healthy if s > step and rank == 0), reverse=True):
-        logger.warning("%s (tiers, %s): skipped by healthy=True", plan.not_healthy[s], durable.uri)
+        logger.warning("%s: skipped by healthy=True", plan.not_healthy[s])
     report = LoadReport(step=step)
     in_durable = candidate.sources[rank][-1].tier == DURABLE  # the same on every rank
     if all(mine[0].tier != DURABLE for mine in candidate.sources):
@@ -218,11 +217,11 @@ def planned_steps(
     group: RankGroup,
     *,
     healthy: bool = False,
-    unreadable: list[tuple[int, BaseException]] | None = None,
+    passed_over: dict[int, str] | None = None,
 ) -> list[int]:
     """(collective) Every step a tiered load of "latest" may take, newest first: the steps a
     load with fallback tries in turn; empty when no tier holds one every rank can get.
-    ``unreadable`` gets the steps ``healthy`` passed over whose manifests cannot be read."""
+    ``passed_over`` gets (rank 0) why ``healthy`` passed over each other step."""
     local = _local_tier(durable, policy, group)
     try:
         plan = plan_restore(durable, local, group, step="latest", limit=None, healthy=healthy)
@@ -230,12 +229,8 @@ def planned_steps(
         raise
     except CheckpointNotFoundError:
         return []
-    if unreadable is not None:
-        unreadable += [
-            (s, why.error)
-            for s, why in plan.not_healthy.items()
-            if isinstance(why, Unreadable) and why.error is not None
-        ]
+    if passed_over is not None:
+        passed_over.update(plan.not_healthy)
     return list(dict.fromkeys(c.step for c in plan.candidates))
 
 

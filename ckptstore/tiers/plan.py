@@ -336,11 +336,13 @@ def _judge(
             why[c.step] = Unreadable(f"step {c.step}: cannot be read ({error})", error)
             continue
         own = [told.get((r, c.step), "absent") for r in range(len(copies))]
-        reason = tiered_verdict(c.step, own, _durable_health(durable, plan.manifests, c))
+        durable_health = _durable_health(durable, plan.manifests, c)
+        reason = tiered_verdict(c.step, own, durable_health)
         if reason is None:
             good.append(c)
         else:
-            why[c.step] = reason
+            held = "only by the local tiers" if durable_health == "absent" else f"in {durable.uri}"
+            why[c.step] = f"{reason}; held {held}"
     return good, why
 
 

@@ -1107,6 +1107,29 @@ def test_a_healthy_resume_finding_only_steps_of_unknown_health_is_no_fresh_start
     assert front.resume(target) == 3 and _same(target, _state(3))
 
 
+def test_a_healthy_resume_says_where_each_unhealthy_step_it_passes_over_is_held(
+    front_type, make, tmp_path, monkeypatch, caplog
+):
+    """Step 2 (NaN) is held only by the local tiers, step 3 (NaN) is drained: the resume with
+    ``healthy=True`` loads step 1 and names each, with where it is held (it named the
+    durable store for both)."""
+    monkeypatch.setattr(front_type, "health", HealthPolicy(on_unhealthy="save"))
+    front = make(durable_every=2)
+    for step in (1, 2, 3):
+        state = _state(step)
+        state["b"][step] = float("nan") if step > 1 else 0.0
+        front.save(step, state)
+    front.wait_durable()
+    durable = Store(str(tmp_path / "durable"))
+    assert list_steps(durable) == [1, 3] and {2, 3} <= set(_local_copies(tmp_path))
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    assert front.restart().resume(_blank(), healthy=True) == 1
+    said = [r.getMessage() for r in caplog.records if "skipped by healthy=True" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "step 3: unhealthy" in said[0] and f"held in {durable.uri}" in said[0], said
+    assert "step 2: unhealthy" in said[1] and "held only by the local tiers" in said[1], said
+
+
 @pytest.mark.parametrize("why", ["a chunk missing", "a local read failing"])
 def test_a_load_that_fails_for_another_reason_never_lets_the_job_start_over(
     make, tmp_path, monkeypatch, why
