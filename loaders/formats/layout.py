@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from loaders.errors import ShardCorruptError
+
+_said: set[Hashable] = set()
+_said_lock = threading.Lock()
+
+
+def first_time(what: Hashable) -> bool:
+    """True the first time this process asks about ``what`` (a dataset's one-time warning)."""
+    with _said_lock:
+        first = what not in _said
+        _said.add(what)
+    return first
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -189,6 +191,35 @@ def test_a_compressed_shard_declaring_more_raw_bytes_than_it_can_hold_is_corrupt
         ShardCorruptError, match=rf"{1 << 30} raw bytes cannot come from {nbytes} bytes of"
     ):
         ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_a_compressed_shard_declaring_more_samples_than_its_bytes_can_number_is_corrupt(
+    tmp_path: Path,
+) -> None:
+    """A reviewer: eight 1.6 KB zstd shards each declaring 13 million samples in 52 MB raw (within
+    zstd's ratio) opened, and the first read built an epoch order of 104 million entries (6.5 GB)."""
+    root = tmp_path / "ds"
+    index = write_mds(root, "zstd")
+    info = index["shards"][0]
+    nbytes = info["zip_data"]["bytes"]
+    info["samples"] = 4 * nbytes + 1
+    info["raw_data"]["bytes"] = 4 + 4 * (info["samples"] + 1)
+    write_index(root, index)
+    with pytest.raises(
+        ShardCorruptError, match=rf"{4 * nbytes + 1} samples cannot be numbered in {nbytes} bytes"
+    ):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_a_shard_of_many_tiny_samples_at_zstd_s_best_opens(tmp_path: Path) -> None:
+    """The bound leaves room: a hundred thousand one-byte samples, zstd at its best, still read."""
+    root = tmp_path / "ds"
+    with MDSWriter(root, columns={"x": "uint8"}, compression="zstd:22") as w:
+        for i in range(100_000):
+            w.write({"x": i % 2})
+    info = json.loads((root / "index.json").read_text())["shards"][0]
+    assert info["samples"] > info["zip_data"]["bytes"]  # more than a sample per stored byte
+    assert len(list(ShardDataset(str(root), MDS(), config=IN_ORDER))) == 100_000
 
 
 def test_a_zstd_shard_at_its_format_s_largest_ratio_opens(tmp_path: Path) -> None:
@@ -524,3 +555,69 @@ def test_a_small_mds_dataset_of_many_small_samples_opens_with_the_default_config
         dataset = ShardDataset(str(root), MDS(), config=config)
     assert any("may take" in r.getMessage() for r in caplog.records), caplog.records
     assert sorted(int(s["n"]) for s in dataset) == list(range(40_000))
+
+
+def _tar_of(path: Path, members: list[tarfile.TarInfo]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for info in members:
+            tar.addfile(info, io.BytesIO(b"hello") if info.isfile() else None)
+
+
+def _file(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = 5
+    return info
+
+
+@pytest.mark.parametrize("name", ["../../etc/x.txt", "/etc/passwd.txt", "a/../../b.txt"])
+def test_a_tar_member_named_outside_the_shard_is_corrupt(tmp_path: Path, name: str) -> None:
+    """A reviewer: such members were handed out with ``__key__`` '../../etc/x', a path a user
+    writing samples out by key would follow."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    _tar_of(root / "s.tar", [_file("a.txt"), _file(name)])
+    with pytest.raises(ShardCorruptError, match=rf"member '{re.escape(name)}' at offset \d+ names"):
+        list(ShardDataset(str(root), WebDataset(), config=IN_ORDER))
+    with pytest.raises(ValueError, match="absolute or with '..'"):
+        WebDatasetWriter(str(tmp_path / "out")).write({"__key__": name[:-4], "txt": "x"})
+
+
+def test_link_members_of_a_tar_are_skipped_unfollowed_and_said_once(tmp_path: Path, caplog):
+    root = tmp_path / "ds"
+    root.mkdir()
+    link = tarfile.TarInfo("b.txt")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    hard = tarfile.TarInfo("b.cls")
+    hard.type, hard.linkname = tarfile.LNKTYPE, "a.txt"
+    _tar_of(root / "s.tar", [_file("a.txt"), link, hard])
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        for _ in range(2):
+            samples = list(ShardDataset(str(root), WebDataset(), config=IN_ORDER))
+            assert [s["__key__"] for s in samples] == ["a"] and samples[0]["txt"] == b"hello"
+    said = [r.getMessage() for r in caplog.records if "link member" in r.getMessage()]
+    assert len(said) == 1 and "2 link member(s) skipped, never followed ('b.txt'" in said[0], said
+
+
+def test_an_mds_index_naming_a_shard_twice_is_corrupt(tmp_path: Path) -> None:
+    """A reviewer: its samples were read twice, under new ids."""
+    root = tmp_path / "ds"
+    index = write_mds(root, None)
+    index["shards"].append(dict(index["shards"][0]))
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=r"\(shard 1\): names shard .* again \(shard 0"):
+        ShardDataset(str(root), MDS(), config=IN_ORDER)
+
+
+def test_unhashed_mds_shards_are_said_to_be_read_unverified_once(tmp_path: Path, caplog):
+    """A reviewer: a byte flipped in an unhashed shard (upstream's writer's default) was read
+    without a word; the docs said so only of WebDataset and token files."""
+    hashed, bare = tmp_path / "hashed", tmp_path / "bare"
+    write_mds(hashed, None)
+    with MDSWriter(bare, columns={"n": "int"}, hashes=()) as w:
+        w.write({"n": 1})
+    with caplog.at_level(logging.INFO, logger="loaders"):
+        for root in (hashed, bare, bare):
+            ShardDataset(str(root), MDS(), config=IN_ORDER)
+    said = [r for r in caplog.records if "read unverified" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert f"{bare}" in said[0].getMessage() and "lists no hashes" in said[0].getMessage()

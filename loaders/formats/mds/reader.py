@@ -22,7 +22,7 @@ import numpy as np
 from loaders.errors import ShardCorruptError, ShardNotFoundError, UnknownFormatError
 from loaders.formats import manifest
 from loaders.formats._codecs import decompress, hasher, max_raw_bytes
-from loaders.formats.layout import Unit, check_shard_key
+from loaders.formats.layout import Unit, check_shard_key, first_time
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class MDS:
                 " is not supported (only version 2)"
             )
         base = posixpath.dirname(self.index)
-        units, shards = [], []
+        units, shards, keys = [], [], {}
         first = 0
         listed = index.get("shards", [])
         if not isinstance(listed, list):
@@ -217,6 +217,12 @@ class MDS:
             except (KeyError, TypeError, AttributeError) as exc:
                 what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ShardCorruptError(f"{where}: malformed entry ({what})") from None
+            if shard.key in keys:
+                raise ShardCorruptError(
+                    f"{where}: names shard {shard.key!r} again (shard {keys[shard.key]} names it "
+                    "too): its samples would be read twice"
+                )
+            keys[shard.key] = i
             units.append(
                 Unit(
                     key=shard.key,
@@ -232,6 +238,15 @@ class MDS:
             first += shard.samples
         if not shards:
             raise ShardNotFoundError(f"{self.index} lists no shards")
+        unhashed = not any(s.zip_hashes or s.raw_hashes for s in shards)
+        if unhashed and first_time(("unhashed mds", tuple(replicas.uris), self.index)):
+            logger.log(
+                logging.WARNING if self.verify_hashes else logging.INFO,
+                "MDS shards of %s are read unverified: %s (a byte flipped on a replica "
+                "is not found; MDSWriter's default hashes=('sha1', 'xxh64') are checked)",
+                ", ".join(replicas.uris),
+                f"{self.index} lists no hashes" if self.verify_hashes else "verify_hashes=False",
+            )
         if replicas.config.verify_replicas:
             # The index is the shard list: each shard on some replica, at the index's size (a
             # replica holding another size is not read for it).
@@ -346,12 +361,19 @@ class _Shard:
 
     def check_ratio(self, index: str) -> None:
         """A compressed shard declaring more raw bytes (so room for more samples) than its
-        compression can make of its size is corrupt."""
+        compression can make of its size is corrupt; so is one declaring more samples than
+        its stored bytes can number (the epoch's order, held in memory, is sized by them)."""
         most = max_raw_bytes(self.compression, self.nbytes) if self.compression else None
         if most is not None and self.raw_bytes > most:
             raise ShardCorruptError(
                 f"{index}: {self.raw_bytes} raw bytes cannot come from {self.nbytes} bytes of "
                 f"{self.compression} (at most {most})"
+            )
+        if self.compression and self.samples > SAMPLES_PER_STORED_BYTE * max(self.nbytes, 1):
+            raise ShardCorruptError(
+                f"{index}: {self.samples} samples cannot be numbered in {self.nbytes} bytes of "
+                f"{self.compression} (at most {SAMPLES_PER_STORED_BYTE} a byte: each needs "
+                "its own 4-byte offset)"
             )
 
     def decoders(self) -> list[Callable[[bytes], Any]]:
@@ -371,6 +393,12 @@ class _Shard:
             bytes if name in self.raw_columns else _named_decoder(name, enc, self.allow_pickle)
             for name, enc in zip(self.names, self.encodings)
         ]
+
+
+# Each sample has its own 4-byte entry in the shard's offset table; distinct offsets do not
+# compress below about a byte each, so a compressed shard claiming more samples than this per
+# stored byte made them up.
+SAMPLES_PER_STORED_BYTE = 4
 
 
 def _count(value: object, what: str, index: str) -> int:

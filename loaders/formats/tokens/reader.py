@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
-from loaders.formats.layout import Unit
+from loaders.formats.layout import Unit, first_time
 from loaders.formats.manifest import FileHashes, shards_and_hashes
 
 logger = logging.getLogger(__name__)
@@ -98,18 +97,11 @@ def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:
             )
 
 
-_unhashed_warned: set[tuple[tuple[str, ...], str | None]] = set()
-_unhashed_lock = threading.Lock()
-
-
 def _warn_unhashed(uris: list[str], manifest: str | None) -> None:
     """One WARNING per process for each token dataset whose manifest has no hashes (written
     before they were recorded), however often it is opened; files declared or listed without
     a manifest (raw ``train.bin`` files, which have none to give) are said at INFO."""
-    with _unhashed_lock:
-        seen = (tuple(uris), manifest) in _unhashed_warned
-        _unhashed_warned.add((tuple(uris), manifest))
-    if seen:
+    if not first_time(("unhashed tokens", tuple(uris), manifest)):
         return
     if manifest is None:
         logger.info(

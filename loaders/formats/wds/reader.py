@@ -9,6 +9,7 @@ as upstream's ``tarfile`` mode ``r|*`` does), decompressed up to ``max_shard_byt
 from __future__ import annotations
 
 import io
+import logging
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,8 +17,10 @@ from typing import Any
 
 from loaders.errors import ShardCorruptError, UnknownFormatError
 from loaders.formats._codecs import decompress
-from loaders.formats.layout import Unit
+from loaders.formats.layout import Unit, first_time
 from loaders.formats.manifest import FileHashes, shards_and_hashes
+
+logger = logging.getLogger(__name__)
 
 # What ``webdataset.TarWriter`` writes: a name ending in "gz" is gzip-compressed.
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
@@ -121,11 +124,20 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
     except (ValueError, OverflowError) as exc:  # a pax record's number tarfile cannot read
         raise ShardCorruptError(f"{what}: bad tar header at offset 0: {exc}") from exc
     offset = 0
+    links: list[str] = []  # never followed: upstream's reader skips them too
     try:
         for member in tar:
             offset = member.offset
             if not member.isfile():
+                if member.issym() or member.islnk():
+                    links.append(member.name)
                 continue
+            parts = member.name.split("/")
+            if member.name.startswith("/") or ".." in parts:
+                raise ShardCorruptError(
+                    f"{what}: member {member.name!r} at offset {member.offset} names a path "
+                    "outside the shard (absolute, or with '..'): not a sample key"
+                )
             dirname, _, base = member.name.rpartition("/")
             if "." not in base or base.startswith("."):
                 continue
@@ -161,6 +173,14 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
         raise ShardCorruptError(
             f"{what}: {why} at offset {end}, before the end-of-archive blocks (samples after "
             "it would be lost)"
+        )
+    if links and first_time(("wds links", key, replica)):
+        logger.warning(
+            "%s: %d link member(s) skipped, never followed (%s%s): their samples are not read",
+            what,
+            len(links),
+            ", ".join(map(repr, links[:3])),
+            ", ..." if len(links) > 3 else "",
         )
     return samples
 

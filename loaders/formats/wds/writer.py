@@ -72,6 +72,8 @@ class WebDatasetWriter(ShardWriter):
         base = key.rpartition("/")[2]
         if "." in base or not base:
             raise ValueError(f"WebDataset key {key!r}: its last part must be non-empty, no dot")
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"WebDataset key {key!r}: absolute or with '..' (readers refuse it)")
         if key == self._last_key:
             raise ValueError(f"WebDataset key {key!r} repeats the previous sample's")
         members = [
