@@ -23,6 +23,12 @@ def first_time(what: Hashable) -> bool:
     return first
 
 
+def forget_said() -> None:
+    """As if this process had said nothing yet (tests)."""
+    with _said_lock:
+        _said.clear()
+
+
 @dataclass(frozen=True)
 class Unit:
     """One read of whole samples: ``[start, end)`` of object ``key`` (the whole object when

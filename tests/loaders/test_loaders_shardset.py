@@ -224,7 +224,7 @@ def test_mds_index_is_the_authority(tmp_path, caplog):
         ds = ShardDataset([str(a), str(b)], MDS(), config=IN_ORDER)
         got = [s["__index__"] for s in ds]
     assert got == list(range(expected))
-    warned = _warnings(caplog)
+    warned = [w for w in _warnings(caplog) if "read unverified" not in w]  # upstream's: unhashed
     assert len(warned) == 1 and str(a) in warned[0] and shard in warned[0]
     assert ds.metrics()["replicas"][str(a)]["errors"] == 0
     (b / shard).unlink()
