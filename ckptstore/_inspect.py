@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from ckptstore.errors import (
     CheckpointError,
     FormatVersionError,
     PickledValueRefusedError,
+    StorageTimeoutError,
+    one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.health import norm, status
@@ -300,20 +303,27 @@ def check_chunks(
     on_chunk: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[str, BaseException | None]]:
     """Fetch, decode and re-hash every chunk; yields ``(digest, error or None)`` for each,
-    never stopping at the first bad one."""
+    never stopping at the first bad one. Once ``read_concurrency`` reads in a row got no answer
+    in time (the store stopped answering), the rest are not read: each is unreadable at once,
+    not after a timeout of its own."""
     from ckptstore import pipeline  # torch: only where chunks are read
+
+    silent = _Silence(read_concurrency)
 
     def one(item: tuple[str, ChunkInfo | None]) -> tuple[str, BaseException | None, int]:
         digest, info = item
         try:
+            silent.check()
             raw = pipeline.fetch_chunk(store, digest, info, scratch=info is not None)
             if info is not None and raw.size != info.raw:
                 raise CheckpointCorruptError(
                     f"chunk {store.url(chunk_key(digest))}: {raw.size} raw bytes, "
                     f"the index says {info.raw}"
                 )
+            silent.heard(None)
             return digest, None, int(raw.size)
         except Exception as exc:  # noqa: BLE001 - reported; verification goes on
+            silent.heard(exc)
             return digest, exc, info.raw if info is not None else 0
 
     for digest, error, nbytes in store.map(
@@ -322,6 +332,33 @@ def check_chunks(
         if on_chunk is not None:
             on_chunk(nbytes)
         yield digest, error
+
+
+class _Silence:
+    """Reads of one check that got no answer in time, in a row: after ``limit`` of them the
+    store is taken to have stopped answering (:meth:`check` raises for every later read)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._lock = threading.Lock()
+        self._in_a_row = 0
+        self._last: BaseException | None = None
+
+    def heard(self, error: BaseException | None) -> None:
+        with self._lock:
+            if isinstance(error, StorageTimeoutError):
+                self._in_a_row += 1
+                self._last = self._last or error
+            else:  # an answer, good or bad
+                self._in_a_row, self._last = 0, None
+
+    def check(self) -> None:
+        with self._lock:
+            if self._in_a_row >= self.limit:
+                raise StorageTimeoutError(
+                    f"not read: {self._in_a_row} reads in a row got no answer in time (the "
+                    f"store stopped answering? the last: {one_line(self._last)})"
+                )
 
 
 def verify_steps(

@@ -342,24 +342,64 @@ def put_chunk(
             pass
     if info is None:
         info = _encode_and_put(store, key, raw, itemsize, codec, hedged, governor)
+    if recheck is not None and digest in recheck.suspect:  # found there, maybe the bad one
+        info = recheck_chunk(store, digest, info, raw, itemsize, codec)
+        _cleared(store, digest)
     if known is not None:
         known[digest] = info  # a dict's item assignment is atomic: put threads share it
     return digest, info
 
 
+# Chunks a load in this process found damaged or missing, by store: a save that would reference
+# one reads it back first and writes it again, not only about one save in ``recheck_every``
+# (a frozen tensor's damaged chunk was referenced by every later step, each unloadable).
+_SUSPECT_MAX = 100_000
+_suspect: dict[str, set[str]] = {}
+_suspect_lock = threading.Lock()
+
+
+def _store_key(store: Store) -> str:
+    return os.path.realpath(store.root) if store.is_local else store.uri.rstrip("/")
+
+
+def suspect_chunk(store: Store, digest: str) -> None:
+    """A load found chunk ``digest`` of ``store`` damaged or missing."""
+    with _suspect_lock:
+        known = _suspect.setdefault(_store_key(store), set())
+        if len(known) < _SUSPECT_MAX:
+            known.add(digest)
+
+
+def suspect_chunks(store: Store) -> set[str]:
+    """The chunks of ``store`` loads in this process found damaged or missing, not yet
+    rechecked by a save."""
+    with _suspect_lock:
+        return set(_suspect.get(_store_key(store), ()))
+
+
+def _cleared(store: Store, digest: str) -> None:
+    with _suspect_lock:
+        _suspect.get(_store_key(store), set()).discard(digest)
+
+
 class Rechecks:
     """Which of the chunks a save references without writing it are read back: about one in
-    ``period``, chosen by the chunk and the step (:meth:`chosen`: every rank of the save
-    chooses the same), each once in the save however often it holds it (:meth:`claim`)."""
+    ``period`` (0: none), chosen by the chunk and the step, and every ``suspect`` one (found
+    damaged by a load; :func:`suspect_chunks`) (:meth:`chosen`: every rank of the save
+    chooses the same, the ranks' suspects shared), each once in the save however often it
+    holds it (:meth:`claim`)."""
 
-    def __init__(self, period: int, step: int) -> None:
+    def __init__(self, period: int, step: int, suspect: set[str] | None = None) -> None:
         self.period, self.step = period, step
+        self.suspect = suspect if suspect is not None else set()
         self._lock = threading.Lock()
         self._claims: dict[str, threading.Event] = {}
 
     def chosen(self, digest: str) -> bool:
+        if digest in self.suspect:
+            return True
         key = f"{digest}/{self.step}".encode()
-        return xxhash.xxh3_64_intdigest(key) % self.period == 0
+        return bool(self.period) and xxhash.xxh3_64_intdigest(key) % self.period == 0
 
     def claim(self, digest: str) -> threading.Event | None:
         """None for the first caller of this save, who rechecks ``digest`` and then calls
@@ -391,6 +431,7 @@ def _rechecked(
         return known[digest]
     try:
         known[digest] = recheck_chunk(store, digest, known[digest], raw, itemsize, codec)
+        _cleared(store, digest)
     finally:
         recheck.done(digest)
     return known[digest]
@@ -646,12 +687,16 @@ def fetch_chunk_and_size(
     remote store whose bytes fail their checks is read once more before it is called corrupt
     (a ranged GET carries no checksum: an answer damaged on the way would fail a whole step)."""
     try:
-        return _fetch_once(store, digest, info, scratch, sized, on_verified)
-    except CheckpointCorruptError as exc:
-        if not store.backend.remote:
-            raise
-        first = exc
-    raw, n = _fetch_once(store, digest, info, scratch, sized, on_verified)
+        try:
+            return _fetch_once(store, digest, info, scratch, sized, on_verified)
+        except CheckpointCorruptError as exc:
+            if not store.backend.remote:
+                raise
+            first = exc
+        raw, n = _fetch_once(store, digest, info, scratch, sized, on_verified)
+    except (CheckpointCorruptError, CheckpointNotFoundError):
+        suspect_chunk(store, digest)  # the next save referencing it writes it again
+        raise
     logger.warning("%s; read again, it checks out (damaged on the way)", one_line(first))
     return raw, n
 

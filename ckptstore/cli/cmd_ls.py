@@ -97,7 +97,15 @@ def _listing_doc(
     return {
         "uri": store.uri,
         "steps": rows,
-        "latest": steps[-1] if steps else None,
+        # the newest a load of "latest" would take (a step whose manifest reads), durable only
+        "latest": max(
+            (
+                r["step"]
+                for r in rows
+                if "error" not in r and r.get("tiers", {}).get("durable", True)
+            ),
+            default=None,
+        ),
         "pending": pending,
         **(
             {

@@ -200,7 +200,9 @@ examples:
         metadata of the save. Saves in flight (their save leases) are listed after the steps.
         ls reads manifests only: HEALTH is what the save recorded of its numbers (NaN/Inf), not
         whether every chunk is still there and intact; `ckptstore verify URI --all` checks
-        that.
+        that. With --json, "latest" is the newest step of the store whose manifest reads (one
+        that does not is an "error" row of "steps"; a step held only by the local tiers is
+        not counted).
         """,
         """
           ckptstore ls /ckpt/run7

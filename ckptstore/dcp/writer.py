@@ -8,11 +8,13 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -218,6 +220,8 @@ class StoreWriter(StorageWriter, PooledStager):
         self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
         self.rank = 0
         self.is_coordinator = True
+        self._made_in_world = _world_size()  # a save reaching it with no group is refused
+        self._home = self.store  # the store it was made for
         self.save_id = uuid.uuid4().hex
         self._target: _SaveTarget | None = None
         self.saved_step: int | None = None
@@ -300,7 +304,14 @@ class StoreWriter(StorageWriter, PooledStager):
             and checkpoint_id is not None
             and os.fspath(checkpoint_id) != self.store.uri
         ):
+            named = os.fspath(checkpoint_id)
+            if isinstance(named, str) and named != named.strip():
+                raise ValueError(
+                    f"StoreWriter: checkpoint_id {named!r} begins or ends with whitespace "
+                    "(a store of that name would be made)"
+                )
             self.store = self._open_store(checkpoint_id)
+            _warn_if_inside(self.store, self._home)
         self._requested.step = step
         self._requested.store = self.store
         self._requested.fresh = True
@@ -331,6 +342,14 @@ class StoreWriter(StorageWriter, PooledStager):
             raise ValueError(
                 "ckptstore.dcp.StoreWriter needs use_collectives=True: one manifest commits "
                 "every rank's data"
+            )
+        if self._made_in_world > 1 and _world_size() == 0:
+            raise ValueError(
+                f"StoreWriter was made in a process group of {self._made_in_world} ranks and "
+                "this save reached it with none (destroy_process_group() while a save was "
+                "pending?): each rank would commit a step of its own data alone; wait for "
+                "async_save's future first (a save of this process alone takes a new "
+                "StoreWriter)"
             )
         self.is_coordinator = is_coordinator
         if not getattr(self._requested, "fresh", False):
@@ -1025,3 +1044,36 @@ def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
             f"DCP item {item.index.fqn!r}: expected a tensor, got {type(data).__name__}"
         )
     return data.detach()
+
+
+def _world_size() -> int:
+    """The default process group's size; 0 without one."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _warn_if_inside(store: Store, home: Store) -> None:
+    """A ``checkpoint_id`` naming a path inside the writer's own store (torchtitan's
+    ``<folder>/step-<N>``) makes a store of its own there: said once per path."""
+    if store.is_local and home.is_local:
+        there, made_for = os.path.realpath(store.root), os.path.realpath(home.root)
+        inside = there != made_for and Path(there).is_relative_to(made_for)
+    else:
+        inside = store.uri.startswith(home.uri.rstrip("/") + "/")
+    if not inside or store.uri in _SAID_INSIDE:
+        return
+    _SAID_INSIDE.add(store.uri)
+    digits = re.search(r"(\d+)/*$", store.uri)
+    hint = f"checkpoint_id={int(digits.group(1))}" if digits else "a step as checkpoint_id"
+    logger.warning(
+        "StoreWriter: checkpoint_id %s lies inside the writer's store %s: it is made a store "
+        "of its own, whose steps share no chunks with the others' and which keep_last never "
+        "counts; %s saves that step of %s",
+        store.uri,
+        home.uri,
+        hint,
+        home.uri,
+    )
+
+
+_SAID_INSIDE: set[str] = set()

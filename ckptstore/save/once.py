@@ -74,18 +74,21 @@ def share_out(
     mine = {
         digest: (raw, known[digest].stored if digest in known else None) for digest, raw in held
     }
-    heard = group.agree(error, (save, sorted(mine.items())))
+    suspect = sorted(recheck.suspect.intersection(mine)) if recheck is not None else []
+    heard = group.agree(error, (save, sorted(mine.items()), *([suspect] if suspect else [])))
     _raise(heard, error, "preparing its chunks", save)
-    for _, payload in heard.payloads:
+    for _, payload, *theirs in heard.payloads:
         known.update(
             {d: ChunkInfo(raw, stored) for d, (raw, stored) in payload if stored is not None}
         )
+        if recheck is not None and theirs:  # a chunk a load found damaged on some rank
+            recheck.suspect.update(theirs[0])
 
     def ours(digest: str) -> bool:  # to put, or to read back
         return digest not in known or (recheck is not None and recheck.chosen(digest))
 
     writers = assign_writers(
-        [[(d, raw) for d, (raw, _) in payload if ours(d)] for _, payload in heard.payloads]
+        [[(d, raw) for d, (raw, _) in payload if ours(d)] for _, payload, *_ in heard.payloads]
     )
     return {digest for digest, rank in writers.items() if rank == group.rank}
 
@@ -114,7 +117,7 @@ def _raise(heard: Any, mine: BaseException | None, doing: str, save: str | None)
     if heard.failures:
         rank, message, _ = heard.failures[0]
         raise CheckpointError(f"rank {rank} failed {doing}: {message}")
-    saves = [s for s, _ in heard.payloads]
+    saves = [payload[0] for payload in heard.payloads]
     if any(s != save for s in saves):
         raise CheckpointError(
             f"ranks exchanged the chunks of different saves (attempts by rank: {saves}): "

@@ -64,7 +64,7 @@ from ckptstore.format import (
 from ckptstore.health import ChunkScan, RankHealth, StepHealth, rank_health, to_commit, verdict
 from ckptstore.health import one_line as health_line
 from ckptstore.leases import Lease, acquire_save_lease
-from ckptstore.pipeline import ChunkLayout, Rechecks, tensor_entries, write_chunks
+from ckptstore.pipeline import ChunkLayout, Rechecks, suspect_chunks, tensor_entries, write_chunks
 from ckptstore.retention import collect
 from ckptstore.save.engine import SaveEngine
 from ckptstore.save.once import write_chunks_once
@@ -221,9 +221,10 @@ class SaveSession:
 
     def rechecks(self) -> Rechecks | None:
         """Which of the chunks this save references without writing it reads back
-        (``pipeline.Rechecks``: about one in ``recheck_every``; None: none)."""
-        period = self.engine.recheck_every
-        return Rechecks(period, self.step) if period else None
+        (``pipeline.Rechecks``: about one in ``recheck_every``, and those a load in this
+        process found damaged; None: none)."""
+        period, suspect = self.engine.recheck_every, suspect_chunks(self.store)
+        return Rechecks(period, self.step, suspect) if period or suspect else None
 
     def write(
         self,

@@ -187,6 +187,28 @@ def test_ranks_that_exchange_the_chunks_of_different_saves_all_fail_before_any_w
         share_out(group, [(_digest(1), 5)], {}, save="attempt-a")
 
 
+def test_a_chunk_one_rank_found_damaged_is_read_back_by_its_writer_whichever_rank_it_is():
+    """Only rank 1's load found the replicated chunk damaged: the exchange tells rank 0, so
+    every rank gives it a writer (to read it back, and write it again), and the same one."""
+    from ckptstore.format import ChunkInfo
+    from ckptstore.pipeline import Rechecks
+    from ckptstore.save.once import share_out
+
+    d = _digest(1)
+    group = _Heard([[("a", [(d, (5, 7))], [d])]])
+    recheck = Rechecks(0, 2)
+    mine = share_out(group, [(d, 5)], {d: ChunkInfo(5, 7)}, save="a", recheck=recheck)
+    assert recheck.suspect == {d}
+    assert group.sent == [("a", [(d, (5, 7))])]  # rank 0 suspected nothing itself
+    alone = share_out(_Heard([[("a", [(d, (5, 7))])]]), [(d, 5)], {d: ChunkInfo(5, 7)}, save="a")
+    assert alone == set()  # without the suspicion: known, no writer
+    # rank 1 sees the mirror image and must agree on the one writer
+    other = _Heard([[("a", [(d, (5, 7))])]])
+    other.rank = 1
+    theirs = share_out(other, [(d, 5)], {d: ChunkInfo(5, 7)}, save="a", recheck=Rechecks(0, 2, {d}))
+    assert len(mine) + len(theirs) == 1, (mine, theirs)
+
+
 def test_a_rank_that_wrote_nothing_joins_its_round_once_and_only_once():
     from ckptstore.save.once import OneRound
 

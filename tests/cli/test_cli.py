@@ -158,6 +158,18 @@ def index_of(store: Path, step: int) -> str:
 # -- ls ------------------------------------------------------------------------------------------
 
 
+def test_ls_json_latest_is_the_newest_step_whose_manifest_reads(store: Path, capsys) -> None:
+    """A reviewer: ``ls --help`` offers ``jq '.latest'`` to scripts, and it named a step whose
+    manifest was half written (the text listing marked it ERROR)."""
+    from ckptstore.format import commit_key
+
+    manifest = store / commit_key(30)
+    manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
+    code, doc = run_json(capsys, "ls", store)
+    assert code == 1 and doc["latest"] == 20, doc
+    assert [s["step"] for s in doc["steps"] if "error" in s] == [30]
+
+
 def test_ls_lists_committed_steps(store: Path, capsys) -> None:
     code, out, err = run(capsys, "ls", store)
     assert code == 0 and err == ""

@@ -559,6 +559,28 @@ def test_a_chunk_damaged_since_the_last_save_is_written_again_by_the_next(tmp_pa
         assert_same(target, frozen)
 
 
+def test_a_chunk_a_load_found_damaged_is_written_again_by_the_next_save(tmp_path):
+    """A reviewer's (HIGH), through DCP: after a load named a frozen tensor's damaged chunk,
+    the next save (not its turn to read chunks back) referenced it; it writes it again."""
+    uri = str(tmp_path / "s")
+    frozen = {"frozen": torch.arange(4096.0), "x": torch.ones(8)}
+    encoding = EncodingOptions(chunk_bytes=4096, compression="none", recheck_every=0)
+    dcp.save(frozen, storage_writer=StoreWriter(uri, encoding=encoding), no_dist=True)
+    store = Store(uri)
+    victim = store.list("chunks")[0]
+    data = store.get(victim)
+    store.delete(victim)
+    store.put(victim, bytes(data[:-9]))
+    target = {"frozen": torch.empty(4096), "x": torch.empty(8)}
+    with pytest.raises(CheckpointException, match=victim.rsplit("/", 1)[-1]):
+        dcp.load(target, storage_reader=StoreReader(uri), no_dist=True)
+    dcp.save(frozen, storage_writer=StoreWriter(uri, encoding=encoding), no_dist=True)
+    for step in (0, 1):
+        target = {"frozen": torch.empty(4096), "x": torch.empty(8)}
+        dcp.load(target, storage_reader=StoreReader(uri, step=step), no_dist=True)
+        assert_same(target, frozen)
+
+
 @pytest.mark.parametrize("dtype", ["complex32", "float8_e8m0fnu", "float4_e2m1fn_x2"])
 def test_a_tensor_of_each_newer_dtype_saves_verifies_and_loads_through_both_front_ends(
     tmp_path, dtype

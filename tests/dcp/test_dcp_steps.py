@@ -361,3 +361,45 @@ def test_a_removed_step_whose_successor_has_another_layout_fails_clearly(tmp_pat
 
 def _keeping_one(uri: str, step: int) -> StoreWriter:
     return StoreWriter(uri, step=step, keep_last=1)
+
+
+def _saving_after_the_group_is_gone(rank: int, world: int, uri: str) -> None:
+    import os
+    import sys
+
+    writer = StoreWriter(uri)
+    dcp.save(_state(rank), storage_writer=writer)
+    dist.barrier()
+    dist.destroy_process_group()  # as a job ending with a thread async_save still pending
+    with pytest.raises(CheckpointException, match="made in a process group of 2 ranks"):
+        dcp.save(_state(rank), storage_writer=writer)  # DCP now runs it as this process alone
+    assert list_steps(Store(uri)) == [0]
+    sys.stdout.flush()
+    os._exit(0)  # the group the helper would close is gone
+
+
+@pytest.mark.dist
+def test_a_save_reaching_a_writer_after_its_group_is_destroyed_commits_nothing(tmp_path):
+    """A reviewer (HIGH): destroy_process_group() with a thread async_save pending let DCP run
+    the save as one process on each rank: one rank committed a step of its own data alone,
+    and its future said success."""
+    run_ranks(_saving_after_the_group_is_gone, 2, str(tmp_path / "s"), timeout_s=120)
+
+
+def test_a_checkpoint_id_inside_the_writers_store_is_said_to_be_a_store_of_its_own(
+    tmp_path, caplog
+):
+    """A reviewer: torchtitan's ``checkpoint_id=<folder>/step-<N>`` made each step a one-step
+    store inside the writer's own, silently: no chunk shared between steps, keep_last idle."""
+    root = tmp_path / "ckpt"
+    writer = StoreWriter(str(root), keep_last=2)
+    with caplog.at_level("WARNING", logger="ckptstore"):
+        for step in (10, 20):
+            dcp.save(_state(step), storage_writer=writer, checkpoint_id=f"{root}/step-{step}")
+        dcp.save(_state(1), storage_writer=writer, checkpoint_id=str(root))  # its own: no word
+    said = [r.getMessage() for r in caplog.records if "lies inside the writer's store" in r.message]
+    assert len(said) == 2 and "checkpoint_id=10 saves that step" in said[0], said
+    assert list_steps(Store(str(root / "step-10"))) == [0]  # what it says: a store of its own
+    with pytest.raises(ValueError, match="begins or ends with whitespace"):
+        dcp.save(_state(1), storage_writer=writer, checkpoint_id=" 7")
+    assert not Path(" 7").exists()

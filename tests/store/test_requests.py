@@ -192,6 +192,33 @@ def test_a_damaged_chunk_a_save_reads_back_is_written_again_for_every_step(uri, 
             assert torch.equal(into["w"], state(1)["w"])
 
 
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_chunk_a_load_found_damaged_is_written_again_by_the_next_save(uri, damage):
+    """A reviewer's (HIGH): with the chunk of a frozen tensor damaged, a restarted job's load
+    named it on every step, and the saves after it still referenced it (not their turn to
+    read it back): each committed, none loadable. A chunk a load found damaged or missing is
+    read back by the next save that holds it, and written again."""
+    with counted_checkpointer(uri, Tally(), recheck_every=0) as ckpt:
+        ckpt.save(1, state(1)).wait()
+        victim = next(iter(ckpt.store.list("chunks")))
+        if damage == "deleted":
+            _delete_behind_the_stores_back(uri, victim)
+        else:
+            data = ckpt.store.get(victim)
+            ckpt.store.delete(victim)
+            ckpt.store.put(victim, bytes(data[: len(data) // 2]))
+    with counted_checkpointer(uri, Tally(), recheck_every=0) as ckpt:  # the restarted job
+        with pytest.raises(CheckpointError, match=victim.rsplit("/", 1)[-1]):
+            ckpt.load(state(0), fallback=True)
+        ckpt.save(2, state(1)).wait()
+        for step in (1, 2):
+            ckpt.verify(step)
+            into = state(0)
+            assert ckpt.load(into, step) == step and torch.equal(into["w"], state(1)["w"])
+        ckpt.save(3, state(1)).wait()  # the chunk is no longer suspect: referenced unread
+        ckpt.verify(3)
+
+
 def _leaseless_write(store: Store, tensor: torch.Tensor, step: int) -> None:
     engine = SaveEngine(chunk_bytes=CHUNK_BYTES, compression="none")
     session = SaveSession(engine, store, step=step, attempt=f"a{step}", kind="state")

@@ -186,6 +186,27 @@ def test_hung_request_hits_deadline():
     assert store.get("k") == b"v"  # released: no more hangs
 
 
+def test_verify_stops_reading_chunks_of_a_store_that_stopped_answering():
+    """A reviewer: ``ckptstore verify`` of a server stopped partway through let every chunk
+    read wait out its own timeout, 8 at a time (minutes at the default): once a window of reads
+    in a row got no answer, the rest are unreadable at once."""
+    from ckptstore._inspect import check_chunks
+    from ckptstore.format import ChunkInfo
+
+    faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
+    policy = RetryPolicy(attempts=1, timeout_s=0.2, base_delay_s=0.001)
+    store = with_faults(Store("memory://hang-verify", retry=policy), faults)
+    chunks = {f"{i:032x}": ChunkInfo(8, 8) for i in range(40)}
+    try:
+        errors = [e for _, e in check_chunks(store, chunks, read_concurrency=4)]
+    finally:
+        faults.release()
+    assert all(isinstance(e, StorageTimeoutError) for e in errors), errors
+    skipped = [e for e in errors if "reads in a row got no answer in time" in str(e)]
+    waited = [e for e in errors if e not in skipped and "no answer within" in str(e)]
+    assert len(waited) <= 8 and len(waited) + len(skipped) == 40, (len(waited), len(skipped))
+
+
 def test_a_manifest_read_that_never_answers_fails_within_the_plain_timeout(caplog):
     """A manifest is read with a 64 MiB cap, and the deadline was sized from the cap: every
     manifest read of a silent endpoint waited 32 s more than --timeout (ls, inspect, load)."""
