@@ -736,8 +736,10 @@ class StateLoader:
 
     def _warn_skipped(self, step: int, error: BaseException) -> None:
         why = self._one_line(error).removeprefix(f"step {step}: ")
+        level = logging.WARNING if self.rank == 0 else logging.INFO  # every rank heard it
         if self.local is None:
-            logger.warning(
+            logger.log(
+                level,
                 "rank %d: step %d in %s cannot be loaded, trying an older step: %s",
                 self.rank,
                 step,
@@ -745,7 +747,8 @@ class StateLoader:
                 why,
             )
         else:
-            logger.warning(
+            logger.log(
+                level,
                 "rank %d: step %d cannot be loaded from any tier, trying an older step: %s",
                 self.rank,
                 step,

@@ -64,7 +64,10 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
         emit_json(_listing_doc(store, steps, rows, pending, listings) | {"quarantined": held_apart})
     else:
         _print_steps(store, rows, tiers=bool(local))
-        _print_pending(pending)
+        durable = {
+            r["step"] for r in rows if "error" not in r and r.get("tiers", {}).get("durable", True)
+        }
+        _print_pending(pending, durable)
         if held_apart:
             again = [s for s in held_apart if s in steps]
             print(
@@ -166,7 +169,7 @@ def _row_text(r: dict[str, Any]) -> list[str]:
     return [str(r["step"]), "ERROR" if "error" in r else "-", *[""] * 6, r.get("error", "")]
 
 
-def _print_pending(pending: list[dict[str, Any]]) -> None:
+def _print_pending(pending: list[dict[str, Any]], committed: set[int]) -> None:
     for p in pending:
         if p["kind"] == "gc":
             what = "gc"
@@ -175,6 +178,11 @@ def _print_pending(pending: list[dict[str, Any]]) -> None:
         else:
             what = f"step {p['step']} rank {p['rank']} attempt {p['attempt']}: save"
         state = "stale (dead writer; the next gc removes it)" if p["stale"] else "in flight"
+        if p["stale"] and p["kind"] != "gc" and p.get("step") in committed:
+            state = (
+                f"stale (its writer died; step {p['step']} is committed, by this attempt or "
+                "another: its lease is what is left; the next gc removes it)"
+            )
         if not p["stale"] and p.get("holder_dead") and p["kind"] == "gc":
             left = p.get("expires_in_s")
             state = (

@@ -208,8 +208,18 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
             storage_options=dict(args.storage_options) or None,
             timeout_s=args.timeout or 30.0,
         )
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        listed = list_steps(store) if args.step is None else []
+        failed = args.step if args.step is not None else (listed[-1] if listed else None)
+        before = _readable_step_before(store, failed) if failed is not None else None
+        if before is None or "the step before it" in str(exc):
+            raise
+        kind = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else None
+        raise (kind or CheckpointCorruptError)(
+            f"{exc}; the step before it: --step {before}"
+        ) from exc
     except CheckpointError:
-        raise  # corrupt or missing data (a ValueError too): exit 1, not a usage error
+        raise  # other checkpoint errors (a ValueError too): exit 1, not a usage error
     except (FileExistsError, ValueError) as exc:  # in the words of the command's flags
         message = str(exc).replace("overwrite=True", "--force").replace("only=", "--only ")
         raise UsageError(message) from exc

@@ -541,6 +541,12 @@ def open_backend(
     try:
         fs, root = fsspec.core.url_to_fs(uri, **options)
     except (ValueError, ImportError) as exc:
+        scheme, _, rest = uri.partition("://")
+        if rest and scheme.lower() != scheme and scheme.lower() in fsspec.available_protocols():
+            raise ValueError(
+                f"cannot open store {uri!r}: {exc}; schemes are lower case: did you mean "
+                f"{scheme.lower()}://{rest}?"
+            ) from exc
         raise ValueError(f"cannot open store {uri!r}: {exc}") from exc
     root = root.rstrip("/")
     if "file" in _protocols(fs) and not os.path.lexists(root):
@@ -612,7 +618,8 @@ def _check_s3_uri_and_options(uri: str, options: dict[str, Any]) -> None:
 def refuse_a_mistyped_scheme(uri: str) -> None:
     """``s3:/bucket/run`` (one slash) is a local path to fsspec: a new store would be made in
     a directory named ``s3:``. Refused when that path does not exist yet."""
-    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)(.*)", uri)
+    colon_left_out = re.match(r"([A-Za-z][A-Za-z0-9+.-]+)//(?!/)(.+)", uri)  # s3//bucket/run
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)(.*)", uri) or colon_left_out
     if match and match.group(1).lower() in fsspec.available_protocols():
         scheme, rest = match.groups()
         raise ValueError(

@@ -168,3 +168,31 @@ def test_ranks_given_different_stores_commit_nothing(tmp_path, kind, relative):
     manifest named an index its store never held, and no step could be loaded."""
     run_ranks(_stores_apart, 2, str(tmp_path), kind, relative)
     assert list_steps(Store(str(tmp_path / ("cwd0" if relative else "") / "durable"))) == []
+
+
+def _latest_while_another_writer_commits(rank: int, world: int, root: str) -> None:
+    import ckptstore.checkpointer as checkpointer_module
+
+    with Checkpointer(root) as ckpt:
+        if rank == 1:  # a second run into the same store commits just before this rank lists
+            real = checkpointer_module.list_steps
+
+            def listing_after_a_commit(store: Store) -> list[int]:
+                with Checkpointer(root, no_dist=True) as other:
+                    other.save(5, {"w": torch.ones(4)}).wait(timeout_s=60)
+                return real(store)
+
+            checkpointer_module.list_steps = listing_after_a_commit
+        latest = ckpt.latest()
+        assert latest is None, (rank, latest)  # rank 0 listed first: every rank hears its answer
+        heard = [None] * world
+        dist.all_gather_object(heard, latest)
+        assert heard == [None] * world
+
+
+@pytest.mark.dist
+def test_latest_is_the_same_on_every_rank_though_a_commit_lands_between_their_listings(tmp_path):
+    """A reviewer: untiered, each rank listed the store itself; a commit of another writer
+    between two ranks' listings sent rank 0 to save() and rank 1 to load() (the README's resume),
+    and the job hung in collectives that did not match for up to 20 minutes."""
+    run_ranks(_latest_while_another_writer_commits, 2, str(tmp_path / "s"), timeout_s=120)

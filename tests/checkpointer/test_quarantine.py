@@ -5,6 +5,7 @@ step number again, and a restart loads the new save."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -200,6 +201,34 @@ def _two_ranks_save(rank: int, world: int, root: str) -> None:
         for step in (1, 2):
             g = torch.Generator().manual_seed(100 * step + rank)
             ckpt.save(step, {f"w{rank}": torch.randn(4096, generator=g)}).wait(timeout_s=BOUND_S)
+
+
+def _two_ranks_fall_back(rank: int, world: int, root: str) -> None:
+    from tests.helpers.dcp_tiers import log_records
+
+    heard = log_records("ckptstore")
+    with Checkpointer(root) as ckpt:
+        target = {f"w{rank}": torch.zeros(4096)}
+        assert ckpt.load(target, fallback=True) == 1
+    said = [r for r in heard if "cannot be loaded, trying an older step" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert said[0].levelno == (logging.WARNING if rank == 0 else logging.INFO), rank
+
+
+@pytest.mark.dist
+def test_a_step_skipped_by_every_rank_is_warned_of_once_by_rank_0(tmp_path, monkeypatch):
+    """A reviewer: the fallback's warning came once from every rank (4 lines on 4 ranks) for
+    one agreed skip; the other ranks say it at INFO."""
+    from tests.helpers.dist import run_ranks
+
+    root = tmp_path / "ckpt"
+    run_ranks(_two_ranks_save, 2, str(root), timeout_s=120)
+    store = Store(str(root))
+    digest = sorted(load_rank_index(store, load_manifest(store, 2), 1).chunks)[0]
+    path = root / "chunks" / digest[:2] / digest
+    path.chmod(0o644)
+    path.write_bytes(path.read_bytes()[:-5])
+    run_ranks(_two_ranks_fall_back, 2, str(root), timeout_s=120)
 
 
 @pytest.mark.dist

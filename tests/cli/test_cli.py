@@ -281,6 +281,21 @@ def test_ls_shows_saves_in_flight(store: Path, capsys) -> None:
     assert doc["pending"][0]["step"] == 40 and doc["pending"][0]["stale"] is False
 
 
+def test_ls_says_a_stale_save_of_a_committed_step_left_only_its_lease(store: Path, capsys):
+    """A reviewer: after a kill -9 mid-save and a resume that saved the step again, ls showed
+    the dead attempt as a stale save beside the committed step, read as the step incomplete."""
+    import time
+
+    marker = store / "pending" / f"{30:020d}-dead-00000.json"
+    marker.parent.mkdir(exist_ok=True)
+    marker.write_text(
+        json.dumps({"step": 30, "attempt": "dead", "rank": 0, "created_at": time.time() - 1e6})
+    )
+    code, out, _ = run(capsys, "ls", store)
+    [line] = [line for line in out.splitlines() if line.startswith("pending:")]
+    assert "stale (its writer died; step 30 is committed" in line, line
+
+
 def test_ls_names_an_unreadable_lease_by_its_key_not_as_step_none(store: Path, capsys) -> None:
     lease = store / "leases" / "save" / f"{9:020d}-abc-00000" / "0001.json"
     lease.parent.mkdir(parents=True)

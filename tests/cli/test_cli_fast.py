@@ -85,6 +85,19 @@ def test_a_scheme_with_one_slash_is_refused_with_the_uri_meant(tmp_path, monkeyp
     assert main(["ls", "s3:/bucket"]) == 1  # exists, holds no checkpoints
 
 
+@pytest.mark.parametrize("typed", ["s3//bucket/run7", "S3://bucket/run7"])
+def test_a_scheme_without_its_colon_or_in_capitals_is_refused_with_the_uri_meant(
+    tmp_path, monkeypatch, capsys, typed
+):
+    """A reviewer: ``s3//bucket/run7`` said only "no such path", ``S3://...`` "Protocol not
+    known: S3"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["ls", typed]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean s3://bucket/run7?" in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_restore_target_with_a_uri_s_scheme_and_one_slash_is_refused(tmp_path, monkeypatch):
     """Reviewer of stop 60: ``restore --to s3:/bkt/x`` wrote a local ``./s3:/bkt/x`` and exited
     0: a usage error, nothing made."""
