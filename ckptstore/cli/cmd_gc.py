@@ -41,7 +41,9 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     print(f"{'dry run: ' if args.dry_run else ''}kept steps: {_steps(report.kept_steps)}")
     print(f"{verb} steps: {_steps(report.deleted_steps)}")
     if report.kept_healthy is not None:
-        print(f"newest healthy step (always kept): {report.kept_healthy}")
+        print(
+            f"newest healthy step of those listed when gc began (always kept): {report.kept_healthy}"
+        )
     if report.verified_steps:
         print(f"re-hashed, every chunk checks out: step(s) {_steps(report.verified_steps)}")
     removed = set(report.removed_corrupt)
