@@ -303,17 +303,19 @@ def check_chunks(
     on_chunk: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[str, BaseException | None]]:
     """Fetch, decode and re-hash every chunk; yields ``(digest, error or None)`` for each,
-    never stopping at the first bad one. Once ``read_concurrency`` reads in a row got no answer
-    in time (the store stopped answering), the rest are not read: each is unreadable at once,
-    not after a timeout of its own."""
+    never stopping at the first bad one. Once ``read_concurrency`` (at least 3) reads in a row
+    got no answer in time (the store stopped answering), the rest are unreadable at once, not
+    after a timeout each, but for a probe now and then whose answer reads on."""
     from ckptstore import pipeline  # torch: only where chunks are read
 
     silent = _Silence(read_concurrency)
 
     def one(item: tuple[str, ChunkInfo | None]) -> tuple[str, BaseException | None, int]:
         digest, info = item
+        skipped = silent.skip()
+        if skipped is not None:
+            return digest, skipped, info.raw if info is not None else 0
         try:
-            silent.check()
             raw = pipeline.fetch_chunk(store, digest, info, scratch=info is not None)
             if info is not None and raw.size != info.raw:
                 raise CheckpointCorruptError(
@@ -336,29 +338,36 @@ def check_chunks(
 
 class _Silence:
     """Reads of one check that got no answer in time, in a row: after ``limit`` of them the
-    store is taken to have stopped answering (:meth:`check` raises for every later read)."""
+    store is taken to have stopped answering, and later reads are skipped (:meth:`skip`) but
+    for one in ``limit``, a probe: an answer to it reads on."""
 
     def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
+        self.limit = max(3, limit)
         self._lock = threading.Lock()
         self._in_a_row = 0
+        self._skipped = 0
         self._last: BaseException | None = None
 
     def heard(self, error: BaseException | None) -> None:
         with self._lock:
             if isinstance(error, StorageTimeoutError):
                 self._in_a_row += 1
-                self._last = self._last or error
+                self._last = error
             else:  # an answer, good or bad
-                self._in_a_row, self._last = 0, None
+                self._in_a_row = self._skipped = 0
 
-    def check(self) -> None:
+    def skip(self) -> StorageTimeoutError | None:
+        """The error of a read not made (the store stopped answering); None: read it."""
         with self._lock:
-            if self._in_a_row >= self.limit:
-                raise StorageTimeoutError(
-                    f"not read: {self._in_a_row} reads in a row got no answer in time (the "
-                    f"store stopped answering? the last: {one_line(self._last)})"
-                )
+            if self._in_a_row < self.limit:
+                return None
+            self._skipped += 1
+            if self._skipped % self.limit == 0:
+                return None  # a probe
+            return StorageTimeoutError(
+                f"not read: the store stopped answering ({self._in_a_row} reads in a row got "
+                f"no answer in time; the last: {one_line(self._last)})"
+            )
 
 
 def verify_steps(

@@ -348,28 +348,18 @@ class Checkpointer:
     def latest(self, *, healthy: bool = False) -> int | None:
         """The step a load of ``"latest"`` takes (with ``healthy``, the newest healthy one), or
         None when there is none: nothing to resume. Committed steps of which none is healthy
-        raise ``NoHealthyStepError`` with ``healthy``, not None. With ``torch.distributed`` it
-        is collective (every rank calls it, as a load, after its saves in flight): every rank
-        gets rank 0's answer, so that a commit landing between two ranks' listings cannot send
-        one to ``load`` and another to ``save``. With tiers it is the newest save every rank can
-        get from any tier, local-only ones included. None where a store lies just above or
+        raise ``NoHealthyStepError`` with ``healthy``, not None. With tiers it is the newest
+        save every rank can get from any tier, local-only ones included, and collective: every
+        rank calls it, as a load. Without tiers each rank lists the store itself: where another
+        process may commit into the same store meanwhile, take rank 0's answer (broadcast it)
+        so that the ranks do not go different ways. None where a store lies just above or
         below this local path is one warning naming it."""
-        if self._local is not None or self._group.active:
-            self._saver.wait()  # its collectives and this one share a group: one at a time
-        with self._group.calling("latest()"):
-            if self._local is not None:
+        if self._local is not None:
+            self._saver.wait()  # its collectives and the plan's share a group: one at a time
+            with self._group.calling("latest()"):
                 step = newest_planned_step(self.store, self._local, self._group, healthy)
-            else:
-                found: Any = None
-                if self.rank == 0:
-                    try:
-                        found = self._newest_durable(healthy)
-                    except Exception as exc:  # noqa: BLE001 - raised on every rank
-                        found = exc
-                found = self._group.broadcast(found)
-                if isinstance(found, BaseException):
-                    raise found
-                step = found
+        else:
+            step = self._newest_durable(healthy)
         if step is None and not self._nearby_looked:
             self._nearby_looked = True
             if nearby := store_nearby(self.store):

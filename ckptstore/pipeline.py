@@ -344,7 +344,7 @@ def put_chunk(
         info = _encode_and_put(store, key, raw, itemsize, codec, hedged, governor)
     if recheck is not None and digest in recheck.suspect:  # found there, maybe the bad one
         info = recheck_chunk(store, digest, info, raw, itemsize, codec)
-        _cleared(store, digest)
+        clear_suspect(store, digest)
     if known is not None:
         known[digest] = info  # a dict's item assignment is atomic: put threads share it
     return digest, info
@@ -377,7 +377,8 @@ def suspect_chunks(store: Store) -> set[str]:
         return set(_suspect.get(_store_key(store), ()))
 
 
-def _cleared(store: Store, digest: str) -> None:
+def clear_suspect(store: Store, digest: str) -> None:
+    """Chunk ``digest`` of ``store`` was read back intact, or written again, by a save."""
     with _suspect_lock:
         _suspect.get(_store_key(store), set()).discard(digest)
 
@@ -396,8 +397,10 @@ class Rechecks:
         self._claims: dict[str, threading.Event] = {}
 
     def chosen(self, digest: str) -> bool:
-        if digest in self.suspect:
-            return True
+        return digest in self.suspect or self.by_turn(digest)
+
+    def by_turn(self, digest: str) -> bool:
+        """Its turn, about one save in ``period`` (the same on every rank of the save)."""
         key = f"{digest}/{self.step}".encode()
         return bool(self.period) and xxhash.xxh3_64_intdigest(key) % self.period == 0
 
@@ -431,7 +434,7 @@ def _rechecked(
         return known[digest]
     try:
         known[digest] = recheck_chunk(store, digest, known[digest], raw, itemsize, codec)
-        _cleared(store, digest)
+        clear_suspect(store, digest)
     finally:
         recheck.done(digest)
     return known[digest]

@@ -26,6 +26,7 @@ from ckptstore.pipeline import (
     CompressionGovernor,
     PipelineConfig,
     Rechecks,
+    clear_suspect,
     write_chunks,
 )
 from ckptstore.store import Store
@@ -74,18 +75,26 @@ def share_out(
     mine = {
         digest: (raw, known[digest].stored if digest in known else None) for digest, raw in held
     }
-    suspect = sorted(recheck.suspect.intersection(mine)) if recheck is not None else []
+    suspect = sorted(recheck.suspect) if recheck is not None else []
     heard = group.agree(error, (save, sorted(mine.items()), *([suspect] if suspect else [])))
     _raise(heard, error, "preparing its chunks", save)
+    # Which chunks need a writer is judged from what every rank heard alone (never from a
+    # rank's own knowledge), so that every rank assigns the same writers.
+    stored: set[str] = set()
+    suspects: set[str] = set()
     for _, payload, *theirs in heard.payloads:
-        known.update(
-            {d: ChunkInfo(raw, stored) for d, (raw, stored) in payload if stored is not None}
-        )
-        if recheck is not None and theirs:  # a chunk a load found damaged on some rank
-            recheck.suspect.update(theirs[0])
+        for d, (raw, size) in payload:
+            if size is not None:
+                stored.add(d)
+                known[d] = ChunkInfo(raw, size)
+        if theirs:  # a chunk a load found damaged on some rank: read back, whoever holds it
+            suspects.update(theirs[0])
+    if recheck is not None:
+        recheck.suspect |= suspects
 
     def ours(digest: str) -> bool:  # to put, or to read back
-        return digest not in known or (recheck is not None and recheck.chosen(digest))
+        turn = recheck is not None and recheck.by_turn(digest)
+        return digest not in stored or digest in suspects or turn
 
     writers = assign_writers(
         [[(d, raw) for d, (raw, _) in payload if ours(d)] for _, payload, *_ in heard.payloads]
@@ -213,4 +222,13 @@ def write_chunks_once(
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
         error = exc
     gather_stored(group, written, known, error, save=save)
+    if recheck is not None:  # its writer read each back (or wrote it again) in this save
+        for digest in recheck.suspect.intersection(digests):
+            clear_suspect(store, digest)
+    unwritten = [d for d in digests if d not in known]
+    if unwritten:  # never a manifest naming a chunk nobody wrote
+        raise CheckpointError(
+            f"{len(unwritten)} chunk(s) of this rank were given no writer (e.g. {unwritten[0]}): "
+            "the ranks judged the save's chunks differently; nothing is committed"
+        )
     return digests, {d: known[d] for d in digests}

@@ -219,12 +219,13 @@ class SaveSession:
             )
         return self
 
-    def rechecks(self) -> Rechecks | None:
+    def rechecks(self) -> Rechecks:
         """Which of the chunks this save references without writing it reads back
         (``pipeline.Rechecks``: about one in ``recheck_every``, and those a load in this
-        process found damaged; None: none)."""
-        period, suspect = self.engine.recheck_every, suspect_chunks(self.store)
-        return Rechecks(period, self.step, suspect) if period or suspect else None
+        process, or in another rank's, found damaged)."""
+        # Made with no period and no suspect too: in a save with one writer per chunk, another
+        # rank's suspects (heard in the exchange) may fall to this rank to read back.
+        return Rechecks(self.engine.recheck_every, self.step, suspect_chunks(self.store))
 
     def write(
         self,
