@@ -33,6 +33,7 @@ import torch
 from bench.report import parse_bytes
 from ckptstore.errors import ObjectNotFoundError, one_line
 from ckptstore.pipeline import release_free_memory
+from ckptstore.render import human_bytes
 from ckptstore.store import Store, open_store
 from ckptstore.store.backends import refuse_a_mistyped_scheme
 
@@ -134,6 +135,12 @@ class StateSpec:
             raise ValueError(
                 f"bad --size {self.size_bytes} bytes for {self.tensors} tensors: "
                 "each tensor needs at least 4 bytes"
+            )
+        free = _meminfo_bytes("MemAvailable")
+        if self.state == "synthetic" and free is not None and self.size_bytes > free:
+            raise ValueError(
+                f"bad --size {human_bytes(self.size_bytes)}: more than this machine's available "
+                f"memory ({human_bytes(free)}), and the bench holds the state in memory"
             )
 
 
@@ -458,20 +465,37 @@ class Workspace:
 # -- memory --------------------------------------------------------------------------------------
 
 
+def _meminfo_bytes(field_name: str) -> int | None:
+    return _proc_bytes("/proc/meminfo", field_name)
+
+
 def _status_bytes(field_name: str) -> int | None:
+    return _proc_bytes("/proc/self/status", field_name)
+
+
+def _proc_bytes(path: str, field_name: str) -> int | None:
+    """A ``NAME: <n> kB`` field of a /proc file, in bytes; None where it cannot be read."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
                 if line.startswith(field_name + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
 
 
 def drop_page_cache(root: str) -> None:
     """Drop the cached pages of every file below ``root`` (``POSIX_FADV_DONTNEED``: no root
-    needed), so that the next read of them comes from the disk."""
+    needed), so that the next read of them comes from the disk. ``ValueError`` where the
+    files live in memory (tmpfs): there is no disk to read, and cold figures would be memory
+    speed."""
+    kind = filesystem_type(root)
+    if kind in _IN_MEMORY:
+        raise ValueError(
+            f"--cache cold: {root} is on {kind}, whose pages are the files themselves and "
+            "cannot be dropped (the figures would be memory speed): use a directory on a disk"
+        )
     for dirpath, _, names in os.walk(root):
         for name in names:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
@@ -480,6 +504,30 @@ def drop_page_cache(root: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+_IN_MEMORY = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the file system ``path`` is on (Linux's /proc/self/mountinfo: the mount
+    with the longest mount point above it); None where it cannot be told."""
+    where = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                after = line.split(" - ", 1)[1].split()
+                inside = where == point or where.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best) and after:
+                    best, kind = point, after[0]
+    except OSError:
+        return None
+    return kind
 
 
 class MemoryProbe:

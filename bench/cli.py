@@ -77,17 +77,49 @@ def main(argv: list[str] | None = None) -> int:
         stdout_gone()
         return 0
     except (ValueError, OSError, CheckpointError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"ckptbench {args.command}: error: {first}", file=sys.stderr)
+        _say(args, exc)
         return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         print(f"ckptbench {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BaseException:
+    except BaseException as exc:
         status = stopped_by_signal()  # wrapped on its way up (DCP's CheckpointException)
-        if status is None:
+        if status is not None:
+            return status
+        cause = _storage_or_memory_cause(exc)
+        if cause is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        return status
+        _say(args, cause)  # torch.save's error after a full disk, DCP's wrapper, an allocation
+        return 1
+
+
+def _say(args: argparse.Namespace, exc: BaseException) -> None:
+    """The error in one line; an OS error that names no file, with where the run wrote."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    where = getattr(args, "uri", None) or getattr(args, "dir", None)
+    if isinstance(exc, OSError) and not exc.filename and where:
+        first += f" (writing under {where})"
+    print(f"ckptbench {args.command}: error: {first}", file=sys.stderr)
+
+
+def _storage_or_memory_cause(exc: BaseException) -> BaseException | None:
+    """The storage or memory error under ``exc`` (its causes and contexts, and the failures
+    DCP's ``CheckpointException`` holds per rank); None where there is none (a bug)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (OSError, CheckpointError, MemoryError)):
+            return e
+        if isinstance(e, RuntimeError) and "can't allocate memory" in str(e):
+            return MemoryError(f"out of memory: {str(e).splitlines()[-1].strip()}")
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 
 from bench import _ckpt_common as common
 from bench.report import format_bytes, format_seconds, print_json, rounds, table
+from ckptstore.cli.signals import raise_if_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ def run_export(
 
 
 def print_table(report: dict[str, Any]) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     cfg = report["config"]
     print(
         f"ckptbench export  {report['date']}  {format_bytes(cfg['size_bytes'])} "

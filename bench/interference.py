@@ -53,7 +53,7 @@ import torch
 from bench import _ckpt_common as common
 from bench.report import parse_bytes
 from ckptstore import Checkpointer, EncodingOptions, StagingOptions, StorageOptions
-from ckptstore.cli.signals import terminate_unwinds
+from ckptstore.cli.signals import raise_if_stopped, terminate_unwinds
 
 KINDS = ("gpu", "cpu", "python")
 _TOUCH_STRIDE = 2**18  # one float per MiB
@@ -313,6 +313,7 @@ def loss_cell(loss: float, noise: float) -> str:
 
 
 def _print(out: dict, *, as_json: bool) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     if as_json:
         print(json.dumps(out))
         return

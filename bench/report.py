@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from ckptstore import render
+from ckptstore.cli.signals import raise_if_stopped
 from ckptstore.render import format_rate, format_seconds, human_bytes
 
 __all__ = [
@@ -109,11 +110,13 @@ def table(
 ) -> None:
     """Print an aligned text table under a rule; the first column left-aligned, the others
     right-aligned."""
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     print(render.table(header, rows, rule=True), file=out or sys.stdout)
 
 
 def print_json(obj: Any, *, out: TextIO | None = None) -> None:
     """One JSON object on one line, keys in insertion order."""
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     print(json.dumps(obj, allow_nan=False), file=out or sys.stdout)
 
 

@@ -56,6 +56,7 @@ from bench.report import (
     rounds,
     table,
 )
+from ckptstore.cli.signals import raise_if_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -482,6 +483,7 @@ def run_restore(
 
 
 def print_table(report: dict[str, Any]) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     cfg = report["config"]
     print(
         f"ckptbench restore  {report['date']}  {cfg['state']} {'/'.join(cfg['dtypes'])} state, "
@@ -583,6 +585,7 @@ def sweep_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_sweep(rows: list[dict[str, Any]]) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     ratios = [k for k in rows[0] if k.startswith("ckptstore_vs_")]
     times = [k for k in rows[0] if k.endswith("_restore_s")]
     table(

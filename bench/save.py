@@ -58,6 +58,7 @@ import torch
 
 from bench import _ckpt_common as common
 from bench.report import format_bytes, format_seconds, print_json, rounds, table
+from ckptstore.cli.signals import raise_if_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -531,6 +532,7 @@ def _notes(report: dict[str, Any], *, ws_local: bool) -> list[str]:
 
 
 def print_table(report: dict[str, Any]) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     cfg = report["config"]
     print(
         f"ckptbench save  {report['date']}  {cfg['state']} {'/'.join(cfg['dtypes'])} state, "

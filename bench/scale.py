@@ -30,6 +30,7 @@ from bench._thread_ranks import CollectiveCall, ThreadWorld
 from bench.report import format_bytes, format_seconds, parse_bytes, print_json, table
 from ckptstore.catalog import list_steps
 from ckptstore.cli.parser import _storage_option
+from ckptstore.cli.signals import raise_if_stopped
 from ckptstore.format import commit_key
 from ckptstore.store import Store
 
@@ -462,6 +463,7 @@ def _kinds(requests: dict[str, int]) -> list[int]:
 
 
 def print_tables(result: dict[str, Any], out: Any = None) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     out = out or sys.stdout
     print(
         f"ckptbench scale: ranks as {result['mode']} on {result['store']}; each rank saves "

@@ -11,6 +11,7 @@ from bench.recover.adapters import frontend_of
 from bench.recover.frontend import Frontend, ratio_text
 from bench.recover.plan import BASELINE, METHODS
 from bench.report import format_bytes, format_seconds, rounds, table
+from ckptstore.cli.signals import raise_if_stopped
 
 READS = {"tiers": "tiered", "plain": "untiered"}
 """How the lines on durable reads name each counted restore."""
@@ -18,6 +19,7 @@ READS = {"tiers": "tiered", "plain": "untiered"}
 
 def print_table(result: dict[str, Any], out: Any = None) -> None:
     """``result`` (``run_recover``'s report) as its front-end's tables."""
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     out = out or sys.stdout
     fe = frontend_of(result["config"].get("frontend", "checkpointer"))
     for line in _header(fe, result):

@@ -12,12 +12,14 @@ from bench.report import (
     table,
 )
 from bench.storage.run import StorageBench
+from ckptstore.cli.signals import raise_if_stopped
 from ckptstore.telemetry import LatencyHistogram
 
 MIN_P99_SAMPLES = 100  # fewer answers in a phase: its "p99" is its slowest read
 
 
 def print_table(result: dict[str, Any], out=None) -> None:
+    raise_if_stopped()  # a signal whose exception was dropped: no results
     out = out or sys.stdout
     print(
         f"ckptbench storage {result['mode']} on {result['uri']} "
@@ -59,6 +61,13 @@ def print_table(result: dict[str, Any], out=None) -> None:
         if op in result and result[op]["errors_by_type"]:
             kinds = ", ".join(f"{k}: {v}" for k, v in result[op]["errors_by_type"].items())
             print(f"{op} errors: {kinds}", file=out)
+    local = "://" not in result["uri"] or result["uri"].startswith("file://")
+    if local and result.get("get", {}).get("ops"):
+        print(
+            "note: the gets of a local store read objects this run had just written, mostly "
+            "from the page cache: memory speed, not the disk's",
+            file=out,
+        )
     burst = result.get("burst")
     if burst:
         print(

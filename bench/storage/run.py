@@ -20,6 +20,7 @@ from bench.faults import with_faults
 from bench.storage.burst import run_burst
 from bench.storage.config import StorageBenchConfig
 from bench.storage.stats import _error_name, _first_line, _OpStats, retry_records
+from ckptstore.errors import StorageError, one_line
 from ckptstore.store import Store
 
 logger = logging.getLogger("bench.storage")
@@ -256,10 +257,22 @@ class StorageBench:
                     try:
                         self.cleanup()
                     except Exception as exc:  # noqa: BLE001 - the first error is the one to see
-                        logger.warning("cleanup after a failed run failed too: %s", exc)
+                        logger.warning(
+                            "cleanup after a failed run failed too (the run's objects under %s "
+                            "may be left: delete them once the store answers): %s",
+                            self.admin.url(self.prefix),
+                            one_line(exc),
+                        )
                 raise
         if not cfg.keep and cfg.read_prefix is None:
-            cleanup = self.cleanup()
+            try:
+                cleanup = self.cleanup()
+            except StorageError as exc:
+                raise StorageError(
+                    f"{str(exc).splitlines()[0]} (cleaning up: the run's objects under "
+                    f"{self.admin.url(self.prefix)} may be left; delete them once the store "
+                    "answers)"
+                ) from exc
         head = {
             "bench": "storage",
             "mode": cfg.mode,

@@ -37,6 +37,7 @@ def terminate_unwinds() -> Iterator[None]:
         _received.append(signum)
         raise KeyboardInterrupt
 
+    _received.clear()  # this command's signals (a test calls several in one process)
     previous = {sig: signal.signal(sig, on_term) for sig in _UNWOUND}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (nohup)
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_interrupt)
@@ -52,6 +53,17 @@ def stopped_by_signal() -> int | None:
     the others), or None if none came: what a library wrapped its ``KeyboardInterrupt`` or
     ``SystemExit`` in (DCP's ``CheckpointException``) still ends the command as the signal."""
     return 128 + _received[0] if _received else None
+
+
+def raise_if_stopped() -> None:
+    """Stop here if a signal came whose exception Python dropped: raised while a garbage
+    collector's callback ran (a weakref's), it is only reported ("Exception ignored in ..."),
+    and the command ran on to print its results and exit 0. Called before results are shown."""
+    if not _received:
+        return
+    if _received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + _received[0])
 
 
 _UNWOUND = (signal.SIGTERM, signal.SIGHUP)

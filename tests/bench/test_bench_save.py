@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 
@@ -170,8 +171,32 @@ def test_restore_reports_verified_loads(capsys, tmpdir_isolated):
     assert _workspaces(tmpdir_isolated) == set()
 
 
+def _needs_a_disk(path) -> None:
+    if common.filesystem_type(str(path)) in common._IN_MEMORY:
+        pytest.skip(f"{path} is in memory (tmpfs): a cold page cache needs a disk")
+
+
+def test_restore_cold_on_a_store_in_memory_is_refused(capsys, tmp_path):
+    """A reviewer (HIGH): on tmpfs, "cold page cache: every file's cached pages were dropped"
+    headed figures read from memory (pages of tmpfs cannot be dropped)."""
+    from bench.cli import main
+
+    if common.filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    where = tempfile.mkdtemp(dir="/dev/shm", prefix="ckptbench-test-")
+    try:
+        code = main(
+            ["restore", "--uri", where, "--size", "4MiB", "--repeat", "1", "--cache", "cold"]
+        )
+        out, err = capsys.readouterr()
+        assert code == 2 and "is on tmpfs" in err and "cannot be dropped" in err, err
+        assert "GB/s" not in out and os.listdir(where) == []  # no figures, nothing left
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def test_restore_cold_drops_the_page_cache_before_each_load(capsys, tmpdir_isolated, monkeypatch):
-    from bench import _ckpt_common as common
+    _needs_a_disk(tmpdir_isolated)
 
     dropped: list[str] = []
     real = common.drop_page_cache
@@ -218,6 +243,7 @@ def test_restore_fresh_process_loads_each_time_in_a_new_process(tmpdir_isolated)
 
 
 def test_restore_fresh_process_from_the_cli_with_a_cold_cache(capsys, tmpdir_isolated, monkeypatch):
+    _needs_a_disk(tmpdir_isolated)
     dropped: list[str] = []
     real = common.drop_page_cache
     monkeypatch.setattr(common, "drop_page_cache", lambda root: (dropped.append(root), real(root)))
@@ -499,3 +525,30 @@ def test_a_uri_with_one_slash_after_its_scheme_is_refused(capsys, tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert err.endswith("did you mean s3://bucket/x?") and "\n" not in err
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["save", "--size", "8MiB", "--repeat", "1", "--warmup", "0", "--methods", "torch_save"],
+        ["save", "--size", "8MiB", "--repeat", "1", "--warmup", "0", "--methods", "dcp_sync"],
+    ],
+    ids=["torch_save", "dcp_sync"],
+)
+def test_a_full_disk_under_a_baseline_method_is_one_line_naming_where(small_disk, capsys, argv):
+    """A reviewer: ``--methods torch_save`` (torch's own error after ENOSPC) and DCP's wrapper
+    of it printed tracebacks; ckptstore's own path said one line."""
+    from bench.cli import main
+
+    code = main([*argv, "--uri", str(small_disk)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert "No space left on device" in err[0] and str(small_disk) in err[0], err
+    assert os.listdir(small_disk) == []  # the run's files removed
+
+
+def test_a_size_over_the_memory_available_is_refused_before_it_is_allocated(capsys):
+    from bench.cli import main
+
+    assert main(["save", "--size", "1PiB", "--repeat", "1"]) == 2
+    assert "more than this machine's available memory" in capsys.readouterr().err

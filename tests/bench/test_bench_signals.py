@@ -98,3 +98,45 @@ def test_a_second_sigint_within_a_press_leaves_the_cleanup_alone_and_a_later_one
     finally:
         signal.signal(signal.SIGINT, previous)
     assert cleaned and signals.stopped_by_signal() == 130
+
+
+_DROPPED = """
+import os, signal, sys, weakref
+from bench.report import table
+from ckptstore.cli.signals import terminate_unwinds
+
+class Held:
+    pass
+
+with terminate_unwinds():
+    held = Held()
+
+    def callback():
+        os.kill(os.getpid(), signal.{name})
+        sum(range(200000))  # the handler runs in here: Python only reports its exception
+
+    weakref.finalize(held, callback)
+    del held
+    table(["method", "seconds"], [["ckptstore", 1.0]])
+    print("RESULTS PRINTED")
+"""
+
+
+@pytest.mark.parametrize("name,status", [("SIGTERM", 143), ("SIGINT", -signal.SIGINT)])
+def test_a_signal_whose_exception_python_dropped_still_stops_the_run(name, status):
+    """A reviewer: a Ctrl-C or SIGTERM landing while a garbage collector's callback ran raised
+    there, where Python only reports it ("Exception ignored in ..."): the run went on, printed
+    its table and exited 0. Results are not shown after a signal came."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _DROPPED.format(name=name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
+    assert "Exception ignored" in done.stderr, done.stderr[-2000:]  # the case it is about
+    assert done.returncode == status, (done.returncode, done.stderr[-2000:])
+    assert "RESULTS PRINTED" not in done.stdout and "ckptstore" not in done.stdout, done.stdout
