@@ -615,7 +615,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         choices=tuple(CACHE_NOTES),
         default="warm",
         help="local disk: load from the page cache (warm, default) or drop every file's cached "
-        "pages before each timed load (cold)",
+        "pages before each timed load (cold; refused on tmpfs, whose pages cannot be dropped)",
     )
     p.add_argument(
         "--fresh-process",
