@@ -108,6 +108,7 @@ from ckptstore.cli.signals import terminate_unwinds
 class Held:
     pass
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, not under `cmd &`
 with terminate_unwinds():
     held = Held()
 
