@@ -35,7 +35,7 @@ from ckptstore.errors import ObjectNotFoundError, one_line
 from ckptstore.pipeline import release_free_memory
 from ckptstore.render import human_bytes
 from ckptstore.store import Store, open_store
-from ckptstore.store.backends import refuse_a_mistyped_scheme
+from ckptstore.store.backends import filesystem_type, refuse_a_mistyped_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -507,27 +507,6 @@ def drop_page_cache(root: str) -> None:
 
 
 _IN_MEMORY = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
-
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the file system ``path`` is on (Linux's /proc/self/mountinfo: the mount
-    with the longest mount point above it); None where it cannot be told."""
-    where = os.path.realpath(path)
-    best, kind = "", None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if " - " not in line or len(fields) < 5:
-                    continue
-                point = fields[4].replace("\\040", " ")
-                after = line.split(" - ", 1)[1].split()
-                inside = where == point or where.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best) and after:
-                    best, kind = point, after[0]
-    except OSError:
-        return None
-    return kind
 
 
 class MemoryProbe:

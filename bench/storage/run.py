@@ -269,7 +269,7 @@ class StorageBench:
                 cleanup = self.cleanup()
             except StorageError as exc:
                 raise StorageError(
-                    f"{str(exc).splitlines()[0]} (cleaning up: the run's objects under "
+                    f"{_first_line(exc)} (cleaning up: the run's objects under "
                     f"{self.admin.url(self.prefix)} may be left; delete them once the store "
                     "answers)"
                 ) from exc

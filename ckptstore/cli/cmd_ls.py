@@ -64,10 +64,7 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
         emit_json(_listing_doc(store, steps, rows, pending, listings) | {"quarantined": held_apart})
     else:
         _print_steps(store, rows, tiers=bool(local))
-        durable = {
-            r["step"] for r in rows if "error" not in r and r.get("tiers", {}).get("durable", True)
-        }
-        _print_pending(pending, durable)
+        _print_pending(pending, set(_readable_durable(rows)))
         if held_apart:
             again = [s for s in held_apart if s in steps]
             print(
@@ -101,14 +98,7 @@ def _listing_doc(
         "uri": store.uri,
         "steps": rows,
         # the newest a load of "latest" would take (a step whose manifest reads), durable only
-        "latest": max(
-            (
-                r["step"]
-                for r in rows
-                if "error" not in r and r.get("tiers", {}).get("durable", True)
-            ),
-            default=None,
-        ),
+        "latest": max(_readable_durable(rows), default=None),
         "pending": pending,
         **(
             {
@@ -167,6 +157,11 @@ def _row_text(r: dict[str, Any]) -> list[str]:
             _user_text(r["user"]),
         ]
     return [str(r["step"]), "ERROR" if "error" in r else "-", *[""] * 6, r.get("error", "")]
+
+
+def _readable_durable(rows: list[dict[str, Any]]) -> list[int]:
+    """The steps of ``rows`` the durable store holds whose manifests read."""
+    return [r["step"] for r in rows if "error" not in r and r.get("tiers", {}).get("durable", True)]
 
 
 def _print_pending(pending: list[dict[str, Any]], committed: set[int]) -> None:

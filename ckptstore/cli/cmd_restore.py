@@ -110,12 +110,17 @@ def _open_naming_the_step_before(store: Store, step: int | None) -> StepView:
     try:
         return StepView.open(store, step if step is not None else "latest")
     except CheckpointCorruptError as exc:
-        listed = list_steps(store)
-        failed = step if step is not None else (listed[-1] if listed else None)
-        before = _readable_step_before(store, failed) if failed is not None else None
+        before = _before_the_failed(store, step)
         if before is None:
             raise
         raise CheckpointCorruptError(f"{exc}; the step before it: --step {before}") from exc
+
+
+def _before_the_failed(store: Store, step: int | None) -> int | None:
+    """The readable step before ``step`` (None: the newest committed one), the one to try."""
+    listed = list_steps(store) if step is None else []
+    failed = step if step is not None else (listed[-1] if listed else None)
+    return _readable_step_before(store, failed) if failed is not None else None
 
 
 HINT_TRIES = 16
@@ -209,9 +214,7 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
             timeout_s=args.timeout or 30.0,
         )
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        listed = list_steps(store) if args.step is None else []
-        failed = args.step if args.step is not None else (listed[-1] if listed else None)
-        before = _readable_step_before(store, failed) if failed is not None else None
+        before = _before_the_failed(store, args.step)
         if before is None or "the step before it" in str(exc):
             raise
         kind = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else None

@@ -732,8 +732,14 @@ _LOCAL_DISK_TYPES = frozenset(
 def on_local_disk(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     """Whether ``path`` (made or not) is on a disk file system of this machine, by
     ``mountinfo``; False where that cannot be told."""
+    return filesystem_type(path, mountinfo) in _LOCAL_DISK_TYPES
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system ``path`` (made or not) is on: that of the mount with the
+    longest mount point above it in ``mountinfo``; None where that cannot be told."""
     path = os.path.realpath(path)
-    best, fstype = "", ""
+    best, fstype = "", None
     try:
         with open(mountinfo) as f:
             for line in f:
@@ -743,5 +749,5 @@ def on_local_disk(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
                 if inside and len(mount) >= len(best):
                     best, fstype = mount, after.split()[0]
     except (OSError, IndexError):
-        return False
-    return fstype in _LOCAL_DISK_TYPES
+        return None
+    return fstype

@@ -166,6 +166,18 @@ def test_a_chunk_deleted_behind_the_stores_back_is_referenced_and_verify_reports
             ckpt.load(state(0), 2)
 
 
+def _damage(uri: str, store: Store, victim: str, damage: str) -> None:
+    """Chunk ``victim`` deleted, a bit flipped in it, or cut short, behind the store's back."""
+    if damage == "deleted":
+        _delete_behind_the_stores_back(uri, victim)
+        return
+    data = bytearray(store.get(victim))
+    if damage == "flipped":
+        data[len(data) // 2] ^= 0x10
+    store.delete(victim)
+    store.put(victim, bytes(data if damage == "flipped" else data[: len(data) // 2]))
+
+
 @pytest.mark.parametrize("damage", ["deleted", "flipped", "truncated"])
 def test_a_damaged_chunk_a_save_reads_back_is_written_again_for_every_step(uri, damage):
     """A reviewer's (HIGH): a chunk damaged after an earlier save was referenced by every later
@@ -175,14 +187,7 @@ def test_a_damaged_chunk_a_save_reads_back_is_written_again_for_every_step(uri, 
     with counted_checkpointer(uri, Tally(), recheck_every=1) as ckpt:
         ckpt.save(1, state(1)).wait()
         victim = next(iter(ckpt.store.list("chunks")))
-        if damage == "deleted":
-            _delete_behind_the_stores_back(uri, victim)
-        else:
-            data = bytearray(ckpt.store.get(victim))
-            if damage == "flipped":
-                data[len(data) // 2] ^= 0x10
-            ckpt.store.delete(victim)
-            ckpt.store.put(victim, bytes(data if damage == "flipped" else data[:-7]))
+        _damage(uri, ckpt.store, victim, damage)
         ckpt.save(2, state(1)).wait()
         assert ckpt.store.exists(victim)
         for step in (1, 2):
@@ -201,12 +206,7 @@ def test_a_chunk_a_load_found_damaged_is_written_again_by_the_next_save(uri, dam
     with counted_checkpointer(uri, Tally(), recheck_every=0) as ckpt:
         ckpt.save(1, state(1)).wait()
         victim = next(iter(ckpt.store.list("chunks")))
-        if damage == "deleted":
-            _delete_behind_the_stores_back(uri, victim)
-        else:
-            data = ckpt.store.get(victim)
-            ckpt.store.delete(victim)
-            ckpt.store.put(victim, bytes(data[: len(data) // 2]))
+        _damage(uri, ckpt.store, victim, damage)
     with counted_checkpointer(uri, Tally(), recheck_every=0) as ckpt:  # the restarted job
         with pytest.raises(CheckpointError, match=victim.rsplit("/", 1)[-1]):
             ckpt.load(state(0), fallback=True)
