@@ -36,6 +36,7 @@ from typing import Any
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps, store_nearby
 from ckptstore.errors import CheckpointError, one_line
+from ckptstore.exit_status import fail_at_exit
 from ckptstore.format import check_step
 from ckptstore.health import StepHealth, find_healthy, no_healthy_step
 from ckptstore.loading import StateLoader
@@ -481,6 +482,7 @@ class Checkpointer:
             self.close()
         except Exception as exc:  # noqa: BLE001 - nothing is left to raise to at exit
             logger.error("rank %d: a save to %s failed at exit: %s", self.rank, self.store.uri, exc)
+            fail_at_exit()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -11,6 +11,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from ckptstore._torch_private import ASYNC_SAVE_THREAD_PREFIX
+from ckptstore.exit_status import fail_at_exit
 
 if TYPE_CHECKING:
     from ckptstore.dcp.writer import StoreWriter
@@ -44,6 +45,7 @@ def _at_exit() -> None:
                     step,
                     writer.store.uri,
                 )
+                fail_at_exit()
 
 
 _exit_hook_lock = threading.Lock()

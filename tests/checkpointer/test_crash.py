@@ -129,5 +129,6 @@ def test_a_save_failing_at_exit_says_so_in_one_line(tmp_path):
     )
     errors = [line for line in done.stderr.splitlines() if "failed at exit" in line]
     assert len(errors) == 1 and str(root) in errors[0] and "disk gone" in errors[0]
+    assert done.returncode == 1, done.stderr  # a scheduler does not read it as a success
     assert "Traceback" not in done.stderr
     assert list_steps(Store(root)) == []  # nothing half-written is visible

@@ -535,6 +535,7 @@ def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
     assert "RETURNED" in done.stdout, done.stderr[-2000:]
     said = f"rank 0: step 5 of {tmp_path / 's'} was not committed (its error is in the future"
     assert said in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1, done.stderr[-2000:]  # a scheduler does not read it as a success
 
 
 def test_a_chunk_damaged_since_the_last_save_is_written_again_by_the_next(tmp_path):
