@@ -29,6 +29,7 @@ from ckptstore.dcp import unwaited
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
+from ckptstore.exit_status import fail_at_exit
 from ckptstore.format import KIND_DCP, check_step, commit_key, storage_key
 from ckptstore.health import StepHealth
 from ckptstore.metadata import DTYPES, encode_metadata
@@ -800,7 +801,7 @@ class StoreWriter(StorageWriter, PooledStager):
     def close(self) -> None:
         """Finish the saves a thread-based ``dcp.async_save`` runs in this process and the
         queued drains, and stop the drain thread (collective with ``local_dir``: every rank
-        closes its writer); raises as ``wait``."""
+        closes its writer); raises as ``wait``. A later save opens the tiers again."""
         unwaited.finish_async_saves()
         wait_written()  # a copy a tiered load repaired, written in the background
         drains = self._drains
@@ -811,12 +812,14 @@ class StoreWriter(StorageWriter, PooledStager):
             self.wait()
         finally:
             self._drains = None
+            self._local = None  # a save after close() opens the tiers again
 
     def _close_at_exit(self) -> None:
         try:
             self.close()
         except Exception as exc:  # noqa: BLE001 - nobody is left to raise it to
             logger.error("rank %d: at exit: %s", self.rank, one_line(exc))
+            fail_at_exit()
 
     def _committed(self, target: _SaveTarget) -> None:
         started = self._started.pop(target.attempt, None)

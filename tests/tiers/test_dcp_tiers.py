@@ -386,3 +386,19 @@ def test_a_writer_moved_to_another_store_saves_its_first_step_there_durably(tmp_
     target = blank_state()
     dcp.load(target, storage_reader=StoreReader(other), no_dist=True)
     assert_loaded(target, 5)
+
+
+def test_a_tiered_writer_saves_after_close_as_before(tmp_path):
+    """A reviewer: a tiered StoreWriter closed (its drains stopped) and saved with again failed
+    on a bare AssertionError; its next save opens the tiers again and drains as the first."""
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    writer = tier_writer(root, local, durable_every=1)
+    dcp.save(step_state(1), storage_writer=writer, checkpoint_id=1, no_dist=True)
+    writer.close()
+    writer.close()  # twice: nothing left to finish
+    dcp.save(step_state(2), storage_writer=writer, checkpoint_id=2, no_dist=True)
+    writer.close()
+    assert list_steps(Store(root)) == [1, 2]
+    target = blank_state()
+    dcp.load(target, storage_reader=StoreReader(root, step=2), no_dist=True)
+    assert_loaded(target, 2)
