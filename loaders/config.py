@@ -36,7 +36,8 @@ class ReplicaConfig:
     """Hedges allowed per read, on average (token bucket refill per read): 0.1 = at most 10%
     extra requests in the long run."""
     hedge_burst: float = 32.0
-    """Capacity of the hedge token bucket (hedges that may fire back to back)."""
+    """Capacity of the hedge token bucket (hedges that may fire back to back), shared by a
+    loader's DataLoader workers: each holds ``hedge_burst / num_workers`` (at least 1)."""
     max_hedges: int = 2
     """Duplicates one read may send (to distinct replicas), the n-th after n hedge delays; a
     second or later one only while the hedge bucket is more than half full."""

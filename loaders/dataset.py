@@ -9,6 +9,7 @@ the samples not yet seen, in the same order, also with another ``num_workers`` o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
@@ -29,7 +30,7 @@ from loaders.config import LoaderConfig, ReplicaConfig
 from loaders.errors import LoaderError, ShardNotFoundError
 from loaders.formats.layout import Format, Unit, unit_samples
 from loaders.formats.tokens.reader import TokenFiles
-from loaders.metrics import CacheStats, ConsumerStats, ReaderReport, ReaderReports
+from loaders.metrics import CacheStats, Carried, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
 from loaders.prefetch import Window
 from loaders.replicas import ReplicaSet
@@ -119,9 +120,9 @@ class ShardDataset(IterableDataset):
         self._consumed = 0  # samples this rank's consumer received since _position
         self.stats = ConsumerStats()
         self._orders: dict[int, EpochOrder] = {}
-        # what the last pass's workers saw of the replicas: (benched, median latencies), which
-        # the next pass's workers start from (StatefulLoader sets it)
-        self.carried: tuple[frozenset[str], dict[str, float]] | None = None
+        # what the last pass's workers saw of the replicas, which the next pass's workers start
+        # from (StatefulLoader sets it)
+        self.carried: Carried | None = None
 
     def _check_window(self) -> None:
         """All of a shuffle block's units are held at once: ``ValueError`` if the largest
@@ -164,12 +165,12 @@ class ShardDataset(IterableDataset):
         if self._replicas is None or self._pid != os.getpid():
             self._replicas = ReplicaSet(
                 [spec.reopen() if isinstance(spec, Store) else spec for spec in self._specs],
-                config=self.replica_config,
+                config=_worker_share(self.replica_config),
                 storage_options=self._storage_options,
                 missing=self._missing,
             )
             if self.carried is not None:  # a new worker process of a StatefulLoader
-                self._replicas.start_as(*self.carried)
+                self._replicas.start_as(self.carried)
             self._pid = os.getpid()
         return self._replicas
 
@@ -582,7 +583,18 @@ class ShardDataset(IterableDataset):
             health=replicas.health(),
             cache=None if self._cache is None else self._cache.stats,
             final=final,
+            hedge=replicas.hedger.samples(),
         )
+
+
+def _worker_share(config: ReplicaConfig) -> ReplicaConfig:
+    """``config`` for this process: in one of a DataLoader's ``n`` workers, each a reader of
+    its own, the hedge bucket holds ``hedge_burst / n`` (at least one hedge), so that a pass's
+    workers together hedge no more back to back than one reader would."""
+    info = get_worker_info()
+    if info is None or info.num_workers < 2:
+        return config
+    return dataclasses.replace(config, hedge_burst=max(1.0, config.hedge_burst / info.num_workers))
 
 
 def _one_line_worker_error(exc: LoaderError) -> LoaderError | None:
@@ -668,7 +680,7 @@ class StatefulLoader:
         batches = 0
         if self._reports is not None:
             ds.carried = self._reports.carried()
-            if ds.carried == (frozenset(), {}) and ds._replicas is not None:
+            if not ds.carried and ds._replicas is not None:
                 ds.carried = ds._replicas.carried()  # no pass yet: what the open saw
         self._feed.report_pass += 1
         it = iter(self._loader)  # starts the workers, which take the dataset as it is now

@@ -204,6 +204,25 @@ class CacheStats(_Stats):
 
 
 @dataclass
+class Carried:
+    """What a pass's DataLoader workers start from (each a new process whose replicas would
+    start afresh), as the last pass's workers, or the dataset's open, left them: the replicas
+    benched or on probation, each replica's median read latency, and the hedge's recent
+    first-attempt latencies per size class (a new worker hedges at the learnt delay from its
+    first read, not at the initial guess until it measured its own)."""
+
+    benched: frozenset[str] = frozenset()
+    latencies: dict[str, float] = field(default_factory=dict)
+    hedge: dict[int, list[float]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.benched or self.latencies or self.hedge)
+
+
+_CARRIED_HEDGE_SAMPLES = 512  # per size class, over every worker of a pass
+
+
+@dataclass
 class ReaderReport:
     """What one reading process (a DataLoader worker, or the main process) read in one pass
     over the data, from its start: picklable, merged by :class:`ReaderReports`."""
@@ -214,6 +233,7 @@ class ReaderReport:
     health: dict[str, str]
     cache: CacheStats | None = None
     final: bool = False
+    hedge: dict[int, list[float]] = field(default_factory=dict)  # Hedger.samples()
 
     def merge(self, other: ReaderReport) -> None:
         self.consumer.merge(other.consumer)
@@ -265,6 +285,7 @@ class ReaderReports:
     _total: ReaderReport | None = None
     _newest_pass: int = -1
     _health: dict[str, dict[str, str]] = field(default_factory=dict)
+    _hedge: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -302,9 +323,10 @@ class ReaderReports:
                     continue  # replaced while read: the next collect sees the new one
                 pass_number = int(name[len("pass") : name.index("-")])
                 if pass_number > self._newest_pass:
-                    self._newest_pass, self._health = pass_number, {}
+                    self._newest_pass, self._health, self._hedge = pass_number, {}, {}
                 if pass_number == self._newest_pass:
                     self._health[name] = report.health
+                    self._hedge[name] = report.hedge
                 if report.final:
                     os.unlink(path)
                     self._total = self.merged(self._total, report)
@@ -316,11 +338,12 @@ class ReaderReports:
                     states[state] = states.get(state, 0) + 1
             return total, health
 
-    def carried(self) -> tuple[frozenset[str], dict[str, float]]:
+    def carried(self) -> Carried:
         """What the next pass's workers start from: the replicas that a worker of the newest
         pass last saw benched or on probation (a replica benched wrongly is back within its
-        bench and probation, one slow or failing costs every new worker its first reads), and
-        each replica's median read latency over every pass so far."""
+        bench and probation, one slow or failing costs every new worker its first reads),
+        each replica's median read latency over every pass so far, and the newest pass's
+        workers' hedge latencies."""
         total, health = self.collect()
         benched = frozenset(
             uri for uri, seen in health.items() if seen.get("healthy", 0) < sum(seen.values())
@@ -333,7 +356,13 @@ class ReaderReports:
                 "replica(s) %s start the next pass benched, as the last pass's workers left them",
                 ", ".join(sorted(benched)),
             )
-        return benched, latencies
+        hedge: dict[int, list[float]] = {}
+        with self._lock:
+            for samples in self._hedge.values():
+                for cls, seconds in samples.items():
+                    hedge.setdefault(cls, []).extend(seconds)
+        hedge = {cls: seconds[-_CARRIED_HEDGE_SAMPLES:] for cls, seconds in hedge.items()}
+        return Carried(benched, latencies, hedge)
 
     @staticmethod
     def merged(into: ReaderReport | None, report: ReaderReport) -> ReaderReport:

@@ -137,6 +137,21 @@ class Hedger:
                 self._new[cls] = 0
             return max(self._cached[cls], p.min_delay_s)
 
+    def samples(self) -> dict[int, list[float]]:
+        """The recent first-attempt latencies of each size class (for :meth:`seed`)."""
+        with self._lock:
+            return {cls: list(recent) for cls, recent in self._recent.items()}
+
+    def seed(self, samples: dict[int, list[float]]) -> None:
+        """Start from latencies another process measured (``samples()`` of the last pass's
+        readers): a new reader hedges at the learnt delay from its first request, not at the
+        initial guess until it has measured ``min_samples`` of its own."""
+        with self._lock:
+            for cls, seconds in samples.items():
+                recent = self._recent.setdefault(int(cls), deque(maxlen=_WINDOW))
+                recent.extend(float(s) for s in seconds[-_WINDOW:])
+                self._new[int(cls)] = _REFRESH
+
     def learnt(self, nbytes: int = 0) -> bool:
         """Whether the delay of ``nbytes`` requests comes from their latencies (not the initial
         guess)."""

@@ -13,7 +13,7 @@ import xxhash
 from ckptstore.store import Hedger, RetryPolicy, Store
 from loaders.config import ReplicaConfig
 from loaders.errors import ShardCorruptError
-from loaders.metrics import ReadStats, ReplicaStats
+from loaders.metrics import Carried, ReadStats, ReplicaStats
 from loaders.replicas import survey
 from loaders.replicas.health import Replica, ReplicaHealth
 from loaders.replicas.race import ReplicaReads
@@ -82,19 +82,21 @@ class ReplicaSet:
         # the shards find_shards asked of each replica
         self.versions: dict[tuple[str, str], str] = {}
 
-    def carried(self) -> tuple[frozenset[str], dict[str, float]]:
+    def carried(self) -> Carried:
         """What this process saw of the replicas (a dataset's open, in the main process), for
         the workers of a first pass to start from (:meth:`start_as`): the replicas benched or
-        on probation, and the median read latency of each that answered."""
+        on probation, the median read latency of each that answered, the hedge's latencies."""
         states = self._health.states()
         benched = frozenset(uri for uri, state in states.items() if state != "healthy")
         latencies = {r.name: r.stats.median_latency() for r in self._replicas}
         latencies = {uri: p50 for uri, p50 in latencies.items() if p50 is not None}
-        return benched, latencies
+        return Carried(benched, latencies, self.hedger.samples())
 
-    def start_as(self, benched: frozenset[str], latencies: dict[str, float]) -> None:
-        """The replicas' health as the last pass's workers left it (:meth:`ReplicaHealth.start_as`)."""
-        self._health.start_as(benched, latencies)
+    def start_as(self, carried: Carried) -> None:
+        """The replicas' health as the last pass's workers left it (:meth:`ReplicaHealth.start_as`),
+        and the hedge delays they had learnt."""
+        self._health.start_as(carried.benched, carried.latencies)
+        self.hedger.seed(carried.hedge)
 
     @property
     def uris(self) -> list[str]:

@@ -313,3 +313,45 @@ def test_a_replica_the_open_benched_is_benched_in_the_first_passes_workers(tmp_p
     before = loader.metrics()["replicas"][slow.uri]["requests"]
     assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
     assert loader.metrics()["replicas"][slow.uri]["requests"] == before
+
+
+def test_the_next_pass_workers_start_from_the_hedge_latencies_of_the_last(tmp_path):
+    """A reviewer: each pass's DataLoader workers started with the initial hedge delay (50 ms)
+    and a full bucket each, so replicas slower than that had most of every pass's first reads
+    hedged (82 hedges for 41 reads). The workers of a pass report their hedge latencies and the
+    next pass's workers start from all of them."""
+    from bench.faults import Fixed
+
+    roots = _replicas(tmp_path)
+    stores = [with_faults(Store(root), Faults(latency=Fixed(0.005))) for root in roots]
+    ds = ShardDataset(
+        stores,
+        TokenFiles(sample_tokens=SAMPLE_TOKENS, read_bytes=UNIT_SAMPLES * SAMPLE_TOKENS * 2),
+        config=LoaderConfig(seed=3, shuffle_block_units=2),
+    )
+    loader = StatefulLoader(ds, batch_size=BATCH, num_workers=2)
+    assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
+    first = loader._reports.carried().hedge
+    assert sum(len(seconds) for seconds in first.values()) >= UNITS  # every first attempt
+    assert sum(1 for _ in loader) == UNITS * UNIT_SAMPLES // BATCH
+    loader._reports.collect()
+    workers = list(loader._reports._hedge.values())
+    assert len(workers) == 2
+    for samples in workers:  # each worker: the whole last pass's latencies, then its own
+        for cls, seconds in first.items():
+            assert seconds == samples[cls][: len(seconds)]
+
+
+def test_the_workers_of_a_pass_share_the_hedge_bucket():
+    """Each of ``n`` DataLoader workers hedges from a bucket of ``hedge_burst / n``."""
+    from torch.utils.data import IterableDataset
+
+    from loaders.dataset import _worker_share
+
+    class Bursts(IterableDataset):
+        def __iter__(self):
+            yield _worker_share(ReplicaConfig(hedge_burst=32.0)).hedge_burst
+
+    assert sorted(DataLoader(Bursts(), batch_size=None, num_workers=2)) == [16.0, 16.0]
+    assert _worker_share(ReplicaConfig(hedge_burst=32.0)).hedge_burst == 32.0  # no workers
+    assert list(DataLoader(Bursts(), batch_size=None, num_workers=0)) == [32.0]

@@ -123,3 +123,19 @@ def test_hedge_delay_without_outliers_is_the_plain_percentile():
         hedger.record(4096, float(seconds))
     assert hedger.delay_s(4096) == pytest.approx(np.percentile(latencies, 96), rel=0.02)
     assert hedger.delay_s(1 << 30) == hedger.policy.initial_delay_s  # another size class
+
+
+def test_a_hedger_seeded_with_anothers_latencies_starts_at_their_delay():
+    """A new DataLoader worker's hedger starts from the last pass's latencies: learnt from its
+    first request, at the delay the measuring one had, not at the initial guess."""
+    rng = np.random.default_rng(2)
+    policy = HedgePolicy(quantile=95, min_samples=10, min_delay_s=0.001, initial_delay_s=0.05)
+    measured = Hedger(policy)
+    for seconds in 0.080 * np.exp(0.1 * rng.standard_normal(200)):
+        measured.record(1 << 20, float(seconds))
+    fresh = Hedger(policy)
+    assert not fresh.learnt(1 << 20) and fresh.delay_s(1 << 20) == 0.05
+    fresh.seed(measured.samples())
+    assert fresh.learnt(1 << 20)
+    assert fresh.delay_s(1 << 20) == measured.delay_s(1 << 20) > 0.08
+    assert not fresh.learnt(4096)  # a size class nobody measured keeps the initial guess
