@@ -183,14 +183,18 @@ class Checkpointer:
 
     def _rank_group(self, process_group: Any, no_dist: bool) -> _Group:
         """A group of ``process_group``'s ranks whose collectives wait as long as a save may
-        make them; with tiers, a lost rank ends every rank's save, load and drain within
-        ``lost_rank_timeout_s``."""
+        make them; a rank lost before an exchange, or ranks in different calls, end every
+        rank's save and load within ``lost_rank_timeout_s`` (with tiers, a rank lost within
+        one and the drains too)."""
         storage = self.options["storage"]
         return _Group(
             process_group,
             timeout_s=storage.group_timeout_s(self.options["retention"].gc_wait_s),
             no_dist=no_dist,
-            lost_rank_s=storage.lost_rank_timeout_s if self._policy is not None else None,
+            lost_rank_s=storage.lost_rank_timeout_s,
+            # Without tiers, reads shared over the group wait in gloo for ranks reading durable
+            # storage: gloo keeps the group's timeout.
+            bound_collectives=self._policy is not None,
         )
 
     def _open_tiers(self, process_group: Any, no_dist: bool) -> Tiers | None:

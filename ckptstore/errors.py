@@ -25,7 +25,7 @@ class RankLostError(CheckpointError):
 class RanksOutOfStepError(RankLostError):
     """Ranks made different collective calls at once (one rank in ``latest()`` while another
     saves, say): every rank in the exchange fails at once naming both calls, instead of pairing
-    collectives that do not match. The ranks' tier group is spent, as after a lost rank."""
+    collectives that do not match. The ranks' ckptstore group is spent, as after a lost rank."""
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):

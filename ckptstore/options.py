@@ -79,12 +79,15 @@ class StorageOptions:
     """Added to the nice value of the threads that encode, upload and drain (Linux), so that
     the training loop's own threads get the cores first; 0 leaves priorities alone."""
     lost_rank_timeout_s: float = 30.0
-    """With tiers (``TierOptions.local_dir``): the bound on a lost rank (killed, exited after
-    SIGTERM, node gone). A rank that stops answering ends every other rank's save, load, drain,
-    ``wait()`` and ``close()`` within about this long, with one error naming it
-    (``RankLostError``); a rank slower than this in a tier collective (a local write, a gc the
-    drain waits for) counts as lost too. Durable saves without tiers wait up to
-    ``group_timeout_s()`` (they may wait for a gc)."""
+    """The bound on a lost rank (killed, exited after SIGTERM, node gone). A rank that stops
+    answering before an exchange of a ``Checkpointer``'s save or load ends every other rank's
+    save, load, ``wait()`` and ``close()`` within about this long, with one error naming it
+    (``RankLostError``); ranks that came to an exchange in different calls (one in ``load()``,
+    one saving) fail at once (``RanksOutOfStepError``). A rank alive but slow (its heartbeat
+    moves) is waited for up to ``group_timeout_s()`` (a save may wait for a gc). With tiers
+    (``TierOptions.local_dir``) it bounds the drains too, and a rank lost within an exchange;
+    without tiers one lost within an exchange is found when its connection closes, else after
+    ``group_timeout_s()`` (reads shared over the group wait for durable storage)."""
     store: Any = None
     """An already open ``ckptstore.Store`` to use instead of opening the URI (e.g. with fault
     injection); ``storage_options`` are then ignored."""

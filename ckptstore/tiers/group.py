@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 _COLLECTIVE_SHARE = 0.75
 
 _COLLECTIVE_CALLS = (
-    "with tiers, Checkpointer's latest(), load() and save() are collective: every rank calls "
-    "them, in the same order"
+    "Checkpointer's load() and save(), and with tiers latest(), are collective: every rank "
+    "calls them, in the same order"
 )
 
 
@@ -38,7 +38,10 @@ class RankGroup:
     every other rank within it (gloo's timeout is three quarters of it, or sooner: a closed
     connection), with a ``RankLostError`` naming the ranks whose heartbeat on the job's
     rendezvous store stopped (the last quarter); the group is then spent (later exchanges fail
-    at once with the same error). None: exchanges wait up to ``timeout_s``."""
+    at once with the same error). None: exchanges wait up to ``timeout_s``.
+    ``bound_collectives=False``: ranks still wait for each other's arrival as above, but gloo
+    keeps ``timeout_s`` (a load's reads shared over the group wait for ranks reading durable
+    storage, whose requests and retries may take longer than the bound)."""
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class RankGroup:
         *,
         no_dist: bool = False,
         lost_rank_s: float | None = None,
+        bound_collectives: bool = True,
     ) -> None:
         self.active = not no_dist and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
@@ -60,7 +64,7 @@ class RankGroup:
         self._exchanges = 0
         self._store: Any = None
         self._on_host: int | None = None
-        if lost_rank_s is not None:
+        if lost_rank_s is not None and bound_collectives:
             timeout_s = min(timeout_s, lost_rank_s * _COLLECTIVE_SHARE)
         self.timeout_s = timeout_s
         if self.active and self.world_size > 1:
@@ -266,7 +270,7 @@ class RankGroup:
         where = "another rank" if other is None else f"rank {other}"
         self.lost = RanksOutOfStepError(
             f"ranks out of step: rank {rank} came to an exchange of {call} that {where} "
-            f"reached in {other_call} ({_COLLECTIVE_CALLS}); the ranks' tier group is spent: "
+            f"reached in {other_call} ({_COLLECTIVE_CALLS}); the ranks' ckptstore group is spent: "
             "restart the job"
         )
         logger.warning("rank %d: %s", self.rank, self.lost)

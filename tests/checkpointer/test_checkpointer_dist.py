@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer, Store, TierOptions
+from ckptstore import Checkpointer, RanksOutOfStepError, StorageOptions, Store, TierOptions
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.errors import CheckpointError
 from ckptstore.staging import align
@@ -184,3 +184,31 @@ def test_latest_on_one_rank_alone_without_tiers_answers_at_once(tmp_path):
     """A reviewer: made collective, an untiered ``latest()`` that rank 0 alone called (to log
     it) hung until the group's timeout; each rank lists the store itself."""
     run_ranks(_latest_on_rank_0_alone, 2, str(tmp_path / "s"), timeout_s=90)
+
+
+def _latest_apart(rank: int, world: int, root: str) -> None:
+    """Rank 1's ``latest()`` saw step 5, which another writer committed after rank 0 listed."""
+    ckpt = Checkpointer(root, storage=StorageOptions(lost_rank_timeout_s=8))
+    if rank == 0:
+        assert ckpt.latest() is None
+    dist.barrier()
+    if rank == 0:
+        Checkpointer(root, no_dist=True).save(5, {"w": torch.ones(4)}).wait(timeout_s=60)
+    dist.barrier()
+    if rank == 1:
+        assert ckpt.latest() == 5
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(RanksOutOfStepError) as apart:
+        if rank == 1:
+            ckpt.load(state)
+        ckpt.save(6, state).wait(timeout_s=60)
+    said = str(apart.value)
+    assert "load()" in said and "save()" in said and "collective" in said, said
+
+
+@pytest.mark.dist
+def test_untiered_ranks_in_different_calls_fail_at_once_naming_both(tmp_path):
+    """Two writers on one prefix: untiered ranks whose ``latest()`` disagreed went one to
+    ``load()``, one to ``save()``, and hung in collectives that paired wrongly until the group's
+    ~10 minute timeout; both now fail at once naming both calls."""
+    run_ranks(_latest_apart, 2, str(tmp_path / "s"), timeout_s=90)
