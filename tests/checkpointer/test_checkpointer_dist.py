@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ckptstore import Checkpointer, RanksOutOfStepError, StorageOptions, Store, TierOptions
+from ckptstore import (
+    Checkpointer,
+    RankLostError,
+    RanksOutOfStepError,
+    StorageOptions,
+    Store,
+    TierOptions,
+)
 from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.errors import CheckpointError
 from ckptstore.staging import align
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import run_ranks, run_ranks_losing
 
 
 def _rank_state(rank: int, step: int) -> dict:
@@ -212,3 +220,20 @@ def test_untiered_ranks_in_different_calls_fail_at_once_naming_both(tmp_path):
     ``load()``, one to ``save()``, and hung in collectives that paired wrongly until the group's
     ~10 minute timeout; both now fail at once naming both calls."""
     run_ranks(_latest_apart, 2, str(tmp_path / "s"), timeout_s=90)
+
+
+def _rank_killed_between_saves(rank: int, world: int, root: str) -> None:
+    ckpt = Checkpointer(root, storage=StorageOptions(lost_rank_timeout_s=8))
+    ckpt.save(1, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(RankLostError) as lost:  # the run's 120 s, not the group's ~10 minutes
+        ckpt.save(2, {f"w{rank}": torch.ones(4)}).wait(timeout_s=120)
+    assert lost.value.lost == [1], lost.value
+    assert list_steps(Store(root)) == [1]
+
+
+@pytest.mark.dist
+def test_an_untiered_rank_lost_before_a_save_is_named_within_the_bound(tmp_path):
+    run_ranks_losing(_rank_killed_between_saves, 2, str(tmp_path / "s"), lost={1}, timeout_s=120)
