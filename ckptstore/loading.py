@@ -719,9 +719,12 @@ class StateLoader:
         if error is not None and (not self.group.active or not isinstance(error, Exception)):
             return error, skippable  # alone, or KeyboardInterrupt and the like: as they are
         shown = list(failed.items())
-        why = "; ".join(f"rank {r}: {o[1]}" for r, o in shown[:4])
-        if len(shown) > 4:
-            why += f"; and {len(shown) - 4} more rank(s)"
+        by_why: dict[str, list[int]] = {}  # the same reason on many ranks: said once
+        for r, o in shown:
+            by_why.setdefault(o[1], []).append(r)
+        why = "; ".join(f"{_ranks(ranks)}: {said}" for said, ranks in list(by_why.items())[:4])
+        if len(by_why) > 4:
+            why += f"; and {len(by_why) - 4} more reason(s)"
         message = (
             f"step {step} failed to load on {len(shown)} of {self.group.world_size} rank(s): {why}"
         )
@@ -823,3 +826,11 @@ class StateLoader:
 def _of_step(step: int, why: str) -> str:
     """``why`` named by its step once (an error may name it already)."""
     return why if why.startswith(f"step {step}:") else f"step {step}: {why}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 1``, ``ranks 0, 1, 2, 3 and 12 more``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+    return f"ranks {', '.join(map(str, ranks[:4]))}{more}"

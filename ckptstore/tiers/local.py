@@ -50,6 +50,7 @@ DIR_TOKEN = "dir-token"  # in a job directory: the same for every process that s
 _COMMITTED: dict[str, list[int]] = {}
 """By a rank's own copies directory: the last two steps this process committed there (either
 front-end, whatever objects made the saves)."""
+_OTHER_WORLD_SAID: set[tuple[str, Any]] = set()
 _RESUMED: dict[str, int] = {}
 _RESUME_TOKENS: dict[str, str] = {}  # by rank dir: the resume this process's copies descend from
 """By a rank's own copies directory: the step a load in this process last resumed from (a DCP
@@ -385,6 +386,7 @@ class LocalTier:
             return {}
         store = self.store(ward)
         out = {}
+        other_world: dict[Any, list[int]] = {}  # world size -> steps its job left here
         for step in list_steps(store):
             try:
                 manifest = load_manifest(store, step)
@@ -393,10 +395,13 @@ class LocalTier:
                 if unread is not None and isinstance(exc, StorageError):
                     unread.append(str(exc))
                 continue
+            info = manifest.user.get(TIER_KEY)
             if self.belongs(manifest, ward):
-                out[step] = (manifest.attempt, made_under(manifest.user.get(TIER_KEY)))
+                out[step] = (manifest.attempt, made_under(info))
             elif self.of_other_instance(manifest):
                 self._warn_foreign(store, step, manifest)
+            elif isinstance(info, dict) and info.get("world_size") != self.world_size:
+                other_world.setdefault(info.get("world_size"), []).append(step)
             else:
                 logger.warning(
                     "rank %d: step %d in %s is not rank %d's copy for this job (%s); ignored",
@@ -406,7 +411,30 @@ class LocalTier:
                     ward,
                     manifest.user.get(TIER_KEY),
                 )
+        for world, steps in other_world.items():
+            self._warn_other_world(ward, world, steps)
         return out
+
+    def _warn_other_world(self, ward: int, world: Any, steps: list[int]) -> None:
+        """Once per process and store, from the rank whose own store holds them: copies
+        a job of another world size left here are not loaded, and this job's first save after
+        it resumed unlists them (they are of a run it left)."""
+        said = (str(self.rank_dir(ward)), world)
+        if ward != self.rank or said in _OTHER_WORLD_SAID:
+            return
+        _OTHER_WORLD_SAID.add(said)
+        logger.warning(
+            "rank %d: local copies of step(s) %s in %s were saved by a job of %s ranks and "
+            "this one has %d: they are not loaded (a local copy loads at the world size that "
+            "made it: resume from them with %s ranks), and this job's first save after it "
+            "resumes unlists them",
+            self.rank,
+            ", ".join(map(str, steps)),
+            self.policy.local_dir,
+            world,
+            self.world_size,
+            world,
+        )
 
     def newest_copy(self, ward: int, step: int) -> tuple[str | None, dict[str, ChunkInfo]]:
         """For a copy of ``ward``'s ``step`` about to be written here, under the writer's save

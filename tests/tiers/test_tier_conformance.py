@@ -2272,3 +2272,39 @@ def test_ranks_given_different_tier_options_fail_naming_them_on_every_rank(kind,
     The Checkpointer compares the options as it is made; a DCP writer when its first tiered save
     makes the tier group (a writer without tiers makes none: the tiered ranks name it)."""
     run_ranks(_options_apart, 2, kind, str(tmp_path / "durable"), str(tmp_path), how, timeout_s=120)
+
+
+def _save_a_durable_then_local_only_steps(
+    rank: int, world: int, kind: str, root: str, local: str
+) -> None:
+    options = TierOptions(local_dir=local, durable_every=10)
+    front = FRONTS[kind](Path(root), options, StorageOptions())
+    front.no_dist = False
+    for step in (1, 2, 3):  # 1 durable (a writer's first save), 2 and 3 in the local tier only
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.wait_durable()
+    front.close()
+    torch.distributed.barrier()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_local_copies_of_another_world_size_are_named_once_and_passed_over(kind, tmp_path, caplog):
+    """A reviewer: a job restarted at another world size passed over the newer local-only
+    steps with 8 lines per call, each a copy's tier record ('is not rank 0's copy for this
+    job'), none saying that the world size changed or which steps the job goes back from.
+    One line now names the steps, both world sizes, and that the next save unlists them."""
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    run_ranks(_save_a_durable_then_local_only_steps, 2, kind, root, local, timeout_s=240)
+    front = FRONTS[kind](
+        Path(root), TierOptions(local_dir=local, durable_every=10), StorageOptions()
+    )
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        assert front.latest() == 1  # the durable step: copies load at the world that made them
+        assert front.latest() == 1
+    said = [r.getMessage() for r in caplog.records if "saved by a job of" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "step(s) 2, 3" in said[0] and "a job of 2 ranks and this one has 1" in said[0]
+    assert "unlists them" in said[0]
+    assert not [r for r in caplog.records if "copy for this job" in r.getMessage()]
+    front.close()
