@@ -385,6 +385,22 @@ def verify_steps(
     return checks
 
 
+def removed_while_checked(store: Store, checks: list[StepCheck]) -> list[int]:
+    """The steps of ``checks`` with problems that are no longer committed: a job's keep_last
+    or a gc removed them while they were checked, and their missing objects say nothing of
+    the store. A step whose commit cannot be looked up keeps its problems."""
+    removed = []
+    for check in checks:
+        if not check.problems:
+            continue
+        try:
+            if not store.exists(commit_key(check.step)):
+                removed.append(check.step)
+        except CheckpointError:
+            pass
+    return removed
+
+
 def chunks_to_check(checks: list[StepCheck]) -> dict[str, ChunkInfo | None]:
     """Every chunk the ``checks`` reference, once (with its sizes where an index gave them)."""
     chunks: dict[str, ChunkInfo | None] = {}

@@ -802,13 +802,21 @@ class StateLoader:
 
     def verify(self, step: int | str = "latest") -> None:
         """``Checkpointer.verify``: re-check ``step`` (``"all"``: every committed step) in
-        full; raises naming each problem, returns quietly when all is intact."""
-        from ckptstore._inspect import verify_steps
+        full; raises naming each problem, returns quietly when all is intact (a step removed
+        meanwhile, by keep_last or a gc, is passed over by ``"all"``)."""
+        from ckptstore._inspect import removed_while_checked, verify_steps
 
         steps = list_steps(self.store) if step == "all" else [resolve_step(self.store, step)]
         if not steps:
             raise no_checkpoint(self.store)
-        problems = [p for c in verify_steps(self.store, steps) for p in c.problems]
+        checks = verify_steps(self.store, steps)
+        removed = removed_while_checked(self.store, checks)
+        if removed and step != "all":
+            raise CheckpointNotFoundError(
+                f"step {removed[0]} of {self.store.uri} was removed while it was verified "
+                "(keep_last or gc of another process)"
+            )
+        problems = [p for c in checks if c.step not in removed for p in c.problems]
         if not problems:
             return
         shown = "; ".join(

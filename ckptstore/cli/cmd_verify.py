@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from ckptstore._inspect import check_all_chunks, check_step_objects, chunks_to_check
+from ckptstore._inspect import (
+    check_all_chunks,
+    check_step_objects,
+    chunks_to_check,
+    removed_while_checked,
+)
 from ckptstore.catalog import list_steps, load_manifest, resolve_step
 from ckptstore.cli.common import Failed, emit_json, progress
 from ckptstore.errors import (
@@ -31,6 +36,13 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
     total = sum(info.raw for info in chunks.values() if info is not None)
     with progress(total, "verify") as advance:
         check_all_chunks(store, checks, read_concurrency=args.read_concurrency, on_chunk=advance)
+    removed = removed_while_checked(store, checks)
+    if removed and not args.all:
+        raise CheckpointNotFoundError(
+            f"step {removed[0]} of {store.uri} was removed while it was verified (keep_last or "
+            "gc of another process)"
+        )
+    checks = [c for c in checks if c.step not in removed]
     problems = [p for c in checks for p in c.problems]
     health = {c.step: _health(store, c.step) for c in checks}
     identity = _identity_problem(store)
@@ -41,46 +53,14 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
                 "ok": not problems,
                 "steps": [{**c.as_dict(), "health": health[c.step]} for c in checks],
                 "problems": [p.as_dict() for p in problems],
+                "removed_while_verified": removed,
                 "chunks_checked": len(chunks),
                 "bytes_checked": total,
                 "identity_problem": identity,
             }
         )
     else:
-        for c in checks:
-            shape = (
-                f"{c.kind}, {c.ranks}/{c.world_size} rank(s), {c.tensors} tensors, "
-                f"{c.chunks} chunks, {human_bytes(c.raw_bytes)}"
-                if c.kind
-                else "manifest unreadable"
-            )
-            status = "OK" if c.ok else f"FAILED ({len(c.problems)} problem(s))"
-            if c.problems and all(p.problem == "refused" for p in c.problems):
-                # Intact, but a safe load does not unpickle some of its values: not "corrupt".
-                status = f"REFUSED ({len(c.problems)} pickled value(s); stored bytes intact)"
-            if _not_read(c.problems):
-                status = f"NOT VERIFIED ({len(c.problems)} object(s) not read)"
-            print(f"step {c.step}: {status}  [{shape}]  health: {health[c.step]}")
-            for p in c.problems:
-                used = ""
-                if p.tensors:
-                    shown = ", ".join(p.tensors[:5])
-                    more = f" and {len(p.tensors) - 5} more" if len(p.tensors) > 5 else ""
-                    used = f"\n      holds bytes of: {shown}{more}"
-                print(f"  {p.problem.upper():10} {p.what} {p.object}\n      {p.error}{used}")
-        bad_steps = sum(1 for c in checks if not c.ok and not _not_read(c.problems))
-        unread = sum(1 for c in checks if _not_read(c.problems))
-        verdicts = [f"{bad_steps} step(s) FAILED"] if bad_steps else []
-        verdicts += [f"{unread} step(s) not verified ({_UNREAD})"] if unread else []
-        print(
-            f"verified {len(checks)} step(s), {len(chunks)} chunk(s), {human_bytes(total)}: "
-            + ("; ".join(verdicts) or "all OK")
-        )
-        unhealthy = [str(s) for s, h in health.items() if h == UNHEALTHY]
-        if unhealthy:
-            print(f"unhealthy (intact, but NaN/Inf or a norm jump): step(s) {', '.join(unhealthy)}")
-        if identity:
-            print(f"IDENTITY   {identity}")
+        _print_report(checks, removed, health, len(chunks), total, identity)
     if identity and not problems:
         raise Failed(identity)
     if problems:
@@ -92,6 +72,53 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             f"of {store.uri}" + (f" ({_UNREAD})" if _not_read(problems) else "")
         )
     return 0
+
+
+def _print_report(
+    checks: list,
+    removed: list[int],
+    health: dict[int, str],
+    chunks: int,
+    total: int,
+    identity: str | None,
+) -> None:
+    """The text verify prints: a line per step and per problem, then the verdict."""
+    for c in checks:
+        shape = (
+            f"{c.kind}, {c.ranks}/{c.world_size} rank(s), {c.tensors} tensors, "
+            f"{c.chunks} chunks, {human_bytes(c.raw_bytes)}"
+            if c.kind
+            else "manifest unreadable"
+        )
+        status = "OK" if c.ok else f"FAILED ({len(c.problems)} problem(s))"
+        if c.problems and all(p.problem == "refused" for p in c.problems):
+            # Intact, but a safe load does not unpickle some of its values: not "corrupt".
+            status = f"REFUSED ({len(c.problems)} pickled value(s); stored bytes intact)"
+        if _not_read(c.problems):
+            status = f"NOT VERIFIED ({len(c.problems)} object(s) not read)"
+        print(f"step {c.step}: {status}  [{shape}]  health: {health[c.step]}")
+        for p in c.problems:
+            used = ""
+            if p.tensors:
+                shown = ", ".join(p.tensors[:5])
+                more = f" and {len(p.tensors) - 5} more" if len(p.tensors) > 5 else ""
+                used = f"\n      holds bytes of: {shown}{more}"
+            print(f"  {p.problem.upper():10} {p.what} {p.object}\n      {p.error}{used}")
+    for step in removed:
+        print(f"step {step}: REMOVED while it was verified (keep_last or gc of another process)")
+    bad_steps = sum(1 for c in checks if not c.ok and not _not_read(c.problems))
+    unread = sum(1 for c in checks if _not_read(c.problems))
+    verdicts = [f"{bad_steps} step(s) FAILED"] if bad_steps else []
+    verdicts += [f"{unread} step(s) not verified ({_UNREAD})"] if unread else []
+    print(
+        f"verified {len(checks)} step(s), {chunks} chunk(s), {human_bytes(total)}: "
+        + ("; ".join(verdicts) or "all OK")
+    )
+    unhealthy = [str(s) for s, h in health.items() if h == UNHEALTHY]
+    if unhealthy:
+        print(f"unhealthy (intact, but NaN/Inf or a norm jump): step(s) {', '.join(unhealthy)}")
+    if identity:
+        print(f"IDENTITY   {identity}")
 
 
 _UNREAD = (

@@ -416,6 +416,50 @@ def test_verify_reports_every_problem(store: Path, capsys) -> None:
     one_line_error(err, "verify")
 
 
+def _keep_last_meanwhile(monkeypatch, module: Any, store: Path) -> None:
+    """Verify's chunk checks run after a job's keep_last=1 removed steps 10 and 20, which
+    verify had listed (a job saving beside it)."""
+    from ckptstore.retention import collect
+    from ckptstore.store import Store
+
+    check_all_chunks = module.check_all_chunks
+
+    def meanwhile(*args: Any, **kwargs: Any) -> Any:
+        collect(Store(str(store)), keep_last=1)
+        return check_all_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(module, "check_all_chunks", meanwhile)
+
+
+def test_verify_all_passes_over_steps_removed_while_it_verified(store: Path, capsys, monkeypatch):
+    """A reviewer: ``verify --all`` beside a job with keep_last reported the steps it removed
+    meanwhile as missing objects and exited 1 ('verify || alert' paged for nothing)."""
+    import ckptstore.cli.cmd_verify as cmd_verify
+
+    _keep_last_meanwhile(monkeypatch, cmd_verify, store)
+    code, out, err = run(capsys, "verify", store, "--all")
+    assert code == 0, (out, err)
+    assert "step 10: REMOVED while it was verified" in out and "step 20: REMOVED" in out
+    assert "step 30: OK" in out and "MISSING" not in out
+    _keep_last_meanwhile(monkeypatch, cmd_verify, store)  # nothing left to remove: all OK
+    code, doc = run_json(capsys, "verify", store, "--all")
+    assert code == 0 and doc["ok"] and doc["removed_while_verified"] == []
+
+
+def test_checkpointer_verify_all_passes_over_steps_removed_meanwhile(
+    store: Path, capsys, monkeypatch
+):
+    import ckptstore._inspect as inspect
+    from ckptstore.errors import CheckpointCorruptError
+
+    damaged = chunk_of(capsys, store, "model/0.weight")
+    _keep_last_meanwhile(monkeypatch, inspect, store)
+    Checkpointer(str(store)).verify("all")  # raised CheckpointNotFoundError: missing chunks
+    flip_byte(store / damaged)
+    with pytest.raises(CheckpointCorruptError, match=damaged):
+        Checkpointer(str(store)).verify("all")
+
+
 def test_verify_missing_rank_index_and_manifest_step_only(store: Path, capsys) -> None:
     index = index_of(store, 30)
     (store / index).unlink()
