@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.codec import CodecConfig
 from ckptstore.errors import (
+    BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -97,5 +98,6 @@ __all__ = [
     "StorageFullError",
     "StorageTimeoutError",
     "ObjectExistsError",
+    "BucketNotFoundError",
     "ObjectNotFoundError",
 ]

@@ -34,6 +34,7 @@ from typing import Any
 
 from ckptstore.codec import hash_bytes
 from ckptstore.errors import (
+    BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -83,6 +84,25 @@ def list_steps(store: Store) -> list[int]:
         if name.endswith(".json") and len(digits) == STEP_DIGITS and _is_digits(digits):
             steps.append(int(digits))
     return sorted(steps)
+
+
+def steps_to_resume(store: Store) -> list[int]:
+    """:func:`list_steps` for a job about to resume: a bucket that does not exist yet holds no
+    step (one WARNING per store and process, as the first run of a job on a new bucket)."""
+    try:
+        return list_steps(store)
+    except BucketNotFoundError as exc:
+        if store.uri not in _NO_BUCKET_SAID:
+            _NO_BUCKET_SAID.add(store.uri)
+            logger.warning(
+                "%s: nothing to resume; the first save creates the bucket where the store "
+                "does (SeaweedFS, say), elsewhere (AWS S3) it fails until the bucket is made",
+                exc,
+            )
+        return []
+
+
+_NO_BUCKET_SAID: set[str] = set()
 
 
 def _is_digits(text: str) -> bool:

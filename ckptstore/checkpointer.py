@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ckptstore import telemetry
-from ckptstore.catalog import list_steps, store_nearby
+from ckptstore.catalog import list_steps, steps_to_resume, store_nearby
 from ckptstore.errors import CheckpointError, one_line
 from ckptstore.exit_status import fail_at_exit
 from ckptstore.format import check_step
@@ -372,7 +372,7 @@ class Checkpointer:
         return step
 
     def _newest_durable(self, healthy: bool) -> int | None:
-        steps = list_steps(self.store)
+        steps = steps_to_resume(self.store)
         if not healthy:
             return steps[-1] if steps else None
         good, why = find_healthy(self.store, steps, limit=1)

@@ -105,6 +105,10 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist in the store."""
 
 
+class BucketNotFoundError(ObjectNotFoundError):
+    """The bucket a remote store's URI names does not exist."""
+
+
 class UnsafeObjectError(StorageError):
     """A local store's object that is not a plain file of the store: never followed or opened
     (a hostile or damaged store)."""

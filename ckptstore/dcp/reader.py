@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ckptstore.catalog import list_steps, parse_step
+from ckptstore.catalog import parse_step, steps_to_resume
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
 from ckptstore.health import find_healthy, healthy_steps_to_load, no_healthy_step
@@ -168,7 +168,7 @@ class StoreReader(StepReader):
         ``healthy``: steps of which none is healthy raise ``NoHealthyStepError``, not None. With
         ``local_dir`` it is collective, as a load: every rank of the job calls it."""
         if self._policy is None:
-            steps = list_steps(self.store)
+            steps = steps_to_resume(self.store)
             if self.healthy:
                 good, why = find_healthy(self.store, steps, limit=1)
                 if not good and why:

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptstore.catalog import list_steps
+from ckptstore.catalog import steps_to_resume
 from ckptstore.dcp.reader import StoreReader, _OtherRanksFailed
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -139,7 +139,7 @@ def _steps(reader: StoreReader, group: RankGroup, passed_over: dict[int, str]) -
 
 
 def _durable_steps(reader: StoreReader, passed_over: dict[int, str]) -> list[int]:
-    steps = list_steps(reader.store)
+    steps = steps_to_resume(reader.store)
     if not reader.healthy:
         return steps[::-1]
     good, why = find_healthy(reader.store, steps)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptstore.errors import (
+    BucketNotFoundError,
     CheckpointCorruptError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -322,7 +323,7 @@ class Store:
             return ObjectExistsError(f"{where} already exists (objects are write-once)")
         if isinstance(exc, FileNotFoundError):
             if "bucket" in str(exc).lower():
-                return ObjectNotFoundError(f"{op} {where}: the bucket does not exist")
+                return BucketNotFoundError(f"{op} {where}: the bucket does not exist")
             return ObjectNotFoundError(f"{where} does not exist")
         if is_access_error(exc):
             if self.backend.remote:

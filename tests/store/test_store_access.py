@@ -205,3 +205,29 @@ def test_credentials_fixed_in_the_credentials_file_are_used_by_the_next_store(
             )
             Store(s3_uri).list("commits")
             assert relay.access_keys[-1] == key
+
+
+def test_a_job_on_a_bucket_not_made_yet_has_nothing_to_resume(s3_endpoint, caplog):
+    """Two reviewers: the README's resume (``if ckpt.latest() is not None``) raised on a bucket
+    that did not exist yet ("the bucket does not exist"), where the store makes it at the first
+    save (SeaweedFS); a missing local directory was already "nothing to resume". Every front-end
+    says None, with one WARNING naming the bucket; ``ls`` of it stays an error."""
+    import logging
+    import uuid
+
+    import torch.distributed.checkpoint as dcp  # noqa: F401 - StoreReader's DCP
+
+    from ckptstore.catalog import list_steps
+    from ckptstore.dcp import StoreReader, resume
+    from ckptstore.errors import BucketNotFoundError
+    from ckptstore.store import Store
+
+    uri = f"s3://not-made-{uuid.uuid4().hex[:8]}/run42"
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert Checkpointer(uri).latest() is None
+        assert StoreReader(uri).latest() is None
+        assert resume({"w": torch.zeros(2)}, StoreReader(uri), no_dist=True) is None
+    said = [r.getMessage() for r in caplog.records if "nothing to resume" in r.getMessage()]
+    assert len(said) == 1 and uri.split("/")[2] in said[0], said
+    with pytest.raises(BucketNotFoundError, match="the bucket does not exist"):
+        list_steps(Store(uri))
