@@ -109,6 +109,14 @@ def _is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()  # "٣" and "²" are digits too
 
 
+def _same_kind(error: StorageError, message: str) -> StorageError:
+    """``message`` as an error of ``error``'s class (a full disk stays ``StorageFullError``)."""
+    try:
+        return type(error)(message)
+    except Exception:  # noqa: BLE001 - an error class with another signature
+        return StorageError(message)
+
+
 def commit_manifest(
     store: Store, step: int, data: bytes, *, settle_timeout_s: float = 60.0
 ) -> None:
@@ -141,7 +149,7 @@ def commit_manifest(
                 "earlier attempt of this put) and removed since (a retention): this save is not "
                 "committed; steps are write-once"
             ) from error
-        raise StorageError(f"step {step} not committed: {error}") from error
+        raise _same_kind(error, f"step {step} not committed: {error}") from error
     except CheckpointError as exc:
         raise CommitUnknownError(
             f"step {step}: writing {store.url(key)} failed ({error}) and reading it back "

@@ -458,7 +458,8 @@ def _sweep(
     lease.check()
     if chunk_victims or victims or temporaries:
         lease.mark_deleting()
-    report.deleted_chunk_bytes = sum(store.map(_delete_sized(store, lease), chunk_victims))
+    sizes = [n for n in store.map(_delete_sized(store, lease), chunk_victims) if n is not None]
+    report.deleted_chunks, report.deleted_chunk_bytes = len(sizes), sum(sizes)
     list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC, now) if not g.live])
@@ -500,11 +501,13 @@ def _checked_delete(store: Store, lease: Lease):
 
 
 def _delete_sized(store: Store, lease: Lease):
-    def delete(key: str) -> int:
+    """Delete a chunk and say its size; None: gone already (another gc deleted it)."""
+
+    def delete(key: str) -> int | None:
         try:
             size = store.size(key)
         except FileNotFoundError:
-            return 0
+            return None
         _checked_delete(store, lease)(key)
         return size
 

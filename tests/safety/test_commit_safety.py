@@ -766,3 +766,45 @@ def test_a_commit_beaten_by_another_writer_whose_step_was_retained_away_is_step_
     with pytest.raises(StepExistsError, match="committed first by another writer"):
         commit_manifest(store, 7, ours)
     assert list_steps(store) == []
+
+
+def test_a_full_disk_at_the_commit_is_a_storage_full_error(tmp_path):
+    """A chaos reviewer: a disk that filled at a chunk's write was ``StorageFullError``, at the
+    manifest's write a plain ``StorageError`` ("step 13 not committed: ... no space left"),
+    which a handler of full disks missed."""
+    from ckptstore.catalog import commit_manifest
+    from ckptstore.errors import StorageFullError
+
+    store = Store(str(tmp_path / "store"))
+
+    def full(key, data):
+        raise StorageFullError(f"put {store.url(key)}: no space left on device")
+
+    store.put = full
+    with pytest.raises(StorageFullError, match="step 13 not committed: .*no space left"):
+        commit_manifest(store, 13, b"{}")
+    assert list_steps(store) == []
+
+
+def test_gc_counts_only_the_chunks_it_deleted(tmp_path):
+    """A chaos reviewer: a gc beside another one said 'deleted 18 unreferenced chunk(s) (0 B)':
+    it counted the chunks the other gc had deleted first."""
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=4096, compression="none")) as c:
+        for step in (1, 2):  # 4 distinct chunks each
+            c.save(step, {"w": torch.arange(4096, dtype=torch.float32) + 4096 * step}).wait()
+    store = Store(uri)
+    size = store.size
+    gone: list[str] = []
+
+    def another_gc_first(key):
+        if not gone:  # the other gc deletes the first chunk this one would
+            gone.append(key)
+            store.delete(key)
+        return size(key)
+
+    store.size = another_gc_first
+    report = collect(store, keep_last=1)
+    assert report.deleted_steps == [1] and len(gone) == 1
+    sizes = [size(k) for k in store.list("chunks")]  # step 2's, kept
+    assert report.deleted_chunks == 3 and report.deleted_chunk_bytes == sum(sizes[:3])
