@@ -157,7 +157,8 @@ class StagingOptions:
     ``"peer"`` (Checkpointer): host staging, and each rank also sends its staged state to a
     guard rank one node over, whose memory ``load`` takes it from first."""
     budget_bytes: int | None = None
-    """Host memory for staged copies (None: one buffer, state-sized)."""
+    """Host memory for staged copies (None: one buffer, state-sized). A state that needs more
+    than this to stage is refused: ``save()`` raises ``ValueError`` naming both sizes."""
     device_budget_bytes: int | None = None
     """Device memory for device staging (None: one buffer, while the state fits half of the
     device's free memory less the room the training loop's memory peak needs)."""
@@ -210,7 +211,7 @@ class TierOptions:
     local_dir: str | os.PathLike | None = None
     """A node-local directory (a RAM disk such as ``/dev/shm/run7`` survives a process crash,
     an NVMe path a reboot), not inside a local durable store; each rank's copies go to
-    ``local_dir/job-<j>/rank-<r>/``. None: no tiers, every save goes to the durable store."""
+    ``local_dir/job-<j>/rank-<r:05d>/``. None: no tiers, every save goes to the durable store."""
     peer_copies: int = 0
     """Each rank's copy is also sent, over the process group (never through storage), to the
     ranks at its position on the next K nodes, which keep it: a replaced node restores from
