@@ -128,7 +128,7 @@ class StateLoader:
     """What a Checkpointer's ``load`` and ``verify`` need: the durable ``store``, the ranks'
     ``group``, the pipeline ``config``, and where it has them the guard replicas of
     ``staging="peer"`` (``peers``), or the ``local`` tier and the peer ``topology``. After each
-    load, ``last_load`` (with tiers), ``last_load_source``, ``last_load_left_out`` and
+    load, ``last_load`` (its step, source and time; bytes per tier with tiers), ``last_load_source``, ``last_load_left_out`` and
     ``last_load_exchange`` say what it read."""
 
     def __init__(
@@ -242,8 +242,7 @@ class StateLoader:
         for candidate in candidates:
             self._skip_not_healthy(not_healthy, candidate.step, skipped)
             self._report = report = LoadReport(step=candidate.step)
-            if self.local is not None:
-                self.last_load = report
+            self.last_load = report
             error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
             report.seconds = time.perf_counter() - t0
             self._write_repaired(background=error is None)
@@ -610,6 +609,7 @@ class StateLoader:
             self.last_load_source, where = "peer", "its guard's memory"
         else:
             self.last_load_source, where = "storage", self.store.uri
+        self._report.source = self.last_load_source
         logger.info("rank %d: loaded step %d from %s", self.rank, step, where)
 
     # -- read once, share ---------------------------------------------------------------------

@@ -779,3 +779,14 @@ def test_a_path_just_above_or_inside_a_store_is_named_not_taken_for_a_fresh_star
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         assert other.latest() is None
     assert not caplog.records
+
+
+def test_last_load_says_the_step_and_source_of_an_untiered_load(tmp_path):
+    """A reviewer: ``ckpt.last_load`` stayed an empty LoadReport after a load without tiers."""
+    ckpt = Checkpointer(tmp_path / "s")
+    ckpt.save(3, {"w": torch.ones(4)}).wait()
+    assert ckpt.last_load.step is None
+    assert ckpt.load({"w": torch.zeros(4)}) == 3
+    assert (ckpt.last_load.step, ckpt.last_load.source) == (3, "storage")
+    assert ckpt.last_load.seconds > 0
+    ckpt.close()
