@@ -84,12 +84,19 @@ def load_pickled_value(data: bytes, name: str) -> Any:
 
 
 def _unpickling_reason(exc: Exception) -> str:
+    """What a weights-only unpickler refused, in one line: torch's own line naming the global
+    (``Unsupported global: ...``, ``Trying to load unsupported GLOBAL posix.system ...``),
+    never its advice to turn the check off."""
     text = str(exc)
     marker = "WeightsUnpickler error: "
     if marker in text:
         text = text.split(marker, 1)[1]
         return text.split(". ", 1)[0].splitlines()[0]
-    return (text.splitlines() or [type(exc).__name__])[0][:200]
+    for line in text.splitlines():
+        line = line.strip()
+        if "GLOBAL" in line or line.startswith("Unsupported"):
+            return line.rstrip(".")[:200]
+    return f"{type(exc).__name__}: the weights-only unpickler refused it"
 
 
 class StepReader(StorageReader):

@@ -75,8 +75,9 @@ def _health_line(doc: dict) -> str:
     record = doc["health_record"]
     if record is None:
         return "unknown (saved without a health record)"
-    line = f"{doc['health']}: {record['nan']} NaN, {record['inf']} Inf"
-    line += f", norm {norm(record['sumsq']):.6g}"
+    line = f"{doc['health']}: {record.get('nan', '?')} NaN, {record.get('inf', '?')} Inf"
+    if isinstance(record.get("sumsq"), (int, float)):
+        line += f", norm {norm(record['sumsq']):.6g}"
     groups = record.get("groups") or {}
     if groups:
         line += " (" + ", ".join(f"{g} {norm(v):.6g}" for g, v in groups.items()) + ")"

@@ -141,10 +141,12 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
     else:
         keys = [check_shard_key(k.strip(), f"manifest {key}") for k in rows]
     if not keys:
-        raise ValueError(f"manifest {key} lists no shards")
+        raise ShardCorruptError(f"manifest {key} lists no shards")
     repeated = sorted(k for k, n in Counter(keys).items() if n > 1)
     if repeated:
-        raise ValueError(f"manifest {key} lists shards more than once: {', '.join(repeated)}")
+        raise ShardCorruptError(
+            f"manifest {key} lists shards more than once: {', '.join(repeated)}"
+        )
     return Manifest(keys=keys, hashes=hashes)
 
 

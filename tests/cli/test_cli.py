@@ -1244,3 +1244,17 @@ def test_a_directory_holding_a_store_with_temporaries_is_not_a_store(tmp_path, c
     code, _, err = run(capsys, "ls", tmp_path / "runs")
     assert code == 1 and "no ckptstore data" in err
     assert run(capsys, "gc", tmp_path / "runs")[0] == 1 and tmp.exists()
+
+
+def test_inspect_of_a_health_record_missing_its_norm_says_what_it_has(store: Path, capsys):
+    """A fuzzer: a manifest whose health record lacked ``sumsq`` (resealed) passed ls and
+    verify, and ``inspect`` died with "unexpected KeyError: 'sumsq'"."""
+    path = store / f"commits/{30:020d}.json"
+    doc = json.loads(path.read_text())
+    assert "sumsq" in doc["health"]
+    del doc["health"]["sumsq"]
+    path.unlink()
+    path.write_bytes(sealed(doc))
+    code, out, err = run(capsys, "inspect", store, "--step", "30")
+    assert code == 0 and err == "", err
+    assert "0 NaN, 0 Inf" in out and "norm" not in out.split("NaN")[1].split("\n")[0], out

@@ -530,3 +530,20 @@ def test_a_class_the_user_allows_with_add_safe_globals_loads_and_no_other(tmp_pa
         target = {**_blank(), "cfg": None}
         dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
     assert target["cfg"] == _TrainConfig(0.1)
+
+
+def test_a_refused_value_that_calls_os_system_names_the_global_not_torchs_advice(tmp_path):
+    """A fuzzer: a value whose unpickling calls ``os.system`` was refused with a message cut at
+    torch's advice ('Re-running torch.load with weights_only set to False'), the refused global
+    and 'arbitrary code execution' left out."""
+    import os
+
+    class System:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    store = _save(str(tmp_path / "s"), {**_state(), "evil": System()})
+    with pytest.raises(PickledValueRefusedError) as refused:
+        load_full_state_dict(store, 0)
+    said = str(refused.value)
+    assert "posix.system" in said and "weights_only` set to `False" not in said, said

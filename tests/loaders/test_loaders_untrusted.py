@@ -360,6 +360,14 @@ def test_an_mds_shard_of_many_empty_samples_is_accounted_as_it_decodes(tmp_path:
             lambda ix: ix["shards"][0].update(column_encodings=["str", "ndarray:O"]),
             "'ndarray:O': object is not an array dtype",
         ),
+        (  # a fuzzer: every sample silently lost a column to the other of its name
+            lambda ix: ix["shards"][0].update(column_names=["n", "n"]),
+            "column names repeat: n",
+        ),
+        (
+            lambda ix: ix["shards"][0].update(column_names=["text", ["n"]]),
+            "column_names of a shard in .* are not all names",
+        ),
     ],
 )
 def test_malformed_mds_columns_are_corrupt_at_open(tmp_path: Path, edit, message) -> None:
@@ -621,3 +629,14 @@ def test_unhashed_mds_shards_are_said_to_be_read_unverified_once(tmp_path: Path,
     said = [r for r in caplog.records if "read unverified" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said
     assert f"{bare}" in said[0].getMessage() and "lists no hashes" in said[0].getMessage()
+
+
+@pytest.mark.parametrize("listing", ["tokens.00000.bin\ntokens.00000.bin\n", "# only a comment\n"])
+def test_a_token_manifest_listing_a_shard_twice_or_none_is_a_loader_error(tmp_path, listing):
+    """A fuzzer: both were a bare ValueError, which ``except LoaderError`` missed."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    np.arange(64, dtype=np.uint16).tofile(root / "tokens.00000.bin")
+    (root / "files.txt").write_text(listing)
+    with pytest.raises(ShardCorruptError, match="manifest files.txt lists"):
+        ShardDataset(str(root), TokenFiles(manifest="files.txt", sample_tokens=8), config=IN_ORDER)

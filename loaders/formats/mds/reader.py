@@ -12,6 +12,7 @@ import json
 import logging
 import pickle
 import posixpath
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -300,6 +301,8 @@ class _Shard:
             if not isinstance(info[column], list):
                 raise ShardCorruptError(f"{column} of a shard in {index} is not a list")
         names, encodings = list(info["column_names"]), list(info["column_encodings"])
+        if not all(isinstance(n, str) for n in names):
+            raise ShardCorruptError(f"column_names of a shard in {index} are not all names")
         unknown = sorted(raw.difference(names))
         if unknown:
             raise ValueError(
@@ -345,6 +348,9 @@ class _Shard:
                 f"{index}: {len(shard.names)} column names, {len(shard.encodings)} encodings and "
                 f"{len(shard.sizes)} sizes (each column needs one of each)"
             )
+        repeated = sorted(n for n, count in Counter(shard.names).items() if count > 1)
+        if repeated:  # a sample's later column would replace the earlier one's value
+            raise ShardCorruptError(f"{index}: column names repeat: {', '.join(repeated)}")
         # A raw shard holds a 4-byte count and an offset table of samples + 1 entries.
         if 4 + 4 * (shard.samples + 1) > shard.raw_bytes:
             raise ShardCorruptError(
