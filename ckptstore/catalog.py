@@ -240,7 +240,11 @@ def resolve_step(store: Store, step: int | str | None = "latest") -> int:
         if not steps:
             raise no_checkpoint(store)
         return steps[-1]
-    if not store.exists(commit_key(step)):
+    try:
+        committed = store.exists(commit_key(step))
+    except UnsafeObjectError as exc:  # a link out of the store at the manifest: damage
+        raise CheckpointCorruptError(f"{store.url(commit_key(step))}: {exc}") from exc
+    if not committed:
         near = ", ".join(map(str, list_steps(store)[-5:])) or "none"
         why = describe_quarantined(store, step)
         raise CheckpointNotFoundError(

@@ -547,3 +547,25 @@ def test_a_refused_value_that_calls_os_system_names_the_global_not_torchs_advice
         load_full_state_dict(store, 0)
     said = str(refused.value)
     assert "posix.system" in said and "weights_only` set to `False" not in said, said
+
+
+def test_resume_passes_over_a_manifest_linked_out_of_the_store(tmp_path):
+    """A fuzzer: the newest step's manifest replaced by a link to a copy outside the store made
+    ``dcp.resume`` fail ('leads outside the store's root'), where a FIFO there, and the
+    Checkpointer's ``load(fallback=True)``, went back to the step before."""
+    from ckptstore.dcp import resume
+    from ckptstore.format import commit_key
+
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri)
+    for step in (1, 2):
+        dcp.save(_state(), storage_writer=writer, checkpoint_id=step, no_dist=True)
+    manifest = Path(uri) / commit_key(2)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes(manifest.read_bytes())
+    manifest.unlink()
+    manifest.symlink_to(outside)
+    target = _blank()
+    assert resume(target, StoreReader(uri), no_dist=True) == 1
+    saved = _state()["model"]
+    assert all(torch.equal(target["model"][k], saved[k]) for k in ("w", "b"))
