@@ -26,6 +26,7 @@ from ckptstore.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    UnsafeObjectError,
     one_line,
 )
 from ckptstore.format import MAX_TIMESTAMP, _dump, _load
@@ -69,6 +70,8 @@ def read_identity(store: Store) -> StoreIdentity | None:
         data = store.get(IDENTITY_KEY, 0, _MAX_BYTES + 1)
     except ObjectNotFoundError:
         return None
+    except UnsafeObjectError as exc:  # a FIFO or a link out of the store: damage, as bad JSON
+        raise CheckpointCorruptError(f"{name}: {exc}") from exc
     if len(data) > _MAX_BYTES:
         raise CheckpointCorruptError(f"{name}: over {_MAX_BYTES} bytes, not a store identity")
     doc = _load(data, _KIND, name)

@@ -2308,3 +2308,28 @@ def test_local_copies_of_another_world_size_are_named_once_and_passed_over(kind,
     assert "unlists them" in said[0]
     assert not [r for r in caplog.records if "copy for this job" in r.getMessage()]
     front.close()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "garbage"])
+def test_a_damaged_store_identity_fails_the_open_by_name_never_a_silent_roll_back(
+    make, tmp_path, planted
+):
+    """A fuzzer: a FIFO at the durable store's ``identity.json`` read as 'no identity', so the
+    local copies (which record one) were taken for another instance's: latest() and load()
+    went back to the newest durable step with a warning that the store was made again. It
+    fails as bad JSON there does: the identity named, nothing loaded from a guess."""
+    front = make(durable_every=10)
+    for step in (1, 2):  # 1 durable, 2 in the local tier alone
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    identity = tmp_path / "durable" / IDENTITY_KEY
+    identity.unlink()
+    if planted == "fifo":
+        os.mkfifo(identity)
+    else:
+        identity.write_text("{not json")
+    with pytest.raises((CheckpointError, CheckpointException)) as failed:  # DCP wraps it
+        front.restart().load(_blank())
+    said = str(failed.value)
+    assert "cannot read the identity of" in said and "identity.json" in said, said
