@@ -285,6 +285,11 @@ class StepView:
             raise CheckpointCorruptError(
                 f"DCP item {key!r}: the index of rank {rank} does not hold it at {tensor}"
             )
+        disagree = _metadata_disagrees(self.dcp_metadata(), item, index.tensors[tensor])
+        if disagree:
+            raise CheckpointCorruptError(
+                f"DCP item {key!r} of step {self.step} in {self.store.uri}: {disagree}"
+            )
         return rank, tensor
 
     # -- what restore would refuse ----------------------------------------------------------
@@ -405,6 +410,25 @@ class StepView:
             return self.raw_bytes()
         except CheckpointError:
             return 0
+
+
+def _metadata_disagrees(metadata: Any, item: Any, entry: Any) -> str | None:
+    """How the DCP metadata's shard ``item`` and the rank index's ``entry`` of it differ in
+    shape or dtype (a load would hand DCP bytes of one shape for the other); None: they agree,
+    or the item is a pickled value (stored as bytes)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = metadata.state_dict_metadata.get(item.fqn)
+    if not isinstance(meta, TensorStorageMetadata):
+        return None
+    offset = list(item.offset) if item.offset is not None else None
+    sizes = next((list(c.sizes) for c in meta.chunks if list(c.offsets) == offset), None)
+    if sizes is not None and sizes != list(entry.shape):
+        return f"the metadata's shard is {sizes}, the index's {list(entry.shape)}"
+    dtype = str(meta.properties.dtype).removeprefix("torch.")
+    if dtype != entry.dtype:
+        return f"the metadata says {dtype}, the index {entry.dtype}"
+    return None
 
 
 def _not_held(index: RankIndex, item: Any, tensor: int, rank: int) -> Exception | None:

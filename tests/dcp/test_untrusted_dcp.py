@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from ckptstore.errors import (
 )
 from ckptstore.export import export_safetensors
 from ckptstore.store import Store
-from tests.helpers.crafted import replace_referenced
+from tests.helpers.crafted import replace_referenced, sealed
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -569,3 +570,31 @@ def test_resume_passes_over_a_manifest_linked_out_of_the_store(tmp_path):
     assert resume(target, StoreReader(uri), no_dist=True) == 1
     saved = _state()["model"]
     assert all(torch.equal(target["model"][k], saved[k]) for k in ("w", "b"))
+
+
+@pytest.mark.parametrize(
+    "item, field, value, said",
+    [
+        ("model.w@0,0", "shape", [32], r"the metadata's shard is \[8, 4\], the index's \[32\]"),
+        ("model.b@0", "dtype", "float16", "the metadata says bfloat16, the index float16"),
+    ],
+)
+def test_an_index_that_disagrees_with_the_metadata_is_corrupt_for_verify_and_load(
+    tmp_path, capsys, item, field, value, said
+):
+    """A fuzzer: a rank index giving an item another shape of the same bytes (resealed) passed
+    verify and failed every load on an IndexError inside torch; another dtype was cast in
+    silence. Both are one corrupt item, named by verify, restore and ``dcp.load``."""
+    uri = str(tmp_path / "s")
+    store = _save(uri)
+    (ref,) = load_manifest(store, 0).ranks
+    doc = json.loads(store.get(ref.key))
+    doc["tensors"][doc["items"][item]][field] = value
+    replace_referenced(store, 0, ref.key, sealed(doc))
+    assert main(["verify", uri]) == 1
+    out, _ = capsys.readouterr()
+    assert re.search(said, out), out
+    with pytest.raises(CheckpointCorruptError, match=said):
+        load_full_state_dict(store, 0)
+    with pytest.raises(CheckpointException, match=said):
+        dcp.load(_blank(), storage_reader=StoreReader(uri), no_dist=True)
