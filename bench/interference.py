@@ -237,8 +237,10 @@ def _baseline_split(runs: int) -> tuple[int, int]:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    if args.steps < 2 or args.tensors < 1:
-        raise ValueError("--steps must be >= 2, --tensors >= 1")
+    if args.steps < 2:
+        raise ValueError(f"--steps must be >= 2, got {args.steps}")
+    if args.tensors < 1:
+        raise ValueError(f"--tensors must be >= 1, got {args.tensors}")
     if args.baseline_runs < 2:
         raise ValueError("--baseline-runs must be >= 2 (their spread is the noise estimate)")
 

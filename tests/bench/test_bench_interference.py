@@ -53,11 +53,20 @@ def test_interference_reports_both_parts_of_the_loss(capsys, tmp_path):
         assert r["baseline_steps_per_s"] > 0 and r["saving_steps_per_s"] > 0
 
 
-@pytest.mark.parametrize("bad", [["--kinds", "tpu"], ["--steps", "1"], ["--baseline-runs", "1"]])
-def test_interference_rejects_bad_flags(capsys, bad):
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (["--kinds", "tpu"], "tpu"),
+        (["--steps", "0"], "--steps must be >= 2, got 0"),  # it named --tensors too
+        (["--tensors", "0"], "--tensors must be >= 1, got 0"),
+        (["--baseline-runs", "1"], "--baseline-runs"),
+    ],
+)
+def test_interference_rejects_bad_flags(capsys, bad, named):
     assert main(["interference", "--size", "1MiB", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ckptbench interference: error:") and "\n" not in err
+    assert named in err and ("--tensors" not in err or bad[0] == "--tensors"), err
 
 
 def test_help_is_plain_text_and_every_option_is_explained(capsys):
