@@ -17,7 +17,7 @@ from typing import Any
 
 import zstandard
 
-from ckptstore.catalog import load_manifest, rank_of, read_rank_index
+from ckptstore.catalog import list_steps, load_manifest, rank_of, read_rank_index
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -388,17 +388,15 @@ def verify_steps(
 def removed_while_checked(store: Store, checks: list[StepCheck]) -> list[int]:
     """The steps of ``checks`` with problems that are no longer committed: a job's keep_last
     or a gc removed them while they were checked, and their missing objects say nothing of
-    the store. A step whose commit cannot be looked up keeps its problems."""
-    removed = []
-    for check in checks:
-        if not check.problems:
-            continue
-        try:
-            if not store.exists(commit_key(check.step)):
-                removed.append(check.step)
-        except CheckpointError:
-            pass
-    return removed
+    the store. A step still listed (its commit a broken link, say) keeps its problems, as
+    every step does when the store cannot be listed."""
+    if not any(check.problems for check in checks):
+        return []
+    try:
+        listed = set(list_steps(store))
+    except CheckpointError:
+        return []
+    return [c.step for c in checks if c.problems and c.step not in listed]
 
 
 def chunks_to_check(checks: list[StepCheck]) -> dict[str, ChunkInfo | None]:

@@ -191,9 +191,11 @@ class Checkpointer:
             process_group,
             timeout_s=storage.group_timeout_s(self.options["retention"].gc_wait_s),
             no_dist=no_dist,
-            lost_rank_s=storage.lost_rank_timeout_s,
-            # Without tiers, reads shared over the group wait in gloo for ranks reading durable
-            # storage: gloo keeps the group's timeout.
+            # Without tiers a bound four times as long: a rank's heartbeat (a Python thread)
+            # stands still while one call holds the GIL, and nothing else needs it short; reads
+            # shared over the group wait in gloo for ranks reading durable storage, so gloo
+            # keeps the group's timeout.
+            lost_rank_s=storage.lost_rank_timeout_s * (1 if self._policy is not None else 4),
             bound_collectives=self._policy is not None,
         )
 

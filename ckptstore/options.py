@@ -86,8 +86,11 @@ class StorageOptions:
     one saving) fail at once (``RanksOutOfStepError``). A rank alive but slow (its heartbeat
     moves) is waited for up to ``group_timeout_s()`` (a save may wait for a gc). With tiers
     (``TierOptions.local_dir``) it bounds the drains too, and a rank lost within an exchange;
-    without tiers one lost within an exchange is found when its connection closes, else after
-    ``group_timeout_s()`` (reads shared over the group wait for durable storage)."""
+    without tiers the bound is four times this, and one lost within an exchange is found when
+    its connection closes, else after ``group_timeout_s()`` (reads shared over the group wait
+    for durable storage). A rank's heartbeat is a Python thread: one call that holds the GIL
+    for more than a quarter of the bound (a sort of a huge list, a large ``json.loads``) makes
+    a live rank look lost; raise the bound for such a job."""
     store: Any = None
     """An already open ``ckptstore.Store`` to use instead of opening the URI (e.g. with fault
     injection); ``storage_options`` are then ignored."""

@@ -188,6 +188,14 @@ class RankGroup:
                 now = time.monotonic()
                 if now - apart_looked >= 0.05:
                     apart_looked = now
+                    if not dist.is_initialized():  # the other ranks' gloo calls fail, not wait
+                        self.lost = RankLostError(
+                            f"{what} of {self._call()}: the process group was destroyed "
+                            "(destroy_process_group() while a save was pending: wait() for "
+                            "the saves first)",
+                            [],
+                        )
+                        raise self.lost
                     if store.check([apart]):
                         rank, call = store.get(apart).decode().split(" ", 1)
                         raise self._out_of_step(int(rank), call, self.rank, self._call())

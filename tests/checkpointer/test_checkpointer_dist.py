@@ -237,3 +237,47 @@ def _rank_killed_between_saves(rank: int, world: int, root: str) -> None:
 @pytest.mark.dist
 def test_an_untiered_rank_lost_before_a_save_is_named_within_the_bound(tmp_path):
     run_ranks_losing(_rank_killed_between_saves, 2, str(tmp_path / "s"), lost={1}, timeout_s=120)
+
+
+_DESTROYED_WITH_SAVES_PENDING = """
+import sys, torch, torch.distributed as dist
+from ckptstore import Checkpointer
+dist.init_process_group("gloo")
+ckpt = Checkpointer(sys.argv[1])
+for step in (1, 2):
+    ckpt.save(step, {"w": torch.full((1000,), float(dist.get_rank()))})
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist
+def test_a_group_destroyed_with_saves_pending_ends_every_rank_at_exit(tmp_path):
+    """An adversary: ``save(); save(); destroy_process_group()`` and exit, without ``wait()``,
+    hung both ranks for the group's ~10 minutes (one waited for the other's arrival at an
+    exchange, heartbeats moving, the other in gloo). Both end now, the save failing at exit
+    named, status 1."""
+    import subprocess
+    import sys
+
+    from tests.helpers.dist import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.update(WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _DESTROYED_WITH_SAVES_PENDING, str(tmp_path / "s")],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        ended = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    for p, (_, err) in zip(ranks, ended):
+        assert p.returncode == 1, err[-2000:]
+        assert "failed at exit" in err, err[-2000:]

@@ -446,6 +446,16 @@ def test_verify_all_passes_over_steps_removed_while_it_verified(store: Path, cap
     assert code == 0 and doc["ok"] and doc["removed_while_verified"] == []
 
 
+def test_verify_all_fails_a_listed_step_whose_commit_is_a_broken_link(store: Path, capsys):
+    """An adversary: a commit replaced by a link to nothing read as 'removed while verified'
+    and verify said all OK; the step is still listed (latest() names it, load fails)."""
+    commit = store / f"commits/{30:020d}.json"
+    commit.unlink()
+    commit.symlink_to(store / "commits" / "nothing-here")
+    code, out, _ = run(capsys, "verify", store, "--all")
+    assert code == 1 and "step 30: FAILED" in out and "REMOVED" not in out, out
+
+
 def test_checkpointer_verify_all_passes_over_steps_removed_meanwhile(
     store: Path, capsys, monkeypatch
 ):
