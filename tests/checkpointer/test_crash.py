@@ -101,6 +101,8 @@ if sys.argv[2] == "break":  # every write of the save's background stages fails
         raise OSError("disk gone")
     ckpt.store.put = put
 ckpt.save(7, {"w": torch.arange(16 * 2**20, dtype=torch.float32)})
+results = open(sys.argv[1] + ".txt", "w")  # never closed: finalization would flush it
+results.write("kept")
 print("save returned", flush=True)
 """
 
@@ -130,5 +132,6 @@ def test_a_save_failing_at_exit_says_so_in_one_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if "failed at exit" in line]
     assert len(errors) == 1 and str(root) in errors[0] and "disk gone" in errors[0]
     assert done.returncode == 1, done.stderr  # a scheduler does not read it as a success
+    assert (tmp_path / "store.txt").read_text() == "kept"  # what the script left open, flushed
     assert "Traceback" not in done.stderr
     assert list_steps(Store(root)) == []  # nothing half-written is visible
