@@ -30,6 +30,16 @@ _COLLECTIVE_CALLS = (
 )
 
 
+def _has_default_store() -> bool:
+    """Whether torch.distributed holds the job's rendezvous store (not where its calls are
+    served to threads, as ``ckptbench scale --threads`` does)."""
+    try:
+        dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    return True
+
+
 class RankGroup:
     """The ranks of ``process_group`` (None: all) on a gloo group of their own; with one rank,
     or without ``torch.distributed``, every exchange returns this rank's value alone.
@@ -39,7 +49,8 @@ class RankGroup:
     connection), with a ``RankLostError`` naming the ranks whose heartbeat on the job's
     rendezvous store stopped (the last quarter); the group is then spent (later exchanges fail
     at once with the same error). None: exchanges wait up to ``timeout_s``.
-    ``bound_collectives=False``: ranks still wait for each other's arrival as above, but gloo
+    ``bound_collectives=False``: ranks still wait for each other's arrival as above (where the
+    job has a rendezvous store; without one, exchanges wait up to ``timeout_s``), but gloo
     keeps ``timeout_s`` (a load's reads shared over the group wait for ranks reading durable
     storage, whose requests and retries may take longer than the bound)."""
 
@@ -56,6 +67,8 @@ class RankGroup:
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
         self.group = None
+        if lost_rank_s is not None and not bound_collectives and not _has_default_store():
+            lost_rank_s = None  # ranks served without a rendezvous store (threads): plain calls
         self.lost_rank_s = lost_rank_s
         self.lost: RankLostError | None = None  # or ranks out of step: the group is spent
         self._calls = threading.local()  # what each thread's exchanges are part of
