@@ -128,8 +128,8 @@ class StateLoader:
     """What a Checkpointer's ``load`` and ``verify`` need: the durable ``store``, the ranks'
     ``group``, the pipeline ``config``, and where it has them the guard replicas of
     ``staging="peer"`` (``peers``), or the ``local`` tier and the peer ``topology``. After each
-    load, ``last_load`` (its step, source and time; bytes per tier with tiers), ``last_load_source``, ``last_load_left_out`` and
-    ``last_load_exchange`` say what it read."""
+    load, ``last_load`` (its step, source and time; bytes per tier with tiers),
+    ``last_load_source``, ``last_load_left_out`` and ``last_load_exchange`` say what it read."""
 
     def __init__(
         self,
