@@ -53,9 +53,12 @@ def resume(
     ``CheckpointNotFoundError``) is skipped on every rank, named in one warning, and the next
     older one tried; once one loads, the skipped ones are quarantined (docs/FORMAT.md,
     "Quarantine"). If none loads, ``NoLoadableStepError`` (each missed objects) or
-    ``CheckpointCorruptError`` names every step and why. Any other failure is DCP's
-    ``CheckpointException``, raised at once (its ``step`` the step that failed). A failed attempt may have written into the state's
-    tensors (as any failed ``dcp.load``); the older step that loads overwrites them. With
+    ``CheckpointCorruptError`` names every step and why. Any other failure is raised at once:
+    ckptstore's own error where the step could not be opened on this rank (a step saved by
+    ``Checkpointer``: ``UnsupportedStateError``; storage out of reach: ``StorageError``), else
+    DCP's ``CheckpointException`` (its ``step`` the step that failed). A failed attempt may
+    have written into the state's tensors (as any failed ``dcp.load``); the older step that
+    loads overwrites them. With
     ``healthy=True`` on the reader only healthy steps are tried. ``no_dist`` (as DCP's): this
     process alone, with no collective of its own either. ``state_for``: the state a step loads
     into, where some steps hold less than ``state_dict`` (torchtitan's step 0, a model-only
@@ -77,6 +80,8 @@ def resume(
             except CheckpointException as exc:
                 why = _skippable(exc, reader, group)
                 if why is None:
+                    if isinstance(reader.metadata_error, CheckpointError):
+                        raise reader.metadata_error from exc  # ckptstore's own, in one line
                     exc.step = step  # which step failed: a front-end's message names it
                     raise
                 skipped.append((step, why))

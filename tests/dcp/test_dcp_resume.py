@@ -180,3 +180,18 @@ def test_storage_that_cannot_be_reached_is_a_storage_error_naming_it(monkeypatch
     reader = StoreReader("s3://bucket/run", storage_options={"endpoint_url": endpoint})
     with pytest.raises(StorageError, match=endpoint):
         resume(blank_like(_state(0)), reader, no_dist=True)
+
+
+def test_a_step_saved_by_the_checkpointer_is_one_line_naming_how_to_load_it(tmp_path):
+    """Reviewer: resume() of a store whose newest step a Checkpointer saved raised DCP's
+    CheckpointException, a traceback per rank with the reason on its last line."""
+    from ckptstore import Checkpointer
+    from ckptstore.errors import UnsupportedStateError
+
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(3, _state(3)).wait()
+    with pytest.raises(UnsupportedStateError) as caught:
+        resume(blank_like(_state(0)), StoreReader(str(tmp_path)), no_dist=True)
+    assert "\n" not in str(caught.value)
+    assert "step 3" in str(caught.value) and "Checkpointer.load" in str(caught.value)
+    assert list_steps(Store(str(tmp_path))) == [3]  # not taken for corrupt: nothing quarantined
