@@ -121,12 +121,14 @@ class StorageBenchConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        for name in ("duration_s", "read_interval_s", "baseline_s", "after_s"):
+        if self.duration_s is not None and not (
+            self.duration_s > 0 and math.isfinite(self.duration_s)
+        ):
+            raise ValueError(f"--duration-s must be > 0, got {self.duration_s}")
+        for name in ("read_interval_s", "baseline_s", "after_s"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise ValueError(f"--duration-s must be > 0, got {self.duration_s}")
         if self.mode == "steady" and self.writers + self.readers == 0:
             raise ValueError("steady mode needs at least one writer or reader")
         if self.mode == "burst":

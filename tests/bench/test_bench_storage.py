@@ -143,6 +143,8 @@ def test_sizes_times_and_counts_read_as_numbers_never_in_exponent_form():
         (["--sizes", "4XB"], "not a size"),
         (["--sizes", "4KiB:-1"], "must be > 0"),
         (["--count", "0"], "--count must be >= 1"),
+        (["--duration-s", "-1"], r"--duration-s must be > 0, got -1"),  # as for 0, one rule
+        (["--duration-s", "inf"], r"--duration-s must be > 0, got inf"),
         (["--mode", "burst", "--count", "5"], "does not apply to burst"),
         (["--writers", "0", "--readers", "0"], "at least one writer or reader"),
         (["--latency", "gaussian:1"], "bad latency spec"),
