@@ -21,8 +21,10 @@ from ckptstore.catalog import list_steps, load_manifest, rank_of, read_rank_inde
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     FormatVersionError,
     PickledValueRefusedError,
+    StorageError,
     StorageTimeoutError,
     one_line,
 )
@@ -383,6 +385,29 @@ def verify_steps(
     checks = [check_step_objects(store, step) for step in steps]
     check_all_chunks(store, checks, read_concurrency=read_concurrency, on_chunk=on_chunk)
     return checks
+
+
+UNREAD = (
+    "the reads failed (the store did not answer or refused them, or this machine ran out of "
+    "memory): this says nothing of the checkpoint"
+)
+
+
+def problems_error(uri: str, problems: list[Problem]) -> CheckpointError:
+    """The error a verify that found ``problems`` raises, as the CLI reports them: reads that
+    failed (``unreadable``) say nothing of the checkpoint (``StorageError``), unless there is
+    damage beside them; values stored pickled are intact (``PickledValueRefusedError``)."""
+    shown = "; ".join(f"step {p.step}: {p.object} {p.problem} ({p.error})" for p in problems[:5])
+    more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+    found = {p.problem for p in problems} - {"unreadable"}
+    kind = {
+        frozenset(): StorageError,
+        frozenset({"missing"}): CheckpointNotFoundError,
+        frozenset({"refused"}): PickledValueRefusedError,
+        frozenset({"unsupported"}): FormatVersionError,
+    }.get(frozenset(found), CheckpointCorruptError)
+    why = f" ({UNREAD})" if not found else ""
+    return kind(f"{len(problems)} problem(s) in {uri}: {shown}{more}{why}")
 
 
 def removed_while_checked(store: Store, checks: list[StepCheck]) -> list[int]:

@@ -449,8 +449,10 @@ class Checkpointer:
     def verify(self, step: int | str = "latest") -> None:
         """Re-check ``step`` (``"all"``: every committed step) in full, as ``ckptstore verify``
         does: every object read back and every chunk re-hashed. Raises
-        :class:`CheckpointCorruptError` (or :class:`CheckpointNotFoundError` when objects are
-        only missing) naming each problem; returns quietly when all is intact."""
+        :class:`CheckpointCorruptError` naming each problem (:class:`CheckpointNotFoundError`
+        when objects are only missing, :class:`PickledValueRefusedError` when values are only
+        stored pickled, :class:`StorageError` when only the reads failed, which says nothing of
+        the checkpoint); returns quietly when all is intact."""
         self._loader.verify(step)
 
     def close(self) -> None:

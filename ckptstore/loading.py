@@ -804,7 +804,7 @@ class StateLoader:
         """``Checkpointer.verify``: re-check ``step`` (``"all"``: every committed step) in
         full; raises naming each problem, returns quietly when all is intact (a step removed
         meanwhile, by keep_last or a gc, is passed over by ``"all"``)."""
-        from ckptstore._inspect import removed_while_checked, verify_steps
+        from ckptstore._inspect import problems_error, removed_while_checked, verify_steps
 
         steps = list_steps(self.store) if step == "all" else [resolve_step(self.store, step)]
         if not steps:
@@ -817,18 +817,8 @@ class StateLoader:
                 "(keep_last or gc of another process)"
             )
         problems = [p for c in checks if c.step not in removed for p in c.problems]
-        if not problems:
-            return
-        shown = "; ".join(
-            f"step {p.step}: {p.object} {p.problem} ({p.error})" for p in problems[:5]
-        )
-        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        kind = (
-            CheckpointNotFoundError
-            if all(p.problem == "missing" for p in problems)
-            else CheckpointCorruptError
-        )
-        raise kind(f"{len(problems)} problem(s) in {self.store.uri}: {shown}{more}")
+        if problems:
+            raise problems_error(self.store.uri, problems)
 
 
 def _of_step(step: int, why: str) -> str:

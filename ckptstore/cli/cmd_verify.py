@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ckptstore._inspect import (
+    UNREAD,
     check_all_chunks,
     check_step_objects,
     chunks_to_check,
@@ -69,7 +70,7 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
         failed = ", ".join(str(c.step) for c in checks if not c.ok)
         raise Failed(
             f"{len(objects)} {kinds} object(s) (first: {objects[0]}) in step(s) {failed} "
-            f"of {store.uri}" + (f" ({_UNREAD})" if _not_read(problems) else "")
+            f"of {store.uri}" + (f" ({UNREAD})" if _not_read(problems) else "")
         )
     return 0
 
@@ -109,7 +110,7 @@ def _print_report(
     bad_steps = sum(1 for c in checks if not c.ok and not _not_read(c.problems))
     unread = sum(1 for c in checks if _not_read(c.problems))
     verdicts = [f"{bad_steps} step(s) FAILED"] if bad_steps else []
-    verdicts += [f"{unread} step(s) not verified ({_UNREAD})"] if unread else []
+    verdicts += [f"{unread} step(s) not verified ({UNREAD})"] if unread else []
     print(
         f"verified {len(checks)} step(s), {chunks} chunk(s), {human_bytes(total)}: "
         + ("; ".join(verdicts) or "all OK")
@@ -119,12 +120,6 @@ def _print_report(
         print(f"unhealthy (intact, but NaN/Inf or a norm jump): step(s) {', '.join(unhealthy)}")
     if identity:
         print(f"IDENTITY   {identity}")
-
-
-_UNREAD = (
-    "the reads failed (the store did not answer or refused them, or this machine ran out of "
-    "memory): this says nothing of the checkpoint"
-)
 
 
 def _not_read(problems: list) -> bool:

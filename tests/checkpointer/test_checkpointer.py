@@ -654,6 +654,29 @@ def test_verify_checks_every_chunk_and_names_what_is_wrong(tmp_path):
     ckpt.close()
 
 
+def test_verify_of_a_store_that_does_not_answer_is_a_storage_error_not_corrupt(
+    tmp_path, monkeypatch
+):
+    """Reviewer: Checkpointer.verify raised CheckpointCorruptError when the chunks' reads timed
+    out, where ``ckptstore verify`` says NOT VERIFIED: a caller quarantining on it would drop
+    intact steps."""
+    from ckptstore import pipeline
+    from ckptstore.errors import StorageError, StorageTimeoutError
+
+    with Checkpointer(tmp_path, encoding=EncodingOptions(chunk_bytes=4096)) as ckpt:
+        ckpt.save(1, {"w": torch.randn(4096)}).wait()
+
+        def stalled(s, digest, *args, **kwargs):
+            raise StorageTimeoutError(f"get {s.url(digest)}: no answer within 5.0s")
+
+        monkeypatch.setattr(pipeline, "fetch_chunk", stalled)
+        with pytest.raises(StorageError, match="this says nothing of the checkpoint") as caught:
+            ckpt.verify("all")
+        assert not isinstance(caught.value, CheckpointCorruptError)
+        monkeypatch.undo()
+        ckpt.verify("all")
+
+
 def test_the_flat_keywords_of_earlier_releases_still_work_and_say_what_to_pass(tmp_path):
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     with pytest.warns(DeprecationWarning, match=r"pass EncodingOptions\(chunk_bytes=\.\.\."):
