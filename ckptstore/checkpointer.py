@@ -63,7 +63,7 @@ from ckptstore.shared_read import (
 from ckptstore.state import flatten
 from ckptstore.store import Store, niced, open_store
 from ckptstore.tiers.group import RankGroup as _Group
-from ckptstore.tiers.group import refuse_options_apart
+from ckptstore.tiers.group import front_end_group, refuse_options_apart
 from ckptstore.tiers.open_step import newest_planned_step
 from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import LoadReport
@@ -186,17 +186,12 @@ class Checkpointer:
         make them; a rank lost before an exchange, or ranks in different calls, end every
         rank's save and load within ``lost_rank_timeout_s`` (with tiers, a rank lost within
         one and the drains too)."""
-        storage = self.options["storage"]
-        return _Group(
-            process_group,
-            timeout_s=storage.group_timeout_s(self.options["retention"].gc_wait_s),
+        return front_end_group(
+            self.options["storage"],
+            tiered=self._policy is not None,
+            gc_wait_s=self.options["retention"].gc_wait_s,
+            process_group=process_group,
             no_dist=no_dist,
-            # Without tiers a bound four times as long: a rank's heartbeat (a Python thread)
-            # stands still while one call holds the GIL, and nothing else needs it short; reads
-            # shared over the group wait in gloo for ranks reading durable storage, so gloo
-            # keeps the group's timeout.
-            lost_rank_s=storage.lost_rank_timeout_s * (1 if self._policy is not None else 4),
-            bound_collectives=self._policy is not None,
         )
 
     def _open_tiers(self, process_group: Any, no_dist: bool) -> Tiers | None:

@@ -80,7 +80,8 @@ class StorageOptions:
     the training loop's own threads get the cores first; 0 leaves priorities alone."""
     lost_rank_timeout_s: float = 30.0
     """The bound on a lost rank (killed, exited after SIGTERM, node gone). A rank that stops
-    answering before an exchange of a ``Checkpointer``'s save or load ends every other rank's
+    answering before an exchange of a save or load (a ``Checkpointer``'s, or a ``StoreWriter``'s
+    or ``StoreReader``'s own exchanges) ends every other rank's
     save, load, ``wait()`` and ``close()`` within about this long, with one error naming it
     (``RankLostError``); ranks that came to an exchange in different calls (one in ``load()``,
     one saving) fail at once (``RanksOutOfStepError``). A rank alive but slow (its heartbeat

@@ -175,7 +175,7 @@ class StoreReader(StepReader):
                     raise no_healthy_step(f"no healthy committed step in {self.store.uri}", why)
                 return good[0] if good else None
             return steps[-1] if steps else None
-        group = load_group(self.options["storage"])
+        group = load_group(self.options["storage"], tiered=True)
         return newest_step(self.store, self._policy, group, healthy=self.healthy)
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -210,7 +210,7 @@ class StoreReader(StepReader):
         self.metadata_error = None
         try:
             if self._policy is not None:
-                group = load_group(self.options["storage"])
+                group = load_group(self.options["storage"], tiered=True)
                 self._tier = open_tiered_step(
                     self.store, self._policy, self.step, group, DCP, healthy=self.healthy
                 )
@@ -246,7 +246,7 @@ class StoreReader(StepReader):
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         self.last_load_exchange = None
         target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
-        group = _exchange_group(target, self.options["storage"])
+        group = _exchange_group(target, self.options["storage"], tiered=self._policy is not None)
         for replans in range(_REPLANS + 1):
             failure = self._read_once(plan, planner, target, group)
             if self._tier is not None:
@@ -288,7 +288,7 @@ class StoreReader(StepReader):
             # failure, by rank.
             assert self._tier is not None
             step = self._tier.view.step
-            self._gather(load_group(self.options["storage"]), failure, None, step)
+            self._gather(load_group(self.options["storage"], tiered=True), failure, None, step)
             self._tier.loaded()
         finally:
             self._tier.reads_done()  # a repaired copy, read from memory: written now
@@ -538,7 +538,9 @@ def _add_stats(total: ExchangeStats, more: ExchangeStats) -> None:
     total.buffer_bytes = max(total.buffer_bytes, more.buffer_bytes)
 
 
-def _exchange_group(target: _LoadTarget | None, storage: StorageOptions) -> RankGroup | None:
+def _exchange_group(
+    target: _LoadTarget | None, storage: StorageOptions, *, tiered: bool
+) -> RankGroup | None:
     """The group a load's shared read exchanges over, the same decision on every rank (all
     from the coordinator's ``target``); None: each rank reads its own items. Only a load over
     every rank of the default group shares (DCP's group is not known to a storage reader: one
@@ -550,4 +552,4 @@ def _exchange_group(target: _LoadTarget | None, storage: StorageOptions) -> Rank
     if dist.get_world_size() != target.world:
         return None
     # Collective over all ranks, which are all here (in read_data) with the same target.
-    return load_group(storage)
+    return load_group(storage, tiered=tiered)

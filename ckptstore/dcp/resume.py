@@ -67,7 +67,11 @@ def resume(
     if reader.step != "latest":
         raise ValueError(f"resume() starts from the latest step; the reader names {reader.step!r}")
     # no_dist: this process alone (a consolidation beside a running job), no collective
-    group = RankGroup(None, 0.0, no_dist=True) if no_dist else load_group(reader.options["storage"])
+    group = (
+        RankGroup(None, 0.0, no_dist=True)
+        if no_dist
+        else load_group(reader.options["storage"], tiered=reader._policy is not None)
+    )
     passed_over: dict[int, str] = {}  # rank 0's: why healthy=True passed over each step
     steps = _steps(reader, group, passed_over)
     skipped: list[tuple[int, BaseException]] = []

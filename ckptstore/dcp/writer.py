@@ -53,7 +53,7 @@ from ckptstore.save.session import LatestIndex
 from ckptstore.store import Store
 from ckptstore.tiers.committed import CommittedCopy
 from ckptstore.tiers.drain import DrainJob, DrainQueue
-from ckptstore.tiers.group import RankGroup, refuse_options_apart
+from ckptstore.tiers.group import RankGroup, front_end_group, refuse_options_apart
 from ckptstore.tiers.identity import store_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import DurableCadence, Topology
@@ -242,8 +242,6 @@ class StoreWriter(StorageWriter, PooledStager):
         self._policy = o["tiers"].policy()
         self._node_rank = o["tiers"].node_rank
         self._topology: Topology | None = None
-        self._group_timeout_s = o["storage"].group_timeout_s(o["retention"].gc_wait_s)
-        self._lost_rank_s = o["storage"].lost_rank_timeout_s
         self._tier_group: RankGroup | None = None
         self._local: LocalTier | None = None
         # The coordinator's: which saves go to durable storage (the tiers', ``_set_up_tiers``).
@@ -481,9 +479,7 @@ class StoreWriter(StorageWriter, PooledStager):
             return self._write(items, planner, target) if items else []
         with self._once_lock:  # one save's round at a time (overlapping async saves)
             if self._once_group is None:  # made once, by every rank: each writes every save
-                self._once_group = RankGroup(
-                    None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
-                )
+                self._once_group = self._group(tiered=False)
             round_ = OneRound(self._once_group, target.attempt)
             try:
                 self._check_not_committed(target)
@@ -496,6 +492,11 @@ class StoreWriter(StorageWriter, PooledStager):
             finally:  # every rank has joined this round's last exchange (or left it with us)
                 self._once_busy.discard(target.attempt)
             return results
+
+    def _group(self, *, tiered: bool) -> RankGroup:
+        """A group of every rank (made by every rank) for this writer's exchanges."""
+        o = self.options
+        return front_end_group(o["storage"], tiered=tiered, gc_wait_s=o["retention"].gc_wait_s)
 
     def _check_not_committed(self, target: _SaveTarget) -> None:
         if target.durable and self._save_store().exists(commit_key(target.step)):
@@ -585,9 +586,7 @@ class StoreWriter(StorageWriter, PooledStager):
         tiers for the writer's store (made again, by every rank, when the store changes)."""
         assert self._policy is not None
         if self._tier_group is None:
-            self._tier_group = RankGroup(
-                None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
-            )
+            self._tier_group = self._group(tiered=True)
             refuse_options_apart(self._tier_group, self._policy.collective_options())
         group = self._tier_group
         if group.rank != self.rank:
@@ -608,9 +607,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 group,
                 self.store,
                 node_rank=self._node_rank,
-                drain_group=RankGroup(
-                    None, timeout_s=self._group_timeout_s, lost_rank_s=self._lost_rank_s
-                ),
+                drain_group=self._group(tiered=True),
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
                 keep_alive=self,  # its exit hook finishes the drains of a writer let go

@@ -356,6 +356,30 @@ class RankGroup:
         )
 
 
+def front_end_group(
+    storage: Any,
+    *,
+    tiered: bool,
+    gc_wait_s: float = 0.0,
+    process_group: Any = None,
+    no_dist: bool = False,
+) -> RankGroup:
+    """The group a front-end's saves or loads exchange over (the ``Checkpointer``'s, the DCP
+    writer's and reader's), from its ``StorageOptions``: collectives wait as long as a save may
+    make them (``storage.group_timeout_s(gc_wait_s)``); a lost rank is bounded by
+    ``storage.lost_rank_timeout_s`` with tiers (``tiered``), where gloo's collectives are bounded
+    too, and by four times that without: a rank's heartbeat (a Python thread) stands still while
+    one call holds the GIL, and reads shared over the group wait in gloo for ranks reading
+    durable storage, so there gloo keeps the group's timeout."""
+    return RankGroup(
+        process_group,
+        timeout_s=storage.group_timeout_s(gc_wait_s),
+        no_dist=no_dist,
+        lost_rank_s=storage.lost_rank_timeout_s * (1 if tiered else 4),
+        bound_collectives=tiered,
+    )
+
+
 def refuse_options_apart(group: RankGroup, options: dict[str, Any]) -> None:
     """``options`` (those that decide which exchanges a rank takes part in) the same on every
     rank of ``group``, else ``ValueError`` on every rank naming them: ranks given different

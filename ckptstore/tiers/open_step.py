@@ -41,7 +41,7 @@ from ckptstore.steps import DCP, StepView
 from ckptstore.store import Store
 from ckptstore.tiers.ahead import VerifiedAhead, verify_ahead
 from ckptstore.tiers.fetch import TierFetch
-from ckptstore.tiers.group import RankGroup
+from ckptstore.tiers.group import RankGroup, front_end_group
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.plan import RestorePlan, plan_restore
 from ckptstore.tiers.policy import TierPolicy
@@ -79,23 +79,27 @@ class TierLoad:
         write_behind(repaired)
 
 
-_load_groups: list[tuple[object, RankGroup]] = []  # [(the default group, its tier-load group)]
+# [(the default group, tiered, its load group)]: the groups of one default group, tiered or not
+_load_groups: list[tuple[object, bool, RankGroup]] = []
 
 
-def load_group(storage: StorageOptions) -> RankGroup:
-    """The gloo group tiered loads and shared reads run on, made once per default process group
-    (by every rank, at its first such load) and shared by every ``StoreReader`` of the process:
-    loads are synchronous, one at a time. A rank lost during a load (or before it joined the
-    group) fails every other rank's load within ``storage.lost_rank_timeout_s``, naming it. (A
-    ``StoreWriter`` keeps a group of its own: its exchanges may run in ``async_save``'s
+def load_group(storage: StorageOptions, *, tiered: bool) -> RankGroup:
+    """The gloo group tiered loads (``tiered``), or untiered resumes and shared reads, run on;
+    each made once per default process group (by every rank, at its first such load) and shared
+    by every ``StoreReader`` of the process: loads are synchronous, one at a time. A rank lost
+    during a load (or before it joined the group) fails every other rank's load within
+    ``storage.lost_rank_timeout_s`` (four times that untiered: ``front_end_group``), naming it.
+    (A ``StoreWriter`` keeps groups of its own: its exchanges may run in ``async_save``'s
     thread.)"""
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    if not _load_groups or _load_groups[0][0] is not world:
-        group = RankGroup(
-            None, timeout_s=storage.group_timeout_s(0.0), lost_rank_s=storage.lost_rank_timeout_s
-        )
-        _load_groups[:] = [(world, group)]
-    return _load_groups[0][1]
+    if _load_groups and _load_groups[0][0] is not world:
+        _load_groups.clear()
+    for _, was_tiered, group in _load_groups:
+        if was_tiered == tiered:
+            return group
+    group = front_end_group(storage, tiered=tiered)
+    _load_groups.append((world, tiered, group))
+    return group
 
 
 def _local_tier(durable: Store, policy: TierPolicy, group: RankGroup) -> LocalTier:

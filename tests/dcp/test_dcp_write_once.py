@@ -124,3 +124,33 @@ def test_a_writer_killed_mid_save_leaves_no_step(tmp_path):
 
     assert list_steps(Store(str(root))) == [0]
     assert main(["verify", str(root), "--step", "0"]) == 0
+
+
+def _holding_the_gil(rank: int, world: int, uri: str) -> None:
+    import sys
+
+    storage = StorageOptions(lost_rank_timeout_s=4.0)
+    writer = StoreWriter(uri, encoding=ENCODING, storage=storage)
+    dcp.save(_state(0, rank), storage_writer=writer)  # the writers' group is made
+    if rank == 1:  # one call that holds the GIL for 3 s before the round's first exchange
+        check = writer._check_not_committed
+
+        def busy_then_check(*args: Any, **kwargs: Any) -> Any:
+            sys.setswitchinterval(10.0)  # no other thread (the heartbeat) runs meanwhile
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                pass
+            sys.setswitchinterval(0.005)
+            return check(*args, **kwargs)
+
+        writer._check_not_committed = busy_then_check
+    dcp.save(_state(1, rank), storage_writer=writer)
+    assert list_steps(Store(uri)) == [0, 1]
+
+
+@pytest.mark.dist
+def test_a_rank_holding_the_gil_is_not_taken_for_lost_by_an_untiered_save(tmp_path):
+    """Reviewer: the DCP writer's one-writer group used the tiered bound (a quarter of
+    lost_rank_timeout_s to see a heartbeat move), the Checkpointer's untiered groups four times
+    it; a live rank whose one call held the GIL for 3 s of a 4 s bound was named lost."""
+    run_ranks(_holding_the_gil, 2, str(tmp_path / "s"), timeout_s=120)

@@ -88,12 +88,12 @@ def _saves_go_to_local_tiers_and_every_other_to_durable(rank: int, world: int, r
     assert exchange is not None and exchange.received > 0  # items only the other rank holds
 
     # An explicit durable step loads too (from the local copies, which hold it as well).
-    group = dcp_tiers._load_groups[0][1]
+    group = dcp_tiers._load_groups[0][2]
     tally.clear()
     target, _ = _load(root, local, tally, step=3)
     assert_loaded(target, 3)
     assert tally.chunks["get"] == 0
-    assert dcp_tiers._load_groups[0][1] is group  # readers share one gloo group per process
+    assert dcp_tiers._load_groups[0][2] is group  # readers share one gloo group per process
 
 
 @pytest.mark.dist
