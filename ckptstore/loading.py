@@ -34,6 +34,7 @@ from ckptstore.catalog import list_steps, load_manifest, no_checkpoint, resolve_
 from ckptstore.device import host_available_bytes
 from ckptstore.device_load import read_into
 from ckptstore.errors import (
+    BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -328,15 +329,21 @@ class StateLoader:
         self, step: int | str, fallback: bool, healthy: bool
     ) -> tuple[list[int], dict[int, str]]:
         """(rank 0) The committed steps to try, newest first, and why the newer ones a
-        ``healthy`` load passes over are not healthy."""
-        if not healthy:
-            if fallback:
-                steps = list_steps(self.store)[::-1]
-                if not steps:
-                    raise no_checkpoint(self.store)
-                return steps, {}
-            return [resolve_step(self.store, step)], {}
-        return healthy_steps_to_load(self.store, step, limit=None if fallback else 1)
+        ``healthy`` load passes over are not healthy. A bucket that does not exist holds no
+        checkpoint (``CheckpointNotFoundError`` naming it), as ``latest()`` says None there."""
+        try:
+            if not healthy:
+                if fallback:
+                    steps = list_steps(self.store)[::-1]
+                    if not steps:
+                        raise no_checkpoint(self.store)
+                    return steps, {}
+                return [resolve_step(self.store, step)], {}
+            return healthy_steps_to_load(self.store, step, limit=None if fallback else 1)
+        except BucketNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint in {self.store.uri}: {exc}"
+            ) from exc
 
     # -- one save, in turns -------------------------------------------------------------------
 

@@ -219,7 +219,7 @@ def test_a_job_on_a_bucket_not_made_yet_has_nothing_to_resume(s3_endpoint, caplo
 
     from ckptstore.catalog import list_steps
     from ckptstore.dcp import StoreReader, resume
-    from ckptstore.errors import BucketNotFoundError
+    from ckptstore.errors import BucketNotFoundError, CheckpointNotFoundError
     from ckptstore.store import Store
 
     uri = f"s3://not-made-{uuid.uuid4().hex[:8]}/run42"
@@ -231,3 +231,10 @@ def test_a_job_on_a_bucket_not_made_yet_has_nothing_to_resume(s3_endpoint, caplo
     assert len(said) == 1 and uri.split("/")[2] in said[0], said
     with pytest.raises(BucketNotFoundError, match="the bucket does not exist"):
         list_steps(Store(uri))
+    # load() there is no checkpoint, as in an empty store (reviewer: a StorageError, which a
+    # first run's `except CheckpointNotFoundError` missed), naming the bucket
+    for fallback in (False, True):
+        with Checkpointer(uri) as ckpt, pytest.raises(CheckpointNotFoundError) as caught:
+            ckpt.load({"w": torch.zeros(2)}, fallback=fallback)
+        assert "no committed checkpoint" in str(caught.value)
+        assert "the bucket does not exist" in str(caught.value)
