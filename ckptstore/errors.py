@@ -143,6 +143,30 @@ class CommitUnknownError(StorageError):
 _ONE_LINE_CHARS = 1000
 
 
+def no_step_loaded(
+    where: str,
+    skipped: list[tuple[int, BaseException]],
+    passed_over: dict[int, str] | None = None,
+) -> CheckpointError:
+    """The error of a load that tried steps newest first and loaded none (both front-ends':
+    ``Checkpointer.load(fallback=True)``, ``dcp.resume``): every step and why, newest first,
+    ``passed_over`` the steps a ``healthy`` load passed over and why; ``NoLoadableStepError``
+    when each tried step missed objects, else ``CheckpointCorruptError``."""
+    failed = {s: _of_step(s, " ".join(str(e).split()) or type(e).__name__) for s, e in skipped}
+    failed.update(passed_over or {})
+    every = "; ".join(failed[s] for s in sorted(failed, reverse=True))
+    missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
+    found = NoLoadableStepError if skipped or passed_over else CheckpointNotFoundError
+    return (found if missing else CheckpointCorruptError)(
+        f"no {where} could be loaded, every one failed: {every}"
+    )
+
+
+def _of_step(step: int, why: str) -> str:
+    """``why`` named by its step once (an error may name it already)."""
+    return why if why.startswith(f"step {step}:") else f"step {step}: {why}"
+
+
 def one_line(error: BaseException) -> str:
     """``error`` as one short line for another rank or a log: its type and first line (cut
     at a word past 1000 characters, marked: several ranks' reasons fit, the end says so)."""

@@ -38,10 +38,10 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    NoLoadableStepError,
     PartialLoadError,
     StorageError,
     UnsupportedStateError,
+    no_step_loaded,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
 from ckptstore.health import Unreadable, healthy_steps_to_load
@@ -769,17 +769,10 @@ class StateLoader:
         self, skipped: list[tuple[int, BaseException]], not_healthy: dict[int, str] | None = None
     ) -> CheckpointError:
         """The error of a load with fallback that loaded no step."""
-        failed = {s: _of_step(s, self._one_line(e)) for s, e in skipped}
-        failed.update(not_healthy or {})
-        every = "; ".join(failed[s] for s in sorted(failed, reverse=True))
-        missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
         where = f"committed step in {self.store.uri}"
         if self.local is not None:
             where = f"step in the tiers ({self.local.policy.local_dir}, peers) or {self.store.uri}"
-        found = NoLoadableStepError if skipped or not_healthy else CheckpointNotFoundError
-        return (found if missing else CheckpointCorruptError)(
-            f"no {where} could be loaded, every one failed: {every}"
-        )
+        return no_step_loaded(where, skipped, not_healthy)
 
     def _load_failed(self, error: BaseException, dirty: dict[str, int]) -> BaseException:
         """``error``, or, if a failed load wrote into tensors of the state, a PartialLoadError
@@ -826,11 +819,6 @@ class StateLoader:
         problems = [p for c in checks if c.step not in removed for p in c.problems]
         if problems:
             raise problems_error(self.store.uri, problems)
-
-
-def _of_step(step: int, why: str) -> str:
-    """``why`` named by its step once (an error may name it already)."""
-    return why if why.startswith(f"step {step}:") else f"step {step}: {why}"
 
 
 def _ranks(ranks: list[int]) -> str:

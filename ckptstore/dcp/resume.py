@@ -24,7 +24,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    NoLoadableStepError,
+    no_step_loaded,
     one_line,
 )
 from ckptstore.health import Unreadable, find_healthy, no_healthy_step
@@ -105,11 +105,10 @@ def resume(
         reader.step = "latest"
     if not skipped:
         return None
-    every = "; ".join(f"step {s}: {one_line(e)}" for s, e in skipped)
-    missing = all(isinstance(e, CheckpointNotFoundError) for _, e in skipped)
-    raise (NoLoadableStepError if missing else CheckpointCorruptError)(
-        f"no committed step of {reader.store.uri} could be loaded, every one failed: {every}"
-    )
+    where = f"committed step in {reader.store.uri}"
+    if reader._policy is not None:
+        where = f"step in the tiers ({reader._policy.local_dir}, peers) or {reader.store.uri}"
+    raise no_step_loaded(where, skipped, passed_over)
 
 
 def _name_passed_over(

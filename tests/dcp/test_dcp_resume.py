@@ -5,6 +5,7 @@ the one before and quarantines the skipped one, as ``Checkpointer.load(fallback=
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,12 @@ def test_a_healthy_resume_passes_over_an_unhealthy_step_and_a_corrupt_one(tmp_pa
         resume(
             blank_like(_state(0)), StoreReader(str(tmp_path / "nan"), healthy=True), no_dist=True
         )
+    # The healthy step that remains corrupt too: the error names every step, the one passed
+    # over as unhealthy as well, as the Checkpointer's (reviewer: resume's left it out)
+    _flip(tmp_path, _own_chunks(tmp_path, 1)[0])
+    with pytest.raises(CheckpointCorruptError) as caught:
+        resume(blank_like(_state(0)), StoreReader(str(tmp_path), healthy=True), no_dist=True)
+    assert re.search(r"step 3: unhealthy.*; step 1: ", str(caught.value)), caught.value
 
 
 def test_a_healthy_resume_quarantines_a_newer_step_whose_manifest_cannot_be_read(tmp_path):
