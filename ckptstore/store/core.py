@@ -37,7 +37,14 @@ from ckptstore.store.backends import Backend, Data, open_backend
 from ckptstore.store.counters import OK, StoreCounters
 from ckptstore.store.hedge import HedgePolicy, Hedger
 from ckptstore.store.pool import ElasticPool
-from ckptstore.store.retry import RetryPolicy, describe, is_access_error, is_transient, whoami
+from ckptstore.store.retry import (
+    RetryPolicy,
+    describe,
+    is_access_error,
+    is_busy,
+    is_transient,
+    whoami,
+)
 
 logger = logging.getLogger("ckptstore.store")
 
@@ -200,7 +207,10 @@ class Store:
         end = time.monotonic() + budget
         floor = min(_MIN_ATTEMPT_S, policy.timeout_s / 4)
         made = 0
-        for attempt in range(policy.attempts):
+        attempt = -1
+        while (attempt := attempt + 1) < policy.attempts or (
+            policy.total_s is not None and is_busy(last)
+        ):
             if attempt:
                 delay = policy.backoff_s(attempt - 1)
                 if time.monotonic() + delay + floor >= end:

@@ -19,10 +19,17 @@ _TRANSIENT_ERRNOS = {
     errno.EREMOTEIO,
 }
 # FlexibleChecksumError: an answer whose body does not match the checksum the server sent with
-# it (damaged on the way): read again.
+# it (damaged on the way): read again. ClientPayloadError, ContentLengthError, IncompleteRead,
+# ResponseStreamingError: a body cut off mid-way (a reset connection); HTTPClientError,
+# ResponseParserError: an answer garbled on the way (aiohttp's and botocore's names).
 _TRANSIENT_NAME_HINTS = (
     "Timeout", "Connection", "ServerDisconnected", "SlowDown", "Throttl", "FlexibleChecksum",
+    "ClientPayloadError", "ContentLengthError", "IncompleteRead", "ResponseStreamingError",
+    "HTTPClientError", "ResponseParserError",
 )  # fmt: skip
+# The server's answer "busy, try later" (503 SlowDown, 500; s3fs turns them into these errnos):
+# retried until the request's deadline, as a store throttling a burst asks.
+_BUSY_ERRNOS = {errno.EBUSY, errno.EREMOTEIO}
 
 
 @dataclass(kw_only=True)
@@ -30,11 +37,13 @@ class RetryPolicy:
     """How a request is retried, how long each attempt may take and how long all of them may.
 
     With the defaults a request to an endpoint that never answers fails after 30 s (three
-    attempts of 10 s), a request that fails quickly and transiently is tried up to 5 times.
+    attempts of 10 s), a request that fails quickly and transiently is tried up to 5 times, one
+    the server answers "busy" (503 SlowDown, 500) for as long as ``total_s`` allows.
     """
 
     attempts: int = 5
-    """Attempts per request, the first included."""
+    """Attempts per request, the first included (more while the server says it is busy and
+    ``total_s`` is not spent)."""
     base_delay_s: float = 0.05
     """Backoff before the second attempt; doubles each time, with full jitter."""
     max_delay_s: float = 2.0
@@ -98,6 +107,27 @@ def is_transient(exc: BaseException) -> bool:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             code = str(response.get("Error", {}).get("Code", ""))
             if status >= 500 or code in {"SlowDown", "Throttling", "RequestTimeout"}:
+                return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def is_busy(exc: BaseException | None) -> bool:
+    """True for a server's "busy, try later" (throttling, 5xx): worth retrying for as long as
+    the request's deadline allows, not only ``attempts`` times."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in _BUSY_ERRNOS:
+            return True
+        name = type(exc).__name__
+        if "SlowDown" in name or "Throttl" in name:
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            code = str(response.get("Error", {}).get("Code", ""))
+            if status >= 500 or code in {"SlowDown", "Throttling"}:
                 return True
         exc = exc.__cause__ or exc.__context__
         seen += 1

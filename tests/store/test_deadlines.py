@@ -263,6 +263,60 @@ def test_quick_transient_errors_still_use_every_attempt():
         store.put("k", b"v")
 
 
+class _FailingFirst:
+    """A backend whose ``put_once`` and ``get`` raise ``make()`` the first ``times`` calls."""
+
+    def __init__(self, inner, make, times: int) -> None:
+        self._inner, self._make, self.left, self.calls = inner, make, times, 0
+
+    def __getattr__(self, name):
+        value = getattr(self._inner, name)
+        if name not in ("put_once", "get"):
+            return value
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            if self.left > 0:
+                self.left -= 1
+                raise self._make()
+            return value(*args, **kwargs)
+
+        return call
+
+
+def test_a_store_busy_for_longer_than_the_attempts_is_retried_until_the_deadline():
+    """Reviewer (a proxy answering 503 SlowDown for 2-4 s): 5 attempts with backoffs from
+    50 ms spent ~0.75 s, and a save failed with timeout_s=30; a busy store is now retried for
+    as long as the request's deadline allows, other quick errors `attempts` times."""
+    import errno
+
+    store = Store("memory://busy", retry=RetryPolicy(attempts=3, base_delay_s=0.001, total_s=30))
+    busy = _FailingFirst(store.backend, lambda: OSError(errno.EBUSY, "Service unavailable"), 8)
+    store.backend = busy
+    store.put("k", b"v")  # the 9th attempt
+    assert busy.calls == 9 and store.get("k") == b"v"
+    short = Store("memory://busy-short", retry=RetryPolicy(base_delay_s=0.001, total_s=0.5))
+    short.backend = _FailingFirst(short.backend, lambda: OSError(errno.EBUSY, "busy"), 10**6)
+    with pytest.raises(StorageError, match="Service unavailable|busy"):
+        _bounded(lambda: short.put("k", b"v"), 30)  # still bounded by total_s
+
+
+def test_a_body_cut_off_mid_way_is_read_again():
+    """Reviewer (a proxy resetting one chunk's GET mid-body): aiohttp's ClientPayloadError was
+    not taken for transient, and one reset failed the load in one attempt."""
+
+    class ClientPayloadError(Exception):  # aiohttp's name, as s3fs raises it
+        pass
+
+    store = Store("memory://cut", retry=RetryPolicy(base_delay_s=0.001))
+    store.put("k", b"value")
+    cut = _FailingFirst(
+        store.backend, lambda: ClientPayloadError("Response payload is not completed"), 1
+    )
+    store.backend = cut
+    assert store.get("k") == b"value" and cut.calls == 2
+
+
 def test_s3_client_timeouts_follow_the_attempt_deadline(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     _clear_s3fs_instances()
