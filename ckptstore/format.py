@@ -90,6 +90,12 @@ def attempt_of_key(key: str) -> str | None:
     """The attempt an index or metadata key belongs to (``steps/<step>/<attempt>/...`` or
     ``indexes/<xx>/<step>/<attempt>/...``), None for another key: one no writer of this
     format makes (a stranger's file under ``steps/`` is no save's, and gc leaves it)."""
+    save = save_of_key(key)
+    return save[1] if save is not None else None
+
+
+def save_of_key(key: str) -> tuple[int, str] | None:
+    """The step and attempt an index or metadata key belongs to, as ``attempt_of_key``."""
     parts = key.split("/")
     if parts[0] == "steps" and len(parts) >= 3:
         step, attempt = parts[1], parts[2]
@@ -97,7 +103,7 @@ def attempt_of_key(key: str) -> str | None:
         step, attempt = parts[2], parts[3]
     else:
         return None
-    return attempt if _STEP_DIR.fullmatch(step) and is_attempt(attempt) else None
+    return (int(step), attempt) if _STEP_DIR.fullmatch(step) and is_attempt(attempt) else None
 
 
 def digest_of_chunk_key(key: str) -> str | None:

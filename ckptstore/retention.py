@@ -41,6 +41,7 @@ from ckptstore.format import (
     chunk_key,
     commit_key,
     digest_of_chunk_key,
+    save_of_key,
 )
 from ckptstore.leases import (
     DEFAULT_TTL_S,
@@ -373,6 +374,32 @@ def _refuse_a_listing_that_misses_chunks(
         )
 
 
+def _refuse_a_listing_that_misses_commits(
+    store: Store, victims: list[str], listed: list[int], gone: dict[int, str | None]
+) -> None:
+    """``StorageError`` (nothing swept) when a save the sweep takes for failed, as no listed
+    commit names it, is committed when its commit is read by its key: the listing of commits/
+    left the step out (a store whose listings lag its writes), and its index and chunks would
+    go, the newest step with them. One manifest read per step of those saves not listed."""
+    steps = sorted({s for s, _ in filter(None, map(save_of_key, victims))} - {*listed, *gone})
+
+    def committed(step: int) -> str | None:
+        try:
+            return load_manifest(store, step).attempt
+        except CheckpointNotFoundError:
+            return None
+        except (CheckpointCorruptError, FormatVersionError):
+            return "a commit that cannot be read"
+
+    for step, attempt in zip(steps, store.map(committed, list(steps)), strict=True):
+        if attempt is not None:  # committed (its chunks unreferenced too, whichever save)
+            raise StorageError(
+                f"gc {store.uri}: the listing of commits/ lacks step {step}, committed when "
+                f"{commit_key(step)} is read by its key ({attempt}): the store's listing lags "
+                "its writes; no index or chunk was deleted (run gc again later)"
+            )
+
+
 def _unchanged(store: Store, step: int, attempt: str) -> bool:
     """Whether ``step``'s manifest is still the save ``attempt`` gc read: a step found to lack
     a chunk may have been deleted meanwhile (another process's retention deletes the manifest
@@ -441,6 +468,7 @@ def _sweep(
     chunks = store.list("chunks")
     digests = map(digest_of_chunk_key, chunks)
     chunk_victims = [k for k, d in zip(chunks, digests) if d and d not in referenced]
+    _refuse_a_listing_that_misses_commits(store, victims, listed, gone)
     stale_leases = [s for s in saves if not s.live]
     # Aged by the store's clock, as leases are (a gc host's clock a day ahead deleted a live
     # writer's temporaries on a file system whose server stamps the times). One probe for all

@@ -285,6 +285,33 @@ def test_a_saves_own_retention_keeps_its_step_where_the_listing_lags_behind_it(
         assert ckpt.load(into) == 4 and into["w"][0] == 4.0
 
 
+def test_gc_deletes_nothing_where_the_listing_of_commits_leaves_the_newest_step_out(
+    tmp_path, monkeypatch, capsys
+):
+    """Reviewer (a proxy hiding the newest entry of every commits/ listing): ``gc --keep-last
+    1`` took step 3's index for a failed save's and its chunks for unreferenced, and deleted
+    them; ``ls`` still listed step 3, and its load failed. Now a save the sweep would delete
+    is first looked up by its commit's key: committed, nothing is swept."""
+    import ckptstore.retention as retention
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    listed = retention.list_steps
+    monkeypatch.setattr(retention, "list_steps", lambda store: [s for s in listed(store) if s != 3])
+    assert main(["gc", uri, "--keep-last", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "the listing of commits/ lacks step 3" in err, err
+    assert "no index or chunk was deleted" in err, err
+    monkeypatch.undo()
+    assert list_steps(Store(uri)) == [2, 3]  # step 1, older than the newest listed, dropped
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify("all")
+    assert main(["gc", uri, "--keep-last", "1"]) == 0  # the listing whole again: a plain gc
+    assert list_steps(Store(uri)) == [3]
+
+
 def test_gc_re_hashes_the_steps_it_keeps_before_deleting_older_ones(tmp_path, capsys):
     """A new user's review: one byte flipped in the newest step's chunk (its size unchanged),
     then ``gc --keep-last 1``: the good step before it was deleted, gc exited 0, and no step
