@@ -28,9 +28,10 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptstore.codec import hash_bytes
 from ckptstore.errors import (
@@ -44,6 +45,7 @@ from ckptstore.errors import (
     StepExistsError,
     StorageError,
     UnsafeObjectError,
+    one_line,
 )
 from ckptstore.format import (
     MAX_MANIFEST_BYTES,
@@ -62,6 +64,8 @@ from ckptstore.leases import find_leases
 from ckptstore.store import Store
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 QUARANTINE_PREFIX = "quarantine"
 QUARANTINE_KIND = "quarantine"
@@ -261,6 +265,25 @@ def load_manifest(store: Store, step: int) -> Manifest:
 
 def load_manifest_bytes(store: Store, step: int) -> tuple[Manifest, bytes]:
     """The manifest of ``step`` and the bytes it was decoded from (a tier copies them)."""
+    return _read_again_if_damaged(store, lambda: _load_manifest_once(store, step))
+
+
+def _read_again_if_damaged(store: Store, read: Callable[[], T]) -> T:
+    """``read()``, once more where it finds the bytes damaged in a remote store: an answer
+    damaged on the way (a body cut short that its length did not tell) would otherwise send
+    a load to an older step, as a chunk's is (``pipeline.fetch_chunk``)."""
+    try:
+        return read()
+    except CheckpointCorruptError as exc:
+        if not store.backend.remote:
+            raise
+        first = exc
+    result = read()
+    logger.warning("%s; read again, it checks out (damaged on the way)", one_line(first))
+    return result
+
+
+def _load_manifest_once(store: Store, step: int) -> tuple[Manifest, bytes]:
     key = commit_key(step)
     try:
         data = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)  # a cap: a damaged store
@@ -301,7 +324,12 @@ def open_step(store: Store, step: int | str | None = "latest") -> Manifest:
 
 
 def read_object(store: Store, ref: ObjectRef, what: str) -> bytes:
-    """A small object referenced by a manifest, checked against its recorded size and hash."""
+    """A small object referenced by a manifest, checked against its recorded size and hash
+    (read once more where they do not match, from a remote store)."""
+    return _read_again_if_damaged(store, lambda: _read_object_once(store, ref, what))
+
+
+def _read_object_once(store: Store, ref: ObjectRef, what: str) -> bytes:
     try:
         data = store.get(ref.key, 0, ref.nbytes + 1)  # one byte more tells a longer object
     except ObjectNotFoundError as exc:

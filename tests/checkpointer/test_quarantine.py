@@ -409,13 +409,15 @@ def test_quarantine_keeps_the_stores_own_bytes_when_its_reads_lied(s3_uri):
 
 
 class _DamagedOnce(Store):
-    """The first read of a chunk is answered with one byte flipped (on the way: S3 sends no
-    checksum with a ranged GET); later reads are the store's bytes."""
+    """The first read of a chunk (or of an object under ``prefix``) is answered with one byte
+    flipped (on the way: S3 sends no checksum with a ranged GET); later reads are the store's
+    bytes."""
 
     damaged = 0
+    prefix = "chunks/"
 
     def _once(self, key, data):
-        if key.startswith("chunks/") and not self.damaged:
+        if key.startswith(self.prefix) and not self.damaged:
             self.damaged += 1
             data = bytes(data)
             return data[:-1] + bytes([data[-1] ^ 0xFF])
@@ -428,15 +430,18 @@ class _DamagedOnce(Store):
         return self._once(key, super().get_view(key, start, end, **kwargs))
 
 
-def test_a_chunk_damaged_on_the_way_once_is_read_again_not_called_corrupt(s3_uri, caplog):
+@pytest.mark.parametrize("prefix", ["chunks/", "commits/", "indexes/"])
+def test_an_object_damaged_on_the_way_once_is_read_again_not_called_corrupt(s3_uri, caplog, prefix):
     """One damaged answer failed the load (or, with fallback, skipped a good step and
-    quarantined it)."""
+    quarantined it); a reviewer's proxy found a manifest's or a rank index's (one byte cut
+    short) still sent ``load(fallback=True)`` and ``dcp.resume`` to the step before."""
     from ckptstore import StorageOptions
 
     state = {"w": torch.arange(4096.0)}
     with Checkpointer(s3_uri) as ckpt:
         ckpt.save(1, state).wait()
     damaged = _DamagedOnce(s3_uri)
+    damaged.prefix = prefix
     into = {"w": torch.zeros(4096)}
     with (
         caplog.at_level("WARNING"),
