@@ -29,6 +29,7 @@ from ckptstore.errors import (
     DrainSupersededError,
     ObjectExistsError,
     ObjectNotFoundError,
+    RankLostError,
     one_line,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
@@ -294,10 +295,13 @@ class DrainQueue:
             return
         steps = ", ".join(str(step) for step, _ in failures)
         first = failures[-1][1]
-        raise CheckpointError(
+        message = (
             f"step(s) {steps} committed to the local tiers but not to durable storage "
             f"{self.store.uri} (a save after it goes there): {one_line(first)}"
-        ) from first
+        )
+        if isinstance(first, RankLostError):  # caught as what it is, its ranks named
+            raise type(first)(message, first.lost) from first
+        raise CheckpointError(message) from first
 
     def close(self) -> None:
         """Drain what is queued, then stop the thread."""

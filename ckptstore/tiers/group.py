@@ -122,6 +122,9 @@ class RankGroup:
             raise self.lost
         if exc is None or self.lost_rank_s is None or not self.active:
             return
+        left = self._said_left()
+        if left is not None:  # a rank left the group: this one was taken for lost, say
+            raise self._left(left) from exc
         lost, never = self._roll_call()
         if lost:
             raise self._lose(what, lost, _plain(exc), never=never) from exc
@@ -202,12 +205,7 @@ class RankGroup:
                 if now - apart_looked >= 0.05:
                     apart_looked = now
                     if not dist.is_initialized():  # the other ranks' gloo calls fail, not wait
-                        self.lost = RankLostError(
-                            f"{what} of {self._call()}: the process group was destroyed "
-                            "(destroy_process_group() while a save was pending: wait() for "
-                            "the saves first)",
-                            [],
-                        )
+                        self.lost = RankLostError(_destroyed(what, self._call()), [])
                         raise self.lost
                     if store.check([apart]):
                         rank, call = store.get(apart).decode().split(" ", 1)
@@ -263,13 +261,28 @@ class RankGroup:
         except Exception:  # noqa: BLE001 - the store lived in a lost process: nobody waits
             logger.debug("rank %d: could not tell the group it left", self.rank)
 
+    def _said_left(self) -> str | None:
+        """What a rank that left the group said (``leave``), None if none did."""
+        key = f"{self._arrivals()}/left"
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store lived in a lost process: the roll call says
+            return None
+
     def _left(self, said: str) -> RankLostError:
         """The error of a rank that waits in an exchange another rank has left: that rank's
         lost rank where one spent the group (a slower rank hears the cause, not the leaving),
         else the ranks are out of step."""
         left = json.loads(said)
         rank, call = left["rank"], left["call"]
-        if left.get("lost"):
+        if self.rank in left.get("lost", ()):  # stopped, or held the GIL, past the bound
+            self.lost = RankLostError(
+                f"rank {self.rank} (this one) was taken for lost by rank {rank}, which left in "
+                f"{call}: its heartbeat stood still past the bound (the process stopped, or "
+                f"one call held the GIL); the ckptstore group is spent: {left['why']}",
+                left["lost"],
+            )
+        elif left.get("lost"):
             self.lost = RankLostError(
                 f"rank {', '.join(map(str, left['lost']))} lost (rank {rank} heard it and left "
                 f"in {call} while rank {self.rank} came to an exchange of {self._call()}): "
@@ -279,8 +292,8 @@ class RankGroup:
         else:
             self.lost = RanksOutOfStepError(
                 f"ranks out of step: rank {rank} left in {call} while rank {self.rank} waits in "
-                f"an exchange of {self._call()} ({_COLLECTIVE_CALLS}); the ranks' tier group "
-                "is spent"
+                f"an exchange of {self._call()} ({_COLLECTIVE_CALLS}); the ranks' ckptstore "
+                "group is spent: restart the job"
             )
         logger.warning("rank %d: %s", self.rank, self.lost)
         return self.lost
@@ -299,6 +312,9 @@ class RankGroup:
 
     def _exchange(self, what: str, call: Any) -> None:
         self.check(what)
+        if not dist.is_initialized():  # gloo's calls would fail on an unregistered group
+            self.lost = RankLostError(_destroyed(what, self._call()), [])
+            raise self.lost
         try:
             if self.lost_rank_s is not None:
                 self._arrive(what)
@@ -469,6 +485,13 @@ class Agreement:
         text = "; ".join(f"rank {r}: {line}" for r, line, _ in self.failures[:shown])
         more = len(self.failures) - shown
         return text + (f"; and {more} more" if more > 0 else "")
+
+
+def _destroyed(what: str, call: str) -> str:
+    return (
+        f"{what} of {call}: the process group was destroyed (destroy_process_group() while a "
+        "save was pending, or before one: wait() for the saves first)"
+    )
 
 
 def _plain(exc: BaseException) -> str:

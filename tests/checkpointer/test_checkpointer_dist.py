@@ -281,3 +281,59 @@ def test_a_group_destroyed_with_saves_pending_ends_every_rank_at_exit(tmp_path):
     for p, (_, err) in zip(ranks, ended):
         assert p.returncode == 1, err[-2000:]
         assert "failed at exit" in err, err[-2000:]
+
+
+def _destroyed_before_a_save(rank: int, world: int, root: str) -> None:
+    import sys
+
+    ckpt = Checkpointer(root, storage=StorageOptions(lost_rank_timeout_s=8))
+    ckpt.save(1, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+    dist.barrier()
+    dist.destroy_process_group()
+    with pytest.raises(RankLostError, match="the process group was destroyed"):
+        ckpt.save(2, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+    assert list_steps(Store(root)) == [1]
+    sys.stdout.flush()
+    os._exit(0)  # the group the helper would close is gone
+
+
+@pytest.mark.dist
+def test_a_save_after_the_group_was_destroyed_names_it(tmp_path):
+    """An adversary: ``destroy_process_group()`` then ``save()`` raised gloo's raw "Group ... is
+    not registered" ValueError, untiered after a pointless 8 s roll call."""
+    run_ranks(_destroyed_before_a_save, 2, str(tmp_path / "s"), timeout_s=90)
+
+
+def _stalled_past_the_bound(rank: int, world: int, root: str) -> None:
+    from tests.helpers.dist import gathered
+
+    ckpt = Checkpointer(
+        root,
+        tiers=TierOptions(local_dir=root + "-local"),
+        storage=StorageOptions(lost_rank_timeout_s=4),
+    )
+    ckpt.save(1, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+    pids = gathered(os.getpid())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # resumed by rank 0 once it has left the group
+        with pytest.raises(
+            RankLostError, match=r"rank 1 \(this one\) was taken for lost by rank 0"
+        ):
+            ckpt.save(2, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+        return
+    with pytest.raises(RankLostError) as lost:
+        ckpt.save(2, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+    assert lost.value.lost == [1]
+    try:
+        ckpt.close()  # leaves the group; a drain the lost rank did not join failed as it did
+    except RankLostError as drain:
+        assert drain.lost == [1], drain
+    os.kill(pids[1], signal.SIGCONT)
+
+
+@pytest.mark.dist
+def test_a_rank_stalled_past_the_bound_hears_it_was_taken_for_lost(tmp_path):
+    """An adversary (SIGSTOP for 12 s): rank 0 named rank 1 lost and left; rank 1, resumed, came
+    last to the exchange, went on into gloo alone and raised its raw timeout. It now hears
+    what the group decided."""
+    run_ranks(_stalled_past_the_bound, 2, str(tmp_path / "s"), timeout_s=120)
