@@ -17,6 +17,7 @@ on request), and stops the sweep while it is kept, since the chunks it reference
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -473,7 +474,8 @@ def _sweep(
     # Aged by the store's clock, as leases are (a gc host's clock a day ahead deleted a live
     # writer's temporaries on a file system whose server stamps the times). One probe for all
     # below: taken before their listings, it understates their ages, the safe side.
-    now = store_now(store)
+    # A dry run writes nothing (a read-only or full store previews too): this host's clock.
+    now = time.time() if report.dry_run else store_now(store)
     temporaries = store.stale_temporaries(older_than_s=lease_ttl_s, now=now)
     temporaries += stale_probes(store, older_than_s=lease_ttl_s, now=now)
     report.swept = True

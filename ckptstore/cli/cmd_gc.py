@@ -26,6 +26,8 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
             warn=False,  # the report below says it all
         )
     except StorageFullError as exc:
+        if args.dry_run:  # a dry run writes nothing: the store's own requests failed
+            raise
         # Its lease and clock probe are small writes: a store with no byte or inode left
         # stops gc after it unlisted the steps it drops, before it freed their chunks
         raise StorageFullError(

@@ -312,6 +312,25 @@ def test_gc_deletes_nothing_where_the_listing_of_commits_leaves_the_newest_step_
     assert list_steps(Store(uri)) == [3]
 
 
+def test_gc_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
+    """A full-disk reviewer: ``gc --dry-run`` wrote a clock probe, so it failed on a read-only
+    or full store, where a preview is what an operator wants first."""
+    from ckptstore.errors import StorageError
+
+    uri = str(tmp_path / "store")
+    save_two_steps(uri)
+
+    def refused(self, key, *args, **kwargs):
+        raise StorageError(f"put {key}: Read-only file system")
+
+    monkeypatch.setattr(Store, "put", refused)
+    assert main(["gc", uri, "--keep-last", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete steps: 1\n" in out, out
+    monkeypatch.undo()
+    assert list_steps(Store(uri)) == [1, 2]
+
+
 def test_gc_re_hashes_the_steps_it_keeps_before_deleting_older_ones(tmp_path, capsys):
     """A new user's review: one byte flipped in the newest step's chunk (its size unchanged),
     then ``gc --keep-last 1``: the good step before it was deleted, gc exited 0, and no step
