@@ -33,6 +33,7 @@ import torch
 
 from ckptstore.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     UnsupportedStateError,
 )
@@ -389,12 +390,15 @@ def _write_files(
     moved into place once all are complete, the index last; returns the index's name, or
     None for a single file. A failure removes the temporary files."""
     temporaries: list[str] = []
+    writing = out
     try:
         for name, shard in zip(names, shards):
             temporaries.append(_temporary(out, name))
+            writing = os.path.join(out, name)
             _write_shard(temporaries[-1], shard, view, cfg, batch_bytes)
             logger.info("export of step %d: %s written", view.manifest.step, name)
         index_doc = None
+        writing = os.path.join(out, INDEX_FILE)
         if len(shards) > 1:
             weight_map = {item.name: name for name, shard in zip(names, shards) for item in shard}
             index_doc = {
@@ -409,6 +413,10 @@ def _write_files(
             os.replace(temporary, os.path.join(out, name))
         temporaries = []
         _fsync_dir(out)
+    except OSError as exc:
+        if isinstance(exc, CheckpointError):  # the store's, named already
+            raise
+        raise OSError(exc.errno, f"cannot write {writing}: {exc.strerror or exc}") from exc
     finally:
         for temporary in temporaries:
             _remove(temporary)

@@ -62,7 +62,7 @@ def test_a_failed_export_keeps_a_directory_that_was_there(tmp_path, capsys):
     assert code == 1 and target.is_dir()
 
 
-@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
 def test_a_restore_onto_a_full_disk_names_the_path(tmp_path, small_disk, capsys, fmt):
     uri = saved_store(tmp_path)
     (small_disk / "filler").write_bytes(b"\0" * ((4 << 20) - (64 << 10)))
