@@ -36,14 +36,17 @@ def _at_exit() -> None:
     have read (a script that ends right after ``async_save``)."""
     finish_async_saves()
     for writer in list(_WRITERS):
-        for step, _, thread in list(writer._started.values()):
+        for attempt, (step, _, thread) in list(writer._started.items()):
             if not thread.is_alive():
+                why = writer._why_failed.get(
+                    attempt, "its error is in the future dcp.async_save returned"
+                )
                 logger.error(
-                    "rank %d: step %d of %s was not committed (its error is in the future "
-                    "dcp.async_save returned)",
+                    "rank %d: step %d of %s was not committed: %s",
                     writer.rank,
                     step,
                     writer.store.uri,
+                    why,
                 )
                 fail_at_exit()
 

@@ -205,6 +205,7 @@ class StoreWriter(StorageWriter, PooledStager):
         # Coordinator, by attempt: the step, when it started (its persist time) and the thread
         # that runs it (a save whose thread ended uncommitted is named at exit).
         self._started: dict[str, tuple[int, float, threading.Thread]] = {}
+        self._why_failed: dict[str, str] = {}  # by attempt: a failed save's error, one line
         self._skipped: dict[str, StepHealth] = {}  # tiered saves HealthPolicy skipped, by attempt
         if step is not None:
             check_step(step)
@@ -436,7 +437,11 @@ class StoreWriter(StorageWriter, PooledStager):
                 item.index: (r, i) for r, p in enumerate(plans) for i, item in enumerate(p.items)
             }
         # A tiered step is committed to durable storage by its drain, which takes its lease.
-        latest = self._begin_lease(target) if durable and not tiered else {}
+        try:
+            latest = self._begin_lease(target) if durable and not tiered else {}
+        except BaseException as exc:
+            self._note_failure(target.attempt, exc)
+            raise
         logger.debug(
             "rank %d: DCP save to %s as step %d, attempt %s",
             self.rank,
@@ -458,10 +463,14 @@ class StoreWriter(StorageWriter, PooledStager):
                 f"(got {type(target).__name__}); was the plan cached from another writer?"
             )
         self._target = target
-        if target.tiered:  # every rank takes part in the tier's exchanges, items or not
-            results = self._write_tiered(plan.items, planner, target)
-        else:
-            results = self._write_direct(plan.items, planner, target)
+        try:
+            if target.tiered:  # every rank takes part in the tier's exchanges, items or not
+                results = self._write_tiered(plan.items, planner, target)
+            else:
+                results = self._write_direct(plan.items, planner, target)
+        except BaseException as exc:
+            self._note_failure(target.attempt, exc)
+            raise
         self.saved_step = target.step
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -554,8 +563,9 @@ class StoreWriter(StorageWriter, PooledStager):
                 world_size=len(results),
                 dcp_metadata=encode_metadata(metadata),
             )
-        except BaseException:
+        except BaseException as exc:
             self._started.pop(target.attempt, None)
+            self._note_failure(target.attempt, exc)
             telemetry.saves_total.inc(frontend="dcp", outcome="failed")
             if planned is not None and self._cadence is not None:
                 self._cadence.missed()  # a tiered save its local tier sent here: a later one goes
@@ -817,6 +827,12 @@ class StoreWriter(StorageWriter, PooledStager):
         except Exception as exc:  # noqa: BLE001 - nobody is left to raise it to
             logger.error("rank %d: at exit: %s", self.rank, one_line(exc))
             fail_at_exit()
+
+    def _note_failure(self, attempt: str, exc: BaseException) -> None:
+        """Keep a failed save's error (the newest few): said at exit where nobody waited."""
+        self._why_failed[attempt] = one_line(exc)
+        while len(self._why_failed) > 16:
+            del self._why_failed[next(iter(self._why_failed))]
 
     def _committed(self, target: _SaveTarget) -> None:
         started = self._started.pop(target.attempt, None)

@@ -517,7 +517,8 @@ def test_an_async_save_a_script_does_not_wait_for_is_committed_on_s3(s3_uri, end
 
 def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
     """Reviewer of stop 60: a script that ended right after a failing ``dcp.async_save`` exited
-    0 in silence (its error in a future nobody read). The save's step is named at exit."""
+    0 in silence (its error in a future nobody read). The save's step is named at exit, with
+    its error (a full-disk reviewer: the line did not say why)."""
     script = f"""
         import torch, warnings
         import torch.distributed.checkpoint as dcp
@@ -533,8 +534,10 @@ def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
         """
     done = run_child(script, CHILD_TIMEOUT_S)
     assert "RETURNED" in done.stdout, done.stderr[-2000:]
-    said = f"rank 0: step 5 of {tmp_path / 's'} was not committed (its error is in the future"
+    said = f"rank 0: step 5 of {tmp_path / 's'} was not committed: "
     assert said in done.stderr, done.stderr[-2000:]
+    line = next(x for x in done.stderr.splitlines() if said in x)
+    assert "injected: the store refuses every put" in line, line  # why, not only where
     assert done.returncode == 1, done.stderr[-2000:]  # a scheduler does not read it as a success
 
 
