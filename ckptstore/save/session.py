@@ -402,6 +402,37 @@ class SaveSession:
             self.lease.release_when_settled(0.0)
             self.lease = None
 
+    def reclaim(self) -> None:
+        """After a save that failed on a full store (``StorageFullError``): what failed saves
+        left (this one's chunks, which no commit names) swept as the next commit's retention
+        would, so that the next save finds room once what filled the store is gone, where
+        nothing else would (no save commits, and retention runs after a commit). With
+        ``keep_last`` only (a job that deletes); a sweep that fails too is logged."""
+        if self.engine.keep_last is None:
+            return
+        try:
+            report = collect(
+                self.store,
+                keep_last=self.engine.keep_last,
+                lease_ttl_s=self.engine.lease_ttl_s,
+                known=self.engine.retained_good,
+            )
+        except CheckpointError as exc:
+            logger.warning(
+                "%s is full, and sweeping what failed saves left failed too (free room beside "
+                "it; the next failed save tries again): %s",
+                self.store.uri,
+                exc,
+            )
+            return
+        if report.deleted_chunks:
+            logger.warning(
+                "%s was full: swept %d chunk(s) of failed saves (%d bytes), room for the next",
+                self.store.uri,
+                report.deleted_chunks,
+                report.deleted_chunk_bytes,
+            )
+
     def retain(self) -> None:
         """Apply ``keep_last`` after a commit; a failure is logged (the next save retries). The
         step just committed is kept even where ``keep_last`` newer-numbered steps outnumber it

@@ -514,6 +514,28 @@ def test_a_full_disk_leaves_no_temporaries_and_the_next_save_says_what_failed(sm
     ckpt.close()
 
 
+def test_a_save_failing_on_a_full_store_sweeps_what_failed_saves_left(small_disk, caplog):
+    """A full-disk reviewer: another process filled the disk while saves ran; each failed
+    save left its chunks, and once that space was freed the store stayed full of them, every
+    later save failing, until someone ran ``ckptstore gc``. A save that fails on a full store
+    now sweeps them (keep_last set: a job that deletes)."""
+    uri = str(small_disk / "store")
+    encoding = EncodingOptions(compression="none", chunk_bytes=256 << 10)
+    caplog.set_level("WARNING", logger="ckptstore")
+    with Checkpointer(uri, keep_last=1, encoding=encoding) as ckpt:
+        ckpt.save(1, {"w": torch.randn(1 << 17)}).wait()  # 0.5 MiB
+        filler = small_disk / "filler"
+        filler.write_bytes(b"\0" * (1 << 20))  # another process's 1 MiB
+        for step in (2, 3):  # 3 MiB each: both fail, filling the disk
+            with pytest.raises(StorageError, match="no space left"):
+                ckpt.save(step, {"w": torch.randn(3 << 18)}).wait(timeout_s=120)
+        filler.unlink()  # the other process is done: 1 MiB free, and what failed saves left
+        ckpt.save(4, {"w": torch.randn(1 << 19)}).wait(timeout_s=120)  # 2 MiB
+    assert "chunk(s) of failed saves" in caplog.text
+    assert list_steps(Store(uri)) == [4]
+    assert chunk_files(small_disk / "store") == referenced_chunks(uri)
+
+
 def test_gc_removes_temporaries_of_dead_writers(tmp_path):
     store = Store(tmp_path)
     Checkpointer(tmp_path).save(1, {"w": torch.ones(10)}).wait()
