@@ -402,6 +402,17 @@ class SaveSession:
             self.lease.release_when_settled(0.0)
             self.lease = None
 
+    def _retention(self, **kwargs: Any) -> Any:
+        """``keep_last`` applied to the store, as this job's retention applies it."""
+        return collect(
+            self.store,
+            keep_last=self.engine.keep_last,
+            lease_ttl_s=self.engine.lease_ttl_s,
+            verify_healthy=True,  # an old healthy step kept for its health is read once
+            known=self.engine.retained_good,
+            **kwargs,
+        )
+
     def reclaim(self) -> None:
         """After a save that failed on a full store (``StorageFullError``): what failed saves
         left (this one's chunks, which no commit names) swept as the next commit's retention
@@ -411,12 +422,7 @@ class SaveSession:
         if self.engine.keep_last is None:
             return
         try:
-            report = collect(
-                self.store,
-                keep_last=self.engine.keep_last,
-                lease_ttl_s=self.engine.lease_ttl_s,
-                known=self.engine.retained_good,
-            )
+            report = self._retention()
         except CheckpointError as exc:
             logger.warning(
                 "%s is full, and sweeping what failed saves left failed too (free room beside "
@@ -440,15 +446,7 @@ class SaveSession:
         if self.engine.keep_last is None:
             return
         try:
-            report = collect(
-                self.store,
-                keep_last=self.engine.keep_last,
-                ignore_attempts={self.attempt},
-                keep_steps={self.step},
-                lease_ttl_s=self.engine.lease_ttl_s,
-                verify_healthy=True,  # an old healthy step kept for its health is read once
-                known=self.engine.retained_good,
-            )
+            report = self._retention(ignore_attempts={self.attempt}, keep_steps={self.step})
         except CheckpointError as exc:
             logger.warning(
                 "retention in %s failed (will retry after the next save): %s", self.store.uri, exc
