@@ -27,9 +27,15 @@ _TRANSIENT_NAME_HINTS = (
     "ClientPayloadError", "ContentLengthError", "IncompleteRead", "ResponseStreamingError",
     "HTTPClientError", "ResponseParserError",
 )  # fmt: skip
-# The server's answer "busy, try later" (503 SlowDown, 500; s3fs turns them into these errnos):
-# retried until the request's deadline, as a store throttling a burst asks.
-_BUSY_ERRNOS = {errno.EBUSY, errno.EREMOTEIO}
+# An S3 server's answer "busy, try later" (throttling, 503, 500 InternalError): retried until
+# the request's deadline, as a store throttling a burst asks. By the server's own code (s3fs
+# keeps its error as the cause): the errnos s3fs maps them to also stand for 409 Conflict, and
+# a local file system's EBUSY is no server's.
+_BUSY_CODES = {
+    "SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException",
+    "RequestLimitExceeded", "InternalError",
+}  # fmt: skip
+_BUSY_STATUSES = {500, 503}
 
 
 @dataclass(kw_only=True)
@@ -84,7 +90,8 @@ class RetryPolicy:
         return self.attempts * (self.timeout_s + extra) + (self.attempts - 1) * self.max_delay_s
 
     def backoff_s(self, attempt: int) -> float:
-        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
+        # The exponent capped: a store busy for a long deadline makes a thousand attempts.
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** min(attempt, 30)))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -118,8 +125,6 @@ def is_busy(exc: BaseException | None) -> bool:
     the request's deadline allows, not only ``attempts`` times."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, OSError) and exc.errno in _BUSY_ERRNOS:
-            return True
         name = type(exc).__name__
         if "SlowDown" in name or "Throttl" in name:
             return True
@@ -127,7 +132,7 @@ def is_busy(exc: BaseException | None) -> bool:
         if isinstance(response, dict):
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             code = str(response.get("Error", {}).get("Code", ""))
-            if status >= 500 or code in {"SlowDown", "Throttling"}:
+            if status in _BUSY_STATUSES or code in _BUSY_CODES:
                 return True
         exc = exc.__cause__ or exc.__context__
         seen += 1

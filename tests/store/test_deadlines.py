@@ -288,17 +288,30 @@ def test_a_store_busy_for_longer_than_the_attempts_is_retried_until_the_deadline
     """Reviewer (a proxy answering 503 SlowDown for 2-4 s): 5 attempts with backoffs from
     50 ms spent ~0.75 s, and a save failed with timeout_s=30; a busy store is now retried for
     as long as the request's deadline allows, other quick errors `attempts` times."""
-    import errno
-
     store = Store("memory://busy", retry=RetryPolicy(attempts=3, base_delay_s=0.001, total_s=30))
-    busy = _FailingFirst(store.backend, lambda: OSError(errno.EBUSY, "Service unavailable"), 8)
+    busy = _FailingFirst(store.backend, lambda: _ServerError(503, "SlowDown"), 8)
     store.backend = busy
     store.put("k", b"v")  # the 9th attempt
     assert busy.calls == 9 and store.get("k") == b"v"
     short = Store("memory://busy-short", retry=RetryPolicy(base_delay_s=0.001, total_s=0.5))
-    short.backend = _FailingFirst(short.backend, lambda: OSError(errno.EBUSY, "busy"), 10**6)
-    with pytest.raises(StorageError, match="Service unavailable|busy"):
+    short.backend = _FailingFirst(short.backend, lambda: _ServerError(503, "SlowDown"), 10**6)
+    with pytest.raises(StorageError, match="SlowDown"):
         _bounded(lambda: short.put("k", b"v"), 30)  # still bounded by total_s
+    # Not busy: 501 NotImplemented (a wrong endpoint), a local file system's EBUSY (an
+    # adversary: both took 30 s, where they failed after `attempts`)
+    for error in (lambda: _ServerError(501, "NotImplemented"), lambda: OSError(16, "busy")):
+        other = Store("memory://other", retry=RetryPolicy(attempts=3, base_delay_s=0.001))
+        other.backend = _FailingFirst(other.backend, error, 10**6)
+        with pytest.raises(StorageError, match="after 3 attempts"):
+            other.put("k", b"v")
+
+
+class _ServerError(Exception):
+    """botocore's ClientError as s3fs keeps it: the server's status and code."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(f"An error occurred ({code})")
+        self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
 def test_a_body_cut_off_mid_way_is_read_again():
