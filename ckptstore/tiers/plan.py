@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.catalog import list_steps, load_manifest, parse_step
+from ckptstore.catalog import load_manifest, parse_step, steps_to_resume
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -75,7 +75,7 @@ def plan_restore(
     listed: Any = None
     if group.rank == 0:
         try:
-            listed = list_steps(durable)
+            listed = steps_to_resume(durable)  # a bucket not made yet holds none
         except CheckpointError as exc:
             listed = exc
     held = _held(local, group.rank)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import Checkpointer
+from ckptstore import Checkpointer, TierOptions
 from tests.helpers import ROOT
 
 NOBODY = 65534
@@ -207,7 +207,7 @@ def test_credentials_fixed_in_the_credentials_file_are_used_by_the_next_store(
             assert relay.access_keys[-1] == key
 
 
-def test_a_job_on_a_bucket_not_made_yet_has_nothing_to_resume(s3_endpoint, caplog):
+def test_a_job_on_a_bucket_not_made_yet_has_nothing_to_resume(s3_endpoint, caplog, tmp_path):
     """Two reviewers: the README's resume (``if ckpt.latest() is not None``) raised on a bucket
     that did not exist yet ("the bucket does not exist"), where the store makes it at the first
     save (SeaweedFS); a missing local directory was already "nothing to resume". Every front-end
@@ -238,3 +238,10 @@ def test_a_job_on_a_bucket_not_made_yet_has_nothing_to_resume(s3_endpoint, caplo
             ckpt.load({"w": torch.zeros(2)}, fallback=fallback)
         assert "no committed checkpoint" in str(caught.value)
         assert "the bucket does not exist" in str(caught.value)
+    # With tiers too (an adversary: BucketNotFoundError there), nothing to resume either
+    tiers = TierOptions(local_dir=str(tmp_path / "local"))
+    with Checkpointer(uri, tiers=tiers) as ckpt:
+        assert ckpt.latest() is None
+        with pytest.raises(CheckpointNotFoundError):
+            ckpt.load({"w": torch.zeros(2)}, fallback=True)
+    assert resume({"w": torch.zeros(2)}, StoreReader(uri, tiers=tiers), no_dist=True) is None
