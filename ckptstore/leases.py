@@ -124,11 +124,11 @@ class Lease:
             self.store.put(self.key, self._body())
         except CheckpointError:
             # It may have landed all the same (an error after the write): left there, it would
-            # hold gc back while this process lives, for a save that never started.
-            try:
-                self.store.delete(self.key)
-            except CheckpointError as exc:
-                logger.debug("failed lease %s not deleted: %s", self.key, exc)
+            # hold gc back while this process lives, for a save that never started. Deleted
+            # in the background: a store that timed out the put would double the call's bound.
+            threading.Thread(
+                target=_delete_quietly, args=(self.store, self.key), daemon=True
+            ).start()
             raise
         self._renewed = t0
         self._thread = threading.Thread(
@@ -276,6 +276,13 @@ def _lease_holders(store: Store, prefix: str) -> dict[tuple[str, str], list[str]
             continue
         holders.setdefault((parts[1], parts[2]), []).append(key)
     return holders
+
+
+def _delete_quietly(store: Store, key: str) -> None:
+    try:
+        store.delete(key)
+    except CheckpointError as exc:
+        logger.debug("failed lease %s not deleted: %s", key, exc)
 
 
 def store_now(store: Store) -> float:

@@ -298,7 +298,31 @@ def test_a_lease_whose_put_landed_but_failed_is_not_left_holding_gc_back(tmp_pat
     monkeypatch.setattr(store, "put", put_then_fail)
     with pytest.raises(StorageAccessError, match="denied after it landed"):
         Lease(store, SAVE, "landed", ttl_s=60).acquire()
-    assert find_leases(Store(tmp_path)) == []
+    assert wait_until(lambda: find_leases(Store(tmp_path)) == [], timeout_s=30)
+
+
+def test_a_failed_lease_put_raises_without_waiting_for_its_cleanup(tmp_path, monkeypatch):
+    """A hung-network reviewer: a black-holed save took twice ``timeout_s``, the lease put
+    timing out and then the delete that cleans up after it; the delete runs aside now."""
+    import threading
+
+    from ckptstore.errors import StorageTimeoutError
+
+    store = Store(tmp_path)
+    hung = threading.Event()
+
+    def put_times_out(key, data, **kwargs):
+        raise StorageTimeoutError(f"put {store.url(key)}: no answer within 5.0s")
+
+    def delete_hangs(key, **kwargs):
+        hung.wait(timeout=30)
+
+    monkeypatch.setattr(store, "put", put_times_out)
+    monkeypatch.setattr(store, "delete", delete_hangs)
+    with pytest.raises(StorageTimeoutError):
+        Lease(store, SAVE, "hung", ttl_s=60).acquire()  # returns while the delete still hangs
+    assert not hung.is_set()
+    hung.set()
 
 
 def test_a_live_holders_lease_dated_ahead_of_the_store_still_holds_gc_back(tmp_path):
