@@ -190,6 +190,8 @@ class RankGroup:
         try:
             self._refuse_out_of_step(f"{base}/{self._exchanges}")
             if store.add(key, 1) == len(self._members):
+                if store.check([f"{base}/left"]):  # the others gave up on this rank and left
+                    raise self._left(store.get(f"{base}/left").decode())
                 store.set(everyone, b"1")
                 last = f"{base}/{self._exchanges - 1}"
                 for old in (last, f"{last}/all", f"{last}/call"):

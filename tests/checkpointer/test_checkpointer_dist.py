@@ -304,12 +304,12 @@ def test_a_save_after_the_group_was_destroyed_names_it(tmp_path):
     run_ranks(_destroyed_before_a_save, 2, str(tmp_path / "s"), timeout_s=90)
 
 
-def _stalled_past_the_bound(rank: int, world: int, root: str) -> None:
+def _stalled_past_the_bound(rank: int, world: int, root: str, tiered: bool) -> None:
     from tests.helpers.dist import gathered
 
     ckpt = Checkpointer(
         root,
-        tiers=TierOptions(local_dir=root + "-local"),
+        tiers=TierOptions(local_dir=root + "-local") if tiered else None,
         storage=StorageOptions(lost_rank_timeout_s=4),
     )
     ckpt.save(1, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
@@ -332,8 +332,10 @@ def _stalled_past_the_bound(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.dist
-def test_a_rank_stalled_past_the_bound_hears_it_was_taken_for_lost(tmp_path):
-    """An adversary (SIGSTOP for 12 s): rank 0 named rank 1 lost and left; rank 1, resumed, came
-    last to the exchange, went on into gloo alone and raised its raw timeout. It now hears
-    what the group decided."""
-    run_ranks(_stalled_past_the_bound, 2, str(tmp_path / "s"), timeout_s=120)
+@pytest.mark.parametrize("tiered", [True, False])
+def test_a_rank_stalled_past_the_bound_hears_it_was_taken_for_lost(tmp_path, tiered):
+    """Adversaries (SIGSTOP for 12 s): rank 0 named rank 1 lost and left; rank 1, resumed, came
+    last to the exchange, went on into gloo alone and raised its raw timeout (untiered, whose
+    collectives keep the group's timeout: after 600 s). It now hears at once what the group
+    decided."""
+    run_ranks(_stalled_past_the_bound, 2, str(tmp_path / "s"), tiered, timeout_s=120)
