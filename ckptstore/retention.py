@@ -469,7 +469,7 @@ def _sweep(
     chunks = store.list("chunks")
     digests = map(digest_of_chunk_key, chunks)
     chunk_victims = [k for k, d in zip(chunks, digests) if d and d not in referenced]
-    _refuse_a_listing_that_misses_commits(store, victims, listed, gone)
+    _refuse_a_listing_that_misses_commits(store, victims, [*listed, *report.kept_steps], gone)
     stale_leases = [s for s in saves if not s.live]
     # Aged by the store's clock, as leases are (a gc host's clock a day ahead deleted a live
     # writer's temporaries on a file system whose server stamps the times). One probe for all

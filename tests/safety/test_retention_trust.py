@@ -312,6 +312,27 @@ def test_gc_deletes_nothing_where_the_listing_of_commits_leaves_the_newest_step_
     assert list_steps(Store(uri)) == [3]
 
 
+def test_a_saves_own_retention_sweeps_past_a_failed_attempt_of_its_step_while_listing_lags(
+    tmp_path, monkeypatch
+):
+    """An adversary: the check for commits a listing leaves out read the kept step's own
+    commit (the save's retention keeps its step, listed or not) and refused the sweep, where
+    an older failed attempt of the same step number had left an index."""
+    import ckptstore.retention as retention
+    from ckptstore.format import rank_index_key
+
+    uri = str(tmp_path / "store")
+    save_two_steps(uri)
+    store = Store(uri)
+    store.put(rank_index_key(2, "failed-attempt", 0), b"{}")  # a failed save of step 2
+    listed = retention.list_steps
+    monkeypatch.setattr(retention, "list_steps", lambda store: [s for s in listed(store) if s != 2])
+    report = collect(store, keep_last=1, keep_steps={2})
+    assert report.swept and not store.exists(rank_index_key(2, "failed-attempt", 0))
+    monkeypatch.undo()
+    assert list_steps(store) == [2]
+
+
 def test_gc_dry_run_writes_nothing(tmp_path, monkeypatch, capsys):
     """A full-disk reviewer: ``gc --dry-run`` wrote a clock probe, so it failed on a read-only
     or full store, where a preview is what an operator wants first."""
