@@ -432,10 +432,13 @@ class _Heartbeat:
         self._period_s: float | None = None
         self._store: Any = None
         self._rank = 0
+        self._shorter = threading.Event()  # set when the period shrinks: the wait ends early
 
     def start(self, rank: int, period_s: float) -> None:
         with self._lock:
             running = self._period_s is not None
+            if running and period_s < self._period_s:
+                self._shorter.set()  # a tiered group's bound after an untiered one's
             self._period_s = min(self._period_s or period_s, period_s)
             # The job's current store (a process may make its default group again), on a
             # connection of its own: a blocking wait on the store elsewhere stops no beat.
@@ -445,10 +448,10 @@ class _Heartbeat:
             threading.Thread(target=self._beat, name="ckptstore-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
-        stop = threading.Event()  # never set: the thread ends with the process
-        while True:
+        while True:  # the thread ends with the process
             assert self._period_s is not None
-            stop.wait(self._period_s)
+            self._shorter.wait(self._period_s)
+            self._shorter.clear()
             with self._lock:
                 store, rank = self._store, self._rank
             try:

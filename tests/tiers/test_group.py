@@ -119,3 +119,20 @@ def test_a_long_error_for_another_rank_is_cut_at_a_word_and_says_so():
     assert reasons.startswith(said[len("ValueError: ") : -len(" [...]")])  # whole words
     short = one_line(CheckpointError("step 3 is corrupt\nmore"))
     assert short == "CheckpointError: step 3 is corrupt"
+
+
+def _period_made_shorter(rank: int, world: int) -> None:
+    from ckptstore.tiers.group import _HEARTBEAT
+
+    _HEARTBEAT.start(rank, 30.0)  # an untiered group's bound first
+    _HEARTBEAT.start(rank, 0.2)  # then a tiered one's
+    before = _HEARTBEAT.counts([rank])[0]
+    time.sleep(1.0)
+    assert _HEARTBEAT.counts([rank])[0] > before  # beating at the shorter period already
+
+
+@pytest.mark.dist
+def test_a_shorter_heartbeat_period_takes_effect_at_once():
+    """An adversary: the heartbeat thread finished its wait of the longer period first, and a
+    tiered roll call could meanwhile take a live rank for lost."""
+    run_ranks(_period_made_shorter, 1, timeout_s=60)
