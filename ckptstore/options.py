@@ -225,7 +225,10 @@ class TierOptions:
     background from the local copies; the others stay in the tiers only. The save after one
     bound for durable storage that did not get there (its drain or the save failed) goes too."""
     local_keep_last: int = DEFAULT_LOCAL_KEEP_LAST
-    """Retention of each store in ``local_dir`` (a step still to be drained is kept)."""
+    """Retention of each store in ``local_dir`` (a step still to be drained is kept). A save
+    writes its copy before retention drops the oldest: give ``local_dir`` room for one copy
+    more. A tier found full with its copies keeps one fewer of those already drained to
+    durable storage from then on (one warning); a copy only the tier holds stays."""
     peer_budget_bytes: int = DEFAULT_PEER_BUDGET_BYTES
     """A peer copy or repair moves chunks in rounds, two in flight per transfer: the bound of
     each transfer's two round buffers together (a chunk larger than half of it goes alone)."""

@@ -346,6 +346,7 @@ class DrainQueue:
     def _run(self, job: DrainJob) -> None:
         try:
             self._drain(job)
+            self.local.note_drained(job.step)
             job.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reported on the job's future
             self._fail(job, exc)

@@ -106,6 +106,8 @@ class LocalTier:
         self._stores: dict[int, Store] = {}
         self._lock = threading.Lock()
         self._to_drain: set[int] = set()  # steps a drain still has to copy from here
+        self._fits: int | None = None  # copies kept once the disk was found full with them
+        self._drained: set[int] = set()  # own copies this process drained to durable storage
         self._bad: set[str] = set()  # own chunks found corrupt, removed: the next save rewrites
 
     @property
@@ -526,6 +528,25 @@ class LocalTier:
             bad, self._bad = self._bad, set()
         return bad
 
+    def note_drained(self, step: int) -> None:
+        """This rank's copy of ``step`` is in durable storage too (its drain committed)."""
+        with self._lock:
+            self._drained = {s for s in self._drained if s > step - 10_000} | {step}
+
+    def keep_fewer(self) -> int | None:
+        """After this rank's copy failed on a full local disk: from now on keep one copy fewer
+        than the tier holds (at least one) of those drained to durable storage, so that the
+        next save finds room for its copy (a save writes it before retention drops the
+        oldest: ``local_keep_last`` copies need room for one more); a copy only this tier holds
+        stays as ``local_keep_last`` says. The new number, or None where nothing is freed."""
+        held = list_steps(self.store(self.rank))
+        fits = max(1, len(held) - 1)
+        limit = min(self.policy.local_keep_last, self._fits or len(held) + 1)
+        if fits >= limit or not self._drained.intersection(held[: len(held) - fits]):
+            return None
+        self._fits = fits
+        return fits
+
     def retain(
         self, ward: int, keep: set[int] = frozenset(), ignore_attempts: set[str] = frozenset()
     ) -> None:
@@ -533,12 +554,16 @@ class LocalTier:
         are kept. ``ignore_attempts``: the caller's own save leases, which do not stop the
         sweep (their steps are in ``keep``)."""
         store = self.store(ward)
+        keep_last, keep = self.policy.local_keep_last, set(keep)
         try:
+            if ward == self.rank and self._fits is not None:  # full once: fewer drained copies
+                keep_last = min(keep_last, self._fits)
+                keep |= set(list_steps(store)[:-keep_last]) - self._drained
             collect(
                 store,
-                keep_last=self.policy.local_keep_last,
+                keep_last=keep_last,
                 ignore_attempts=set(ignore_attempts),
-                keep_steps=(self.to_drain() if ward == self.rank else set()) | set(keep),
+                keep_steps=(self.to_drain() if ward == self.rank else set()) | keep,
                 lease_ttl_s=self.engine.lease_ttl_s if self.engine else DEFAULT_TTL_S,
             )
         except CheckpointError as exc:

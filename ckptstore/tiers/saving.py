@@ -276,6 +276,8 @@ class TierSaver:
         goes to durable storage instead, and sweeps the failed attempt's chunks (a disk that
         filled mid-copy: kept, a tier too small for its copies stayed full, failing for good)."""
         _raise_if_taken(step, heard, self.durable_uri)
+        if any(r == self.rank and kind == "StorageFullError" for r, _, kind in heard.failures):
+            self._keep_fewer()
         try:
             self.local.retain(self.rank)
         except Exception as exc:  # noqa: BLE001 - the save goes to durable storage anyway
@@ -294,6 +296,27 @@ class TierSaver:
             heard.why(),
             self.durable_uri,
         )
+
+    def _keep_fewer(self) -> None:
+        """This rank's local disk is full with its copies: keep fewer from now on (one warning),
+        else every later save would go to durable storage past a tier full of old copies
+        (copies only the tier holds stay)."""
+        try:
+            fits = self.local.keep_fewer()
+        except CheckpointError as exc:
+            logger.debug("rank %d: copies of the full local tier not counted: %s", self.rank, exc)
+            return
+        if fits is not None:
+            logger.warning(
+                "rank %d: the local tier %s is full: it keeps %d cop%s from now on, not "
+                "local_keep_last=%d (a save writes its copy before retention drops the oldest: "
+                "give it room for local_keep_last + 1 copies)",
+                self.rank,
+                self.local.policy.local_dir,
+                fits,
+                "y" if fits == 1 else "ies",
+                self.local.policy.local_keep_last,
+            )
 
     def release_copy(self) -> None:
         """Give up the lease the last local commit holds for its peer copy, if it still does."""

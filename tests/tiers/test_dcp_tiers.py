@@ -205,7 +205,10 @@ def _full_local_disk(rank: int, world: int, root: str, disk: str) -> None:
         dcp.save(state, storage_writer=writer, checkpoint_id=step)
     writer.wait()
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "not committed to the local tier" in warned[0], warned
+    # A few lines, not one per save: the tier full (it keeps fewer drained copies: step 1's
+    # goes, and step 4 fits), steps 3 and 5 not committed there (6 in a row after 5: INFO)
+    assert "not committed to the local tier" in warned[-1] and len(warned) <= 3, warned
+    assert all("not committed to the local tier" in w or "is full: it keeps" in w for w in warned)
     durable = list_steps(Store(root))
     held = tier_copies(local, store_identity(Store(root))).copies
     # Every step is somewhere: the local disk filled up, and later saves went to durable.
