@@ -89,7 +89,8 @@ class Checkpointer:
             one warning), copied to peers (``peer_copies``) and drained to ``uri`` every
             ``durable_every`` saves (``handle.durable``); ``load`` takes the newest save every
             rank can get, each rank from its own copy, a peer's, or ``uri``, whichever verifies
-            first (docs/FORMAT.md, "Tiers"). ``steps()``/``latest()`` list ``uri``.
+            first (docs/FORMAT.md, "Tiers"). ``steps()`` lists ``uri``; ``latest()`` takes every
+            tier (collective), the step ``load`` would take.
             ``health=HealthPolicy(...)`` (docs/FORMAT.md, "Health"): every save records each
             floating tensor's NaN and Inf counts and sum of squares; ``handle.health`` and
             ``last_save`` tell a committed step's health; ``steps``, ``latest`` and ``load``

@@ -198,8 +198,10 @@ class RetentionOptions:
 
     def __post_init__(self) -> None:
         _check_kinds(self)
-        if self.lease_ttl_s <= 0 or self.gc_wait_s < 0:
-            raise ValueError("lease_ttl_s must be > 0 and gc_wait_s >= 0")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.gc_wait_s < 0:
+            raise ValueError(f"gc_wait_s must be >= 0, got {self.gc_wait_s}")
         if self.lease_ttl_s > MAX_LEASE_TTL_S:
             raise ValueError(
                 f"lease_ttl_s must be <= {MAX_LEASE_TTL_S:g} (a lease claiming longer is not "
@@ -341,7 +343,8 @@ class HealthPolicy:
                 for k, v in self.norm_groups.items()
             ):
                 raise ValueError(
-                    "norm_groups must map group names to tuples of tensor-name prefixes"
+                    "norm_groups must map group names to tuples of tensor-name prefixes, got "
+                    f"{self.norm_groups!r:.200}"
                 )
             if "global" in self.norm_groups:
                 raise ValueError("norm_groups: 'global' names the norm of every tensor")

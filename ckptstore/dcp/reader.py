@@ -81,10 +81,10 @@ class StoreReader(StepReader):
             after a newer save) gives way to the newest step, read with the same plan when its
             state layout is the same (else one line: load again), at most 3 times; the ranks
             agree first, over the shared read's group or in a load by one process.
-        storage, reads, tiers: the option objects of ``ckptstore.options``, the same ones
+        storage, reads: the option objects of ``ckptstore.options``, the same ones
             ``Checkpointer`` and ``StoreWriter`` take (``StorageOptions.store``: an already
             open ``Store``; ``ReadOptions``: ``read_concurrency``, ``read_batch_bytes``,
-            ``shared_read_budget_bytes``; ``TierOptions``: the writer's tiers, below).
+            ``shared_read_budget_bytes``, whose sharing is described below).
         trust_pickled_objects: values DCP pickled (``BYTE_IO`` items, such as a step counter
             or a dataclass) reach the load planner only after torch's weights-only unpickler
             accepted them; a value that needs more (a class of yours, or code) is refused with
