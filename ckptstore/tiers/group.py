@@ -124,7 +124,7 @@ class RankGroup:
             return
         left = self._said_left()
         if left is not None:  # a rank left the group: this one was taken for lost, say
-            raise self._left(left) from exc
+            raise self._after_left(what, left, _plain(exc)) from exc
         lost, never = self._roll_call()
         if lost:
             raise self._lose(what, lost, _plain(exc), never=never) from exc
@@ -191,7 +191,8 @@ class RankGroup:
             self._refuse_out_of_step(f"{base}/{self._exchanges}")
             if store.add(key, 1) == len(self._members):
                 if store.check([f"{base}/left"]):  # the others gave up on this rank and left
-                    raise self._left(store.get(f"{base}/left").decode())
+                    said = store.get(f"{base}/left").decode()
+                    raise self._after_left(what, said, "nothing: a rank left the group")
                 store.set(everyone, b"1")
                 last = f"{base}/{self._exchanges - 1}"
                 for old in (last, f"{last}/all", f"{last}/call"):
@@ -264,12 +265,25 @@ class RankGroup:
             logger.debug("rank %d: could not tell the group it left", self.rank)
 
     def _said_left(self) -> str | None:
-        """What a rank that left the group said (``leave``), None if none did."""
+        """What a rank that left the group said (``leave``), None if none did (or the group
+        is not made yet)."""
+        if self.group is None or self._store is None:
+            return None
         key = f"{self._arrivals()}/left"
         try:
             return self._store.get(key).decode() if self._store.check([key]) else None
         except Exception:  # noqa: BLE001 - the store lived in a lost process: the roll call says
             return None
+
+    def _after_left(self, what: str, said: str, heard: str) -> RankLostError:
+        """The error of a rank that finds another left the group (``said``): the lost rank
+        that made it leave (this one, maybe), else a rank the roll call finds lost (killed,
+        having left at exit), else ranks out of step."""
+        if not json.loads(said).get("lost"):
+            lost, never = self._roll_call()
+            if lost:
+                return self._lose(what, lost, heard, never=never)
+        return self._left(said)
 
     def _left(self, said: str) -> RankLostError:
         """The error of a rank that waits in an exchange another rank has left: that rank's
