@@ -27,7 +27,7 @@ _TRANSIENT_NAME_HINTS = (
     "ClientPayloadError", "ContentLengthError", "IncompleteRead", "ResponseStreamingError",
     "HTTPClientError", "ResponseParserError",
 )  # fmt: skip
-# An S3 server's answer "busy, try later" (throttling, 503, 500 InternalError): retried until
+# An S3 server's answer "busy, try later" (throttling, 500, 502, 503, 504): retried until
 # the request's deadline, as a store throttling a burst asks. By the server's own code (s3fs
 # keeps its error as the cause): the errnos s3fs maps them to also stand for 409 Conflict, and
 # a local file system's EBUSY is no server's.
@@ -35,7 +35,7 @@ _BUSY_CODES = {
     "SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException",
     "RequestLimitExceeded", "InternalError",
 }  # fmt: skip
-_BUSY_STATUSES = {500, 503}
+_BUSY_STATUSES = {500, 502, 503, 504}  # 502, 504: a gateway in front of the store
 
 
 @dataclass(kw_only=True)

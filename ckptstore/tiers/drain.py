@@ -345,8 +345,8 @@ class DrainQueue:
 
     def _run(self, job: DrainJob) -> None:
         try:
-            self._drain(job)
-            self.local.note_drained(job.step)
+            if self._drain(job):  # in durable storage too: a full tier may let this copy go
+                self.local.note_drained(job.step)
             job.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - reported on the job's future
             self._fail(job, exc)
@@ -391,8 +391,9 @@ class DrainQueue:
         )
         self.local.unprotect(job.step)
 
-    def _drain(self, job: DrainJob) -> None:
-        """Commit ``job``'s step to durable storage from every rank's local copy."""
+    def _drain(self, job: DrainJob) -> bool:
+        """Commit ``job``'s step to durable storage from every rank's local copy; whether it
+        is committed there (an unhealthy step a ``HealthPolicy`` skips is not)."""
         assert self.local.engine is not None
         session = SaveSession(
             self.local.engine, self.store, step=job.step, attempt=job.attempt, kind=job.kind
@@ -408,13 +409,14 @@ class DrainQueue:
             )
             return drained[0].written
 
-        save_collective(
+        health = save_collective(
             session,
             self.group,
             write,
             user=lambda: drained[0].user,
             dcp_metadata=lambda: drained[0].dcp_metadata,
         )
+        return health is not None and health.committed
 
 
 def _let_go(job: DrainJob) -> None:

@@ -535,6 +535,23 @@ def test_a_local_tier_full_of_its_copies_keeps_fewer_and_takes_the_next_saves(
     assert list_steps(Store(str(durable)))[-1] == 7
 
 
+def test_a_drain_that_skips_an_unhealthy_step_leaves_its_copy_the_only_one_kept(tmp_path):
+    """An adversary: a drain whose durable commit skipped the step (a norm jump, which only
+    the durable commit judges) marked the local copy drained, so a tier found full later
+    would let the only copy of the step go."""
+    from ckptstore import HealthPolicy
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    health = HealthPolicy(on_unhealthy="skip", norm_jump=10.0)
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local), health=health) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000)}).wait()
+        ckpt.wait()
+        ckpt.save(2, {"w": torch.ones(1000) * 1000}).wait()
+        ckpt.wait()
+        assert list_steps(Store(str(durable))) == [1]
+        assert sorted(ckpt._local._drained) == [1]  # step 2's copy is the only one: kept
+
+
 def test_retention_of_each_tier_under_a_concurrent_gc(tmp_path):
     import threading
 
