@@ -94,74 +94,70 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** min(attempt, 30)))
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying: timeouts, resets, throttling, server errors."""
+def _chain(exc: BaseException | None):
+    """``exc`` and its causes (or contexts), eight at most."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+
+
+def _server_answer(exc: BaseException) -> tuple[int, str] | None:
+    """The HTTP status and S3 error code of a botocore error's ``response``, if it has one."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return status, str(response.get("Error", {}).get("Code", ""))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: timeouts, resets, throttling, server errors."""
+    for link in _chain(exc):
+        if isinstance(link, (FileNotFoundError, FileExistsError, PermissionError)):
             return False
-        if isinstance(exc, (TimeoutError, ConnectionError)):
+        if isinstance(link, (TimeoutError, ConnectionError)):
             return True
-        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        if isinstance(link, OSError) and link.errno in _TRANSIENT_ERRNOS:
             return True
-        name = type(exc).__name__
+        name = type(link).__name__
         if name == "NoCredentialsError":
             return False
         if any(hint in name for hint in _TRANSIENT_NAME_HINTS):
             return True
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            code = str(response.get("Error", {}).get("Code", ""))
+        answer = _server_answer(link)
+        if answer is not None:
+            status, code = answer
             if status >= 500 or code in {"SlowDown", "Throttling", "RequestTimeout"}:
                 return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
     return False
 
 
 def is_busy(exc: BaseException | None) -> bool:
     """True for a server's "busy, try later" (throttling, 5xx): worth retrying for as long as
     the request's deadline allows, not only ``attempts`` times."""
-    seen = 0
-    while exc is not None and seen < 8:
-        name = type(exc).__name__
+    for link in _chain(exc):
+        name = type(link).__name__
         if "SlowDown" in name or "Throttl" in name:
             return True
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            code = str(response.get("Error", {}).get("Code", ""))
-            if status in _BUSY_STATUSES or code in _BUSY_CODES:
-                return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
+        answer = _server_answer(link)
+        if answer is not None and (answer[0] in _BUSY_STATUSES or answer[1] in _BUSY_CODES):
+            return True
     return False
 
 
 def is_access_error(exc: BaseException) -> bool:
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, PermissionError) or type(exc).__name__ in {
-            "NoCredentialsError",
-            "PartialCredentialsError",
-            "InvalidAccessKeyId",
-        }:
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
+    names = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId"}
+    return any(
+        isinstance(link, PermissionError) or type(link).__name__ in names for link in _chain(exc)
+    )
 
 
 def is_precondition_failed(exc: BaseException) -> bool:
     """True if ``exc`` (or its cause) is an S3 ``412 PreconditionFailed`` answer."""
-    cause = exc.__cause__
-    response = getattr(cause, "response", None) if cause is not None else None
-    if not isinstance(response, dict):
-        return False
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    return code == "PreconditionFailed" or status == 412
+    answer = _server_answer(exc.__cause__) if exc.__cause__ is not None else None
+    return answer is not None and (answer[1] == "PreconditionFailed" or answer[0] == 412)
 
 
 def whoami() -> str:
