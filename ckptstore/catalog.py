@@ -302,6 +302,9 @@ def _load_manifest_once(store: Store, step: int) -> tuple[Manifest, bytes]:
 
 
 LATEST_TRIES = 3
+# A collective "latest" load (both front-ends) whose step was removed while it loaded plans
+# again, this often.
+LATEST_REPLANS = 3
 
 
 def open_step(store: Store, step: int | str | None = "latest") -> Manifest:

@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from ckptstore.catalog import list_steps, load_manifest, no_checkpoint, resolve_step
+from ckptstore.catalog import (
+    LATEST_REPLANS,
+    list_steps,
+    load_manifest,
+    no_checkpoint,
+    resolve_step,
+)
 from ckptstore.device import host_available_bytes
 from ckptstore.device_load import read_into
 from ckptstore.errors import (
@@ -77,8 +83,6 @@ from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies, wri
 from ckptstore.tree import tensor_indexes, tensor_paths
 
 logger = logging.getLogger(__name__)
-
-_REPLANS = 3  # a "latest" load whose step was removed while it loaded plans again, this often
 
 Failures = dict[int, tuple[type, str, bool]]  # rank -> (error class, one line, missing or corrupt)
 Stop = tuple[BaseException, bool]  # the error this rank raises, whether an older step may load
@@ -179,14 +183,14 @@ class StateLoader:
         try:
             dirty: dict[str, int] = {}  # tensor path -> the failed step whose bytes it received
             candidates, not_healthy = self._candidates(step, fallback, healthy)
-            for replans in range(_REPLANS + 1):
+            for replans in range(LATEST_REPLANS + 1):
                 loaded = self._load_first(
                     state, candidates, not_healthy, dirty, fallback, strict, t0
                 )
                 if isinstance(loaded, int):
                     return loaded
                 gone = step in (None, "latest") and isinstance(loaded, CheckpointNotFoundError)
-                if not gone or replans == _REPLANS:
+                if not gone or replans == LATEST_REPLANS:
                     raise self._load_failed(loaded, dirty)
                 # Gone while it loaded: another process's keep_last or gc removed it after a
                 # newer save. Plan again (collective: every rank agreed on the error).

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ckptstore.catalog import parse_step, steps_to_resume
+from ckptstore.catalog import LATEST_REPLANS, parse_step, steps_to_resume
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
 from ckptstore.health import find_healthy, healthy_steps_to_load, no_healthy_step
@@ -54,9 +54,6 @@ class _LoadTarget:
     """Bytes per round of the shared read, the least any rank asked for (0: off)."""
     latest: bool = False
     """The load names ``"latest"``: a step removed while it loads gives way to a newer one."""
-
-
-_REPLANS = 3  # a "latest" load whose step was removed while it read reads a newer one, this often
 
 
 class _OtherRanksFailed(CheckpointError):
@@ -247,7 +244,7 @@ class StoreReader(StepReader):
         self.last_load_exchange = None
         target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
         group = _exchange_group(target, self.options["storage"], tiered=self._policy is not None)
-        for replans in range(_REPLANS + 1):
+        for replans in range(LATEST_REPLANS + 1):
             failure = self._read_once(plan, planner, target, group)
             if self._tier is not None:
                 self._end_tiered_read(failure)
@@ -314,12 +311,12 @@ class StoreReader(StepReader):
         if group is None:
             if target is not None and target.world > 1:
                 return None
-            if not isinstance(failure, CheckpointNotFoundError) or replans == _REPLANS:
+            if not isinstance(failure, CheckpointNotFoundError) or replans == LATEST_REPLANS:
                 return None
             self.view = None
             return self._adopt_newer(old, self._view())
         verdicts = group.gather(_verdict(failure))
-        if "failed" in verdicts or "removed" not in verdicts or replans == _REPLANS:
+        if "failed" in verdicts or "removed" not in verdicts or replans == LATEST_REPLANS:
             return None
         at = group.broadcast(self._newest_step() if group.rank == 0 else None)
         newer: StepView | None = None
