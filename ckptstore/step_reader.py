@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import uuid
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ class Batch:
 def load_pickled_value(data: bytes, name: str) -> Any:
     """A value DCP pickled (a ``BYTE_IO`` item), loaded by torch's weights-only unpickler:
     tensors, containers and plain scalars, never code. Anything that needs more is refused."""
+    check_torch_save_bytes(data, f"DCP item {name}")
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure is a refused value
@@ -81,6 +83,28 @@ def load_pickled_value(data: bytes, name: str) -> Any:
             "StoreReader(trust_pickled_objects=True) if you trust its writer): torch's "
             f"weights-only unpickler does not load it ({_unpickling_reason(exc)})"
         ) from None
+
+
+def check_torch_save_bytes(data: bytes, what: str) -> None:
+    """``CheckpointCorruptError`` unless ``data`` is a zip archive as ``torch.save`` writes it:
+    every record stored, none compressed, so that loading it takes no more memory than its
+    own size (torch's reader inflates deflated records: a few hundred bytes stored held 2 GB
+    that ``verify`` and ``restore`` unpacked; its pre-zip format sizes storages by the pickle's
+    word)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise CheckpointCorruptError(
+            f"{what}: not the zip archive torch.save writes ({exc})"
+        ) from None
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.file_size > len(data):
+            raise CheckpointCorruptError(
+                f"{what}: its record {record.filename[:80]!r} is compressed ({record.file_size} "
+                f"bytes from {record.compress_size}), which torch.save never writes: refused "
+                "unread"
+            )
 
 
 def _unpickling_reason(exc: Exception) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
+from ckptstore.step_reader import check_torch_save_bytes
 
 MARKER = "__ckptstore_pickled__"
 
@@ -178,4 +179,5 @@ class _CheckingUnpickler(pickle.Unpickler):
 
 
 def _load_storage_weights_only(data: bytes) -> Any:
+    check_torch_save_bytes(data, "a pickled tensor's storage")
     return torch.load(io.BytesIO(data), weights_only=True)

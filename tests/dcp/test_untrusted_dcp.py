@@ -336,6 +336,67 @@ def test_plain_pickled_values_load_weights_only(tmp_path):
     assert torch.equal(got["extra"]["t"], torch.arange(3))
 
 
+def _deflated_torch_save(value) -> bytes:
+    """``torch.save(value)`` with every record deflated: torch's reader inflates such records,
+    which ``torch.save`` never writes (a hostile writer's decompression bomb)."""
+    import io
+    import zipfile
+
+    plain = io.BytesIO()
+    torch.save(value, plain)
+    out = io.BytesIO()
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for record in src.infolist():
+            dst.writestr(record.filename, src.read(record))
+    return out.getvalue()
+
+
+def _save_raw_value(uri: str, raw: bytes) -> Store:
+    """A DCP save whose item ``blob`` is stored as ``raw``, as a hostile writer's would be."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class RawBlob(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            if write_item.index.fqn == "blob":
+                return io.BytesIO(raw)
+            return super().resolve_data(write_item)
+
+    state = {**_state(), "blob": 7}
+    dcp.save(state, storage_writer=StoreWriter(uri), planner=RawBlob(), no_dist=True)
+    return Store(uri)
+
+
+def test_a_pickled_value_whose_records_are_compressed_is_refused_unread(tmp_path, capsys):
+    """Adversary of stop 75: a BYTE_IO item of 926 bytes stored made ``verify`` and
+    ``restore`` inflate 2 GB (torch's zip reader inflates deflated records, and a run of zeros
+    deflates a thousandfold), and loaded it into the state in place of an int. A value whose
+    archive holds a compressed record (torch.save never writes one) is now refused unread."""
+    bomb = _deflated_torch_save(torch.zeros(1 << 20, dtype=torch.uint8))
+    assert len(bomb) < (1 << 14)
+    store = _save_raw_value(str(tmp_path / "s"), bomb)
+    with pytest.raises(CheckpointCorruptError, match=r"'blob'.*compressed.*torch.save never"):
+        load_full_state_dict(store, 0)
+    code, err = _cli(capsys, "restore", store.uri, "--to", tmp_path / "out.pt")
+    assert code == 1 and "'blob'" in err and "torch.save never writes" in err, err
+    assert not (tmp_path / "out.pt").exists()
+    assert main(["verify", store.uri]) == 1
+    out, _ = capsys.readouterr()
+    assert "'blob'" in out and "torch.save never writes" in out, out
+    target = {**_blank(), "blob": 0}
+    with pytest.raises(CheckpointException, match="torch.save never writes"):
+        dcp.load(target, storage_reader=StoreReader(store.uri), no_dist=True)
+    assert target["blob"] == 0
+
+
+def test_a_pickled_value_that_is_not_torch_saves_zip_is_refused(tmp_path):
+    """torch's pre-zip format sizes each storage by the pickle's word: refused too."""
+    store = _save_raw_value(str(tmp_path / "s"), pickle.dumps(3, protocol=2))
+    with pytest.raises(CheckpointCorruptError, match=r"'blob'.*not the zip archive torch.save"):
+        load_full_state_dict(store, 0)
+
+
 # -- damaged or hostile JSON metadata -----------------------------------------------------------
 
 
