@@ -199,6 +199,10 @@ class FaultyBackend(Backend):
         self.faults.inject("list")
         return self.inner.list(path)
 
+    def list_times(self, path: str) -> dict[str, float]:
+        self.faults.inject("list")
+        return self.inner.list_times(path)
+
     def delete(self, path: str) -> None:
         self.faults.inject("delete")
         return self.inner.delete(path)

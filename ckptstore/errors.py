@@ -143,6 +143,17 @@ class CommitUnknownError(StorageError):
 _ONE_LINE_CHARS = 1000
 
 
+def is_full_store(error: object) -> bool:
+    """Whether ``error`` (or what it wraps) is a full store's."""
+    for _ in range(8):
+        if isinstance(error, StorageFullError):
+            return True
+        if not isinstance(error, BaseException):
+            return False
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def no_step_loaded(
     where: str,
     skipped: list[tuple[int, BaseException]],

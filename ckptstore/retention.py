@@ -77,6 +77,8 @@ class GcReport:
     deleted_chunks: int = 0
     deleted_chunk_bytes: int = 0
     deleted_other: int = 0
+    young_chunks: int = 0
+    """Unreferenced chunks of no step gc read, left as younger than ``young_s`` (``collect``)."""
     swept: bool = False
     blocked_by: list[str] = field(default_factory=list)
     dry_run: bool = False
@@ -118,6 +120,7 @@ def collect(
     verify_healthy: bool = False,
     known: set[tuple[int, str]] | None = None,
     warn: bool = True,
+    young_s: float = 0.0,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -135,7 +138,8 @@ def collect(
     step that references a chunk not there is corrupt (``ckptstore gc``: a step that lost a
     chunk never stands in for one that loads). ``verify_kept``, ``verify_healthy``, ``known``: see
     ``_verify_kept``.
-    ``warn=False``: the report's findings logged at INFO (a caller that prints it)."""
+    ``warn=False``: the report's findings logged at INFO (a caller that prints it).
+    ``young_s``: see ``_unreferenced_chunks``."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
@@ -150,11 +154,7 @@ def collect(
     doomed = _doomed(store, readable, keep_last, set(keep_steps), report)
     level = logging.WARNING if warn else logging.INFO
     _judge_unreadable(store, report, remove_corrupt, level)
-    forensics = quarantine_objects(store)
-    keep_attempts = set() if remove_corrupt else quarantined_attempts(store)
-    keep_chunks = set() if remove_corrupt else quarantined_chunks(store)
-    if remove_corrupt:
-        report.removed_quarantine = sorted(set(quarantined(store).values()))
+    forensics, keep_attempts, keep_chunks = _quarantine(store, report, remove_corrupt)
     gone = {s: report.read_attempts.get(s) for s in [*doomed, *report.removed_corrupt]}
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
@@ -177,11 +177,23 @@ def collect(
             level,
             set(keep_steps),
             keep_chunks,
+            young_s,
         )
     finally:
         if lease is not None:
             lease.release_when_settled(settle_timeout_s)
     return report
+
+
+def _quarantine(
+    store: Store, report: GcReport, remove_corrupt: bool
+) -> tuple[list[str], set[str], set[str]]:
+    """The quarantine's own objects, and the attempts and chunks it keeps (none where
+    ``remove_corrupt`` deletes the quarantined steps, named in ``report``)."""
+    if remove_corrupt:
+        report.removed_quarantine = sorted(set(quarantined(store).values()))
+        return quarantine_objects(store), set(), set()
+    return quarantine_objects(store), quarantined_attempts(store), quarantined_chunks(store)
 
 
 def _judge_unreadable(store: Store, report: GcReport, remove_corrupt: bool, level: int) -> None:
@@ -432,6 +444,7 @@ def _sweep(
     level: int = logging.WARNING,
     keep_steps: set[int] = frozenset(),
     keep_chunks: set[str] = frozenset(),
+    young_s: float = 0.0,
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
@@ -466,16 +479,14 @@ def _sweep(
     # Only keys of this format's shapes: a stranger's file under these prefixes is left.
     keys = [k for prefix in ("steps", "indexes") for k in store.list(prefix)]
     victims = [k for k, a in zip(keys, map(attempt_of_key, keys)) if a and a not in protected]
-    chunks = store.list("chunks")
-    digests = map(digest_of_chunk_key, chunks)
-    chunk_victims = [k for k, d in zip(chunks, digests) if d and d not in referenced]
-    _refuse_a_listing_that_misses_commits(store, victims, [*listed, *report.kept_steps], gone)
-    stale_leases = [s for s in saves if not s.live]
     # Aged by the store's clock, as leases are (a gc host's clock a day ahead deleted a live
     # writer's temporaries on a file system whose server stamps the times). One probe for all
     # below: taken before their listings, it understates their ages, the safe side.
     # A dry run writes nothing (a read-only or full store previews too): this host's clock.
     now = time.time() if report.dry_run else store_now(store)
+    chunk_victims = _unreferenced_chunks(store, report, referenced, readable, young_s, now)
+    _refuse_a_listing_that_misses_commits(store, victims, [*listed, *report.kept_steps], gone)
+    stale_leases = [s for s in saves if not s.live]
     temporaries = store.stale_temporaries(older_than_s=lease_ttl_s, now=now)
     temporaries += stale_probes(store, older_than_s=lease_ttl_s, now=now)
     report.swept = True
@@ -493,6 +504,35 @@ def _sweep(
     list(store.map(_checked_delete(store, lease), victims + temporaries))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC, now) if not g.live])
+
+
+def _unreferenced_chunks(
+    store: Store,
+    report: GcReport,
+    referenced: set[str],
+    readable: dict[int, _Step],
+    young_s: float,
+    now: float,
+) -> list[str]:
+    """Keys of the chunks no kept step references. With ``young_s``, a chunk that no step gc
+    read names (a failed save's, or one of a step committed so lately that the listings left
+    out both its commit and its indexes: a store whose listings lag its writes, an NFS client's
+    cached directories) only once it is older than that by the store's clock, the others
+    counted in ``report``; the chunks of the steps gc drops go at once."""
+    if not young_s:
+        chunks = store.list("chunks")
+        return [k for k in chunks if (d := digest_of_chunk_key(k)) and d not in referenced]
+    read = {d for step in readable.values() for d in step.chunks}
+    victims = []
+    for key, written in store.list_times("chunks").items():
+        digest = digest_of_chunk_key(key)
+        if not digest or digest in referenced:
+            continue
+        if digest in read or now - written >= young_s:
+            victims.append(key)
+        else:
+            report.young_chunks += 1
+    return victims
 
 
 def _saved_since_read(

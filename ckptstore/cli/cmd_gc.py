@@ -24,6 +24,9 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
             verify_kept=not args.no_verify,
             verify_healthy=not args.no_verify,
             warn=False,  # the report below says it all
+            # Run beside a job, maybe on another host: a chunk no step it read names may be of
+            # a step committed so lately that its listings missed it (NFS caches directories).
+            young_s=args.grace_s,
         )
     except StorageFullError as exc:
         if args.dry_run:  # a dry run writes nothing: the store's own requests failed
@@ -54,7 +57,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         print(f"unreadable step {step}: {fate}: {why}")
     if report.removed_quarantine:
         print(f"{verb} quarantined step(s) {_steps(report.removed_quarantine)} (--remove-corrupt)")
-    print(_sweep_line(report, verb))
+    print(_sweep_line(report, verb, args.grace_s))
     if damaged:  # a cron job's `gc ... || alert` hears of it, as of `verify`
         print(
             f"ckptstore gc: {store.uri}: step(s) {_steps(damaged)} cannot be read and are kept "
@@ -83,6 +86,8 @@ def _doc(args: argparse.Namespace, store: Store, report: GcReport) -> dict:
         "deleted_chunks": report.deleted_chunks,
         "deleted_chunk_bytes": report.deleted_chunk_bytes,
         "deleted_other": report.deleted_other,
+        "young_chunks": report.young_chunks,
+        "grace_s": args.grace_s,
         "swept": report.swept,
         "blocked_by": report.blocked_by,
     }
@@ -92,7 +97,7 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) or "none"
 
 
-def _sweep_line(report: GcReport, verb: str) -> str:
+def _sweep_line(report: GcReport, verb: str, grace_s: float) -> str:
     if report.blocked_by:
         return (
             f"chunk sweep skipped: {len(report.blocked_by)} save(s) in flight "
@@ -104,8 +109,14 @@ def _sweep_line(report: GcReport, verb: str) -> str:
             f"chunk sweep skipped: step(s) {_steps(kept)} are kept unreadable or damaged (see "
             "above), so no chunk is swept; repair them or remove them with --remove-corrupt"
         )
+    young = (
+        f"; {report.young_chunks} unreferenced chunk(s) of no step read, written less than "
+        f"--grace-s {grace_s:g} s ago, stay until a later gc"
+        if report.young_chunks
+        else ""
+    )
     return (
         f"{verb} {report.deleted_chunks} unreferenced chunk(s) "
         f"({human_bytes(report.deleted_chunk_bytes)}) and {report.deleted_other} other "
-        "object(s) (indexes of old or failed saves, dead writers' leases and temporaries)"
+        f"object(s) (indexes of old or failed saves, dead writers' leases and temporaries){young}"
     )

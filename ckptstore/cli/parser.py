@@ -83,6 +83,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _age_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _storage_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -363,8 +373,9 @@ examples:
         step references goes (and, with --remove-corrupt, the unreadable and quarantined steps).
         While another save is in flight (it holds a lease it renews every 30 s) the sweep of
         chunks is skipped, and the command says so: run it again later. A lease not renewed for
-        its ttl (2 min by default) is a dead writer's: its leftovers are removed. Saves that start
-        during the sweep wait for it. --dry-run lists what would go, deleting nothing.
+        its ttl (2 min by default) is a dead writer's: its leftovers are removed (a chunk no step
+        names goes once it is --grace-s old: a step committed just now may be missing from a
+        lagging listing). Saves that start during the sweep wait for it. --dry-run lists what would go, deleting nothing.
         Only steps that can be read count towards K: a step whose manifest or rank index does not
         decode, or that references a chunk the store no longer lists, is listed as unreadable and
         kept, and no chunk is swept while it is there (exit 1 while one is kept);
@@ -395,6 +406,15 @@ examples:
         "--remove-corrupt",
         action="store_true",
         help="also delete steps whose manifest or rank index is corrupt (they are kept otherwise)",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=_age_s,
+        default=120.0,
+        metavar="SECONDS",
+        help="sweep a chunk that no step names (a failed save's) only once it is this old by "
+        "the store's clock (default 120: a step committed that moment may be missing from a "
+        "lagging listing, an NFS client's cached directory); 0 sweeps them at once",
     )
     hashing = p.add_mutually_exclusive_group()
     hashing.add_argument(

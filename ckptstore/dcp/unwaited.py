@@ -33,11 +33,13 @@ def finish_async_saves() -> None:
 def _at_exit() -> None:
     """The saves ``dcp.async_save`` still runs, finished; then each save whose thread ended
     without committing it is named in one ERROR line: its error is in a future nobody may
-    have read (a script that ends right after ``async_save``)."""
+    have read (a script that ends right after ``async_save``). A ``dcp.save`` that failed
+    raised its error to its caller, who may have gone on: that is not named."""
     finish_async_saves()
     for writer in list(_WRITERS):
         for attempt, (step, _, thread) in list(writer._started.items()):
-            if not thread.is_alive():
+            # A save of another thread (dcp.save) raised its error to its caller.
+            if thread.name.startswith(ASYNC_SAVE_THREAD_PREFIX) and not thread.is_alive():
                 why = writer._why_failed.get(
                     attempt, "its error is in the future dcp.async_save returned"
                 )

@@ -28,7 +28,13 @@ from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.dcp.stager import HeldStaging, PooledStager
-from ckptstore.errors import CheckpointError, StepExistsError, UnsupportedStateError, one_line
+from ckptstore.errors import (
+    CheckpointError,
+    StepExistsError,
+    UnsupportedStateError,
+    is_full_store,
+    one_line,
+)
 from ckptstore.exit_status import fail_at_exit
 from ckptstore.format import KIND_DCP, check_step, commit_key, storage_key
 from ckptstore.health import StepHealth
@@ -438,6 +444,7 @@ class StoreWriter(StorageWriter, PooledStager):
             }
         # A tiered step is committed to durable storage by its drain, which takes its lease.
         try:
+            self._release_leases_of_ended_saves()
             latest = self._begin_lease(target) if durable and not tiered else {}
         except BaseException as exc:
             self._note_failure(target.attempt, exc)
@@ -569,6 +576,8 @@ class StoreWriter(StorageWriter, PooledStager):
             telemetry.saves_total.inc(frontend="dcp", outcome="failed")
             if planned is not None and self._cadence is not None:
                 self._cadence.missed()  # a tiered save its local tier sent here: a later one goes
+            self._release_lease(target.attempt)
+            self._reclaim_if_full(session, exc)
             raise
         finally:
             self._release_lease(target.attempt)
@@ -868,10 +877,29 @@ class StoreWriter(StorageWriter, PooledStager):
         self._sessions[target.attempt] = session
         return latest
 
+    def _release_leases_of_ended_saves(self) -> None:
+        """The leases of saves that DCP ended without ``finish`` (a rank other than the
+        coordinator failed: DCP raises on the coordinator without a word to its writer), let go:
+        a DCP save runs start to end on one thread, so the save of a thread that has ended, or
+        that plans another save now, is over. Held, it would keep every later retention and
+        ``ckptstore gc`` from sweeping a chunk while this process lives."""
+        now = threading.current_thread()
+        for attempt in list(self._sessions):
+            started = self._started.get(attempt)
+            if started is not None and (started[2] is now or not started[2].is_alive()):
+                self._release_lease(attempt)
+
     def _release_lease(self, attempt: str) -> None:
         session = self._sessions.pop(attempt, None)
         if session is not None:
             session.release()
+
+    def _reclaim_if_full(self, session: SaveSession, error: BaseException) -> None:
+        """A save that failed on a full store sweeps what failed saves left, on the coordinator
+        (its own write or the commit failed so; a rank's that failed alone is not heard of), as
+        the Checkpointer's saves do (``SaveSession.reclaim``), its lease released first."""
+        if self.is_coordinator and is_full_store(error):
+            session.reclaim()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -899,8 +927,9 @@ class StoreWriter(StorageWriter, PooledStager):
                 chunks,
                 items={storage_key(item.index): i for i, item in enumerate(items)},
             )
-        except BaseException:
+        except BaseException as exc:
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
+            self._reclaim_if_full(session, exc)
             raise
         logger.debug(
             "rank %d: wrote %d DCP items of step %d (%d chunks)",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ckptstore.errors import CheckpointError, StorageFullError, one_line
+from ckptstore.errors import CheckpointError, is_full_store, one_line
 from ckptstore.health import StepHealth
 from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
 
@@ -55,7 +55,7 @@ def save_collective(
         outcome = group.broadcast(outcome)
     finally:
         session.release()  # rank 0's lease: the commit's outcome is known, or never will be
-    if rank == 0 and any(_full(e) for e in (*ranks, outcome)):
+    if rank == 0 and any(is_full_store(e) for e in (*ranks, outcome)):
         session.reclaim()
     if isinstance(written, BaseException):
         raise written
@@ -64,17 +64,6 @@ def save_collective(
     if rank == 0 and outcome.committed:
         session.retain()
     return outcome
-
-
-def _full(error: Any) -> bool:
-    """Whether ``error`` (or what it wraps) is a full store's."""
-    for _ in range(8):
-        if isinstance(error, StorageFullError):
-            return True
-        if not isinstance(error, BaseException):
-            return False
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def saves_apart(step: int, attempt: str, saves: list[tuple[int, str]]) -> CheckpointError | None:

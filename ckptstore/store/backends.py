@@ -9,6 +9,7 @@ and any other fsspec protocol through its generic filesystem interface.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import inspect
 import io
@@ -20,6 +21,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -101,6 +103,11 @@ class Backend(ABC):
         """``list``, with each object's size (from the listing where the store gives it)."""
         return {p: self.size(p) for p in self.list(path)}
 
+    def list_times(self, path: str) -> dict[str, float]:
+        """``list``, with each object's :meth:`modified` time (from the listing where the
+        store gives it)."""
+        return {p: self.modified(p) for p in self.list(path)}
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove ``path``; one already gone is not an error."""
@@ -122,6 +129,17 @@ _VERSIONS = (
     "ETag", "etag", "VersionId", "version_id", "generation",
     "LastModified", "last_modified", "updated", "mtime", "created",
 )  # fmt: skip
+
+
+def _time_of(info: dict[str, Any]) -> float | None:
+    """An fsspec listing entry's modification time (s3fs: ``LastModified``), if it has one."""
+    for name in ("LastModified", "mtime", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
 
 
 class FsspecBackend(Backend):
@@ -194,9 +212,14 @@ class FsspecBackend(Backend):
         return list(self._found(path))
 
     def list_sizes(self, path: str) -> dict[str, int]:
-        return self._found(path)
+        return {name: int(info.get("size") or 0) for name, info in self._found(path).items()}
 
-    def _found(self, path: str) -> dict[str, int]:
+    def list_times(self, path: str) -> dict[str, float]:
+        found = self._found(path)
+        times = {name: _time_of(info) for name, info in found.items()}
+        return {n: t if t is not None else self.modified(n) for n, t in times.items()}
+
+    def _found(self, path: str) -> dict[str, dict[str, Any]]:
         try:
             self.fs.invalidate_cache(path)
             # Some stores (SeaweedFS) keep a directory after its last object is deleted, and
@@ -207,11 +230,7 @@ class FsspecBackend(Backend):
                 raise
             self._listing_missed(path, exc)
             return {}
-        return {
-            name: int(info.get("size") or 0)
-            for name, info in found.items()
-            if info.get("type") != "directory"
-        }
+        return {name: info for name, info in found.items() if info.get("type") != "directory"}
 
     def delete(self, path: str) -> None:
         try:
@@ -303,6 +322,10 @@ class MemoryBackend(FsspecBackend):
     def list_sizes(self, path: str) -> dict[str, int]:
         with _MEMORY_LOCK:
             return super().list_sizes(path)
+
+    def list_times(self, path: str) -> dict[str, float]:
+        with _MEMORY_LOCK:
+            return super().list_times(path)
 
     def delete(self, path: str) -> None:
         with _MEMORY_LOCK:
@@ -454,13 +477,17 @@ class LocalBackend(FsspecBackend):
         return out
 
     def list_sizes(self, path: str) -> dict[str, int]:
-        sizes = {}
+        return {name: st.st_size for name, st in self._stats(path)}
+
+    def list_times(self, path: str) -> dict[str, float]:
+        return {name: st.st_mtime for name, st in self._stats(path)}
+
+    def _stats(self, path: str) -> Iterator[tuple[str, os.stat_result]]:
         for name in self.list(path):
             try:
-                sizes[name] = os.lstat(name).st_size
+                yield name, os.lstat(name)
             except FileNotFoundError:
                 continue  # deleted since the listing
-        return sizes
 
     def delete(self, path: str) -> None:
         try:

@@ -54,6 +54,9 @@ R = TypeVar("R")
 _MUTATING_OPS = frozenset({"put", "copy", "delete"})
 # No retry starts with less than this (or a quarter of an attempt's deadline) left of its request.
 _MIN_ATTEMPT_S = 0.5
+# A put the store has no room for: a full disk, a user's quota spent (what failed saves left
+# is then swept as for a full disk, ``SaveSession.reclaim``).
+_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 # Marks the log record (INFO) of one failed attempt: the request's own error, if it comes to that,
 # tells the outcome, and the store's counters count retries (``ckptstore`` shows these with -v).
 _RETRY_LOG = {"ckptstore_retry": True}
@@ -346,8 +349,8 @@ class Store:
             return StorageAccessError(
                 f"{op} {where}: permission denied{on} (running as {whoami()})"
             )
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return StorageFullError(f"{op} {where}: no space left on device")
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            return StorageFullError(f"{op} {where}: {_FULL_ERRNOS[exc.errno]}")
         if isinstance(exc, StorageError):
             return exc
         return StorageError(f"{op} {where} failed: {describe(exc)}")
@@ -485,6 +488,13 @@ class Store:
         found = self._request("list", prefix, self.backend.list_sizes, base)
         return {self._key(p): size for p, size in sorted(found.items())}
 
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        """Key -> modification time (by the store's clock) of every object below ``prefix``
+        (one listing on object stores)."""
+        base = self.path(prefix.rstrip("/"))
+        found = self._request("list", prefix, self.backend.list_times, base)
+        return {self._key(p): when for p, when in sorted(found.items())}
+
     def _key(self, path: str) -> str:
         return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
 
@@ -559,7 +569,7 @@ def _error_kind(exc: BaseException) -> str:
         if isinstance(exc, cls):
             return kind
     cause = exc.__cause__
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+    if isinstance(cause, OSError) and cause.errno in _FULL_ERRNOS:
         return "no_space"
     if cause is not None and is_transient(cause):
         return "transient"  # failed after its last retry

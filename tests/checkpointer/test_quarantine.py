@@ -192,7 +192,8 @@ def test_gc_keeps_a_quarantined_steps_chunks_until_remove_corrupt(tmp_path, monk
     kept = [root / "chunks" / d[:2] / d for d in only_3[1:]]
     assert main(["gc", str(root), "--keep-last", "1"]) == 0
     assert all(path.exists() for path in kept)  # the quarantined step could be put back
-    assert main(["gc", str(root), "--keep-last", "1", "--remove-corrupt"]) == 0
+    # seconds old: with the default --grace-s they would wait 2 min, unnamed by any step
+    assert main(["gc", str(root), "--keep-last", "1", "--remove-corrupt", "--grace-s", "0"]) == 0
     assert not any(path.exists() for path in kept)
 
 

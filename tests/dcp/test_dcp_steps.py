@@ -403,3 +403,54 @@ def test_a_checkpoint_id_inside_the_writers_store_is_said_to_be_a_store_of_its_o
     with pytest.raises(ValueError, match="begins or ends with whitespace"):
         dcp.save(_state(1), storage_writer=writer, checkpoint_id=" 7")
     assert not Path(" 7").exists()
+
+
+def _a_save_failing_on_rank_1(rank: int, world: int, uri: str) -> None:
+    """Ranks 0 and 1 save over a group of their own (so no round of one writer per chunk tells
+    rank 0 of rank 1's failure); rank 1's write of step 1 fails; steps 2 and 3 commit."""
+    from ckptstore.leases import SAVE, find_leases
+
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        dist.barrier()
+        return
+    writer = StoreWriter(uri, keep_last=1, encoding=EncodingOptions(chunk_bytes=4096))
+
+    def save(step: int, value: float) -> None:
+        state = {f"w{rank}": torch.full((4096,), value + rank)}
+        dcp.save(state, storage_writer=writer, checkpoint_id=step, process_group=group)
+
+    save(0, 0.0)
+    write = StoreWriter._write
+
+    def failing(self, items, planner, target, **kwargs):
+        if target.step == 1:
+            raise OSError("rank 1's disk went away")
+        return write(self, items, planner, target, **kwargs)
+
+    if rank == 1:
+        StoreWriter._write = failing
+    with pytest.raises(CheckpointException):
+        save(1, 10.0)
+    StoreWriter._write = write
+    for step in (2, 3):
+        save(step, 100.0 * step)
+    if rank == 0:  # the failed save's lease was let go once its thread planned the next save
+        assert not [s.key for s in find_leases(Store(uri), SAVE) if s.live]
+    dist.barrier()
+
+
+@pytest.mark.dist
+def test_a_dcp_save_that_failed_on_another_rank_does_not_hold_its_lease_for_the_job(tmp_path):
+    """A DCP save that failed on a rank other than the coordinator, outside a round of one
+    writer per chunk (a save over a group of some ranks, or one overlapping another async save),
+    never reaches ``finish``: the coordinator renewed its save lease until the process ended,
+    and every retention after it (and any ``ckptstore gc``) swept no chunk, the store only
+    growing. Its lease is now let go once the thread that ran it plans another save (a DCP save
+    is over on that thread) or has ended, and the next retention sweeps what it left."""
+    from tests.helpers.integrity import chunk_files, referenced_chunks
+
+    uri = str(tmp_path / "s")
+    run_ranks(_a_save_failing_on_rank_1, 3, uri, timeout_s=120)
+    assert list_steps(Store(uri)) == [3]
+    assert chunk_files(tmp_path / "s") == referenced_chunks(uri)

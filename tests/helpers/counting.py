@@ -33,6 +33,7 @@ _BACKEND_KINDS = {
     "exists": "head",
     "modified": "head",
     "list": "list",
+    "list_times": "list",
     "delete": "delete",
 }
 

@@ -4,6 +4,7 @@ deletes that land late, exit right after ``save()``, dead writers, ambiguous com
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ from ckptstore import (
 )
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import StoreWriter
-from ckptstore.errors import CommitUnknownError, StorageTimeoutError
+from ckptstore.errors import CommitUnknownError, StorageFullError, StorageTimeoutError
 from ckptstore.leases import GC, SAVE, Lease, find_leases
 from ckptstore.retention import collect
 from ckptstore.store.processes import machine_tag
@@ -534,6 +535,71 @@ def test_a_save_failing_on_a_full_store_sweeps_what_failed_saves_left(small_disk
     assert "chunk(s) of failed saves" in caplog.text
     assert list_steps(Store(uri)) == [4]
     assert chunk_files(small_disk / "store") == referenced_chunks(uri)
+
+
+class _Quota:
+    """A local backend whose chunk puts fail "disk quota exceeded" after ``room`` of them."""
+
+    def __init__(self, inner, room: int) -> None:
+        self._inner, self.room = inner, room
+
+    def put_once(self, path: str, data) -> None:
+        if "/chunks/" in f"/{path}":
+            if self.room <= 0:
+                raise OSError(errno.EDQUOT, "Disk quota exceeded", path)
+            self.room -= 1
+        return self._inner.put_once(path, data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def test_a_save_over_its_quota_is_a_full_store_and_sweeps_what_it_left(tmp_path, caplog):
+    """Adversary of stop 75: a save failing "disk quota exceeded" (EDQUOT) was a plain
+    storage error, so the chunks it had written stayed until a manual gc. It is a full store,
+    named so, and a job with ``keep_last`` sweeps them as for a full disk."""
+    uri = str(tmp_path / "store")
+    encoding = EncodingOptions(compression="none", chunk_bytes=64 << 10)
+    caplog.set_level("WARNING", logger="ckptstore")
+    store = Store(uri, retry=RetryPolicy(attempts=1))
+    quota = _Quota(store.backend, room=4)
+    store.backend = quota
+    with Checkpointer(
+        uri, keep_last=1, encoding=encoding, storage=StorageOptions(store=store)
+    ) as ckpt:
+        ckpt.save(1, {"w": torch.randn(1 << 15)}).wait()  # 2 chunks
+        with pytest.raises(StorageFullError, match="disk quota exceeded"):
+            ckpt.save(2, {"w": torch.randn(1 << 17)}).wait(timeout_s=120)  # 8 chunks, 2 land
+        assert "chunk(s) of failed saves" in caplog.text
+        assert chunk_files(tmp_path / "store") == referenced_chunks(uri)
+        quota.room = 100
+        ckpt.save(3, {"w": torch.randn(1 << 15)}).wait()
+    assert list_steps(Store(uri)) == [3]
+
+
+def test_a_dcp_save_failing_on_a_full_store_sweeps_what_failed_saves_left(small_disk, caplog):
+    """The same through DCP (left undone in stop 74): a ``StoreWriter`` with ``keep_last``
+    whose save fails on a full store sweeps the chunks failed saves left, so the next save
+    finds room once what filled the store is gone."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    uri = str(small_disk / "store")
+    writer = StoreWriter(
+        uri, keep_last=1, encoding=EncodingOptions(compression="none", chunk_bytes=256 << 10)
+    )
+    caplog.set_level("WARNING", logger="ckptstore")
+    dcp.save({"w": torch.randn(1 << 17)}, storage_writer=writer)  # 0.5 MiB
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (1 << 20))  # another process's 1 MiB
+    for _ in range(2):  # 3 MiB each: both fail, filling the disk
+        with pytest.raises(CheckpointException, match="no space left"):
+            dcp.save({"w": torch.randn(3 << 18)}, storage_writer=writer)
+    filler.unlink()  # the other process is done: 1 MiB free, and what failed saves left
+    dcp.save({"w": torch.randn(1 << 19)}, storage_writer=writer)  # 2 MiB
+    assert "chunk(s) of failed saves" in caplog.text
+    assert len(list_steps(Store(uri))) == 1
+    assert chunk_files(small_disk / "store") == referenced_chunks(uri)
+    verify_all(uri)
 
 
 def test_gc_removes_temporaries_of_dead_writers(tmp_path):
