@@ -558,7 +558,9 @@ class LocalTier:
         try:
             if ward == self.rank and self._fits is not None:  # full once: fewer drained copies
                 keep_last = min(keep_last, self._fits)
-                keep |= set(list_steps(store)[:-keep_last]) - self._drained
+                # those only the tier holds stay while among the newest local_keep_last
+                newest = list_steps(store)[-self.policy.local_keep_last :]
+                keep |= set(newest[:-keep_last]) - self._drained
             collect(
                 store,
                 keep_last=keep_last,

@@ -950,3 +950,45 @@ def test_a_resume_removes_the_records_it_makes_redundant_and_no_other():
     assert [r.step for r in resumes(store)] == [3]
     assert left_by(6, made_under({"resume": again}), resumes(store)) is not None
     assert left_by(6, made_under({"resume": back}), resumes(store)) is None
+
+
+def test_a_local_tier_found_full_once_does_not_keep_every_copy_it_never_drained(
+    tmp_path, small_disk, caplog
+):
+    """Adversary of stop 75: once a full disk had made the tier keep fewer drained copies, it
+    kept every copy never drained for good (with ``durable_every=2``, every other step's), so
+    once what filled the disk was gone the tier filled with its own old copies and each later
+    save bypassed it until the process restarted. A copy only the tier holds stays only among
+    the newest ``local_keep_last``."""
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+
+    def big(step: int) -> dict:  # 0.75 MiB of incompressible bytes
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randint(0, 2**31, (192 * 1024,), generator=g, dtype=torch.int32)}
+
+    with Checkpointer(
+        tmp_path / "durable",
+        tiers=TierOptions(local_dir=small_disk, durable_every=2, local_keep_last=2),
+        encoding=EncodingOptions(compression="none", chunk_bytes=256 * 1024),
+    ) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, big(step)).wait()
+        ckpt.wait()  # step 3 drained: a copy a full tier may let go
+        hog = small_disk / "hog"
+        with open(hog, "wb") as out:  # another process takes every byte left
+            try:
+                while True:
+                    out.write(b"\0" * 65536)
+                    out.flush()
+            except OSError:
+                pass
+        ckpt.save(5, big(5)).wait()  # to durable storage: the tier is full
+        assert "is full: it keeps 1 copy" in caplog.text
+        hog.unlink()
+        caplog.clear()
+        for step in range(6, 16):
+            ckpt.save(step, big(step)).wait()
+            ckpt.wait()
+    said = [r.message for r in caplog.records if "not committed to the local tier" in r.message]
+    assert not said, said
+    assert list_steps(Store(str(copies_dir(small_disk, 0)))) == [14, 15]
