@@ -434,6 +434,12 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     assert main(hint.split()[1:]) == 0
 
 
+def incompressible(step: int, n: int = 384 * 1024) -> dict:
+    """A state of ``n`` int32 the codec cannot shrink, by ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randint(0, 2**31, (n,), generator=g, dtype=torch.int32)}
+
+
 def test_a_local_tier_too_small_for_its_copies_keeps_no_chunk_of_a_failed_one(
     tmp_path, small_disk, caplog
 ):
@@ -442,9 +448,7 @@ def test_a_local_tier_too_small_for_its_copies_keeps_no_chunk_of_a_failed_one(
     (3 MiB of 12), so even a short-lived shortage became for good."""
     caplog.set_level(logging.INFO, logger="ckptstore")
 
-    def big(step: int) -> dict:  # 1.5 MiB of incompressible bytes: two fit on the 4 MiB disk
-        g = torch.Generator().manual_seed(step)
-        return {"w": torch.randint(0, 2**31, (384 * 1024,), generator=g, dtype=torch.int32)}
+    big = incompressible  # 1.5 MiB each: two fit on the 4 MiB disk
 
     with Checkpointer(
         tmp_path / "durable",
@@ -485,9 +489,7 @@ def test_a_full_local_disk_sends_saves_to_durable_and_loses_nothing(tmp_path, sm
     caplog.set_level(logging.WARNING, logger="ckptstore")
     durable = tmp_path / "durable"
 
-    def big(step: int) -> dict:  # 1.5 MiB of incompressible bytes: two fit on the 4 MiB disk
-        g = torch.Generator().manual_seed(step)
-        return {"w": torch.randint(0, 2**31, (384 * 1024,), generator=g, dtype=torch.int32)}
+    big = incompressible  # 1.5 MiB each: two fit on the 4 MiB disk
 
     with Checkpointer(
         durable,
@@ -520,9 +522,7 @@ def test_a_local_tier_full_of_its_copies_keeps_fewer_and_takes_the_next_saves(
     caplog.set_level(logging.WARNING, logger="ckptstore")
     durable = tmp_path / "durable"
 
-    def big(step: int) -> dict:  # 1.5 MiB of incompressible bytes: two fit on the 4 MiB disk
-        g = torch.Generator().manual_seed(step)
-        return {"w": torch.randint(0, 2**31, (384 * 1024,), generator=g, dtype=torch.int32)}
+    big = incompressible  # 1.5 MiB each: two fit on the 4 MiB disk
 
     local = []
     with Checkpointer(
@@ -962,9 +962,8 @@ def test_a_local_tier_found_full_once_does_not_keep_every_copy_it_never_drained(
     the newest ``local_keep_last``."""
     caplog.set_level(logging.WARNING, logger="ckptstore")
 
-    def big(step: int) -> dict:  # 0.75 MiB of incompressible bytes
-        g = torch.Generator().manual_seed(step)
-        return {"w": torch.randint(0, 2**31, (192 * 1024,), generator=g, dtype=torch.int32)}
+    def big(step: int) -> dict:  # 0.75 MiB each
+        return incompressible(step, 192 * 1024)
 
     with Checkpointer(
         tmp_path / "durable",
