@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import Any
 
-from ckptstore.catalog import list_steps, load_manifest
+from ckptstore.catalog import LATEST_TRIES, list_steps, load_manifest
 from ckptstore.cli.common import UsageError, emit_json, progress
 from ckptstore.cli.restore_file import (
     check_target,
@@ -51,13 +51,11 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
                 remove_if_empty_dir(target)  # the export made it; nothing went in
             raise
     check_target(target, args.format, args.force)
-    view = _open_naming_the_step_before(store, args.step)
-    manifest, step = view.manifest, view.step
-    total = view.progress_bytes()
-    with progress(total, f"restore step {step}") as advance, warnings.catch_warnings():
+    with warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        state = _load_naming_the_step(view, store, advance)
+        view, state = _load_kept_step(store, args.step)
+        manifest, step = view.manifest, view.step
         if args.only:
             state = _only(state, args.only, step)
         if args.format == "dcp" and not isinstance(state, dict):
@@ -136,6 +134,42 @@ def _readable_step_before(store: Store, step: int) -> int | None:
             continue
         return older
     return None
+
+
+def _load_kept_step(store: Store, step: int | None) -> tuple[StepView, Any]:
+    """The step's view and state. A step removed while it was read (another process's
+    keep_last or gc: its chunks went missing) gives way to the newest step where the newest
+    was asked for (``LATEST_TRIES`` times at most), else fails saying so: it is no damage."""
+    for tries_left in range(LATEST_TRIES - 1, -1, -1):
+        view = _open_naming_the_step_before(store, step)
+        try:
+            with progress(view.progress_bytes(), f"restore step {view.step}") as advance:
+                return view, _load_naming_the_step(view, store, advance)
+        except CheckpointError as exc:
+            if _unchanged(store, view):
+                raise
+            if step is not None or not tries_left:
+                raise CheckpointNotFoundError(
+                    f"step {view.step} of {store.uri} was removed while it was restored "
+                    "(keep_last or gc of another process): restore a step still kept "
+                    "(ckptstore ls)"
+                ) from exc
+            print(
+                f"step {view.step} was removed while it was restored (keep_last or gc of "
+                "another process); restoring the newest step",
+                file=sys.stderr,
+            )
+    raise AssertionError("unreachable")
+
+
+def _unchanged(store: Store, view: StepView) -> bool:
+    """Whether ``view``'s step is still the save it read."""
+    try:
+        return load_manifest(store, view.step).attempt == view.manifest.attempt
+    except CheckpointNotFoundError:
+        return False
+    except CheckpointError:
+        return True
 
 
 def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:

@@ -1268,3 +1268,51 @@ def test_inspect_of_a_health_record_missing_its_norm_says_what_it_has(store: Pat
     code, out, err = run(capsys, "inspect", store, "--step", "30")
     assert code == 0 and err == "", err
     assert "0 NaN, 0 Inf" in out and "norm" not in out.split("NaN")[1].split("\n")[0], out
+
+
+def _removed_while_read(monkeypatch, uri: str, new_step: int) -> None:
+    """The first step restore reads is dropped as it reads it: another process saves
+    ``new_step`` with keep_last=1, which deletes the step's manifest, then its chunks."""
+    from ckptstore.steps import StepView
+
+    read = StepView.load_plain
+    calls = []
+
+    def dropped_first(self, *args, **kwargs):
+        if not calls:
+            calls.append(self.step)
+            with Checkpointer(uri, keep_last=1) as other:
+                other.save(new_step, {"w": torch.full((4096,), float(new_step))}).wait()
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepView, "load_plain", dropped_first)
+
+
+def _three_steps(uri: str) -> None:
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+
+
+def test_a_restore_whose_step_a_job_removes_meanwhile_restores_the_newest(
+    tmp_path, monkeypatch, capsys
+):
+    """Adversary of stop 75: ``restore`` beside a job with keep_last failed 2 times in 30 with
+    "chunk ... is missing" and a hint to try the step before (the newer one was there): the
+    job's retention had removed the step as it was read. The newest step is restored instead,
+    as Checkpointer.load() does; a step named by --step says it was removed, not damaged."""
+    uri = str(tmp_path / "store")
+    _three_steps(uri)
+    _removed_while_read(monkeypatch, uri, 4)
+    code, out, err = run(capsys, "restore", uri, "--to", tmp_path / "out.pt")
+    assert code == 0, err
+    assert "step 3 was removed while it was restored" in err and "restored step 4" in out
+    assert torch.equal(torch.load(tmp_path / "out.pt")["w"], torch.full((4096,), 4.0))
+
+    named = str(tmp_path / "named")
+    _three_steps(named)
+    _removed_while_read(monkeypatch, named, 4)
+    code, out, err = run(capsys, "restore", named, "--step", "3", "--to", tmp_path / "3.pt")
+    assert code == 1 and err.count("\n") == 1, err
+    assert "step 3 of" in err and "was removed while it was restored (keep_last or gc" in err
+    assert "the step before it" not in err and not (tmp_path / "3.pt").exists()
