@@ -150,13 +150,13 @@ class StepView:
     def require(self, loader: str) -> None:
         """Refuse a step ``loader`` (``CHECKPOINTER`` or ``DCP``) cannot load, naming the one
         that can."""
+        if self.is_dcp and self.manifest.dcp_metadata is None:  # corrupt, whoever loads it
+            raise CheckpointCorruptError(
+                f"step {self.step} of {self.store.uri} has no DCP metadata"
+            )
         if _LOADERS[self.kind] != loader:
             raise UnsupportedStateError(
                 f"step {self.step} in {self.store.uri} {_HOW_TO_LOAD[_LOADERS[self.kind]]}"
-            )
-        if self.is_dcp and self.manifest.dcp_metadata is None:
-            raise CheckpointCorruptError(
-                f"step {self.step} of {self.store.uri} has no DCP metadata"
             )
 
     # -- indexes and names ------------------------------------------------------------------

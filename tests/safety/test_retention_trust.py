@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptstore import Checkpointer, Store
-from ckptstore.catalog import list_steps
+from ckptstore.catalog import list_steps, load_manifest
 from ckptstore.cli import main
 from ckptstore.format import commit_key
 from ckptstore.retention import collect
@@ -55,7 +55,7 @@ def break_rank_index(store: Store, step: int) -> None:
 
 def truncate_own_chunk(store: Store, step: int) -> str:
     """Cut short a chunk only ``step`` references (its bytes half gone); its key."""
-    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.catalog import load_rank_indexes
     from ckptstore.format import chunk_key
 
     def chunks(s: int) -> set[str]:
@@ -202,7 +202,7 @@ def test_gc_never_keeps_a_step_that_lost_a_chunk_in_place_of_one_that_loads(tmp_
     """A chunk of the newest step deleted under the store: ``ckptstore gc --keep-last 1``
     (no --verify) sees it missing from its listing, keeps the step that loads and names the
     damaged one; --remove-corrupt then deletes it."""
-    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.catalog import load_rank_indexes
     from ckptstore.format import chunk_key
 
     uri = str(tmp_path)
@@ -238,7 +238,7 @@ def test_gc_verify_that_cannot_read_a_chunk_fails_and_deletes_nothing(
     """A chunk the store does not serve (its read fails as a storage error, an EIO, not as
     bad bytes) under ``gc --verify``: the plan claimed every step verified and exited 0; the
     command now fails naming it, and deletes nothing."""
-    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.catalog import load_rank_indexes
     from ckptstore.errors import StorageError
     from ckptstore.format import chunk_key
     from ckptstore.store.backends import LocalBackend
@@ -361,7 +361,7 @@ def test_gc_re_hashes_the_steps_it_keeps_before_deleting_older_ones(tmp_path, ca
     then ``gc --keep-last 1``: the good step before it was deleted, gc exited 0, and no step
     could be loaded. Now the kept step is re-hashed first: the damaged one is kept apart, the
     good one kept in its place, gc exits 1 naming the damage."""
-    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.catalog import load_rank_indexes
     from ckptstore.format import chunk_key
 
     uri = str(tmp_path / "store")
@@ -387,7 +387,7 @@ def test_gc_re_hashes_the_steps_it_keeps_before_deleting_older_ones(tmp_path, ca
 
 
 def _own_chunks(store: Store, step: int) -> list[str]:
-    from ckptstore.catalog import load_manifest, load_rank_indexes
+    from ckptstore.catalog import load_rank_indexes
     from ckptstore.format import chunk_key
 
     def chunks(s: int) -> set[str]:
@@ -544,3 +544,20 @@ def test_gc_sweeps_a_failed_saves_chunks_once_they_are_older_than_a_listing_may_
     assert not store.exists(orphan)
     with Checkpointer(uri) as ckpt:
         ckpt.verify("all")
+
+
+def test_a_state_step_whose_manifest_says_dcp_is_corrupt_and_fallback_passes_it(tmp_path):
+    """Adversary of stop 75: a Checkpointer step's manifest resealed with ``"kind": "dcp"``
+    (no DCP metadata: no DCP load can read it) sent ``load(fallback=True)`` to DCP with an
+    UnsupportedStateError instead of the step before. A dcp step without DCP metadata is
+    corrupt, whichever front-end loads it."""
+    uri = str(tmp_path / "store")
+    save_two_steps(uri)
+    doc = manifest_doc(Store(uri), 2)
+    doc["kind"] = "dcp"
+    put_manifest(Store(uri), 2, doc)
+    into = {"w": torch.zeros(64)}
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(into, fallback=True) == 1
+    assert torch.equal(into["w"], W[1])
+    assert list_steps(Store(uri)) == [1]  # quarantined, as a corrupt step is
