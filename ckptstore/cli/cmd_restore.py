@@ -220,7 +220,9 @@ def _only(state: Any, prefix: str, step: int) -> dict:
     chosen = keep(state, ())
     if not chosen:
         top = ", ".join(map(str, list(state)[:8])) if isinstance(state, dict) else "none"
-        raise UsageError(f"nothing in step {step} is named {prefix}... (top-level keys: {top})")
+        raise UsageError(
+            f"nothing in step {step} is named {prefix!r} or below it (top-level keys: {top})"
+        )
     return chosen
 
 

@@ -44,6 +44,11 @@ def open_store(args: argparse.Namespace) -> Store:
         return Store(args.uri, storage_options=dict(args.storage_options) or None)
 
 
+def _shown(uri: str) -> str:
+    """``uri`` as typed, quoted where a space at an end or a control character would hide."""
+    return repr(uri) if uri != uri.strip() or not uri.isprintable() else uri
+
+
 def _open_existing_store(args: argparse.Namespace) -> Store:
     options = dict(args.storage_options)
     timeout = getattr(args, "timeout", None)
@@ -59,7 +64,7 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
             is_dir = stat.S_ISDIR(os.stat(store.root).st_mode)
         except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFoundError(
-                f"no ckptstore checkpoints at {args.uri} (no such path)"
+                f"no ckptstore checkpoints at {_shown(args.uri)} (no such path)"
             ) from None
         except PermissionError as exc:
             raise StorageAccessError(
@@ -67,7 +72,7 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
             ) from exc
         if not is_dir:
             raise CheckpointNotFoundError(
-                f"no ckptstore checkpoints at {args.uri} (a file, not a store directory)"
+                f"no ckptstore checkpoints at {_shown(args.uri)} (a file, not a store directory)"
             )
     # A missing bucket, bad credentials, an unreadable directory or an endpoint that does not
     # answer fail here, clearly (listing only commits/: the whole prefix may hold millions of

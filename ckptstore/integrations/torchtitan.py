@@ -42,7 +42,9 @@ the bytes go and how the newest step is found:
   process (``AsyncCheckpointerType.PROCESS``), as torchtitan's does, when the writer has no
   tiers (``StoreWriter`` pickles its configuration and is rebuilt there once); a writer with
   ``tiers`` stays in the trainer's process, where its drains to the store remain in reach of
-  ``close()``, and uploads from a background thread (``AsyncCheckpointerType.THREAD``).
+  ``close()``, and uploads from a background thread (``AsyncCheckpointerType.THREAD``). DCP
+  spawns its checkpoint process, which imports the training script again: keep the script's
+  code under ``if __name__ == "__main__":``.
 - the last step (``training.steps``) is saved synchronously, to the store itself even with
   tiers (it is the run's result, whichever save ``durable_every`` drains): the model alone cast to
   ``export_dtype`` when ``last_save_model_only``, and with ``last_save_in_hf`` also exported as

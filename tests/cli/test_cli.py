@@ -1316,3 +1316,10 @@ def test_a_restore_whose_step_a_job_removes_meanwhile_restores_the_newest(
     assert code == 1 and err.count("\n") == 1, err
     assert "step 3 of" in err and "was removed while it was restored (keep_last or gc" in err
     assert "the step before it" not in err and not (tmp_path / "3.pt").exists()
+
+
+def test_a_path_with_a_space_at_its_end_is_quoted_where_it_is_not_found(store, tmp_path, capsys):
+    """A new user: ``ls "st_local "`` said "no ckptstore checkpoints at st_local  (no such
+    path)", the space unseen."""
+    code, _, err = run(capsys, "ls", f"{store} ")
+    assert code == 1 and f"no ckptstore checkpoints at '{store} ' (no such path)" in err, err
