@@ -18,6 +18,7 @@ it when a method needs it: ``ls`` and ``inspect`` run without torch).
 from __future__ import annotations
 
 import io
+import struct
 import uuid
 import zipfile
 from collections import Counter
@@ -85,26 +86,48 @@ def load_pickled_value(data: bytes, name: str) -> Any:
         ) from None
 
 
-def check_torch_save_bytes(data: bytes, what: str) -> None:
-    """``CheckpointCorruptError`` unless ``data`` is a zip archive as ``torch.save`` writes it:
-    every record stored, none compressed, so that loading it takes no more memory than its
-    own size (torch's reader inflates deflated records: a few hundred bytes stored held 2 GB
-    that ``verify`` and ``restore`` unpacked; its pre-zip format sizes storages by the pickle's
-    word)."""
+_ZIP_LOCAL = b"PK\x03\x04"  # what torch.load looks for first (else its pre-zip format)
+
+
+def check_torch_save_bytes(data: bytes, what: str, *, legacy: bool = False) -> None:
+    """``CheckpointCorruptError`` unless ``data`` is a zip archive laid out as ``torch.save``
+    writes it: at its start, its central directory where its end record (the archive's last 22
+    bytes, no comment) says, every record stored as its local header says too, none compressed.
+    Python's reader and torch's then read the same records, and loading takes no more memory
+    than the bytes themselves (torch inflates deflated records: 926 bytes stored held 2 GB).
+    ``legacy``: bytes not starting as a zip archive pass too (torch's pre-zip format, which a
+    pickled storage uses: nothing compressed)."""
+
+    def refuse(why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"{what}: {why}, which torch.save never writes: refused unread"
+        )
+
+    if bytes(data[:4]) != _ZIP_LOCAL:
+        if legacy:
+            return
+        raise refuse("not a zip archive")
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            records = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise CheckpointCorruptError(
-            f"{what}: not the zip archive torch.save writes ({exc})"
-        ) from None
+        file = io.BytesIO(data)
+        end = zipfile._EndRecData(file)  # as ZipFile finds it: its offset of the directory
+        with zipfile.ZipFile(file) as archive:
+            records, start, comment = archive.infolist(), archive.start_dir, archive.comment
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error) as exc:
+        raise refuse(f"a damaged zip archive ({exc})") from None
+    if end is None or comment or end[zipfile._ECD_LOCATION] != len(data) - 22:
+        raise refuse("a zip archive with bytes after its end record")
+    if start != end[zipfile._ECD_OFFSET]:
+        raise refuse("a zip archive whose directory is not where its end record says")
     for record in records:
-        if record.compress_type != zipfile.ZIP_STORED or record.file_size > len(data):
-            raise CheckpointCorruptError(
-                f"{what}: its record {record.filename[:80]!r} is compressed ({record.file_size} "
-                f"bytes from {record.compress_size}), which torch.save never writes: refused "
-                "unread"
-            )
+        local = bytes(data[record.header_offset : record.header_offset + 30])
+        if (
+            record.compress_type != zipfile.ZIP_STORED
+            or record.compress_size != record.file_size
+            or record.header_offset + record.file_size > len(data)
+            or local[:4] != _ZIP_LOCAL
+            or local[8:10] != b"\0\0"  # the local header's method: stored
+        ):
+            raise refuse(f"its record {record.filename[:80]!r} compressed or misplaced")
 
 
 def _unpickling_reason(exc: Exception) -> str:

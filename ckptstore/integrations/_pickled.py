@@ -179,5 +179,5 @@ class _CheckingUnpickler(pickle.Unpickler):
 
 
 def _load_storage_weights_only(data: bytes) -> Any:
-    check_torch_save_bytes(data, "a pickled tensor's storage")
+    check_torch_save_bytes(data, "a pickled tensor's storage", legacy=True)
     return torch.load(io.BytesIO(data), weights_only=True)

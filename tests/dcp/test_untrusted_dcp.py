@@ -376,7 +376,9 @@ def test_a_pickled_value_whose_records_are_compressed_is_refused_unread(tmp_path
     bomb = _deflated_torch_save(torch.zeros(1 << 20, dtype=torch.uint8))
     assert len(bomb) < (1 << 14)
     store = _save_raw_value(str(tmp_path / "s"), bomb)
-    with pytest.raises(CheckpointCorruptError, match=r"'blob'.*compressed.*torch.save never"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"'blob'.*compressed or misplaced.*torch.save never"
+    ):
         load_full_state_dict(store, 0)
     code, err = _cli(capsys, "restore", store.uri, "--to", tmp_path / "out.pt")
     assert code == 1 and "'blob'" in err and "torch.save never writes" in err, err
@@ -393,8 +395,60 @@ def test_a_pickled_value_whose_records_are_compressed_is_refused_unread(tmp_path
 def test_a_pickled_value_that_is_not_torch_saves_zip_is_refused(tmp_path):
     """torch's pre-zip format sizes each storage by the pickle's word: refused too."""
     store = _save_raw_value(str(tmp_path / "s"), pickle.dumps(3, protocol=2))
-    with pytest.raises(CheckpointCorruptError, match=r"'blob'.*not the zip archive torch.save"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"'blob'.*not a zip archive, which torch.save"
+    ):
         load_full_state_dict(store, 0)
+
+
+def _two_directories(deflated: bytes) -> bytes:
+    """``deflated``'s records under two central directories of one size: the one its end
+    record points at (deflated, what torch's reader reads) and a copy marked stored right
+    before the end record (what Python's zipfile reads, taking the gap for prepended bytes)."""
+    import struct
+
+    eocd = deflated.rfind(b"PK\x05\x06")
+    size, offset = struct.unpack("<II", deflated[eocd + 12 : eocd + 20])
+    real = deflated[offset : offset + size]
+    fake, at = bytearray(real), 0
+    while at < len(fake):
+        names, extra, comment = struct.unpack("<HHH", fake[at + 28 : at + 34])
+        struct.pack_into("<H", fake, at + 10, 0)  # method: stored
+        struct.pack_into("<II", fake, at + 20, 1, 1)  # sizes
+        at += 46 + names + extra + comment
+    return deflated[:offset] + real + bytes(fake) + deflated[eocd:]
+
+
+def test_check_torch_save_bytes_refuses_what_two_zip_readers_read_apart():
+    """Adversary of the check above: Python's zipfile and torch's reader disagreed on where the
+    directory is (a second one placed before the end record), or on the format (a pre-zip pickle
+    with a zip appended): the check passed one value and torch loaded another, 50 MB from 50 KB.
+    What torch.save writes passes: nested values, many records, a 64 MiB tensor."""
+    import io
+
+    from ckptstore.step_reader import check_torch_save_bytes
+
+    value = torch.zeros(1 << 16, dtype=torch.uint8)
+    plain = io.BytesIO()
+    torch.save(value, plain)
+    crafted = _two_directories(_deflated_torch_save(value))
+    with pytest.raises(CheckpointCorruptError, match="not where its end record says"):
+        check_torch_save_bytes(crafted, "x")
+    legacy = io.BytesIO()
+    torch.save({"evil": torch.arange(5)}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointCorruptError, match="not a zip archive"):
+        check_torch_save_bytes(legacy.getvalue() + plain.getvalue(), "x")
+    check_torch_save_bytes(legacy.getvalue(), "x", legacy=True)  # a pickled storage's format
+    with pytest.raises(CheckpointCorruptError, match="after its end record"):
+        check_torch_save_bytes(plain.getvalue() + b"\0", "x")
+    for good in (
+        {"a": [torch.arange(3), {"b": torch.ones(2, 2, dtype=torch.bfloat16)}], "n": 7},
+        [torch.full((2,), float(i)) for i in range(300)],
+        torch.zeros(16 << 20),
+    ):
+        out = io.BytesIO()
+        torch.save(good, out)
+        check_torch_save_bytes(out.getvalue(), "x")
 
 
 # -- damaged or hostile JSON metadata -----------------------------------------------------------
