@@ -10,6 +10,7 @@ and signatures. When a torch release moves one of these, this file is the one to
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
     "ASYNC_SAVE_THREAD_PREFIX",
+    "dcp_saves_on_this_thread",
     "dead_checkpoint_process",
     "EmptyStateDictLoadPlanner",
     "load_in_this_process",
@@ -32,6 +34,20 @@ __all__ = [
 # save, shut down after it): joined at exit so that a script ending without waiting on the
 # future still commits (``dcp.writer.finish_async_saves``).
 ASYNC_SAVE_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+def dcp_saves_on_this_thread() -> int:
+    """How many DCP saves this thread is inside (``_save_state_dict`` frames on its stack, which
+    every ``dcp.save`` and each save of an ``async_save`` runs through): more than one where a
+    save is made from within another (a signal handler's emergency save)."""
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    code, found = _save_state_dict.__code__, 0
+    frame = sys._getframe()
+    while frame is not None:
+        found += frame.f_code is code
+        frame = frame.f_back
+    return found
 
 
 def dead_checkpoint_process() -> int | None:

@@ -550,6 +550,7 @@ def _encode_and_put(
         telemetry.bytes_total.inc(stored, kind="stored")
     except ObjectExistsError:  # another rank or save wrote the same content first
         stored = store.size(key)
+        store.refresh(key)  # a step that names it now is as young as the chunks it wrote
     if governor is not None:
         governor.observe_put(
             stored=sum(map(len, parts)), put_s=time.perf_counter() - t1, compressed=compress

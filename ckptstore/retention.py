@@ -78,7 +78,7 @@ class GcReport:
     deleted_chunk_bytes: int = 0
     deleted_other: int = 0
     young_chunks: int = 0
-    """Unreferenced chunks of no step gc read, left as younger than ``young_s`` (``collect``)."""
+    """Unreferenced chunks left as younger than ``young_s`` (``collect``)."""
     swept: bool = False
     blocked_by: list[str] = field(default_factory=list)
     dry_run: bool = False
@@ -484,7 +484,7 @@ def _sweep(
     # below: taken before their listings, it understates their ages, the safe side.
     # A dry run writes nothing (a read-only or full store previews too): this host's clock.
     now = time.time() if report.dry_run else store_now(store)
-    chunk_victims = _unreferenced_chunks(store, report, referenced, readable, young_s, now)
+    chunk_victims = _unreferenced_chunks(store, report, referenced, young_s, now)
     _refuse_a_listing_that_misses_commits(store, victims, [*listed, *report.kept_steps], gone)
     stale_leases = [s for s in saves if not s.live]
     temporaries = store.stale_temporaries(older_than_s=lease_ttl_s, now=now)
@@ -507,28 +507,22 @@ def _sweep(
 
 
 def _unreferenced_chunks(
-    store: Store,
-    report: GcReport,
-    referenced: set[str],
-    readable: dict[int, _Step],
-    young_s: float,
-    now: float,
+    store: Store, report: GcReport, referenced: set[str], young_s: float, now: float
 ) -> list[str]:
-    """Keys of the chunks no kept step references. With ``young_s``, a chunk that no step gc
-    read names (a failed save's, or one of a step committed so lately that the listings left
-    out both its commit and its indexes: a store whose listings lag its writes, an NFS client's
-    cached directories) only once it is older than that by the store's clock, the others
-    counted in ``report``; the chunks of the steps gc drops go at once."""
+    """Keys of the chunks no kept step references. With ``young_s``, only those older than
+    that by the store's clock, the others counted in ``report``: a chunk of a step committed
+    so lately that the listings left out both its commit and its indexes (a store whose
+    listings lag its writes, an NFS client's cached directories) is young, as is one such a
+    step found stored (``Store.refresh``, where the store can)."""
     if not young_s:
         chunks = store.list("chunks")
         return [k for k in chunks if (d := digest_of_chunk_key(k)) and d not in referenced]
-    read = {d for step in readable.values() for d in step.chunks}
     victims = []
     for key, written in store.list_times("chunks").items():
         digest = digest_of_chunk_key(key)
         if not digest or digest in referenced:
             continue
-        if digest in read or now - written >= young_s:
+        if now - written >= young_s:
             victims.append(key)
         else:
             report.young_chunks += 1

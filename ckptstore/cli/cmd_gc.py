@@ -24,8 +24,8 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
             verify_kept=not args.no_verify,
             verify_healthy=not args.no_verify,
             warn=False,  # the report below says it all
-            # Run beside a job, maybe on another host: a chunk no step it read names may be of
-            # a step committed so lately that its listings missed it (NFS caches directories).
+            # Run beside a job, maybe on another host: an unreferenced chunk may be of a step
+            # committed so lately that its listings missed it (NFS caches directories).
             young_s=args.grace_s,
         )
     except StorageFullError as exc:
@@ -110,7 +110,7 @@ def _sweep_line(report: GcReport, verb: str, grace_s: float) -> str:
             "above), so no chunk is swept; repair them or remove them with --remove-corrupt"
         )
     young = (
-        f"; {report.young_chunks} unreferenced chunk(s) of no step read, written less than "
+        f"; {report.young_chunks} unreferenced chunk(s) written less than "
         f"--grace-s {grace_s:g} s ago, stay until a later gc"
         if report.young_chunks
         else ""

@@ -373,8 +373,8 @@ examples:
         step references goes (and, with --remove-corrupt, the unreadable and quarantined steps).
         While another save is in flight (it holds a lease it renews every 30 s) the sweep of
         chunks is skipped, and the command says so: run it again later. A lease not renewed for
-        its ttl (2 min by default) is a dead writer's: its leftovers are removed (a chunk no step
-        names goes once it is --grace-s old: a step committed just now may be missing from a
+        its ttl (2 min by default) is a dead writer's: its leftovers are removed (an unreferenced
+        chunk goes once it is --grace-s old: a step committed just now may be missing from a
         lagging listing). Saves that start during the sweep wait for it. --dry-run lists what would go, deleting nothing.
         Only steps that can be read count towards K: a step whose manifest or rank index does not
         decode, or that references a chunk the store no longer lists, is listed as unreadable and
@@ -412,7 +412,7 @@ examples:
         type=_age_s,
         default=120.0,
         metavar="SECONDS",
-        help="sweep a chunk that no step names (a failed save's) only once it is this old by "
+        help="sweep an unreferenced chunk only once it is this old by "
         "the store's clock (default 120: a step committed that moment may be missing from a "
         "lagging listing, an NFS client's cached directory); 0 sweeps them at once",
     )

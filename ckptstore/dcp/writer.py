@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore import telemetry
+from ckptstore._torch_private import dcp_saves_on_this_thread
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
@@ -870,8 +871,8 @@ class StoreWriter(StorageWriter, PooledStager):
         """Take the save's lease before any rank looks for stored chunks (prepare_global_plan
         runs before DCP hands the ranks their plans); it covers every rank until the commit.
         Where each rank's index of the latest committed step is, by rank. A save that fails
-        on another rank never reaches ``finish``: its lease is held until this process ends,
-        which delays sweeps but never endangers a step."""
+        on another rank never reaches ``finish``: its lease is held until its thread ends or
+        plans another save (``_release_leases_of_ended_saves``)."""
         session = self._session(target)
         latest = session.begin(self.rank)
         self._sessions[target.attempt] = session
@@ -884,9 +885,14 @@ class StoreWriter(StorageWriter, PooledStager):
         that plans another save now, is over. Held, it would keep every later retention and
         ``ckptstore gc`` from sweeping a chunk while this process lives."""
         now = threading.current_thread()
+        # A save made from within another on this thread (a signal handler's): that one is not
+        # over, nor can the saves of this thread be told apart from it.
+        nested = dcp_saves_on_this_thread() > 1
         for attempt in list(self._sessions):
             started = self._started.get(attempt)
-            if started is not None and (started[2] is now or not started[2].is_alive()):
+            if started is None:
+                continue
+            if (started[2] is now and not nested) or not started[2].is_alive():
                 self._release_lease(attempt)
 
     def _release_lease(self, attempt: str) -> None:

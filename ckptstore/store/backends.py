@@ -112,6 +112,11 @@ class Backend(ABC):
     def delete(self, path: str) -> None:
         """Remove ``path``; one already gone is not an error."""
 
+    def refresh(self, path: str) -> None:
+        """Make ``path``'s :meth:`modified` time now where that takes no rewrite (a local
+        file's); elsewhere nothing. Best effort."""
+        return None
+
     def stale_temporaries(
         self, root: str, *, older_than_s: float, now: float | None = None
     ) -> list[str]:
@@ -478,6 +483,12 @@ class LocalBackend(FsspecBackend):
 
     def list_sizes(self, path: str) -> dict[str, int]:
         return {name: st.st_size for name, st in self._stats(path)}
+
+    def refresh(self, path: str) -> None:
+        try:
+            os.utime(self._inside(path))
+        except OSError:
+            pass  # gone, or not ours to touch: its time stays
 
     def list_times(self, path: str) -> dict[str, float]:
         return {name: st.st_mtime for name, st in self._stats(path)}

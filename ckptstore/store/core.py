@@ -467,6 +467,12 @@ class Store:
     def exists(self, key: str) -> bool:
         return self._request("exists", key, self.backend.exists, self.path(key))
 
+    def refresh(self, key: str) -> None:
+        """``key``'s modification time made now where the store can without a rewrite (a local
+        or NFS file): a chunk a save found stored counts as young again for ``ckptstore gc
+        --grace-s``. Elsewhere nothing; never an error."""
+        self.backend.refresh(self.path(key))
+
     def modified(self, key: str) -> float:
         """When ``key`` was written, by the store's clock (seconds since the epoch, as coarse
         as ``clock_resolution_s``); for leases, which never compare it with a host's clock."""

@@ -454,3 +454,36 @@ def test_a_dcp_save_that_failed_on_another_rank_does_not_hold_its_lease_for_the_
     run_ranks(_a_save_failing_on_rank_1, 3, uri, timeout_s=120)
     assert list_steps(Store(uri)) == [3]
     assert chunk_files(tmp_path / "s") == referenced_chunks(uri)
+
+
+def test_a_save_made_from_within_another_on_its_thread_leaves_the_outer_ones_lease(tmp_path):
+    """Adversary of the rule above: a save made from a signal handler while the job's save ran
+    on the same thread (an emergency save) let the outer save's lease go as if it were over; its
+    retention swept the chunks the outer save had written, and the outer save committed a step
+    that lacked them. A save inside another on this thread lets no lease of the thread go."""
+    from tests.helpers.integrity import verify_all
+
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, keep_last=1, encoding=EncodingOptions(chunk_bytes=4096))
+    dcp.save({"w": torch.full((4096,), 1.0)}, storage_writer=writer, no_dist=True)
+    write = StoreWriter._write
+    nested = []
+
+    def emergency_save_midway(self, items, planner, target, **kwargs):
+        results = write(self, items, planner, target, **kwargs)  # the outer save's chunks
+        if not nested:  # as a signal handler would, between the outer save's write and commit
+            nested.append(True)
+            dcp.save({"w": torch.full((4096,), 9.0)}, storage_writer=writer, no_dist=True)
+        return results
+
+    StoreWriter._write = emergency_save_midway
+    try:
+        outer = {"w": torch.arange(8192.0)}
+        dcp.save(outer, storage_writer=writer, no_dist=True)
+    finally:
+        StoreWriter._write = write
+    assert list_steps(Store(uri)) == [1, 2]  # the outer save's step 1, below the nested one
+    got = {"w": torch.zeros(8192)}
+    dcp.load(got, storage_reader=StoreReader(uri), checkpoint_id=1, no_dist=True)
+    assert torch.equal(got["w"], outer["w"])
+    verify_all(uri)

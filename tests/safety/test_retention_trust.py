@@ -8,6 +8,7 @@ deletes it only when asked (``--remove-corrupt``)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -149,7 +150,9 @@ def test_remove_corrupt_deletes_the_damaged_step_then_sweeps(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "unreadable step 2: deleted (--remove-corrupt)" in out
     # its chunk, named by no step read (its manifest does not decode), is seconds old
-    assert "deleted 0 unreferenced chunk(s)" in out and "1 unreferenced chunk(s) of no" in out
+    assert (
+        "deleted 0 unreferenced chunk(s)" in out and "1 unreferenced chunk(s) written less" in out
+    )
     assert main(["gc", uri, "--remove-corrupt", "--grace-s", "0"]) == 0
     assert "deleted 1 unreferenced chunk(s)" in capsys.readouterr().out
     assert list_steps(Store(uri)) == [1] and loads_step_1(uri)
@@ -480,6 +483,23 @@ def test_gc_never_removes_a_step_saved_again_while_it_ran_as_corrupt(tmp_path, c
         assert ckpt.load(target, step=2) == 2 and torch.equal(target["w"], torch.full((64,), 22.0))
 
 
+def _listings_leave_out(monkeypatch, step: int) -> None:
+    """Every listing of the store leaves out ``step``'s commit and its save's objects (a store
+    whose listings lag its writes); reads by key find them."""
+    import ckptstore.retention as retention
+    from ckptstore.format import save_of_key
+
+    listed, listing = retention.list_steps, Store.list
+
+    def lagging(store, prefix=""):
+        return [k for k in listing(store, prefix) if (save_of_key(k) or (0,))[0] != step]
+
+    monkeypatch.setattr(
+        retention, "list_steps", lambda store: [s for s in listed(store) if s != step]
+    )
+    monkeypatch.setattr(Store, "list", lagging)
+
+
 def test_gc_keeps_the_chunks_of_a_step_whose_commit_and_indexes_the_listings_leave_out(
     tmp_path, monkeypatch, capsys
 ):
@@ -488,20 +508,12 @@ def test_gc_keeps_the_chunks_of_a_step_whose_commit_and_indexes_the_listings_lea
     3, so nothing led it to look step 3 up, and it swept step 3's own chunks as a failed save's;
     the listing caught up and step 3 failed to load. A chunk that no step gc read names is now
     swept only once it is older than a listing may lag."""
-    import ckptstore.retention as retention
-    from ckptstore.format import save_of_key
 
     uri = str(tmp_path / "store")
     with Checkpointer(uri) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
-    listed, listing = retention.list_steps, Store.list
-
-    def lagging(store, prefix=""):
-        return [k for k in listing(store, prefix) if (save_of_key(k) or (0,))[0] != 3]
-
-    monkeypatch.setattr(retention, "list_steps", lambda store: [s for s in listed(store) if s != 3])
-    monkeypatch.setattr(Store, "list", lagging)
+    _listings_leave_out(monkeypatch, 3)
     assert main(["gc", uri, "--keep-last", "1"]) == 0
     out = capsys.readouterr().out
     assert "deleted steps: 1" in out, out
@@ -532,8 +544,7 @@ def test_gc_sweeps_a_failed_saves_chunks_once_they_are_older_than_a_listing_may_
     assert main(["gc", uri, "--keep-last", "2"]) == 0
     out = capsys.readouterr().out
     assert (
-        "deleted 0 unreferenced chunk(s)" in out
-        and "1 unreferenced chunk(s) of no step read" in out
+        "deleted 0 unreferenced chunk(s)" in out and "1 unreferenced chunk(s) written less" in out
     )
     assert store.exists(orphan)
     old = store.modified(orphan) - 600
@@ -561,3 +572,30 @@ def test_a_state_step_whose_manifest_says_dcp_is_corrupt_and_fallback_passes_it(
         assert ckpt.load(into, fallback=True) == 1
     assert torch.equal(into["w"], W[1])
     assert list_steps(Store(uri)) == [1]  # quarantined, as a corrupt step is
+
+
+def test_gc_keeps_an_old_chunk_that_a_step_the_listings_miss_found_stored(tmp_path, monkeypatch):
+    """Adversary of the rule above: step 2 held the bytes of step 0, whose chunk an hour old it
+    found stored (an exclusive put answered "exists", the chunk's time unchanged); with step 2
+    missing from the listings, ``gc --keep-last 1`` dropped step 0 and swept that chunk at once,
+    and the newest step lost it. A chunk a save finds stored is made young again (a local or NFS
+    file's time), and gc leaves every unreferenced chunk younger than --grace-s."""
+    import os
+
+    uri = str(tmp_path / "store")
+    x = torch.arange(8192.0)
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(0, {"w": x}).wait()
+        hour_ago = time.time() - 3600
+        for key in Store(uri).list("chunks"):
+            os.utime(tmp_path / "store" / key, (hour_ago, hour_ago))
+        ckpt.save(1, {"w": -x}).wait()
+        ckpt.save(2, {"w": x}).wait()  # step 0's chunk, found stored
+    _listings_leave_out(monkeypatch, 2)
+    assert main(["gc", uri, "--keep-last", "1"]) == 0
+    monkeypatch.undo()
+    assert list_steps(Store(uri)) == [1, 2]
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify("all")
+        into = {"w": torch.zeros(8192)}
+        assert ckpt.load(into) == 2 and torch.equal(into["w"], x)
