@@ -23,6 +23,7 @@ from loaders import (
     MDS,
     LoaderConfig,
     MDSWriter,
+    ReplicaConfig,
     ShardCorruptError,
     ShardDataset,
     ShardNotFoundError,
@@ -640,3 +641,97 @@ def test_a_token_manifest_listing_a_shard_twice_or_none_is_a_loader_error(tmp_pa
     (root / "files.txt").write_text(listing)
     with pytest.raises(ShardCorruptError, match="manifest files.txt lists"):
         ShardDataset(str(root), TokenFiles(manifest="files.txt", sample_tokens=8), config=IN_ORDER)
+
+
+def _pax(kind: bytes, records: dict[str, object]) -> bytes:
+    """A pax header block of ``kind`` (per member or global) holding ``records``, padded."""
+    body = b""
+    for key, value in records.items():
+        line = f" {key}={value}\n".encode()
+        n = len(line) + 1
+        while len(str(n)) + len(line) != n:
+            n += 1
+        body += str(n).encode() + line
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = kind, len(body)
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + body + bytes(-len(body) % tarfile.BLOCKSIZE)
+
+
+def _member(name: str, data: bytes = b"") -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+def _refused(tmp_path: Path, tar: bytes, match: str, **wds) -> None:
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "s.tar").write_bytes(tar)
+    bounded = ReplicaConfig(attempt_timeout_s=20, read_deadline_s=30)
+    with pytest.raises(ShardCorruptError, match=match):
+        list(ShardDataset(str(root), WebDataset(**wds), config=IN_ORDER, replica_config=bounded))
+
+
+def test_a_negative_size_in_a_pax_record_is_refused_not_read_for_ever(tmp_path):
+    """Adversary of stop 75: a pax ``size=-1536`` passed the check of the header's own size
+    field and sent tarfile back to the pax header for ever, memory growing after the read
+    timed out. The size a pax record gives is checked too."""
+    tar = _member("a.txt", b"hello") + _pax(tarfile.XHDTYPE, {"size": -1536}) + _member("noext")
+    _refused(tmp_path, tar + bytes(1024), "pax header says -1536 bytes")
+
+
+def test_global_pax_headers_are_bounded_in_all(tmp_path):
+    """Adversary of stop 75: 128 global pax headers under 8 KiB each (81k keys) made tarfile
+    walk every key for every member: a 193 KiB shard parsed for about 1,000 s."""
+    many = {f"g{i}": "x" for i in range(300)}  # about 2.7 KiB a header
+    tar = b"".join(_pax(tarfile.XGLTYPE, many) for _ in range(4)) + _member("a.txt", b"hi")
+    _refused(tmp_path, tar + bytes(1024), "global pax headers of .* bytes by offset")
+
+
+def test_pax_headers_chained_deeper_than_a_writer_makes_are_one_line_corrupt(tmp_path):
+    """Adversary of stop 75: 400 pax headers in a row raised RecursionError out of the tar
+    parse, taken for a read failure: retried 6 times and the replica benched."""
+    tar = _pax(tarfile.XHDTYPE, {"comment": "x"}) * 1200 + _member("a.txt")
+    _refused(tmp_path, tar + bytes(1024), "extended headers chained deeper")
+
+
+def test_a_sparse_member_is_refused_not_read_past_its_bytes(tmp_path):
+    """Adversary of stop 75: a GNU sparse member (``tar -S``) was sliced at its expanded size,
+    so its sample held the next member's header and bytes, silently."""
+    info = tarfile.TarInfo("x.bin")
+    info.size, info.type = 512, tarfile.GNUTYPE_SPARSE
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    header[386:410] = b"%011o\0" % 0 + b"%011o\0" % 512  # one chunk: 512 bytes at 0
+    header[483:495] = b"%011o\0" % 2048  # its expanded size
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    tar = bytes(header) + b"A" * 512 + _member("x.txt", b"hello")
+    _refused(tmp_path, tar + bytes(1024), "x.bin.* is a sparse file")
+
+
+def test_a_shard_listed_larger_than_max_shard_bytes_is_refused_unread(tmp_path):
+    """Adversary of stop 75: a plain tar of 1.5 GiB (sparse on disk) was read whole at open,
+    1,760 MiB of memory with max_shard_bytes=1 MiB, which bounded only decompression."""
+    tar = _member("a.txt", b"x" * 20000) + bytes(1024)
+    _refused(
+        tmp_path,
+        tar,
+        "s.tar is 22016 bytes, more than WebDataset.max_shard_bytes",
+        max_shard_bytes=8192,
+    )
+
+
+def test_an_mds_shard_stored_larger_than_max_shard_bytes_is_refused_at_open(tmp_path: Path):
+    """Adversary of stop 75: ``zip_data.bytes`` was not bounded, so a compressed shard of
+    1.5 GiB (sparse on disk, its index saying so) was read whole at open with
+    max_shard_bytes=1 MiB."""
+    root = tmp_path / "ds"
+    write_mds(root, "zstd")
+    index = json.loads((root / "index.json").read_text())
+    zipped = index["shards"][0]["zip_data"]
+    with open(root / zipped["basename"], "r+b") as shard:
+        shard.truncate(1 << 26)  # 64 MiB, sparse: no disk taken
+    zipped["bytes"] = 1 << 26
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match=r"67108864 bytes stored, more than MDS"):
+        ShardDataset(str(root), MDS(max_shard_bytes=1 << 20, verify_hashes=False), config=IN_ORDER)

@@ -208,6 +208,11 @@ class MDS:
                         f"{where}: {shard.raw_bytes} raw bytes, more than "
                         f"MDS.max_shard_bytes ({self.max_shard_bytes})"
                     )
+                if shard.nbytes > self.max_shard_bytes:  # read whole before it is decompressed
+                    raise ShardCorruptError(
+                        f"{where}: {shard.nbytes} bytes stored, more than "
+                        f"MDS.max_shard_bytes ({self.max_shard_bytes})"
+                    )
                 shard.check_ratio(where)
                 if shard.decoded_bytes() > self.max_shard_bytes:
                     raise ShardCorruptError(

@@ -91,8 +91,10 @@ class _Refused(Exception):
 class _CheckedTarInfo(tarfile.TarInfo):
     """The members ``tarfile`` reads, each checked as it reaches its header (no walk of our own
     that could read the archive otherwise): a pax header over ``MAX_PAX_HEADER_BYTES`` is
-    refused before it is parsed, and a negative size (base-256) before ``tarfile`` steps back
-    to an earlier header and reads the same ones for ever."""
+    refused before it is parsed, global ones once they add up to more (each member's header
+    walks every global key: 193 KiB of them took 1,000 s), and a negative size, base-256 or a
+    pax record's, before ``tarfile`` steps back to an earlier header and reads the same ones
+    for ever."""
 
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
         if self.size < 0:
@@ -105,7 +107,20 @@ class _CheckedTarInfo(tarfile.TarInfo):
                 f"a pax header of {self.size} bytes at offset {self.offset} (more than "
                 f"{MAX_PAX_HEADER_BYTES}: not read)"
             )
+        if self.type == tarfile.XGLTYPE:
+            seen = getattr(tarfile_, "_global_pax_bytes", 0) + self.size
+            tarfile_._global_pax_bytes = seen  # type: ignore[attr-defined]
+            if seen > MAX_PAX_HEADER_BYTES:
+                raise _Refused(
+                    f"global pax headers of {seen} bytes by offset {self.offset} (more than "
+                    f"{MAX_PAX_HEADER_BYTES}: not read)"
+                )
         return super()._proc_pax(tarfile_)
+
+    def _apply_pax_info(self, pax_headers: dict, encoding: str, errors: str) -> None:
+        super()._apply_pax_info(pax_headers, encoding, errors)
+        if self.size < 0:
+            raise _Refused(f"a member whose pax header says {self.size} bytes")
 
 
 def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
@@ -121,8 +136,8 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
         raise ShardCorruptError(f"{what}: not a tar file (offset 0): {exc}") from exc
     except _Refused as exc:
         raise ShardCorruptError(f"{what}: {exc}") from exc
-    except (ValueError, OverflowError) as exc:  # a pax record's number tarfile cannot read
-        raise ShardCorruptError(f"{what}: bad tar header at offset 0: {exc}") from exc
+    except (ValueError, OverflowError, RecursionError) as exc:  # a pax number; pax chains
+        raise ShardCorruptError(f"{what}: bad tar header at offset 0: {_short(exc)}") from exc
     offset = 0
     links: list[str] = []  # never followed: upstream's reader skips them too
     try:
@@ -132,6 +147,11 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
                 if member.issym() or member.islnk():
                     links.append(member.name)
                 continue
+            if member.issparse():  # its size is the expanded one: its bytes are not a slice
+                raise ShardCorruptError(
+                    f"{what}: member {member.name!r} at offset {member.offset} is a sparse file "
+                    "(tar -S), which WebDataset shards cannot hold: write it without -S"
+                )
             parts = member.name.split("/")
             if member.name.startswith("/") or ".." in parts:
                 raise ShardCorruptError(
@@ -163,8 +183,10 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
         raise
     except _Refused as exc:
         raise ShardCorruptError(f"{what}: {exc}") from exc
-    except (tarfile.TarError, ValueError, OverflowError) as exc:
-        raise ShardCorruptError(f"{what}: bad tar header after offset {offset}: {exc}") from exc
+    except (tarfile.TarError, ValueError, OverflowError, RecursionError) as exc:
+        raise ShardCorruptError(
+            f"{what}: bad tar header after offset {offset}: {_short(exc)}"
+        ) from exc
     # ``tarfile`` ends its walk quietly at a damaged header or at the end of the bytes, as it
     # does at the end-of-archive zero blocks every tar writer puts last: only those end it here.
     end = tar.offset
@@ -183,6 +205,12 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
             ", ..." if len(links) > 3 else "",
         )
     return samples
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "extended headers chained deeper than a tar writer makes them"
+    return str(exc)
 
 
 @dataclass(kw_only=True)
@@ -204,9 +232,10 @@ class WebDataset:
     (and a compressed shard's decompressed size is learnt for the prefetch window, which
     otherwise counts its compressed size)."""
     max_shard_bytes: int = 1 << 32
-    """Most bytes a compressed shard may decompress to: one that decompresses to more is
-    :class:`ShardCorruptError`, found in that much memory (a gzip bomb stops here). The
-    default holds upstream ``ShardWriter``'s largest shards (3 GB)."""
+    """Most bytes a shard may hold, as stored or decompressed: a larger one is
+    :class:`ShardCorruptError`, refused unread where its listed size says so, else found in
+    that much memory (a gzip bomb stops here). The default holds upstream ``ShardWriter``'s
+    largest shards (3 GB)."""
     name: str = field(default="webdataset", init=False)
 
     def __post_init__(self) -> None:
@@ -224,6 +253,12 @@ class WebDataset:
         shards, nbytes, hashes = shards_and_hashes(
             replicas, self.shards, self.manifest, SHARD_SUFFIXES
         )
+        for key, size in zip(shards, nbytes):  # each is read whole into memory: refused unread
+            if size > self.max_shard_bytes:
+                raise ShardCorruptError(
+                    f"shard {key} is {size} bytes, more than WebDataset.max_shard_bytes "
+                    f"({self.max_shard_bytes})"
+                )
         if self.sample_counts is None:
             with ThreadPoolExecutor(8) as pool:
                 surveyed = list(
