@@ -30,6 +30,9 @@ MAX_MANIFEST_BYTES = 1 << 30
 """A manifest larger than this is refused before it is read (a hashed manifest takes 16 bytes
 per hash block: 1 GiB lists 16 TiB of 256 KiB blocks)."""
 _MAX_BLOCK_BYTES = 1 << 30
+MAX_MANIFEST_LINES = 1 << 24
+"""Lines (not blank) a manifest may hold: each becomes a few Python objects (a manifest of
+64 MiB of newlines took 5.5 GB as a list of empty lines)."""
 _HEX = re.compile(r"[0-9a-f]*")
 _DIGITS = re.compile(r"[0-9]{1,19}")
 
@@ -123,10 +126,7 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ShardCorruptError(f"manifest {key} is not UTF-8 text: {exc}") from exc
-    # (stripped, as written less its spaces at either end): a hashed row's tab may end an
-    # empty last field (a 0-byte file has no block hashes)
-    lines = [(line.strip(), line.strip(" \r")) for line in text.splitlines()]
-    lines = [(bare, row) for bare, row in lines if bare]
+    lines = _lines(text, key)
     first = lines[0][0] if lines else ""
     block_bytes = _header(first, key) if first.startswith(MANIFEST_MAGIC) else 0
     rows = [row for bare, row in lines if not bare.startswith("#")]
@@ -148,6 +148,24 @@ def read_manifest(replicas: Any, key: str) -> Manifest:
             f"manifest {key} lists shards more than once: {', '.join(repeated)}"
         )
     return Manifest(keys=keys, hashes=hashes)
+
+
+_LINE = re.compile("[^\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]+")  # str.splitlines()'s
+
+
+def _lines(text: str, key: str) -> list[tuple[str, str]]:
+    """The lines of ``text`` that are not blank, each (stripped, as written less its spaces at
+    either end: a hashed row's tab may end an empty last field, a 0-byte file has no block
+    hashes); at most ``MAX_MANIFEST_LINES``, blank ones never held."""
+    lines = []
+    for match in _LINE.finditer(text):
+        line = match.group()
+        if line.isspace():
+            continue
+        if len(lines) == MAX_MANIFEST_LINES:
+            raise ShardCorruptError(f"manifest {key} holds more than {MAX_MANIFEST_LINES} lines")
+        lines.append((line.strip(), line.strip(" \r")))
+    return lines
 
 
 def _header(line: str, key: str) -> int:

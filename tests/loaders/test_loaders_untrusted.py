@@ -735,3 +735,31 @@ def test_an_mds_shard_stored_larger_than_max_shard_bytes_is_refused_at_open(tmp_
     write_index(root, index)
     with pytest.raises(ShardCorruptError, match=r"67108864 bytes stored, more than MDS"):
         ShardDataset(str(root), MDS(max_shard_bytes=1 << 20, verify_hashes=False), config=IN_ORDER)
+
+
+def test_a_manifest_of_blank_lines_opens_in_bounded_memory(tmp_path: Path) -> None:
+    """Adversary of stop 75: 64 MiB of newlines took 5.5 GB (a list of empty lines, then
+    tuples) and 18 s before it failed "lists no shards". Blank lines are never held."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    tar = _member("a.txt", b"hello") + bytes(1024)
+    (root / "s.tar").write_bytes(tar)
+    (root / "manifest.txt").write_bytes(b"\n" * (24 << 20) + b"s.tar\n")
+    setup = "from loaders import LoaderConfig, ShardDataset, WebDataset"
+    action = f"""
+        dataset = ShardDataset({str(root)!r}, WebDataset(manifest="manifest.txt"),
+                               config=LoaderConfig(shuffle=False))
+        outcome = f"READ {{len(list(dataset))}}"
+        """
+    growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
+    assert outcome == "READ 1", outcome
+    assert growth < (24 << 20) + GROWTH_LIMIT, f"the open grew by {growth >> 20} MiB"
+
+
+def test_a_manifest_of_more_lines_than_the_bound_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_LINES", 2)
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "manifest.txt").write_text("a.tar\n\nb.tar\nc.tar\n")
+    with pytest.raises(ShardCorruptError, match="manifest.txt holds more than 2 lines"):
+        ShardDataset(str(root), WebDataset(manifest="manifest.txt"), config=IN_ORDER)
