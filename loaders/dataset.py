@@ -266,7 +266,8 @@ class ShardDataset(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, possibly saved with another world size or worker count."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        if type(version) is not int or version != STATE_VERSION:  # True == 1, 1.0 == 1 too
             raise ValueError(
                 f"loader state version {state.get('version') if isinstance(state, dict) else state!r}"
                 f" is not {STATE_VERSION}"
@@ -291,12 +292,14 @@ class ShardDataset(IterableDataset):
         try:
             # index(), not int(): a float or a string is a damaged state, not one to truncate
             epoch, position = operator.index(state["epoch"]), operator.index(state["position"])
+            if isinstance(state["epoch"], bool) or isinstance(state["position"], bool):
+                raise TypeError("a bool")
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"loader state has no integer epoch and position ({type(exc).__name__}: {exc})"
             ) from None
-        if epoch < 0:
-            raise ValueError(f"loader state epoch {epoch} is negative")
+        if not 0 <= epoch < 2**63:  # an int64, as a checkpoint's JSON or tensor holds it
+            raise ValueError(f"loader state epoch {str(epoch)[:40]} is not in [0, 2**63)")
         if not 0 <= position <= self.num_samples:
             raise ValueError(
                 f"loader state position {position} is outside the dataset (0..{self.num_samples})"

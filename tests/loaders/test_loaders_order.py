@@ -272,7 +272,12 @@ def test_an_epoch_that_gives_no_batch_is_an_error_not_an_endless_loop(token_dir)
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"epoch": -1}, "epoch -1 is negative"),
+        ({"epoch": -1}, r"epoch -1 is not in \[0, 2\*\*63\)"),
+        # adversary of stop 75: a 4,000-digit epoch a JSON checkpoint cannot hold again, bools
+        ({"epoch": 10**4000}, r"epoch 1000000000000000000000000000000000000000 is not in"),
+        ({"position": True}, "no integer epoch and position"),
+        ({"version": True}, "loader state version True is not"),
+        ({"version": 1.0}, "loader state version 1.0 is not"),
         ({"position": None}, "no integer epoch and position"),
         # a reviewer's: these were truncated to epoch 1 and position 3, or read as 7
         ({"epoch": 1.7}, "no integer epoch and position"),
