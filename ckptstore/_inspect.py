@@ -309,6 +309,7 @@ def check_chunks(
     got no answer in time (the store stopped answering), the rest are unreadable at once, not
     after a timeout each, but for a probe now and then whose answer reads on."""
     from ckptstore import pipeline  # torch: only where chunks are read
+    from ckptstore.device import host_available_bytes
 
     silent = _Silence(read_concurrency)
 
@@ -318,6 +319,13 @@ def check_chunks(
         if skipped is not None:
             return digest, skipped, info.raw if info is not None else 0
         try:
+            # A chunk decodes into its declared raw size: a declared size beyond the host's
+            # memory is not tried (a hostile index's 64 GiB chunk of 2 MB stored).
+            if info is not None and info.raw > (available := host_available_bytes()):
+                raise MemoryError(
+                    f"chunk {chunk_key(digest)} declares {info.raw} raw bytes, more than this "
+                    f"host's available memory ({available})"
+                )
             raw = pipeline.fetch_chunk(store, digest, info, scratch=info is not None)
             if info is not None and raw.size != info.raw:
                 raise CheckpointCorruptError(
@@ -464,7 +472,8 @@ def check_all_chunks(
 def message(exc: BaseException) -> str:
     """The first line of an error, for a one-line report."""
     if isinstance(exc, MemoryError):
-        return "out of memory while checking it (the data itself was not judged)"
+        why = f": {exc}" if str(exc) else ""
+        return f"out of memory while checking it (the data itself was not judged){why}"
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     if isinstance(exc, (CheckpointError, OSError)) and first:

@@ -599,3 +599,34 @@ def test_gc_keeps_an_old_chunk_that_a_step_the_listings_miss_found_stored(tmp_pa
         ckpt.verify("all")
         into = {"w": torch.zeros(8192)}
         assert ckpt.load(into) == 2 and torch.equal(into["w"], x)
+
+
+def test_verify_does_not_decode_a_chunk_declared_larger_than_the_hosts_memory(
+    tmp_path, monkeypatch, capsys
+):
+    """Adversary of stop 75: a state index declaring a 64 GiB tensor in one chunk (a 2 MB
+    zstd frame of zeros that says so) had verify allocate and fill the declared size. A chunk
+    declared beyond the host's available memory is reported unread, not judged."""
+    from ckptstore import pipeline
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.zeros(1024, dtype=torch.uint8)}).wait()
+    doc = rank_index_doc(Store(uri), 1)
+    (digest,) = doc["chunks"]
+    huge = 1 << 50
+    doc["chunks"][digest][0] = huge
+    doc["tensors"][0]["shape"] = [huge]
+    doc["tensors"][0]["segments"] = [[digest, 0, huge]]
+    put_rank_index(Store(uri), 1, 0, doc)
+    fetched = []
+    fetch = pipeline.fetch_chunk
+    monkeypatch.setattr(
+        pipeline,
+        "fetch_chunk",
+        lambda store, d, *a, **k: fetched.append(d) or fetch(store, d, *a, **k),
+    )
+    assert main(["verify", uri]) == 1
+    out = capsys.readouterr().out
+    assert f"declares {huge} raw bytes, more than this host's available memory" in out, out
+    assert fetched == []
