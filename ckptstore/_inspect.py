@@ -28,7 +28,7 @@ from ckptstore.errors import (
     StorageTimeoutError,
     one_line,
 )
-from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
+from ckptstore.format import MAX_CHUNK_BYTES, ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.health import norm, status
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -319,12 +319,18 @@ def check_chunks(
         if skipped is not None:
             return digest, skipped, info.raw if info is not None else 0
         try:
-            # A chunk decodes into its declared raw size: a declared size beyond the host's
-            # memory is not tried (a hostile index's 64 GiB chunk of 2 MB stored).
-            if info is not None and info.raw > (available := host_available_bytes()):
+            # A chunk decodes into its declared raw size: one beyond any chunk this format
+            # writes now and the host's memory is not tried (a hostile index's 64 GiB chunk of
+            # 2 MB stored); a chunk of at most MAX_CHUNK_BYTES always is.
+            if (
+                info is not None
+                and info.raw > MAX_CHUNK_BYTES
+                and info.raw > (available := host_available_bytes()) // read_concurrency
+            ):
                 raise MemoryError(
                     f"chunk {chunk_key(digest)} declares {info.raw} raw bytes, more than this "
-                    f"host's available memory ({available})"
+                    f"host's available memory ({available} bytes) allows each of "
+                    f"{read_concurrency} reads"
                 )
             raw = pipeline.fetch_chunk(store, digest, info, scratch=info is not None)
             if info is not None and raw.size != info.raw:

@@ -89,6 +89,18 @@ def load_pickled_value(data: bytes, name: str) -> Any:
 _ZIP_LOCAL = b"PK\x03\x04"  # what torch.load looks for first (else its pre-zip format)
 
 
+def _zip64_record_where_its_locator_says(data: bytes) -> bool:
+    """Where the archive has a zip64 locator (the 20 bytes before its end record): the zip64
+    end record it points at is the one right before it, which Python's reader takes (torch's
+    follows the pointer: two records, two directories)."""
+    locator = bytes(data[-42:-22])
+    if locator[:4] != b"PK\x06\x07":
+        return True
+    (pointed,) = struct.unpack("<Q", locator[8:16])
+    before = len(data) - 42 - 56  # a zip64 end record without extensible data, as torch's
+    return pointed == before and bytes(data[before : before + 4]) == b"PK\x06\x06"
+
+
 def check_torch_save_bytes(data: bytes, what: str, *, legacy: bool = False) -> None:
     """``CheckpointCorruptError`` unless ``data`` is a zip archive laid out as ``torch.save``
     writes it: at its start, its central directory where its end record (the archive's last 22
@@ -116,6 +128,8 @@ def check_torch_save_bytes(data: bytes, what: str, *, legacy: bool = False) -> N
         raise refuse(f"a damaged zip archive ({exc})") from None
     if end is None or comment or end[zipfile._ECD_LOCATION] != len(data) - 22:
         raise refuse("a zip archive with bytes after its end record")
+    if not _zip64_record_where_its_locator_says(data):
+        raise refuse("a zip archive whose zip64 end record is not where its locator says")
     if start != end[zipfile._ECD_OFFSET]:
         raise refuse("a zip archive whose directory is not where its end record says")
     for record in records:

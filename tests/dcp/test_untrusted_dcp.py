@@ -419,6 +419,75 @@ def _two_directories(deflated: bytes) -> bytes:
     return deflated[:offset] + real + bytes(fake) + deflated[eocd:]
 
 
+def _two_zip64_records(stored: list, deflated: list) -> bytes:
+    """Records of two archives one after the other, each with its directory and zip64 end
+    record; the locator points at the deflated one's, while the stored one's sits right before
+    the locator (where Python's zipfile reads it)."""
+    import struct
+    import zlib
+
+    def put(out: bytearray, name: bytes, data: bytes, method: int) -> bytes:
+        packed = data
+        if method:
+            pack = zlib.compressobj(9, zlib.DEFLATED, -15)
+            packed = pack.compress(data) + pack.flush()
+        crc, at = zlib.crc32(data), len(out)
+        sizes = (crc, len(packed), len(data), len(name))
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, *sizes, 0) + name
+        out += packed
+        crc, packed_n, data_n, name_n = sizes
+        return (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                packed_n,
+                data_n,
+                name_n,
+                0,
+                0,
+                0,
+                0,
+                0,
+                at,
+            )
+            + name
+        )
+
+    out = bytearray()
+    dirs = [[put(out, n.encode(), d, 0) for n, d in stored]]
+    dirs.append([put(out, n.encode(), d, 8) for n, d in deflated])
+    ends = []
+    for entries in reversed(dirs):  # the deflated directory first
+        at = len(out)
+        out += b"".join(entries)
+        ends.append(len(out))
+        size = len(out) - at
+        out += struct.pack(
+            "<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, *[len(entries)] * 2, size, at
+        )
+    out += struct.pack("<IIQI", 0x07064B50, 0, ends[0], 1)
+    return bytes(
+        out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, *[0xFFFFFFFF] * 2, 0)
+    )
+
+
+def _records(value) -> list:
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    torch.save(value, out)
+    with zipfile.ZipFile(out) as archive:
+        return [(r.filename, archive.read(r)) for r in archive.infolist()]
+
+
 def test_check_torch_save_bytes_refuses_what_two_zip_readers_read_apart():
     """Adversary of the check above: Python's zipfile and torch's reader disagreed on where the
     directory is (a second one placed before the end record), or on the format (a pre-zip pickle
@@ -441,9 +510,14 @@ def test_check_torch_save_bytes_refuses_what_two_zip_readers_read_apart():
     check_torch_save_bytes(legacy.getvalue(), "x", legacy=True)  # a pickled storage's format
     with pytest.raises(CheckpointCorruptError, match="after its end record"):
         check_torch_save_bytes(plain.getvalue() + b"\0", "x")
+    # the second adversary: a zip64 locator pointing past the record Python's reader takes
+    crafted = _two_zip64_records(_records({"ok": 1}), _records(value))
+    assert torch.load(io.BytesIO(crafted), weights_only=True).shape == value.shape
+    with pytest.raises(CheckpointCorruptError, match="zip64 end record is not where its locator"):
+        check_torch_save_bytes(crafted, "x")
     for good in (
         {"a": [torch.arange(3), {"b": torch.ones(2, 2, dtype=torch.bfloat16)}], "n": 7},
-        [torch.full((2,), float(i)) for i in range(300)],
+        [torch.full((2,), float(i)) for i in range(70000)],  # a zip64 archive
         torch.zeros(16 << 20),
     ):
         out = io.BytesIO()

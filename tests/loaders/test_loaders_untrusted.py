@@ -763,3 +763,11 @@ def test_a_manifest_of_more_lines_than_the_bound_is_refused(tmp_path, monkeypatc
     (root / "manifest.txt").write_text("a.tar\n\nb.tar\nc.tar\n")
     with pytest.raises(ShardCorruptError, match="manifest.txt holds more than 2 lines"):
         ShardDataset(str(root), WebDataset(manifest="manifest.txt"), config=IN_ORDER)
+
+
+def test_a_member_a_pax_gnu_sparse_record_resizes_is_refused(tmp_path):
+    """The second adversary: ``GNU.sparse.realsize`` without a sparse map set the member's size
+    while tarfile did not call it sparse, so its sample ran into the next member's bytes."""
+    tar = _pax(tarfile.XHDTYPE, {"GNU.sparse.realsize": 600}) + _member("s1.cls", b"LABEL=cat\n")
+    tar += _member("s1.txt", b"hello") + bytes(1024)
+    _refused(tmp_path, tar, "s1.cls.* is a sparse file")

@@ -630,3 +630,16 @@ def test_verify_does_not_decode_a_chunk_declared_larger_than_the_hosts_memory(
     out = capsys.readouterr().out
     assert f"declares {huge} raw bytes, more than this host's available memory" in out, out
     assert fetched == []
+
+
+def test_verify_reads_a_chunk_of_at_most_1_gib_whatever_memory_is_free(tmp_path, monkeypatch):
+    """The second adversary: with MemAvailable down for a moment (other reads hold memory), a
+    real 32 MiB chunk was reported unreadable. The memory check is for declared sizes beyond any
+    chunk this format writes (MAX_CHUNK_BYTES)."""
+    import ckptstore.device as device
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.randn(1 << 20)}).wait()
+    monkeypatch.setattr(device, "host_available_bytes", lambda: 1 << 20)
+    assert main(["verify", uri]) == 0

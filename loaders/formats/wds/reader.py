@@ -147,7 +147,9 @@ def parse_tar(data: bytes, key: str, replica: str) -> list[dict[str, Any]]:
                 if member.issym() or member.islnk():
                     links.append(member.name)
                 continue
-            if member.issparse():  # its size is the expanded one: its bytes are not a slice
+            # Its size is the expanded one: its bytes are not a slice (a pax GNU.sparse record
+            # sets the size without the map that makes tarfile call it sparse)
+            if member.issparse() or any(k.startswith("GNU.sparse.") for k in member.pax_headers):
                 raise ShardCorruptError(
                     f"{what}: member {member.name!r} at offset {member.offset} is a sparse file "
                     "(tar -S), which WebDataset shards cannot hold: write it without -S"
