@@ -414,7 +414,8 @@ examples:
         metavar="SECONDS",
         help="sweep an unreferenced chunk only once it is this old by "
         "the store's clock (default 120: a step committed that moment may be missing from a "
-        "lagging listing, an NFS client's cached directory); 0 sweeps them at once",
+        "lagging listing, an NFS client's cached directory; beside saves longer than that, "
+        "raise it above the longest); 0 sweeps them at once",
     )
     hashing = p.add_mutually_exclusive_group()
     hashing.add_argument(
