@@ -719,14 +719,16 @@ def test_gc_dry_run_then_keep_last(store: Path, saved: dict, tmp_path: Path, cap
     before = _files(store)
     code, out, _ = run(capsys, "gc", store, "--keep-last", "1", "--dry-run")
     assert code == 0 and "would delete steps: 10, 20" in out
+    assert "stay until a later gc" in out  # the chunks are seconds old: --grace-s keeps them
     assert _files(store) == before
-    code, doc = run_json(capsys, "gc", store, "--keep-last", "1", "--dry-run")
+    now = ("--grace-s", "0")
+    code, doc = run_json(capsys, "gc", store, "--keep-last", "1", "--dry-run", *now)
     assert doc["dry_run"] and doc["deleted_steps"] == [10, 20] and doc["kept_steps"] == [30]
     would = doc["deleted_chunks"]
     assert would > 0 and doc["deleted_chunk_bytes"] > 0 and doc["swept"]
     assert _files(store) == before
 
-    code, doc = run_json(capsys, "gc", store, "--keep-last", "1")
+    code, doc = run_json(capsys, "gc", store, "--keep-last", "1", *now)
     assert code == 0 and not doc["dry_run"] and doc["deleted_chunks"] == would
     after = _files(store)
     chunks = lambda files: {f for f in files if f.startswith("chunks/")}  # noqa: E731
