@@ -726,7 +726,7 @@ def test_a_chunk_deleted_by_another_process_is_not_taken_as_stored(s3_uri):
     ckpt.save(1, {"w": b}).wait()
     ckpt.store.list("chunks")  # fills the listing cache with step 0's chunk
     gc = subprocess.run(
-        [PY, "-m", "ckptstore.cli", "gc", s3_uri, "--keep-last", "1"],
+        [PY, "-m", "ckptstore.cli", "gc", s3_uri, "--keep-last", "1", "--grace-s", "0"],
         capture_output=True,
         text=True,
         timeout=120,
