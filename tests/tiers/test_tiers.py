@@ -239,6 +239,7 @@ def test_stores_of_ranks_no_longer_here_go_once_retention_would_drop_their_copie
     with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
         for step in (1, 2):
             ckpt.save(step, rank_state(0, step)).wait()
+        ckpt.wait()  # step 1 drained: its copy's lease gone, not copied below as a live one
         own = copies_dir(tmp_path / "local", 0)
         left = {r: own.parent / f"rank-{r:05d}" for r in (1, 2)}
         for path in left.values():  # world size 1: no rank but 0 runs here
