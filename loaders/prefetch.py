@@ -4,7 +4,8 @@ handed to the consumer in plan order (a reorder buffer keyed by unit).
 Reads are started in the order the consumer will first need them. The window admits the next
 read while fewer than ``window_reads`` are in flight and the bytes in flight plus the bytes read
 and not yet released stay within ``window_bytes`` (one read is always admitted when the window is
-empty, so a unit larger than the window still makes progress). While the consumer waits for the
+empty, so a unit larger than the window still makes progress). A unit is accounted at the size
+its layout declares, or, once decoded, at its ``mem_bytes`` where larger. While the consumer waits for the
 read it needs, every other completion tops the window up, so a slow read never holds back the
 reads behind it.
 """
@@ -106,7 +107,12 @@ class Window:
             self._stats.wait.record(waited)
             self._stats.wait_s += waited
             self._stats.waits += 1
-        return future.result()
+        result = future.result()
+        grown = getattr(result, "mem_bytes", 0) - self._cost[unit]
+        if grown > 0:  # decoded larger than its account before the read (MDS's JSON values)
+            self._cost[unit] += grown
+            self._held += grown
+        return result
 
     def ready(self, unit: int) -> bool:
         future = self._futures.get(unit)

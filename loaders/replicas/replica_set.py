@@ -185,10 +185,16 @@ class ReplicaSet:
 
     # -- whole-dataset checks ---------------------------------------------------------------
 
-    def read_same(self, key: str, max_bytes: int) -> bytes:
+    def read_same(
+        self,
+        key: str,
+        max_bytes: int,
+        *,
+        bound: str = "the most a dataset's index or manifest may take",
+    ) -> bytes:
         """``key`` from every replica; :class:`ReplicaMismatchError` if any two differ. No more
         than a byte past ``max_bytes`` is read from any replica: a longer copy is
-        :class:`ShardCorruptError`, naming the bound."""
+        :class:`ShardCorruptError`, naming the ``bound``."""
         first = self._reads.read(
             key,
             0,
@@ -197,10 +203,7 @@ class ReplicaSet:
             self._lacking(key),
         )
         if len(first) > max_bytes:
-            raise ShardCorruptError(
-                f"{key} is more than {max_bytes} bytes, the most a dataset's index or manifest "
-                "may take"
-            )
+            raise ShardCorruptError(f"{key} is more than {max_bytes} bytes, {bound}")
         if len(self) > 1 and self.config.verify_replicas:
             survey.check_same(self._health, key, first, max_bytes)
         return first

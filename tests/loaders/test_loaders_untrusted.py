@@ -18,6 +18,7 @@ import pytest
 import zstandard
 
 import loaders.formats.manifest as manifest_module
+import loaders.formats.mds.reader as mds_reader
 from ckptstore.store import open_store
 from loaders import (
     MDS,
@@ -32,7 +33,7 @@ from loaders import (
     WebDatasetWriter,
 )
 from loaders.formats._codecs import hasher
-from loaders.formats.mds.reader import SAMPLE_BYTES, VALUE_BYTES
+from loaders.formats.mds.reader import SAMPLE_BYTES, VALUE_BYTES, json_size
 from tests.helpers.child import growth_in_child
 
 IN_ORDER = LoaderConfig(shuffle=False)
@@ -389,18 +390,20 @@ def test_an_mds_index_nested_past_the_parser_is_corrupt(tmp_path: Path) -> None:
         ShardDataset(str(root), MDS(), config=IN_ORDER)
 
 
-def test_an_mds_index_past_the_bound_is_refused_read_no_further(tmp_path: Path, monkeypatch):
+def test_an_mds_index_past_the_bound_is_refused_read_no_further(tmp_path: Path) -> None:
     """An index.json was read whole, however large, on every replica before anything was
     checked: it is read no further than a byte past the bound of an index or manifest."""
     root = tmp_path / "ds"
     write_mds(root, None)
     index = root / "index.json"
     index.write_bytes(index.read_bytes() + b" " * 5000)
-    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 4096)
     store = open_store(str(root))
-    with pytest.raises(ShardCorruptError, match=r"index\.json is more than 4096 bytes, the most"):
-        ShardDataset(store, MDS(), config=IN_ORDER)
+    with pytest.raises(
+        ShardCorruptError, match=r"index\.json is more than 4096 bytes, MDS\.max_index_bytes: raise"
+    ):
+        ShardDataset(store, MDS(max_index_bytes=4096), config=IN_ORDER)
     assert store.counters.snapshot()["bytes"]["get"] == 4097
+    assert MDS().max_index_bytes == 64 << 20  # an index decodes to up to 40x its bytes
 
 
 @pytest.mark.parametrize(("encoding", "value"), [("str_decimal", "abc"), ("json", "[" * 100_000)])
@@ -771,3 +774,57 @@ def test_a_member_a_pax_gnu_sparse_record_resizes_is_refused(tmp_path):
     tar = _pax(tarfile.XHDTYPE, {"GNU.sparse.realsize": 600}) + _member("s1.cls", b"LABEL=cat\n")
     tar += _member("s1.txt", b"hello") + bytes(1024)
     _refused(tmp_path, tar, "s1.cls.* is a sparse file")
+
+
+def write_json_column(root: Path, values: list[str]) -> None:
+    """One shard of ``values``, each a JSON text, in one ``json`` column."""
+    with MDSWriter(root, columns={"v": "str"}) as w:
+        for v in values:
+            w.write({"v": v})
+    index = json.loads((root / "index.json").read_text())
+    index["shards"][0]["column_encodings"] = ["json"]
+    write_index(root, index)
+
+
+NESTED = '{"":' * 200 + "0" + "}" * 200  # 1 KB of text, 37 KB of dicts decoded
+
+
+def test_mds_json_values_are_measured_into_the_window_and_the_shard_bound(tmp_path, monkeypatch):
+    """Dataset adversary of stop 75: JSON values decode to up to 37x their text (dicts nested
+    in dicts), while the window and ``max_shard_bytes`` counted the text: 64 MiB of them held
+    1.3 GB. The decoded values are measured: the window accounts them, the bound refuses them."""
+    root = tmp_path / "ds"
+    write_json_column(root, [NESTED] * 200)
+    dataset = ShardDataset(str(root), MDS(), config=IN_ORDER)
+    samples = list(dataset)
+    assert [s["v"] for s in samples] == [json.loads(NESTED)] * 200
+    decoded = sum(json_size(s["v"]) for s in samples)
+    assert decoded > 30 * len(NESTED) * 200
+    assert dataset.stats.max_resident_bytes >= decoded  # the window held what they take
+    declared = dataset.units[0].mem_bytes  # their text: below what they take
+    assert declared < decoded
+    bound = MDS(max_shard_bytes=declared + decoded // 2)
+    with pytest.raises(ShardCorruptError, match=r"sample 1\d\d has a json value of 1001 bytes"):
+        list(ShardDataset(str(root), bound, config=IN_ORDER))
+    # measured after decoding too, were a text to take more than the worst case per byte
+    monkeypatch.setattr(mds_reader, "JSON_WORST_BYTES_PER_BYTE", 1)
+    with pytest.raises(ShardCorruptError, match=r"json values decode to more than MDS\.max_shard"):
+        list(ShardDataset(str(root), bound, config=IN_ORDER))
+
+
+def test_a_json_value_that_may_decode_past_the_bound_is_not_decoded(tmp_path) -> None:
+    root = tmp_path / "ds"
+    write_json_column(root, ["[" + "{}," * 300_000 + "{}]"])
+    setup = f"""
+        from loaders import MDS, LoaderConfig, ShardDataset
+        dataset = ShardDataset({str(root)!r}, MDS(max_shard_bytes=8 << 20),
+                               config=LoaderConfig(shuffle=False))
+        """
+    action = """
+        list(dataset)
+        outcome = "READ"
+        """
+    growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
+    assert outcome.startswith("ShardCorruptError"), outcome
+    assert "json value of 900004 bytes, which may decode to 40x that" in outcome, outcome
+    assert growth < 16 << 20, f"the read grew by {growth >> 20} MiB"

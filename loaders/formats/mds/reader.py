@@ -12,6 +12,7 @@ import json
 import logging
 import pickle
 import posixpath
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ShardCorruptError, ShardNotFoundError, UnknownFormatError
-from loaders.formats import manifest
 from loaders.formats._codecs import decompress, hasher, max_raw_bytes
 from loaders.formats.layout import Unit, check_shard_key, first_time
 
@@ -107,7 +107,7 @@ def column_decoder(encoding: str, *, allow_pickle: bool = False) -> Callable[[by
     if encoding == "str_decimal":
         return lambda b: Decimal(b.decode())
     if encoding == "json":
-        return lambda b: json.loads(b.decode("utf-8"))
+        return _json_value
     if encoding == "pkl":
         if not allow_pickle:
             raise UnknownFormatError(
@@ -120,6 +120,30 @@ def column_decoder(encoding: str, *, allow_pickle: bool = False) -> Callable[[by
     if encoding in _IMAGE_ENCODINGS:
         raise UnknownFormatError(f"MDS image column encoding {encoding!r} is not decoded here")
     raise UnknownFormatError(f"unknown MDS column encoding {encoding!r}")
+
+
+def _json_value(b: bytes) -> Any:
+    return json.loads(b.decode("utf-8"))
+
+
+# At most what a JSON text's decoded objects take per byte of it, measured on CPython 3.11: a
+# dict of one key nested in another takes 184 bytes for 5 of text (``{"":{"":...}}``), an
+# empty one in a list 72 for 3; text and numbers take 2 to 13.
+JSON_WORST_BYTES_PER_BYTE = 40
+
+
+def json_size(value: Any) -> int:
+    """Bytes the Python objects of a decoded JSON value take (``sys.getsizeof`` of each)."""
+    size, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        size += sys.getsizeof(v)
+        if type(v) is list:
+            stack.extend(v)
+        elif type(v) is dict:
+            stack.extend(v)
+            stack.extend(v.values())
+    return size
 
 
 def _named_decoder(name: str, encoding: str, allow_pickle: bool) -> Callable[[bytes], Any]:
@@ -154,11 +178,17 @@ class MDS:
     ``VALUE_BYTES`` a column value: Python objects): an index declaring more is
     :class:`ShardCorruptError` at open, so that no shard grows the reader past it (upstream's
     shards are 64 MiB by default)."""
+    max_index_bytes: int = 64 << 20
+    """Most bytes ``index.json`` may take: a JSON text decodes to up to
+    ``JSON_WORST_BYTES_PER_BYTE`` times its size (2.5 GiB at this default) before a single
+    entry is checked. An index of upstream's entries takes about 450 bytes a shard: 64 MiB
+    lists about 150,000 shards."""
     name: str = field(default="mds", init=False)
 
     def __post_init__(self) -> None:
-        if self.max_shard_bytes < 1:
-            raise ValueError(f"MDS.max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+        for bound in ("max_shard_bytes", "max_index_bytes"):
+            if getattr(self, bound) < 1:
+                raise ValueError(f"MDS.{bound} must be >= 1, got {getattr(self, bound)}")
         if isinstance(self.raw_columns, str):
             raise ValueError(
                 f"MDS raw_columns takes a tuple of column names, got the string {self.raw_columns!r}"
@@ -166,7 +196,11 @@ class MDS:
         self.raw_columns = tuple(self.raw_columns)
 
     def open(self, replicas: Any) -> MDSLayout:
-        raw = replicas.read_same(self.index, manifest.MAX_MANIFEST_BYTES)
+        raw = replicas.read_same(
+            self.index,
+            self.max_index_bytes,
+            bound="MDS.max_index_bytes: raise it for an index this large",
+        )
         try:
             index = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -202,6 +236,7 @@ class MDS:
                     allow_pickle=self.allow_pickle,
                     verify=self.verify_hashes,
                     raw=frozenset(self.raw_columns),
+                    max_bytes=self.max_shard_bytes,
                 )
                 if shard.raw_bytes > self.max_shard_bytes:
                     raise ShardCorruptError(
@@ -283,6 +318,8 @@ class _Shard:
     encodings: list[str]
     allow_pickle: bool
     raw_columns: frozenset[str]
+    max_bytes: int
+    """``MDS.max_shard_bytes``: what its samples may take decoded, JSON values measured."""
 
     @classmethod
     def from_index(
@@ -294,6 +331,7 @@ class _Shard:
         allow_pickle: bool,
         verify: bool,
         raw: frozenset[str],
+        max_bytes: int,
     ) -> _Shard:
         raw_data, zipped = info["raw_data"], info.get("zip_data")
         compression = info.get("compression")
@@ -341,6 +379,7 @@ class _Shard:
             encodings=encodings,
             allow_pickle=allow_pickle,
             raw_columns=raw,
+            max_bytes=max_bytes,
         )
         if any(
             size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0)
@@ -367,7 +406,8 @@ class _Shard:
 
     def decoded_bytes(self) -> int:
         """About what the shard's samples take decoded: its raw bytes and the Python objects
-        (``parse_shard``'s dicts and values), what the prefetch window accounts."""
+        (``parse_shard``'s dicts and values), what the prefetch window accounts until the
+        shard is decoded (JSON values are measured then: :class:`Samples`)."""
         return self.raw_bytes + self.samples * (SAMPLE_BYTES + VALUE_BYTES * len(self.names))
 
     def check_ratio(self, index: str) -> None:
@@ -462,8 +502,19 @@ class MDSLayout:
         return parse_shard(data, shard, replica, first_id)
 
 
-def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list[dict[str, Any]]:
-    """Every sample of one raw MDS shard; :class:`ShardCorruptError` names shard and offset."""
+class Samples(list):
+    """A decoded shard's samples, with ``mem_bytes``: about what they take (the prefetch
+    window's account of the shard once read)."""
+
+    mem_bytes: int
+
+
+def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> Samples:
+    """Every sample of one raw MDS shard; :class:`ShardCorruptError` names shard and offset.
+
+    A JSON value may take up to ``JSON_WORST_BYTES_PER_BYTE`` times its text decoded (2 to 13
+    for text and numbers): each is measured, and a shard whose values would take more than
+    ``MDS.max_shard_bytes`` is refused before the value that would pass it is decoded."""
     what = f"shard {shard.raw_name} on replica {replica}"
     n = len(data)
     if n < 4:
@@ -490,7 +541,12 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list
     variable = [i for i, s in enumerate(shard.sizes) if s is None]
     head = 4 * len(variable)
     bounds = offsets.tolist()
-    out = []
+    out = Samples()
+    out.mem_bytes = shard.decoded_bytes()
+    measured = [
+        enc == "json" and name not in shard.raw_columns
+        for name, enc in zip(shard.names, shard.encodings)
+    ]
     view = memoryview(data)
     for j in range(count):
         begin, end = bounds[j], bounds[j + 1]
@@ -508,9 +564,16 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list
                     f"columns take {head + sum(sizes)} bytes, the sample has {end - begin}"
                 )
             sample: dict[str, Any] = {}
-            for name, size, dec in zip(shard.names, sizes, decoders):
-                sample[name] = dec(bytes(view[pos : pos + size]))
+            for name, size, dec, measure in zip(shard.names, sizes, decoders, measured):
+                value = bytes(view[pos : pos + size])
+                if measure:
+                    sample[name], grown = _measured_json(shard, out.mem_bytes, value, what, j)
+                    out.mem_bytes += grown
+                else:
+                    sample[name] = dec(value)
                 pos += size
+        except ShardCorruptError:
+            raise
         except (ValueError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
             # ArithmeticError: decimal's InvalidOperation; RecursionError: deep json columns
             raise ShardCorruptError(
@@ -519,6 +582,28 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> list
         sample["__index__"] = sample_id
         out.append(sample)
     return out
+
+
+def _measured_json(shard: _Shard, used: int, text: bytes, what: str, j: int) -> tuple[Any, int]:
+    """The JSON value ``text`` and the bytes it takes decoded beyond what the shard's account
+    holds for it (its text and ``VALUE_BYTES``). ``ShardCorruptError`` before it is decoded if
+    its worst case could take the shard's samples past ``max_bytes`` (``used`` so far), or
+    after if it does."""
+    bound = f"MDS.max_shard_bytes ({shard.max_bytes})"
+    if used + JSON_WORST_BYTES_PER_BYTE * len(text) > shard.max_bytes:
+        raise ShardCorruptError(
+            f"{what}: sample {j} has a json value of {len(text)} bytes, which may decode to "
+            f"{JSON_WORST_BYTES_PER_BYTE}x that, past {bound} with the samples before it: not "
+            "decoded (raise the bound to read it)"
+        )
+    value = _json_value(text)
+    grown = max(0, json_size(value) - len(text) - VALUE_BYTES)
+    if used + grown > shard.max_bytes:
+        raise ShardCorruptError(
+            f"{what}: its json values decode to more than {bound} by sample {j}: not read "
+            "further (raise the bound to read it)"
+        )
+    return value, grown
 
 
 def _why(exc: BaseException) -> str:
