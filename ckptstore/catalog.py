@@ -121,9 +121,11 @@ def _same_kind(error: StorageError, message: str) -> StorageError:
         return StorageError(message)
 
 
-def commit_manifest(
-    store: Store, step: int, data: bytes, *, settle_timeout_s: float = 60.0
-) -> None:
+# How long a commit waits for its abandoned puts to end before it says the outcome is unknown.
+SETTLE_TIMEOUT_S = 60.0
+
+
+def commit_manifest(store: Store, step: int, data: bytes) -> None:
     """Make ``step`` visible by writing its manifest ``data``, once: the last write of every
     save, of a tier copy and of a repaired copy (the caller checked its lease just before).
 
@@ -139,7 +141,7 @@ def commit_manifest(
         return
     except StorageError as exc:  # ObjectExistsError included: a retry may find its own put
         error = exc
-    if not store.settle(settle_timeout_s):
+    if not store.settle(SETTLE_TIMEOUT_S):
         raise CommitUnknownError(
             f"step {step}: writing {store.url(key)} failed ({error}) and the put may "
             f"still land; run `ckptstore ls {store.uri}` to see whether it is committed"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.catalog import (
+    SETTLE_TIMEOUT_S,
     legacy_markers,
     list_steps,
     load_manifest,
@@ -113,7 +114,6 @@ def collect(
     ignore_attempts: set[str] = frozenset(),
     keep_steps: set[int] = frozenset(),
     lease_ttl_s: float = DEFAULT_TTL_S,
-    settle_timeout_s: float = 60.0,
     verify_chunks: bool = False,
     check_chunks: bool = False,
     verify_kept: bool = False,
@@ -181,7 +181,7 @@ def collect(
         )
     finally:
         if lease is not None:
-            lease.release_when_settled(settle_timeout_s)
+            lease.release_when_settled(SETTLE_TIMEOUT_S)
     return report
 
 

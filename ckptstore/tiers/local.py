@@ -57,14 +57,6 @@ _RESUME_TOKENS: dict[str, str] = {}  # by rank dir: the resume this process's co
 load and the next save are separate objects; a Checkpointer may be made again)."""
 
 
-@dataclass(frozen=True)
-class Copy:
-    """A committed tier copy: which save of which step."""
-
-    step: int
-    attempt: str
-
-
 def _refuse_links(local_dir: str | os.PathLike, path: Path) -> None:
     """``path`` (``local_dir/job-<j>/rank-<r>``) must be those very directories: a job or rank
     directory that is a link (planted in a shared ``/dev/shm``, say) would take the tier's

@@ -160,7 +160,6 @@ class TierSaver:
         payload: Any = None,
         metadata: Callable[[], bytes] | None = None,
         fatal: BaseException | None = None,
-        protect: bool = False,
     ) -> LocalCommit:
         """Every rank's copy of ``step``, committed only once every rank wrote its own.
 
@@ -168,7 +167,7 @@ class TierSaver:
         ``payload`` travels with this rank's outcome to every rank; ``metadata()`` (rank 0
         alone) is the save's DCP metadata, recorded in every rank's copy. A rank's ``fatal``
         error (it cannot take part in the save at all) fails the save on every rank once all
-        heard of it. ``protect``: keep the copy until a drain has read it."""
+        heard of it."""
         wait_written()  # a copy a load repaired is committed before stale copies are judged
         local = self.local
         self.release_copy()  # a step whose peer copy never came
@@ -222,8 +221,6 @@ class TierSaver:
         self._failures = 0
         self.committed.add(step)
         local.note_committed(step)
-        if protect:
-            local.protect(step)  # until drained
         # The step is kept, so its chunks are: the lease held for its peer copy and drain need
         # not stop this sweep of the others.
         local.retain(self.rank, keep={step}, ignore_attempts={attempt})
