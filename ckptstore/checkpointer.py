@@ -34,11 +34,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from ckptstore import telemetry
-from ckptstore.catalog import list_steps, steps_to_resume, store_nearby
+from ckptstore.catalog import list_steps, store_nearby
 from ckptstore.errors import CheckpointError, one_line
 from ckptstore.exit_status import fail_at_exit
 from ckptstore.format import check_step
-from ckptstore.health import StepHealth, find_healthy, no_healthy_step
+from ckptstore.health import StepHealth, find_healthy, resumable_steps
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
     EncodingOptions,
@@ -370,13 +370,8 @@ class Checkpointer:
         return step
 
     def _newest_durable(self, healthy: bool) -> int | None:
-        steps = steps_to_resume(self.store)
-        if not healthy:
-            return steps[-1] if steps else None
-        good, why = find_healthy(self.store, steps, limit=1)
-        if not good and why:
-            raise no_healthy_step(f"no healthy committed step in {self.store.uri}", why)
-        return good[0] if good else None
+        steps, _ = resumable_steps(self.store, healthy=healthy, limit=1)
+        return steps[0] if steps else None
 
     def load(
         self,

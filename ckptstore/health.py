@@ -590,6 +590,24 @@ def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
     return healthy, why
 
 
+def resumable_steps(
+    store: Any, *, healthy: bool, limit: int | None = None
+) -> tuple[list[int], dict[int, str]]:
+    """The durable steps a resume of "latest" tries, newest first (at most ``limit``), and
+    why each newer one ``healthy`` passed over is not healthy: every front-end's untiered
+    ``latest()`` and resume. Steps of which none is healthy raise ``NoHealthyStepError``
+    naming them; no step at all is an empty list."""
+    from ckptstore.catalog import steps_to_resume
+
+    steps = steps_to_resume(store)
+    if not healthy:
+        return steps[::-1][:limit], {}
+    good, why = find_healthy(store, steps, limit=limit)
+    if not good and why:
+        raise no_healthy_step(f"no healthy committed step in {store.uri}", why)
+    return good, why
+
+
 def healthy_steps_to_load(store: Any, step: int | str | None, *, limit: int | None = 1):
     """The healthy steps a ``healthy=True`` load of ``step`` takes, newest first (at most
     ``limit``), and why each newer one passed over is not healthy: ``step`` itself when it is

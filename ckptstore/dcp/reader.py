@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ckptstore.catalog import LATEST_REPLANS, parse_step, steps_to_resume
+from ckptstore.catalog import LATEST_REPLANS, parse_step
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
-from ckptstore.health import find_healthy, healthy_steps_to_load, no_healthy_step
+from ckptstore.health import healthy_steps_to_load, resumable_steps
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import ChunkSource, PipelineConfig, chunks_from_store
 from ckptstore.shared_read import (
@@ -165,13 +165,8 @@ class StoreReader(StepReader):
         ``healthy``: steps of which none is healthy raise ``NoHealthyStepError``, not None. With
         ``local_dir`` it is collective, as a load: every rank of the job calls it."""
         if self._policy is None:
-            steps = steps_to_resume(self.store)
-            if self.healthy:
-                good, why = find_healthy(self.store, steps, limit=1)
-                if not good and why:
-                    raise no_healthy_step(f"no healthy committed step in {self.store.uri}", why)
-                return good[0] if good else None
-            return steps[-1] if steps else None
+            steps, _ = resumable_steps(self.store, healthy=self.healthy, limit=1)
+            return steps[0] if steps else None
         group = load_group(self.options["storage"], tiered=True)
         return newest_step(self.store, self._policy, group, healthy=self.healthy)
 

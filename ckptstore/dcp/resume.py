@@ -18,7 +18,6 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptstore.catalog import steps_to_resume
 from ckptstore.dcp.reader import StoreReader, _OtherRanksFailed
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -27,7 +26,7 @@ from ckptstore.errors import (
     no_step_loaded,
     one_line,
 )
-from ckptstore.health import Unreadable, find_healthy, no_healthy_step
+from ckptstore.health import Unreadable, resumable_steps
 from ckptstore.quarantine import quarantine_skipped
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.open_step import load_group, planned_steps
@@ -147,14 +146,9 @@ def _steps(reader: StoreReader, group: RankGroup, passed_over: dict[int, str]) -
 
 
 def _durable_steps(reader: StoreReader, passed_over: dict[int, str]) -> list[int]:
-    steps = steps_to_resume(reader.store)
-    if not reader.healthy:
-        return steps[::-1]
-    good, why = find_healthy(reader.store, steps)
+    steps, why = resumable_steps(reader.store, healthy=reader.healthy)
     passed_over.update(why)
-    if not good and why:
-        raise no_healthy_step(f"no healthy committed step in {reader.store.uri}", why)
-    return sorted(good, reverse=True)
+    return steps
 
 
 def _skippable(
