@@ -217,6 +217,7 @@ class _Request:
         self.last_exc: BaseException | None = None
         self.attempts = 0
         self.won_launched: float | None = None  # when the attempt that answered started
+        self.closed = False  # the read returned or failed: answers after are not decoded
         if len(self.gone) == len(reads.health.replicas):
             self._missing_everywhere()
 
@@ -285,6 +286,12 @@ class _Request:
             try:
                 data = fn(r.store)
                 seconds = time.monotonic() - t0
+                if decode is not None and (self.closed or a.settled):
+                    # Given up at its deadline, or the read is over (another replica won, or it
+                    # failed): its answer still counts in its replica's health, but decoding
+                    # it would only spend a core a later read needs.
+                    answered(data, t0, seconds)
+                    return None
                 out = decode(data, r.name) if decode is not None else data
             except UnknownFormatError:
                 # Raised by decode, never by a store request: good bytes in a format not read
@@ -404,6 +411,7 @@ class _Request:
     def close(self) -> None:
         """Cancel the attempts still queued; the ones running are discarded, and given up at
         their deadline by a later request."""
+        self.closed = True
         orphans = []
         now = time.monotonic()
         for future, a in self.pending.items():

@@ -745,3 +745,31 @@ def test_a_failed_reads_error_names_each_reason_once(tmp_path):
         rs.read("obj")
     said = str(failed.value)
     assert [said.count(f"{s.uri}: ") for s in stores] == [1, 1], said
+
+
+def test_the_loser_of_a_hedged_read_is_not_decoded_after_the_read_returned(tmp_path):
+    """Dataset adversary of stop 75: every answer was decoded, the losers' too, after their
+    read had returned (or failed): a slow replica's late answers took a core each for
+    nothing. Its answer still counts in its replica's health."""
+    slow = Faults(latency=Fixed(0.3))
+    rs, stores = _replicas(
+        tmp_path, [slow, None], hedge_initial_delay_s=0.02, hedge_min_delay_s=0.01
+    )
+    decoded: list[str] = []
+
+    def decode(data, replica):
+        decoded.append(replica)
+        return bytes(data)
+
+    try:
+        assert rs.read("obj", 0, 100, decode=decode) == PAYLOAD[:100]  # r0 first: unmeasured
+        loser = stores[0].uri
+        for _ in range(500):  # bounded: its answer comes after 0.3 s
+            if rs.metrics()["replicas"][loser]["answered"]:
+                break
+            threading.Event().wait(0.02)
+        assert rs.metrics()["replicas"][loser]["answered"] == 1
+        threading.Event().wait(0.1)  # a decode started by its answer would have been recorded
+        assert decoded == [stores[1].uri]
+    finally:
+        _release(stores)
