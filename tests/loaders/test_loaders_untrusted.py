@@ -828,3 +828,25 @@ def test_a_json_value_that_may_decode_past_the_bound_is_not_decoded(tmp_path) ->
     assert outcome.startswith("ShardCorruptError"), outcome
     assert "json value of 900004 bytes, which may decode to 40x that" in outcome, outcome
     assert growth < 16 << 20, f"the read grew by {growth >> 20} MiB"
+
+
+def test_a_sparse_token_file_of_a_tebibyte_is_refused_at_open_not_cut_into_reads(tmp_path):
+    """Dataset adversary of stop 75: a token file listed (or sparse on disk) at a huge size was
+    cut into a Unit per read at open, about 256 bytes each: 1 PiB at 4 MiB reads is 68 GB of
+    them. The reads are counted first."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    with open(root / "a.bin", "wb") as f:
+        f.truncate(1 << 40)  # sparse: no block written
+    setup = """
+        from loaders import LoaderConfig, ShardDataset, TokenFiles
+        """
+    action = f"""
+        tokens = TokenFiles(sample_tokens=1024, read_bytes=2048)
+        ShardDataset({str(root)!r}, tokens, config=LoaderConfig())
+        outcome = "OPENED"
+        """
+    growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
+    assert outcome.startswith("ShardCorruptError"), outcome
+    assert "make 536870912 reads of TokenFiles.read_bytes=2048, more than 8388608" in outcome
+    assert growth < GROWTH_LIMIT, f"the open grew by {growth >> 20} MiB"

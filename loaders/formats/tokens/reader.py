@@ -27,6 +27,9 @@ from loaders.formats.manifest import FileHashes, shards_and_hashes
 
 logger = logging.getLogger(__name__)
 
+# The most reads (units) a dataset of token files is cut into: 32 TiB at the default read_bytes.
+MAX_READS = 1 << 23
+
 LLMC_HEADER_BYTES = 1024
 # llm.c's dev/data/data_common.py: GPT-2 files hold uint16 tokens, Llama 3 files uint32.
 _LLMC_MAGIC = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
@@ -171,6 +174,15 @@ class TokenFiles:
         itemsize = np.dtype(self.dtype).itemsize
         sample_bytes = self.sample_tokens * itemsize
         per_unit = max(1, self.read_bytes // sample_bytes)
+        reads = sum(
+            -(-max(0, size - self.header_bytes) // sample_bytes // per_unit) for size in sizes
+        )
+        if reads > MAX_READS:  # each a Unit held for the dataset's life, about 256 bytes
+            raise ShardCorruptError(
+                f"token files of {sum(sizes)} bytes in all make {reads} reads of "
+                f"TokenFiles.read_bytes={self.read_bytes}, more than {MAX_READS}: raise "
+                "read_bytes (a file listed larger than it is, sparse, is counted at its size)"
+            )
         units, first = [], 0
         for key, size in zip(files, sizes):
             body = size - self.header_bytes
