@@ -154,15 +154,17 @@ class LocalTier:
         store's path and its identity, which rank 0 reads (``create``: makes it if it has
         none) and every rank is told (``tiers.identity.agree_identity``)."""
         _refuse_overlap(policy.local_dir, durable)
+        durable_uri = store_identity(durable)
+        own_dir = rank_dir(policy.local_dir, durable_uri, group.rank)
         return cls(
             policy,
             engine,
             rank=group.rank,
             world_size=group.world_size,
-            durable_uri=store_identity(durable),
+            durable_uri=durable_uri,
             timeout_s=timeout_s,
             thread_nice=thread_nice,
-            identity=agree_identity(durable, group, create=create),
+            identity=agree_identity(durable, group, create=create, own_dir=own_dir),
         )
 
     def protect(self, step: int) -> None:

@@ -730,6 +730,7 @@ def test_a_save_bound_for_durable_storage_that_fails_everywhere_passes_it_on(mak
     front = make(store=store, durable_every=2, local_keep_last=5)
     for step in (1, 2):
         front.save(step, _state(step))
+    front.wait_durable()  # step 1's drain reads the copies moved away below
     (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
     copies.rename(tmp_path / "moved")
     copies.write_bytes(b"a file where the directory should be")
@@ -1183,6 +1184,59 @@ def test_a_store_of_an_older_version_adopts_an_identity_and_keeps_its_copies(mak
     target = _blank()
     step, report = front.load(target)
     assert step == 2 and report.source == "local" and _same(target, _state(2))
+
+
+def test_a_store_whose_identity_was_removed_takes_back_the_id_its_copies_record(
+    make, tmp_path, caplog
+):
+    """Adversary of stop 76: with ``identity.json`` deleted (the obvious fix for a damaged
+    one), the next start made a new id, so the copies (which record the old one) were another
+    instance's: the newest step, held by the local tier alone, was never loaded, and the next
+    save unlisted it. The copies of the store's own saves vouch for the old id, which is
+    recorded again."""
+    front = make(durable_every=3)
+    for step in (1, 2):  # 1 durable, 2 in the local tier alone
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    durable = Store(str(tmp_path / "durable"))
+    before = read_identity(durable)
+    (tmp_path / "durable" / IDENTITY_KEY).unlink()
+    caplog.set_level(logging.WARNING)
+    front = front.restart()
+    target = _blank()
+    step, report = front.load(target)
+    assert step == 2 and report.source == "local" and _same(target, _state(2))
+    front.save(3, _state(3))  # a DCP reader records nothing: the writer does
+    after = read_identity(durable)
+    assert after is not None and after.id == before.id
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"id {before.id}" in m and "no identity.json" in m for m in said), said
+    assert not any("another instance" in m for m in said), said
+
+
+def test_copies_of_other_saves_vouch_for_no_id_of_a_store_without_one(make, tmp_path):
+    """The same, but the store's steps are other saves than the copies' (the store replaced
+    by another job's of the same path): a new id, and the copies are never loaded."""
+    front = make(durable_every=3)
+    for step in (1, 2):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    old = read_identity(Store(str(tmp_path / "durable")))
+    shutil.rmtree(tmp_path / "durable")
+    other = make(local_dir=tmp_path / "other-local", durable_every=1)
+    other.save(1, _state(7))
+    other.wait_durable()
+    other.close()
+    (tmp_path / "durable" / IDENTITY_KEY).unlink()  # a store of steps, no identity
+    front = front.restart()
+    target = _blank()
+    step, _ = front.load(target)
+    assert step == 1 and _same(target, _state(7))
+    front.save(3, _state(3))  # a tiered writer records an identity: not the copies' id
+    made = read_identity(Store(str(tmp_path / "durable")))
+    assert made is not None and made.id != old.id
 
 
 def _strip_identity(tmp_path: Path, keep_store: bool = False) -> None:
@@ -2333,3 +2387,4 @@ def test_a_damaged_store_identity_fails_the_open_by_name_never_a_silent_roll_bac
         front.restart().load(_blank())
     said = str(failed.value)
     assert "cannot read the identity of" in said and "identity.json" in said, said
+    assert "move it aside: the next tiered writer records the id again" in said, said
