@@ -14,7 +14,7 @@ from ckptstore.cli.common import Failed, UsageError, emit_json
 from ckptstore.errors import CheckpointError
 from ckptstore.render import format_ratio, human_bytes, rank_ranges, table
 from ckptstore.store import Store
-from ckptstore.tiers.identity import read_identity, store_identity
+from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
 from ckptstore.tiers.local import TierListing, describe_copies, tier_copies
 from ckptstore.tiers.policy import TIER_KEY
 from ckptstore.tiers.resumes import resumes
@@ -124,7 +124,10 @@ def _listing_doc(
 def _print_steps(store: Store, rows: list[dict[str, Any]], *, tiers: bool) -> None:
     """The table of steps, with a TIERS column when local dirs were listed."""
     if not rows:
-        print(f"no committed steps in {store.uri}")
+        hint = ""
+        if not tiers and store.exists(IDENTITY_KEY):
+            hint = " (a tiered job's store: steps not yet drained here are listed with --local-dir)"
+        print(f"no committed steps in {store.uri}{hint}")
         return
     rows_text = [_row_text(r) for r in rows]
     header = [

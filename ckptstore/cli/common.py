@@ -16,6 +16,7 @@ from typing import Any
 from ckptstore.catalog import dcp_checkpoint_there, store_nearby
 from ckptstore.errors import CheckpointNotFoundError, StorageAccessError
 from ckptstore.store import RetryPolicy, Store
+from ckptstore.tiers.identity import IDENTITY_KEY
 
 PROG = "ckptstore"
 
@@ -102,8 +103,10 @@ def holds_store_data(store: Store) -> bool:
     first save is under way, still holds chunks, attempts or leases; one whose only save was
     killed may hold only put temporaries, which gc removes)."""
     prefixes = ("leases", "steps", "indexes", "pending", "chunks")
-    return any(store.list(prefix) for prefix in prefixes) or bool(
-        store.stale_temporaries(older_than_s=0)
+    return (
+        any(store.list(prefix) for prefix in prefixes)
+        or store.exists(IDENTITY_KEY)  # a tiered job's store before its first durable step
+        or bool(store.stale_temporaries(older_than_s=0))
     )
 
 

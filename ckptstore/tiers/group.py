@@ -219,7 +219,7 @@ class RankGroup:
                     now_beats = _HEARTBEAT.counts(others, started=True)
                     lost = [r for r, b, a in zip(others, beats or now_beats, now_beats) if a == b]
                     if beats is not None and lost:
-                        raise self._lose(what, lost, "nothing: it never came to the exchange")
+                        raise self._lose(what, lost, "nothing: the lost rank never came to it")
                     beats, looked = now_beats, now
                 if now - start >= self._arrival_s:
                     came = int(store.add(key, 0))

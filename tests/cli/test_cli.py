@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore import Checkpointer, EncodingOptions, TierOptions
+from ckptstore import Checkpointer, EncodingOptions, Store, TierOptions
 from ckptstore.cli import main
 from tests.helpers import ROOT
 from tests.helpers.crafted import sealed
@@ -215,6 +215,17 @@ def test_a_location_without_ckptstore_data_is_an_error_everywhere(tmp_path: Path
             "error": one_line_error(err, command).split("error: ", 1)[1],
             "code": 1,
         }
+
+
+def test_a_tiered_store_before_its_first_durable_step_is_a_store_with_no_steps(tmp_path, capsys):
+    """Adversary of stop 76: a tiered job's durable store holding only its identity.json
+    (nothing drained yet) was "no ckptstore data ... a mistyped path?", exit 1."""
+    from ckptstore.tiers.identity import ensure_identity
+
+    ensure_identity(Store(str(tmp_path / "durable")))
+    code, out, err = run(capsys, "ls", tmp_path / "durable")
+    assert code == 0, err
+    assert "no committed steps in" in out and "listed with --local-dir" in out, out
 
 
 def test_a_location_beside_a_store_names_the_store(tmp_path: Path, capsys) -> None:
