@@ -5,14 +5,19 @@ or reader opens the store an id names. (The keys of DCP items in a rank index ar
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import fsspec
 
 from ckptstore.format import check_step
 from ckptstore.store import Store, open_store
+
+logger = logging.getLogger(__name__)
 
 
 def store_opener(
@@ -63,3 +68,30 @@ def checkpoint_step(checkpoint_id: Any) -> int | None:
     if isinstance(checkpoint_id, os.PathLike):
         return None
     return check_step(checkpoint_id)  # an int (bools and negative ints are refused)
+
+
+def warn_if_inside(store: Store, home: Store) -> None:
+    """A ``checkpoint_id`` naming a path inside the writer's own store (torchtitan's
+    ``<folder>/step-<N>``) makes a store of its own there: said once per path."""
+    if store.is_local and home.is_local:
+        there, made_for = os.path.realpath(store.root), os.path.realpath(home.root)
+        inside = there != made_for and Path(there).is_relative_to(made_for)
+    else:
+        inside = store.uri.startswith(home.uri.rstrip("/") + "/")
+    if not inside or store.uri in _SAID_INSIDE:
+        return
+    _SAID_INSIDE.add(store.uri)
+    digits = re.search(r"(\d+)/*$", store.uri)
+    hint = f"checkpoint_id={int(digits.group(1))}" if digits else "a step as checkpoint_id"
+    logger.warning(
+        "StoreWriter: checkpoint_id %s lies inside the writer's store %s: it is made a store "
+        "of its own, whose steps share no chunks with the others' and which keep_last never "
+        "counts; %s saves that step of %s",
+        store.uri,
+        home.uri,
+        hint,
+        home.uri,
+    )
+
+
+_SAID_INSIDE: set[str] = set()

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import io
 import logging
 import os
-import re
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -27,7 +24,8 @@ from ckptstore import telemetry
 from ckptstore._torch_private import dcp_saves_on_this_thread
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
-from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
+from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id, warn_if_inside
+from ckptstore.dcp.items import item_tensor, write_tensors
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import (
     CheckpointError,
@@ -49,7 +47,6 @@ from ckptstore.options import (
     TierOptions,
     resolve,
 )
-from ckptstore.pipeline import chunks_holding
 from ckptstore.save import (
     RankWritten,
     SaveEngine,
@@ -318,7 +315,7 @@ class StoreWriter(StorageWriter, PooledStager):
                     "(a store of that name would be made)"
                 )
             self.store = self._open_store(checkpoint_id)
-            _warn_if_inside(self.store, self._home)
+            warn_if_inside(self.store, self._home)
         self._requested.step = step
         self._requested.store = self.store
         self._requested.fresh = True
@@ -666,7 +663,7 @@ class StoreWriter(StorageWriter, PooledStager):
         fatal: BaseException | None = None  # this rank cannot take part in the save at all
         try:
             self._check_not_committed(target)
-            tensors = [_item_tensor(item, planner) for item in items]
+            tensors = [item_tensor(item, planner) for item in items]
             staged = self._take_staged(tensors)
         except Exception as exc:  # noqa: BLE001 - the other ranks hear of it, then it is raised
             fatal = exc
@@ -909,6 +906,18 @@ class StoreWriter(StorageWriter, PooledStager):
 
     # -- internals --------------------------------------------------------------------------
 
+    def _encode(
+        self,
+        session: SaveSession,
+        staged: HeldStaging | None,
+        tensors: list[torch.Tensor],
+        group: OneRound | None = None,
+    ):
+        """(entries, chunks) of ``tensors`` written through ``session``; ``staged`` is kept."""
+        return write_tensors(
+            self.engine, self.rank, session, staged, tensors, keep=True, group=group
+        )
+
     def _write(
         self,
         items: list[WriteItem],
@@ -920,12 +929,10 @@ class StoreWriter(StorageWriter, PooledStager):
         session = self._session(target)
         try:
             session.learn(self.rank, target.known)
-            tensors = [_item_tensor(item, planner) for item in items]
+            tensors = [item_tensor(item, planner) for item in items]
             staged = self._take_staged(tensors)
-            entries, chunks = (
-                self._write_staged(session, staged, tensors, group=group)
-                if staged is not None
-                else self._write_copied(session, tensors, group=group)
+            entries, chunks = write_tensors(
+                self.engine, self.rank, session, staged, tensors, group=group
             )
             written = session.put_index(
                 self.rank,
@@ -952,86 +959,6 @@ class StoreWriter(StorageWriter, PooledStager):
             )
             for i, (item, t) in enumerate(zip(items, tensors))
         ]
-
-    def _encode(
-        self,
-        session: SaveSession,
-        staged: HeldStaging | None,
-        tensors: list[torch.Tensor],
-        group: OneRound | None = None,
-    ):
-        """(entries, chunks) of ``tensors`` written through ``session``; ``staged`` is kept.
-        ``group``: the round of one writer per chunk they take part in."""
-        if staged is not None:
-            return self._write_staged(session, staged, tensors, keep=True, group=group)
-        return self._write_copied(session, tensors, group=group)
-
-    def _write_copied(
-        self,
-        session: SaveSession,
-        tensors: list[torch.Tensor],
-        *,
-        pooled: bool = True,
-        group: OneRound | None = None,
-    ):
-        """Copy ``tensors`` into a staging buffer (the pool's, if ``pooled`` and one is free)
-        and write its chunks (``group``: its round of one writer per chunk); (entries,
-        chunks)."""
-        copied = self.engine.stage_somewhere(tensors, wait_s=0.0, rank=self.rank, pooled=pooled)
-        try:
-            copied.copy.wait()
-            return session.write(copied.buffer, copied.layout, tensors, group=group)
-        finally:
-            self.engine.release(copied)
-
-    def _write_staged(
-        self,
-        session: SaveSession,
-        staged: HeldStaging,
-        tensors: list[torch.Tensor],
-        *,
-        keep: bool = False,
-        group: OneRound | None = None,
-    ):
-        """Write the chunks of ``staged`` that hold ``tensors`` (and any tensor not in it,
-        such as DCP's pickled values, through a buffer of its own); (entries, chunks). The
-        staging is released afterwards unless ``keep``. ``group``: the round of one writer
-        per chunk, which the staged chunks take part in (the others are written alone)."""
-        copied = staged.copied
-        base, size = copied.buffer.data_ptr(), copied.buffer.numel()
-        inside, outside = [], []
-        for i, t in enumerate(tensors):
-            n = t.numel() * t.element_size()
-            offset = t.data_ptr() - base
-            in_buffer = (
-                n > 0
-                and t.is_contiguous()
-                and 0 <= offset
-                and offset + n <= size
-                and t.untyped_storage().data_ptr() == copied.buffer.untyped_storage().data_ptr()
-            )
-            (inside if in_buffer else outside).append((i, offset))
-        mine = [tensors[i] for i, _ in inside]
-        try:
-            copied.copy.wait()
-            layout = chunks_holding(
-                copied.layout,
-                [(offset, t.numel() * t.element_size()) for (_, offset), t in zip(inside, mine)],
-            )
-            found, chunks = session.write(copied.buffer, layout, mine, group=group)
-        finally:
-            if not keep:
-                staged.release()
-        entries: list = [None] * len(tensors)
-        for (i, _), entry in zip(inside, found):
-            entries[i] = entry
-        if outside:
-            rest = [tensors[i] for i, _ in outside]
-            rest_entries, rest_chunks = self._write_copied(session, rest, pooled=False)
-            for (i, _), entry in zip(outside, rest_entries):
-                entries[i] = entry
-            chunks = {**chunks, **rest_chunks}
-        return entries, chunks
 
 
 # Writers rebuilt in this process from another's pickle, by the token of the original; the
@@ -1074,57 +1001,7 @@ def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int |
     return writer
 
 
-def _item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
-    """The bytes DCP wants written for ``item``, as a tensor (uint8 ``[n]`` for BYTE_IO)."""
-    data = planner.resolve_data(item)
-    if item.type == WriteItemType.BYTE_IO:
-        if isinstance(data, io.BytesIO):
-            raw = data.getvalue()
-        elif isinstance(data, (bytes, bytearray, memoryview)):
-            raw = bytes(data)
-        else:
-            raise UnsupportedStateError(
-                f"DCP item {item.index.fqn!r}: BYTE_IO data is {type(data).__name__}, "
-                "expected io.BytesIO"
-            )
-        if not raw:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if not isinstance(data, torch.Tensor):
-        raise UnsupportedStateError(
-            f"DCP item {item.index.fqn!r}: expected a tensor, got {type(data).__name__}"
-        )
-    return data.detach()
-
-
 def _world_size() -> int:
     """The default process group's size; 0 without one."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _warn_if_inside(store: Store, home: Store) -> None:
-    """A ``checkpoint_id`` naming a path inside the writer's own store (torchtitan's
-    ``<folder>/step-<N>``) makes a store of its own there: said once per path."""
-    if store.is_local and home.is_local:
-        there, made_for = os.path.realpath(store.root), os.path.realpath(home.root)
-        inside = there != made_for and Path(there).is_relative_to(made_for)
-    else:
-        inside = store.uri.startswith(home.uri.rstrip("/") + "/")
-    if not inside or store.uri in _SAID_INSIDE:
-        return
-    _SAID_INSIDE.add(store.uri)
-    digits = re.search(r"(\d+)/*$", store.uri)
-    hint = f"checkpoint_id={int(digits.group(1))}" if digits else "a step as checkpoint_id"
-    logger.warning(
-        "StoreWriter: checkpoint_id %s lies inside the writer's store %s: it is made a store "
-        "of its own, whose steps share no chunks with the others' and which keep_last never "
-        "counts; %s saves that step of %s",
-        store.uri,
-        home.uri,
-        hint,
-        home.uri,
-    )
-
-
-_SAID_INSIDE: set[str] = set()
