@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
     "ASYNC_SAVE_THREAD_PREFIX",
+    "async_save_on_default_group",
     "dcp_saves_on_this_thread",
     "dead_checkpoint_process",
     "EmptyStateDictLoadPlanner",
@@ -48,6 +49,24 @@ def dcp_saves_on_this_thread() -> int:
         found += frame.f_code is code
         frame = frame.f_back
     return found
+
+
+def async_save_on_default_group() -> bool:
+    """Whether this thread runs the save of a thread-based ``async_save`` whose collectives
+    use the default process group (``_save_state_dict``'s ``process_group`` left None)."""
+    import threading
+
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    if not threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
+        return False
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is _save_state_dict.__code__:
+            found = frame.f_locals
+            return found.get("process_group") is None and not found.get("no_dist", False)
+        frame = frame.f_back
+    return False
 
 
 def dead_checkpoint_process() -> int | None:

@@ -429,10 +429,13 @@ def wait_for_gc(store: Store, *, timeout_s: float, what: str) -> None:
             next_note = time.monotonic() + 30.0
             logger.log(
                 logging.WARNING if dead else logging.INFO,
-                "%s waits for garbage collection by %s in %s to finish",
+                "%s waits for garbage collection by %s in %s to finish%s",
                 what,
                 live[0].describe(),
                 store.uri,
+                "; it goes on by itself then (a restart of the job does not make it sooner)"
+                if dead
+                else "",
             )
         expiries = [lease.expires_in_s for lease in live if lease.expires_in_s is not None]
         soonest = min(expiries) + 0.01 if len(expiries) == len(live) else delay

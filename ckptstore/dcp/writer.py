@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore import telemetry
-from ckptstore._torch_private import dcp_saves_on_this_thread
+from ckptstore._torch_private import async_save_on_default_group, dcp_saves_on_this_thread
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id, warn_if_inside
@@ -363,6 +363,7 @@ class StoreWriter(StorageWriter, PooledStager):
             self._requested.store = None
         self._requested.fresh = False
         self.rank = int(kwargs.get("rank", 0) or 0)
+        _warn_if_async_on_the_training_group()
         if self._policy is not None:
             self._set_up_tiers()
 
@@ -999,6 +1000,26 @@ def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int |
         del _REBUILT[next(iter(_REBUILT))]
     writer.step = step
     return writer
+
+
+_WARNED_DEFAULT_GROUP: list[bool] = []
+
+
+def _warn_if_async_on_the_training_group() -> None:
+    """Once per process: a thread-based ``async_save`` on the default group of a gloo job runs
+    its collectives beside the training loop's on the same group, and DCP's with any writer
+    deadlock with a training collective made while the save is in flight."""
+    if _WARNED_DEFAULT_GROUP or _world_size() < 2:
+        return
+    if torch.distributed.get_backend() != "gloo" or not async_save_on_default_group():
+        return
+    _WARNED_DEFAULT_GROUP.append(True)
+    logger.warning(
+        "dcp.async_save runs this save's collectives on the default process group (gloo), in a "
+        "thread beside the training loop: a collective the loop makes on that group while the "
+        "save is in flight deadlocks both (with any DCP writer); pass async_save(..., "
+        'process_group=dist.new_group(backend="gloo")), as torchtitan does'
+    )
 
 
 def _world_size() -> int:

@@ -641,3 +641,30 @@ def test_nan_and_inf_of_float8_are_counted_by_the_health_scan(tmp_path):
         handle = ckpt.save(1, state)
         handle.wait()
     assert (handle.health.nan, handle.health.inf) == (4, 1)
+
+
+def _async_on_the_default_group_worker(rank: int, world: int, uri: str):
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ckptstore").addHandler(handler)
+    writer = StoreWriter(uri, storage=StorageOptions(timeout_s=10.0))
+    state = {"x": torch.arange(10.0)}
+    own = torch.distributed.new_group(backend="gloo")
+    dcp.async_save(state, storage_writer=writer, process_group=own).result(timeout=60)
+    assert not [s for s in said if "default process group" in s], said
+    dcp.async_save(state, storage_writer=writer).result(timeout=60)
+    dcp.async_save(state, storage_writer=writer).result(timeout=60)
+    warned = [s for s in said if "default process group" in s]
+    assert len(warned) == 1 and 'process_group=dist.new_group(backend="gloo")' in warned[0]
+
+
+@pytest.mark.dist
+def test_an_async_save_on_the_default_gloo_group_says_it_can_deadlock_the_loop(tmp_path):
+    """3 a.m. reviewer of stop 76: a loop making its own collectives on the default group hung
+    for good at its first async_save (DCP's collectives, run in the save's thread, met the
+    loop's; torch's FileSystemWriter does the same once a save takes longer than a step),
+    with no line said. It is said once per process."""
+    run_ranks(_async_on_the_default_group_worker, 2, str(tmp_path / "s"))

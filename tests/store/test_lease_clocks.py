@@ -259,6 +259,10 @@ def test_a_dead_gc_holds_saves_back_only_if_it_had_started_deleting(
         said = [r for r in caplog.records if "step 7 waits for garbage collection" in r.message]
         assert len(said) == 1 and said[0].levelno == logging.WARNING
         assert "whose process is gone" in said[0].message
+        assert (
+            "goes on by itself then (a restart of the job does not make it sooner)"
+            in said[0].message
+        )
 
 
 def test_a_disk_of_this_machine_is_told_from_a_network_file_system(tmp_path):
