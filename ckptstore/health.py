@@ -590,6 +590,23 @@ def find_healthy(store: Any, steps: list[int], *, limit: int | None = None):
     return healthy, why
 
 
+def name_passed_over(
+    not_healthy: dict[int, str], above: int, *, where: str = "", say: bool = True
+) -> list[tuple[int, BaseException]]:
+    """Name once (where ``say``: rank 0) each step newer than ``above`` that a ``healthy=True``
+    load passed over, taking it out of ``not_healthy`` (``where``: the store, for steps a tier
+    plan's reasons do not place); those whose manifests cannot be read, to be quarantined as a
+    step a fallback skipped is. Every front-end's healthy load says it so."""
+    unreadable: list[tuple[int, BaseException]] = []
+    for step in sorted((s for s in not_healthy if s > above), reverse=True):
+        why = not_healthy.pop(step)
+        if say:
+            logger.warning("%s%s: skipped by healthy=True", why, where)
+        if isinstance(why, Unreadable) and why.error is not None:
+            unreadable.append((step, why.error))
+    return unreadable
+
+
 def resumable_steps(
     store: Any, *, healthy: bool, limit: int | None = None
 ) -> tuple[list[int], dict[int, str]]:

@@ -50,7 +50,7 @@ from ckptstore.errors import (
     no_step_loaded,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex
-from ckptstore.health import Unreadable, healthy_steps_to_load
+from ckptstore.health import healthy_steps_to_load, name_passed_over
 from ckptstore.peer import PeerReplicas, tensors_from_replica
 from ckptstore.pipeline import PipelineConfig, chunks_from_store, parse_dtype
 from ckptstore.quarantine import quarantine_skipped
@@ -245,7 +245,10 @@ class StateLoader:
         the error (agreed by every rank) to raise."""
         skipped: list[tuple[int, BaseException]] = []
         for candidate in candidates:
-            self._skip_not_healthy(not_healthy, candidate.step, skipped)
+            where = "" if self.local is not None else f" in {self.store.uri}"
+            skipped += name_passed_over(
+                not_healthy, candidate.step, where=where, say=self.rank == 0
+            )
             self._report = report = LoadReport(step=candidate.step)
             self.last_load = report
             error, skippable, written = self._load_candidate(state, candidate, dirty, strict)
@@ -285,20 +288,6 @@ class StateLoader:
         damaged or missing objects) so that it never blocks a save of its step number again."""
         if self.rank == 0:
             quarantine_skipped(self.store, skipped)
-
-    def _skip_not_healthy(
-        self, not_healthy: dict[int, str], above: int, skipped: list[tuple[int, BaseException]]
-    ) -> None:
-        """Name, once, each step newer than ``above`` that a ``healthy=True`` load passes over;
-        one whose manifest cannot be read goes to ``skipped``, to be quarantined as a step a
-        fallback skipped is."""
-        for step in sorted((s for s in not_healthy if s > above), reverse=True):
-            why = not_healthy.pop(step)
-            if self.rank == 0:  # a tier plan's reasons say where the step is held
-                where = "" if self.local is not None else f" in {self.store.uri}"
-                logger.warning("rank 0: %s%s: skipped by healthy=True", why, where)
-            if isinstance(why, Unreadable) and why.error is not None:
-                skipped.append((step, why.error))
 
     def _candidates(
         self, step: int | str, fallback: bool, healthy: bool = False

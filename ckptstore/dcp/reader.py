@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from ckptstore.catalog import LATEST_REPLANS, parse_step
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
-from ckptstore.health import healthy_steps_to_load, resumable_steps
+from ckptstore.health import healthy_steps_to_load, name_passed_over, resumable_steps
 from ckptstore.options import ReadOptions, StorageOptions, TierOptions, resolve
 from ckptstore.pipeline import ChunkSource, PipelineConfig, chunks_from_store
 from ckptstore.shared_read import (
@@ -477,9 +477,8 @@ class StoreReader(StepReader):
         if not self.healthy:
             return self.step
         good, why = healthy_steps_to_load(self.store, self.step)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            for step in sorted(why, reverse=True):
-                logger.warning("%s in %s: skipped by healthy=True", why[step], self.store.uri)
+        say = not dist.is_initialized() or dist.get_rank() == 0
+        name_passed_over(why, good[0], where=f" in {self.store.uri}", say=say)
         return good[0]
 
     def _read(self, batch: Batch, source: ChunkSource | None) -> dict[int, torch.Tensor]:

@@ -26,7 +26,7 @@ from ckptstore.errors import (
     no_step_loaded,
     one_line,
 )
-from ckptstore.health import Unreadable, resumable_steps
+from ckptstore.health import name_passed_over, resumable_steps
 from ckptstore.quarantine import quarantine_skipped
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.open_step import load_group, planned_steps
@@ -97,7 +97,8 @@ def resume(
                     )
                 continue
             if group.rank == 0:  # a copy only a local tier lost stays: only durable damage
-                newer = _name_passed_over(reader, passed_over, step)
+                where = "" if reader._policy is not None else f" in {reader.store.uri}"
+                newer = name_passed_over(passed_over, step, where=where)
                 quarantine_skipped(reader.store, skipped + newer)
             return step
     finally:
@@ -108,20 +109,6 @@ def resume(
     if reader._policy is not None:
         where = f"step in the tiers ({reader._policy.local_dir}, peers) or {reader.store.uri}"
     raise no_step_loaded(where, skipped, passed_over)
-
-
-def _name_passed_over(
-    reader: StoreReader, passed_over: dict[int, str], loaded: int
-) -> list[tuple[int, BaseException]]:
-    """(rank 0) Name each step newer than ``loaded`` that ``healthy=True`` passed over; those
-    whose manifests cannot be read, to be quarantined as a step a fallback skipped is."""
-    where = "" if reader._policy is not None else f" in {reader.store.uri}"  # tiers say where
-    newer = sorted((s for s in passed_over if s > loaded), reverse=True)
-    for s in newer:
-        logger.warning("%s%s: skipped by healthy=True", passed_over[s], where)
-    return [
-        (s, why.error) for s in newer if isinstance(why := passed_over[s], Unreadable) and why.error
-    ]
 
 
 def _steps(reader: StoreReader, group: RankGroup, passed_over: dict[int, str]) -> list[int]:

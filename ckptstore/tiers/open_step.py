@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ckptstore.catalog import load_manifest, read_rank_index_bytes
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, NoHealthyStepError, one_line
 from ckptstore.format import ChunkInfo, RankIndex, decode_rank_index
+from ckptstore.health import name_passed_over
 from ckptstore.options import StorageOptions
 from ckptstore.save.engine import SaveEngine
 from ckptstore.steps import DCP, StepView
@@ -133,8 +134,7 @@ def open_tiered_step(
     plan = _plan(durable, local, wanted, group, healthy)
     candidate = plan.candidates[0]
     step = candidate.step
-    for s in sorted((s for s in plan.not_healthy if s > step and rank == 0), reverse=True):
-        logger.warning("%s: skipped by healthy=True", plan.not_healthy[s])
+    name_passed_over(plan.not_healthy, step, say=rank == 0)
     report = LoadReport(step=step)
     in_durable = candidate.sources[rank][-1].tier == DURABLE  # the same on every rank
     if all(mine[0].tier != DURABLE for mine in candidate.sources):
