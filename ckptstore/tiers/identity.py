@@ -105,10 +105,12 @@ def copy_claims(own_dir: Path | None) -> list[Claim]:
     claims: list[Claim] = []
     try:
         store = Store(str(own_dir))
-        steps = list_steps(store)[-_CLAIMS_PER_RANK:]
+        steps = list_steps(store)
     except (CheckpointError, OSError):
         return []
-    for step in steps:
+    for step in reversed(steps):  # the newest readable ones: junk pushes none out
+        if len(claims) >= _CLAIMS_PER_RANK:
+            break
         try:
             manifest = load_manifest(store, step)
         except (CheckpointError, OSError):
@@ -153,8 +155,13 @@ def ensure_identity(store: Store, claims: list[Claim] | None = None) -> StoreIde
         return found
     steps = list_steps(store)
     vouched = _vouched_id(store, steps, claims) if steps and claims else None
-    ident = vouched[0] if vouched else uuid.uuid4().hex
-    made = StoreIdentity(ident, adopted=bool(steps), created_at=time.time())
+    # A vouched id was the store's: copies that record none are no more its own than they
+    # were (an older instance's would otherwise start to load).
+    made = (
+        StoreIdentity(vouched[0], adopted=False, created_at=time.time())
+        if vouched
+        else StoreIdentity(uuid.uuid4().hex, adopted=bool(steps), created_at=time.time())
+    )
     body = {"id": made.id, "adopted": made.adopted, "created_at": made.created_at}
     try:
         store.put(IDENTITY_KEY, _dump(_KIND, body), verify_readback=True)
@@ -228,7 +235,7 @@ def _vouched(store: Store, claims: list[Claim]) -> StoreIdentity | None:
         ", ".join(map(str, vouched[1][-4:])),
         vouched[0],
     )
-    return StoreIdentity(vouched[0], adopted=True, created_at=time.time())
+    return StoreIdentity(vouched[0], adopted=False, created_at=time.time())
 
 
 def _cannot_record(store: Store, exc: StorageError) -> bool:

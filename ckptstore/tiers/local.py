@@ -485,6 +485,11 @@ class LocalTier:
                 "never written by an older version), so it cannot be told from a store deleted "
                 "and made again"
             )
+        elif self.identity is None:
+            why = (
+                "the store records no identity.json (removed, or not yet written), and no copy "
+                "of its own steps vouches for theirs"
+            )
         else:
             why = "the store was deleted and made again"
         logger.warning(

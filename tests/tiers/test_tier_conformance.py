@@ -55,7 +55,7 @@ from ckptstore.format import chunk_key, commit_key
 from ckptstore.store import Store
 from ckptstore.tiers import ahead as tier_ahead
 from ckptstore.tiers import transfer as tier_transfer
-from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
+from ckptstore.tiers.identity import IDENTITY_KEY, copy_claims, read_identity, store_identity
 from ckptstore.tiers.local import tier_copies
 from ckptstore.tiers.policy import TIER_KEY, rank_dir
 from ckptstore.tiers.restore import SourceStats
@@ -1210,9 +1210,28 @@ def test_a_store_whose_identity_was_removed_takes_back_the_id_its_copies_record(
     front.save(3, _state(3))  # a DCP reader records nothing: the writer does
     after = read_identity(durable)
     assert after is not None and after.id == before.id
+    assert not after.adopted  # copies that record no id are no more its own than before
     said = [r.getMessage() for r in caplog.records]
     assert any(f"id {before.id}" in m and "no identity.json" in m for m in said), said
     assert not any("another instance" in m for m in said), said
+
+
+def test_unreadable_copies_push_no_vouching_copy_out_of_the_claims(make, tmp_path):
+    """Adversary of stop 76: a rank's 64 newest entries were read, unreadable ones included,
+    so 64 damaged manifests numbered above the copies left none to vouch: a new id."""
+    front = make(durable_every=3, local_keep_last=5)
+    for step in (1, 2):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    (copies,) = (tmp_path / "local").glob("job-*/rank-00000")
+    for step in range(100, 170):
+        (copies / commit_key(step)).write_bytes(b"{not json")
+    before = read_identity(Store(str(tmp_path / "durable"))).id
+    (tmp_path / "durable" / IDENTITY_KEY).unlink()
+    assert [(step, ident) for step, _, ident in copy_claims(copies)] == [(2, before), (1, before)]
+    target = _blank()
+    assert front.restart().load(target)[0] == 2 and _same(target, _state(2))
 
 
 def test_copies_of_other_saves_vouch_for_no_id_of_a_store_without_one(make, tmp_path):
