@@ -11,6 +11,7 @@ from loaders.errors import (
     ReplicaMismatchError,
     ShardCorruptError,
     ShardNotFoundError,
+    ShardTooLargeError,
     UnknownFormatError,
 )
 from loaders.formats.mds import MDS, MDSWriter
@@ -31,6 +32,7 @@ __all__ = [
     "ShardCorruptError",
     "ShardDataset",
     "ShardNotFoundError",
+    "ShardTooLargeError",
     "StatefulLoader",
     "TokenFiles",
     "TokenWriter",

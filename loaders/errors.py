@@ -12,6 +12,11 @@ class ShardCorruptError(LoaderError, ValueError):
     """A shard's bytes do not match its index (hash, size, header, encoding)."""
 
 
+class ShardTooLargeError(LoaderError, ValueError):
+    """A shard whose bytes verify takes more decoded than a bound the dataset was opened with
+    (``MDS.max_shard_bytes``): the same on every replica, no replica's fault."""
+
+
 class ShardNotFoundError(LoaderError, FileNotFoundError):
     """A shard (or the dataset index) is missing from every replica."""
 

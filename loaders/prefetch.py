@@ -4,14 +4,16 @@ handed to the consumer in plan order (a reorder buffer keyed by unit).
 Reads are started in the order the consumer will first need them. The window admits the next
 read while fewer than ``window_reads`` are in flight and the bytes in flight plus the bytes read
 and not yet released stay within ``window_bytes`` (one read is always admitted when the window is
-empty, so a unit larger than the window still makes progress). A unit is accounted at the size
-its layout declares, or, once decoded, at its ``mem_bytes`` where larger. While the consumer waits for the
+empty, so a unit larger than the window still makes progress). A unit is admitted at the size
+its layout declares, times the most a unit read so far grew by once decoded, and counts, once
+decoded, what it says it takes (``mem_bytes``, where larger than declared). While the consumer waits for the
 read it needs, every other completion tops the window up, so a slow read never holds back the
 reads behind it.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +43,11 @@ class Window:
         self._stats = stats
         self._pool = ThreadPoolExecutor(window_reads, thread_name_prefix="loaders-prefetch")
         self._futures: dict[int, Future] = {}
-        self._cost: dict[int, int] = {}
+        self._cost: dict[int, int] = {}  # what each unit counts for now
+        self._declared: dict[int, int] = {}  # what its layout said before it was read
+        # The most a unit decoded to per byte its layout declared: later reads are admitted at
+        # their declared size times this (MDS's JSON values take more than their text).
+        self._growth = 1.0
         self._held = 0  # bytes in flight plus read and not released
         # Reads count themselves out as they end (a done-callback), so that neither a top-up
         # nor a wait looks at the reads themselves: the window may hold thousands of completed
@@ -52,7 +58,9 @@ class Window:
         self._completions = 0
         self._seen = 0  # completions when the window was last topped up
 
-    def _read_ended(self, _: Future) -> None:
+    def _read_ended(self, unit: int, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._account(unit, future.result())  # decoded ahead: counted before it is asked for
         with self._ended:
             self._inflight -= 1
             self._completions += 1
@@ -78,18 +86,20 @@ class Window:
                 self._next = next(self._schedule, None)
                 if self._next is None:
                     return
-            unit, cost = self._next
+            unit, declared = self._next
+            cost = int(declared * self._growth)
             if not force and self._held and self._held + cost > self._max_bytes:
                 return
             force = False
             self._next = None
             with self._ended:
                 self._inflight += 1
+                self._declared[unit] = declared
+                self._cost[unit] = cost
+                self._held += cost
             future = self._pool.submit(self._fetch, unit)
-            future.add_done_callback(self._read_ended)
+            future.add_done_callback(functools.partial(self._read_ended, unit))
             self._futures[unit] = future
-            self._cost[unit] = cost
-            self._held += cost
 
     def get(self, unit: int) -> Any:
         """The decoded unit; waits (and counts the wait) only if its read has not completed."""
@@ -108,11 +118,27 @@ class Window:
             self._stats.wait_s += waited
             self._stats.waits += 1
         result = future.result()
-        grown = getattr(result, "mem_bytes", 0) - self._cost[unit]
-        if grown > 0:  # decoded larger than its account before the read (MDS's JSON values)
-            self._cost[unit] += grown
-            self._held += grown
+        self._account(unit, result)
         return result
+
+    def _account(self, unit: int, result: Any) -> None:
+        """A decoded ``unit`` that says what it takes (``mem_bytes``: MDS's samples) counts
+        that from now on, never less than its layout declared (not after its release); later
+        reads are admitted at what this one's growth suggests."""
+        measured = getattr(result, "mem_bytes", None)
+        if measured is None:
+            return
+        with self._ended:
+            declared = self._declared.get(unit)
+            if declared is None:  # released already
+                return
+            now = max(declared, measured)
+            self._held += now - self._cost[unit]
+            self._cost[unit] = now
+            if declared:
+                self._growth = max(self._growth, measured / declared)
+            stats = self._stats
+            stats.max_resident_bytes = max(stats.max_resident_bytes, self._held)
 
     def ready(self, unit: int) -> bool:
         future = self._futures.get(unit)
@@ -121,7 +147,9 @@ class Window:
     def release(self, unit: int) -> None:
         """The consumer is done with ``unit``: its bytes leave the window."""
         self._futures.pop(unit)
-        self._held -= self._cost.pop(unit)
+        with self._ended:
+            self._held -= self._cost.pop(unit)
+            del self._declared[unit]
         self.top_up()
 
     def close(self, then: Callable[[], None] | None = None) -> None:

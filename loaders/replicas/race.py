@@ -29,6 +29,7 @@ from loaders.errors import (
     ReadTimeoutError,
     ShardCorruptError,
     ShardNotFoundError,
+    ShardTooLargeError,
     UnknownFormatError,
 )
 from loaders.metrics import ReadStats
@@ -288,14 +289,19 @@ class _Request:
                 seconds = time.monotonic() - t0
                 if decode is not None and (self.closed or a.settled):
                     # Given up at its deadline, or the read is over (another replica won, or it
-                    # failed): its answer still counts in its replica's health, but decoding
-                    # it would only spend a core a later read needs.
-                    answered(data, t0, seconds)
+                    # failed): decoding it would only spend a core a later read needs. Not
+                    # decoded, it is not judged either (bytes unchecked are no good answer),
+                    # as a cancelled attempt is not; a loser's lag was counted as it lost, and
+                    # a first attempt's latency still teaches the hedge delay.
+                    if reads.settle(a):
+                        reads.health.release(r)
+                        if record is not None:
+                            reads.hedger.record(record, t0 + seconds - launched)
                     return None
                 out = decode(data, r.name) if decode is not None else data
-            except UnknownFormatError:
+            except (UnknownFormatError, ShardTooLargeError):
                 # Raised by decode, never by a store request: good bytes in a format not read
-                # here, which is no fault of the replica's.
+                # here, or past a bound of the dataset's, which is no fault of the replica's.
                 answered(data, t0, seconds)
                 raise
             except BaseException as exc:
@@ -352,7 +358,7 @@ class _Request:
 
     def _lost(self, a: _Attempt, exc: BaseException) -> None:
         r = a.replica
-        if isinstance(exc, UnknownFormatError):
+        if isinstance(exc, (UnknownFormatError, ShardTooLargeError)):
             self.reads.stats.add(failed=1)
             raise exc  # every replica holds the same bytes: no failover
         if isinstance(exc, (ObjectNotFoundError, FileNotFoundError)):

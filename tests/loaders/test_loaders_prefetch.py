@@ -144,3 +144,47 @@ def test_completed_reads_held_in_the_window_are_not_rescanned(monkeypatch):
         window.close()
     # Scanning what is held made this ~units**2 / 2 (4.5 million); in-flight reads only: ~units * 8.
     assert calls < 50 * units
+
+
+class _Decoded(list):
+    """A unit that says what it takes decoded, as MDS's samples do."""
+
+    mem_bytes = 0
+
+
+def test_units_decoded_ahead_count_what_they_take_and_teach_the_window():
+    """Loader adversary of stop 76: a unit's measured size was counted only when the consumer
+    took it, so reads decoded ahead of a slow consumer held 48 times ``window_bytes`` (shards of
+    JSON values, 43x their text). A read counts what it takes as it ends, and later reads are
+    admitted at the growth seen."""
+    ended, gate = threading.Semaphore(0), threading.Event()
+
+    def fetch(unit: int) -> _Decoded:
+        assert gate.wait(10)
+        out = _Decoded([unit])
+        out.mem_bytes = 500  # declared 100: five times that once decoded
+        ended.release()
+        return out
+
+    stats = ConsumerStats()
+    window = Window(
+        iter([(u, 100) for u in range(20)]), fetch, window_reads=8, window_bytes=1000, stats=stats
+    )
+    try:
+        window.top_up()  # 8 reads at 100 each, before any is measured
+        gate.set()
+        for _ in range(8):
+            assert ended.acquire(timeout=10)
+        window.top_up()  # nothing more: they hold 8 x 500
+        assert stats.max_resident_bytes == 4000 and stats.max_inflight_reads == 8
+        for u in range(8):
+            assert window.get(u) == [u]
+            window.release(u)
+        # Now each read is admitted at 500: two fit, never eight.
+        for u in range(8, 20):
+            assert window.get(u) == [u]
+            window.release(u)
+            assert window._held <= 1000
+        assert stats.max_inflight_reads == 8  # the first batch only
+    finally:
+        window.close()

@@ -750,7 +750,8 @@ def test_a_failed_reads_error_names_each_reason_once(tmp_path):
 def test_the_loser_of_a_hedged_read_is_not_decoded_after_the_read_returned(tmp_path):
     """Dataset adversary of stop 75: every answer was decoded, the losers' too, after their
     read had returned (or failed): a slow replica's late answers took a core each for
-    nothing. Its answer still counts in its replica's health."""
+    nothing. Not decoded, its answer is not judged good either (a corrupt replica's errors
+    would be forgotten): it is let go as a cancelled attempt is."""
     slow = Faults(latency=Fixed(0.3))
     rs, stores = _replicas(
         tmp_path, [slow, None], hedge_initial_delay_s=0.02, hedge_min_delay_s=0.01
@@ -763,13 +764,15 @@ def test_the_loser_of_a_hedged_read_is_not_decoded_after_the_read_returned(tmp_p
 
     try:
         assert rs.read("obj", 0, 100, decode=decode) == PAYLOAD[:100]  # r0 first: unmeasured
-        loser = stores[0].uri
+        r0 = next(r for r in rs._replicas if r.store is stores[0])
         for _ in range(500):  # bounded: its answer comes after 0.3 s
-            if rs.metrics()["replicas"][loser]["answered"]:
+            if r0.inflight == 0:
                 break
             threading.Event().wait(0.02)
-        assert rs.metrics()["replicas"][loser]["answered"] == 1
+        assert r0.inflight == 0
         threading.Event().wait(0.1)  # a decode started by its answer would have been recorded
         assert decoded == [stores[1].uri]
+        loser = rs.metrics()["replicas"][stores[0].uri]
+        assert loser["answered"] == 0 and loser["errors"] == 0  # neither good nor bad
     finally:
         _release(stores)

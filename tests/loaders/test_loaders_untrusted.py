@@ -28,6 +28,7 @@ from loaders import (
     ShardCorruptError,
     ShardDataset,
     ShardNotFoundError,
+    ShardTooLargeError,
     TokenFiles,
     WebDataset,
     WebDatasetWriter,
@@ -804,12 +805,27 @@ def test_mds_json_values_are_measured_into_the_window_and_the_shard_bound(tmp_pa
     declared = dataset.units[0].mem_bytes  # their text: below what they take
     assert declared < decoded
     bound = MDS(max_shard_bytes=declared + decoded // 2)
-    with pytest.raises(ShardCorruptError, match=r"sample 1\d\d has a json value of 1001 bytes"):
+    with pytest.raises(ShardTooLargeError, match=r"sample 1\d\d has a json value of 1001 bytes"):
         list(ShardDataset(str(root), bound, config=IN_ORDER))
     # measured after decoding too, were a text to take more than the worst case per byte
     monkeypatch.setattr(mds_reader, "JSON_WORST_BYTES_PER_BYTE", 1)
-    with pytest.raises(ShardCorruptError, match=r"json values decode to more than MDS\.max_shard"):
+    with pytest.raises(ShardTooLargeError, match=r"json values decode to more than MDS\.max_shard"):
         list(ShardDataset(str(root), bound, config=IN_ORDER))
+
+
+def test_a_shard_past_a_bound_of_the_dataset_blames_no_replica(tmp_path) -> None:
+    """Loader adversary of stop 76: a shard whose json values decode past max_shard_bytes is
+    the same on every replica, yet each was said to return corrupt data and benched, and the
+    error said no replica holds bytes that verify."""
+    write_json_column(tmp_path / "a", [NESTED] * 200)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    dataset = ShardDataset(
+        [str(tmp_path / "a"), str(tmp_path / "b")], MDS(max_shard_bytes=1 << 20), config=IN_ORDER
+    )
+    with pytest.raises(ShardTooLargeError, match=r"past MDS\.max_shard_bytes \(1048576\)"):
+        list(dataset)
+    replicas = dataset.replicas.metrics()["replicas"].values()
+    assert [(m["corrupt"], m["errors"], m["benched"]) for m in replicas] == [(0, 0, 0)] * 2
 
 
 def test_a_json_value_that_may_decode_past_the_bound_is_not_decoded(tmp_path) -> None:
@@ -825,8 +841,8 @@ def test_a_json_value_that_may_decode_past_the_bound_is_not_decoded(tmp_path) ->
         outcome = "READ"
         """
     growth, outcome = growth_in_child(setup, action, CHILD_TIMEOUT_S)
-    assert outcome.startswith("ShardCorruptError"), outcome
-    assert "json value of 900004 bytes, which may decode to 40x that" in outcome, outcome
+    assert outcome.startswith("ShardTooLargeError"), outcome
+    assert "json value of 900004 bytes, which may decode to 48x that" in outcome, outcome
     assert growth < 16 << 20, f"the read grew by {growth >> 20} MiB"
 
 
@@ -850,3 +866,28 @@ def test_a_sparse_token_file_of_a_tebibyte_is_refused_at_open_not_cut_into_reads
     assert outcome.startswith("ShardCorruptError"), outcome
     assert "make 536870912 reads of TokenFiles.read_bytes=2048, more than 8388608" in outcome
     assert growth < GROWTH_LIMIT, f"the open grew by {growth >> 20} MiB"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        list(range(1000, 1512)),  # numbers: measured at C speed
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, [10, [11]], {"a": [], "b": {"c": "d"}}, "e" * 40],
+        [[1, 2]] * 20,
+        json.loads(NESTED),
+        {"text": "é" * 50, "n": 1.5, "deep": [{"x": [None, True]}] * 12},
+    ],
+)
+def test_json_size_counts_every_object_of_a_value(value) -> None:
+    """The walk that skips numbers and strings in a long list still counts them (and each
+    nested list or dict once)."""
+    import sys
+
+    def every(v):
+        if isinstance(v, list):
+            return sys.getsizeof(v) + sum(every(x) for x in v)
+        if isinstance(v, dict):
+            return sys.getsizeof(v) + sum(every(k) + every(x) for k, x in v.items())
+        return sys.getsizeof(v)
+
+    assert json_size(value) == every(value)

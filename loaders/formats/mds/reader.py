@@ -21,7 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from loaders.errors import ShardCorruptError, ShardNotFoundError, UnknownFormatError
+from loaders.errors import (
+    ShardCorruptError,
+    ShardNotFoundError,
+    ShardTooLargeError,
+    UnknownFormatError,
+)
 from loaders.formats._codecs import decompress, hasher, max_raw_bytes
 from loaders.formats.layout import Unit, check_shard_key, first_time
 
@@ -126,23 +131,35 @@ def _json_value(b: bytes) -> Any:
     return json.loads(b.decode("utf-8"))
 
 
-# At most what a JSON text's decoded objects take per byte of it, measured on CPython 3.11: a
-# dict of one key nested in another takes 184 bytes for 5 of text (``{"":{"":...}}``), an
-# empty one in a list 72 for 3; text and numbers take 2 to 13.
-JSON_WORST_BYTES_PER_BYTE = 40
+# At most what a JSON text's decoded objects take per byte of it, measured on CPython 3.11
+# (``json_size``): lists nested 50 deep in a list take 43-44 times their text, a dict of one key
+# nested in another 37 (``{"":{"":...}}``), an empty one in a list 24; text and numbers 2 to 13.
+JSON_WORST_BYTES_PER_BYTE = 48
+
+
+_CONTAINERS = frozenset((list, dict))
 
 
 def json_size(value: Any) -> int:
     """Bytes the Python objects of a decoded JSON value take (``sys.getsizeof`` of each)."""
+    getsizeof = sys.getsizeof
     size, stack = 0, [value]
     while stack:
         v = stack.pop()
-        size += sys.getsizeof(v)
-        if type(v) is list:
-            stack.extend(v)
-        elif type(v) is dict:
+        size += getsizeof(v)
+        if type(v) is dict:
             stack.extend(v)
             stack.extend(v.values())
+        elif type(v) is not list:
+            continue
+        elif len(v) > 8 and type(v[0]) is not list and type(v[0]) is not dict:
+            size += sum(map(getsizeof, v))  # a list of numbers or strings: measured at C speed
+            if not _CONTAINERS.isdisjoint(map(type, v)):
+                nested = [x for x in v if type(x) is list or type(x) is dict]
+                size -= sum(map(getsizeof, nested))  # measured again as they are walked
+                stack += nested
+        else:
+            stack.extend(v)
     return size
 
 
@@ -180,9 +197,9 @@ class MDS:
     shards are 64 MiB by default)."""
     max_index_bytes: int = 64 << 20
     """Most bytes ``index.json`` may take: a JSON text decodes to up to
-    ``JSON_WORST_BYTES_PER_BYTE`` times its size (2.5 GiB at this default) before a single
-    entry is checked. An index of upstream's entries takes about 450 bytes a shard: 64 MiB
-    lists about 150,000 shards."""
+    ``JSON_WORST_BYTES_PER_BYTE`` times its size (3 GiB at this default, about 3.5 GiB of the
+    process at its peak) before a single entry is checked. An index of upstream's entries
+    takes about 450 bytes a shard: 64 MiB lists about 150,000 shards."""
     name: str = field(default="mds", init=False)
 
     def __post_init__(self) -> None:
@@ -572,7 +589,7 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> Samp
                 else:
                     sample[name] = dec(value)
                 pos += size
-        except ShardCorruptError:
+        except (ShardCorruptError, ShardTooLargeError):
             raise
         except (ValueError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
             # ArithmeticError: decimal's InvalidOperation; RecursionError: deep json columns
@@ -591,7 +608,7 @@ def _measured_json(shard: _Shard, used: int, text: bytes, what: str, j: int) -> 
     after if it does."""
     bound = f"MDS.max_shard_bytes ({shard.max_bytes})"
     if used + JSON_WORST_BYTES_PER_BYTE * len(text) > shard.max_bytes:
-        raise ShardCorruptError(
+        raise ShardTooLargeError(
             f"{what}: sample {j} has a json value of {len(text)} bytes, which may decode to "
             f"{JSON_WORST_BYTES_PER_BYTE}x that, past {bound} with the samples before it: not "
             "decoded (raise the bound to read it)"
@@ -599,7 +616,7 @@ def _measured_json(shard: _Shard, used: int, text: bytes, what: str, j: int) -> 
     value = _json_value(text)
     grown = max(0, json_size(value) - len(text) - VALUE_BYTES)
     if used + grown > shard.max_bytes:
-        raise ShardCorruptError(
+        raise ShardTooLargeError(
             f"{what}: its json values decode to more than {bound} by sample {j}: not read "
             "further (raise the bound to read it)"
         )
