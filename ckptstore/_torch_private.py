@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 __all__ = [
     "ASYNC_SAVE_THREAD_PREFIX",
     "async_save_on_default_group",
+    "dcp_save_groups",
     "dcp_saves_on_this_thread",
     "dead_checkpoint_process",
     "EmptyStateDictLoadPlanner",
@@ -67,6 +68,23 @@ def async_save_on_default_group() -> bool:
             return found.get("process_group") is None and not found.get("no_dist", False)
         frame = frame.f_back
     return False
+
+
+def dcp_save_groups() -> dict[int, Any]:
+    """The process group of each DCP save under way in this process (``process_group`` of the
+    innermost ``_save_state_dict`` on each thread's stack; None: the default group), by thread
+    id; saves with ``no_dist`` (no collectives) left out."""
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    code, found = _save_state_dict.__code__, {}
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            if frame.f_code is code:
+                if not frame.f_locals.get("no_dist", False):
+                    found[ident] = frame.f_locals.get("process_group")
+                break
+            frame = frame.f_back
+    return found
 
 
 def dead_checkpoint_process() -> int | None:

@@ -12,9 +12,12 @@ class ShardCorruptError(LoaderError, ValueError):
     """A shard's bytes do not match its index (hash, size, header, encoding)."""
 
 
-class ShardTooLargeError(LoaderError, ValueError):
-    """A shard whose bytes verify takes more decoded than a bound the dataset was opened with
-    (``MDS.max_shard_bytes``): the same on every replica, no replica's fault."""
+class ShardTooLargeError(ShardCorruptError):
+    """A shard (or an index, a manifest, a dataset) larger than a bound the dataset was opened
+    with (``max_shard_bytes``, ``MDS.max_index_bytes``, ``TokenFiles.read_bytes``): a shard
+    corrupt or hostile, or a real one past the bound, which is to be raised to read it. Found
+    at open, or (MDS json values) as the shard is decoded: the same on every replica, no
+    replica's fault."""
 
 
 class ShardNotFoundError(LoaderError, FileNotFoundError):

@@ -21,7 +21,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore import telemetry
-from ckptstore._torch_private import async_save_on_default_group, dcp_saves_on_this_thread
+from ckptstore._torch_private import (
+    async_save_on_default_group,
+    dcp_save_groups,
+    dcp_saves_on_this_thread,
+)
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id, warn_if_inside
@@ -364,6 +368,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self._requested.fresh = False
         self.rank = int(kwargs.get("rank", 0) or 0)
         _warn_if_async_on_the_training_group()
+        _warn_if_saves_share_a_group()
         if self._policy is not None:
             self._set_up_tiers()
 
@@ -1003,6 +1008,30 @@ def _writer_in_process(token: str, pid: int, config: dict[str, Any], step: int |
 
 
 _WARNED_DEFAULT_GROUP: list[bool] = []
+_WARNED_SHARED_GROUP: list[bool] = []
+
+
+def _warn_if_saves_share_a_group() -> None:
+    """Once per process: a DCP save that starts while another save's collectives run on the
+    same process group (two ``async_save`` in flight on one group): theirs cross, and both
+    hang with any DCP writer."""
+    if _WARNED_SHARED_GROUP or _world_size() < 2:
+        return
+    groups = dcp_save_groups()
+    me = threading.get_ident()
+    if me not in groups:
+        return
+    mine = groups[me]
+    if not any(t != me and g is mine for t, g in groups.items()):
+        return
+    _WARNED_SHARED_GROUP.append(True)
+    logger.warning(
+        "a DCP save starts while another runs its collectives on the same process group (%s): "
+        "the two saves' collectives cross and both hang, with any DCP writer; wait for the "
+        "previous async_save's future, or give each save in flight a group of its own "
+        '(made once before the loop: dist.new_group(backend="gloo"))',
+        "the default group" if mine is None else "one group",
+    )
 
 
 def _warn_if_async_on_the_training_group() -> None:

@@ -12,7 +12,7 @@ import xxhash
 
 from ckptstore.store import Hedger, RetryPolicy, Store
 from loaders.config import ReplicaConfig
-from loaders.errors import ShardCorruptError
+from loaders.errors import ShardCorruptError, ShardTooLargeError
 from loaders.metrics import Carried, ReadStats, ReplicaStats
 from loaders.replicas import survey
 from loaders.replicas.health import Replica, ReplicaHealth
@@ -203,7 +203,7 @@ class ReplicaSet:
             self._lacking(key),
         )
         if len(first) > max_bytes:
-            raise ShardCorruptError(f"{key} is more than {max_bytes} bytes, {bound}")
+            raise ShardTooLargeError(f"{key} is more than {max_bytes} bytes, {bound}")
         if len(self) > 1 and self.config.verify_replicas:
             survey.check_same(self._health, key, first, max_bytes)
         return first

@@ -668,3 +668,39 @@ def test_an_async_save_on_the_default_gloo_group_says_it_can_deadlock_the_loop(t
     loop's; torch's FileSystemWriter does the same once a save takes longer than a step),
     with no line said. It is said once per process."""
     run_ranks(_async_on_the_default_group_worker, 2, str(tmp_path / "s"))
+
+
+def _two_saves_on_one_group_worker(rank: int, world: int, uri: str):
+    import logging
+    import time
+
+    import ckptstore.dcp.writer as writer_module
+
+    # Two saves in flight on one group hang only where the group has peers; on this one rank
+    # they do not, so the rule is shown here with the rank count the warning reads made 2.
+    writer_module._world_size = lambda: 2
+    slow = writer_module.StoreWriter.write_data
+
+    def write_data(self, plan, planner):
+        time.sleep(1.0)  # the first save is still writing when the second starts
+        return slow(self, plan, planner)
+
+    writer_module.StoreWriter.write_data = write_data
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ckptstore").addHandler(handler)
+    state = {"x": torch.arange(10.0)}
+    first = dcp.async_save(state, storage_writer=StoreWriter(uri + "-a"))
+    second = dcp.async_save(state, storage_writer=StoreWriter(uri + "-b"))
+    first.result(timeout=60)
+    second.result(timeout=60)
+    crossed = [s for s in said if "another runs its collectives on the same process group" in s]
+    assert len(crossed) == 1 and "(the default group)" in crossed[0], said
+
+
+@pytest.mark.dist
+def test_a_save_started_while_another_runs_on_its_group_says_they_can_hang(tmp_path):
+    """New user of stop 76: two async_save calls in flight on one shared group hung for good
+    (their collectives crossed) with nothing said."""
+    run_ranks(_two_saves_on_one_group_worker, 1, str(tmp_path / "s"))

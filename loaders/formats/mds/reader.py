@@ -193,7 +193,7 @@ class MDS:
     """Most raw bytes a shard may declare (and a compressed one decompress to), and most bytes
     its samples may take decoded (its raw bytes plus ``SAMPLE_BYTES`` a sample and
     ``VALUE_BYTES`` a column value: Python objects): an index declaring more is
-    :class:`ShardCorruptError` at open, so that no shard grows the reader past it (upstream's
+    :class:`ShardTooLargeError` at open, so that no shard grows the reader past it (upstream's
     shards are 64 MiB by default)."""
     max_index_bytes: int = 64 << 20
     """Most bytes ``index.json`` may take: a JSON text decodes to up to
@@ -255,22 +255,20 @@ class MDS:
                     raw=frozenset(self.raw_columns),
                     max_bytes=self.max_shard_bytes,
                 )
+                bound = f"MDS.max_shard_bytes ({self.max_shard_bytes}): raise it to read it"
                 if shard.raw_bytes > self.max_shard_bytes:
-                    raise ShardCorruptError(
-                        f"{where}: {shard.raw_bytes} raw bytes, more than "
-                        f"MDS.max_shard_bytes ({self.max_shard_bytes})"
+                    raise ShardTooLargeError(
+                        f"{where}: {shard.raw_bytes} raw bytes, more than {bound}"
                     )
                 if shard.nbytes > self.max_shard_bytes:  # read whole before it is decompressed
-                    raise ShardCorruptError(
-                        f"{where}: {shard.nbytes} bytes stored, more than "
-                        f"MDS.max_shard_bytes ({self.max_shard_bytes})"
+                    raise ShardTooLargeError(
+                        f"{where}: {shard.nbytes} bytes stored, more than {bound}"
                     )
                 shard.check_ratio(where)
                 if shard.decoded_bytes() > self.max_shard_bytes:
-                    raise ShardCorruptError(
+                    raise ShardTooLargeError(
                         f"{where}: {shard.samples} samples of {len(shard.names)} column(s) "
-                        f"decode to about {shard.decoded_bytes()} bytes, more than "
-                        f"MDS.max_shard_bytes ({self.max_shard_bytes})"
+                        f"decode to about {shard.decoded_bytes()} bytes, more than {bound}"
                     )
             except (KeyError, TypeError, AttributeError) as exc:
                 what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.errors import ShardCorruptError, UnknownFormatError
+from loaders.errors import ShardCorruptError, ShardTooLargeError, UnknownFormatError
 from loaders.formats.layout import Unit, first_time
 from loaders.formats.manifest import FileHashes, shards_and_hashes
 
@@ -178,7 +178,7 @@ class TokenFiles:
             -(-max(0, size - self.header_bytes) // sample_bytes // per_unit) for size in sizes
         )
         if reads > MAX_READS:  # each a Unit held for the dataset's life, about 256 bytes
-            raise ShardCorruptError(
+            raise ShardTooLargeError(
                 f"token files of {sum(sizes)} bytes in all make {reads} reads of "
                 f"TokenFiles.read_bytes={self.read_bytes}, more than {MAX_READS}: raise "
                 "read_bytes (a file listed larger than it is, sparse, is counted at its size)"

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from loaders.errors import ShardCorruptError, UnknownFormatError
+from loaders.errors import ShardCorruptError, ShardTooLargeError, UnknownFormatError
 from loaders.formats._codecs import decompress
 from loaders.formats.layout import Unit, first_time
 from loaders.formats.manifest import FileHashes, shards_and_hashes
@@ -257,9 +257,9 @@ class WebDataset:
         )
         for key, size in zip(shards, nbytes):  # each is read whole into memory: refused unread
             if size > self.max_shard_bytes:
-                raise ShardCorruptError(
+                raise ShardTooLargeError(
                     f"shard {key} is {size} bytes, more than WebDataset.max_shard_bytes "
-                    f"({self.max_shard_bytes})"
+                    f"({self.max_shard_bytes}): raise it to read it"
                 )
         if self.sample_counts is None:
             with ThreadPoolExecutor(8) as pool:
