@@ -32,7 +32,7 @@ from loaders.formats.layout import Format, Unit, unit_samples
 from loaders.formats.tokens.reader import TokenFiles
 from loaders.metrics import CacheStats, Carried, ConsumerStats, ReaderReport, ReaderReports
 from loaders.order import BlockPlan, EpochOrder, Reader
-from loaders.prefetch import Window
+from loaders.prefetch import Growth, Window
 from loaders.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,8 @@ class ShardDataset(IterableDataset):
         self._consumed = 0  # samples this rank's consumer received since _position
         self.stats = ConsumerStats()
         self._orders: dict[int, EpochOrder] = {}
+        # what units grew to once decoded, which every pass's window starts from
+        self._growth = Growth(may_grow=getattr(self.layout, "may_grow", False))
         # what the last pass's workers saw of the replicas, which the next pass's workers start
         # from (StatefulLoader sets it)
         self.carried: Carried | None = None
@@ -383,6 +385,7 @@ class ShardDataset(IterableDataset):
             window_reads=self.config.window_reads,
             window_bytes=self.config.window_bytes,
             stats=self.stats,
+            growth=self._growth,
         )
         last_log = last_report = time.monotonic()
         try:

@@ -5,8 +5,10 @@ Reads are started in the order the consumer will first need them. The window adm
 read while fewer than ``window_reads`` are in flight and the bytes in flight plus the bytes read
 and not yet released stay within ``window_bytes`` (one read is always admitted when the window is
 empty, so a unit larger than the window still makes progress). A unit is admitted at the size
-its layout declares, times the most a unit read so far grew by once decoded, and counts, once
-decoded, what it says it takes (``mem_bytes``, where larger than declared). While the consumer waits for the
+its layout declares, times what the last units read grew by once decoded (``Growth``, kept by
+the dataset from pass to pass), and counts, once decoded, what it says it takes (``mem_bytes``,
+where larger than declared). Counts of reads in flight are estimates: ``max_resident_bytes``
+is their sum with what is decoded and held. While the consumer waits for the
 read it needs, every other completion tops the window up, so a slow read never holds back the
 reads behind it.
 """
@@ -16,11 +18,48 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from loaders.metrics import ConsumerStats
+
+
+class Growth:
+    """What units of a dataset grow to once decoded, per byte their layout declares, learnt by
+    every window of a dataset in turn (a pass's, the next pass's): the most of the last few
+    measured (one dense unit does not slow the rest of the dataset for good). ``may_grow``: its
+    layout's units can decode larger than declared (MDS json columns); until one is measured,
+    its windows read one unit at a time."""
+
+    RECENT = 8
+
+    def __init__(self, may_grow: bool = False) -> None:
+        self.may_grow = may_grow
+        self._recent: deque[float] = deque(maxlen=self.RECENT)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def factor(self) -> float:
+        with self._lock:
+            return max(self._recent, default=1.0)
+
+    def learning(self) -> bool:
+        """No unit of a layout whose units may grow measured yet."""
+        return self.may_grow and not self._recent
+
+    def record(self, ratio: float) -> None:
+        with self._lock:
+            self._recent.append(max(1.0, ratio))
 
 
 class Window:
@@ -34,6 +73,7 @@ class Window:
         window_reads: int,
         window_bytes: int,
         stats: ConsumerStats,
+        growth: Growth | None = None,
     ) -> None:
         self._schedule = schedule
         self._next: tuple[int, int] | None = None
@@ -45,9 +85,9 @@ class Window:
         self._futures: dict[int, Future] = {}
         self._cost: dict[int, int] = {}  # what each unit counts for now
         self._declared: dict[int, int] = {}  # what its layout said before it was read
-        # The most a unit decoded to per byte its layout declared: later reads are admitted at
-        # their declared size times this (MDS's JSON values take more than their text).
-        self._growth = 1.0
+        # Later reads are admitted at their declared size times what the units measured so
+        # far grew by (MDS's JSON values take more than their text).
+        self._growth = growth if growth is not None else Growth()
         self._held = 0  # bytes in flight plus read and not released
         # Reads count themselves out as they end (a done-callback), so that neither a top-up
         # nor a wait looks at the reads themselves: the window may hold thousands of completed
@@ -77,8 +117,9 @@ class Window:
             self._admit()
         finally:
             stats = self._stats
-            stats.max_inflight_reads = max(stats.max_inflight_reads, self._inflight)
-            stats.max_resident_bytes = max(stats.max_resident_bytes, self._held)
+            with self._ended:
+                stats.max_inflight_reads = max(stats.max_inflight_reads, self._inflight)
+                stats.max_resident_bytes = max(stats.max_resident_bytes, self._held)
 
     def _admit(self, force: bool = False) -> None:
         while force or self._inflight < self._max_reads:
@@ -87,9 +128,11 @@ class Window:
                 if self._next is None:
                     return
             unit, declared = self._next
-            cost = int(declared * self._growth)
+            cost = int(declared * self._growth.factor())
             if not force and self._held and self._held + cost > self._max_bytes:
                 return
+            if not force and self._inflight and self._growth.learning():
+                return  # one at a time until a unit shows what they grow to
             force = False
             self._next = None
             with self._ended:
@@ -136,7 +179,7 @@ class Window:
             self._held += now - self._cost[unit]
             self._cost[unit] = now
             if declared:
-                self._growth = max(self._growth, measured / declared)
+                self._growth.record(measured / declared)
             stats = self._stats
             stats.max_resident_bytes = max(stats.max_resident_bytes, self._held)
 

@@ -11,7 +11,7 @@ from bench.faults import Faults, LogNormal, with_faults
 from ckptstore import Store
 from loaders import LoaderConfig, ShardCorruptError, ShardDataset, TokenFiles
 from loaders.metrics import ConsumerStats
-from loaders.prefetch import Window
+from loaders.prefetch import Growth, Window
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -188,3 +188,51 @@ def test_units_decoded_ahead_count_what_they_take_and_teach_the_window():
         assert stats.max_inflight_reads == 8  # the first batch only
     finally:
         window.close()
+
+
+def test_a_dataset_whose_units_may_grow_reads_one_until_one_is_measured_then_every_pass_knows():
+    """Loader adversary of stop 76 (second round): each window learnt the growth afresh, so the
+    first window_reads reads of every pass (and of every worker) were admitted at their text's
+    size and held 20 to 25 times window_bytes once decoded. Until one unit is measured a window
+    reads one at a time, and the dataset's ``Growth`` carries what it learnt to the next."""
+    growth = Growth(may_grow=True)
+    gate = threading.Event()
+
+    def fetch(unit: int) -> _Decoded:
+        assert gate.wait(10)
+        out = _Decoded([unit])
+        out.mem_bytes = 500
+        return out
+
+    for _ in range(2):  # two passes over the same dataset
+        stats = ConsumerStats()
+        window = Window(
+            iter([(u, 100) for u in range(10)]),
+            fetch,
+            window_reads=8,
+            window_bytes=1000,
+            stats=stats,
+            growth=growth,
+        )
+        try:
+            window.top_up()
+            gate.set()
+            for u in range(10):
+                assert window.get(u) == [u]
+                window.release(u)
+            assert stats.max_inflight_reads <= 2 and stats.max_resident_bytes <= 1000
+        finally:
+            window.close()
+        gate.clear()
+
+
+def test_one_dense_unit_does_not_slow_the_rest_of_the_dataset_for_good():
+    """The same adversary: the growth was the most any unit ever grew by, so one small dense
+    shard (38x) had every later read admitted past the window, one at a time, 5 times slower.
+    It is the most of the last few measured."""
+    growth = Growth(may_grow=True)
+    growth.record(38.0)
+    assert growth.factor() == 38.0 and not growth.learning()
+    for _ in range(Growth.RECENT):
+        growth.record(2.0)
+    assert growth.factor() == 2.0

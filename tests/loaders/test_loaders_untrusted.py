@@ -894,3 +894,20 @@ def test_json_size_counts_every_object_of_a_value(value) -> None:
         return sys.getsizeof(v)
 
     assert json_size(value) == every(value)
+
+
+def test_an_unhashed_shard_past_the_json_bound_is_another_replicas_to_try(tmp_path) -> None:
+    """Loader adversary of stop 76 (second round): in a dataset without hashes (upstream's
+    default) a replica whose damage moved bytes between a sample's columns made its json value
+    look too large: ShardTooLargeError, no failover, the damaged replica judged healthy. Its
+    bytes unverified, the bound is corrupt data of that replica's."""
+    root = tmp_path / "ds"
+    with MDSWriter(root, columns={"v": "str"}, hashes=()) as w:
+        for _ in range(200):
+            w.write({"v": NESTED})
+    index = json.loads((root / "index.json").read_text())
+    index["shards"][0]["column_encodings"] = ["json"]
+    write_index(root, index)
+    with pytest.raises(ShardCorruptError, match="json value") as raised:
+        list(ShardDataset(str(root), MDS(max_shard_bytes=1 << 20), config=IN_ORDER))
+    assert not isinstance(raised.value, ShardTooLargeError)

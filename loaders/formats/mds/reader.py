@@ -494,6 +494,12 @@ class MDSLayout:
 
     def __post_init__(self) -> None:
         self._by_key = {s.key: s for s in self.shards}
+        # json values decode larger than their text: the window learns by how much
+        self.may_grow = any(
+            enc == "json" and name not in s.raw_columns
+            for s in self.shards
+            for name, enc in zip(s.names, s.encodings)
+        )
 
     def decode(self, unit: Unit, data: bytes, replica: str) -> list[dict[str, Any]]:
         return self.decode_shard(self._by_key[unit.key], data, replica, unit.first_id)
@@ -601,12 +607,15 @@ def parse_shard(data: bytes, shard: _Shard, replica: str, first_id: int) -> Samp
 
 def _measured_json(shard: _Shard, used: int, text: bytes, what: str, j: int) -> tuple[Any, int]:
     """The JSON value ``text`` and the bytes it takes decoded beyond what the shard's account
-    holds for it (its text and ``VALUE_BYTES``). ``ShardCorruptError`` before it is decoded if
+    holds for it (its text and ``VALUE_BYTES``). ``ShardTooLargeError`` before it is decoded if
     its worst case could take the shard's samples past ``max_bytes`` (``used`` so far), or
-    after if it does."""
+    after if it does: the shard's bound, where its hashes vouch for its bytes; else
+    ``ShardCorruptError``, another replica tried (a replica's damage can resize its values)."""
     bound = f"MDS.max_shard_bytes ({shard.max_bytes})"
+    verified = bool(shard.raw_hashes or shard.zip_hashes)
+    error = ShardTooLargeError if verified else ShardCorruptError
     if used + JSON_WORST_BYTES_PER_BYTE * len(text) > shard.max_bytes:
-        raise ShardTooLargeError(
+        raise error(
             f"{what}: sample {j} has a json value of {len(text)} bytes, which may decode to "
             f"{JSON_WORST_BYTES_PER_BYTE}x that, past {bound} with the samples before it: not "
             "decoded (raise the bound to read it)"
@@ -614,7 +623,7 @@ def _measured_json(shard: _Shard, used: int, text: bytes, what: str, j: int) -> 
     value = _json_value(text)
     grown = max(0, json_size(value) - len(text) - VALUE_BYTES)
     if used + grown > shard.max_bytes:
-        raise ShardTooLargeError(
+        raise error(
             f"{what}: its json values decode to more than {bound} by sample {j}: not read "
             "further (raise the bound to read it)"
         )
