@@ -30,6 +30,7 @@ from loaders import (
     ShardNotFoundError,
     ShardTooLargeError,
     TokenFiles,
+    UnknownFormatError,
     WebDataset,
     WebDatasetWriter,
 )
@@ -911,3 +912,18 @@ def test_an_unhashed_shard_past_the_json_bound_is_another_replicas_to_try(tmp_pa
     with pytest.raises(ShardCorruptError, match="json value") as raised:
         list(ShardDataset(str(root), MDS(max_shard_bytes=1 << 20), config=IN_ORDER))
     assert not isinstance(raised.value, ShardTooLargeError)
+
+
+def test_llmc_files_read_past_their_header_as_another_dtype_are_refused(tmp_path) -> None:
+    """New user of stop 76: uint16 llm.c files read with dtype='uint32', header_bytes=1024
+    (the docs' TokenWriter.HEADER_BYTES) gave every sample as pairs of tokens glued, silently."""
+    from loaders import TokenWriter
+
+    root = tmp_path / "ds"
+    with TokenWriter(root, dtype="uint16", header="llmc") as w:
+        w.write(np.arange(4096, dtype=np.uint16))
+    tokens = TokenFiles(dtype="uint32", sample_tokens=256, header_bytes=1024)
+    with pytest.raises(UnknownFormatError, match=r"llm.c header of 4096 uint16 tokens, read as"):
+        ShardDataset(str(root), tokens, config=IN_ORDER)
+    right = TokenFiles(dtype="uint16", sample_tokens=256, header_bytes=1024)
+    assert len(list(ShardDataset(str(root), right, config=IN_ORDER))) == 16

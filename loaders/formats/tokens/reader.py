@@ -100,6 +100,19 @@ def _refuse_unexpected_llmc_header(head: bytes, key: str, size: int) -> None:
             )
 
 
+def _refuse_llmc_header_of_another_dtype(head: bytes, key: str, dtype: str) -> None:
+    """:class:`UnknownFormatError` if a file read past a 1024-byte header starts with llm.c's
+    header of another dtype's tokens: every sample would be its tokens glued in pairs (or cut
+    in halves), silently."""
+    magic, version, tokens = (int(v) for v in np.frombuffer(head, "<i4"))
+    theirs = next((d for d, known in _LLMC_MAGIC.items() if known == (magic, version)), None)
+    if theirs is not None and theirs != dtype:
+        raise UnknownFormatError(
+            f"token file {key} starts with an llm.c header of {tokens} {theirs} tokens, read "
+            f"as {dtype}: read it with TokenFiles(dtype={theirs!r}, header='llmc')"
+        )
+
+
 def _warn_unhashed(uris: list[str], manifest: str | None) -> None:
     """One WARNING per process for each token dataset whose manifest has no hashes (written
     before they were recorded), however often it is opened; files declared or listed without
@@ -198,6 +211,8 @@ class TokenFiles:
                 _head(replicas, key, LLMC_HEADER_BYTES, check)
             elif not self.header_bytes and not units and size >= 12:  # the first file's head
                 _refuse_unexpected_llmc_header(_head(replicas, key, 12), key, size)
+            elif self.header_bytes == LLMC_HEADER_BYTES and not units and size >= 12:
+                _refuse_llmc_header_of_another_dtype(_head(replicas, key, 12), key, self.dtype)
             samples = body // sample_bytes
             block = hashes[key].block_bytes if hashes is not None else 0
             for j in range(0, samples, per_unit):
