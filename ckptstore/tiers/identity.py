@@ -223,8 +223,14 @@ def agree_identity(
 
 def _vouched(store: Store, claims: list[Claim]) -> StoreIdentity | None:
     """For a reader, which records nothing: the identity the ``claims`` vouch for in a store
-    that has none, as ``ensure_identity`` would record it (None: they vouch for none)."""
-    steps = list_steps(store)
+    that has none, as ``ensure_identity`` would record it (None: they vouch for none; no copy
+    claims one, or the store cannot be listed: as before a reader looked)."""
+    if not claims:
+        return None
+    try:
+        steps = list_steps(store)
+    except StorageError:  # a bucket not made yet, say: no step to vouch with
+        return None
     vouched = _vouched_id(store, steps, claims) if steps and claims else None
     if vouched is None:
         return None
