@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ckptstore.catalog import LATEST_REPLANS, parse_step
+from ckptstore.catalog import LATEST_REPLANS, parse_step, store_nearby
 from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id
 from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
 from ckptstore.health import healthy_steps_to_load, name_passed_over, resumable_steps
@@ -77,7 +77,8 @@ class StoreReader(StepReader):
             ``"latest"`` step removed while it is read (another process's ``keep_last`` or gc
             after a newer save) gives way to the newest step, read with the same plan when its
             state layout is the same (else one line: load again), at most 3 times; the ranks
-            agree first, over the shared read's group or in a load by one process.
+            agree first, over the shared read's group or the tiered load's (which plans the
+            tiers again) or in a load by one process.
         storage, reads: the option objects of ``ckptstore.options``, the same ones
             ``Checkpointer`` and ``StoreWriter`` take (``StorageOptions.store``: an already
             open ``Store``; ``ReadOptions``: ``read_concurrency``, ``read_batch_bytes``,
@@ -156,6 +157,7 @@ class StoreReader(StepReader):
         self.step = step
         self._own_step = step
         self._pinned: str | None = None  # a checkpoint_id's step: "next" load's, then "this"
+        self._nearby_looked = False  # nothing to resume: a store near a mistyped path, once
         self.storage_options = storage_options
         self._open_store = open_store
 
@@ -166,9 +168,22 @@ class StoreReader(StepReader):
         ``local_dir`` it is collective, as a load: every rank of the job calls it."""
         if self._policy is None:
             steps, _ = resumable_steps(self.store, healthy=self.healthy, limit=1)
-            return steps[0] if steps else None
-        group = load_group(self.options["storage"], tiered=True)
-        return newest_step(self.store, self._policy, group, healthy=self.healthy)
+            step = steps[0] if steps else None
+        else:
+            group = load_group(self.options["storage"], tiered=True)
+            step = newest_step(self.store, self._policy, group, healthy=self.healthy)
+        if step is None:
+            self.say_if_mistyped(not dist.is_initialized() or dist.get_rank() == 0)
+        return step
+
+    def say_if_mistyped(self, say: bool) -> None:
+        """Nothing to resume: where a store lies just above or inside this local path, one
+        warning naming it (a mistyped path), once per reader, as ``Checkpointer.latest()``."""
+        if self._nearby_looked or not say:
+            return
+        self._nearby_looked = True
+        if nearby := store_nearby(self.store):
+            logger.warning("no committed checkpoint in %s%s", self.store.uri, nearby)
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -241,9 +256,6 @@ class StoreReader(StepReader):
         group = _exchange_group(target, self.options["storage"], tiered=self._policy is not None)
         for replans in range(LATEST_REPLANS + 1):
             failure = self._read_once(plan, planner, target, group)
-            if self._tier is not None:
-                self._end_tiered_read(failure)
-                return
             newer = self._step_after_removal(failure, target, group, replans)
             if newer is None:
                 break
@@ -251,7 +263,9 @@ class StoreReader(StepReader):
                 target = dataclasses.replace(
                     target, step=newer.step, attempt=newer.manifest.attempt
                 )
-        if failure is not None:
+        if self._tier is not None:
+            self._end_tiered_read(failure)
+        elif failure is not None:
             raise failure
 
     def _read_once(
@@ -297,12 +311,15 @@ class StoreReader(StepReader):
     ) -> StepView | None:
         """The newest step, opened, when a load of ``"latest"`` failed because its step was
         removed while it read (another process's ``keep_last`` or gc after a newer save) and
-        the newer step holds the same state layout: the plan is read again from it. None: the
-        outcome stands. Decided alike on every rank: over ``group``, or by a load in one
+        the newer step holds the same state layout: the plan is read again from it (with tiers,
+        from where the tiers' plan of the newest step says). None: the outcome stands. Decided
+        alike on every rank: over ``group`` (a tiered load's own group), or by a load in one
         process; a load whose ranks read alone cannot agree and keeps its error."""
         if not (target.latest if target is not None else self.step == "latest"):
             return None
         old = self._view().step
+        if self._tier is not None:
+            group = load_group(self.options["storage"], tiered=True)
         if group is None:
             if target is not None and target.world > 1:
                 return None
@@ -313,20 +330,45 @@ class StoreReader(StepReader):
         verdicts = group.gather(_verdict(failure))
         if "failed" in verdicts or "removed" not in verdicts or replans == LATEST_REPLANS:
             return None
-        at = group.broadcast(self._newest_step() if group.rank == 0 else None)
         newer: StepView | None = None
         error: BaseException | None = None
-        try:
-            if isinstance(at, str):
-                raise CheckpointError(at)
-            newer = self._adopt_newer(old, StepView.open(self.store, at[0]), at[1])
-        except Exception as exc:  # noqa: BLE001 - every rank hears of it, then raises
-            error = exc
+        if self._tier is not None:
+            try:
+                newer = self._newer_tier_load(old, group)
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it, then raises
+                error = exc
+        else:
+            at = group.broadcast(self._newest_step() if group.rank == 0 else None)
+            try:
+                if isinstance(at, str):
+                    raise CheckpointError(at)
+                newer = self._adopt_newer(old, StepView.open(self.store, at[0]), at[1])
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it, then raises
+                error = exc
         why = [w for w in group.gather(None if error is None else one_line(error)) if w]
         if error is not None:
             raise error
         if why:
             raise _OtherRanksFailed(f"rank {self.rank} stopped: {why[0]}")
+        return newer
+
+    def _newer_tier_load(self, old: int, group: RankGroup) -> StepView | None:
+        """(collective over the tiered load's ``group``) The tiers' plan of the newest step,
+        taken in place of the current one where it is newer with the same layout."""
+        assert self._tier is not None and self._policy is not None
+        tier = open_tiered_step(
+            self.store, self._policy, "latest", group, DCP, healthy=self.healthy
+        )
+        try:
+            newer = self._adopt_newer(old, tier.view)
+        except BaseException:
+            tier.reads_done()
+            raise
+        if newer is None:
+            tier.reads_done()
+            return None
+        self._tier.reads_done()
+        self._tier, self.last_load = tier, tier.report
         return newer
 
     def _newest_step(self) -> tuple[int, str] | str:
