@@ -30,6 +30,7 @@ __all__ = [
     "load_in_this_process",
     "narrow_tensor_by_index",
     "set_element",
+    "starting_checkpoint_process",
 ]
 
 # The name of the thread a thread-based ``dcp.async_save`` runs its save in (one executor per
@@ -85,6 +86,25 @@ def dcp_save_groups() -> dict[int, Any]:
                 break
             frame = frame.f_back
     return found
+
+
+def starting_checkpoint_process() -> bool:
+    """Whether this thread is about to start DCP's checkpoint process (a process-based
+    ``async_save``'s first save: ``_execute_save_impl`` on the stack, no process yet)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    impl = getattr(
+        getattr(executor, "_ProcessBasedAsyncCheckpointExecutor", None), "_execute_save_impl", None
+    )
+    code = getattr(impl, "__code__", None)
+    if code is None or getattr(executor, "_CHECKPOINT_PROCESS", None) is not None:
+        return False
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def dead_checkpoint_process() -> int | None:

@@ -25,12 +25,13 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ckptstore.catalog import LATEST_TRIES
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -108,6 +109,7 @@ class ExportResult:
     total_bytes: int  # tensor bytes written (the index's metadata.total_size)
     skipped: list[str] = field(default_factory=list)  # non-tensor values left out, by name
     notes: list[str] = field(default_factory=list)
+    ranks: int | None = None  # a step each rank saved its own state of: how many ranks
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +122,7 @@ class ExportResult:
             "total_bytes": self.total_bytes,
             "skipped": self.skipped,
             "notes": self.notes,
+            "ranks": self.ranks,
         }
 
 
@@ -191,7 +194,8 @@ def export_safetensors(
         uri: the store (``path``, ``file://``, ``memory://``, ``s3://bucket/prefix``).
         out_dir: a local directory; created if missing, refused if not empty (see
             ``overwrite``).
-        step: the step to export, or ``"latest"``.
+        step: the step to export, or ``"latest"`` (a latest step removed while it is read,
+            by another process's keep_last or gc, gives way to the newest, one warning).
         max_shard_size: the largest shard, e.g. ``5GB`` (the default, 10^9 bytes as Hugging
             Face counts) or ``500MiB``; a tensor larger than it gets a shard of its own. All
             in one shard: a single ``model.safetensors`` and no index.
@@ -222,31 +226,78 @@ def export_safetensors(
     store = open_store(
         uri, storage_options=storage_options, timeout_s=timeout_s, max_concurrency=read_concurrency
     )
-    view = StepView.open(store, step)
-    manifest = view.manifest
-    _check_rank(view, rank)
     out = _out_dir(out_dir, overwrite)
-    items, skipped = _items_to_export(view, rank, only, strip_prefix, cast)
-    shards = _split(items, max_bytes)
-    names = _shard_names(len(shards))
     cfg = PipelineConfig(read_concurrency=read_concurrency)
     batch_bytes = min(read_batch_bytes, max_bytes)
 
-    os.makedirs(out, exist_ok=True)
-    index_file = _write_files(out, names, shards, view, cfg, batch_bytes)
+    def export_one(view: StepView) -> ExportResult:
+        return _export_step(view, out, rank, only, strip_prefix, cast, max_bytes, cfg, batch_bytes)
+
+    result = _export_kept_step(store, step, export_one)
     if overwrite:
-        _remove_stale(out, keep={*names, *([index_file] if index_file else [])})
+        _remove_stale(
+            out, keep={*result.files, *([result.index_file] if result.index_file else [])}
+        )
+    return result
+
+
+def _export_step(
+    view: StepView,
+    out: str,
+    rank: int,
+    only: str | None,
+    strip_prefix: str | None,
+    cast: torch.dtype | None,
+    max_bytes: int,
+    cfg: PipelineConfig,
+    batch_bytes: int,
+) -> ExportResult:
+    """The step of ``view`` written to ``out`` (see ``export_safetensors``)."""
+    _check_rank(view, rank)
+    items, skipped = _items_to_export(view, rank, only, strip_prefix, cast)
+    shards = _split(items, max_bytes)
+    names = _shard_names(len(shards))
+    os.makedirs(out, exist_ok=True)
     return ExportResult(
         out_dir=out,
-        step=manifest.step,
-        kind=manifest.kind,
+        step=view.step,
+        kind=view.kind,
         files=names,
-        index_file=index_file,
+        index_file=_write_files(out, names, shards, view, cfg, batch_bytes),
         tensors=len(items),
         total_bytes=sum(i.out_bytes for i in items),
         skipped=skipped,
         notes=_notes(view, rank, skipped),
+        ranks=view.manifest.world_size if view.per_rank else None,
     )
+
+
+def _export_kept_step(
+    store: Any, step: int | str, export_one: Callable[[StepView], ExportResult]
+) -> ExportResult:
+    """``export_one`` of the step. A step removed while it was read (another process's
+    keep_last or gc) is no damage: "latest" exports the newest step instead (``LATEST_TRIES``
+    times at most), a step named fails saying it was removed."""
+    for tries_left in range(LATEST_TRIES - 1, -1, -1):
+        view = StepView.open(store, step)
+        try:
+            return export_one(view)
+        except CheckpointError as exc:
+            if view.still_committed():
+                raise
+            if step not in (None, "latest") or not tries_left:
+                raise CheckpointNotFoundError(
+                    f"step {view.step} of {store.uri} was removed while it was exported "
+                    "(keep_last or gc of another process): export a step still kept "
+                    "(ckptstore ls)"
+                ) from exc
+            logger.warning(
+                "step %d of %s was removed while it was exported (keep_last or gc of another "
+                "process); exporting the newest step",
+                view.step,
+                store.uri,
+            )
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _out_dir(out_dir: str | os.PathLike, overwrite: bool) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.catalog import open_step, rank_of, read_object, read_rank_index
+from ckptstore.catalog import load_manifest, open_step, rank_of, read_object, read_rank_index
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -400,6 +400,17 @@ class StepView:
             return states[0]
         # Every rank is here: the view refuses a state manifest not listing each rank's index.
         return {f"rank{r}": states[r] for r in sorted(states)}
+
+    def still_committed(self) -> bool:
+        """Whether the store still holds this very save of the step (not removed by another
+        process's keep_last or gc, nor committed again); a manifest that cannot be read now
+        counts as still there (its read will say what is wrong)."""
+        try:
+            return load_manifest(self.store, self.step).attempt == self.manifest.attempt
+        except CheckpointNotFoundError:
+            return False
+        except CheckpointError:
+            return True
 
     def progress_bytes(self) -> int:
         """The raw bytes :meth:`load_plain` reports through ``on_chunk`` (0: it reports none,

@@ -146,7 +146,7 @@ def _load_kept_step(store: Store, step: int | None) -> tuple[StepView, Any]:
             with progress(view.progress_bytes(), f"restore step {view.step}") as advance:
                 return view, _load_naming_the_step(view, store, advance)
         except CheckpointError as exc:
-            if _unchanged(store, view):
+            if view.still_committed():
                 raise
             if step is not None or not tries_left:
                 raise CheckpointNotFoundError(
@@ -160,16 +160,6 @@ def _load_kept_step(store: Store, step: int | None) -> tuple[StepView, Any]:
                 file=sys.stderr,
             )
     raise AssertionError("unreachable")
-
-
-def _unchanged(store: Store, view: StepView) -> bool:
-    """Whether ``view``'s step is still the save it read."""
-    try:
-        return load_manifest(store, view.step).attempt == view.manifest.attempt
-    except CheckpointNotFoundError:
-        return False
-    except CheckpointError:
-        return True
 
 
 def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:
@@ -251,7 +241,7 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
         )
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
         before = _before_the_failed(store, args.step)
-        if before is None or "the step before it" in str(exc):
+        if before is None or "the step before it" in str(exc) or "removed while" in str(exc):
             raise
         kind = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else None
         raise (kind or CheckpointCorruptError)(
@@ -271,11 +261,10 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
         f"{human_bytes(result.total_bytes)}) from {store.uri} to {target} "
         f"in {shards} shard{'s' if shards != 1 else ''}"
     )
-    view = StepView.open(store, result.step)
-    if view.per_rank:
+    if result.ranks is not None:
         print(
-            f"  rank {args.rank or 0}'s state of {view.manifest.world_size} ranks (each rank "
-            "saved its own; --rank N exports another)"
+            f"  rank {args.rank or 0}'s state of {result.ranks} ranks (each rank saved its own; "
+            "--rank N exports another)"
         )
     if result.skipped:
         more = len(result.skipped) - 5

@@ -149,7 +149,8 @@ def _identity_problem(store: Store) -> str | None:
         return f"{exc}: not read (a request failed, which says nothing of the identity)"
     except CheckpointError as exc:
         return (
-            f"{exc}: every tiered job fails to open this store until it is restored from a "
-            "backup or deleted (deleted: the local tiers' copies of it are never loaded again)"
+            f"{exc}: every tiered job fails to open this store until it is moved aside; the "
+            "next tiered writer then records the id again from the local copies of the store's "
+            "steps (docs/FORMAT.md, Store identity)"
         )
     return None

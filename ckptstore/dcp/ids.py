@@ -4,10 +4,12 @@ or reader opens the store an id names. (The keys of DCP items in a rank index ar
 
 from __future__ import annotations
 
+import ast
 import functools
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,3 +97,41 @@ def warn_if_inside(store: Store, home: Store) -> None:
 
 
 _SAID_INSIDE: set[str] = set()
+
+
+@functools.cache
+def warn_if_main_unguarded() -> None:
+    """Once per process, before DCP spawns its checkpoint process: spawn runs the main script
+    again from the top in that process, so training code outside ``if __name__ ==
+    "__main__":`` trains there again, and the save waits (up to torch's 30-minute init timeout)
+    without a word. One warning naming the script where its top level has no such block."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(getattr(main, "__spec__", None), "name", "") or ""
+    if not path or not str(path).endswith(".py") or spec.endswith("__main__"):
+        return  # not a script spawn runs again (python -c, a package's __main__)
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return
+    if any(isinstance(node, ast.If) and _names_main(node.test) for node in tree.body):
+        return
+    logger.warning(
+        '%s has no `if __name__ == "__main__":` block: DCP\'s checkpoint process '
+        "(async_checkpointer_type=PROCESS) is started with spawn, which runs the script again "
+        "there, training included, and this save then waits for it (up to 30 minutes) with no "
+        "other message; put the training code under that block",
+        path,
+    )
+
+
+def _names_main(test: ast.expr) -> bool:
+    """Whether ``test`` is (or contains) ``__name__ == "__main__"``."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare) and len(node.comparators) == 1:
+            sides = [node.left, node.comparators[0]]
+            names = {s.id for s in sides if isinstance(s, ast.Name)}
+            values = {s.value for s in sides if isinstance(s, ast.Constant)}
+            if names == {"__name__"} and values == {"__main__"}:
+                return True
+    return False

@@ -104,6 +104,7 @@ def resume(
     finally:
         reader.step = "latest"
     if not skipped:
+        reader.say_if_mistyped(group.rank == 0)
         return None
     where = f"committed step in {reader.store.uri}"
     if reader._policy is not None:

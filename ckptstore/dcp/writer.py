@@ -25,10 +25,17 @@ from ckptstore._torch_private import (
     async_save_on_default_group,
     dcp_save_groups,
     dcp_saves_on_this_thread,
+    starting_checkpoint_process,
 )
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
-from ckptstore.dcp.ids import checkpoint_step, store_opener, valid_checkpoint_id, warn_if_inside
+from ckptstore.dcp.ids import (
+    checkpoint_step,
+    store_opener,
+    valid_checkpoint_id,
+    warn_if_inside,
+    warn_if_main_unguarded,
+)
 from ckptstore.dcp.items import item_tensor, write_tensors
 from ckptstore.dcp.stager import HeldStaging, PooledStager
 from ckptstore.errors import (
@@ -335,6 +342,8 @@ class StoreWriter(StorageWriter, PooledStager):
     @property
     def checkpoint_id(self) -> str:
         """The store's URI (DCP logs it); the step of the last save is ``saved_step``."""
+        if starting_checkpoint_process():  # read just before DCP spawns it
+            warn_if_main_unguarded()
         return self.store.uri
 
     @property

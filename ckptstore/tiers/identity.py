@@ -195,7 +195,9 @@ def agree_identity(
     (``create``: makes it if missing, from what every rank's copies in ``own_dir`` record, see
     ``ensure_identity``) and tells the others; a failure there fails every rank, except a
     storage error while making it (a durable store that takes no puts now): then the run goes
-    on without one (None, one warning) and its copies record none."""
+    on without one (None, one warning) and its copies record none. A store that cannot be
+    read is never taken for one without an identity: every copy of its own would look like
+    another instance's, and the job would go back to an older durable step."""
     result: tuple[StoreIdentity | None, str | None] = (None, None)
     missing = False
     if group.rank == 0:
@@ -203,7 +205,11 @@ def agree_identity(
             result = (read_identity(store), None)
             missing = result[0] is None
         except StorageError as exc:
-            result = (None, None if create and _cannot_record(store, exc) else one_line(exc))
+            result = (
+                None,
+                f"{one_line(exc)} (the tiers cannot tell its copies from another "
+                "store's until it answers)",
+            )
         except Exception as exc:  # noqa: BLE001 - every rank waits for this broadcast
             result = (None, _unreadable(exc))
     result, missing = group.broadcast((result, missing))

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ckptstore.catalog import load_manifest, read_rank_index_bytes
-from ckptstore.errors import CheckpointError, CheckpointNotFoundError, NoHealthyStepError, one_line
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    NoHealthyStepError,
+    one_line,
+)
 from ckptstore.format import ChunkInfo, RankIndex, decode_rank_index
 from ckptstore.health import name_passed_over
 from ckptstore.options import StorageOptions
@@ -275,12 +281,15 @@ def _from_tiers(
         verified = verify_ahead(local, group, step, candidate.attempt, intact=rank not in sources)
         ahead.extend([verified] if verified is not None else [])
     whole = _repair(local, group, candidate, sources, report, repaired)
-    if not whole and in_durable:
+    if whole is not True and in_durable:
         return None
-    if not whole:
-        raise CheckpointError(
+    if whole is not True:
+        # Copies that arrived damaged or not at all are corrupt data, which a resume skips
+        # as the Checkpointer's does; a lost rank is not (``_repair`` says which).
+        error = CheckpointCorruptError if isinstance(whole, str) else CheckpointError
+        raise error(
             f"step {step} is held only by the local tiers, and a rank's copy could not be "
-            "restored from its peers (see the warning above)"
+            f"restored from its peers ({whole or 'the repair stopped'})"
         )
     mine = repaired[0] if repaired else None
     found = _local_view(local, candidate, group, kind, mine, in_durable=in_durable)
@@ -363,10 +372,11 @@ def _repair(
     sources: dict[int, int],
     report: LoadReport,
     repaired: list[RepairedCopy],
-) -> bool:
+) -> bool | str:
     """Each rank without its own copy of the save gets it from ``sources[rank]`` (collective);
     True if every such copy arrived whole (this rank's into ``repaired`` where it is held in
-    memory). Nothing to do: True."""
+    memory); False if the repair itself failed (a lost rank); else why a copy did not arrive
+    whole (the same on every rank). Nothing to do: True."""
     if not sources:
         return True
     assert candidate.attempt is not None
@@ -393,7 +403,7 @@ def _repair(
             candidate.step,
             failed[0],
         )
-    return not failed
+    return f"{len(failed)} of {len(outcomes)} copies: {failed[0]}" if failed else True
 
 
 def _own_index(store: Store, step: int):
@@ -449,18 +459,22 @@ def _local_view(
     except CheckpointError as exc:
         error = exc
     line = None if error is None else " ".join(str(error).split())[:300]
-    everything = group.gather((line, data if error is None else b""))
-    failed = [(r, e) for r, (e, _) in enumerate(everything) if e is not None]
+    damaged = isinstance(error, (CheckpointCorruptError, CheckpointNotFoundError))
+    everything = group.gather((line, damaged, data if error is None else b""))
+    failed = [(r, e, d) for r, (e, d, _) in enumerate(everything) if e is not None]
     if failed:
         if in_durable:
             return None
-        why = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-        raise CheckpointError(
+        why = "; ".join(f"rank {r}: {e}" for r, e, _ in failed[:4])
+        # A copy damaged or missing is corrupt data, which a resume skips (as the
+        # Checkpointer's does); any other failure is raised as it is.
+        kind_of = CheckpointCorruptError if all(d for _, _, d in failed) else CheckpointError
+        raise kind_of(
             f"step {step} is held only by the local tiers, and a copy cannot be read ({why})"
         )
     assert view is not None
     held = dict(view.index(group.rank).chunks)
-    for r, (_, blob) in enumerate(everything):
+    for r, (_, _, blob) in enumerate(everything):
         if r == group.rank:
             continue
         index = decode_rank_index(blob, f"rank {r}'s local index of step {step}")

@@ -1140,6 +1140,7 @@ def test_verify_names_a_damaged_store_identity(store, capsys):
     assert code == 1 and "identity.json: not valid JSON" in err and "IDENTITY" in out
     code, doc = run_json(capsys, "verify", store)
     assert code == 1 and "every tiered job fails" in doc["identity_problem"]
+    assert "moved aside" in doc["identity_problem"]  # recorded again: no copy is lost
 
 
 def test_verify_tells_chunks_the_store_did_not_answer_for_from_damaged_ones(
@@ -1329,6 +1330,77 @@ def test_a_restore_whose_step_a_job_removes_meanwhile_restores_the_newest(
     assert code == 1 and err.count("\n") == 1, err
     assert "step 3 of" in err and "was removed while it was restored (keep_last or gc" in err
     assert "the step before it" not in err and not (tmp_path / "3.pt").exists()
+
+
+def _removed_while_exported(monkeypatch, uri: str, new_step: int) -> None:
+    """As ``_removed_while_read``, for the safetensors export: the first step it writes is
+    dropped as its chunks are read."""
+    import ckptstore.export as export
+
+    write = export._write_files
+    calls = []
+
+    def dropped_first(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            with Checkpointer(uri, keep_last=1) as other:
+                other.save(new_step, {"w": torch.full((4096,), float(new_step))}).wait()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(export, "_write_files", dropped_first)
+
+
+def test_a_safetensors_export_whose_step_a_job_removes_meanwhile_exports_the_newest(
+    tmp_path, monkeypatch, capsys
+):
+    """Adversary of stop 77: ``restore --format safetensors`` beside a job with keep_last=1
+    named a missing chunk as damage (with a hint to an older step, also gone) where ``--format
+    torch`` restores the newest step; and an export complete before the step went exited 1,
+    reading the step again only to print a note. Now the export takes the newest step, and a
+    step named by --step says it was removed."""
+    from safetensors.torch import load_file
+
+    uri = str(tmp_path / "store")
+    _three_steps(uri)
+    _removed_while_exported(monkeypatch, uri, 4)
+    out_dir = tmp_path / "hf"
+    code, out, err = run(capsys, "restore", uri, "--to", out_dir, "--format", "safetensors")
+    assert code == 0, err
+    assert "exported step 4" in out and "step 3 of" in err and "was removed while" in err
+    assert torch.equal(load_file(out_dir / "model.safetensors")["w"], torch.full((4096,), 4.0))
+    assert sorted(os.listdir(out_dir)) == ["model.safetensors"]  # no temporary left behind
+
+    named = str(tmp_path / "named")
+    _three_steps(named)
+    _removed_while_exported(monkeypatch, named, 4)
+    code, out, err = run(
+        capsys, "restore", named, "--step", "3", "--to", tmp_path / "hf3", "--format", "safetensors"
+    )
+    assert code == 1 and err.count("\n") == 1, err
+    assert "step 3 of" in err and "was removed while it was exported (keep_last or gc" in err
+    assert "the step before it" not in err and not (tmp_path / "hf3" / "model.safetensors").exists()
+
+
+def test_a_safetensors_export_done_before_its_step_is_removed_succeeds(
+    tmp_path, monkeypatch, capsys
+):
+    """The same adversary: the step removed right after the export wrote its files failed the
+    command (exit 1, "step 1 is not committed"), the export whole on disk."""
+    import ckptstore.cli.cmd_restore as cmd_restore
+
+    uri = str(tmp_path / "store")
+    _three_steps(uri)
+    export = cmd_restore.export_safetensors
+
+    def then_removed(*args, **kwargs):
+        result = export(*args, **kwargs)
+        with Checkpointer(uri, keep_last=1) as other:
+            other.save(4, {"w": torch.full((4096,), 4.0)}).wait()
+        return result
+
+    monkeypatch.setattr(cmd_restore, "export_safetensors", then_removed)
+    code, out, err = run(capsys, "restore", uri, "--to", tmp_path / "hf", "--format", "safetensors")
+    assert code == 0 and "exported step 3" in out, err
 
 
 def test_a_path_with_a_space_at_its_end_is_quoted_where_it_is_not_found(store, tmp_path, capsys):

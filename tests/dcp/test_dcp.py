@@ -704,3 +704,34 @@ def test_a_save_started_while_another_runs_on_its_group_says_they_can_hang(tmp_p
     """New user of stop 76: two async_save calls in flight on one shared group hung for good
     (their collectives crossed) with nothing said."""
     run_ranks(_two_saves_on_one_group_worker, 1, str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("where", ["above", "inside"])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_dcp_resume_from_a_path_just_above_or_inside_a_store_names_it(
+    tmp_path, caplog, where, tiered
+):
+    """A new user: ``StoreReader(uri).latest()`` and ``ckptstore.dcp.resume`` on the directory
+    above a store, or one inside it, returned None without a word and the job started over,
+    where ``Checkpointer.latest()`` names the store: now each says it once."""
+    import logging
+
+    from ckptstore import TierOptions
+    from ckptstore.dcp import resume
+
+    store = tmp_path / "runs" / "run1"
+    dcp.save({"w": torch.ones(3)}, storage_writer=StoreWriter(store), checkpoint_id=1, no_dist=True)
+    wrong = store.parent if where == "above" else store / "steps"
+    hint = f"but {store} holds checkpoints" if where == "above" else f"inside the store {store}"
+    tiers = TierOptions(local_dir=tmp_path / "local") if tiered else None
+    reader = StoreReader(wrong, tiers=tiers)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert reader.latest() is None
+        assert resume({"w": torch.zeros(3)}, reader, no_dist=True) is None
+    said = [r.getMessage() for r in caplog.records if "mistyped path" in r.getMessage()]
+    assert len(said) == 1 and hint in said[0], said  # once per reader
+    caplog.clear()
+    beside = StoreReader(store.parent / "run2", tiers=tiers)  # a new run beside it: no warning
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert resume({"w": torch.zeros(3)}, beside, no_dist=True) is None
+    assert not [r for r in caplog.records if "mistyped path" in r.getMessage()]

@@ -316,3 +316,63 @@ def test_a_dead_checkpoint_process_is_named_once_and_never_waited_for(tmp_path):
     60 s for the staging buffer a failed save's future pinned, then failed with a bare
     BrokenPipeError. It is named once, and no save waits for a buffer."""
     run_ranks(_dead_checkpoint_process, 1, str(tmp_path / "s"), timeout_s=300)
+
+
+_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from ckptstore.dcp import StoreWriter
+
+def train(uri, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    writer = StoreWriter(uri)
+    future = dcp.async_save(
+        {"w": torch.ones(3)},
+        storage_writer=writer,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    try:
+        future.result(timeout=90)
+        print("SAVED", flush=True)
+    except Exception as exc:
+        print("FAILED", type(exc).__name__, flush=True)
+    dist.destroy_process_group()
+
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_a_main_block_is_named_before_the_checkpoint_process_starts(
+    tmp_path, guarded
+):
+    """A new user under torchrun forgot ``if __name__ == "__main__":``: DCP's checkpoint
+    process (spawn) ran the script again and the save waited without a word (30 minutes,
+    torch's init timeout). One warning now names the script as the process starts (here the
+    second run of the script fails fast, its rendezvous port taken; under torchrun it waits)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.dist import free_port
+
+    call = "train(sys.argv[1], int(sys.argv[2]))\n"
+    body = _SCRIPT + (f'if __name__ == "__main__":\n    {call}' if guarded else call)
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store"), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    named = f'{script} has no `if __name__ == "__main__":` block' in done.stderr
+    assert named != guarded, done.stderr[-3000:]
+    if guarded:
+        assert "SAVED" in done.stdout, done.stderr[-3000:]
+        assert list_steps(Store(str(tmp_path / "store"))) == [0]

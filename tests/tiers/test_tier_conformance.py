@@ -378,6 +378,98 @@ def test_a_step_whose_durable_manifest_cannot_be_read_is_quarantined_by_the_resu
     assert front.restart().resume(target, healthy=healthy) == 2 and _same(target, _state(22))
 
 
+class _RacingRead:
+    """A store backend whose first chunk read first runs ``race`` (another process's save)."""
+
+    def __init__(self, inner: Any, race: Any) -> None:
+        self._inner, self._race, self.raced = inner, race, False
+
+    def _first(self, path: str) -> None:
+        if "/chunks/" in f"/{path}" and not self.raced:
+            self.raced = True
+            self._race()
+
+    def get(self, path: str, *args: Any, **kwargs: Any) -> bytes:
+        self._first(path)
+        return self._inner.get(path, *args, **kwargs)
+
+    def get_view(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self._first(path)
+        return self._inner.get_view(path, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_latest_load_whose_durable_step_is_removed_meanwhile_loads_the_newer_one(
+    front_type, make, tmp_path
+):
+    """A wiped node resuming while another process of the job saves with keep_last=1: the
+    durable step its load planned is removed as it reads it. Each front-end plans again and
+    loads the newest step (the Checkpointer did; a tiered DCP load failed, a chunk missing)."""
+    _durable_only(make, tmp_path)
+
+    def another_job_saves() -> None:
+        if front_type is CheckpointerFront:
+            other = Checkpointer(tmp_path / "durable", keep_last=1, encoding=ENCODING)
+            try:
+                other.save(3, _state(3)).wait(timeout_s=BOUND_S)
+            finally:
+                other.close()
+            return
+        writer = StoreWriter(tmp_path / "durable", keep_last=1, encoding=ENCODING)
+        dcp.save(_state(3), storage_writer=writer, checkpoint_id=3, no_dist=True)
+
+    racing_store = Store(str(tmp_path / "durable"))
+    racing = _RacingRead(racing_store.backend, another_job_saves)
+    racing_store.backend = racing
+    front = make(store=racing_store)
+    target = _blank()
+    step, report = front.load(target)
+    assert racing.raced and list_steps(Store(str(tmp_path / "durable"))) == [3]
+    assert step == 3 and report.source == "durable" and _same(target, _state(3))
+
+
+class _IdentityDown(Store):
+    """A durable store whose identity.json cannot be read while ``down`` (a store not
+    answering as the job starts)."""
+
+    down = True
+
+    def _check(self, key: str) -> None:
+        if key.endswith(IDENTITY_KEY) and self.down:
+            raise StorageError(f"{self.url(key)}: connection refused")
+
+    def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self._check(key)
+        return super().get(key, *args, **kwargs)
+
+    def get_view(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self._check(key)
+        return super().get_view(key, *args, **kwargs)
+
+
+def test_an_identity_that_cannot_be_read_fails_the_open_and_loses_no_local_step(make, tmp_path):
+    """Drift adversary: an identity.json read that failed (the store not answering as the job
+    started) was taken for a store without one. The job's copies then looked like another
+    instance's: the Checkpointer resumed from the older durable step, and the copies each front
+    end saved recorded no id, so the next start passed over them for good. Now the open fails,
+    naming the store, and once it answers the newest local-only step loads."""
+    _two_saved(make, durable_every=5)  # step 1 durable, step 2 in the local tier only
+    down = _IdentityDown(str(tmp_path / "durable"))
+    with pytest.raises((CheckpointError, CheckpointException), match="cannot read the identity"):
+        make(store=down, durable_every=5).save(3, _state(3))
+    down.down = False
+    front = make(store=down, durable_every=5)
+    target = _blank()
+    assert front.load(target)[0] == 2 and _same(target, _state(2))
+    for step in (3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    target = _blank()
+    assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
+
+
 @pytest.mark.parametrize("step", ["abc", -5, "2x"])
 def test_a_step_named_wrongly_is_one_clear_error(make, tmp_path, step):
     """Tiers reviewer: ``load(step='abc')`` with tiers was ``int()``'s own ValueError ("invalid
