@@ -329,6 +329,22 @@ def _two_saved(make: Any, **tiers: Any) -> Front:
     return front
 
 
+@pytest.mark.parametrize("healthy", [False, True])
+def test_a_local_only_step_whose_copy_is_damaged_is_passed_over_by_the_resume(
+    make, tmp_path, healthy
+):
+    """Drift adversary: the rank index of a step only the local tier holds cut short. The
+    Checkpointer's resume loaded the step before; DCP's raised at every restart ("a copy cannot
+    be read"), a plain CheckpointError its resume does not skip. Both load step 1 now."""
+    _two_saved(make, durable_every=5)  # step 1 durable, step 2 in the local tier only
+    (index,) = (tmp_path / "local").rglob(f"indexes/*/{2:020d}/*/rank-*.json")
+    index.chmod(0o644)
+    index.write_bytes(index.read_bytes()[:20])
+    front = make(durable_every=5)
+    target = _blank()
+    assert front.resume(target, healthy=healthy) == 1 and _same(target, _state(1))
+
+
 def test_a_step_no_tier_can_load_is_skipped_and_quarantined_by_the_resume(make, tmp_path):
     """A corrupt newest step (its durable copy damaged, the node's copies gone) never blocks a
     job: the resume of each front-end (``load(fallback=True)``, ``ckptstore.dcp.resume``) loads
@@ -1965,7 +1981,9 @@ def test_a_holder_whose_copy_went_bad_sends_the_replaced_node_to_durable_storage
     run_ranks(_lying_holder, 4, kind, root, str(tmp_path), how, timeout_s=240)
 
 
-def _bad_only_peer_copy(rank: int, world: int, kind: str, root: str, base: str) -> None:
+def _bad_only_peer_copy(
+    rank: int, world: int, kind: str, root: str, base: str, resume: bool = False
+) -> None:
     tiers = dict(peer_copies=1, durable_every=5)  # step 2 in the tiers alone
     _save_two_then_replace_node_1(kind, rank, root, base, tiers)
     (held,) = (Path(base) / "node-0").glob("job-*/rank-00002")
@@ -1977,6 +1995,11 @@ def _bad_only_peer_copy(rank: int, world: int, kind: str, root: str, base: str) 
         data[len(data) // 2] ^= 0x01
         chunk.write_bytes(bytes(data))
     torch.distributed.barrier()
+    if resume:  # the resume passes over it (DCP's raised a CheckpointError it did not skip)
+        target = _ranks_own(rank, _blank())
+        assert _two_nodes(kind, rank, root, base, **tiers).resume(target) == 1
+        assert _same(target, _ranks_own(rank, _state(10 * rank + 1)))
+        return
     with pytest.raises(BaseException, match="step 2 (is held only by the local tiers|failed to)"):
         _two_nodes(kind, rank, root, base, **tiers).load(_ranks_own(rank, _blank()))
     torch.distributed.barrier()
@@ -1993,6 +2016,15 @@ def test_a_bad_chunk_in_the_only_peer_copy_fails_one_load_and_unlists_it(kind, t
     holder checks the chunks its destination refused and unlists its copy: one load fails,
     naming it, and the next takes the step before."""
     run_ranks(_bad_only_peer_copy, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_bad_chunk_in_the_only_peer_copy_is_passed_over_by_the_resume(kind, tmp_path):
+    """Drift adversary: the same bad only peer copy; each front-end's resume loads step 1 (DCP's
+    raised "could not be restored from its peers", a plain CheckpointError it does not skip)."""
+    root, base = str(tmp_path / "durable"), str(tmp_path)
+    run_ranks(_bad_only_peer_copy, 4, kind, root, base, True, timeout_s=240)
 
 
 def _peer_beside_durable(rank: int, world: int, kind: str, root: str, base: str) -> None:
