@@ -260,6 +260,13 @@ class Checkpointer:
 
     # -- public API ---------------------------------------------------------------------------
 
+    def durable_next(self) -> None:
+        """With tiers: the next save is committed to durable storage too, whatever
+        ``durable_every`` says (a job's last save: its local copies alone may go with the
+        nodes). Every rank calls it before the same save. Without tiers every save is."""
+        if self._cadence is not None:
+            self._cadence.ask()
+
     def save(self, step: int, state: Any, *, metadata: dict | None = None) -> SaveHandle:
         """Stage ``state`` and return; it is persisted and committed in the background."""
         if self._closed:

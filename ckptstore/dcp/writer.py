@@ -810,6 +810,15 @@ class StoreWriter(StorageWriter, PooledStager):
 
     # -- durability ---------------------------------------------------------------------------
 
+    def durable_next(self) -> None:
+        """With ``local_dir``: the next save is committed to durable storage too, whatever
+        ``durable_every`` says (a job's last save: its local copies alone may go with the
+        nodes). Every rank calls it before the same save. Without tiers every save is; a
+        writer's first save is anyway."""
+        with self._plan_lock:
+            if self._cadence is not None:
+                self._cadence.ask()
+
     def durable(self, step: int) -> concurrent.futures.Future[None] | None:
         """With ``local_dir``: the future of ``step``'s drain to durable storage (done once it
         is committed there; failed with the error that kept it from there, a

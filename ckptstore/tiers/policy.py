@@ -117,6 +117,11 @@ class DurableCadence:
 
     def missed(self) -> None:
         """A save bound for durable storage did not get there: the next save goes."""
+        self.ask()
+
+    def ask(self) -> None:
+        """The next save goes to durable storage too, whatever ``durable_every`` says (the
+        front-ends' ``durable_next()``: a job's last save, say)."""
         with self._lock:
             self._owed = True
 

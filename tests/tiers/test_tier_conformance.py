@@ -120,6 +120,8 @@ class Front:
     def last_peer_copy(self) -> Any: ...
     def close(self) -> None: ...
 
+    def durable_next(self) -> None: ...
+
     def resume(self, state: dict, *, healthy: bool = False) -> int | None:
         """A job's first load as the front-end's README shows it: the step resumed from, or
         None where the front-end says there is nothing to resume (the job starts over)."""
@@ -159,6 +161,9 @@ class CheckpointerFront(Front):
 
     def wait_durable(self) -> None:
         self.ckpt.wait()
+
+    def durable_next(self) -> None:
+        self.ckpt.durable_next()
 
     def load(self, state: dict, step: int | str = "latest") -> tuple[int, Any]:
         return self.ckpt.load(state, step), self.ckpt.last_load
@@ -208,6 +213,9 @@ class DCPFront(Front):
 
     def wait_durable(self) -> None:
         self.writer.wait()
+
+    def durable_next(self) -> None:
+        self.writer.durable_next()
 
     def load(self, state: dict, step: int | str = "latest") -> tuple[int, Any]:
         reader = StoreReader(self.root, step=step, tiers=self.tiers, storage=self.storage)
@@ -288,6 +296,24 @@ def test_saves_go_local_first_and_every_mth_durably(make, tmp_path):
     target = _blank()
     step, report = front.restart().load(target)
     assert step == 4 and report.source == "local" and _same(target, _state(4))
+
+
+def test_durable_next_commits_the_next_save_durably_whatever_the_cadence(make, tmp_path):
+    """A new user: with durable_every=M a job's last save stayed in the local tiers alone,
+    which go with the nodes at the end of the job; only the torchtitan manager made it durable.
+    ``durable_next()`` (both front-ends) sends the next save there too; the cadence goes on."""
+    front = make(durable_every=10)
+    front.durable_next()  # before the first save, which goes there anyway
+    for step in (1, 2):
+        front.save(step, _state(step))
+    front.durable_next()
+    for step in (3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 3]
+    shutil.rmtree(tmp_path / "local")
+    target = _blank()
+    assert front.restart().load(target)[0] == 3 and _same(target, _state(3))
 
 
 def test_latest_names_the_step_a_load_takes_a_local_only_one_included(make, tmp_path):
