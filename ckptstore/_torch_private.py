@@ -90,9 +90,12 @@ def dcp_save_groups() -> dict[int, Any]:
 
 def starting_checkpoint_process() -> bool:
     """Whether this thread is about to start DCP's checkpoint process (a process-based
-    ``async_save``'s first save: ``_execute_save_impl`` on the stack, no process yet)."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
+    ``async_save``'s first save: ``_execute_save_impl`` on the stack, no process yet); False
+    on a torch without process-based saves."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:
+        return False
     impl = getattr(
         getattr(executor, "_ProcessBasedAsyncCheckpointExecutor", None), "_execute_save_impl", None
     )
@@ -110,8 +113,11 @@ def starting_checkpoint_process() -> bool:
 def dead_checkpoint_process() -> int | None:
     """The pid of DCP's checkpoint process (``async_save(async_checkpointer_type=PROCESS)``,
     started once per process and never again) if it has exited; None while it runs or before
-    it started."""
-    from torch.distributed.checkpoint import _async_process_executor
+    it started (or on a torch without process-based saves)."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor
+    except ImportError:
+        return None
 
     process = getattr(_async_process_executor, "_CHECKPOINT_PROCESS", None)
     child = getattr(process, "_save_process", None)

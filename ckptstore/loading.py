@@ -79,7 +79,13 @@ from ckptstore.tiers.restore import (
     LoadReport,
     Source,
 )
-from ckptstore.tiers.transfer import RepairedCopy, Transfer, restore_copies, write_behind
+from ckptstore.tiers.transfer import (
+    Damage,
+    RepairedCopy,
+    Transfer,
+    restore_copies,
+    write_behind,
+)
 from ckptstore.tree import tensor_indexes, tensor_paths
 
 logger = logging.getLogger(__name__)
@@ -445,8 +451,9 @@ class StateLoader:
             outcome = outcomes.get(
                 Transfer(source.holder, self.rank, self.rank, step, candidate.attempt, repair=True)
             )
-            if outcome is not None:
-                raise CheckpointCorruptError(f"peer copy from rank {source.holder}: {outcome}")
+            if outcome is not None:  # damaged data, or storage that failed (the next tier)
+                kind = CheckpointCorruptError if isinstance(outcome, Damage) else StorageError
+                raise kind(f"peer copy from rank {source.holder}: {outcome}")
         started = time.perf_counter()
         repaired: RepairedCopy | None = None
         if source.tier == DURABLE:
@@ -708,8 +715,12 @@ class StateLoader:
         return {r: o for r, o in enumerate(everyone) if o is not None}
 
     def _agreed(self, step: int, error: BaseException | None, failed: Failures) -> Stop:
-        """The error each rank raises for the ``failed`` ranks of a phase of ``step``."""
-        skippable = all(o[2] for o in failed.values())
+        """The error each rank raises for the ``failed`` ranks of a phase of ``step``, and
+        whether an older step may load instead: only where every rank's failure was missing or
+        corrupt data (a tier's storage that failed sent its rank to its next source, but is no
+        reason to leave the step, as DCP's resume does not)."""
+        data = (CheckpointCorruptError, CheckpointNotFoundError)
+        skippable = all(issubclass(o[0], data) for o in failed.values())
         named_by_object = (CheckpointCorruptError, CheckpointNotFoundError)
         if error is not None and not self.group.active and type(error) in named_by_object:
             if f"step {step}" not in str(error):  # a chunk's error names its object, not the step

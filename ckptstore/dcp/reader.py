@@ -254,15 +254,20 @@ class StoreReader(StepReader):
         self.last_load_exchange = None
         target = plan.storage_data if isinstance(plan.storage_data, _LoadTarget) else None
         group = _exchange_group(target, self.options["storage"], tiered=self._policy is not None)
-        for replans in range(LATEST_REPLANS + 1):
-            failure = self._read_once(plan, planner, target, group)
-            newer = self._step_after_removal(failure, target, group, replans)
-            if newer is None:
-                break
-            if target is not None:
-                target = dataclasses.replace(
-                    target, step=newer.step, attempt=newer.manifest.attempt
-                )
+        try:
+            for replans in range(LATEST_REPLANS + 1):
+                failure = self._read_once(plan, planner, target, group)
+                newer = self._step_after_removal(failure, target, group, replans)
+                if newer is None:
+                    break
+                if target is not None:
+                    target = dataclasses.replace(
+                        target, step=newer.step, attempt=newer.manifest.attempt
+                    )
+        except BaseException:
+            if self._tier is not None:  # a plan made again that failed: this one's ends here
+                self._tier.reads_done()
+            raise
         if self._tier is not None:
             self._end_tiered_read(failure)
         elif failure is not None:

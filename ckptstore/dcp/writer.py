@@ -342,8 +342,11 @@ class StoreWriter(StorageWriter, PooledStager):
     @property
     def checkpoint_id(self) -> str:
         """The store's URI (DCP logs it); the step of the last save is ``saved_step``."""
-        if starting_checkpoint_process():  # read just before DCP spawns it
-            warn_if_main_unguarded()
+        try:
+            if starting_checkpoint_process():  # read just before DCP spawns it
+                warn_if_main_unguarded()
+        except Exception as exc:  # noqa: BLE001 - a warning of ours never fails a save
+            logger.debug("the check for a main block failed: %s", exc)
         return self.store.uri
 
     @property

@@ -53,7 +53,7 @@ from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.plan import RestorePlan, plan_restore
 from ckptstore.tiers.policy import TierPolicy
 from ckptstore.tiers.restore import DURABLE, LOCAL, PEER, Candidate, LoadReport
-from ckptstore.tiers.transfer import RepairedCopy, restore_copies, write_behind
+from ckptstore.tiers.transfer import Damage, RepairedCopy, restore_copies, write_behind
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +284,9 @@ def _from_tiers(
     if whole is not True and in_durable:
         return None
     if whole is not True:
-        # Copies that arrived damaged or not at all are corrupt data, which a resume skips
-        # as the Checkpointer's does; a lost rank is not (``_repair`` says which).
-        error = CheckpointCorruptError if isinstance(whole, str) else CheckpointError
+        # Copies damaged at either end are corrupt data, which a resume skips as the
+        # Checkpointer's does; a lost rank or a disk that fails is not (``Damage`` says which).
+        error = CheckpointCorruptError if isinstance(whole, Damage) else CheckpointError
         raise error(
             f"step {step} is held only by the local tiers, and a rank's copy could not be "
             f"restored from its peers ({whole or 'the repair stopped'})"
@@ -376,7 +376,8 @@ def _repair(
     """Each rank without its own copy of the save gets it from ``sources[rank]`` (collective);
     True if every such copy arrived whole (this rank's into ``repaired`` where it is held in
     memory); False if the repair itself failed (a lost rank); else why a copy did not arrive
-    whole (the same on every rank). Nothing to do: True."""
+    whole (the same on every rank; ``Damage`` where every failure was damaged data). Nothing
+    to do: True."""
     if not sources:
         return True
     assert candidate.attempt is not None
@@ -403,7 +404,10 @@ def _repair(
             candidate.step,
             failed[0],
         )
-    return f"{len(failed)} of {len(outcomes)} copies: {failed[0]}" if failed else True
+    if not failed:
+        return True
+    why = f"{len(failed)} of {len(outcomes)} copies: {failed[0]}"
+    return Damage(why) if all(isinstance(e, Damage) for e in failed) else why
 
 
 def _own_index(store: Store, step: int):

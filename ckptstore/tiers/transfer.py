@@ -92,6 +92,28 @@ _OK = 1
 _BAD = 2
 
 
+class Damage(str):
+    """A transfer's outcome that says the copy's bytes are damaged or missing at one end: data
+    a load may pass over for an older step. Any other outcome (a disk that is full or fails, a
+    lease not taken) says nothing of the data: a resume does not skip the step for it."""
+
+
+def _outcome(what: str, exc: BaseException) -> str:
+    """``what`` failed with ``exc``, as an outcome: ``Damage`` unless ``exc`` is a storage
+    failure other than a missing object."""
+    text = f"{what}: {one_line(exc)}"
+    storage = isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
+    return text if storage and not isinstance(exc, CheckpointCorruptError) else Damage(text)
+
+
+def _either(first: str | None, then: str) -> str:
+    """One transfer's outcome from two of its errors: the first, unless it says damage and the
+    other does not (a source that could not read a chunk, and the destination that lacks it)."""
+    if first is None or (isinstance(first, Damage) and not isinstance(then, Damage)):
+        return then
+    return first
+
+
 @dataclass(frozen=True)
 class Transfer:
     src: int
@@ -367,7 +389,7 @@ class _Exchange:
             out.header = manifest_bytes + index_bytes + metadata
             out.sizes = (len(manifest_bytes), len(index_bytes), len(index.chunks), len(metadata))
         except (CheckpointError, OSError) as exc:
-            out.error = f"rank {self.rank} cannot read its copy of rank {t.ward}: {one_line(exc)}"
+            out.error = _outcome(f"rank {self.rank} cannot read its copy of rank {t.ward}", exc)
         return out
 
     def parts(self, out: _Outgoing, round_: list[str]) -> list[torch.Tensor]:
@@ -390,8 +412,8 @@ class _Exchange:
                 parts.append(torch.zeros(info.stored, dtype=torch.uint8))
                 status[k] = _BAD
                 out.suspect.append(digest)
-                out.error = out.error or (
-                    f"rank {self.rank} cannot read chunk {digest}: {one_line(exc)}"
+                out.error = out.error or _outcome(
+                    f"rank {self.rank} cannot read chunk {digest}", exc
                 )
         return parts + [status]
 
@@ -465,8 +487,8 @@ class _Exchange:
             self.stats.chunks_already_held += len(inc.index.chunks) - len(inc.want)
             inc.want = self.take_from_node(inc)
         except (CheckpointError, OSError, ValueError) as exc:
-            inc.error = (
-                f"rank {self.rank}: the copy of rank {t.ward} from rank {t.src}: {one_line(exc)}"
+            inc.error = _outcome(
+                f"rank {self.rank}: the copy of rank {t.ward} from rank {t.src}", exc
             )
 
     def take_from_node(self, inc: _Incoming) -> list[str]:
@@ -523,7 +545,7 @@ class _Exchange:
         def put(k: int) -> None:
             digest, info, start = items[k]
             if status[k] != _OK:
-                raise CheckpointError(f"rank {inc.t.src} could not read chunk {digest}")
+                raise CheckpointCorruptError(f"rank {inc.t.src} could not read chunk {digest}")
             data = view[start : start + info.stored]
             name = f"{digest} of rank {inc.t.ward} from rank {inc.t.src}"
             try:
@@ -542,7 +564,9 @@ class _Exchange:
             for _ in store.map(put, range(len(items)), drain=True):
                 pass
         except (CheckpointError, OSError) as exc:
-            inc.error = f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}: {one_line(exc)}"
+            inc.error = _outcome(
+                f"rank {self.rank}: the copy of rank {inc.t.ward} from rank {inc.t.src}", exc
+            )
 
     def write_kept(self, inc: _Incoming) -> None:
         """A kept repair's deferred write (``RepairedCopy.write_local``): its chunks, then
@@ -755,7 +779,7 @@ class _Exchange:
         for part, their_refused in self._gather((mine, refused)):
             for t, error in part.items():
                 if error is not None:
-                    outcomes[t] = outcomes[t] or error
+                    outcomes[t] = _either(outcomes[t], error)
             for t, digests in their_refused.items():
                 if t in suspects:
                     suspects[t] += digests
@@ -940,7 +964,7 @@ def _run(
         ex.exchange_rounds(outgoing, incoming, rounds)
         for inc in incoming:
             if inc.t in rounds.into and rounds.agreed[inc.t] < len(rounds.into[inc.t]):
-                inc.error = inc.error or f"rank {inc.t.src} sent fewer chunks than asked"
+                inc.error = inc.error or Damage(f"rank {inc.t.src} sent fewer chunks than asked")
             if not _deferred(inc):
                 ex.commit(inc)
         exchanged = True

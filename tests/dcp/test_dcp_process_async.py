@@ -376,3 +376,19 @@ def test_a_script_without_a_main_block_is_named_before_the_checkpoint_process_st
     if guarded:
         assert "SAVED" in done.stdout, done.stderr[-3000:]
         assert list_steps(Store(str(tmp_path / "store"))) == [0]
+
+
+def test_a_torch_without_process_based_saves_still_saves(tmp_path, monkeypatch):
+    """Adversary of stop 77: the main-block check imported torch's process executor whenever
+    DCP read ``checkpoint_id``; on a torch without it (before process-based saves, which
+    pyproject allows) the ImportError escaped DCP's logger and failed every save."""
+    import sys
+
+    import torch.distributed.checkpoint as checkpoint
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint._async_process_executor", None)
+    monkeypatch.delattr(checkpoint, "_async_process_executor", raising=False)
+    dcp.save(
+        {"w": torch.ones(3)}, storage_writer=StoreWriter(tmp_path), checkpoint_id=1, no_dist=True
+    )
+    assert list_steps(Store(str(tmp_path))) == [1]

@@ -2053,6 +2053,31 @@ def test_a_bad_chunk_in_the_only_peer_copy_is_passed_over_by_the_resume(kind, tm
     run_ranks(_bad_only_peer_copy, 4, kind, root, base, True, timeout_s=240)
 
 
+def _full_disk_repair(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    import errno
+
+    tiers = dict(peer_copies=1, durable_every=5, repair_memory_bytes=0)  # step 2 tiers only
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
+    if rank >= 2:  # the replaced node's local disk is full: its repair cannot be written
+
+        def full(*args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        tier_transfer._put_chunk = full
+    with pytest.raises(BaseException, match="No space left on device"):
+        _two_nodes(kind, rank, root, base, **tiers).resume(_ranks_own(rank, _blank()))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_repair_that_cannot_be_written_fails_the_resume_and_skips_no_step(kind, tmp_path):
+    """Adversary of stop 77: a replaced node whose disk is full could not write the copies its
+    peers sent; both front-ends' resumes took that for damage and loaded step 1 (step 2 intact
+    on node 0, then unlisted by the next save). A repair that fails for want of storage fails
+    the resume, naming it; only damaged data is passed over."""
+    run_ranks(_full_disk_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
 def _peer_beside_durable(rank: int, world: int, kind: str, root: str, base: str) -> None:
     tiers = dict(peer_copies=1, durable_every=1)
     _save_two_steps(kind, rank, root, base, tiers, wait_durable=True)
