@@ -400,14 +400,20 @@ class LegacyMarker:
         return self.age_s is None or self.age_s >= LEGACY_PENDING_GRACE_S
 
 
+MAX_MARKER_BYTES = 64 * 1024  # a legacy marker is a few hundred bytes: more is not one
+
+
 def legacy_markers(store: Store) -> list[LegacyMarker]:
-    """Every ``pending/`` marker with its age (an unreadable one counts as stale)."""
+    """Every ``pending/`` marker with its age (an unreadable one, too large, nested too deeply
+    or not JSON, counts as stale)."""
     out = []
     for key in store.list("pending"):
         info: Any = {}
         try:
-            info = json.loads(store.get(key))
-        except (CheckpointError, OSError, ValueError):
+            data = store.get(key, 0, MAX_MARKER_BYTES + 1)
+            if len(data) <= MAX_MARKER_BYTES:
+                info = json.loads(data)
+        except (CheckpointError, OSError, ValueError, RecursionError):
             pass
         info = info if isinstance(info, dict) else {}
         out.append(LegacyMarker(key, info, _age_s(info.get("created_at"))))

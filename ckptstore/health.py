@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.errors import UnhealthyStepError
+from ckptstore.render import printable
 
 logger = logging.getLogger(__name__)
 
@@ -507,19 +508,19 @@ class StepHealth:
             norm=norm(health.get("sumsq")),
             group_norms={g: norm(s) for g, s in (health.get("groups") or {}).items()},
             worst=tuple(describe(t) for t in health.get("worst") or ()),
-            reasons=tuple(health.get("reasons") or ()),
+            reasons=tuple(printable(r) for r in health.get("reasons") or ()),
             committed=committed,
         )
 
 
 def describe(t: dict) -> str:
-    return f"rank {t['rank']} {t['tensor']}: {t['nan']} NaN, {t['inf']} Inf"
+    return f"rank {t['rank']} {printable(str(t['tensor']))}: {t['nan']} NaN, {t['inf']} Inf"
 
 
 def one_line(step: int, health: dict) -> str:
     """The log line of an unhealthy step: why, and its worst tensors."""
     worst = "; ".join(describe(t) for t in (health.get("worst") or [])[:3])
-    why = "; ".join(health.get("reasons") or ())
+    why = printable("; ".join(health.get("reasons") or ()))
     return f"step {step} is unhealthy ({why})" + (f"; worst: {worst}" if worst else "")
 
 

@@ -448,7 +448,7 @@ def _sweep(
 ) -> None:
     saves = find_leases(store, SAVE)
     live = [s.key for s in saves if s.live and s.doc.get("attempt") not in ignore_attempts]
-    live += _legacy_saves(store)
+    live += _legacy_saves(store, report.dry_run, lease)
     # Listed after the save leases: a save that committed before that look is kept, also one
     # that saved a step number again after a retention (this one or another) dropped the save
     # read above: read afresh, its index and chunks are its own.
@@ -541,15 +541,16 @@ def _saved_since_read(
     return {s for s, c in zip(read, changed, strict=True) if c}
 
 
-def _legacy_saves(store: Store) -> list[str]:
+def _legacy_saves(store: Store, dry_run: bool, lease: Lease | None) -> list[str]:
     """Keys of young legacy ``pending/`` markers (saves that may be in flight); stale ones
-    are deleted."""
+    are deleted (not in a dry run; while ``lease`` holds, where there is one)."""
     live = []
+    delete = store.delete if lease is None else _checked_delete(store, lease)
     for marker in legacy_markers(store):
-        if marker.stale:
-            store.delete(marker.key)
-        else:
+        if not marker.stale:
             live.append(marker.key)
+        elif not dry_run:
+            delete(marker.key)
     return live
 
 

@@ -8,7 +8,7 @@ import json
 from ckptstore._inspect import summarize, worst_first
 from ckptstore.cli.common import emit_json
 from ckptstore.health import norm
-from ckptstore.render import format_ratio, human_bytes, table
+from ckptstore.render import format_ratio, human_bytes, printable, table
 from ckptstore.steps import StepView
 from ckptstore.store import Store
 
@@ -82,4 +82,4 @@ def _health_line(doc: dict) -> str:
     if groups:
         line += " (" + ", ".join(f"{g} {norm(v):.6g}" for g, v in groups.items()) + ")"
     reasons = record.get("reasons") or []
-    return line + (f"; {'; '.join(reasons)}" if reasons else "")
+    return printable(line + (f"; {'; '.join(reasons)}" if reasons else ""))  # read from a step

@@ -1270,6 +1270,21 @@ def test_a_directory_holding_a_store_with_temporaries_is_not_a_store(tmp_path, c
     assert run(capsys, "gc", tmp_path / "runs")[0] == 1 and tmp.exists()
 
 
+def test_inspect_prints_a_steps_health_reasons_as_text_not_terminal_codes(store: Path, capsys):
+    """Hostile-checkpoint adversary: a manifest's health reasons reached the terminal as they
+    were (escape codes clear the screen, set its title, or fake a line); tensor names were
+    already escaped."""
+    path = store / f"commits/{30:020d}.json"
+    doc = json.loads(path.read_text())
+    doc["health"].update(healthy=False, nan=1, reasons=["\x1b[2J\x1b]0;owned\x07\nOK fake"])
+    path.unlink()
+    path.write_bytes(sealed(doc))
+    code, out, err = run(capsys, "inspect", store, "--step", "30")
+    assert "\x1b" not in out + err and "\x07" not in out + err, out + err
+    (health,) = [line for line in out.splitlines() if line.lstrip().startswith("health")]
+    assert "\\x1b[2J" in health and "\\nOK fake" in health, health
+
+
 def test_inspect_of_a_health_record_missing_its_norm_says_what_it_has(store: Path, capsys):
     """A fuzzer: a manifest whose health record lacked ``sumsq`` (resealed) passed ls and
     verify, and ``inspect`` died with "unexpected KeyError: 'sumsq'"."""

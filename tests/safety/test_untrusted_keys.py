@@ -341,3 +341,47 @@ def test_a_lease_or_marker_with_a_number_no_float_holds_does_not_stop_saves(
         ckpt.save(2, {"w": torch.ones(N)}).wait(timeout_s=60)
     assert main(["ls", store_uri]) == 0, capsys.readouterr()
     assert "unexpected" not in "".join(capsys.readouterr())
+
+
+@pytest.mark.parametrize("hostile", ["nested", "large"])
+def test_a_hostile_legacy_marker_is_read_bounded_and_stops_nothing(
+    store_uri: str, capsys, monkeypatch, hostile: str
+) -> None:
+    """Hostile-checkpoint adversary: a pending/ marker was read whole (a sparse 2 GiB one took
+    4.7 GB of memory in ``ls``), and one nested 100,000 deep raised RecursionError out of
+    ``ls`` and every ``gc``. A marker is read to 64 KiB at most and one that does not decode
+    counts as unreadable (stale), as a lease does."""
+    marker = Path(store_uri) / "pending" / "00000000000000000009-abc-00000.json"
+    marker.parent.mkdir()
+    if hostile == "nested":
+        marker.write_text("[" * 100_000)
+    else:
+        with open(marker, "wb") as f:  # sparse: 1 GiB that takes no disk
+            f.truncate(2**30)
+    read: list[tuple[int | None, int | None]] = []  # the byte ranges of marker reads
+    get = Store.get
+
+    def bounded(self, key, start=None, end=None, **kwargs):
+        if key.startswith("pending/"):
+            read.append((start, end))
+        return get(self, key, start, end, **kwargs)
+
+    monkeypatch.setattr(Store, "get", bounded)
+    with Checkpointer(store_uri, keep_last=1) as ckpt:
+        ckpt.save(2, {"w": torch.ones(N)}).wait(timeout_s=60)
+    for argv in (["ls", store_uri], ["gc", store_uri, "--dry-run"], ["gc", store_uri]):
+        assert main(argv) == 0, capsys.readouterr()
+        assert "unexpected" not in "".join(capsys.readouterr())
+    assert read and all(end is not None and end <= 64 * 1024 + 1 for _, end in read), read
+
+
+def test_gc_dry_run_leaves_a_stale_legacy_marker_in_place(store_uri: str, capsys) -> None:
+    """Hostile-checkpoint adversary: ``gc --dry-run`` deleted stale pending/ markers while it
+    said it would delete nothing; only ``gc`` itself deletes them."""
+    marker = Path(store_uri) / "pending" / "00000000000000000009-abc-00000.json"
+    marker.parent.mkdir()
+    marker.write_text('{"created_at": 1000.0}')  # 1970: stale
+    assert main(["gc", store_uri, "--dry-run"]) == 0, capsys.readouterr()
+    assert marker.exists()
+    assert main(["gc", store_uri]) == 0, capsys.readouterr()
+    assert not marker.exists()
