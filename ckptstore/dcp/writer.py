@@ -81,6 +81,10 @@ logger = logging.getLogger(__name__)
 _DCP_VERSION = "1.0.0"
 
 
+# A rank's local plan after its durable_next(): this save goes to durable storage too.
+_DURABLE_ASKED = "ckptstore: durable_next"
+
+
 @dataclass(frozen=True)
 class _SaveTarget:
     """What the coordinator decided for one save; travels in ``SavePlan.storage_data``, each
@@ -262,6 +266,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self._local: LocalTier | None = None
         # The coordinator's: which saves go to durable storage (the tiers', ``_set_up_tiers``).
         self._cadence: DurableCadence | None = None
+        self._durable_asked = False  # durable_next() on this rank, for its next save's plan
         self._tiers: TierSaver | None = None
         self._background_nice = o["storage"].background_nice
         self._drains: DrainQueue | None = None
@@ -398,7 +403,9 @@ class StoreWriter(StorageWriter, PooledStager):
                         f"{item.index.fqn}: a tensor of {dtype}, which a DCP step cannot "
                         f"hold (its dtypes: {', '.join(DTYPES)})"
                     )
-        return plan
+        with self._plan_lock:  # the coordinator hears every rank's durable_next()
+            asked, self._durable_asked = self._durable_asked, False
+        return dataclasses.replace(plan, storage_data=_DURABLE_ASKED) if asked else plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # This save's checkpoint_id step (taken, so a later save that names none on this
@@ -435,6 +442,7 @@ class StoreWriter(StorageWriter, PooledStager):
             assert self._cadence is not None
             with self._plan_lock:
                 durable = self._cadence.next_save()
+            durable = durable or any(p.storage_data == _DURABLE_ASKED for p in plans)
         target = _SaveTarget(
             step=step,
             attempt=uuid.uuid4().hex,
@@ -819,8 +827,7 @@ class StoreWriter(StorageWriter, PooledStager):
         nodes). Every rank calls it before the same save. Without tiers every save is; a
         writer's first save is anyway."""
         with self._plan_lock:
-            if self._cadence is not None:
-                self._cadence.ask()
+            self._durable_asked = self._policy is not None  # sent in this rank's next plan
 
     def durable(self, step: int) -> concurrent.futures.Future[None] | None:
         """With ``local_dir``: the future of ``step``'s drain to durable storage (done once it

@@ -66,6 +66,7 @@ from ckptstore.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ObjectExistsError,
+    UnsafeObjectError,
     one_line,
 )
 from ckptstore.format import (
@@ -102,7 +103,11 @@ def _outcome(what: str, exc: BaseException) -> str:
     """``what`` failed with ``exc``, as an outcome: ``Damage`` unless ``exc`` is a storage
     failure other than a missing object."""
     text = f"{what}: {one_line(exc)}"
-    storage = isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)
+    # A missing object, or one that is no plain file of the store (a link out, a FIFO), is
+    # the copy's damage; any other OSError is the disk's or the store's.
+    storage = isinstance(exc, OSError) and not isinstance(
+        exc, (FileNotFoundError, UnsafeObjectError)
+    )
     return text if storage and not isinstance(exc, CheckpointCorruptError) else Damage(text)
 
 
@@ -366,8 +371,8 @@ class _Exchange:
                 len(copy.metadata),
             )
             return out
-        store = self.local.store(t.ward)
         try:
+            store = self.local.store(t.ward)
             # Under a save lease no sweep removes the chunks while they are sent.
             out.lease = Lease(
                 store,
@@ -426,8 +431,9 @@ class _Exchange:
         the store holds of the save may be bad; its manifest is unlisted once the source's
         header arrived whole, ``take_header``)."""
         inc = _Incoming(t)
-        store, engine = self.local.store(t.ward), self.local.engine
+        engine = self.local.engine
         try:
+            store = self.local.store(t.ward)  # made if missing: a local_dir gone bad fails here
             inc.lease = acquire_save_lease(
                 store,
                 f"{t.step:020d}-{t.attempt}-from{t.src:05d}",
@@ -531,7 +537,9 @@ class _Exchange:
         return wanted
 
     def store_round(self, inc: _Incoming, round_: list[str], buffer: torch.Tensor) -> None:
-        store = self.local.store(inc.t.ward)
+        if inc.error:
+            return
+        store = self.local.store(inc.t.ward)  # made already: open_destination took its lease
         view = buffer.numpy()
         items, position = [], 0
         for digest in round_:
@@ -602,9 +610,9 @@ class _Exchange:
         once every put that may still land has; then local retention."""
         if inc.held:
             return
-        store = self.local.store(inc.t.ward)
         try:
             if inc.error is None:
+                store = self.local.store(inc.t.ward)
                 objects = [(inc.index_key, inc.index_bytes)]
                 if inc.metadata is not None:
                     objects.append(inc.metadata)

@@ -1442,6 +1442,26 @@ def _save_two_steps(
     torch.distributed.barrier()
 
 
+def _durable_next_on_some_ranks(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    front = _two_nodes(kind, rank, root, base, durable_every=10)
+    for step in (1, 2, 3):
+        if step == 2 and rank == world - 1:  # one rank's own reason (its time limit, say)
+            front.durable_next()
+        front.save(step, _ranks_own(rank, _state(10 * rank + step)))
+    front.wait_durable()
+    front.close()
+    assert list_steps(Store(root)) == [1, 2], list_steps(Store(root))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_durable_next_on_one_rank_sends_that_save_to_durable_storage(kind, tmp_path):
+    """Adversary of stop 77: ``durable_next()`` on a rank other than DCP's coordinator was
+    never heard (the Checkpointer's ranks agree on any rank's): the save it asked for stayed in
+    the local tiers. Every rank's request now reaches the plan."""
+    run_ranks(_durable_next_on_some_ranks, 4, kind, str(tmp_path / "durable"), str(tmp_path))
+
+
 def _load_twice(kind: str, rank: int, root: str, base: str, tiers: dict, want: int) -> None:
     """Two loads of "latest" in a row, each by a new front-end, both of step ``want``."""
     for _ in range(2):
@@ -2076,6 +2096,42 @@ def test_a_repair_that_cannot_be_written_fails_the_resume_and_skips_no_step(kind
     on node 0, then unlisted by the next save). A repair that fails for want of storage fails
     the resume, naming it; only damaged data is passed over."""
     run_ranks(_full_disk_repair, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
+def _replaced_node_gone_bad(rank: int, world: int, kind: str, root: str, base: str, how: str):
+    tiers = dict(peer_copies=1, durable_every=5)  # step 2 in the tiers alone
+    _save_two_then_replace_node_1(kind, rank, root, base, tiers)
+    if rank == 0 and how == "local_dir_is_a_file":  # the new node's local_dir is unusable
+        (Path(base) / "node-1").write_bytes(b"not a directory")
+    elif rank == 0:  # a chunk of the only copy left of rank 2's step 2 is a directory now
+        (held,) = (Path(base) / "node-0").glob("job-*/rank-00002")
+        (index,) = held.glob(f"indexes/*/{2:020d}/*/rank-*.json")
+        (chunk,) = held.glob(f"chunks/*/{sorted(json.loads(index.read_bytes())['chunks'])[0]}*")
+        chunk.unlink()
+        chunk.mkdir()
+    torch.distributed.barrier()
+    front = _two_nodes(kind, rank, root, base, **tiers)
+    target = _ranks_own(rank, _blank())
+    if how == "local_dir_is_a_file":  # a disk's failure: no rank leaves the step, none crashes
+        with pytest.raises((CheckpointError, CheckpointException), match="Not a directory"):
+            front.resume(target)
+    else:  # the copy's damage: passed over on the first try
+        assert front.resume(target) == 1 and _same(target, _ranks_own(rank, _state(10 * rank + 1)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["local_dir_is_a_file", "chunk_is_a_directory"])
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_replaced_node_whose_repair_cannot_be_had_fails_or_passes_over_as_it_should(
+    kind, how, tmp_path
+):
+    """Adversary of stop 77: a replaced node whose local_dir was a file crashed its rank out of
+    the exchange (the Checkpointer's other ranks: RanksOutOfStepError; DCP's: a gloo crash);
+    now every rank fails the resume naming the path, and passes over no step for a disk's
+    failure. A chunk of the only peer copy that is no plain file is the copy's damage: the
+    resume loads step 1 at once (it failed the first resume as a storage error)."""
+    root = str(tmp_path / "durable")
+    run_ranks(_replaced_node_gone_bad, 4, kind, root, str(tmp_path), how, timeout_s=240)
 
 
 def _peer_beside_durable(rank: int, world: int, kind: str, root: str, base: str) -> None:
