@@ -719,9 +719,8 @@ class StateLoader:
         whether an older step may load instead: only where every rank's failure was missing or
         corrupt data (a tier's storage that failed sent its rank to its next source, but is no
         reason to leave the step, as DCP's resume does not)."""
-        data = (CheckpointCorruptError, CheckpointNotFoundError)
-        skippable = all(issubclass(o[0], data) for o in failed.values())
         named_by_object = (CheckpointCorruptError, CheckpointNotFoundError)
+        skippable = all(issubclass(o[0], named_by_object) for o in failed.values())
         if error is not None and not self.group.active and type(error) in named_by_object:
             if f"step {step}" not in str(error):  # a chunk's error names its object, not the step
                 named = type(error)(f"step {step}: {error}")

@@ -108,7 +108,7 @@ def _outcome(what: str, exc: BaseException) -> str:
     storage = isinstance(exc, OSError) and not isinstance(
         exc, (FileNotFoundError, UnsafeObjectError)
     )
-    return text if storage and not isinstance(exc, CheckpointCorruptError) else Damage(text)
+    return text if storage else Damage(text)
 
 
 def _either(first: str | None, then: str) -> str:
