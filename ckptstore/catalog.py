@@ -394,9 +394,12 @@ class LegacyMarker:
     key: str
     info: dict[str, Any]
     age_s: float | None  # None: unreadable
+    unread: bool = False  # its read failed for a storage reason: judged live, as a lease
 
     @property
     def stale(self) -> bool:
+        if self.unread:
+            return False
         return self.age_s is None or self.age_s >= LEGACY_PENDING_GRACE_S
 
 
@@ -404,19 +407,26 @@ MAX_MARKER_BYTES = 64 * 1024  # a legacy marker is a few hundred bytes: more is 
 
 
 def legacy_markers(store: Store) -> list[LegacyMarker]:
-    """Every ``pending/`` marker with its age (an unreadable one, too large, nested too deeply
-    or not JSON, counts as stale)."""
+    """Every ``pending/`` marker with its age. One that is too large, nested too deeply or not
+    JSON counts as stale; one whose read failed for a storage reason (a timeout, access) counts
+    as live, as an unreadable lease does: better to sweep nothing than to sweep under a save."""
     out = []
     for key in store.list("pending"):
         info: Any = {}
+        unread = False
         try:
             data = store.get(key, 0, MAX_MARKER_BYTES + 1)
             if len(data) <= MAX_MARKER_BYTES:
                 info = json.loads(data)
-        except (CheckpointError, OSError, ValueError, RecursionError):
-            pass
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except (ValueError, RecursionError, UnsafeObjectError):
+            pass  # not a marker: garbage
+        except (CheckpointError, OSError) as exc:
+            logger.warning("pending marker %s could not be read (%s): counted live", key, exc)
+            unread = True
         info = info if isinstance(info, dict) else {}
-        out.append(LegacyMarker(key, info, _age_s(info.get("created_at"))))
+        out.append(LegacyMarker(key, info, _age_s(info.get("created_at")), unread))
     return out
 
 

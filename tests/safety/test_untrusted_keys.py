@@ -4,8 +4,10 @@ before any I/O, and `verify` calls it corrupt. Crafted from real saves (tests/he
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from ckptstore import (
     Store,
     UnsupportedStateError,
 )
-from ckptstore.catalog import load_manifest, load_rank_index
+from ckptstore.catalog import legacy_markers, load_manifest, load_rank_index
 from ckptstore.cli import main
+from ckptstore.errors import StorageTimeoutError
+from ckptstore.retention import collect
 from tests.helpers.child import run_script
 from tests.helpers.crafted import manifest_doc, put_manifest, put_rank_index, rank_index_doc
 
@@ -385,3 +389,28 @@ def test_gc_dry_run_leaves_a_stale_legacy_marker_in_place(store_uri: str, capsys
     assert marker.exists()
     assert main(["gc", store_uri]) == 0, capsys.readouterr()
     assert not marker.exists()
+
+
+def test_a_legacy_marker_that_cannot_be_read_now_blocks_gc(store_uri: str, monkeypatch) -> None:
+    """A young legacy marker whose read failed for a passing reason (a timeout) counted as
+    stale, so gc deleted it and swept under its save. It now counts live, as an unreadable lease
+    does; one that is no plain file is garbage, as before."""
+    pending = Path(store_uri) / "pending"
+    pending.mkdir()
+    young = pending / "00000000000000000009-abc-00000.json"
+    young.write_text(json.dumps({"created_at": time.time()}))
+    os.mkfifo(pending / "00000000000000000008-fifo-00000.json")
+    get = Store.get
+
+    def times_out(self, key, *args, **kwargs):
+        if key == "pending/" + young.name:
+            raise StorageTimeoutError(f"{key}: read timed out")
+        return get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "get", times_out)
+    markers = {m.key: m for m in legacy_markers(Store(store_uri))}
+    assert markers["pending/" + young.name].stale is False
+    assert markers["pending/00000000000000000008-fifo-00000.json"].stale is True
+    report = collect(Store(store_uri), keep_last=None)
+    assert report.blocked_by == ["pending/" + young.name]
+    assert young.exists()
