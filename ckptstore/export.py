@@ -38,7 +38,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     UnsupportedStateError,
 )
-from ckptstore.format import ChunkInfo, RankIndex, TensorEntry
+from ckptstore.format import ChunkInfo, RankIndex, TensorEntry, shape_text
 from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
 from ckptstore.steps import Piece, StepView, WholeTensor
 from ckptstore.store import open_store
@@ -567,8 +567,9 @@ def _entry(index: RankIndex, piece: Piece, item: _Item) -> TensorEntry:
     entry = index.tensors[piece.tensor]
     if parse_dtype(entry.dtype) != item.dtype or list(entry.shape) != piece.shape:
         raise CheckpointCorruptError(
-            f"tensor {item.name!r}: rank {piece.rank} stores {entry.dtype} {entry.shape}, "
-            f"expected {str(item.dtype).removeprefix('torch.')} {piece.shape}"
+            f"tensor {item.name!r}: rank {piece.rank} stores {entry.dtype} "
+            f"{shape_text(entry.shape)}, expected {str(item.dtype).removeprefix('torch.')} "
+            f"{shape_text(piece.shape)}"
         )
     return entry
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.codec import hash_bytes, max_encoded_size
 from ckptstore.errors import CheckpointCorruptError, FormatVersionError
 from ckptstore.health import check_entry_health, check_manifest_health
-from ckptstore.tree import SUB_BYTE_DTYPES, check_tree
+from ckptstore.tree import SUB_BYTE_DTYPES, check_tree, shape_text
 
 if TYPE_CHECKING:  # torch is imported by DCP's users only
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -512,13 +512,13 @@ def _check_tensor(
     if itemsize is None:
         raise bad(f"unknown dtype {entry.dtype!r}")
     if not all(_is_count(n) for n in entry.shape):
-        raise bad(f"shape {entry.shape} is not a list of non-negative ints")
+        raise bad(f"shape {shape_text(entry.shape)} is not a list of non-negative ints")
     nbytes = span = itemsize  # span: what torch's stride and size arithmetic must fit
     for n in entry.shape:
         nbytes *= n
         span *= max(n, 1)
     if span > INT64_MAX:
-        raise bad(f"shape {entry.shape} of {entry.dtype} overflows int64 byte counts")
+        raise bad(f"shape {shape_text(entry.shape)} of {entry.dtype} overflows int64 byte counts")
     total = 0
     for seg in entry.segments:
         if not is_digest(seg.chunk):
@@ -537,7 +537,10 @@ def _check_tensor(
         needed[seg.chunk] = max(needed[seg.chunk], end)
         total += seg.nbytes
     if total != nbytes:
-        raise bad(f"{total} bytes in segments for {entry.dtype} {entry.shape} ({nbytes} bytes)")
+        raise bad(
+            f"{total} bytes in segments for {entry.dtype} {shape_text(entry.shape)} "
+            f"({nbytes} bytes)"
+        )
     why = check_entry_health(entry.health, entry.dtype)
     if why is not None:
         raise bad(why)

@@ -52,6 +52,7 @@ from ckptstore.format import (
     Segment,
     TensorEntry,
     chunk_key,
+    shape_text,
 )
 from ckptstore.health import ChunkScan
 from ckptstore.staging import align
@@ -808,7 +809,7 @@ def _plan_reads(
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if entry.nbytes != expected:
             raise CheckpointCorruptError(
-                f"tensor {i} of rank {index.rank}: {entry.nbytes} bytes for {dtype} {shape}"
+                f"tensor {i} of rank {index.rank}: {entry.nbytes} bytes for {dtype} {shape_text(shape)}"
             )
         if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
             target = dest

@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError, one_line
-from ckptstore.tree import MAX_STATE_DEPTH, SUB_BYTE_DTYPES, decode_scalar, path_str, tag_of
+from ckptstore.tree import (
+    MAX_STATE_DEPTH,
+    SUB_BYTE_DTYPES,
+    decode_scalar,
+    path_str,
+    shape_text,
+    tag_of,
+)
 
 _MISSING = object()
 
@@ -276,8 +283,8 @@ class _Loader:
         dtype, shape = self.describe(node["$t"])
         if list(target.shape) != shape or target.dtype != dtype:
             raise UnsupportedStateError(
-                f"{path_str(path)}: checkpoint has {dtype} {tuple(shape)}, state has "
-                f"{target.dtype} {tuple(target.shape)}"
+                f"{path_str(path)}: checkpoint has {dtype} {shape_text(shape)}, state has "
+                f"{target.dtype} {shape_text(target.shape)}"
             )
         if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
             self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
@@ -297,8 +304,8 @@ class _Loader:
             if list(target.shape) != shape or target.dtype.newbyteorder("=") != saved:
                 raise UnsupportedStateError(
                     f"{path_str(path)}: checkpoint has a numpy array of "
-                    f"{saved if saved is not None else dtype} {tuple(shape)}, state has "
-                    f"{target.dtype} {tuple(target.shape)}"
+                    f"{saved if saved is not None else dtype} {shape_text(shape)}, state has "
+                    f"{target.dtype} {shape_text(target.shape)}"
                 )
 
     def _match_stateful(self, target: Any, node: Any, path: tuple) -> None:
@@ -410,8 +417,8 @@ class _Loader:
                 if shape and not _broadcasts(shape, params[index].shape):
                     raise UnsupportedStateError(
                         f"{path_str((*path, 'state', index, name))}: checkpoint has "
-                        f"{tuple(shape)}, this optimizer's parameter {index} is "
-                        f"{tuple(params[index].shape)}"
+                        f"{shape_text(shape)}, this optimizer's parameter {index} is "
+                        f"{shape_text(params[index].shape)}"
                     )
 
     @staticmethod

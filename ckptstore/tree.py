@@ -111,6 +111,17 @@ def path_str(path: tuple) -> str:
     return "/".join(str(p) for p in path) or "<root>"
 
 
+def shape_text(shape: Any, shown: int = 8) -> str:
+    """A shape as one short line: ``(2, 3)``; one of more than ``shown`` dims (a hostile
+    index's may have thousands) as its first and last dims and its count."""
+    dims = list(shape)
+    if len(dims) <= shown:
+        return str(tuple(dims))
+    head = ", ".join(map(str, dims[: shown // 2]))
+    tail = ", ".join(map(str, dims[-(shown // 2) :]))
+    return f"({head}, ..., {tail}) [{len(dims)} dims]"
+
+
 def tag_of(node: Any) -> str | None:
     """The ``$`` tag of a tree node, or None for plain JSON."""
     if isinstance(node, dict) and len(node) == 1:

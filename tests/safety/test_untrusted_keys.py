@@ -414,3 +414,20 @@ def test_a_legacy_marker_that_cannot_be_read_now_blocks_gc(store_uri: str, monke
     report = collect(Store(store_uri), keep_last=None)
     assert report.blocked_by == ["pending/" + young.name]
     assert young.exists()
+
+
+def test_a_shape_of_thousands_of_dims_is_named_in_one_short_line(store_uri: str, capsys) -> None:
+    """Hostile-checkpoint adversary: a rank index whose tensor had 5,001 dims (byte count
+    unchanged) was refused, but the one-line message listed every dim. It is named by its first
+    and last dims and its count, in the load's error and in ``verify``'s."""
+    store = Store(store_uri)
+    doc = rank_index_doc(store, 1)
+    doc["tensors"][0]["shape"] = [1] * 5000 + [N]
+    put_rank_index(store, 1, 0, doc)
+    with pytest.raises(UnsupportedStateError) as raised:
+        load(store_uri)
+    message = str(raised.value)
+    assert "(1, 1, 1, 1, ..., 1, 1, 1, 4096) [5001 dims]" in message, message
+    assert len(message) < 200 and "\n" not in message, message
+    code, out = verify_exit_code(store_uri, capsys)
+    assert max(map(len, out.splitlines())) < 300, out
