@@ -237,8 +237,9 @@ class ReplicaHealth:
                 r.name,
             )
 
-    def unreachable(self, r: Replica, error: BaseException) -> None:
-        """``r`` did not answer a request of the dataset's opening (its survey): benched now,
+    def unreachable(self, r: Replica, error: BaseException, why: str = "unreachable") -> None:
+        """``r`` did not answer a request of the dataset's opening (its survey), or holds an object
+        unsafe to read (``why`` says which): benched now,
         so that the requests after it (headers, the first reads) go to the replicas that did,
         rather than each waiting for its deadline until errors bench it."""
         with self._lock:
@@ -249,9 +250,10 @@ class ReplicaHealth:
             bench_s = r.benched_until - time.monotonic()
         r.stats.add(errors=1, benched=1)
         logger.warning(
-            "replica %s benched for %.1fs: unreachable as the dataset opened (%s)",
+            "replica %s benched for %.1fs: %s as the dataset opened (%s)",
             r.name,
             bench_s,
+            why,
             error,
         )
 

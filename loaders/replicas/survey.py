@@ -8,13 +8,19 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptstore.errors import ObjectNotFoundError, StorageError, UnsafeObjectError
+from ckptstore.errors import (
+    ObjectNotFoundError,
+    ObjectOutsideRootError,
+    StorageError,
+    UnsafeObjectError,
+)
 from loaders.errors import (
     ReadFailedError,
     ReplicaMismatchError,
     ShardCorruptError,
     ShardNotFoundError,
 )
+from loaders.formats.layout import check_shard_key
 from loaders.replicas.health import Replica, ReplicaHealth
 
 logger = logging.getLogger(__package__)  # "loaders.replicas", as health's
@@ -72,7 +78,7 @@ def find_shards(
         surveyed = list(pool.map(lambda r: _survey(r, keys, suffix, verify), replicas))
     for r, found_there in zip(replicas, surveyed):
         if isinstance(found_there, StorageError):
-            health.unreachable(r, found_there)
+            health.unreachable(r, found_there, _why_unused(found_there))
     answered: dict[Replica, dict[str, int | None]] = {}
     for r, found_there in zip(replicas, surveyed):
         if isinstance(found_there, dict):
@@ -130,6 +136,22 @@ def find_shards(
     return found, lacking
 
 
+def _check_listed(r: Replica, keys: list[str]) -> None:
+    """:class:`ObjectOutsideRootError` if ``r``'s listing names a key that leads out of the
+    dataset (an S3 key may hold ``..``): a hostile replica, as one holding a link out."""
+    for key in keys:
+        try:
+            check_shard_key(key, f"the listing of replica {r.name}")
+        except ShardCorruptError as exc:
+            raise ObjectOutsideRootError(f"{exc}: not read") from None
+
+
+def _why_unused(exc: StorageError) -> str:
+    if isinstance(exc, UnsafeObjectError):
+        return "it holds an object unsafe to read"
+    return "unreachable"
+
+
 def _named(items: Iterable[str]) -> str:
     """At most ``_NAMED`` of ``items``, and how many more."""
     items = list(items)
@@ -165,6 +187,7 @@ def _survey(
     try:
         if keys is None:
             keys = [k for k in r.store.list("") if k.endswith(suffix)]
+            _check_listed(r, keys)
             if not sizes:
                 return dict.fromkeys(keys, (None, ""))
 
@@ -176,6 +199,6 @@ def _survey(
 
         got = list(r.store.map(stat, keys, max_concurrency=16))
     except StorageError as exc:
-        logger.warning("replica %s not checked, unreachable: %s", r.name, exc)
+        logger.warning("replica %s not checked, %s: %s", r.name, _why_unused(exc), exc)
         return exc
     return {key: (n, version) for key, (n, version) in zip(keys, got) if n >= 0}

@@ -282,7 +282,9 @@ def test_a_malformed_mds_index_entry_is_one_line_naming_the_index(tmp_path: Path
 
 
 @pytest.mark.parametrize("how", ["file", "directory"])
-def test_a_token_shard_linked_from_outside_the_root_is_not_read(tmp_path: Path, how: str) -> None:
+def test_a_token_shard_linked_from_outside_the_root_is_not_read(
+    tmp_path: Path, how: str, caplog
+) -> None:
     root, outside = tmp_path / "ds", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
@@ -296,9 +298,29 @@ def test_a_token_shard_linked_from_outside_the_root_is_not_read(tmp_path: Path, 
         files = ["a.bin", "sub/secret.bin"]
     fmt = TokenFiles(files=files, dtype="uint16", sample_tokens=4)
     # reviewer H: a ReadFailedError ("no replica answered"), as if the replica were down
-    with pytest.raises(ShardCorruptError, match="outside the store's root") as info:
-        list(ShardDataset(str(root), fmt, config=LoaderConfig(shuffle=False)))
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        with pytest.raises(ShardCorruptError, match="outside the store's root") as info:
+            list(ShardDataset(str(root), fmt, config=LoaderConfig(shuffle=False)))
     assert "SECRET" not in str(info.value)
+    # loader adversary of stop 78: the warnings before it called the replica unreachable
+    assert "unreachable" not in caplog.text and "unsafe to read" in caplog.text, caplog.text
+
+
+def test_an_s3_listing_key_leading_out_of_the_dataset_is_a_shard_error(s3_uri: str) -> None:
+    """Loader adversary of stop 78: an S3 key ``ds/../secret.bin`` (S3 takes any key) in the
+    listing of a dataset failed its open with ``CheckpointCorruptError`` from the store's own
+    check, which ``except LoaderError`` misses; it is a ``ShardCorruptError`` naming the key."""
+    store = open_store(s3_uri)
+    store.put("ds/a.bin", np.arange(64, dtype=np.uint16).tobytes())
+    store.put("secret.bin", b"SECRET!!" * 8)
+    import boto3
+
+    bucket, prefix = s3_uri.removeprefix("s3://").split("/", 1)
+    boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/ds/../secret.bin", Body=b"x" * 8)
+    fmt = TokenFiles(files=None, dtype="uint16", sample_tokens=4)
+    with pytest.raises(ShardCorruptError, match="not inside the dataset") as info:
+        ShardDataset(f"{s3_uri}/ds", fmt, config=LoaderConfig(shuffle=False))
+    assert "'../secret.bin'" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_an_mds_shard_declaring_more_raw_bytes_than_the_bound_is_refused_at_open(
