@@ -296,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crashing at step {step} (SIGKILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         preempted = ckpt.preempted
-        if (step % args.every == 0 or preempted) and step not in unloadable:
+        last = step == args.steps
+        if last:
+            ckpt.durable_next()  # the run's result: not left in the local tiers alone
+        if (step % args.every == 0 or preempted or last) and step not in unloadable:
             ckpt.save(step, state)  # returns once staged; persists in the background
         if preempted:
             print(f"preempted (SIGTERM) at step {step}: leaving", flush=True)

@@ -19,7 +19,7 @@ from ckptstore.cli.restore_file import (
 )
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckptstore.export import export_safetensors, name_under
-from ckptstore.health import healthy_steps_to_load
+from ckptstore.health import find_healthy, healthy_steps_to_load, why_not_healthy
 from ckptstore.render import human_bytes
 from ckptstore.steps import StepView
 from ckptstore.store import Store
@@ -65,6 +65,7 @@ def cmd_restore(args: argparse.Namespace, store: Store) -> int:
             )
         stats = count_values(state)
         write_atomically(target, args.format, args.force, state)
+    _say_if_unhealthy(store, step, manifest.health)
     weights_only = stats["numpy"] == 0 and stats["other"] == 0
     doc = {
         "uri": store.uri,
@@ -224,6 +225,22 @@ def _healthy_step(store: Store, step: int | None) -> int:
     return good[0]
 
 
+def _say_if_unhealthy(store: Store, step: int, health: Any = False) -> None:
+    """A warning (stderr) where the restored ``step``'s save found it unhealthy (NaN or Inf,
+    as its manifest records; not for a step of unknown health), naming the newest healthy step
+    before it: the operator may not know that ``--healthy`` exists."""
+    if health is False:
+        health = load_manifest(store, step).health
+    if health is None or health["healthy"]:
+        return
+    older, _ = find_healthy(store, [s for s in list_steps(store) if s < step], limit=1)
+    instead = f"--step {older[0]} (or --healthy)" if older else "none before it is healthy"
+    print(
+        f"warning: {why_not_healthy(step, health)}; the newest healthy step: {instead}",
+        file=sys.stderr,
+    )
+
+
 def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> int:
     try:
         result = export_safetensors(
@@ -252,6 +269,7 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
     except (FileExistsError, ValueError) as exc:  # in the words of the command's flags
         message = str(exc).replace("overwrite=True", "--force").replace("only=", "--only ")
         raise UsageError(message) from exc
+    _say_if_unhealthy(store, result.step)
     if args.json:
         emit_json(result.as_dict())
         return 0

@@ -443,6 +443,7 @@ class StoreWriter(StorageWriter, PooledStager):
             with self._plan_lock:
                 durable = self._cadence.next_save()
             durable = durable or any(p.storage_data == _DURABLE_ASKED for p in plans)
+            self._cadence.planned(step, durable)
         target = _SaveTarget(
             step=step,
             attempt=uuid.uuid4().hex,
@@ -856,6 +857,8 @@ class StoreWriter(StorageWriter, PooledStager):
         if drains is None:
             return
         drains.close()
+        if self._cadence is not None and self._policy is not None:
+            self._cadence.warn_if_last_local(self.rank, str(self._policy.local_dir), self.store.uri)
         try:
             self.wait()
         finally:

@@ -45,8 +45,9 @@ the bytes go and how the newest step is found:
   ``close()``, and uploads from a background thread (``AsyncCheckpointerType.THREAD``). DCP
   spawns its checkpoint process, which imports the training script again: keep the script's
   code under ``if __name__ == "__main__":``.
-- the last step (``training.steps``) is saved synchronously, to the store itself even with
-  tiers (it is the run's result, whichever save ``durable_every`` drains): the model alone cast to
+- the last step (``training.steps``) is saved synchronously and, with tiers, drained to the
+  store before it returns (``durable_next()``: it is the run's result, whichever save
+  ``durable_every`` drains): the model alone cast to
   ``export_dtype`` when ``last_save_model_only``, and with ``last_save_in_hf`` also exported as
   Hugging Face safetensors (``ckptstore.export``; names from ``sd_adapter.to_hf`` when the model
   has an adapter) to ``<folder>/hf/step-<N>``.
@@ -233,11 +234,6 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             retention=config.retention,
         )
         self.writer = StoreWriter(self.folder, tiers=tiers, **writer_options)
-        # The last step goes straight to the store, even with tiers that drain only every
-        # durable_every-th save: it is the run's result (and what last_save_in_hf exports).
-        self._last_writer = self.writer
-        if tiers is not None:
-            self._last_writer = StoreWriter(self.folder, **writer_options)
         logger.info(
             "rank %d: checkpoints are loaded from and saved to the ckptstore store %s",
             _rank(),
@@ -334,7 +330,13 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             )
         else:
             states = self._flattened_model_states_sd()
-        dcp.save(states, storage_writer=self._last_writer, checkpoint_id=str(curr_step))
+        # The last step goes to the store, even with tiers that drain only every
+        # durable_every-th save: it is the run's result (and what last_save_in_hf exports).
+        self.writer.durable_next()
+        dcp.save(states, storage_writer=self.writer, checkpoint_id=str(curr_step))
+        drained = self.writer.durable(curr_step)  # None: saved to the store directly
+        if drained is not None:
+            drained.result()
         if self.last_save_in_hf:
             self._export_hf(curr_step)
 
@@ -514,8 +516,6 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
                 self.stager.close()
                 self.stager = None
             writer, self.writer = self.writer, None
-            if self._last_writer is not writer:
-                self._last_writer.close()
             writer.close()
 
 

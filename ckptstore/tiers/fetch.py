@@ -110,7 +110,8 @@ class TierFetch:
                 self._warn(exc)
                 if self.forget is not None and isinstance(exc, _PLAIN):
                     missing = isinstance(exc, CheckpointNotFoundError)
-                    self.forget(digest, missing=missing)  # else the next save would reference it
+                    then = f"read from {self.durable.uri} instead, and put back where it verifies"
+                    self.forget(digest, missing=missing, then=then)  # not referenced by a save
                     heal = True
             else:
                 self._count(self.local_tier, self.held[digest].stored, started)

@@ -504,9 +504,12 @@ class LocalTier:
             why,
         )
 
-    def forget_bad_chunk(self, digest: str, missing: bool = False) -> None:
+    def forget_bad_chunk(
+        self, digest: str, missing: bool = False, then: str = "the next save writes it again"
+    ) -> None:
         """A chunk of this rank's own store is ``missing`` or failed its hash check: remove it,
-        so that the next save writes it again instead of referencing it (``take_bad``)."""
+        so that the next save writes it again instead of referencing it (``take_bad``);
+        ``then``: what happens to it next, as the warning says."""
         with self._lock:
             self._bad.add(digest)
         try:
@@ -515,11 +518,12 @@ class LocalTier:
         except (CheckpointError, OSError) as exc:  # this process's next save still knows it
             what = f"not removed ({one_line(exc)})"
         logger.warning(
-            "rank %d: chunk %s of the local tier %s; %s, the next save writes it again",
+            "rank %d: chunk %s of the local tier %s; %s: %s",
             self.rank,
             digest,
             "is missing" if missing else "failed its hash check",
             "nothing to remove" if missing and what == "removed" else what,
+            then,
         )
 
     def take_bad(self) -> set[str]:

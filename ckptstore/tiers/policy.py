@@ -11,6 +11,7 @@ a save carries the save's attempt, so ranks agree on one save, not only on one s
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ DEFAULT_LOCAL_KEEP_LAST = 2
 DEFAULT_PEER_BUDGET_BYTES = 64 * 2**20
 DEFAULT_REPAIR_MEMORY_BYTES = 2**30
 TIER_KEY = "ckptstore_tier"  # in a local copy's manifest.user: whose copy it is
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class DurableCadence:
         self._saves = 0
         self._owed = False
         self._lock = threading.Lock()
+        self.last_local_step: int | None = None  # the last save, where it stayed local only
 
     def next_save(self) -> bool:
         """Whether the save being planned now goes to durable storage (counts it)."""
@@ -114,6 +118,22 @@ class DurableCadence:
             self._saves += 1
             owed, self._owed = self._owed, False
             return owed or (self._saves - 1) % self.durable_every == 0
+
+    def planned(self, step: int, durable: bool) -> None:
+        """The front-end planned ``step`` to go durable or not (its last word on it)."""
+        self.last_local_step = None if durable else step
+
+    def warn_if_last_local(self, rank: int, local_dir: str, durable: str) -> None:
+        """At a writer's close: one WARNING (rank 0) if the last save stayed in the local tiers,
+        which go with the nodes (a job's last save wants ``durable_next()`` before it)."""
+        if rank == 0 and self.last_local_step is not None:
+            logger.warning(
+                "step %d, the last save, is held only in the local tiers (%s), not in %s: it "
+                "goes with the nodes; call durable_next() before a job's last save",
+                self.last_local_step,
+                local_dir,
+                durable,
+            )
 
     def missed(self) -> None:
         """A save bound for durable storage did not get there: the next save goes."""

@@ -78,3 +78,18 @@ def test_restore_healthy_takes_the_newest_healthy_step(store, tmp_path, capsys):
     code = main(["restore", str(store), "--healthy", "--step", "2", "--to", str(tmp_path / "x")])
     assert code == 1
     assert "step 2: unhealthy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_restore_of_an_unhealthy_step_warns_naming_the_healthy_one(store, tmp_path, capsys, fmt):
+    """New user of stop 78: ``restore`` of a step its save found NaN in said nothing and exited
+    0; ``ls`` and ``verify`` said it. It still restores the step asked for, and warns on stderr
+    naming the newest healthy step before it; a step of unknown health or healthy, no word."""
+    argv = ["restore", str(store), "--format", fmt]
+    assert main([*argv, "--step", "2", "--to", str(tmp_path / "two")]) == 0
+    err = capsys.readouterr().err
+    (warned,) = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert "step 2: unhealthy" in warned and "--step 1 (or --healthy)" in warned, err
+    for step in ("3", "1"):
+        assert main([*argv, "--step", step, "--to", str(tmp_path / step), "--json"]) == 0
+        assert "warning" not in capsys.readouterr().err

@@ -316,6 +316,29 @@ def test_durable_next_commits_the_next_save_durably_whatever_the_cadence(make, t
     assert front.restart().load(target)[0] == 3 and _same(target, _state(3))
 
 
+def test_closing_after_a_local_only_last_save_warns_naming_it(make, tmp_path, caplog):
+    """New user of stop 78: the example's job ended with its last save in the local tiers alone
+    (``durable_every``), and nothing said so. Closing the writer says it (rank 0, one line),
+    on both front-ends; not after ``durable_next()`` made the last save durable."""
+    front = make(durable_every=10)
+    for step in (1, 2):
+        front.save(step, _state(step))
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        front.close()
+    warned = [r.getMessage() for r in caplog.records if "last save" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 2, the last save, is held only"), warned
+    assert "durable_next()" in warned[0] and str(tmp_path / "local") in warned[0]
+    caplog.clear()
+    front = front.restart()
+    front.save(3, _state(3))
+    front.durable_next()
+    front.save(4, _state(4))
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        front.close()
+    assert not [r for r in caplog.records if "last save" in r.getMessage()], caplog.text
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 3, 4]
+
+
 def test_latest_names_the_step_a_load_takes_a_local_only_one_included(make, tmp_path):
     """A reviewer: the Checkpointer's ``latest()`` listed durable steps alone, so the README's
     resume (``if ckpt.latest() is not None: load``) started a tiered job over when its saves were
@@ -633,6 +656,8 @@ def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_sto
         assert "is missing; nothing to remove" in said[0], said
     else:
         assert "failed its hash check; removed" in said[0], said
+    # operator of stop 78: it said "the next save writes it again", though the load put it back
+    assert "read from" in said[0] and "put back where it verifies" in said[0], said
     assert step == 1 and _same(target, _state(1))
     assert report.source == "local", report
     assert report.sources["durable"].chunks == 1, report
