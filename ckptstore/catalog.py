@@ -211,12 +211,13 @@ def dcp_checkpoint_there(store: Store) -> str:
 _NEARBY_DIRS = 256  # subdirectories of an empty local store looked into, at most
 
 
-def store_nearby(store: Store) -> str:
+def store_nearby(store: Store, *, remote: bool = False) -> str:
     """For a local store that holds no committed step: a note naming the store it lies inside
-    (up to 3 levels up) or one of its subdirectories that holds committed steps, "" if none (or
-    the store is not local)."""
+    (up to 3 levels up) or one of its subdirectories that holds committed steps, "" if none.
+    An object store's is looked for only where ``remote`` (the CLI: a few listings, which every
+    rank of a job starting afresh would make)."""
     if not store.is_local:
-        return ""
+        return _remote_store_nearby(store) if remote else ""
 
     def holds_steps(path: Path) -> bool:
         try:
@@ -234,6 +235,39 @@ def store_nearby(store: Store) -> str:
         return ""
     found = next((p for p in sorted(below) if holds_steps(p)), None)
     return "" if found is None else f" (but {found} holds checkpoints: a mistyped path?)"
+
+
+_NEARBY_PREFIXES = 16  # sub-prefixes of an empty remote store looked into, at most
+
+
+def _remote_store_nearby(store: Store) -> str:
+    """``store_nearby`` for an object store (S3 and the like): a few listings, best effort."""
+    fs = getattr(store.backend, "fs", None)
+    scheme, sep, _ = store.uri.partition("://")
+    if fs is None or not sep:
+        return ""
+
+    def holds_steps(prefix: str) -> bool:
+        try:
+            fs.invalidate_cache(f"{prefix}/commits")
+            return any(p.endswith(".json") for p in fs.ls(f"{prefix}/commits", detail=False))
+        except Exception:  # noqa: BLE001 - a hint only: any failure is "no"
+            return False
+
+    parts = store.root.strip("/").split("/")
+    for n in range(len(parts) - 1, max(len(parts) - 4, 0), -1):
+        parent = "/".join(parts[:n])
+        if holds_steps(parent):
+            return f" (it lies inside the store {scheme}://{parent}: a mistyped prefix?)"
+    try:
+        fs.invalidate_cache(store.root)
+        below = sorted(fs.ls(store.root, detail=False))[:_NEARBY_PREFIXES]
+    except Exception:  # noqa: BLE001 - as above
+        return ""
+    found = next((p for p in below if holds_steps(p.rstrip("/"))), None)
+    return (
+        "" if found is None else f" (but {scheme}://{found} holds checkpoints: a mistyped prefix?)"
+    )
 
 
 def resolve_step(store: Store, step: int | str | None = "latest") -> int:

@@ -90,7 +90,7 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
             f"no ckptstore data at {args.uri}"
             + (
                 dcp_checkpoint_there(store)
-                or store_nearby(store)  # the store it lies in, or one just below it
+                or store_nearby(store, remote=True)  # the store it lies in, or one just below
                 or " (nothing under commits/, steps/, indexes/, leases/ or chunks/: a mistyped "
                 "path or prefix?)"
             )

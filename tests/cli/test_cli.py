@@ -242,6 +242,20 @@ def test_a_location_beside_a_store_names_the_store(tmp_path: Path, capsys) -> No
             assert code == 1 and says in one_line_error(err, command)
 
 
+def test_an_s3_prefix_beside_a_store_names_the_store(s3_uri: str, capsys) -> None:
+    """Operator of stop 78: on S3 the prefix above a store, or its chunks/, was only "a mistyped
+    path or prefix?", where a local path names the store meant."""
+    with Checkpointer(f"{s3_uri}/run1") as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    for where, says in (
+        (s3_uri, f"(but {s3_uri}/run1 holds checkpoints: a mistyped prefix?)"),
+        (f"{s3_uri}/run1/chunks", f"(it lies inside the store {s3_uri}/run1: a mistyped prefix?)"),
+    ):
+        for command in ("ls", "verify"):
+            code, _, err = run(capsys, command, where)
+            assert code == 1 and says in one_line_error(err, command)
+
+
 def test_a_local_tier_directory_is_named_as_one(tmp_path: Path, capsys) -> None:
     """The --local-dir of a tiered job given where a store is expected: the error says what
     it is, where a rank's own store lies, and how to list every tier."""
