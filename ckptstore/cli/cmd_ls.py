@@ -11,10 +11,10 @@ from typing import Any
 from ckptstore._inspect import manifest_summary, message, ratio, utc_text
 from ckptstore.catalog import list_steps, load_manifest, quarantined, saves_in_flight
 from ckptstore.cli.common import Failed, UsageError, emit_json
-from ckptstore.errors import CheckpointError
+from ckptstore.errors import CheckpointCorruptError, CheckpointError
 from ckptstore.render import format_ratio, human_bytes, rank_ranges, table
 from ckptstore.store import Store
-from ckptstore.tiers.identity import IDENTITY_KEY, read_identity, store_identity
+from ckptstore.tiers.identity import IDENTITY_KEY, StoreIdentity, read_identity, store_identity
 from ckptstore.tiers.local import TierListing, describe_copies, tier_copies
 from ckptstore.tiers.policy import TIER_KEY
 from ckptstore.tiers.resumes import resumes
@@ -40,7 +40,7 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 f"--local-dir {d} is a {name.split('-')[0]} directory inside a tier directory: "
                 f"pass the tier directory, --local-dir {parent}"
             )
-    identity = read_identity(store) if args.local_dir else None
+    identity, unknown = _identity(store) if args.local_dir else (None, None)
     recorded = resumes(store) if args.local_dir else []
     listings = {
         d: tier_copies(
@@ -50,6 +50,7 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     }
     local = {d: listing.copies for d, listing in listings.items()}
     local_problems = [f"{d}: {p}" for d, listing in listings.items() for p in listing.problems]
+    local_problems += [unknown] if unknown else []
     if local:
         rows = _with_tiers(rows, local)
         for row in rows:
@@ -61,7 +62,8 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     held_apart = sorted(set(quarantined(store).values()))
     bad = [r for r in rows if "error" in r]
     if args.json:
-        emit_json(_listing_doc(store, steps, rows, pending, listings) | {"quarantined": held_apart})
+        doc = _listing_doc(store, steps, rows, pending, listings) | {"quarantined": held_apart}
+        emit_json(doc | ({"identity_problem": unknown} if unknown else {}))
     else:
         _print_steps(store, rows, tiers=bool(local))
         _print_pending(pending, set(_readable_durable(rows)))
@@ -81,9 +83,23 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
         _print_local_dirs(listings, local_problems)
     if bad:
         raise Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
+    if unknown:
+        raise Failed(unknown)
     if local_problems:
         raise Failed(f"{len(local_problems)} local copy(ies) have an unreadable manifest")
     return 0
+
+
+def _identity(store: Store) -> tuple[StoreIdentity | None, str | None]:
+    """The store's identity, and what is wrong with it where it cannot be read: the local
+    copies are then listed by the store's location alone, as for a store that records none."""
+    try:
+        return read_identity(store), None
+    except CheckpointCorruptError as exc:
+        return None, (
+            f"{message(exc)}: local copies listed by the store's location alone "
+            "(ckptstore verify says what to do)"
+        )
 
 
 def _listing_doc(

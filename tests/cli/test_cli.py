@@ -1157,6 +1157,27 @@ def test_verify_names_a_damaged_store_identity(store, capsys):
     assert "moved aside" in doc["identity_problem"]  # recorded again: no copy is lost
 
 
+def test_ls_with_local_dir_lists_every_tier_beside_a_damaged_store_identity(tmp_path, capsys):
+    """Operator of stop 77: ``ls URI --local-dir D`` of a store whose identity.json was damaged
+    exited 1 listing no step, while plain ``ls`` listed them. It lists the steps and the local
+    copies (by the store's location, as a store that records no identity), names the damage,
+    and exits 1."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with Checkpointer(durable, tiers=TierOptions(local_dir=local, durable_every=2)) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.ones(3)}).wait()
+    (durable / "identity.json").write_text("garbage")
+    code, out, err = run(capsys, "ls", durable, "--local-dir", local)
+    assert code == 1 and "identity.json: not valid JSON" in one_line_error(err, "ls"), err
+    rows = {
+        line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])
+    }
+    assert "durable" in rows["1"] and str(local) in rows["2"], out
+    code, doc = run_json(capsys, "ls", durable, "--local-dir", local)
+    assert code == 1 and "location alone" in doc["identity_problem"]
+    assert [s["step"] for s in doc["steps"]] == [1, 2]
+
+
 def test_verify_tells_chunks_the_store_did_not_answer_for_from_damaged_ones(
     store, capsys, monkeypatch
 ):
