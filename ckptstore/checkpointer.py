@@ -297,8 +297,6 @@ class Checkpointer:
         # its handle (which the SIGTERM grace waits for) is done once it is there.
         preempted = self._sigterm is not None and self._sigterm.signalled.is_set()
         durable = self._cadence is None or self._cadence.next_save() or preempted
-        if self._cadence is not None:
-            self._cadence.planned(step, durable)
         if self._policy is not None and durable:
             handle.durable = Future()
         self._saver.put(
@@ -462,7 +460,8 @@ class Checkpointer:
         self._closed = True
         self._saver.close()
         if self._cadence is not None and self._policy is not None:
-            self._cadence.warn_if_last_local(self.rank, str(self._policy.local_dir), self.store.uri)
+            say = self.rank == 0
+            self._cadence.warn_if_last_local(say, str(self._policy.local_dir), self.store.uri)
         self._group.leave("close()")  # a rank still waiting in latest() or load() is told
         wait_written()  # a copy a load repaired, written in the background
         if self._drains is not None:

@@ -261,6 +261,10 @@ class SaveWorker:
         if self._tiers is not None:  # a tiered save that went to durable storage directly
             job.handle.durable = job.handle.durable or Future()
             job.handle.durable.set_result(None)
+            if self._cadence is not None and (
+                job.handle.health is None or job.handle.health.committed
+            ):
+                self._cadence.stored(job.step, local_only=False)
 
     # -- tiers ----------------------------------------------------------------------------------
 
@@ -318,6 +322,8 @@ class SaveWorker:
         assert self._tiers is not None
         copy = self._tiers.copy_to_peers(job.step, job.attempt, drain=job.durable)
         self.last_peer_copy = self._tiers.last_peer_copy
+        if self._cadence is not None:  # job.durable as the ranks agreed
+            self._cadence.stored(job.step, local_only=not job.durable)
         if job.durable:
             assert self._drains is not None
             future: Future[None] = job.handle.durable or Future()  # another rank's SIGTERM

@@ -118,6 +118,8 @@ class _Written:
     written: RankWritten
     durable: bool = True
     """``written`` is in the writer's store (False: in the rank's local tier only)."""
+    drained: bool = False
+    """In the local tier, and the step's drain to the writer's store is queued."""
 
 
 class StoreWriter(StorageWriter, PooledStager):
@@ -443,7 +445,6 @@ class StoreWriter(StorageWriter, PooledStager):
             with self._plan_lock:
                 durable = self._cadence.next_save()
             durable = durable or any(p.storage_data == _DURABLE_ASKED for p in plans)
-            self._cadence.planned(step, durable)
         target = _SaveTarget(
             step=step,
             attempt=uuid.uuid4().hex,
@@ -582,7 +583,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 "prepare_global_plan)"
             )
         if planned is not None and not any(w.durable for w in ranks.values()):
-            self._finish_local(target)
+            self._finish_local(target, drained=any(w.drained for w in ranks.values()))
             return
         session = self._session(target)
         try:
@@ -712,6 +713,7 @@ class StoreWriter(StorageWriter, PooledStager):
                     if target.durable:
                         self._queue_drain(target, copy)
             durable = written is None
+            drained = target.durable and not durable
             if durable:
                 with self._tier_lock:
                     written = self._write_durable(target, tensors, staged, keys)
@@ -729,7 +731,7 @@ class StoreWriter(StorageWriter, PooledStager):
             WriteResult(
                 index=item.index,
                 size_in_bytes=t.numel() * t.element_size(),
-                storage_data=_Written(target.step, target.attempt, i, written, durable),
+                storage_data=_Written(target.step, target.attempt, i, written, durable, drained),
             )
             for i, (item, t) in enumerate(zip(items, tensors))
         ]
@@ -799,14 +801,15 @@ class StoreWriter(StorageWriter, PooledStager):
         round_.finish()
         return written
 
-    def _finish_local(self, target: _SaveTarget) -> None:
-        """``finish`` of a step only the local tiers hold (each rank committed its copy)."""
+    def _finish_local(self, target: _SaveTarget, drained: bool) -> None:
+        """``finish`` of a step only the local tiers hold (each rank committed its copy;
+        ``drained``: its drain to durable storage is queued)."""
         self._release_lease(target.attempt)
-        self._committed(target)
+        self._committed(target, local_only=not drained)
         logger.info(
             "DCP step %d committed to the local tiers%s",
             target.step,
-            " (its drain to durable storage is queued)" if target.durable else " only",
+            " (its drain to durable storage is queued)" if drained else " only",
         )
 
     def _queue_drain(self, target: _SaveTarget, copy: CommittedCopy | None) -> None:
@@ -858,7 +861,8 @@ class StoreWriter(StorageWriter, PooledStager):
             return
         drains.close()
         if self._cadence is not None and self._policy is not None:
-            self._cadence.warn_if_last_local(self.rank, str(self._policy.local_dir), self.store.uri)
+            say = self.is_coordinator  # the rank whose finish() saw where each save went
+            self._cadence.warn_if_last_local(say, str(self._policy.local_dir), self.store.uri)
         try:
             self.wait()
         finally:
@@ -878,7 +882,9 @@ class StoreWriter(StorageWriter, PooledStager):
         while len(self._why_failed) > 16:
             del self._why_failed[next(iter(self._why_failed))]
 
-    def _committed(self, target: _SaveTarget) -> None:
+    def _committed(self, target: _SaveTarget, local_only: bool = False) -> None:
+        if self._cadence is not None:
+            self._cadence.stored(target.step, local_only=local_only)
         started = self._started.pop(target.attempt, None)
         if started is not None:
             seconds = time.perf_counter() - started[1]

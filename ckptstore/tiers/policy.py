@@ -110,7 +110,7 @@ class DurableCadence:
         self._saves = 0
         self._owed = False
         self._lock = threading.Lock()
-        self.last_local_step: int | None = None  # the last save, where it stayed local only
+        self.last_local_step: int | None = None  # the newest step stored, if local only
 
     def next_save(self) -> bool:
         """Whether the save being planned now goes to durable storage (counts it)."""
@@ -119,17 +119,19 @@ class DurableCadence:
             owed, self._owed = self._owed, False
             return owed or (self._saves - 1) % self.durable_every == 0
 
-    def planned(self, step: int, durable: bool) -> None:
-        """The front-end planned ``step`` to go durable or not (its last word on it)."""
-        self.last_local_step = None if durable else step
+    def stored(self, step: int, *, local_only: bool) -> None:
+        """``step`` is committed: to the local tiers alone, or (or its drain queued) to
+        durable storage. A save skipped as unhealthy, or failed, stored nothing: not said."""
+        self.last_local_step = step if local_only else None
 
-    def warn_if_last_local(self, rank: int, local_dir: str, durable: str) -> None:
-        """At a writer's close: one WARNING (rank 0) if the last save stayed in the local tiers,
-        which go with the nodes (a job's last save wants ``durable_next()`` before it)."""
-        if rank == 0 and self.last_local_step is not None:
+    def warn_if_last_local(self, say: bool, local_dir: str, durable: str) -> None:
+        """At a writer's close: one WARNING (where ``say``: one rank) if the newest step stored
+        is in the local tiers alone, which go with the nodes (a job's last save wants
+        ``durable_next()`` before it)."""
+        if say and self.last_local_step is not None:
             logger.warning(
-                "step %d, the last save, is held only in the local tiers (%s), not in %s: it "
-                "goes with the nodes; call durable_next() before a job's last save",
+                "step %d, the newest step saved, is held only in the local tiers (%s), not in %s: "
+                "it goes with the nodes; call durable_next() before a job's last save",
                 self.last_local_step,
                 local_dir,
                 durable,

@@ -325,8 +325,10 @@ def test_closing_after_a_local_only_last_save_warns_naming_it(make, tmp_path, ca
         front.save(step, _state(step))
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         front.close()
-    warned = [r.getMessage() for r in caplog.records if "last save" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].startswith("step 2, the last save, is held only"), warned
+    warned = [r.getMessage() for r in caplog.records if "newest step saved" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 2, the newest step saved, is held"), (
+        warned
+    )
     assert "durable_next()" in warned[0] and str(tmp_path / "local") in warned[0]
     caplog.clear()
     front = front.restart()
@@ -335,8 +337,49 @@ def test_closing_after_a_local_only_last_save_warns_naming_it(make, tmp_path, ca
     front.save(4, _state(4))
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         front.close()
-    assert not [r for r in caplog.records if "last save" in r.getMessage()], caplog.text
+    assert not [r for r in caplog.records if "newest step saved" in r.getMessage()], caplog.text
     assert list_steps(Store(str(tmp_path / "durable"))) == [1, 3, 4]
+
+
+@pytest.mark.parametrize("refusing", ["skip"], indirect=True)
+def test_closing_names_the_newest_step_stored_not_a_save_skipped(make, refusing, tmp_path, caplog):
+    """Adversary of stop 78: the close warning named what a save planned, not where it went: a
+    save skipped as unhealthy (stored nowhere) was named local only, and one asked durable
+    but skipped hid the local-only step before it. It names the newest step stored."""
+    front = make(durable_every=10)
+    front.save(1, _state(1))
+    bad = _state(2)
+    bad["w"][5] = float("nan")
+    front.save(2, bad)
+    assert not front.last_save().committed
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        front.close()
+    assert not [r for r in caplog.records if "newest step saved" in r.getMessage()], caplog.text
+    front = front.restart()
+    front.save(3, _state(3))  # durable: a writer's first save
+    front.save(4, _state(4))
+    front.durable_next()
+    front.save(5, bad)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        front.close()
+    warned = [r.getMessage() for r in caplog.records if "newest step saved" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 4,"), warned
+
+
+def test_closing_after_saves_sent_to_durable_storage_by_a_failed_local_tier_is_quiet(
+    make, tmp_path, caplog
+):
+    """Adversary of stop 78: with a local_dir that cannot be written every save went to
+    durable storage, yet close() said the last one was held in the local tiers alone."""
+    (tmp_path / "local").write_bytes(b"a file where the directory should be")
+    front = make(durable_every=10)
+    for step in (1, 2):
+        front.save(step, _state(step))
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        front.close()
+    assert list_steps(Store(str(tmp_path / "durable"))) == [1, 2]
+    assert not [r for r in caplog.records if "newest step saved" in r.getMessage()], caplog.text
 
 
 def test_latest_names_the_step_a_load_takes_a_local_only_one_included(make, tmp_path):
@@ -1470,12 +1513,19 @@ def _save_two_steps(
 def _durable_next_on_some_ranks(rank: int, world: int, kind: str, root: str, base: str) -> None:
     front = _two_nodes(kind, rank, root, base, durable_every=10)
     for step in (1, 2, 3):
-        if step == 2 and rank == world - 1:  # one rank's own reason (its time limit, say)
+        if step == 3 and rank == world - 1:  # one rank's own reason (its time limit, say)
             front.durable_next()
         front.save(step, _ranks_own(rank, _state(10 * rank + step)))
     front.wait_durable()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ckptstore").addHandler(handler)
     front.close()
-    assert list_steps(Store(root)) == [1, 2], list_steps(Store(root))
+    assert list_steps(Store(root)) == [1, 3], list_steps(Store(root))
+    # adversary of stop 78: rank 0 said the last save was local only where another rank's
+    # durable_next() had sent it to durable storage
+    assert not [m for m in said if "newest step saved" in m], said
 
 
 @pytest.mark.dist
