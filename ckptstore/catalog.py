@@ -428,7 +428,7 @@ class LegacyMarker:
     key: str
     info: dict[str, Any]
     age_s: float | None  # None: unreadable
-    unread: bool = False  # its read failed for a storage reason: judged live, as a lease
+    unread: bool = False  # its read failed and its modification time is young (or unknown)
 
     @property
     def stale(self) -> bool:
@@ -441,9 +441,10 @@ MAX_MARKER_BYTES = 64 * 1024  # a legacy marker is a few hundred bytes: more is 
 
 
 def legacy_markers(store: Store) -> list[LegacyMarker]:
-    """Every ``pending/`` marker with its age. One that is too large, nested too deeply or not
-    JSON counts as stale; one whose read failed for a storage reason (a timeout, access) counts
-    as live, as an unreadable lease does: better to sweep nothing than to sweep under a save."""
+    """Every ``pending/`` marker with its age. One that is too large, nested too deeply, not
+    JSON, no plain file or gone since the listing (a dangling link) counts as stale; one whose
+    read failed for a storage reason (a timeout, access) is aged by its modification time, as
+    an unreadable lease is: live while that is young or cannot be read either."""
     out = []
     for key in store.list("pending"):
         info: Any = {}
@@ -452,16 +453,28 @@ def legacy_markers(store: Store) -> list[LegacyMarker]:
             data = store.get(key, 0, MAX_MARKER_BYTES + 1)
             if len(data) <= MAX_MARKER_BYTES:
                 info = json.loads(data)
-        except FileNotFoundError:
-            continue  # removed since the listing
-        except (ValueError, RecursionError, UnsafeObjectError):
-            pass  # not a marker: garbage
+        except (ValueError, RecursionError, UnsafeObjectError, FileNotFoundError):
+            pass  # not a marker, or no longer one: garbage
         except (CheckpointError, OSError) as exc:
-            logger.warning("pending marker %s could not be read (%s): counted live", key, exc)
-            unread = True
+            unread = _modified_young(store, key)
+            logger.warning(
+                "pending marker %s could not be read (%s): %s",
+                key,
+                one_line(exc),
+                "counted live (young or of unknown age)" if unread else "stale by its age",
+            )
         info = info if isinstance(info, dict) else {}
         out.append(LegacyMarker(key, info, _age_s(info.get("created_at")), unread))
     return out
+
+
+def _modified_young(store: Store, key: str) -> bool:
+    """Whether ``key`` was modified within the legacy grace, or its time cannot be read."""
+    try:
+        age = time.time() - store.modified(key)
+    except (CheckpointError, OSError):
+        return True
+    return not math.isfinite(age) or age < LEGACY_PENDING_GRACE_S
 
 
 def _age_s(created: Any) -> float | None:

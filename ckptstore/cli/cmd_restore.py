@@ -17,7 +17,12 @@ from ckptstore.cli.restore_file import (
     remove_if_empty_dir,
     write_atomically,
 )
-from ckptstore.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    one_line,
+)
 from ckptstore.export import export_safetensors, name_under
 from ckptstore.health import find_healthy, healthy_steps_to_load, why_not_healthy
 from ckptstore.render import human_bytes
@@ -228,13 +233,19 @@ def _healthy_step(store: Store, step: int | None) -> int:
 def _say_if_unhealthy(store: Store, step: int, health: Any = False) -> None:
     """A warning (stderr) where the restored ``step``'s save found it unhealthy (NaN or Inf,
     as its manifest records; not for a step of unknown health), naming the newest healthy step
-    before it: the operator may not know that ``--healthy`` exists."""
-    if health is False:
-        health = load_manifest(store, step).health
-    if health is None or health["healthy"]:
-        return
-    older, _ = find_healthy(store, [s for s in list_steps(store) if s < step], limit=1)
-    instead = f"--step {older[0]} (or --healthy)" if older else "none before it is healthy"
+    before it: the operator may not know that ``--healthy`` exists. A note only: the step is
+    restored, so a read that fails here fails nothing."""
+    try:
+        if health is False:
+            health = load_manifest(store, step).health
+        if health is None or health["healthy"]:
+            return
+        older, _ = find_healthy(store, [s for s in list_steps(store) if s < step], limit=1)
+        instead = f"--step {older[0]} (or --healthy)" if older else "none before it is healthy"
+    except (CheckpointError, OSError) as exc:
+        if health is False or health is None or health["healthy"]:
+            return
+        instead = f"unknown: the steps before it could not be read ({one_line(exc)})"
     print(
         f"warning: {why_not_healthy(step, health)}; the newest healthy step: {instead}",
         file=sys.stderr,

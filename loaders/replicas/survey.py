@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptstore.errors import (
+    CheckpointCorruptError,
     ObjectNotFoundError,
     ObjectOutsideRootError,
     StorageError,
@@ -20,7 +21,6 @@ from loaders.errors import (
     ShardCorruptError,
     ShardNotFoundError,
 )
-from loaders.formats.layout import check_shard_key
 from loaders.replicas.health import Replica, ReplicaHealth
 
 logger = logging.getLogger(__package__)  # "loaders.replicas", as health's
@@ -138,12 +138,16 @@ def find_shards(
 
 def _check_listed(r: Replica, keys: list[str]) -> None:
     """:class:`ObjectOutsideRootError` if ``r``'s listing names a key that leads out of the
-    dataset (an S3 key may hold ``..``): a hostile replica, as one holding a link out."""
+    dataset (an S3 key may hold ``..``): a hostile replica, as one holding a link out. The
+    store's own rule, no stricter: an odd but inside name (a ``:``, a backslash) is a shard."""
     for key in keys:
         try:
-            check_shard_key(key, f"the listing of replica {r.name}")
-        except ShardCorruptError as exc:
-            raise ObjectOutsideRootError(f"{exc}: not read") from None
+            r.store.path(key)
+        except CheckpointCorruptError as exc:
+            raise ObjectOutsideRootError(
+                f"the listing of replica {r.name} names shard {key!r}, which is not inside the "
+                f"dataset ({exc}): not read"
+            ) from None
 
 
 def _why_unused(exc: StorageError) -> str:

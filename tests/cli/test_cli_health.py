@@ -93,3 +93,27 @@ def test_restore_of_an_unhealthy_step_warns_naming_the_healthy_one(store, tmp_pa
     for step in ("3", "1"):
         assert main([*argv, "--step", step, "--to", str(tmp_path / step), "--json"]) == 0
         assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_the_unhealthy_warning_never_fails_a_restore_it_follows(
+    store, tmp_path, capsys, monkeypatch, fmt
+):
+    """Adversary of stop 78: the warning read the older steps' manifests, and a read that
+    timed out there made a restore already written exit 1 with that error."""
+    from ckptstore.errors import StorageTimeoutError
+    from ckptstore.format import commit_key
+    from ckptstore.store import Store
+
+    get = Store.get
+
+    def times_out(self, key, *args, **kwargs):
+        if key == commit_key(1):
+            raise StorageTimeoutError(f"{key}: read timed out")
+        return get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "get", times_out)
+    to = tmp_path / "two"
+    assert main(["restore", str(store), "--step", "2", "--format", fmt, "--to", str(to)]) == 0
+    err = capsys.readouterr().err
+    assert to.exists() and "step 2: unhealthy" in err and "could not be read" in err, err

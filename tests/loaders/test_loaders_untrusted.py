@@ -949,3 +949,17 @@ def test_llmc_files_read_past_their_header_as_another_dtype_are_refused(tmp_path
         ShardDataset(str(root), tokens, config=IN_ORDER)
     right = TokenFiles(dtype="uint16", sample_tokens=256, header_bytes=1024)
     assert len(list(ShardDataset(str(root), right, config=IN_ORDER))) == 16
+
+
+@pytest.mark.parametrize("name", ["shard-2024-05-01T12:00.bin", "back\\slash.bin"])
+def test_a_listed_shard_with_an_odd_name_inside_the_root_is_read(tmp_path: Path, name: str):
+    """Adversary of stop 78: the listing check that refuses keys out of the dataset took the
+    declared-key rule, which refuses a ``:`` or a backslash too: such a dataset no longer
+    opened (its replica benched as unsafe). Only a key that leads out is refused."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    np.arange(64, dtype=np.uint16).tofile(root / "a.bin")
+    np.arange(64, 128, dtype=np.uint16).tofile(root / name)
+    fmt = TokenFiles(files=None, dtype="uint16", sample_tokens=4)
+    samples = list(ShardDataset(str(root), fmt, config=LoaderConfig(shuffle=False)))
+    assert len(samples) == 32

@@ -393,27 +393,36 @@ def test_gc_dry_run_leaves_a_stale_legacy_marker_in_place(store_uri: str, capsys
 
 def test_a_legacy_marker_that_cannot_be_read_now_blocks_gc(store_uri: str, monkeypatch) -> None:
     """A young legacy marker whose read failed for a passing reason (a timeout) counted as
-    stale, so gc deleted it and swept under its save. It now counts live, as an unreadable lease
-    does; one that is no plain file is garbage, as before."""
+    stale, so gc deleted it and swept under its save. Such a marker is aged by its modification
+    time, as an unreadable lease is (adversary of stop 78: one a year old blocked every gc for
+    ever); one that is no plain file, or a link to nothing, is garbage."""
     pending = Path(store_uri) / "pending"
     pending.mkdir()
-    young = pending / "00000000000000000009-abc-00000.json"
-    young.write_text(json.dumps({"created_at": time.time()}))
+    young, old = pending / "00000000000000000009-abc-00000.json", pending / "07-old-00000.json"
+    for marker in (young, old):
+        marker.write_text(json.dumps({"created_at": time.time()}))
+    year_ago = time.time() - 365 * 86400
+    os.utime(old, (year_ago, year_ago))
     os.mkfifo(pending / "00000000000000000008-fifo-00000.json")
+    (pending / "06-dangling-00000.json").symlink_to(pending / "nothing")
     get = Store.get
 
     def times_out(self, key, *args, **kwargs):
-        if key == "pending/" + young.name:
+        if key in ("pending/" + young.name, "pending/" + old.name):
             raise StorageTimeoutError(f"{key}: read timed out")
         return get(self, key, *args, **kwargs)
 
     monkeypatch.setattr(Store, "get", times_out)
-    markers = {m.key: m for m in legacy_markers(Store(store_uri))}
-    assert markers["pending/" + young.name].stale is False
-    assert markers["pending/00000000000000000008-fifo-00000.json"].stale is True
+    stale = {m.key: m.stale for m in legacy_markers(Store(store_uri))}
+    assert stale == {
+        "pending/" + young.name: False,
+        "pending/" + old.name: True,
+        "pending/00000000000000000008-fifo-00000.json": True,
+        "pending/06-dangling-00000.json": True,
+    }
     report = collect(Store(store_uri), keep_last=None)
     assert report.blocked_by == ["pending/" + young.name]
-    assert young.exists()
+    assert sorted(os.listdir(pending)) == [young.name]
 
 
 def test_a_shape_of_thousands_of_dims_is_named_in_one_short_line(store_uri: str, capsys) -> None:
