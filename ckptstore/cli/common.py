@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.catalog import dcp_checkpoint_there, store_nearby
-from ckptstore.errors import CheckpointNotFoundError, StorageAccessError
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, StorageAccessError
+from ckptstore.integrations import _pointer
 from ckptstore.store import RetryPolicy, Store
 from ckptstore.tiers.identity import IDENTITY_KEY
 
@@ -50,6 +51,24 @@ def _shown(uri: str) -> str:
     return repr(uri) if uri != uri.strip() or not uri.isprintable() else uri
 
 
+def _what_file(path: str) -> str:
+    """What the file at ``path``, given where a store is expected, is: a Lightning pointer
+    (``last.ckpt``) names its store and step."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_pointer.MAX_BYTES + 1)
+        pointer = _pointer.decode(data, path) if _pointer.is_pointer(data) else None
+    except (OSError, CheckpointError, RecursionError):
+        pointer = None
+    if pointer is None:
+        return "a file, not a store directory"
+    store = _shown(pointer.store)
+    return (
+        f"a pointer to step {pointer.step} of the store {store}, as the Lightning plugin "
+        f"writes: give {store} --step {pointer.step}"
+    )
+
+
 def _open_existing_store(args: argparse.Namespace) -> Store:
     options = dict(args.storage_options)
     timeout = getattr(args, "timeout", None)
@@ -73,7 +92,7 @@ def _open_existing_store(args: argparse.Namespace) -> Store:
             ) from exc
         if not is_dir:
             raise CheckpointNotFoundError(
-                f"no ckptstore checkpoints at {_shown(args.uri)} (a file, not a store directory)"
+                f"no ckptstore checkpoints at {_shown(args.uri)} ({_what_file(store.root)})"
             )
     # A missing bucket, bad credentials, an unreadable directory or an endpoint that does not
     # answer fail here, clearly (listing only commits/: the whole prefix may hold millions of

@@ -31,11 +31,21 @@ MARKER = "__ckptstore_pickled__"
 _PLAIN = (type(None), bool, int, float, str, bytes, bytearray)  # exact types: an IntEnum is pickled
 # Sets and bytearrays have opcodes of their own at the protocol ``wrap`` writes: their
 # constructors are not resolved (``bytearray(2**40)`` in a crafted blob allocates a TiB).
-_SAFE_BUILTINS = {("builtins", name) for name in ("complex", "slice", "range")} | {
-    ("collections", "OrderedDict"),
-    ("collections", "defaultdict"),
-    ("pathlib", "PosixPath"),
-}
+_SAFE_BUILTINS = (
+    {("builtins", name) for name in ("complex", "slice", "range")}
+    | {
+        ("collections", "OrderedDict"),
+        ("collections", "defaultdict"),
+        ("collections", "Counter"),
+        ("pathlib", "PosixPath"),
+        # what torch.load(weights_only=True) resolves of torch's own plain values (a dtype in a
+        # model's hyper-parameters): each is a lookup or a constructor of a value, no code
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch.serialization", "_get_layout"),
+    }
+    | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+)
 
 
 def wrap(value: Any) -> Any:
@@ -126,8 +136,12 @@ def _torch_safe_globals() -> set[tuple[str, str]]:
     for entry in torch.serialization.get_safe_globals():
         obj, qualname = entry if isinstance(entry, tuple) else (entry, None)
         module, _, name = (qualname or "").rpartition(".")
-        if qualname is None:
-            module, name = obj.__module__, obj.__qualname__
+        if isinstance(obj, torch.dtype):  # add_safe_globals([torch.bfloat16]): no __qualname__
+            module, name = "torch", str(obj).removeprefix("torch.")
+        elif qualname is None:
+            module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+            if not (isinstance(module, str) and isinstance(name, str)):
+                continue  # nothing a pickle names
         safe.add((module, name))
     return safe
 

@@ -23,6 +23,7 @@ from ckptstore.errors import CheckpointCorruptError
 
 FORMAT = "ckptstore-pointer"
 VERSION = 1
+MAX_BYTES = 64 * 1024  # a pointer is a few hundred bytes: a larger file is not one
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,11 @@ class CkptstoreCheckpointIO(CheckpointIO):
         save_id = uuid.uuid4().hex
         with self._pointing:
             waiting = self._overwrites.get(path)
-        replaced = waiting[-1][1] if waiting else self._own_pointer_at(path)
+        # A link there (save_last="link") names another file's step: the save replaces the link
+        # alone, and that file keeps its step (a resume's first last.ckpt save is one).
+        replaced = waiting[-1][1] if waiting else None
+        if replaced is None and not os.path.islink(path):
+            replaced = self._own_pointer_at(path)
         meta = {META_KEY: {"path": path, "global_step": global_step, "save_id": save_id}}
         handle = self.checkpointer.save(step, wrap(checkpoint), metadata=meta)
         if handle.skipped:

@@ -353,6 +353,33 @@ def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
     assert [unwrap(wrap(value), weights_only=True) for value in kept] == kept
 
 
+def test_torchs_own_plain_values_load_with_weights_only_as_torch_load_does():
+    """Lightning user of stop 78: a ``torch.dtype`` in a model's hyper-parameters (common)
+    was refused at resume, though ``torch.load(weights_only=True)`` loads dtypes, devices and
+    sizes; and the fix the error named, ``add_safe_globals([torch.bfloat16])``, raised an
+    AttributeError on every later load."""
+    import collections
+
+    import torch.serialization
+
+    hparams = {
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "shape": torch.Size([2, 3]),
+        "layout": torch.strided,
+        "counts": collections.Counter("aab"),
+    }
+    assert unwrap(wrap(hparams), weights_only=True) == hparams
+    saved = torch.serialization.get_safe_globals()
+    try:
+        torch.serialization.add_safe_globals([torch.float16])
+        value = {"dtype": torch.float16}
+        assert unwrap(wrap(value), weights_only=True) == value
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
+
+
 CHILD = """
 from {module} import CkptstoreCheckpointIO, TinyModel, _loader, _trainer
 io = CkptstoreCheckpointIO({uri!r})
@@ -484,6 +511,48 @@ def test_a_pointer_left_pending_by_a_kill_loads_the_newest_save_before_it(tmp_pa
     # Reviewer W: every restart of a job killed in its first save failed on the same file.
     assert not (tmp_path / "first.ckpt").exists()
     fresh.close()
+
+
+def test_a_save_to_a_last_link_replaces_the_link_and_keeps_the_step_it_named(tmp_path):
+    """Lightning user of stop 78: with save_last="link", a resumed run's first last.ckpt save
+    is a save to the link's path; the plugin took the linked top-k file's pointer for the one
+    replaced and unlisted its step once the save committed: that file no longer loaded. The
+    save replaces the link alone."""
+    uri = str(tmp_path / "store")
+    io = CkptstoreCheckpointIO(uri)
+    io.save_checkpoint({"global_step": 28, "w": torch.ones(4)}, str(tmp_path / "step=28.ckpt"))
+    io.teardown()
+    io.close()
+    os.symlink("step=28.ckpt", tmp_path / "last.ckpt")
+    resumed = CkptstoreCheckpointIO(uri)
+    resumed.save_checkpoint({"global_step": 32, "w": torch.zeros(4)}, str(tmp_path / "last.ckpt"))
+    resumed.teardown()
+    assert not os.path.islink(tmp_path / "last.ckpt")
+    assert resumed.load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 32
+    kept = resumed.load_checkpoint(str(tmp_path / "step=28.ckpt"))
+    assert kept["global_step"] == 28 and torch.equal(kept["w"], torch.ones(4))
+    assert sorted(resumed.steps()) == [28, 32]
+    resumed.close()
+
+
+def test_the_cli_given_a_pointer_file_names_its_store_and_step(tmp_path, capsys):
+    """Lightning user of stop 78: ``ckptstore ls ckpts/last.ckpt`` (the file a Lightning user
+    has) said only "a file, not a store directory"; it names the store and step it points to.
+    A file that is no pointer is still "a file"."""
+    from ckptstore.cli import main
+
+    uri = str(tmp_path / "store")
+    io = CkptstoreCheckpointIO(uri)
+    io.save_checkpoint({"global_step": 7, "w": torch.ones(4)}, str(tmp_path / "last.ckpt"))
+    io.teardown()
+    io.close()
+    for command in ("ls", "verify", "inspect"):
+        assert main([command, str(tmp_path / "last.ckpt")]) == 1
+        err = capsys.readouterr().err
+        assert f"a pointer to step 7 of the store {uri}" in err and f"give {uri} --step 7" in err
+    (tmp_path / "other.ckpt").write_bytes(b"\x80\x02 not a pointer")
+    assert main(["ls", str(tmp_path / "other.ckpt")]) == 1
+    assert "(a file, not a store directory)" in capsys.readouterr().err
 
 
 def test_a_pointer_whose_save_is_in_flight_in_another_process_loads_that_save(tmp_path):
