@@ -358,9 +358,12 @@ class _Request:
 
     def _lost(self, a: _Attempt, exc: BaseException) -> None:
         r = a.replica
-        if isinstance(exc, (UnknownFormatError, ShardTooLargeError)):
+        if isinstance(exc, ShardTooLargeError):
             self.reads.stats.add(failed=1)
-            raise exc  # every replica holds the same bytes: no failover
+            raise exc  # a bound of the dataset's, the same on every replica: no failover
+        # An unknown format is the dataset's where every replica holds it, but one replica's
+        # damaged bytes (a tar whose first block was overwritten) look the same: the others
+        # are asked first (_fail_over).
         if isinstance(exc, (ObjectNotFoundError, FileNotFoundError)):
             self.gone.append(r)
         self.errors.append(f"{r.name}: {exc}")
@@ -389,6 +392,9 @@ class _Request:
         if len(set(self.gone)) == n:
             self._missing_everywhere()
         last = self.last_exc
+        if isinstance(last, UnknownFormatError) and len(set(self.tried) | set(self.gone)) == n:
+            stats.add(failed=1)
+            raise last
         corrupt = isinstance(last, ShardCorruptError)
         if self.attempts >= self.reads.config.max_attempts or (
             corrupt and len(set(self.tried) | set(self.gone)) == n
