@@ -408,3 +408,16 @@ def test_a_plain_manifest_with_blank_tabbed_lines_and_indented_comments_reads(tm
     (tmp_path / "manifest.txt").write_text("a.bin\n\t\n   # shards\nb.bin\t\n")
     fmt = TokenFiles(dtype="uint16", sample_tokens=64, manifest="manifest.txt")
     assert len(list(ShardDataset([str(tmp_path)], fmt, config=IN_ORDER))) == 128
+
+
+def test_hash_blocks_larger_than_a_read_are_read_once_not_per_read(tmp_path, caplog):
+    """Loader adversary of stop 78: a manifest's hash blocks larger than ``read_bytes`` made
+    every read take its whole block: a file read 16 times over (on S3, all traffic). A read
+    then spans a block (said in one warning): under two reads' worth of each block."""
+    (root,) = _write([tmp_path / "r0"], block=8000)  # 4x the 2,048 read_bytes
+    with caplog.at_level(logging.WARNING, logger="loaders"):
+        ds = ShardDataset(root, _fmt(), config=IN_ORDER)
+    assert len(_warned(caplog, "hash blocks of 8000 bytes are larger")) == 1
+    assert _check_batches(ds) == list(range(3 * 300))
+    read = ds.metrics()["replicas"][root]["bytes"]
+    assert read < 2 * 3 * FILE_TOKENS * 2, read  # uint16: each file is FILE_TOKENS * 2 bytes

@@ -187,6 +187,18 @@ class TokenFiles:
         itemsize = np.dtype(self.dtype).itemsize
         sample_bytes = self.sample_tokens * itemsize
         per_unit = max(1, self.read_bytes // sample_bytes)
+        block = max((h.block_bytes for h in hashes.values()), default=0) if hashes else 0
+        if block > self.read_bytes:
+            # Each read takes the whole hash blocks its samples lie in: reads of read_bytes
+            # would each read a block (block / read_bytes times the data). A read spans a block.
+            per_unit = max(per_unit, block // sample_bytes)
+            logger.warning(
+                "token manifest's hash blocks of %d bytes are larger than TokenFiles.read_bytes"
+                "=%d: each read takes about a block (%d bytes, in memory while it is checked)",
+                block,
+                self.read_bytes,
+                block,
+            )
         reads = sum(
             -(-max(0, size - self.header_bytes) // sample_bytes // per_unit) for size in sizes
         )
