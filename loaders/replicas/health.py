@@ -248,7 +248,7 @@ class ReplicaHealth:
             r.consecutive_errors += 1
             self._bench(r, time.monotonic(), slow=False)
             bench_s = r.benched_until - time.monotonic()
-        r.stats.add(errors=1, benched=1)
+        r.stats.add(requests=1, errors=1, benched=1)  # the request that failed was one
         logger.warning(
             "replica %s benched for %.1fs: %s as the dataset opened (%s)",
             r.name,

@@ -12,6 +12,7 @@ from ckptstore import Store
 from loaders import LoaderConfig, ShardCorruptError, ShardDataset, TokenFiles
 from loaders.metrics import ConsumerStats
 from loaders.prefetch import Growth, Window
+from loaders.replicas import ReplicaSet
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,6 +111,18 @@ def test_read_error_surfaces_to_the_consumer(tmp_path):
     (tmp_path / "t.bin").write_bytes(b"\0" * 1000)  # truncated after open
     with pytest.raises(ShardCorruptError, match=r"t\.bin.*\[640:1280\].*truncated at offset 1000"):
         list(ds)
+
+
+def test_a_read_answered_with_more_bytes_than_asked_is_not_called_truncated(tmp_path):
+    """Loader adversary of stop 78: a read answered 2 bytes long was "truncated at offset"
+    past the end of its range."""
+    np.arange(64 * 20, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    layout = TokenFiles(sample_tokens=64, read_bytes=640).open(ReplicaSet([str(tmp_path)]))
+    unit = layout.units[1]
+    with pytest.raises(ShardCorruptError) as info:
+        layout.decode(unit, b"\0" * (unit.nbytes + 2), "r0")
+    assert f"returned {unit.nbytes + 2} bytes, not {unit.nbytes}" in str(info.value)
+    assert "truncated" not in str(info.value)
 
 
 def test_completed_reads_held_in_the_window_are_not_rescanned(monkeypatch):

@@ -656,6 +656,7 @@ def test_a_replica_that_never_answers_the_open_is_benched_not_asked_again(tmp_pa
         # its manifest alone was asked of it: no listing or size (the survey), no header
         assert asked and {path.rsplit("/", 1)[-1] for path in asked} == {"manifest.txt"}, asked
         assert m["benched"] == 1 and m["errors"] == 1 and m["health"] == "benched"
+        assert m["requests"] == 1  # loader adversary of stop 78: an error of no request (0)
         assert len(list(ds)) == 40
     finally:
         hang.release()

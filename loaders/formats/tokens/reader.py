@@ -276,9 +276,9 @@ class TokenLayout:
         start, end = unit.span()
         if len(data) != unit.nbytes:
             raise ShardCorruptError(
-                f"token file {unit.key} on replica {replica}: read "
-                f"[{start}:{end}] returned {len(data)} bytes "
-                f"(truncated at offset {start + len(data)})"
+                f"token file {unit.key} on replica {replica}: read [{start}:{end}] returned "
+                f"{len(data)} bytes, not {unit.nbytes}"
+                + (f" (truncated at offset {start + len(data)})" if len(data) < unit.nbytes else "")
             )
         if self.hashes is not None:
             self.hashes[unit.key].check(
