@@ -55,6 +55,8 @@ def _what_file(path: str) -> str:
     """What the file at ``path``, given where a store is expected, is: a Lightning pointer
     (``last.ckpt``) names its store and step."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
+            return "not a store directory"
         with open(path, "rb") as f:
             data = f.read(_pointer.MAX_BYTES + 1)
         pointer = _pointer.decode(data, path) if _pointer.is_pointer(data) else None

@@ -15,8 +15,10 @@ torch itself treats as safe are resolved (``torch.serialization.add_safe_globals
 
 from __future__ import annotations
 
+import collections
 import io
 import math
+import pathlib
 import pickle
 from typing import Any
 
@@ -29,23 +31,87 @@ from ckptstore.step_reader import check_torch_save_bytes
 MARKER = "__ckptstore_pickled__"
 
 _PLAIN = (type(None), bool, int, float, str, bytes, bytearray)  # exact types: an IntEnum is pickled
-# Sets and bytearrays have opcodes of their own at the protocol ``wrap`` writes: their
-# constructors are not resolved (``bytearray(2**40)`` in a crafted blob allocates a TiB).
-_SAFE_BUILTINS = (
-    {("builtins", name) for name in ("complex", "slice", "range")}
-    | {
-        ("collections", "OrderedDict"),
-        ("collections", "defaultdict"),
-        ("collections", "Counter"),
-        ("pathlib", "PosixPath"),
-        # what torch.load(weights_only=True) resolves of torch's own plain values (a dtype in a
-        # model's hyper-parameters): each is a lookup or a constructor of a value, no code
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch.serialization", "_get_layout"),
-    }
-    | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-)
+_MAX_ARGS = 256  # dims of a torch.Size, parts of a path: a hostile blob names no more
+_LAYOUTS = {f"torch.{name}" for name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc")}
+
+
+def _size(dims: Any = ()) -> torch.Size:
+    if type(dims) not in (tuple, list) or len(dims) > _MAX_ARGS:
+        raise UnsupportedStateError("a pickled torch.Size of no tuple of dims")
+    if not all(type(d) is int and 0 <= d < 2**63 for d in dims):
+        raise UnsupportedStateError("a pickled torch.Size of dims that are not sizes")
+    return torch.Size(dims)
+
+
+def _device(kind: Any, index: Any = None) -> torch.device:
+    if type(kind) is not str or len(kind) > 64 or not (index is None or type(index) is int):
+        raise UnsupportedStateError("a pickled torch.device of no device name")
+    try:
+        return torch.device(kind) if index is None else torch.device(kind, index)
+    except (RuntimeError, ValueError) as exc:
+        raise UnsupportedStateError(f"a pickled torch.device: {exc}") from None
+
+
+def _layout(name: Any) -> torch.layout:
+    if name not in _LAYOUTS:
+        raise UnsupportedStateError(f"a pickled torch layout {str(name)[:40]!r}")
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _counter(counts: Any = None) -> collections.Counter:
+    if counts is not None and type(counts) is not dict:  # as Counter pickles: a dict
+        raise UnsupportedStateError("a pickled Counter of no dict")
+    return collections.Counter(counts or {})
+
+
+def _posix_path(*parts: Any) -> pathlib.PosixPath:
+    if len(parts) > _MAX_ARGS or not all(type(p) is str for p in parts):
+        raise UnsupportedStateError("a pickled path of parts that are not strings")
+    return pathlib.PosixPath(*parts)
+
+
+# The globals a pickled value may name (torch.load(weights_only=True) resolves these too), each
+# as a checked constructor. Sets and bytearrays have opcodes of their own at the protocol
+# ``wrap`` writes: their constructors are not resolved (``bytearray(2**40)`` allocates a TiB).
+_SAFE_CALLS: dict[tuple[str, str], Any] = {
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("builtins", "range"): range,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): collections.defaultdict,
+    ("collections", "Counter"): _counter,
+    ("pathlib", "PosixPath"): _posix_path,
+    ("torch", "Size"): _size,
+    ("torch", "device"): _device,
+    ("torch.serialization", "_get_layout"): _layout,
+}
+_DTYPES = {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+class _Resolved:
+    """A global a pickled value names, handed to the unpickler in place of the class or
+    function itself: a call goes to the checked constructor, and a BUILD on it (which would set
+    attributes of a class or function the whole process shares: torch's layout table, say) is
+    refused. NEWOBJ needs a class: refused too."""
+
+    __slots__ = ("name", "call")
+
+    def __init__(self, name: str, call: Any) -> None:
+        self.name, self.call = name, call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        raise UnsupportedStateError(f"a pickled value sets attributes of {self.name}: refused")
+
+
+def _safe_global(module: str, name: str) -> Any:
+    """What a safe global resolves to (None: not one of them)."""
+    if (module, name) in _DTYPES:
+        return _DTYPES[module, name]  # an instance with no attributes to set
+    call = _SAFE_CALLS.get((module, name))
+    return None if call is None else _Resolved(f"{module}.{name}", call)
 
 
 def wrap(value: Any) -> Any:
@@ -121,13 +187,17 @@ class _TensorUnpickler(pickle.Unpickler):
         return self.tensors[pid]
 
     def find_class(self, module: str, name: str) -> Any:
-        if self.weights_only and (module, name) not in _SAFE_BUILTINS:
-            if (module, name) not in _torch_safe_globals():
-                raise UnsupportedStateError(
-                    f"the checkpoint holds a pickled {module}.{name}, which weights_only=True "
-                    "does not load: pass weights_only=False (trusted checkpoints only) or "
-                    f"torch.serialization.add_safe_globals([{name}])"
-                )
+        if not self.weights_only:
+            return super().find_class(module, name)
+        safe = _safe_global(module, name)
+        if safe is not None:
+            return safe
+        if (module, name) not in _torch_safe_globals():  # the user's own: resolved as they are
+            raise UnsupportedStateError(
+                f"the checkpoint holds a pickled {module}.{name}, which weights_only=True "
+                "does not load: pass weights_only=False (trusted checkpoints only) or "
+                f"torch.serialization.add_safe_globals([{name}])"
+            )
         return super().find_class(module, name)
 
 
@@ -179,8 +249,13 @@ class _CheckingUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return _load_storage_weights_only
-        if (module, name) in _SAFE_BUILTINS | _LOADER_STATE_GLOBALS | _torch_safe_globals():
+            return _Resolved(f"{module}.{name}", _load_storage_weights_only)
+        if (module, name) in _LOADER_STATE_GLOBALS:
+            return _Resolved(f"{module}.{name}", super().find_class(module, name))
+        safe = _safe_global(module, name)
+        if safe is not None:
+            return safe
+        if (module, name) in _torch_safe_globals():
             return super().find_class(module, name)
         raise UnsupportedStateError(
             f"{self.what} holds a pickled {module}.{name}, which ckptstore does not let be "

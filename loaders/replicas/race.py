@@ -400,6 +400,8 @@ class _Request:
             corrupt and len(set(self.tried) | set(self.gone)) == n
         ):
             stats.add(failed=1)
+            if isinstance(last, UnknownFormatError):
+                raise last  # as every replica it was read from held it
             if corrupt:
                 tried = ", ".join(dict.fromkeys(r.name for r in self.tried))
                 raise ShardCorruptError(
@@ -412,6 +414,8 @@ class _Request:
             ) from last
         if not self.launch():
             stats.add(failed=1)
+            if isinstance(last, UnknownFormatError):
+                raise last
             raise ReadFailedError(f"read {self.what} failed: {self._reasons()}")
         stats.add(failovers=1)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import enum
@@ -353,6 +354,47 @@ def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
     assert [unwrap(wrap(value), weights_only=True) for value in kept] == kept
 
 
+def _global(module: bytes, name: bytes) -> bytes:
+    return b"c" + module + b"\n" + name + b"\n"
+
+
+_RANGE_2_40 = _global(b"builtins", b"range") + b"\x8a\x06" + (1 << 40).to_bytes(6, "little")
+_RANGE_2_40 += b"\x85R"  # range(2**40): lazy, but a consumer of it would not be
+
+
+@pytest.mark.parametrize(
+    ("blob", "error"),
+    [
+        (b"\x80\x02" + _global(b"torch", b"Size") + _RANGE_2_40 + b"\x85R.", "torch.Size of no"),
+        (b"\x80\x02" + _global(b"collections", b"Counter") + _RANGE_2_40 + b"\x85R.", "Counter of"),
+        (  # BUILD on torch's layout lookup: would set its table for every later torch.load
+            b"\x80\x02"
+            + _global(b"torch.serialization", b"_get_layout")
+            + b"}X\x05\x00\x00\x00cache}sb0N.",
+            "sets attributes of torch.serialization._get_layout",
+        ),
+        (
+            b"\x80\x02" + _global(b"collections", b"Counter") + b"}X\x06\x00\x00\x00updateNsb0N.",
+            "sets attributes of collections.Counter",
+        ),
+    ],
+    ids=["size-of-range-2**40", "counter-of-range-2**40", "build-layout", "build-counter"],
+)
+def test_the_plain_values_torch_resolves_are_checked_and_never_changed(blob, error):
+    """Adversary of stop 78: the globals added for torch's plain values were the real ones: a
+    blob built torch.Size or a Counter of range(2**40) (TiBs, in the torchtitan state check
+    too), or set attributes of torch's layout table or of Counter for the whole process. Each
+    is a checked constructor, and a BUILD on it is refused."""
+    from ckptstore.integrations._pickled import check_pickled_state
+
+    with pytest.raises(UnsupportedStateError, match=error):
+        unwrap({MARKER: blob, "tensors": []}, weights_only=True)
+    with pytest.raises(UnsupportedStateError, match=error):
+        check_pickled_state(blob, "a dataloader's state")
+    assert torch.serialization._get_layout("torch.strided") is torch.strided
+    assert collections.Counter("aab") == {"a": 2, "b": 1}
+
+
 def test_torchs_own_plain_values_load_with_weights_only_as_torch_load_does():
     """Lightning user of stop 78: a ``torch.dtype`` in a model's hyper-parameters (common)
     was refused at resume, though ``torch.load(weights_only=True)`` loads dtypes, devices and
@@ -553,6 +595,9 @@ def test_the_cli_given_a_pointer_file_names_its_store_and_step(tmp_path, capsys)
     (tmp_path / "other.ckpt").write_bytes(b"\x80\x02 not a pointer")
     assert main(["ls", str(tmp_path / "other.ckpt")]) == 1
     assert "(a file, not a store directory)" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "fifo.ckpt")  # adversary of stop 78: the look into the file hung
+    assert main(["ls", str(tmp_path / "fifo.ckpt")]) == 1
+    assert "(not a store directory)" in capsys.readouterr().err
 
 
 def test_a_pointer_whose_save_is_in_flight_in_another_process_loads_that_save(tmp_path):

@@ -6,6 +6,7 @@ replica; a damaged stream is corrupt and read from a good replica; a gzip bomb s
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -228,3 +229,19 @@ def test_a_tar_damaged_to_look_like_a_zip_on_one_replica_is_read_from_the_other(
     uris = [str(r) for r in replicas]
     ds = ShardDataset(uris, WebDataset(), config=IN_ORDER, replica_config=NO_HEDGE)
     assert [s["__key__"] for s in ds] == whole
+
+
+def test_a_shard_of_another_format_is_unknown_with_fewer_attempts_than_replicas(tmp_path):
+    """Adversary of stop 78: with more replicas than ``max_attempts`` a shard of another format
+    on every replica ended as ReadFailedError, the attempts spent before every replica was."""
+    name, data, message = OTHER_FORMATS["zip"]
+    replicas = [tmp_path / f"r{i}" for i in range(3)]
+    write_upstream_shards(replicas[0])
+    (replicas[0] / name).write_bytes(data)
+    for replica in replicas[1:]:
+        shutil.copytree(replicas[0], replica)
+    counted = WebDataset(shards=["b.tgz", name, "e.tar"], sample_counts=[3, 1, 3])
+    config = dataclasses.replace(NO_HEDGE, max_attempts=2)
+    ds = ShardDataset([str(r) for r in replicas], counted, config=IN_ORDER, replica_config=config)
+    with pytest.raises(UnknownFormatError, match=message):
+        list(ds)
