@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench import _ckpt_common as common
-from bench.report import format_bytes, format_seconds, print_json, rounds, table
+from bench.report import format_bytes, format_seconds, print_json, ratio_line, rounds, table
 from ckptstore.cli.signals import raise_if_stopped
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def print_table(report: dict[str, Any]) -> None:
             ]
         )
     table(["method", "time", "peak RSS", "RSS growth", "verified", "output equal"], rows)
-    print(", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items() if v is not None))
+    print(ratio_line(report["ratios"]))
     for note in report["notes"]:
         print(f"note: {note}")
 

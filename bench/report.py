@@ -114,6 +114,13 @@ def table(
     print(render.table(header, rows, rule=True), file=out or sys.stdout)
 
 
+def ratio_line(ratios: dict[str, float | None], lead: str = "ratios") -> str:
+    """The ratios a run ends with, each ``A_vs_B`` read as A / B (below 1x: A takes less time,
+    or stores fewer bytes, than B)."""
+    shown = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if v)
+    return f"{lead} (A_vs_B = A / B; below 1x, A takes less): {shown}"
+
+
 def print_json(obj: Any, *, out: TextIO | None = None) -> None:
     """One JSON object on one line, keys in insertion order."""
     raise_if_stopped()  # a signal whose exception was dropped: no results

@@ -53,6 +53,7 @@ from bench.report import (
     format_seconds,
     parse_bytes,
     print_json,
+    ratio_line,
     rounds,
     table,
 )
@@ -521,7 +522,7 @@ def print_table(report: dict[str, Any]) -> None:
     headers = ["method", "restore", "rate", "stored", "verified", "peak RSS"]
     table(headers + (["minor faults", "sys CPU", "user CPU"] if fresh else []), rows)
     if report["ratios"]:
-        print(", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items() if v))
+        print(ratio_line(report["ratios"]))
     for note in report["notes"]:
         print(f"note: {note}")
 

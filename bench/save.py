@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from bench import _ckpt_common as common
-from bench.report import format_bytes, format_seconds, print_json, rounds, table
+from bench.report import format_bytes, format_seconds, print_json, ratio_line, rounds, table
 from ckptstore.cli.signals import raise_if_stopped
 
 logger = logging.getLogger(__name__)
@@ -582,7 +582,7 @@ def print_table(report: dict[str, Any]) -> None:
         rows,
     )
     if report["ratios"]:
-        print("ckptstore: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items() if v))
+        print(ratio_line(report["ratios"], "ckptstore's ratios"))
     for note in report["notes"]:
         print(f"note: {note}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from bench.faults import ALL_OPS, Faults, parse_latency
@@ -196,14 +197,52 @@ def config_from_args(args: argparse.Namespace) -> StorageBenchConfig:
     )
 
 
+def _first_missing(uri: str) -> str | None:
+    """For a local ``uri`` that does not exist, the first directory of it the run makes (said
+    on stderr: a mistyped mount point would be measured on the disk it lands on)."""
+    if "://" in uri and not uri.startswith("file://"):
+        return None
+    path = os.path.abspath(uri.removeprefix("file://"))
+    if os.path.exists(path):
+        return None
+    first = path
+    while not os.path.exists(os.path.dirname(first)):
+        first = os.path.dirname(first)
+    print(
+        f"note: --uri {uri} does not exist: made for this run, removed after it unless --keep (a "
+        "mistyped mount point measures the disk it lands on)",
+        file=sys.stderr,
+    )
+    return first
+
+
+def _remove_made(first: str, uri: str) -> None:
+    """Remove the directories the run made for ``uri`` (what the run wrote is gone already),
+    from the deepest up to ``first``; a directory not empty stays."""
+    path = os.path.abspath(uri.removeprefix("file://"))
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        if path == first:
+            return
+        path = os.path.dirname(path)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot:  # fail before the run, not after it
         check_output_file(args.plot, flag="--plot")
+    made = _first_missing(args.uri)
     config = config_from_args(args)
     if args.plot:
         _require_matplotlib()
     bench = StorageBench(config)
-    result = bench.run()
+    try:
+        result = bench.run()
+    finally:
+        if made is not None:
+            _remove_made(made, args.uri)
     if args.plot:
         plot(bench, result, args.plot)
         result["plot"] = args.plot

@@ -153,6 +153,9 @@ def test_save_table_output(capsys, tmpdir_isolated):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "ckptstore" in out and "torch_save" in out and "blocked_vs_memcpy" in out
+    # a new user of stop 78: the ratio line said neither which way it reads nor "x"
+    (line,) = [line for line in out.splitlines() if line.startswith("ckptstore's ratios")]
+    assert "(A_vs_B = A / B; below 1x, A takes less)" in line and "x, " in line + ", ", line
 
 
 def test_restore_reports_verified_loads(capsys, tmpdir_isolated):

@@ -166,6 +166,16 @@ def test_unknown_scheme_is_one_clear_error():
     assert "\n" not in str(info.value)
 
 
+def test_a_local_uri_that_does_not_exist_is_said_and_removed_after(tmp_path, capsys):
+    """A new user of stop 78: a mistyped mount point was made silently, the disk it landed on
+    measured, and the directories left behind. The run says so, and removes them."""
+    typo = tmp_path / "typo_mnt" / "nvme"
+    err: list[str] = []
+    code, _ = _run_json(capsys, "--uri", str(typo), "--count", "5", err=err)
+    assert code == 0 and "does not exist: made for this run" in err[0], err
+    assert not (tmp_path / "typo_mnt").exists()
+
+
 @pytest.mark.s3
 def test_nonexistent_bucket_is_one_clear_error(s3_endpoint):
     args = _parse("--uri", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", "--count", "10")
@@ -296,7 +306,7 @@ def test_a_burst_whose_puts_partly_fail_fails_the_run(capsys, tmp_path, monkeypa
     monkeypatch.setattr(backends.LocalBackend, "put_once", filling)
     err: list[str] = []
     rc, result = _run_json(
-        capsys, "--uri", str(tmp_path / "store"), "--mode", "burst", "--writers", "2",
+        capsys, "--uri", str(tmp_path), "--mode", "burst", "--writers", "2",
         "--checkpoint-bytes", "512KiB", "--sizes", "128KiB", "--baseline-s", "0",
         "--after-s", "0", err=err,
     )  # fmt: skip
