@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
+from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
 from ckptstore.step_reader import check_torch_save_bytes
 
 MARKER = "__ckptstore_pickled__"
@@ -217,7 +217,18 @@ def _torch_safe_globals() -> set[tuple[str, str]]:
 
 
 def _unpickle(data: bytes, tensors: list, *, weights_only: bool) -> Any:
-    return _TensorUnpickler(bytes(data), list(tensors), weights_only=weights_only).load()
+    try:
+        return _TensorUnpickler(bytes(data), list(tensors), weights_only=weights_only).load()
+    except (CheckpointError, MemoryError, RecursionError):
+        raise
+    except Exception as exc:
+        if not weights_only:  # trusted: the user's own classes fail as they do
+            raise
+        # A crafted pickle calling a safe constructor with wrong arguments, or cut short.
+        raise CheckpointCorruptError(
+            f"a pickled value in the checkpoint does not load with weights_only=True "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
 
 
 # What a torch.utils.data / torchdata loader's pickled state_dict names beside plain values: a

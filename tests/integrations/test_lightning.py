@@ -326,6 +326,14 @@ def test_values_the_state_refuses_are_pickled_beside_verified_tensors(tmp_path):
     assert config.scale.numpy().tobytes() not in marker[MARKER]
 
 
+def _global(module: bytes, name: bytes) -> bytes:
+    return b"c" + module + b"\n" + name + b"\n"
+
+
+_RANGE_2_40 = _global(b"builtins", b"range") + b"\x8a\x06" + (1 << 40).to_bytes(6, "little")
+_RANGE_2_40 += b"\x85R"  # range(2**40): lazy, but a consumer of it would not be
+
+
 def _reduce_blob(module: bytes, name: bytes, arg: int) -> bytes:
     """A pickle (protocol 2) calling ``module.name(arg)``."""
     return (
@@ -340,8 +348,13 @@ def _reduce_blob(module: bytes, name: bytes, arg: int) -> bytes:
         (_reduce_blob(b"builtins", b"bytearray", 1 << 40), "pickled builtins.bytearray"),
         (_reduce_blob(b"builtins", b"set", 1 << 40), "pickled builtins.set"),
         (b"\x80\x02K\x07Q.", "a pickled value names tensor 7 of the 0 saved with it"),
+        (  # a safe constructor given arguments it refuses: was a raw TypeError
+            b"\x80\x02" + _global(b"builtins", b"complex") + _RANGE_2_40 + b"\x85R.",
+            r"does not load with weights_only=True \(TypeError: complex\(\) ",
+        ),
+        (b"\x80\x02]q\x00(K\x01", "does not load with weights_only=True"),  # cut short
     ],
-    ids=["bytearray-2**40", "set", "persistent-id"],
+    ids=["bytearray-2**40", "set", "persistent-id", "complex-of-range", "truncated"],
 )
 def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
     """Adversary: a blob in a step's state calling bytearray(2**40) (a TiB) or naming a tensor
@@ -352,14 +365,6 @@ def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
     kept = [{1, 2}, frozenset({3}), bytearray(b"ab"), range(4)]
     assert all(MARKER in wrap(value) for value in kept[:2])  # pickled, not state values
     assert [unwrap(wrap(value), weights_only=True) for value in kept] == kept
-
-
-def _global(module: bytes, name: bytes) -> bytes:
-    return b"c" + module + b"\n" + name + b"\n"
-
-
-_RANGE_2_40 = _global(b"builtins", b"range") + b"\x8a\x06" + (1 << 40).to_bytes(6, "little")
-_RANGE_2_40 += b"\x85R"  # range(2**40): lazy, but a consumer of it would not be
 
 
 @pytest.mark.parametrize(
