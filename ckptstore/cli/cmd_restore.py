@@ -230,26 +230,30 @@ def _healthy_step(store: Store, step: int | None) -> int:
     return good[0]
 
 
-def _say_if_unhealthy(store: Store, step: int, health: Any = False) -> None:
+def _say_if_unhealthy(store: Store, step: int, health: Any) -> None:
     """A warning (stderr) where the restored ``step``'s save found it unhealthy (NaN or Inf,
-    as its manifest records; not for a step of unknown health), naming the newest healthy step
-    before it: the operator may not know that ``--healthy`` exists. A note only: the step is
-    restored, so a read that fails here fails nothing."""
+    as its manifest records; not for a step of unknown health, None), naming the newest healthy
+    step before it: the operator may not know that ``--healthy`` exists. A note only: the step
+    is restored, so a read that fails here fails nothing."""
+    if health is None or health["healthy"]:
+        return
     try:
-        if health is False:
-            health = load_manifest(store, step).health
-        if health is None or health["healthy"]:
-            return
         older, _ = find_healthy(store, [s for s in list_steps(store) if s < step], limit=1)
         instead = f"--step {older[0]} (or --healthy)" if older else "none before it is healthy"
     except (CheckpointError, OSError) as exc:
-        if health is False or health is None or health["healthy"]:
-            return
         instead = f"unknown: the steps before it could not be read ({one_line(exc)})"
     print(
         f"warning: {why_not_healthy(step, health)}; the newest healthy step: {instead}",
         file=sys.stderr,
     )
+
+
+def _health_of(store: Store, step: int) -> Any:
+    """``step``'s recorded health (None: unknown, or its manifest could not be read again)."""
+    try:
+        return load_manifest(store, step).health
+    except (CheckpointError, OSError):
+        return None
 
 
 def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> int:
@@ -280,7 +284,7 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
     except (FileExistsError, ValueError) as exc:  # in the words of the command's flags
         message = str(exc).replace("overwrite=True", "--force").replace("only=", "--only ")
         raise UsageError(message) from exc
-    _say_if_unhealthy(store, result.step)
+    _say_if_unhealthy(store, result.step, _health_of(store, result.step))
     if args.json:
         emit_json(result.as_dict())
         return 0

@@ -392,32 +392,34 @@ class _Request:
         if len(set(self.gone)) == n:
             self._missing_everywhere()
         last = self.last_exc
-        if isinstance(last, UnknownFormatError) and len(set(self.tried) | set(self.gone)) == n:
+        asked_all = len(set(self.tried) | set(self.gone)) == n
+        # Bytes that fail their check, or look like another format, on every replica asked
+        # stay so: asking again is no use.
+        settled = asked_all and isinstance(last, (ShardCorruptError, UnknownFormatError))
+        exhausted = self.attempts >= self.reads.config.max_attempts or settled
+        if exhausted or not self.launch():
             stats.add(failed=1)
-            raise last
-        corrupt = isinstance(last, ShardCorruptError)
-        if self.attempts >= self.reads.config.max_attempts or (
-            corrupt and len(set(self.tried) | set(self.gone)) == n
-        ):
-            stats.add(failed=1)
-            if isinstance(last, UnknownFormatError):
-                raise last  # as every replica it was read from held it
-            if corrupt:
-                tried = ", ".join(dict.fromkeys(r.name for r in self.tried))
-                raise ShardCorruptError(
-                    f"{self.what}: no replica holds bytes that verify (tried {tried}); last: {last}"
-                    if n > 1
-                    else str(last)
-                ) from last
-            raise ReadFailedError(
-                f"read {self.what} failed after {self.attempts} attempts: {self._reasons()}"
-            ) from last
-        if not self.launch():
-            stats.add(failed=1)
-            if isinstance(last, UnknownFormatError):
-                raise last
-            raise ReadFailedError(f"read {self.what} failed: {self._reasons()}")
+            raise self._failure(last, n, exhausted)
         stats.add(failovers=1)
+
+    def _failure(self, last: BaseException | None, n: int, exhausted: bool) -> BaseException:
+        if isinstance(last, UnknownFormatError):
+            return last  # as every replica it was read from held it
+        if exhausted and isinstance(last, ShardCorruptError):
+            tried = ", ".join(dict.fromkeys(r.name for r in self.tried))
+            if n == 1:
+                return last
+            error = ShardCorruptError(
+                f"{self.what}: no replica holds bytes that verify (tried {tried}); last: {last}"
+            )
+        elif exhausted:
+            error = ReadFailedError(
+                f"read {self.what} failed after {self.attempts} attempts: {self._reasons()}"
+            )
+        else:
+            return ReadFailedError(f"read {self.what} failed: {self._reasons()}")
+        error.__cause__ = last
+        return error
 
     def _reasons(self) -> str:
         """The last three distinct errors, each once (the same reason from every attempt, no
