@@ -199,6 +199,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._refresher: threading.Thread | None = None
         self._sweeper: ThreadPoolExecutor | None = None
         self._sweeps: list[Future] = []
+        # path -> the pointer this process wrote or loaded there (a regular file then); where
+        # save_last="link" later links over it (os.remove, not through the plugin), the step
+        # it named is unlisted at teardown: nothing names it any more.
+        self._named: dict[str, Pointer] = {}
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -246,6 +250,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._pending[step] = handle
         self._newest = max(self._newest, step)
         pointer = Pointer(self._store_id, step, save_id, global_step)
+        self._named[path] = pointer
         if replaced is None:
             # A new name, written now (Lightning versions names by the files there and may
             # link to it at once), marked pending until the save commits: a kill in between
@@ -285,7 +290,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
             if data is None:
                 state = self._load_step(self.checkpointer, self._labelled(str(path)))
             else:
-                state = self._load_pointer(_pointer.decode(data, str(path)), str(path))
+                pointer = _pointer.decode(data, str(path))
+                state = self._load_pointer(pointer, str(path))
+                if not os.path.islink(path) and pointer.store == self._store_id:
+                    self._named[str(path)] = pointer
         checkpoint = unwrap(
             _map_tensors(state, map_location), weights_only=weights_only is not False
         )
@@ -295,6 +303,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         """Delete the pointer at ``path`` and unlist the step it names: its chunks that no other
         step references are swept by ckptstore's garbage collection in the background."""
         path = str(path)
+        self._named.pop(path, None)
         if os.path.islink(path):  # save_last="link": the file it links to names the step
             os.unlink(path)
             return
@@ -317,6 +326,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         """Wait for every pending save and chunk sweep; raise the first that failed."""
         self._wait_saves()
         self._drop_replaced(block=True)
+        self._drop_linked_over()
         sweeps, self._sweeps = self._sweeps, []
         for sweep in sweeps:
             sweep.result()
@@ -389,6 +399,34 @@ class CkptstoreCheckpointIO(CheckpointIO):
                     "step %d of %s kept: the save after it did not commit", old.step, self.uri
                 )
         self._drops = kept
+
+    def _drop_linked_over(self) -> None:
+        """Unlist the steps of the pointers in ``_named`` that a link to another step's file
+        has replaced, where the step was saved as that very path (a pointer a user copied
+        there names a step another file names too)."""
+        named, self._named = self._named, {}
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return  # every rank loads the pointer; rank 0 saves and drops, as Lightning does
+        for path, pointer in named.items():
+            if not os.path.islink(path):
+                if os.path.isfile(path):
+                    self._named[path] = pointer
+                continue
+            there = self._own_pointer_at(path, quiet=True)
+            if there is None or there.step == pointer.step:
+                continue  # a link to something else, or to nothing: not ours to judge
+            try:
+                saved_as = self._saved_path(pointer.step)
+            except CheckpointNotFoundError:
+                continue  # gone already
+            if os.path.abspath(saved_as) == os.path.abspath(path):
+                logger.info(
+                    "%s now links to step %d: step %d, saved there, is unlisted",
+                    path,
+                    there.step,
+                    pointer.step,
+                )
+                self._drop(pointer)
 
     def _when_done(self, handle: SaveHandle, update: Any) -> None:
         """Run ``update`` once ``handle`` is done, on the thread that finished it; waited for

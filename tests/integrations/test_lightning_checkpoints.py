@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -457,3 +458,41 @@ def test_saves_skipped_as_unhealthy_replace_no_healthy_checkpoint(store, tmp_pat
         assert loaded["global_step"] == 2
     finally:
         io.close()
+
+
+@pytest.mark.parametrize("store", ["local"], indirect=True)
+def test_a_resumed_save_last_link_run_leaves_no_step_unnamed(plugin, tmp_path):
+    """Stop 78's note: with save_last="link", a resumed run that ends before its next top-k
+    save saves last.ckpt in full (a pointer replaces the link); the run resumed from it links
+    last.ckpt to its first top-k file by os.remove, not through the plugin, and the step the
+    pointer named stayed in the store with no file naming it: a checkpoint's space per resume.
+    The plugin that loaded (or wrote) that pointer unlists its step at teardown; a copy of a
+    top-k pointer that a link replaces keeps its step (another file names it)."""
+    ckpts = tmp_path / "ckpts"
+
+    def fit(max_steps: int) -> Recording:
+        io = plugin()
+        resume = str(ckpts / "last.ckpt") if max_steps > 4 else None
+        checkpoint = _every(ckpts, save_top_k=-1, save_last="link")
+        _trainer(io, checkpoint, max_steps=max_steps).fit(BoringModel(), ckpt_path=resume)
+        io.teardown()
+        return io
+
+    fit(4)
+    assert os.readlink(ckpts / "last.ckpt") == "step=4.ckpt"
+    fit(5)  # no top-k save: last.ckpt saved in full, as step 5
+    assert not os.path.islink(ckpts / "last.ckpt")
+    io = fit(6)
+    assert ("save", "step=6.ckpt", 6) in io.take_calls()
+    assert os.readlink(ckpts / "last.ckpt") == "step=6.ckpt"
+    assert sorted(io.steps()) == [2, 4, 6]  # step 5 unlisted: nothing names it
+    copied = plugin()
+    shutil.copy(ckpts / "step=4.ckpt", ckpts / "mine.ckpt")
+    assert copied.load_checkpoint(str(ckpts / "mine.ckpt"))["global_step"] == 4
+    os.remove(ckpts / "mine.ckpt")
+    os.symlink("step=6.ckpt", ckpts / "mine.ckpt")
+    copied.teardown()
+    assert sorted(copied.steps()) == [2, 4, 6]  # step 4 was saved as step=4.ckpt: kept
+    os.remove(ckpts / "mine.ckpt")
+    os.remove(ckpts / "last.ckpt")
+    _pointers(copied, ckpts)
