@@ -324,6 +324,10 @@ class _Decoder:
             raise self.fail(
                 f"planner_data opens {sum(lengths.values())} list slots for {len(state)} items"
             )
+        for fqn in state:  # DCP names each item by its place's keys
+            path = tuple(planner_data.get(fqn, (fqn,)))
+            if ".".join(map(str, path)) != fqn:
+                raise self.fail(f"item {fqn!r} is placed at {path!r:.80}, a place of another name")
 
     def storage(self, fqn: str, meta: Any) -> TensorStorageMetadata | BytesStorageMetadata:
         meta = self.mapping(meta, f"item {fqn!r}")

@@ -193,6 +193,10 @@ def _broadcasts(shape: list[int], to: torch.Size) -> bool:
         return False
 
 
+def _module_or_dict(target: Any) -> bool:
+    return isinstance(target, dict) or (target is not None and is_stateful(target))
+
+
 class _Loader:
     """Two passes over (target, saved tree): ``match`` finds, before any I/O, which saved
     tensor lands in which existing tensor (checking shapes and dtypes); ``build`` then puts
@@ -267,9 +271,17 @@ class _Loader:
 
     def _match_value(self, target: Any, node: Any, path: tuple) -> None:
         """A number, string or bytes of the step replaces what the state holds, unless
-        ``_refuse_replacing`` says otherwise (a None saved, a value not set yet then, replaces
-        it)."""
-        if node is not None:
+        ``_refuse_replacing`` says otherwise. A None saved (a value not set yet then, a best
+        score say) replaces it too, but with ``strict`` not a stateful object or a dict: a
+        model or an optimizer left as it was, its entry set to None, would load nothing
+        without a word."""
+        if node is None:
+            if self.strict and not self._in_stateful and _module_or_dict(target):
+                raise UnsupportedStateError(
+                    f"{path_str(path)}: checkpoint has None (saved before it was set?), state "
+                    f"has {type(target).__name__} (load(..., strict=False) replaces it)"
+                )
+        else:
             saved = f"a {type(decode_scalar(node)).__name__}"
             self._refuse_replacing(target, saved, path, sequences=True)
 

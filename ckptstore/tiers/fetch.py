@@ -110,7 +110,12 @@ class TierFetch:
                 self._warn(exc)
                 if self.forget is not None and isinstance(exc, _PLAIN):
                     missing = isinstance(exc, CheckpointNotFoundError)
-                    then = f"read from {self.durable.uri} instead, and put back where it verifies"
+                    then = (
+                        f"read from {self.durable.uri} instead, and put back where it verifies"
+                        if self.durable_step
+                        else f"looked for by its digest in {self.durable.uri} (the step is not "
+                        "there)"
+                    )
                     self.forget(digest, missing=missing, then=then)  # not referenced by a save
                     heal = True
             else:

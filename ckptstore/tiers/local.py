@@ -507,7 +507,7 @@ class LocalTier:
     def forget_bad_chunk(
         self, digest: str, missing: bool = False, then: str = "the next save writes it again"
     ) -> None:
-        """A chunk of this rank's own store is ``missing`` or failed its hash check: remove it,
+        """A chunk of this rank's own store is ``missing`` or failed its check: remove it,
         so that the next save writes it again instead of referencing it (``take_bad``);
         ``then``: what happens to it next, as the warning says."""
         with self._lock:
@@ -521,7 +521,7 @@ class LocalTier:
             "rank %d: chunk %s of the local tier %s; %s: %s",
             self.rank,
             digest,
-            "is missing" if missing else "failed its hash check",
+            "is missing" if missing else "failed its check",
             "nothing to remove" if missing and what == "removed" else what,
             then,
         )

@@ -567,6 +567,15 @@ DAMAGES = {
         lambda d: d["planner_data"].update({"model.b": {"$tuple": ["model", "w", "x"]}}),
         "inside another item",
     ),
+    # adversary of stop 79: verify said OK, and restore failed with DCP's "Missing key"
+    "a place of another name": (
+        lambda d: d["planner_data"].update({"model.w": {"$tuple": ["x"]}}),
+        "'model.w' is placed at \\('x',\\), a place of another name",
+    ),
+    "a place of a name no item has": (
+        lambda d: d["planner_data"].update({"model.w": {"$tuple": ["model", "v"]}}),
+        "a place of another name",
+    ),
     "an absurd tensor": (
         lambda d: _tensor_doc(d).update(size=[1 << 40, 1 << 40], chunks=[]),
         "2\\*\\*63 bytes",

@@ -198,6 +198,14 @@ def test_refusals_are_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="bad max_shard_size '5 parsecs'"):
         export_safetensors(store, tmp_path / "b", max_shard_size="5 parsecs")
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * MiB
+    # Adversary of stop 79: "tensors 'a.b' and 'a.b' both export as 'a.b'", a usage error
+    dotted = str(tmp_path / "dotted")
+    _save(dotted, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}})
+    with pytest.raises(UnsupportedStateError, match="two tensors of the step are named 'a.b'"):
+        export_safetensors(dotted, tmp_path / "c")
+    with pytest.raises(ValueError, match="tensors 'model.w' and 'w' both export as 'w'"):
+        _save(str(tmp_path / "s2"), {"model": {"w": torch.ones(1)}, "w": torch.ones(1)})
+        export_safetensors(str(tmp_path / "s2"), tmp_path / "d", strip_prefix="model.")
 
 
 def test_non_empty_out_dir_is_refused_unless_overwrite(tmp_path):

@@ -436,7 +436,8 @@ def test_a_number_in_the_step_never_silently_replaces_a_live_object(tmp_path):
     """With ``strict``, a tensor, array or stateful object of the state where the step holds
     a number (or a string, bytes): refused before any write (it kept its old value, unseen,
     while the dict entry became the number). ``strict=False``, or a None saved (a value not
-    set yet, say a best score), replaces it."""
+    set yet, say a best score), replaces it; a None does not replace a stateful object or a
+    dict with ``strict``."""
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(
             1, {"scale": 0.5, "ema": {"decay": 0.99}, "name": "run", "w": torch.ones(2)}
@@ -463,6 +464,16 @@ def test_a_number_in_the_step_never_silently_replaces_a_live_object(tmp_path):
         target = {"best": torch.tensor(0.25), "w": torch.zeros(2)}
         ckpt.load(target, 2)  # a rollback to before a best score was set
         assert target["best"] is None and target["w"].all()
+        # Adversary of stop 79: a model (or a dict) where the step saved None (an EMA made
+        # later; a hostile index's "model": null) loaded nothing, its entry set to None.
+        ckpt.save(3, {"ema": None, "extra": None, "w": torch.ones(2)}).wait()
+        for place, live in [("ema", torch.nn.Linear(2, 2)), ("extra", {"a": torch.zeros(1)})]:
+            target = {"ema": None, "extra": None, "w": torch.zeros(2), place: live}
+            with pytest.raises(UnsupportedStateError, match=f"{place}: checkpoint has None"):
+                ckpt.load(target, 3)
+            assert target[place] is live and not target["w"].any()
+            ckpt.load(target, 3, strict=False)
+            assert target[place] is None and target["w"].all()
 
 
 def test_a_stateful_object_the_state_omits_names_strict_false(tmp_path):

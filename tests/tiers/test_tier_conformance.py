@@ -43,6 +43,7 @@ from ckptstore.codec import hash_bytes
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.dcp import resume as dcp_resume
 from ckptstore.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     DrainSupersededError,
@@ -674,6 +675,32 @@ def _flip_one_chunk(copy: Path, step: int, delete: bool = False) -> int:
     return len(digests)
 
 
+def test_a_bad_chunk_of_a_step_only_the_local_tier_holds_is_not_said_to_be_read_durably(
+    make, tmp_path, caplog
+):
+    """Adversary of stop 79: a bad chunk of step 4, held by the local tier alone, was said to
+    be "read from <durable> instead, and put back", and to have failed its hash check (a
+    decode error too): nothing was read there. The next load falls back to step 3."""
+    front = make(durable_every=2)
+    for step in (1, 2, 3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front.close()
+    (copy,) = (tmp_path / "local").glob("job-*/rank-00000")
+    _flip_one_chunk(copy, 4)
+    target = _blank()
+    front = front.restart()
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    with pytest.raises((CheckpointCorruptError, CheckpointException), match="local tiers only"):
+        front.load(target)  # the state is partly written: a load fails, as without tiers
+    said = [r.getMessage() for r in caplog.records if "of the local tier" in r.getMessage()]
+    target = _blank()
+    step, _ = front.load(target)
+    assert step == 3 and _same(target, _state(3))
+    assert said and all("read from" not in s and "put back" not in s for s in said), said
+    assert "looked for by its digest in" in said[0] and "(the step is not there)" in said[0]
+
+
 @pytest.mark.parametrize("damage", ["flipped", "deleted"])
 def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_storage(
     make, tmp_path, caplog, damage
@@ -698,7 +725,7 @@ def test_a_local_copy_with_one_bad_chunk_reads_that_chunk_alone_from_durable_sto
     if damage == "deleted":
         assert "is missing; nothing to remove" in said[0], said
     else:
-        assert "failed its hash check; removed" in said[0], said
+        assert "failed its check; removed" in said[0], said
     # operator of stop 78: it said "the next save writes it again", though the load put it back
     assert "read from" in said[0] and "put back where it verifies" in said[0], said
     assert step == 1 and _same(target, _state(1))
