@@ -169,8 +169,8 @@ def commit_manifest(store: Store, step: int, data: bytes) -> None:
         )
         return
     raise StepExistsError(
-        f"step {step} is already committed in {store.uri} (by another writer or an "
-        "earlier run); steps are write-once"
+        f"step {step} is already committed in {store.uri} (by an earlier save, this "
+        "writer's or another's); steps are write-once"
     ) from error
 
 

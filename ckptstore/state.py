@@ -279,7 +279,8 @@ class _Loader:
             if self.strict and not self._in_stateful and _module_or_dict(target):
                 raise UnsupportedStateError(
                     f"{path_str(path)}: checkpoint has None (saved before it was set?), state "
-                    f"has {type(target).__name__} (load(..., strict=False) replaces it)"
+                    f"has {type(target).__name__}: to keep it as it is, leave it out of the "
+                    "state for this load (strict=False sets the entry to None)"
                 )
         else:
             saved = f"a {type(decode_scalar(node)).__name__}"

@@ -44,9 +44,9 @@ def _at_exit() -> None:
                     attempt, "its error is in the future dcp.async_save returned"
                 )
                 logger.error(
-                    "rank %d: step %d of %s was not committed: %s",
+                    "rank %d: %s of %s was not committed: %s",
                     writer.rank,
-                    step,
+                    "the next step" if step is None else f"step {step}",
                     writer.store.uri,
                     why,
                 )

@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from ckptstore import telemetry
 from ckptstore._torch_private import (
+    ASYNC_SAVE_THREAD_PREFIX,
     async_save_on_default_group,
     dcp_save_groups,
     dcp_saves_on_this_thread,
@@ -225,7 +226,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self._sessions: dict[str, SaveSession] = {}  # coordinator: by attempt, until its commit
         # Coordinator, by attempt: the step, when it started (its persist time) and the thread
         # that runs it (a save whose thread ended uncommitted is named at exit).
-        self._started: dict[str, tuple[int, float, threading.Thread]] = {}
+        self._started: dict[str, tuple[int | None, float, threading.Thread]] = {}
         self._why_failed: dict[str, str] = {}  # by attempt: a failed save's error, one line
         self._skipped: dict[str, StepHealth] = {}  # tiered saves HealthPolicy skipped, by attempt
         if step is not None:
@@ -410,6 +411,20 @@ class StoreWriter(StorageWriter, PooledStager):
         return dataclasses.replace(plan, storage_data=_DURABLE_ASKED) if asked else plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        step = getattr(self._requested, "step", None)
+        step = self.step if step is None else step
+        try:
+            return self._plan_global(plans)
+        except BaseException as exc:
+            # Refused before it was recorded (a step already committed, a store not reached):
+            # an async_save nobody waits for is still named at exit.
+            if threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
+                attempt = f"unplanned-{uuid.uuid4().hex}"
+                self._started[attempt] = (step, time.perf_counter(), threading.current_thread())
+                self._note_failure(attempt, exc)
+            raise
+
+    def _plan_global(self, plans: list[SavePlan]) -> list[SavePlan]:
         # This save's checkpoint_id step (taken, so a later save that names none on this
         # thread does not inherit it), else the writer's fixed step, else the next free one.
         step = getattr(self._requested, "step", None)

@@ -100,7 +100,12 @@ class _Resolved:
         self.name, self.call = name, call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(*args, **kwargs)
+        try:
+            return self.call(*args, **kwargs)
+        except (CheckpointError, MemoryError, RecursionError):
+            raise
+        except Exception as exc:  # arguments no save writes: complex(range(...)), say
+            raise _crafted(exc) from exc
 
     def __setstate__(self, state: Any) -> None:
         raise UnsupportedStateError(f"a pickled value sets attributes of {self.name}: refused")
@@ -222,13 +227,26 @@ def _unpickle(data: bytes, tensors: list, *, weights_only: bool) -> Any:
     except (CheckpointError, MemoryError, RecursionError):
         raise
     except Exception as exc:
-        if not weights_only:  # trusted: the user's own classes fail as they do
+        # Raised by the unpickler itself (a stream cut short, a call of a number): the bytes
+        # are no pickle this version wrote. Raised in code it called (a user's own class
+        # added with add_safe_globals, say): that code's error, as it is.
+        if not weights_only or _innermost_code(exc) is not _unpickle.__code__:
             raise
-        # A crafted pickle calling a safe constructor with wrong arguments, or cut short.
-        raise CheckpointCorruptError(
-            f"a pickled value in the checkpoint does not load with weights_only=True "
-            f"({type(exc).__name__}: {str(exc)[:200]})"
-        ) from exc
+        raise _crafted(exc) from exc
+
+
+def _crafted(exc: BaseException) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"a pickled value in the checkpoint does not load with weights_only=True "
+        f"({type(exc).__name__}: {str(exc)[:200]})"
+    )
+
+
+def _innermost_code(exc: BaseException) -> Any:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return None if tb is None else tb.tb_frame.f_code
 
 
 # What a torch.utils.data / torchdata loader's pickled state_dict names beside plain values: a

@@ -419,7 +419,12 @@ class CkptstoreCheckpointIO(CheckpointIO):
                 saved_as = self._saved_path(pointer.step)
             except CheckpointNotFoundError:
                 continue  # gone already
-            if os.path.abspath(saved_as) == os.path.abspath(path):
+            if os.path.abspath(saved_as) != os.path.abspath(path):
+                continue
+            elsewhere = _file_naming(pointer, os.path.dirname(os.path.abspath(path)))
+            if elsewhere is not None:  # moved or copied there: the step is still named
+                logger.info("step %d kept: %s names it", pointer.step, elsewhere)
+            else:
                 logger.info(
                     "%s now links to step %d: step %d, saved there, is unlisted",
                     path,
@@ -640,6 +645,35 @@ class CkptstoreCheckpointIO(CheckpointIO):
         steps = list_steps(self.checkpointer.store)
         more = f" and {len(steps) - shown} older" if len(steps) > shown else ""
         return (", ".join(map(str, steps[::-1][:shown])) + more) or "none"
+
+
+def _file_naming(pointer: Pointer, directory: str) -> str | None:
+    """A regular file in ``directory`` holding a pointer to ``pointer``'s save (a user moved or
+    copied the pointer there), if any."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return directory  # not known: as if named
+    for entry in entries:
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_size > _pointer.MAX_BYTES:
+                continue
+            with open(entry.path, "rb") as f:
+                data = f.read(_pointer.MAX_BYTES + 1)
+            if not _pointer.is_pointer(data):
+                continue
+            there = _pointer.decode(data, entry.path)
+        except (OSError, CheckpointCorruptError):
+            continue
+        if (there.store, there.step, there.save_id) == (
+            pointer.store,
+            pointer.step,
+            pointer.save_id,
+        ):
+            return entry.path
+    return None
 
 
 def _torch_checkpoint(path: Any, map_location: Any, weights_only: bool | None) -> dict[str, Any]:

@@ -103,6 +103,8 @@ class Store:
         uri = os.fspath(uri)
         if not uri:
             raise ValueError("store URI is empty")
+        if uri != uri.strip():  # another store than the one meant, made without a word
+            raise ValueError(f"store URI {uri!r} begins or ends with whitespace: strip it")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not 0 <= thread_nice <= 19:

@@ -541,6 +541,37 @@ def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]  # a scheduler does not read it as a success
 
 
+@pytest.mark.parametrize("step", [5, None])
+def test_an_async_save_refused_as_it_plans_unwaited_is_named_at_exit(tmp_path, step):
+    """DCP user of stop 79: a save refused before it was recorded (its step already
+    committed; with no step, a store it cannot list) exited 0 in silence."""
+    uri = str(tmp_path / "s")
+    dcp.save({"w": torch.ones(10)}, storage_writer=StoreWriter(uri), checkpoint_id=5)
+    script = f"""
+        import torch, warnings
+        import torch.distributed.checkpoint as dcp
+        import ckptstore.dcp.writer as writer_module
+        from ckptstore.dcp import StoreWriter
+        from ckptstore.errors import StorageError
+        warnings.simplefilter("ignore")
+        def refuse(store):
+            raise StorageError("injected: the listing is refused")
+        if {step!r} is None:
+            writer_module.list_steps = refuse
+        options = {{}} if {step!r} is None else {{"checkpoint_id": {step!r}}}
+        dcp.async_save({{"w": torch.ones(10)}}, storage_writer=StoreWriter({uri!r}), **options)
+        print("RETURNED", flush=True)
+        """
+    done = run_child(script, CHILD_TIMEOUT_S)
+    assert "RETURNED" in done.stdout, done.stderr[-2000:]
+    which = "the next step" if step is None else "step 5"
+    line = next(x for x in done.stderr.splitlines() if f"rank 0: {which} of {uri}" in x)
+    why = "injected: the listing is refused" if step is None else "step 5 is already committed"
+    assert "was not committed" in line and why in line, line
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert list_steps(Store(uri)) == [5]
+
+
 def test_a_chunk_damaged_since_the_last_save_is_written_again_by_the_next(tmp_path):
     """A reviewer's (HIGH), through DCP: a frozen tensor's chunk damaged where it lies was
     referenced by every later save; a save that reads it back (``recheck_every=1``) writes it

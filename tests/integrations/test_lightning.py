@@ -367,6 +367,33 @@ def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
     assert [unwrap(wrap(value), weights_only=True) for value in kept] == kept
 
 
+class _MovedOn:
+    """A user's class allowed with add_safe_globals whose __setstate__ refuses an old state."""
+
+    refuse = False
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def __setstate__(self, state: dict) -> None:
+        if _MovedOn.refuse:
+            raise ValueError(f"DataConfig {state['version']} is too old")
+        self.__dict__.update(state)
+
+
+def test_a_safe_global_of_the_users_own_raising_is_not_called_corrupt(monkeypatch):
+    """Adversary of stop 79's fix: the user's own class (allowed with add_safe_globals, as the
+    refusal advises) raising in __setstate__ was reported as CheckpointCorruptError, the bytes
+    intact: its own error goes to the user, as with weights_only=False."""
+    marker = wrap(_MovedOn("v1"))
+    with torch.serialization.safe_globals([_MovedOn]):
+        assert unwrap(marker, weights_only=True).version == "v1"
+        monkeypatch.setattr(_MovedOn, "refuse", True)
+        with pytest.raises(ValueError, match="DataConfig v1 is too old") as info:
+            unwrap(marker, weights_only=True)
+        assert not isinstance(info.value, CheckpointCorruptError)
+
+
 @pytest.mark.parametrize(
     ("blob", "error"),
     [

@@ -466,19 +466,20 @@ def test_a_resumed_save_last_link_run_leaves_no_step_unnamed(plugin, tmp_path):
     save saves last.ckpt in full (a pointer replaces the link); the run resumed from it links
     last.ckpt to its first top-k file by os.remove, not through the plugin, and the step the
     pointer named stayed in the store with no file naming it: a checkpoint's space per resume.
-    The plugin that loaded (or wrote) that pointer unlists its step at teardown; a copy of a
-    top-k pointer that a link replaces keeps its step (another file names it)."""
+    The plugin that loaded (or wrote) that pointer unlists its step at teardown, unless a file
+    beside it names that save (a user copied or moved the pointer: the adversary of the fix
+    lost both); a pointer copied elsewhere that a link replaces keeps its step too."""
     ckpts = tmp_path / "ckpts"
 
-    def fit(max_steps: int) -> Recording:
+    def fit(max_steps: int, resume: str | None = "last.ckpt") -> Recording:
         io = plugin()
-        resume = str(ckpts / "last.ckpt") if max_steps > 4 else None
         checkpoint = _every(ckpts, save_top_k=-1, save_last="link")
-        _trainer(io, checkpoint, max_steps=max_steps).fit(BoringModel(), ckpt_path=resume)
+        path = str(ckpts / resume) if resume else None
+        _trainer(io, checkpoint, max_steps=max_steps).fit(BoringModel(), ckpt_path=path)
         io.teardown()
         return io
 
-    fit(4)
+    fit(4, resume=None)
     assert os.readlink(ckpts / "last.ckpt") == "step=4.ckpt"
     fit(5)  # no top-k save: last.ckpt saved in full, as step 5
     assert not os.path.islink(ckpts / "last.ckpt")
@@ -486,13 +487,22 @@ def test_a_resumed_save_last_link_run_leaves_no_step_unnamed(plugin, tmp_path):
     assert ("save", "step=6.ckpt", 6) in io.take_calls()
     assert os.readlink(ckpts / "last.ckpt") == "step=6.ckpt"
     assert sorted(io.steps()) == [2, 4, 6]  # step 5 unlisted: nothing names it
+    fit(7)  # last.ckpt in full again, as step 7; the user keeps a copy of it
+    shutil.copy(ckpts / "last.ckpt", ckpts / "backup.ckpt")
+    io = fit(8)
+    assert os.readlink(ckpts / "last.ckpt") == "step=8.ckpt"
+    assert sorted(io.steps()) == [2, 4, 6, 7, 8]
+    assert io.load_checkpoint(str(ckpts / "backup.ckpt"))["global_step"] == 7
+    fit(9)  # and moves this one away before resuming from it
+    os.rename(ckpts / "last.ckpt", ckpts / "mine.ckpt")
+    io = fit(10, resume="mine.ckpt")
+    assert sorted(io.steps()) == [2, 4, 6, 7, 8, 9, 10]
+    assert io.load_checkpoint(str(ckpts / "mine.ckpt"))["global_step"] == 9
     copied = plugin()
-    shutil.copy(ckpts / "step=4.ckpt", ckpts / "mine.ckpt")
-    assert copied.load_checkpoint(str(ckpts / "mine.ckpt"))["global_step"] == 4
-    os.remove(ckpts / "mine.ckpt")
-    os.symlink("step=6.ckpt", ckpts / "mine.ckpt")
+    shutil.copy(ckpts / "step=4.ckpt", tmp_path / "elsewhere.ckpt")
+    os.rename(tmp_path / "elsewhere.ckpt", ckpts / "copy4.ckpt")
+    assert copied.load_checkpoint(str(ckpts / "copy4.ckpt"))["global_step"] == 4
+    os.remove(ckpts / "copy4.ckpt")
+    os.symlink("step=6.ckpt", ckpts / "copy4.ckpt")
     copied.teardown()
-    assert sorted(copied.steps()) == [2, 4, 6]  # step 4 was saved as step=4.ckpt: kept
-    os.remove(ckpts / "mine.ckpt")
-    os.remove(ckpts / "last.ckpt")
-    _pointers(copied, ckpts)
+    assert sorted(copied.steps()) == [2, 4, 6, 7, 8, 9, 10]  # saved as step=4.ckpt: kept

@@ -283,6 +283,15 @@ def test_unknown_scheme_is_a_clear_error():
         Store("nosuch://x")
 
 
+def test_a_uri_with_whitespace_around_it_is_refused(tmp_path):
+    """DCP user of stop 79: StoreWriter("…/run ") saved into a store named with the space, and
+    the next job's reader of "…/run" found nothing to resume."""
+    for uri in (f"{tmp_path}/run ", " s3://bucket/run", "s3://bucket/run\n"):
+        with pytest.raises(ValueError, match="begins or ends with whitespace: strip it"):
+            Store(uri)
+    assert not os.path.exists(f"{tmp_path}/run ")
+
+
 def test_missing_bucket_is_a_clear_error(s3_endpoint):
     store = Store("s3://no-such-bucket-ckptstore/x", retry=RetryPolicy(attempts=1))
     with pytest.raises(StorageError):

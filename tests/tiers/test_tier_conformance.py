@@ -1022,6 +1022,27 @@ def test_a_resumed_job_saves_a_step_again_over_the_copy_it_left(make, tmp_path):
     assert step == 4 and _same(target, _state(104)), report.source
 
 
+def test_a_load_of_an_older_step_through_another_object_keeps_this_process_copies(make, tmp_path):
+    """Durability adversary of stop 79: one process saved steps 1-6 (2-6 local only, wait()
+    returned), another object of it loaded step 3 (an evaluation), and the next save, step 7,
+    by a third object unlisted steps 4-6 for good (kept only the saving object's own
+    steps). Steps this process committed below the step saved stay; a restart within the
+    process that saves step 4 again still unlists the old 4-6 (the test above)."""
+    front = make(durable_every=10, local_keep_last=10)
+    for step in range(1, 7):
+        front.save(step, _state(step))
+    front.wait_durable()
+    evaluation = front.restart()
+    assert evaluation.load(_blank(), 3)[0] == 3
+    later = evaluation.restart()
+    later.save(7, _state(7))
+    later.wait_durable()
+    for step in (4, 5, 6, 7):
+        target = _blank()
+        assert later.load(target, step)[0] == step and _same(target, _state(step)), step
+    later.close()
+
+
 def test_a_save_of_a_step_the_durable_store_holds_is_refused(make, tmp_path):
     """A rollback (load step 1 of 1..3, train, save 2 and 3 again): the Checkpointer committed
     them to the local tier, wait() returned, and the restart loaded the abandoned run's durable
