@@ -499,9 +499,12 @@ def _sweep(
     lease.check()
     if chunk_victims or victims or temporaries:
         lease.mark_deleting()
-    sizes = [n for n in store.map(_delete_sized(store, lease), chunk_victims) if n is not None]
+    # drain: a sweep stopped (an error, SIGTERM) ends its running deletes before the lease
+    # goes, or a save starting then could find a chunk that one of them deletes a moment later.
+    deleting = store.map(_delete_sized(store, lease), chunk_victims, drain=True)
+    sizes = [n for n in deleting if n is not None]
     report.deleted_chunks, report.deleted_chunk_bytes = len(sizes), sum(sizes)
-    list(store.map(_checked_delete(store, lease), victims + temporaries))
+    list(store.map(_checked_delete(store, lease), victims + temporaries, drain=True))
     delete_stale(store, stale_leases)
     delete_stale(store, [g for g in find_leases(store, GC, now) if not g.live])
 

@@ -896,3 +896,45 @@ def test_gc_counts_only_the_chunks_it_deleted(tmp_path):
     assert report.deleted_steps == [1] and len(gone) == 1
     sizes = [size(k) for k in store.list("chunks")]  # step 2's, kept
     assert report.deleted_chunks == 3 and report.deleted_chunk_bytes == sum(sizes[:3])
+
+
+def test_a_sweep_stopped_mid_way_ends_its_running_deletes_before_its_lease_goes(tmp_path):
+    """Durability adversary of stop 79: a gc stopped mid-sweep (SIGTERM raises SystemExit in
+    it) released its lease while the deletes already running went on: a save starting then
+    could find a chunk stored that one of them deleted a moment later. The lease goes only
+    once they have ended."""
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=4096, compression="none")) as c:
+        for step in (1, 2):  # 4 distinct chunks each
+            c.save(step, {"w": torch.arange(4096, dtype=torch.float32) + 4096 * step}).wait()
+    store = Store(uri)
+    delete, release = store.delete, Lease.release
+    events: list[str] = []
+    running, go = threading.Event(), threading.Event()
+
+    def slow_or_stopped(key):
+        if not key.startswith("chunks/"):
+            return delete(key)
+        if not running.is_set():  # the first chunk's delete runs on while the sweep stops
+            running.set()
+            assert go.wait(60)
+            delete(key)
+            events.append("delete ended")
+            return None
+        assert running.wait(60)
+        threading.Timer(0.3, go.set).start()
+        raise SystemExit("SIGTERM")
+
+    def noted_release(self):
+        if self.kind == GC:
+            events.append("gc lease released")
+        release(self)
+
+    store.delete = slow_or_stopped
+    Lease.release = noted_release
+    try:
+        with pytest.raises(SystemExit):
+            collect(store, keep_last=1)
+    finally:
+        Lease.release = release
+    assert events == ["delete ended", "gc lease released"], events
