@@ -355,7 +355,11 @@ def check_chunks(
 class _Silence:
     """Reads of one check that got no answer in time, in a row: after ``limit`` of them the
     store is taken to have stopped answering, and later reads are skipped (:meth:`skip`) but
-    for one in ``limit``, a probe: an answer to it reads on."""
+    for one in ``limit``, a probe: an answer to it reads on. After ``PROBES`` probes in a row
+    got none, no more: the probes wait one after another, and a check of thousands of chunks
+    would last as long as the store's silence, whatever the timeout."""
+
+    PROBES = 3
 
     def __init__(self, limit: int) -> None:
         self.limit = max(3, limit)
@@ -378,7 +382,7 @@ class _Silence:
             if self._in_a_row < self.limit:
                 return None
             self._skipped += 1
-            if self._skipped % self.limit == 0:
+            if self._skipped % self.limit == 0 and self._in_a_row < self.limit + self.PROBES:
                 return None  # a probe
             return StorageTimeoutError(
                 f"not read: the store stopped answering ({self._in_a_row} reads in a row got "

@@ -207,6 +207,26 @@ def test_verify_stops_reading_chunks_of_a_store_that_stopped_answering():
     assert len(skipped) >= 20 and len(waited) + len(skipped) == 40, (len(waited), len(skipped))
 
 
+def test_verify_of_many_chunks_of_a_silent_store_waits_for_a_few_probes_only():
+    """SeaweedFS operator of stop 79: ``verify --timeout 5`` of a frozen server probed one
+    chunk in 8 for as long as chunks were left, one timeout after another: 480 chunks lasted
+    as long as the freeze (hours for a large step). Three probes in a row unanswered end it."""
+    from ckptstore._inspect import check_chunks
+    from ckptstore.format import ChunkInfo
+
+    faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
+    policy = RetryPolicy(attempts=1, timeout_s=0.1, base_delay_s=0.001)
+    store = with_faults(Store("memory://hang-many", retry=policy), faults)
+    chunks = {f"{i:032x}": ChunkInfo(8, 8) for i in range(400)}
+    try:
+        errors = [e for _, e in check_chunks(store, chunks, read_concurrency=4)]
+    finally:
+        faults.release()
+    waited = [e for e in errors if "the store stopped answering" not in str(e)]
+    assert len(errors) == 400 and all(isinstance(e, StorageTimeoutError) for e in errors)
+    assert len(waited) <= 2 * 4 + 3, len(waited)  # a window or two in flight, then 3 probes
+
+
 def test_verify_reads_on_once_a_store_that_stopped_answering_answers_a_probe():
     """A reviewer: after the reads that timed out, every later chunk was given up for good,
     even with the store answering again (and with one read at a time, after one timeout)."""
