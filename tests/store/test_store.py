@@ -186,22 +186,29 @@ def test_hung_request_hits_deadline():
     assert store.get("k") == b"v"  # released: no more hangs
 
 
-def test_verify_stops_reading_chunks_of_a_store_that_stopped_answering():
-    """A reviewer: ``ckptstore verify`` of a server stopped partway through let every chunk
-    read wait out its own timeout, 8 at a time (minutes at the default): once a window of reads
-    in a row got no answer, the rest are unreadable at once."""
+def _check_silent_store(name: str, chunks: int, timeout_s: float) -> list[BaseException]:
+    """The errors ``check_chunks`` gives for ``chunks`` chunks, 4 read at a time, of a store
+    whose every get hangs."""
     from ckptstore._inspect import check_chunks
     from ckptstore.format import ChunkInfo
 
     faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
-    policy = RetryPolicy(attempts=1, timeout_s=0.2, base_delay_s=0.001)
-    store = with_faults(Store("memory://hang-verify", retry=policy), faults)
-    chunks = {f"{i:032x}": ChunkInfo(8, 8) for i in range(40)}
+    policy = RetryPolicy(attempts=1, timeout_s=timeout_s, base_delay_s=0.001)
+    store = with_faults(Store(f"memory://{name}", retry=policy), faults)
+    infos = {f"{i:032x}": ChunkInfo(8, 8) for i in range(chunks)}
     try:
-        errors = [e for _, e in check_chunks(store, chunks, read_concurrency=4)]
+        errors = [e for _, e in check_chunks(store, infos, read_concurrency=4)]
     finally:
         faults.release()
-    assert all(isinstance(e, StorageTimeoutError) for e in errors), errors
+    assert len(errors) == chunks and all(isinstance(e, StorageTimeoutError) for e in errors)
+    return errors
+
+
+def test_verify_stops_reading_chunks_of_a_store_that_stopped_answering():
+    """A reviewer: ``ckptstore verify`` of a server stopped partway through let every chunk
+    read wait out its own timeout, 8 at a time (minutes at the default): once a window of reads
+    in a row got no answer, the rest are unreadable at once."""
+    errors = _check_silent_store("hang-verify", 40, 0.2)
     skipped = [e for e in errors if "the store stopped answering" in str(e)]
     waited = [e for e in errors if e not in skipped and "no answer within" in str(e)]
     assert len(skipped) >= 20 and len(waited) + len(skipped) == 40, (len(waited), len(skipped))
@@ -211,19 +218,8 @@ def test_verify_of_many_chunks_of_a_silent_store_waits_for_a_few_probes_only():
     """SeaweedFS operator of stop 79: ``verify --timeout 5`` of a frozen server probed one
     chunk in 8 for as long as chunks were left, one timeout after another: 480 chunks lasted
     as long as the freeze (hours for a large step). Three probes in a row unanswered end it."""
-    from ckptstore._inspect import check_chunks
-    from ckptstore.format import ChunkInfo
-
-    faults = Faults(hang_rate=1.0, ops=frozenset({"get"}))
-    policy = RetryPolicy(attempts=1, timeout_s=0.1, base_delay_s=0.001)
-    store = with_faults(Store("memory://hang-many", retry=policy), faults)
-    chunks = {f"{i:032x}": ChunkInfo(8, 8) for i in range(400)}
-    try:
-        errors = [e for _, e in check_chunks(store, chunks, read_concurrency=4)]
-    finally:
-        faults.release()
+    errors = _check_silent_store("hang-many", 400, 0.1)
     waited = [e for e in errors if "the store stopped answering" not in str(e)]
-    assert len(errors) == 400 and all(isinstance(e, StorageTimeoutError) for e in errors)
     assert len(waited) <= 2 * 4 + 3, len(waited)  # a window or two in flight, then 3 probes
 
 
