@@ -117,7 +117,7 @@ def _open_naming_the_step_before(store: Store, step: int | None) -> StepView:
         before = _before_the_failed(store, step)
         if before is None:
             raise
-        raise CheckpointCorruptError(f"{exc}; the step before it: --step {before}") from exc
+        raise CheckpointCorruptError(f"{exc}{_hint(store, before)}") from exc
 
 
 def _before_the_failed(store: Store, step: int | None) -> int | None:
@@ -128,6 +128,15 @@ def _before_the_failed(store: Store, step: int | None) -> int | None:
 
 
 HINT_TRIES = 16
+
+
+def _hint(store: Store, before: int) -> str:
+    """What to try next: only its manifest was read (the SeaweedFS operator of stop 79 was
+    sent to a step missing a chunk too)."""
+    return (
+        f"; the step before it: --step {before} (not verified: `ckptstore verify {store.uri} "
+        "--all` finds the newest step whose every byte checks)"
+    )
 
 
 def _readable_step_before(store: Store, step: int) -> int | None:
@@ -175,7 +184,7 @@ def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:
         return view.load_plain(on_chunk=advance)
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
         before = _readable_step_before(store, view.step)
-        hint = f"; the step before it: --step {before}" if before is not None else ""
+        hint = _hint(store, before) if before is not None else ""
         raise CheckpointError(f"step {view.step} cannot be restored: {exc}{hint}") from exc
 
 
@@ -276,9 +285,7 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
         if before is None or "the step before it" in str(exc) or "removed while" in str(exc):
             raise
         kind = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else None
-        raise (kind or CheckpointCorruptError)(
-            f"{exc}; the step before it: --step {before}"
-        ) from exc
+        raise (kind or CheckpointCorruptError)(f"{exc}{_hint(store, before)}") from exc
     except CheckpointError:
         raise  # other checkpoint errors (a ValueError too): exit 1, not a usage error
     except (FileExistsError, ValueError) as exc:  # in the words of the command's flags

@@ -413,11 +413,13 @@ def test_a_plain_manifest_with_blank_tabbed_lines_and_indented_comments_reads(tm
 def test_hash_blocks_larger_than_a_read_are_read_once_not_per_read(tmp_path, caplog):
     """Loader adversary of stop 78: a manifest's hash blocks larger than ``read_bytes`` made
     every read take its whole block: a file read 16 times over (on S3, all traffic). A read
-    then spans a block (said in one warning): under two reads' worth of each block."""
+    then spans a block (said once, at INFO: nothing to fix; the SeaweedFS operator of stop 79
+    read it as a problem on every run of the example): under two reads' worth of each block."""
     (root,) = _write([tmp_path / "r0"], block=8000)  # 4x the 2,048 read_bytes
-    with caplog.at_level(logging.WARNING, logger="loaders"):
+    with caplog.at_level(logging.INFO, logger="loaders"):
         ds = ShardDataset(root, _fmt(), config=IN_ORDER)
-    assert len(_warned(caplog, "hash blocks of 8000 bytes are larger")) == 1
+    said = [r for r in caplog.records if "hash blocks of 8000 bytes are larger" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
     assert _check_batches(ds) == list(range(3 * 300))
     read = ds.metrics()["replicas"][root]["bytes"]
     assert read < 2 * 3 * FILE_TOKENS * 2, read  # uint16: each file is FILE_TOKENS * 2 bytes

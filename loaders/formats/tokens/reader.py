@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # The most reads (units) a dataset of token files is cut into: 32 TiB at the default read_bytes.
 MAX_READS = 1 << 23
+BIG_BLOCK_BYTES = 64 << 20  # a manifest hash block read whole above this is worth a warning
 
 LLMC_HEADER_BYTES = 1024
 # llm.c's dev/data/data_common.py: GPT-2 files hold uint16 tokens, Llama 3 files uint32.
@@ -192,7 +193,10 @@ class TokenFiles:
             # Each read takes the whole hash blocks its samples lie in: reads of read_bytes
             # would each read a block (block / read_bytes times the data). A read spans a block.
             per_unit = max(per_unit, block // sample_bytes)
-            logger.warning(
+            # Said at INFO: nothing to fix (the example's own corpus reads so); a block past
+            # BIG_BLOCK_BYTES held per read in flight is memory a user should hear of.
+            logger.log(
+                logging.WARNING if block > BIG_BLOCK_BYTES else logging.INFO,
                 "token manifest's hash blocks of %d bytes are larger than TokenFiles.read_bytes"
                 "=%d: each read takes about a block (%d bytes, in memory while it is checked)",
                 block,
