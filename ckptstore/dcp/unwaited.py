@@ -44,7 +44,7 @@ def _at_exit() -> None:
                     attempt, "its error is in the future dcp.async_save returned"
                 )
                 logger.error(
-                    "rank %d: %s of %s was not committed: %s",
+                    "rank %d: dcp.async_save of %s to %s failed: %s",
                     writer.rank,
                     "the next step" if step is None else f"step {step}",
                     writer.store.uri,

@@ -413,14 +413,16 @@ class StoreWriter(StorageWriter, PooledStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         step = getattr(self._requested, "step", None)
         step = self.step if step is None else step
+        recorded = set(self._started)
         try:
             return self._plan_global(plans)
         except BaseException as exc:
             # Refused before it was recorded (a step already committed, a store not reached):
             # an async_save nobody waits for is still named at exit.
-            if threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
+            thread = threading.current_thread()
+            if thread.name.startswith(ASYNC_SAVE_THREAD_PREFIX) and set(self._started) <= recorded:
                 attempt = f"unplanned-{uuid.uuid4().hex}"
-                self._started[attempt] = (step, time.perf_counter(), threading.current_thread())
+                self._started[attempt] = (step, time.perf_counter(), thread)
                 self._note_failure(attempt, exc)
             raise
 

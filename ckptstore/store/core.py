@@ -552,9 +552,9 @@ class Store:
             for item in items:
                 pending.append(self._callers.submit(fn, item))
                 if len(pending) >= window:
-                    yield pending.pop(0).result()
+                    yield _oldest(pending)
             while pending:
-                yield pending.pop(0).result()
+                yield _oldest(pending)
         finally:
             running = [future for future in pending if not future.cancel()]
             if drain:
@@ -563,6 +563,14 @@ class Store:
     def check_reachable(self) -> None:
         """Raise a clear error now if the store cannot be listed (bad bucket, credentials)."""
         self.list("")
+
+
+def _oldest(pending: list[Future[R]]) -> R:
+    """The oldest call's result, taken off ``pending`` once it has ended: a wait interrupted
+    (SIGTERM's SystemExit, Ctrl-C) leaves it there for ``map`` to drain."""
+    result = pending[0].result()
+    pending.pop(0)
+    return result
 
 
 def _error_kind(exc: BaseException) -> str:

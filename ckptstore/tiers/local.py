@@ -48,9 +48,8 @@ logger = logging.getLogger(__name__)
 DIR_TOKEN = "dir-token"  # in a job directory: the same for every process that shares the disk
 
 _COMMITTED: dict[str, list[int]] = {}
-"""By a rank's own copies directory: the steps this process committed there, oldest first, the
-newest ``_COMMITTED_KEPT`` of them (either front-end, whatever objects made the saves)."""
-_COMMITTED_KEPT = 4096  # far more than any local tier keeps copies of
+"""By a rank's own copies directory: the last two steps this process committed there (either
+front-end, whatever objects made the saves)."""
 _OTHER_WORLD_SAID: set[tuple[str, Any]] = set()
 _RESUMED: dict[str, int] = {}
 _RESUME_TOKENS: dict[str, str] = {}  # by rank dir: the resume this process's copies descend from
@@ -134,15 +133,10 @@ class LocalTier:
     def note_committed(self, step: int) -> None:
         """This process committed its copy of ``step`` (``last_two_committed``)."""
         key = str(self.rank_dir(self.rank))
-        _COMMITTED[key] = [*_COMMITTED.get(key, []), step][-_COMMITTED_KEPT:]
+        _COMMITTED[key] = [*_COMMITTED.get(key, []), step][-2:]
 
     def last_two_committed(self) -> list[int]:
-        return list(_COMMITTED.get(str(self.rank_dir(self.rank)), []))[-2:]
-
-    def committed_here(self) -> set[int]:
-        """The steps this process committed to this rank's copies, through any object: a load
-        of an older step by another Checkpointer (an evaluation) leaves them this job's."""
-        return set(_COMMITTED.get(str(self.rank_dir(self.rank)), []))
+        return list(_COMMITTED.get(str(self.rank_dir(self.rank)), []))
 
     @classmethod
     def open(

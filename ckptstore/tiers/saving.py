@@ -106,9 +106,8 @@ class TierSaver:
     def drop_stale(self, step: int) -> None:
         """At the first save after a load of step L in this process (either front-end): the
         copies of steps after L, and of ``step`` and later, that this process did not commit
-        (a run the job left: any world size), nor committed, through another object, below
-        ``step``, are unlisted in this rank's store and its wards'; the resumed job saves
-        those step numbers again, as other saves. A process
+        (a run the job left: any world size) are unlisted in this rank's store and its
+        wards'; the resumed job saves those step numbers again, as other saves. A process
         that loaded nothing unlists nothing (another process's copies stay). A step still to
         be drained is kept. The lowest rank sharing this node's job directory also unlists
         those steps in the stores of ranks the node no longer keeps."""
@@ -116,11 +115,9 @@ class TierSaver:
         if resumed is None:
             return
         floor = min(step, resumed + 1)
-        # This process's copies below the step saved, through any object, are not a run the
-        # job left (another Checkpointer's load of an older step, an evaluation); those at or
-        # above it are, where a restart within the process went back (it saves them again).
-        here = {s for s in self.local.committed_here() if s < step}
-        keep = self.committed | here | set(self.local.to_drain())
+        # Only the saving object's own: a new object saving after a load of an older step (a
+        # restart within the process) is a rollback, whatever objects committed the copies.
+        keep = self.committed | set(self.local.to_drain())
         for ward in self.wards():
             if self.local.rank_dir(ward).is_dir():
                 self._unlist(self.local.store(ward), floor, keep, f"rank {ward}'s local copies")

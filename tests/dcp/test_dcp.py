@@ -534,7 +534,7 @@ def test_an_async_save_that_fails_unwaited_is_named_at_exit(tmp_path):
         """
     done = run_child(script, CHILD_TIMEOUT_S)
     assert "RETURNED" in done.stdout, done.stderr[-2000:]
-    said = f"rank 0: step 5 of {tmp_path / 's'} was not committed: "
+    said = f"rank 0: dcp.async_save of step 5 to {tmp_path / 's'} failed: "
     assert said in done.stderr, done.stderr[-2000:]
     line = next(x for x in done.stderr.splitlines() if said in x)
     assert "injected: the store refuses every put" in line, line  # why, not only where
@@ -565,9 +565,11 @@ def test_an_async_save_refused_as_it_plans_unwaited_is_named_at_exit(tmp_path, s
     done = run_child(script, CHILD_TIMEOUT_S)
     assert "RETURNED" in done.stdout, done.stderr[-2000:]
     which = "the next step" if step is None else "step 5"
-    line = next(x for x in done.stderr.splitlines() if f"rank 0: {which} of {uri}" in x)
+    said = [x for x in done.stderr.splitlines() if f"rank 0: dcp.async_save of {which} to" in x]
+    assert len(said) == 1, done.stderr[-2000:]  # named once
+    line = said[0]
     why = "injected: the listing is refused" if step is None else "step 5 is already committed"
-    assert "was not committed" in line and why in line, line
+    assert f"to {uri} failed: " in line and why in line, line
     assert done.returncode == 1, done.stderr[-2000:]
     assert list_steps(Store(uri)) == [5]
 

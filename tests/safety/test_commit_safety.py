@@ -898,11 +898,13 @@ def test_gc_counts_only_the_chunks_it_deleted(tmp_path):
     assert report.deleted_chunks == 3 and report.deleted_chunk_bytes == sum(sizes[:3])
 
 
-def test_a_sweep_stopped_mid_way_ends_its_running_deletes_before_its_lease_goes(tmp_path):
+@pytest.mark.parametrize("stop", ["a delete raises", "the wait is interrupted"])
+def test_a_sweep_stopped_mid_way_ends_its_running_deletes_before_its_lease_goes(tmp_path, stop):
     """Durability adversary of stop 79: a gc stopped mid-sweep (SIGTERM raises SystemExit in
     it) released its lease while the deletes already running went on: a save starting then
     could find a chunk stored that one of them deleted a moment later. The lease goes only
-    once they have ended."""
+    once they have ended, the one whose answer the sweep was waiting for included (the fix's
+    adversary: Store.map took it off its list before the wait)."""
     uri = str(tmp_path / "store")
     with Checkpointer(uri, encoding=EncodingOptions(chunk_bytes=4096, compression="none")) as c:
         for step in (1, 2):  # 4 distinct chunks each
@@ -921,6 +923,8 @@ def test_a_sweep_stopped_mid_way_ends_its_running_deletes_before_its_lease_goes(
             delete(key)
             events.append("delete ended")
             return None
+        if stop == "the wait is interrupted":
+            return delete(key)  # the others end: only the oldest runs when the signal comes
         assert running.wait(60)
         threading.Timer(0.3, go.set).start()
         raise SystemExit("SIGTERM")
@@ -930,11 +934,21 @@ def test_a_sweep_stopped_mid_way_ends_its_running_deletes_before_its_lease_goes(
             events.append("gc lease released")
         release(self)
 
+    def sigterm(*_):
+        threading.Timer(0.3, go.set).start()
+        raise SystemExit("SIGTERM")
+
     store.delete = slow_or_stopped
     Lease.release = noted_release
+    previous = signal.signal(signal.SIGALRM, sigterm)
+    if stop == "the wait is interrupted":  # in the main thread, waiting for the oldest delete
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
     try:
         with pytest.raises(SystemExit):
             collect(store, keep_last=1)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         Lease.release = release
+        go.set()
     assert events == ["delete ended", "gc lease released"], events

@@ -1022,25 +1022,39 @@ def test_a_resumed_job_saves_a_step_again_over_the_copy_it_left(make, tmp_path):
     assert step == 4 and _same(target, _state(104)), report.source
 
 
-def test_a_load_of_an_older_step_through_another_object_keeps_this_process_copies(make, tmp_path):
-    """Durability adversary of stop 79: one process saved steps 1-6 (2-6 local only, wait()
-    returned), another object of it loaded step 3 (an evaluation), and the next save, step 7,
-    by a third object unlisted steps 4-6 for good (kept only the saving object's own
-    steps). Steps this process committed below the step saved stay; a restart within the
-    process that saves step 4 again still unlists the old 4-6 (the test above)."""
+def test_an_evaluation_load_of_an_older_step_leaves_the_training_loops_copies(
+    make, tmp_path, caplog
+):
+    """Durability adversary of stop 79: another object's load of an older step (an evaluation
+    in the training process) marks the process resumed. The training loop's own object goes
+    on saving and keeps its local-only copies; a new object saving after that load is a
+    restart within the process that went back: it unlists the copies after the step loaded
+    (an adversary of the first fix had the abandoned run's state load), with a warning."""
     front = make(durable_every=10, local_keep_last=10)
     for step in range(1, 7):
         front.save(step, _state(step))
     front.wait_durable()
-    evaluation = front.restart()
+    evaluation = type(front)(front.root, front.tiers, front.storage)
     assert evaluation.load(_blank(), 3)[0] == 3
-    later = evaluation.restart()
-    later.save(7, _state(7))
-    later.wait_durable()
+    evaluation.close()
+    front.save(7, _state(7))
+    front.wait_durable()
     for step in (4, 5, 6, 7):
         target = _blank()
-        assert later.load(target, step)[0] == step and _same(target, _state(step)), step
-    later.close()
+        assert front.load(target, step)[0] == step and _same(target, _state(step)), step
+    restarted = front.restart()
+    assert restarted.load(_blank(), 5)[0] == 5
+    caplog.set_level(logging.WARNING, logger="ckptstore")
+    restarted.save(9, _state(109))
+    restarted.wait_durable()
+    said = [r.getMessage() for r in caplog.records if "a run the job left" in r.getMessage()]
+    assert said and "6-7" in said[0], said
+    restarted = restarted.restart()
+    assert restarted.latest() == 9
+    target = _blank()
+    with pytest.raises((CheckpointError, CheckpointException)):
+        restarted.load(target, 6)  # the abandoned run's: gone
+    restarted.close()
 
 
 def test_a_save_of_a_step_the_durable_store_holds_is_refused(make, tmp_path):
