@@ -53,6 +53,7 @@ class _Attempt:
     launched: float
     what: str
     settled: bool = False
+    outrun: float | None = None  # how long it had run when another replica won its read
 
 
 _TOLD_MAX = 10_000  # damages remembered for warnings: a bound, not a policy
@@ -294,7 +295,10 @@ class _Request:
                     # as a cancelled attempt is not; a loser's lag was counted as it lost, and
                     # a first attempt's latency still teaches the hedge delay.
                     if reads.settle(a):
-                        reads.health.release(r)
+                        if a.outrun is None:
+                            reads.health.release(r)
+                        else:
+                            reads.health.lagged(r, a.outrun, time.monotonic() - launched)
                         if record is not None:
                             reads.hedger.record(record, t0 + seconds - launched)
                     return None
@@ -439,7 +443,8 @@ class _Request:
                 a.replica.stats.add(discarded=1)
                 won = self.won_launched
                 if self.read and won is not None and a.launched < won and not a.settled:
-                    self.reads.health.outrun(a.replica, now - a.launched)
+                    a.outrun = now - a.launched
+                    self.reads.health.outrun(a.replica, a.outrun)
                 if a.deadline < math.inf:
                     orphans.append(a)
         if orphans:
