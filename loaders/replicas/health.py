@@ -58,13 +58,6 @@ class Replica:
         self.latency = statistics.median(self.recent)
         self.samples += 1
 
-    def remeasured(self, bound: float, seconds: float) -> None:
-        """A read measured at ``bound`` (it lost a race, still running) took ``seconds`` in the
-        end: the sample is corrected, not added."""
-        if bound in self.recent:
-            self.recent[self.recent.index(bound)] = max(bound, seconds)
-            self.latency = statistics.median(self.recent)
-
     def forget(self) -> None:
         self.recent.clear()
         self.latency = math.inf
@@ -197,22 +190,6 @@ class ReplicaHealth:
             if r.benched:
                 return
             r.measured(seconds)
-            now = time.monotonic()
-            others = [o.latency for o in self.replicas if o is not r and not o.benched]
-            benched_for, displaced = self._judge_latency(r, now, min(others, default=math.inf))
-            bench_s = r.benched_until - now
-        self._tell(r, benched_for, bench_s, displaced)
-
-    def lagged(self, r: Replica, bound: float, seconds: float) -> None:
-        """An attempt on ``r`` that ``outrun`` measured at ``bound`` ended after ``seconds``
-        (its answer unused): its whole latency judges ``r``. Measured only to the moment the
-        race was lost, a replica 20x slower than another stayed under the bench threshold for
-        a hundred reads (a loader adversary's trial), its lost reads spending the hedges."""
-        with self._lock:
-            r.inflight -= 1
-            if r.benched:
-                return
-            r.remeasured(bound, seconds)
             now = time.monotonic()
             others = [o.latency for o in self.replicas if o is not r and not o.benched]
             benched_for, displaced = self._judge_latency(r, now, min(others, default=math.inf))

@@ -53,7 +53,6 @@ class _Attempt:
     launched: float
     what: str
     settled: bool = False
-    outrun: float | None = None  # how long it had run when another replica won its read
 
 
 _TOLD_MAX = 10_000  # damages remembered for warnings: a bound, not a policy
@@ -295,10 +294,7 @@ class _Request:
                     # as a cancelled attempt is not; a loser's lag was counted as it lost, and
                     # a first attempt's latency still teaches the hedge delay.
                     if reads.settle(a):
-                        if a.outrun is None:
-                            reads.health.release(r)
-                        else:
-                            reads.health.lagged(r, a.outrun, time.monotonic() - launched)
+                        reads.health.release(r)
                         if record is not None:
                             reads.hedger.record(record, t0 + seconds - launched)
                     return None
@@ -443,8 +439,7 @@ class _Request:
                 a.replica.stats.add(discarded=1)
                 won = self.won_launched
                 if self.read and won is not None and a.launched < won and not a.settled:
-                    a.outrun = now - a.launched
-                    self.reads.health.outrun(a.replica, a.outrun)
+                    self.reads.health.outrun(a.replica, now - a.launched)
                 if a.deadline < math.inf:
                     orphans.append(a)
         if orphans:
