@@ -399,12 +399,12 @@ def _select(
         if only is not None and not name_under(name, only):
             continue
         out_name = _strip(name, strip) if strip else name
-        if out_name in seen and seen[out_name] == name:  # the step's own names: not a flag's
-            raise UnsupportedStateError(
-                f"two tensors of the step are named {name!r} (a key holding a dot beside a "
-                "nested one?); safetensors needs distinct names: export one with only="
-            )
         if out_name in seen:
+            if seen[out_name] == name:  # the step's own names, not a flag's doing
+                raise UnsupportedStateError(
+                    f"two tensors of the step are named {name!r} (a key holding a dot beside a "
+                    "nested one?); safetensors needs distinct names: export one with only="
+                )
             raise ValueError(f"tensors {seen[out_name]!r} and {name!r} both export as {out_name!r}")
         seen[out_name] = name
         out_dtype = cast if cast is not None and dtype.is_floating_point else dtype

@@ -194,7 +194,7 @@ def _broadcasts(shape: list[int], to: torch.Size) -> bool:
 
 
 def _module_or_dict(target: Any) -> bool:
-    return isinstance(target, dict) or (target is not None and is_stateful(target))
+    return isinstance(target, dict) or is_stateful(target)
 
 
 class _Loader:

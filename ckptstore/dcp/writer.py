@@ -411,11 +411,14 @@ class StoreWriter(StorageWriter, PooledStager):
         return dataclasses.replace(plan, storage_data=_DURABLE_ASKED) if asked else plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # This save's checkpoint_id step (taken, so a later save that names none on this
+        # thread does not inherit it), else the writer's fixed step, else the next free one.
         step = getattr(self._requested, "step", None)
+        self._requested.step = None
         step = self.step if step is None else step
         recorded = set(self._started)
         try:
-            return self._plan_global(plans)
+            return self._plan_global(plans, step)
         except BaseException as exc:
             # Refused before it was recorded (a step already committed, a store not reached):
             # an async_save nobody waits for is still named at exit.
@@ -426,13 +429,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 self._note_failure(attempt, exc)
             raise
 
-    def _plan_global(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # This save's checkpoint_id step (taken, so a later save that names none on this
-        # thread does not inherit it), else the writer's fixed step, else the next free one.
-        step = getattr(self._requested, "step", None)
-        self._requested.step = None
-        if step is None:
-            step = self.step
+    def _plan_global(self, plans: list[SavePlan], step: int | None) -> list[SavePlan]:
         uri = self._save_store().uri
         with self._plan_lock:
             if step is None:

@@ -659,15 +659,11 @@ def _file_naming(pointer: Pointer, directory: str) -> str | None:
             if not entry.is_file(follow_symlinks=False):
                 continue
             if entry.stat(follow_symlinks=False).st_size > _pointer.MAX_BYTES:
-                continue
-            with open(entry.path, "rb") as f:
-                data = f.read(_pointer.MAX_BYTES + 1)
-            if not _pointer.is_pointer(data):
-                continue
-            there = _pointer.decode(data, entry.path)
+                continue  # no pointer: not read
+            there = _pointer.load(entry.path)
         except (OSError, CheckpointCorruptError):
             continue
-        if (there.store, there.step, there.save_id) == (
+        if there is not None and (there.store, there.step, there.save_id) == (
             pointer.store,
             pointer.step,
             pointer.save_id,

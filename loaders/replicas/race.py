@@ -406,9 +406,9 @@ class _Request:
         if isinstance(last, UnknownFormatError):
             return last  # as every replica it was read from held it
         if exhausted and isinstance(last, ShardCorruptError):
-            tried = ", ".join(dict.fromkeys(r.name for r in self.tried))
             if n == 1:
                 return last
+            tried = ", ".join(dict.fromkeys(r.name for r in self.tried))
             error = ShardCorruptError(
                 f"{self.what}: no replica holds bytes that verify (tried {tried}); last: {last}"
             )
