@@ -338,7 +338,8 @@ class Store:
             return ObjectExistsError(f"{where} already exists (objects are write-once)")
         if isinstance(exc, FileNotFoundError):
             if "bucket" in str(exc).lower():
-                return BucketNotFoundError(f"{op} {where}: the bucket does not exist")
+                at = f" at {self.endpoint}" if self.backend.remote else ""
+                return BucketNotFoundError(f"{op} {where}: the bucket does not exist{at}")
             return ObjectNotFoundError(f"{where} does not exist")
         if is_access_error(exc):
             if self.backend.remote:
