@@ -4,6 +4,7 @@ through a ``SaveSession`` as ``Checkpointer``'s saves are."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -11,6 +12,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,7 +244,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self.store = o["storage"].store or self._open_store(uri)
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
-        self.rank = 0
+        self.rank = _rank()  # DCP's own from the first save on
         self.is_coordinator = True
         self._made_in_world = _world_size()  # a save reaching it with no group is refused
         self._home = self.store  # the store it was made for
@@ -366,6 +368,14 @@ class StoreWriter(StorageWriter, PooledStager):
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        requested = getattr(self._requested, "step", None) if self._requested_fresh() else None
+        with self._named_if_unwaited(self.step if requested is None else requested):
+            self._set_up(is_coordinator, **kwargs)
+
+    def _requested_fresh(self) -> bool:
+        return getattr(self._requested, "fresh", False)
+
+    def _set_up(self, is_coordinator: bool, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
             raise ValueError(
                 "ckptstore.dcp.StoreWriter needs use_collectives=True: one manifest commits "
@@ -380,7 +390,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 "StoreWriter)"
             )
         self.is_coordinator = is_coordinator
-        if not getattr(self._requested, "fresh", False):
+        if not self._requested_fresh():
             # No reset() for this save: a step named by an earlier save on this thread that
             # failed before planning must not carry over.
             self._requested.step = None
@@ -416,12 +426,18 @@ class StoreWriter(StorageWriter, PooledStager):
         step = getattr(self._requested, "step", None)
         self._requested.step = None
         step = self.step if step is None else step
+        with self._named_if_unwaited(step):
+            return self._plan_global(plans, step)
+
+    @contextlib.contextmanager
+    def _named_if_unwaited(self, step: int | None) -> Iterator[None]:
+        """A save refused before it was recorded (its process group gone, a step already
+        committed, a store not reached): an ``async_save`` nobody waits for is still named at
+        exit."""
         recorded = set(self._started)
         try:
-            return self._plan_global(plans, step)
+            yield
         except BaseException as exc:
-            # Refused before it was recorded (a step already committed, a store not reached):
-            # an async_save nobody waits for is still named at exit.
             thread = threading.current_thread()
             if thread.name.startswith(ASYNC_SAVE_THREAD_PREFIX) and set(self._started) <= recorded:
                 attempt = f"unplanned-{uuid.uuid4().hex}"
@@ -1100,6 +1116,12 @@ def _warn_if_async_on_the_training_group() -> None:
         "save is in flight deadlocks both (with any DCP writer); pass async_save(..., "
         'process_group=dist.new_group(backend="gloo")), as torchtitan does'
     )
+
+
+def _rank() -> int:
+    """This process's rank in the default process group; 0 without one."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _world_size() -> int:

@@ -386,6 +386,64 @@ def test_a_save_reaching_a_writer_after_its_group_is_destroyed_commits_nothing(t
     run_ranks(_saving_after_the_group_is_gone, 2, str(tmp_path / "s"), timeout_s=120)
 
 
+_UNWAITED_AFTER_THE_GROUP = """
+import os, sys, threading, warnings
+import torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ckptstore.dcp import StoreWriter
+warnings.simplefilter("ignore")
+rank, uri, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+gate = threading.Event()  # the save reaches the writer only once the group is gone
+set_up = StoreWriter.set_up_storage_writer
+def set_up_after_the_gate(self, *args, **kwargs):
+    gate.wait(60)
+    return set_up(self, *args, **kwargs)
+StoreWriter.set_up_storage_writer = set_up_after_the_gate
+group = dist.new_group(backend="gloo")
+dcp.async_save({"w": torch.full((64,), float(rank))}, storage_writer=StoreWriter(uri),
+               checkpoint_id=7, process_group=group)
+dist.destroy_process_group()  # a torchrun script's last line, the save not waited for
+gate.set()
+print("RETURNED", flush=True)
+"""
+
+
+@pytest.mark.dist
+def test_an_unwaited_async_save_refused_after_the_group_is_destroyed_is_named_at_exit(
+    tmp_path,
+):
+    """A new user of stop 80 (HIGH): ``async_save`` then ``destroy_process_group()`` without
+    waiting: the writer refused the save as it reached it (as above), before recording it,
+    and both ranks exited 0 in silence with nothing committed; the next resume went back a
+    step without a word. Each rank now names it at exit and exits 1."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    from tests.helpers.dist import free_port
+
+    uri, port = str(tmp_path / "s"), str(free_port())
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", _UNWAITED_AFTER_THE_GROUP]
+    ranks = [
+        subprocess.Popen([*argv, str(r), uri, port], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(2)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=180) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(ranks, outs)):
+        assert "RETURNED" in out, err[-2000:]
+        said = [x for x in err.splitlines() if f"rank {rank}: dcp.async_save of step 7" in x]
+        assert len(said) == 1 and "made in a process group of 2 ranks" in said[0], err[-2000:]
+        assert p.returncode == 1, err[-2000:]
+    assert list_steps(Store(uri)) == []
+
+
 def test_a_checkpoint_id_inside_the_writers_store_is_said_to_be_a_store_of_its_own(
     tmp_path, caplog
 ):
