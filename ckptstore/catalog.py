@@ -44,6 +44,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
+    StorageTimeoutError,
     UnsafeObjectError,
     one_line,
 )
@@ -154,6 +155,12 @@ def commit_manifest(store: Store, step: int, data: bytes) -> None:
                 f"step {step} of {store.uri} was committed first by another writer (or an "
                 "earlier attempt of this put) and removed since (a retention): this save is not "
                 "committed; steps are write-once"
+            ) from error
+        if isinstance(error, StorageTimeoutError) and store.backend.remote:
+            raise CommitUnknownError(
+                f"step {step}: writing {store.url(key)} got no answer ({error}) and it is not "
+                "there now; the server may still apply that put: run `ckptstore ls "
+                f"{store.uri}` later to see whether it is committed"
             ) from error
         raise _same_kind(error, f"step {step} not committed: {error}") from error
     except CheckpointError as exc:

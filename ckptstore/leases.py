@@ -201,14 +201,21 @@ class Lease:
                     exc,
                 )
 
-    def release_when_settled(self, timeout_s: float) -> None:
+    def abandon(self) -> None:
+        """Stop renewing, the lease left in place to go stale in ``ttl_s``."""
+        self._stop.set()
+
+    def release_when_settled(self, timeout_s: float, outcome_unknown: bool = False) -> None:
         """Release once every request the store abandoned at its deadline that could undo what
         the lease guards has ended (one may still land): a gc lease its deletes, any other its
         puts and deletes; if some still run after ``timeout_s``, the lease is kept, and
-        renewed, until they end."""
+        renewed, until they end. ``outcome_unknown``: a server may still apply a put whose
+        request ended here (a commit with no answer): then abandoned, not deleted, so gc keeps
+        off its chunks for ``ttl_s`` more."""
         ops = ("delete",) if self.kind == GC else ("put", "delete")
+        release = self.abandon if outcome_unknown else self.release
         if self.store.settle(timeout_s, ops):
-            self.release()
+            release()
             return
         logger.warning(
             "%s: requests abandoned at their deadline are still running; %s lease kept until "
@@ -219,7 +226,7 @@ class Lease:
 
         def release_later() -> None:
             self.store.settle(None, ops)
-            self.release()
+            release()
 
         threading.Thread(target=release_later, name="ckptstore-lease-settle", daemon=True).start()
 

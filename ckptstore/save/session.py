@@ -46,6 +46,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CommitUnknownError,
     FormatVersionError,
 )
 from ckptstore.format import (
@@ -341,7 +342,11 @@ class SaveSession:
         data = encode_manifest(manifest)
         if self.lease is not None:
             self.lease.check()
-        commit_manifest(self.store, manifest.step, data)
+        try:
+            commit_manifest(self.store, manifest.step, data)
+        except CommitUnknownError:
+            self.release(outcome_unknown=True)
+            raise
         self.manifest_written = (manifest, data)
         if health is not None and not health["healthy"]:
             logger.warning("%s (committed to %s)", health_line(self.step, health), self.store.uri)
@@ -395,11 +400,12 @@ class SaveSession:
         lease, self.lease = self.lease, None
         return lease
 
-    def release(self) -> None:
+    def release(self, outcome_unknown: bool = False) -> None:
         """Give the lease up once every put that may still land has (a manifest put abandoned
-        at its deadline must not find its chunks swept)."""
+        at its deadline must not find its chunks swept); ``outcome_unknown``: left to go stale
+        (``Lease.release_when_settled``)."""
         if self.lease is not None:
-            self.lease.release_when_settled(0.0)
+            self.lease.release_when_settled(0.0, outcome_unknown)
             self.lease = None
 
     def _retention(self, **kwargs: Any) -> Any:

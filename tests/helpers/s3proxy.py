@@ -23,8 +23,10 @@ class Fault:
     method: str
     key_part: str  # the fault hits requests whose path contains this
     action: str  # "slowdown": 503 before forwarding; "drop_after": forwarded, then no answer;
-    # "hang": no answer until the relay ends (the connection held open, as a hung server's)
+    # "hang": no answer until the relay ends (the connection held open, as a hung server's);
+    # "late": held ``delay_s`` (the client gives up), then forwarded: applied after all
     times: int = 1
+    delay_s: float = 0.0
 
 
 @dataclass
@@ -38,12 +40,12 @@ class Relay:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: threading.Event = field(default_factory=threading.Event)
 
-    def fault_for(self, method: str, path: str) -> str | None:
+    def fault_for(self, method: str, path: str) -> Fault | None:
         with self.lock:
             for fault in self.faults:
                 if fault.times and fault.method == method and fault.key_part in path:
                     fault.times -= 1
-                    return fault.action
+                    return fault
         return None
 
 
@@ -62,7 +64,10 @@ def _handler(relay: Relay, upstream: tuple[str, int]) -> type[BaseHTTPRequestHan
                 relay.seen.append((self.command, self.path, declared, len(body)))
                 if signed:
                     relay.access_keys.append(signed.split("/", 1)[0])
-            action = relay.fault_for(self.command, self.path)
+            fault = relay.fault_for(self.command, self.path)
+            action = fault.action if fault else None
+            if action == "late":
+                relay.ended.wait(fault.delay_s)
             if action == "slowdown":
                 self.send_response(503)
                 self.send_header("Content-Type", "application/xml")
@@ -87,7 +92,8 @@ def _handler(relay: Relay, upstream: tuple[str, int]) -> type[BaseHTTPRequestHan
             for name, value in answer.getheaders():
                 if name.lower() not in ("transfer-encoding", "connection", "content-length"):
                     self.send_header(name, value)
-            self.send_header("Content-Length", str(len(data)))
+            length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+            self.send_header("Content-Length", length or str(len(data)))  # HEAD: the object's
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
