@@ -131,6 +131,11 @@ def max_encoded_size(raw_len: int) -> int:
 HASH_PIECE_BYTES = 1024 * 1024  # what ``hash_bytes`` hands ``each`` at once: a core's L2
 
 
+def possible_encoded_size(size: int, raw_len: int) -> bool:
+    """Whether an object of ``size`` bytes can be an encoding of ``raw_len`` bytes."""
+    return _HEADER.size <= size <= max_encoded_size(raw_len)
+
+
 def hash_bytes(raw, each: Callable[[int, int], None] | None = None) -> str:
     """xxh3-128 of ``raw`` as 32 lowercase hex digits. With ``each``, ``raw`` is hashed in
     pieces of ``HASH_PIECE_BYTES`` and ``each(start, end)`` is called on each piece's bounds

@@ -34,7 +34,14 @@ import torch
 import xxhash
 
 from ckptstore import telemetry
-from ckptstore.codec import CodecConfig, check_raw_size, decode, encode_parts, hash_bytes
+from ckptstore.codec import (
+    CodecConfig,
+    check_raw_size,
+    decode,
+    encode_parts,
+    hash_bytes,
+    possible_encoded_size,
+)
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -551,6 +558,12 @@ def _encode_and_put(
         telemetry.bytes_total.inc(stored, kind="stored")
     except ObjectExistsError:  # another rank or save wrote the same content first
         stored = store.size(key)
+        if not possible_encoded_size(stored, len(raw)):  # an index naming it would never load
+            raise StorageError(
+                f"{store.url(key)} is already there, and the store says it is {stored} bytes, "
+                f"which no encoding of its {len(raw)} bytes is (damaged, or a store answering "
+                "sizes wrong): this save fails rather than reference it"
+            )
         store.refresh(key)  # a step that names it now is as young as the chunks it wrote
     if governor is not None:
         governor.observe_put(

@@ -342,3 +342,28 @@ def test_a_packed_chunks_padding_is_zeros_whatever_the_staging_buffer_held(tmp_p
     # the int32 at 0, 60 bytes of padding, the int64s at 64, 48 bytes of padding
     packed = np.concatenate([step, np.zeros(60, np.uint8), ids, np.zeros(48, np.uint8)])
     assert any(c.size == packed.size and np.array_equal(c, packed) for c in chunks)
+
+
+def test_a_chunk_already_there_at_a_size_no_encoding_has_is_not_referenced(tmp_path):
+    """A storage-fault adversary of stop 80: a save whose chunk put met "already exists" took
+    the size the store gave (a gateway's HEAD answering 0, a damaged leftover of 1 byte) into
+    the rank index unchecked: wait() said committed, and the step never loaded. The save now
+    fails, naming the object; with it gone, the same save commits and loads."""
+    state = {"w": torch.arange(1000.0)}
+    none = EncodingOptions(compression="none")
+    with Checkpointer(tmp_path, encoding=none) as ckpt:
+        ckpt.save(1, state).wait()
+    chunks = [p for p in (tmp_path / "chunks").rglob("*") if p.is_file()]
+    assert len(chunks) == 1
+    chunks[0].write_bytes(b"x")  # a damaged leftover, referenced by no step
+    for manifest in (tmp_path / "commits").iterdir():
+        manifest.unlink()
+    with Checkpointer(tmp_path, encoding=none) as ckpt:
+        with pytest.raises(StorageError, match="1 bytes, which no encoding of its 4032 bytes"):
+            ckpt.save(2, state).wait()
+        assert ckpt.steps() == []
+        chunks[0].unlink()
+        ckpt.save(3, state).wait()
+        loaded = {"w": torch.zeros(1000)}
+        ckpt.load(loaded)
+    assert torch.equal(loaded["w"], state["w"])
