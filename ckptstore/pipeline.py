@@ -556,14 +556,14 @@ def _encode_and_put(
         stored = sum(map(len, parts))
         telemetry.bytes_total.inc(len(raw), kind="raw")
         telemetry.bytes_total.inc(stored, kind="stored")
-    except ObjectExistsError:  # another rank or save wrote the same content first
+    except ObjectExistsError as exc:  # another rank or save wrote the same content first
         stored = store.size(key)
         if not possible_encoded_size(stored, len(raw)):  # an index naming it would never load
             raise StorageError(
                 f"{store.url(key)} is already there, and the store says it is {stored} bytes, "
                 f"which no encoding of its {len(raw)} bytes is (damaged, or a store answering "
                 "sizes wrong): this save fails rather than reference it"
-            )
+            ) from exc
         store.refresh(key)  # a step that names it now is as young as the chunks it wrote
     if governor is not None:
         governor.observe_put(
