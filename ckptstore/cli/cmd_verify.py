@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ckptstore._inspect import (
     UNREAD,
@@ -11,7 +12,7 @@ from ckptstore._inspect import (
     chunks_to_check,
     removed_while_checked,
 )
-from ckptstore.catalog import list_steps, load_manifest, resolve_step
+from ckptstore.catalog import LATEST_TRIES, list_steps, load_manifest, resolve_step
 from ckptstore.cli.common import Failed, emit_json, progress
 from ckptstore.errors import (
     CheckpointError,
@@ -26,23 +27,7 @@ from ckptstore.tiers.identity import read_identity
 
 
 def cmd_verify(args: argparse.Namespace, store: Store) -> int:
-    if args.all:
-        steps = list_steps(store)
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
-    else:
-        steps = [resolve_step(store, args.step)]
-    checks = [check_step_objects(store, step) for step in steps]
-    chunks = chunks_to_check(checks)
-    total = sum(info.raw for info in chunks.values() if info is not None)
-    with progress(total, "verify") as advance:
-        check_all_chunks(store, checks, read_concurrency=args.read_concurrency, on_chunk=advance)
-    removed = removed_while_checked(store, checks)
-    if removed and not args.all:
-        raise CheckpointNotFoundError(
-            f"step {removed[0]} of {store.uri} was removed while it was verified (keep_last or "
-            "gc of another process)"
-        )
+    checks, removed, chunks, total = _checked(args, store)
     checks = [c for c in checks if c.step not in removed]
     problems = [p for c in checks for p in c.problems]
     health = {c.step: _health(store, c.step) for c in checks}
@@ -73,6 +58,43 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             f"of {store.uri}" + (f" ({UNREAD})" if _not_read(problems) else "")
         )
     return 0
+
+
+def _checked(args: argparse.Namespace, store: Store) -> tuple[list, list[int], dict, int]:
+    """The steps asked for, checked: their checks, those removed while checked (another
+    process's keep_last or gc), the chunks read and their raw bytes. The newest step removed
+    meanwhile gives way to the newest again, as every step of ``--all`` removed does (a check
+    of nothing is no verdict), ``LATEST_TRIES`` times at most; a step named by ``--step``
+    removed fails saying so."""
+    for tries_left in range(LATEST_TRIES - 1, -1, -1):
+        if args.all:
+            steps = list_steps(store)
+            if not steps:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {store.uri}")
+        else:
+            steps = [resolve_step(store, args.step)]
+        checks = [check_step_objects(store, step) for step in steps]
+        chunks = chunks_to_check(checks)
+        total = sum(info.raw for info in chunks.values() if info is not None)
+        with progress(total, "verify") as advance:
+            check_all_chunks(
+                store, checks, read_concurrency=args.read_concurrency, on_chunk=advance
+            )
+        removed = removed_while_checked(store, checks)
+        if len(removed) < len(steps):
+            return checks, removed, chunks, total
+        which = ", ".join(map(str, removed))
+        if args.step is not None or not tries_left:
+            raise CheckpointNotFoundError(
+                f"step(s) {which} of {store.uri} were removed while they were verified "
+                "(keep_last or gc of another process): verify a step still kept (ckptstore ls)"
+            )
+        print(
+            f"step(s) {which} were removed while they were verified (keep_last or gc of "
+            f"another process); verifying the newest {'steps' if args.all else 'step'} again",
+            file=sys.stderr,
+        )
+    raise AssertionError("unreachable")
 
 
 def _print_report(

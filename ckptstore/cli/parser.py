@@ -260,6 +260,9 @@ examples:
         metadata object when there is one, and every chunk (fetched, decoded and re-hashed with
         xxh3). Every missing or corrupt object is reported by name, with the tensors whose bytes
         it holds; verification goes on past the first one. Exit status 1 if any was found.
+        Beside a running job: the latest step (or, with --all, every step) removed meanwhile
+        by its keep_last or a gc gives way to the newest again (3 tries); a --step removed
+        meanwhile is exit status 1, said to be removed, not damaged.
         """,
         """
           ckptstore verify /ckpt/run7

@@ -1382,6 +1382,53 @@ def test_a_restore_whose_step_a_job_removes_meanwhile_restores_the_newest(
     assert "the step before it" not in err and not (tmp_path / "3.pt").exists()
 
 
+def _removed_while_verified(monkeypatch, uri: str, new_steps: list[int]) -> None:
+    """The steps verify checks are dropped as it reads their chunks, once per step of
+    ``new_steps``: another process saves it with keep_last=1."""
+    import ckptstore.cli.cmd_verify as cmd_verify
+
+    check = cmd_verify.check_all_chunks
+    left = list(new_steps)
+
+    def dropped(*args, **kwargs):
+        if left:
+            with Checkpointer(uri, keep_last=1) as other:
+                step = left.pop(0)
+                other.save(step, {"w": torch.full((4096,), float(step))}).wait()
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(cmd_verify, "check_all_chunks", dropped)
+
+
+@pytest.mark.parametrize("which", [[], ["--all"]])
+def test_a_verify_whose_steps_a_job_removes_meanwhile_verifies_the_newest(
+    tmp_path, monkeypatch, capsys, which
+):
+    """CLI operator adversary of stop 80: ``verify URI`` beside a job with keep_last failed
+    (exit 1, "removed while it was verified") in 6 of 12 runs of a health check on a healthy
+    store; ``verify --all`` whose every step went said "verified 0 step(s): all OK", having
+    checked nothing. Both verify the newest again (3 times at most); a step named by --step
+    removed meanwhile still fails saying so."""
+    uri = str(tmp_path / "store")
+    _three_steps(uri)
+    _removed_while_verified(monkeypatch, uri, [4])
+    code, out, err = run(capsys, "verify", uri, *which)
+    assert code == 0, err
+    assert "were removed while they were verified" in err, err
+    assert "step 4: OK" in out and "verified 1 step(s)" in out, out
+    _removed_while_verified(monkeypatch, uri, [5, 6, 7])
+    code, out, err = run(capsys, "verify", uri, *which)
+    assert code == 1 and err.strip().endswith("verify a step still kept (ckptstore ls)"), err
+    assert "all OK" not in out, out
+
+    named = str(tmp_path / "named")
+    _three_steps(named)
+    _removed_while_verified(monkeypatch, named, [4])
+    code, out, err = run(capsys, "verify", named, "--step", "3")
+    assert code == 1 and err.count("\n") == 1, err
+    assert "step(s) 3 of" in err and "were removed while they were verified" in err, err
+
+
 def _removed_while_exported(monkeypatch, uri: str, new_step: int) -> None:
     """As ``_removed_while_read``, for the safetensors export: the first step it writes is
     dropped as its chunks are read."""
