@@ -477,8 +477,11 @@ class LocalBackend(FsspecBackend):
         """An error where a directory cannot be read (a store that only looks empty would be
         worse)."""
         out = []
-        for dirpath, _, files in os.walk(path, onerror=_raise_unless_gone):
+        for dirpath, dirs, files in os.walk(path, onerror=_raise_unless_gone):
             out.extend(os.path.join(dirpath, f) for f in files if TMP_MARK not in f)
+            # No directory of a store is named as an object: one that is stands where an
+            # object was (a manifest replaced), listed so that reading it fails by name.
+            out.extend(os.path.join(dirpath, d) for d in dirs if d.endswith(".json"))
         return out
 
     def list_sizes(self, path: str) -> dict[str, int]:
@@ -501,10 +504,13 @@ class LocalBackend(FsspecBackend):
                 continue  # deleted since the listing
 
     def delete(self, path: str) -> None:
+        target = os.path.join(self._inside(os.path.dirname(path)), os.path.basename(path))
         try:
-            os.unlink(os.path.join(self._inside(os.path.dirname(path)), os.path.basename(path)))
+            os.unlink(target)
         except FileNotFoundError:
             pass
+        except IsADirectoryError:
+            os.rmdir(target)  # an empty directory planted at a key; a full one stays, said
         self._prune(os.path.dirname(path))
 
     def _prune(self, directory: str) -> None:

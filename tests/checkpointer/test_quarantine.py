@@ -515,13 +515,16 @@ def test_a_fifo_or_a_link_out_at_a_chunk_key_is_skipped_and_quarantined(tmp_path
 
 
 @pytest.mark.parametrize("where", ["index", "commit"])
-@pytest.mark.parametrize("planted", ["fifo", "link-out"])
+@pytest.mark.parametrize("planted", ["fifo", "link-out", "directory"])
 def test_a_fifo_or_a_link_out_at_an_index_or_commit_key_is_skipped_and_quarantined(
     tmp_path, where, planted
 ):
     """Reviewer M: a FIFO or a link out of the store at a rank index's or a commit's key made
     load(fallback=True) raise at every restart (only chunks were damage). Both are damage now:
-    the step is skipped, quarantined (a planted commit removed), and saved again."""
+    the step is skipped, quarantined (a planted commit removed), and saved again. A storage-
+    fault adversary of stop 80: a directory at a commit's key hid the step from every listing
+    (ls, verify --all, restore and a fallback load passed it over in silence, and saving it
+    again said to look at an ls that did not show it); it is damage as a FIFO is."""
     root = tmp_path / "s"
     _resume(root, 2)
     store = Store(str(root))
@@ -535,8 +538,12 @@ def test_a_fifo_or_a_link_out_at_an_index_or_commit_key_is_skipped_and_quarantin
     path.unlink()
     if planted == "fifo":
         os.mkfifo(path)
+    elif planted == "directory":
+        path.mkdir()
     else:
         path.symlink_to(outside)
+    if where == "commit":
+        assert list_steps(store) == [1, 2]  # listed, so ls names it (ERROR) and gc keeps it
     assert _resume(root, 2)[0] == 1  # skipped step 2, saved it again
     with Checkpointer(root) as ckpt:
         state = _blank()
