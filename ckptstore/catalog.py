@@ -44,7 +44,6 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     StepExistsError,
     StorageError,
-    StorageTimeoutError,
     UnsafeObjectError,
     one_line,
 )
@@ -156,7 +155,7 @@ def commit_manifest(store: Store, step: int, data: bytes) -> None:
                 "earlier attempt of this put) and removed since (a retention): this save is not "
                 "committed; steps are write-once"
             ) from error
-        if isinstance(error, StorageTimeoutError) and store.backend.remote:
+        if error.unanswered and store.backend.remote:
             raise CommitUnknownError(
                 f"step {step}: writing {store.url(key)} got no answer ({error}) and it is not "
                 "there now; the server may still apply that put: run `ckptstore ls "

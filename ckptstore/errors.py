@@ -96,6 +96,10 @@ class UnsupportedStateError(CheckpointError, TypeError):
 class StorageError(CheckpointError, OSError):
     """A storage request failed after its retries, or the store is unreachable."""
 
+    unanswered: bool = False
+    """Set where an attempt of the request got no answer by its deadline: a server may still
+    apply it (a put) after the client gave up."""
+
 
 class ObjectExistsError(StorageError, FileExistsError):
     """A write-once put found the object already there."""

@@ -202,7 +202,14 @@ class Lease:
                 )
 
     def abandon(self) -> None:
-        """Stop renewing, the lease left in place to go stale in ``ttl_s``."""
+        """Stop renewing, the lease left in place to go stale in ``ttl_s``, recorded as a save
+        whose commit a server may still apply: stale only by its age, even once its process
+        is gone (a gc of this machine would otherwise judge it dead at once)."""
+        self.info["outcome_unknown"] = True
+        try:
+            self.renew()
+        except CheckpointError as exc:  # the lease as last renewed: its ttl still holds
+            logger.warning("lease %s in %s not marked: %s", self.key, self.store.uri, exc)
         self._stop.set()
 
     def release_when_settled(self, timeout_s: float, outcome_unknown: bool = False) -> None:
@@ -382,14 +389,15 @@ def _read(store: Store, kind_holder: tuple[str, str], keys: list[str], now: floa
 def _lifetime(kind: str, doc: dict[str, Any], requests_end_with_process: bool) -> float:
     """How old (by the store's clock) the newest object of a lease may be while it is live.
 
-    A save lease: ``ttl_s``, or 0 once its holder is known dead. A gc lease: until every
+    A save lease: ``ttl_s``, or 0 once its holder is known dead (unless it recorded that its
+    commit's outcome is unknown: ``Lease.abandon``). A gc lease: until every
     delete it may have issued has ended (``settle_s``, ``ttl_s`` for a gc that recorded none),
     and no sooner than ``ttl_s`` unless its holder is known dead; on a store whose requests
     end with their process (a disk of this machine), at once when its holder is known dead."""
     ttl = _duration(doc, "ttl_s", None)
     dead = holder_gone(doc)
-    if kind != GC:
-        return 0.0 if dead else ttl
+    if kind != GC:  # a commit whose outcome is unknown may still land after its holder died
+        return 0.0 if dead and doc.get("outcome_unknown") is not True else ttl
     settle = _duration(doc, "settle_s", ttl)
     if dead:
         ended = requests_end_with_process or doc.get("deleting") is False

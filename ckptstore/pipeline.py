@@ -556,20 +556,28 @@ def _encode_and_put(
         stored = sum(map(len, parts))
         telemetry.bytes_total.inc(len(raw), kind="raw")
         telemetry.bytes_total.inc(stored, kind="stored")
-    except ObjectExistsError as exc:  # another rank or save wrote the same content first
-        stored = store.size(key)
-        if not possible_encoded_size(stored, len(raw)):  # an index naming it would never load
-            raise StorageError(
-                f"{store.url(key)} is already there, and the store says it is {stored} bytes, "
-                f"which no encoding of its {len(raw)} bytes is (damaged, or a store answering "
-                "sizes wrong): this save fails rather than reference it"
-            ) from exc
+    except ObjectExistsError:  # another rank or save wrote the same content first
+        stored = existing_chunk_size(store, key, len(raw))
         store.refresh(key)  # a step that names it now is as young as the chunks it wrote
     if governor is not None:
         governor.observe_put(
             stored=sum(map(len, parts)), put_s=time.perf_counter() - t1, compressed=compress
         )
     return ChunkInfo(len(raw), stored)
+
+
+def existing_chunk_size(store: Store, key: str, raw_len: int) -> int:
+    """The size of the chunk at ``key`` that a put found already there, refused where no
+    encoding of its ``raw_len`` bytes has it (a damaged leftover, a store answering sizes
+    wrong): an index naming it would never load."""
+    stored = store.size(key)
+    if not possible_encoded_size(stored, raw_len):
+        raise StorageError(
+            f"{store.url(key)} is already there, and the store says it is {stored} bytes, "
+            f"which no encoding of its {raw_len} bytes is (damaged, or a store answering "
+            "sizes wrong): this save fails rather than reference it"
+        )
+    return stored
 
 
 def _joined(parts: list) -> np.ndarray:

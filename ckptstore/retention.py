@@ -121,6 +121,7 @@ def collect(
     known: set[tuple[int, str]] | None = None,
     warn: bool = True,
     young_s: float = 0.0,
+    just_committed: int | None = None,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -139,12 +140,15 @@ def collect(
     chunk never stands in for one that loads). ``verify_kept``, ``verify_healthy``, ``known``: see
     ``_verify_kept``.
     ``warn=False``: the report's findings logged at INFO (a caller that prints it).
-    ``young_s``: see ``_unreferenced_chunks``."""
+    ``young_s``: see ``_unreferenced_chunks``. ``just_committed``: the step the caller has
+    just committed; a listing of commits/ without it lags the store's writes, and may lack
+    older steps as well: ``StorageError``, nothing deleted."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
+    listed = _listed_with(store, just_committed)
     # keep_steps are read even where the listing lags behind their commit (the save's own)
-    readable = _read_steps(store, sorted(set(list_steps(store)) | set(keep_steps)), report)
+    readable = _read_steps(store, sorted(set(listed) | set(keep_steps)), report)
     if verify_chunks:
         _verify_chunks(store, readable, report, sorted(readable))
     elif check_chunks:
@@ -166,23 +170,25 @@ def collect(
         lease = Lease(store, GC, uuid.uuid4().hex, ttl_s=lease_ttl_s).acquire()
     try:
         _sweep(
-            store,
-            report,
-            gone,
-            readable,
-            ignore_attempts,
-            lease_ttl_s,
-            lease,
-            keep_attempts,
-            level,
-            set(keep_steps),
-            keep_chunks,
-            young_s,
-        )
+            store, report, gone, readable, ignore_attempts, lease_ttl_s, lease, keep_attempts,
+            level, set(keep_steps), keep_chunks, young_s,
+        )  # fmt: skip
     finally:
         if lease is not None:
             lease.release_when_settled(SETTLE_TIMEOUT_S)
     return report
+
+
+def _listed_with(store: Store, just_committed: int | None) -> list[int]:
+    """The steps the store lists; ``StorageError`` when they lack ``just_committed``."""
+    listed = list_steps(store)
+    if just_committed is not None and just_committed not in listed:
+        raise StorageError(
+            f"{store.uri}: the listing of commits/ lacks step {just_committed}, just committed: "
+            "the store's listing lags its writes, and the steps it leaves out would lose their "
+            "chunks; nothing was deleted"
+        )
+    return listed
 
 
 def _quarantine(
@@ -377,13 +383,17 @@ def _refuse_a_listing_that_misses_chunks(
 ) -> None:
     """``StorageError`` (nothing judged, nothing deleted) when a chunk the listing lacks is
     there when asked for by its key: the listing does not see this store's keys (``s3:///b``
-    listed them with the bucket in front), and every step would have been taken for corrupt."""
-    missing = next((d for s in readable.values() for d in s.chunks if d not in present), None)
-    if missing is not None and store.exists(chunk_key(missing)):
+    listed them with the bucket in front), or lags its writes, and the steps naming it would
+    have been taken for corrupt. Every chunk the listing lacks is asked for (one really gone
+    says nothing of the others)."""
+    missing = sorted({d for s in readable.values() for d in s.chunks if d not in present})
+    keys = [chunk_key(d) for d in missing]
+    there = next((k for k, found in zip(keys, store.map(store.exists, keys)) if found), None)
+    if there is not None:
         raise StorageError(
-            f"gc {store.uri}: the listing of chunks/ lacks {chunk_key(missing)}, which is there "
-            "when read by its key: the store's listing does not match its keys (check the "
-            "URI); nothing was deleted"
+            f"gc {store.uri}: the listing of chunks/ lacks {there}, which is there when read "
+            "by its key: the store's listing does not match its keys (check the URI) or lags "
+            "its writes; nothing was deleted"
         )
 
 

@@ -364,6 +364,14 @@ class StoreWriter(StorageWriter, PooledStager):
         """What this rank moved in the last save's peer copies (tiers with ``peer_copies``)."""
         return self._tiers.last_peer_copy if self._tiers is not None else None
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # async_save stages on its caller's thread, in the job's process group: a writer made
+        # before the group learns it here, so that its save reaching it after the group is
+        # destroyed is refused (and named at exit) as any other writer's is.
+        if self._made_in_world == 0 and (world := _world_size()) > 0:
+            self._made_in_world, self.rank = world, _rank()
+        return super().stage(state_dict)
+
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
 

@@ -452,7 +452,9 @@ class SaveSession:
         if self.engine.keep_last is None:
             return
         try:
-            report = self._retention(ignore_attempts={self.attempt}, keep_steps={self.step})
+            report = self._retention(
+                ignore_attempts={self.attempt}, keep_steps={self.step}, just_committed=self.step
+            )
         except CheckpointError as exc:
             logger.warning(
                 "retention in %s failed (will retry after the next save): %s", self.store.uri, exc

@@ -43,6 +43,7 @@ from ckptstore.store.retry import (
     is_access_error,
     is_busy,
     is_transient,
+    is_unanswered,
     whoami,
 )
 
@@ -212,6 +213,7 @@ class Store:
         end = time.monotonic() + budget
         floor = min(_MIN_ATTEMPT_S, policy.timeout_s / 4)
         made = 0
+        unanswered = False
         attempt = -1
         while (attempt := attempt + 1) < policy.attempts or (
             policy.total_s is not None and is_busy(last)
@@ -245,6 +247,7 @@ class Store:
                 except TimeoutError:
                     if not future.cancel() and op in _MUTATING_OPS:
                         self._track_abandoned(future, op)
+                    unanswered = True
                     last = StorageTimeoutError(
                         f"{op} {self.url(key)}: no answer within {deadline:.1f}s{self._from()}"
                     )
@@ -260,10 +263,14 @@ class Store:
                     continue
                 if error is None:
                     return future.result()
+            unanswered = unanswered or is_unanswered(error)
             if not is_transient(error):
                 if op == "put" and self._landed(request, made, error, args):
                     return None  # type: ignore[return-value] - the earlier attempt landed
-                raise self._translate(op, key, error) from error
+                translated = self._translate(op, key, error)
+                if isinstance(translated, StorageError):
+                    translated.unanswered = unanswered
+                raise translated from error
             last = error
             logger.info(
                 "%s %s: attempt %d failed (%s)",
@@ -273,16 +280,24 @@ class Store:
                 error,
                 extra=_RETRY_LOG,
             )
-        tries = f"{made} attempt{'s' if made != 1 else ''}"
+        waited = budget - max(0.0, end - time.monotonic())
+        raise self._gave_up(request, last, made, waited, unanswered) from last
+
+    def _gave_up(
+        self, request: Request, last: BaseException | None, made: int, waited: float,
+        unanswered: bool,
+    ) -> StorageError:  # fmt: skip
+        """The error of a request whose ``made`` attempts failed, the last with ``last``."""
+        op, where, tries = request.op, self.url(request.key), f"{made} attempt{'s' * (made != 1)}"
         if isinstance(last, StorageTimeoutError):
-            waited = budget - max(0.0, end - time.monotonic())
-            raise StorageTimeoutError(
-                f"{op} {self.url(key)}: no answer within {waited:.1f}s{self._from()} ({tries})"
-            ) from last
-        where = f" (endpoint {self.endpoint})" if self.backend.remote else ""
-        raise StorageError(
-            f"{op} {self.url(key)} failed after {tries}{where}: {describe(last)}"
-        ) from last
+            final: StorageError = StorageTimeoutError(
+                f"{op} {where}: no answer within {waited:.1f}s{self._from()} ({tries})"
+            )
+        else:
+            at = f" (endpoint {self.endpoint})" if self.backend.remote else ""
+            final = StorageError(f"{op} {where} failed after {tries}{at}: {describe(last)}")
+        final.unanswered = unanswered
+        return final
 
     def _from(self) -> str:
         """`` from <endpoint>`` for a remote store (messages about requests with no answer)."""

@@ -134,6 +134,15 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def is_unanswered(exc: BaseException) -> bool:
+    """True for a request the client gave up waiting on (a read timeout): the server may
+    have it still, and apply it later."""
+    return any(
+        isinstance(link, TimeoutError) or "ReadTimeout" in type(link).__name__
+        for link in _chain(exc)
+    )
+
+
 def is_busy(exc: BaseException | None) -> bool:
     """True for a server's "busy, try later" (throttling, 5xx): worth retrying for as long as
     the request's deadline allows, not only ``attempts`` times."""

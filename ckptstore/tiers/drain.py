@@ -34,7 +34,13 @@ from ckptstore.errors import (
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.leases import SAVE, Lease
-from ckptstore.pipeline import Rechecks, chunk_damage, release_free_memory, rewrite_chunk
+from ckptstore.pipeline import (
+    Rechecks,
+    chunk_damage,
+    existing_chunk_size,
+    release_free_memory,
+    rewrite_chunk,
+)
 from ckptstore.save.collective import save_collective
 from ckptstore.save.once import gather_stored, share_out
 from ckptstore.save.session import RankWritten, SaveSession
@@ -218,7 +224,7 @@ def _copy_chunk(
     try:
         durable.put(key, data, hedged=session.engine.hedge_uploads, shared=True)
     except ObjectExistsError:  # another rank or save stored it, maybe encoded otherwise
-        return digest, ChunkInfo(info.raw, durable.size(key))
+        return digest, ChunkInfo(info.raw, existing_chunk_size(durable, key, info.raw))
     return digest, info
 
 

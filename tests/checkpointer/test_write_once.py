@@ -367,3 +367,23 @@ def test_a_chunk_already_there_at_a_size_no_encoding_has_is_not_referenced(tmp_p
         loaded = {"w": torch.zeros(1000)}
         ckpt.load(loaded)
     assert torch.equal(loaded["w"], state["w"])
+
+
+def test_a_drain_meeting_a_chunk_at_a_size_no_encoding_has_does_not_commit(tmp_path):
+    """The fix's adversary: with tiers, the drain to durable storage took the size of a damaged
+    leftover there (0 bytes) unchecked, and committed a durable step that never loaded."""
+    from ckptstore import TierOptions
+
+    state = {"w": torch.arange(1000.0)}
+    with Checkpointer(tmp_path / "scratch", encoding=EncodingOptions(compression="none")) as c:
+        c.save(1, state).wait()
+        (key,) = c.store.list("chunks")
+    durable = tmp_path / "durable"
+    (durable / key).parent.mkdir(parents=True)
+    (durable / key).write_bytes(b"")  # a damaged leftover, referenced by no step
+    tiers = TierOptions(local_dir=str(tmp_path / "local"))
+    with Checkpointer(durable, tiers=tiers, encoding=EncodingOptions(compression="none")) as c:
+        c.save(5, state).wait()  # committed to the local tier
+        with pytest.raises(CheckpointError, match="0 bytes, which no encoding of its 4032 bytes"):
+            c.wait()  # the drain
+    assert list_steps(Store(str(durable))) == []

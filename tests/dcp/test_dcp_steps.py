@@ -392,8 +392,10 @@ import torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckptstore.dcp import StoreWriter
 warnings.simplefilter("ignore")
-rank, uri, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, uri, port, made = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+writer = StoreWriter(uri) if made == "before" else None
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+writer = writer or StoreWriter(uri)
 gate = threading.Event()  # the save reaches the writer only once the group is gone
 set_up = StoreWriter.set_up_storage_writer
 def set_up_after_the_gate(self, *args, **kwargs):
@@ -401,7 +403,7 @@ def set_up_after_the_gate(self, *args, **kwargs):
     return set_up(self, *args, **kwargs)
 StoreWriter.set_up_storage_writer = set_up_after_the_gate
 group = dist.new_group(backend="gloo")
-dcp.async_save({"w": torch.full((64,), float(rank))}, storage_writer=StoreWriter(uri),
+dcp.async_save({"w": torch.full((64,), float(rank))}, storage_writer=writer,
                checkpoint_id=7, process_group=group)
 dist.destroy_process_group()  # a torchrun script's last line, the save not waited for
 gate.set()
@@ -410,13 +412,16 @@ print("RETURNED", flush=True)
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("made", ["after", "before"])
 def test_an_unwaited_async_save_refused_after_the_group_is_destroyed_is_named_at_exit(
-    tmp_path,
+    tmp_path, made
 ):
     """A new user of stop 80 (HIGH): ``async_save`` then ``destroy_process_group()`` without
     waiting: the writer refused the save as it reached it (as above), before recording it,
     and both ranks exited 0 in silence with nothing committed; the next resume went back a
-    step without a word. Each rank now names it at exit and exits 1."""
+    step without a word. Each rank now names it at exit and exits 1. The fix's adversary: a
+    writer made before ``init_process_group`` knew no group, refused nothing, and rank 0 at
+    times committed step 7 alone; it learns the group as ``async_save`` stages."""
     import subprocess
     import sys
 
@@ -427,7 +432,7 @@ def test_an_unwaited_async_save_refused_after_the_group_is_destroyed_is_named_at
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-c", _UNWAITED_AFTER_THE_GROUP]
     ranks = [
-        subprocess.Popen([*argv, str(r), uri, port], env=env, text=True,
+        subprocess.Popen([*argv, str(r), uri, port, made], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for r in range(2)
     ]  # fmt: skip

@@ -952,3 +952,64 @@ def test_a_sweep_stopped_mid_way_ends_its_running_deletes_before_its_lease_goes(
         Lease.release = release
         go.set()
     assert events == ["delete ended", "gc lease released"], events
+
+
+def test_a_saves_retention_on_a_listing_that_lags_deletes_nothing(tmp_path, monkeypatch, caplog):
+    """A listing adversary of stop 80 (HIGH): commits/ and indexes/ listed empty for a while
+    (a store whose listings lag its writes), a save's keep_last=2 retention took every older
+    step's chunks for unreferenced and deleted them, the kept step 3's too: its manifest
+    stayed, listed healthy, and it never loaded. The listing lacks the step just committed:
+    retention says so and deletes nothing (the next save's retries)."""
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri, keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+        before = chunk_files(tmp_path / "s")
+        real = Store.list
+
+        def lagging(self, prefix="", *args, **kwargs):
+            return [] if prefix in ("commits", "indexes") else real(self, prefix, *args, **kwargs)
+
+        monkeypatch.setattr(Store, "list", lagging)
+        with caplog.at_level("WARNING", logger="ckptstore"):
+            ckpt.save(4, {"w": torch.full((4096,), 4.0)}).wait()
+        monkeypatch.undo()
+        said = [r.getMessage() for r in caplog.records if "retention in" in r.getMessage()]
+        assert len(said) == 1 and "lacks step 4, just committed" in said[0], said
+        assert before <= chunk_files(tmp_path / "s")
+        assert list_steps(Store(uri)) == [2, 3, 4]
+        ckpt.save(5, {"w": torch.full((4096,), 5.0)}).wait()  # the listing caught up
+    assert list_steps(Store(uri)) == [4, 5] and verify_all(uri) == [4, 5]
+
+
+def test_gc_asks_for_every_chunk_the_listing_lacks_before_calling_a_step_corrupt(
+    tmp_path, monkeypatch
+):
+    """A listing adversary of stop 80 (HIGH): step 1 had really lost its chunk, and the
+    listing of chunks/ also left out step 3's (there when read by its key); gc asked for the
+    first chunk missing only, found it gone, believed the rest, and ``--remove-corrupt``
+    deleted the intact newest step. Every chunk the listing lacks is asked for."""
+    from ckptstore.format import chunk_key
+    from ckptstore.steps import StepView
+
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    store = Store(uri)
+    (lost,) = StepView.open(store, 1).indexes()[0].chunks
+    (hidden,) = StepView.open(store, 3).indexes()[0].chunks
+    os.unlink(tmp_path / "s" / chunk_key(lost))
+    real = Store.list_sizes
+
+    def hiding(self, prefix="", *args, **kwargs):
+        found = real(self, prefix, *args, **kwargs)
+        return {k: v for k, v in found.items() if k != chunk_key(hidden)}
+
+    monkeypatch.setattr(Store, "list_sizes", hiding)
+    with pytest.raises(StorageError, match="lacks chunks/.*which is there when read by its key"):
+        collect(Store(uri), keep_last=None, check_chunks=True, remove_corrupt=True)
+    monkeypatch.undo()
+    assert list_steps(store) == [1, 2, 3]
+    report = collect(Store(uri), keep_last=None, check_chunks=True, remove_corrupt=True)
+    assert report.removed_corrupt == [1] and list_steps(store) == [2, 3]

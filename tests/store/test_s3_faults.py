@@ -100,30 +100,43 @@ def test_a_read_the_s3_client_dropped_unanswered_is_a_storage_error(s3_endpoint,
         store.get("blob")
 
 
-def test_a_commit_a_server_applies_after_the_client_gave_up_is_unknown_not_failed(s3_endpoint):
+@pytest.mark.parametrize("then", ["nothing", "busy"])
+def test_a_commit_a_server_applies_after_the_client_gave_up_is_unknown_not_failed(
+    s3_endpoint, then
+):
     """A storage-fault adversary of stop 80: a manifest put held by the server past the
     request's deadline, then applied, was "step 9 not committed" (a loop retrying it met
     StepExistsError), and the save's lease was deleted at once, so a gc could sweep the chunks
     of a step that became committed a moment later. It is CommitUnknownError, and the lease is
-    left in place to go stale (not renewed), keeping gc off those chunks for its ttl."""
+    left in place to go stale (not renewed), keeping gc off those chunks for its ttl. The fix's
+    adversary: the same when the put's later attempts were answered 503 (only the last
+    attempt's error was looked at), and the lease was judged dead at once once its process was
+    gone; it records that its commit's outcome is unknown, and goes stale by its age only."""
     import time
 
     import torch
 
     from ckptstore import Checkpointer, CommitUnknownError, RetentionOptions, StorageOptions
-    from ckptstore.leases import SAVE, find_leases
+    from ckptstore.leases import SAVE, _lifetime, find_leases
     from tests.helpers.wait import wait_until
 
     bucket = _bucket(s3_endpoint)
     with s3_relay(s3_endpoint) as relay:
-        relay.faults.append(Fault("PUT", "/commits/", "late", delay_s=4.0))
+        relay.faults.append(Fault("PUT", "/commits/", "late", delay_s=4.0 + 4 * (then == "busy")))
+        if then == "busy":
+            relay.faults.append(Fault("PUT", "/commits/", "slowdown", times=1000))
         uri, options = f"s3://{bucket}/run", {"endpoint_url": relay.endpoint}
-        storage, retention = StorageOptions(timeout_s=2), RetentionOptions(lease_ttl_s=4)
+        storage = StorageOptions(timeout_s=2 + 4 * (then == "busy"))
+        retention = RetentionOptions(lease_ttl_s=4)
         with Checkpointer(uri, storage_options=options, storage=storage, retention=retention) as c:
             with pytest.raises(CommitUnknownError, match="the server may still apply that put"):
                 c.save(9, {"w": torch.arange(100.0)}).wait()
             leases = find_leases(c.store, SAVE)
             assert len(leases) == 1 and leases[0].live, leases  # not deleted
+            assert leases[0].doc["outcome_unknown"] is True
+            gone = {**leases[0].doc, "pid": 2**22 + 1}  # its process gone from this machine
+            assert _lifetime(SAVE, gone, True) == 4
+            assert _lifetime(SAVE, {**gone, "outcome_unknown": False}, True) == 0
             wait_until(lambda: c.steps() == [9], timeout_s=30)  # applied after all
             state = {"w": torch.zeros(100)}
             c.load(state)
