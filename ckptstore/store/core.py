@@ -267,10 +267,9 @@ class Store:
             if not is_transient(error):
                 if op == "put" and self._landed(request, made, error, args):
                     return None  # type: ignore[return-value] - the earlier attempt landed
-                translated = self._translate(op, key, error)
-                if isinstance(translated, StorageError):
-                    translated.unanswered = unanswered
-                raise translated from error
+                # No local holds the error raised: this frame, in its traceback, would make a
+                # cycle of it (and the caller's locals) that only the cyclic GC frees.
+                raise self._translate(op, key, error, unanswered) from error
             last = error
             logger.info(
                 "%s %s: attempt %d failed (%s)",
@@ -345,7 +344,16 @@ class Store:
         expected = b"".join(map(bytes, data)) if isinstance(data, list) else bytes(data)
         return stored == expected
 
-    def _translate(self, op: str, key: str, exc: BaseException) -> BaseException:
+    def _translate(
+        self, op: str, key: str, exc: BaseException, unanswered: bool = False
+    ) -> StorageError:
+        """``exc`` as the store's error of ``op`` on ``key``; ``unanswered``: an attempt of
+        the request got no answer (``StorageError.unanswered``)."""
+        error = self._translated(op, key, exc)
+        error.unanswered = unanswered
+        return error
+
+    def _translated(self, op: str, key: str, exc: BaseException) -> StorageError:
         where = self.url(key)
         if isinstance(exc, FileExistsError) or (
             isinstance(exc, OSError) and exc.errno == errno.EEXIST
