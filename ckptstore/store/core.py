@@ -379,6 +379,12 @@ class Store:
             return StorageFullError(f"{op} {where}: {_FULL_ERRNOS[exc.errno]}")
         if isinstance(exc, StorageError):
             return exc
+        if op == "list" and isinstance(exc, KeyError) and self.backend.remote:
+            # s3fs reading a page that says it is cut short and names no next page
+            return StorageError(
+                f"list {where}: {self.endpoint} answered a listing page s3fs cannot follow "
+                f"(missing {exc}): the endpoint cut or garbled its listing"
+            )
         return StorageError(f"{op} {where} failed: {describe(exc)}")
 
     # -- single requests --------------------------------------------------------------------

@@ -144,3 +144,18 @@ def test_a_commit_a_server_applies_after_the_client_gave_up_is_unknown_not_faile
             renewed = leases[0].doc["renewed_at"]
             time.sleep(2.5)  # renewed every second while held
             assert [x.doc["renewed_at"] for x in find_leases(c.store, SAVE)] == [renewed]
+
+
+def test_a_listing_page_cut_short_without_a_next_page_is_named(s3_uri, monkeypatch):
+    """A listing adversary of stop 80 (LOW): a page that says it is cut short and names no
+    next page came out of s3fs as "list ... failed: KeyError: 'NextContinuationToken'"."""
+    from ckptstore import StorageError
+
+    store = Store(s3_uri)
+
+    def cut(path):
+        raise KeyError("NextContinuationToken")
+
+    monkeypatch.setattr(store.backend, "list", cut)
+    with pytest.raises(StorageError, match="answered a listing page s3fs cannot follow"):
+        store.list("commits")
