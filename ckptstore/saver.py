@@ -21,7 +21,7 @@ import torch
 
 from ckptstore import telemetry
 from ckptstore.errors import CheckpointError, StepExistsError
-from ckptstore.format import KIND_STATE, commit_key
+from ckptstore.format import KIND_STATE
 from ckptstore.health import StepHealth
 from ckptstore.peer import PeerReplicas, replica_meta
 from ckptstore.save import RankWritten, SaveEngine, SaveSession, Staged
@@ -30,7 +30,7 @@ from ckptstore.store import Store, set_thread_nice
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
 from ckptstore.tiers.policy import DurableCadence
-from ckptstore.tiers.saving import TierSaver
+from ckptstore.tiers.saving import TierSaver, durable_holds
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class SaveWorker:
         """Rank 0: the error of a tiered save of a step the durable store holds (a rollback,
         or a second job on the store), as a durable save would meet it at its commit: a
         restore prefers the durable save of a step, so the local one would never load."""
-        if self.rank != 0 or not self.store.exists(commit_key(step)):
+        if self.rank != 0 or not durable_holds(self.store, step):
             return None
         return StepExistsError(
             f"step {step} is already committed in {self.store.uri}; steps are write-once (a "

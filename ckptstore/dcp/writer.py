@@ -75,7 +75,13 @@ from ckptstore.tiers.group import RankGroup, front_end_group, refuse_options_apa
 from ckptstore.tiers.identity import store_identity
 from ckptstore.tiers.local import LocalTier
 from ckptstore.tiers.policy import DurableCadence, Topology
-from ckptstore.tiers.saving import LocalCommit, TierSaver, open_tiers
+from ckptstore.tiers.saving import (
+    LocalCommit,
+    TierSaver,
+    durable_holds,
+    durable_steps,
+    open_tiers,
+)
 from ckptstore.tiers.transfer import TransferStats, wait_written
 
 logger = logging.getLogger(__name__)
@@ -456,14 +462,17 @@ class StoreWriter(StorageWriter, PooledStager):
     def _plan_global(self, plans: list[SavePlan], step: int | None) -> list[SavePlan]:
         uri = self._save_store().uri
         with self._plan_lock:
+            local = self._local is not None and self._save_store() is self.store
             if step is None:
-                steps = list_steps(self._save_store())
+                steps = durable_steps(self.store) if local else list_steps(self._save_store())
                 if self._local is not None:  # steps only the local tiers hold count too
                     steps = sorted({*steps, *self._local.copies(self.rank)})
                 step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
-            elif self._save_store().exists(commit_key(step)) or (
-                self._tiers is not None and step in self._tiers.committed
-            ):
+            elif (
+                durable_holds(self.store, step)
+                if local
+                else self._save_store().exists(commit_key(step))
+            ) or (self._tiers is not None and step in self._tiers.committed):
                 raise StepExistsError(
                     f"step {step} is already committed in {uri}"
                     f"{' or its local tiers' if self._local is not None else ''}; steps are "
@@ -578,8 +587,13 @@ class StoreWriter(StorageWriter, PooledStager):
         o = self.options
         return front_end_group(o["storage"], tiered=tiered, gc_wait_s=o["retention"].gc_wait_s)
 
-    def _check_not_committed(self, target: _SaveTarget) -> None:
-        if target.durable and self._save_store().exists(commit_key(target.step)):
+    def _check_not_committed(self, target: _SaveTarget, tiered: bool = False) -> None:
+        """``StepExistsError`` where the store holds the step (tiered: a store that does not
+        answer is taken not to, the local tier taking the save: ``durable_holds``)."""
+        store, step = self._save_store(), target.step
+        if target.durable and (
+            durable_holds(store, step) if tiered else store.exists(commit_key(step))
+        ):
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise StepExistsError(
                 f"rank {self.rank}: step {target.step} is already committed in "
@@ -728,7 +742,7 @@ class StoreWriter(StorageWriter, PooledStager):
         staged: HeldStaging | None = None
         fatal: BaseException | None = None  # this rank cannot take part in the save at all
         try:
-            self._check_not_committed(target)
+            self._check_not_committed(target, tiered=True)
             tensors = [item_tensor(item, planner) for item in items]
             staged = self._take_staged(tensors)
         except Exception as exc:  # noqa: BLE001 - the other ranks hear of it, then it is raised

@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptstore.catalog import list_steps
 from ckptstore.errors import CheckpointError, RankLostError, StepExistsError, one_line
-from ckptstore.format import chunk_key
+from ckptstore.format import chunk_key, commit_key
 from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.render import rank_ranges
 from ckptstore.retention import drop_step
@@ -31,6 +31,38 @@ from ckptstore.tiers.resumes import record_resume
 from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_written
 
 logger = logging.getLogger(__name__)
+
+
+def durable_holds(store: Store, step: int) -> bool:
+    """Whether the durable ``store`` holds ``step`` committed, asked before a tiered save of
+    it; a store that does not answer is taken not to (with a WARNING): the local tier takes
+    the save, as it does while the durable store is out, and the step's drain there is
+    refused if it does hold it."""
+    try:
+        return store.exists(commit_key(step))
+    except CheckpointError as exc:
+        logger.warning(
+            "step %d: could not ask %s whether it holds that step (%s): saved to the local tier; "
+            "its drain is refused if the store does",
+            step,
+            store.uri,
+            one_line(exc),
+        )
+        return False
+
+
+def durable_steps(store: Store) -> list[int]:
+    """The steps the durable ``store`` lists, for a tiered save numbering its step; [] (with a
+    WARNING) where it does not answer: the local copies number it."""
+    try:
+        return list_steps(store)
+    except CheckpointError as exc:
+        logger.warning(
+            "could not list the steps of %s (%s): the local tier's steps number this save",
+            store.uri,
+            one_line(exc),
+        )
+        return []
 
 
 @dataclass

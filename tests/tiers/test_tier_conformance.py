@@ -917,6 +917,57 @@ def test_a_save_bound_for_durable_storage_that_fails_there_passes_it_to_the_next
     assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
 
 
+class _Down:
+    """A store backend every request of which is refused while ``down`` is set (an outage)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.down = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down.is_set():
+                raise ConnectionRefusedError(111, "Connection refused (an outage)")
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def test_saves_go_on_to_the_local_tier_while_the_durable_store_is_out(make, tmp_path, caplog):
+    """A tier adversary of stop 80 (HIGH): a tiered Checkpointer save whose check that the
+    durable store does not hold the step failed (the store out for 2 s) raised on rank 0
+    before the ranks' vote on the local commit, and the other ranks waited in it for good;
+    a tiered DCP save failed on every rank, so no checkpoint was taken for the length of the
+    outage. The local tier takes the saves, with one WARNING each; the drains then fail, and
+    the first save after the outage drains."""
+    store = Store(str(tmp_path / "durable"))
+    outage = _Down(store.backend)
+    store.backend = outage
+    front = make(store=store, durable_every=2, local_keep_last=5, timeout_s=1.0)
+    front.save(1, _state(1))
+    front.wait_durable()
+    outage.down.set()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        for step in (2, 3):
+            front.save(step, _state(step))
+    said = [r.getMessage() for r in caplog.records if "could not ask" in r.getMessage()]
+    assert said and all("saved to the local tier" in line for line in said), said
+    assert {2, 3} <= set(_local_copies(tmp_path))
+    outage.down.clear()
+    with contextlib.suppress(CheckpointError):  # step 3's drain, if it ran in the outage
+        front.wait_durable()
+    front.durable_next()
+    front.save(4, _state(4))
+    front.wait_durable()
+    assert list_steps(Store(str(tmp_path / "durable")))[-1] == 4
+    target = _blank()
+    assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
+
+
 @pytest.fixture
 def rechecking(front_type, monkeypatch):
     """Front-ends of this test whose saves read back every chunk they reference unwritten."""
