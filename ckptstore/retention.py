@@ -121,7 +121,7 @@ def collect(
     known: set[tuple[int, str]] | None = None,
     warn: bool = True,
     young_s: float = 0.0,
-    just_committed: int | None = None,
+    listed_since: int | None = None,
 ) -> GcReport:
     """Keep the newest ``keep_last`` readable steps (all if None); sweep what nothing kept
     references.
@@ -140,13 +140,14 @@ def collect(
     chunk never stands in for one that loads). ``verify_kept``, ``verify_healthy``, ``known``: see
     ``_verify_kept``.
     ``warn=False``: the report's findings logged at INFO (a caller that prints it).
-    ``young_s``: see ``_unreferenced_chunks``. ``just_committed``: the step the caller has
-    just committed; a listing of commits/ without it lags the store's writes, and may lack
-    older steps as well: ``StorageError``, nothing deleted."""
+    ``young_s``: see ``_unreferenced_chunks``. ``listed_since``: a step the caller committed
+    a save ago; a listing of commits/ without it (unless deleted since) lags the store's writes
+    and may lack other steps, whose chunks would look unreferenced: ``StorageError``, nothing
+    deleted."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
-    listed = _listed_with(store, just_committed)
+    listed = _listed_with(store, listed_since)
     # keep_steps are read even where the listing lags behind their commit (the save's own)
     readable = _read_steps(store, sorted(set(listed) | set(keep_steps)), report)
     if verify_chunks:
@@ -179,12 +180,13 @@ def collect(
     return report
 
 
-def _listed_with(store: Store, just_committed: int | None) -> list[int]:
-    """The steps the store lists; ``StorageError`` when they lack ``just_committed``."""
+def _listed_with(store: Store, step: int | None) -> list[int]:
+    """The steps the store lists; ``StorageError`` when they lack ``step`` and its commit is
+    there when read by its key."""
     listed = list_steps(store)
-    if just_committed is not None and just_committed not in listed:
+    if step is not None and step not in listed and store.exists(commit_key(step)):
         raise StorageError(
-            f"{store.uri}: the listing of commits/ lacks step {just_committed}, just committed: "
+            f"{store.uri}: the listing of commits/ lacks step {step}, committed a save ago: "
             "the store's listing lags its writes, and the steps it leaves out would lose their "
             "chunks; nothing was deleted"
         )
@@ -378,15 +380,23 @@ def _check_chunks_present(store: Store, readable: dict[int, _Step], report: GcRe
             del readable[step]
 
 
+_ASKED_AT_MOST = 64
+
+
 def _refuse_a_listing_that_misses_chunks(
     store: Store, readable: dict[int, _Step], present: dict[str, int]
 ) -> None:
     """``StorageError`` (nothing judged, nothing deleted) when a chunk the listing lacks is
     there when asked for by its key: the listing does not see this store's keys (``s3:///b``
     listed them with the bucket in front), or lags its writes, and the steps naming it would
-    have been taken for corrupt. Every chunk the listing lacks is asked for (one really gone
-    says nothing of the others)."""
-    missing = sorted({d for s in readable.values() for d in s.chunks if d not in present})
+    have been taken for corrupt. Each step's first chunk the listing lacks is asked for, the
+    newest steps' first and ``_ASKED_AT_MOST`` in all (one chunk really gone says nothing of
+    another step's; a store that lost thousands costs no request per chunk)."""
+    firsts = (
+        next((d for d in sorted(readable[s].chunks) if d not in present), None)
+        for s in sorted(readable, reverse=True)
+    )
+    missing = list(dict.fromkeys(d for d in firsts if d is not None))[:_ASKED_AT_MOST]
     keys = [chunk_key(d) for d in missing]
     there = next((k for k, found in zip(keys, store.map(store.exists, keys)) if found), None)
     if there is not None:

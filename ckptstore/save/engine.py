@@ -159,6 +159,9 @@ class SaveEngine:
         self._loop_peak_seen = False  # "auto": its first save has passed (a step ran since)
         self.keep_last = keep_last
         self.retained_good: set[tuple[int, str]] = set()  # (step, attempt) retention re-hashed
+        # by store URI: the step this engine committed there last (its retention's check that
+        # the store's listing does not lag)
+        self.committed_last: dict[str, int] = {}
         self.lease_ttl_s = lease_ttl_s
         self.gc_wait_s = gc_wait_s
         self.health = health or HealthPolicy()

@@ -451,9 +451,13 @@ class SaveSession:
         (what ``wait()`` reports committed is there when it returns), with a warning."""
         if self.engine.keep_last is None:
             return
+        # The step this engine committed before lists by now where the listing works; one
+        # lacking it lags, and may lack others, whose chunks would look unreferenced.
+        earlier = self.engine.committed_last.get(self.store.uri)
+        self.engine.committed_last[self.store.uri] = self.step
         try:
             report = self._retention(
-                ignore_attempts={self.attempt}, keep_steps={self.step}, just_committed=self.step
+                ignore_attempts={self.attempt}, keep_steps={self.step}, listed_since=earlier
             )
         except CheckpointError as exc:
             logger.warning(

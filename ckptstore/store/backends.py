@@ -510,7 +510,16 @@ class LocalBackend(FsspecBackend):
         except FileNotFoundError:
             pass
         except IsADirectoryError:
-            os.rmdir(target)  # an empty directory planted at a key; a full one stays, said
+            try:
+                os.rmdir(target)  # an empty directory planted at a key
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY:
+                    raise
+                raise IsADirectoryError(
+                    errno.EISDIR,
+                    f"{target} is a directory with files in it, where an object belongs: not "
+                    "deleted (move it out of the store)",
+                ) from None
         self._prune(os.path.dirname(path))
 
     def _prune(self, directory: str) -> None:

@@ -136,11 +136,14 @@ def is_transient(exc: BaseException) -> bool:
 
 def is_unanswered(exc: BaseException) -> bool:
     """True for a request the client gave up waiting on (a read timeout): the server may
-    have it still, and apply it later."""
-    return any(
-        isinstance(link, TimeoutError) or "ReadTimeout" in type(link).__name__
-        for link in _chain(exc)
-    )
+    have it still, and apply it later. Not a connection that never opened (a connect
+    timeout, which aiohttp raises as a ``TimeoutError`` too): nothing was sent."""
+    links = list(_chain(exc))
+    if any("ConnectTimeout" in type(link).__name__ or "ConnectionTimeout" in type(link).__name__
+           for link in links):  # fmt: skip
+        return False
+    return any(isinstance(link, TimeoutError) or "ReadTimeout" in type(link).__name__
+               for link in links)  # fmt: skip
 
 
 def is_busy(exc: BaseException | None) -> bool:

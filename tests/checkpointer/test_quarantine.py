@@ -551,6 +551,23 @@ def test_a_fifo_or_a_link_out_at_an_index_or_commit_key_is_skipped_and_quarantin
     assert 2 in quarantined(store).values() and outside.read_bytes()
 
 
+def test_a_directory_with_files_at_a_commit_key_is_named_not_deleted(tmp_path, capsys):
+    """The fix's adversary of stop 80 (MED): a directory with files in it at a commit key
+    made ``gc --remove-corrupt`` end in a raw "OSError: [Errno 39] Directory not empty". It
+    says what is there, deletes none of it, and exits 1."""
+    root = tmp_path / "s"
+    _resume(root, 2)
+    path = root / commit_key(2)
+    path.chmod(0o644)
+    path.unlink()
+    path.mkdir()
+    (path / "notes.txt").write_text("someone's")
+    assert main(["gc", str(root), "--remove-corrupt"]) == 1
+    err = capsys.readouterr().err
+    assert "is a directory with files in it, where an object belongs: not deleted" in err, err
+    assert len(err.strip().splitlines()) == 1 and (path / "notes.txt").exists()
+
+
 def _during_the_check(monkeypatch, action) -> None:
     """``action()`` once, right after the quarantine's first look at the damaged chunks (a
     concurrent process acting between that check and the move)."""

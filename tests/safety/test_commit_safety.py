@@ -958,8 +958,10 @@ def test_a_saves_retention_on_a_listing_that_lags_deletes_nothing(tmp_path, monk
     """A listing adversary of stop 80 (HIGH): commits/ and indexes/ listed empty for a while
     (a store whose listings lag its writes), a save's keep_last=2 retention took every older
     step's chunks for unreferenced and deleted them, the kept step 3's too: its manifest
-    stayed, listed healthy, and it never loaded. The listing lacks the step just committed:
-    retention says so and deletes nothing (the next save's retries)."""
+    stayed, listed healthy, and it never loaded. The listing lacks the step this job
+    committed a save ago: retention says so and deletes nothing (the next save's retries;
+    checking the step just committed instead, the fix's adversary showed, made retention never
+    run beside a listing that lags by less than a save's interval)."""
     uri = str(tmp_path / "s")
     with Checkpointer(uri, keep_last=2) as ckpt:
         for step in (1, 2, 3):
@@ -975,20 +977,20 @@ def test_a_saves_retention_on_a_listing_that_lags_deletes_nothing(tmp_path, monk
             ckpt.save(4, {"w": torch.full((4096,), 4.0)}).wait()
         monkeypatch.undo()
         said = [r.getMessage() for r in caplog.records if "retention in" in r.getMessage()]
-        assert len(said) == 1 and "lacks step 4, just committed" in said[0], said
+        assert len(said) == 1 and "lacks step 3, committed a save ago" in said[0], said
         assert before <= chunk_files(tmp_path / "s")
         assert list_steps(Store(uri)) == [2, 3, 4]
         ckpt.save(5, {"w": torch.full((4096,), 5.0)}).wait()  # the listing caught up
     assert list_steps(Store(uri)) == [4, 5] and verify_all(uri) == [4, 5]
 
 
-def test_gc_asks_for_every_chunk_the_listing_lacks_before_calling_a_step_corrupt(
-    tmp_path, monkeypatch
-):
+def test_gc_asks_for_each_steps_missing_chunk_before_calling_a_step_corrupt(tmp_path, monkeypatch):
     """A listing adversary of stop 80 (HIGH): step 1 had really lost its chunk, and the
     listing of chunks/ also left out step 3's (there when read by its key); gc asked for the
     first chunk missing only, found it gone, believed the rest, and ``--remove-corrupt``
-    deleted the intact newest step. Every chunk the listing lacks is asked for."""
+    deleted the intact newest step. Each step's first chunk the listing lacks is asked for
+    (64 at most: every missing chunk, the fix's adversary showed, cost a request per chunk of
+    a store that lost thousands, on every gc)."""
     from ckptstore.format import chunk_key
     from ckptstore.steps import StepView
 
@@ -1013,3 +1015,22 @@ def test_gc_asks_for_every_chunk_the_listing_lacks_before_calling_a_step_corrupt
     assert list_steps(store) == [1, 2, 3]
     report = collect(Store(uri), keep_last=None, check_chunks=True, remove_corrupt=True)
     assert report.removed_corrupt == [1] and list_steps(store) == [2, 3]
+
+
+def test_a_listing_that_lags_by_less_than_a_save_lets_retention_run(tmp_path, monkeypatch):
+    """The fix's adversary (HIGH): a retention that required the step just committed to be
+    listed never ran beside a listing lagging by a second, saves 1.5 s apart: every save
+    warned, none deleted, and the store grew until full. The step a save before must be."""
+    real = Store.list
+
+    def lagging(self, prefix="", *args, **kwargs):
+        keys = real(self, prefix, *args, **kwargs)
+        return keys[:-1] if prefix == "commits" else keys  # the newest commit not listed yet
+
+    monkeypatch.setattr(Store, "list", lagging)
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri, keep_last=2) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    monkeypatch.undo()
+    assert list_steps(Store(uri)) == [5, 6] and verify_all(uri) == [5, 6]

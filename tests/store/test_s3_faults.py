@@ -159,3 +159,33 @@ def test_a_listing_page_cut_short_without_a_next_page_is_named(s3_uri, monkeypat
     monkeypatch.setattr(store.backend, "list", cut)
     with pytest.raises(StorageError, match="answered a listing page s3fs cannot follow"):
         store.list("commits")
+
+
+def _raised(error: BaseException, during: BaseException | None = None) -> BaseException:
+    """``error`` as raised, with ``during`` as the error it was raised while handling."""
+    try:
+        try:
+            if during is not None:
+                raise during
+        finally:
+            raise error
+    except BaseException as caught:  # noqa: BLE001 - the error built, with its context
+        return caught
+
+
+def test_only_a_request_that_was_sent_and_got_no_answer_is_unanswered():
+    """The fix's adversary (MED): a connection that never opened (aiobotocore's
+    ConnectTimeoutError, raised while handling aiohttp's ConnectionTimeoutError, a
+    TimeoutError) counted as unanswered, so a commit put never sent was CommitUnknownError."""
+    import aiohttp
+    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+    from ckptstore.store.retry import is_unanswered
+
+    never_sent = _raised(
+        ConnectTimeoutError(endpoint_url="http://127.0.0.1:1"), aiohttp.ConnectionTimeoutError()
+    )
+    assert not is_unanswered(never_sent)
+    assert not is_unanswered(_raised(ConnectionRefusedError(111, "refused")))
+    assert is_unanswered(_raised(ReadTimeoutError(endpoint_url="http://127.0.0.1:1")))
+    assert is_unanswered(_raised(TimeoutError("no answer")))
