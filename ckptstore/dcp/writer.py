@@ -464,7 +464,11 @@ class StoreWriter(StorageWriter, PooledStager):
         with self._plan_lock:
             local = self._local is not None and self._save_store() is self.store
             if step is None:
-                steps = durable_steps(self.store) if local else list_steps(self._save_store())
+                # Numbered on from a listing that does not answer only where this writer has
+                # numbered a save of the store before (else a step the store holds, or one
+                # below its newest, which a resume never takes).
+                known = local and uri in self._planned
+                steps = durable_steps(self.store) if known else list_steps(self._save_store())
                 if self._local is not None:  # steps only the local tiers hold count too
                     steps = sorted({*steps, *self._local.copies(self.rank)})
                 step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)

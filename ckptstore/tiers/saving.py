@@ -52,13 +52,15 @@ def durable_holds(store: Store, step: int) -> bool:
 
 
 def durable_steps(store: Store) -> list[int]:
-    """The steps the durable ``store`` lists, for a tiered save numbering its step; [] (with a
-    WARNING) where it does not answer: the local copies number it."""
+    """The steps the durable ``store`` lists, for a tiered save numbering its step after one it
+    numbered before; [] (with a WARNING) where it does not answer: the saves it numbered and the
+    local copies number it."""
     try:
         return list_steps(store)
     except CheckpointError as exc:
         logger.warning(
-            "could not list the steps of %s (%s): the local tier's steps number this save",
+            "could not list the steps of %s (%s): this save is numbered on from the saves "
+            "before it and the local tier's steps",
             store.uri,
             one_line(exc),
         )

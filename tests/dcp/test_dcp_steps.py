@@ -550,3 +550,43 @@ def test_a_save_made_from_within_another_on_its_thread_leaves_the_outer_ones_lea
     dcp.load(got, storage_reader=StoreReader(uri), checkpoint_id=1, no_dist=True)
     assert torch.equal(got["w"], outer["w"])
     verify_all(uri)
+
+
+def test_a_tiered_writer_numbers_no_save_from_a_listing_that_does_not_answer(tmp_path):
+    """The third fix adversary of stop 80 (HIGH): while the durable store's listing failed, a
+    tiered writer on new nodes (an empty local tier) numbered its save 0, a step the store
+    held (its drain refused) and then 1, below the store's newest: a resume took the older
+    durable step and never these. A writer that has numbered no save of the store fails as
+    before, naming the listing; one that has numbers on from its own saves."""
+    from ckptstore import TierOptions
+
+    uri = str(tmp_path / "durable")
+    for step in (0, 2):  # an earlier job's, on other nodes
+        dcp.save(_state(step), storage_writer=StoreWriter(uri), checkpoint_id=step, no_dist=True)
+    store = Store(uri)
+    listing, out = store.backend.list, threading.Event()
+
+    def failing(path, *args, **kwargs):
+        if out.is_set():
+            raise ConnectionRefusedError(111, "Connection refused (an outage)")
+        return listing(path, *args, **kwargs)
+
+    store.backend.list = failing
+    tiers = TierOptions(local_dir=str(tmp_path / "local"), durable_every=4)
+    writer = StoreWriter(uri, tiers=tiers, storage=StorageOptions(store=store, timeout_s=1.0))
+    out.set()
+    with pytest.raises(CheckpointException, match="Connection refused"):
+        dcp.save(_state(5), storage_writer=writer, no_dist=True)
+    out.clear()
+    dcp.save(_state(3), storage_writer=writer, no_dist=True)
+    writer.wait()  # its drain (a writer's first save goes durable)
+    out.set()
+    dcp.save(_state(4), storage_writer=writer, no_dist=True)  # numbered on from its own
+    assert writer.saved_step == 4
+    out.clear()
+    writer.close()
+    target = blank_like(_state(4))
+    reader = StoreReader(uri, tiers=tiers)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.last_load.step == 4
+    assert_same(target, _state(4))
