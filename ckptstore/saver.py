@@ -299,12 +299,18 @@ class SaveWorker:
         self._release(job)
         return True
 
-    def _durable_holds(self, step: int) -> StepExistsError | None:
+    def _durable_holds(self, step: int) -> CheckpointError | None:
         """Rank 0: the error of a tiered save of a step the durable store holds (a rollback,
         or a second job on the store), as a durable save would meet it at its commit: a
         restore prefers the durable save of a step, so the local one would never load."""
-        if self.rank != 0 or not durable_holds(self.store, step):
+        if self.rank != 0:
             return None
+        assert self._tiers is not None
+        try:
+            if not durable_holds(self.store, step, self._tiers.local):
+                return None
+        except CheckpointError as exc:  # not asked since a load: every rank fails the save
+            return exc
         return StepExistsError(
             f"step {step} is already committed in {self.store.uri}; steps are write-once (a "
             "rollback or a second job on this store: save into a new store, or number on "

@@ -459,22 +459,30 @@ class StoreWriter(StorageWriter, PooledStager):
                 self._note_failure(attempt, exc)
             raise
 
+    def _next_step(self, uri: str, tiered: bool) -> int:
+        """The step of a save the writer numbers: after every step the store and the local
+        tiers hold, and every save it numbered. Numbered on from a durable listing that does
+        not answer only where this writer has numbered a save of the store before, and no load
+        came since (else a step the store holds, or one below its newest: no resume takes it)."""
+        known = (
+            tiered
+            and uri in self._planned
+            and not (self._local is not None and self._local.durable_unasked)
+        )
+        steps = durable_steps(self.store) if known else list_steps(self._save_store())
+        if self._local is not None:  # steps only the local tiers hold count too
+            steps = sorted({*steps, *self._local.copies(self.rank)})
+        return max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
+
     def _plan_global(self, plans: list[SavePlan], step: int | None) -> list[SavePlan]:
         uri = self._save_store().uri
         with self._plan_lock:
             local = self._local is not None and self._save_store() is self.store
             if step is None:
-                # Numbered on from a listing that does not answer only where this writer has
-                # numbered a save of the store before (else a step the store holds, or one
-                # below its newest, which a resume never takes).
-                known = local and uri in self._planned
-                steps = durable_steps(self.store) if known else list_steps(self._save_store())
-                if self._local is not None:  # steps only the local tiers hold count too
-                    steps = sorted({*steps, *self._local.copies(self.rank)})
-                step = max(steps[-1] + 1 if steps else 0, self._planned.get(uri, -1) + 1)
+                step = self._next_step(uri, local)
             elif (
-                durable_holds(self.store, step)
-                if local
+                durable_holds(self.store, step, self._local)
+                if local and self._local is not None
                 else self._save_store().exists(commit_key(step))
             ) or (self._tiers is not None and step in self._tiers.committed):
                 raise StepExistsError(
@@ -596,7 +604,9 @@ class StoreWriter(StorageWriter, PooledStager):
         answer is taken not to, the local tier taking the save: ``durable_holds``)."""
         store, step = self._save_store(), target.step
         if target.durable and (
-            durable_holds(store, step) if tiered else store.exists(commit_key(step))
+            durable_holds(store, step, self._local)
+            if tiered and self._local is not None
+            else store.exists(commit_key(step))
         ):
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise StepExistsError(

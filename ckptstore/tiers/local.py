@@ -52,6 +52,7 @@ _COMMITTED: dict[str, list[int]] = {}
 front-end, whatever objects made the saves)."""
 _OTHER_WORLD_SAID: set[tuple[str, Any]] = set()
 _RESUMED: dict[str, int] = {}
+_UNASKED: set[str] = set()  # by rank dir: loaded since a save last asked the durable store
 _RESUME_TOKENS: dict[str, str] = {}  # by rank dir: the resume this process's copies descend from
 """By a rank's own copies directory: the step a load in this process last resumed from (a DCP
 load and the next save are separate objects; a Checkpointer may be made again)."""
@@ -118,6 +119,17 @@ class LocalTier:
             _RESUMED.pop(key, None)
         else:
             _RESUMED[key] = step
+            _UNASKED.add(key)
+
+    @property
+    def durable_unasked(self) -> bool:
+        """Whether no save since this process's last load could ask the durable store
+        whether it holds its step (``tiers.saving.durable_holds``): a job that rolled back
+        does not know which later steps it holds."""
+        return str(self.rank_dir(self.rank)) in _UNASKED
+
+    def durable_answered(self) -> None:
+        _UNASKED.discard(str(self.rank_dir(self.rank)))
 
     @property
     def resume_token(self) -> str | None:

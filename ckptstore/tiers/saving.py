@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.catalog import list_steps
-from ckptstore.errors import CheckpointError, RankLostError, StepExistsError, one_line
+from ckptstore.errors import (
+    CheckpointError,
+    RankLostError,
+    StepExistsError,
+    StorageError,
+    one_line,
+)
 from ckptstore.format import chunk_key, commit_key
 from ckptstore.health import StepHealth, to_commit, verdict
 from ckptstore.render import rank_ranges
@@ -33,14 +39,22 @@ from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_wri
 logger = logging.getLogger(__name__)
 
 
-def durable_holds(store: Store, step: int) -> bool:
+def durable_holds(store: Store, step: int, local: LocalTier) -> bool:
     """Whether the durable ``store`` holds ``step`` committed, asked before a tiered save of
     it; a store that does not answer is taken not to (with a WARNING): the local tier takes
     the save, as it does while the durable store is out, and the step's drain there is
-    refused if it does hold it."""
+    refused if it does hold it. Not where no save has asked it since this process loaded a
+    step (``StorageError``): a job that rolled back does not know which later steps the store
+    holds, and a load prefers the durable save of a step to a local one."""
     try:
-        return store.exists(commit_key(step))
+        there = store.exists(commit_key(step))
     except CheckpointError as exc:
+        if local.durable_unasked:
+            raise StorageError(
+                f"step {step}: {store.uri} does not answer ({one_line(exc)}), and no save has "
+                "asked it since this job loaded a step: were the step there (a rollback), this "
+                "save would never be loaded; not saved (the next save asks again)"
+            ) from exc
         logger.warning(
             "step %d: could not ask %s whether it holds that step (%s): saved to the local tier; "
             "its drain is refused if the store does",
@@ -49,6 +63,8 @@ def durable_holds(store: Store, step: int) -> bool:
             one_line(exc),
         )
         return False
+    local.durable_answered()
+    return there
 
 
 def durable_steps(store: Store) -> list[int]:

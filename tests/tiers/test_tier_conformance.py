@@ -968,6 +968,38 @@ def test_saves_go_on_to_the_local_tier_while_the_durable_store_is_out(make, tmp_
     assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
 
 
+def test_a_rolled_back_job_saves_nothing_the_durable_store_cannot_be_asked_about(make, tmp_path):
+    """The fourth fix adversary of stop 80 (HIGH): a job that loaded step 2 of a store holding
+    steps to 4 saved 3 and 4 during an outage, to the local tier; restarted, every rank
+    resumed step 4 of the run it had left (a load prefers the durable save of a step), in
+    silence. Until a save has asked the durable store since the load, one that cannot ask is
+    refused, saying why; once one has, saves go on to the local tier in an outage."""
+    store = Store(str(tmp_path / "durable"))
+    outage = _Down(store.backend)
+    store.backend = outage
+    front = make(store=store, durable_every=1, timeout_s=1.0)
+    for step in (1, 2, 3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front = front.restart()
+    front.load(_blank(), 2)
+    outage.down.set()
+    with pytest.raises((CheckpointError, CheckpointException)) as refused:
+        front.save(3, _state(30))
+    said = str(refused.value)  # a StoreWriter reads the store's identity at its first save
+    assert "no save has asked it since this job loaded a step" in said or (
+        front.name == "dcp" and "cannot read the identity" in said
+    ), said
+    outage.down.clear()
+    front.save(5, _state(5))
+    front.wait_durable()
+    outage.down.set()
+    front.save(6, _state(6))  # asked since the load: the local tier takes it
+    outage.down.clear()
+    target = _blank()
+    assert front.restart().load(target)[0] == 6 and _same(target, _state(6))
+
+
 @pytest.fixture
 def rechecking(front_type, monkeypatch):
     """Front-ends of this test whose saves read back every chunk they reference unwritten."""
