@@ -26,6 +26,7 @@ from ckptstore.health import StepHealth
 from ckptstore.peer import PeerReplicas, replica_meta
 from ckptstore.save import RankWritten, SaveEngine, SaveSession, Staged
 from ckptstore.save.collective import save_collective
+from ckptstore.save.once import OneRound
 from ckptstore.store import Store, set_thread_nice
 from ckptstore.tiers.drain import DrainJob, DrainQueue
 from ckptstore.tiers.group import RankGroup
@@ -348,8 +349,10 @@ class SaveWorker:
                 future.result()  # its error fails the save: it is not durable
 
     def _write_rank(self, session: SaveSession, job: SaveJob, latest: Any) -> RankWritten:
-        """This rank's chunks and index under rank 0's lease (``save_collective``)."""
+        """This rank's chunks and index under rank 0's lease (``save_collective``). A rank
+        that fails before its chunks' exchange still takes part in it, with its error."""
         staged = job.staged
+        round_ = OneRound(self._group, session.attempt)
         try:
             staged.copy.wait()
             if self._peers is not None:  # collective: before a failed begin is raised
@@ -359,8 +362,11 @@ class SaveWorker:
                 raise latest
             session.learn(self.rank, latest)
             entries, chunks = session.write(
-                staged.buffer, staged.layout, job.tensors, health=staged.health, group=self._group
+                staged.buffer, staged.layout, job.tensors, health=staged.health, group=round_
             )
+        except BaseException as exc:
+            round_.finish(exc)
+            raise
         finally:
             self._release(job)
         return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)

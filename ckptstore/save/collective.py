@@ -5,12 +5,15 @@ Used by the Checkpointer's saves and by the drains of both front-ends."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ckptstore.errors import CheckpointError, is_full_store, one_line
 from ckptstore.health import StepHealth
 from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
+
+logger = logging.getLogger(__name__)
 
 Write = Callable[["LatestIndex | BaseException | None"], RankWritten]
 
@@ -37,8 +40,14 @@ def save_collective(
             written: RankWritten | BaseException = write(latest)
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
             written = exc
-        # fails when a rank is lost
-        every = group.gather(((session.step, session.attempt), written))
+        try:  # fails when a rank is lost
+            every = group.gather(((session.step, session.attempt), written))
+        except BaseException:
+            if isinstance(written, BaseException):  # what no other rank will hear
+                logger.warning(
+                    "rank %d: step %d failed here: %s", rank, session.step, one_line(written)
+                )
+            raise
         ranks = [w for _, w in every]
         outcome: Any = None
         if rank == 0:

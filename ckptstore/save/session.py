@@ -48,6 +48,8 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     CommitUnknownError,
     FormatVersionError,
+    StorageError,
+    one_line,
 )
 from ckptstore.format import (
     ChunkInfo,
@@ -201,8 +203,10 @@ class SaveSession:
         coordinator's ``begin`` found it (None: there is none, then no chunk is known): one
         read, checked against the size and hash its manifest records. The chunks are stored,
         and stay so while the coordinator holds its lease, whichever rank reads them; an index
-        that cannot be read leaves none known (each chunk is put, one found stored is kept).
-        The coordinator learns in ``begin``; a second call changes nothing."""
+        that cannot be read, or a store that does not answer, leaves none known (each chunk is
+        put, one found stored is kept): this rank then fails, if it does, where every rank
+        hears it, not before the exchanges of the save. The coordinator learns in ``begin``; a
+        second call changes nothing."""
         if self.known is not None:
             return self
         self.known = {}
@@ -210,6 +214,14 @@ class SaveSession:
             return self
         try:
             self.known = dict(read_rank_index(self.store, latest.index).chunks)
+        except StorageError as exc:
+            logger.warning(
+                "rank %d: save of step %d knows no stored chunks (step %d's index: %s)",
+                rank,
+                self.step,
+                latest.step,
+                one_line(exc),
+            )
         except (CheckpointNotFoundError, CheckpointCorruptError, FormatVersionError) as exc:
             logger.info(
                 "rank %d: save of step %d knows no stored chunks (step %d: %s)",

@@ -337,7 +337,21 @@ class RankGroup:
             call()
         except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
             self.check(what, exc)
-            raise
+            if isinstance(exc, RankLostError):
+                raise
+            raise self._spent(what, exc) from exc
+
+    def _spent(self, what: str, exc: BaseException) -> RanksOutOfStepError:
+        """A collective that failed with no rank found lost: gloo has closed the group's
+        connections (a timeout, or ranks whose exchanges no longer pair), so every later
+        exchange fails at once, naming this one."""
+        self.lost = RanksOutOfStepError(
+            f"{what} of {self._call()} failed with no rank lost ({_plain(exc)}): a rank was "
+            "stuck past the group's timeout, or skipped an exchange the others made; the "
+            "ranks' ckptstore group is spent: restart the job"
+        )
+        logger.warning("rank %d: %s", self.rank, self.lost)
+        return self.lost
 
     def broadcast(self, value: Any) -> Any:
         if not self.active:

@@ -69,6 +69,28 @@ def test_ranks_in_different_calls_fail_at_once_naming_both():
     run_ranks(_ranks_in_two_calls, 3, timeout_s=90)
 
 
+def _exchanges_apart(rank: int, world: int) -> None:
+    group = RankGroup(None, timeout_s=600, lost_rank_s=LOST_S)
+    with pytest.raises(RanksOutOfStepError, match="failed with no rank lost") as spent:
+        if rank == 0:
+            group.gather(rank)  # while rank 1, which skipped it, broadcasts
+        else:
+            group.broadcast(rank)
+    assert "the ranks' ckptstore group is spent" in str(spent.value)
+    t0 = time.monotonic()
+    with pytest.raises(RanksOutOfStepError) as again:
+        group.gather(rank)
+    assert again.value is spent.value and time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.dist
+def test_exchanges_that_no_longer_pair_spend_the_group_naming_it():
+    """The fourth fix adversary of stop 80: a rank that skipped one exchange left its gloo
+    collectives unpaired; each later exchange failed on "Application timeout caused pair
+    closure", saying nothing of why. The group is named spent, once, and stays so."""
+    run_ranks(_exchanges_apart, 2, timeout_s=90)
+
+
 def _left_after_a_loss(rank: int, world: int) -> None:
     group = RankGroup(None, timeout_s=600, lost_rank_s=LOST_S)
     assert group.gather(rank) == [0, 1]

@@ -1780,6 +1780,51 @@ def test_a_local_read_error_leaves_the_copy_for_the_next_load(kind, tmp_path):
     run_ranks(_local_blip, 4, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
 
 
+def _one_rank_refused(rank: int, world: int, kind: str, root: str, base: str) -> None:
+    from ckptstore.store import core
+
+    front = _two_nodes(kind, rank, root, base, durable_every=1)
+    front.save(1, _ranks_own(rank, _state(10 * rank + 1)))
+    front.wait_durable()
+    originals = {name: getattr(core.Store, name) for name in ("get", "get_view", "put")}
+
+    def refusing(call: Any) -> Any:
+        def refuse(self: Store, key: str, *args: Any, **kwargs: Any) -> Any:
+            if self.uri.rstrip("/").endswith("/durable"):
+                raise StorageError(f"{self.uri}/{key}: refused to rank 1 alone")
+            return call(self, key, *args, **kwargs)
+
+        return refuse
+
+    if rank == 1:
+        for name, call in originals.items():
+            setattr(core.Store, name, refusing(call))
+    try:
+        front.save(2, _ranks_own(rank, _state(10 * rank + 2)))
+        with pytest.raises(CheckpointError, match="refused to rank 1 alone"):
+            front.wait_durable()  # on every rank: rank 1's own error, not a timeout
+    finally:
+        for name, call in originals.items():
+            setattr(core.Store, name, call)
+    torch.distributed.barrier()
+    front.save(3, _ranks_own(rank, _state(10 * rank + 3)))
+    front.wait_durable()
+    assert list_steps(Store(root))[-1] == 3, list_steps(Store(root))
+    front.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["checkpointer", "dcp"])
+def test_a_drain_one_rank_fails_names_its_error_and_the_next_drains(kind, tmp_path):
+    """The fourth fix adversary of stop 80 (HIGH): durable storage refusing one rank's
+    requests failed that rank's reading of the newest step's index before the exchanges of
+    the drain, so the ranks' collectives no longer paired: every rank failed on a gloo
+    timeout naming nothing, and every later drain on "Application timeout caused pair
+    closure", until the job restarted. The rank now fails where every rank hears its error,
+    and the next drain commits."""
+    run_ranks(_one_rank_refused, 2, kind, str(tmp_path / "durable"), str(tmp_path), timeout_s=240)
+
+
 @contextlib.contextmanager
 def _chunk_reads(where: str):
     """The chunk reads (``Store.get`` / ``get_view``) of stores under ``where`` that returned
