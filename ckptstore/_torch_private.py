@@ -29,6 +29,7 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "load_in_this_process",
     "narrow_tensor_by_index",
+    "saving_state_dict",
     "set_element",
     "starting_checkpoint_process",
 ]
@@ -51,6 +52,19 @@ def dcp_saves_on_this_thread() -> int:
         found += frame.f_code is code
         frame = frame.f_back
     return found
+
+
+def saving_state_dict() -> Any:
+    """The state dict of the innermost DCP save on this thread's stack (``_save_state_dict``'s
+    ``state_dict``), None outside one."""
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is _save_state_dict.__code__:
+            return frame.f_locals.get("state_dict")
+        frame = frame.f_back
+    return None
 
 
 def async_save_on_default_group() -> bool:

@@ -28,11 +28,12 @@ _STAGING_WAIT_S = 60.0
 class PooledStager(AsyncStager):
     """DCP's ``AsyncStager`` over a ``SaveEngine``'s staging pool: ``stage()`` copies the
     state's tensors into one pooled buffer and ``write_data`` of the same save finds them
-    there (``_take_staged``). The writer sets ``engine``, ``rank`` and ``_staged``."""
+    there (``_take_staged``). The writer sets ``engine``, ``rank``, ``_staged`` and ``_saving``."""
 
     engine: SaveEngine
     rank: int
     _staged: dict[int, HeldStaging]  # by the staging buffer's data_ptr
+    _saving: list[tuple[threading.Thread, HeldStaging]]  # async saves' threads, their staging
 
     _synchronize_after_execute = False  # stage() returns a finished (or device-fenced) copy
 
@@ -55,7 +56,9 @@ class PooledStager(AsyncStager):
         if dead is not None:  # the failed saves' futures pin their buffers: no buffer to wait for
             wait_s = 0.0
             _warn_once(dead, self.rank)
-        copied = self.engine.stage_somewhere(leaves, wait_s=wait_s, rank=self.rank)
+        copied = self.engine.stage_somewhere(
+            leaves, wait_s=wait_s, rank=self.rank, reclaim=self._reclaim_ended
+        )
         staged = HeldStaging(copied, self.engine, self._staged)
         self._staged[copied.buffer.data_ptr()] = staged
         out = _StagedState(_replace_tensors(state_dict, iter(copied.copy.views)))
@@ -70,6 +73,27 @@ class PooledStager(AsyncStager):
 
     def close(self) -> None:
         """Nothing to release: the staging buffer goes with the writer."""
+
+    def bind_staging(self, state_dict: Any) -> None:
+        """On the thread of a thread-based ``async_save``, given the state it saves: the
+        staging of ``stage()`` it writes is handed back once the thread ends, if its write
+        did not hand it back before (a save that failed first: its future, which a loop may
+        keep until its next ``async_save``, keeps the staged state alive)."""
+        leaves: list[torch.Tensor] = []
+        _collect_tensors(state_dict, leaves)
+        for t in leaves:
+            if t.numel():
+                held = self._staged.get(t.untyped_storage().data_ptr())
+                if held is not None:
+                    self._saving.append((threading.current_thread(), held))
+                return
+
+    def _reclaim_ended(self) -> None:
+        """Hand back the stagings of saves whose thread has ended (``bind_staging``)."""
+        ended = [(t, held) for t, held in self._saving if not t.is_alive()]
+        for entry in ended:
+            self._saving.remove(entry)
+            entry[1].release()
 
     def _take_staged(self, tensors: list[torch.Tensor]) -> HeldStaging | None:
         """The staging of ``stage()`` these tensors live in, if any (it is this save's)."""

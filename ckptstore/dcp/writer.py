@@ -28,6 +28,7 @@ from ckptstore._torch_private import (
     async_save_on_default_group,
     dcp_save_groups,
     dcp_saves_on_this_thread,
+    saving_state_dict,
     starting_checkpoint_process,
 )
 from ckptstore.catalog import list_steps
@@ -250,6 +251,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self.store = o["storage"].store or self._open_store(uri)
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
+        self._saving: list[tuple[threading.Thread, HeldStaging]] = []
         self.rank = _rank()  # DCP's own from the first save on
         self.is_coordinator = True
         self._made_in_world = _world_size()  # a save reaching it with no group is refused
@@ -382,6 +384,8 @@ class StoreWriter(StorageWriter, PooledStager):
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
+            self.bind_staging(saving_state_dict())
         requested = getattr(self._requested, "step", None) if self._requested_fresh() else None
         with self._named_if_unwaited(self.step if requested is None else requested):
             self._set_up(is_coordinator, **kwargs)
@@ -480,11 +484,9 @@ class StoreWriter(StorageWriter, PooledStager):
             local = self._local is not None and self._save_store() is self.store
             if step is None:
                 step = self._next_step(uri, local)
-            elif (
-                durable_holds(self.store, step, self._local)
-                if local and self._local is not None
-                else self._save_store().exists(commit_key(step))
-            ) or (self._tiers is not None and step in self._tiers.committed):
+            elif self._holds(step, local) or (
+                self._tiers is not None and step in self._tiers.committed
+            ):
                 raise StepExistsError(
                     f"step {step} is already committed in {uri}"
                     f"{' or its local tiers' if self._local is not None else ''}; steps are "
@@ -599,15 +601,16 @@ class StoreWriter(StorageWriter, PooledStager):
         o = self.options
         return front_end_group(o["storage"], tiered=tiered, gc_wait_s=o["retention"].gc_wait_s)
 
+    def _holds(self, step: int, tiered: bool) -> bool:
+        """Whether the store saved to holds ``step`` (tiered: a store that does not answer
+        is taken not to, the local tier taking the save: ``durable_holds``)."""
+        if tiered and self._local is not None:
+            return durable_holds(self._save_store(), step, self._local)
+        return self._save_store().exists(commit_key(step))
+
     def _check_not_committed(self, target: _SaveTarget, tiered: bool = False) -> None:
-        """``StepExistsError`` where the store holds the step (tiered: a store that does not
-        answer is taken not to, the local tier taking the save: ``durable_holds``)."""
-        store, step = self._save_store(), target.step
-        if target.durable and (
-            durable_holds(store, step, self._local)
-            if tiered and self._local is not None
-            else store.exists(commit_key(step))
-        ):
+        """``StepExistsError`` where the store saved to holds the step (``_holds``)."""
+        if target.durable and self._holds(target.step, tiered):
             self._release_lease(target.attempt)  # on the coordinator: it will not commit
             raise StepExistsError(
                 f"rank {self.rank}: step {target.step} is already committed in "

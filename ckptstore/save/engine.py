@@ -15,6 +15,8 @@ import gc
 import logging
 import numbers
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -280,15 +282,28 @@ class SaveEngine:
         return self.drainer().submit(self.pool.reserve, nbytes)
 
     def stage_somewhere(
-        self, tensors: list[torch.Tensor], *, wait_s: float, rank: int, pooled: bool = True
+        self,
+        tensors: list[torch.Tensor],
+        *,
+        wait_s: float,
+        rank: int,
+        pooled: bool = True,
+        reclaim: Callable[[], None] = lambda: None,
     ) -> Staged:
         """Copy ``tensors`` into a pooled buffer, waiting up to ``wait_s`` for one, else into a
         buffer of their own: a buffer still held by a failed save (its error kept alive by a
-        caller) must not stall this save forever. ``pooled=False`` goes there directly."""
+        caller) must not stall this save forever. ``pooled=False`` goes there directly.
+        ``reclaim``: hands back buffers of saves known over, called while waiting."""
         copied = self.stage(tensors, block=False) if pooled else None
         if pooled and copied is None:
             gc.collect()  # a failed save's staged state may be waiting in a reference cycle
-            copied = self.stage(tensors, block=wait_s > 0, timeout_s=wait_s)
+            end = time.monotonic() + wait_s
+            while copied is None:
+                reclaim()
+                left = end - time.monotonic()
+                copied = self.stage(tensors, block=left > 0, timeout_s=min(max(left, 0), 0.05))
+                if left <= 0:
+                    break
             if copied is None and wait_s > 0:
                 logger.warning(
                     "rank %d: the previous save still holds the staging buffer after %.0fs "

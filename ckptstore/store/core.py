@@ -350,7 +350,7 @@ class Store:
         """``exc`` as the store's error of ``op`` on ``key``; ``unanswered``: an attempt of
         the request got no answer (``StorageError.unanswered``)."""
         error = self._translated(op, key, exc)
-        error.unanswered = unanswered
+        error.unanswered = error.unanswered or unanswered  # one passed through keeps its own
         return error
 
     def _translated(self, op: str, key: str, exc: BaseException) -> StorageError:

@@ -284,9 +284,9 @@ def _dead_checkpoint_process(rank: int, world: int, uri: str) -> None:
     waits: list[float] = []
     stage_somewhere = writer.engine.stage_somewhere
 
-    def recording(tensors, *, wait_s, rank, pooled=True):
+    def recording(tensors, *, wait_s, **kwargs):
         waits.append(wait_s)
-        return stage_somewhere(tensors, wait_s=wait_s, rank=rank, pooled=pooled)
+        return stage_somewhere(tensors, wait_s=wait_s, **kwargs)
 
     writer.engine.stage_somewhere = recording
     records: list[logging.LogRecord] = []

@@ -7,6 +7,7 @@ any other ``checkpoint_id`` is still a store URI), and the writer's staging buff
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 from pathlib import Path
@@ -178,6 +179,29 @@ def test_a_committed_checkpoint_id_step_fails_and_clobbers_nothing(tmp_path):
     assert writer.saved_step == 101
     dcp.save(_state(2), storage_writer=writer, no_dist=True)
     assert list_steps(store) == [100, 101, 102]
+
+
+def test_a_failed_async_save_kept_by_the_loop_holds_no_staging_buffer(
+    tmp_path, monkeypatch, caplog
+):
+    """Tier adversary of stop 80 (MED): a loop that keeps the last ``async_save``'s future
+    until its next one (checking it first) made that next one wait 60 s for the staging buffer
+    a failed save's future kept alive, then stage it in a new buffer. A save's buffer comes
+    back as its thread ends."""
+    monkeypatch.setattr("ckptstore.dcp.stager._STAGING_WAIT_S", 20.0)
+    uri = str(tmp_path / "s")
+    writer = StoreWriter(uri, storage=StorageOptions(timeout_s=10.0))
+    dcp.save(_state(0), storage_writer=writer, checkpoint_id=5, no_dist=True)
+    future = dcp.async_save(_state(1), storage_writer=writer, checkpoint_id=5, no_dist=True)
+    with pytest.raises(CheckpointException, match="step 5 is already committed"):
+        future.result(timeout=60)  # kept: the loop's variable until its next async_save
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        nxt = dcp.async_save(_state(2), storage_writer=writer, checkpoint_id=6, no_dist=True)
+        nxt.result(timeout=60)
+    assert not [r for r in caplog.records if "staging buffer" in r.getMessage()], caplog.text
+    assert writer.engine.pool.allocations == 1  # the failed save's buffer, staged into again
+    _assert_step_holds(uri, 6, _state(2))
+    assert future.exception() is not None
 
 
 def test_a_uri_checkpoint_id_still_switches_store(tmp_path, monkeypatch):
