@@ -289,7 +289,7 @@ class SaveWorker:
             write=write,
             user=job.user,
             payload=(job.durable, job.wait_durable),
-            fatal=self._durable_holds(job.step),
+            fatal=self._durable_holds(job.step, job.durable),
         )
         # SIGTERM may reach one node only: the ranks agree on whether the step goes durable.
         job.durable = any(d for d, _ in done.payloads)
@@ -300,7 +300,7 @@ class SaveWorker:
         self._release(job)
         return True
 
-    def _durable_holds(self, step: int) -> CheckpointError | None:
+    def _durable_holds(self, step: int, bound: bool) -> CheckpointError | None:
         """Rank 0: the error of a tiered save of a step the durable store holds (a rollback,
         or a second job on the store), as a durable save would meet it at its commit: a
         restore prefers the durable save of a step, so the local one would never load."""
@@ -308,7 +308,7 @@ class SaveWorker:
             return None
         assert self._tiers is not None
         try:
-            if not durable_holds(self.store, step, self._tiers.local):
+            if not durable_holds(self.store, step, self._tiers.local, bound):
                 return None
         except CheckpointError as exc:  # not asked since a load: every rank fails the save
             return exc

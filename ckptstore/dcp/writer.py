@@ -484,7 +484,7 @@ class StoreWriter(StorageWriter, PooledStager):
             local = self._local is not None and self._save_store() is self.store
             if step is None:
                 step = self._next_step(uri, local)
-            elif self._holds(step, local) or (
+            elif self._holds(step, local, bound=False) or (  # bound: said at its write
                 self._tiers is not None and step in self._tiers.committed
             ):
                 raise StepExistsError(
@@ -601,11 +601,11 @@ class StoreWriter(StorageWriter, PooledStager):
         o = self.options
         return front_end_group(o["storage"], tiered=tiered, gc_wait_s=o["retention"].gc_wait_s)
 
-    def _holds(self, step: int, tiered: bool) -> bool:
+    def _holds(self, step: int, tiered: bool, bound: bool = True) -> bool:
         """Whether the store saved to holds ``step`` (tiered: a store that does not answer
         is taken not to, the local tier taking the save: ``durable_holds``)."""
         if tiered and self._local is not None:
-            return durable_holds(self._save_store(), step, self._local)
+            return durable_holds(self._save_store(), step, self._local, bound)
         return self._save_store().exists(commit_key(step))
 
     def _check_not_committed(self, target: _SaveTarget, tiered: bool = False) -> None:

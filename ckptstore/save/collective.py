@@ -6,6 +6,7 @@ Used by the Checkpointer's saves and by the drains of both front-ends."""
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ def save_collective(
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
             written = exc
         try:  # fails when a rank is lost
-            every = group.gather(((session.step, session.attempt), written))
+            every = group.gather(((session.step, session.attempt), portable(written)))
         except BaseException:
             if isinstance(written, BaseException):  # what no other rank will hear
                 logger.warning(
@@ -61,7 +62,7 @@ def save_collective(
                 outcome.__cause__ = error
             else:
                 outcome = _commit(session, ranks, user, group.world_size, dcp_metadata)
-        outcome = group.broadcast(outcome)
+        outcome = group.broadcast(portable(outcome))
     finally:
         session.release()  # rank 0's lease: the commit's outcome is known, or never will be
     if rank == 0 and any(is_full_store(e) for e in (*ranks, outcome)):
@@ -73,6 +74,21 @@ def save_collective(
     if rank == 0 and outcome.committed:
         session.retain()
     return outcome
+
+
+def portable(value: Any) -> Any:
+    """``value`` as every rank can rebuild it: an error that does not survive pickling (a
+    class whose ``__init__`` takes other arguments than its ``args``) as a ``CheckpointError``
+    naming it; anything else as it is."""
+    if not isinstance(value, BaseException):
+        return value
+    try:
+        pickle.loads(pickle.dumps(value))  # our own object, not a stored one
+    except Exception:  # noqa: BLE001 - any error of its pickling
+        stand_in = CheckpointError(one_line(value))
+        stand_in.__cause__ = value
+        return stand_in
+    return value
 
 
 def saves_apart(step: int, attempt: str, saves: list[tuple[int, str]]) -> CheckpointError | None:

@@ -337,8 +337,8 @@ class RankGroup:
             call()
         except Exception as exc:  # noqa: BLE001 - a lost rank, named by the roll call
             self.check(what, exc)
-            if isinstance(exc, RankLostError):
-                raise
+            if isinstance(exc, RankLostError) or not isinstance(exc, RuntimeError):
+                raise  # not gloo's (a value every rank received and could not unpickle)
             raise self._spent(what, exc) from exc
 
     def _spent(self, what: str, exc: BaseException) -> RanksOutOfStepError:

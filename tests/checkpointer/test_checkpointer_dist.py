@@ -339,3 +339,45 @@ def test_a_rank_stalled_past_the_bound_hears_it_was_taken_for_lost(tmp_path, tie
     collectives keep the group's timeout: after 600 s). It now hears at once what the group
     decided."""
     run_ranks(_stalled_past_the_bound, 2, str(tmp_path / "s"), tiered, timeout_s=120)
+
+
+class _NeedsTwo(Exception):
+    """An error that pickles but does not unpickle (its ``__init__`` takes other arguments)."""
+
+    def __init__(self, what: str, where: str) -> None:
+        super().__init__(f"{what} at {where}")
+
+
+def _error_no_rank_can_rebuild(rank: int, world: int, root: str) -> None:
+    from ckptstore.save import session
+
+    ckpt = Checkpointer(root, storage=StorageOptions(timeout_s=5))
+    put_index = session.SaveSession.put_index
+
+    def failing(self, *args, **kwargs):
+        raise _NeedsTwo("index encoding failed", f"rank {rank}")
+
+    if rank == 1:
+        session.SaveSession.put_index = failing
+    try:
+        own = _NeedsTwo if rank == 1 else CheckpointError
+        with pytest.raises(own, match="index encoding failed at rank 1"):
+            ckpt.save(2, {f"w{rank}": torch.ones(4)}).wait(timeout_s=60)
+    finally:
+        session.SaveSession.put_index = put_index
+    ckpt.save(3, {f"w{rank}": torch.full((4,), 3.0)}).wait(timeout_s=60)
+    target = {f"w{rank}": torch.zeros(4)}
+    assert ckpt.load(target) == 3 and torch.equal(target[f"w{rank}"], torch.full((4,), 3.0))
+    ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_ranks_error_the_others_cannot_unpickle_fails_that_save_alone():
+    """Fix adversary of stop 81: a rank's error whose class does not unpickle reached the
+    other ranks raw in the exchange of outcomes; unpickling it failed there, and the group was
+    taken for spent: every later save and load of the job failed at once. It travels as a
+    ``CheckpointError`` naming it; the next save commits."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        run_ranks(_error_no_rank_can_rebuild, 2, root, timeout_s=120)
