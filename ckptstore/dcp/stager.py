@@ -79,6 +79,7 @@ class PooledStager(AsyncStager):
         staging of ``stage()`` it writes is handed back once the thread ends, if its write
         did not hand it back before (a save that failed first: its future, which a loop may
         keep until its next ``async_save``, keeps the staged state alive)."""
+        self._reclaim_ended()  # and forgets the saves over
         leaves: list[torch.Tensor] = []
         _collect_tensors(state_dict, leaves)
         for t in leaves:

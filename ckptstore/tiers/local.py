@@ -94,8 +94,6 @@ class LocalTier:
         """The durable store instance copies belong to (``tiers.identity``); None: the store
         records none, and only copies that record none belong to it."""
         self._foreign_warned = False
-        self.durable_out = False
-        """The last ask of the durable store (``tiers.saving.durable_holds``) got no answer."""
         self.timeout_s = timeout_s
         self.thread_nice = thread_nice
         self._stores: dict[int, Store] = {}
@@ -132,7 +130,6 @@ class LocalTier:
 
     def durable_answered(self) -> None:
         _UNASKED.discard(str(self.rank_dir(self.rank)))
-        self.durable_out = False
 
     @property
     def resume_token(self) -> str | None:

@@ -39,35 +39,19 @@ from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_wri
 logger = logging.getLogger(__name__)
 
 
-ASK_S = 5.0
-"""How long a tiered save asks the durable store whether it holds its step, once a save has
-asked it since the job loaded a step (``durable_holds``)."""
-
-
 def durable_holds(store: Store, step: int, local: LocalTier, bound: bool = True) -> bool:
     """Whether the durable ``store`` holds ``step`` committed, asked before a tiered save of
     it; a store that does not answer is taken not to: the local tier takes the save, as it
     does while the durable store is out, and the step's drain there (``bound``: the save is
     bound for durable storage; said in a WARNING, else at INFO) is refused if it does hold
-    it. A hung store holds the loop up to ``ASK_S`` per save, and a save not ``bound`` does not
-    ask a store that did not answer the last ask (a save bound for it asks again). Not where
-    no save has asked it since this process loaded a step (asked with the store's own bound,
-    else ``StorageError``): a job that rolled back does not know which later steps the store
-    holds, and a load prefers the durable save of a step to a local one."""
-    unasked = local.durable_unasked
-    if local.durable_out and not bound and not unasked:
-        logger.info(
-            "step %d: saved to the local tier without asking %s whether it holds that step "
-            "(it did not answer the last ask)",
-            step,
-            store.uri,
-        )
-        return False
+    it. Not where no save has asked it since this process loaded a step (``StorageError``): a
+    job that rolled back does not know which later steps the store holds, and a load prefers
+    the durable save of a step to a local one. Asked with the store's own bound: a store slow
+    to answer is not taken for one that does not hold the step."""
     try:
-        there = store.exists(commit_key(step), within_s=None if unasked else ASK_S)
+        there = store.exists(commit_key(step))
     except CheckpointError as exc:
-        local.durable_out = True
-        if unasked:
+        if local.durable_unasked:
             raise StorageError(
                 f"step {step}: {store.uri} does not answer ({one_line(exc)}), and no save has "
                 "asked it since this job loaded a step: were the step there (a rollback), this "

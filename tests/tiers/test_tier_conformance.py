@@ -53,7 +53,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import chunk_key, commit_key
-from ckptstore.store import RetryPolicy, Store
+from ckptstore.store import Store
 from ckptstore.tiers import ahead as tier_ahead
 from ckptstore.tiers import transfer as tier_transfer
 from ckptstore.tiers.identity import IDENTITY_KEY, copy_claims, read_identity, store_identity
@@ -968,56 +968,6 @@ def test_saves_go_on_to_the_local_tier_while_the_durable_store_is_out(make, tmp_
     assert list_steps(Store(str(tmp_path / "durable")))[-1] == 4
     target = _blank()
     assert front.restart().load(target)[0] == 4 and _same(target, _state(4))
-
-
-class _Hung:
-    """A store backend whose ``exists`` requests get no answer while ``hung`` is set."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.hung = threading.Event()
-        self.released = threading.Event()
-        self.asked: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name != "exists":
-            return attr
-
-        def exists(path: str) -> bool:
-            if self.hung.is_set():
-                self.asked.append(path)
-                self.released.wait(BOUND_S)
-            return attr(path)
-
-        return exists
-
-
-def test_a_hung_durable_store_holds_a_save_no_longer_than_its_ask(make, tmp_path, monkeypatch):
-    """Operator of stop 81 (MED): with S3 hung (SIGSTOP), each save to the local tier waited
-    for the whole request budget (30 s) asking it whether it held the step. Once a save has
-    asked it since the load, the ask is bounded by ``ASK_S``, and a save not bound for durable
-    storage does not ask a store that did not answer the last ask."""
-    monkeypatch.setattr("ckptstore.tiers.saving.ASK_S", 0.5)
-    store = Store(str(tmp_path / "durable"), retry=RetryPolicy(timeout_s=300.0))
-    hung = _Hung(store.backend)
-    store.backend = hung
-    front = make(store=store, durable_every=3)
-    front.save(1, _state(1))
-    front.wait_durable()
-    hung.hung.set()
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            for step in (2, 3):  # neither bound for durable storage
-                pool.submit(front.save, step, _state(step)).result(timeout=BOUND_S)
-        assert {2, 3} <= set(_local_copies(tmp_path))
-        assert hung.asked and not [p for p in hung.asked if p.endswith(f"{3:020d}.json")]
-    finally:
-        hung.hung.clear()
-        hung.released.set()
-    front.save(4, _state(4))  # bound: asks again, and drains
-    front.wait_durable()
-    assert list_steps(Store(str(tmp_path / "durable")))[-1] == 4
 
 
 def test_a_rolled_back_job_saves_nothing_the_durable_store_cannot_be_asked_about(make, tmp_path):
