@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 # How long stage() waits for the previous async save to hand the staging buffer back.
 _STAGING_WAIT_S = 60.0
+_SAVING_LOCK = threading.Lock()  # every writer's ``_saving``
 
 
 class PooledStager(AsyncStager):
@@ -81,20 +82,26 @@ class PooledStager(AsyncStager):
         keep until its next ``async_save``, keeps the staged state alive)."""
         self._reclaim_ended()  # and forgets the saves over
         leaves: list[torch.Tensor] = []
-        _collect_tensors(state_dict, leaves)
+        try:
+            _collect_tensors(state_dict, leaves)
+        except Exception:  # noqa: BLE001 - the save goes on; only the early hand-back is lost
+            logger.debug("rank %d: the staged state of this save was not found", self.rank)
+            return
         for t in leaves:
             if t.numel():
                 held = self._staged.get(t.untyped_storage().data_ptr())
                 if held is not None:
-                    self._saving.append((threading.current_thread(), held))
+                    with _SAVING_LOCK:
+                        self._saving.append((threading.current_thread(), held))
                 return
 
     def _reclaim_ended(self) -> None:
         """Hand back the stagings of saves whose thread has ended (``bind_staging``)."""
-        ended = [(t, held) for t, held in self._saving if not t.is_alive()]
-        for entry in ended:
-            self._saving.remove(entry)
-            entry[1].release()
+        with _SAVING_LOCK:  # the caller's stage() and a save's thread both come here
+            ended = [(t, held) for t, held in self._saving if not t.is_alive()]
+            self._saving[:] = [e for e in self._saving if e not in ended]
+        for _, held in ended:
+            held.release()
 
     def _take_staged(self, tensors: list[torch.Tensor]) -> HeldStaging | None:
         """The staging of ``stage()`` these tensors live in, if any (it is this save's)."""

@@ -384,10 +384,10 @@ class StoreWriter(StorageWriter, PooledStager):
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
-            self.bind_staging(saving_state_dict())
         requested = getattr(self._requested, "step", None) if self._requested_fresh() else None
         with self._named_if_unwaited(self.step if requested is None else requested):
+            if threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
+                self.bind_staging(saving_state_dict())
             self._set_up(is_coordinator, **kwargs)
 
     def _requested_fresh(self) -> bool:
