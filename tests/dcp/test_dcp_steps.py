@@ -426,14 +426,17 @@ writer = StoreWriter(uri) if made == "before" else None
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 writer = writer or StoreWriter(uri)
 gate = threading.Event()  # the save reaches the writer only once the group is gone
+came = threading.Event()  # (DCP's own set-up before the writer needs the group)
 set_up = StoreWriter.set_up_storage_writer
 def set_up_after_the_gate(self, *args, **kwargs):
+    came.set()
     gate.wait(60)
     return set_up(self, *args, **kwargs)
 StoreWriter.set_up_storage_writer = set_up_after_the_gate
 group = dist.new_group(backend="gloo")
 dcp.async_save({"w": torch.full((64,), float(rank))}, storage_writer=writer,
                checkpoint_id=7, process_group=group)
+came.wait(60)
 dist.destroy_process_group()  # a torchrun script's last line, the save not waited for
 gate.set()
 print("RETURNED", flush=True)
