@@ -288,7 +288,7 @@ class SaveEngine:
         wait_s: float,
         rank: int,
         pooled: bool = True,
-        reclaim: Callable[[], None] = lambda: None,
+        reclaim: Callable[[], None] | None = None,
     ) -> Staged:
         """Copy ``tensors`` into a pooled buffer, waiting up to ``wait_s`` for one, else into a
         buffer of their own: a buffer still held by a failed save (its error kept alive by a
@@ -297,8 +297,10 @@ class SaveEngine:
         copied = self.stage(tensors, block=False) if pooled else None
         if pooled and copied is None:
             gc.collect()  # a failed save's staged state may be waiting in a reference cycle
+            if reclaim is None:
+                copied = self.stage(tensors, block=wait_s > 0, timeout_s=wait_s)
             end = time.monotonic() + wait_s
-            while copied is None:
+            while copied is None and reclaim is not None:  # waits in slices, reclaiming
                 reclaim()
                 left = end - time.monotonic()
                 copied = self.stage(tensors, block=left > 0, timeout_s=min(max(left, 0), 0.05))
