@@ -23,6 +23,7 @@ from ckptstore.errors import (
     StorageError,
     StorageFullError,
     StorageTimeoutError,
+    TooLargeForHostError,
     UnhealthyStepError,
     UnsupportedStateError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "StepExistsError",
     "UnsupportedStateError",
     "UnhealthyStepError",
+    "TooLargeForHostError",
     "StorageError",
     "StorageAccessError",
     "StorageFullError",

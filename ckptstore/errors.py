@@ -85,6 +85,11 @@ class UnhealthyStepError(CheckpointError):
     (``HealthPolicy(on_unhealthy="raise")``), or no healthy step could be loaded."""
 
 
+class TooLargeForHostError(CheckpointError):
+    """A tensor a step declares is larger than this host's available memory (a damaged or
+    hostile index's, or a step for a larger host): refused before it is allocated."""
+
+
 class FormatVersionError(CheckpointError, ValueError):
     """The store was written in a format version this reader does not know."""
 

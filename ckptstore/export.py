@@ -39,7 +39,13 @@ from ckptstore.errors import (
     UnsupportedStateError,
 )
 from ckptstore.format import ChunkInfo, RankIndex, TensorEntry, shape_text
-from ckptstore.pipeline import PipelineConfig, parse_dtype, read_tensors, release_free_memory
+from ckptstore.pipeline import (
+    PipelineConfig,
+    new_tensor,
+    parse_dtype,
+    read_tensors,
+    release_free_memory,
+)
 from ckptstore.steps import Piece, StepView, WholeTensor
 from ckptstore.store import open_store
 
@@ -532,7 +538,7 @@ def _assemble(batch: list[_Item], view: StepView, cfg: PipelineConfig) -> list[t
     wanted: dict[int, torch.Tensor | None] = {}
     fulls = []
     for item in batch:
-        full = torch.empty(item.shape, dtype=item.dtype)
+        full = new_tensor(item.shape, item.dtype, f"tensor {item.name!r}")
         fulls.append(full)
         covered = 0
         # Pieces adding up to the size may still overlap and leave a hole of never-written

@@ -22,6 +22,7 @@ import bisect
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import threading
 import time
@@ -42,6 +43,7 @@ from ckptstore.codec import (
     hash_bytes,
     possible_encoded_size,
 )
+from ckptstore.device import host_available_bytes
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -49,6 +51,7 @@ from ckptstore.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    TooLargeForHostError,
     UnsafeObjectError,
     one_line,
 )
@@ -815,6 +818,22 @@ _Segments = dict[str, list[tuple[int, int, int, int]]]
 position in the tensor's bytes)."""
 
 
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """An empty tensor for ``what`` of a step; one larger than this host's available memory
+    is refused naming it (a damaged or hostile index's, or a step for a larger host) before
+    the allocator fails, or the kernel kills the process as it fills."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _CHECKED_ABOVE and nbytes > (available := host_available_bytes()):
+        raise TooLargeForHostError(
+            f"{what}: {dtype} {shape_text(shape)} is {nbytes} bytes, more than this host's "
+            f"available memory ({available} bytes): a damaged index, or a step for a larger host"
+        )
+    return torch.empty(shape, dtype=dtype)
+
+
+_CHECKED_ABOVE = 1 << 30  # smaller tensors are not worth reading /proc/meminfo for
+
+
 def _plan_reads(
     index: RankIndex, wanted: dict[int, torch.Tensor | None]
 ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], _Segments]:
@@ -835,7 +854,7 @@ def _plan_reads(
         if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
             target = dest
         else:
-            target = torch.empty(shape, dtype=dtype)
+            target = new_tensor(shape, dtype, f"tensor {i} of rank {index.rank}")
         out[i] = dest if dest is not None else target
         fill[i] = target
         position = 0

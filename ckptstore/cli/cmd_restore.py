@@ -21,6 +21,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    TooLargeForHostError,
     one_line,
 )
 from ckptstore.export import export_safetensors, name_under
@@ -182,7 +183,7 @@ def _load_naming_the_step(view: StepView, store: Store, advance: Any) -> Any:
     it (what a user restoring at 3 a.m. tries next)."""
     try:
         return view.load_plain(on_chunk=advance)
-    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+    except (CheckpointCorruptError, CheckpointNotFoundError, TooLargeForHostError) as exc:
         before = _readable_step_before(store, view.step)
         hint = _hint(store, before) if before is not None else ""
         raise CheckpointError(f"step {view.step} cannot be restored: {exc}{hint}") from exc

@@ -205,6 +205,13 @@ class StoreReader(StepReader):
         """True when ``checkpoint_id`` is a step or a URI fsspec can resolve to a filesystem."""
         return valid_checkpoint_id(checkpoint_id)
 
+    @property
+    def stored_keys(self) -> frozenset[str] | None:
+        """The keys (DCP's flattened names) the step of this reader's last load holds; None
+        before a load has read a step's metadata."""
+        planned = self._planned
+        return None if planned is None else frozenset(planned.state_dict_metadata)
+
     def read_metadata(self) -> Metadata:
         # No **kwargs: DCP then never tries a rank-local fallback (there is none), whose
         # refusal would stand beside the real error in what dcp.load raises.

@@ -30,6 +30,7 @@ from ckptstore._torch_private import (
     dcp_saves_on_this_thread,
     saving_state_dict,
     starting_checkpoint_process,
+    thread_async_save_id,
 )
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
@@ -252,6 +253,7 @@ class StoreWriter(StorageWriter, PooledStager):
         self.engine = SaveEngine.build(o, keep_last=keep_last, store=self.store)
         self._staged: dict[int, HeldStaging] = {}  # by the staging buffer's data_ptr
         self._saving: list[tuple[threading.Thread, HeldStaging]] = []
+        self._thread_saves: list[unwaited.ThreadSave] = []  # staged here, not ended well
         self.rank = _rank()  # DCP's own from the first save on
         self.is_coordinator = True
         self._made_in_world = _world_size()  # a save reaching it with no group is refused
@@ -378,7 +380,11 @@ class StoreWriter(StorageWriter, PooledStager):
         # destroyed is refused (and named at exit) as any other writer's is.
         if self._made_in_world == 0 and (world := _world_size()) > 0:
             self._made_in_world, self.rank = world, _rank()
-        return super().stage(state_dict)
+        staged = super().stage(state_dict)
+        threaded, checkpoint_id = thread_async_save_id()
+        if threaded:
+            unwaited.staged(self, checkpoint_id)
+        return staged
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)
@@ -387,6 +393,7 @@ class StoreWriter(StorageWriter, PooledStager):
         requested = getattr(self._requested, "step", None) if self._requested_fresh() else None
         with self._named_if_unwaited(self.step if requested is None else requested):
             if threading.current_thread().name.startswith(ASYNC_SAVE_THREAD_PREFIX):
+                unwaited.reached(self, requested)
                 self.bind_staging(saving_state_dict())
             self._set_up(is_coordinator, **kwargs)
 

@@ -438,7 +438,9 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             dcp.load(states, storage_reader=reader)
         except CheckpointException as exc:
             failures = [e for e, _ in exc.failures.values()] + [reader.metadata_error]
-            clear = _one_line_load_error(failures, load_step, source, named=step != -1)
+            clear = _one_line_load_error(
+                failures, load_step, source, named=step != -1, stored=reader.stored_keys
+            )
             if clear is None:
                 raise
             raise clear from exc
@@ -467,7 +469,9 @@ class CkptstoreCheckpointManager(BaseCheckpointManager):
             clear = (
                 None
                 if failed is None
-                else _one_line_load_error(failures, failed, self.folder, named=False)
+                else _one_line_load_error(
+                    failures, failed, self.folder, named=False, stored=reader.stored_keys
+                )
             )
             if clear is None:
                 raise
@@ -554,16 +558,23 @@ def _agreed(step: int | None) -> int | None:
     return box[0]
 
 
+_TRAINING_STATE = frozenset({DATALOADER, OPTIMIZER, LR_SCHEDULER, "train_state"})
 _MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (\S+?)\.?$")
 
 
 def _one_line_load_error(
-    failures: list[BaseException | None], step: int, source: str, *, named: bool
+    failures: list[BaseException | None],
+    step: int,
+    source: str,
+    *,
+    named: bool,
+    stored: frozenset[str] | None,
 ) -> Exception | None:
-    """What a failed ``dcp.load`` of ``step`` (its ranks' ``failures``) means to a torchtitan
-    user, in one line, where it is one of the errors they can act on: a ``load_step`` no tier
-    holds, or a step that lacks the training state (the final save of a run with
-    ``last_save_model_only``)."""
+    """What a failed ``dcp.load`` of ``step`` (its ranks' ``failures``; ``stored``: the keys
+    the step holds, where known) means to a torchtitan user, in one line, where it is one of
+    the errors they can act on: a ``load_step`` no tier holds, a step that holds the model
+    alone (the final save of a run with ``last_save_model_only``), or one saved at another
+    data-parallel degree (a dataloader state per data-parallel rank)."""
     for error in failures:
         if named and isinstance(error, CheckpointNotFoundError):
             return FileNotFoundError(
@@ -571,17 +582,29 @@ def _one_line_load_error(
             )
         missing = _MISSING_KEY.search(str(error)) if isinstance(error, RuntimeError) else None
         if missing:
-            key = missing.group(1)
-            if key.split(".", 1)[0] in (DATALOADER, OPTIMIZER, LR_SCHEDULER, "train_state"):
-                return ValueError(
-                    f"step {step} of {source} holds the model alone, not {key} (the final save "
-                    "of a run with last_save_model_only, torchtitan's default): it does not "
-                    "resume training; train on in a new folder with "
-                    f"initial_load_path={_step_path(source, step)!r}, or save the last step "
-                    "whole with last_save_model_only=False"
-                )
-            return ValueError(f"step {step} of {source} does not hold {key}")
+            return _missing_key_error(missing.group(1), step, source, stored or frozenset())
     return None
+
+
+def _missing_key_error(key: str, step: int, source: str, stored: frozenset[str]) -> ValueError:
+    tops = {k.split(".", 1)[0] for k in stored}
+    if key.split(".", 1)[0] in _TRAINING_STATE and stored and not tops & _TRAINING_STATE:
+        return ValueError(
+            f"step {step} of {source} holds the model alone, not {key} (the final save "
+            "of a run with last_save_model_only, torchtitan's default): it does not "
+            "resume training; train on in a new folder with "
+            f"initial_load_path={_step_path(source, step)!r}, or save the last step "
+            "whole with last_save_model_only=False"
+        )
+    ranks = sorted(k for k in stored if k.startswith(f"{DATALOADER}.dp_rank_"))
+    if key.startswith(f"{DATALOADER}.dp_rank_") and ranks:
+        return ValueError(
+            f"step {step} of {source} holds the dataloader state of {len(ranks)} "
+            f"data-parallel rank(s), not {key}: it was saved at another data-parallel degree; "
+            "load it at that degree, or with exclude_from_loading=['dataloader'] (each "
+            "rank's dataloader starts over)"
+        )
+    return ValueError(f"step {step} of {source} does not hold {key}")
 
 
 def _step_path(uri: str, step: int) -> str:

@@ -28,14 +28,25 @@ def process_identity() -> dict[str, Any]:
 
 
 def pid_gone(pid: int) -> bool:
-    """Whether no process ``pid`` runs in this pid namespace (one of another user's runs)."""
+    """Whether no process ``pid`` runs in this pid namespace (one of another user's runs); a
+    process killed whose parent has not reaped it yet (a zombie) is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (OSError, OverflowError):  # another user's; or no pid at all (a forged name)
         return False
-    return False
+    return _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc (not Linux), or it ended meanwhile
+        return False
+    fields = stat.rsplit(b")", 1)[-1].split()  # after the command name, which may hold spaces
+    return bool(fields) and fields[0] in (b"Z", b"X")
 
 
 def holder_gone(identity: dict[str, Any]) -> bool:

@@ -31,8 +31,10 @@ def replica_retry_policy(config: ReplicaConfig) -> RetryPolicy:
 class ReplicaSet:
     """Several stores holding the same objects, read as one.
 
-    ``replicas``: :class:`~ckptstore.Store` objects, used as they are, or URIs, opened with
-    :func:`replica_retry_policy` and ``storage_options``. ``missing`` maps a shard key to the
+    ``replicas``: :class:`~ckptstore.Store` objects, used as they are (their own retry
+    policy bounds each request, the open's comparison of the replicas included: build them
+    with ``retry=replica_retry_policy(config)`` for the config's ``attempt_timeout_s``), or
+    URIs, opened with :func:`replica_retry_policy` and ``storage_options``. ``missing`` maps a shard key to the
     URIs of replicas known to lack it (what :meth:`find_shards` found); reads of that key skip
     them."""
 

@@ -432,19 +432,43 @@ def set_up_after_the_gate(self, *args, **kwargs):
     came.set()
     gate.wait(60)
     return set_up(self, *args, **kwargs)
-StoreWriter.set_up_storage_writer = set_up_after_the_gate
+if made != "raced":  # raced: the group destroyed wherever the save thread is
+    StoreWriter.set_up_storage_writer = set_up_after_the_gate
 group = dist.new_group(backend="gloo")
 dcp.async_save({"w": torch.full((64,), float(rank))}, storage_writer=writer,
                checkpoint_id=7, process_group=group)
-came.wait(60)
+came.wait(60 if made != "raced" else 0)
 dist.destroy_process_group()  # a torchrun script's last line, the save not waited for
 gate.set()
 print("RETURNED", flush=True)
 """
 
 
+def _two_scripts(script: str, uri: str, *args: str) -> tuple[list, list[tuple[str, str]]]:
+    """``script`` run as ranks 0 and 1 of a gloo group (argv: rank, uri, port, ``args``):
+    the processes, ended, and what each wrote (stdout, stderr)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    from tests.helpers.dist import free_port
+
+    port = str(free_port())
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", script, str(r), uri, port, *args], env=env,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(2)
+    ]  # fmt: skip
+    try:
+        return ranks, [p.communicate(timeout=180) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("made", ["after", "before"])
+@pytest.mark.parametrize("made", ["after", "before", "raced"])
 def test_an_unwaited_async_save_refused_after_the_group_is_destroyed_is_named_at_exit(
     tmp_path, made
 ):
@@ -453,32 +477,92 @@ def test_an_unwaited_async_save_refused_after_the_group_is_destroyed_is_named_at
     and both ranks exited 0 in silence with nothing committed; the next resume went back a
     step without a word. Each rank now names it at exit and exits 1. The fix's adversary: a
     writer made before ``init_process_group`` knew no group, refused nothing, and rank 0 at
-    times committed step 7 alone; it learns the group as ``async_save`` stages."""
+    times committed step 7 alone; it learns the group as ``async_save`` stages. Raced: the
+    group destroyed at once, the save's thread anywhere (in DCP's own code, where it never
+    reaches the writer, or in the writer's): committed on both ranks, or named on each."""
+    uri = str(tmp_path / "s")
+    ranks, outs = _two_scripts(_UNWAITED_AFTER_THE_GROUP, uri, made)
+    if made == "raced" and all(p.returncode == 0 for p in ranks):
+        assert list_steps(Store(uri)) == [7]  # the save won the race on both ranks
+        return
+    for rank, (p, (out, err)) in enumerate(zip(ranks, outs)):
+        assert "RETURNED" in out, err[-2000:]
+        said = [x for x in err.splitlines() if f"rank {rank}: dcp.async_save of step 7" in x]
+        assert len(said) == 1, err[-2000:]
+        assert made == "raced" or "made in a process group of 2 ranks" in said[0], said
+        assert p.returncode == 1, err[-2000:]
+    assert list_steps(Store(uri)) == []
+
+
+_FAILING_BEFORE_THE_WRITER = """
+import sys, warnings, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from ckptstore.dcp import StoreWriter
+warnings.simplefilter("ignore")
+class Failing(DefaultSavePlanner):
+    def set_up_planner(self, *args, **kwargs):
+        raise RuntimeError("a planner failing before the writer")
+writer = StoreWriter(sys.argv[1])
+dcp.async_save({"w": torch.ones(64)}, storage_writer=writer, checkpoint_id=7)
+dcp.async_save({"w": torch.ones(64)}, storage_writer=writer, checkpoint_id=8, planner=Failing())
+print("RETURNED", flush=True)
+"""
+
+
+def test_an_unwaited_async_save_failing_before_it_reaches_the_writer_is_named_at_exit(tmp_path):
+    """Stop 81's gap: a thread-based ``async_save`` whose thread failed in DCP's own code
+    (its group destroyed, a planner's set-up) never reached the writer, and a script that did
+    not wait exited 0 with the step not saved. The writer counts the saves it staged on
+    ``async_save``'s thread against those that reached it; the one that did not is named."""
     import subprocess
     import sys
 
     from tests.helpers import ROOT
-    from tests.helpers.dist import free_port
 
-    uri, port = str(tmp_path / "s"), str(free_port())
+    uri = str(tmp_path / "s")
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-c", _UNWAITED_AFTER_THE_GROUP]
-    ranks = [
-        subprocess.Popen([*argv, str(r), uri, port, made], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for r in range(2)
-    ]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=180) for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
+    p = subprocess.run(
+        [sys.executable, "-c", _FAILING_BEFORE_THE_WRITER, uri],
+        env=env, text=True, capture_output=True, timeout=180,
+    )  # fmt: skip
+    assert "RETURNED" in p.stdout, p.stderr[-2000:]
+    said = [x for x in p.stderr.splitlines() if "dcp.async_save of step" in x]
+    assert len(said) == 1 and "step 8" in said[0] and "before it reached" in said[0], p.stderr
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert list_steps(Store(uri)) == [7]
+
+
+_UNWAITED_REFUSED_BY_THE_COORDINATOR = """
+import sys, warnings, torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ckptstore.dcp import StoreWriter
+warnings.simplefilter("ignore")
+rank, uri, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+group = dist.new_group(backend="gloo")
+writer = StoreWriter(uri)
+state = {"w": torch.full((64,), float(rank))}
+dcp.save(state, storage_writer=writer, checkpoint_id=7, process_group=group)
+dcp.async_save(state, storage_writer=writer, checkpoint_id=7, process_group=group)
+print("RETURNED", flush=True)
+"""
+
+
+@pytest.mark.dist
+def test_an_unwaited_async_save_the_coordinator_refused_is_named_on_every_rank(tmp_path):
+    """A reviewer (stop 82): an unwaited ``async_save`` refused in rank 0's planning (its
+    store gone; here its step already committed) failed on every rank, and was named at exit
+    on rank 0 alone: rank 1 exited 0 without a word. Each rank now follows how its saves'
+    futures end, and names one that failed wherever it failed."""
+    uri = str(tmp_path / "s")
+    ranks, outs = _two_scripts(_UNWAITED_REFUSED_BY_THE_COORDINATOR, uri)
     for rank, (p, (out, err)) in enumerate(zip(ranks, outs)):
         assert "RETURNED" in out, err[-2000:]
         said = [x for x in err.splitlines() if f"rank {rank}: dcp.async_save of step 7" in x]
-        assert len(said) == 1 and "made in a process group of 2 ranks" in said[0], err[-2000:]
+        assert len(said) == 1 and "StepExistsError" in said[0], err[-2000:]
         assert p.returncode == 1, err[-2000:]
-    assert list_steps(Store(uri)) == []
+    assert list_steps(Store(uri)) == [7]
 
 
 def test_a_checkpoint_id_inside_the_writers_store_is_said_to_be_a_store_of_its_own(

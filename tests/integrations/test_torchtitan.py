@@ -584,6 +584,18 @@ def test_a_model_only_final_step_and_a_missing_load_step_are_one_line(tmp_path):
         assert "\n" not in str(e.value) and "initial_load_path=" in str(e.value)
     finally:
         manager.close()
+    # A reviewer (stop 82): a whole step loaded at another data-parallel degree lacks the
+    # dataloader state of a rank, and was said to hold the model alone.
+    other_degree = ParallelAwareDataloader(_Samples(), dp_rank=1, dp_world_size=2, batch_size=4)
+    load_only = CkptstoreCheckpointManager.Config(enable=True, load_only=True)
+    manager = _build(load_only, tmp_path, other_degree)
+    try:
+        with pytest.raises(ValueError, match="another data-parallel degree") as e:
+            manager.load(step=1)
+        assert "dataloader.dp_rank_1" in str(e.value) and "model alone" not in str(e.value)
+        assert "exclude_from_loading=['dataloader']" in str(e.value)
+    finally:
+        manager.close()
     tiered = CkptstoreCheckpointManager.Config(
         enable=True, load_only=True, tiers=TierOptions(local_dir=str(tmp_path / "local"))
     )

@@ -319,3 +319,28 @@ def test_a_chunk_linked_out_of_the_store_is_corrupt_and_fallback_skips_its_step(
             ckpt.load(into, 2)
         assert ckpt.load(into, fallback=True) == 1 and into["w"][0] == 1.0
     assert (tmp_path / "outside").read_bytes() == b"secret"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
+def test_a_tensor_larger_than_the_hosts_memory_is_refused_naming_it(tmp_path, capsys, fmt):
+    """Stop 82's operator: an index (checksums recomputed) declaring a 1 PiB tensor failed
+    `restore` with torch's allocator error, "unexpected RuntimeError", naming neither the
+    step nor the tensor; it is refused before the allocation, naming both."""
+    uri = str(tmp_path / "store")
+    save_step(uri, 1)
+    save_step(uri, 2)
+    store = Store(uri)
+    doc = rank_index_doc(store, 2)
+    digest, huge = "ab" * 16, 1 << 50
+    obj = chunk_object(huge, zstandard.ZstdCompressor().compress(bytes(65536)))
+    rewrite(store, chunk_key(digest), obj)
+    doc["tensors"].append({"dtype": "uint8", "shape": [huge], "segments": [[digest, 0, huge]]})
+    doc["chunks"][digest] = [huge, len(obj)]
+    doc["tree"]["bomb"] = {"$t": len(doc["tensors"]) - 1}
+    put_rank_index(store, 2, 0, doc)
+    capsys.readouterr()
+    assert main(["restore", uri, "--step", "2", "--format", fmt, "--to", str(tmp_path / "o")]) == 1
+    said = capsys.readouterr().err.strip()
+    assert "\n" not in said and "more than this host's available memory" in said, said
+    assert ("tensor 'bomb'" if fmt == "safetensors" else "step 2 cannot be restored") in said
+    assert not (tmp_path / "o").exists()
