@@ -32,7 +32,7 @@ __all__ = [
     "saving_state_dict",
     "set_element",
     "starting_checkpoint_process",
-    "thread_async_save_id",
+    "thread_async_save_call",
 ]
 
 # The name of the thread a thread-based ``dcp.async_save`` runs its save in (one executor per
@@ -68,19 +68,20 @@ def saving_state_dict() -> Any:
     return None
 
 
-def thread_async_save_id() -> tuple[bool, Any]:
+def thread_async_save_call() -> tuple[bool, Any, Any]:
     """Whether this thread is inside a thread-based ``dcp.async_save`` (staging the state it
-    saves), and the ``checkpoint_id`` that call was given."""
+    saves), and the ``storage_writer`` and ``checkpoint_id`` that call was given."""
     from torch.distributed.checkpoint import state_dict_saver
 
     frame = sys._getframe()
     while frame is not None:
         code = frame.f_code
         if code.co_name == "async_save" and code.co_filename == state_dict_saver.__file__:
-            kind = frame.f_locals.get("async_checkpointer_type")
-            return getattr(kind, "name", None) == "THREAD", frame.f_locals.get("checkpoint_id")
+            found = frame.f_locals
+            kind = getattr(found.get("async_checkpointer_type"), "name", None)
+            return kind == "THREAD", found.get("storage_writer"), found.get("checkpoint_id")
         frame = frame.f_back
-    return False, None
+    return False, None, None
 
 
 def async_save_on_default_group() -> bool:

@@ -30,7 +30,7 @@ from ckptstore._torch_private import (
     dcp_saves_on_this_thread,
     saving_state_dict,
     starting_checkpoint_process,
-    thread_async_save_id,
+    thread_async_save_call,
 )
 from ckptstore.catalog import list_steps
 from ckptstore.dcp import unwaited
@@ -381,10 +381,20 @@ class StoreWriter(StorageWriter, PooledStager):
         if self._made_in_world == 0 and (world := _world_size()) > 0:
             self._made_in_world, self.rank = world, _rank()
         staged = super().stage(state_dict)
-        threaded, checkpoint_id = thread_async_save_id()
-        if threaded:
+        threaded, storage_writer, checkpoint_id = thread_async_save_call()
+        if threaded and self._writes_for(storage_writer):
             unwaited.staged(self, checkpoint_id)
         return staged
+
+    def _writes_for(self, storage_writer: Any) -> bool:
+        """Whether the save of an ``async_save`` given ``storage_writer`` reaches this writer:
+        it is that writer, or one of the script's own that may hand its calls on to it; not
+        another StoreWriter or one of torch's (this writer only stages for them)."""
+        if storage_writer is self:
+            return True
+        if storage_writer is None or isinstance(storage_writer, StoreWriter):
+            return False
+        return not type(storage_writer).__module__.startswith("torch.")
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._save_store().uri, save_id=self.save_id)

@@ -73,6 +73,8 @@ class Request:
     """Bytes the request moves, where known: more bytes get a longer deadline."""
     shared: bool = False
     """A put of a content-addressed object other writers put too (a chunk)."""
+    policy: RetryPolicy | None = None
+    """This request's retries and deadlines, where not the store's."""
 
 
 # The first component of every key a store writes below its top (docs/FORMAT.md).
@@ -207,7 +209,7 @@ class Store:
     def _attempts(
         self, request: Request, fn: Callable[..., R], args: tuple, in_thread: bool = False
     ) -> R:
-        op, key, policy = request.op, request.key, self.retry
+        op, key, policy = request.op, request.key, request.policy or self.retry
         last: BaseException | None = None
         budget = policy.budget_s(request.nbytes)
         end = time.monotonic() + budget
@@ -496,8 +498,14 @@ class Store:
         (``Backend.stat``); one request, counted as a size request."""
         return self._request("size", key, self.backend.stat, self.path(key))
 
-    def exists(self, key: str) -> bool:
-        return self._request("exists", key, self.backend.exists, self.path(key))
+    def exists(self, key: str, *, within_s: float | None = None) -> bool:
+        """Whether ``key`` is stored; ``within_s``: the request ends within it (or within the
+        store's own bound, if less), retries included."""
+        policy = None
+        if within_s is not None and within_s < self.retry.budget_s():
+            policy = RetryPolicy.within(within_s, timeout_s=min(self.retry.timeout_s, within_s))
+        request = Request("exists", key, policy=policy)
+        return self._request_as(request, self.backend.exists, self.path(key))
 
     def refresh(self, key: str) -> None:
         """``key``'s modification time made now where the store can without a rewrite (a local

@@ -40,13 +40,21 @@ def pid_gone(pid: int) -> bool:
 
 
 def _zombie(pid: int) -> bool:
+    """Whether every thread of ``pid`` has exited (a process whose main thread alone has
+    exited shows as a zombie too, and lives on in its other threads)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        threads = os.listdir(f"/proc/{pid}/task")
+        states = [_state(f"/proc/{pid}/task/{tid}/stat") for tid in threads]
     except OSError:  # no /proc (not Linux), or it ended meanwhile
         return False
+    return bool(states) and all(state in (b"Z", b"X") for state in states)
+
+
+def _state(path: str) -> bytes:
+    with open(path, "rb") as f:
+        stat = f.read()
     fields = stat.rsplit(b")", 1)[-1].split()  # after the command name, which may hold spaces
-    return bool(fields) and fields[0] in (b"Z", b"X")
+    return fields[0] if fields else b""
 
 
 def holder_gone(identity: dict[str, Any]) -> bool:

@@ -53,6 +53,9 @@ front-end, whatever objects made the saves)."""
 _OTHER_WORLD_SAID: set[tuple[str, Any]] = set()
 _RESUMED: dict[str, int] = {}
 _UNASKED: set[str] = set()  # by rank dir: loaded since a save last asked the durable store
+# By rank dir: the newest step the durable store listed since this process's last load (-1: none).
+_DURABLE_NEWEST: dict[str, int] = {}
+_DURABLE_OUT: set[str] = set()  # by rank dir: the last ask of the durable store got no answer
 _RESUME_TOKENS: dict[str, str] = {}  # by rank dir: the resume this process's copies descend from
 """By a rank's own copies directory: the step a load in this process last resumed from (a DCP
 load and the next save are separate objects; a Checkpointer may be made again)."""
@@ -120,6 +123,7 @@ class LocalTier:
         else:
             _RESUMED[key] = step
             _UNASKED.add(key)
+            _DURABLE_NEWEST.pop(key, None)
 
     @property
     def durable_unasked(self) -> bool:
@@ -129,7 +133,27 @@ class LocalTier:
         return str(self.rank_dir(self.rank)) in _UNASKED
 
     def durable_answered(self) -> None:
-        _UNASKED.discard(str(self.rank_dir(self.rank)))
+        key = str(self.rank_dir(self.rank))
+        _UNASKED.discard(key)
+        _DURABLE_OUT.discard(key)
+
+    @property
+    def durable_newest(self) -> int | None:
+        """The newest step the durable store listed since this process's last load (-1: it
+        held none); None: not listed since."""
+        return _DURABLE_NEWEST.get(str(self.rank_dir(self.rank)))
+
+    def durable_listed(self, steps: list[int]) -> None:
+        _DURABLE_NEWEST[str(self.rank_dir(self.rank))] = max(steps, default=-1)
+        self.durable_answered()
+
+    @property
+    def durable_out(self) -> bool:
+        """Whether the last ask of the durable store got no answer."""
+        return str(self.rank_dir(self.rank)) in _DURABLE_OUT
+
+    def durable_unanswered(self) -> None:
+        _DURABLE_OUT.add(str(self.rank_dir(self.rank)))
 
     @property
     def resume_token(self) -> str | None:

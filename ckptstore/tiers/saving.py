@@ -39,35 +39,72 @@ from ckptstore.tiers.transfer import Transfer, TransferStats, transfer, wait_wri
 logger = logging.getLogger(__name__)
 
 
+ASK_S = 5.0
+"""How long a tiered save of a step above every step the durable store listed since the load
+asks it whether it holds that step (``durable_holds``)."""
+
+
 def durable_holds(store: Store, step: int, local: LocalTier, bound: bool = True) -> bool:
     """Whether the durable ``store`` holds ``step`` committed, asked before a tiered save of
-    it; a store that does not answer is taken not to: the local tier takes the save, as it
-    does while the durable store is out, and the step's drain there (``bound``: the save is
-    bound for durable storage; said in a WARNING, else at INFO) is refused if it does hold
-    it. Not where no save has asked it since this process loaded a step (``StorageError``): a
-    job that rolled back does not know which later steps the store holds, and a load prefers
-    the durable save of a step to a local one. Asked with the store's own bound: a store slow
-    to answer is not taken for one that does not hold the step."""
+    it (``bound``: the save is bound for durable storage).
+
+    The first save of this process, and the first since each of its loads, lists the store
+    and asks for its step: a job that rolled back learns which later steps it holds (a load
+    prefers the durable save of a step to a local one, so a local save of one would never
+    load). A step at or below the newest listed is asked with the store's own bound, and one
+    that cannot be asked is not saved (``StorageError``), as is the first save since a load
+    whose listing does not answer. A step above it can be there only if a second job on the
+    store committed it since (or the listing left out a step committed before): asked within
+    ``ASK_S``, and a store that does not answer is taken not to hold it, the local tier
+    taking the save (as while the durable store is out; its drain is refused if the store
+    does). A save not ``bound`` does not ask a store that did not answer the last ask (where
+    nothing rolled back may be there), so a hung store holds no save long."""
+    newest = local.durable_newest
+    unlisted_out = newest is None and not local.durable_unasked  # no load: nothing rolled back
+    if (unlisted_out or (newest is not None and step > newest)) and local.durable_out and not bound:
+        return False  # the store is out: its drains say so
+    if newest is None:
+        try:
+            steps = list_steps(store)
+            there = step in steps or store.exists(commit_key(step))  # a listing may lag
+        except CheckpointError as exc:
+            if local.durable_unasked:
+                raise _cannot_know(
+                    store, step, "no save has asked it since this job loaded a step", exc
+                ) from exc
+            return _not_asked(store, step, local, bound, exc)
+        local.durable_listed([*steps, step] if there else steps)
+        return there
     try:
-        there = store.exists(commit_key(step))
+        there = store.exists(commit_key(step), within_s=ASK_S if step > newest else None)
     except CheckpointError as exc:
-        if local.durable_unasked:
-            raise StorageError(
-                f"step {step}: {store.uri} does not answer ({one_line(exc)}), and no save has "
-                "asked it since this job loaded a step: were the step there (a rollback), this "
-                "save would never be loaded; not saved (the next save asks again)"
-            ) from exc
-        logger.log(
-            logging.WARNING if bound else logging.INFO,
-            "step %d: could not ask %s whether it holds that step (%s): saved to the local tier%s",
-            step,
-            store.uri,
-            one_line(exc),
-            "; its drain is refused if the store does" if bound else "",
-        )
-        return False
-    local.durable_answered()
+        if step <= newest:
+            why = f"it held steps up to {newest} when this process listed it"
+            raise _cannot_know(store, step, why, exc) from exc
+        return _not_asked(store, step, local, bound, exc)
+    local.durable_listed([newest, step] if there else [newest])  # there: the listing lagged
     return there
+
+
+def _cannot_know(store: Store, step: int, why: str, exc: BaseException) -> StorageError:
+    return StorageError(
+        f"step {step}: {store.uri} does not answer ({one_line(exc)}), and {why}: were the step "
+        "there (a rollback), this save would never be loaded; not saved (the next save asks "
+        "again)"
+    )
+
+
+def _not_asked(store: Store, step: int, local: LocalTier, bound: bool, exc: BaseException) -> bool:
+    local.durable_unanswered()
+    logger.log(
+        logging.WARNING if bound else logging.INFO,
+        "step %d: could not ask %s whether it holds that step (%s): saved to the local tier%s",
+        step,
+        store.uri,
+        one_line(exc),
+        "; its drain is refused if the store does" if bound else "",
+    )
+    return False
 
 
 def durable_steps(store: Store) -> list[int]:

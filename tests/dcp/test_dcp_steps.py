@@ -500,21 +500,71 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from ckptstore.dcp import StoreWriter
 warnings.simplefilter("ignore")
+from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 class Failing(DefaultSavePlanner):
     def set_up_planner(self, *args, **kwargs):
         raise RuntimeError("a planner failing before the writer")
+class Wrapped(StorageWriter, AsyncStager):  # a script's writer handing its calls on
+    def __init__(self, inner):
+        self.inner = inner
+    validate_checkpoint_id = classmethod(lambda cls, c: StoreWriter.validate_checkpoint_id(c))
+for name in ("reset", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan",
+             "write_data", "finish", "storage_meta", "stage", "synchronize_staging"):
+    setattr(Wrapped, name, (lambda n: lambda self, *a, **k: getattr(self.inner, n)(*a, **k))(name))
+Wrapped.__abstractmethods__ = frozenset()
 writer = StoreWriter(sys.argv[1])
+writer = Wrapped(writer) if sys.argv[2] == "wrapped" else writer
 dcp.async_save({"w": torch.ones(64)}, storage_writer=writer, checkpoint_id=7)
 dcp.async_save({"w": torch.ones(64)}, storage_writer=writer, checkpoint_id=8, planner=Failing())
 print("RETURNED", flush=True)
 """
 
 
-def test_an_unwaited_async_save_failing_before_it_reaches_the_writer_is_named_at_exit(tmp_path):
+_A_WRITER_AS_ANOTHERS_STAGER = """
+import sys, warnings, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from ckptstore.dcp import StoreWriter
+warnings.simplefilter("ignore")
+stager = StoreWriter(sys.argv[1] + "/stager")
+dcp.async_save({"w": torch.ones(64)}, storage_writer=FileSystemWriter(sys.argv[1] + "/fs"),
+               async_stager=stager).result()
+dcp.async_save({"w": torch.ones(64)}, storage_writer=StoreWriter(sys.argv[1] + "/s"),
+               async_stager=stager, checkpoint_id=3).result()
+print("RETURNED", flush=True)
+"""
+
+
+def test_a_writer_staging_for_another_writers_save_names_nothing_at_exit(tmp_path):
+    """The fix adversary of stop 82 (MED): a StoreWriter given as ``async_stager`` of another
+    writer's ``async_save`` counted the save as its own, and at exit named it as failed
+    ("before it reached the StoreWriter") although it committed: exit status 1."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [sys.executable, "-c", _A_WRITER_AS_ANOTHERS_STAGER, str(tmp_path)],
+        env=env, text=True, capture_output=True, timeout=180,
+    )  # fmt: skip
+    assert "RETURNED" in p.stdout and p.returncode == 0, p.stderr[-2000:]
+    assert "dcp.async_save of" not in p.stderr, p.stderr[-2000:]
+    assert list_steps(Store(str(tmp_path / "s"))) == [3]
+
+
+@pytest.mark.parametrize("writer", ["plain", "wrapped"])
+def test_an_unwaited_async_save_failing_before_it_reaches_the_writer_is_named_at_exit(
+    tmp_path, writer
+):
     """Stop 81's gap: a thread-based ``async_save`` whose thread failed in DCP's own code
     (its group destroyed, a planner's set-up) never reached the writer, and a script that did
     not wait exited 0 with the step not saved. The writer counts the saves it staged on
-    ``async_save``'s thread against those that reached it; the one that did not is named."""
+    ``async_save``'s thread against those that reached it; the one that did not is named.
+    Wrapped: through a script's writer handing its calls on to the StoreWriter (the second
+    fix adversary: a first narrowing took it for another writer's save, and said nothing)."""
     import subprocess
     import sys
 
@@ -523,7 +573,7 @@ def test_an_unwaited_async_save_failing_before_it_reaches_the_writer_is_named_at
     uri = str(tmp_path / "s")
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(
-        [sys.executable, "-c", _FAILING_BEFORE_THE_WRITER, uri],
+        [sys.executable, "-c", _FAILING_BEFORE_THE_WRITER, uri, writer],
         env=env, text=True, capture_output=True, timeout=180,
     )  # fmt: skip
     assert "RETURNED" in p.stdout, p.stderr[-2000:]

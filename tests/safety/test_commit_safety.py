@@ -366,8 +366,10 @@ def test_a_killed_writer_is_seen_dead_and_swept(tmp_path, capsys, reaped):
         if reaped:
             proc.wait(timeout=60)
         else:
-            deadline = time.monotonic() + 60
-            while b") Z" not in Path(f"/proc/{proc.pid}/stat").read_bytes():
+            deadline = time.monotonic() + 60  # every thread ended, the process not reaped
+            while b") Z" not in Path(f"/proc/{proc.pid}/stat").read_bytes() or (
+                len(os.listdir(f"/proc/{proc.pid}/task")) > 1
+            ):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         assert main(["ls", uri, "--json"]) == 0
@@ -382,6 +384,36 @@ def test_a_killed_writer_is_seen_dead_and_swept(tmp_path, capsys, reaped):
         proc.wait(timeout=60)
     assert chunk_files(tmp_path) == referenced_chunks(uri)
     assert find_leases(Store(uri)) == [] and verify_all(uri) == [1]
+
+
+def test_a_process_whose_main_thread_alone_exited_is_alive_until_it_is_killed():
+    """The fix adversary of stop 82: a process whose main thread has exited while its other
+    threads run shows as a zombie (``Z``) in ``/proc/<pid>/stat``; taken for dead, its lease
+    could be taken over. It is alive; killed and not yet reaped, it is gone."""
+    from ckptstore.store.processes import pid_gone
+
+    code = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+        "print('up', flush=True)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 60
+        while b") Z" not in Path(f"/proc/{proc.pid}/stat").read_bytes():  # its leader exited
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not pid_gone(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        while len(os.listdir(f"/proc/{proc.pid}/task")) > 1:  # every thread ended, unreaped
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert pid_gone(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
 
 
 def test_a_writer_on_another_host_is_dead_once_its_lease_expires(tmp_path, capsys):

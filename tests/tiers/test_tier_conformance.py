@@ -17,12 +17,14 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -1000,6 +1002,129 @@ def test_a_rolled_back_job_saves_nothing_the_durable_store_cannot_be_asked_about
     outage.down.clear()
     target = _blank()
     assert front.restart().load(target)[0] == 6 and _same(target, _state(6))
+
+
+def test_a_rolled_back_job_saves_no_step_the_store_held_while_it_cannot_ask(make, tmp_path):
+    """The fix adversary of stop 81 (HIGH, in a bound since taken back): once a save had asked
+    the durable store since a rollback, a later save of a step the store held, asked while it
+    did not answer, went to the local tier and its restart resumed the abandoned run. The first
+    save since the load lists the store: a step at or below its newest is refused while the
+    store does not answer; a step above it goes to the local tier."""
+    store = Store(str(tmp_path / "durable"))
+    outage = _Down(store.backend)
+    store.backend = outage
+    front = make(store=store, durable_every=1, timeout_s=1.0)
+    for step in (1, 2, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front = front.restart()
+    front.load(_blank(), 1)
+    front.save(3, _state(30))  # listed: 1, 2 and 4; not 3
+    front.wait_durable()
+    outage.down.set()
+    with pytest.raises((CheckpointError, CheckpointException)) as refused:
+        front.save(4, _state(40))
+    assert "held steps up to 4 when this process listed it" in str(refused.value), refused.value
+    front.save(5, _state(50))  # above every step listed: taken by the local tier
+    outage.down.clear()
+    target = _blank()
+    assert front.restart().load(target)[0] == 5 and _same(target, _state(50))
+
+
+class _Lagging:
+    """A store backend whose listings leave out the paths ending with one of ``hidden`` (a
+    listing that lags behind the store's last commits)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.hidden: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def list(self, base: str) -> list[str]:
+        return [p for p in self._inner.list(base) if not p.endswith(tuple(self.hidden))]
+
+
+def test_a_rolled_back_jobs_first_save_of_a_step_a_lagging_listing_misses_is_refused(
+    make, tmp_path
+):
+    """The fix adversary of stop 82 (MED): the first save since the load trusted the durable
+    store's listing for its own step; a listing lagging by the abandoned run's last commit let
+    that step be committed to the local tier (refused only by its drain, the local copy made).
+    The store is asked for the step itself too."""
+    store = Store(str(tmp_path / "durable"))
+    lagging = _Lagging(store.backend)
+    store.backend = lagging
+    front = make(store=store, durable_every=1)
+    for step in (1, 2, 3, 4):
+        front.save(step, _state(step))
+    front.wait_durable()
+    front = front.restart()
+    front.load(_blank(), 3)
+    lagging.hidden = {commit_key(4)}
+    with pytest.raises((StepExistsError, CheckpointException)) as refused:
+        front.save(4, _state(40))
+    assert "step 4 is already committed" in str(refused.value), refused.value
+
+
+def test_saves_above_every_step_listed_ask_no_durable_store_that_did_not_answer(
+    make, tmp_path, caplog
+):
+    """An operator of stop 81 (MED): with the durable store hung, each tiered save waited for
+    the ask whether the store holds its step up to the store's request bound (30 s). Steps
+    above every step listed since the load are asked within ``ASK_S``, and once an ask got no
+    answer, saves not bound for durable storage do not ask until one bound for it does."""
+    store = Store(str(tmp_path / "durable"))
+    outage = _Down(store.backend)
+    store.backend = outage
+    asked: list[str] = []
+    exists = Store.exists
+
+    def counted(self: Store, key: str, **kwargs: Any) -> bool:
+        if self.uri == store.uri:  # not the local tier's stores
+            asked.append(key)
+        return exists(self, key, **kwargs)
+
+    front = make(store=store, durable_every=3, local_keep_last=5, timeout_s=1.0)
+    front.save(1, _state(1))  # the first save lists the store
+    front.wait_durable()
+    outage.down.set()
+    with mock.patch.object(Store, "exists", counted), caplog.at_level(logging.INFO, "ckptstore"):
+        for step in (2, 3, 4, 5):
+            front.save(step, _state(step))
+    outage.down.clear()
+    commits = [k for k in asked if k.startswith("commits/")]
+    assert commits == [commit_key(2), commit_key(4)], commits  # 4: bound for durable storage
+    said = [r for r in caplog.records if "could not ask" in r.getMessage()]
+    assert [(r.getMessage().split(":")[0], r.levelname) for r in said] == [
+        ("step 2", "INFO"),
+        ("step 4", "WARNING"),
+    ], [r.getMessage() for r in said]
+    assert {2, 3, 4, 5} <= set(_local_copies(tmp_path))
+
+
+def test_a_process_whose_store_never_listed_asks_it_only_for_saves_bound_there(
+    make, tmp_path, monkeypatch
+):
+    """The second fix adversary of stop 82 (MED): a durable store that stopped answering
+    before a process's first tiered save (a process that loaded nothing) was listed again by
+    every save, each waiting the store's request bound. Once a listing got no answer, only
+    saves bound for durable storage list it again (here its listings alone fail)."""
+    from ckptstore.tiers import saving
+
+    front = make(durable_every=3, local_keep_last=5)
+    listed: list[int] = []
+
+    def listing(of: Store) -> list[int]:
+        listed.append(sys._getframe(1).f_locals["step"])  # durable_holds's
+        raise StorageError(f"list {of.uri}/commits: no answer (an outage)")
+
+    monkeypatch.setattr(saving, "list_steps", listing)
+    for step in (1, 2, 3, 4, 5):
+        front.save(step, _state(step))
+    assert set(listed) == {1, 4}, listed  # bound for durable storage (DCP asks twice of those)
+    assert {1, 2, 3, 4, 5} <= set(_local_copies(tmp_path))
 
 
 @pytest.fixture
