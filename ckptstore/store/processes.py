@@ -42,12 +42,14 @@ def pid_gone(pid: int) -> bool:
 def _zombie(pid: int) -> bool:
     """Whether every thread of ``pid`` has exited (a process whose main thread alone has
     exited shows as a zombie too, and lives on in its other threads)."""
+    ended = (b"Z", b"X")
     try:
+        if _state(f"/proc/{pid}/stat") not in ended:  # a live process: its threads unread
+            return False
         threads = os.listdir(f"/proc/{pid}/task")
-        states = [_state(f"/proc/{pid}/task/{tid}/stat") for tid in threads]
+        return all(_state(f"/proc/{pid}/task/{tid}/stat") in ended for tid in threads)
     except OSError:  # no /proc (not Linux), or it ended meanwhile
         return False
-    return bool(states) and all(state in (b"Z", b"X") for state in states)
 
 
 def _state(path: str) -> bytes:
