@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -111,14 +112,101 @@ class Device:
 
 
 def host_available_bytes() -> int:
+    """Memory this process may still take: the kernel's MemAvailable, or less where its cgroup
+    (a container's memory limit) leaves less, for the kernel kills a process at that limit
+    however much the host has free."""
+    available = torch.iinfo(torch.int64).max
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return torch.iinfo(torch.int64).max
+    left = cgroup_available_bytes()
+    return available if left is None else min(available, left)
+
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+SELF_CGROUP = "/proc/self/cgroup"
+
+
+def cgroup_available_bytes() -> int | None:
+    """What the tightest memory limit of this process's cgroup and its ancestors leaves: the
+    limit less the memory charged to it, page cache the kernel can drop (inactive files) not
+    counted. None where no limit is set or none can be read. A cgroup path that does not
+    exist under ``CGROUP_ROOT`` (a container sees its own cgroup as the root) is read at the root."""
+    sys_root = CGROUP_ROOT
+    try:
+        with open(SELF_CGROUP, encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    paths = {}
+    for line in lines:
+        _id, controllers, path = line.split(":", 2)
+        paths[controllers] = path.strip("/")
+    if "" in paths and os.path.exists(os.path.join(sys_root, "cgroup.controllers")):
+        return _cgroup_v2_left(sys_root, paths[""])
+    for controllers, path in paths.items():
+        if "memory" in controllers.split(","):
+            return _cgroup_v1_left(os.path.join(sys_root, "memory"), path)
+    return None
+
+
+def _cgroup_v2_left(root: str, path: str) -> int | None:
+    here = os.path.join(root, path) if path and os.path.isdir(os.path.join(root, path)) else root
+    lefts = []
+    while True:
+        limit = _read_int(os.path.join(here, "memory.max"))
+        if limit is not None:
+            used = _read_int(os.path.join(here, "memory.current"))
+            inactive = _stat_value(os.path.join(here, "memory.stat"), "inactive_file")
+            if used is not None:
+                lefts.append(max(0, limit - max(0, used - (inactive or 0))))
+        if os.path.samefile(here, root):
+            break
+        here = os.path.dirname(here)
+    return min(lefts, default=None)
+
+
+def _cgroup_v1_left(root: str, path: str) -> int | None:
+    here = os.path.join(root, path) if path and os.path.isdir(os.path.join(root, path)) else root
+    stat = os.path.join(here, "memory.stat")
+    limit = _stat_value(stat, "hierarchical_memory_limit") or _read_int(
+        os.path.join(here, "memory.limit_in_bytes")
+    )
+    used = _read_int(os.path.join(here, "memory.usage_in_bytes"))
+    if limit is None or limit >= _UNLIMITED or used is None:
+        return None
+    inactive = _stat_value(stat, "total_inactive_file") or 0
+    return max(0, limit - max(0, used - inactive))
+
+
+def _read_int(path: str) -> int | None:
+    """The number in a cgroup file; None for "max" (no limit) or a file not there."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_value(path: str, key: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return None
 
 
 def host_pins_in_slabs() -> bool:

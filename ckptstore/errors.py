@@ -86,8 +86,9 @@ class UnhealthyStepError(CheckpointError):
 
 
 class TooLargeForHostError(CheckpointError):
-    """A tensor a step declares is larger than this host's available memory (a damaged or
-    hostile index's, or a step for a larger host): refused before it is allocated."""
+    """A tensor a step declares is larger than the memory this process may take (the host's
+    available memory, or what its cgroup's limit leaves): a damaged or hostile index's, or a
+    step for a larger host; refused before it is allocated."""
 
 
 class FormatVersionError(CheckpointError, ValueError):

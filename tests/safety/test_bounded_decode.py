@@ -321,26 +321,54 @@ def test_a_chunk_linked_out_of_the_store_is_corrupt_and_fallback_skips_its_step(
     assert (tmp_path / "outside").read_bytes() == b"secret"
 
 
-@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
-def test_a_tensor_larger_than_the_hosts_memory_is_refused_naming_it(tmp_path, capsys, fmt):
-    """Stop 82's operator: an index (checksums recomputed) declaring a 1 PiB tensor failed
-    `restore` with torch's allocator error, "unexpected RuntimeError", naming neither the
-    step nor the tensor; it is refused before the allocation, naming both."""
-    uri = str(tmp_path / "store")
+def plant_declared_tensor(uri: str, huge: int) -> None:
+    """Steps 1 and 2, step 2's index (checksums recomputed) declaring a tensor 'bomb' of
+    ``huge`` bytes whose one chunk is a small frame."""
     save_step(uri, 1)
     save_step(uri, 2)
     store = Store(uri)
     doc = rank_index_doc(store, 2)
-    digest, huge = "ab" * 16, 1 << 50
+    digest = "ab" * 16
     obj = chunk_object(huge, zstandard.ZstdCompressor().compress(bytes(65536)))
     rewrite(store, chunk_key(digest), obj)
     doc["tensors"].append({"dtype": "uint8", "shape": [huge], "segments": [[digest, 0, huge]]})
     doc["chunks"][digest] = [huge, len(obj)]
     doc["tree"]["bomb"] = {"$t": len(doc["tensors"]) - 1}
     put_rank_index(store, 2, 0, doc)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
+def test_a_tensor_larger_than_the_hosts_memory_is_refused_naming_it(tmp_path, capsys, fmt):
+    """Stop 82's operator: an index (checksums recomputed) declaring a 1 PiB tensor failed
+    `restore` with torch's allocator error, "unexpected RuntimeError", naming neither the
+    step nor the tensor; it is refused before the allocation, naming both."""
+    uri = str(tmp_path / "store")
+    plant_declared_tensor(uri, 1 << 50)
     capsys.readouterr()
     assert main(["restore", uri, "--step", "2", "--format", fmt, "--to", str(tmp_path / "o")]) == 1
     said = capsys.readouterr().err.strip()
     assert "\n" not in said and "more than this host's available memory" in said, said
     assert ("tensor 'bomb'" if fmt == "safetensors" else "step 2 cannot be restored") in said
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tensor_larger_than_the_containers_memory_limit_is_refused(tmp_path, capsys, monkeypatch):
+    """Stop 82's fix adversary: the check read the host's MemAvailable alone; in a container
+    whose cgroup allows less, a tensor between the two was allocated and the kernel killed the
+    process as it filled. A 2 GiB tensor under a 1 GiB cgroup v2 limit is refused."""
+    import ckptstore.device as device
+
+    uri = str(tmp_path / "store")
+    plant_declared_tensor(uri, 2 << 30)
+    sys_root = tmp_path / "cgroup"
+    sys_root.mkdir()
+    for name, text in {"cgroup.controllers": "memory", "memory.max": str(1 << 30)}.items():
+        (sys_root / name).write_text(text)
+    (sys_root / "memory.current").write_text(str(64 << 20))
+    (tmp_path / "self_cgroup").write_text("0::/\n")
+    monkeypatch.setattr(device, "CGROUP_ROOT", str(sys_root))
+    monkeypatch.setattr(device, "SELF_CGROUP", str(tmp_path / "self_cgroup"))
+    capsys.readouterr()
+    assert main(["restore", uri, "--step", "2", "--to", str(tmp_path / "o")]) == 1
+    said = capsys.readouterr().err.strip()
+    assert f"more than this host's available memory ({(1 << 30) - (64 << 20)} bytes)" in said, said
