@@ -10,6 +10,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+from ckptstore.catalog import load_manifest
 from ckptstore.errors import CheckpointError, is_full_store, one_line
 from ckptstore.health import StepHealth
 from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
@@ -62,7 +63,22 @@ def save_collective(
                 outcome.__cause__ = error
             else:
                 outcome = _commit(session, ranks, user, group.world_size, dcp_metadata)
-        outcome = group.broadcast(portable(outcome))
+        try:
+            outcome = group.broadcast(portable(outcome))
+        except BaseException as lost:
+            known = (
+                None if isinstance(written, BaseException) else _committed(session, rank, outcome)
+            )
+            if known is None:
+                raise
+            logger.warning(
+                "rank %d: step %d is committed in %s, but %s",
+                rank,
+                session.step,
+                session.store.uri,
+                one_line(lost),
+            )
+            outcome = known
     finally:
         session.release()  # rank 0's lease: the commit's outcome is known, or never will be
     if rank == 0 and any(is_full_store(e) for e in (*ranks, outcome)):
@@ -74,6 +90,21 @@ def save_collective(
     if rank == 0 and outcome.committed:
         session.retain()
     return outcome
+
+
+def _committed(session: SaveSession, rank: int, outcome: Any) -> StepHealth | None:
+    """Where the outcome's broadcast failed (a rank lost as it was sent, after the commit):
+    the step's health if this save committed it, as rank 0 knows and the other ranks read in
+    the manifest (this attempt's); else None, the save failed as far as this rank can tell."""
+    if rank == 0:
+        return outcome if isinstance(outcome, StepHealth) and outcome.committed else None
+    try:
+        manifest = load_manifest(session.store, session.step)
+    except Exception:  # noqa: BLE001 - not committed, or the store cannot say: the save failed
+        return None
+    if manifest.attempt != session.attempt:
+        return None
+    return StepHealth.of(session.step, manifest.health)
 
 
 def portable(value: Any) -> Any:

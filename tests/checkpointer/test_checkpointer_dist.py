@@ -239,6 +239,36 @@ def test_an_untiered_rank_lost_before_a_save_is_named_within_the_bound(tmp_path)
     run_ranks_losing(_rank_killed_between_saves, 2, str(tmp_path / "s"), lost={1}, timeout_s=120)
 
 
+def _rank_killed_as_the_commit_is_told(rank: int, world: int, root: str) -> None:
+    from ckptstore.tiers.group import RankGroup
+
+    ckpt = Checkpointer(root, storage=StorageOptions(lost_rank_timeout_s=8))
+    ckpt.save(1, _rank_state(rank, 1)).wait(timeout_s=60)
+    dist.barrier()
+    if rank == 2:  # its part of step 2 handed to rank 0, it dies before hearing the outcome
+        RankGroup.broadcast = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.save(2, _rank_state(rank, 2)).wait(timeout_s=120)  # committed: it returns
+    assert list_steps(Store(root)) == [1, 2]
+    with pytest.raises(RankLostError) as lost:  # the group is spent, named
+        ckpt.save(3, _rank_state(rank, 3)).wait(timeout_s=120)
+    assert lost.value.lost == [2], lost.value
+    if rank == 0:
+        from ckptstore.cli import main
+
+        assert main(["verify", root, "--step", "2"]) == 0
+
+
+@pytest.mark.dist
+def test_a_rank_lost_as_the_commit_is_told_leaves_the_committed_step_committed(tmp_path):
+    """Stop 83's adversary: a rank killed after handing rank 0 its part of a step, before the
+    commit's outcome was broadcast, made ``wait()`` raise on every other rank, rank 0 (which
+    wrote the manifest) included, for a step committed and intact. Rank 0 knows the outcome;
+    the others read the manifest (this save's attempt). The next save names the lost rank."""
+    run_ranks_losing(
+        _rank_killed_as_the_commit_is_told, 3, str(tmp_path / "s"), lost={2}, timeout_s=180
+    )
+
+
 _DESTROYED_WITH_SAVES_PENDING = """
 import sys, torch, torch.distributed as dist
 from ckptstore import Checkpointer
