@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -34,10 +33,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from ckptstore import telemetry
-from ckptstore.catalog import list_steps, store_nearby
+from ckptstore.catalog import list_steps, load_manifest, store_nearby
 from ckptstore.errors import CheckpointError, one_line
 from ckptstore.exit_status import fail_at_exit
-from ckptstore.format import check_step
+from ckptstore.format import RESERVED_USER_KEY_PREFIX, check_step, check_user_metadata
 from ckptstore.health import StepHealth, find_healthy, resumable_steps
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
@@ -268,14 +267,17 @@ class Checkpointer:
             self._cadence.ask()
 
     def save(self, step: int, state: Any, *, metadata: dict | None = None) -> SaveHandle:
-        """Stage ``state`` and return; it is persisted and committed in the background."""
+        """Stage ``state`` and return; it is persisted and committed in the background.
+        ``metadata``, a dict of JSON values (at most 1 MiB as JSON; keys starting with
+        "ckptstore" are reserved), is recorded in the step's manifest: ``metadata(step)``,
+        ``ckptstore inspect``."""
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
         check_step(step)
         self._saver.raise_failure(f"step {step} was not saved")
         t0 = time.perf_counter()
         tree, tensors, numpy = flatten(state)
-        user = json.loads(json.dumps(metadata or {}))
+        user = check_user_metadata(metadata)
         staged = self.engine.stage(tensors, block=self.when_busy == "wait", rank=self.rank)
         self._saves += 1
         if staged is None:
@@ -443,6 +445,13 @@ class Checkpointer:
             self.last_load, self.last_load_source = loader.last_load, loader.last_load_source
             self.last_load_left_out = loader.last_load_left_out
             self.last_load_exchange = loader.last_load_exchange
+
+    def metadata(self, step: int) -> dict:
+        """The ``metadata`` saved with ``step`` (``save(step, state, metadata=...)``), read
+        from its manifest in the store; ``CheckpointNotFoundError`` where the store does not
+        hold the step (with tiers, a step committed to the local tier alone)."""
+        user = load_manifest(self.store, check_step(step)).user
+        return {k: v for k, v in user.items() if not k.startswith(RESERVED_USER_KEY_PREFIX)}
 
     def verify(self, step: int | str = "latest") -> None:
         """Re-check ``step`` (``"all"``: every committed step) in full, as ``ckptstore verify``

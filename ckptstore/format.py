@@ -147,6 +147,42 @@ def check_step(step: Any) -> int:
     return step
 
 
+USER_METADATA_MAX_BYTES = 1 << 20
+RESERVED_USER_KEY_PREFIX = "ckptstore"
+
+
+def check_user_metadata(metadata: Any) -> dict:
+    """``save(metadata=)`` as a manifest records it: a dict of JSON values that reads back
+    as given. Anything else is refused here; written, it made a step no load could read, or
+    one that read back other than saved (int keys as strings, tuples as lists)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of JSON values, not {type(metadata).__name__}")
+    reserved = [k for k in metadata if str(k).startswith(RESERVED_USER_KEY_PREFIX)]
+    if reserved:
+        raise ValueError(
+            f"metadata key {reserved[0]!r}: keys starting with 'ckptstore' are ckptstore's own"
+        )
+    try:
+        text = json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"metadata must hold JSON values only (dict, list, str, int, float, bool, None): {exc}"
+        ) from None
+    if len(text) > USER_METADATA_MAX_BYTES:
+        raise ValueError(
+            f"metadata is {len(text)} bytes as JSON, over {USER_METADATA_MAX_BYTES}: store large values as state"
+        )
+    back = json.loads(text)
+    if back != metadata:
+        raise TypeError(
+            "metadata must read back as given: JSON keys are strings and its sequences lists "
+            "(an int key, a tuple would come back changed)"
+        )
+    return back
+
+
 @dataclass
 class Segment:
     """``nbytes`` raw bytes at ``offset`` inside chunk ``chunk`` (its xxh3 hex digest)."""
@@ -320,6 +356,14 @@ def encode_manifest(m: Manifest) -> bytes:
     return _dump("manifest", body)
 
 
+def _user(value: Any) -> dict:
+    """A manifest's user metadata; a value not a dict (saved before ``save()`` refused one)
+    is kept under the key ``"value"``: the step stays readable."""
+    if value is None:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
 def decode_manifest(data: bytes, name: str) -> Manifest:
     """A manifest whose keys all name objects of its own step and attempt (checked before any
     of them is read: a hostile manifest cannot point a reader outside the store)."""
@@ -336,7 +380,7 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
             dcp_metadata=ObjectRef(**meta) if meta else None,
             raw_bytes=int(doc.get("raw_bytes", 0)),
             stored_bytes=int(doc.get("stored_bytes", 0)),
-            user=dict(doc.get("user") or {}),
+            user=_user(doc.get("user")),
             health=doc.get("health"),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:

@@ -299,6 +299,11 @@ class _Loader:
                 f"{path_str(path)}: checkpoint has {dtype} {shape_text(shape)}, state has "
                 f"{target.dtype} {shape_text(target.shape)}"
             )
+        if target.device.type == "meta":
+            raise UnsupportedStateError(
+                f"{path_str(path)}: state has a tensor on the meta device, which holds no "
+                "data to load into: materialize it first (module.to_empty(device=...))"
+            )
         if all(st or sz <= 1 for st, sz in zip(target.stride(), target.shape)):
             self.dests[node["$t"]] = target  # else (expanded) it is replaced, not written
             self.paths[node["$t"]] = path_str(path)

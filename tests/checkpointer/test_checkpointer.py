@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -379,6 +380,16 @@ def test_load_errors_are_clear(tmp_path):
             ckpt.load({"w": torch.zeros(3), "n": 0, "extra": 1})
         with pytest.raises(CheckpointNotFoundError, match="step 7 is not committed"):
             ckpt.load({"w": torch.zeros(3), "n": 0}, step=7)
+        # Stop 83's new user: a meta tensor failed deep in torch, naming neither key nor device.
+        with pytest.raises(UnsupportedStateError, match="w: state has a tensor on the meta device"):
+            ckpt.load({"w": torch.zeros(3, device="meta"), "n": 0})
+        with torch.device("meta"):
+            model = torch.nn.Linear(3, 1)
+        ckpt.save(2, {"model": torch.nn.Linear(3, 1)}).wait()
+        with pytest.raises(
+            UnsupportedStateError, match="model/weight: state has a tensor on the meta"
+        ):
+            ckpt.load({"model": model})
 
 
 def _trained(optim_cls, out_features: int = 32):
@@ -813,3 +824,44 @@ def test_last_load_says_the_step_and_source_of_an_untiered_load(tmp_path):
     assert (ckpt.last_load.step, ckpt.last_load.source) == (3, "storage")
     assert ckpt.last_load.seconds > 0
     ckpt.close()
+
+
+@pytest.mark.parametrize(
+    "metadata, why",
+    [
+        ("epoch 3", "must be a dict of JSON values, not str"),
+        (["a"], "must be a dict of JSON values, not list"),
+        ({"t": torch.ones(1)}, "JSON values only"),
+        ({"loss": float("nan")}, "JSON values only"),
+        ({1: "a"}, "must read back as given"),
+        ({"shape": (2, 3)}, "must read back as given"),
+        ({"ckptstore_tier": {}}, "are ckptstore's own"),
+        ({"blob": "x" * (1 << 20)}, "over 1048576"),
+    ],
+)
+def test_metadata_a_manifest_cannot_record_as_given_is_refused_at_save(tmp_path, metadata, why):
+    """Stop 83's new user: ``metadata="epoch 3"`` committed a step that no load, ls, inspect
+    or verify could read (``wait()`` said committed), and ``keep_last`` then swept nothing."""
+    with Checkpointer(str(tmp_path / "s"), keep_last=1) as ckpt:
+        with pytest.raises((TypeError, ValueError), match=re.escape(why)):
+            ckpt.save(1, {"w": torch.ones(2)}, metadata=metadata)
+        ckpt.save(2, {"w": torch.ones(2)}, metadata={"epoch": 3, "seen": [1, 2]}).wait()
+        assert ckpt.metadata(2) == {"epoch": 3, "seen": [1, 2]}
+        assert ckpt.steps() == [2]
+
+
+def test_a_step_saved_with_metadata_not_a_dict_still_loads(tmp_path):
+    """A step committed before ``save()`` refused such metadata reads back, the value kept."""
+    from tests.helpers.crafted import manifest_doc, put_manifest
+
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)}).wait()
+    store = Store(uri)
+    doc = manifest_doc(store, 1)
+    doc["user"] = "epoch 3"
+    put_manifest(store, 1, doc)
+    into = {"w": torch.zeros(2)}
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(into) == 1 and into["w"][0] == 1.0
+        assert ckpt.metadata(1) == {"value": "epoch 3"}
