@@ -34,11 +34,16 @@ class Pointer:
     global_step: int
     pending: bool = False  # written as its save started; rewritten without it once committed
     written_at: float | None = None  # a pending one: when (time.time()), its save then queued
+    # The (step, save_id) of the saves the pointers this one overwrote named, to unlist: a
+    # kill between the commit and their unlisting left them listed, named by nothing.
+    replaces: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
         if not self.pending:
             del doc["pending"], doc["written_at"]  # as pointers were before the fields
+        if not self.replaces:
+            del doc["replaces"]
         return json.dumps(doc).encode()
 
 
@@ -80,7 +85,22 @@ def decode(data: bytes, path: str) -> Pointer:
         isinstance(written_at, bool) or not isinstance(written_at, (int, float))
     ):
         raise CheckpointCorruptError(f"{path}: pointer field 'written_at' is {written_at!r}")
-    return Pointer(**{name: doc[name] for name in fields}, pending=pending, written_at=written_at)
+    replaces = doc.get("replaces", [])
+    if not isinstance(replaces, list) or not all(
+        isinstance(r, list)
+        and len(r) == 2
+        and type(r[0]) is int
+        and r[0] >= 0
+        and isinstance(r[1], str)
+        for r in replaces
+    ):
+        raise CheckpointCorruptError(f"{path}: pointer field 'replaces' is {replaces!r}")
+    return Pointer(
+        **{name: doc[name] for name in fields},
+        pending=pending,
+        written_at=written_at,
+        replaces=tuple((step, save_id) for step, save_id in replaces),
+    )
 
 
 def read(path: str) -> bytes | None:

@@ -26,8 +26,10 @@ not commit (the process was killed mid-save) or was removed is refused with
 deletes the pointer (a link: only the link) and unlists the step it names once the newest save
 has committed (Lightning removes the top-k file a save replaces right after starting it); the
 step a replaced pointer named goes the same way; the chunks no remaining step uses are swept in
-the background. A kill before then leaves such a step listed though no pointer names it (nothing removes
-it by itself: it is a step ``"latest"`` may resume from).
+the background. A kill before then leaves such a step listed though no pointer names it: a
+rewritten pointer records the saves it replaced, and the next overwrite of that path (in any
+process) unlists them; a step whose pointer was removed stays (nothing removes it by itself:
+it is a step ``"latest"`` may resume from).
 ``load_checkpoint`` also takes a step number, ``"latest"`` or ``"last"`` (the newest step), a
 torch checkpoint file (loaded by Lightning's ``TorchCheckpointIO``), and, for stores written
 before pointer files, a path recorded in a step's metadata.
@@ -203,6 +205,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         # save_last="link" later links over it (os.remove, not through the plugin), the step
         # it named is unlisted at teardown: nothing names it any more.
         self._named: dict[str, Pointer] = {}
+        self._dropped: set[tuple[int, str]] = set()  # (step, save_id) unlisted or found gone
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -264,9 +267,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
             return
         # ``last.ckpt`` names the save it holds until this one commits: a kill (or a failed or
         # skipped save) in between leaves it naming a committed step, as an atomic write does.
+        # The new pointer names the saves to unlist once it is written, for a kill before.
+        gone = self._replaced_by(replaced)
+        pointer = dataclasses.replace(pointer, replaces=tuple((p.step, p.save_id) for p in gone))
+        self._named[path] = pointer
         with self._pointing:
             self._overwrites.setdefault(path, []).append((handle, pointer))
-        self._drops.append((handle, replaced))
+        self._drops.extend((handle, old) for old in gone)
         self._when_done(handle, lambda: self._point_committed(handle, path, pointer))
 
     def load_checkpoint(
@@ -315,12 +322,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self._drops.extend(waiting)  # their pointers are never written: nothing names them
         if pointer is None:
             return
-        if self._pending:
-            # The top-k file Lightning replaces goes once the save that replaces it commits:
-            # a kill (or a failed or skipped save) before then leaves a step to resume from.
-            self._drops.append((self._pending[max(self._pending)], pointer))
-        else:
-            self._drop(pointer)
+        for old in self._replaced_by(pointer):
+            if self._pending:
+                # The top-k file Lightning replaces goes once the save that replaces it
+                # commits: a kill (or a failed or skipped save) before leaves a step to resume.
+                self._drops.append((self._pending[max(self._pending)], old))
+            else:
+                self._drop(old)
 
     def teardown(self) -> None:
         """Wait for every pending save and chunk sweep; raise the first that failed."""
@@ -514,6 +522,16 @@ class CkptstoreCheckpointIO(CheckpointIO):
         )
         self._refresher.start()
 
+    def _replaced_by(self, pointer: Pointer) -> list[Pointer]:
+        """The saves that go when ``pointer`` is overwritten or removed: its own, and those
+        it was written to replace that this process has not unlisted (or found gone)."""
+        older = [
+            dataclasses.replace(pointer, step=step, save_id=save_id, replaces=())
+            for step, save_id in pointer.replaces
+            if (step, save_id) not in self._dropped
+        ]
+        return [dataclasses.replace(pointer, replaces=()), *older]
+
     def _drop(self, pointer: Pointer) -> None:
         """Unlist ``pointer``'s step if it still holds that save, and sweep in the background."""
         pending = self._pending.pop(pointer.step, None)
@@ -524,6 +542,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             saved = _pointer.user_save_id(load_manifest(store, pointer.step).user, META_KEY)
         except CheckpointNotFoundError:
             saved = None
+        self._dropped.add((pointer.step, pointer.save_id))
         if saved != pointer.save_id:
             logger.info(
                 "step %d of %s no longer holds save %s", pointer.step, self.uri, pointer.save_id

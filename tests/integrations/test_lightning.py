@@ -609,6 +609,36 @@ def test_a_save_to_a_last_link_replaces_the_link_and_keeps_the_step_it_named(tmp
     resumed.close()
 
 
+def test_a_step_whose_pointer_was_overwritten_before_a_kill_goes_with_the_next_overwrite(
+    tmp_path,
+):
+    """Stop 83's Lightning user: last.ckpt overwritten (its new save committed, the pointer
+    rewritten) and the process killed before the step it had named was unlisted: that step
+    stayed listed for good, named by nothing, one more per kill. The new pointer names it,
+    and the next process's overwrite of last.ckpt unlists it."""
+    uri, last = str(tmp_path / "store"), str(tmp_path / "last.ckpt")
+    io = CkptstoreCheckpointIO(uri)
+    for global_step in (2, 4):
+        io.save_checkpoint({"global_step": global_step, "w": torch.ones(4)}, last)
+        io.checkpointer.wait()
+    io._wait_saves()  # the pointer names step 4's save; step 2 would go at the next save
+    assert sorted(io.steps()) == [2, 4]
+    io.checkpointer.close()  # killed here: no teardown, no further save
+    for round_ in (1, 2):  # two more kills at the same point, then a clean end
+        resumed = CkptstoreCheckpointIO(uri)
+        assert resumed.load_checkpoint(last)["global_step"] == 2 + 2 * round_
+        resumed.save_checkpoint({"global_step": 4 + 2 * round_, "w": torch.zeros(4)}, last)
+        resumed.checkpointer.wait()
+        resumed._wait_saves()
+        resumed.checkpointer.close()
+    final = CkptstoreCheckpointIO(uri)
+    final.save_checkpoint({"global_step": 10, "w": torch.zeros(4)}, last)
+    final.teardown()
+    assert sorted(final.steps()) == [10]
+    assert final.load_checkpoint(last)["global_step"] == 10
+    final.close()
+
+
 def test_the_cli_given_a_pointer_file_names_its_store_and_step(tmp_path, capsys):
     """Lightning user of stop 78: ``ckptstore ls ckpts/last.ckpt`` (the file a Lightning user
     has) said only "a file, not a store directory"; it names the store and step it points to.
