@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptstore.errors import CheckpointCorruptError, UnsupportedStateError
+from ckptstore.errors import CheckpointCorruptError, FormatVersionError, UnsupportedStateError
 
 FORMAT = "ckptstore"
 FORMAT_VERSION = 1
@@ -198,7 +198,13 @@ def _json_doc(blob: bytes, name: str) -> dict[str, Any]:
         raise CheckpointCorruptError(
             f"DCP metadata {name} is not a ckptstore dcp_metadata document"
         )
-    if doc.get("format_version") != FORMAT_VERSION:
+    version = doc.get("format_version")
+    if type(version) is int and version > FORMAT_VERSION:  # bytes the manifest's hash vouched for
+        raise FormatVersionError(
+            f"DCP metadata {name}: format version {version}; this ckptstore reads version "
+            f"{FORMAT_VERSION} only (upgrade ckptstore to read it)"
+        )
+    if version != FORMAT_VERSION:
         raise CheckpointCorruptError(
             f"DCP metadata {name}: format_version {doc.get('format_version')!r} is not "
             f"{FORMAT_VERSION}"

@@ -25,6 +25,7 @@ from ckptstore.cli import main
 from ckptstore.dcp import StoreReader, StoreWriter, load_full_state_dict
 from ckptstore.errors import (
     CheckpointCorruptError,
+    FormatVersionError,
     PickledValueRefusedError,
     UnsupportedStateError,
 )
@@ -548,7 +549,10 @@ DAMAGES = {
         lambda d: d.update(planner_data={"$code": "os.system"}),
         "unknown tag",
     ),
-    "a format version from the future": (lambda d: d.update(format_version=2), "format_version"),
+    "a format version that is no version": (
+        lambda d: d.update(format_version="2"),
+        "format_version '2' is not 1",
+    ),
     # DCP's planner would append None to a list up to the index a path names
     "a place a billion slots into a list": (
         lambda d: d["planner_data"].update({"model.w": {"$tuple": ["model", "w", 10**9]}}),
@@ -594,6 +598,18 @@ def test_damaged_json_metadata_is_a_one_line_error_naming_the_object(tmp_path, d
     with pytest.raises(CheckpointCorruptError, match=message) as caught:
         load_full_state_dict(store, 0)
     assert key in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_metadata_of_a_newer_format_version_asks_for_an_upgrade_not_corrupt(tmp_path):
+    """Stop 83's format reader: a newer version of the DCP metadata (its bytes vouched for by
+    the manifest's hash) was called corrupt, which a fallback load skips and quarantines."""
+    store = _save(str(tmp_path / "s"))
+    key = _metadata_key(store)
+    doc = json.loads(store.get(key))
+    doc["format_version"] = 2
+    replace_referenced(store, 0, key, json.dumps(doc).encode())
+    with pytest.raises(FormatVersionError, match=r"format version 2; .* \(upgrade ckptstore"):
+        load_full_state_dict(store, 0)
 
 
 def test_verify_refuses_metadata_that_places_an_item_where_no_index_holds_it(tmp_path, capsys):
