@@ -103,6 +103,8 @@ class Store:
         backend: Backend | None = None,
         hedge: HedgePolicy | None = None,
     ) -> None:
+        if not isinstance(uri, (str, os.PathLike)):
+            raise TypeError(f"store URI must be a path or URI string, not {uri!r}")
         uri = os.fspath(uri)
         if not uri:
             raise ValueError("store URI is empty")

@@ -368,6 +368,8 @@ def test_two_writers_of_one_step(tmp_path):
 
 
 def test_load_errors_are_clear(tmp_path):
+    with pytest.raises(TypeError, match="store URI must be a path or URI string, not None"):
+        Checkpointer(None)
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
             ckpt.load({"w": torch.zeros(3)})
