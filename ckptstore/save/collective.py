@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ckptstore.catalog import load_manifest
-from ckptstore.errors import CheckpointError, is_full_store, one_line
+from ckptstore.errors import CheckpointError, RankLostError, is_full_store, one_line
 from ckptstore.health import StepHealth
+from ckptstore.leases import SAVE, find_leases
 from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,9 @@ def save_collective(
             outcome = group.broadcast(portable(outcome))
         except BaseException as lost:
             known = (
-                None if isinstance(written, BaseException) else _committed(session, rank, outcome)
+                None
+                if isinstance(written, BaseException)
+                else _committed(session, rank, outcome, lost)
             )
             if known is None:
                 raise
@@ -92,12 +96,17 @@ def save_collective(
     return outcome
 
 
-def _committed(session: SaveSession, rank: int, outcome: Any) -> StepHealth | None:
+def _committed(
+    session: SaveSession, rank: int, outcome: Any, lost: BaseException
+) -> StepHealth | None:
     """Where the outcome's broadcast failed (a rank lost as it was sent, after the commit):
-    the step's health if this save committed it, as rank 0 knows and the other ranks read in
-    the manifest (this attempt's); else None, the save failed as far as this rank can tell."""
+    the step's health if this save committed it, as rank 0 knows, and the other ranks read in
+    the manifest (this attempt's) once rank 0 has decided; else None, the save failed as far
+    as this rank can tell."""
     if rank == 0:
         return outcome if isinstance(outcome, StepHealth) and outcome.committed else None
+    if not (isinstance(lost, RankLostError) and 0 in lost.lost):
+        _wait_for_rank_0(session)
     try:
         manifest = load_manifest(session.store, session.step)
     except Exception:  # noqa: BLE001 - not committed, or the store cannot say: the save failed
@@ -105,6 +114,27 @@ def _committed(session: SaveSession, rank: int, outcome: Any) -> StepHealth | No
     if manifest.attempt != session.attempt:
         return None
     return StepHealth.of(session.step, manifest.health)
+
+
+def _wait_for_rank_0(session: SaveSession) -> None:
+    """While rank 0 (not known lost) holds this save's lease it may still commit: its lease
+    goes once it knows the outcome (or, where it died, once it is stale)."""
+    deadline = time.monotonic() + session.engine.lease_ttl_s + LEASE_POLL_S
+    while time.monotonic() < deadline:
+        try:
+            held = [
+                lease
+                for lease in find_leases(session.store, SAVE)
+                if lease.live and lease.doc.get("attempt") == session.attempt
+            ]
+        except Exception:  # noqa: BLE001 - the manifest's read says what the store can
+            return
+        if not held or all(lease.holder_dead for lease in held):
+            return
+        time.sleep(LEASE_POLL_S)
+
+
+LEASE_POLL_S = 1.0
 
 
 def portable(value: Any) -> Any:

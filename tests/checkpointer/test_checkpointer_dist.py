@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -239,7 +240,8 @@ def test_an_untiered_rank_lost_before_a_save_is_named_within_the_bound(tmp_path)
     run_ranks_losing(_rank_killed_between_saves, 2, str(tmp_path / "s"), lost={1}, timeout_s=120)
 
 
-def _rank_killed_as_the_commit_is_told(rank: int, world: int, root: str) -> None:
+def _rank_killed_as_the_commit_is_told(rank: int, world: int, root: str, slow_s: float) -> None:
+    import ckptstore.save.session as session
     from ckptstore.tiers.group import RankGroup
 
     ckpt = Checkpointer(root, storage=StorageOptions(lost_rank_timeout_s=8))
@@ -247,6 +249,14 @@ def _rank_killed_as_the_commit_is_told(rank: int, world: int, root: str) -> None
     dist.barrier()
     if rank == 2:  # its part of step 2 handed to rank 0, it dies before hearing the outcome
         RankGroup.broadcast = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0 and slow_s:  # a commit slower than rank 1 takes to find rank 2 lost
+        commit = session.commit_manifest
+
+        def slow_commit(*args, **kwargs):
+            time.sleep(slow_s)
+            return commit(*args, **kwargs)
+
+        session.commit_manifest = slow_commit
     ckpt.save(2, _rank_state(rank, 2)).wait(timeout_s=120)  # committed: it returns
     assert list_steps(Store(root)) == [1, 2]
     with pytest.raises(RankLostError) as lost:  # the group is spent, named
@@ -259,13 +269,16 @@ def _rank_killed_as_the_commit_is_told(rank: int, world: int, root: str) -> None
 
 
 @pytest.mark.dist
-def test_a_rank_lost_as_the_commit_is_told_leaves_the_committed_step_committed(tmp_path):
+@pytest.mark.parametrize("slow_s", [0, 20], ids=["commit at once", "commit slower than the loss"])
+def test_a_rank_lost_as_the_commit_is_told_leaves_the_committed_step_committed(tmp_path, slow_s):
     """Stop 83's adversary: a rank killed after handing rank 0 its part of a step, before the
     commit's outcome was broadcast, made ``wait()`` raise on every other rank, rank 0 (which
     wrote the manifest) included, for a step committed and intact. Rank 0 knows the outcome;
-    the others read the manifest (this save's attempt). The next save names the lost rank."""
+    the others read the manifest (this save's attempt) once rank 0 has let the save's lease go
+    (its fix adversary: a commit slower than rank 1 took to find rank 2 lost was read as none).
+    The next save names the lost rank."""
     run_ranks_losing(
-        _rank_killed_as_the_commit_is_told, 3, str(tmp_path / "s"), lost={2}, timeout_s=180
+        _rank_killed_as_the_commit_is_told, 3, str(tmp_path / "s"), slow_s, lost={2}, timeout_s=180
     )
 
 
