@@ -128,17 +128,15 @@ def host_available_bytes() -> int:
     return available if left is None else min(available, left)
 
 
-_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
-
-
 CGROUP_ROOT = "/sys/fs/cgroup"
 SELF_CGROUP = "/proc/self/cgroup"
 
 
 def cgroup_available_bytes() -> int | None:
-    """What the tightest memory limit of this process's cgroup and its ancestors leaves: the
-    limit less the memory charged to it, page cache the kernel can drop (inactive files) not
-    counted. None where no limit is set or none can be read. A cgroup path that does not
+    """What the tightest memory limit of this process's cgroup and its ancestors leaves: at
+    each, the limit less the memory charged to it (its descendants' included), page cache not
+    counted (the kernel drops clean file pages before it kills at the limit, as MemAvailable
+    counts them). None where no limit is set or none can be read. A cgroup path that does not
     exist under ``CGROUP_ROOT`` (a container sees its own cgroup as the root) is read at the root."""
     sys_root = CGROUP_ROOT
     try:
@@ -151,40 +149,39 @@ def cgroup_available_bytes() -> int | None:
         _id, controllers, path = line.split(":", 2)
         paths[controllers] = path.strip("/")
     if "" in paths and os.path.exists(os.path.join(sys_root, "cgroup.controllers")):
-        return _cgroup_v2_left(sys_root, paths[""])
+        return _cgroup_left(sys_root, paths[""], _V2)
     for controllers, path in paths.items():
         if "memory" in controllers.split(","):
-            return _cgroup_v1_left(os.path.join(sys_root, "memory"), path)
+            return _cgroup_left(os.path.join(sys_root, "memory"), path, _V1)
     return None
 
 
-def _cgroup_v2_left(root: str, path: str) -> int | None:
+# The limit, the usage (hierarchical: descendants included) and the page cache in memory.stat,
+# per cgroup version; v1 writes "no limit" as a page-rounded 2**63 - 1.
+_V2 = ("memory.max", "memory.current", ("inactive_file", "active_file"))
+_V1 = (
+    "memory.limit_in_bytes",
+    "memory.usage_in_bytes",
+    ("total_inactive_file", "total_active_file"),
+)
+_UNLIMITED = 1 << 60
+
+
+def _cgroup_left(root: str, path: str, files: tuple) -> int | None:
+    limit_file, usage_file, cache_keys = files
     here = os.path.join(root, path) if path and os.path.isdir(os.path.join(root, path)) else root
     lefts = []
     while True:
-        limit = _read_int(os.path.join(here, "memory.max"))
-        if limit is not None:
-            used = _read_int(os.path.join(here, "memory.current"))
-            inactive = _stat_value(os.path.join(here, "memory.stat"), "inactive_file")
-            if used is not None:
-                lefts.append(max(0, limit - max(0, used - (inactive or 0))))
+        limit = _read_int(os.path.join(here, limit_file))
+        used = _read_int(os.path.join(here, usage_file))
+        if limit is not None and limit < _UNLIMITED and used is not None:
+            stat = _read_stat(os.path.join(here, "memory.stat"))
+            cache = sum(stat.get(key, 0) for key in cache_keys)
+            lefts.append(max(0, limit - max(0, used - cache)))
         if os.path.samefile(here, root):
             break
         here = os.path.dirname(here)
     return min(lefts, default=None)
-
-
-def _cgroup_v1_left(root: str, path: str) -> int | None:
-    here = os.path.join(root, path) if path and os.path.isdir(os.path.join(root, path)) else root
-    stat = os.path.join(here, "memory.stat")
-    limit = _stat_value(stat, "hierarchical_memory_limit") or _read_int(
-        os.path.join(here, "memory.limit_in_bytes")
-    )
-    used = _read_int(os.path.join(here, "memory.usage_in_bytes"))
-    if limit is None or limit >= _UNLIMITED or used is None:
-        return None
-    inactive = _stat_value(stat, "total_inactive_file") or 0
-    return max(0, limit - max(0, used - inactive))
 
 
 def _read_int(path: str) -> int | None:
@@ -197,16 +194,13 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _stat_value(path: str, key: str) -> int | None:
+def _read_stat(path: str) -> dict[str, int]:
     try:
         with open(path, encoding="ascii") as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key and value.strip().isdigit():
-                    return int(value)
+            pairs = [line.split() for line in f]
     except OSError:
-        pass
-    return None
+        return {}
+    return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
 
 
 def host_pins_in_slabs() -> bool:

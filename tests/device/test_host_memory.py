@@ -4,6 +4,8 @@ files laid out as the kernel lays them out (v2, and v1's memory controller)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ckptstore import device
@@ -87,19 +89,51 @@ def test_no_limit_or_no_cgroup_leaves_the_hosts_figure(cgroup, tmp_path):
     assert device.cgroup_available_bytes() is None
 
 
-def test_a_v1_memory_controllers_hierarchical_limit_binds(cgroup):
+def test_a_v1_ancestors_limit_binds_with_what_its_other_children_hold(cgroup):
+    """Stop 83's fix adversary: v1 took an ancestor's limit (hierarchical_memory_limit) less
+    this cgroup's own usage; siblings holding nearly all of the parent's 4 GiB left ~1 MiB,
+    not the 3.9 GiB it said."""
     cgroup(
         "4:memory:/docker/abc\n1:cpu,cpuacct:/docker/abc\n0::/\n",
         {
             "unified/cgroup.controllers": "",
+            "memory/docker/memory.limit_in_bytes": f"{4 * GIB}\n",
+            "memory/docker/memory.usage_in_bytes": f"{4 * GIB - (1 << 20)}\n",
+            "memory/docker/memory.stat": "total_inactive_file 0\ntotal_active_file 0\n",
             "memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",
-            "memory/docker/abc/memory.usage_in_bytes": f"{2 * GIB}\n",
+            "memory/docker/abc/memory.usage_in_bytes": f"{GIB // 10}\n",
             "memory/docker/abc/memory.stat": (
-                f"cache 1\nhierarchical_memory_limit {5 * GIB}\ntotal_inactive_file {GIB}\n"
+                f"cache 1\nhierarchical_memory_limit {4 * GIB}\ntotal_inactive_file 0\n"
             ),
         },
     )
-    assert device.cgroup_available_bytes() == 4 * GIB
+    assert device.cgroup_available_bytes() == 1 << 20
+
+
+def test_page_cache_on_either_list_is_not_counted_as_held(cgroup):
+    """Stop 83's fix adversary: 7 GiB charged under an 8 GiB limit, 6 GiB of it page cache the
+    kernel counts active (files read twice), left 1 GiB, and a 2 GiB tensor was refused; the
+    kernel drops clean cache before it kills, as MemAvailable counts it."""
+    cgroup(
+        "0::/job\n",
+        {
+            "cgroup.controllers": "memory\n",
+            "job/memory.max": f"{8 * GIB}\n",
+            "job/memory.current": f"{7 * GIB}\n",
+            "job/memory.stat": f"anon {GIB}\nactive_file {5 * GIB}\ninactive_file {GIB}\n",
+        },
+    )
+    assert device.cgroup_available_bytes() == 7 * GIB
+    cgroup(
+        "4:memory:/\n0::/\n",
+        {
+            "memory/memory.limit_in_bytes": f"{8 * GIB}\n",
+            "memory/memory.usage_in_bytes": f"{7 * GIB}\n",
+            "memory/memory.stat": f"total_active_file {5 * GIB}\ntotal_inactive_file {GIB}\n",
+        },
+    )
+    os.remove(os.path.join(device.CGROUP_ROOT, "cgroup.controllers"))  # now a v1 machine
+    assert device.cgroup_available_bytes() == 7 * GIB
 
 
 def test_a_v1_cgroup_without_a_limit_leaves_the_hosts_figure(cgroup):
