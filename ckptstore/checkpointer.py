@@ -34,9 +34,14 @@ from typing import Any
 
 from ckptstore import telemetry
 from ckptstore.catalog import list_steps, load_manifest, store_nearby
-from ckptstore.errors import CheckpointError, one_line
+from ckptstore.errors import CheckpointError, CheckpointNotFoundError, one_line
 from ckptstore.exit_status import fail_at_exit
-from ckptstore.format import RESERVED_USER_KEY_PREFIX, check_step, check_user_metadata
+from ckptstore.format import (
+    RESERVED_USER_KEY_PREFIX,
+    Manifest,
+    check_step,
+    check_user_metadata,
+)
 from ckptstore.health import StepHealth, find_healthy, resumable_steps
 from ckptstore.loading import StateLoader
 from ckptstore.options import (
@@ -448,10 +453,29 @@ class Checkpointer:
 
     def metadata(self, step: int) -> dict:
         """The ``metadata`` saved with ``step`` (``save(step, state, metadata=...)``), read
-        from its manifest in the store; ``CheckpointNotFoundError`` where the store does not
-        hold the step (with tiers, a step committed to the local tier alone)."""
-        user = load_manifest(self.store, check_step(step)).user
+        from its manifest in the store, or with tiers, where the store does not hold the step
+        (committed to the local tier alone), from this rank's copy of it;
+        ``CheckpointNotFoundError`` where neither holds it."""
+        try:
+            manifest = load_manifest(self.store, check_step(step))
+        except CheckpointNotFoundError as missing:
+            if self._local is None:
+                raise
+            manifest = self._local_manifest(step, missing)
+        user = manifest.user
         return {k: v for k, v in user.items() if not k.startswith(RESERVED_USER_KEY_PREFIX)}
+
+    def _local_manifest(self, step: int, missing: CheckpointNotFoundError) -> Manifest:
+        assert self._local is not None
+        try:
+            manifest = load_manifest(self._local.store(self.rank), step)
+        except CheckpointNotFoundError:
+            manifest = None
+        if manifest is None or not self._local.belongs(manifest, self.rank):
+            raise CheckpointNotFoundError(
+                f"{one_line(missing)}; nor does this rank's local tier hold a copy of it"
+            ) from None
+        return manifest
 
     def verify(self, step: int | str = "latest") -> None:
         """Re-check ``step`` (``"all"``: every committed step) in full, as ``ckptstore verify``

@@ -154,7 +154,8 @@ RESERVED_USER_KEY_PREFIX = "ckptstore"
 def check_user_metadata(metadata: Any) -> dict:
     """``save(metadata=)`` as a manifest records it: a dict of JSON values that reads back
     as given. Anything else is refused here; written, it made a step no load could read, or
-    one that read back other than saved (int keys as strings, tuples as lists)."""
+    one that read back other than saved (int keys as strings, tuples as lists, an enum or a
+    numpy scalar as a plain number)."""
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
@@ -165,22 +166,42 @@ def check_user_metadata(metadata: Any) -> dict:
             f"metadata key {reserved[0]!r}: keys starting with 'ckptstore' are ckptstore's own"
         )
     try:
-        text = json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        found = _not_plain_json(metadata, "")
+        text = json.dumps(metadata, allow_nan=False) if found is None else ""
+    except (RecursionError, ValueError) as exc:  # nested too deep; an int of 4300+ digits
+        found = f": {exc}"
+    if found is not None:
         raise TypeError(
-            f"metadata must hold JSON values only (dict, list, str, int, float, bool, None): {exc}"
-        ) from None
+            f"metadata{found} does not read back as given from JSON (a dict with str keys, a "
+            "list, str, int, float, bool or None)"
+        )
     if len(text) > USER_METADATA_MAX_BYTES:
         raise ValueError(
-            f"metadata is {len(text)} bytes as JSON, over {USER_METADATA_MAX_BYTES}: store large values as state"
+            f"metadata is {len(text)} bytes as JSON, over {USER_METADATA_MAX_BYTES}: store "
+            "large values as state"
         )
-    back = json.loads(text)
-    if back != metadata:
-        raise TypeError(
-            "metadata must read back as given: JSON keys are strings and its sequences lists "
-            "(an int key, a tuple would come back changed)"
-        )
-    return back
+    return json.loads(text)
+
+
+def _not_plain_json(value: Any, where: str) -> str | None:
+    """Where in ``value`` a value is that JSON would not read back as given, and what."""
+    if isinstance(value, dict):  # a subclass (OrderedDict) reads back as a dict of its items
+        for key, item in value.items():
+            if type(key) is not str:
+                return f"{where}: the {type(key).__name__} key {key!r}"
+            if (found := _not_plain_json(item, f"{where}[{key!r}]")) is not None:
+                return found
+        return None
+    if type(value) is list:
+        for i, item in enumerate(value):
+            if (found := _not_plain_json(item, f"{where}[{i}]")) is not None:
+                return found
+        return None
+    if value is None or type(value) in (str, int, bool):
+        return None
+    if type(value) is float:
+        return None if math.isfinite(value) else f"{where}: {value!r}"
+    return f"{where}: a {type(value).__name__}"
 
 
 @dataclass

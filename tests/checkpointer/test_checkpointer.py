@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -828,15 +829,21 @@ def test_last_load_says_the_step_and_source_of_an_untiered_load(tmp_path):
     ckpt.close()
 
 
+class _Level(enum.IntEnum):  # an int that would read back as a plain one
+    INFO = 20
+
+
 @pytest.mark.parametrize(
     "metadata, why",
     [
         ("epoch 3", "must be a dict of JSON values, not str"),
         (["a"], "must be a dict of JSON values, not list"),
-        ({"t": torch.ones(1)}, "JSON values only"),
-        ({"loss": float("nan")}, "JSON values only"),
-        ({1: "a"}, "must read back as given"),
-        ({"shape": (2, 3)}, "must read back as given"),
+        ({"t": torch.ones(1)}, "metadata['t']: a Tensor does not read back as given"),
+        ({"loss": float("nan")}, "metadata['loss']: nan does not read back"),
+        ({1: "a"}, "metadata: the int key 1 does not read back"),
+        ({"shape": (2, 3)}, "metadata['shape']: a tuple does not read back"),
+        ({"lr": np.float64(0.1)}, "metadata['lr']: a float64 does not read back"),
+        ({"n": [1, _Level.INFO]}, "metadata['n'][1]: a _Level does not read back"),
         ({"ckptstore_tier": {}}, "are ckptstore's own"),
         ({"blob": "x" * (1 << 20)}, "over 1048576"),
     ],

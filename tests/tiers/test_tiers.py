@@ -230,6 +230,20 @@ def test_local_tier_and_durable_every_in_one_process(tmp_path):
         assert torch.equal(state["w"], rank_state(0, 5)["w"])
 
 
+def test_metadata_of_a_step_the_local_tier_alone_holds_is_read_from_its_copy(tmp_path):
+    """Stop 83's fix adversary: ``step = load(); metadata(step)`` failed ("not committed")
+    for a step committed to the local tier alone."""
+    tiers = TierOptions(local_dir=tmp_path / "local", durable_every=2)
+    with Checkpointer(tmp_path / "durable", tiers=tiers) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, rank_state(0, step), metadata={"epoch": step}).wait()
+        ckpt.wait()
+        assert ckpt.metadata(1) == {"epoch": 1}  # from the durable store
+        assert ckpt.metadata(2) == {"epoch": 2}  # this rank's local copy
+        with pytest.raises(CheckpointNotFoundError, match="nor does this rank's local tier"):
+            ckpt.metadata(3)
+
+
 def test_stores_of_ranks_no_longer_here_go_once_retention_would_drop_their_copies(tmp_path):
     """Stores a node's job directory holds for ranks that run elsewhere now (a restart placed
     them on other nodes, or the world shrank) go once their newest copy is older than every
