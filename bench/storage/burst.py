@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def run_burst(bench: StorageBench) -> dict[str, Any]:
     cfg = bench.config
-    bench._seed(cfg.objects, [cfg.read_bytes])
+    bench._seed(cfg.objects, [(cfg.read_bytes, 1.0)])
     small = list(bench._readable)
     phases = {name: LatencyHistogram() for name in ("before", "during", "after")}
     timeline = _Timeline()

@@ -50,6 +50,17 @@ def parse_sizes(spec: str) -> list[tuple[int, float]]:
     return [(s, w / total) for s, w in items]
 
 
+def apportion(sizes: list[tuple[int, float]], count: int) -> list[int]:
+    """``count`` object sizes in the proportions of the ``sizes`` mix (largest remainders: each
+    size's share is off by less than one object), largest first."""
+    shares = [count * w for _, w in sizes]
+    counts = [math.floor(x) for x in shares]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: counts[i] - shares[i])
+    for i in by_remainder[: count - sum(counts)]:
+        counts[i] += 1
+    return [s for (s, _), n in sorted(zip(sizes, counts), reverse=True) for _ in range(n)]
+
+
 @dataclass(kw_only=True)
 class StorageBenchConfig:
     """One ``ckptbench storage`` run. ``None`` fields take the mode's default."""

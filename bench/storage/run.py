@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.faults import with_faults
 from bench.storage.burst import run_burst
-from bench.storage.config import StorageBenchConfig
+from bench.storage.config import StorageBenchConfig, apportion
 from bench.storage.stats import _error_name, _first_line, _OpStats, retry_records
 from ckptstore.errors import StorageError, one_line
 from ckptstore.store import Store
@@ -176,10 +176,11 @@ class StorageBench:
                 f"store {self.config.uri!r} is not usable: {_first_line(exc)}{why}"
             ) from exc
 
-    def _seed(self, count: int, sizes: list[int]) -> None:
-        """Write ``count`` objects, untimed and without faults, for readers to read."""
-        rng = random.Random(self.config.seed)
-        items = [(f"{self.prefix}/seed-{i:06d}", rng.choice(sizes)) for i in range(count)]
+    def _seed(self, count: int, sizes: list[tuple[int, float]]) -> None:
+        """Write ``count`` objects, untimed and without faults, for readers to read: as many of
+        each size as its weight in the mix asks (a uniform pick among the sizes made the gets
+        of a mix of mostly small objects read mostly large ones)."""
+        items = [(f"{self.prefix}/seed-{i:06d}", s) for i, s in enumerate(apportion(sizes, count))]
         self._attempted.extend(key for key, _ in items)
 
         def put(item: tuple[str, int]) -> None:
@@ -382,7 +383,7 @@ class StorageBench:
     def _run_steady(self) -> dict[str, Any]:
         cfg = self.config
         if cfg.readers:
-            self._seed(max(16, 2 * cfg.readers), [s for s, _ in cfg.sizes])
+            self._seed(max(16, 2 * cfg.readers), cfg.sizes)
         targets = [self._steady_writer] * cfg.writers + [self._steady_reader] * cfg.readers
         elapsed = self._workers(targets)
         return {"duration_s": elapsed, "stop_reason": self._stop_reason} | self._ops_result(elapsed)
@@ -392,7 +393,7 @@ class StorageBench:
         if cfg.read_prefix is not None:
             self._existing(cfg.read_prefix)
         else:
-            self._seed(cfg.objects, [s for s, _ in cfg.sizes])
+            self._seed(cfg.objects, cfg.sizes)
         elapsed = self._workers([self._range_reader] * cfg.readers)
         return {
             "duration_s": elapsed,

@@ -14,6 +14,7 @@ import pytest
 
 from bench import storage
 from bench.report import format_bytes, format_seconds, parse_bytes, rounds
+from bench.storage.config import apportion
 from bench.storage.stats import _Timeline
 from ckptstore.store import Store
 from ckptstore.telemetry import LatencyHistogram
@@ -205,6 +206,32 @@ def test_steady_on_memory_reports_every_field_and_cleans_up(capsys):
         assert r["throughput_bytes_s"] > 0
     assert result["cleanup"]["left"] == 0 and result["cleanup"]["deleted"] > 0
     assert _left_under(uri, result["prefix"]) == []
+
+
+def test_seeded_objects_follow_the_weights_of_the_size_mix():
+    """A reviewer: the objects steady mode seeds for its readers were a uniform pick among the
+    sizes (6 x 4KiB, 8 x 1MiB, 2 x 16MiB for a 70/25/5 mix): its gets read 1.3-3x larger
+    objects than the mix it stated."""
+    mix = storage.parse_sizes("4KiB:0.7,1MiB:0.25,16MiB:0.05")
+    for count in (16, 20, 100):
+        sizes = apportion(mix, count)
+        assert len(sizes) == count
+        for size, weight in mix:  # each size's share off by less than one object
+            assert abs(sizes.count(size) - count * weight) < 1
+    assert apportion([(1, 0.5), (2, 0.5)], 3) in ([2, 1, 1], [2, 2, 1])
+
+
+def test_steady_gets_read_the_stated_size_mix(capsys):
+    mix = "1KiB:0.7,8KiB:0.25,64KiB:0.05"
+    rc, result = _run_json(
+        capsys, "--uri", _memory_uri(), "--sizes", mix, "--writers", "0", "--readers", "1",
+        "--count", "400", "--seed", "1",
+    )  # fmt: skip
+    assert rc == 0 and result["get"]["ops"] == 400
+    seeded = apportion(storage.parse_sizes(mix), 16)  # 11 x 1KiB, 4 x 8KiB, 1 x 64KiB
+    assert [seeded.count(s) for s in (1024, 8192, 65536)] == [11, 4, 1]
+    mean = result["get"]["bytes"] / result["get"]["ops"]
+    assert mean == pytest.approx(sum(seeded) / len(seeded), rel=0.25)
 
 
 def test_write_budget_stops_the_run(capsys):
