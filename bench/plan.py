@@ -155,6 +155,8 @@ class PlanInputs:
     """Tiers: a restore from durable storage; default the plan's restore from storage."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each input came from: default, flag, or a file name."""
+    warnings: list[str] = field(default_factory=list)
+    """What an input taken from a file is not (see :func:`storage_json_warnings`)."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -268,8 +270,9 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
 
     return {
         "bench": "plan",
-        "inputs": {k: v for k, v in asdict(i).items() if k != "sources"},
+        "inputs": {k: v for k, v in asdict(i).items() if k not in ("sources", "warnings")},
         "sources": dict(i.sources),
+        "warnings": list(i.warnings),
         "checkpoint_bytes": checkpoint_bytes,
         "replicas": i.replicas,
         "bytes_sent_per_save": checkpoint_bytes,
@@ -418,10 +421,12 @@ def tiers(
 # -- measured inputs ---------------------------------------------------------------------------
 
 
-def apply_storage_json(inputs: dict[str, Any], sources: dict[str, str], path: str) -> None:
+def apply_storage_json(
+    inputs: dict[str, Any], sources: dict[str, str], path: str
+) -> dict[str, Any]:
     """Take bandwidths from ``ckptbench storage --json`` output: the burst's aggregate write
     throughput (else the puts'), and the gets' throughput unless they were burst background
-    reads (small, paced: not a bandwidth)."""
+    reads (small, paced: not a bandwidth). Returns the output."""
     obj = load_json_object(path, what="--from-storage file")
     if obj.get("bench") != "storage":
         raise ValueError(f"--from-storage {path!r} is not `ckptbench storage --json` output")
@@ -438,6 +443,51 @@ def apply_storage_json(inputs: dict[str, Any], sources: dict[str, str], path: st
     if read:
         inputs["read_bw_bytes_s"] = float(read)
         sources["read_bw_bytes_s"] = path
+    return obj
+
+
+def storage_json_warnings(
+    obj: dict[str, Any], path: str, sources: dict[str, str], nodes: int
+) -> list[str]:
+    """One line for each way the figures the plan took from ``obj`` (read from ``path``; flags
+    win over it) are not the aggregate storage bandwidth it uses them as: a ``memory://`` run,
+    gets served from a local disk's page cache, and, always, one client's figures."""
+    taken = {
+        what: (obj.get(workers), workers)
+        for what, name, workers in (
+            ("write", "write_bw_bytes_s", "writers"),
+            ("read", "read_bw_bytes_s", "readers"),
+        )
+        if sources.get(name) == path
+    }
+    if not taken:
+        return []
+    uri = str(obj.get("uri", ""))
+    out = []
+    if uri.startswith("memory://"):
+        out.append(
+            f"--from-storage {path}: a memory:// run: its {' and '.join(taken)} figures are "
+            "this process's memory speed, not storage bandwidth"
+        )
+    cached = obj.get("gets_from_page_cache")  # absent from output of older versions
+    if cached is None:
+        cached = "://" not in uri or uri.startswith("file://")
+    if "read" in taken and cached:
+        out.append(
+            f"--from-storage {path}: its gets read objects the run had just written to a local "
+            "disk, mostly from the page cache: its read figure is memory speed, not the disk's"
+        )
+    clients = ", ".join(
+        what if n is None else f"{what} by {n} {workers.removesuffix('s') if n == 1 else workers}"
+        for what, (n, workers) in taken.items()
+    )
+    out.append(
+        f"--from-storage {path}: one process's figures ({clients}, one host) taken as the "
+        f"aggregate bandwidth of all {nodes} nodes, not scaled with them (each node's share is "
+        "capped only by --node-storage-bw): for the cluster's, run the bench from several "
+        "nodes at once or give --write-bw / --read-bw"
+    )
+    return out
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -618,8 +668,7 @@ def request_floor_from_args(args: argparse.Namespace, result: dict[str, Any]) ->
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for path in args.from_storage:
-        apply_storage_json(values, sources, path)
+    files = {path: apply_storage_json(values, sources, path) for path in args.from_storage}
     values["params"] = parse_count(args.params, what="--params")
     if args.params != "405B":
         sources["params"] = "flag"
@@ -639,9 +688,13 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         values["save_every_s"] = args.save_every_min * 60.0
         sources["save_every_s"] = "flag"
     for name in PlanInputs.__dataclass_fields__:
-        if name not in ("sources", "sync", "mtbf_s", "interval_s", "save_every_s"):
+        if name not in ("sources", "warnings", "sync", "mtbf_s", "interval_s", "save_every_s"):
             sources.setdefault(name, "default")
-    return PlanInputs(**values, sources=sources)
+    inputs = PlanInputs(**values, sources=sources)
+    nodes = inputs.accelerators // inputs.ranks_per_node
+    for path, obj in files.items():
+        inputs.warnings += storage_json_warnings(obj, path, sources, nodes)
+    return inputs
 
 
 def print_table(result: dict[str, Any], out=None) -> None:
@@ -783,6 +836,8 @@ def print_request_floor(floor: dict[str, Any], out=None) -> None:
 def run(args: argparse.Namespace) -> int:
     result = plan(inputs_from_args(args))
     result["request_floor"] = request_floor_from_args(args, result)
+    for warning in result["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print_json(result)
     else:

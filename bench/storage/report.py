@@ -61,8 +61,7 @@ def print_table(result: dict[str, Any], out=None) -> None:
         if op in result and result[op]["errors_by_type"]:
             kinds = ", ".join(f"{k}: {v}" for k, v in result[op]["errors_by_type"].items())
             print(f"{op} errors: {kinds}", file=out)
-    local = "://" not in result["uri"] or result["uri"].startswith("file://")
-    if local and result.get("get", {}).get("ops"):
+    if result.get("gets_from_page_cache"):
         print(
             "note: the gets of a local store read objects this run had just written, mostly "
             "from the page cache: memory speed, not the disk's",

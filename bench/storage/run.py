@@ -285,6 +285,10 @@ class StorageBench:
             "sizes": [{"size_bytes": s, "weight": round(w, 6)} for s, w in cfg.sizes],
         }
         result = head | result
+        # Gets of objects the run had just written, on a local disk: read from the page cache.
+        result["gets_from_page_cache"] = self.admin.is_local and bool(
+            result.get("get", {}).get("ops")
+        )
         if cfg.faults is not None:
             result["faults"] = {
                 "injected": dict(cfg.faults.counts),

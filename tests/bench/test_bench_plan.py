@@ -187,6 +187,52 @@ def test_burst_json_gives_write_bandwidth_only(tmp_path, capsys):
     assert r["sources"]["read_bw_bytes_s"] == "default"
 
 
+def _plan_warnings(capsys, tmp_path, measured: dict, *argv: str) -> list[str]:
+    """The warnings of a plan from ``measured``, checked alike on stderr and in the JSON."""
+    path = tmp_path / "storage.json"
+    path.write_text(json.dumps({"bench": "storage"} | measured))
+    args = _parse("--from-storage", str(path), "--accelerators", "64", *argv, "--json")
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    warnings = json.loads(captured.out)["warnings"]
+    assert captured.err.splitlines() == [f"warning: {w}" for w in warnings]
+    assert all(w.startswith(f"--from-storage {path}: ") for w in warnings)
+    return warnings
+
+
+def test_figures_from_memory_or_the_page_cache_are_warned_of(capsys, tmp_path):
+    """A reviewer: a memory:// run's 2 GB/s, and a local run's gets from the page cache (a run
+    that said so itself), became the storage bandwidth of a 1,000-GPU plan without a word."""
+    figures = {"put": {"throughput_bytes_s": 6e8}, "get": {"throughput_bytes_s": 2e9}}
+    memory = _plan_warnings(capsys, tmp_path, {"uri": "memory://x"} | figures)
+    assert "a memory:// run: its write and read figures are this process's memory" in memory[0]
+    local = figures | {"uri": "/mnt/x", "gets_from_page_cache": True}
+    cached = _plan_warnings(capsys, tmp_path, local)
+    assert "from the page cache: its read figure is memory speed" in cached[0]
+    assert not any(
+        "page cache" in w for w in _plan_warnings(capsys, tmp_path, local, "--read-bw", "1TB/s")
+    )
+    older = figures | {"uri": "/mnt/x"}  # output from before the field: a local store's gets
+    assert "page cache" in _plan_warnings(capsys, tmp_path, older)[0]
+    s3 = figures | {"uri": "s3://b/x", "gets_from_page_cache": False}
+    assert len(_plan_warnings(capsys, tmp_path, s3)) == 1  # the clients' line only
+
+
+def test_a_single_clients_figures_are_said_to_be_taken_as_the_jobs_aggregate(capsys, tmp_path):
+    """A reviewer: one client's figure became the aggregate bandwidth of a 1,000-GPU job, and
+    the plan never said the input was one client."""
+    figures = {"uri": "s3://b/x", "writers": 8, "readers": 1}
+    burst = figures | {"burst": {"write_throughput_bytes_s": 3e9}}
+    [line] = _plan_warnings(capsys, tmp_path, burst)
+    assert "one process's figures (write by 8 writers, one host) taken as the aggregate " in line
+    assert "of all 8 nodes, not scaled with them" in line
+    steady = figures | {"put": {"throughput_bytes_s": 1e9}, "get": {"throughput_bytes_s": 2e9}}
+    [line] = _plan_warnings(capsys, tmp_path, steady)
+    assert "(write by 8 writers, read by 1 reader, one host)" in line
+    flags = ("--write-bw", "1TB/s", "--read-bw", "1TB/s")
+    assert _plan_warnings(capsys, tmp_path, steady, *flags) == []  # nothing taken from the file
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -559,6 +559,8 @@ def test_a_local_stores_get_figures_are_said_to_come_from_the_page_cache(capsys,
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert ("from the page cache" in out) == (where == "local"), out
+    _, result = _run_json(capsys, "--uri", uri, "--sizes", "4KiB", "--count", "100")
+    assert result["gets_from_page_cache"] == (where == "local")  # for plan --from-storage
 
 
 def test_a_cleanup_the_store_does_not_answer_says_the_runs_objects_may_be_left(
