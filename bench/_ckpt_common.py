@@ -320,6 +320,8 @@ class Workspace:
         self._owned = True
         self._storage_options = storage_options
         self._timeout_s = timeout_s
+        if uri is not None and not uri:  # an unset shell variable: refused, as a store does
+            raise ValueError("store URI is empty")
         if uri is None:
             self._tmp = tempfile.mkdtemp(prefix=f"{name}-")
             uri = self._tmp
@@ -331,6 +333,17 @@ class Workspace:
             while not os.path.exists(parent):
                 self._made, parent = parent, os.path.dirname(parent)
             os.makedirs(self.root, exist_ok=True)
+        else:
+            self._check_usable(uri)
+
+    def _check_usable(self, uri: str) -> None:
+        """One bounded listing of the fresh workspace, before the run writes anything: a store
+        that does not answer or refuses the credentials fails here in one line (not later,
+        naming some request of the run, and then its cleanup too, for a run that wrote nothing)."""
+        try:
+            self._keys_under()
+        except OSError as exc:
+            raise type(exc)(f"store {uri!r} is not usable: {one_line(exc)}") from exc
 
     @classmethod
     def open(cls, uri: str) -> Workspace:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 
 from ckptstore.cli import UsageParser, flush_stdout, stdout_gone
@@ -43,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"bench.{name}").add_parser(sub)
     for command in sub.choices.values():
         _say_defaults(command)
+        # "--size -5MiB" is a bad size, said as such; not argparse's "expected one argument"
+        command._negative_number_matcher = _NEGATIVE_VALUE
     return parser
+
+
+# A minus and a digit begin a value, not an option (argparse's own pattern: plain numbers only).
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
 
 
 def _say_defaults(parser: argparse.ArgumentParser) -> None:

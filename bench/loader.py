@@ -50,23 +50,23 @@ def add_parser(sub: Any) -> None:
         "latency and faults, four ways in one run: all healthy (unhedged, then hedged), and "
         "with the faults unhedged, then hedged.",
     )
-    p.add_argument("--replicas", type=int, default=3, help="replicas of the dataset (3)")
+    p.add_argument("--replicas", type=int, default=3, help="replicas of the dataset")
     p.add_argument(
         "--latency",
         default="lognormal:0.01:0.5",
-        help="per-read latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA] (lognormal:0.01:0.5)",
+        help="per-read latency: none, fixed:S or lognormal:MEDIAN_S[:SIGMA]",
     )
     p.add_argument(
         "--slow-rate",
         type=float,
         default=0.05,
-        help="fraction of each replica's reads delayed (0.05)",
+        help="fraction of each replica's reads delayed",
     )
     p.add_argument(
         "--slow-factor",
         type=float,
         default=20.0,
-        help="a delayed read takes this many times the median more (20)",
+        help="a delayed read takes this many times the median more",
     )
     p.add_argument(
         "--slow-replica",
@@ -77,14 +77,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--error-rate", type=float, default=0.0, help="fraction of reads that fail (0)")
     p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of reads that hang (0)")
-    p.add_argument("--reads", type=int, default=4000, help="reads, one 4 KiB sample each (4000)")
-    p.add_argument("--concurrency", type=int, default=16, help="reads in flight (16)")
-    p.add_argument("--hedge-budget", type=float, default=0.1, help="hedges per read (0.1)")
+    p.add_argument("--reads", type=int, default=4000, help="reads, one 4 KiB sample each")
+    p.add_argument("--concurrency", type=int, default=16, help="reads in flight")
+    p.add_argument("--hedge-budget", type=float, default=0.1, help="hedges per read")
     p.add_argument(
         "--attempt-timeout",
         type=float,
         default=1.0,
-        help="deadline of one attempt in seconds (1.0)",
+        help="deadline of one attempt in seconds",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the data and of the faults (default 0)"

@@ -530,8 +530,16 @@ def print_tables(result: dict[str, Any], out: Any = None) -> None:
     )
     table(["ranks", "distinct/save", "sent", "received", "exists", "CPU/rank"], rows, out=out)
     g = result["growth"]
+    points = len({r["ranks"] for r in result["runs"]})
+    how = (
+        "a line through 2 rank counts only: noise as much as growth; give --ranks three or more"
+        if points == 2
+        else f"least squares on logs over {points} rank counts"
+        if points > 2
+        else "one rank count: none"
+    )
     print(
-        "\ngrowth with ranks (least squares on logs): coordinator time ~ ranks^"
+        f"\ngrowth with ranks ({how}): coordinator time ~ ranks^"
         f"{_exponent(g['coordinator_s'])}, save requests per rank ~ ranks^"
         f"{_exponent(g['requests_per_rank'])}",
         file=out,

@@ -20,6 +20,7 @@ from bench.storage.config import (
 )
 from bench.storage.report import _require_matplotlib, plot, print_table
 from bench.storage.run import StorageBench
+from bench.storage.stats import failed_requests
 from ckptstore.store import RetryPolicy
 
 
@@ -233,11 +234,11 @@ def _remove_made(first: str, uri: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.plot:  # fail before the run, not after it
         check_output_file(args.plot, flag="--plot")
-    made = _first_missing(args.uri)
     config = config_from_args(args)
     if args.plot:
         _require_matplotlib()
-    bench = StorageBench(config)
+    bench = StorageBench(config)  # a --uri refused is refused before the note of one made
+    made = _first_missing(args.uri)
     try:
         result = bench.run()
     finally:
@@ -266,15 +267,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # Without injected faults a request that failed is the store failing (a disk that filled
     # mid-burst): the figures count only the requests that landed, and the run says so.
-    errors = {op: result[op] for op in ("put", "get") if op in result and result[op]["errors"]}
-    if errors and config.faults is None:
-        counts = ", ".join(
-            f"{r['errors']} of {r['ops'] + r['errors']} {op}s" for op, r in errors.items()
-        )
-        first = next(iter(errors.values())).get("first_error")
+    failed = failed_requests(result)
+    if failed and config.faults is None:
         print(
-            f"ckptbench storage: error: {counts} failed (first: {first}); the figures above "
-            "count only the requests that succeeded",
+            f"ckptbench storage: error: {failed}; the figures above count only the requests "
+            "that succeeded",
             file=sys.stderr,
         )
         return 1

@@ -19,7 +19,13 @@ from typing import Any
 from bench.faults import with_faults
 from bench.storage.burst import run_burst
 from bench.storage.config import StorageBenchConfig, apportion
-from bench.storage.stats import _error_name, _first_line, _OpStats, retry_records
+from bench.storage.stats import (
+    _error_name,
+    _first_line,
+    _OpStats,
+    failed_requests,
+    retry_records,
+)
 from ckptstore.errors import StorageError, one_line
 from ckptstore.store import Store
 
@@ -94,6 +100,7 @@ class StorageBench:
             stats.errors[_error_name(exc)] += 1
             if stats.first_error is None:
                 stats.first_error = _first_line(exc)
+                stats.first_error_s = time.perf_counter() - self._t0
             logger.debug("request failed: %s", exc)
             return None
         latency = time.perf_counter() - start
@@ -269,8 +276,10 @@ class StorageBench:
             try:
                 cleanup = self.cleanup()
             except StorageError as exc:
+                failed = failed_requests(result)  # a store that stopped answering mid-run
                 raise StorageError(
-                    f"{_first_line(exc)} (cleaning up: the run's objects under "
+                    (f"{failed}; then " if failed else "")
+                    + f"{_first_line(exc)} (cleaning up: the run's objects under "
                     f"{self.admin.url(self.prefix)} may be left; delete them once the store "
                     "answers)"
                 ) from exc
@@ -374,11 +383,7 @@ class StorageBench:
 
     def _ops_result(self, elapsed_s: float, ops: tuple[str, ...] = ("put", "get")):
         self._merged_stats = {op: self._merged(op) for op in ops}
-        out = {op: self._op_result(op, elapsed_s) for op in ops}
-        for op, s in self._merged_stats.items():
-            if s.first_error:
-                out[op]["first_error"] = s.first_error
-        return out
+        return {op: self._op_result(op, elapsed_s) for op in ops}
 
     def _op_result(self, op: str, elapsed_s: float) -> dict[str, Any]:
         retries = self.store.counters.snapshot()["retries"].get(op, 0)

@@ -24,17 +24,23 @@ class _OpStats:
         self.bytes = 0
         self.errors: Counter[str] = Counter()
         self.first_error: str | None = None
+        self.first_error_s: float | None = None  # when, in seconds since the run began
 
     def merge(self, other: _OpStats) -> None:
         self.hist.merge(other.hist)
         self.ops += other.ops
         self.bytes += other.bytes
         self.errors.update(other.errors)
-        self.first_error = self.first_error or other.first_error
+        if other.first_error_s is not None and (
+            self.first_error_s is None or other.first_error_s < self.first_error_s
+        ):
+            self.first_error, self.first_error_s = other.first_error, other.first_error_s
 
     def to_dict(self, elapsed_s: float, *, retries: int = 0) -> dict[str, Any]:
-        """The figures, with ``retries`` (attempts after a failed one) from the store."""
+        """The figures, with ``retries`` (attempts after a failed one) from the store, and the
+        first error and when it came where a request failed."""
         summary = self.hist.summary()
+        first = {"first_error": self.first_error, "first_error_s": self.first_error_s}
         return {
             "ops": self.ops,
             "bytes": self.bytes,
@@ -49,7 +55,23 @@ class _OpStats:
             "errors": sum(self.errors.values()),
             "errors_by_type": dict(self.errors),
             "retries": retries,
-        }
+        } | (first if self.first_error is not None else {})
+
+
+def failed_requests(result: dict[str, Any]) -> str | None:
+    """``"3 of 40 puts failed from t=4.1 s, 2 of 9 gets from t=4.0 s (first: ...)"`` for the
+    requests of a run's ``result`` that failed; None where none did."""
+    failed = [(op, result[op]) for op in ("put", "get") if result.get(op, {}).get("errors")]
+    if not failed:
+        return None
+    counts = [
+        f"{r['errors']} of {r['ops'] + r['errors']} {op}s"
+        + (" failed" if not i else "")
+        + f" from t={r['first_error_s']:.1f} s"
+        for i, (op, r) in enumerate(failed)
+    ]
+    first = min((r for _, r in failed), key=lambda r: r["first_error_s"])["first_error"]
+    return f"{', '.join(counts)} (first: {first})"
 
 
 @contextlib.contextmanager

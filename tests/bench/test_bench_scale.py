@@ -5,6 +5,7 @@ together rather than hang."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import subprocess
 import sys
@@ -60,6 +61,12 @@ def test_thread_ranks_1_and_8(capsys, tmp_path):
     assert result["mode"] == "threads" and result["chunks_per_rank"] == 4
     _check_consistent(result, [1, 8])
     assert list(tmp_path.iterdir()) == []  # the workspace is removed
+    # A reviewer: an exponent "fitted" on two rank counts was printed as a growth fit.
+    scale.print_tables(result, out=(out := io.StringIO()))
+    assert "growth with ranks (a line through 2 rank counts only: noise as much" in out.getvalue()
+    result["runs"].append(result["runs"][-1] | {"ranks": 16})
+    scale.print_tables(result, out=(out := io.StringIO()))
+    assert "growth with ranks (least squares on logs over 3 rank counts)" in out.getvalue()
 
 
 @pytest.mark.dist

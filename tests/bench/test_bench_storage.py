@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import re
 import sys
 import uuid
 
@@ -15,7 +16,7 @@ import pytest
 from bench import storage
 from bench.report import format_bytes, format_seconds, parse_bytes, rounds
 from bench.storage.config import apportion
-from bench.storage.stats import _Timeline
+from bench.storage.stats import _Timeline, failed_requests
 from ckptstore.store import Store
 from ckptstore.telemetry import LatencyHistogram
 from tests.helpers import ROOT
@@ -175,6 +176,22 @@ def test_a_local_uri_that_does_not_exist_is_said_and_removed_after(tmp_path, cap
     code, _ = _run_json(capsys, "--uri", str(typo), "--count", "5", err=err)
     assert code == 0 and "does not exist: made for this run" in err[0], err
     assert not (tmp_path / "typo_mnt").exists()
+
+
+def test_a_mistyped_scheme_is_refused_before_any_note_of_a_directory_made(
+    capsys, tmp_path, monkeypatch
+):
+    """A reviewer: `--uri s3:/bench/x` said "does not exist: made for this run", then refused."""
+    from bench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["storage", "--uri", "s3:/bench/x", "--count", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "ckptbench storage: error: cannot open store 's3:/bench/x': it reads as a local path; "
+        "did you mean s3://bench/x?"
+    ]
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.s3
@@ -578,3 +595,51 @@ def test_a_cleanup_the_store_does_not_answer_says_the_runs_objects_may_be_left(
     args = _parse("--uri", str(tmp_path / "st"), "--sizes", "4KiB", "--count", "20")
     with pytest.raises(StorageError, match="may be left; delete them once the store"):
         args.func(args)
+
+
+def test_a_store_that_dies_mid_run_is_said_to_have_failed_from_then_not_only_at_cleanup(
+    capsys, tmp_path, monkeypatch
+):
+    """A reviewer: moto killed 4 s into a steady run; the run said only that its cleanup's
+    listing failed, nothing of its own puts and gets failing from 4 s on."""
+    import itertools
+
+    from bench.storage.run import StorageBench
+    from ckptstore.errors import StorageError, StorageTimeoutError
+    from ckptstore.store import backends
+
+    answered = itertools.count()
+    real_put, real_get = backends.LocalBackend.put_once, backends.LocalBackend.get
+
+    def dying(real):
+        def request(self, *args, **kwargs):
+            if next(answered) >= 28:  # the check's 2, the 16 objects seeded, 10 of the run
+                raise ConnectionError("connection refused")
+            return real(self, *args, **kwargs)
+
+        return request
+
+    def unanswered(self):
+        raise StorageTimeoutError(f"list {self.admin.url(self.prefix)}: no answer within 30.0s")
+
+    monkeypatch.setattr(backends.LocalBackend, "put_once", dying(real_put))
+    monkeypatch.setattr(backends.LocalBackend, "get", dying(real_get))
+    monkeypatch.setattr(StorageBench, "cleanup", unanswered)
+    args = _parse(
+        "--uri", str(tmp_path / "st"), "--sizes", "4KiB", "--count", "60", "--attempts", "1",
+        "--seed", "1",
+    )  # fmt: skip
+    with pytest.raises(StorageError) as info:
+        args.func(args)
+    message = str(info.value)
+    assert re.match(r"\d+ of \d+ (put|get)s failed from t=\d+\.\d s", message), message
+    assert "(first: " in message and "connection refused" in message.lower(), message
+    assert "; then list " in message and "may be left; delete them once the store" in message
+    both = {
+        "put": {"ops": 9, "errors": 3, "first_error": "put refused", "first_error_s": 4.12},
+        "get": {"ops": 1, "errors": 2, "first_error": "get refused", "first_error_s": 4.05},
+    }
+    assert failed_requests(both) == (
+        "3 of 12 puts failed from t=4.1 s, 2 of 3 gets from t=4.0 s (first: get refused)"
+    )
+    assert failed_requests({"put": {"ops": 3, "errors": 0}}) is None
