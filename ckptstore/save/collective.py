@@ -12,7 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptstore.catalog import load_manifest
-from ckptstore.errors import CheckpointError, RankLostError, is_full_store, one_line
+from ckptstore.errors import (
+    CheckpointError,
+    CommitUnknownError,
+    RankLostError,
+    is_full_store,
+    one_line,
+)
+from ckptstore.format import commit_key
 from ckptstore.health import StepHealth
 from ckptstore.leases import SAVE, find_leases
 from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
@@ -74,6 +81,8 @@ def save_collective(
                 else _committed(session, rank, outcome, lost)
             )
             if known is None:
+                if rank == 0 and isinstance(outcome, BaseException):
+                    raise outcome from lost  # what it would have told the others
                 raise
             logger.warning(
                 "rank %d: step %d is committed in %s, but %s",
@@ -100,12 +109,16 @@ def _committed(
     session: SaveSession, rank: int, outcome: Any, lost: BaseException
 ) -> StepHealth | None:
     """Where the outcome's broadcast failed (a rank lost as it was sent, after the commit):
-    the step's health if this save committed it, as rank 0 knows, and the other ranks read in
-    the manifest (this attempt's) once rank 0 has decided; else None, the save failed as far
-    as this rank can tell."""
+    the step's health if this save committed it, else None (the save failed, or its outcome
+    is unknown, as far as this rank can tell). Rank 0 knows it, but where its manifest put's
+    outcome was unknown; the others read the manifest (this attempt's) once rank 0 has
+    decided: it holds the save's lease until then."""
     if rank == 0:
-        return outcome if isinstance(outcome, StepHealth) and outcome.committed else None
-    if not (isinstance(lost, RankLostError) and 0 in lost.lost):
+        if isinstance(outcome, StepHealth):
+            return outcome if outcome.committed else None
+        if not isinstance(outcome, CommitUnknownError):
+            return None
+    elif not (isinstance(lost, RankLostError) and 0 in lost.lost):
         _wait_for_rank_0(session)
     try:
         manifest = load_manifest(session.store, session.step)
@@ -117,11 +130,15 @@ def _committed(
 
 
 def _wait_for_rank_0(session: SaveSession) -> None:
-    """While rank 0 (not known lost) holds this save's lease it may still commit: its lease
-    goes once it knows the outcome (or, where it died, once it is stale)."""
-    deadline = time.monotonic() + session.engine.lease_ttl_s + LEASE_POLL_S
+    """Until this save's manifest is there, or rank 0 no longer holds the save's lease: it
+    lets the lease go once it knows the outcome; one whose process died leaves it to go stale
+    (its ttl after the last renewal); and a put it gave up on (outcome unknown) leaves it for
+    the ttl too, while that put may still land. At most ``RANK_0_WAIT_S``."""
+    deadline = time.monotonic() + RANK_0_WAIT_S
     while time.monotonic() < deadline:
         try:
+            if session.store.exists(commit_key(session.step)):
+                return
             held = [
                 lease
                 for lease in find_leases(session.store, SAVE)
@@ -135,6 +152,7 @@ def _wait_for_rank_0(session: SaveSession) -> None:
 
 
 LEASE_POLL_S = 1.0
+RANK_0_WAIT_S = 600.0  # as long as torch's default collective timeout
 
 
 def portable(value: Any) -> Any:
