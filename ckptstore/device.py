@@ -171,16 +171,28 @@ def _cgroup_left(root: str, path: str, files: tuple) -> int | None:
     limit_file, usage_file, cache_keys = files
     here = os.path.join(root, path) if path and os.path.isdir(os.path.join(root, path)) else root
     lefts = []
+    first = True
     while True:
         limit = _read_int(os.path.join(here, limit_file))
         used = _read_int(os.path.join(here, usage_file))
-        if limit is not None and limit < _UNLIMITED and used is not None:
-            stat = _read_stat(os.path.join(here, "memory.stat"))
-            cache = sum(stat.get(key, 0) for key in cache_keys)
-            lefts.append(max(0, limit - max(0, used - cache)))
-        if os.path.samefile(here, root):
-            break
-        here = os.path.dirname(here)
+        stat = _read_stat(os.path.join(here, "memory.stat"))
+        held = None if used is None else max(0, used - sum(stat.get(k, 0) for k in cache_keys))
+        if held is not None and limit is not None and limit < _UNLIMITED:
+            lefts.append(max(0, limit - held))
+        if (
+            first
+            and held is not None
+            and stat.get("hierarchical_memory_limit", _UNLIMITED) < _UNLIMITED
+        ):
+            # v1: the tightest limit above, where a container cannot see its ancestors (less
+            # this cgroup's usage alone: theirs cannot be read)
+            lefts.append(max(0, stat["hierarchical_memory_limit"] - held))
+        if (
+            os.path.samefile(here, root)
+            or _read_int(os.path.join(here, "memory.use_hierarchy")) == 0
+        ):
+            break  # v1 without hierarchy: the limits above do not apply to this cgroup
+        here, first = os.path.dirname(here), False
     return min(lefts, default=None)
 
 

@@ -147,3 +147,35 @@ def test_a_v1_cgroup_without_a_limit_leaves_the_hosts_figure(cgroup):
         },
     )
     assert device.cgroup_available_bytes() is None
+
+
+def test_a_v1_container_reads_the_limit_above_it_it_cannot_see(cgroup):
+    """Stop 83's second fix adversary: a container's v1 cgroup is its root, the limit of the
+    slice above it (docker --cgroup-parent, a kubepods cgroup) shows only as
+    hierarchical_memory_limit; the walk up the tree had dropped it."""
+    unlimited = "9223372036854771712"
+    cgroup(
+        "4:memory:/kubepods/pod1/abc\n0::/\n",
+        {
+            "memory/memory.limit_in_bytes": f"{unlimited}\n",
+            "memory/memory.usage_in_bytes": f"{2 * GIB}\n",
+            "memory/memory.stat": (
+                f"hierarchical_memory_limit {5 * GIB}\ntotal_inactive_file {GIB}\n"
+            ),
+        },
+    )
+    assert device.cgroup_available_bytes() == 4 * GIB
+
+
+def test_a_v1_cgroup_without_hierarchy_is_not_bound_by_its_parents_limit(cgroup):
+    cgroup(
+        "4:memory:/job\n0::/\n",
+        {
+            "memory/memory.limit_in_bytes": f"{GIB}\n",
+            "memory/memory.usage_in_bytes": f"{GIB}\n",
+            "memory/job/memory.use_hierarchy": "0\n",
+            "memory/job/memory.limit_in_bytes": "9223372036854771712\n",
+            "memory/job/memory.usage_in_bytes": f"{GIB // 4}\n",
+        },
+    )
+    assert device.cgroup_available_bytes() is None
