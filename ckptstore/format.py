@@ -148,6 +148,7 @@ def check_step(step: Any) -> int:
 
 
 USER_METADATA_MAX_BYTES = 1 << 20
+USER_METADATA_MAX_DEPTH = 64
 RESERVED_USER_KEY_PREFIX = "ckptstore"
 
 
@@ -165,16 +166,13 @@ def check_user_metadata(metadata: Any) -> dict:
         raise ValueError(
             f"metadata key {reserved[0]!r}: keys starting with 'ckptstore' are ckptstore's own"
         )
-    try:
-        found = _not_plain_json(metadata, "")
-        text = json.dumps(metadata, allow_nan=False) if found is None else ""
-    except (RecursionError, ValueError) as exc:  # nested too deep; an int of 4300+ digits
-        found = f": {exc}"
+    found = _not_plain_json(metadata, "", 0)
     if found is not None:
         raise TypeError(
-            f"metadata{found} does not read back as given from JSON (a dict with str keys, a "
-            "list, str, int, float, bool or None)"
+            f"metadata{found}: it would not read back as given from JSON (a dict with str "
+            "keys, a list, str, int, float, bool or None)"
         )
+    text = json.dumps(metadata, allow_nan=False)
     if len(text) > USER_METADATA_MAX_BYTES:
         raise ValueError(
             f"metadata is {len(text)} bytes as JSON, over {USER_METADATA_MAX_BYTES}: store "
@@ -183,25 +181,38 @@ def check_user_metadata(metadata: Any) -> dict:
     return json.loads(text)
 
 
-def _not_plain_json(value: Any, where: str) -> str | None:
+def _not_plain_json(value: Any, where: str, depth: int) -> str | None:
     """Where in ``value`` a value is that JSON would not read back as given, and what."""
+    if depth > USER_METADATA_MAX_DEPTH:
+        return f"{where} is nested deeper than {USER_METADATA_MAX_DEPTH} levels"
     if isinstance(value, dict):  # a subclass (OrderedDict) reads back as a dict of its items
         for key, item in value.items():
             if type(key) is not str:
-                return f"{where}: the {type(key).__name__} key {key!r}"
-            if (found := _not_plain_json(item, f"{where}[{key!r}]")) is not None:
+                return f"{where}: the key {key!r} is of type {_type_name(key)}"
+            if (found := _not_plain_json(item, f"{where}[{key!r}]", depth + 1)) is not None:
                 return found
         return None
     if type(value) is list:
         for i, item in enumerate(value):
-            if (found := _not_plain_json(item, f"{where}[{i}]")) is not None:
+            if (found := _not_plain_json(item, f"{where}[{i}]", depth + 1)) is not None:
                 return found
         return None
-    if value is None or type(value) in (str, int, bool):
+    if value is None or type(value) in (str, bool):
         return None
+    if type(value) is int:  # Python writes no int of more than 4300 digits as text
+        return None if value.bit_length() < 14_000 else f"{where} is an int of over 4,000 digits"
     if type(value) is float:
-        return None if math.isfinite(value) else f"{where}: {value!r}"
-    return f"{where}: a {type(value).__name__}"
+        return None if math.isfinite(value) else f"{where} is {value!r}"
+    return f"{where} is of type {_type_name(value)}"
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
 import os
@@ -838,12 +839,13 @@ class _Level(enum.IntEnum):  # an int that would read back as a plain one
     [
         ("epoch 3", "must be a dict of JSON values, not str"),
         (["a"], "must be a dict of JSON values, not list"),
-        ({"t": torch.ones(1)}, "metadata['t']: a Tensor does not read back as given"),
-        ({"loss": float("nan")}, "metadata['loss']: nan does not read back"),
-        ({1: "a"}, "metadata: the int key 1 does not read back"),
-        ({"shape": (2, 3)}, "metadata['shape']: a tuple does not read back"),
-        ({"lr": np.float64(0.1)}, "metadata['lr']: a float64 does not read back"),
-        ({"n": [1, _Level.INFO]}, "metadata['n'][1]: a _Level does not read back"),
+        ({"t": torch.ones(1)}, "metadata['t'] is of type torch.Tensor: it would not read back"),
+        ({"loss": float("nan")}, "metadata['loss'] is nan"),
+        ({1: "a"}, "metadata: the key 1 is of type int"),
+        ({"shape": (2, 3)}, "metadata['shape'] is of type tuple"),
+        ({"lr": np.float64(0.1)}, "metadata['lr'] is of type numpy.float64"),
+        ({"n": [1, _Level.INFO]}, "metadata['n'][1] is of type tests.checkpointer"),
+        ({"deep": functools.reduce(lambda inner, _: [inner], range(100), 1)}, "nested deeper"),
         ({"ckptstore_tier": {}}, "are ckptstore's own"),
         ({"blob": "x" * (1 << 20)}, "over 1048576"),
     ],
