@@ -189,9 +189,9 @@ def _cgroup_left(root: str, path: str, files: tuple) -> int | None:
             lefts.append(max(0, stat["hierarchical_memory_limit"] - held))
         if (
             os.path.samefile(here, root)
-            or _read_int(os.path.join(here, "memory.use_hierarchy")) == 0
+            or _read_int(os.path.join(os.path.dirname(here), "memory.use_hierarchy")) == 0
         ):
-            break  # v1 without hierarchy: the limits above do not apply to this cgroup
+            break  # v1: a parent without hierarchy does not charge this cgroup to its limit
         here, first = os.path.dirname(here), False
     return min(lefts, default=None)
 

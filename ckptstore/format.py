@@ -168,10 +168,7 @@ def check_user_metadata(metadata: Any) -> dict:
         )
     found = _not_plain_json(metadata, "", 0)
     if found is not None:
-        raise TypeError(
-            f"metadata{found}: it would not read back as given from JSON (a dict with str "
-            "keys, a list, str, int, float, bool or None)"
-        )
+        raise TypeError(f"metadata{found} (it takes a dict of JSON values that read back as given)")
     text = json.dumps(metadata, allow_nan=False)
     if len(text) > USER_METADATA_MAX_BYTES:
         raise ValueError(
@@ -182,13 +179,13 @@ def check_user_metadata(metadata: Any) -> dict:
 
 
 def _not_plain_json(value: Any, where: str, depth: int) -> str | None:
-    """Where in ``value`` a value is that JSON would not read back as given, and what."""
-    if depth > USER_METADATA_MAX_DEPTH:
-        return f"{where} is nested deeper than {USER_METADATA_MAX_DEPTH} levels"
+    """Where in ``value`` a value is that JSON would not read back as given, and why."""
+    if isinstance(value, (dict, list)) and depth >= USER_METADATA_MAX_DEPTH:
+        return f"{_clip(where)} is nested deeper than {USER_METADATA_MAX_DEPTH} levels"
     if isinstance(value, dict):  # a subclass (OrderedDict) reads back as a dict of its items
         for key, item in value.items():
             if type(key) is not str:
-                return f"{where}: the key {key!r} is of type {_type_name(key)}"
+                return f"{_clip(where)}: the key {_clip(repr(key))} is of type {_type_name(key)}, not str"
             if (found := _not_plain_json(item, f"{where}[{key!r}]", depth + 1)) is not None:
                 return found
         return None
@@ -199,11 +196,19 @@ def _not_plain_json(value: Any, where: str, depth: int) -> str | None:
         return None
     if value is None or type(value) in (str, bool):
         return None
-    if type(value) is int:  # Python writes no int of more than 4300 digits as text
-        return None if value.bit_length() < 14_000 else f"{where} is an int of over 4,000 digits"
+    if type(value) is int:
+        try:
+            str(value)
+        except ValueError:
+            return f"{_clip(where)} is an int too long for Python to write as text"
+        return None
     if type(value) is float:
-        return None if math.isfinite(value) else f"{where} is {value!r}"
-    return f"{where} is of type {_type_name(value)}"
+        return None if math.isfinite(value) else f"{_clip(where)} is {value!r}, not JSON"
+    return f"{_clip(where)} is of type {_type_name(value)}, which JSON would not give back"
+
+
+def _clip(text: str, most: int = 200) -> str:
+    return text if len(text) <= most else f"...{text[-most:]}"
 
 
 def _type_name(value: Any) -> str:

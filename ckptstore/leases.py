@@ -282,6 +282,16 @@ def find_leases(store: Store, kind: str | None = None, now: float | None = None)
     return list(store.map(lambda item: _read(store, *item, now), holders.items()))
 
 
+def find_lease(store: Store, kind: str, holder: str) -> LeaseInfo | None:
+    """The lease ``holder`` holds, live or stale (judged as ``find_leases`` judges it); None
+    where it holds none (released, or never taken)."""
+    keys = _lease_holders(store, f"{PREFIX}/{kind}/{holder}/").get((kind, holder))
+    if not keys:
+        return None
+    lease = _read(store, (kind, holder), keys, store_now(store))
+    return None if lease.doc.get("error") == "released" else lease
+
+
 def _lease_holders(store: Store, prefix: str) -> dict[tuple[str, str], list[str]]:
     holders: dict[tuple[str, str], list[str]] = {}
     for key in store.list(prefix):

@@ -14,6 +14,7 @@ from typing import Any
 from ckptstore.catalog import load_manifest
 from ckptstore.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     CommitUnknownError,
     RankLostError,
     is_full_store,
@@ -21,8 +22,8 @@ from ckptstore.errors import (
 )
 from ckptstore.format import commit_key
 from ckptstore.health import StepHealth
-from ckptstore.leases import SAVE, find_leases
-from ckptstore.save.session import LatestIndex, RankWritten, SaveSession
+from ckptstore.leases import SAVE, find_lease
+from ckptstore.save.session import LatestIndex, RankWritten, SaveSession, save_lease_holder
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def save_collective(
             )
             if known is None:
                 if rank == 0 and isinstance(outcome, BaseException):
-                    raise outcome from lost  # what it would have told the others
+                    raise outcome  # noqa: B904 - what it would have told; the loss its context
                 raise
             logger.warning(
                 "rank %d: step %d is committed in %s, but %s",
@@ -109,46 +110,58 @@ def _committed(
     session: SaveSession, rank: int, outcome: Any, lost: BaseException
 ) -> StepHealth | None:
     """Where the outcome's broadcast failed (a rank lost as it was sent, after the commit):
-    the step's health if this save committed it, else None (the save failed, or its outcome
-    is unknown, as far as this rank can tell). Rank 0 knows it, but where its manifest put's
-    outcome was unknown; the others read the manifest (this attempt's) once rank 0 has
-    decided: it holds the save's lease until then."""
+    the step's health if this save committed it, None where it did not. Rank 0 knows it (a
+    manifest put whose outcome is unknown it raises as such). Another rank reads the manifest
+    (this attempt's) once rank 0 has let the save's lease go, which it does once it knows the
+    outcome; where that cannot be seen (rank 0 lost, its lease left to go stale, the store not
+    answering), no manifest is ``CommitUnknownError``: never a failure the commit may belie."""
     if rank == 0:
-        if isinstance(outcome, StepHealth):
-            return outcome if outcome.committed else None
-        if not isinstance(outcome, CommitUnknownError):
-            return None
-    elif not (isinstance(lost, RankLostError) and 0 in lost.lost):
-        _wait_for_rank_0(session)
+        return outcome if isinstance(outcome, StepHealth) and outcome.committed else None
+    rank_0_lost = isinstance(lost, RankLostError) and 0 in lost.lost
+    decided = not rank_0_lost and _rank_0_decided(session)
     try:
         manifest = load_manifest(session.store, session.step)
-    except Exception:  # noqa: BLE001 - not committed, or the store cannot say: the save failed
+    except CheckpointNotFoundError:
+        manifest = None
+    except Exception as exc:  # noqa: BLE001 - the store cannot say
+        raise _unknown(session, lost, f"its manifest could not be read ({one_line(exc)})") from exc
+    if manifest is not None and manifest.attempt == session.attempt:
+        return StepHealth.of(session.step, manifest.health)
+    if decided or manifest is not None:  # rank 0 let the lease go; or another save's step
         return None
-    if manifest.attempt != session.attempt:
-        return None
-    return StepHealth.of(session.step, manifest.health)
+    raise _unknown(session, lost, "rank 0's outcome could not be heard and no manifest is there")
 
 
-def _wait_for_rank_0(session: SaveSession) -> None:
-    """Until this save's manifest is there, or rank 0 no longer holds the save's lease: it
-    lets the lease go once it knows the outcome; one whose process died leaves it to go stale
-    (its ttl after the last renewal); and a put it gave up on (outcome unknown) leaves it for
-    the ttl too, while that put may still land. At most ``RANK_0_WAIT_S``."""
+def _unknown(session: SaveSession, lost: BaseException, why: str) -> CommitUnknownError:
+    error = CommitUnknownError(
+        f"step {session.step}: whether it is committed in {session.store.uri} is unknown: "
+        f"{one_line(lost)}; {why} (`ckptstore ls` tells once rank 0's lease is gone)"
+    )
+    error.__cause__ = lost
+    return error
+
+
+def _rank_0_decided(session: SaveSession) -> bool:
+    """Wait until this save's manifest is there, or rank 0 no longer holds the save's lease
+    (it lets it go once it knows the outcome); True then. False where the lease went stale
+    (rank 0 died, or left it for a put whose outcome it could not tell) or the wait reached
+    ``RANK_0_WAIT_S``; a request that fails meanwhile is asked again."""
+    holder = save_lease_holder(session.step, session.attempt, 0)
     deadline = time.monotonic() + RANK_0_WAIT_S
     while time.monotonic() < deadline:
         try:
             if session.store.exists(commit_key(session.step)):
-                return
-            held = [
-                lease
-                for lease in find_leases(session.store, SAVE)
-                if lease.live and lease.doc.get("attempt") == session.attempt
-            ]
-        except Exception:  # noqa: BLE001 - the manifest's read says what the store can
-            return
-        if not held or all(lease.holder_dead for lease in held):
-            return
+                return True
+            lease = find_lease(session.store, SAVE, holder)
+        except Exception as exc:  # noqa: BLE001 - asked again at the next poll
+            logger.debug("step %d: rank 0's lease not read: %s", session.step, exc)
+        else:
+            if lease is None:
+                return True
+            if not lease.live:
+                return False
         time.sleep(LEASE_POLL_S)
+    return False
 
 
 LEASE_POLL_S = 1.0

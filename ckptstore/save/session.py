@@ -134,6 +134,11 @@ class LatestIndex:
     index: ObjectRef
 
 
+def save_lease_holder(step: int, attempt: str, rank: int) -> str:
+    """Who holds the lease of a save of ``step`` (``attempt``) begun on ``rank``."""
+    return f"{step:020d}-{attempt}-{rank:05d}"
+
+
 class SaveSession:
     """One save of ``step`` (``attempt``) of ``kind`` to ``store`` (see the module docstring).
 
@@ -170,7 +175,7 @@ class SaveSession:
         are learnt here."""
         lease = acquire_save_lease(
             self.store,
-            f"{self.step:020d}-{self.attempt}-{rank:05d}",
+            save_lease_holder(self.step, self.attempt, rank),
             ttl_s=self.engine.lease_ttl_s,
             gc_wait_s=self.engine.gc_wait_s,
             what=f"save of step {self.step}",

@@ -839,9 +839,12 @@ class _Level(enum.IntEnum):  # an int that would read back as a plain one
     [
         ("epoch 3", "must be a dict of JSON values, not str"),
         (["a"], "must be a dict of JSON values, not list"),
-        ({"t": torch.ones(1)}, "metadata['t'] is of type torch.Tensor: it would not read back"),
+        (
+            {"t": torch.ones(1)},
+            "metadata['t'] is of type torch.Tensor, which JSON would not give back",
+        ),
         ({"loss": float("nan")}, "metadata['loss'] is nan"),
-        ({1: "a"}, "metadata: the key 1 is of type int"),
+        ({1: "a"}, "metadata: the key 1 is of type int, not str"),
         ({"shape": (2, 3)}, "metadata['shape'] is of type tuple"),
         ({"lr": np.float64(0.1)}, "metadata['lr'] is of type numpy.float64"),
         ({"n": [1, _Level.INFO]}, "metadata['n'][1] is of type tests.checkpointer"),

@@ -260,24 +260,34 @@ def _rank_killed_as_the_commit_is_told(rank: int, world: int, root: str, how: st
         def slow_commit(*args, **kwargs):
             if how == "slow":  # slower than rank 1 takes to find rank 2 lost, and the ttl
                 time.sleep(35)
-            commit(*args, **kwargs)
-            if how == "unknown":  # it landed; rank 0 could not tell
+            if how != "unknown-lost":
+                commit(*args, **kwargs)
+            if how.startswith("unknown"):  # landed or not, rank 0 could not tell
                 raise CommitUnknownError("the manifest put's answer was lost")
 
         session.commit_manifest = slow_commit
-    ckpt.save(2, _rank_state(rank, 2)).wait(timeout_s=120)  # committed: it returns
-    assert list_steps(Store(root)) == [1, 2]
+    handle = ckpt.save(2, _rank_state(rank, 2))
+    if how.startswith("unknown") and rank == 0:  # it says what it knows
+        with pytest.raises(CommitUnknownError, match="answer was lost"):
+            handle.wait(timeout_s=120)
+    elif how == "unknown-lost":  # rank 1 cannot tell either: never "failed"
+        with pytest.raises(CommitUnknownError, match=r"whether it is committed in .* is unknown"):
+            handle.wait(timeout_s=120)
+    else:
+        handle.wait(timeout_s=120)  # committed: it returns
+    committed = how != "unknown-lost"
+    assert list_steps(Store(root)) == ([1, 2] if committed else [1])
     with pytest.raises(RankLostError) as lost:  # the group is spent, named
         ckpt.save(3, _rank_state(rank, 3)).wait(timeout_s=120)
     assert lost.value.lost == [2], lost.value
-    if rank == 0:
+    if rank == 0 and committed:
         from ckptstore.cli import main
 
         assert main(["verify", root, "--step", "2"]) == 0
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("how", ["at once", "slow", "unknown"])
+@pytest.mark.parametrize("how", ["at once", "slow", "unknown-landed", "unknown-lost"])
 def test_a_rank_lost_as_the_commit_is_told_leaves_the_committed_step_committed(tmp_path, how):
     """Stop 83's adversary: a rank killed after handing rank 0 its part of a step, before the
     commit's outcome was broadcast, made ``wait()`` raise on every other rank, rank 0 (which
@@ -286,7 +296,8 @@ def test_a_rank_lost_as_the_commit_is_told_leaves_the_committed_step_committed(t
     (its fix adversaries: a commit slower than rank 1 took to find rank 2 lost was read as
     none; then one slower than the lease's ttl, which rank 0 renews while it commits; and a
     manifest put that landed, its answer lost, was committed for rank 1 and not for rank 0).
-    The next save names the lost rank."""
+    A rank that cannot tell (rank 0 left its lease to go stale) says the outcome is unknown,
+    never failed. The next save names the lost rank."""
     run_ranks_losing(
         _rank_killed_as_the_commit_is_told, 3, str(tmp_path / "s"), how, lost={2}, timeout_s=180
     )

@@ -173,7 +173,8 @@ def test_a_v1_cgroup_without_hierarchy_is_not_bound_by_its_parents_limit(cgroup)
         {
             "memory/memory.limit_in_bytes": f"{GIB}\n",
             "memory/memory.usage_in_bytes": f"{GIB}\n",
-            "memory/job/memory.use_hierarchy": "0\n",
+            "memory/memory.use_hierarchy": "0\n",  # the parent's setting governs
+            "memory/job/memory.use_hierarchy": "1\n",
             "memory/job/memory.limit_in_bytes": "9223372036854771712\n",
             "memory/job/memory.usage_in_bytes": f"{GIB // 4}\n",
         },
