@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -147,7 +148,7 @@ def _rank_0_decided(session: SaveSession) -> bool:
     (rank 0 died, or left it for a put whose outcome it could not tell) or the wait reached
     ``RANK_0_WAIT_S``; a request that fails meanwhile is asked again."""
     holder = save_lease_holder(session.step, session.attempt, 0)
-    deadline = time.monotonic() + RANK_0_WAIT_S
+    deadline, pause = time.monotonic() + RANK_0_WAIT_S, LEASE_POLL_S
     while time.monotonic() < deadline:
         try:
             if session.store.exists(commit_key(session.step)):
@@ -160,11 +161,14 @@ def _rank_0_decided(session: SaveSession) -> bool:
                 return True
             if not lease.live:
                 return False
-        time.sleep(LEASE_POLL_S)
+        # Every surviving rank asks: spread out, and less often as the wait goes on.
+        time.sleep(pause * random.uniform(0.5, 1.5))
+        pause = min(2 * pause, LEASE_POLL_MAX_S)
     return False
 
 
 LEASE_POLL_S = 1.0
+LEASE_POLL_MAX_S = 8.0
 RANK_0_WAIT_S = 600.0  # as long as torch's default collective timeout
 
 

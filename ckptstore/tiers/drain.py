@@ -26,6 +26,7 @@ from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CommitUnknownError,
     DrainSupersededError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -301,6 +302,11 @@ class DrainQueue:
             return
         steps = ", ".join(str(step) for step, _ in failures)
         first = failures[-1][1]
+        if isinstance(first, CommitUnknownError):  # it may be there: never said failed
+            raise CommitUnknownError(
+                f"step(s) {steps} committed to the local tiers; whether they reached durable "
+                f"storage {self.store.uri} is unknown (`ckptstore ls` tells): {one_line(first)}"
+            ) from first
         message = (
             f"step(s) {steps} committed to the local tiers but not to durable storage "
             f"{self.store.uri} (a save after it goes there): {one_line(first)}"
@@ -369,6 +375,8 @@ class DrainQueue:
             self.store.uri,
             "its local copy is missing objects"
             if isinstance(exc, CheckpointNotFoundError)
+            else "or its outcome is unknown; its local copies stay"
+            if isinstance(exc, CommitUnknownError)
             else "its local copies stay",
             one_line(exc),
         )

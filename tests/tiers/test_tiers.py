@@ -888,6 +888,44 @@ def test_a_rank_lost_while_drains_agree_fails_each_queued_drain_and_wait_returns
         drains.raise_failures()
 
 
+def test_a_drain_whose_outcome_is_unknown_is_raised_as_unknown_not_as_failed():
+    """Stop 83's fourth fix adversary: a drain whose manifest put's outcome was unknown (it
+    landed later) was raised by ``wait()`` as "committed to the local tiers but not to durable
+    storage", a plain failure, on the rank that could not tell, while another rank read the
+    manifest and returned committed. It stays ``CommitUnknownError``."""
+    import concurrent.futures
+
+    from ckptstore.errors import CommitUnknownError
+    from ckptstore.format import KIND_STATE
+    from ckptstore.tiers.drain import DrainJob, DrainQueue
+
+    class UnknownGroup:
+        rank = 0
+
+        def gather(self, value):
+            raise CommitUnknownError("step 1: the manifest put's answer was lost")
+
+    class Local:
+        def protect(self, step):
+            pass
+
+        def unprotect(self, step):
+            pass
+
+    drains = DrainQueue(local=Local(), group=UnknownGroup(), store=Store("memory://unknown"))
+    future = concurrent.futures.Future()
+    drains.put(DrainJob(1, "a1", KIND_STATE, future))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        pool.submit(drains.close).result(timeout=30)
+    finally:
+        pool.shutdown(wait=False)
+    with pytest.raises(
+        CommitUnknownError, match=r"whether they reached durable storage .* unknown"
+    ):
+        drains.raise_failures()
+
+
 def test_ls_sets_apart_the_copies_a_load_passes_over_as_a_run_the_job_left(tmp_path, capsys):
     """A node away during a rollback keeps copies of the run the job left (stop 61): every load
     passes over them; ``ls --local-dir`` listed them as loadable copies."""
