@@ -343,7 +343,12 @@ class Workspace:
         try:
             self._keys_under()
         except OSError as exc:
-            raise type(exc)(f"store {uri!r} is not usable: {one_line(exc)}") from exc
+            said = f"store {uri!r} is not usable: {one_line(exc)}"
+            try:
+                error = type(exc)(said)  # caught as what it is (a timeout, a refusal)
+            except TypeError:  # a class that takes other arguments
+                error = OSError(said)
+            raise error from exc
 
     @classmethod
     def open(cls, uri: str) -> Workspace:
