@@ -57,9 +57,7 @@ from ckptstore.options import (
 )
 from ckptstore.peer import PeerReplicas
 from ckptstore.preemption import SigtermGuard
-from ckptstore.save import (
-    SaveEngine,
-)
+from ckptstore.save import SaveEngine, Staged
 from ckptstore.saver import SaveHandle, SaveJob, SaveWorker, TensorMeta
 from ckptstore.shared_read import (
     ExchangeStats,
@@ -283,34 +281,44 @@ class Checkpointer:
         t0 = time.perf_counter()
         tree, tensors, numpy = flatten(state)
         user = check_user_metadata(metadata)
-        staged = self.engine.stage(tensors, block=self.when_busy == "wait", rank=self.rank)
-        self._saves += 1
-        if staged is None:
-            self.skipped_saves += 1
-            telemetry.saves_total.inc(frontend="checkpointer", outcome="skipped")
-            telemetry.save_blocked_seconds.observe(
-                time.perf_counter() - t0, frontend="checkpointer"
+        staged: Staged | None = None
+        job: SaveJob | None = None
+        try:  # a Ctrl-C from here on hands the staging memory back: the next save needs it
+            staged = self.engine.stage(tensors, block=self.when_busy == "wait", rank=self.rank)
+            self._saves += 1
+            if staged is None:
+                self.skipped_saves += 1
+                telemetry.saves_total.inc(frontend="checkpointer", outcome="skipped")
+                telemetry.save_blocked_seconds.observe(
+                    time.perf_counter() - t0, frontend="checkpointer"
+                )
+                logger.warning(
+                    "rank %d: skipping save of step %d: the previous save is still persisting",
+                    self.rank,
+                    step,
+                )
+                return SaveHandle(step, skipped=True)
+            handle = SaveHandle(step)
+            attempt = f"{self._session}-{self._saves:06d}"
+            meta = [TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
+            # After SIGTERM a node may not come back: a save then goes to durable storage too, and
+            # its handle (which the SIGTERM grace waits for) is done once it is there.
+            preempted = self._sigterm is not None and self._sigterm.signalled.is_set()
+            durable = self._cadence is None or self._cadence.next_save() or preempted
+            if self._policy is not None and durable:
+                handle.durable = Future()
+            job = SaveJob(
+                step, attempt, tree, meta, numpy, staged, user, handle, durable, preempted
             )
-            logger.warning(
-                "rank %d: skipping save of step %d: the previous save is still persisting",
-                self.rank,
-                step,
-            )
-            return SaveHandle(step, skipped=True)
-        handle = SaveHandle(step)
-        attempt = f"{self._session}-{self._saves:06d}"
-        meta = [TensorMeta(t.dtype, t.shape, t.numel() * t.element_size()) for t in tensors]
-        # After SIGTERM a node may not come back: a save then goes to durable storage too, and
-        # its handle (which the SIGTERM grace waits for) is done once it is there.
-        preempted = self._sigterm is not None and self._sigterm.signalled.is_set()
-        durable = self._cadence is None or self._cadence.next_save() or preempted
-        if self._policy is not None and durable:
-            handle.durable = Future()
-        self._saver.put(
-            SaveJob(step, attempt, tree, meta, numpy, staged, user, handle, durable, preempted)
-        )
-        if self._sigterm is not None:
-            self._sigterm.watch(handle)
+            self._saver.put(job)
+            if self._sigterm is not None:
+                self._sigterm.watch(handle)
+        except BaseException as exc:
+            if job is not None:
+                self._saver.cancel(job, exc)
+            elif staged is not None:
+                self.engine.release(staged)
+            raise
         blocked = time.perf_counter() - t0
         telemetry.save_blocked_seconds.observe(blocked, frontend="checkpointer")
         logger.debug("rank %d: step %d staged in %.3fs", self.rank, step, blocked)

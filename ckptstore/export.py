@@ -405,6 +405,11 @@ def _select(
         if only is not None and not name_under(name, only):
             continue
         out_name = _strip(name, strip) if strip else name
+        if out_name == "__metadata__":  # the header's own entry: a file no reader opens
+            raise UnsupportedStateError(
+                f"tensor {name!r} would export as '__metadata__', the name safetensors keeps "
+                "for its header's metadata (leave it out with only=, or strip= a prefix)"
+            )
         if out_name in seen:
             if seen[out_name] == name:  # the step's own names, not a flag's doing
                 raise UnsupportedStateError(

@@ -851,7 +851,12 @@ def _plan_reads(
             raise CheckpointCorruptError(
                 f"tensor {i} of rank {index.rank}: {entry.nbytes} bytes for {dtype} {shape_text(shape)}"
             )
-        if dest is not None and dest.device.type == "cpu" and dest.is_contiguous():
+        if (
+            dest is not None
+            and dest.device.type == "cpu"
+            and dest.is_contiguous()
+            and not (dest.is_conj() or dest.is_neg())  # its bytes are not its values
+        ):
             target = dest
         else:
             target = new_tensor(shape, dtype, f"tensor {i} of rank {index.rank}")

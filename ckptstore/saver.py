@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -109,6 +109,16 @@ class SaveJob:
     durable: bool = True  # also committed to durable storage (always, without tiers)
     wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
     released: bool = False  # its staging memory is back in the pool
+    # Who decided its fate first: the worker ("taken") or an interrupted save() ("cancelled").
+    _fate: str | None = field(default=None, repr=False, compare=False)
+    _fate_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def decide(self, fate: str) -> bool:
+        """Whether ``fate`` is this job's: the first to decide wins."""
+        with self._fate_lock:
+            if self._fate is None:
+                self._fate = fate
+            return self._fate == fate
 
 
 @dataclass
@@ -167,6 +177,17 @@ class SaveWorker:
         self.last = job.handle
         self._jobs.put(job)
 
+    def cancel(self, job: SaveJob, why: BaseException) -> None:
+        """A save interrupted (Ctrl-C) before it returned its handle: its staging memory back
+        to the pool unless the worker took the job already (it then runs to its end)."""
+        if not job.decide("cancelled"):
+            return
+        self._release(job)
+        error = CheckpointError(f"step {job.step} was not saved: save() was interrupted ({why!r})")
+        for future in (job.handle._future, job.handle.durable):
+            if future is not None and not future.done():
+                future.set_exception(error)
+
     def wait(self) -> None:
         """Block until the last save queued is over (committed or failed)."""
         if self.last is not None:
@@ -207,6 +228,8 @@ class SaveWorker:
             job = self._jobs.get()
             if job is None:
                 return
+            if not job.decide("taken"):  # its save() was interrupted: cancel() released it
+                continue
             t0 = time.perf_counter()
             try:
                 with self._group.calling("save()"):

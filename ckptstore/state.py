@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import enum
 import math
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,11 @@ def _check_tensor(t: torch.Tensor, path: tuple) -> None:
         raise UnsupportedStateError(
             f"{path_str(path)}: DTensor state is saved through ckptstore.dcp (DCP), "
             "not Checkpointer"
+        )
+    if t.is_nested:
+        raise UnsupportedStateError(
+            f"{path_str(path)}: a nested tensor can't be saved: save its components "
+            "(t.unbind()) instead"
         )
     if (
         t.layout != torch.strided
@@ -110,32 +116,38 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
             tensors.append(value.detach())
             return {"$t": len(tensors) - 1}
         if isinstance(value, np.ndarray):
+            if type(value) is not np.ndarray:  # a masked array's mask, a matrix's product
+                raise _lost_type(value, path, "np.asarray(value) (and a masked array's mask)")
             tensors.append(_numpy_as_tensor(value, path))
             numpy.add(len(tensors) - 1)
             return {"$np": len(tensors) - 1}
-        if value is None or isinstance(value, (bool, int, str)):
+        # Exact types: a subclass (an IntEnum, a namedtuple, a masked array) would load back
+        # as its base, its type and what it does lost, so it is refused.
+        if value is None or type(value) in (bool, int, str):
             return value
-        if isinstance(value, float):
+        if type(value) is float:
             return value if math.isfinite(value) else {"$float": repr(value)}
         if isinstance(value, np.generic):
             return walk(_numpy_scalar_value(value, path), path)
-        if isinstance(value, (bytes, bytearray)):
-            return {"$bytes": base64.b64encode(bytes(value)).decode()}
-        if isinstance(value, dict):
+        if type(value) is bytes:
+            return {"$bytes": base64.b64encode(value).decode()}
+        if isinstance(value, dict):  # an OrderedDict (a module's state_dict) too
             keys = list(value)
-            if all(isinstance(k, str) and not k.startswith("$") for k in keys):
+            if all(type(k) is str and not k.startswith("$") for k in keys):
                 return {k: walk(value[k], (*path, k)) for k in keys}
             for k in keys:
-                if not (k is None or isinstance(k, (bool, int, float, str))):
+                if not (k is None or type(k) in (bool, int, float, str)):
                     raise UnsupportedStateError(
                         f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} "
                         "(keys must be str, int, float, bool or None)"
                     )
             return {"$dict": [[walk(k, path), walk(value[k], (*path, k))] for k in keys]}
-        if isinstance(value, list):
+        if type(value) is list:
             return [walk(v, (*path, i)) for i, v in enumerate(value)]
-        if isinstance(value, tuple):  # also torch.Size and namedtuples (saved as tuples)
+        if type(value) is tuple:
             return {"$tuple": [walk(v, (*path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, _PLAIN):
+            raise _lost_type(value, path)
         if is_stateful(value):
             return {"$stateful": walk(value.state_dict(), path)}
         if isinstance(value, torch.Generator):
@@ -150,6 +162,32 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
     return walk(state, ()), tensors, numpy
 
 
+_PLAIN = (int, str, float, bytes, bytearray, list, tuple)  # bool: int's
+
+
+def _lost_type(value: Any, path: tuple, hint: str | None = None) -> UnsupportedStateError:
+    """The refusal of ``value``, of a subclass of a type a state holds (an enum with a base,
+    a namedtuple, ``torch.Size``, a masked array), or a bytearray: a load would give back
+    the base (bytes), its type and what it does lost. ``hint``: what to save instead."""
+    kind = type(value)
+    bases = (*_PLAIN, np.ndarray)
+    base = next(b for b in bases if isinstance(value, b))
+    if hint is None:
+        if isinstance(value, enum.Enum):
+            hint = "value.value (and rebuild the enum after load)"
+        elif base is bytearray:
+            base, hint = bytes, "bytes(value)"
+        elif isinstance(value, tuple) and hasattr(value, "_asdict"):
+            hint = "value._asdict() or tuple(value)"
+        else:
+            hint = f"{base.__name__}(value)"
+    name = "numpy.ndarray" if base is np.ndarray else base.__name__
+    return UnsupportedStateError(
+        f"{path_str(path)}: a {kind.__module__}.{kind.__qualname__} would load back as a "
+        f"plain {name}, its type lost: save {hint} instead"
+    )
+
+
 def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
     """The plain value a numpy scalar is saved as; ``UnsupportedStateError`` for one with none
     (a longdouble's ``item()`` is itself, a complex64's a complex), saying what to save."""
@@ -157,10 +195,12 @@ def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
     item = value.item()
     # A datetime64/timedelta64 of ns is an int to item(), a void (structured) one bytes:
     # loaded back as that, its type lost
-    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "MmV":
+    # and a float16/float32 one would compute in float64 once loaded as a Python float
+    narrow = kind == "f" and value.dtype.itemsize < 8
+    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "MmV" and not narrow:
         return item
     hint = {
-        "f": "float(value)",
+        "f": "np.asarray(value) (a 0-d array, which keeps its dtype) or float(value)",
         "c": "np.asarray(value) (a 0-d array)",
         "M": "str(value) or value.astype('int64') with its unit",
         "m": "value.astype('int64') with its unit",

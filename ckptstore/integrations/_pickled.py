@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
+from ckptstore.state import flatten
 from ckptstore.step_reader import check_torch_save_bytes
 
 MARKER = "__ckptstore_pickled__"
 
-_PLAIN = (type(None), bool, int, float, str, bytes, bytearray)  # exact types: an IntEnum is pickled
+_PLAIN = (type(None), bool, int, float, str, bytes)  # exact types: an IntEnum is pickled
 _MAX_ARGS = 256  # dims of a torch.Size, parts of a path: a hostile blob names no more
 _LAYOUTS = {f"torch.{name}" for name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc")}
 
@@ -121,9 +122,15 @@ def _safe_global(module: str, name: str) -> Any:
 
 def wrap(value: Any) -> Any:
     """``value`` with every part ``ckptstore.state`` refuses replaced by a pickled marker."""
-    if isinstance(value, (torch.Tensor, np.generic)) or type(value) in _PLAIN:
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
         return value
-    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+    if type(value) is np.ndarray and not value.dtype.hasobject:
+        return value
+    if isinstance(value, np.generic):  # those a state holds as a Python value, else pickled
+        try:
+            flatten(value)
+        except UnsupportedStateError:
+            return _pickle(value)
         return value
     if isinstance(value, dict) and all(_plain_key(k) for k in value):
         return {k: wrap(v) for k, v in value.items()}
@@ -148,7 +155,7 @@ def unwrap(value: Any, *, weights_only: bool) -> Any:
 
 
 def _plain_key(key: Any) -> bool:
-    if isinstance(key, str):
+    if type(key) is str:
         return not key.startswith("$") and key != MARKER
     return key is None or type(key) in (bool, int) or (type(key) is float and math.isfinite(key))
 

@@ -183,18 +183,20 @@ class SaveEngine:
         layout = plan_layout(tensors, self.config)
         device = self._staging_device(tensors, layout.total_bytes, rank)
         pool = self.pool if device is None else self._device_pool(device)
-        buffer = pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
-        if buffer is None:
-            return None
+        buffer = None
         try:
+            buffer = pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
+            if buffer is None:
+                return None
             if device is None:
                 zero_gaps(buffer, layout.gaps)  # host bytes no copy writes: before it starts
             copied = self.stager.copy(buffer, tensors, layout.offsets)
-        except BaseException:  # a copy torch refuses (a dtype it cannot copy) fails this save only
-            pool.release(buffer)
+            if device is None:
+                return Staged(layout, copied, True)
+        except BaseException:  # a copy torch refuses (a dtype it cannot copy), or a Ctrl-C
+            if buffer is not None:
+                pool.release(buffer)
             raise
-        if device is None:
-            return Staged(layout, copied, True)
         drained = self.drainer().drain(
             copied, device, pool.release, scan=self.health.scan, gaps=layout.gaps
         )

@@ -586,6 +586,109 @@ def test_unsupported_state_is_refused_by_name(tmp_path):
         Checkpointer(tmp_path, encoding=EncodingOptions(compression="lz5"))
 
 
+class _Phase(enum.IntEnum):
+    WARMUP = 1
+
+
+class _Mode(str, enum.Enum):
+    TRAIN = "train"
+
+
+class _Cfg(tuple):  # what collections.namedtuple makes, without the import
+    def _asdict(self) -> dict:
+        return {"lr": self[0]}
+
+
+class _Steps(list):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("value", "loses", "hint"),
+    [
+        (_Phase.WARMUP, "int", r"value\.value"),
+        (_Mode.TRAIN, "str", r"value\.value"),
+        (_Cfg((0.1,)), "tuple", r"value\._asdict\(\)"),
+        (torch.Size([2, 3]), "tuple", r"tuple\(value\)"),
+        (bytearray(b"ab"), "bytes", r"bytes\(value\)"),
+        (_Steps([1, 2]), "list", r"list\(value\)"),
+        (np.ma.array([1.0, 1000.0], mask=[0, 1]), "numpy.ndarray", r"np\.asarray\(value\)"),
+        (np.float32(0.25), None, r"np\.asarray\(value\)"),
+        (np.float16(0.25), None, r"np\.asarray\(value\)"),
+    ],
+    ids=[
+        "IntEnum",
+        "str-Enum",
+        "namedtuple",
+        "torch.Size",
+        "bytearray",
+        "list-subclass",
+        "masked-array",
+        "np.float32",
+        "np.float16",
+    ],
+)
+def test_a_value_a_load_would_give_back_as_another_type_is_refused_at_save(
+    tmp_path, value, loses, hint
+):
+    """Reviewer (exact resume): an IntEnum, a namedtuple, torch.Size and bytearray were saved
+    and loaded back as int, tuple and bytes (``state["cfg"].lr`` failed after resume); a masked
+    array lost its mask (the masked values back in its mean); a numpy float32 scalar came back
+    a Python float, so the resumed run computed in float64 and drifted from the uninterrupted
+    one. Each is refused at save naming where, and what to save instead."""
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=rf"^cfg/x: .*{hint}") as caught:
+            ckpt.save(1, {"w": torch.ones(2), "cfg": {"x": value}})
+        if loses is not None:
+            assert f"load back as a plain {loses}" in str(caught.value)
+        assert ckpt.latest() is None
+
+
+def test_values_of_the_types_a_state_holds_load_back_with_their_types(tmp_path):
+    import collections
+
+    state = {
+        "plain": [1, True, "s", 0.5, b"b", None, (1, [2]), {3: "int key", None: 0}],
+        "numpy": [np.float64(0.5), np.int32(-3), np.bool_(True), np.asarray(np.float32(0.25))],
+        "ordered": collections.OrderedDict(b=1, a=2),
+    }
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state).wait()
+        into = {"plain": None, "numpy": None, "ordered": collections.OrderedDict()}
+        ckpt.load(into)
+    assert into["plain"] == state["plain"]
+    assert [type(v) for v in into["plain"]] == [type(v) for v in state["plain"]]
+    assert into["numpy"][:3] == [0.5, -3, True]
+    assert [type(v) for v in into["numpy"][:3]] == [float, int, bool]
+    zero_d = into["numpy"][3]
+    assert type(zero_d) is np.ndarray and zero_d.dtype == np.float32 and zero_d.shape == ()
+    assert type(into["ordered"]) is collections.OrderedDict and list(into["ordered"]) == ["b", "a"]
+
+
+def test_a_nested_tensor_is_refused_by_name(tmp_path):
+    """Reviewer (exact resume): a strided nested tensor failed save() with torch's "Internal
+    error ... please file an issue"."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"^nt: a nested tensor .*unbind"):
+            ckpt.save(1, {"nt": nested})
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_a_conjugate_or_negative_view_is_loaded_into_through_its_values(tmp_path, view):
+    """Reviewer (exact resume): a destination that is a conj view (or has the neg bit) is
+    contiguous, so the load decoded into its bytes (``view``: torch's "not supported for
+    conjugate view tensors", naming no key)."""
+    dtype = torch.complex64 if view == "conj" else torch.float32
+    saved, base = torch.randn(3, dtype=dtype), torch.zeros(3, dtype=dtype)
+    dest = base.conj() if view == "conj" else torch._neg_view(base)
+    assert dest.is_contiguous() and (dest.is_conj() or dest.is_neg())
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"z": saved}).wait()
+        ckpt.load({"z": dest})
+    assert torch.equal(dest.resolve_conj().resolve_neg(), saved)
+
+
 def _chunk_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
 
@@ -879,3 +982,69 @@ def test_a_step_saved_with_metadata_not_a_dict_still_loads(tmp_path):
     with Checkpointer(uri) as ckpt:
         assert ckpt.load(into) == 1 and into["w"][0] == 1.0
         assert ckpt.metadata(1) == {"value": "epoch 3"}
+
+
+def _lines_after(function, first: str) -> list[int]:
+    """The line numbers of ``function``'s source from the line holding ``first`` on."""
+    import inspect
+
+    source, start = inspect.getsourcelines(function)
+    at = next(i for i, line in enumerate(source) if first in line)
+    return [start + i for i in range(at, len(source)) if source[i].strip()]
+
+
+def _interrupted_at(function, line: int, call) -> bool:
+    """Run ``call()`` raising KeyboardInterrupt at ``line`` of ``function`` (as a SIGINT
+    handler does between two lines); whether it got there."""
+    import sys
+
+    code = function.__code__
+    fired = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(line)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    sys.settrace(tracer)
+    try:
+        call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return bool(fired)
+
+
+def test_a_ctrl_c_anywhere_in_save_after_staging_leaves_the_next_saves_whole(tmp_path):
+    """Lifecycle reviewer of stop 84: a Ctrl-C landing in ``save()`` after the state was
+    staged and before the job was queued kept the pool's staging buffer: every later save
+    blocked for good (``except KeyboardInterrupt: ckpt.save(...)`` hung). At every line from
+    the staging on (``save()``'s and the staging's own), the next two saves, made without a
+    wait between them, commit each its own bytes (a buffer handed back twice would be staged
+    into by both)."""
+    from ckptstore.save.engine import SaveEngine
+
+    places = [
+        (Checkpointer.save, line)
+        for line in _lines_after(Checkpointer.save, "staged: Staged | None = None")
+    ] + [(SaveEngine.stage, line) for line in _lines_after(SaveEngine.stage, "buffer = None")]
+    reached = 0
+    for n, (function, line) in enumerate(places):
+        root = tmp_path / str(n)
+        with Checkpointer(root) as ckpt:
+            reached += _interrupted_at(
+                function, line, lambda: ckpt.save(1, {"w": torch.zeros(1000)})
+            )
+            saves = [ckpt.save(step, {"w": torch.full((1000,), float(step))}) for step in (2, 3)]
+            for handle in saves:
+                handle.wait(timeout_s=60)  # TimeoutError: the buffer never came back
+            for step in (2, 3):
+                into = {"w": torch.empty(1000)}
+                ckpt.load(into, step=step)
+                assert torch.equal(into["w"], torch.full((1000,), float(step))), (line, step)
+    assert reached >= 20  # the lines a save runs through, not only the skipped branch

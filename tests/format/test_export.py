@@ -203,6 +203,12 @@ def test_refusals_are_one_clear_line(tmp_path):
     _save(dotted, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}})
     with pytest.raises(UnsupportedStateError, match="two tensors of the step are named 'a.b'"):
         export_safetensors(dotted, tmp_path / "c")
+    # Reviewer (exact resume): a tensor named __metadata__ made a file no reader opens
+    meta = str(tmp_path / "meta")
+    _save(meta, {"__metadata__": torch.ones(2), "w": torch.ones(1)})
+    with pytest.raises(UnsupportedStateError, match="'__metadata__' would export as '__meta"):
+        export_safetensors(meta, tmp_path / "e")
+    assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
     with pytest.raises(ValueError, match="tensors 'model.w' and 'w' both export as 'w'"):
         _save(str(tmp_path / "s2"), {"model": {"w": torch.ones(1)}, "w": torch.ones(1)})
         export_safetensors(str(tmp_path / "s2"), tmp_path / "d", strip_prefix="model.")

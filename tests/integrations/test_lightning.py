@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -363,8 +364,24 @@ def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
     with pytest.raises((UnsupportedStateError, CheckpointCorruptError), match=error):
         unwrap({MARKER: blob, "tensors": []}, weights_only=True)
     kept = [{1, 2}, frozenset({3}), bytearray(b"ab"), range(4)]
-    assert all(MARKER in wrap(value) for value in kept[:2])  # pickled, not state values
-    assert [unwrap(wrap(value), weights_only=True) for value in kept] == kept
+    assert all(MARKER in wrap(value) for value in kept[:3])  # pickled, not state values
+    loaded = [unwrap(wrap(value), weights_only=True) for value in kept]
+    assert loaded == kept and list(map(type, loaded)) == list(map(type, kept))
+
+
+def test_values_a_state_would_give_back_as_another_type_are_pickled_whole():
+    """Reviewer (exact resume): a numpy float32 scalar went to the state as a Python float
+    (its dtype lost), and a bytearray as bytes; the state now refuses both, so ``wrap``
+    pickles them as torch.save would, and they load back with their types (a numpy scalar,
+    like torch.load's, only with weights_only=False)."""
+    value = {"ema": np.float32(0.25), "raw": bytearray(b"ab"), "n": np.int64(3)}
+    wrapped = wrap(value)
+    assert MARKER in wrapped["ema"] and MARKER in wrapped["raw"] and wrapped["n"] is value["n"]
+    loaded = unwrap(wrapped, weights_only=False)
+    assert loaded == value and type(loaded["ema"]) is np.float32
+    assert type(loaded["raw"]) is bytearray
+    with pytest.raises(UnsupportedStateError, match="numpy.*weights_only=False"):
+        unwrap(wrapped, weights_only=True)
 
 
 class _MovedOn:

@@ -417,7 +417,7 @@ def test_a_numpy_scalar_without_a_plain_value_is_refused_by_its_dtype(
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(UnsupportedStateError, match=rf"^x/0: a numpy {dtype} scalar.*{hint}"):
             ckpt.save(1, {"x": [scalar]})
-        ckpt.save(1, {"x": [np.float32(2.5), np.int64(3), np.bool_(True)]}).wait()
+        ckpt.save(1, {"x": [np.float64(2.5), np.int64(3), np.bool_(True)]}).wait()
         into = {"x": None}
         ckpt.load(into)
     assert into["x"] == [2.5, 3, True]
