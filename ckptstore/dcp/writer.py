@@ -728,7 +728,9 @@ class StoreWriter(StorageWriter, PooledStager):
         local = self._local
         durable = store_identity(self.store)
         if local is None or (local.world_size, local.durable_uri) != (group.world_size, durable):
-            self.close()  # the drains queued for the store the writer leaves
+            # The drains queued for the store the writer leaves. Not close(): it joins every
+            # thread-based async save of the process, this one's twin among them (a deadlock).
+            self._close_drains()
             with self._plan_lock:
                 self._durable.clear()  # by step: of the store left
             committed = self._tiers.committed if self._tiers is not None else set()
@@ -942,6 +944,11 @@ class StoreWriter(StorageWriter, PooledStager):
         closes its writer); raises as ``wait``. A later save opens the tiers again."""
         unwaited.finish_async_saves()
         wait_written()  # a copy a tiered load repaired, written in the background
+        self._close_drains()
+
+    def _close_drains(self) -> None:
+        """Drain what is queued to durable storage, stop the drain thread and let the tiers
+        go (a later save opens them again); raises as ``wait``."""
         drains = self._drains
         if drains is None:
             return

@@ -588,6 +588,33 @@ def test_async_saves_with_tiers_commit_locally_and_every_other_durably(tmp_path)
     run_ranks(_async_saves, 2, str(tmp_path / "durable"), str(tmp_path))
 
 
+def _two_writers_in_flight(rank: int, world: int, root: str, base: str) -> None:
+    local = node_dir(base, rank)
+    groups = [dist.new_group(backend="gloo") for _ in range(2)]  # one per save in flight
+    futures = [
+        dcp.async_save(
+            step_state(step),
+            storage_writer=tier_writer(root, local),
+            checkpoint_id=step,
+            process_group=group,
+        )
+        for step, group in zip((1, 2), groups)
+    ]
+    for future in futures:
+        future.result(timeout=60)
+    target, _ = _load_latest(root, local)
+    assert_loaded(target, 2)
+
+
+@pytest.mark.dist
+def test_two_tiered_writers_saving_at_once_do_not_wait_on_each_other(tmp_path):
+    """Lifecycle reviewer of stop 84: two thread-based ``async_save``s in flight, each with a
+    fresh tiered ``StoreWriter``, hung both ranks for good: opening its tiers, each save's
+    thread closed the writer, which joins every async save of the process, the other's
+    included, while the other joined it."""
+    run_ranks(_two_writers_in_flight, 2, str(tmp_path / "durable"), str(tmp_path), timeout_s=HANG_S)
+
+
 def test_back_to_back_async_saves_with_tiers_in_one_process(tmp_path):
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
     writer = tier_writer(root, local)
