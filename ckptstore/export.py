@@ -483,7 +483,9 @@ def _write_files(
     except OSError as exc:
         if isinstance(exc, CheckpointError):  # the store's, named already
             raise
-        raise OSError(exc.errno, f"cannot write {writing}: {exc.strerror or exc}") from exc
+        error = OSError(f"cannot write {writing}: {exc.strerror or exc}")  # no "[Errno N]"
+        error.errno = exc.errno
+        raise error from exc
     finally:
         for temporary in temporaries:
             _remove(temporary)

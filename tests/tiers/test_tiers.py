@@ -888,14 +888,17 @@ def test_a_rank_lost_while_drains_agree_fails_each_queued_drain_and_wait_returns
         drains.raise_failures()
 
 
-def test_a_drain_whose_outcome_is_unknown_is_raised_as_unknown_not_as_failed():
+@pytest.mark.parametrize("kind", ["unknown", "full"])
+def test_a_failed_drain_is_raised_as_the_kind_of_failure_it_was(kind):
     """Stop 83's fourth fix adversary: a drain whose manifest put's outcome was unknown (it
     landed later) was raised by ``wait()`` as "committed to the local tiers but not to durable
     storage", a plain failure, on the rank that could not tell, while another rank read the
-    manifest and returned committed. It stays ``CommitUnknownError``."""
+    manifest and returned committed. It stays ``CommitUnknownError``. Disk-full reviewer of
+    stop 84: a drain to a full durable store was a plain ``CheckpointError`` (an untiered save
+    raises ``StorageFullError``): ``except StorageFullError`` missed it."""
     import concurrent.futures
 
-    from ckptstore.errors import CommitUnknownError
+    from ckptstore.errors import CommitUnknownError, StorageFullError
     from ckptstore.format import KIND_STATE
     from ckptstore.tiers.drain import DrainJob, DrainQueue
 
@@ -903,6 +906,8 @@ def test_a_drain_whose_outcome_is_unknown_is_raised_as_unknown_not_as_failed():
         rank = 0
 
         def gather(self, value):
+            if kind == "full":
+                raise StorageFullError("put /d/chunks/ab: no space left on device")
             raise CommitUnknownError("step 1: the manifest put's answer was lost")
 
     class Local:
@@ -920,6 +925,10 @@ def test_a_drain_whose_outcome_is_unknown_is_raised_as_unknown_not_as_failed():
         pool.submit(drains.close).result(timeout=30)
     finally:
         pool.shutdown(wait=False)
+    if kind == "full":
+        with pytest.raises(StorageFullError, match=r"^step\(s\) 1 .* not to durable .* space"):
+            drains.raise_failures()
+        return
     with pytest.raises(
         CommitUnknownError, match=r"whether they reached durable storage .* unknown"
     ):
