@@ -5,15 +5,19 @@ async save took, else copied into a staging buffer)."""
 from __future__ import annotations
 
 import io
+import logging
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from ckptstore.dcp.stager import HeldStaging
-from ckptstore.errors import UnsupportedStateError
+from ckptstore.errors import CheckpointError, UnsupportedStateError, one_line
 from ckptstore.pipeline import chunks_holding
 from ckptstore.save import SaveEngine, SaveSession
 from ckptstore.save.once import OneRound
+from ckptstore.step_reader import load_pickled_value
+
+logger = logging.getLogger(__name__)
 
 
 def item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
@@ -29,6 +33,7 @@ def item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
                 f"DCP item {item.index.fqn!r}: BYTE_IO data is {type(data).__name__}, "
                 "expected io.BytesIO"
             )
+        _warn_unless_loadable(item.index.fqn, raw)
         if not raw:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -37,6 +42,26 @@ def item_tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
             f"DCP item {item.index.fqn!r}: expected a tensor, got {type(data).__name__}"
         )
     return data.detach()
+
+
+_CHECKED: set[str] = set()  # the pickled items this process's saves checked a load takes
+
+
+def _warn_unless_loadable(fqn: str, raw: bytes) -> None:
+    """Once per item and process: a WARNING where a ``StoreReader`` would refuse the value
+    DCP pickled (a numpy value, a class of the user's), so that a job hears of it at its
+    first save, not at the restart that cannot resume."""
+    if fqn in _CHECKED:
+        return
+    _CHECKED.add(fqn)
+    try:
+        load_pickled_value(raw, repr(fqn))
+    except CheckpointError as exc:
+        logger.warning(
+            "saved, but a StoreReader refuses it at load as things stand (in the process "
+            "that checked it): %s",
+            one_line(exc),
+        )
 
 
 def write_tensors(

@@ -337,6 +337,33 @@ def test_plain_pickled_values_load_weights_only(tmp_path):
     assert torch.equal(got["extra"]["t"], torch.arange(3))
 
 
+def test_a_value_a_load_will_refuse_is_named_at_its_first_save(tmp_path, caplog):
+    """Exact-resume reviewer of stop 84: ``dcp.save`` of a numpy scalar (or an IntEnum, a
+    namedtuple) committed, and every later ``dcp.load`` through ``StoreReader`` refused it: the
+    job learnt at the restart that it could not resume. Its first save says so, once."""
+    import numpy as np
+
+    from ckptstore.dcp import items
+
+    items._CHECKED.discard("ema")
+    items._CHECKED.discard("lrs")
+    state = {**_state(), "ema": np.float32(0.5), "lrs": [0.1, 0.01]}
+    with caplog.at_level("WARNING", logger="ckptstore.dcp.items"):
+        for step in (1, 2):
+            dcp.save(
+                state, storage_writer=StoreWriter(str(tmp_path / "s"), step=step), no_dist=True
+            )
+    said = [r.getMessage() for r in caplog.records if r.name == "ckptstore.dcp.items"]
+    assert len(said) == 1, said  # once, and not for the plain list
+    assert re.search(r"StoreReader refuses it at load.*DCP item 'ema': refused", said[0])
+    with pytest.raises(CheckpointException, match=r"'ema'.*refused"):
+        dcp.load(
+            {**_blank(), "ema": None, "lrs": None},
+            storage_reader=StoreReader(str(tmp_path / "s")),
+            no_dist=True,
+        )
+
+
 def _deflated_torch_save(value) -> bytes:
     """``torch.save(value)`` with every record deflated: torch's reader inflates such records,
     which ``torch.save`` never writes (a hostile writer's decompression bomb)."""
