@@ -329,7 +329,13 @@ class StepReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 data = loaded[slot].numpy().tobytes()
                 if not self.trust_pickled_objects:
-                    load_pickled_value(data, self._item_name(item))
+                    # The planner unpickles what it is given with weights_only=False: it gets
+                    # our own pickle of the value the weights-only unpickler built, never the
+                    # stored bytes (which two unpicklers might read two ways).
+                    value = load_pickled_value(data, self._item_name(item))
+                    resaved = io.BytesIO()
+                    torch.save(value, resaved)
+                    data = resaved.getvalue()
                 planner.load_bytes(item, io.BytesIO(data))
                 continue
             dest = dests[pos]

@@ -396,6 +396,32 @@ def _save_raw_value(uri: str, raw: bytes) -> Store:
     return Store(uri)
 
 
+def test_the_load_planner_unpickles_the_checked_value_never_the_stored_bytes(tmp_path):
+    """Exact-resume reviewer of stop 84: the stored bytes passed torch's weights-only
+    unpickler and then went, the same bytes, to DCP's planner, which unpickles them with
+    ``weights_only=False``: bytes the two unpicklers read two ways would run code there. The
+    planner now gets a pickle of the value the weights-only unpickler built."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    stored = io.BytesIO()
+    torch.save({"lrs": [0.1, 0.01], "name": "run"}, stored, _disable_byteorder_record=True)
+    store = _save_raw_value(str(tmp_path / "s"), stored.getvalue())
+    given = {}
+
+    class Recording(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            given[read_item.dest_index.fqn] = value.getvalue()
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    target = {**_blank(), "blob": None}
+    dcp.load(target, storage_reader=StoreReader(store.uri), planner=Recording(), no_dist=True)
+    assert target["blob"] == {"lrs": [0.1, 0.01], "name": "run"}
+    assert given["blob"] != stored.getvalue()
+
+
 def test_a_pickled_value_whose_records_are_compressed_is_refused_unread(tmp_path, capsys):
     """Adversary of stop 75: a BYTE_IO item of 926 bytes stored made ``verify`` and
     ``restore`` inflate 2 GB (torch's zip reader inflates deflated records, and a run of zeros
