@@ -109,6 +109,7 @@ class SaveJob:
     durable: bool = True  # also committed to durable storage (always, without tiers)
     wait_durable: bool = False  # with tiers: the handle is done once durable (after SIGTERM)
     released: bool = False  # its staging memory is back in the pool
+    before: SaveHandle | None = None  # the save queued before it (wait()'s, if it is cancelled)
     # Who decided its fate first: the worker ("taken") or an interrupted save() ("cancelled").
     _fate: str | None = field(default=None, repr=False, compare=False)
     _fate_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -174,6 +175,7 @@ class SaveWorker:
         self._thread.start()
 
     def put(self, job: SaveJob) -> None:
+        job.before = self.last
         self.last = job.handle
         self._jobs.put(job)
 
@@ -182,7 +184,11 @@ class SaveWorker:
         to the pool unless the worker took the job already (it then runs to its end)."""
         if not job.decide("cancelled"):
             return
+        if self.last is job.handle:  # wait() waits for the save before it
+            self.last = job.before
         self._release(job)
+        if self._cadence is not None and job.durable:  # the next save goes in its place
+            self._cadence.missed()
         error = CheckpointError(f"step {job.step} was not saved: save() was interrupted ({why!r})")
         for future in (job.handle._future, job.handle.durable):
             if future is not None and not future.done():

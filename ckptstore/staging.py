@@ -259,6 +259,51 @@ class DrainedCopy:
         return None if self._future.exception() is not None else self._future.result()
 
 
+class DrainTicket:
+    """Who owns a device-staged save's buffers where the save is interrupted (Ctrl-C) as it
+    hands them to the drain: the drain once it has started (it gives the device buffer back
+    and, the save gone, its host copy too), else the save (the drain then touches nothing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fate: str | None = None  # "started" by the drain, or "cancelled" by the save
+        self._abandoned = False
+        self._landed: tuple[StagedCopy, Callable[[torch.Tensor], None]] | None = None
+
+    def start(self) -> bool:
+        """The drain: whether it may copy (the save did not cancel first)."""
+        return self._decide("started")
+
+    def cancel(self) -> bool:
+        """The interrupted save: whether the drain will never run (its buffers are the save's)."""
+        return self._decide("cancelled")
+
+    def _decide(self, fate: str) -> bool:
+        with self._lock:
+            if self._fate is None:
+                self._fate = fate
+            return self._fate == fate
+
+    def land(self, copy: StagedCopy, release: Callable[[torch.Tensor], None]) -> StagedCopy | None:
+        """The drain's host copy, or None once handed back (the save abandoned it)."""
+        with self._lock:
+            if not self._abandoned:
+                self._landed = (copy, release)
+                return copy
+        release(copy.buffer)
+        return None
+
+    def abandon(self) -> None:
+        """The interrupted save, after the drain started: its host copy goes back to the pool
+        as it lands (or now, where it has)."""
+        with self._lock:
+            self._abandoned = True
+            landed, self._landed = self._landed, None
+        if landed is not None:
+            copy, release = landed
+            release(copy.buffer)
+
+
 class Drainer:
     """One background thread that empties device staging buffers into pooled host buffers,
     in the order saves were staged; it also reserves host buffers ahead (``submit``)."""
@@ -278,23 +323,38 @@ class Drainer:
         device: Device,
         release: Callable[[torch.Tensor], None],
         *,
+        ticket: DrainTicket,
         scan: bool = False,
         gaps: list[tuple[int, int]] = (),
     ) -> DrainedCopy:
         """Copy ``staged`` (in a device buffer) to a host buffer; ``release(staged.buffer)``
-        once it is copied (or the copy failed). ``scan``: take each tensor's ``health.scan``
-        on the device first, while the copy runs. ``gaps``: zeroed in the host copy."""
+        once it is copied (or the copy failed), unless ``ticket`` was cancelled before the
+        copy started. ``scan``: take each tensor's ``health.scan`` on the device first, while
+        the copy runs. ``gaps``: zeroed in the host copy."""
         return DrainedCopy(
-            self._executor.submit(self._drain, staged, device, release, scan, list(gaps))
+            self._executor.submit(self._drain, ticket, staged, device, release, scan, list(gaps))
         )
 
     def _drain(
         self,
+        ticket: DrainTicket,
         staged: StagedCopy,
         device: Device,
         release: Callable[[torch.Tensor], None],
         scan: bool = False,
         gaps: list[tuple[int, int]] = (),
+    ) -> StagedCopy | None:
+        if not ticket.start():  # the save was interrupted: its buffers are its own
+            return None
+        return ticket.land(self._copy(staged, device, release, scan, gaps), self._pool.release)
+
+    def _copy(
+        self,
+        staged: StagedCopy,
+        device: Device,
+        release: Callable[[torch.Tensor], None],
+        scan: bool,
+        gaps: list[tuple[int, int]],
     ) -> StagedCopy:
         try:
             source = staged.buffer

@@ -30,6 +30,7 @@ from ckptstore.pipeline import ChunkLayout, CompressionGovernor, PipelineConfig,
 from ckptstore.staging import (
     DrainedCopy,
     Drainer,
+    DrainTicket,
     StagedCopy,
     Stager,
     StagingPool,
@@ -183,7 +184,7 @@ class SaveEngine:
         layout = plan_layout(tensors, self.config)
         device = self._staging_device(tensors, layout.total_bytes, rank)
         pool = self.pool if device is None else self._device_pool(device)
-        buffer = None
+        buffer, ticket = None, DrainTicket()
         try:
             buffer = pool.acquire(layout.total_bytes, block=block, timeout_s=timeout_s)
             if buffer is None:
@@ -193,14 +194,16 @@ class SaveEngine:
             copied = self.stager.copy(buffer, tensors, layout.offsets)
             if device is None:
                 return Staged(layout, copied, True)
+            drained = self.drainer().drain(
+                copied, device, pool.release, ticket=ticket, scan=self.health.scan, gaps=layout.gaps
+            )
+            return Staged(layout, drained, True)
         except BaseException:  # a copy torch refuses (a dtype it cannot copy), or a Ctrl-C
-            if buffer is not None:
+            if not ticket.cancel():  # the drain has the device buffer: it hands both back
+                ticket.abandon()
+            elif buffer is not None:
                 pool.release(buffer)
             raise
-        drained = self.drainer().drain(
-            copied, device, pool.release, scan=self.health.scan, gaps=layout.gaps
-        )
-        return Staged(layout, drained, True)
 
     def _staging_device(
         self, tensors: list[torch.Tensor], nbytes: int, rank: int, *, reserving: bool = False
