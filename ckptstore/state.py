@@ -116,7 +116,8 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
             tensors.append(value.detach())
             return {"$t": len(tensors) - 1}
         if isinstance(value, np.ndarray):
-            if type(value) is not np.ndarray:  # a masked array's mask, a matrix's product
+            # a masked array's mask, a matrix's product (a memmap's is its data: kept)
+            if type(value) not in (np.ndarray, np.memmap):
                 raise _lost_type(value, path, "np.asarray(value) (and a masked array's mask)")
             tensors.append(_numpy_as_tensor(value, path))
             numpy.add(len(tensors) - 1)
@@ -135,11 +136,12 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
             keys = list(value)
             if all(type(k) is str and not k.startswith("$") for k in keys):
                 return {k: walk(value[k], (*path, k)) for k in keys}
-            for k in keys:
-                if not (k is None or type(k) in (bool, int, float, str)):
+            for k in keys:  # a numpy scalar key is saved as its Python value, as a value is
+                if not (k is None or type(k) in (bool, int, float, str) or _numpy_key(k)):
+                    also = "; an enum: its .value" if isinstance(k, enum.Enum) else ""
                     raise UnsupportedStateError(
-                        f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} "
-                        "(keys must be str, int, float, bool or None)"
+                        f"{path_str(path)}: dict key {k!r} of type {type(k).__qualname__} "
+                        f"(keys must be of exactly str, int, float, bool or None{also})"
                     )
             return {"$dict": [[walk(k, path), walk(value[k], (*path, k))] for k in keys]}
         if type(value) is list:
@@ -188,6 +190,12 @@ def _lost_type(value: Any, path: tuple, hint: str | None = None) -> UnsupportedS
     )
 
 
+def _numpy_key(key: Any) -> bool:
+    """Whether ``key`` is a numpy scalar a dict key may be (one a state saves as a plain
+    bool, number or str)."""
+    return isinstance(key, np.generic) and key.dtype.kind in "biufU"
+
+
 def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
     """The plain value a numpy scalar is saved as; ``UnsupportedStateError`` for one with none
     (a longdouble's ``item()`` is itself, a complex64's a complex), saying what to save."""
@@ -195,12 +203,10 @@ def _numpy_scalar_value(value: np.generic, path: tuple) -> Any:
     item = value.item()
     # A datetime64/timedelta64 of ns is an int to item(), a void (structured) one bytes:
     # loaded back as that, its type lost
-    # and a float16/float32 one would compute in float64 once loaded as a Python float
-    narrow = kind == "f" and value.dtype.itemsize < 8
-    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "MmV" and not narrow:
+    if isinstance(item, (bool, int, float, str, bytes)) and kind not in "MmV":
         return item
     hint = {
-        "f": "np.asarray(value) (a 0-d array, which keeps its dtype) or float(value)",
+        "f": "float(value)",
         "c": "np.asarray(value) (a 0-d array)",
         "M": "str(value) or value.astype('int64') with its unit",
         "m": "value.astype('int64') with its unit",

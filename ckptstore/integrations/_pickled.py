@@ -155,6 +155,8 @@ def unwrap(value: Any, *, weights_only: bool) -> Any:
 
 
 def _plain_key(key: Any) -> bool:
+    if isinstance(key, np.generic) and key.dtype.kind in "biufU":  # as the state takes it
+        key = key.item()
     if type(key) is str:
         return not key.startswith("$") and key != MARKER
     return key is None or type(key) in (bool, int) or (type(key) is float and math.isfinite(key))

@@ -370,15 +370,18 @@ def test_a_crafted_pickled_value_is_refused_before_it_allocates(blob, error):
 
 
 def test_values_a_state_would_give_back_as_another_type_are_pickled_whole():
-    """Reviewer (exact resume): a numpy float32 scalar went to the state as a Python float
-    (its dtype lost), and a bytearray as bytes; the state now refuses both, so ``wrap``
-    pickles them as torch.save would, and they load back with their types (a numpy scalar,
-    like torch.load's, only with weights_only=False)."""
-    value = {"ema": np.float32(0.25), "raw": bytearray(b"ab"), "n": np.int64(3)}
+    """Reviewer (exact resume): a bytearray went to the state as bytes, a complex64 numpy
+    scalar failed the save; the state refuses both, so ``wrap`` pickles them as torch.save
+    would, and they load back with their types (a numpy scalar, like torch.load's, only with
+    weights_only=False). Fix adversary: a float32 numpy scalar and numpy keys (hparams) stay
+    state values, as before, so a resume at the default weights_only loads them."""
+    value = {"z": np.complex64(1j), "raw": bytearray(b"ab"), "n": np.float32(0.5)}
+    keyed = {np.str_("cat"): 1}
     wrapped = wrap(value)
-    assert MARKER in wrapped["ema"] and MARKER in wrapped["raw"] and wrapped["n"] is value["n"]
+    assert MARKER in wrapped["z"] and MARKER in wrapped["raw"] and wrapped["n"] is value["n"]
+    assert wrap(keyed) == keyed
     loaded = unwrap(wrapped, weights_only=False)
-    assert loaded == value and type(loaded["ema"]) is np.float32
+    assert loaded == value and type(loaded["z"]) is np.complex64
     assert type(loaded["raw"]) is bytearray
     with pytest.raises(UnsupportedStateError, match="numpy.*weights_only=False"):
         unwrap(wrapped, weights_only=True)
