@@ -283,6 +283,7 @@ class Checkpointer:
         user = check_user_metadata(metadata)
         staged: Staged | None = None
         job: SaveJob | None = None
+        durable = False  # whether this save took the cadence's durable turn
         try:  # a Ctrl-C from here on hands the staging memory back: the next save needs it
             staged = self.engine.stage(tensors, block=self.when_busy == "wait", rank=self.rank)
             self._saves += 1
@@ -317,7 +318,9 @@ class Checkpointer:
             if job is not None:
                 self._saver.cancel(job, exc)
             elif staged is not None:
-                self.engine.release(staged)
+                self.engine.abandon(staged)
+                if durable and self._cadence is not None:  # its durable turn goes to the next
+                    self._cadence.missed()
             raise
         blocked = time.perf_counter() - t0
         telemetry.save_blocked_seconds.observe(blocked, frontend="checkpointer")

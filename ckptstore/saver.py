@@ -186,7 +186,8 @@ class SaveWorker:
             return
         if self.last is job.handle:  # wait() waits for the save before it
             self.last = job.before
-        self._release(job)
+        job.released = True
+        self.engine.abandon(job.staged)
         if self._cadence is not None and job.durable:  # the next save goes in its place
             self._cadence.missed()
         error = CheckpointError(f"step {job.step} was not saved: save() was interrupted ({why!r})")

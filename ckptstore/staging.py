@@ -236,8 +236,9 @@ class DrainedCopy:
     """A device-staged copy on its way to a host buffer: ``wait()`` until it has landed (and
     re-raise what failed), then ``buffer`` and ``views`` are the host copy's."""
 
-    def __init__(self, future: Future[StagedCopy]) -> None:
+    def __init__(self, future: Future[StagedCopy], ticket: DrainTicket) -> None:
         self._future = future
+        self.ticket = ticket
 
     def wait(self) -> None:
         self._future.result()
@@ -332,7 +333,8 @@ class Drainer:
         copy started. ``scan``: take each tensor's ``health.scan`` on the device first, while
         the copy runs. ``gaps``: zeroed in the host copy."""
         return DrainedCopy(
-            self._executor.submit(self._drain, ticket, staged, device, release, scan, list(gaps))
+            self._executor.submit(self._drain, ticket, staged, device, release, scan, list(gaps)),
+            ticket,
         )
 
     def _drain(

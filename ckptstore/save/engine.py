@@ -338,6 +338,17 @@ class SaveEngine:
         if copied is not None:
             self.pool.release(copied.buffer)
 
+    def abandon(self, staged: Staged) -> None:
+        """Hand back the buffers of a save that will not be persisted (its ``save()`` was
+        interrupted) without waiting: a drain under way hands its host copy back as it lands
+        (a second Ctrl-C in that wait kept it)."""
+        if not staged.pooled:
+            return
+        if isinstance(staged.copy, DrainedCopy):
+            staged.copy.ticket.abandon()
+        else:
+            self.pool.release(staged.copy.buffer)
+
     def close(self) -> None:
         """Stop the drain thread once it has drained what was staged."""
         with self._drainer_lock:

@@ -1067,3 +1067,33 @@ def test_a_ctrl_c_anywhere_in_save_after_staging_leaves_the_next_saves_whole(tmp
                 ckpt.load(into, step=step)
                 assert torch.equal(into["w"], torch.full((1000,), float(step))), (line, step)
     assert reached >= 20  # the lines a save runs through, not only the skipped branch
+
+
+def test_a_ctrl_c_during_a_device_drain_hands_its_buffers_back_without_waiting(
+    tmp_path, monkeypatch
+):
+    """Fix adversary of stop 84: an interrupted device-staged save handed its buffers back by
+    waiting for its drain to land (for as long as the save before it persisted, or a stalled
+    store); a second Ctrl-C in that wait kept the host buffer for good. It now lets the drain
+    hand them back as it lands."""
+    import threading
+
+    from ckptstore.staging import Drainer
+
+    go = threading.Event()
+    copy = Drainer._copy
+
+    def held_copy(self, *args):
+        assert go.wait(60)
+        return copy(self, *args)
+
+    monkeypatch.setattr(Drainer, "_copy", held_copy)
+    line = _lines_after(Checkpointer.save, "self._saves += 1")[0]
+    with Checkpointer(tmp_path, staging="device") as ckpt:
+        assert _interrupted_at(
+            Checkpointer.save, line, lambda: ckpt.save(1, {"w": torch.zeros(1000)})
+        )
+        assert not go.is_set()  # the interrupted save returned while its drain was held
+        go.set()
+        ckpt.save(2, {"w": torch.full((1000,), 2.0)}).wait(timeout_s=60)
+        assert ckpt.steps() == [2]
