@@ -327,16 +327,17 @@ class StepReader(StorageReader):
         for pos, item in enumerate(batch.items):
             slot = batch.slots[batch.locs[pos]]
             if item.type == LoadItemType.BYTE_IO:
-                data = loaded[slot].numpy().tobytes()
+                stream = io.BytesIO(loaded[slot].numpy().tobytes())
                 if not self.trust_pickled_objects:
                     # The planner unpickles what it is given with weights_only=False: it gets
                     # our own pickle of the value the weights-only unpickler built, never the
                     # stored bytes (which two unpicklers might read two ways).
-                    value = load_pickled_value(data, self._item_name(item))
-                    resaved = io.BytesIO()
-                    torch.save(value, resaved)
-                    data = resaved.getvalue()
-                planner.load_bytes(item, io.BytesIO(data))
+                    value = load_pickled_value(stream.getvalue(), self._item_name(item))
+                    stream = io.BytesIO()
+                    torch.save(value, stream)
+                    del value  # the planner builds its own: one copy held, not two
+                    stream.seek(0)
+                planner.load_bytes(item, stream)
                 continue
             dest = dests[pos]
             if wanted[slot] is not dest:
