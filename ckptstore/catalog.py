@@ -46,6 +46,7 @@ from ckptstore.errors import (
     StorageError,
     UnsafeObjectError,
     one_line,
+    same_kind,
 )
 from ckptstore.format import (
     MAX_MANIFEST_BYTES,
@@ -113,14 +114,6 @@ def _is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()  # "٣" and "²" are digits too
 
 
-def _same_kind(error: StorageError, message: str) -> StorageError:
-    """``message`` as an error of ``error``'s class (a full disk stays ``StorageFullError``)."""
-    try:
-        return type(error)(message)
-    except Exception:  # noqa: BLE001 - an error class with another signature
-        return StorageError(message)
-
-
 # How long a commit waits for its abandoned puts to end before it says the outcome is unknown.
 SETTLE_TIMEOUT_S = 60.0
 
@@ -161,7 +154,7 @@ def commit_manifest(store: Store, step: int, data: bytes) -> None:
                 "there now; the server may still apply that put: run `ckptstore ls "
                 f"{store.uri}` later to see whether it is committed"
             ) from error
-        raise _same_kind(error, f"step {step} not committed: {error}") from error
+        raise same_kind(error, f"step {step} not committed: {error}", StorageError) from error
     except CheckpointError as exc:
         raise CommitUnknownError(
             f"step {step}: writing {store.url(key)} failed ({error}) and reading it back "

@@ -188,6 +188,20 @@ def _of_step(step: int, why: str) -> str:
     return why if why.startswith(f"step {step}:") else f"step {step}: {why}"
 
 
+def same_kind(
+    error: BaseException, message: str, fallback: type[CheckpointError] = CheckpointError
+) -> CheckpointError:
+    """``message`` as an error of ``error``'s class where it is a ``fallback`` (a full disk
+    stays ``StorageFullError``), else (or where that class takes other arguments) a
+    ``fallback``."""
+    if isinstance(error, fallback):
+        try:
+            return type(error)(message)
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            pass
+    return fallback(message)
+
+
 def one_line(error: BaseException) -> str:
     """``error`` as one short line for another rank or a log: its type and first line (cut
     at a word past 1000 characters, marked: several ranks' reasons fit, the end says so)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ckptstore import telemetry
-from ckptstore.errors import CheckpointError, StepExistsError
+from ckptstore.errors import CheckpointError, StepExistsError, same_kind
 from ckptstore.format import KIND_STATE
 from ckptstore.health import StepHealth
 from ckptstore.peer import PeerReplicas, replica_meta
@@ -221,13 +221,8 @@ class SaveWorker:
         also = f" (the saves of steps {', '.join(map(str, others))} failed too)" if others else ""
         if consequence is None and not also:
             raise error
-        kind = type(error) if isinstance(error, CheckpointError) else CheckpointError
         lead = f"{consequence}: the" if consequence else "The"
-        try:
-            raised = kind(f"{lead} save of step {first.step} failed: {error}{also}")
-        except Exception:  # noqa: BLE001 - an error class with another signature
-            raised = CheckpointError(f"{lead} save of step {first.step} failed: {error}{also}")
-        raise raised from error
+        raise same_kind(error, f"{lead} save of step {first.step} failed: {error}{also}") from error
 
     def _run(self) -> None:
         set_thread_nice(self._thread_nice)

@@ -137,7 +137,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], set[int]]:
             if all(type(k) is str and not k.startswith("$") for k in keys):
                 return {k: walk(value[k], (*path, k)) for k in keys}
             for k in keys:  # a numpy scalar key is saved as its Python value, as a value is
-                if not (k is None or type(k) in (bool, int, float, str) or _numpy_key(k)):
+                if not (k is None or type(k) in (bool, int, float, str) or numpy_key(k)):
                     also = "; an enum: its .value" if isinstance(k, enum.Enum) else ""
                     raise UnsupportedStateError(
                         f"{path_str(path)}: dict key {k!r} of type {type(k).__qualname__} "
@@ -190,7 +190,7 @@ def _lost_type(value: Any, path: tuple, hint: str | None = None) -> UnsupportedS
     )
 
 
-def _numpy_key(key: Any) -> bool:
+def numpy_key(key: Any) -> bool:
     """Whether ``key`` is a numpy scalar a dict key may be (one a state saves as a plain
     bool, number or str)."""
     return isinstance(key, np.generic) and key.dtype.kind in "biufU"

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ckptstore.errors import CheckpointCorruptError, CheckpointError, UnsupportedStateError
-from ckptstore.state import flatten
+from ckptstore.state import flatten, numpy_key
 from ckptstore.step_reader import check_torch_save_bytes
 
 MARKER = "__ckptstore_pickled__"
@@ -155,7 +155,7 @@ def unwrap(value: Any, *, weights_only: bool) -> Any:
 
 
 def _plain_key(key: Any) -> bool:
-    if isinstance(key, np.generic) and key.dtype.kind in "biufU":  # as the state takes it
+    if numpy_key(key):  # saved as its Python value, as the state takes it
         key = key.item()
     if type(key) is str:
         return not key.startswith("$") and key != MARKER

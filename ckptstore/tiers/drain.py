@@ -32,6 +32,7 @@ from ckptstore.errors import (
     ObjectNotFoundError,
     RankLostError,
     one_line,
+    same_kind,
 )
 from ckptstore.format import ChunkInfo, Manifest, RankIndex, chunk_key, commit_key
 from ckptstore.leases import SAVE, Lease
@@ -313,7 +314,7 @@ class DrainQueue:
         )
         if isinstance(first, RankLostError):  # caught as what it is, its ranks named
             raise type(first)(message, first.lost) from first
-        raise _same_kind(first, message) from first
+        raise same_kind(first, message) from first
 
     def close(self) -> None:
         """Drain what is queued, then stop the thread."""
@@ -437,14 +438,3 @@ def _let_go(job: DrainJob) -> None:
     """The local commit's lease of a step not drained (failed, superseded), if still held."""
     if job.copy is not None and job.copy.lease is not None:
         job.copy.release()
-
-
-def _same_kind(error: BaseException, message: str) -> CheckpointError:
-    """``message`` as a ``CheckpointError`` of ``error``'s class where it is one (a full
-    durable store stays ``StorageFullError``), else a plain one."""
-    if isinstance(error, CheckpointError):
-        try:
-            return type(error)(message)
-        except Exception:  # noqa: BLE001 - an error class with another signature
-            pass
-    return CheckpointError(message)
