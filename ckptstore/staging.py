@@ -106,39 +106,58 @@ class StagingPool:
                 f"{self.budget_bytes}"
             )
         nbytes = max(nbytes, 1)
-        with self._cond:
-            while True:
-                fitting = [b for b in self._free if b.numel() >= nbytes]
-                if fitting:
-                    buf = min(fitting, key=torch.Tensor.numel)
-                    self._free.remove(buf)
-                    return buf[:nbytes]
-                if self._fits(nbytes):
-                    break
-                if self._free:
-                    small = min(self._free, key=torch.Tensor.numel)
-                    if self._fits(nbytes, dropping=small.numel()):
-                        self._free.remove(small)
-                        self._allocated_bytes -= small.numel()
-                        self._buffers -= 1
-                        break
-                if not block:
-                    return None
-                if not self._cond.wait(timeout_s) and timeout_s is not None:
-                    return None
-            self._allocated_bytes += nbytes
-            self._buffers += 1
-            self.allocations += 1
-            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated_bytes)
+        # A Ctrl-C (KeyboardInterrupt) may land between any two lines: every path below hands
+        # back what it took, or the pool's one buffer would be gone and every later save wait.
+        counted = False
+        buf = None
         try:
-            buf = self._allocate(nbytes, prefault=prefault)
-        except BaseException:
             with self._cond:
-                self._allocated_bytes -= nbytes
-                self._buffers -= 1
-                self._cond.notify_all()
+                before = None  # the pool as this thread last saw it under the lock
+                try:
+                    while True:
+                        before = (list(self._free), self._allocated_bytes, self._buffers)
+                        fitting = [b for b in self._free if b.numel() >= nbytes]
+                        if fitting:
+                            buf = min(fitting, key=torch.Tensor.numel)
+                            self._free.remove(buf)
+                            return buf[:nbytes]
+                        if self._fits(nbytes):
+                            break
+                        if self._free:
+                            small = min(self._free, key=torch.Tensor.numel)
+                            if self._fits(nbytes, dropping=small.numel()):
+                                self._free.remove(small)
+                                self._allocated_bytes -= small.numel()
+                                self._buffers -= 1
+                                break
+                        before = None  # the wait lets other threads change the pool
+                        if not block:
+                            return None
+                        if not self._cond.wait(timeout_s) and timeout_s is not None:
+                            return None
+                    self._allocated_bytes += nbytes
+                    self._buffers += 1
+                    self.allocations += 1
+                    self.peak_allocated_bytes = max(
+                        self.peak_allocated_bytes, self._allocated_bytes
+                    )
+                    counted = True  # last: from here on the new buffer's bytes are counted
+                except BaseException:
+                    if before is not None:
+                        self._free, self._allocated_bytes, self._buffers = before
+                        self._cond.notify_all()
+                    raise
+            buf = self._allocate(nbytes, prefault=prefault)
+            return buf[:nbytes]
+        except BaseException:
+            if buf is not None and counted:
+                self.release(buf)
+            elif counted:
+                with self._cond:
+                    self._allocated_bytes -= nbytes
+                    self._buffers -= 1
+                    self._cond.notify_all()
             raise
-        return buf[:nbytes]
 
     def _allocate(self, nbytes: int, *, prefault: bool) -> torch.Tensor:
         if self.device is not None:
