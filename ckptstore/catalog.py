@@ -114,6 +114,31 @@ def _is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()  # "٣" and "²" are digits too
 
 
+# The steps this process found committed (read or written) per store, and those it found gone:
+# a save names the newest below its own as the step before it (``Manifest.previous``), and gc
+# looks a step up by its key at most once per process to learn it is gone.
+_SEEN: dict[str, set[int]] = {}
+_GONE: dict[str, set[int]] = {}
+
+
+def saw_step(store: Store, step: int) -> None:
+    _SEEN.setdefault(store.uri, set()).add(step)
+    _GONE.get(store.uri, set()).discard(step)
+
+
+def gone_step(store: Store, step: int) -> None:
+    _SEEN.get(store.uri, set()).discard(step)
+    _GONE.setdefault(store.uri, set()).add(step)
+
+
+def known_gone(store: Store, step: int) -> bool:
+    return step in _GONE.get(store.uri, ())
+
+
+def newest_seen_below(store: Store, step: int) -> int | None:
+    return max((s for s in _SEEN.get(store.uri, ()) if s < step), default=None)
+
+
 # How long a commit waits for its abandoned puts to end before it says the outcome is unknown.
 SETTLE_TIMEOUT_S = 60.0
 
@@ -131,6 +156,7 @@ def commit_manifest(store: Store, step: int, data: bytes) -> None:
         # Read back only where exclusive create is not enforced: elsewhere a put that
         # returned is the commit, and a read-back could find the step already retained away.
         store.put(key, data)
+        saw_step(store, step)
         return
     except StorageError as exc:  # ObjectExistsError included: a retry may find its own put
         error = exc
@@ -166,6 +192,7 @@ def commit_manifest(store: Store, step: int, data: bytes) -> None:
             step,
             error,
         )
+        saw_step(store, step)
         return
     raise StepExistsError(
         f"step {step} is already committed in {store.uri} (by an earlier save, this "
@@ -323,6 +350,7 @@ def _load_manifest_once(store: Store, step: int) -> tuple[Manifest, bytes]:
     try:
         data = store.get(key, 0, MAX_MANIFEST_BYTES + 1, small=True)  # a cap: a damaged store
     except ObjectNotFoundError as exc:
+        gone_step(store, step)
         raise CheckpointNotFoundError(f"step {step} is not committed in {store.uri}") from exc
     except UnsafeObjectError as exc:  # a FIFO or a link out of the store: damage
         raise CheckpointCorruptError(f"{store.url(key)}: {exc}") from exc
@@ -333,6 +361,7 @@ def _load_manifest_once(store: Store, step: int) -> tuple[Manifest, bytes]:
     manifest = decode_manifest(data, store.url(key))
     if manifest.step != step:
         raise CheckpointCorruptError(f"{store.url(key)}: manifest says step {manifest.step}")
+    saw_step(store, step)
     return manifest, data
 
 

@@ -281,6 +281,9 @@ class Manifest:
     stored_bytes: int = 0
     user: dict[str, Any] = field(default_factory=dict)
     health: dict | None = None  # the step's numbers (ckptstore.health); None: unknown
+    previous: int | None = None
+    """The newest step below this one its writer had seen committed in the store (None: none
+    seen): gc refuses a listing that leaves it out while it is there (``retention``)."""
 
 
 def _canonical(doc: dict) -> bytes:
@@ -388,8 +391,9 @@ def decode_rank_index(data: bytes, name: str) -> RankIndex:
 
 def encode_manifest(m: Manifest) -> bytes:
     body = asdict(m)
-    if body["health"] is None:  # a step without health reads as before
-        del body["health"]
+    for optional in ("health", "previous"):
+        if body[optional] is None:  # a manifest without them reads as before
+            del body[optional]
     return _dump("manifest", body)
 
 
@@ -419,6 +423,7 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
             stored_bytes=int(doc.get("stored_bytes", 0)),
             user=_user(doc.get("user")),
             health=doc.get("health"),
+            previous=doc.get("previous"),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
@@ -471,6 +476,8 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
         raise bad(f"world size {m.world_size!r} is not an int in [1, {MAX_RANKS}]")
     if not 0 <= m.created_at <= MAX_TIMESTAMP:
         raise bad(f"created_at {m.created_at!r} is not a time before the year 10000")
+    if m.previous is not None and not (_is_count(m.previous) and m.previous < m.step):
+        raise bad(f"previous step {m.previous!r} is not a step below {m.step}")
     seen: set[str] = set()
     for ref in m.ranks:
         # The key its own rank gives, checked per listed rank (not a set of every rank's key:

@@ -24,6 +24,8 @@ from typing import Any
 
 from ckptstore.catalog import (
     SETTLE_TIMEOUT_S,
+    gone_step,
+    known_gone,
     legacy_markers,
     list_steps,
     load_manifest,
@@ -102,6 +104,7 @@ def drop_step(store: Store, step: int, attempt: str | None = _ANY_SAVE) -> None:
         logger.info("gc %s: step %d was saved again since it was read; kept", store.uri, step)
         return
     store.delete(commit_key(step))
+    gone_step(store, step)
     logger.info("gc %s: deleted step %d", store.uri, step)
 
 
@@ -150,6 +153,7 @@ def collect(
     listed = _listed_with(store, listed_since)
     # keep_steps are read even where the listing lags behind their commit (the save's own)
     readable = _read_steps(store, sorted(set(listed) | set(keep_steps)), report)
+    _refuse_a_listing_that_misses_steps(store, readable, [*listed, *keep_steps], {})
     if verify_chunks:
         _verify_chunks(store, readable, report, sorted(readable))
     elif check_chunks:
@@ -407,6 +411,40 @@ def _refuse_a_listing_that_misses_chunks(
         )
 
 
+def _refuse_a_listing_that_misses_steps(
+    store: Store, readable: dict[int, _Step], listed: list[int], gone: dict[int, str | None]
+) -> None:
+    """``StorageError`` (nothing deleted) when a step the listing of commits/ leaves out is
+    there when read by its key: a step read before (a listing since that lacks it) or one a
+    read step's manifest names as the step before it (``Manifest.previous``). A listing that
+    drops keys (a gateway's page lost, a lagging listing) would otherwise have its chunks
+    swept as unreferenced, however old. A step found gone is looked up once per process."""
+    here = set(listed) | gone.keys()
+    named: dict[int, int] = {}  # a step to look up -> the step whose manifest names it
+    for step, read in readable.items():
+        if step not in here:
+            named.setdefault(step, step)
+        before = read.manifest.previous
+        if before is not None and before not in readable and before not in here:
+            named.setdefault(before, step)
+    ask = [s for s in sorted(named) if not known_gone(store, s)]
+    for before, there in zip(ask, store.map(lambda s: store.exists(commit_key(s)), ask)):
+        if not there:
+            gone_step(store, before)
+            continue
+        why = (
+            "read earlier in this run"
+            if named[before] == before
+            else f"named by step {named[before]} as the step committed before it"
+        )
+        raise StorageError(
+            f"gc {store.uri}: the listing of commits/ lacks step {before} ({why}), which is "
+            f"there when {commit_key(before)} is read by its key: the store's listing drops "
+            "or lags its keys, and that step's chunks would look unreferenced; nothing was "
+            "deleted (run gc again later)"
+        )
+
+
 def _refuse_a_listing_that_misses_commits(
     store: Store, victims: list[str], listed: list[int], gone: dict[int, str | None]
 ) -> None:
@@ -483,6 +521,7 @@ def _sweep(
     listed = [s for s in listed if s not in gone]
     new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
     readable.update(_read_steps(store, new, report))
+    _refuse_a_listing_that_misses_steps(store, readable, [*listed, *keep_steps], gone)
     report.kept_steps = sorted((set(listed) | (keep_steps - gone.keys())) & readable.keys())
     if report.kept_healthy not in report.kept_steps:  # removed since by another's retention
         report.kept_healthy = _newest_healthy(readable, report.kept_steps)

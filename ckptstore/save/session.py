@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 
-from ckptstore.catalog import commit_manifest, list_steps, load_manifest, rank_of, read_rank_index
+from ckptstore.catalog import (
+    commit_manifest,
+    list_steps,
+    load_manifest,
+    newest_seen_below,
+    rank_of,
+    read_rank_index,
+)
 from ckptstore.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -355,6 +362,7 @@ class SaveSession:
             stored_bytes=sum(stored for _, stored in unique.values()),
             user=user or {},
             health=health,
+            previous=newest_seen_below(self.store, self.step),
         )
         data = encode_manifest(manifest)
         if self.lease is not None:

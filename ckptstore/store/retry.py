@@ -36,6 +36,9 @@ _BUSY_CODES = {
     "RequestLimitExceeded", "InternalError",
 }  # fmt: skip
 _BUSY_STATUSES = {500, 502, 503, 504}  # 502, 504: a gateway in front of the store
+# Answers to try again: ConditionalRequestConflict (409) is S3's to a create-only put while
+# another to the same key is in flight (ranks writing one chunk); again, it is 412 or done.
+_RETRY_CODES = {"SlowDown", "Throttling", "RequestTimeout", "ConditionalRequestConflict"}
 
 
 @dataclass(kw_only=True)
@@ -129,7 +132,7 @@ def is_transient(exc: BaseException) -> bool:
         answer = _server_answer(link)
         if answer is not None:
             status, code = answer
-            if status >= 500 or code in {"SlowDown", "Throttling", "RequestTimeout"}:
+            if status >= 500 or code in _RETRY_CODES:
                 return True
     return False
 

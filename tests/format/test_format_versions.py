@@ -161,6 +161,23 @@ def test_a_manifest_claiming_a_huge_world_checks_only_the_ranks_it_lists(tmp_pat
         load_manifest(Store(uri), 1)
 
 
+@pytest.mark.parametrize("previous", [2, 3, -1, "1", True])
+def test_a_manifest_naming_no_earlier_step_as_its_previous_is_refused(tmp_path, previous):
+    """``previous`` (the step its writer saw committed before it, which gc looks up) is a
+    step below the manifest's own; a manifest without one reads as None."""
+    uri = str(tmp_path / "s")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(step)).wait()
+    assert [load_manifest(Store(uri), s).previous for s in (1, 2)] == [None, 1]
+    path = tmp_path / "s" / "commits" / f"{2:020d}.json"
+    doc = json.loads(path.read_bytes())
+    doc["previous"] = previous
+    path.write_bytes(_resealed(doc))
+    with pytest.raises(CheckpointCorruptError, match="is not a step below 2"):
+        load_manifest(Store(uri), 2)
+
+
 def test_only_a_dcp_index_is_held_to_the_chunk_size_cap():
     """Reviewer M: stores saved before the cap with chunk_bytes over 1 GiB must still read (a
     state index binds each chunk to its tensors); a DCP index, whose chunks its items do not

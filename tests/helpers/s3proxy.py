@@ -16,13 +16,17 @@ SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+CONFLICT = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ConditionalRequestConflict</Code>'
+    b"<Message>A conflicting operation occurred.</Message></Error>"
+)
 
 
 @dataclass
 class Fault:
     method: str
     key_part: str  # the fault hits requests whose path contains this
-    action: str  # "slowdown": 503 before forwarding; "drop_after": forwarded, then no answer;
+    action: str  # "slowdown": 503 before forwarding ("conflict": 409); "drop_after": forwarded, then no answer;
     # "hang": no answer until the relay ends (the connection held open, as a hung server's);
     # "late": held ``delay_s`` (the client gives up), then forwarded: applied after all
     times: int = 1
@@ -68,12 +72,13 @@ def _handler(relay: Relay, upstream: tuple[str, int]) -> type[BaseHTTPRequestHan
             action = fault.action if fault else None
             if action == "late":
                 relay.ended.wait(fault.delay_s)
-            if action == "slowdown":
-                self.send_response(503)
+            if action in ("slowdown", "conflict"):
+                status, error = (503, SLOWDOWN) if action == "slowdown" else (409, CONFLICT)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(SLOWDOWN)))
+                self.send_header("Content-Length", str(len(error)))
                 self.end_headers()
-                self.wfile.write(SLOWDOWN)
+                self.wfile.write(error)
                 return
             if action == "hang":
                 relay.ended.wait(60)

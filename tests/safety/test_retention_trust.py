@@ -526,6 +526,64 @@ def test_gc_keeps_the_chunks_of_a_step_whose_commit_and_indexes_the_listings_lea
         assert ckpt.load(into) == 3 and into["w"][0] == 3.0
 
 
+def _forget_what_this_process_saw(monkeypatch) -> None:
+    """A fresh process's view: no step known found or gone (``ckptstore gc`` run later)."""
+    import ckptstore.catalog as catalog
+
+    monkeypatch.setattr(catalog, "_SEEN", {})
+    monkeypatch.setattr(catalog, "_GONE", {})
+
+
+@pytest.mark.parametrize("who", ["gc", "retention"])
+def test_an_old_step_the_listings_leave_out_keeps_its_chunks(tmp_path, monkeypatch, capsys, who):
+    """Storage adversary (a proxy dropping every key of step 2 from the S3 listings, reads by
+    key answered): ``ckptstore gc`` without --keep-last (every step kept) and a saver's own
+    ``keep_last=5`` retention swept step 2's chunks as unreferenced, old enough for any grace;
+    step 2 listed again and no longer loaded. The step after it names it in its manifest as
+    the step committed before it, and gc looks up a step so named that the listing lacks."""
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri, keep_last=5) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+        assert load_manifest(Store(uri), 3).previous == 2
+        _listings_leave_out(monkeypatch, 2)
+        if who == "retention":
+            ckpt.save(5, {"w": torch.full((4096,), 5.0)}).wait()
+        else:
+            _forget_what_this_process_saw(monkeypatch)
+            assert main(["gc", uri, "--grace-s", "0"]) == 1
+            err = capsys.readouterr().err
+            assert "lacks step 2 (named by step 3 as the step committed before it)" in err, err
+    monkeypatch.undo()
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify("all")
+        into = {"w": torch.zeros(4096)}
+        assert ckpt.load(into, step=2) == 2 and into["w"][0] == 2.0
+
+
+def test_a_step_deleted_before_is_looked_up_once_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """The other side: the oldest kept step names a step retention deleted; a gc in a fresh
+    process looks it up once, finds it gone and sweeps."""
+    from ckptstore.format import chunk_key
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri, keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    store = Store(uri)
+    assert list_steps(store) == [2, 3] and load_manifest(store, 2).previous == 1
+    orphan = chunk_key("ab" * 16)
+    store.put(orphan, b"a chunk a save died before naming")
+    _forget_what_this_process_saw(monkeypatch)
+    asked = []
+    exists = Store.exists
+    monkeypatch.setattr(Store, "exists", lambda self, key: asked.append(key) or exists(self, key))
+    swept = [collect(store, keep_last=None).deleted_chunks for _ in range(2)]
+    assert swept == [1, 0], swept
+    assert asked.count(commit_key(1)) == 1, asked
+    assert not store.exists(orphan)
+
+
 def test_gc_sweeps_a_failed_saves_chunks_once_they_are_older_than_a_listing_may_lag(
     tmp_path, capsys
 ):

@@ -49,6 +49,24 @@ def test_a_throttled_put_is_sent_again_whole(s3_endpoint):
     assert len(puts) == 2 and all(got == declared == len(body) for declared, got in puts), puts
 
 
+@pytest.mark.parametrize("key", ["chunks/ab/cd", "commits/00000000000000000001.json"])
+def test_a_create_only_put_answered_conflict_is_sent_again(s3_endpoint, key):
+    """S3 answers 409 ConditionalRequestConflict to a create-only put while another to the same
+    key is in flight (two ranks writing one chunk) and asks for a retry (storage adversary: one
+    409 failed the whole save)."""
+    bucket = _bucket(s3_endpoint)
+    with s3_relay(s3_endpoint) as relay:
+        relay.faults.append(Fault("PUT", key, "conflict"))
+        store = Store(
+            f"s3://{bucket}/run",
+            storage_options={"endpoint_url": relay.endpoint},
+            retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
+        )
+        store.put(key, b"body", shared=key.startswith("chunks"))
+        assert [m for m, path, *_ in relay.seen if key in path] == ["PUT", "PUT"]
+    assert Store(f"s3://{bucket}/run").get(key) == b"body"
+
+
 @pytest.mark.parametrize("key", ["leases/save/a.json", "indexes/ab/rank-00000.json"])
 def test_a_small_put_whose_answer_was_lost_after_it_landed_succeeds(s3_endpoint, key):
     """The HTTP client sends a put again below the store when the connection drops after the
