@@ -17,11 +17,16 @@ def open_store(
     max_concurrency: int = 16,
     thread_nice: int = 0,
 ) -> Store:
-    """The store at ``uri``, every request of which ends within ``timeout_s``."""
-    return Store(
+    """The store at ``uri``, every request of which ends within ``timeout_s``; ``ValueError``
+    for a local path that is there and not a directory (a file: its first save failed on a
+    lease, naming no path the user gave, and ``latest()`` said None)."""
+    store = Store(
         uri,
         storage_options=storage_options,
         retry=RetryPolicy.within(timeout_s),
         max_concurrency=max_concurrency,
         thread_nice=thread_nice,
     )
+    if store.is_local and os.path.exists(store.root) and not os.path.isdir(store.root):
+        raise ValueError(f"{uri} is a file, not a store directory: give a directory")
+    return store

@@ -1110,3 +1110,17 @@ def test_a_ctrl_c_during_a_device_drain_hands_its_buffers_back_without_waiting(
         go.set()
         ckpt.save(2, {"w": torch.full((1000,), 2.0)}).wait(timeout_s=60)
         assert ckpt.steps() == [2]
+
+
+def test_a_store_path_that_is_a_file_is_refused_when_opened(tmp_path):
+    """New-user reviewer: ``Checkpointer(path)`` of an existing file said ``latest()`` None with
+    no warning, and its first save failed on a lease (``NotADirectoryError``), naming no path
+    the user gave. Both front-ends open their store the same way."""
+    from ckptstore.dcp import StoreReader, StoreWriter
+
+    path = tmp_path / "run.ckpt"
+    path.write_bytes(b"not a store")
+    for opened in (Checkpointer, StoreWriter, StoreReader):
+        with pytest.raises(ValueError, match=f"{path} is a file, not a store directory"):
+            opened(str(path))
+    assert path.read_bytes() == b"not a store"
