@@ -114,29 +114,40 @@ def _is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()  # "٣" and "²" are digits too
 
 
-# The steps this process found committed (read or written) per store, and those it found gone:
-# a save names the newest below its own as the step before it (``Manifest.previous``), and gc
-# looks a step up by its key at most once per process to learn it is gone.
+# What this process learnt of each store's steps (by ``Store.uri``): the steps it found
+# committed (wrote or read), which a save names in its manifest (``Manifest.previous``) and gc
+# looks up where a listing lacks them; and the steps manifests name that it found gone, by the
+# naming manifest (a step found gone may be saved again, and a later manifest then names that).
+PREVIOUS_NAMED = 8  # the newest steps below its own a manifest names
 _SEEN: dict[str, set[int]] = {}
-_GONE: dict[str, set[int]] = {}
+_GONE_AS_NAMED: dict[str, set[tuple[int, str, int]]] = {}  # (step, attempt, step it names)
 
 
 def saw_step(store: Store, step: int) -> None:
     _SEEN.setdefault(store.uri, set()).add(step)
-    _GONE.get(store.uri, set()).discard(step)
 
 
 def gone_step(store: Store, step: int) -> None:
     _SEEN.get(store.uri, set()).discard(step)
-    _GONE.setdefault(store.uri, set()).add(step)
 
 
-def known_gone(store: Store, step: int) -> bool:
-    return step in _GONE.get(store.uri, ())
+def seen_steps(store: Store) -> set[int]:
+    return set(_SEEN.get(store.uri, ()))
 
 
-def newest_seen_below(store: Store, step: int) -> int | None:
-    return max((s for s in _SEEN.get(store.uri, ()) if s < step), default=None)
+def seen_below(store: Store, step: int) -> list[int]:
+    """The newest :data:`PREVIOUS_NAMED` steps below ``step`` found committed, newest first."""
+    below = sorted((s for s in _SEEN.get(store.uri, ()) if s < step), reverse=True)
+    return below[:PREVIOUS_NAMED]
+
+
+def gone_as_named(store: Store, claim: tuple[int, str, int]) -> bool:
+    """Whether the step that manifest ``(step, attempt)`` names (``claim[2]``) was found gone."""
+    return claim in _GONE_AS_NAMED.get(store.uri, ())
+
+
+def found_gone_as_named(store: Store, claim: tuple[int, str, int]) -> None:
+    _GONE_AS_NAMED.setdefault(store.uri, set()).add(claim)
 
 
 # How long a commit waits for its abandoned puts to end before it says the outcome is unknown.

@@ -354,6 +354,6 @@ def _verified(raw: np.ndarray, expected_hash: str, name: str) -> np.ndarray:
     actual = hash_bytes(raw)
     if actual != expected_hash:
         raise CheckpointCorruptError(
-            f"chunk {name}: xxh3 mismatch (stored bytes hash to {actual}, expected {expected_hash})"
+            f"chunk {name}: xxh3 mismatch (the bytes read hash to {actual}, expected {expected_hash})"
         )
     return raw

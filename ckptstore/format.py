@@ -281,9 +281,10 @@ class Manifest:
     stored_bytes: int = 0
     user: dict[str, Any] = field(default_factory=dict)
     health: dict | None = None  # the step's numbers (ckptstore.health); None: unknown
-    previous: int | None = None
-    """The newest step below this one its writer had seen committed in the store (None: none
-    seen): gc refuses a listing that leaves it out while it is there (``retention``)."""
+    previous: list[int] = field(default_factory=list)
+    """The newest steps below this one (at most 8, newest first) that the committing process
+    had found committed in the store: gc deletes nothing while a listing leaves one out that
+    is there (``retention``)."""
 
 
 def _canonical(doc: dict) -> bytes:
@@ -391,9 +392,10 @@ def decode_rank_index(data: bytes, name: str) -> RankIndex:
 
 def encode_manifest(m: Manifest) -> bytes:
     body = asdict(m)
-    for optional in ("health", "previous"):
-        if body[optional] is None:  # a manifest without them reads as before
-            del body[optional]
+    if body["health"] is None:  # a step without health reads as before
+        del body["health"]
+    if not body["previous"]:
+        del body["previous"]
     return _dump("manifest", body)
 
 
@@ -423,7 +425,7 @@ def decode_manifest(data: bytes, name: str) -> Manifest:
             stored_bytes=int(doc.get("stored_bytes", 0)),
             user=_user(doc.get("user")),
             health=doc.get("health"),
-            previous=doc.get("previous"),
+            previous=doc.get("previous", []),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CheckpointCorruptError(f"{name}: malformed manifest ({exc!r})") from exc
@@ -442,6 +444,7 @@ _STEP_DIR = re.compile(rf"[0-9]{{{STEP_DIGITS}}}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 INT64_MAX = 2**63 - 1
 MAX_RANKS = 2**20
+MAX_PREVIOUS = 64  # steps a manifest's "previous" may name (a writer names 8)
 MAX_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z, the last time datetime can show
 
 
@@ -476,8 +479,12 @@ def check_manifest(m: Manifest, name: str, *, version: int = FORMAT_VERSION) -> 
         raise bad(f"world size {m.world_size!r} is not an int in [1, {MAX_RANKS}]")
     if not 0 <= m.created_at <= MAX_TIMESTAMP:
         raise bad(f"created_at {m.created_at!r} is not a time before the year 10000")
-    if m.previous is not None and not (_is_count(m.previous) and m.previous < m.step):
-        raise bad(f"previous step {m.previous!r} is not a step below {m.step}")
+    previous = m.previous
+    if not isinstance(previous, list) or len(previous) > MAX_PREVIOUS:
+        raise bad(f"previous steps {str(previous)[:80]} are not a list of at most {MAX_PREVIOUS}")
+    for before in previous:
+        if not (_is_count(before) and before < m.step):
+            raise bad(f"previous step {before!r} is not a step below {m.step}")
     seen: set[str] = set()
     for ref in m.ranks:
         # The key its own rank gives, checked per listed rank (not a set of every rank's key:

@@ -24,14 +24,16 @@ from typing import Any
 
 from ckptstore.catalog import (
     SETTLE_TIMEOUT_S,
+    found_gone_as_named,
+    gone_as_named,
     gone_step,
-    known_gone,
     legacy_markers,
     list_steps,
     load_manifest,
     load_rank_indexes,
     quarantined,
     read_object,
+    seen_steps,
 )
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -150,10 +152,11 @@ def collect(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     report = GcReport(dry_run=dry_run)
+    seen = seen_steps(store)  # before the listing: a step committed after it is not missed
     listed = _listed_with(store, listed_since)
     # keep_steps are read even where the listing lags behind their commit (the save's own)
     readable = _read_steps(store, sorted(set(listed) | set(keep_steps)), report)
-    _refuse_a_listing_that_misses_steps(store, readable, [*listed, *keep_steps], {})
+    _refuse_a_listing_that_misses_steps(store, readable, [*listed, *keep_steps], {}, seen)
     if verify_chunks:
         _verify_chunks(store, readable, report, sorted(readable))
     elif check_chunks:
@@ -412,36 +415,47 @@ def _refuse_a_listing_that_misses_chunks(
 
 
 def _refuse_a_listing_that_misses_steps(
-    store: Store, readable: dict[int, _Step], listed: list[int], gone: dict[int, str | None]
+    store: Store,
+    readable: dict[int, _Step],
+    listed: list[int],
+    gone: dict[int, str | None],
+    seen: set[int],
 ) -> None:
     """``StorageError`` (nothing deleted) when a step the listing of commits/ leaves out is
-    there when read by its key: a step read before (a listing since that lacks it) or one a
-    read step's manifest names as the step before it (``Manifest.previous``). A listing that
-    drops keys (a gateway's page lost, a lagging listing) would otherwise have its chunks
-    swept as unreferenced, however old. A step found gone is looked up once per process."""
+    there when read by its key, for three kinds of step: one this process had found committed
+    before the listing (``seen``: it wrote or read it), one an earlier listing of this run held,
+    and one a read step's manifest names (``Manifest.previous``). A listing that drops keys (a
+    gateway's lost page, a lagging listing) would otherwise have its chunks swept as
+    unreferenced, however old. A step a manifest names and found gone is looked up again only
+    where another manifest names it (saved again since, it is that one's)."""
     here = set(listed) | gone.keys()
-    named: dict[int, int] = {}  # a step to look up -> the step whose manifest names it
-    for step, read in readable.items():
+    named: dict[int, str] = {}  # a step to look up -> why
+    claims: dict[int, list[tuple[int, str, int]]] = {}
+    for step in seen - here:
+        named[step] = "found committed by this process"
+    for step, read in sorted(readable.items(), reverse=True):
         if step not in here:
-            named.setdefault(step, step)
-        before = read.manifest.previous
-        if before is not None and before not in readable and before not in here:
-            named.setdefault(before, step)
-    ask = [s for s in sorted(named) if not known_gone(store, s)]
+            named.setdefault(step, "read earlier in this run")
+        for before in read.manifest.previous:
+            claim = (step, read.manifest.attempt, before)
+            if before in gone:
+                found_gone_as_named(store, claim)  # deleted by this run
+            elif before not in here and before not in readable:
+                if not gone_as_named(store, claim):
+                    named.setdefault(before, f"named by step {step} as committed before it")
+                    claims.setdefault(before, []).append(claim)
+    ask = sorted(named)
     for before, there in zip(ask, store.map(lambda s: store.exists(commit_key(s)), ask)):
         if not there:
             gone_step(store, before)
+            for claim in claims.get(before, []):
+                found_gone_as_named(store, claim)
             continue
-        why = (
-            "read earlier in this run"
-            if named[before] == before
-            else f"named by step {named[before]} as the step committed before it"
-        )
         raise StorageError(
-            f"gc {store.uri}: the listing of commits/ lacks step {before} ({why}), which is "
-            f"there when {commit_key(before)} is read by its key: the store's listing drops "
-            "or lags its keys, and that step's chunks would look unreferenced; nothing was "
-            "deleted (run gc again later)"
+            f"gc {store.uri}: the listing of commits/ lacks step {before} ({named[before]}), "
+            f"which is there when {commit_key(before)} is read by its key: the store's listing "
+            "drops or lags its keys, and that step's chunks would look unreferenced; nothing "
+            "was deleted (run gc again later)"
         )
 
 
@@ -510,6 +524,7 @@ def _sweep(
     # Listed after the save leases: a save that committed before that look is kept, also one
     # that saved a step number again after a retention (this one or another) dropped the save
     # read above: read afresh, its index and chunks are its own.
+    seen = seen_steps(store)
     listed = list_steps(store)
     if report.dry_run:
         listed = [s for s in listed if s not in gone]
@@ -521,7 +536,7 @@ def _sweep(
     listed = [s for s in listed if s not in gone]
     new = [s for s in listed if s not in readable and s not in report.unreadable_steps]
     readable.update(_read_steps(store, new, report))
-    _refuse_a_listing_that_misses_steps(store, readable, [*listed, *keep_steps], gone)
+    _refuse_a_listing_that_misses_steps(store, readable, [*listed, *keep_steps], gone, seen)
     report.kept_steps = sorted((set(listed) | (keep_steps - gone.keys())) & readable.keys())
     if report.kept_healthy not in report.kept_steps:  # removed since by another's retention
         report.kept_healthy = _newest_healthy(readable, report.kept_steps)

@@ -45,9 +45,9 @@ from ckptstore.catalog import (
     commit_manifest,
     list_steps,
     load_manifest,
-    newest_seen_below,
     rank_of,
     read_rank_index,
+    seen_below,
 )
 from ckptstore.errors import (
     CheckpointCorruptError,
@@ -362,7 +362,7 @@ class SaveSession:
             stored_bytes=sum(stored for _, stored in unique.values()),
             user=user or {},
             health=health,
-            previous=newest_seen_below(self.store, self.step),
+            previous=seen_below(self.store, self.step),
         )
         data = encode_manifest(manifest)
         if self.lease is not None:

@@ -185,8 +185,13 @@ def whoami() -> str:
 
 
 def describe(exc: BaseException | None) -> str:
-    """``Type: first line of the message`` of ``exc``."""
+    """``Type: first line of the message`` of ``exc``, and the server's answer (HTTP status
+    and S3 error code) where the message lacks it (s3fs maps a 503 SlowDown to an errno)."""
     if exc is None:
         return "unknown error"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    shown = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    answer = next(filter(None, map(_server_answer, _chain(exc))), None)
+    if answer is not None and answer[0] and not (answer[1] and answer[1] in shown):
+        shown += f" (HTTP {answer[0]} {answer[1]})".replace(" )", ")")
+    return shown

@@ -294,6 +294,32 @@ def test_is_transient_classification():
     assert not is_transient(ValueError("x"))
 
 
+def test_a_server_error_is_described_with_its_status_and_code():
+    """Storage adversary: a persistent 503 ended as ``OSError: [Errno 16] Please reduce your
+    request rate.``, naming neither the HTTP status nor the S3 code (s3fs maps them to an
+    errno and keeps botocore's error as the cause)."""
+    from ckptstore.store.retry import describe
+
+    class ClientError(Exception):
+        def __init__(self, status: int, code: str) -> None:
+            super().__init__(f"An error occurred ({code or 'unknown'})")
+            self.response = {
+                "ResponseMetadata": {"HTTPStatusCode": status},
+                "Error": {"Code": code},
+            }
+
+    for status, code, shown in [(503, "SlowDown", "(HTTP 503 SlowDown)"), (500, "", "(HTTP 500)")]:
+        try:
+            try:
+                raise ClientError(status, code)
+            except ClientError as exc:
+                raise OSError(16, "Please reduce your request rate.") from exc
+        except OSError as exc:
+            assert describe(exc) == f"OSError: [Errno 16] Please reduce your request rate. {shown}"
+    assert describe(ClientError(503, "SlowDown")) == "ClientError: An error occurred (SlowDown)"
+    assert describe(ValueError("plain")) == "ValueError: plain"
+
+
 def test_unknown_scheme_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot open store 'nosuch://x'"):
         Store("nosuch://x")
