@@ -115,17 +115,24 @@ def _open_naming_the_step_before(store: Store, step: int | None) -> StepView:
     try:
         return StepView.open(store, step if step is not None else "latest")
     except CheckpointCorruptError as exc:
-        before = _before_the_failed(store, step)
+        failed, before = _before_the_failed(store, step)
         if before is None:
             raise
-        raise CheckpointCorruptError(f"{exc}{_hint(store, before)}") from exc
+        raise CheckpointCorruptError(_cannot_restore(failed, exc, store, before)) from exc
 
 
-def _before_the_failed(store: Store, step: int | None) -> int | None:
-    """The readable step before ``step`` (None: the newest committed one), the one to try."""
+def _before_the_failed(store: Store, step: int | None) -> tuple[int | None, int | None]:
+    """The step that failed (``step``; None: the newest committed one) and the readable step
+    before it, the one to try."""
     listed = list_steps(store) if step is None else []
     failed = step if step is not None else (listed[-1] if listed else None)
-    return _readable_step_before(store, failed) if failed is not None else None
+    return failed, _readable_step_before(store, failed) if failed is not None else None
+
+
+def _cannot_restore(failed: int | None, exc: Exception, store: Store, before: int) -> str:
+    """The one line of a step that failed to restore: which, why, what to try instead."""
+    lead = f"step {failed} cannot be restored: " if failed is not None else ""
+    return f"{lead}{exc}{_hint(store, before)}"
 
 
 HINT_TRIES = 16
@@ -282,11 +289,11 @@ def _export_safetensors(args: argparse.Namespace, store: Store, target: str) -> 
             timeout_s=args.timeout or 30.0,
         )
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        before = _before_the_failed(store, args.step)
+        failed, before = _before_the_failed(store, args.step)
         if before is None or "the step before it" in str(exc) or "removed while" in str(exc):
             raise
         kind = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else None
-        raise (kind or CheckpointCorruptError)(f"{exc}{_hint(store, before)}") from exc
+        raise (kind or CheckpointCorruptError)(_cannot_restore(failed, exc, store, before)) from exc
     except CheckpointError:
         raise  # other checkpoint errors (a ValueError too): exit 1, not a usage error
     except (FileExistsError, ValueError) as exc:  # in the words of the command's flags
