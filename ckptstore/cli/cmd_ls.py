@@ -11,7 +11,12 @@ from typing import Any
 from ckptstore._inspect import manifest_summary, message, ratio, utc_text
 from ckptstore.catalog import list_steps, load_manifest, quarantined, saves_in_flight
 from ckptstore.cli.common import Failed, UsageError, emit_json
-from ckptstore.errors import CheckpointCorruptError, CheckpointError
+from ckptstore.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    StorageAccessError,
+    StorageTimeoutError,
+)
 from ckptstore.render import format_ratio, human_bytes, rank_ranges, table
 from ckptstore.store import Store
 from ckptstore.tiers.identity import IDENTITY_KEY, StoreIdentity, read_identity, store_identity
@@ -22,11 +27,14 @@ from ckptstore.tiers.resumes import resumes
 
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:
     steps = list_steps(store)
+    unanswered: set[int] = set()  # steps whose manifest the store refused or did not answer for
 
     def one(step: int) -> dict[str, Any]:
         try:
             return manifest_summary(load_manifest(store, step))
         except (CheckpointError, OSError) as exc:
+            if isinstance(exc, (StorageAccessError, StorageTimeoutError)):
+                unanswered.add(step)
             return {"step": step, "error": message(exc)}
 
     rows = list(store.map(one, steps))
@@ -81,6 +89,11 @@ def cmd_ls(args: argparse.Namespace, store: Store) -> int:
                 )
             )
         _print_local_dirs(listings, local_problems)
+    if bad and all(r["step"] in unanswered for r in bad):
+        raise Failed(
+            f"{len(bad)} step(s) could not be read: the store refused or did not answer (see "
+            "the listing); this says nothing of the checkpoints"
+        )
     if bad:
         raise Failed(f"{len(bad)} step(s) have an unreadable manifest (see the listing)")
     if unknown:

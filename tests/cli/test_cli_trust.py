@@ -149,3 +149,33 @@ def test_a_restores_hint_skips_a_step_whose_manifest_does_not_read(tmp_path, cap
 def run_ok(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
     code = main([str(a) for a in argv])
     return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_ls_says_whether_a_step_it_could_not_read_is_damaged(
+    tmp_path, capsys, monkeypatch, refused
+):
+    """New-user reviewer: with reads refused (anonymous S3), every row said "access denied"
+    and the closing line "step(s) have an unreadable manifest", which reads as damage."""
+    from ckptstore.errors import StorageAccessError
+
+    uri = saved_store(tmp_path)
+    if refused:
+        get = Store.get
+
+        def denied(self, key, *args, **kwargs):
+            if key.startswith("commits/"):
+                raise StorageAccessError(f"{key}: access denied or no credentials")
+            return get(self, key, *args, **kwargs)
+
+        monkeypatch.setattr(Store, "get", denied)
+    else:
+        commit = Path(Store(uri).path(commit_key(1)))
+        os.chmod(commit, 0o644)
+        commit.write_bytes(b"{")
+    code, line = run(capsys, "ls", uri)
+    assert code == 1, line
+    if refused:
+        assert "could not be read: the store refused or did not answer" in line, line
+    else:
+        assert "have an unreadable manifest" in line, line
