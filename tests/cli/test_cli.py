@@ -1231,16 +1231,12 @@ def test_gc_on_a_store_with_no_room_left_says_what_to_free(store, capsys, monkey
     or lease renewal with a bare "no space left on device", after it had unlisted the steps
     it dropped: the README's remedy (gc) seemed not to work, and nothing said what to do."""
     from ckptstore.errors import StorageFullError
-    from ckptstore.store import Store as StoreClass
+    from tests.helpers.crafted import failing_for
 
-    put = StoreClass.put
+    def full(store, key):
+        return StorageFullError(f"put {store.url(key)}: no space left on device")
 
-    def full(self, key, *args, **kwargs):
-        if key.startswith("leases/clock"):
-            raise StorageFullError(f"put {self.url(key)}: no space left on device")
-        return put(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(StoreClass, "put", full)
+    failing_for(monkeypatch, "put", "leases/clock", full)
     code, _, err = run(capsys, "gc", store, "--keep-last", "1", "--no-verify")
     line = one_line_error(err, "gc")
     assert code == 1 and "no space left on device" in line

@@ -158,17 +158,15 @@ def test_ls_says_whether_a_step_it_could_not_read_is_damaged(
     """New-user reviewer: with reads refused (anonymous S3), every row said "access denied"
     and the closing line "step(s) have an unreadable manifest", which reads as damage."""
     from ckptstore.errors import StorageAccessError
+    from tests.helpers.crafted import failing_for
 
     uri = saved_store(tmp_path)
     if refused:
-        get = Store.get
 
-        def denied(self, key, *args, **kwargs):
-            if key.startswith("commits/"):
-                raise StorageAccessError(f"{key}: access denied or no credentials")
-            return get(self, key, *args, **kwargs)
+        def denied(store, key):
+            return StorageAccessError(f"{key}: access denied or no credentials")
 
-        monkeypatch.setattr(Store, "get", denied)
+        failing_for(monkeypatch, "get", "commits/", denied)
     else:
         commit = Path(Store(uri).path(commit_key(1)))
         os.chmod(commit, 0o644)

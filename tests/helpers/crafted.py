@@ -80,3 +80,16 @@ def _rank_ref(store: Store, step: int, rank: int) -> dict[str, Any]:
         if ref.key.endswith(suffix):
             return {"key": ref.key, "nbytes": ref.nbytes, "xxh3": ref.xxh3}
     raise AssertionError(f"step {step} has no index for rank {rank}")
+
+
+def failing_for(monkeypatch, method: str, prefix: str, error) -> None:
+    """``Store.<method>`` raises ``error(store, key)`` for the keys under ``prefix``; the others
+    go through."""
+    original = getattr(Store, method)
+
+    def failing(self, key, *args, **kwargs):
+        if key.startswith(prefix):
+            raise error(self, key)
+        return original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(Store, method, failing)
