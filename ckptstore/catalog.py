@@ -118,7 +118,7 @@ def _is_digits(text: str) -> bool:
 # committed (wrote or read), which a save names in its manifest (``Manifest.previous``) and gc
 # looks up where a listing lacks them; and the steps manifests name that it found gone, by the
 # naming manifest (a step found gone may be saved again, and a later manifest then names that).
-PREVIOUS_NAMED = 8  # the newest steps below its own a manifest names
+PREVIOUS_NAMED = 16  # a manifest names the newest and the oldest this many steps below it
 _SEEN: dict[str, set[int]] = {}
 _GONE_AS_NAMED: dict[str, set[tuple[int, str, int]]] = {}  # (step, attempt, step it names)
 
@@ -136,9 +136,13 @@ def seen_steps(store: Store) -> set[int]:
 
 
 def seen_below(store: Store, step: int) -> list[int]:
-    """The newest :data:`PREVIOUS_NAMED` steps below ``step`` found committed, newest first."""
+    """The steps below ``step`` found committed (and not found gone since), newest first: the
+    newest and the oldest :data:`PREVIOUS_NAMED` of them (a step kept long, the best or the
+    newest healthy one, stays named once the steps after it are deleted)."""
     below = sorted((s for s in _SEEN.get(store.uri, ()) if s < step), reverse=True)
-    return below[:PREVIOUS_NAMED]
+    if len(below) <= 2 * PREVIOUS_NAMED:
+        return below
+    return below[:PREVIOUS_NAMED] + below[-PREVIOUS_NAMED:]
 
 
 def gone_as_named(store: Store, claim: tuple[int, str, int]) -> bool:

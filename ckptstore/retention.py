@@ -97,17 +97,18 @@ class GcReport:
 _ANY_SAVE: Any = object()
 
 
-def drop_step(store: Store, step: int, attempt: str | None = _ANY_SAVE) -> None:
+def drop_step(store: Store, step: int, attempt: str | None = _ANY_SAVE) -> bool:
     """Unlist committed ``step``: its manifest goes, so it is gone from here on; the objects only
     it referenced are swept by the next ``collect``. ``attempt``: only if the step is still that
     save (None: a manifest that did not decode, and still does not), not one another process
-    committed under the number since it was read (after dropping it)."""
+    committed under the number since it was read (after dropping it). Whether it was dropped."""
     if attempt is not _ANY_SAVE and not _unchanged(store, step, attempt):
         logger.info("gc %s: step %d was saved again since it was read; kept", store.uri, step)
-        return
+        return False
     store.delete(commit_key(step))
     gone_step(store, step)
     logger.info("gc %s: deleted step %d", store.uri, step)
+    return True
 
 
 def collect(
@@ -170,7 +171,8 @@ def collect(
     gone = {s: report.read_attempts.get(s) for s in [*doomed, *report.removed_corrupt]}
     if not dry_run:
         for step in report.deleted_steps + report.removed_corrupt:
-            drop_step(store, step, gone[step])
+            if not drop_step(store, step, gone[step]):
+                del gone[step]  # saved again: kept, and looked up where a listing lacks it
         if remove_corrupt:
             list(store.map(store.delete, forensics))
     lease = None

@@ -565,6 +565,59 @@ def test_an_old_step_the_listings_leave_out_keeps_its_chunks(tmp_path, monkeypat
         assert ckpt.load(into, step=2) == 2 and into["w"][0] == 2.0
 
 
+def test_a_step_kept_long_stays_named_by_the_steps_after_it(tmp_path, monkeypatch):
+    """Fix adversary, round 2: a manifest named the 8 newest steps below it only; a step kept
+    long (top-k's best, the newest healthy one) was named only by manifests deleted since, and
+    a fresh gc swept it under a listing that left it out. A manifest names the oldest steps
+    below it too."""
+    from ckptstore.retention import drop_step
+
+    uri = str(tmp_path / "store")
+    store = Store(uri)
+    with Checkpointer(uri) as ckpt:
+        for step in range(1, 41):
+            ckpt.save(step, {"w": torch.full((256,), float(step))}).wait()
+    for step in range(2, 31):  # top-k keeps step 1, the best, and the newest ten
+        drop_step(store, step)
+    assert all(1 in load_manifest(store, s).previous for s in range(31, 41))
+    _forget_what_this_process_saw(monkeypatch)
+    _listings_leave_out(monkeypatch, 1)
+    with pytest.raises(StorageError, match="lacks step 1 "):
+        collect(store, keep_last=None)
+    monkeypatch.undo()
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify(1)
+
+
+def test_a_step_retention_found_saved_again_is_looked_up_where_a_later_listing_lacks_it(
+    tmp_path, monkeypatch
+):
+    """Fix adversary, round 2: a step retention meant to drop, found saved again (so kept),
+    still counted as dropped; a later listing of the same run leaving it out had its new
+    save's chunks swept."""
+    import ckptstore.retention as retention
+
+    uri = str(tmp_path / "store")
+    with Checkpointer(uri) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}).wait()
+    unchanged, listed, calls = retention._unchanged, retention.list_steps, []
+    monkeypatch.setattr(
+        retention, "_unchanged", lambda store, step, a: step != 1 and unchanged(store, step, a)
+    )
+
+    def later_without_1(store):
+        calls.append(1)
+        return [s for s in listed(store) if len(calls) == 1 or s != 1]
+
+    monkeypatch.setattr(retention, "list_steps", later_without_1)
+    with pytest.raises(StorageError, match="lacks step 1 "):
+        collect(Store(uri), keep_last=1)
+    monkeypatch.undo()
+    with Checkpointer(uri) as ckpt:
+        ckpt.verify(1)
+
+
 @pytest.mark.parametrize("case", ["newest-seen", "gap", "saved-again"])
 def test_a_step_the_listings_leave_out_keeps_its_chunks_where_no_next_step_names_it(
     tmp_path, monkeypatch, case
