@@ -282,9 +282,9 @@ class Manifest:
     user: dict[str, Any] = field(default_factory=dict)
     health: dict | None = None  # the step's numbers (ckptstore.health); None: unknown
     previous: list[int] = field(default_factory=list)
-    """The newest steps below this one (at most 8, newest first) that the committing process
-    had found committed in the store: gc deletes nothing while a listing leaves one out that
-    is there (``retention``)."""
+    """Steps below this one (newest first: up to 32, else the newest and the oldest 16) that
+    the committing process had found committed in the store: gc deletes nothing while a listing
+    leaves one out that is there (``retention``)."""
 
 
 def _canonical(doc: dict) -> bytes:
@@ -444,7 +444,7 @@ _STEP_DIR = re.compile(rf"[0-9]{{{STEP_DIGITS}}}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 INT64_MAX = 2**63 - 1
 MAX_RANKS = 2**20
-MAX_PREVIOUS = 64  # steps a manifest's "previous" may name (a writer names 8)
+MAX_PREVIOUS = 64  # steps a manifest's "previous" may name (a writer names 32 at most)
 MAX_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z, the last time datetime can show
 
 
