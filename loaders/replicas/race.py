@@ -53,9 +53,14 @@ class _Attempt:
     launched: float
     what: str
     settled: bool = False
+    allowed_s: float = math.inf  # the time it is given, again after a stall of this process
 
 
 _TOLD_MAX = 10_000  # damages remembered for warnings: a bound, not a policy
+# A wait that wakes this much later than it was set for: this process did not run (swapping, a
+# scheduler's pause, a stopped job); the attempts whose deadline passed meanwhile are given their
+# time again rather than charged to their replica.
+STALL_S = 0.25
 
 
 class ReplicaReads:
@@ -272,7 +277,7 @@ class _Request:
         # A data read runs in this thread with no deadline of the store's own (in_thread):
         # the read gives it up at the deadline the store would have set.
         bound = launched + r.store.retry.deadline_s(self.nbytes) if read else math.inf
-        a = _Attempt(r, hedge, bound, launched, self.what)
+        a = _Attempt(r, hedge, bound, launched, self.what, allowed_s=bound - launched)
 
         def answered(data: Any, t0: float, seconds: float) -> None:
             if reads.settle(a):
@@ -334,13 +339,14 @@ class _Request:
             )
         wake = min([until, self.deadline, *(a.deadline for a in self.pending.values())])
         done, _ = wait(list(self.pending), timeout=wake - now, return_when=FIRST_COMPLETED)
+        stalled = time.monotonic() - wake > STALL_S
         for future in done:
             a = self.pending.pop(future)
             exc = future.exception()
             if exc is None:
                 return True, self._won(a, future.result())
             self._lost(a, exc)
-        expired = self._expire_due()
+        expired = self._expire_due(stalled)
         if (done or expired) and not self.pending:
             self._fail_over()
         return False, None
@@ -375,11 +381,16 @@ class _Request:
         else:
             logger.debug("read %s failed on %s: %s", self.what, r.name, exc)
 
-    def _expire_due(self) -> bool:
-        """Give up the attempts past their deadline; whether there were any."""
+    def _expire_due(self, stalled: bool = False) -> bool:
+        """Give up the attempts past their deadline; whether there were any. ``stalled``: the
+        process did not run for a while (``STALL_S``), and an attempt whose deadline passed
+        meanwhile gets its whole time again from now (a stall is no replica's fault)."""
         expired = False
         now = time.monotonic()
         for future, a in list(self.pending.items()):
+            if stalled and now >= a.deadline:
+                a.deadline = now + a.allowed_s
+                continue
             if now >= a.deadline and (error := self.reads.expire(a, now)):
                 del self.pending[future]
                 self.errors.append(f"{a.replica.name}: {error}")
