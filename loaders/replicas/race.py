@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -57,10 +59,54 @@ class _Attempt:
 
 
 _TOLD_MAX = 10_000  # damages remembered for warnings: a bound, not a policy
-# A wait that wakes this much later than it was set for: this process did not run (swapping, a
-# scheduler's pause, a stopped job); the attempts whose deadline passed meanwhile are given their
-# time again rather than charged to their replica.
+# A heartbeat thread ticks every TICK_S; a gap of over STALL_S between two ticks is a stall of
+# this process (swapping, a scheduler's pause, a stopped job): an attempt whose time ran out
+# over a stall gets its time again rather than being charged to its replica.
+TICK_S = 0.05
 STALL_S = 0.25
+
+
+class _Heartbeat:
+    """The stalls of this process, seen by a daemon thread (one per process: started again in
+    a forked DataLoader worker, where the parent's thread does not run)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (from, to), monotonic
+        self.ticked = math.inf  # the heartbeat's last tick
+        self.pid = 0
+
+    def ensure(self) -> None:
+        if self.pid != os.getpid():
+            with self.lock:
+                if self.pid != os.getpid():
+                    self.pid = os.getpid()
+                    self.stalls.clear()
+                    self.ticked = time.monotonic()
+                    threading.Thread(
+                        target=self._tick, name="loaders-heartbeat", daemon=True
+                    ).start()
+
+    def _tick(self) -> None:
+        self.ticked = time.monotonic()
+        while True:
+            time.sleep(TICK_S)
+            now = time.monotonic()
+            with self.lock:
+                if now - self.ticked > STALL_S:
+                    self.stalls.append((self.ticked, now))
+                self.ticked = now
+
+    def since(self, start: float) -> bool:
+        """Whether the process stalled after ``start``: a stall seen, or one the heartbeat has
+        not yet woken from (the thread asking may run first after it)."""
+        with self.lock:
+            unseen = time.monotonic() - self.ticked > STALL_S
+            return unseen or any(end > start for _, end in self.stalls)
+
+
+_HEARTBEAT = _Heartbeat()
+os.register_at_fork(after_in_child=_HEARTBEAT.__init__)  # the child starts its own
 
 
 class ReplicaReads:
@@ -77,6 +123,15 @@ class ReplicaReads:
         self._lock = threading.Lock()
         self._orphans: list[_Attempt] = []  # losers of returned reads, still running
         self._told: set[str] = set()  # corrupt data already warned of (replica and what)
+
+    @staticmethod
+    def stalled_over(a: _Attempt) -> bool:
+        """Whether the process stalled within attempt ``a``'s time (since it was last given
+        it); if so ``a`` is given its whole time again from now."""
+        if not _HEARTBEAT.since(a.deadline - a.allowed_s):
+            return False
+        a.deadline = time.monotonic() + a.allowed_s
+        return True
 
     def tell_corrupt(self, replica: Replica, exc: BaseException) -> None:
         """One WARNING per replica and damage (the reads of a window that meet the same bad
@@ -168,8 +223,12 @@ class ReplicaReads:
             due = [a for a in self._orphans if a.settled or now >= a.deadline]
             if due:
                 self._orphans = [a for a in self._orphans if not (a.settled or now >= a.deadline)]
+        again = [a for a in due if not a.settled and self.stalled_over(a)]
+        if again:
+            self.adopt(again)
         for a in due:
-            self.expire(a, now)
+            if a not in again:
+                self.expire(a, now)
 
     def adopt(self, orphans: list[_Attempt]) -> None:
         with self._lock:
@@ -213,6 +272,7 @@ class _Request:
     ) -> None:
         self.reads, self.what, self.nbytes, self.fn, self.decode = reads, what, nbytes, fn, decode
         self.read, self.raced = read, raced
+        _HEARTBEAT.ensure()
         self.t0 = time.monotonic()
         reads.sweep_orphans(self.t0)
         self.deadline = self.t0 + reads.config.read_deadline_s
@@ -339,14 +399,13 @@ class _Request:
             )
         wake = min([until, self.deadline, *(a.deadline for a in self.pending.values())])
         done, _ = wait(list(self.pending), timeout=wake - now, return_when=FIRST_COMPLETED)
-        stalled = time.monotonic() - wake > STALL_S
         for future in done:
             a = self.pending.pop(future)
             exc = future.exception()
             if exc is None:
                 return True, self._won(a, future.result())
             self._lost(a, exc)
-        expired = self._expire_due(stalled)
+        expired = self._expire_due()
         if (done or expired) and not self.pending:
             self._fail_over()
         return False, None
@@ -381,17 +440,15 @@ class _Request:
         else:
             logger.debug("read %s failed on %s: %s", self.what, r.name, exc)
 
-    def _expire_due(self, stalled: bool = False) -> bool:
-        """Give up the attempts past their deadline; whether there were any. ``stalled``: the
-        process did not run for a while (``STALL_S``), and an attempt whose deadline passed
-        meanwhile gets its whole time again from now (a stall is no replica's fault)."""
+    def _expire_due(self) -> bool:
+        """Give up the attempts past their deadline, but one whose time ran out over a stall of
+        this process (it gets its time again: no replica's fault); whether there were any."""
         expired = False
         now = time.monotonic()
         for future, a in list(self.pending.items()):
-            if stalled and now >= a.deadline:
-                a.deadline = now + a.allowed_s
+            if now < a.deadline or self.reads.stalled_over(a):
                 continue
-            if now >= a.deadline and (error := self.reads.expire(a, now)):
+            if error := self.reads.expire(a, now):
                 del self.pending[future]
                 self.errors.append(f"{a.replica.name}: {error}")
                 self.last_exc, expired = error, True

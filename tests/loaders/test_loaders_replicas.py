@@ -779,30 +779,32 @@ def test_the_loser_of_a_hedged_read_is_not_decoded_after_the_read_returned(tmp_p
         _release(stores)
 
 
-def test_an_attempt_whose_deadline_passed_while_the_process_stalled_is_not_charged(
-    tmp_path, monkeypatch
-):
+def test_an_attempt_whose_deadline_passed_while_the_process_stalled_is_not_charged(tmp_path):
     """Loader adversary: an attempt past its deadline because this process did not run (a
     swapping host, a stopped job) was charged to its replica: "no answer" warnings, a healthy
-    replica benched, six such attempts failing a read. A wait that wakes more than STALL_S late
-    gives the attempts whose deadline passed meanwhile their time again."""
-    import loaders.replicas.race as race
+    replica benched, six such attempts failing a read. This process is stopped (SIGSTOP) for
+    0.8 s while an attempt of 0.5 s runs: the attempt gets its time again and answers."""
+    import os
+    import signal
+    import subprocess
+    import sys
 
     rs, stores = _replicas(
-        tmp_path, [Faults(latency=Fixed(1.0)), None], hedge=False, attempt_timeout_s=0.5,
+        tmp_path, [Faults(latency=Fixed(1.2)), None], hedge=False, attempt_timeout_s=0.5,
         read_deadline_s=10,
     )  # fmt: skip
-    real_wait, stalls = race.wait, []
-
-    def stalled_wait(futures, timeout, return_when):
-        if not stalls:  # the first wait wakes 0.35 s late (over STALL_S), r0 still reading
-            stalls.append(timeout)
-            threading.Event().wait(timeout + 0.35)
-            return real_wait(futures, timeout=0, return_when=return_when)
-        return real_wait(futures, timeout=timeout, return_when=return_when)
-
-    monkeypatch.setattr(race, "wait", stalled_wait)
-    assert rs.read("obj", 0, 16) == PAYLOAD[:16]
+    got = []
+    reader = threading.Thread(target=lambda: got.append(rs.read("obj", 0, 16)))
+    reader.start()
+    threading.Event().wait(0.1)  # the attempt is on its way
+    resume = f"import os, signal, time; time.sleep(0.8); os.kill({os.getpid()}, signal.SIGCONT)"
+    waker = subprocess.Popen([sys.executable, "-c", resume])
+    try:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    finally:
+        waker.wait(timeout=30)
+    reader.join(timeout=30)
+    assert got == [PAYLOAD[:16]]
     m = rs.metrics()["replicas"]
-    assert stalls and m[stores[0].uri]["errors"] == 0 and m[stores[0].uri]["wins"] == 1, m
+    assert m[stores[0].uri]["errors"] == 0 and m[stores[0].uri]["wins"] == 1, m
     assert rs.metrics()["reads"]["failovers"] == 0
