@@ -19,6 +19,15 @@ def _bucket(endpoint: str) -> str:
     return bucket
 
 
+def _through(relay, bucket: str) -> Store:
+    """A store of ``bucket`` whose requests go through ``relay``, retried three times."""
+    return Store(
+        f"s3://{bucket}/run",
+        storage_options={"endpoint_url": relay.endpoint},
+        retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
+    )
+
+
 def test_a_key_written_after_its_prefix_was_listed_is_read(s3_endpoint):
     """s3fs answered a whole-object read of a key under a prefix it had listed "not found"
     without asking: a commit whose answer was lost read back as absent ("step 2 not
@@ -37,11 +46,7 @@ def test_a_throttled_put_is_sent_again_whole(s3_endpoint):
     bucket = _bucket(s3_endpoint)
     with s3_relay(s3_endpoint) as relay:
         relay.faults.append(Fault("PUT", "/blob", "slowdown"))
-        store = Store(
-            f"s3://{bucket}/run",
-            storage_options={"endpoint_url": relay.endpoint},
-            retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
-        )
+        store = _through(relay, bucket)
         body = np.random.default_rng(0).bytes(1 << 20)
         store.put("blob", body)
         puts = [(declared, got) for method, path, declared, got in relay.seen if method == "PUT"]
@@ -57,11 +62,7 @@ def test_a_create_only_put_answered_conflict_is_sent_again(s3_endpoint, key):
     bucket = _bucket(s3_endpoint)
     with s3_relay(s3_endpoint) as relay:
         relay.faults.append(Fault("PUT", key, "conflict"))
-        store = Store(
-            f"s3://{bucket}/run",
-            storage_options={"endpoint_url": relay.endpoint},
-            retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
-        )
+        store = _through(relay, bucket)
         store.put(key, b"body", shared=key.startswith("chunks"))
         assert [m for m, path, *_ in relay.seen if key in path] == ["PUT", "PUT"]
     assert Store(f"s3://{bucket}/run").get(key) == b"body"
@@ -74,11 +75,7 @@ def test_a_small_put_whose_answer_was_lost_after_it_landed_succeeds(s3_endpoint,
     bucket = _bucket(s3_endpoint)
     with s3_relay(s3_endpoint) as relay:
         relay.faults.append(Fault("PUT", key, "drop_after"))
-        store = Store(
-            f"s3://{bucket}/run",
-            storage_options={"endpoint_url": relay.endpoint},
-            retry=RetryPolicy(attempts=3, timeout_s=20, base_delay_s=0.05),
-        )
+        store = _through(relay, bucket)
         store.put(key, b'{"mine": 1}')
     assert Store(f"s3://{bucket}/run").get(key) == b'{"mine": 1}'
 
