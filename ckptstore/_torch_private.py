@@ -10,6 +10,7 @@ and signatures. When a torch release moves one of these, this file is the one to
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
     "ASYNC_SAVE_THREAD_PREFIX",
+    "AsyncSaveCall",
     "async_save_on_default_group",
     "dcp_save_groups",
     "dcp_saves_on_this_thread",
@@ -68,9 +70,20 @@ def saving_state_dict() -> Any:
     return None
 
 
-def thread_async_save_call() -> tuple[bool, Any, Any]:
-    """Whether this thread is inside a thread-based ``dcp.async_save`` (staging the state it
-    saves), and the ``storage_writer`` and ``checkpoint_id`` that call was given."""
+@dataclasses.dataclass(frozen=True)
+class AsyncSaveCall:
+    """What the ``dcp.async_save`` this thread is inside was given (``thread_async_save_call``)."""
+
+    threaded: bool = False  # a thread-based one (not DCP's checkpoint process)
+    storage_writer: Any = None
+    checkpoint_id: Any = None
+    process_group: Any = None
+    no_dist: bool = False
+
+
+def thread_async_save_call() -> AsyncSaveCall:
+    """The ``dcp.async_save`` call this thread is inside (staging the state it saves);
+    ``AsyncSaveCall()`` outside one."""
     from torch.distributed.checkpoint import state_dict_saver
 
     frame = sys._getframe()
@@ -79,9 +92,15 @@ def thread_async_save_call() -> tuple[bool, Any, Any]:
         if code.co_name == "async_save" and code.co_filename == state_dict_saver.__file__:
             found = frame.f_locals
             kind = getattr(found.get("async_checkpointer_type"), "name", None)
-            return kind == "THREAD", found.get("storage_writer"), found.get("checkpoint_id")
+            return AsyncSaveCall(
+                threaded=kind == "THREAD",
+                storage_writer=found.get("storage_writer"),
+                checkpoint_id=found.get("checkpoint_id"),
+                process_group=found.get("process_group"),
+                no_dist=bool(found.get("no_dist", False)),
+            )
         frame = frame.f_back
-    return False, None, None
+    return AsyncSaveCall()
 
 
 def async_save_on_default_group() -> bool:

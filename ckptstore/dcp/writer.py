@@ -293,6 +293,8 @@ class StoreWriter(StorageWriter, PooledStager):
         unwaited.watch(self)
         # One save's tier exchanges at a time (overlapping async saves reach them in turn).
         self._tier_lock = threading.Lock()
+        self._group_lock = threading.Lock()
+        self._drain_group: RankGroup | None = None  # made with the tier group, until taken
         self._once_group: RankGroup | None = None  # untiered saves' one writer per chunk
         self._once_lock = threading.Lock()
         self._once_busy: set[str] = set()  # coordinator: attempts whose round has not ended
@@ -381,10 +383,31 @@ class StoreWriter(StorageWriter, PooledStager):
         if self._made_in_world == 0 and (world := _world_size()) > 0:
             self._made_in_world, self.rank = world, _rank()
         staged = super().stage(state_dict)
-        threaded, storage_writer, checkpoint_id = thread_async_save_call()
-        if threaded and self._writes_for(storage_writer):
-            unwaited.staged(self, checkpoint_id)
+        call = thread_async_save_call()
+        if call.threaded and self._writes_for(call.storage_writer):
+            if not call.no_dist and _whole_world(_group_size(call.process_group)):
+                self._groups_made()
+            unwaited.staged(self, call.checkpoint_id)
         return staged
+
+    def _groups_made(self) -> None:
+        """The groups this writer's saves exchange over, made on the caller's thread of an
+        ``async_save`` over every rank: there every rank makes them in the order its script
+        calls ``async_save``. Made on the save threads, two writers' saves in flight could pair
+        one rank's first group with another rank's second, each save exchanging with the
+        other's (and both failing)."""
+        if self._policy is not None:
+            self._tier_group_made()
+        else:
+            self._once_group_made()
+
+    def _once_group_made(self) -> RankGroup:
+        """The group of untiered saves' rounds of one writer per chunk, made by every rank
+        with the first save that reaches it."""
+        with self._group_lock:
+            if self._once_group is None:
+                self._once_group = self._group(tiered=False)
+            return self._once_group
 
     def _writes_for(self, storage_writer: Any) -> bool:
         """Whether the save of an ``async_save`` given ``storage_writer`` reaches this writer:
@@ -598,9 +621,7 @@ class StoreWriter(StorageWriter, PooledStager):
             self._check_not_committed(target)
             return self._write(items, planner, target) if items else []
         with self._once_lock:  # one save's round at a time (overlapping async saves)
-            if self._once_group is None:  # made once, by every rank: each writes every save
-                self._once_group = self._group(tiered=False)
-            round_ = OneRound(self._once_group, target.attempt)
+            round_ = OneRound(self._once_group_made(), target.attempt)
             try:
                 self._check_not_committed(target)
                 results = self._write(items, planner, target, group=round_) if items else []
@@ -712,14 +733,29 @@ class StoreWriter(StorageWriter, PooledStager):
 
     # -- tiers ------------------------------------------------------------------------------
 
+    def _tier_group_made(self) -> RankGroup:
+        """The tier group, made by every rank with the first save that reaches it."""
+        assert self._policy is not None
+        with self._group_lock:
+            if self._tier_group is None:
+                group = self._group(tiered=True)
+                refuse_options_apart(group, self._policy.collective_options())
+                self._drain_group = self._group(tiered=True)
+                self._tier_group = group
+            return self._tier_group
+
+    def _drain_group_taken(self) -> RankGroup:
+        """The drain group made with the tier group, for the tiers first opened; a new one
+        for the tiers of each store the writer moves to after (made by every rank as the save
+        reaching it opens them)."""
+        with self._group_lock:
+            group, self._drain_group = self._drain_group, None
+        return group if group is not None else self._group(tiered=True)
+
     def _set_up_tiers(self) -> None:
         """The tier group (made once, by every rank: DCP calls this on each) and this rank's
         tiers for the writer's store (made again, by every rank, when the store changes)."""
-        assert self._policy is not None
-        if self._tier_group is None:
-            self._tier_group = self._group(tiered=True)
-            refuse_options_apart(self._tier_group, self._policy.collective_options())
-        group = self._tier_group
+        group = self._tier_group_made()
         if group.rank != self.rank:
             raise ValueError(
                 f"StoreWriter(tiers=TierOptions(local_dir=...)) saves over every rank of the default process "
@@ -740,7 +776,7 @@ class StoreWriter(StorageWriter, PooledStager):
                 group,
                 self.store,
                 node_rank=self._node_rank,
-                drain_group=self._group(tiered=True),
+                drain_group=self._drain_group_taken(),
                 timeout_s=self.store.retry.timeout_s,
                 thread_nice=self._background_nice,
                 keep_alive=self,  # its exit hook finishes the drains of a writer let go
@@ -1102,6 +1138,13 @@ class StoreWriter(StorageWriter, PooledStager):
 # writer per save must not pile up their staging pools here).
 _REBUILT: dict[str, StoreWriter] = {}
 _REBUILT_KEPT = 4
+
+
+def _group_size(process_group: Any) -> int:
+    """The ranks of DCP's ``process_group`` (None: the default group's; 0 without one)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_world_size(process_group)
 
 
 def _whole_world(ranks: int) -> bool:

@@ -23,6 +23,7 @@ from ckptstore.catalog import list_steps
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.store import Store
 from tests.helpers.counting import CountingBackend, Tally
+from tests.helpers.dcp_tiers import called_late
 from tests.helpers.dist import run_ranks, run_ranks_losing
 
 CHUNK = 64 * 1024
@@ -154,3 +155,28 @@ def test_a_rank_holding_the_gil_is_not_taken_for_lost_by_an_untiered_save(tmp_pa
     lost_rank_timeout_s to see a heartbeat move), the Checkpointer's untiered groups four times
     it; a live rank whose one call held the GIL for 3 s of a 4 s bound was named lost."""
     run_ranks(_holding_the_gil, 2, str(tmp_path / "s"), timeout_s=120)
+
+
+def _two_writers_in_flight(rank: int, world: int, uri: str) -> None:
+    groups = [dist.new_group(backend="gloo") for _ in range(2)]  # one per save in flight
+    writers = [StoreWriter(uri, encoding=ENCODING) for _ in groups]
+    # The saves reach write_data in the order of their script on rank 0, the other on rank 1.
+    called_late(writers[1 - rank], "write_data", 1.0)
+    futures = [
+        dcp.async_save(_state(step, rank), storage_writer=w, checkpoint_id=step, process_group=g)
+        for step, w, g in zip((1, 2), writers, groups)
+    ]
+    for future in futures:
+        future.result(timeout=60)
+    assert list_steps(Store(uri)) == [1, 2]
+    target = {k: torch.zeros_like(v) for k, v in _state(2, rank).items()}
+    dcp.load(target, storage_reader=StoreReader(uri))
+    assert all(torch.equal(target[k], v) for k, v in _state(2, rank).items())
+
+
+@pytest.mark.dist
+def test_two_writers_saving_at_once_each_write_their_own_step(tmp_path):
+    """Each writer's group of rounds of one writer per chunk was made on its save's thread:
+    where rank 1's threads ran in the other order than rank 0's, the first writer's group on
+    rank 0 was the second's on rank 1, and each round exchanged with the other save's."""
+    run_ranks(_two_writers_in_flight, 2, str(tmp_path / "s"), timeout_s=150)

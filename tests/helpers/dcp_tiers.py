@@ -4,6 +4,7 @@ local tier, and one "node" (local dir) per rank."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -64,3 +65,16 @@ def log_records(logger: str) -> list[logging.LogRecord]:
 
 def node_dir(base: str, rank: int) -> str:
     return str(Path(base) / f"node-{rank}")  # one "node" per rank
+
+
+def called_late(writer: StoreWriter, method: str, seconds: float) -> None:
+    """DCP's calls of ``writer.<method>`` wait ``seconds`` first (on the save's thread, for an
+    ``async_save``): a rank's saves in flight reach that call in another order than its script
+    made them."""
+    call = getattr(writer, method)
+
+    def late(*args, **kwargs):  # "kwargs": DCP looks for it in set_up_storage_writer's
+        time.sleep(seconds)
+        return call(*args, **kwargs)
+
+    setattr(writer, method, late)

@@ -46,6 +46,7 @@ from tests.helpers.dcp_tiers import (
     CHUNK,
     assert_loaded,
     blank_state,
+    called_late,
     log_records,
     node_dir,
     step_state,
@@ -591,14 +592,13 @@ def test_async_saves_with_tiers_commit_locally_and_every_other_durably(tmp_path)
 def _two_writers_in_flight(rank: int, world: int, root: str, base: str) -> None:
     local = node_dir(base, rank)
     groups = [dist.new_group(backend="gloo") for _ in range(2)]  # one per save in flight
+    writers = [tier_writer(root, local) for _ in groups]
+    if rank == 1:
+        # Rank 1 reaches its second save's set-up first.
+        called_late(writers[0], "set_up_storage_writer", 1.0)
     futures = [
-        dcp.async_save(
-            step_state(step),
-            storage_writer=tier_writer(root, local),
-            checkpoint_id=step,
-            process_group=group,
-        )
-        for step, group in zip((1, 2), groups)
+        dcp.async_save(step_state(step), storage_writer=w, checkpoint_id=step, process_group=g)
+        for step, w, g in zip((1, 2), writers, groups)
     ]
     for future in futures:
         future.result(timeout=60)
@@ -611,7 +611,9 @@ def test_two_tiered_writers_saving_at_once_do_not_wait_on_each_other(tmp_path):
     """Lifecycle reviewer of stop 84: two thread-based ``async_save``s in flight, each with a
     fresh tiered ``StoreWriter``, hung both ranks for good: opening its tiers, each save's
     thread closed the writer, which joins every async save of the process, the other's
-    included, while the other joined it."""
+    included, while the other joined it. CI of stop 85: made on the save threads, the writers'
+    groups paired rank 0's first with rank 1's second where rank 1's threads ran in the other
+    order (here made to), each save exchanging with the other's until gloo's timeout."""
     run_ranks(_two_writers_in_flight, 2, str(tmp_path / "durable"), str(tmp_path), timeout_s=HANG_S)
 
 
