@@ -219,10 +219,11 @@ class SaveWorker:
         first, error = unreported[0], unreported[0].exception()
         others = [h.step for h in unreported[1:]]
         also = f" (the saves of steps {', '.join(map(str, others))} failed too)" if others else ""
-        if consequence is None and not also:
-            raise error
         lead = f"{consequence}: the" if consequence else "The"
-        raise same_kind(error, f"{lead} save of step {first.step} failed: {error}{also}") from error
+        named = same_kind(error, f"{lead} save of step {first.step} failed: {error}{also}")
+        if consequence is None and not also and _names_its_step(error, named, first.step):
+            raise error
+        raise named from error
 
     def _run(self) -> None:
         set_thread_nice(self._thread_nice)
@@ -395,3 +396,9 @@ class SaveWorker:
         finally:
             self._release(job)
         return session.put_index(self.rank, entries, chunks, tree=job.tree, numpy=job.numpy)
+
+
+def _names_its_step(error: BaseException, named: BaseException, step: int) -> bool:
+    """Whether ``error`` names the step it failed (as most of a save's do), or could not be
+    named as it without changing its class (``same_kind`` fell back)."""
+    return f"step {step}" in str(error) or type(named) is not type(error)

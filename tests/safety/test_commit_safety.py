@@ -559,6 +559,16 @@ def test_a_full_disk_leaves_no_temporaries_and_the_next_save_says_what_failed(sm
     ckpt.close()
 
 
+def test_wait_names_the_step_a_full_disk_failed(small_disk):
+    """Left alone by stop 86: ``Checkpointer.wait()`` raised the bare store error, naming an
+    object ("put .../chunks/0b/0b73...: no space left on device") but not the step lost."""
+    encoding = EncodingOptions(compression="none", chunk_bytes=256 << 10)
+    with Checkpointer(str(small_disk / "store"), encoding=encoding) as ckpt:
+        ckpt.save(2, {"w": torch.randn(2 << 20)})  # 8 MiB on a 4 MiB disk
+        with pytest.raises(StorageFullError, match=r"^The save of step 2 failed: put .* no space"):
+            ckpt.wait()
+
+
 def test_a_save_failing_on_a_full_store_sweeps_what_failed_saves_left(small_disk, caplog):
     """A full-disk reviewer: another process filled the disk while saves ran; each failed
     save left its chunks, and once that space was freed the store stayed full of them, every
